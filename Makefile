@@ -1,0 +1,31 @@
+# The two commands of the README: `make serve` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test serve lint system-deps clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first: the pinned CPU wheel is a local file here; anything else pulls a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP) system-deps
+	$(PY) -m pytest -q -ra
+
+serve: $(STAMP)
+	$(VENV)/bin/hetserve serve
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check hetserve tests
+
+# Services the store tests start for real (Redis, Mooncake's libibverbs). Best-effort: without
+# root or apt the tests that need them skip with the reason.
+system-deps:
+	@bash scripts/system_deps.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info

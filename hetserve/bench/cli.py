@@ -1,0 +1,21 @@
+"""`hetserve bench NAME`: each benchmark module registers one subcommand here.
+
+Every benchmark prints a table, writes JSON with --json/--result-file, and reports ratios against
+a peer or a physical limit measured in the same run.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+BENCH_MODULES: list[str] = [
+    # "hetserve.bench.generate", "hetserve.bench.serve", "hetserve.bench.store", ...
+]
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks (each prints a table and writes JSON)")
+    bench_sub = p.add_subparsers(dest="bench", metavar="BENCH")
+    bench_sub.required = True
+    for name in BENCH_MODULES:
+        importlib.import_module(name).register(bench_sub)

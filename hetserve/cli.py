@@ -1,0 +1,57 @@
+"""`hetserve` command line. Each command group lives beside its code and registers itself here.
+
+A command module exposes `register(subparsers)`; it must import only light modules at top level
+(torch and models are imported inside the handlers) so `hetserve --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from hetserve.errors import HetserveError
+
+COMMAND_MODULES = [
+    "hetserve.model.cli",  # models make-tiny
+    "hetserve.engine.cli",  # generate, chat, serve
+    "hetserve.bench.cli",  # bench ...
+    "hetserve.store.cli",  # store master | node
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit 2, as argparse does, plus a hint
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hetserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:  # a command group not built yet
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        rc = args.func(args)
+    except HetserveError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+"""The nouns of hetserve. Small dataclasses; no I/O, no torch device APIs, nothing of ours imported."""
+
+from hetserve.core.block_hash import BlockHash, hash_block_tokens
+from hetserve.core.outputs import CompletionOutput, Logprob, RequestOutput
+from hetserve.core.sampling import SamplingParams
+
+__all__ = [
+    "BlockHash",
+    "CompletionOutput",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "hash_block_tokens",
+]

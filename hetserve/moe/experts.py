@@ -1,0 +1,139 @@
+"""Routed-expert backends: one contract, one registry.
+
+A backend owns the routed experts of one MoE layer and computes, for T tokens,
+    out[t] = sum_j topk_weights[t, j] * down_e(act(gate_e(x[t])) * up_e(x[t])),  e = topk_ids[t, j]
+Model files only ever call `forward`; placement (hybrid issue) decides which backend a layer gets,
+so routed experts can move to a CPU kernel without touching model code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """Fused weights of one layer's routed experts, in the layout transformers uses in memory.
+
+    w13: [E, 2*I, H] (gate rows first, then up); w2: [E, H, I].
+    """
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w2.shape[2]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w2.shape[1]
+
+
+class ExpertsBackend(Protocol):
+    """Contract for a routed-experts backend.
+
+    Called by the model's MoE block once per layer per forward, from the model's thread.
+    `forward(x[T,H], topk_weights[T,k] float, topk_ids[T,k] int64) -> [T,H]` in x's dtype and
+    device. It must not modify its inputs. A backend that cannot serve the request (e.g. missing
+    kernel) raises at construction time, never inside forward.
+    """
+
+    def forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor: ...
+
+    def nbytes(self) -> int: ...
+
+
+BackendFactory = Callable[..., ExpertsBackend]
+_REGISTRY: dict[str, BackendFactory] = {}
+
+
+def register_backend(name: str) -> Callable[[BackendFactory], BackendFactory]:
+    def deco(factory: BackendFactory) -> BackendFactory:
+        if name in _REGISTRY:
+            raise RuntimeError(f"experts backend {name!r} registered twice")
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def available_backends() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def create_backend(
+    name: str, weights: ExpertWeights, activation: str = "silu", **options
+) -> ExpertsBackend:
+    """Uniform constructor: every backend is `factory(weights, activation=..., **options)`."""
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown experts backend {name!r}; available: {', '.join(available_backends())}"
+        ) from None
+    return factory(weights, activation=activation, **options)
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
+
+
+def group_by_expert(topk_ids: torch.Tensor, num_experts: int):
+    """Sort (token, slot) pairs by expert. Returns (order, counts) where `order` indexes the
+    flattened [T*k] routing and `counts[e]` is how many pairs expert e received."""
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, counts
+
+
+@register_backend("torch")
+class TorchExperts:
+    """The reference: the model's dtype on the model's device, one matmul pair per active expert."""
+
+    def __init__(self, weights: ExpertWeights, activation: str = "silu") -> None:
+        self.w13 = weights.w13
+        self.w2 = weights.w2
+        self.num_experts = weights.num_experts
+        self.inter = weights.intermediate_size
+        self.act = ACTIVATIONS[activation]
+
+    def nbytes(self) -> int:
+        return self.w13.nbytes + self.w2.nbytes
+
+    def forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        k = topk_ids.shape[1]
+        order, counts = group_by_expert(topk_ids, self.num_experts)
+        token_of = order // k
+        xs = x[token_of]
+        ws = topk_weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
+        out = torch.zeros_like(x)
+        # One host sync for the counts; per-expert slices are then plain views.
+        bounds = counts.cumsum(0).tolist()
+        start = 0
+        for e, end in enumerate(bounds):
+            if end == start:
+                continue
+            h = F.linear(xs[start:end], self.w13[e])
+            gate, up = h.split(self.inter, dim=-1)
+            y = F.linear(self.act(gate) * up, self.w2[e]) * ws[start:end]
+            out.index_add_(0, token_of[start:end], y)
+            start = end
+        return out

@@ -1,0 +1,87 @@
+"""Routers: hidden states -> (topk_weights, topk_ids). One class covers every family's rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    num_experts: int
+    top_k: int
+    scoring: str = "softmax"  # "softmax" | "sigmoid"
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    # Group-limited top-k (DeepSeek): pick `topk_group` of `n_group` groups first.
+    n_group: int | None = None
+    topk_group: int | None = None
+    # How a group is scored: "max" (DeepSeek-V2 group_limited_greedy) or "top2sum" (V3 noaux_tc).
+    group_score: str = "max"
+    use_correction_bias: bool = False  # DeepSeek-V3 e_score_correction_bias (selection only)
+    # Some families scale by routed_scaling_factor only when weights are not renormalised (V2).
+    scale_only_if_not_normed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"unsupported scoring function {self.scoring!r}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.n_group is not None and self.n_group > 1:
+            if self.num_experts % self.n_group:
+                raise ValueError("num_experts must be divisible by n_group")
+            if not self.topk_group or not 1 <= self.topk_group <= self.n_group:
+                raise ValueError("topk_group must be in [1, n_group]")
+
+
+class TopKRouter(nn.Module):
+    """Gate projection plus selection. Parameter names follow HF (`weight`, `e_score_correction_bias`)."""
+
+    def __init__(self, hidden_size: int, cfg: RouterConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size))
+        if cfg.use_correction_bias:
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(cfg.num_experts), requires_grad=False
+            )
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        # Routing decisions in fp32: ties and near-ties must not depend on the compute dtype.
+        logits = F.linear(x.float(), self.weight.float())
+        if cfg.scoring == "softmax":
+            scores = logits.softmax(dim=-1)
+        else:
+            scores = logits.sigmoid()
+        choice = scores
+        if self.e_score_correction_bias is not None:
+            choice = scores + self.e_score_correction_bias.float()
+        if cfg.n_group is not None and cfg.n_group > 1:
+            choice = self._mask_groups(choice)
+        topk_ids = torch.topk(choice, k=cfg.top_k, dim=-1, sorted=False)[1]
+        topk_weights = scores.gather(1, topk_ids)
+        if cfg.norm_topk_prob and cfg.top_k > 1:
+            topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+            if not cfg.scale_only_if_not_normed:
+                topk_weights = topk_weights * cfg.routed_scaling_factor
+        else:
+            topk_weights = topk_weights * cfg.routed_scaling_factor
+        return topk_weights, topk_ids
+
+    def _mask_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        t = choice.shape[0]
+        grouped = choice.view(t, cfg.n_group, -1)
+        if cfg.group_score == "top2sum":
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        else:
+            group_scores = grouped.max(dim=-1).values
+        group_idx = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), 0.0).view(t, -1)
