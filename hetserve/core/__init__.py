@@ -1,4 +1,4 @@
-"""The nouns of hetserve. Small dataclasses; no I/O, no torch device APIs, nothing of ours imported."""
+"""The nouns of hetserve: small dataclasses; no I/O, no torch device APIs, nothing of ours."""
 
 from hetserve.core.block_hash import BlockHash, hash_block_tokens
 from hetserve.core.outputs import CompletionOutput, Logprob, RequestOutput

@@ -38,7 +38,7 @@ class RouterConfig:
 
 
 class TopKRouter(nn.Module):
-    """Gate projection plus selection. Parameter names follow HF (`weight`, `e_score_correction_bias`)."""
+    """Gate projection plus selection; parameter names follow HF checkpoints."""
 
     def __init__(self, hidden_size: int, cfg: RouterConfig) -> None:
         super().__init__()

@@ -1,0 +1,48 @@
+"""ModelRunner: turns a batch of (new tokens, context slots) into hidden states and logits.
+
+It owns the model and the paged KV tensors; which slots a sequence uses is decided by the caller
+(the sequential LLM here, the scheduler's block tables in the engine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hetserve.kv.paged import PagedKVCache
+from hetserve.layers.attention import ForwardContext, build_metadata
+from hetserve.model.base import CausalLM
+
+
+@dataclass
+class SeqInput:
+    token_ids: list[int]  # the tokens to compute in this forward
+    num_computed: int  # tokens of this sequence already in the KV cache
+    slots: torch.Tensor  # [num_computed + len(token_ids)] KV slots of the whole context
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.block_size = block_size
+        self.kv = PagedKVCache(
+            model.kv_cache_spec(), num_blocks, block_size, self.dtype, self.device
+        )
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[SeqInput]) -> torch.Tensor:
+        """Hidden states [sum(len(token_ids)), H] for every new token, sequences concatenated."""
+        meta = build_metadata(
+            [(s.num_computed, len(s.token_ids), s.slots) for s in seqs],
+            self.device,
+            self.model.sliding_window,
+        )
+        ids = torch.tensor([t for s in seqs for t in s.token_ids], device=self.device)
+        return self.model(ids, ForwardContext(meta, self.kv))
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)

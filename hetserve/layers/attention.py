@@ -1,0 +1,120 @@
+"""Attention over paged KV: metadata per forward, and the gather-then-SDPA backend.
+
+Tokens of all sequences in a forward are concatenated ([T, ...]); `AttentionMetadata.seqs` says
+which rows belong to which sequence and where its whole context lives in the paged cache. The
+backend writes the new K/V rows, gathers each sequence's context and runs SDPA per sequence.
+A faster backend can replace `PagedAttentionBackend` behind the same two calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hetserve.kv.paged import PagedKVCache
+
+
+@dataclass
+class SeqSpan:
+    q_start: int
+    q_len: int
+    kv_len: int  # context length including this forward's tokens
+    kv_slots: torch.Tensor  # [kv_len] slot of every context token
+    mask: torch.Tensor | None  # [q_len, kv_len] bool (True = attend); None when no mask needed
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] where this forward's K/V rows go
+    seqs: list[SeqSpan]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+def causal_mask(
+    q_len: int, kv_len: int, sliding_window: int | None, device: torch.device | str
+) -> torch.Tensor | None:
+    """Query i sits at absolute position kv_len - q_len + i and sees keys j <= that position
+    (and, with a window W, keys with position - j < W)."""
+    if q_len == 1 and (sliding_window is None or kv_len <= sliding_window):
+        return None
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(kv_len, device=device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= (q_pos - k_pos) < sliding_window
+    return mask
+
+
+def build_metadata(
+    spans: list[tuple[int, int, torch.Tensor]],
+    device: torch.device | str,
+    sliding_window: int | None = None,
+) -> AttentionMetadata:
+    """spans: per sequence (num_computed_before, num_new, slots of the whole context [kv_len])."""
+    positions, slot_mapping, seqs = [], [], []
+    q_start = 0
+    for computed, new, slots in spans:
+        kv_len = computed + new
+        assert slots.shape[0] == kv_len, (slots.shape, kv_len)
+        positions.append(torch.arange(computed, kv_len))
+        slot_mapping.append(slots[computed:kv_len])
+        seqs.append(
+            SeqSpan(
+                q_start,
+                new,
+                kv_len,
+                slots.to(device),
+                causal_mask(new, kv_len, sliding_window, device),
+            )
+        )
+        q_start += new
+    return AttentionMetadata(
+        positions=torch.cat(positions).to(device),
+        slot_mapping=torch.cat(slot_mapping).to(device),
+        seqs=seqs,
+    )
+
+
+@dataclass
+class ForwardContext:
+    meta: AttentionMetadata
+    kv: PagedKVCache
+
+
+def sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """q [Tq, H, D], k [L, Hkv, D], v [L, Hkv, Dv] -> [Tq, H, Dv]; GQA by head groups."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
+    return out[0].transpose(0, 1)
+
+
+def paged_attention(
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ctx: ForwardContext,
+    scale: float,
+) -> torch.Tensor:
+    """Standard (GQA) attention: store this forward's K/V, then attend over each context."""
+    ctx.kv.write(layer, ctx.meta.slot_mapping, k, v)
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    for s in ctx.meta.seqs:
+        k_all, v_all = ctx.kv.gather(layer, s.kv_slots)
+        qs = q[s.q_start : s.q_start + s.q_len]
+        out[s.q_start : s.q_start + s.q_len] = sdpa(qs, k_all, v_all, s.mask, scale)
+    return out

@@ -1,0 +1,93 @@
+"""Building blocks shared by the families: decoder layer, dense MLP, the causal LM shell.
+
+Parameter names mirror HF checkpoints (model.layers.N.self_attn.q_proj.weight, ...) so the loader
+maps names one to one; only fused routed experts need a mapping (see loader.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from hetserve.kv.paged import KVCacheSpec
+from hetserve.layers.attention import ForwardContext
+from hetserve.layers.norm import RMSNorm
+from hetserve.model.config import ModelConfig
+from hetserve.moe.experts import ACTIVATIONS
+from hetserve.moe.layer import FusedExperts
+
+
+class DenseMLP(nn.Module):
+    def __init__(
+        self, hidden: int, inter: int, act: str, names=("gate_proj", "up_proj", "down_proj")
+    ):
+        super().__init__()
+        self._names = names
+        setattr(self, names[0], nn.Linear(hidden, inter, bias=False))
+        setattr(self, names[1], nn.Linear(hidden, inter, bias=False))
+        setattr(self, names[2], nn.Linear(inter, hidden, bias=False))
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (getattr(self, n) for n in self._names)
+        return down(self.act(gate(x)) * up(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, cfg: ModelConfig, attn: nn.Module, mlp: nn.Module, mlp_name: str = "mlp"):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp_name = mlp_name
+        setattr(self, mlp_name, mlp)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), ctx)
+        return h + getattr(self, self.mlp_name)(self.post_attention_layernorm(h))
+
+
+class CausalLM(nn.Module):
+    """embed -> decoder layers -> norm -> lm_head. Families supply `make_layer(i)`.
+
+    Class attributes a family may set:
+      checkpoint_aliases: (regex, replacement) pairs tried on checkpoint names that match no
+        parameter (e.g. transformers' in-memory names of another layout).
+    """
+
+    checkpoint_aliases: list[tuple[str, str]] = []
+    sliding_window: int | None = None  # attention window of every layer, None = full causal
+
+    def __init__(self, cfg: ModelConfig, make_layer: Callable[[int], nn.Module]) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(make_layer(i) for i in range(cfg.num_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids [T] (all sequences concatenated) -> final hidden states [T, H]."""
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return [layer.self_attn.kv_spec() for layer in self.model.layers]
+
+    def routed_experts(self) -> Iterator[tuple[str, FusedExperts]]:
+        for name, module in self.named_modules():
+            if isinstance(module, FusedExperts):
+                yield name, module
+
+    def tie_weights(self) -> None:
+        self.lm_head.weight = self.model.embed_tokens.weight

@@ -1,0 +1,107 @@
+"""ModelConfig: the fields every family needs, read once from an HF config.json.
+
+Family-specific keys (MoE, MLA) are read by the family's constructor through `get`, which
+accepts the aliases different transformers versions wrote.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+from hetserve.errors import ModelLoadError, ModelNotFoundError
+from hetserve.layers.rotary import RopeConfig
+
+
+@dataclass(frozen=True, eq=False)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    hidden_act: str
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str | None
+    hf: Mapping
+
+    def get(self, *keys: str, default=None):
+        """First present, non-null value among `keys` (aliases), else `default`."""
+        for key in keys:
+            value = self.hf.get(key)
+            if value is not None:
+                return value
+        return default
+
+    def require(self, *keys: str):
+        value = self.get(*keys)
+        if value is None:
+            raise ModelLoadError(f"config.json lacks {keys[0]!r}, which {self.architecture} needs")
+        return value
+
+    @classmethod
+    def from_dict(cls, hf: dict) -> ModelConfig:
+        archs = hf.get("architectures") or []
+        if not archs:
+            raise ModelLoadError("config.json has no 'architectures' list; add the HF class name")
+        try:
+            hidden = int(hf["hidden_size"])
+            heads = int(hf["num_attention_heads"])
+            head_dim = hf.get("head_dim") or hidden // heads
+            eos = hf.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+            return cls(
+                architecture=archs[0],
+                model_type=hf.get("model_type", ""),
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=hidden,
+                num_layers=int(hf["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+                head_dim=int(head_dim),
+                intermediate_size=int(hf.get("intermediate_size") or 0),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+                rope=RopeConfig.from_hf(hf),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                hidden_act=hf.get("hidden_act", "silu"),
+                bos_token_id=hf.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                torch_dtype=hf.get("dtype") or hf.get("torch_dtype"),
+                hf=MappingProxyType(dict(hf)),
+            )
+        except KeyError as exc:
+            raise ModelLoadError(f"config.json lacks required key {exc.args[0]!r}") from None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir)
+        if not path.is_dir():
+            raise ModelNotFoundError(
+                f"model directory {str(path)!r} does not exist; pass a local HF model directory"
+            )
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ModelNotFoundError(
+                f"{str(path)!r} has no config.json; pass an HF model directory (config.json + "
+                "*.safetensors)"
+            )
+        try:
+            hf = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(
+                f"{cfg_file} is not valid JSON ({exc.msg} at line {exc.lineno})"
+            ) from None
+        return cls.from_dict(hf)

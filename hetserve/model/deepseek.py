@@ -1,0 +1,137 @@
+"""DeepSeek-V2 and DeepSeek-V3: multi-head latent attention (MLA) and fine-grained MoE.
+
+MLA's cache holds one row per token: the normalised compressed latent (kv_lora_rank) plus the
+rotated shared rope key (qk_rope_head_dim), not per-head K/V. Keys and values are expanded from the
+latent with kv_b_proj when attending.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hetserve.layers.attention import ForwardContext, sdpa
+from hetserve.layers.norm import RMSNorm
+from hetserve.layers.rotary import yarn_softmax_scale
+from hetserve.model.base import CausalLM, DecoderLayer, DenseMLP
+from hetserve.model.config import ModelConfig
+from hetserve.model.llama import make_rotary
+from hetserve.moe.layer import SparseMoE
+from hetserve.moe.router import RouterConfig
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary, bias: bool) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        h = cfg.hidden_size
+        self.num_heads = cfg.num_heads
+        self.q_lora_rank = cfg.get("q_lora_rank")
+        self.kv_lora_rank = int(cfg.require("kv_lora_rank"))
+        self.nope_dim = int(cfg.require("qk_nope_head_dim"))
+        self.rope_dim = int(cfg.require("qk_rope_head_dim"))
+        self.v_dim = int(cfg.require("v_head_dim"))
+        qk_dim = self.nope_dim + self.rope_dim
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, self.num_heads * qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(
+            self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False
+        )
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=bias)
+        self.rotary = [rotary]
+        self.scale = yarn_softmax_scale(cfg.rope, qk_dim**-0.5)
+
+    def kv_spec(self) -> list[tuple[int, ...]]:
+        return [(self.kv_lora_rank + self.rope_dim,)]
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
+        latent = self.kv_a_layernorm(latent)
+        rope, pos = self.rotary[0], ctx.meta.positions
+        q = torch.cat((q_nope, rope(q_pe, pos)), dim=-1)
+        k_pe = rope(k_pe.unsqueeze(1), pos).squeeze(1)
+        ctx.kv.write(self.layer_idx, ctx.meta.slot_mapping, torch.cat((latent, k_pe), dim=-1))
+
+        out = x.new_empty(t, self.num_heads, self.v_dim)
+        for s in ctx.meta.seqs:
+            (rows,) = ctx.kv.gather(self.layer_idx, s.kv_slots)
+            k, v = self._expand(rows)
+            sl = slice(s.q_start, s.q_start + s.q_len)
+            out[sl] = sdpa(q[sl], k, v, s.mask, self.scale)
+        return self.o_proj(out.reshape(t, -1))
+
+    def _expand(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached rows [L, r + rope] -> per-head keys [L, H, nope + rope] and values [L, H, v]."""
+        n = rows.shape[0]
+        latent, k_pe = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(latent).view(n, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k_pe = k_pe.unsqueeze(1).expand(n, self.num_heads, self.rope_dim)
+        return torch.cat((k_nope, k_pe), dim=-1), v
+
+
+class _DeepseekFamily(CausalLM):
+    v3 = False
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        rope_dim = int(cfg.require("qk_rope_head_dim"))
+        rotary = make_rotary(
+            cfg, rope_dim, interleaved=bool(cfg.get("rope_interleave", default=True))
+        )
+        bias = bool(cfg.get("attention_bias", default=False))
+        router = self._router_config(cfg)
+        moe_inter = int(cfg.require("moe_intermediate_size"))
+        n_shared = int(cfg.get("n_shared_experts", default=0))
+        first_dense = int(cfg.get("first_k_dense_replace", default=0))
+
+        def make_layer(i: int) -> nn.Module:
+            attn = MLAttention(cfg, i, rotary, bias)
+            if i < first_dense:
+                mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+            else:
+                shared = None
+                if n_shared:
+                    shared = DenseMLP(cfg.hidden_size, moe_inter * n_shared, cfg.hidden_act)
+                mlp = SparseMoE(cfg.hidden_size, router, moe_inter, cfg.hidden_act, shared=shared)
+            return DecoderLayer(cfg, attn, mlp)
+
+        super().__init__(cfg, make_layer)
+        self.rotary = rotary
+
+    def _router_config(self, cfg: ModelConfig) -> RouterConfig:
+        method = cfg.get("topk_method", default="noaux_tc" if self.v3 else "greedy")
+        grouped = method in ("group_limited_greedy", "noaux_tc")
+        return RouterConfig(
+            num_experts=int(cfg.require("n_routed_experts", "num_local_experts")),
+            top_k=int(cfg.require("num_experts_per_tok")),
+            scoring=cfg.get("scoring_func", default="sigmoid" if self.v3 else "softmax"),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", default=self.v3)),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", default=1.0)),
+            n_group=cfg.get("n_group") if grouped else None,
+            topk_group=cfg.get("topk_group") if grouped else None,
+            group_score="top2sum" if method == "noaux_tc" else "max",
+            use_correction_bias=self.v3,
+            # DeepSeek-V2's rule: renormalised weights are not scaled again.
+            scale_only_if_not_normed=not self.v3,
+        )
+
+
+class DeepseekV2ForCausalLM(_DeepseekFamily):
+    v3 = False
+
+
+class DeepseekV3ForCausalLM(_DeepseekFamily):
+    v3 = True

@@ -1,0 +1,82 @@
+"""A small byte-level BPE tokenizer trained offline, with ChatML special tokens and template."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|endoftext|>"
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}\n"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n<|im_start|>assistant\n{% endif -%}\n"
+)
+
+_WORDS = (
+    "the model serves tokens from experts placed on memory while attention runs on the "
+    "accelerator and every cache block keeps one identity across tiers of host memory disk "
+    "and remote pools so a request that shares a prefix reuses its key value cache instead of "
+    "recomputing it; routers pick a few experts for each token and kernels stream weights near "
+    "the bandwidth limit of the machine. hello world, how are you today? I am fine: numbers "
+    "0 1 2 3 4 5 6 7 8 9 10 42 100 2048 and symbols ( ) [ ] { } < > + - * / = _ . , ; ! ?"
+).split()
+
+
+def _corpus(lines: int = 400) -> list[str]:
+    # Deterministic pseudo-sentences: varied enough to learn merges, no external data needed.
+    out, state = [], 12345
+    for _ in range(lines):
+        words = []
+        for _ in range(12):
+            state = (state * 1103515245 + 12345) & 0x7FFFFFFF
+            words.append(_WORDS[state % len(_WORDS)])
+        out.append(" ".join(words))
+    return out
+
+
+def train_tokenizer(vocab_size: int = 512) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    return tok
+
+
+def cached_tokenizer_json(cache_dir: Path, vocab_size: int = 512) -> str:
+    """tokenizer.json text, trained once and cached (training takes about a second)."""
+    path = cache_dir / f"tokenizer-bpe{vocab_size}-v1.json"
+    if not path.is_file():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(train_tokenizer(vocab_size).to_str())
+        os.replace(tmp, path)
+    return path.read_text()
+
+
+def write_tokenizer_files(out: Path, cache_dir: Path, vocab_size: int = 512) -> Tokenizer:
+    text = cached_tokenizer_json(cache_dir, vocab_size)
+    (out / "tokenizer.json").write_text(text)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "add_bos_token": False,
+        "model_max_length": 1 << 20,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return Tokenizer.from_str(text)

@@ -1,0 +1,125 @@
+"""Tokenizer from tokenizer.json (the `tokenizers` library) and chat templates rendered with jinja2.
+
+transformers is not needed at run time: special tokens come from tokenizer_config.json, the chat
+template from tokenizer_config.json or chat_template.jinja, EOS ids also from
+generation_config.json.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from hetserve.errors import InvalidInputError, ModelLoadError
+
+
+def _token_str(value) -> str | None:
+    if isinstance(value, dict):  # AddedToken serialised as {"content": ...}
+        return value.get("content")
+    return value
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON ({exc.msg}); fix or remove it") from None
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ModelLoadError(
+                f"{str(model_dir)!r} has no tokenizer.json; add one (fast tokenizer format)"
+            )
+        self._tok = HFTokenizer.from_file(str(path))
+        cfg = _read_json(model_dir / "tokenizer_config.json")
+        gen = _read_json(model_dir / "generation_config.json")
+        self.bos_token = _token_str(cfg.get("bos_token"))
+        self.eos_token = _token_str(cfg.get("eos_token"))
+        self.pad_token = _token_str(cfg.get("pad_token"))
+        template = cfg.get("chat_template")
+        jinja_file = model_dir / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text()
+        self.chat_template: str | None = template
+        eos_ids = gen.get("eos_token_id")
+        eos_ids = eos_ids if isinstance(eos_ids, list) else [] if eos_ids is None else [eos_ids]
+        if self.eos_token is not None and self.token_to_id(self.eos_token) is not None:
+            eos_ids.append(self.token_to_id(self.eos_token))
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_ids))
+        self._template = None
+        self.all_special_ids = {
+            tid
+            for tok, tid in self._tok.get_vocab(with_added_tokens=True).items()
+            if tok
+            in {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        }
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        **extra,
+    ) -> str:
+        if not self.chat_template:
+            raise InvalidInputError(
+                "this model has no chat template; use a completion prompt or add "
+                "'chat_template' to tokenizer_config.json"
+            )
+        if self._template is None:
+            self._template = _environment().from_string(self.chat_template)
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **extra,
+            )
+        except jinja2.TemplateError as exc:
+            raise InvalidInputError(f"chat template failed on these messages: {exc}") from None
+
+
+def _raise(message: str):
+    raise jinja2.TemplateError(message)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    # Sandboxed: templates ship with model directories and are not trusted code.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii
+    )
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
