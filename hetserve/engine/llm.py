@@ -108,6 +108,7 @@ class LLM:
             prompts = [prompts]
         return [(p, self.tokenizer.encode(p)) for p in prompts]
 
+    @torch.inference_mode()
     def _generate_one(
         self, request_id: str, text: str | None, ids: list[int], params: SamplingParams
     ) -> RequestOutput:

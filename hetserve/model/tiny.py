@@ -212,6 +212,7 @@ def make_tiny_checkpoint(
     """Write config.json, *.safetensors, tokenizer files and generation_config.json to out_dir."""
     if layout not in ("per-expert", "fused"):
         raise InvalidInputError(f"layout must be 'per-expert' or 'fused', got {layout!r}")
+    tiny_config(family, 0, overrides)  # validates the family before anything is written
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = write_tokenizer_files(out, cache_dir(), vocab_size)

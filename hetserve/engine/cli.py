@@ -1,0 +1,55 @@
+"""`hetserve generate`: offline generation from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model directory (default: the demo model)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bf16")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
+
+
+def register(sub) -> None:
+    g = sub.add_parser("generate", help="generate text for prompts (offline)")
+    add_model_args(g)
+    g.add_argument("prompts", nargs="*", help="prompts (read one per line from stdin if none)")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[])
+    g.add_argument("--chat", action="store_true", help="apply the chat template to each prompt")
+    g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    g.set_defaults(func=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from hetserve import LLM, SamplingParams
+
+    prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        from hetserve.errors import InvalidInputError
+
+        raise InvalidInputError("no prompt given; pass prompts as arguments or on stdin")
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed, stop=args.stop,
+    )
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs, strict=True):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
+                              "finish_reason": out.finish_reason}))
+        else:
+            print(f"{prompt!r} -> {out.text!r} ({out.finish_reason})")
+    return 0

@@ -1,0 +1,71 @@
+"""`hetserve models make-tiny`: write a random checkpoint of a real architecture."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from hetserve.errors import InvalidInputError
+
+_SIZE_OPTIONS = {
+    "hidden_size": "hidden size",
+    "intermediate_size": "dense MLP intermediate size",
+    "moe_intermediate_size": "routed expert intermediate size",
+    "num_hidden_layers": "number of layers",
+    "num_attention_heads": "attention heads",
+    "num_key_value_heads": "KV heads",
+    "num_experts": "routed experts per layer",
+    "num_experts_per_tok": "experts per token (top-k)",
+    "vocab_size": "vocabulary size (at least the tokenizer's)",
+    "max_position_embeddings": "context length",
+}
+# The HF key that holds the expert count differs per family.
+_EXPERT_KEYS = {"mixtral": "num_local_experts", "deepseek-v2": "n_routed_experts",
+                "deepseek-v3": "n_routed_experts"}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("models", help="model utilities")
+    msub = p.add_subparsers(dest="models_cmd", metavar="CMD")
+    msub.required = True
+    t = msub.add_parser("make-tiny", help="write a tiny random checkpoint of a real architecture")
+    t.add_argument("--arch", required=True, help="family: llama, qwen2, qwen3, qwen2-moe, "
+                   "qwen3-moe, mixtral, deepseek-v2, deepseek-v3")
+    t.add_argument("out", help="output directory")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--layout", choices=["per-expert", "fused"], default="per-expert")
+    t.add_argument("--lm-head-scale", type=float, default=1.0,
+                   help="scale lm_head so greedy argmax margins are clear")
+    for key, help_text in _SIZE_OPTIONS.items():
+        t.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help=help_text)
+    t.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                   help="override any config.json key, e.g. --set first_k_dense_replace=1")
+    t.set_defaults(func=_make_tiny)
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    out = {}
+    for key in _SIZE_OPTIONS:
+        value = getattr(args, key)
+        if value is not None:
+            out[_EXPERT_KEYS.get(args.arch, key) if key == "num_experts" else key] = value
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise InvalidInputError(f"--set expects KEY=JSON, got {item!r}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def _make_tiny(args: argparse.Namespace) -> int:
+    from hetserve.model.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(
+        args.arch, args.out, seed=args.seed, overrides=_overrides(args), layout=args.layout,
+        lm_head_scale=args.lm_head_scale, progress=True,
+    )
+    print(f"wrote {args.arch} checkpoint to {path}")
+    return 0
