@@ -10,7 +10,9 @@ import sys
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory (default: the demo model)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bf16")
+    p.add_argument(
+        "--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bf16"
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
 
 

@@ -120,12 +120,11 @@ class TorchExperts:
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        k = topk_ids.shape[1]
+        t, k = topk_ids.shape
         order, counts = group_by_expert(topk_ids, self.num_experts)
-        token_of = order // k
-        xs = x[token_of]
+        xs = x[order // k]
         ws = topk_weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
-        out = torch.zeros_like(x)
+        ys = torch.empty_like(xs)
         # One host sync for the counts; per-expert slices are then plain views.
         bounds = counts.cumsum(0).tolist()
         start = 0
@@ -134,7 +133,8 @@ class TorchExperts:
                 continue
             h = F.linear(xs[start:end], self.w13[e])
             gate, up = h.split(self.inter, dim=-1)
-            y = F.linear(self.act(gate) * up, self.w2[e]) * ws[start:end]
-            out.index_add_(0, token_of[start:end], y)
+            ys[start:end] = F.linear(self.act(gate) * up, self.w2[e]) * ws[start:end]
             start = end
-        return out
+        # Back to (token, slot) order with a gather, then sum the k slots: no atomic scatter-add,
+        # which is slow on CPU when threads are contended.
+        return ys[torch.argsort(order)].view(t, k, -1).sum(dim=1)
