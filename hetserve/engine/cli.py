@@ -40,8 +40,12 @@ def _generate(args: argparse.Namespace) -> int:
 
         raise InvalidInputError("no prompt given; pass prompts as arguments or on stdin")
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, stop=args.stop,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
     )
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
     if args.chat:
@@ -50,8 +54,16 @@ def _generate(args: argparse.Namespace) -> int:
         outs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outs, strict=True):
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
-                              "finish_reason": out.finish_reason}))
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "text": out.text,
+                        "token_ids": out.token_ids,
+                        "finish_reason": out.finish_reason,
+                    }
+                )
+            )
         else:
             print(f"{prompt!r} -> {out.text!r} ({out.finish_reason})")
     return 0

@@ -1,0 +1,109 @@
+"""BlockPool: fixed KV blocks with reference counts and a prefix cache.
+
+A block is free when its ref count is 0. Free blocks wait in LRU order (least recently freed
+first); a free block that still holds a cached hash can be revived by a prefix hit until it is
+handed out again, at which point its hash is dropped. Block 0 is never handed out: it is the
+null block that padding slots may point at.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from hetserve.core.block_hash import BlockHash
+
+
+@dataclass(eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised by `allocate` when asked for more blocks than are free (callers check first)."""
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"need at least 2 KV blocks, got {num_blocks}")
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.ref_cnt = 1  # pinned forever
+        # Free blocks by id, oldest-freed first: allocation pops from the front.
+        self._free: OrderedDict[int, KVBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks[1:]
+        )
+        self._cached: dict[BlockHash, KVBlock] = {}
+        self.hits = 0
+        self.queries = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_usable(self) -> int:
+        return len(self.blocks) - 1
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_usable
+
+    def lookup(self, block_hash: BlockHash) -> KVBlock | None:
+        return self._cached.get(block_hash)
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take a reference on cached blocks found by a prefix hit (reviving free ones)."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                del self._free[b.block_id]
+            b.ref_cnt += 1
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        if n > len(self._free):
+            raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            _, b = self._free.popitem(last=False)
+            if b.block_hash is not None:  # evict its cached identity
+                del self._cached[b.block_hash]
+                b.block_hash = None
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def free(self, blocks: list[KVBlock]) -> None:
+        """Drop one reference each. Pass blocks tail-first so the tail of a sequence (least
+        likely to be shared) is evicted before its head."""
+        for b in blocks:
+            assert b.ref_cnt > 0 and b is not self.null_block, b
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self._free[b.block_id] = b
+
+    def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
+        """Register a full, computed block under its hash (first writer wins)."""
+        if block.block_hash is not None or block_hash in self._cached:
+            return
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        if any(b.ref_cnt for b in self.blocks[1:]):
+            return False
+        for b in self.blocks:
+            b.block_hash = None
+        self._cached.clear()
+        return True
+
+    def check_integrity(self) -> None:
+        assert self.null_block.ref_cnt == 1
+        for b in self.blocks[1:]:
+            assert b.ref_cnt >= 0, b
+            assert (b.ref_cnt == 0) == (b.block_id in self._free), b
+        for h, b in self._cached.items():
+            assert b.block_hash == h, (h, b)
+        n_hashed = sum(1 for b in self.blocks if b.block_hash is not None)
+        assert n_hashed == len(self._cached)

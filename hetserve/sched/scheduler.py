@@ -1,0 +1,166 @@
+"""Scheduler: token-budget continuous batching with chunked prefill and preemption by recompute.
+
+There are no prefill or decode modes: each running request is given
+`min(tokens it still needs, budget left)` tokens per step, so prefill chunks and decodes share a
+step. Running requests are served first; if their blocks cannot be allocated, the lowest-priority
+running request (latest arrival under FCFS) is preempted: its blocks are freed and it returns to
+the waiting queue to be recomputed. Waiting requests are admitted only in steps without
+preemption, in (priority, arrival) order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hetserve.config import SchedulerConfig
+from hetserve.core.request import Request, RequestStatus
+from hetserve.kv.manager import KVCacheManager
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence end, so a next token is sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.cfg = cfg
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    def _key(self, req: Request):
+        prio = req.priority if self.cfg.policy == "priority" else 0
+        return (prio, req.arrival_time)
+
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.cfg.max_num_batched_tokens
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(req, n, out):
+                continue
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        while self.kv.allocate_slots(req, n) is None:
+            victim = max(self.running, key=self._key)
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.waiting.append(req)
+        out.preempted.append(req)
+        out.scheduled = [s for s in out.scheduled if s.request is not req]
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        self.waiting.sort(key=self._key)
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            computed, num_cached = self.kv.get_computed_blocks(req)
+            n = req.num_tokens - num_cached
+            if n > budget and not self.cfg.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            if self.kv.allocate_slots(req, n, computed) is None:
+                break
+            self.waiting.pop(0)
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int], eos_ids: set[int]) -> None:
+        """Advance computed counts, append sampled tokens, finish what hit a token-level stop."""
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_computed(req)
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.output_token_ids.append(token)
+            status = self._check_stop(req, token, eos_ids)
+            if status is not None:
+                self.finish(req.request_id, status)
+
+    def _check_stop(self, req: Request, token: int, eos_ids: set[int]) -> RequestStatus | None:
+        p = req.params
+        n_out = len(req.output_token_ids)
+        if n_out >= p.min_tokens:
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if not p.ignore_eos and token in eos_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (or abort) a request wherever it is; frees its blocks. Unknown ids: None."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = status
+        return req
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        assert len(self.running) <= self.cfg.max_num_seqs
+        ids = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
+        assert ids == set(self.requests), (ids, set(self.requests))
+        for r in self.running:
+            assert r.status is RequestStatus.RUNNING
+            assert r.num_computed_tokens <= r.num_tokens
+            assert len(self.kv.tables[r.request_id]) * self.kv.block_size >= r.num_computed_tokens
+        for r in self.waiting:
+            assert r.request_id not in self.kv.tables
