@@ -53,8 +53,14 @@ def test_stop_string_ends_and_is_removed(llm):
     out = gen(llm, temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
     assert out.text == text[:cut]
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
-    kept = gen(llm, temperature=0, max_tokens=24, ignore_eos=True, stop=[stop],
-               include_stop_str_in_output=True)
+    kept = gen(
+        llm,
+        temperature=0,
+        max_tokens=24,
+        ignore_eos=True,
+        stop=[stop],
+        include_stop_str_in_output=True,
+    )
     assert kept.text == text[: cut + len(stop)]
 
 
