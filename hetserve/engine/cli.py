@@ -1,4 +1,4 @@
-"""`hetserve generate`: offline generation from the command line."""
+"""`hetserve generate | serve | chat`."""
 
 from __future__ import annotations
 
@@ -17,6 +17,26 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub) -> None:
+    from hetserve.server.launch import add_engine_args, serve
+
+    s = sub.add_parser("serve", help="OpenAI-compatible server (default: the demo model)")
+    add_model_args(s)
+    add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require this bearer token on /v1/*")
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--log-level", default="warning")
+    s.set_defaults(func=serve)
+
+    c = sub.add_parser("chat", help="terminal chat with a model or a running server")
+    add_model_args(c)
+    c.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000")
+    c.add_argument("--api-key", default=None)
+    c.add_argument("--max-tokens", type=int, default=256)
+    c.add_argument("--temperature", type=float, default=0.7)
+    c.set_defaults(func=_chat)
+
     g = sub.add_parser("generate", help="generate text for prompts (offline)")
     add_model_args(g)
     g.add_argument("prompts", nargs="*", help="prompts (read one per line from stdin if none)")
@@ -67,3 +87,9 @@ def _generate(args: argparse.Namespace) -> int:
         else:
             print(f"{prompt!r} -> {out.text!r} ({out.finish_reason})")
     return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from hetserve.engine.chat import chat_loop
+
+    return chat_loop(args)

@@ -1,0 +1,68 @@
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from hetserve.config import EngineConfig
+from hetserve.engine.async_llm import AsyncLLM
+from hetserve.server.app import create_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, engine: AsyncLLM, api_key: str | None = None):
+        self.engine = engine
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        app = create_app(engine, "tiny", api_key=api_key)
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        raise RuntimeError("server did not start")
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    def wait_idle(self, timeout: float = 10.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.engine.stats()
+            if (
+                s["running"] == 0 and s["waiting"] == 0 and s["kv_blocks_used"] == 0
+            ) or time.monotonic() > deadline:
+                return s
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model):
+    eng = AsyncLLM(
+        EngineConfig(model=str(tiny_model("qwen3-moe", lm_head_scale=4.0)), max_model_len=256)
+    )
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(engine):
+    srv = LiveServer(engine)
+    yield srv
+    srv.stop()
