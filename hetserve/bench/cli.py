@@ -10,6 +10,8 @@ import importlib
 
 BENCH_MODULES: list[str] = [
     "hetserve.bench.generate",
+    "hetserve.bench.throughput",
+    "hetserve.bench.prefix",
     # "hetserve.bench.generate", "hetserve.bench.serve", "hetserve.bench.store", ...
 ]
 

@@ -60,12 +60,20 @@ def run(args: argparse.Namespace) -> int:
     systems["transformers"] = _hf_rate(args, ids, bar)
     bar.close()
     base = systems["transformers"]
-    rows = [[name, rate, (rate / base) if (rate and base) else None]
-            for name, rate in systems.items()]
+    rows = [
+        [name, rate, (rate / base) if (rate and base) else None] for name, rate in systems.items()
+    ]
     print_table(["system", "decode tok/s", "vs transformers"], rows)
-    write_json(args.json, {"benchmark": "generate", "model": str(args.model),
-                           "tokens": args.tokens, "prompt_len": args.prompt_len,
-                           "decode_tokens_per_s": systems})
+    write_json(
+        args.json,
+        {
+            "benchmark": "generate",
+            "model": str(args.model),
+            "tokens": args.tokens,
+            "prompt_len": args.prompt_len,
+            "decode_tokens_per_s": systems,
+        },
+    )
     return 0
 
 
@@ -95,6 +103,7 @@ def _hf_rate(args, ids, bar) -> float | None:
         def go():
             with torch.no_grad():
                 model.generate(inp, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
         return go
 
     return _decode_rate(hf, args.tokens, args.repeats, bar)

@@ -22,7 +22,7 @@ class SeqSpan:
     q_len: int
     kv_len: int  # context length including this forward's tokens
     kv_slots: torch.Tensor  # [kv_len] slot of every context token
-    mask: torch.Tensor | None  # [q_len, kv_len] bool (True = attend); None when no mask needed
+    mask: torch.Tensor | None  # [q_len, kv_len] bool (True = attend); None: plain causal
 
 
 @dataclass
@@ -41,8 +41,9 @@ def causal_mask(
 ) -> torch.Tensor | None:
     """Query i sits at absolute position kv_len - q_len + i and sees keys j <= that position
     (and, with a window W, keys with position - j < W)."""
-    if q_len == 1 and (sliding_window is None or kv_len <= sliding_window):
-        return None
+    if sliding_window is None or kv_len <= sliding_window:
+        if q_len == 1 or q_len == kv_len:  # decode, or a whole prefill: SDPA's causal path
+            return None
     q_pos = torch.arange(kv_len - q_len, kv_len, device=device).unsqueeze(1)
     k_pos = torch.arange(kv_len, device=device).unsqueeze(0)
     mask = k_pos <= q_pos
@@ -90,12 +91,14 @@ class ForwardContext:
 def sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
-    """q [Tq, H, D], k [L, Hkv, D], v [L, Hkv, Dv] -> [Tq, H, Dv]; GQA by head groups."""
+    """q [Tq, H, D], k [L, Hkv, D], v [L, Hkv, Dv] -> [Tq, H, Dv]; GQA by head groups.
+    Without a mask, Tq == L means a causal prefill and Tq == 1 a decode step."""
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
         v.transpose(0, 1).unsqueeze(0),
         attn_mask=mask,
+        is_causal=mask is None and q.shape[0] > 1,
         scale=scale,
         enable_gqa=k.shape[1] != q.shape[1],
     )
