@@ -10,7 +10,8 @@ import importlib
 
 BENCH_MODULES: list[str] = [
     "hetserve.bench.generate",
-    # "hetserve.bench.generate", "hetserve.bench.serve", "hetserve.bench.store", ...
+    "hetserve.bench.serve",  # load-test an OpenAI-compatible server
+    # "hetserve.bench.store", ...
 ]
 
 

@@ -1,0 +1,104 @@
+"""The asyncio load generator: arrival schedule, concurrency cap, conversations, progress bar."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+
+import aiohttp
+import numpy as np
+from tqdm import tqdm
+
+from hetserve.bench.serve_client import Clock, RequestResult, build_payload, send_request
+from hetserve.bench.serve_datasets import BenchRequest, Workload
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    base_url: str
+    endpoint: str
+    model: str
+    api_key: str | None = None
+    request_rate: float | None = None  # None: the trace's recorded times, else send all at once
+    seed: int = 0
+    max_concurrency: int | None = None
+    time_scale: float = 1.0
+    ignore_eos: bool = True
+    request_timeout_s: float = 6 * 3600.0
+    progress: bool = True
+
+    @property
+    def url(self) -> str:
+        base, endpoint = self.base_url.rstrip("/"), self.endpoint
+        if base.endswith("/v1") and endpoint.startswith("/v1/"):
+            endpoint = endpoint[len("/v1") :]  # accept both http://h:p and http://h:p/v1
+        return base + endpoint
+
+
+def arrival_offsets(
+    workload: Workload, rate: float | None, seed: int, time_scale: float
+) -> tuple[list[float], str]:
+    """Seconds after the start at which each conversation begins, and how they were made."""
+    n = len(workload.conversations)
+    recorded = [c[0].arrival_s for c in workload.conversations]
+    if rate is None and n and all(t is not None for t in recorded):
+        first = recorded[0]
+        return [(t - first) * time_scale for t in recorded], f"trace timestamps x{time_scale:g}"
+    if rate is None or math.isinf(rate):
+        return [0.0] * n, "all at once (rate inf)"
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+    # The first request goes at once; the gap after each one is exponential (Poisson arrivals).
+    return np.concatenate([[0.0], np.cumsum(gaps[:-1])]).tolist(), f"Poisson {rate:g} req/s"
+
+
+async def run_benchmark(
+    workload: Workload, cfg: RunConfig, clock: Clock = time.perf_counter
+) -> tuple[list[RequestResult], float, float]:
+    """Send the workload; returns every result and the start and end times on `clock`."""
+    offsets, _ = arrival_offsets(workload, cfg.request_rate, cfg.seed, cfg.time_scale)
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+    results: list[RequestResult] = []
+    bar = tqdm(total=workload.num_requests, disable=not cfg.progress, unit="req")
+    timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+    ) as session:
+
+        async def one(req: BenchRequest, history: list[dict[str, str]]) -> RequestResult:
+            payload = build_payload(
+                cfg.endpoint, cfg.model, req, history, workload, cfg.ignore_eos
+            )
+            if limit is None:
+                return await send_request(session, cfg.url, headers, payload, req.prompt_len, clock)
+            async with limit:
+                return await send_request(session, cfg.url, headers, payload, req.prompt_len, clock)
+
+        async def conversation(turns: list[BenchRequest]) -> None:
+            history: list[dict[str, str]] = []
+            for i, req in enumerate(turns):
+                result = await one(req, history)
+                results.append(result)
+                bar.update(1)
+                if not result.ok:  # later turns need this reply; count them as not sent
+                    bar.update(len(turns) - i - 1)
+                    return
+                if len(turns) > 1:
+                    history += [
+                        {"role": "user", "content": req.text or ""},
+                        {"role": "assistant", "content": result.text},
+                    ]
+
+        start = clock()
+        tasks = []
+        for offset, turns in zip(offsets, workload.conversations, strict=True):
+            delay = start + offset - clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(conversation(turns)))
+        await asyncio.gather(*tasks)
+        end = clock()
+    bar.close()
+    return results, start, end
