@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_concurrency=args.max_concurrency,
         time_scale=args.time_scale,
-        ignore_eos=workload.ignore_eos if args.ignore_eos is None else args.ignore_eos,
+        ignore_eos=args.ignore_eos,
         request_timeout_s=args.request_timeout,
         progress=not args.disable_tqdm,
     )
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         "model": cfg.model,
         "arrivals": arrivals,
         "max_concurrency": cfg.max_concurrency,
-        "ignore_eos": cfg.ignore_eos,
+        "ignore_eos": workload.ignore_eos if cfg.ignore_eos is None else cfg.ignore_eos,
         "notes": workload.notes,
         "prefix_reuse": workload.prefix_reuse,
         "metrics": metrics,

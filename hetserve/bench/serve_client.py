@@ -132,7 +132,7 @@ async def send_request(
                 data = line[len("data:") :].strip()
                 if data == "[DONE]":
                     break
-                _on_chunk(result, json.loads(data), chat, clock())
+                _on_chunk(result, json.loads(data), chat, clock)
     except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:200]
     if result.error is None and not result.token_s:
@@ -140,13 +140,13 @@ async def send_request(
     return _finish(result, clock)
 
 
-def _on_chunk(result: RequestResult, chunk: dict[str, Any], chat: bool, now: float) -> None:
+def _on_chunk(result: RequestResult, chunk: dict[str, Any], chat: bool, clock: Clock) -> None:
     if "error" in chunk:  # servers report mid-stream failures as an error object
         err = chunk["error"]
         raise ValueError(err.get("message", err) if isinstance(err, dict) else err)
     text = _content(chunk, chat)
     if text:
-        result.token_s.append(now)
+        result.token_s.append(clock())
         result.text += text
     usage = chunk.get("usage")
     if usage and usage.get("completion_tokens") is not None:

@@ -25,7 +25,7 @@ class RunConfig:
     seed: int = 0
     max_concurrency: int | None = None
     time_scale: float = 1.0
-    ignore_eos: bool = True
+    ignore_eos: bool | None = None  # None: the workload's default
     request_timeout_s: float = 6 * 3600.0
     progress: bool = True
 
@@ -58,6 +58,7 @@ async def run_benchmark(
 ) -> tuple[list[RequestResult], float, float]:
     """Send the workload; returns every result and the start and end times on `clock`."""
     offsets, _ = arrival_offsets(workload, cfg.request_rate, cfg.seed, cfg.time_scale)
+    ignore_eos = workload.ignore_eos if cfg.ignore_eos is None else cfg.ignore_eos
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     results: list[RequestResult] = []
@@ -68,9 +69,7 @@ async def run_benchmark(
     ) as session:
 
         async def one(req: BenchRequest, history: list[dict[str, str]]) -> RequestResult:
-            payload = build_payload(
-                cfg.endpoint, cfg.model, req, history, workload, cfg.ignore_eos
-            )
+            payload = build_payload(cfg.endpoint, cfg.model, req, history, workload, ignore_eos)
             if limit is None:
                 return await send_request(session, cfg.url, headers, payload, req.prompt_len, clock)
             async with limit:

@@ -57,6 +57,8 @@ class FakeServer:
         return self
 
     def stop(self) -> None:
+        if not self._loop.is_running():
+            return  # already stopped (tests stop it early to make it unreachable)
         fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
         fut.result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -71,12 +73,7 @@ class FakeServer:
             return web.json_response({"error": {"message": "bad api key"}}, status=401)
         if cfg.fail_every and n % cfg.fail_every == 0:
             return web.json_response({"error": {"message": "injected failure"}}, status=500)
-        cfg._active += 1
-        cfg.peak_concurrency = max(cfg.peak_concurrency, cfg._active)
-        try:
-            return await self._stream(request, body, n)
-        finally:
-            cfg._active -= 1
+        return await self._stream(request, body, n)
 
     async def _stream(self, request: web.Request, body: dict, n: int) -> web.StreamResponse:
         cfg = self.cfg
@@ -84,17 +81,23 @@ class FakeServer:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         max_tokens = int(body["max_tokens"])
-        await asyncio.sleep(cfg.ttft_s)
-        for i in range(max_tokens):
-            if i:
-                await asyncio.sleep(cfg.itl_s)
-            if i == 1 and cfg.fail_midstream_every and n % cfg.fail_midstream_every == 0:
-                await _send(resp, {"error": {"message": "injected midstream failure"}})
-                break
-            piece = f"t{i} "
-            choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0,
-                                                                              "text": piece}
-            await _send(resp, {"choices": [choice]})
+        # Counted only while tokens flow: the client cannot finish (and send its next request)
+        # before [DONE], so a finished request is never still counted as active.
+        cfg._active += 1
+        cfg.peak_concurrency = max(cfg.peak_concurrency, cfg._active)
+        try:
+            await asyncio.sleep(cfg.ttft_s)
+            for i in range(max_tokens):
+                if i:
+                    await asyncio.sleep(cfg.itl_s)
+                if i == 1 and cfg.fail_midstream_every and n % cfg.fail_midstream_every == 0:
+                    await _send(resp, {"error": {"message": "injected midstream failure"}})
+                    break
+                piece = f"t{i} "
+                choice = {"delta": {"content": piece}} if chat else {"text": piece}
+                await _send(resp, {"choices": [{"index": 0, **choice}]})
+        finally:
+            cfg._active -= 1
         want_usage = (body.get("stream_options") or {}).get("include_usage")
         if want_usage and not cfg.omit_usage:
             prompt = body.get("prompt", body.get("messages"))
