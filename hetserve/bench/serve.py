@@ -146,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
         skipped = workload.num_requests - len(results)
         workload.notes.append(f"{skipped} later turns not sent: an earlier turn of theirs failed")
     result = {
+        # The command's options, to rerun it; never the API key.
+        "args": {k: _plain(v) for k, v in vars(args).items() if k not in ("func", "api_key")},
         "dataset": workload.name,
         "endpoint": endpoint,
         "url": cfg.url,
@@ -170,6 +172,11 @@ def run(args: argparse.Namespace) -> int:
         print("error: every request failed (see Errors above)", file=sys.stderr)
         return 1
     return 0
+
+
+def _plain(value: Any) -> Any:
+    """Non-finite floats as strings ("inf"): JSON has no Infinity and strict parsers reject it."""
+    return str(value) if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def _request_row(r: Any, start: float) -> dict[str, Any]:
