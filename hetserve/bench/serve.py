@@ -88,6 +88,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise InvalidInputError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.vocab_size < 2:
         raise InvalidInputError(f"--vocab-size must be >= 2, got {args.vocab_size}")
+    if args.result_file and Path(args.result_file).is_dir():
+        raise InvalidInputError(f"--result-file: {args.result_file} is a directory")
     if not args.base_url.startswith(("http://", "https://")):
         raise InvalidInputError(f"--base-url must start with http:// or https://: {args.base_url}")
 
@@ -118,15 +120,40 @@ def build_workload(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from hetserve.bench.serve_metrics import compute_metrics, parse_slo
     from hetserve.bench.serve_report import format_table, write_plots
-    from hetserve.bench.serve_runner import RunConfig, arrival_offsets, run_benchmark
+    from hetserve.bench.serve_runner import run_benchmark
 
     _check_args(args)
     slo = parse_slo(args.slo)  # before the run: a typo must not cost a whole benchmark
     workload = build_workload(args)
+    cfg = _run_config(args)
+    results, start, end = asyncio.run(run_benchmark(workload, cfg))
+    metrics = compute_metrics(results, start, end, slo)
+    if len(results) < workload.num_requests:
+        skipped = workload.num_requests - len(results)
+        workload.notes.append(f"{skipped} later turns not sent: an earlier turn of theirs failed")
+    result = _result(args, cfg, workload, metrics, results, start)
+    print(format_table(result))
+    if args.result_file:
+        _write(Path(args.result_file), json.dumps(result, indent=2))
+    if args.plot:
+        try:
+            for path in write_plots(args.plot, results, metrics):
+                print(f"wrote {path}")
+        except OSError as exc:
+            raise InvalidInputError(f"--plot: cannot write to {args.plot} ({exc})") from exc
+    if results and not metrics["completed"]:
+        print("error: every request failed (see Errors above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_config(args: argparse.Namespace):
+    from hetserve.bench.serve_runner import RunConfig
+
     endpoint = args.endpoint or (
         "/v1/chat/completions" if args.dataset == "multiturn" else "/v1/completions"
     )
-    cfg = RunConfig(
+    return RunConfig(
         base_url=args.base_url,
         endpoint=endpoint,
         model=args.model,
@@ -139,17 +166,18 @@ def run(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         progress=not args.disable_tqdm,
     )
+
+
+def _result(args, cfg, workload, metrics, results, start) -> dict[str, Any]:
+    """The JSON document: options, workload facts, metrics and one row per request."""
+    from hetserve.bench.serve_runner import arrival_offsets
+
     _, arrivals = arrival_offsets(workload, cfg.request_rate, cfg.seed, cfg.time_scale)
-    results, start, end = asyncio.run(run_benchmark(workload, cfg))
-    metrics = compute_metrics(results, start, end, slo)
-    if len(results) < workload.num_requests:
-        skipped = workload.num_requests - len(results)
-        workload.notes.append(f"{skipped} later turns not sent: an earlier turn of theirs failed")
-    result = {
+    return {
         # The command's options, to rerun it; never the API key.
         "args": {k: _plain(v) for k, v in vars(args).items() if k not in ("func", "api_key")},
         "dataset": workload.name,
-        "endpoint": endpoint,
+        "endpoint": cfg.endpoint,
         "url": cfg.url,
         "model": cfg.model,
         "arrivals": arrivals,
@@ -160,18 +188,15 @@ def run(args: argparse.Namespace) -> int:
         "metrics": metrics,
         "requests": [_request_row(r, start) for r in results],
     }
-    print(format_table(result))
-    if args.result_file:
-        Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.result_file).write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.result_file}")
-    if args.plot:
-        for path in write_plots(args.plot, results, metrics):
-            print(f"wrote {path}")
-    if results and not metrics["completed"]:
-        print("error: every request failed (see Errors above)", file=sys.stderr)
-        return 1
-    return 0
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as exc:
+        raise InvalidInputError(f"--result-file: cannot write {path} ({exc})") from exc
+    print(f"wrote {path}")
 
 
 def _plain(value: Any) -> Any:

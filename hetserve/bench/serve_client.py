@@ -117,10 +117,14 @@ async def send_request(
     clock: Clock = time.perf_counter,
 ) -> RequestResult:
     """POST and read the SSE stream; the result records the arrival time of every content chunk."""
-    result = RequestResult(send_s=clock(), prompt_len=prompt_len)
     chat = "messages" in payload
+    # Serialized before the clock starts: a long token-id prompt takes milliseconds to encode,
+    # and that is our time, not the server's.
+    data = json.dumps(payload).encode()
+    headers = {**headers, "Content-Type": "application/json"}
+    result = RequestResult(send_s=clock(), prompt_len=prompt_len)
     try:
-        async with session.post(url, json=payload, headers=headers) as resp:
+        async with session.post(url, data=data, headers=headers) as resp:
             if resp.status != 200:
                 body = (await resp.text())[:200].replace("\n", " ")
                 result.error = f"HTTP {resp.status}: {body}"

@@ -53,51 +53,67 @@ def arrival_offsets(
     return np.concatenate([[0.0], np.cumsum(gaps[:-1])]).tolist(), f"Poisson {rate:g} req/s"
 
 
+class _Runner:
+    """One benchmark run: a shared HTTP session, the concurrency cap and the collected results."""
+
+    def __init__(self, workload: Workload, cfg: RunConfig, session: aiohttp.ClientSession,
+                 bar: tqdm, clock: Clock) -> None:
+        self.workload, self.cfg, self.session, self.bar, self.clock = (
+            workload, cfg, session, bar, clock)
+        self.ignore_eos = workload.ignore_eos if cfg.ignore_eos is None else cfg.ignore_eos
+        self.headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        self.limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+        self.results: list[RequestResult] = []
+
+    async def send(self, req: BenchRequest, history: list[dict[str, str]]) -> RequestResult:
+        if self.limit is None:
+            return await self._send(req, history)
+        async with self.limit:
+            return await self._send(req, history)
+
+    async def _send(self, req: BenchRequest, history: list[dict[str, str]]) -> RequestResult:
+        # Built only once a slot is free: a long trace prompt is megabytes as a list of ints.
+        cfg = self.cfg
+        payload = build_payload(cfg.endpoint, cfg.model, req, history, self.workload,
+                                self.ignore_eos)
+        return await send_request(self.session, cfg.url, self.headers, payload, req.prompt_len,
+                                  self.clock)
+
+    async def conversation(self, turns: list[BenchRequest]) -> None:
+        """Turns one after the other, each resending the history with the server's replies."""
+        history: list[dict[str, str]] = []
+        for i, req in enumerate(turns):
+            result = await self.send(req, history)
+            self.results.append(result)
+            self.bar.update(1)
+            if not result.ok:  # later turns need this reply; count them as not sent
+                self.bar.update(len(turns) - i - 1)
+                return
+            if len(turns) > 1:
+                history += [
+                    {"role": "user", "content": req.text or ""},
+                    {"role": "assistant", "content": result.text},
+                ]
+
+
 async def run_benchmark(
     workload: Workload, cfg: RunConfig, clock: Clock = time.perf_counter
 ) -> tuple[list[RequestResult], float, float]:
     """Send the workload; returns every result and the start and end times on `clock`."""
     offsets, _ = arrival_offsets(workload, cfg.request_rate, cfg.seed, cfg.time_scale)
-    ignore_eos = workload.ignore_eos if cfg.ignore_eos is None else cfg.ignore_eos
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
-    results: list[RequestResult] = []
-    bar = tqdm(total=workload.num_requests, disable=not cfg.progress, unit="req")
     timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
-    async with aiohttp.ClientSession(
-        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
-    ) as session:
-
-        async def one(req: BenchRequest, history: list[dict[str, str]]) -> RequestResult:
-            payload = build_payload(cfg.endpoint, cfg.model, req, history, workload, ignore_eos)
-            if limit is None:
-                return await send_request(session, cfg.url, headers, payload, req.prompt_len, clock)
-            async with limit:
-                return await send_request(session, cfg.url, headers, payload, req.prompt_len, clock)
-
-        async def conversation(turns: list[BenchRequest]) -> None:
-            history: list[dict[str, str]] = []
-            for i, req in enumerate(turns):
-                result = await one(req, history)
-                results.append(result)
-                bar.update(1)
-                if not result.ok:  # later turns need this reply; count them as not sent
-                    bar.update(len(turns) - i - 1)
-                    return
-                if len(turns) > 1:
-                    history += [
-                        {"role": "user", "content": req.text or ""},
-                        {"role": "assistant", "content": result.text},
-                    ]
-
-        start = clock()
-        tasks = []
-        for offset, turns in zip(offsets, workload.conversations, strict=True):
-            delay = start + offset - clock()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(conversation(turns)))
-        await asyncio.gather(*tasks)
-        end = clock()
-    bar.close()
-    return results, start, end
+    with tqdm(total=workload.num_requests, disable=not cfg.progress, unit="req") as bar:
+        async with aiohttp.ClientSession(
+            timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+        ) as session:
+            runner = _Runner(workload, cfg, session, bar, clock)
+            start = clock()
+            tasks = []
+            for offset, turns in zip(offsets, workload.conversations, strict=True):
+                delay = start + offset - clock()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(runner.conversation(turns)))
+            await asyncio.gather(*tasks)
+            end = clock()
+    return runner.results, start, end

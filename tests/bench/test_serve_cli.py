@@ -77,6 +77,7 @@ def test_every_request_failing_exits_1(fake_server, capsys) -> None:
         (["--time-scale", "-1"], "--time-scale"),
         (["--random-range-ratio", "1.5"], "--random-range-ratio"),
         (["--max-model-len", "1"], "--max-model-len"),
+        (["--result-file", "/"], "is a directory"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(fake_server, capsys, args, message) -> None:
