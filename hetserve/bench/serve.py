@@ -88,6 +88,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise InvalidInputError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.vocab_size < 2:
         raise InvalidInputError(f"--vocab-size must be >= 2, got {args.vocab_size}")
+    if args.endpoint is not None and not args.endpoint.startswith("/"):
+        raise InvalidInputError(f"--endpoint must be a path like /v1/completions: {args.endpoint}")
     if args.result_file and Path(args.result_file).is_dir():
         raise InvalidInputError(f"--result-file: {args.result_file} is a directory")
     if not args.base_url.startswith(("http://", "https://")):

@@ -104,8 +104,12 @@ def _content(chunk: dict[str, Any], chat: bool) -> str:
     if not choices:
         return ""
     if chat:
-        return (choices[0].get("delta") or {}).get("content") or ""
-    return choices[0].get("text") or ""
+        text = (choices[0].get("delta") or {}).get("content") or ""
+    else:
+        text = choices[0].get("text") or ""
+    if not isinstance(text, str):
+        raise TypeError(f"content is {type(text).__name__}, not text")
+    return text
 
 
 async def send_request(
@@ -144,19 +148,27 @@ async def send_request(
     return _finish(result, clock)
 
 
-def _on_chunk(result: RequestResult, chunk: dict[str, Any], chat: bool, clock: Clock) -> None:
-    if "error" in chunk:  # servers report mid-stream failures as an error object
+def _on_chunk(result: RequestResult, chunk: Any, chat: bool, clock: Clock) -> None:
+    if isinstance(chunk, dict) and "error" in chunk:  # how servers report mid-stream failures
         err = chunk["error"]
         raise ValueError(err.get("message", err) if isinstance(err, dict) else err)
-    text = _content(chunk, chat)
+    try:
+        text = _content(chunk, chat)
+        usage = chunk.get("usage")
+        completion_tokens = None if not usage else usage.get("completion_tokens")
+        if completion_tokens is not None:
+            completion_tokens = int(completion_tokens)
+            prompt_tokens = int(usage.get("prompt_tokens") or result.prompt_len)
+    except (AttributeError, TypeError, IndexError, ValueError) as exc:
+        # A server's malformed chunk fails this request only, never the whole benchmark.
+        raise ValueError(f"malformed stream chunk {json.dumps(chunk)[:80]}") from exc
     if text:
         result.token_s.append(clock())
         result.text += text
-    usage = chunk.get("usage")
-    if usage and usage.get("completion_tokens") is not None:
+    if completion_tokens is not None:
         result.usage_from_server = True
-        result.output_tokens = int(usage["completion_tokens"])
-        result.prompt_len = int(usage.get("prompt_tokens") or result.prompt_len)
+        result.output_tokens = completion_tokens
+        result.prompt_len = prompt_tokens
 
 
 def _finish(result: RequestResult, clock: Clock) -> RequestResult:

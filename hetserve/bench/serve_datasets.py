@@ -192,6 +192,8 @@ def sharegpt_workload(
     if not requests:
         raise InvalidInputError(f"--dataset-path: no usable ShareGPT conversations in {path}")
     notes = [n for n in (lengths.note,) if n]
+    if len(requests) < num_prompts:
+        notes.append(f"only {len(requests)} usable conversations of the {num_prompts} asked for")
     originals = {id(r): r.prompt_len for r in requests}
     notes += fit_lengths(requests, max_model_len, fit_mode)
     for r in requests:  # cut text in proportion; exact only with a tokenizer

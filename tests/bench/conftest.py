@@ -24,6 +24,7 @@ class FakeServerConfig:
     omit_usage: bool = False  # never send a usage chunk, even when asked
     fail_every: int | None = None  # every k-th request (1-based) gets HTTP 500
     fail_midstream_every: int | None = None  # every k-th request breaks after its first token
+    malformed_every: int | None = None  # every k-th request sends a chunk that is not OpenAI's
     api_key: str | None = None  # require this bearer token
     received: list[dict[str, Any]] = field(default_factory=list)  # request bodies, in order
     peak_concurrency: int = 0
@@ -92,6 +93,9 @@ class FakeServer:
                     await asyncio.sleep(cfg.itl_s)
                 if i == 1 and cfg.fail_midstream_every and n % cfg.fail_midstream_every == 0:
                     await _send(resp, {"error": {"message": "injected midstream failure"}})
+                    break
+                if i == 1 and cfg.malformed_every and n % cfg.malformed_every == 0:
+                    await _send(resp, {"choices": 5})
                     break
                 piece = f"t{i} "
                 choice = {"delta": {"content": piece}} if chat else {"text": piece}

@@ -83,14 +83,17 @@ def test_server_without_usage_is_counted_from_the_stream(fake_server) -> None:
 
 
 def test_server_errors_are_counted_not_fatal(fake_server) -> None:
-    server = fake_server(ttft_s=0.0, itl_s=0.0, fail_every=3, fail_midstream_every=4)
+    server = fake_server(ttft_s=0.0, itl_s=0.0, fail_every=3, fail_midstream_every=4,
+                         malformed_every=5)
     results, start, end = _run(server, _workload(12, output_len=3))
     m = compute_metrics(results, start, end)
     assert m["requests"] == 12
-    # Requests 3, 6, 9, 12 get HTTP 500; 4 and 8 break after their first token.
-    assert m["failed"] == 6 and m["completed"] == 6
+    # Requests 3, 6, 9, 12 get HTTP 500; 4 and 8 break after their first token; 5 and 10 send
+    # a chunk that is not OpenAI's.
+    assert m["failed"] == 8 and m["completed"] == 4
     assert sum(n for e, n in m["errors"].items() if e.startswith("HTTP 500")) == 4
     assert sum(n for e, n in m["errors"].items() if "midstream" in e) == 2
+    assert sum(n for e, n in m["errors"].items() if "malformed" in e) == 2
 
 
 def test_unreachable_server_fails_each_request(fake_server) -> None:

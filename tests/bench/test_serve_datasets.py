@@ -156,6 +156,7 @@ def test_sharegpt_takes_first_exchange(tmp_path: Path) -> None:
     r = w.conversations[0][0]
     assert (r.text, r.prompt_len, r.output_len) == ("x" * 80, 20, 10)
     assert any("estimated" in n for n in w.notes)
+    assert any("only 1 usable" in n for n in w.notes)
     with pytest.raises(InvalidInputError, match="not JSON"):
         (tmp_path / "bad.json").write_text("{nope")
         sharegpt_workload(str(tmp_path / "bad.json"), 10, None, None, 0)
