@@ -65,11 +65,15 @@ def build_payload(
     endpoint: str,
     model: str,
     request: BenchRequest,
-    history: list[dict[str, str]],
+    history: list[dict[str, str]] | None,
     workload: Workload,
     ignore_eos: bool,
 ) -> dict[str, Any]:
-    """The JSON body. `history` holds earlier turns of the conversation (multi-turn only)."""
+    """The JSON body. `history`: earlier turns of a multi-turn conversation (None: single turn).
+
+    On the completions endpoint a conversation is flattened to `role: text` lines, the first turn
+    too, so each turn's prompt starts with the previous one (what a prefix cache can reuse).
+    """
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": request.output_len,
@@ -89,8 +93,8 @@ def build_payload(
         prompt = request.text
     if is_chat(endpoint):
         text = prompt if isinstance(prompt, str) else words_from_ids(prompt)
-        body["messages"] = [*history, {"role": "user", "content": text}]
-    elif history:
+        body["messages"] = [*(history or []), {"role": "user", "content": text}]
+    elif history is not None:
         assert isinstance(prompt, str), "multi-turn prompts are text"
         turns = [*history, {"role": "user", "content": prompt}]
         body["prompt"] = "".join(f"{m['role']}: {m['content']}\n" for m in turns) + "assistant:"

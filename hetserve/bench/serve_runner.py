@@ -65,13 +65,13 @@ class _Runner:
         self.limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
         self.results: list[RequestResult] = []
 
-    async def send(self, req: BenchRequest, history: list[dict[str, str]]) -> RequestResult:
+    async def send(self, req: BenchRequest, history: list[dict[str, str]] | None) -> RequestResult:
         if self.limit is None:
             return await self._send(req, history)
         async with self.limit:
             return await self._send(req, history)
 
-    async def _send(self, req: BenchRequest, history: list[dict[str, str]]) -> RequestResult:
+    async def _send(self, req: BenchRequest, history: list[dict[str, str]] | None) -> RequestResult:
         # Built only once a slot is free: a long trace prompt is megabytes as a list of ints.
         cfg = self.cfg
         payload = build_payload(cfg.endpoint, cfg.model, req, history, self.workload,
@@ -81,7 +81,7 @@ class _Runner:
 
     async def conversation(self, turns: list[BenchRequest]) -> None:
         """Turns one after the other, each resending the history with the server's replies."""
-        history: list[dict[str, str]] = []
+        history: list[dict[str, str]] | None = [] if len(turns) > 1 else None
         for i, req in enumerate(turns):
             result = await self.send(req, history)
             self.results.append(result)
@@ -89,7 +89,7 @@ class _Runner:
             if not result.ok:  # later turns need this reply; count them as not sent
                 self.bar.update(len(turns) - i - 1)
                 return
-            if len(turns) > 1:
+            if history is not None:
                 history += [
                     {"role": "user", "content": req.text or ""},
                     {"role": "assistant", "content": result.text},

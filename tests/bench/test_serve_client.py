@@ -162,10 +162,14 @@ def test_base_url_with_or_without_v1() -> None:
         assert RunConfig(base, "/v1/completions", "m").url == "http://h:1/v1/completions"
 
 
-def test_completions_multiturn_flattens_history() -> None:
-    w = Workload("multiturn", [], ignore_eos=False)
-    req = BenchRequest(2, 2, text="next")
-    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-    body = build_payload("/v1/completions", "m", req, history, w, ignore_eos=False)
-    assert body["prompt"] == "user: hi\nassistant: yo\nuser: next\nassistant:"
-    assert "messages" not in body and "ignore_eos" not in body
+def test_completions_multiturn_flattens_history(fake_server) -> None:
+    server = fake_server(ttft_s=0.0, itl_s=0.0)
+    turns = [BenchRequest(prompt_len=2, output_len=2, text=f"q{i}") for i in range(2)]
+    _run(server, Workload("multiturn", [turns], ignore_eos=False))
+    first, second = (b["prompt"] for b in server.cfg.received)
+    assert first == "user: q0\nassistant:"
+    assert second == "user: q0\nassistant: t0 t1 \nuser: q1\nassistant:"
+    assert second.startswith(first)  # each turn extends the last: the prefix-cache workload
+    single = build_payload("/v1/completions", "m", BenchRequest(1, 1, text="x"), None,
+                           Workload("w", [], ignore_eos=False), ignore_eos=False)
+    assert single["prompt"] == "x" and "messages" not in single and "ignore_eos" not in single

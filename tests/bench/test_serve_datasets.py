@@ -62,7 +62,7 @@ def test_trace_blocks_depend_only_on_the_id() -> None:
 
 def test_trace_payload_sends_token_ids_with_max_tokens_and_ignore_eos(tmp_path: Path) -> None:
     w = trace_workload(_write_trace(tmp_path / "t.jsonl", TRACE), 1, vocab_size=5000)
-    body = build_payload("/v1/completions", "m", w.conversations[0][0], [], w, ignore_eos=True)
+    body = build_payload("/v1/completions", "m", w.conversations[0][0], None, w, True)
     assert len(body["prompt"]) == 1100 and all(isinstance(t, int) for t in body["prompt"])
     assert body["max_tokens"] == 7 and body["ignore_eos"] is True and body["stream"] is True
     assert body["stream_options"] == {"include_usage": True}
