@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import sys
@@ -136,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     result = _result(args, cfg, workload, metrics, results, start)
     print(format_table(result))
     if args.result_file:
-        _write(Path(args.result_file), json.dumps(result, indent=2))
+        _write(args.result_file, result)
     if args.plot:
         try:
             for path in write_plots(args.plot, results, metrics):
@@ -192,13 +191,13 @@ def _result(args, cfg, workload, metrics, results, start) -> dict[str, Any]:
     }
 
 
-def _write(path: Path, text: str) -> None:
+def _write(path: str, result: dict[str, Any]) -> None:
+    from hetserve.bench.common import write_json  # the house JSON layout, with machine info
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        write_json(path, result)
     except OSError as exc:
         raise InvalidInputError(f"--result-file: cannot write {path} ({exc})") from exc
-    print(f"wrote {path}")
 
 
 def _plain(value: Any) -> Any:

@@ -27,6 +27,7 @@ def test_run_prints_table_and_writes_json_and_plots(fake_server, tmp_path: Path,
     assert "Successful requests:" in text and "Mean TTFT (ms):" in text
     assert "Goodput (req/s):" in text and "injected failure" in text
     result = json.loads(out.read_text())
+    assert "platform" in result["machine"]  # the layout every hetserve benchmark writes
     m = result["metrics"]
     assert (m["completed"], m["failed"], m["total_output_tokens"]) == (8, 2, 32)
     assert m["slo_good_requests"] == 8 and result["arrivals"] == "Poisson 100 req/s"
