@@ -22,6 +22,8 @@ def format_table(result: dict[str, Any]) -> str:
         " Serving Benchmark Result ".center(_WIDTH, "="),
         _row("Dataset:", result["dataset"]),
         _row("Endpoint:", result["endpoint"]),
+        _row("Arrivals:", result["arrivals"]),
+        _row("Max concurrency:", result["max_concurrency"] or "unlimited"),
         _row("Successful requests:", m["completed"]),
         _row("Failed requests:", m["failed"]),
         _row("Benchmark duration (s):", m["duration_s"]),

@@ -99,17 +99,26 @@ class FakeServer:
                     break
                 piece = f"t{i} "
                 choice = {"delta": {"content": piece}} if chat else {"text": piece}
-                await _send(resp, {"choices": [{"index": 0, **choice}]})
+                last = i == max_tokens - 1
+                choice |= {"index": 0, "finish_reason": "length" if last else None}
+                await _send(resp, _chunk(body, chat, [choice]))
         finally:
             cfg._active -= 1
         want_usage = (body.get("stream_options") or {}).get("include_usage")
         if want_usage and not cfg.omit_usage:
             prompt = body.get("prompt", body.get("messages"))
             usage = {"prompt_tokens": len(prompt), "completion_tokens": max_tokens}
-            await _send(resp, {"choices": [], "usage": usage})
+            await _send(resp, {**_chunk(body, chat, []), "usage": usage})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+def _chunk(body: dict, chat: bool, choices: list[dict]) -> dict:
+    """A stream chunk with every field OpenAI's own chunks carry."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    return {"id": "cmpl-fake", "object": kind, "created": 0, "model": body.get("model"),
+            "choices": choices}
 
 
 async def _send(resp: web.StreamResponse, obj: dict) -> None:

@@ -26,6 +26,7 @@ def test_run_prints_table_and_writes_json_and_plots(fake_server, tmp_path: Path,
     text = capsys.readouterr().out
     assert "Successful requests:" in text and "Mean TTFT (ms):" in text
     assert "Goodput (req/s):" in text and "injected failure" in text
+    assert "Poisson 100 req/s" in text
     result = json.loads(out.read_text())
     assert "platform" in result["machine"]  # the layout every hetserve benchmark writes
     m = result["metrics"]

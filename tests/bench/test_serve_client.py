@@ -173,3 +173,17 @@ def test_completions_multiturn_flattens_history(fake_server) -> None:
     single = build_payload("/v1/completions", "m", BenchRequest(1, 1, text="x"), None,
                            Workload("w", [], ignore_eos=False), ignore_eos=False)
     assert single["prompt"] == "x" and "messages" not in single and "ignore_eos" not in single
+
+
+def test_fake_server_speaks_the_format_the_openai_client_reads(fake_server) -> None:
+    """Anchors the fake to the reference client, so these tests do not grade our own format."""
+    openai = pytest.importorskip("openai")
+    server = fake_server(ttft_s=0.0, itl_s=0.0)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="k")
+    chunks = list(client.completions.create(model="m", prompt=[11, 12], max_tokens=3, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "t0 t1 t2 "
+    assert chunks[-1].usage.completion_tokens == 3
+    chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}],
+                                          max_tokens=2, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == "t0 t1 "
