@@ -176,6 +176,8 @@ def sharegpt_workload(
     fit_mode: str = "clip",
 ) -> Workload:
     """First human message as prompt; output length is that of the reply (vLLM's filter rules)."""
+    if output_len is not None and output_len < 1:
+        raise InvalidInputError(f"--sharegpt-output-len must be >= 1, got {output_len}")
     lengths = _Lengths(tokenizer)
     convs = [c for c in _load_sharegpt(path) if len(c) >= 2]
     np.random.default_rng(seed).shuffle(convs)
@@ -194,12 +196,17 @@ def sharegpt_workload(
     notes = [n for n in (lengths.note,) if n]
     if len(requests) < num_prompts:
         notes.append(f"only {len(requests)} usable conversations of the {num_prompts} asked for")
-    originals = {id(r): r.prompt_len for r in requests}
+    originals = [r.prompt_len for r in requests]
     notes += fit_lengths(requests, max_model_len, fit_mode)
-    for r in requests:  # cut text in proportion; exact only with a tokenizer
-        if r.prompt_len < originals[id(r)] and r.text is not None:
-            r.text = r.text[: max(1, len(r.text) * r.prompt_len // originals[id(r)])]
+    for r, original in zip(requests, originals, strict=True):
+        _cut_text(r, original)
     return Workload("sharegpt", [[r] for r in requests], ignore_eos=False, notes=notes)
+
+
+def _cut_text(r: BenchRequest, original_len: int) -> None:
+    """Shorten the text in proportion to a reduced prompt_len (exact only with a tokenizer)."""
+    if r.text is not None and r.prompt_len < original_len:
+        r.text = r.text[: max(1, len(r.text) * r.prompt_len // original_len)]
 
 
 def multiturn_workload(
@@ -217,8 +224,9 @@ def multiturn_workload(
     User messages come from ShareGPT human turns when a file is given, else random words. The
     assistant messages are the server's real replies, appended by the runner as it goes.
     """
-    if turns < 1:
-        raise InvalidInputError(f"--multiturn-turns must be >= 1, got {turns}")
+    for name, value in (("turns", turns), ("user-len", user_len), ("output-len", output_len)):
+        if value < 1:
+            raise InvalidInputError(f"--multiturn-{name} must be >= 1, got {value}")
     rng = np.random.default_rng(seed)
     lengths = _Lengths(tokenizer)
     if path is not None:
@@ -243,7 +251,7 @@ def multiturn_workload(
             ]
         )
     notes = [n for n in (lengths.note,) if n and path is not None]
-    notes.append("prompt_len of later turns counts the new user message only; history adds more")
+    notes.append("input tokens of a turn count its history only when the server reports usage")
     if max_model_len is not None:
         notes.append(_fit_conversations(conversations, max_model_len))
     return Workload("multiturn", conversations, ignore_eos=True, notes=notes)
@@ -262,8 +270,10 @@ def _fit_conversations(conversations: list[list[BenchRequest]], max_model_len: i
         if keep < len(conv):
             changed += 1
             del conv[max(1, keep) :]
-            conv[0].output_len = min(conv[0].output_len, max(1, max_model_len // 2))
-            conv[0].prompt_len = min(conv[0].prompt_len, max_model_len - conv[0].output_len)
+            first, original = conv[0], conv[0].prompt_len
+            first.output_len = min(first.output_len, max(1, max_model_len // 2))
+            first.prompt_len = min(first.prompt_len, max_model_len - first.output_len)
+            _cut_text(first, original)
     return f"--max-model-len {max_model_len}: cut turns from {changed} conversations"
 
 

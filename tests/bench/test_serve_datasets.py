@@ -166,3 +166,17 @@ def test_multiturn_conversations_have_turns() -> None:
     w = multiturn_workload(3, turns=4, user_len=16, output_len=8, path=None, tokenizer=None, seed=0)
     assert [len(c) for c in w.conversations] == [4, 4, 4]
     assert all(len(r.text.split()) == 16 and r.output_len == 8 for c in w.conversations for r in c)
+
+
+def test_multiturn_max_model_len_drops_turns_that_no_longer_fit() -> None:
+    w = multiturn_workload(2, turns=4, user_len=30, output_len=20, path=None, tokenizer=None,
+                           seed=0, max_model_len=120)
+    assert [len(c) for c in w.conversations] == [2, 2]  # 50 + 50 fit, a third turn would not
+    assert any("cut turns from 2 conversations" in n for n in w.notes)
+    tiny = multiturn_workload(1, turns=2, user_len=30, output_len=20, path=None, tokenizer=None,
+                              seed=0, max_model_len=40)
+    (first,) = tiny.conversations[0]
+    assert (first.prompt_len, first.output_len) == (20, 20)
+    assert len(first.text) < len(w.conversations[0][0].text)  # the text was cut too
+    with pytest.raises(InvalidInputError, match="--multiturn-user-len"):
+        multiturn_workload(1, 2, 0, 8, None, None, 0)
