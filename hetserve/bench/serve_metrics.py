@@ -59,11 +59,19 @@ def summarize(values_s: list[float]) -> dict[str, float | None]:
     return {"mean": float(ms.mean()), "median": p50, "p90": p90, "p99": p99, "max": float(ms.max())}
 
 
+def pick_bin(duration_s: float, max_bins: int = 200) -> float:
+    """The finest round bin width that keeps the throughput series under `max_bins` points."""
+    for width in (0.1, 1.0, 10.0, 60.0):
+        if duration_s / width <= max_bins:
+            return width
+    return 600.0
+
+
 def throughput_over_time(
     results: list[RequestResult], start_s: float, duration_s: float, bin_s: float
 ) -> list[float]:
     """Output tokens per second in consecutive bins of `bin_s` from the benchmark start."""
-    nbins = max(1, math.ceil(duration_s / bin_s))
+    nbins = max(1, math.ceil(duration_s / bin_s - 1e-9))
     counts = np.zeros(nbins, dtype=np.float64)
     for r in results:
         if not r.ok or not r.token_s:
@@ -72,7 +80,9 @@ def throughput_over_time(
         weight = r.output_tokens / len(r.token_s)
         idx = np.minimum(((np.asarray(r.token_s) - start_s) / bin_s).astype(int), nbins - 1)
         np.add.at(counts, np.maximum(idx, 0), weight)
-    return (counts / bin_s).tolist()
+    # The last bin ends with the run: divide by its real width, or the tail looks like a drop.
+    widths = np.minimum(bin_s, duration_s - bin_s * np.arange(nbins))
+    return (counts / np.maximum(widths, 1e-9)).tolist()
 
 
 def _usage_source(done: list[RequestResult]) -> str:
@@ -89,13 +99,14 @@ def compute_metrics(
     start_s: float,
     end_s: float,
     slo: dict[str, float] | None = None,
-    bin_s: float = 1.0,
+    bin_s: float | None = None,
 ) -> dict[str, Any]:
     """Everything the table, the JSON file and the plots show, from raw results."""
     slo = slo or {}
     done = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
     duration = max(end_s - start_s, 1e-9)
+    bin_s = bin_s or pick_bin(duration)
     in_tokens = sum(r.prompt_len for r in done)
     out_tokens = sum(r.output_tokens for r in done)
     metrics: dict[str, Any] = {

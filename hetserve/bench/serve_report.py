@@ -84,12 +84,18 @@ def write_plots(directory: str, results: list[RequestResult], metrics: dict[str,
             ax.hist(values, bins=min(50, max(5, len(values) // 4)))
         else:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+        limit = metrics.get("slo_ms", {}).get(name)
+        if limit is not None:
+            ax.axvline(limit, color="red", linestyle="--", label=f"SLO {limit:g} ms")
+            ax.legend()
         ax.set(xlabel=label, ylabel="requests", title=f"{label} distribution (n={len(values)})")
         paths.append(_save(fig, out / f"{name}.png"))
     fig, ax = plt.subplots(figsize=(6, 4))
     rates = metrics["output_throughput_over_time"]
     bin_s = metrics["throughput_bin_s"]
-    ax.step([i * bin_s for i in range(len(rates))], rates, where="post")
+    edges = [min(i * bin_s, metrics["duration_s"]) for i in range(len(rates) + 1)]
+    ax.stairs(rates, edges)
+    ax.set_ylim(bottom=0)
     ax.set(xlabel="time since start (s)", ylabel="output tokens/s", title="Output throughput")
     paths.append(_save(fig, out / "throughput.png"))
     return paths

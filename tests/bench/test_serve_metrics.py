@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hetserve.bench.serve_client import RequestResult
-from hetserve.bench.serve_metrics import compute_metrics, meets_slo, parse_slo
+from hetserve.bench.serve_metrics import compute_metrics, meets_slo, parse_slo, pick_bin
 from hetserve.errors import InvalidInputError
 
 
@@ -84,8 +84,13 @@ def test_all_failed_gives_empty_stats_not_a_crash() -> None:
 def test_throughput_over_time_bins_tokens_by_arrival() -> None:
     # 10 tokens in [0, 1) s and 5 in [1, 2) s.
     results = [_req(0.0, 0.05, 0.1, 10), _req(1.0, 0.05, 0.1, 5)]
-    m = compute_metrics(results, 0.0, 2.0)
+    m = compute_metrics(results, 0.0, 2.0, bin_s=1.0)
     assert m["output_throughput_over_time"] == pytest.approx([10.0, 5.0])
+    # A last bin cut short by the end of the run is divided by its real width (0.5 s).
+    m = compute_metrics(results, 0.0, 1.5, bin_s=1.0)
+    assert m["output_throughput_over_time"] == pytest.approx([10.0, 10.0])
+    assert compute_metrics(results, 0.0, 2.0)["throughput_bin_s"] == 0.1  # 20 bins of 0.1 s
+    assert pick_bin(3600.0) == 60.0
 
 
 def test_usage_source_is_reported() -> None:
