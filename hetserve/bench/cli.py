@@ -12,7 +12,7 @@ BENCH_MODULES: list[str] = [
     "hetserve.bench.generate",
     "hetserve.bench.throughput",
     "hetserve.bench.prefix",
-    # "hetserve.bench.generate", "hetserve.bench.serve", "hetserve.bench.store", ...
+    "hetserve.bench.serve",  # load-test an OpenAI-compatible server
 ]
 
 

@@ -1,0 +1,217 @@
+"""`hetserve bench serve`: load-test any OpenAI-compatible server and report serving metrics.
+
+Example: hetserve bench serve --base-url http://127.0.0.1:8000 --model m --dataset random
+--request-rate 4 --num-prompts 200 --slo ttft=500,tpot=50 --result-file out.json --plot plots/
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from hetserve.errors import InvalidInputError
+
+DATASETS = ("random", "sharegpt", "multiturn", "mooncake-trace")
+# Requests per run when --num-prompts is not given (conversations for multiturn; None = all).
+_DEFAULT_NUM = {"random": 1000, "sharegpt": 1000, "multiturn": 64, "mooncake-trace": None}
+
+
+def register(bench_sub: Any) -> None:
+    p = bench_sub.add_parser(
+        "serve",
+        help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, goodput)",
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", required=True, help="model name sent in each request")
+    p.add_argument("--endpoint", default=None, help="default /v1/completions "
+                   "(/v1/chat/completions for multiturn)")
+    p.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
+    d = p.add_argument_group("workload")
+    d.add_argument("--dataset", choices=DATASETS, default="random")
+    d.add_argument("--dataset-path", default=None, help="ShareGPT JSON or Mooncake trace JSONL")
+    d.add_argument("--num-prompts", type=int, default=None, help="requests (conversations for "
+                   "multiturn); default 1000, 64 for multiturn, the whole trace")
+    d.add_argument("--random-input-len", type=int, default=1024)
+    d.add_argument("--random-output-len", type=int, default=128)
+    d.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths uniform in len*(1 +- ratio)")
+    d.add_argument("--random-prefix-ratio", type=float, default=0.0,
+                   help="share of the prompt that is the same in every request")
+    d.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="override the output length taken from the reply")
+    d.add_argument("--multiturn-turns", type=int, default=4)
+    d.add_argument("--multiturn-user-len", type=int, default=64, help="words per user message")
+    d.add_argument("--multiturn-output-len", type=int, default=64)
+    d.add_argument("--tokenizer", default=None, help="tokenizer.json for exact text lengths")
+    d.add_argument("--vocab-size", type=int, default=1000,
+                   help="token ids of random and trace prompts stay below this")
+    d.add_argument("--max-model-len", type=int, default=None,
+                   help="fit prompt + output into this many tokens")
+    d.add_argument("--max-model-len-mode", choices=("clip", "scale"), default="clip")
+    d.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                   help="default on for random, multiturn and traces")
+    a = p.add_argument_group("arrivals")
+    a.add_argument("--request-rate", type=float, default=None,
+                   help="Poisson req/s or inf (default: trace timestamps, else inf)")
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--max-concurrency", type=int, default=None)
+    a.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply trace timestamps (0.5 replays twice as fast)")
+    a.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds")
+    o = p.add_argument_group("output")
+    o.add_argument("--slo", default=None, help="e.g. ttft=200,tpot=50 (ms; also e2el)")
+    o.add_argument("--result-file", default=None, help="write the result as JSON here")
+    o.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots here")
+    o.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.dataset in ("sharegpt", "mooncake-trace") and not args.dataset_path:
+        raise InvalidInputError(f"--dataset {args.dataset} needs --dataset-path FILE")
+    if args.dataset_path and not Path(args.dataset_path).is_file():
+        raise InvalidInputError(f"--dataset-path: file not found: {args.dataset_path}")
+    if args.request_rate is not None and not args.request_rate > 0:
+        raise InvalidInputError(f"--request-rate must be > 0 or inf, got {args.request_rate}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise InvalidInputError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if not (args.time_scale > 0 and math.isfinite(args.time_scale)):
+        raise InvalidInputError(f"--time-scale must be > 0, got {args.time_scale}")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise InvalidInputError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.vocab_size < 2:
+        raise InvalidInputError(f"--vocab-size must be >= 2, got {args.vocab_size}")
+    if args.endpoint is not None and not args.endpoint.startswith("/"):
+        raise InvalidInputError(f"--endpoint must be a path like /v1/completions: {args.endpoint}")
+    if args.result_file and Path(args.result_file).is_dir():
+        raise InvalidInputError(f"--result-file: {args.result_file} is a directory")
+    if not args.base_url.startswith(("http://", "https://")):
+        raise InvalidInputError(f"--base-url must start with http:// or https://: {args.base_url}")
+
+
+def build_workload(args: argparse.Namespace):
+    from hetserve.bench import serve_datasets as ds
+    from hetserve.bench.serve_trace import trace_workload
+
+    num = args.num_prompts if args.num_prompts is not None else _DEFAULT_NUM[args.dataset]
+    fit = {"max_model_len": args.max_model_len, "fit_mode": args.max_model_len_mode}
+    if args.dataset == "random":
+        return ds.random_workload(
+            num, args.random_input_len, args.random_output_len, args.random_range_ratio,
+            args.random_prefix_ratio, args.vocab_size, args.seed, **fit,
+        )
+    if args.dataset == "sharegpt":
+        return ds.sharegpt_workload(
+            args.dataset_path, num, args.sharegpt_output_len, args.tokenizer, args.seed, **fit
+        )
+    if args.dataset == "multiturn":
+        return ds.multiturn_workload(
+            num, args.multiturn_turns, args.multiturn_user_len, args.multiturn_output_len,
+            args.dataset_path, args.tokenizer, args.seed, args.max_model_len,
+        )
+    return trace_workload(args.dataset_path, num, args.vocab_size, **fit)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hetserve.bench.serve_metrics import compute_metrics, parse_slo
+    from hetserve.bench.serve_report import format_table, write_plots
+    from hetserve.bench.serve_runner import run_benchmark
+
+    _check_args(args)
+    slo = parse_slo(args.slo)  # before the run: a typo must not cost a whole benchmark
+    workload = build_workload(args)
+    cfg = _run_config(args)
+    results, start, end = asyncio.run(run_benchmark(workload, cfg))
+    metrics = compute_metrics(results, start, end, slo)
+    if len(results) < workload.num_requests:
+        skipped = workload.num_requests - len(results)
+        workload.notes.append(f"{skipped} later turns not sent: an earlier turn of theirs failed")
+    result = _result(args, cfg, workload, metrics, results, start)
+    print(format_table(result))
+    if args.result_file:
+        _write(args.result_file, result)
+    if args.plot:
+        try:
+            for path in write_plots(args.plot, results, metrics):
+                print(f"wrote {path}")
+        except OSError as exc:
+            raise InvalidInputError(f"--plot: cannot write to {args.plot} ({exc})") from exc
+    if results and not metrics["completed"]:
+        print("error: every request failed (see Errors above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_config(args: argparse.Namespace):
+    from hetserve.bench.serve_runner import RunConfig
+
+    endpoint = args.endpoint or (
+        "/v1/chat/completions" if args.dataset == "multiturn" else "/v1/completions"
+    )
+    return RunConfig(
+        base_url=args.base_url,
+        endpoint=endpoint,
+        model=args.model,
+        api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+        request_rate=args.request_rate,
+        seed=args.seed,
+        max_concurrency=args.max_concurrency,
+        time_scale=args.time_scale,
+        ignore_eos=args.ignore_eos,
+        request_timeout_s=args.request_timeout,
+        progress=not args.disable_tqdm,
+    )
+
+
+def _result(args, cfg, workload, metrics, results, start) -> dict[str, Any]:
+    """The JSON document: options, workload facts, metrics and one row per request."""
+    from hetserve.bench.serve_runner import arrival_offsets
+
+    _, arrivals = arrival_offsets(workload, cfg.request_rate, cfg.seed, cfg.time_scale)
+    return {
+        # The command's options, to rerun it; never the API key.
+        "args": {k: _plain(v) for k, v in vars(args).items() if k not in ("func", "api_key")},
+        "dataset": workload.name,
+        "endpoint": cfg.endpoint,
+        "url": cfg.url,
+        "model": cfg.model,
+        "arrivals": arrivals,
+        "max_concurrency": cfg.max_concurrency,
+        "ignore_eos": workload.ignore_eos if cfg.ignore_eos is None else cfg.ignore_eos,
+        "notes": workload.notes,
+        "prefix_reuse": workload.prefix_reuse,
+        "metrics": metrics,
+        "requests": [_request_row(r, start) for r in results],
+    }
+
+
+def _write(path: str, result: dict[str, Any]) -> None:
+    from hetserve.bench.common import write_json  # the house JSON layout, with machine info
+
+    try:
+        write_json(path, result)
+    except OSError as exc:
+        raise InvalidInputError(f"--result-file: cannot write {path} ({exc})") from exc
+
+
+def _plain(value: Any) -> Any:
+    """Non-finite floats as strings ("inf"): JSON has no Infinity and strict parsers reject it."""
+    return str(value) if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def _request_row(r: Any, start: float) -> dict[str, Any]:
+    return {
+        "send_s": r.send_s - start,
+        "prompt_len": r.prompt_len,
+        "output_tokens": r.output_tokens,
+        "ttft_s": r.ttft if r.ok else None,
+        "e2e_s": r.e2e,
+        "tpot_s": r.tpot if r.ok else None,
+        "error": r.error,
+    }

@@ -1,0 +1,110 @@
+"""What `hetserve bench serve` shows: the terminal table and the PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hetserve.bench.serve_client import RequestResult
+
+_WIDTH = 60
+
+
+def _row(label: str, value: Any, fmt: str = "{:.2f}") -> str:
+    text = "n/a" if value is None else fmt.format(value) if isinstance(value, float) else str(value)
+    return f"{label}{text:>{max(1, _WIDTH - len(label))}}"
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """vLLM-style summary: counts, throughputs, latency percentiles, SLO, errors, notes."""
+    m = result["metrics"]
+    lines = [
+        " Serving Benchmark Result ".center(_WIDTH, "="),
+        _row("Dataset:", result["dataset"]),
+        _row("Endpoint:", result["endpoint"]),
+        _row("Arrivals:", result["arrivals"]),
+        _row("Max concurrency:", result["max_concurrency"] or "unlimited"),
+        _row("Successful requests:", m["completed"]),
+        _row("Failed requests:", m["failed"]),
+        _row("Benchmark duration (s):", m["duration_s"]),
+        _row("Total input tokens:", m["total_input_tokens"]),
+        _row("Total generated tokens:", m["total_output_tokens"]),
+        _row("Request throughput (req/s):", m["request_throughput"]),
+        _row("Output token throughput (tok/s):", m["output_throughput"]),
+        _row("Total token throughput (tok/s):", m["total_token_throughput"]),
+    ]
+    if "slo_ms" in m:
+        limits = ",".join(f"{k}={v:g}" for k, v in m["slo_ms"].items())
+        lines += [
+            _row(f"SLO ({limits} ms) attainment:", f"{100 * m['slo_attainment']:.1f}%"),
+            _row("Goodput (req/s):", m["goodput"]),
+        ]
+    names = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st)"}
+    names |= {"itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+    for key, title in names.items():
+        stats = m[f"{key}_ms"]
+        lines.append(f" {title} ".center(_WIDTH, "-"))
+        for stat in ("mean", "median", "p90", "p99"):
+            lines.append(_row(f"{stat.capitalize()} {key.upper()} (ms):", stats[stat]))
+    reuse = result.get("prefix_reuse")
+    if reuse:
+        lines.append(" Prefix reuse with a perfect cache ".center(_WIDTH, "-"))
+        lines.append(_row("Block hits:", f"{reuse['blocks_hit']} / {reuse['blocks_total']}"))
+        lines.append(_row("Block hit ratio:", f"{100 * reuse['block_hit_ratio']:.1f}%"))
+        lines.append(_row("Prompt-token hit ratio:", f"{100 * reuse['token_hit_ratio']:.1f}%"))
+    if m["errors"]:
+        lines.append(" Errors ".center(_WIDTH, "-"))
+        lines += [f"{n:>6} x {err}" for err, n in list(m["errors"].items())[:10]]
+    lines.append("=" * _WIDTH)
+    notes = list(result.get("notes", []))
+    if m["usage_source"] and m["usage_source"] != "server":
+        notes.append(f"output tokens: {m['usage_source']}")
+    lines += [f"note: {n}" for n in notes]
+    return "\n".join(lines)
+
+
+def write_plots(directory: str, results: list[RequestResult], metrics: dict[str, Any]) -> list[str]:
+    """ttft.png, tpot.png (histograms) and throughput.png (output tokens/s over time)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers and CI
+    import matplotlib.pyplot as plt
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    done = [r for r in results if r.ok]
+    series = {
+        "ttft": ([1000 * r.ttft for r in done], "TTFT (ms)"),
+        "tpot": ([1000 * t for r in done if (t := r.tpot) is not None], "TPOT (ms)"),
+    }
+    paths = []
+    for name, (values, label) in series.items():
+        fig, ax = plt.subplots(figsize=(6, 4))
+        if values:
+            ax.hist(values, bins=min(50, max(5, len(values) // 4)))
+        else:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+        limit = metrics.get("slo_ms", {}).get(name)
+        if limit is not None:
+            ax.axvline(limit, color="red", linestyle="--", label=f"SLO {limit:g} ms")
+            ax.legend()
+        ax.set(xlabel=label, ylabel="requests", title=f"{label} distribution (n={len(values)})")
+        paths.append(_save(fig, out / f"{name}.png"))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    rates = metrics["output_throughput_over_time"]
+    bin_s = metrics["throughput_bin_s"]
+    edges = [min(i * bin_s, metrics["duration_s"]) for i in range(len(rates) + 1)]
+    ax.stairs(rates, edges)
+    ax.set_ylim(bottom=0)
+    ax.set(xlabel="time since start (s)", ylabel="output tokens/s", title="Output throughput")
+    paths.append(_save(fig, out / "throughput.png"))
+    return paths
+
+
+def _save(fig: Any, path: Path) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)

@@ -1,0 +1,119 @@
+"""The asyncio load generator: arrival schedule, concurrency cap, conversations, progress bar."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+
+import aiohttp
+import numpy as np
+from tqdm import tqdm
+
+from hetserve.bench.serve_client import Clock, RequestResult, build_payload, send_request
+from hetserve.bench.serve_datasets import BenchRequest, Workload
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    base_url: str
+    endpoint: str
+    model: str
+    api_key: str | None = None
+    request_rate: float | None = None  # None: the trace's recorded times, else send all at once
+    seed: int = 0
+    max_concurrency: int | None = None
+    time_scale: float = 1.0
+    ignore_eos: bool | None = None  # None: the workload's default
+    request_timeout_s: float = 6 * 3600.0
+    progress: bool = True
+
+    @property
+    def url(self) -> str:
+        base, endpoint = self.base_url.rstrip("/"), self.endpoint
+        if base.endswith("/v1") and endpoint.startswith("/v1/"):
+            endpoint = endpoint[len("/v1") :]  # accept both http://h:p and http://h:p/v1
+        return base + endpoint
+
+
+def arrival_offsets(
+    workload: Workload, rate: float | None, seed: int, time_scale: float
+) -> tuple[list[float], str]:
+    """Seconds after the start at which each conversation begins, and how they were made."""
+    n = len(workload.conversations)
+    recorded = [c[0].arrival_s for c in workload.conversations]
+    if rate is None and n and all(t is not None for t in recorded):
+        first = recorded[0]
+        return [(t - first) * time_scale for t in recorded], f"trace timestamps x{time_scale:g}"
+    if rate is None or math.isinf(rate):
+        return [0.0] * n, "all at once (rate inf)"
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+    # The first request goes at once; the gap after each one is exponential (Poisson arrivals).
+    return np.concatenate([[0.0], np.cumsum(gaps[:-1])]).tolist(), f"Poisson {rate:g} req/s"
+
+
+class _Runner:
+    """One benchmark run: a shared HTTP session, the concurrency cap and the collected results."""
+
+    def __init__(self, workload: Workload, cfg: RunConfig, session: aiohttp.ClientSession,
+                 bar: tqdm, clock: Clock) -> None:
+        self.workload, self.cfg, self.session, self.bar, self.clock = (
+            workload, cfg, session, bar, clock)
+        self.ignore_eos = workload.ignore_eos if cfg.ignore_eos is None else cfg.ignore_eos
+        self.headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        self.limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+        self.results: list[RequestResult] = []
+
+    async def send(self, req: BenchRequest, history: list[dict[str, str]] | None) -> RequestResult:
+        if self.limit is None:
+            return await self._send(req, history)
+        async with self.limit:
+            return await self._send(req, history)
+
+    async def _send(self, req: BenchRequest, history: list[dict[str, str]] | None) -> RequestResult:
+        # Built only once a slot is free: a long trace prompt is megabytes as a list of ints.
+        cfg = self.cfg
+        payload = build_payload(cfg.endpoint, cfg.model, req, history, self.workload,
+                                self.ignore_eos)
+        return await send_request(self.session, cfg.url, self.headers, payload, req.prompt_len,
+                                  self.clock)
+
+    async def conversation(self, turns: list[BenchRequest]) -> None:
+        """Turns one after the other, each resending the history with the server's replies."""
+        history: list[dict[str, str]] | None = [] if len(turns) > 1 else None
+        for i, req in enumerate(turns):
+            result = await self.send(req, history)
+            self.results.append(result)
+            self.bar.update(1)
+            if not result.ok:  # later turns need this reply; count them as not sent
+                self.bar.update(len(turns) - i - 1)
+                return
+            if history is not None:
+                history += [
+                    {"role": "user", "content": req.text or ""},
+                    {"role": "assistant", "content": result.text},
+                ]
+
+
+async def run_benchmark(
+    workload: Workload, cfg: RunConfig, clock: Clock = time.perf_counter
+) -> tuple[list[RequestResult], float, float]:
+    """Send the workload; returns every result and the start and end times on `clock`."""
+    offsets, _ = arrival_offsets(workload, cfg.request_rate, cfg.seed, cfg.time_scale)
+    timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
+    with tqdm(total=workload.num_requests, disable=not cfg.progress, unit="req") as bar:
+        async with aiohttp.ClientSession(
+            timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+        ) as session:
+            runner = _Runner(workload, cfg, session, bar, clock)
+            start = clock()
+            tasks = []
+            for offset, turns in zip(offsets, workload.conversations, strict=True):
+                delay = start + offset - clock()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(runner.conversation(turns)))
+            await asyncio.gather(*tasks)
+            end = clock()
+    return runner.results, start, end

@@ -1,0 +1,148 @@
+"""Mooncake trace replay: hash ids become fixed token blocks, so shared prefixes really are shared.
+
+Trace format (one JSON object a line, sorted by time):
+`{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}` where hash id i is
+the prefix hash of the i-th 512-token block. See ../shared/data/mooncake/README.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hetserve.bench.serve_datasets import (
+    FIRST_SAFE_TOKEN_ID,
+    BenchRequest,
+    Workload,
+    fit_lengths,
+    scale_factor,
+)
+from hetserve.errors import InvalidInputError
+
+TRACE_BLOCK_SIZE = 512
+# Keys the generator of every block; a constant, not --seed, so the same trace always yields the
+# same prompts and runs on different days hit the same server-side cache entries.
+_BLOCK_SALT = 0x6D6F6F6E
+
+
+@dataclass(frozen=True)
+class BlockTokens:
+    """Hash id -> its block of token ids, derived only from the id (and the block geometry)."""
+
+    block_size: int
+    vocab_size: int
+
+    def block(self, hash_id: int) -> np.ndarray:
+        rng = np.random.default_rng([_BLOCK_SALT, hash_id])
+        low = min(FIRST_SAFE_TOKEN_ID, self.vocab_size - 1)
+        return rng.integers(low, self.vocab_size, self.block_size, dtype=np.int64)
+
+    def prompt(self, hash_ids: list[int], length: int) -> list[int]:
+        """The prompt of a trace request: its blocks in order, the last one cut to `length`."""
+        needed = math.ceil(length / self.block_size)
+        if needed > len(hash_ids):
+            raise ValueError(f"{length} tokens need {needed} blocks, trace gives {len(hash_ids)}")
+        blocks = [self.block(h) for h in hash_ids[:needed]]
+        return np.concatenate(blocks)[:length].tolist() if blocks else []
+
+
+def _read_trace(path: str) -> list[dict]:
+    p = Path(path)
+    if not p.is_file():
+        raise InvalidInputError(f"--dataset-path: file not found: {path}")
+    rows = []
+    with p.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                rows.append(
+                    {
+                        "timestamp": float(row["timestamp"]),
+                        "input_length": int(row["input_length"]),
+                        "output_length": int(row["output_length"]),
+                        "hash_ids": [int(h) for h in row["hash_ids"]],
+                    }
+                )
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                raise InvalidInputError(
+                    f"--dataset-path: {path} line {lineno} is not a Mooncake trace record ({exc})"
+                ) from exc
+            if rows[-1]["input_length"] > len(rows[-1]["hash_ids"]) * TRACE_BLOCK_SIZE:
+                raise InvalidInputError(
+                    f"--dataset-path: {path} line {lineno}: input_length exceeds its hash_ids"
+                )
+    return rows
+
+
+def trace_workload(
+    path: str,
+    num_prompts: int | None,
+    vocab_size: int,
+    max_model_len: int | None = None,
+    fit_mode: str = "clip",
+) -> Workload:
+    """The first `num_prompts` records (all when None) as token-id requests with arrival times."""
+    rows = _read_trace(path)[:num_prompts]
+    if not rows:
+        raise InvalidInputError(f"--dataset-path: no records in {path}")
+    requests = [
+        BenchRequest(
+            prompt_len=r["input_length"],
+            output_len=r["output_length"],
+            hash_ids=r["hash_ids"],
+            arrival_s=r["timestamp"] / 1000.0,
+        )
+        for r in rows
+    ]
+    block_size = TRACE_BLOCK_SIZE
+    notes: list[str] = []
+    if max_model_len is not None and fit_mode == "scale":
+        # Scale the block too, so every id still covers the same share of each prompt and the
+        # sharing structure of the trace survives; one integer block size sets the factor.
+        factor = scale_factor(requests, max_model_len)
+        block_size = max(1, math.floor(TRACE_BLOCK_SIZE * factor))
+        notes += fit_lengths(requests, max_model_len, "scale", block_size / TRACE_BLOCK_SIZE)
+    else:
+        notes += fit_lengths(requests, max_model_len, fit_mode)
+    if block_size != TRACE_BLOCK_SIZE:
+        notes.append(f"trace blocks scaled to {block_size} tokens per hash id")
+    return Workload(
+        "mooncake-trace",
+        [[r] for r in requests],
+        ignore_eos=True,
+        notes=notes,
+        block_tokens=BlockTokens(block_size, vocab_size),
+        prefix_reuse=perfect_cache_reuse(requests, block_size),
+    )
+
+
+def perfect_cache_reuse(requests: list[BenchRequest], block_size: int) -> dict[str, float]:
+    """Blocks (and tokens) an unbounded prefix cache would hit, replaying requests in order.
+
+    A seen id at position i means the whole prefix up to it was seen (ids are chained prefix
+    hashes), so a set of seen ids is a perfect cache.
+    """
+    seen: set[int] = set()
+    blocks = hits = tokens = hit_tokens = 0
+    for r in requests:
+        assert r.hash_ids is not None
+        for i, h in enumerate(r.hash_ids[: math.ceil(r.prompt_len / block_size)]):
+            n = min(block_size, r.prompt_len - i * block_size)
+            blocks, tokens = blocks + 1, tokens + n
+            if h in seen:
+                hits, hit_tokens = hits + 1, hit_tokens + n
+            seen.add(h)
+    return {
+        "blocks_total": blocks,
+        "blocks_hit": hits,
+        "block_hit_ratio": hits / blocks if blocks else 0.0,
+        "prompt_tokens_total": tokens,
+        "prompt_tokens_hit": hit_tokens,
+        "token_hit_ratio": hit_tokens / tokens if tokens else 0.0,
+    }
