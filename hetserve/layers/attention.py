@@ -26,10 +26,20 @@ class SeqSpan:
 
 
 @dataclass
+class DecodeBatch:
+    """All single-token sequences of a forward, attended in one padded SDPA call."""
+
+    rows: torch.Tensor  # [B] their rows in the token batch
+    slots: torch.Tensor  # [B, L] context slots, padded with slot 0 (the null block)
+    mask: torch.Tensor  # [B, 1, 1, L] True where a real (and in-window) key is
+
+
+@dataclass
 class AttentionMetadata:
     positions: torch.Tensor  # [T]
     slot_mapping: torch.Tensor  # [T] where this forward's K/V rows go
-    seqs: list[SeqSpan]
+    seqs: list[SeqSpan]  # sequences attended one by one (prefill chunks)
+    decode: DecodeBatch | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -58,13 +68,17 @@ def build_metadata(
     sliding_window: int | None = None,
 ) -> AttentionMetadata:
     """spans: per sequence (num_computed_before, num_new, slots of the whole context [kv_len])."""
-    positions, slot_mapping, seqs = [], [], []
+    positions, slot_mapping, seqs, decodes = [], [], [], []
     q_start = 0
     for computed, new, slots in spans:
         kv_len = computed + new
         assert slots.shape[0] == kv_len, (slots.shape, kv_len)
         positions.append(torch.arange(computed, kv_len))
         slot_mapping.append(slots[computed:kv_len])
+        if new == 1 and len(spans) > 1:
+            decodes.append((q_start, slots))
+            q_start += 1
+            continue
         seqs.append(
             SeqSpan(
                 q_start,
@@ -79,7 +93,19 @@ def build_metadata(
         positions=torch.cat(positions).to(device),
         slot_mapping=torch.cat(slot_mapping).to(device),
         seqs=seqs,
+        decode=_decode_batch(decodes, device, sliding_window) if decodes else None,
     )
+
+
+def _decode_batch(decodes, device, sliding_window: int | None) -> DecodeBatch:
+    lens = torch.tensor([len(slots) for _, slots in decodes])
+    padded = torch.nn.utils.rnn.pad_sequence([slots for _, slots in decodes], batch_first=True)
+    k_pos = torch.arange(padded.shape[1]).unsqueeze(0)
+    mask = k_pos < lens.unsqueeze(1)
+    if sliding_window is not None:
+        mask &= (lens.unsqueeze(1) - 1 - k_pos) < sliding_window
+    rows = torch.tensor([row for row, _ in decodes])
+    return DecodeBatch(rows.to(device), padded.to(device), mask[:, None, None, :].to(device))
 
 
 @dataclass
@@ -105,6 +131,17 @@ def sdpa(
     return out[0].transpose(0, 1)
 
 
+def batched_decode_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [B, H, D], k [B, L, Hkv, D], v [B, L, Hkv, Dv], mask [B, 1, 1, L] -> [B, H, Dv]."""
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
+        enable_gqa=k.shape[2] != q.shape[1],
+    )
+    return out.squeeze(2)
+
+
 def paged_attention(
     layer: int,
     q: torch.Tensor,
@@ -116,6 +153,14 @@ def paged_attention(
     """Standard (GQA) attention: store this forward's K/V, then attend over each context."""
     ctx.kv.write(layer, ctx.meta.slot_mapping, k, v)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    d = ctx.meta.decode
+    if d is not None:
+        b, n = d.slots.shape
+        k_all, v_all = ctx.kv.gather(layer, d.slots.flatten())
+        out[d.rows] = batched_decode_sdpa(
+            q[d.rows], k_all.view(b, n, *k_all.shape[1:]), v_all.view(b, n, *v_all.shape[1:]),
+            d.mask, scale,
+        )
     for s in ctx.meta.seqs:
         k_all, v_all = ctx.kv.gather(layer, s.kv_slots)
         qs = q[s.q_start : s.q_start + s.q_len]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hetserve.layers.attention import ForwardContext, sdpa
+from hetserve.layers.attention import ForwardContext, batched_decode_sdpa, sdpa
 from hetserve.layers.norm import RMSNorm
 from hetserve.layers.rotary import yarn_softmax_scale
 from hetserve.model.base import CausalLM, DecoderLayer, DenseMLP
@@ -66,6 +66,15 @@ class MLAttention(nn.Module):
         ctx.kv.write(self.layer_idx, ctx.meta.slot_mapping, torch.cat((latent, k_pe), dim=-1))
 
         out = x.new_empty(t, self.num_heads, self.v_dim)
+        d = ctx.meta.decode
+        if d is not None:
+            b, n = d.slots.shape
+            (rows,) = ctx.kv.gather(self.layer_idx, d.slots.flatten())
+            k, v = self._expand(rows)
+            out[d.rows] = batched_decode_sdpa(
+                q[d.rows], k.view(b, n, *k.shape[1:]), v.view(b, n, *v.shape[1:]), d.mask,
+                self.scale,
+            )
         for s in ctx.meta.seqs:
             (rows,) = ctx.kv.gather(self.layer_idx, s.kv_slots)
             k, v = self._expand(rows)
