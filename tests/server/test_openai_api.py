@@ -226,3 +226,32 @@ def test_serve_refuses_public_bind_without_key(tmp_path):
         timeout=120,
     )
     assert r.returncode == 2 and "API key" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_chat_cli_against_server(server):
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "hetserve.cli", "chat", "--url", server.url, "--max-tokens", "5"],
+        input="hello\nhow are you\n\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.strip().splitlines()) >= 1 and "Traceback" not in r.stderr
+
+
+def test_chat_cli_unreachable_server_is_one_line_error():
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "hetserve.cli", "chat", "--url", "http://127.0.0.1:9"],
+        input="hi\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "cannot reach" in r.stderr and "Traceback" not in r.stderr
