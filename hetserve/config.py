@@ -39,6 +39,17 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    # Per token, this many lowest-weighted routed experts of MoE layer L run while layer L+1
+    # computes (never in the last MoE layer). 0 = exact.
+    max_deferred_experts_per_token: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_deferred_experts_per_token < 0:
+            raise ValueError("max_deferred_experts_per_token must be >= 0")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # HF directory; None = the embedded demo model
     device: str = "auto"
@@ -46,4 +57,5 @@ class EngineConfig:
     max_model_len: int | None = None
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    moe: MoEConfig = MoEConfig()
     seed: int = 0

@@ -47,6 +47,8 @@ class EngineCore:
         self.model_dir = str(model_dir)
         self.model = load_model(model_dir, device=cfg.device, dtype=cfg.dtype)
         self.tokenizer = Tokenizer(model_dir)
+        if cfg.moe.max_deferred_experts_per_token:
+            self.model.set_expert_deferral(cfg.moe.max_deferred_experts_per_token)
         mcfg = self.model.config
         self.max_model_len = min(
             cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from hetserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from hetserve.config import CacheConfig, EngineConfig, MoEConfig, SchedulerConfig
 from hetserve.core.outputs import RequestOutput
 from hetserve.core.sampling import SamplingParams
 from hetserve.engine.core import EngineCore
@@ -32,7 +32,14 @@ class LLM:
         sched = {
             k: kwargs.pop(k) for k in list(kwargs) if k in SchedulerConfig.__dataclass_fields__
         }
-        cfg = replace(cfg, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **kwargs)
+        moe = {k: kwargs.pop(k) for k in list(kwargs) if k in MoEConfig.__dataclass_fields__}
+        cfg = replace(
+            cfg,
+            cache=CacheConfig(**cache),
+            scheduler=SchedulerConfig(**sched),
+            moe=MoEConfig(**moe),
+            **kwargs,
+        )
         self.engine = EngineCore(cfg)
         self.model = self.engine.model
         self.tokenizer = self.engine.tokenizer

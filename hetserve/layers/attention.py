@@ -8,6 +8,7 @@ A faster backend can replace `PagedAttentionBackend` behind the same two calls.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +113,9 @@ def _decode_batch(decodes, device, sliding_window: int | None) -> DecodeBatch:
 class ForwardContext:
     meta: AttentionMetadata
     kv: PagedKVCache
+    # Expert deferral: a MoE layer leaves here the future of its deferred experts' output,
+    # which the model adds after the next layer has run.
+    deferred: Future | None = None
 
 
 def sdpa(

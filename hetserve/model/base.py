@@ -16,7 +16,7 @@ from hetserve.layers.attention import ForwardContext
 from hetserve.layers.norm import RMSNorm
 from hetserve.model.config import ModelConfig
 from hetserve.moe.experts import ACTIVATIONS
-from hetserve.moe.layer import FusedExperts
+from hetserve.moe.layer import FusedExperts, SparseMoE
 
 
 class DenseMLP(nn.Module):
@@ -30,7 +30,7 @@ class DenseMLP(nn.Module):
         setattr(self, names[2], nn.Linear(inter, hidden, bias=False))
         self.act = ACTIVATIONS[act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         gate, up, down = (getattr(self, n) for n in self._names)
         return down(self.act(gate(x)) * up(x))
 
@@ -48,7 +48,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), ctx)
-        return h + getattr(self, self.mlp_name)(self.post_attention_layernorm(h))
+        return h + getattr(self, self.mlp_name)(self.post_attention_layernorm(h), ctx)
 
 
 class CausalLM(nn.Module):
@@ -74,9 +74,24 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] (all sequences concatenated) -> final hidden states [T, H]."""
         x = self.model.embed_tokens(input_ids)
+        pending = None
         for layer in self.model.layers:
             x = layer(x, ctx)
+            if pending is not None:  # layer L's deferred experts land after layer L+1
+                x = x + pending.result()
+            pending, ctx.deferred = ctx.deferred, None
+        assert pending is None, "the last MoE layer must not defer"
         return self.model.norm(x)
+
+    def moe_layers(self) -> list[SparseMoE]:
+        return [m for m in self.modules() if isinstance(m, SparseMoE)]
+
+    def set_expert_deferral(self, num_deferred: int) -> None:
+        """Defer the `num_deferred` lowest-weighted experts of each token in every MoE layer but
+        the last (whose output nothing follows). 0 restores exact computation."""
+        layers = self.moe_layers()
+        for i, moe in enumerate(layers):
+            moe.set_deferral(num_deferred if i < len(layers) - 1 else 0)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

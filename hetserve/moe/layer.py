@@ -6,11 +6,30 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 from torch import nn
 
+from hetserve.errors import InvalidInputError
+from hetserve.layers.attention import ForwardContext
 from hetserve.moe.experts import ExpertsBackend, ExpertWeights, create_backend
 from hetserve.moe.router import RouterConfig, TopKRouter
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _deferral_pool() -> ThreadPoolExecutor:
+    # One worker: deferred work of layer L must finish before layer L+1 defers its own.
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetserve-deferred")
+    return _POOL
+
+
+def _run_deferred(experts, x, weights, ids) -> torch.Tensor:
+    with torch.inference_mode():  # thread-local: the engine thread's mode does not carry over
+        return experts(x, weights, ids)
 
 
 class FusedExperts(nn.Module):
@@ -60,9 +79,26 @@ class SparseMoE(nn.Module):
         if shared is not None:
             setattr(self, shared_name, shared)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_gate else None
+        self.num_deferred = 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def set_deferral(self, num_deferred: int) -> None:
+        if not 0 <= num_deferred < self.gate.cfg.top_k:
+            raise InvalidInputError(
+                f"max deferred experts per token must be in [0, top_k={self.gate.cfg.top_k})"
+            )
+        self.num_deferred = num_deferred
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
+        d = self.num_deferred
+        if d and ctx is not None:
+            # The d lowest-weighted experts of each token run on the deferral thread while the
+            # next layer computes; their sum joins the residual stream after that layer.
+            order = topk_weights.argsort(dim=-1, descending=True)
+            topk_weights, topk_ids = topk_weights.gather(1, order), topk_ids.gather(1, order)
+            late_w, late_ids = topk_weights[:, -d:], topk_ids[:, -d:]
+            topk_weights, topk_ids = topk_weights[:, :-d], topk_ids[:, :-d]
+            ctx.deferred = _deferral_pool().submit(_run_deferred, self.experts, x, late_w, late_ids)
         out = self.experts(x, topk_weights, topk_ids)
         if self._shared_name is not None:
             shared = getattr(self, self._shared_name)(x)

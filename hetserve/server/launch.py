@@ -19,7 +19,7 @@ def is_loopback(host: str) -> bool:
 
 
 def engine_config(args: argparse.Namespace):
-    from hetserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from hetserve.config import CacheConfig, EngineConfig, MoEConfig, SchedulerConfig
 
     try:
         return EngineConfig(
@@ -36,6 +36,7 @@ def engine_config(args: argparse.Namespace):
             scheduler=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
             ),
+            moe=MoEConfig(max_deferred_experts_per_token=args.max_deferred_experts_per_token),
         )
     except ValueError as exc:
         raise InvalidInputError(str(exc)) from None
@@ -48,6 +49,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kv-cache-gb", type=float, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--max-deferred-experts-per-token",
+        type=int,
+        default=0,
+        help="expert deferral: this many low-weight experts per token run one layer late",
+    )
+    p.add_argument(
+        "--max-deferred-experts-per-token",
+        type=int,
+        default=0,
+        help="expert deferral: run this many low-weight experts a layer late",
+    )
 
 
 def serve(args: argparse.Namespace) -> int:
