@@ -33,11 +33,13 @@ def sample(
 ) -> torch.Tensor:
     """logits [N, V] fp32 -> token ids [N]. Greedy rows in one argmax; others row by row so
     each request's seed alone decides its tokens (batch composition never changes them)."""
-    out = logits.argmax(dim=-1)
-    for i, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if p.greedy:
-            continue
-        row = _filter(logits[i] / p.temperature, p.top_k, p.top_p)
+    out = logits.argmax(dim=-1).cpu()
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    # Per-request generators live on the host, so sampled rows are drawn there.
+    rows = logits[sampled].float().cpu() if sampled else None
+    for j, i in enumerate(sampled):
+        p, gen = params[i], generators[i]
+        row = _filter(rows[j] / p.temperature, p.top_k, p.top_p)
         probs = row.softmax(-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p, one RNG call per row.
         noise = torch.empty_like(probs).exponential_(generator=gen)
@@ -49,6 +51,7 @@ def token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> list
     """logprobs [N, V] (log-softmaxed), chosen [N] -> per row {token: Logprob} with the chosen
     token and the top-k alternatives, ranks 1-based over the whole vocabulary."""
     n = logprobs.shape[0]
+    chosen = chosen.to(logprobs.device)
     chosen_lp = logprobs.gather(1, chosen.view(-1, 1)).squeeze(1)
     ranks = (logprobs > chosen_lp.unsqueeze(1)).sum(-1) + 1
     top_vals, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
