@@ -55,12 +55,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=0,
         help="expert deferral: this many low-weight experts per token run one layer late",
     )
-    p.add_argument(
-        "--max-deferred-experts-per-token",
-        type=int,
-        default=0,
-        help="expert deferral: run this many low-weight experts a layer late",
-    )
 
 
 def serve(args: argparse.Namespace) -> int:
