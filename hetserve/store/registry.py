@@ -52,7 +52,11 @@ class StoreSpec:
             raise InvalidInputError(f"store spec parameter {name}={raw!r} is not a number") from exc
 
     def token(self) -> str:
-        return self.params.get("token") or os.environ.get(TOKEN_ENV, "")
+        return self.params.get("token") or env_token()
+
+
+def env_token() -> str:
+    return os.environ.get(TOKEN_ENV, "")
 
 
 def register_backend(scheme: str) -> Callable[[type[KVStore]], type[KVStore]]:

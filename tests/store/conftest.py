@@ -7,27 +7,10 @@ separate processes share its objects. A backend whose server is not installed sk
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import pytest
 
-from hetserve.store import open_store
-
 from . import servers
-from .helpers import MiB
-
-
-@dataclass
-class Backend:
-    name: str
-    spec: str
-    capacity: int  # bytes a client can fill before eviction must start
-    corrupt: Callable[[object, str], None]  # (store, key) -> damage the stored value
-    shared: bool = True  # do other processes see the same objects?
-
-    def open(self):
-        return open_store(self.spec)
+from .helpers import Backend, MiB
 
 
 def _corrupt_local(store, key: str) -> None:

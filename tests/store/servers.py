@@ -6,7 +6,10 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
+
+from .helpers import Backend, MiB
 
 
 def free_port() -> int:
@@ -48,3 +51,72 @@ def spawn(cmd: list[str], request, env: dict | None = None, log=None) -> subproc
     )
     request.addfinalizer(lambda: stop(proc))
     return proc
+
+
+# -- hetserve pool ----------------------------------------------------------------------------
+def hetserve_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hetserve.cli", *args]
+
+
+class PoolCluster:
+    """A master and nodes as real processes; tests kill and restart them by PID."""
+
+    def __init__(self, request, nodes: int, dram: str, node_timeout: float = 2.0,
+                 shm: bool = True) -> None:
+        self.request, self.dram, self.node_timeout = request, dram, node_timeout
+        self.shm = shm
+        self.port = free_port()
+        self.master = self.start_master()
+        self.nodes = [self.start_node() for _ in range(nodes)]
+        self.wait_nodes(nodes)
+
+    @property
+    def spec(self) -> str:
+        shm = "" if self.shm else "&shm=0"
+        return f"pool://127.0.0.1:{self.port}?max_value=96M&reconnect=10{shm}"
+
+    def start_master(self) -> subprocess.Popen:
+        cmd = hetserve_cmd("store", "master", "--port", str(self.port),
+                           "--node-timeout", str(self.node_timeout), "--max-value", "96M")
+        proc = spawn(cmd, self.request)
+        wait_port(self.port, proc)
+        return proc
+
+    def start_node(self) -> subprocess.Popen:
+        port = free_port()
+        cmd = hetserve_cmd("store", "node", "--master", f"127.0.0.1:{self.port}",
+                           "--dram", self.dram, "--port", str(port))
+        proc = spawn(cmd, self.request)
+        wait_port(port, proc)
+        return proc
+
+    def wait_nodes(self, n: int, timeout: float = 20.0) -> None:
+        from hetserve.store import open_store
+
+        deadline = time.monotonic() + timeout
+        with open_store(self.spec) as client:
+            while len(client.stats()["nodes"]) != n:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"pool has {client.stats()['nodes']} nodes, wanted {n}")
+                time.sleep(0.05)
+
+
+def corrupt_pool(store, key: str) -> None:
+    from hetserve.store.pool import protocol as P
+    from hetserve.store.pool.links import Transfer
+
+    obj = store._call(P.LOCATE, {"keys": [key]})["objects"][0]
+    garbage = memoryview(os.urandom(obj["size"]))
+    for node, seg, off in obj["replicas"]:
+        assert store._links[node].write([Transfer(0, seg, off, obj["size"], garbage)]) == [True]
+
+
+def start_pool1(request) -> Backend:
+    cluster = PoolCluster(request, 1, "96M")
+    return Backend("pool1", cluster.spec, 96 * MiB, corrupt_pool)
+
+
+def start_pool3(request) -> Backend:
+    # Over TCP (shm=0), so the suite covers both data paths; pool1 uses shared memory.
+    cluster = PoolCluster(request, 3, "72M", shm=False)
+    return Backend("pool3", cluster.spec, 3 * 72 * MiB, corrupt_pool)
