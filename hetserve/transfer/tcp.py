@@ -148,8 +148,12 @@ class FrameClient:
 
     def __init__(self, host: str, port: int, token: str, timeout: float = 30.0) -> None:
         self.sock = socket.create_connection((host, port), timeout=timeout)
-        _tune(self.sock)
-        self.call(HELLO, {"token": token})
+        try:
+            _tune(self.sock)
+            self.call(HELLO, {"token": token})
+        except BaseException:
+            self.sock.close()
+            raise
 
     def send(self, op: int, meta: dict, data=None) -> None:
         send_frame(self.sock, op, meta, data)

@@ -60,7 +60,9 @@ class PoolStore(KVStore):
         while True:
             try:
                 conn = self._master.take()
-            except OSError as exc:
+            except RemoteError as exc:
+                raise StoreUnavailableError(f"the pool master refused us: {exc}") from None
+            except TRANSPORT_ERRORS as exc:
                 if time.monotonic() > deadline:
                     msg = f"pool master {self.addr} unreachable: {exc}"
                     raise StoreUnavailableError(msg) from None

@@ -68,7 +68,10 @@ class NodeLink:
         if self.views is not None:
             return [self._shm_read(t) for t in items]
         ok = [False] * len(items)
-        conn = self.conns.take()
+        try:
+            conn = self.conns.take()
+        except TRANSPORT_ERRORS:
+            return ok
         try:
             for t in items:
                 conn.send(P.READ, {"seg": t.segment, "off": t.offset, "len": t.size})
@@ -94,7 +97,10 @@ class NodeLink:
                 t.digest = checksum.copy_and_digest(dst, t.buf)
             return [True] * len(items)
         ok = [False] * len(items)
-        conn = self.conns.take()
+        try:
+            conn = self.conns.take()
+        except TRANSPORT_ERRORS:
+            return ok
         try:
             for t in items:
                 t.digest = checksum.digest(t.buf)
