@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+
+import pytest
 
 from .helpers import Backend, MiB
 
@@ -120,3 +123,25 @@ def start_pool3(request) -> Backend:
     # Over TCP (shm=0), so the suite covers both data paths; pool1 uses shared memory.
     cluster = PoolCluster(request, 3, "72M", shm=False)
     return Backend("pool3", cluster.spec, 3 * 72 * MiB, corrupt_pool)
+
+
+# -- redis ------------------------------------------------------------------------------------
+def start_redis(request) -> Backend:
+    exe = shutil.which("redis-server") or shutil.which("valkey-server")
+    if exe is None:
+        pytest.skip("redis: redis-server is not installed (make system-deps installs it)")
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        pytest.skip("redis: the redis Python package is not installed (pip install -e .[dev])")
+    port = free_port()
+    cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+           "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"]
+    wait_port(port, spawn(cmd, request))
+    return Backend("redis", f"redis://127.0.0.1:{port}/0", 256 * MiB, corrupt_redis)
+
+
+def corrupt_redis(store, key: str) -> None:
+    from hetserve.store.checksum import HEADER
+
+    assert store._r.setrange(store.prefix + key, HEADER.size + 10, b"X")
