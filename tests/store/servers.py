@@ -145,3 +145,37 @@ def corrupt_redis(store, key: str) -> None:
     from hetserve.store.checksum import HEADER
 
     assert store._r.setrange(store.prefix + key, HEADER.size + 10, b"X")
+
+
+# -- mooncake ---------------------------------------------------------------------------------
+def _mooncake_bin(name: str) -> str | None:
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    return path if os.path.exists(path) else shutil.which(name)
+
+
+def start_mooncake(request) -> Backend:
+    master, holder = _mooncake_bin("mooncake_master"), _mooncake_bin("mooncake_client")
+    if master is None or holder is None:
+        pytest.skip("mooncake: pip install mooncake-transfer-engine-non-cuda (make test does)")
+    env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+    rpc, http, metrics, hport = free_port(), free_port(), free_port(), free_port()
+    proc = spawn([master, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
+                  "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+                  f"--http_metadata_server_port={http}", "--metrics_host=127.0.0.1",
+                  f"--metrics_port={metrics}", "--default_kv_lease_ttl=2000"], request, env)
+    wait_port(rpc, proc)
+    wait_port(http, proc)
+    metadata = f"http://127.0.0.1:{http}/metadata"
+    # A segment holder that outlives the test's clients (a client's own segment leaves with it).
+    holder_proc = spawn([holder, "--host=127.0.0.1", f"--port={hport}",
+                         "--global_segment_size=160MB", f"--master_server_address=127.0.0.1:{rpc}",
+                         f"--metadata_server={metadata}", "--protocol=tcp"], request, env)
+    wait_port(hport, holder_proc)
+    spec = f"mooncake://127.0.0.1:{rpc}?metadata={metadata}&segment=0&buffer=100M&max_value=96M"
+    return Backend("mooncake", spec, 160 * MiB, corrupt_mooncake)
+
+
+def corrupt_mooncake(store, key: str) -> None:
+    blob = bytearray(store._store.get(key))
+    blob[-1] ^= 0xFF
+    assert store._store.upsert(key, bytes(blob)) == 0
