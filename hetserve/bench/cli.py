@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib
 
 BENCH_MODULES: list[str] = [
-    # "hetserve.bench.generate", "hetserve.bench.serve", "hetserve.bench.store", ...
+    # "hetserve.bench.generate", "hetserve.bench.serve", ...
+    "hetserve.bench.store",
 ]
 
 

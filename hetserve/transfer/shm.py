@@ -39,7 +39,13 @@ class Segment:
             self.fd, path = tempfile.mkstemp(prefix="hetserve-seg-", dir=directory)
             os.unlink(path)
         os.ftruncate(self.fd, self.size)
-        self.map = mmap.mmap(self.fd, self.size)
+        flags = mmap.MAP_SHARED
+        if directory is None:
+            # Reserve and touch the memory now: first-touch faults run ~20x slower than copies
+            # here, and a memfd that cannot get its pages later would SIGBUS mid-write.
+            os.posix_fallocate(self.fd, 0, self.size)
+            flags |= mmap.MAP_POPULATE
+        self.map = mmap.mmap(self.fd, self.size, flags=flags)
         self.view = memoryview(self.map)
         self.nonce = secrets.token_hex(16)
         self.view[:16] = bytes.fromhex(self.nonce)
@@ -59,7 +65,8 @@ def attach(pid: int, fd: int, size: int, nonce: str) -> memoryview | None:
     try:
         if os.fstat(f).st_size != size:
             return None
-        mapped = mmap.mmap(f, size)
+        # Populated: this process's page tables are filled once here, not on every first copy.
+        mapped = mmap.mmap(f, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     except OSError:
         return None
     finally:

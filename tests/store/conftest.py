@@ -14,8 +14,8 @@ from .helpers import Backend, MiB
 
 
 def _corrupt_local(store, key: str) -> None:
-    payload, _ = store._dram[key]
-    payload[len(payload) // 2] ^= 0xFF
+    entry = store._dram[key]
+    store._arena[entry.offset + entry.size // 2] ^= 0xFF
 
 
 @pytest.fixture(scope="module")

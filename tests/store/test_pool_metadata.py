@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hetserve.store.pool.allocator import ExtentAllocator
+from hetserve.store.allocator import ExtentAllocator
 from hetserve.store.pool.metadata import PoolMetadata
 from hetserve.transfer.tcp import RequestError
 

@@ -13,7 +13,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from hetserve.store.pool.allocator import ExtentAllocator, aligned
+from hetserve.store.allocator import ExtentAllocator, aligned
 from hetserve.transfer.shm import HEADER_BYTES
 from hetserve.transfer.tcp import RequestError
 

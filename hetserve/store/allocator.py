@@ -1,6 +1,6 @@
-"""First-fit extent allocator over one node segment (offsets are the master's bookkeeping; the
-bytes live on the node). Free extents are kept sorted and coalesced, so fragmentation stays
-bounded by the mix of live sizes."""
+"""First-fit extent allocator over one arena: a pool node's segment (the master does the
+bookkeeping, the bytes live on the node) or the local store's DRAM arena. Free extents are kept
+sorted and coalesced, so fragmentation stays bounded by the mix of live sizes."""
 
 from __future__ import annotations
 
