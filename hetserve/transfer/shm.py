@@ -56,8 +56,10 @@ class Segment:
         os.close(self.fd)
 
 
-def attach(pid: int, fd: int, size: int, nonce: str) -> memoryview | None:
-    """Map another process's segment; None when it is not reachable or not the one expected."""
+def attach(pid: int, fd: int, size: int, nonce: str, populate: bool) -> memoryview | None:
+    """Map another process's segment; None when it is not reachable or not the one expected.
+    `populate` fills this process's page tables now (DRAM segments), not on every first copy;
+    a file-backed segment is left to page in on demand."""
     try:
         f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
     except OSError:
@@ -65,8 +67,8 @@ def attach(pid: int, fd: int, size: int, nonce: str) -> memoryview | None:
     try:
         if os.fstat(f).st_size != size:
             return None
-        # Populated: this process's page tables are filled once here, not on every first copy.
-        mapped = mmap.mmap(f, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+        mapped = mmap.mmap(f, size, flags=flags)
     except OSError:
         return None
     finally:

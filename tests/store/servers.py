@@ -85,10 +85,10 @@ class PoolCluster:
         wait_port(self.port, proc)
         return proc
 
-    def start_node(self) -> subprocess.Popen:
+    def start_node(self, *extra: str) -> subprocess.Popen:
         port = free_port()
         cmd = hetserve_cmd("store", "node", "--master", f"127.0.0.1:{self.port}",
-                           "--dram", self.dram, "--port", str(port))
+                           "--dram", self.dram, "--port", str(port), *extra)
         proc = spawn(cmd, self.request)
         wait_port(port, proc)
         return proc

@@ -183,12 +183,16 @@ class PoolStore(KVStore):
         names = [normalize_key(k) for k in keys]
         views = [as_memoryview(b, writable=True) for b in buffers]
         reply = self._call(P.LOCATE, {"keys": names})
-        objects = reply["objects"]
-        for obj, view in zip(objects, views, strict=True):
+        for obj, view in zip(reply["objects"], views, strict=True):
             if obj is not None and obj["size"] > len(view):
                 raise BufferTooSmallError(f"buffer of {len(view)} B < value of {obj['size']} B")
+        return self._read(reply, views)
+
+    def _read(self, reply: dict, views: list[memoryview]) -> list[int | None]:
+        """Fetch located objects into `views`, trying the next replica where one fails."""
         self._links_for(reply["nodes"], reply["epoch"])
-        result: list[int | None] = [None] * len(names)
+        objects = reply["objects"]
+        result: list[int | None] = [None] * len(objects)
         todo = [i for i, o in enumerate(objects) if o is not None]
         for attempt in range(max((len(o["replicas"]) for o in objects if o), default=0)):
             groups: dict[str, list[Transfer]] = defaultdict(list)
@@ -214,18 +218,12 @@ class PoolStore(KVStore):
                                                or self._links[r[0]].views is None))
 
     def get(self, key: Key) -> bytes | None:
-        for _ in range(3):  # the value may be replaced between the size lookup and the read
-            reply = self._call(P.LOCATE, {"keys": [normalize_key(key)]})
-            obj = reply["objects"][0]
-            if obj is None:
-                return None
-            out = bytearray(obj["size"])
-            n = self.get_into(key, out)
-            if n is None:
-                return None
-            if n == len(out):
-                return bytes(out)
-        return None
+        reply = self._call(P.LOCATE, {"keys": [normalize_key(key)]})
+        obj = reply["objects"][0]
+        if obj is None:
+            return None
+        out = bytearray(obj["size"])
+        return bytes(out) if self._read(reply, [memoryview(out)])[0] is not None else None
 
     # -- the rest -------------------------------------------------------------------------
     def exists(self, key: Key) -> bool:
