@@ -56,6 +56,11 @@ def _tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)  # fewer wakeups on MiB transfers
 
 
+class _ThreadingServer(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True  # a restarted service rebinds its port at once
+    daemon_threads = True  # a stuck peer never blocks shutdown
+
+
 class FrameServer:
     """Serves `handlers` (op -> Handler) on host:port until `close()`; each connection runs in
     its own thread, so one slow or hostile peer never blocks the others."""
@@ -79,9 +84,7 @@ class FrameServer:
             def handle(self) -> None:
                 outer._serve_connection(self.request)
 
-        socketserver.ThreadingTCPServer.allow_reuse_address = True
-        self._server = socketserver.ThreadingTCPServer((host, port), _Handler)
-        self._server.daemon_threads = True
+        self._server = _ThreadingServer((host, port), _Handler)
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import signal
 
-from hetserve.store import ReplicateConfig, open_store
+import pytest
+
+from hetserve.store import ReplicateConfig, ValueTooLargeError, open_store
 from hetserve.store.pool import protocol as P
 
 from .helpers import MiB, payload
@@ -56,3 +58,15 @@ def test_preferred_node_soft_pin_and_graceful_leave(request):
     for i in range(30, 40):
         got = store.get(f"fill{i}")
         assert got is None or got == payload(MiB, f"fill{i}")
+
+
+def test_master_enforces_its_value_limit(request):
+    cluster = PoolCluster(request, 1, "8M")
+    store = open_store(cluster.spec.replace("max_value=96M", "max_value=1G"))
+    request.addfinalizer(store.close)
+    with pytest.raises(ValueTooLargeError):
+        store.put("huge", bytes(97 * MiB))  # the master's --max-value is 96M
+    with pytest.raises(ValueTooLargeError):
+        store.put("big", bytes(9 * MiB))  # larger than every segment
+    store.put("ok", b"fine")
+    assert store.get("ok") == b"fine"

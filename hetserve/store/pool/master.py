@@ -100,7 +100,11 @@ class PoolMaster:
         out, nodes = [], set()
         for item in puts:
             key = P.want_key(item["key"])
-            size = P.want_int(item["size"], 0, self.max_value, "size")
+            size = P.want_int(item["size"], 0, 1 << 62, "size")
+            if size > self.max_value:
+                out.append({"error": f"{size} B exceeds max_value {self.max_value}",
+                            "code": "too_large"})
+                continue
             try:
                 with self._lock:
                     put_id, obj = self.meta.put_start(key, size, replica_num, preferred, soft_pin)
