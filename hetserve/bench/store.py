@@ -96,10 +96,14 @@ def _measure(name: str, ops: Ops, size: int, n: int, batch: int, tick) -> list[d
 
 
 def _memcpy(size: int, n: int) -> dict:
-    src = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    lat = _timed(lambda: np.copyto(dst, src), max(n, 8), lambda: None)
+    """The copy a get does: from one of n distinct sources (as many bytes as the store run
+    holds, so cold in cache once they exceed it) into one destination. Copying one hot buffer
+    over and over would measure the cache, not this machine's memcpy."""
+    srcs = [np.full(size, i % 251, dtype=np.uint8) for i in range(n)]
+    dst = np.ones(size, dtype=np.uint8)
+    it = iter(srcs * 2)
+    np.copyto(dst, next(it))
+    lat = _timed(lambda: np.copyto(dst, next(it)), n, lambda: None)
     return _row("memcpy", size, "single", "copy", lat, 1)
 
 

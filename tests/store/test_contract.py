@@ -7,6 +7,7 @@ import sys
 import textwrap
 import threading
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -141,8 +142,10 @@ def test_concurrent_processes(backend, store):
     if not backend.shared:
         pytest.skip(f"{backend.name}: an in-process store is not shared between processes")
     tags = [_key("proc") for _ in range(2)]
+    root = Path(__file__).resolve().parents[2]  # children import tests.store.helpers
     procs = [
-        subprocess.Popen([sys.executable, "-c", _CHILD, backend.spec, tag]) for tag in tags
+        subprocess.Popen([sys.executable, "-c", _CHILD, backend.spec, tag], cwd=root)
+        for tag in tags
     ]
     assert all(p.wait(60) == 0 for p in procs)
     for tag in tags:
