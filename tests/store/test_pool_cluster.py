@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 
@@ -70,3 +71,22 @@ def test_master_enforces_its_value_limit(request):
         store.put("big", bytes(9 * MiB))  # larger than every segment
     store.put("ok", b"fine")
     assert store.get("ok") == b"fine"
+
+
+def test_silent_node_is_dropped_by_heartbeat_and_rejoins(request):
+    cluster = PoolCluster(request, 1, "8M", node_timeout=1.0)
+    store = open_store(cluster.spec)
+    request.addfinalizer(store.close)
+    store.put("k", b"v" * 1000)
+    node = cluster.nodes[0]
+    node.send_signal(signal.SIGSTOP)  # alive but silent: only the heartbeat timeout notices
+    request.addfinalizer(lambda: node.send_signal(signal.SIGCONT))
+    deadline = time.monotonic() + 10
+    while store.stats()["nodes"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert store.stats()["nodes"] == []
+    assert store.get("k") is None  # its metadata is gone: a clean miss, no hang
+    node.send_signal(signal.SIGCONT)
+    cluster.wait_nodes(1)
+    store.put("k2", b"w" * 1000)
+    assert store.get("k2") == b"w" * 1000

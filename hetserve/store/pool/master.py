@@ -34,6 +34,7 @@ class PoolMaster:
         self.meta = PoolMetadata(high=watermarks[0], low=watermarks[1])
         self.node_timeout, self.max_value = node_timeout, max_value
         self._lock = threading.Lock()
+        self._owners: dict[str, dict] = {}  # node id -> the session that registered it
         self._stop = threading.Event()
         handlers = {
             P.REGISTER: self._register, P.HEARTBEAT: self._heartbeat,
@@ -68,6 +69,9 @@ class PoolMaster:
             P.want_int(seg["capacity"], 1, 1 << 44, "segment capacity")
         with self._lock:
             self.meta.add_node(node_id, info)
+            # The connection that registered a node owns it: when an older connection of the
+            # same node closes late (after a re-register), it must not drop the new one.
+            self._owners[node_id] = session
         session["node_id"] = node_id
         log.info("node %s joined at %s:%s", node_id, info.get("host"), info.get("port"))
         return {"node_timeout": self.node_timeout}, None
@@ -87,10 +91,12 @@ class PoolMaster:
 
     def _closed(self, session: dict) -> None:
         node_id = session.get("node_id")
-        if node_id is not None:
-            with self._lock:
-                self.meta.drop_node(node_id)
-            log.info("node %s left; its objects are gone", node_id)
+        with self._lock:
+            if node_id is None or self._owners.get(node_id) is not session:
+                return
+            del self._owners[node_id]
+            self.meta.drop_node(node_id)
+        log.info("node %s left; its objects are gone", node_id)
 
     # -- objects --------------------------------------------------------------------------
     def _put_start(self, _s, meta: dict, _data) -> tuple[dict, None]:
