@@ -69,6 +69,7 @@ def recv_frame(
     max_data: int,
     sink: Sink | None = None,
     known_ops: frozenset[int] | None = None,
+    max_meta: int = MAX_META,
 ) -> tuple[int, dict, memoryview | None]:
     """One frame: (op, meta, data). Raises FrameError on anything malformed, PeerClosed on EOF."""
     raw = recv_exact(sock, HEADER.size)
@@ -77,7 +78,7 @@ def recv_frame(
         raise FrameError(f"bad frame header {bytes(raw[:4])!r}")
     if known_ops is not None and op not in known_ops:
         raise FrameError(f"unknown op {op}")
-    if meta_len > MAX_META or data_len > max_data:
+    if meta_len > max_meta or data_len > max_data:
         raise FrameError(f"frame too large: meta {meta_len} B, data {data_len} B")
     meta: dict = {}
     if meta_len:

@@ -113,7 +113,8 @@ class FrameServer:
                 self.on_close(session)
 
     def _handshake(self, sock: socket.socket) -> bool:
-        op, meta, _ = recv_frame(sock, 0, None, frozenset({HELLO}))
+        # Before the token checks out, a peer gets no more than a few KiB of our memory.
+        op, meta, _ = recv_frame(sock, 0, None, frozenset({HELLO}), max_meta=4096)
         token = meta.get("token", "")
         if not isinstance(token, str) or not hmac.compare_digest(
             token.encode(), self.token.encode()

@@ -19,6 +19,7 @@ from hetserve.store.api import (
     DEFAULT_MAX_VALUE,
     Buffer,
     BufferTooSmallError,
+    InvalidInputError,
     InvalidKeyError,
     Key,
     KVStore,
@@ -70,10 +71,8 @@ class PoolStore(KVStore):
                 continue
             try:
                 reply, _ = conn.call(op, meta)
-            except RemoteError as exc:
-                conn.close()
-                if exc.code == "auth":
-                    raise StoreUnavailableError("the pool master refused our token") from exc
+            except RemoteError as exc:  # an answer: the connection stays good
+                self._master.give(conn)
                 raise _ERRORS.get(exc.code, StoreUnavailableError)(str(exc)) from exc
             except TRANSPORT_ERRORS:
                 conn.close()  # a restarting master: reconnect and ask again
@@ -122,7 +121,9 @@ class PoolStore(KVStore):
         self, keys: Sequence[Key], buffers: Sequence[Buffer], config: ReplicateConfig | None = None
     ) -> None:
         if len(keys) != len(buffers):
-            raise InvalidKeyError(f"{len(keys)} keys but {len(buffers)} buffers")
+            raise InvalidInputError(f"{len(keys)} keys but {len(buffers)} buffers")
+        if not keys:
+            return
         names = [normalize_key(k) for k in keys]
         views = [as_memoryview(b) for b in buffers]
         for v in views:
@@ -179,7 +180,9 @@ class PoolStore(KVStore):
 
     def batch_get_into(self, keys: Sequence[Key], buffers: Sequence[Buffer]) -> list[int | None]:
         if len(keys) != len(buffers):
-            raise InvalidKeyError(f"{len(keys)} keys but {len(buffers)} buffers")
+            raise InvalidInputError(f"{len(keys)} keys but {len(buffers)} buffers")
+        if not keys:
+            return []
         names = [normalize_key(k) for k in keys]
         views = [as_memoryview(b, writable=True) for b in buffers]
         reply = self._call(P.LOCATE, {"keys": names})
