@@ -168,6 +168,9 @@ def test_eviction_under_capacity_pressure(backend, store):
     assert store.get(keys[-1]) == payload(chunk, keys[-1])  # the newest survives
     if hasattr(store, "check_integrity"):
         store.check_integrity()
+    if hasattr(store, "stats"):  # the pool master checks its invariants while answering
+        used_and_cap = store.stats()
+        assert used_and_cap["used"] <= used_and_cap["capacity"]
 
 
 def test_checksum_failure_is_a_miss(backend, store):
