@@ -58,8 +58,10 @@ class StoreUnavailableError(StoreError, ConnectionError):
 
 @dataclass(frozen=True)
 class ReplicateConfig:
-    """Placement of one put. `preferred_segment` names a node (pool) or segment (mooncake) to hold
-    the first replica; `soft_pin` objects are evicted only when nothing else is left."""
+    """Placement of one put. Replicas go to distinct nodes, so `replica_num` is capped at the
+    number of live nodes (backends without replicas ignore it). `preferred_segment` names a node
+    (pool: an id from `stats()["nodes"]`) or segment (mooncake) for the first replica;
+    `soft_pin` objects are evicted only when nothing else is left."""
 
     replica_num: int = 1
     preferred_segment: str | None = None

@@ -3,7 +3,8 @@ same host, by clients that copy into and out of it directly instead of over TCP.
 
 The owner unlinks its file right away, so nothing leaks when it is killed; a client maps the
 segment through `/proc/<pid>/fd/<fd>`, and checks a random nonce in the first bytes so it never
-maps the wrong memory (a reused pid or fd).
+maps the wrong memory (a reused pid or fd). The kernel lets only processes that may inspect the
+owner (same user, or root) open that path, so the fast path is as private as the owner itself.
 """
 
 from __future__ import annotations
