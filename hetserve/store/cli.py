@@ -48,15 +48,8 @@ def _common(p: argparse.ArgumentParser, default_port: int) -> None:
 
 def _token(args) -> str:
     from hetserve.store.registry import env_token
-    from hetserve.transfer.tcp import is_loopback
 
-    token = args.token if args.token is not None else env_token()
-    if not is_loopback(args.host) and not token:
-        raise InvalidInputError(
-            f"refusing to bind {args.host} without a shared token: pass --token or set "
-            "HETSERVE_STORE_TOKEN (clients then use pool://host:port?token=...)"
-        )
-    return token
+    return args.token if args.token is not None else env_token()
 
 
 def _serve_until_signal(service) -> int:
@@ -64,7 +57,7 @@ def _serve_until_signal(service) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     service.start()
-    print(f"ready on port {service.port}" if hasattr(service, "port") else "ready", flush=True)
+    print(f"ready on port {service.port}", flush=True)
     stop.wait()
     service.close()
     return 0
@@ -98,5 +91,4 @@ def _run_node(args) -> int:
         raise InvalidInputError(f"--master wants HOST:PORT, got {args.master!r}")
     node = PoolNode((mhost, int(mport)), parse_size(args.dram), args.host, args.port, token,
                     args.ssd_dir, parse_size(args.ssd), args.advertise)
-    node.port = node.server.port
     return _serve_until_signal(node)

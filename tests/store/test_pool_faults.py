@@ -11,8 +11,10 @@ import time
 
 import pytest
 
+from hetserve.errors import InvalidInputError
 from hetserve.store import ReplicateConfig, StoreUnavailableError, open_store
 from hetserve.store.pool import protocol as P
+from hetserve.store.pool.node import PoolNode
 from hetserve.transfer.framing import HEADER, MAGIC, VERSION
 
 from .helpers import payload
@@ -154,6 +156,8 @@ def test_token_required_beyond_loopback_and_checked(request):
                              env={k: v for k, v in os.environ.items()
                                   if k != "HETSERVE_STORE_TOKEN"})
     assert refused.returncode == 2 and "refusing to bind 0.0.0.0" in refused.stderr
+    with pytest.raises(InvalidInputError, match="without a shared token"):
+        PoolNode(("127.0.0.1", 1), 4096, host="0.0.0.0")  # embedded services: the same rule
     port = free_port()
     proc = spawn(hetserve_cmd("store", "master", "--port", str(port), "--token", "s3cret"), request)
     wait_port(port, proc)

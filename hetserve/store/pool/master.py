@@ -31,6 +31,7 @@ class PoolMaster:
         max_value: int = DEFAULT_MAX_VALUE,
         watermarks: tuple[float, float] = (0.9, 0.8),
     ) -> None:
+        P.require_token(host, token)
         self.meta = PoolMetadata(high=watermarks[0], low=watermarks[1])
         self.node_timeout, self.max_value = node_timeout, max_value
         self._lock = threading.Lock()

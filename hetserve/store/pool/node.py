@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import uuid
 
@@ -34,6 +35,7 @@ class PoolNode:
         advertise: str | None = None,
         heartbeat_s: float = 0.5,
     ) -> None:
+        P.require_token(host, token)
         self.master, self.token, self.heartbeat_s = master, token, heartbeat_s
         self.node_id = uuid.uuid4().hex[:12]
         self.segments = [Segment(dram)]
@@ -42,7 +44,9 @@ class PoolNode:
         max_data = max(s.size for s in self.segments)
         handlers = {P.READ: self._read, P.WRITE: self._write}
         self.server = FrameServer(host, port, token, handlers, max_data, sink=self._sink)
-        self.host = advertise or host
+        self.port = self.server.port
+        wildcard = host in ("0.0.0.0", "::", "")
+        self.host = advertise or (socket.gethostname() if wildcard else host)
         self.registered = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._membership_loop, daemon=True)
@@ -58,7 +62,7 @@ class PoolNode:
              "size": s.size, "nonce": s.nonce}
             for i, s in enumerate(self.segments)
         ]
-        return {"host": self.host, "port": self.server.port, "pid": os.getpid(),
+        return {"host": self.host, "port": self.port, "pid": os.getpid(),
                 "host_id": host_id(), "segments": segs}
 
     # -- data plane -----------------------------------------------------------------------
