@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+MOONCAKE := mooncake-transfer-engine-non-cuda==0.3.13.post1
+# Debian packages the store tests start for real: Redis, and libibverbs that Mooncake links.
+SYSTEM_PACKAGES := redis-server libibverbs1
 
 .PHONY: test serve lint system-deps clean
 
@@ -11,6 +14,8 @@ $(STAMP): pyproject.toml
 	# torch first: the pinned CPU wheel is a local file here; anything else pulls a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# Mooncake Store, the peer of the pool backend (tests and bench skip without it).
+	$(PY) -m pip install -q $(MOONCAKE) || echo "mooncake not installed: its tests will skip"
 	touch $(STAMP)
 
 test: $(STAMP) system-deps
@@ -25,7 +30,7 @@ lint: $(STAMP)
 # Services the store tests start for real (Redis, Mooncake's libibverbs). Best-effort: without
 # root or apt the tests that need them skip with the reason.
 system-deps:
-	@bash scripts/system_deps.sh
+	@bash scripts/system_deps.sh $(SYSTEM_PACKAGES)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -13,6 +13,7 @@ BENCH_MODULES: list[str] = [
     "hetserve.bench.throughput",
     "hetserve.bench.prefix",
     "hetserve.bench.serve",  # load-test an OpenAI-compatible server
+    "hetserve.bench.store",
 ]
 
 

@@ -1,0 +1,244 @@
+"""`hetserve bench store`: put/get throughput and latency of KV store backends, per value size,
+single and batched, against memcpy on this machine and Mooncake Store over TCP on loopback.
+
+    hetserve bench store --backend local --backend pool --sizes 4K,1M,16M --json out.json
+
+`--backend` takes a spec (`pool://host:port`, `redis://...`) or a shorthand the bench starts for
+the run: `local` (in-process DRAM), `pool` (a master and one node on loopback, shared-memory path)
+and `pool-tcp` (the same, forced over TCP). Goals: pool >= 1.0x Mooncake at 1M and 16M; local
+DRAM >= 0.5x memcpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+SHORTHANDS = {"local": "local://?dram=2G", "pool": "pool", "pool-tcp": "pool"}
+
+
+def register(bench_sub) -> None:
+    p = bench_sub.add_parser("store", help="KV store put/get GB/s and latency per value size")
+    p.add_argument("--backend", action="append", default=None,
+                   help="store spec or local|pool|pool-tcp (repeatable; default local and pool)")
+    p.add_argument("--sizes", default="4K,1M,16M", help="value sizes, comma separated")
+    p.add_argument("--total", default="256M", help="bytes moved per size and mode (bounds ops)")
+    p.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake Store peer")
+    p.add_argument("--json", "--result-file", dest="json", default=None, help="write JSON here")
+    p.set_defaults(func=run)
+
+
+def _timed(fn: Callable[[], object], n: int, tick: Callable[[], None]) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+        tick()
+    return out
+
+
+def _row(backend: str, size: int, mode: str, op: str, lat: list[float], per_call: int,
+         misses: int = 0) -> dict:
+    total = sum(lat)
+    lat_ms = sorted(x * 1e3 for x in lat)
+    return {"backend": backend, "size": size, "mode": mode, "op": op,
+            "gbps": per_call * size * len(lat) / total / 1e9,
+            "gbps_p50": per_call * size / max(statistics.median(lat), 1e-9) / 1e9,
+            "ops_per_s": per_call * len(lat) / total,
+            "p50_ms": statistics.median(lat_ms),
+            "p99_ms": lat_ms[min(len(lat_ms) - 1, int(0.99 * len(lat_ms)))], "misses": misses}
+
+
+class Ops:
+    """What the bench drives: single and batched put/get of `size`-byte values."""
+
+    def __init__(self, put1, get1, putb, getb) -> None:
+        self.put1, self.get1, self.putb, self.getb = put1, get1, putb, getb
+
+
+def _store_ops(store, size: int, batch: int) -> Ops:
+    src = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    dsts = [np.ones(size, dtype=np.uint8) for _ in range(batch)]  # touched: no first-touch faults
+    return Ops(
+        lambda k: store.put_from(k, src),
+        lambda k: store.get_into(k, dsts[0]) == size,
+        lambda ks: store.batch_put_from(ks, [src] * len(ks)),
+        lambda ks: sum(n == size for n in store.batch_get_into(ks, dsts[: len(ks)])),
+    )
+
+
+def _measure(name: str, ops: Ops, size: int, n: int, batch: int, tick) -> list[dict]:
+    tag = uuid.uuid4().hex[:8]
+    keys = [f"bench-{tag}-{size}-{i}" for i in range(n)]
+    ops.put1(f"warmup-{tag}")  # connections, maps and lazy setup are not what we measure
+    ops.get1(f"warmup-{tag}")
+    it = iter(keys)
+    rows = [_row(name, size, "single", "put", _timed(lambda: ops.put1(next(it)), n, tick), 1)]
+    it, hits = iter(keys), []
+    lat = _timed(lambda: hits.append(ops.get1(next(it))), n, tick)
+    rows.append(_row(name, size, "single", "get", lat, 1, n - sum(hits)))
+    groups = [[f"{k}-b" for k in keys[i : i + batch]] for i in range(0, n - batch + 1, batch)]
+    it = iter(groups)
+    lat = _timed(lambda: ops.putb(next(it)), len(groups), tick)
+    rows.append(_row(name, size, f"batch{batch}", "put", lat, batch))
+    it, got = iter(groups), []
+    lat = _timed(lambda: got.append(ops.getb(next(it))), len(groups), tick)
+    rows.append(_row(name, size, f"batch{batch}", "get", lat, batch,
+                     len(groups) * batch - sum(got)))
+    return rows
+
+
+def _memcpy(size: int, n: int) -> dict:
+    """The copy a get does: from one of n distinct sources (as many bytes as the store run
+    holds, so cold in cache once they exceed it) into one destination. Copying one hot buffer
+    over and over would measure the cache, not this machine's memcpy."""
+    srcs = [np.full(size, i % 251, dtype=np.uint8) for i in range(n)]
+    dst = np.ones(size, dtype=np.uint8)
+    it = iter(srcs * 2)
+    np.copyto(dst, next(it))
+    lat = _timed(lambda: np.copyto(dst, next(it)), n, lambda: None)
+    return _row("memcpy", size, "single", "copy", lat, 1)
+
+
+@contextlib.contextmanager
+def _open_backend(spec: str) -> Iterator[tuple[str, object]]:
+    from hetserve.bench.store_peers import local_pool
+    from hetserve.store import open_store
+
+    if spec in ("pool", "pool-tcp"):
+        with local_pool(nodes=1, dram="2G") as pool_spec:
+            suffix = "?shm=0" if spec == "pool-tcp" else ""
+            with open_store(pool_spec + suffix) as store:
+                yield spec, store
+        return
+    with open_store(SHORTHANDS.get(spec, spec)) as store:
+        yield spec, store
+
+
+@contextlib.contextmanager
+def _mooncake_ops(size: int, batch: int) -> Iterator[Ops | None]:
+    """Mooncake's own zero-copy API (registered buffers, put_from/get_into): its best case."""
+    from hetserve.bench.store_peers import local_mooncake
+
+    with local_mooncake() as addr:
+        if addr is None:
+            yield None
+            return
+        from mooncake.store import MooncakeDistributedStore
+
+        mc = MooncakeDistributedStore()
+        if mc.setup("127.0.0.1", addr[1], 0, 64 << 20, "tcp", "", addr[0]) != 0:
+            yield None
+            return
+        src = np.random.default_rng(0).integers(0, 255, size * batch, dtype=np.uint8)
+        dst = np.ones_like(src)
+        for buf in (src, dst):
+            mc.register_buffer(buf.ctypes.data, buf.nbytes)
+        s, d = src.ctypes.data, dst.ctypes.data
+        ptrs = [(s + i * size, d + i * size) for i in range(batch)]
+        try:
+            yield Ops(
+                lambda k: _check(mc.upsert_from(k, s, size)),
+                lambda k: mc.get_into(k, d, size) == size,
+                lambda ks: [_check(r) for r in mc.batch_upsert_from(
+                    ks, [p[0] for p in ptrs[: len(ks)]], [size] * len(ks))],
+                lambda ks: sum(r == size for r in mc.batch_get_into(
+                    ks, [p[1] for p in ptrs[: len(ks)]], [size] * len(ks))),
+            )
+        finally:
+            mc.close()
+
+
+def _check(rc: int) -> None:
+    if rc != 0:
+        raise RuntimeError(f"mooncake put failed: {rc}")
+
+
+def _plan(size: int, total: int) -> tuple[int, int]:
+    """(ops, batch size) for one value size: enough ops for percentiles, bounded bytes."""
+    n = max(8, min(256, total // size))
+    batch = max(2, min(16, (32 << 20) // size))
+    return n, min(batch, n)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from hetserve.store.registry import parse_size
+
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    total = parse_size(args.total)
+    backends = args.backend or ["local", "pool"]
+    plans = {size: _plan(size, total) for size in sizes}
+    peers = 0 if args.no_mooncake else 1
+    steps = sum(2 * n + 2 * (n // b) for n, b in plans.values()) * (len(backends) + peers)
+    rows: list[dict] = []
+    with tqdm(total=steps, desc="bench store", unit="op", leave=False) as bar:
+        rows += [_memcpy(size, plans[size][0]) for size in sizes]
+        for spec in backends:
+            with _open_backend(spec) as (name, store):
+                for size in sizes:
+                    n, b = plans[size]
+                    # memcpy again right before: on a shared box the ratio must compare
+                    # numbers taken under the same neighbours' load.
+                    ref = _memcpy(size, n)["gbps_p50"]
+                    measured = _measure(name, _store_ops(store, size, b), size, n, b, bar.update)
+                    rows += [{**r, "memcpy_ref_gbps_p50": ref} for r in measured]
+        if peers:
+            for size in sizes:
+                n, b = plans[size]
+                with _mooncake_ops(size, b) as ops:
+                    if ops is not None:
+                        rows += _measure("mooncake", ops, size, n, b, bar.update)
+    _add_ratios(rows)
+    print("\n" + format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bench": "store", "rows": rows, "sizes": sizes}, f, indent=1)
+    return 0
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """Ratios of median-op throughput, against the memcpy taken just before each backend's
+    size: the parts of a run are minutes apart on a shared box, and a neighbour's burst in one
+    of them would otherwise swing the ratio."""
+    memcpy = {r["size"]: r["gbps_p50"] for r in rows if r["backend"] == "memcpy"}
+    peer = {(r["size"], r["mode"], r["op"]): r["gbps_p50"]
+            for r in rows if r["backend"] == "mooncake"}
+    for r in rows:
+        ref = r.get("memcpy_ref_gbps_p50") or memcpy.get(r["size"])
+        r["vs_memcpy"] = r["gbps_p50"] / ref if ref else None
+        ref = peer.get((r["size"], r["mode"], r["op"]))
+        r["vs_mooncake"] = r["gbps_p50"] / ref if ref and r["backend"] != "mooncake" else None
+
+
+def _fmt_size(n: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'backend':<10}{'size':>6} {'mode':<8}{'op':<5}{'GB/s':>8}{'GB/s@p50':>9}"
+            f"{'ops/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'xmemcpy':>9}{'xmooncake':>10}{'miss':>6}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ratio = lambda x: "" if x is None else f"{x:.2f}x"  # noqa: E731
+        lines.append(
+            f"{r['backend']:<10}{_fmt_size(r['size']):>6} {r['mode']:<8}{r['op']:<5}"
+            f"{r['gbps']:>8.2f}{r['gbps_p50']:>9.2f}{r['ops_per_s']:>10.0f}{r['p50_ms']:>9.3f}"
+            f"{r['p99_ms']:>9.3f}"
+            f"{ratio(r['vs_memcpy']):>9}{ratio(r['vs_mooncake']):>10}{r['misses']:>6}"
+        )
+    lines.append("GB/s: total bytes / total time; GB/s@p50: per median op (ratios use it)")
+    lines.append("goals: pool >= 1.00x mooncake at 1M and 16M; local >= 0.50x memcpy")
+    return "\n".join(lines)

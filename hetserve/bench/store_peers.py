@@ -1,0 +1,105 @@
+"""Local services for `hetserve bench store`: a pool cluster and a Mooncake Store on loopback,
+started as child processes for the run and stopped after it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listening on 127.0.0.1:{port}")
+
+
+@contextlib.contextmanager
+def _processes() -> Iterator[list[subprocess.Popen]]:
+    procs: list[subprocess.Popen] = []
+    try:
+        yield procs
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+
+
+def _spawn(procs: list, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         env={**os.environ, **(env or {})})
+    procs.append(p)
+    return p
+
+
+@contextlib.contextmanager
+def local_pool(nodes: int = 1, dram: str = "1G") -> Iterator[str]:
+    """A master and `nodes` nodes on loopback; yields the pool:// spec."""
+    from hetserve.store import open_store
+
+    with _processes() as procs:
+        port = free_port()
+        cli = [sys.executable, "-m", "hetserve.cli", "store"]
+        _wait_port(port, _spawn(procs, [*cli, "master", "--port", str(port)]))
+        for _ in range(nodes):
+            _spawn(procs, [*cli, "node", "--master", f"127.0.0.1:{port}", "--dram", dram])
+        spec = f"pool://127.0.0.1:{port}"
+        with open_store(spec) as client:
+            deadline = time.monotonic() + 30
+            while len(client.stats()["nodes"]) < nodes and time.monotonic() < deadline:
+                time.sleep(0.05)
+        yield spec
+
+
+def mooncake_bin(name: str) -> str | None:
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    return path if os.path.exists(path) else shutil.which(name)
+
+
+@contextlib.contextmanager
+def local_mooncake(segment: str = "1GB") -> Iterator[tuple[str, str] | None]:
+    """Mooncake master (with its HTTP metadata server) and a segment holder on loopback;
+    yields (master address, metadata URL), or None when Mooncake is not installed."""
+    master, holder = mooncake_bin("mooncake_master"), mooncake_bin("mooncake_client")
+    if master is None or holder is None:
+        yield None
+        return
+    env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+    with _processes() as procs:
+        rpc, http, metrics, hport = (free_port() for _ in range(4))
+        m = _spawn(procs, [master, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
+                           "--enable_http_metadata_server=true",
+                           "--http_metadata_server_host=127.0.0.1",
+                           f"--http_metadata_server_port={http}", "--metrics_host=127.0.0.1",
+                           f"--metrics_port={metrics}"], env)
+        _wait_port(rpc, m)
+        _wait_port(http, m)
+        metadata = f"http://127.0.0.1:{http}/metadata"
+        h = _spawn(procs, [holder, "--host=127.0.0.1", f"--port={hport}",
+                           f"--global_segment_size={segment}",
+                           f"--master_server_address=127.0.0.1:{rpc}",
+                           f"--metadata_server={metadata}", "--protocol=tcp"], env)
+        _wait_port(hport, h)
+        yield f"127.0.0.1:{rpc}", metadata

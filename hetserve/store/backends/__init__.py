@@ -1,0 +1,1 @@
+"""Store backends; each module registers its class with `hetserve.store.registry`."""

@@ -1,0 +1,94 @@
+"""`hetserve store master | node`: run the pool service's processes.
+
+Both bind 127.0.0.1 unless told otherwise; binding any other address needs a shared token
+(`--token` or HETSERVE_STORE_TOKEN) that every node and client must then present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+from hetserve.errors import InvalidInputError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("store", help="KV store pool service (master, node)")
+    ssub = p.add_subparsers(dest="store_cmd", metavar="ROLE")
+    ssub.required = True
+
+    m = ssub.add_parser("master", help="metadata service of the pool")
+    _common(m, default_port=7600)
+    m.add_argument("--node-timeout", type=float, default=3.0,
+                   help="seconds without heartbeat before a node is declared dead")
+    m.add_argument("--max-value", default="1G", help="largest value accepted (e.g. 256M)")
+    m.add_argument("--watermarks", default="0.9,0.8",
+                   help="evict LRU objects from HIGH down to LOW fraction of capacity")
+    m.set_defaults(func=_run_master)
+
+    n = ssub.add_parser("node", help="contribute DRAM (and SSD) to the pool")
+    _common(n, default_port=0)
+    n.add_argument("--master", default="127.0.0.1:7600", help="master HOST:PORT")
+    n.add_argument("--dram", default="1G", help="DRAM segment size (e.g. 4G)")
+    n.add_argument("--ssd-dir", default=None, help="directory for a file-backed SSD segment")
+    n.add_argument("--ssd", default="0", help="SSD segment size (with --ssd-dir)")
+    n.add_argument("--advertise", default=None, help="address clients use to reach this node")
+    n.set_defaults(func=_run_node)
+
+
+def _common(p: argparse.ArgumentParser, default_port: int) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=default_port)
+    p.add_argument("--token", default=None,
+                   help="shared secret; required to bind beyond loopback (or HETSERVE_STORE_TOKEN)")
+    p.add_argument("--log-level", default="WARNING")
+
+
+def _token(args) -> str:
+    from hetserve.store.registry import env_token
+
+    return args.token if args.token is not None else env_token()
+
+
+def _serve_until_signal(service) -> int:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    service.start()
+    print(f"ready on port {service.port}", flush=True)
+    stop.wait()
+    service.close()
+    return 0
+
+
+def _run_master(args) -> int:
+    from hetserve.store.pool.master import PoolMaster
+    from hetserve.store.registry import parse_size
+
+    logging.basicConfig(level=args.log_level.upper())
+    token = _token(args)
+    try:
+        high, low = (float(x) for x in args.watermarks.split(","))
+    except ValueError as exc:
+        raise InvalidInputError(f"--watermarks wants HIGH,LOW, got {args.watermarks!r}") from exc
+    if not 0 < low <= high <= 1:
+        raise InvalidInputError(f"--watermarks need 0 < LOW <= HIGH <= 1, got {args.watermarks}")
+    master = PoolMaster(args.host, args.port, token, args.node_timeout,
+                        parse_size(args.max_value), (high, low))
+    return _serve_until_signal(master)
+
+
+def _run_node(args) -> int:
+    from hetserve.store.pool.node import PoolNode
+    from hetserve.store.registry import parse_size
+
+    logging.basicConfig(level=args.log_level.upper())
+    token = _token(args)
+    mhost, _, mport = args.master.rpartition(":")
+    if not mhost or not mport.isdigit():
+        raise InvalidInputError(f"--master wants HOST:PORT, got {args.master!r}")
+    node = PoolNode((mhost, int(mport)), parse_size(args.dram), args.host, args.port, token,
+                    args.ssd_dir, parse_size(args.ssd), args.advertise)
+    return _serve_until_signal(node)

@@ -1,0 +1,106 @@
+"""Store backends by URL-like spec: `scheme://host:port/path?param=value`.
+
+    local://?dram=1G&ssd_dir=/tmp/kv&ssd=4G     in-process DRAM LRU spilling to SSD files
+    pool://127.0.0.1:7600?token=...             hetserve's own pool service (store master)
+    mooncake://127.0.0.1:50051?metadata=http://127.0.0.1:8080/metadata&segment=512M
+    redis://127.0.0.1:6379/0
+
+Every backend has the uniform constructor `Backend(spec: StoreSpec)`; its module registers it
+here on import, and `open_store` imports the module on first use (so redis or mooncake clients are
+needed only by those who use them).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from urllib.parse import parse_qsl, urlsplit
+
+from hetserve.errors import InvalidInputError
+from hetserve.store.api import KVStore
+
+BACKEND_MODULES = {
+    "local": "hetserve.store.backends.local",
+    "pool": "hetserve.store.pool.client",
+    "mooncake": "hetserve.store.backends.mooncake",
+    "redis": "hetserve.store.backends.redis",
+}
+_BACKENDS: dict[str, type[KVStore]] = {}
+TOKEN_ENV = "HETSERVE_STORE_TOKEN"  # the one place the store reads its shared token from env
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    scheme: str
+    host: str | None = None
+    port: int | None = None
+    path: str = ""
+    params: dict[str, str] = field(default_factory=dict)
+
+    def size(self, name: str, default: int | None) -> int | None:
+        raw = self.params.get(name)
+        return default if raw is None else parse_size(raw)
+
+    def number(self, name: str, default: float) -> float:
+        raw = self.params.get(name)
+        try:
+            return default if raw is None else float(raw)
+        except ValueError as exc:
+            raise InvalidInputError(f"store spec parameter {name}={raw!r} is not a number") from exc
+
+    def token(self) -> str:
+        return self.params.get("token") or env_token()
+
+
+def env_token() -> str:
+    return os.environ.get(TOKEN_ENV, "")
+
+
+def register_backend(scheme: str) -> Callable[[type[KVStore]], type[KVStore]]:
+    def deco(cls: type[KVStore]) -> type[KVStore]:
+        _BACKENDS[scheme] = cls
+        return cls
+
+    return deco
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """'4K' -> 4096, '1.5G' -> 1610612736 (binary units), '100' -> 100."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(text)
+    if not m:
+        raise InvalidInputError(f"not a size: {text!r} (use e.g. 4K, 64M, 1G)")
+    scale = 1 << (10 * " kmgt".index(m.group(2).lower() or " "))
+    return int(float(m.group(1)) * scale)
+
+
+def parse_spec(spec: str) -> StoreSpec:
+    parts = urlsplit(spec)
+    if parts.scheme not in BACKEND_MODULES:
+        known = ", ".join(sorted(BACKEND_MODULES))
+        raise InvalidInputError(f"unknown store backend in {spec!r}; known schemes: {known}")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise InvalidInputError(f"bad port in store spec {spec!r}") from exc
+    return StoreSpec(
+        scheme=parts.scheme,
+        host=parts.hostname,
+        port=port,
+        path=parts.path,
+        params=dict(parse_qsl(parts.query)),
+    )
+
+
+def open_store(spec: str | StoreSpec) -> KVStore:
+    """Open a store client from its spec string (see the module docstring)."""
+    parsed = parse_spec(spec) if isinstance(spec, str) else spec
+    importlib.import_module(BACKEND_MODULES[parsed.scheme])
+    return _BACKENDS[parsed.scheme](parsed)

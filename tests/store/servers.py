@@ -1,0 +1,185 @@
+"""Start the store services the tests need as real processes on 127.0.0.1; stop them after."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from .helpers import Backend, MiB
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, proc: subprocess.Popen, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def spawn(cmd: list[str], request, env: dict | None = None, log=None) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log or subprocess.DEVNULL,
+        stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,  # a Ctrl-C of pytest must not reach servers mid-teardown
+    )
+    request.addfinalizer(lambda: stop(proc))
+    return proc
+
+
+# -- hetserve pool ----------------------------------------------------------------------------
+def hetserve_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hetserve.cli", *args]
+
+
+class PoolCluster:
+    """A master and nodes as real processes; tests kill and restart them by PID."""
+
+    def __init__(self, request, nodes: int, dram: str, node_timeout: float = 2.0,
+                 shm: bool = True) -> None:
+        self.request, self.dram, self.node_timeout = request, dram, node_timeout
+        self.shm = shm
+        self.port = free_port()
+        self.master = self.start_master()
+        self.nodes = [self.start_node() for _ in range(nodes)]
+        self.wait_nodes(nodes)
+
+    @property
+    def spec(self) -> str:
+        shm = "" if self.shm else "&shm=0"
+        return f"pool://127.0.0.1:{self.port}?max_value=96M&reconnect=10{shm}"
+
+    def start_master(self) -> subprocess.Popen:
+        cmd = hetserve_cmd("store", "master", "--port", str(self.port),
+                           "--node-timeout", str(self.node_timeout), "--max-value", "96M")
+        proc = spawn(cmd, self.request)
+        wait_port(self.port, proc)
+        return proc
+
+    def start_node(self, *extra: str) -> subprocess.Popen:
+        port = free_port()
+        cmd = hetserve_cmd("store", "node", "--master", f"127.0.0.1:{self.port}",
+                           "--dram", self.dram, "--port", str(port), *extra)
+        proc = spawn(cmd, self.request)
+        wait_port(port, proc)
+        return proc
+
+    def wait_nodes(self, n: int, timeout: float = 20.0) -> None:
+        from hetserve.store import open_store
+
+        deadline = time.monotonic() + timeout
+        with open_store(self.spec) as client:
+            while len(client.stats()["nodes"]) != n:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"pool has {client.stats()['nodes']} nodes, wanted {n}")
+                time.sleep(0.05)
+
+
+def corrupt_pool(store, key: str) -> None:
+    from hetserve.store.pool import protocol as P
+    from hetserve.store.pool.links import Transfer
+
+    obj = store._call(P.LOCATE, {"keys": [key]})["objects"][0]
+    garbage = memoryview(os.urandom(obj["size"]))
+    for node, seg, off in obj["replicas"]:
+        assert store._links[node].write([Transfer(0, seg, off, obj["size"], garbage)]) == [True]
+
+
+def start_pool1(request) -> Backend:
+    cluster = PoolCluster(request, 1, "96M")
+    return Backend("pool1", cluster.spec, 96 * MiB, corrupt_pool)
+
+
+def start_pool3(request) -> Backend:
+    # Over TCP (shm=0), so the suite covers both data paths; pool1 uses shared memory.
+    cluster = PoolCluster(request, 3, "72M", shm=False)
+    return Backend("pool3", cluster.spec, 3 * 72 * MiB, corrupt_pool)
+
+
+# -- redis ------------------------------------------------------------------------------------
+def start_redis(request) -> Backend:
+    exe = shutil.which("redis-server") or shutil.which("valkey-server")
+    if exe is None:
+        pytest.skip("redis: redis-server is not installed (make system-deps installs it)")
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        pytest.skip("redis: the redis Python package is not installed (pip install -e .[dev])")
+    port = free_port()
+    cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+           "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"]
+    wait_port(port, spawn(cmd, request))
+    return Backend("redis", f"redis://127.0.0.1:{port}/0", 256 * MiB, corrupt_redis)
+
+
+def corrupt_redis(store, key: str) -> None:
+    from hetserve.store.checksum import HEADER
+
+    assert store._r.setrange(store.prefix + key, HEADER.size + 10, b"X")
+
+
+# -- mooncake ---------------------------------------------------------------------------------
+def _mooncake_bin(name: str) -> str | None:
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    return path if os.path.exists(path) else shutil.which(name)
+
+
+def start_mooncake(request) -> Backend:
+    master, holder = _mooncake_bin("mooncake_master"), _mooncake_bin("mooncake_client")
+    if master is None or holder is None:
+        pytest.skip("mooncake: pip install mooncake-transfer-engine-non-cuda (make test does)")
+    try:
+        import mooncake.store  # noqa: F401
+    except (ImportError, OSError) as exc:  # e.g. libibverbs1 missing
+        pytest.skip(f"mooncake: its client does not load here ({exc}); make system-deps")
+    env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+    rpc, http, metrics, hport = free_port(), free_port(), free_port(), free_port()
+    proc = spawn([master, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
+                  "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+                  f"--http_metadata_server_port={http}", "--metrics_host=127.0.0.1",
+                  f"--metrics_port={metrics}", "--default_kv_lease_ttl=2000"], request, env)
+    wait_port(rpc, proc)
+    wait_port(http, proc)
+    metadata = f"http://127.0.0.1:{http}/metadata"
+    # A segment holder that outlives the test's clients (a client's own segment leaves with it).
+    holder_proc = spawn([holder, "--host=127.0.0.1", f"--port={hport}",
+                         "--global_segment_size=160MB", f"--master_server_address=127.0.0.1:{rpc}",
+                         f"--metadata_server={metadata}", "--protocol=tcp"], request, env)
+    wait_port(hport, holder_proc)
+    spec = f"mooncake://127.0.0.1:{rpc}?metadata={metadata}&segment=0&buffer=100M&max_value=96M"
+    return Backend("mooncake", spec, 160 * MiB, corrupt_mooncake)
+
+
+def corrupt_mooncake(store, key: str) -> None:
+    blob = bytearray(store._store.get(key))
+    blob[-1] ^= 0xFF
+    assert store._store.upsert(key, bytes(blob)) == 0

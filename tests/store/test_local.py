@@ -1,0 +1,60 @@
+"""The local backend's tiers: DRAM LRU spilling to SSD files, promotion on SSD hits."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetserve.errors import InvalidInputError
+from hetserve.store import StoreCapacityError, ValueTooLargeError, open_store, parse_size
+
+from .helpers import MiB, payload
+
+
+def test_parse_size_and_unknown_scheme():
+    assert parse_size("4K") == 4096 and parse_size("1.5M") == 3 * MiB // 2
+    assert parse_size("2GiB") == 2 << 30 and parse_size("100") == 100
+    with pytest.raises(InvalidInputError):
+        parse_size("lots")
+    with pytest.raises(InvalidInputError, match="known schemes"):
+        open_store("ftp://x")
+
+
+def test_spill_to_ssd_and_promote(tmp_path):
+    store = open_store(f"local://?dram=3M&ssd_dir={tmp_path}&ssd=4M")
+    keys = [f"k{i}" for i in range(5)]
+    for k in keys:
+        store.put(k, payload(MiB, k))
+        store.check_integrity()
+    assert store.dram_used <= 3 * MiB and store.ssd.used == 2 * MiB
+    assert "k0" in store.ssd and len(list(tmp_path.glob("*.hskv"))) == 2
+    assert store.get("k0") == payload(MiB, "k0")  # SSD hit ...
+    assert "k0" in store._dram and "k0" not in store.ssd  # ... promoted to DRAM
+    store.check_integrity()
+    for k in keys:
+        got = store.get(k)
+        assert got is None or got == payload(MiB, k)
+    store.close()
+
+
+def test_ssd_overflow_drops_lru_and_damaged_file_is_a_miss(tmp_path):
+    store = open_store(f"local://?dram=1M&ssd_dir={tmp_path}&ssd=2M")
+    for i in range(6):
+        store.put(f"k{i}", payload(MiB, f"k{i}"))
+    assert store.batch_exists([f"k{i}" for i in range(6)]) == 0  # k0 dropped entirely
+    assert store.exists("k5") and store.exists("k4") and store.exists("k3")
+    victim = next(tmp_path.glob("*.hskv"))
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 1
+    victim.write_bytes(data)
+    assert [store.get(f"k{i}") is None for i in (3, 4)].count(True) == 1
+    store.check_integrity()
+
+
+def test_limits(tmp_path):
+    store = open_store("local://?dram=1M&max_value=2M")
+    with pytest.raises(ValueTooLargeError):
+        store.put("big", bytes(3 * MiB))
+    with pytest.raises(StoreCapacityError):
+        store.put("big", bytes(MiB + 1))
+    store.put("empty", b"")
+    assert store.get("empty") == b""

@@ -1,0 +1,26 @@
+"""`hetserve store ...` and `hetserve bench store` from the command line."""
+
+from __future__ import annotations
+
+import json
+
+from hetserve.cli import main
+
+
+def test_bench_store_writes_json_with_ratios(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "store", "--backend", "local://?dram=64M", "--backend", "pool",
+               "--sizes", "4K,1M", "--total", "2M", "--no-mooncake", "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    backends = {r["backend"] for r in rows}
+    assert backends == {"memcpy", "local://?dram=64M", "pool"}
+    assert all(r["gbps"] > 0 and r["misses"] == 0 for r in rows)
+    assert all(r["vs_memcpy"] is not None for r in rows)
+    assert "xmemcpy" in capsys.readouterr().out
+
+
+def test_store_cli_errors_are_one_line(capsys):
+    assert main(["store", "node", "--master", "nowhere"]) == 2
+    assert "--master wants HOST:PORT" in capsys.readouterr().err
+    assert main(["store", "master", "--watermarks", "0.5,0.9"]) == 2
