@@ -102,9 +102,7 @@ class _CPUExperts:
             return self.submit(x, topk_weights, topk_ids).result()
         return self._forward(x, topk_weights, topk_ids)
 
-    def submit(
-        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-    ) -> Future:
+    def submit(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> Future:
         """Run forward on the dedicated pool (needs `num_threads`); the caller overlaps its own
         work and calls `.result()` when it needs the output."""
         if self._pool is None:

@@ -222,8 +222,10 @@ class Placement:
                 g[1] += int(module_bytes.get(module, 0))
         header = ("device", "backend", "phase", "rule", "modules", "bytes")
         rows = [(*k, str(v[0]), _human(v[1])) for k, v in sorted(groups.items())]
-        rows += [("total " + d, "", "", "", "", _human(b))
-                 for d, b in sorted(self.bytes_per_device(module_bytes).items())]
+        rows += [
+            ("total " + d, "", "", "", "", _human(b))
+            for d, b in sorted(self.bytes_per_device(module_bytes).items())
+        ]
         widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
         return "\n".join(
             "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
