@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 
 BENCH_MODULES: list[str] = [
+    "hetserve.bench.moe_kernel",
     # "hetserve.bench.generate", "hetserve.bench.serve", "hetserve.bench.store", ...
 ]
 
