@@ -17,7 +17,8 @@ import statistics
 import time
 from pathlib import Path
 
-DEFAULT_BACKENDS = "cpu-fp32,cpu-int8,cpu-int4"
+# NAME or NAME:KERNEL (kernel option of cpu-int8/cpu-int4: native | library).
+DEFAULT_BACKENDS = "cpu-fp32,cpu-int8,cpu-int8:library,cpu-int4,cpu-int4:library"
 
 
 def register(sub) -> None:
@@ -27,7 +28,9 @@ def register(sub) -> None:
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--top-k", type=int, default=6)
     p.add_argument("--tokens", default="1,4,16", help="comma-separated token counts")
-    p.add_argument("--backends", default=DEFAULT_BACKENDS)
+    p.add_argument(
+        "--backends", default=DEFAULT_BACKENDS, help="NAME or NAME:KERNEL, comma-separated"
+    )
     p.add_argument("--iters", type=int, default=10, help="timed calls per (backend, tokens)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--bandwidth-mib", type=int, default=512, help="bandwidth probe buffer size")
@@ -103,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
     tokens = _int_list(args.tokens)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = [b for b in backends if b not in available_backends()]
+    unknown = [b for b in backends if b.split(":")[0] not in available_backends()]
     if unknown:
         raise InvalidInputError(
             f"unknown experts backend(s) {unknown}; available: {', '.join(available_backends())}"
@@ -124,11 +127,12 @@ def run(args: argparse.Namespace) -> int:
     with tqdm(total=len(backends) * len(tokens), desc="moe-kernel", unit="case") as bar:
         for name in backends:
             bar.set_postfix_str(f"building {name}")
-            backend = create_backend(name, weights)
+            base, _, kernel = name.partition(":")
+            backend = create_backend(base, weights, **({"kernel": kernel} if kernel else {}))
             for t in tokens:
                 bar.set_postfix_str(f"{name} T={t}")
                 r = _time_backend(backend, h, e, args.top_k, t, args.iters)
-                results.append({"backend": name, "tokens": t, **r})
+                results.append({"backend": name, "impl": type(backend).__name__, "tokens": t, **r})
                 bar.update(1)
             del backend
             bw.append(measure_read_bandwidth(args.bandwidth_mib))

@@ -1,30 +1,32 @@
 """CPU routed-expert backends: `cpu-fp32`, `cpu-int8`, `cpu-int4`.
 
-All three share one forward (`_CPUExperts.forward`) and differ only in how one expert's weight
-matrix is stored and multiplied (`_pack` / `_linear`). Kernels were chosen by measuring the
-library ops at one MoE layer's shapes on the 2-core AVX2 dev box (see README, "MoE kernel bench"):
+Kernels were chosen by measuring at one MoE layer's shapes (hidden 2048, moe_intermediate 1408,
+64 experts, top-6) on the 2-core AVX2 dev box; see README, "MoE kernel bench":
 
-- `cpu-fp32`: `F.linear` on the fp32 weights (views of the given tensor, no copy).
-- `cpu-int8`: fbgemm's packed int8 GEMM (`quantized.linear_dynamic`, reduce_range). Weights are
-  int8 symmetric per output channel; fbgemm also quantizes the *activation* of each call to 7-bit
-  unsigned with one per-tensor scale, which is why it is ~50x faster than the weight-only
-  `_weight_int8pack_mm` here (0.4 GB/s measured in torch 2.13).
-- `cpu-int4`: `_weight_int4pack_mm_for_cpu` (weight-only, group-wise asymmetric, fp32
-  activations). It is the only int4 library op and slow here; it is kept for memory capacity.
+- `cpu-fp32`: `F.linear` on the fp32 weights (views of the given tensor, no copy). MKL's sgemv is
+  fine at one token but its small-M sgemm is far from bandwidth here.
+- `cpu-int8`, `kernel="native"` (default where a C compiler and AVX2 exist): hetserve's own
+  weight-only kernel (`native/moe_kernels.c`, `cpu_native.py`): int8 weights meet int16-rounded
+  activations, one C call per layer. `kernel="library"`: fbgemm's packed int8 GEMM
+  (`quantized.linear_dynamic`, reduce_range), which also quantizes each call's activations to
+  7 bits with one scale, i.e. ~100x the activation error. The weight-only library op
+  `_weight_int8pack_mm` streamed 0.4 GB/s in torch 2.13 here and is not used.
+- `cpu-int4`, `kernel="native"`: the same C kernel with nibbles dequantized in registers.
+  `kernel="library"`: `_weight_int4pack_mm_for_cpu` (~0.2 GB/s here, kept as the fallback).
 
 Error bounds each backend promises, per linear `y = x @ w.T` (w one expert's [N, K] matrix):
 
 - `cpu-fp32`: only fp32 rounding (|y - y_ref| <= 1e-5 relative in the tests).
 - `cpu-int8`: weights w_hat = q * s[n], q = round(w / s[n]) in [-127, 127], s[n] = max|w[n]| / 127,
-  so |w - w_hat| <= s[n] / 2 per element. Activations x_hat with step s_x = (max(x, 0) -
-  min(x, 0)) / 127, |x - x_hat| <= s_x / 2. Hence
+  so |w - w_hat| <= s[n] / 2 per element. Activations x_hat with step s_x, |x - x_hat| <= s_x / 2,
+  where s_x = max|x| / 16383 per row (native) or (max(x, 0) - min(x, 0)) / 127 per call (fbgemm):
       |y[n] - y_ref[n]| <= s[n] / 2 * ||x||_1 + s_x / 2 * ||w_hat[n]||_1   (+ fp32 rounding);
-  `int8_linear_bound` computes it. The accumulation is exact int32 (7-bit activations cannot
-  saturate AVX2's 16-bit pair sums).
+  `int8_linear_bound` computes it. Both accumulate exactly in int32.
 - `cpu-int4`: per group of `group_size` input channels, scale = (max - min) / 15 and
   w_hat = q * scale + min with q in [0, 15], so |w - w_hat| <= scale / 2 per element and
       |y[n] - y_ref[n]| <= sum_k |x[k]| * scale[n, k // group_size] / 2   (+ fp32 rounding);
-  `int4_linear_bound` computes it.
+  `int4_linear_bound` computes it (both kernels; activations stay fp32).
+Through a layer the bounds compose (silu is 1.1-Lipschitz); tests/moe checks the composed bound.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ INT4_GROUP_SIZES = (32, 64, 128)
 
 
 class _CPUExperts:
-    """Shared forward. Subclasses set `_pack(w[N, K]) -> object` and `_linear(x, packed)`.
+    """Shared forward of the library kernels. Subclasses set `_pack(w[N, K]) -> object` and
+    `_linear(x, packed)`; the native ones override `_load` and `_forward`.
 
     Per-expert packed weights sit in two Python lists built once, so forward does no weight
     work, and routing costs one host sync (the per-expert counts).
@@ -61,10 +64,10 @@ class _CPUExperts:
         self.inter = weights.intermediate_size
         self.hidden = weights.hidden_size
         self.act = ACTIVATIONS[activation]
-        w13 = weights.w13.detach().to("cpu", torch.float32)
-        w2 = weights.w2.detach().to("cpu", torch.float32)
-        self._w13 = [self._pack(w13[e]) for e in range(self.num_experts)]
-        self._w2 = [self._pack(w2[e]) for e in range(self.num_experts)]
+        self._load(
+            weights.w13.detach().to("cpu", torch.float32),
+            weights.w2.detach().to("cpu", torch.float32),
+        )
         # A dedicated single worker whose intra-op pool is sized once: torch's thread count is
         # per OS thread, so the caller's (accelerator) thread keeps its own setting.
         self._pool: ThreadPoolExecutor | None = None
@@ -77,6 +80,10 @@ class _CPUExperts:
             )
 
     # -- per-backend storage -------------------------------------------------------------
+    def _load(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        self._w13 = [self._pack(w13[e]) for e in range(self.num_experts)]
+        self._w2 = [self._pack(w2[e]) for e in range(self.num_experts)]
+
     def _pack(self, w: torch.Tensor) -> object:
         raise NotImplementedError
 
@@ -170,18 +177,27 @@ def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, scale
 
 
-def int8_linear_bound(x: torch.Tensor, w_hat: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The promised |y - x @ w.T| bound of `cpu-int8` for inputs x [T, K] (see module doc)."""
+def int8_activation_step(x: torch.Tensor, kernel: str) -> torch.Tensor:
+    """Per-row activation rounding step s_x of the int8 kernels for inputs x [T, K]."""
     x = x.float()
-    s_x = (x.amax(dim=1).clamp(min=0) - x.amin(dim=1).clamp(max=0)) / 127.0
+    if kernel == "native":
+        return x.abs().amax(dim=1) / 16383.0
+    full = x.amax().clamp(min=0) - x.amin().clamp(max=0)  # fbgemm: one scale per call
+    return (full / 127.0).expand(x.shape[0])
+
+
+def int8_linear_bound(
+    x: torch.Tensor, w_hat: torch.Tensor, scale: torch.Tensor, kernel: str = "native"
+) -> torch.Tensor:
+    """The promised |y - x @ w.T| bound of `cpu-int8` for inputs x [T, K] (see module doc)."""
+    s_x = int8_activation_step(x, kernel)
     return (
-        x.abs().sum(dim=1, keepdim=True) * scale[None, :] / 2
+        x.float().abs().sum(dim=1, keepdim=True) * scale[None, :] / 2
         + s_x[:, None] / 2 * w_hat.abs().sum(dim=1)[None, :]
     )
 
 
-@register_backend("cpu-int8")
-class CPUInt8Experts(_CPUExperts):
+class FbgemmInt8Experts(_CPUExperts):
     """int8 weights per output channel, fbgemm packed GEMM with dynamic 7-bit activations."""
 
     def _pack(self, w: torch.Tensor) -> object:
@@ -221,8 +237,7 @@ def int4_linear_bound(x: torch.Tensor, scale: torch.Tensor, group_size: int) -> 
     return xg @ scale.t() / 2
 
 
-@register_backend("cpu-int4")
-class CPUInt4Experts(_CPUExperts):
+class TorchInt4Experts(_CPUExperts):
     """int4 weights, group-wise asymmetric, torch's CPU int4 packed matmul."""
 
     def __init__(
@@ -232,16 +247,6 @@ class CPUInt4Experts(_CPUExperts):
         num_threads: int | None = None,
         group_size: int = 64,
     ) -> None:
-        if group_size not in INT4_GROUP_SIZES:
-            raise InvalidInputError(
-                f"cpu-int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}"
-            )
-        dims = (("hidden", weights.hidden_size), ("intermediate", weights.intermediate_size))
-        for name, dim in dims:
-            if dim % group_size:
-                raise InvalidInputError(
-                    f"cpu-int4: {name} size {dim} is not a multiple of group_size {group_size}"
-                )
         self.group_size = group_size
         super().__init__(weights, activation=activation, num_threads=num_threads)
 
@@ -259,3 +264,73 @@ class CPUInt4Experts(_CPUExperts):
         i, h = self.inter, self.hidden
         groups = (2 * i * h + h * i) // self.group_size
         return 3 * i * h // 2 + groups * 2 * 4  # nibbles + fp32 (scale, zero) per group
+
+
+# -- registry entries: one name per format, the kernel is an option -------------------------
+KERNELS = ("auto", "native", "library")
+
+
+def _use_native(name: str, kernel: str, activation: str) -> bool:
+    """kernel="auto" takes the native AVX2 kernel when it builds here (and the activation is
+    silu, the only one it fuses); "library" forces the torch/fbgemm op."""
+    if kernel not in KERNELS:
+        raise InvalidInputError(f"{name}: kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "library":
+        return False
+    from hetserve.moe.native import native_unavailable_reason
+
+    reason = native_unavailable_reason()
+    if kernel == "native":
+        if reason is not None:
+            raise InvalidInputError(f"{name}: native kernel unavailable here: {reason}")
+        if activation != "silu":
+            raise InvalidInputError(f"{name}: native kernel fuses silu only, not {activation!r}")
+    return reason is None and activation == "silu"
+
+
+def _check_int4(weights: ExpertWeights, group_size: int) -> None:
+    if group_size not in INT4_GROUP_SIZES:
+        raise InvalidInputError(
+            f"cpu-int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}"
+        )
+    dims = (("hidden", weights.hidden_size), ("intermediate", weights.intermediate_size))
+    for name, dim in dims:
+        if dim % group_size:
+            raise InvalidInputError(
+                f"cpu-int4: {name} size {dim} is not a multiple of group_size {group_size}"
+            )
+
+
+@register_backend("cpu-int8")
+def make_cpu_int8(
+    weights: ExpertWeights,
+    activation: str = "silu",
+    num_threads: int | None = None,
+    kernel: str = "auto",
+) -> _CPUExperts:
+    aligned = weights.hidden_size % 32 == 0 and weights.intermediate_size % 32 == 0
+    if (kernel == "native" or aligned) and _use_native("cpu-int8", kernel, activation):
+        from hetserve.moe.cpu_native import NativeInt8Experts
+
+        return NativeInt8Experts(weights, activation=activation, num_threads=num_threads)
+    return FbgemmInt8Experts(weights, activation=activation, num_threads=num_threads)
+
+
+@register_backend("cpu-int4")
+def make_cpu_int4(
+    weights: ExpertWeights,
+    activation: str = "silu",
+    num_threads: int | None = None,
+    group_size: int = 64,
+    kernel: str = "auto",
+) -> _CPUExperts:
+    _check_int4(weights, group_size)
+    if _use_native("cpu-int4", kernel, activation):
+        from hetserve.moe.cpu_native import NativeInt4Experts
+
+        return NativeInt4Experts(
+            weights, activation=activation, num_threads=num_threads, group_size=group_size
+        )
+    return TorchInt4Experts(
+        weights, activation=activation, num_threads=num_threads, group_size=group_size
+    )
