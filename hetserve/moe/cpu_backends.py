@@ -11,7 +11,8 @@ Kernels were chosen by measuring at one MoE layer's shapes (hidden 2048, moe_int
   (`quantized.linear_dynamic`, reduce_range), which also quantizes each call's activations to
   7 bits with one scale, i.e. ~100x the activation error. The weight-only library op
   `_weight_int8pack_mm` streamed 0.4 GB/s in torch 2.13 here and is not used.
-- `cpu-int4`, `kernel="native"`: the same C kernel with nibbles dequantized in registers.
+- `cpu-int4`, `kernel="native"`: the same C kernel; nibbles go straight into the integer dot
+  product with int16 activations, scale and minimum applied per group.
   `kernel="library"`: `_weight_int4pack_mm_for_cpu` (~0.2 GB/s here, kept as the fallback).
 
 Error bounds each backend promises, per linear `y = x @ w.T` (w one expert's [N, K] matrix):
@@ -24,8 +25,10 @@ Error bounds each backend promises, per linear `y = x @ w.T` (w one expert's [N,
   `int8_linear_bound` computes it. Both accumulate exactly in int32.
 - `cpu-int4`: per group of `group_size` input channels, scale = (max - min) / 15 and
   w_hat = q * scale + min with q in [0, 15], so |w - w_hat| <= scale / 2 per element and
-      |y[n] - y_ref[n]| <= sum_k |x[k]| * scale[n, k // group_size] / 2   (+ fp32 rounding);
-  `int4_linear_bound` computes it (both kernels; activations stay fp32).
+      |y[n] - y_ref[n]| <= sum_k |x[k]| * scale[n, k // group_size] / 2
+                           (+ s_x / 2 * ||w_hat[n]||_1, native: int16 activations as above)
+                           (+ fp32 rounding);
+  `int4_linear_bound` computes the weight term (torch's op keeps activations fp32).
 Through a layer the bounds compose (silu is 1.1-Lipschitz); tests/moe checks the composed bound.
 """
 
@@ -178,7 +181,8 @@ def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def int8_activation_step(x: torch.Tensor, kernel: str) -> torch.Tensor:
-    """Per-row activation rounding step s_x of the int8 kernels for inputs x [T, K]."""
+    """Per-row activation rounding step s_x for inputs x [T, K]: native kernels (int8 and int4)
+    round to int16 per row, fbgemm to 7 bits per call."""
     x = x.float()
     if kernel == "native":
         return x.abs().amax(dim=1) / 16383.0
@@ -230,11 +234,23 @@ def quantize_int4_groupwise(
     return q.to(torch.int32).reshape(n, k), scale, lo
 
 
-def int4_linear_bound(x: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The promised |y - x @ w.T| bound of `cpu-int4` for inputs x [T, K] (see module doc)."""
+def int4_linear_bound(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    group_size: int,
+    w_hat: torch.Tensor | None = None,
+    kernel: str = "library",
+) -> torch.Tensor:
+    """The promised |y - x @ w.T| bound of `cpu-int4` for inputs x [T, K] (see module doc);
+    the native kernel's activation term needs `w_hat`."""
     t, k = x.shape
     xg = x.float().abs().reshape(t, k // group_size, group_size).sum(dim=2)  # [T, K/g]
-    return xg @ scale.t() / 2
+    bound = xg @ scale.t() / 2
+    if kernel == "native":
+        assert w_hat is not None, "the native bound needs w_hat"
+        s_x = int8_activation_step(x, "native")
+        bound = bound + s_x[:, None] / 2 * w_hat.abs().sum(dim=1)[None, :]
+    return bound
 
 
 class TorchInt4Experts(_CPUExperts):

@@ -5,9 +5,9 @@
  *   y[p, n] = a_p . W2[e, n]                                      (phase 2)
  * where p runs over the (token, slot) pairs counting-sorted by expert e. Routing, gathers and
  * the final sum happen here too, so Python makes one call per layer and no host sync.
- * Weight-only quantization: int4 weights are dequantized to fp32 in registers (activations fp32);
- * int8 weights meet activations rounded to int16 per row (|x - x_hat| <= max|x| / 32766, about
- * a hundredth of the weight rounding) so one vpmaddwd does 16 multiply-adds. Each phase's row
+ * Weight-only quantization: int8 and int4 weights meet activations rounded to int16 per row
+ * (|x - x_hat| <= max|x| / 32766, about a hundredth of int8's weight rounding), so one
+ * vpmaddwd does 16 exact integer multiply-adds. Each phase's row
  * quads go to the caller plus up to nthreads-1 persistent helpers through an atomic queue, with
  * a join between the phases (phase 2 reads all of phase 1). Built and cached by
  * hetserve/moe/native/__init__.py (no torch headers).
@@ -37,8 +37,9 @@ typedef struct {
     const int *tok;        /* [P] token of pair p (pairs sorted by expert) */
     const float *pw;       /* [P] router weight of pair p */
     float *a, *y;          /* [P, I], [P, H] */
-    int16_t *x16, *a16;    /* int8 only: [T, H], [P, I] activations as int16 */
-    float *xsc, *asc;      /* int8 only: their per-row scales [T], [P] */
+    int16_t *x16, *a16;    /* [T, H], [P, I] activations as int16 */
+    float *xsc, *asc;      /* their per-row scales [T], [P] */
+    float *xgs, *ags;      /* int4 only: per-group sums of x16 / a16 [T, H/G], [P, I/G] */
     int n_active;
     const int *act_e, *act_off, *act_cnt;
     int nthreads;
@@ -94,59 +95,79 @@ static inline __attribute__((always_inline)) void quad_i8(const int8_t *q, int K
     }
 }
 
-/* x16[p] = round(x[p] / scale[p]), scale[p] = max|x[p]| / ACT_Q, for rows [p0, p1). */
-static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, float *scale) {
+/* x16[p] = round(x[p] / scale[p]), scale[p] = max|x[p]| / ACT_Q, for rows [p0, p1); with
+ * G > 0 also gsum[p, g] = sum of x16[p] over group g (exact: |sum| <= 128 * ACT_Q < 2^24). */
+static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, float *scale,
+                          int G, float *gsum) {
     for (int p = p0; p < p1; p++) {
         const float *row = x + (size_t)p * K;
+        int16_t *out = x16 + (size_t)p * K;
         float mx = 0.0f;
         for (int k = 0; k < K; k++) mx = fabsf(row[k]) > mx ? fabsf(row[k]) : mx;
         float s = mx > 0.0f ? mx / ACT_Q : 1.0f, inv = 1.0f / s;
         for (int k = 0; k < K; k++) {
             int v = (int)lrintf(row[k] * inv);
-            x16[(size_t)p * K + k] = (int16_t)(v > ACT_Q ? ACT_Q : (v < -ACT_Q ? -ACT_Q : v));
+            out[k] = (int16_t)(v > ACT_Q ? ACT_Q : (v < -ACT_Q ? -ACT_Q : v));
         }
         scale[p] = s;
+        if (G > 0)
+            for (int g = 0; g < K / G; g++) {
+                int sum = 0;
+                for (int k = g * G; k < (g + 1) * G; k++) sum += out[k];
+                gsum[(size_t)p * (K / G) + g] = (float)sum;
+            }
     }
 }
 
 /* int4 quad: for each 32 inputs, the 4 rows' 16 bytes back to back; in a row's 16 bytes, byte
  * j holds element j (low nibble) and j + 16 (high nibble). Per group of G inputs and row r:
- * w = q * scale + minimum, with scales and minimums stored [group][4 rows] per quad. */
+ * w = q * scale + minimum, with scales and minimums stored [group][4 rows] per quad. With int16
+ * activations, w . x16 = sum_g scale_g * (q_g . x16_g) + minimum_g * sum(x16_g): the nibbles go
+ * straight into vpmaddwd (integer, exact per group) and the minimum needs only the group sums. */
 static inline __attribute__((always_inline)) void quad_i4(const uint8_t *q, const float *sc,
                                                           const float *mn, int K, int G,
-                                                          const float *const x[2], int MB,
+                                                          const int16_t *const x[2],
+                                                          const float *const gs[2], int MB,
                                                           float out[4][2]) {
     const __m128i mask = _mm_set1_epi8(0x0F);
-    __m256 acc[4][2];
+    __m256 tot[4][2];
+    float zs[4][2];
     for (int r = 0; r < 4; r++)
-        for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_ps();
-    for (int k = 0; k < K; k += 32) {
-        int g = k / G;
-        _mm_prefetch((const char *)(q + 2 * k + PF_DIST), _MM_HINT_T0);
-        for (int r = 0; r < 4; r++) {
-            __m128i v = _mm_loadu_si128((const __m128i *)(q + 2 * k + 16 * r));
-            __m128i lo = _mm_and_si128(v, mask);
-            __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-            __m256 s = _mm256_set1_ps(sc[4 * g + r]);
-            __m256 z = _mm256_set1_ps(mn[4 * g + r]);
-            __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), s, z);
-            __m256 w1 = _mm256_fmadd_ps(
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), s, z);
-            __m256 w2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), s, z);
-            __m256 w3 = _mm256_fmadd_ps(
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), s, z);
+        for (int m = 0; m < MB; m++) {
+            tot[r][m] = _mm256_setzero_ps();
+            zs[r][m] = 0.0f;
+        }
+    for (int g = 0; g < K / G; g++) {
+        __m256i acc[4][2];
+        for (int r = 0; r < 4; r++)
+            for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_si256();
+        for (int k = g * G; k < (g + 1) * G; k += 32) {
+            _mm_prefetch((const char *)(q + 2 * k + PF_DIST), _MM_HINT_T0);
+            __m256i xl[2], xh[2];
             for (int m = 0; m < MB; m++) {
-                const float *xm = x[m] + k;
-                __m256 t = acc[r][m];
-                t = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), t);
-                t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), t);
-                t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xm + 16), t);
-                acc[r][m] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xm + 24), t);
+                xl[m] = _mm256_loadu_si256((const __m256i *)(x[m] + k));
+                xh[m] = _mm256_loadu_si256((const __m256i *)(x[m] + k + 16));
+            }
+            for (int r = 0; r < 4; r++) {
+                __m128i v = _mm_loadu_si128((const __m128i *)(q + 2 * k + 16 * r));
+                __m256i wl = _mm256_cvtepu8_epi16(_mm_and_si128(v, mask));
+                __m256i wh = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
+                for (int m = 0; m < MB; m++)
+                    acc[r][m] = _mm256_add_epi32(
+                        acc[r][m], _mm256_add_epi32(_mm256_madd_epi16(wl, xl[m]),
+                                                    _mm256_madd_epi16(wh, xh[m])));
+            }
+        }
+        for (int r = 0; r < 4; r++) {
+            __m256 s = _mm256_set1_ps(sc[4 * g + r]);
+            for (int m = 0; m < MB; m++) {
+                tot[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][m]), s, tot[r][m]);
+                zs[r][m] += mn[4 * g + r] * gs[m][g];
             }
         }
     }
     for (int r = 0; r < 4; r++)
-        for (int m = 0; m < MB; m++) out[r][m] = hsum(acc[r][m]);
+        for (int m = 0; m < MB; m++) out[r][m] = hsum(tot[r][m]) + zs[r][m];
 }
 
 /* Rows [n0, n0+4) of expert e's matrix [N, K] against MB <= 2 pairs starting at pair p
@@ -171,14 +192,22 @@ static inline void quad(const job_t *j, int which, int e, int N, int K, int n0, 
         }
     } else {
         const uint8_t *q = (const uint8_t *)(which == 1 ? j->w13 : j->w2) + row * (K / 2);
-        const float *s = (which == 1 ? j->s13 : j->s2) + row * (K / j->G);
-        const float *z = (which == 1 ? j->m13 : j->m2) + row * (K / j->G);
-        const float *base = which == 1 ? j->x : j->a;
-        const float *const xr[2] = {base + (size_t)r0 * K, base + (size_t)r1 * K};
+        const int ng = K / j->G;
+        const float *s = (which == 1 ? j->s13 : j->s2) + row * ng;
+        const float *z = (which == 1 ? j->m13 : j->m2) + row * ng;
+        const int16_t *base = which == 1 ? j->x16 : j->a16;
+        const float *gsb = which == 1 ? j->xgs : j->ags;
+        const float *xs = which == 1 ? j->xsc : j->asc;
+        const int16_t *const xr[2] = {base + (size_t)r0 * K, base + (size_t)r1 * K};
+        const float *const gr[2] = {gsb + (size_t)r0 * ng, gsb + (size_t)r1 * ng};
         if (MB == 2)
-            quad_i4(q, s, z, K, j->G, xr, 2, out);
+            quad_i4(q, s, z, K, j->G, xr, gr, 2, out);
         else
-            quad_i4(q, s, z, K, j->G, xr, 1, out);
+            quad_i4(q, s, z, K, j->G, xr, gr, 1, out);
+        for (int r = 0; r < 4; r++) {
+            out[r][0] *= xs[r0];
+            if (MB == 2) out[r][1] *= xs[r1];
+        }
     }
 }
 
@@ -328,17 +357,19 @@ int hetserve_moe_forward(int bits, int nthreads, int E, int H, int I, int G, int
     if (P == 0) return 0;
     for (int p = 0; p < P; p++)
         if (ids[p] < 0 || ids[p] >= E) return -2;
-    size_t n_f = (size_t)P * (I + H) + P;                 /* a, y, pw */
-    size_t n_i = (size_t)P + 4 * (size_t)E;               /* tok, act_e/off/cnt + fill */
-    size_t n_q = bits == 8 ? (size_t)T * H + (size_t)P * I : 0; /* x16, a16 */
-    size_t n_s = bits == 8 ? (size_t)T + P : 0;           /* xsc, asc */
-    char *buf = malloc(sizeof(float) * (n_f + n_s) + sizeof(int) * n_i + sizeof(int16_t) * n_q + 64);
+    const int G4 = bits == 4 ? G : 0;
+    size_t n_g = G4 ? (size_t)T * (H / G4) + (size_t)P * (I / G4) : 0; /* xgs, ags */
+    size_t n_f = (size_t)P * (I + H) + P + T + P + n_g;   /* a, y, pw, xsc, asc, xgs, ags */
+    size_t n_i = (size_t)P + 4 * (size_t)E;               /* tok, act_e/off/cnt, fill */
+    size_t n_q = (size_t)T * H + (size_t)P * I;           /* x16, a16 */
+    char *buf = malloc(sizeof(float) * n_f + sizeof(int) * n_i + sizeof(int16_t) * n_q);
     if (buf == NULL) return -1;
-    float *fb = (float *)buf;
-    float *a = fb, *y = a + (size_t)P * I, *pw = y + (size_t)P * H, *xsc = pw + P, *asc = xsc + T;
-    int *ib = (int *)(fb + n_f + n_s);
-    int *tok = ib, *act_e = tok + P, *act_off = act_e + E, *act_cnt = act_off + E, *fill = act_cnt + E;
-    int16_t *x16 = (int16_t *)(ib + n_i), *a16 = x16 + (size_t)T * H;
+    float *a = (float *)buf, *y = a + (size_t)P * I, *pw = y + (size_t)P * H;
+    float *xsc = pw + P, *asc = xsc + T, *xgs = asc + P;
+    float *ags = G4 ? xgs + (size_t)T * (H / G4) : xgs;
+    int *tok = (int *)(a + n_f), *act_e = tok + P, *act_off = act_e + E, *act_cnt = act_off + E;
+    int *fill = act_cnt + E;
+    int16_t *x16 = (int16_t *)(tok + n_i), *a16 = x16 + (size_t)T * H;
 
     /* Counting sort of the pairs by expert (stable: token order within an expert). */
     memset(fill, 0, sizeof(int) * E);
@@ -361,12 +392,13 @@ int hetserve_moe_forward(int bits, int nthreads, int E, int H, int I, int G, int
         pw[dst] = tw[p];
     }
     job_t j = {bits, H, I, G, x, w13, w2, s13, m13, s2, m2, tok, pw, a, y, x16, a16, xsc, asc,
-               n, act_e, act_off, act_cnt, nthreads < 1 ? 1 : (nthreads > 64 ? 64 : nthreads), 0};
-    if (bits == 8) quantize_rows(x, H, 0, T, x16, xsc);
+               xgs, ags, n, act_e, act_off, act_cnt,
+               nthreads < 1 ? 1 : (nthreads > 64 ? 64 : nthreads), 0};
+    quantize_rows(x, H, 0, T, x16, xsc, G4, xgs);
     pthread_mutex_lock(&pool.call_mu);
     grow_pool(j.nthreads - 1);
     run_phase(&j, 1);
-    if (bits == 8) quantize_rows(a, I, 0, P, a16, asc);
+    quantize_rows(a, I, 0, P, a16, asc, G4, ags);
     run_phase(&j, 2);
     pthread_mutex_unlock(&pool.call_mu);
     for (int p = 0; p < P; p++) { /* pairs of one token never race: this loop is serial */
