@@ -1,9 +1,12 @@
 """`kt`: kt-kernel's CPU MoE operator, when that package is installed.
 
-kt-kernel pins another torch, so it goes in with `pip install --no-deps kt-kernel`. Its wheel is
-built against that torch's C++ ABI; on an AVX2-only CPU it offers only the LLAMAFILE (GGUF) MoE
-variant. Constructing `kt` without an importable `kt_kernel` raises a one-line error saying how to
-install it; the backend itself is not wired yet (see `_KT_STATUS`).
+kt-kernel pins another torch, so it goes in with `pip install --no-deps kt-kernel` (plus its
+`gguf` dependency). Checked here (kt-kernel 0.7.2, 2-core AVX2 box): it installs and imports
+beside torch 2.13, but its AVX2 build has no MOE_INT8/INT4 operator ("not compiled with int8
+support"); on AVX2 it offers only LLAMAFILE, which reads GGUF expert files. AMX/AVX-512 builds
+have `KTMoEWrapper(method="AMXINT8")` with `load_weights_from_tensors`. Wrapping either is left
+for a machine that has them; until then constructing `kt` raises a one-line error saying why
+and how to install, never a silent fallback.
 """
 
 from __future__ import annotations
