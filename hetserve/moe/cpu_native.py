@@ -18,7 +18,7 @@ from hetserve.moe.cpu_backends import (
     quantize_int8_per_channel,
 )
 from hetserve.moe.experts import ExpertWeights
-from hetserve.moe.native import moe_forward_fn
+from hetserve.moe.native import hugepage_empty, moe_forward_fn
 
 
 def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
@@ -29,11 +29,20 @@ def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
     return (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(*lead, k // 2).contiguous()
 
 
+def pair_gate_up(w13: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, C] with gate rows then up rows -> rows ordered gate 0-3, up 0-3, gate 4-7, ...,
+    so phase 1 of the kernel (which needs gate and up of the same rows) reads one stream."""
+    e, n, c = w13.shape
+    return w13.reshape(e, 2, n // 8, 4, c).transpose(1, 2).reshape(e, n, c)
+
+
 def interleave_quads(t: torch.Tensor, chunk: int) -> torch.Tensor:
     """[E, N, C] -> same bytes reordered so each quad of rows is one sequential stream: for every
-    `chunk` columns, the 4 rows' pieces back to back ([E, N/4, C/chunk, 4, chunk])."""
+    `chunk` columns, the 4 rows' pieces back to back ([E, N/4, C/chunk, 4, chunk]), in memory
+    backed by huge pages where the OS allows."""
     e, n, c = t.shape
-    return t.reshape(e, n // 4, 4, c // chunk, chunk).transpose(2, 3).contiguous()
+    src = t.reshape(e, n // 4, 4, c // chunk, chunk).transpose(2, 3)
+    return hugepage_empty(tuple(src.shape), t.dtype).copy_(src)
 
 
 class _NativeExperts(_CPUExperts):
@@ -84,9 +93,10 @@ class NativeInt8Experts(_NativeExperts):
     def _load(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         q13, s13 = zip(*(quantize_int8_per_channel(w) for w in w13), strict=True)
         q2, s2 = zip(*(quantize_int8_per_channel(w) for w in w2), strict=True)
-        self.w13q = interleave_quads(torch.stack(q13), 16)
+        self.w13q = interleave_quads(pair_gate_up(torch.stack(q13)), 16)
         self.w2q = interleave_quads(torch.stack(q2), 16)
-        self.s13, self.s2 = torch.stack(s13).contiguous(), torch.stack(s2).contiguous()
+        self.s13 = pair_gate_up(torch.stack(s13)[..., None]).reshape(len(s13), -1).contiguous()
+        self.s2 = torch.stack(s2).contiguous()
         self._keep = torch.zeros(1)  # int8 has no minimums: a valid pointer the kernel ignores
         z = self._keep.data_ptr()
         self._ptrs = (self.w13q.data_ptr(), self.s13.data_ptr(), z,
@@ -113,14 +123,14 @@ class NativeInt4Experts(_NativeExperts):
         super().__init__(weights, activation=activation, num_threads=num_threads)
 
     def _load(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        def quant(w: torch.Tensor):
+        def quant(w: torch.Tensor, order=lambda t: t):
             parts = [quantize_int4_groupwise(m, self.group_size) for m in w]
-            q = interleave_quads(pack_int4_rows(torch.stack([p[0] for p in parts])), 16)
-            scale = interleave_quads(torch.stack([p[1] for p in parts]), 1)
-            low = interleave_quads(torch.stack([p[2] for p in parts]), 1)
+            q = interleave_quads(order(pack_int4_rows(torch.stack([p[0] for p in parts]))), 16)
+            scale = interleave_quads(order(torch.stack([p[1] for p in parts])), 1)
+            low = interleave_quads(order(torch.stack([p[2] for p in parts])), 1)
             return q, scale, low
 
-        self.w13q, self.s13, self.m13 = quant(w13)
+        self.w13q, self.s13, self.m13 = quant(w13, pair_gate_up)
         self.w2q, self.s2, self.m2 = quant(w2)
         self._ptrs = tuple(
             t.data_ptr() for t in (self.w13q, self.s13, self.m13, self.w2q, self.s2, self.m2)

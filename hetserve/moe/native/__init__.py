@@ -18,6 +18,10 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 SOURCE = Path(__file__).with_name("moe_kernels.c")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread"]
@@ -80,3 +84,41 @@ def moe_forward_fn():
     if lib is None:
         raise RuntimeError(f"native MoE kernel unavailable: {reason}")
     return lib.hetserve_moe_forward
+
+
+_HUGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+@cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def hugepage_empty(shape: tuple[int, ...], dtype) -> torch.Tensor:
+    """An uninitialised tensor whose memory asks for 2 MiB transparent huge pages.
+
+    Streaming a weight matrix crosses a 4 KiB page every 64 cache lines; the hardware prefetcher
+    stops at each, and each costs a TLB walk. With THP in `madvise` mode (common default) the
+    pages must be requested before they are first touched, hence a fresh, 2 MiB-aligned view.
+    Where madvise is unavailable this is just a plain tensor.
+    """
+    import torch
+
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    libc = _libc()
+    if libc is None or nbytes < _HUGE or platform.system() != "Linux":
+        return torch.empty(shape, dtype=dtype)
+    base = torch.empty(nbytes + _HUGE, dtype=torch.uint8)
+    start = (base.data_ptr() + _HUGE - 1) // _HUGE * _HUGE
+    libc.madvise(start, nbytes // _HUGE * _HUGE, _MADV_HUGEPAGE)  # advisory: failure is fine
+    offset = start - base.data_ptr()
+    return base[offset : offset + nbytes].view(dtype).view(shape)

@@ -25,6 +25,9 @@
 /* Software prefetch distance in bytes. One cache line per loop iteration is consumed; the
  * out-of-order window alone keeps only ~15 lines in flight (~10 GB/s per core at DRAM latency),
  * so the stream is prefetched this far ahead (it runs into the next quad, which is adjacent). */
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T0
+#endif
 #ifndef PF_DIST
 #define PF_DIST 2048
 #endif
@@ -80,7 +83,7 @@ static inline __attribute__((always_inline)) void quad_i8(const int8_t *q, int K
         for (int r = 0; r < 4; r++)
             for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_si256();
         for (int k = kb; k < ke; k += 16) {
-            _mm_prefetch((const char *)(q + 4 * k + PF_DIST), _MM_HINT_T0);
+            _mm_prefetch((const char *)(q + 4 * k + PF_DIST), PF_HINT);
             __m256i w[4];
             for (int r = 0; r < 4; r++)
                 w[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 4 * k + 16 * r)));
@@ -142,7 +145,7 @@ static inline __attribute__((always_inline)) void quad_i4(const uint8_t *q, cons
         for (int r = 0; r < 4; r++)
             for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_si256();
         for (int k = g * G; k < (g + 1) * G; k += 32) {
-            _mm_prefetch((const char *)(q + 2 * k + PF_DIST), _MM_HINT_T0);
+            _mm_prefetch((const char *)(q + 2 * k + PF_DIST), PF_HINT);
             __m256i xl[2], xh[2];
             for (int m = 0; m < MB; m++) {
                 xl[m] = _mm256_loadu_si256((const __m256i *)(x[m] + k));
@@ -213,7 +216,7 @@ static inline void quad(const job_t *j, int which, int e, int N, int K, int n0, 
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
-/* Phase 1, units [u0, u1) of one expert (I/4 units each): gate quad i0 and up quad I + i0. */
+/* Phase 1, units [u0, u1) of one expert (I/4 units each): gate rows i0.. and up rows i0.. */
 static void phase1(const job_t *j, int u0, int u1) {
     const int H = j->H, I = j->I, per = I / 4;
     int ai = u0 / per, e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
@@ -224,8 +227,9 @@ static void phase1(const job_t *j, int u0, int u1) {
             for (int m = t0; m < t1; m += 2) {
                 int MB = t1 - m >= 2 ? 2 : 1;
                 float g[4][2], v[4][2];
-                quad(j, 1, e, 2 * I, H, i0, off + m, MB, g);
-                quad(j, 1, e, 2 * I, H, I + i0, off + m, MB, v);
+                /* W13 rows are stored gate quad, up quad, gate quad, ...: one stream. */
+                quad(j, 1, e, 2 * I, H, 2 * i0, off + m, MB, g);
+                quad(j, 1, e, 2 * I, H, 2 * i0 + 4, off + m, MB, v);
                 for (int mm = 0; mm < MB; mm++) {
                     float w = j->pw[off + m + mm];
                     float *a = j->a + (size_t)(off + m + mm) * I + i0;
