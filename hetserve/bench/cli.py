@@ -14,6 +14,7 @@ BENCH_MODULES: list[str] = [
     "hetserve.bench.prefix",
     "hetserve.bench.serve",  # load-test an OpenAI-compatible server
     "hetserve.bench.store",
+    "hetserve.bench.moe_kernel",
 ]
 
 

@@ -8,6 +8,7 @@ so routed experts can move to a CPU kernel without touching model code.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -57,6 +58,18 @@ class ExpertsBackend(Protocol):
 
 BackendFactory = Callable[..., ExpertsBackend]
 _REGISTRY: dict[str, BackendFactory] = {}
+# Modules whose backends register on import; loaded on the first registry lookup so importing
+# this contract stays cheap and free of import cycles.
+_BUILTIN_BACKEND_MODULES = ("hetserve.moe.cpu_backends", "hetserve.moe.kt_backend")
+_builtins_loaded = False
+
+
+def _load_builtin_backends() -> None:
+    global _builtins_loaded
+    if not _builtins_loaded:
+        _builtins_loaded = True
+        for name in _BUILTIN_BACKEND_MODULES:
+            importlib.import_module(name)
 
 
 def register_backend(name: str) -> Callable[[BackendFactory], BackendFactory]:
@@ -70,6 +83,7 @@ def register_backend(name: str) -> Callable[[BackendFactory], BackendFactory]:
 
 
 def available_backends() -> list[str]:
+    _load_builtin_backends()
     return sorted(_REGISTRY)
 
 
@@ -77,6 +91,7 @@ def create_backend(
     name: str, weights: ExpertWeights, activation: str = "silu", **options
 ) -> ExpertsBackend:
     """Uniform constructor: every backend is `factory(weights, activation=..., **options)`."""
+    _load_builtin_backends()
     try:
         factory = _REGISTRY[name]
     except KeyError:

@@ -1,0 +1,141 @@
+"""Native (AVX2, weight-only) kernels behind `cpu-int8` and `cpu-int4` (kernel="native").
+
+One ctypes call per layer computes every active expert (gate+up fused, silu, down) with
+fp32 activations and weights dequantized in registers; Python only sorts the routing and
+scatters the result back. No host sync: the per-expert counts go to the kernel as a tensor.
+Weights live as one stacked tensor per matrix: int8 [E, N, K] + fp32 scales [E, N], or int4
+nibbles [E, N, K/2] + fp32 scale and minimum per group [E, N, K/G].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hetserve.errors import InvalidInputError
+from hetserve.moe.cpu_backends import (
+    _CPUExperts,
+    quantize_int4_groupwise,
+    quantize_int8_per_channel,
+)
+from hetserve.moe.experts import ExpertWeights
+from hetserve.moe.native import hugepage_empty, moe_forward_fn
+
+
+def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
+    """q [..., K] in [0, 15] -> uint8 [..., K/2]: per 32-element chunk, byte j holds element j
+    in its low nibble and element j + 16 in its high nibble (cheap to unpack with AVX2)."""
+    *lead, k = q.shape
+    c = q.to(torch.uint8).reshape(*lead, k // 32, 2, 16)
+    return (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(*lead, k // 2).contiguous()
+
+
+def pair_gate_up(w13: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, C] with gate rows then up rows -> rows ordered gate 0-3, up 0-3, gate 4-7, ...,
+    so phase 1 of the kernel (which needs gate and up of the same rows) reads one stream."""
+    e, n, c = w13.shape
+    return w13.reshape(e, 2, n // 8, 4, c).transpose(1, 2).reshape(e, n, c)
+
+
+def interleave_quads(t: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[E, N, C] -> same bytes reordered so each quad of rows is one sequential stream: for every
+    `chunk` columns, the 4 rows' pieces back to back ([E, N/4, C/chunk, 4, chunk]), in memory
+    backed by huge pages where the OS allows."""
+    e, n, c = t.shape
+    src = t.reshape(e, n // 4, 4, c // chunk, chunk).transpose(2, 3)
+    return hugepage_empty(tuple(src.shape), t.dtype).copy_(src)
+
+
+class _NativeExperts(_CPUExperts):
+    bits = 0
+    group_size = 0
+
+    def __init__(
+        self, weights: ExpertWeights, activation: str = "silu", num_threads: int | None = None
+    ) -> None:
+        for name, dim in (
+            ("hidden", weights.hidden_size),
+            ("intermediate", weights.intermediate_size),
+        ):
+            if dim % 32:
+                raise InvalidInputError(f"native kernel needs {name} size % 32 == 0, got {dim}")
+        self._fn = moe_forward_fn()
+        self._threads = num_threads
+        super().__init__(weights, activation=activation, num_threads=num_threads)
+
+    def _forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        # Everything (routing sort, gathers, both matmuls, the weighted sum) is one C call:
+        # at decode the per-layer cost of a dozen small torch ops would rival the matmuls.
+        out_device, out_dtype = x.device, x.dtype
+        x = x.to("cpu", torch.float32).contiguous()
+        ids = topk_ids.to("cpu", torch.int64).contiguous()
+        tw = topk_weights.to("cpu", torch.float32).contiguous()
+        t, k = ids.shape
+        out = torch.empty(t, self.hidden)
+        rc = self._fn(
+            self.bits, self._threads or torch.get_num_threads(), self.num_experts, self.hidden,
+            self.inter, self.group_size, t, k, ids.data_ptr(), tw.data_ptr(), x.data_ptr(),
+            out.data_ptr(), *self._ptrs,
+        )  # fmt: skip
+        if rc == -2:
+            raise InvalidInputError(f"topk_ids outside [0, {self.num_experts})")
+        if rc != 0:
+            raise MemoryError("native MoE kernel could not allocate its activation buffers")
+        return out.to(out_device, out_dtype)
+
+
+class NativeInt8Experts(_NativeExperts):
+    """int8 per-output-channel symmetric weights; |w - w_hat| <= scale/2, fp32 activations."""
+
+    bits = 8
+
+    def _load(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        q13, s13 = zip(*(quantize_int8_per_channel(w) for w in w13), strict=True)
+        q2, s2 = zip(*(quantize_int8_per_channel(w) for w in w2), strict=True)
+        self.w13q = interleave_quads(pair_gate_up(torch.stack(q13)), 16)
+        self.w2q = interleave_quads(torch.stack(q2), 16)
+        self.s13 = pair_gate_up(torch.stack(s13)[..., None]).reshape(len(s13), -1).contiguous()
+        self.s2 = torch.stack(s2).contiguous()
+        self._keep = torch.zeros(1)  # int8 has no minimums: a valid pointer the kernel ignores
+        z = self._keep.data_ptr()
+        self._ptrs = (self.w13q.data_ptr(), self.s13.data_ptr(), z,
+                      self.w2q.data_ptr(), self.s2.data_ptr(), z)  # fmt: skip
+
+    def _expert_nbytes(self) -> int:
+        i, h = self.inter, self.hidden
+        return 3 * i * h + (2 * i + h) * 4
+
+
+class NativeInt4Experts(_NativeExperts):
+    """int4 group-wise asymmetric weights; |w - w_hat| <= scale/2 per group, fp32 activations."""
+
+    bits = 4
+
+    def __init__(
+        self,
+        weights: ExpertWeights,
+        activation: str = "silu",
+        num_threads: int | None = None,
+        group_size: int = 64,
+    ) -> None:
+        self.group_size = group_size
+        super().__init__(weights, activation=activation, num_threads=num_threads)
+
+    def _load(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        def quant(w: torch.Tensor, order=lambda t: t):
+            parts = [quantize_int4_groupwise(m, self.group_size) for m in w]
+            q = interleave_quads(order(pack_int4_rows(torch.stack([p[0] for p in parts]))), 16)
+            scale = interleave_quads(order(torch.stack([p[1] for p in parts])), 1)
+            low = interleave_quads(order(torch.stack([p[2] for p in parts])), 1)
+            return q, scale, low
+
+        self.w13q, self.s13, self.m13 = quant(w13, pair_gate_up)
+        self.w2q, self.s2, self.m2 = quant(w2)
+        self._ptrs = tuple(
+            t.data_ptr() for t in (self.w13q, self.s13, self.m13, self.w2q, self.s2, self.m2)
+        )
+
+    def _expert_nbytes(self) -> int:
+        i, h = self.inter, self.hidden
+        return 3 * i * h // 2 + (3 * i * h // self.group_size) * 2 * 4

@@ -1,0 +1,124 @@
+"""Builds and loads the AVX2 weight-only MoE kernel (`moe_kernels.c`) through ctypes.
+
+The library ops cannot stream int4 weights (torch's `_weight_int4pack_mm_for_cpu`: ~0.2 GB/s
+here) and the only fast int8 one (fbgemm) also quantizes activations, so hetserve carries one
+small C file. It needs no torch headers: a C compiler builds it in about a second the first time,
+into a cache keyed by the source and flags, and later processes just load it. ctypes releases
+the GIL during the call, so the kernel overlaps Python work on other threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+SOURCE = Path(__file__).with_name("moe_kernels.c")
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread"]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "hetserve" / "kernels"
+
+
+def _cpu_supported() -> str | None:
+    import torch
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"needs an x86-64 CPU, this is {platform.machine()}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"needs AVX2+FMA, torch reports CPU capability {capability}"
+    return None
+
+
+@cache
+def _build() -> tuple[ctypes.CDLL | None, str | None]:
+    reason = _cpu_supported()
+    if reason is not None:
+        return None, reason
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None, "no C compiler (cc/gcc) on PATH"
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *CFLAGS]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"moe_kernels-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Build beside the target and rename: concurrent processes never load a partial file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        cmd = [compiler, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            os.unlink(tmp)
+            first = (proc.stderr.strip().splitlines() or ["?"])[0]
+            return None, f"compiling {SOURCE.name} failed: {first}"
+        os.replace(tmp, target)
+    lib = ctypes.CDLL(str(target))
+    fn = lib.hetserve_moe_forward
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int] * 8 + [ctypes.c_void_p] * 10
+    return lib, None
+
+
+def native_unavailable_reason() -> str | None:
+    """None when the native kernel can be used here, else why not (one line)."""
+    return _build()[1]
+
+
+def moe_forward_fn():
+    """The ctypes function `hetserve_moe_forward` (see moe_kernels.c for its arguments)."""
+    lib, reason = _build()
+    if lib is None:
+        raise RuntimeError(f"native MoE kernel unavailable: {reason}")
+    return lib.hetserve_moe_forward
+
+
+_HUGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+@cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def hugepage_empty(shape: tuple[int, ...], dtype) -> torch.Tensor:
+    """An uninitialised tensor whose memory asks for 2 MiB transparent huge pages.
+
+    Streaming a weight matrix crosses a 4 KiB page every 64 cache lines; the hardware prefetcher
+    stops at each, and each costs a TLB walk. With THP in `madvise` mode (common default) the
+    pages must be requested before they are first touched, hence a fresh, 2 MiB-aligned view.
+    Where madvise is unavailable this is just a plain tensor.
+    """
+    import torch
+
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    libc = _libc()
+    if libc is None or nbytes < _HUGE or platform.system() != "Linux":
+        return torch.empty(shape, dtype=dtype)
+    base = torch.empty(nbytes + _HUGE, dtype=torch.uint8)
+    start = (base.data_ptr() + _HUGE - 1) // _HUGE * _HUGE
+    libc.madvise(start, nbytes // _HUGE * _HUGE, _MADV_HUGEPAGE)  # advisory: failure is fine
+    offset = start - base.data_ptr()
+    return base[offset : offset + nbytes].view(dtype).view(shape)

@@ -1,0 +1,415 @@
+/* Weight-only int8 / int4 routed-experts kernels for AVX2 + FMA CPUs (hetserve.moe.native).
+ *
+ * One call computes one MoE layer: out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t]) with
+ *   a[p, i] = silu(x_t . W1[e, i]) * (x_t . W3[e, i]) * w_p      (phase 1, gate+up fused)
+ *   y[p, n] = a_p . W2[e, n]                                      (phase 2)
+ * where p runs over the (token, slot) pairs counting-sorted by expert e. Routing, gathers and
+ * the final sum happen here too, so Python makes one call per layer and no host sync.
+ * Weight-only quantization: int8 and int4 weights meet activations rounded to int16 per row
+ * (|x - x_hat| <= max|x| / 32766, about a hundredth of int8's weight rounding), so one
+ * vpmaddwd does 16 exact integer multiply-adds. Each phase's row
+ * quads go to the caller plus up to nthreads-1 persistent helpers through an atomic queue, with
+ * a join between the phases (phase 2 reads all of phase 1). Built and cached by
+ * hetserve/moe/native/__init__.py (no torch headers).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TB 32 /* pairs per cache block: 32 x 2048 fp32 = 256 KiB, half of Zen 3's L2 */
+#define RC 8  /* row quads per work chunk */
+/* Software prefetch distance in bytes. One cache line per loop iteration is consumed; the
+ * out-of-order window alone keeps only ~15 lines in flight (~10 GB/s per core at DRAM latency),
+ * so the stream is prefetched this far ahead (it runs into the next quad, which is adjacent). */
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T0
+#endif
+#ifndef PF_DIST
+#define PF_DIST 2048
+#endif
+
+typedef struct {
+    int bits, H, I, G;
+    const float *x;        /* [T, H] fp32 tokens */
+    const void *w13, *w2;  /* quad-interleaved weights, see quad_i8 / quad_i4 */
+    const float *s13, *m13, *s2, *m2;
+    const int *tok;        /* [P] token of pair p (pairs sorted by expert) */
+    const float *pw;       /* [P] router weight of pair p */
+    float *a, *y;          /* [P, I], [P, H] */
+    int16_t *x16, *a16;    /* [T, H], [P, I] activations as int16 */
+    float *xsc, *asc;      /* their per-row scales [T], [P] */
+    float *xgs, *ags;      /* int4 only: per-group sums of x16 / a16 [T, H/G], [P, I/G] */
+    int n_active;
+    const int *act_e, *act_off, *act_cnt;
+    int nthreads;
+    int next_chunk; /* work queue of the running phase, taken with an atomic add */
+} job_t;
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(s);
+}
+
+static inline int hsum_i32(__m256i v) {
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    return _mm_cvtsi128_si32(t);
+}
+
+/* int16 activations keep |x16| <= ACT_Q, so a vpmaddwd lane gains at most 2 * 127 * ACT_Q per
+ * 16 inputs and KBLOCK inputs fit int32 exactly (KBLOCK/16 * 2 * 127 * 16383 < 2^31). */
+#define ACT_Q 16383
+#define KBLOCK 4096
+
+/* out[r][m] = sum_k W[r, k] * x16[m, k] for one quad of int8 rows and MB <= 2 tokens: 16
+ * weights per vpmovsxbw + vpmaddwd, a third of the uops of converting to fp32. Quad layout:
+ * for each 16 inputs, the 4 rows' 16 bytes back to back, so a quad is one sequential stream of
+ * whole cache lines (four strided row streams ran at half the speed: prefetch-bound). */
+static inline __attribute__((always_inline)) void quad_i8(const int8_t *q, int K,
+                                                          const int16_t *const x[2], int MB,
+                                                          float out[4][2]) {
+    for (int r = 0; r < 4; r++)
+        for (int m = 0; m < MB; m++) out[r][m] = 0.0f;
+    for (int kb = 0; kb < K; kb += KBLOCK) {
+        int ke = kb + KBLOCK < K ? kb + KBLOCK : K;
+        __m256i acc[4][2];
+        for (int r = 0; r < 4; r++)
+            for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_si256();
+        for (int k = kb; k < ke; k += 16) {
+            _mm_prefetch((const char *)(q + 4 * k + PF_DIST), PF_HINT);
+            __m256i w[4];
+            for (int r = 0; r < 4; r++)
+                w[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 4 * k + 16 * r)));
+            for (int m = 0; m < MB; m++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(x[m] + k));
+                for (int r = 0; r < 4; r++)
+                    acc[r][m] = _mm256_add_epi32(acc[r][m], _mm256_madd_epi16(w[r], xv));
+            }
+        }
+        for (int r = 0; r < 4; r++)
+            for (int m = 0; m < MB; m++) out[r][m] += (float)hsum_i32(acc[r][m]);
+    }
+}
+
+/* x16[p] = round(x[p] / scale[p]), scale[p] = max|x[p]| / ACT_Q, for rows [p0, p1); with
+ * G > 0 also gsum[p, g] = sum of x16[p] over group g (exact: |sum| <= 128 * ACT_Q < 2^24). */
+static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, float *scale,
+                          int G, float *gsum) {
+    for (int p = p0; p < p1; p++) {
+        const float *row = x + (size_t)p * K;
+        int16_t *out = x16 + (size_t)p * K;
+        float mx = 0.0f;
+        for (int k = 0; k < K; k++) mx = fabsf(row[k]) > mx ? fabsf(row[k]) : mx;
+        float s = mx > 0.0f ? mx / ACT_Q : 1.0f, inv = 1.0f / s;
+        for (int k = 0; k < K; k++) {
+            int v = (int)lrintf(row[k] * inv);
+            out[k] = (int16_t)(v > ACT_Q ? ACT_Q : (v < -ACT_Q ? -ACT_Q : v));
+        }
+        scale[p] = s;
+        if (G > 0)
+            for (int g = 0; g < K / G; g++) {
+                int sum = 0;
+                for (int k = g * G; k < (g + 1) * G; k++) sum += out[k];
+                gsum[(size_t)p * (K / G) + g] = (float)sum;
+            }
+    }
+}
+
+/* int4 quad: for each 32 inputs, the 4 rows' 16 bytes back to back; in a row's 16 bytes, byte
+ * j holds element j (low nibble) and j + 16 (high nibble). Per group of G inputs and row r:
+ * w = q * scale + minimum, with scales and minimums stored [group][4 rows] per quad. With int16
+ * activations, w . x16 = sum_g scale_g * (q_g . x16_g) + minimum_g * sum(x16_g): the nibbles go
+ * straight into vpmaddwd (integer, exact per group) and the minimum needs only the group sums. */
+static inline __attribute__((always_inline)) void quad_i4(const uint8_t *q, const float *sc,
+                                                          const float *mn, int K, int G,
+                                                          const int16_t *const x[2],
+                                                          const float *const gs[2], int MB,
+                                                          float out[4][2]) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m256 tot[4][2];
+    float zs[4][2];
+    for (int r = 0; r < 4; r++)
+        for (int m = 0; m < MB; m++) {
+            tot[r][m] = _mm256_setzero_ps();
+            zs[r][m] = 0.0f;
+        }
+    for (int g = 0; g < K / G; g++) {
+        __m256i acc[4][2];
+        for (int r = 0; r < 4; r++)
+            for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_si256();
+        for (int k = g * G; k < (g + 1) * G; k += 32) {
+            _mm_prefetch((const char *)(q + 2 * k + PF_DIST), PF_HINT);
+            __m256i xl[2], xh[2];
+            for (int m = 0; m < MB; m++) {
+                xl[m] = _mm256_loadu_si256((const __m256i *)(x[m] + k));
+                xh[m] = _mm256_loadu_si256((const __m256i *)(x[m] + k + 16));
+            }
+            for (int r = 0; r < 4; r++) {
+                __m128i v = _mm_loadu_si128((const __m128i *)(q + 2 * k + 16 * r));
+                __m256i wl = _mm256_cvtepu8_epi16(_mm_and_si128(v, mask));
+                __m256i wh = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
+                for (int m = 0; m < MB; m++)
+                    acc[r][m] = _mm256_add_epi32(
+                        acc[r][m], _mm256_add_epi32(_mm256_madd_epi16(wl, xl[m]),
+                                                    _mm256_madd_epi16(wh, xh[m])));
+            }
+        }
+        for (int r = 0; r < 4; r++) {
+            __m256 s = _mm256_set1_ps(sc[4 * g + r]);
+            for (int m = 0; m < MB; m++) {
+                tot[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][m]), s, tot[r][m]);
+                zs[r][m] += mn[4 * g + r] * gs[m][g];
+            }
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int m = 0; m < MB; m++) out[r][m] = hsum(tot[r][m]) + zs[r][m];
+}
+
+/* Rows [n0, n0+4) of expert e's matrix [N, K] against MB <= 2 pairs starting at pair p
+ * (which = 1: the pairs' tokens x against W13; which = 2: a against W2). */
+static inline void quad(const job_t *j, int which, int e, int N, int K, int n0, int p, int MB,
+                        float out[4][2]) {
+    size_t row = (size_t)e * N + n0;
+    int r0 = which == 1 ? j->tok[p] : p, r1 = which == 1 ? j->tok[p + MB - 1] : p + MB - 1;
+    if (j->bits == 8) {
+        const int8_t *q = (const int8_t *)(which == 1 ? j->w13 : j->w2) + row * K;
+        const float *s = (which == 1 ? j->s13 : j->s2) + row;
+        const int16_t *base = which == 1 ? j->x16 : j->a16;
+        const float *xs = which == 1 ? j->xsc : j->asc;
+        const int16_t *const xr[2] = {base + (size_t)r0 * K, base + (size_t)r1 * K};
+        if (MB == 2)
+            quad_i8(q, K, xr, 2, out);
+        else
+            quad_i8(q, K, xr, 1, out);
+        for (int r = 0; r < 4; r++) {
+            out[r][0] *= s[r] * xs[r0];
+            if (MB == 2) out[r][1] *= s[r] * xs[r1];
+        }
+    } else {
+        const uint8_t *q = (const uint8_t *)(which == 1 ? j->w13 : j->w2) + row * (K / 2);
+        const int ng = K / j->G;
+        const float *s = (which == 1 ? j->s13 : j->s2) + row * ng;
+        const float *z = (which == 1 ? j->m13 : j->m2) + row * ng;
+        const int16_t *base = which == 1 ? j->x16 : j->a16;
+        const float *gsb = which == 1 ? j->xgs : j->ags;
+        const float *xs = which == 1 ? j->xsc : j->asc;
+        const int16_t *const xr[2] = {base + (size_t)r0 * K, base + (size_t)r1 * K};
+        const float *const gr[2] = {gsb + (size_t)r0 * ng, gsb + (size_t)r1 * ng};
+        if (MB == 2)
+            quad_i4(q, s, z, K, j->G, xr, gr, 2, out);
+        else
+            quad_i4(q, s, z, K, j->G, xr, gr, 1, out);
+        for (int r = 0; r < 4; r++) {
+            out[r][0] *= xs[r0];
+            if (MB == 2) out[r][1] *= xs[r1];
+        }
+    }
+}
+
+static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+
+/* Phase 1, units [u0, u1) of one expert (I/4 units each): gate rows i0.. and up rows i0.. */
+static void phase1(const job_t *j, int u0, int u1) {
+    const int H = j->H, I = j->I, per = I / 4;
+    int ai = u0 / per, e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
+    for (int t0 = 0; t0 < cnt; t0 += TB) {
+        int t1 = t0 + TB < cnt ? t0 + TB : cnt;
+        for (int u = u0; u < u1; u++) {
+            int i0 = (u - ai * per) * 4;
+            for (int m = t0; m < t1; m += 2) {
+                int MB = t1 - m >= 2 ? 2 : 1;
+                float g[4][2], v[4][2];
+                /* W13 rows are stored gate quad, up quad, gate quad, ...: one stream. */
+                quad(j, 1, e, 2 * I, H, 2 * i0, off + m, MB, g);
+                quad(j, 1, e, 2 * I, H, 2 * i0 + 4, off + m, MB, v);
+                for (int mm = 0; mm < MB; mm++) {
+                    float w = j->pw[off + m + mm];
+                    float *a = j->a + (size_t)(off + m + mm) * I + i0;
+                    for (int r = 0; r < 4; r++) a[r] = silu(g[r][mm]) * v[r][mm] * w;
+                }
+            }
+        }
+    }
+}
+
+/* Phase 2, units [u0, u1) of one expert (H/4 units each): rows 4u.. of W2 -> y. */
+static void phase2(const job_t *j, int u0, int u1) {
+    const int H = j->H, I = j->I, per = H / 4;
+    int ai = u0 / per, e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
+    for (int t0 = 0; t0 < cnt; t0 += TB) {
+        int t1 = t0 + TB < cnt ? t0 + TB : cnt;
+        for (int u = u0; u < u1; u++) {
+            int n0 = (u - ai * per) * 4;
+            for (int m = t0; m < t1; m += 2) {
+                int MB = t1 - m >= 2 ? 2 : 1;
+                float o[4][2];
+                quad(j, 2, e, H, I, n0, off + m, MB, o);
+                for (int mm = 0; mm < MB; mm++) {
+                    float *y = j->y + (size_t)(off + m + mm) * H + n0;
+                    for (int r = 0; r < 4; r++) y[r] = o[r][mm];
+                }
+            }
+        }
+    }
+}
+
+typedef struct {
+    job_t *job;
+    int phase;
+} arg_t;
+
+static void *worker(void *p) {
+    arg_t *arg = (arg_t *)p;
+    job_t *j = arg->job;
+    /* Chunks of RC row quads, never crossing an expert, handed out dynamically: on a shared
+     * machine a descheduled thread must not hold the whole layer back (a static split would). */
+    int per = (arg->phase == 1 ? j->I : j->H) / 4;
+    int cpe = (per + RC - 1) / RC, total = j->n_active * cpe;
+    for (;;) {
+        int c = __atomic_fetch_add(&j->next_chunk, 1, __ATOMIC_RELAXED);
+        if (c >= total) break;
+        int ai = c / cpe, u0 = ai * per + (c % cpe) * RC;
+        int u1 = u0 + RC < (ai + 1) * per ? u0 + RC : (ai + 1) * per;
+        if (arg->phase == 1)
+            phase1(j, u0, u1);
+        else
+            phase2(j, u0, u1);
+    }
+    return NULL;
+}
+
+/* A persistent helper pool. The caller always works a phase itself and never waits for a
+ * helper to wake up: a helper that arrives after the queue is drained (or never, on a busy
+ * machine) simply does nothing. Joining is Dekker-style: a helper announces itself in `active`
+ * and then checks `open`; the caller clears `open` and then waits for `active` to reach zero
+ * (seq_cst on both sides, so at least one of them sees the other). */
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    pthread_mutex_t call_mu; /* one layer at a time: the helpers serve one job */
+    arg_t arg;               /* the phase on offer (guarded by mu) */
+    unsigned gen;            /* bumped per phase (guarded by mu) */
+    unsigned open;           /* gen of the phase accepting helpers, 0 when closed */
+    int active, taken, want, started;
+} pool = {.mu = PTHREAD_MUTEX_INITIALIZER,
+          .cv = PTHREAD_COND_INITIALIZER,
+          .call_mu = PTHREAD_MUTEX_INITIALIZER};
+
+static void *helper(void *unused) {
+    (void)unused;
+    unsigned seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&pool.mu);
+        while (pool.gen == seen) pthread_cond_wait(&pool.cv, &pool.mu);
+        seen = pool.gen;
+        arg_t arg = pool.arg;
+        pthread_mutex_unlock(&pool.mu);
+        __atomic_add_fetch(&pool.active, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&pool.open, __ATOMIC_SEQ_CST) == seen &&
+            __atomic_fetch_add(&pool.taken, 1, __ATOMIC_SEQ_CST) < pool.want)
+            worker(&arg);
+        __atomic_sub_fetch(&pool.active, 1, __ATOMIC_SEQ_CST);
+    }
+    return NULL;
+}
+
+static void run_phase(job_t *j, int phase) {
+    arg_t arg = {j, phase};
+    j->next_chunk = 0;
+    if (j->nthreads > 1) {
+        pthread_mutex_lock(&pool.mu);
+        pool.arg = arg;
+        pool.want = j->nthreads - 1;
+        pool.taken = 0;
+        unsigned g = ++pool.gen;
+        if (g == 0) g = ++pool.gen; /* 0 means closed */
+        __atomic_store_n(&pool.open, g, __ATOMIC_SEQ_CST);
+        pthread_cond_broadcast(&pool.cv);
+        pthread_mutex_unlock(&pool.mu);
+    }
+    worker(&arg);
+    if (j->nthreads > 1) {
+        __atomic_store_n(&pool.open, 0, __ATOMIC_SEQ_CST);
+        while (__atomic_load_n(&pool.active, __ATOMIC_SEQ_CST) != 0) sched_yield();
+    }
+}
+
+static void grow_pool(int helpers) {
+    while (pool.started < helpers) {
+        pthread_t th;
+        if (pthread_create(&th, NULL, helper, NULL) != 0) return; /* fewer helpers: still right */
+        pthread_detach(th);
+        pool.started++;
+    }
+}
+
+/* Returns 0, -1 when out of memory, -2 when an expert id is outside [0, E). */
+int hetserve_moe_forward(int bits, int nthreads, int E, int H, int I, int G, int T, int k,
+                         const int64_t *ids, const float *tw, const float *x, float *out,
+                         const void *w13, const float *s13, const float *m13, const void *w2,
+                         const float *s2, const float *m2) {
+    const int P = T * k;
+    memset(out, 0, sizeof(float) * (size_t)T * H);
+    if (P == 0) return 0;
+    for (int p = 0; p < P; p++)
+        if (ids[p] < 0 || ids[p] >= E) return -2;
+    const int G4 = bits == 4 ? G : 0;
+    size_t n_g = G4 ? (size_t)T * (H / G4) + (size_t)P * (I / G4) : 0; /* xgs, ags */
+    size_t n_f = (size_t)P * (I + H) + P + T + P + n_g;   /* a, y, pw, xsc, asc, xgs, ags */
+    size_t n_i = (size_t)P + 4 * (size_t)E;               /* tok, act_e/off/cnt, fill */
+    size_t n_q = (size_t)T * H + (size_t)P * I;           /* x16, a16 */
+    char *buf = malloc(sizeof(float) * n_f + sizeof(int) * n_i + sizeof(int16_t) * n_q);
+    if (buf == NULL) return -1;
+    float *a = (float *)buf, *y = a + (size_t)P * I, *pw = y + (size_t)P * H;
+    float *xsc = pw + P, *asc = xsc + T, *xgs = asc + P;
+    float *ags = G4 ? xgs + (size_t)T * (H / G4) : xgs;
+    int *tok = (int *)(a + n_f), *act_e = tok + P, *act_off = act_e + E, *act_cnt = act_off + E;
+    int *fill = act_cnt + E;
+    int16_t *x16 = (int16_t *)(tok + n_i), *a16 = x16 + (size_t)T * H;
+
+    /* Counting sort of the pairs by expert (stable: token order within an expert). */
+    memset(fill, 0, sizeof(int) * E);
+    for (int p = 0; p < P; p++) fill[ids[p]]++;
+    int n = 0, off = 0;
+    for (int e = 0; e < E; e++) {
+        int c = fill[e];
+        fill[e] = off;
+        if (c > 0) {
+            act_e[n] = e;
+            act_off[n] = off;
+            act_cnt[n] = c;
+            n++;
+        }
+        off += c;
+    }
+    for (int p = 0; p < P; p++) {
+        int dst = fill[ids[p]]++;
+        tok[dst] = p / k;
+        pw[dst] = tw[p];
+    }
+    job_t j = {bits, H, I, G, x, w13, w2, s13, m13, s2, m2, tok, pw, a, y, x16, a16, xsc, asc,
+               xgs, ags, n, act_e, act_off, act_cnt,
+               nthreads < 1 ? 1 : (nthreads > 64 ? 64 : nthreads), 0};
+    quantize_rows(x, H, 0, T, x16, xsc, G4, xgs);
+    pthread_mutex_lock(&pool.call_mu);
+    grow_pool(j.nthreads - 1);
+    run_phase(&j, 1);
+    quantize_rows(a, I, 0, P, a16, asc, G4, ags);
+    run_phase(&j, 2);
+    pthread_mutex_unlock(&pool.call_mu);
+    for (int p = 0; p < P; p++) { /* pairs of one token never race: this loop is serial */
+        float *o = out + (size_t)tok[p] * H;
+        const float *yp = y + (size_t)p * H;
+        for (int h = 0; h < H; h++) o[h] += yp[h];
+    }
+    free(buf);
+    return 0;
+}
