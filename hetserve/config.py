@@ -43,10 +43,23 @@ class MoEConfig:
     # Per token, this many lowest-weighted routed experts of MoE layer L run while layer L+1
     # computes (never in the last MoE layer). 0 = exact.
     max_deferred_experts_per_token: int = 0
+    # Placement rules: None = every module on the engine device with the reference backend;
+    # "default" = routed experts on CPU with cpu-int8, the rest on the engine device; or a path
+    # to a YAML rules file.
+    placement: str | None = None
+    gpu_experts: int = 0  # hottest experts per layer kept on the engine device
+    routing_stats: str | None = None  # JSON from `hetserve calibrate` (needed by gpu_experts)
+    cpu_threads: int | None = None  # threads of the dedicated CPU-experts pool
 
     def __post_init__(self) -> None:
         if self.max_deferred_experts_per_token < 0:
             raise ValueError("max_deferred_experts_per_token must be >= 0")
+        if self.gpu_experts < 0:
+            raise ValueError("gpu_experts must be >= 0")
+        if self.gpu_experts and self.placement is None:
+            raise ValueError("gpu_experts needs a placement (e.g. placement='default')")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError("cpu_threads must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,12 @@ from hetserve.errors import InvalidInputError
 def _remote_stream(args, messages: list[dict]) -> Iterator[str]:
     key = args.api_key or os.environ.get("HETSERVE_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    body = {"messages": messages, "stream": True, "max_tokens": args.max_tokens,
-            "temperature": args.temperature}
+    body = {
+        "messages": messages,
+        "stream": True,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+    }
     url = args.url.rstrip("/") + "/v1/chat/completions"
     try:
         with httpx.stream("POST", url, json=body, headers=headers, timeout=None) as r:
@@ -42,8 +46,7 @@ def _local_stream(engine, args, messages: list[dict]) -> Iterator[str]:
     room = engine.max_model_len - len(ids)
     if room < 1:
         raise InvalidInputError("the conversation no longer fits the context; start a new one")
-    params = SamplingParams(max_tokens=min(args.max_tokens, room),
-                            temperature=args.temperature)
+    params = SamplingParams(max_tokens=min(args.max_tokens, room), temperature=args.temperature)
     rid = f"chat-{len(messages)}"
     engine.add_request(rid, ids, params)
     sent = 0
@@ -60,8 +63,14 @@ def chat_loop(args: argparse.Namespace) -> int:
         from hetserve.config import EngineConfig
         from hetserve.engine.core import EngineCore
 
-        engine = EngineCore(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                                         max_model_len=args.max_model_len))
+        engine = EngineCore(
+            EngineConfig(
+                model=args.model,
+                device=args.device,
+                dtype=args.dtype,
+                max_model_len=args.max_model_len,
+            )
+        )
     messages: list[dict] = []
     print("type a message; an empty line or Ctrl-D quits", file=sys.stderr)
     for line in sys.stdin:
@@ -69,8 +78,11 @@ def chat_loop(args: argparse.Namespace) -> int:
         if not line:
             break
         messages.append({"role": "user", "content": line})
-        stream = (_remote_stream(args, messages) if engine is None
-                  else _local_stream(engine, args, messages))
+        stream = (
+            _remote_stream(args, messages)
+            if engine is None
+            else _local_stream(engine, args, messages)
+        )
         reply = []
         for piece in stream:
             reply.append(piece)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
 import torch
 
-from hetserve.config import EngineConfig
+from hetserve.config import EngineConfig, MoEConfig
 from hetserve.core.outputs import RequestOutput
 from hetserve.core.request import Request, RequestStatus
 from hetserve.core.sampling import SamplingParams
@@ -23,6 +24,24 @@ from hetserve.model.tokenizer import Tokenizer
 from hetserve.sched.scheduler import Scheduler, SchedulerOutput
 
 CPU_KV_CAP_BYTES = 2 << 30
+log = logging.getLogger(__name__)
+
+
+def _placement_rules(moe: MoEConfig):
+    if moe.placement is None or moe.placement == "default":
+        return moe.placement
+    from hetserve.moe.placement import load_rules
+
+    return load_rules(moe.placement)
+
+
+def _build_hybrid(model, moe: MoEConfig) -> None:
+    from hetserve.moe.hybrid import build_expert_backends
+    from hetserve.moe.routing_stats import RoutingStats
+
+    stats = RoutingStats.load(moe.routing_stats) if moe.routing_stats else None
+    build_expert_backends(model, model.hybrid_plan, moe.gpu_experts, stats, moe.cpu_threads)
+    log.info("placement:\n%s", model.hybrid_plan.table())
 
 
 @dataclass
@@ -45,8 +64,12 @@ class EngineCore:
         else:
             model_dir = cfg.model
         self.model_dir = str(model_dir)
-        self.model = load_model(model_dir, device=cfg.device, dtype=cfg.dtype)
+        self.model = load_model(
+            model_dir, device=cfg.device, dtype=cfg.dtype, placement=_placement_rules(cfg.moe)
+        )
         self.tokenizer = Tokenizer(model_dir)
+        if self.model.hybrid_plan is not None:
+            _build_hybrid(self.model, cfg.moe)
         if cfg.moe.max_deferred_experts_per_token:
             self.model.set_expert_deferral(cfg.moe.max_deferred_experts_per_token)
         mcfg = self.model.config

@@ -46,6 +46,11 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
 
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence computes one token: the decode phase of placement rules."""
+        return all(s.q_len == 1 for s in self.seqs)
+
 
 def causal_mask(
     q_len: int, kv_len: int, sliding_window: int | None, device: torch.device | str

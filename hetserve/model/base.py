@@ -68,6 +68,10 @@ class CausalLM(nn.Module):
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleList(make_layer(i) for i in range(cfg.num_layers))
+        for i, layer in enumerate(self.model.layers):
+            for module in layer.modules():
+                if isinstance(module, FusedExperts):
+                    module.layer_index = i
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -85,6 +89,11 @@ class CausalLM(nn.Module):
 
     def moe_layers(self) -> list[SparseMoE]:
         return [m for m in self.modules() if isinstance(m, SparseMoE)]
+
+    def attach_routing_stats(self, stats) -> None:
+        """Record every routing decision into `stats` (a RoutingStats), or stop with None."""
+        for _, experts in self.routed_experts():
+            experts.routing_stats = stats
 
     def set_expert_deferral(self, num_deferred: int) -> None:
         """Defer the `num_deferred` lowest-weighted experts of each token in every MoE layer but

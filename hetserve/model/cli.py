@@ -20,8 +20,11 @@ _SIZE_OPTIONS = {
     "max_position_embeddings": "context length",
 }
 # The HF key that holds the expert count differs per family.
-_EXPERT_KEYS = {"mixtral": "num_local_experts", "deepseek-v2": "n_routed_experts",
-                "deepseek-v3": "n_routed_experts"}
+_EXPERT_KEYS = {
+    "mixtral": "num_local_experts",
+    "deepseek-v2": "n_routed_experts",
+    "deepseek-v3": "n_routed_experts",
+}
 
 
 def register(sub) -> None:
@@ -29,17 +32,29 @@ def register(sub) -> None:
     msub = p.add_subparsers(dest="models_cmd", metavar="CMD")
     msub.required = True
     t = msub.add_parser("make-tiny", help="write a tiny random checkpoint of a real architecture")
-    t.add_argument("--arch", required=True, help="family: llama, qwen2, qwen3, qwen2-moe, "
-                   "qwen3-moe, mixtral, deepseek-v2, deepseek-v3")
+    t.add_argument(
+        "--arch",
+        required=True,
+        help="family: llama, qwen2, qwen3, qwen2-moe, qwen3-moe, mixtral, deepseek-v2, deepseek-v3",
+    )
     t.add_argument("out", help="output directory")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--layout", choices=["per-expert", "fused"], default="per-expert")
-    t.add_argument("--lm-head-scale", type=float, default=1.0,
-                   help="scale lm_head so greedy argmax margins are clear")
+    t.add_argument(
+        "--lm-head-scale",
+        type=float,
+        default=1.0,
+        help="scale lm_head so greedy argmax margins are clear",
+    )
     for key, help_text in _SIZE_OPTIONS.items():
         t.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help=help_text)
-    t.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
-                   help="override any config.json key, e.g. --set first_k_dense_replace=1")
+    t.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="override any config.json key, e.g. --set first_k_dense_replace=1",
+    )
     t.set_defaults(func=_make_tiny)
 
 
@@ -64,8 +79,13 @@ def _make_tiny(args: argparse.Namespace) -> int:
     from hetserve.model.tiny import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(
-        args.arch, args.out, seed=args.seed, overrides=_overrides(args), layout=args.layout,
-        lm_head_scale=args.lm_head_scale, progress=True,
+        args.arch,
+        args.out,
+        seed=args.seed,
+        overrides=_overrides(args),
+        layout=args.layout,
+        lm_head_scale=args.lm_head_scale,
+        progress=True,
     )
     print(f"wrote {args.arch} checkpoint to {path}")
     return 0

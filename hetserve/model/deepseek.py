@@ -72,7 +72,10 @@ class MLAttention(nn.Module):
             (rows,) = ctx.kv.gather(self.layer_idx, d.slots.flatten())
             k, v = self._expand(rows)
             out[d.rows] = batched_decode_sdpa(
-                q[d.rows], k.view(b, n, *k.shape[1:]), v.view(b, n, *v.shape[1:]), d.mask,
+                q[d.rows],
+                k.view(b, n, *k.shape[1:]),
+                v.view(b, n, *v.shape[1:]),
+                d.mask,
                 self.scale,
             )
         for s in ctx.meta.seqs:

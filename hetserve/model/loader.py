@@ -162,7 +162,12 @@ class _Filler:
             )
 
 
-def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto") -> CausalLM:
+def load_model(
+    model_dir: str | Path, device: str = "auto", dtype: str = "auto", placement=None
+) -> CausalLM:
+    """Load weights. With `placement` (a list of PlacementRule, or "default"), units are placed
+    before any memory is allocated, so routed experts bound for the host never touch the
+    accelerator; the plan is left on `model.hybrid_plan` for the expert backends."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     cls = model_class(cfg.architecture)
@@ -170,8 +175,18 @@ def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto")
     dt = resolve_dtype(dtype, dev)
     files = checkpoint_files(model_dir)
     with torch.device("meta"):
-        model = cls(cfg)
-    model = model.to(dt).to_empty(device=dev)
+        model = cls(cfg).to(dt)
+    model.hybrid_plan = None
+    if placement is not None:
+        from hetserve.moe.hybrid import plan_placement
+
+        rules = None if placement == "default" else placement
+        plan = plan_placement(model, rules, dev)
+        for name, unit in plan.units.items():
+            unit.to_empty(device=plan.weight_device(name))
+        model.hybrid_plan = plan
+    else:
+        model = model.to_empty(device=dev)
     for module in model.modules():
         if hasattr(module, "init_buffers"):
             module.init_buffers(dev)
@@ -198,6 +213,7 @@ def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto")
     if cfg.tie_word_embeddings:
         model.tie_weights()
     model.eval().requires_grad_(False)
-    for _, experts in model.routed_experts():
-        experts.set_backend("torch")
+    if model.hybrid_plan is None:
+        for _, experts in model.routed_experts():
+            experts.set_backend("torch")
     return model

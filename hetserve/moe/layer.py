@@ -16,20 +16,28 @@ from hetserve.layers.attention import ForwardContext
 from hetserve.moe.experts import ExpertsBackend, ExpertWeights, create_backend
 from hetserve.moe.router import RouterConfig, TopKRouter
 
-_POOL: ThreadPoolExecutor | None = None
+_POOLS: dict[str, ThreadPoolExecutor] = {}
+
+
+def _pool(name: str) -> ThreadPoolExecutor:
+    # One worker each: deferred work of layer L must finish before layer L+1 defers its own,
+    # and one layer's routed experts run at a time.
+    if name not in _POOLS:
+        _POOLS[name] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hetserve-{name}")
+    return _POOLS[name]
 
 
 def _deferral_pool() -> ThreadPoolExecutor:
-    # One worker: deferred work of layer L must finish before layer L+1 defers its own.
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetserve-deferred")
-    return _POOL
+    return _pool("deferred")
 
 
-def _run_deferred(experts, x, weights, ids) -> torch.Tensor:
+def _overlap_pool() -> ThreadPoolExecutor:
+    return _pool("routed")
+
+
+def _run_deferred(experts, x, weights, ids, phase) -> torch.Tensor:
     with torch.inference_mode():  # thread-local: the engine thread's mode does not carry over
-        return experts(x, weights, ids)
+        return experts(x, weights, ids, phase)
 
 
 class FusedExperts(nn.Module):
@@ -42,6 +50,9 @@ class FusedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.backend_name: str | None = None
         self._backend: ExpertsBackend | None = None
+        self._phase_backends: dict[str, ExpertsBackend] | None = None
+        self.routing_stats = None  # a RoutingStats to record routing into, or None
+        self.layer_index = -1  # set by the model; names the layer in routing statistics
 
     def weights(self) -> ExpertWeights:
         return ExpertWeights(self.w13.data, self.w2.data)
@@ -49,11 +60,31 @@ class FusedExperts(nn.Module):
     def set_backend(self, name: str, **options) -> None:
         """Build the compute backend; called once weights are loaded (and again on re-placement)."""
         self._backend = create_backend(name, self.weights(), activation=self.activation, **options)
+        self._phase_backends = None
         self.backend_name = name
 
+    def is_remote(self, phase: str) -> bool:
+        """Whether this phase's backend runs on another device than the activations."""
+        backends = self._phase_backends
+        return backends is not None and getattr(backends[phase], "remote", False)
+
+    def set_phase_backends(self, backends: dict[str, ExpertsBackend]) -> None:
+        """Placement: one backend per phase ("prefill", "decode"); they may be the same."""
+        self._phase_backends = dict(backends)
+        self._backend = backends["decode"]
+        self.backend_name = "placed"
+
     def forward(
-        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        phase: str = "prefill",
     ) -> torch.Tensor:
+        if self.routing_stats is not None:
+            self.routing_stats.add(self.layer_index, topk_ids, self.num_experts)
+        if self._phase_backends is not None:
+            return self._phase_backends[phase].forward(x, topk_weights, topk_ids)
         if self._backend is None:
             self.set_backend("torch")
         return self._backend.forward(x, topk_weights, topk_ids)
@@ -90,6 +121,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
+        phase = "decode" if ctx is not None and ctx.meta.decode_only else "prefill"
         d = self.num_deferred
         if d and ctx is not None:
             # The d lowest-weighted experts of each token run on the deferral thread while the
@@ -98,11 +130,20 @@ class SparseMoE(nn.Module):
             topk_weights, topk_ids = topk_weights.gather(1, order), topk_ids.gather(1, order)
             late_w, late_ids = topk_weights[:, -d:], topk_ids[:, -d:]
             topk_weights, topk_ids = topk_weights[:, :-d], topk_ids[:, :-d]
-            ctx.deferred = _deferral_pool().submit(_run_deferred, self.experts, x, late_w, late_ids)
-        out = self.experts(x, topk_weights, topk_ids)
-        if self._shared_name is not None:
-            shared = getattr(self, self._shared_name)(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared
-        return out
+            ctx.deferred = _deferral_pool().submit(
+                _run_deferred, self.experts, x, late_w, late_ids, phase
+            )
+        if self._shared_name is None:
+            return self.experts(x, topk_weights, topk_ids, phase)
+        routed = None
+        if self.experts.is_remote(phase):
+            # Routed experts on the host thread pool while the shared experts run here.
+            routed = _overlap_pool().submit(
+                _run_deferred, self.experts, x, topk_weights, topk_ids, phase
+            )
+        shared = getattr(self, self._shared_name)(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        if routed is None:
+            return self.experts(x, topk_weights, topk_ids, phase) + shared
+        return routed.result() + shared

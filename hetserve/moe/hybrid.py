@@ -1,0 +1,241 @@
+"""Hybrid execution: apply a placement to a model.
+
+`plan_placement` names the placeable units of a model (embeddings, norms, attention, dense MLPs,
+routers, routed experts, shared experts), places them with the rules, and says where each unit's
+weights live. `build_expert_backends` then gives every routed-experts module one backend per
+phase, bridges devices (pinned host buffers when the activations are on CUDA), and keeps the
+hottest experts of each layer on the accelerator.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hetserve.moe.experts import ExpertsBackend, ExpertWeights, TorchExperts, create_backend
+from hetserve.moe.layer import FusedExperts, SparseMoE
+from hetserve.moe.placement import PHASES, Placement, PlacementError, PlacementRule, place
+from hetserve.moe.routing_stats import RoutingStats, choose_gpu_experts
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+_CPU_BACKENDS = ("cpu-fp32", "cpu-int8", "cpu-int4", "kt")
+
+
+def placeable_units(model: nn.Module) -> dict[str, nn.Module]:
+    units = {
+        "model.embed_tokens": model.model.embed_tokens,
+        "model.norm": model.model.norm,
+        "lm_head": model.lm_head,
+    }
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}"
+        for name in ("input_layernorm", "self_attn", "post_attention_layernorm"):
+            units[f"{prefix}.{name}"] = getattr(layer, name)
+        mlp = getattr(layer, layer.mlp_name)
+        if isinstance(mlp, SparseMoE):
+            for child_name, child in mlp.named_children():
+                units[f"{prefix}.{layer.mlp_name}.{child_name}"] = child
+        else:
+            units[f"{prefix}.{layer.mlp_name}"] = mlp
+    return units
+
+
+def unit_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+@dataclass
+class HybridPlan:
+    placement: Placement
+    units: dict[str, nn.Module]
+    accelerator: torch.device
+
+    def weight_device(self, name: str) -> torch.device:
+        """Where a unit's loaded weights live: experts stay on the host when any phase runs
+        them there (accelerator copies are made from it); everything else has one device."""
+        devices = self.placement.devices_of(name)
+        if isinstance(self.units[name], FusedExperts) and "cpu" in devices:
+            return torch.device("cpu")
+        return torch.device(devices[0])
+
+    def table(self) -> str:
+        return self.placement.table({n: unit_bytes(m) for n, m in self.units.items()})
+
+
+def plan_placement(
+    model: nn.Module, rules: list[PlacementRule] | None, accelerator: torch.device
+) -> HybridPlan:
+    units = placeable_units(model)
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    placement = place(units.keys(), rules, cuda)
+    for name, module in units.items():
+        if not isinstance(module, FusedExperts) and placement.devices_of(name) != [
+            str(accelerator)
+        ]:
+            rule = placement.get(name, "prefill").rule
+            raise PlacementError(
+                f"placement rule {rule!r}: {name!r} must run on the engine device "
+                f"{str(accelerator)!r}; only routed experts can be placed elsewhere"
+            )
+        if not isinstance(module, FusedExperts) and len(placement.devices_of(name)) > 1:
+            rule = placement.get(name, "prefill").rule
+            raise PlacementError(
+                f"placement rule {rule!r}: only routed experts may change "
+                f"device between phases, not {name!r}"
+            )
+        if not isinstance(module, FusedExperts):
+            backend = placement.get(name, "decode").backend
+            if backend is not None:
+                raise PlacementError(
+                    f"placement rule {placement.get(name).rule!r}: backend "
+                    f"{backend!r} applies to routed experts only, not {name!r}"
+                )
+    return HybridPlan(placement, units, accelerator)
+
+
+class DeviceBridge:
+    """Runs a backend that lives on another device than the activations. CUDA -> host copies go
+    through reusable pinned buffers so the copy back can be asynchronous."""
+
+    remote = True
+
+    def __init__(self, inner: ExpertsBackend, device: torch.device) -> None:
+        self.inner, self.device = inner, device
+        self._pinned: dict[str, torch.Tensor] = {}
+
+    def nbytes(self) -> int:
+        return self.inner.nbytes()
+
+    def _pinned_copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        buf = self._pinned.get(key)
+        if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
+            buf = torch.empty(max(t.numel(), 1), dtype=t.dtype, pin_memory=True)
+            self._pinned[key] = buf
+        view = buf[: t.numel()].view(t.shape)
+        view.copy_(t, non_blocking=True)
+        return view
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
+        if x.device == self.device:
+            return self.inner.forward(x, topk_weights, topk_ids)
+        if x.is_cuda and self.device.type == "cpu":
+            xs = self._pinned_copy("x", x)
+            ws = self._pinned_copy("w", topk_weights)
+            ids = self._pinned_copy("ids", topk_ids)
+            torch.cuda.current_stream(x.device).synchronize()  # inputs have landed
+            y = self.inner.forward(xs, ws, ids)
+            # The next call syncs the stream before reusing the buffer, so this copy is safe.
+            return self._pinned_copy("y", y).to(x.device, non_blocking=True)
+        dev = self.device
+        return self.inner.forward(x.to(dev), topk_weights.to(dev), topk_ids.to(dev)).to(x.device)
+
+
+class HotExperts:
+    """The hottest experts of a layer on the accelerator (torch backend), the rest on `cold`."""
+
+    remote = True
+
+    def __init__(
+        self,
+        cold: ExpertsBackend,
+        weights: ExpertWeights,
+        hot: list[int],
+        device: torch.device,
+        activation: str,
+    ) -> None:
+        idx = torch.tensor(hot, dtype=torch.long)
+        hot_w = ExpertWeights(weights.w13[idx].to(device), weights.w2[idx].to(device))
+        self.cold, self.hot = cold, TorchExperts(hot_w, activation)
+        self.remap = torch.full((weights.num_experts,), -1, dtype=torch.long, device=device)
+        self.remap[idx.to(device)] = torch.arange(len(hot), device=device)
+
+    def nbytes(self) -> int:
+        return self.cold.nbytes() + self.hot.nbytes()
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
+        # Every (token, slot) pair becomes a one-expert row on the side that holds its expert.
+        k = topk_ids.shape[1]
+        flat_ids = topk_ids.reshape(-1).to(self.remap.device)
+        local = self.remap[flat_ids]
+        out = torch.zeros_like(x)
+        for mask, backend, ids in ((local >= 0, self.hot, local), (local < 0, self.cold, flat_ids)):
+            pairs = mask.nonzero().squeeze(1)
+            if pairs.numel() == 0:
+                continue
+            tokens = (pairs // k).to(x.device)
+            y = backend.forward(
+                x[tokens],
+                topk_weights.reshape(-1)[pairs.to(x.device)].unsqueeze(1),
+                ids[pairs].unsqueeze(1).to(x.device),
+            )
+            out.index_add_(0, tokens, y.to(x.dtype))
+        return out
+
+
+def layer_of(name: str) -> int:
+    m = _LAYER.search(name)
+    assert m is not None, name
+    return int(m.group(1))
+
+
+def build_expert_backends(
+    model: nn.Module,
+    plan: HybridPlan,
+    gpu_experts: int = 0,
+    stats: RoutingStats | None = None,
+    cpu_threads: int | None = None,
+    free_unused: bool = True,
+) -> None:
+    hot = choose_gpu_experts(stats, gpu_experts) if (gpu_experts and stats) else {}
+    if gpu_experts and stats is None:
+        raise PlacementError(
+            "--gpu-experts needs routing statistics (hetserve calibrate, or --routing-stats FILE)"
+        )
+    for name, experts in model.routed_experts():
+        built: dict[tuple[str, str], ExpertsBackend] = {}
+        by_phase = {}
+        for phase in PHASES:
+            a = plan.placement.get(name, phase)
+            backend_name = a.backend or "torch"
+            key = (a.device, backend_name)
+            if key not in built:
+                built[key] = _make(
+                    experts,
+                    a.device,
+                    backend_name,
+                    plan.accelerator,
+                    hot.get(layer_of(name)),
+                    cpu_threads,
+                )
+            by_phase[phase] = built[key]
+        experts.set_phase_backends(by_phase)
+        if free_unused and all(k[1] != "torch" for k in built):
+            # Quantized or repacked copies now hold the weights: drop the originals.
+            experts.w13 = nn.Parameter(experts.w13.new_empty(0), requires_grad=False)
+            experts.w2 = nn.Parameter(experts.w2.new_empty(0), requires_grad=False)
+
+
+def _make(
+    experts: FusedExperts,
+    device: str,
+    backend_name: str,
+    accelerator: torch.device,
+    hot: list[int] | None,
+    cpu_threads: int | None,
+) -> ExpertsBackend:
+    dev = torch.device(device)
+    weights = experts.weights()
+    if weights.w13.device != dev:
+        weights = ExpertWeights(weights.w13.to(dev), weights.w2.to(dev))
+    opts = {"num_threads": cpu_threads} if (cpu_threads and backend_name in _CPU_BACKENDS) else {}
+    backend = create_backend(backend_name, weights, activation=experts.activation, **opts)
+    if dev != accelerator:
+        backend = DeviceBridge(backend, dev)
+    if hot and (dev != accelerator or backend_name != "torch"):
+        # The hottest experts run from the original weights with the reference backend on the
+        # engine device (on a CPU-only machine that is the host, in full precision).
+        backend = HotExperts(backend, experts.weights(), hot, accelerator, experts.activation)
+    return backend
