@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "hetserve.engine.cli",  # generate, chat, serve
     "hetserve.bench.cli",  # bench ...
     "hetserve.store.cli",  # store master | node
+    "hetserve.moe.cli",  # calibrate
 ]
 
 

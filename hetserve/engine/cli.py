@@ -17,7 +17,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub) -> None:
-    from hetserve.server.launch import add_engine_args, serve
+    from hetserve.server.launch import add_engine_args, add_moe_args, serve
 
     s = sub.add_parser("serve", help="OpenAI-compatible server (default: the demo model)")
     add_model_args(s)
@@ -27,6 +27,12 @@ def register(sub) -> None:
     s.add_argument("--api-key", default=None, help="require this bearer token on /v1/*")
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--log-level", default="warning")
+    s.add_argument(
+        "--save-routing-stats",
+        default=None,
+        metavar="FILE",
+        help="accumulate expert routing counts and save them here on shutdown",
+    )
     s.set_defaults(func=serve)
 
     c = sub.add_parser("chat", help="terminal chat with a model or a running server")
@@ -39,6 +45,7 @@ def register(sub) -> None:
 
     g = sub.add_parser("generate", help="generate text for prompts (offline)")
     add_model_args(g)
+    add_moe_args(g)
     g.add_argument("prompts", nargs="*", help="prompts (read one per line from stdin if none)")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -53,11 +60,10 @@ def register(sub) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     from hetserve import LLM, SamplingParams
+    from hetserve.errors import InvalidInputError
 
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
-        from hetserve.errors import InvalidInputError
-
         raise InvalidInputError("no prompt given; pass prompts as arguments or on stdin")
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -67,7 +73,17 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop,
     )
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    from dataclasses import asdict
+
+    from hetserve.server.launch import moe_config
+
+    try:
+        moe = asdict(moe_config(args))
+    except ValueError as exc:
+        raise InvalidInputError(str(exc)) from None
+    llm = LLM(
+        args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, **moe
+    )
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:

@@ -19,7 +19,7 @@ def is_loopback(host: str) -> bool:
 
 
 def engine_config(args: argparse.Namespace):
-    from hetserve.config import CacheConfig, EngineConfig, MoEConfig, SchedulerConfig
+    from hetserve.config import CacheConfig, EngineConfig, SchedulerConfig
 
     try:
         return EngineConfig(
@@ -36,10 +36,53 @@ def engine_config(args: argparse.Namespace):
             scheduler=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
             ),
-            moe=MoEConfig(max_deferred_experts_per_token=args.max_deferred_experts_per_token),
+            moe=moe_config(args),
         )
     except ValueError as exc:
         raise InvalidInputError(str(exc)) from None
+
+
+def moe_config(args: argparse.Namespace):
+    from hetserve.config import MoEConfig
+
+    return MoEConfig(
+        max_deferred_experts_per_token=args.max_deferred_experts_per_token,
+        placement=args.placement,
+        gpu_experts=args.gpu_experts,
+        routing_stats=args.routing_stats,
+        cpu_threads=args.cpu_threads,
+    )
+
+
+def add_moe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--placement",
+        default=None,
+        metavar="default|RULES.yaml",
+        help="hybrid placement: 'default' puts routed experts on CPU (cpu-int8) and the rest "
+        "on the engine device; or a YAML rules file",
+    )
+    p.add_argument(
+        "--gpu-experts",
+        type=int,
+        default=0,
+        help="keep the N most-routed experts of each layer on the engine device",
+    )
+    p.add_argument(
+        "--routing-stats",
+        default=None,
+        metavar="FILE",
+        help="routing statistics JSON (from `hetserve calibrate`)",
+    )
+    p.add_argument(
+        "--cpu-threads", type=int, default=None, help="threads of the dedicated CPU-experts pool"
+    )
+    p.add_argument(
+        "--max-deferred-experts-per-token",
+        type=int,
+        default=0,
+        help="expert deferral: this many low-weight experts per token run one layer late",
+    )
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -49,12 +92,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kv-cache-gb", type=float, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument(
-        "--max-deferred-experts-per-token",
-        type=int,
-        default=0,
-        help="expert deferral: this many low-weight experts per token run one layer late",
-    )
+    add_moe_args(p)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -70,6 +108,12 @@ def serve(args: argparse.Namespace) -> int:
     from hetserve.server.app import create_app
 
     engine = AsyncLLM(engine_config(args))
+    stats = None
+    if args.save_routing_stats:
+        from hetserve.moe.routing_stats import RoutingStats
+
+        stats = RoutingStats()
+        engine.engine.model.attach_routing_stats(stats)
     name = args.served_model_name or (
         args.model.rstrip("/").split("/")[-1] if args.model else "hetserve-demo"
     )
@@ -85,4 +129,7 @@ def serve(args: argparse.Namespace) -> int:
         )
     finally:
         engine.shutdown()
+        if stats is not None:
+            stats.save(args.save_routing_stats)
+            print(f"routing statistics saved to {args.save_routing_stats}")
     return 0

@@ -1,0 +1,56 @@
+"""`hetserve calibrate`: routing statistics for `--gpu-experts`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hetserve.errors import InvalidInputError
+
+
+def register(sub) -> None:
+    c = sub.add_parser("calibrate", help="run prompts and save per-layer expert routing counts")
+    c.add_argument("--model", required=True, help="HF model directory")
+    c.add_argument("--out", required=True, help="statistics JSON to write")
+    c.add_argument("--prompts", default=None, help="text file, one prompt per line")
+    c.add_argument("--num-prompts", type=int, default=32, help="random prompts if no --prompts")
+    c.add_argument("--prompt-len", type=int, default=256)
+    c.add_argument("--max-tokens", type=int, default=16, help="decode tokens per prompt")
+    c.add_argument("--device", default="auto")
+    c.add_argument("--dtype", default="auto")
+    c.set_defaults(func=_calibrate)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from hetserve import LLM, SamplingParams
+    from hetserve.moe.routing_stats import RoutingStats, choose_gpu_experts
+
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    if not llm.model.moe_layers():
+        raise InvalidInputError(f"{args.model} has no MoE layers; nothing to calibrate")
+    if args.prompts:
+        path = Path(args.prompts)
+        if not path.is_file():
+            raise InvalidInputError(f"prompt file {args.prompts!r} does not exist")
+        texts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        if not texts:
+            raise InvalidInputError(f"prompt file {args.prompts!r} has no prompts")
+        ids = [llm.tokenizer.encode(t)[: llm.max_model_len - args.max_tokens] for t in texts]
+    else:
+        from hetserve.bench.throughput import make_prompts
+
+        ids = make_prompts(args.model, args.num_prompts, args.prompt_len)
+    stats = RoutingStats()
+    llm.model.attach_routing_stats(stats)
+    llm.generate(
+        prompt_token_ids=ids,
+        use_tqdm=True,
+        sampling_params=SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True),
+    )
+    llm.model.attach_routing_stats(None)
+    stats.save(args.out)
+    hot = choose_gpu_experts(stats, 4)
+    for layer, experts in sorted(hot.items())[:8]:
+        print(f"layer {layer}: hottest experts {experts}")
+    print(f"wrote routing statistics of {len(stats.layers())} MoE layers to {args.out}")
+    return 0
