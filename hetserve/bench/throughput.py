@@ -1,7 +1,11 @@
 """`hetserve bench throughput`: offline generation throughput, hetserve vs transformers.
 
-Both systems get the same random prompts and generate exactly --output-len tokens per prompt
-(EOS ignored / suppressed). transformers runs `generate` on left-padded batches of --hf-batch.
+Both systems get the same random prompts and generate exactly the same number of tokens per
+request (EOS ignored / suppressed). Lengths vary per request, uniformly within
+len * (1 +- --range-ratio), as in a real workload. transformers runs `generate` on left-padded
+static batches of --hf-batch, each generating its longest request's length (the shorter ones'
+extra tokens are not counted): the cost of static batching that continuous batching removes.
+--range-ratio 0 gives equal lengths, transformers' best case.
 """
 
 from __future__ import annotations
@@ -22,6 +26,12 @@ def register(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.5,
+        help="lengths uniform in len * (1 +- ratio); 0 = all equal",
+    )
     p.add_argument("--hf-batch", type=int, default=16, help="transformers batch size")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--skip-hf", action="store_true")
@@ -29,29 +39,38 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def make_prompts(model_dir: str, n: int, length: int, seed: int = 0) -> list[list[int]]:
+def make_prompts(
+    model_dir: str, n: int, length: int, seed: int = 0, lengths: list[int] | None = None
+) -> list[list[int]]:
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(seed)
     # Ids from the low range only: random tiny tokenizers map high ids to special tokens.
-    return torch.randint(10, min(vocab, 400), (n, length), generator=g).tolist()
+    ids = torch.randint(10, min(vocab, 400), (n, max(lengths or [length])), generator=g)
+    return [row[: (lengths[i] if lengths else length)].tolist() for i, row in enumerate(ids)]
 
 
-def _ours(args, prompts) -> float:
+def make_lengths(n: int, mean: int, ratio: float, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
+    return torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+
+
+def _ours(args, prompts, out_lens) -> float:
     from hetserve import LLM, SamplingParams
 
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)
-    params = SamplingParams(
-        max_tokens=args.output_len, min_tokens=args.output_len, temperature=0, ignore_eos=True
-    )
-    llm.generate(prompt_token_ids=prompts[:2], sampling_params=params)  # warm-up
+    params = [
+        SamplingParams(max_tokens=n, min_tokens=n, temperature=0, ignore_eos=True) for n in out_lens
+    ]
+    llm.generate(prompt_token_ids=prompts[:2], sampling_params=params[:2])  # warm-up
     t0 = time.perf_counter()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=True)
     elapsed = time.perf_counter() - t0
-    assert all(len(o.token_ids) == args.output_len for o in outs)
+    assert [len(o.token_ids) for o in outs] == out_lens
     return elapsed
 
 
-def _hf(args, prompts) -> float | None:
+def _hf(args, prompts, out_lens) -> float | None:
     try:
         import transformers
     except ImportError:
@@ -62,27 +81,34 @@ def _hf(args, prompts) -> float | None:
     model = transformers.AutoModelForCausalLM.from_pretrained(
         args.model, dtype=torch.float32
     ).eval()
-    n = args.output_len
     t0 = time.perf_counter()
     with torch.no_grad():
         for i in tqdm(range(0, len(prompts), args.hf_batch), desc="transformers"):
-            batch = torch.tensor(prompts[i : i + args.hf_batch])  # equal lengths: no padding
+            chunk = prompts[i : i + args.hf_batch]
+            width = max(len(p) for p in chunk)
+            batch = torch.tensor([[0] * (width - len(p)) + p for p in chunk])  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            n = max(out_lens[i : i + args.hf_batch])
             out = model.generate(
                 batch,
-                attention_mask=torch.ones_like(batch),
+                attention_mask=mask,
                 max_new_tokens=n,
                 min_new_tokens=n,
                 do_sample=False,
+                pad_token_id=0,
             )
-            assert out.shape[1] == batch.shape[1] + n
+            assert out.shape[1] == width + n
     return time.perf_counter() - t0
 
 
 def run(args: argparse.Namespace) -> int:
-    prompts = make_prompts(args.model, args.num_prompts, args.input_len)
-    gen_tokens = args.num_prompts * args.output_len
-    results = {"hetserve": _ours(args, prompts)}
-    results["transformers"] = None if args.skip_hf else _hf(args, prompts)
+    in_lens = make_lengths(args.num_prompts, args.input_len, args.range_ratio, seed=1)
+    out_lens = make_lengths(args.num_prompts, args.output_len, args.range_ratio, seed=2)
+    prompts = make_prompts(args.model, args.num_prompts, args.input_len, lengths=in_lens)
+    gen_tokens = sum(out_lens)
+    prompt_tokens = sum(in_lens)
+    results = {"hetserve": _ours(args, prompts, out_lens)}
+    results["transformers"] = None if args.skip_hf else _hf(args, prompts, out_lens)
     base = results["transformers"]
     rows = []
     for name, secs in results.items():
@@ -95,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
                 name,
                 secs,
                 gen_tokens / secs,
-                (gen_tokens + args.num_prompts * args.input_len) / secs,
+                (gen_tokens + prompt_tokens) / secs,
                 ratio,
             ]
         )
