@@ -102,15 +102,30 @@ static inline __attribute__((always_inline)) void quad_i8(const int8_t *q, int K
  * G > 0 also gsum[p, g] = sum of x16[p] over group g (exact: |sum| <= 128 * ACT_Q < 2^24). */
 static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, float *scale,
                           int G, float *gsum) {
+    /* K % 32 == 0 (checked by the caller). Vectorized: at one token this runs on one thread
+     * between the phases, so a scalar loop would be a visible slice of the layer. */
+    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int p = p0; p < p1; p++) {
         const float *row = x + (size_t)p * K;
         int16_t *out = x16 + (size_t)p * K;
-        float mx = 0.0f;
-        for (int k = 0; k < K; k++) mx = fabsf(row[k]) > mx ? fabsf(row[k]) : mx;
-        float s = mx > 0.0f ? mx / ACT_Q : 1.0f, inv = 1.0f / s;
-        for (int k = 0; k < K; k++) {
-            int v = (int)lrintf(row[k] * inv);
-            out[k] = (int16_t)(v > ACT_Q ? ACT_Q : (v < -ACT_Q ? -ACT_Q : v));
+        __m256 vmax = _mm256_setzero_ps();
+        for (int k = 0; k < K; k += 8)
+            vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(row + k)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+        float mx = _mm_cvtss_f32(m4);
+        float s = mx > 0.0f ? mx / ACT_Q : 1.0f;
+        const __m256 inv = _mm256_set1_ps(1.0f / s);
+        const __m256i lim = _mm256_set1_epi32(ACT_Q), nlim = _mm256_set1_epi32(-ACT_Q);
+        for (int k = 0; k < K; k += 16) {
+            /* round to nearest even (MXCSR default), clamp, pack 2 x 8 int32 -> 16 int16 */
+            __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + k), inv));
+            __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + k + 8), inv));
+            a = _mm256_max_epi32(_mm256_min_epi32(a, lim), nlim);
+            b = _mm256_max_epi32(_mm256_min_epi32(b, lim), nlim);
+            __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+            _mm256_storeu_si256((__m256i *)(out + k), packed);
         }
         scale[p] = s;
         if (G > 0)
