@@ -14,6 +14,7 @@ import torch
 from hetserve.errors import InvalidInputError
 from hetserve.moe.cpu_backends import (
     _CPUExperts,
+    _f32,
     quantize_int4_groupwise,
     quantize_int8_per_channel,
 )
@@ -91,8 +92,8 @@ class NativeInt8Experts(_NativeExperts):
     bits = 8
 
     def _load(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        q13, s13 = zip(*(quantize_int8_per_channel(w) for w in w13), strict=True)
-        q2, s2 = zip(*(quantize_int8_per_channel(w) for w in w2), strict=True)
+        q13, s13 = zip(*(quantize_int8_per_channel(_f32(w)) for w in w13), strict=True)
+        q2, s2 = zip(*(quantize_int8_per_channel(_f32(w)) for w in w2), strict=True)
         self.w13q = interleave_quads(pair_gate_up(torch.stack(q13)), 16)
         self.w2q = interleave_quads(torch.stack(q2), 16)
         self.s13 = pair_gate_up(torch.stack(s13)[..., None]).reshape(len(s13), -1).contiguous()
@@ -124,7 +125,7 @@ class NativeInt4Experts(_NativeExperts):
 
     def _load(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         def quant(w: torch.Tensor, order=lambda t: t):
-            parts = [quantize_int4_groupwise(m, self.group_size) for m in w]
+            parts = [quantize_int4_groupwise(_f32(m), self.group_size) for m in w]
             q = interleave_quads(order(pack_int4_rows(torch.stack([p[0] for p in parts]))), 16)
             scale = interleave_quads(order(torch.stack([p[1] for p in parts])), 1)
             low = interleave_quads(order(torch.stack([p[2] for p in parts])), 1)
