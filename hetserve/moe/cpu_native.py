@@ -1,10 +1,11 @@
 """Native (AVX2, weight-only) kernels behind `cpu-int8` and `cpu-int4` (kernel="native").
 
-One ctypes call per layer computes every active expert (gate+up fused, silu, down) with
-fp32 activations and weights dequantized in registers; Python only sorts the routing and
-scatters the result back. No host sync: the per-expert counts go to the kernel as a tensor.
-Weights live as one stacked tensor per matrix: int8 [E, N, K] + fp32 scales [E, N], or int4
-nibbles [E, N, K/2] + fp32 scale and minimum per group [E, N, K/G].
+One ctypes call per layer does everything in C (native/moe_kernels.c): counting-sort of the
+(token, slot) pairs by expert, gate+up fused, silu, down, the weighted sum. No host sync and no
+per-expert Python. Activations are rounded to int16 per row inside the kernel; weights stay as
+quantized here, in the kernel's layout: per matrix one stacked tensor whose row quads are
+interleaved into one sequential stream (W13's gate and up quads alternate), on huge pages;
+fp32 per-channel scales (int8) or per-group scale and minimum (int4, also quad-interleaved).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class _NativeExperts(_CPUExperts):
 
 
 class NativeInt8Experts(_NativeExperts):
-    """int8 per-output-channel symmetric weights; |w - w_hat| <= scale/2, fp32 activations."""
+    """int8 per-output-channel symmetric weights, |w - w_hat| <= scale/2; int16 activations."""
 
     bits = 8
 
@@ -109,7 +110,7 @@ class NativeInt8Experts(_NativeExperts):
 
 
 class NativeInt4Experts(_NativeExperts):
-    """int4 group-wise asymmetric weights; |w - w_hat| <= scale/2 per group, fp32 activations."""
+    """int4 group-wise asymmetric weights, |w - w_hat| <= scale/2 per group; int16 activations."""
 
     bits = 4
 
