@@ -34,6 +34,8 @@ Through a layer the bounds compose (silu is 1.1-Lipschitz); tests/moe checks the
 
 from __future__ import annotations
 
+import functools
+import logging
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -305,7 +307,14 @@ def _use_native(name: str, kernel: str, activation: str) -> bool:
             raise InvalidInputError(f"{name}: native kernel unavailable here: {reason}")
         if activation != "silu":
             raise InvalidInputError(f"{name}: native kernel fuses silu only, not {activation!r}")
+    if reason is not None:
+        _warn_once(f"{name}: native kernel unavailable ({reason}); using the library kernel")
     return reason is None and activation == "silu"
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logging.getLogger(__name__).warning(message)
 
 
 def _check_int4(weights: ExpertWeights, group_size: int) -> None:
