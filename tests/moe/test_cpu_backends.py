@@ -309,3 +309,17 @@ def test_native_many_tokens_per_expert_and_odd_counts(kind):
             assert torch.equal(three.forward(x, tw, ids), out)
     finally:
         three.close()
+
+
+def test_without_the_native_kernel_auto_falls_back_and_native_is_a_user_error(weights, monkeypatch):
+    import hetserve.moe.native as native
+    from hetserve.errors import InvalidInputError
+    from hetserve.moe.cpu_backends import FbgemmInt8Experts, TorchInt4Experts
+
+    monkeypatch.setattr(native, "native_unavailable_reason", lambda: "no C compiler (test)")
+    assert isinstance(create_backend("cpu-int8", weights), FbgemmInt8Experts)
+    assert isinstance(create_backend("cpu-int4", weights), TorchInt4Experts)
+    with pytest.raises(InvalidInputError, match="native kernel unavailable here: no C compiler"):
+        create_backend("cpu-int8", weights, kernel="native")
+    with pytest.raises(InvalidInputError, match="kernel must be one of"):
+        create_backend("cpu-int8", weights, kernel="avx512")
