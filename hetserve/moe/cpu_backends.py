@@ -34,6 +34,8 @@ Through a layer the bounds compose (silu is 1.1-Lipschitz); tests/moe checks the
 
 from __future__ import annotations
 
+import functools
+import logging
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -44,6 +46,11 @@ from hetserve.errors import InvalidInputError
 from hetserve.moe.experts import ACTIVATIONS, ExpertWeights, register_backend
 
 INT4_GROUP_SIZES = (32, 64, 128)
+
+
+def _f32(w: torch.Tensor) -> torch.Tensor:
+    """One expert's matrix as fp32 on the CPU (a no-op view when it already is)."""
+    return w.to("cpu", torch.float32)
 
 
 class _CPUExperts:
@@ -67,10 +74,9 @@ class _CPUExperts:
         self.inter = weights.intermediate_size
         self.hidden = weights.hidden_size
         self.act = ACTIVATIONS[activation]
-        self._load(
-            weights.w13.detach().to("cpu", torch.float32),
-            weights.w2.detach().to("cpu", torch.float32),
-        )
+        # Experts are converted to fp32 one at a time (`_f32`), never the whole layer at once:
+        # a bf16 layer of 64 experts would otherwise need a transient 2+ GB fp32 copy.
+        self._load(weights.w13.detach(), weights.w2.detach())
         # A dedicated single worker whose intra-op pool is sized once: torch's thread count is
         # per OS thread, so the caller's (accelerator) thread keeps its own setting.
         self._pool: ThreadPoolExecutor | None = None
@@ -84,8 +90,8 @@ class _CPUExperts:
 
     # -- per-backend storage -------------------------------------------------------------
     def _load(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        self._w13 = [self._pack(w13[e]) for e in range(self.num_experts)]
-        self._w2 = [self._pack(w2[e]) for e in range(self.num_experts)]
+        self._w13 = [self._pack(_f32(w13[e])) for e in range(self.num_experts)]
+        self._w2 = [self._pack(_f32(w2[e])) for e in range(self.num_experts)]
 
     def _pack(self, w: torch.Tensor) -> object:
         raise NotImplementedError
@@ -301,7 +307,14 @@ def _use_native(name: str, kernel: str, activation: str) -> bool:
             raise InvalidInputError(f"{name}: native kernel unavailable here: {reason}")
         if activation != "silu":
             raise InvalidInputError(f"{name}: native kernel fuses silu only, not {activation!r}")
+    if reason is not None:
+        _warn_once(f"{name}: native kernel unavailable ({reason}); using the library kernel")
     return reason is None and activation == "silu"
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logging.getLogger(__name__).warning(message)
 
 
 def _check_int4(weights: ExpertWeights, group_size: int) -> None:

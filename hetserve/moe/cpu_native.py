@@ -1,10 +1,11 @@
 """Native (AVX2, weight-only) kernels behind `cpu-int8` and `cpu-int4` (kernel="native").
 
-One ctypes call per layer computes every active expert (gate+up fused, silu, down) with
-fp32 activations and weights dequantized in registers; Python only sorts the routing and
-scatters the result back. No host sync: the per-expert counts go to the kernel as a tensor.
-Weights live as one stacked tensor per matrix: int8 [E, N, K] + fp32 scales [E, N], or int4
-nibbles [E, N, K/2] + fp32 scale and minimum per group [E, N, K/G].
+One ctypes call per layer does everything in C (native/moe_kernels.c): counting-sort of the
+(token, slot) pairs by expert, gate+up fused, silu, down, the weighted sum. No host sync and no
+per-expert Python. Activations are rounded to int16 per row inside the kernel; weights stay as
+quantized here, in the kernel's layout: per matrix one stacked tensor whose row quads are
+interleaved into one sequential stream (W13's gate and up quads alternate), on huge pages;
+fp32 per-channel scales (int8) or per-group scale and minimum (int4, also quad-interleaved).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from hetserve.errors import InvalidInputError
 from hetserve.moe.cpu_backends import (
     _CPUExperts,
+    _f32,
     quantize_int4_groupwise,
     quantize_int8_per_channel,
 )
@@ -86,13 +88,13 @@ class _NativeExperts(_CPUExperts):
 
 
 class NativeInt8Experts(_NativeExperts):
-    """int8 per-output-channel symmetric weights; |w - w_hat| <= scale/2, fp32 activations."""
+    """int8 per-output-channel symmetric weights, |w - w_hat| <= scale/2; int16 activations."""
 
     bits = 8
 
     def _load(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        q13, s13 = zip(*(quantize_int8_per_channel(w) for w in w13), strict=True)
-        q2, s2 = zip(*(quantize_int8_per_channel(w) for w in w2), strict=True)
+        q13, s13 = zip(*(quantize_int8_per_channel(_f32(w)) for w in w13), strict=True)
+        q2, s2 = zip(*(quantize_int8_per_channel(_f32(w)) for w in w2), strict=True)
         self.w13q = interleave_quads(pair_gate_up(torch.stack(q13)), 16)
         self.w2q = interleave_quads(torch.stack(q2), 16)
         self.s13 = pair_gate_up(torch.stack(s13)[..., None]).reshape(len(s13), -1).contiguous()
@@ -108,7 +110,7 @@ class NativeInt8Experts(_NativeExperts):
 
 
 class NativeInt4Experts(_NativeExperts):
-    """int4 group-wise asymmetric weights; |w - w_hat| <= scale/2 per group, fp32 activations."""
+    """int4 group-wise asymmetric weights, |w - w_hat| <= scale/2 per group; int16 activations."""
 
     bits = 4
 
@@ -124,7 +126,7 @@ class NativeInt4Experts(_NativeExperts):
 
     def _load(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         def quant(w: torch.Tensor, order=lambda t: t):
-            parts = [quantize_int4_groupwise(m, self.group_size) for m in w]
+            parts = [quantize_int4_groupwise(_f32(m), self.group_size) for m in w]
             q = interleave_quads(order(pack_int4_rows(torch.stack([p[0] for p in parts]))), 16)
             scale = interleave_quads(order(torch.stack([p[1] for p in parts])), 1)
             low = interleave_quads(order(torch.stack([p[2] for p in parts])), 1)

@@ -279,3 +279,47 @@ def test_kt_without_kt_kernel_says_how_to_install(weights):
         pytest.skip("kt_kernel is installed here")
     with pytest.raises(KTKernelUnavailableError, match="pip install --no-deps kt-kernel"):
         create_backend("kt", weights)
+
+
+@pytest.mark.parametrize("kind", ["cpu-int8", "cpu-int4"])
+def test_native_many_tokens_per_expert_and_odd_counts(kind):
+    # 2 experts, top-2, 41 tokens: 41 pairs per expert (> the kernel's 32-pair cache block, and
+    # odd, so the 2-token microkernel ends with a 1-token tail), 3 threads on fewer cores.
+    from hetserve.moe.native import native_unavailable_reason
+
+    if native_unavailable_reason() is not None:
+        pytest.skip(f"native kernel unavailable: {native_unavailable_reason()}")
+    g = torch.Generator().manual_seed(11)
+    w = ExpertWeights(
+        torch.randn(2, 64, 32, generator=g) * 0.1, torch.randn(2, 32, 32, generator=g)
+    )
+    x = torch.randn(41, 32, generator=g)
+    ids = torch.tensor([[0, 1], [1, 0]]).repeat(21, 1)[:41]
+    tw = torch.rand(41, 2, generator=g)
+    ref = _reference(w, x, tw, ids)
+    opts = {"group_size": 32} if kind == "cpu-int4" else {}
+    out = create_backend(kind, w, kernel="native", **opts).forward(x, tw, ids)
+    lib = create_backend(kind, w, kernel="library", **opts).forward(x, tw, ids)
+    assert (out - ref).abs().max() <= 0.3 * ref.abs().max()
+    if kind == "cpu-int4":  # same quantized weights; only the int16 activation rounding differs
+        assert torch.allclose(out, lib, rtol=0, atol=1e-3 * float(ref.abs().max()))
+    three = create_backend(kind, w, kernel="native", num_threads=3, **opts)
+    try:
+        for _ in range(5):
+            assert torch.equal(three.forward(x, tw, ids), out)
+    finally:
+        three.close()
+
+
+def test_without_the_native_kernel_auto_falls_back_and_native_is_a_user_error(weights, monkeypatch):
+    import hetserve.moe.native as native
+    from hetserve.errors import InvalidInputError
+    from hetserve.moe.cpu_backends import FbgemmInt8Experts, TorchInt4Experts
+
+    monkeypatch.setattr(native, "native_unavailable_reason", lambda: "no C compiler (test)")
+    assert isinstance(create_backend("cpu-int8", weights), FbgemmInt8Experts)
+    assert isinstance(create_backend("cpu-int4", weights), TorchInt4Experts)
+    with pytest.raises(InvalidInputError, match="native kernel unavailable here: no C compiler"):
+        create_backend("cpu-int8", weights, kernel="native")
+    with pytest.raises(InvalidInputError, match="kernel must be one of"):
+        create_backend("cpu-int8", weights, kernel="avx512")

@@ -54,19 +54,22 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join([compiler, *CFLAGS]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"moe_kernels-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Build beside the target and rename: concurrent processes never load a partial file.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        cmd = [compiler, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            first = (proc.stderr.strip().splitlines() or ["?"])[0]
-            return None, f"compiling {SOURCE.name} failed: {first}"
-        os.replace(tmp, target)
-    lib = ctypes.CDLL(str(target))
+    try:
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # Build beside the target and rename: concurrent processes never load a partial file.
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+            os.close(fd)
+            cmd = [compiler, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                os.unlink(tmp)
+                first = (proc.stderr.strip().splitlines() or ["?"])[0]
+                return None, f"compiling {SOURCE.name} failed: {first}"
+            os.replace(tmp, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:  # read-only cache, broken compiler...
+        return None, f"cannot build or load the kernel in {target.parent}: {exc}"
     fn = lib.hetserve_moe_forward
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int] * 8 + [ctypes.c_void_p] * 10

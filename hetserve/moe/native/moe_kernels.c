@@ -102,15 +102,40 @@ static inline __attribute__((always_inline)) void quad_i8(const int8_t *q, int K
  * G > 0 also gsum[p, g] = sum of x16[p] over group g (exact: |sum| <= 128 * ACT_Q < 2^24). */
 static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, float *scale,
                           int G, float *gsum) {
+    /* K % 32 == 0 (checked by the caller). Vectorized: at one token this runs on one thread
+     * between the phases, so a scalar loop would be a visible slice of the layer. */
+    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int p = p0; p < p1; p++) {
         const float *row = x + (size_t)p * K;
         int16_t *out = x16 + (size_t)p * K;
-        float mx = 0.0f;
-        for (int k = 0; k < K; k++) mx = fabsf(row[k]) > mx ? fabsf(row[k]) : mx;
-        float s = mx > 0.0f ? mx / ACT_Q : 1.0f, inv = 1.0f / s;
-        for (int k = 0; k < K; k++) {
-            int v = (int)lrintf(row[k] * inv);
-            out[k] = (int16_t)(v > ACT_Q ? ACT_Q : (v < -ACT_Q ? -ACT_Q : v));
+        __m256 vmax = _mm256_setzero_ps();
+        for (int k = 0; k < K; k += 8)
+            vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(row + k)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+        float mx = _mm_cvtss_f32(m4);
+        float s = mx > 0.0f ? mx / ACT_Q : 1.0f;
+        const __m256 inv = _mm256_set1_ps(1.0f / s);
+        const __m256i lim = _mm256_set1_epi32(ACT_Q), nlim = _mm256_set1_epi32(-ACT_Q);
+        for (int k = 0; k < K; k += 32) {
+            __m256i h[2];
+            for (int half = 0; half < 2; half++) {
+                /* round to nearest even (MXCSR default), clamp, pack 2 x 8 int32 -> 16 int16 */
+                const float *src = row + k + 16 * half;
+                __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src), inv));
+                __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + 8), inv));
+                a = _mm256_max_epi32(_mm256_min_epi32(a, lim), nlim);
+                b = _mm256_max_epi32(_mm256_min_epi32(b, lim), nlim);
+                h[half] = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+            }
+            if (G > 0) { /* int4 order per 32: [0..7, 16..23, 8..15, 24..31], see quad_i4 */
+                __m256i lo = _mm256_permute2x128_si256(h[0], h[1], 0x20);
+                h[1] = _mm256_permute2x128_si256(h[0], h[1], 0x31);
+                h[0] = lo;
+            }
+            _mm256_storeu_si256((__m256i *)(out + k), h[0]);
+            _mm256_storeu_si256((__m256i *)(out + k + 16), h[1]);
         }
         scale[p] = s;
         if (G > 0)
@@ -132,7 +157,7 @@ static inline __attribute__((always_inline)) void quad_i4(const uint8_t *q, cons
                                                           const int16_t *const x[2],
                                                           const float *const gs[2], int MB,
                                                           float out[4][2]) {
-    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m256i mask = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
     __m256 tot[4][2];
     float zs[4][2];
     for (int r = 0; r < 4; r++)
@@ -152,9 +177,15 @@ static inline __attribute__((always_inline)) void quad_i4(const uint8_t *q, cons
                 xh[m] = _mm256_loadu_si256((const __m256i *)(x[m] + k + 16));
             }
             for (int r = 0; r < 4; r++) {
-                __m128i v = _mm_loadu_si128((const __m128i *)(q + 2 * k + 16 * r));
-                __m256i wl = _mm256_cvtepu8_epi16(_mm_and_si128(v, mask));
-                __m256i wh = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
+                /* [low nibbles | high nibbles] = elements [0..15 | 16..31] as bytes, then
+                 * in-lane unpacks give [0..7 | 16..23] and [8..15 | 24..31] as int16: the
+                 * order quantize_rows stores int4 activations in. No lane-crossing shuffles. */
+                __m256i v = _mm256_broadcastsi128_si256(
+                    _mm_loadu_si128((const __m128i *)(q + 2 * k + 16 * r)));
+                __m256i t = _mm256_and_si256(
+                    _mm256_blend_epi32(v, _mm256_srli_epi16(v, 4), 0xF0), mask);
+                __m256i wl = _mm256_unpacklo_epi8(t, zero);
+                __m256i wh = _mm256_unpackhi_epi8(t, zero);
                 for (int m = 0; m < MB; m++)
                     acc[r][m] = _mm256_add_epi32(
                         acc[r][m], _mm256_add_epi32(_mm256_madd_epi16(wl, xl[m]),
