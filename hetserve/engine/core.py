@@ -87,7 +87,6 @@ class EngineCore:
         self.seqs: dict[str, SeqState] = {}
         self.parents: dict[str, ParentState] = {}
         self.stats = EngineStats()
-        self._block_offsets = torch.arange(bs, device=self.runner.device)
 
     def _num_blocks(self) -> int:
         cfg, bs = self.config, self.config.cache.block_size
@@ -129,11 +128,13 @@ class EngineCore:
         prompt: str | None = None,
         priority: int = 0,
         cache_extra: tuple = (),
+        stream: bool = True,
     ) -> None:
+        """Queue a request. With stream=False, `step` returns its output only once finished."""
         if request_id in self.parents:
             raise InvalidInputError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids)
-        parent = ParentState(request_id, prompt, list(prompt_token_ids))
+        parent = ParentState(request_id, prompt, list(prompt_token_ids), stream=stream)
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
         self.parents[request_id] = parent
@@ -179,20 +180,12 @@ class EngineCore:
         return self._process_outputs(sched, sampled)
 
     def _execute(self, sched: SchedulerOutput) -> dict[str, int]:
-        bs = self.config.cache.block_size
         inputs = []
         for s in sched.scheduled:
             req = s.request
             start = req.num_computed_tokens
-            table = torch.tensor(self.kv.block_ids(req.request_id), device=self.runner.device)
-            slots = (table.unsqueeze(1) * bs + self._block_offsets).flatten()
-            inputs.append(
-                SeqInput(
-                    req.all_token_ids[start : start + s.num_new_tokens],
-                    start,
-                    slots[: start + s.num_new_tokens],
-                )
-            )
+            tokens = req.all_token_ids[start : start + s.num_new_tokens]
+            inputs.append(SeqInput(tokens, start, self.kv.block_ids(req.request_id)))
             prompt_left = max(0, min(req.num_prompt_tokens - start, s.num_new_tokens))
             self.stats.prompt_tokens_computed += prompt_left
         hidden = self.runner.forward(inputs)
@@ -262,6 +255,8 @@ class EngineCore:
             touched[st.parent.request_id] = st.parent
         outputs = []
         for rid, parent in touched.items():
+            if not parent.stream and not parent.finished:
+                continue  # snapshots copy every token list: build only what someone reads
             out = parent.snapshot()
             if out.finished:
                 self.parents.pop(rid, None)

@@ -65,7 +65,7 @@ class LLM:
         order = []
         for (text, ids), p in zip(requests, params, strict=True):
             rid = f"llm-{next(self._ids)}"
-            self.engine.add_request(rid, ids, p, prompt=text)
+            self.engine.add_request(rid, ids, p, prompt=text, stream=False)
             order.append(rid)
         return self._run(order, use_tqdm)
 

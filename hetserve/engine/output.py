@@ -32,6 +32,7 @@ class ParentState:
     prompt: str | None
     prompt_token_ids: list[int]
     seqs: list[SeqState] = field(default_factory=list)
+    stream: bool = True  # False: only the final output is built (offline generation)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property

@@ -1,4 +1,4 @@
-"""ModelRunner: turns a batch of (new tokens, context slots) into hidden states and logits.
+"""ModelRunner: turns a batch of (new tokens, KV blocks) into hidden states and logits.
 
 It owns the model and the paged KV tensors; which slots a sequence uses is decided by the caller
 (the sequential LLM here, the scheduler's block tables in the engine).
@@ -19,7 +19,7 @@ from hetserve.model.base import CausalLM
 class SeqInput:
     token_ids: list[int]  # the tokens to compute in this forward
     num_computed: int  # tokens of this sequence already in the KV cache
-    slots: torch.Tensor  # [num_computed + len(token_ids)] KV slots of the whole context
+    block_ids: list[int]  # KV blocks covering num_computed + len(token_ids) tokens
 
 
 class ModelRunner:
@@ -36,7 +36,8 @@ class ModelRunner:
     def forward(self, seqs: list[SeqInput]) -> torch.Tensor:
         """Hidden states [sum(len(token_ids)), H] for every new token, sequences concatenated."""
         meta = build_metadata(
-            [(s.num_computed, len(s.token_ids), s.slots) for s in seqs],
+            [(s.num_computed, len(s.token_ids), s.block_ids) for s in seqs],
+            self.block_size,
             self.device,
             self.model.sliding_window,
         )

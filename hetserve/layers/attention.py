@@ -69,49 +69,61 @@ def causal_mask(
 
 
 def build_metadata(
-    spans: list[tuple[int, int, torch.Tensor]],
+    spans: list[tuple[int, int, list[int]]],
+    block_size: int,
     device: torch.device | str,
     sliding_window: int | None = None,
 ) -> AttentionMetadata:
-    """spans: per sequence (num_computed_before, num_new, slots of the whole context [kv_len])."""
-    positions, slot_mapping, seqs, decodes = [], [], [], []
+    """spans: per sequence (num_computed_before, num_new, block ids covering its context).
+
+    Single-token sequences (decodes) are laid out together with a few tensor ops whatever their
+    number; multi-token chunks get their own span (few per step)."""
+    num_tokens = sum(new for _, new, _ in spans)
+    positions = torch.empty(num_tokens, dtype=torch.long)
+    slot_mapping = torch.empty(num_tokens, dtype=torch.long)
+    offsets = torch.arange(block_size)
+    seqs, decodes = [], []
     q_start = 0
-    for computed, new, slots in spans:
+    for computed, new, blocks in spans:
         kv_len = computed + new
-        assert slots.shape[0] == kv_len, (slots.shape, kv_len)
-        positions.append(torch.arange(computed, kv_len))
-        slot_mapping.append(slots[computed:kv_len])
         if new == 1 and len(spans) > 1:
-            decodes.append((q_start, slots))
-            q_start += 1
-            continue
-        seqs.append(
-            SeqSpan(
-                q_start,
-                new,
-                kv_len,
-                slots.to(device),
-                causal_mask(new, kv_len, sliding_window, device),
-            )
-        )
+            decodes.append((q_start, kv_len, blocks))
+        else:
+            table = torch.tensor(blocks, dtype=torch.long)
+            slots = (table.unsqueeze(1) * block_size + offsets).flatten()[:kv_len]
+            positions[q_start : q_start + new] = torch.arange(computed, kv_len)
+            slot_mapping[q_start : q_start + new] = slots[computed:]
+            mask = causal_mask(new, kv_len, sliding_window, device)
+            seqs.append(SeqSpan(q_start, new, kv_len, slots.to(device), mask))
         q_start += new
-    return AttentionMetadata(
-        positions=torch.cat(positions).to(device),
-        slot_mapping=torch.cat(slot_mapping).to(device),
-        seqs=seqs,
-        decode=_decode_batch(decodes, device, sliding_window) if decodes else None,
-    )
+    decode = None
+    if decodes:
+        decode = _decode_batch(decodes, block_size, positions, slot_mapping, sliding_window)
+        decode = DecodeBatch(*(t.to(device) for t in (decode.rows, decode.slots, decode.mask)))
+    return AttentionMetadata(positions.to(device), slot_mapping.to(device), seqs, decode)
 
 
-def _decode_batch(decodes, device, sliding_window: int | None) -> DecodeBatch:
-    lens = torch.tensor([len(slots) for _, slots in decodes])
-    padded = torch.nn.utils.rnn.pad_sequence([slots for _, slots in decodes], batch_first=True)
-    k_pos = torch.arange(padded.shape[1]).unsqueeze(0)
-    mask = k_pos < lens.unsqueeze(1)
+def _decode_batch(
+    decodes,
+    block_size: int,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    sliding_window: int | None,
+) -> DecodeBatch:
+    """Padded [B, L] slots and mask of all decodes; fills their positions and slot_mapping."""
+    rows = torch.tensor([row for row, _, _ in decodes])
+    lens = torch.tensor([kv_len for _, kv_len, _ in decodes])
+    width = max(len(blocks) for _, _, blocks in decodes)
+    tables = torch.tensor([blocks + [0] * (width - len(blocks)) for _, _, blocks in decodes])
+    k_pos = torch.arange(width * block_size)
+    slots = tables[:, k_pos // block_size] * block_size + k_pos % block_size
+    mask = k_pos.unsqueeze(0) < lens.unsqueeze(1)
     if sliding_window is not None:
         mask &= (lens.unsqueeze(1) - 1 - k_pos) < sliding_window
-    rows = torch.tensor([row for row, _ in decodes])
-    return DecodeBatch(rows.to(device), padded.to(device), mask[:, None, None, :].to(device))
+    slots = slots.masked_fill(~mask, 0)  # padding reads the null block's first slot
+    positions[rows] = lens - 1
+    slot_mapping[rows] = slots[torch.arange(len(decodes)), lens - 1]
+    return DecodeBatch(rows, slots, mask[:, None, None, :])
 
 
 @dataclass
@@ -145,7 +157,11 @@ def batched_decode_sdpa(
 ) -> torch.Tensor:
     """q [B, H, D], k [B, L, Hkv, D], v [B, L, Hkv, Dv], mask [B, 1, 1, L] -> [B, H, Dv]."""
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
+        q.unsqueeze(2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        scale=scale,
         enable_gqa=k.shape[2] != q.shape[1],
     )
     return out.squeeze(2)
@@ -167,8 +183,11 @@ def paged_attention(
         b, n = d.slots.shape
         k_all, v_all = ctx.kv.gather(layer, d.slots.flatten())
         out[d.rows] = batched_decode_sdpa(
-            q[d.rows], k_all.view(b, n, *k_all.shape[1:]), v_all.view(b, n, *v_all.shape[1:]),
-            d.mask, scale,
+            q[d.rows],
+            k_all.view(b, n, *k_all.shape[1:]),
+            v_all.view(b, n, *v_all.shape[1:]),
+            d.mask,
+            scale,
         )
     for s in ctx.meta.seqs:
         k_all, v_all = ctx.kv.gather(layer, s.kv_slots)

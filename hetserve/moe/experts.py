@@ -139,17 +139,35 @@ class TorchExperts:
         order, counts = group_by_expert(topk_ids, self.num_experts)
         xs = x[order // k]
         ws = topk_weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
-        ys = torch.empty_like(xs)
         # One host sync for the counts; per-expert slices are then plain views.
-        bounds = counts.cumsum(0).tolist()
-        start = 0
-        for e, end in enumerate(bounds):
-            if end == start:
-                continue
-            h = F.linear(xs[start:end], self.w13[e])
-            gate, up = h.split(self.inter, dim=-1)
-            ys[start:end] = F.linear(self.act(gate) * up, self.w2[e]) * ws[start:end]
-            start = end
+        counts_list = counts.tolist()
+        if min(counts_list) > 0 and len(counts_list) > 1:
+            ys = self._all_active(xs, counts, counts_list) * ws
+        else:
+            ys = torch.empty_like(xs)
+            start = 0
+            for e, n in enumerate(counts_list):
+                if n == 0:
+                    continue
+                end = start + n
+                h = F.linear(xs[start:end], self.w13[e])
+                gate, up = h.split(self.inter, dim=-1)
+                ys[start:end] = F.linear(self.act(gate) * up, self.w2[e]) * ws[start:end]
+                start = end
         # Back to (token, slot) order with a gather, then sum the k slots: no atomic scatter-add,
         # which is slow on CPU when threads are contended.
         return ys[torch.argsort(order)].view(t, k, -1).sum(dim=1)
+
+    def _all_active(self, xs: torch.Tensor, counts: torch.Tensor, counts_list: list[int]):
+        """Every expert has tokens (small models, big batches): pad each expert's rows to the
+        largest count and run two batched matmuls instead of a loop of 2E small ones."""
+        e, m = self.num_experts, max(counts_list)
+        starts = counts.cumsum(0) - counts
+        expert_of = torch.repeat_interleave(torch.arange(e, device=xs.device), counts)
+        slot = torch.arange(xs.shape[0], device=xs.device) - starts[expert_of]
+        padded = xs.new_zeros(e, m, xs.shape[1])
+        padded[expert_of, slot] = xs
+        h = torch.bmm(padded, self.w13.transpose(1, 2))
+        gate, up = h.split(self.inter, dim=-1)
+        out = torch.bmm(self.act(gate) * up, self.w2.transpose(1, 2))
+        return out[expert_of, slot]

@@ -5,7 +5,7 @@ finishes produced exactly what it produces alone with unlimited resources.
 """
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from hetserve import LLM, SamplingParams
@@ -47,9 +47,18 @@ request = st.tuples(
 )
 
 
+# Long prompts arriving together overflow the 15 usable blocks (preemption for sure), and the
+# shared 8-token prefix of odd requests gives prefix-cache hits.
+FORCED = [(tuple(range(40, 70)), 16, 0, None)] * 4 + [(tuple(range(100, 125)), 12, 1, 3)]
+
+
 @settings(
-    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=12,
+    deadline=None,
+    derandomize=True,  # the same examples every run: CI never sees a new random failure
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
+@example(FORCED)
 @given(st.lists(request, min_size=1, max_size=8))
 def test_random_schedule_keeps_invariants_and_outputs(engines, reqs):
     _, eng, _ = engines
