@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -27,7 +27,22 @@ CPU_KV_CAP_BYTES = 2 << 30
 log = logging.getLogger(__name__)
 
 
-def _placement_rules(moe: MoEConfig):
+def _converted(model_dir) -> dict | None:
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir) / "config.json"
+    return json.loads(path.read_text()).get("hetserve_experts") if path.is_file() else None
+
+
+def _placement_rules(moe: MoEConfig, converted: dict | None):
+    if moe.placement is None and converted is not None:
+        # A converted model serves its experts on the CPU format it was converted to.
+        from hetserve.moe.placement import default_rules
+
+        rules = default_rules()
+        backend = f"cpu-{converted['format']}"
+        return [replace(r, backend=backend) if r.backend else r for r in rules]
     if moe.placement is None or moe.placement == "default":
         return moe.placement
     from hetserve.moe.placement import load_rules
@@ -35,12 +50,17 @@ def _placement_rules(moe: MoEConfig):
     return load_rules(moe.placement)
 
 
-def _build_hybrid(model, moe: MoEConfig) -> None:
+def _build_hybrid(model, moe: MoEConfig, converted: dict | None) -> None:
     from hetserve.moe.hybrid import build_expert_backends
     from hetserve.moe.routing_stats import RoutingStats
 
     stats = RoutingStats.load(moe.routing_stats) if moe.routing_stats else None
-    build_expert_backends(model, model.hybrid_plan, moe.gpu_experts, stats, moe.cpu_threads)
+    options = {}
+    if converted is not None and converted.get("group_size"):
+        options["cpu-int4"] = {"group_size": converted["group_size"]}
+    build_expert_backends(
+        model, model.hybrid_plan, moe.gpu_experts, stats, moe.cpu_threads, backend_options=options
+    )
     log.info("placement:\n%s", model.hybrid_plan.table())
 
 
@@ -64,12 +84,16 @@ class EngineCore:
         else:
             model_dir = cfg.model
         self.model_dir = str(model_dir)
+        converted = _converted(model_dir)
         self.model = load_model(
-            model_dir, device=cfg.device, dtype=cfg.dtype, placement=_placement_rules(cfg.moe)
+            model_dir,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            placement=_placement_rules(cfg.moe, converted),
         )
         self.tokenizer = Tokenizer(model_dir)
         if self.model.hybrid_plan is not None:
-            _build_hybrid(self.model, cfg.moe)
+            _build_hybrid(self.model, cfg.moe, converted)
         if cfg.moe.max_deferred_experts_per_token:
             self.model.set_expert_deferral(cfg.moe.max_deferred_experts_per_token)
         mcfg = self.model.config

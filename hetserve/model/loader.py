@@ -140,11 +140,13 @@ class _Filler:
             )
         dst.copy_(src)
 
-    def check_complete(self) -> None:
+    def check_complete(self, experts_elsewhere: bool = False) -> None:
         tied = self.model.config.tie_word_embeddings
         for name, param in self.params.items():
             if name in self.filled or (tied and name == "lm_head.weight"):
                 continue
+            if experts_elsewhere and name.rpartition(".")[2] in ("w13", "w2"):
+                continue  # filled from the converted experts file
             prefix, _, pname = name.rpartition(".")
             if pname in ("w13", "w2") and prefix.endswith(".experts"):
                 for e in range(param.shape[0]):
@@ -209,7 +211,12 @@ def load_model(
                     tensor = f.get_tensor(name)
                     filler.fill(target, tensor, name)
                     bar.update(tensor.numel() * tensor.element_size())
-    filler.check_complete()
+    converted = cfg.get("hetserve_experts")
+    filler.check_complete(experts_elsewhere=converted is not None)
+    if converted is not None:
+        from hetserve.moe.convert import load_converted_experts
+
+        load_converted_experts(model, model_dir, converted)
     if cfg.tie_word_embeddings:
         model.tie_weights()
     model.eval().requires_grad_(False)

@@ -188,7 +188,9 @@ def build_expert_backends(
     stats: RoutingStats | None = None,
     cpu_threads: int | None = None,
     free_unused: bool = True,
+    backend_options: dict | None = None,
 ) -> None:
+    """backend_options: per backend name, extra constructor options (e.g. int4 group size)."""
     hot = choose_gpu_experts(stats, gpu_experts) if (gpu_experts and stats) else {}
     if gpu_experts and stats is None:
         raise PlacementError(
@@ -209,6 +211,7 @@ def build_expert_backends(
                     plan.accelerator,
                     hot.get(layer_of(name)),
                     cpu_threads,
+                    (backend_options or {}).get(backend_name, {}),
                 )
             by_phase[phase] = built[key]
         experts.set_phase_backends(by_phase)
@@ -225,12 +228,14 @@ def _make(
     accelerator: torch.device,
     hot: list[int] | None,
     cpu_threads: int | None,
+    extra: dict,
 ) -> ExpertsBackend:
     dev = torch.device(device)
     weights = experts.weights()
     if weights.w13.device != dev:
         weights = ExpertWeights(weights.w13.to(dev), weights.w2.to(dev))
     opts = {"num_threads": cpu_threads} if (cpu_threads and backend_name in _CPU_BACKENDS) else {}
+    opts.update(extra)
     backend = create_backend(backend_name, weights, activation=experts.activation, **opts)
     if dev != accelerator:
         backend = DeviceBridge(backend, dev)

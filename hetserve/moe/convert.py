@@ -1,0 +1,131 @@
+"""`hetserve convert`: write a model's routed experts in the CPU format.
+
+The output directory holds the non-expert tensors (`model.safetensors`), the routed experts
+quantized per layer (`experts-<format>.safetensors`: int8 per output channel, or int4 in groups
+with a minimum, two nibbles per byte), and config.json with a `hetserve_experts` entry naming
+the format. Loading dequantizes into the experts' weights and the CPU backend quantizes them
+again, which reproduces the stored integers exactly (symmetric int8 and min/max int4 are
+idempotent), so serving a converted model equals quantizing at load time, from a 4x (int8) or
+~7x (int4) smaller file.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from hetserve.errors import InvalidInputError
+from hetserve.moe.cpu_backends import (
+    INT4_GROUP_SIZES,
+    quantize_int4_groupwise,
+    quantize_int8_per_channel,
+)
+
+FORMATS = ("int8", "int4")
+CONFIG_KEY = "hetserve_experts"
+_COPY = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+)
+
+
+def quantize(w: torch.Tensor, fmt: str, group_size: int) -> dict[str, torch.Tensor]:
+    """w [E, N, K] -> stored tensors (suffix -> tensor)."""
+    e, n, k = w.shape
+    flat = w.reshape(e * n, k)
+    if fmt == "int8":
+        q, scale = quantize_int8_per_channel(flat)
+        return {"q": q.reshape(e, n, k), "scale": scale.reshape(e, n)}
+    q, scale, lo = quantize_int4_groupwise(flat, group_size)
+    q = q.to(torch.uint8).reshape(e, n, k // 2, 2)
+    packed = q[..., 0] | (q[..., 1] << 4)
+    g = k // group_size
+    return {"q": packed, "scale": scale.reshape(e, n, g), "min": lo.reshape(e, n, g)}
+
+
+def dequantize(t: dict[str, torch.Tensor], fmt: str, group_size: int) -> torch.Tensor:
+    q = t["q"]
+    if fmt == "int8":
+        return q.float() * t["scale"].unsqueeze(-1)
+    e, n, half = q.shape
+    nib = torch.stack((q & 0xF, q >> 4), dim=-1).reshape(e, n, half * 2).float()
+    g = nib.reshape(e, n, -1, group_size)
+    return (g * t["scale"].unsqueeze(-1) + t["min"].unsqueeze(-1)).reshape(e, n, half * 2)
+
+
+def convert(model_dir: str | Path, out_dir: str | Path, fmt: str, group_size: int = 64) -> Path:
+    from hetserve.model.loader import load_model
+
+    if fmt not in FORMATS:
+        raise InvalidInputError(f"--quant must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if fmt == "int4" and group_size not in INT4_GROUP_SIZES:
+        raise InvalidInputError(f"--group-size must be one of {INT4_GROUP_SIZES}")
+    src, out = Path(model_dir), Path(out_dir)
+    if out.resolve() == src.resolve():
+        raise InvalidInputError("OUT_DIR must differ from MODEL_DIR")
+    model = load_model(src, device="cpu", dtype="float32")
+    experts = list(model.routed_experts())
+    if not experts:
+        raise InvalidInputError(f"{src} has no routed experts to convert")
+    out.mkdir(parents=True, exist_ok=True)
+    stored: dict[str, torch.Tensor] = {}
+    for name, ex in tqdm(experts, desc=f"quantizing experts to {fmt}"):
+        for pname in ("w13", "w2"):
+            w = getattr(ex, pname).data
+            if fmt == "int4" and w.shape[-1] % group_size:
+                raise InvalidInputError(
+                    f"{name}.{pname}: input size {w.shape[-1]} is not a "
+                    f"multiple of --group-size {group_size}"
+                )
+            for suffix, t in quantize(w, fmt, group_size).items():
+                stored[f"{name}.{pname}_{suffix}"] = t.contiguous()
+    save_file(stored, str(out / f"experts-{fmt}.safetensors"), metadata={"format": "pt"})
+    _write_rest(model, out)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg[CONFIG_KEY] = {
+        "format": fmt,
+        "group_size": group_size if fmt == "int4" else None,
+        "file": f"experts-{fmt}.safetensors",
+    }
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for name in _COPY:
+        if (src / name).is_file():
+            shutil.copy2(src / name, out / name)
+    return out
+
+
+def _write_rest(model, out: Path) -> None:
+    expert_params = {f"{n}.{p}" for n, _ in model.routed_experts() for p in ("w13", "w2")}
+    rest = {}
+    for name, p in model.named_parameters():
+        if name in expert_params:
+            continue
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        rest[name] = p.data.contiguous()
+    save_file(rest, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_converted_experts(model, model_dir: Path, spec: dict) -> None:
+    """Fill every routed-experts module from the converted file (called by the loader)."""
+    fmt, group = spec["format"], spec.get("group_size") or 0
+    with safe_open(str(model_dir / spec["file"]), framework="pt", device="cpu") as f:
+        names = set(f.keys())
+        for name, ex in model.routed_experts():
+            for pname in ("w13", "w2"):
+                prefix = f"{name}.{pname}_"
+                parts = {k[len(prefix) :]: f.get_tensor(k) for k in names if k.startswith(prefix)}
+                if "q" not in parts:
+                    from hetserve.errors import MissingTensorError
+
+                    raise MissingTensorError(f"{spec['file']} lacks '{prefix}q'; re-run convert")
+                getattr(ex, pname).data.copy_(dequantize(parts, fmt, group))
