@@ -35,7 +35,8 @@ def _overlap_pool() -> ThreadPoolExecutor:
     return _pool("routed")
 
 
-def _run_deferred(experts, x, weights, ids, phase) -> torch.Tensor:
+def _run_experts(experts, x, weights, ids, phase) -> torch.Tensor:
+    """Routed experts on a side thread (deferral or overlap)."""
     with torch.inference_mode():  # thread-local: the engine thread's mode does not carry over
         return experts(x, weights, ids, phase)
 
@@ -131,7 +132,7 @@ class SparseMoE(nn.Module):
             late_w, late_ids = topk_weights[:, -d:], topk_ids[:, -d:]
             topk_weights, topk_ids = topk_weights[:, :-d], topk_ids[:, :-d]
             ctx.deferred = _deferral_pool().submit(
-                _run_deferred, self.experts, x, late_w, late_ids, phase
+                _run_experts, self.experts, x, late_w, late_ids, phase
             )
         if self._shared_name is None:
             return self.experts(x, topk_weights, topk_ids, phase)
@@ -139,7 +140,7 @@ class SparseMoE(nn.Module):
         if self.experts.is_remote(phase):
             # Routed experts on the host thread pool while the shared experts run here.
             routed = _overlap_pool().submit(
-                _run_deferred, self.experts, x, topk_weights, topk_ids, phase
+                _run_experts, self.experts, x, topk_weights, topk_ids, phase
             )
         shared = getattr(self, self._shared_name)(x)
         if self.shared_expert_gate is not None:
