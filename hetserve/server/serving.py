@@ -33,7 +33,12 @@ class OpenAIServing:
 
     # ---- shared -----------------------------------------------------------------------------
     def _params(
-        self, req: _Common, prompt_len: int, max_tokens: int | None, logprobs
+        self,
+        req: _Common,
+        prompt_len: int,
+        max_tokens: int | None,
+        logprobs,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         room = self.engine.max_model_len - prompt_len
         if max_tokens is None:
@@ -56,6 +61,7 @@ class OpenAIServing:
                 ignore_eos=req.ignore_eos,
                 seed=req.seed,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
         except ValueError as exc:
             raise InvalidInputError(str(exc)) from None
@@ -99,27 +105,49 @@ class OpenAIServing:
         gens = []
         for i, (text, ids) in enumerate(prompts):
             self.engine.engine.validate_prompt(ids)
-            params = self._params(req, len(ids), req.max_tokens, req.logprobs)
+            echo_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
+            params = self._params(req, len(ids), req.max_tokens, req.logprobs, echo_lp)
             gens.append(
                 self.engine.generate(f"{base}-{i}", ids, params, prompt=text, priority=req.priority)
             )
         return base, gens
 
-    def _completion_logprobs(self, c, k: int) -> dict:
-        tokens = [self._token_str(t) for t in c.token_ids]
-        offsets, pos = [], 0
+    def _completion_logprobs(self, token_ids, entries, k: int, offset: int = 0) -> dict:
+        """OpenAI completions logprobs for `token_ids`; an entry of None (the first prompt
+        token, under echo) has no logprob."""
+        tokens = [self._token_str(t) for t in token_ids]
+        offsets = []
         for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
+            offsets.append(offset)
+            offset += len(t)
         return {
             "tokens": tokens,
-            "token_logprobs": [e[t].logprob for e, t in zip(c.logprobs, c.token_ids, strict=True)],
+            "token_logprobs": [
+                e[t].logprob if e else None for e, t in zip(entries, token_ids, strict=True)
+            ],
             "top_logprobs": [
                 {self._token_str(tid): lp.logprob for tid, lp in e.items() if lp.rank <= k}
-                for e in c.logprobs
+                if e
+                else None
+                for e in entries
             ],
             "text_offset": offsets,
         }
+
+    def _echo(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return self.tok.decode(out.prompt_token_ids, skip_special_tokens=False)
+
+    def _choice_logprobs(self, req: CompletionRequest, out: RequestOutput, c) -> dict | None:
+        if req.logprobs is None:
+            return None
+        if not req.echo:
+            return self._completion_logprobs(c.token_ids, c.logprobs, req.logprobs)
+        ids = out.prompt_token_ids + c.token_ids
+        return self._completion_logprobs(
+            ids, (out.prompt_logprobs or []) + c.logprobs, req.logprobs
+        )
 
     async def completion(self, req: CompletionRequest, base: str, gens) -> dict:
         outs = await self._collect(gens)
@@ -129,12 +157,8 @@ class OpenAIServing:
                 choices.append(
                     {
                         "index": i * req.n + c.index,
-                        "text": c.text,
-                        "logprobs": (
-                            self._completion_logprobs(c, req.logprobs)
-                            if req.logprobs is not None
-                            else None
-                        ),
+                        "text": (self._echo(out) if req.echo else "") + c.text,
+                        "logprobs": self._choice_logprobs(req, out, c),
                         "finish_reason": c.finish_reason,
                     }
                 )
@@ -157,7 +181,8 @@ class OpenAIServing:
             await queue.put((i, None))
 
         tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-        sent: dict[tuple[int, int], tuple[int, bool]] = {}  # (prompt, choice) -> (chars, done)
+        # (prompt, choice) -> (chars sent, tokens sent, finish sent)
+        sent: dict[tuple[int, int], tuple[int, int, bool]] = {}
         finals: dict[int, RequestOutput] = {}
         try:
             live = len(tasks)
@@ -168,15 +193,25 @@ class OpenAIServing:
                     continue
                 finals[i] = out
                 for c in out.outputs:
-                    chars, done = sent.get((i, c.index), (0, False))
+                    first = (i, c.index) not in sent
+                    chars, ntok, done = sent.get((i, c.index), (0, 0, False))
                     delta = c.text[chars:]
                     if done or (not delta and c.finish_reason is None):
                         continue
-                    sent[(i, c.index)] = (len(c.text), c.finish_reason is not None)
+                    sent[(i, c.index)] = (
+                        len(c.text),
+                        len(c.token_ids),
+                        c.finish_reason is not None,
+                    )
+                    lp = None
+                    if req.logprobs is not None:
+                        lp = self._completion_logprobs(
+                            c.token_ids[ntok:], c.logprobs[ntok:], req.logprobs, chars
+                        )
                     choice = {
                         "index": i * req.n + c.index,
-                        "text": delta,
-                        "logprobs": None,
+                        "text": (self._echo(out) if req.echo and first else "") + delta,
+                        "logprobs": lp,
                         "finish_reason": c.finish_reason,
                     }
                     yield sse(
@@ -218,19 +253,16 @@ class OpenAIServing:
         base = f"chatcmpl-{uuid.uuid4().hex}"
         return base, self.engine.generate(base, ids, params, prompt=prompt, priority=req.priority)
 
-    def _chat_logprobs(self, c, k: int) -> dict:
+    def _chat_logprobs(self, token_ids, entries, k: int) -> dict:
         def item(tid, lp):
             s = self._token_str(tid)
             return {"token": s, "logprob": lp.logprob, "bytes": list(s.encode())}
 
         content = []
-        for e, t in zip(c.logprobs, c.token_ids, strict=True):
+        for e, t in zip(entries, token_ids, strict=True):
             entry = item(t, e[t])
-            entry["top_logprobs"] = [
-                item(tid, lp)
-                for tid, lp in sorted(e.items(), key=lambda x: x[1].rank)
-                if lp.rank <= k
-            ]
+            ranked = sorted(e.items(), key=lambda x: x[1].rank)
+            entry["top_logprobs"] = [item(tid, lp) for tid, lp in ranked if lp.rank <= k]
             content.append(entry)
         return {"content": content}
 
@@ -240,7 +272,11 @@ class OpenAIServing:
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None,
+                "logprobs": (
+                    self._chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
+                    if req.logprobs
+                    else None
+                ),
                 "finish_reason": c.finish_reason,
             }
             for c in out.outputs
@@ -281,26 +317,29 @@ class OpenAIServing:
                     for i in range(req.n)
                 ]
             )
-            sent: dict[int, tuple[int, bool]] = {}  # choice -> (chars sent, finish sent)
+            # choice -> (chars sent, tokens sent, finish sent)
+            sent: dict[int, tuple[int, int, bool]] = {}
             last = None
             async for out in gen:
                 last = out
                 for c in out.outputs:
-                    chars, done = sent.get(c.index, (0, False))
+                    chars, ntok, done = sent.get(c.index, (0, 0, False))
                     delta = c.text[chars:]
                     if done or (not delta and c.finish_reason is None):
                         continue
-                    sent[c.index] = (len(c.text), c.finish_reason is not None)
-                    yield chunk(
-                        [
-                            {
-                                "index": c.index,
-                                "delta": {"content": delta} if delta else {},
-                                "logprobs": None,
-                                "finish_reason": c.finish_reason,
-                            }
-                        ]
-                    )
+                    sent[c.index] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
+                    lp = None
+                    if req.logprobs:
+                        lp = self._chat_logprobs(
+                            c.token_ids[ntok:], c.logprobs[ntok:], req.top_logprobs or 0
+                        )
+                    choice = {
+                        "index": c.index,
+                        "delta": {"content": delta} if delta else {},
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason,
+                    }
+                    yield chunk([choice])
             if req.stream_options and req.stream_options.include_usage and last is not None:
                 yield chunk([], usage=self._usage([last]))
             yield "data: [DONE]\n\n"

@@ -255,3 +255,63 @@ def test_chat_cli_unreachable_server_is_one_line_error():
         timeout=60,
     )
     assert r.returncode == 2 and "cannot reach" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_streamed_logprobs_match_non_streamed(client):
+    kw = dict(model="tiny", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(prompt="abc", logprobs=2, **kw)
+    streamed = []
+    for chunk in client.completions.create(prompt="abc", logprobs=2, stream=True, **kw):
+        for ch in chunk.choices:
+            if ch.logprobs:
+                streamed += ch.logprobs.token_logprobs
+    assert streamed == pytest.approx(full.choices[0].logprobs.token_logprobs)
+    msgs = [{"role": "user", "content": "x"}]
+    chat_full = client.chat.completions.create(messages=msgs, logprobs=True, top_logprobs=1, **kw)
+    chat_streamed = []
+    for chunk in client.chat.completions.create(
+        messages=msgs, logprobs=True, top_logprobs=1, stream=True, **kw
+    ):
+        for ch in chunk.choices:
+            if ch.logprobs and ch.logprobs.content:
+                chat_streamed += [c.logprob for c in ch.logprobs.content]
+    assert chat_streamed == pytest.approx(
+        [c.logprob for c in chat_full.choices[0].logprobs.content]
+    )
+
+
+def test_echo_returns_prompt_and_its_logprobs(client, server):
+    r = client.completions.create(
+        model="tiny",
+        prompt="hello world",
+        max_tokens=3,
+        echo=True,
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
+    plain = client.completions.create(
+        model="tiny",
+        prompt="hello world",
+        max_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    choice = r.choices[0]
+    assert choice.text.startswith("hello world")
+    n_prompt = len(server.engine.tokenizer.encode("hello world"))
+    lps = choice.logprobs.token_logprobs
+    assert len(lps) == n_prompt + 3 and lps[0] is None and all(x is not None for x in lps[1:])
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="tiny",
+            prompt="hello world",
+            max_tokens=3,
+            echo=True,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        if c.choices
+    )
+    assert streamed == "hello world" + plain.choices[0].text
