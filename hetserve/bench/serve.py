@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from hetserve import envs
 from hetserve.errors import InvalidInputError
 
 DATASETS = ("random", "sharegpt", "multiturn", "mooncake-trace")
@@ -158,7 +158,7 @@ def _run_config(args: argparse.Namespace):
         base_url=args.base_url,
         endpoint=endpoint,
         model=args.model,
-        api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+        api_key=args.api_key or envs.openai_api_key(),
         request_rate=args.request_rate,
         seed=args.seed,
         max_concurrency=args.max_concurrency,

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Iterator
 
 import httpx
 
+from hetserve import envs
 from hetserve.errors import InvalidInputError
 
 
 def _remote_stream(args, messages: list[dict]) -> Iterator[str]:
-    key = args.api_key or os.environ.get("HETSERVE_API_KEY")
+    key = args.api_key or envs.api_key()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     body = {
         "messages": messages,

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from hetserve import envs
 from hetserve.errors import InvalidInputError
 from hetserve.model.config import ModelConfig
 from hetserve.model.registry import model_class
@@ -151,7 +152,7 @@ SHARD_BYTES = 1 << 30
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("HETSERVE_CACHE", Path.home() / ".cache" / "hetserve"))
+    return envs.cache_dir()
 
 
 def tiny_config(family: str, vocab_size: int, overrides: dict | None = None) -> dict:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import os
 
+from hetserve import envs
 from hetserve.errors import InvalidInputError
 
 
@@ -96,7 +96,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    api_key = args.api_key or os.environ.get("HETSERVE_API_KEY")
+    api_key = args.api_key or envs.api_key()
     if not is_loopback(args.host) and not api_key:
         raise InvalidInputError(
             f"refusing to bind {args.host} without an API key; pass --api-key (or set "

@@ -13,12 +13,12 @@ needed only by those who use them).
 from __future__ import annotations
 
 import importlib
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, urlsplit
 
+from hetserve import envs
 from hetserve.errors import InvalidInputError
 from hetserve.store.api import KVStore
 
@@ -29,7 +29,7 @@ BACKEND_MODULES = {
     "redis": "hetserve.store.backends.redis",
 }
 _BACKENDS: dict[str, type[KVStore]] = {}
-TOKEN_ENV = "HETSERVE_STORE_TOKEN"  # the one place the store reads its shared token from env
+TOKEN_ENV = envs.STORE_TOKEN
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class StoreSpec:
 
 
 def env_token() -> str:
-    return os.environ.get(TOKEN_ENV, "")
+    return envs.store_token()
 
 
 def register_backend(scheme: str) -> Callable[[type[KVStore]], type[KVStore]]:

@@ -20,6 +20,8 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hetserve import envs
+
 if TYPE_CHECKING:
     import torch
 
@@ -28,8 +30,7 @@ CFLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread"]
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "hetserve" / "kernels"
+    return envs.cache_dir() / "kernels"
 
 
 def _cpu_supported() -> str | None:
@@ -48,7 +49,7 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     reason = _cpu_supported()
     if reason is not None:
         return None, reason
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = envs.c_compiler() or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None, "no C compiler (cc/gcc) on PATH"
     source = SOURCE.read_bytes()

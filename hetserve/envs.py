@@ -1,0 +1,33 @@
+"""Every environment variable hetserve reads, in one place (read when asked, never cached)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+STORE_TOKEN = "HETSERVE_STORE_TOKEN"
+
+
+def cache_dir() -> Path:
+    """HETSERVE_CACHE: demo model, tokenizer and compiled kernels (default ~/.cache/hetserve)."""
+    return Path(os.environ.get("HETSERVE_CACHE") or Path.home() / ".cache" / "hetserve")
+
+
+def api_key() -> str | None:
+    """HETSERVE_API_KEY: bearer token required by (and sent to) the OpenAI server."""
+    return os.environ.get("HETSERVE_API_KEY") or None
+
+
+def openai_api_key() -> str | None:
+    """OPENAI_API_KEY: what `hetserve bench serve` sends to a third-party server."""
+    return os.environ.get("OPENAI_API_KEY") or None
+
+
+def store_token() -> str:
+    """HETSERVE_STORE_TOKEN: shared token of the pool store services."""
+    return os.environ.get(STORE_TOKEN, "")
+
+
+def c_compiler() -> str | None:
+    """CC: the compiler for the native expert kernels."""
+    return os.environ.get("CC") or None
