@@ -10,6 +10,7 @@ import torch
 
 from hetserve.bench.decode import (
     LLAMACPP_SRC_ENV,
+    dense_bytes_per_token_fp32,
     expert_bytes_int8,
     expert_bytes_per_token,
     moe_layer_count,
@@ -39,6 +40,7 @@ def test_bench_decode_end_to_end_writes_json(moe_dir, tmp_path, capsys):
     assert roof["bytes_per_token"] == expert_bytes_per_token(json.loads(
         (moe_dir / "config.json").read_text()))["bytes_per_token"]  # fmt: skip
     assert roof["bandwidth_gbps"] > 0 and roof["fraction_of_bandwidth"] > 0
+    assert roof["total_fraction_of_bandwidth"] > roof["fraction_of_bandwidth"]
     text = capsys.readouterr().out
     assert "vs llama.cpp q8_0" in text and "routed experts streamed per token" in text
 
@@ -61,6 +63,13 @@ def test_roofline_bytes_match_a_hand_computation():
     assert expert_bytes_int8(64, 32) == 6656
     got = expert_bytes_per_token(cfg)
     assert got == {"moe_layers": 2, "top_k": 2, "expert_bytes": 6656, "bytes_per_token": 26624}
+    # Non-expert fp32 weights: q,o 64x64 and k,v 64x32 per layer (4 heads of 16, 2 KV heads),
+    # router 8x64 in the 2 MoE layers, layer 1's dense MLP 3x64x128, lm_head 512x64.
+    cfg |= {"num_attention_heads": 4, "head_dim": 16, "num_key_value_heads": 2, "vocab_size": 512}
+    params = 3 * (2 * 64 * 64 + 2 * 64 * 32) + 2 * 8 * 64 + 3 * 64 * 128 + 512 * 64
+    assert params == 95232
+    assert dense_bytes_per_token_fp32(cfg) == 4 * params
+    assert dense_bytes_per_token_fp32({**cfg, "kv_lora_rank": 512}) is None  # MLA: not modelled
     mixtral = {"num_hidden_layers": 4, "num_local_experts": 8}
     assert moe_layer_count(mixtral) == 4
     deepseek = {"num_hidden_layers": 5, "n_routed_experts": 8, "first_k_dense_replace": 1}
