@@ -108,3 +108,15 @@ def test_llamacpp_peer_converts_and_loads(moe_dir, tmp_path):
         gen.close()
     finally:
         llm.close()
+
+
+def test_llamacpp_missing_is_skipped_with_the_reason(moe_dir, tmp_path, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp raises ImportError
+    out = tmp_path / "decode.json"
+    rc = main(["bench", "decode", "--model", str(moe_dir), *FAST, "--skip-hf", "--skip-reference",
+               "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    assert "llama.cpp: skipped (pip install llama-cpp-python" in capsys.readouterr().out
+    assert json.loads(out.read_text())["decode_tokens_per_s"]["llama.cpp q8_0"] is None
