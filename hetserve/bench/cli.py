@@ -15,6 +15,7 @@ BENCH_MODULES: list[str] = [
     "hetserve.bench.serve",  # load-test an OpenAI-compatible server
     "hetserve.bench.store",
     "hetserve.bench.moe_kernel",
+    "hetserve.bench.decode",
 ]
 
 

@@ -1,0 +1,299 @@
+"""`hetserve bench decode`: single-stream decode tokens/s of hetserve vs its peers, in one run.
+
+Systems, each loaded inside its own function so its weights are freed before the next loads:
+hetserve hybrid (routed experts on the cpu-int8 kernel), hetserve fp32 reference (`placement=None`),
+transformers `generate` (fp32) and llama.cpp on a q8_0 GGUF converted from the same weights
+(llama-cpp-python, optional). Decode rate is (N - 1) / (t(N tokens) - t(1 token)), best of repeats,
+so prefill and start-up cancel out; all run greedy with EOS ignored on the same prompt ids.
+
+Next to the rates: the routed-expert bytes each decoded token streams at int8 (top_k experts of
+every MoE layer) and the GB/s that implies for the hybrid run, against this machine's memory read
+bandwidth measured in the same run: the fraction of the roofline the expert kernel reaches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from hetserve.bench.common import print_table, write_json
+
+LLAMACPP_SRC_ENV = "HETSERVE_LLAMA_CPP_SRC"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("decode", help="decode tokens/s: hetserve hybrid vs transformers, llama.cpp")
+    p.add_argument("--model", required=True, help="HF model directory (a MoE checkpoint)")
+    p.add_argument("--tokens", type=int, default=32, help="tokens to decode per run")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per system (best is kept)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for every system")
+    p.add_argument("--json", "--result-file", dest="json", default=None, help="write JSON here")
+    p.add_argument("--skip-hf", action="store_true", help="skip transformers")
+    p.add_argument("--skip-reference", action="store_true", help="skip hetserve fp32 reference")
+    p.add_argument("--skip-llamacpp", action="store_true", help="skip llama.cpp")
+    p.add_argument("--gguf", default=None, help="q8_0 GGUF to time (default MODEL/model-q8_0.gguf)")
+    p.add_argument(
+        "--llama-cpp-src",
+        default=os.environ.get(LLAMACPP_SRC_ENV),
+        help=f"llama.cpp source tree with convert_hf_to_gguf.py (or ${LLAMACPP_SRC_ENV})",
+    )
+    p.add_argument("--bandwidth-mib", type=int, default=256, help="bandwidth probe buffer size")
+    p.set_defaults(func=run)
+
+
+# --- roofline arithmetic ---------------------------------------------------------------------
+
+
+def moe_layer_count(cfg: dict) -> int:
+    """Layers whose MLP is a routed-experts block, by each family's config keys."""
+    n = cfg["num_hidden_layers"]
+    if "n_routed_experts" in cfg:  # DeepSeek: dense first k layers, then every moe_layer_freq
+        k, freq = cfg.get("first_k_dense_replace", 0), cfg.get("moe_layer_freq", 1)
+        return sum(1 for i in range(n) if i >= k and i % freq == 0)
+    if "num_local_experts" in cfg:  # Mixtral: every layer
+        return n
+    step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or [])
+    return sum(1 for i in range(n) if i not in dense and (i + 1) % step == 0)
+
+
+def expert_bytes_int8(hidden: int, inter: int) -> int:
+    """One routed expert in the cpu-int8 format: gate, up, down as int8 plus fp32 scales per
+    output channel (2 * inter for gate+up, hidden for down)."""
+    return 3 * hidden * inter + (2 * inter + hidden) * 4
+
+
+def expert_bytes_per_token(cfg: dict) -> dict[str, int]:
+    """Routed-expert weight bytes one decoded token streams: top_k experts in each MoE layer.
+    Exact at one token (every selected expert is read once, none shared with another token)."""
+    hidden = cfg["hidden_size"]
+    inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    top_k = cfg["num_experts_per_tok"]
+    layers = moe_layer_count(cfg)
+    per_expert = expert_bytes_int8(hidden, inter)
+    return {
+        "moe_layers": layers,
+        "top_k": top_k,
+        "expert_bytes": per_expert,
+        "bytes_per_token": top_k * per_expert * layers,
+    }
+
+
+def dense_bytes_per_token_fp32(cfg: dict) -> int | None:
+    """fp32 bytes of the weights every token reads besides routed experts (attention q/k/v/o,
+    router, shared experts, lm_head; norms are noise): on a CPU-only machine the "accelerator"
+    part streams these too. None for MLA attention (DeepSeek), whose shapes this does not model."""
+    if "kv_lora_rank" in cfg:
+        return None
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg.get("num_key_value_heads", 1) * hd
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    moe = moe_layer_count(cfg)
+    shared_inter = cfg.get("shared_expert_intermediate_size") or 0
+    shared = 3 * h * shared_inter + h if shared_inter else 0  # Qwen2-MoE: + its sigmoid gate
+    dense_mlp = 3 * h * cfg.get("intermediate_size", 0)
+    params = layers * (2 * h * q + 2 * h * kv) + moe * (h * experts + shared)
+    params += (layers - moe) * dense_mlp + cfg["vocab_size"] * h
+    return 4 * params
+
+
+def measure_bandwidth(mib: int, probes: int = 8) -> float:
+    """Best GB/s of `torch.sum` over `mib` MiB (the same probe as `bench moe-kernel`)."""
+    from hetserve.bench.moe_kernel import ReadBandwidthProbe
+
+    probe = ReadBandwidthProbe(mib)
+    for _ in range(probes):
+        probe()
+    best = probe.summary()["best"]
+    del probe
+    gc.collect()
+    return best
+
+
+# --- timing ------------------------------------------------------------------------------------
+
+
+def _best(fn: Callable[[], object], repeats: int, bar) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        bar.update(1)
+    return best
+
+
+def decode_rate(make_run: Callable[[int], Callable[[], object]], tokens: int, repeats: int,
+                bar) -> float:
+    """(N - 1) / (t(N) - t(1)): prefill and per-call overhead cancel out."""
+    make_run(2)()  # warm-up: kernels compiled, pools allocated
+    t1 = _best(make_run(1), repeats, bar)
+    tn = _best(make_run(tokens), repeats, bar)
+    if tn <= t1 * 1.05:
+        # Too few tokens to separate decode from noise (tiny models, busy machine): the
+        # end-to-end rate is a lower bound, never a division by ~0.
+        return tokens / tn
+    return (tokens - 1) / (tn - t1)
+
+
+def _hetserve_rate(args, ids: list[int], bar, placement: str | None) -> float:
+    from hetserve import LLM, SamplingParams
+
+    kwargs = {"cpu_threads": args.threads} if args.threads else {}
+    llm = LLM(args.model, placement=placement, **kwargs)
+
+    def make(n: int) -> Callable[[], object]:
+        params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0, ignore_eos=True)
+        return lambda: llm.generate(prompt_token_ids=[ids], sampling_params=params)
+
+    return decode_rate(make, args.tokens, args.repeats, bar)
+
+
+def _hf_rate(args, ids: list[int], bar) -> float | None:
+    try:
+        import transformers
+    except ImportError:
+        print("transformers: skipped (not installed; pip install transformers)")
+        return None
+    import torch
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model.eval()
+    inp = torch.tensor([ids])
+
+    def make(n: int) -> Callable[[], object]:
+        def go() -> None:
+            with torch.no_grad():
+                # eos_token_id=None: decode exactly n tokens whatever the random model emits.
+                model.generate(inp, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+
+        return go
+
+    return decode_rate(make, args.tokens, args.repeats, bar)
+
+
+# --- the command -------------------------------------------------------------------------------
+
+
+def _load_config(model: str) -> dict:
+    from hetserve.errors import InvalidInputError, ModelNotFoundError
+
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        raise ModelNotFoundError(f"no config.json in {model!r}: pass an HF model directory")
+    cfg = json.loads(path.read_text())
+    if not cfg.get("num_experts_per_tok"):
+        raise InvalidInputError(f"{model!r} is not a MoE checkpoint (no num_experts_per_tok)")
+    return cfg
+
+
+def _isolated(fn: Callable[[], float | None]) -> float | None:
+    rate = fn()
+    gc.collect()  # the system's weights go before the next one loads (RAM holds one copy)
+    return rate
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from hetserve.bench import decode_llamacpp as llamacpp
+    from hetserve.errors import InvalidInputError
+
+    cfg = _load_config(args.model)
+    if args.tokens < 2:
+        raise InvalidInputError("--tokens must be at least 2")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg["vocab_size"], (args.prompt_len,), generator=g).tolist()
+    bandwidth = measure_bandwidth(args.bandwidth_mib)
+
+    plan: list[tuple[str, Callable[[], float | None]]] = [
+        ("hetserve cpu-int8", lambda: _hetserve_rate(args, ids, bar, "default")),
+    ]
+    if not args.skip_reference:
+        plan.append(("hetserve fp32", lambda: _hetserve_rate(args, ids, bar, None)))
+    if not args.skip_hf:
+        plan.append(("transformers fp32", lambda: _hf_rate(args, ids, bar)))
+    if not args.skip_llamacpp:
+        plan.append(("llama.cpp q8_0", lambda: llamacpp.rate(args, ids, threads, bar)))
+    rates: dict[str, float | None] = {}
+    with tqdm(total=2 * args.repeats * len(plan), desc="bench decode", unit="run") as bar:
+        for name, fn in plan:
+            bar.set_postfix_str(name)
+            rates[name] = _isolated(fn)
+    # Probed again once every model is freed: the best of both is the least disturbed reading.
+    bandwidth = max(bandwidth, measure_bandwidth(args.bandwidth_mib))
+    report = build_report(args, cfg, rates, bandwidth, threads)
+    print_report(report)
+    write_json(args.json, report)
+    return 0
+
+
+def _ratios(rates: dict[str, float | None], peer: str) -> dict[str, float | None]:
+    base = rates.get(peer)
+    return {k: (v / base if v and base else None) for k, v in rates.items()}
+
+
+def build_report(args, cfg: dict, rates: dict[str, float | None], bandwidth: float,
+                 threads: int) -> dict:
+    experts = expert_bytes_per_token(cfg)
+    hybrid = rates.get("hetserve cpu-int8")
+    implied = experts["bytes_per_token"] * hybrid / 1e9 if hybrid else None
+    dense = dense_bytes_per_token_fp32(cfg)
+    total = (experts["bytes_per_token"] + dense) * hybrid / 1e9 if hybrid and dense else None
+    return {
+        "benchmark": "decode",
+        "model": str(args.model),
+        "tokens": args.tokens,
+        "prompt_len": args.prompt_len,
+        "repeats": args.repeats,
+        "threads": threads,
+        "decode_tokens_per_s": rates,
+        "vs_llamacpp_q8_0": _ratios(rates, "llama.cpp q8_0"),
+        "vs_transformers": _ratios(rates, "transformers fp32"),
+        "roofline": {
+            **experts,
+            "hybrid_expert_gbps": implied,
+            "bandwidth_gbps": bandwidth,
+            "fraction_of_bandwidth": implied / bandwidth if implied else None,
+            "dense_bytes_per_token_fp32": dense,
+            "hybrid_total_gbps": total,
+            "total_fraction_of_bandwidth": total / bandwidth if total else None,
+            "bandwidth_measure": (
+                f"torch.sum over {args.bandwidth_mib} MiB fp32, best of 8 before and 8 after "
+                "the systems run"
+            ),
+        },
+    }
+
+
+def print_report(report: dict) -> None:
+    rates = report["decode_tokens_per_s"]
+    vs_ll, vs_hf = report["vs_llamacpp_q8_0"], report["vs_transformers"]
+    rows = [[name, rate, vs_ll[name], vs_hf[name]] for name, rate in rates.items()]
+    print_table(["system", "decode tok/s", "vs llama.cpp q8_0", "vs transformers"], rows)
+    r = report["roofline"]
+    implied = r["hybrid_expert_gbps"]
+    print(
+        f"routed experts streamed per token (int8): {r['bytes_per_token'] / 1e6:.1f} MB "
+        f"({r['top_k']} x {r['expert_bytes'] / 1e6:.2f} MB x {r['moe_layers']} MoE layers); "
+        f"hybrid implies {implied or 0:.1f} GB/s of {r['bandwidth_gbps']:.1f} GB/s measured read "
+        f"bandwidth ({report['threads']} threads) = {r['fraction_of_bandwidth'] or 0:.2f}"
+    )
+    if r["hybrid_total_gbps"]:
+        # On a machine without an accelerator the non-expert weights stream from DRAM too (fp32).
+        print(
+            f"plus non-expert weights at fp32: {r['dense_bytes_per_token_fp32'] / 1e6:.1f} MB per "
+            f"token; all weights streamed imply {r['hybrid_total_gbps']:.1f} GB/s = "
+            f"{r['total_fraction_of_bandwidth']:.2f} of measured bandwidth"
+        )

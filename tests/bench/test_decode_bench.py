@@ -1,0 +1,122 @@
+"""`hetserve bench decode` on a tiny MoE: end to end, roofline bytes, errors, llama.cpp peer."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from hetserve.bench.decode import (
+    LLAMACPP_SRC_ENV,
+    dense_bytes_per_token_fp32,
+    expert_bytes_int8,
+    expert_bytes_per_token,
+    moe_layer_count,
+)
+from hetserve.cli import main
+
+FAST = ["--tokens", "6", "--prompt-len", "8", "--repeats", "1", "--bandwidth-mib", "8"]
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tiny_model):
+    return tiny_model("qwen3-moe")
+
+
+def test_bench_decode_end_to_end_writes_json(moe_dir, tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    rc = main(["bench", "decode", "--model", str(moe_dir), *FAST, "--skip-llamacpp",
+               "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    data = json.loads(out.read_text())
+    rates = data["decode_tokens_per_s"]
+    assert set(rates) == {"hetserve cpu-int8", "hetserve fp32", "transformers fp32"}
+    assert all(r > 0 for r in rates.values())
+    assert data["vs_transformers"]["transformers fp32"] == pytest.approx(1.0)
+    assert data["vs_llamacpp_q8_0"]["hetserve cpu-int8"] is None  # peer skipped
+    roof = data["roofline"]
+    assert roof["bytes_per_token"] == expert_bytes_per_token(json.loads(
+        (moe_dir / "config.json").read_text()))["bytes_per_token"]  # fmt: skip
+    assert roof["bandwidth_gbps"] > 0 and roof["fraction_of_bandwidth"] > 0
+    assert roof["total_fraction_of_bandwidth"] > roof["fraction_of_bandwidth"]
+    text = capsys.readouterr().out
+    assert "vs llama.cpp q8_0" in text and "routed experts streamed per token" in text
+
+
+def test_bench_decode_skip_hf(moe_dir, tmp_path):
+    out = tmp_path / "decode.json"
+    rc = main(["bench", "decode", "--model", str(moe_dir), *FAST, "--skip-llamacpp", "--skip-hf",
+               "--skip-reference", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    rates = json.loads(out.read_text())["decode_tokens_per_s"]
+    assert list(rates) == ["hetserve cpu-int8"] and rates["hetserve cpu-int8"] > 0
+
+
+def test_roofline_bytes_match_a_hand_computation():
+    # Qwen3-MoE, hidden 64, expert inter 32, top-2 of 8, 3 layers of which layer 1 is dense.
+    cfg = {"hidden_size": 64, "moe_intermediate_size": 32, "intermediate_size": 128,
+           "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 3,
+           "decoder_sparse_step": 1, "mlp_only_layers": [1]}  # fmt: skip
+    # gate+up+down int8: 3*64*32 = 6144 B; fp32 scales: (2*32 + 64)*4 = 512 B.
+    assert expert_bytes_int8(64, 32) == 6656
+    got = expert_bytes_per_token(cfg)
+    assert got == {"moe_layers": 2, "top_k": 2, "expert_bytes": 6656, "bytes_per_token": 26624}
+    # Non-expert fp32 weights: q,o 64x64 and k,v 64x32 per layer (4 heads of 16, 2 KV heads),
+    # router 8x64 in the 2 MoE layers, layer 1's dense MLP 3x64x128, lm_head 512x64.
+    cfg |= {"num_attention_heads": 4, "head_dim": 16, "num_key_value_heads": 2, "vocab_size": 512}
+    params = 3 * (2 * 64 * 64 + 2 * 64 * 32) + 2 * 8 * 64 + 3 * 64 * 128 + 512 * 64
+    assert params == 95232
+    assert dense_bytes_per_token_fp32(cfg) == 4 * params
+    assert dense_bytes_per_token_fp32({**cfg, "kv_lora_rank": 512}) is None  # MLA: not modelled
+    mixtral = {"num_hidden_layers": 4, "num_local_experts": 8}
+    assert moe_layer_count(mixtral) == 4
+    deepseek = {"num_hidden_layers": 5, "n_routed_experts": 8, "first_k_dense_replace": 1}
+    assert moe_layer_count(deepseek) == 4
+
+
+def test_expert_bytes_match_the_cpu_int8_backend():
+    from hetserve.moe.experts import ExpertWeights, create_backend
+
+    e, i, h = 4, 32, 64
+    w = ExpertWeights(torch.randn(e, 2 * i, h), torch.randn(e, h, i))
+    assert create_backend("cpu-int8", w).nbytes() == e * expert_bytes_int8(h, i)
+
+
+def test_missing_model_dir_exits_2_with_one_line(tmp_path, capsys):
+    rc = main(["bench", "decode", "--model", str(tmp_path / "nope"), "--skip-llamacpp"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "config.json" in err and "\n" not in err
+
+
+def test_llamacpp_peer_converts_and_loads(moe_dir, tmp_path):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from hetserve.bench.decode_llamacpp import convert_q8_0, find_converter
+
+    src = find_converter(os.environ.get(LLAMACPP_SRC_ENV))
+    if src is None:
+        pytest.skip(f"no llama.cpp converter: set ${LLAMACPP_SRC_ENV} to a llama.cpp source tree")
+    gguf = convert_q8_0(moe_dir, tmp_path / "tiny-q8_0.gguf", src)
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=32, verbose=False)
+    try:
+        cfg = json.loads((moe_dir / "config.json").read_text())
+        assert llm.n_vocab() == cfg["vocab_size"]
+        gen = llm.generate([1, 2, 3], temp=0.0, top_k=1)
+        assert 0 <= next(gen) < cfg["vocab_size"]
+        gen.close()
+    finally:
+        llm.close()
+
+
+def test_llamacpp_missing_is_skipped_with_the_reason(moe_dir, tmp_path, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp raises ImportError
+    out = tmp_path / "decode.json"
+    rc = main(["bench", "decode", "--model", str(moe_dir), *FAST, "--skip-hf", "--skip-reference",
+               "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    assert "llama.cpp: skipped (pip install llama-cpp-python" in capsys.readouterr().out
+    assert json.loads(out.read_text())["decode_tokens_per_s"]["llama.cpp q8_0"] is None
