@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 STORE_TOKEN = "HETSERVE_STORE_TOKEN"
+LLAMA_CPP_SRC = "HETSERVE_LLAMA_CPP_SRC"
 
 
 def cache_dir() -> Path:
@@ -31,3 +32,8 @@ def store_token() -> str:
 def c_compiler() -> str | None:
     """CC: the compiler for the native expert kernels."""
     return os.environ.get("CC") or None
+
+
+def llama_cpp_src() -> str | None:
+    """HETSERVE_LLAMA_CPP_SRC: an unpacked llama.cpp source tree (its GGUF converter)."""
+    return os.environ.get(LLAMA_CPP_SRC) or None

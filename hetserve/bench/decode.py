@@ -16,14 +16,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from hetserve import envs
 from hetserve.bench.common import print_table, write_json
 
-LLAMACPP_SRC_ENV = "HETSERVE_LLAMA_CPP_SRC"
+LLAMACPP_SRC_ENV = envs.LLAMA_CPP_SRC
 
 
 def register(sub) -> None:
@@ -40,7 +40,7 @@ def register(sub) -> None:
     p.add_argument("--gguf", default=None, help="q8_0 GGUF to time (default MODEL/model-q8_0.gguf)")
     p.add_argument(
         "--llama-cpp-src",
-        default=os.environ.get(LLAMACPP_SRC_ENV),
+        default=envs.llama_cpp_src(),
         help=f"llama.cpp source tree with convert_hf_to_gguf.py (or ${LLAMACPP_SRC_ENV})",
     )
     p.add_argument("--bandwidth-mib", type=int, default=256, help="bandwidth probe buffer size")
