@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,3 +45,30 @@ def write_json(path: str | None, payload: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine_info(), **payload}, indent=2))
     print(f"wrote {out}")
+
+
+def best_time(fn: Callable[[], object], repeats: int, bar=None) -> float:
+    """Best wall time of `repeats` calls (the least disturbed by a shared machine)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        if bar is not None:
+            bar.update(1)
+    return best
+
+
+def decode_rate(
+    make_run: Callable[[int], Callable[[], object]], tokens: int, repeats: int, bar=None
+) -> float:
+    """(N - 1) / (t(N) - t(1)): prefill and per-call overhead cancel out. `make_run(n)` returns
+    a call generating n tokens; 2 + 2 * repeats calls are made."""
+    make_run(2)()  # warm-up: kernels compiled, pools allocated
+    t1 = best_time(make_run(1), repeats, bar)
+    tn = best_time(make_run(tokens), repeats, bar)
+    if tn <= t1 * 1.05:
+        # Too few tokens to separate decode from noise (tiny models, busy machine): the
+        # end-to-end rate is a lower bound, never a division by ~0.
+        return tokens / tn
+    return (tokens - 1) / (tn - t1)

@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 from hetserve import envs
-from hetserve.bench.common import print_table, write_json
+from hetserve.bench.common import decode_rate, print_table, write_json
 
 LLAMACPP_SRC_ENV = envs.LLAMA_CPP_SRC
 
@@ -119,29 +118,6 @@ def measure_bandwidth(mib: int, probes: int = 8) -> float:
 # --- timing ------------------------------------------------------------------------------------
 
 
-def _best(fn: Callable[[], object], repeats: int, bar) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-        bar.update(1)
-    return best
-
-
-def decode_rate(make_run: Callable[[int], Callable[[], object]], tokens: int, repeats: int,
-                bar) -> float:
-    """(N - 1) / (t(N) - t(1)): prefill and per-call overhead cancel out."""
-    make_run(2)()  # warm-up: kernels compiled, pools allocated
-    t1 = _best(make_run(1), repeats, bar)
-    tn = _best(make_run(tokens), repeats, bar)
-    if tn <= t1 * 1.05:
-        # Too few tokens to separate decode from noise (tiny models, busy machine): the
-        # end-to-end rate is a lower bound, never a division by ~0.
-        return tokens / tn
-    return (tokens - 1) / (tn - t1)
-
-
 def _hetserve_rate(args, ids: list[int], bar, placement: str | None) -> float:
     from hetserve import LLM, SamplingParams
 
@@ -171,8 +147,14 @@ def _hf_rate(args, ids: list[int], bar) -> float | None:
         def go() -> None:
             with torch.no_grad():
                 # eos_token_id=None: decode exactly n tokens whatever the random model emits.
-                model.generate(inp, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)
+                model.generate(
+                    inp,
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )
 
         return go
 
@@ -244,8 +226,9 @@ def _ratios(rates: dict[str, float | None], peer: str) -> dict[str, float | None
     return {k: (v / base if v and base else None) for k, v in rates.items()}
 
 
-def build_report(args, cfg: dict, rates: dict[str, float | None], bandwidth: float,
-                 threads: int) -> dict:
+def build_report(
+    args, cfg: dict, rates: dict[str, float | None], bandwidth: float, threads: int
+) -> dict:
     experts = expert_bytes_per_token(cfg)
     hybrid = rates.get("hetserve cpu-int8")
     implied = experts["bytes_per_token"] * hybrid / 1e9 if hybrid else None

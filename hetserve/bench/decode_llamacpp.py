@@ -93,7 +93,7 @@ def rate(args, ids: list[int], threads: int, bar) -> float | None:
     except ImportError:
         print(SKIP_MESSAGE)
         return None
-    from hetserve.bench.decode import decode_rate
+    from hetserve.bench.common import decode_rate
 
     path = _gguf_path(args)
     if path is None:

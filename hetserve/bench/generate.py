@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from hetserve.bench.common import print_table, write_json
+from hetserve.bench.common import decode_rate, print_table, write_json
 
 
 def register(sub) -> None:
@@ -26,23 +25,6 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.set_defaults(func=run)
-
-
-def _best(fn, repeats: int, bar) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-        bar.update(1)
-    return best
-
-
-def _decode_rate(make_run, tokens: int, repeats: int, bar) -> float:
-    make_run(2)()  # warm-up
-    t1 = _best(make_run(1), repeats, bar)
-    tn = _best(make_run(tokens), repeats, bar)
-    return (tokens - 1) / max(tn - t1, 1e-9)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,7 +68,7 @@ def _ours_rate(args, ids, bar) -> float:
         params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0)
         return lambda: llm.generate(prompt_token_ids=ids, sampling_params=params)
 
-    return _decode_rate(ours, args.tokens, args.repeats, bar)
+    return decode_rate(ours, args.tokens, args.repeats, bar)
 
 
 def _hf_rate(args, ids, bar) -> float | None:
@@ -106,4 +88,4 @@ def _hf_rate(args, ids, bar) -> float | None:
 
         return go
 
-    return _decode_rate(hf, args.tokens, args.repeats, bar)
+    return decode_rate(hf, args.tokens, args.repeats, bar)
