@@ -35,6 +35,11 @@ def register(sub) -> None:
     p.add_argument("--json", "--result-file", dest="json", default=None, help="write JSON here")
     p.add_argument("--skip-hf", action="store_true", help="skip transformers")
     p.add_argument("--skip-reference", action="store_true", help="skip hetserve fp32 reference")
+    p.add_argument(
+        "--skip-all-int8",
+        action="store_true",
+        help="skip hetserve with int8 non-expert linears too (CPU-only machines)",
+    )
     p.add_argument("--skip-llamacpp", action="store_true", help="skip llama.cpp")
     p.add_argument("--gguf", default=None, help="q8_0 GGUF to time (default MODEL/model-q8_0.gguf)")
     p.add_argument(
@@ -116,6 +121,26 @@ def measure_bandwidth(mib: int, probes: int = 8) -> float:
 
 
 # --- timing ------------------------------------------------------------------------------------
+
+
+def _all_int8_rules() -> str:
+    """A rules file: routed experts on the cpu-int8 kernel, every other linear int8 (fbgemm)."""
+    import tempfile
+
+    import yaml
+
+    rules = [
+        {
+            "name": "routed-experts",
+            "match": r"model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts",
+            "device": "cpu",
+            "backend": "cpu-int8",
+        },
+        {"name": "int8-linears", "match": ".*", "device": "cpu", "backend": "cpu-int8"},
+    ]
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump({"rules": rules}, f)
+    return f.name
 
 
 def _hetserve_rate(args, ids: list[int], bar, placement: str | None) -> float:
@@ -202,6 +227,10 @@ def run(args: argparse.Namespace) -> int:
     plan: list[tuple[str, Callable[[], float | None]]] = [
         ("hetserve cpu-int8", lambda: _hetserve_rate(args, ids, bar, "default")),
     ]
+    if not args.skip_all_int8 and not torch.cuda.is_available():
+        # CPU-only: the non-expert linears are on the CPU too, so make them int8 as well.
+        rules = _all_int8_rules()
+        plan.append(("hetserve all-int8", lambda: _hetserve_rate(args, ids, bar, rules)))
     if not args.skip_reference:
         plan.append(("hetserve fp32", lambda: _hetserve_rate(args, ids, bar, None)))
     if not args.skip_hf:

@@ -51,7 +51,7 @@ def _placement_rules(moe: MoEConfig, converted: dict | None):
 
 
 def _build_hybrid(model, moe: MoEConfig, converted: dict | None) -> None:
-    from hetserve.moe.hybrid import build_expert_backends
+    from hetserve.moe.hybrid import apply_dense_backends, build_expert_backends
     from hetserve.moe.routing_stats import RoutingStats
 
     stats = RoutingStats.load(moe.routing_stats) if moe.routing_stats else None
@@ -61,6 +61,7 @@ def _build_hybrid(model, moe: MoEConfig, converted: dict | None) -> None:
     build_expert_backends(
         model, model.hybrid_plan, moe.gpu_experts, stats, moe.cpu_threads, backend_options=options
     )
+    apply_dense_backends(model, model.hybrid_plan)
     log.info("placement:\n%s", model.hybrid_plan.table())
 
 

@@ -87,13 +87,43 @@ def plan_placement(
                 f"device between phases, not {name!r}"
             )
         if not isinstance(module, FusedExperts):
-            backend = placement.get(name, "decode").backend
-            if backend is not None:
-                raise PlacementError(
-                    f"placement rule {placement.get(name).rule!r}: backend "
-                    f"{backend!r} applies to routed experts only, not {name!r}"
-                )
+            _check_dense_backend(placement, name)
     return HybridPlan(placement, units, accelerator)
+
+
+DENSE_BACKENDS = ("cpu-int8",)
+
+
+def _check_dense_backend(placement: Placement, name: str) -> None:
+    """Non-expert units take no backend, or `cpu-int8` (int8 linears) on the CPU, in both
+    phases alike."""
+    pre, dec = placement.get(name, "prefill"), placement.get(name, "decode")
+    backend = dec.backend
+    if backend is None and pre.backend is None:
+        return
+    if backend not in DENSE_BACKENDS or pre.backend != backend or dec.device != "cpu":
+        raise PlacementError(
+            f"placement rule {dec.rule!r}: backend {backend!r} on {name!r}: non-expert modules "
+            "accept only 'cpu-int8' (int8 linears) on device cpu, the same in both phases"
+        )
+
+
+def apply_dense_backends(model: nn.Module, plan: HybridPlan) -> int:
+    """Swap the linears of non-expert units placed with `cpu-int8` for Int8Linear."""
+    from hetserve.layers.int8_linear import Int8Linear, quantize_linears
+
+    count = 0
+    for name, unit in plan.units.items():
+        if isinstance(unit, FusedExperts) or plan.placement.get(name).backend is None:
+            continue
+        if isinstance(unit, nn.Linear):  # lm_head itself
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, Int8Linear(unit))
+            count += 1
+        else:
+            count += quantize_linears(unit)
+    return count
 
 
 class DeviceBridge:
