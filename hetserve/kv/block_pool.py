@@ -48,9 +48,6 @@ class BlockPool:
     def num_usable(self) -> int:
         return len(self.blocks) - 1
 
-    def usage(self) -> float:
-        return 1.0 - self.num_free / self.num_usable
-
     def lookup(self, block_hash: BlockHash) -> KVBlock | None:
         return self._cached.get(block_hash)
 
@@ -89,14 +86,6 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self._cached[block_hash] = block
-
-    def reset_prefix_cache(self) -> bool:
-        if any(b.ref_cnt for b in self.blocks[1:]):
-            return False
-        for b in self.blocks:
-            b.block_hash = None
-        self._cached.clear()
-        return True
 
     def check_integrity(self) -> None:
         assert self.null_block.ref_cnt == 1

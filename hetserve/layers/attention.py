@@ -43,10 +43,6 @@ class AttentionMetadata:
     decode: DecodeBatch | None = None
 
     @property
-    def num_tokens(self) -> int:
-        return int(self.positions.shape[0])
-
-    @property
     def decode_only(self) -> bool:
         """Every sequence computes one token: the decode phase of placement rules."""
         return all(s.q_len == 1 for s in self.seqs)

@@ -58,12 +58,6 @@ class Tokenizer:
             eos_ids.append(self.token_to_id(self.eos_token))
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_ids))
         self._template = None
-        self.all_special_ids = {
-            tid
-            for tok, tid in self._tok.get_vocab(with_added_tokens=True).items()
-            if tok
-            in {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
-        }
 
     @property
     def vocab_size(self) -> int:
