@@ -37,3 +37,10 @@ def c_compiler() -> str | None:
 def llama_cpp_src() -> str | None:
     """HETSERVE_LLAMA_CPP_SRC: an unpacked llama.cpp source tree (its GGUF converter)."""
     return os.environ.get(LLAMA_CPP_SRC) or None
+
+
+def native_kernels() -> bool:
+    """HETSERVE_NATIVE_KERNELS=0 turns off the C kernels hetserve picks on its own on the CPU
+    (decode attention over the paged cache, fp32 routed experts); the torch paths they replace
+    are the reference. Backends named in placement rules are not affected."""
+    return os.environ.get("HETSERVE_NATIVE_KERNELS", "1") != "0"

@@ -62,7 +62,7 @@ class ReadBandwidthProbe:
     def __init__(self, mib: int) -> None:
         import torch
 
-        from hetserve.moe.native import hugepage_empty
+        from hetserve.native import hugepage_empty
 
         n = mib * 1024 * 1024 // 4
         self.bufs = [torch.ones(n), hugepage_empty((n,), torch.float32).fill_(1.0)]

@@ -8,12 +8,14 @@ A faster backend can replace `PagedAttentionBackend` behind the same two calls.
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from hetserve import envs
 from hetserve.kv.paged import PagedKVCache
 
 
@@ -33,6 +35,8 @@ class DecodeBatch:
     rows: torch.Tensor  # [B] their rows in the token batch
     slots: torch.Tensor  # [B, L] context slots, padded with slot 0 (the null block)
     mask: torch.Tensor  # [B, 1, 1, L] True where a real (and in-window) key is
+    tables: torch.Tensor  # [B, W] block tables padded with block 0 (L = W * block_size)
+    lens: torch.Tensor  # [B] context lengths including the new token
 
 
 @dataclass
@@ -41,6 +45,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where this forward's K/V rows go
     seqs: list[SeqSpan]  # sequences attended one by one (prefill chunks)
     decode: DecodeBatch | None = None
+    sliding_window: int | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -95,8 +100,10 @@ def build_metadata(
     decode = None
     if decodes:
         decode = _decode_batch(decodes, block_size, positions, slot_mapping, sliding_window)
-        decode = DecodeBatch(*(t.to(device) for t in (decode.rows, decode.slots, decode.mask)))
-    return AttentionMetadata(positions.to(device), slot_mapping.to(device), seqs, decode)
+        decode = DecodeBatch(*(t.to(device) for t in vars(decode).values()))
+    return AttentionMetadata(
+        positions.to(device), slot_mapping.to(device), seqs, decode, sliding_window
+    )
 
 
 def _decode_batch(
@@ -119,7 +126,7 @@ def _decode_batch(
     slots = slots.masked_fill(~mask, 0)  # padding reads the null block's first slot
     positions[rows] = lens - 1
     slot_mapping[rows] = slots[torch.arange(len(decodes)), lens - 1]
-    return DecodeBatch(rows, slots, mask[:, None, None, :])
+    return DecodeBatch(rows, slots, mask[:, None, None, :], tables, lens)
 
 
 @dataclass
@@ -163,6 +170,49 @@ def batched_decode_sdpa(
     return out.squeeze(2)
 
 
+@functools.cache
+def _native_decode():
+    """The C decode kernel, or None where it cannot be built (no compiler, no AVX2)."""
+    from hetserve.native import native_unavailable_reason, paged_decode_attention_fn
+
+    return None if native_unavailable_reason() is not None else paged_decode_attention_fn()
+
+
+def _native_decode_ok(q: torch.Tensor, entries: list[torch.Tensor]) -> bool:
+    return (
+        q.device.type == "cpu"
+        and all(t.dtype == torch.float32 for t in (q, *entries))
+        and envs.native_kernels()
+        and _native_decode() is not None
+    )
+
+
+def native_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    d: DecodeBatch,
+    kv: PagedKVCache,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Decode attention read in place from the paged fp32 cache (hetserve/native/attention.c).
+    q [B, H, D]; k_cache [slots, Hkv, D]; v_cache [slots, Hkv, Dv] -> [B, H, Dv]."""
+    q = q.contiguous()
+    b, h, dim = q.shape
+    hkv, dv = k_cache.shape[1], v_cache.shape[2]
+    out = q.new_empty(b, h, dv)
+    tables, lens = d.tables.contiguous(), d.lens.contiguous()
+    rc = _native_decode()(
+        *(torch.get_num_threads(), b, h, hkv, dim, dv, kv.block_size, tables.shape[1]),
+        *(sliding_window or 0, kv.num_blocks, scale),
+        *(t.data_ptr() for t in (q, k_cache, v_cache, tables, lens, out)),
+    )
+    if rc != 0:
+        raise RuntimeError(f"native decode attention failed (code {rc})")
+    return out
+
+
 def paged_attention(
     layer: int,
     q: torch.Tensor,
@@ -175,7 +225,11 @@ def paged_attention(
     ctx.kv.write(layer, ctx.meta.slot_mapping, k, v)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     d = ctx.meta.decode
-    if d is not None:
+    if d is not None and _native_decode_ok(q, ctx.kv.layers[layer]):
+        out[d.rows] = native_decode_attention(
+            q[d.rows], *ctx.kv.layers[layer], d, ctx.kv, scale, ctx.meta.sliding_window
+        )
+    elif d is not None:
         b, n = d.slots.shape
         k_all, v_all = ctx.kv.gather(layer, d.slots.flatten())
         out[d.rows] = batched_decode_sdpa(

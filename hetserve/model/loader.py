@@ -221,6 +221,8 @@ def load_model(
         model.tie_weights()
     model.eval().requires_grad_(False)
     if model.hybrid_plan is None:
+        from hetserve.moe.experts import default_backend
+
         for _, experts in model.routed_experts():
-            experts.set_backend("torch")
+            experts.set_backend(default_backend(experts.weights(), experts.activation))
     return model

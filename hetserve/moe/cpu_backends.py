@@ -3,11 +3,13 @@
 Kernels were chosen by measuring at one MoE layer's shapes (hidden 2048, moe_intermediate 1408,
 64 experts, top-6) on the 2-core AVX2 dev box; see README, "MoE kernel bench":
 
-- `cpu-fp32`: `F.linear` on the fp32 weights (views of the given tensor, no copy). MKL's sgemv is
-  fine at one token but its small-M sgemm is far from bandwidth here.
+- `cpu-fp32`, `kernel="native"` (default where it builds): the native kernel below reading the
+  fp32 weights in place (no copy), one C call per layer. `kernel="library"`: `F.linear` per
+  expert on views of the weights; MKL's sgemv is fine at one token but its small-M sgemm is far
+  from bandwidth here, and the per-expert Python loop dominates small models.
 - `cpu-int8`, `kernel="native"` (default where a C compiler and AVX2 exist): hetserve's own
-  weight-only kernel (`native/moe_kernels.c`, `cpu_native.py`): int8 weights meet int16-rounded
-  activations, one C call per layer. `kernel="library"`: fbgemm's packed int8 GEMM
+  weight-only kernel (`hetserve/native/moe_kernels.c`, `cpu_native.py`): int8 weights meet
+  int16-rounded activations, one C call per layer. `kernel="library"`: fbgemm's packed int8 GEMM
   (`quantized.linear_dynamic`, reduce_range), which also quantizes each call's activations to
   7 bits with one scale, i.e. ~100x the activation error. The weight-only library op
   `_weight_int8pack_mm` streamed 0.4 GB/s in torch 2.13 here and is not used.
@@ -162,7 +164,6 @@ class _CPUExperts:
         return out.to(out_device, out_dtype)
 
 
-@register_backend("cpu-fp32")
 class CPUFp32Experts(_CPUExperts):
     """fp32 weights, `F.linear` (MKL/oneDNN sgemv/sgemm)."""
 
@@ -299,7 +300,7 @@ def _use_native(name: str, kernel: str, activation: str) -> bool:
         raise InvalidInputError(f"{name}: kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "library":
         return False
-    from hetserve.moe.native import native_unavailable_reason
+    from hetserve.native import native_unavailable_reason
 
     reason = native_unavailable_reason()
     if kernel == "native":
@@ -328,6 +329,21 @@ def _check_int4(weights: ExpertWeights, group_size: int) -> None:
             raise InvalidInputError(
                 f"cpu-int4: {name} size {dim} is not a multiple of group_size {group_size}"
             )
+
+
+@register_backend("cpu-fp32")
+def make_cpu_fp32(
+    weights: ExpertWeights,
+    activation: str = "silu",
+    num_threads: int | None = None,
+    kernel: str = "auto",
+) -> _CPUExperts:
+    aligned = weights.hidden_size % 8 == 0 and weights.intermediate_size % 8 == 0
+    if (kernel == "native" or aligned) and _use_native("cpu-fp32", kernel, activation):
+        from hetserve.moe.cpu_native import NativeFp32Experts
+
+        return NativeFp32Experts(weights, activation=activation, num_threads=num_threads)
+    return CPUFp32Experts(weights, activation=activation, num_threads=num_threads)
 
 
 @register_backend("cpu-int8")

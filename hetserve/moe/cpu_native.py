@@ -1,6 +1,6 @@
-"""Native (AVX2, weight-only) kernels behind `cpu-int8` and `cpu-int4` (kernel="native").
+"""Native (AVX2) kernels behind `cpu-fp32`, `cpu-int8` and `cpu-int4` (kernel="native").
 
-One ctypes call per layer does everything in C (native/moe_kernels.c): counting-sort of the
+One ctypes call per layer does everything in C (hetserve/native/moe_kernels.c): counting-sort of the
 (token, slot) pairs by expert, gate+up fused, silu, down, the weighted sum. No host sync and no
 per-expert Python. Activations are rounded to int16 per row inside the kernel; weights stay as
 quantized here, in the kernel's layout: per matrix one stacked tensor whose row quads are
@@ -20,7 +20,7 @@ from hetserve.moe.cpu_backends import (
     quantize_int8_per_channel,
 )
 from hetserve.moe.experts import ExpertWeights
-from hetserve.moe.native import hugepage_empty, moe_forward_fn
+from hetserve.native import hugepage_empty, moe_forward_fn
 
 
 def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
@@ -50,6 +50,7 @@ def interleave_quads(t: torch.Tensor, chunk: int) -> torch.Tensor:
 class _NativeExperts(_CPUExperts):
     bits = 0
     group_size = 0
+    align = 32  # hidden and intermediate sizes must be multiples of this
 
     def __init__(
         self, weights: ExpertWeights, activation: str = "silu", num_threads: int | None = None
@@ -58,8 +59,10 @@ class _NativeExperts(_CPUExperts):
             ("hidden", weights.hidden_size),
             ("intermediate", weights.intermediate_size),
         ):
-            if dim % 32:
-                raise InvalidInputError(f"native kernel needs {name} size % 32 == 0, got {dim}")
+            if dim % self.align:
+                raise InvalidInputError(
+                    f"native kernel needs {name} size % {self.align} == 0, got {dim}"
+                )
         self._fn = moe_forward_fn()
         self._threads = num_threads
         super().__init__(weights, activation=activation, num_threads=num_threads)
@@ -85,6 +88,23 @@ class _NativeExperts(_CPUExperts):
         if rc != 0:
             raise MemoryError("native MoE kernel could not allocate its activation buffers")
         return out.to(out_device, out_dtype)
+
+
+class NativeFp32Experts(_NativeExperts):
+    """fp32 weights as the model holds them (views, no copy): only fp32 rounding, summed in
+    another order than torch's (|y - y_ref| <= 1e-5 relative in the tests)."""
+
+    bits = 32
+    align = 8
+
+    def _load(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        self.w13 = w13.to("cpu", torch.float32).contiguous()
+        self.w2 = w2.to("cpu", torch.float32).contiguous()
+        z = self.w13.data_ptr()  # no scales or minimums: valid pointers the kernel ignores
+        self._ptrs = (self.w13.data_ptr(), z, z, self.w2.data_ptr(), z, z)
+
+    def _expert_nbytes(self) -> int:
+        return 3 * self.inter * self.hidden * 4
 
 
 class NativeInt8Experts(_NativeExperts):

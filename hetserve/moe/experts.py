@@ -101,6 +101,22 @@ def create_backend(
     return factory(weights, activation=activation, **options)
 
 
+def default_backend(weights: ExpertWeights, activation: str = "silu") -> str:
+    """What serves routed experts when no placement is given: `cpu-fp32` (the native kernel,
+    one C call per layer) for fp32 silu experts on the CPU where that kernel builds, else
+    `torch`. HETSERVE_NATIVE_KERNELS=0 keeps `torch`."""
+    from hetserve import envs
+
+    w = weights.w13
+    if w.device.type != "cpu" or w.dtype != torch.float32 or activation != "silu":
+        return "torch"
+    if not envs.native_kernels() or weights.hidden_size % 8 or weights.intermediate_size % 8:
+        return "torch"
+    from hetserve.native import native_unavailable_reason
+
+    return "torch" if native_unavailable_reason() is not None else "cpu-fp32"
+
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu": F.gelu,

@@ -44,12 +44,26 @@ def test_registry_lists_cpu_backends():
         assert name in available_backends()
 
 
+@pytest.mark.parametrize("kernel", ["auto", "library"])
 @pytest.mark.parametrize("t", [1, 5, 16])
-def test_fp32_matches_reference(weights, t):
+def test_fp32_matches_reference(weights, t, kernel):
     x, tw, ids = _routing(t)
     ref = _reference(weights, x, tw, ids)
-    out = create_backend("cpu-fp32", weights).forward(x, tw, ids)
+    out = create_backend("cpu-fp32", weights, kernel=kernel).forward(x, tw, ids)
     assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_default_backend_is_native_fp32_on_cpu_unless_turned_off(weights, monkeypatch):
+    from hetserve.moe.experts import default_backend
+    from hetserve.native import native_unavailable_reason
+
+    native = native_unavailable_reason() is None
+    assert default_backend(weights) == ("cpu-fp32" if native else "torch")
+    half = ExpertWeights(weights.w13.bfloat16(), weights.w2.bfloat16())
+    assert default_backend(half) == "torch"
+    assert default_backend(weights, activation="gelu") == "torch"
+    monkeypatch.setenv("HETSERVE_NATIVE_KERNELS", "0")
+    assert default_backend(weights) == "torch"
 
 
 def test_same_expert_twice_and_empty_experts(weights):
@@ -185,7 +199,7 @@ KERNEL_CASES = [
 
 def _make(kind, kernel, weights):
     if kernel == "native":
-        from hetserve.moe.native import native_unavailable_reason
+        from hetserve.native import native_unavailable_reason
 
         reason = native_unavailable_reason()
         if reason is not None:
@@ -281,11 +295,11 @@ def test_kt_without_kt_kernel_says_how_to_install(weights):
         create_backend("kt", weights)
 
 
-@pytest.mark.parametrize("kind", ["cpu-int8", "cpu-int4"])
+@pytest.mark.parametrize("kind", ["cpu-fp32", "cpu-int8", "cpu-int4"])
 def test_native_many_tokens_per_expert_and_odd_counts(kind):
     # 2 experts, top-2, 41 tokens: 41 pairs per expert (> the kernel's 32-pair cache block, and
     # odd, so the 2-token microkernel ends with a 1-token tail), 3 threads on fewer cores.
-    from hetserve.moe.native import native_unavailable_reason
+    from hetserve.native import native_unavailable_reason
 
     if native_unavailable_reason() is not None:
         pytest.skip(f"native kernel unavailable: {native_unavailable_reason()}")
@@ -300,7 +314,8 @@ def test_native_many_tokens_per_expert_and_odd_counts(kind):
     opts = {"group_size": 32} if kind == "cpu-int4" else {}
     out = create_backend(kind, w, kernel="native", **opts).forward(x, tw, ids)
     lib = create_backend(kind, w, kernel="library", **opts).forward(x, tw, ids)
-    assert (out - ref).abs().max() <= 0.3 * ref.abs().max()
+    tol = 1e-5 if kind == "cpu-fp32" else 0.3
+    assert (out - ref).abs().max() <= tol * ref.abs().max()
     if kind == "cpu-int4":  # same quantized weights; only the int16 activation rounding differs
         assert torch.allclose(out, lib, rtol=0, atol=1e-3 * float(ref.abs().max()))
     three = create_backend(kind, w, kernel="native", num_threads=3, **opts)
@@ -312,11 +327,12 @@ def test_native_many_tokens_per_expert_and_odd_counts(kind):
 
 
 def test_without_the_native_kernel_auto_falls_back_and_native_is_a_user_error(weights, monkeypatch):
-    import hetserve.moe.native as native
+    import hetserve.native as native
     from hetserve.errors import InvalidInputError
-    from hetserve.moe.cpu_backends import FbgemmInt8Experts, TorchInt4Experts
+    from hetserve.moe.cpu_backends import CPUFp32Experts, FbgemmInt8Experts, TorchInt4Experts
 
     monkeypatch.setattr(native, "native_unavailable_reason", lambda: "no C compiler (test)")
+    assert isinstance(create_backend("cpu-fp32", weights), CPUFp32Experts)
     assert isinstance(create_backend("cpu-int8", weights), FbgemmInt8Experts)
     assert isinstance(create_backend("cpu-int4", weights), TorchInt4Experts)
     with pytest.raises(InvalidInputError, match="native kernel unavailable here: no C compiler"):

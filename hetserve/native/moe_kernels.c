@@ -1,4 +1,4 @@
-/* Weight-only int8 / int4 routed-experts kernels for AVX2 + FMA CPUs (hetserve.moe.native).
+/* Routed-experts kernels for AVX2 + FMA CPUs: weight-only int8 / int4, and plain fp32.
  *
  * One call computes one MoE layer: out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t]) with
  *   a[p, i] = silu(x_t . W1[e, i]) * (x_t . W3[e, i]) * w_p      (phase 1, gate+up fused)
@@ -7,18 +7,19 @@
  * the final sum happen here too, so Python makes one call per layer and no host sync.
  * Weight-only quantization: int8 and int4 weights meet activations rounded to int16 per row
  * (|x - x_hat| <= max|x| / 32766, about a hundredth of int8's weight rounding), so one
- * vpmaddwd does 16 exact integer multiply-adds. Each phase's row
- * quads go to the caller plus up to nthreads-1 persistent helpers through an atomic queue, with
- * a join between the phases (phase 2 reads all of phase 1). Built and cached by
- * hetserve/moe/native/__init__.py (no torch headers).
+ * vpmaddwd does 16 exact integer multiply-adds. fp32 (bits = 32) reads the model's own weights
+ * with fp32 activations (CPU-only serving of an unquantized model). Each phase's row
+ * quads go to the caller plus up to nthreads-1 persistent helpers (pool.c), with a join between
+ * the phases (phase 2 reads all of phase 1). Built and cached by hetserve/native/__init__.py
+ * (no torch headers).
  */
 #include <immintrin.h>
 #include <math.h>
-#include <pthread.h>
-#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "pool.h"
 
 #define TB 32 /* pairs per cache block: 32 x 2048 fp32 = 256 KiB, half of Zen 3's L2 */
 #define RC 8  /* row quads per work chunk */
@@ -46,7 +47,6 @@ typedef struct {
     int n_active;
     const int *act_e, *act_off, *act_cnt;
     int nthreads;
-    int next_chunk; /* work queue of the running phase, taken with an atomic add */
 } job_t;
 
 static inline float hsum(__m256 v) {
@@ -96,6 +96,27 @@ static inline __attribute__((always_inline)) void quad_i8(const int8_t *q, int K
         for (int r = 0; r < 4; r++)
             for (int m = 0; m < MB; m++) out[r][m] += (float)hsum_i32(acc[r][m]);
     }
+}
+
+/* fp32 weights in their plain row-major layout (the model's own tensors, no copy): rows
+ * w[r * K ...] for r < 4 against MB <= 2 fp32 tokens; K % 8 == 0. At batch sizes where fp32
+ * experts run (CPU-only serving) the 8 accumulators keep both FMA ports busy. */
+static inline __attribute__((always_inline)) void quad_f32(const float *w, int K,
+                                                           const float *const x[2], int MB,
+                                                           float out[4][2]) {
+    __m256 acc[4][2];
+    for (int r = 0; r < 4; r++)
+        for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_ps();
+    for (int k = 0; k < K; k += 8) {
+        __m256 xv[2];
+        for (int m = 0; m < MB; m++) xv[m] = _mm256_loadu_ps(x[m] + k);
+        for (int r = 0; r < 4; r++) {
+            __m256 wv = _mm256_loadu_ps(w + (size_t)r * K + k);
+            for (int m = 0; m < MB; m++) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int m = 0; m < MB; m++) out[r][m] = hsum(acc[r][m]);
 }
 
 /* x16[p] = round(x[p] / scale[p]), scale[p] = max|x[p]| / ACT_Q, for rows [p0, p1); with
@@ -210,7 +231,15 @@ static inline void quad(const job_t *j, int which, int e, int N, int K, int n0, 
                         float out[4][2]) {
     size_t row = (size_t)e * N + n0;
     int r0 = which == 1 ? j->tok[p] : p, r1 = which == 1 ? j->tok[p + MB - 1] : p + MB - 1;
-    if (j->bits == 8) {
+    if (j->bits == 32) {
+        const float *w = (const float *)(which == 1 ? j->w13 : j->w2) + row * K;
+        const float *base = which == 1 ? j->x : j->a;
+        const float *const xr[2] = {base + (size_t)r0 * K, base + (size_t)r1 * K};
+        if (MB == 2)
+            quad_f32(w, K, xr, 2, out);
+        else
+            quad_f32(w, K, xr, 1, out);
+    } else if (j->bits == 8) {
         const int8_t *q = (const int8_t *)(which == 1 ? j->w13 : j->w2) + row * K;
         const float *s = (which == 1 ? j->s13 : j->s2) + row;
         const int16_t *base = which == 1 ? j->x16 : j->a16;
@@ -258,9 +287,11 @@ static void phase1(const job_t *j, int u0, int u1) {
             for (int m = t0; m < t1; m += 2) {
                 int MB = t1 - m >= 2 ? 2 : 1;
                 float g[4][2], v[4][2];
-                /* W13 rows are stored gate quad, up quad, gate quad, ...: one stream. */
-                quad(j, 1, e, 2 * I, H, 2 * i0, off + m, MB, g);
-                quad(j, 1, e, 2 * I, H, 2 * i0 + 4, off + m, MB, v);
+                /* Quantized W13 rows are stored gate quad, up quad, gate quad, ...: one
+                 * stream. fp32 keeps the model's layout: all gate rows, then all up rows. */
+                int gr = j->bits == 32 ? i0 : 2 * i0, ur = j->bits == 32 ? I + i0 : 2 * i0 + 4;
+                quad(j, 1, e, 2 * I, H, gr, off + m, MB, g);
+                quad(j, 1, e, 2 * I, H, ur, off + m, MB, v);
                 for (int mm = 0; mm < MB; mm++) {
                     float w = j->pw[off + m + mm];
                     float *a = j->a + (size_t)(off + m + mm) * I + i0;
@@ -297,89 +328,26 @@ typedef struct {
     int phase;
 } arg_t;
 
-static void *worker(void *p) {
-    arg_t *arg = (arg_t *)p;
-    job_t *j = arg->job;
-    /* Chunks of RC row quads, never crossing an expert, handed out dynamically: on a shared
-     * machine a descheduled thread must not hold the whole layer back (a static split would). */
+/* One work item: RC row quads of one active expert (never crossing an expert). Items are handed
+ * out dynamically by the pool: on a shared machine a descheduled thread must not hold the whole
+ * layer back (a static split would). */
+static void phase_item(void *ctx, int c) {
+    const arg_t *arg = (const arg_t *)ctx;
+    const job_t *j = arg->job;
     int per = (arg->phase == 1 ? j->I : j->H) / 4;
-    int cpe = (per + RC - 1) / RC, total = j->n_active * cpe;
-    for (;;) {
-        int c = __atomic_fetch_add(&j->next_chunk, 1, __ATOMIC_RELAXED);
-        if (c >= total) break;
-        int ai = c / cpe, u0 = ai * per + (c % cpe) * RC;
-        int u1 = u0 + RC < (ai + 1) * per ? u0 + RC : (ai + 1) * per;
-        if (arg->phase == 1)
-            phase1(j, u0, u1);
-        else
-            phase2(j, u0, u1);
-    }
-    return NULL;
-}
-
-/* A persistent helper pool. The caller always works a phase itself and never waits for a
- * helper to wake up: a helper that arrives after the queue is drained (or never, on a busy
- * machine) simply does nothing. Joining is Dekker-style: a helper announces itself in `active`
- * and then checks `open`; the caller clears `open` and then waits for `active` to reach zero
- * (seq_cst on both sides, so at least one of them sees the other). */
-static struct {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    pthread_mutex_t call_mu; /* one layer at a time: the helpers serve one job */
-    arg_t arg;               /* the phase on offer (guarded by mu) */
-    unsigned gen;            /* bumped per phase (guarded by mu) */
-    unsigned open;           /* gen of the phase accepting helpers, 0 when closed */
-    int active, taken, want, started;
-} pool = {.mu = PTHREAD_MUTEX_INITIALIZER,
-          .cv = PTHREAD_COND_INITIALIZER,
-          .call_mu = PTHREAD_MUTEX_INITIALIZER};
-
-static void *helper(void *unused) {
-    (void)unused;
-    unsigned seen = 0;
-    for (;;) {
-        pthread_mutex_lock(&pool.mu);
-        while (pool.gen == seen) pthread_cond_wait(&pool.cv, &pool.mu);
-        seen = pool.gen;
-        arg_t arg = pool.arg;
-        pthread_mutex_unlock(&pool.mu);
-        __atomic_add_fetch(&pool.active, 1, __ATOMIC_SEQ_CST);
-        if (__atomic_load_n(&pool.open, __ATOMIC_SEQ_CST) == seen &&
-            __atomic_fetch_add(&pool.taken, 1, __ATOMIC_SEQ_CST) < pool.want)
-            worker(&arg);
-        __atomic_sub_fetch(&pool.active, 1, __ATOMIC_SEQ_CST);
-    }
-    return NULL;
+    int cpe = (per + RC - 1) / RC;
+    int ai = c / cpe, u0 = ai * per + (c % cpe) * RC;
+    int u1 = u0 + RC < (ai + 1) * per ? u0 + RC : (ai + 1) * per;
+    if (arg->phase == 1)
+        phase1(j, u0, u1);
+    else
+        phase2(j, u0, u1);
 }
 
 static void run_phase(job_t *j, int phase) {
     arg_t arg = {j, phase};
-    j->next_chunk = 0;
-    if (j->nthreads > 1) {
-        pthread_mutex_lock(&pool.mu);
-        pool.arg = arg;
-        pool.want = j->nthreads - 1;
-        pool.taken = 0;
-        unsigned g = ++pool.gen;
-        if (g == 0) g = ++pool.gen; /* 0 means closed */
-        __atomic_store_n(&pool.open, g, __ATOMIC_SEQ_CST);
-        pthread_cond_broadcast(&pool.cv);
-        pthread_mutex_unlock(&pool.mu);
-    }
-    worker(&arg);
-    if (j->nthreads > 1) {
-        __atomic_store_n(&pool.open, 0, __ATOMIC_SEQ_CST);
-        while (__atomic_load_n(&pool.active, __ATOMIC_SEQ_CST) != 0) sched_yield();
-    }
-}
-
-static void grow_pool(int helpers) {
-    while (pool.started < helpers) {
-        pthread_t th;
-        if (pthread_create(&th, NULL, helper, NULL) != 0) return; /* fewer helpers: still right */
-        pthread_detach(th);
-        pool.started++;
-    }
+    int per = (phase == 1 ? j->I : j->H) / 4;
+    hs_parallel_for(j->nthreads, j->n_active * ((per + RC - 1) / RC), phase_item, &arg);
 }
 
 /* Returns 0, -1 when out of memory, -2 when an expert id is outside [0, E). */
@@ -396,7 +364,7 @@ int hetserve_moe_forward(int bits, int nthreads, int E, int H, int I, int G, int
     size_t n_g = G4 ? (size_t)T * (H / G4) + (size_t)P * (I / G4) : 0; /* xgs, ags */
     size_t n_f = (size_t)P * (I + H) + P + T + P + n_g;   /* a, y, pw, xsc, asc, xgs, ags */
     size_t n_i = (size_t)P + 4 * (size_t)E;               /* tok, act_e/off/cnt, fill */
-    size_t n_q = (size_t)T * H + (size_t)P * I;           /* x16, a16 */
+    size_t n_q = bits == 32 ? 0 : (size_t)T * H + (size_t)P * I; /* x16, a16 */
     char *buf = malloc(sizeof(float) * n_f + sizeof(int) * n_i + sizeof(int16_t) * n_q);
     if (buf == NULL) return -1;
     float *a = (float *)buf, *y = a + (size_t)P * I, *pw = y + (size_t)P * H;
@@ -428,14 +396,11 @@ int hetserve_moe_forward(int bits, int nthreads, int E, int H, int I, int G, int
     }
     job_t j = {bits, H, I, G, x, w13, w2, s13, m13, s2, m2, tok, pw, a, y, x16, a16, xsc, asc,
                xgs, ags, n, act_e, act_off, act_cnt,
-               nthreads < 1 ? 1 : (nthreads > 64 ? 64 : nthreads), 0};
-    quantize_rows(x, H, 0, T, x16, xsc, G4, xgs);
-    pthread_mutex_lock(&pool.call_mu);
-    grow_pool(j.nthreads - 1);
+               nthreads < 1 ? 1 : nthreads};
+    if (bits != 32) quantize_rows(x, H, 0, T, x16, xsc, G4, xgs);
     run_phase(&j, 1);
-    quantize_rows(a, I, 0, P, a16, asc, G4, ags);
+    if (bits != 32) quantize_rows(a, I, 0, P, a16, asc, G4, ags);
     run_phase(&j, 2);
-    pthread_mutex_unlock(&pool.call_mu);
     for (int p = 0; p < P; p++) { /* pairs of one token never race: this loop is serial */
         float *o = out + (size_t)tok[p] * H;
         const float *yp = y + (size_t)p * H;

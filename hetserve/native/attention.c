@@ -1,0 +1,165 @@
+/* Paged decode attention over fp32 caches on AVX2 + FMA CPUs (hetserve.layers.attention).
+ *
+ * One query token per sequence; its context is read straight from the paged cache, with no
+ * gather into a padded copy:
+ *   out[b, h] = sum_j p[b, h, j] * V[slot(b, j), h / G],
+ *   p[b, h, :] = softmax_j(scale * q[b, h] . K[slot(b, j), h / G]),   j in [lo_b, len_b)
+ * where slot(b, j) = table[b, j / bs] * bs + j % bs and, with a sliding window W,
+ * lo_b = max(0, len_b - W) (else 0). A work item is a sequence (or, with few sequences, a
+ * chunk of its KV heads); the G query heads of a group share every K and V row read, and an
+ * item makes two passes over its context (scores, then the weighted sum of V). exp is a
+ * vectorized polynomial (about 2 ulp).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pool.h"
+
+typedef struct {
+    int H, Hkv, D, Dv, bs, W, window, num_blocks;
+    int chunks; /* KV-head chunks per sequence: one work item each */
+    float scale;
+    const float *q, *k, *v;
+    const int64_t *tables, *lens;
+    float *out;
+    int err;
+} attn_t;
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float dot(const float *a, const float *b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum8(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* e^x for x <= 0 (softmax after subtracting the max): x = n ln2 + r, |r| <= ln2 / 2, a degree-6
+ * Taylor polynomial of e^r (truncation below 2e-7 relative) scaled by 2^n through the exponent
+ * bits. Below -87 the result would be subnormal: 0. */
+static inline __m256 exp_neg(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* Turns s[0..n) into unnormalised probabilities in place; returns their sum. */
+static float softmax_row(float *s, int n) {
+    float mx = s[0];
+    for (int i = 1; i < n; i++) mx = s[i] > mx ? s[i] : mx;
+    const __m256 vm = _mm256_set1_ps(mx);
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+        _mm256_storeu_ps(s + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float sum = hsum8(acc);
+    if (i < n) { /* the tail through the same polynomial, padded with -inf-like values */
+        float t[8];
+        for (int k = 0; k < 8; k++) t[k] = i + k < n ? s[i + k] - mx : -100.0f;
+        __m256 e = exp_neg(_mm256_loadu_ps(t));
+        _mm256_storeu_ps(t, e);
+        for (int k = 0; i + k < n; k++) {
+            s[i + k] = t[k];
+            sum += t[k];
+        }
+    }
+    return sum;
+}
+
+static void item(void *ctx, int it) {
+    attn_t *a = (attn_t *)ctx;
+    const int G = a->H / a->Hkv, D = a->D, Dv = a->Dv, Hkv = a->Hkv;
+    const int b = it / a->chunks, c = it % a->chunks;
+    const int h0 = c * Hkv / a->chunks, h1 = (c + 1) * Hkv / a->chunks, nh = (h1 - h0) * G;
+    const int len = (int)a->lens[b];
+    const int lo = a->window > 0 && len > a->window ? len - a->window : 0;
+    const int n = len - lo;
+    float *out = a->out + ((size_t)b * a->H + (size_t)h0 * G) * Dv;
+    memset(out, 0, sizeof(float) * (size_t)nh * Dv);
+    if (n <= 0 || nh == 0) return;
+    float *s = malloc(sizeof(float) * (size_t)nh * n); /* s[head][j]: scores, then weights */
+    if (s == NULL) {
+        __atomic_store_n(&a->err, -1, __ATOMIC_RELAXED);
+        return;
+    }
+    const int64_t *table = a->tables + (size_t)b * a->W;
+    for (int i = lo / a->bs; i <= (len - 1) / a->bs; i++) {
+        int64_t blk = table[i];
+        if (blk < 0 || blk >= a->num_blocks) {
+            __atomic_store_n(&a->err, -2, __ATOMIC_RELAXED);
+            free(s);
+            return;
+        }
+    }
+    const float *q = a->q + ((size_t)b * a->H + (size_t)h0 * G) * D;
+    /* Token-major passes: a token's K (then V) rows of all heads are contiguous in the cache,
+     * and a block's tokens are too, so each pass streams whole cache lines in order. */
+    for (int j = lo; j < len; j++) {
+        size_t slot = (size_t)table[j / a->bs] * a->bs + j % a->bs;
+        const float *kr = a->k + (slot * Hkv + h0) * D;
+        for (int h = 0; h < nh; h++)
+            s[(size_t)h * n + (j - lo)] = dot(q + (size_t)h * D, kr + (size_t)(h / G) * D, D) * a->scale;
+    }
+    for (int h = 0; h < nh; h++) {
+        float *p = s + (size_t)h * n;
+        float inv = 1.0f / softmax_row(p, n);
+        for (int j = 0; j < n; j++) p[j] *= inv;
+    }
+    for (int j = lo; j < len; j++) {
+        size_t slot = (size_t)table[j / a->bs] * a->bs + j % a->bs;
+        const float *vr = a->v + (slot * Hkv + h0) * Dv;
+        for (int h = 0; h < nh; h++) {
+            const float pj = s[(size_t)h * n + (j - lo)];
+            const __m256 w = _mm256_set1_ps(pj);
+            const float *vh = vr + (size_t)(h / G) * Dv;
+            float *o = out + (size_t)h * Dv;
+            int d = 0;
+            for (; d + 8 <= Dv; d += 8)
+                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(vh + d), _mm256_loadu_ps(o + d)));
+            for (; d < Dv; d++) o[d] += pj * vh[d];
+        }
+    }
+    free(s);
+}
+
+/* q [B, H, D]; k [num_blocks * bs, Hkv, D]; v [num_blocks * bs, Hkv, Dv]; tables [B, W];
+ * lens [B] (context length including the query token); out [B, H, Dv]. window <= 0: none.
+ * Returns 0, -1 when out of memory, -2 when a table entry is outside [0, num_blocks). */
+int hetserve_paged_decode_attention(int nthreads, int B, int H, int Hkv, int D, int Dv, int bs,
+                                    int W, int window, int num_blocks, float scale,
+                                    const float *q, const float *k, const float *v,
+                                    const int64_t *tables, const int64_t *lens, float *out) {
+    if (Hkv <= 0 || H % Hkv != 0) return -3;
+    /* Whole sequences per item when there are plenty; else split the KV heads too. */
+    int chunks = B >= 4 * nthreads ? 1 : Hkv;
+    attn_t a = {H, Hkv, D, Dv, bs, W, window, num_blocks, chunks, scale, q, k, v, tables, lens,
+                out, 0};
+    hs_parallel_for(nthreads, B * chunks, item, &a);
+    return a.err;
+}
