@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 HERE = Path(__file__).parent
 SOURCES = ("pool.c", "moe_kernels.c", "attention.c")
-HEADERS = ("pool.h",)
+HEADERS = ("pool.h", "simd.h")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread"]
 
 

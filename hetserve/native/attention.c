@@ -8,7 +8,7 @@
  * lo_b = max(0, len_b - W) (else 0). A work item is a sequence (or, with few sequences, a
  * chunk of its KV heads); the G query heads of a group share every K and V row read, and an
  * item makes two passes over its context (scores, then the weighted sum of V). exp is a
- * vectorized polynomial (about 2 ulp).
+ * vectorized polynomial (simd.h, about 2 ulp).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "pool.h"
+#include "simd.h"
 
 typedef struct {
     int H, Hkv, D, Dv, bs, W, window, num_blocks;
@@ -27,43 +28,14 @@ typedef struct {
     int err;
 } attn_t;
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
-
 static inline float dot(const float *a, const float *b, int n) {
     __m256 acc = _mm256_setzero_ps();
     int i = 0;
     for (; i + 8 <= n; i += 8)
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float s = hsum8(acc);
+    float s = hs_hsum(acc);
     for (; i < n; i++) s += a[i] * b[i];
     return s;
-}
-
-/* e^x for x <= 0 (softmax after subtracting the max): x = n ln2 + r, |r| <= ln2 / 2, a degree-6
- * Taylor polynomial of e^r (truncation below 2e-7 relative) scaled by 2^n through the exponent
- * bits. Below -87 the result would be subnormal: 0. */
-static inline __m256 exp_neg(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
 /* Turns s[0..n) into unnormalised probabilities in place; returns their sum. */
@@ -74,15 +46,15 @@ static float softmax_row(float *s, int n) {
     __m256 acc = _mm256_setzero_ps();
     int i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+        __m256 e = hs_exp(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
         _mm256_storeu_ps(s + i, e);
         acc = _mm256_add_ps(acc, e);
     }
-    float sum = hsum8(acc);
+    float sum = hs_hsum(acc);
     if (i < n) { /* the tail through the same polynomial, padded with -inf-like values */
         float t[8];
         for (int k = 0; k < 8; k++) t[k] = i + k < n ? s[i + k] - mx : -100.0f;
-        __m256 e = exp_neg(_mm256_loadu_ps(t));
+        __m256 e = hs_exp(_mm256_loadu_ps(t));
         _mm256_storeu_ps(t, e);
         for (int k = 0; i + k < n; k++) {
             s[i + k] = t[k];

@@ -1,0 +1,48 @@
+/* Small AVX2 helpers shared by hetserve's native kernels. */
+#ifndef HETSERVE_SIMD_H
+#define HETSERVE_SIMD_H
+
+#include <immintrin.h>
+
+static inline float hs_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+/* e^x, 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 Taylor polynomial of e^r
+ * (truncation below 2e-7 relative, about 2 ulp in all) scaled by 2^n through the exponent
+ * bits. x is clamped to [-87, 88]: results below 2^-125 become 0, above that stay finite. */
+static inline __m256 hs_exp(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    /* ln2 in two parts so that n * ln2_hi is exact */
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    /* 2^n in two halves: n can reach 127, where 2^n alone would be fine but n + 127 = 254 */
+    __m256i e = _mm256_cvtps_epi32(n);
+    __m256i e1 = _mm256_srai_epi32(e, 1), e2 = _mm256_sub_epi32(e, e1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e1, bias), 23));
+    __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e2, bias), 23));
+    return _mm256_andnot_ps(under, _mm256_mul_ps(_mm256_mul_ps(p, s1), s2));
+}
+
+/* silu(x) = x / (1 + e^-x), 8 lanes. */
+static inline __m256 hs_silu(__m256 x) {
+    __m256 d = _mm256_add_ps(_mm256_set1_ps(1.0f), hs_exp(_mm256_sub_ps(_mm256_setzero_ps(), x)));
+    return _mm256_div_ps(x, d);
+}
+
+#endif
