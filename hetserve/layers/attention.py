@@ -87,7 +87,7 @@ def build_metadata(
     q_start = 0
     for computed, new, blocks in spans:
         kv_len = computed + new
-        if new == 1 and len(spans) > 1:
+        if new == 1:
             decodes.append((q_start, kv_len, blocks))
         else:
             table = torch.tensor(blocks, dtype=torch.long)
@@ -244,3 +244,4 @@ def paged_attention(
         qs = q[s.q_start : s.q_start + s.q_len]
         out[s.q_start : s.q_start + s.q_len] = sdpa(qs, k_all, v_all, s.mask, scale)
     return out
+
