@@ -1,9 +1,15 @@
-"""Int8Linear: a drop-in for nn.Linear on CPU with int8 weights (per output channel) through
-fbgemm's packed GEMM with dynamic activation quantization.
+"""Int8Linear: a drop-in for nn.Linear on CPU with int8 weights (per output channel).
 
 For CPU-only serving: the non-expert linears (attention, shared experts, lm_head) then stream
-a quarter of their fp32 bytes per token. Error: weights round to within scale/2 per element;
-activations are quantized per call (fbgemm's reduce_range, 7 bits), which dominates.
+a quarter of their fp32 bytes per token. Weights round to within scale/2 per element. Two
+kernels:
+
+- native (where hetserve's AVX2 kernels build, out_features % 4 == 0 and in_features % 32 == 0):
+  the routed experts' int8 kernel on one matrix (`hetserve_int8_linear`); activations rounded to
+  int16 per row, so the weight rounding dominates the error. Streams ~2x fbgemm's bytes/s at
+  one token here.
+- fbgemm's packed GEMM with dynamic activation quantization (per call, reduce_range: 7 bits),
+  which dominates its error.
 """
 
 from __future__ import annotations
@@ -14,29 +20,62 @@ import torch
 from torch import nn
 
 
+def _native_ok(n: int, k: int) -> bool:
+    from hetserve import envs
+    from hetserve.native import native_unavailable_reason
+
+    return n % 4 == 0 and k % 32 == 0 and envs.native_kernels() and not native_unavailable_reason()
+
+
 class Int8Linear(nn.Module):
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, kernel: str = "auto") -> None:
         super().__init__()
         w = linear.weight.detach().float().cpu()
         scale = w.abs().amax(dim=1) / 127.0
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        zero = torch.zeros(q.shape[0], dtype=torch.long)
         bias = None if linear.bias is None else linear.bias.detach().float().cpu()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.nbytes = q.numel() + scale.numel() * 4
+        self.kernel = "native" if kernel != "fbgemm" and _native_ok(*q.shape) else "fbgemm"
+        if self.kernel == "native":
+            from hetserve.moe.cpu_native import interleave_quads
+            from hetserve.native import int8_linear_fn
+
+            self._fn = int8_linear_fn()
+            self._q = interleave_quads(q.unsqueeze(0), 16)[0]
+            self._scale = scale.contiguous()
+            self._bias = bias
+            return
+        zero = torch.zeros(q.shape[0], dtype=torch.long)
         with warnings.catch_warnings():  # quantized tensors are deprecated, fbgemm is not
             warnings.simplefilter("ignore")
             qw = torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0)
             self._packed = torch.ops.quantized.linear_prepack(qw, bias)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.nbytes = q.numel() + scale.numel() * 4
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.quantized.linear_dynamic(x.reshape(-1, shape[-1]).float(), self._packed, True)
+        x2 = x.reshape(-1, shape[-1]).float()
+        if self.kernel == "native":
+            x2 = x2.contiguous()
+            y = torch.empty(x2.shape[0], self.out_features)
+            rc = self._fn(
+                torch.get_num_threads(), x2.shape[0], self.out_features, self.in_features,
+                x2.data_ptr(), y.data_ptr(), self._q.data_ptr(), self._scale.data_ptr(),
+            )  # fmt: skip
+            if rc != 0:
+                raise MemoryError("native int8 linear could not allocate its activation buffer")
+            if self._bias is not None:
+                y += self._bias
+        else:
+            y = torch.ops.quantized.linear_dynamic(x2, self._packed, True)
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"int8 ({self.kernel})"
+        )
 
 
 def quantize_linears(module: nn.Module) -> int:

@@ -140,10 +140,18 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv.to(device))
         self.register_buffer("cos", freqs.cos() * factor, persistent=False)
         self.register_buffer("sin", freqs.sin() * factor, persistent=False)
+        self._angles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        # Every layer (q and k) of a forward rotates at the same positions tensor: look the
+        # angles up once. Holding `positions` keeps the identity test sound.
+        cached = self._angles
+        if cached is not None and cached[0] is positions:
+            cos, sin = cached[1], cached[2]
+        else:
+            cos = self.cos[positions].unsqueeze(1)
+            sin = self.sin[positions].unsqueeze(1)
+            self._angles = (positions, cos, sin)
         if self.interleaved:
             x1, x2 = x[..., 0::2], x[..., 1::2]
         else:

@@ -1,6 +1,6 @@
 """Builds and loads hetserve's AVX2 kernels through ctypes: one shared library from
 
-- `moe_kernels.c`: weight-only int8 / int4 routed experts. The library ops cannot stream int4
+- `moe_kernels.c`: routed experts (fp32, weight-only int8 / int4) and plain int8 linears. The library ops cannot stream int4
   weights (torch's `_weight_int4pack_mm_for_cpu`: ~0.2 GB/s here) and the only fast int8 one
   (fbgemm) also quantizes activations.
 - `attention.c`: decode attention read straight from the paged KV cache (fp32). Gathering each
@@ -91,6 +91,9 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     fn = lib.hetserve_moe_forward
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int] * 8 + [ctypes.c_void_p] * 10
+    fn = lib.hetserve_int8_linear
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p] * 4
     fn = lib.hetserve_paged_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int] * 10 + [ctypes.c_float] + [ctypes.c_void_p] * 6
@@ -112,6 +115,11 @@ def _lib() -> ctypes.CDLL:
 def moe_forward_fn():
     """The ctypes function `hetserve_moe_forward` (see moe_kernels.c for its arguments)."""
     return _lib().hetserve_moe_forward
+
+
+def int8_linear_fn():
+    """The ctypes function `hetserve_int8_linear` (see moe_kernels.c)."""
+    return _lib().hetserve_int8_linear
 
 
 def paged_decode_attention_fn():
