@@ -114,8 +114,13 @@ static inline __attribute__((always_inline)) void quad_f32(const float *w, int K
             for (int m = 0; m < MB; m++) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
         }
     }
+    __m256 v[8];
+    float sums[8];
     for (int r = 0; r < 4; r++)
-        for (int m = 0; m < MB; m++) out[r][m] = hs_hsum(acc[r][m]);
+        for (int m = 0; m < 2; m++) v[2 * r + m] = m < MB ? acc[r][m] : _mm256_setzero_ps();
+    _mm256_storeu_ps(sums, hs_hsum8(v));
+    for (int r = 0; r < 4; r++)
+        for (int m = 0; m < MB; m++) out[r][m] = sums[2 * r + m];
 }
 
 /* x16[p] = round(x[p] / scale[p]), scale[p] = max|x[p]| / ACT_Q, for rows [p0, p1); with
