@@ -64,6 +64,17 @@ static float softmax_row(float *s, int n) {
     return sum;
 }
 
+/* Prefetches the cache rows of tokens [j, j + count) (heads [h0, h1)). */
+static inline void prefetch_rows(const float *base, const int64_t *table, int bs, int j, int count,
+                                 int Hkv, int h0, int h1, int D) {
+    for (int t = j; t < j + count; t++) {
+        const char *row =
+            (const char *)(base + (((size_t)table[t / bs] * bs + t % bs) * Hkv + h0) * D);
+        for (size_t off = 0; off < sizeof(float) * (size_t)(h1 - h0) * D; off += 64)
+            _mm_prefetch(row + off, _MM_HINT_T0);
+    }
+}
+
 static void item(void *ctx, int it) {
     attn_t *a = (attn_t *)ctx;
     const int G = a->H / a->Hkv, D = a->D, Dv = a->Dv, Hkv = a->Hkv;
@@ -90,6 +101,7 @@ static void item(void *ctx, int it) {
         }
     }
     const float *q = a->q + ((size_t)b * a->H + (size_t)h0 * G) * D;
+    const int pf = (size_t)(h1 - h0) * (D > Dv ? D : Dv) * sizeof(float) <= 1024;
     /* Token-major passes: a token's K (then V) rows of all heads are contiguous in the cache,
      * and a block's tokens are too, so each pass streams whole cache lines in order. */
     int j = lo;
@@ -100,6 +112,10 @@ static void item(void *ctx, int it) {
                 size_t slot = (size_t)table[(j + t) / a->bs] * a->bs + (j + t) % a->bs;
                 kr[t] = a->k + (slot * Hkv + h0) * D;
             }
+            /* Blocks are scattered: fetch one block ahead where rows are short (long rows
+             * make long in-block streams the hardware prefetcher already follows). */
+            if (pf && j + 8 + a->bs < len)
+                prefetch_rows(a->k, table, a->bs, j + a->bs, 8, Hkv, h0, h1, D);
             for (int h = 0; h < nh; h++) {
                 const float *qh = q + (size_t)h * D;
                 const size_t kh = (size_t)(h / G) * D;
@@ -128,6 +144,8 @@ static void item(void *ctx, int it) {
     for (int j = lo; j < len; j++) {
         size_t slot = (size_t)table[j / a->bs] * a->bs + j % a->bs;
         const float *vr = a->v + (slot * Hkv + h0) * Dv;
+        if (pf && j + a->bs < len)
+            prefetch_rows(a->v, table, a->bs, j + a->bs, 1, Hkv, h0, h1, Dv);
         for (int h = 0; h < nh; h++) {
             const float pj = s[(size_t)h * n + (j - lo)];
             const __m256 w = _mm256_set1_ps(pj);
