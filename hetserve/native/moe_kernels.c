@@ -22,6 +22,7 @@
 #include "pool.h"
 #include "simd.h"
 
+#define MBMAX 3 /* tokens per microkernel call (fp32; the int8/int4 ones take up to 2) */
 #define TB 32 /* pairs per cache block: 32 x 2048 fp32 = 256 KiB, half of Zen 3's L2 */
 #define RC 8  /* row quads per work chunk */
 /* Software prefetch distance in bytes. One cache line per loop iteration is consumed; the
@@ -68,7 +69,7 @@ static inline int hsum_i32(__m256i v) {
  * whole cache lines (four strided row streams ran at half the speed: prefetch-bound). */
 static inline __attribute__((always_inline)) void quad_i8(const int8_t *q, int K,
                                                           const int16_t *const x[2], int MB,
-                                                          float out[4][2]) {
+                                                          float out[4][MBMAX]) {
     for (int r = 0; r < 4; r++)
         for (int m = 0; m < MB; m++) out[r][m] = 0.0f;
     for (int kb = 0; kb < K; kb += KBLOCK) {
@@ -93,34 +94,39 @@ static inline __attribute__((always_inline)) void quad_i8(const int8_t *q, int K
 }
 
 /* fp32 weights in their plain row-major layout (the model's own tensors, no copy): rows
- * w[r * K ...] for r < 4 against MB <= 2 fp32 tokens; K % 8 == 0. At batch sizes where fp32
- * experts run (CPU-only serving) the 8 accumulators keep both FMA ports busy. */
+ * w[r * K ...] for r < 4 against MB <= 3 fp32 tokens; K % 8 == 0. Three tokens give 12
+ * independent FMA chains (two FMA ports x 4 cycles of latency need at least 8, and 8 left the
+ * loop stalling on every hiccup) in the 16 ymm registers with the 3 tokens and one weight. */
 static inline __attribute__((always_inline)) void quad_f32(const float *w, int K,
-                                                           const float *const x[2], int MB,
-                                                           float out[4][2]) {
-    __m256 acc[4][2];
+                                                           const float *const x[MBMAX], int MB,
+                                                           float out[4][MBMAX]) {
+    __m256 acc[4][MBMAX];
     for (int r = 0; r < 4; r++)
         for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_ps();
     for (int k = 0; k < K; k += 8) {
-        __m256 xv[2];
+        __m256 xv[MBMAX];
         if ((k & 15) == 0) /* the next quad's rows (adjacent in memory): 4 rows x K ahead */
             for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(w + (size_t)(4 + r) * K + k), PF_HINT);
         for (int m = 0; m < MB; m++) xv[m] = _mm256_loadu_ps(x[m] + k);
         for (int r = 0; r < 4; r++) {
             __m256 wv = _mm256_loadu_ps(w + (size_t)r * K + k);
             /* keep wv in a register: folded into each FMA it would be loaded MB times, and
-             * the loop is bound by loads rather than FMAs (10 loads per 8 FMAs instead of 6) */
+             * the loop would be bound by loads rather than FMAs */
             __asm__("" : "+x"(wv));
             for (int m = 0; m < MB; m++) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
         }
     }
     __m256 v[8];
-    float sums[8];
+    float sums[16];
+    for (int half = 0; half < 2; half++) { /* (r, m) pairs 0-7, then 8-11 padded with zeros */
+        for (int i = 0; i < 8; i++) {
+            int pr = 8 * half + i, r = pr / MBMAX, m = pr % MBMAX;
+            v[i] = pr < 4 * MBMAX && m < MB ? acc[r][m] : _mm256_setzero_ps();
+        }
+        _mm256_storeu_ps(sums + 8 * half, hs_hsum8(v));
+    }
     for (int r = 0; r < 4; r++)
-        for (int m = 0; m < 2; m++) v[2 * r + m] = m < MB ? acc[r][m] : _mm256_setzero_ps();
-    _mm256_storeu_ps(sums, hs_hsum8(v));
-    for (int r = 0; r < 4; r++)
-        for (int m = 0; m < MB; m++) out[r][m] = sums[2 * r + m];
+        for (int m = 0; m < MB; m++) out[r][m] = sums[MBMAX * r + m];
 }
 
 /* x16[p] = round(x[p] / scale[p]), scale[p] = max|x[p]| / ACT_Q, for rows [p0, p1); with
@@ -181,7 +187,7 @@ static inline __attribute__((always_inline)) void quad_i4(const uint8_t *q, cons
                                                           const float *mn, int K, int G,
                                                           const int16_t *const x[2],
                                                           const float *const gs[2], int MB,
-                                                          float out[4][2]) {
+                                                          float out[4][MBMAX]) {
     const __m256i mask = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
     __m256 tot[4][2];
     float zs[4][2];
@@ -229,17 +235,22 @@ static inline __attribute__((always_inline)) void quad_i4(const uint8_t *q, cons
         for (int m = 0; m < MB; m++) out[r][m] = hs_hsum(tot[r][m]) + zs[r][m];
 }
 
-/* Rows [n0, n0+4) of expert e's matrix [N, K] against MB <= 2 pairs starting at pair p
+/* Rows [n0, n0+4) of expert e's matrix [N, K] against MB pairs starting at pair p (<= 3 for
+ * fp32, <= 2 quantized)
  * (which = 1: the pairs' tokens x against W13; which = 2: a against W2). */
 static inline void quad(const job_t *j, int which, int e, int N, int K, int n0, int p, int MB,
-                        float out[4][2]) {
+                        float out[4][MBMAX]) {
     size_t row = (size_t)e * N + n0;
     int r0 = which == 1 ? j->tok[p] : p, r1 = which == 1 ? j->tok[p + MB - 1] : p + MB - 1;
     if (j->bits == 32) {
         const float *w = (const float *)(which == 1 ? j->w13 : j->w2) + row * K;
         const float *base = which == 1 ? j->x : j->a;
-        const float *const xr[2] = {base + (size_t)r0 * K, base + (size_t)r1 * K};
-        if (MB == 2)
+        const float *const xr[MBMAX] = {
+            base + (size_t)r0 * K, base + (size_t)(which == 1 ? j->tok[p + (MB > 1)] : p + (MB > 1)) * K,
+            base + (size_t)r1 * K};
+        if (MB == 3)
+            quad_f32(w, K, xr, 3, out);
+        else if (MB == 2)
             quad_f32(w, K, xr, 2, out);
         else
             quad_f32(w, K, xr, 1, out);
@@ -282,29 +293,31 @@ static inline void quad(const job_t *j, int which, int e, int N, int K, int n0, 
 static void phase1(const job_t *j, int u0, int u1) {
     const int H = j->H, I = j->I, per = I / 4;
     int ai = u0 / per, e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
+    const int step = j->bits == 32 ? 3 : 2; /* pairs per microkernel call */
     for (int t0 = 0; t0 < cnt; t0 += TB) {
         int t1 = t0 + TB < cnt ? t0 + TB : cnt;
         for (int u = u0; u < u1; u++) {
             int i0 = (u - ai * per) * 4;
-            for (int m = t0; m < t1; m += 2) {
-                int MB = t1 - m >= 2 ? 2 : 1;
-                float g[4][2], v[4][2];
+            for (int m = t0; m < t1; m += step) {
+                int MB = t1 - m >= step ? step : t1 - m;
+                float g[4][MBMAX], v[4][MBMAX];
                 /* Quantized W13 rows are stored gate quad, up quad, gate quad, ...: one
                  * stream. fp32 keeps the model's layout: all gate rows, then all up rows. */
                 int gr = j->bits == 32 ? i0 : 2 * i0, ur = j->bits == 32 ? I + i0 : 2 * i0 + 4;
                 quad(j, 1, e, 2 * I, H, gr, off + m, MB, g);
                 quad(j, 1, e, 2 * I, H, ur, off + m, MB, v);
-                /* silu(gate) * up * router weight for the 4 rows x MB pairs, in one vector */
-                float gl[8], ul[8], wl[8], al[8];
-                for (int mm = 0; mm < 2; mm++)
+                /* silu(gate) * up * router weight for the 4 rows x MB pairs, 8 lanes at once */
+                float gl[16], ul[16], wl[16], al[16];
+                for (int mm = 0; mm < 4; mm++)
                     for (int r = 0; r < 4; r++) {
                         gl[4 * mm + r] = mm < MB ? g[r][mm] : 0.0f;
                         ul[4 * mm + r] = mm < MB ? v[r][mm] : 0.0f;
                         wl[4 * mm + r] = j->pw[off + m + (mm < MB ? mm : 0)];
                     }
-                _mm256_storeu_ps(al, _mm256_mul_ps(hs_silu(_mm256_loadu_ps(gl)),
-                                                   _mm256_mul_ps(_mm256_loadu_ps(ul),
-                                                                 _mm256_loadu_ps(wl))));
+                for (int h = 0; h < 4 * MB; h += 8)
+                    _mm256_storeu_ps(al + h, _mm256_mul_ps(hs_silu(_mm256_loadu_ps(gl + h)),
+                                                           _mm256_mul_ps(_mm256_loadu_ps(ul + h),
+                                                                         _mm256_loadu_ps(wl + h))));
                 for (int mm = 0; mm < MB; mm++) {
                     float *a = j->a + (size_t)(off + m + mm) * I + i0;
                     for (int r = 0; r < 4; r++) a[r] = al[4 * mm + r];
@@ -318,13 +331,14 @@ static void phase1(const job_t *j, int u0, int u1) {
 static void phase2(const job_t *j, int u0, int u1) {
     const int H = j->H, I = j->I, per = H / 4;
     int ai = u0 / per, e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
+    const int step = j->bits == 32 ? 3 : 2; /* pairs per microkernel call */
     for (int t0 = 0; t0 < cnt; t0 += TB) {
         int t1 = t0 + TB < cnt ? t0 + TB : cnt;
         for (int u = u0; u < u1; u++) {
             int n0 = (u - ai * per) * 4;
-            for (int m = t0; m < t1; m += 2) {
-                int MB = t1 - m >= 2 ? 2 : 1;
-                float o[4][2];
+            for (int m = t0; m < t1; m += step) {
+                int MB = t1 - m >= step ? step : t1 - m;
+                float o[4][MBMAX];
                 quad(j, 2, e, H, I, n0, off + m, MB, o);
                 for (int mm = 0; mm < MB; mm++) {
                     float *y = j->y + (size_t)(off + m + mm) * H + n0;
@@ -446,7 +460,7 @@ static void lin_item(void *ctx, int c) {
                 int MB = t1 - m >= 2 ? 2 : 1;
                 const int16_t *const xr[2] = {l->x16 + (size_t)m * K,
                                               l->x16 + (size_t)(m + MB - 1) * K};
-                float o[4][2];
+                float o[4][MBMAX];
                 if (MB == 2)
                     quad_i8(q, K, xr, 2, o);
                 else

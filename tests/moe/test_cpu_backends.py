@@ -295,10 +295,12 @@ def test_kt_without_kt_kernel_says_how_to_install(weights):
         create_backend("kt", weights)
 
 
+@pytest.mark.parametrize("t", [41, 43])
 @pytest.mark.parametrize("kind", ["cpu-fp32", "cpu-int8", "cpu-int4"])
-def test_native_many_tokens_per_expert_and_odd_counts(kind):
-    # 2 experts, top-2, 41 tokens: 41 pairs per expert (> the kernel's 32-pair cache block, and
-    # odd, so the 2-token microkernel ends with a 1-token tail), 3 threads on fewer cores.
+def test_native_many_tokens_per_expert_and_odd_counts(kind, t):
+    # 2 experts, top-2, t tokens: t pairs per expert (> the kernel's 32-pair cache block, and
+    # odd, so the 2-token microkernel ends with a 1-token tail; fp32's 3-token one with a 2- or
+    # 1-token tail), 3 threads on fewer cores.
     from hetserve.native import native_unavailable_reason
 
     if native_unavailable_reason() is not None:
@@ -307,9 +309,9 @@ def test_native_many_tokens_per_expert_and_odd_counts(kind):
     w = ExpertWeights(
         torch.randn(2, 64, 32, generator=g) * 0.1, torch.randn(2, 32, 32, generator=g)
     )
-    x = torch.randn(41, 32, generator=g)
-    ids = torch.tensor([[0, 1], [1, 0]]).repeat(21, 1)[:41]
-    tw = torch.rand(41, 2, generator=g)
+    x = torch.randn(t, 32, generator=g)
+    ids = torch.tensor([[0, 1], [1, 0]]).repeat(22, 1)[:t]
+    tw = torch.rand(t, 2, generator=g)
     ref = _reference(w, x, tw, ids)
     opts = {"group_size": 32} if kind == "cpu-int4" else {}
     out = create_backend(kind, w, kernel="native", **opts).forward(x, tw, ids)
