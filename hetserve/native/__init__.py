@@ -1,8 +1,8 @@
 """Builds and loads hetserve's AVX2 kernels through ctypes: one shared library from
 
-- `moe_kernels.c`: routed experts (fp32, weight-only int8 / int4) and plain int8 linears. The library ops cannot stream int4
-  weights (torch's `_weight_int4pack_mm_for_cpu`: ~0.2 GB/s here) and the only fast int8 one
-  (fbgemm) also quantizes activations.
+- `moe_kernels.c`: routed experts (fp32, weight-only int8 / int4) and plain int8 linears. The
+  library ops cannot stream int4 weights (torch's `_weight_int4pack_mm_for_cpu`: ~0.2 GB/s
+  here) and the only fast int8 one (fbgemm) also quantizes activations.
 - `attention.c`: decode attention read straight from the paged KV cache (fp32). Gathering each
   sequence's context into a padded copy and running SDPA cost 3-4x more per decode step.
 - `pool.c`: the helper-thread pool both use.
