@@ -6,6 +6,10 @@ len * (1 +- --range-ratio), as in a real workload. transformers runs `generate` 
 static batches of --hf-batch, each generating its longest request's length (the shorter ones'
 extra tokens are not counted): the cost of static batching that continuous batching removes.
 --range-ratio 0 gives equal lengths, transformers' best case.
+
+Both models are loaded once; --repeats timed runs alternate between the two systems (so a burst
+of load on a shared machine hits both) and each system's best run is reported, the ratio being
+best over best. Every run's time is in the JSON.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 import torch
 
 from hetserve.bench.common import print_table, write_json
+from hetserve.errors import InvalidInputError
 
 
 def register(sub) -> None:
@@ -34,6 +39,7 @@ def register(sub) -> None:
     )
     p.add_argument("--hf-batch", type=int, default=16, help="transformers batch size")
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per system (best kept)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--json", default=None)
     p.set_defaults(func=run)
@@ -55,7 +61,8 @@ def make_lengths(n: int, mean: int, ratio: float, seed: int) -> list[int]:
     return torch.randint(lo, hi + 1, (n,), generator=g).tolist()
 
 
-def _ours(args, prompts, out_lens) -> float:
+def _ours(args, prompts, out_lens):
+    """A callable timing one offline run of hetserve (loaded and warmed up once)."""
     from hetserve import LLM, SamplingParams
 
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)
@@ -63,14 +70,19 @@ def _ours(args, prompts, out_lens) -> float:
         SamplingParams(max_tokens=n, min_tokens=n, temperature=0, ignore_eos=True) for n in out_lens
     ]
     llm.generate(prompt_token_ids=prompts[:2], sampling_params=params[:2])  # warm-up
-    t0 = time.perf_counter()
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=True)
-    elapsed = time.perf_counter() - t0
-    assert [len(o.token_ids) for o in outs] == out_lens
-    return elapsed
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=True)
+        elapsed = time.perf_counter() - t0
+        assert [len(o.token_ids) for o in outs] == out_lens
+        return elapsed
+
+    return once
 
 
-def _hf(args, prompts, out_lens) -> float | None:
+def _hf(args, prompts, out_lens):
+    """A callable timing one run of transformers `generate` on static batches, or None."""
     try:
         import transformers
     except ImportError:
@@ -81,24 +93,28 @@ def _hf(args, prompts, out_lens) -> float | None:
     model = transformers.AutoModelForCausalLM.from_pretrained(
         args.model, dtype=torch.float32
     ).eval()
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        for i in tqdm(range(0, len(prompts), args.hf_batch), desc="transformers"):
-            chunk = prompts[i : i + args.hf_batch]
-            width = max(len(p) for p in chunk)
-            batch = torch.tensor([[0] * (width - len(p)) + p for p in chunk])  # left padding
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-            n = max(out_lens[i : i + args.hf_batch])
-            out = model.generate(
-                batch,
-                attention_mask=mask,
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            assert out.shape[1] == width + n
-    return time.perf_counter() - t0
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for i in tqdm(range(0, len(prompts), args.hf_batch), desc="transformers"):
+                chunk = prompts[i : i + args.hf_batch]
+                width = max(len(p) for p in chunk)
+                batch = torch.tensor([[0] * (width - len(p)) + p for p in chunk])  # left padding
+                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+                n = max(out_lens[i : i + args.hf_batch])
+                out = model.generate(
+                    batch,
+                    attention_mask=mask,
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+                assert out.shape[1] == width + n
+        return time.perf_counter() - t0
+
+    return once
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,8 +123,15 @@ def run(args: argparse.Namespace) -> int:
     prompts = make_prompts(args.model, args.num_prompts, args.input_len, lengths=in_lens)
     gen_tokens = sum(out_lens)
     prompt_tokens = sum(in_lens)
-    results = {"hetserve": _ours(args, prompts, out_lens)}
-    results["transformers"] = None if args.skip_hf else _hf(args, prompts, out_lens)
+    if args.repeats < 1:
+        raise InvalidInputError("--repeats must be >= 1")
+    systems = {"hetserve": _ours(args, prompts, out_lens)}
+    systems["transformers"] = None if args.skip_hf else _hf(args, prompts, out_lens)
+    runs: dict[str, list[float]] = {name: [] for name, fn in systems.items() if fn is not None}
+    for _ in range(args.repeats):  # alternate: a burst of load hits both systems
+        for name in runs:
+            runs[name].append(systems[name]())
+    results = {name: (min(runs[name]) if name in runs else None) for name in systems}
     base = results["transformers"]
     rows = []
     for name, secs in results.items():
@@ -134,7 +157,9 @@ def run(args: argparse.Namespace) -> int:
             "num_prompts": args.num_prompts,
             "input_len": args.input_len,
             "output_len": args.output_len,
+            "repeats": args.repeats,
             "seconds": results,
+            "runs_seconds": runs,
             "speedup_vs_transformers": (base / results["hetserve"]) if base else None,
         },
     )

@@ -1,0 +1,49 @@
+"""`hetserve bench throughput` and `bench prefix` end to end on a tiny MoE."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hetserve.cli import main
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tiny_model):
+    return tiny_model("qwen3-moe")
+
+
+def test_bench_throughput_alternates_repeats_and_keeps_the_best(moe_dir, tmp_path, capsys):
+    out = tmp_path / "tp.json"
+    rc = main(["bench", "throughput", "--model", str(moe_dir), "--num-prompts", "6",
+               "--input-len", "12", "--output-len", "5", "--hf-batch", "4", "--repeats", "2",
+               "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    data = json.loads(out.read_text())
+    runs = data["runs_seconds"]
+    assert set(runs) == {"hetserve", "transformers"}
+    assert all(len(r) == 2 and min(r) > 0 for r in runs.values())
+    assert data["seconds"] == {name: min(r) for name, r in runs.items()}
+    ratio = data["seconds"]["transformers"] / data["seconds"]["hetserve"]
+    assert data["speedup_vs_transformers"] == pytest.approx(ratio)
+    assert "speedup vs HF" in capsys.readouterr().out
+
+
+def test_bench_throughput_bad_repeats_is_a_user_error(moe_dir, capsys):
+    rc = main(["bench", "throughput", "--model", str(moe_dir), "--repeats", "0", "--skip-hf"])
+    assert rc == 2
+    assert "--repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_bench_prefix_warm_requests_compute_only_their_new_blocks(moe_dir, tmp_path):
+    out = tmp_path / "prefix.json"
+    rc = main(["bench", "prefix", "--model", str(moe_dir), "--prompt-len", "100",
+               "--trials", "2", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["shared_tokens"] == 90
+    # 90 shared tokens = 5 full 16-token blocks reused; the rest (10 + 10 tokens) is computed.
+    assert data["warm_prompt_tokens_computed"] == [20, 20]
+    assert len(data["ttft_cold_s"]) == len(data["ttft_warm_s"]) == 2
+    assert data["warm_over_cold"] > 0
