@@ -87,7 +87,9 @@ def build_metadata(
     q_start = 0
     for computed, new, blocks in spans:
         kv_len = computed + new
-        if new == 1:
+        # A lone decoding sequence joins the batch on CPU (the native kernel); on an
+        # accelerator its plain causal SDPA (no mask) is the faster path.
+        if new == 1 and (len(spans) > 1 or torch.device(device).type == "cpu"):
             decodes.append((q_start, kv_len, blocks))
         else:
             table = torch.tensor(blocks, dtype=torch.long)

@@ -5,7 +5,7 @@
   here) and the only fast int8 one (fbgemm) also quantizes activations.
 - `attention.c`: decode attention read straight from the paged KV cache (fp32). Gathering each
   sequence's context into a padded copy and running SDPA cost 3-4x more per decode step.
-- `pool.c`: the helper-thread pool both use.
+- `pool.c`: the parallel loop they share (OpenMP).
 
 It needs no torch headers: a C compiler builds it in a second or two the first time, into a
 cache keyed by the sources and flags, and later processes just load it. ctypes releases the GIL
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 HERE = Path(__file__).parent
 SOURCES = ("pool.c", "moe_kernels.c", "attention.c")
 HEADERS = ("pool.h", "simd.h")
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread"]
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared"]
 
 
 def _cache_dir() -> Path:
@@ -57,13 +57,16 @@ def _compile(compiler: str, flags: list[str], target: Path) -> str | None:
     # Build beside the target and rename: concurrent processes never load a partial file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [compiler, *flags, "-o", tmp, *(str(HERE / n) for n in SOURCES), "-lm"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        return (proc.stderr.strip().splitlines() or ["?"])[0]
-    os.replace(tmp, target)
-    return None
+    try:
+        cmd = [compiler, *flags, "-o", tmp, *(str(HERE / n) for n in SOURCES), "-lm"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            return (proc.stderr.strip().splitlines() or ["?"])[0]
+        os.replace(tmp, target)
+        return None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 @cache
@@ -84,8 +87,8 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
             if target.exists() or (error := _compile(compiler, flags, target)) is None:
                 lib = ctypes.CDLL(str(target))
                 break
-        except (OSError, subprocess.SubprocessError) as exc:  # read-only cache, bad compiler
-            return None, f"cannot build or load the kernels in {target.parent}: {exc}"
+        except (OSError, subprocess.SubprocessError) as exc:  # read-only cache, bad compiler...
+            error = f"cannot build or load the kernels in {target.parent}: {exc}"
     else:
         return None, f"compiling hetserve/native failed: {error}"
     fn = lib.hetserve_moe_forward

@@ -9,8 +9,8 @@
  * (|x - x_hat| <= max|x| / 32766, about a hundredth of int8's weight rounding), so one
  * vpmaddwd does 16 exact integer multiply-adds. fp32 (bits = 32) reads the model's own weights
  * with fp32 activations (CPU-only serving of an unquantized model). Each phase's row
- * quads go to the caller plus up to nthreads-1 persistent helpers (pool.c), with a join between
- * the phases (phase 2 reads all of phase 1). Built and cached by hetserve/native/__init__.py
+ * quads are shared out by the parallel loop (pool.c, OpenMP), with a join between the phases
+ * (phase 2 reads all of phase 1). Built and cached by hetserve/native/__init__.py
  * (no torch headers).
  */
 #include <immintrin.h>

@@ -23,11 +23,14 @@ static inline __m256 hs_hsum8(const __m256 v[8]) {
 
 /* e^x, 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 Taylor polynomial of e^r
  * (truncation below 2e-7 relative, about 2 ulp in all) scaled by 2^n through the exponent
- * bits. x is clamped to [-87, 88]: results below 2^-125 become 0, above that stay finite. */
+ * bits. x is clamped to [-87, 88]: results below 2^-125 become 0, above that stay finite;
+ * NaN stays NaN. */
 static inline __m256 hs_exp(__m256 x) {
     const __m256 lo = _mm256_set1_ps(-87.0f);
     __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));
+    /* operand order: maxps/minps return their second operand when one is NaN, so a NaN
+     * input stays NaN (as torch's exp would) instead of being clamped to a number */
+    x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(lo, x));
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     /* ln2 in two parts so that n * ln2_hi is exact */

@@ -102,3 +102,14 @@ def test_engine_outputs_equal_with_and_without_native_kernels(tiny_model, monkey
         lp_a = [next(iter(x.values())).logprob for x in a.logprobs]
         lp_b = [next(iter(x.values())).logprob for x in b.logprobs]
         assert max(abs(x - y) for x, y in zip(lp_a, lp_b, strict=True)) < 1e-4
+
+
+def test_nan_in_a_query_stays_in_its_row_like_sdpa():
+    kv, dec, q = _setup(4, 2, 2, 32, 32, None, seed=5)
+    q[1, 0, 3] = float("nan")
+    ref = _reference(kv, dec, q, 0.2)
+    out = native_decode_attention(q, *kv.layers[0], dec, kv, 0.2, None)
+    assert torch.isnan(out[1, 0]).all() and torch.isnan(ref[1, 0]).all()
+    keep = torch.ones(out.shape[:2], dtype=torch.bool)
+    keep[1, 0] = False
+    assert (out[keep] - ref[keep]).abs().max() < 1e-5
