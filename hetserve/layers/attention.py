@@ -225,9 +225,13 @@ def paged_attention(
 ) -> torch.Tensor:
     """Standard (GQA) attention: store this forward's K/V, then attend over each context."""
     ctx.kv.write(layer, ctx.meta.slot_mapping, k, v)
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     d = ctx.meta.decode
-    if d is not None and _native_decode_ok(q, ctx.kv.layers[layer]):
+    native = d is not None and _native_decode_ok(q, ctx.kv.layers[layer])
+    if native and not ctx.meta.seqs:  # a pure decode step: every row is a decode, in order
+        entries = ctx.kv.layers[layer]
+        return native_decode_attention(q, *entries, d, ctx.kv, scale, ctx.meta.sliding_window)
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    if native:
         out[d.rows] = native_decode_attention(
             q[d.rows], *ctx.kv.layers[layer], d, ctx.kv, scale, ctx.meta.sliding_window
         )

@@ -5,6 +5,7 @@
   here) and the only fast int8 one (fbgemm) also quantizes activations.
 - `attention.c`: decode attention read straight from the paged KV cache (fp32). Gathering each
   sequence's context into a padded copy and running SDPA cost 3-4x more per decode step.
+- `norm.c`: RMSNorm over fp32 rows, one call instead of torch's composite of five kernels.
 - `pool.c`: the parallel loop they share (OpenMP).
 
 It needs no torch headers: a C compiler builds it in a second or two the first time, into a
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     import torch
 
 HERE = Path(__file__).parent
-SOURCES = ("pool.c", "moe_kernels.c", "attention.c")
+SOURCES = ("pool.c", "moe_kernels.c", "attention.c", "norm.c")
 HEADERS = ("pool.h", "simd.h")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared"]
 
@@ -97,6 +98,9 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     fn = lib.hetserve_int8_linear
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p] * 4
+    fn = lib.hetserve_rms_norm
+    fn.restype = None
+    fn.argtypes = [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 3
     fn = lib.hetserve_paged_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int] * 10 + [ctypes.c_float] + [ctypes.c_void_p] * 6
@@ -123,6 +127,11 @@ def moe_forward_fn():
 def int8_linear_fn():
     """The ctypes function `hetserve_int8_linear` (see moe_kernels.c)."""
     return _lib().hetserve_int8_linear
+
+
+def rms_norm_fn():
+    """The ctypes function `hetserve_rms_norm` (see norm.c)."""
+    return _lib().hetserve_rms_norm
 
 
 def paged_decode_attention_fn():
