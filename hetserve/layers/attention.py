@@ -250,4 +250,3 @@ def paged_attention(
         qs = q[s.q_start : s.q_start + s.q_len]
         out[s.q_start : s.q_start + s.q_len] = sdpa(qs, k_all, v_all, s.mask, scale)
     return out
-
