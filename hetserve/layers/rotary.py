@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hetserve import envs
 from hetserve.errors import ModelLoadError
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -118,6 +119,18 @@ def _yarn(rope: RopeConfig, dim: int, max_position: int) -> tuple[torch.Tensor, 
     return inv, float(attn_factor)
 
 
+_native = None  # the C kernel (hetserve/native/norm.c) once resolved, or False
+
+
+def _native_rope():
+    global _native
+    if _native is None:
+        from hetserve.native import native_unavailable_reason, rope_fn
+
+        _native = rope_fn() if native_unavailable_reason() is None else False
+    return _native
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to [T, heads, dim] tensors at the given positions.
 
@@ -149,9 +162,23 @@ class RotaryEmbedding(nn.Module):
         if cached is not None and cached[0] is positions:
             cos, sin = cached[1], cached[2]
         else:
-            cos = self.cos[positions].unsqueeze(1)
+            cos = self.cos[positions].unsqueeze(1)  # [T, 1, dim / 2], contiguous
             sin = self.sin[positions].unsqueeze(1)
             self._angles = (positions, cos, sin)
+        if (
+            x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and not x.requires_grad
+            and envs.native_kernels()
+            and (fn := _native_rope())
+        ):
+            x = x.contiguous()
+            out = torch.empty_like(x)
+            c, s = cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
+            fn(torch.get_num_threads(), x.shape[0], x.numel() // (x.shape[0] * x.shape[-1]),
+               x.shape[-1] // 2, int(self.interleaved), x.data_ptr(), c.data_ptr(),
+               s.data_ptr(), out.data_ptr())  # fmt: skip
+            return out
         if self.interleaved:
             x1, x2 = x[..., 0::2], x[..., 1::2]
         else:

@@ -49,3 +49,57 @@ void hetserve_rms_norm(int nthreads, int rows, int dim, float eps, const float *
     norm_t n = {dim, per, rows, eps, x, w, out};
     hs_parallel_for(nthreads, (rows + per - 1) / per, norm_rows, &n);
 }
+
+/* ---- rotary embedding ----------------------------------------------------------------------
+ * x [T, heads, 2 * half] -> out (same shape, no aliasing) with, per token t and head,
+ *   out[:half] = x1 * cos[t] - x2 * sin[t],  out[half:] = x2 * cos[t] + x1 * sin[t]
+ * where (x1, x2) are the two halves of the head, or with `interleaved` its even and odd
+ * elements (DeepSeek; the output is then de-interleaved, as hetserve's rotary.py does). cos and
+ * sin [T, half] are the angles already looked up at each token's position. */
+typedef struct {
+    int T, heads, half, interleaved, tokens_per_item;
+    const float *x, *cos, *sin;
+    float *out;
+} rope_t;
+
+static void rope_rows(void *ctx, int it) {
+    const rope_t *r = (const rope_t *)ctx;
+    const int t0 = it * r->tokens_per_item;
+    const int t1 = t0 + r->tokens_per_item < r->T ? t0 + r->tokens_per_item : r->T;
+    const int half = r->half, dim = 2 * half;
+    for (int t = t0; t < t1; t++) {
+        const float *c = r->cos + (size_t)t * half, *s = r->sin + (size_t)t * half;
+        for (int h = 0; h < r->heads; h++) {
+            const float *x = r->x + ((size_t)t * r->heads + h) * dim;
+            float *o = r->out + ((size_t)t * r->heads + h) * dim;
+            if (r->interleaved) {
+                for (int i = 0; i < half; i++) {
+                    float a = x[2 * i], b = x[2 * i + 1];
+                    o[i] = a * c[i] - b * s[i];
+                    o[half + i] = b * c[i] + a * s[i];
+                }
+                continue;
+            }
+            int i = 0;
+            for (; i + 8 <= half; i += 8) {
+                __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + half + i);
+                __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
+                _mm256_storeu_ps(o + i, _mm256_fmsub_ps(a, cv, _mm256_mul_ps(b, sv)));
+                _mm256_storeu_ps(o + half + i, _mm256_fmadd_ps(b, cv, _mm256_mul_ps(a, sv)));
+            }
+            for (; i < half; i++) {
+                float a = x[i], b = x[half + i];
+                o[i] = a * c[i] - b * s[i];
+                o[half + i] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}
+
+void hetserve_rope(int nthreads, int T, int heads, int half, int interleaved, const float *x,
+                   const float *cos, const float *sin, float *out) {
+    int per = (64 << 10) / (heads * half * 8);
+    per = per < 1 ? 1 : per;
+    rope_t r = {T, heads, half, interleaved, per, x, cos, sin, out};
+    hs_parallel_for(nthreads, (T + per - 1) / per, rope_rows, &r);
+}
