@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetserve import envs
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -37,6 +39,18 @@ class RouterConfig:
                 raise ValueError("topk_group must be in [1, n_group]")
 
 
+_native = None  # the C kernel (hetserve/native/norm.c) once resolved, or False
+
+
+def _native_topk():
+    global _native
+    if _native is None:
+        from hetserve.native import native_unavailable_reason, topk_softmax_fn
+
+        _native = topk_softmax_fn() if native_unavailable_reason() is None else False
+    return _native
+
+
 class TopKRouter(nn.Module):
     """Gate projection plus selection; parameter names follow HF checkpoints."""
 
@@ -55,6 +69,25 @@ class TopKRouter(nn.Module):
         cfg = self.cfg
         # Routing decisions in fp32: ties and near-ties must not depend on the compute dtype.
         logits = F.linear(x.float(), self.weight.float())
+        if (
+            cfg.scoring == "softmax"
+            and (cfg.n_group is None or cfg.n_group <= 1)
+            and self.e_score_correction_bias is None
+            and logits.device.type == "cpu"
+            and not logits.requires_grad
+            and envs.native_kernels()
+            and (fn := _native_topk())
+        ):
+            # One C call for softmax, top-k and renormalisation (six torch ops otherwise).
+            logits = logits.contiguous()
+            t = logits.shape[0]
+            weights = torch.empty(t, cfg.top_k)
+            ids = torch.empty(t, cfg.top_k, dtype=torch.long)
+            renorm = cfg.norm_topk_prob and cfg.top_k > 1
+            scale = 1.0 if renorm and cfg.scale_only_if_not_normed else cfg.routed_scaling_factor
+            fn(torch.get_num_threads(), t, cfg.num_experts, cfg.top_k, int(renorm), scale,
+               logits.data_ptr(), weights.data_ptr(), ids.data_ptr())  # fmt: skip
+            return weights, ids
         if cfg.scoring == "softmax":
             scores = logits.softmax(dim=-1)
         else:

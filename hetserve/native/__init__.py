@@ -5,8 +5,8 @@
   here) and the only fast int8 one (fbgemm) also quantizes activations.
 - `attention.c`: decode attention read straight from the paged KV cache (fp32). Gathering each
   sequence's context into a padded copy and running SDPA cost 3-4x more per decode step.
-- `norm.c`: RMSNorm over fp32 rows and rotary embedding, one call each instead of torch's
-  five to eight small kernels (per-op overhead dominates them at decode).
+- `norm.c`: RMSNorm over fp32 rows, rotary embedding and softmax top-k routing, one call each
+  instead of torch's five to eight small kernels (per-op overhead dominates them at decode).
 - `pool.c`: the parallel loop they share (OpenMP).
 
 It needs no torch headers: a C compiler builds it in a second or two the first time, into a
@@ -105,6 +105,9 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     fn = lib.hetserve_rope
     fn.restype = None
     fn.argtypes = [ctypes.c_int] * 5 + [ctypes.c_void_p] * 4
+    fn = lib.hetserve_topk_softmax
+    fn.restype = None
+    fn.argtypes = [ctypes.c_int] * 5 + [ctypes.c_float] + [ctypes.c_void_p] * 3
     fn = lib.hetserve_paged_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int] * 10 + [ctypes.c_float] + [ctypes.c_void_p] * 6
@@ -141,6 +144,11 @@ def rms_norm_fn():
 def rope_fn():
     """The ctypes function `hetserve_rope` (see norm.c)."""
     return _lib().hetserve_rope
+
+
+def topk_softmax_fn():
+    """The ctypes function `hetserve_topk_softmax` (see norm.c)."""
+    return _lib().hetserve_topk_softmax
 
 
 def paged_decode_attention_fn():

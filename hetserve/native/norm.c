@@ -4,6 +4,7 @@
  * a 64-token decode batch, and a decoding layer has up to four norms. */
 #include <immintrin.h>
 #include <math.h>
+#include <stdint.h>
 
 #include "pool.h"
 #include "simd.h"
@@ -102,4 +103,57 @@ void hetserve_rope(int nthreads, int T, int heads, int half, int interleaved, co
     per = per < 1 ? 1 : per;
     rope_t r = {T, heads, half, interleaved, per, x, cos, sin, out};
     hs_parallel_for(nthreads, (T + per - 1) / per, rope_rows, &r);
+}
+
+/* ---- MoE routing: softmax over E experts, top-k, optional renormalisation -------------------
+ * w[t, j] = softmax(logits[t])[ids[t, j]] for the k largest (ties: lower expert id first),
+ * then, with `renorm`, divided by their sum (+1e-20, like the reference), times `scale`.
+ * ids come out in descending weight order. */
+typedef struct {
+    int T, E, k, renorm;
+    float scale;
+    const float *logits;
+    float *w;
+    int64_t *ids;
+} route_t;
+
+#define ROUTE_TOKENS 64 /* tokens per work item */
+
+static void route_rows(void *ctx, int item) {
+    const route_t *r = (const route_t *)ctx;
+    const int E = r->E, k = r->k;
+    const int t1 = (item + 1) * ROUTE_TOKENS < r->T ? (item + 1) * ROUTE_TOKENS : r->T;
+    for (int t = item * ROUTE_TOKENS; t < t1; t++) {
+        const float *l = r->logits + (size_t)t * E;
+        float mx = l[0];
+        for (int e = 1; e < E; e++) mx = l[e] > mx ? l[e] : mx;
+        float sum = 0.0f;
+        for (int e = 0; e < E; e++) sum += expf(l[e] - mx);
+        float *wt = r->w + (size_t)t * k;
+        int64_t *it = r->ids + (size_t)t * k;
+        int n = 0; /* insertion into a sorted top-k list: E and k are small */
+        for (int e = 0; e < E; e++) {
+            float v = l[e];
+            if (n == k && v <= l[it[k - 1]]) continue;
+            int pos = n < k ? n++ : k - 1;
+            while (pos > 0 && l[it[pos - 1]] < v) {
+                it[pos] = it[pos - 1];
+                pos--;
+            }
+            it[pos] = e;
+        }
+        float tot = 0.0f;
+        for (int j = 0; j < k; j++) {
+            wt[j] = expf(l[it[j]] - mx) / sum;
+            tot += wt[j];
+        }
+        float f = r->renorm ? r->scale / (tot + 1e-20f) : r->scale;
+        for (int j = 0; j < k; j++) wt[j] *= f;
+    }
+}
+
+void hetserve_topk_softmax(int nthreads, int T, int E, int k, int renorm, float scale,
+                           const float *logits, float *w, int64_t *ids) {
+    route_t r = {T, E, k, renorm, scale, logits, w, ids};
+    hs_parallel_for(nthreads, (T + ROUTE_TOKENS - 1) / ROUTE_TOKENS, route_rows, &r);
 }
