@@ -30,13 +30,36 @@ class SeqSpan:
 
 @dataclass
 class DecodeBatch:
-    """All single-token sequences of a forward, attended in one padded SDPA call."""
+    """All single-token sequences of a forward, attended in one call: the native kernel reads
+    `tables`/`lens`; the padded-SDPA path (and MLA) use `slots` and `mask`, built on first use."""
 
     rows: torch.Tensor  # [B] their rows in the token batch
-    slots: torch.Tensor  # [B, L] context slots, padded with slot 0 (the null block)
-    mask: torch.Tensor  # [B, 1, 1, L] True where a real (and in-window) key is
     tables: torch.Tensor  # [B, W] block tables padded with block 0 (L = W * block_size)
     lens: torch.Tensor  # [B] context lengths including the new token
+    block_size: int
+    sliding_window: int | None = None
+
+    @functools.cached_property
+    def _valid(self) -> torch.Tensor:
+        """[B, L] True where a real (and in-window) key is."""
+        k_pos = torch.arange(self.tables.shape[1] * self.block_size, device=self.lens.device)
+        valid = k_pos.unsqueeze(0) < self.lens.unsqueeze(1)
+        if self.sliding_window is not None:
+            valid &= (self.lens.unsqueeze(1) - 1 - k_pos) < self.sliding_window
+        return valid
+
+    @functools.cached_property
+    def slots(self) -> torch.Tensor:
+        """[B, L] context slots, padding reading slot 0 (the null block's first)."""
+        bs = self.block_size
+        k_pos = torch.arange(self.tables.shape[1] * bs, device=self.tables.device)
+        slots = self.tables[:, k_pos // bs] * bs + k_pos % bs
+        return slots.masked_fill(~self._valid, 0)
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """[B, 1, 1, L] attention mask for SDPA."""
+        return self._valid[:, None, None, :]
 
 
 @dataclass
@@ -102,7 +125,12 @@ def build_metadata(
     decode = None
     if decodes:
         decode = _decode_batch(decodes, block_size, positions, slot_mapping, sliding_window)
-        decode = DecodeBatch(*(t.to(device) for t in vars(decode).values()))
+        if torch.device(device).type != "cpu":
+            decode = DecodeBatch(
+                *(t.to(device) for t in (decode.rows, decode.tables, decode.lens)),
+                block_size,
+                sliding_window,
+            )
     return AttentionMetadata(
         positions.to(device), slot_mapping.to(device), seqs, decode, sliding_window
     )
@@ -115,20 +143,24 @@ def _decode_batch(
     slot_mapping: torch.Tensor,
     sliding_window: int | None,
 ) -> DecodeBatch:
-    """Padded [B, L] slots and mask of all decodes; fills their positions and slot_mapping."""
-    rows = torch.tensor([row for row, _, _ in decodes])
-    lens = torch.tensor([kv_len for _, kv_len, _ in decodes])
+    """Block tables and lengths of all decodes; fills their positions and slot_mapping. Lists
+    are flattened before becoming tensors (nested lists convert several times slower)."""
+    n = len(decodes)
     width = max(len(blocks) for _, _, blocks in decodes)
-    tables = torch.tensor([blocks + [0] * (width - len(blocks)) for _, _, blocks in decodes])
-    k_pos = torch.arange(width * block_size)
-    slots = tables[:, k_pos // block_size] * block_size + k_pos % block_size
-    mask = k_pos.unsqueeze(0) < lens.unsqueeze(1)
-    if sliding_window is not None:
-        mask &= (lens.unsqueeze(1) - 1 - k_pos) < sliding_window
-    slots = slots.masked_fill(~mask, 0)  # padding reads the null block's first slot
-    positions[rows] = lens - 1
-    slot_mapping[rows] = slots[torch.arange(len(decodes)), lens - 1]
-    return DecodeBatch(rows, slots, mask[:, None, None, :], tables, lens)
+    flat: list[int] = []
+    row_len: list[int] = []
+    for row, kv_len, blocks in decodes:
+        flat += blocks
+        if len(blocks) < width:
+            flat += [0] * (width - len(blocks))
+        row_len += (row, kv_len)
+    tables = torch.tensor(flat, dtype=torch.long).view(n, width)
+    rows, lens = torch.tensor(row_len, dtype=torch.long).view(n, 2).unbind(1)
+    last = lens - 1
+    positions[rows] = last
+    block = tables.gather(1, (last // block_size).unsqueeze(1)).squeeze(1)
+    slot_mapping[rows] = block * block_size + last % block_size
+    return DecodeBatch(rows, tables, lens, block_size, sliding_window)
 
 
 @dataclass
