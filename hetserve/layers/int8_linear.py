@@ -78,9 +78,36 @@ class Int8Linear(nn.Module):
         )
 
 
+def _fuse(module: nn.Module) -> int:
+    """Where `module` declares projections that read the same input (`fused_projections`, e.g.
+    attention's q/k/v), store them as one Int8Linear: one weight stream and one kernel call
+    instead of three. The separate projections become None."""
+    count = 0
+    declared = getattr(module, "fused_projections", None)
+    for fused_name, parts in (declared() if declared else {}).items():
+        lins = [getattr(module, p, None) for p in parts]
+        if not all(type(lin) is nn.Linear for lin in lins):
+            continue
+        if len({lin.in_features for lin in lins}) != 1:
+            continue
+        if len({lin.bias is None for lin in lins}) != 1:
+            continue
+        with torch.no_grad():
+            big = nn.Linear(lins[0].in_features, sum(lin.out_features for lin in lins),
+                            bias=lins[0].bias is not None, device="meta")  # fmt: skip
+            big.weight = nn.Parameter(torch.cat([lin.weight for lin in lins]))
+            if lins[0].bias is not None:
+                big.bias = nn.Parameter(torch.cat([lin.bias for lin in lins]))
+        setattr(module, fused_name, Int8Linear(big))
+        for p in parts:
+            setattr(module, p, None)
+        count += len(parts)
+    return count
+
+
 def quantize_linears(module: nn.Module) -> int:
     """Replace every nn.Linear inside `module` (not `module` itself) by an Int8Linear."""
-    count = 0
+    count = _fuse(module)
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
             setattr(module, name, Int8Linear(child))

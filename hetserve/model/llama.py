@@ -42,15 +42,27 @@ class GQAAttention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = [rotary]  # a list: shared across layers, not a registered submodule
         self.scale = d**-0.5
+        # Set by int8 quantization (layers/int8_linear.py): one matrix for q, k and v, in
+        # place of the three projections (which are then None).
+        self.qkv_proj: nn.Module | None = None
+
+    def fused_projections(self) -> dict[str, tuple[str, ...]]:
+        """Projections that read the same input and may be stored as one matrix."""
+        return {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
 
     def kv_spec(self) -> list[tuple[int, ...]]:
         return [(self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)]
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split((nq, nkv, nkv), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         rope = self.rotary[0]

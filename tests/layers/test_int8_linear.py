@@ -36,3 +36,28 @@ def test_within_the_stated_bound(kernel, n, k, t, bias):
 def test_native_needs_aligned_shapes_and_falls_back():
     assert Int8Linear(nn.Linear(30, 8), kernel="auto").kernel == "fbgemm"  # K % 32 != 0
     assert Int8Linear(nn.Linear(32, 6), kernel="auto").kernel == "fbgemm"  # N % 4 != 0
+
+
+class _Attn(nn.Module):
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(64, n, bias=bias) for n in (64, 32, 32))
+        self.o_proj = nn.Linear(64, 64)
+        self.qkv_proj = None
+
+    def fused_projections(self):
+        return {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_declared_projections_become_one_matrix(bias):
+    from hetserve.layers.int8_linear import quantize_linears
+
+    attn = _Attn(bias)
+    separate = [Int8Linear(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    assert quantize_linears(attn) == 4
+    assert attn.q_proj is None and attn.k_proj is None and attn.v_proj is None
+    assert isinstance(attn.qkv_proj, Int8Linear) and isinstance(attn.o_proj, Int8Linear)
+    x = torch.randn(3, 64)
+    # Per-output-channel scales: fusing rows changes nothing about each row's quantization.
+    assert torch.allclose(attn.qkv_proj(x), torch.cat([m(x) for m in separate], -1), atol=1e-6)
