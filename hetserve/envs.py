@@ -42,7 +42,8 @@ def llama_cpp_src() -> str | None:
 def native_kernels() -> bool:
     """HETSERVE_NATIVE_KERNELS=0 turns off the C kernels hetserve picks on its own on the CPU
     (decode attention over the paged cache, fp32 routed experts without placement, int8
-    non-expert linears, which then use fbgemm); the torch paths they replace are the reference.
+    non-expert linears, which then use fbgemm, RMSNorm, rotary embedding, softmax top-k
+    routing); the torch paths they replace are the reference.
     Expert backends named in placement rules (`cpu-int8` with kernel "auto", ...) are not
     affected."""
     return os.environ.get("HETSERVE_NATIVE_KERNELS", "1") != "0"
