@@ -30,6 +30,8 @@ _SEEDS = random.Random()  # seeded from os.urandom once per process
 
 def _fresh_seed() -> int:
     return _SEEDS.getrandbits(63)
+
+
 log = logging.getLogger(__name__)
 
 

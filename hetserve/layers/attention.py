@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from hetserve import envs
 from hetserve.kv.paged import PagedKVCache
+from hetserve.native import optional_kernel
 
 
 @dataclass
@@ -204,20 +205,12 @@ def batched_decode_sdpa(
     return out.squeeze(2)
 
 
-@functools.cache
-def _native_decode():
-    """The C decode kernel, or None where it cannot be built (no compiler, no AVX2)."""
-    from hetserve.native import native_unavailable_reason, paged_decode_attention_fn
-
-    return None if native_unavailable_reason() is not None else paged_decode_attention_fn()
-
-
 def _native_decode_ok(q: torch.Tensor, entries: list[torch.Tensor]) -> bool:
     return (
         q.device.type == "cpu"
         and all(t.dtype == torch.float32 for t in (q, *entries))
         and envs.native_kernels()
-        and _native_decode() is not None
+        and optional_kernel("hetserve_paged_decode_attention") is not None
     )
 
 
@@ -237,7 +230,7 @@ def native_decode_attention(
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     out = q.new_empty(b, h, dv)
     tables, lens = d.tables.contiguous(), d.lens.contiguous()
-    rc = _native_decode()(
+    rc = optional_kernel("hetserve_paged_decode_attention")(
         *(torch.get_num_threads(), b, h, hkv, dim, dv, kv.block_size, tables.shape[1]),
         *(sliding_window or 0, kv.num_blocks, scale),
         *(t.data_ptr() for t in (q, k_cache, v_cache, tables, lens, out)),

@@ -40,9 +40,9 @@ class Int8Linear(nn.Module):
         self.kernel = "native" if kernel != "fbgemm" and _native_ok(*q.shape) else "fbgemm"
         if self.kernel == "native":
             from hetserve.moe.cpu_native import interleave_quads
-            from hetserve.native import int8_linear_fn
+            from hetserve.native import kernel
 
-            self._fn = int8_linear_fn()
+            self._fn = kernel("hetserve_int8_linear")
             self._q = interleave_quads(q.unsqueeze(0), 16)[0]
             self._scale = scale.contiguous()
             self._bias = bias

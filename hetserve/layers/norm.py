@@ -7,17 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetserve import envs
-
-_native = None  # the C kernel (hetserve/native/norm.c) once resolved, or False
-
-
-def _native_fn():
-    global _native
-    if _native is None:
-        from hetserve.native import native_unavailable_reason, rms_norm_fn
-
-        _native = rms_norm_fn() if native_unavailable_reason() is None else False
-    return _native
+from hetserve.native import optional_kernel
 
 
 class RMSNorm(nn.Module):
@@ -36,7 +26,7 @@ class RMSNorm(nn.Module):
                 and w.dtype == torch.float32
                 and not (x.requires_grad or w.requires_grad)
                 and envs.native_kernels()
-                and (fn := _native_fn())
+                and (fn := optional_kernel("hetserve_rms_norm"))
             ):
                 x = x.contiguous()
                 out = torch.empty_like(x)

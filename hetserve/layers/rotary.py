@@ -15,6 +15,7 @@ from torch import nn
 
 from hetserve import envs
 from hetserve.errors import ModelLoadError
+from hetserve.native import optional_kernel
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -119,18 +120,6 @@ def _yarn(rope: RopeConfig, dim: int, max_position: int) -> tuple[torch.Tensor, 
     return inv, float(attn_factor)
 
 
-_native = None  # the C kernel (hetserve/native/norm.c) once resolved, or False
-
-
-def _native_rope():
-    global _native
-    if _native is None:
-        from hetserve.native import native_unavailable_reason, rope_fn
-
-        _native = rope_fn() if native_unavailable_reason() is None else False
-    return _native
-
-
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to [T, heads, dim] tensors at the given positions.
 
@@ -170,7 +159,7 @@ class RotaryEmbedding(nn.Module):
             and x.device.type == "cpu"
             and not x.requires_grad
             and envs.native_kernels()
-            and (fn := _native_rope())
+            and (fn := optional_kernel("hetserve_rope"))
         ):
             x = x.contiguous()
             out = torch.empty_like(x)

@@ -20,7 +20,7 @@ from hetserve.moe.cpu_backends import (
     quantize_int8_per_channel,
 )
 from hetserve.moe.experts import ExpertWeights
-from hetserve.native import hugepage_empty, moe_forward_fn
+from hetserve.native import hugepage_empty, kernel
 
 
 def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
@@ -63,7 +63,7 @@ class _NativeExperts(_CPUExperts):
                 raise InvalidInputError(
                     f"native kernel needs {name} size % {self.align} == 0, got {dim}"
                 )
-        self._fn = moe_forward_fn()
+        self._fn = kernel("hetserve_moe_forward")
         self._threads = num_threads
         super().__init__(weights, activation=activation, num_threads=num_threads)
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetserve import envs
+from hetserve.native import optional_kernel
 
 
 @dataclass(frozen=True)
@@ -39,18 +40,6 @@ class RouterConfig:
                 raise ValueError("topk_group must be in [1, n_group]")
 
 
-_native = None  # the C kernel (hetserve/native/norm.c) once resolved, or False
-
-
-def _native_topk():
-    global _native
-    if _native is None:
-        from hetserve.native import native_unavailable_reason, topk_softmax_fn
-
-        _native = topk_softmax_fn() if native_unavailable_reason() is None else False
-    return _native
-
-
 class TopKRouter(nn.Module):
     """Gate projection plus selection; parameter names follow HF checkpoints."""
 
@@ -76,7 +65,7 @@ class TopKRouter(nn.Module):
             and logits.device.type == "cpu"
             and not logits.requires_grad
             and envs.native_kernels()
-            and (fn := _native_topk())
+            and (fn := optional_kernel("hetserve_topk_softmax"))
         ):
             # One C call for softmax, top-k and renormalisation (six torch ops otherwise).
             logits = logits.contiguous()

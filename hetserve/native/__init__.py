@@ -5,8 +5,8 @@
   here) and the only fast int8 one (fbgemm) also quantizes activations.
 - `attention.c`: decode attention read straight from the paged KV cache (fp32). Gathering each
   sequence's context into a padded copy and running SDPA cost 3-4x more per decode step.
-- `norm.c`: RMSNorm over fp32 rows, rotary embedding and softmax top-k routing, one call each
-  instead of torch's five to eight small kernels (per-op overhead dominates them at decode).
+- `small_ops.c`: RMSNorm over fp32 rows, rotary embedding and softmax top-k routing, one call
+  each instead of torch's five to eight small kernels (per-op overhead dominates at decode).
 - `pool.c`: the parallel loop they share (OpenMP).
 
 It needs no torch headers: a C compiler builds it in a second or two the first time, into a
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import torch
 
 HERE = Path(__file__).parent
-SOURCES = ("pool.c", "moe_kernels.c", "attention.c", "norm.c")
+SOURCES = ("pool.c", "moe_kernels.c", "attention.c", "small_ops.c")
 HEADERS = ("pool.h", "simd.h")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared"]
 
@@ -71,6 +71,18 @@ def _compile(compiler: str, flags: list[str], target: Path) -> str | None:
             os.unlink(tmp)
 
 
+_I, _F, _P = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+# Each exported function: (restype, argtypes), as declared in the C sources.
+_SIGNATURES = {
+    "hetserve_moe_forward": (_I, [_I] * 8 + [_P] * 10),
+    "hetserve_int8_linear": (_I, [_I] * 4 + [_P] * 4),
+    "hetserve_paged_decode_attention": (_I, [_I] * 10 + [_F] + [_P] * 6),
+    "hetserve_rms_norm": (None, [_I] * 3 + [_F] + [_P] * 3),
+    "hetserve_rope": (None, [_I] * 5 + [_P] * 4),
+    "hetserve_topk_softmax": (None, [_I] * 5 + [_F] + [_P] * 3),
+}
+
+
 @cache
 def _build() -> tuple[ctypes.CDLL | None, str | None]:
     reason = _cpu_supported()
@@ -93,24 +105,9 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
             error = f"cannot build or load the kernels in {target.parent}: {exc}"
     else:
         return None, f"compiling hetserve/native failed: {error}"
-    fn = lib.hetserve_moe_forward
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int] * 8 + [ctypes.c_void_p] * 10
-    fn = lib.hetserve_int8_linear
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p] * 4
-    fn = lib.hetserve_rms_norm
-    fn.restype = None
-    fn.argtypes = [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 3
-    fn = lib.hetserve_rope
-    fn.restype = None
-    fn.argtypes = [ctypes.c_int] * 5 + [ctypes.c_void_p] * 4
-    fn = lib.hetserve_topk_softmax
-    fn.restype = None
-    fn.argtypes = [ctypes.c_int] * 5 + [ctypes.c_float] + [ctypes.c_void_p] * 3
-    fn = lib.hetserve_paged_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int] * 10 + [ctypes.c_float] + [ctypes.c_void_p] * 6
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
     return lib, None
 
 
@@ -119,41 +116,20 @@ def native_unavailable_reason() -> str | None:
     return _build()[1]
 
 
-def _lib() -> ctypes.CDLL:
+def kernel(name: str):
+    """The ctypes function `name` (one of _SIGNATURES; see the C sources for its arguments).
+    Raises where the kernels are unavailable."""
     lib, reason = _build()
     if lib is None:
         raise RuntimeError(f"native kernels unavailable: {reason}")
-    return lib
+    return getattr(lib, name)
 
 
-def moe_forward_fn():
-    """The ctypes function `hetserve_moe_forward` (see moe_kernels.c for its arguments)."""
-    return _lib().hetserve_moe_forward
-
-
-def int8_linear_fn():
-    """The ctypes function `hetserve_int8_linear` (see moe_kernels.c)."""
-    return _lib().hetserve_int8_linear
-
-
-def rms_norm_fn():
-    """The ctypes function `hetserve_rms_norm` (see norm.c)."""
-    return _lib().hetserve_rms_norm
-
-
-def rope_fn():
-    """The ctypes function `hetserve_rope` (see norm.c)."""
-    return _lib().hetserve_rope
-
-
-def topk_softmax_fn():
-    """The ctypes function `hetserve_topk_softmax` (see norm.c)."""
-    return _lib().hetserve_topk_softmax
-
-
-def paged_decode_attention_fn():
-    """The ctypes function `hetserve_paged_decode_attention` (see attention.c)."""
-    return _lib().hetserve_paged_decode_attention
+@cache
+def optional_kernel(name: str):
+    """The ctypes function `name`, or None where the kernels cannot be built here; for callers
+    that fall back to torch. (HETSERVE_NATIVE_KERNELS is theirs to check, per call.)"""
+    return kernel(name) if native_unavailable_reason() is None else None
 
 
 _HUGE = 2 << 20

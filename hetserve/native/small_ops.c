@@ -1,4 +1,7 @@
-/* RMSNorm over fp32 rows (hetserve.layers.norm): out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w.
+/* Small per-layer kernels (hetserve.layers.norm, .rotary, hetserve.moe.router): RMSNorm,
+ * rotary embedding and softmax top-k routing over fp32 rows.
+ *
+ * RMSNorm: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w.
  * torch runs it as a composite of five to six kernels (pow, mean, add, rsqrt, mul, mul), each
  * with its own dispatch and output allocation; inside the engine that cost ~100+ us per norm of
  * a 64-token decode batch, and a decoding layer has up to four norms. */
