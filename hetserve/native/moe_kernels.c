@@ -352,28 +352,38 @@ static void phase2(const job_t *j, int u0, int u1) {
 typedef struct {
     job_t *job;
     int phase;
+    int rc; /* row quads per work item */
 } arg_t;
 
-/* One work item: RC row quads of one active expert (never crossing an expert). Items are handed
+/* One work item: rc row quads of one active expert (never crossing an expert). Items are handed
  * out dynamically by the pool: on a shared machine a descheduled thread must not hold the whole
  * layer back (a static split would). */
 static void phase_item(void *ctx, int c) {
     const arg_t *arg = (const arg_t *)ctx;
     const job_t *j = arg->job;
     int per = (arg->phase == 1 ? j->I : j->H) / 4;
-    int cpe = (per + RC - 1) / RC;
-    int ai = c / cpe, u0 = ai * per + (c % cpe) * RC;
-    int u1 = u0 + RC < (ai + 1) * per ? u0 + RC : (ai + 1) * per;
+    int cpe = (per + arg->rc - 1) / arg->rc;
+    int ai = c / cpe, u0 = ai * per + (c % cpe) * arg->rc;
+    int u1 = u0 + arg->rc < (ai + 1) * per ? u0 + arg->rc : (ai + 1) * per;
     if (arg->phase == 1)
         phase1(j, u0, u1);
     else
         phase2(j, u0, u1);
 }
 
+/* Items of at least ITEM_BYTES of weights (and RC quads): a thread's weight stream then runs
+ * long enough for the prefetchers before it jumps, also where rows are short (phase 2 of small
+ * experts: a quad of 4 x 512 int8 weights is only 2 KiB). */
+#define ITEM_BYTES (64 << 10)
+
 static void run_phase(job_t *j, int phase) {
-    arg_t arg = {j, phase};
     int per = (phase == 1 ? j->I : j->H) / 4;
-    hs_parallel_for(j->nthreads, j->n_active * ((per + RC - 1) / RC), phase_item, &arg);
+    int K = phase == 1 ? j->H : j->I;
+    long unit = (long)(phase == 1 ? 8 : 4) * K * j->bits / 8; /* bytes per row quad (x2 gate/up) */
+    int rc = (int)(ITEM_BYTES / (unit > 0 ? unit : 1));
+    rc = rc < RC ? RC : rc;
+    arg_t arg = {j, phase, rc};
+    hs_parallel_for(j->nthreads, j->n_active * ((per + rc - 1) / rc), phase_item, &arg);
 }
 
 /* Returns 0, -1 when out of memory, -2 when an expert id is outside [0, E). */
