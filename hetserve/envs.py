@@ -46,4 +46,12 @@ def native_kernels() -> bool:
     routing); the torch paths they replace are the reference.
     Expert backends named in placement rules (`cpu-int8` with kernel "auto", ...) are not
     affected."""
+    # Asked by every layer on every forward: os.environ.get encodes the key each time (~1.5 us,
+    # ~70 calls per decode step); on POSIX the bytes mapping behind it answers directly.
+    if _ENV_BYTES is not None:
+        return _ENV_BYTES.get(b"HETSERVE_NATIVE_KERNELS", b"1") != b"0"
     return os.environ.get("HETSERVE_NATIVE_KERNELS", "1") != "0"
+
+
+# os.environ's own storage (kept in sync by os.environ[...] = ..., monkeypatch.setenv, ...).
+_ENV_BYTES = getattr(os.environ, "_data", None) if os.name == "posix" else None

@@ -4,7 +4,9 @@ Systems, each loaded inside its own function so its weights are freed before the
 hetserve hybrid (routed experts on the cpu-int8 kernel), hetserve fp32 reference (`placement=None`),
 transformers `generate` (fp32) and llama.cpp on a q8_0 GGUF converted from the same weights
 (llama-cpp-python, optional). Decode rate is (N - 1) / (t(N tokens) - t(1 token)), best of repeats,
-so prefill and start-up cancel out; all run greedy with EOS ignored on the same prompt ids.
+so prefill and start-up cancel out; all run greedy with EOS ignored on the same prompt ids. The
+whole plan runs `--rounds` times, in reverse order every other round, and each system keeps its
+best round (every round's rate is in the JSON).
 
 Next to the rates: the routed-expert bytes each decoded token streams at int8 (top_k experts of
 every MoE layer) and the GB/s that implies for the hybrid run, against this machine's memory read
@@ -31,6 +33,13 @@ def register(sub) -> None:
     p.add_argument("--tokens", type=int, default=32, help="tokens to decode per run")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per system (best is kept)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="times every system is loaded and timed, in alternating order (best round kept): "
+        "a busy minute on a shared machine then does not penalize one system alone",
+    )
     p.add_argument("--threads", type=int, default=None, help="CPU threads for every system")
     p.add_argument("--json", "--result-file", dest="json", default=None, help="write JSON here")
     p.add_argument("--skip-hf", action="store_true", help="skip transformers")
@@ -217,6 +226,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = _load_config(args.model)
     if args.tokens < 2:
         raise InvalidInputError("--tokens must be at least 2")
+    if args.rounds < 1 or args.repeats < 1:
+        raise InvalidInputError("--rounds and --repeats must be at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -237,14 +248,18 @@ def run(args: argparse.Namespace) -> int:
         plan.append(("transformers fp32", lambda: _hf_rate(args, ids, bar)))
     if not args.skip_llamacpp:
         plan.append(("llama.cpp q8_0", lambda: llamacpp.rate(args, ids, threads, bar)))
-    rates: dict[str, float | None] = {}
-    with tqdm(total=2 * args.repeats * len(plan), desc="bench decode", unit="run") as bar:
-        for name, fn in plan:
-            bar.set_postfix_str(name)
-            rates[name] = _isolated(fn)
+    runs: dict[str, list[float | None]] = {name: [] for name, _ in plan}
+    total = 2 * args.repeats * len(plan) * args.rounds
+    with tqdm(total=total, desc="bench decode", unit="run") as bar:
+        for r in range(args.rounds):
+            for name, fn in plan if r % 2 == 0 else plan[::-1]:
+                bar.set_postfix_str(f"{name} (round {r + 1})")
+                runs[name].append(_isolated(fn))
+    rates = {name: max((x for x in rs if x), default=None) for name, rs in runs.items()}
     # Probed again once every model is freed: the best of both is the least disturbed reading.
     bandwidth = max(bandwidth, measure_bandwidth(args.bandwidth_mib))
     report = build_report(args, cfg, rates, bandwidth, threads)
+    report["rounds_tokens_per_s"] = runs
     print_report(report)
     write_json(args.json, report)
     return 0
@@ -269,6 +284,7 @@ def build_report(
         "tokens": args.tokens,
         "prompt_len": args.prompt_len,
         "repeats": args.repeats,
+        "rounds": getattr(args, "rounds", 1),
         "threads": threads,
         "decode_tokens_per_s": rates,
         "vs_llamacpp_q8_0": _ratios(rates, "llama.cpp q8_0"),

@@ -207,8 +207,9 @@ def batched_decode_sdpa(
 
 def _native_decode_ok(q: torch.Tensor, entries: list[torch.Tensor]) -> bool:
     return (
-        q.device.type == "cpu"
-        and all(t.dtype == torch.float32 for t in (q, *entries))
+        q.is_cpu
+        and q.dtype is torch.float32
+        and all(t.dtype is torch.float32 for t in entries)
         and envs.native_kernels()
         and optional_kernel("hetserve_paged_decode_attention") is not None
     )
@@ -228,34 +229,109 @@ def native_decode_attention(
     q = q.contiguous()
     b, h, dim = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
-    out = q.new_empty(b, h, dv)
+    out = torch.empty(b, h, dv)  # CPU fp32 (checked by the caller)
     tables, lens = d.tables.contiguous(), d.lens.contiguous()
     rc = optional_kernel("hetserve_paged_decode_attention")(
         *(torch.get_num_threads(), b, h, hkv, dim, dv, kv.block_size, tables.shape[1]),
         *(sliding_window or 0, kv.num_blocks, scale),
-        *(t.data_ptr() for t in (q, k_cache, v_cache, tables, lens, out)),
+        *(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()),
+        *(tables.data_ptr(), lens.data_ptr(), out.data_ptr()),
     )
     if rc != 0:
         raise RuntimeError(f"native decode attention failed (code {rc})")
     return out
 
 
-def paged_attention(
-    layer: int,
+def _qk_rope_cache_fits(q_norm, k_norm, rope, k_cache, v_cache) -> bool:
+    """The parts of `native_qk_rope_cache`'s conditions fixed for a layer and its cache."""
+    dim = k_cache.shape[-1]
+    norms = [n for n in (q_norm, k_norm) if n is not None]
+    return (
+        optional_kernel("hetserve_qk_rope_cache") is not None
+        and rope.dim == dim
+        and v_cache.shape[-1] == dim
+        and len(norms) != 1
+        and all(n.weight.dtype == torch.float32 and n.weight.is_cpu for n in norms)
+        and (not norms or q_norm.eps == k_norm.eps)
+        and rope.cos.is_cpu
+        and all(t.dtype == torch.float32 and t.is_cpu for t in (k_cache, v_cache))
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    )
+
+
+def native_qk_rope_cache(
+    owner,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    q_norm,
+    k_norm,
+    rope,
+    ctx: ForwardContext,
+) -> torch.Tensor | None:
+    """q/k per-head RMSNorm (`q_norm`/`k_norm`, RMSNorm or None), rotary (`rope`, a
+    RotaryEmbedding over the whole head) and the K/V cache write of the attention layer `owner`
+    (its `layer_idx`) in one C call (hetserve_qk_rope_cache). q, k, v [T, heads * D] may be
+    column slices of one fused qkv output. Returns the rotated q [T, H, D] with K/V already in
+    the cache, or None where the kernel does not apply (not CPU fp32 inference, partial
+    rotary, ...): the caller then takes the module path."""
+    entries = ctx.kv.layers[owner.layer_idx]
+    if len(entries) != 2 or q.requires_grad or not envs.native_kernels():
+        return None
+    k_cache, v_cache = entries
+    # What depends only on the layer and its cache is checked once per cache.
+    memo = owner.__dict__.get("_qk_rope_cache_fits")
+    if memo is None or memo[0] is not k_cache:
+        memo = (k_cache, _qk_rope_cache_fits(q_norm, k_norm, rope, k_cache, v_cache))
+        owner.__dict__["_qk_rope_cache_fits"] = memo
+    positions, slots = ctx.meta.positions, ctx.meta.slot_mapping
+    if not (
+        memo[1]
+        and all(t.dtype is torch.float32 and t.is_cpu and t.stride(-1) == 1 for t in (q, k, v))
+        and q.dim() == 2
+        and positions.dtype is torch.long
+        and slots.dtype is torch.long
+        and not (q_norm is not None and q_norm.weight.requires_grad)
+        and not (k_norm is not None and k_norm.weight.requires_grad)
+    ):
+        return None
+    dim = k_cache.shape[-1]
+    t, nq, nkv = q.shape[0], q.shape[1] // dim, k_cache.shape[1]
+    q_out = torch.empty(t, nq, dim)
+    has_norm = q_norm is not None
+    norm_w = (q_norm.weight.data_ptr(), k_norm.weight.data_ptr()) if has_norm else (None, None)
+    rc = optional_kernel("hetserve_qk_rope_cache")(
+        *(torch.get_num_threads(), t, nq, nkv, dim // 2, int(rope.interleaved)),
+        *(q.stride(0), k.stride(0), v.stride(0), rope.cos.shape[0], k_cache.shape[0]),
+        q_norm.eps if has_norm else 0.0,
+        *(q.data_ptr(), k.data_ptr(), v.data_ptr(), *norm_w),
+        *(rope.cos.data_ptr(), rope.sin.data_ptr(), positions.data_ptr(), slots.data_ptr()),
+        *(q_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()),
+    )
+    if rc != 0:
+        raise RuntimeError("position or KV slot out of range in the attention layer")
+    return q_out
+
+
+def paged_attention(
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     ctx: ForwardContext,
     scale: float,
 ) -> torch.Tensor:
-    """Standard (GQA) attention: store this forward's K/V, then attend over each context."""
-    ctx.kv.write(layer, ctx.meta.slot_mapping, k, v)
+    """Standard (GQA) attention: store this forward's K/V (k, v None: already stored), then
+    attend over each context."""
+    if k is not None:
+        ctx.kv.write(layer, ctx.meta.slot_mapping, k, v)
     d = ctx.meta.decode
     native = d is not None and _native_decode_ok(q, ctx.kv.layers[layer])
     if native and not ctx.meta.seqs:  # a pure decode step: every row is a decode, in order
         entries = ctx.kv.layers[layer]
         return native_decode_attention(q, *entries, d, ctx.kv, scale, ctx.meta.sliding_window)
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    out = q.new_empty(q.shape[0], q.shape[1], ctx.kv.layers[layer][1].shape[2])
     if native:
         out[d.rows] = native_decode_attention(
             q[d.rows], *ctx.kv.layers[layer], d, ctx.kv, scale, ctx.meta.sliding_window

@@ -54,22 +54,26 @@ class Int8Linear(nn.Module):
             self._packed = torch.ops.quantized.linear_prepack(qw, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "native" and x.dim() == 2 and x.dtype is torch.float32:
+            return self._native(x)  # the decode step's case: no reshapes or casts around it
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float()
         if self.kernel == "native":
-            x2 = x2.contiguous()
-            y = torch.empty(x2.shape[0], self.out_features)
-            rc = self._fn(
-                torch.get_num_threads(), x2.shape[0], self.out_features, self.in_features,
-                x2.data_ptr(), y.data_ptr(), self._q.data_ptr(), self._scale.data_ptr(),
-            )  # fmt: skip
-            if rc != 0:
-                raise MemoryError("native int8 linear could not allocate its activation buffer")
-            if self._bias is not None:
-                y += self._bias
+            y = self._native(x2)
         else:
             y = torch.ops.quantized.linear_dynamic(x2, self._packed, True)
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def _native(self, x2: torch.Tensor) -> torch.Tensor:
+        x2 = x2.contiguous()
+        y = torch.empty(x2.shape[0], self.out_features)
+        rc = self._fn(
+            torch.get_num_threads(), x2.shape[0], self.out_features, self.in_features,
+            x2.data_ptr(), y.data_ptr(), self._q.data_ptr(), self._scale.data_ptr(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("native int8 linear could not allocate its activation buffer")
+        return y if self._bias is None else y.add_(self._bias)
 
     def extra_repr(self) -> str:
         return (

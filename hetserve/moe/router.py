@@ -62,7 +62,7 @@ class TopKRouter(nn.Module):
             cfg.scoring == "softmax"
             and (cfg.n_group is None or cfg.n_group <= 1)
             and self.e_score_correction_bias is None
-            and logits.device.type == "cpu"
+            and logits.is_cpu
             and not logits.requires_grad
             and envs.native_kernels()
             and (fn := optional_kernel("hetserve_topk_softmax"))

@@ -71,7 +71,7 @@ def _compile(compiler: str, flags: list[str], target: Path) -> str | None:
             os.unlink(tmp)
 
 
-_I, _F, _P = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+_I, _L, _F, _P = ctypes.c_int, ctypes.c_long, ctypes.c_float, ctypes.c_void_p
 # Each exported function: (restype, argtypes), as declared in the C sources.
 _SIGNATURES = {
     "hetserve_moe_forward": (_I, [_I] * 8 + [_P] * 10),
@@ -80,6 +80,7 @@ _SIGNATURES = {
     "hetserve_rms_norm": (None, [_I] * 3 + [_F] + [_P] * 3),
     "hetserve_rope": (None, [_I] * 5 + [_P] * 4),
     "hetserve_topk_softmax": (None, [_I] * 5 + [_F] + [_P] * 3),
+    "hetserve_qk_rope_cache": (_I, [_I] * 6 + [_L] * 3 + [_I, _L, _F] + [_P] * 12),
 }
 
 

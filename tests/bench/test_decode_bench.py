@@ -17,7 +17,8 @@ from hetserve.bench.decode import (
 )
 from hetserve.cli import main
 
-FAST = ["--tokens", "6", "--prompt-len", "8", "--repeats", "1", "--bandwidth-mib", "8"]
+FAST = ["--tokens", "6", "--prompt-len", "8", "--repeats", "1", "--rounds", "1",
+        "--bandwidth-mib", "8"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +49,24 @@ def test_bench_decode_end_to_end_writes_json(moe_dir, tmp_path, capsys):
     assert "vs llama.cpp q8_0" in text and "routed experts streamed per token" in text
 
 
-def test_bench_decode_skip_hf(moe_dir, tmp_path):
+def test_bench_decode_skip_hf_and_rounds(moe_dir, tmp_path):
     out = tmp_path / "decode.json"
     rc = main(["bench", "decode", "--model", str(moe_dir), *FAST, "--skip-llamacpp", "--skip-hf",
-               "--skip-reference", "--skip-all-int8", "--json", str(out)])  # fmt: skip
+               "--skip-reference", "--rounds", "2", "--json", str(out)])  # fmt: skip
     assert rc == 0
-    rates = json.loads(out.read_text())["decode_tokens_per_s"]
-    assert list(rates) == ["hetserve cpu-int8"] and rates["hetserve cpu-int8"] > 0
+    data = json.loads(out.read_text())
+    rates, rounds = data["decode_tokens_per_s"], data["rounds_tokens_per_s"]
+    expected = ["hetserve cpu-int8"] + ([] if torch.cuda.is_available() else ["hetserve all-int8"])
+    assert list(rates) == expected and data["rounds"] == 2
+    for name in expected:  # each system timed once per round, the best round reported
+        assert len(rounds[name]) == 2 and rates[name] == max(rounds[name]) > 0
+
+
+def test_bad_rounds_exit_2(moe_dir, capsys):
+    rc = main(["bench", "decode", "--model", str(moe_dir), "--rounds", "0", "--skip-llamacpp"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "--rounds" in err and "\n" not in err
 
 
 def test_roofline_bytes_match_a_hand_computation():

@@ -1,0 +1,83 @@
+"""The fused head of a GQA layer (q/k norm + rotary + KV cache write, one C call) against the
+module path it replaces: RMSNorm and RotaryEmbedding modules, then PagedKVCache.write."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hetserve.kv.paged import PagedKVCache
+from hetserve.layers.attention import ForwardContext, build_metadata, native_qk_rope_cache
+from hetserve.layers.norm import RMSNorm
+from hetserve.layers.rotary import RopeConfig, RotaryEmbedding
+from hetserve.native import native_unavailable_reason
+
+pytestmark = pytest.mark.skipif(
+    native_unavailable_reason() is not None,
+    reason=f"native kernels unavailable: {native_unavailable_reason()}",
+)
+BS = 8
+
+
+def _layer(nq, nkv, d, qk_norm, interleaved, seed):
+    g = torch.Generator().manual_seed(seed)
+    norms = (None, None)
+    if qk_norm:
+        norms = tuple(RMSNorm(d, 1e-6).requires_grad_(False) for _ in range(2))
+        for n in norms:
+            n.weight.copy_(torch.rand(d, generator=g) + 0.5)
+    rope = RotaryEmbedding(d, 64, RopeConfig(theta=10000.0), interleaved=interleaved)
+    owner = SimpleNamespace(layer_idx=0)
+    kv = PagedKVCache([[(nkv, d), (nkv, d)]], 12, BS, torch.float32, "cpu")
+    # a prefill chunk of 5 tokens and two decodes, in blocks out of order
+    meta = build_metadata([(0, 5, [3]), (20, 1, [7, 2, 9]), (9, 1, [4, 11])], BS, "cpu")
+    qkv = torch.randn(meta.positions.shape[0], (nq + 2 * nkv) * d, generator=g)
+    return owner, norms, rope, ForwardContext(meta, kv), qkv
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("nq,nkv,d", [(4, 2, 16), (6, 1, 24), (3, 3, 10)])
+def test_fused_equals_module_path(qk_norm, interleaved, nq, nkv, d):
+    owner, (qn, kn), rope, ctx, qkv = _layer(nq, nkv, d, qk_norm, interleaved, nq * d)
+    t = qkv.shape[0]
+    q, k, v = qkv.split((nq * d, nkv * d, nkv * d), dim=-1)  # strided column views
+    q_rot = native_qk_rope_cache(owner, q, k, v, qn, kn, rope, ctx)
+    assert q_rot is not None and q_rot.shape == (t, nq, d)
+    k_cache, v_cache = (x.clone() for x in ctx.kv.layers[0])
+
+    ctx.kv.layers[0][0].zero_(), ctx.kv.layers[0][1].zero_()
+    q_ref, k_ref = q.reshape(t, nq, d), k.reshape(t, nkv, d)
+    if qk_norm:
+        q_ref, k_ref = qn(q_ref), kn(k_ref)
+    pos = ctx.meta.positions
+    q_ref, k_ref = rope(q_ref, pos), rope(k_ref, pos)
+    ctx.kv.write(0, ctx.meta.slot_mapping, k_ref, v.reshape(t, nkv, d))
+    torch.testing.assert_close(q_rot, q_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k_cache, ctx.kv.layers[0][0], rtol=1e-6, atol=1e-6)
+    assert torch.equal(v_cache, ctx.kv.layers[0][1])  # V is copied bit for bit
+    written = set(ctx.meta.slot_mapping.tolist())
+    untouched = [s for s in range(k_cache.shape[0]) if s not in written]
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+def test_out_of_range_slot_raises_and_writes_nothing():
+    owner, (qn, kn), rope, ctx, qkv = _layer(2, 1, 16, True, False, 0)
+    q, k, v = qkv.split((32, 16, 16), dim=-1)
+    ctx.meta.slot_mapping[-1] = ctx.kv.layers[0][0].shape[0]  # one past the last slot
+    with pytest.raises(RuntimeError, match="out of range"):
+        native_qk_rope_cache(owner, q, k, v, qn, kn, rope, ctx)
+    assert not ctx.kv.layers[0][0].any() and not ctx.kv.layers[0][1].any()
+
+
+def test_declines_what_it_does_not_cover(monkeypatch):
+    owner, (qn, kn), rope, ctx, qkv = _layer(2, 1, 16, True, False, 0)
+    q, k, v = qkv.split((32, 16, 16), dim=-1)
+    partial = RotaryEmbedding(8, 64, RopeConfig(theta=10000.0))  # rotary over half the head
+    assert native_qk_rope_cache(SimpleNamespace(layer_idx=0), q, k, v, qn, kn, partial, ctx) is None
+    assert native_qk_rope_cache(owner, q.double(), k, v, qn, kn, rope, ctx) is None
+    assert native_qk_rope_cache(owner, q.requires_grad_(), k, v, qn, kn, rope, ctx) is None
+    monkeypatch.setenv("HETSERVE_NATIVE_KERNELS", "0")
+    assert native_qk_rope_cache(owner, q.detach(), k, v, qn, kn, rope, ctx) is None
