@@ -18,6 +18,8 @@
 #include "pool.h"
 #include "simd.h"
 
+#define V_TILE 32 /* tokens per tile of the weighted sum of V */
+
 typedef struct {
     int H, Hkv, D, Dv, bs, W, window, num_blocks;
     int chunks; /* KV-head chunks per sequence: one work item each */
@@ -75,6 +77,30 @@ static inline void prefetch_rows(const float *base, const int64_t *table, int bs
     }
 }
 
+/* Adds tokens [j0, j1) of the weighted sum of V to columns [d0, d0 + 8 * NV) of heads
+ * [hb, hb + HN) (at most 4 and 4), accumulating in registers (the constant arguments let the
+ * loops unroll); vrow[j]: offset of token j's V row (first head of the item). */
+static inline __attribute__((always_inline)) void v_block(
+    const attn_t *a, const size_t *vrow, const float *s, int n, int j0, int j1, int hb, int G,
+    int d0, float *out, const int HN, const int NV) {
+    const int Dv = a->Dv;
+    __m256 acc[4][4];
+    for (int i = 0; i < HN; i++)
+        for (int u = 0; u < NV; u++) acc[i][u] = _mm256_loadu_ps(out + (size_t)(hb + i) * Dv + d0 + 8 * u);
+    for (int j = j0; j < j1; j++) {
+        const float *vr = a->v + vrow[j] + d0;
+        for (int i = 0; i < HN; i++) {
+            const float *vh = vr + (size_t)((hb + i) / G) * Dv;
+            const __m256 w = _mm256_broadcast_ss(s + (size_t)(hb + i) * n + j);
+            for (int u = 0; u < NV; u++)
+                acc[i][u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vh + 8 * u), acc[i][u]);
+        }
+    }
+    for (int i = 0; i < HN; i++)
+        for (int u = 0; u < NV; u++)
+            _mm256_storeu_ps(out + (size_t)(hb + i) * Dv + d0 + 8 * u, acc[i][u]);
+}
+
 static void item(void *ctx, int it) {
     attn_t *a = (attn_t *)ctx;
     const int G = a->H / a->Hkv, D = a->D, Dv = a->Dv, Hkv = a->Hkv;
@@ -86,7 +112,9 @@ static void item(void *ctx, int it) {
     float *out = a->out + ((size_t)b * a->H + (size_t)h0 * G) * Dv;
     memset(out, 0, sizeof(float) * (size_t)nh * Dv);
     if (n <= 0 || nh == 0) return;
-    float *s = malloc(sizeof(float) * (size_t)nh * n); /* s[head][j]: scores, then weights */
+    /* s[head][j]: scores, then weights; vrow[j]: where token j's V row (head h0) starts */
+    const size_t ns = ((size_t)nh * n + 1) & ~(size_t)1; /* vrow 8-byte aligned after s */
+    float *s = malloc(sizeof(float) * ns + sizeof(size_t) * n);
     if (s == NULL) {
         __atomic_store_n(&a->err, -1, __ATOMIC_RELAXED);
         return;
@@ -141,20 +169,31 @@ static void item(void *ctx, int it) {
         float inv = 1.0f / softmax_row(p, n);
         for (int j = 0; j < n; j++) p[j] *= inv;
     }
-    for (int j = lo; j < len; j++) {
-        size_t slot = (size_t)table[j / a->bs] * a->bs + j % a->bs;
-        const float *vr = a->v + (slot * Hkv + h0) * Dv;
-        if (pf && j + a->bs < len)
-            prefetch_rows(a->v, table, a->bs, j + a->bs, 1, Hkv, h0, h1, Dv);
-        for (int h = 0; h < nh; h++) {
-            const float pj = s[(size_t)h * n + (j - lo)];
-            const __m256 w = _mm256_set1_ps(pj);
-            const float *vh = vr + (size_t)(h / G) * Dv;
-            float *o = out + (size_t)h * Dv;
-            int d = 0;
-            for (; d + 8 <= Dv; d += 8)
-                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(vh + d), _mm256_loadu_ps(o + d)));
-            for (; d < Dv; d++) o[d] += pj * vh[d];
+    size_t *vrow = (size_t *)(s + ns);
+    for (int j = lo; j < len; j++)
+        vrow[j - lo] = (((size_t)table[j / a->bs] * a->bs + j % a->bs) * Hkv + h0) * Dv;
+    /* out[h] = sum_j p[h, j] V[j] (out is zeroed above), in tiles of V_TILE tokens whose rows
+     * stay in L1/L2 while every head block and column chunk passes over them: up to 4 heads x
+     * 32 columns accumulate in registers, one load per FMA. */
+    for (int j0 = 0; j0 < n; j0 += V_TILE) {
+        const int j1 = j0 + V_TILE < n ? j0 + V_TILE : n;
+        for (int hb = 0; hb < nh; hb += 4) {
+            const int hn = nh - hb < 4 ? nh - hb : 4;
+            int d0 = 0;
+            for (; d0 + 32 <= Dv; d0 += 32) {
+                if (hn == 4)
+                    v_block(a, vrow, s, n, j0, j1, hb, G, d0, out, 4, 4);
+                else
+                    v_block(a, vrow, s, n, j0, j1, hb, G, d0, out, hn, 4);
+            }
+            for (; d0 + 8 <= Dv; d0 += 8) v_block(a, vrow, s, n, j0, j1, hb, G, d0, out, hn, 1);
+            for (; d0 < Dv; d0++)
+                for (int i = 0; i < hn; i++) {
+                    float acc = out[(size_t)(hb + i) * Dv + d0];
+                    for (int j = j0; j < j1; j++)
+                        acc += s[(size_t)(hb + i) * n + j] * a->v[vrow[j] + (hb + i) / G * Dv + d0];
+                    out[(size_t)(hb + i) * Dv + d0] = acc;
+                }
         }
     }
     free(s);
