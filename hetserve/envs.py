@@ -43,9 +43,9 @@ def native_kernels() -> bool:
     """HETSERVE_NATIVE_KERNELS=0 turns off the C kernels hetserve picks on its own on the CPU
     (decode attention over the paged cache, fp32 routed experts without placement, int8
     non-expert linears, which then use fbgemm, RMSNorm, rotary embedding, softmax top-k
-    routing); the torch paths they replace are the reference.
-    Expert backends named in placement rules (`cpu-int8` with kernel "auto", ...) are not
-    affected."""
+    routing, the fused q/k norm + rotary + KV write of GQA layers); the torch paths they
+    replace are the reference. Expert backends named in placement rules (`cpu-int8` with
+    kernel "auto", ...) are not affected."""
     # Asked by every layer on every forward: os.environ.get encodes the key each time (~1.5 us,
     # ~70 calls per decode step); on POSIX the bytes mapping behind it answers directly.
     if _ENV_BYTES is not None:
