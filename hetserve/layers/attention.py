@@ -229,7 +229,7 @@ def native_decode_attention(
     q = q.contiguous()
     b, h, dim = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
-    out = torch.empty(b, h, dv)  # CPU fp32 (checked by the caller)
+    out = torch.empty(b, h, dv, dtype=torch.float32)  # CPU fp32 (checked by the caller)
     tables, lens = d.tables.contiguous(), d.lens.contiguous()
     rc = optional_kernel("hetserve_paged_decode_attention")(
         *(torch.get_num_threads(), b, h, hkv, dim, dv, kv.block_size, tables.shape[1]),
@@ -298,7 +298,7 @@ def native_qk_rope_cache(
         return None
     dim = k_cache.shape[-1]
     t, nq, nkv = q.shape[0], q.shape[1] // dim, k_cache.shape[1]
-    q_out = torch.empty(t, nq, dim)
+    q_out = torch.empty(t, nq, dim, dtype=torch.float32)
     has_norm = q_norm is not None
     norm_w = (q_norm.weight.data_ptr(), k_norm.weight.data_ptr()) if has_norm else (None, None)
     rc = optional_kernel("hetserve_qk_rope_cache")(

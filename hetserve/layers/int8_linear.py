@@ -66,7 +66,7 @@ class Int8Linear(nn.Module):
 
     def _native(self, x2: torch.Tensor) -> torch.Tensor:
         x2 = x2.contiguous()
-        y = torch.empty(x2.shape[0], self.out_features)
+        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         rc = self._fn(
             torch.get_num_threads(), x2.shape[0], self.out_features, self.in_features,
             x2.data_ptr(), y.data_ptr(), self._q.data_ptr(), self._scale.data_ptr(),

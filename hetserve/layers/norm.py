@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
                 and (fn := optional_kernel("hetserve_rms_norm"))
             ):
                 x = x.contiguous()
-                out = torch.empty(x.shape)
+                out = torch.empty(x.shape, dtype=torch.float32)
                 d = w.shape[0]
                 fn(torch.get_num_threads(), x.numel() // d, d, self.eps, x.data_ptr(),
                    w.data_ptr(), out.data_ptr())  # fmt: skip

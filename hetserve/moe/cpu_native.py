@@ -77,7 +77,7 @@ class _NativeExperts(_CPUExperts):
         ids = topk_ids.to("cpu", torch.int64).contiguous()
         tw = topk_weights.to("cpu", torch.float32).contiguous()
         t, k = ids.shape
-        out = torch.empty(t, self.hidden)
+        out = torch.empty(t, self.hidden, dtype=torch.float32)
         rc = self._fn(
             self.bits, self._threads or torch.get_num_threads(), self.num_experts, self.hidden,
             self.inter, self.group_size, t, k, ids.data_ptr(), tw.data_ptr(), x.data_ptr(),

@@ -70,7 +70,7 @@ class TopKRouter(nn.Module):
             # One C call for softmax, top-k and renormalisation (six torch ops otherwise).
             logits = logits.contiguous()
             t = logits.shape[0]
-            weights = torch.empty(t, cfg.top_k)
+            weights = torch.empty(t, cfg.top_k, dtype=torch.float32)
             ids = torch.empty(t, cfg.top_k, dtype=torch.long)
             renorm = cfg.norm_topk_prob and cfg.top_k > 1
             scale = 1.0 if renorm and cfg.scale_only_if_not_normed else cfg.routed_scaling_factor
