@@ -284,7 +284,7 @@ def build_report(
         "tokens": args.tokens,
         "prompt_len": args.prompt_len,
         "repeats": args.repeats,
-        "rounds": getattr(args, "rounds", 1),
+        "rounds": args.rounds,
         "threads": threads,
         "decode_tokens_per_s": rates,
         "vs_llamacpp_q8_0": _ratios(rates, "llama.cpp q8_0"),

@@ -261,30 +261,24 @@ def _qk_rope_cache_fits(q_norm, k_norm, rope, k_cache, v_cache) -> bool:
 
 
 def native_qk_rope_cache(
-    owner,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_norm,
-    k_norm,
-    rope,
-    ctx: ForwardContext,
+    attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
 ) -> torch.Tensor | None:
-    """q/k per-head RMSNorm (`q_norm`/`k_norm`, RMSNorm or None), rotary (`rope`, a
-    RotaryEmbedding over the whole head) and the K/V cache write of the attention layer `owner`
-    (its `layer_idx`) in one C call (hetserve_qk_rope_cache). q, k, v [T, heads * D] may be
-    column slices of one fused qkv output. Returns the rotated q [T, H, D] with K/V already in
-    the cache, or None where the kernel does not apply (not CPU fp32 inference, partial
+    """The per-head RMSNorm of q and k (`attn.q_norm`/`attn.k_norm`, RMSNorm or None), rotary
+    (`attn.rotary[0]`, over the whole head) and the K/V cache write of the GQA layer `attn`
+    (layer `attn.layer_idx`) in one C call (hetserve_qk_rope_cache). q, k, v [T, heads * D] may
+    be column slices of one fused qkv output. Returns the rotated q [T, H, D] with K/V already
+    in the cache, or None where the kernel does not apply (not CPU fp32 inference, partial
     rotary, ...): the caller then takes the module path."""
-    entries = ctx.kv.layers[owner.layer_idx]
+    q_norm, k_norm, rope = attn.q_norm, attn.k_norm, attn.rotary[0]
+    entries = ctx.kv.layers[attn.layer_idx]
     if len(entries) != 2 or q.requires_grad or not envs.native_kernels():
         return None
     k_cache, v_cache = entries
     # What depends only on the layer and its cache is checked once per cache.
-    memo = owner.__dict__.get("_qk_rope_cache_fits")
+    memo = attn.__dict__.get("_qk_rope_cache_fits")
     if memo is None or memo[0] is not k_cache:
         memo = (k_cache, _qk_rope_cache_fits(q_norm, k_norm, rope, k_cache, v_cache))
-        owner.__dict__["_qk_rope_cache_fits"] = memo
+        attn.__dict__["_qk_rope_cache_fits"] = memo
     positions, slots = ctx.meta.positions, ctx.meta.slot_mapping
     if not (
         memo[1]

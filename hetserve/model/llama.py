@@ -60,18 +60,18 @@ class GQAAttention(nn.Module):
             q, k, v = self.qkv_proj(x).split((nq, nkv, nkv), dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        rope = self.rotary[0]
         # CPU inference: norms, rotary and the cache write in one native call.
-        q_rot = native_qk_rope_cache(self, q, k, v, self.q_norm, self.k_norm, rope, ctx)
+        q_rot = native_qk_rope_cache(self, q, k, v, ctx)
         if q_rot is not None:
-            out = paged_attention(self.layer_idx, q_rot, None, None, ctx, self.scale)
-            return self.o_proj(out.reshape(t, -1))
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, ctx.meta.positions), rope(k, ctx.meta.positions)
+            q, k, v = q_rot, None, None  # K/V already in the cache
+        else:
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            rope = self.rotary[0]
+            q, k = rope(q, ctx.meta.positions), rope(k, ctx.meta.positions)
         out = paged_attention(self.layer_idx, q, k, v, ctx, self.scale)
         return self.o_proj(out.reshape(t, -1))
 

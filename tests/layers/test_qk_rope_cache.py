@@ -29,22 +29,22 @@ def _layer(nq, nkv, d, qk_norm, interleaved, seed):
         for n in norms:
             n.weight.copy_(torch.rand(d, generator=g) + 0.5)
     rope = RotaryEmbedding(d, 64, RopeConfig(theta=10000.0), interleaved=interleaved)
-    owner = SimpleNamespace(layer_idx=0)
+    attn = SimpleNamespace(layer_idx=0, q_norm=norms[0], k_norm=norms[1], rotary=[rope])
     kv = PagedKVCache([[(nkv, d), (nkv, d)]], 12, BS, torch.float32, "cpu")
     # a prefill chunk of 5 tokens and two decodes, in blocks out of order
     meta = build_metadata([(0, 5, [3]), (20, 1, [7, 2, 9]), (9, 1, [4, 11])], BS, "cpu")
     qkv = torch.randn(meta.positions.shape[0], (nq + 2 * nkv) * d, generator=g)
-    return owner, norms, rope, ForwardContext(meta, kv), qkv
+    return attn, norms, rope, ForwardContext(meta, kv), qkv
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("nq,nkv,d", [(4, 2, 16), (6, 1, 24), (3, 3, 10)])
 def test_fused_equals_module_path(qk_norm, interleaved, nq, nkv, d):
-    owner, (qn, kn), rope, ctx, qkv = _layer(nq, nkv, d, qk_norm, interleaved, nq * d)
+    attn, (qn, kn), rope, ctx, qkv = _layer(nq, nkv, d, qk_norm, interleaved, nq * d)
     t = qkv.shape[0]
     q, k, v = qkv.split((nq * d, nkv * d, nkv * d), dim=-1)  # strided column views
-    q_rot = native_qk_rope_cache(owner, q, k, v, qn, kn, rope, ctx)
+    q_rot = native_qk_rope_cache(attn, q, k, v, ctx)
     assert q_rot is not None and q_rot.shape == (t, nq, d)
     k_cache, v_cache = (x.clone() for x in ctx.kv.layers[0])
 
@@ -64,20 +64,21 @@ def test_fused_equals_module_path(qk_norm, interleaved, nq, nkv, d):
 
 
 def test_out_of_range_slot_raises_and_writes_nothing():
-    owner, (qn, kn), rope, ctx, qkv = _layer(2, 1, 16, True, False, 0)
+    attn, (qn, kn), rope, ctx, qkv = _layer(2, 1, 16, True, False, 0)
     q, k, v = qkv.split((32, 16, 16), dim=-1)
     ctx.meta.slot_mapping[-1] = ctx.kv.layers[0][0].shape[0]  # one past the last slot
     with pytest.raises(RuntimeError, match="out of range"):
-        native_qk_rope_cache(owner, q, k, v, qn, kn, rope, ctx)
+        native_qk_rope_cache(attn, q, k, v, ctx)
     assert not ctx.kv.layers[0][0].any() and not ctx.kv.layers[0][1].any()
 
 
 def test_declines_what_it_does_not_cover(monkeypatch):
-    owner, (qn, kn), rope, ctx, qkv = _layer(2, 1, 16, True, False, 0)
+    attn, (qn, kn), rope, ctx, qkv = _layer(2, 1, 16, True, False, 0)
     q, k, v = qkv.split((32, 16, 16), dim=-1)
     partial = RotaryEmbedding(8, 64, RopeConfig(theta=10000.0))  # rotary over half the head
-    assert native_qk_rope_cache(SimpleNamespace(layer_idx=0), q, k, v, qn, kn, partial, ctx) is None
-    assert native_qk_rope_cache(owner, q.double(), k, v, qn, kn, rope, ctx) is None
-    assert native_qk_rope_cache(owner, q.requires_grad_(), k, v, qn, kn, rope, ctx) is None
+    half_rotary = SimpleNamespace(layer_idx=0, q_norm=qn, k_norm=kn, rotary=[partial])
+    assert native_qk_rope_cache(half_rotary, q, k, v, ctx) is None
+    assert native_qk_rope_cache(attn, q.double(), k, v, ctx) is None
+    assert native_qk_rope_cache(attn, q.requires_grad_(), k, v, ctx) is None
     monkeypatch.setenv("HETSERVE_NATIVE_KERNELS", "0")
-    assert native_qk_rope_cache(owner, q.detach(), k, v, qn, kn, rope, ctx) is None
+    assert native_qk_rope_cache(attn, q.detach(), k, v, ctx) is None
