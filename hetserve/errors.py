@@ -12,7 +12,12 @@ class HetserveError(Exception):
 
 
 class InvalidInputError(HetserveError, ValueError):
-    """A request or argument is malformed or out of range."""
+    """A request or argument is malformed or out of range. `param` names the offending field
+    where there is one (the server reports it as OpenAI's `error.param`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelLoadError(HetserveError):

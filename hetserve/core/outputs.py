@@ -22,7 +22,7 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or token that ended it
 
     @property
@@ -39,6 +39,8 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     finished: bool = False
     num_cached_tokens: int = 0
+    # Set (with finished) when this request failed inside the engine; other requests go on.
+    error: str | None = None
 
     # The single-completion view (n == 1), so `out.text` works like the first choice.
     @property

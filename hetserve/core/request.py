@@ -17,6 +17,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # failed inside the engine; the other requests are unaffected
 
     @property
     def finished(self) -> bool:
@@ -24,6 +25,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
         )
 
 
@@ -58,3 +60,18 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A new request as the engine admits it: made (and validated against the model) only by
+    `EngineCore.validate_request`, then handed to `EngineCore.add` — possibly from another
+    thread, later another process, so it is a plain value."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # max_tokens resolved against the context
+    prompt: str | None = None
+    priority: int = 0
+    cache_extra: tuple = ()
+    arrival_time: float = field(default_factory=time.monotonic)

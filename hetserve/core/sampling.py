@@ -2,24 +2,36 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+# Seeds are 64-bit: OpenAI clients send any integer up to 2**64 - 1, negative ones included.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+MAX_LOGPROBS = 20  # top alternatives per position (OpenAI's limit)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings, validated at construction (ValueError names the field).
 
-    temperature 0 means greedy. top_k None and top_p 1.0 disable those filters. logprobs=k returns
-    the top-k alternatives of every generated token (plus the sampled one); prompt_logprobs=k
-    returns, for every prompt token after the first, its logprob given its prefix (vLLM's
-    definition: position 0 is None).
+    temperature 0 means greedy. top_k None, top_p 1.0 and min_p 0 disable those filters.
+    max_tokens None means "until the context is full". logprobs=k returns the top-k alternatives
+    of every generated token (plus the sampled one); prompt_logprobs=k returns, for every prompt
+    token after the first, its logprob given its prefix (vLLM's definition: position 0 is None).
+    Penalties follow OpenAI (presence, frequency: subtracted from the logits of tokens already
+    generated) and vLLM/HF (repetition: logits of tokens in the prompt or output divided by it
+    when positive, multiplied when negative). logit_bias maps token ids to a bias added to their
+    logits. What depends on the model (token ids inside the vocabulary, the context length) is
+    checked by the engine at admission.
     """
 
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
-    max_tokens: int = 16
+    min_p: float = 0.0
+    max_tokens: int | None = 16
     min_tokens: int = 0
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -28,6 +40,11 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # token id -> bias; given as a mapping, stored as sorted pairs so the object stays hashable.
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         # Accept lists and a bare string for convenience, store tuples so the object stays hashable.
@@ -36,32 +53,78 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias
+        items = bias.items() if isinstance(bias, Mapping) else (bias or ())
+        object.__setattr__(self, "logit_bias", tuple(sorted((k, v) for k, v in items)))
         self._validate()
 
     def _validate(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            raise ValueError(f"top_k must be None or an integer >= 1, got {self.top_k!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+        _int_at_least("n", self.n, 1)
+        _finite("temperature", self.temperature, 0.0)
+        _finite("top_p", self.top_p, 0.0, 1.0)
+        if self.top_p == 0.0:
+            raise ValueError("top_p must be in (0, 1], got 0")
+        if self.top_k is not None:
+            _int_at_least("top_k", self.top_k, 1)
+        _finite("min_p", self.min_p, 0.0, 1.0)
+        if self.max_tokens is not None:
+            _int_at_least("max_tokens", self.max_tokens, 1)
+        _int_at_least("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
-                f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}"
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of non-negative integers")
+        if self.seed is not None and (
+            not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 0):
-                raise ValueError(f"{name} must be None or an integer >= 0, got {v!r}")
+            if v is not None:
+                _int_at_least(name, v, 0, MAX_LOGPROBS)
+        _finite("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _finite("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _finite("repetition_penalty", self.repetition_penalty, 0.0, 2.0)
+        if self.repetition_penalty == 0.0:
+            raise ValueError("repetition_penalty must be in (0, 2], got 0")
+        for tid, b in self.logit_bias:
+            if not _is_int(tid) or tid < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {tid!r}")
+            _finite(f"logit_bias[{tid}]", b, -100.0, 100.0)
+
+    def with_max_tokens(self, max_tokens: int) -> SamplingParams:
+        """A copy with max_tokens set (min_tokens capped to it)."""
+        return replace(self, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits depend on the tokens seen so far (penalties)."""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int_at_least(name: str, v: object, lo: int, hi: int | None = None) -> None:
+    if not _is_int(v) or v < lo or (hi is not None and v > hi):
+        span = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be an integer {span}, got {v!r}")
+
+
+def _finite(name: str, v: object, lo: float, hi: float | None = None) -> None:
+    # NaN compares false with everything, so range checks alone would let it through.
+    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    if not ok or v < lo or (hi is not None and v > hi):
+        span = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be a finite number {span}, got {v!r}")

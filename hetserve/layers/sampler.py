@@ -1,10 +1,18 @@
-"""Batched sampling and logprobs.
+"""Logits processing, batched sampling and logprobs.
 
-Logprobs are those of the model's distribution (log-softmax of the raw logits), as vLLM reports
-them by default; temperature/top-k/top-p only shape the sampling distribution.
+Logprobs are those of the model's distribution (log-softmax of the raw logits, before any
+processing), as vLLM reports them by default; logit_bias, min_tokens, penalties, temperature,
+min_p, top-k and top-p only shape the sampling distribution.
+
+Fault isolation: every per-request step (processing a row, drawing a row) runs on its own, and
+a row that raises is reported back by its index rather than failing the batch, so the engine can
+fail that request alone.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
 
 import torch
 
@@ -12,10 +20,72 @@ from hetserve.core.outputs import Logprob, PositionLogprobs
 from hetserve.core.sampling import SamplingParams
 
 
-def _filter(logits: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
+@dataclass
+class SamplingRow:
+    """What the sampler needs of one sequence in this step."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+    def banned(self, eos_ids: Collection[int]) -> list[int]:
+        """Token ids that may not end the output yet (min_tokens not reached)."""
+        p = self.params
+        if len(self.output_token_ids) >= p.min_tokens:
+            return []
+        stop = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            stop |= set(eos_ids)
+        return sorted(stop)
+
+
+def process_logits(
+    logits: torch.Tensor, rows: list[SamplingRow], eos_ids: Collection[int]
+) -> dict[int, Exception]:
+    """Apply logit_bias, min_tokens masking and penalties in place, row by row. Returns the
+    rows that failed (index -> exception); their logits are left as they are."""
+    errors: dict[int, Exception] = {}
+    for r, row in enumerate(rows):
+        p = row.params
+        banned = row.banned(eos_ids)
+        if not (p.logit_bias or banned or p.penalized):
+            continue
+        try:
+            _process_row(logits[r], row, banned)
+        except Exception as exc:  # one request's failure, reported to the engine
+            errors[r] = exc
+    return errors
+
+
+def _process_row(row_logits: torch.Tensor, row: SamplingRow, banned: list[int]) -> None:
+    p = row.params
+    dev = row_logits.device
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias], device=dev)
+        row_logits.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=dev))
+    if banned:
+        row_logits[torch.tensor(banned, device=dev)] = float("-inf")
+    if not p.penalized:
+        return
+    out = torch.tensor(row.output_token_ids, dtype=torch.long, device=dev)
+    if p.repetition_penalty != 1.0:
+        seen = torch.cat([torch.tensor(row.prompt_token_ids, device=dev), out]).unique()
+        vals = row_logits[seen]
+        rp = p.repetition_penalty
+        row_logits[seen] = torch.where(vals > 0, vals / rp, vals * rp)
+    if (p.presence_penalty or p.frequency_penalty) and out.numel():
+        counts = torch.bincount(out, minlength=row_logits.shape[0]).to(row_logits.dtype)
+        row_logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def _filter(logits: torch.Tensor, top_k: int | None, top_p: float, min_p: float) -> torch.Tensor:
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
     if top_p < 1.0:
         sorted_logits, idx = torch.sort(logits, descending=True)
         probs = sorted_logits.softmax(-1)
@@ -27,24 +97,30 @@ def _filter(logits: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tens
 
 
 def sample(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-) -> torch.Tensor:
-    """logits [N, V] fp32 -> token ids [N]. Greedy rows in one argmax; others row by row so
-    each request's seed alone decides its tokens (batch composition never changes them)."""
-    out = logits.argmax(dim=-1).cpu()
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    logits: torch.Tensor, rows: list[SamplingRow], skip: Collection[int] = ()
+) -> tuple[list[int | None], dict[int, Exception]]:
+    """logits [N, V] fp32 -> one token id per row (None for rows in `skip` or that failed).
+    Greedy rows in one argmax; others row by row so each request's seed alone decides its
+    tokens (batch composition never changes them)."""
+    out: list[int | None] = logits.argmax(dim=-1).tolist()
+    errors: dict[int, Exception] = {}
+    sampled = [i for i, row in enumerate(rows) if not row.params.greedy and i not in skip]
     # Per-request generators live on the host, so sampled rows are drawn there.
-    rows = logits[sampled].float().cpu() if sampled else None
+    host = logits[sampled].float().cpu() if sampled else None
     for j, i in enumerate(sampled):
-        p, gen = params[i], generators[i]
-        row = _filter(rows[j] / p.temperature, p.top_k, p.top_p)
-        probs = row.softmax(-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p, one RNG call per row.
-        noise = torch.empty_like(probs).exponential_(generator=gen)
-        out[i] = (probs / noise).argmax()
-    return out
+        p = rows[i].params
+        try:
+            row = _filter(host[j] / p.temperature, p.top_k, p.top_p, p.min_p)
+            probs = row.softmax(-1)
+            # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p, one RNG call.
+            noise = torch.empty_like(probs).exponential_(generator=rows[i].generator)
+            out[i] = int((probs / noise).argmax())
+        except Exception as exc:  # one request's failure, reported to the engine
+            errors[i] = exc
+            out[i] = None
+    for i in skip:
+        out[i] = None
+    return out, errors
 
 
 def token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> list[PositionLogprobs]:
