@@ -50,6 +50,7 @@ class MoEConfig:
     gpu_experts: int = 0  # hottest experts per layer kept on the engine device
     routing_stats: str | None = None  # JSON from `hetserve calibrate` (needed by gpu_experts)
     cpu_threads: int | None = None  # threads of the dedicated CPU-experts pool
+    record_routing_stats: bool = False  # count routing decisions (EngineCore.routing_stats())
 
     def __post_init__(self) -> None:
         if self.max_deferred_experts_per_token < 0:

@@ -46,14 +46,13 @@ def run(args: argparse.Namespace) -> int:
         return time.perf_counter() - t0
 
     ttft(pool[-1])  # warm-up
-    stats = llm.engine.stats
     cold, warm, computed = [], [], []
     for t in tqdm(range(args.trials), desc="bench prefix"):
         prefix = pool[3 * t][:shared]
         cold.append(ttft(prefix + pool[3 * t + 1][shared:]))
-        before = stats.prompt_tokens_computed
+        before = llm.stats().prompt_tokens_computed
         warm.append(ttft(prefix + pool[3 * t + 2][shared:]))
-        computed.append(stats.prompt_tokens_computed - before)  # what the cache did not cover
+        computed.append(llm.stats().prompt_tokens_computed - before)  # what the cache did not cover
     c, w = statistics.median(cold), statistics.median(warm)
     print_table(["cache", "median TTFT (s)", "vs cold"], [["cold", c, 1.0], ["warm", w, w / c]])
     write_json(

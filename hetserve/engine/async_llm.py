@@ -1,9 +1,14 @@
 """AsyncLLM: the EngineCore driven by a background thread, streaming outputs to asyncio callers.
 
-The engine is not thread-safe, so only the engine thread touches it: callers enqueue add/abort
-commands; the thread applies them between steps and hands each RequestOutput to the caller's
-asyncio queue with call_soon_threadsafe. Cancelling a caller's iteration aborts its request,
-which frees its KV blocks.
+Who calls it: the OpenAI server (and any asyncio program). `add_request` validates in the
+caller's thread and returns the request's `RequestStream`; the engine thread applies adds and
+aborts between steps and hands each output to the stream's loop with call_soon_threadsafe.
+Only the engine thread touches the EngineCore.
+
+Failure contract: bad input raises `InvalidInputError` from `add_request` (nothing queued). A
+request that fails inside the engine ends its stream with `EngineRequestError`; the others go
+on. If the engine thread itself dies, every open stream ends with `EngineDeadError`, as does
+every later `add_request`. A stream always ends: with a finished output or one of those errors.
 """
 
 from __future__ import annotations
@@ -18,38 +23,119 @@ from dataclasses import dataclass, field
 
 from hetserve.config import EngineConfig
 from hetserve.core.outputs import RequestOutput
+from hetserve.core.request import EngineRequest
 from hetserve.core.sampling import SamplingParams
+from hetserve.core.stats import EngineStats
 from hetserve.engine.core import EngineCore
+from hetserve.engine.errors import EngineDeadError, EngineRequestError
+from hetserve.engine.execute import describe
+from hetserve.errors import HetserveError
 
 log = logging.getLogger(__name__)
 
-
-class EngineDeadError(RuntimeError):
-    pass
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineRequestError", "RequestStream", "RequestTiming"]
 
 
 @dataclass
 class RequestTiming:
-    arrival: float
+    arrival: float  # when the request reached us (HTTP arrival for the server)
     first_token: float | None = None
     last_token: float | None = None
     token_times: list[float] = field(default_factory=list)
 
 
+class RequestStream:
+    """One request's cumulative outputs, ending with a finished one (or an error).
+
+    Iterate it with `async for`. `abort()` stops the request and frees its KV blocks; it is
+    idempotent and harmless after the end, so consumers call it in a `finally`.
+    """
+
+    def __init__(self, request_id: str, owner: AsyncLLM) -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._end()
+            raise item
+        if item.error is not None:
+            self._end()
+            raise EngineRequestError(self.request_id, item.error)
+        if item.finished:
+            self._end()
+        return item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self._end()
+            self._owner.abort(self.request_id)
+
+    def _end(self) -> None:
+        self.finished = True
+        self._owner._streams.pop(self.request_id, None)
+
+    def _put(self, item) -> None:  # from the engine thread
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody will read this
+            self._owner.abort(self.request_id)
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig | None = None, engine: EngineCore | None = None):
         self.engine = engine or EngineCore(config or EngineConfig())
+        self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
+        self.vocab_size = self.engine.vocab_size
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._stop = threading.Event()
         self.observers: list = []  # callables(request_id, RequestOutput, RequestTiming)
         self._timings: dict[str, RequestTiming] = {}
-        self._thread = threading.Thread(target=self._loop, name="hetserve-engine", daemon=True)
+        self._stats = self.engine.stats()
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="hetserve-engine", daemon=True)
         self._thread.start()
 
     # ---- caller side ------------------------------------------------------------------------
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Validate (InvalidInputError names the field) and queue a request; returns its
+        stream. Must be called from a running event loop (the stream belongs to it)."""
+        new = self.engine.validate_request(
+            request_id, prompt_token_ids, params, prompt, priority, arrival_time
+        )
+        if not self.is_alive:
+            raise EngineDeadError("the engine has stopped; restart the server")
+        if request_id in self._streams:
+            raise EngineRequestError(request_id, "a request with this id is already running")
+        stream = RequestStream(request_id, self)
+        self._streams[request_id] = stream
+        self._commands.put(("add", new))
+        return stream
+
     async def generate(
         self,
         request_id: str,
@@ -58,63 +144,60 @@ class AsyncLLM:
         prompt: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields cumulative outputs until the request finishes. Raises InvalidInputError for a
-        bad prompt before anything is queued."""
-        self.engine.validate_prompt(prompt_token_ids)
-        if not self._thread.is_alive():
-            raise EngineDeadError("the engine thread has stopped")
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._commands.put(("add", request_id, prompt_token_ids, params, prompt, priority))
-        finished = False
+        """Convenience over `add_request`: yields outputs; leaving early aborts the request."""
+        stream = self.add_request(request_id, prompt_token_ids, params, prompt, priority)
         try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+            async for out in stream:
+                yield out
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._commands.put(("abort", request_id))
+            stream.abort()
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        """The engine's state as of its last step (thread-safe snapshot)."""
+        return self._stats
+
+    def routing_stats(self):
+        return self.engine.routing_stats()
 
     def shutdown(self) -> None:
         self._stop.set()
         self._commands.put(("noop",))
         self._thread.join(timeout=10)
 
-    def stats(self) -> dict:
-        eng = self.engine
-        pool = eng.kv.pool
-        return {
-            "running": len(eng.scheduler.running),
-            "waiting": len(eng.scheduler.waiting),
-            "kv_blocks_used": pool.num_usable - pool.num_free,
-            "kv_blocks_total": pool.num_usable,
-            "prefix_queries": pool.queries,
-            "prefix_hits": pool.hits,
-            "preemptions": eng.stats.preemptions,
-        }
-
     # ---- engine thread ----------------------------------------------------------------------
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, ids, params, prompt, priority = cmd
+            new: EngineRequest = cmd[1]
+            stream = self._streams.get(new.request_id)
+            if stream is None:  # aborted before it reached the engine
+                return
             try:
-                self.engine.add_request(rid, ids, params, prompt=prompt, priority=priority)
-                self._timings[rid] = RequestTiming(time.monotonic())
-            except Exception as exc:  # surfaces in the caller as an error, engine keeps going
-                self._deliver(rid, exc)
+                self.engine.add(new)
+                self._timings[new.request_id] = RequestTiming(new.arrival_time)
+            except HetserveError as exc:  # a user mistake only the engine thread could see
+                stream._put(exc)
+            except Exception as exc:  # surfaces in the caller; the engine keeps going
+                log.exception("adding request %s failed", new.request_id)
+                stream._put(EngineRequestError(new.request_id, describe(exc)))
         elif kind == "abort":
             self.engine.abort_request(cmd[1])
             self._timings.pop(cmd[1], None)
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:
+            log.exception("the engine thread died")
+            self._dead = exc
+        finally:
+            if self._dead is None:
+                self._dead = EngineDeadError("the engine was shut down")
+            for stream in list(self._streams.values()):
+                stream._put(EngineDeadError(f"the engine stopped: {self._dead}"))
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -126,36 +209,41 @@ class AsyncLLM:
                     self._apply(self._commands.get_nowait())
             except queue.Empty:
                 pass
-            if not self.engine.has_unfinished():
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # our bug: fail the live requests, keep serving new ones
-                log.exception("engine step failed")
-                for rid in list(self.engine.parents):
-                    self.engine.abort_request(rid)
-                    self._deliver(rid, exc)
-                continue
-            now = time.monotonic()
-            for out in outputs:
-                self._observe(out, now)
-                self._deliver(out.request_id, out)
+            if self.engine.has_unfinished():
+                self._step()
+            self._stats = self.engine.stats()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            # Outside any one request (the scheduler): the engine's state cannot be trusted for
+            # the live requests, so each ends with an error; new requests are served.
+            log.exception("engine step failed")
+            for rid in list(self.engine.parents):
+                self.engine.abort_request(rid)
+                self._timings.pop(rid, None)
+                stream = self._streams.get(rid)
+                if stream is not None:
+                    stream._put(EngineRequestError(rid, f"engine step failed: {exc}"))
+            return
+        now = time.monotonic()
+        for out in outputs:
+            self._observe(out, now)
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream._put(out)
 
     def _observe(self, out: RequestOutput, now: float) -> None:
         timing = self._timings.get(out.request_id)
         if timing is None:
             return
-        if timing.first_token is None:
-            timing.first_token = now
-        timing.token_times.append(now)
-        timing.last_token = now
         if out.finished:
             self._timings.pop(out.request_id, None)
+        if out.error is None:
+            if timing.first_token is None:
+                timing.first_token = now
+            timing.token_times.append(now)
+            timing.last_token = now
         for fn in self.observers:
             fn(out.request_id, out, timing)
-
-    def _deliver(self, request_id: str, item) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, q = stream
-            loop.call_soon_threadsafe(q.put_nowait, item)

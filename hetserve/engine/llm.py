@@ -11,7 +11,9 @@ from tqdm import tqdm
 from hetserve.config import CacheConfig, EngineConfig, MoEConfig, SchedulerConfig
 from hetserve.core.outputs import RequestOutput
 from hetserve.core.sampling import SamplingParams
+from hetserve.core.stats import EngineStats
 from hetserve.engine.core import EngineCore
+from hetserve.engine.errors import EngineRequestError
 from hetserve.errors import InvalidInputError
 
 
@@ -60,24 +62,36 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(requests):
                 raise InvalidInputError("sampling_params list must match the number of prompts")
-        for _, ids in requests:
-            self.engine.validate_prompt(ids)
-        order = []
-        for (text, ids), p in zip(requests, params, strict=True):
-            rid = f"llm-{next(self._ids)}"
-            self.engine.add_request(rid, ids, p, prompt=text, stream=False)
-            order.append(rid)
-        return self._run(order, use_tqdm)
+        # Everything is validated before anything is queued: one bad prompt queues nothing.
+        new = [
+            self.engine.validate_request(f"llm-{next(self._ids)}", ids, p, prompt=text)
+            for (text, ids), p in zip(requests, params, strict=True)
+        ]
+        for req in new:
+            self.engine.add(req, stream=False)
+        return self._run([r.request_id for r in new], use_tqdm)
 
     def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(order), desc="generating", disable=not use_tqdm) as bar:
             while len(done) < len(order):
                 for out in self.engine.step():
+                    if out.error is not None:
+                        for rid in order:
+                            self.engine.abort_request(rid)
+                        raise EngineRequestError(out.request_id, out.error)
                     if out.finished:
                         done[out.request_id] = out
                         bar.update(1)
         return [done[rid] for rid in order]
+
+    def stats(self) -> EngineStats:
+        """The engine's counters and state (KV usage, prefix hits, tokens computed, ...)."""
+        return self.engine.stats()
+
+    def routing_stats(self):
+        """Routing statistics recorded so far (with record_routing_stats=True), else None."""
+        return self.engine.routing_stats()
 
     def chat(
         self,

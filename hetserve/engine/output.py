@@ -39,8 +39,9 @@ class ParentState:
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.seqs)
 
-    def snapshot(self, final: bool = False) -> RequestOutput:
-        """A cumulative view (copies, safe to hand to another thread)."""
+    def snapshot(self, error: str | None = None) -> RequestOutput:
+        """A cumulative view (copies, safe to hand to another thread). `error`: the request
+        failed inside the engine (it is then finished)."""
         outputs = [
             CompletionOutput(
                 index=s.index,
@@ -59,6 +60,7 @@ class ParentState:
             prompt_token_ids=self.prompt_token_ids,
             outputs=outputs,
             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs else None,
-            finished=self.finished,
+            finished=self.finished or error is not None,
             num_cached_tokens=first.num_cached_tokens or 0,
+            error=error,
         )

@@ -61,6 +61,7 @@ class CausalLM(nn.Module):
 
     checkpoint_aliases: list[tuple[str, str]] = []
     sliding_window: int | None = None  # attention window of every layer, None = full causal
+    routing_stats = None  # the RoutingStats being recorded (attach_routing_stats), if any
 
     def __init__(self, cfg: ModelConfig, make_layer: Callable[[int], nn.Module]) -> None:
         super().__init__()
@@ -92,6 +93,7 @@ class CausalLM(nn.Module):
 
     def attach_routing_stats(self, stats) -> None:
         """Record every routing decision into `stats` (a RoutingStats), or stop with None."""
+        self.routing_stats = stats
         for _, experts in self.routed_experts():
             experts.routing_stats = stats
 

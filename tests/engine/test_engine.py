@@ -25,7 +25,7 @@ def test_batch_invariance(tiny_model, family):
     for p, out in zip(ps, together, strict=True):
         alone = llm.generate(prompt_token_ids=p, sampling_params=GREEDY)[0]
         assert out.token_ids == alone.token_ids
-    assert llm.engine.stats.steps > 0
+    assert llm.stats().steps > 0
     llm.engine.check_integrity()
 
 
@@ -36,10 +36,10 @@ def test_prefix_cache_hit_computes_only_new_tokens(tiny_model):
     a = shared + [7, 8, 9, 10, 11]
     b = shared + [20, 21, 22, 23, 24, 25, 26]
     llm.generate(prompt_token_ids=a, sampling_params=GREEDY)
-    before = llm.engine.stats.prompt_tokens_computed
+    before = llm.stats().prompt_tokens_computed
     out_b = llm.generate(prompt_token_ids=b, sampling_params=GREEDY)[0]
     assert out_b.num_cached_tokens == 64
-    assert llm.engine.stats.prompt_tokens_computed - before == len(b) - 64
+    assert llm.stats().prompt_tokens_computed - before == len(b) - 64
     cold = LLM(path, block_size=16, enable_prefix_caching=False)
     assert cold.generate(prompt_token_ids=b, sampling_params=GREEDY)[0].token_ids == out_b.token_ids
     llm.engine.check_integrity()
@@ -68,7 +68,7 @@ def test_preemption_under_small_kv_budget_keeps_outputs(tiny_model):
     ref = [o.token_ids for o in ample.generate(prompt_token_ids=ps, sampling_params=params)]
     tight = LLM(path, max_model_len=64, num_blocks=6, enable_prefix_caching=False)
     got = [o.token_ids for o in tight.generate(prompt_token_ids=ps, sampling_params=params)]
-    assert tight.engine.stats.preemptions > 0
+    assert tight.stats().preemptions > 0
     assert got == ref
     assert tight.engine.kv.pool.num_free == tight.engine.kv.pool.num_usable
 

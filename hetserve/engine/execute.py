@@ -1,0 +1,151 @@
+"""StepExecutor: one scheduled batch -> sampled tokens and logprobs, with fault isolation.
+
+Called by `EngineCore.step` once per step, on the engine's thread. It computes and returns a
+`StepResult`; it changes no engine state except the KV cache slots of the scheduled tokens and
+the RNG of the rows it samples, so the engine commits only what succeeded.
+
+Failure contract: a request whose own work fails (processing its logits, drawing its token, its
+logprobs) is reported in `StepResult.failed` and the batch goes on. If the batched part (the
+forward pass, the logits) raises, the step is run again one request at a time and only the
+requests that fail alone are reported; the others get exactly what the batch would have given
+them (the forward is batch-invariant, KV writes of a retried request land in its own slots, and
+no row was sampled before the batched part finished).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from hetserve.core.outputs import PositionLogprobs
+from hetserve.engine.output import SeqState
+from hetserve.engine.runner import ModelRunner, SeqInput
+from hetserve.layers.sampler import SamplingRow, process_logits, sample, token_logprobs
+from hetserve.sched.scheduler import ScheduledRequest
+
+log = logging.getLogger(__name__)
+
+
+def describe(exc: BaseException) -> str:
+    """What a client is told about an engine-side failure of its request (one line)."""
+    text = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return text[:300]
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, int] = field(default_factory=dict)  # sequence id -> token
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)  # of the sampled token
+    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)  # by parent
+    prompt_tokens: int = 0  # prompt (or recomputed) tokens run through the model
+    failed: dict[str, str] = field(default_factory=dict)  # sequence id -> message
+
+    def merge(self, other: StepResult) -> None:
+        self.sampled.update(other.sampled)
+        self.logprobs.update(other.logprobs)
+        self.prompt_logprobs.update(other.prompt_logprobs)
+        self.prompt_tokens += other.prompt_tokens
+        self.failed.update(other.failed)
+
+
+class StepExecutor:
+    def __init__(self, runner: ModelRunner, seqs: dict[str, SeqState], eos_ids: set[int]):
+        self.runner = runner
+        self.seqs = seqs  # the engine's live sequences, by id (read only here)
+        self.eos_ids = eos_ids
+
+    def run(self, scheduled: list[ScheduledRequest], block_ids) -> StepResult:
+        """`block_ids(request_id)` gives a sequence's KV block table."""
+        try:
+            return self._run(scheduled, block_ids)
+        except Exception as exc:
+            if len(scheduled) == 1:
+                rid = scheduled[0].request.request_id
+                log.exception("request %s failed in the engine step", rid)
+                return StepResult(failed={rid: describe(exc)})
+            log.exception(
+                "a batched step failed; running its %d requests one by one", len(scheduled)
+            )
+        result = StepResult()
+        for s in scheduled:
+            try:
+                result.merge(self._run([s], block_ids))
+            except Exception as exc:
+                log.exception("request %s failed in the engine step", s.request.request_id)
+                result.failed[s.request.request_id] = describe(exc)
+        return result
+
+    def _run(self, scheduled: list[ScheduledRequest], block_ids) -> StepResult:
+        result = StepResult()
+        inputs = []
+        for s in scheduled:
+            req = s.request
+            start = req.num_computed_tokens
+            tokens = req.all_token_ids[start : start + s.num_new_tokens]
+            inputs.append(SeqInput(tokens, start, block_ids(req.request_id)))
+            result.prompt_tokens += max(0, min(req.num_prompt_tokens - start, s.num_new_tokens))
+        hidden = self.runner.forward(inputs)
+        ends = torch.tensor([len(i.token_ids) for i in inputs]).cumsum(0) - 1
+        self._prompt_logprobs(scheduled, hidden, ends, result)
+        rows = [i for i, s in enumerate(scheduled) if s.samples]
+        if rows:
+            logits = self.runner.logits(hidden[ends[rows].to(hidden.device)])
+            self._sample([self.seqs[scheduled[i].request.request_id] for i in rows], logits, result)
+        return result
+
+    def _sample(self, states: list[SeqState], logits: torch.Tensor, result: StepResult) -> None:
+        rows = [
+            SamplingRow(
+                st.request.params,
+                st.generator,
+                st.request.prompt_token_ids,
+                st.request.output_token_ids,
+            )
+            for st in states
+        ]
+        need_lp = [r for r, st in enumerate(states) if st.logprobs is not None]
+        # Logprobs of the raw distribution (vLLM's default), so before any processing.
+        raw_lp = logits[need_lp].log_softmax(-1) if need_lp else None
+        errors = process_logits(logits, rows, self.eos_ids)
+        tokens, sample_errors = sample(logits, rows, skip=errors)
+        errors.update(sample_errors)
+        for j, r in enumerate(need_lp):
+            if tokens[r] is None:
+                continue
+            try:
+                k = states[r].request.params.logprobs
+                chosen = torch.tensor([tokens[r]])
+                result.logprobs[states[r].request.request_id] = token_logprobs(
+                    raw_lp[j : j + 1], chosen, k
+                )[0]
+            except Exception as exc:  # one request's failure
+                errors[r] = exc
+        for r, st in enumerate(states):
+            rid = st.request.request_id
+            if r in errors:
+                log.error("request %s failed while sampling: %s", rid, describe(errors[r]))
+                result.failed[rid] = describe(errors[r])
+            elif tokens[r] is not None:
+                result.sampled[rid] = tokens[r]
+
+    def _prompt_logprobs(self, scheduled, hidden, ends, result: StepResult) -> None:
+        for i, s in enumerate(scheduled):
+            st = self.seqs[s.request.request_id]
+            parent = st.parent
+            if parent.prompt_logprobs is None or st.index != 0:
+                continue
+            start = s.request.num_computed_tokens
+            plen = len(parent.prompt_token_ids)
+            # Positions p in this chunk whose next token p+1 is a prompt token not yet scored.
+            first = max(start, len(parent.prompt_logprobs) - 1)
+            last = min(start + s.num_new_tokens, plen - 1)
+            if first >= last:
+                continue
+            row0 = int(ends[i]) - s.num_new_tokens + 1
+            h = hidden[row0 + first - start : row0 + last - start]
+            lp = self.runner.logits(h).log_softmax(-1)
+            chosen = torch.tensor(parent.prompt_token_ids[first + 1 : last + 1], device=lp.device)
+            k = s.request.params.prompt_logprobs
+            result.prompt_logprobs[parent.request_id] = token_logprobs(lp, chosen, k)

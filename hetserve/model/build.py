@@ -1,0 +1,86 @@
+"""build_model(config): everything between an EngineConfig and a ready model.
+
+Called once by the engine at start-up (and by tools that need the served model as the engine
+would build it). It resolves the demo default, loads the weights with the placement the config
+asks for (or the one a converted checkpoint implies), builds the routed-expert backends, turns on
+expert deferral and routing statistics. Errors are `ModelLoadError` / `InvalidInputError` with
+one-line messages; nothing is half-built on failure (the caller simply has no model).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+from hetserve.config import EngineConfig, MoEConfig
+from hetserve.model.base import CausalLM
+from hetserve.model.loader import load_model
+
+log = logging.getLogger(__name__)
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """The model directory a config names; None is the embedded demo model (built on first
+    use under HETSERVE_CACHE)."""
+    if model is None:
+        from hetserve.model.tiny import demo_model_dir
+
+        return Path(demo_model_dir())
+    return Path(model)
+
+
+def build_model(config: EngineConfig) -> CausalLM:
+    model_dir = resolve_model_dir(config.model)
+    converted = _converted(model_dir)
+    model = load_model(
+        model_dir,
+        device=config.device,
+        dtype=config.dtype,
+        placement=_placement_rules(config.moe, converted),
+    )
+    if model.hybrid_plan is not None:
+        _build_hybrid(model, config.moe, converted)
+    if config.moe.max_deferred_experts_per_token:
+        model.set_expert_deferral(config.moe.max_deferred_experts_per_token)
+    if config.moe.record_routing_stats:
+        from hetserve.moe.routing_stats import RoutingStats
+
+        model.attach_routing_stats(RoutingStats())
+    return model
+
+
+def _converted(model_dir: Path) -> dict | None:
+    """The `hetserve_experts` entry of a checkpoint made by `hetserve convert`, if any."""
+    path = model_dir / "config.json"
+    return json.loads(path.read_text()).get("hetserve_experts") if path.is_file() else None
+
+
+def _placement_rules(moe: MoEConfig, converted: dict | None):
+    if moe.placement is None and converted is not None:
+        # A converted model serves its experts on the CPU format it was converted to.
+        from hetserve.moe.placement import default_rules
+
+        backend = f"cpu-{converted['format']}"
+        return [replace(r, backend=backend) if r.backend else r for r in default_rules()]
+    if moe.placement is None or moe.placement == "default":
+        return moe.placement
+    from hetserve.moe.placement import load_rules
+
+    return load_rules(moe.placement)
+
+
+def _build_hybrid(model: CausalLM, moe: MoEConfig, converted: dict | None) -> None:
+    from hetserve.moe.hybrid import apply_dense_backends, build_expert_backends
+    from hetserve.moe.routing_stats import RoutingStats
+
+    stats = RoutingStats.load(moe.routing_stats) if moe.routing_stats else None
+    options = {}
+    if converted is not None and converted.get("group_size"):
+        options["cpu-int4"] = {"group_size": converted["group_size"]}
+    build_expert_backends(
+        model, model.hybrid_plan, moe.gpu_experts, stats, moe.cpu_threads, backend_options=options
+    )
+    apply_dense_backends(model, model.hybrid_plan)
+    log.info("placement:\n%s", model.hybrid_plan.table())
