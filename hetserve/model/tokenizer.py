@@ -7,6 +7,7 @@ generation_config.json.
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -71,6 +72,20 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_long(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`encode` for long texts, meant for a worker thread: `encode_batch` releases the GIL
+        while it works (plain `encode` holds it throughout), so the server's event loop keeps
+        answering meanwhile."""
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the longest token string. Byte-level and metaspace vocabularies spell
+        each token with at least one character per character of text it covers, so a text of
+        C characters has at least C / max_token_chars tokens: a bound checked before
+        tokenizing a text that cannot fit the context anyway."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

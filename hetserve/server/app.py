@@ -1,43 +1,77 @@
-"""The FastAPI app: routes, OpenAI-style errors, bearer auth, request size limit, disconnects."""
+"""The FastAPI app: routes, the ASGI guard (auth, body limit, arrival time), errors as JSON."""
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hetserve.engine.async_llm import AsyncLLM
+from hetserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineRequestError
 from hetserve.errors import HetserveError
+from hetserve.server.chat import ChatServing
+from hetserve.server.completions import CompletionServing
+from hetserve.server.errors import BodyTooLargeError, error_body, exception_status
 from hetserve.server.metrics import ServerMetrics
-from hetserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from hetserve.server.serving import OpenAIServing
+from hetserve.server.openapi import install_openapi
+from hetserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    UnsupportedFieldError,
+)
 
 MAX_BODY_BYTES = 8 << 20
 
 
-def error_response(
-    status: int,
-    message: str,
-    type_: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | None = None,
-) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+class Guard:
+    """Pure ASGI middleware (a BaseHTTPMiddleware would hide client disconnects from the
+    routes): stamps the arrival time, checks the bearer token on /v1/*, and enforces the body
+    limit while the body is read, chunked bodies included, so an oversized one is never read
+    whole."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.limit = max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        scope["hetserve.arrival"] = time.monotonic()
+        headers = dict(scope.get("headers") or ())
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return await _send_json(send, 413, error_body(str(BodyTooLargeError(self.limit))))
+        if self.api_key and scope["path"].startswith("/v1/") and not self._authorized(headers):
+            body = error_body("missing or invalid API key", "authentication_error")
+            body["error"]["code"] = "invalid_api_key"
+            return await _send_json(send, 401, body)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise BodyTooLargeError(self.limit)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _authorized(self, headers: dict) -> bool:
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        token = auth[7:] if auth.lower().startswith("bearer ") else ""
+        return hmac.compare_digest(token.encode(), self.api_key.encode())
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-    if err.get("type") == "json_invalid":
-        return "request body is not valid JSON", None
-    param = ".".join(loc) or None
-    return (f"{param}: {err['msg']}" if param else err["msg"]), param
+async def _send_json(send, status: int, body: dict) -> None:
+    response = JSONResponse(body, status_code=status)
+    await send({"type": "http.response.start", "status": status, "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body})
 
 
 def create_app(
@@ -47,110 +81,77 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     app = FastAPI(title="hetserve", docs_url=None, redoc_url=None)
-    serving = OpenAIServing(engine, model_name)
-    metrics = ServerMetrics(engine)
+    completions = CompletionServing(engine, model_name)
+    chat = ChatServing(engine, model_name)
+    metrics = ServerMetrics(engine, model_name)
     app.state.engine, app.state.metrics = engine, metrics
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-            return error_response(413, f"request body over {max_body_bytes} bytes")
-        if api_key and request.url.path.startswith("/v1/"):
-            auth = request.headers.get("authorization", "")
-            token = auth[7:] if auth.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), api_key.encode()):
-                return error_response(
-                    401,
-                    "missing or invalid API key",
-                    "authentication_error",
-                    code="invalid_api_key",
-                )
-        return await call_next(request)
+    async def on_error(_, exc: Exception):
+        status, body = exception_status(exc)
+        return JSONResponse(body, status_code=status)
 
-    @app.exception_handler(RequestValidationError)
-    async def on_validation(_, exc: RequestValidationError):
-        message, param = _validation_message(exc)
-        return error_response(400, message, param=param)
-
-    @app.exception_handler(HetserveError)
-    async def on_user_error(_, exc: HetserveError):
-        return error_response(400, str(exc))
+    # Each expected type by name: only `Exception` itself goes to Starlette's outermost handler,
+    # which also logs a traceback (right for our bugs, wrong for a user's mistake).
+    for exc_type in (
+        ValidationError,
+        UnsupportedFieldError,
+        HetserveError,
+        BodyTooLargeError,
+        EngineRequestError,
+        EngineDeadError,
+        Exception,
+    ):
+        app.add_exception_handler(exc_type, on_error)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_, exc: StarletteHTTPException):
-        return error_response(
-            exc.status_code,
-            str(exc.detail),
-            "not_found_error" if exc.status_code == 404 else "invalid_request_error",
-        )
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
 
-    def check_model(name: str | None):
-        if name is not None and name != model_name:
-            return error_response(
-                404,
-                f"model {name!r} does not exist; this server serves {model_name!r}",
-                "not_found_error",
-                "model",
-                "model_not_found",
-            )
-        return None
+    def check_model(name: str | None) -> JSONResponse | None:
+        if name is None or name == model_name:
+            return None
+        body = error_body(
+            f"model {name!r} does not exist; this server serves {model_name!r}",
+            "not_found_error",
+            "model",
+            "model_not_found",
+        )
+        return JSONResponse(body, status_code=404)
 
     @app.get("/health")
     async def health():
+        if not engine.is_alive:
+            body = error_body("the engine has stopped", "server_error", code="engine_dead")
+            return JSONResponse(body, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model_name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "hetserve",
-                    "max_model_len": engine.max_model_len,
-                }
-            ],
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "hetserve",
+            "max_model_len": engine.max_model_len,
+            "vocab_size": engine.vocab_size,
         }
+        return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        if (err := check_model(body.model)) is not None:
-            return err
-        base, gens = serving.start_completion(body)
-        if body.stream:
-            return StreamingResponse(
-                serving.completion_stream(body, base, gens), media_type="text/event-stream"
-            )
-        return await _unless_disconnected(request, serving.completion(body, base, gens))
+    async def create_completion(request: Request):
+        req = CompletionRequest.model_validate_json(await request.body())
+        return check_model(req.model) or await completions.create(req, request)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request):
-        if (err := check_model(body.model)) is not None:
-            return err
-        base, gen = serving.start_chat(body)
-        if body.stream:
-            return StreamingResponse(
-                serving.chat_stream(body, base, gen), media_type="text/event-stream"
-            )
-        return await _unless_disconnected(request, serving.chat(body, base, gen))
+    async def create_chat_completion(request: Request):
+        req = ChatCompletionRequest.model_validate_json(await request.body())
+        return check_model(req.model) or await chat.create(req, request)
 
+    install_openapi(app)
     return app
-
-
-async def _unless_disconnected(request: Request, coro):
-    """Run a non-streaming handler; if the client goes away first, cancel it (which aborts the
-    engine requests and frees their blocks)."""
-    task = asyncio.ensure_future(coro)
-    while not task.done():
-        done, _ = await asyncio.wait({task}, timeout=0.25)
-        if not done and await request.is_disconnected():
-            task.cancel()
-            return Response(status_code=499)
-    return task.result()

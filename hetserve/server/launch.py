@@ -51,6 +51,7 @@ def moe_config(args: argparse.Namespace):
         gpu_experts=args.gpu_experts,
         routing_stats=args.routing_stats,
         cpu_threads=args.cpu_threads,
+        record_routing_stats=bool(getattr(args, "save_routing_stats", None)),
     )
 
 
@@ -108,12 +109,6 @@ def serve(args: argparse.Namespace) -> int:
     from hetserve.server.app import create_app
 
     engine = AsyncLLM(engine_config(args))
-    stats = None
-    if args.save_routing_stats:
-        from hetserve.moe.routing_stats import RoutingStats
-
-        stats = RoutingStats()
-        engine.engine.model.attach_routing_stats(stats)
     name = args.served_model_name or (
         args.model.rstrip("/").split("/")[-1] if args.model else "hetserve-demo"
     )
@@ -129,6 +124,7 @@ def serve(args: argparse.Namespace) -> int:
         )
     finally:
         engine.shutdown()
+        stats = engine.routing_stats()
         if stats is not None:
             stats.save(args.save_routing_stats)
             print(f"routing statistics saved to {args.save_routing_stats}")

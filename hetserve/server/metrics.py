@@ -1,69 +1,141 @@
-"""Prometheus metrics of one server: request gauges, KV usage, prefix-cache hit rate,
-TTFT / inter-token / end-to-end latency histograms and token counters."""
+"""Prometheus metrics of one server, under hetserve's names and under the `vllm:` names that
+existing Grafana dashboards chart (same meaning, `model_name` label), plus the process
+collector (`process_resident_memory_bytes`, ...).
+
+Engine state (requests, KV, prefix cache, preemptions) is read from `EngineStats` at scrape
+time by a collector; latencies are observed on the engine thread as outputs are produced, with
+TTFT and end-to-end latency measured from the request's arrival at the HTTP server.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
+class _EngineCollector:
+    """Engine gauges and counters, read from one stats snapshot per scrape."""
+
+    def __init__(self, engine, model_name: str, block_size: int) -> None:
+        self.engine = engine
+        self.model = model_name
+        self.block_size = block_size
+
+    def collect(self):
+        s = self.engine.stats()
+        m = [self.model]
+
+        def gauge(name, doc, value, labels=()):
+            g = GaugeMetricFamily(name, doc, labels=list(labels))
+            g.add_metric(m[: len(labels)], value) if labels else g.add_metric([], value)
+            return g
+
+        def counter(name, doc, value, labels=()):
+            c = CounterMetricFamily(name, doc, labels=list(labels))
+            c.add_metric(m[: len(labels)], value) if labels else c.add_metric([], value)
+            return c
+
+        yield gauge("hetserve_num_requests_running", "requests running", s.num_running)
+        yield gauge("hetserve_num_requests_waiting", "requests waiting", s.num_waiting)
+        yield gauge("hetserve_kv_blocks_used", "KV blocks in use", s.kv_blocks_used)
+        yield gauge("hetserve_kv_blocks_total", "KV blocks in the pool", s.kv_blocks_total)
+        yield gauge(
+            "hetserve_prefix_cache_hit_rate", "prefix-cache block hits / queries", s.prefix_hit_rate
+        )
+        yield counter("hetserve_preemptions", "preemptions so far", s.preemptions)
+        yield counter(
+            "hetserve_failed_requests", "requests failed inside the engine", s.failed_requests
+        )
+        name = ("model_name",)
+        yield gauge("vllm:num_requests_running", "requests running", s.num_running, name)
+        yield gauge("vllm:num_requests_waiting", "requests waiting", s.num_waiting, name)
+        yield gauge("vllm:kv_cache_usage_perc", "KV cache usage (0..1)", s.kv_usage, name)
+        bs = self.block_size
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "prefix cache queries, in tokens",
+            s.prefix_queries * bs,
+            name,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits", "prefix cache hits, in tokens", s.prefix_hits * bs, name
+        )
+        yield counter("vllm:num_preemptions", "preemptions so far", s.preemptions, name)
+
+
 class ServerMetrics:
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, model_name: str = "hetserve") -> None:
         self.engine = engine
         r = self.registry = CollectorRegistry()
-        self.running = Gauge("hetserve_num_requests_running", "requests running", registry=r)
-        self.waiting = Gauge("hetserve_num_requests_waiting", "requests waiting", registry=r)
-        self.kv_used = Gauge("hetserve_kv_blocks_used", "KV blocks in use", registry=r)
-        self.kv_total = Gauge("hetserve_kv_blocks_total", "KV blocks in the pool", registry=r)
-        self.hit_rate = Gauge(
-            "hetserve_prefix_cache_hit_rate", "prefix-cache block hits / queries", registry=r
-        )
-        self.preemptions = Gauge("hetserve_preemptions", "preemptions so far", registry=r)
-        self.ttft = Histogram(
-            "hetserve_time_to_first_token_seconds", "TTFT", buckets=_LATENCY, registry=r
-        )
-        self.itl = Histogram(
-            "hetserve_inter_token_latency_seconds",
-            "time between outputs",
-            buckets=_LATENCY,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "hetserve_e2e_request_latency_seconds",
-            "end-to-end latency",
-            buckets=_LATENCY,
-            registry=r,
-        )
+        block_size = engine.config.cache.block_size
+        r.register(_EngineCollector(engine, model_name, block_size))
+        ProcessCollector(registry=r)
+        self._hists = {}
+        for key, doc in (
+            ("time_to_first_token_seconds", "time to first token, from HTTP arrival"),
+            ("inter_token_latency_seconds", "time between outputs"),
+            ("e2e_request_latency_seconds", "end-to-end latency, from HTTP arrival"),
+        ):
+            ours = Histogram(f"hetserve_{key}", doc, buckets=_LATENCY, registry=r)
+            theirs = Histogram(
+                f"vllm:{key}", doc, ["model_name"], buckets=_LATENCY, registry=r
+            ).labels(model_name)
+            self._hists[key] = (ours, theirs)
         self.prompt_tokens = Counter("hetserve_prompt_tokens", "prompt tokens", registry=r)
         self.generation_tokens = Counter(
             "hetserve_generation_tokens", "generated tokens", registry=r
         )
+        self.vllm_prompt = Counter(
+            "vllm:prompt_tokens", "prompt tokens", ["model_name"], registry=r
+        ).labels(model_name)
+        self.vllm_generation = Counter(
+            "vllm:generation_tokens", "generated tokens", ["model_name"], registry=r
+        ).labels(model_name)
         self.requests = Counter(
             "hetserve_requests", "finished requests", ["finish_reason"], registry=r
         )
+        self.vllm_success = Counter(
+            "vllm:request_success",
+            "finished requests",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.model_name = model_name
         engine.observers.append(self.observe)
+
+    def _observe(self, key: str, value: float) -> None:
+        for h in self._hists[key]:
+            h.observe(value)
 
     def observe(self, request_id, out, timing) -> None:
         # Called on the engine thread once per output of a request.
+        if out.error is not None:
+            self.requests.labels("error").inc()
+            return
         times = timing.token_times
         if len(times) == 1:
-            self.ttft.observe(times[0] - timing.arrival)
+            self._observe("time_to_first_token_seconds", times[0] - timing.arrival)
         else:
-            self.itl.observe(times[-1] - times[-2])
+            self._observe("inter_token_latency_seconds", times[-1] - times[-2])
         if out.finished:
-            self.e2e.observe(timing.last_token - timing.arrival)
-            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self._observe("e2e_request_latency_seconds", timing.last_token - timing.arrival)
+            n_prompt = len(out.prompt_token_ids)
+            self.prompt_tokens.inc(n_prompt)
+            self.vllm_prompt.inc(n_prompt)
             for c in out.outputs:
                 self.generation_tokens.inc(len(c.token_ids))
-                self.requests.labels(c.finish_reason or "unknown").inc()
+                self.vllm_generation.inc(len(c.token_ids))
+                reason = c.finish_reason or "unknown"
+                self.requests.labels(reason).inc()
+                self.vllm_success.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
-        s = self.engine.stats()
-        self.running.set(s["running"])
-        self.waiting.set(s["waiting"])
-        self.kv_used.set(s["kv_blocks_used"])
-        self.kv_total.set(s["kv_blocks_total"])
-        self.hit_rate.set(s["prefix_hits"] / s["prefix_queries"] if s["prefix_queries"] else 0)
-        self.preemptions.set(s["preemptions"])
         return generate_latest(self.registry)

@@ -46,7 +46,7 @@ class LiveServer:
         while True:
             s = self.engine.stats()
             if (
-                s["running"] == 0 and s["waiting"] == 0 and s["kv_blocks_used"] == 0
+                s.num_running == 0 and s.num_waiting == 0 and s.kv_blocks_used == 0
             ) or time.monotonic() > deadline:
                 return s
             time.sleep(0.05)

@@ -47,7 +47,7 @@ def test_random_workload_against_hetserve(server, tmp_path):
     res = json.loads(out.read_text())
     text = json.dumps(res)
     assert '"completed": 12' in text and '"failed": 0' in text, text[:2000]
-    assert server.wait_idle()["kv_blocks_used"] == 0
+    assert server.wait_idle().kv_blocks_used == 0
 
 
 @pytest.mark.skipif(not TRACE.is_file(), reason="../shared/data/mooncake trace not present")

@@ -125,7 +125,7 @@ def test_sixteen_concurrent_requests(server):
         return usages
 
     assert asyncio.run(main()) == [5 + i for i in range(16)]
-    assert server.wait_idle()["kv_blocks_used"] == 0
+    assert server.wait_idle().kv_blocks_used == 0
 
 
 BAD = [
@@ -153,7 +153,7 @@ def test_bad_input_gets_openai_error(server, path, body, status):
     err = r.json()["error"]
     assert err["message"] and err["type"]
     assert httpx.get(server.url + "/health").status_code == 200
-    assert server.wait_idle()["kv_blocks_used"] == 0
+    assert server.wait_idle().kv_blocks_used == 0
 
 
 def test_oversized_body_is_rejected(server):
@@ -171,9 +171,9 @@ def test_disconnect_mid_stream_frees_blocks(server):
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: {") for line in got)
-        assert server.engine.stats()["kv_blocks_used"] > 0
+        assert server.engine.stats().kv_blocks_used > 0
     stats = server.wait_idle()
-    assert stats["running"] == 0 and stats["kv_blocks_used"] == 0
+    assert stats.num_running == 0 and stats.kv_blocks_used == 0
 
 
 def test_metrics_exposes_engine_and_latency(server, client):

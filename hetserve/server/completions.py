@@ -1,0 +1,147 @@
+"""/v1/completions: text or token-id prompts -> engine requests -> JSON or SSE chunks."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import Request
+
+from hetserve.core.outputs import RequestOutput
+from hetserve.errors import InvalidInputError
+from hetserve.server.protocol import CompletionRequest
+from hetserve.server.serving import OpenAIServing, merge, sse
+
+
+class CompletionServing(OpenAIServing):
+    async def create(self, req: CompletionRequest, request: Request):
+        prompts = await self._prompts(req.prompt)
+        base = f"cmpl-{uuid.uuid4().hex}"
+        echo_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
+        limit = req.output_limit()
+
+        def params(_i, _ids):
+            return self.sampling_params(req, limit, req.logprobs, echo_lp)
+
+        streams = self.start(base, prompts, params, req, request)
+        if req.stream:
+            return self.event_stream(base, streams, self._chunks(req, base, streams))
+        work = self._collect(req, base, streams)
+        return await self.run_unless_disconnected(request, streams, work)
+
+    async def _prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            return [(None, list(prompt))]
+        out = []
+        for p in prompt:
+            ids = await self.encode(p) if isinstance(p, str) else list(p)
+            if not ids:
+                raise InvalidInputError("a prompt is empty; give at least one token", "prompt")
+            out.append((p if isinstance(p, str) else None, ids))
+        return out
+
+    async def _collect(self, req: CompletionRequest, base: str, streams) -> dict:
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in merge(streams):
+            finals[i] = out
+        outs = [finals[i] for i in range(len(streams))]
+        choices = [
+            {
+                "index": i * req.n + c.index,
+                "text": (self._echo(out) if req.echo else "") + c.text,
+                "logprobs": self._choice_logprobs(req, out, c),
+                "finish_reason": c.finish_reason,
+            }
+            for i, out in enumerate(outs)
+            for c in out.outputs
+        ]
+        return {
+            "id": base,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": self.usage(outs),
+        }
+
+    async def _chunks(self, req: CompletionRequest, base: str, streams):
+        created = int(time.time())
+        opts = req.stream_options
+        continuous = bool(opts and opts.continuous_usage_stats)
+
+        def chunk(choices, usage=None):
+            body = {
+                "id": base,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+            }
+            if usage is not None:
+                body["usage"] = usage
+            return sse(body)
+
+        # (prompt, choice) -> (chars sent, tokens sent, finish sent)
+        sent: dict[tuple[int, int], tuple[int, int, bool]] = {}
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in merge(streams):
+            finals[i] = out
+            for c in out.outputs:
+                first = (i, c.index) not in sent
+                chars, ntok, done = sent.get((i, c.index), (0, 0, False))
+                delta = c.text[chars:]
+                if done or (not delta and c.finish_reason is None):
+                    continue
+                sent[(i, c.index)] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
+                lp = None
+                if req.logprobs is not None:
+                    lp = self.completion_logprobs(
+                        c.token_ids[ntok:], c.logprobs[ntok:], req.logprobs, chars
+                    )
+                choice = {
+                    "index": i * req.n + c.index,
+                    "text": (self._echo(out) if req.echo and first else "") + delta,
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                }
+                usage = self.usage(list(finals.values())) if continuous else None
+                yield chunk([choice], usage)
+        if opts and opts.include_usage:
+            yield chunk([], self.usage(list(finals.values())))
+
+    def completion_logprobs(self, token_ids, entries, k: int, offset: int = 0) -> dict:
+        """OpenAI completions logprobs for `token_ids`; an entry of None (the first prompt
+        token, under echo) has no logprob."""
+        tokens = [self.token_str(t) for t in token_ids]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [
+                e[t].logprob if e else None for e, t in zip(entries, token_ids, strict=True)
+            ],
+            "top_logprobs": [
+                {self.token_str(tid): lp.logprob for tid, lp in e.items() if lp.rank <= k}
+                if e
+                else None
+                for e in entries
+            ],
+            "text_offset": offsets,
+        }
+
+    def _echo(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return self.tok.decode(out.prompt_token_ids, skip_special_tokens=False)
+
+    def _choice_logprobs(self, req: CompletionRequest, out: RequestOutput, c) -> dict | None:
+        if req.logprobs is None:
+            return None
+        if not req.echo:
+            return self.completion_logprobs(c.token_ids, c.logprobs, req.logprobs)
+        ids = out.prompt_token_ids + c.token_ids
+        return self.completion_logprobs(ids, (out.prompt_logprobs or []) + c.logprobs, req.logprobs)
