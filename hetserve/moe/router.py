@@ -106,4 +106,6 @@ class TopKRouter(nn.Module):
             group_scores = grouped.max(dim=-1).values
         group_idx = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False)[1]
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
-        return grouped.masked_fill(~keep.unsqueeze(-1), 0.0).view(t, -1)
+        # -inf, not 0: with a correction bias a kept expert's choice score can be negative, and
+        # an expert of a dropped group must never win over it (the reference masks with -inf).
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(t, -1)
