@@ -175,3 +175,15 @@ class RotaryEmbedding(nn.Module):
         dtype = x.dtype
         x1, x2 = x1.float(), x2.float()
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
+
+
+class PartialRotaryEmbedding(RotaryEmbedding):
+    """RoPE over the first `dim` channels of each head; the remaining channels pass through
+    unrotated (GLM-4 MoE's `partial_rotary_factor`). The rotated channels use the layout of
+    `RotaryEmbedding` (halves, or pairs with `interleaved`) among themselves."""
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] == self.dim:
+            return super().forward(x, positions)
+        rotated = super().forward(x[..., : self.dim], positions)
+        return torch.cat((rotated, x[..., self.dim :]), dim=-1)

@@ -24,6 +24,7 @@ _EXPERT_KEYS = {
     "mixtral": "num_local_experts",
     "deepseek-v2": "n_routed_experts",
     "deepseek-v3": "n_routed_experts",
+    "glm4-moe": "n_routed_experts",
 }
 
 
@@ -35,7 +36,8 @@ def register(sub) -> None:
     t.add_argument(
         "--arch",
         required=True,
-        help="family: llama, qwen2, qwen3, qwen2-moe, qwen3-moe, mixtral, deepseek-v2, deepseek-v3",
+        help="family: llama, qwen2, qwen3, qwen2-moe, qwen3-moe, mixtral, deepseek-v2, "
+        "deepseek-v3, glm4-moe",
     )
     t.add_argument("out", help="output directory")
     t.add_argument("--seed", type=int, default=0)

@@ -15,6 +15,7 @@ _ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "hetserve.model.mixtral",
     "DeepseekV2ForCausalLM": "hetserve.model.deepseek",
     "DeepseekV3ForCausalLM": "hetserve.model.deepseek",
+    "Glm4MoeForCausalLM": "hetserve.model.glm4_moe",
 }
 
 

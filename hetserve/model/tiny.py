@@ -136,6 +136,27 @@ FAMILIES: dict[str, dict] = {
             "mscale_all_dim": 1.0,
         },
     },
+    # GLM-4.5's options (partial rotary 0.5, qk norm, q/k/v bias, leading dense layer, shared
+    # expert, scaled sigmoid routing) with groups on so that the group-limited path runs too.
+    "glm4-moe": {
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        **_MOE,
+        "head_dim": 32,
+        "partial_rotary_factor": 0.5,
+        "attention_bias": True,
+        "use_qk_norm": True,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "num_hidden_layers": 3,
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "num_nextn_predict_layers": 0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
 }
 DEMO_FAMILY = "qwen3-moe"
 DEMO_OVERRIDES = {
