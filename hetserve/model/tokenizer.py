@@ -1,4 +1,5 @@
-"""Tokenizer from tokenizer.json (the `tokenizers` library) and chat templates rendered with jinja2.
+"""Tokenizer from tokenizer.json (the `tokenizers` library) or Kimi's tiktoken.model
+(model/tiktoken_tokenizer.py), and chat templates rendered with jinja2.
 
 transformers is not needed at run time: special tokens come from tokenizer_config.json, the chat
 template from tokenizer_config.json or chat_template.jinja, EOS ids also from
@@ -17,6 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from hetserve.errors import InvalidInputError, ModelLoadError
+from hetserve.model.tiktoken_tokenizer import TIKTOKEN_FILE, TiktokenBPE
 
 
 def _token_str(value) -> str | None:
@@ -38,12 +40,15 @@ class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
-        if not path.is_file():
+        cfg = _read_json(model_dir / "tokenizer_config.json")
+        if path.is_file():
+            self._tok = HFTokenizer.from_file(str(path))
+        elif (model_dir / TIKTOKEN_FILE).is_file():  # Kimi's format
+            self._tok = TiktokenBPE.from_dir(model_dir, cfg)
+        else:
             raise ModelLoadError(
                 f"{str(model_dir)!r} has no tokenizer.json; add one (fast tokenizer format)"
             )
-        self._tok = HFTokenizer.from_file(str(path))
-        cfg = _read_json(model_dir / "tokenizer_config.json")
         gen = _read_json(model_dir / "generation_config.json")
         self.bos_token = _token_str(cfg.get("bos_token"))
         self.eos_token = _token_str(cfg.get("eos_token"))
