@@ -22,6 +22,8 @@ from hetserve import envs
 from hetserve.errors import InvalidInputError
 from hetserve.model.config import ModelConfig
 from hetserve.model.registry import model_class
+from hetserve.model.tiny_tiktoken import MODEL_VOCAB_SIZE as KIMI_VOCAB_SIZE
+from hetserve.model.tiny_tiktoken import write_kimi_tokenizer
 from hetserve.model.tiny_tokenizer import EOS_TOKEN, PAD_TOKEN, write_tokenizer_files
 
 _COMMON = {
@@ -157,6 +159,37 @@ FAMILIES: dict[str, dict] = {
         "num_nextn_predict_layers": 0,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
     },
+    # Kimi-K2: DeepSeek-V3 with one group, top-8, 2.827 scaling, YaRN as in its config.json
+    # (old-style rope_scaling, beta_fast = beta_slow = 1), and a tiktoken-format tokenizer.
+    "kimi-k2": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        **_MOE,
+        **_MLA,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 16,
+        "q_lora_rank": 32,
+        "topk_method": "noaux_tc",
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.827,
+        "norm_topk_prob": True,
+        "scoring_func": "sigmoid",
+        "num_nextn_predict_layers": 0,
+        "vocab_size": KIMI_VOCAB_SIZE,
+        "rope_parameters": None,
+        "rope_theta": 50000.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": 32,
+            "beta_fast": 1.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    },
 }
 DEMO_FAMILY = "qwen3-moe"
 DEMO_OVERRIDES = {
@@ -248,6 +281,8 @@ def make_tiny_checkpoint(
     gen = torch.Generator().manual_seed(seed)
     entries = list(_checkpoint_tensors(model, layout))
     _write_shards(out, entries, gen, lm_head_scale, progress)
+    if family == "kimi-k2":  # Kimi publishes a tiktoken-format tokenizer, no tokenizer.json
+        write_kimi_tokenizer(out, cache_dir())
     return out
 
 
