@@ -54,6 +54,16 @@ class TopKRouter(nn.Module):
         else:
             self.e_score_correction_bias = None
 
+    def _apply(self, fn, recurse: bool = True):
+        # The correction bias stays fp32 when the model is cast to bf16/fp16 (as transformers
+        # keeps it): it is added to scores in [0, 1], and rounding values of a few units to
+        # bf16 (steps of 1/64 at 2-4) would change which experts are chosen.
+        super()._apply(fn, recurse)
+        bias = self.e_score_correction_bias
+        if bias is not None and bias.dtype != torch.float32:
+            bias.data = bias.data.float()
+        return self
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         # Routing decisions in fp32: ties and near-ties must not depend on the compute dtype.
