@@ -149,6 +149,12 @@ def test_chat_template_and_generation_through_llm(kimi_dir, reference):
         "<|im_end|><|im_user|>user<|im_middle|>Hi, 你好!<|im_end|>"
         "<|im_assistant|>assistant<|im_middle|>"
     )
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    with_tools = llm.tokenizer.apply_chat_template(messages, tools=tools)
+    assert (
+        with_tools
+        == f"<|im_system|>tool_declare<|im_middle|>{json.dumps(tools)}<|im_end|>" + prompt
+    )
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     out = llm.chat(messages, params)[0]
     assert out.prompt_token_ids == enc.encode(prompt, allowed_special="all")
