@@ -155,6 +155,15 @@ class TiktokenBPE:
             ids += self._enc.encode(piece, allowed_special="all")
         return Encoded(ids)
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[Encoded]:
+        # tiktoken's encoder releases the GIL, as the server's worker-thread tokenizing needs.
+        return [self.encode(t, add_special_tokens) for t in texts]
+
+    def get_vocab(self, with_added_tokens: bool = True) -> dict[str, int]:
+        """Token strings (byte-level spelling, as tokenizer.json writes them) -> ids."""
+        ids = range(self.get_vocab_size(with_added_tokens))
+        return {tok: i for i in ids if (tok := self.id_to_token(i)) is not None}
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         # Unknown ids decode to nothing (as with tokenizers) instead of raising.
         ids = [i for i in ids if 0 <= i < self._n_vocab]

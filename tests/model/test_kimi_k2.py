@@ -267,3 +267,13 @@ def test_transformers_tiktoken_converter_with_kimis_pattern_agrees(tok, kimi_dir
     ).converted()
     for text in TEXTS:
         assert fast.encode(text).ids == tok.encode(text), text
+
+
+def test_long_text_path_and_length_bound(tok, reference):
+    # The server tokenizes long prompts with encode_long (on a worker thread) and first bounds
+    # the token count by max_token_chars: both must hold for the tiktoken backend too.
+    text = "Kimi tokenizes long texts too. 長い文章も。 " * 400
+    ids = tok.encode_long(text, add_special_tokens=False)
+    enc, _ = reference
+    assert ids == enc.encode(text, allowed_special="all")
+    assert len(text) / tok.max_token_chars <= len(ids)
