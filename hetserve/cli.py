@@ -14,7 +14,8 @@ from hetserve.errors import HetserveError
 
 COMMAND_MODULES = [
     "hetserve.model.cli",  # models make-tiny
-    "hetserve.engine.cli",  # generate, chat, serve
+    "hetserve.engine.cli",  # generate, chat
+    "hetserve.server.cli",  # serve
     "hetserve.bench.cli",  # bench ...
     "hetserve.store.cli",  # store master | node
     "hetserve.moe.cli",  # calibrate

@@ -1,8 +1,22 @@
-"""Engine configuration: frozen dataclasses, validated once at construction."""
+"""Engine configuration: frozen dataclasses, validated once at construction, and the one table
+of engine options that every entry point reads.
+
+`ENGINE_OPTIONS` declares each option once: its keyword (for `LLM(...)` and the argparse
+dest), its flag, its help, and the config field it sets. `add_engine_args` turns the table into
+flags (serve, generate, chat, calibrate and the benchmarks all call it), `EngineConfig.from_args`
+builds the config from parsed flags and `EngineConfig.from_options` from keyword arguments. A
+bad value is a ValueError naming the option (the CLI prints it as one line and exits 2).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hetserve.errors import InvalidInputError
 
 
 @dataclass(frozen=True)
@@ -20,6 +34,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError("the KV cache size must be positive")
 
 
 @dataclass(frozen=True)
@@ -72,4 +88,146 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     moe: MoEConfig = MoEConfig()
-    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """From keyword arguments named as in ENGINE_OPTIONS (`LLM(...)`'s convenience form);
+        an unknown name is a TypeError naming the closest known one."""
+        by_name = {o.name: o for o in ENGINE_OPTIONS}
+        for name in options:
+            if name not in by_name:
+                close = difflib.get_close_matches(name, by_name, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise TypeError(f"unknown engine option {name!r}{hint}")
+        return _build({o: options[o.name] for o in ENGINE_OPTIONS if o.name in options})
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """From flags added by `add_engine_args` (options a command did not add keep their
+        defaults)."""
+        return _build({o: getattr(args, o.name) for o in ENGINE_OPTIONS if hasattr(args, o.name)})
+
+
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: one object per option
+class EngineOption:
+    name: str  # keyword of LLM(...) and argparse dest
+    section: str | None  # None (EngineConfig itself), "cache", "scheduler" or "moe"
+    field: str  # the field it sets in that section
+    help: str
+    type: Callable[[str], Any] | None = None
+    flag: str | None = None  # default: --name-with-dashes
+    convert: Callable[[Any], Any] | None = None  # option value -> field value
+    store_false: bool = False  # a flag that turns the field off
+    choices: tuple[str, ...] | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def cli_flag(self) -> str:
+        return self.flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def default(self) -> Any:
+        """The config field's own default: defaults live in the dataclasses alone."""
+        cls = {None: EngineConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}.get(
+            self.section, MoEConfig
+        )
+        return cls.__dataclass_fields__[self.field].default
+
+
+def _gib(value: float | None) -> int | None:
+    return None if value is None else int(float(value) * (1 << 30))
+
+
+ENGINE_OPTIONS: tuple[EngineOption, ...] = (
+    EngineOption("model", None, "model", "HF model directory (default: the demo model)"),
+    EngineOption("device", None, "device", "auto, cpu or cuda[:N]"),
+    EngineOption("dtype", None, "dtype", "auto (fp32 on CPU, bf16 on CUDA), float32, bf16"),
+    EngineOption("max_model_len", None, "max_model_len", "context limit in tokens", int),
+    EngineOption("block_size", "cache", "block_size", "tokens per KV block", int),
+    EngineOption("num_kv_blocks", "cache", "num_blocks", "KV blocks (overrides the size)", int),
+    EngineOption(
+        "kv_cache_gb", "cache", "kv_cache_bytes", "KV cache size in GiB", float, convert=_gib
+    ),
+    EngineOption(
+        "enable_prefix_caching",
+        "cache",
+        "enable_prefix_caching",
+        "turn off the prefix cache",
+        flag="--no-prefix-caching",
+        store_false=True,
+    ),
+    EngineOption("max_num_seqs", "scheduler", "max_num_seqs", "sequences per step", int),
+    EngineOption(
+        "max_num_batched_tokens", "scheduler", "max_num_batched_tokens", "tokens per step",
+        int,
+    ),
+    EngineOption(
+        "scheduling_policy", "scheduler", "policy", "fcfs, or priority (lower runs first)",
+        choices=("fcfs", "priority"),
+    ),
+    EngineOption(
+        "placement", "moe", "placement",
+        "hybrid placement: 'default' puts routed experts on CPU (cpu-int8) and the rest on the "
+        "engine device; or a YAML rules file", extra={"metavar": "default|RULES.yaml"},
+    ),
+    EngineOption(
+        "gpu_experts", "moe", "gpu_experts",
+        "keep the N most-routed experts of each layer on the engine device", int,
+    ),
+    EngineOption(
+        "routing_stats", "moe", "routing_stats",
+        "routing statistics JSON (from `hetserve calibrate`)", extra={"metavar": "FILE"},
+    ),
+    EngineOption(
+        "cpu_threads", "moe", "cpu_threads", "threads of the dedicated CPU-experts pool", int
+    ),
+    EngineOption(
+        "max_deferred_experts_per_token", "moe", "max_deferred_experts_per_token",
+        "expert deferral: this many low-weight experts per token run one layer late", int,
+    ),
+    EngineOption(
+        "record_routing_stats", "moe", "record_routing_stats",
+        "count every routing decision (read them with routing_stats())",
+        flag="",  # set by commands (calibrate, serve --save-routing-stats), not a flag
+    ),
+)  # fmt: skip
+
+
+def add_engine_args(parser: argparse.ArgumentParser, **defaults: Any) -> None:
+    """Add every engine option as a flag; `defaults` overrides a command's defaults."""
+    groups = {
+        None: parser.add_argument_group("model"),
+        "cache": parser.add_argument_group("KV cache"),
+        "scheduler": parser.add_argument_group("scheduler"),
+        "moe": parser.add_argument_group("mixture of experts"),
+    }
+    for o in ENGINE_OPTIONS:
+        if o.flag == "":
+            continue
+        default = defaults.get(o.name, o.default)
+        shown = "" if default is None or o.store_false else f" (default: {default})"
+        kw: dict[str, Any] = {"dest": o.name, "help": o.help + shown, **o.extra}
+        if o.store_false:  # --no-X: a flag that turns on the default's opposite
+            kw["action"] = "store_false"
+        else:
+            kw.update(type=o.type, choices=o.choices)
+        groups[o.section].add_argument(o.cli_flag, default=default, **kw)
+
+
+def _build(values: dict[EngineOption, Any]) -> EngineConfig:
+    sections: dict[str | None, dict[str, Any]] = {None: {}, "cache": {}, "scheduler": {}, "moe": {}}
+    for o, value in values.items():
+        sections[o.section][o.field] = o.convert(value) if o.convert else value
+    try:
+        return EngineConfig(
+            **sections[None],
+            cache=CacheConfig(**sections["cache"]),
+            scheduler=SchedulerConfig(**sections["scheduler"]),
+            moe=MoEConfig(**sections["moe"]),
+        )
+    except ValueError as exc:  # the CLI prints a HetserveError as one line and exits 2
+        raise InvalidInputError(str(exc)) from None

@@ -63,14 +63,7 @@ def chat_loop(args: argparse.Namespace) -> int:
         from hetserve.config import EngineConfig
         from hetserve.engine.core import EngineCore
 
-        engine = EngineCore(
-            EngineConfig(
-                model=args.model,
-                device=args.device,
-                dtype=args.dtype,
-                max_model_len=args.max_model_len,
-            )
-        )
+        engine = EngineCore(EngineConfig.from_args(args))
     messages: list[dict] = []
     print("type a message; an empty line or Ctrl-D quits", file=sys.stderr)
     for line in sys.stdin:

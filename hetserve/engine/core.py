@@ -44,8 +44,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig | None = None) -> None:
         cfg = config or EngineConfig()
         self.config = cfg
+        self.model_dir = resolve_model_dir(cfg.model)
         self.model = build_model(cfg)
-        self.tokenizer = Tokenizer(resolve_model_dir(cfg.model))
+        self.tokenizer = Tokenizer(self.model_dir)
         mcfg = self.model.config
         self.vocab_size = mcfg.vocab_size
         self.max_model_len = min(

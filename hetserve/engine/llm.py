@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
 
-from hetserve.config import CacheConfig, EngineConfig, MoEConfig, SchedulerConfig
+from hetserve.config import EngineConfig
 from hetserve.core.outputs import RequestOutput
 from hetserve.core.sampling import SamplingParams
 from hetserve.core.stats import EngineStats
@@ -18,31 +17,23 @@ from hetserve.errors import InvalidInputError
 
 
 class LLM:
-    """`LLM(model, device="auto", dtype="auto")`; extra keyword arguments go to EngineConfig
-    (max_model_len, seed) or to its cache/scheduler parts (block_size, num_blocks,
-    enable_prefix_caching, max_num_seqs, max_num_batched_tokens, ...)."""
+    """`LLM(config)` with an EngineConfig, or `LLM(model_dir, **options)` with the options of
+    `hetserve.config.ENGINE_OPTIONS` as keywords (device, dtype, max_model_len, block_size,
+    num_kv_blocks, enable_prefix_caching, max_num_seqs, placement, cpu_threads, ...), which
+    builds the EngineConfig. No model: the embedded demo model."""
 
-    def __init__(
-        self,
-        model: str | Path | None = None,
-        device: str = "auto",
-        dtype: str = "auto",
-        **kwargs,
-    ) -> None:
-        cfg = EngineConfig(model=None if model is None else str(model), device=device, dtype=dtype)
-        cache = {k: kwargs.pop(k) for k in list(kwargs) if k in CacheConfig.__dataclass_fields__}
-        sched = {
-            k: kwargs.pop(k) for k in list(kwargs) if k in SchedulerConfig.__dataclass_fields__
-        }
-        moe = {k: kwargs.pop(k) for k in list(kwargs) if k in MoEConfig.__dataclass_fields__}
-        cfg = replace(
-            cfg,
-            cache=CacheConfig(**cache),
-            scheduler=SchedulerConfig(**sched),
-            moe=MoEConfig(**moe),
-            **kwargs,
-        )
-        self.engine = EngineCore(cfg)
+    def __init__(self, model: str | Path | EngineConfig | None = None, **options) -> None:
+        if isinstance(model, EngineConfig):
+            if options:
+                raise TypeError("give an EngineConfig or keyword options, not both")
+            config = model
+        else:
+            config = EngineConfig.from_options(
+                model=None if model is None else str(model), **options
+            )
+        self.config = config
+        self.engine = EngineCore(config)
+        self.model_dir = self.engine.model_dir
         self.model = self.engine.model
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len

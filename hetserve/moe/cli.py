@@ -5,19 +5,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hetserve.config import add_engine_args
 from hetserve.errors import InvalidInputError
 
 
 def register(sub) -> None:
     c = sub.add_parser("calibrate", help="run prompts and save per-layer expert routing counts")
-    c.add_argument("--model", required=True, help="HF model directory")
+    add_engine_args(c)
+    c.set_defaults(record_routing_stats=True)
     c.add_argument("--out", required=True, help="statistics JSON to write")
     c.add_argument("--prompts", default=None, help="text file, one prompt per line")
     c.add_argument("--num-prompts", type=int, default=32, help="random prompts if no --prompts")
     c.add_argument("--prompt-len", type=int, default=256)
     c.add_argument("--max-tokens", type=int, default=16, help="decode tokens per prompt")
-    c.add_argument("--device", default="auto")
-    c.add_argument("--dtype", default="auto")
     c.set_defaults(func=_calibrate)
 
     v = sub.add_parser("convert", help="write routed experts in a CPU format (int8 / int4)")
@@ -42,10 +42,12 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace) -> int:
     from hetserve import LLM, SamplingParams
-    from hetserve.moe.routing_stats import RoutingStats, choose_gpu_experts
+    from hetserve.config import EngineConfig
+    from hetserve.moe.routing_stats import choose_gpu_experts
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
-    if not llm.model.moe_layers():
+    llm = LLM(EngineConfig.from_args(args))
+    stats = llm.routing_stats()
+    if stats is None or not llm.model.moe_layers():
         raise InvalidInputError(f"{args.model} has no MoE layers; nothing to calibrate")
     if args.prompts:
         path = Path(args.prompts)
@@ -58,15 +60,12 @@ def _calibrate(args: argparse.Namespace) -> int:
     else:
         from hetserve.bench.throughput import make_prompts
 
-        ids = make_prompts(args.model, args.num_prompts, args.prompt_len)
-    stats = RoutingStats()
-    llm.model.attach_routing_stats(stats)
+        ids = make_prompts(str(llm.model_dir), args.num_prompts, args.prompt_len)
     llm.generate(
         prompt_token_ids=ids,
         use_tqdm=True,
         sampling_params=SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True),
     )
-    llm.model.attach_routing_stats(None)
     stats.save(args.out)
     hot = choose_gpu_experts(stats, 4)
     for layer, experts in sorted(hot.items())[:8]:

@@ -66,7 +66,7 @@ def test_preemption_under_small_kv_budget_keeps_outputs(tiny_model):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ample = LLM(path, max_model_len=64, enable_prefix_caching=False)
     ref = [o.token_ids for o in ample.generate(prompt_token_ids=ps, sampling_params=params)]
-    tight = LLM(path, max_model_len=64, num_blocks=6, enable_prefix_caching=False)
+    tight = LLM(path, max_model_len=64, num_kv_blocks=6, enable_prefix_caching=False)
     got = [o.token_ids for o in tight.generate(prompt_token_ids=ps, sampling_params=params)]
     assert tight.stats().preemptions > 0
     assert got == ref
@@ -88,7 +88,7 @@ def test_abort_frees_blocks(tiny_model):
 
 
 def test_priority_policy_runs_urgent_first(tiny_model):
-    llm = LLM(tiny_model("qwen3"), max_num_seqs=1, policy="priority")
+    llm = LLM(tiny_model("qwen3"), max_num_seqs=1, scheduling_policy="priority")
     eng = llm.engine
     p = SamplingParams(max_tokens=2, ignore_eos=True)
     eng.add_request("late", [1, 2, 3], p, priority=5)

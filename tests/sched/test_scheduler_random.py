@@ -21,7 +21,7 @@ def engines(tiny_model):
         path,
         max_model_len=MAX_LEN,
         block_size=4,
-        num_blocks=16,
+        num_kv_blocks=16,
         max_num_batched_tokens=20,
         max_num_seqs=4,
     )

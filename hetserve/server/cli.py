@@ -1,0 +1,83 @@
+"""`hetserve serve`: build the engine from the engine options, check the bind is safe, run."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+
+from hetserve import envs
+from hetserve.config import add_engine_args
+from hetserve.errors import InvalidInputError
+
+
+def register(sub) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible server (default: the demo model)")
+    add_engine_args(s)
+    g = s.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None, help="require this bearer token on /v1/*")
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--log-level", default="warning")
+    g.add_argument(
+        "--max-request-mb",
+        type=float,
+        default=8.0,
+        help="largest request body accepted, in MiB (checked while the body is read)",
+    )
+    g.add_argument(
+        "--save-routing-stats",
+        default=None,
+        metavar="FILE",
+        help="accumulate expert routing counts and save them here on shutdown",
+    )
+    s.set_defaults(func=serve)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(args: argparse.Namespace) -> int:
+    api_key = args.api_key or envs.api_key()
+    if not is_loopback(args.host) and not api_key:
+        raise InvalidInputError(
+            f"refusing to bind {args.host} without an API key; pass --api-key (or set "
+            "HETSERVE_API_KEY), or bind 127.0.0.1"
+        )
+    if args.max_request_mb <= 0:
+        raise InvalidInputError("--max-request-mb must be positive")
+    import uvicorn
+
+    from hetserve.config import EngineConfig
+    from hetserve.engine.async_llm import AsyncLLM
+    from hetserve.server.app import create_app
+
+    args.record_routing_stats = bool(args.save_routing_stats)
+    engine = AsyncLLM(EngineConfig.from_args(args))
+    name = args.served_model_name or (
+        args.model.rstrip("/").split("/")[-1] if args.model else "hetserve-demo"
+    )
+    limit = int(args.max_request_mb * (1 << 20))
+    app = create_app(engine, name, api_key=api_key, max_body_bytes=limit)
+    print(f"serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
+    try:
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=2,
+        )
+    finally:
+        engine.shutdown()
+        stats = engine.routing_stats()
+        if stats is not None:
+            stats.save(args.save_routing_stats)
+            print(f"routing statistics saved to {args.save_routing_stats}")
+    return 0
