@@ -12,7 +12,7 @@ BENCH_MODULES: list[str] = [
     "hetserve.bench.generate",
     "hetserve.bench.throughput",
     "hetserve.bench.prefix",
-    "hetserve.bench.serve",  # load-test an OpenAI-compatible server
+    "hetserve.bench.serve.cli",  # load-test an OpenAI-compatible server
     "hetserve.bench.store",
     "hetserve.bench.moe_kernel",
     "hetserve.bench.decode",

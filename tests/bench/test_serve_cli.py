@@ -19,9 +19,23 @@ def _cli(url: str, *extra: str) -> int:
 def test_run_prints_table_and_writes_json_and_plots(fake_server, tmp_path: Path, capsys) -> None:
     server = fake_server(ttft_s=0.01, itl_s=0.005, fail_every=5)
     out = tmp_path / "res" / "result.json"
-    rc = _cli(server.url, "--num-prompts", "10", "--random-input-len", "16",
-              "--random-output-len", "4", "--request-rate", "100", "--slo", "ttft=60000,tpot=60000",
-              "--result-file", str(out), "--plot", str(tmp_path / "plots"))
+    rc = _cli(
+        server.url,
+        "--num-prompts",
+        "10",
+        "--random-input-len",
+        "16",
+        "--random-output-len",
+        "4",
+        "--request-rate",
+        "100",
+        "--slo",
+        "ttft=60000,tpot=60000",
+        "--result-file",
+        str(out),
+        "--plot",
+        str(tmp_path / "plots"),
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "Successful requests:" in text and "Mean TTFT (ms):" in text
@@ -48,9 +62,21 @@ def test_trace_run_reports_prefix_reuse(fake_server, tmp_path: Path, capsys) -> 
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     server = fake_server(ttft_s=0.0, itl_s=0.0, omit_usage=True)
     out = tmp_path / "r.json"
-    rc = _cli(server.url, "--dataset", "mooncake-trace", "--dataset-path", str(trace),
-              "--max-model-len", "560", "--request-rate", "inf", "--api-key", "k",
-              "--result-file", str(out))
+    rc = _cli(
+        server.url,
+        "--dataset",
+        "mooncake-trace",
+        "--dataset-path",
+        str(trace),
+        "--max-model-len",
+        "560",
+        "--request-rate",
+        "inf",
+        "--api-key",
+        "k",
+        "--result-file",
+        str(out),
+    )
     assert rc == 0
     text = capsys.readouterr().out
     strict = json.loads(out.read_text(), parse_constant=pytest.fail)  # no Infinity/NaN
@@ -63,8 +89,12 @@ def test_trace_run_reports_prefix_reuse(fake_server, tmp_path: Path, capsys) -> 
 
 def test_every_request_failing_exits_1(fake_server, capsys) -> None:
     server = fake_server(fail_every=1)
-    assert _cli(server.url, "--num-prompts", "2", "--random-input-len", "4",
-                "--random-output-len", "2") == 1
+    assert (
+        _cli(
+            server.url, "--num-prompts", "2", "--random-input-len", "4", "--random-output-len", "2"
+        )
+        == 1
+    )
     assert "every request failed" in capsys.readouterr().err
 
 

@@ -13,17 +13,23 @@ import aiohttp
 import numpy as np
 import pytest
 
-from hetserve.bench.serve_client import build_payload, send_request
-from hetserve.bench.serve_datasets import BenchRequest, Workload, random_workload
-from hetserve.bench.serve_metrics import compute_metrics
-from hetserve.bench.serve_runner import RunConfig, arrival_offsets, run_benchmark
+from hetserve.bench.serve.client import build_payload, send_request
+from hetserve.bench.serve.datasets import random_workload
+from hetserve.bench.serve.metrics import compute_metrics
+from hetserve.bench.serve.runner import RunConfig, arrival_offsets, run_benchmark
+from hetserve.bench.serve.workload import BenchRequest, Workload
 
 SLACK = 0.5  # seconds a sleep may run late on a shared 2-core machine
 
 
 def _run(server, workload: Workload, **cfg):
-    run = RunConfig(base_url=server.url, endpoint=cfg.pop("endpoint", "/v1/completions"),
-                    model="fake", progress=False, **cfg)
+    run = RunConfig(
+        base_url=server.url,
+        endpoint=cfg.pop("endpoint", "/v1/completions"),
+        model="fake",
+        progress=False,
+        **cfg,
+    )
     return asyncio.run(run_benchmark(workload, run))
 
 
@@ -60,8 +66,9 @@ def test_scripted_clock_gives_exact_metrics(fake_server) -> None:
 
     async def go():
         async with aiohttp.ClientSession() as s:
-            return await send_request(s, server.url + "/v1/completions", {}, body, 2,
-                                      clock=lambda: next(ticks))
+            return await send_request(
+                s, server.url + "/v1/completions", {}, body, 2, clock=lambda: next(ticks)
+            )
 
     r = asyncio.run(go())
     assert r.ok and r.output_tokens == 3
@@ -83,8 +90,9 @@ def test_server_without_usage_is_counted_from_the_stream(fake_server) -> None:
 
 
 def test_server_errors_are_counted_not_fatal(fake_server) -> None:
-    server = fake_server(ttft_s=0.0, itl_s=0.0, fail_every=3, fail_midstream_every=4,
-                         malformed_every=5)
+    server = fake_server(
+        ttft_s=0.0, itl_s=0.0, fail_every=3, fail_midstream_every=4, malformed_every=5
+    )
     results, start, end = _run(server, _workload(12, output_len=3))
     m = compute_metrics(results, start, end)
     assert m["requests"] == 12
@@ -121,8 +129,7 @@ def test_max_concurrency_caps_requests_in_flight(fake_server) -> None:
 def test_multiturn_resends_the_growing_history(fake_server) -> None:
     server = fake_server(ttft_s=0.0, itl_s=0.0)
     turns = [BenchRequest(prompt_len=2, output_len=2, text=f"question {i}") for i in range(3)]
-    _run(server, Workload("multiturn", [turns], ignore_eos=False),
-         endpoint="/v1/chat/completions")
+    _run(server, Workload("multiturn", [turns], ignore_eos=False), endpoint="/v1/chat/completions")
     sent = [b["messages"] for b in server.cfg.received]
     assert [len(m) for m in sent] == [1, 3, 5]
     assert sent[2][:4] == [
@@ -170,8 +177,14 @@ def test_completions_multiturn_flattens_history(fake_server) -> None:
     assert first == "user: q0\nassistant:"
     assert second == "user: q0\nassistant: t0 t1 \nuser: q1\nassistant:"
     assert second.startswith(first)  # each turn extends the last: the prefix-cache workload
-    single = build_payload("/v1/completions", "m", BenchRequest(1, 1, text="x"), None,
-                           Workload("w", [], ignore_eos=False), ignore_eos=False)
+    single = build_payload(
+        "/v1/completions",
+        "m",
+        BenchRequest(1, 1, text="x"),
+        None,
+        Workload("w", [], ignore_eos=False),
+        ignore_eos=False,
+    )
     assert single["prompt"] == "x" and "messages" not in single and "ignore_eos" not in single
 
 
@@ -180,10 +193,18 @@ def test_fake_server_speaks_the_format_the_openai_client_reads(fake_server) -> N
     openai = pytest.importorskip("openai")
     server = fake_server(ttft_s=0.0, itl_s=0.0)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="k")
-    chunks = list(client.completions.create(model="m", prompt=[11, 12], max_tokens=3, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="m",
+            prompt=[11, 12],
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == "t0 t1 t2 "
     assert chunks[-1].usage.completion_tokens == 3
-    chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}],
-                                          max_tokens=2, stream=True)
+    chat = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "q"}], max_tokens=2, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == "t0 t1 "

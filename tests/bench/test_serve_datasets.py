@@ -9,15 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hetserve.bench.serve_client import build_payload
-from hetserve.bench.serve_datasets import (
-    BenchRequest,
-    fit_lengths,
-    multiturn_workload,
-    random_workload,
-    sharegpt_workload,
-)
-from hetserve.bench.serve_trace import BlockTokens, trace_workload
+from hetserve.bench.serve.client import build_payload
+from hetserve.bench.serve.datasets import multiturn_workload, random_workload, sharegpt_workload
+from hetserve.bench.serve.trace import trace_workload
+from hetserve.bench.serve.workload import BenchRequest, BlockTokens, fit_lengths
 from hetserve.errors import InvalidInputError
 
 MOONCAKE = Path("/work/shared/data/mooncake/synthetic_trace.jsonl")
@@ -143,10 +138,20 @@ def test_fit_lengths_clip_and_scale() -> None:
 
 def test_sharegpt_takes_first_exchange(tmp_path: Path) -> None:
     convs = [
-        {"id": "a", "conversations": [{"from": "human", "value": "x" * 80},
-                                      {"from": "gpt", "value": "y" * 40}]},
-        {"id": "b", "conversations": [{"from": "gpt", "value": "opens with the model"},
-                                      {"from": "human", "value": "q" * 80}]},
+        {
+            "id": "a",
+            "conversations": [
+                {"from": "human", "value": "x" * 80},
+                {"from": "gpt", "value": "y" * 40},
+            ],
+        },
+        {
+            "id": "b",
+            "conversations": [
+                {"from": "gpt", "value": "opens with the model"},
+                {"from": "human", "value": "q" * 80},
+            ],
+        },
         {"id": "c", "conversations": [{"from": "human", "value": "hi"}]},
     ]
     path = tmp_path / "sg.json"
@@ -169,12 +174,14 @@ def test_multiturn_conversations_have_turns() -> None:
 
 
 def test_multiturn_max_model_len_drops_turns_that_no_longer_fit() -> None:
-    w = multiturn_workload(2, turns=4, user_len=30, output_len=20, path=None, tokenizer=None,
-                           seed=0, max_model_len=120)
+    w = multiturn_workload(
+        2, turns=4, user_len=30, output_len=20, path=None, tokenizer=None, seed=0, max_model_len=120
+    )
     assert [len(c) for c in w.conversations] == [2, 2]  # 50 + 50 fit, a third turn would not
     assert any("cut turns from 2 conversations" in n for n in w.notes)
-    tiny = multiturn_workload(1, turns=2, user_len=30, output_len=20, path=None, tokenizer=None,
-                              seed=0, max_model_len=40)
+    tiny = multiturn_workload(
+        1, turns=2, user_len=30, output_len=20, path=None, tokenizer=None, seed=0, max_model_len=40
+    )
     (first,) = tiny.conversations[0]
     assert (first.prompt_len, first.output_len) == (20, 20)
     assert len(first.text) < len(w.conversations[0][0].text)  # the text was cut too

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hetserve.bench.serve_client import RequestResult
-from hetserve.bench.serve_metrics import compute_metrics, meets_slo, parse_slo, pick_bin
+from hetserve.bench.serve.client import RequestResult
+from hetserve.bench.serve.metrics import compute_metrics, meets_slo, parse_slo, pick_bin
 from hetserve.errors import InvalidInputError
 
 
@@ -13,7 +13,11 @@ def _req(send: float, ttft: float, itl: float, n: int, usage: bool = True) -> Re
     """A request whose n tokens arrive at send+ttft, then every itl; the stream ends at the last."""
     times = [send + ttft + i * itl for i in range(n)]
     return RequestResult(
-        send_s=send, prompt_len=10, token_s=times, end_s=times[-1], output_tokens=n,
+        send_s=send,
+        prompt_len=10,
+        token_s=times,
+        end_s=times[-1],
+        output_tokens=n,
         usage_from_server=usage,
     )
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from hetserve.bench.serve_client import RequestResult
+from hetserve.bench.serve.client import RequestResult
 from hetserve.errors import InvalidInputError
 
 SLO_KEYS = ("ttft", "tpot", "e2el")

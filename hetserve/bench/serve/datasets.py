@@ -1,7 +1,7 @@
 """Workloads for `hetserve bench serve`: random, ShareGPT and multi-turn conversations.
 
 A workload is a list of conversations; single-turn datasets have one request per conversation.
-The Mooncake trace lives in `serve_trace.py`. Datasets know nothing of HTTP: the client turns a
+The Mooncake trace lives in `trace.py`. Datasets know nothing of HTTP: the client turns a
 `BenchRequest` into a payload.
 """
 
@@ -9,61 +9,18 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hetserve.bench.serve.workload import (
+    FIRST_SAFE_TOKEN_ID,
+    BenchRequest,
+    Workload,
+    fit_lengths,
+    words_from_ids,
+)
 from hetserve.errors import InvalidInputError
-
-if TYPE_CHECKING:
-    from hetserve.bench.serve_trace import BlockTokens
-
-# Ids below this are often special tokens (pad, bos, eos, unk) in small vocabularies; random
-# prompts avoid them so a server never sees a stray end-of-sequence in the prompt.
-FIRST_SAFE_TOKEN_ID = 10
-
-# Short common words: most BPE tokenizers encode each as one token, so a prompt of N words is
-# close to N tokens when the chat endpoint forces us to send text instead of token ids.
-_WORDS = (
-    "the of and to in is you that it he was for on are as with his they at be this have from "
-    "or one had by word but not what all were we when your can said there use an each which she "
-    "do how their if will up other about out many then them these so some her would make like "
-    "him into time has look two more write go see number no way could people my than first water "
-    "been call who oil its now find long down day did get come made may part over new sound take"
-).split()
-
-
-@dataclass
-class BenchRequest:
-    """One request to send. Exactly one of `token_ids`, `text` or `hash_ids` holds the prompt."""
-
-    prompt_len: int  # tokens (estimated for text prompts without a tokenizer)
-    output_len: int
-    token_ids: list[int] | None = None
-    text: str | None = None
-    hash_ids: list[int] | None = None  # trace prompts, materialized by BlockTokens at send time
-    arrival_s: float | None = None  # recorded arrival (traces) before --time-scale
-
-
-@dataclass
-class Workload:
-    name: str
-    conversations: list[list[BenchRequest]]
-    ignore_eos: bool  # default for this dataset; the CLI may override it
-    notes: list[str] = field(default_factory=list)  # said on the terminal and in the JSON
-    block_tokens: BlockTokens | None = None  # traces only
-    prefix_reuse: dict[str, float] | None = None  # traces only: what a perfect cache would hit
-
-    @property
-    def num_requests(self) -> int:
-        return sum(len(c) for c in self.conversations)
-
-
-def words_from_ids(token_ids: list[int]) -> str:
-    """Text of about len(token_ids) tokens, for endpoints that take text only (chat)."""
-    return " ".join(_WORDS[t % len(_WORDS)] for t in token_ids)
 
 
 def _length_range(mean: int, ratio: float, name: str) -> tuple[int, int]:
@@ -275,47 +232,3 @@ def _fit_conversations(conversations: list[list[BenchRequest]], max_model_len: i
             first.prompt_len = min(first.prompt_len, max_model_len - first.output_len)
             _cut_text(first, original)
     return f"--max-model-len {max_model_len}: cut turns from {changed} conversations"
-
-
-def fit_lengths(
-    requests: list[BenchRequest],
-    max_model_len: int | None,
-    mode: str,
-    factor: float | None = None,
-) -> list[str]:
-    """Make prompt + output fit `max_model_len`, in place; returns the note to print.
-
-    clip: only requests that do not fit change; the output keeps at most half the window and the
-    prompt is cut from the end (its leading blocks, and so prefix sharing, survive).
-    scale: every length is multiplied by one factor so that the longest request fits; it keeps
-    the shape of the length distribution for small models. `factor` overrides the computed one
-    (it must not be larger), for callers that round it to their own granularity.
-    """
-    if max_model_len is None:
-        return []
-    if max_model_len < 2:
-        raise InvalidInputError(f"--max-model-len must be >= 2, got {max_model_len}")
-    if mode not in ("clip", "scale"):
-        raise InvalidInputError(f"--max-model-len-mode must be clip or scale, got {mode!r}")
-    changed = 0
-    if mode == "clip":
-        for r in requests:
-            if r.prompt_len + r.output_len > max_model_len:
-                r.output_len = min(r.output_len, max(1, max_model_len // 2))
-                r.prompt_len = min(r.prompt_len, max_model_len - r.output_len)
-                changed += 1
-        return [f"--max-model-len {max_model_len} (clip): changed {changed} of {len(requests)}"]
-    factor = scale_factor(requests, max_model_len) if factor is None else factor
-    for r in requests:
-        new = (max(1, math.floor(r.prompt_len * factor)), max(1, math.floor(r.output_len * factor)))
-        changed += new != (r.prompt_len, r.output_len)
-        r.prompt_len, r.output_len = new
-    return [
-        f"--max-model-len {max_model_len} (scale x{factor:.4g}): "
-        f"changed {changed} of {len(requests)}"
-    ]
-
-
-def scale_factor(requests: list[BenchRequest], max_model_len: int) -> float:
-    longest = max((r.prompt_len + r.output_len for r in requests), default=0)
-    return min(1.0, max_model_len / longest) if longest else 1.0

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from hetserve.bench.serve_datasets import BenchRequest, Workload, words_from_ids
+from hetserve.bench.serve.workload import BenchRequest, Workload, words_from_ids
 
 Clock = Callable[[], float]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hetserve.bench.serve_client import RequestResult
+from hetserve.bench.serve.client import RequestResult
 
 _WIDTH = 60
 

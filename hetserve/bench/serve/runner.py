@@ -11,8 +11,8 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from hetserve.bench.serve_client import Clock, RequestResult, build_payload, send_request
-from hetserve.bench.serve_datasets import BenchRequest, Workload
+from hetserve.bench.serve.client import Clock, RequestResult, build_payload, send_request
+from hetserve.bench.serve.workload import BenchRequest, Workload
 
 
 @dataclass(frozen=True)
@@ -56,10 +56,21 @@ def arrival_offsets(
 class _Runner:
     """One benchmark run: a shared HTTP session, the concurrency cap and the collected results."""
 
-    def __init__(self, workload: Workload, cfg: RunConfig, session: aiohttp.ClientSession,
-                 bar: tqdm, clock: Clock) -> None:
+    def __init__(
+        self,
+        workload: Workload,
+        cfg: RunConfig,
+        session: aiohttp.ClientSession,
+        bar: tqdm,
+        clock: Clock,
+    ) -> None:
         self.workload, self.cfg, self.session, self.bar, self.clock = (
-            workload, cfg, session, bar, clock)
+            workload,
+            cfg,
+            session,
+            bar,
+            clock,
+        )
         self.ignore_eos = workload.ignore_eos if cfg.ignore_eos is None else cfg.ignore_eos
         self.headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         self.limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
@@ -74,10 +85,12 @@ class _Runner:
     async def _send(self, req: BenchRequest, history: list[dict[str, str]] | None) -> RequestResult:
         # Built only once a slot is free: a long trace prompt is megabytes as a list of ints.
         cfg = self.cfg
-        payload = build_payload(cfg.endpoint, cfg.model, req, history, self.workload,
-                                self.ignore_eos)
-        return await send_request(self.session, cfg.url, self.headers, payload, req.prompt_len,
-                                  self.clock)
+        payload = build_payload(
+            cfg.endpoint, cfg.model, req, history, self.workload, self.ignore_eos
+        )
+        return await send_request(
+            self.session, cfg.url, self.headers, payload, req.prompt_len, self.clock
+        )
 
     async def conversation(self, turns: list[BenchRequest]) -> None:
         """Turns one after the other, each resending the history with the server's replies."""

@@ -29,40 +29,74 @@ def register(bench_sub: Any) -> None:
     )
     p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model name sent in each request")
-    p.add_argument("--endpoint", default=None, help="default /v1/completions "
-                   "(/v1/chat/completions for multiturn)")
+    p.add_argument(
+        "--endpoint",
+        default=None,
+        help="default /v1/completions (/v1/chat/completions for multiturn)",
+    )
     p.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
     d = p.add_argument_group("workload")
     d.add_argument("--dataset", choices=DATASETS, default="random")
     d.add_argument("--dataset-path", default=None, help="ShareGPT JSON or Mooncake trace JSONL")
-    d.add_argument("--num-prompts", type=int, default=None, help="requests (conversations for "
-                   "multiturn); default 1000, 64 for multiturn, the whole trace")
+    d.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="requests (conversations for "
+        "multiturn); default 1000, 64 for multiturn, the whole trace",
+    )
     d.add_argument("--random-input-len", type=int, default=1024)
     d.add_argument("--random-output-len", type=int, default=128)
-    d.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="lengths uniform in len*(1 +- ratio)")
-    d.add_argument("--random-prefix-ratio", type=float, default=0.0,
-                   help="share of the prompt that is the same in every request")
-    d.add_argument("--sharegpt-output-len", type=int, default=None,
-                   help="override the output length taken from the reply")
+    d.add_argument(
+        "--random-range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 +- ratio)"
+    )
+    d.add_argument(
+        "--random-prefix-ratio",
+        type=float,
+        default=0.0,
+        help="share of the prompt that is the same in every request",
+    )
+    d.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="override the output length taken from the reply",
+    )
     d.add_argument("--multiturn-turns", type=int, default=4)
     d.add_argument("--multiturn-user-len", type=int, default=64, help="words per user message")
     d.add_argument("--multiturn-output-len", type=int, default=64)
     d.add_argument("--tokenizer", default=None, help="tokenizer.json for exact text lengths")
-    d.add_argument("--vocab-size", type=int, default=1000,
-                   help="token ids of random and trace prompts stay below this")
-    d.add_argument("--max-model-len", type=int, default=None,
-                   help="fit prompt + output into this many tokens")
+    d.add_argument(
+        "--vocab-size",
+        type=int,
+        default=1000,
+        help="token ids of random and trace prompts stay below this",
+    )
+    d.add_argument(
+        "--max-model-len", type=int, default=None, help="fit prompt + output into this many tokens"
+    )
     d.add_argument("--max-model-len-mode", choices=("clip", "scale"), default="clip")
-    d.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-                   help="default on for random, multiturn and traces")
+    d.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="default on for random, multiturn and traces",
+    )
     a = p.add_argument_group("arrivals")
-    a.add_argument("--request-rate", type=float, default=None,
-                   help="Poisson req/s or inf (default: trace timestamps, else inf)")
+    a.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="Poisson req/s or inf (default: trace timestamps, else inf)",
+    )
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--max-concurrency", type=int, default=None)
-    a.add_argument("--time-scale", type=float, default=1.0,
-                   help="multiply trace timestamps (0.5 replays twice as fast)")
+    a.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="multiply trace timestamps (0.5 replays twice as fast)",
+    )
     a.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds")
     o = p.add_argument_group("output")
     o.add_argument("--slo", default=None, help="e.g. ttft=200,tpot=50 (ms; also e2el)")
@@ -96,15 +130,21 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def build_workload(args: argparse.Namespace):
-    from hetserve.bench import serve_datasets as ds
-    from hetserve.bench.serve_trace import trace_workload
+    from hetserve.bench.serve import datasets as ds
+    from hetserve.bench.serve.trace import trace_workload
 
     num = args.num_prompts if args.num_prompts is not None else _DEFAULT_NUM[args.dataset]
     fit = {"max_model_len": args.max_model_len, "fit_mode": args.max_model_len_mode}
     if args.dataset == "random":
         return ds.random_workload(
-            num, args.random_input_len, args.random_output_len, args.random_range_ratio,
-            args.random_prefix_ratio, args.vocab_size, args.seed, **fit,
+            num,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.random_prefix_ratio,
+            args.vocab_size,
+            args.seed,
+            **fit,
         )
     if args.dataset == "sharegpt":
         return ds.sharegpt_workload(
@@ -112,16 +152,22 @@ def build_workload(args: argparse.Namespace):
         )
     if args.dataset == "multiturn":
         return ds.multiturn_workload(
-            num, args.multiturn_turns, args.multiturn_user_len, args.multiturn_output_len,
-            args.dataset_path, args.tokenizer, args.seed, args.max_model_len,
+            num,
+            args.multiturn_turns,
+            args.multiturn_user_len,
+            args.multiturn_output_len,
+            args.dataset_path,
+            args.tokenizer,
+            args.seed,
+            args.max_model_len,
         )
     return trace_workload(args.dataset_path, num, args.vocab_size, **fit)
 
 
 def run(args: argparse.Namespace) -> int:
-    from hetserve.bench.serve_metrics import compute_metrics, parse_slo
-    from hetserve.bench.serve_report import format_table, write_plots
-    from hetserve.bench.serve_runner import run_benchmark
+    from hetserve.bench.serve.metrics import compute_metrics, parse_slo
+    from hetserve.bench.serve.report import format_table, write_plots
+    from hetserve.bench.serve.runner import run_benchmark
 
     _check_args(args)
     slo = parse_slo(args.slo)  # before the run: a typo must not cost a whole benchmark
@@ -149,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_config(args: argparse.Namespace):
-    from hetserve.bench.serve_runner import RunConfig
+    from hetserve.bench.serve.runner import RunConfig
 
     endpoint = args.endpoint or (
         "/v1/chat/completions" if args.dataset == "multiturn" else "/v1/completions"
@@ -171,7 +217,7 @@ def _run_config(args: argparse.Namespace):
 
 def _result(args, cfg, workload, metrics, results, start) -> dict[str, Any]:
     """The JSON document: options, workload facts, metrics and one row per request."""
-    from hetserve.bench.serve_runner import arrival_offsets
+    from hetserve.bench.serve.runner import arrival_offsets
 
     _, arrivals = arrival_offsets(workload, cfg.request_rate, cfg.seed, cfg.time_scale)
     return {

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from hetserve.bench.serve_datasets import (
-    FIRST_SAFE_TOKEN_ID,
+from hetserve.bench.serve.workload import (
     BenchRequest,
+    BlockTokens,
     Workload,
     fit_lengths,
     scale_factor,
@@ -24,30 +21,6 @@ from hetserve.bench.serve_datasets import (
 from hetserve.errors import InvalidInputError
 
 TRACE_BLOCK_SIZE = 512
-# Keys the generator of every block; a constant, not --seed, so the same trace always yields the
-# same prompts and runs on different days hit the same server-side cache entries.
-_BLOCK_SALT = 0x6D6F6F6E
-
-
-@dataclass(frozen=True)
-class BlockTokens:
-    """Hash id -> its block of token ids, derived only from the id (and the block geometry)."""
-
-    block_size: int
-    vocab_size: int
-
-    def block(self, hash_id: int) -> np.ndarray:
-        rng = np.random.default_rng([_BLOCK_SALT, hash_id])
-        low = min(FIRST_SAFE_TOKEN_ID, self.vocab_size - 1)
-        return rng.integers(low, self.vocab_size, self.block_size, dtype=np.int64)
-
-    def prompt(self, hash_ids: list[int], length: int) -> list[int]:
-        """The prompt of a trace request: its blocks in order, the last one cut to `length`."""
-        needed = math.ceil(length / self.block_size)
-        if needed > len(hash_ids):
-            raise ValueError(f"{length} tokens need {needed} blocks, trace gives {len(hash_ids)}")
-        blocks = [self.block(h) for h in hash_ids[:needed]]
-        return np.concatenate(blocks)[:length].tolist() if blocks else []
 
 
 def _read_trace(path: str) -> list[dict]:
