@@ -14,7 +14,7 @@ import time
 from tqdm import tqdm
 
 from hetserve.bench.common import print_table, write_json
-from hetserve.bench.throughput import make_prompts
+from hetserve.model.synthetic import make_prompts
 
 
 def register(sub) -> None:

@@ -15,14 +15,13 @@ best over best. Every run's time is in the JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 
 from hetserve.bench.common import print_table, write_json
 from hetserve.errors import InvalidInputError
+from hetserve.model.synthetic import make_prompts
 
 
 def register(sub) -> None:
@@ -43,16 +42,6 @@ def register(sub) -> None:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--json", default=None)
     p.set_defaults(func=run)
-
-
-def make_prompts(
-    model_dir: str, n: int, length: int, seed: int = 0, lengths: list[int] | None = None
-) -> list[list[int]]:
-    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-    g = torch.Generator().manual_seed(seed)
-    # Ids from the low range only: random tiny tokenizers map high ids to special tokens.
-    ids = torch.randint(10, min(vocab, 400), (n, max(lengths or [length])), generator=g)
-    return [row[: (lengths[i] if lengths else length)].tolist() for i, row in enumerate(ids)]
 
 
 def make_lengths(n: int, mean: int, ratio: float, seed: int) -> list[int]:

@@ -58,7 +58,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             raise InvalidInputError(f"prompt file {args.prompts!r} has no prompts")
         ids = [llm.tokenizer.encode(t)[: llm.max_model_len - args.max_tokens] for t in texts]
     else:
-        from hetserve.bench.throughput import make_prompts
+        from hetserve.model.synthetic import make_prompts
 
         ids = make_prompts(str(llm.model_dir), args.num_prompts, args.prompt_len)
     llm.generate(
