@@ -26,6 +26,10 @@ class FakeServerConfig:
     fail_midstream_every: int | None = None  # every k-th request breaks after its first token
     malformed_every: int | None = None  # every k-th request sends a chunk that is not OpenAI's
     api_key: str | None = None  # require this bearer token
+    # The model card GET /v1/models lists (id "fake"); None: the server has no such route.
+    card: dict[str, Any] | None = field(
+        default_factory=lambda: {"id": "fake", "vocab_size": 1000, "max_model_len": 4096}
+    )
     received: list[dict[str, Any]] = field(default_factory=list)  # request bodies, in order
     peak_concurrency: int = 0
     _active: int = 0
@@ -45,6 +49,8 @@ class FakeServer:
         app = web.Application()
         app.router.add_post("/v1/completions", self._handle)
         app.router.add_post("/v1/chat/completions", self._handle)
+        if self.cfg.card is not None:
+            app.router.add_get("/v1/models", self._models)
         self._runner = web.AppRunner(app)
         self._loop.run_until_complete(self._runner.setup())
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
@@ -64,6 +70,10 @@ class FakeServer:
         fut.result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        card = {"object": "model", "owned_by": "fake", **(self.cfg.card or {})}
+        return web.json_response({"object": "list", "data": [card]})
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         cfg = self.cfg
@@ -117,8 +127,13 @@ class FakeServer:
 def _chunk(body: dict, chat: bool, choices: list[dict]) -> dict:
     """A stream chunk with every field OpenAI's own chunks carry."""
     kind = "chat.completion.chunk" if chat else "text_completion"
-    return {"id": "cmpl-fake", "object": kind, "created": 0, "model": body.get("model"),
-            "choices": choices}
+    return {
+        "id": "cmpl-fake",
+        "object": kind,
+        "created": 0,
+        "model": body.get("model"),
+        "choices": choices,
+    }
 
 
 async def _send(resp: web.StreamResponse, obj: dict) -> None:

@@ -129,3 +129,48 @@ def test_bad_base_url_and_missing_model(capsys) -> None:
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "--model" in err and err.count("\n") == 1
+
+
+def test_vocabulary_and_context_come_from_the_server(fake_server, capsys) -> None:
+    server = fake_server(ttft_s=0.0, itl_s=0.0, card={"id": "fake", "vocab_size": 50,
+                                                      "max_model_len": 40})  # fmt: skip
+    rc = _cli(server.url, "--num-prompts", "20", "--random-input-len", "100",
+              "--random-output-len", "8", "--random-range-ratio", "0.5")  # fmt: skip
+    assert rc == 0
+    sent = server.cfg.received
+    assert len(sent) == 20
+    assert all(len(b["prompt"]) + b["max_tokens"] <= 40 for b in sent)
+    ids = {t for b in sent for t in b["prompt"]}
+    assert min(ids) >= 10 and max(ids) == 49  # below the vocabulary, clear of the low specials
+    assert "vocabulary 50 (server /v1/models), context 40 (server /v1/models)" in (
+        capsys.readouterr().out
+    )
+
+
+def test_no_vocabulary_anywhere_exits_2_naming_the_fix(fake_server, capsys) -> None:
+    server = fake_server(card={"id": "fake", "max_model_len": 4096})  # what vLLM reports
+    assert _cli(server.url, "--num-prompts", "2") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert "--tokenizer DIR" in err and "--vocab-size N" in err
+    assert server.cfg.received == []
+    # Chat sends words, not ids: the vocabulary does not matter there.
+    assert _cli(server.url, "--num-prompts", "2", "--endpoint", "/v1/chat/completions") == 0
+
+
+def test_tokenizer_dir_gives_vocabulary_and_special_tokens(fake_server, tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 30, "eos_token_id": 12}))
+    server = fake_server(ttft_s=0.0, itl_s=0.0, card=None)  # a server without /v1/models
+    rc = _cli(server.url, "--num-prompts", "30", "--random-input-len", "40",
+              "--random-output-len", "2", "--tokenizer", str(tmp_path))  # fmt: skip
+    assert rc == 0
+    ids = {t for b in server.cfg.received for t in b["prompt"]}
+    assert ids == set(range(30)) - {12}
+
+
+def test_unreachable_server_exits_2_before_any_load(fake_server, capsys) -> None:
+    server = fake_server()
+    server.stop()
+    assert _cli(server.url, "--num-prompts", "2") == 2
+    err = capsys.readouterr().err
+    assert "cannot reach" in err and err.count("\n") == 1

@@ -13,6 +13,7 @@ import aiohttp
 import numpy as np
 import pytest
 
+from hetserve.bench.model_facts import TokenSpace
 from hetserve.bench.serve.client import build_payload, send_request
 from hetserve.bench.serve.datasets import random_workload
 from hetserve.bench.serve.metrics import compute_metrics
@@ -34,7 +35,7 @@ def _run(server, workload: Workload, **cfg):
 
 
 def _workload(n: int, output_len: int) -> Workload:
-    return random_workload(n, 16, output_len, 0.0, 0.0, vocab_size=100, seed=0)
+    return random_workload(n, 16, output_len, 0.0, 0.0, TokenSpace(100), seed=0)
 
 
 def test_timings_match_the_servers_known_schedule(fake_server) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hetserve.bench.model_facts import TokenSpace
 from hetserve.bench.serve.client import build_payload
 from hetserve.bench.serve.datasets import multiturn_workload, random_workload, sharegpt_workload
 from hetserve.bench.serve.trace import trace_workload
@@ -31,7 +32,7 @@ TRACE = [
 
 
 def test_trace_prompts_have_requested_lengths_and_shared_blocks(tmp_path: Path) -> None:
-    w = trace_workload(_write_trace(tmp_path / "t.jsonl", TRACE), None, vocab_size=5000)
+    w = trace_workload(_write_trace(tmp_path / "t.jsonl", TRACE), None, TokenSpace(5000))
     reqs = [c[0] for c in w.conversations]
     bt = w.block_tokens
     assert bt is not None and bt.block_size == 512
@@ -47,7 +48,7 @@ def test_trace_prompts_have_requested_lengths_and_shared_blocks(tmp_path: Path) 
 
 
 def test_trace_blocks_depend_only_on_the_id() -> None:
-    a, b = BlockTokens(512, 32000), BlockTokens(512, 32000)
+    a, b = BlockTokens(512, TokenSpace(32000)), BlockTokens(512, TokenSpace(32000))
     assert np.array_equal(a.block(42), b.block(42))
     assert not np.array_equal(a.block(42), a.block(43))
     assert len(a.block(7)) == 512
@@ -56,7 +57,7 @@ def test_trace_blocks_depend_only_on_the_id() -> None:
 
 
 def test_trace_payload_sends_token_ids_with_max_tokens_and_ignore_eos(tmp_path: Path) -> None:
-    w = trace_workload(_write_trace(tmp_path / "t.jsonl", TRACE), 1, vocab_size=5000)
+    w = trace_workload(_write_trace(tmp_path / "t.jsonl", TRACE), 1, TokenSpace(5000))
     body = build_payload("/v1/completions", "m", w.conversations[0][0], None, w, True)
     assert len(body["prompt"]) == 1100 and all(isinstance(t, int) for t in body["prompt"])
     assert body["max_tokens"] == 7 and body["ignore_eos"] is True and body["stream"] is True
@@ -64,7 +65,7 @@ def test_trace_payload_sends_token_ids_with_max_tokens_and_ignore_eos(tmp_path: 
 
 
 def test_perfect_cache_reuse_counts_seen_blocks(tmp_path: Path) -> None:
-    w = trace_workload(_write_trace(tmp_path / "t.jsonl", TRACE), None, vocab_size=5000)
+    w = trace_workload(_write_trace(tmp_path / "t.jsonl", TRACE), None, TokenSpace(5000))
     reuse = w.prefix_reuse
     # Blocks: [0,1,2] all new; [0,3]: 0 hit; [0,1]: both hit.
     assert (reuse["blocks_total"], reuse["blocks_hit"]) == (7, 3)
@@ -74,14 +75,16 @@ def test_perfect_cache_reuse_counts_seen_blocks(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not MOONCAKE.is_file(), reason="shared Mooncake trace not present")
 def test_mooncake_trace_perfect_cache_ratio_matches_its_readme() -> None:
-    w = trace_workload(str(MOONCAKE), None, vocab_size=32000)
+    w = trace_workload(str(MOONCAKE), None, TokenSpace(32000))
     assert w.num_requests == 3993
     # The README says about 65% of blocks hit with an unbounded cache (the paper: 66%).
     assert 0.60 < w.prefix_reuse["block_hit_ratio"] < 0.70
 
 
 def test_trace_clip_keeps_leading_blocks_and_counts_changes(tmp_path: Path) -> None:
-    w = trace_workload(_write_trace(tmp_path / "t.jsonl", TRACE), None, 5000, max_model_len=800)
+    w = trace_workload(
+        _write_trace(tmp_path / "t.jsonl", TRACE), None, TokenSpace(5000), max_model_len=800
+    )
     reqs = [c[0] for c in w.conversations]
     assert [(r.prompt_len, r.output_len) for r in reqs] == [(793, 7), (700, 3), (795, 5)]
     assert any("changed 2 of 3" in n for n in w.notes)
@@ -90,7 +93,7 @@ def test_trace_clip_keeps_leading_blocks_and_counts_changes(tmp_path: Path) -> N
 
 def test_trace_scale_shrinks_blocks_and_keeps_sharing(tmp_path: Path) -> None:
     path = _write_trace(tmp_path / "t.jsonl", TRACE)
-    w = trace_workload(path, None, 5000, max_model_len=300, fit_mode="scale")
+    w = trace_workload(path, None, TokenSpace(5000), max_model_len=300, fit_mode="scale")
     bt, reqs = w.block_tokens, [c[0] for c in w.conversations]
     assert bt.block_size == math.floor(512 * 300 / 1107)
     assert all(r.prompt_len + r.output_len <= 300 for r in reqs)
@@ -103,16 +106,18 @@ def test_bad_trace_lines_are_user_errors(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 10}\n')
     with pytest.raises(InvalidInputError, match="line 1"):
-        trace_workload(str(bad), None, 100)
+        trace_workload(str(bad), None, TokenSpace(100))
     too_long = [{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}]
     with pytest.raises(InvalidInputError, match="exceeds"):
-        trace_workload(_write_trace(tmp_path / "long.jsonl", too_long), None, 100)
+        trace_workload(_write_trace(tmp_path / "long.jsonl", too_long), None, TokenSpace(100))
     with pytest.raises(InvalidInputError, match="not found"):
-        trace_workload(str(tmp_path / "missing.jsonl"), None, 100)
+        trace_workload(str(tmp_path / "missing.jsonl"), None, TokenSpace(100))
 
 
 def test_random_lengths_ranges_and_shared_prefix() -> None:
-    w = random_workload(200, 100, 20, range_ratio=0.5, prefix_ratio=0.4, vocab_size=300, seed=1)
+    w = random_workload(
+        200, 100, 20, range_ratio=0.5, prefix_ratio=0.4, space=TokenSpace(300), seed=1
+    )
     reqs = [c[0] for c in w.conversations]
     assert all(50 <= r.prompt_len <= 150 and 10 <= r.output_len <= 30 for r in reqs)
     assert all(len(r.token_ids) == r.prompt_len for r in reqs)
@@ -121,7 +126,7 @@ def test_random_lengths_ranges_and_shared_prefix() -> None:
     prefix = reqs[0].token_ids[: int(shortest * 0.4)]
     assert all(r.token_ids[: len(prefix)] == prefix for r in reqs)
     assert reqs[0].token_ids[len(prefix) :] != reqs[1].token_ids[len(prefix) :]
-    again = random_workload(200, 100, 20, 0.5, 0.4, 300, seed=1)
+    again = random_workload(200, 100, 20, 0.5, 0.4, TokenSpace(300), seed=1)
     assert again.conversations[5][0].token_ids == reqs[5].token_ids  # seeded
 
 

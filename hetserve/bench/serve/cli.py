@@ -14,11 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from hetserve import envs
+from hetserve.bench.model_facts import ModelFacts, TokenSpace, learn_model_facts, require_vocab
 from hetserve.errors import InvalidInputError
 
 DATASETS = ("random", "sharegpt", "multiturn", "mooncake-trace")
 # Requests per run when --num-prompts is not given (conversations for multiturn; None = all).
 _DEFAULT_NUM = {"random": 1000, "sharegpt": 1000, "multiturn": 64, "mooncake-trace": None}
+# Ids that only pick words for chat prompts (the vocabulary does not matter there).
+_WORD_IDS = 1000
 
 
 def register(bench_sub: Any) -> None:
@@ -65,15 +68,24 @@ def register(bench_sub: Any) -> None:
     d.add_argument("--multiturn-turns", type=int, default=4)
     d.add_argument("--multiturn-user-len", type=int, default=64, help="words per user message")
     d.add_argument("--multiturn-output-len", type=int, default=64)
-    d.add_argument("--tokenizer", default=None, help="tokenizer.json for exact text lengths")
+    d.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="the model's directory (config.json, tokenizer.json) or a tokenizer.json: "
+        "vocabulary, context, special tokens to avoid, exact text lengths",
+    )
     d.add_argument(
         "--vocab-size",
         type=int,
-        default=1000,
-        help="token ids of random and trace prompts stay below this",
+        default=None,
+        help="override the vocabulary the server (/v1/models) or --tokenizer reports",
     )
     d.add_argument(
-        "--max-model-len", type=int, default=None, help="fit prompt + output into this many tokens"
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="fit prompt + output into this many tokens (default: the server's context)",
     )
     d.add_argument("--max-model-len-mode", choices=("clip", "scale"), default="clip")
     d.add_argument(
@@ -119,7 +131,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise InvalidInputError(f"--time-scale must be > 0, got {args.time_scale}")
     if args.num_prompts is not None and args.num_prompts < 1:
         raise InvalidInputError(f"--num-prompts must be >= 1, got {args.num_prompts}")
-    if args.vocab_size < 2:
+    if args.vocab_size is not None and args.vocab_size < 2:
         raise InvalidInputError(f"--vocab-size must be >= 2, got {args.vocab_size}")
     if args.endpoint is not None and not args.endpoint.startswith("/"):
         raise InvalidInputError(f"--endpoint must be a path like /v1/completions: {args.endpoint}")
@@ -129,29 +141,36 @@ def _check_args(args: argparse.Namespace) -> None:
         raise InvalidInputError(f"--base-url must start with http:// or https://: {args.base_url}")
 
 
-def build_workload(args: argparse.Namespace):
+def build_workload(args: argparse.Namespace, facts: ModelFacts):
+    """The dataset's requests, fitted to the model's context and drawn from its vocabulary."""
     from hetserve.bench.serve import datasets as ds
     from hetserve.bench.serve.trace import trace_workload
 
     num = args.num_prompts if args.num_prompts is not None else _DEFAULT_NUM[args.dataset]
-    fit = {"max_model_len": args.max_model_len, "fit_mode": args.max_model_len_mode}
+    fit = {"max_model_len": facts.max_model_len, "fit_mode": args.max_model_len_mode}
     if args.dataset == "random":
-        return ds.random_workload(
+        workload = ds.random_workload(
             num,
             args.random_input_len,
             args.random_output_len,
             args.random_range_ratio,
             args.random_prefix_ratio,
-            args.vocab_size,
+            _token_space(args, facts),
             args.seed,
             **fit,
         )
-    if args.dataset == "sharegpt":
-        return ds.sharegpt_workload(
-            args.dataset_path, num, args.sharegpt_output_len, args.tokenizer, args.seed, **fit
+    elif args.dataset == "sharegpt":
+        workload = ds.sharegpt_workload(
+            args.dataset_path,
+            num,
+            args.sharegpt_output_len,
+            args.tokenizer,
+            args.seed,
+            **fit,
+            vllm_filter=args.max_model_len is None,
         )
-    if args.dataset == "multiturn":
-        return ds.multiturn_workload(
+    elif args.dataset == "multiturn":
+        workload = ds.multiturn_workload(
             num,
             args.multiturn_turns,
             args.multiturn_user_len,
@@ -159,9 +178,28 @@ def build_workload(args: argparse.Namespace):
             args.dataset_path,
             args.tokenizer,
             args.seed,
-            args.max_model_len,
+            facts.max_model_len,
         )
-    return trace_workload(args.dataset_path, num, args.vocab_size, **fit)
+    else:
+        workload = trace_workload(args.dataset_path, num, _token_space(args, facts), **fit)
+    workload.notes[:0] = facts.notes()
+    return workload
+
+
+def _token_space(args: argparse.Namespace, facts: ModelFacts) -> TokenSpace:
+    """Token ids for prompts; the vocabulary must be known when they are sent as ids."""
+    from hetserve.bench.serve.client import is_chat
+
+    if is_chat(_endpoint(args)) and facts.vocab_size is None:
+        return TokenSpace(_WORD_IDS)  # chat sends words picked by these ids, never the ids
+    require_vocab(facts, args.base_url, args.model)
+    return facts.token_space()
+
+
+def _endpoint(args: argparse.Namespace) -> str:
+    if args.endpoint:
+        return args.endpoint
+    return "/v1/chat/completions" if args.dataset == "multiturn" else "/v1/completions"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -171,8 +209,11 @@ def run(args: argparse.Namespace) -> int:
 
     _check_args(args)
     slo = parse_slo(args.slo)  # before the run: a typo must not cost a whole benchmark
-    workload = build_workload(args)
     cfg = _run_config(args)
+    facts = learn_model_facts(
+        args.base_url, args.model, cfg.api_key, args.tokenizer, args.vocab_size, args.max_model_len
+    )
+    workload = build_workload(args, facts)
     results, start, end = asyncio.run(run_benchmark(workload, cfg))
     metrics = compute_metrics(results, start, end, slo)
     if len(results) < workload.num_requests:
@@ -197,12 +238,9 @@ def run(args: argparse.Namespace) -> int:
 def _run_config(args: argparse.Namespace):
     from hetserve.bench.serve.runner import RunConfig
 
-    endpoint = args.endpoint or (
-        "/v1/chat/completions" if args.dataset == "multiturn" else "/v1/completions"
-    )
     return RunConfig(
         base_url=args.base_url,
-        endpoint=endpoint,
+        endpoint=_endpoint(args),
         model=args.model,
         api_key=args.api_key or envs.openai_api_key(),
         request_rate=args.request_rate,

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hetserve.bench.model_facts import FIRST_SAFE_TOKEN_ID, TokenSpace
 from hetserve.bench.serve.workload import (
-    FIRST_SAFE_TOKEN_ID,
     BenchRequest,
     Workload,
     fit_lengths,
@@ -36,7 +36,7 @@ def random_workload(
     output_len: int,
     range_ratio: float,
     prefix_ratio: float,
-    vocab_size: int,
+    space: TokenSpace,
     seed: int,
     max_model_len: int | None = None,
     fit_mode: str = "clip",
@@ -63,17 +63,17 @@ def random_workload(
     ]
     notes = fit_lengths(requests, max_model_len, fit_mode)
     shortest = min((r.prompt_len for r in requests), default=0)
-    prefix = _random_ids(rng, int(shortest * prefix_ratio), vocab_size)
+    prefix = space.draw(rng, int(shortest * prefix_ratio)).tolist()
     for r in requests:
-        r.token_ids = prefix + _random_ids(rng, r.prompt_len - len(prefix), vocab_size)
+        r.token_ids = prefix + space.draw(rng, r.prompt_len - len(prefix)).tolist()
     if prefix:
         notes.append(f"shared prefix: {len(prefix)} tokens in every prompt")
     return Workload("random", [[r] for r in requests], ignore_eos=True, notes=notes)
 
 
-def _random_ids(rng: np.random.Generator, n: int, vocab_size: int) -> list[int]:
-    low = min(FIRST_SAFE_TOKEN_ID, vocab_size - 1)
-    return rng.integers(low, vocab_size, n).tolist()
+def _word_ids(rng: np.random.Generator, n: int) -> list[int]:
+    # Only picks words (see words_from_ids); the range is kept so seeds give the texts they gave.
+    return rng.integers(FIRST_SAFE_TOKEN_ID, 1 << 20, n).tolist()
 
 
 class _Lengths:
@@ -131,8 +131,13 @@ def sharegpt_workload(
     seed: int,
     max_model_len: int | None = None,
     fit_mode: str = "clip",
+    vllm_filter: bool = True,
 ) -> Workload:
-    """First human message as prompt; output length is that of the reply (vLLM's filter rules)."""
+    """First human message as prompt; output length is that of the reply.
+
+    `vllm_filter` drops prompts over 1024 tokens and pairs over 2048, as vLLM's benchmark does
+    (so numbers compare); what is kept is then fitted to `max_model_len`.
+    """
     if output_len is not None and output_len < 1:
         raise InvalidInputError(f"--sharegpt-output-len must be >= 1, got {output_len}")
     lengths = _Lengths(tokenizer)
@@ -145,7 +150,7 @@ def sharegpt_workload(
         plen = lengths(conv[0])
         olen = output_len if output_len is not None else lengths(conv[1])
         # vLLM's benchmark drops tiny and over-long pairs; keep its rules so numbers compare.
-        if plen < 4 or olen < 4 or (max_model_len is None and (plen > 1024 or plen + olen > 2048)):
+        if plen < 4 or olen < 4 or (vllm_filter and (plen > 1024 or plen + olen > 2048)):
             continue
         requests.append(BenchRequest(prompt_len=plen, output_len=olen, text=conv[0]))
     if not requests:
@@ -196,7 +201,7 @@ def multiturn_workload(
         if path is not None:
             users = sources[i % len(sources)][:turns]
         else:
-            users = [words_from_ids(_random_ids(rng, user_len, 1 << 20)) for _ in range(turns)]
+            users = [words_from_ids(_word_ids(rng, user_len)) for _ in range(turns)]
         conversations.append(
             [
                 BenchRequest(

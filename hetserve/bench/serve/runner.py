@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from hetserve.bench.serve.client import Clock, RequestResult, build_payload, send_request
 from hetserve.bench.serve.workload import BenchRequest, Workload
+from hetserve.bench.server_info import api_url
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,7 @@ class RunConfig:
 
     @property
     def url(self) -> str:
-        base, endpoint = self.base_url.rstrip("/"), self.endpoint
-        if base.endswith("/v1") and endpoint.startswith("/v1/"):
-            endpoint = endpoint[len("/v1") :]  # accept both http://h:p and http://h:p/v1
-        return base + endpoint
+        return api_url(self.base_url, self.endpoint)
 
 
 def arrival_offsets(

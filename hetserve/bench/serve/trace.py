@@ -11,6 +11,7 @@ import json
 import math
 from pathlib import Path
 
+from hetserve.bench.model_facts import TokenSpace
 from hetserve.bench.serve.workload import (
     BenchRequest,
     BlockTokens,
@@ -56,7 +57,7 @@ def _read_trace(path: str) -> list[dict]:
 def trace_workload(
     path: str,
     num_prompts: int | None,
-    vocab_size: int,
+    space: TokenSpace,
     max_model_len: int | None = None,
     fit_mode: str = "clip",
 ) -> Workload:
@@ -90,7 +91,7 @@ def trace_workload(
         [[r] for r in requests],
         ignore_eos=True,
         notes=notes,
-        block_tokens=BlockTokens(block_size, vocab_size),
+        block_tokens=BlockTokens(block_size, space),
         prefix_reuse=perfect_cache_reuse(requests, block_size),
     )
 

@@ -11,15 +11,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hetserve.bench.model_facts import TokenSpace
 from hetserve.errors import InvalidInputError
 
 # Keys the generator of every block; a constant, not --seed, so the same trace always yields the
 # same prompts and runs on different days hit the same server-side cache entries.
 _BLOCK_SALT = 0x6D6F6F6E
-
-# Ids below this are often special tokens (pad, bos, eos, unk) in small vocabularies; random
-# prompts avoid them so a server never sees a stray end-of-sequence in the prompt.
-FIRST_SAFE_TOKEN_ID = 10
 
 # Short common words: most BPE tokenizers encode each as one token, so a prompt of N words is
 # close to N tokens when the chat endpoint forces us to send text instead of token ids.
@@ -63,17 +60,15 @@ def words_from_ids(token_ids: list[int]) -> str:
     return " ".join(_WORDS[t % len(_WORDS)] for t in token_ids)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class BlockTokens:
     """Hash id -> its block of token ids, derived only from the id (and the block geometry)."""
 
     block_size: int
-    vocab_size: int
+    space: TokenSpace
 
     def block(self, hash_id: int) -> np.ndarray:
-        rng = np.random.default_rng([_BLOCK_SALT, hash_id])
-        low = min(FIRST_SAFE_TOKEN_ID, self.vocab_size - 1)
-        return rng.integers(low, self.vocab_size, self.block_size, dtype=np.int64)
+        return self.space.draw(np.random.default_rng([_BLOCK_SALT, hash_id]), self.block_size)
 
     def prompt(self, hash_ids: list[int], length: int) -> list[int]:
         """The prompt of a trace request: its blocks in order, the last one cut to `length`."""
