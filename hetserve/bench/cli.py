@@ -13,6 +13,7 @@ BENCH_MODULES: list[str] = [
     "hetserve.bench.throughput",
     "hetserve.bench.prefix",
     "hetserve.bench.serve.cli",  # load-test an OpenAI-compatible server
+    "hetserve.bench.soak.cli",  # mixed and hostile load; the server must stay whole
     "hetserve.bench.store",
     "hetserve.bench.moe_kernel",
     "hetserve.bench.decode",

@@ -32,6 +32,12 @@ def api_url(base_url: str, path: str) -> str:
     return base + path
 
 
+def metrics_url(base_url: str) -> str:
+    """/metrics sits at the server's root, also when the base URL ends with /v1."""
+    base = base_url.rstrip("/")
+    return (base[: -len("/v1")] if base.endswith("/v1") else base) + "/metrics"
+
+
 def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -100,13 +106,3 @@ def first_of(values: dict[str, float] | None, names: tuple[str, ...]) -> float |
     if values is None:
         return None
     return next((values[n] for n in names if n in values), None)
-
-
-def scrape_metrics(base_url: str, api_key: str | None = None) -> dict[str, float] | None:
-    """The server's /metrics as parsed samples; None when it has none or cannot be reached."""
-    base = base_url.rstrip("/")
-    base = base[: -len("/v1")] if base.endswith("/v1") else base  # /metrics is at the root
-    try:
-        return parse_prometheus(get_text(base + "/metrics", api_key, timeout_s=5.0))
-    except (OSError, ValueError):
-        return None

@@ -1,16 +1,24 @@
-"""A small fake OpenAI-compatible streaming server with fixed, known token timings.
+"""Servers for the benchmark tests: a small fake OpenAI-compatible streaming server with fixed,
+known token timings, and the real `hetserve serve` on the demo model as a subprocess.
 
-It runs an aiohttp app on 127.0.0.1 (a free port) in a background thread with its own event loop,
-so the benchmark under test talks to it over real HTTP, exactly as it would to a real server.
+The fake runs an aiohttp app on 127.0.0.1 (a free port) in a background thread with its own event
+loop, so the benchmark under test talks to it over real HTTP, exactly as it would to a real server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
+import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -159,3 +167,57 @@ def fake_server():
     yield start
     for s in servers:
         s.stop()
+
+
+class DemoServer:
+    """`hetserve serve` on the demo model (vocabulary 512) as a real subprocess, logging to a file.
+
+    Run as users run it, so what a soak or a benchmark sees (disconnects, tracebacks, memory) is
+    what the command does, not what an in-process test app does.
+    """
+
+    def __init__(self, log_path: Path, max_model_len: int = 512) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "hetserve.cli", "serve", "--port", str(self.port),
+               "--served-model-name", "demo", "--max-model-len", str(max_model_len)]  # fmt: skip
+        self._log = log_path.open("w")
+        env = {**os.environ, "HETSERVE_API_KEY": ""}
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout_s: float = 240.0) -> DemoServer:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.proc.poll() is None, f"server exited:\n{self.log()[-3000:]}"
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
+                    if resp.status == 200:
+                        return self
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"server did not come up:\n{self.log()[-3000:]}"
+            time.sleep(0.2)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def demo_server(tmp_path_factory):
+    """One demo-model server per test module (a soak may leave its server in any state)."""
+    server = DemoServer(tmp_path_factory.mktemp("demo_server") / "server.log")
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()

@@ -1,0 +1,67 @@
+"""`hetserve bench serve` against a real `hetserve serve` on the demo model (vocabulary 512,
+context 512 here): what it learns from the server keeps every request valid."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hetserve.cli import main
+
+TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake"
+TRACE_FILE = TRACE / "synthetic_trace.jsonl"
+needs_trace = pytest.mark.skipif(
+    not TRACE_FILE.is_file(), reason=f"Mooncake trace not present at {TRACE_FILE}"
+)
+
+
+def _bench(server, tmp_path: Path, *args: str) -> dict:
+    out = tmp_path / "result.json"
+    rc = main(["bench", "serve", "--base-url", server.url, "--model", "demo", "--disable-tqdm",
+               "--result-file", str(out), *args])  # fmt: skip
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def demo_dir() -> str:
+    from hetserve.model.tiny import demo_model_dir
+
+    return str(demo_model_dir())
+
+
+@needs_trace
+@pytest.mark.xfail(
+    strict=True,
+    reason="the server's /v1/models card has no vocab_size yet (issue 13 item 5; asked of the "
+    "lead): bench serve stops with the one-line error naming --tokenizer/--vocab-size",
+)
+def test_mooncake_trace_needs_no_vocabulary_flag(demo_server, tmp_path: Path) -> None:
+    result = _bench(demo_server, tmp_path, "--dataset", "mooncake-trace", "--dataset-path",
+                    str(TRACE_FILE), "--num-prompts", "4", "--request-rate", "inf")  # fmt: skip
+    assert result["metrics"]["completed"] == 4 and result["metrics"]["failed"] == 0
+    assert "vocabulary 512 (server /v1/models)" in result["notes"][0]
+
+
+@needs_trace
+def test_mooncake_trace_with_the_models_tokenizer(demo_server, demo_dir, tmp_path: Path) -> None:
+    result = _bench(demo_server, tmp_path, "--dataset", "mooncake-trace", "--dataset-path",
+                    str(TRACE_FILE), "--num-prompts", "4", "--request-rate", "inf",
+                    "--tokenizer", demo_dir)  # fmt: skip
+    m = result["metrics"]
+    assert (m["completed"], m["failed"]) == (4, 0), m["errors"]
+    # The context comes from the server (512, not the checkpoint's 4096); prompts fill it.
+    assert result["notes"][0].startswith("model: vocabulary 512 (--tokenizer")
+    assert "context 512 (server /v1/models)" in result["notes"][0]
+    assert all(r["prompt_len"] + r["output_tokens"] <= 512 for r in result["requests"])
+    assert max(r["prompt_len"] for r in result["requests"]) > 256
+
+
+def test_long_random_prompts_are_fitted_to_the_servers_context(demo_server, tmp_path) -> None:
+    result = _bench(demo_server, tmp_path, "--num-prompts", "4", "--random-input-len", "2000",
+                    "--random-output-len", "16", "--vocab-size", "512")  # fmt: skip
+    m = result["metrics"]
+    assert (m["completed"], m["failed"]) == (4, 0), m["errors"]
+    assert all(r["prompt_len"] == 512 - 16 for r in result["requests"])
