@@ -175,3 +175,28 @@ def test_bad_soak_options_exit_2_with_one_line(fake_server, capsys, args, messag
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
     assert server.cfg.received == []
+
+
+def test_an_early_413_with_connection_close_is_a_proper_rejection() -> None:
+    """What a server that enforces its body limit while reading does: answer before the upload
+    ends, then close. The client must read that answer, not call it a broken connection."""
+    (case,) = [c for c in CASES if c.name == "chunked-oversized-body"]
+    attempt = case.make(Context("m", None, None, None), np.random.default_rng(0))
+    error = json.dumps({"error": {"message": "body over 8 MiB", "type": "invalid"}}).encode()
+
+    async def refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.read(1 << 16)  # a little of the body, never all of it
+        head = b"HTTP/1.1 413 Payload Too Large\r\nContent-Type: application/json\r\n"
+        head += b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(error)
+        writer.write(head + error)
+        await writer.drain()
+        writer.close()
+
+    async def go() -> Answer:
+        server = await asyncio.start_server(refuse, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions"
+        async with server, aiohttp.ClientSession() as session:
+            return await perform(session, url, {}, attempt, 10.0)
+
+    assert judge(BAD, attempt, asyncio.run(go())) == (BAD_REJECTED, "")
