@@ -236,4 +236,4 @@ def _fit_conversations(conversations: list[list[BenchRequest]], max_model_len: i
             first.output_len = min(first.output_len, max(1, max_model_len // 2))
             first.prompt_len = min(first.prompt_len, max_model_len - first.output_len)
             _cut_text(first, original)
-    return f"--max-model-len {max_model_len}: cut turns from {changed} conversations"
+    return f"context {max_model_len}: cut turns from {changed} conversations"

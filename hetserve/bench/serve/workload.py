@@ -106,16 +106,13 @@ def fit_lengths(
                 r.output_len = min(r.output_len, max(1, max_model_len // 2))
                 r.prompt_len = min(r.prompt_len, max_model_len - r.output_len)
                 changed += 1
-        return [f"--max-model-len {max_model_len} (clip): changed {changed} of {len(requests)}"]
+        return [f"context {max_model_len} (clip): changed {changed} of {len(requests)}"]
     factor = scale_factor(requests, max_model_len) if factor is None else factor
     for r in requests:
         new = (max(1, math.floor(r.prompt_len * factor)), max(1, math.floor(r.output_len * factor)))
         changed += new != (r.prompt_len, r.output_len)
         r.prompt_len, r.output_len = new
-    return [
-        f"--max-model-len {max_model_len} (scale x{factor:.4g}): "
-        f"changed {changed} of {len(requests)}"
-    ]
+    return [f"context {max_model_len} (scale x{factor:.4g}): changed {changed} of {len(requests)}"]
 
 
 def scale_factor(requests: list[BenchRequest], max_model_len: int) -> float:
