@@ -62,7 +62,7 @@ def words_from_ids(token_ids: list[int]) -> str:
 
 @dataclass(frozen=True, eq=False)
 class BlockTokens:
-    """Hash id -> its block of token ids, derived only from the id (and the block geometry)."""
+    """Hash id -> its block of token ids, derived only from the id, the block size and the space."""
 
     block_size: int
     space: TokenSpace
