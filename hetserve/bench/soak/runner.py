@@ -159,7 +159,10 @@ async def run_soak(cfg: SoakConfig, ctx: Context) -> SoakRun:
         soak.run.before = await probe.read()
         soak.t0 = time.monotonic()
         with tqdm(
-            total=max(1, round(cfg.duration_s)), unit="s", disable=not cfg.progress, desc="soak"
+            total=max(1, round(cfg.duration_s)),
+            disable=not cfg.progress,
+            desc="soak",
+            bar_format="{desc}: {bar:20} {n_fmt}/{total_fmt} s{postfix}",  # seconds, no rate
         ) as bar:
             sampler = asyncio.create_task(soak.sampler(probe, bar))
             try:
