@@ -33,11 +33,6 @@ def demo_dir() -> str:
 
 
 @needs_trace
-@pytest.mark.xfail(
-    strict=True,
-    reason="the server's /v1/models card has no vocab_size yet (issue 13 item 5; asked of the "
-    "lead): bench serve stops with the one-line error naming --tokenizer/--vocab-size",
-)
 def test_mooncake_trace_needs_no_vocabulary_flag(demo_server, tmp_path: Path) -> None:
     result = _bench(demo_server, tmp_path, "--dataset", "mooncake-trace", "--dataset-path",
                     str(TRACE_FILE), "--num-prompts", "4", "--request-rate", "inf")  # fmt: skip
@@ -53,7 +48,8 @@ def test_mooncake_trace_with_the_models_tokenizer(demo_server, demo_dir, tmp_pat
     m = result["metrics"]
     assert (m["completed"], m["failed"]) == (4, 0), m["errors"]
     # The context comes from the server (512, not the checkpoint's 4096); prompts fill it.
-    assert result["notes"][0].startswith("model: vocabulary 512 (--tokenizer")
+    # The server's card and the tokenizer agree; the card is asked first.
+    assert result["notes"][0].startswith("model: vocabulary 512")
     assert "context 512 (server /v1/models)" in result["notes"][0]
     assert all(r["prompt_len"] + r["output_tokens"] <= 512 for r in result["requests"])
     assert max(r["prompt_len"] for r in result["requests"]) > 256

@@ -1,8 +1,8 @@
 """`hetserve bench soak` against a real `hetserve serve` on the demo model.
 
 A few seconds of mixed load (every case at least once), then the server must be whole: every
-request accounted for, KV blocks back to where they were. Assertions that today's server fails
-because of the defects of issue 12 are strict xfails naming the defect, so fixing it flips them.
+request accounted for, no failure, every bad request answered with a 4xx error JSON, no
+traceback in the server's log, KV blocks back to where they were.
 """
 
 from __future__ import annotations
@@ -29,21 +29,6 @@ from hetserve.cli import main
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 HEADERS = {"Content-Type": "application/json"}
 
-DEFECT_1 = "issue 12 defect 1: stop_token_ids outside the vocabulary fail the engine step (500)"
-DEFECT_2 = "issue 12 defect 2: a 2^64 seed on a stream sends 200 and then nothing"
-DEFECT_5 = "issue 12 defect 5: a non-text text part is a plain-text 500"
-DEFECT_6 = "issue 12 defect 6: a chunked body over the limit is read whole (400, not 413)"
-DEFECT_7 = "issue 12 defect 7: unsupported fields are ignored with 200"
-# Known today, per bad case; a case missing here must already be answered with 4xx JSON.
-BAD_CASE_DEFECTS = {
-    "stop-token-id-outside-vocab": DEFECT_1,
-    "seed-over-64-bits": DEFECT_2,
-    "text-part-not-text": DEFECT_5,
-    "chunked-oversized-body": DEFECT_6,
-    "tools-required": DEFECT_7,
-    "response-format-json-schema": DEFECT_7,
-    "image-url-part": DEFECT_7,
-}
 
 
 @pytest.fixture(scope="module")
@@ -76,32 +61,19 @@ def test_kv_blocks_return_to_baseline(soak) -> None:
     assert server["after"]["running"] == server["after"]["waiting"] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the server's /metrics lacks process_resident_memory_bytes (prometheus_client's "
-    "ProcessCollector on its registry; asked of the lead)",
-)
 def test_server_memory_is_reported(soak) -> None:
     assert soak["server"]["before"]["rss_bytes"] and soak["server"]["after"]["rss_bytes"]
 
 
-@pytest.mark.xfail(strict=True, reason=f"{DEFECT_1}; {DEFECT_2}; {DEFECT_5}")
 def test_no_request_failed(soak) -> None:
     assert soak["totals"][FAILED] == 0, soak["problems"].get(FAILED)
 
 
-@pytest.mark.xfail(strict=True, reason=f"{DEFECT_6}; {DEFECT_7}")
 def test_every_bad_request_gets_a_4xx_error_json(soak) -> None:
     bad = [r for r in soak["by_case"].values() if r["group"] == BAD]
     assert sum(r[BAD_REJECTED] for r in bad) == sum(r["sent"] for r in bad), soak["problems"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 12 defects 1, 4, 5: engine step failures, disconnects from streaming "
-    "completions (aclose(): asynchronous generator is already running) and plain 500s log "
-    "tracebacks",
-)
 def test_server_log_has_no_traceback(soak, demo_server) -> None:
     log = demo_server.log()
     assert "Traceback" not in log, log[log.find("Traceback") :][:2000]
@@ -110,9 +82,7 @@ def test_server_log_has_no_traceback(soak, demo_server) -> None:
 @pytest.mark.parametrize(
     "case",
     [
-        pytest.param(c, id=c.name, marks=[pytest.mark.xfail(strict=True, reason=r)])
-        if (r := BAD_CASE_DEFECTS.get(c.name))
-        else pytest.param(c, id=c.name)
+        pytest.param(c, id=c.name)
         for c in CASES
         if c.group == BAD
     ],
@@ -132,11 +102,6 @@ def test_bad_request_alone_gets_a_4xx_error_json(demo_server, case) -> None:
     assert bucket == BAD_REJECTED, why
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=DEFECT_1 + "; the step's failure ends every live request and their "
-    "streams hang without [DONE]",
-)
 def test_bad_stop_token_ids_does_not_end_other_streams(demo_server) -> None:
     body = {"model": "demo", "prompt": "hello the", "max_tokens": 480, "ignore_eos": True,
             "stream": True}  # fmt: skip
