@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import difflib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hetserve.errors import InvalidInputError
@@ -116,14 +116,14 @@ class EngineConfig:
 class EngineOption:
     name: str  # keyword of LLM(...) and argparse dest
     section: str | None  # None (EngineConfig itself), "cache", "scheduler" or "moe"
-    field: str  # the field it sets in that section
+    attr: str  # the field it sets in that section
     help: str
     type: Callable[[str], Any] | None = None
     flag: str | None = None  # default: --name-with-dashes
     convert: Callable[[Any], Any] | None = None  # option value -> field value
     store_false: bool = False  # a flag that turns the field off
     choices: tuple[str, ...] | None = None
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def cli_flag(self) -> str:
@@ -135,7 +135,7 @@ class EngineOption:
         cls = {None: EngineConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}.get(
             self.section, MoEConfig
         )
-        return cls.__dataclass_fields__[self.field].default
+        return next(f.default for f in fields(cls) if f.name == self.attr)
 
 
 def _gib(value: float | None) -> int | None:
@@ -221,7 +221,7 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults: Any) -> None:
 def _build(values: dict[EngineOption, Any]) -> EngineConfig:
     sections: dict[str | None, dict[str, Any]] = {None: {}, "cache": {}, "scheduler": {}, "moe": {}}
     for o, value in values.items():
-        sections[o.section][o.field] = o.convert(value) if o.convert else value
+        sections[o.section][o.attr] = o.convert(value) if o.convert else value
     try:
         return EngineConfig(
             **sections[None],

@@ -49,7 +49,7 @@ def native_kernels() -> bool:
     # Asked by every layer on every forward: os.environ.get encodes the key each time (~1.5 us,
     # ~70 calls per decode step); on POSIX the bytes mapping behind it answers directly.
     if _ENV_BYTES is not None:
-        return _ENV_BYTES.get(b"HETSERVE_NATIVE_KERNELS", b"1") != b"0"
+        return bool(_ENV_BYTES.get(b"HETSERVE_NATIVE_KERNELS", b"1") != b"0")
     return os.environ.get("HETSERVE_NATIVE_KERNELS", "1") != "0"
 
 

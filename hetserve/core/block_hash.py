@@ -23,7 +23,11 @@ class BlockHash:
         return f"BlockHash({self.digest.hex()[:16]})"
 
 
-def _encode_extra(extra: tuple) -> bytes:
+# What changes a block's KV besides its tokens: model, LoRA id, cache salt, dtype, layout...
+CacheExtra = tuple[str | int | float | bytes | None, ...]
+
+
+def _encode_extra(extra: CacheExtra) -> bytes:
     # Canonical: repr of str/int/float/bytes/None items; anything else is our bug.
     parts = []
     for item in extra:
@@ -35,7 +39,7 @@ def _encode_extra(extra: tuple) -> bytes:
 def hash_block_tokens(
     parent: BlockHash | None,
     token_ids: Sequence[int],
-    extra: tuple = (),
+    extra: CacheExtra = (),
     seed: bytes = b"",
 ) -> BlockHash:
     """Hash one full block. `seed` makes the root differ between deployments (NONE_HASH-like)."""
@@ -49,7 +53,7 @@ def hash_block_tokens(
 def hash_prefix_blocks(
     token_ids: Sequence[int],
     block_size: int,
-    extra: tuple = (),
+    extra: CacheExtra = (),
     seed: bytes = b"",
     parent: BlockHash | None = None,
 ) -> list[BlockHash]:

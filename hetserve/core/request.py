@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from hetserve.core.block_hash import BlockHash
+from hetserve.core.block_hash import BlockHash, CacheExtra
 from hetserve.core.sampling import SamplingParams
 
 
@@ -36,7 +36,7 @@ class Request:
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower runs first (vLLM's convention); FCFS among equals
-    cache_extra: tuple = ()  # what changes the KV besides tokens: LoRA id, cache salt, ...
+    cache_extra: CacheExtra = ()  # what changes the KV besides tokens: LoRA id, cache salt, ...
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first scheduling
@@ -73,5 +73,5 @@ class EngineRequest:
     params: SamplingParams  # max_tokens resolved against the context
     prompt: str | None = None
     priority: int = 0
-    cache_extra: tuple = ()
+    cache_extra: CacheExtra = ()
     arrival_time: float = field(default_factory=time.monotonic)

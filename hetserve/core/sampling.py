@@ -117,14 +117,17 @@ def _is_int(v: object) -> bool:
 
 
 def _int_at_least(name: str, v: object, lo: int, hi: int | None = None) -> None:
-    if not _is_int(v) or v < lo or (hi is not None and v > hi):
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
         span = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ValueError(f"{name} must be an integer {span}, got {v!r}")
 
 
 def _finite(name: str, v: object, lo: float, hi: float | None = None) -> None:
     # NaN compares false with everything, so range checks alone would let it through.
-    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-    if not ok or v < lo or (hi is not None and v > hi):
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        ok = False
+    else:
+        ok = lo <= v and (hi is None or v <= hi)
+    if not ok:
         span = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ValueError(f"{name} must be a finite number {span}, got {v!r}")

@@ -18,6 +18,7 @@ import random
 import torch
 
 from hetserve.config import EngineConfig
+from hetserve.core.block_hash import CacheExtra
 from hetserve.core.outputs import RequestOutput
 from hetserve.core.request import EngineRequest, Request, RequestStatus
 from hetserve.core.sampling import SamplingParams
@@ -109,7 +110,7 @@ class EngineCore:
         prompt: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
-        cache_extra: tuple = (),
+        cache_extra: CacheExtra = (),
     ) -> EngineRequest:
         """Check a request against the model (vocabulary, context) and resolve its max_tokens.
         Thread-safe. Raises InvalidInputError naming the field."""
@@ -187,7 +188,7 @@ class EngineCore:
         params: SamplingParams,
         prompt: str | None = None,
         priority: int = 0,
-        cache_extra: tuple = (),
+        cache_extra: CacheExtra = (),
         stream: bool = True,
     ) -> None:
         """Validate and queue a request (the single-threaded convenience of the two above)."""

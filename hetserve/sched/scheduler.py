@@ -43,7 +43,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
 
-    def _key(self, req: Request):
+    def _key(self, req: Request) -> tuple[int, float]:
         prio = req.priority if self.cfg.policy == "priority" else 0
         return (prio, req.arrival_time)
 
@@ -132,6 +132,7 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
             if not p.ignore_eos and token in eos_ids:
                 return RequestStatus.FINISHED_STOPPED
+        assert p.max_tokens is not None, "the engine resolves max_tokens at admission"
         if n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
