@@ -72,3 +72,11 @@ def decode_rate(
         # end-to-end rate is a lower bound, never a division by ~0.
         return tokens / tn
     return (tokens - 1) / (tn - t1)
+
+
+def model_dir(args) -> str:
+    """The checkpoint directory behind --model (the demo model when none is given), for the
+    peers that load the same files."""
+    from hetserve.model.build import resolve_model_dir
+
+    return str(resolve_model_dir(args.model))

@@ -13,16 +13,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hetserve.bench.common import decode_rate, print_table, write_json
+from hetserve.bench.common import decode_rate, model_dir, print_table, write_json
+from hetserve.config import EngineConfig, add_engine_args
 
 
 def register(sub) -> None:
     p = sub.add_parser("generate", help="decode tokens/s of hetserve vs transformers generate")
-    p.add_argument("--model", required=True, help="HF model directory")
+    add_engine_args(p)
     p.add_argument("--tokens", type=int, default=64, help="tokens to decode per run")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per system (best is kept)")
-    p.add_argument("--dtype", default="auto")
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.set_defaults(func=run)
 
@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
         from hetserve.errors import InvalidInputError
 
         raise InvalidInputError("--tokens must be at least 2")
+    args.model = model_dir(args)
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     ids = torch.randint(0, vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(0))
     ids = ids.tolist()
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
 def _ours_rate(args, ids, bar) -> float:
     from hetserve import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(EngineConfig.from_args(args))
 
     def ours(n):
         params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0)

@@ -14,12 +14,13 @@ import time
 from tqdm import tqdm
 
 from hetserve.bench.common import print_table, write_json
+from hetserve.config import EngineConfig, add_engine_args
 from hetserve.model.synthetic import make_prompts
 
 
 def register(sub) -> None:
     p = sub.add_parser("prefix", help="TTFT with cold vs warm prefix cache")
-    p.add_argument("--model", required=True)
+    add_engine_args(p)
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--shared-frac", type=float, default=0.9)
     p.add_argument("--trials", type=int, default=5)
@@ -33,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 < args.shared_frac < 1:
         raise InvalidInputError("--shared-frac must be between 0 and 1")
-    llm = LLM(args.model, max_model_len=None)
+    llm = LLM(EngineConfig.from_args(args))
+    args.model = str(llm.model_dir)
     if args.prompt_len >= llm.max_model_len:
         raise InvalidInputError(f"--prompt-len must be below the context ({llm.max_model_len})")
     shared = int(args.prompt_len * args.shared_frac)

@@ -19,14 +19,16 @@ import time
 
 import torch
 
-from hetserve.bench.common import print_table, write_json
+from hetserve.bench.common import model_dir, print_table, write_json
+from hetserve.config import EngineConfig, add_engine_args
 from hetserve.errors import InvalidInputError
 from hetserve.model.synthetic import make_prompts
 
 
 def register(sub) -> None:
     p = sub.add_parser("throughput", help="offline throughput of hetserve vs transformers")
-    p.add_argument("--model", required=True)
+    # No prefix cache by default: the peer has none, and random prompts share nothing anyway.
+    add_engine_args(p, enable_prefix_caching=False)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -37,7 +39,6 @@ def register(sub) -> None:
         help="lengths uniform in len * (1 +- ratio); 0 = all equal",
     )
     p.add_argument("--hf-batch", type=int, default=16, help="transformers batch size")
-    p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="timed runs per system (best kept)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--json", default=None)
@@ -54,7 +55,7 @@ def _ours(args, prompts, out_lens):
     """A callable timing one offline run of hetserve (loaded and warmed up once)."""
     from hetserve import LLM, SamplingParams
 
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)
+    llm = LLM(EngineConfig.from_args(args))
     params = [
         SamplingParams(max_tokens=n, min_tokens=n, temperature=0, ignore_eos=True) for n in out_lens
     ]
@@ -109,6 +110,7 @@ def _hf(args, prompts, out_lens):
 def run(args: argparse.Namespace) -> int:
     in_lens = make_lengths(args.num_prompts, args.input_len, args.range_ratio, seed=1)
     out_lens = make_lengths(args.num_prompts, args.output_len, args.range_ratio, seed=2)
+    args.model = model_dir(args)
     prompts = make_prompts(args.model, args.num_prompts, args.input_len, lengths=in_lens)
     gen_tokens = sum(out_lens)
     prompt_tokens = sum(in_lens)
