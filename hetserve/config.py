@@ -27,7 +27,12 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
-    hash_seed: str = ""
+    hash_seed: str = ""  # an operator's salt in every block's identity
+    # A KV store behind the prefix cache (any hetserve.store spec), and when blocks are saved
+    # there: "auto" = write-through of prompt blocks for shared stores (pool, mooncake, redis)
+    # plus write-back of blocks about to be evicted; write-back alone for a local store.
+    kv_store: str | None = None
+    kv_save: str = "auto"  # "auto" | "write-back" | "write-through"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -36,6 +41,12 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError("the KV cache size must be positive")
+        if self.kv_save not in ("auto", "write-back", "write-through"):
+            raise ValueError(
+                f"kv_save must be auto, write-back or write-through, got {self.kv_save!r}"
+            )
+        if self.kv_store is not None and not self.enable_prefix_caching:
+            raise ValueError("a KV store works behind the prefix cache; do not turn it off")
 
 
 @dataclass(frozen=True)
@@ -159,6 +170,18 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "turn off the prefix cache",
         flag="--no-prefix-caching",
         store_false=True,
+    ),
+    EngineOption(
+        "kv_store", "cache", "kv_store",
+        "KV store behind the prefix cache: local://?dram=4G&ssd_dir=DIR&ssd=64G, "
+        "pool://HOST:PORT, mooncake://HOST:PORT?metadata=URL, redis://HOST:PORT/DB",
+        extra={"metavar": "SPEC"},
+    ),
+    EngineOption(
+        "kv_save", "cache", "kv_save",
+        "when blocks reach the store: auto (write-through for shared stores), write-back "
+        "(before eviction) or write-through (prompt blocks once computed)",
+        choices=("auto", "write-back", "write-through"),
     ),
     EngineOption("max_num_seqs", "scheduler", "max_num_seqs", "sequences per step", int),
     EngineOption(

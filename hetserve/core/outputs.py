@@ -39,6 +39,9 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     finished: bool = False
     num_cached_tokens: int = 0
+    # Where the cached prompt tokens came from: "device" (the paged KV pool) and each KV tier
+    # they were loaded from ("dram", "ssd", "pool", ...). Empty without a prefix hit.
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     # Set (with finished) when this request failed inside the engine; other requests go on.
     error: str | None = None
 

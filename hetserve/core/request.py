@@ -12,6 +12,7 @@ from hetserve.core.sampling import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # its cached blocks are being loaded from a KV store
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -44,6 +45,8 @@ class Request:
     stop_reason: str | int | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)  # of full blocks, in order
     num_preemptions: int = 0
+    load_tried: bool = False  # the KV tiers were asked for its blocks (once per request)
+    loaded_tokens: dict[str, int] = field(default_factory=dict)  # tier -> tokens loaded from it
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -9,6 +9,24 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class TierStats:
+    """The KV tiers behind the prefix cache: what was found, loaded, skipped and saved."""
+
+    lookups: int = 0
+    loads: int = 0
+    loaded_blocks: dict[str, int] = field(default_factory=dict)  # tier -> blocks loaded
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    skipped_blocks: int = 0  # found, but recomputing them was predicted faster
+    missed_blocks: int = 0  # found, but gone or corrupt by the time they were read
+    saved_blocks: int = 0
+    save_bytes: int = 0
+    save_failed_blocks: int = 0
+    shed_saves: int = 0  # dropped from a full save queue rather than stalling a step
+    pending_saves: int = 0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
@@ -22,6 +40,7 @@ class EngineStats:
     generation_tokens: int = 0
     failed_requests: int = 0  # requests failed inside the engine (the others went on)
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
+    tiers: TierStats | None = None  # with a KV store attached
 
     @property
     def kv_usage(self) -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import time
 
 import torch
 
@@ -25,11 +26,13 @@ from hetserve.core.sampling import SamplingParams
 from hetserve.core.stats import EngineStats
 from hetserve.engine.detokenizer import IncrementalDetokenizer
 from hetserve.engine.execute import StepExecutor, StepResult, describe
+from hetserve.engine.kv_store import BlockIO, kv_identity, open_tiers
 from hetserve.engine.output import ParentState, SeqState
 from hetserve.engine.runner import ModelRunner
 from hetserve.errors import InvalidInputError, PromptTooLongError
 from hetserve.kv.manager import KVCacheManager
 from hetserve.kv.paged import PagedKVCache
+from hetserve.kv.tiers import TierManager
 from hetserve.model.build import build_model, resolve_model_dir
 from hetserve.model.tokenizer import Tokenizer
 from hetserve.sched.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
@@ -37,6 +40,8 @@ from hetserve.sched.scheduler import ScheduledRequest, Scheduler, SchedulerOutpu
 log = logging.getLogger(__name__)
 
 CPU_KV_CAP_BYTES = 2 << 30
+LOAD_POLL_S = 0.0005
+PREFILL_SAMPLE_TOKENS = 64  # steps with at least this many prompt tokens refine the prefill rate
 _SEEDS = random.Random()  # seeded from os.urandom once per process
 _SEED_MASK = (1 << 64) - 1  # torch generators take 64-bit seeds; seed + i may overflow
 
@@ -57,10 +62,17 @@ class EngineCore:
         bs = cfg.cache.block_size
         num_blocks = self._num_blocks()
         self.runner = ModelRunner(self.model, num_blocks, bs)
-        self.kv = KVCacheManager(
-            num_blocks, bs, cfg.cache.enable_prefix_caching, cfg.cache.hash_seed.encode()
-        )
-        self.scheduler = Scheduler(cfg.scheduler, self.kv, self.max_model_len)
+        seed = kv_identity(self.model_dir, self.runner.kv, cfg.cache.hash_seed)
+        self.kv = KVCacheManager(num_blocks, bs, cfg.cache.enable_prefix_caching, seed)
+        self.tiers: TierManager | None = None
+        self.kv_summary: str | None = None  # the start-up line of the KV tiers
+        if cfg.cache.kv_store is not None:
+            io = BlockIO(self.runner.kv)
+            self.tiers, self.kv_summary = open_tiers(
+                cfg.cache.kv_store, cfg.cache.kv_save, self.kv, io, self.runner
+            )
+            log.info("%s", self.kv_summary)
+        self.scheduler = Scheduler(cfg.scheduler, self.kv, self.max_model_len, self.tiers)
         self.seqs: dict[str, SeqState] = {}
         self.parents: dict[str, ParentState] = {}
         self.executor = StepExecutor(self.runner, self.seqs, self.eos_ids)
@@ -204,11 +216,14 @@ class EngineCore:
         for s in parent.seqs:
             self.scheduler.finish(s.request.request_id, RequestStatus.FINISHED_ABORTED)
             self.seqs.pop(s.request.request_id, None)
+            if self.tiers is not None:
+                self.tiers.forget(s.request)
         self._finished["abort"] = self._finished.get("abort", 0) + 1
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.parents)
+        # Loads of aborted requests still hold blocks: keep stepping until they land.
+        return bool(self.parents) or bool(self.scheduler.loading)
 
     # ---- the step loop ----------------------------------------------------------------------
     @torch.inference_mode()
@@ -216,12 +231,21 @@ class EngineCore:
         sched = self.scheduler.schedule()
         self._counts["preemptions"] += len(sched.preempted)
         if not sched.scheduled:
+            if self.tiers is not None:
+                self.tiers.after_step()
+                if self.scheduler.loading:
+                    time.sleep(LOAD_POLL_S)  # only loads are out: wait for them, not spin
             return []
+        t0 = time.perf_counter()
         result = self.executor.run(sched.scheduled, self.kv.block_ids)
+        if self.tiers is not None and result.prompt_tokens >= PREFILL_SAMPLE_TOKENS:
+            self.tiers.cost.observe_prefill(result.prompt_tokens, time.perf_counter() - t0)
         outputs = self._fail(result.failed)
         ok = [s for s in sched.scheduled if s.request.request_id in self.seqs]
         self.scheduler.update(SchedulerOutput(ok, sched.preempted), result.sampled, self.eos_ids)
         self._commit(result)
+        if self.tiers is not None:
+            self.tiers.after_step()
         return outputs + self._process_outputs(ok, result.sampled)
 
     def _commit(self, result: StepResult) -> None:
@@ -300,21 +324,32 @@ class EngineCore:
             num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=pool.num_usable - pool.num_free,
             kv_blocks_total=pool.num_usable,
-            prefix_queries=pool.queries,
-            prefix_hits=pool.hits,
+            prefix_queries=self.kv.queries,
+            prefix_hits=self.kv.hits,
             preemptions=c["preemptions"],
             steps=c["steps"],
             prompt_tokens_computed=c["prompt_tokens"],
             generation_tokens=c["generation"],
             failed_requests=self._finished.get("error", 0),
             finished=dict(self._finished),
+            tiers=self.tiers.stats() if self.tiers is not None else None,
         )
 
     def routing_stats(self):
         """The routing statistics being recorded (MoEConfig.record_routing_stats), else None."""
         return self.model.routing_stats
 
+    def close(self) -> None:
+        """Save the KV the store does not have yet (bounded) and close it."""
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
+
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
-        live = {r.request_id for r in self.scheduler.running + self.scheduler.waiting}
+        if self.tiers is not None:
+            self.tiers.check_integrity()
+        sched = self.scheduler
+        live = {r.request_id for r in sched.running + sched.waiting}
+        live |= {rid for rid, r in sched.loading.items() if not r.is_finished}
         assert live == set(self.seqs), (live, set(self.seqs))

@@ -54,6 +54,10 @@ class ParentState:
             for s in self.seqs
         ]
         first = self.seqs[0].request
+        cached = first.num_cached_tokens or 0
+        by_tier = dict(first.loaded_tokens)
+        if cached - sum(by_tier.values()) > 0:
+            by_tier["device"] = cached - sum(by_tier.values())
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -61,6 +65,7 @@ class ParentState:
             outputs=outputs,
             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs else None,
             finished=self.finished or error is not None,
-            num_cached_tokens=first.num_cached_tokens or 0,
+            num_cached_tokens=cached,
+            cached_tokens_by_tier=by_tier,
             error=error,
         )

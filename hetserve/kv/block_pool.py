@@ -37,8 +37,6 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks[1:]
         )
         self._cached: dict[BlockHash, KVBlock] = {}
-        self.hits = 0
-        self.queries = 0
 
     @property
     def num_free(self) -> int:
@@ -71,14 +69,29 @@ class BlockPool:
             out.append(b)
         return out
 
-    def free(self, blocks: list[KVBlock]) -> None:
+    def free(self, blocks: list[KVBlock], evict_first: bool = False) -> None:
         """Drop one reference each. Pass blocks tail-first so the tail of a sequence (least
-        likely to be shared) is evicted before its head."""
+        likely to be shared) is evicted before its head. `evict_first` puts blocks that become
+        free at the evicting end instead (a block pinned only to be saved goes back where it
+        was: next in line)."""
         for b in blocks:
             assert b.ref_cnt > 0 and b is not self.null_block, b
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 self._free[b.block_id] = b
+                if evict_first:
+                    self._free.move_to_end(b.block_id, last=False)
+
+    def next_evicted(self, limit: int) -> list[KVBlock]:
+        """The free blocks still holding cached KV that the next allocations would evict, in
+        that order (at most `limit`, looking no further than 4 * limit free blocks)."""
+        out = []
+        for i, b in enumerate(self._free.values()):
+            if len(out) == limit or i >= 4 * limit:
+                break
+            if b.block_hash is not None:
+                out.append(b)
+        return out
 
     def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Register a full, computed block under its hash (first writer wins)."""

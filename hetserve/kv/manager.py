@@ -1,7 +1,10 @@
 """KVCacheManager: block tables per request on top of the BlockPool, with prefix caching.
 
-Called by the scheduler only. `allocate_slots` either reserves everything a step needs or
-changes nothing and returns None (the scheduler then preempts or waits).
+Called by the scheduler (and by the KV tiers for the blocks they pin and load). `allocate_slots`
+either reserves everything a step needs or changes nothing and returns None (the scheduler then
+preempts or waits). Blocks a tier loads from a store are held in the request's table while the
+load runs, then registered in the prefix cache (`finish_load`), so an admitted request finds
+them as ordinary prefix hits.
 """
 
 from __future__ import annotations
@@ -29,6 +32,13 @@ class KVCacheManager:
         self.hash_seed = hash_seed
         self.tables: dict[str, list[KVBlock]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks of a table already registered
+        # Full blocks registered since the tiers last looked (block, whether it holds only
+        # prompt tokens): what a write-through store saves. Kept only when report_cached.
+        self.report_cached = False
+        self.newly_cached: list[tuple[KVBlock, bool]] = []
+        self.pinned: dict[int, int] = {}  # block id -> references held by the KV tiers
+        self.queries = 0  # full prompt blocks looked up at admission (once per request)
+        self.hits = 0  # of those, found in the device pool (loaded ones included)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.tables.get(request_id, ())]
@@ -58,9 +68,20 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.pool.queries += max_tokens // self.block_size
-        self.pool.hits += len(hits)
         return hits, len(hits) * self.block_size
+
+    def lookup_blocks(self, req: Request) -> int:
+        """How many full blocks a prefix lookup of `req` covers (its hashes are made)."""
+        if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
+            return 0
+        self._update_hashes(req, req.num_tokens - 1)
+        return (req.num_tokens - 1) // self.block_size
+
+    def record_admission(self, req: Request, hit_blocks: int) -> None:
+        """Count one admitted request's lookup (once per request, whatever it waited for)."""
+        if self.enable_prefix_caching and req.params.prompt_logprobs is None:
+            self.queries += (req.num_tokens - 1) // self.block_size
+            self.hits += hit_blocks
 
     def allocate_slots(
         self, req: Request, num_new_tokens: int, computed: list[KVBlock] | None = None
@@ -91,9 +112,54 @@ class KVCacheManager:
             return
         self._update_hashes(req, full * self.block_size)
         table = self.tables[req.request_id]
+        prompt_blocks = req.num_prompt_tokens // self.block_size
         for i in range(done, full):
-            self.pool.cache(table[i], req.block_hashes[i])
+            if table[i].block_hash is None:
+                self.pool.cache(table[i], req.block_hashes[i])
+                if self.report_cached and table[i].block_hash is not None:  # the first writer
+                    self.newly_cached.append((table[i], i < prompt_blocks))
         self._num_cached[req.request_id] = full
+
+    # ---- blocks the KV tiers hold --------------------------------------------------------------
+    def allocate_for_load(self, req: Request, first_block: int, n: int) -> list[KVBlock] | None:
+        """Reserve `n` blocks to load `req`'s blocks first_block.. into; None if not free."""
+        if n > self.pool.num_free or req.request_id in self.tables:
+            return None
+        self._update_hashes(req, (first_block + n) * self.block_size)
+        blocks = self.pool.allocate(n)
+        self.tables[req.request_id] = blocks
+        return blocks
+
+    def finish_load(self, req: Request, first_block: int, ok: int) -> None:
+        """The first `ok` blocks of the load landed: register them in the prefix cache (where
+        the request's admission finds them) and release the load table."""
+        table = self.tables.pop(req.request_id)
+        for i, block in enumerate(table[:ok]):
+            self.pool.cache(block, req.block_hashes[first_block + i])
+        self.pool.free(list(reversed(table)))
+
+    def quarantine(self, req: Request) -> list[KVBlock]:
+        """Take `req`'s load table away from it, still held (a load that timed out may yet
+        write into it): released later with `unpin`."""
+        table = self.tables.pop(req.request_id)
+        for b in table:
+            self.pinned[b.block_id] = self.pinned.get(b.block_id, 0) + 1
+        return table
+
+    def pin(self, blocks: list[KVBlock]) -> None:
+        """Hold blocks (a save reads them) so they are not handed out meanwhile."""
+        self.pool.touch(blocks)
+        for b in blocks:
+            self.pinned[b.block_id] = self.pinned.get(b.block_id, 0) + 1
+
+    def unpin(self, blocks: list[KVBlock]) -> None:
+        for b in blocks:
+            left = self.pinned[b.block_id] - 1
+            if left:
+                self.pinned[b.block_id] = left
+            else:
+                del self.pinned[b.block_id]
+        self.pool.free(blocks, evict_first=True)
 
     def free(self, req: Request) -> None:
         table = self.tables.pop(req.request_id, [])
@@ -102,7 +168,7 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
-        refs: dict[int, int] = {}
+        refs: dict[int, int] = dict(self.pinned)
         for table in self.tables.values():
             for b in table:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1

@@ -6,11 +6,17 @@ step. Running requests are served first; if their blocks cannot be allocated, th
 running request (latest arrival under FCFS) is preempted: its blocks are freed and it returns to
 the waiting queue to be recomputed. Waiting requests are admitted only in steps without
 preemption, in (priority, arrival) order.
+
+With KV tiers (a `KVLoader`), a waiting request whose next blocks a store holds first waits for
+them: the loader reserves device blocks and loads them while every other request keeps stepping;
+once they land the request is admitted with them as prefix hits. How they are loaded is the
+loader's business.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from hetserve.config import SchedulerConfig
 from hetserve.core.request import Request, RequestStatus
@@ -28,6 +34,24 @@ class ScheduledRequest:
         return self.request.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
 
 
+class KVLoader(Protocol):
+    """What the scheduler needs of the KV tiers (kv/tiers.py), called on the engine thread."""
+
+    def ready(self, req: Request) -> bool:
+        """Whether the store lookup of `req` is done (not ready: admit others meanwhile)."""
+        ...
+
+    def start_load(self, req: Request, first_block: int) -> bool:
+        """Load the blocks worth loading after the device hit of `first_block` blocks into
+        device blocks the loader reserves; False when there is nothing worth loading (or no
+        room), and the request is then admitted as it is."""
+        ...
+
+    def landed(self) -> list[Request]:
+        """Requests whose loads finished (their loaded blocks are now device prefix hits)."""
+        ...
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -35,12 +59,20 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        loader: KVLoader | None = None,
+    ) -> None:
         self.cfg = cfg
         self.kv = kv
         self.max_model_len = max_model_len
+        self.loader = loader
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.loading: dict[str, Request] = {}  # waiting for their blocks to land
         self.requests: dict[str, Request] = {}
 
     def _key(self, req: Request) -> tuple[int, float]:
@@ -52,10 +84,12 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.loader is not None:
+            self._land_loads()
         budget = self.cfg.max_num_batched_tokens
         for req in list(self.running):
             if budget == 0:
@@ -89,10 +123,32 @@ class Scheduler:
         out.preempted.append(req)
         out.scheduled = [s for s in out.scheduled if s.request is not req]
 
+    def _land_loads(self) -> None:
+        assert self.loader is not None
+        for req in self.loader.landed():
+            del self.loading[req.request_id]
+            if req.status is RequestStatus.WAITING_FOR_KV:
+                req.status = RequestStatus.WAITING
+                self.waiting.append(req)  # its (priority, arrival) puts it back in line
+            else:  # finished (aborted) while loading: its blocks are released only now
+                self.kv.free(req)
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         self.waiting.sort(key=self._key)
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            req = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[i]
+            if self.loader is not None and not req.load_tried:
+                if not self.loader.ready(req):
+                    i += 1  # its store lookup is still out: the next ones need not wait
+                    continue
+                req.load_tried = True
+                computed, _ = self.kv.get_computed_blocks(req)
+                if self.loader.start_load(req, len(computed)):
+                    self.waiting.pop(i)
+                    req.status = RequestStatus.WAITING_FOR_KV
+                    self.loading[req.request_id] = req
+                    continue
             computed, num_cached = self.kv.get_computed_blocks(req)
             n = req.num_tokens - num_cached
             if n > budget and not self.cfg.enable_chunked_prefill:
@@ -100,10 +156,11 @@ class Scheduler:
             n = min(n, budget)
             if self.kv.allocate_slots(req, n, computed) is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = num_cached
+                self.kv.record_admission(req, len(computed))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
@@ -142,19 +199,26 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        req.status = status
+        if request_id in self.loading:
+            return req  # the load still writes its blocks: they are freed when it lands
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
-        req.status = status
         return req
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         assert len(self.running) <= self.cfg.max_num_seqs
         ids = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
-        assert ids == set(self.requests), (ids, set(self.requests))
+        live_loads = {rid for rid, r in self.loading.items() if not r.is_finished}
+        assert ids | live_loads == set(self.requests), (ids, live_loads, set(self.requests))
+        assert not ids & set(self.loading)
+        for rid, r in self.loading.items():
+            assert rid in self.kv.tables, rid  # the blocks its load writes into
+            assert r.status in (RequestStatus.WAITING_FOR_KV,) or r.is_finished
         for r in self.running:
             assert r.status is RequestStatus.RUNNING
             assert r.num_computed_tokens <= r.num_tokens

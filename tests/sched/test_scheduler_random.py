@@ -101,4 +101,4 @@ def test_random_runs_exercised_preemption_and_hits(engines):
     if eng.stats().steps == 0:
         pytest.skip("only meaningful after the property test of this module")
     assert eng.stats().preemptions > 0
-    assert eng.kv.pool.hits > 0
+    assert eng.kv.hits > 0

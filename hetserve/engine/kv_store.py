@@ -1,0 +1,183 @@
+"""The engine's KV cache behind a KV store: block identity, block bytes, and start-up.
+
+`open_tiers` (called once by EngineCore) opens the store, checks it (write, read back, time a
+probe block; one-line error if it fails), measures the engine's prefill rate, and returns the
+tier component (`kv/tiers.py`) with a one-line summary of the active tiers.
+
+BlockIO: the bytes of one KV block as the store's multi-part buffers.
+
+The engine keeps one KV tensor per layer and entry (`kv/paged.py`: [num_slots, ...]), so a
+block's bytes are `num_layers x entries` contiguous row ranges; a store object holds them all,
+page-first (layer by layer, entry by entry), MLA's latent rows as they are cached.
+
+Called by the KV tiers' worker threads. On CPU the parts are views of the KV tensors themselves
+(a load writes straight into the cache, a save reads straight from it). On CUDA they are
+reusable pinned host buffers, copied to or from the device on a side stream that is synchronized
+before the load is reported done or the save's buffers are handed over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from hetserve.kv.manager import KVCacheManager
+from hetserve.kv.paged import PagedKVCache
+from hetserve.kv.tier_policy import CostModel, TierCost
+from hetserve.kv.tiers import TierManager
+
+log = logging.getLogger(__name__)
+
+# Bump when the bytes of a stored block change meaning (part order, row layout): old objects
+# then simply stop matching (the version is part of every block's identity).
+KV_LAYOUT_VERSION = 1
+
+
+def kv_identity(model_dir: Path, cache: PagedKVCache, salt: str = "") -> bytes:
+    """The root seed of every block hash: what makes stored KV reusable by this engine. It
+    covers the checkpoint (its config and weight files), the KV dtype and layout, the block
+    size and an operator's salt; it is the same in every process and after restarts."""
+    h = hashlib.sha256(f"hetserve-kv/v{KV_LAYOUT_VERSION}".encode())
+    config = model_dir / "config.json"
+    h.update(config.read_bytes() if config.is_file() else str(model_dir).encode())
+    weights = sorted(p for p in model_dir.glob("*") if p.suffix in (".safetensors", ".gguf"))
+    h.update(json.dumps([(p.name, p.stat().st_size) for p in weights]).encode())
+    layout = [[(tuple(t.shape[1:]), str(t.dtype)) for t in layer] for layer in cache.layers]
+    h.update(json.dumps([cache.block_size, layout, salt]).encode())
+    return h.digest()
+
+
+class BlockIO:
+    def __init__(self, cache: PagedKVCache) -> None:
+        self.cache = cache
+        self.bs = cache.block_size
+        self.tensors = [t for layer in cache.layers for t in layer]
+        self.num_parts = len(self.tensors)
+        self.part_bytes = [t[: self.bs].nbytes for t in self.tensors]
+        self.bytes_per_block = sum(self.part_bytes)
+        self.on_device = self.tensors[0].device.type != "cpu"
+        if self.on_device:
+            self._streams = {"load": torch.cuda.Stream(), "save": torch.cuda.Stream()}
+            self._pinned: dict[str, torch.Tensor] = {}
+
+    def _rows(self, t: torch.Tensor, block_id: int) -> torch.Tensor:
+        return t[block_id * self.bs : (block_id + 1) * self.bs]
+
+    def _views(self, block_id: int) -> list[torch.Tensor]:
+        return [self._rows(t, block_id) for t in self.tensors]
+
+    def _staging(self, kind: str, n: int) -> list[list[torch.Tensor]]:
+        """Pinned host buffers for n blocks, reused between calls (grown when needed)."""
+        need = n * self.bytes_per_block
+        buf = self._pinned.get(kind)
+        if buf is None or buf.numel() < need:
+            buf = self._pinned[kind] = torch.empty(need, dtype=torch.uint8, pin_memory=True)
+        out, offset = [], 0
+        for _ in range(n):
+            parts = []
+            for size in self.part_bytes:
+                parts.append(buf[offset : offset + size])
+                offset += size
+            out.append(parts)
+        return out
+
+    def load_parts(self, block_ids: Sequence[int]) -> list[list[torch.Tensor]]:
+        if not self.on_device:
+            return [self._views(b) for b in block_ids]
+        return self._staging("load", len(block_ids))
+
+    def commit_load(self, block_ids: Sequence[int], ok: int) -> None:
+        if not self.on_device or ok == 0:
+            return
+        stream = self._streams["load"]
+        staged = self._staging("load", len(block_ids))
+        with torch.cuda.stream(stream):
+            for b, parts in zip(block_ids[:ok], staged, strict=False):
+                for dst, src in zip(self._views(b), parts, strict=True):
+                    dst.view(-1).view(torch.uint8).copy_(src, non_blocking=True)
+        stream.synchronize()
+
+    def save_parts(self, block_ids: Sequence[int]) -> list[list[torch.Tensor]]:
+        if not self.on_device:
+            return [self._views(b) for b in block_ids]
+        stream = self._streams["save"]
+        staged = self._staging("save", len(block_ids))
+        with torch.cuda.stream(stream):
+            for b, parts in zip(block_ids, staged, strict=True):
+                for src, dst in zip(self._views(b), parts, strict=True):
+                    dst.copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
+        stream.synchronize()
+        return staged
+
+
+def open_tiers(
+    spec: str, save: str, kv: KVCacheManager, io: BlockIO, runner
+) -> tuple[TierManager, str]:
+    """Open and check the store `spec`, measure the prefill rate, and attach the tiers to `kv`
+    (the scheduler is given them as its loader). Returns them and a summary line."""
+    from hetserve.store.selfcheck import open_and_check
+
+    namespace = "hetserve-probe-" + kv.hash_seed.hex()[:16]
+    store, probe = open_and_check(spec, namespace, io.bytes_per_block, parts=io.num_parts)
+    cost = CostModel({n: TierCost(p.latency_s, p.bandwidth) for n, p in probe.tiers.items()})
+    infos = store.tiers()
+    shared = any(t.shared for t in infos)
+    write_through = save == "write-through" or (save == "auto" and shared)
+    tiers = TierManager(store, cost, kv, io, write_through=write_through, sync_lookup=not shared)
+    cost.prefill_tokens_per_s = measure_prefill(runner, kv)
+    return tiers, _summary(kv, io, probe.store, infos, cost, write_through)
+
+
+def _summary(kv, io, label: str, infos, cost: CostModel, write_through: bool) -> str:
+    tiers = []
+    for t in infos:
+        text = f"{t.name} {_size(t.capacity)}"
+        c = cost.tiers.get(t.name)
+        if c is not None:
+            text += f" ({c.latency_s * 1e3:.2f} ms + {c.bandwidth / 1e9:.1f} GB/s)"
+        tiers.append(text)
+    device = kv.pool.num_usable
+    mode = "write-through + write-back" if write_through else "write-back"
+    return (
+        f"KV tiers: device {device} blocks ({_size(device * io.bytes_per_block)}) -> "
+        f"{', '.join(tiers)} [{label}; saves {mode}; prefill "
+        f"{cost.prefill_tokens_per_s or 0:.0f} tok/s]"
+    )
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "unbounded"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@torch.inference_mode()
+def measure_prefill(runner, kv: KVCacheManager, tokens: int = 256) -> float:
+    """Prefill tokens per second of this engine, timed on a throwaway sequence (the second of
+    two runs: the first pays one-off costs), so the first load-or-recompute decision has a
+    rate to compare with; real prefills refine it."""
+    from hetserve.engine.runner import SeqInput
+
+    bs = kv.block_size
+    n = max(1, min(tokens // bs, kv.pool.num_free))
+    blocks = kv.pool.allocate(n)
+    try:
+        seq = SeqInput(list(range(1, n * bs + 1)), 0, [b.block_id for b in blocks])
+        best = float("inf")
+        for _ in range(2):
+            t0 = time.perf_counter()
+            runner.forward([seq])
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        kv.pool.free(blocks)
+    return n * bs / best

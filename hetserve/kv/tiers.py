@@ -1,0 +1,406 @@
+"""KV tiers: the engine's paged KV cache backed by a KV store (host DRAM, SSD, a shared pool).
+
+Who calls it: the scheduler, as its `KVLoader` (`ready`, `start_load`, `landed`), and the engine
+once per step (`after_step`: saves) and at shutdown (`close`: saves what is not saved yet). It
+talks to the store through `store/api.py` only; a block's bytes are handed over by the engine's
+`BlockIO` (views of the KV tensors on CPU, pinned host buffers on CUDA). Store calls run on two
+worker threads (loads and lookups; saves), so no step waits on I/O.
+
+One identity: a block is stored under its chained `BlockHash`, whose root seed carries the model,
+dtype, KV layout and block size, so incompatible KV can never hit.
+
+Failure contract: a lookup, load or save that raises, a block that vanished or failed its
+checksum, a load that outlives `load_timeout_s`: each is a miss or a dropped save, never wrong
+KV and never a failed request. A missed block and the ones after it are recomputed. Saves never
+stall a step: under pressure the oldest unsaved block is shed (counted).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from hetserve.core.block_hash import BlockHash
+from hetserve.core.request import Request
+from hetserve.core.stats import TierStats
+from hetserve.kv.block_pool import KVBlock
+from hetserve.kv.manager import KVCacheManager
+from hetserve.kv.tier_policy import CostModel, LoadPlan, plan_load
+from hetserve.store.api import KVStore, ReplicateConfig
+
+log = logging.getLogger(__name__)
+
+SAVE_BATCH = 32  # blocks per batched put
+KNOWN_SAVED = 1 << 18  # hashes remembered as already in the store
+MAX_FOUND = 1 << 14  # lookup results kept for requests not admitted yet
+
+
+class BlockIO(Protocol):
+    """The bytes of KV blocks as multi-part buffers (engine/block_io.py)."""
+
+    bytes_per_block: int
+    num_parts: int
+
+    def load_parts(self, block_ids: Sequence[int]) -> list[list[Any]]:
+        """Buffers a store read fills, one list per block (on the loader thread)."""
+        ...
+
+    def commit_load(self, block_ids: Sequence[int], ok: int) -> None:
+        """The first `ok` blocks were read: make them visible in the KV cache."""
+        ...
+
+    def save_parts(self, block_ids: Sequence[int]) -> list[list[Any]]:
+        """Buffers holding the blocks' bytes for a store write (on the saver thread)."""
+        ...
+
+
+@dataclass(eq=False)
+class _Load:
+    req: Request
+    first_block: int
+    blocks: list[KVBlock]
+    keys: list[bytes]
+    tiers: list[str]
+    started: float
+    ok: int | None = None  # blocks read, once the worker is done
+    seconds: float = 0.0
+    abandoned: bool = False  # timed out: the request went on, the blocks wait for the worker
+
+
+@dataclass(eq=False)
+class _Save:
+    blocks: list[KVBlock]
+    ok: bool | None = None
+
+
+@dataclass
+class _Counters:
+    lookups: int = 0
+    loads: int = 0
+    skipped: int = 0  # blocks found but recomputing them was predicted faster
+    no_room: int = 0
+    missed: int = 0  # blocks found at lookup but not read (gone, corrupt, timed out)
+    loaded: dict[str, int] = field(default_factory=dict)  # tier -> blocks
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    saved: int = 0
+    save_bytes: int = 0
+    save_failed: int = 0
+    shed: int = 0
+
+
+class TierManager:
+    def __init__(
+        self,
+        store: KVStore,
+        cost: CostModel,
+        kv: KVCacheManager,
+        io: BlockIO,
+        *,
+        write_through: bool,
+        sync_lookup: bool = False,
+        max_pending_saves: int = 256,
+        writeback_ahead: int = 32,
+        load_timeout_s: float = 10.0,
+    ) -> None:
+        self.store, self.cost, self.kv, self.io = store, cost, kv, io
+        self.block_size = kv.block_size
+        self.write_through = write_through
+        self.sync_lookup = sync_lookup
+        self.max_pending = max_pending_saves
+        self.ahead = writeback_ahead
+        self.load_timeout_s = load_timeout_s
+        kv.report_cached = True
+        # request -> (first block looked up, tiers of the run found); bounded, oldest dropped
+        self._found: OrderedDict[str, tuple[int, list[str]]] = OrderedDict()
+        self._lookups_out: set[str] = set()
+        self._loads: dict[str, _Load] = {}  # by request id, in flight
+        self._abandoned: list[_Load] = []
+        self._pending: deque[KVBlock] = deque()  # pinned, waiting to be saved
+        self._saving: _Save | None = None
+        self._known: OrderedDict[BlockHash, None] = OrderedDict()
+        self.counts = _Counters()
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._load_jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._save_jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._work, args=(self._load_jobs,), daemon=True, name=n)
+            for n in ("hetserve-kv-load",)
+        ] + [
+            threading.Thread(
+                target=self._work, args=(self._save_jobs,), daemon=True, name="hetserve-kv-save"
+            )
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ---- the scheduler's KVLoader ---------------------------------------------------------
+    def ready(self, req: Request) -> bool:
+        rid = req.request_id
+        if rid in self._found:
+            return True
+        if rid not in self._lookups_out:
+            self._lookup(req)
+        self._drain()
+        return rid in self._found
+
+    def _lookup(self, req: Request) -> None:
+        n = self.kv.lookup_blocks(req)
+        first = len(self.kv.get_computed_blocks(req)[0])
+        keys = [h.digest for h in req.block_hashes[first:n]]
+        if not keys:
+            self._found[req.request_id] = (first, [])
+            return
+        self.counts.lookups += 1
+        if self.sync_lookup:
+            self._found[req.request_id] = (first, self._locate(keys))
+            return
+        self._lookups_out.add(req.request_id)
+        rid = req.request_id
+        self._load_jobs.put(lambda: ("lookup", rid, first, self._locate(keys)))
+
+    def _locate(self, keys: list[bytes]) -> list[str]:
+        try:
+            tiers = self.store.batch_locate(keys)
+        except Exception as exc:  # an unreachable store is a miss
+            log.warning("KV store lookup failed (%s); recomputing", exc)
+            return []
+        run = []
+        for t in tiers:
+            if t is None:
+                break
+            run.append(t)
+        return run
+
+    def start_load(self, req: Request, first_block: int) -> bool:
+        looked_from, found = self._found.pop(req.request_id, (0, []))
+        run = found[first_block - looked_from :] if first_block >= looked_from else []
+        if not run:
+            return False
+        plan = plan_load(run, self.io.bytes_per_block, self.block_size, self.cost)
+        self._log_plan(req, first_block, plan)
+        if plan.skipped:
+            self.counts.skipped += plan.found_blocks
+        if plan.num_blocks == 0:
+            return False
+        blocks = self.kv.allocate_for_load(req, first_block, plan.num_blocks)
+        if blocks is None:
+            self.counts.no_room += 1
+            return False
+        keys = [h.digest for h in req.block_hashes[first_block : first_block + plan.num_blocks]]
+        job = _Load(req, first_block, blocks, keys, run[: plan.num_blocks], time.monotonic())
+        self._loads[req.request_id] = job
+        self._load_jobs.put(lambda: ("load", job, *self._read(job)))
+        return True
+
+    def _read(self, job: _Load) -> tuple[int, float]:
+        ids = [b.block_id for b in job.blocks]
+        t0 = time.perf_counter()
+        try:
+            sizes = self.store.batch_get_into_parts(job.keys, self.io.load_parts(ids))
+            ok = 0
+            for size in sizes:
+                if size != self.io.bytes_per_block:
+                    break
+                ok += 1
+            self.io.commit_load(ids, ok)
+        except Exception as exc:  # the store failed mid-read: nothing is trusted
+            log.warning("KV store load failed (%s); recomputing", exc)
+            ok = 0
+        return ok, time.perf_counter() - t0
+
+    def landed(self) -> list[Request]:
+        self._drain()
+        out = []
+        now = time.monotonic()
+        for rid, job in list(self._loads.items()):
+            if job.ok is None and now - job.started > self.load_timeout_s:
+                log.warning("KV load of %s timed out; recomputing", rid)
+                job.abandoned, job.ok = True, 0
+                self._abandoned.append(job)
+                self.kv.quarantine(job.req)
+            if job.ok is None:
+                continue
+            del self._loads[rid]
+            self._land(job)
+            out.append(job.req)
+        return out
+
+    def _land(self, job: _Load) -> None:
+        c = self.counts
+        ok = job.ok or 0
+        c.loads += 1
+        c.missed += len(job.blocks) - ok
+        if not job.abandoned:
+            self.kv.finish_load(job.req, job.first_block, ok)
+        for tier in job.tiers[:ok]:
+            c.loaded[tier] = c.loaded.get(tier, 0) + 1
+            loaded = job.req.loaded_tokens
+            loaded[tier] = loaded.get(tier, 0) + self.block_size
+        c.load_bytes += ok * self.io.bytes_per_block
+        c.load_seconds += job.seconds
+        if ok and len(set(job.tiers[:ok])) == 1:
+            self.cost.observe_load(job.tiers[0], ok * self.io.bytes_per_block, job.seconds)
+
+    def _log_plan(self, req: Request, first_block: int, plan: LoadPlan) -> None:
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "kv tiers: %s after %d device blocks found %d: %s %d (load %.2f ms vs recompute "
+                "%.2f ms at %s tok/s; %s)",
+                req.request_id, first_block, plan.found_blocks, plan.reason, plan.num_blocks,
+                plan.load_s * 1e3, plan.recompute_s * 1e3, self.cost.prefill_tokens_per_s,
+                {t: (c.latency_s, c.bandwidth) for t, c in self.cost.tiers.items()},
+            )  # fmt: skip
+
+    # ---- saves -----------------------------------------------------------------------------
+    def after_step(self) -> None:
+        """Queue what should be saved (write-through prompt blocks, write-back of the blocks
+        next in line for eviction) and hand a batch to the saver when it is idle."""
+        self._drain()
+        fresh, self.kv.newly_cached = self.kv.newly_cached, []
+        if self.write_through:
+            self._enqueue([b for b, is_prompt in fresh if is_prompt])
+        if len(self._pending) < self.ahead:
+            self._enqueue(self.kv.pool.next_evicted(self.ahead))
+        self._submit_save()
+
+    def _enqueue(self, blocks: list[KVBlock]) -> None:
+        new = [
+            b
+            for b in blocks
+            if b.block_hash not in self._known and b.block_id not in self.kv.pinned
+        ]
+        if not new:
+            return
+        self.kv.pin(new)
+        self._pending.extend(new)
+        while len(self._pending) > self.max_pending:  # shed the oldest rather than stall
+            self.kv.unpin([self._pending.popleft()])
+            self.counts.shed += 1
+
+    def _submit_save(self) -> None:
+        if self._saving is not None or not self._pending:
+            return
+        n = min(SAVE_BATCH, len(self._pending))
+        job = _Save([self._pending.popleft() for _ in range(n)])
+        self._saving = job
+        self._save_jobs.put(lambda: ("save", job, self._write(job)))
+
+    def _write(self, job: _Save) -> bool:
+        keys = [b.block_hash.digest for b in job.blocks if b.block_hash is not None]
+        try:
+            assert len(keys) == len(job.blocks), "a pinned cached block lost its hash"
+            parts = self.io.save_parts([b.block_id for b in job.blocks])
+            self.store.batch_put_parts(keys, parts, ReplicateConfig())
+            return True
+        except Exception as exc:  # a full or unreachable store: these blocks stay unsaved
+            log.warning("KV store save of %d blocks failed: %s", len(keys), exc)
+            return False
+
+    def _saved(self, job: _Save) -> None:
+        c = self.counts
+        if job.ok:
+            c.saved += len(job.blocks)
+            c.save_bytes += len(job.blocks) * self.io.bytes_per_block
+            for b in job.blocks:
+                self._remember(b.block_hash)
+        else:
+            c.save_failed += len(job.blocks)
+        self.kv.unpin(job.blocks)
+        self._saving = None
+
+    def _remember(self, h: BlockHash | None) -> None:
+        if h is None:
+            return
+        self._known[h] = None
+        self._known.move_to_end(h)
+        if len(self._known) > KNOWN_SAVED:
+            self._known.popitem(last=False)
+
+    # ---- plumbing --------------------------------------------------------------------------
+    def _work(self, jobs: queue.SimpleQueue) -> None:
+        while True:
+            job: Callable[[], tuple] | None = jobs.get()
+            if job is None:
+                return
+            self._results.put(job())  # jobs catch their own failures: every job reports
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                kind, *rest = self._results.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "lookup":
+                rid, first, tiers = rest
+                self._lookups_out.discard(rid)
+                self._found[rid] = (first, tiers)
+                if len(self._found) > MAX_FOUND:  # lookups of requests that went away
+                    self._found.popitem(last=False)
+            elif kind == "load":
+                job, ok, seconds = rest
+                if job.abandoned:  # the request went on without it: just release the blocks
+                    self._abandoned.remove(job)
+                    self.kv.unpin(job.blocks)
+                else:
+                    job.ok, job.seconds = ok, seconds
+            elif kind == "save":
+                job, ok = rest
+                job.ok = ok
+                self._saved(job)
+
+    def forget(self, req: Request) -> None:
+        """A request ended: drop what its lookup found (its load, if any, lands anyway)."""
+        self._found.pop(req.request_id, None)
+
+    def stats(self) -> TierStats:
+        c = self.counts
+        return TierStats(
+            lookups=c.lookups,
+            loads=c.loads,
+            loaded_blocks=dict(c.loaded),
+            load_bytes=c.load_bytes,
+            load_seconds=c.load_seconds,
+            skipped_blocks=c.skipped,
+            missed_blocks=c.missed,
+            saved_blocks=c.saved,
+            save_bytes=c.save_bytes,
+            save_failed_blocks=c.save_failed,
+            shed_saves=c.shed,
+            pending_saves=len(self._pending) + (len(self._saving.blocks) if self._saving else 0),
+        )
+
+    def close(self, flush_s: float = 10.0) -> None:
+        """Save every cached device block not known to be saved (bounded by `flush_s`), then
+        stop the workers and close the store."""
+        deadline = time.monotonic() + flush_s
+        self.max_pending = 1 << 30
+        self._enqueue(
+            [b for b in self.kv.pool.blocks[1:] if b.block_hash is not None and b.ref_cnt == 0]
+        )
+        while (self._pending or self._saving) and time.monotonic() < deadline:
+            self._submit_save()
+            self._drain()
+            time.sleep(0.002)
+        for jobs in (self._load_jobs, self._save_jobs):
+            jobs.put(None)
+        for t in self._threads:
+            t.join(timeout=5)
+        self.store.close()
+
+    def check_integrity(self) -> None:
+        queued = [b.block_id for b in self._pending]
+        saving = [b.block_id for b in self._saving.blocks] if self._saving else []
+        held = queued + saving + [b.block_id for j in self._abandoned for b in j.blocks]
+        assert len(set(held)) == len(held), held
+        for bid in held:
+            assert self.kv.pinned.get(bid, 0) >= 1, bid
+        assert sum(self.kv.pinned.values()) == len(held), (self.kv.pinned, held)
+        for rid, job in self._loads.items():
+            assert self.kv.tables.get(rid) is job.blocks or job.abandoned, rid
