@@ -33,6 +33,9 @@ class CacheConfig:
     # plus write-back of blocks about to be evicted; write-back alone for a local store.
     kv_store: str | None = None
     kv_save: str = "auto"  # "auto" | "write-back" | "write-through"
+    # A request with a session_id keeps its blocks from eviction this long after it ends (while
+    # other free blocks exist), so the session's next turn finds them: agentic traffic.
+    session_ttl_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -45,6 +48,8 @@ class CacheConfig:
             raise ValueError(
                 f"kv_save must be auto, write-back or write-through, got {self.kv_save!r}"
             )
+        if self.session_ttl_s < 0:
+            raise ValueError("session_ttl_s must be >= 0")
         if self.kv_store is not None and not self.enable_prefix_caching:
             raise ValueError("a KV store works behind the prefix cache; do not turn it off")
 
@@ -182,6 +187,11 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "when blocks reach the store: auto (write-through for shared stores), write-back "
         "(before eviction) or write-through (prompt blocks once computed)",
         choices=("auto", "write-back", "write-through"),
+    ),
+    EngineOption(
+        "session_ttl", "cache", "session_ttl_s",
+        "seconds a session's KV blocks are kept from eviction after its request ends "
+        "(requests with a session_id)", float,
     ),
     EngineOption("max_num_seqs", "scheduler", "max_num_seqs", "sequences per step", int),
     EngineOption(

@@ -38,6 +38,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower runs first (vLLM's convention); FCFS among equals
     cache_extra: CacheExtra = ()  # what changes the KV besides tokens: LoRA id, cache salt, ...
+    session_id: str | None = None  # an agent's session: its blocks outlive it for a TTL
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first scheduling
@@ -78,3 +79,4 @@ class EngineRequest:
     priority: int = 0
     cache_extra: CacheExtra = ()
     arrival_time: float = field(default_factory=time.monotonic)
+    session_id: str | None = None

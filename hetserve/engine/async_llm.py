@@ -98,6 +98,7 @@ class AsyncLLM:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.vocab_size
+        self.kv_summary = self.engine.kv_summary
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._stop = threading.Event()
@@ -121,11 +122,18 @@ class AsyncLLM:
         prompt: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        session_id: str | None = None,
     ) -> RequestStream:
         """Validate (InvalidInputError names the field) and queue a request; returns its
         stream. Must be called from a running event loop (the stream belongs to it)."""
         new = self.engine.validate_request(
-            request_id, prompt_token_ids, params, prompt, priority, arrival_time
+            request_id,
+            prompt_token_ids,
+            params,
+            prompt,
+            priority,
+            arrival_time,
+            session_id=session_id,
         )
         if not self.is_alive:
             raise EngineDeadError("the engine has stopped; restart the server")
@@ -166,6 +174,8 @@ class AsyncLLM:
         self._stop.set()
         self._commands.put(("noop",))
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.engine.close()  # the KV store gets what it lacks; only now: no step runs
 
     # ---- engine thread ----------------------------------------------------------------------
     def _apply(self, cmd: tuple) -> None:

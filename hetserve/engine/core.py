@@ -63,7 +63,9 @@ class EngineCore:
         num_blocks = self._num_blocks()
         self.runner = ModelRunner(self.model, num_blocks, bs)
         seed = kv_identity(self.model_dir, self.runner.kv, cfg.cache.hash_seed)
-        self.kv = KVCacheManager(num_blocks, bs, cfg.cache.enable_prefix_caching, seed)
+        self.kv = KVCacheManager(
+            num_blocks, bs, cfg.cache.enable_prefix_caching, seed, cfg.cache.session_ttl_s
+        )
         self.tiers: TierManager | None = None
         self.kv_summary: str | None = None  # the start-up line of the KV tiers
         if cfg.cache.kv_store is not None:
@@ -123,6 +125,7 @@ class EngineCore:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_extra: CacheExtra = (),
+        session_id: str | None = None,
     ) -> EngineRequest:
         """Check a request against the model (vocabulary, context) and resolve its max_tokens.
         Thread-safe. Raises InvalidInputError naming the field."""
@@ -147,6 +150,8 @@ class EngineCore:
                 f"exceeds the model's context of {self.max_model_len} tokens; lower max_tokens",
                 param="max_tokens",
             )
+        if session_id is not None and (not session_id or len(session_id) > 256):
+            raise InvalidInputError("session_id must have 1..256 characters", param="session_id")
         extra = {} if arrival_time is None else {"arrival_time": arrival_time}
         return EngineRequest(
             request_id,
@@ -155,6 +160,7 @@ class EngineCore:
             prompt=prompt,
             priority=priority,
             cache_extra=cache_extra,
+            session_id=session_id,
             **extra,
         )
 
@@ -177,6 +183,7 @@ class EngineCore:
                 arrival_time=new.arrival_time,
                 priority=new.priority,
                 cache_extra=new.cache_extra,
+                session_id=new.session_id,
             )
             gen = torch.Generator(device="cpu")
             # Unseeded requests draw a fresh seed; torch.seed() would cost ~2 ms per request and
@@ -202,10 +209,17 @@ class EngineCore:
         priority: int = 0,
         cache_extra: CacheExtra = (),
         stream: bool = True,
+        session_id: str | None = None,
     ) -> None:
         """Validate and queue a request (the single-threaded convenience of the two above)."""
         new = self.validate_request(
-            request_id, prompt_token_ids, params, prompt, priority, cache_extra=cache_extra
+            request_id,
+            prompt_token_ids,
+            params,
+            prompt,
+            priority,
+            cache_extra=cache_extra,
+            session_id=session_id,
         )
         self.add(new, stream=stream)
 
@@ -228,6 +242,7 @@ class EngineCore:
     # ---- the step loop ----------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        self.kv.pool.set_time(time.monotonic())
         sched = self.scheduler.schedule()
         self._counts["preemptions"] += len(sched.preempted)
         if not sched.scheduled:
@@ -334,6 +349,11 @@ class EngineCore:
             finished=dict(self._finished),
             tiers=self.tiers.stats() if self.tiers is not None else None,
         )
+
+    def reset_prefix_cache(self) -> int:
+        """Drop the device prefix cache (free blocks only); KV tiers keep what they saved.
+        Returns the blocks dropped. Benchmarks use it to measure warm-from-tier TTFT."""
+        return self.kv.pool.drop_cached()
 
     def routing_stats(self):
         """The routing statistics being recorded (MoEConfig.record_routing_stats), else None."""

@@ -80,6 +80,14 @@ class LLM:
         """The engine's counters and state (KV usage, prefix hits, tokens computed, ...)."""
         return self.engine.stats()
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the device prefix cache (the KV tiers keep their copies)."""
+        return self.engine.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Save the KV a KV store lacks yet, and close the store (no-op without one)."""
+        self.engine.close()
+
     def routing_stats(self):
         """Routing statistics recorded so far (with record_routing_stats=True), else None."""
         return self.engine.routing_stats()

@@ -4,6 +4,10 @@ A block is free when its ref count is 0. Free blocks wait in LRU order (least re
 first); a free block that still holds a cached hash can be revived by a prefix hit until it is
 handed out again, at which point its hash is dropped. Block 0 is never handed out: it is the
 null block that padding slots may point at.
+
+Protected blocks (a live agent session's, freed with `protect_until`) wait apart and are
+handed out only when no other free block is left, until their time passes (the engine's clock,
+given with `set_time`; nothing here reads a clock).
 """
 
 from __future__ import annotations
@@ -37,10 +41,28 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks[1:]
         )
         self._cached: dict[BlockHash, KVBlock] = {}
+        # Free protected blocks -> expiry, in expiry order (one TTL, a clock that only grows).
+        self._protected: OrderedDict[int, tuple[KVBlock, float]] = OrderedDict()
+        self.now = 0.0
+
+    def set_time(self, now: float) -> None:
+        """Advance the clock; protected blocks whose time has passed become plain free blocks
+        (next in line for eviction: their session has gone quiet)."""
+        self.now = now
+        self._release(now)
+
+    def _release(self, before: float) -> None:
+        while self._protected:
+            bid, (b, until) = next(iter(self._protected.items()))
+            if until > before:
+                break
+            del self._protected[bid]
+            self._free[bid] = b
+            self._free.move_to_end(bid, last=False)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._protected)
 
     @property
     def num_usable(self) -> int:
@@ -53,15 +75,19 @@ class BlockPool:
         """Take a reference on cached blocks found by a prefix hit (reviving free ones)."""
         for b in blocks:
             if b.ref_cnt == 0:
-                del self._free[b.block_id]
+                if self._free.pop(b.block_id, None) is None:
+                    del self._protected[b.block_id]
             b.ref_cnt += 1
 
     def allocate(self, n: int) -> list[KVBlock]:
-        if n > len(self._free):
-            raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
+        if n > self.num_free:
+            raise NoFreeBlocksError(f"asked for {n} blocks, {self.num_free} free")
         out = []
         for _ in range(n):
-            _, b = self._free.popitem(last=False)
+            if self._free:
+                _, b = self._free.popitem(last=False)
+            else:  # only protected blocks are left: the one whose time ends first goes
+                _, (b, _) = self._protected.popitem(last=False)
             if b.block_hash is not None:  # evict its cached identity
                 del self._cached[b.block_hash]
                 b.block_hash = None
@@ -69,15 +95,22 @@ class BlockPool:
             out.append(b)
         return out
 
-    def free(self, blocks: list[KVBlock], evict_first: bool = False) -> None:
+    def free(
+        self, blocks: list[KVBlock], evict_first: bool = False, protect_until: float | None = None
+    ) -> None:
         """Drop one reference each. Pass blocks tail-first so the tail of a sequence (least
         likely to be shared) is evicted before its head. `evict_first` puts blocks that become
         free at the evicting end instead (a block pinned only to be saved goes back where it
-        was: next in line)."""
+        was: next in line). `protect_until`: cached blocks that become free are kept from
+        eviction until then (while other free blocks exist)."""
         for b in blocks:
             assert b.ref_cnt > 0 and b is not self.null_block, b
             b.ref_cnt -= 1
-            if b.ref_cnt == 0:
+            if b.ref_cnt != 0:
+                continue
+            if protect_until is not None and protect_until > self.now and b.block_hash:
+                self._protected[b.block_id] = (b, protect_until)
+            else:
                 self._free[b.block_id] = b
                 if evict_first:
                     self._free.move_to_end(b.block_id, last=False)
@@ -100,11 +133,25 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached[block_hash] = block
 
+    def drop_cached(self) -> int:
+        """Forget the cached identity of every free block (blocks in use keep theirs). Returns
+        how many were dropped."""
+        self._release(float("inf"))  # nothing left to protect
+        dropped = [b for b in self._free.values() if b.block_hash is not None]
+        for b in dropped:
+            del self._cached[b.block_hash]
+            b.block_hash = None
+        return len(dropped)
+
     def check_integrity(self) -> None:
         assert self.null_block.ref_cnt == 1
+        assert not set(self._free) & set(self._protected)
         for b in self.blocks[1:]:
             assert b.ref_cnt >= 0, b
-            assert (b.ref_cnt == 0) == (b.block_id in self._free), b
+            free = b.block_id in self._free or b.block_id in self._protected
+            assert (b.ref_cnt == 0) == free, b
+        for bid, (b, _) in self._protected.items():
+            assert b.block_id == bid and b.block_hash is not None
         for h, b in self._cached.items():
             assert b.block_hash == h, (h, b)
         n_hashed = sum(1 for b in self.blocks if b.block_hash is not None)

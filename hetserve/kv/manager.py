@@ -25,11 +25,13 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         hash_seed: bytes = b"",
+        session_ttl_s: float = 0.0,
     ) -> None:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_seed = hash_seed
+        self.session_ttl_s = session_ttl_s  # how long a session's freed blocks are kept
         self.tables: dict[str, list[KVBlock]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks of a table already registered
         # Full blocks registered since the tiers last looked (block, whether it holds only
@@ -164,7 +166,10 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         table = self.tables.pop(req.request_id, [])
         self._num_cached.pop(req.request_id, None)
-        self.pool.free(list(reversed(table)))  # tail first: evicted first
+        until = None
+        if req.session_id is not None and self.session_ttl_s > 0:
+            until = self.pool.now + self.session_ttl_s  # the session's next turn reuses them
+        self.pool.free(list(reversed(table)), protect_until=until)  # tail first: evicted first
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()

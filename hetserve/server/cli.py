@@ -65,6 +65,8 @@ def serve(args: argparse.Namespace) -> int:
     )
     limit = int(args.max_request_mb * (1 << 20))
     app = create_app(engine, name, api_key=api_key, max_body_bytes=limit)
+    if engine.kv_summary:
+        print(engine.kv_summary, flush=True)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
     try:
         uvicorn.run(

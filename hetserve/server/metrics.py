@@ -69,6 +69,48 @@ class _EngineCollector:
             "vllm:prefix_cache_hits", "prefix cache hits, in tokens", s.prefix_hits * bs, name
         )
         yield counter("vllm:num_preemptions", "preemptions so far", s.preemptions, name)
+        if s.tiers is not None:
+            yield from _tier_metrics(s)
+
+
+def _tier_metrics(s):
+    """The KV tiers: block-weighted hits per tier (device included), what moved, what was
+    skipped (recompute predicted faster), missed (gone or corrupt) or shed (save queue full)."""
+    t = s.tiers
+    loaded = sum(t.loaded_blocks.values())
+    hits = {"device": s.prefix_hits - loaded, **t.loaded_blocks}
+    c = CounterMetricFamily(
+        "hetserve_kv_tier_hit_blocks",
+        "prefix blocks found, by the tier they came from",
+        labels=["tier"],
+    )
+    r = GaugeMetricFamily(
+        "hetserve_kv_tier_hit_rate", "hit blocks / looked-up blocks, by tier", labels=["tier"]
+    )
+    for tier, n in hits.items():
+        c.add_metric([tier], n)
+        r.add_metric([tier], n / s.prefix_queries if s.prefix_queries else 0.0)
+    yield c
+    yield r
+    plain = (
+        ("hetserve_kv_tier_lookup_blocks", "prompt blocks looked up", s.prefix_queries),
+        ("hetserve_kv_tier_loads", "loads from the KV store", t.loads),
+        ("hetserve_kv_tier_load_seconds", "time spent in loads", t.load_seconds),
+        ("hetserve_kv_tier_load_bytes", "bytes loaded from the KV store", t.load_bytes),
+        ("hetserve_kv_tier_save_bytes", "bytes saved to the KV store", t.save_bytes),
+        ("hetserve_kv_tier_saved_blocks", "blocks saved to the KV store", t.saved_blocks),
+        ("hetserve_kv_tier_skipped_blocks", "found but recomputed (cheaper)", t.skipped_blocks),
+        ("hetserve_kv_tier_missed_blocks", "found but gone or corrupt at read", t.missed_blocks),
+        ("hetserve_kv_tier_shed_saves", "saves dropped from a full queue", t.shed_saves),
+        ("hetserve_kv_tier_failed_saves", "blocks a save failed", t.save_failed_blocks),
+    )
+    for metric, doc, value in plain:
+        m = CounterMetricFamily(metric, doc)
+        m.add_metric([], value)
+        yield m
+    g = GaugeMetricFamily("hetserve_kv_tier_pending_saves", "blocks waiting to be saved")
+    g.add_metric([], t.pending_saves)
+    yield g
 
 
 class ServerMetrics:

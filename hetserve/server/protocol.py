@@ -56,6 +56,8 @@ class _Common(BaseModel):
     repetition_penalty: Finite = Field(default=1.0, gt=0.0, le=2.0)
     logit_bias: dict[str, Finite] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
+    # An agent's session (or the X-Session-Id header): its KV outlives each turn for a TTL.
+    session_id: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod

@@ -100,12 +100,14 @@ class OpenAIServing:
     ) -> list[RequestStream]:
         """Queue one engine request per prompt. If any is refused, none stays queued."""
         streams: list[RequestStream] = []
+        session = req.session_id or request.headers.get("x-session-id") or None
         try:
             for i, (text, ids) in enumerate(prompts):
                 rid = base if len(prompts) == 1 else f"{base}-{i}"
+                p = params(i, ids)
                 streams.append(
                     self.engine.add_request(
-                        rid, ids, params(i, ids), text, req.priority, arrival_time(request)
+                        rid, ids, p, text, req.priority, arrival_time(request), session
                     )
                 )
         except BaseException:
@@ -159,11 +161,18 @@ class OpenAIServing:
         prompt = sum(len(o.prompt_token_ids) for o in outs)
         completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
         cached = sum(o.num_cached_tokens for o in outs)
+        by_tier: dict[str, int] = {}
+        for o in outs:
+            for tier, n in o.cached_tokens_by_tier.items():
+                by_tier[tier] = by_tier.get(tier, 0) + n
+        details = {"cached_tokens": cached}
+        if by_tier:  # hetserve's extension: where the cached tokens came from
+            details["cached_tokens_by_tier"] = by_tier
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
+            "prompt_tokens_details": details,
         }
 
     def token_str(self, tid: int) -> str:
