@@ -376,18 +376,25 @@ class TierManager:
             pending_saves=len(self._pending) + (len(self._saving.blocks) if self._saving else 0),
         )
 
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Save every free cached device block the store may lack, and wait (at most
+        `timeout_s`) until no save is left. Returns whether everything was saved in time."""
+        deadline = time.monotonic() + timeout_s
+        limit, self.max_pending = self.max_pending, 1 << 30
+        try:
+            cached = [b for b in self.kv.pool.blocks[1:] if b.block_hash is not None]
+            self._enqueue([b for b in cached if b.ref_cnt == 0])
+            while (self._pending or self._saving) and time.monotonic() < deadline:
+                self._submit_save()
+                self._drain()
+                time.sleep(0.001)
+        finally:
+            self.max_pending = limit
+        return not (self._pending or self._saving)
+
     def close(self, flush_s: float = 10.0) -> None:
-        """Save every cached device block not known to be saved (bounded by `flush_s`), then
-        stop the workers and close the store."""
-        deadline = time.monotonic() + flush_s
-        self.max_pending = 1 << 30
-        self._enqueue(
-            [b for b in self.kv.pool.blocks[1:] if b.block_hash is not None and b.ref_cnt == 0]
-        )
-        while (self._pending or self._saving) and time.monotonic() < deadline:
-            self._submit_save()
-            self._drain()
-            time.sleep(0.002)
+        """Save what the store lacks (bounded by `flush_s`), stop the workers, close it."""
+        self.flush(flush_s)
         for jobs in (self._load_jobs, self._save_jobs):
             jobs.put(None)
         for t in self._threads:

@@ -1,0 +1,239 @@
+"""KV tiers behind the prefix cache: blocks saved to a store and loaded back into the device pool.
+
+Every load must give what recomputing gives (fp32 logprobs to 1e-5) and leave only the uncached
+tail to prefill; every failure (a corrupt block, a block that vanished, a store that raises or
+hangs, a request aborted mid-load) must be a miss that recomputes, with the request completing
+and every block accounted for (`check_integrity` after every step).
+"""
+
+import threading
+import time
+
+import pytest
+
+from hetserve import LLM, SamplingParams
+
+PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+A = list(range(10, 110))  # 100 tokens: 6 full blocks of 16 can be cached
+B = list(range(120, 220))
+C = list(range(230, 330))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("qwen3-moe", lm_head_scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    llm = LLM(model, max_model_len=256)
+    return {
+        name: llm.generate(prompt_token_ids=p, sampling_params=PARAMS)[0]
+        for name, p in (("A", A), ("B", B), ("C", C))
+    }
+
+
+def engine(model, spec: str, **options) -> LLM:
+    return LLM(model, max_model_len=256, num_kv_blocks=40, kv_store=spec, **options)
+
+
+def generate(llm: LLM, prompt: list[int], rid: str = "r"):
+    """One request, stepped by hand with the invariants checked after every step."""
+    llm.engine.add_request(rid, prompt, PARAMS)
+    outs = []
+    for _ in range(10_000):
+        if not llm.engine.has_unfinished():
+            break
+        outs += llm.engine.step()
+        llm.engine.check_integrity()
+        time.sleep(0.0005)  # let the tier threads run between steps
+    return outs[-1]
+
+
+def assert_same(out, ref) -> None:
+    assert out.error is None and out.token_ids == ref.token_ids
+    for mine, theirs, t in zip(out.logprobs, ref.logprobs, ref.token_ids, strict=True):
+        assert mine[t].logprob == pytest.approx(theirs[t].logprob, abs=1e-5)
+
+
+def computed(llm: LLM) -> int:
+    return llm.stats().prompt_tokens_computed
+
+
+def force_loads(llm: LLM) -> None:
+    """Make every load look worth it (a very slow prefill), whatever this machine measures."""
+    cost = llm.engine.tiers.cost
+    cost.prefill_tokens_per_s = 1.0
+    cost.observe_prefill = lambda *a: None
+
+
+def saved_then_dropped(llm: LLM, *prompts) -> None:
+    """Compute the prompts, save their blocks, then drop the device prefix cache."""
+    for i, p in enumerate(prompts):
+        generate(llm, p, f"warm{i}")
+        assert llm.engine.tiers.flush()
+    llm.reset_prefix_cache()
+
+
+def test_warm_from_dram_loads_the_prefix_and_prefills_only_the_tail(model, reference):
+    llm = engine(model, "local://?dram=64M")
+    try:
+        assert "dram" in llm.engine.kv_summary
+        saved_then_dropped(llm, A)
+        before = computed(llm)
+        out = generate(llm, A)
+        assert out.num_cached_tokens == 96 and out.cached_tokens_by_tier == {"dram": 96}
+        assert computed(llm) - before == len(A) - 96
+        assert_same(out, reference["A"])
+        tiers = llm.stats().tiers
+        assert tiers.loaded_blocks == {"dram": 6} and tiers.load_bytes > 0
+    finally:
+        llm.close()
+
+
+def test_hit_from_ssd_after_dram_eviction(model, reference, tmp_path):
+    probe = engine(model, "local://?dram=1M")
+    per_block = probe.engine.tiers.io.bytes_per_block
+    probe.close()
+    dram = 8 * per_block  # room for one prompt's blocks, not three
+    llm = engine(model, f"local://?dram={dram}&ssd_dir={tmp_path}&ssd=16M")
+    try:
+        force_loads(llm)
+        saved_then_dropped(llm, A, B, C)  # A's blocks went down to the SSD
+        store = llm.engine.tiers.store
+        out = generate(llm, A)
+        assert out.cached_tokens_by_tier.get("ssd", 0) > 0, out.cached_tokens_by_tier
+        assert_same(out, reference["A"])
+        assert {t.name for t in store.tiers()} == {"dram", "ssd"}
+    finally:
+        llm.close()
+
+
+def test_recompute_when_it_is_predicted_faster(model, reference):
+    llm = engine(model, "local://?dram=64M")
+    try:
+        saved_then_dropped(llm, A)
+        cost = llm.engine.tiers.cost
+        cost.prefill_tokens_per_s = 1e15  # recomputing is free: no load can beat it
+        cost.observe_prefill = lambda *a: None
+        before = computed(llm)
+        out = generate(llm, A)
+        assert out.num_cached_tokens == 0 and computed(llm) - before == len(A)
+        assert llm.stats().tiers.skipped_blocks == 6
+        assert_same(out, reference["A"])
+    finally:
+        llm.close()
+
+
+def _wrap_reads(llm: LLM, before_read) -> None:
+    store = llm.engine.tiers.store
+    read = store.batch_get_into_parts
+
+    def wrapped(keys, parts):
+        before_read(store, keys)
+        return read(keys, parts)
+
+    store.batch_get_into_parts = wrapped
+
+
+def _corrupt_third(store, keys) -> None:
+    entry = store._dram[bytes(keys[2]).hex()]  # the local store's DRAM arena
+    store._arena[entry.offset + entry.size // 2] ^= 0xFF
+
+
+def _remove_third(store, keys) -> None:
+    assert store.remove(keys[2])
+
+
+def _fail(store, keys) -> None:
+    raise ConnectionError("injected store failure")
+
+
+@pytest.mark.parametrize(
+    "damage,loaded",
+    [(_corrupt_third, 32), (_remove_third, 32), (_fail, 0)],
+    ids=["checksum", "vanished", "store-raises"],
+)
+def test_a_block_that_fails_is_recomputed_with_those_after_it(model, reference, damage, loaded):
+    llm = engine(model, "local://?dram=64M")
+    try:
+        force_loads(llm)
+        saved_then_dropped(llm, A)
+        _wrap_reads(llm, damage)
+        before = computed(llm)
+        out = generate(llm, A)
+        assert out.cached_tokens_by_tier.get("dram", 0) == loaded
+        assert computed(llm) - before == len(A) - loaded
+        assert llm.stats().tiers.missed_blocks == 6 - loaded // 16
+        assert_same(out, reference["A"])
+    finally:
+        llm.close()
+
+
+def test_a_hanging_store_times_out_and_its_blocks_come_back(model, reference):
+    llm = engine(model, "local://?dram=64M")
+    release = threading.Event()
+    try:
+        force_loads(llm)
+        saved_then_dropped(llm, A)
+        llm.engine.tiers.load_timeout_s = 0.2
+        _wrap_reads(llm, lambda store, keys: release.wait(10))
+        out = generate(llm, A)  # the load is abandoned: the request recomputes
+        assert out.num_cached_tokens == 0
+        assert_same(out, reference["A"])
+        assert llm.engine.kv.pinned  # the abandoned load's blocks are still held...
+        release.set()
+        deadline = time.monotonic() + 10
+        while llm.engine.kv.pinned and time.monotonic() < deadline:
+            llm.engine.step()
+            time.sleep(0.01)
+        assert not llm.engine.kv.pinned  # ...until the worker let go of them
+        llm.engine.check_integrity()
+    finally:
+        release.set()
+        llm.close()
+
+
+def test_abort_while_loading_frees_the_blocks_when_the_load_lands(model):
+    llm = engine(model, "local://?dram=64M")
+    gate = threading.Event()
+    try:
+        force_loads(llm)
+        saved_then_dropped(llm, A)
+        _wrap_reads(llm, lambda store, keys: gate.wait(10))
+        llm.engine.add_request("gone", A, PARAMS)
+        for _ in range(50):
+            llm.engine.step()
+            if llm.engine.scheduler.loading:
+                break
+        assert "gone" in llm.engine.scheduler.loading
+        assert llm.engine.abort_request("gone")
+        llm.engine.check_integrity()
+        gate.set()
+        deadline = time.monotonic() + 10
+        while llm.engine.has_unfinished() and time.monotonic() < deadline:
+            llm.engine.step()
+            llm.engine.check_integrity()
+        stats = llm.stats()
+        assert stats.kv_blocks_used == 0 and not llm.engine.scheduler.loading
+    finally:
+        gate.set()
+        llm.close()
+
+
+def test_a_store_that_fails_its_startup_check_is_one_line(model):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec = f"pool://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "hetserve.cli", "generate", "--model", str(model)]
+    r = subprocess.run(
+        [*cmd, "--kv-store", spec, "hi"], capture_output=True, text=True, timeout=180
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0], r.stderr
