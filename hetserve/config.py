@@ -33,6 +33,9 @@ class CacheConfig:
     # plus write-back of blocks about to be evicted; write-back alone for a local store.
     kv_store: str | None = None
     kv_save: str = "auto"  # "auto" | "write-back" | "write-through"
+    # "auto": load a found run only where that is predicted faster than recomputing it;
+    # "always": load whatever is found (saves compute when a marginally slower TTFT is fine).
+    kv_load: str = "auto"
     # A request with a session_id keeps its blocks from eviction this long after it ends (while
     # other free blocks exist), so the session's next turn finds them: agentic traffic.
     session_ttl_s: float = 600.0
@@ -48,6 +51,8 @@ class CacheConfig:
             raise ValueError(
                 f"kv_save must be auto, write-back or write-through, got {self.kv_save!r}"
             )
+        if self.kv_load not in ("auto", "always"):
+            raise ValueError(f"kv_load must be auto or always, got {self.kv_load!r}")
         if self.session_ttl_s < 0:
             raise ValueError("session_ttl_s must be >= 0")
         if self.kv_store is not None and not self.enable_prefix_caching:
@@ -187,6 +192,11 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "when blocks reach the store: auto (write-through for shared stores), write-back "
         "(before eviction) or write-through (prompt blocks once computed)",
         choices=("auto", "write-back", "write-through"),
+    ),
+    EngineOption(
+        "kv_load", "cache", "kv_load",
+        "auto: load stored blocks only where predicted faster than recomputing them; always: "
+        "load whatever is found", choices=("auto", "always"),
     ),
     EngineOption(
         "session_ttl", "cache", "session_ttl_s",

@@ -70,8 +70,9 @@ class EngineCore:
         self.kv_summary: str | None = None  # the start-up line of the KV tiers
         if cfg.cache.kv_store is not None:
             io = BlockIO(self.runner.kv)
+            c = cfg.cache
             self.tiers, self.kv_summary = open_tiers(
-                cfg.cache.kv_store, cfg.cache.kv_save, self.kv, io, self.runner
+                c.kv_store, c.kv_save, c.kv_load, self.kv, io, self.runner
             )
             log.info("%s", self.kv_summary)
         self.scheduler = Scheduler(cfg.scheduler, self.kv, self.max_model_len, self.tiers)

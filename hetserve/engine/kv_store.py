@@ -117,7 +117,7 @@ class BlockIO:
 
 
 def open_tiers(
-    spec: str, save: str, kv: KVCacheManager, io: BlockIO, runner
+    spec: str, save: str, load: str, kv: KVCacheManager, io: BlockIO, runner
 ) -> tuple[TierManager, str]:
     """Open and check the store `spec`, measure the prefill rate, and attach the tiers to `kv`
     (the scheduler is given them as its loader). Returns them and a summary line."""
@@ -129,7 +129,15 @@ def open_tiers(
     infos = store.tiers()
     shared = any(t.shared for t in infos)
     write_through = save == "write-through" or (save == "auto" and shared)
-    tiers = TierManager(store, cost, kv, io, write_through=write_through, sync_lookup=not shared)
+    tiers = TierManager(
+        store,
+        cost,
+        kv,
+        io,
+        write_through=write_through,
+        always_load=load == "always",
+        sync_lookup=not shared,
+    )
     cost.prefill_tokens_per_s = measure_prefill(runner, kv)
     return tiers, _summary(kv, io, probe.store, infos, cost, write_through)
 

@@ -75,7 +75,11 @@ class LoadPlan:
 
 
 def plan_load(
-    found: Sequence[str], bytes_per_block: int, block_size: int, model: CostModel
+    found: Sequence[str],
+    bytes_per_block: int,
+    block_size: int,
+    model: CostModel,
+    always: bool = False,
 ) -> LoadPlan:
     """`found[i]` names the tier holding the i-th block after the device hit (a run: prefix
     semantics). Returns the prefix worth loading: the k that saves the most predicted time,
@@ -84,6 +88,8 @@ def plan_load(
     n = len(found)
     if n == 0:
         return LoadPlan(0, 0, 0.0, 0.0, "nothing found")
+    if always:  # the operator asked to load whatever is found
+        return LoadPlan(n, n, 0.0, 0.0, "load (always)")
     rate = model.prefill_tokens_per_s
     if rate is None:
         # Nothing to compare with yet (the engine measures a prefill at start-up): recomputing

@@ -104,6 +104,7 @@ class TierManager:
         io: BlockIO,
         *,
         write_through: bool,
+        always_load: bool = False,
         sync_lookup: bool = False,
         max_pending_saves: int = 256,
         writeback_ahead: int = 32,
@@ -112,6 +113,7 @@ class TierManager:
         self.store, self.cost, self.kv, self.io = store, cost, kv, io
         self.block_size = kv.block_size
         self.write_through = write_through
+        self.always_load = always_load
         self.sync_lookup = sync_lookup
         self.max_pending = max_pending_saves
         self.ahead = writeback_ahead
@@ -183,7 +185,8 @@ class TierManager:
         run = found[first_block - looked_from :] if first_block >= looked_from else []
         if not run:
             return False
-        plan = plan_load(run, self.io.bytes_per_block, self.block_size, self.cost)
+        bpb = self.io.bytes_per_block
+        plan = plan_load(run, bpb, self.block_size, self.cost, self.always_load)
         self._log_plan(req, first_block, plan)
         if plan.skipped:
             self.counts.skipped += plan.found_blocks
