@@ -109,6 +109,7 @@ def test_killed_pool_nodes_are_misses_and_the_request_completes(request, model, 
     warm = second.complete()
     assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert second.metric("hetserve_kv_tier_missed_blocks_total") >= 1
+    # Either the lookup already found nothing, or the read failed: no block was loaded.
+    assert second.metric("hetserve_kv_tier_load_bytes_total") == 0
     assert httpx.get(second.url + "/health").status_code == 200
     assert json.loads(httpx.get(second.url + "/v1/models").text)["data"]
