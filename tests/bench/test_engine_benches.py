@@ -43,7 +43,20 @@ def test_bench_prefix_warm_requests_compute_only_their_new_blocks(moe_dir, tmp_p
     assert rc == 0
     data = json.loads(out.read_text())
     assert data["shared_tokens"] == 90
+    (row,) = data["rows"]
     # 90 shared tokens = 5 full 16-token blocks reused; the rest (10 + 10 tokens) is computed.
-    assert data["warm_prompt_tokens_computed"] == [20, 20]
-    assert len(data["ttft_cold_s"]) == len(data["ttft_warm_s"]) == 2
-    assert data["warm_over_cold"] > 0
+    assert row["row"] == "device" and row["warm_computed"] == [20, 20]
+    assert row["warm_cached_by_tier"] == [{"device": 80}] * 2
+    assert len(row["cold_s"]) == len(row["warm_s"]) == 2 and row["warm_over_cold"] > 0
+
+
+def test_bench_prefix_tiers_load_from_dram_and_ssd(moe_dir, tmp_path):
+    out = tmp_path / "prefix.json"
+    rc = main(["bench", "prefix", "--model", str(moe_dir), "--prompt-len", "100", "--trials",
+               "1", "--tiers", "dram,ssd", "--kv-load", "always", "--store-gb", "0.05",
+               "--ssd-dir", str(tmp_path), "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["dram"]["warm_cached_by_tier"] == [{"dram": 80}]
+    assert rows["ssd"]["warm_cached_by_tier"] == [{"ssd": 80}]
+    assert rows["dram"]["warm_computed"] == rows["ssd"]["warm_computed"] == [20]
