@@ -12,6 +12,7 @@ given with `set_time`; nothing here reads a clock).
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -117,14 +118,21 @@ class BlockPool:
 
     def next_evicted(self, limit: int) -> list[KVBlock]:
         """The free blocks still holding cached KV that the next allocations would evict, in
-        that order (at most `limit`, looking no further than 4 * limit free blocks)."""
-        out = []
-        for i, b in enumerate(self._free.values()):
+        that order (at most `limit`, looking no further than 4 * limit free blocks): plain free
+        blocks first, then protected ones by expiry."""
+        out: list[KVBlock] = []
+        order = itertools.chain(self._free.values(), (b for b, _ in self._protected.values()))
+        for i, b in enumerate(order):
             if len(out) == limit or i >= 4 * limit:
                 break
             if b.block_hash is not None:
                 out.append(b)
         return out
+
+    def protected_until(self, block: KVBlock) -> float | None:
+        """When a free protected block's protection ends (None: not protected)."""
+        entry = self._protected.get(block.block_id)
+        return entry[1] if entry is not None else None
 
     def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Register a full, computed block under its hash (first writer wins)."""

@@ -39,6 +39,7 @@ class KVCacheManager:
         self.report_cached = False
         self.newly_cached: list[tuple[KVBlock, bool]] = []
         self.pinned: dict[int, int] = {}  # block id -> references held by the KV tiers
+        self._protection: dict[int, float] = {}  # pinned protected block -> its protection
         self.queries = 0  # full prompt blocks looked up at admission (once per request)
         self.hits = 0  # of those, found in the device pool (loaded ones included)
 
@@ -149,7 +150,12 @@ class KVCacheManager:
         return table
 
     def pin(self, blocks: list[KVBlock]) -> None:
-        """Hold blocks (a save reads them) so they are not handed out meanwhile."""
+        """Hold blocks (a save reads them) so they are not handed out meanwhile; a session's
+        protected block gets its protection back when unpinned."""
+        for b in blocks:
+            until = self.pool.protected_until(b)
+            if until is not None:
+                self._protection[b.block_id] = until
         self.pool.touch(blocks)
         for b in blocks:
             self.pinned[b.block_id] = self.pinned.get(b.block_id, 0) + 1
@@ -159,9 +165,10 @@ class KVCacheManager:
             left = self.pinned[b.block_id] - 1
             if left:
                 self.pinned[b.block_id] = left
-            else:
-                del self.pinned[b.block_id]
-        self.pool.free(blocks, evict_first=True)
+                continue
+            del self.pinned[b.block_id]
+            until = self._protection.pop(b.block_id, None)
+            self.pool.free([b], evict_first=True, protect_until=until)
 
     def free(self, req: Request) -> None:
         table = self.tables.pop(req.request_id, [])
