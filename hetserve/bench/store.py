@@ -26,8 +26,12 @@ SHORTHANDS = {"local": "local://?dram=2G", "pool": "pool", "pool-tcp": "pool"}
 
 def register(bench_sub) -> None:
     p = bench_sub.add_parser("store", help="KV store put/get GB/s and latency per value size")
-    p.add_argument("--backend", action="append", default=None,
-                   help="store spec or local|pool|pool-tcp (repeatable; default local and pool)")
+    p.add_argument(
+        "--backend",
+        action="append",
+        default=None,
+        help="store spec or local|pool|pool-tcp (repeatable; default local and pool)",
+    )
     p.add_argument("--sizes", default="4K,1M,16M", help="value sizes, comma separated")
     p.add_argument("--total", default="256M", help="bytes moved per size and mode (bounds ops)")
     p.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake Store peer")
@@ -45,16 +49,23 @@ def _timed(fn: Callable[[], object], n: int, tick: Callable[[], None]) -> list[f
     return out
 
 
-def _row(backend: str, size: int, mode: str, op: str, lat: list[float], per_call: int,
-         misses: int = 0) -> dict:
+def _row(
+    backend: str, size: int, mode: str, op: str, lat: list[float], per_call: int, misses: int = 0
+) -> dict:
     total = sum(lat)
     lat_ms = sorted(x * 1e3 for x in lat)
-    return {"backend": backend, "size": size, "mode": mode, "op": op,
-            "gbps": per_call * size * len(lat) / total / 1e9,
-            "gbps_p50": per_call * size / max(statistics.median(lat), 1e-9) / 1e9,
-            "ops_per_s": per_call * len(lat) / total,
-            "p50_ms": statistics.median(lat_ms),
-            "p99_ms": lat_ms[min(len(lat_ms) - 1, int(0.99 * len(lat_ms)))], "misses": misses}
+    return {
+        "backend": backend,
+        "size": size,
+        "mode": mode,
+        "op": op,
+        "gbps": per_call * size * len(lat) / total / 1e9,
+        "gbps_p50": per_call * size / max(statistics.median(lat), 1e-9) / 1e9,
+        "ops_per_s": per_call * len(lat) / total,
+        "p50_ms": statistics.median(lat_ms),
+        "p99_ms": lat_ms[min(len(lat_ms) - 1, int(0.99 * len(lat_ms)))],
+        "misses": misses,
+    }
 
 
 class Ops:
@@ -91,8 +102,9 @@ def _measure(name: str, ops: Ops, size: int, n: int, batch: int, tick) -> list[d
     rows.append(_row(name, size, f"batch{batch}", "put", lat, batch))
     it, got = iter(groups), []
     lat = _timed(lambda: got.append(ops.getb(next(it))), len(groups), tick)
-    rows.append(_row(name, size, f"batch{batch}", "get", lat, batch,
-                     len(groups) * batch - sum(got)))
+    rows.append(
+        _row(name, size, f"batch{batch}", "get", lat, batch, len(groups) * batch - sum(got))
+    )
     return rows
 
 
@@ -148,10 +160,18 @@ def _mooncake_ops(size: int, batch: int) -> Iterator[Ops | None]:
             yield Ops(
                 lambda k: _check(mc.upsert_from(k, s, size)),
                 lambda k: mc.get_into(k, d, size) == size,
-                lambda ks: [_check(r) for r in mc.batch_upsert_from(
-                    ks, [p[0] for p in ptrs[: len(ks)]], [size] * len(ks))],
-                lambda ks: sum(r == size for r in mc.batch_get_into(
-                    ks, [p[1] for p in ptrs[: len(ks)]], [size] * len(ks))),
+                lambda ks: [
+                    _check(r)
+                    for r in mc.batch_upsert_from(
+                        ks, [p[0] for p in ptrs[: len(ks)]], [size] * len(ks)
+                    )
+                ],
+                lambda ks: sum(
+                    r == size
+                    for r in mc.batch_get_into(
+                        ks, [p[1] for p in ptrs[: len(ks)]], [size] * len(ks)
+                    )
+                ),
             )
         finally:
             mc.close()
@@ -211,8 +231,9 @@ def _add_ratios(rows: list[dict]) -> None:
     size: the parts of a run are minutes apart on a shared box, and a neighbour's burst in one
     of them would otherwise swing the ratio."""
     memcpy = {r["size"]: r["gbps_p50"] for r in rows if r["backend"] == "memcpy"}
-    peer = {(r["size"], r["mode"], r["op"]): r["gbps_p50"]
-            for r in rows if r["backend"] == "mooncake"}
+    peer = {
+        (r["size"], r["mode"], r["op"]): r["gbps_p50"] for r in rows if r["backend"] == "mooncake"
+    }
     for r in rows:
         ref = r.get("memcpy_ref_gbps_p50") or memcpy.get(r["size"])
         r["vs_memcpy"] = r["gbps_p50"] / ref if ref else None
@@ -228,8 +249,10 @@ def _fmt_size(n: int) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'backend':<10}{'size':>6} {'mode':<8}{'op':<5}{'GB/s':>8}{'GB/s@p50':>9}"
-            f"{'ops/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'xmemcpy':>9}{'xmooncake':>10}{'miss':>6}")
+    head = (
+        f"{'backend':<10}{'size':>6} {'mode':<8}{'op':<5}{'GB/s':>8}{'GB/s@p50':>9}"
+        f"{'ops/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'xmemcpy':>9}{'xmooncake':>10}{'miss':>6}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         ratio = lambda x: "" if x is None else f"{x:.2f}x"  # noqa: E731

@@ -48,8 +48,9 @@ def _processes() -> Iterator[list[subprocess.Popen]]:
 
 
 def _spawn(procs: list, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         env={**os.environ, **(env or {})})
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})}
+    )
     procs.append(p)
     return p
 
@@ -89,17 +90,35 @@ def local_mooncake(segment: str = "1GB") -> Iterator[tuple[str, str] | None]:
     env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
     with _processes() as procs:
         rpc, http, metrics, hport = (free_port() for _ in range(4))
-        m = _spawn(procs, [master, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
-                           "--enable_http_metadata_server=true",
-                           "--http_metadata_server_host=127.0.0.1",
-                           f"--http_metadata_server_port={http}", "--metrics_host=127.0.0.1",
-                           f"--metrics_port={metrics}"], env)
+        m = _spawn(
+            procs,
+            [
+                master,
+                "--rpc_address=127.0.0.1",
+                f"--rpc_port={rpc}",
+                "--enable_http_metadata_server=true",
+                "--http_metadata_server_host=127.0.0.1",
+                f"--http_metadata_server_port={http}",
+                "--metrics_host=127.0.0.1",
+                f"--metrics_port={metrics}",
+            ],
+            env,
+        )
         _wait_port(rpc, m)
         _wait_port(http, m)
         metadata = f"http://127.0.0.1:{http}/metadata"
-        h = _spawn(procs, [holder, "--host=127.0.0.1", f"--port={hport}",
-                           f"--global_segment_size={segment}",
-                           f"--master_server_address=127.0.0.1:{rpc}",
-                           f"--metadata_server={metadata}", "--protocol=tcp"], env)
+        h = _spawn(
+            procs,
+            [
+                holder,
+                "--host=127.0.0.1",
+                f"--port={hport}",
+                f"--global_segment_size={segment}",
+                f"--master_server_address=127.0.0.1:{rpc}",
+                f"--metadata_server={metadata}",
+                "--protocol=tcp",
+            ],
+            env,
+        )
         _wait_port(hport, h)
         yield f"127.0.0.1:{rpc}", metadata

@@ -1,7 +1,7 @@
 """KV cache store: one API (`api.KVStore`) over local DRAM/SSD, the pool service, Mooncake, Redis.
 
-    from hetserve.store import open_store
-    store = open_store("local://?dram=1G&ssd_dir=/tmp/kv&ssd=4G")
+from hetserve.store import open_store
+store = open_store("local://?dram=1G&ssd_dir=/tmp/kv&ssd=4G")
 """
 
 from hetserve.store.api import (

@@ -21,11 +21,18 @@ def register(sub) -> None:
 
     m = ssub.add_parser("master", help="metadata service of the pool")
     _common(m, default_port=7600)
-    m.add_argument("--node-timeout", type=float, default=3.0,
-                   help="seconds without heartbeat before a node is declared dead")
+    m.add_argument(
+        "--node-timeout",
+        type=float,
+        default=3.0,
+        help="seconds without heartbeat before a node is declared dead",
+    )
     m.add_argument("--max-value", default="1G", help="largest value accepted (e.g. 256M)")
-    m.add_argument("--watermarks", default="0.9,0.8",
-                   help="evict LRU objects from HIGH down to LOW fraction of capacity")
+    m.add_argument(
+        "--watermarks",
+        default="0.9,0.8",
+        help="evict LRU objects from HIGH down to LOW fraction of capacity",
+    )
     m.set_defaults(func=_run_master)
 
     n = ssub.add_parser("node", help="contribute DRAM (and SSD) to the pool")
@@ -41,8 +48,11 @@ def register(sub) -> None:
 def _common(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=default_port)
-    p.add_argument("--token", default=None,
-                   help="shared secret; required to bind beyond loopback (or HETSERVE_STORE_TOKEN)")
+    p.add_argument(
+        "--token",
+        default=None,
+        help="shared secret; required to bind beyond loopback (or HETSERVE_STORE_TOKEN)",
+    )
     p.add_argument("--log-level", default="WARNING")
 
 
@@ -75,8 +85,9 @@ def _run_master(args) -> int:
         raise InvalidInputError(f"--watermarks wants HIGH,LOW, got {args.watermarks!r}") from exc
     if not 0 < low <= high <= 1:
         raise InvalidInputError(f"--watermarks need 0 < LOW <= HIGH <= 1, got {args.watermarks}")
-    master = PoolMaster(args.host, args.port, token, args.node_timeout,
-                        parse_size(args.max_value), (high, low))
+    master = PoolMaster(
+        args.host, args.port, token, args.node_timeout, parse_size(args.max_value), (high, low)
+    )
     return _serve_until_signal(master)
 
 
@@ -89,6 +100,14 @@ def _run_node(args) -> int:
     mhost, _, mport = args.master.rpartition(":")
     if not mhost or not mport.isdigit():
         raise InvalidInputError(f"--master wants HOST:PORT, got {args.master!r}")
-    node = PoolNode((mhost, int(mport)), parse_size(args.dram), args.host, args.port, token,
-                    args.ssd_dir, parse_size(args.ssd), args.advertise)
+    node = PoolNode(
+        (mhost, int(mport)),
+        parse_size(args.dram),
+        args.host,
+        args.port,
+        token,
+        args.ssd_dir,
+        parse_size(args.ssd),
+        args.advertise,
+    )
     return _serve_until_signal(node)

@@ -64,8 +64,9 @@ def hetserve_cmd(*args: str) -> list[str]:
 class PoolCluster:
     """A master and nodes as real processes; tests kill and restart them by PID."""
 
-    def __init__(self, request, nodes: int, dram: str, node_timeout: float = 2.0,
-                 shm: bool = True) -> None:
+    def __init__(
+        self, request, nodes: int, dram: str, node_timeout: float = 2.0, shm: bool = True
+    ) -> None:
         self.request, self.dram, self.node_timeout = request, dram, node_timeout
         self.shm = shm
         self.port = free_port()
@@ -79,16 +80,33 @@ class PoolCluster:
         return f"pool://127.0.0.1:{self.port}?max_value=96M&reconnect=10{shm}"
 
     def start_master(self) -> subprocess.Popen:
-        cmd = hetserve_cmd("store", "master", "--port", str(self.port),
-                           "--node-timeout", str(self.node_timeout), "--max-value", "96M")
+        cmd = hetserve_cmd(
+            "store",
+            "master",
+            "--port",
+            str(self.port),
+            "--node-timeout",
+            str(self.node_timeout),
+            "--max-value",
+            "96M",
+        )
         proc = spawn(cmd, self.request)
         wait_port(self.port, proc)
         return proc
 
     def start_node(self, *extra: str) -> subprocess.Popen:
         port = free_port()
-        cmd = hetserve_cmd("store", "node", "--master", f"127.0.0.1:{self.port}",
-                           "--dram", self.dram, "--port", str(port), *extra)
+        cmd = hetserve_cmd(
+            "store",
+            "node",
+            "--master",
+            f"127.0.0.1:{self.port}",
+            "--dram",
+            self.dram,
+            "--port",
+            str(port),
+            *extra,
+        )
         proc = spawn(cmd, self.request)
         wait_port(port, proc)
         return proc
@@ -135,8 +153,21 @@ def start_redis(request) -> Backend:
     except ImportError:
         pytest.skip("redis: the redis Python package is not installed (pip install -e .[dev])")
     port = free_port()
-    cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-           "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"]
+    cmd = [
+        exe,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--maxmemory",
+        "256mb",
+        "--maxmemory-policy",
+        "allkeys-lru",
+    ]
     wait_port(port, spawn(cmd, request))
     return Backend("redis", f"redis://127.0.0.1:{port}/0", 256 * MiB, corrupt_redis)
 
@@ -163,17 +194,38 @@ def start_mooncake(request) -> Backend:
         pytest.skip(f"mooncake: its client does not load here ({exc}); make system-deps")
     env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
     rpc, http, metrics, hport = free_port(), free_port(), free_port(), free_port()
-    proc = spawn([master, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
-                  "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-                  f"--http_metadata_server_port={http}", "--metrics_host=127.0.0.1",
-                  f"--metrics_port={metrics}", "--default_kv_lease_ttl=2000"], request, env)
+    proc = spawn(
+        [
+            master,
+            "--rpc_address=127.0.0.1",
+            f"--rpc_port={rpc}",
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={http}",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={metrics}",
+            "--default_kv_lease_ttl=2000",
+        ],
+        request,
+        env,
+    )
     wait_port(rpc, proc)
     wait_port(http, proc)
     metadata = f"http://127.0.0.1:{http}/metadata"
     # A segment holder that outlives the test's clients (a client's own segment leaves with it).
-    holder_proc = spawn([holder, "--host=127.0.0.1", f"--port={hport}",
-                         "--global_segment_size=160MB", f"--master_server_address=127.0.0.1:{rpc}",
-                         f"--metadata_server={metadata}", "--protocol=tcp"], request, env)
+    holder_proc = spawn(
+        [
+            holder,
+            "--host=127.0.0.1",
+            f"--port={hport}",
+            "--global_segment_size=160MB",
+            f"--master_server_address=127.0.0.1:{rpc}",
+            f"--metadata_server={metadata}",
+            "--protocol=tcp",
+        ],
+        request,
+        env,
+    )
     wait_port(hport, holder_proc)
     spec = f"mooncake://127.0.0.1:{rpc}?metadata={metadata}&segment=0&buffer=100M&max_value=96M"
     return Backend("mooncake", spec, 160 * MiB, corrupt_mooncake)

@@ -151,10 +151,13 @@ def test_garbage_and_truncated_frames_leave_services_serving(request):
 
 
 def test_token_required_beyond_loopback_and_checked(request):
-    refused = subprocess.run(hetserve_cmd("store", "master", "--host", "0.0.0.0"),
-                             capture_output=True, text=True, timeout=60,
-                             env={k: v for k, v in os.environ.items()
-                                  if k != "HETSERVE_STORE_TOKEN"})
+    refused = subprocess.run(
+        hetserve_cmd("store", "master", "--host", "0.0.0.0"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "HETSERVE_STORE_TOKEN"},
+    )
     assert refused.returncode == 2 and "refusing to bind 0.0.0.0" in refused.stderr
     with pytest.raises(InvalidInputError, match="without a shared token"):
         PoolNode(("127.0.0.1", 1), 4096, host="0.0.0.0")  # embedded services: the same rule

@@ -18,8 +18,14 @@ def _meta(nodes: int = 2, capacity: int = 100 * KiB, **kw) -> PoolMetadata:
     return meta
 
 
-def _put(meta: PoolMetadata, key: str, size: int = 10 * KiB, replicas: int = 1,
-         pin: bool = False, now: float = 0.0):
+def _put(
+    meta: PoolMetadata,
+    key: str,
+    size: int = 10 * KiB,
+    replicas: int = 1,
+    pin: bool = False,
+    now: float = 0.0,
+):
     put_id, obj = meta.put_start(key, size, replicas, None, pin, now=now)
     meta.put_end(put_id, 123, now=now)
     meta.check_integrity()

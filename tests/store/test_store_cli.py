@@ -9,8 +9,23 @@ from hetserve.cli import main
 
 def test_bench_store_writes_json_with_ratios(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    rc = main(["bench", "store", "--backend", "local://?dram=64M", "--backend", "pool",
-               "--sizes", "4K,1M", "--total", "2M", "--no-mooncake", "--json", str(out)])
+    rc = main(
+        [
+            "bench",
+            "store",
+            "--backend",
+            "local://?dram=64M",
+            "--backend",
+            "pool",
+            "--sizes",
+            "4K,1M",
+            "--total",
+            "2M",
+            "--no-mooncake",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     rows = json.loads(out.read_text())["rows"]
     backends = {r["backend"] for r in rows}

@@ -59,12 +59,18 @@ class MooncakeStore(KVStore):
         metadata = spec.params.get("metadata", f"http://{spec.host or '127.0.0.1'}:8080/metadata")
         # Mooncake stages every value in this client's registered buffer: it bounds the value.
         self.buffer = parse_size(spec.params.get("buffer", "64M"))
-        self.max_value = min(spec.size("max_value", DEFAULT_MAX_VALUE),
-                             self.buffer - checksum.HEADER.size)
+        self.max_value = min(
+            spec.size("max_value", DEFAULT_MAX_VALUE), self.buffer - checksum.HEADER.size
+        )
         self._store = mc.MooncakeDistributedStore()
         rc = self._store.setup(
-            host, metadata, spec.size("segment", 256 << 20), self.buffer,
-            spec.params.get("protocol", "tcp"), spec.params.get("devices", ""), master,
+            host,
+            metadata,
+            spec.size("segment", 256 << 20),
+            self.buffer,
+            spec.params.get("protocol", "tcp"),
+            spec.params.get("devices", ""),
+            master,
         )
         if rc != 0:
             raise StoreUnavailableError(f"mooncake setup failed (rc={rc}) for master {master}")
@@ -83,7 +89,8 @@ class MooncakeStore(KVStore):
         view = as_memoryview(buffer)
         if len(view) > self.max_value:
             raise ValueTooLargeError(
-                f"value of {len(view)} B exceeds {self.max_value} (max_value, or buffer= size)")
+                f"value of {len(view)} B exceeds {self.max_value} (max_value, or buffer= size)"
+            )
         return checksum.seal(view)
 
     def _retry_space(self, fn) -> None:

@@ -48,9 +48,12 @@ class RedisStore(KVStore):
         self.max_value = min(spec.size("max_value", REDIS_MAX_VALUE), REDIS_MAX_VALUE)
         self._errors = (redis.ConnectionError, redis.TimeoutError)
         self._r = redis.Redis(
-            host=spec.host or "127.0.0.1", port=spec.port or 6379, db=int(db),
+            host=spec.host or "127.0.0.1",
+            port=spec.port or 6379,
+            db=int(db),
             password=spec.params.get("password") or spec.token() or None,
-            socket_timeout=spec.number("timeout", 30.0), socket_connect_timeout=5.0,
+            socket_timeout=spec.number("timeout", 30.0),
+            socket_connect_timeout=5.0,
         )
         self._run(self._r.ping)  # fail fast on a wrong address or password
 

@@ -35,8 +35,12 @@ from hetserve.store.pool.links import TRANSPORT_ERRORS, ConnPool, NodeLink, Tran
 from hetserve.store.registry import StoreSpec, register_backend
 from hetserve.transfer.tcp import FrameClient, RemoteError
 
-_ERRORS = {"capacity": StoreCapacityError, "too_large": ValueTooLargeError,
-           "bad_key": InvalidKeyError, "no_nodes": StoreUnavailableError}
+_ERRORS = {
+    "capacity": StoreCapacityError,
+    "too_large": ValueTooLargeError,
+    "bad_key": InvalidKeyError,
+    "no_nodes": StoreUnavailableError,
+}
 
 
 @register_backend("pool")
@@ -101,6 +105,7 @@ class PoolStore(KVStore):
     def _run_per_node(self, fn_name: str, groups: dict[str, list[Transfer]]) -> dict[int, bool]:
         """Run link.read or link.write on each node's batch, nodes in parallel; the result maps
         id(transfer) -> success."""
+
         def one(node_id: str) -> list[tuple[int, bool]]:
             link = self._links.get(node_id)
             items = groups[node_id]
@@ -131,16 +136,22 @@ class PoolStore(KVStore):
                 raise ValueTooLargeError(f"value of {len(v)} B exceeds max_value={self.max_value}")
         failed = self._put_once(names, views, config or ReplicateConfig())
         if failed:  # a node died under the write: once more, on fresh space
-            failed = self._put_once([names[i] for i in failed], [views[i] for i in failed],
-                                    config or ReplicateConfig())
+            failed = self._put_once(
+                [names[i] for i in failed], [views[i] for i in failed], config or ReplicateConfig()
+            )
             if failed:
                 raise StoreUnavailableError(f"{len(failed)} puts failed: their nodes died")
 
     def _put_once(self, names: list[str], views: list[memoryview], cfg: ReplicateConfig):
-        reply = self._call(P.PUT_START, {
-            "puts": [{"key": k, "size": len(v)} for k, v in zip(names, views, strict=True)],
-            "replica_num": cfg.replica_num, "preferred": cfg.preferred_segment,
-            "soft_pin": cfg.soft_pin})
+        reply = self._call(
+            P.PUT_START,
+            {
+                "puts": [{"key": k, "size": len(v)} for k, v in zip(names, views, strict=True)],
+                "replica_num": cfg.replica_num,
+                "preferred": cfg.preferred_segment,
+                "soft_pin": cfg.soft_pin,
+            },
+        )
         self._links_for(reply["nodes"])
         groups: dict[str, list[Transfer]] = defaultdict(list)
         per_put: list[list[Transfer]] = []
@@ -217,8 +228,9 @@ class PoolStore(KVStore):
 
     def _replica_order(self, replicas: list[list]) -> list[list]:
         """Replicas this host can map first: a memcpy beats any socket."""
-        return sorted(replicas, key=lambda r: (self._links.get(r[0]) is None
-                                               or self._links[r[0]].views is None))
+        return sorted(
+            replicas, key=lambda r: self._links.get(r[0]) is None or self._links[r[0]].views is None
+        )
 
     def get(self, key: Key) -> bytes | None:
         reply = self._call(P.LOCATE, {"keys": [normalize_key(key)]})

@@ -60,8 +60,10 @@ class NodeLink:
         self.conns = ConnPool(lambda: FrameClient(host, port, token, timeout))
         self.views: list[memoryview] | None = None
         if use_shm and info.get("host_id") == host_id():
-            views = [attach(info["pid"], s["fd"], s["size"], s["nonce"], s["kind"] == "dram")
-                     for s in info["segments"]]
+            views = [
+                attach(info["pid"], s["fd"], s["size"], s["nonce"], s["kind"] == "dram")
+                for s in info["segments"]
+            ]
             self.views = views if all(v is not None for v in views) else None
 
     def read(self, items: Sequence[Transfer]) -> list[bool]:

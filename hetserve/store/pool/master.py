@@ -38,10 +38,16 @@ class PoolMaster:
         self._owners: dict[str, dict] = {}  # node id -> the session that registered it
         self._stop = threading.Event()
         handlers = {
-            P.REGISTER: self._register, P.HEARTBEAT: self._heartbeat,
-            P.UNREGISTER: self._unregister, P.PUT_START: self._put_start,
-            P.PUT_END: self._put_end, P.PUT_ABORT: self._put_abort, P.LOCATE: self._locate,
-            P.EXISTS: self._exists, P.REMOVE: self._remove, P.STATS: self._stats,
+            P.REGISTER: self._register,
+            P.HEARTBEAT: self._heartbeat,
+            P.UNREGISTER: self._unregister,
+            P.PUT_START: self._put_start,
+            P.PUT_END: self._put_end,
+            P.PUT_ABORT: self._put_abort,
+            P.LOCATE: self._locate,
+            P.EXISTS: self._exists,
+            P.REMOVE: self._remove,
+            P.STATS: self._stats,
             P.NODES: self._nodes,
         }
         self.server = FrameServer(host, port, token, handlers, max_data=0, on_close=self._closed)
@@ -109,8 +115,9 @@ class PoolMaster:
             key = P.want_key(item["key"])
             size = P.want_int(item["size"], 0, 1 << 62, "size")
             if size > self.max_value:
-                out.append({"error": f"{size} B exceeds max_value {self.max_value}",
-                            "code": "too_large"})
+                out.append(
+                    {"error": f"{size} B exceeds max_value {self.max_value}", "code": "too_large"}
+                )
                 continue
             try:
                 with self._lock:
@@ -174,8 +181,13 @@ class PoolMaster:
         with self._lock:
             used, cap = self.meta.usage()
             self.meta.check_integrity()
-            return {"used": used, "capacity": cap, "objects": len(self.meta.objects),
-                    "nodes": sorted(self.meta.nodes), "epoch": self.meta.epoch}, None
+            return {
+                "used": used,
+                "capacity": cap,
+                "objects": len(self.meta.objects),
+                "nodes": sorted(self.meta.nodes),
+                "epoch": self.meta.epoch,
+            }, None
 
     def _nodes(self, _s, _meta, _data) -> tuple[dict, None]:
         with self._lock:

@@ -86,8 +86,15 @@ class PoolMetadata:
         return dead
 
     # -- puts -----------------------------------------------------------------------------
-    def put_start(self, key: str, size: int, replica_num: int, preferred: str | None,
-                  soft_pin: bool, now: float | None = None) -> tuple[int, Obj]:
+    def put_start(
+        self,
+        key: str,
+        size: int,
+        replica_num: int,
+        preferred: str | None,
+        soft_pin: bool,
+        now: float | None = None,
+    ) -> tuple[int, Obj]:
         now = time.monotonic() if now is None else now
         if not self.nodes:
             raise RequestError("no store nodes are registered", "no_nodes")
@@ -156,8 +163,9 @@ class PoolMetadata:
         return used, sum(a.capacity for n in self.nodes.values() for a in n.allocs)
 
     def _evict_one(self, now: float, allow_pinned: bool) -> bool:
-        victim = next((o for o in self.objects.values()
-                       if o.lease_until <= now and not o.soft_pin), None)
+        victim = next(
+            (o for o in self.objects.values() if o.lease_until <= now and not o.soft_pin), None
+        )
         if victim is None and allow_pinned:
             victim = next((o for o in self.objects.values() if o.lease_until <= now), None)
         if victim is None:

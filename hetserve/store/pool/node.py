@@ -58,12 +58,22 @@ class PoolNode:
 
     def info(self) -> dict:
         segs = [
-            {"kind": "dram" if i == 0 else "ssd", "capacity": s.size - HEADER_BYTES, "fd": s.fd,
-             "size": s.size, "nonce": s.nonce}
+            {
+                "kind": "dram" if i == 0 else "ssd",
+                "capacity": s.size - HEADER_BYTES,
+                "fd": s.fd,
+                "size": s.size,
+                "nonce": s.nonce,
+            }
             for i, s in enumerate(self.segments)
         ]
-        return {"host": self.host, "port": self.port, "pid": os.getpid(),
-                "host_id": host_id(), "segments": segs}
+        return {
+            "host": self.host,
+            "port": self.port,
+            "pid": os.getpid(),
+            "host_id": host_id(),
+            "segments": segs,
+        }
 
     # -- data plane -----------------------------------------------------------------------
     def _range(self, meta: dict) -> memoryview:
