@@ -30,6 +30,7 @@ BACKEND_MODULES = {
 }
 _BACKENDS: dict[str, type[KVStore]] = {}
 TOKEN_ENV = envs.STORE_TOKEN
+SECRET_PARAMS = frozenset({"token", "password"})
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class StoreSpec:
     port: int | None = None
     path: str = ""
     params: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return self.redacted()
 
     def size(self, name: str, default: int | None) -> int | None:
         raw = self.params.get(name)
@@ -53,6 +57,15 @@ class StoreSpec:
 
     def token(self) -> str:
         return self.params.get("token") or env_token()
+
+    def redacted(self) -> str:
+        """The spec as a URL with secrets masked: safe in logs and error messages."""
+        netloc = self.host or ""
+        if self.port is not None:
+            netloc += f":{self.port}"
+        params = [f"{k}={'***' if k in SECRET_PARAMS else v}" for k, v in self.params.items()]
+        query = "?" + "&".join(params) if params else ""
+        return f"{self.scheme}://{netloc}{self.path}{query}"
 
 
 def env_token() -> str:
@@ -103,4 +116,6 @@ def open_store(spec: str | StoreSpec) -> KVStore:
     """Open a store client from its spec string (see the module docstring)."""
     parsed = parse_spec(spec) if isinstance(spec, str) else spec
     importlib.import_module(BACKEND_MODULES[parsed.scheme])
-    return _BACKENDS[parsed.scheme](parsed)
+    store = _BACKENDS[parsed.scheme](parsed)
+    store.label = parsed.redacted()
+    return store

@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hetserve.transfer.iov import recvmsg_into_all, sendmsg_all, total
 
 HEADER = struct.Struct("<2sBBIQ")
 MAGIC = b"HT"
@@ -29,24 +32,27 @@ class PeerClosed(ConnectionError):
 
 
 # sink(op, meta, data_len) -> where to receive the data (None: a fresh buffer)
-Sink = Callable[[int, dict, int], memoryview | None]
+Sink = Callable[[int, dict[str, Any], int], memoryview | None]
 
 
 def encode_header(op: int, meta_bytes: bytes, data_len: int) -> bytes:
     return HEADER.pack(MAGIC, VERSION, op, len(meta_bytes), data_len) + meta_bytes
 
 
-def send_frame(sock: socket.socket, op: int, meta: dict, data=None) -> None:
+def send_frame(
+    sock: socket.socket, op: int, meta: dict[str, Any], data: memoryview | None = None
+) -> None:
+    send_frame_parts(sock, op, meta, [] if data is None else [data])
+
+
+def send_frame_parts(
+    sock: socket.socket, op: int, meta: dict[str, Any], parts: Sequence[memoryview]
+) -> None:
+    """One frame whose data is the concatenation of `parts`, gathered by the kernel (sendmsg):
+    one system call for header and data, and no copy of the data here."""
     meta_bytes = json.dumps(meta, separators=(",", ":")).encode() if meta else b""
-    n = 0 if data is None else memoryview(data).nbytes
-    head = encode_header(op, meta_bytes, n)
-    if n == 0:
-        sock.sendall(head)
-    elif n <= 64 * 1024:  # one syscall for small frames: latency over a second copy
-        sock.sendall(head + bytes(data))
-    else:
-        sock.sendall(head)
-        sock.sendall(data)
+    head = memoryview(encode_header(op, meta_bytes, total(parts)))
+    sendmsg_all(sock, [head, *parts])
 
 
 def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
@@ -64,14 +70,9 @@ def recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def recv_frame(
-    sock: socket.socket,
-    max_data: int,
-    sink: Sink | None = None,
-    known_ops: frozenset[int] | None = None,
-    max_meta: int = MAX_META,
-) -> tuple[int, dict, memoryview | None]:
-    """One frame: (op, meta, data). Raises FrameError on anything malformed, PeerClosed on EOF."""
+def _recv_head(
+    sock: socket.socket, max_data: int, known_ops: frozenset[int] | None, max_meta: int
+) -> tuple[int, dict[str, Any], int]:
     raw = recv_exact(sock, HEADER.size)
     magic, version, op, meta_len, data_len = HEADER.unpack(raw)
     if magic != MAGIC or version != VERSION:
@@ -80,7 +81,7 @@ def recv_frame(
         raise FrameError(f"unknown op {op}")
     if meta_len > max_meta or data_len > max_data:
         raise FrameError(f"frame too large: meta {meta_len} B, data {data_len} B")
-    meta: dict = {}
+    meta: dict[str, Any] = {}
     if meta_len:
         try:
             meta = json.loads(recv_exact(sock, meta_len))
@@ -88,6 +89,18 @@ def recv_frame(
             raise FrameError(f"frame metadata is not JSON: {exc}") from exc
         if not isinstance(meta, dict):
             raise FrameError("frame metadata must be a JSON object")
+    return op, meta, data_len
+
+
+def recv_frame(
+    sock: socket.socket,
+    max_data: int,
+    sink: Sink | None = None,
+    known_ops: frozenset[int] | None = None,
+    max_meta: int = MAX_META,
+) -> tuple[int, dict[str, Any], memoryview | None]:
+    """One frame: (op, meta, data). Raises FrameError on anything malformed, PeerClosed on EOF."""
+    op, meta, data_len = _recv_head(sock, max_data, known_ops, max_meta)
     if not data_len:
         return op, meta, None
     dest = sink(op, meta, data_len) if sink is not None else None
@@ -97,3 +110,21 @@ def recv_frame(
         raise FrameError(f"sink gave {len(dest)} bytes for {data_len}")
     recv_exact_into(sock, dest)
     return op, meta, dest
+
+
+def recv_frame_into(
+    sock: socket.socket, parts: Sequence[memoryview], known_ops: frozenset[int] | None = None
+) -> tuple[int, dict[str, Any], bool]:
+    """One frame whose data, if any, is scattered over `parts` in order (recvmsg_into: no
+    staging buffer). Returns (op, meta, whether data came); data of any other length than the
+    parts' total is a FrameError, because the rest of the stream can no longer be trusted."""
+    want = total(parts)
+    op, meta, data_len = _recv_head(sock, want, known_ops, MAX_META)
+    if not data_len:
+        return op, meta, False
+    if data_len != want:
+        raise FrameError(f"frame carries {data_len} bytes, the destination holds {want}")
+    got = recvmsg_into_all(sock, parts)
+    if got != want:
+        raise PeerClosed(f"peer closed after {got} of {want} bytes")
+    return op, meta, True

@@ -12,14 +12,17 @@ import logging
 import socket
 import socketserver
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from hetserve.transfer.framing import (
     FrameError,
     PeerClosed,
     Sink,
     recv_frame,
+    recv_frame_into,
     send_frame,
+    send_frame_parts,
 )
 
 log = logging.getLogger(__name__)
@@ -27,7 +30,10 @@ log = logging.getLogger(__name__)
 HELLO, OK, ERR = 1, 2, 3
 # handler(session, meta, data) -> (reply meta, reply data or None); raise RequestError to answer
 # ERR and keep the connection, anything else drops it.
-Handler = Callable[[dict, dict, memoryview | None], tuple[dict, object]]
+Meta = dict[str, Any]
+Data = memoryview | None
+Reply = tuple[Meta, Data]
+Handler = Callable[[Meta, Meta, Data], Reply]
 
 
 class RequestError(Exception):
@@ -73,7 +79,7 @@ class FrameServer:
         handlers: dict[int, Handler],
         max_data: int,
         sink: Sink | None = None,
-        on_close: Callable[[dict], None] | None = None,
+        on_close: Callable[[Meta], None] | None = None,
     ) -> None:
         self.token, self.handlers, self.max_data = token, handlers, max_data
         self.sink, self.on_close = sink, on_close
@@ -94,7 +100,7 @@ class FrameServer:
 
     def _serve_connection(self, sock: socket.socket) -> None:
         _tune(sock)
-        session: dict = {}
+        session: Meta = {}
         try:
             if not self._handshake(sock):
                 return
@@ -124,7 +130,9 @@ class FrameServer:
         send_frame(sock, OK, {})
         return True
 
-    def _dispatch(self, sock, session: dict, op: int, meta: dict, data) -> None:
+    def _dispatch(
+        self, sock: socket.socket, session: Meta, op: int, meta: Meta, data: memoryview | None
+    ) -> None:
         try:
             reply_meta, reply_data = self.handlers[op](session, meta, data)
         except RequestError as exc:
@@ -140,7 +148,7 @@ class FrameServer:
         self._server.server_close()
 
 
-def _try_send(sock: socket.socket, op: int, meta: dict) -> None:
+def _try_send(sock: socket.socket, op: int, meta: Meta) -> None:
     try:
         send_frame(sock, op, meta)
     except OSError:
@@ -159,16 +167,37 @@ class FrameClient:
             self.sock.close()
             raise
 
-    def send(self, op: int, meta: dict, data=None) -> None:
+    def send(self, op: int, meta: Meta, data: memoryview | None = None) -> None:
         send_frame(self.sock, op, meta, data)
 
-    def recv(self, max_data: int = 0, sink: Sink | None = None) -> tuple[dict, memoryview | None]:
+    def send_parts(self, op: int, meta: Meta, parts: Sequence[memoryview]) -> None:
+        """A request whose data is the concatenation of `parts` (gathered, not copied)."""
+        send_frame_parts(self.sock, op, meta, parts)
+
+    def recv(self, max_data: int = 0, sink: Sink | None = None) -> tuple[Meta, memoryview | None]:
         op, meta, data = recv_frame(self.sock, max_data, sink, frozenset({OK, ERR}))
         if op == ERR:
             raise RemoteError(str(meta.get("error")), str(meta.get("code")))
         return meta, data
 
-    def call(self, op: int, meta: dict, data=None, max_data: int = 0, sink: Sink | None = None):
+    def recv_into(self, parts: Sequence[memoryview]) -> Meta:
+        """A reply whose data is scattered over `parts`; a reply without data, or with data of
+        another length, is an error (RemoteError, or FrameError and the connection is done)."""
+        op, meta, came = recv_frame_into(self.sock, parts, frozenset({OK, ERR}))
+        if op == ERR:
+            raise RemoteError(str(meta.get("error")), str(meta.get("code")))
+        if not came and parts and any(p.nbytes for p in parts):
+            raise FrameError("the reply carries no data")
+        return meta
+
+    def call(
+        self,
+        op: int,
+        meta: Meta,
+        data: memoryview | None = None,
+        max_data: int = 0,
+        sink: Sink | None = None,
+    ) -> tuple[Meta, memoryview | None]:
         self.send(op, meta, data)
         return self.recv(max_data, sink)
 

@@ -18,7 +18,7 @@ def _corrupt_local(store, key: str) -> None:
     store._arena[entry.offset + entry.size // 2] ^= 0xFF
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def local_backend(tmp_path_factory) -> Backend:
     ssd = tmp_path_factory.mktemp("ssd")
     spec = f"local://?dram=80M&ssd_dir={ssd}&ssd=16M&max_value=96M"
@@ -28,7 +28,8 @@ def local_backend(tmp_path_factory) -> Backend:
 BACKENDS = ["local", "pool1", "pool3", "redis", "mooncake"]
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+# Session scope: the contract modules share one set of servers (each start costs seconds).
+@pytest.fixture(scope="session", params=BACKENDS)
 def backend(request) -> Backend:
     name = request.param
     if name == "local":

@@ -61,6 +61,12 @@ def hetserve_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "hetserve.cli", *args]
 
 
+def store_cmd(*args: str) -> list[str]:
+    """`hetserve store ARGS` without the rest of the CLI (no torch import: a fast start)."""
+    assert args[0] == "store"
+    return [sys.executable, "-m", "hetserve.store", *args[1:]]
+
+
 class PoolCluster:
     """A master and nodes as real processes; tests kill and restart them by PID."""
 
@@ -80,7 +86,7 @@ class PoolCluster:
         return f"pool://127.0.0.1:{self.port}?max_value=96M&reconnect=10{shm}"
 
     def start_master(self) -> subprocess.Popen:
-        cmd = hetserve_cmd(
+        cmd = store_cmd(
             "store",
             "master",
             "--port",
@@ -96,7 +102,7 @@ class PoolCluster:
 
     def start_node(self, *extra: str) -> subprocess.Popen:
         port = free_port()
-        cmd = hetserve_cmd(
+        cmd = store_cmd(
             "store",
             "node",
             "--master",
@@ -129,7 +135,7 @@ def corrupt_pool(store, key: str) -> None:
     obj = store._call(P.LOCATE, {"keys": [key]})["objects"][0]
     garbage = memoryview(os.urandom(obj["size"]))
     for node, seg, off in obj["replicas"]:
-        assert store._links[node].write([Transfer(0, seg, off, obj["size"], garbage)]) == [True]
+        assert store._links[node].write([Transfer(0, seg, off, obj["size"], [garbage])]) == [True]
 
 
 def start_pool1(request) -> Backend:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from hetserve.errors import InvalidInputError
-from hetserve.store import StoreCapacityError, ValueTooLargeError, open_store, parse_size
+from hetserve.store import (
+    ReplicateConfig,
+    StoreCapacityError,
+    ValueTooLargeError,
+    open_store,
+    parse_size,
+)
 
 from .helpers import MiB, payload
 
@@ -58,3 +64,50 @@ def test_limits(tmp_path):
         store.put("big", bytes(MiB + 1))
     store.put("empty", b"")
     assert store.get("empty") == b""
+
+
+def test_spill_then_locate_says_ssd_and_parts_read_from_ssd(tmp_path):
+    store = open_store(f"local://?dram=2M&ssd_dir={tmp_path}&ssd=4M")
+    keys = [f"k{i}" for i in range(4)]
+    for k in keys:  # 1 MiB each in two parts: k0 and k1 spill to SSD
+        store.put_parts(k, [payload(MiB // 2, k), payload(MiB // 2, k + "b")])
+    assert store.batch_locate(keys) == ["ssd", "ssd", "dram", "dram"]
+    assert store.batch_locate(["k2", "nope", "k3"]) == ["dram", None, None]
+    tiers = {t.name: t for t in store.tiers()}
+    assert tiers["ssd"].used == 2 * MiB and tiers["ssd"].capacity == 4 * MiB
+    assert tiers["dram"].used == 2 * MiB and not tiers["dram"].shared
+    dest = [bytearray(MiB // 4) for _ in range(4)]
+    store._make_cold("k0")  # the read comes from the disk, not the page cache
+    assert store.get_into_parts("k0", dest) == MiB  # an SSD hit, scattered by preadv ...
+    assert b"".join(dest) == payload(MiB // 2, "k0") + payload(MiB // 2, "k0b")
+    assert store.batch_locate(["k0"]) == ["dram"]  # ... and promoted
+    store.check_integrity()
+    store.close()
+
+
+def test_preferred_tier_puts_straight_to_ssd(tmp_path):
+    store = open_store(f"local://?dram=4M&ssd_dir={tmp_path}&ssd=4M")
+    store.put("cold", payload(1000, "cold"), ReplicateConfig(preferred_segment="ssd"))
+    store.put("hot", payload(1000, "hot"), ReplicateConfig(preferred_segment="dram"))
+    assert store.batch_locate(["cold", "hot", "none", "hot"]) == ["ssd", "dram", None, None]
+    assert store.get("cold") == payload(1000, "cold")
+    with pytest.raises(InvalidInputError, match="no tier 'nvme'"):
+        store.put("x", b"x", ReplicateConfig(preferred_segment="nvme"))
+    no_ssd = open_store("local://?dram=1M")
+    with pytest.raises(InvalidInputError, match="no ssd_dir"):
+        no_ssd.put("x", b"x", ReplicateConfig(preferred_segment="ssd"))
+    assert [t.name for t in no_ssd.tiers()] == ["dram"]
+    store.check_integrity()
+
+
+def test_damaged_ssd_file_read_through_parts_is_a_miss(tmp_path):
+    store = open_store(f"local://?dram=1M&ssd_dir={tmp_path}&ssd=4M")
+    store.put_parts("a", [payload(MiB // 2, "a"), payload(MiB // 2, "a2")])
+    store.put("b", payload(MiB, "b"))  # pushes a to SSD
+    victim = next(tmp_path.glob("*.hskv"))
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 1
+    victim.write_bytes(data)
+    assert store.get_into_parts("a", [bytearray(MiB // 2), bytearray(MiB // 2)]) is None
+    assert store.batch_locate(["a"]) == [None]  # dropped: never served again
+    store.check_integrity()

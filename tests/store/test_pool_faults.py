@@ -167,3 +167,55 @@ def test_token_required_beyond_loopback_and_checked(request):
     with pytest.raises(StoreUnavailableError, match="token"):
         open_store(f"pool://127.0.0.1:{port}?token=wrong")
     open_store(f"pool://127.0.0.1:{port}?token=s3cret").close()
+
+
+def _parts(key: str, n: int = 96, size: int = 2 * KiB) -> list[bytes]:
+    return [payload(size, f"{key}/{i}") for i in range(n)]
+
+
+def test_nodes_killed_or_frozen_during_batch_get_into_parts(request):
+    """One node dies (SIGKILL) and one freezes (SIGSTOP) while a reader loops over
+    batch_get_into_parts over TCP: its calls return misses for their objects, never wrong bytes,
+    and none waits longer than the client's timeout."""
+    cluster = PoolCluster(request, 3, "16M", node_timeout=1.0, shm=False)
+    spec = cluster.spec + "&timeout=1"
+    store = open_store(spec)
+    request.addfinalizer(store.close)
+    keys = [f"mp-{i}" for i in range(24)]
+    store.batch_put_parts(keys, [_parts(k) for k in keys])
+    on = {k: _node_of(store, k)[0] for k in keys}
+    pid_of = {nid: link.info["pid"] for nid, link in store._links.items()}
+    killed, frozen = sorted(set(on.values()))[:2]
+    wrong: list[str] = []
+    misses: list[str] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        client = open_store(spec)
+        dests = [[bytearray(2 * KiB) for _ in range(96)] for _ in keys]
+        while not stop.is_set():
+            got = client.batch_get_into_parts(keys, dests)
+            for k, n, dest in zip(keys, got, dests, strict=True):
+                if n is None:
+                    misses.append(k)
+                elif [bytes(d) for d in dest] != _parts(k):
+                    wrong.append(k)
+        client.close()
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    time.sleep(0.3)
+    os.kill(pid_of[killed], signal.SIGKILL)
+    time.sleep(0.3)
+    os.kill(pid_of[frozen], signal.SIGSTOP)
+    request.addfinalizer(lambda: os.kill(pid_of[frozen], signal.SIGKILL))
+    time.sleep(2.5)  # past the heartbeat timeout: the master drops both
+    stop.set()
+    thread.join(20)  # a call stuck on the frozen node would outlast this (the default is 30 s)
+    assert not thread.is_alive() and not wrong
+    assert {on[k] for k in misses} <= {killed, frozen} and misses
+    dests = [[bytearray(2 * KiB) for _ in range(96)] for _ in keys]
+    got = store.batch_get_into_parts(keys, dests)
+    for k, n, dest in zip(keys, got, dests, strict=True):
+        assert (n is None) == (on[k] in (killed, frozen))
+        assert n is None or [bytes(d) for d in dest] == _parts(k)

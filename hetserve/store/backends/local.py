@@ -4,7 +4,8 @@ DRAM is one arena mapped and populated at open (`prefault=1`, the default): on t
 first touch of fresh memory runs at ~1 GB/s, twenty times slower than a copy into touched memory,
 so a put must never land on untouched pages. Objects take extents of the arena in LRU order; the
 least recently used spill to the SSD tier (when `ssd_dir` is given) and are otherwise dropped. A
-hit on SSD reads straight into the caller's buffer and promotes the object back to DRAM. Not
+hit on SSD reads straight into the caller's buffers (one preadv) and promotes the object back to
+DRAM. A put with `ReplicateConfig(preferred_segment="ssd")` goes straight to the SSD tier. Not
 shared between processes.
 """
 
@@ -13,21 +14,27 @@ from __future__ import annotations
 import mmap
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from hetserve.store import checksum
 from hetserve.store.allocator import ExtentAllocator, aligned
 from hetserve.store.api import (
     DEFAULT_MAX_VALUE,
-    Buffer,
+    TIER_DRAM,
+    TIER_SSD,
     BufferTooSmallError,
+    InvalidInputError,
     Key,
     KVStore,
+    Parts,
     ReplicateConfig,
     StoreCapacityError,
+    TierInfo,
     ValueTooLargeError,
-    as_memoryview,
+    fit_parts,
     normalize_key,
+    prefix_tiers,
 )
 from hetserve.store.backends.ssd import SsdTier
 from hetserve.store.registry import StoreSpec, register_backend
@@ -61,10 +68,21 @@ class LocalStore(KVStore):
         return self._alloc.used
 
     # -- writes ---------------------------------------------------------------------------
-    def put_from(self, key: Key, buffer: Buffer, config: ReplicateConfig | None = None) -> None:
-        key = normalize_key(key)
-        src = as_memoryview(buffer)
-        n = len(src)
+    def _put(self, names: list[str], values: list[Parts], config: ReplicateConfig) -> None:
+        tier = self._tier_of(config)
+        for key, parts in zip(names, values, strict=True):
+            self._put_one(key, parts, tier)
+
+    def _tier_of(self, config: ReplicateConfig) -> str | None:
+        """`preferred_segment` names a tier here: "ssd" writes straight to the SSD tier."""
+        tier = config.preferred_segment
+        if tier is None or tier == TIER_DRAM or (tier == TIER_SSD and self.ssd is not None):
+            return tier
+        have = "dram, ssd" if self.ssd is not None else "dram (no ssd_dir configured)"
+        raise InvalidInputError(f"local store has no tier {tier!r}; it has {have}")
+
+    def _put_one(self, key: str, parts: Parts, tier: str | None) -> None:
+        n = sum(p.nbytes for p in parts)
         if n > self.max_value:
             raise ValueTooLargeError(f"value of {n} bytes exceeds max_value={self.max_value}")
         room = max(self.dram_capacity, self.ssd.capacity if self.ssd else 0)
@@ -72,51 +90,55 @@ class LocalStore(KVStore):
             raise StoreCapacityError(f"value of {n} bytes exceeds the store's capacity {room}")
         with self._lock:
             self._remove_locked(key)
-            if n > self.dram_capacity:  # only the SSD tier can hold it
-                self.ssd.write(key, src, checksum.digest(src))
+            if tier == TIER_SSD or n > self.dram_capacity:  # the SSD tier may be all that fits
+                if self.ssd is None or n > self.ssd.capacity:
+                    raise StoreCapacityError(f"value of {n} bytes exceeds the SSD tier")
+                self.ssd.write(key, parts, checksum.digest_parts(parts))
                 return
             off = self._make_room_locked(n)
             dst = self._arena[off : off + n]
-            self._dram[key] = Entry(off, n, checksum.copy_and_digest(dst, src))
+            self._dram[key] = Entry(off, n, checksum.copy_and_digest_parts([dst], parts))
 
     def _make_room_locked(self, n: int) -> int:
         """An extent of n bytes, spilling LRU objects to SSD (or dropping them) until one fits."""
         while (off := self._alloc.alloc(n)) is None:
             old, e = self._dram.popitem(last=False)  # the arena holds n, so this cannot run dry
             if self.ssd is not None and e.size <= self.ssd.capacity:
-                self.ssd.write(old, self._arena[e.offset : e.offset + e.size], e.digest)
+                self.ssd.write(old, [self._arena[e.offset : e.offset + e.size]], e.digest)
             self._alloc.free(e.offset, e.size)
         return off
 
     # -- reads ----------------------------------------------------------------------------
-    def get_into(self, key: Key, buffer: Buffer) -> int | None:
-        key = normalize_key(key)
-        dst = as_memoryview(buffer, writable=True)
+    def _get_into(self, names: list[str], dests: list[Parts], exact: bool) -> list[int | None]:
+        return [self._get_one(k, d, exact) for k, d in zip(names, dests, strict=True)]
+
+    def _get_one(self, key: str, dest: Parts, exact: bool) -> int | None:
         with self._lock:
             e = self._dram.get(key)
             if e is None:
-                if self.ssd is not None and key in self.ssd:
-                    return self._get_from_ssd_locked(key, dst)
-                return None
-            if len(dst) < e.size:
-                raise BufferTooSmallError(f"buffer of {len(dst)} bytes < value of {e.size}")
+                size = self.ssd.size(key) if self.ssd is not None else None
+                if size is None:
+                    return None
+                return self._get_from_ssd_locked(key, fit_parts(dest, size, exact, key))
+            parts = fit_parts(dest, e.size, exact, key)
             self._dram.move_to_end(key)
             src = self._arena[e.offset : e.offset + e.size]
-            if checksum.copy_and_digest(dst, src) != e.digest:
+            if checksum.copy_and_digest_parts(parts, [src]) != e.digest:
                 self._remove_locked(key)  # damaged: a miss now and later
                 return None
             return e.size
 
-    def _get_from_ssd_locked(self, key: str, dst: memoryview) -> int | None:
-        got = self.ssd.read_into(key, dst)
-        if got is None or checksum.digest(dst[: got[0]]) != got[1]:
+    def _get_from_ssd_locked(self, key: str, parts: Parts) -> int | None:
+        assert self.ssd is not None
+        got = self.ssd.read_into(key, parts)
+        if got is None or checksum.digest_parts(parts) != got[1]:
             self.ssd.remove(key)  # damaged: report a miss, and never again serve it
             return None
         n, value_digest = got
         if n <= self.dram_capacity:  # promote: the next hit is a DRAM hit
             self.ssd.remove(key)
             off = self._make_room_locked(n)
-            self._arena[off : off + n] = dst[:n]
+            checksum.copy_and_digest_parts([self._arena[off : off + n]], parts)
             self._dram[key] = Entry(off, n, value_digest)
         return n
 
@@ -144,6 +166,29 @@ class LocalStore(KVStore):
         key = normalize_key(key)
         with self._lock:
             return self._size_locked(key) is not None
+
+    def batch_locate(self, keys: Sequence[Key]) -> list[str | None]:
+        names = [normalize_key(k) for k in keys]
+        with self._lock:
+            return prefix_tiers([self._tier_locked(k) for k in names])
+
+    def _tier_locked(self, key: str) -> str | None:
+        if key in self._dram:
+            return TIER_DRAM
+        return TIER_SSD if self.ssd is not None and key in self.ssd else None
+
+    def tiers(self) -> list[TierInfo]:
+        with self._lock:
+            out = [TierInfo(TIER_DRAM, self.dram_capacity, self._alloc.used, shared=False)]
+            if self.ssd is not None:
+                out.append(TierInfo(TIER_SSD, self.ssd.capacity, self.ssd.used, shared=False))
+            return out
+
+    def _make_cold(self, key: Key) -> None:
+        key = normalize_key(key)
+        with self._lock:
+            if self.ssd is not None and key in self.ssd:
+                self.ssd.drop_cache(key)
 
     # -- removal and invariants -----------------------------------------------------------
     def remove(self, key: Key) -> bool:

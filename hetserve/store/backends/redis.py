@@ -8,44 +8,62 @@ refused for memory is a StoreCapacityError.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from hetserve.store import checksum
 from hetserve.store.api import (
-    Buffer,
-    BufferTooSmallError,
+    TIER_REDIS,
     InvalidInputError,
     Key,
     KVStore,
+    Parts,
     ReplicateConfig,
     StoreCapacityError,
+    StoreDependencyError,
     StoreUnavailableError,
+    TierInfo,
     ValueTooLargeError,
-    as_memoryview,
     normalize_key,
 )
 from hetserve.store.registry import StoreSpec, register_backend
 
+T = TypeVar("T")
+
 REDIS_MAX_VALUE = 512 << 20  # Redis's own limit on one string (proto-max-bulk-len)
 
 
-def _redis():
+def _redis() -> Any:
     try:
         import redis
-    except ImportError as exc:  # an optional dependency: only redis:// users need it
-        raise StoreUnavailableError("redis:// needs the redis package: pip install redis") from exc
+    except ImportError:  # an optional dependency: only redis:// users need it
+        raise StoreDependencyError(
+            "redis:// needs the redis client: pip install 'hetserve[redis]'"
+        ) from None
     return redis
+
+
+def _set_command(name: bytes, head: bytes, parts: Parts) -> list[bytes | memoryview]:
+    """SET name <head + parts> in RESP, with the parts as they are (the value is never joined)."""
+    size = len(head) + sum(p.nbytes for p in parts)
+    first = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s" % (len(name), name, size, head)
+    return [first, *(p for p in parts if p.nbytes), b"\r\n"]
 
 
 @register_backend("redis")
 class RedisStore(KVStore):
+    """Copies: a put sends the caller's parts straight to the socket (RESP framing around them,
+    no joined value). A read cannot avoid one copy: redis-py's parser hands each reply back as a
+    `bytes` object, which is then copied into the caller's parts with the checksum taken as the
+    bytes land (one pass); reading the socket ourselves would mean our own RESP client."""
+
     def __init__(self, spec: StoreSpec) -> None:
         redis = _redis()
         db = spec.path.strip("/") or "0"
         if not db.isdigit():
             raise InvalidInputError(f"redis database must be a number, got {db!r}")
         self.prefix = spec.params.get("prefix", "hetserve:kv:")
-        self.max_value = min(spec.size("max_value", REDIS_MAX_VALUE), REDIS_MAX_VALUE)
+        self.max_value = min(spec.size("max_value", REDIS_MAX_VALUE) or 0, REDIS_MAX_VALUE)
         self._errors = (redis.ConnectionError, redis.TimeoutError)
         self._r = redis.Redis(
             host=spec.host or "127.0.0.1",
@@ -57,7 +75,7 @@ class RedisStore(KVStore):
         )
         self._run(self._r.ping)  # fail fast on a wrong address or password
 
-    def _run(self, fn, *args):
+    def _run(self, fn: Callable[..., T], *args: Any) -> T:
         redis = _redis()
         try:
             return fn(*args)
@@ -73,49 +91,48 @@ class RedisStore(KVStore):
     def _name(self, key: Key) -> str:
         return self.prefix + normalize_key(key)
 
-    def _sealed(self, buffer: Buffer) -> bytes:
-        view = as_memoryview(buffer)
-        if len(view) > self.max_value:
-            raise ValueTooLargeError(f"value of {len(view)} B exceeds max_value={self.max_value}")
-        return checksum.seal(view)
+    # -- writes ---------------------------------------------------------------------------
+    def _put(self, names: list[str], values: list[Parts], config: ReplicateConfig) -> None:
+        commands = []
+        for name, parts in zip(names, values, strict=True):
+            n = sum(p.nbytes for p in parts)
+            if n > self.max_value:
+                raise ValueTooLargeError(f"value of {n} B exceeds max_value={self.max_value}")
+            head = checksum.pack_header(n, checksum.digest_parts(parts))
+            commands.append(_set_command((self.prefix + name).encode(), head, parts))
+        self._run(self._pipelined, commands)
 
-    def put_from(self, key: Key, buffer: Buffer, config: ReplicateConfig | None = None) -> None:
-        self._run(self._r.set, self._name(key), self._sealed(buffer))
+    def _pipelined(self, commands: list[list[bytes | memoryview]]) -> None:
+        """Send every command, then read every reply (the connection stays in step even when
+        one reply is an error, e.g. OOM, which is raised after the others are read)."""
+        pool = self._r.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command([piece for cmd in commands for piece in cmd])
+            errors = []
+            for _ in commands:
+                try:
+                    conn.read_response()
+                except _redis().ResponseError as exc:
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
+        finally:
+            pool.release(conn)
 
-    def batch_put_from(
-        self, keys: Sequence[Key], buffers: Sequence[Buffer], config: ReplicateConfig | None = None
-    ) -> None:
-        if len(keys) != len(buffers):
-            raise InvalidInputError(f"{len(keys)} keys but {len(buffers)} buffers")
-        pipe = self._r.pipeline(transaction=False)
-        for key, buf in zip(keys, buffers, strict=True):
-            pipe.set(self._name(key), self._sealed(buf))
-        self._run(pipe.execute)
-
+    # -- reads ----------------------------------------------------------------------------
     def get(self, key: Key) -> bytes | None:
         payload = checksum.open_sealed(self._run(self._r.get, self._name(key)) or b"")
         return None if payload is None else bytes(payload)
 
-    def get_into(self, key: Key, buffer: Buffer) -> int | None:
-        return self.batch_get_into([key], [buffer])[0]
+    def _get_into(self, names: list[str], dests: list[Parts], exact: bool) -> list[int | None]:
+        blobs = self._run(self._r.mget, [self.prefix + n for n in names])
+        return [
+            checksum.unseal_into(blob, dest, exact, name)
+            for blob, dest, name in zip(blobs, dests, names, strict=True)
+        ]
 
-    def batch_get_into(self, keys: Sequence[Key], buffers: Sequence[Buffer]) -> list[int | None]:
-        if len(keys) != len(buffers):
-            raise InvalidInputError(f"{len(keys)} keys but {len(buffers)} buffers")
-        views = [as_memoryview(b, writable=True) for b in buffers]
-        blobs = self._run(self._r.mget, [self._name(k) for k in keys]) if keys else []
-        out: list[int | None] = []
-        for blob, view in zip(blobs, views, strict=True):
-            payload = checksum.open_sealed(blob or b"")
-            if payload is None:
-                out.append(None)
-                continue
-            if len(payload) > len(view):
-                raise BufferTooSmallError(f"buffer of {len(view)} B < value of {len(payload)} B")
-            view[: len(payload)] = payload
-            out.append(len(payload))
-        return out
-
+    # -- the rest -------------------------------------------------------------------------
     def exists(self, key: Key) -> bool:
         return bool(self._run(self._r.exists, self._name(key)))
 
@@ -125,6 +142,16 @@ class RedisStore(KVStore):
             pipe.exists(self._name(key))
         found = self._run(pipe.execute) if keys else []
         return next((i for i, f in enumerate(found) if not f), len(keys))
+
+    def batch_locate(self, keys: Sequence[Key]) -> list[str | None]:
+        n = self.batch_exists(keys)
+        return [TIER_REDIS] * n + [None] * (len(keys) - n)
+
+    def tiers(self) -> list[TierInfo]:
+        """Used and maximum memory of the whole server (`maxmemory` 0, no limit: None)."""
+        info = self._run(self._r.info, "memory")
+        cap = int(info.get("maxmemory", 0)) or None
+        return [TierInfo(TIER_REDIS, cap, int(info["used_memory"]), shared=True)]
 
     def remove(self, key: Key) -> bool:
         return bool(self._run(self._r.delete, self._name(key)))

@@ -10,10 +10,11 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 
 from hetserve.store import checksum
-from hetserve.store.api import BufferTooSmallError
+from hetserve.transfer.iov import preadv_all, writev_all
 
 SUFFIX = ".hskv"
 
@@ -40,40 +41,64 @@ class SsdTier:
     def __contains__(self, key: str) -> bool:
         return key in self._sizes
 
-    def write(self, key: str, payload: memoryview, value_digest: int) -> list[str]:
-        """Store one object, evicting LRU files to fit; returns the keys evicted."""
+    def write(self, key: str, parts: Sequence[memoryview], value_digest: int) -> list[str]:
+        """Store one object (the concatenation of `parts`, gathered by writev: no staging copy),
+        evicting LRU files to fit; returns the keys evicted."""
+        n = sum(p.nbytes for p in parts)
         self.remove(key)
         evicted = []
-        while self._sizes and self.used + len(payload) > self.capacity:
+        while self._sizes and self.used + n > self.capacity:
             old, _ = next(iter(self._sizes.items()))
             self.remove(old)
             evicted.append(old)
         tmp = self._path(key).with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(checksum.pack_header(len(payload), value_digest))
-            f.write(payload)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            writev_all(fd, [memoryview(checksum.pack_header(n, value_digest)), *parts])
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # e.g. a full disk: leave no half file behind
+            raise
+        finally:
+            os.close(fd)
         os.replace(tmp, self._path(key))  # a reader never sees half a file under the final name
-        self._sizes[key] = len(payload)
-        self.used += len(payload)
+        self._sizes[key] = n
+        self.used += n
         return evicted
 
     def size(self, key: str) -> int | None:
         return self._sizes.get(key)
 
-    def read_into(self, key: str, dst: memoryview) -> tuple[int, int] | None:
-        """Read the payload into `dst`; (length, digest as stored) or None if the file is bad.
-        The caller verifies the digest of what landed in `dst`."""
+    def read_into(self, key: str, parts: Sequence[memoryview]) -> tuple[int, int] | None:
+        """Scatter the payload over `parts` (one preadv; they total its size); (length, digest
+        as stored) or None if the file is bad. The caller verifies what landed in `parts`."""
         n = self._sizes[key]
-        if len(dst) < n:
-            raise BufferTooSmallError(f"buffer of {len(dst)} bytes < value of {n} bytes")
+        assert sum(p.nbytes for p in parts) == n, "the caller fits parts to the size"
         try:
-            with open(self._path(key), "rb", buffering=0) as f:
-                head = checksum.unpack_header(f.read(checksum.HEADER.size))
-                if head is None or head[0] != n or f.readinto(dst[:n]) != n:
-                    return None
+            fd = os.open(self._path(key), os.O_RDONLY)
         except OSError:
             return None
+        try:
+            head = checksum.unpack_header(os.pread(fd, checksum.HEADER.size, 0))
+            if head is None or head[0] != n or preadv_all(fd, parts, checksum.HEADER.size) != n:
+                return None
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
         return n, head[1]
+
+    def drop_cache(self, key: str) -> None:
+        """Evict the object's pages from the page cache, so its next read comes from the disk
+        (flushed first: the kernel keeps dirty pages)."""
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
     def remove(self, key: str) -> bool:
         n = self._sizes.pop(key, None)

@@ -14,28 +14,32 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from hetserve.store.api import (
     DEFAULT_MAX_VALUE,
-    Buffer,
-    BufferTooSmallError,
-    InvalidInputError,
+    TIER_POOL,
+    TIER_POOL_SHM,
     InvalidKeyError,
     Key,
     KVStore,
+    Parts,
     ReplicateConfig,
     StoreCapacityError,
+    StoreError,
     StoreUnavailableError,
+    TierInfo,
     ValueTooLargeError,
-    as_memoryview,
+    fit_parts,
     normalize_key,
 )
 from hetserve.store.pool import protocol as P
 from hetserve.store.pool.links import TRANSPORT_ERRORS, ConnPool, NodeLink, Transfer
 from hetserve.store.registry import StoreSpec, register_backend
-from hetserve.transfer.tcp import FrameClient, RemoteError
+from hetserve.transfer.tcp import FrameClient, Meta, RemoteError
 
-_ERRORS = {
+Replica = list[Any]  # [node id, segment, offset] as the master sends it
+_ERRORS: dict[str, type[StoreError]] = {
     "capacity": StoreCapacityError,
     "too_large": ValueTooLargeError,
     "bad_key": InvalidKeyError,
@@ -60,7 +64,7 @@ class PoolStore(KVStore):
         self._call(P.NODES, {})  # fail fast on a wrong address or token
 
     # -- master ---------------------------------------------------------------------------
-    def _call(self, op: int, meta: dict) -> dict:
+    def _call(self, op: int, meta: Meta) -> Meta:
         deadline = time.monotonic() + self.reconnect
         while True:
             try:
@@ -86,7 +90,7 @@ class PoolStore(KVStore):
             self._master.give(conn)
             return reply
 
-    def _links_for(self, infos: dict[str, dict], epoch: int | None = None) -> None:
+    def _links_for(self, infos: dict[str, Meta], epoch: int | None = None) -> None:
         with self._lock:
             for node_id, info in infos.items():
                 link = self._links.get(node_id)
@@ -119,34 +123,30 @@ class PoolStore(KVStore):
         return {i: ok for batch in results for i, ok in batch}
 
     # -- writes ---------------------------------------------------------------------------
-    def put_from(self, key: Key, buffer: Buffer, config: ReplicateConfig | None = None) -> None:
-        self.batch_put_from([key], [buffer], config)
-
-    def batch_put_from(
-        self, keys: Sequence[Key], buffers: Sequence[Buffer], config: ReplicateConfig | None = None
-    ) -> None:
-        if len(keys) != len(buffers):
-            raise InvalidInputError(f"{len(keys)} keys but {len(buffers)} buffers")
-        if not keys:
-            return
-        names = [normalize_key(k) for k in keys]
-        views = [as_memoryview(b) for b in buffers]
-        for v in views:
-            if len(v) > self.max_value:
-                raise ValueTooLargeError(f"value of {len(v)} B exceeds max_value={self.max_value}")
-        failed = self._put_once(names, views, config or ReplicateConfig())
+    def _put(self, names: list[str], values: list[Parts], config: ReplicateConfig) -> None:
+        sizes = [sum(p.nbytes for p in parts) for parts in values]
+        for n in sizes:
+            if n > self.max_value:
+                raise ValueTooLargeError(f"value of {n} B exceeds max_value={self.max_value}")
+        failed = self._put_once(names, values, sizes, config)
         if failed:  # a node died under the write: once more, on fresh space
             failed = self._put_once(
-                [names[i] for i in failed], [views[i] for i in failed], config or ReplicateConfig()
+                [names[i] for i in failed],
+                [values[i] for i in failed],
+                [sizes[i] for i in failed],
+                config,
             )
             if failed:
                 raise StoreUnavailableError(f"{len(failed)} puts failed: their nodes died")
 
-    def _put_once(self, names: list[str], views: list[memoryview], cfg: ReplicateConfig):
+    def _put_once(
+        self, names: list[str], values: list[Parts], sizes: list[int], cfg: ReplicateConfig
+    ) -> list[int]:
+        """One attempt at the batch; the indices of puts whose node died under them."""
         reply = self._call(
             P.PUT_START,
             {
-                "puts": [{"key": k, "size": len(v)} for k, v in zip(names, views, strict=True)],
+                "puts": [{"key": k, "size": n} for k, n in zip(names, sizes, strict=True)],
                 "replica_num": cfg.replica_num,
                 "preferred": cfg.preferred_segment,
                 "soft_pin": cfg.soft_pin,
@@ -155,13 +155,13 @@ class PoolStore(KVStore):
         self._links_for(reply["nodes"])
         groups: dict[str, list[Transfer]] = defaultdict(list)
         per_put: list[list[Transfer]] = []
-        error = None
+        error: StoreError | None = None
         for i, put in enumerate(reply["puts"]):
             if "error" in put:
                 error = error or _ERRORS.get(put["code"], StoreUnavailableError)(put["error"])
                 per_put.append([])
                 continue
-            ts = [Transfer(i, seg, off, len(views[i]), views[i]) for _, seg, off in put["replicas"]]
+            ts = [Transfer(i, seg, off, sizes[i], values[i]) for _, seg, off in put["replicas"]]
             for (node, _, _), t in zip(put["replicas"], ts, strict=True):
                 groups[node].append(t)
             per_put.append(ts)
@@ -186,24 +186,18 @@ class PoolStore(KVStore):
         return failed
 
     # -- reads ----------------------------------------------------------------------------
-    def get_into(self, key: Key, buffer: Buffer) -> int | None:
-        return self.batch_get_into([key], [buffer])[0]
-
-    def batch_get_into(self, keys: Sequence[Key], buffers: Sequence[Buffer]) -> list[int | None]:
-        if len(keys) != len(buffers):
-            raise InvalidInputError(f"{len(keys)} keys but {len(buffers)} buffers")
-        if not keys:
-            return []
-        names = [normalize_key(k) for k in keys]
-        views = [as_memoryview(b, writable=True) for b in buffers]
+    def _get_into(self, names: list[str], dests: list[Parts], exact: bool) -> list[int | None]:
         reply = self._call(P.LOCATE, {"keys": names})
-        for obj, view in zip(reply["objects"], views, strict=True):
-            if obj is not None and obj["size"] > len(view):
-                raise BufferTooSmallError(f"buffer of {len(view)} B < value of {obj['size']} B")
-        return self._read(reply, views)
+        # Cut every destination before reading any: a caller's size error leaves nothing half
+        # read.
+        cut = [
+            None if obj is None else fit_parts(dest, obj["size"], exact, name)
+            for obj, dest, name in zip(reply["objects"], dests, names, strict=True)
+        ]
+        return self._read(reply, cut)
 
-    def _read(self, reply: dict, views: list[memoryview]) -> list[int | None]:
-        """Fetch located objects into `views`, trying the next replica where one fails."""
+    def _read(self, reply: Meta, dests: list[Parts | None]) -> list[int | None]:
+        """Fetch located objects into `dests`, trying the next replica where one fails."""
         self._links_for(reply["nodes"], reply["epoch"])
         objects = reply["objects"]
         result: list[int | None] = [None] * len(objects)
@@ -212,10 +206,11 @@ class PoolStore(KVStore):
             groups: dict[str, list[Transfer]] = defaultdict(list)
             for i in todo:
                 reps = self._replica_order(objects[i]["replicas"])
-                if attempt < len(reps):
+                dest = dests[i]
+                if attempt < len(reps) and dest is not None:
                     node, seg, off = reps[attempt]
-                    t = Transfer(i, seg, off, objects[i]["size"], views[i], objects[i]["digest"])
-                    groups[node].append(t)
+                    size, value_digest = objects[i]["size"], objects[i]["digest"]
+                    groups[node].append(Transfer(i, seg, off, size, dest, value_digest))
             if not groups:
                 break
             ok = self._run_per_node("read", groups)
@@ -226,11 +221,13 @@ class PoolStore(KVStore):
             todo = [i for i in todo if result[i] is None]
         return result
 
-    def _replica_order(self, replicas: list[list]) -> list[list]:
+    def _mapped(self, node_id: str) -> bool:
+        link = self._links.get(node_id)
+        return link is not None and link.shm
+
+    def _replica_order(self, replicas: list[Replica]) -> list[Replica]:
         """Replicas this host can map first: a memcpy beats any socket."""
-        return sorted(
-            replicas, key=lambda r: self._links.get(r[0]) is None or self._links[r[0]].views is None
-        )
+        return sorted(replicas, key=lambda r: not self._mapped(r[0]))
 
     def get(self, key: Key) -> bytes | None:
         reply = self._call(P.LOCATE, {"keys": [normalize_key(key)]})
@@ -238,7 +235,8 @@ class PoolStore(KVStore):
         if obj is None:
             return None
         out = bytearray(obj["size"])
-        return bytes(out) if self._read(reply, [memoryview(out)])[0] is not None else None
+        got = self._read(reply, [[memoryview(out)]])[0]
+        return bytes(out) if got is not None else None
 
     # -- the rest -------------------------------------------------------------------------
     def exists(self, key: Key) -> bool:
@@ -252,7 +250,32 @@ class PoolStore(KVStore):
     def remove(self, key: Key) -> bool:
         return self._call(P.REMOVE, {"key": normalize_key(key)})["removed"]
 
-    def stats(self) -> dict:
+    def batch_locate(self, keys: Sequence[Key]) -> list[str | None]:
+        names = [normalize_key(k) for k in keys]
+        if not names:
+            return []
+        reply = self._call(P.EXISTS, {"keys": names, "where": True})
+        self._links_for(reply["nodes"])
+        tiers: list[str | None] = [
+            TIER_POOL_SHM if any(self._mapped(n) for n in nodes) else TIER_POOL
+            for nodes in reply["where"]
+        ]
+        return tiers + [None] * (len(names) - len(tiers))
+
+    def tiers(self) -> list[TierInfo]:
+        """ "pool-shm": the nodes this host maps; "pool": the others (with no node at all,
+        "pool" alone, empty)."""
+        stats = self.stats()
+        self._links_for(stats["node_infos"])
+        usage: dict[str, list[int]] = {}
+        for node_id, (used, capacity) in stats["per_node"].items():
+            row = usage.setdefault(TIER_POOL_SHM if self._mapped(node_id) else TIER_POOL, [0, 0])
+            row[0] += used
+            row[1] += capacity
+        rows = sorted(usage.items()) or [(TIER_POOL, [0, 0])]
+        return [TierInfo(name, cap, used, shared=True) for name, (used, cap) in rows]
+
+    def stats(self) -> Meta:
         """Usage and membership; the master checks its invariants while answering."""
         return self._call(P.STATS, {})
 

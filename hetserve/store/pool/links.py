@@ -7,6 +7,7 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from hetserve.store import checksum
 from hetserve.store.pool import protocol as P
@@ -43,18 +44,19 @@ class ConnPool:
 
 @dataclass
 class Transfer:
-    """One object on one replica: (segment, offset, size) and the caller's memory."""
+    """One object on one replica: (segment, offset, size) and the caller's memory, as parts
+    that total `size` (scatter-gather: the engine's block lies in one piece per layer)."""
 
     index: int  # position in the caller's batch
     segment: int
     offset: int
     size: int
-    buf: memoryview
+    parts: list[memoryview]
     digest: int | None = None  # reads: expected; writes: filled in
 
 
 class NodeLink:
-    def __init__(self, info: dict, token: str, use_shm: bool, timeout: float) -> None:
+    def __init__(self, info: dict[str, Any], token: str, use_shm: bool, timeout: float) -> None:
         self.info = info
         host, port = info["host"], info["port"]
         self.conns = ConnPool(lambda: FrameClient(host, port, token, timeout))
@@ -64,12 +66,19 @@ class NodeLink:
                 attach(info["pid"], s["fd"], s["size"], s["nonce"], s["kind"] == "dram")
                 for s in info["segments"]
             ]
-            self.views = views if all(v is not None for v in views) else None
+            self.views = [v for v in views if v is not None]
+            if len(self.views) != len(views):
+                self.views = None
+
+    @property
+    def shm(self) -> bool:
+        """Whether this node's memory is mapped here (reads and writes are memcpy)."""
+        return self.views is not None
 
     def read(self, items: Sequence[Transfer]) -> list[bool]:
-        """Fill each item's buffer; True where the bytes match their digest."""
+        """Fill each item's parts; True where the bytes match their digest."""
         if self.views is not None:
-            return [self._shm_read(t) for t in items]
+            return [self._shm_read(self.views, t) for t in items]
         ok = [False] * len(items)
         try:
             conn = self.conns.take()
@@ -79,25 +88,25 @@ class NodeLink:
             for t in items:
                 conn.send(P.READ, {"seg": t.segment, "off": t.offset, "len": t.size})
             for i, t in enumerate(items):
-                dest = t.buf[: t.size]
-                conn.recv(t.size, sink=lambda _op, _m, n, d=dest: d if n == len(d) else None)
-                ok[i] = checksum.digest(dest) == t.digest
+                conn.recv_into(t.parts)  # straight into the caller's parts (recvmsg_into)
+                ok[i] = checksum.digest_parts(t.parts) == t.digest
         except TRANSPORT_ERRORS:
             conn.close()  # replies may be half read: this connection is unusable
             return ok
         self.conns.give(conn)
         return ok
 
-    def _shm_read(self, t: Transfer) -> bool:
-        src = self.views[t.segment][t.offset : t.offset + t.size]
-        return checksum.copy_and_digest(t.buf, src) == t.digest
+    @staticmethod
+    def _shm_read(views: list[memoryview], t: Transfer) -> bool:
+        src = views[t.segment][t.offset : t.offset + t.size]
+        return checksum.copy_and_digest_parts(t.parts, [src]) == t.digest
 
     def write(self, items: Sequence[Transfer]) -> list[bool]:
-        """Copy each item's buffer to the node, setting its digest; True where it landed."""
+        """Copy each item's parts to the node, setting its digest; True where it landed."""
         if self.views is not None:
             for t in items:
                 dst = self.views[t.segment][t.offset : t.offset + t.size]
-                t.digest = checksum.copy_and_digest(dst, t.buf)
+                t.digest = checksum.copy_and_digest_parts([dst], t.parts)
             return [True] * len(items)
         ok = [False] * len(items)
         try:
@@ -106,8 +115,9 @@ class NodeLink:
             return ok
         try:
             for t in items:
-                t.digest = checksum.digest(t.buf)
-                conn.send(P.WRITE, {"seg": t.segment, "off": t.offset, "len": t.size}, t.buf)
+                t.digest = checksum.digest_parts(t.parts)
+                meta = {"seg": t.segment, "off": t.offset, "len": t.size}
+                conn.send_parts(P.WRITE, meta, t.parts)  # gathered by sendmsg, not copied
             for i in range(len(items)):
                 conn.recv()
                 ok[i] = True

@@ -16,7 +16,7 @@ import time
 from hetserve.store.api import DEFAULT_MAX_VALUE
 from hetserve.store.pool import protocol as P
 from hetserve.store.pool.metadata import Obj, PoolMetadata
-from hetserve.transfer.tcp import FrameServer, RequestError
+from hetserve.transfer.tcp import Data, FrameServer, Meta, Reply, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -166,27 +166,39 @@ class PoolMaster:
             epoch = self.meta.epoch
         return {"objects": found, "nodes": infos, "epoch": epoch}, None
 
-    def _exists(self, _s, meta: dict, _data) -> tuple[dict, None]:
+    def _exists(self, _s: Meta, meta: Meta, _data: Data) -> Reply:
+        """The length of the present prefix; with "where", also each of those keys' replica
+        nodes and the nodes' infos (a client tells which it maps). Unlike LOCATE, no lease."""
         keys = [P.want_key(k) for k in P.want_list(meta["keys"], "keys")]
         with self._lock:
             n = next((i for i, k in enumerate(keys) if k not in self.meta.objects), len(keys))
-        return {"prefix": n}, None
+            if not meta.get("where"):
+                return {"prefix": n}, None
+            where = [[r.node for r in self.meta.objects[k].replicas] for k in keys[:n]]
+            infos = self._node_infos({node for nodes in where for node in nodes})
+        return {"prefix": n, "where": where, "nodes": infos}, None
 
     def _remove(self, _s, meta: dict, _data) -> tuple[dict, None]:
         key = P.want_key(meta["key"])
         with self._lock:
             return {"removed": self.meta.remove(key)}, None
 
-    def _stats(self, _s, _meta, _data) -> tuple[dict, None]:
+    def _stats(self, _s: Meta, _meta: Meta, _data: Data) -> Reply:
         with self._lock:
             used, cap = self.meta.usage()
             self.meta.check_integrity()
+            per_node = {
+                n.node_id: [sum(a.used for a in n.allocs), sum(a.capacity for a in n.allocs)]
+                for n in self.meta.nodes.values()
+            }
             return {
                 "used": used,
                 "capacity": cap,
                 "objects": len(self.meta.objects),
                 "nodes": sorted(self.meta.nodes),
                 "epoch": self.meta.epoch,
+                "per_node": per_node,
+                "node_infos": self._node_infos(set(per_node)),
             }, None
 
     def _nodes(self, _s, _meta, _data) -> tuple[dict, None]:
