@@ -108,12 +108,14 @@ TIER_MOONCAKE, TIER_REDIS = "mooncake", "redis"
 class TierInfo:
     """One tier a store reads from, for a startup line and metrics. `capacity`/`used` are
     bytes, None where the backend cannot tell; `shared` says whether other processes see the
-    objects (so writing prompt blocks through at once lets other instances reuse them)."""
+    objects (so writing prompt blocks through at once lets other instances reuse them);
+    `placeable`: a put with `ReplicateConfig(preferred_segment=name)` lands in this tier."""
 
     name: str
     capacity: int | None
     used: int | None
     shared: bool
+    placeable: bool = False
 
 
 def normalize_key(key: Key) -> str:

@@ -179,9 +179,11 @@ class LocalStore(KVStore):
 
     def tiers(self) -> list[TierInfo]:
         with self._lock:
-            out = [TierInfo(TIER_DRAM, self.dram_capacity, self._alloc.used, shared=False)]
+            out = [TierInfo(TIER_DRAM, self.dram_capacity, self._alloc.used, False, placeable=True)]
             if self.ssd is not None:
-                out.append(TierInfo(TIER_SSD, self.ssd.capacity, self.ssd.used, shared=False))
+                out.append(
+                    TierInfo(TIER_SSD, self.ssd.capacity, self.ssd.used, False, placeable=True)
+                )
             return out
 
     def _make_cold(self, key: Key) -> None:
