@@ -4,9 +4,11 @@ single and batched, against memcpy on this machine and Mooncake Store over TCP o
     hetserve bench store --backend local --backend pool --sizes 4K,1M,16M --json out.json
 
 `--backend` takes a spec (`pool://host:port`, `redis://...`) or a shorthand the bench starts for
-the run: `local` (in-process DRAM), `pool` (a master and one node on loopback, shared-memory path)
-and `pool-tcp` (the same, forced over TCP). Goals: pool >= 1.0x Mooncake at 1M and 16M; local
-DRAM >= 0.5x memcpy.
+the run: `local` (in-process DRAM), `pool` (a master and one node on loopback, shared-memory path),
+`pool-tcp` (the same, forced over TCP), `redis` (a redis-server on loopback) and `mooncake`
+(hetserve's mooncake:// backend on a Mooncake Store on loopback). Goals: pool >= 1.0x Mooncake
+at 1M and 16M; local DRAM >= 0.5x memcpy. `--parts N` adds rows where each value lies in N
+buffers (`bench/store_parts.py`): moved as parts, and gathered by the caller into one buffer.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from hetserve.errors import InvalidInputError
+
+CONTIGUOUS = "1"  # the layout label of one buffer per value
 SHORTHANDS = {"local": "local://?dram=2G", "pool": "pool", "pool-tcp": "pool"}
 
 
@@ -30,7 +35,13 @@ def register(bench_sub) -> None:
         "--backend",
         action="append",
         default=None,
-        help="store spec or local|pool|pool-tcp (repeatable; default local and pool)",
+        help="store spec or local|pool|pool-tcp|redis|mooncake (repeatable; default local, pool)",
+    )
+    p.add_argument(
+        "--parts",
+        type=int,
+        default=0,
+        help="also move each value as N separate buffers (96: a 48-layer model's KV block)",
     )
     p.add_argument("--sizes", default="4K,1M,16M", help="value sizes, comma separated")
     p.add_argument("--total", default="256M", help="bytes moved per size and mode (bounds ops)")
@@ -65,6 +76,7 @@ def _row(
         "p50_ms": statistics.median(lat_ms),
         "p99_ms": lat_ms[min(len(lat_ms) - 1, int(0.99 * len(lat_ms)))],
         "misses": misses,
+        "layout": CONTIGUOUS,
     }
 
 
@@ -86,25 +98,41 @@ def _store_ops(store, size: int, batch: int) -> Ops:
     )
 
 
-def _measure(name: str, ops: Ops, size: int, n: int, batch: int, tick) -> list[dict]:
+def _measure(
+    name: str, variants: list[tuple[str, Ops]], size: int, n: int, batch: int, tick
+) -> list[dict]:
+    """Rows for each variant (its layout label, its ops). Variants take turns op by op, so a
+    neighbour's burst on a shared box slows them alike and their ratio stays fair."""
     tag = uuid.uuid4().hex[:8]
-    keys = [f"bench-{tag}-{size}-{i}" for i in range(n)]
-    ops.put1(f"warmup-{tag}")  # connections, maps and lazy setup are not what we measure
-    ops.get1(f"warmup-{tag}")
-    it = iter(keys)
-    rows = [_row(name, size, "single", "put", _timed(lambda: ops.put1(next(it)), n, tick), 1)]
-    it, hits = iter(keys), []
-    lat = _timed(lambda: hits.append(ops.get1(next(it))), n, tick)
-    rows.append(_row(name, size, "single", "get", lat, 1, n - sum(hits)))
-    groups = [[f"{k}-b" for k in keys[i : i + batch]] for i in range(0, n - batch + 1, batch)]
-    it = iter(groups)
-    lat = _timed(lambda: ops.putb(next(it)), len(groups), tick)
-    rows.append(_row(name, size, f"batch{batch}", "put", lat, batch))
-    it, got = iter(groups), []
-    lat = _timed(lambda: got.append(ops.getb(next(it))), len(groups), tick)
-    rows.append(
-        _row(name, size, f"batch{batch}", "get", lat, batch, len(groups) * batch - sum(got))
-    )
+    keys = {p: [f"bench-{tag}-{size}-{p}-{i}" for i in range(n)] for p, _ in variants}
+    for p, ops in variants:  # connections, maps and lazy setup are not what we measure
+        ops.put1(f"warmup-{tag}-{p}")
+        ops.get1(f"warmup-{tag}-{p}")
+    groups = {
+        p: [[f"{k}-b" for k in ks[i : i + batch]] for i in range(0, n - batch + 1, batch)]
+        for p, ks in keys.items()
+    }
+    m = len(groups[variants[0][0]])
+    calls = [  # (mode, op, per call, calls, fn(variant's ops, i) -> hits or None)
+        ("single", "put", 1, n, lambda o, p, i: o.put1(keys[p][i])),
+        ("single", "get", 1, n, lambda o, p, i: o.get1(keys[p][i])),
+        (f"batch{batch}", "put", batch, m, lambda o, p, i: o.putb(groups[p][i])),
+        (f"batch{batch}", "get", batch, m, lambda o, p, i: o.getb(groups[p][i])),
+    ]
+    rows = []
+    for mode, op, per_call, count, fn in calls:
+        lat: dict[str, list[float]] = {p: [] for p, _ in variants}
+        hits: dict[str, int] = {p: 0 for p, _ in variants}
+        for i in range(count):
+            for p, ops in variants:
+                t = time.perf_counter()
+                got = fn(ops, p, i)
+                lat[p].append(time.perf_counter() - t)
+                hits[p] += int(got) if op == "get" else 0
+                tick()
+        for p, _ in variants:
+            misses = count * per_call - hits[p] if op == "get" else 0
+            rows.append({**_row(name, size, mode, op, lat[p], per_call, misses), "layout": p})
     return rows
 
 
@@ -122,13 +150,20 @@ def _memcpy(size: int, n: int) -> dict:
 
 @contextlib.contextmanager
 def _open_backend(spec: str) -> Iterator[tuple[str, object]]:
-    from hetserve.bench.store_peers import local_pool
+    from hetserve.bench.store_peers import local_mooncake_spec, local_pool, local_redis
     from hetserve.store import open_store
 
     if spec in ("pool", "pool-tcp"):
         with local_pool(nodes=1, dram="2G") as pool_spec:
             suffix = "?shm=0" if spec == "pool-tcp" else ""
             with open_store(pool_spec + suffix) as store:
+                yield spec, store
+        return
+    if spec in ("redis", "mooncake"):
+        with local_redis() if spec == "redis" else local_mooncake_spec() as started:
+            if started is None:
+                raise InvalidInputError(f"--backend {spec}: its server is not installed here")
+            with open_store(started) as store:
                 yield spec, store
         return
     with open_store(SHORTHANDS.get(spec, spec)) as store:
@@ -192,6 +227,7 @@ def _plan(size: int, total: int) -> tuple[int, int]:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from hetserve.bench.store_parts import add_layout_ratios, layout_variants
     from hetserve.store.registry import parse_size
 
     sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -199,7 +235,9 @@ def run(args: argparse.Namespace) -> int:
     backends = args.backend or ["local", "pool"]
     plans = {size: _plan(size, total) for size in sizes}
     peers = 0 if args.no_mooncake else 1
-    steps = sum(2 * n + 2 * (n // b) for n, b in plans.values()) * (len(backends) + peers)
+    per_backend = 3 if args.parts > 1 else 1
+    steps = sum(2 * n + 2 * (n // b) for n, b in plans.values())
+    steps *= len(backends) * per_backend + peers
     rows: list[dict] = []
     with tqdm(total=steps, desc="bench store", unit="op", leave=False) as bar:
         rows += [_memcpy(size, plans[size][0]) for size in sizes]
@@ -210,15 +248,20 @@ def run(args: argparse.Namespace) -> int:
                     # memcpy again right before: on a shared box the ratio must compare
                     # numbers taken under the same neighbours' load.
                     ref = _memcpy(size, n)["gbps_p50"]
-                    measured = _measure(name, _store_ops(store, size, b), size, n, b, bar.update)
+                    variants = [(CONTIGUOUS, _store_ops(store, size, b))]
+                    if args.parts > 1:
+                        more = layout_variants(store, size, b, args.parts)
+                        variants += [(label, Ops(*fns)) for label, fns in more]
+                    measured = _measure(name, variants, size, n, b, bar.update)
                     rows += [{**r, "memcpy_ref_gbps_p50": ref} for r in measured]
         if peers:
             for size in sizes:
                 n, b = plans[size]
                 with _mooncake_ops(size, b) as ops:
                     if ops is not None:
-                        rows += _measure("mooncake", ops, size, n, b, bar.update)
+                        rows += _measure("mooncake", [(CONTIGUOUS, ops)], size, n, b, bar.update)
     _add_ratios(rows)
+    add_layout_ratios(rows)
     print("\n" + format_table(rows))
     if args.json:
         with open(args.json, "w") as f:
@@ -250,18 +293,27 @@ def _fmt_size(n: int) -> str:
 
 def format_table(rows: list[dict]) -> str:
     head = (
-        f"{'backend':<10}{'size':>6} {'mode':<8}{'op':<5}{'GB/s':>8}{'GB/s@p50':>9}"
-        f"{'ops/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'xmemcpy':>9}{'xmooncake':>10}{'miss':>6}"
+        f"{'backend':<10}{'size':>6} {'mode':<8}{'parts':>6} {'op':<5}{'GB/s':>8}{'GB/s@p50':>9}"
+        f"{'ops/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'xmemcpy':>9}{'xmooncake':>10}{'xcontig':>8}"
+        f"{'xstaged':>8}{'miss':>6}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         ratio = lambda x: "" if x is None else f"{x:.2f}x"  # noqa: E731
         lines.append(
-            f"{r['backend']:<10}{_fmt_size(r['size']):>6} {r['mode']:<8}{r['op']:<5}"
+            f"{r['backend']:<10}{_fmt_size(r['size']):>6} {r['mode']:<8}{r['layout']:>6} "
+            f"{r['op']:<5}"
             f"{r['gbps']:>8.2f}{r['gbps_p50']:>9.2f}{r['ops_per_s']:>10.0f}{r['p50_ms']:>9.3f}"
             f"{r['p99_ms']:>9.3f}"
-            f"{ratio(r['vs_memcpy']):>9}{ratio(r['vs_mooncake']):>10}{r['misses']:>6}"
+            f"{ratio(r['vs_memcpy']):>9}{ratio(r['vs_mooncake']):>10}"
+            f"{ratio(r.get('vs_contiguous')):>8}{ratio(r.get('vs_staged')):>8}{r['misses']:>6}"
         )
     lines.append("GB/s: total bytes / total time; GB/s@p50: per median op (ratios use it)")
     lines.append("goals: pool >= 1.00x mooncake at 1M and 16M; local >= 0.50x memcpy")
+    lines.append(
+        "parts: 1 one buffer per value; N the value in N buffers (put_parts/get_into_parts);"
+    )
+    lines.append(
+        "       Ns the N buffers gathered by the caller into one and moved as one (xstaged)"
+    )
     return "\n".join(lines)

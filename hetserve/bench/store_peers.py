@@ -122,3 +122,43 @@ def local_mooncake(segment: str = "1GB") -> Iterator[tuple[str, str] | None]:
         )
         _wait_port(hport, h)
         yield f"127.0.0.1:{rpc}", metadata
+
+
+@contextlib.contextmanager
+def local_redis(maxmemory: str = "2gb") -> Iterator[str | None]:
+    """A redis-server on loopback (no persistence, LRU eviction); yields its redis:// spec, or
+    None when redis-server is not installed."""
+    exe = shutil.which("redis-server") or shutil.which("valkey-server")
+    if exe is None:
+        yield None
+        return
+    with _processes() as procs:
+        port = free_port()
+        cmd = [
+            exe,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--maxmemory",
+            maxmemory,
+            "--maxmemory-policy",
+            "allkeys-lru",
+        ]
+        _wait_port(port, _spawn(procs, cmd))
+        yield f"redis://127.0.0.1:{port}/0"
+
+
+@contextlib.contextmanager
+def local_mooncake_spec(buffer: str = "256M") -> Iterator[str | None]:
+    """hetserve's mooncake:// backend on a Mooncake Store started on loopback (None: not
+    installed). The client contributes no memory: the segment holder has it all."""
+    with local_mooncake() as addr:
+        if addr is None:
+            yield None
+            return
+        yield f"mooncake://{addr[0]}?metadata={addr[1]}&segment=0&buffer={buffer}"

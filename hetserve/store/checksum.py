@@ -45,9 +45,8 @@ def copy_and_digest(dst: memoryview, src: memoryview) -> int:
 def copy_and_digest_parts(dst: Sequence[memoryview], src: Sequence[memoryview]) -> int:
     """Copy the bytes of `src` (buffers in order) over `dst` (the same total, cut differently)
     and return the digest of what landed, each piece hashed right after it lands (cache-hot)."""
-    if len(dst) == 1 and len(src) == 1 and src[0].nbytes <= _CHUNK:
-        dst[0][:] = src[0]
-        return xxhash.xxh3_64_intdigest(dst[0])
+    if len(dst) == 1 or len(src) == 1:  # gather into one buffer or scatter out of one
+        return _copy_one_side(dst, src)
     h = xxhash.xxh3_64()
     di, doff = 0, 0
     for s in src:
@@ -63,6 +62,45 @@ def copy_and_digest_parts(dst: Sequence[memoryview], src: Sequence[memoryview]) 
             h.update(piece)
             soff, doff = soff + k, doff + k
     return h.intdigest()
+
+
+def _copy_one_side(dst: Sequence[memoryview], src: Sequence[memoryview]) -> int:
+    # The common cases, kept to one slice, one copy and one update per part: a KV block has
+    # ~100 parts of a few KiB, where the per-part work of the general loop costs as much as
+    # copying the bytes.
+    h = xxhash.xxh3_64()
+    off = 0
+    if len(src) == 1:  # scatter
+        one = src[0]
+        for part in dst:
+            n = part.nbytes
+            if n > _CHUNK:
+                _chunked(h, part, one[off : off + n], scatter=True)
+            else:
+                part[:] = one[off : off + n]
+                h.update(part)
+            off += n
+    else:  # gather
+        one = dst[0]
+        for part in src:
+            n = part.nbytes
+            span = one[off : off + n]
+            if n > _CHUNK:
+                _chunked(h, part, span, scatter=False)
+            else:
+                span[:] = part
+                h.update(span)
+            off += n
+    return h.intdigest()
+
+
+def _chunked(h: xxhash.xxh3_64, part: memoryview, span: memoryview, scatter: bool) -> None:
+    """A large part in L2-sized pieces, so each is hashed while still in cache."""
+    for a in range(0, part.nbytes, _CHUNK):
+        b = min(a + _CHUNK, part.nbytes)
+        dst, src = (part[a:b], span[a:b]) if scatter else (span[a:b], part[a:b])
+        dst[:] = src
+        h.update(dst)
 
 
 def pack_header(length: int, value_digest: int) -> bytes:

@@ -25,7 +25,7 @@ def local_backend(tmp_path_factory) -> Backend:
     return Backend("local", spec, 96 * MiB, _corrupt_local, shared=False)
 
 
-BACKENDS = ["local", "pool1", "pool3", "redis", "mooncake"]
+BACKENDS = ["local", "pool1", "pool3", "redis", "mooncake", "mooncake_direct"]
 
 
 # Session scope: the contract modules share one set of servers (each start costs seconds).
@@ -37,11 +37,16 @@ def backend(request) -> Backend:
     starter = getattr(servers, f"start_{name}", None)
     if starter is None:
         pytest.skip(f"{name}: backend not built yet")
-    return starter(request)
+    started = starter(request)
+    request.addfinalizer(started.close_client)  # before the servers stop (finalizers are LIFO)
+    return started
 
 
 @pytest.fixture
 def store(backend):
+    if backend.keep_client:
+        yield backend.client()
+        return
     s = backend.open()
     yield s
     s.close()

@@ -25,6 +25,19 @@ class Backend:
     capacity: int  # bytes a client can fill before eviction must start
     corrupt: Callable[[object, str], None]  # (store, key) -> damage the stored value
     shared: bool = True  # do other processes see the same objects?
+    # One client for all tests: Mooncake's client takes a second to close, every time.
+    keep_client: bool = False
+    _client: object | None = None
 
     def open(self):
         return open_store(self.spec)
+
+    def client(self):
+        if self._client is None:
+            self._client = self.open()
+        return self._client
+
+    def close_client(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None

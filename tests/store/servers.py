@@ -234,7 +234,14 @@ def start_mooncake(request) -> Backend:
     )
     wait_port(hport, holder_proc)
     spec = f"mooncake://127.0.0.1:{rpc}?metadata={metadata}&segment=0&buffer=100M&max_value=96M"
-    return Backend("mooncake", spec, 160 * MiB, corrupt_mooncake)
+    return Backend("mooncake", spec, 160 * MiB, corrupt_mooncake, keep_client=True)
+
+
+def start_mooncake_direct(request) -> Backend:
+    """The same service, moved through Mooncake's multi-buffer calls (the RDMA path) over TCP."""
+    backend = start_mooncake(request)
+    spec = backend.spec + "&gather=direct"
+    return Backend("mooncake-direct", spec, 160 * MiB, corrupt_mooncake, keep_client=True)
 
 
 def corrupt_mooncake(store, key: str) -> None:

@@ -48,7 +48,7 @@ class FakeKV:
         return [t[lo : lo + self.block_size] for t in self.tensors]
 
     def block_bytes(self, block: int) -> bytes:
-        return b"".join(p.contiguous().numpy().tobytes() for p in self.parts(block))
+        return b"".join(p.detach().view(torch.uint8).numpy().tobytes() for p in self.parts(block))
 
 
 def test_parts_round_trip_torch_kv_layout(store):
@@ -154,3 +154,13 @@ def test_tiers_describe_the_store(backend, store):
         if t.capacity is not None and t.used is not None:
             assert 0 <= t.used and 0 < t.capacity
     assert store.label.split(":")[0] == backend.spec.split(":")[0]
+
+
+def test_parts_bf16_and_grad_tensors(store):
+    src = FakeKV(layers=2, blocks=1, seed=3, dtype=torch.bfloat16)  # numpy has no bfloat16
+    src.tensors[0].requires_grad_(True)
+    dst = FakeKV(layers=2, blocks=1, dtype=torch.bfloat16)
+    key = _key("bf16")
+    store.put_parts(key, src.parts(0))
+    assert store.get_into_parts(key, dst.parts(0)) == len(src.block_bytes(0))
+    assert all(torch.equal(a.detach(), b) for a, b in zip(src.tensors, dst.tensors, strict=True))

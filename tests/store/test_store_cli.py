@@ -35,6 +35,32 @@ def test_bench_store_writes_json_with_ratios(tmp_path, capsys):
     assert "xmemcpy" in capsys.readouterr().out
 
 
+def test_bench_store_parts_layouts(tmp_path):
+    out = tmp_path / "bench.json"
+    argv = [
+        "bench",
+        "store",
+        "--backend",
+        "local://?dram=64M",
+        "--sizes",
+        "64K",
+        "--total",
+        "512K",
+        "--parts",
+        "8",
+        "--no-mooncake",
+        "--json",
+        str(out),
+    ]
+    assert main(argv) == 0
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["backend"] != "memcpy"]
+    assert {r["layout"] for r in rows} == {"1", "8", "8s"}
+    assert all(r["misses"] == 0 and r["gbps"] > 0 for r in rows)
+    split = [r for r in rows if r["layout"] != "1"]
+    assert all(r["vs_contiguous"] is not None for r in split)
+    assert all(r["vs_staged"] is not None for r in split if r["layout"] == "8")
+
+
 def test_store_cli_errors_are_one_line(capsys):
     assert main(["store", "node", "--master", "nowhere"]) == 2
     assert "--master wants HOST:PORT" in capsys.readouterr().err
