@@ -34,9 +34,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hetserve.errors import HetserveError, InvalidInputError
+
+if TYPE_CHECKING:  # torch is imported only when a tensor is passed
+    import numpy as np
+    import torch
 
 MAX_KEY_LEN = 256
 # Far above a KV block (a few MiB) yet small enough that one bad put cannot exhaust a node.
@@ -144,7 +148,7 @@ def as_memoryview(buf: Buffer, writable: bool = False) -> memoryview:
         except TypeError as exc:
             if not (hasattr(buf, "data_ptr") and hasattr(buf, "numpy")):
                 raise InvalidInputError(f"not a buffer: {type(buf).__name__}") from exc
-            view = memoryview(_tensor_array(buf))  # torch.Tensor, without importing torch
+            view = _tensor_array(buf).data  # type: ignore[arg-type]  # a torch.Tensor
     if view.format != "B" or view.ndim != 1:
         if not view.c_contiguous:
             raise InvalidInputError("store buffers must be contiguous")
@@ -180,7 +184,7 @@ def fit_parts(dest: Parts, size: int, exact: bool, name: str) -> Parts:
 _NUMPY_LACKS: set[Any] = set()  # torch dtypes .numpy() refuses (bfloat16, float8, ...)
 
 
-def _tensor_array(t: Any) -> Any:
+def _tensor_array(t: torch.Tensor) -> np.ndarray[Any, Any]:
     """The numpy array sharing a CPU tensor's memory (reinterpreted as bytes for dtypes numpy
     lacks, such as bfloat16)."""
     if not t.is_cpu:

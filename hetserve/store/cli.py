@@ -10,11 +10,23 @@ import argparse
 import logging
 import signal
 import threading
+from typing import TYPE_CHECKING, Protocol
 
 from hetserve.errors import InvalidInputError
 
+if TYPE_CHECKING:  # generic only in typeshed, not at run time
+    Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
-def register(sub) -> None:
+
+class _Service(Protocol):
+    port: int
+
+    def start(self) -> object: ...
+
+    def close(self) -> None: ...
+
+
+def register(sub: Subparsers) -> None:  # what add_subparsers returns
     p = sub.add_parser("store", help="KV store pool service (master, node)")
     ssub = p.add_subparsers(dest="store_cmd", metavar="ROLE")
     ssub.required = True
@@ -56,13 +68,13 @@ def _common(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--log-level", default="WARNING")
 
 
-def _token(args) -> str:
+def _token(args: argparse.Namespace) -> str:
     from hetserve.store.registry import env_token
 
-    return args.token if args.token is not None else env_token()
+    return str(args.token) if args.token is not None else env_token()
 
 
-def _serve_until_signal(service) -> int:
+def _serve_until_signal(service: _Service) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -73,7 +85,7 @@ def _serve_until_signal(service) -> int:
     return 0
 
 
-def _run_master(args) -> int:
+def _run_master(args: argparse.Namespace) -> int:
     from hetserve.store.pool.master import PoolMaster
     from hetserve.store.registry import parse_size
 
@@ -91,7 +103,7 @@ def _run_master(args) -> int:
     return _serve_until_signal(master)
 
 
-def _run_node(args) -> int:
+def _run_node(args: argparse.Namespace) -> int:
     from hetserve.store.pool.node import PoolNode
     from hetserve.store.registry import parse_size
 

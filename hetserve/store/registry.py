@@ -16,6 +16,7 @@ import importlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 from hetserve import envs
@@ -28,8 +29,9 @@ BACKEND_MODULES = {
     "mooncake": "hetserve.store.backends.mooncake",
     "redis": "hetserve.store.backends.redis",
 }
-_BACKENDS: dict[str, type[KVStore]] = {}
+_BACKENDS: dict[str, Callable[[StoreSpec], KVStore]] = {}
 TOKEN_ENV = envs.STORE_TOKEN
+B = TypeVar("B", bound=KVStore)
 SECRET_PARAMS = frozenset({"token", "password"})
 
 
@@ -44,7 +46,7 @@ class StoreSpec:
     def __str__(self) -> str:
         return self.redacted()
 
-    def size(self, name: str, default: int | None) -> int | None:
+    def size(self, name: str, default: int) -> int:
         raw = self.params.get(name)
         return default if raw is None else parse_size(raw)
 
@@ -72,8 +74,8 @@ def env_token() -> str:
     return envs.store_token()
 
 
-def register_backend(scheme: str) -> Callable[[type[KVStore]], type[KVStore]]:
-    def deco(cls: type[KVStore]) -> type[KVStore]:
+def register_backend(scheme: str) -> Callable[[type[B]], type[B]]:
+    def deco(cls: type[B]) -> type[B]:
         _BACKENDS[scheme] = cls
         return cls
 

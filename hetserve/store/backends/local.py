@@ -17,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from hetserve.errors import InvalidInputError
 from hetserve.store import checksum
 from hetserve.store.allocator import ExtentAllocator, aligned
 from hetserve.store.api import (
@@ -24,7 +25,6 @@ from hetserve.store.api import (
     TIER_DRAM,
     TIER_SSD,
     BufferTooSmallError,
-    InvalidInputError,
     Key,
     KVStore,
     Parts,

@@ -19,11 +19,11 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from hetserve.errors import InvalidInputError
 from hetserve.store import checksum
 from hetserve.store.api import (
     DEFAULT_MAX_VALUE,
     TIER_MOONCAKE,
-    InvalidInputError,
     Key,
     KVStore,
     Parts,
@@ -40,7 +40,7 @@ from hetserve.store.registry import StoreSpec, parse_size, register_backend
 
 def _mooncake() -> Any:
     try:
-        from mooncake import store  # type: ignore[import-not-found, unused-ignore]
+        from mooncake import store  # type: ignore[import-untyped, import-not-found, unused-ignore]
     except ImportError as exc:
         # A missing shared library (libibverbs) also surfaces as ImportError on import.
         lib = " and apt-get install libibverbs1" if "libibverbs" in str(exc) else ""
@@ -129,7 +129,7 @@ class MooncakeStore(KVStore):
         return got
 
     def exists(self, key: Key) -> bool:
-        return self._store.is_exist(normalize_key(key)) == 1
+        return bool(self._store.is_exist(normalize_key(key)) == 1)
 
     def batch_exists(self, keys: Sequence[Key]) -> int:
         found = self._store.batch_is_exist([normalize_key(k) for k in keys]) if keys else []
@@ -147,7 +147,7 @@ class MooncakeStore(KVStore):
     def remove(self, key: Key) -> bool:
         # force: a recent reader's lease must not make remove fail; a reader that races the
         # removal sees a checksum mismatch, i.e. a miss.
-        return self._store.remove(normalize_key(key), True) == 0
+        return bool(self._store.remove(normalize_key(key), True) == 0)
 
     def close(self) -> None:
         self._store.close()

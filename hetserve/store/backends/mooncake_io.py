@@ -12,6 +12,7 @@ backend picks `Staged` for TCP and `Direct` otherwise (`gather=` overrides; `het
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -152,7 +153,7 @@ class Staged:
     def put(self, names: list[str], values: list[Parts], cfg: Any) -> None:
         sizes = [HEAD + _total(parts) for parts in values]
         for run in self._chunks(sizes):
-            buf = memoryview(self._buffer(sum(sizes[i] for i in run)))
+            buf = self._buffer(sum(sizes[i] for i in run)).data
             base, ptrs, off = addr(buf), [], 0
             for i in run:
                 n = sizes[i]
@@ -163,15 +164,16 @@ class Staged:
                 ptrs.append(base + off)
                 off += n
             keys = [names[i] for i in run]
-            put_retrying(
-                lambda todo, keys=keys, ptrs=ptrs, run=run: self.client.batch_upsert_from(
-                    [keys[j] for j in todo],
-                    [ptrs[j] for j in todo],
-                    [sizes[run[j]] for j in todo],
-                    cfg,
-                ),
-                keys,
-            )
+            lens = [sizes[i] for i in run]
+            put_retrying(functools.partial(self._upsert, keys, ptrs, lens, cfg), keys)
+
+    def _upsert(
+        self, keys: list[str], ptrs: list[int], lens: list[int], cfg: Any, todo: list[int]
+    ) -> list[int]:
+        rcs: list[int] = self.client.batch_upsert_from(
+            [keys[j] for j in todo], [ptrs[j] for j in todo], [lens[j] for j in todo], cfg
+        )
+        return rcs
 
     def get(self, names: list[str], dests: list[Parts], exact: bool, cap: int) -> list[int | None]:
         """Per key the value's length, None on a miss, or -1 where Mooncake refused the read
@@ -179,7 +181,7 @@ class Staged:
         want = [HEAD + (_total(d) if exact else min(d[0].nbytes, cap)) for d in dests]
         out: list[int | None] = [None] * len(names)
         for run in self._chunks(want):
-            buf = memoryview(self._buffer(sum(want[i] for i in run)))
+            buf = self._buffer(sum(want[i] for i in run)).data
             offs = np.cumsum([0, *(want[i] for i in run)]).tolist()
             rcs = self.client.batch_get_into(
                 [names[i] for i in run], [addr(buf) + o for o in offs[:-1]], [want[i] for i in run]

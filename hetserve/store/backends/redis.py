@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any, TypeVar
 
+from hetserve.errors import InvalidInputError
 from hetserve.store import checksum
 from hetserve.store.api import (
     TIER_REDIS,
-    InvalidInputError,
     Key,
     KVStore,
     Parts,
@@ -30,12 +31,14 @@ from hetserve.store.api import (
 from hetserve.store.registry import StoreSpec, register_backend
 from hetserve.transfer.iov import sendmsg_all
 
+# redis-py's objects are typed Any here: its annotations are partial (untyped methods, replies
+# typed as str | bytes | Awaitable), which strict checking cannot use.
 T = TypeVar("T")
 
 REDIS_MAX_VALUE = 512 << 20  # Redis's own limit on one string (proto-max-bulk-len)
 
 
-def _redis() -> Any:
+def _redis() -> ModuleType:
     try:
         import redis
     except ImportError:  # an optional dependency: only redis:// users need it
@@ -83,9 +86,9 @@ class RedisStore(KVStore):
         if not db.isdigit():
             raise InvalidInputError(f"redis database must be a number, got {db!r}")
         self.prefix = spec.params.get("prefix", "hetserve:kv:")
-        self.max_value = min(spec.size("max_value", REDIS_MAX_VALUE) or 0, REDIS_MAX_VALUE)
+        self.max_value = min(spec.size("max_value", REDIS_MAX_VALUE), REDIS_MAX_VALUE)
         self._errors = (redis.ConnectionError, redis.TimeoutError)
-        self._r = redis.Redis(
+        self._r: Any = redis.Redis(
             host=spec.host or "127.0.0.1",
             port=spec.port or 6379,
             db=int(db),

@@ -98,8 +98,8 @@ class PoolStore(KVStore):
                     if link is not None:
                         link.close()
                     self._links[node_id] = NodeLink(info, self.token, self.use_shm, self.timeout)
-            stale_epoch = epoch is not None and epoch != self._epoch
-        if stale_epoch:  # membership changed: unmap nodes that are gone
+            stale = epoch != self._epoch
+        if epoch is not None and stale:  # membership changed: unmap nodes that are gone
             alive = set(self._call(P.NODES, {})["nodes"])
             with self._lock:
                 for node_id in [n for n in self._links if n not in alive]:
@@ -245,10 +245,10 @@ class PoolStore(KVStore):
     def batch_exists(self, keys: Sequence[Key]) -> int:
         if not keys:
             return 0
-        return self._call(P.EXISTS, {"keys": [normalize_key(k) for k in keys]})["prefix"]
+        return int(self._call(P.EXISTS, {"keys": [normalize_key(k) for k in keys]})["prefix"])
 
     def remove(self, key: Key) -> bool:
-        return self._call(P.REMOVE, {"key": normalize_key(key)})["removed"]
+        return bool(self._call(P.REMOVE, {"key": normalize_key(key)})["removed"])
 
     def batch_locate(self, keys: Sequence[Key]) -> list[str | None]:
         names = [normalize_key(k) for k in keys]

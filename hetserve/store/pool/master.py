@@ -16,7 +16,7 @@ import time
 from hetserve.store.api import DEFAULT_MAX_VALUE
 from hetserve.store.pool import protocol as P
 from hetserve.store.pool.metadata import Obj, PoolMetadata
-from hetserve.transfer.tcp import Data, FrameServer, Meta, Reply, RequestError
+from hetserve.transfer.tcp import Data, FrameServer, Handler, Meta, Reply, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +35,9 @@ class PoolMaster:
         self.meta = PoolMetadata(high=watermarks[0], low=watermarks[1])
         self.node_timeout, self.max_value = node_timeout, max_value
         self._lock = threading.Lock()
-        self._owners: dict[str, dict] = {}  # node id -> the session that registered it
+        self._owners: dict[str, Meta] = {}  # node id -> the session that registered it
         self._stop = threading.Event()
-        handlers = {
+        handlers: dict[int, Handler] = {
             P.REGISTER: self._register,
             P.HEARTBEAT: self._heartbeat,
             P.UNREGISTER: self._unregister,
@@ -70,7 +70,7 @@ class PoolMaster:
                     log.warning("node %s missed its heartbeats; dropped with its objects", node_id)
 
     # -- nodes ----------------------------------------------------------------------------
-    def _register(self, session: dict, meta: dict, _data) -> tuple[dict, None]:
+    def _register(self, session: Meta, meta: Meta, _data: Data) -> Reply:
         node_id, info = str(meta["node_id"]), meta["info"]
         for seg in P.want_list(info["segments"], "segments", 16):
             P.want_int(seg["capacity"], 1, 1 << 44, "segment capacity")
@@ -83,7 +83,7 @@ class PoolMaster:
         log.info("node %s joined at %s:%s", node_id, info.get("host"), info.get("port"))
         return {"node_timeout": self.node_timeout}, None
 
-    def _heartbeat(self, session: dict, _meta, _data) -> tuple[dict, None]:
+    def _heartbeat(self, session: Meta, _meta: Meta, _data: Data) -> Reply:
         with self._lock:
             node = self.meta.nodes.get(session.get("node_id", ""))
             if node is None:
@@ -91,12 +91,12 @@ class PoolMaster:
             node.last_seen = time.monotonic()
         return {}, None
 
-    def _unregister(self, session: dict, _meta, _data) -> tuple[dict, None]:
+    def _unregister(self, session: Meta, _meta: Meta, _data: Data) -> Reply:
         self._closed(session)
         session.clear()
         return {}, None
 
-    def _closed(self, session: dict) -> None:
+    def _closed(self, session: Meta) -> None:
         node_id = session.get("node_id")
         with self._lock:
             if node_id is None or self._owners.get(node_id) is not session:
@@ -106,11 +106,12 @@ class PoolMaster:
         log.info("node %s left; its objects are gone", node_id)
 
     # -- objects --------------------------------------------------------------------------
-    def _put_start(self, _s, meta: dict, _data) -> tuple[dict, None]:
+    def _put_start(self, _s: Meta, meta: Meta, _data: Data) -> Reply:
         puts = P.want_list(meta["puts"], "puts")
         replica_num = P.want_int(meta.get("replica_num", 1), 1, 16, "replica_num")
         preferred, soft_pin = meta.get("preferred"), bool(meta.get("soft_pin", False))
-        out, nodes = [], set()
+        out: list[Meta] = []
+        nodes: set[str] = set()
         for item in puts:
             key = P.want_key(item["key"])
             size = P.want_int(item["size"], 0, 1 << 62, "size")
@@ -131,8 +132,8 @@ class PoolMaster:
             infos = self._node_infos(nodes)
         return {"puts": out, "nodes": infos}, None
 
-    def _put_end(self, _s, meta: dict, _data) -> tuple[dict, None]:
-        results = []
+    def _put_end(self, _s: Meta, meta: Meta, _data: Data) -> Reply:
+        results: list[str | None] = []
         for item in P.want_list(meta["puts"], "puts"):
             put_id = P.want_int(item["id"], 0, 1 << 62, "id")
             digest = P.want_int(item["digest"], 0, (1 << 64) - 1, "digest")
@@ -144,15 +145,15 @@ class PoolMaster:
                 results.append(exc.code)
         return {"results": results}, None
 
-    def _put_abort(self, _s, meta: dict, _data) -> tuple[dict, None]:
+    def _put_abort(self, _s: Meta, meta: Meta, _data: Data) -> Reply:
         with self._lock:
             for put_id in P.want_list(meta["ids"], "ids"):
                 self.meta.put_abort(P.want_int(put_id, 0, 1 << 62, "id"))
         return {}, None
 
-    def _locate(self, _s, meta: dict, _data) -> tuple[dict, None]:
+    def _locate(self, _s: Meta, meta: Meta, _data: Data) -> Reply:
         keys = [P.want_key(k) for k in P.want_list(meta["keys"], "keys")]
-        found: list[dict | None] = []
+        found: list[Meta | None] = []
         nodes: set[str] = set()
         with self._lock:
             for key in keys:
@@ -178,7 +179,7 @@ class PoolMaster:
             infos = self._node_infos({node for nodes in where for node in nodes})
         return {"prefix": n, "where": where, "nodes": infos}, None
 
-    def _remove(self, _s, meta: dict, _data) -> tuple[dict, None]:
+    def _remove(self, _s: Meta, meta: Meta, _data: Data) -> Reply:
         key = P.want_key(meta["key"])
         with self._lock:
             return {"removed": self.meta.remove(key)}, None
@@ -201,13 +202,13 @@ class PoolMaster:
                 "node_infos": self._node_infos(set(per_node)),
             }, None
 
-    def _nodes(self, _s, _meta, _data) -> tuple[dict, None]:
+    def _nodes(self, _s: Meta, _meta: Meta, _data: Data) -> Reply:
         with self._lock:
             return {"nodes": sorted(self.meta.nodes), "epoch": self.meta.epoch}, None
 
-    def _node_infos(self, ids: set[str]) -> dict[str, dict]:
+    def _node_infos(self, ids: set[str]) -> dict[str, Meta]:
         return {i: self.meta.nodes[i].info for i in ids if i in self.meta.nodes}
 
 
-def _replicas(obj: Obj) -> list[list]:
+def _replicas(obj: Obj) -> list[list[str | int]]:
     return [[r.node, r.segment, r.offset] for r in obj.replicas]

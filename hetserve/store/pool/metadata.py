@@ -11,11 +11,15 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from hetserve.store.allocator import ExtentAllocator, aligned
 from hetserve.transfer.shm import HEADER_BYTES
 from hetserve.transfer.tcp import RequestError
+
+K = TypeVar("K")
 
 
 @dataclass
@@ -39,7 +43,7 @@ class Obj:
 @dataclass
 class Node:
     node_id: str
-    info: dict  # as clients need it: host, port, pid, host_id, segments
+    info: dict[str, Any]  # as clients need it: host, port, pid, host_id, segments
     allocs: list[ExtentAllocator]
     last_seen: float = field(default_factory=time.monotonic)
 
@@ -56,7 +60,7 @@ class PoolMetadata:
         self._ids = itertools.count(1)
 
     # -- membership -----------------------------------------------------------------------
-    def add_node(self, node_id: str, info: dict) -> None:
+    def add_node(self, node_id: str, info: dict[str, Any]) -> None:
         self.drop_node(node_id)  # a re-registering node starts empty
         sizes = [int(s["capacity"]) for s in info["segments"]]
         self.nodes[node_id] = Node(node_id, info, [ExtentAllocator(HEADER_BYTES, n) for n in sizes])
@@ -67,11 +71,8 @@ class PoolMetadata:
         if self.nodes.pop(node_id, None) is None:
             return
         self.epoch += 1
-        for table in (self.objects, self.pending):
-            for k, obj in list(table.items()):
-                obj.replicas = [r for r in obj.replicas if r.node != node_id]
-                if not obj.replicas:
-                    del table[k]
+        _drop_replicas(self.objects, node_id)
+        _drop_replicas(self.pending, node_id)
         self.released = [
             (t, [r for r in reps if r.node != node_id], n) for t, reps, n in self.released
         ]
@@ -221,6 +222,14 @@ class PoolMetadata:
                 assert sum(n for _, n in mine) == alloc.used, "allocator and objects disagree"
                 for (a, n), (b, _) in itertools.pairwise(mine):
                     assert a + n <= b, "two replicas overlap"
+
+
+def _drop_replicas(table: MutableMapping[K, Obj], node_id: str) -> None:
+    """Forget the replicas on `node_id`, and the objects left with none."""
+    for k, obj in list(table.items()):
+        obj.replicas = [r for r in obj.replicas if r.node != node_id]
+        if not obj.replicas:
+            del table[k]
 
 
 def _used(node: Node) -> float:

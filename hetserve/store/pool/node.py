@@ -17,7 +17,7 @@ import uuid
 from hetserve.store.pool import protocol as P
 from hetserve.transfer.framing import FrameError
 from hetserve.transfer.shm import HEADER_BYTES, Segment, host_id
-from hetserve.transfer.tcp import FrameClient, FrameServer
+from hetserve.transfer.tcp import Data, FrameClient, FrameServer, Handler, Meta, Reply
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class PoolNode:
         if ssd_dir and ssd:
             self.segments.append(Segment(ssd, directory=ssd_dir))
         max_data = max(s.size for s in self.segments)
-        handlers = {P.READ: self._read, P.WRITE: self._write}
+        handlers: dict[int, Handler] = {P.READ: self._read, P.WRITE: self._write}
         self.server = FrameServer(host, port, token, handlers, max_data, sink=self._sink)
         self.port = self.server.port
         wildcard = host in ("0.0.0.0", "::", "")
@@ -56,7 +56,7 @@ class PoolNode:
         self._thread.start()
         return self
 
-    def info(self) -> dict:
+    def info(self) -> Meta:
         segs = [
             {
                 "kind": "dram" if i == 0 else "ssd",
@@ -76,7 +76,7 @@ class PoolNode:
         }
 
     # -- data plane -----------------------------------------------------------------------
-    def _range(self, meta: dict) -> memoryview:
+    def _range(self, meta: Meta) -> memoryview:
         seg = meta.get("seg")
         if not isinstance(seg, int) or not 0 <= seg < len(self.segments):
             raise FrameError(f"no segment {seg!r}")
@@ -88,17 +88,17 @@ class PoolNode:
             raise FrameError(f"range {off!r}+{n!r} is outside segment {seg}")
         return view[off : off + n]
 
-    def _sink(self, op: int, meta: dict, data_len: int) -> memoryview:
+    def _sink(self, op: int, meta: Meta, data_len: int) -> memoryview:
         if op != P.WRITE or meta.get("len") != data_len:
             raise FrameError(f"op {op} carries no data of {data_len} bytes")
         return self._range(meta)  # the bytes land directly in the segment
 
-    def _write(self, _s, meta: dict, data) -> tuple[dict, None]:
+    def _write(self, _s: Meta, meta: Meta, data: Data) -> Reply:
         if meta.get("len") and data is None:
             raise FrameError("WRITE without its data")
         return {}, None
 
-    def _read(self, _s, meta: dict, _data) -> tuple[dict, memoryview]:
+    def _read(self, _s: Meta, meta: Meta, _data: Data) -> Reply:
         return {}, self._range(meta)
 
     # -- membership -----------------------------------------------------------------------

@@ -6,6 +6,8 @@ requests carry lists, so a batch costs one round trip to the master.
 
 from __future__ import annotations
 
+from typing import Any
+
 from hetserve.errors import InvalidInputError
 from hetserve.store.api import MAX_KEY_LEN
 from hetserve.transfer.tcp import RequestError, is_loopback
@@ -29,7 +31,7 @@ def want_int(raw: object, lo: int, hi: int, what: str) -> int:
     return raw
 
 
-def want_list(raw: object, what: str, limit: int = 100_000) -> list:
+def want_list(raw: object, what: str, limit: int = 100_000) -> list[Any]:
     if not isinstance(raw, list) or len(raw) > limit:
         raise RequestError(f"{what} must be a list of at most {limit}", "bad_request")
     return raw
