@@ -5,10 +5,13 @@ single and batched, against memcpy on this machine and Mooncake Store over TCP o
 
 `--backend` takes a spec (`pool://host:port`, `redis://...`) or a shorthand the bench starts for
 the run: `local` (in-process DRAM), `pool` (a master and one node on loopback, shared-memory path),
-`pool-tcp` (the same, forced over TCP), `redis` (a redis-server on loopback) and `mooncake`
-(hetserve's mooncake:// backend on a Mooncake Store on loopback). Goals: pool >= 1.0x Mooncake
-at 1M and 16M; local DRAM >= 0.5x memcpy. `--parts N` adds rows where each value lies in N
-buffers (`bench/store_parts.py`): moved as parts, and gathered by the caller into one buffer.
+`pool-tcp` (the same, forced over TCP), `redis` (a redis-server on loopback), and
+`mooncake-store` / `mooncake-direct` (hetserve's mooncake:// backend on a Mooncake Store on
+loopback, gather=stage / gather=direct; rows named `mooncake` are Mooncake's own API).
+
+Goals: pool >= 1.0x Mooncake at 1M and 16M; local DRAM >= 0.5x memcpy. `--parts N` adds rows
+where each value lies in N buffers (`bench/store_parts.py`): moved as parts, and gathered by the
+caller into one buffer.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ def register(bench_sub) -> None:
         "--backend",
         action="append",
         default=None,
-        help="store spec or local|pool|pool-tcp|redis|mooncake (repeatable; default local, pool)",
+        help="a store spec or a shorthand the bench starts: local, pool, pool-tcp, redis, "
+        "mooncake-store, mooncake-direct (repeatable; default local and pool)",
     )
     p.add_argument(
         "--parts",
@@ -159,11 +163,12 @@ def _open_backend(spec: str) -> Iterator[tuple[str, object]]:
             with open_store(pool_spec + suffix) as store:
                 yield spec, store
         return
-    if spec in ("redis", "mooncake"):
+    if spec in ("redis", "mooncake-store", "mooncake-direct"):
         with local_redis() if spec == "redis" else local_mooncake_spec() as started:
             if started is None:
                 raise InvalidInputError(f"--backend {spec}: its server is not installed here")
-            with open_store(started) as store:
+            gather = "&gather=direct" if spec == "mooncake-direct" else ""
+            with open_store(started + gather) as store:
                 yield spec, store
         return
     with open_store(SHORTHANDS.get(spec, spec)) as store:
@@ -293,7 +298,7 @@ def _fmt_size(n: int) -> str:
 
 def format_table(rows: list[dict]) -> str:
     head = (
-        f"{'backend':<10}{'size':>6} {'mode':<8}{'parts':>6} {'op':<5}{'GB/s':>8}{'GB/s@p50':>9}"
+        f"{'backend':<16}{'size':>6} {'mode':<8}{'parts':>6} {'op':<5}{'GB/s':>8}{'GB/s@p50':>9}"
         f"{'ops/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'xmemcpy':>9}{'xmooncake':>10}{'xcontig':>8}"
         f"{'xstaged':>8}{'miss':>6}"
     )
@@ -301,7 +306,7 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         ratio = lambda x: "" if x is None else f"{x:.2f}x"  # noqa: E731
         lines.append(
-            f"{r['backend']:<10}{_fmt_size(r['size']):>6} {r['mode']:<8}{r['layout']:>6} "
+            f"{r['backend']:<16}{_fmt_size(r['size']):>6} {r['mode']:<8}{r['layout']:>6} "
             f"{r['op']:<5}"
             f"{r['gbps']:>8.2f}{r['gbps_p50']:>9.2f}{r['ops_per_s']:>10.0f}{r['p50_ms']:>9.3f}"
             f"{r['p99_ms']:>9.3f}"

@@ -90,3 +90,19 @@ def test_silent_node_is_dropped_by_heartbeat_and_rejoins(request):
     cluster.wait_nodes(1)
     store.put("k2", b"w" * 1000)
     assert store.get("k2") == b"w" * 1000
+
+
+def test_locate_and_tiers_name_the_shared_memory_path(request):
+    cluster = PoolCluster(request, 1, "8M")
+    mapped, remote = open_store(cluster.spec), open_store(cluster.spec + "&shm=0")
+    request.addfinalizer(mapped.close)
+    request.addfinalizer(remote.close)
+    mapped.put_parts("blk", [payload(4096, "a"), payload(4096, "b")])
+    assert mapped.batch_locate(["blk", "none"]) == ["pool-shm", None]
+    assert remote.batch_locate(["blk"]) == ["pool"]  # the same object, seen over TCP
+    [shm_tier] = mapped.tiers()
+    [tcp_tier] = remote.tiers()
+    assert (shm_tier.name, tcp_tier.name) == ("pool-shm", "pool")
+    assert shm_tier.capacity == tcp_tier.capacity == 8 * MiB
+    assert shm_tier.used == tcp_tier.used > 0 and shm_tier.shared
+    assert remote.remove("blk") and mapped.batch_locate(["blk"]) == [None]
