@@ -80,7 +80,7 @@ def mooncake_bin(name: str) -> str | None:
 
 
 @contextlib.contextmanager
-def local_mooncake(segment: str = "1GB") -> Iterator[tuple[str, str] | None]:
+def local_mooncake(segment: str = "2GB") -> Iterator[tuple[str, str] | None]:
     """Mooncake master (with its HTTP metadata server) and a segment holder on loopback;
     yields (master address, metadata URL), or None when Mooncake is not installed."""
     master, holder = mooncake_bin("mooncake_master"), mooncake_bin("mooncake_client")
@@ -101,6 +101,7 @@ def local_mooncake(segment: str = "1GB") -> Iterator[tuple[str, str] | None]:
                 f"--http_metadata_server_port={http}",
                 "--metrics_host=127.0.0.1",
                 f"--metrics_port={metrics}",
+                "--default_kv_lease_ttl=1000",  # reads lease objects: 1 s, not 5, before reuse
             ],
             env,
         )
