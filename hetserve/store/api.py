@@ -24,6 +24,8 @@ Failure contract, the same for every backend:
 - `BufferTooSmallError`: `get_into` was given a buffer smaller than the value.
 - `SizeMismatchError`: `get_into_parts` was given parts whose total is not the value's size
   (the caller's layout differs from the writer's; keys should tell layouts apart).
+- `StoreDependencyError` (at open): the backend's client library is not installed; the message
+  names the extra to install.
 
 Keys are `str` (at most MAX_KEY_LEN characters, no control characters) or `bytes`; bytes keys
 are stored under their hex form so `BlockHash.digest` and `BlockHash.hex()` name one object.
