@@ -254,10 +254,10 @@ class KVStore(ABC):
     def close(self) -> None:
         """Release connections and memory; the store is unusable afterwards."""
 
-    def _make_cold(self, key: Key) -> None:
+    def make_cold(self, key: Key) -> None:
         """Make the next read of `key` come from its medium, not a cache in front of it (the
-        SSD tier drops the page cache), so a probe measures what a later load will see. A
-        no-op where the backend has no such cache."""
+        SSD tier drops the page cache), so a probe or a benchmark measures what a load after a
+        restart would see. A no-op where the backend has no such cache."""
         return None
 
     # -- one buffer per value ---------------------------------------------------------------

@@ -183,7 +183,7 @@ class _Probe:
         for _ in range(READS):
             if place is not None and self.store.batch_locate([key])[0] != place:
                 self.store.put(key, value, ReplicateConfig(preferred_segment=place))
-            self.store._make_cold(key)
+            self.store.make_cold(key)
             t0 = time.perf_counter()
             n = self.store.get_into_parts(key, dest)
             times.append(time.perf_counter() - t0)

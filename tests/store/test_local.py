@@ -77,7 +77,7 @@ def test_spill_then_locate_says_ssd_and_parts_read_from_ssd(tmp_path):
     assert tiers["ssd"].used == 2 * MiB and tiers["ssd"].capacity == 4 * MiB
     assert tiers["dram"].used == 2 * MiB and not tiers["dram"].shared
     dest = [bytearray(MiB // 4) for _ in range(4)]
-    store._make_cold("k0")  # the read comes from the disk, not the page cache
+    store.make_cold("k0")  # the read comes from the disk, not the page cache
     assert store.get_into_parts("k0", dest) == MiB  # an SSD hit, scattered by preadv ...
     assert b"".join(dest) == payload(MiB // 2, "k0") + payload(MiB // 2, "k0b")
     assert store.batch_locate(["k0"]) == ["dram"]  # ... and promoted

@@ -186,7 +186,7 @@ class LocalStore(KVStore):
                 )
             return out
 
-    def _make_cold(self, key: Key) -> None:
+    def make_cold(self, key: Key) -> None:
         key = normalize_key(key)
         with self._lock:
             if self.ssd is not None and key in self.ssd:
