@@ -4,7 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Typed strictly (mypy --strict): the nouns, the scheduler, the KV manager, the store, transfer.
-STRICT := hetserve/core hetserve/sched hetserve/kv hetserve/config.py hetserve/errors.py \
+STRICT := hetserve/core hetserve/sched hetserve/kv hetserve/store hetserve/transfer \
+	hetserve/config.py hetserve/errors.py \
 	hetserve/envs.py
 # Debian packages the store tests start for real: Redis, and libibverbs that Mooncake links.
 SYSTEM_PACKAGES := redis-server libibverbs1

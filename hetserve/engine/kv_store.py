@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,6 +32,7 @@ from hetserve.kv.manager import KVCacheManager
 from hetserve.kv.paged import PagedKVCache
 from hetserve.kv.tier_policy import CostModel, TierCost
 from hetserve.kv.tiers import TierManager
+from hetserve.store.api import as_memoryview
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +64,11 @@ class BlockIO:
         self.part_bytes = [t[: self.bs].nbytes for t in self.tensors]
         self.bytes_per_block = sum(self.part_bytes)
         self.on_device = self.tensors[0].device.type != "cpu"
-        if self.on_device:
+        if not self.on_device:
+            # One flat byte view per tensor, sliced per block: a store converts a memoryview
+            # slice in ~0.2 us, a torch view in ~4 us (96 parts per block on a 48-layer model).
+            self._bytes = [as_memoryview(t, writable=True) for t in self.tensors]
+        else:
             self._streams = {"load": torch.cuda.Stream(), "save": torch.cuda.Stream()}
             self._pinned: dict[str, torch.Tensor] = {}
 
@@ -71,6 +77,12 @@ class BlockIO:
 
     def _views(self, block_id: int) -> list[torch.Tensor]:
         return [self._rows(t, block_id) for t in self.tensors]
+
+    def _byte_views(self, block_id: int) -> list[memoryview]:
+        return [
+            mv[block_id * n : (block_id + 1) * n]
+            for mv, n in zip(self._bytes, self.part_bytes, strict=True)
+        ]
 
     def _staging(self, kind: str, n: int) -> list[list[torch.Tensor]]:
         """Pinned host buffers for n blocks, reused between calls (grown when needed)."""
@@ -87,9 +99,9 @@ class BlockIO:
             out.append(parts)
         return out
 
-    def load_parts(self, block_ids: Sequence[int]) -> list[list[torch.Tensor]]:
+    def load_parts(self, block_ids: Sequence[int]) -> list[list[Any]]:
         if not self.on_device:
-            return [self._views(b) for b in block_ids]
+            return [self._byte_views(b) for b in block_ids]
         return self._staging("load", len(block_ids))
 
     def commit_load(self, block_ids: Sequence[int], ok: int) -> None:
@@ -103,9 +115,9 @@ class BlockIO:
                     dst.view(-1).view(torch.uint8).copy_(src, non_blocking=True)
         stream.synchronize()
 
-    def save_parts(self, block_ids: Sequence[int]) -> list[list[torch.Tensor]]:
+    def save_parts(self, block_ids: Sequence[int]) -> list[list[Any]]:
         if not self.on_device:
-            return [self._views(b) for b in block_ids]
+            return [self._byte_views(b) for b in block_ids]
         stream = self._streams["save"]
         staged = self._staging("save", len(block_ids))
         with torch.cuda.stream(stream):

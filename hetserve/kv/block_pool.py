@@ -145,11 +145,13 @@ class BlockPool:
         """Forget the cached identity of every free block (blocks in use keep theirs). Returns
         how many were dropped."""
         self._release(float("inf"))  # nothing left to protect
-        dropped = [b for b in self._free.values() if b.block_hash is not None]
-        for b in dropped:
-            del self._cached[b.block_hash]
-            b.block_hash = None
-        return len(dropped)
+        dropped = 0
+        for b in self._free.values():
+            if b.block_hash is not None:
+                del self._cached[b.block_hash]
+                b.block_hash = None
+                dropped += 1
+        return dropped
 
     def check_integrity(self) -> None:
         assert self.null_block.ref_cnt == 1

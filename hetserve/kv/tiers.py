@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 SAVE_BATCH = 32  # blocks per batched put
 KNOWN_SAVED = 1 << 18  # hashes remembered as already in the store
 MAX_FOUND = 1 << 14  # lookup results kept for requests not admitted yet
+Job = Callable[[], tuple[Any, ...]]  # runs on a worker, returns (kind, *result); never raises
 
 
 class BlockIO(Protocol):
@@ -128,15 +129,15 @@ class TierManager:
         self._saving: _Save | None = None
         self._known: OrderedDict[BlockHash, None] = OrderedDict()
         self.counts = _Counters()
-        self._results: queue.SimpleQueue = queue.SimpleQueue()
-        self._load_jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._save_jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # Results of the workers' jobs, drained on the engine thread.
+        self._results: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._load_jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._save_jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._threads = [
-            threading.Thread(target=self._work, args=(self._load_jobs,), daemon=True, name=n)
-            for n in ("hetserve-kv-load",)
-        ] + [
-            threading.Thread(
-                target=self._work, args=(self._save_jobs,), daemon=True, name="hetserve-kv-save"
+            threading.Thread(target=self._work, args=(jobs,), daemon=True, name=name)
+            for jobs, name in (
+                (self._load_jobs, "hetserve-kv-load"),  # lookups and loads: latency matters
+                (self._save_jobs, "hetserve-kv-save"),
             )
         ]
         for t in self._threads:
@@ -327,9 +328,9 @@ class TierManager:
             self._known.popitem(last=False)
 
     # ---- plumbing --------------------------------------------------------------------------
-    def _work(self, jobs: queue.SimpleQueue) -> None:
+    def _work(self, jobs: queue.SimpleQueue[Job | None]) -> None:
         while True:
-            job: Callable[[], tuple] | None = jobs.get()
+            job = jobs.get()
             if job is None:
                 return
             self._results.put(job())  # jobs catch their own failures: every job reports
