@@ -160,6 +160,10 @@ class KVCacheManager:
         for b in blocks:
             self.pinned[b.block_id] = self.pinned.get(b.block_id, 0) + 1
 
+    def protection(self, block: KVBlock) -> float | None:
+        """Until when a pinned block of a session is protected (None: not a session's)."""
+        return self._protection.get(block.block_id)
+
     def unpin(self, blocks: list[KVBlock]) -> None:
         for b in blocks:
             left = self.pinned[b.block_id] - 1

@@ -77,6 +77,7 @@ class _Load:
 @dataclass(eq=False)
 class _Save:
     blocks: list[KVBlock]
+    pins: list[float | None]  # per block: a session's remaining protection, in seconds
     ok: bool | None = None
 
 
@@ -292,7 +293,10 @@ class TierManager:
         if self._saving is not None or not self._pending:
             return
         n = min(SAVE_BATCH, len(self._pending))
-        job = _Save([self._pending.popleft() for _ in range(n)])
+        blocks = [self._pending.popleft() for _ in range(n)]
+        now = self.kv.pool.now
+        pins = [None if (u := self.kv.protection(b)) is None else u - now for b in blocks]
+        job = _Save(blocks, pins)
         self._saving = job
         self._save_jobs.put(lambda: ("save", job, self._write(job)))
 
@@ -301,7 +305,18 @@ class TierManager:
         try:
             assert len(keys) == len(job.blocks), "a pinned cached block lost its hash"
             parts = self.io.save_parts([b.block_id for b in job.blocks])
-            self.store.batch_put_parts(keys, parts, ReplicateConfig())
+            plain = [i for i, p in enumerate(job.pins) if p is None or p <= 0]
+            if len(plain) < len(keys):  # a live session's blocks stay pinned in the store too
+                pinned = [i for i in range(len(keys)) if i not in set(plain)]
+                ttl = max(job.pins[i] or 0.0 for i in pinned)
+                cfg = ReplicateConfig(soft_pin=True, soft_pin_ttl_s=ttl)
+                self.store.batch_put_parts(
+                    [keys[i] for i in pinned], [parts[i] for i in pinned], cfg
+                )
+            if plain:
+                self.store.batch_put_parts(
+                    [keys[i] for i in plain], [parts[i] for i in plain], ReplicateConfig()
+                )
             return True
         except Exception as exc:  # a full or unreachable store: these blocks stay unsaved
             log.warning("KV store save of %d blocks failed: %s", len(keys), exc)

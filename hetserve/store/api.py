@@ -86,15 +86,22 @@ class ReplicateConfig:
     """Placement of one put. Replicas go to distinct nodes, so `replica_num` is capped at the
     number of live nodes (backends without replicas ignore it). `preferred_segment` names a node
     (pool: an id from `stats()["nodes"]`) or segment (mooncake) for the first replica;
-    `soft_pin` objects are evicted only when nothing else is left."""
+    `soft_pin` objects are evicted only when nothing else is left, for `soft_pin_ttl_s` seconds
+    when given (an agent session's KV: kept while the session is live), else for good. The
+    local and pool backends honour the pin and its TTL; Redis and Mooncake evict by their own
+    policy."""
 
     replica_num: int = 1
     preferred_segment: str | None = None
     soft_pin: bool = False
+    soft_pin_ttl_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.replica_num <= 16:
             raise InvalidInputError(f"replica_num must be in 1..16, got {self.replica_num}")
+        ttl = self.soft_pin_ttl_s
+        if ttl is not None and not (self.soft_pin and ttl > 0):
+            raise InvalidInputError("soft_pin_ttl_s needs soft_pin and a positive number")
 
 
 Key = str | bytes

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from hetserve import LLM, SamplingParams
+from hetserve.core.block_hash import hash_prefix_blocks
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
 A = list(range(10, 110))  # 100 tokens: 6 full blocks of 16 can be cached
@@ -237,3 +238,25 @@ def test_a_store_that_fails_its_startup_check_is_one_line(model):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0], r.stderr
+
+
+def test_a_sessions_blocks_stay_in_the_dram_tier_while_it_is_live(model):
+    probe = engine(model, "local://?dram=1M")
+    per_block = probe.engine.tiers.io.bytes_per_block
+    probe.close()
+    llm = engine(model, f"local://?dram={10 * per_block}", session_ttl=600)
+    try:
+        llm.engine.add_request("s", A, PARAMS, session_id="agent")
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        assert llm.engine.tiers.flush()
+        for i, p in enumerate((B, C)):  # others' blocks overflow the DRAM tier twice over
+            generate(llm, p, f"o{i}")
+            assert llm.engine.tiers.flush()
+        store, seed = llm.engine.tiers.store, llm.engine.kv.hash_seed
+        session = [h.digest for h in hash_prefix_blocks(A, 16, seed=seed)][:6]
+        other = [h.digest for h in hash_prefix_blocks(B, 16, seed=seed)][:1]
+        assert store.batch_locate(session) == ["dram"] * 6  # soft-pinned for the session's TTL
+        assert store.batch_locate(other) == [None]  # not pinned: evicted (no SSD tier here)
+    finally:
+        llm.close()

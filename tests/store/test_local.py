@@ -111,3 +111,19 @@ def test_damaged_ssd_file_read_through_parts_is_a_miss(tmp_path):
     assert store.get_into_parts("a", [bytearray(MiB // 2), bytearray(MiB // 2)]) is None
     assert store.batch_locate(["a"]) == [None]  # dropped: never served again
     store.check_integrity()
+
+
+def test_soft_pins_keep_objects_in_dram_until_their_ttl(tmp_path):
+    import time
+
+    from hetserve.store.api import ReplicateConfig
+
+    with open_store("local://?dram=64K") as store:
+        store.put("session", b"s" * 16384, ReplicateConfig(soft_pin=True, soft_pin_ttl_s=60))
+        store.put("short", b"t" * 16384, ReplicateConfig(soft_pin=True, soft_pin_ttl_s=0.05))
+        time.sleep(0.1)
+        for i in range(8):  # four times the room: everything unpinned goes
+            store.put(f"other{i}", bytes([i]) * 16384)
+            store.check_integrity()
+        assert store.exists("session") and not store.exists("short")
+        assert store.get("session") == b"s" * 16384

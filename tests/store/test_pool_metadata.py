@@ -23,7 +23,7 @@ def _put(
     key: str,
     size: int = 10 * KiB,
     replicas: int = 1,
-    pin: bool = False,
+    pin: float = 0.0,
     now: float = 0.0,
 ):
     put_id, obj = meta.put_start(key, size, replicas, None, pin, now=now)
@@ -46,14 +46,14 @@ def test_replicas_on_distinct_nodes_and_preferred_first():
     meta = _meta(3)
     obj = _put(meta, "k", replicas=3)
     assert sorted(r.node for r in obj.replicas) == ["n0", "n1", "n2"]
-    put_id, obj = meta.put_start("p", 10, 1, "n2", False, now=0)
+    put_id, obj = meta.put_start("p", 10, 1, "n2", 0.0, now=0)
     assert obj.replicas[0].node == "n2"
     assert len(_put(_meta(1), "k", replicas=2).replicas) == 1  # capped by the nodes there are
 
 
 def test_watermark_eviction_is_lru_and_skips_pinned_and_leased():
     meta = _meta(1, high=0.9, low=0.5)
-    _put(meta, "pinned", pin=True)
+    _put(meta, "pinned", pin=float("inf"))
     for i in range(8):
         _put(meta, f"k{i}")
     meta.locate("k0", now=0.0)  # read: most recently used, and leased until 5.0
@@ -70,20 +70,20 @@ def test_full_of_leases_is_a_capacity_error_and_pins_go_last():
         _put(meta, f"k{i}")
         meta.locate(f"k{i}", now=0.0)
     with pytest.raises(RequestError) as err:
-        meta.put_start("x", 10 * KiB, 1, None, False, now=1.0)
+        meta.put_start("x", 10 * KiB, 1, None, 0.0, now=1.0)
     assert err.value.code == "capacity"
     meta = _meta(1, capacity=40 * KiB, high=1.0, low=1.0)
     for i in range(4):
-        _put(meta, f"k{i}", pin=True)
+        _put(meta, f"k{i}", pin=float("inf"))
     _put(meta, "x", now=10.0)  # only pinned objects left: they are evicted rather than fail
     assert "x" in meta.objects and "k0" not in meta.objects
 
 
 def test_too_large_and_no_nodes():
     with pytest.raises(RequestError, match="no store nodes"):
-        PoolMetadata().put_start("k", 1, 1, None, False)
+        PoolMetadata().put_start("k", 1, 1, None, 0.0)
     with pytest.raises(RequestError) as err:
-        _meta(2).put_start("k", 200 * KiB, 1, None, False)
+        _meta(2).put_start("k", 200 * KiB, 1, None, 0.0)
     assert err.value.code == "too_large"
 
 
@@ -104,9 +104,20 @@ def test_dead_node_takes_its_replicas_and_leased_space_waits():
 
 def test_abandoned_put_is_freed():
     meta = _meta(1)
-    meta.put_start("k", 10 * KiB, 1, None, False, now=0.0)
+    meta.put_start("k", 10 * KiB, 1, None, 0.0, now=0.0)
     assert meta.usage()[0] > 0
     meta.reap(node_timeout=1e9, now=100.0)
     assert meta.usage()[0] == 0 and not meta.pending
     with pytest.raises(RequestError):
         meta.put_end(1, 0)
+
+
+def test_a_soft_pin_with_a_ttl_protects_only_until_then():
+    meta = _meta(1)
+    _put(meta, "session", pin=5.0, now=0.0)
+    _put(meta, "plain", now=0.0)
+    # While the pin lasts the plain object goes first; after it, the pinned one is plain LRU.
+    assert meta._evict_one(now=1.0, allow_pinned=False) and "session" in meta.objects
+    _put(meta, "plain2", now=1.0)
+    assert meta._evict_one(now=10.0, allow_pinned=False) and "session" not in meta.objects
+    meta.check_integrity()

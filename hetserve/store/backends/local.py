@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -60,6 +61,7 @@ class LocalStore(KVStore):
         self._arena = memoryview(self._map)
         self._alloc = ExtentAllocator(0, self.dram_capacity)
         self._dram: OrderedDict[str, Entry] = OrderedDict()  # LRU first
+        self._pins: dict[str, float] = {}  # soft-pinned DRAM objects -> until (monotonic)
         # One lock over index and copies: a reader never races the reuse of an extent.
         self._lock = threading.Lock()
 
@@ -70,8 +72,15 @@ class LocalStore(KVStore):
     # -- writes ---------------------------------------------------------------------------
     def _put(self, names: list[str], values: list[Parts], config: ReplicateConfig) -> None:
         tier = self._tier_of(config)
+        until = None
+        if config.soft_pin:
+            ttl = config.soft_pin_ttl_s
+            until = float("inf") if ttl is None else time.monotonic() + ttl
         for key, parts in zip(names, values, strict=True):
             self._put_one(key, parts, tier)
+            if until is not None and key in self._dram:
+                with self._lock:
+                    self._pins[key] = until
 
     def _tier_of(self, config: ReplicateConfig) -> str | None:
         """`preferred_segment` names a tier here: "ssd" writes straight to the SSD tier."""
@@ -102,7 +111,9 @@ class LocalStore(KVStore):
     def _make_room_locked(self, n: int) -> int:
         """An extent of n bytes, spilling LRU objects to SSD (or dropping them) until one fits."""
         while (off := self._alloc.alloc(n)) is None:
-            old, e = self._dram.popitem(last=False)  # the arena holds n, so this cannot run dry
+            old = self._victim_locked()
+            e = self._dram.pop(old)  # the arena holds n, so this cannot run dry
+            self._pins.pop(old, None)
             if self.ssd is not None and e.size <= self.ssd.capacity:
                 self.ssd.write(old, [self._arena[e.offset : e.offset + e.size]], e.digest)
             self._alloc.free(e.offset, e.size)
@@ -198,7 +209,20 @@ class LocalStore(KVStore):
         with self._lock:
             return self._remove_locked(key)
 
+    def _victim_locked(self) -> str:
+        """The LRU object that is not soft-pinned (pins that have run out count as none); when
+        everything is pinned, the LRU one (the pins are soft)."""
+        now = time.monotonic()
+        for _ in range(len(self._pins) + 1):
+            key = next(iter(self._dram))
+            until = self._pins.get(key)
+            if until is None or until <= now:
+                return key
+            self._dram.move_to_end(key)  # skipped once per round: evictions stay O(1) amortized
+        return next(iter(self._dram))
+
     def _remove_locked(self, key: str) -> bool:
+        self._pins.pop(key, None)
         e = self._dram.pop(key, None)
         if e is not None:
             self._alloc.free(e.offset, e.size)
@@ -208,6 +232,7 @@ class LocalStore(KVStore):
     def close(self) -> None:
         with self._lock:
             self._dram.clear()
+            self._pins.clear()
             self._alloc = ExtentAllocator(0, self.dram_capacity)
             if self.ssd is not None:
                 for key in self.ssd.keys():
@@ -218,6 +243,7 @@ class LocalStore(KVStore):
     def check_integrity(self) -> None:
         with self._lock:
             self._alloc.check_integrity()
+            assert set(self._pins) <= set(self._dram), "a pin on an object not in DRAM"
             spans = sorted((e.offset, e.size) for e in self._dram.values())
             assert sum(aligned(n) for _, n in spans) == self._alloc.used
             for (a, n), (b, _) in zip(spans, spans[1:], strict=False):

@@ -150,6 +150,7 @@ class PoolStore(KVStore):
                 "replica_num": cfg.replica_num,
                 "preferred": cfg.preferred_segment,
                 "soft_pin": cfg.soft_pin,
+                "pin_ttl": cfg.soft_pin_ttl_s,
             },
         )
         self._links_for(reply["nodes"])

@@ -109,7 +109,11 @@ class PoolMaster:
     def _put_start(self, _s: Meta, meta: Meta, _data: Data) -> Reply:
         puts = P.want_list(meta["puts"], "puts")
         replica_num = P.want_int(meta.get("replica_num", 1), 1, 16, "replica_num")
-        preferred, soft_pin = meta.get("preferred"), bool(meta.get("soft_pin", False))
+        preferred = meta.get("preferred")
+        pin_s = 0.0
+        if meta.get("soft_pin", False):  # pinned for pin_ttl seconds, or for good without one
+            ttl = meta.get("pin_ttl")
+            pin_s = float("inf") if ttl is None else P.want_float(ttl, 0.0, 1e9, "pin_ttl")
         out: list[Meta] = []
         nodes: set[str] = set()
         for item in puts:
@@ -122,7 +126,7 @@ class PoolMaster:
                 continue
             try:
                 with self._lock:
-                    put_id, obj = self.meta.put_start(key, size, replica_num, preferred, soft_pin)
+                    put_id, obj = self.meta.put_start(key, size, replica_num, preferred, pin_s)
             except RequestError as exc:
                 out.append({"error": str(exc), "code": exc.code})
                 continue

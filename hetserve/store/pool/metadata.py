@@ -34,7 +34,7 @@ class Obj:
     key: str
     size: int
     replicas: list[Replica]
-    soft_pin: bool = False
+    pin_until: float = 0.0  # soft-pinned (evicted only when nothing else is left) until then
     digest: int | None = None  # known once the put commits
     lease_until: float = 0.0
     deadline: float = 0.0  # pending puts only: abandoned after this
@@ -93,9 +93,10 @@ class PoolMetadata:
         size: int,
         replica_num: int,
         preferred: str | None,
-        soft_pin: bool,
+        pin_s: float,
         now: float | None = None,
     ) -> tuple[int, Obj]:
+        """Reserve room for a put; `pin_s` > 0 soft-pins the object that long (inf: for good)."""
         now = time.monotonic() if now is None else now
         if not self.nodes:
             raise RequestError("no store nodes are registered", "no_nodes")
@@ -107,7 +108,8 @@ class PoolMetadata:
             if not self._evict_one(now, allow_pinned=True):
                 raise RequestError(f"no room for {size} bytes: the rest is leased", "capacity")
         put_id = next(self._ids)
-        self.pending[put_id] = Obj(key, size, replicas, soft_pin, deadline=now + 60.0)
+        pin_until = now + pin_s if pin_s > 0 else 0.0
+        self.pending[put_id] = Obj(key, size, replicas, pin_until, deadline=now + 60.0)
         self._evict_to_watermark(now)
         return put_id, self.pending[put_id]
 
@@ -165,7 +167,8 @@ class PoolMetadata:
 
     def _evict_one(self, now: float, allow_pinned: bool) -> bool:
         victim = next(
-            (o for o in self.objects.values() if o.lease_until <= now and not o.soft_pin), None
+            (o for o in self.objects.values() if o.lease_until <= now and o.pin_until <= now),
+            None,
         )
         if victim is None and allow_pinned:
             victim = next((o for o in self.objects.values() if o.lease_until <= now), None)

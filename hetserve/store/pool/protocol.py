@@ -31,6 +31,12 @@ def want_int(raw: object, lo: int, hi: int, what: str) -> int:
     return raw
 
 
+def want_float(raw: object, lo: float, hi: float, what: str) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, int | float) or not lo <= raw <= hi:
+        raise RequestError(f"{what} must be a number in {lo}..{hi}", "bad_request")  # NaN too
+    return float(raw)
+
+
 def want_list(raw: object, what: str, limit: int = 100_000) -> list[Any]:
     if not isinstance(raw, list) or len(raw) > limit:
         raise RequestError(f"{what} must be a list of at most {limit}", "bad_request")
