@@ -34,6 +34,7 @@ class EngineStats:
     kv_blocks_total: int = 0
     prefix_queries: int = 0  # full prompt blocks looked up in the prefix cache
     prefix_hits: int = 0  # of those, blocks found
+    prefix_hits_by_tier: dict[str, int] = field(default_factory=dict)  # "device", "dram", ...
     preemptions: int = 0
     steps: int = 0
     prompt_tokens_computed: int = 0  # prompt (and recomputed) tokens run through the model

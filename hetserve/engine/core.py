@@ -342,6 +342,7 @@ class EngineCore:
             kv_blocks_total=pool.num_usable,
             prefix_queries=self.kv.queries,
             prefix_hits=self.kv.hits,
+            prefix_hits_by_tier=dict(self.kv.hits_by_tier),
             preemptions=c["preemptions"],
             steps=c["steps"],
             prompt_tokens_computed=c["prompt_tokens"],

@@ -40,8 +40,10 @@ class KVCacheManager:
         self.newly_cached: list[tuple[KVBlock, bool]] = []
         self.pinned: dict[int, int] = {}  # block id -> references held by the KV tiers
         self._protection: dict[int, float] = {}  # pinned protected block -> its protection
+        self.load_holds: dict[str, list[KVBlock]] = {}  # loaded blocks kept for admission
         self.queries = 0  # full prompt blocks looked up at admission (once per request)
         self.hits = 0  # of those, found in the device pool (loaded ones included)
+        self.hits_by_tier: dict[str, int] = {}  # the same, by where they came from
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.tables.get(request_id, ())]
@@ -81,10 +83,18 @@ class KVCacheManager:
         return (req.num_tokens - 1) // self.block_size
 
     def record_admission(self, req: Request, hit_blocks: int) -> None:
-        """Count one admitted request's lookup (once per request, whatever it waited for)."""
-        if self.enable_prefix_caching and req.params.prompt_logprobs is None:
-            self.queries += (req.num_tokens - 1) // self.block_size
-            self.hits += hit_blocks
+        """Count one admitted request's lookup (once per request, whatever it waited for),
+        and where its hit blocks came from: the device pool, or a KV tier that loaded them."""
+        if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
+            return
+        self.queries += (req.num_tokens - 1) // self.block_size
+        self.hits += hit_blocks
+        left = hit_blocks
+        for tier, tokens in req.loaded_tokens.items():  # loaded blocks come after device hits
+            n = min(tokens // self.block_size, left)
+            self.hits_by_tier[tier] = self.hits_by_tier.get(tier, 0) + n
+            left -= n
+        self.hits_by_tier["device"] = self.hits_by_tier.get("device", 0) + left
 
     def allocate_slots(
         self, req: Request, num_new_tokens: int, computed: list[KVBlock] | None = None
@@ -134,12 +144,33 @@ class KVCacheManager:
         return blocks
 
     def finish_load(self, req: Request, first_block: int, ok: int) -> None:
-        """The first `ok` blocks of the load landed: register them in the prefix cache (where
-        the request's admission finds them) and release the load table."""
+        """The first `ok` blocks of the load landed: register them in the prefix cache, where
+        the request's admission finds them, and keep holding them for it until then (other
+        requests' allocations would evict them first); release the rest of the load table."""
         table = self.tables.pop(req.request_id)
+        held = []
         for i, block in enumerate(table[:ok]):
             self.pool.cache(block, req.block_hashes[first_block + i])
-        self.pool.free(list(reversed(table)))
+            if block.block_hash is not None:  # not a copy of a block cached meanwhile
+                held.append(block)
+        if held:
+            self.load_holds[req.request_id] = held
+        self.pool.free([b for b in reversed(table) if b not in held])
+
+    def release_hold(self, req: Request) -> None:
+        """Let go of the loaded blocks held for `req` (admitted: its table holds them now)."""
+        held = self.load_holds.pop(req.request_id, None)
+        if held:
+            self.pool.free(list(reversed(held)))
+
+    def release_holds(self) -> int:
+        """Let go of every hold (nothing runs and the head of the queue cannot start: holds
+        must not deadlock the pool). Returns the blocks released."""
+        n = sum(len(h) for h in self.load_holds.values())
+        for rid in list(self.load_holds):
+            held = self.load_holds.pop(rid)
+            self.pool.free(list(reversed(held)))
+        return n
 
     def quarantine(self, req: Request) -> list[KVBlock]:
         """Take `req`'s load table away from it, still held (a load that timed out may yet
@@ -175,6 +206,7 @@ class KVCacheManager:
             self.pool.free([b], evict_first=True, protect_until=until)
 
     def free(self, req: Request) -> None:
+        self.release_hold(req)
         table = self.tables.pop(req.request_id, [])
         self._num_cached.pop(req.request_id, None)
         until = None
@@ -185,7 +217,7 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         refs: dict[int, int] = dict(self.pinned)
-        for table in self.tables.values():
+        for table in [*self.tables.values(), *self.load_holds.values()]:
             for b in table:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for b in self.pool.blocks[1:]:

@@ -155,7 +155,10 @@ class Scheduler:
                 break
             n = min(n, budget)
             if self.kv.allocate_slots(req, n, computed) is None:
+                if not self.running and self.kv.release_holds():
+                    continue  # held loads filled the pool: recompute rather than deadlock
                 break
+            self.kv.release_hold(req)  # its table holds the loaded blocks now
             self.waiting.pop(i)
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens is None:
@@ -225,3 +228,5 @@ class Scheduler:
             assert len(self.kv.tables[r.request_id]) * self.kv.block_size >= r.num_computed_tokens
         for r in self.waiting:
             assert r.request_id not in self.kv.tables
+        waiting = {r.request_id for r in self.waiting}
+        assert set(self.kv.load_holds) <= waiting, (set(self.kv.load_holds), waiting)

@@ -77,8 +77,7 @@ def _tier_metrics(s):
     """The KV tiers: block-weighted hits per tier (device included), what moved, what was
     skipped (recompute predicted faster), missed (gone or corrupt) or shed (save queue full)."""
     t = s.tiers
-    loaded = sum(t.loaded_blocks.values())
-    hits = {"device": s.prefix_hits - loaded, **t.loaded_blocks}
+    hits = {"device": 0, **s.prefix_hits_by_tier}
     c = CounterMetricFamily(
         "hetserve_kv_tier_hit_blocks",
         "prefix blocks found, by the tier they came from",

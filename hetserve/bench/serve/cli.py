@@ -69,6 +69,11 @@ def register(bench_sub: Any) -> None:
     d.add_argument("--multiturn-user-len", type=int, default=64, help="words per user message")
     d.add_argument("--multiturn-output-len", type=int, default=64)
     d.add_argument(
+        "--session-ids",
+        action="store_true",
+        help="each conversation sends its own session_id (hetserve keeps its KV for a TTL)",
+    )
+    d.add_argument(
         "--tokenizer",
         default=None,
         metavar="DIR",
@@ -250,6 +255,7 @@ def _run_config(args: argparse.Namespace):
         ignore_eos=args.ignore_eos,
         request_timeout_s=args.request_timeout,
         progress=not args.disable_tqdm,
+        session_ids=args.session_ids,
     )
 
 

@@ -29,6 +29,7 @@ class RunConfig:
     ignore_eos: bool | None = None  # None: the workload's default
     request_timeout_s: float = 6 * 3600.0
     progress: bool = True
+    session_ids: bool = False  # each conversation sends its own session_id (agentic traffic)
 
     @property
     def url(self) -> str:
@@ -74,27 +75,34 @@ class _Runner:
         self.limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
         self.results: list[RequestResult] = []
 
-    async def send(self, req: BenchRequest, history: list[dict[str, str]] | None) -> RequestResult:
+    async def send(
+        self, req: BenchRequest, history: list[dict[str, str]] | None, session: str | None = None
+    ) -> RequestResult:
         if self.limit is None:
-            return await self._send(req, history)
+            return await self._send(req, history, session)
         async with self.limit:
-            return await self._send(req, history)
+            return await self._send(req, history, session)
 
-    async def _send(self, req: BenchRequest, history: list[dict[str, str]] | None) -> RequestResult:
+    async def _send(
+        self, req: BenchRequest, history: list[dict[str, str]] | None, session: str | None
+    ) -> RequestResult:
         # Built only once a slot is free: a long trace prompt is megabytes as a list of ints.
         cfg = self.cfg
         payload = build_payload(
             cfg.endpoint, cfg.model, req, history, self.workload, self.ignore_eos
         )
+        if session is not None:
+            payload["session_id"] = session
         return await send_request(
             self.session, cfg.url, self.headers, payload, req.prompt_len, self.clock
         )
 
-    async def conversation(self, turns: list[BenchRequest]) -> None:
+    async def conversation(self, turns: list[BenchRequest], index: int = 0) -> None:
         """Turns one after the other, each resending the history with the server's replies."""
         history: list[dict[str, str]] | None = [] if len(turns) > 1 else None
+        session = f"conv-{index}" if self.cfg.session_ids and history is not None else None
         for i, req in enumerate(turns):
-            result = await self.send(req, history)
+            result = await self.send(req, history, session)
             self.results.append(result)
             self.bar.update(1)
             if not result.ok:  # later turns need this reply; count them as not sent
@@ -120,11 +128,13 @@ async def run_benchmark(
             runner = _Runner(workload, cfg, session, bar, clock)
             start = clock()
             tasks = []
-            for offset, turns in zip(offsets, workload.conversations, strict=True):
+            for index, (offset, turns) in enumerate(
+                zip(offsets, workload.conversations, strict=True)
+            ):
                 delay = start + offset - clock()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(runner.conversation(turns)))
+                tasks.append(asyncio.create_task(runner.conversation(turns, index)))
             await asyncio.gather(*tasks)
             end = clock()
     return runner.results, start, end
