@@ -245,6 +245,8 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         self.kv.pool.set_time(time.monotonic())
         sched = self.scheduler.schedule()
+        if self.tiers is not None:
+            self.tiers.capture_evicted()  # before this step's forward writes over them
         self._counts["preemptions"] += len(sched.preempted)
         if not sched.scheduled:
             if self.tiers is not None:

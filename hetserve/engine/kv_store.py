@@ -56,6 +56,10 @@ def kv_identity(model_dir: Path, cache: PagedKVCache, salt: str = "") -> bytes:
 
 
 class BlockIO:
+    # Room for copies of evicted blocks waiting to be saved (write-back); at least this many.
+    STAGING_BYTES = 128 << 20
+    MIN_STAGING_SLOTS = 16
+
     def __init__(self, cache: PagedKVCache) -> None:
         self.cache = cache
         self.bs = cache.block_size
@@ -64,6 +68,20 @@ class BlockIO:
         self.part_bytes = [t[: self.bs].nbytes for t in self.tensors]
         self.bytes_per_block = sum(self.part_bytes)
         self.on_device = self.tensors[0].device.type != "cpu"
+        self.staging_slots = max(self.MIN_STAGING_SLOTS, self.STAGING_BYTES // self.bytes_per_block)
+        # Evicted blocks' copies: one row per slot, parts laid out as in a stored object.
+        self._staging = torch.empty(
+            (self.staging_slots, self.bytes_per_block),
+            dtype=torch.uint8,
+            pin_memory=self.on_device,
+        )
+        self._staging_bytes = as_memoryview(self._staging, writable=True)
+        self._offsets = [sum(self.part_bytes[:j]) for j in range(self.num_parts)]
+        # Each KV tensor seen as [blocks, bytes of one block's rows], for gathers by block id.
+        self._by_block = [
+            t.view(torch.uint8).view(cache.num_blocks, n)
+            for t, n in zip(self.tensors, self.part_bytes, strict=True)
+        ]
         if not self.on_device:
             # One flat byte view per tensor, sliced per block: a store converts a memoryview
             # slice in ~0.2 us, a torch view in ~4 us (96 parts per block on a 48-layer model).
@@ -98,6 +116,24 @@ class BlockIO:
                 offset += size
             out.append(parts)
         return out
+
+    def stage(self, block_ids: list[int], slots: list[int]) -> None:
+        """Copy blocks into staging slots: one gather per KV tensor. On CUDA the copy to the
+        host completes before this returns (the blocks are overwritten by the next forward)."""
+        ids = torch.tensor(block_ids, device=self.tensors[0].device)
+        rows = torch.tensor(slots)
+        for tb, off, n in zip(self._by_block, self._offsets, self.part_bytes, strict=True):
+            self._staging[rows, off : off + n] = tb.index_select(0, ids).cpu()
+
+    def staged_parts(self, slots: list[int]) -> list[list[Any]]:
+        per = self.bytes_per_block
+        return [
+            [
+                self._staging_bytes[s * per + off : s * per + off + n]
+                for off, n in zip(self._offsets, self.part_bytes, strict=True)
+            ]
+            for s in slots
+        ]
 
     def load_parts(self, block_ids: Sequence[int]) -> list[list[Any]]:
         if not self.on_device:

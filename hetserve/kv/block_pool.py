@@ -12,9 +12,9 @@ given with `set_time`; nothing here reads a clock).
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from hetserve.core.block_hash import BlockHash
 
@@ -24,6 +24,12 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+
+
+class Eviction(NamedTuple):
+    block_id: int
+    block_hash: BlockHash
+    protected_until: float | None  # a session's block, evicted before its time ran out
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -45,6 +51,10 @@ class BlockPool:
         # Free protected blocks -> expiry, in expiry order (one TTL, a clock that only grows).
         self._protected: OrderedDict[int, tuple[KVBlock, float]] = OrderedDict()
         self.now = 0.0
+        # Cached blocks handed out since the KV tiers last looked: their bytes are still in
+        # place until the next forward writes over them (write-back on eviction).
+        self.record_evictions = False
+        self.evicted: list[Eviction] = []
 
     def set_time(self, now: float) -> None:
         """Advance the clock; protected blocks whose time has passed become plain free blocks
@@ -85,11 +95,14 @@ class BlockPool:
             raise NoFreeBlocksError(f"asked for {n} blocks, {self.num_free} free")
         out = []
         for _ in range(n):
+            until = None
             if self._free:
                 _, b = self._free.popitem(last=False)
             else:  # only protected blocks are left: the one whose time ends first goes
-                _, (b, _) = self._protected.popitem(last=False)
+                _, (b, until) = self._protected.popitem(last=False)
             if b.block_hash is not None:  # evict its cached identity
+                if self.record_evictions:
+                    self.evicted.append(Eviction(b.block_id, b.block_hash, until))
                 del self._cached[b.block_hash]
                 b.block_hash = None
             b.ref_cnt = 1
@@ -115,19 +128,6 @@ class BlockPool:
                 self._free[b.block_id] = b
                 if evict_first:
                     self._free.move_to_end(b.block_id, last=False)
-
-    def next_evicted(self, limit: int) -> list[KVBlock]:
-        """The free blocks still holding cached KV that the next allocations would evict, in
-        that order (at most `limit`, looking no further than 4 * limit free blocks): plain free
-        blocks first, then protected ones by expiry."""
-        out: list[KVBlock] = []
-        order = itertools.chain(self._free.values(), (b for b, _ in self._protected.values()))
-        for i, b in enumerate(order):
-            if len(out) == limit or i >= 4 * limit:
-                break
-            if b.block_hash is not None:
-                out.append(b)
-        return out
 
     def protected_until(self, block: KVBlock) -> float | None:
         """When a free protected block's protection ends (None: not protected)."""

@@ -1,10 +1,12 @@
 """KV tiers: the engine's paged KV cache backed by a KV store (host DRAM, SSD, a shared pool).
 
 Who calls it: the scheduler, as its `KVLoader` (`ready`, `start_load`, `landed`), and the engine
-once per step (`after_step`: saves) and at shutdown (`close`: saves what is not saved yet). It
-talks to the store through `store/api.py` only; a block's bytes are handed over by the engine's
-`BlockIO` (views of the KV tensors on CPU, pinned host buffers on CUDA). Store calls run on two
-worker threads (loads and lookups; saves), so no step waits on I/O.
+after scheduling (`capture_evicted`: write-back of the cached blocks just handed out, before the
+forward overwrites them), once per step (`after_step`: write-through, saves handed to the saver)
+and at shutdown (`close`: saves what is not saved yet). It talks to the store through
+`store/api.py` only; a block's bytes are handed over by the engine's `BlockIO` (views of the KV
+tensors on CPU, pinned host buffers on CUDA). Store calls run on worker threads (lookups and
+loads here; saves in `tier_saves.py`), so no step waits on I/O.
 
 One identity: a block is stored under its chained `BlockHash`, whose root seed carries the model,
 dtype, KV layout and block size, so incompatible KV can never hit.
@@ -21,23 +23,21 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from hetserve.core.block_hash import BlockHash
 from hetserve.core.request import Request
 from hetserve.core.stats import TierStats
 from hetserve.kv.block_pool import KVBlock
 from hetserve.kv.manager import KVCacheManager
 from hetserve.kv.tier_policy import CostModel, LoadPlan, plan_load
-from hetserve.store.api import KVStore, ReplicateConfig
+from hetserve.kv.tier_saves import Saver
+from hetserve.store.api import KVStore
 
 log = logging.getLogger(__name__)
 
-SAVE_BATCH = 32  # blocks per batched put
-KNOWN_SAVED = 1 << 18  # hashes remembered as already in the store
 MAX_FOUND = 1 << 14  # lookup results kept for requests not admitted yet
 Job = Callable[[], tuple[Any, ...]]  # runs on a worker, returns (kind, *result); never raises
 
@@ -60,6 +60,16 @@ class BlockIO(Protocol):
         """Buffers holding the blocks' bytes for a store write (on the saver thread)."""
         ...
 
+    staging_slots: int
+
+    def stage(self, block_ids: list[int], slots: list[int]) -> None:
+        """Copy blocks into staging slots (engine thread, before they are overwritten)."""
+        ...
+
+    def staged_parts(self, slots: list[int]) -> list[list[Any]]:
+        """Buffers of staged copies for a store write (on the saver thread)."""
+        ...
+
 
 @dataclass(eq=False)
 class _Load:
@@ -74,13 +84,6 @@ class _Load:
     abandoned: bool = False  # timed out: the request went on, the blocks wait for the worker
 
 
-@dataclass(eq=False)
-class _Save:
-    blocks: list[KVBlock]
-    pins: list[float | None]  # per block: a session's remaining protection, in seconds
-    ok: bool | None = None
-
-
 @dataclass
 class _Counters:
     lookups: int = 0
@@ -91,10 +94,6 @@ class _Counters:
     loaded: dict[str, int] = field(default_factory=dict)  # tier -> blocks
     load_bytes: int = 0
     load_seconds: float = 0.0
-    saved: int = 0
-    save_bytes: int = 0
-    save_failed: int = 0
-    shed: int = 0
 
 
 class TierManager:
@@ -109,7 +108,6 @@ class TierManager:
         always_load: bool = False,
         sync_lookup: bool = False,
         max_pending_saves: int = 256,
-        writeback_ahead: int = 32,
         load_timeout_s: float = 10.0,
     ) -> None:
         self.store, self.cost, self.kv, self.io = store, cost, kv, io
@@ -117,8 +115,6 @@ class TierManager:
         self.write_through = write_through
         self.always_load = always_load
         self.sync_lookup = sync_lookup
-        self.max_pending = max_pending_saves
-        self.ahead = writeback_ahead
         self.load_timeout_s = load_timeout_s
         kv.report_cached = True
         # request -> (first block looked up, tiers of the run found); bounded, oldest dropped
@@ -126,23 +122,13 @@ class TierManager:
         self._lookups_out: set[str] = set()
         self._loads: dict[str, _Load] = {}  # by request id, in flight
         self._abandoned: list[_Load] = []
-        self._pending: deque[KVBlock] = deque()  # pinned, waiting to be saved
-        self._saving: _Save | None = None
-        self._known: OrderedDict[BlockHash, None] = OrderedDict()
+        self.saver = Saver(store, kv, io, max_pending_saves)
         self.counts = _Counters()
         # Results of the workers' jobs, drained on the engine thread.
         self._results: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._load_jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._save_jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._work, args=(jobs,), daemon=True, name=name)
-            for jobs, name in (
-                (self._load_jobs, "hetserve-kv-load"),  # lookups and loads: latency matters
-                (self._save_jobs, "hetserve-kv-save"),
-            )
-        ]
-        for t in self._threads:
-            t.start()
+        self._thread = threading.Thread(target=self._work, daemon=True, name="hetserve-kv-load")
+        self._thread.start()
 
     # ---- the scheduler's KVLoader ---------------------------------------------------------
     def ready(self, req: Request) -> bool:
@@ -263,91 +249,22 @@ class TierManager:
                 {t: (c.latency_s, c.bandwidth) for t, c in self.cost.tiers.items()},
             )  # fmt: skip
 
-    # ---- saves -----------------------------------------------------------------------------
+    # ---- saves ----------------------------------------------------------------------------
+    def capture_evicted(self) -> None:
+        """Write-back on eviction: stage the cached blocks scheduling just handed out."""
+        self.saver.capture()
+
     def after_step(self) -> None:
-        """Queue what should be saved (write-through prompt blocks, write-back of the blocks
-        next in line for eviction) and hand a batch to the saver when it is idle."""
+        """Write-through of a shared store's new prompt blocks; give the saver its next batch."""
         self._drain()
         fresh, self.kv.newly_cached = self.kv.newly_cached, []
         if self.write_through:
-            self._enqueue([b for b, is_prompt in fresh if is_prompt])
-        if len(self._pending) < self.ahead:
-            self._enqueue(self.kv.pool.next_evicted(self.ahead))
-        self._submit_save()
-
-    def _enqueue(self, blocks: list[KVBlock]) -> None:
-        new = [
-            b
-            for b in blocks
-            if b.block_hash not in self._known and b.block_id not in self.kv.pinned
-        ]
-        if not new:
-            return
-        self.kv.pin(new)
-        self._pending.extend(new)
-        while len(self._pending) > self.max_pending:  # shed the oldest rather than stall
-            self.kv.unpin([self._pending.popleft()])
-            self.counts.shed += 1
-
-    def _submit_save(self) -> None:
-        if self._saving is not None or not self._pending:
-            return
-        n = min(SAVE_BATCH, len(self._pending))
-        blocks = [self._pending.popleft() for _ in range(n)]
-        now = self.kv.pool.now
-        pins = [None if (u := self.kv.protection(b)) is None else u - now for b in blocks]
-        job = _Save(blocks, pins)
-        self._saving = job
-        self._save_jobs.put(lambda: ("save", job, self._write(job)))
-
-    def _write(self, job: _Save) -> bool:
-        keys = [b.block_hash.digest for b in job.blocks if b.block_hash is not None]
-        try:
-            assert len(keys) == len(job.blocks), "a pinned cached block lost its hash"
-            parts = self.io.save_parts([b.block_id for b in job.blocks])
-            plain = [i for i, p in enumerate(job.pins) if p is None or p <= 0]
-            if len(plain) < len(keys):  # a live session's blocks stay pinned in the store too
-                pinned = [i for i in range(len(keys)) if i not in set(plain)]
-                ttl = max(job.pins[i] or 0.0 for i in pinned)
-                cfg = ReplicateConfig(soft_pin=True, soft_pin_ttl_s=ttl)
-                self.store.batch_put_parts(
-                    [keys[i] for i in pinned], [parts[i] for i in pinned], cfg
-                )
-            if plain:
-                self.store.batch_put_parts(
-                    [keys[i] for i in plain], [parts[i] for i in plain], ReplicateConfig()
-                )
-            return True
-        except Exception as exc:  # a full or unreachable store: these blocks stay unsaved
-            log.warning("KV store save of %d blocks failed: %s", len(keys), exc)
-            return False
-
-    def _saved(self, job: _Save) -> None:
-        c = self.counts
-        if job.ok:
-            c.saved += len(job.blocks)
-            c.save_bytes += len(job.blocks) * self.io.bytes_per_block
-            for b in job.blocks:
-                self._remember(b.block_hash)
-        else:
-            c.save_failed += len(job.blocks)
-        self.kv.unpin(job.blocks)
-        self._saving = None
-
-    def _remember(self, h: BlockHash | None) -> None:
-        if h is None:
-            return
-        self._known[h] = None
-        self._known.move_to_end(h)
-        if len(self._known) > KNOWN_SAVED:
-            self._known.popitem(last=False)
+            self.saver.enqueue([b for b, is_prompt in fresh if is_prompt])
+        self.saver.pump()
 
     # ---- plumbing --------------------------------------------------------------------------
-    def _work(self, jobs: queue.SimpleQueue[Job | None]) -> None:
-        while True:
-            job = jobs.get()
-            if job is None:
-                return
+    def _work(self) -> None:
+        while (job := self._load_jobs.get()) is not None:
             self._results.put(job())  # jobs catch their own failures: every job reports
 
     def _drain(self) -> None:
@@ -369,10 +286,6 @@ class TierManager:
                     self.kv.unpin(job.blocks)
                 else:
                     job.ok, job.seconds = ok, seconds
-            elif kind == "save":
-                job, ok = rest
-                job.ok = ok
-                self._saved(job)
 
     def forget(self, req: Request) -> None:
         """A request ended: drop what its lookup found (its load, if any, lands anyway)."""
@@ -388,51 +301,36 @@ class TierManager:
             load_seconds=c.load_seconds,
             skipped_blocks=c.skipped,
             missed_blocks=c.missed,
-            saved_blocks=c.saved,
-            save_bytes=c.save_bytes,
-            save_failed_blocks=c.save_failed,
-            shed_saves=c.shed,
-            pending_saves=len(self._pending) + (len(self._saving.blocks) if self._saving else 0),
+            saved_blocks=self.saver.saved,
+            save_bytes=self.saver.save_bytes,
+            save_failed_blocks=self.saver.failed,
+            shed_saves=self.saver.shed,
+            pending_saves=self.saver.pending(),
         )
 
     def flush(self, timeout_s: float = 10.0) -> bool:
-        """Save every free cached device block the store may lack, and wait (at most
-        `timeout_s`) until no save is left. Returns whether everything was saved in time."""
-        deadline = time.monotonic() + timeout_s
-        limit, self.max_pending = self.max_pending, 1 << 30
-        try:
-            cached = [b for b in self.kv.pool.blocks[1:] if b.block_hash is not None]
-            self._enqueue([b for b in cached if b.ref_cnt == 0])
-            while (self._pending or self._saving) and time.monotonic() < deadline:
-                self._submit_save()
-                self._drain()
-                time.sleep(0.001)
-        finally:
-            self.max_pending = limit
-        return not (self._pending or self._saving)
+        """Save every free cached device block the store may lack; wait (at most `timeout_s`)
+        until no save is left. Returns whether everything was saved in time."""
+        return self.saver.flush(timeout_s)
 
     def make_cold(self) -> None:
         """Make the next reads of what was saved come from the medium (the SSD tier drops its
         page cache), so a benchmark sees what a load after a restart would."""
-        for h in list(self._known):
+        for h in self.saver.saved_hashes():
             self.store.make_cold(h.digest)
 
     def close(self, flush_s: float = 10.0) -> None:
         """Save what the store lacks (bounded by `flush_s`), stop the workers, close it."""
         self.flush(flush_s)
-        for jobs in (self._load_jobs, self._save_jobs):
-            jobs.put(None)
-        for t in self._threads:
-            t.join(timeout=5)
+        self.saver.close()
+        self._load_jobs.put(None)
+        self._thread.join(timeout=5)
         self.store.close()
 
     def check_integrity(self) -> None:
-        queued = [b.block_id for b in self._pending]
-        saving = [b.block_id for b in self._saving.blocks] if self._saving else []
-        held = queued + saving + [b.block_id for j in self._abandoned for b in j.blocks]
-        assert len(set(held)) == len(held), held
+        self.saver.check_integrity()
+        held = [b.block_id for j in self._abandoned for b in j.blocks]
         for bid in held:
             assert self.kv.pinned.get(bid, 0) >= 1, bid
-        assert sum(self.kv.pinned.values()) == len(held), (self.kv.pinned, held)
         for rid, job in self._loads.items():
             assert self.kv.tables.get(rid) is job.blocks or job.abandoned, rid

@@ -1,0 +1,226 @@
+"""Saves of KV blocks to a store, in the background: the write side of the KV tiers.
+
+Who calls it: `TierManager` (kv/tiers.py) on the engine thread. Two paths feed it:
+- write-back on eviction (`capture`): a cached block the pool hands out is copied, before the
+  next forward writes over it, into a bounded staging area, and saved from there;
+- write-through (`enqueue`): blocks pinned in the device pool and saved in place (a shared
+  store's prompt blocks, so other instances find them at once; everything at shutdown).
+Store calls run on one saver thread, a batch at a time, so no step waits on I/O.
+
+Failure contract: a save that raises (a full or unreachable store) leaves those blocks unsaved
+(counted); nothing is retried. Under pressure the oldest queued save is shed rather than
+stalling a step (counted): a full staging area drops the oldest staged block, a long pin queue
+releases the oldest pinned block.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from hetserve.core.block_hash import BlockHash
+from hetserve.kv.block_pool import Eviction, KVBlock
+from hetserve.kv.manager import KVCacheManager
+from hetserve.store.api import KVStore, ReplicateConfig
+
+log = logging.getLogger(__name__)
+
+SAVE_BATCH = 32  # blocks per batched put
+KNOWN_SAVED = 1 << 18  # hashes remembered as already in the store
+
+
+class SaveIO(Protocol):
+    bytes_per_block: int
+    staging_slots: int
+
+    def save_parts(self, block_ids: list[int]) -> list[list[Any]]: ...
+
+    def stage(self, block_ids: list[int], slots: list[int]) -> None: ...
+
+    def staged_parts(self, slots: list[int]) -> list[list[Any]]: ...
+
+
+@dataclass(eq=False)
+class _Job:
+    hashes: list[BlockHash]
+    pins: list[float | None]  # per block: a session's remaining protection, in seconds
+    blocks: list[KVBlock] | None = None  # pinned blocks saved in place
+    slots: list[int] | None = None  # or staged copies
+    ok: bool | None = None
+
+
+class Saver:
+    def __init__(self, store: KVStore, kv: KVCacheManager, io: SaveIO, max_pending: int) -> None:
+        self.store, self.kv, self.io = store, kv, io
+        self.max_pending = max_pending
+        self._pinned: deque[KVBlock] = deque()
+        self._staged: deque[tuple[BlockHash, int, float | None]] = deque()  # hash, slot, pin
+        self._free_slots = list(range(io.staging_slots))
+        self._job: _Job | None = None
+        self._known: OrderedDict[BlockHash, None] = OrderedDict()
+        self.saved = self.save_bytes = self.failed = self.shed = 0
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, daemon=True, name="hetserve-kv-save")
+        self._thread.start()
+        kv.pool.record_evictions = True
+
+    def known(self, h: BlockHash | None) -> bool:
+        return h is None or h in self._known
+
+    def saved_hashes(self) -> list[BlockHash]:
+        """The blocks this engine saved (as far as it remembers), oldest first."""
+        return list(self._known)
+
+    # ---- engine thread ---------------------------------------------------------------------
+    def capture(self) -> None:
+        """Stage the cached blocks just handed out (their bytes are still in place): call
+        after scheduling, before the forward writes into them."""
+        evicted, self.kv.pool.evicted = self.kv.pool.evicted, []
+        todo = [e for e in evicted if not self.known(e.block_hash)]
+        if not todo:
+            return
+        need = len(todo) - len(self._free_slots)
+        while need > 0 and self._staged:  # shed the oldest staged saves, not the new ones
+            self._free_slots.append(self._staged.popleft()[1])
+            self.shed += 1
+            need -= 1
+        if need > 0:  # more evictions than the staging area holds: keep the newest
+            self.shed += need
+            todo = todo[need:]
+        slots = [self._free_slots.pop() for _ in todo]
+        self.io.stage([e.block_id for e in todo], slots)
+        now = self.kv.pool.now
+        for e, slot in zip(todo, slots, strict=True):
+            self._staged.append((e.block_hash, slot, _ttl(e, now)))
+
+    def enqueue(self, blocks: list[KVBlock]) -> None:
+        """Pin blocks and save them in place (write-through, flush)."""
+        new = [
+            b for b in blocks if not self.known(b.block_hash) and b.block_id not in self.kv.pinned
+        ]
+        if not new:
+            return
+        self.kv.pin(new)
+        self._pinned.extend(new)
+        while len(self._pinned) > self.max_pending:  # shed the oldest rather than stall
+            self.kv.unpin([self._pinned.popleft()])
+            self.shed += 1
+
+    def pump(self) -> None:
+        """Take finished saves in, and hand the saver its next batch when it is idle."""
+        while True:
+            try:
+                job = self._done.get_nowait()
+            except queue.Empty:
+                break
+            self._finish(job)
+        if self._job is not None:
+            return
+        now = self.kv.pool.now
+        if self._staged:  # evicted blocks first: their copies exist nowhere else
+            batch = [self._staged.popleft() for _ in range(min(SAVE_BATCH, len(self._staged)))]
+            self._job = _Job(
+                [h for h, _, _ in batch], [p for _, _, p in batch], slots=[s for _, s, _ in batch]
+            )
+        elif self._pinned:
+            blocks = [self._pinned.popleft() for _ in range(min(SAVE_BATCH, len(self._pinned)))]
+            pins = [None if (u := self.kv.protection(b)) is None else u - now for b in blocks]
+            hashes = [b.block_hash for b in blocks]
+            assert all(h is not None for h in hashes), "a pinned cached block lost its hash"
+            self._job = _Job(hashes, pins, blocks=blocks)  # type: ignore[arg-type]
+        else:
+            return
+        self._jobs.put(self._job)
+
+    def _finish(self, job: _Job) -> None:
+        if job.ok:
+            self.saved += len(job.hashes)
+            self.save_bytes += len(job.hashes) * self.io.bytes_per_block
+            for h in job.hashes:
+                self._remember(h)
+        else:
+            self.failed += len(job.hashes)
+        if job.blocks is not None:
+            self.kv.unpin(job.blocks)
+        if job.slots is not None:
+            self._free_slots.extend(job.slots)
+        self._job = None
+
+    def _remember(self, h: BlockHash) -> None:
+        self._known[h] = None
+        self._known.move_to_end(h)
+        if len(self._known) > KNOWN_SAVED:
+            self._known.popitem(last=False)
+
+    def pending(self) -> int:
+        return len(self._pinned) + len(self._staged) + (len(self._job.hashes) if self._job else 0)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Save every free cached device block the store may lack, and wait (at most
+        `timeout_s`) until no save is left. Returns whether everything was saved in time."""
+        deadline = time.monotonic() + timeout_s
+        limit, self.max_pending = self.max_pending, 1 << 30
+        try:
+            self.capture()
+            cached = [b for b in self.kv.pool.blocks[1:] if b.block_hash is not None]
+            self.enqueue([b for b in cached if b.ref_cnt == 0])
+            while self.pending() and time.monotonic() < deadline:
+                self.pump()
+                time.sleep(0.001)
+        finally:
+            self.max_pending = limit
+        return not self.pending()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=5)
+
+    def check_integrity(self) -> None:
+        pinned = [b.block_id for b in self._pinned]
+        if self._job is not None and self._job.blocks is not None:
+            pinned += [b.block_id for b in self._job.blocks]
+        assert len(set(pinned)) == len(pinned), pinned
+        for bid in pinned:
+            assert self.kv.pinned.get(bid, 0) >= 1, bid
+        slots = [s for _, s, _ in self._staged] + list(self._free_slots)
+        if self._job is not None and self._job.slots is not None:
+            slots += self._job.slots
+        assert sorted(slots) == list(range(self.io.staging_slots)), "staging slots leaked"
+
+    # ---- saver thread ----------------------------------------------------------------------
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job.ok = self._write(job)
+            self._done.put(job)
+
+    def _write(self, job: _Job) -> bool:
+        keys = [h.digest for h in job.hashes]
+        try:
+            if job.blocks is not None:
+                parts = self.io.save_parts([b.block_id for b in job.blocks])
+            else:
+                parts = self.io.staged_parts(job.slots or [])
+            plain = [i for i, p in enumerate(job.pins) if p is None or p <= 0]
+            pinned = [i for i, p in enumerate(job.pins) if p is not None and p > 0]
+            if pinned:  # a live session's blocks stay pinned in the store for the rest of it
+                ttl = max(job.pins[i] or 0.0 for i in pinned)
+                cfg = ReplicateConfig(soft_pin=True, soft_pin_ttl_s=ttl)
+                self.store.batch_put_parts(
+                    [keys[i] for i in pinned], [parts[i] for i in pinned], cfg
+                )
+            if plain:
+                self.store.batch_put_parts([keys[i] for i in plain], [parts[i] for i in plain])
+            return True
+        except Exception as exc:  # a full or unreachable store: these blocks stay unsaved
+            log.warning("KV store save of %d blocks failed: %s", len(keys), exc)
+            return False
+
+
+def _ttl(e: Eviction, now: float) -> float | None:
+    return None if e.protected_until is None else e.protected_until - now
