@@ -46,7 +46,7 @@ class Request:
     stop_reason: str | int | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)  # of full blocks, in order
     num_preemptions: int = 0
-    load_tried: bool = False  # the KV tiers were asked for its blocks (once per request)
+    num_loads: int = 0  # loads of its blocks from a KV store so far
     loaded_tokens: dict[str, int] = field(default_factory=dict)  # tier -> tokens loaded from it
 
     @property

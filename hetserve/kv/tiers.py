@@ -1,6 +1,6 @@
 """KV tiers: the engine's paged KV cache backed by a KV store (host DRAM, SSD, a shared pool).
 
-Who calls it: the scheduler, as its `KVLoader` (`ready`, `start_load`, `landed`), and the engine
+Who calls it: the scheduler, as its `KVLoader` (`prepare`, `landed`), and the engine
 after scheduling (`capture_evicted`: write-back of the cached blocks just handed out, before the
 forward overwrites them), once per step (`after_step`: write-through, saves handed to the saver)
 and at shutdown (`close`: saves what is not saved yet). It talks to the store through
@@ -39,6 +39,8 @@ from hetserve.store.api import KVStore
 log = logging.getLogger(__name__)
 
 MAX_FOUND = 1 << 14  # lookup results kept for requests not admitted yet
+MAX_LOADS = 2  # loads per request (a second when its first one's blocks were taken back)
+WAIT, LOADING, NONE = "wait", "loading", "none"  # what prepare() tells the scheduler
 Job = Callable[[], tuple[Any, ...]]  # runs on a worker, returns (kind, *result); never raises
 
 
@@ -122,6 +124,7 @@ class TierManager:
         self._lookups_out: set[str] = set()
         self._loads: dict[str, _Load] = {}  # by request id, in flight
         self._abandoned: list[_Load] = []
+        self._to_submit: list[_Load] = []  # loads planned this step, started after capture
         self.saver = Saver(store, kv, io, max_pending_saves)
         self.counts = _Counters()
         # Results of the workers' jobs, drained on the engine thread.
@@ -131,18 +134,36 @@ class TierManager:
         self._thread.start()
 
     # ---- the scheduler's KVLoader ---------------------------------------------------------
-    def ready(self, req: Request) -> bool:
+    def prepare(self, req: Request, device_blocks: int) -> str:
+        """At admission, after a device hit of `device_blocks`: look the following blocks up
+        in the store (at once for a store in this process, else on the loader thread) and start
+        loading what is worth it. Returns WAIT (the lookup is out), LOADING or NONE (admit it
+        as it is). Asked again at every admission attempt, so blocks evicted from the device
+        since the last attempt are looked for in the store too."""
         rid = req.request_id
-        if rid in self._found:
-            return True
-        if rid not in self._lookups_out:
-            self._lookup(req)
-        self._drain()
-        return rid in self._found
+        if rid in self.kv.load_holds or req.num_loads >= MAX_LOADS:
+            return NONE  # its load landed: admit it with what it brought
+        found = self._found.get(rid)
+        if found is None or found[0] > device_blocks:  # none yet, or the device hit shrank
+            if rid in self._lookups_out:
+                self._drain()
+                found = self._found.get(rid)
+                if found is None or found[0] > device_blocks:
+                    return WAIT
+            else:
+                self._lookup(req, device_blocks)
+                found = self._found.get(rid)
+                if found is None:
+                    return WAIT
+        looked_from, tiers = found
+        run = tiers[device_blocks - looked_from :]
+        if not run or not self._start_load(req, device_blocks, run):
+            return NONE
+        self._found.pop(rid, None)
+        return LOADING
 
-    def _lookup(self, req: Request) -> None:
+    def _lookup(self, req: Request, first: int) -> None:
         n = self.kv.lookup_blocks(req)
-        first = len(self.kv.get_computed_blocks(req)[0])
         keys = [h.digest for h in req.block_hashes[first:n]]
         if not keys:
             self._found[req.request_id] = (first, [])
@@ -168,11 +189,7 @@ class TierManager:
             run.append(t)
         return run
 
-    def start_load(self, req: Request, first_block: int) -> bool:
-        looked_from, found = self._found.pop(req.request_id, (0, []))
-        run = found[first_block - looked_from :] if first_block >= looked_from else []
-        if not run:
-            return False
+    def _start_load(self, req: Request, first_block: int, run: list[str]) -> bool:
         bpb = self.io.bytes_per_block
         plan = plan_load(run, bpb, self.block_size, self.cost, self.always_load)
         self._log_plan(req, first_block, plan)
@@ -187,7 +204,10 @@ class TierManager:
         keys = [h.digest for h in req.block_hashes[first_block : first_block + plan.num_blocks]]
         job = _Load(req, first_block, blocks, keys, run[: plan.num_blocks], time.monotonic())
         self._loads[req.request_id] = job
-        self._load_jobs.put(lambda: ("load", job, *self._read(job)))
+        req.num_loads += 1
+        # Submitted only after capture_evicted: the blocks it reserved may be evicted cached
+        # blocks whose old bytes must be staged (saved) before the load writes over them.
+        self._to_submit.append(job)
         return True
 
     def _read(self, job: _Load) -> tuple[int, float]:
@@ -228,6 +248,8 @@ class TierManager:
         ok = job.ok or 0
         c.loads += 1
         c.missed += len(job.blocks) - ok
+        if ok < len(job.blocks):  # the store let it down: recompute, do not ask again
+            job.req.num_loads = MAX_LOADS
         if not job.abandoned:
             self.kv.finish_load(job.req, job.first_block, ok)
         for tier in job.tiers[:ok]:
@@ -251,8 +273,12 @@ class TierManager:
 
     # ---- saves ----------------------------------------------------------------------------
     def capture_evicted(self) -> None:
-        """Write-back on eviction: stage the cached blocks scheduling just handed out."""
+        """Write-back on eviction: stage the cached blocks scheduling just handed out; then
+        start the loads scheduling asked for (they may write into those very blocks)."""
         self.saver.capture()
+        for job in self._to_submit:
+            self._load_jobs.put(lambda job=job: ("load", job, *self._read(job)))
+        self._to_submit.clear()
 
     def after_step(self) -> None:
         """Write-through of a shared store's new prompt blocks; give the saver its next batch."""
@@ -328,6 +354,7 @@ class TierManager:
         self.store.close()
 
     def check_integrity(self) -> None:
+        assert not self._to_submit, "loads planned but never started"
         self.saver.check_integrity()
         held = [b.block_id for j in self._abandoned for b in j.blocks]
         for bid in held:

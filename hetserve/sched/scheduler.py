@@ -37,14 +37,10 @@ class ScheduledRequest:
 class KVLoader(Protocol):
     """What the scheduler needs of the KV tiers (kv/tiers.py), called on the engine thread."""
 
-    def ready(self, req: Request) -> bool:
-        """Whether the store lookup of `req` is done (not ready: admit others meanwhile)."""
-        ...
-
-    def start_load(self, req: Request, first_block: int) -> bool:
-        """Load the blocks worth loading after the device hit of `first_block` blocks into
-        device blocks the loader reserves; False when there is nothing worth loading (or no
-        room), and the request is then admitted as it is."""
+    def prepare(self, req: Request, device_blocks: int) -> str:
+        """At each admission attempt, after the device hit: "wait" (a store lookup is out:
+        admit others meanwhile), "loading" (its next blocks are being loaded into blocks the
+        loader reserved) or "none" (admit it as it is)."""
         ...
 
     def landed(self) -> list[Request]:
@@ -138,18 +134,17 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[i]
-            if self.loader is not None and not req.load_tried:
-                if not self.loader.ready(req):
+            computed, num_cached = self.kv.get_computed_blocks(req)
+            if self.loader is not None:
+                state = self.loader.prepare(req, len(computed))
+                if state == "wait":
                     i += 1  # its store lookup is still out: the next ones need not wait
                     continue
-                req.load_tried = True
-                computed, _ = self.kv.get_computed_blocks(req)
-                if self.loader.start_load(req, len(computed)):
+                if state == "loading":
                     self.waiting.pop(i)
                     req.status = RequestStatus.WAITING_FOR_KV
                     self.loading[req.request_id] = req
                     continue
-            computed, num_cached = self.kv.get_computed_blocks(req)
             n = req.num_tokens - num_cached
             if n > budget and not self.cfg.enable_chunked_prefill:
                 break
