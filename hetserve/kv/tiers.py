@@ -19,6 +19,7 @@ stall a step: under pressure the oldest unsaved block is shed (counted).
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -277,8 +278,11 @@ class TierManager:
         start the loads scheduling asked for (they may write into those very blocks)."""
         self.saver.capture()
         for job in self._to_submit:
-            self._load_jobs.put(lambda job=job: ("load", job, *self._read(job)))
+            self._load_jobs.put(functools.partial(self._load_job, job))
         self._to_submit.clear()
+
+    def _load_job(self, job: _Load) -> tuple[Any, ...]:
+        return ("load", job, *self._read(job))
 
     def after_step(self) -> None:
         """Write-through of a shared store's new prompt blocks; give the saver its next batch."""
