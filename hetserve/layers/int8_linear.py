@@ -39,8 +39,8 @@ class Int8Linear(nn.Module):
         self.nbytes = q.numel() + scale.numel() * 4
         self.kernel = "native" if kernel != "fbgemm" and _native_ok(*q.shape) else "fbgemm"
         if self.kernel == "native":
-            from hetserve.moe.cpu_native import interleave_quads
             from hetserve.native import kernel
+            from hetserve.native.layout import interleave_quads
 
             self._fn = kernel("hetserve_int8_linear")
             self._q = interleave_quads(q.unsqueeze(0), 16)[0]

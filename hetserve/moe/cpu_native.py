@@ -20,31 +20,8 @@ from hetserve.moe.cpu_backends import (
     quantize_int8_per_channel,
 )
 from hetserve.moe.experts import ExpertWeights
-from hetserve.native import hugepage_empty, kernel
-
-
-def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
-    """q [..., K] in [0, 15] -> uint8 [..., K/2]: per 32-element chunk, byte j holds element j
-    in its low nibble and element j + 16 in its high nibble (cheap to unpack with AVX2)."""
-    *lead, k = q.shape
-    c = q.to(torch.uint8).reshape(*lead, k // 32, 2, 16)
-    return (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(*lead, k // 2).contiguous()
-
-
-def pair_gate_up(w13: torch.Tensor) -> torch.Tensor:
-    """[E, 2I, C] with gate rows then up rows -> rows ordered gate 0-3, up 0-3, gate 4-7, ...,
-    so phase 1 of the kernel (which needs gate and up of the same rows) reads one stream."""
-    e, n, c = w13.shape
-    return w13.reshape(e, 2, n // 8, 4, c).transpose(1, 2).reshape(e, n, c)
-
-
-def interleave_quads(t: torch.Tensor, chunk: int) -> torch.Tensor:
-    """[E, N, C] -> same bytes reordered so each quad of rows is one sequential stream: for every
-    `chunk` columns, the 4 rows' pieces back to back ([E, N/4, C/chunk, 4, chunk]), in memory
-    backed by huge pages where the OS allows."""
-    e, n, c = t.shape
-    src = t.reshape(e, n // 4, 4, c // chunk, chunk).transpose(2, 3)
-    return hugepage_empty(tuple(src.shape), t.dtype).copy_(src)
+from hetserve.native import kernel
+from hetserve.native.layout import interleave_quads, pack_int4_rows, pair_gate_up
 
 
 class _NativeExperts(_CPUExperts):
