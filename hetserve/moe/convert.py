@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from hetserve.errors import InvalidInputError
-from hetserve.moe.cpu_backends import (
+from hetserve.moe.quant import (
     INT4_GROUP_SIZES,
     quantize_int4_groupwise,
     quantize_int8_per_channel,

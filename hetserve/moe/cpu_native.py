@@ -13,13 +13,9 @@ from __future__ import annotations
 import torch
 
 from hetserve.errors import InvalidInputError
-from hetserve.moe.cpu_backends import (
-    _CPUExperts,
-    _f32,
-    quantize_int4_groupwise,
-    quantize_int8_per_channel,
-)
+from hetserve.moe.cpu_base import _CPUExperts, _f32
 from hetserve.moe.experts import ExpertWeights
+from hetserve.moe.quant import quantize_int4_groupwise, quantize_int8_per_channel
 from hetserve.native import kernel
 from hetserve.native.layout import interleave_quads, pack_int4_rows, pair_gate_up
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from hetserve.layers.int8_linear import Int8Linear
-from hetserve.moe.cpu_backends import int8_linear_bound, quantize_int8_per_channel
+from hetserve.moe.quant import int8_linear_bound, quantize_int8_per_channel
 from hetserve.native import native_unavailable_reason
 
 

@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hetserve.moe.cpu_backends import (
+from hetserve.moe.experts import ExpertWeights, available_backends, create_backend
+from hetserve.moe.quant import (
     int4_linear_bound,
     int8_linear_bound,
     quantize_int4_groupwise,
     quantize_int8_per_channel,
 )
-from hetserve.moe.experts import ExpertWeights, available_backends, create_backend
 
 E, H, INTER, K = 8, 128, 64, 3
 SILU_LIPSCHITZ = 1.1  # max |d silu / dx| = 1.0998

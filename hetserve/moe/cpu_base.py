@@ -1,0 +1,129 @@
+"""The shared part of the CPU expert backends: contract methods, optional dedicated thread, and
+the library kernels' forward (routing sort, one linear pair per active expert).
+
+`cpu_backends.py` (library kernels, registry entries) and `cpu_native.py` (the AVX2 kernel)
+both build on `_CPUExperts`.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from hetserve.errors import InvalidInputError
+from hetserve.moe.experts import ACTIVATIONS, ExpertWeights
+
+
+def _f32(w: torch.Tensor) -> torch.Tensor:
+    """One expert's matrix as fp32 on the CPU (a no-op view when it already is)."""
+    return w.to("cpu", torch.float32)
+
+
+class _CPUExperts:
+    """Shared forward of the library kernels. Subclasses set `_pack(w[N, K]) -> object` and
+    `_linear(x, packed)`; the native ones override `_load` and `_forward`.
+
+    Per-expert packed weights sit in two Python lists built once, so forward does no weight
+    work, and routing costs one host sync (the per-expert counts).
+    """
+
+    def __init__(
+        self, weights: ExpertWeights, activation: str = "silu", num_threads: int | None = None
+    ) -> None:
+        if activation not in ACTIVATIONS:
+            raise InvalidInputError(
+                f"unknown activation {activation!r}; available: {', '.join(sorted(ACTIVATIONS))}"
+            )
+        if num_threads is not None and num_threads < 1:
+            raise InvalidInputError(f"num_threads must be >= 1, got {num_threads}")
+        self.num_experts = weights.num_experts
+        self.inter = weights.intermediate_size
+        self.hidden = weights.hidden_size
+        self.act = ACTIVATIONS[activation]
+        # Experts are converted to fp32 one at a time (`_f32`), never the whole layer at once:
+        # a bf16 layer of 64 experts would otherwise need a transient 2+ GB fp32 copy.
+        self._load(weights.w13.detach(), weights.w2.detach())
+        # A dedicated single worker whose intra-op pool is sized once: torch's thread count is
+        # per OS thread, so the caller's (accelerator) thread keeps its own setting.
+        self._pool: ThreadPoolExecutor | None = None
+        if num_threads is not None:
+            self._pool = ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix="hetserve-cpu-experts",
+                initializer=torch.set_num_threads,
+                initargs=(num_threads,),
+            )
+
+    # -- per-backend storage -------------------------------------------------------------
+    def _load(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        self._w13 = [self._pack(_f32(w13[e])) for e in range(self.num_experts)]
+        self._w2 = [self._pack(_f32(w2[e])) for e in range(self.num_experts)]
+
+    def _pack(self, w: torch.Tensor) -> object:
+        raise NotImplementedError
+
+    def _linear(self, x: torch.Tensor, packed: object) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _expert_nbytes(self) -> int:
+        """Bytes of one expert's weights as stored (w13 + w2, scales included)."""
+        raise NotImplementedError
+
+    # -- contract ------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        return self.num_experts * self._expert_nbytes()
+
+    def expert_nbytes(self) -> int:
+        """Bytes one expert streams per call: what a token touching it reads from memory."""
+        return self._expert_nbytes()
+
+    def forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        if self._pool is not None:
+            return self.submit(x, topk_weights, topk_ids).result()
+        return self._forward(x, topk_weights, topk_ids)
+
+    def submit(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> Future:
+        """Run forward on the dedicated pool (needs `num_threads`); the caller overlaps its own
+        work and calls `.result()` when it needs the output."""
+        if self._pool is None:
+            raise InvalidInputError("submit() needs the backend built with num_threads=N")
+        return self._pool.submit(self._forward, x, topk_weights, topk_ids)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def _forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        out_device, out_dtype = x.device, x.dtype
+        x = x.to("cpu", torch.float32)
+        k = topk_ids.shape[1]
+        flat = topk_ids.reshape(-1).to("cpu")
+        order = torch.argsort(flat, stable=True)
+        # The one host sync: per-expert counts decide which packed weights to run.
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token_of = order // k
+        xs = x.index_select(0, token_of)
+        ws = topk_weights.reshape(-1).to("cpu", torch.float32).index_select(0, order)
+        ws = ws.unsqueeze(1)
+        inter, act, lin = self.inter, self.act, self._linear
+        ys = []
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            end = start + n
+            h = lin(xs[start:end], self._w13[e])  # gate+up fused: one matmul per expert
+            a = act(h[:, :inter])
+            a.mul_(h[:, inter:]).mul_(ws[start:end])  # in place: no extra [n, I] buffers
+            ys.append(lin(a, self._w2[e]))
+            start = end
+        out = torch.zeros_like(x)
+        if ys:
+            out.index_add_(0, token_of, torch.cat(ys) if len(ys) > 1 else ys[0])
+        return out.to(out_device, out_dtype)
