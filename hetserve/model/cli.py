@@ -1,9 +1,11 @@
-"""`hetserve models make-tiny`: write a random checkpoint of a real architecture."""
+"""`hetserve models make-tiny` (a random checkpoint of a real architecture) and
+`hetserve convert` (routed experts in a CPU format)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from hetserve.errors import InvalidInputError
 
@@ -60,6 +62,13 @@ def register(sub) -> None:
     )
     t.set_defaults(func=_make_tiny)
 
+    v = sub.add_parser("convert", help="write routed experts in a CPU format (int8 / int4)")
+    v.add_argument("--quant", required=True, choices=["int8", "int4"])
+    v.add_argument("--group-size", type=int, default=64, help="int4 group size (32, 64, 128)")
+    v.add_argument("model_dir")
+    v.add_argument("out_dir")
+    v.set_defaults(func=_convert)
+
 
 def _overrides(args: argparse.Namespace) -> dict:
     out = {}
@@ -91,4 +100,16 @@ def _make_tiny(args: argparse.Namespace) -> int:
         progress=True,
     )
     print(f"wrote {args.arch} checkpoint to {path}")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from hetserve.model.convert import convert
+
+    out = convert(args.model_dir, args.out_dir, args.quant, args.group_size)
+    size = sum(f.stat().st_size for f in Path(out).glob("*.safetensors"))
+    print(
+        f"wrote {args.quant} experts to {out} ({size / 2**20:.1f} MiB of weights); serve it "
+        f"with: hetserve serve --model {out}"
+    )
     return 0

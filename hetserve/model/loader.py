@@ -20,6 +20,7 @@ from tqdm import tqdm
 from hetserve.errors import MissingTensorError, ModelLoadError, TensorShapeError
 from hetserve.model.base import CausalLM
 from hetserve.model.config import ModelConfig
+from hetserve.model.converted import CONFIG_KEY, load_converted_experts
 from hetserve.model.registry import model_class
 
 log = logging.getLogger(__name__)
@@ -211,11 +212,9 @@ def load_model(
                     tensor = f.get_tensor(name)
                     filler.fill(target, tensor, name)
                     bar.update(tensor.numel() * tensor.element_size())
-    converted = cfg.get("hetserve_experts")
+    converted = cfg.get(CONFIG_KEY)
     filler.check_complete(experts_elsewhere=converted is not None)
     if converted is not None:
-        from hetserve.moe.convert import load_converted_experts
-
         load_converted_experts(model, model_dir, converted)
     if cfg.tie_word_embeddings:
         model.tie_weights()

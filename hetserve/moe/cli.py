@@ -1,4 +1,4 @@
-"""`hetserve calibrate` (routing statistics for `--gpu-experts`) and `hetserve convert`."""
+"""`hetserve calibrate`: routing statistics for `--gpu-experts`."""
 
 from __future__ import annotations
 
@@ -19,25 +19,6 @@ def register(sub) -> None:
     c.add_argument("--prompt-len", type=int, default=256)
     c.add_argument("--max-tokens", type=int, default=16, help="decode tokens per prompt")
     c.set_defaults(func=_calibrate)
-
-    v = sub.add_parser("convert", help="write routed experts in a CPU format (int8 / int4)")
-    v.add_argument("--quant", required=True, choices=["int8", "int4"])
-    v.add_argument("--group-size", type=int, default=64, help="int4 group size (32, 64, 128)")
-    v.add_argument("model_dir")
-    v.add_argument("out_dir")
-    v.set_defaults(func=_convert)
-
-
-def _convert(args: argparse.Namespace) -> int:
-    from hetserve.moe.convert import convert
-
-    out = convert(args.model_dir, args.out_dir, args.quant, args.group_size)
-    size = sum(f.stat().st_size for f in Path(out).glob("*.safetensors"))
-    print(
-        f"wrote {args.quant} experts to {out} ({size / 2**20:.1f} MiB of weights); serve it "
-        f"with: hetserve serve --model {out}"
-    )
-    return 0
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""`hetserve convert`: write a model's routed experts in the CPU format.
+"""`hetserve convert`: write a model's routed experts in the CPU format (`converted.py`).
 
 The output directory holds the non-expert tensors (`model.safetensors`), the routed experts
 quantized per layer (`experts-<format>.safetensors`: int8 per output channel, or int4 in groups
@@ -16,19 +16,14 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from hetserve.errors import InvalidInputError
-from hetserve.moe.quant import (
-    INT4_GROUP_SIZES,
-    quantize_int4_groupwise,
-    quantize_int8_per_channel,
-)
+from hetserve.model.converted import CONFIG_KEY, FORMATS, quantize
+from hetserve.model.loader import load_model
+from hetserve.moe.quant import INT4_GROUP_SIZES
 
-FORMATS = ("int8", "int4")
-CONFIG_KEY = "hetserve_experts"
 _COPY = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -38,33 +33,7 @@ _COPY = (
 )
 
 
-def quantize(w: torch.Tensor, fmt: str, group_size: int) -> dict[str, torch.Tensor]:
-    """w [E, N, K] -> stored tensors (suffix -> tensor)."""
-    e, n, k = w.shape
-    flat = w.reshape(e * n, k)
-    if fmt == "int8":
-        q, scale = quantize_int8_per_channel(flat)
-        return {"q": q.reshape(e, n, k), "scale": scale.reshape(e, n)}
-    q, scale, lo = quantize_int4_groupwise(flat, group_size)
-    q = q.to(torch.uint8).reshape(e, n, k // 2, 2)
-    packed = q[..., 0] | (q[..., 1] << 4)
-    g = k // group_size
-    return {"q": packed, "scale": scale.reshape(e, n, g), "min": lo.reshape(e, n, g)}
-
-
-def dequantize(t: dict[str, torch.Tensor], fmt: str, group_size: int) -> torch.Tensor:
-    q = t["q"]
-    if fmt == "int8":
-        return q.float() * t["scale"].unsqueeze(-1)
-    e, n, half = q.shape
-    nib = torch.stack((q & 0xF, q >> 4), dim=-1).reshape(e, n, half * 2).float()
-    g = nib.reshape(e, n, -1, group_size)
-    return (g * t["scale"].unsqueeze(-1) + t["min"].unsqueeze(-1)).reshape(e, n, half * 2)
-
-
 def convert(model_dir: str | Path, out_dir: str | Path, fmt: str, group_size: int = 64) -> Path:
-    from hetserve.model.loader import load_model
-
     if fmt not in FORMATS:
         raise InvalidInputError(f"--quant must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if fmt == "int4" and group_size not in INT4_GROUP_SIZES:
@@ -113,19 +82,3 @@ def _write_rest(model, out: Path) -> None:
             continue
         rest[name] = p.data.contiguous()
     save_file(rest, str(out / "model.safetensors"), metadata={"format": "pt"})
-
-
-def load_converted_experts(model, model_dir: Path, spec: dict) -> None:
-    """Fill every routed-experts module from the converted file (called by the loader)."""
-    fmt, group = spec["format"], spec.get("group_size") or 0
-    with safe_open(str(model_dir / spec["file"]), framework="pt", device="cpu") as f:
-        names = set(f.keys())
-        for name, ex in model.routed_experts():
-            for pname in ("w13", "w2"):
-                prefix = f"{name}.{pname}_"
-                parts = {k[len(prefix) :]: f.get_tensor(k) for k in names if k.startswith(prefix)}
-                if "q" not in parts:
-                    from hetserve.errors import MissingTensorError
-
-                    raise MissingTensorError(f"{spec['file']} lacks '{prefix}q'; re-run convert")
-                getattr(ex, pname).data.copy_(dequantize(parts, fmt, group))

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from hetserve import LLM, SamplingParams
-from hetserve.moe.convert import convert, dequantize, quantize
+from hetserve.model.convert import convert
+from hetserve.model.converted import dequantize, quantize
 
 IDS = torch.randint(10, 400, (50,), generator=torch.Generator().manual_seed(0)).tolist()
 
