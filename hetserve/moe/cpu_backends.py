@@ -45,8 +45,14 @@ import torch.nn.functional as F
 
 from hetserve.errors import InvalidInputError
 from hetserve.moe.cpu_base import _CPUExperts
-from hetserve.moe.cpu_native import NativeFp32Experts, NativeInt4Experts, NativeInt8Experts
-from hetserve.moe.experts import ExpertWeights, register_backend
+from hetserve.moe.cpu_native import (
+    NativeFp8Experts,
+    NativeFp32Experts,
+    NativeInt4Experts,
+    NativeInt8Experts,
+    NativeMxfp4Experts,
+)
+from hetserve.moe.experts import Activation, ExpertWeights, native_activation, register_backend
 from hetserve.moe.quant import (
     INT4_GROUP_SIZES,
     quantize_int4_groupwise,
@@ -119,9 +125,9 @@ class TorchInt4Experts(_CPUExperts):
 KERNELS = ("auto", "native", "library")
 
 
-def _use_native(name: str, kernel: str, activation: str) -> bool:
-    """kernel="auto" takes the native AVX2 kernel when it builds here (and the activation is
-    silu, the only one it fuses); "library" forces the torch/fbgemm op."""
+def _use_native(name: str, kernel: str, activation: Activation) -> bool:
+    """kernel="auto" takes the native AVX2 kernel when it builds here (and fuses the
+    activation: silu or gpt-oss's clamped SwiGLU); "library" forces the torch/fbgemm op."""
     if kernel not in KERNELS:
         raise InvalidInputError(f"{name}: kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "library":
@@ -132,16 +138,35 @@ def _use_native(name: str, kernel: str, activation: str) -> bool:
     if kernel == "native":
         if reason is not None:
             raise InvalidInputError(f"{name}: native kernel unavailable here: {reason}")
-        if activation != "silu":
+        if not native_activation(activation):
             raise InvalidInputError(f"{name}: native kernel fuses silu only, not {activation!r}")
     if reason is not None:
         _warn_once(f"{name}: native kernel unavailable ({reason}); using the library kernel")
-    return reason is None and activation == "silu"
+    return reason is None and native_activation(activation)
+
+
+def _native_only(name: str, kernel: str, activation: Activation) -> None:
+    """Formats that exist only as a native kernel (their point is reading published bytes)."""
+    if kernel not in ("auto", "native"):
+        raise InvalidInputError(f"{name} has only the native kernel; kernel={kernel!r} is not one")
+    _use_native(name, "native", activation)
 
 
 @functools.cache
 def _warn_once(message: str) -> None:
     logging.getLogger(__name__).warning(message)
+
+
+def _int4_group(weights: ExpertWeights, group_size: int | None) -> int:
+    """The int4 group size: as asked, else the packed checkpoint's own where it is one of
+    INT4_GROUP_SIZES (no requantization), else 64."""
+    if group_size is None:
+        group_size = 64
+        p = weights.packed
+        if p is not None and p.fmt == "int4" and p.groups()[0] == p.groups()[1]:
+            group_size = p.groups()[0] if p.groups()[0] in INT4_GROUP_SIZES else 64
+    _check_int4(weights, group_size)
+    return group_size
 
 
 def _check_int4(weights: ExpertWeights, group_size: int) -> None:
@@ -160,7 +185,7 @@ def _check_int4(weights: ExpertWeights, group_size: int) -> None:
 @register_backend("cpu-fp32")
 def make_cpu_fp32(
     weights: ExpertWeights,
-    activation: str = "silu",
+    activation: Activation = "silu",
     num_threads: int | None = None,
     kernel: str = "auto",
 ) -> _CPUExperts:
@@ -173,7 +198,7 @@ def make_cpu_fp32(
 @register_backend("cpu-int8")
 def make_cpu_int8(
     weights: ExpertWeights,
-    activation: str = "silu",
+    activation: Activation = "silu",
     num_threads: int | None = None,
     kernel: str = "auto",
 ) -> _CPUExperts:
@@ -186,12 +211,12 @@ def make_cpu_int8(
 @register_backend("cpu-int4")
 def make_cpu_int4(
     weights: ExpertWeights,
-    activation: str = "silu",
+    activation: Activation = "silu",
     num_threads: int | None = None,
-    group_size: int = 64,
+    group_size: int | None = None,
     kernel: str = "auto",
 ) -> _CPUExperts:
-    _check_int4(weights, group_size)
+    group_size = _int4_group(weights, group_size)
     if _use_native("cpu-int4", kernel, activation):
         return NativeInt4Experts(
             weights, activation=activation, num_threads=num_threads, group_size=group_size
@@ -199,3 +224,25 @@ def make_cpu_int4(
     return TorchInt4Experts(
         weights, activation=activation, num_threads=num_threads, group_size=group_size
     )
+
+
+@register_backend("cpu-mxfp4")
+def make_cpu_mxfp4(
+    weights: ExpertWeights,
+    activation: Activation = "silu",
+    num_threads: int | None = None,
+    kernel: str = "auto",
+) -> _CPUExperts:
+    _native_only("cpu-mxfp4", kernel, activation)
+    return NativeMxfp4Experts(weights, activation=activation, num_threads=num_threads)
+
+
+@register_backend("cpu-fp8")
+def make_cpu_fp8(
+    weights: ExpertWeights,
+    activation: Activation = "silu",
+    num_threads: int | None = None,
+    kernel: str = "auto",
+) -> _CPUExperts:
+    _native_only("cpu-fp8", kernel, activation)
+    return NativeFp8Experts(weights, activation=activation, num_threads=num_threads)

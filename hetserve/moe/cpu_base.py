@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from hetserve.errors import InvalidInputError
-from hetserve.moe.experts import ACTIVATIONS, ExpertWeights
+from hetserve.moe.experts import Activation, ExpertWeights, gated_activation
 
 
 def _f32(w: torch.Tensor) -> torch.Tensor:
@@ -29,21 +29,24 @@ class _CPUExperts:
     """
 
     def __init__(
-        self, weights: ExpertWeights, activation: str = "silu", num_threads: int | None = None
+        self,
+        weights: ExpertWeights,
+        activation: Activation = "silu",
+        num_threads: int | None = None,
     ) -> None:
-        if activation not in ACTIVATIONS:
-            raise InvalidInputError(
-                f"unknown activation {activation!r}; available: {', '.join(sorted(ACTIVATIONS))}"
-            )
+        self.glu = gated_activation(activation)
+        self.activation = activation
         if num_threads is not None and num_threads < 1:
             raise InvalidInputError(f"num_threads must be >= 1, got {num_threads}")
         self.num_experts = weights.num_experts
         self.inter = weights.intermediate_size
         self.hidden = weights.hidden_size
-        self.act = ACTIVATIONS[activation]
-        # Experts are converted to fp32 one at a time (`_f32`), never the whole layer at once:
-        # a bf16 layer of 64 experts would otherwise need a transient 2+ GB fp32 copy.
-        self._load(weights.w13.detach(), weights.w2.detach())
+        self.b13 = None if weights.b13 is None else _f32(weights.b13.detach()).contiguous()
+        self.b2 = None if weights.b2 is None else _f32(weights.b2.detach()).contiguous()
+        # Experts are converted one at a time (`weights.expert(e)`), never the whole layer at
+        # once: a bf16 or quantized layer of 64 experts would otherwise need a transient 2+ GB
+        # fp32 copy.
+        self._load(weights)
         # A dedicated single worker whose intra-op pool is sized once: torch's thread count is
         # per OS thread, so the caller's (accelerator) thread keeps its own setting.
         self._pool: ThreadPoolExecutor | None = None
@@ -56,9 +59,12 @@ class _CPUExperts:
             )
 
     # -- per-backend storage -------------------------------------------------------------
-    def _load(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        self._w13 = [self._pack(_f32(w13[e])) for e in range(self.num_experts)]
-        self._w2 = [self._pack(_f32(w2[e])) for e in range(self.num_experts)]
+    def _load(self, weights: ExpertWeights) -> None:
+        self._w13, self._w2 = [], []
+        for e in range(self.num_experts):
+            w13, w2 = weights.expert(e)
+            self._w13.append(self._pack(w13))
+            self._w2.append(self._pack(w2))
 
     def _pack(self, w: torch.Tensor) -> object:
         raise NotImplementedError
@@ -111,7 +117,7 @@ class _CPUExperts:
         xs = x.index_select(0, token_of)
         ws = topk_weights.reshape(-1).to("cpu", torch.float32).index_select(0, order)
         ws = ws.unsqueeze(1)
-        inter, act, lin = self.inter, self.act, self._linear
+        inter, glu, lin, b13, b2 = self.inter, self.glu, self._linear, self.b13, self.b2
         ys = []
         start = 0
         for e, n in enumerate(counts):
@@ -119,9 +125,13 @@ class _CPUExperts:
                 continue
             end = start + n
             h = lin(xs[start:end], self._w13[e])  # gate+up fused: one matmul per expert
-            a = act(h[:, :inter])
-            a.mul_(h[:, inter:]).mul_(ws[start:end])  # in place: no extra [n, I] buffers
-            ys.append(lin(a, self._w2[e]))
+            if b13 is not None:
+                h.add_(b13[e])
+            a = glu(h[:, :inter], h[:, inter:]).mul_(ws[start:end])
+            y = lin(a, self._w2[e])
+            if b2 is not None:
+                y.addcmul_(ws[start:end], b2[e])  # the router weight scales the bias too
+            ys.append(y)
             start = end
         out = torch.zeros_like(x)
         if ys:

@@ -1,32 +1,64 @@
-"""Native (AVX2) kernels behind `cpu-fp32`, `cpu-int8` and `cpu-int4` (kernel="native").
+"""Native (AVX2) kernels behind the CPU expert backends (kernel="native").
 
-One ctypes call per layer does everything in C (hetserve/native/moe_kernels.c): counting-sort of the
-(token, slot) pairs by expert, gate+up fused, silu, down, the weighted sum. No host sync and no
-per-expert Python. Activations are rounded to int16 per row inside the kernel; weights stay as
-quantized here, in the kernel's layout: per matrix one stacked tensor whose row quads are
-interleaved into one sequential stream (W13's gate and up quads alternate), on huge pages;
-fp32 per-channel scales (int8) or per-group scale and minimum (int4, also quad-interleaved).
+One ctypes call per layer does everything in C (hetserve/native/moe_kernels.c): counting-sort of
+the (token, slot) pairs by expert, gate+up fused, the gate activation (silu, or gpt-oss's
+clamped SwiGLU) with optional biases, down, the weighted sum. No host sync and no per-expert
+Python. The integer formats meet activations rounded to int16 per row inside the kernel; FP8
+and fp32 weights meet fp32 activations. Weights keep their numbers, in the kernel's layout: per
+matrix one stacked tensor whose row quads are interleaved into one sequential stream (W13's gate
+and up quads alternate), on huge pages, with the group parameters quad-interleaved beside them.
+
+Experts packed in a checkpoint's own format (`ExpertWeights.packed`) go in as published where the
+format matches the backend: MXFP4 blocks and e8m0 scales, FP8 bytes and block scales, int4
+nibbles (GPTQ, compressed-tensors, q4_K) with their scale and minimum, q8_0's int8 and scales.
+Otherwise each expert is converted on its own (`weights.expert(e)`), never the whole layer.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from hetserve.errors import InvalidInputError
-from hetserve.moe.cpu_base import _CPUExperts, _f32
-from hetserve.moe.experts import ExpertWeights
-from hetserve.moe.quant import quantize_int4_groupwise, quantize_int8_per_channel
+from hetserve.moe.cpu_base import _CPUExperts
+from hetserve.moe.experts import Activation, ClampedSwiGLU, ExpertWeights
+from hetserve.moe.packed import Fp8Rows, Int4Rows, Int8Rows, Mxfp4Rows, QMatrix
+from hetserve.moe.quant import (
+    quantize_fp8_blocks,
+    quantize_int4_groupwise,
+    quantize_int8_per_channel,
+    quantize_mxfp4,
+)
 from hetserve.native import kernel
 from hetserve.native.layout import interleave_quads, pack_int4_rows, pair_gate_up
 
+# The kernel's weight formats (enum F_* in moe_kernels.c).
+F_F32, F_I8, F_I4, F_MXFP4, F_FP8 = range(5)
+
+
+def _quads(mats: list[torch.Tensor], chunk: int, gate_up: bool) -> torch.Tensor:
+    """Per-expert matrices [N, C] -> one stacked tensor in the kernel's quad layout."""
+    t = torch.stack(mats)
+    return interleave_quads(pair_gate_up(t) if gate_up else t, chunk)
+
+
+def _packed_as(weights: ExpertWeights, cls: type[QMatrix]) -> bool:
+    return weights.packed is not None and all(
+        isinstance(m, cls) for m in (*weights.packed.w13, *weights.packed.w2)
+    )
+
 
 class _NativeExperts(_CPUExperts):
-    bits = 0
+    fmt = F_F32
     group_size = 0
     align = 32  # hidden and intermediate sizes must be multiples of this
 
     def __init__(
-        self, weights: ExpertWeights, activation: str = "silu", num_threads: int | None = None
+        self,
+        weights: ExpertWeights,
+        activation: Activation = "silu",
+        num_threads: int | None = None,
     ) -> None:
         for name, dim in (
             ("hidden", weights.hidden_size),
@@ -38,7 +70,14 @@ class _NativeExperts(_CPUExperts):
                 )
         self._fn = kernel("hetserve_moe_forward")
         self._threads = num_threads
+        if isinstance(activation, ClampedSwiGLU):
+            self._act = (1, activation.alpha, activation.limit)
+        elif activation == "silu":
+            self._act = (0, 0.0, 0.0)
+        else:
+            raise InvalidInputError(f"native experts kernel fuses silu only, not {activation!r}")
         super().__init__(weights, activation=activation, num_threads=num_threads)
+        self._bias_ptrs = tuple(None if b is None else b.data_ptr() for b in (self.b13, self.b2))
 
     def _forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -52,9 +91,9 @@ class _NativeExperts(_CPUExperts):
         t, k = ids.shape
         out = torch.empty(t, self.hidden, dtype=torch.float32)
         rc = self._fn(
-            self.bits, self._threads or torch.get_num_threads(), self.num_experts, self.hidden,
+            self.fmt, self._threads or torch.get_num_threads(), self.num_experts, self.hidden,
             self.inter, self.group_size, t, k, ids.data_ptr(), tw.data_ptr(), x.data_ptr(),
-            out.data_ptr(), *self._ptrs,
+            out.data_ptr(), *self._ptrs, *self._bias_ptrs, *self._act,
         )  # fmt: skip
         if rc == -2:
             raise InvalidInputError(f"topk_ids outside [0, {self.num_experts})")
@@ -62,75 +101,161 @@ class _NativeExperts(_CPUExperts):
             raise MemoryError("native MoE kernel could not allocate its activation buffers")
         return out.to(out_device, out_dtype)
 
+    def _set(self, w13, s13, m13, w2, s2, m2) -> None:
+        """Keeps the layout tensors alive and their pointers for the kernel (None -> NULL)."""
+        self._tensors = (w13, s13, m13, w2, s2, m2)
+        self._ptrs = tuple(None if t is None else t.data_ptr() for t in self._tensors)
+
+    def _expert_nbytes(self) -> int:
+        return sum(t.nbytes for t in self._tensors if t is not None) // self.num_experts
+
 
 class NativeFp32Experts(_NativeExperts):
     """fp32 weights as the model holds them (views, no copy): only fp32 rounding, summed in
     another order than torch's (|y - y_ref| <= 1e-5 relative in the tests)."""
 
-    bits = 32
+    fmt = F_F32
     align = 8
 
-    def _load(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        self.w13 = w13.to("cpu", torch.float32).contiguous()
-        self.w2 = w2.to("cpu", torch.float32).contiguous()
-        z = self.w13.data_ptr()  # no scales or minimums: valid pointers the kernel ignores
-        self._ptrs = (self.w13.data_ptr(), z, z, self.w2.data_ptr(), z, z)
-
-    def _expert_nbytes(self) -> int:
-        return 3 * self.inter * self.hidden * 4
+    def _load(self, weights: ExpertWeights) -> None:
+        dense = weights.dense("cpu", torch.float32)
+        self._set(dense.w13.contiguous(), None, None, dense.w2.contiguous(), None, None)
 
 
 class NativeInt8Experts(_NativeExperts):
-    """int8 per-output-channel symmetric weights, |w - w_hat| <= scale/2; int16 activations."""
+    """int8 per-output-channel symmetric weights, |w - w_hat| <= scale/2; int16 activations.
+    Experts packed as grouped int8 (GGUF q8_0) keep their integers and group scales exactly."""
 
-    bits = 8
+    fmt = F_I8
 
-    def _load(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        q13, s13 = zip(*(quantize_int8_per_channel(_f32(w)) for w in w13), strict=True)
-        q2, s2 = zip(*(quantize_int8_per_channel(_f32(w)) for w in w2), strict=True)
-        self.w13q = interleave_quads(pair_gate_up(torch.stack(q13)), 16)
-        self.w2q = interleave_quads(torch.stack(q2), 16)
-        self.s13 = pair_gate_up(torch.stack(s13)[..., None]).reshape(len(s13), -1).contiguous()
-        self.s2 = torch.stack(s2).contiguous()
-        self._keep = torch.zeros(1)  # int8 has no minimums: a valid pointer the kernel ignores
-        z = self._keep.data_ptr()
-        self._ptrs = (self.w13q.data_ptr(), self.s13.data_ptr(), z,
-                      self.w2q.data_ptr(), self.s2.data_ptr(), z)  # fmt: skip
+    def _load(self, weights: ExpertWeights) -> None:
+        if _packed_as(weights, Int8Rows):
+            g13, g2 = weights.packed.groups()
+            if g13 == g2 and g13 % 16 == 0:
+                self._load_grouped(weights, g13)
+                return
+        q13, s13, q2, s2 = [], [], [], []
+        for e in range(self.num_experts):
+            w13, w2 = weights.expert(e)
+            for w, qs, ss in ((w13, q13, s13), (w2, q2, s2)):
+                q, s = quantize_int8_per_channel(w)
+                qs.append(q)
+                ss.append(s[:, None])
+        self._set(
+            _quads(q13, 16, True), _quads(s13, 1, True).reshape(self.num_experts, -1), None,
+            _quads(q2, 16, False), torch.stack(s2).reshape(self.num_experts, -1), None,
+        )  # fmt: skip
 
-    def _expert_nbytes(self) -> int:
-        i, h = self.inter, self.hidden
-        return 3 * i * h + (2 * i + h) * 4
+    def _load_grouped(self, weights: ExpertWeights, group: int) -> None:
+        self.group_size = group
+        p = weights.packed
+        self._set(
+            _quads([m.q for m in p.w13], 16, True), _quads([m.scale for m in p.w13], 1, True),
+            None, _quads([m.q for m in p.w2], 16, False), _quads([m.scale for m in p.w2], 1, False),
+            None,
+        )  # fmt: skip
 
 
 class NativeInt4Experts(_NativeExperts):
-    """int4 group-wise asymmetric weights, |w - w_hat| <= scale/2 per group; int16 activations."""
+    """int4 group-wise asymmetric weights, |w - w_hat| <= scale/2 per group; int16 activations.
+    Experts packed as int4 groups of 32/64/128 (GPTQ, compressed-tensors, q4_K) keep their
+    nibbles, scales and minimums exactly (group_size None takes theirs)."""
 
-    bits = 4
+    fmt = F_I4
 
     def __init__(
         self,
         weights: ExpertWeights,
-        activation: str = "silu",
+        activation: Activation = "silu",
         num_threads: int | None = None,
         group_size: int = 64,
     ) -> None:
         self.group_size = group_size
         super().__init__(weights, activation=activation, num_threads=num_threads)
 
-    def _load(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        def quant(w: torch.Tensor, order=lambda t: t):
-            parts = [quantize_int4_groupwise(_f32(m), self.group_size) for m in w]
-            q = interleave_quads(order(pack_int4_rows(torch.stack([p[0] for p in parts]))), 16)
-            scale = interleave_quads(order(torch.stack([p[1] for p in parts])), 1)
-            low = interleave_quads(order(torch.stack([p[2] for p in parts])), 1)
-            return q, scale, low
-
-        self.w13q, self.s13, self.m13 = quant(w13, pair_gate_up)
-        self.w2q, self.s2, self.m2 = quant(w2)
-        self._ptrs = tuple(
-            t.data_ptr() for t in (self.w13q, self.s13, self.m13, self.w2q, self.s2, self.m2)
+    def _load(self, weights: ExpertWeights) -> None:
+        if _packed_as(weights, Int4Rows) and weights.packed.groups() == (self.group_size,) * 2:
+            mats13, mats2 = weights.packed.w13, weights.packed.w2
+        else:
+            mats13, mats2 = [], []
+            for e in range(self.num_experts):
+                for w, out in zip(weights.expert(e), (mats13, mats2), strict=True):
+                    q, scale, low = quantize_int4_groupwise(w, self.group_size)
+                    out.append(Int4Rows(pack_int4_rows(q), scale, low))
+        self._set(
+            _quads([m.packed for m in mats13], 16, True),
+            _quads([m.scale for m in mats13], 1, True),
+            _quads([m.minimum for m in mats13], 1, True),
+            _quads([m.packed for m in mats2], 16, False),
+            _quads([m.scale for m in mats2], 1, False),
+            _quads([m.minimum for m in mats2], 1, False),
         )
 
-    def _expert_nbytes(self) -> int:
-        i, h = self.inter, self.hidden
-        return 3 * i * h // 2 + (3 * i * h // self.group_size) * 2 * 4
+
+class NativeMxfp4Experts(_NativeExperts):
+    """MXFP4 (gpt-oss): the published e2m1 blocks and e8m0 scales, read as they are (only rows
+    reordered into quads); int16 activations. Unpacked experts are quantized per expert."""
+
+    fmt = F_MXFP4
+    group_size = 32
+
+    def _load(self, weights: ExpertWeights) -> None:
+        if _packed_as(weights, Mxfp4Rows):
+            mats13, mats2 = weights.packed.w13, weights.packed.w2
+        else:
+            mats13, mats2 = [], []
+            for e in range(self.num_experts):
+                for w, out in zip(weights.expert(e), (mats13, mats2), strict=True):
+                    out.append(Mxfp4Rows(*quantize_mxfp4(w)))
+        n13, n2 = 2 * self.inter, self.hidden
+
+        def blocks(mats: tuple | list, n: int) -> list[torch.Tensor]:
+            return [m.blocks.reshape(n, -1) for m in mats]
+
+        self._set(
+            _quads(blocks(mats13, n13), 16, True), _quads([m.scales for m in mats13], 1, True),
+            None, _quads(blocks(mats2, n2), 16, False), _quads([m.scales for m in mats2], 1, False),
+            None,
+        )  # fmt: skip
+
+
+class NativeFp8Experts(_NativeExperts):
+    """FP8 e4m3 with block scales (DeepSeek-V3 / Qwen3 FP8): the checkpoint's bytes converted to
+    fp32 in registers, fp32 activations: only fp32 rounding. Unpacked experts are quantized per
+    expert in 128 x 128 blocks."""
+
+    fmt = F_FP8
+    align = 16
+
+    def _load(self, weights: ExpertWeights) -> None:
+        if _packed_as(weights, Fp8Rows):
+            mats13, mats2 = weights.packed.w13, weights.packed.w2
+        else:
+            mats13, mats2 = [], []
+            for e in range(self.num_experts):
+                for w, out in zip(weights.expert(e), (mats13, mats2), strict=True):
+                    q, scale = quantize_fp8_blocks(w)
+                    out.append(Fp8Rows(q, scale.repeat_interleave(128, dim=0)[: w.shape[0]]))
+        # One group size for both matrices (the kernel's G): the largest that divides the
+        # block and both row lengths; block scales repeat over its groups (exactly).
+        self.group_size = math.gcd(mats13[0].group, self.hidden, self.inter)
+        if any(m.group % self.group_size for m in (*mats13, *mats2)) or self.group_size % 16:
+            raise InvalidInputError(
+                f"cpu-fp8 needs blocks of a multiple of 16 columns that fit hidden {self.hidden} "
+                f"and intermediate {self.inter} sizes"
+            )
+
+        def codes(mats) -> list[torch.Tensor]:
+            return [m.w.view(torch.uint8) for m in mats]
+
+        def scales(mats) -> list[torch.Tensor]:
+            g = self.group_size
+            return [  # x 256 undoes the kernel's 2^-8
+                m.scale.float().repeat_interleave(m.group // g, dim=-1)[:, : m.shape[-1] // g] * 256
+                for m in mats
+            ]
+
+        self._set(
+            _quads(codes(mats13), 16, True), _quads(scales(mats13), 1, True), None,
+            _quads(codes(mats2), 16, False), _quads(scales(mats2), 1, False), None,
+        )  # fmt: skip

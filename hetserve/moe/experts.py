@@ -1,7 +1,8 @@
 """Routed-expert backends: one contract, one registry.
 
 A backend owns the routed experts of one MoE layer and computes, for T tokens,
-    out[t] = sum_j topk_weights[t, j] * down_e(act(gate_e(x[t])) * up_e(x[t])),  e = topk_ids[t, j]
+    out[t] = sum_j topk_weights[t, j] * down_e(act(gate_e(x[t]), up_e(x[t]))),  e = topk_ids[t, j]
+(act(gate, up) = silu(gate) * up for most families; projections may carry biases.)
 Model files only ever call `forward`; placement (hybrid issue) decides which backend a layer gets,
 so routed experts can move to a CPU kernel without touching model code.
 """
@@ -16,28 +17,103 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from hetserve.errors import InvalidInputError
+from hetserve.moe.packed import PackedExperts
+
 
 @dataclass(frozen=True)
 class ExpertWeights:
-    """Fused weights of one layer's routed experts, in the layout transformers uses in memory.
+    """One layer's routed experts: dense tensors in the layout transformers uses in memory,
+    w13 [E, 2*I, H] (gate rows first, then up) and w2 [E, H, I], or (`packed`, w13 = w2 = None)
+    the checkpoint's quantized matrices. Optional biases (gpt-oss): b13 [E, 2*I], b2 [E, H]."""
 
-    w13: [E, 2*I, H] (gate rows first, then up); w2: [E, H, I].
-    """
-
-    w13: torch.Tensor
-    w2: torch.Tensor
+    w13: torch.Tensor | None
+    w2: torch.Tensor | None
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
+    packed: PackedExperts | None = None
 
     @property
     def num_experts(self) -> int:
-        return self.w13.shape[0]
+        return self.packed.num_experts if self.packed is not None else self.w13.shape[0]
 
     @property
     def intermediate_size(self) -> int:
-        return self.w2.shape[2]
+        return self.packed.intermediate_size if self.packed is not None else self.w2.shape[2]
 
     @property
     def hidden_size(self) -> int:
-        return self.w2.shape[1]
+        return self.packed.hidden_size if self.packed is not None else self.w2.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu") if self.packed is not None else self.w13.device
+
+    def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (w13 [2I, H], w2 [H, I]) in fp32 on the CPU: one expert at a time, so a
+        bf16 or quantized layer never needs a full-precision copy of all its experts."""
+        if self.packed is not None:
+            return self.packed.expert(e)
+        return self.w13[e].to("cpu", torch.float32), self.w2[e].to("cpu", torch.float32)
+
+    def dense(self, device: torch.device | str | None = None, dtype=None) -> ExpertWeights:
+        """All experts as dense tensors (dequantized when packed) on `device` in `dtype`."""
+        if self.packed is None:
+            w13, w2 = self.w13, self.w2
+        else:
+            pairs = [self.packed.expert(e) for e in range(self.num_experts)]
+            w13 = torch.stack([p[0] for p in pairs])
+            w2 = torch.stack([p[1] for p in pairs])
+        dtype = dtype or w13.dtype
+
+        def move(t):
+            return None if t is None else t.to(device or t.device, dtype)
+
+        return ExpertWeights(move(w13), move(w2), move(self.b13), move(self.b2))
+
+    def subset(self, experts: list[int], device: torch.device | str) -> ExpertWeights:
+        """Dense copies of the listed experts (the hot experts on the accelerator)."""
+        idx = torch.tensor(experts, dtype=torch.long)
+        if self.packed is not None:
+            pairs = [self.packed.expert(e) for e in experts]
+            w13 = torch.stack([p[0] for p in pairs])
+            w2 = torch.stack([p[1] for p in pairs])
+        else:
+            w13, w2 = self.w13[idx], self.w2[idx]
+
+        def pick(t):
+            return None if t is None else t[idx.to(t.device)].to(device)
+
+        return ExpertWeights(w13.to(device), w2.to(device), pick(self.b13), pick(self.b2))
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation on (gate, up):
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g),  g = min(gate, limit)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        g = gate.clamp(max=self.limit)
+        return (up.clamp(-self.limit, self.limit) + 1) * (g * torch.sigmoid(g * self.alpha))
+
+
+Activation = str | ClampedSwiGLU
+GatedFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def gated_activation(activation: Activation) -> GatedFn:
+    """act(gate, up) of a gated MLP: `act(gate) * up` for a named activation."""
+    if isinstance(activation, ClampedSwiGLU):
+        return activation
+    if activation not in ACTIVATIONS:
+        raise InvalidInputError(
+            f"unknown activation {activation!r}; available: {', '.join(sorted(ACTIVATIONS))}"
+        )
+    act = ACTIVATIONS[activation]
+    return lambda gate, up: act(gate) * up
 
 
 class ExpertsBackend(Protocol):
@@ -88,7 +164,7 @@ def available_backends() -> list[str]:
 
 
 def create_backend(
-    name: str, weights: ExpertWeights, activation: str = "silu", **options
+    name: str, weights: ExpertWeights, activation: Activation = "silu", **options
 ) -> ExpertsBackend:
     """Uniform constructor: every backend is `factory(weights, activation=..., **options)`."""
     _load_builtin_backends()
@@ -101,20 +177,33 @@ def create_backend(
     return factory(weights, activation=activation, **options)
 
 
-def default_backend(weights: ExpertWeights, activation: str = "silu") -> str:
-    """What serves routed experts when no placement is given: `cpu-fp32` (the native kernel,
-    one C call per layer) for fp32 silu experts on the CPU where that kernel builds, else
-    `torch`. HETSERVE_NATIVE_KERNELS=0 keeps `torch`."""
-    from hetserve import envs
+# The backend that reads each packed (checkpoint-quantized) format as it is.
+PACKED_BACKENDS = {"fp8": "cpu-fp8", "mxfp4": "cpu-mxfp4", "int4": "cpu-int4", "int8": "cpu-int8"}
 
+
+def default_backend(weights: ExpertWeights, activation: Activation = "silu") -> str:
+    """What serves routed experts when no placement is given: for experts packed in a
+    checkpoint's quantized format, the CPU backend of that format (`cpu-int8`, requantizing
+    expert by expert, where the native kernels do not build); else `cpu-fp32` (the native
+    kernel, one C call per layer) for fp32 experts on the CPU where that kernel builds, else
+    `torch`. HETSERVE_NATIVE_KERNELS=0 keeps `torch` for unquantized experts."""
+    from hetserve import envs
+    from hetserve.native import native_unavailable_reason
+
+    native = native_unavailable_reason() is None
+    if weights.packed is not None:
+        return PACKED_BACKENDS[weights.packed.fmt] if native else "cpu-int8"
     w = weights.w13
-    if w.device.type != "cpu" or w.dtype != torch.float32 or activation != "silu":
+    if w.device.type != "cpu" or w.dtype != torch.float32 or not native_activation(activation):
         return "torch"
     if not envs.native_kernels() or weights.hidden_size % 8 or weights.intermediate_size % 8:
         return "torch"
-    from hetserve.native import native_unavailable_reason
+    return "cpu-fp32" if native else "torch"
 
-    return "torch" if native_unavailable_reason() is not None else "cpu-fp32"
+
+def native_activation(activation: Activation) -> bool:
+    """Whether the native experts kernel fuses this activation (silu, gpt-oss's clamped one)."""
+    return isinstance(activation, ClampedSwiGLU) or activation == "silu"
 
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -138,15 +227,16 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int):
 class TorchExperts:
     """The reference: the model's dtype on the model's device, one matmul pair per active expert."""
 
-    def __init__(self, weights: ExpertWeights, activation: str = "silu") -> None:
-        self.w13 = weights.w13
-        self.w2 = weights.w2
+    def __init__(self, weights: ExpertWeights, activation: Activation = "silu") -> None:
+        if weights.packed is not None:
+            weights = weights.dense()  # the reference computes from dequantized weights
+        self.w13, self.w2, self.b13, self.b2 = weights.w13, weights.w2, weights.b13, weights.b2
         self.num_experts = weights.num_experts
         self.inter = weights.intermediate_size
-        self.act = ACTIVATIONS[activation]
+        self.glu = gated_activation(activation)
 
     def nbytes(self) -> int:
-        return self.w13.nbytes + self.w2.nbytes
+        return sum(t.nbytes for t in (self.w13, self.w2, self.b13, self.b2) if t is not None)
 
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -166,13 +256,18 @@ class TorchExperts:
                 if n == 0:
                     continue
                 end = start + n
-                h = F.linear(xs[start:end], self.w13[e])
+                h = F.linear(xs[start:end], self.w13[e], self._bias(self.b13, e))
                 gate, up = h.split(self.inter, dim=-1)
-                ys[start:end] = F.linear(self.act(gate) * up, self.w2[e]) * ws[start:end]
+                y = F.linear(self.glu(gate, up), self.w2[e], self._bias(self.b2, e))
+                ys[start:end] = y * ws[start:end]
                 start = end
         # Back to (token, slot) order with a gather, then sum the k slots: no atomic scatter-add,
         # which is slow on CPU when threads are contended.
         return ys[torch.argsort(order)].view(t, k, -1).sum(dim=1)
+
+    @staticmethod
+    def _bias(b: torch.Tensor | None, e: int) -> torch.Tensor | None:
+        return None if b is None else b[e]
 
     def _all_active(self, xs: torch.Tensor, counts: torch.Tensor, counts_list: list[int]):
         """Every expert has tokens (small models, big batches): pad each expert's rows to the
@@ -184,6 +279,10 @@ class TorchExperts:
         padded = xs.new_zeros(e, m, xs.shape[1])
         padded[expert_of, slot] = xs
         h = torch.bmm(padded, self.w13.transpose(1, 2))
+        if self.b13 is not None:
+            h = h + self.b13.unsqueeze(1)
         gate, up = h.split(self.inter, dim=-1)
-        out = torch.bmm(self.act(gate) * up, self.w2.transpose(1, 2))
+        out = torch.bmm(self.glu(gate, up), self.w2.transpose(1, 2))
+        if self.b2 is not None:
+            out = out + self.b2.unsqueeze(1)
         return out[expert_of, slot]

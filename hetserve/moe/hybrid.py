@@ -21,7 +21,7 @@ from hetserve.moe.placement import PHASES, Placement, PlacementError, PlacementR
 from hetserve.moe.routing_stats import RoutingStats, choose_gpu_experts
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
-_CPU_BACKENDS = ("cpu-fp32", "cpu-int8", "cpu-int4", "kt")
+_CPU_BACKENDS = ("cpu-fp32", "cpu-int8", "cpu-int4", "cpu-mxfp4", "cpu-fp8", "kt")
 
 
 def placeable_units(model: nn.Module) -> dict[str, nn.Module]:
@@ -177,8 +177,7 @@ class HotExperts:
         activation: str,
     ) -> None:
         idx = torch.tensor(hot, dtype=torch.long)
-        hot_w = ExpertWeights(weights.w13[idx].to(device), weights.w2[idx].to(device))
-        self.cold, self.hot = cold, TorchExperts(hot_w, activation)
+        self.cold, self.hot = cold, TorchExperts(weights.subset(hot, device), activation)
         self.remap = torch.full((weights.num_experts,), -1, dtype=torch.long, device=device)
         self.remap[idx.to(device)] = torch.arange(len(hot), device=device)
 
@@ -247,8 +246,7 @@ def build_expert_backends(
         experts.set_phase_backends(by_phase)
         if free_unused and all(k[1] != "torch" for k in built):
             # Quantized or repacked copies now hold the weights: drop the originals.
-            experts.w13 = nn.Parameter(experts.w13.new_empty(0), requires_grad=False)
-            experts.w2 = nn.Parameter(experts.w2.new_empty(0), requires_grad=False)
+            experts.release_weights()
 
 
 def _make(
@@ -262,8 +260,8 @@ def _make(
 ) -> ExpertsBackend:
     dev = torch.device(device)
     weights = experts.weights()
-    if weights.w13.device != dev:
-        weights = ExpertWeights(weights.w13.to(dev), weights.w2.to(dev))
+    if weights.device != dev:
+        weights = weights.dense(dev)
     opts = {"num_threads": cpu_threads} if (cpu_threads and backend_name in _CPU_BACKENDS) else {}
     opts.update(extra)
     backend = create_backend(backend_name, weights, activation=experts.activation, **opts)

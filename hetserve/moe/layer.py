@@ -13,7 +13,8 @@ from torch import nn
 
 from hetserve.errors import InvalidInputError
 from hetserve.layers.attention import ForwardContext
-from hetserve.moe.experts import ExpertsBackend, ExpertWeights, create_backend
+from hetserve.moe.experts import Activation, ExpertsBackend, ExpertWeights, create_backend
+from hetserve.moe.packed import PackedExperts
 from hetserve.moe.router import RouterConfig, TopKRouter
 
 _POOLS: dict[str, ThreadPoolExecutor] = {}
@@ -42,13 +43,27 @@ def _run_experts(experts, x, weights, ids, phase) -> torch.Tensor:
 
 
 class FusedExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, inter: int, activation: str = "silu"):
+    """Routed experts: dense w13 [E, 2I, H] and w2 [E, H, I] (+ biases b13, b2 where the family
+    has them), or, for a checkpoint that publishes its experts quantized, `packed` (the loader
+    sets it; w13 and w2 are then empty)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        inter: int,
+        activation: Activation = "silu",
+        bias: bool = False,
+    ):
         super().__init__()
         self.num_experts = num_experts
         self.intermediate_size = inter
         self.activation = activation
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.b13 = nn.Parameter(torch.empty(num_experts, 2 * inter)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
+        self.packed: PackedExperts | None = None
         self.backend_name: str | None = None
         self._backend: ExpertsBackend | None = None
         self._phase_backends: dict[str, ExpertsBackend] | None = None
@@ -56,7 +71,16 @@ class FusedExperts(nn.Module):
         self.layer_index = -1  # set by the model; names the layer in routing statistics
 
     def weights(self) -> ExpertWeights:
-        return ExpertWeights(self.w13.data, self.w2.data)
+        bias = [None if b is None else b.data for b in (self.b13, self.b2)]
+        if self.packed is not None:
+            return ExpertWeights(None, None, *bias, packed=self.packed)
+        return ExpertWeights(self.w13.data, self.w2.data, *bias)
+
+    def release_weights(self) -> None:
+        """Drop the loaded weights once backends hold their own copies (quantized/repacked)."""
+        self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)
+        self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
+        self.packed = None
 
     def set_backend(self, name: str, **options) -> None:
         """Build the compute backend; called once weights are loaded (and again on re-placement)."""
@@ -99,14 +123,15 @@ class SparseMoE(nn.Module):
         hidden: int,
         router: RouterConfig,
         inter: int,
-        activation: str = "silu",
+        activation: Activation = "silu",
         shared: nn.Module | None = None,
         shared_name: str = "shared_experts",
         shared_gate: bool = False,
+        expert_bias: bool = False,
     ) -> None:
         super().__init__()
         self.gate = TopKRouter(hidden, router)
-        self.experts = FusedExperts(router.num_experts, hidden, inter, activation)
+        self.experts = FusedExperts(router.num_experts, hidden, inter, activation, expert_bias)
         self._shared_name = shared_name if shared is not None else None
         if shared is not None:
             setattr(self, shared_name, shared)

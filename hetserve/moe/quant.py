@@ -73,3 +73,76 @@ def int4_linear_bound(
         s_x = int8_activation_step(x, "native")
         bound = bound + s_x[:, None] / 2 * w_hat.abs().sum(dim=1)[None, :]
     return bound
+
+
+# -- FP8 e4m3 with block scales (DeepSeek-V3 / Qwen3 FP8: 128 x 128 blocks) -----------------------
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_fp8_blocks(
+    w: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (float8_e4m3fn [N, K], scale_inv fp32 [ceil(N/bn), ceil(K/bk)]) with
+    w ~ fp8 * scale_inv per block, scale_inv = max|w| / 448 over the block (as DeepSeek's
+    checkpoints store it; edge blocks may be partial)."""
+    n, k = w.shape
+    bn, bk = block
+    gn, gk = -(-n // bn), -(-k // bk)
+    padded = w.float().new_zeros(gn * bn, gk * bk)
+    padded[:n, :k] = w.float()
+    amax = padded.abs().reshape(gn, bn, gk, bk).amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (w.float() / expand_blocks(scale, block, n, k)).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def expand_blocks(scale: torch.Tensor, block: tuple[int, int], n: int, k: int) -> torch.Tensor:
+    """Block scales [.., ceil(N/bn), ceil(K/bk)] -> one value per element [.., N, K]."""
+    s = scale.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
+    return s[..., :n, :k]
+
+
+def dequantize_fp8_blocks(
+    q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    """fp8 [.., N, K] * its block scales -> fp32 (exact: fp8 values and their products with an
+    fp32 scale fit fp32's 24-bit significand)."""
+    n, k = q.shape[-2:]
+    return q.float() * expand_blocks(scale_inv.float(), block, n, k)
+
+
+# -- MXFP4 (OCP microscaling; gpt-oss experts): e2m1 values, 32-element blocks, e8m0 scales -----
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+MXFP4_BLOCK = 32
+
+
+def fp4_table() -> torch.Tensor:
+    """The 16 e2m1 codes as fp32: code = sign << 3 | magnitude index."""
+    mag = torch.tensor(FP4_VALUES)
+    return torch.cat((mag, -mag))
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [.., N, K] (K % 32 == 0) -> (blocks uint8 [.., N, K/32, 16], scales uint8 [.., N, K/32])
+    as gpt-oss stores them: byte j of a block holds element 2j in its low nibble and 2j + 1 in
+    its high nibble; scale = 2^(e - 127) with e = floor(log2(max|x|)) - 2 + 127 (OCP MX rule;
+    elements beyond 6 x scale saturate)."""
+    *lead, n, k = w.shape
+    x = w.float().reshape(*lead, n, k // MXFP4_BLOCK, MXFP4_BLOCK)
+    amax = x.abs().amax(dim=-1)
+    exp = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.full_like(amax, -127))
+    exp = exp.clamp(-127, 127)
+    v = x / torch.exp2(exp).unsqueeze(-1)
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    idx = torch.bucketize(v.abs(), mids)  # nearest magnitude (ties to the larger)
+    code = (idx | (((v < 0) & (idx > 0)).to(torch.int64) << 3)).to(torch.uint8)  # no -0
+    blocks = code[..., 0::2] | (code[..., 1::2] << 4)
+    return blocks.contiguous(), (exp + 127).to(torch.uint8)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks [.., N, G, 16], scales [.., N, G] -> fp32 [.., N, 32 G] (exact)."""
+    table = fp4_table()
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(*blocks.shape[:-1], 32)
+    vals = table[codes.long()] * torch.exp2(scales.float() - 127).unsqueeze(-1)
+    return vals.reshape(*blocks.shape[:-2], -1)

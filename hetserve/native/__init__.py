@@ -1,6 +1,7 @@
 """Builds and loads hetserve's AVX2 kernels through ctypes: one shared library from
 
-- `moe_kernels.c`: routed experts (fp32, weight-only int8 / int4) and plain int8 linears. The
+- `moe_kernels.c` (+ `moe_formats.h`): routed experts (fp32, weight-only int8 / int4, and
+  the published grouped int8, MXFP4 and FP8 formats) and plain int8 linears. The
   library ops cannot stream int4 weights (torch's `_weight_int4pack_mm_for_cpu`: ~0.2 GB/s
   here) and the only fast int8 one (fbgemm) also quantizes activations.
 - `attention.c`: decode attention read straight from the paged KV cache (fp32). Gathering each
@@ -34,8 +35,8 @@ if TYPE_CHECKING:
 
 HERE = Path(__file__).parent
 SOURCES = ("pool.c", "moe_kernels.c", "attention.c", "small_ops.c")
-HEADERS = ("pool.h", "simd.h")
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared"]
+HEADERS = ("pool.h", "simd.h", "moe_formats.h")
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared"]
 
 
 def _cache_dir() -> Path:
@@ -74,7 +75,7 @@ def _compile(compiler: str, flags: list[str], target: Path) -> str | None:
 _I, _L, _F, _P = ctypes.c_int, ctypes.c_long, ctypes.c_float, ctypes.c_void_p
 # Each exported function: (restype, argtypes), as declared in the C sources.
 _SIGNATURES = {
-    "hetserve_moe_forward": (_I, [_I] * 8 + [_P] * 10),
+    "hetserve_moe_forward": (_I, [_I] * 8 + [_P] * 12 + [_I, _F, _F]),
     "hetserve_int8_linear": (_I, [_I] * 4 + [_P] * 4),
     "hetserve_paged_decode_attention": (_I, [_I] * 10 + [_F] + [_P] * 6),
     "hetserve_rms_norm": (None, [_I] * 3 + [_F] + [_P] * 3),

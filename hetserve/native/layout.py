@@ -14,11 +14,11 @@ from hetserve.native import hugepage_empty
 
 
 def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
-    """q [..., K] in [0, 15] -> uint8 [..., K/2]: per 32-element chunk, byte j holds element j
-    in its low nibble and element j + 16 in its high nibble (cheap to unpack with AVX2)."""
-    *lead, k = q.shape
-    c = q.to(torch.uint8).reshape(*lead, k // 32, 2, 16)
-    return (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(*lead, k // 2).contiguous()
+    """q [..., K] in [0, 15] -> uint8 [..., K/2]: byte j holds element 2j in its low nibble and
+    element 2j + 1 in its high nibble, the order GPTQ, compressed-tensors and MXFP4 use (the
+    kernel unpacks it without lane-crossing shuffles)."""
+    q = q.to(torch.uint8)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous()
 
 
 def pair_gate_up(w13: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-/* Routed-experts kernels for AVX2 + FMA CPUs: weight-only int8 / int4, and plain fp32.
+/* Routed-experts kernels for AVX2 + FMA CPUs: weight-only int8 / int4, plain fp32, and the
+ * formats checkpoints publish (grouped int8, MXFP4, FP8: moe_formats.h).
  *
  * One call computes one MoE layer: out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t]) with
  *   a[p, i] = silu(x_t . W1[e, i]) * (x_t . W3[e, i]) * w_p      (phase 1, gate+up fused)
@@ -7,8 +8,10 @@
  * the final sum happen here too, so Python makes one call per layer and no host sync.
  * Weight-only quantization: int8 and int4 weights meet activations rounded to int16 per row
  * (|x - x_hat| <= max|x| / 32766, about a hundredth of int8's weight rounding), so one
- * vpmaddwd does 16 exact integer multiply-adds. fp32 (bits = 32) reads the model's own weights
- * with fp32 activations (CPU-only serving of an unquantized model). Each phase's row
+ * vpmaddwd does 16 exact integer multiply-adds. fp32 reads the model's own weights with fp32
+ * activations (CPU-only serving of an unquantized model), FP8 converts its weights to fp32 in
+ * registers. Projections may carry biases, and the gate may be gpt-oss's clamped SwiGLU
+ * (act = 1) instead of silu (act = 0). Each phase's row
  * quads are shared out by the parallel loop (pool.c, OpenMP), with a join between the phases
  * (phase 2 reads all of phase 1). Built and cached by hetserve/native/__init__.py
  * (no torch headers).
@@ -19,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "moe_formats.h"
 #include "pool.h"
 #include "simd.h"
 
@@ -35,11 +39,18 @@
 #define PF_DIST 2048
 #endif
 
+/* Weight formats (hetserve/moe/cpu_native.py passes the same numbers). */
+enum { F_F32 = 0, F_I8 = 1, F_I4 = 2, F_MXFP4 = 3, F_FP8 = 4 };
+
 typedef struct {
-    int bits, H, I, G;
+    int fmt, H, I, G;      /* G: columns per scale group, 0 = one scale per row (int8) */
+    int act;               /* 0 silu, 1 clamped SwiGLU (gpt-oss) */
+    float alpha, limit;
+    const float *b13, *b2; /* biases [E, 2I] (gate then up) and [E, H], or NULL */
     const float *x;        /* [T, H] fp32 tokens */
     const void *w13, *w2;  /* quad-interleaved weights, see quad_i8 / quad_i4 */
-    const float *s13, *m13, *s2, *m2;
+    const void *s13, *s2;  /* scales: fp32, or e8m0 bytes (MXFP4) */
+    const float *m13, *m2;
     const int *tok;        /* [P] token of pair p (pairs sorted by expert) */
     const float *pw;       /* [P] router weight of pair p */
     float *a, *y;          /* [P, I], [P, H] */
@@ -130,9 +141,14 @@ static inline __attribute__((always_inline)) void quad_f32(const float *w, int K
 }
 
 /* x16[p] = round(x[p] / scale[p]), scale[p] = max|x[p]| / ACT_Q, for rows [p0, p1); with
- * G > 0 also gsum[p, g] = sum of x16[p] over group g (exact: |sum| <= 128 * ACT_Q < 2^24). */
+ * G > 0 also gsum[p, g] = sum of x16[p] over group g (exact: |sum| <= 128 * ACT_Q < 2^24).
+ * perm = 1 stores each 32 in the order the nibble kernels unpack (int4, MXFP4):
+ * [0 2 .. 14 | 1 3 .. 15 | 16 18 .. 30 | 17 19 .. 31]. */
 static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, float *scale,
-                          int G, float *gsum) {
+                          int perm, int G, float *gsum) {
+    /* in each lane, even int16 to the low 8 bytes and odd ones to the high 8 */
+    const __m256i evens_odds = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                                0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
     /* K % 32 == 0 (checked by the caller). Vectorized: at one token this runs on one thread
      * between the phases, so a scalar loop would be a visible slice of the layer. */
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -160,11 +176,9 @@ static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, f
                 b = _mm256_max_epi32(_mm256_min_epi32(b, lim), nlim);
                 h[half] = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
             }
-            if (G > 0) { /* int4 order per 32: [0..7, 16..23, 8..15, 24..31], see quad_i4 */
-                __m256i lo = _mm256_permute2x128_si256(h[0], h[1], 0x20);
-                h[1] = _mm256_permute2x128_si256(h[0], h[1], 0x31);
-                h[0] = lo;
-            }
+            if (perm)
+                for (int half = 0; half < 2; half++)
+                    h[half] = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(h[half], evens_odds), 0xD8);
             _mm256_storeu_si256((__m256i *)(out + k), h[0]);
             _mm256_storeu_si256((__m256i *)(out + k + 16), h[1]);
         }
@@ -179,7 +193,8 @@ static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, f
 }
 
 /* int4 quad: for each 32 inputs, the 4 rows' 16 bytes back to back; in a row's 16 bytes, byte
- * j holds element j (low nibble) and j + 16 (high nibble). Per group of G inputs and row r:
+ * j holds element 2j (low nibble) and 2j + 1 (high nibble), the order GPTQ, compressed-tensors
+ * and gpt-oss's MXFP4 pack nibbles in. Per group of G inputs and row r:
  * w = q * scale + minimum, with scales and minimums stored [group][4 rows] per quad. With int16
  * activations, w . x16 = sum_g scale_g * (q_g . x16_g) + minimum_g * sum(x16_g): the nibbles go
  * straight into vpmaddwd (integer, exact per group) and the minimum needs only the group sums. */
@@ -208,9 +223,10 @@ static inline __attribute__((always_inline)) void quad_i4(const uint8_t *q, cons
                 xh[m] = _mm256_loadu_si256((const __m256i *)(x[m] + k + 16));
             }
             for (int r = 0; r < 4; r++) {
-                /* [low nibbles | high nibbles] = elements [0..15 | 16..31] as bytes, then
-                 * in-lane unpacks give [0..7 | 16..23] and [8..15 | 24..31] as int16: the
-                 * order quantize_rows stores int4 activations in. No lane-crossing shuffles. */
+                /* [low nibbles | high nibbles] = elements [0 2 .. 30 | 1 3 .. 31] as bytes,
+                 * then in-lane unpacks give [0 .. 14 | 1 .. 15] and [16 .. 30 | 17 .. 31] as
+                 * int16: the order quantize_rows (perm = 1) stores these activations in. No
+                 * lane-crossing shuffles. */
                 __m256i v = _mm256_broadcastsi128_si256(
                     _mm_loadu_si128((const __m128i *)(q + 2 * k + 16 * r)));
                 __m256i t = _mm256_and_si256(
@@ -235,57 +251,106 @@ static inline __attribute__((always_inline)) void quad_i4(const uint8_t *q, cons
         for (int m = 0; m < MB; m++) out[r][m] = hs_hsum(tot[r][m]) + zs[r][m];
 }
 
+/* The int16 activation rows of MB pairs from pair p, their scales and (int4) group sums. */
+typedef struct {
+    const int16_t *x[2];
+    const float *gs[2];
+    float s[2];
+} act16_t;
+
+static inline act16_t act16(const job_t *j, int which, int K, int r0, int r1) {
+    const int16_t *base = which == 1 ? j->x16 : j->a16;
+    const float *xs = which == 1 ? j->xsc : j->asc;
+    const float *gsb = which == 1 ? j->xgs : j->ags;
+    const int ng = j->G > 0 ? K / j->G : 0;
+    act16_t a = {{base + (size_t)r0 * K, base + (size_t)r1 * K},
+                 {gsb + (size_t)r0 * ng, gsb + (size_t)r1 * ng},
+                 {xs[r0], xs[r1]}};
+    return a;
+}
+
+/* The integer formats (int8, grouped int8, int4, MXFP4) for one quad and MB <= 2 pairs. */
+static inline void quad_int(const job_t *j, int which, size_t row, int K, act16_t a, int MB,
+                            float out[4][MBMAX]) {
+    const void *w = which == 1 ? j->w13 : j->w2;
+    const void *sv = which == 1 ? j->s13 : j->s2;
+    const int G = j->G, ng = G > 0 ? K / G : 1;
+    if (j->fmt == F_I8 && G == 0) {
+        const int8_t *q = (const int8_t *)w + row * K;
+        const float *s = (const float *)sv + row;
+        if (MB == 2) quad_i8(q, K, a.x, 2, out); else quad_i8(q, K, a.x, 1, out);
+        for (int r = 0; r < 4; r++)
+            for (int m = 0; m < MB; m++) out[r][m] *= s[r];
+    } else if (j->fmt == F_I8) {
+        const int8_t *q = (const int8_t *)w + row * K;
+        const float *s = (const float *)sv + row * ng;
+        if (MB == 2) quad_i8g(q, s, K, G, a.x, 2, out); else quad_i8g(q, s, K, G, a.x, 1, out);
+    } else if (j->fmt == F_I4) {
+        const uint8_t *q = (const uint8_t *)w + row * (K / 2);
+        const float *s = (const float *)sv + row * ng;
+        const float *z = (which == 1 ? j->m13 : j->m2) + row * ng;
+        if (MB == 2) quad_i4(q, s, z, K, G, a.x, a.gs, 2, out);
+        else quad_i4(q, s, z, K, G, a.x, a.gs, 1, out);
+    } else { /* F_MXFP4 */
+        const uint8_t *q = (const uint8_t *)w + row * (K / 2);
+        const uint8_t *s = (const uint8_t *)sv + row * (K / 32);
+        if (MB == 2) quad_mxfp4(q, s, K, a.x, 2, out); else quad_mxfp4(q, s, K, a.x, 1, out);
+    }
+    for (int r = 0; r < 4; r++)
+        for (int m = 0; m < MB; m++) out[r][m] *= a.s[m];
+}
+
 /* Rows [n0, n0+4) of expert e's matrix [N, K] against MB pairs starting at pair p (<= 3 for
- * fp32, <= 2 quantized)
+ * fp32, 1 for FP8, <= 2 for the integer formats)
  * (which = 1: the pairs' tokens x against W13; which = 2: a against W2). */
 static inline void quad(const job_t *j, int which, int e, int N, int K, int n0, int p, int MB,
                         float out[4][MBMAX]) {
     size_t row = (size_t)e * N + n0;
     int r0 = which == 1 ? j->tok[p] : p, r1 = which == 1 ? j->tok[p + MB - 1] : p + MB - 1;
-    if (j->bits == 32) {
+    const float *xbase = which == 1 ? j->x : j->a;
+    if (j->fmt == F_F32) {
         const float *w = (const float *)(which == 1 ? j->w13 : j->w2) + row * K;
-        const float *base = which == 1 ? j->x : j->a;
         const float *const xr[MBMAX] = {
-            base + (size_t)r0 * K, base + (size_t)(which == 1 ? j->tok[p + (MB > 1)] : p + (MB > 1)) * K,
-            base + (size_t)r1 * K};
+            xbase + (size_t)r0 * K, xbase + (size_t)(which == 1 ? j->tok[p + (MB > 1)] : p + (MB > 1)) * K,
+            xbase + (size_t)r1 * K};
         if (MB == 3)
             quad_f32(w, K, xr, 3, out);
         else if (MB == 2)
             quad_f32(w, K, xr, 2, out);
         else
             quad_f32(w, K, xr, 1, out);
-    } else if (j->bits == 8) {
-        const int8_t *q = (const int8_t *)(which == 1 ? j->w13 : j->w2) + row * K;
-        const float *s = (which == 1 ? j->s13 : j->s2) + row;
-        const int16_t *base = which == 1 ? j->x16 : j->a16;
-        const float *xs = which == 1 ? j->xsc : j->asc;
-        const int16_t *const xr[2] = {base + (size_t)r0 * K, base + (size_t)r1 * K};
-        if (MB == 2)
-            quad_i8(q, K, xr, 2, out);
-        else
-            quad_i8(q, K, xr, 1, out);
-        for (int r = 0; r < 4; r++) {
-            out[r][0] *= s[r] * xs[r0];
-            if (MB == 2) out[r][1] *= s[r] * xs[r1];
-        }
+    } else if (j->fmt == F_FP8) {
+        const uint8_t *q = (const uint8_t *)(which == 1 ? j->w13 : j->w2) + row * K;
+        const float *s = (const float *)(which == 1 ? j->s13 : j->s2) + row * (K / j->G);
+        quad_fp8(q, s, K, j->G, xbase + (size_t)r0 * K, out);
     } else {
-        const uint8_t *q = (const uint8_t *)(which == 1 ? j->w13 : j->w2) + row * (K / 2);
-        const int ng = K / j->G;
-        const float *s = (which == 1 ? j->s13 : j->s2) + row * ng;
-        const float *z = (which == 1 ? j->m13 : j->m2) + row * ng;
-        const int16_t *base = which == 1 ? j->x16 : j->a16;
-        const float *gsb = which == 1 ? j->xgs : j->ags;
-        const float *xs = which == 1 ? j->xsc : j->asc;
-        const int16_t *const xr[2] = {base + (size_t)r0 * K, base + (size_t)r1 * K};
-        const float *const gr[2] = {gsb + (size_t)r0 * ng, gsb + (size_t)r1 * ng};
-        if (MB == 2)
-            quad_i4(q, s, z, K, j->G, xr, gr, 2, out);
-        else
-            quad_i4(q, s, z, K, j->G, xr, gr, 1, out);
-        for (int r = 0; r < 4; r++) {
-            out[r][0] *= xs[r0];
-            if (MB == 2) out[r][1] *= xs[r1];
+        quad_int(j, which, row, K, act16(j, which, K, r0, r1), MB, out);
+    }
+}
+
+/* Pairs per microkernel call: 3 fp32 tokens fill the FMA pipes, FP8 keeps its per-group sums of
+ * one token in registers, the integer formats take two. */
+static inline int pair_step(const job_t *j) {
+    return j->fmt == F_F32 ? 3 : j->fmt == F_FP8 ? 1 : 2;
+}
+
+/* a = act(gate + bias, up + bias) * w for 16 lanes (4 rows x up to 4 pairs). */
+static inline void gate_lanes(const job_t *j, const float *gl, const float *ul, const float *wl,
+                              float *al, int n) {
+    for (int h = 0; h < n; h += 8) {
+        __m256 g = _mm256_loadu_ps(gl + h), u = _mm256_loadu_ps(ul + h);
+        __m256 a;
+        if (j->act == 1) { /* clamped SwiGLU: (clamp(u) + 1) * g' * sigmoid(alpha g'), g' = min(g, L) */
+            const __m256 lim = _mm256_set1_ps(j->limit);
+            g = _mm256_min_ps(g, lim);
+            u = _mm256_max_ps(_mm256_min_ps(u, lim), _mm256_sub_ps(_mm256_setzero_ps(), lim));
+            __m256 e = hs_exp(_mm256_mul_ps(g, _mm256_set1_ps(-j->alpha)));
+            a = _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
+                              _mm256_add_ps(u, _mm256_set1_ps(1.0f)));
+        } else {
+            a = _mm256_mul_ps(hs_silu(g), u);
         }
+        _mm256_storeu_ps(al + h, _mm256_mul_ps(a, _mm256_loadu_ps(wl + h)));
     }
 }
 
@@ -293,7 +358,8 @@ static inline void quad(const job_t *j, int which, int e, int N, int K, int n0, 
 static void phase1(const job_t *j, int u0, int u1) {
     const int H = j->H, I = j->I, per = I / 4;
     int ai = u0 / per, e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
-    const int step = j->bits == 32 ? 3 : 2; /* pairs per microkernel call */
+    const int step = pair_step(j);
+    const float *b13 = j->b13 ? j->b13 + (size_t)e * 2 * I : NULL;
     for (int t0 = 0; t0 < cnt; t0 += TB) {
         int t1 = t0 + TB < cnt ? t0 + TB : cnt;
         for (int u = u0; u < u1; u++) {
@@ -303,21 +369,20 @@ static void phase1(const job_t *j, int u0, int u1) {
                 float g[4][MBMAX], v[4][MBMAX];
                 /* Quantized W13 rows are stored gate quad, up quad, gate quad, ...: one
                  * stream. fp32 keeps the model's layout: all gate rows, then all up rows. */
-                int gr = j->bits == 32 ? i0 : 2 * i0, ur = j->bits == 32 ? I + i0 : 2 * i0 + 4;
+                int f32 = j->fmt == F_F32;
+                int gr = f32 ? i0 : 2 * i0, ur = f32 ? I + i0 : 2 * i0 + 4;
                 quad(j, 1, e, 2 * I, H, gr, off + m, MB, g);
                 quad(j, 1, e, 2 * I, H, ur, off + m, MB, v);
-                /* silu(gate) * up * router weight for the 4 rows x MB pairs, 8 lanes at once */
+                /* act(gate, up) * router weight for the 4 rows x MB pairs, 8 lanes at once */
                 float gl[16], ul[16], wl[16], al[16];
                 for (int mm = 0; mm < 4; mm++)
                     for (int r = 0; r < 4; r++) {
-                        gl[4 * mm + r] = mm < MB ? g[r][mm] : 0.0f;
-                        ul[4 * mm + r] = mm < MB ? v[r][mm] : 0.0f;
+                        float bg = b13 ? b13[i0 + r] : 0.0f, bu = b13 ? b13[I + i0 + r] : 0.0f;
+                        gl[4 * mm + r] = mm < MB ? g[r][mm] + bg : 0.0f;
+                        ul[4 * mm + r] = mm < MB ? v[r][mm] + bu : 0.0f;
                         wl[4 * mm + r] = j->pw[off + m + (mm < MB ? mm : 0)];
                     }
-                for (int h = 0; h < 4 * MB; h += 8)
-                    _mm256_storeu_ps(al + h, _mm256_mul_ps(hs_silu(_mm256_loadu_ps(gl + h)),
-                                                           _mm256_mul_ps(_mm256_loadu_ps(ul + h),
-                                                                         _mm256_loadu_ps(wl + h))));
+                gate_lanes(j, gl, ul, wl, al, 4 * MB);
                 for (int mm = 0; mm < MB; mm++) {
                     float *a = j->a + (size_t)(off + m + mm) * I + i0;
                     for (int r = 0; r < 4; r++) a[r] = al[4 * mm + r];
@@ -327,11 +392,13 @@ static void phase1(const job_t *j, int u0, int u1) {
     }
 }
 
-/* Phase 2, units [u0, u1) of one expert (H/4 units each): rows 4u.. of W2 -> y. */
+/* Phase 2, units [u0, u1) of one expert (H/4 units each): rows 4u.. of W2 -> y. The router
+ * weight is already inside a, so a bias joins as weight * bias. */
 static void phase2(const job_t *j, int u0, int u1) {
     const int H = j->H, I = j->I, per = H / 4;
     int ai = u0 / per, e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
-    const int step = j->bits == 32 ? 3 : 2; /* pairs per microkernel call */
+    const int step = pair_step(j);
+    const float *b2 = j->b2 ? j->b2 + (size_t)e * H : NULL;
     for (int t0 = 0; t0 < cnt; t0 += TB) {
         int t1 = t0 + TB < cnt ? t0 + TB : cnt;
         for (int u = u0; u < u1; u++) {
@@ -342,7 +409,8 @@ static void phase2(const job_t *j, int u0, int u1) {
                 quad(j, 2, e, H, I, n0, off + m, MB, o);
                 for (int mm = 0; mm < MB; mm++) {
                     float *y = j->y + (size_t)(off + m + mm) * H + n0;
-                    for (int r = 0; r < 4; r++) y[r] = o[r][mm];
+                    float w = j->pw[off + m + mm];
+                    for (int r = 0; r < 4; r++) y[r] = o[r][mm] + (b2 ? w * b2[n0 + r] : 0.0f);
                 }
             }
         }
@@ -379,28 +447,35 @@ static void phase_item(void *ctx, int c) {
 static void run_phase(job_t *j, int phase) {
     int per = (phase == 1 ? j->I : j->H) / 4;
     int K = phase == 1 ? j->H : j->I;
-    long unit = (long)(phase == 1 ? 8 : 4) * K * j->bits / 8; /* bytes per row quad (x2 gate/up) */
+    /* twice the bytes per weight of each format, then bytes per row quad (x2 gate/up) */
+    static const int twice_bytes[] = {8, 2, 1, 1, 2};
+    long unit = (long)(phase == 1 ? 8 : 4) * K * twice_bytes[j->fmt] / 2;
     int rc = (int)(ITEM_BYTES / (unit > 0 ? unit : 1));
     rc = rc < RC ? RC : rc;
     arg_t arg = {j, phase, rc};
     hs_parallel_for(j->nthreads, j->n_active * ((per + rc - 1) / rc), phase_item, &arg);
 }
 
-/* Returns 0, -1 when out of memory, -2 when an expert id is outside [0, E). */
-int hetserve_moe_forward(int bits, int nthreads, int E, int H, int I, int G, int T, int k,
+/* Returns 0, -1 when out of memory, -2 when an expert id is outside [0, E), -3 for an unknown
+ * format. fmt: F_*; G: columns per scale group (int4, MXFP4 32, FP8, grouped int8; 0 = int8 per
+ * row); b13/b2 may be NULL; act 0 = silu, 1 = clamped SwiGLU(alpha, limit). */
+int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int T, int k,
                          const int64_t *ids, const float *tw, const float *x, float *out,
-                         const void *w13, const float *s13, const float *m13, const void *w2,
-                         const float *s2, const float *m2) {
+                         const void *w13, const void *s13, const float *m13, const void *w2,
+                         const void *s2, const float *m2, const float *b13, const float *b2,
+                         int act, float alpha, float limit) {
     const int P = T * k;
     memset(out, 0, sizeof(float) * (size_t)T * H);
+    if (fmt < F_F32 || fmt > F_FP8) return -3;
     if (P == 0) return 0;
     for (int p = 0; p < P; p++)
         if (ids[p] < 0 || ids[p] >= E) return -2;
-    const int G4 = bits == 4 ? G : 0;
+    const int q16 = fmt == F_I8 || fmt == F_I4 || fmt == F_MXFP4; /* int16 activations */
+    const int G4 = fmt == F_I4 ? G : 0; /* group sums (the minimum term) */
     size_t n_g = G4 ? (size_t)T * (H / G4) + (size_t)P * (I / G4) : 0; /* xgs, ags */
     size_t n_f = (size_t)P * (I + H) + P + T + P + n_g;   /* a, y, pw, xsc, asc, xgs, ags */
     size_t n_i = (size_t)P + 4 * (size_t)E;               /* tok, act_e/off/cnt, fill */
-    size_t n_q = bits == 32 ? 0 : (size_t)T * H + (size_t)P * I; /* x16, a16 */
+    size_t n_q = q16 ? (size_t)T * H + (size_t)P * I : 0; /* x16, a16 */
     char *buf = malloc(sizeof(float) * n_f + sizeof(int) * n_i + sizeof(int16_t) * n_q);
     if (buf == NULL) return -1;
     float *a = (float *)buf, *y = a + (size_t)P * I, *pw = y + (size_t)P * H;
@@ -430,12 +505,13 @@ int hetserve_moe_forward(int bits, int nthreads, int E, int H, int I, int G, int
         tok[dst] = p / k;
         pw[dst] = tw[p];
     }
-    job_t j = {bits, H, I, G, x, w13, w2, s13, m13, s2, m2, tok, pw, a, y, x16, a16, xsc, asc,
-               xgs, ags, n, act_e, act_off, act_cnt,
+    job_t j = {fmt, H, I, G, act, alpha, limit, b13, b2, x, w13, w2, s13, s2, m13, m2, tok, pw,
+               a, y, x16, a16, xsc, asc, xgs, ags, n, act_e, act_off, act_cnt,
                nthreads < 1 ? 1 : nthreads};
-    if (bits != 32) quantize_rows(x, H, 0, T, x16, xsc, G4, xgs);
+    const int perm = fmt == F_I4 || fmt == F_MXFP4;
+    if (q16) quantize_rows(x, H, 0, T, x16, xsc, perm, G4, xgs);
     run_phase(&j, 1);
-    if (bits != 32) quantize_rows(a, I, 0, P, a16, asc, G4, ags);
+    if (q16) quantize_rows(a, I, 0, P, a16, asc, perm, G4, ags);
     run_phase(&j, 2);
     for (int p = 0; p < P; p++) { /* pairs of one token never race: this loop is serial */
         float *o = out + (size_t)tok[p] * H;
@@ -492,7 +568,7 @@ int hetserve_int8_linear(int nthreads, int T, int N, int K, const float *x, floa
     if (buf == NULL) return -1;
     int16_t *x16 = (int16_t *)buf;
     float *xsc = (float *)(x16 + (size_t)T * K);
-    quantize_rows(x, K, 0, T, x16, xsc, 0, NULL);
+    quantize_rows(x, K, 0, T, x16, xsc, 0, 0, NULL);
     lin_t l = {(const int8_t *)w, s, xsc, x16, out, T, N, K};
     hs_parallel_for(nthreads < 1 ? 1 : nthreads, (N / 4 + RC - 1) / RC, lin_item, &l);
     free(buf);

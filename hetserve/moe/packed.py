@@ -1,0 +1,219 @@
+"""Quantized weight matrices as checkpoints publish them, and routed experts held in them.
+
+A `QMatrix` is one matrix (or a stack of them) `[.., N, K]` (output rows, input columns) in one
+storage format, with every quantization parameter kept per row, so row selection, expert
+selection and concatenation are plain indexing:
+
+- `Fp8Rows`: float8_e4m3fn values, fp32 scale per row and group of `group` columns (DeepSeek's
+  128 x 128 block scales, expanded along rows: a row knows its block's scale).
+- `Mxfp4Rows`: gpt-oss's published bytes unchanged: `blocks` [.., N, K/32, 16] (two e2m1 codes
+  a byte, element 2j in the low nibble) and e8m0 `scales` [.., N, K/32].
+- `Int4Rows`: nibbles in natural order (element 2j in the low nibble) [.., N, K/2], fp32 scale
+  and minimum per group: w = q * scale + minimum, q in [0, 15] (GPTQ, compressed-tensors, q4_K).
+- `Int8Rows`: int8 values, fp32 scale per group (`group = K`: per channel; q8_0: 32).
+
+`PackedExperts` holds one MoE layer's routed experts as such matrices, one per expert and
+projection, so CPU backends read the checkpoint's own numbers (and convert expert by expert
+where their format differs) without a full-precision copy of the layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from hetserve.errors import ModelLoadError
+from hetserve.moe.quant import dequantize_mxfp4
+
+
+@dataclass(frozen=True)
+class QMatrix:
+    """Base: subclasses list their tensor fields and where each one's row dimension is."""
+
+    fmt: ClassVar[str]
+    row_dims: ClassVar[dict[str, int]]  # field -> its row dimension, counted from the end
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 matrix these numbers stand for (exactly, for every format here)."""
+        raise NotImplementedError
+
+    @property
+    def group(self) -> int:
+        """Columns per scale (0 where the format has no column groups)."""
+        return 0
+
+    def _map(self, fn) -> QMatrix:
+        return dataclasses.replace(
+            self, **{f: fn(getattr(self, f), d) for f, d in self.row_dims.items()}
+        )
+
+    def select(self, index: int) -> QMatrix:
+        """Matrix `index` of a stack (the first dimension)."""
+        return self._map(lambda t, d: t[index])
+
+    def rows(self, index: torch.Tensor | slice) -> QMatrix:
+        if isinstance(index, slice):
+            return self._map(lambda t, d: t[(slice(None),) * (t.dim() + d) + (index,)])
+        return self._map(lambda t, d: t.index_select(t.dim() + d, index))
+
+    @classmethod
+    def cat_rows(cls, parts: list[QMatrix]) -> QMatrix:
+        first = parts[0]
+        fields = {
+            f: torch.cat([getattr(p, f) for p in parts], dim=d) for f, d in cls.row_dims.items()
+        }
+        return dataclasses.replace(first, **fields)
+
+    def contiguous(self) -> QMatrix:
+        return self._map(lambda t, d: t.contiguous())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(getattr(self, f).nbytes for f in self.row_dims)
+
+
+def _expand_groups(t: torch.Tensor, group: int) -> torch.Tensor:
+    return t.float().repeat_interleave(group, dim=-1)
+
+
+@dataclass(frozen=True)
+class Fp8Rows(QMatrix):
+    w: torch.Tensor  # float8_e4m3fn [.., N, K]
+    scale: torch.Tensor  # fp32 [.., N, ceil(K / block_k)]
+    block_k: int = 128
+
+    fmt: ClassVar[str] = "fp8"
+    row_dims: ClassVar[dict[str, int]] = {"w": -2, "scale": -2}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.w.shape)
+
+    @property
+    def group(self) -> int:
+        return self.block_k
+
+    def dequantize(self) -> torch.Tensor:
+        k = self.w.shape[-1]
+        return self.w.float() * _expand_groups(self.scale, self.block_k)[..., :k]
+
+
+@dataclass(frozen=True)
+class Mxfp4Rows(QMatrix):
+    blocks: torch.Tensor  # uint8 [.., N, K/32, 16]
+    scales: torch.Tensor  # uint8 [.., N, K/32], e8m0
+
+    fmt: ClassVar[str] = "mxfp4"
+    row_dims: ClassVar[dict[str, int]] = {"blocks": -3, "scales": -2}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, n, g, _ = self.blocks.shape
+        return (*lead, n, g * 32)
+
+    @property
+    def group(self) -> int:
+        return 32
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_mxfp4(self.blocks, self.scales)
+
+
+@dataclass(frozen=True)
+class Int4Rows(QMatrix):
+    packed: torch.Tensor  # uint8 [.., N, K/2], element 2j low nibble, 2j + 1 high nibble
+    scale: torch.Tensor  # fp32 [.., N, K/group]
+    minimum: torch.Tensor  # fp32 [.., N, K/group]
+
+    fmt: ClassVar[str] = "int4"
+    row_dims: ClassVar[dict[str, int]] = {"packed": -2, "scale": -2, "minimum": -2}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.packed.shape[:-1], self.packed.shape[-1] * 2)
+
+    @property
+    def group(self) -> int:
+        return self.shape[-1] // self.scale.shape[-1]
+
+    def codes(self) -> torch.Tensor:
+        """The 4-bit integers [.., N, K] in [0, 15]."""
+        p = self.packed
+        return torch.stack((p & 0x0F, p >> 4), dim=-1).reshape(self.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        g = self.group
+        return self.codes().float() * _expand_groups(self.scale, g) + _expand_groups(
+            self.minimum, g
+        )
+
+
+@dataclass(frozen=True)
+class Int8Rows(QMatrix):
+    q: torch.Tensor  # int8 [.., N, K]
+    scale: torch.Tensor  # fp32 [.., N, K/group]
+
+    fmt: ClassVar[str] = "int8"
+    row_dims: ClassVar[dict[str, int]] = {"q": -2, "scale": -2}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape)
+
+    @property
+    def group(self) -> int:
+        return self.shape[-1] // self.scale.shape[-1]
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * _expand_groups(self.scale, self.group)
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """One layer's routed experts as published: w13[e] [2I, H] (gate rows, then up rows) and
+    w2[e] [H, I], all in one format."""
+
+    w13: tuple[QMatrix, ...]
+    w2: tuple[QMatrix, ...]
+
+    def __post_init__(self) -> None:
+        fmts = {m.fmt for m in (*self.w13, *self.w2)}
+        if len(fmts) != 1:
+            raise ModelLoadError(f"routed experts mix quantization formats {sorted(fmts)}")
+
+    @property
+    def fmt(self) -> str:
+        return self.w13[0].fmt
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.w13)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w2[0].shape[0]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w2[0].shape[1]
+
+    def groups(self) -> tuple[int, int]:
+        """Columns per scale of w13 and of w2 (the same for every expert)."""
+        g13, g2 = {m.group for m in self.w13}, {m.group for m in self.w2}
+        if len(g13) != 1 or len(g2) != 1:
+            raise ModelLoadError("routed experts of one layer use different group sizes")
+        return g13.pop(), g2.pop()
+
+    def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.w13[e].dequantize(), self.w2[e].dequantize()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in (*self.w13, *self.w2))

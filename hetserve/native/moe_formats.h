@@ -1,0 +1,141 @@
+/* Microkernels of the routed-experts kernel for the formats checkpoints publish, beside the
+ * int8 / int4 / fp32 ones in moe_kernels.c: int8 with a scale per group of columns (GGUF
+ * q8_0), MXFP4 (gpt-oss: e2m1 codes with an e8m0 scale per 32) and FP8 e4m3 with a scale per
+ * group of columns (DeepSeek-V3 / Qwen3 FP8 block scales, one value per row and block).
+ *
+ * Each computes out[r][m] = sum_k W[r, k] * x[m, k] for one quad of rows r < 4 stored quad-
+ * interleaved (for every 16 input bytes, the 4 rows' 16 bytes back to back), group parameters
+ * stored [group][4 rows]. The integer ones take int16 activations (see quantize_rows in
+ * moe_kernels.c) and leave the activation scale to the caller; FP8 takes fp32 activations.
+ */
+#ifndef HETSERVE_MOE_FORMATS_H
+#define HETSERVE_MOE_FORMATS_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "simd.h"
+
+#ifndef MBMAX
+#define MBMAX 3
+#endif
+
+/* int8 rows with an fp32 scale per group of G inputs (G % 16 == 0): per group, exact int32
+ * sums (16 products per vpmaddwd), then one FMA by the group's scale. */
+static inline __attribute__((always_inline)) void quad_i8g(const int8_t *q, const float *sc, int K,
+                                                           int G, const int16_t *const x[2],
+                                                           int MB, float out[4][MBMAX]) {
+    __m256 tot[4][2];
+    for (int r = 0; r < 4; r++)
+        for (int m = 0; m < MB; m++) tot[r][m] = _mm256_setzero_ps();
+    for (int g = 0; g < K / G; g++) {
+        __m256i acc[4][2];
+        for (int r = 0; r < 4; r++)
+            for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_si256();
+        for (int k = g * G; k < (g + 1) * G; k += 16) {
+            _mm_prefetch((const char *)(q + 4 * k + 2048), _MM_HINT_T0);
+            for (int r = 0; r < 4; r++) {
+                __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 4 * k + 16 * r)));
+                for (int m = 0; m < MB; m++)
+                    acc[r][m] = _mm256_add_epi32(
+                        acc[r][m], _mm256_madd_epi16(w, _mm256_loadu_si256((const __m256i *)(x[m] + k))));
+            }
+        }
+        for (int r = 0; r < 4; r++) {
+            __m256 s = _mm256_set1_ps(sc[4 * g + r]);
+            for (int m = 0; m < MB; m++)
+                tot[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][m]), s, tot[r][m]);
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int m = 0; m < MB; m++) out[r][m] = hs_hsum(tot[r][m]);
+}
+
+/* e2m1 codes times two (so every value is an integer): 0 .5 1 1.5 2 3 4 6, then negated. */
+static inline __m256i mxfp4_lut(void) {
+    return _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                            0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+}
+
+/* 2^(e - 128) for an e8m0 byte e (the scale, halved for the doubled codes); e < 2 -> 0. */
+static inline float e8m0_half(uint8_t e) {
+    uint32_t bits = e >= 2 ? (uint32_t)(e - 1) << 23 : 0;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* MXFP4 quad: per 32 inputs (one block), the 4 rows' 16 published bytes back to back (byte j:
+ * element 2j low nibble, 2j + 1 high nibble); scales [block][4 rows] as published e8m0 bytes.
+ * Low and high nibbles land in the two lanes, vpshufb maps codes to signed integers, in-lane
+ * unpacks give int16 in the order [0 2 .. 14 | 1 3 .. 15] and [16 .. 30 | 17 .. 31], which is
+ * how quantize_rows stores these activations (perm = 1). */
+static inline __attribute__((always_inline)) void quad_mxfp4(const uint8_t *q, const uint8_t *sc,
+                                                             int K, const int16_t *const x[2],
+                                                             int MB, float out[4][MBMAX]) {
+    const __m256i mask = _mm256_set1_epi8(0x0F), lut = mxfp4_lut(), zero = _mm256_setzero_si256();
+    __m256 tot[4][2];
+    for (int r = 0; r < 4; r++)
+        for (int m = 0; m < MB; m++) tot[r][m] = _mm256_setzero_ps();
+    for (int k = 0; k < K; k += 32) {
+        _mm_prefetch((const char *)(q + 2 * k + 2048), _MM_HINT_T0);
+        __m256i xl[2], xh[2];
+        for (int m = 0; m < MB; m++) {
+            xl[m] = _mm256_loadu_si256((const __m256i *)(x[m] + k));
+            xh[m] = _mm256_loadu_si256((const __m256i *)(x[m] + k + 16));
+        }
+        const uint8_t *s = sc + (k / 32) * 4;
+        for (int r = 0; r < 4; r++) {
+            __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + 2 * k + 16 * r)));
+            __m256i t = _mm256_shuffle_epi8(
+                lut, _mm256_and_si256(_mm256_blend_epi32(v, _mm256_srli_epi16(v, 4), 0xF0), mask));
+            __m256i sign = _mm256_cmpgt_epi8(zero, t);
+            __m256i wl = _mm256_unpacklo_epi8(t, sign), wh = _mm256_unpackhi_epi8(t, sign);
+            __m256 scale = _mm256_set1_ps(e8m0_half(s[r]));
+            for (int m = 0; m < MB; m++) {
+                __m256i d = _mm256_add_epi32(_mm256_madd_epi16(wl, xl[m]), _mm256_madd_epi16(wh, xh[m]));
+                tot[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), scale, tot[r][m]);
+            }
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int m = 0; m < MB; m++) out[r][m] = hs_hsum(tot[r][m]);
+}
+
+/* 16 e4m3 bytes -> 16 fp32 in two vectors, each 2^-8 times the value: the byte shifted left
+ * by 7 is the fp16 pattern of value / 256 once its sign moves from bit 14 to bit 15 (adding
+ * bit 14 to itself); subnormals map to fp16 subnormals, exactly. (e4m3fn's NaN is not kept.) */
+static inline __attribute__((always_inline)) void fp8x16(const uint8_t *p, __m256 *lo, __m256 *hi) {
+    __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 7);
+    h = _mm256_add_epi16(h, _mm256_and_si256(h, _mm256_set1_epi16(0x4000)));
+    *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+/* FP8 quad, one token: weights converted in registers and multiplied with the fp32 inputs;
+ * per group of G inputs (G % 16 == 0) the sums are scaled by the row's scale (which the
+ * caller stores times 256, undoing fp8x16's 2^-8). */
+static inline __attribute__((always_inline)) void quad_fp8(const uint8_t *q, const float *sc,
+                                                           int K, int G, const float *x,
+                                                           float out[4][MBMAX]) {
+    __m256 tot[4];
+    for (int r = 0; r < 4; r++) tot[r] = _mm256_setzero_ps();
+    for (int g = 0; g < K / G; g++) {
+        __m256 acc[4];
+        for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
+        for (int k = g * G; k < (g + 1) * G; k += 16) {
+            _mm_prefetch((const char *)(q + 4 * k + 2048), _MM_HINT_T0);
+            __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+            for (int r = 0; r < 4; r++) {
+                __m256 w0, w1;
+                fp8x16(q + 4 * k + 16 * r, &w0, &w1);
+                acc[r] = _mm256_fmadd_ps(w0, x0, _mm256_fmadd_ps(w1, x1, acc[r]));
+            }
+        }
+        for (int r = 0; r < 4; r++) tot[r] = _mm256_fmadd_ps(acc[r], _mm256_set1_ps(sc[4 * g + r]), tot[r]);
+    }
+    for (int r = 0; r < 4; r++) out[r][0] = hs_hsum(tot[r]);
+}
+
+#endif

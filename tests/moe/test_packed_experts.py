@@ -1,0 +1,184 @@
+"""Experts packed in published formats (FP8 blocks, MXFP4, int4 groups, grouped int8) and the
+native kernels that read them, against a torch reference that rounds activations exactly as
+the kernel does (int16 per row for the integer formats), with biases and gpt-oss's clamped
+SwiGLU as well as silu."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hetserve.moe.experts import ClampedSwiGLU, ExpertWeights, create_backend, gated_activation
+from hetserve.moe.packed import Fp8Rows, Int4Rows, Int8Rows, Mxfp4Rows, PackedExperts
+from hetserve.moe.quant import (
+    dequantize_fp8_blocks,
+    dequantize_mxfp4,
+    quantize_fp8_blocks,
+    quantize_int4_groupwise,
+    quantize_int8_per_channel,
+    quantize_mxfp4,
+)
+from hetserve.native.layout import pack_int4_rows
+
+E, H, INTER, K = 8, 256, 128, 3
+
+
+@pytest.fixture(autouse=True)
+def _native():
+    from hetserve.native import native_unavailable_reason
+
+    if native_unavailable_reason() is not None:
+        pytest.skip(f"native kernel unavailable: {native_unavailable_reason()}")
+
+
+def _dense(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(E, 2 * INTER, H, generator=g) * 0.05
+    w2 = torch.randn(E, H, INTER, generator=g) * 0.05
+    return w13, w2, torch.randn(E, 2 * INTER, generator=g), torch.randn(E, H, generator=g) * 0.1
+
+
+def _fp8(w):
+    q, s = quantize_fp8_blocks(w)
+    return Fp8Rows(q, s.repeat_interleave(128, dim=0)[: w.shape[0]])
+
+
+def _int4(w, group=32):
+    q, scale, low = quantize_int4_groupwise(w, group)
+    return Int4Rows(pack_int4_rows(q), scale, low)
+
+
+def _int8g(w, group=32):
+    q, s = quantize_int8_per_channel(w.reshape(-1, group))
+    return Int8Rows(q.reshape(w.shape), s.reshape(w.shape[0], -1))
+
+
+PACKERS = {
+    "fp8": (_fp8, "cpu-fp8"),
+    "mxfp4": (lambda w: Mxfp4Rows(*quantize_mxfp4(w)), "cpu-mxfp4"),
+    "int4": (_int4, "cpu-int4"),
+    "int8": (_int8g, "cpu-int8"),
+}
+
+
+def _packed(fmt: str, w13, w2) -> PackedExperts:
+    pack = PACKERS[fmt][0]
+    return PackedExperts(tuple(pack(w) for w in w13), tuple(pack(w) for w in w2))
+
+
+def _round16(v: torch.Tensor) -> torch.Tensor:
+    """The kernel's activation rounding: per row to the int16 grid of step max|v| / 16383."""
+    s = v.abs().amax(dim=-1, keepdim=True) / 16383
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.round(v * (1.0 / s)).clamp(-16383, 16383) * s
+
+
+# The kernel against its emulation: fp32 rounding, and now and then an activation that sits on
+# a rounding boundary and lands on the other int16 step (each such flip moves an output by
+# about one step times a weight); the activation rounding itself is ~1e-4 relative here.
+EMULATED_RTOL = 2e-5
+
+
+def _emulated(w13, w2, b13, b2, act, x, tw, ids, int16: bool) -> torch.Tensor:
+    """The layer as the kernel computes it, in float64 from the kernel's rounded activations."""
+    glu = gated_activation(act)
+    out = torch.zeros(x.shape[0], H, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        xt = _round16(x[t]) if int16 else x[t]
+        for j in range(ids.shape[1]):
+            e, w = int(ids[t, j]), float(tw[t, j])
+            h = w13[e].double() @ xt.double() + (0 if b13 is None else b13[e].double())
+            a = (glu(h[:INTER], h[INTER:]) * w).float()
+            a = _round16(a) if int16 else a
+            out[t] += w2[e].double() @ a.double() + (0 if b2 is None else w * b2[e].double())
+    return out.float()
+
+
+def _routing(t: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)])
+    return x, torch.rand(t, K, generator=g), ids
+
+
+@pytest.mark.parametrize("fmt", sorted(PACKERS))
+@pytest.mark.parametrize("act", ["silu", ClampedSwiGLU(alpha=1.702, limit=0.3)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_kernel_matches_emulated_reference(fmt, act, bias):
+    w13, w2, b13, b2 = _dense()
+    b13, b2 = (b13, b2) if bias else (None, None)
+    packed = _packed(fmt, w13, w2)
+    weights = ExpertWeights(None, None, b13, b2, packed=packed)
+    deq13 = torch.stack([m.dequantize() for m in packed.w13])
+    deq2 = torch.stack([m.dequantize() for m in packed.w2])
+    x, tw, ids = _routing(5)
+    backend = create_backend(PACKERS[fmt][1], weights, activation=act)
+    out = backend.forward(x, tw, ids)
+    ref = _emulated(deq13, deq2, b13, b2, act, x, tw, ids, int16=fmt != "fp8")
+    assert (out - ref).abs().max() <= EMULATED_RTOL * ref.abs().max()
+    # The torch backend on the dequantized weights differs only by the activation rounding.
+    plain = create_backend("torch", weights, activation=act).forward(x, tw, ids)
+    assert (out - plain).abs().max() <= 1e-3 * plain.abs().max()
+
+
+@pytest.mark.parametrize("fmt", sorted(PACKERS))
+def test_packed_kernels_keep_the_published_numbers(fmt):
+    """Built from packed experts, a backend stores exactly those numbers: rebuilding it from the
+    dequantized weights (re-quantizing) would give different outputs for most formats, while
+    from the packed experts it equals the emulation of the packed values."""
+    w13, w2, _, _ = _dense(seed=3)
+    packed = _packed(fmt, w13, w2)
+    x, tw, ids = _routing(3, seed=4)
+    out = create_backend(PACKERS[fmt][1], ExpertWeights(None, None, packed=packed))
+    deq = ExpertWeights(
+        torch.stack([m.dequantize() for m in packed.w13]),
+        torch.stack([m.dequantize() for m in packed.w2]),
+    )
+    ref = _emulated(deq.w13, deq.w2, None, None, "silu", x, tw, ids, int16=fmt != "fp8")
+    assert (out.forward(x, tw, ids) - ref).abs().max() <= EMULATED_RTOL * ref.abs().max()
+    assert out.nbytes() < 0.35 * (w13.nbytes + w2.nbytes)
+
+
+@pytest.mark.parametrize("t", [1, 2, 7, 40])
+@pytest.mark.parametrize("backend", ["cpu-mxfp4", "cpu-fp8"])
+def test_new_backends_from_dense_weights(backend, t):
+    """cpu-mxfp4 and cpu-fp8 on unquantized experts (the bench): quantized per expert, then the
+    same kernel; token counts cover the microkernel tails and the 32-pair cache block."""
+    w13, w2, _, _ = _dense(seed=5)
+    x, tw, ids = _routing(t, seed=t)
+    b = create_backend(backend, ExpertWeights(w13, w2))
+    fmt = "mxfp4" if backend == "cpu-mxfp4" else "fp8"
+    packed = _packed(fmt, w13, w2)
+    deq13 = torch.stack([m.dequantize() for m in packed.w13])
+    deq2 = torch.stack([m.dequantize() for m in packed.w2])
+    ref = _emulated(deq13, deq2, None, None, "silu", x, tw, ids, int16=fmt == "mxfp4")
+    assert (b.forward(x, tw, ids) - ref).abs().max() <= EMULATED_RTOL * ref.abs().max()
+
+
+def test_packed_int4_keeps_its_group_size_and_int8_its_groups():
+    w13, w2, _, _ = _dense(seed=6)
+    int4 = ExpertWeights(None, None, packed=_packed("int4", w13, w2))
+    assert create_backend("cpu-int4", int4).group_size == 32
+    int8 = ExpertWeights(None, None, packed=_packed("int8", w13, w2))
+    assert create_backend("cpu-int8", int8).group_size == 32
+    # An explicit other group size requantizes (expert by expert) instead.
+    assert create_backend("cpu-int4", int4, group_size=64).group_size == 64
+
+
+def test_fp8_and_mxfp4_codecs_are_exact_round_trips():
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(200, 320, generator=g)
+    q, s = quantize_fp8_blocks(w)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (2, 3)
+    deq = dequantize_fp8_blocks(q, s, (128, 128))
+    q2, s2 = quantize_fp8_blocks(deq)
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s)
+    blocks, scales = quantize_mxfp4(w)
+    assert blocks.shape == (200, 10, 16) and scales.dtype == torch.uint8
+    again = quantize_mxfp4(dequantize_mxfp4(blocks, scales))
+    assert torch.equal(again[0], blocks) and torch.equal(again[1], scales)
+    # Per block: elements within 6 x scale are off by at most half a step of the e2m1 grid.
+    deq = dequantize_mxfp4(blocks, scales).view(200, 10, 32)
+    scale = torch.exp2(scales.float() - 127)[..., None]
+    inside = w.view(200, 10, 32).abs() <= 6 * scale
+    assert ((deq - w.view(200, 10, 32)).abs() <= scale + 1e-7)[inside].all()
