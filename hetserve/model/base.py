@@ -88,6 +88,11 @@ class CausalLM(nn.Module):
         assert pending is None, "the last MoE layer must not defer"
         return self.model.norm(x)
 
+    def map_checkpoint_tensor(self, name: str, value):
+        """Family hook: a checkpoint weight's name and value in this model's layout. `value` is
+        a tensor, a QMatrix (moe/packed.py), or None when the loader asks only for the name."""
+        return name, value
+
     def moe_layers(self) -> list[SparseMoE]:
         return [m for m in self.modules() if isinstance(m, SparseMoE)]
 

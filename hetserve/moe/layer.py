@@ -57,6 +57,7 @@ class FusedExperts(nn.Module):
     ):
         super().__init__()
         self.num_experts = num_experts
+        self.hidden_size = hidden
         self.intermediate_size = inter
         self.activation = activation
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
@@ -75,6 +76,12 @@ class FusedExperts(nn.Module):
         if self.packed is not None:
             return ExpertWeights(None, None, *bias, packed=self.packed)
         return ExpertWeights(self.w13.data, self.w2.data, *bias)
+
+    def expect_packed(self) -> None:
+        """The checkpoint stores these experts quantized: no dense weights get allocated (the
+        loader assembles `packed` instead)."""
+        self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)
+        self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
 
     def release_weights(self) -> None:
         """Drop the loaded weights once backends hold their own copies (quantized/repacked)."""

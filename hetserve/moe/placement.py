@@ -110,14 +110,15 @@ class PlacementRule:
         return self.layers[0] <= int(group) <= self.layers[1]
 
 
-def default_rules() -> list[PlacementRule]:
-    """Routed experts on CPU with cpu-int8; everything else on the accelerator (or CPU)."""
+def default_rules(expert_backend: str = "cpu-int8") -> list[PlacementRule]:
+    """Routed experts on CPU with `expert_backend` (cpu-int8, or the backend of the format a
+    checkpoint publishes its experts in); everything else on the accelerator (or CPU)."""
     return [
         PlacementRule(
             name="routed-experts",
             match=r"(?:model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts",
             device="cpu",
-            backend="cpu-int8",
+            backend=expert_backend,
             optional=True,  # dense models have none
         ),
         PlacementRule(name="everything-else", match=r".*", device="auto"),

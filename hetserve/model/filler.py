@@ -1,0 +1,204 @@
+"""Maps checkpoint weights onto a model's parameters and tracks what has been filled.
+
+Routed experts are accepted one tensor per expert (what checkpoints on disk hold:
+`experts.{e}.gate_proj|up_proj|down_proj.weight`, Mixtral `experts.{e}.w1|w3|w2.weight`) and as
+fused tensors (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]). Experts that
+the checkpoint stores quantized stay in that format (`PackedExperts`, assembled here); any
+other quantized weight is dequantized into its parameter.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from hetserve.errors import MissingTensorError, ModelLoadError, TensorShapeError
+from hetserve.model.base import CausalLM
+from hetserve.moe.layer import FusedExperts
+from hetserve.moe.packed import PackedExperts, QMatrix
+
+PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# Which half of w13 (0 = gate, 1 = up) or w2 a per-expert tensor fills.
+_PART = {
+    "gate_proj": ("w13", 0),
+    "w1": ("w13", 0),
+    "up_proj": ("w13", 1),
+    "w3": ("w13", 1),
+    "down_proj": ("w2", None),
+    "w2": ("w2", None),
+}
+_HALF_NAMES = {0: "gate_proj", 1: "up_proj", None: "down_proj"}
+
+
+def expert_prefix(name: str) -> str | None:
+    """The experts module a (model-space) expert weight name belongs to, else None."""
+    m = PER_EXPERT.match(name) or FUSED.match(name)
+    return m.group(1) if m else None
+
+
+class PackedExpertsBuilder:
+    """Collects one experts module's quantized matrices (per expert or fused) as they arrive."""
+
+    def __init__(self, prefix: str, experts: FusedExperts) -> None:
+        self.prefix, self.experts = prefix, experts
+        self.parts: dict[tuple[str, int, int | None], QMatrix] = {}
+        self.fused: dict[str, QMatrix] = {}
+
+    def _shape(self, pname: str, half: int | None) -> tuple[int, int]:
+        i, h = self.experts.intermediate_size, self.experts.hidden_size
+        if pname == "w2":
+            return (h, i)
+        return (i, h) if half is not None else (2 * i, h)
+
+    def add(self, pname: str, e: int | None, half: int | None, value, ckpt: str) -> None:
+        if not isinstance(value, QMatrix):
+            raise ModelLoadError(
+                f"tensor {ckpt!r} is not quantized while other routed experts of "
+                f"{self.prefix!r} are; mixed expert formats are not supported"
+            )
+        want = self._shape(pname, half)
+        if e is None:
+            want = (self.experts.num_experts, *want)
+        if tuple(value.shape) != want:
+            raise TensorShapeError(
+                f"tensor {ckpt!r} has shape {tuple(value.shape)}, expected {want}; the "
+                "checkpoint does not match config.json"
+            )
+        if e is None:
+            self.fused[pname] = value
+        elif e >= self.experts.num_experts:
+            raise TensorShapeError(
+                f"tensor {ckpt!r} names expert {e}, but the config has {self.experts.num_experts}"
+            )
+        else:
+            self.parts[(pname, e, half)] = value
+
+    def _get(self, pname: str, e: int, half: int | None) -> QMatrix:
+        if pname in self.fused:
+            m = self.fused[pname].select(e)
+            if half is None:
+                return m
+            i = self.experts.intermediate_size
+            return m.rows(slice(half * i, (half + 1) * i))
+        got = self.parts.get((pname, e, half))
+        if got is None:
+            raise MissingTensorError(
+                f"checkpoint lacks tensor '{self.prefix}.{e}.{_HALF_NAMES[half]}.weight' "
+                "(or the fused experts tensor); the checkpoint is incomplete"
+            )
+        return got
+
+    def build(self) -> PackedExperts:
+        w13, w2 = [], []
+        for e in range(self.experts.num_experts):
+            if "w13" in self.fused:
+                w13.append(self.fused["w13"].select(e))
+            else:
+                w13.append(type(g := self._get("w13", e, 0)).cat_rows([g, self._get("w13", e, 1)]))
+            w2.append(self._get("w2", e, None))
+        return PackedExperts(tuple(w13), tuple(w2))
+
+
+def _dense(value, ckpt: str) -> torch.Tensor:
+    if isinstance(value, QMatrix):
+        return value.dequantize()
+    if not value.is_floating_point() or value.element_size() < 2:
+        raise ModelLoadError(f"tensor {ckpt!r} has dtype {value.dtype}; expected a float weight")
+    return value
+
+
+class WeightFiller:
+    def __init__(self, model: CausalLM, packed: set[str]) -> None:
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.filled: set[str] = set()  # plain params, and "w13:e:half" / "w2:e" expert parts
+        self.num_layers = model.config.num_layers
+        modules = dict(model.named_modules())
+        self.packed = {p: PackedExpertsBuilder(p, modules[p]) for p in packed}
+
+    def target(self, name: str) -> str | None:
+        """Parameter-space name for a checkpoint name (after aliases), None to skip it."""
+        m = _LAYER.match(name)
+        if (m and int(m.group(1)) >= self.num_layers) or name.endswith("rotary_emb.inv_freq"):
+            return None  # extra layers (DeepSeek's MTP module) and derived buffers
+        candidates = [name] + [re.sub(p, r, name) for p, r in self.model.checkpoint_aliases]
+        for cand in candidates:
+            if cand in self.params:
+                return cand
+            prefix = expert_prefix(cand)
+            if prefix is not None and f"{prefix}.w13" in self.params:
+                return cand
+        return None
+
+    def fill(self, name: str, value, ckpt_name: str) -> None:
+        em = PER_EXPERT.match(name)
+        fm = FUSED.match(name)
+        if em:
+            prefix, e, (pname, half) = em.group(1), int(em.group(2)), _PART[em.group(3)]
+        elif fm:
+            prefix, e, half = fm.group(1), None, None
+            pname = "w13" if fm.group(2) == "gate_up_proj" else "w2"
+        if (em or fm) and prefix in self.packed:
+            self.packed[prefix].add(pname, e, half, value, ckpt_name)
+            return
+        value = _dense(value, ckpt_name)
+        if em:
+            param = self.params[f"{prefix}.{pname}"]
+            if e >= param.shape[0]:
+                raise TensorShapeError(
+                    f"tensor {ckpt_name!r} names expert {e}, but the config has {param.shape[0]}"
+                )
+            dst = param.data[e]
+            if half is not None:
+                inter = param.shape[1] // 2
+                dst = dst[half * inter : (half + 1) * inter]
+            self._copy(dst, value, ckpt_name)
+            self.filled.add(f"{prefix}.{pname}:{e}:{half}")
+            return
+        if fm:
+            name = f"{prefix}.{pname}"
+        self._copy(self.params[name].data, value, ckpt_name)
+        self.filled.add(name)
+
+    @staticmethod
+    def _copy(dst: torch.Tensor, src: torch.Tensor, ckpt_name: str) -> None:
+        if tuple(dst.shape) != tuple(src.shape):
+            raise TensorShapeError(
+                f"tensor {ckpt_name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}; "
+                "the checkpoint does not match config.json"
+            )
+        dst.copy_(src)
+
+    def finish_packed(self) -> None:
+        """Hands every packed experts module its assembled matrices."""
+        for builder in self.packed.values():
+            builder.experts.packed = builder.build()
+
+    def check_complete(self, experts_elsewhere: bool = False) -> None:
+        tied = self.model.config.tie_word_embeddings
+        for name, param in self.params.items():
+            if name in self.filled or (tied and name == "lm_head.weight"):
+                continue
+            prefix, _, pname = name.rpartition(".")
+            if pname in ("w13", "w2") and (experts_elsewhere or prefix in self.packed):
+                continue  # filled from the converted experts file, or packed
+            if pname in ("w13", "w2") and prefix.endswith(".experts"):
+                self._check_experts(name, param, prefix, pname)
+                continue
+            raise MissingTensorError(
+                f"checkpoint lacks tensor {name!r}; the checkpoint is incomplete or for "
+                "another architecture"
+            )
+
+    def _check_experts(self, name: str, param: nn.Parameter, prefix: str, pname: str) -> None:
+        for e in range(param.shape[0]):
+            for half in (0, 1) if pname == "w13" else (None,):
+                if f"{name}:{e}:{half}" not in self.filled:
+                    raise MissingTensorError(
+                        f"checkpoint lacks tensor '{prefix}.{e}.{_HALF_NAMES[half]}.weight' "
+                        "(or the fused experts tensor); the checkpoint is incomplete"
+                    )
