@@ -41,25 +41,21 @@ def convert(model_dir: str | Path, out_dir: str | Path, fmt: str, group_size: in
     src, out = Path(model_dir), Path(out_dir)
     if out.resolve() == src.resolve():
         raise InvalidInputError("OUT_DIR must differ from MODEL_DIR")
-    model = load_model(src, device="cpu", dtype="float32")
+    # Experts a checkpoint stores quantized (FP8, ...) stay packed and are converted expert
+    # by expert below: no full-precision copy of them exists at any time.
+    model = load_model(src, device="cpu", dtype="float32", expert_backends=False)
     experts = list(model.routed_experts())
     if not experts:
         raise InvalidInputError(f"{src} has no routed experts to convert")
     out.mkdir(parents=True, exist_ok=True)
     stored: dict[str, torch.Tensor] = {}
     for name, ex in tqdm(experts, desc=f"quantizing experts to {fmt}"):
-        for pname in ("w13", "w2"):
-            w = getattr(ex, pname).data
-            if fmt == "int4" and w.shape[-1] % group_size:
-                raise InvalidInputError(
-                    f"{name}.{pname}: input size {w.shape[-1]} is not a "
-                    f"multiple of --group-size {group_size}"
-                )
-            for suffix, t in quantize(w, fmt, group_size).items():
-                stored[f"{name}.{pname}_{suffix}"] = t.contiguous()
+        stored.update(_quantize_experts(name, ex.weights(), fmt, group_size))
     save_file(stored, str(out / f"experts-{fmt}.safetensors"), metadata={"format": "pt"})
     _write_rest(model, out)
     cfg = json.loads((src / "config.json").read_text())
+    for key in ("quantization_config", "compression_config"):  # the rest is now fp32
+        cfg.pop(key, None)
     cfg[CONFIG_KEY] = {
         "format": fmt,
         "group_size": group_size if fmt == "int4" else None,
@@ -70,6 +66,24 @@ def convert(model_dir: str | Path, out_dir: str | Path, fmt: str, group_size: in
         if (src / name).is_file():
             shutil.copy2(src / name, out / name)
     return out
+
+
+def _quantize_experts(name: str, weights, fmt: str, group_size: int) -> dict[str, torch.Tensor]:
+    """One layer's experts in the converted format, quantized one expert at a time."""
+    parts: dict[str, list[dict[str, torch.Tensor]]] = {"w13": [], "w2": []}
+    for e in range(weights.num_experts):
+        for pname, w in zip(("w13", "w2"), weights.expert(e), strict=True):
+            if fmt == "int4" and w.shape[-1] % group_size:
+                raise InvalidInputError(
+                    f"{name}.{pname}: input size {w.shape[-1]} is not a "
+                    f"multiple of --group-size {group_size}"
+                )
+            parts[pname].append(quantize(w[None], fmt, group_size))
+    return {
+        f"{name}.{pname}_{suffix}": torch.cat([p[suffix] for p in per_expert]).contiguous()
+        for pname, per_expert in parts.items()
+        for suffix in per_expert[0]
+    }
 
 
 def _write_rest(model, out: Path) -> None:

@@ -95,12 +95,19 @@ def _allocate(model: CausalLM, dev: torch.device, placement, expert_backend: str
 
 
 def load_model(
-    model_dir: str | Path, device: str = "auto", dtype: str = "auto", placement=None
+    model_dir: str | Path,
+    device: str = "auto",
+    dtype: str = "auto",
+    placement=None,
+    *,
+    expert_backends: bool = True,
 ) -> CausalLM:
     """Load weights. With `placement` (a list of PlacementRule, or "default"), units are placed
     before any memory is allocated, so routed experts bound for the host never touch the
     accelerator; the plan is left on `model.hybrid_plan` for the expert backends. With
-    "default", experts the checkpoint publishes quantized get the backend of their format."""
+    "default", experts the checkpoint publishes quantized get the backend of their format.
+    Without placement, each experts module gets its default backend unless `expert_backends`
+    is False (callers that only read the weights, e.g. convert)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     cls = model_class(cfg.architecture)
@@ -123,7 +130,7 @@ def load_model(
     filler.finish_packed()
     if converted is not None:
         load_converted_experts(model, model_dir, converted)
-    return _finish(model)
+    return _finish(model, expert_backends)
 
 
 def _fill(model: CausalLM, ckpt: SafetensorsCheckpoint, filler: WeightFiller) -> None:
@@ -140,11 +147,14 @@ def _fill(model: CausalLM, ckpt: SafetensorsCheckpoint, filler: WeightFiller) ->
             bar.update(nbytes)
 
 
-def _finish(model: CausalLM) -> CausalLM:
+def _finish(model: CausalLM, expert_backends: bool) -> CausalLM:
     if model.config.tie_word_embeddings:
         model.tie_weights()
     model.eval().requires_grad_(False)
-    if model.hybrid_plan is None:
+    if model.hybrid_plan is None and expert_backends:
         for _, experts in model.routed_experts():
+            packed = experts.packed is not None
             experts.set_backend(default_backend(experts.weights(), experts.activation))
+            if packed and experts.backend_name != "torch":
+                experts.release_weights()  # the backend holds its own copy, in its layout
     return model
