@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from hetserve import envs
 from hetserve.kv.paged import PagedKVCache
+from hetserve.layers.sinks import batched_decode_sinks, sdpa_sinks
 from hetserve.native import optional_kernel
 
 
@@ -40,13 +41,12 @@ class DecodeBatch:
     block_size: int
     sliding_window: int | None = None
 
-    @functools.cached_property
-    def _valid(self) -> torch.Tensor:
+    def _valid(self, window: int | None) -> torch.Tensor:
         """[B, L] True where a real (and in-window) key is."""
         k_pos = torch.arange(self.tables.shape[1] * self.block_size, device=self.lens.device)
         valid = k_pos.unsqueeze(0) < self.lens.unsqueeze(1)
-        if self.sliding_window is not None:
-            valid &= (self.lens.unsqueeze(1) - 1 - k_pos) < self.sliding_window
+        if window is not None:
+            valid &= (self.lens.unsqueeze(1) - 1 - k_pos) < window
         return valid
 
     @functools.cached_property
@@ -55,12 +55,19 @@ class DecodeBatch:
         bs = self.block_size
         k_pos = torch.arange(self.tables.shape[1] * bs, device=self.tables.device)
         slots = self.tables[:, k_pos // bs] * bs + k_pos % bs
-        return slots.masked_fill(~self._valid, 0)
+        return slots.masked_fill(~self._valid(None), 0)
 
     @functools.cached_property
     def mask(self) -> torch.Tensor:
         """[B, 1, 1, L] attention mask for SDPA."""
-        return self._valid[:, None, None, :]
+        return self.mask_for(self.sliding_window)
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The mask of a layer whose own window differs from the model's (gpt-oss)."""
+        cache = self.__dict__.setdefault("_masks", {})
+        if window not in cache:
+            cache[window] = self._valid(window)[:, None, None, :]
+        return cache[window]
 
 
 @dataclass
@@ -75,6 +82,17 @@ class AttentionMetadata:
     def decode_only(self) -> bool:
         """Every sequence computes one token: the decode phase of placement rules."""
         return all(s.q_len == 1 for s in self.seqs)
+
+    def seq_masks(self, window: int | None) -> list[torch.Tensor | None]:
+        """Each prefill span's mask for a layer with its own window (gpt-oss alternates
+        sliding and full layers); built once per forward and window."""
+        if window == self.sliding_window:
+            return [s.mask for s in self.seqs]
+        cache = self.__dict__.setdefault("_window_masks", {})
+        if window not in cache:
+            device = self.positions.device
+            cache[window] = [causal_mask(s.q_len, s.kv_len, window, device) for s in self.seqs]
+        return cache[window]
 
 
 def causal_mask(
@@ -205,11 +223,14 @@ def batched_decode_sdpa(
     return out.squeeze(2)
 
 
-def _native_decode_ok(q: torch.Tensor, entries: list[torch.Tensor]) -> bool:
+def _native_decode_ok(
+    q: torch.Tensor, entries: list[torch.Tensor], sinks: torch.Tensor | None = None
+) -> bool:
     return (
         q.is_cpu
         and q.dtype is torch.float32
         and all(t.dtype is torch.float32 for t in entries)
+        and (sinks is None or (sinks.is_cpu and sinks.dtype is torch.float32))
         and envs.native_kernels()
         and optional_kernel("hetserve_paged_decode_attention") is not None
     )
@@ -223,9 +244,10 @@ def native_decode_attention(
     kv: PagedKVCache,
     scale: float,
     sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention read in place from the paged fp32 cache (hetserve/native/attention.c).
-    q [B, H, D]; k_cache [slots, Hkv, D]; v_cache [slots, Hkv, Dv] -> [B, H, Dv]."""
+    q [B, H, D]; k_cache [slots, Hkv, D]; v_cache [slots, Hkv, Dv]; sinks [H] -> [B, H, Dv]."""
     q = q.contiguous()
     b, h, dim = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -234,6 +256,7 @@ def native_decode_attention(
     rc = optional_kernel("hetserve_paged_decode_attention")(
         *(torch.get_num_threads(), b, h, hkv, dim, dv, kv.block_size, tables.shape[1]),
         *(sliding_window or 0, kv.num_blocks, scale),
+        None if sinks is None else sinks.contiguous().data_ptr(),
         *(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()),
         *(tables.data_ptr(), lens.data_ptr(), out.data_ptr()),
     )
@@ -315,33 +338,39 @@ def paged_attention(
     v: torch.Tensor | None,
     ctx: ForwardContext,
     scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Standard (GQA) attention: store this forward's K/V (k, v None: already stored), then
-    attend over each context."""
+    attend over each context. `window`: this layer's sliding window where it has its own (else
+    the model's); `sinks` [H]: gpt-oss's per-head sink logits."""
     if k is not None:
         ctx.kv.write(layer, ctx.meta.slot_mapping, k, v)
-    d = ctx.meta.decode
-    native = d is not None and _native_decode_ok(q, ctx.kv.layers[layer])
-    if native and not ctx.meta.seqs:  # a pure decode step: every row is a decode, in order
+    meta, d = ctx.meta, ctx.meta.decode
+    window = meta.sliding_window if window is None else window
+    native = d is not None and _native_decode_ok(q, ctx.kv.layers[layer], sinks)
+    if native and not meta.seqs:  # a pure decode step: every row is a decode, in order
         entries = ctx.kv.layers[layer]
-        return native_decode_attention(q, *entries, d, ctx.kv, scale, ctx.meta.sliding_window)
+        return native_decode_attention(q, *entries, d, ctx.kv, scale, window, sinks)
     out = q.new_empty(q.shape[0], q.shape[1], ctx.kv.layers[layer][1].shape[2])
     if native:
         out[d.rows] = native_decode_attention(
-            q[d.rows], *ctx.kv.layers[layer], d, ctx.kv, scale, ctx.meta.sliding_window
+            q[d.rows], *ctx.kv.layers[layer], d, ctx.kv, scale, window, sinks
         )
     elif d is not None:
         b, n = d.slots.shape
         k_all, v_all = ctx.kv.gather(layer, d.slots.flatten())
-        out[d.rows] = batched_decode_sdpa(
-            q[d.rows],
-            k_all.view(b, n, *k_all.shape[1:]),
-            v_all.view(b, n, *v_all.shape[1:]),
-            d.mask,
-            scale,
-        )
-    for s in ctx.meta.seqs:
+        args = (q[d.rows], k_all.view(b, n, *k_all.shape[1:]), v_all.view(b, n, *v_all.shape[1:]))
+        mask = d.mask_for(window)
+        if sinks is None:
+            out[d.rows] = batched_decode_sdpa(*args, mask, scale)
+        else:
+            out[d.rows] = batched_decode_sinks(*args, mask, scale, sinks)
+    for s, mask in zip(meta.seqs, meta.seq_masks(window), strict=True):
         k_all, v_all = ctx.kv.gather(layer, s.kv_slots)
         qs = q[s.q_start : s.q_start + s.q_len]
-        out[s.q_start : s.q_start + s.q_len] = sdpa(qs, k_all, v_all, s.mask, scale)
+        if sinks is None:
+            out[s.q_start : s.q_start + s.q_len] = sdpa(qs, k_all, v_all, mask, scale)
+        else:
+            out[s.q_start : s.q_start + s.q_len] = sdpa_sinks(qs, k_all, v_all, mask, scale, sinks)
     return out

@@ -28,6 +28,7 @@ _EXPERT_KEYS = {
     "deepseek-v3": "n_routed_experts",
     "glm4-moe": "n_routed_experts",
     "kimi-k2": "n_routed_experts",
+    "gpt-oss": "num_local_experts",
 }
 
 
@@ -40,7 +41,7 @@ def register(sub) -> None:
         "--arch",
         required=True,
         help="family: llama, qwen2, qwen3, qwen2-moe, qwen3-moe, mixtral, deepseek-v2, "
-        "deepseek-v3, glm4-moe, kimi-k2",
+        "deepseek-v3, glm4-moe, kimi-k2, gpt-oss",
     )
     t.add_argument("out", help="output directory")
     t.add_argument("--seed", type=int, default=0)

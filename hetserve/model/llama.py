@@ -42,6 +42,9 @@ class GQAAttention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = [rotary]  # a list: shared across layers, not a registered submodule
         self.scale = d**-0.5
+        # Families with per-layer windows or attention sinks (gpt-oss) set these.
+        self.window: int | None = None
+        self.sinks: nn.Parameter | None = None
         # Set by int8 quantization (layers/int8_linear.py): one matrix for q, k and v, in
         # place of the three projections (which are then None).
         self.qkv_proj: nn.Module | None = None
@@ -72,7 +75,7 @@ class GQAAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             rope = self.rotary[0]
             q, k = rope(q, ctx.meta.positions), rope(k, ctx.meta.positions)
-        out = paged_attention(self.layer_idx, q, k, v, ctx, self.scale)
+        out = paged_attention(self.layer_idx, q, k, v, ctx, self.scale, self.window, self.sinks)
         return self.o_proj(out.reshape(t, -1))
 
 

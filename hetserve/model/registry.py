@@ -16,6 +16,7 @@ _ARCHITECTURES: dict[str, str] = {
     "DeepseekV2ForCausalLM": "hetserve.model.deepseek",
     "DeepseekV3ForCausalLM": "hetserve.model.deepseek",
     "Glm4MoeForCausalLM": "hetserve.model.glm4_moe",
+    "GptOssForCausalLM": "hetserve.model.gpt_oss",
 }
 
 

@@ -190,6 +190,30 @@ FAMILIES: dict[str, dict] = {
             "mscale_all_dim": 1.0,
         },
     },
+    "gpt-oss": {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "num_hidden_layers": 3,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 64,  # the experts' (gpt-oss has no dense MLP)
+        "head_dim": 16,
+        "attention_bias": True,
+        "rms_norm_eps": 1e-5,
+        # Alternating windows as published (sliding first), a window the tests' prompts cross.
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "sliding_window": 8,
+        "swiglu_limit": 1.0,  # published: 7.0; small enough here that both clamps engage
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+    },
 }
 DEMO_FAMILY = "qwen3-moe"
 DEMO_OVERRIDES = {
@@ -233,6 +257,10 @@ def _init_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, lm_sca
 
 def _checkpoint_tensors(model, layout: str):
     """(checkpoint name, shape) in HF layout; routed experts per expert or fused."""
+    custom = getattr(model, "hf_checkpoint_shapes", None)  # families with their own layout
+    if custom is not None:
+        yield from ((name, shape, None) for name, shape in custom())
+        return
     mixtral = model.config.architecture == "MixtralForCausalLM"
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     for name, p in model.named_parameters():

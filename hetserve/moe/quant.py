@@ -134,7 +134,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     exp = exp.clamp(-127, 127)
     v = x / torch.exp2(exp).unsqueeze(-1)
     mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-    idx = torch.bucketize(v.abs(), mids)  # nearest magnitude (ties to the larger)
+    idx = torch.bucketize(v.abs().contiguous(), mids)  # nearest magnitude (ties: the larger)
     code = (idx | (((v < 0) & (idx > 0)).to(torch.int64) << 3)).to(torch.uint8)  # no -0
     blocks = code[..., 0::2] | (code[..., 1::2] << 4)
     return blocks.contiguous(), (exp + 127).to(torch.uint8)

@@ -27,6 +27,7 @@ class RouterConfig:
     use_correction_bias: bool = False  # DeepSeek-V3 e_score_correction_bias (selection only)
     # Some families scale by routed_scaling_factor only when weights are not renormalised (V2).
     scale_only_if_not_normed: bool = False
+    bias: bool = False  # a bias on the router's logits (gpt-oss)
 
     def __post_init__(self) -> None:
         if self.scoring not in ("softmax", "sigmoid"):
@@ -53,6 +54,7 @@ class TopKRouter(nn.Module):
             )
         else:
             self.e_score_correction_bias = None
+        self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.bias else None
 
     def _apply(self, fn, recurse: bool = True):
         # The correction bias stays fp32 when the model is cast to bf16/fp16 (as transformers
@@ -67,7 +69,8 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         # Routing decisions in fp32: ties and near-ties must not depend on the compute dtype.
-        logits = F.linear(x.float(), self.weight.float())
+        bias = None if self.bias is None else self.bias.float()
+        logits = F.linear(x.float(), self.weight.float(), bias)
         if (
             cfg.scoring == "softmax"
             and (cfg.n_group is None or cfg.n_group <= 1)

@@ -5,7 +5,8 @@
  *   out[b, h] = sum_j p[b, h, j] * V[slot(b, j), h / G],
  *   p[b, h, :] = softmax_j(scale * q[b, h] . K[slot(b, j), h / G]),   j in [lo_b, len_b)
  * where slot(b, j) = table[b, j / bs] * bs + j % bs and, with a sliding window W,
- * lo_b = max(0, len_b - W) (else 0). A work item is a sequence (or, with few sequences, a
+ * lo_b = max(0, len_b - W) (else 0). With attention sinks (gpt-oss), head h's softmax has one
+ * more logit, sinks[h], in its denominator only. A work item is a sequence (or, with few sequences, a
  * chunk of its KV heads); the G query heads of a group share every K and V row read, and an
  * item makes two passes over its context (scores, then the weighted sum of V). exp is a
  * vectorized polynomial (simd.h, about 2 ulp).
@@ -24,6 +25,7 @@ typedef struct {
     int H, Hkv, D, Dv, bs, W, window, num_blocks;
     int chunks; /* KV-head chunks per sequence: one work item each */
     float scale;
+    const float *sinks; /* [H] or NULL */
     const float *q, *k, *v;
     const int64_t *tables, *lens;
     float *out;
@@ -40,10 +42,11 @@ static inline float dot(const float *a, const float *b, int n) {
     return s;
 }
 
-/* Turns s[0..n) into unnormalised probabilities in place; returns their sum. */
-static float softmax_row(float *s, int n) {
-    float mx = s[0];
-    for (int i = 1; i < n; i++) mx = s[i] > mx ? s[i] : mx;
+/* Turns s[0..n) into unnormalised probabilities in place; returns their sum (plus e^(sink - max)
+ * when a sink logit is given, sink_on != 0). */
+static float softmax_row(float *s, int n, int sink_on, float sink) {
+    float mx = sink_on ? sink : s[0];
+    for (int i = 0; i < n; i++) mx = s[i] > mx ? s[i] : mx;
     const __m256 vm = _mm256_set1_ps(mx);
     __m256 acc = _mm256_setzero_ps();
     int i = 0;
@@ -53,6 +56,11 @@ static float softmax_row(float *s, int n) {
         acc = _mm256_add_ps(acc, e);
     }
     float sum = hs_hsum(acc);
+    if (sink_on) {
+        float t[8] = {sink - mx, -100.0f, -100.0f, -100.0f, -100.0f, -100.0f, -100.0f, -100.0f};
+        _mm256_storeu_ps(t, hs_exp(_mm256_loadu_ps(t)));
+        sum += t[0];
+    }
     if (i < n) { /* the tail through the same polynomial, padded with -inf-like values */
         float t[8];
         for (int k = 0; k < 8; k++) t[k] = i + k < n ? s[i + k] - mx : -100.0f;
@@ -166,7 +174,8 @@ static void item(void *ctx, int it) {
     }
     for (int h = 0; h < nh; h++) {
         float *p = s + (size_t)h * n;
-        float inv = 1.0f / softmax_row(p, n);
+        const float sink = a->sinks ? a->sinks[h0 * G + h] : 0.0f;
+        float inv = 1.0f / softmax_row(p, n, a->sinks != NULL, sink);
         for (int j = 0; j < n; j++) p[j] *= inv;
     }
     size_t *vrow = (size_t *)(s + ns);
@@ -201,16 +210,17 @@ static void item(void *ctx, int it) {
 
 /* q [B, H, D]; k [num_blocks * bs, Hkv, D]; v [num_blocks * bs, Hkv, Dv]; tables [B, W];
  * lens [B] (context length including the query token); out [B, H, Dv]. window <= 0: none.
+ * sinks [H] or NULL.
  * Returns 0, -1 when out of memory, -2 when a table entry is outside [0, num_blocks). */
 int hetserve_paged_decode_attention(int nthreads, int B, int H, int Hkv, int D, int Dv, int bs,
                                     int W, int window, int num_blocks, float scale,
-                                    const float *q, const float *k, const float *v,
+                                    const float *sinks, const float *q, const float *k, const float *v,
                                     const int64_t *tables, const int64_t *lens, float *out) {
     if (Hkv <= 0 || H % Hkv != 0) return -3;
     /* Whole sequences per item when there are plenty; else split the KV heads too. */
     int chunks = B >= 4 * nthreads ? 1 : Hkv;
-    attn_t a = {H, Hkv, D, Dv, bs, W, window, num_blocks, chunks, scale, q, k, v, tables, lens,
-                out, 0};
+    attn_t a = {H, Hkv, D, Dv, bs, W, window, num_blocks, chunks, scale, sinks, q, k, v, tables,
+                lens, out, 0};
     hs_parallel_for(nthreads, B * chunks, item, &a);
     return a.err;
 }

@@ -9,7 +9,7 @@ from hetserve.testing import FAMILIES
 transformers = pytest.importorskip("transformers")
 
 ALL = sorted(FAMILIES)
-MOE = ["qwen2-moe", "qwen3-moe", "mixtral", "deepseek-v2", "deepseek-v3"]
+MOE = ["qwen2-moe", "qwen3-moe", "mixtral", "deepseek-v2", "deepseek-v3", "gpt-oss"]
 
 
 def hf_model(path):
