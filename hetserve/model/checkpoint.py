@@ -69,6 +69,11 @@ class SafetensorsCheckpoint:
                 )
         return ckpt
 
+    @property
+    def packed_fmt(self) -> str | None:
+        """The QMatrix format of its quantized weights (the experts' backend follows it)."""
+        return self.fmt.packed_fmt
+
     def quantized_names(self) -> set[str]:
         """Logical names of the weights stored quantized."""
         return set(self.roles)

@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hetserve.errors import ModelLoadError
+from hetserve.errors import ModelLoadError, ModelNotFoundError
 from hetserve.model.base import CausalLM
 from hetserve.model.checkpoint import SafetensorsCheckpoint
 from hetserve.model.config import ModelConfig
 from hetserve.model.converted import CONFIG_KEY, load_converted_experts
 from hetserve.model.filler import WeightFiller, expert_prefix
+from hetserve.model.gguf_file import GgufCheckpoint
 from hetserve.model.quant import checkpoint_format
 from hetserve.model.registry import model_class
 from hetserve.moe.experts import PACKED_BACKENDS, default_backend
@@ -28,6 +29,7 @@ from hetserve.moe.experts import PACKED_BACKENDS, default_backend
 log = logging.getLogger(__name__)
 
 PROGRESS_MIN_BYTES = 256 << 20
+Checkpoint = SafetensorsCheckpoint | GgufCheckpoint
 
 
 def resolve_device(device: str) -> torch.device:
@@ -59,7 +61,27 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return table[dtype]
 
 
-def _packed_experts(model: CausalLM, ckpt: SafetensorsCheckpoint, filler_probe) -> set[str]:
+def open_checkpoint(path: Path) -> tuple[ModelConfig, Checkpoint]:
+    """The config and tensors of a model directory, or of a GGUF file (with the config.json
+    beside it where there is one, else the config its metadata describes)."""
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file {str(path)!r} does not exist")
+        ckpt = GgufCheckpoint(path)
+        if (path.parent / "config.json").is_file():
+            return ModelConfig.from_dir(path.parent), ckpt
+        return ModelConfig.from_dict(ckpt.hf_config()), ckpt
+    if path.is_file():
+        raise ModelNotFoundError(
+            f"{str(path)!r} is a file; pass an HF model directory or a .gguf file"
+        )
+    cfg = ModelConfig.from_dir(path)
+    converted = cfg.get(CONFIG_KEY)
+    exclude = (converted["file"],) if converted else ()
+    return cfg, SafetensorsCheckpoint.scan(path, checkpoint_format(cfg), exclude)
+
+
+def _packed_experts(model: CausalLM, ckpt: Checkpoint, filler_probe) -> set[str]:
     """Experts modules whose checkpoint tensors are quantized: they stay packed."""
     packed = set()
     for logical in ckpt.quantized_names():
@@ -109,20 +131,18 @@ def load_model(
     Without placement, each experts module gets its default backend unless `expert_backends`
     is False (callers that only read the weights, e.g. convert)."""
     model_dir = Path(model_dir)
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg, ckpt = open_checkpoint(model_dir)
     cls = model_class(cfg.architecture)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    fmt = checkpoint_format(cfg)
     converted = cfg.get(CONFIG_KEY)
-    ckpt = SafetensorsCheckpoint.scan(model_dir, fmt, (converted["file"],) if converted else ())
     with torch.device("meta"):
         model = cls(cfg).to(dt)
     packed = _packed_experts(model, ckpt, WeightFiller(model, set()).target)
     modules = dict(model.named_modules())
     for prefix in packed:
         modules[prefix].expect_packed()
-    backend = PACKED_BACKENDS[fmt.packed_fmt] if packed else None
+    backend = PACKED_BACKENDS[ckpt.packed_fmt] if packed else None
     model = _allocate(model, dev, placement, backend)
     filler = WeightFiller(model, packed)
     _fill(model, ckpt, filler)
@@ -133,7 +153,7 @@ def load_model(
     return _finish(model, expert_backends)
 
 
-def _fill(model: CausalLM, ckpt: SafetensorsCheckpoint, filler: WeightFiller) -> None:
+def _fill(model: CausalLM, ckpt: Checkpoint, filler: WeightFiller) -> None:
     def wanted(logical: str) -> bool:
         return filler.target(model.map_checkpoint_tensor(logical, None)[0]) is not None
 

@@ -37,8 +37,16 @@ def _read_json(path: Path) -> dict:
 
 
 class Tokenizer:
+    """From a model directory (tokenizer.json and its configs), or a GGUF file: the files beside
+    it where there is a tokenizer.json, else the tokenizer inside the file."""
+
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
+        if model_dir.suffix == ".gguf" and model_dir.is_file():
+            if not (model_dir.parent / "tokenizer.json").is_file():
+                self._from_gguf(model_dir)
+                return
+            model_dir = model_dir.parent
         path = model_dir / "tokenizer.json"
         cfg = _read_json(model_dir / "tokenizer_config.json")
         if path.is_file():
@@ -57,8 +65,21 @@ class Tokenizer:
         jinja_file = model_dir / "chat_template.jinja"
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text()
+        self._finish(template, gen.get("eos_token_id"))
+
+    def _from_gguf(self, path: Path) -> None:
+        from hetserve.model.gguf_file import GgufCheckpoint, gguf_tokenizer
+
+        ckpt = GgufCheckpoint(path)
+        self._tok = gguf_tokenizer(ckpt)
+        ids = {k: ckpt.field(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")}
+        self.bos_token, self.eos_token, self.pad_token = (
+            None if i is None else self._tok.id_to_token(i) for i in ids.values()
+        )
+        self._finish(ckpt.field("tokenizer.chat_template"), ids["eos"])
+
+    def _finish(self, template: str | None, eos_ids) -> None:
         self.chat_template: str | None = template
-        eos_ids = gen.get("eos_token_id")
         eos_ids = eos_ids if isinstance(eos_ids, list) else [] if eos_ids is None else [eos_ids]
         if self.eos_token is not None and self.token_to_id(self.eos_token) is not None:
             eos_ids.append(self.token_to_id(self.eos_token))

@@ -1,0 +1,179 @@
+"""Tiny GGUF files as llama.cpp writes them (tensor names, ggml shapes, metadata keys, the
+tokenizer inside), from a tiny Qwen3-MoE / Qwen2-MoE checkpoint (model/tiny.py); routed experts
+in q4_K or q8_0, the rest f32 or q8_0. q4_K is quantized here (the `gguf` package only reads
+it), q8_0 by `gguf` itself.
+
+`write_gguf` also writes the reference: an fp32 HF directory of what `gguf` dequantizes each
+tensor of the written file to, so tests hold hetserve's GGUF reader against gguf's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from hetserve.errors import InvalidInputError
+
+_HF_TO_GGUF = [
+    (r"^model\.embed_tokens\.weight$", "token_embd.weight"),
+    (r"^model\.norm\.weight$", "output_norm.weight"),
+    (r"^lm_head\.weight$", "output.weight"),
+    (r"^model\.layers\.(\d+)\.input_layernorm\.weight$", r"blk.\1.attn_norm.weight"),
+    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.weight$", r"blk.\1.ffn_norm.weight"),
+    (r"^model\.layers\.(\d+)\.self_attn\.(q|k|v)_proj\.(weight|bias)$", r"blk.\1.attn_\2.\3"),
+    (r"^model\.layers\.(\d+)\.self_attn\.o_proj\.weight$", r"blk.\1.attn_output.weight"),
+    (r"^model\.layers\.(\d+)\.self_attn\.(q|k)_norm\.weight$", r"blk.\1.attn_\2_norm.weight"),
+    (r"^model\.layers\.(\d+)\.mlp\.gate\.weight$", r"blk.\1.ffn_gate_inp.weight"),
+    (r"^model\.layers\.(\d+)\.mlp\.shared_expert_gate\.weight$",
+     r"blk.\1.ffn_gate_inp_shexp.weight"),
+    (r"^model\.layers\.(\d+)\.mlp\.shared_expert\.(gate|up|down)_proj\.weight$",
+     r"blk.\1.ffn_\2_shexp.weight"),
+    (r"^model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight$", r"blk.\1.ffn_\2.weight"),
+]  # fmt: skip
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_ARCH = {"Qwen3MoeForCausalLM": "qwen3moe", "Qwen2MoeForCausalLM": "qwen2moe"}
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """[rows, K] fp32 (K % 256 == 0) -> q4_K bytes [rows, K / 256 * 144]: per 32 elements
+    scale = (max - min) / 15 and offset = -min (min <= 0), both as 6-bit multiples of the
+    super-block's fp16 d and dmin; nibbles of sub-blocks 2c and 2c + 1 share 32 bytes."""
+    rows, k = w.shape
+    x = w.astype(np.float32).reshape(rows, k // 256, 8, 32)
+    lo = np.minimum(x.min(axis=-1), 0.0)
+    scale = (x.max(axis=-1) - lo) / 15.0
+    d = (scale.max(axis=-1) / 63.0).astype(np.float16)
+    dmin = ((-lo).max(axis=-1) / 63.0).astype(np.float16)
+    df, dminf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.clip(np.nan_to_num(np.round(scale / df)), 0, 63).astype(np.uint8)
+        m = np.clip(np.nan_to_num(np.round(-lo / dminf)), 0, 63).astype(np.uint8)
+        s_eff, o_eff = (df * sc)[..., None], (dminf * m)[..., None]
+        q = np.clip(np.nan_to_num(np.round((x + o_eff) / s_eff)), 0, 15).astype(np.uint8)
+    packed = np.empty((rows, k // 256, 12), dtype=np.uint8)
+    packed[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    packed[..., 4:8] = m[..., :4] | ((m[..., 4:] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
+    chunks = q.reshape(rows, k // 256, 4, 2, 32)
+    qs = (chunks[..., 0, :] | (chunks[..., 1, :] << 4)).reshape(rows, k // 256, 128)
+    parts = (d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed, qs)
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+def _quantize(gguf, w: np.ndarray, kind: str) -> tuple[np.ndarray, object]:
+    q = gguf.GGMLQuantizationType
+    if kind == "f32":
+        return w.astype(np.float32), q.F32
+    if kind == "q8_0":
+        return gguf.quants.quantize(w.astype(np.float32), q.Q8_0), q.Q8_0
+    if kind == "q4_K":
+        return quantize_q4_k(w.reshape(-1, w.shape[-1])).reshape(*w.shape[:-1], -1), q.Q4_K
+    raise InvalidInputError(f"tensor type must be f32, q8_0 or q4_K, got {kind!r}")
+
+
+def _gguf_name(name: str) -> str:
+    for pattern, repl in _HF_TO_GGUF:
+        if re.match(pattern, name):
+            return re.sub(pattern, repl, name)
+    raise InvalidInputError(f"no GGUF name for {name!r}")
+
+
+def _tensors(src: Path, cfg: dict) -> dict[str, np.ndarray]:
+    """GGUF name -> numpy array; routed experts stacked per layer and projection."""
+    out, experts = {}, {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        m = _EXPERT.match(name)
+        if m:
+            experts.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = t
+        else:
+            out[_gguf_name(name)] = t.float().numpy()
+    for (layer, proj), per in experts.items():
+        out[f"blk.{layer}.ffn_{proj}_exps.weight"] = torch.stack(
+            [per[e] for e in range(len(per))]
+        ).numpy()
+    return out
+
+
+def _metadata(writer, cfg: dict, tok: dict) -> None:
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg.get("intermediate_size") or 0)
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_expert_count(cfg["num_experts"])
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    vocab = tok["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    specials = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
+    tokens += [""] * (cfg["vocab_size"] - len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")  # the byte-level split of the tiny tokenizers
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in specials else 1 for t in tokens])
+    merges = tok["model"]["merges"]
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    writer.add_eos_token_id(cfg["eos_token_id"])
+
+
+def write_gguf(
+    src: str | Path,
+    out: str | Path,
+    reference: str | Path,
+    experts: str = "q4_K",
+    others: str = "f32",
+) -> Path:
+    """`src` (tiny fp32 Qwen-MoE checkpoint) as the GGUF file `out`; the fp32 model that gguf
+    reads from it into the directory `reference`."""
+    import gguf
+
+    src, out, reference = Path(src), Path(out), Path(reference)
+    cfg = json.loads((src / "config.json").read_text())
+    arch = _ARCH.get(cfg["architectures"][0])
+    if arch is None:
+        raise InvalidInputError(f"no GGUF writer for {cfg['architectures'][0]}")
+    writer = gguf.GGUFWriter(str(out), arch)
+    _metadata(writer, cfg, json.loads((src / "tokenizer.json").read_text()))
+    ref = {}
+    for name, w in _tensors(src, cfg).items():
+        kind = experts if "_exps." in name else (others if w.ndim == 2 else "f32")
+        data, qtype = _quantize(gguf, w, kind)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+        ref[name] = gguf.quants.dequantize(data, qtype).reshape(w.shape)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _write_reference(src, reference, ref)
+    return out
+
+
+def _write_reference(src: Path, reference: Path, tensors: dict[str, np.ndarray]) -> None:
+    reference.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy2(f, reference / f.name)
+    hf = {}
+    names = load_file(str(src / "model.safetensors")).keys()
+    for name in names:
+        m = _EXPERT.match(name)
+        if m:
+            stacked = tensors[f"blk.{m.group(1)}.ffn_{m.group(3)}_exps.weight"]
+            hf[name] = torch.from_numpy(np.ascontiguousarray(stacked[int(m.group(2))]))
+        else:
+            hf[name] = torch.from_numpy(np.ascontiguousarray(tensors[_gguf_name(name)]))
+    save_file(hf, str(reference / "model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,117 @@
+"""`--model file.gguf`: GGUF files as llama.cpp writes them (model/tiny_gguf.py), against the
+fp32 model the `gguf` package reads from the same file; experts served from their q4_K / q8_0
+numbers exactly; config and tokenizer from the metadata when nothing is beside the file."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from hetserve import LLM, SamplingParams  # noqa: E402
+from hetserve.errors import ModelLoadError, UnsupportedArchitectureError  # noqa: E402
+from hetserve.model.gguf_file import q4_k_rows, q8_0_rows  # noqa: E402
+from hetserve.model.tiny_gguf import quantize_q4_k, write_gguf  # noqa: E402
+from hetserve.model.tokenizer import Tokenizer  # noqa: E402
+
+# q4_K needs rows of 256: a Qwen3-MoE just big enough.
+SHAPE = {"hidden_size": 256, "moe_intermediate_size": 256, "head_dim": 64}
+IDS = torch.randint(10, 400, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+# |logprob(GGUF) - logprob(gguf's fp32 model)| over 40 positions: the experts' q4_K / q8_0
+# numbers are kept exactly; the int16 activation rounding of cpu-int4 / cpu-int8 is left.
+BOUND = 2e-3
+
+
+@pytest.fixture(scope="module")
+def gguf_model(tiny_model, tmp_path_factory):
+    made = {}
+
+    def make(experts: str, others: str = "f32"):
+        if (experts, others) not in made:
+            root = tmp_path_factory.mktemp(f"gguf-{experts}-{others}")
+            (root / "alone").mkdir()
+            src = tiny_model("qwen3-moe", overrides=SHAPE)
+            path = write_gguf(src, root / "alone" / "model.gguf", root / "ref", experts, others)
+            made[experts, others] = (path, root / "ref", src)
+        return made[experts, others]
+
+    return make
+
+
+def logprobs(llm: LLM) -> torch.Tensor:
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    out = llm.generate(prompt_token_ids=IDS, sampling_params=params)[0]
+    return torch.tensor(
+        [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], IDS[1:], strict=True)]
+    )
+
+
+@pytest.mark.parametrize(("experts", "backend"), [("q4_K", "cpu-int4"), ("q8_0", "cpu-int8")])
+def test_gguf_experts_served_from_their_own_numbers(gguf_model, experts, backend):
+    path, ref, _ = gguf_model(experts)
+    llm = LLM(str(path))
+    for _, e in llm.model.routed_experts():
+        assert e.backend_name == backend and e._backend.group_size == 32
+    err = (logprobs(llm) - logprobs(LLM(ref))).abs()
+    assert float(err.max()) <= BOUND
+    hybrid = LLM(str(path), placement="default")
+    assert backend in hybrid.model.hybrid_plan.table()
+
+
+def test_gguf_with_quantized_dense_weights_and_a_config_beside(gguf_model, tmp_path):
+    path, ref, src = gguf_model("q4_K", "q8_0")
+    err = (logprobs(LLM(str(path))) - logprobs(LLM(ref))).abs()
+    assert float(err.max()) <= BOUND
+    beside = tmp_path / "model.gguf"
+    shutil.copy2(path, beside)
+    shutil.copy2(src / "config.json", tmp_path / "config.json")
+    torch.testing.assert_close(logprobs(LLM(str(beside))), logprobs(LLM(str(path))))
+
+
+def test_q4_k_and_q8_0_read_exactly_as_gguf_reads_them():
+    g = np.random.default_rng(0)
+    w = g.standard_normal((6, 512)).astype(np.float32) * 0.1
+    w[1, :40] = 0.0  # an all-zero sub-block
+    w[2] = np.abs(w[2])  # minimum above zero: clamped to 0 as llama.cpp does
+    raw = quantize_q4_k(w)
+    assert raw.shape == (6, 2 * 144)
+    theirs = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
+    assert np.array_equal(q4_k_rows(raw).dequantize().numpy(), theirs)
+    assert np.abs(theirs - w).max() < 0.02
+    raw8 = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    theirs8 = gguf.quants.dequantize(raw8, gguf.GGMLQuantizationType.Q8_0)
+    assert np.array_equal(q8_0_rows(raw8).dequantize().numpy(), theirs8)
+
+
+def test_tokenizer_from_the_gguf_metadata(gguf_model):
+    path, _, src = gguf_model("q4_K")
+    ours, original = Tokenizer(path), Tokenizer(src)
+    text = "hello world, how are you today? <|im_start|>user\n42 experts<|im_end|>"
+    assert ours.encode(text) == original.encode(text)
+    assert ours.decode(original.encode(text)) == original.decode(original.encode(text))
+    assert ours.eos_token_ids == original.eos_token_ids
+
+
+def test_gguf_errors_are_one_line(tmp_path):
+    bad = tmp_path / "bloom.gguf"
+    writer = gguf.GGUFWriter(str(bad), "bloom")
+    writer.add_block_count(1)
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file,
+                 writer.write_tensors_to_file, writer.close):  # fmt: skip
+        step()
+    with pytest.raises(UnsupportedArchitectureError, match="'bloom'.*qwen3moe"):
+        LLM(str(bad))
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLM(str(tmp_path / "missing.gguf"))
+    empty = tmp_path / "empty.gguf"
+    writer = gguf.GGUFWriter(str(empty), "qwen3moe")
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file,
+                 writer.write_tensors_to_file, writer.close):  # fmt: skip
+        step()
+    with pytest.raises(ModelLoadError) as exc:
+        LLM(str(empty))
+    assert "hidden_size" in str(exc.value) and "\n" not in str(exc.value)
