@@ -18,8 +18,11 @@ import statistics
 import time
 from pathlib import Path
 
-# NAME or NAME:KERNEL (kernel option of cpu-int8/cpu-int4: native | library).
-DEFAULT_BACKENDS = "cpu-fp32,cpu-int8,cpu-int8:library,cpu-int4,cpu-int4:library"
+# NAME or NAME:KERNEL (kernel option of cpu-int8/cpu-int4: native | library). cpu-mxfp4 and
+# cpu-fp8 quantize the random weights to those formats (MXFP4 blocks of 32, FP8 128 x 128).
+DEFAULT_BACKENDS = (
+    "cpu-fp32,cpu-int8,cpu-int8:library,cpu-int4,cpu-int4:library,cpu-mxfp4,cpu-fp8"
+)
 
 
 def register(sub) -> None:
@@ -33,6 +36,9 @@ def register(sub) -> None:
         "--backends", default=DEFAULT_BACKENDS, help="NAME or NAME:KERNEL, comma-separated"
     )
     p.add_argument("--iters", type=int, default=10, help="timed calls per (backend, tokens)")
+    p.add_argument(
+        "--int4-group-size", type=int, default=64, help="cpu-int4 group (32: GGUF q4_K's)"
+    )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--bandwidth-mib", type=int, default=256, help="bandwidth probe buffer size")
     p.add_argument("--json", "--result-file", dest="json", default=None, help="write JSON here")
@@ -149,7 +155,10 @@ def run(args: argparse.Namespace) -> int:
         for name in backends:
             bar.set_postfix_str(f"building {name}")
             base, _, kernel = name.partition(":")
-            backend = create_backend(base, weights, **({"kernel": kernel} if kernel else {}))
+            opts = {"kernel": kernel} if kernel else {}
+            if base == "cpu-int4":
+                opts["group_size"] = args.int4_group_size
+            backend = create_backend(base, weights, **opts)
             for t in tokens:
                 bar.set_postfix_str(f"{name} T={t}")
                 r = _time_backend(backend, probe, h, e, args.top_k, t, args.iters)
@@ -165,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
         out = {
             "bench": "moe-kernel",
             "shape": {"hidden": h, "inter": i, "experts": e, "top_k": args.top_k},
+            "int4_group_size": args.int4_group_size,
             "threads": threads,
             "torch": torch.__version__,
             "bandwidth_gbps": bandwidth,
