@@ -2,11 +2,12 @@
 
 Systems, each loaded inside its own function so its weights are freed before the next loads:
 hetserve hybrid (routed experts on the cpu-int8 kernel), hetserve fp32 reference (`placement=None`),
-transformers `generate` (fp32) and llama.cpp on a q8_0 GGUF converted from the same weights
-(llama-cpp-python, optional). Decode rate is (N - 1) / (t(N tokens) - t(1 token)), best of repeats,
-so prefill and start-up cancel out; all run greedy with EOS ignored on the same prompt ids. The
-whole plan runs `--rounds` times, in reverse order every other round, and each system keeps its
-best round (every round's rate is in the JSON).
+transformers `generate` (fp32), llama.cpp on a GGUF of the same weights (q8_0, or q4_K;
+llama-cpp-python, optional) and hetserve on that same GGUF file (its experts on the backend of
+their GGUF type, the other linears int8 on a CPU-only machine). Decode rate is
+(N - 1) / (t(N tokens) - t(1 token)), best of repeats, so prefill and start-up cancel out; all run
+greedy with EOS ignored on the same prompt ids. The whole plan runs `--rounds` times, in reverse
+order every other round, and each system keeps its best round (every round's rate is in the JSON).
 
 Next to the rates: the routed-expert bytes each decoded token streams at int8 (top_k experts of
 every MoE layer) and the GB/s that implies for the hybrid run, against this machine's memory read
@@ -50,7 +51,19 @@ def register(sub) -> None:
         help="skip hetserve with int8 non-expert linears too (CPU-only machines)",
     )
     p.add_argument("--skip-llamacpp", action="store_true", help="skip llama.cpp")
-    p.add_argument("--gguf", default=None, help="q8_0 GGUF to time (default MODEL/model-q8_0.gguf)")
+    p.add_argument(
+        "--gguf", default=None, help="GGUF to time (default MODEL/model-<--gguf-type>.gguf)"
+    )
+    p.add_argument(
+        "--gguf-type",
+        choices=("q8_0", "q4_K"),
+        default="q8_0",
+        help="GGUF to make when --gguf is not given: q8_0 (converter) or q4_K (llama.cpp's "
+        "quantizer, every tensor q4_K)",
+    )
+    p.add_argument(
+        "--skip-gguf-hetserve", action="store_true", help="skip hetserve on the GGUF file"
+    )
     p.add_argument(
         "--llama-cpp-src",
         default=envs.llama_cpp_src(),
@@ -132,8 +145,8 @@ def measure_bandwidth(mib: int, probes: int = 8) -> float:
 # --- timing ------------------------------------------------------------------------------------
 
 
-def _all_int8_rules() -> str:
-    """A rules file: routed experts on the cpu-int8 kernel, every other linear int8 (fbgemm)."""
+def _all_int8_rules(expert_backend: str = "cpu-int8") -> str:
+    """A rules file: routed experts on `expert_backend`, every other linear int8."""
     import tempfile
 
     import yaml
@@ -143,7 +156,7 @@ def _all_int8_rules() -> str:
             "name": "routed-experts",
             "match": r"model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts",
             "device": "cpu",
-            "backend": "cpu-int8",
+            "backend": expert_backend,
         },
         {"name": "int8-linears", "match": ".*", "device": "cpu", "backend": "cpu-int8"},
     ]
@@ -152,11 +165,11 @@ def _all_int8_rules() -> str:
     return f.name
 
 
-def _hetserve_rate(args, ids: list[int], bar, placement: str | None) -> float:
+def _hetserve_rate(args, ids: list[int], bar, placement: str | None, model=None) -> float:
     from hetserve import LLM, SamplingParams
 
     kwargs = {"cpu_threads": args.threads} if args.threads else {}
-    llm = LLM(args.model, placement=placement, **kwargs)
+    llm = LLM(str(model or args.model), placement=placement, **kwargs)
 
     def make(n: int) -> Callable[[], object]:
         params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0, ignore_eos=True)
@@ -210,6 +223,25 @@ def _load_config(model: str) -> dict:
     return cfg
 
 
+def _gguf_rate(args, ids: list[int], threads: int, bar) -> float | None:
+    """hetserve on the GGUF that llama.cpp times: its experts on the backend of their GGUF type
+    (q4_K: cpu-int4, q8_0: cpu-int8, exactly), the other weights dequantized and (CPU-only)
+    int8."""
+    import torch
+
+    from hetserve.bench import decode_llamacpp as llamacpp
+    from hetserve.model.gguf_file import GgufCheckpoint
+    from hetserve.moe.experts import PACKED_BACKENDS
+
+    path = llamacpp.gguf_path(args, threads)
+    if path is None:
+        return None
+    fmt = GgufCheckpoint(path).packed_fmt
+    backend = PACKED_BACKENDS[fmt] if fmt else "cpu-int8"
+    placement = "default" if torch.cuda.is_available() else _all_int8_rules(backend)
+    return _hetserve_rate(args, ids, bar, placement, model=path)
+
+
 def _isolated(fn: Callable[[], float | None]) -> float | None:
     rate = fn()
     gc.collect()  # the system's weights go before the next one loads (RAM holds one copy)
@@ -246,8 +278,12 @@ def run(args: argparse.Namespace) -> int:
         plan.append(("hetserve fp32", lambda: _hetserve_rate(args, ids, bar, None)))
     if not args.skip_hf:
         plan.append(("transformers fp32", lambda: _hf_rate(args, ids, bar)))
+    peer = f"llama.cpp {args.gguf_type if args.gguf is None else 'gguf'}"
     if not args.skip_llamacpp:
-        plan.append(("llama.cpp q8_0", lambda: llamacpp.rate(args, ids, threads, bar)))
+        plan.append((peer, lambda: llamacpp.rate(args, ids, threads, bar)))
+    if not args.skip_gguf_hetserve and (args.gguf or not args.skip_llamacpp):
+        name = f"hetserve {'gguf' if args.gguf else args.gguf_type} (same GGUF)"
+        plan.append((name, lambda: _gguf_rate(args, ids, threads, bar)))
     runs: dict[str, list[float | None]] = {name: [] for name, _ in plan}
     total = 2 * args.repeats * len(plan) * args.rounds
     with tqdm(total=total, desc="bench decode", unit="run") as bar:
@@ -258,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
     rates = {name: max((x for x in rs if x), default=None) for name, rs in runs.items()}
     # Probed again once every model is freed: the best of both is the least disturbed reading.
     bandwidth = max(bandwidth, measure_bandwidth(args.bandwidth_mib))
-    report = build_report(args, cfg, rates, bandwidth, threads)
+    report = build_report(args, cfg, rates, bandwidth, threads, peer)
     report["rounds_tokens_per_s"] = runs
     print_report(report)
     write_json(args.json, report)
@@ -271,7 +307,7 @@ def _ratios(rates: dict[str, float | None], peer: str) -> dict[str, float | None
 
 
 def build_report(
-    args, cfg: dict, rates: dict[str, float | None], bandwidth: float, threads: int
+    args, cfg: dict, rates: dict[str, float | None], bandwidth: float, threads: int, peer: str
 ) -> dict:
     experts = expert_bytes_per_token(cfg)
     hybrid = rates.get("hetserve cpu-int8")
@@ -287,7 +323,8 @@ def build_report(
         "rounds": args.rounds,
         "threads": threads,
         "decode_tokens_per_s": rates,
-        "vs_llamacpp_q8_0": _ratios(rates, "llama.cpp q8_0"),
+        "llamacpp_peer": peer,
+        "vs_llamacpp": _ratios(rates, peer),
         "vs_transformers": _ratios(rates, "transformers fp32"),
         "roofline": {
             **experts,
@@ -307,9 +344,11 @@ def build_report(
 
 def print_report(report: dict) -> None:
     rates = report["decode_tokens_per_s"]
-    vs_ll, vs_hf = report["vs_llamacpp_q8_0"], report["vs_transformers"]
+    vs_ll, vs_hf = report["vs_llamacpp"], report["vs_transformers"]
     rows = [[name, rate, vs_ll[name], vs_hf[name]] for name, rate in rates.items()]
-    print_table(["system", "decode tok/s", "vs llama.cpp q8_0", "vs transformers"], rows)
+    print_table(
+        ["system", "decode tok/s", f"vs {report['llamacpp_peer']}", "vs transformers"], rows
+    )
     r = report["roofline"]
     implied = r["hybrid_expert_gbps"]
     print(

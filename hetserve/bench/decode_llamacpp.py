@@ -1,5 +1,7 @@
-"""The llama.cpp peer of `bench decode`: a q8_0 GGUF converted from the same HF weights, timed
-through llama-cpp-python. Optional: without the package the peer is skipped with the reason.
+"""The llama.cpp peer of `bench decode`: a GGUF converted from the same HF weights (q8_0 by the
+converter, or q4_K by llama.cpp's own quantizer from a bf16 conversion, every tensor q4_K:
+"pure"), timed through llama-cpp-python. Optional: without the package the peer is skipped with
+the reason. hetserve can load the same file (`--model file.gguf`), so the bench also times it.
 
 The conversion runs llama.cpp's own `convert_hf_to_gguf.py` (in the llama-cpp-python sdist under
 vendor/llama.cpp) in a subprocess, once; the GGUF is cached next to the model. Its one change: a
@@ -16,7 +18,12 @@ import time
 from pathlib import Path
 
 SKIP_MESSAGE = "llama.cpp: skipped (pip install llama-cpp-python builds from source, ~8 min)"
-GGUF_NAME = "model-q8_0.gguf"
+GGUF_TYPES = ("q8_0", "q4_K")
+
+
+def gguf_name(kind: str) -> str:
+    return f"model-{kind}.gguf"
+
 
 # Runs in a fresh interpreter: argv[1] is the llama.cpp source tree, the rest the converter's own
 # arguments. Patching the class keeps every architecture's vocab code as upstream wrote it.
@@ -51,11 +58,12 @@ def find_converter(src: str | None) -> Path | None:
     return None
 
 
-def convert_q8_0(model: str | Path, out: str | Path, src: Path) -> Path:
-    """Write a q8_0 GGUF of MODEL to OUT with llama.cpp's converter; raises on failure."""
+def convert(model: str | Path, out: str | Path, src: Path, outtype: str = "q8_0") -> Path:
+    """Write a GGUF of MODEL (q8_0, bf16, f32) to OUT with llama.cpp's converter; raises on
+    failure."""
     out = Path(out)
     tmp = out.with_suffix(".partial")
-    cmd = [sys.executable, "-c", _CONVERT, str(src), str(model), "--outtype", "q8_0",
+    cmd = [sys.executable, "-c", _CONVERT, str(src), str(model), "--outtype", outtype,
            "--outfile", str(tmp)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -65,29 +73,54 @@ def convert_q8_0(model: str | Path, out: str | Path, src: Path) -> Path:
     return out
 
 
-def _gguf_path(args) -> Path | None:
-    """The GGUF to time: --gguf, else the cached conversion, else convert now (None: cannot)."""
+def quantize_pure(src: Path, out: Path, kind: str, threads: int) -> Path:
+    """llama.cpp's quantizer (llama_model_quantize, as `llama-quantize --pure`): every tensor
+    of SRC as KIND (q4_K) into OUT."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = {"q4_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M}[kind]
+    params.pure = True
+    params.nthread = threads
+    tmp = out.with_suffix(".partial")
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize failed (rc {rc})")
+    tmp.replace(out)
+    return out
+
+
+def gguf_path(args, threads: int) -> Path | None:
+    """The GGUF to time: --gguf, else the cached conversion of --gguf-type, else convert now
+    (None: cannot, with the reason printed)."""
     if args.gguf:
         return Path(args.gguf)
-    cached = Path(args.model) / GGUF_NAME
+    cached = Path(args.model) / gguf_name(args.gguf_type)
     if cached.is_file():
         return cached
     src = find_converter(args.llama_cpp_src)
     if src is None:
         print(
-            f"llama.cpp: skipped (no {GGUF_NAME} in the model dir and no converter: pass "
+            f"llama.cpp: skipped (no {cached.name} in the model dir and no converter: pass "
             "--llama-cpp-src DIR, an unpacked llama.cpp or llama-cpp-python source tree)"
         )
         return None
     print(f"llama.cpp: converting to {cached} with {src}/convert_hf_to_gguf.py (once)")
     t0 = time.perf_counter()
-    convert_q8_0(args.model, cached, src)
+    if args.gguf_type == "q8_0":
+        convert(args.model, cached, src, "q8_0")
+    else:
+        bf16 = convert(args.model, cached.with_name("model-bf16.gguf"), src, "bf16")
+        quantize_pure(bf16, cached, args.gguf_type, threads)
+        bf16.unlink()
     print(f"llama.cpp: converted in {time.perf_counter() - t0:.0f} s")
     return cached
 
 
 def rate(args, ids: list[int], threads: int, bar) -> float | None:
-    """Decode tokens/s of llama.cpp on the q8_0 GGUF, or None (with the reason printed)."""
+    """Decode tokens/s of llama.cpp on the GGUF, or None (with the reason printed)."""
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -95,7 +128,7 @@ def rate(args, ids: list[int], threads: int, bar) -> float | None:
         return None
     from hetserve.bench.common import decode_rate
 
-    path = _gguf_path(args)
+    path = gguf_path(args, threads)
     if path is None:
         return None
     llm = Llama(

@@ -39,7 +39,8 @@ def test_bench_decode_end_to_end_writes_json(moe_dir, tmp_path, capsys):
     assert set(rates) == expected
     assert all(r > 0 for r in rates.values())
     assert data["vs_transformers"]["transformers fp32"] == pytest.approx(1.0)
-    assert data["vs_llamacpp_q8_0"]["hetserve cpu-int8"] is None  # peer skipped
+    assert data["llamacpp_peer"] == "llama.cpp q8_0"
+    assert data["vs_llamacpp"]["hetserve cpu-int8"] is None  # peer skipped
     roof = data["roofline"]
     assert roof["bytes_per_token"] == expert_bytes_per_token(json.loads(
         (moe_dir / "config.json").read_text()))["bytes_per_token"]  # fmt: skip
@@ -108,12 +109,12 @@ def test_missing_model_dir_exits_2_with_one_line(tmp_path, capsys):
 
 def test_llamacpp_peer_converts_and_loads(moe_dir, tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
-    from hetserve.bench.decode_llamacpp import convert_q8_0, find_converter
+    from hetserve.bench.decode_llamacpp import convert, find_converter
 
     src = find_converter(os.environ.get(LLAMACPP_SRC_ENV))
     if src is None:
         pytest.skip(f"no llama.cpp converter: set ${LLAMACPP_SRC_ENV} to a llama.cpp source tree")
-    gguf = convert_q8_0(moe_dir, tmp_path / "tiny-q8_0.gguf", src)
+    gguf = convert(moe_dir, tmp_path / "tiny-q8_0.gguf", src, "q8_0")
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=32, verbose=False)
     try:
         cfg = json.loads((moe_dir / "config.json").read_text())
@@ -131,7 +132,25 @@ def test_llamacpp_missing_is_skipped_with_the_reason(moe_dir, tmp_path, monkeypa
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp raises ImportError
     out = tmp_path / "decode.json"
     rc = main(["bench", "decode", "--model", str(moe_dir), *FAST, "--skip-hf", "--skip-reference",
-               "--json", str(out)])  # fmt: skip
+               "--skip-gguf-hetserve", "--json", str(out)])  # fmt: skip
     assert rc == 0
     assert "llama.cpp: skipped (pip install llama-cpp-python" in capsys.readouterr().out
     assert json.loads(out.read_text())["decode_tokens_per_s"]["llama.cpp q8_0"] is None
+
+
+def test_hetserve_on_a_given_gguf(tiny_model, tmp_path):
+    """--gguf FILE without llama.cpp: hetserve times the same file, experts on cpu-int4."""
+    pytest.importorskip("gguf")
+    from hetserve.model.tiny_gguf import write_gguf
+
+    src = tiny_model("qwen3-moe", overrides={"hidden_size": 256, "moe_intermediate_size": 256,
+                                             "head_dim": 64})  # fmt: skip
+    gguf = write_gguf(src, tmp_path / "m.gguf", tmp_path / "ref", experts="q4_K")
+    out = tmp_path / "decode.json"
+    skips = ["--skip-llamacpp", "--skip-hf", "--skip-reference", "--skip-all-int8"]
+    rc = main(["bench", "decode", "--model", str(src), *FAST, *skips, "--gguf", str(gguf),
+               "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["decode_tokens_per_s"]["hetserve gguf (same GGUF)"] > 0
+    assert data["llamacpp_peer"] == "llama.cpp gguf"
