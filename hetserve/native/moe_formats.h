@@ -21,6 +21,31 @@
 #define MBMAX 3
 #endif
 
+/* The four activation vectors of 32 inputs, broadcast to both row lanes. */
+static inline void act_quarters(const int16_t *x, __m256i out[4]) {
+    for (int i = 0; i < 4; i++)
+        out[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x + 8 * i)));
+}
+
+static inline __m256i dot4(const __m256i w[4], const __m256i x[4]) {
+    __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w[0], x[0]), _mm256_madd_epi16(w[1], x[1]));
+    return _mm256_add_epi32(s, _mm256_add_epi32(_mm256_madd_epi16(w[2], x[2]),
+                                                _mm256_madd_epi16(w[3], x[3])));
+}
+
+/* [a x 4 | b x 4] */
+static inline __m256 pair_scale(float a, float b) {
+    return _mm256_set_m128(_mm_set1_ps(b), _mm_set1_ps(a));
+}
+
+static inline void pair_out(__m256 t, float *r0, float *r1) {
+    __m128 lo = _mm256_castps256_ps128(t), hi = _mm256_extractf128_ps(t, 1);
+    __m128 s = _mm_hadd_ps(lo, hi); /* [lo0+lo1, lo2+lo3, hi0+hi1, hi2+hi3] */
+    s = _mm_hadd_ps(s, s);
+    *r0 = _mm_cvtss_f32(s);
+    *r1 = _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
+}
+
 /* int8 rows with an fp32 scale per group of G inputs (G % 16 == 0): per group, exact int32
  * sums (16 products per vpmaddwd), then one FMA by the group's scale. */
 static inline __attribute__((always_inline)) void quad_i8g(const int8_t *q, const float *sc, int K,
@@ -58,49 +83,48 @@ static inline __m256i mxfp4_lut(void) {
                             0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
 }
 
-/* 2^(e - 128) for an e8m0 byte e (the scale, halved for the doubled codes); e < 2 -> 0. */
-static inline float e8m0_half(uint8_t e) {
-    uint32_t bits = e >= 2 ? (uint32_t)(e - 1) << 23 : 0;
+/* 2^(e - 136) for an e8m0 byte e: its scale 2^(e - 127), halved for the doubled codes and
+ * divided by 256 for the codes' place in the high byte of an int16 (quad_mxfp4); e < 10
+ * (scales below 2^-117) -> 0. */
+static inline float e8m0_scaled(uint8_t e) {
+    uint32_t bits = e >= 10 ? (uint32_t)(e - 9) << 23 : 0;
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
 }
 
-/* MXFP4 quad: per 32 inputs (one block), the 4 rows' 16 published bytes back to back (byte j:
- * element 2j low nibble, 2j + 1 high nibble); scales [block][4 rows] as published e8m0 bytes.
- * Low and high nibbles land in the two lanes, vpshufb maps codes to signed integers, in-lane
- * unpacks give int16 in the order [0 2 .. 14 | 1 3 .. 15] and [16 .. 30 | 17 .. 31], which is
- * how quantize_rows stores these activations (perm = 1). */
+/* MXFP4 quad: per 32 inputs (one block), the 4 rows' 16 published bytes back to back (byte i:
+ * element 2i low nibble, 2i + 1 high nibble), rows taken in pairs as for int4 (see
+ * moe_kernels.c); scales [block][4 rows] as published e8m0 bytes. vpshufb maps each nibble to
+ * its signed doubled value in place, so a 16-bit lane holds the values of elements 4j and
+ * 4j + 2 (low and high byte of the low nibbles) and 4j + 1, 4j + 3 (of the high nibbles); a
+ * shift left by 8, or a mask of the high byte, makes each an int16 equal to 256 x its value,
+ * sign included. Per block and lane at most 8 products of 3072 x 16383 < 2^31: exact. */
 static inline __attribute__((always_inline)) void quad_mxfp4(const uint8_t *q, const uint8_t *sc,
                                                              int K, const int16_t *const x[2],
                                                              int MB, float out[4][MBMAX]) {
-    const __m256i mask = _mm256_set1_epi8(0x0F), lut = mxfp4_lut(), zero = _mm256_setzero_si256();
-    __m256 tot[4][2];
-    for (int r = 0; r < 4; r++)
-        for (int m = 0; m < MB; m++) tot[r][m] = _mm256_setzero_ps();
+    const __m256i nib = _mm256_set1_epi8(0x0F), lut = mxfp4_lut();
+    const __m256i high = _mm256_set1_epi16((short)0xFF00);
+    __m256 tot[2][2];
+    for (int m = 0; m < MB; m++) tot[0][m] = tot[1][m] = _mm256_setzero_ps();
     for (int k = 0; k < K; k += 32) {
         _mm_prefetch((const char *)(q + 2 * k + 2048), _MM_HINT_T0);
-        __m256i xl[2], xh[2];
-        for (int m = 0; m < MB; m++) {
-            xl[m] = _mm256_loadu_si256((const __m256i *)(x[m] + k));
-            xh[m] = _mm256_loadu_si256((const __m256i *)(x[m] + k + 16));
-        }
+        __m256i xq[2][4];
+        for (int m = 0; m < MB; m++) act_quarters(x[m] + k, xq[m]);
         const uint8_t *s = sc + (k / 32) * 4;
-        for (int r = 0; r < 4; r++) {
-            __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + 2 * k + 16 * r)));
-            __m256i t = _mm256_shuffle_epi8(
-                lut, _mm256_and_si256(_mm256_blend_epi32(v, _mm256_srli_epi16(v, 4), 0xF0), mask));
-            __m256i sign = _mm256_cmpgt_epi8(zero, t);
-            __m256i wl = _mm256_unpacklo_epi8(t, sign), wh = _mm256_unpackhi_epi8(t, sign);
-            __m256 scale = _mm256_set1_ps(e8m0_half(s[r]));
-            for (int m = 0; m < MB; m++) {
-                __m256i d = _mm256_add_epi32(_mm256_madd_epi16(wl, xl[m]), _mm256_madd_epi16(wh, xh[m]));
-                tot[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), scale, tot[r][m]);
-            }
+        for (int p = 0; p < 2; p++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(q + 2 * k + 32 * p));
+            __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, nib));
+            __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
+            const __m256i w[4] = {_mm256_slli_epi16(lo, 8), _mm256_slli_epi16(hi, 8),
+                                  _mm256_and_si256(lo, high), _mm256_and_si256(hi, high)};
+            const __m256 scale = pair_scale(e8m0_scaled(s[2 * p]), e8m0_scaled(s[2 * p + 1]));
+            for (int m = 0; m < MB; m++)
+                tot[p][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4(w, xq[m])), scale, tot[p][m]);
         }
     }
-    for (int r = 0; r < 4; r++)
-        for (int m = 0; m < MB; m++) out[r][m] = hs_hsum(tot[r][m]);
+    for (int m = 0; m < MB; m++)
+        for (int p = 0; p < 2; p++) pair_out(tot[p][m], &out[2 * p][m], &out[2 * p + 1][m]);
 }
 
 /* 16 e4m3 bytes -> 16 fp32 in two vectors, each 2^-8 times the value: the byte shifted left
