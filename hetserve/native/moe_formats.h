@@ -33,9 +33,11 @@ static inline __m256i dot4(const __m256i w[4], const __m256i x[4]) {
                                                 _mm256_madd_epi16(w[3], x[3])));
 }
 
-/* [a x 4 | b x 4] */
-static inline __m256 pair_scale(float a, float b) {
-    return _mm256_set_m128(_mm_set1_ps(b), _mm_set1_ps(a));
+/* The 4 rows' values v[0..3] (one per row of a quad) as [v[2p] x 4 | v[2p + 1] x 4]. */
+static inline __m256 pair_spread(__m128 v, int p) {
+    const __m256i idx = p ? _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)
+                          : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), idx);
 }
 
 static inline void pair_out(__m256 t, float *r0, float *r1) {
@@ -83,14 +85,16 @@ static inline __m256i mxfp4_lut(void) {
                             0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
 }
 
-/* 2^(e - 136) for an e8m0 byte e: its scale 2^(e - 127), halved for the doubled codes and
- * divided by 256 for the codes' place in the high byte of an int16 (quad_mxfp4); e < 10
- * (scales below 2^-117) -> 0. */
-static inline float e8m0_scaled(uint8_t e) {
-    uint32_t bits = e >= 10 ? (uint32_t)(e - 9) << 23 : 0;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+/* The 4 rows' e8m0 bytes e as 2^(e - 136): the scale 2^(e - 127), halved for the doubled
+ * codes and divided by 256 for the codes' place in the high byte of an int16 (quad_mxfp4);
+ * e < 10 (scales below 2^-117) -> 0. */
+static inline __m128 e8m0_scaled4(const uint8_t *e) {
+    int32_t word;
+    memcpy(&word, e, sizeof word);
+    __m128i v = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(word));
+    __m128i bits = _mm_slli_epi32(_mm_sub_epi32(v, _mm_set1_epi32(9)), 23);
+    __m128i ok = _mm_cmpgt_epi32(v, _mm_set1_epi32(9));
+    return _mm_castsi128_ps(_mm_and_si128(bits, ok));
 }
 
 /* MXFP4 quad: per 32 inputs (one block), the 4 rows' 16 published bytes back to back (byte i:
@@ -111,14 +115,14 @@ static inline __attribute__((always_inline)) void quad_mxfp4(const uint8_t *q, c
         _mm_prefetch((const char *)(q + 2 * k + 2048), _MM_HINT_T0);
         __m256i xq[2][4];
         for (int m = 0; m < MB; m++) act_quarters(x[m] + k, xq[m]);
-        const uint8_t *s = sc + (k / 32) * 4;
+        const __m128 s4 = e8m0_scaled4(sc + (k / 32) * 4);
         for (int p = 0; p < 2; p++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(q + 2 * k + 32 * p));
             __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, nib));
             __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
             const __m256i w[4] = {_mm256_slli_epi16(lo, 8), _mm256_slli_epi16(hi, 8),
                                   _mm256_and_si256(lo, high), _mm256_and_si256(hi, high)};
-            const __m256 scale = pair_scale(e8m0_scaled(s[2 * p]), e8m0_scaled(s[2 * p + 1]));
+            const __m256 scale = pair_spread(s4, p);
             for (int m = 0; m < MB; m++)
                 tot[p][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4(w, xq[m])), scale, tot[p][m]);
         }

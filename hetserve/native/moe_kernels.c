@@ -233,9 +233,9 @@ static inline __attribute__((always_inline)) void quad_i4(const uint8_t *q, cons
                 for (int m = 0; m < MB; m++) acc[p][m] = _mm256_add_epi32(acc[p][m], dot4(w, xq[m]));
             }
         }
-        const __m128 mnv = _mm_loadu_ps(mn + 4 * g);
+        const __m128 mnv = _mm_loadu_ps(mn + 4 * g), s4 = _mm_loadu_ps(sc + 4 * g);
         for (int p = 0; p < 2; p++) {
-            const __m256 s = pair_scale(sc[4 * g + 2 * p], sc[4 * g + 2 * p + 1]);
+            const __m256 s = pair_spread(s4, p);
             for (int m = 0; m < MB; m++)
                 tot[p][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[p][m]), s, tot[p][m]);
         }
