@@ -1,7 +1,8 @@
 """Builds and loads hetserve's AVX2 kernels through ctypes: one shared library from
 
-- `moe_kernels.c` (+ `moe_formats.h`): routed experts (fp32, weight-only int8 / int4, and
-  the published grouped int8, MXFP4 and FP8 formats) and plain int8 linears. The
+- `moe_kernels.c` (+ `moe_quads.h`, `moe_formats.h`): routed experts (fp32, weight-only int8
+  / int4, and the published grouped int8, MXFP4 and FP8 formats); `linear_kernels.c`: plain
+  int8 linears on the same microkernel. The
   library ops cannot stream int4 weights (torch's `_weight_int4pack_mm_for_cpu`: ~0.2 GB/s
   here) and the only fast int8 one (fbgemm) also quantizes activations.
 - `attention.c`: decode attention read straight from the paged KV cache (fp32). Gathering each
@@ -34,8 +35,8 @@ if TYPE_CHECKING:
     import torch
 
 HERE = Path(__file__).parent
-SOURCES = ("pool.c", "moe_kernels.c", "attention.c", "small_ops.c")
-HEADERS = ("pool.h", "simd.h", "moe_formats.h")
+SOURCES = ("pool.c", "moe_kernels.c", "linear_kernels.c", "attention.c", "small_ops.c")
+HEADERS = ("pool.h", "simd.h", "moe_quads.h", "moe_formats.h")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared"]
 
 

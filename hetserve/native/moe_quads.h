@@ -1,0 +1,216 @@
+/* Microkernels shared by the routed-experts kernel (moe_kernels.c) and the plain int8 linear
+ * (linear_kernels.c): the int16 activation rounding and the fp32 / int8 / int4 quads. Each quad
+ * computes out[r][m] = sum_k W[r, k] * x[m, k] for one quad of rows r < 4 stored quad-
+ * interleaved, against MB tokens (<= 3 fp32, <= 2 integer). */
+#ifndef HETSERVE_MOE_QUADS_H
+#define HETSERVE_MOE_QUADS_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MBMAX 3 /* tokens per microkernel call (fp32; the int8/int4 ones take up to 2) */
+#include "moe_formats.h"
+#include "simd.h"
+
+/* Software prefetch distance in bytes. One cache line per loop iteration is consumed; the
+ * out-of-order window alone keeps only ~15 lines in flight (~10 GB/s per core at DRAM latency),
+ * so the stream is prefetched this far ahead (it runs into the next quad, which is adjacent). */
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T0
+#endif
+#ifndef PF_DIST
+#define PF_DIST 2048
+#endif
+
+static inline int hsum_i32(__m256i v) {
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    return _mm_cvtsi128_si32(t);
+}
+
+/* int16 activations keep |x16| <= ACT_Q, so a vpmaddwd lane gains at most 2 * 127 * ACT_Q per
+ * 16 inputs and KBLOCK inputs fit int32 exactly (KBLOCK/16 * 2 * 127 * 16383 < 2^31). */
+#define ACT_Q 16383
+#define KBLOCK 4096
+
+/* out[r][m] = sum_k W[r, k] * x16[m, k] for one quad of int8 rows and MB <= 2 tokens: 16
+ * weights per vpmovsxbw + vpmaddwd, a third of the uops of converting to fp32. Quad layout:
+ * for each 16 inputs, the 4 rows' 16 bytes back to back, so a quad is one sequential stream of
+ * whole cache lines (four strided row streams ran at half the speed: prefetch-bound). */
+static inline __attribute__((always_inline)) void quad_i8(const int8_t *q, int K,
+                                                          const int16_t *const x[2], int MB,
+                                                          float out[4][MBMAX]) {
+    for (int r = 0; r < 4; r++)
+        for (int m = 0; m < MB; m++) out[r][m] = 0.0f;
+    for (int kb = 0; kb < K; kb += KBLOCK) {
+        int ke = kb + KBLOCK < K ? kb + KBLOCK : K;
+        __m256i acc[4][2];
+        for (int r = 0; r < 4; r++)
+            for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_si256();
+        for (int k = kb; k < ke; k += 16) {
+            _mm_prefetch((const char *)(q + 4 * k + PF_DIST), PF_HINT);
+            __m256i w[4];
+            for (int r = 0; r < 4; r++)
+                w[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 4 * k + 16 * r)));
+            for (int m = 0; m < MB; m++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(x[m] + k));
+                for (int r = 0; r < 4; r++)
+                    acc[r][m] = _mm256_add_epi32(acc[r][m], _mm256_madd_epi16(w[r], xv));
+            }
+        }
+        for (int r = 0; r < 4; r++)
+            for (int m = 0; m < MB; m++) out[r][m] += (float)hsum_i32(acc[r][m]);
+    }
+}
+
+/* fp32 weights in their plain row-major layout (the model's own tensors, no copy): rows
+ * w[r * K ...] for r < 4 against MB <= 3 fp32 tokens; K % 8 == 0. Three tokens give 12
+ * independent FMA chains (two FMA ports x 4 cycles of latency need at least 8, and 8 left the
+ * loop stalling on every hiccup) in the 16 ymm registers with the 3 tokens and one weight. */
+static inline __attribute__((always_inline)) void quad_f32(const float *w, int K,
+                                                           const float *const x[MBMAX], int MB,
+                                                           float out[4][MBMAX]) {
+    __m256 acc[4][MBMAX];
+    for (int r = 0; r < 4; r++)
+        for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_ps();
+    for (int k = 0; k < K; k += 8) {
+        __m256 xv[MBMAX];
+        if ((k & 15) == 0) /* the next quad's rows (adjacent in memory): 4 rows x K ahead */
+            for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(w + (size_t)(4 + r) * K + k), PF_HINT);
+        for (int m = 0; m < MB; m++) xv[m] = _mm256_loadu_ps(x[m] + k);
+        for (int r = 0; r < 4; r++) {
+            __m256 wv = _mm256_loadu_ps(w + (size_t)r * K + k);
+            /* keep wv in a register: folded into each FMA it would be loaded MB times, and
+             * the loop would be bound by loads rather than FMAs */
+            __asm__("" : "+x"(wv));
+            for (int m = 0; m < MB; m++) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
+        }
+    }
+    __m256 v[8];
+    float sums[16];
+    for (int half = 0; half < 2; half++) { /* (r, m) pairs 0-7, then 8-11 padded with zeros */
+        for (int i = 0; i < 8; i++) {
+            int pr = 8 * half + i, r = pr / MBMAX, m = pr % MBMAX;
+            v[i] = pr < 4 * MBMAX && m < MB ? acc[r][m] : _mm256_setzero_ps();
+        }
+        _mm256_storeu_ps(sums + 8 * half, hs_hsum8(v));
+    }
+    for (int r = 0; r < 4; r++)
+        for (int m = 0; m < MB; m++) out[r][m] = sums[MBMAX * r + m];
+}
+
+/* x16[p] = round(x[p] / scale[p]), scale[p] = max|x[p]| / ACT_Q, for rows [p0, p1); with
+ * G > 0 also gsum[p, g] = sum of x16[p] over group g (exact: |sum| <= 128 * ACT_Q < 2^24).
+ * perm = 1 stores each 32 in the order the nibble kernels split them (int4, MXFP4):
+ * [0 4 .. 28 | 1 5 .. 29 | 2 6 .. 30 | 3 7 .. 31]. */
+static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, float *scale,
+                          int perm, int G, float *gsum) {
+    int16_t tmp[32];
+    /* K % 32 == 0 (checked by the caller). Vectorized: at one token this runs on one thread
+     * between the phases, so a scalar loop would be a visible slice of the layer. */
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int p = p0; p < p1; p++) {
+        const float *row = x + (size_t)p * K;
+        int16_t *out = x16 + (size_t)p * K;
+        __m256 vmax = _mm256_setzero_ps();
+        for (int k = 0; k < K; k += 8)
+            vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(row + k)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+        float mx = _mm_cvtss_f32(m4);
+        float s = mx > 0.0f ? mx / ACT_Q : 1.0f;
+        const __m256 inv = _mm256_set1_ps(1.0f / s);
+        const __m256i lim = _mm256_set1_epi32(ACT_Q), nlim = _mm256_set1_epi32(-ACT_Q);
+        for (int k = 0; k < K; k += 32) {
+            __m256i h[2];
+            for (int half = 0; half < 2; half++) {
+                /* round to nearest even (MXCSR default), clamp, pack 2 x 8 int32 -> 16 int16 */
+                const float *src = row + k + 16 * half;
+                __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src), inv));
+                __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + 8), inv));
+                a = _mm256_max_epi32(_mm256_min_epi32(a, lim), nlim);
+                b = _mm256_max_epi32(_mm256_min_epi32(b, lim), nlim);
+                h[half] = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+            }
+            if (perm) { /* runs once per row between the phases: a scalar reorder is fine */
+                _mm256_storeu_si256((__m256i *)tmp, h[0]);
+                _mm256_storeu_si256((__m256i *)(tmp + 16), h[1]);
+                for (int i = 0; i < 32; i++) out[k + i] = tmp[4 * (i % 8) + i / 8];
+            } else {
+                _mm256_storeu_si256((__m256i *)(out + k), h[0]);
+                _mm256_storeu_si256((__m256i *)(out + k + 16), h[1]);
+            }
+        }
+        scale[p] = s;
+        if (G > 0)
+            for (int g = 0; g < K / G; g++) {
+                int sum = 0;
+                for (int k = g * G; k < (g + 1) * G; k++) sum += out[k];
+                gsum[(size_t)p * (K / G) + g] = (float)sum;
+            }
+    }
+}
+
+/* Nibble formats (int4, MXFP4) take rows in pairs: one 32-byte load holds rows 2p and 2p + 1 of
+ * the same 32 inputs (the quad layout puts them back to back), and each 16-bit lane of it holds
+ * elements 4j .. 4j + 3 of its row (two bytes, element 2i in byte i's low nibble). Masks and
+ * shifts within lanes split it into four int16 vectors of elements 4j, 4j + 1, 4j + 2, 4j + 3,
+ * with no shuffles; the activations are stored in that order (quantize_rows, perm = 1), so the
+ * same 8 activations meet both rows: lanes 0-3 of an accumulator sum row 2p, lanes 4-7 row
+ * 2p + 1. Four vpmaddwd per 64 weights and token, a third fewer instructions than unpacking. */
+
+/* int4 quad: w = q * scale + minimum per group of G inputs, q in [0, 15]; scales and minimums
+ * stored [group][4 rows]. With int16 activations, w . x16 = sum_g scale_g * (q_g . x16_g) +
+ * minimum_g * sum(x16_g): the nibbles go straight into vpmaddwd (exact per group) and the
+ * minimum needs only the group sums. */
+static inline __attribute__((always_inline)) void quad_i4(const uint8_t *q, const float *sc,
+                                                          const float *mn, int K, int G,
+                                                          const int16_t *const x[2],
+                                                          const float *const gs[2], int MB,
+                                                          float out[4][MBMAX]) {
+    const __m256i nib = _mm256_set1_epi8(0x0F), low = _mm256_set1_epi16(0x00FF);
+    __m256 tot[2][2];
+    __m128 zs[2];
+    for (int m = 0; m < MB; m++) {
+        zs[m] = _mm_setzero_ps();
+        tot[0][m] = tot[1][m] = _mm256_setzero_ps();
+    }
+    for (int g = 0; g < K / G; g++) {
+        __m256i acc[2][2];
+        for (int m = 0; m < MB; m++) acc[0][m] = acc[1][m] = _mm256_setzero_si256();
+        for (int k = g * G; k < (g + 1) * G; k += 32) {
+            _mm_prefetch((const char *)(q + 2 * k + PF_DIST), PF_HINT);
+            __m256i xq[2][4];
+            for (int m = 0; m < MB; m++) act_quarters(x[m] + k, xq[m]);
+            for (int p = 0; p < 2; p++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(q + 2 * k + 32 * p));
+                __m256i lo = _mm256_and_si256(v, nib);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+                const __m256i w[4] = {_mm256_and_si256(lo, low), _mm256_and_si256(hi, low),
+                                      _mm256_srli_epi16(lo, 8), _mm256_srli_epi16(hi, 8)};
+                for (int m = 0; m < MB; m++) acc[p][m] = _mm256_add_epi32(acc[p][m], dot4(w, xq[m]));
+            }
+        }
+        const __m128 mnv = _mm_loadu_ps(mn + 4 * g), s4 = _mm_loadu_ps(sc + 4 * g);
+        for (int p = 0; p < 2; p++) {
+            const __m256 s = pair_spread(s4, p);
+            for (int m = 0; m < MB; m++)
+                tot[p][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[p][m]), s, tot[p][m]);
+        }
+        for (int m = 0; m < MB; m++) zs[m] = _mm_fmadd_ps(mnv, _mm_set1_ps(gs[m][g]), zs[m]);
+    }
+    for (int m = 0; m < MB; m++) {
+        float z[4];
+        _mm_storeu_ps(z, zs[m]);
+        for (int p = 0; p < 2; p++) {
+            pair_out(tot[p][m], &out[2 * p][m], &out[2 * p + 1][m]);
+            out[2 * p][m] += z[2 * p];
+            out[2 * p + 1][m] += z[2 * p + 1];
+        }
+    }
+}
+
+#endif
