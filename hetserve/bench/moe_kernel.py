@@ -20,9 +20,7 @@ from pathlib import Path
 
 # NAME or NAME:KERNEL (kernel option of cpu-int8/cpu-int4: native | library). cpu-mxfp4 and
 # cpu-fp8 quantize the random weights to those formats (MXFP4 blocks of 32, FP8 128 x 128).
-DEFAULT_BACKENDS = (
-    "cpu-fp32,cpu-int8,cpu-int8:library,cpu-int4,cpu-int4:library,cpu-mxfp4,cpu-fp8"
-)
+DEFAULT_BACKENDS = "cpu-fp32,cpu-int8,cpu-int8:library,cpu-int4,cpu-int4:library,cpu-mxfp4,cpu-fp8"
 
 
 def register(sub) -> None:
