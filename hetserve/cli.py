@@ -13,7 +13,7 @@ import sys
 from hetserve.errors import HetserveError
 
 COMMAND_MODULES = [
-    "hetserve.model.cli",  # models make-tiny
+    "hetserve.model.cli",  # models make-tiny, convert
     "hetserve.engine.cli",  # generate, chat
     "hetserve.server.cli",  # serve
     "hetserve.bench.cli",  # bench ...
