@@ -18,7 +18,7 @@ COMMAND_MODULES = [
     "hetserve.server.cli",  # serve
     "hetserve.bench.cli",  # bench ...
     "hetserve.store.cli",  # store master | node
-    "hetserve.moe.cli",  # calibrate
+    "hetserve.engine.calibrate",  # calibrate (routing statistics for --gpu-experts)
 ]
 
 

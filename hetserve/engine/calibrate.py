@@ -22,8 +22,9 @@ def register(sub) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from hetserve import LLM, SamplingParams
     from hetserve.config import EngineConfig
+    from hetserve.core.sampling import SamplingParams
+    from hetserve.engine.llm import LLM
     from hetserve.moe.routing_stats import choose_gpu_experts
 
     llm = LLM(EngineConfig.from_args(args))
