@@ -1,34 +1,31 @@
-"""HF `architectures[0]` -> model class. Classes are imported on demand."""
+"""HF `architectures[0]` -> model class, imported on first use (a `hetserve.registry.Registry`)."""
 
 from __future__ import annotations
 
-import importlib
-
 from hetserve.errors import UnsupportedArchitectureError
+from hetserve.registry import Registry
 
-_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "hetserve.model.llama",
-    "Qwen2ForCausalLM": "hetserve.model.llama",
-    "Qwen3ForCausalLM": "hetserve.model.llama",
-    "Qwen2MoeForCausalLM": "hetserve.model.qwen_moe",
-    "Qwen3MoeForCausalLM": "hetserve.model.qwen_moe",
-    "MixtralForCausalLM": "hetserve.model.mixtral",
-    "DeepseekV2ForCausalLM": "hetserve.model.deepseek",
-    "DeepseekV3ForCausalLM": "hetserve.model.deepseek",
-    "Glm4MoeForCausalLM": "hetserve.model.glm4_moe",
-    "GptOssForCausalLM": "hetserve.model.gpt_oss",
-}
+MODELS: Registry[type] = Registry(
+    "architecture",
+    {
+        "LlamaForCausalLM": "hetserve.model.llama:LlamaForCausalLM",
+        "Qwen2ForCausalLM": "hetserve.model.llama:Qwen2ForCausalLM",
+        "Qwen3ForCausalLM": "hetserve.model.llama:Qwen3ForCausalLM",
+        "Qwen2MoeForCausalLM": "hetserve.model.qwen_moe:Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM": "hetserve.model.qwen_moe:Qwen3MoeForCausalLM",
+        "MixtralForCausalLM": "hetserve.model.mixtral:MixtralForCausalLM",
+        "DeepseekV2ForCausalLM": "hetserve.model.deepseek:DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM": "hetserve.model.deepseek:DeepseekV3ForCausalLM",
+        "Glm4MoeForCausalLM": "hetserve.model.glm4_moe:Glm4MoeForCausalLM",
+        "GptOssForCausalLM": "hetserve.model.gpt_oss:GptOssForCausalLM",
+    },
+    UnsupportedArchitectureError,
+)
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_ARCHITECTURES)
+    return MODELS.names()
 
 
-def model_class(architecture: str):
-    module = _ARCHITECTURES.get(architecture)
-    if module is None:
-        raise UnsupportedArchitectureError(
-            f"architecture {architecture!r} is not supported; supported: "
-            f"{', '.join(supported_architectures())}"
-        )
-    return getattr(importlib.import_module(module), architecture)
+def model_class(architecture: str) -> type:
+    return MODELS.get(architecture)

@@ -9,7 +9,6 @@ so routed experts can move to a CPU kernel without touching model code.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 
 from hetserve.errors import InvalidInputError
 from hetserve.moe.packed import PackedExperts
+from hetserve.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -133,48 +133,33 @@ class ExpertsBackend(Protocol):
 
 
 BackendFactory = Callable[..., ExpertsBackend]
-_REGISTRY: dict[str, BackendFactory] = {}
-# Modules whose backends register on import; loaded on the first registry lookup so importing
-# this contract stays cheap and free of import cycles.
-_BUILTIN_BACKEND_MODULES = ("hetserve.moe.cpu_backends", "hetserve.moe.kt_backend")
-_builtins_loaded = False
-
-
-def _load_builtin_backends() -> None:
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        for name in _BUILTIN_BACKEND_MODULES:
-            importlib.import_module(name)
-
-
-def register_backend(name: str) -> Callable[[BackendFactory], BackendFactory]:
-    def deco(factory: BackendFactory) -> BackendFactory:
-        if name in _REGISTRY:
-            raise RuntimeError(f"experts backend {name!r} registered twice")
-        _REGISTRY[name] = factory
-        return factory
-
-    return deco
+_CPU = "hetserve.moe.cpu_backends"  # registers the cpu-* backends on import
+# Built-in backends and the modules that register them, imported on first use so importing this
+# contract stays cheap and free of import cycles.
+BACKENDS: Registry[BackendFactory] = Registry(
+    "experts backend",
+    {
+        "torch": "hetserve.moe.experts",
+        "cpu-fp32": _CPU,
+        "cpu-int8": _CPU,
+        "cpu-int4": _CPU,
+        "cpu-mxfp4": _CPU,
+        "cpu-fp8": _CPU,
+        "kt": "hetserve.moe.kt_backend",
+    },
+)
+register_backend = BACKENDS.register
 
 
 def available_backends() -> list[str]:
-    _load_builtin_backends()
-    return sorted(_REGISTRY)
+    return BACKENDS.names()
 
 
 def create_backend(
     name: str, weights: ExpertWeights, activation: Activation = "silu", **options
 ) -> ExpertsBackend:
     """Uniform constructor: every backend is `factory(weights, activation=..., **options)`."""
-    _load_builtin_backends()
-    try:
-        factory = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown experts backend {name!r}; available: {', '.join(available_backends())}"
-        ) from None
-    return factory(weights, activation=activation, **options)
+    return BACKENDS.get(name)(weights, activation=activation, **options)
 
 
 # The backend that reads each packed (checkpoint-quantized) format as it is.

@@ -12,7 +12,6 @@ needed only by those who use them).
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,15 +20,20 @@ from urllib.parse import parse_qsl, urlsplit
 
 from hetserve import envs
 from hetserve.errors import InvalidInputError
+from hetserve.registry import Registry
 from hetserve.store.api import KVStore
 
-BACKEND_MODULES = {
-    "local": "hetserve.store.backends.local",
-    "pool": "hetserve.store.pool.client",
-    "mooncake": "hetserve.store.backends.mooncake",
-    "redis": "hetserve.store.backends.redis",
-}
-_BACKENDS: dict[str, Callable[[StoreSpec], KVStore]] = {}
+# Each scheme's module registers its backend on import (so redis and mooncake clients are
+# needed only by those who use them).
+STORES: Registry[Callable[[StoreSpec], KVStore]] = Registry(
+    "store backend",
+    {
+        "local": "hetserve.store.backends.local",
+        "pool": "hetserve.store.pool.client",
+        "mooncake": "hetserve.store.backends.mooncake",
+        "redis": "hetserve.store.backends.redis",
+    },
+)
 TOKEN_ENV = envs.STORE_TOKEN
 B = TypeVar("B", bound=KVStore)
 SECRET_PARAMS = frozenset({"token", "password"})
@@ -76,7 +80,7 @@ def env_token() -> str:
 
 def register_backend(scheme: str) -> Callable[[type[B]], type[B]]:
     def deco(cls: type[B]) -> type[B]:
-        _BACKENDS[scheme] = cls
+        STORES.register(scheme)(cls)
         return cls
 
     return deco
@@ -98,8 +102,8 @@ def parse_size(text: str | int) -> int:
 
 def parse_spec(spec: str) -> StoreSpec:
     parts = urlsplit(spec)
-    if parts.scheme not in BACKEND_MODULES:
-        known = ", ".join(sorted(BACKEND_MODULES))
+    if parts.scheme not in STORES:
+        known = ", ".join(STORES.names())
         raise InvalidInputError(f"unknown store backend in {spec!r}; known schemes: {known}")
     try:
         port = parts.port
@@ -117,7 +121,6 @@ def parse_spec(spec: str) -> StoreSpec:
 def open_store(spec: str | StoreSpec) -> KVStore:
     """Open a store client from its spec string (see the module docstring)."""
     parsed = parse_spec(spec) if isinstance(spec, str) else spec
-    importlib.import_module(BACKEND_MODULES[parsed.scheme])
-    store = _BACKENDS[parsed.scheme](parsed)
+    store = STORES.get(parsed.scheme)(parsed)
     store.label = parsed.redacted()
     return store
