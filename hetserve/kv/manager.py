@@ -134,11 +134,18 @@ class KVCacheManager:
         self._num_cached[req.request_id] = full
 
     # ---- blocks the KV tiers hold --------------------------------------------------------------
-    def allocate_for_load(self, req: Request, first_block: int, n: int) -> list[KVBlock] | None:
-        """Reserve `n` blocks to load `req`'s blocks first_block.. into; None if not free."""
-        if n > self.pool.num_free or req.request_id in self.tables:
+    def allocate_for_load(
+        self, req: Request, computed: list[KVBlock], n: int
+    ) -> list[KVBlock] | None:
+        """Reserve `n` blocks to load `req`'s blocks after its device hit `computed` into, and
+        hold the hit blocks meanwhile (they must still be there when it is admitted); None if
+        there is no room."""
+        reviving = sum(1 for b in computed if b.ref_cnt == 0)
+        if n > self.pool.num_free - reviving or req.request_id in self.tables:
             return None
-        self._update_hashes(req, (first_block + n) * self.block_size)
+        self._update_hashes(req, (len(computed) + n) * self.block_size)
+        self.pool.touch(computed)
+        self.load_holds[req.request_id] = list(computed)
         blocks = self.pool.allocate(n)
         self.tables[req.request_id] = blocks
         return blocks
@@ -148,14 +155,14 @@ class KVCacheManager:
         the request's admission finds them, and keep holding them for it until then (other
         requests' allocations would evict them first); release the rest of the load table."""
         table = self.tables.pop(req.request_id)
-        held = []
+        held = self.load_holds.setdefault(req.request_id, [])
+        kept = []
         for i, block in enumerate(table[:ok]):
             self.pool.cache(block, req.block_hashes[first_block + i])
             if block.block_hash is not None:  # not a copy of a block cached meanwhile
-                held.append(block)
-        if held:
-            self.load_holds[req.request_id] = held
-        self.pool.free([b for b in reversed(table) if b not in held])
+                kept.append(block)
+        held += kept
+        self.pool.free([b for b in reversed(table) if b not in kept])
 
     def release_hold(self, req: Request) -> None:
         """Let go of the loaded blocks held for `req` (admitted: its table holds them now)."""

@@ -63,6 +63,7 @@ class Saver:
         self._free_slots = list(range(io.staging_slots))
         self._job: _Job | None = None
         self._known: OrderedDict[BlockHash, None] = OrderedDict()
+        self._in_flight: dict[BlockHash, int] = {}  # staged or being saved, not yet in the store
         self.saved = self.save_bytes = self.failed = self.shed = 0
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[_Job] = queue.SimpleQueue()
@@ -72,6 +73,21 @@ class Saver:
 
     def known(self, h: BlockHash | None) -> bool:
         return h is None or h in self._known
+
+    def on_its_way(self, hashes: list[BlockHash]) -> bool:
+        """Whether any of these blocks is being saved right now (evicted, staged or in a put):
+        a lookup a moment later finds it in the store."""
+        if not self._in_flight and not self.kv.pool.evicted:
+            return False
+        evicted = {e.block_hash for e in self.kv.pool.evicted}
+        return any(h in self._in_flight or h in evicted for h in hashes)
+
+    def _track(self, h: BlockHash, delta: int) -> None:
+        n = self._in_flight.get(h, 0) + delta
+        if n > 0:
+            self._in_flight[h] = n
+        else:
+            self._in_flight.pop(h, None)
 
     def saved_hashes(self) -> list[BlockHash]:
         """The blocks this engine saved (as far as it remembers), oldest first."""
@@ -87,7 +103,9 @@ class Saver:
             return
         need = len(todo) - len(self._free_slots)
         while need > 0 and self._staged:  # shed the oldest staged saves, not the new ones
-            self._free_slots.append(self._staged.popleft()[1])
+            h, slot, _ = self._staged.popleft()
+            self._free_slots.append(slot)
+            self._track(h, -1)
             self.shed += 1
             need -= 1
         if need > 0:  # more evictions than the staging area holds: keep the newest
@@ -98,6 +116,7 @@ class Saver:
         now = self.kv.pool.now
         for e, slot in zip(todo, slots, strict=True):
             self._staged.append((e.block_hash, slot, _ttl(e, now)))
+            self._track(e.block_hash, 1)
 
     def enqueue(self, blocks: list[KVBlock]) -> None:
         """Pin blocks and save them in place (write-through, flush)."""
@@ -139,6 +158,9 @@ class Saver:
         self._jobs.put(self._job)
 
     def _finish(self, job: _Job) -> None:
+        if job.slots is not None:
+            for h in job.hashes:
+                self._track(h, -1)
         if job.ok:
             self.saved += len(job.hashes)
             self.save_bytes += len(job.hashes) * self.io.bytes_per_block
@@ -192,6 +214,13 @@ class Saver:
         if self._job is not None and self._job.slots is not None:
             slots += self._job.slots
         assert sorted(slots) == list(range(self.io.staging_slots)), "staging slots leaked"
+        staged = [h for h, _, _ in self._staged]
+        if self._job is not None and self._job.slots is not None:
+            staged += self._job.hashes
+        counts: dict[BlockHash, int] = {}
+        for h in staged:
+            counts[h] = counts.get(h, 0) + 1
+        assert counts == self._in_flight, "in-flight saves out of step with the staged ones"
 
     # ---- saver thread ----------------------------------------------------------------------
     def _work(self) -> None:

@@ -135,16 +135,23 @@ class TierManager:
         self._thread.start()
 
     # ---- the scheduler's KVLoader ---------------------------------------------------------
-    def prepare(self, req: Request, device_blocks: int) -> str:
+    def prepare(self, req: Request, computed: list[KVBlock]) -> str:
         """At admission, after a device hit of `device_blocks`: look the following blocks up
         in the store (at once for a store in this process, else on the loader thread) and start
         loading what is worth it. Returns WAIT (the lookup is out), LOADING or NONE (admit it
         as it is). Asked again at every admission attempt, so blocks evicted from the device
         since the last attempt are looked for in the store too."""
         rid = req.request_id
+        device_blocks = len(computed)
         if rid in self.kv.load_holds or req.num_loads >= MAX_LOADS:
             return NONE  # its load landed: admit it with what it brought
         found = self._found.get(rid)
+        n = self.kv.lookup_blocks(req)
+        if self.saver.on_its_way(req.block_hashes[device_blocks:n]):
+            # Evicted a moment ago (by requests admitted before it) and being saved: wait a
+            # step or two for the store to have it rather than recompute it.
+            self._found.pop(rid, None)
+            return WAIT
         if found is None or found[0] > device_blocks:  # none yet, or the device hit shrank
             if rid in self._lookups_out:
                 self._drain()
@@ -158,7 +165,7 @@ class TierManager:
                     return WAIT
         looked_from, tiers = found
         run = tiers[device_blocks - looked_from :]
-        if not run or not self._start_load(req, device_blocks, run):
+        if not run or not self._start_load(req, computed, run):
             return NONE
         self._found.pop(rid, None)
         return LOADING
@@ -190,7 +197,8 @@ class TierManager:
             run.append(t)
         return run
 
-    def _start_load(self, req: Request, first_block: int, run: list[str]) -> bool:
+    def _start_load(self, req: Request, computed: list[KVBlock], run: list[str]) -> bool:
+        first_block = len(computed)
         bpb = self.io.bytes_per_block
         plan = plan_load(run, bpb, self.block_size, self.cost, self.always_load)
         self._log_plan(req, first_block, plan)
@@ -198,7 +206,7 @@ class TierManager:
             self.counts.skipped += plan.found_blocks
         if plan.num_blocks == 0:
             return False
-        blocks = self.kv.allocate_for_load(req, first_block, plan.num_blocks)
+        blocks = self.kv.allocate_for_load(req, computed, plan.num_blocks)
         if blocks is None:
             self.counts.no_room += 1
             return False

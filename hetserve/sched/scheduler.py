@@ -20,6 +20,7 @@ from typing import Protocol
 
 from hetserve.config import SchedulerConfig
 from hetserve.core.request import Request, RequestStatus
+from hetserve.kv.block_pool import KVBlock
 from hetserve.kv.manager import KVCacheManager
 
 
@@ -37,8 +38,8 @@ class ScheduledRequest:
 class KVLoader(Protocol):
     """What the scheduler needs of the KV tiers (kv/tiers.py), called on the engine thread."""
 
-    def prepare(self, req: Request, device_blocks: int) -> str:
-        """At each admission attempt, after the device hit: "wait" (a store lookup is out:
+    def prepare(self, req: Request, computed: list[KVBlock]) -> str:
+        """At each admission attempt, after the device hit `computed`: "wait" (a lookup is out:
         admit others meanwhile), "loading" (its next blocks are being loaded into blocks the
         loader reserved) or "none" (admit it as it is)."""
         ...
@@ -136,7 +137,7 @@ class Scheduler:
             req = self.waiting[i]
             computed, num_cached = self.kv.get_computed_blocks(req)
             if self.loader is not None:
-                state = self.loader.prepare(req, len(computed))
+                state = self.loader.prepare(req, computed)
                 if state == "wait":
                     i += 1  # its store lookup is still out: the next ones need not wait
                     continue
@@ -223,5 +224,5 @@ class Scheduler:
             assert len(self.kv.tables[r.request_id]) * self.kv.block_size >= r.num_computed_tokens
         for r in self.waiting:
             assert r.request_id not in self.kv.tables
-        waiting = {r.request_id for r in self.waiting}
+        waiting = {r.request_id for r in self.waiting} | set(self.loading)
         assert set(self.kv.load_holds) <= waiting, (set(self.kv.load_holds), waiting)
