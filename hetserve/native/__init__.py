@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     import torch
 
 HERE = Path(__file__).parent
-SOURCES = ("pool.c", "moe_kernels.c", "linear_kernels.c", "attention.c", "small_ops.c")
+SOURCES = ("pool.c", "moe_kernels.c", "linear_kernels.c", "attention.c", "small_ops.c",
+           "moe_backward.c")  # fmt: skip
 HEADERS = ("pool.h", "simd.h", "moe_quads.h", "moe_formats.h")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared"]
 
@@ -83,6 +84,7 @@ _SIGNATURES = {
     "hetserve_rope": (None, [_I] * 5 + [_P] * 4),
     "hetserve_topk_softmax": (None, [_I] * 5 + [_F] + [_P] * 3),
     "hetserve_qk_rope_cache": (_I, [_I] * 6 + [_L] * 3 + [_I, _L, _F] + [_P] * 12),
+    "hetserve_moe_backward": (_I, [_I] * 8 + [_P] * 12),  # finetune/experts_grad.py
 }
 
 

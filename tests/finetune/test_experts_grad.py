@@ -1,0 +1,103 @@
+"""The routed experts' backward (finetune/experts_grad.py) against autograd through the torch
+reference backend, and the quantized ones against their stated bound."""
+
+import pytest
+import torch
+
+from hetserve.finetune.experts_grad import (
+    GradExperts,
+    experts_backward,
+    make_grad_weights,
+    quantized_grad_bound,
+    torch_backward,
+)
+from hetserve.moe.experts import ExpertWeights, TorchExperts, create_backend
+from hetserve.native import native_unavailable_reason
+
+native = pytest.mark.skipif(native_unavailable_reason() is not None, reason="no native kernels")
+
+
+def layer(e=8, h=64, i=32, t=23, k=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(e, 2 * i, h, generator=g) / h**0.5
+    w2 = torch.randn(e, h, i, generator=g) / i**0.5
+    x = torch.randn(t, h, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    tw = torch.rand(t, k, generator=g)
+    gout = torch.randn(t, h, generator=g)
+    return w13, w2, x, tw, ids, gout
+
+
+def autograd_reference(w13, w2, x, tw, ids, gout):
+    xr, twr = x.clone().requires_grad_(), tw.clone().requires_grad_()
+    y = TorchExperts(ExpertWeights(w13, w2)).forward(xr, twr, ids)
+    return torch.autograd.grad(y, (xr, twr), gout)
+
+
+@native
+@pytest.mark.parametrize("t", [1, 5, 23, 70])
+def test_native_fp32_backward_equals_autograd(t):
+    w13, w2, x, tw, ids, gout = layer(t=t, seed=t)
+    dx, dw = experts_backward(make_grad_weights(w13, w2), x, tw, ids, gout)
+    rx, rw = autograd_reference(w13, w2, x, tw, ids, gout)
+    torch.testing.assert_close(dx, rx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw, rw, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_backward_equals_autograd():
+    w13, w2, x, tw, ids, gout = layer()
+    dx, dw = torch_backward(make_grad_weights(w13, w2), x, tw, ids, gout)
+    rx, rw = autograd_reference(w13, w2, x, tw, ids, gout)
+    torch.testing.assert_close(dx, rx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw, rw, rtol=1e-5, atol=1e-5)
+
+
+@native
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_backward_exact_for_quantized_weights_and_within_bound(bits):
+    w13, w2, x, tw, ids, gout = layer(h=64, i=64, t=31)
+    gw = make_grad_weights(w13, w2, bits=bits, group_size=32)
+    dx, dw = experts_backward(gw, x, tw, ids, gout)
+    # Exact (fp32 rounding) for the dequantized weights the forward uses...
+    rx, rw = torch_backward(gw, x, tw, ids, gout)
+    torch.testing.assert_close(dx, rx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw, rw, rtol=1e-5, atol=1e-5)
+    # ...and within the stated bound of the fp32 model's gradient.
+    fx, _ = autograd_reference(w13, w2, x, tw, ids, gout)
+    bound = quantized_grad_bound(gw, x, tw, ids, gout, w13, w2)
+    err = (dx - fx).abs()
+    assert (err <= bound + 1e-5).all(), (err - bound).max()
+    assert err.max() > 0  # the quantization really changed something
+
+
+@native
+@pytest.mark.parametrize("backend", ["cpu-fp32", "cpu-int8"])
+def test_grad_experts_wraps_a_placed_backend(backend):
+    w13, w2, x, tw, ids, gout = layer(h=64, i=64)
+    inner = create_backend(backend, ExpertWeights(w13, w2))
+    bits = 32 if backend == "cpu-fp32" else 8
+    wrapped = GradExperts(inner, make_grad_weights(w13, w2, bits=bits))
+    xr, twr = x.clone().requires_grad_(), tw.clone().requires_grad_()
+    y = wrapped.forward(xr, twr, ids)
+    torch.testing.assert_close(y, inner.forward(x, tw, ids))
+    (y * gout).sum().backward()
+    assert xr.grad is not None and twr.grad is not None
+    if backend == "cpu-fp32":
+        rx, rw = autograd_reference(w13, w2, x, tw, ids, gout)
+        torch.testing.assert_close(xr.grad, rx, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(twr.grad, rw, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_activations_with_host_experts():
+    w13, w2, x, tw, ids, gout = layer()
+    gw = make_grad_weights(w13, w2)
+    wrapped = GradExperts(TorchExperts(ExpertWeights(w13, w2)), gw)
+    xc = x.cuda().bfloat16().requires_grad_()
+    twc = tw.cuda().requires_grad_()
+    inner = TorchExperts(ExpertWeights(w13.cuda().bfloat16(), w2.cuda().bfloat16()))
+    wrapped.inner = inner
+    y = wrapped.forward(xc, twc, ids.cuda())
+    (y.float() * gout.cuda()).sum().backward()
+    rx, _ = autograd_reference(w13, w2, x, tw, ids, gout)
+    torch.testing.assert_close(xc.grad.float().cpu(), rx, rtol=2e-2, atol=2e-2)
