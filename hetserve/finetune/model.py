@@ -216,7 +216,7 @@ def save_adapter(model: CausalLM, out_dir: str | Path) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(adapter_state_dict(model), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    model.peft_config["default"].save_pretrained(str(out))  # PEFT's own writer of adapter_config.json
+    model.peft_config["default"].save_pretrained(str(out))  # PEFT writes adapter_config.json
 
 
 def load_adapter_weights(model: CausalLM, adapter_dir: str | Path) -> None:
