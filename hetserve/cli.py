@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "hetserve.bench.cli",  # bench ...
     "hetserve.store.cli",  # store master | node
     "hetserve.engine.calibrate",  # calibrate (routing statistics for --gpu-experts)
+    "hetserve.finetune.cli",  # finetune CONFIG.yaml
 ]
 
 

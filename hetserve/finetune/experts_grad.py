@@ -146,8 +146,11 @@ def _native_ok(gw: GradWeights, x: torch.Tensor) -> bool:
     )
 
 
-def experts_backward(gw: GradWeights, x, tw, ids, gout) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dw) in fp32 on x's device: the native kernel on CPU where it applies, else torch."""
+def experts_backward(
+    gw: GradWeights, x, tw, ids, gout, num_threads: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw) in fp32 on x's device: the native kernel on CPU where it applies, else torch.
+    num_threads: the kernel's threads (default: torch's)."""
     if not _native_ok(gw, x):
         return torch_backward(gw, x, tw, ids, gout)
     from hetserve.native import optional_kernel
@@ -163,8 +166,8 @@ def experts_backward(gw: GradWeights, x, tw, ids, gout) -> tuple[torch.Tensor, t
     ptr = [p.data_ptr() if p is not None else keep.data_ptr() for p in
            (gw.w13, gw.s13, gw.m13, gw.w2, gw.s2, gw.m2)]  # fmt: skip
     rc = optional_kernel("hetserve_moe_backward")(
-        gw.fmt, torch.get_num_threads(), gw.w13.shape[0], gw.hidden, gw.inter, gw.group_size,
-        t, k, ids.data_ptr(), tw.data_ptr(), x.data_ptr(), gout.data_ptr(), *ptr,
+        gw.fmt, num_threads or torch.get_num_threads(), gw.w13.shape[0], gw.hidden, gw.inter,
+        gw.group_size, t, k, ids.data_ptr(), tw.data_ptr(), x.data_ptr(), gout.data_ptr(), *ptr,
         dx.data_ptr(), dw.data_ptr(),
     )  # fmt: skip
     if rc == -2:
@@ -176,9 +179,9 @@ def experts_backward(gw: GradWeights, x, tw, ids, gout) -> tuple[torch.Tensor, t
 
 class _ExpertsFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, tw, ids, backend, gw):  # noqa: D401 (autograd signature)
+    def forward(ctx, x, tw, ids, backend, gw, num_threads):
         ctx.save_for_backward(x, tw, ids)
-        ctx.gw = gw
+        ctx.gw, ctx.num_threads = gw, num_threads
         with torch.no_grad():
             return backend.forward(x.detach(), tw.detach(), ids)
 
@@ -188,10 +191,12 @@ class _ExpertsFn(torch.autograd.Function):
         cpu = ctx.gw.w13.device.type == "cpu"
         # Experts on the host while activations live on an accelerator: compute there.
         dev = torch.device("cpu") if cpu else x.device
-        dx, dw = experts_backward(ctx.gw, x.to(dev), tw.to(dev), ids.to(dev), gout.to(dev))
+        dx, dw = experts_backward(
+            ctx.gw, x.to(dev), tw.to(dev), ids.to(dev), gout.to(dev), ctx.num_threads
+        )
         dx = dx.to(x.device, x.dtype) if ctx.needs_input_grad[0] else None
         dw = dw.to(tw.device, tw.dtype) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 class GradExperts:
@@ -202,15 +207,30 @@ class GradExperts:
 
     remote = False
 
-    def __init__(self, inner, grad_weights: GradWeights) -> None:
+    def __init__(
+        self,
+        inner,
+        grad_weights: GradWeights,
+        chunk_size: int | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        """chunk_size: most tokens per call (bounds the backward's [tokens * k, H] buffer);
+        num_threads: the backward kernel's threads (cpu_infer)."""
         self.inner, self.grad_weights = inner, grad_weights
+        self.chunk_size, self.num_threads = chunk_size, num_threads
 
     def nbytes(self) -> int:
         return self.inner.nbytes()
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
+        c = self.chunk_size
+        if c is not None and x.shape[0] > c:
+            parts = zip(x.split(c), topk_weights.split(c), topk_ids.split(c), strict=True)
+            return torch.cat([self.forward(*p) for p in parts])
         if torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad):
-            return _ExpertsFn.apply(x, topk_weights, topk_ids, self.inner, self.grad_weights)
+            return _ExpertsFn.apply(
+                x, topk_weights, topk_ids, self.inner, self.grad_weights, self.num_threads
+            )
         return self.inner.forward(x, topk_weights, topk_ids)
 
 

@@ -42,6 +42,7 @@ class ExpertsPlacement:
     rules_path: str | None = None  # kt_optimize_rule: a hetserve placement YAML
     bits: int = 32  # quantization_bit: 32 (fp32), 8 or 4
     cpu_threads: int | None = None  # cpu_infer
+    chunk_size: int | None = None  # most tokens per CPU experts call
     group_size: int = 64  # int4 group
 
 
@@ -86,7 +87,10 @@ def load_for_training(
     for name, fused in model.routed_experts():
         # The placed backends (per phase), each given our backward.
         placed = fused._phase_backends or {"prefill": fused._backend, "decode": fused._backend}
-        fused.set_phase_backends({k: GradExperts(b, grad_weights[name]) for k, b in placed.items()})
+        fused.set_phase_backends({
+            k: GradExperts(b, grad_weights[name], experts.chunk_size, experts.cpu_threads)
+            for k, b in placed.items()
+        })  # fmt: skip
     return model
 
 

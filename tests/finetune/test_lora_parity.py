@@ -21,7 +21,7 @@ FAMILIES = ["qwen3-moe", "deepseek-v3", "llama"]
 def randomize_lora(model, seed=0):
     g = torch.Generator().manual_seed(seed)
     for p in lora_parameters(model):
-        p.data = (torch.randn(p.shape, generator=g) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+        p.data = torch.randn(p.shape, generator=g) * 0.1 + (1.0 if p.dim() == 1 else 0.0)
 
 
 def seqs(lengths, seed=0, vocab=500):
