@@ -1,0 +1,216 @@
+"""`hetserve bench finetune`: LoRA training tokens/s and peak memory, hetserve vs transformers+PEFT.
+
+Both systems train the same LoRA (same targets, rank, optimizer and learning rate) on the same
+model, the same token sequences and the same batch, for the same number of steps, each in its
+own fresh process (so each peak RSS is its own: weights, activations, optimizer state, plus the
+same interpreter and torch baseline, which is also reported). hetserve keeps the routed
+experts on the CPU backends (`use_kt`) with the native backward; transformers runs its own
+modeling code with PEFT's layers. Rate = tokens of the timed steps / their wall time, after
+warm-up steps; the whole plan runs `--rounds` times alternating the order, best round kept.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+
+def register(sub) -> None:
+    p = sub.add_parser("finetune", help="LoRA training tokens/s and peak memory vs HF + PEFT")
+    p.add_argument("--model", required=True, help="HF model directory")
+    p.add_argument("--config", help="finetune YAML: takes lora_*, learning_rate, batch, cutoff_len")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default 1)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 512)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per system")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--quantization-bit", type=int, choices=(8, 4), default=None)
+    p.add_argument("--json", help="write results here")
+    p.add_argument("--plot", help="write a PNG bar chart here")
+    p.set_defaults(func=_run)
+
+
+def _settings(args) -> dict:
+    s = {"lora_rank": 8, "lora_alpha": 16.0, "lora_target": "all", "learning_rate": 1e-4,
+         "batch": 1, "seq_len": 512, "quantization_bit": None}  # fmt: skip
+    if args.config:
+        from hetserve.finetune.config import load_config
+
+        cfg, _ = load_config(args.config)
+        s.update(lora_rank=cfg.lora_rank, lora_alpha=cfg.alpha, lora_target=cfg.lora_target,
+                 learning_rate=cfg.learning_rate, batch=cfg.per_device_train_batch_size,
+                 seq_len=cfg.cutoff_len, quantization_bit=cfg.quantization_bit)  # fmt: skip
+    for key, value in (("batch", args.batch), ("seq_len", args.seq_len),
+                       ("quantization_bit", args.quantization_bit)):  # fmt: skip
+        if value is not None:
+            s[key] = value
+    s.update(model=args.model, steps=args.steps, warmup=args.warmup)
+    return s
+
+
+def _run(args) -> int:
+    from hetserve.bench.common import print_table
+
+    s = _settings(args)
+    systems = ["hetserve", "transformers+peft"]
+    best: dict[str, dict] = {}
+    rounds = []
+    for r in range(args.rounds):
+        for name in systems if r % 2 == 0 else systems[::-1]:
+            res = _spawn(name, s)
+            rounds.append({"round": r, **res})
+            if name not in best or res["tokens_per_s"] > best[name]["tokens_per_s"]:
+                best[name] = res
+    hf = best["transformers+peft"]
+    rows = []
+    for name in systems:
+        b = best[name]
+        rows.append([
+            name, f"{b['tokens_per_s']:.0f}", f"{b['tokens_per_s'] / hf['tokens_per_s']:.2f}",
+            f"{b['peak_rss_mib']:.0f}", f"{b['baseline_rss_mib']:.0f}",
+            f"{b['peak_rss_mib'] / hf['peak_rss_mib']:.2f}", f"{b['final_loss']:.3f}",
+        ])  # fmt: skip
+    print_table(["system", "train tok/s", "vs HF", "peak RSS MiB", "baseline MiB",
+                 "RSS vs HF", "last loss"], rows)  # fmt: skip
+    result = {"settings": s, "best": best, "rounds": rounds}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.plot:
+        _plot(best, args.plot)
+    return 0
+
+
+def _spawn(system: str, s: dict) -> dict:
+    cmd = [sys.executable, "-m", "hetserve.finetune.bench", system, json.dumps(s)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        raise RuntimeError(f"{system} worker failed: {tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _data(s: dict, vocab: int):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    n = s["steps"] + s["warmup"]
+    return [torch.randint(0, vocab, (s["batch"], s["seq_len"]), generator=g) for _ in range(n)]
+
+
+def _rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _hetserve_step_fn(s: dict):
+    import torch
+
+    from hetserve.finetune.model import (
+        ExpertsPlacement,
+        add_lora,
+        load_for_training,
+        lora_parameters,
+    )
+    from hetserve.finetune.trainer import loss_sum
+
+    bits = s["quantization_bit"] or 32
+    model = load_for_training(s["model"], "cpu", "float32", ExpertsPlacement(True, bits=bits))
+    target = s["lora_target"]
+    add_lora(model, target if target == "all" else target.split(","), s["lora_rank"],
+             s["lora_alpha"], 0.0, False)  # fmt: skip
+    model.train()
+    opt = torch.optim.AdamW(lora_parameters(model), lr=s["learning_rate"])
+
+    def step(batch) -> float:
+        items = [(row.tolist(), row.tolist()) for row in batch]
+        opt.zero_grad(set_to_none=True)
+        total, n = loss_sum(model, items, torch.device("cpu"))
+        (total / n).backward()
+        opt.step()
+        return float(total.detach()) / n
+
+    return step, model.config.vocab_size
+
+
+def _hf_step_fn(s: dict):
+    import peft
+    import torch
+    import transformers
+
+    from hetserve.finetune.model import linear_module_names
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(s["model"], dtype=torch.float32)
+    target = s["lora_target"]
+    if target == "all":  # the same modules as ours (names from our class, no weights loaded)
+        with torch.device("meta"):
+            target = linear_module_names(_meta_model(s["model"]))
+    else:
+        target = target.split(",")
+    config = peft.LoraConfig(r=s["lora_rank"], lora_alpha=s["lora_alpha"], lora_dropout=0.0,
+                             target_modules=target, task_type="CAUSAL_LM")  # fmt: skip
+    model = peft.get_peft_model(model, config)
+    model.train()
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=s["learning_rate"]
+    )
+
+    def step(batch) -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    return step, model.config.vocab_size
+
+
+def _meta_model(model_dir: str):
+    from hetserve.model.config import ModelConfig
+    from hetserve.model.registry import model_class
+
+    cfg = ModelConfig.from_dir(model_dir)
+    return model_class(cfg.architecture)(cfg)
+
+
+def worker(system: str, s: dict) -> dict:
+    import torch  # noqa: F401  (the baseline includes torch, as in both systems)
+
+    baseline = _rss_mib()
+    step, vocab = (_hetserve_step_fn if system == "hetserve" else _hf_step_fn)(s)
+    data = _data(s, vocab)
+    loss = 0.0
+    for batch in data[: s["warmup"]]:
+        loss = step(batch)
+    t0 = time.perf_counter()
+    for batch in data[s["warmup"] :]:
+        loss = step(batch)
+    seconds = time.perf_counter() - t0
+    tokens = s["steps"] * s["batch"] * s["seq_len"]
+    return {"system": system, "tokens_per_s": tokens / seconds, "seconds": seconds,
+            "peak_rss_mib": _rss_mib(), "baseline_rss_mib": baseline,
+            "final_loss": loss}  # fmt: skip
+
+
+def _plot(best: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(best)
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3))
+    axes[0].bar(names, [best[n]["tokens_per_s"] for n in names], color=["#d62728", "#7f7f7f"])
+    axes[0].set_ylabel("training tokens/s")
+    axes[1].bar(names, [best[n]["peak_rss_mib"] for n in names], color=["#d62728", "#7f7f7f"])
+    axes[1].set_ylabel("peak RSS (MiB)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    print(json.dumps(worker(sys.argv[1], json.loads(sys.argv[2]))))
