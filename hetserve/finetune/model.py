@@ -19,7 +19,7 @@ check `requires_grad`; decode attention never runs since no span is a decode); w
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -47,8 +47,6 @@ class ExpertsPlacement:
 
 
 def _placement_rules(p: ExpertsPlacement):
-    from dataclasses import replace
-
     from hetserve.moe.placement import default_rules, load_rules
 
     if p.rules_path is not None:
@@ -71,6 +69,8 @@ def load_for_training(
             "set use_kt: true as well"
         )
     rules = _placement_rules(experts) if experts.on_cpu else None
+    if experts.bits == 4:
+        experts = replace(experts, group_size=_int4_group(model_dir, experts.group_size))
     model = load_model(model_dir, device=device, dtype=dtype, placement=rules)
     model.requires_grad_(False)
     grad_weights = {}
@@ -92,6 +92,23 @@ def load_for_training(
             for k, b in placed.items()
         })  # fmt: skip
     return model
+
+
+def _int4_group(model_dir, preferred: int) -> int:
+    """The int4 group size: `preferred` where it divides the hidden and expert sizes, else the
+    largest of cpu-int4's sizes that does."""
+    from hetserve.model.config import ModelConfig
+    from hetserve.moe.cpu_backends import INT4_GROUP_SIZES
+
+    cfg = ModelConfig.from_dir(model_dir)
+    dims = (cfg.hidden_size, int(cfg.get("moe_intermediate_size", default=cfg.intermediate_size)))
+    for g in (preferred, *sorted(INT4_GROUP_SIZES, reverse=True)):
+        if all(d % g == 0 for d in dims):
+            return g
+    raise InvalidInputError(
+        f"quantization_bit 4: no int4 group size in {INT4_GROUP_SIZES} divides the hidden and "
+        f"expert sizes {dims}; use quantization_bit 8"
+    )
 
 
 class TrainKV:

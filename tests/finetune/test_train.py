@@ -128,3 +128,19 @@ def test_eval_and_predict_write_what_llamafactory_writes(base_config, tmp_path):
     assert set(metrics) >= {"predict_bleu-4", "predict_rouge-l"}
     log = (out / "trainer_log.jsonl").read_text().splitlines()
     assert any("eval_loss" in json.loads(x) for x in log)
+
+
+def test_gradient_checkpointing_and_quantized_experts_train(base_config, tmp_path):
+    from safetensors.torch import load_file
+
+    common = dict(max_steps=2, use_kt=True, chunk_size=16)
+    train(base_config(output_dir=str(tmp_path / "a"), **common))
+    train(base_config(output_dir=str(tmp_path / "b"), gradient_checkpointing=True, **common))
+    wa = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    wb = load_file(str(tmp_path / "b" / "adapter_model.safetensors"))
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
+    for bits in (8, 4):
+        out = tmp_path / f"q{bits}"
+        train(base_config(output_dir=str(out), quantization_bit=bits, **common))
+        assert all(torch.isfinite(torch.tensor(loss)) for loss in losses(out))
