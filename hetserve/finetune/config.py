@@ -67,6 +67,7 @@ class FinetuneConfig:
     lora_dropout: float = 0.0
     lora_target: str | list = "all"
     use_dora: bool = False
+    adapter_name_or_path: str | None = None  # start from (or predict with) a saved adapter
     dataset: str | None = None
     eval_dataset: str | None = None
     dataset_dir: str = "data"

@@ -70,11 +70,31 @@ def prepare(cfg: FinetuneConfig, say=print) -> Prepared:
         cpu_threads=cfg.cpu_infer, chunk_size=cfg.chunk_size,
     )  # fmt: skip
     model = load_for_training(cfg.model_name_or_path, device, dtype, placement)
-    add_lora(model, cfg.targets, cfg.lora_rank, cfg.alpha, cfg.lora_dropout, cfg.use_dora,
-             str(cfg.model_name_or_path))  # fmt: skip
+    if cfg.adapter_name_or_path:
+        _add_saved_adapter(model, cfg)
+    else:
+        add_lora(model, cfg.targets, cfg.lora_rank, cfg.alpha, cfg.lora_dropout, cfg.use_dora,
+                 str(cfg.model_name_or_path))  # fmt: skip
     if cfg.gradient_checkpointing:
         enable_checkpointing(model)
     return Prepared(model, fmt, train, evals, eval_examples, torch.device(device))
+
+
+def _add_saved_adapter(model, cfg: FinetuneConfig) -> None:
+    """LoRA layers shaped as a saved adapter says (its rank, alpha, targets, DoRA), then its
+    weights; training continues from there (lora_dropout still from the config)."""
+    from hetserve.finetune.model import ADAPTER_CONFIG, add_lora, load_adapter_weights
+
+    path = Path(cfg.adapter_name_or_path) / ADAPTER_CONFIG
+    if not path.is_file():
+        raise InvalidInputError(
+            f"adapter_name_or_path: no {ADAPTER_CONFIG} in {str(path.parent)!r}"
+        )
+    saved = json.loads(path.read_text())
+    targets, dora = sorted(saved["target_modules"]), bool(saved.get("use_dora"))
+    add_lora(model, targets, saved["r"], saved["lora_alpha"], cfg.lora_dropout, dora,
+             str(cfg.model_name_or_path))  # fmt: skip
+    load_adapter_weights(model, cfg.adapter_name_or_path)
 
 
 def enable_checkpointing(model) -> None:

@@ -144,3 +144,14 @@ def test_gradient_checkpointing_and_quantized_experts_train(base_config, tmp_pat
         out = tmp_path / f"q{bits}"
         train(base_config(output_dir=str(out), quantization_bit=bits, **common))
         assert all(torch.isfinite(torch.tensor(loss)) for loss in losses(out))
+
+
+def test_predict_with_a_saved_adapter(base_config, tmp_path):
+    train(base_config(max_steps=2))
+    cfg = base_config(do_train=False, dataset=None, eval_dataset="tiny_alpaca", max_samples=1,
+                      do_predict=True, predict_with_generate=True, max_new_tokens=3,
+                      adapter_name_or_path=str(tmp_path / "out"),
+                      output_dir=str(tmp_path / "pred"))  # fmt: skip
+    results = train(cfg)
+    assert "predict_rouge-l" in results
+    assert (tmp_path / "pred" / "generated_predictions.jsonl").is_file()
