@@ -31,6 +31,9 @@ class _Words:
 
 
 def similarity(pred: str, label: str) -> dict[str, float]:
+    from hetserve.finetune.model import require
+
+    require("nltk"), require("rouge_score")
     from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu
     from rouge_score import rouge_scorer
 

@@ -177,7 +177,7 @@ def linear_module_names(model: CausalLM) -> list[str]:
 def add_lora(model: CausalLM, targets: list[str] | str, rank: int, alpha: float,
              dropout: float, use_dora: bool, base_model: str = "") -> None:  # fmt: skip
     """Inject PEFT's LoRA (or DoRA) layers into the named modules; only they train."""
-    import peft
+    peft = require("peft")
 
     known = linear_module_names(model)
     wanted = known if targets == "all" else list(targets)
@@ -202,6 +202,18 @@ def add_lora(model: CausalLM, targets: list[str] | str, rank: int, alpha: float,
         peft.inject_adapter_in_model(config, model)
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
+
+
+def require(module: str):
+    """An optional dependency of fine-tuning, or a one-line error naming the extra."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise InvalidInputError(
+            f"fine-tuning needs {module!r}: pip install 'hetserve[finetune]'"
+        ) from None
 
 
 @contextlib.contextmanager
