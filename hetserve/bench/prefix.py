@@ -141,16 +141,14 @@ def _measure(cfg: EngineConfig, name: str, args) -> dict:
         for t in tqdm(range(args.trials), desc=f"bench prefix: {name}"):
             prefix = pool[3 * t][:shared]
             row["cold_s"].append(ttft(prefix + pool[3 * t + 1][shared:])[0])
-            if llm.engine.tiers is not None:  # only the tier holds it now
-                llm.engine.tiers.flush()
-                llm.engine.tiers.make_cold()
+            if llm.flush_kv_store(cold=True):  # only the tier holds it now
                 llm.reset_prefix_cache()
             before = llm.stats().prompt_tokens_computed
             seconds, out = ttft(prefix + pool[3 * t + 2][shared:])
             row["warm_s"].append(seconds)
             row["warm_computed"].append(llm.stats().prompt_tokens_computed - before)
             row["warm_cached_by_tier"].append(out.cached_tokens_by_tier)
-        row["summary"] = llm.engine.kv_summary
+        row["summary"] = llm.kv_summary
         stats = llm.stats().tiers
         row["skipped_blocks"] = stats.skipped_blocks if stats else 0
         return row

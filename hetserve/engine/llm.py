@@ -84,6 +84,23 @@ class LLM:
         """Drop the device prefix cache (the KV tiers keep their copies)."""
         return self.engine.reset_prefix_cache()
 
+    @property
+    def kv_summary(self) -> str | None:
+        """One line on the KV tiers behind the prefix cache (None without a KV store)."""
+        return self.engine.kv_summary
+
+    def flush_kv_store(self, timeout_s: float = 10.0, cold: bool = False) -> bool:
+        """Save every cached block the KV store lacks and wait for the saves (at most
+        `timeout_s`); `cold` then makes the next reads come from the medium, not a page cache
+        (benchmarks of a tier). Returns whether all was saved; False without a KV store."""
+        tiers = self.engine.tiers
+        if tiers is None:
+            return False
+        done = tiers.flush(timeout_s)
+        if cold:
+            tiers.make_cold()
+        return done
+
     def close(self) -> None:
         """Save the KV a KV store lacks yet, and close the store (no-op without one)."""
         self.engine.close()
