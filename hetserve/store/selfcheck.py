@@ -79,9 +79,11 @@ def open_and_check(
     label = parsed.redacted()
     # A remote service may never answer: bound it. Opening an in-process store cannot hang; it
     # only takes time to fault in its DRAM (seconds per tens of GiB), which is not a failure.
-    opener = lambda: open_store(parsed)  # noqa: E731
     try:
-        store = opener() if parsed.scheme == "local" else _bounded(opener, timeout_s, label)
+        if parsed.scheme == "local":
+            store = open_store(parsed)
+        else:
+            store = _bounded(lambda: open_store(parsed), timeout_s, label)
     except StoreCheckError:
         raise
     except StoreError as exc:
