@@ -61,7 +61,8 @@ class Saver:
         self._pinned: deque[KVBlock] = deque()
         self._staged: deque[tuple[BlockHash, int, float | None]] = deque()  # hash, slot, pin
         self._free_slots = list(range(io.staging_slots))
-        self._job: _Job | None = None
+        self._out: list[_Job] = []  # handed to the saver thread, not finished
+        self._in_flight_blocks = 0
         self._known: OrderedDict[BlockHash, None] = OrderedDict()
         self._in_flight: dict[BlockHash, int] = {}  # staged or being saved, not yet in the store
         self.saved = self.save_bytes = self.failed = self.shed = 0
@@ -132,32 +133,40 @@ class Saver:
             self.shed += 1
 
     def pump(self) -> None:
-        """Take finished saves in, and hand the saver its next batch when it is idle."""
+        """Take finished saves in, and hand the saver all that waits, in batches, up to
+        `max_pending` blocks in flight (the rest waits here, where it may be shed)."""
         while True:
             try:
                 job = self._done.get_nowait()
             except queue.Empty:
                 break
             self._finish(job)
-        if self._job is not None:
-            return
         now = self.kv.pool.now
-        if self._staged:  # evicted blocks first: their copies exist nowhere else
-            batch = [self._staged.popleft() for _ in range(min(SAVE_BATCH, len(self._staged)))]
-            self._job = _Job(
-                [h for h, _, _ in batch], [p for _, _, p in batch], slots=[s for _, s, _ in batch]
-            )
-        elif self._pinned:
-            blocks = [self._pinned.popleft() for _ in range(min(SAVE_BATCH, len(self._pinned)))]
-            pins = [None if (u := self.kv.protection(b)) is None else u - now for b in blocks]
-            hashes = [b.block_hash for b in blocks]
-            assert all(h is not None for h in hashes), "a pinned cached block lost its hash"
-            self._job = _Job(hashes, pins, blocks=blocks)  # type: ignore[arg-type]
-        else:
-            return
-        self._jobs.put(self._job)
+        while self._staged or self._pinned:
+            if self._in_flight_blocks >= self.max_pending:
+                return
+            if self._staged:  # evicted blocks first: their copies exist nowhere else
+                n = min(SAVE_BATCH, len(self._staged))
+                batch = [self._staged.popleft() for _ in range(n)]
+                job = _Job(
+                    [h for h, _, _ in batch],
+                    [p for _, _, p in batch],
+                    slots=[s for _, s, _ in batch],
+                )
+            else:
+                n = min(SAVE_BATCH, len(self._pinned))
+                blocks = [self._pinned.popleft() for _ in range(n)]
+                pins = [None if (u := self.kv.protection(b)) is None else u - now for b in blocks]
+                hashes = [b.block_hash for b in blocks]
+                assert all(h is not None for h in hashes), "a pinned cached block lost its hash"
+                job = _Job(hashes, pins, blocks=blocks)  # type: ignore[arg-type]
+            self._out.append(job)
+            self._in_flight_blocks += len(job.hashes)
+            self._jobs.put(job)
 
     def _finish(self, job: _Job) -> None:
+        self._out.remove(job)
+        self._in_flight_blocks -= len(job.hashes)
         if job.slots is not None:
             for h in job.hashes:
                 self._track(h, -1)
@@ -172,7 +181,6 @@ class Saver:
             self.kv.unpin(job.blocks)
         if job.slots is not None:
             self._free_slots.extend(job.slots)
-        self._job = None
 
     def _remember(self, h: BlockHash) -> None:
         self._known[h] = None
@@ -181,7 +189,7 @@ class Saver:
             self._known.popitem(last=False)
 
     def pending(self) -> int:
-        return len(self._pinned) + len(self._staged) + (len(self._job.hashes) if self._job else 0)
+        return len(self._pinned) + len(self._staged) + self._in_flight_blocks
 
     def flush(self, timeout_s: float) -> bool:
         """Save every free cached device block the store may lack, and wait (at most
@@ -205,18 +213,20 @@ class Saver:
 
     def check_integrity(self) -> None:
         pinned = [b.block_id for b in self._pinned]
-        if self._job is not None and self._job.blocks is not None:
-            pinned += [b.block_id for b in self._job.blocks]
+        for job in self._out:
+            pinned += [b.block_id for b in job.blocks or []]
         assert len(set(pinned)) == len(pinned), pinned
         for bid in pinned:
             assert self.kv.pinned.get(bid, 0) >= 1, bid
         slots = [s for _, s, _ in self._staged] + list(self._free_slots)
-        if self._job is not None and self._job.slots is not None:
-            slots += self._job.slots
+        for job in self._out:
+            slots += job.slots or []
         assert sorted(slots) == list(range(self.io.staging_slots)), "staging slots leaked"
         staged = [h for h, _, _ in self._staged]
-        if self._job is not None and self._job.slots is not None:
-            staged += self._job.hashes
+        for job in self._out:
+            if job.slots is not None:
+                staged += job.hashes
+        assert self._in_flight_blocks == sum(len(j.hashes) for j in self._out)
         counts: dict[BlockHash, int] = {}
         for h in staged:
             counts[h] = counts.get(h, 0) + 1
