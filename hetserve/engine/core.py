@@ -256,8 +256,11 @@ class EngineCore:
             return []
         t0 = time.perf_counter()
         result = self.executor.run(sched.scheduled, self.kv.block_ids)
-        if self.tiers is not None and result.prompt_tokens >= PREFILL_SAMPLE_TOKENS:
-            self.tiers.cost.observe_prefill(result.prompt_tokens, time.perf_counter() - t0)
+        if self.tiers is not None:
+            seconds = time.perf_counter() - t0
+            self.tiers.cost.observe_step(seconds)
+            if result.prompt_tokens >= PREFILL_SAMPLE_TOKENS:
+                self.tiers.cost.observe_prefill(result.prompt_tokens, seconds)
         outputs = self._fail(result.failed)
         ok = [s for s in sched.scheduled if s.request.request_id in self.seqs]
         self.scheduler.update(SchedulerOutput(ok, sched.preempted), result.sampled, self.eos_ids)

@@ -125,6 +125,15 @@ class BlockIO:
         for tb, off, n in zip(self._by_block, self._offsets, self.part_bytes, strict=True):
             self._staging[rows, off : off + n] = tb.index_select(0, ids).cpu()
 
+    def unstage(self, slots: list[int], block_ids: list[int]) -> None:
+        """Copy staged blocks back into the KV cache (the victim cache's hit)."""
+        if not slots:
+            return
+        ids = torch.tensor(block_ids, device=self.tensors[0].device)
+        rows = torch.tensor(slots)
+        for tb, off, n in zip(self._by_block, self._offsets, self.part_bytes, strict=True):
+            tb.index_copy_(0, ids, self._staging[rows, off : off + n].to(tb.device))
+
     def staged_parts(self, slots: list[int]) -> list[list[Any]]:
         per = self.bytes_per_block
         return [

@@ -38,6 +38,7 @@ class CostModel:
 
     tiers: dict[str, TierCost] = field(default_factory=dict)
     prefill_tokens_per_s: float | None = None  # None until the engine has prefilled once
+    step_s: float = 0.0  # an engine step: what a load off the engine thread waits at least
 
     def observe_load(self, tier: str, nbytes: int, seconds: float, calls: int = 1) -> None:
         """A real read of `nbytes` in `calls` batched calls took `seconds`: update the tier's
@@ -49,6 +50,9 @@ class CostModel:
         if transfer <= 0:
             return  # all latency: nothing to learn about the bandwidth
         cost.bandwidth = (1 - EMA) * cost.bandwidth + EMA * (nbytes / transfer)
+
+    def observe_step(self, seconds: float) -> None:
+        self.step_s = (1 - EMA) * self.step_s + EMA * seconds if self.step_s else seconds
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
@@ -80,11 +84,14 @@ def plan_load(
     block_size: int,
     model: CostModel,
     always: bool = False,
+    inline: frozenset[str] | set[str] = frozenset(),
 ) -> LoadPlan:
     """`found[i]` names the tier holding the i-th block after the device hit (a run: prefix
     semantics). Returns the prefix worth loading: the k that saves the most predicted time,
     where loading k blocks costs one batched read per tier among them (the tiers are read one
-    after the other) and recomputing them costs k * block_size tokens at the prefill rate."""
+    after the other), plus an engine step when any of them is not an `inline` tier (those are
+    read at admission; the others on a thread, landing a step later), and recomputing them
+    costs k * block_size tokens at the prefill rate."""
     n = len(found)
     if n == 0:
         return LoadPlan(0, 0, 0.0, 0.0, "nothing found")
@@ -102,6 +109,8 @@ def plan_load(
             break  # a tier we cannot predict: load only what comes before it
         per_tier[tier] = per_tier.get(tier, 0) + 1
         load = sum(model.tiers[t].load_time(c * bytes_per_block) for t, c in per_tier.items())
+        if any(t not in inline for t in per_tier):
+            load += model.step_s
         recompute = k * block_size / rate
         if recompute - load > best_gain:
             best_k, best_gain, best_load = k, recompute - load, load

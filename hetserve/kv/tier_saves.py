@@ -7,6 +7,11 @@ Who calls it: `TierManager` (kv/tiers.py) on the engine thread. Two paths feed i
   store's prompt blocks, so other instances find them at once; everything at shutdown).
 Store calls run on one saver thread, a batch at a time, so no step waits on I/O.
 
+The staging area doubles as a victim cache: a slot keeps its block's bytes (and the block's
+identity) until the slot is reused, oldest-freed first, so a request coming back for a block
+evicted a moment ago copies it from there (`staged_run`, `unstage`) instead of waiting for the
+store. Slots being read are held (`hold`), so no capture reuses them meanwhile.
+
 Failure contract: a save that raises (a full or unreachable store) leaves those blocks unsaved
 (counted); nothing is retried. Under pressure the oldest queued save is shed rather than
 stalling a step (counted): a full staging area drops the oldest staged block, a long pin queue
@@ -60,7 +65,10 @@ class Saver:
         self.max_pending = max_pending
         self._pinned: deque[KVBlock] = deque()
         self._staged: deque[tuple[BlockHash, int, float | None]] = deque()  # hash, slot, pin
-        self._free_slots = list(range(io.staging_slots))
+        self._free_slots: deque[int] = deque(range(io.staging_slots))  # oldest freed first
+        self._slot_of: dict[BlockHash, int] = {}  # victim cache: block -> slot holding it
+        self._hash_in: dict[int, BlockHash] = {}
+        self._held: set[int] = set()  # slots being read: not reused meanwhile
         self._out: list[_Job] = []  # handed to the saver thread, not finished
         self._in_flight_blocks = 0
         self._known: OrderedDict[BlockHash, None] = OrderedDict()
@@ -74,14 +82,6 @@ class Saver:
 
     def known(self, h: BlockHash | None) -> bool:
         return h is None or h in self._known
-
-    def on_its_way(self, hashes: list[BlockHash]) -> bool:
-        """Whether any of these blocks is being saved right now (evicted, staged or in a put):
-        a lookup a moment later finds it in the store."""
-        if not self._in_flight and not self.kv.pool.evicted:
-            return False
-        evicted = {e.block_hash for e in self.kv.pool.evicted}
-        return any(h in self._in_flight or h in evicted for h in hashes)
 
     def _track(self, h: BlockHash, delta: int) -> None:
         n = self._in_flight.get(h, 0) + delta
@@ -102,22 +102,57 @@ class Saver:
         todo = [e for e in evicted if not self.known(e.block_hash)]
         if not todo:
             return
-        need = len(todo) - len(self._free_slots)
+        usable = len(self._free_slots) - len(self._held & set(self._free_slots))
+        need = len(todo) - usable
         while need > 0 and self._staged:  # shed the oldest staged saves, not the new ones
             h, slot, _ = self._staged.popleft()
             self._free_slots.append(slot)
             self._track(h, -1)
             self.shed += 1
-            need -= 1
+            if slot not in self._held:
+                need -= 1
         if need > 0:  # more evictions than the staging area holds: keep the newest
             self.shed += need
             todo = todo[need:]
-        slots = [self._free_slots.pop() for _ in todo]
+        slots = [self._take_slot() for _ in todo]
         self.io.stage([e.block_id for e in todo], slots)
         now = self.kv.pool.now
         for e, slot in zip(todo, slots, strict=True):
             self._staged.append((e.block_hash, slot, _ttl(e, now)))
             self._track(e.block_hash, 1)
+            self._slot_of[e.block_hash] = slot
+            self._hash_in[slot] = e.block_hash
+
+    def _take_slot(self) -> int:
+        """The oldest-freed slot not being read; it forgets the block it held."""
+        for _ in range(len(self._free_slots)):
+            slot = self._free_slots.popleft()
+            if slot not in self._held:
+                old = self._hash_in.pop(slot, None)
+                if old is not None:
+                    self._slot_of.pop(old, None)
+                return slot
+            self._free_slots.append(slot)
+        raise AssertionError("no free staging slot (capture counts them first)")
+
+    # ---- the victim cache ---------------------------------------------------------------
+    def staged_run(self, hashes: list[BlockHash]) -> list[int]:
+        """Slots holding the leading run of these blocks (copies of blocks evicted lately)."""
+        if self.kv.pool.evicted and any(e.block_hash in set(hashes) for e in self.kv.pool.evicted):
+            self.capture()  # their bytes are still in place: stage them now
+        run = []
+        for h in hashes:
+            slot = self._slot_of.get(h)
+            if slot is None:
+                break
+            run.append(slot)
+        return run
+
+    def hold(self, slots: list[int]) -> None:
+        self._held.update(slots)
+
+    def release(self, slots: list[int]) -> None:
+        self._held.difference_update(slots)
 
     def enqueue(self, blocks: list[KVBlock]) -> None:
         """Pin blocks and save them in place (write-through, flush)."""
@@ -218,6 +253,8 @@ class Saver:
         assert len(set(pinned)) == len(pinned), pinned
         for bid in pinned:
             assert self.kv.pinned.get(bid, 0) >= 1, bid
+        assert all(self._slot_of[h] == s for s, h in self._hash_in.items())
+        assert len(self._slot_of) == len(self._hash_in)
         slots = [s for _, s, _ in self._staged] + list(self._free_slots)
         for job in self._out:
             slots += job.slots or []

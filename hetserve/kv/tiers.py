@@ -33,7 +33,7 @@ from hetserve.core.request import Request
 from hetserve.core.stats import TierStats
 from hetserve.kv.block_pool import KVBlock
 from hetserve.kv.manager import KVCacheManager
-from hetserve.kv.tier_policy import CostModel, LoadPlan, plan_load
+from hetserve.kv.tier_policy import CostModel, LoadPlan, TierCost, plan_load
 from hetserve.kv.tier_saves import Saver
 from hetserve.store.api import KVStore
 
@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 MAX_FOUND = 1 << 14  # lookup results kept for requests not admitted yet
 MAX_LOADS = 2  # loads per request (a second when its first one's blocks were taken back)
 WAIT, LOADING, NONE = "wait", "loading", "none"  # what prepare() tells the scheduler
+STAGED = "staged"  # the victim cache: blocks evicted lately, still in the staging area
+# A copy from host memory: a latency of a few microseconds at memcpy speed.
+STAGED_COST = TierCost(latency_s=5e-6, bandwidth=8e9)
 Job = Callable[[], tuple[Any, ...]]  # runs on a worker, returns (kind, *result); never raises
 
 
@@ -73,6 +76,10 @@ class BlockIO(Protocol):
         """Buffers of staged copies for a store write (on the saver thread)."""
         ...
 
+    def unstage(self, slots: list[int], block_ids: list[int]) -> None:
+        """Copy staged blocks back into the KV cache (engine thread)."""
+        ...
+
 
 @dataclass(eq=False)
 class _Load:
@@ -82,6 +89,7 @@ class _Load:
     keys: list[bytes]
     tiers: list[str]
     started: float
+    done: int = 0  # blocks copied from the victim cache before the store's part
     ok: int | None = None  # blocks read, once the worker is done
     seconds: float = 0.0
     abandoned: bool = False  # timed out: the request went on, the blocks wait for the worker
@@ -127,6 +135,10 @@ class TierManager:
         self._abandoned: list[_Load] = []
         self._to_submit: list[_Load] = []  # loads planned this step, started after capture
         self.saver = Saver(store, kv, io, max_pending_saves)
+        cost.tiers.setdefault(STAGED, STAGED_COST)
+        # Tiers loaded right at admission (no engine step in between): the victim cache and a
+        # DRAM tier in this process.
+        self.inline = {STAGED} | ({"dram"} if sync_lookup else set())
         self.counts = _Counters()
         # Results of the workers' jobs, drained on the engine thread.
         self._results: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
@@ -136,39 +148,43 @@ class TierManager:
 
     # ---- the scheduler's KVLoader ---------------------------------------------------------
     def prepare(self, req: Request, computed: list[KVBlock]) -> str:
-        """At admission, after a device hit of `device_blocks`: look the following blocks up
-        in the store (at once for a store in this process, else on the loader thread) and start
-        loading what is worth it. Returns WAIT (the lookup is out), LOADING or NONE (admit it
-        as it is). Asked again at every admission attempt, so blocks evicted from the device
-        since the last attempt are looked for in the store too."""
+        """At admission, after a device hit of `computed` blocks: find the following blocks in
+        the victim cache (blocks evicted a moment ago, still staged) and then in the store (at
+        once for a store in this process, else on the loader thread), and load what is worth
+        it. Blocks from the victim cache and an in-process DRAM tier are copied right here
+        (NONE: admit it now, they are prefix hits); others load on the loader thread (LOADING).
+        WAIT: a lookup is out. Asked again at every admission attempt, so blocks evicted from
+        the device since the last attempt are found too."""
         rid = req.request_id
         device_blocks = len(computed)
         if rid in self.kv.load_holds or req.num_loads >= MAX_LOADS:
             return NONE  # its load landed: admit it with what it brought
-        found = self._found.get(rid)
         n = self.kv.lookup_blocks(req)
-        if self.saver.on_its_way(req.block_hashes[device_blocks:n]):
-            # Evicted a moment ago (by requests admitted before it) and being saved: wait a
-            # step or two for the store to have it rather than recompute it.
-            self._found.pop(rid, None)
-            return WAIT
-        if found is None or found[0] > device_blocks:  # none yet, or the device hit shrank
+        hashes = req.block_hashes[device_blocks:n]
+        staged = self.saver.staged_run(hashes)
+        rest = device_blocks + len(staged)
+        found = self._found.get(rid)
+        if rest < n and (found is None or found[0] != rest):  # ask the store beyond them
             if rid in self._lookups_out:
                 self._drain()
                 found = self._found.get(rid)
-                if found is None or found[0] > device_blocks:
-                    return WAIT
+            elif not self.sync_lookup:
+                self._lookup(req, rest)
+                return WAIT
             else:
-                self._lookup(req, device_blocks)
+                self._lookup(req, rest)
                 found = self._found.get(rid)
-                if found is None:
+            if found is None or found[0] != rest:
+                if not staged:
                     return WAIT
-        looked_from, tiers = found
-        run = tiers[device_blocks - looked_from :]
-        if not run or not self._start_load(req, computed, run):
+                found = (rest, [])  # load the staged run now; the rest may come next time
+        run = [STAGED] * len(staged) + (found[1] if found else [])
+        if not run:
             return NONE
-        self._found.pop(rid, None)
-        return LOADING
+        state = self._start_load(req, computed, run, staged)
+        if state != NONE or req.request_id in self.kv.load_holds:
+            self._found.pop(rid, None)
+        return state
 
     def _lookup(self, req: Request, first: int) -> None:
         n = self.kv.lookup_blocks(req)
@@ -197,30 +213,52 @@ class TierManager:
             run.append(t)
         return run
 
-    def _start_load(self, req: Request, computed: list[KVBlock], run: list[str]) -> bool:
-        first_block = len(computed)
+    def _start_load(
+        self, req: Request, computed: list[KVBlock], run: list[str], staged: list[int]
+    ) -> str:
+        first = len(computed)
         bpb = self.io.bytes_per_block
-        plan = plan_load(run, bpb, self.block_size, self.cost, self.always_load)
-        self._log_plan(req, first_block, plan)
+        plan = plan_load(run, bpb, self.block_size, self.cost, self.always_load, self.inline)
+        self._log_plan(req, first, plan)
         if plan.skipped:
             self.counts.skipped += plan.found_blocks
         if plan.num_blocks == 0:
-            return False
-        blocks = self.kv.allocate_for_load(req, computed, plan.num_blocks)
-        if blocks is None:
-            self.counts.no_room += 1
-            return False
-        keys = [h.digest for h in req.block_hashes[first_block : first_block + plan.num_blocks]]
-        job = _Load(req, first_block, blocks, keys, run[: plan.num_blocks], time.monotonic())
-        self._loads[req.request_id] = job
+            return NONE
+        k = plan.num_blocks
+        from_cache = staged[:k]
+        self.saver.hold(from_cache)  # no capture may reuse them while they are read
+        try:
+            blocks = self.kv.allocate_for_load(req, computed, k)
+            if blocks is None:
+                self.counts.no_room += 1
+                return NONE
+            # The blocks just reserved may be evicted cached blocks: stage their old bytes
+            # before anything is written into them.
+            self.saver.capture()
+            ids = [b.block_id for b in blocks]
+            self.io.unstage(from_cache, ids[: len(from_cache)])
+        finally:
+            self.saver.release(from_cache)
         req.num_loads += 1
-        # Submitted only after capture_evicted: the blocks it reserved may be evicted cached
-        # blocks whose old bytes must be staged (saved) before the load writes over them.
-        self._to_submit.append(job)
-        return True
+        hashes = req.block_hashes[first + len(from_cache) : first + k]
+        job = _Load(req, first, blocks, [h.digest for h in hashes], run[:k], time.monotonic())
+        job.done = len(from_cache)
+        if not hashes:  # everything came from the victim cache
+            job.ok = len(from_cache)
+            self._land(job)
+            return NONE
+        if set(run[len(from_cache) : k]) <= self.inline:  # an in-process DRAM tier: a copy
+            ok, job.seconds = self._read(job)
+            job.ok = job.done + ok
+            self._land(job)
+            return NONE
+        self._loads[req.request_id] = job
+        self._load_jobs.put(functools.partial(self._load_job, job))
+        return LOADING
 
     def _read(self, job: _Load) -> tuple[int, float]:
-        ids = [b.block_id for b in job.blocks]
+        """Read the store's part of a load (after the victim cache's `job.done` blocks)."""
+        ids = [b.block_id for b in job.blocks[job.done :]]
         t0 = time.perf_counter()
         try:
             sizes = self.store.batch_get_into_parts(job.keys, self.io.load_parts(ids))
@@ -248,6 +286,8 @@ class TierManager:
             if job.ok is None:
                 continue
             del self._loads[rid]
+            if not job.abandoned:
+                job.ok += job.done  # the victim cache's blocks came first
             self._land(job)
             out.append(job.req)
         return out

@@ -146,6 +146,8 @@ class Scheduler:
                     req.status = RequestStatus.WAITING_FOR_KV
                     self.loading[req.request_id] = req
                     continue
+                if req.request_id in self.kv.load_holds:  # loaded right there: hits now
+                    computed, num_cached = self.kv.get_computed_blocks(req)
             n = req.num_tokens - num_cached
             if n > budget and not self.cfg.enable_chunked_prefill:
                 break

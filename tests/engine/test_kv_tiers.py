@@ -68,6 +68,12 @@ def force_loads(llm: LLM) -> None:
     cost.observe_prefill = lambda *a: None
 
 
+def load_off_thread(llm: LLM) -> None:
+    """Load from the DRAM tier on the loader thread, as from a remote or SSD tier (an
+    in-process DRAM tier is otherwise copied at admission, where nothing can hang)."""
+    llm.engine.tiers.inline = {"staged"}
+
+
 def saved_then_dropped(llm: LLM, *prompts) -> None:
     """Compute the prompts, save their blocks, then drop the device prefix cache."""
     for i, p in enumerate(prompts):
@@ -176,6 +182,7 @@ def test_a_hanging_store_times_out_and_its_blocks_come_back(model, reference):
     release = threading.Event()
     try:
         force_loads(llm)
+        load_off_thread(llm)
         saved_then_dropped(llm, A)
         llm.engine.tiers.load_timeout_s = 0.2
         _wrap_reads(llm, lambda store, keys: release.wait(10))
@@ -200,6 +207,7 @@ def test_abort_while_loading_frees_the_blocks_when_the_load_lands(model):
     gate = threading.Event()
     try:
         force_loads(llm)
+        load_off_thread(llm)
         saved_then_dropped(llm, A)
         _wrap_reads(llm, lambda store, keys: gate.wait(10))
         llm.engine.add_request("gone", A, PARAMS)
@@ -258,5 +266,21 @@ def test_a_sessions_blocks_stay_in_the_dram_tier_while_it_is_live(model):
         other = [h.digest for h in hash_prefix_blocks(B, 16, seed=seed)][:1]
         assert store.batch_locate(session) == ["dram"] * 6  # soft-pinned for the session's TTL
         assert store.batch_locate(other) == [None]  # not pinned: evicted (no SSD tier here)
+    finally:
+        llm.close()
+
+
+def test_blocks_evicted_a_moment_ago_come_back_from_the_victim_cache(model, reference):
+    # 12 device blocks: B's prefill evicts A's cached blocks, which are staged on the way out.
+    llm = LLM(model, max_model_len=128, num_kv_blocks=12, kv_store="local://?dram=64M")
+    try:
+        force_loads(llm)
+        generate(llm, A, "a")
+        generate(llm, B, "b")
+        before = computed(llm)
+        out = generate(llm, A, "a2")
+        assert out.cached_tokens_by_tier.get("staged", 0) > 0, out.cached_tokens_by_tier
+        assert computed(llm) - before == len(A) - out.num_cached_tokens
+        assert_same(out, reference["A"])
     finally:
         llm.close()
