@@ -32,6 +32,7 @@ from hetserve.engine.execute import describe
 from hetserve.errors import HetserveError
 
 log = logging.getLogger(__name__)
+BACKGROUND_TICK_S = 0.005  # how often an idle engine takes finished KV saves in
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineRequestError", "RequestStream", "RequestTiming"]
 
@@ -211,15 +212,17 @@ class AsyncLLM:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            block = not self.engine.has_unfinished()
+            busy = self.engine.has_unfinished()
+            # Idle but with KV saves out: wake up now and then to take them in.
+            wait = 0.0 if busy else (BACKGROUND_TICK_S if self.engine.background_work() else 0.5)
             try:
-                cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+                cmd = self._commands.get(timeout=wait) if wait else self._commands.get_nowait()
                 self._apply(cmd)
                 while True:
                     self._apply(self._commands.get_nowait())
             except queue.Empty:
                 pass
-            if self.engine.has_unfinished():
+            if self.engine.has_unfinished() or self.engine.background_work():
                 self._step()
             self._stats = self.engine.stats()
 

@@ -236,6 +236,10 @@ class EngineCore:
         self._finished["abort"] = self._finished.get("abort", 0) + 1
         return True
 
+    def background_work(self) -> bool:
+        """KV saves are out: a step (even with nothing to schedule) takes them in."""
+        return self.tiers is not None and self.tiers.saver.pending() > 0
+
     def has_unfinished(self) -> bool:
         # Loads of aborted requests still hold blocks: keep stepping until they land.
         return bool(self.parents) or bool(self.scheduler.loading)

@@ -19,8 +19,8 @@ from hetserve.server.metrics import ServerMetrics
 from hetserve.server.openapi import install_openapi
 from hetserve.server.protocol import (
     ChatCompletionRequest,
-    CompletionRequest,
     UnsupportedFieldError,
+    parse_completion,
 )
 
 MAX_BODY_BYTES = 8 << 20
@@ -145,7 +145,7 @@ def create_app(
 
     @app.post("/v1/completions")
     async def create_completion(request: Request):
-        req = CompletionRequest.model_validate_json(await request.body())
+        req = parse_completion(await request.body())
         return check_model(req.model) or await completions.create(req, request)
 
     @app.post("/v1/chat/completions")

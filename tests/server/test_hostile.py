@@ -407,3 +407,14 @@ def test_ttft_is_timed_from_http_arrival(srv, monkeypatch):
     before = ttft_sum()
     assert post(srv, "/v1/completions", {"prompt": "timed", "max_tokens": 1}).status_code == 200
     assert ttft_sum() - before >= 0.3  # the tokenization delay counts, as clients see it
+
+
+def test_long_token_id_prompts_are_checked_by_the_engine(srv):
+    for bad in (2.5, True, "x", None):  # past the schema's per-element check: the engine's
+        ids = [5] * 600 + [bad]
+        r = post(srv, "/v1/completions", {"prompt": ids, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", (bad, r.text)
+    r = post(srv, "/v1/completions", {"prompt": [5] * 900 + [10**9], "max_tokens": 1})
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+    r = post(srv, "/v1/completions", {"prompt": list(range(10, 500)) * 2300, "max_tokens": 1})
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"]

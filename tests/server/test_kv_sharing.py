@@ -70,7 +70,12 @@ class Serve:
             ):
                 return
             time.sleep(0.05)
-        raise AssertionError("the first server's prompt blocks were not saved")
+        counts = {
+            m: self.metric(f"hetserve_kv_tier_{m}")
+            for m in ("saved_blocks_total", "failed_saves_total", "pending_saves")
+        }
+        log = open(self.log.name).read()[-3000:]
+        raise AssertionError(f"the prompt blocks were not saved: {counts}\n{log}")
 
 
 @pytest.fixture(scope="module")
