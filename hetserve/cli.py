@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "hetserve.store.cli",  # store master | node
     "hetserve.engine.calibrate",  # calibrate (routing statistics for --gpu-experts)
     "hetserve.finetune.cli",  # finetune CONFIG.yaml
+    "hetserve.model.export",  # export (a LoRA adapter merged into full weights)
 ]
 
 

@@ -101,6 +101,32 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Serving LoRA adapters (PEFT format). LoRA layers are installed when `enable_lora` is set
+    or adapters are named; `max_loras` adapters are resident in the layers' slots at once (one
+    step runs at most that many; a batch with more is split), the rest wait in host memory."""
+
+    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, adapter directory) loaded at start
+    max_loras: int = 4
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        names = [n for n, _ in self.lora_modules]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"LoRA adapter name {dup!r} is given twice; names must be unique")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # HF directory; None = the embedded demo model
     device: str = "auto"
@@ -109,6 +135,7 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     moe: MoEConfig = MoEConfig()
+    lora: LoRAConfig = LoRAConfig()
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -136,7 +163,7 @@ class EngineConfig:
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: one object per option
 class EngineOption:
     name: str  # keyword of LLM(...) and argparse dest
-    section: str | None  # None (EngineConfig itself), "cache", "scheduler" or "moe"
+    section: str | None  # None (EngineConfig itself), "cache", "scheduler", "moe" or "lora"
     attr: str  # the field it sets in that section
     help: str
     type: Callable[[str], Any] | None = None
@@ -153,14 +180,36 @@ class EngineOption:
     @property
     def default(self) -> Any:
         """The config field's own default: defaults live in the dataclasses alone."""
-        cls = {None: EngineConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}.get(
-            self.section, MoEConfig
-        )
+        cls = {
+            None: EngineConfig,
+            "cache": CacheConfig,
+            "scheduler": SchedulerConfig,
+            "lora": LoRAConfig,
+        }.get(self.section, MoEConfig)
         return next(f.default for f in fields(cls) if f.name == self.attr)
 
 
 def _gib(value: float | None) -> int | None:
     return None if value is None else int(float(value) * (1 << 30))
+
+
+def _lora_modules(value: Any) -> tuple[tuple[str, str], ...]:
+    """`NAME=DIR` strings (the flag), or a {name: dir} mapping / (name, dir) pairs (Python)."""
+    if isinstance(value, dict):
+        return tuple((str(k), str(v)) for k, v in value.items())
+    pairs = []
+    for item in value or ():
+        if isinstance(item, str):
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise InvalidInputError(
+                    f"--lora-modules takes NAME=DIR pairs, got {item!r}; e.g. sql=/adapters/sql"
+                )
+            item = (name, path)
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            raise InvalidInputError(f"lora_modules entries are (name, directory), got {item!r}")
+        pairs.append((str(item[0]), str(item[1])))
+    return tuple(pairs)
 
 
 ENGINE_OPTIONS: tuple[EngineOption, ...] = (
@@ -237,6 +286,23 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "count every routing decision (read them with routing_stats())",
         flag="",  # set by commands (calibrate, serve --save-routing-stats), not a flag
     ),
+    EngineOption(
+        "lora_modules", "lora", "lora_modules",
+        "LoRA adapters (PEFT directories) to serve; a request's model field picks one by NAME",
+        convert=_lora_modules, extra={"nargs": "+", "metavar": "NAME=DIR"},
+    ),
+    EngineOption(
+        "max_loras", "lora", "max_loras",
+        "LoRA adapters resident at once (a step with more runs in parts)", int,
+    ),
+    EngineOption(
+        "max_lora_rank", "lora", "max_lora_rank", "largest LoRA rank accepted", int
+    ),
+    EngineOption(
+        "enable_lora", "lora", "enable_lora",
+        "install LoRA layers though no adapter is named yet (adapters loaded later)",
+        flag="",  # implied by lora_modules; serve --enable-lora-runtime-updates sets it
+    ),
 )  # fmt: skip
 
 
@@ -247,12 +313,13 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults: Any) -> None:
         "cache": parser.add_argument_group("KV cache"),
         "scheduler": parser.add_argument_group("scheduler"),
         "moe": parser.add_argument_group("mixture of experts"),
+        "lora": parser.add_argument_group("LoRA adapters"),
     }
     for o in ENGINE_OPTIONS:
         if o.flag == "":
             continue
         default = defaults.get(o.name, o.default)
-        shown = "" if default is None or o.store_false else f" (default: {default})"
+        shown = "" if default in (None, ()) or o.store_false else f" (default: {default})"
         kw: dict[str, Any] = {"dest": o.name, "help": o.help + shown, **o.extra}
         if o.store_false:  # --no-X: a flag that turns on the default's opposite
             kw["action"] = "store_false"
@@ -261,8 +328,11 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults: Any) -> None:
         groups[o.section].add_argument(o.cli_flag, default=default, **kw)
 
 
+_SECTIONS = (None, "cache", "scheduler", "moe", "lora")
+
+
 def _build(values: dict[EngineOption, Any]) -> EngineConfig:
-    sections: dict[str | None, dict[str, Any]] = {None: {}, "cache": {}, "scheduler": {}, "moe": {}}
+    sections: dict[str | None, dict[str, Any]] = {s: {} for s in _SECTIONS}
     for o, value in values.items():
         sections[o.section][o.attr] = o.convert(value) if o.convert else value
     try:
@@ -271,6 +341,7 @@ def _build(values: dict[EngineOption, Any]) -> EngineConfig:
             cache=CacheConfig(**sections["cache"]),
             scheduler=SchedulerConfig(**sections["scheduler"]),
             moe=MoEConfig(**sections["moe"]),
+            lora=LoRAConfig(**sections["lora"]),
         )
     except ValueError as exc:  # the CLI prints a HetserveError as one line and exits 2
         raise InvalidInputError(str(exc)) from None

@@ -39,6 +39,7 @@ class Request:
     priority: int = 0  # lower runs first (vLLM's convention); FCFS among equals
     cache_extra: CacheExtra = ()  # what changes the KV besides tokens: LoRA id, cache salt, ...
     session_id: str | None = None  # an agent's session: its blocks outlive it for a TTL
+    lora_id: str | None = None  # the LoRA adapter it runs with (content id), None = base model
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first scheduling
@@ -80,3 +81,4 @@ class EngineRequest:
     cache_extra: CacheExtra = ()
     arrival_time: float = field(default_factory=time.monotonic)
     session_id: str | None = None
+    lora_id: str | None = None  # content id of its LoRA adapter (also in cache_extra)

@@ -27,6 +27,7 @@ from hetserve.core.stats import EngineStats
 from hetserve.engine.detokenizer import IncrementalDetokenizer
 from hetserve.engine.execute import StepExecutor, StepResult, describe
 from hetserve.engine.kv_store import BlockIO, kv_identity, open_tiers
+from hetserve.engine.lora import build_lora_manager, resolve_lora
 from hetserve.engine.output import ParentState, SeqState
 from hetserve.engine.runner import ModelRunner
 from hetserve.errors import InvalidInputError, PromptTooLongError
@@ -61,7 +62,9 @@ class EngineCore:
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
         bs = cfg.cache.block_size
         num_blocks = self._num_blocks()
-        self.runner = ModelRunner(self.model, num_blocks, bs)
+        self.lora = build_lora_manager(self.model, cfg.lora)  # None: no LoRA code runs at all
+        lora_batch = None if self.lora is None else self.lora.batch
+        self.runner = ModelRunner(self.model, num_blocks, bs, lora_batch)
         seed = kv_identity(self.model_dir, self.runner.kv, cfg.cache.hash_seed)
         self.kv = KVCacheManager(
             num_blocks, bs, cfg.cache.enable_prefix_caching, seed, cfg.cache.session_ttl_s
@@ -78,7 +81,7 @@ class EngineCore:
         self.scheduler = Scheduler(cfg.scheduler, self.kv, self.max_model_len, self.tiers)
         self.seqs: dict[str, SeqState] = {}
         self.parents: dict[str, ParentState] = {}
-        self.executor = StepExecutor(self.runner, self.seqs, self.eos_ids)
+        self.executor = StepExecutor(self.runner, self.seqs, self.eos_ids, self.lora)
         self._counts = {"steps": 0, "preemptions": 0, "prompt_tokens": 0, "generation": 0}
         self._finished: dict[str, int] = {}
 
@@ -127,10 +130,15 @@ class EngineCore:
         arrival_time: float | None = None,
         cache_extra: CacheExtra = (),
         session_id: str | None = None,
+        lora: str | None = None,
     ) -> EngineRequest:
-        """Check a request against the model (vocabulary, context) and resolve its max_tokens.
+        """Check a request against the model (vocabulary, context) and resolve its max_tokens
+        and its LoRA adapter (`lora`: a loaded adapter's name; None = the base model).
         Thread-safe. Raises InvalidInputError naming the field."""
         self.validate_prompt(prompt_token_ids)
+        lora_id = resolve_lora(self.lora, lora)
+        if lora_id is not None:  # no KV is ever shared across adapters (or with the base)
+            cache_extra = (*cache_extra, f"lora:{lora_id}")
         vocab = self.vocab_size
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),
@@ -162,6 +170,7 @@ class EngineCore:
             priority=priority,
             cache_extra=cache_extra,
             session_id=session_id,
+            lora_id=lora_id,
             **extra,
         )
 
@@ -171,6 +180,8 @@ class EngineCore:
         rid, params = new.request_id, new.params
         if rid in self.parents:
             raise InvalidInputError(f"request id {rid!r} is already in use", param="request_id")
+        if new.lora_id is not None and not (self.lora and self.lora.has(new.lora_id)):
+            raise InvalidInputError("its LoRA adapter was unloaded meanwhile", param="model")
         parent = ParentState(rid, new.prompt, new.prompt_token_ids, stream=stream)
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
@@ -185,6 +196,7 @@ class EngineCore:
                 priority=new.priority,
                 cache_extra=new.cache_extra,
                 session_id=new.session_id,
+                lora_id=new.lora_id,
             )
             gen = torch.Generator(device="cpu")
             # Unseeded requests draw a fresh seed; torch.seed() would cost ~2 ms per request and
@@ -211,6 +223,7 @@ class EngineCore:
         cache_extra: CacheExtra = (),
         stream: bool = True,
         session_id: str | None = None,
+        lora: str | None = None,
     ) -> None:
         """Validate and queue a request (the single-threaded convenience of the two above)."""
         new = self.validate_request(
@@ -221,6 +234,7 @@ class EngineCore:
             priority,
             cache_extra=cache_extra,
             session_id=session_id,
+            lora=lora,
         )
         self.add(new, stream=stream)
 
@@ -248,6 +262,8 @@ class EngineCore:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         self.kv.pool.set_time(time.monotonic())
+        if self.lora is not None and self.lora.retired:  # unloaded adapters no one uses now
+            self.lora.collect({st.request.lora_id for st in self.seqs.values()})
         sched = self.scheduler.schedule()
         if self.tiers is not None:
             self.tiers.capture_evicted()  # before this step's forward writes over them

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hetserve.core.outputs import PositionLogprobs
+from hetserve.engine.lora import LoRAManager
 from hetserve.engine.output import SeqState
 from hetserve.engine.runner import ModelRunner, SeqInput
 from hetserve.layers.sampler import SamplingRow, process_logits, sample, token_logprobs
@@ -51,13 +52,29 @@ class StepResult:
 
 
 class StepExecutor:
-    def __init__(self, runner: ModelRunner, seqs: dict[str, SeqState], eos_ids: set[int]):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        seqs: dict[str, SeqState],
+        eos_ids: set[int],
+        lora: LoRAManager | None = None,
+    ):
         self.runner = runner
         self.seqs = seqs  # the engine's live sequences, by id (read only here)
         self.eos_ids = eos_ids
+        self.lora = lora
 
     def run(self, scheduled: list[ScheduledRequest], block_ids) -> StepResult:
         """`block_ids(request_id)` gives a sequence's KV block table."""
+        if self.lora is None:
+            return self._run_isolated(scheduled, block_ids)
+        # Each forward takes at most max_loras adapters, its rows ordered by adapter.
+        result = StepResult()
+        for group in self.lora.batches([s.request.lora_id for s in scheduled]):
+            result.merge(self._run_isolated([scheduled[i] for i in group], block_ids))
+        return result
+
+    def _run_isolated(self, scheduled: list[ScheduledRequest], block_ids) -> StepResult:
         try:
             return self._run(scheduled, block_ids)
         except Exception as exc:
@@ -80,11 +97,13 @@ class StepExecutor:
     def _run(self, scheduled: list[ScheduledRequest], block_ids) -> StepResult:
         result = StepResult()
         inputs = []
+        slots = self._lora_slots(scheduled)
         for s in scheduled:
             req = s.request
             start = req.num_computed_tokens
             tokens = req.all_token_ids[start : start + s.num_new_tokens]
-            inputs.append(SeqInput(tokens, start, block_ids(req.request_id)))
+            slot = slots.get(req.lora_id) if slots else None
+            inputs.append(SeqInput(tokens, start, block_ids(req.request_id), slot))
             result.prompt_tokens += max(0, min(req.num_prompt_tokens - start, s.num_new_tokens))
         hidden = self.runner.forward(inputs)
         ends = torch.tensor([len(i.token_ids) for i in inputs]).cumsum(0) - 1
@@ -94,6 +113,12 @@ class StepExecutor:
             logits = self.runner.logits(hidden[ends[rows].to(hidden.device)])
             self._sample([self.seqs[scheduled[i].request.request_id] for i in rows], logits, result)
         return result
+
+    def _lora_slots(self, scheduled: list[ScheduledRequest]) -> dict[str | None, int]:
+        if self.lora is None:
+            return {}
+        ids = list(dict.fromkeys(s.request.lora_id for s in scheduled if s.request.lora_id))
+        return self.lora.activate(ids) if ids else {}
 
     def _sample(self, states: list[SeqState], logits: torch.Tensor, result: StepResult) -> None:
         rows = [

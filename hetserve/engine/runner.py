@@ -6,12 +6,14 @@ It owns the model and the paged KV tensors; which slots a sequence uses is decid
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from hetserve.kv.paged import PagedKVCache
 from hetserve.layers.attention import ForwardContext, build_metadata
+from hetserve.layers.lora import LoRABatch
 from hetserve.model.base import CausalLM
 
 
@@ -20,11 +22,19 @@ class SeqInput:
     token_ids: list[int]  # the tokens to compute in this forward
     num_computed: int  # tokens of this sequence already in the KV cache
     block_ids: list[int]  # KV blocks covering num_computed + len(token_ids) tokens
+    lora_slot: int | None = None  # the LoRA slot its adapter is in (None: the base model)
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        lora_batch: LoRABatch | None = None,
+    ) -> None:
         self.model = model
+        self.lora_batch = lora_batch  # the model's LoRA layers read it (None: no LoRA layers)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size
@@ -42,7 +52,17 @@ class ModelRunner:
             self.model.sliding_window,
         )
         ids = torch.tensor([t for s in seqs for t in s.token_ids], device=self.device)
-        return self.model(ids, ForwardContext(meta, self.kv))
+        if self.lora_batch is None:
+            return self.model(ids, ForwardContext(meta, self.kv))
+        starts = list(itertools.accumulate((len(s.token_ids) for s in seqs), initial=0))
+        self.lora_batch.set(
+            [(starts[i], len(s.token_ids), s.lora_slot) for i, s in enumerate(seqs)],
+            [span.q_start for span in meta.seqs],
+        )
+        try:
+            return self.model(ids, ForwardContext(meta, self.kv))
+        finally:
+            self.lora_batch.clear()
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

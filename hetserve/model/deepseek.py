@@ -7,10 +7,13 @@ latent with kv_b_proj when attending.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from hetserve.layers.attention import ForwardContext, batched_decode_sdpa, sdpa
+from hetserve.layers.lora import LoRABatch, Segments, lora_project
 from hetserve.layers.norm import RMSNorm
 from hetserve.layers.rotary import yarn_softmax_scale
 from hetserve.model.base import CausalLM, DecoderLayer, DenseMLP
@@ -70,7 +73,7 @@ class MLAttention(nn.Module):
         if d is not None:
             b, n = d.slots.shape
             (rows,) = ctx.kv.gather(self.layer_idx, d.slots.flatten())
-            k, v = self._expand(rows)
+            k, v = self._expand(rows, lambda lora: lora.decode_segments(n))
             out[d.rows] = batched_decode_sdpa(
                 q[d.rows],
                 k.view(b, n, *k.shape[1:]),
@@ -78,18 +81,23 @@ class MLAttention(nn.Module):
                 d.mask,
                 self.scale,
             )
-        for s in ctx.meta.seqs:
+        for j, s in enumerate(ctx.meta.seqs):
             (rows,) = ctx.kv.gather(self.layer_idx, s.kv_slots)
-            k, v = self._expand(rows)
+            k, v = self._expand(rows, lambda lora, j=j, n=rows.shape[0]: lora.span_segments(j, n))
             sl = slice(s.q_start, s.q_start + s.q_len)
             out[sl] = sdpa(q[sl], k, v, s.mask, self.scale)
         return self.o_proj(out.reshape(t, -1))
 
-    def _expand(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cached rows [L, r + rope] -> per-head keys [L, H, nope + rope] and values [L, H, v]."""
+    def _expand(
+        self, rows: torch.Tensor, lora_segments: Callable[[LoRABatch], Segments]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached rows [L, r + rope] -> per-head keys [L, H, nope + rope] and values [L, H, v].
+        `lora_segments` says which rows belong to which LoRA adapter (they are not this
+        forward's tokens)."""
         n = rows.shape[0]
         latent, k_pe = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(latent).view(n, self.num_heads, self.nope_dim + self.v_dim)
+        kv = lora_project(self.kv_b_proj, latent, lora_segments)
+        kv = kv.view(n, self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k_pe = k_pe.unsqueeze(1).expand(n, self.num_heads, self.rope_dim)
         return torch.cat((k_nope, k_pe), dim=-1), v

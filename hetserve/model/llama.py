@@ -53,6 +53,11 @@ class GQAAttention(nn.Module):
         """Projections that read the same input and may be stored as one matrix."""
         return {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
 
+    def fused_sizes(self) -> dict[str, int]:
+        """Output features of each fused projection (LoRA adds each one's delta to its slice)."""
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {"q_proj": nq, "k_proj": nkv, "v_proj": nkv}
+
     def kv_spec(self) -> list[tuple[int, ...]]:
         return [(self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)]
 

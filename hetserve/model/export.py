@@ -1,0 +1,133 @@
+"""`hetserve export`: fold a LoRA (or DoRA) adapter into a model's full weights.
+
+The output is the base checkpoint with every adapted weight replaced by PEFT's merge of it
+(`W + scale * B @ A`; DoRA: that, each output row rescaled to the trained magnitude) and
+everything else copied byte for byte: the other tensors in the same shards under the same names,
+the shard index, config.json, tokenizer and generation files. So transformers, `hetserve convert`
+and `hetserve serve` read it as they read the base. Merging runs in fp32 and stores each weight
+in its original dtype.
+
+Why our own merge and not PEFT's `merge_and_unload`: that needs the transformers model in memory
+(all of a huge MoE's experts), while this streams the checkpoint one shard at a time and never
+touches the experts. Errors are one-line `ModelLoadError`/`InvalidInputError`s raised before
+anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from hetserve.errors import InvalidInputError, ModelLoadError
+from hetserve.model.lora_adapter import LoRAAdapter, LoRAWeights, read_adapter
+
+_QUANTIZED_KEYS = ("quantization_config", "compression_config", "hetserve_experts")
+
+
+def register(sub) -> None:
+    e = sub.add_parser(
+        "export", help="merge a LoRA adapter into full model weights (a new model directory)"
+    )
+    e.add_argument("--model", required=True, help="the base model directory (HF safetensors)")
+    e.add_argument("--adapter", required=True, help="a PEFT LoRA/DoRA adapter directory")
+    e.add_argument("--out", required=True, help="the merged model's directory (new or empty)")
+    e.set_defaults(func=_export)
+
+
+def _export(args: argparse.Namespace) -> int:
+    out = export_merged(args.model, args.adapter, args.out)
+    print(f"merged model written to {out}")
+    return 0
+
+
+def export_merged(
+    model_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path, progress: bool = True
+) -> Path:
+    """Write the base model with the adapter merged into `out_dir`; returns it."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    from hetserve.model.checkpoint import checkpoint_files
+
+    src, out = Path(model_dir), Path(out_dir)
+    _check_dirs(src, out)
+    adapter = read_adapter(adapter_dir, allow_dora=True)
+    files = checkpoint_files(src)
+    where = _locate(adapter, files)
+    total = sum(f.stat().st_size for f in files)
+    out.mkdir(parents=True, exist_ok=True)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar:
+        for path in files:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                metadata = f.metadata()
+                tensors = {name: f.get_tensor(name) for name in f.keys()}
+            for name in where.get(path, ()):
+                module = name.removesuffix(".weight")
+                tensors[name] = merge_weight(tensors[name], adapter.modules[module], module)
+            save_file(tensors, str(out / path.name), metadata=metadata)
+            bar.update(path.stat().st_size)
+    for item in src.iterdir():  # config, index, tokenizer, generation config, ...
+        if item.is_file() and item.suffix != ".safetensors":
+            shutil.copy2(item, out / item.name)
+    return out
+
+
+def _check_dirs(src: Path, out: Path) -> None:
+    if not (src / "config.json").is_file():
+        raise ModelLoadError(f"{str(src)!r} has no config.json; give an HF model directory")
+    cfg = json.loads((src / "config.json").read_text())
+    quantized = next((k for k in _QUANTIZED_KEYS if k in cfg), None)
+    if quantized is not None:
+        raise InvalidInputError(
+            f"{src} is a quantized checkpoint ({quantized} in config.json); merge the adapter "
+            "into the full-precision model and quantize the result"
+        )
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InvalidInputError(f"--out {str(out)!r} exists and is not empty; give a new directory")
+    if out.resolve() == src.resolve():
+        raise InvalidInputError("--out must differ from --model")
+
+
+def _locate(adapter: LoRAAdapter, files: list[Path]) -> dict[Path, list[str]]:
+    """Shard -> the weight names in it that the adapter changes; every adapted module's weight
+    must be there, in a float dtype."""
+    from safetensors import safe_open
+
+    wanted = {f"{m}.weight" for m in adapter.modules}
+    where: dict[Path, list[str]] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in wanted.intersection(f.keys()):
+                dtype = f.get_slice(name).get_dtype()
+                if dtype not in ("F32", "BF16", "F16", "F64"):
+                    raise InvalidInputError(
+                        f"{name} is stored as {dtype}; merge into a full-precision checkpoint"
+                    )
+                where.setdefault(path, []).append(name)
+    missing = wanted - {n for names in where.values() for n in names}
+    if missing:
+        raise ModelLoadError(
+            f"LoRA adapter {str(adapter.path)!r} targets {sorted(missing)[0].removesuffix('.weight')}"
+            ", which the model's checkpoint does not have; was it trained for another model?"
+        )
+    return where
+
+
+def merge_weight(weight: torch.Tensor, lora: LoRAWeights, name: str = "") -> torch.Tensor:
+    """PEFT's merge of one linear's weight [out, in], computed in fp32."""
+    w = weight.float()
+    delta = (lora.b @ lora.a) * lora.scale
+    if delta.shape != w.shape:
+        raise ModelLoadError(
+            f"{name}: the adapter's delta is {tuple(delta.shape)} but the weight is "
+            f"{tuple(w.shape)}; was it trained for another model?"
+        )
+    merged = w + delta
+    if lora.magnitude is not None:  # DoRA: each output row rescaled to the trained magnitude
+        merged = (lora.magnitude / torch.linalg.norm(merged, dim=1))[:, None] * merged
+    return merged.to(weight.dtype).contiguous()
