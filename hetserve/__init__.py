@@ -3,9 +3,10 @@
 Public API only; everything else is reached through submodules.
 """
 
+from hetserve.core.lora import LoRARequest
 from hetserve.core.sampling import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams"]
 __version__ = "0.1.0"
 
 

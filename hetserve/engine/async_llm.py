@@ -29,7 +29,7 @@ from hetserve.core.stats import EngineStats
 from hetserve.engine.core import EngineCore
 from hetserve.engine.errors import EngineDeadError, EngineRequestError
 from hetserve.engine.execute import describe
-from hetserve.errors import HetserveError
+from hetserve.errors import HetserveError, InvalidInputError
 
 log = logging.getLogger(__name__)
 BACKGROUND_TICK_S = 0.005  # how often an idle engine takes finished KV saves in
@@ -97,6 +97,7 @@ class AsyncLLM:
         self.engine = engine or EngineCore(config or EngineConfig())
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
+        self.model_dir = self.engine.model_dir
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.vocab_size
         self.kv_summary = self.engine.kv_summary
@@ -124,9 +125,11 @@ class AsyncLLM:
         priority: int = 0,
         arrival_time: float | None = None,
         session_id: str | None = None,
+        lora: str | None = None,
     ) -> RequestStream:
         """Validate (InvalidInputError names the field) and queue a request; returns its
-        stream. Must be called from a running event loop (the stream belongs to it)."""
+        stream. `lora` names a loaded LoRA adapter (None: the base model). Must be called from
+        a running event loop (the stream belongs to it)."""
         new = self.engine.validate_request(
             request_id,
             prompt_token_ids,
@@ -135,6 +138,7 @@ class AsyncLLM:
             priority,
             arrival_time,
             session_id=session_id,
+            lora=lora,
         )
         if not self.is_alive:
             raise EngineDeadError("the engine has stopped; restart the server")
@@ -160,6 +164,23 @@ class AsyncLLM:
                 yield out
         finally:
             stream.abort()
+
+    # LoRA adapters: the manager is thread-safe for these; slots change on the engine thread.
+    def lora_adapters(self) -> dict[str, str]:
+        """Loaded LoRA adapters: name -> directory (empty without LoRA support)."""
+        return {} if self.engine.lora is None else self.engine.lora.adapters()
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter directory under `name` (reads files: call it off the loop)."""
+        if self.engine.lora is None:
+            raise InvalidInputError("this engine has no LoRA support (start it with enable_lora)")
+        self.engine.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget `name`; requests already running with it finish with it."""
+        if self.engine.lora is None:
+            raise InvalidInputError(f"LoRA adapter {name!r} is not loaded", param="lora_name")
+        self.engine.lora.unload(name)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))

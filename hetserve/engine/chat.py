@@ -1,11 +1,23 @@
-"""`hetserve chat`: a streaming terminal chat, in-process or against any OpenAI server."""
+"""`hetserve chat`: a streaming terminal chat, in-process or against any OpenAI server.
+
+After each reply it prints the prompt and generation timings as the KTransformers tutorial shows
+them (ollama's names). Prompt eval: the prompt tokens actually computed (those not found in the
+prefix cache) over the time from sending the request to the first generated token. Eval: the
+tokens generated after the first over the time from the first to the last. In-process the times
+are the engine's steps as seen by this loop; with `--url` they are measured here, at the client,
+from the stream's chunks, and the counts come from the stream's `usage` (or, for a server that
+sends none, from its chunks).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
@@ -13,16 +25,55 @@ from hetserve import envs
 from hetserve.errors import InvalidInputError
 
 
-def _remote_stream(args, messages: list[dict]) -> Iterator[str]:
+@dataclass
+class ReplyStats:
+    start: float
+    first: float | None = None  # first generated token seen
+    last: float | None = None  # last generated token seen
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    counted_from_stream: bool = False
+
+    def seen(self, now: float) -> None:
+        if self.first is None:
+            self.first = now
+        self.last = now
+
+    def lines(self) -> list[str]:
+        first = self.first if self.first is not None else time.perf_counter()
+        last = self.last if self.last is not None else first
+        prompt = self.prompt_tokens - self.cached_tokens
+        gen = max(self.completion_tokens - 1, 0)
+        note = " (counted from the stream)" if self.counted_from_stream else ""
+        return [
+            f"prompt eval count:    {prompt} token(s)",
+            f"prompt eval duration: {first - self.start:.4f}s",
+            f"prompt eval rate:     {_rate(prompt, first - self.start)}",
+            f"eval count:           {gen} token(s){note}",
+            f"eval duration:        {last - first:.4f}s",
+            f"eval rate:            {_rate(gen, last - first)}",
+        ]
+
+
+def _rate(count: int, seconds: float) -> str:
+    return f"{count / seconds:.2f} tokens/s" if seconds > 0 and count else "n/a"
+
+
+def _remote_stream(args, messages: list[dict], stats: ReplyStats) -> Iterator[str]:
     key = args.api_key or envs.api_key()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     body = {
         "messages": messages,
         "stream": True,
+        "stream_options": {"include_usage": True},
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
     }
+    if args.model:  # the served model or one of its LoRA adapters
+        body["model"] = args.model
     url = args.url.rstrip("/") + "/v1/chat/completions"
+    chunks, usage = 0, None
     try:
         with httpx.stream("POST", url, json=body, headers=headers, timeout=None) as r:
             if r.status_code != 200:
@@ -31,14 +82,27 @@ def _remote_stream(args, messages: list[dict]) -> Iterator[str]:
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                for choice in json.loads(line[6:]).get("choices", []):
-                    yield choice.get("delta", {}).get("content") or ""
+                event = json.loads(line[6:])
+                usage = event.get("usage") or usage
+                for choice in event.get("choices", []):
+                    piece = choice.get("delta", {}).get("content") or ""
+                    if piece:
+                        stats.seen(time.perf_counter())
+                        chunks += 1
+                    yield piece
     except httpx.HTTPError as exc:
         msg = f"cannot reach {args.url}: {exc}; is the server running?"
         raise InvalidInputError(msg) from None
+    if usage:
+        stats.prompt_tokens = usage.get("prompt_tokens", 0)
+        details = usage.get("prompt_tokens_details") or {}
+        stats.cached_tokens = details.get("cached_tokens") or 0
+        stats.completion_tokens = usage.get("completion_tokens", 0)
+    else:
+        stats.completion_tokens, stats.counted_from_stream = chunks, True
 
 
-def _local_stream(engine, args, messages: list[dict]) -> Iterator[str]:
+def _local_stream(engine, args, messages: list[dict], stats: ReplyStats) -> Iterator[str]:
     from hetserve import SamplingParams
 
     prompt = engine.tokenizer.apply_chat_template(messages)
@@ -48,10 +112,17 @@ def _local_stream(engine, args, messages: list[dict]) -> Iterator[str]:
         raise InvalidInputError("the conversation no longer fits the context; start a new one")
     params = SamplingParams(max_tokens=min(args.max_tokens, room), temperature=args.temperature)
     rid = f"chat-{len(messages)}"
-    engine.add_request(rid, ids, params)
-    sent = 0
+    engine.add_request(rid, ids, params, lora=args.lora_name)
+    sent, tokens = 0, 0
     while engine.has_unfinished():
         for out in engine.step():
+            now = time.perf_counter()
+            if len(out.outputs[0].token_ids) > tokens:
+                tokens = len(out.outputs[0].token_ids)
+                stats.seen(now)
+            stats.prompt_tokens = len(out.prompt_token_ids)
+            stats.cached_tokens = out.num_cached_tokens
+            stats.completion_tokens = tokens
             text = out.outputs[0].text
             yield text[sent:]
             sent = len(text)
@@ -59,11 +130,19 @@ def _local_stream(engine, args, messages: list[dict]) -> Iterator[str]:
 
 def chat_loop(args: argparse.Namespace) -> int:
     engine = None
+    args.lora_name = None
     if args.url is None:
         from hetserve.config import EngineConfig
         from hetserve.engine.core import EngineCore
 
+        if args.lora is not None:
+            args.lora_name = Path(args.lora).name or "adapter"
+            args.lora_modules = [*(args.lora_modules or ()), f"{args.lora_name}={args.lora}"]
         engine = EngineCore(EngineConfig.from_args(args))
+    elif args.lora is not None:
+        raise InvalidInputError(
+            "--lora loads an adapter in-process; with --url pick a served adapter by --model NAME"
+        )
     messages: list[dict] = []
     print("type a message; an empty line or Ctrl-D quits", file=sys.stderr)
     for line in sys.stdin:
@@ -71,15 +150,17 @@ def chat_loop(args: argparse.Namespace) -> int:
         if not line:
             break
         messages.append({"role": "user", "content": line})
+        stats = ReplyStats(time.perf_counter())
         stream = (
-            _remote_stream(args, messages)
+            _remote_stream(args, messages, stats)
             if engine is None
-            else _local_stream(engine, args, messages)
+            else _local_stream(engine, args, messages, stats)
         )
         reply = []
         for piece in stream:
             reply.append(piece)
             print(piece, end="", flush=True)
         print()
+        print("\n".join(stats.lines()), flush=True)
         messages.append({"role": "assistant", "content": "".join(reply)})
     return 0

@@ -12,7 +12,15 @@ from hetserve.config import add_engine_args
 def register(sub) -> None:
     c = sub.add_parser("chat", help="terminal chat with a model or a running server")
     add_engine_args(c)
-    c.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000")
+    c.add_argument(
+        "--url",
+        default=None,
+        help="a running server, e.g. http://127.0.0.1:8000 (--model NAME then picks the served "
+        "model or one of its LoRA adapters)",
+    )
+    c.add_argument(
+        "--lora", default=None, metavar="DIR", help="chat with this LoRA adapter (PEFT directory)"
+    )
     c.add_argument("--api-key", default=None)
     c.add_argument("--max-tokens", type=int, default=256)
     c.add_argument("--temperature", type=float, default=0.7)

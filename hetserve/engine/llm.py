@@ -8,6 +8,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from hetserve.config import EngineConfig
+from hetserve.core.lora import LoRARequest
 from hetserve.core.outputs import RequestOutput
 from hetserve.core.sampling import SamplingParams
 from hetserve.core.stats import EngineStats
@@ -15,12 +16,20 @@ from hetserve.engine.core import EngineCore
 from hetserve.engine.errors import EngineRequestError
 from hetserve.errors import InvalidInputError
 
+LoRASpec = LoRARequest | str | None  # an adapter to load or a loaded one's name; None = base
+
 
 class LLM:
     """`LLM(config)` with an EngineConfig, or `LLM(model_dir, **options)` with the options of
     `hetserve.config.ENGINE_OPTIONS` as keywords (device, dtype, max_model_len, block_size,
     num_kv_blocks, enable_prefix_caching, max_num_seqs, placement, cpu_threads, ...), which
-    builds the EngineConfig. No model: the embedded demo model."""
+    builds the EngineConfig. No model: the embedded demo model.
+
+    LoRA as in vLLM: `LLM(model, enable_lora=True, max_loras=4, max_lora_rank=16)`, then
+    `generate(..., lora_request=LoRARequest("sql", 1, "/adapters/sql"))` (loaded on first use);
+    or adapters named up front, `LLM(model, lora_modules={"sql": "/adapters/sql"})`, and
+    `lora_request="sql"`. A list gives each prompt its own adapter (None: the base model); they
+    run in one batch."""
 
     def __init__(self, model: str | Path | EngineConfig | None = None, **options) -> None:
         if isinstance(model, EngineConfig):
@@ -45,6 +54,7 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         prompt_token_ids: list[int] | list[list[int]] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRASpec | list[LoRASpec] = None,
     ) -> list[RequestOutput]:
         requests = self._normalize(prompts, prompt_token_ids)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -53,14 +63,42 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(requests):
                 raise InvalidInputError("sampling_params list must match the number of prompts")
+        loras = self._lora_names(lora_request, len(requests))
         # Everything is validated before anything is queued: one bad prompt queues nothing.
         new = [
-            self.engine.validate_request(f"llm-{next(self._ids)}", ids, p, prompt=text)
-            for (text, ids), p in zip(requests, params, strict=True)
+            self.engine.validate_request(f"llm-{next(self._ids)}", ids, p, prompt=text, lora=lora)
+            for (text, ids), p, lora in zip(requests, params, loras, strict=True)
         ]
         for req in new:
             self.engine.add(req, stream=False)
         return self._run([r.request_id for r in new], use_tqdm)
+
+    def _lora_names(self, spec, n: int) -> list[str | None]:
+        """Adapter names per prompt; a LoRARequest with a path is loaded (or reloaded, if its
+        name is bound to another path) first."""
+        specs = list(spec) if isinstance(spec, list | tuple) else [spec] * n
+        if len(specs) != n:
+            raise InvalidInputError("lora_request list must match the number of prompts")
+        names = []
+        for s in specs:
+            if isinstance(s, LoRARequest):
+                if s.lora_path is not None:
+                    self._ensure_lora(s.lora_name, s.lora_path)
+                s = s.lora_name
+            if s is not None and not isinstance(s, str):
+                raise InvalidInputError("lora_request takes a LoRARequest, a name or None")
+            names.append(s)
+        return names
+
+    def _ensure_lora(self, name: str, path: str) -> None:
+        lora = self.engine.lora
+        if lora is None:
+            raise InvalidInputError(
+                "this LLM has no LoRA support; create it with enable_lora=True (or lora_modules)"
+            )
+        loaded = lora.adapters().get(name)
+        if loaded is None or Path(loaded).resolve() != Path(path).resolve():
+            lora.load(name, path, replace=True)
 
     def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
@@ -114,6 +152,7 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRASpec | list[LoRASpec] = None,
     ) -> list[RequestOutput]:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [
@@ -121,7 +160,9 @@ class LLM:
             for c in conversations
         ]
         ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        outputs = self.generate(sampling_params=sampling_params, prompt_token_ids=ids)
+        outputs = self.generate(
+            sampling_params=sampling_params, prompt_token_ids=ids, lora_request=lora_request
+        )
         for out, text in zip(outputs, prompts, strict=True):
             out.prompt = text
         return outputs

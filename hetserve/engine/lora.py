@@ -91,13 +91,11 @@ class LoRAManager:
         if not name:
             raise InvalidInputError("a LoRA adapter needs a non-empty name", param="lora_name")
         with self._lock:
-            if name in self._names and not replace:
-                raise InvalidInputError(
-                    f"LoRA adapter {name!r} is already loaded; unload it first", param="lora_name"
-                )
+            self._check_free(name, replace)
         adapter = read_adapter(path)  # outside the lock: file reads take a while
         self._check(adapter)
         with self._lock:
+            self._check_free(name, replace)  # a concurrent load may have taken it meanwhile
             adapter = self._adapters.setdefault(adapter.id, adapter)
             old = self._names.get(name)
             self._names[name], self._paths[name] = adapter.id, str(path)
@@ -105,6 +103,12 @@ class LoRAManager:
             if old is not None and old != adapter.id and old not in self._names.values():
                 self.retired.add(old)
         return adapter.id
+
+    def _check_free(self, name: str, replace: bool) -> None:
+        if name in self._names and not replace:
+            raise InvalidInputError(
+                f"LoRA adapter {name!r} is already loaded; unload it first", param="lora_name"
+            )
 
     def unload(self, name: str) -> None:
         with self._lock:

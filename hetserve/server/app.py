@@ -15,6 +15,7 @@ from hetserve.errors import HetserveError
 from hetserve.server.chat import ChatServing
 from hetserve.server.completions import CompletionServing
 from hetserve.server.errors import BodyTooLargeError, error_body, exception_status
+from hetserve.server.lora import install_lora_routes
 from hetserve.server.metrics import ServerMetrics
 from hetserve.server.openapi import install_openapi
 from hetserve.server.protocol import (
@@ -79,7 +80,10 @@ def create_app(
     model_name: str,
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    lora_runtime_updates: bool = False,
 ) -> FastAPI:
+    """`lora_runtime_updates`: allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    (clients then make the server read directories they name; see server/lora.py)."""
     app = FastAPI(title="hetserve", docs_url=None, redoc_url=None)
     completions = CompletionServing(engine, model_name)
     chat = ChatServing(engine, model_name)
@@ -110,10 +114,15 @@ def create_app(
         return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
 
     def check_model(name: str | None) -> JSONResponse | None:
+        """None when `name` is served: the base model or a loaded LoRA adapter."""
         if name is None or name == model_name:
             return None
+        adapters = engine.lora_adapters()
+        if name in adapters:
+            return None
+        also = f" and LoRA adapters {sorted(adapters)}" if adapters else ""
         body = error_body(
-            f"model {name!r} does not exist; this server serves {model_name!r}",
+            f"model {name!r} does not exist; this server serves {model_name!r}{also}",
             "not_found_error",
             "model",
             "model_not_found",
@@ -133,15 +142,22 @@ def create_app(
 
     @app.get("/v1/models")
     async def models():
-        card = {
-            "id": model_name,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "hetserve",
-            "max_model_len": engine.max_model_len,
-            "vocab_size": engine.vocab_size,
-        }
-        return {"object": "list", "data": [card]}
+        # As vLLM lists them: the base model, then each adapter with its parent and path.
+        def card(name: str, root: str, parent: str | None) -> dict:
+            return {
+                "id": name,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "hetserve",
+                "root": root,
+                "parent": parent,
+                "max_model_len": engine.max_model_len,
+                "vocab_size": engine.vocab_size,
+            }
+
+        cards = [card(model_name, str(engine.model_dir), None)]
+        cards += [card(n, path, model_name) for n, path in engine.lora_adapters().items()]
+        return {"object": "list", "data": cards}
 
     @app.post("/v1/completions")
     async def create_completion(request: Request):
@@ -153,5 +169,6 @@ def create_app(
         req = ChatCompletionRequest.model_validate_json(await request.body())
         return check_model(req.model) or await chat.create(req, request)
 
+    install_lora_routes(app, engine, model_name, lora_runtime_updates)
     install_openapi(app)
     return app

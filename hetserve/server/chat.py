@@ -51,7 +51,7 @@ class ChatServing(OpenAIServing):
             "id": base,
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": self.served_name(req),
             "choices": choices,
             "usage": self.usage([out]),
         }
@@ -66,7 +66,7 @@ class ChatServing(OpenAIServing):
                 "id": base,
                 "object": "chat.completion.chunk",
                 "created": created,
-                "model": self.model_name,
+                "model": self.served_name(req),
                 "choices": choices,
             }
             if usage is not None:

@@ -26,6 +26,12 @@ def register(sub) -> None:
         help="largest request body accepted, in MiB (checked while the body is read)",
     )
     g.add_argument(
+        "--enable-lora-runtime-updates",
+        action="store_true",
+        help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter: clients then make "
+        "the server read adapter directories they name (trusted clients only)",
+    )
+    g.add_argument(
         "--save-routing-stats",
         default=None,
         metavar="FILE",
@@ -59,15 +65,30 @@ def serve(args: argparse.Namespace) -> int:
     from hetserve.server.app import create_app
 
     args.record_routing_stats = bool(args.save_routing_stats)
-    engine = AsyncLLM(EngineConfig.from_args(args))
+    args.enable_lora = args.enable_lora_runtime_updates
     name = args.served_model_name or (
         args.model.rstrip("/").split("/")[-1] if args.model else "hetserve-demo"
     )
+    config = EngineConfig.from_args(args)
+    if name in dict(config.lora.lora_modules):
+        raise InvalidInputError(
+            f"LoRA adapter name {name!r} is the base model's served name; rename the adapter "
+            "(or pass --served-model-name)"
+        )
+    engine = AsyncLLM(config)
     limit = int(args.max_request_mb * (1 << 20))
-    app = create_app(engine, name, api_key=api_key, max_body_bytes=limit)
+    app = create_app(
+        engine,
+        name,
+        api_key=api_key,
+        max_body_bytes=limit,
+        lora_runtime_updates=args.enable_lora_runtime_updates,
+    )
     if engine.kv_summary:
         print(engine.kv_summary, flush=True)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
+    for adapter, path in engine.lora_adapters().items():
+        print(f"  LoRA adapter {adapter!r} from {path}", flush=True)
     try:
         uvicorn.run(
             app,

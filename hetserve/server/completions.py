@@ -61,7 +61,7 @@ class CompletionServing(OpenAIServing):
             "id": base,
             "object": "text_completion",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": self.served_name(req),
             "choices": choices,
             "usage": self.usage(outs),
         }
@@ -76,7 +76,7 @@ class CompletionServing(OpenAIServing):
                 "id": base,
                 "object": "text_completion",
                 "created": created,
-                "model": self.model_name,
+                "model": self.served_name(req),
                 "choices": choices,
             }
             if usage is not None:

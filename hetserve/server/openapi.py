@@ -15,7 +15,12 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from hetserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from hetserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
 
 
 class ErrorDetail(BaseModel):
@@ -74,10 +79,12 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
-    id: str
+    id: str  # the base model's served name, or a LoRA adapter's name
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str  # the directory it was loaded from
+    parent: str | None  # a LoRA adapter's base model (None for the base model)
     max_model_len: int
     vocab_size: int
 
@@ -129,6 +136,40 @@ def _operation(spec: dict, path: str, method: str) -> dict:
     return spec["paths"][path][method]
 
 
+_TEXT = {"text/plain": {"schema": {"type": "string"}}}
+
+
+def _lora_operations(spec: dict, errors: dict) -> None:
+    """vLLM's runtime LoRA endpoints (server/lora.py): plain text on success."""
+    for path, body, ok, not_found in (
+        (
+            "/v1/load_lora_adapter",
+            "LoadLoRAAdapterRequest",
+            "the adapter is loaded and servable under lora_name",
+            "runtime LoRA updates are off (--enable-lora-runtime-updates)",
+        ),
+        (
+            "/v1/unload_lora_adapter",
+            "UnloadLoRAAdapterRequest",
+            "the name is forgotten (requests already running with it finish with it)",
+            "runtime LoRA updates are off, or no adapter is loaded under lora_name",
+        ),
+    ):
+        op = _operation(spec, path, "post")
+        op["requestBody"] = {"required": True, "content": _json(body)}
+        op["responses"] = {
+            "200": {"description": ok, "content": _TEXT},
+            "400": {
+                "description": "invalid body, an adapter directory that cannot be served, or "
+                "a name already taken",
+                "content": _json("ErrorResponse"),
+            },
+            "401": errors["401"],
+            "404": {"description": not_found, "content": _json("ErrorResponse")},
+            "413": errors["413"],
+        }
+
+
 def install_openapi(app: FastAPI) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
@@ -143,6 +184,8 @@ def install_openapi(app: FastAPI) -> None:
                 ErrorResponse,
                 ModelList,
                 Health,
+                LoadLoRAAdapterRequest,
+                UnloadLoRAAdapterRequest,
             )
         )
         errors = {
@@ -162,6 +205,7 @@ def install_openapi(app: FastAPI) -> None:
             "200": {"description": "the served model", "content": _json("ModelList")},
             "401": errors["401"],
         }
+        _lora_operations(spec, errors)
         health = _operation(spec, "/health", "get")
         health["responses"] = {
             "200": {"description": "serving", "content": _json("Health")},

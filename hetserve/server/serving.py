@@ -48,6 +48,15 @@ class OpenAIServing:
         self.tok = engine.tokenizer
 
     # ---- request -> engine requests -----------------------------------------------------------
+    def served_name(self, req: _Common) -> str:
+        """The model a response names: the one asked for (the base or a LoRA adapter)."""
+        return req.model or self.model_name
+
+    def lora_of(self, req: _Common) -> str | None:
+        """The LoRA adapter a request picks with its `model` field (the app has already
+        answered 404 for a name that is neither the base model nor a loaded adapter)."""
+        return None if req.model in (None, self.model_name) else req.model
+
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         limit = 2 * self.engine.max_model_len * self.tok.max_token_chars
         if len(text) > limit:
@@ -101,13 +110,14 @@ class OpenAIServing:
         """Queue one engine request per prompt. If any is refused, none stays queued."""
         streams: list[RequestStream] = []
         session = req.session_id or request.headers.get("x-session-id") or None
+        lora = self.lora_of(req)
         try:
             for i, (text, ids) in enumerate(prompts):
                 rid = base if len(prompts) == 1 else f"{base}-{i}"
                 p = params(i, ids)
                 streams.append(
                     self.engine.add_request(
-                        rid, ids, p, text, req.priority, arrival_time(request), session
+                        rid, ids, p, text, req.priority, arrival_time(request), session, lora
                     )
                 )
         except BaseException:
