@@ -39,7 +39,8 @@ def install_lora_layers(
     module name -> (layer, part): a fused q/k/v matrix is one layer with three parts."""
     from hetserve.layers.int8_linear import Int8Linear
 
-    dtype = next(model.parameters()).dtype
+    param = next(model.parameters(), None)
+    dtype = torch.float32 if param is None else param.dtype
     targets: dict[str, tuple[LoRALinear, int]] = {}
     for prefix, parent in list(model.named_modules()):
         if isinstance(parent, LoRALinear):

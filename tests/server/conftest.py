@@ -18,11 +18,11 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, engine: AsyncLLM, api_key: str | None = None):
+    def __init__(self, engine: AsyncLLM, api_key: str | None = None, **app_options):
         self.engine = engine
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        app = create_app(engine, "tiny", api_key=api_key)
+        app = create_app(engine, "tiny", api_key=api_key, **app_options)
         self.server = uvicorn.Server(
             uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         )

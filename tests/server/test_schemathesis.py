@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import checks
 from schemathesis.generation import GenerationMode
 
-from hetserve.config import EngineConfig
+from hetserve.config import EngineConfig, LoRAConfig
 from hetserve.engine.async_llm import AsyncLLM
 from hetserve.server.app import create_app
 
@@ -29,6 +29,10 @@ OPERATIONS = [  # (method, path, mode, examples): GETs take no input, so no nega
     ("POST", "/v1/completions", NEGATIVE, 75),
     ("POST", "/v1/chat/completions", POSITIVE, 75),
     ("POST", "/v1/chat/completions", NEGATIVE, 75),
+    ("POST", "/v1/load_lora_adapter", POSITIVE, 25),
+    ("POST", "/v1/load_lora_adapter", NEGATIVE, 25),
+    ("POST", "/v1/unload_lora_adapter", POSITIVE, 25),
+    ("POST", "/v1/unload_lora_adapter", NEGATIVE, 25),
     ("GET", "/v1/models", POSITIVE, 5),
     ("GET", "/health", POSITIVE, 5),
     ("GET", "/metrics", POSITIVE, 5),
@@ -37,11 +41,16 @@ OPERATIONS = [  # (method, path, mode, examples): GETs take no input, so no nega
 
 @pytest.fixture(scope="module")
 def schema(tiny_model):
-    # A short context keeps the longest generations a valid request can ask for short.
-    engine = AsyncLLM(
-        EngineConfig(model=str(tiny_model("qwen3-moe", lm_head_scale=4.0)), max_model_len=64)
+    # A short context keeps the longest generations a valid request can ask for short. LoRA
+    # runtime updates on: the fuzzer's adapter paths are refused (400), its names unknown (404).
+    config = EngineConfig(
+        model=str(tiny_model("qwen3-moe", lm_head_scale=4.0)),
+        max_model_len=64,
+        lora=LoRAConfig(enable_lora=True),
     )
-    yield schemathesis.openapi.from_asgi("/openapi.json", create_app(engine, "tiny"))
+    engine = AsyncLLM(config)
+    app = create_app(engine, "tiny", lora_runtime_updates=True)
+    yield schemathesis.openapi.from_asgi("/openapi.json", app)
     engine.shutdown()
 
 
