@@ -1,73 +1,12 @@
-"""Random LoRA adapters in PEFT's format for the tiny checkpoints, and helpers to run them.
-
-`write_random_adapter` writes what `PeftModel.save_pretrained` writes (PEFT's own LoraConfig
-writes adapter_config.json; the weights carry PEFT's names), on any linear our model classes
-have, including the ones PEFT maps elsewhere on transformers 5 MoE models (shared experts).
-"""
+"""Helpers for the LoRA tests: run prompts with adapters, read logprobs."""
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import torch
-from safetensors.torch import save_file
-from torch import nn
 
-PREFIX = "base_model.model."
+from hetserve.model.tiny_lora import write_random_adapter
 
-
-def linear_shapes(model_dir) -> dict[str, tuple[int, int]]:
-    """Module name -> (in, out) of every linear of the model but the LM head."""
-    from hetserve.model.config import ModelConfig
-    from hetserve.model.registry import model_class
-
-    cfg = ModelConfig.from_dir(model_dir)
-    with torch.device("meta"):
-        model = model_class(cfg.architecture)(cfg)
-    return {
-        name: (m.in_features, m.out_features)
-        for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and name != "lm_head"
-    }
-
-
-def write_random_adapter(
-    model_dir,
-    out,
-    match: str = r"self_attn",
-    rank: int = 4,
-    alpha: float = 8,
-    seed: int = 0,
-    std: float = 0.1,
-    **config,
-) -> Path:
-    """A PEFT LoRA adapter on every linear whose name matches `match` (re.search)."""
-    import peft
-    from peft.utils.other import get_pattern_key
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
-    pattern = config.get("rank_pattern") or {}
-    state, leaves = {}, set()
-    for name, (fan_in, fan_out) in linear_shapes(model_dir).items():
-        if not re.search(match, name):
-            continue
-        r = pattern.get(get_pattern_key(pattern.keys(), name), rank)
-        state[f"{PREFIX}{name}.lora_A.weight"] = torch.randn(r, fan_in, generator=g) * std
-        state[f"{PREFIX}{name}.lora_B.weight"] = torch.randn(fan_out, r, generator=g) * std
-        if config.get("use_dora"):
-            mag = 1.0 + 0.1 * torch.randn(fan_out, generator=g)
-            state[f"{PREFIX}{name}.lora_magnitude_vector"] = mag
-        leaves.add(name.rpartition(".")[2])
-    assert state, f"{match!r} matches no linear"
-    save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    cfg = peft.LoraConfig(
-        r=rank, lora_alpha=alpha, target_modules=sorted(leaves), task_type="CAUSAL_LM", **config
-    )
-    cfg.save_pretrained(str(out))
-    return out
+__all__ = ["prompt_logprobs", "run", "sample_logprobs", "write_random_adapter"]
 
 
 def run(engine, prompts, params, loras) -> list:
