@@ -19,11 +19,14 @@ import argparse
 import json
 import shutil
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from hetserve.errors import InvalidInputError, ModelLoadError
-from hetserve.model.lora_adapter import LoRAAdapter, LoRAWeights, read_adapter
+
+if TYPE_CHECKING:  # the command registers at every CLI start: torch only when it runs
+    import torch
+
+    from hetserve.model.lora_adapter import LoRAAdapter, LoRAWeights
 
 _QUANTIZED_KEYS = ("quantization_config", "compression_config", "hetserve_experts")
 
@@ -53,6 +56,7 @@ def export_merged(
     from tqdm import tqdm
 
     from hetserve.model.checkpoint import checkpoint_files
+    from hetserve.model.lora_adapter import read_adapter
 
     src, out = Path(model_dir), Path(out_dir)
     _check_dirs(src, out)
@@ -111,15 +115,18 @@ def _locate(adapter: LoRAAdapter, files: list[Path]) -> dict[Path, list[str]]:
                 where.setdefault(path, []).append(name)
     missing = wanted - {n for names in where.values() for n in names}
     if missing:
+        module = sorted(missing)[0].removesuffix(".weight")
         raise ModelLoadError(
-            f"LoRA adapter {str(adapter.path)!r} targets {sorted(missing)[0].removesuffix('.weight')}"
-            ", which the model's checkpoint does not have; was it trained for another model?"
+            f"LoRA adapter {str(adapter.path)!r} targets {module}, which the model's checkpoint "
+            "does not have; was it trained for another model?"
         )
     return where
 
 
 def merge_weight(weight: torch.Tensor, lora: LoRAWeights, name: str = "") -> torch.Tensor:
     """PEFT's merge of one linear's weight [out, in], computed in fp32."""
+    import torch
+
     w = weight.float()
     delta = (lora.b @ lora.a) * lora.scale
     if delta.shape != w.shape:

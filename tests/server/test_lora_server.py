@@ -122,3 +122,30 @@ def test_chat_url_picks_the_adapter_and_prints_timings(setup, monkeypatch, capsy
     ]  # fmt: skip
     assert stats["eval count"].strip() == "4 token(s)"  # 5 tokens, the first is the prompt's
     assert int(stats["prompt eval count"].split()[0]) > 0
+
+
+def test_serve_command_wires_adapters_and_runtime_updates(setup, monkeypatch, capsys):
+    """`hetserve serve --lora-modules ... --enable-lora-runtime-updates`, with uvicorn replaced
+    by an in-process client of the app it would run."""
+    from fastapi.testclient import TestClient
+
+    from hetserve.cli import main
+
+    base, sql, chat, _ = setup
+    seen = {}
+
+    def fake_run(app, **_):
+        with TestClient(app) as client:
+            seen["models"] = [c["id"] for c in client.get("/v1/models").json()["data"]]
+            body = {"lora_name": "chat", "lora_path": str(chat)}
+            seen["load"] = client.post("/v1/load_lora_adapter", json=body).status_code
+            body = {"model": "chat", "prompt": PROMPT, "max_tokens": 2}
+            seen["complete"] = client.post("/v1/completions", json=body).json()["model"]
+
+    monkeypatch.setattr("uvicorn.run", fake_run)
+    argv = ["serve", "--model", str(base), "--served-model-name", "tiny"]
+    assert main([*argv, "--lora-modules", f"sql={sql}", "--enable-lora-runtime-updates"]) == 0
+    assert seen == {"models": ["tiny", "sql"], "load": 200, "complete": "chat"}
+    assert f"LoRA adapter 'sql' from {sql}" in capsys.readouterr().out
+    assert main([*argv, "--lora-modules", f"tiny={sql}"]) == 2
+    assert "is the base model's served name" in capsys.readouterr().err
