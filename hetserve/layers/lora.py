@@ -1,17 +1,25 @@
-"""LoRA-aware linear layers: the base projection once for the whole batch, then each adapter's
-`scale * B (A x)` added to its own tokens' rows (S-LoRA / Punica's batched LoRA, in torch).
+"""LoRA-aware linear layers: the base projection once for the whole batch, then each token's
+adapter delta `scale * B (A x)` added to its row (S-LoRA / Punica's batched LoRA, in torch).
 
 `LoRALinear` wraps whatever computes the base (`nn.Linear`, `Int8Linear`, a fused q/k/v
-`Int8Linear`, on CPU or CUDA) and holds `max_loras` slots of stacked A/B matrices. A fused module
-has one part per projection (q, k, v): each part's delta lands on its column slice of the output.
-Slots are filled by the engine's LoRA manager (engine/lora.py), never during a forward.
+`Int8Linear`, on CPU or CUDA) and holds `max_loras` slots of stacked A/B matrices, filled by the
+engine's LoRA manager (engine/lora.py) between forwards. A fused module has one part per
+projection (q, k, v); each part's delta lands on its column slice of the output.
 
-`LoRABatch` is this forward's layout, shared by every LoRALinear of a model and set by the runner
-once per forward: the executor orders each batch by adapter, so an adapter's tokens are one
-contiguous run of rows ("segments", Punica's SGMV layout) and its rows are plain views, with no
-gather or scatter. A batch without adapters has no segments: each layer then costs one attribute
-test beyond its base. MLA's `kv_b_proj` runs on cached rows, not on the batch's tokens; its
-attention passes the rows' segments explicitly (`lora_project`).
+Layout, per slot s and part j (R = max rank, P = parts): rows [j*R, j*R + r) of `a[s]` hold part
+j's A (the rest zero); rows [s*P*R + j*R, ... + r) of `b` hold part j's `scale * B^T` on the
+part's output columns (zero elsewhere). So one matmul projects a row onto every part of a slot,
+and one more expands all parts into the output, in place:
+
+- one adapter in this forward (one segment of rows): `y[rows] += (x[rows] @ a[s]^T) @ b[s]`;
+- several: every token against every slot in use, `t = x @ a^T`, the other slots' columns
+  zeroed by the forward's token mask, `y += t @ b` (Punica's BGMV): three ops per layer however
+  many adapters share the batch, instead of two per adapter. The extra multiply-adds are
+  tokens x slots x P*R, small beside the base's tokens x in x out for any real layer.
+
+A forward without adapters has no segments: a layer then costs one test beyond its base. MLA's
+`kv_b_proj` runs on cached rows, not on the forward's tokens; its attention passes the rows'
+segments explicitly (`lora_project`).
 """
 
 from __future__ import annotations
@@ -21,77 +29,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-Segments = tuple[tuple[int, int, int], ...]  # (first row, end row, slot)
+from hetserve.layers.lora_batch import LoRABatch, Segments
 
-
-class LoRABatch:
-    """This forward's adapter layout. Set by `ModelRunner.forward` before the model runs and
-    cleared after it, on the engine thread."""
-
-    def __init__(self) -> None:
-        self.segments: Segments = ()  # over this forward's token rows
-        self._spans: tuple[int | None, ...] = ()  # slot of each prefill span (meta.seqs order)
-        self._decodes: Segments = ()  # runs over the decode batch's sequence order
-        self._scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-    def set(self, seqs: list[tuple[int, int, int | None]], span_starts: list[int]) -> None:
-        """seqs: (first token row, tokens, slot or None) per sequence, in batch order;
-        span_starts: first rows of the sequences attended as prefill spans (the others are the
-        decode batch, in order)."""
-        if all(slot is None for _, _, slot in seqs):
-            self.clear()
-            return
-        self.segments = _runs((start, start + n, slot) for start, n, slot in seqs)
-        spans = set(span_starts)
-        slot_at = {start: slot for start, _, slot in seqs}
-        self._spans = tuple(slot_at[s] for s in span_starts)
-        decode_slots = [slot for start, _, slot in seqs if start not in spans]
-        self._decodes = _runs((i, i + 1, s) for i, s in enumerate(decode_slots))
-
-    def clear(self) -> None:
-        self.segments, self._spans, self._decodes = (), (), ()
-
-    def span_segments(self, span: int, rows: int) -> Segments:
-        """Segments of `rows` cached rows read by prefill span `span`."""
-        slot = self._spans[span] if self._spans else None
-        return () if slot is None else ((0, rows, slot),)
-
-    def decode_segments(self, rows_per_seq: int) -> Segments:
-        """Segments of the decode batch's cached rows, `rows_per_seq` per sequence."""
-        n = rows_per_seq
-        return tuple((a * n, b * n, slot) for a, b, slot in self._decodes)
-
-    def scratch(self, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
-        """A [rows, cols] work buffer shared by the layers (one forward at a time); it grows to
-        the largest shape asked for and is then reused, so steps allocate nothing."""
-        key = (like.device, like.dtype)
-        buf = self._scratch.get(key)
-        if buf is None or buf.numel() < rows * cols:
-            buf = torch.empty(max(rows * cols, 1 << 16), device=like.device, dtype=like.dtype)
-            self._scratch[key] = buf
-        return buf[: rows * cols].view(rows, cols)
-
-
-def _runs(items) -> Segments:
-    """Merge consecutive (start, end, slot) items of the same slot; drop slot None."""
-    out: list[tuple[int, int, int]] = []
-    for start, end, slot in items:
-        if slot is None:
-            continue
-        if out and out[-1][2] == slot and out[-1][1] == start:
-            out[-1] = (out[-1][0], end, slot)
-        else:
-            out.append((start, end, slot))
-    return tuple(out)
+__all__ = ["LoRABatch", "LoRALinear", "Segments", "lora_bytes", "lora_project"]
 
 
 class LoRALinear(nn.Module):
-    """`base(x)` plus, per segment, its slot's `scale_j * B_j (A_j x)` on each part's columns.
-
-    Slot layout (allocated on first use, so modules no adapter targets cost no memory): for a
-    slot of rank r, rows [j*r, (j+1)*r) of `_a[slot]` are part j's A (zero-padded to r), so one
-    matmul gives every part's `A x`; `_b[j][slot, :, :r]` is part j's B."""
-
     def __init__(
         self,
         base: nn.Module,
@@ -107,68 +50,72 @@ class LoRALinear(nn.Module):
         self.base = base
         self._base_forward = base.forward  # skips a second nn.Module.__call__ per projection
         self.part_names = [name for name, _ in parts]
-        offsets = [0, *torch.tensor([n for _, n in parts]).cumsum(0).tolist()]
-        self.parts = [(offsets[j], n) for j, (_, n) in enumerate(parts)]
-        self.in_features = in_features
+        offsets = [0]
+        for _, size in parts:
+            offsets.append(offsets[-1] + size)
+        self.parts = [(offsets[j], size) for j, (_, size) in enumerate(parts)]
+        self.in_features, self.out_features = in_features, offsets[-1]
         self.max_loras, self.max_rank = max_loras, max_rank
+        self.cols = len(parts) * max_rank  # columns of `A x` per slot
         self.batch = batch
         self.device, self.dtype = device, dtype
-        self._a: torch.Tensor | None = None
-        self._b: list[torch.Tensor] = []
-        self._rank = [0] * max_loras  # 0: the slot's adapter does not touch this module
-        self._scale = [[0.0] * len(parts) for _ in range(max_loras)]
+        self._a: torch.Tensor | None = None  # [max_loras, cols, in], allocated on first use
+        self._b: torch.Tensor | None = None  # [max_loras * cols, out]
+        self._filled = [False] * max_loras  # whether the slot's adapter touches this module
 
     def forward(self, x: torch.Tensor, segments: Segments | None = None) -> torch.Tensor:
         y = self._base_forward(x)
-        segs = self.batch.segments if segments is None else segments
-        if not segs or self._a is None:
+        if self._a is None:
             return y
-        return self._add_deltas(x, y, segs)
+        if segments is not None:  # rows that are not this forward's tokens (MLA's cache)
+            return self._per_segment(x, y, segments)
+        segs = self.batch.segments
+        if not segs:
+            return y
+        if len(segs) == 1:
+            return self._per_segment(x, y, segs)
+        return self._masked(x, y)
 
-    def _add_deltas(self, x: torch.Tensor, y: torch.Tensor, segs: Segments) -> torch.Tensor:
+    def _per_segment(self, x: torch.Tensor, y: torch.Tensor, segs: Segments) -> torch.Tensor:
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        c = self.cols
         for start, end, slot in segs:
-            r = self._rank[slot]
-            if r == 0:
-                continue
-            k = len(self.parts) * r
-            t = self.batch.scratch(end - start, k, x2)
-            torch.mm(x2[start:end], self._a[slot, :k].t(), out=t)
-            rows = y2[start:end]
-            for j, (off, size) in enumerate(self.parts):
-                scale = self._scale[slot][j]
-                if scale:
-                    b = self._b[j][slot, :, :r]
-                    rows[:, off : off + size].addmm_(t[:, j * r : (j + 1) * r], b.t(), alpha=scale)
+            if self._filled[slot]:
+                t = self.batch.scratch(end - start, c, x2)
+                torch.mm(x2[start:end], self._a[slot].t(), out=t)
+                y2[start:end].addmm_(t, self._b[slot * c : (slot + 1) * c])
+        return y
+
+    def _masked(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        width = (self.batch.max_slot + 1) * self.cols
+        t = self.batch.scratch(x2.shape[0], width, x2)
+        torch.mm(x2, self._a.view(-1, self.in_features)[:width].t(), out=t)
+        t.mul_(self.batch.token_mask(self.cols, t.device))
+        y2.addmm_(t, self._b[:width])
         return y
 
     # ---- slots (the LoRA manager, between forwards) ----------------------------------------
     def set_slot(self, slot: int, weights: list | None) -> None:
         """Put an adapter's per-part weights (LoRAWeights or None, in `part_names` order) into
         `slot`; None (or all parts None) empties the slot for this module."""
-        present = [w for w in (weights or ()) if w is not None]
-        if not present:
-            self._rank[slot] = 0
-            return
+        present = any(w is not None for w in weights or ())
         if self._a is None:
-            self._allocate()
-        r = max(w.rank for w in present)
-        a = self._a[slot]
+            if not present:
+                return
+            kw = {"device": self.device, "dtype": self.dtype}
+            self._a = torch.zeros(self.max_loras, self.cols, self.in_features, **kw)
+            self._b = torch.zeros(self.max_loras * self.cols, self.out_features, **kw)
+        a, b = self._a[slot], self._b[slot * self.cols : (slot + 1) * self.cols]
         a.zero_()
-        for j, w in enumerate(weights):
-            b = self._b[j][slot]
-            b.zero_()
-            self._scale[slot][j] = 0.0 if w is None else w.scale
+        b.zero_()
+        self._filled[slot] = present
+        R = self.max_rank
+        for j, w in enumerate(weights if present else ()):
             if w is not None:
-                a[j * r : j * r + w.rank].copy_(w.a)
-                b[:, : w.rank].copy_(w.b)
-        self._rank[slot] = r
-
-    def _allocate(self) -> None:
-        n = len(self.parts)
-        kw = {"device": self.device, "dtype": self.dtype}
-        self._a = torch.zeros(self.max_loras, n * self.max_rank, self.in_features, **kw)
-        self._b = [torch.zeros(self.max_loras, size, self.max_rank, **kw) for _, size in self.parts]
+                off, size = self.parts[j]
+                a[j * R : j * R + w.rank].copy_(w.a)
+                b[j * R : j * R + w.rank, off : off + size].copy_((w.b * w.scale).t())
 
     def part_features(self, j: int) -> tuple[int, int]:
         """(in, out) features of part j."""
@@ -177,7 +124,7 @@ class LoRALinear(nn.Module):
     def nbytes(self) -> int:
         if self._a is None:
             return 0
-        return sum(t.numel() * t.element_size() for t in (self._a, *self._b))
+        return sum(t.numel() * t.element_size() for t in (self._a, self._b))
 
     def extra_repr(self) -> str:
         parts = ", ".join(f"{n}={s}" for n, (_, s) in zip(self.part_names, self.parts, strict=True))

@@ -31,6 +31,7 @@ def wrap(base, parts, batch, max_loras=3, max_rank=8):
 
 @pytest.mark.parametrize("kind", ["fp32", "int8-native", "int8-fbgemm"])
 def test_each_adapter_adds_its_delta_to_its_rows(kind):
+    """Two adapters: the masked path (every token against every slot in use)."""
     linear = nn.Linear(64, 96, bias=True)
     base = linear if kind == "fp32" else Int8Linear(linear, kernel=kind.split("-")[1])
     batch = LoRABatch()
@@ -48,12 +49,30 @@ def test_each_adapter_adds_its_delta_to_its_rows(kind):
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_one_adapter_and_explicit_segments_take_the_rows_path():
+    batch = LoRABatch()
+    linear = nn.Linear(64, 48)
+    layer = wrap(linear, [("proj", 48)], batch)
+    w = lora(64, 48, 8, 1.5)
+    layer.set_slot(1, [w])
+    x = torch.randn(9, 64, generator=G)
+    batch.set([(0, 4, None), (4, 5, 1)], span_starts=[0, 4])
+    ref = linear(x)
+    ref[4:] += delta(x[4:], w)
+    torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5)
+    rows = torch.randn(20, 64, generator=G)  # e.g. cached rows of one sequence
+    ref = linear(rows)
+    ref[5:12] += delta(rows[5:12], w)
+    torch.testing.assert_close(layer(rows, ((5, 12, 1),)), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_no_adapter_in_the_batch_costs_nothing_but_the_base(monkeypatch):
     batch = LoRABatch()
     linear = nn.Linear(64, 32)
     layer = wrap(linear, [("proj", 32)], batch)
     layer.set_slot(1, [lora(64, 32, 4, 1.0)])
-    monkeypatch.setattr(layer, "_add_deltas", lambda *a: pytest.fail("LoRA work without LoRA"))
+    for path in ("_per_segment", "_masked"):
+        monkeypatch.setattr(layer, path, lambda *a: pytest.fail("LoRA work without LoRA"))
     batch.set([(0, 5, None), (5, 2, None)], span_starts=[0])
     assert batch.segments == ()
     x = torch.randn(7, 64, generator=G)
@@ -111,14 +130,24 @@ def test_fused_qkv_int8_gets_each_projection_delta_on_its_slice():
     targets = install_lora_layers(model, LoRABatch(), max_loras=2, max_rank=8)
     assert set(targets) == {"attn.q_proj", "attn.k_proj", "attn.v_proj"}
     layer = attn.qkv_proj
-    wq, wv = lora(64, 64, 4, 2.0), lora(64, 32, 6, 1.5)  # no adapter on k
+    wq, wv = lora(64, 64, 4, 2.0), lora(64, 32, 6, 1.5)  # slot 1: no adapter on k
+    wk = lora(64, 32, 8, 0.5)  # slot 0: only k
     layer.set_slot(1, [wq, None, wv])
-    layer.batch.set([(0, 5, 1)], span_starts=[0])
-    x = torch.randn(5, 64, generator=G)
-    q, k, v = layer(x).split((64, 32, 32), dim=-1)
-    torch.testing.assert_close(q, separate[0](x) + delta(x, wq), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(k, separate[1](x), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(v, separate[2](x) + delta(x, wv), rtol=1e-5, atol=1e-5)
+    layer.set_slot(0, [None, wk, None])
+    x = torch.randn(10, 64, generator=G)
+    for seqs in ([(0, 10, 1)], [(0, 3, 0), (3, 3, None), (6, 4, 1)]):  # rows path, masked path
+        layer.batch.set(seqs, span_starts=[0])
+        q, k, v = layer(x).split((64, 32, 32), dim=-1)
+        want = [m(x) for m in separate]
+        for start, n, slot in seqs:
+            rows = slice(start, start + n)
+            if slot == 1:
+                want[0][rows] += delta(x[rows], wq)
+                want[2][rows] += delta(x[rows], wv)
+            elif slot == 0:
+                want[1][rows] += delta(x[rows], wk)
+        for got, ref in zip((q, k, v), want, strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_batches_group_adapters_contiguously_within_max_loras():
