@@ -5,10 +5,12 @@
   1-adapter     every request with the same adapter
   4-adapters    requests round-robin over 4 adapters and the base (one batch, max_loras=4)
 
-Same random prompts and output lengths (EOS ignored) for all; --repeats timed runs alternate
-between the configurations and each keeps its best. Random rank-R adapters on every attention
-projection and dense/shared MLP linear (what `lora_target: all` trains). Run it under the heavy
-lock: `flock /tmp/hetserve-heavy.lock .venv/bin/python scripts/bench_lora.py --model DIR`.
+Same random prompts and output lengths (EOS ignored) for all; each of --repeats timed rounds
+runs every configuration (each round starting with another one) and each keeps its best. Random
+rank-R adapters on every attention projection and dense/shared MLP linear (what `lora_target:
+all` trains). Run it under the heavy lock:
+
+    flock /tmp/hetserve-heavy.lock .venv/bin/python scripts/bench_lora.py --model DIR
 """
 
 from __future__ import annotations
@@ -68,8 +70,10 @@ def main() -> None:
         llm.generate(prompt_token_ids=prompts[:4], sampling_params=params[:4],
                      lora_request=spec[:4] if isinstance(spec, list) else spec)  # fmt: skip
     runs: dict[str, list[float]] = {name: [] for name in configs}
-    for _ in range(args.repeats):
-        for name, (llm, spec) in configs.items():
+    names = list(configs)
+    for r in range(args.repeats):  # each round in another order: no config always goes first
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            llm, spec = configs[name]
             t0 = time.perf_counter()
             outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, lora_request=spec)
             runs[name].append(time.perf_counter() - t0)

@@ -22,6 +22,7 @@ def run(engine, prompts, params, loras) -> list:
         for out in engine.step():
             assert out.error is None, out.error
             done[out.request_id] = out
+        engine.check_integrity()
     return [done[rid] for rid in ids]
 
 

@@ -396,6 +396,8 @@ class EngineCore:
         self.scheduler.check_integrity()
         if self.tiers is not None:
             self.tiers.check_integrity()
+        if self.lora is not None:
+            self.lora.check_integrity()
         sched = self.scheduler
         live = {r.request_id for r in sched.running + sched.waiting}
         live |= {rid for rid, r in sched.loading.items() if not r.is_finished}

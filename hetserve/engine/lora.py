@@ -219,6 +219,17 @@ class LoRAManager:
                 self._fill(slot, None)
                 self._free.append(slot)
 
+    def check_integrity(self) -> None:
+        slots = list(self._slots.values())
+        assert sorted(slots + self._free) == list(range(self.max_loras)), (slots, self._free)
+        with self._lock:
+            assert set(self._slots) <= set(self._adapters), "a slot holds an unknown adapter"
+            assert set(self._names.values()) | self.retired == set(self._adapters)
+            assert not self.retired & set(self._names.values())
+        for layer in self.layers:
+            for slot in self._free:
+                assert not layer._filled[slot], "a free slot still holds weights"
+
     def resident(self) -> dict[str, int]:
         """Adapter ids in the slots (least recently used first) -> slot."""
         return dict(self._slots)
