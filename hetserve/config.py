@@ -300,8 +300,8 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     ),
     EngineOption(
         "enable_lora", "lora", "enable_lora",
-        "install LoRA layers though no adapter is named yet (adapters loaded later)",
-        flag="",  # implied by lora_modules; serve --enable-lora-runtime-updates sets it
+        "install LoRA layers though no adapter is named yet (implied by --lora-modules and "
+        "--enable-lora-runtime-updates)", extra={"action": "store_true"},
     ),
 )  # fmt: skip
 
@@ -319,11 +319,12 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults: Any) -> None:
         if o.flag == "":
             continue
         default = defaults.get(o.name, o.default)
-        shown = "" if default in (None, ()) or o.store_false else f" (default: {default})"
+        quiet = default in (None, (), False) or o.store_false
+        shown = "" if quiet else f" (default: {default})"
         kw: dict[str, Any] = {"dest": o.name, "help": o.help + shown, **o.extra}
         if o.store_false:  # --no-X: a flag that turns on the default's opposite
             kw["action"] = "store_false"
-        else:
+        elif "action" not in o.extra:
             kw.update(type=o.type, choices=o.choices)
         groups[o.section].add_argument(o.cli_flag, default=default, **kw)
 

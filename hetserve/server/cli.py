@@ -65,7 +65,7 @@ def serve(args: argparse.Namespace) -> int:
     from hetserve.server.app import create_app
 
     args.record_routing_stats = bool(args.save_routing_stats)
-    args.enable_lora = args.enable_lora_runtime_updates
+    args.enable_lora = args.enable_lora or args.enable_lora_runtime_updates
     name = args.served_model_name or (
         args.model.rstrip("/").split("/")[-1] if args.model else "hetserve-demo"
     )

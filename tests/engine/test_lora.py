@@ -197,3 +197,21 @@ def test_chat_with_lora_prints_the_reply_and_timings(tiny_model, adapters, monke
     ]  # fmt: skip
     assert lines[0].split()[-2] == str(len(want.prompt_token_ids))
     assert lines[3].split()[-2] == str(len(want.token_ids) - 1)
+
+
+def test_lora_flags_and_keywords_build_the_same_config():
+    import argparse
+
+    from hetserve.config import EngineConfig, add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    argv = ["--lora-modules", "a=/x", "b=/y", "--max-loras", "2", "--max-lora-rank", "8"]
+    flags = EngineConfig.from_args(parser.parse_args([*argv, "--enable-lora"]))
+    keywords = EngineConfig.from_options(
+        lora_modules={"a": "/x", "b": "/y"}, max_loras=2, max_lora_rank=8, enable_lora=True
+    )
+    assert flags == keywords and flags.lora.lora_modules == (("a", "/x"), ("b", "/y"))
+    assert not EngineConfig.from_args(parser.parse_args([])).lora.enabled
+    with pytest.raises(InvalidInputError, match="'a' is given twice"):
+        EngineConfig.from_options(lora_modules=["a=/x", "a=/y"])
