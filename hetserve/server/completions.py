@@ -33,7 +33,7 @@ class CompletionServing(OpenAIServing):
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and isinstance(prompt[0], int):
-            return [(None, list(prompt))]
+            return [(None, prompt)]  # a fresh list from the parser: no copy (~1M ids max)
         out = []
         for p in prompt:
             ids = await self.encode(p) if isinstance(p, str) else list(p)
