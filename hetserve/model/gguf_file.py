@@ -3,10 +3,10 @@
 `GgufCheckpoint` offers what the loader reads from a safetensors checkpoint: an HF-style config
 (config.json beside the file wins; else one derived from the GGUF metadata with llama.cpp's
 semantics) and a stream of weights under their HF names. Routed experts in q8_0 or q4_K stay in
-those numbers, exactly: q8_0 is int8 with an fp16 scale per 32 (`Int8Rows`, cpu-int8), q4_K's
-256-element super-blocks are int4 groups of 32 with scale d * sc and minimum -dmin * m, both
-exact in fp32 (`Int4Rows`, cpu-int4). Every other tensor, and experts of other types, is
-dequantized by `gguf` itself.
+those numbers, exactly: q8_0 is int8 with an fp16 scale per 32 (`Int8Rows`, cpu-int8), q4_K
+stays in its own super-blocks (`Q4KRows`, cpu-int4: 4.5 bits per weight, read as they are by
+the native kernel). Every other tensor, and experts of other types, is dequantized by `gguf`
+itself.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from hetserve.errors import ModelLoadError, UnsupportedArchitectureError
-from hetserve.moe.packed import Int4Rows, Int8Rows, QMatrix
+from hetserve.moe.packed import Int8Rows, Q4KRows, QMatrix
 
 # GGUF architecture -> (HF architecture, model_type, llama.cpp's norm of the top-k weights)
 ARCHITECTURES = {
@@ -83,27 +83,11 @@ def q8_0_rows(data: np.ndarray) -> Int8Rows:
     return Int8Rows(q.reshape(*q.shape[:-2], -1), scale)
 
 
-def _q4k_scales(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 12 bytes of 6-bit scales and minimums -> sc, m [.., 8] (llama.cpp's packing)."""
-    b = raw.to(torch.int32)
-    lo, mid, hi = b[..., 0:4], b[..., 4:8], b[..., 8:12]
-    sc = torch.cat((lo & 63, (hi & 15) | ((lo >> 2) & 48)), dim=-1)
-    m = torch.cat((mid & 63, (hi >> 4) | ((mid >> 2) & 48)), dim=-1)
-    return sc, m
-
-
-def q4_k_rows(data: np.ndarray) -> Int4Rows:
+def q4_k_rows(data: np.ndarray) -> Q4KRows:
     """q4_K super-blocks [.., rows, n * 144] (fp16 d, fp16 dmin, 12 bytes of 6-bit scales and
-    minimums, 128 bytes of nibbles) -> Int4Rows in groups of 32, exactly."""
-    sb = torch.from_numpy(np.array(data).reshape(*data.shape[:-1], -1, 144))  # a writable copy
-    d, dmin = _f16(sb[..., 0:2].numpy()), _f16(sb[..., 2:4].numpy())
-    sc, m = _q4k_scales(sb[..., 4:16])
-    scale = (d * sc).flatten(-2)  # [.., rows, n * 8]
-    minimum = (-(dmin * m)).flatten(-2)
-    qs = sb[..., 16:].reshape(*sb.shape[:-1], 4, 32)  # chunk c: low = 64c + i, high = +32
-    codes = torch.stack((qs & 15, qs >> 4), dim=-2).flatten(-4)  # [.., rows, K]
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return Int4Rows(packed.contiguous(), scale.contiguous(), minimum.contiguous())
+    minimums, 128 bytes of nibbles) -> Q4KRows: the file's bytes, unchanged."""
+    raw = torch.from_numpy(np.array(data).reshape(*data.shape[:-1], -1, 144))  # a writable copy
+    return Q4KRows(raw)
 
 
 class GgufCheckpoint:

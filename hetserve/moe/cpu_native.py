@@ -10,7 +10,8 @@ and up quads alternate), on huge pages, with the group parameters quad-interleav
 
 Experts packed in a checkpoint's own format (`ExpertWeights.packed`) go in as published where the
 format matches the backend: MXFP4 blocks and e8m0 scales, FP8 bytes and block scales, int4
-nibbles (GPTQ, compressed-tensors, q4_K) with their scale and minimum, q8_0's int8 and scales.
+nibbles (GPTQ, compressed-tensors) with their scale and minimum, q4_K super-blocks (only
+rearranged: 4.5 bits per weight), q8_0's int8 and scales.
 Otherwise each expert is converted on its own (`weights.expert(e)`), never the whole layer.
 """
 
@@ -23,24 +24,40 @@ import torch
 from hetserve.errors import InvalidInputError
 from hetserve.moe.cpu_base import _CPUExperts
 from hetserve.moe.experts import Activation, ClampedSwiGLU, ExpertWeights
-from hetserve.moe.packed import Fp8Rows, Int4Rows, Int8Rows, Mxfp4Rows, QMatrix
+from hetserve.moe.packed import Fp8Rows, Int4Rows, Int8Rows, Mxfp4Rows, Q4KRows, QMatrix
 from hetserve.moe.quant import (
     quantize_fp8_blocks,
     quantize_int4_groupwise,
     quantize_int8_per_channel,
     quantize_mxfp4,
 )
-from hetserve.native import kernel
-from hetserve.native.layout import interleave_quads, pack_int4_rows, pair_gate_up
+from hetserve.native import hugepage_empty, kernel
+from hetserve.native.layout import interleave_quads, pack_int4_rows, pair_gate_up, q4k_quads
 
 # The kernel's weight formats (enum F_* in moe_kernels.c).
-F_F32, F_I8, F_I4, F_MXFP4, F_FP8 = range(5)
+F_F32, F_I8, F_I4, F_MXFP4, F_FP8, F_Q4K = range(6)
 
 
 def _quads(mats: list[torch.Tensor], chunk: int, gate_up: bool) -> torch.Tensor:
     """Per-expert matrices [N, C] -> one stacked tensor in the kernel's quad layout."""
     t = torch.stack(mats)
     return interleave_quads(pair_gate_up(t) if gate_up else t, chunk)
+
+
+def _q4k_layer(mats: tuple[Q4KRows, ...], gate_up: bool) -> torch.Tensor:
+    """Per-expert q4_K matrices [N, K] -> one stacked tensor [E, N/4, K/256, 576] in the
+    kernel's quad layout (native/moe_q4k.h), filled expert by expert."""
+    n, k = mats[0].shape
+    out = hugepage_empty((len(mats), n // 4, k // 256, 576), torch.uint8)
+    for e, mat in enumerate(mats):
+        d, dmin, sc, m, codes = mat.fields()
+        if gate_up:  # gate quad, up quad, gate quad, ...: phase 1 reads one stream
+            d, dmin, sc, m, codes = (
+                pair_gate_up(t.reshape(1, n, -1))[0] for t in (d, dmin, sc, m, codes)
+            )
+            sc, m = sc.reshape(n, -1, 8), m.reshape(n, -1, 8)
+        q4k_quads(d, dmin, sc, m, codes, out[e])
+    return out
 
 
 def _packed_as(weights: ExpertWeights, cls: type[QMatrix]) -> bool:
@@ -158,8 +175,9 @@ class NativeInt8Experts(_NativeExperts):
 
 class NativeInt4Experts(_NativeExperts):
     """int4 group-wise asymmetric weights, |w - w_hat| <= scale/2 per group; int16 activations.
-    Experts packed as int4 groups of 32/64/128 (GPTQ, compressed-tensors, q4_K) keep their
-    nibbles, scales and minimums exactly (group_size None takes theirs)."""
+    Experts packed as int4 groups of 32/64/128 (GPTQ, compressed-tensors) keep their nibbles,
+    scales and minimums exactly (group_size None takes theirs); GGUF q4_K experts (group 32)
+    keep their super-blocks, read by the q4_K kernel."""
 
     fmt = F_I4
 
@@ -174,6 +192,11 @@ class NativeInt4Experts(_NativeExperts):
         super().__init__(weights, activation=activation, num_threads=num_threads)
 
     def _load(self, weights: ExpertWeights) -> None:
+        if _packed_as(weights, Q4KRows) and self.group_size == 32:
+            self.fmt = F_Q4K  # the super-blocks as they are (group_size: their sub-blocks)
+            p = weights.packed
+            self._set(_q4k_layer(p.w13, True), None, None, _q4k_layer(p.w2, False), None, None)
+            return
         if _packed_as(weights, Int4Rows) and weights.packed.groups() == (self.group_size,) * 2:
             mats13, mats2 = weights.packed.w13, weights.packed.w2
         else:

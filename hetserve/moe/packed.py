@@ -11,6 +11,8 @@ selection and concatenation are plain indexing:
 - `Int4Rows`: nibbles in natural order (element 2j in the low nibble) [.., N, K/2], fp32 scale
   and minimum per group: w = q * scale + minimum, q in [0, 15] (GPTQ, compressed-tensors, q4_K).
 - `Int8Rows`: int8 values, fp32 scale per group (`group = K`: per channel; q8_0: 32).
+- `Q4KRows`: GGUF q4_K super-blocks as the file stores them, 144 bytes per 256 columns (fp16
+  d and dmin, 6-bit scale and minimum per 32 columns, nibbles): w = d * sc * q - dmin * m.
 
 `PackedExperts` holds one MoE layer's routed experts as such matrices, one per expert and
 projection, so CPU backends read the checkpoint's own numbers (and convert expert by expert
@@ -173,6 +175,64 @@ class Int8Rows(QMatrix):
 
     def dequantize(self) -> torch.Tensor:
         return self.q.float() * _expand_groups(self.scale, self.group)
+
+
+def _q4k_six(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 12 bytes of 6-bit scales and minimums of q4_K super-blocks -> sc, m [.., 8]
+    (llama.cpp's packing: 0-3 sc 0-3 and the top bits of sc 4-7, 4-7 the same for m, 8-11 the
+    low 4 bits of sc 4-7 | m 4-7 << 4)."""
+    b = raw.to(torch.int32)
+    lo, mid, hi = b[..., 0:4], b[..., 4:8], b[..., 8:12]
+    sc = torch.cat((lo & 63, (hi & 15) | ((lo >> 2) & 48)), dim=-1)
+    m = torch.cat((mid & 63, (hi >> 4) | ((mid >> 2) & 48)), dim=-1)
+    return sc, m
+
+
+def _f16_bits(raw: torch.Tensor) -> torch.Tensor:
+    """Two bytes [.., 2] (little-endian fp16) -> fp32 [..]."""
+    return raw.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+@dataclass(frozen=True)
+class Q4KRows(QMatrix):
+    """q4_K super-blocks [.., N, K/256, 144] exactly as in a GGUF file. Its format is "int4"
+    (served by cpu-int4; the native kernel reads these bytes, only rearranged into quads)."""
+
+    raw: torch.Tensor  # uint8 [.., N, K/256, 144]
+
+    fmt: ClassVar[str] = "int4"
+    row_dims: ClassVar[dict[str, int]] = {"raw": -3}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, n, blocks, _ = self.raw.shape
+        return (*lead, n, blocks * 256)
+
+    @property
+    def group(self) -> int:
+        return 32
+
+    def fields(self) -> tuple[torch.Tensor, ...]:
+        """(d, dmin [.., N, K/256] fp32; sc, m [.., N, K/256, 8] int32; codes [.., N, K] in
+        [0, 15]) with w[32 j + i of block b] = d[b] * sc[b, j] * code - dmin[b] * m[b, j]."""
+        r = self.raw
+        d, dmin = _f16_bits(r[..., 0:2]), _f16_bits(r[..., 2:4])
+        sc, m = _q4k_six(r[..., 4:16])
+        qs = r[..., 16:].reshape(*r.shape[:-1], 4, 32)  # chunk c: low = 64c + i, high = +32
+        codes = torch.stack((qs & 15, qs >> 4), dim=-2).flatten(-4)
+        return d, dmin, sc, m, codes
+
+    def to_int4(self) -> Int4Rows:
+        """The same numbers as int4 groups of 32 (fp32 scale d * sc and minimum -dmin * m,
+        both exact in fp32): 6 bits per weight instead of 4.5."""
+        d, dmin, sc, m, codes = self.fields()
+        scale = (d[..., None] * sc).flatten(-2)
+        minimum = (-(dmin[..., None] * m)).flatten(-2)
+        packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+        return Int4Rows(packed.contiguous(), scale.contiguous(), minimum.contiguous())
+
+    def dequantize(self) -> torch.Tensor:
+        return self.to_int4().dequantize()
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Builds and loads hetserve's AVX2 kernels through ctypes: one shared library from
 
-- `moe_kernels.c` (+ `moe_quads.h`, `moe_formats.h`): routed experts (fp32, weight-only int8
-  / int4, and the published grouped int8, MXFP4 and FP8 formats); `linear_kernels.c`: plain
-  int8 linears on the same microkernel. The
+- `moe_kernels.c` (+ `moe_quads.h`, `moe_formats.h`, `moe_q4k.h`): routed experts (fp32,
+  weight-only int8 / int4, and the published grouped int8, MXFP4, FP8 and GGUF q4_K formats);
+  `linear_kernels.c`: plain quantized linears (int8, q8_0, q4_K) on the same microkernels. The
   library ops cannot stream int4 weights (torch's `_weight_int4pack_mm_for_cpu`: ~0.2 GB/s
   here) and the only fast int8 one (fbgemm) also quantizes activations.
 - `attention.c`: decode attention read straight from the paged KV cache (fp32). Gathering each
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 HERE = Path(__file__).parent
 SOURCES = ("pool.c", "moe_kernels.c", "linear_kernels.c", "attention.c", "small_ops.c",
            "moe_backward.c")  # fmt: skip
-HEADERS = ("pool.h", "simd.h", "moe_quads.h", "moe_formats.h")
+HEADERS = ("pool.h", "simd.h", "moe_quads.h", "moe_formats.h", "moe_q4k.h")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared"]
 
 

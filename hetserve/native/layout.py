@@ -35,3 +35,35 @@ def interleave_quads(t: torch.Tensor, chunk: int) -> torch.Tensor:
     e, n, c = t.shape
     src = t.reshape(e, n // 4, 4, c // chunk, chunk).transpose(2, 3)
     return hugepage_empty(tuple(src.shape), t.dtype).copy_(src)
+
+
+def q4k_quads(
+    d: torch.Tensor,
+    dmin: torch.Tensor,
+    sc: torch.Tensor,
+    m: torch.Tensor,
+    codes: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """One q4_K matrix of N rows and B super-blocks (d, dmin [N, B]; 6-bit sc, m [N, B, 8];
+    codes [N, 256 B] in [0, 15]) -> `out` uint8 [N/4, B, 576], the kernel's quad layout
+    (hetserve/native/moe_q4k.h): per quad and super-block the 4 rows' d, dmin, scales and
+    nibbles, 144 bytes per row and super-block as in the file."""
+    n, b = d.shape
+    quads = n // 4
+
+    def by_quad(t: torch.Tensor) -> torch.Tensor:  # [N, B, ...] -> [N/4, B, 4, ...]
+        return t.reshape(quads, 4, b, *t.shape[2:]).transpose(1, 2)
+
+    out[..., 0:8] = by_quad(d).to(torch.float16).contiguous().view(torch.uint8)
+    out[..., 8:16] = by_quad(dmin).to(torch.float16).contiguous().view(torch.uint8)
+    low = (sc & 15) | ((m & 15) << 4)
+    out[..., 16:48] = by_quad(low).reshape(quads, b, 32).to(torch.uint8)
+    shift = (2 * torch.arange(4)).view(1, 1, 4, 1)
+    for lo, six in ((48, sc), (56, m)):  # the high 2 bits of row r at bits 2r, 2r + 1
+        out[..., lo : lo + 8] = ((by_quad(six) >> 4) << shift).sum(dim=2).to(torch.uint8)
+    # [quads, 4 rows, B, 8 sub-blocks, 2 halves, 2 (column i / 8 + i), 8]
+    c = codes.reshape(quads, 4, b, 8, 2, 2, 8).to(torch.uint8)
+    nib = c[..., 0, :] | (c[..., 1, :] << 4)  # [quads, 4, B, 8, 2, 8]
+    out[..., 64:] = nib.permute(0, 2, 3, 4, 1, 5).reshape(quads, b, 512)
+    return out

@@ -1,5 +1,5 @@
 /* Routed-experts kernels for AVX2 + FMA CPUs: weight-only int8 / int4, plain fp32, and the
- * formats checkpoints publish (grouped int8, MXFP4, FP8: moe_formats.h).
+ * formats checkpoints publish (grouped int8, MXFP4, FP8: moe_formats.h; GGUF q4_K: moe_q4k.h).
  *
  * One call computes one MoE layer: out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t]) with
  *   a[p, i] = silu(x_t . W1[e, i]) * (x_t . W3[e, i]) * w_p      (phase 1, gate+up fused)
@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "moe_q4k.h"
 #include "moe_quads.h"
 #include "pool.h"
 #include "simd.h"
@@ -30,7 +31,7 @@
 #define RC 8  /* row quads per work chunk */
 
 /* Weight formats (hetserve/moe/cpu_native.py passes the same numbers). */
-enum { F_F32 = 0, F_I8 = 1, F_I4 = 2, F_MXFP4 = 3, F_FP8 = 4 };
+enum { F_F32 = 0, F_I8 = 1, F_I4 = 2, F_MXFP4 = 3, F_FP8 = 4, F_Q4K = 5 };
 
 typedef struct {
     int fmt, H, I, G;      /* G: columns per scale group, 0 = one scale per row (int8) */
@@ -47,6 +48,8 @@ typedef struct {
     int16_t *x16, *a16;    /* [T, H], [P, I] activations as int16 */
     float *xsc, *asc;      /* their per-row scales [T], [P] */
     float *xgs, *ags;      /* int4 only: per-group sums of x16 / a16 [T, H/G], [P, I/G] */
+    int8_t *xpl, *apl;     /* q4_K only: x16 / a16 as int8 planes, per row [xh | xl] */
+    int16_t *xps, *aps;    /* q4_K only: the planes' sums, [rows, K / 256, 32] */
     int n_active;
     const int *act_e, *act_off, *act_cnt;
     int nthreads;
@@ -57,6 +60,7 @@ typedef struct {
     const int16_t *x[2];
     const float *gs[2];
     float s[2];
+    q4k_act_t p[2];
 } act16_t;
 
 static inline act16_t act16(const job_t *j, int which, int K, int r0, int r1) {
@@ -66,7 +70,18 @@ static inline act16_t act16(const job_t *j, int which, int K, int r0, int r1) {
     const int ng = j->G > 0 ? K / j->G : 0;
     act16_t a = {{base + (size_t)r0 * K, base + (size_t)r1 * K},
                  {gsb + (size_t)r0 * ng, gsb + (size_t)r1 * ng},
-                 {xs[r0], xs[r1]}};
+                 {xs[r0], xs[r1]},
+                 {{NULL, NULL, NULL}, {NULL, NULL, NULL}}};
+    if (j->fmt == F_Q4K) {
+        const int8_t *pl = which == 1 ? j->xpl : j->apl;
+        const int16_t *ps = which == 1 ? j->xps : j->aps;
+        const int rr[2] = {r0, r1};
+        for (int m = 0; m < 2; m++) {
+            const int8_t *h = pl + (size_t)rr[m] * 2 * K;
+            q4k_act_t t = {h, h + K, ps + (size_t)rr[m] * (K / Q4K_SB) * 32};
+            a.p[m] = t;
+        }
+    }
     return a;
 }
 
@@ -92,6 +107,9 @@ static inline void quad_int(const job_t *j, int which, size_t row, int K, act16_
         const float *z = (which == 1 ? j->m13 : j->m2) + row * ng;
         if (MB == 2) quad_i4(q, s, z, K, G, a.x, a.gs, 2, out);
         else quad_i4(q, s, z, K, G, a.x, a.gs, 1, out);
+    } else if (j->fmt == F_Q4K) {
+        const uint8_t *q = (const uint8_t *)w + row * (K / Q4K_SB) * (Q4K_QUAD_BYTES / 4);
+        if (MB == 2) quad_q4k(q, K, a.p, 2, out); else quad_q4k(q, K, a.p, 1, out);
     } else { /* F_MXFP4 */
         const uint8_t *q = (const uint8_t *)w + row * (K / 2);
         const uint8_t *s = (const uint8_t *)sv + row * (K / 32);
@@ -248,45 +266,21 @@ static void phase_item(void *ctx, int c) {
 static void run_phase(job_t *j, int phase) {
     int per = (phase == 1 ? j->I : j->H) / 4;
     int K = phase == 1 ? j->H : j->I;
-    /* twice the bytes per weight of each format, then bytes per row quad (x2 gate/up) */
-    static const int twice_bytes[] = {8, 2, 1, 1, 2};
-    long unit = (long)(phase == 1 ? 8 : 4) * K * twice_bytes[j->fmt] / 2;
+    /* sixteen times the bytes per weight of each format, then bytes per row quad (x2 for
+     * gate and up) */
+    static const int b16[] = {64, 16, 8, 8, 16, 9};
+    long unit = (long)(phase == 1 ? 8 : 4) * K * b16[j->fmt] / 16;
     int rc = (int)(ITEM_BYTES / (unit > 0 ? unit : 1));
     rc = rc < RC ? RC : rc;
     arg_t arg = {j, phase, rc};
     hs_parallel_for(j->nthreads, j->n_active * ((per + rc - 1) / rc), phase_item, &arg);
 }
 
-/* Returns 0, -1 when out of memory, -2 when an expert id is outside [0, E), -3 for an unknown
- * format. fmt: F_*; G: columns per scale group (int4, MXFP4 32, FP8, grouped int8; 0 = int8 per
- * row); b13/b2 may be NULL; act 0 = silu, 1 = clamped SwiGLU(alpha, limit). */
-int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int T, int k,
-                         const int64_t *ids, const float *tw, const float *x, float *out,
-                         const void *w13, const void *s13, const float *m13, const void *w2,
-                         const void *s2, const float *m2, const float *b13, const float *b2,
-                         int act, float alpha, float limit) {
-    const int P = T * k;
-    memset(out, 0, sizeof(float) * (size_t)T * H);
-    if (fmt < F_F32 || fmt > F_FP8) return -3;
-    if (P == 0) return 0;
-    for (int p = 0; p < P; p++)
-        if (ids[p] < 0 || ids[p] >= E) return -2;
-    const int q16 = fmt == F_I8 || fmt == F_I4 || fmt == F_MXFP4; /* int16 activations */
-    const int G4 = fmt == F_I4 ? G : 0; /* group sums (the minimum term) */
-    size_t n_g = G4 ? (size_t)T * (H / G4) + (size_t)P * (I / G4) : 0; /* xgs, ags */
-    size_t n_f = (size_t)P * (I + H) + P + T + P + n_g;   /* a, y, pw, xsc, asc, xgs, ags */
-    size_t n_i = (size_t)P + 4 * (size_t)E;               /* tok, act_e/off/cnt, fill */
-    size_t n_q = q16 ? (size_t)T * H + (size_t)P * I : 0; /* x16, a16 */
-    char *buf = malloc(sizeof(float) * n_f + sizeof(int) * n_i + sizeof(int16_t) * n_q);
-    if (buf == NULL) return -1;
-    float *a = (float *)buf, *y = a + (size_t)P * I, *pw = y + (size_t)P * H;
-    float *xsc = pw + P, *asc = xsc + T, *xgs = asc + P;
-    float *ags = G4 ? xgs + (size_t)T * (H / G4) : xgs;
-    int *tok = (int *)(a + n_f), *act_e = tok + P, *act_off = act_e + E, *act_cnt = act_off + E;
-    int *fill = act_cnt + E;
-    int16_t *x16 = (int16_t *)(tok + n_i), *a16 = x16 + (size_t)T * H;
-
-    /* Counting sort of the pairs by expert (stable: token order within an expert). */
+/* Counting sort of the P = T * k pairs by expert (stable: token order within an expert):
+ * tok/pw per sorted pair, the active experts with their first pair and count; returns how
+ * many experts are active. fill [E] is scratch. */
+static int sort_pairs(int E, int P, int k, const int64_t *ids, const float *tw, int *tok,
+                      float *pw, int *act_e, int *act_off, int *act_cnt, int *fill) {
     memset(fill, 0, sizeof(int) * E);
     for (int p = 0; p < P; p++) fill[ids[p]]++;
     int n = 0, off = 0;
@@ -306,13 +300,66 @@ int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int 
         tok[dst] = p / k;
         pw[dst] = tw[p];
     }
+    return n;
+}
+
+/* Rounds the rows of phase `which` (1: x [T, H], 2: a [P, I]) to int16 and, for q4_K, splits
+ * them into the kernel's int8 planes. */
+static void activations(job_t *j, int which, int rows) {
+    const int K = which == 1 ? j->H : j->I;
+    const float *src = which == 1 ? j->x : j->a;
+    int16_t *q = which == 1 ? j->x16 : j->a16;
+    float *sc = which == 1 ? j->xsc : j->asc, *gs = which == 1 ? j->xgs : j->ags;
+    const int perm = j->fmt == F_I4 || j->fmt == F_MXFP4;
+    quantize_rows(src, K, 0, rows, q, sc, perm, j->fmt == F_I4 ? j->G : 0, gs);
+    if (j->fmt == F_Q4K) {
+        int8_t *pl = which == 1 ? j->xpl : j->apl;
+        int16_t *ps = which == 1 ? j->xps : j->aps;
+        for (int r = 0; r < rows; r++) /* row r: [xh | xl], K bytes each */
+            q4k_planes(q + (size_t)r * K, K, pl + (size_t)r * 2 * K, pl + (size_t)r * 2 * K + K,
+                       ps + (size_t)r * (K / Q4K_SB) * 32);
+    }
+}
+
+/* Returns 0, -1 when out of memory, -2 when an expert id is outside [0, E), -3 for an unknown
+ * format. fmt: F_*; G: columns per scale group (int4, MXFP4 32, FP8, grouped int8; 0 = int8 per
+ * row; unused by q4_K, whose super-blocks carry their scales: H and I multiples of 256); b13/b2
+ * may be NULL; act 0 = silu, 1 = clamped SwiGLU(alpha, limit). */
+int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int T, int k,
+                         const int64_t *ids, const float *tw, const float *x, float *out,
+                         const void *w13, const void *s13, const float *m13, const void *w2,
+                         const void *s2, const float *m2, const float *b13, const float *b2,
+                         int act, float alpha, float limit) {
+    const int P = T * k;
+    memset(out, 0, sizeof(float) * (size_t)T * H);
+    if (fmt < F_F32 || fmt > F_Q4K) return -3;
+    if (P == 0) return 0;
+    for (int p = 0; p < P; p++)
+        if (ids[p] < 0 || ids[p] >= E) return -2;
+    const int q16 = fmt != F_F32 && fmt != F_FP8; /* int16 activations */
+    const int G4 = fmt == F_I4 ? G : 0; /* group sums (the minimum term) */
+    size_t n_g = G4 ? (size_t)T * (H / G4) + (size_t)P * (I / G4) : 0; /* xgs, ags */
+    size_t n_f = (size_t)P * (I + H) + P + T + P + n_g;   /* a, y, pw, xsc, asc, xgs, ags */
+    size_t n_i = (size_t)P + 4 * (size_t)E;               /* tok, act_e/off/cnt, fill */
+    size_t n_q = q16 ? (size_t)T * H + (size_t)P * I : 0; /* x16, a16 */
+    /* q4_K: the int8 planes (2 bytes per activation) and their sums (32 per 256) */
+    size_t n_p = fmt == F_Q4K ? n_q * 2 + n_q / Q4K_SB * 32 * sizeof(int16_t) : 0;
+    char *buf = malloc(sizeof(float) * n_f + sizeof(int) * n_i + sizeof(int16_t) * n_q + n_p);
+    if (buf == NULL) return -1;
+    float *a = (float *)buf, *y = a + (size_t)P * I, *pw = y + (size_t)P * H;
+    float *xsc = pw + P, *asc = xsc + T, *xgs = asc + P;
+    float *ags = G4 ? xgs + (size_t)T * (H / G4) : xgs;
+    int *tok = (int *)(a + n_f), *act_e = tok + P, *act_off = act_e + E, *act_cnt = act_off + E;
+    int16_t *x16 = (int16_t *)(act_cnt + 2 * E), *a16 = x16 + (size_t)T * H;
+    int8_t *xpl = (int8_t *)(x16 + n_q), *apl = xpl + (size_t)T * H * 2;
+    int16_t *xps = (int16_t *)(xpl + n_q * 2), *aps = xps + (size_t)T * H / Q4K_SB * 32;
+    int n = sort_pairs(E, P, k, ids, tw, tok, pw, act_e, act_off, act_cnt, act_cnt + E);
     job_t j = {fmt, H, I, G, act, alpha, limit, b13, b2, x, w13, w2, s13, s2, m13, m2, tok, pw,
-               a, y, x16, a16, xsc, asc, xgs, ags, n, act_e, act_off, act_cnt,
-               nthreads < 1 ? 1 : nthreads};
-    const int perm = fmt == F_I4 || fmt == F_MXFP4;
-    if (q16) quantize_rows(x, H, 0, T, x16, xsc, perm, G4, xgs);
+               a, y, x16, a16, xsc, asc, xgs, ags, xpl, apl, xps, aps, n, act_e, act_off,
+               act_cnt, nthreads < 1 ? 1 : nthreads};
+    if (q16) activations(&j, 1, T);
     run_phase(&j, 1);
-    if (q16) quantize_rows(a, I, 0, P, a16, asc, perm, G4, ags);
+    if (q16) activations(&j, 2, P);
     run_phase(&j, 2);
     for (int p = 0; p < P; p++) { /* pairs of one token never race: this loop is serial */
         float *o = out + (size_t)tok[p] * H;

@@ -13,23 +13,6 @@
 #include "moe_formats.h"
 #include "simd.h"
 
-/* Software prefetch distance in bytes. One cache line per loop iteration is consumed; the
- * out-of-order window alone keeps only ~15 lines in flight (~10 GB/s per core at DRAM latency),
- * so the stream is prefetched this far ahead (it runs into the next quad, which is adjacent). */
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T0
-#endif
-#ifndef PF_DIST
-#define PF_DIST 2048
-#endif
-
-static inline int hsum_i32(__m256i v) {
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-    return _mm_cvtsi128_si32(t);
-}
-
 /* int16 activations keep |x16| <= ACT_Q, so a vpmaddwd lane gains at most 2 * 127 * ACT_Q per
  * 16 inputs and KBLOCK inputs fit int32 exactly (KBLOCK/16 * 2 * 127 * 16383 < 2^31). */
 #define ACT_Q 16383

@@ -1,15 +1,16 @@
-"""Experts packed in published formats (FP8 blocks, MXFP4, int4 groups, grouped int8) and the
-native kernels that read them, against a torch reference that rounds activations exactly as
-the kernel does (int16 per row for the integer formats), with biases and gpt-oss's clamped
-SwiGLU as well as silu."""
+"""Experts packed in published formats (FP8 blocks, MXFP4, int4 groups, GGUF q4_K, grouped
+int8) and the native kernels that read them, against a torch reference that rounds activations
+exactly as the kernel does (int16 per row for the integer formats), with biases and gpt-oss's
+clamped SwiGLU as well as silu."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from hetserve.model.tiny_gguf import quantize_q4_k
 from hetserve.moe.experts import ClampedSwiGLU, ExpertWeights, create_backend, gated_activation
-from hetserve.moe.packed import Fp8Rows, Int4Rows, Int8Rows, Mxfp4Rows, PackedExperts
+from hetserve.moe.packed import Fp8Rows, Int4Rows, Int8Rows, Mxfp4Rows, PackedExperts, Q4KRows
 from hetserve.moe.quant import (
     dequantize_fp8_blocks,
     dequantize_mxfp4,
@@ -20,7 +21,7 @@ from hetserve.moe.quant import (
 )
 from hetserve.native.layout import pack_int4_rows
 
-E, H, INTER, K = 8, 256, 128, 3
+E, H, INTER, K = 8, 256, 256, 3  # q4_K rows need multiples of 256
 
 
 @pytest.fixture(autouse=True)
@@ -53,8 +54,14 @@ def _int8g(w, group=32):
     return Int8Rows(q.reshape(w.shape), s.reshape(w.shape[0], -1))
 
 
+def _q4k(w):
+    raw = quantize_q4_k(w.numpy())
+    return Q4KRows(torch.from_numpy(raw.reshape(w.shape[0], -1, 144)))
+
+
 PACKERS = {
     "fp8": (_fp8, "cpu-fp8"),
+    "q4k": (_q4k, "cpu-int4"),
     "mxfp4": (lambda w: Mxfp4Rows(*quantize_mxfp4(w)), "cpu-mxfp4"),
     "int4": (_int4, "cpu-int4"),
     "int8": (_int8g, "cpu-int8"),
@@ -168,10 +175,27 @@ def test_new_backends_from_dense_weights(backend, t):
     assert_emulated(b.forward(x, tw, ids), ref)
 
 
+@pytest.mark.parametrize("t", [1, 2, 7, 40])
+def test_q4k_token_counts(t):
+    """q4_K super-blocks at token counts that cover the microkernel tails (pairs of tokens)
+    and the 32-pair cache block; 4.5 bits per weight as in the file."""
+    w13, w2, _, _ = _dense(seed=8)
+    packed = _packed("q4k", w13, w2)
+    x, tw, ids = _routing(t, seed=t)
+    b = create_backend("cpu-int4", ExpertWeights(None, None, packed=packed))
+    assert b.fmt == 5 and b.nbytes() == E * 3 * H * INTER * 9 // 16
+    deq13 = torch.stack([m.dequantize() for m in packed.w13])
+    deq2 = torch.stack([m.dequantize() for m in packed.w2])
+    ref = _emulated(deq13, deq2, None, None, "silu", x, tw, ids, int16=True)
+    assert_emulated(b.forward(x, tw, ids), ref)
+
+
 def test_packed_int4_keeps_its_group_size_and_int8_its_groups():
     w13, w2, _, _ = _dense(seed=6)
     int4 = ExpertWeights(None, None, packed=_packed("int4", w13, w2))
     assert create_backend("cpu-int4", int4).group_size == 32
+    q4k = ExpertWeights(None, None, packed=_packed("q4k", w13, w2))
+    assert create_backend("cpu-int4", q4k).group_size == 32
     int8 = ExpertWeights(None, None, packed=_packed("int8", w13, w2))
     assert create_backend("cpu-int8", int8).group_size == 32
     # An explicit other group size requantizes (expert by expert) instead.

@@ -1,0 +1,160 @@
+/* q4_K (llama.cpp's GGUF type) microkernel: the super-block's own numbers, in the quad layout.
+ *
+ * A q4_K row is split into super-blocks of 256 columns, each with an fp16 scale d and minimum
+ * dmin and, per sub-block of 32 columns, 6-bit integers sc and m: w = d * sc * q - dmin * m,
+ * q in [0, 15]. 144 bytes per 256 weights (4.5 bits each), as in the file. The kernel stores
+ * exactly that many bytes per row, rearranged for a row quad (4 rows), per super-block:
+ *
+ *   [0, 8)     d of rows 0-3 (fp16)          [8, 16)   dmin of rows 0-3 (fp16)
+ *   [16, 48)   byte 8r + j: low 4 bits of sc[r][j] | low 4 bits of m[r][j] << 4
+ *   [48, 56)   byte j: the high 2 bits of sc[r][j] at bits 2r, 2r + 1      [56, 64) same for m
+ *   [64, 576)  sub-block j at 64 + 64j: two vectors of 32 bytes (columns 0-15, then 16-31 of
+ *              the sub-block); in each, row r's 8 bytes at 8r: byte i = column i (low nibble) |
+ *              column 8 + i (high nibble)
+ *
+ * Activations are rounded to int16 per row, as for the other integer formats (|x - x_hat| <=
+ * max|x| / 32766), then split exactly into two int8 planes x16 = 128 * xh + xl (xl in [0, 127]),
+ * so that vpmaddubsw multiplies 32 nibbles at once by either plane. The sub-block's scale joins
+ * in the integer domain (vpmaddwd by sc and 128 sc), the super-block's d once per 256 columns;
+ * the minimum term needs only the planes' sums per sub-block. Every integer step is exact: per
+ * lane and super-block at most 8 * 2 * (4 * 2 * 15 * 128) * (128 * 63) + ... < 2^31.
+ */
+#ifndef HETSERVE_MOE_Q4K_H
+#define HETSERVE_MOE_Q4K_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "moe_formats.h"
+
+#define Q4K_SB 256          /* columns per super-block */
+#define Q4K_QUAD_BYTES 576  /* 4 rows x 144 bytes */
+
+/* One activation row for the q4_K kernel: int8 planes xh, xl [K] and, per super-block, the
+ * planes' sums per sub-block as [8 x int16 | the same 8] (xh) then the same for xl. */
+typedef struct {
+    const int8_t *xh, *xl;
+    const int16_t *gs; /* [K / 256][32] */
+} q4k_act_t;
+
+/* One row of x16 [K] (rounded, natural column order) -> its int8 planes xh, xl [K] and their
+ * sums per sub-block, gs [K / 256][32] (see q4k_act_t). */
+static void q4k_planes(const int16_t *x16, int K, int8_t *xh, int8_t *xl, int16_t *gs) {
+    const __m256i low7 = _mm256_set1_epi16(127), one = _mm256_set1_epi16(1);
+    for (int k = 0; k < K; k += 32) {
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(x16 + k));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(x16 + k + 16));
+        const __m256i h0 = _mm256_srai_epi16(v0, 7), h1 = _mm256_srai_epi16(v1, 7);
+        const __m256i l0 = _mm256_and_si256(v0, low7), l1 = _mm256_and_si256(v1, low7);
+        /* packs works within 128-bit lanes: the permute restores column order */
+        _mm256_storeu_si256((__m256i *)(xh + k),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi16(h0, h1), 0xD8));
+        _mm256_storeu_si256((__m256i *)(xl + k),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi16(l0, l1), 0xD8));
+        const int sh = hsum_i32(_mm256_madd_epi16(_mm256_add_epi16(h0, h1), one));
+        const int sl = hsum_i32(_mm256_madd_epi16(_mm256_add_epi16(l0, l1), one));
+        int16_t *g = gs + (k / Q4K_SB) * 32 + (k % Q4K_SB) / 32;
+        g[0] = g[8] = (int16_t)sh;
+        g[16] = g[24] = (int16_t)sl;
+    }
+}
+
+/* The 6-bit sc (which = 0) or m (which = 1) of the quad's super-block as bytes 8r + j. */
+static inline __m256i q4k_six(const uint8_t *hdr, int which) {
+    const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
+    __m256i l = _mm256_loadu_si256((const __m256i *)(hdr + 16));
+    if (which) l = _mm256_srli_epi16(l, 4);
+    int64_t hi;
+    memcpy(&hi, hdr + 48 + 8 * which, 8);
+    __m256i h = _mm256_srlv_epi64(_mm256_set1_epi64x(hi), _mm256_setr_epi64x(0, 2, 4, 6));
+    return _mm256_or_si256(_mm256_and_si256(l, low),
+                           _mm256_slli_epi16(_mm256_and_si256(h, two), 4));
+}
+
+/* vpshufb controls spreading the sc bytes of sub-block j (bytes 8r + j) to int16 lanes [row 0
+ * x4, row 1 x4 | row 2 x4, row 3 x4]; one table, so the control is a memory operand. */
+#define Z_ (char)0x80
+#define Q4K_IDX(j) {j, Z_, j, Z_, j, Z_, j, Z_, 8 + j, Z_, 8 + j, Z_, 8 + j, Z_, 8 + j, Z_, \
+                    j, Z_, j, Z_, j, Z_, j, Z_, 8 + j, Z_, 8 + j, Z_, 8 + j, Z_, 8 + j, Z_}
+static const char q4k_idx[8][32] __attribute__((aligned(32))) = {
+    Q4K_IDX(0), Q4K_IDX(1), Q4K_IDX(2), Q4K_IDX(3), Q4K_IDX(4), Q4K_IDX(5), Q4K_IDX(6), Q4K_IDX(7)};
+#undef Q4K_IDX
+#undef Z_
+
+static inline __m256i q4k_spread(__m256i sc, int j) {
+    return _mm256_shuffle_epi8(sc, _mm256_load_si256((const __m256i *)q4k_idx[j]));
+}
+
+/* The 32 x 4 weights of one 32-byte vector (low / high nibbles) against 8 + 8 activations of
+ * one plane, int16 pair sums [row 0: 4 lanes, row 1 | row 2, row 3]. */
+static inline __m256i q4k_dot(__m256i lo, __m256i hi, const int8_t *x) {
+    const __m256i a = _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)x));
+    const __m256i b = _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(x + 8)));
+    return _mm256_add_epi16(_mm256_maddubs_epi16(lo, a), _mm256_maddubs_epi16(hi, b));
+}
+
+/* out[r][m] = sum_k W[r, k] * x16[m, k] for one quad of q4_K rows and MB <= 2 tokens. */
+static inline __attribute__((always_inline)) void quad_q4k(const uint8_t *q, int K,
+                                                           const q4k_act_t a[2], int MB,
+                                                           float out[4][MBMAX]) {
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    __m256 tot[2], zt[2][2];
+    for (int m = 0; m < MB; m++) tot[m] = zt[m][0] = zt[m][1] = _mm256_setzero_ps();
+    for (int s = 0; s < K / Q4K_SB; s++, q += Q4K_QUAD_BYTES) {
+        _mm_prefetch((const char *)(q + PF_DIST), PF_HINT);
+        const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)q));
+        const __m256i sc = q4k_six(q, 0);
+        __m256i acc[2];
+        for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *v = q + 64 + 64 * j;
+            _mm_prefetch((const char *)(v + PF_DIST), PF_HINT);
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)v);
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(v + 32));
+            const __m256i lo0 = _mm256_and_si256(v0, nib);
+            const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nib);
+            const __m256i lo1 = _mm256_and_si256(v1, nib);
+            const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nib);
+            const __m256i s1 = q4k_spread(sc, j), s128 = _mm256_slli_epi16(s1, 7);
+            const int k = s * Q4K_SB + 32 * j;
+            for (int m = 0; m < MB; m++) {
+                __m256i th = _mm256_add_epi16(q4k_dot(lo0, hi0, a[m].xh + k),
+                                              q4k_dot(lo1, hi1, a[m].xh + k + 16));
+                __m256i tl = _mm256_add_epi16(q4k_dot(lo0, hi0, a[m].xl + k),
+                                              q4k_dot(lo1, hi1, a[m].xl + k + 16));
+                acc[m] = _mm256_add_epi32(acc[m], _mm256_add_epi32(_mm256_madd_epi16(th, s128),
+                                                                   _mm256_madd_epi16(tl, s1)));
+            }
+        }
+        /* d per lane pair [d0 d0 d1 d1 d2 d2 d3 d3]; minimums: rows 0-1 and 2-3 by 4 lanes */
+        const __m256 d = _mm256_permutevar8x32_ps(dd, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+        const __m256 dm01 = _mm256_permutevar8x32_ps(dd, _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5));
+        const __m256 dm23 = _mm256_permutevar8x32_ps(dd, _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7));
+        const __m256i mn = q4k_six(q, 1);
+        const __m256i m01 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(mn));
+        const __m256i m23 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(mn, 1));
+        for (int m = 0; m < MB; m++) {
+            tot[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), d, tot[m]);
+            const __m256i gh = _mm256_loadu_si256((const __m256i *)(a[m].gs + 32 * s));
+            const __m256i gl = _mm256_loadu_si256((const __m256i *)(a[m].gs + 32 * s + 16));
+            __m256i z01 = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(m01, gh), 7),
+                                           _mm256_madd_epi16(m01, gl));
+            __m256i z23 = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(m23, gh), 7),
+                                           _mm256_madd_epi16(m23, gl));
+            zt[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(z01), dm01, zt[m][0]);
+            zt[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(z23), dm23, zt[m][1]);
+        }
+    }
+    for (int m = 0; m < MB; m++) {
+        float t[8], z[16];
+        _mm256_storeu_ps(t, tot[m]);
+        _mm256_storeu_ps(z, zt[m][0]);
+        _mm256_storeu_ps(z + 8, zt[m][1]);
+        for (int r = 0; r < 4; r++)
+            out[r][m] = (t[2 * r] + t[2 * r + 1]) -
+                        ((z[4 * r] + z[4 * r + 1]) + (z[4 * r + 2] + z[4 * r + 3]));
+    }
+}
+
+#endif
