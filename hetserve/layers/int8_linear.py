@@ -1,23 +1,38 @@
-"""Int8Linear: a drop-in for nn.Linear on CPU with int8 weights (per output channel).
+"""Int8Linear: a drop-in for nn.Linear on CPU with int8 weights (per output channel), or the
+checkpoint's own quantized numbers where it has them.
 
 For CPU-only serving: the non-expert linears (attention, shared experts, lm_head) then stream
-a quarter of their fp32 bytes per token. Weights round to within scale/2 per element. Two
-kernels:
+a quarter of their fp32 bytes per token, or less. Weights:
+
+- by default int8 per output channel, rounded to within scale/2 per element;
+- where the loader kept the checkpoint's quantized matrix on the linear (`packed_weight`: a
+  GGUF file's q8_0 or q4_K tensor, model/filler.py), exactly those numbers: q8_0 as int8 with a
+  scale per 32 columns, q4_K as its super-blocks (4.5 bits per weight). No second rounding, and
+  a q4_K matrix streams 0.56 bytes per weight instead of int8's 1.
+
+Two kernels:
 
 - native (where hetserve's AVX2 kernels build, out_features % 4 == 0 and in_features % 32 == 0):
-  the routed experts' int8 kernel on one matrix (`hetserve_int8_linear`); activations rounded to
+  the routed experts' microkernels on one matrix (`hetserve_qlinear`); activations rounded to
   int16 per row, so the weight rounding dominates the error. Streams ~2x fbgemm's bytes/s at
   one token here.
 - fbgemm's packed GEMM with dynamic activation quantization (per call, reduce_range: 7 bits),
-  which dominates its error.
+  which dominates its error; a packed matrix is dequantized and requantized to int8 for it.
 """
 
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from hetserve.moe.packed import QMatrix
+
+# The native kernel's formats (F_* in hetserve/native/moe_kernels.c).
+_INT8, _Q4K = 1, 5
 
 
 def _native_ok(n: int, k: int) -> bool:
@@ -27,31 +42,74 @@ def _native_ok(n: int, k: int) -> bool:
     return n % 4 == 0 and k % 32 == 0 and envs.native_kernels() and not native_unavailable_reason()
 
 
+def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
+def _native_packed(packed: QMatrix | None) -> bool:
+    """A checkpoint matrix the native kernel reads as it is: q4_K, or int8 per row or in
+    groups of a multiple of 16 columns (q8_0)."""
+    from hetserve.moe.packed import Int8Rows, Q4KRows
+
+    if isinstance(packed, Q4KRows):
+        return True
+    return isinstance(packed, Int8Rows) and packed.group % 16 == 0
+
+
 class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear, kernel: str = "auto") -> None:
         super().__init__()
-        w = linear.weight.detach().float().cpu()
-        scale = w.abs().amax(dim=1) / 127.0
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
         bias = None if linear.bias is None else linear.bias.detach().float().cpu()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        packed = getattr(linear, "packed_weight", None)
+        native = kernel != "fbgemm" and _native_ok(self.out_features, self.in_features)
+        if native and _native_packed(packed):
+            self._native_layout(packed, bias)
+            return
+        q, scale = _int8_rows(linear.weight.detach().float().cpu())
         self.nbytes = q.numel() + scale.numel() * 4
-        self.kernel = "native" if kernel != "fbgemm" and _native_ok(*q.shape) else "fbgemm"
-        if self.kernel == "native":
-            from hetserve.native import kernel
+        self.fmt, self.group = _INT8, 0
+        if native:
             from hetserve.native.layout import interleave_quads
 
-            self._fn = kernel("hetserve_int8_linear")
-            self._q = interleave_quads(q.unsqueeze(0), 16)[0]
-            self._scale = scale.contiguous()
-            self._bias = bias
+            self._set_native(interleave_quads(q.unsqueeze(0), 16)[0], scale.contiguous(), bias)
             return
+        self.kernel = "fbgemm"
         zero = torch.zeros(q.shape[0], dtype=torch.long)
         with warnings.catch_warnings():  # quantized tensors are deprecated, fbgemm is not
             warnings.simplefilter("ignore")
             qw = torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0)
             self._packed = torch.ops.quantized.linear_prepack(qw, bias)
+
+    def _native_layout(self, packed: QMatrix, bias: torch.Tensor | None) -> None:
+        """The checkpoint's numbers in the kernel's quad layout (only bytes move)."""
+        from hetserve.moe.packed import Q4KRows
+        from hetserve.native import hugepage_empty
+        from hetserve.native.layout import interleave_quads, q4k_quads
+
+        self.nbytes = packed.nbytes
+        n, k = packed.shape
+        if isinstance(packed, Q4KRows):
+            self.fmt, self.group = _Q4K, 0
+            w = q4k_quads(*packed.fields(), hugepage_empty((n // 4, k // 256, 576), torch.uint8))
+            self._set_native(w, None, bias)
+            return
+        self.fmt, self.group = _INT8, 0 if packed.group == k else packed.group
+        w = interleave_quads(packed.q.unsqueeze(0), 16)[0]
+        scale = packed.scale.float()
+        if self.group:  # [N / 4][K / G][4], beside the quads
+            scale = interleave_quads(scale.unsqueeze(0), 1)[0]
+        self._set_native(w, scale.reshape(-1).contiguous(), bias)
+
+    def _set_native(self, w: torch.Tensor, scale: torch.Tensor | None, bias) -> None:
+        from hetserve.native import kernel
+
+        self.kernel = "native"
+        self._fn = kernel("hetserve_qlinear")
+        self._q, self._scale, self._bias = w, scale, bias
+        self._scale_ptr = None if scale is None else scale.data_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "native" and x.dim() == 2 and x.dtype is torch.float32:
@@ -68,24 +126,26 @@ class Int8Linear(nn.Module):
         x2 = x2.contiguous()
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         rc = self._fn(
-            torch.get_num_threads(), x2.shape[0], self.out_features, self.in_features,
-            x2.data_ptr(), y.data_ptr(), self._q.data_ptr(), self._scale.data_ptr(),
+            self.fmt, self.group, torch.get_num_threads(), x2.shape[0], self.out_features,
+            self.in_features, x2.data_ptr(), y.data_ptr(), self._q.data_ptr(), self._scale_ptr,
         )  # fmt: skip
         if rc != 0:
-            raise MemoryError("native int8 linear could not allocate its activation buffer")
+            raise MemoryError("native quantized linear could not allocate its activation buffer")
         return y if self._bias is None else y.add_(self._bias)
 
     def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"int8 ({self.kernel})"
+        what = (
+            "q4_K" if self.fmt == _Q4K else f"int8 groups of {self.group}" if self.group else "int8"
         )
+        shape = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{shape}, {what} ({self.kernel})"
 
 
 def _fuse(module: nn.Module) -> int:
     """Where `module` declares projections that read the same input (`fused_projections`, e.g.
     attention's q/k/v), store them as one Int8Linear: one weight stream and one kernel call
-    instead of three. The separate projections become None."""
+    instead of three. The separate projections become None. Checkpoint matrices of one format
+    and group are concatenated as they are."""
     count = 0
     declared = getattr(module, "fused_projections", None)
     for fused_name, parts in (declared() if declared else {}).items():
@@ -102,6 +162,10 @@ def _fuse(module: nn.Module) -> int:
             big.weight = nn.Parameter(torch.cat([lin.weight for lin in lins]))
             if lins[0].bias is not None:
                 big.bias = nn.Parameter(torch.cat([lin.bias for lin in lins]))
+        packed = [getattr(lin, "packed_weight", None) for lin in lins]
+        kinds = {(type(p), p.group) if p is not None else None for p in packed}
+        if len(kinds) == 1 and None not in kinds:
+            big.packed_weight = type(packed[0]).cat_rows(packed)
         setattr(module, fused_name, Int8Linear(big))
         for p in parts:
             setattr(module, p, None)

@@ -4,7 +4,10 @@ Routed experts are accepted one tensor per expert (what checkpoints on disk hold
 `experts.{e}.gate_proj|up_proj|down_proj.weight`, Mixtral `experts.{e}.w1|w3|w2.weight`) and as
 fused tensors (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]). Experts that
 the checkpoint stores quantized stay in that format (`PackedExperts`, assembled here); any
-other quantized weight is dequantized into its parameter.
+other quantized weight is dequantized into its parameter. A linear's weight in a format the
+quantized dense kernels read (GGUF q8_0 / q4_K) is also kept beside it, as the linear's
+`packed_weight`, when a placement could give that linear such a kernel (layers/int8_linear.py
+serves those numbers exactly; moe/hybrid.py drops what it does not use).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from torch import nn
 from hetserve.errors import MissingTensorError, ModelLoadError, TensorShapeError
 from hetserve.model.base import CausalLM
 from hetserve.moe.layer import FusedExperts
-from hetserve.moe.packed import PackedExperts, QMatrix
+from hetserve.moe.packed import Int8Rows, PackedExperts, Q4KRows, QMatrix
 
 PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
@@ -117,8 +120,8 @@ class WeightFiller:
         self.params = dict(model.named_parameters())
         self.filled: set[str] = set()  # plain params, and "w13:e:half" / "w2:e" expert parts
         self.num_layers = model.config.num_layers
-        modules = dict(model.named_modules())
-        self.packed = {p: PackedExpertsBuilder(p, modules[p]) for p in packed}
+        self.modules = dict(model.named_modules())
+        self.packed = {p: PackedExpertsBuilder(p, self.modules[p]) for p in packed}
 
     def target(self, name: str) -> str | None:
         """Parameter-space name for a checkpoint name (after aliases), None to skip it."""
@@ -145,6 +148,8 @@ class WeightFiller:
         if (em or fm) and prefix in self.packed:
             self.packed[prefix].add(pname, e, half, value, ckpt_name)
             return
+        if isinstance(value, (Int8Rows, Q4KRows)) and not (em or fm):
+            self._keep_packed(name, value)
         value = _dense(value, ckpt_name)
         if em:
             param = self.params[f"{prefix}.{pname}"]
@@ -163,6 +168,13 @@ class WeightFiller:
             name = f"{prefix}.{pname}"
         self._copy(self.params[name].data, value, ckpt_name)
         self.filled.add(name)
+
+    def _keep_packed(self, name: str, value: QMatrix) -> None:
+        owner_name, _, leaf = name.rpartition(".")
+        owner = self.modules.get(owner_name)
+        placed = getattr(self.model, "hybrid_plan", None) is not None
+        if leaf == "weight" and type(owner) is nn.Linear and placed:
+            owner.packed_weight = value
 
     @staticmethod
     def _copy(dst: torch.Tensor, src: torch.Tensor, ckpt_name: str) -> None:

@@ -192,7 +192,9 @@ class GgufCheckpoint:
                 continue
             hf = self._hf_name(name)
             if wanted(hf):
-                yield hf, self._value(t, False), int(t.n_bytes)
+                # q8_0 / q4_K matrices as they are (the filler dequantizes them, and keeps them
+                # for linears that a placement may serve quantized)
+                yield hf, self._value(t, len(t.shape) == 2), int(t.n_bytes)
 
     def _hf_name(self, name: str) -> str:
         for pattern, repl in _NAMES:

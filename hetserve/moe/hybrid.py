@@ -109,7 +109,8 @@ def _check_dense_backend(placement: Placement, name: str) -> None:
 
 
 def apply_dense_backends(model: nn.Module, plan: HybridPlan) -> int:
-    """Swap the linears of non-expert units placed with `cpu-int8` for Int8Linear."""
+    """Swap the linears of non-expert units placed with `cpu-int8` for Int8Linear (which keeps
+    a linear's checkpoint numbers where the loader kept them: GGUF q8_0 / q4_K)."""
     from hetserve.layers.int8_linear import Int8Linear, quantize_linears
 
     count = 0
@@ -123,6 +124,9 @@ def apply_dense_backends(model: nn.Module, plan: HybridPlan) -> int:
             count += 1
         else:
             count += quantize_linears(unit)
+    for module in model.modules():  # checkpoint matrices no int8 linear took (model/filler.py)
+        if isinstance(module, nn.Linear) and hasattr(module, "packed_weight"):
+            del module.packed_weight
     return count
 
 

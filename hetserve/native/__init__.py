@@ -79,6 +79,7 @@ _I, _L, _F, _P = ctypes.c_int, ctypes.c_long, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     "hetserve_moe_forward": (_I, [_I] * 8 + [_P] * 12 + [_I, _F, _F]),
     "hetserve_int8_linear": (_I, [_I] * 4 + [_P] * 4),
+    "hetserve_qlinear": (_I, [_I] * 6 + [_P] * 4),
     "hetserve_paged_decode_attention": (_I, [_I] * 10 + [_F] + [_P] * 7),
     "hetserve_rms_norm": (None, [_I] * 3 + [_F] + [_P] * 3),
     "hetserve_rope": (None, [_I] * 5 + [_P] * 4),

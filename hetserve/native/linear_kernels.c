@@ -1,64 +1,108 @@
-/* Plain int8 linear (hetserve_int8_linear) on the routed experts' int8 microkernel. Built with
- * the other kernels by hetserve/native/__init__.py. */
+/* Plain quantized linears (hetserve_qlinear) on the routed experts' microkernels: what
+ * `cpu-int8` placement puts on the non-expert linears of CPU-only serving
+ * (hetserve/layers/int8_linear.py). Built with the other kernels by hetserve/native/__init__.py.
+ *
+ * y[t, n] = sum_k W[n, k] * x[t, k] for one matrix [N, K] (N % 4 == 0) in the quad layout of
+ * moe_quads.h, in one of the formats:
+ *   fmt 1 (int8), G == 0: one fp32 scale per row, s [N];
+ *   fmt 1 (int8), G > 0:  one fp32 scale per row and group of G columns (GGUF q8_0: 32),
+ *                         stored [N / 4][K / G][4] (G % 16 == 0);
+ *   fmt 5 (q4_K):         super-blocks of 256 columns with their own scales (moe_q4k.h).
+ * Activations are rounded to int16 per row, as for the experts. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "moe_q4k.h"
 #include "moe_quads.h"
 #include "pool.h"
 
 #define TB 32 /* tokens per cache block */
 #define RC 8  /* row quads per work chunk */
+enum { L_I8 = 1, L_Q4K = 5 }; /* the F_* numbers of moe_kernels.c */
 
-/* ---- plain int8 linear: y[t, n] = s[n] * sum_k q[n, k] * x[t, k] ------------------------------
- * The same weight-only format and quad layout as the experts (one [N, K] matrix, N % 4 == 0,
- * K % 32 == 0): what `cpu-int8` placement puts on the non-expert linears of CPU-only serving. */
 typedef struct {
-    const int8_t *w;
+    int fmt, G, T, N, K;
+    const void *w;
     const float *s, *xsc;
     const int16_t *x16;
+    const int8_t *pl;  /* q4_K: per row [xh | xl] */
+    const int16_t *ps; /* q4_K: the planes' sums */
     float *out;
-    int T, N, K;
 } lin_t;
+
+/* Rows [n0, n0 + 4) against tokens m, m + MB - 1 (MB <= 2). */
+static inline void lin_quad(const lin_t *l, int n0, int m, int MB, float o[4][MBMAX]) {
+    const int K = l->K, m1 = m + MB - 1;
+    if (l->fmt == L_Q4K) {
+        const uint8_t *q = (const uint8_t *)l->w + (size_t)n0 * (K / Q4K_SB) * 144;
+        const q4k_act_t a[2] = {
+            {l->pl + (size_t)m * 2 * K, l->pl + (size_t)m * 2 * K + K,
+             l->ps + (size_t)m * (K / Q4K_SB) * 32},
+            {l->pl + (size_t)m1 * 2 * K, l->pl + (size_t)m1 * 2 * K + K,
+             l->ps + (size_t)m1 * (K / Q4K_SB) * 32}};
+        if (MB == 2) quad_q4k(q, K, a, 2, o); else quad_q4k(q, K, a, 1, o);
+        return;
+    }
+    const int8_t *q = (const int8_t *)l->w + (size_t)n0 * K;
+    const int16_t *const xr[2] = {l->x16 + (size_t)m * K, l->x16 + (size_t)m1 * K};
+    if (l->G > 0) {
+        const float *s = l->s + (size_t)n0 * (K / l->G);
+        if (MB == 2) quad_i8g(q, s, K, l->G, xr, 2, o); else quad_i8g(q, s, K, l->G, xr, 1, o);
+        return;
+    }
+    if (MB == 2) quad_i8(q, K, xr, 2, o); else quad_i8(q, K, xr, 1, o);
+    for (int r = 0; r < 4; r++)
+        for (int mm = 0; mm < MB; mm++) o[r][mm] *= l->s[n0 + r];
+}
 
 static void lin_item(void *ctx, int c) {
     const lin_t *l = (const lin_t *)ctx;
-    const int quads = l->N / 4, K = l->K;
+    const int quads = l->N / 4;
     const int u0 = c * RC, u1 = u0 + RC < quads ? u0 + RC : quads;
     for (int t0 = 0; t0 < l->T; t0 += TB) {
         int t1 = t0 + TB < l->T ? t0 + TB : l->T;
         for (int u = u0; u < u1; u++) {
-            const int n0 = 4 * u;
-            const int8_t *q = l->w + (size_t)n0 * K;
             for (int m = t0; m < t1; m += 2) {
                 int MB = t1 - m >= 2 ? 2 : 1;
-                const int16_t *const xr[2] = {l->x16 + (size_t)m * K,
-                                              l->x16 + (size_t)(m + MB - 1) * K};
                 float o[4][MBMAX];
-                if (MB == 2)
-                    quad_i8(q, K, xr, 2, o);
-                else
-                    quad_i8(q, K, xr, 1, o);
+                lin_quad(l, 4 * u, m, MB, o);
                 for (int mm = 0; mm < MB; mm++) {
-                    float *y = l->out + (size_t)(m + mm) * l->N + n0;
-                    for (int r = 0; r < 4; r++) y[r] = o[r][mm] * l->s[n0 + r] * l->xsc[m + mm];
+                    float *y = l->out + (size_t)(m + mm) * l->N + 4 * u;
+                    for (int r = 0; r < 4; r++) y[r] = o[r][mm] * l->xsc[m + mm];
                 }
             }
         }
     }
 }
 
-/* x [T, K] fp32 -> out [T, N]; w quad-interleaved int8 [N, K], s [N]. Returns 0 or -1 (OOM). */
-int hetserve_int8_linear(int nthreads, int T, int N, int K, const float *x, float *out,
-                         const void *w, const float *s) {
+/* x [T, K] fp32 -> out [T, N]; w and s as above (s unused for q4_K). Returns 0, -1 (out of
+ * memory) or -3 (unknown format). */
+int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const float *x,
+                     float *out, const void *w, const float *s) {
+    if (fmt != L_I8 && fmt != L_Q4K) return -3;
     if (T <= 0) return 0;
-    char *buf = malloc(sizeof(int16_t) * (size_t)T * K + sizeof(float) * (size_t)T);
+    const size_t n = (size_t)T * K;
+    const size_t planes = fmt == L_Q4K ? 2 * n + n / Q4K_SB * 32 * sizeof(int16_t) : 0;
+    char *buf = malloc(sizeof(int16_t) * n + sizeof(float) * (size_t)T + planes);
     if (buf == NULL) return -1;
     int16_t *x16 = (int16_t *)buf;
-    float *xsc = (float *)(x16 + (size_t)T * K);
+    float *xsc = (float *)(x16 + n);
+    int8_t *pl = (int8_t *)(xsc + T);
+    int16_t *ps = (int16_t *)(pl + 2 * n);
     quantize_rows(x, K, 0, T, x16, xsc, 0, 0, NULL);
-    lin_t l = {(const int8_t *)w, s, xsc, x16, out, T, N, K};
+    if (fmt == L_Q4K)
+        for (int t = 0; t < T; t++)
+            q4k_planes(x16 + (size_t)t * K, K, pl + (size_t)t * 2 * K, pl + (size_t)t * 2 * K + K,
+                       ps + (size_t)t * (K / Q4K_SB) * 32);
+    lin_t l = {fmt, G, T, N, K, w, s, xsc, x16, pl, ps, out};
     hs_parallel_for(nthreads < 1 ? 1 : nthreads, (N / 4 + RC - 1) / RC, lin_item, &l);
     free(buf);
     return 0;
+}
+
+/* The int8 linear with one scale per row (fmt 1, G 0); kept for callers of the old name. */
+int hetserve_int8_linear(int nthreads, int T, int N, int K, const float *x, float *out,
+                         const void *w, const float *s) {
+    return hetserve_qlinear(L_I8, 0, nthreads, T, N, K, x, out, w, s);
 }

@@ -7,7 +7,11 @@ import torch
 from torch import nn
 
 from hetserve.layers.int8_linear import Int8Linear
-from hetserve.moe.quant import int8_linear_bound, quantize_int8_per_channel
+from hetserve.moe.quant import (
+    int8_activation_step,
+    int8_linear_bound,
+    quantize_int8_per_channel,
+)
 from hetserve.native import native_unavailable_reason
 
 
@@ -61,3 +65,65 @@ def test_declared_projections_become_one_matrix(bias):
     x = torch.randn(3, 64)
     # Per-output-channel scales: fusing rows changes nothing about each row's quantization.
     assert torch.allclose(attn.qkv_proj(x), torch.cat([m(x) for m in separate], -1), atol=1e-6)
+
+
+def _q4k(w: torch.Tensor):
+    from hetserve.model.tiny_gguf import quantize_q4_k
+    from hetserve.moe.packed import Q4KRows
+
+    return Q4KRows(torch.from_numpy(quantize_q4_k(w.numpy()).reshape(w.shape[0], -1, 144)))
+
+
+def _q8_0(w: torch.Tensor):
+    from hetserve.moe.packed import Int8Rows
+
+    q, s = quantize_int8_per_channel(w.reshape(-1, 32))
+    return Int8Rows(q.reshape(w.shape), s.to(torch.float16).float().reshape(w.shape[0], -1))
+
+
+@pytest.mark.skipif(bool(native_unavailable_reason()), reason="native kernels unavailable")
+@pytest.mark.parametrize(("fmt", "pack"), [(5, _q4k), (1, _q8_0)])
+@pytest.mark.parametrize("t,bias", [(1, False), (3, True), (34, False)])
+def test_checkpoint_matrices_served_as_they_are(fmt, pack, t, bias):
+    """A linear carrying its checkpoint matrix (`packed_weight`, GGUF q4_K / q8_0) runs on those
+    numbers exactly: against x @ w_hat.T only the int16 activation rounding is left,
+    |y - x @ w_hat.T| <= s_x / 2 * sum|w_hat| per output (plus fp32 summation), and the bytes
+    streamed are the file's (q4_K: 9/16 of a byte per weight)."""
+    n, k = 20, 512
+    g = torch.Generator().manual_seed(t)
+    lin = nn.Linear(k, n, bias=bias)
+    packed = pack(torch.randn(n, k, generator=g) * 0.1)
+    w_hat = packed.dequantize()
+    with torch.no_grad():
+        lin.weight.copy_(w_hat)
+    lin.packed_weight = packed
+    q = Int8Linear(lin)
+    assert q.kernel == "native" and q.fmt == fmt and q.nbytes == packed.nbytes
+    assert q.group == (0 if fmt == 5 else 32)
+    x = torch.randn(t, k, generator=g)
+    ref = x.double() @ w_hat.double().T
+    if bias:
+        ref += lin.bias.detach().double()
+    s_x = int8_activation_step(x, "native")
+    bound = s_x[:, None] / 2 * w_hat.abs().sum(dim=1)[None, :] + 1e-5 * ref.abs().max()
+    assert ((q(x).double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.skipif(bool(native_unavailable_reason()), reason="native kernels unavailable")
+def test_fused_projections_keep_their_checkpoint_matrices():
+    from hetserve.layers.int8_linear import quantize_linears
+
+    attn = _Attn(False)
+    attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj = (
+        nn.Linear(256, n, bias=False) for n in (64, 32, 32, 256)
+    )
+    g = torch.Generator().manual_seed(0)
+    for m in (attn.q_proj, attn.k_proj, attn.v_proj):
+        m.packed_weight = _q4k(torch.randn(m.out_features, 256, generator=g) * 0.1)
+        with torch.no_grad():
+            m.weight.copy_(m.packed_weight.dequantize())
+    separate = [Int8Linear(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    quantize_linears(attn)
+    assert attn.qkv_proj.fmt == 5 and attn.o_proj.fmt == 1  # o_proj had no checkpoint matrix
+    x = torch.randn(3, 256, generator=g)
+    torch.testing.assert_close(attn.qkv_proj(x), torch.cat([m(x) for m in separate], -1))

@@ -17,6 +17,7 @@ from hetserve.errors import ModelLoadError, UnsupportedArchitectureError  # noqa
 from hetserve.model.gguf_file import q4_k_rows, q8_0_rows  # noqa: E402
 from hetserve.model.tiny_gguf import quantize_q4_k, write_gguf  # noqa: E402
 from hetserve.model.tokenizer import Tokenizer  # noqa: E402
+from hetserve.native import native_unavailable_reason  # noqa: E402
 
 # q4_K needs rows of 256: a Qwen3-MoE just big enough.
 SHAPE = {"hidden_size": 256, "moe_intermediate_size": 256, "head_dim": 64}
@@ -70,6 +71,28 @@ def test_gguf_with_quantized_dense_weights_and_a_config_beside(gguf_model, tmp_p
     shutil.copy2(path, beside)
     shutil.copy2(src / "config.json", tmp_path / "config.json")
     torch.testing.assert_close(logprobs(LLM(str(beside))), logprobs(LLM(str(path))))
+
+
+@pytest.mark.parametrize(("others", "fmt", "group"), [("q4_K", 5, 0), ("q8_0", 1, 32)])
+@pytest.mark.skipif(bool(native_unavailable_reason()), reason="native kernels unavailable")
+def test_gguf_dense_linears_keep_their_numbers_on_cpu_int8(gguf_model, others, fmt, group):
+    """CPU-only serving with `cpu-int8` on the non-expert units: linears stored as q8_0 / q4_K
+    in the file run on those numbers (no second rounding to int8): within the same bound of
+    gguf's fp32 model as the experts, and the q4_K ones stream 9/16 of a byte per weight."""
+    from hetserve.bench.decode import _all_int8_rules
+    from hetserve.layers.int8_linear import Int8Linear
+
+    path, ref, _ = gguf_model("q4_K", others)
+    llm = LLM(str(path), placement=_all_int8_rules("cpu-int4"))
+    lins = [m for m in llm.model.modules() if isinstance(m, Int8Linear)]
+    # every linear of the tiny model fits the kernel and is stored in `others` in the file
+    assert lins and all(m.kernel == "native" and m.fmt == fmt for m in lins)
+    assert all(m.group == group for m in lins)
+    assert not any(hasattr(m, "packed_weight") for m in llm.model.modules())  # none left over
+    if fmt == 5:
+        assert all(m.nbytes * 16 == m.in_features * m.out_features * 9 for m in lins)
+    err = (logprobs(llm) - logprobs(LLM(ref))).abs()
+    assert float(err.max()) <= BOUND
 
 
 def test_q4_k_and_q8_0_read_exactly_as_gguf_reads_them():
