@@ -3,23 +3,34 @@
 For each backend and token count it times `forward` on random routings (each token picks top-k
 distinct experts uniformly, a fresh routing every call so the caches hold nothing useful) and
 reports the weight bytes of the experts actually touched per second. Next to it: this machine's
-memory read bandwidth measured in the same run, as `torch.sum` over a buffer much larger than
-the last-level cache with the same intra-op threads: a pure sequential read stream, which is what
-streaming expert weights is. One probe runs right before every timed call (alternating plain and
-huge-page memory), so both see the same background load. Ratios are best-vs-best (the rates the
-machine reaches when least disturbed) and median-vs-median; shared machines are noisy.
+memory read bandwidth, as `torch.sum` over a buffer much larger than the last-level cache with
+the same intra-op threads: a pure sequential read stream, which is what streaming expert weights
+is (a hand-written AVX2 read loop reaches the same rate here).
+
+The two are measured alike: one probe runs right before every timed call (alternating plain and
+huge-page memory), so each call has its own reading of the bandwidth at that moment, and a row
+compares its calls with its own probes only (as many samples each, the same minutes). On a
+shared machine the bandwidth itself moves (here from ~25 to ~60 GB/s within minutes, with other
+virtual machines on the host), so a probe taken at another time says little about a call.
+Ratios per row: `ratio med` is the median over calls of (call's GB/s / its probe's GB/s),
+`ratio best` is the best call's GB/s over the best of the row's probes. `other cpu` is the share
+of the machine's CPU time that other processes took during the row's timed calls (from
+/proc/stat): rows where it is high were disturbed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
 
-# NAME or NAME:KERNEL (kernel option of cpu-int8/cpu-int4: native | library). cpu-mxfp4 and
-# cpu-fp8 quantize the random weights to those formats (MXFP4 blocks of 32, FP8 128 x 128).
+# NAME or NAME:KERNEL (kernel option of cpu-int8/cpu-int4: native | library), or NAME:FORMAT
+# for experts packed in a GGUF type first (cpu-int4:q4_K, cpu-int8:q8_0), as a GGUF file's are.
+# cpu-mxfp4 and cpu-fp8 quantize the random weights to those formats (MXFP4 blocks of 32, FP8
+# 128 x 128).
 DEFAULT_BACKENDS = "cpu-fp32,cpu-int8,cpu-int8:library,cpu-int4,cpu-int4:library,cpu-mxfp4,cpu-fp8"
 
 
@@ -31,7 +42,9 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=int, default=6)
     p.add_argument("--tokens", default="1,4,16", help="comma-separated token counts")
     p.add_argument(
-        "--backends", default=DEFAULT_BACKENDS, help="NAME or NAME:KERNEL, comma-separated"
+        "--backends",
+        default=DEFAULT_BACKENDS,
+        help="NAME, NAME:KERNEL or NAME:FORMAT (cpu-int4:q4_K, cpu-int8:q8_0), comma-separated",
     )
     p.add_argument("--iters", type=int, default=10, help="timed calls per (backend, tokens)")
     p.add_argument(
@@ -90,6 +103,44 @@ class ReadBandwidthProbe:
         }
 
 
+class OtherCpu:
+    """Share of the machine's CPU time used by other processes between start() and stop():
+    busy time from /proc/stat minus this process's own (Linux; None elsewhere)."""
+
+    def __init__(self) -> None:
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._start: tuple[float, float, float] | None = None
+        self.busy = 0.0
+        self.wall = 0.0
+
+    @staticmethod
+    def _read() -> tuple[float, float] | None:
+        try:
+            cpu = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+            own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        values = [int(v) for v in cpu]
+        busy = sum(values) - values[3] - (values[4] if len(values) > 4 else 0)  # - idle, iowait
+        return float(busy), float(int(own[11]) + int(own[12]))  # utime + stime
+
+    def start(self) -> None:
+        got = self._read()
+        self._start = None if got is None else (*got, time.perf_counter())
+
+    def stop(self) -> None:
+        got = self._read()
+        if got is None or self._start is None:
+            return
+        busy0, own0, t0 = self._start
+        self.busy += max(0.0, (got[0] - busy0) - (got[1] - own0)) / self._tick
+        self.wall += time.perf_counter() - t0
+
+    def share(self) -> float | None:
+        cpus = os.cpu_count() or 1
+        return self.busy / (self.wall * cpus) if self.wall > 0 else None
+
+
 def _time_backend(backend, probe, hidden: int, experts: int, top_k: int, tokens: int, iters: int):
     import torch
 
@@ -103,23 +154,68 @@ def _time_backend(backend, probe, hidden: int, experts: int, top_k: int, tokens:
     per_expert = backend.nbytes() / experts
     for ids in routings[:2]:
         backend.forward(x, tw, ids)
-    times, rates, touched = [], [], []
+    times, rates, probes, touched = [], [], [], []
+    other = OtherCpu()
+    other.start()
     for ids in routings[2:]:
         n = int(ids.unique().numel())
-        probe()
+        probes.append(probe())
         t0 = time.perf_counter()
         backend.forward(x, tw, ids)
         dt = time.perf_counter() - t0
         times.append(dt)
         rates.append(n * per_expert / dt / 1e9)
         touched.append(n)
+    other.stop()
     return {
         "median_us": statistics.median(times) * 1e6,
         "best_us": min(times) * 1e6,
         "experts_touched": statistics.mean(touched),
         "gbps_median": statistics.median(rates),
         "gbps_best": max(rates),
+        "probe_gbps_median": statistics.median(probes),
+        "probe_gbps_best": max(probes),
+        "ratio_best": max(rates) / max(probes),
+        "ratio_median": statistics.median(r / p for r, p in zip(rates, probes, strict=True)),
+        "other_cpu": other.share(),
     }
+
+
+# NAME:FORMAT -> (backend, packer of one [N, K] fp32 matrix into that GGUF type)
+def _gguf_packers() -> dict:
+    import torch
+
+    from hetserve.model.tiny_gguf import quantize_q4_k
+    from hetserve.moe.packed import Int8Rows, Q4KRows
+    from hetserve.moe.quant import quantize_int8_per_channel
+
+    def q4_k(w):
+        raw = quantize_q4_k(w.numpy())
+        return Q4KRows(torch.from_numpy(raw.reshape(w.shape[0], -1, 144)))
+
+    def q8_0(w):  # int8 with a scale per 32 columns (the fp16 rounding of the scale aside)
+        q, s = quantize_int8_per_channel(w.reshape(-1, 32))
+        return Int8Rows(q.reshape(w.shape), s.reshape(w.shape[0], -1))
+
+    return {"q4_K": ("cpu-int4", q4_k), "q8_0": ("cpu-int8", q8_0)}
+
+
+def _make_backend(name: str, weights, int4_group: int):
+    from hetserve.moe.experts import ExpertWeights, create_backend
+    from hetserve.moe.packed import PackedExperts
+
+    base, _, option = name.partition(":")
+    packers = _gguf_packers()
+    if option in packers:
+        pack = packers[option][1]
+        packed = PackedExperts(
+            tuple(pack(w) for w in weights.w13), tuple(pack(w) for w in weights.w2)
+        )
+        return create_backend(base, ExpertWeights(None, None, packed=packed))
+    opts = {"kernel": option} if option else {}
+    if base == "cpu-int4":
+        opts["group_size"] = int4_group
+    return create_backend(base, weights, **opts)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from hetserve.errors import InvalidInputError
-    from hetserve.moe.experts import ExpertWeights, available_backends, create_backend
+    from hetserve.moe.experts import ExpertWeights, available_backends
 
     tokens = _int_list(args.tokens)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -138,6 +234,11 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.top_k > args.experts or min(args.hidden, args.inter, args.experts, args.top_k) < 1:
         raise InvalidInputError("need 1 <= top-k <= experts and positive sizes")
+    if any(b.endswith(":q4_K") for b in backends) and (args.hidden % 256 or args.inter % 256):
+        raise InvalidInputError(
+            f"q4_K rows are super-blocks of 256: --hidden {args.hidden} and --inter {args.inter} "
+            "must be multiples of 256 (e.g. --inter 1536)"
+        )
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -152,11 +253,7 @@ def run(args: argparse.Namespace) -> int:
     with tqdm(total=len(backends) * len(tokens), desc="moe-kernel", unit="case") as bar:
         for name in backends:
             bar.set_postfix_str(f"building {name}")
-            base, _, kernel = name.partition(":")
-            opts = {"kernel": kernel} if kernel else {}
-            if base == "cpu-int4":
-                opts["group_size"] = args.int4_group_size
-            backend = create_backend(base, weights, **opts)
+            backend = _make_backend(name, weights, args.int4_group_size)
             for t in tokens:
                 bar.set_postfix_str(f"{name} T={t}")
                 r = _time_backend(backend, probe, h, e, args.top_k, t, args.iters)
@@ -164,9 +261,6 @@ def run(args: argparse.Namespace) -> int:
                 bar.update(1)
             del backend
     bandwidth = probe.summary()
-    for r in results:
-        r["ratio_best"] = r["gbps_best"] / bandwidth["best"]
-        r["ratio_median"] = r["gbps_median"] / bandwidth["median"]
     _print_table(results, bandwidth, threads)
     if args.json:
         out = {
@@ -178,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
             "bandwidth_gbps": bandwidth,
             "bandwidth_measure": (
                 f"torch.sum over {args.bandwidth_mib} MiB fp32 (plain and huge pages), probed "
-                "before every timed call; best/median over all probes"
+                "right before every timed call; each row's ratios use its own calls' probes"
             ),
             "results": results,
         }
@@ -189,20 +283,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_table(results: list[dict], bandwidth: dict, threads: int) -> None:
     print(
-        f"memory read bandwidth ({threads} threads): best {bandwidth['best']:.1f} GB/s, "
-        f"median {bandwidth['median']:.1f} GB/s over {bandwidth['probes']} probes"
+        f"memory read bandwidth ({threads} threads), all probes: best {bandwidth['best']:.1f} "
+        f"GB/s, median {bandwidth['median']:.1f} GB/s over {bandwidth['probes']} probes; each "
+        "row is compared with its own probes (probe columns)"
     )
-    header = (
-        "backend",
-        "tokens",
-        "experts",
-        "median us",
-        "best us",
-        "GB/s med",
-        "GB/s best",
-        "ratio best",
-        "ratio med",
-    )
+    header = ("backend", "tokens", "experts", "median us", "best us", "GB/s med", "GB/s best",
+              "probe med", "probe best", "ratio med", "ratio best", "other cpu")  # fmt: skip
     rows = [
         (
             r["backend"],
@@ -212,8 +298,11 @@ def _print_table(results: list[dict], bandwidth: dict, threads: int) -> None:
             f"{r['best_us']:.0f}",
             f"{r['gbps_median']:.1f}",
             f"{r['gbps_best']:.1f}",
-            f"{r['ratio_best']:.2f}",
+            f"{r['probe_gbps_median']:.1f}",
+            f"{r['probe_gbps_best']:.1f}",
             f"{r['ratio_median']:.2f}",
+            f"{r['ratio_best']:.2f}",
+            "-" if r["other_cpu"] is None else f"{100 * r['other_cpu']:.0f}%",
         )
         for r in results
     ]

@@ -31,3 +31,29 @@ def test_bench_moe_kernel_writes_json(tmp_path, capsys):
 def test_bench_moe_kernel_unknown_backend_is_a_user_error(capsys):
     assert main(["bench", "moe-kernel", "--backends", "cpu-int3"]) == 2
     assert "unknown experts backend" in capsys.readouterr().err
+
+
+def test_bench_moe_kernel_gguf_formats(tmp_path):
+    import pytest
+
+    from hetserve.native import native_unavailable_reason
+
+    if native_unavailable_reason() is not None:
+        pytest.skip("q4_K experts run only on the native kernel")
+    out = tmp_path / "moe.json"
+    names = ("cpu-int4:q4_K", "cpu-int8:q8_0")
+    rc = main(
+        ["bench", "moe-kernel", "--hidden", "256", "--inter", "256", "--experts", "4", "--top-k",
+         "2", "--tokens", "1", "--iters", "2", "--bandwidth-mib", "8",
+         "--backends", ",".join(names), "--json", str(out)]
+    )  # fmt: skip
+    assert rc == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["backend"] for r in rows] == list(names)
+    assert all(r["ratio_median"] > 0 and r["probe_gbps_best"] > 0 for r in rows)
+
+
+def test_bench_moe_kernel_q4k_needs_rows_of_256(capsys):
+    args = ["bench", "moe-kernel", "--inter", "1408", "--backends", "cpu-int4:q4_K"]
+    assert main(args) == 2
+    assert "--inter 1536" in capsys.readouterr().err
