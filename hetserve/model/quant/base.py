@@ -72,9 +72,16 @@ class CheckpointFormat:
     method = "none"
     packed_fmt: str | None = None  # the QMatrix format its quantized weights decode to
 
+    # suffix of a part's tensor name -> its role, the weight being named PREFIX.weight (GPTQ,
+    # compressed-tensors); formats that name their parts otherwise override `part_of`
+    part_suffixes: dict[str, str] = {}
+
     def part_of(self, name: str, dtype: str) -> tuple[str, str] | None:
         """(logical weight name, role) when `name` is a part of a quantized weight, None when it
         is an ordinary tensor. Raises ModelLoadError for a tensor this format cannot read."""
+        for suffix, role in self.part_suffixes.items():
+            if name.endswith(suffix):
+                return name[: -len(suffix)] + ".weight", role
         self.check_plain(name, dtype)
         return None
 

@@ -47,6 +47,7 @@ def _check_weights(name: str, args: dict | None) -> None:
 
 class CompressedTensorsFormat(CheckpointFormat):
     method = "compressed-tensors"
+    part_suffixes = _ROLES
     packed_fmt = "int4"
 
     @classmethod
@@ -69,13 +70,6 @@ class CompressedTensorsFormat(CheckpointFormat):
                 )
             _check_weights(name, group.get("weights"))
         return cls()
-
-    def part_of(self, name: str, dtype: str) -> tuple[str, str] | None:
-        for suffix, role in _ROLES.items():
-            if name.endswith(suffix):
-                return name[: -len(suffix)] + ".weight", role
-        self.check_plain(name, dtype)
-        return None
 
     def required_roles(self, logical: str) -> tuple[str, ...]:
         return ("packed", "scale", "shape")

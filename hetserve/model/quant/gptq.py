@@ -27,6 +27,7 @@ def unpack_int32_nibbles(words: torch.Tensor) -> torch.Tensor:
 
 class GptqFormat(CheckpointFormat):
     method = "gptq"
+    part_suffixes = _ROLES
     packed_fmt = "int4"
 
     def __init__(self, group_size: int, zero_offset: int) -> None:
@@ -51,13 +52,6 @@ class GptqFormat(CheckpointFormat):
                 f"gptq checkpoint_format {layout!r} is not supported; supported: gptq, gptq_v2"
             )
         return cls(int(qc.get("group_size", 128)), 1 if layout == "gptq" else 0)
-
-    def part_of(self, name: str, dtype: str) -> tuple[str, str] | None:
-        for suffix, role in _ROLES.items():
-            if name.endswith(suffix):
-                return name[: -len(suffix)] + ".weight", role
-        self.check_plain(name, dtype)
-        return None
 
     def required_roles(self, logical: str) -> tuple[str, ...]:
         return ("qweight", "qzeros", "scales")
