@@ -19,17 +19,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+def wait_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """Return once something listens on 127.0.0.1:`port`; raise if `proc` exits first or
+    nothing listens within `timeout` seconds. (The store tests start their servers with it.)"""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
+            raise RuntimeError(
+                f"{proc.args[0]} exited with {proc.returncode} before listening on {port}"
+            )
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                 return
         except OSError:
             time.sleep(0.05)
-    raise RuntimeError(f"nothing listening on 127.0.0.1:{port}")
+    raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+
+
+def redis_executable() -> str | None:
+    return shutil.which("redis-server") or shutil.which("valkey-server")
+
+
+def redis_command(exe: str, port: int, maxmemory: str) -> list[str]:
+    """redis-server on loopback: no persistence, LRU eviction at `maxmemory`."""
+    return [
+        exe,
+        *("--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"),
+        *("--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"),
+    ]
 
 
 @contextlib.contextmanager
@@ -63,7 +80,7 @@ def local_pool(nodes: int = 1, dram: str = "1G") -> Iterator[str]:
     with _processes() as procs:
         port = free_port()
         cli = [sys.executable, "-m", "hetserve.store"]  # the services alone: a fast start
-        _wait_port(port, _spawn(procs, [*cli, "master", "--port", str(port)]))
+        wait_port(port, _spawn(procs, [*cli, "master", "--port", str(port)]))
         for _ in range(nodes):
             _spawn(procs, [*cli, "node", "--master", f"127.0.0.1:{port}", "--dram", dram])
         spec = f"pool://127.0.0.1:{port}"
@@ -105,8 +122,8 @@ def local_mooncake(segment: str = "2GB") -> Iterator[tuple[str, str] | None]:
             ],
             env,
         )
-        _wait_port(rpc, m)
-        _wait_port(http, m)
+        wait_port(rpc, m)
+        wait_port(http, m)
         metadata = f"http://127.0.0.1:{http}/metadata"
         h = _spawn(
             procs,
@@ -121,7 +138,7 @@ def local_mooncake(segment: str = "2GB") -> Iterator[tuple[str, str] | None]:
             ],
             env,
         )
-        _wait_port(hport, h)
+        wait_port(hport, h)
         yield f"127.0.0.1:{rpc}", metadata
 
 
@@ -129,28 +146,13 @@ def local_mooncake(segment: str = "2GB") -> Iterator[tuple[str, str] | None]:
 def local_redis(maxmemory: str = "2gb") -> Iterator[str | None]:
     """A redis-server on loopback (no persistence, LRU eviction); yields its redis:// spec, or
     None when redis-server is not installed."""
-    exe = shutil.which("redis-server") or shutil.which("valkey-server")
+    exe = redis_executable()
     if exe is None:
         yield None
         return
     with _processes() as procs:
         port = free_port()
-        cmd = [
-            exe,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--maxmemory",
-            maxmemory,
-            "--maxmemory-policy",
-            "allkeys-lru",
-        ]
-        _wait_port(port, _spawn(procs, cmd))
+        wait_port(port, _spawn(procs, redis_command(exe, port, maxmemory)))
         yield f"redis://127.0.0.1:{port}/0"
 
 

@@ -1,4 +1,3 @@
-import socket
 import threading
 import time
 
@@ -6,15 +5,10 @@ import httpx
 import pytest
 import uvicorn
 
+from hetserve.bench.store_peers import free_port
 from hetserve.config import EngineConfig
 from hetserve.engine.async_llm import AsyncLLM
 from hetserve.server.app import create_app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LiveServer:

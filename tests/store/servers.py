@@ -2,36 +2,22 @@
 
 from __future__ import annotations
 
+import functools
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from hetserve.bench import store_peers as peers
+from hetserve.bench.store_peers import free_port, mooncake_bin, redis_command, redis_executable
+
 from .helpers import Backend, MiB
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, proc: subprocess.Popen, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before listening on {port}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+# the store tests wait up to 20 s for a server to listen
+wait_port = functools.partial(peers.wait_port, timeout=20.0)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -151,7 +137,7 @@ def start_pool3(request) -> Backend:
 
 # -- redis ------------------------------------------------------------------------------------
 def start_redis(request) -> Backend:
-    exe = shutil.which("redis-server") or shutil.which("valkey-server")
+    exe = redis_executable()
     if exe is None:
         pytest.skip("redis: redis-server is not installed (make system-deps installs it)")
     try:
@@ -159,21 +145,7 @@ def start_redis(request) -> Backend:
     except ImportError:
         pytest.skip("redis: the redis Python package is not installed (pip install -e .[dev])")
     port = free_port()
-    cmd = [
-        exe,
-        "--port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-        "--maxmemory",
-        "256mb",
-        "--maxmemory-policy",
-        "allkeys-lru",
-    ]
+    cmd = redis_command(exe, port, "256mb")
     wait_port(port, spawn(cmd, request))
     return Backend("redis", f"redis://127.0.0.1:{port}/0", 256 * MiB, corrupt_redis)
 
@@ -185,13 +157,8 @@ def corrupt_redis(store, key: str) -> None:
 
 
 # -- mooncake ---------------------------------------------------------------------------------
-def _mooncake_bin(name: str) -> str | None:
-    path = os.path.join(os.path.dirname(sys.executable), name)
-    return path if os.path.exists(path) else shutil.which(name)
-
-
 def start_mooncake(request) -> Backend:
-    master, holder = _mooncake_bin("mooncake_master"), _mooncake_bin("mooncake_client")
+    master, holder = mooncake_bin("mooncake_master"), mooncake_bin("mooncake_client")
     if master is None or holder is None:
         pytest.skip("mooncake: pip install mooncake-transfer-engine-non-cuda (make test does)")
     try:
