@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -27,6 +29,7 @@ from hetserve.server.protocol import (
 
 MAX_BODY_BYTES = 8 << 20
 PARSE_OFF_LOOP = 256 << 10  # bodies larger than this are parsed off the event loop
+T = TypeVar("T")
 
 
 class Guard:
@@ -75,6 +78,16 @@ async def _send_json(send, status: int, body: dict) -> None:
     response = JSONResponse(body, status_code=status)
     await send({"type": "http.response.start", "status": status, "headers": response.raw_headers})
     await send({"type": "http.response.body", "body": response.body})
+
+
+async def parse_body(request: Request, parse: Callable[[bytes], T]) -> T:
+    """The request's body through `parse`; a big body on a worker thread, which lets go of the
+    GIL every few ms (on the event loop a maximal token-id prompt, ~2M ids, held every other
+    request ~80 ms)."""
+    body = await request.body()
+    if len(body) > PARSE_OFF_LOOP:
+        return await asyncio.to_thread(parse, body)
+    return parse(body)
 
 
 def create_app(
@@ -163,22 +176,12 @@ def create_app(
 
     @app.post("/v1/completions")
     async def create_completion(request: Request):
-        body = await request.body()
-        # a big body is parsed on a worker thread, which lets go of the GIL every few ms: on
-        # the event loop a maximal token-id prompt (~2M ids) held every other request ~80 ms
-        if len(body) > PARSE_OFF_LOOP:
-            req = await asyncio.to_thread(parse_completion, body)
-        else:
-            req = parse_completion(body)
+        req = await parse_body(request, parse_completion)
         return check_model(req.model) or await completions.create(req, request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request):
-        body = await request.body()
-        if len(body) > PARSE_OFF_LOOP:
-            req = await asyncio.to_thread(ChatCompletionRequest.model_validate_json, body)
-        else:
-            req = ChatCompletionRequest.model_validate_json(body)
+        req = await parse_body(request, ChatCompletionRequest.model_validate_json)
         return check_model(req.model) or await chat.create(req, request)
 
     install_lora_routes(app, engine, model_name, lora_runtime_updates)
