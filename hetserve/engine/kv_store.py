@@ -70,7 +70,9 @@ class BlockIO:
         self.on_device = self.tensors[0].device.type != "cpu"
         self.staging_slots = max(self.MIN_STAGING_SLOTS, self.STAGING_BYTES // self.bytes_per_block)
         # Evicted blocks' copies: one row per slot, parts laid out as in a stored object.
-        self._staging = torch.empty(
+        # Zeroed (touched) now: a first write into fresh pages costs a page fault per 4 KiB,
+        # which made the engine thread's first captures ~6x slower than later ones.
+        self._staging = torch.zeros(
             (self.staging_slots, self.bytes_per_block),
             dtype=torch.uint8,
             pin_memory=self.on_device,
@@ -86,6 +88,18 @@ class BlockIO:
             # One flat byte view per tensor, sliced per block: a store converts a memoryview
             # slice in ~0.2 us, a torch view in ~4 us (96 parts per block on a 48-layer model).
             self._bytes = [as_memoryview(t, writable=True) for t in self.tensors]
+            # For the native block copy: each part's base and row stride in the KV tensors and
+            # in the staging rows.
+            base = self._staging.data_ptr()
+            self._copy_nbytes = torch.tensor(self.part_bytes, dtype=torch.int64)
+            self._copy_kv = (
+                torch.tensor([t.data_ptr() for t in self.tensors], dtype=torch.int64),
+                self._copy_nbytes,
+            )
+            self._copy_staging = (
+                torch.tensor([base + off for off in self._offsets], dtype=torch.int64),
+                torch.full((self.num_parts,), self.bytes_per_block, dtype=torch.int64),
+            )
         else:
             self._streams = {"load": torch.cuda.Stream(), "save": torch.cuda.Stream()}
             self._pinned: dict[str, torch.Tensor] = {}
@@ -117,9 +131,29 @@ class BlockIO:
             out.append(parts)
         return out
 
+    def _native_copy(self, to_staging: bool, block_ids: list[int], slots: list[int]) -> bool:
+        """Copy between KV blocks and staging slots with one memcpy per block and part (CPU
+        caches, native kernels built); False where the torch path must do it."""
+        from hetserve import envs
+        from hetserve.native import optional_kernel
+
+        fn = optional_kernel("hetserve_copy_parts")
+        if self.on_device or fn is None or not envs.native_kernels():
+            return False
+        kv = (*self._copy_kv, torch.tensor(block_ids, dtype=torch.int64))
+        stg = (*self._copy_staging, torch.tensor(slots, dtype=torch.int64))
+        src, dst = (kv, stg) if to_staging else (stg, kv)
+        fn(
+            torch.get_num_threads(), len(block_ids), self.num_parts,
+            self._copy_nbytes.data_ptr(), *(t.data_ptr() for t in (*src, *dst)),
+        )  # fmt: skip
+        return True
+
     def stage(self, block_ids: list[int], slots: list[int]) -> None:
         """Copy blocks into staging slots: one gather per KV tensor. On CUDA the copy to the
         host completes before this returns (the blocks are overwritten by the next forward)."""
+        if self._native_copy(True, block_ids, slots):
+            return
         ids = torch.tensor(block_ids, device=self.tensors[0].device)
         rows = torch.tensor(slots)
         for tb, off, n in zip(self._by_block, self._offsets, self.part_bytes, strict=True):
@@ -127,7 +161,7 @@ class BlockIO:
 
     def unstage(self, slots: list[int], block_ids: list[int]) -> None:
         """Copy staged blocks back into the KV cache (the victim cache's hit)."""
-        if not slots:
+        if not slots or self._native_copy(False, block_ids, slots):
             return
         ids = torch.tensor(block_ids, device=self.tensors[0].device)
         rows = torch.tensor(slots)

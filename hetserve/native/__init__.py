@@ -8,7 +8,8 @@
 - `attention.c`: decode attention read straight from the paged KV cache (fp32). Gathering each
   sequence's context into a padded copy and running SDPA cost 3-4x more per decode step.
 - `small_ops.c`: RMSNorm over fp32 rows, rotary embedding and softmax top-k routing, one call
-  each instead of torch's five to eight small kernels (per-op overhead dominates at decode).
+  each instead of torch's five to eight small kernels (per-op overhead dominates at decode);
+  and the KV tiers' block copies (one memcpy per block and part).
 - `pool.c`: the parallel loop they share (OpenMP).
 
 It needs no torch headers: a C compiler builds it in a second or two the first time, into a
@@ -86,6 +87,7 @@ _SIGNATURES = {
     "hetserve_topk_softmax": (None, [_I] * 5 + [_F] + [_P] * 3),
     "hetserve_qk_rope_cache": (_I, [_I] * 6 + [_L] * 3 + [_I, _L, _F] + [_P] * 12),
     "hetserve_moe_backward": (_I, [_I] * 8 + [_P] * 12),  # finetune/experts_grad.py
+    "hetserve_copy_parts": (None, [_I] * 3 + [_P] * 7),  # engine/kv_store.py
 }
 
 

@@ -284,3 +284,42 @@ def test_blocks_evicted_a_moment_ago_come_back_from_the_victim_cache(model, refe
         assert_same(out, reference["A"])
     finally:
         llm.close()
+
+
+def test_staging_copies_are_the_same_bytes_on_the_native_and_torch_paths(monkeypatch):
+    import torch
+
+    from hetserve.engine.kv_store import BlockIO
+    from hetserve.kv.paged import PagedKVCache
+    from hetserve.native import native_unavailable_reason
+
+    if native_unavailable_reason():
+        pytest.skip(f"native kernels: {native_unavailable_reason()}")
+    cache = PagedKVCache([[(2, 8), (2, 8)]] * 3, 20, 4, torch.float32, "cpu")
+    for layer in cache.layers:
+        for t in layer:
+            t.copy_(torch.randn_like(t))
+    before = [t.clone() for layer in cache.layers for t in layer]
+    io = BlockIO(cache)
+    ids, slots = [3, 7, 1, 19], [10, 2, io.staging_slots - 1, 11]
+    staged = {}
+    for native in ("1", "0"):
+        monkeypatch.setenv("HETSERVE_NATIVE_KERNELS", native)
+        io._staging.zero_()
+        io.stage(ids, slots)
+        staged[native] = io._staging.clone()
+    assert torch.equal(staged["0"], staged["1"])
+    for src, slot in zip(ids, slots, strict=True):  # a stored object's layout: parts in order
+        parts = [t[src * 4 : src * 4 + 4].reshape(-1).view(torch.uint8) for t in before]
+        assert torch.equal(staged["1"][slot], torch.cat(parts))
+    for native in ("1", "0"):
+        monkeypatch.setenv("HETSERVE_NATIVE_KERNELS", native)
+        for layer in cache.layers:
+            for t in layer:
+                t.zero_()
+        io.unstage(slots, [0, 5, 6, 12])
+        tensors = [t for layer in cache.layers for t in layer]
+        for old, new in zip(before, tensors, strict=True):
+            for src, dst in zip(ids, [0, 5, 6, 12], strict=True):
+                assert torch.equal(new[dst * 4 : dst * 4 + 4], old[src * 4 : src * 4 + 4])
+            assert not new[4:8].any()  # block 1 was not a destination
