@@ -13,10 +13,14 @@ import json
 import logging
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hetserve.config import EngineConfig, MoEConfig
 from hetserve.model.base import CausalLM
 from hetserve.model.loader import load_model
+
+if TYPE_CHECKING:
+    from hetserve.moe.hybrid import HybridPlan
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +76,7 @@ def _placement_rules(moe: MoEConfig, converted: dict | None):
 
 
 def _build_hybrid(model: CausalLM, moe: MoEConfig, converted: dict | None) -> None:
-    from hetserve.moe.hybrid import apply_dense_backends, build_expert_backends
+    from hetserve.moe.hybrid import build_expert_backends
     from hetserve.moe.routing_stats import RoutingStats
 
     stats = RoutingStats.load(moe.routing_stats) if moe.routing_stats else None
@@ -84,3 +88,28 @@ def _build_hybrid(model: CausalLM, moe: MoEConfig, converted: dict | None) -> No
     )
     apply_dense_backends(model, model.hybrid_plan)
     log.info("placement:\n%s", model.hybrid_plan.table())
+
+
+def apply_dense_backends(model: CausalLM, plan: HybridPlan) -> int:
+    """Swap the linears of non-expert units placed with `cpu-int8` for Int8Linear (which keeps
+    a linear's checkpoint numbers where the loader kept them: GGUF q8_0 / q4_K)."""
+    from torch import nn
+
+    from hetserve.layers.int8_linear import Int8Linear, quantize_linears
+    from hetserve.moe.layer import FusedExperts
+
+    count = 0
+    for name, unit in plan.units.items():
+        if isinstance(unit, FusedExperts) or plan.placement.get(name).backend is None:
+            continue
+        if isinstance(unit, nn.Linear):  # lm_head itself
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, Int8Linear(unit))
+            count += 1
+        else:
+            count += quantize_linears(unit)
+    for module in model.modules():  # checkpoint matrices no int8 linear took (model/filler.py)
+        if isinstance(module, nn.Linear) and hasattr(module, "packed_weight"):
+            del module.packed_weight
+    return count

@@ -108,28 +108,6 @@ def _check_dense_backend(placement: Placement, name: str) -> None:
         )
 
 
-def apply_dense_backends(model: nn.Module, plan: HybridPlan) -> int:
-    """Swap the linears of non-expert units placed with `cpu-int8` for Int8Linear (which keeps
-    a linear's checkpoint numbers where the loader kept them: GGUF q8_0 / q4_K)."""
-    from hetserve.layers.int8_linear import Int8Linear, quantize_linears
-
-    count = 0
-    for name, unit in plan.units.items():
-        if isinstance(unit, FusedExperts) or plan.placement.get(name).backend is None:
-            continue
-        if isinstance(unit, nn.Linear):  # lm_head itself
-            parent_name, _, attr = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, attr, Int8Linear(unit))
-            count += 1
-        else:
-            count += quantize_linears(unit)
-    for module in model.modules():  # checkpoint matrices no int8 linear took (model/filler.py)
-        if isinstance(module, nn.Linear) and hasattr(module, "packed_weight"):
-            del module.packed_weight
-    return count
-
-
 class DeviceBridge:
     """Runs a backend that lives on another device than the activations. CUDA -> host copies go
     through reusable pinned buffers so the copy back can be asynchronous."""

@@ -7,15 +7,18 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from hetserve.errors import InvalidInputError
-from hetserve.layers.attention import ForwardContext
 from hetserve.moe.experts import Activation, ExpertsBackend, ExpertWeights, create_backend
 from hetserve.moe.packed import PackedExperts
 from hetserve.moe.router import RouterConfig, TopKRouter
+
+if TYPE_CHECKING:
+    from hetserve.layers.attention import ForwardContext
 
 _POOLS: dict[str, ThreadPoolExecutor] = {}
 
