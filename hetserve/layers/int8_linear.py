@@ -6,8 +6,8 @@ a quarter of their fp32 bytes per token, or less. Weights:
 
 - by default int8 per output channel, rounded to within scale/2 per element;
 - where the loader kept the checkpoint's quantized matrix on the linear (`packed_weight`: a
-  GGUF file's q8_0 or q4_K tensor, model/filler.py), exactly those numbers: q8_0 as int8 with a
-  scale per 32 columns, q4_K as its super-blocks (4.5 bits per weight). No second rounding, and
+  GGUF file's q8_0 or q4_K tensor, model/filler.py), exactly those numbers: q8_0 as int8 with an
+  fp16 scale per 32 columns, q4_K as its super-blocks (4.5 bits per weight). No second rounding, and
   a q4_K matrix streams 0.56 bytes per weight instead of int8's 1.
 
 Two kernels:
@@ -99,8 +99,8 @@ class Int8Linear(nn.Module):
         self.fmt, self.group = _INT8, 0 if packed.group == k else packed.group
         w = interleave_quads(packed.q.unsqueeze(0), 16)[0]
         scale = packed.scale.float()
-        if self.group:  # [N / 4][K / G][4], beside the quads
-            scale = interleave_quads(scale.unsqueeze(0), 1)[0]
+        if self.group:  # [N / 4][K / G][4] fp16 (GGUF q8_0's own), beside the quads
+            scale = interleave_quads(scale.to(torch.float16).unsqueeze(0), 1)[0]
         self._set_native(w, scale.reshape(-1).contiguous(), bias)
 
     def _set_native(self, w: torch.Tensor, scale: torch.Tensor | None, bias) -> None:

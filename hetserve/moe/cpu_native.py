@@ -167,10 +167,16 @@ class NativeInt8Experts(_NativeExperts):
         self.group_size = group
         p = weights.packed
         self._set(
-            _quads([m.q for m in p.w13], 16, True), _quads([m.scale for m in p.w13], 1, True),
-            None, _quads([m.q for m in p.w2], 16, False), _quads([m.scale for m in p.w2], 1, False),
+            _quads([m.q for m in p.w13], 16, True), _quads(fp16_scales(p.w13), 1, True),
+            None, _quads([m.q for m in p.w2], 16, False), _quads(fp16_scales(p.w2), 1, False),
             None,
         )  # fmt: skip
+
+
+def fp16_scales(mats) -> list[torch.Tensor]:
+    """Group scales of grouped int8 matrices as the kernel reads them: fp16, which GGUF q8_0's
+    are (exactly); others round to within 2^-11 of themselves."""
+    return [m.scale.to(torch.float16) for m in mats]
 
 
 class NativeInt4Experts(_NativeExperts):

@@ -5,8 +5,8 @@
  * y[t, n] = sum_k W[n, k] * x[t, k] for one matrix [N, K] (N % 4 == 0) in the quad layout of
  * moe_quads.h, in one of the formats:
  *   fmt 1 (int8), G == 0: one fp32 scale per row, s [N];
- *   fmt 1 (int8), G > 0:  one fp32 scale per row and group of G columns (GGUF q8_0: 32),
- *                         stored [N / 4][K / G][4] (G % 16 == 0);
+ *   fmt 1 (int8), G > 0:  one fp16 scale per row and group of G columns (GGUF q8_0: 32,
+ *                         its own fp16 numbers), stored [N / 4][K / G][4] (G % 16 == 0);
  *   fmt 5 (q4_K):         super-blocks of 256 columns with their own scales (moe_q4k.h).
  * Activations are rounded to int16 per row, as for the experts. */
 #include <immintrin.h>
@@ -24,7 +24,7 @@ enum { L_I8 = 1, L_Q4K = 5 }; /* the F_* numbers of moe_kernels.c */
 typedef struct {
     int fmt, G, T, N, K;
     const void *w;
-    const float *s, *xsc;
+    const float *s, *xsc; /* s: per-row fp32 scales, or (G > 0) fp16 ones per group */
     const int16_t *x16;
     const int8_t *pl;  /* q4_K: per row [xh | xl] */
     const int16_t *ps; /* q4_K: the planes' sums */
@@ -47,7 +47,7 @@ static inline void lin_quad(const lin_t *l, int n0, int m, int MB, float o[4][MB
     const int8_t *q = (const int8_t *)l->w + (size_t)n0 * K;
     const int16_t *const xr[2] = {l->x16 + (size_t)m * K, l->x16 + (size_t)m1 * K};
     if (l->G > 0) {
-        const float *s = l->s + (size_t)n0 * (K / l->G);
+        const uint16_t *s = (const uint16_t *)l->s + (size_t)n0 * (K / l->G); /* fp16 */
         if (MB == 2) quad_i8g(q, s, K, l->G, xr, 2, o); else quad_i8g(q, s, K, l->G, xr, 1, o);
         return;
     }
@@ -79,7 +79,7 @@ static void lin_item(void *ctx, int c) {
 /* x [T, K] fp32 -> out [T, N]; w and s as above (s unused for q4_K). Returns 0, -1 (out of
  * memory) or -3 (unknown format). */
 int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const float *x,
-                     float *out, const void *w, const float *s) {
+                     float *out, const void *w, const void *s) {
     if (fmt != L_I8 && fmt != L_Q4K) return -3;
     if (T <= 0) return 0;
     const size_t n = (size_t)T * K;

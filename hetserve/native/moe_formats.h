@@ -65,9 +65,11 @@ static inline void pair_out(__m256 t, float *r0, float *r1) {
     *r1 = _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
 }
 
-/* int8 rows with an fp32 scale per group of G inputs (G % 16 == 0): per group, exact int32
- * sums (16 products per vpmaddwd), then one FMA by the group's scale. */
-static inline __attribute__((always_inline)) void quad_i8g(const int8_t *q, const float *sc, int K,
+/* int8 rows with an fp16 scale per group of G inputs (G % 16 == 0; GGUF q8_0 stores its scales
+ * as fp16, and fp32 copies of them streamed 12.5% more bytes than the weights' 1 per weight
+ * instead of 6.25%): per group, exact int32 sums (16 products per vpmaddwd), then one FMA by
+ * the group's scale (converted with F16C). */
+static inline __attribute__((always_inline)) void quad_i8g(const int8_t *q, const uint16_t *sc, int K,
                                                            int G, const int16_t *const x[2],
                                                            int MB, float out[4][MBMAX]) {
     __m256 tot[4][2];
@@ -86,8 +88,10 @@ static inline __attribute__((always_inline)) void quad_i8g(const int8_t *q, cons
                         acc[r][m], _mm256_madd_epi16(w, _mm256_loadu_si256((const __m256i *)(x[m] + k))));
             }
         }
+        float s4[4];
+        _mm_storeu_ps(s4, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(sc + 4 * g))));
         for (int r = 0; r < 4; r++) {
-            __m256 s = _mm256_set1_ps(sc[4 * g + r]);
+            __m256 s = _mm256_broadcast_ss(s4 + r);
             for (int m = 0; m < MB; m++)
                 tot[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][m]), s, tot[r][m]);
         }

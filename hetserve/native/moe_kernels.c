@@ -97,9 +97,9 @@ static inline void quad_int(const job_t *j, int which, size_t row, int K, act16_
         if (MB == 2) quad_i8(q, K, a.x, 2, out); else quad_i8(q, K, a.x, 1, out);
         for (int r = 0; r < 4; r++)
             for (int m = 0; m < MB; m++) out[r][m] *= s[r];
-    } else if (j->fmt == F_I8) {
+    } else if (j->fmt == F_I8) { /* grouped: fp16 scales */
         const int8_t *q = (const int8_t *)w + row * K;
-        const float *s = (const float *)sv + row * ng;
+        const uint16_t *s = (const uint16_t *)sv + row * ng;
         if (MB == 2) quad_i8g(q, s, K, G, a.x, 2, out); else quad_i8g(q, s, K, G, a.x, 1, out);
     } else if (j->fmt == F_I4) {
         const uint8_t *q = (const uint8_t *)w + row * (K / 2);

@@ -49,9 +49,9 @@ def _int4(w, group=32):
     return Int4Rows(pack_int4_rows(q), scale, low)
 
 
-def _int8g(w, group=32):
+def _int8g(w, group=32):  # as GGUF q8_0: the group scales are fp16 numbers
     q, s = quantize_int8_per_channel(w.reshape(-1, group))
-    return Int8Rows(q.reshape(w.shape), s.reshape(w.shape[0], -1))
+    return Int8Rows(q.reshape(w.shape), s.to(torch.float16).float().reshape(w.shape[0], -1))
 
 
 def _q4k(w):
