@@ -8,7 +8,7 @@ import uuid
 from fastapi import Request
 
 from hetserve.server.protocol import ChatCompletionRequest
-from hetserve.server.serving import OpenAIServing, merge, sse
+from hetserve.server.serving import OpenAIServing, chunk_writer, merge
 
 
 class ChatServing(OpenAIServing):
@@ -57,21 +57,9 @@ class ChatServing(OpenAIServing):
         }
 
     async def _chunks(self, req: ChatCompletionRequest, base: str, streams):
-        created = int(time.time())
         opts = req.stream_options
         continuous = bool(opts and opts.continuous_usage_stats)
-
-        def chunk(choices, usage=None):
-            body = {
-                "id": base,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.served_name(req),
-                "choices": choices,
-            }
-            if usage is not None:
-                body["usage"] = usage
-            return sse(body)
+        chunk = chunk_writer(base, "chat.completion.chunk", self.served_name(req))
 
         role = {"role": "assistant", "content": ""}
         yield chunk(

@@ -10,7 +10,7 @@ from fastapi import Request
 from hetserve.core.outputs import RequestOutput
 from hetserve.errors import InvalidInputError
 from hetserve.server.protocol import CompletionRequest
-from hetserve.server.serving import OpenAIServing, merge, sse
+from hetserve.server.serving import OpenAIServing, chunk_writer, merge
 
 
 class CompletionServing(OpenAIServing):
@@ -67,21 +67,9 @@ class CompletionServing(OpenAIServing):
         }
 
     async def _chunks(self, req: CompletionRequest, base: str, streams):
-        created = int(time.time())
         opts = req.stream_options
         continuous = bool(opts and opts.continuous_usage_stats)
-
-        def chunk(choices, usage=None):
-            body = {
-                "id": base,
-                "object": "text_completion",
-                "created": created,
-                "model": self.served_name(req),
-                "choices": choices,
-            }
-            if usage is not None:
-                body["usage"] = usage
-            return sse(body)
+        chunk = chunk_writer(base, "text_completion", self.served_name(req))
 
         # (prompt, choice) -> (chars sent, tokens sent, finish sent)
         sent: dict[tuple[int, int], tuple[int, int, bool]] = {}

@@ -41,6 +41,20 @@ def arrival_time(request: Request) -> float:
     return request.scope.get("hetserve.arrival") or time.monotonic()
 
 
+def chunk_writer(base: str, kind: str, model: str):
+    """`chunk(choices, usage=None)` -> one SSE event of a stream: id, object `kind`, the time the
+    stream started, model, choices, and usage where given."""
+    created = int(time.time())
+
+    def chunk(choices: list, usage: dict | None = None) -> str:
+        body = {"id": base, "object": kind, "created": created, "model": model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return sse(body)
+
+    return chunk
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, model_name: str) -> None:
         self.engine = engine
