@@ -187,18 +187,12 @@ def _gguf_packers() -> dict:
 
     from hetserve.model.tiny_gguf import quantize_q4_k
     from hetserve.moe.packed import Int8Rows, Q4KRows
-    from hetserve.moe.quant import quantize_int8_per_channel
 
     def q4_k(w):
         raw = quantize_q4_k(w.numpy())
         return Q4KRows(torch.from_numpy(raw.reshape(w.shape[0], -1, 144)))
 
-    def q8_0(w):  # int8 with an fp16 scale per 32 columns, as GGUF stores them
-        q, s = quantize_int8_per_channel(w.reshape(-1, 32))
-        s = s.to(torch.float16).float()
-        return Int8Rows(q.reshape(w.shape), s.reshape(w.shape[0], -1))
-
-    return {"q4_K": ("cpu-int4", q4_k), "q8_0": ("cpu-int8", q8_0)}
+    return {"q4_K": ("cpu-int4", q4_k), "q8_0": ("cpu-int8", Int8Rows.q8_0)}
 
 
 def _make_backend(name: str, weights, int4_group: int):

@@ -87,7 +87,7 @@ class Int8Linear(nn.Module):
         """The checkpoint's numbers in the kernel's quad layout (only bytes move)."""
         from hetserve.moe.packed import Q4KRows
         from hetserve.native import hugepage_empty
-        from hetserve.native.layout import interleave_quads, q4k_quads
+        from hetserve.native.layout import fp16_group_scales, interleave_quads, q4k_quads
 
         self.nbytes = packed.nbytes
         n, k = packed.shape
@@ -100,7 +100,7 @@ class Int8Linear(nn.Module):
         w = interleave_quads(packed.q.unsqueeze(0), 16)[0]
         scale = packed.scale.float()
         if self.group:  # [N / 4][K / G][4] fp16 (GGUF q8_0's own), beside the quads
-            scale = interleave_quads(scale.to(torch.float16).unsqueeze(0), 1)[0]
+            scale = interleave_quads(fp16_group_scales(scale).unsqueeze(0), 1)[0]
         self._set_native(w, scale.reshape(-1).contiguous(), bias)
 
     def _set_native(self, w: torch.Tensor, scale: torch.Tensor | None, bias) -> None:

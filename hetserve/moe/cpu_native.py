@@ -32,7 +32,13 @@ from hetserve.moe.quant import (
     quantize_mxfp4,
 )
 from hetserve.native import hugepage_empty, kernel
-from hetserve.native.layout import interleave_quads, pack_int4_rows, pair_gate_up, q4k_quads
+from hetserve.native.layout import (
+    fp16_group_scales,
+    interleave_quads,
+    pack_int4_rows,
+    pair_gate_up,
+    q4k_quads,
+)
 
 # The kernel's weight formats (enum F_* in moe_kernels.c).
 F_F32, F_I8, F_I4, F_MXFP4, F_FP8, F_Q4K = range(6)
@@ -166,17 +172,11 @@ class NativeInt8Experts(_NativeExperts):
     def _load_grouped(self, weights: ExpertWeights, group: int) -> None:
         self.group_size = group
         p = weights.packed
+        s13, s2 = ([fp16_group_scales(m.scale) for m in mats] for mats in (p.w13, p.w2))
         self._set(
-            _quads([m.q for m in p.w13], 16, True), _quads(fp16_scales(p.w13), 1, True),
-            None, _quads([m.q for m in p.w2], 16, False), _quads(fp16_scales(p.w2), 1, False),
-            None,
+            _quads([m.q for m in p.w13], 16, True), _quads(s13, 1, True), None,
+            _quads([m.q for m in p.w2], 16, False), _quads(s2, 1, False), None,
         )  # fmt: skip
-
-
-def fp16_scales(mats) -> list[torch.Tensor]:
-    """Group scales of grouped int8 matrices as the kernel reads them: fp16, which GGUF q8_0's
-    are (exactly); others round to within 2^-11 of themselves."""
-    return [m.scale.to(torch.float16) for m in mats]
 
 
 class NativeInt4Experts(_NativeExperts):

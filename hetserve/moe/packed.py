@@ -28,7 +28,7 @@ from typing import ClassVar
 import torch
 
 from hetserve.errors import ModelLoadError
-from hetserve.moe.quant import dequantize_mxfp4
+from hetserve.moe.quant import dequantize_mxfp4, quantize_int8_per_channel
 
 
 @dataclass(frozen=True)
@@ -175,6 +175,13 @@ class Int8Rows(QMatrix):
 
     def dequantize(self) -> torch.Tensor:
         return self.q.float() * _expand_groups(self.scale, self.group)
+
+    @classmethod
+    def q8_0(cls, w: torch.Tensor) -> Int8Rows:
+        """w [N, K] fp32 (K % 32 == 0) rounded as GGUF q8_0: int8 with a scale per 32 columns,
+        the scale an fp16 number (as the file stores it)."""
+        q, s = quantize_int8_per_channel(w.reshape(-1, 32))
+        return cls(q.reshape(w.shape), s.to(torch.float16).float().reshape(w.shape[0], -1))
 
 
 def _q4k_six(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

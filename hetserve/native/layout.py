@@ -67,3 +67,9 @@ def q4k_quads(
     nib = c[..., 0, :] | (c[..., 1, :] << 4)  # [quads, 4, B, 8, 2, 8]
     out[..., 64:] = nib.permute(0, 2, 3, 4, 1, 5).reshape(quads, b, 512)
     return out
+
+
+def fp16_group_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Grouped int8 scales (GGUF q8_0) as the kernels read them: fp16, which q8_0's are exactly
+    (`quad_i8g` converts them with F16C); other scales round to within 2^-11 of themselves."""
+    return scale.to(torch.float16)

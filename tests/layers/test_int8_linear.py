@@ -77,8 +77,7 @@ def _q4k(w: torch.Tensor):
 def _q8_0(w: torch.Tensor):
     from hetserve.moe.packed import Int8Rows
 
-    q, s = quantize_int8_per_channel(w.reshape(-1, 32))
-    return Int8Rows(q.reshape(w.shape), s.to(torch.float16).float().reshape(w.shape[0], -1))
+    return Int8Rows.q8_0(w)
 
 
 @pytest.mark.skipif(bool(native_unavailable_reason()), reason="native kernels unavailable")

@@ -16,7 +16,6 @@ from hetserve.moe.quant import (
     dequantize_mxfp4,
     quantize_fp8_blocks,
     quantize_int4_groupwise,
-    quantize_int8_per_channel,
     quantize_mxfp4,
 )
 from hetserve.native.layout import pack_int4_rows
@@ -49,11 +48,6 @@ def _int4(w, group=32):
     return Int4Rows(pack_int4_rows(q), scale, low)
 
 
-def _int8g(w, group=32):  # as GGUF q8_0: the group scales are fp16 numbers
-    q, s = quantize_int8_per_channel(w.reshape(-1, group))
-    return Int8Rows(q.reshape(w.shape), s.to(torch.float16).float().reshape(w.shape[0], -1))
-
-
 def _q4k(w):
     raw = quantize_q4_k(w.numpy())
     return Q4KRows(torch.from_numpy(raw.reshape(w.shape[0], -1, 144)))
@@ -64,7 +58,7 @@ PACKERS = {
     "q4k": (_q4k, "cpu-int4"),
     "mxfp4": (lambda w: Mxfp4Rows(*quantize_mxfp4(w)), "cpu-mxfp4"),
     "int4": (_int4, "cpu-int4"),
-    "int8": (_int8g, "cpu-int8"),
+    "int8": (Int8Rows.q8_0, "cpu-int8"),
 }
 
 
