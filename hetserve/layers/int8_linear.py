@@ -8,7 +8,8 @@ a quarter of their fp32 bytes per token, or less. Weights:
 - where the loader kept the checkpoint's quantized matrix on the linear (`packed_weight`: a
   GGUF file's q8_0 or q4_K tensor, model/filler.py), exactly those numbers: q8_0 as int8 with an
   fp16 scale per 32 columns, q4_K as its super-blocks (4.5 bits per weight). No second rounding, and
-  a q4_K matrix streams 0.56 bytes per weight instead of int8's 1.
+  a q4_K matrix streams 0.56 bytes per weight instead of int8's 1 (its activations are rounded
+  to int8 per 256 columns, as llama.cpp's q8_K, instead of int16 per row).
 
 Two kernels:
 

@@ -183,7 +183,8 @@ class NativeInt4Experts(_NativeExperts):
     """int4 group-wise asymmetric weights, |w - w_hat| <= scale/2 per group; int16 activations.
     Experts packed as int4 groups of 32/64/128 (GPTQ, compressed-tensors) keep their nibbles,
     scales and minimums exactly (group_size None takes theirs); GGUF q4_K experts (group 32)
-    keep their super-blocks, read by the q4_K kernel."""
+    keep their super-blocks, read by the q4_K kernel, which rounds activations to int8 per 256
+    columns as llama.cpp's q8_K does (|x - x_hat| <= max|x_block| / 254)."""
 
     fmt = F_I4
 

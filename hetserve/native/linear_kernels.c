@@ -8,7 +8,8 @@
  *   fmt 1 (int8), G > 0:  one fp16 scale per row and group of G columns (GGUF q8_0: 32,
  *                         its own fp16 numbers), stored [N / 4][K / G][4] (G % 16 == 0);
  *   fmt 5 (q4_K):         super-blocks of 256 columns with their own scales (moe_q4k.h).
- * Activations are rounded to int16 per row, as for the experts. */
+ * Activations are rounded to int16 per row, as for the experts; for q4_K to int8 per super-block
+ * (moe_q4k.h). */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,8 +27,9 @@ typedef struct {
     const void *w;
     const float *s, *xsc; /* s: per-row fp32 scales, or (G > 0) fp16 ones per group */
     const int16_t *x16;
-    const int8_t *pl;  /* q4_K: per row [xh | xl] */
-    const int16_t *ps; /* q4_K: the planes' sums */
+    const int8_t *pl;  /* q4_K: int8 activations [T, K] */
+    const int16_t *ps; /* q4_K: their sums per sub-block [T, K / 256, 16] */
+    const float *pd;   /* q4_K: their scales per super-block [T, K / 256] */
     float *out;
 } lin_t;
 
@@ -36,11 +38,10 @@ static inline void lin_quad(const lin_t *l, int n0, int m, int MB, float o[4][MB
     const int K = l->K, m1 = m + MB - 1;
     if (l->fmt == L_Q4K) {
         const uint8_t *q = (const uint8_t *)l->w + (size_t)n0 * (K / Q4K_SB) * 144;
+        const int nsb = K / Q4K_SB;
         const q4k_act_t a[2] = {
-            {l->pl + (size_t)m * 2 * K, l->pl + (size_t)m * 2 * K + K,
-             l->ps + (size_t)m * (K / Q4K_SB) * 32},
-            {l->pl + (size_t)m1 * 2 * K, l->pl + (size_t)m1 * 2 * K + K,
-             l->ps + (size_t)m1 * (K / Q4K_SB) * 32}};
+            {l->pl + (size_t)m * K, l->pd + (size_t)m * nsb, l->ps + (size_t)m * nsb * 16},
+            {l->pl + (size_t)m1 * K, l->pd + (size_t)m1 * nsb, l->ps + (size_t)m1 * nsb * 16}};
         if (MB == 2) quad_q4k(q, K, a, 2, o); else quad_q4k(q, K, a, 1, o);
         return;
     }
@@ -83,19 +84,29 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
     if (fmt != L_I8 && fmt != L_Q4K) return -3;
     if (T <= 0) return 0;
     const size_t n = (size_t)T * K;
-    const size_t planes = fmt == L_Q4K ? 2 * n + n / Q4K_SB * 32 * sizeof(int16_t) : 0;
-    char *buf = malloc(sizeof(int16_t) * n + sizeof(float) * (size_t)T + planes);
+    const int q4k = fmt == L_Q4K, nsb = K / Q4K_SB;
+    /* int16 activations and their per-row scales, or q4_K's int8 ones, scales and sums */
+    const size_t bytes = q4k ? n + (size_t)T * nsb * (sizeof(float) * 2 + 16 * sizeof(int16_t))
+                             : (sizeof(int16_t) * n + sizeof(float) * (size_t)T);
+    char *buf = malloc(bytes);
     if (buf == NULL) return -1;
-    int16_t *x16 = (int16_t *)buf;
-    float *xsc = (float *)(x16 + n);
-    int8_t *pl = (int8_t *)(xsc + T);
-    int16_t *ps = (int16_t *)(pl + 2 * n);
-    quantize_rows(x, K, 0, T, x16, xsc, 0, 0, NULL);
-    if (fmt == L_Q4K)
-        for (int t = 0; t < T; t++)
-            q4k_planes(x16 + (size_t)t * K, K, pl + (size_t)t * 2 * K, pl + (size_t)t * 2 * K + K,
-                       ps + (size_t)t * (K / Q4K_SB) * 32);
-    lin_t l = {fmt, G, T, N, K, w, s, xsc, x16, pl, ps, out};
+    int16_t *x16 = NULL, *ps = NULL;
+    float *xsc = (float *)buf, *pd = NULL;
+    int8_t *pl = NULL;
+    if (q4k) {
+        pd = xsc + T; /* xsc: ones, the scales are per super-block */
+        ps = (int16_t *)(pd + (size_t)T * nsb);
+        pl = (int8_t *)(ps + (size_t)T * nsb * 16);
+        for (int t = 0; t < T; t++) {
+            xsc[t] = 1.0f;
+            q4k_quantize(x + (size_t)t * K, K, pl + (size_t)t * K, pd + (size_t)t * nsb,
+                         ps + (size_t)t * nsb * 16);
+        }
+    } else {
+        x16 = (int16_t *)(xsc + T);
+        quantize_rows(x, K, 0, T, x16, xsc, 0, 0, NULL);
+    }
+    lin_t l = {fmt, G, T, N, K, w, s, xsc, x16, pl, ps, pd, out};
     hs_parallel_for(nthreads < 1 ? 1 : nthreads, (N / 4 + RC - 1) / RC, lin_item, &l);
     free(buf);
     return 0;

@@ -48,8 +48,9 @@ typedef struct {
     int16_t *x16, *a16;    /* [T, H], [P, I] activations as int16 */
     float *xsc, *asc;      /* their per-row scales [T], [P] */
     float *xgs, *ags;      /* int4 only: per-group sums of x16 / a16 [T, H/G], [P, I/G] */
-    int8_t *xpl, *apl;     /* q4_K only: x16 / a16 as int8 planes, per row [xh | xl] */
-    int16_t *xps, *aps;    /* q4_K only: the planes' sums, [rows, K / 256, 32] */
+    int8_t *xpl, *apl;     /* q4_K only: x / a as int8 per super-block [rows, K] */
+    int16_t *xps, *aps;    /* q4_K only: their sums per sub-block, [rows, K / 256, 16] */
+    float *xpd, *apd;      /* q4_K only: their scales per super-block, [rows, K / 256] */
     int n_active;
     const int *act_e, *act_off, *act_cnt;
     int nthreads;
@@ -75,11 +76,13 @@ static inline act16_t act16(const job_t *j, int which, int K, int r0, int r1) {
     if (j->fmt == F_Q4K) {
         const int8_t *pl = which == 1 ? j->xpl : j->apl;
         const int16_t *ps = which == 1 ? j->xps : j->aps;
-        const int rr[2] = {r0, r1};
+        const float *pd = which == 1 ? j->xpd : j->apd;
+        const int rr[2] = {r0, r1}, nsb = K / Q4K_SB;
         for (int m = 0; m < 2; m++) {
-            const int8_t *h = pl + (size_t)rr[m] * 2 * K;
-            q4k_act_t t = {h, h + K, ps + (size_t)rr[m] * (K / Q4K_SB) * 32};
+            q4k_act_t t = {pl + (size_t)rr[m] * K, pd + (size_t)rr[m] * nsb,
+                           ps + (size_t)rr[m] * nsb * 16};
             a.p[m] = t;
+            a.s[m] = 1.0f; /* the scales are per super-block, applied in quad_q4k */
         }
     }
     return a;
@@ -303,22 +306,25 @@ static int sort_pairs(int E, int P, int k, const int64_t *ids, const float *tw, 
     return n;
 }
 
-/* Rounds the rows of phase `which` (1: x [T, H], 2: a [P, I]) to int16 and, for q4_K, splits
- * them into the kernel's int8 planes. */
+/* Rounds the rows of phase `which` (1: x [T, H], 2: a [P, I]) to int16 per row or, for q4_K,
+ * to int8 per super-block. */
 static void activations(job_t *j, int which, int rows) {
     const int K = which == 1 ? j->H : j->I;
     const float *src = which == 1 ? j->x : j->a;
+    if (j->fmt == F_Q4K) {
+        int8_t *pl = which == 1 ? j->xpl : j->apl;
+        int16_t *ps = which == 1 ? j->xps : j->aps;
+        float *pd = which == 1 ? j->xpd : j->apd;
+        const int nsb = K / Q4K_SB;
+        for (int r = 0; r < rows; r++)
+            q4k_quantize(src + (size_t)r * K, K, pl + (size_t)r * K, pd + (size_t)r * nsb,
+                         ps + (size_t)r * nsb * 16);
+        return;
+    }
     int16_t *q = which == 1 ? j->x16 : j->a16;
     float *sc = which == 1 ? j->xsc : j->asc, *gs = which == 1 ? j->xgs : j->ags;
     const int perm = j->fmt == F_I4 || j->fmt == F_MXFP4;
     quantize_rows(src, K, 0, rows, q, sc, perm, j->fmt == F_I4 ? j->G : 0, gs);
-    if (j->fmt == F_Q4K) {
-        int8_t *pl = which == 1 ? j->xpl : j->apl;
-        int16_t *ps = which == 1 ? j->xps : j->aps;
-        for (int r = 0; r < rows; r++) /* row r: [xh | xl], K bytes each */
-            q4k_planes(q + (size_t)r * K, K, pl + (size_t)r * 2 * K, pl + (size_t)r * 2 * K + K,
-                       ps + (size_t)r * (K / Q4K_SB) * 32);
-    }
 }
 
 /* Returns 0, -1 when out of memory, -2 when an expert id is outside [0, E), -3 for an unknown
@@ -342,8 +348,8 @@ int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int 
     size_t n_f = (size_t)P * (I + H) + P + T + P + n_g;   /* a, y, pw, xsc, asc, xgs, ags */
     size_t n_i = (size_t)P + 4 * (size_t)E;               /* tok, act_e/off/cnt, fill */
     size_t n_q = q16 ? (size_t)T * H + (size_t)P * I : 0; /* x16, a16 */
-    /* q4_K: the int8 planes (2 bytes per activation) and their sums (32 per 256) */
-    size_t n_p = fmt == F_Q4K ? n_q * 2 + n_q / Q4K_SB * 32 * sizeof(int16_t) : 0;
+    /* q4_K: the int8 activations, their scales (1 per 256) and sums (16 per 256) */
+    size_t n_p = fmt == F_Q4K ? n_q + n_q / Q4K_SB * (sizeof(float) + 16 * sizeof(int16_t)) : 0;
     char *buf = malloc(sizeof(float) * n_f + sizeof(int) * n_i + sizeof(int16_t) * n_q + n_p);
     if (buf == NULL) return -1;
     float *a = (float *)buf, *y = a + (size_t)P * I, *pw = y + (size_t)P * H;
@@ -351,11 +357,12 @@ int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int 
     float *ags = G4 ? xgs + (size_t)T * (H / G4) : xgs;
     int *tok = (int *)(a + n_f), *act_e = tok + P, *act_off = act_e + E, *act_cnt = act_off + E;
     int16_t *x16 = (int16_t *)(act_cnt + 2 * E), *a16 = x16 + (size_t)T * H;
-    int8_t *xpl = (int8_t *)(x16 + n_q), *apl = xpl + (size_t)T * H * 2;
-    int16_t *xps = (int16_t *)(xpl + n_q * 2), *aps = xps + (size_t)T * H / Q4K_SB * 32;
+    float *xpd = (float *)(x16 + n_q), *apd = xpd + (size_t)T * H / Q4K_SB;
+    int16_t *xps = (int16_t *)(xpd + n_q / Q4K_SB), *aps = xps + (size_t)T * H / Q4K_SB * 16;
+    int8_t *xpl = (int8_t *)(xps + n_q / Q4K_SB * 16), *apl = xpl + (size_t)T * H;
     int n = sort_pairs(E, P, k, ids, tw, tok, pw, act_e, act_off, act_cnt, act_cnt + E);
     job_t j = {fmt, H, I, G, act, alpha, limit, b13, b2, x, w13, w2, s13, s2, m13, m2, tok, pw,
-               a, y, x16, a16, xsc, asc, xgs, ags, xpl, apl, xps, aps, n, act_e, act_off,
+               a, y, x16, a16, xsc, asc, xgs, ags, xpl, apl, xps, aps, xpd, apd, n, act_e, act_off,
                act_cnt, nthreads < 1 ? 1 : nthreads};
     if (q16) activations(&j, 1, T);
     run_phase(&j, 1);

@@ -12,12 +12,13 @@
  *              the sub-block); in each, row r's 8 bytes at 8r: byte i = column i (low nibble) |
  *              column 8 + i (high nibble)
  *
- * Activations are rounded to int16 per row, as for the other integer formats (|x - x_hat| <=
- * max|x| / 32766), then split exactly into two int8 planes x16 = 128 * xh + xl (xl in [0, 127]),
- * so that vpmaddubsw multiplies 32 nibbles at once by either plane. The sub-block's scale joins
- * in the integer domain (vpmaddwd by sc and 128 sc), the super-block's d once per 256 columns;
- * the minimum term needs only the planes' sums per sub-block. Every integer step is exact: per
- * lane and super-block at most 8 * 2 * (4 * 2 * 15 * 128) * (128 * 63) + ... < 2^31.
+ * Activations meet the nibbles as llama.cpp's q4_K x q8_K product does: int8 per super-block
+ * of 256 columns, scale amax / 127 (|x - x_hat| <= amax / 254 of that super-block), so one
+ * vpmaddubsw multiplies 32 nibbles by 32 activations. The sub-block's scale joins in the integer
+ * domain (vpmaddwd by sc), the super-block's d times the activations' scale once per 256
+ * columns; the minimum term needs only the activations' sums per sub-block. Every integer step is
+ * exact: an int16 lane sums 8 products of at most 15 * 127 (15240 < 2^15), an int32 lane at
+ * most 8 sub-blocks x 2 lanes x 63 x 15240 < 2^31.
  */
 #ifndef HETSERVE_MOE_Q4K_H
 #define HETSERVE_MOE_Q4K_H
@@ -31,32 +32,44 @@
 #define Q4K_SB 256          /* columns per super-block */
 #define Q4K_QUAD_BYTES 576  /* 4 rows x 144 bytes */
 
-/* One activation row for the q4_K kernel: int8 planes xh, xl [K] and, per super-block, the
- * planes' sums per sub-block as [8 x int16 | the same 8] (xh) then the same for xl. */
+/* One activation row for the q4_K kernel: int8 values x [K], their scale per super-block
+ * d [K / 256], and their sums per sub-block as [8 x int16 | the same 8] per super-block. */
 typedef struct {
-    const int8_t *xh, *xl;
-    const int16_t *gs; /* [K / 256][32] */
+    const int8_t *x;
+    const float *d;    /* [K / 256] */
+    const int16_t *gs; /* [K / 256][16] */
 } q4k_act_t;
 
-/* One row of x16 [K] (rounded, natural column order) -> its int8 planes xh, xl [K] and their
- * sums per sub-block, gs [K / 256][32] (see q4k_act_t). */
-static void q4k_planes(const int16_t *x16, int K, int8_t *xh, int8_t *xl, int16_t *gs) {
-    const __m256i low7 = _mm256_set1_epi16(127), one = _mm256_set1_epi16(1);
-    for (int k = 0; k < K; k += 32) {
-        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(x16 + k));
-        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(x16 + k + 16));
-        const __m256i h0 = _mm256_srai_epi16(v0, 7), h1 = _mm256_srai_epi16(v1, 7);
-        const __m256i l0 = _mm256_and_si256(v0, low7), l1 = _mm256_and_si256(v1, low7);
-        /* packs works within 128-bit lanes: the permute restores column order */
-        _mm256_storeu_si256((__m256i *)(xh + k),
-                            _mm256_permute4x64_epi64(_mm256_packs_epi16(h0, h1), 0xD8));
-        _mm256_storeu_si256((__m256i *)(xl + k),
-                            _mm256_permute4x64_epi64(_mm256_packs_epi16(l0, l1), 0xD8));
-        const int sh = hsum_i32(_mm256_madd_epi16(_mm256_add_epi16(h0, h1), one));
-        const int sl = hsum_i32(_mm256_madd_epi16(_mm256_add_epi16(l0, l1), one));
-        int16_t *g = gs + (k / Q4K_SB) * 32 + (k % Q4K_SB) / 32;
-        g[0] = g[8] = (int16_t)sh;
-        g[16] = g[24] = (int16_t)sl;
+/* One fp32 row x [K] -> its int8 values x8 [K] (round to nearest even, as llama.cpp's q8_K),
+ * scales d [K / 256] and sums gs [K / 256][16] (see q4k_act_t). */
+static void q4k_quantize(const float *x, int K, int8_t *x8, float *d, int16_t *gs) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int s = 0; s < K / Q4K_SB; s++) {
+        const float *row = x + (size_t)s * Q4K_SB;
+        __m256 vmax = _mm256_setzero_ps();
+        for (int k = 0; k < Q4K_SB; k += 8)
+            vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(row + k)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+        const float amax = _mm_cvtss_f32(m4);
+        d[s] = amax / 127.0f;
+        const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        for (int j = 0; j < 8; j++) {
+            __m256i v[4];
+            for (int i = 0; i < 4; i++) {
+                __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + 32 * j + 8 * i), inv));
+                v[i] = _mm256_max_epi32(_mm256_min_epi32(q, lim), nlim);
+            }
+            /* packs works within 128-bit lanes: the permute restores column order */
+            __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+            _mm256_storeu_si256((__m256i *)(x8 + (size_t)s * Q4K_SB + 32 * j),
+                                _mm256_permutevar8x32_epi32(b, order));
+            __m256i t = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+            gs[16 * s + j] = gs[16 * s + 8 + j] = (int16_t)hsum_i32(t);
+        }
     }
 }
 
@@ -86,15 +99,14 @@ static inline __m256i q4k_spread(__m256i sc, int j) {
     return _mm256_shuffle_epi8(sc, _mm256_load_si256((const __m256i *)q4k_idx[j]));
 }
 
-/* The 32 x 4 weights of one 32-byte vector (low / high nibbles) against 8 + 8 activations of
- * one plane, int16 pair sums [row 0: 4 lanes, row 1 | row 2, row 3]. */
+/* The 32 x 4 weights of one 32-byte vector (low / high nibbles) against 8 + 8 activations, int16 pair sums [row 0: 4 lanes, row 1 | row 2, row 3]. */
 static inline __m256i q4k_dot(__m256i lo, __m256i hi, const int8_t *x) {
     const __m256i a = _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)x));
     const __m256i b = _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(x + 8)));
     return _mm256_add_epi16(_mm256_maddubs_epi16(lo, a), _mm256_maddubs_epi16(hi, b));
 }
 
-/* out[r][m] = sum_k W[r, k] * x16[m, k] for one quad of q4_K rows and MB <= 2 tokens. */
+/* out[r][m] = sum_k W[r, k] * x[m, k] for one quad of q4_K rows and MB <= 2 tokens. */
 static inline __attribute__((always_inline)) void quad_q4k(const uint8_t *q, int K,
                                                            const q4k_act_t a[2], int MB,
                                                            float out[4][MBMAX]) {
@@ -116,15 +128,12 @@ static inline __attribute__((always_inline)) void quad_q4k(const uint8_t *q, int
             const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nib);
             const __m256i lo1 = _mm256_and_si256(v1, nib);
             const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nib);
-            const __m256i s1 = q4k_spread(sc, j), s128 = _mm256_slli_epi16(s1, 7);
+            const __m256i s1 = q4k_spread(sc, j);
             const int k = s * Q4K_SB + 32 * j;
             for (int m = 0; m < MB; m++) {
-                __m256i th = _mm256_add_epi16(q4k_dot(lo0, hi0, a[m].xh + k),
-                                              q4k_dot(lo1, hi1, a[m].xh + k + 16));
-                __m256i tl = _mm256_add_epi16(q4k_dot(lo0, hi0, a[m].xl + k),
-                                              q4k_dot(lo1, hi1, a[m].xl + k + 16));
-                acc[m] = _mm256_add_epi32(acc[m], _mm256_add_epi32(_mm256_madd_epi16(th, s128),
-                                                                   _mm256_madd_epi16(tl, s1)));
+                __m256i t = _mm256_add_epi16(q4k_dot(lo0, hi0, a[m].x + k),
+                                             q4k_dot(lo1, hi1, a[m].x + k + 16));
+                acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(t, s1));
             }
         }
         /* d per lane pair [d0 d0 d1 d1 d2 d2 d3 d3]; minimums: rows 0-1 and 2-3 by 4 lanes */
@@ -135,15 +144,12 @@ static inline __attribute__((always_inline)) void quad_q4k(const uint8_t *q, int
         const __m256i m01 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(mn));
         const __m256i m23 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(mn, 1));
         for (int m = 0; m < MB; m++) {
-            tot[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), d, tot[m]);
-            const __m256i gh = _mm256_loadu_si256((const __m256i *)(a[m].gs + 32 * s));
-            const __m256i gl = _mm256_loadu_si256((const __m256i *)(a[m].gs + 32 * s + 16));
-            __m256i z01 = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(m01, gh), 7),
-                                           _mm256_madd_epi16(m01, gl));
-            __m256i z23 = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(m23, gh), 7),
-                                           _mm256_madd_epi16(m23, gl));
-            zt[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(z01), dm01, zt[m][0]);
-            zt[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(z23), dm23, zt[m][1]);
+            const __m256 xd = _mm256_broadcast_ss(a[m].d + s);
+            tot[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), _mm256_mul_ps(d, xd), tot[m]);
+            const __m256i g = _mm256_loadu_si256((const __m256i *)(a[m].gs + 16 * s));
+            const __m256i z01 = _mm256_madd_epi16(m01, g), z23 = _mm256_madd_epi16(m23, g);
+            zt[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(z01), _mm256_mul_ps(dm01, xd), zt[m][0]);
+            zt[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(z23), _mm256_mul_ps(dm23, xd), zt[m][1]);
         }
     }
     for (int m = 0; m < MB; m++) {
