@@ -7,6 +7,13 @@ same interpreter and torch baseline, which is also reported). hetserve keeps the
 experts on the CPU backends (`use_kt`) with the native backward; transformers runs its own
 modeling code with PEFT's layers. Rate = tokens of the timed steps / their wall time, after
 warm-up steps; the whole plan runs `--rounds` times alternating the order, best round kept.
+
+Beside the two systems, the limit of the machine, measured in the same run: the model FLOPs of a
+training step (`train_flops_per_token`: the matrix products of the forward, the input gradients
+of the backward, the LoRA weight gradients and causal attention; elementwise work left out) and
+the best fp32 matrix-multiply rate of this CPU (`gemm_peak_gflops`). Their ratio to a system's
+rate says how far from the arithmetic limit it runs, and so how much faster any implementation of
+the same fp32 math could be at most.
 """
 
 from __future__ import annotations
@@ -64,6 +71,10 @@ def _run(args) -> int:
             if name not in best or res["tokens_per_s"] > best[name]["tokens_per_s"]:
                 best[name] = res
     hf = best["transformers+peft"]
+    flops = train_flops_per_token(s["model"], s["seq_len"], s["lora_rank"], s["lora_target"])
+    peak = gemm_peak_gflops()
+    for b in best.values():
+        b["model_gflops_per_s"] = b["tokens_per_s"] * flops / 1e9
     rows = []
     for name in systems:
         b = best[name]
@@ -74,13 +85,69 @@ def _run(args) -> int:
         ])  # fmt: skip
     print_table(["system", "train tok/s", "vs HF", "peak RSS MiB", "baseline MiB",
                  "RSS vs HF", "last loss"], rows)  # fmt: skip
-    result = {"settings": s, "best": best, "rounds": rounds}
+    limit = {"model_flops_per_token": flops, "gemm_peak_gflops": peak,
+             "hf_fraction_of_peak": hf["model_gflops_per_s"] / peak,
+             "max_speedup_over_hf": peak / hf["model_gflops_per_s"]}  # fmt: skip
+    print(f"model FLOPs per token {flops / 1e6:.1f} M; fp32 GEMM peak of this CPU "
+          f"{peak:.0f} GFLOP/s; " + "; ".join(
+              f"{n} {b['model_gflops_per_s']:.0f} GFLOP/s ({b['model_gflops_per_s'] / peak:.2f} of"
+              " peak)" for n, b in best.items()) +
+          f"; no fp32 implementation can pass {limit['max_speedup_over_hf']:.2f}x HF")  # fmt: skip
+    result = {"settings": s, "best": best, "rounds": rounds, "limit": limit}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     if args.plot:
         _plot(best, args.plot)
     return 0
+
+
+def train_flops_per_token(model_dir: str, seq_len: int, rank: int, target: str) -> float:
+    """Model FLOPs of one trained token (frozen base, LoRA on `target`): per linear (and router)
+    2 x in x out forward and the same for its input gradient; per routed expert used (top-k) its three
+    matrices likewise; LoRA's A and B forward, input and weight gradients; causal attention's
+    two products (mean length (L + 1) / 2) forward, twice that backward."""
+    import torch
+    from torch import nn
+
+    from hetserve.finetune.model import linear_module_names
+    from hetserve.moe.layer import FusedExperts
+    from hetserve.moe.router import TopKRouter
+
+    with torch.device("meta"):
+        model = _meta_model(model_dir)
+    cfg = model.config
+    targets = set(linear_module_names(model) if target == "all" else target.split(","))
+    flops = 0.0
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            flops += 4 * m.in_features * m.out_features
+            if name.rpartition(".")[2] in targets:
+                flops += 6 * rank * (m.in_features + m.out_features)
+        elif isinstance(m, TopKRouter):
+            flops += 4 * m.weight.shape[0] * m.weight.shape[1]
+        elif isinstance(m, FusedExperts):
+            top_k = int(cfg.require("num_experts_per_tok"))
+            flops += 4 * top_k * 3 * m.hidden_size * m.intermediate_size
+    attention = 2 * 2 * cfg.num_heads * cfg.head_dim * (seq_len + 1) / 2
+    return flops + 3 * attention * cfg.num_layers
+
+
+def gemm_peak_gflops(sizes: tuple[int, ...] = (512, 1024, 2048), repeats: int = 5) -> float:
+    """The best fp32 matrix-multiply rate of this CPU with torch's threads (square products)."""
+    import torch
+
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        torch.mm(a, b)
+        calls = max(1, int(2e9 / (2 * n**3)))
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                torch.mm(a, b)
+            best = max(best, 2 * n**3 * calls / (time.perf_counter() - t0) / 1e9)
+    return best
 
 
 def _spawn(system: str, s: dict) -> dict:
