@@ -103,10 +103,10 @@ def _run(args) -> int:
 
 
 def train_flops_per_token(model_dir: str, seq_len: int, rank: int, target: str) -> float:
-    """Model FLOPs of one trained token (frozen base, LoRA on `target`): per linear (and router)
-    2 x in x out forward and the same for its input gradient; per routed expert used (top-k) its three
-    matrices likewise; LoRA's A and B forward, input and weight gradients; causal attention's
-    two products (mean length (L + 1) / 2) forward, twice that backward."""
+    """Model FLOPs of one trained token (frozen base, LoRA on `target`): per linear (and
+    router) 2 x in x out forward and the same for its input gradient; per routed expert used
+    (top-k) its three matrices likewise; LoRA's A and B forward, input and weight gradients;
+    causal attention's two products (mean length (L + 1) / 2) forward, twice that backward."""
     import torch
     from torch import nn
 
