@@ -43,18 +43,11 @@ typedef struct {
 /* One fp32 row x [K] -> its int8 values x8 [K] (round to nearest even, as llama.cpp's q8_K),
  * scales d [K / 256] and sums gs [K / 256][16] (see q4k_act_t). */
 static void q4k_quantize(const float *x, int K, int8_t *x8, float *d, int16_t *gs) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int s = 0; s < K / Q4K_SB; s++) {
         const float *row = x + (size_t)s * Q4K_SB;
-        __m256 vmax = _mm256_setzero_ps();
-        for (int k = 0; k < Q4K_SB; k += 8)
-            vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(row + k)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-        const float amax = _mm_cvtss_f32(m4);
+        const float amax = hs_absmax(row, Q4K_SB);
         d[s] = amax / 127.0f;
         const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
         for (int j = 0; j < 8; j++) {

@@ -93,17 +93,10 @@ static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, f
     int16_t tmp[32];
     /* K % 32 == 0 (checked by the caller). Vectorized: at one token this runs on one thread
      * between the phases, so a scalar loop would be a visible slice of the layer. */
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int p = p0; p < p1; p++) {
         const float *row = x + (size_t)p * K;
         int16_t *out = x16 + (size_t)p * K;
-        __m256 vmax = _mm256_setzero_ps();
-        for (int k = 0; k < K; k += 8)
-            vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(row + k)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-        float mx = _mm_cvtss_f32(m4);
+        float mx = hs_absmax(row, K);
         float s = mx > 0.0f ? mx / ACT_Q : 1.0f;
         const __m256 inv = _mm256_set1_ps(1.0f / s);
         const __m256i lim = _mm256_set1_epi32(ACT_Q), nlim = _mm256_set1_epi32(-ACT_Q);
