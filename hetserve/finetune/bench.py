@@ -118,6 +118,7 @@ def train_flops_per_token(model_dir: str, seq_len: int, rank: int, target: str) 
         model = _meta_model(model_dir)
     cfg = model.config
     targets = set(linear_module_names(model) if target == "all" else target.split(","))
+    top_k = int(cfg.get("num_experts_per_tok", default=0))
     flops = 0.0
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear):
@@ -127,7 +128,6 @@ def train_flops_per_token(model_dir: str, seq_len: int, rank: int, target: str) 
         elif isinstance(m, TopKRouter):
             flops += 4 * m.weight.shape[0] * m.weight.shape[1]
         elif isinstance(m, FusedExperts):
-            top_k = int(cfg.require("num_experts_per_tok"))
             flops += 4 * top_k * 3 * m.hidden_size * m.intermediate_size
     attention = 2 * 2 * cfg.num_heads * cfg.head_dim * (seq_len + 1) / 2
     return flops + 3 * attention * cfg.num_layers

@@ -42,6 +42,16 @@ def int8_linear_bound(
     )
 
 
+def q8k_round(v: torch.Tensor) -> torch.Tensor:
+    """The q4_K kernel's activation rounding (native/moe_q4k.h, llama.cpp's q8_K) in torch, for
+    its references: int8 per 256 columns with step amax / 127, round to nearest even; v's last
+    dimension a multiple of 256, result in v's dtype."""
+    b = v.float().reshape(*v.shape[:-1], -1, 256)
+    amax = b.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(b * inv).clamp(-127, 127) * (amax / 127)).reshape(v.shape).to(v.dtype)
+
+
 def quantize_int4_groupwise(
     w: torch.Tensor, group_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -25,7 +25,8 @@ enum { L_I8 = 1, L_Q4K = 5 }; /* the F_* numbers of moe_kernels.c */
 typedef struct {
     int fmt, G, T, N, K;
     const void *w;
-    const float *s, *xsc; /* s: per-row fp32 scales, or (G > 0) fp16 ones per group */
+    const float *s, *xsc; /* s: per-row fp32 scales, or (G > 0) fp16 ones per group; xsc:
+                           * the activations' per-row scales (NULL for q4_K: per super-block) */
     const int16_t *x16;
     const int8_t *pl;  /* q4_K: int8 activations [T, K] */
     const int16_t *ps; /* q4_K: their sums per sub-block [T, K / 256, 16] */
@@ -70,7 +71,8 @@ static void lin_item(void *ctx, int c) {
                 lin_quad(l, 4 * u, m, MB, o);
                 for (int mm = 0; mm < MB; mm++) {
                     float *y = l->out + (size_t)(m + mm) * l->N + 4 * u;
-                    for (int r = 0; r < 4; r++) y[r] = o[r][mm] * l->xsc[m + mm];
+                    const float sx = l->xsc ? l->xsc[m + mm] : 1.0f;
+                    for (int r = 0; r < 4; r++) y[r] = o[r][mm] * sx;
                 }
             }
         }
@@ -86,23 +88,22 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
     const size_t n = (size_t)T * K;
     const int q4k = fmt == L_Q4K, nsb = K / Q4K_SB;
     /* int16 activations and their per-row scales, or q4_K's int8 ones, scales and sums */
-    const size_t bytes = q4k ? n + (size_t)T * nsb * (sizeof(float) * 2 + 16 * sizeof(int16_t))
+    const size_t bytes = q4k ? n + (size_t)T * nsb * (sizeof(float) + 16 * sizeof(int16_t))
                              : (sizeof(int16_t) * n + sizeof(float) * (size_t)T);
     char *buf = malloc(bytes);
     if (buf == NULL) return -1;
     int16_t *x16 = NULL, *ps = NULL;
-    float *xsc = (float *)buf, *pd = NULL;
+    float *xsc = NULL, *pd = NULL;
     int8_t *pl = NULL;
     if (q4k) {
-        pd = xsc + T; /* xsc: ones, the scales are per super-block */
+        pd = (float *)buf;
         ps = (int16_t *)(pd + (size_t)T * nsb);
         pl = (int8_t *)(ps + (size_t)T * nsb * 16);
-        for (int t = 0; t < T; t++) {
-            xsc[t] = 1.0f;
+        for (int t = 0; t < T; t++)
             q4k_quantize(x + (size_t)t * K, K, pl + (size_t)t * K, pd + (size_t)t * nsb,
                          ps + (size_t)t * nsb * 16);
-        }
     } else {
+        xsc = (float *)buf;
         x16 = (int16_t *)(xsc + T);
         quantize_rows(x, K, 0, T, x16, xsc, 0, 0, NULL);
     }

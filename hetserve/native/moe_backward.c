@@ -20,12 +20,11 @@
  * up to PB32 pairs through register-tiled products instead: gate/up by the forward's 4-row x
  * 3-pair microkernel (quad_f32), and the two transposed products (W2^T g, W13^T dgu) as packed
  * column strips of 16 against 6 pairs held in registers over a tile of rows (no store per
- * product, as an axpy has). Work items are (expert, block) pairs, independent of each other: each writes
- * its own pairs' rows of dxp.
+ * product, as an axpy has). Work items are (expert, block) pairs, independent of each
+ * other: each writes its own pairs' rows of dxp.
  * Built by hetserve/native/__init__.py with the other kernels (no torch headers).
  */
 #include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,12 +48,11 @@ typedef struct {
     int *failed; /* set when a block cannot allocate its scratch */
 } bjob_t;
 
-/* Row r of expert e's matrix [rows, cols] as fp32: a pointer into fp32 weights, or `buf`
- * filled by dequantizing. */
+/* Row r of expert e's quantized matrix [rows, cols] (fmt 8 or 4), dequantized into `buf`
+ * (fp32 weights take block_f32 instead). */
 static const float *load_row(const bjob_t *j, const void *w, const float *s, const float *m,
                              int e, int r, int rows, int cols, float *buf) {
     size_t row = (size_t)e * rows + r;
-    if (j->fmt == 32) return (const float *)w + row * cols;
     if (j->fmt == 8) {
         const int8_t *q = (const int8_t *)w + row * cols;
         __m256 sc = _mm256_set1_ps(s[row]);
@@ -174,7 +172,8 @@ static float silu_mul_backward(float *g, float *u, const float *d, float w, int 
     for (int c = 0; c < I; c += 8) {
         const __m256 gv = _mm256_loadu_ps(g + c), uv = _mm256_loadu_ps(u + c);
         const __m256 dc = _mm256_loadu_ps(d + c);
-        const __m256 sg = _mm256_div_ps(one, _mm256_add_ps(one, hs_exp(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+        const __m256 e = hs_exp(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        const __m256 sg = _mm256_div_ps(one, _mm256_add_ps(one, e));
         const __m256 sv = _mm256_mul_ps(gv, sg);
         dw = _mm256_fmadd_ps(_mm256_mul_ps(dc, sv), uv, dw);
         const __m256 dh = _mm256_mul_ps(wv, dc);
@@ -229,13 +228,14 @@ static void block_task(void *ctx, int item) {
     const int H = j->H, I = j->I, K = j->K;
     const int e = j->item_e[item], n = j->item_n[item];
     const int *pairs = j->pairs + j->item_start[item];
-    const int pb = j->fmt == 32 ? PB32 : PB;
-    float *gu = malloc(sizeof(float) * ((size_t)pb * 2 * I + (size_t)pb * I + (H > 2 * I ? H : 2 * I)));
+    /* scratch: gu [pb, 2I], d [pb, I] and (quantized formats) one dequantized row */
+    const int f32 = j->fmt == 32, pb = f32 ? PB32 : PB;
+    float *gu = malloc(sizeof(float) * ((size_t)pb * 3 * I + (f32 ? 0 : (H > 2 * I ? H : 2 * I))));
     if (gu == NULL) {
         __atomic_store_n(j->failed, 1, __ATOMIC_RELAXED);
         return;
     }
-    if (j->fmt == 32) {
+    if (f32) {
         block_f32(j, e, n, pairs, gu, gu + (size_t)PB32 * 2 * I);
         free(gu);
         return;

@@ -347,17 +347,18 @@ int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int 
     size_t n_g = G4 ? (size_t)T * (H / G4) + (size_t)P * (I / G4) : 0; /* xgs, ags */
     size_t n_f = (size_t)P * (I + H) + P + T + P + n_g;   /* a, y, pw, xsc, asc, xgs, ags */
     size_t n_i = (size_t)P + 4 * (size_t)E;               /* tok, act_e/off/cnt, fill */
-    size_t n_q = q16 ? (size_t)T * H + (size_t)P * I : 0; /* x16, a16 */
-    /* q4_K: the int8 activations, their scales (1 per 256) and sums (16 per 256) */
+    size_t n_q = q16 ? (size_t)T * H + (size_t)P * I : 0; /* rounded activations */
+    /* int16 ones (x16, a16), or q4_K's int8 ones with their scales (1 per 256) and sums (16) */
+    size_t n_16 = fmt == F_Q4K ? 0 : n_q;
     size_t n_p = fmt == F_Q4K ? n_q + n_q / Q4K_SB * (sizeof(float) + 16 * sizeof(int16_t)) : 0;
-    char *buf = malloc(sizeof(float) * n_f + sizeof(int) * n_i + sizeof(int16_t) * n_q + n_p);
+    char *buf = malloc(sizeof(float) * n_f + sizeof(int) * n_i + sizeof(int16_t) * n_16 + n_p);
     if (buf == NULL) return -1;
     float *a = (float *)buf, *y = a + (size_t)P * I, *pw = y + (size_t)P * H;
     float *xsc = pw + P, *asc = xsc + T, *xgs = asc + P;
     float *ags = G4 ? xgs + (size_t)T * (H / G4) : xgs;
     int *tok = (int *)(a + n_f), *act_e = tok + P, *act_off = act_e + E, *act_cnt = act_off + E;
     int16_t *x16 = (int16_t *)(act_cnt + 2 * E), *a16 = x16 + (size_t)T * H;
-    float *xpd = (float *)(x16 + n_q), *apd = xpd + (size_t)T * H / Q4K_SB;
+    float *xpd = (float *)(x16 + n_16), *apd = xpd + (size_t)T * H / Q4K_SB;
     int16_t *xps = (int16_t *)(xpd + n_q / Q4K_SB), *aps = xps + (size_t)T * H / Q4K_SB * 16;
     int8_t *xpl = (int8_t *)(xps + n_q / Q4K_SB * 16), *apl = xpl + (size_t)T * H;
     int n = sort_pairs(E, P, k, ids, tw, tok, pw, act_e, act_off, act_cnt, act_cnt + E);

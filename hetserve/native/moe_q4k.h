@@ -53,14 +53,17 @@ static void q4k_quantize(const float *x, int K, int8_t *x8, float *d, int16_t *g
         for (int j = 0; j < 8; j++) {
             __m256i v[4];
             for (int i = 0; i < 4; i++) {
-                __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + 32 * j + 8 * i), inv));
+                const __m256 v8 = _mm256_loadu_ps(row + 32 * j + 8 * i);
+                const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v8, inv));
                 v[i] = _mm256_max_epi32(_mm256_min_epi32(q, lim), nlim);
             }
             /* packs works within 128-bit lanes: the permute restores column order */
-            __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+            const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]),
+                                                 _mm256_packs_epi32(v[2], v[3]));
             _mm256_storeu_si256((__m256i *)(x8 + (size_t)s * Q4K_SB + 32 * j),
                                 _mm256_permutevar8x32_epi32(b, order));
-            __m256i t = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+            const __m256i t = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]),
+                                               _mm256_add_epi32(v[2], v[3]));
             gs[16 * s + j] = gs[16 * s + 8 + j] = (int16_t)hsum_i32(t);
         }
     }
@@ -92,7 +95,8 @@ static inline __m256i q4k_spread(__m256i sc, int j) {
     return _mm256_shuffle_epi8(sc, _mm256_load_si256((const __m256i *)q4k_idx[j]));
 }
 
-/* The 32 x 4 weights of one 32-byte vector (low / high nibbles) against 8 + 8 activations, int16 pair sums [row 0: 4 lanes, row 1 | row 2, row 3]. */
+/* The 32 x 4 weights of one 32-byte vector (low / high nibbles) against 8 + 8 activations,
+ * int16 pair sums [row 0: 4 lanes, row 1 | row 2, row 3]. */
 static inline __m256i q4k_dot(__m256i lo, __m256i hi, const int8_t *x) {
     const __m256i a = _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)x));
     const __m256i b = _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(x + 8)));

@@ -18,6 +18,7 @@ from hetserve.model.gguf_file import q4_k_rows, q8_0_rows  # noqa: E402
 from hetserve.model.tiny_gguf import quantize_q4_k, write_gguf  # noqa: E402
 from hetserve.model.tokenizer import Tokenizer  # noqa: E402
 from hetserve.moe.experts import gated_activation  # noqa: E402
+from hetserve.moe.quant import q8k_round  # noqa: E402
 from hetserve.native import native_unavailable_reason  # noqa: E402
 
 # q4_K needs rows of 256: a Qwen3-MoE just big enough.
@@ -28,14 +29,6 @@ IDS = torch.randint(10, 400, (40,), generator=torch.Generator().manual_seed(0)).
 # (llama.cpp's q8_K, which the reference applies too: on these random weights it alone moves
 # logprobs by up to ~0.6).
 BOUND = 2e-3
-
-
-def _q8k(v: torch.Tensor) -> torch.Tensor:
-    """q4_K's activation rounding in the kernel (llama.cpp's q8_K): int8 per 256, amax / 127."""
-    b = v.float().reshape(*v.shape[:-1], -1, 256)
-    amax = b.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    return (torch.round(b * inv).clamp(-127, 127) * (amax / 127)).reshape(v.shape).to(v.dtype)
 
 
 class _Q8KExperts:
@@ -49,11 +42,11 @@ class _Q8KExperts:
     def forward(self, x, topk_weights, topk_ids):
         out = torch.zeros_like(x)
         for t in range(x.shape[0]):
-            xt = _q8k(x[t])
+            xt = q8k_round(x[t])
             for j in range(topk_ids.shape[1]):
                 i, w = int(topk_ids[t, j]), topk_weights[t, j]
                 gate, up = (self.w13[i] @ xt).split(self.inter)
-                out[t] += self.w2[i] @ _q8k(self.glu(gate, up) * w)
+                out[t] += self.w2[i] @ q8k_round(self.glu(gate, up) * w)
         return out
 
 
@@ -67,7 +60,7 @@ def q8k_reference(ref, linears: tuple[str, ...] = ()) -> LLM:
     for name in linears:  # the placed model fuses q/k/v, the reference keeps them apart
         parts = [name] if name in modules else [name.replace("qkv", p) for p in "qkv"]
         for part in parts:
-            modules[part].register_forward_pre_hook(lambda _m, a: (_q8k(a[0]), *a[1:]))
+            modules[part].register_forward_pre_hook(lambda _m, a: (q8k_round(a[0]), *a[1:]))
     return llm
 
 

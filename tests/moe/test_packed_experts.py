@@ -14,6 +14,7 @@ from hetserve.moe.packed import Fp8Rows, Int4Rows, Int8Rows, Mxfp4Rows, PackedEx
 from hetserve.moe.quant import (
     dequantize_fp8_blocks,
     dequantize_mxfp4,
+    q8k_round,
     quantize_fp8_blocks,
     quantize_int4_groupwise,
     quantize_mxfp4,
@@ -74,15 +75,7 @@ def _round16(v: torch.Tensor) -> torch.Tensor:
     return torch.round(v * (1.0 / s)).clamp(-16383, 16383) * s
 
 
-def _round_q8k(v: torch.Tensor) -> torch.Tensor:
-    """q4_K's activation rounding (llama.cpp's q8_K): int8 per 256 columns, step amax / 127."""
-    b = v.reshape(*v.shape[:-1], -1, 256)
-    amax = b.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    return (torch.round(b * inv).clamp(-127, 127) * (amax / 127)).reshape(v.shape)
-
-
-ROUNDINGS = {"int16": (_round16, 16383), "q8k": (_round_q8k, 127), None: (lambda v: v, 0)}
+ROUNDINGS = {"int16": (_round16, 16383), "q8k": (q8k_round, 127), None: (lambda v: v, 0)}
 
 
 def _rounding(fmt: str) -> str | None:
