@@ -34,6 +34,13 @@ def c_compiler() -> str | None:
     return os.environ.get("CC") or None
 
 
+def native_isa() -> str:
+    """HETSERVE_NATIVE_ISA: which instruction set the native kernels are built for: `auto`
+    (default: AVX-512 where the CPU has AVX-512 BW/VL and VNNI, else AVX2), `avx2` or
+    `avx512`."""
+    return os.environ.get("HETSERVE_NATIVE_ISA", "auto").strip().lower() or "auto"
+
+
 def llama_cpp_src() -> str | None:
     """HETSERVE_LLAMA_CPP_SRC: an unpacked llama.cpp source tree (its GGUF converter)."""
     return os.environ.get(LLAMA_CPP_SRC) or None

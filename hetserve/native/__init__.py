@@ -13,8 +13,11 @@
 - `pool.c`: the parallel loop they share (OpenMP).
 
 It needs no torch headers: a C compiler builds it in a second or two the first time, into a
-cache keyed by the sources and flags, and later processes just load it. ctypes releases the GIL
-during a call, so a kernel overlaps Python work on other threads.
+cache keyed by the sources and flags, and later processes just load it. The flags name the
+instruction set (`isa()`): AVX2 + FMA everywhere, plus AVX-512 BW/VL/VNNI where the CPU has them
+(the q4_K, int4 and MXFP4 microkernels then take 512-bit paths with the same results;
+HETSERVE_NATIVE_ISA=avx2 turns that off). ctypes releases the GIL during a call, so a kernel
+overlaps Python work on other threads.
 """
 
 from __future__ import annotations
@@ -40,6 +43,12 @@ SOURCES = ("pool.c", "moe_kernels.c", "linear_kernels.c", "attention.c", "small_
            "moe_backward.c")  # fmt: skip
 HEADERS = ("pool.h", "simd.h", "moe_quads.h", "moe_formats.h", "moe_q4k.h")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared"]
+# What each instruction set adds to CFLAGS, and the /proc/cpuinfo flags it needs.
+ISA_FLAGS = {
+    "avx2": [],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"],
+}
+_ISA_CPU = {"avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")}
 
 
 def _cache_dir() -> Path:
@@ -55,6 +64,41 @@ def _cpu_supported() -> str | None:
     if capability not in ("AVX2", "AVX512"):
         return f"needs AVX2+FMA, torch reports CPU capability {capability}"
     return None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def cpu_has(isa: str) -> bool:
+    """Whether this CPU runs the kernels built for `isa` (a key of ISA_FLAGS)."""
+    return all(f in _cpu_flags() for f in _ISA_CPU.get(isa, ()))
+
+
+@cache
+def isa() -> str:
+    """The instruction set the kernels are built for here: HETSERVE_NATIVE_ISA, or (auto) the
+    widest one this CPU has. Asking for one the CPU lacks raises."""
+    from hetserve.errors import InvalidInputError
+
+    wanted = envs.native_isa()
+    if wanted == "auto":
+        return "avx512" if cpu_has("avx512") else "avx2"
+    if wanted not in ISA_FLAGS:
+        raise InvalidInputError(
+            f"HETSERVE_NATIVE_ISA={wanted!r} is not one of auto, {', '.join(ISA_FLAGS)}"
+        )
+    if not cpu_has(wanted):
+        raise InvalidInputError(
+            f"HETSERVE_NATIVE_ISA={wanted} but this CPU lacks {', '.join(_ISA_CPU[wanted])}; "
+            "use auto"
+        )
+    return wanted
 
 
 def _compile(compiler: str, flags: list[str], target: Path) -> str | None:
@@ -96,13 +140,21 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     reason = _cpu_supported()
     if reason is not None:
         return None, reason
+    return build_for(isa())
+
+
+@cache
+def build_for(isa_name: str) -> tuple[ctypes.CDLL | None, str | None]:
+    """The library built for `isa_name` (a key of ISA_FLAGS), or None and why not. `kernel`
+    uses the one for `isa()`; tests load another to compare the two."""
     compiler = envs.c_compiler() or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None, "no C compiler (cc/gcc) on PATH"
     text = b"".join((HERE / name).read_bytes() for name in (*SOURCES, *HEADERS))
     error = "?"
+    base = [*CFLAGS, *ISA_FLAGS[isa_name]]
     # With OpenMP the kernels share torch's thread team (pool.c); without, they run serially.
-    for flags in ([*CFLAGS, "-fopenmp"], CFLAGS):
+    for flags in ([*base, "-fopenmp"], base):
         key = hashlib.sha256(text + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
         target = _cache_dir() / f"hetserve_kernels-{key}.so"
         try:

@@ -28,7 +28,7 @@ typedef struct {
     const float *s, *xsc; /* s: per-row fp32 scales, or (G > 0) fp16 ones per group; xsc:
                            * the activations' per-row scales (NULL for q4_K: per super-block) */
     const int16_t *x16;
-    const int8_t *pl;  /* q4_K: int8 activations [T, K] */
+    const int8_t *pl;  /* q4_K: int8 activations [T, Q4K_XB * K] */
     const int16_t *ps; /* q4_K: their sums per sub-block [T, K / 256, 16] */
     const float *pd;   /* q4_K: their scales per super-block [T, K / 256] */
     float *out;
@@ -41,8 +41,10 @@ static inline void lin_quad(const lin_t *l, int n0, int m, int MB, float o[4][MB
         const uint8_t *q = (const uint8_t *)l->w + (size_t)n0 * (K / Q4K_SB) * 144;
         const int nsb = K / Q4K_SB;
         const q4k_act_t a[2] = {
-            {l->pl + (size_t)m * K, l->pd + (size_t)m * nsb, l->ps + (size_t)m * nsb * 16},
-            {l->pl + (size_t)m1 * K, l->pd + (size_t)m1 * nsb, l->ps + (size_t)m1 * nsb * 16}};
+            {l->pl + (size_t)m * Q4K_XB * K, l->pd + (size_t)m * nsb,
+             l->ps + (size_t)m * nsb * 16},
+            {l->pl + (size_t)m1 * Q4K_XB * K, l->pd + (size_t)m1 * nsb,
+             l->ps + (size_t)m1 * nsb * 16}};
         if (MB == 2) quad_q4k(q, K, a, 2, o); else quad_q4k(q, K, a, 1, o);
         return;
     }
@@ -88,7 +90,7 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
     const size_t n = (size_t)T * K;
     const int q4k = fmt == L_Q4K, nsb = K / Q4K_SB;
     /* int16 activations and their per-row scales, or q4_K's int8 ones, scales and sums */
-    const size_t bytes = q4k ? n + (size_t)T * nsb * (sizeof(float) + 16 * sizeof(int16_t))
+    const size_t bytes = q4k ? Q4K_XB * n + (size_t)T * nsb * (sizeof(float) + 16 * sizeof(int16_t))
                              : (sizeof(int16_t) * n + sizeof(float) * (size_t)T);
     char *buf = malloc(bytes);
     if (buf == NULL) return -1;
@@ -100,7 +102,7 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
         ps = (int16_t *)(pd + (size_t)T * nsb);
         pl = (int8_t *)(ps + (size_t)T * nsb * 16);
         for (int t = 0; t < T; t++)
-            q4k_quantize(x + (size_t)t * K, K, pl + (size_t)t * K, pd + (size_t)t * nsb,
+            q4k_quantize(x + (size_t)t * K, K, pl + (size_t)t * Q4K_XB * K, pd + (size_t)t * nsb,
                          ps + (size_t)t * nsb * 16);
     } else {
         xsc = (float *)buf;

@@ -65,6 +65,36 @@ static inline void pair_out(__m256 t, float *r0, float *r1) {
     *r1 = _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
 }
 
+#ifdef HS_AVX512
+/* The 512-bit forms of the nibble kernels (int4, MXFP4): one 64-byte load holds a quad's 32
+ * inputs, rows 0-1 in the low half and rows 2-3 in the high half (the AVX2 kernels' two pair
+ * loads side by side), the activations broadcast to all four 128-bit lanes, and vpdpwssd adds
+ * each product into the accumulator. The integer sums are the AVX2 ones: results are
+ * bit-identical. */
+static inline void act_quarters5(const int16_t *x, __m512i out[4]) {
+    for (int i = 0; i < 4; i++)
+        out[i] = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(x + 8 * i)));
+}
+
+static inline __m512i dot4_5(__m512i acc, const __m512i w[4], const __m512i x[4]) {
+    for (int i = 0; i < 4; i++) acc = _mm512_dpwssd_epi32(acc, w[i], x[i]);
+    return acc;
+}
+
+/* [v0 x4, v1 x4 | v2 x4, v3 x4]: pair_spread of both pairs side by side. */
+static inline __m512 quad_spread5(__m128 v) {
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v));
+}
+
+/* The rows of a 512-bit pair accumulator, as pair_out on each half. */
+static inline void quad_out5(__m512 t, float out[4][MBMAX], int m) {
+    pair_out(_mm512_castps512_ps256(t), &out[0][m], &out[1][m]);
+    pair_out(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1)), &out[2][m],
+             &out[3][m]);
+}
+#endif
+
 /* int8 rows with an fp16 scale per group of G inputs (G % 16 == 0; GGUF q8_0 stores its scales
  * as fp16, and fp32 copies of them streamed 12.5% more bytes than the weights' 1 per weight
  * instead of 6.25%): per group, exact int32 sums (16 products per vpmaddwd), then one FMA by
@@ -128,6 +158,29 @@ static inline __m128 e8m0_scaled4(const uint8_t *e) {
 static inline __attribute__((always_inline)) void quad_mxfp4(const uint8_t *q, const uint8_t *sc,
                                                              int K, const int16_t *const x[2],
                                                              int MB, float out[4][MBMAX]) {
+#ifdef HS_AVX512
+    const __m512i nib5 = _mm512_set1_epi8(0x0F), lut5 = _mm512_broadcast_i64x4(mxfp4_lut());
+    const __m512i high5 = _mm512_set1_epi16((short)0xFF00);
+    __m512 tot5[2];
+    for (int m = 0; m < MB; m++) tot5[m] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 32) {
+        _mm_prefetch((const char *)(q + 2 * k + PF_DIST), PF_HINT);
+        const __m512i v = _mm512_loadu_si512(q + 2 * k);
+        const __m512i lo = _mm512_shuffle_epi8(lut5, _mm512_and_si512(v, nib5));
+        const __m512i hi =
+            _mm512_shuffle_epi8(lut5, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib5));
+        const __m512i w[4] = {_mm512_slli_epi16(lo, 8), _mm512_slli_epi16(hi, 8),
+                              _mm512_and_si512(lo, high5), _mm512_and_si512(hi, high5)};
+        const __m512 scale = quad_spread5(e8m0_scaled4(sc + (k / 32) * 4));
+        for (int m = 0; m < MB; m++) {
+            __m512i xq[4];
+            act_quarters5(x[m] + k, xq);
+            const __m512i d = dot4_5(_mm512_setzero_si512(), w, xq);
+            tot5[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, tot5[m]);
+        }
+    }
+    for (int m = 0; m < MB; m++) quad_out5(tot5[m], out, m);
+#else
     const __m256i nib = _mm256_set1_epi8(0x0F), lut = mxfp4_lut();
     const __m256i high = _mm256_set1_epi16((short)0xFF00);
     __m256 tot[2][2];
@@ -150,6 +203,7 @@ static inline __attribute__((always_inline)) void quad_mxfp4(const uint8_t *q, c
     }
     for (int m = 0; m < MB; m++)
         for (int p = 0; p < 2; p++) pair_out(tot[p][m], &out[2 * p][m], &out[2 * p + 1][m]);
+#endif
 }
 
 /* 16 e4m3 bytes -> 16 fp32 in two vectors, each 2^-8 times the value: the byte shifted left

@@ -48,7 +48,7 @@ typedef struct {
     int16_t *x16, *a16;    /* [T, H], [P, I] activations as int16 */
     float *xsc, *asc;      /* their per-row scales [T], [P] */
     float *xgs, *ags;      /* int4 only: per-group sums of x16 / a16 [T, H/G], [P, I/G] */
-    int8_t *xpl, *apl;     /* q4_K only: x / a as int8 per super-block [rows, K] */
+    int8_t *xpl, *apl;     /* q4_K only: x / a as int8 per super-block [rows, Q4K_XB * K] */
     int16_t *xps, *aps;    /* q4_K only: their sums per sub-block, [rows, K / 256, 16] */
     float *xpd, *apd;      /* q4_K only: their scales per super-block, [rows, K / 256] */
     int n_active;
@@ -79,7 +79,7 @@ static inline act16_t act16(const job_t *j, int which, int K, int r0, int r1) {
         const float *pd = which == 1 ? j->xpd : j->apd;
         const int rr[2] = {r0, r1}, nsb = K / Q4K_SB;
         for (int m = 0; m < 2; m++) {
-            q4k_act_t t = {pl + (size_t)rr[m] * K, pd + (size_t)rr[m] * nsb,
+            q4k_act_t t = {pl + (size_t)rr[m] * Q4K_XB * K, pd + (size_t)rr[m] * nsb,
                            ps + (size_t)rr[m] * nsb * 16};
             a.p[m] = t;
             a.s[m] = 1.0f; /* the scales are per super-block, applied in quad_q4k */
@@ -317,7 +317,7 @@ static void activations(job_t *j, int which, int rows) {
         float *pd = which == 1 ? j->xpd : j->apd;
         const int nsb = K / Q4K_SB;
         for (int r = 0; r < rows; r++)
-            q4k_quantize(src + (size_t)r * K, K, pl + (size_t)r * K, pd + (size_t)r * nsb,
+            q4k_quantize(src + (size_t)r * K, K, pl + (size_t)r * Q4K_XB * K, pd + (size_t)r * nsb,
                          ps + (size_t)r * nsb * 16);
         return;
     }
@@ -350,7 +350,8 @@ int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int 
     size_t n_q = q16 ? (size_t)T * H + (size_t)P * I : 0; /* rounded activations */
     /* int16 ones (x16, a16), or q4_K's int8 ones with their scales (1 per 256) and sums (16) */
     size_t n_16 = fmt == F_Q4K ? 0 : n_q;
-    size_t n_p = fmt == F_Q4K ? n_q + n_q / Q4K_SB * (sizeof(float) + 16 * sizeof(int16_t)) : 0;
+    size_t n_p = fmt == F_Q4K ? Q4K_XB * n_q + n_q / Q4K_SB * (sizeof(float) + 16 * sizeof(int16_t))
+                              : 0;
     char *buf = malloc(sizeof(float) * n_f + sizeof(int) * n_i + sizeof(int16_t) * n_16 + n_p);
     if (buf == NULL) return -1;
     float *a = (float *)buf, *y = a + (size_t)P * I, *pw = y + (size_t)P * H;
@@ -360,7 +361,7 @@ int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int 
     int16_t *x16 = (int16_t *)(act_cnt + 2 * E), *a16 = x16 + (size_t)T * H;
     float *xpd = (float *)(x16 + n_16), *apd = xpd + (size_t)T * H / Q4K_SB;
     int16_t *xps = (int16_t *)(xpd + n_q / Q4K_SB), *aps = xps + (size_t)T * H / Q4K_SB * 16;
-    int8_t *xpl = (int8_t *)(xps + n_q / Q4K_SB * 16), *apl = xpl + (size_t)T * H;
+    int8_t *xpl = (int8_t *)(xps + n_q / Q4K_SB * 16), *apl = xpl + (size_t)T * Q4K_XB * H;
     int n = sort_pairs(E, P, k, ids, tw, tok, pw, act_e, act_off, act_cnt, act_cnt + E);
     job_t j = {fmt, H, I, G, act, alpha, limit, b13, b2, x, w13, w2, s13, s2, m13, m2, tok, pw,
                a, y, x16, a16, xsc, asc, xgs, ags, xpl, apl, xps, aps, xpd, apd, n, act_e, act_off,

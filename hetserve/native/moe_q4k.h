@@ -19,6 +19,11 @@
  * columns; the minimum term needs only the activations' sums per sub-block. Every integer step is
  * exact: an int16 lane sums 8 products of at most 15 * 127 (15240 < 2^15), an int32 lane at
  * most 8 sub-blocks x 2 lanes x 63 x 15240 < 2^31.
+ *
+ * With AVX-512 (HS_AVX512) one 64-byte load holds a whole sub-block of the quad, and the int8
+ * activations are stored already spread the way its 8-byte row groups meet them (Q4K_XB = 4
+ * bytes per column, see q4k_quantize): two vpmaddubsw and one vpdpwssd per sub-block and token.
+ * The integer sums are the AVX2 ones, added in another order: the results are bit-identical.
  */
 #ifndef HETSERVE_MOE_Q4K_H
 #define HETSERVE_MOE_Q4K_H
@@ -31,17 +36,26 @@
 
 #define Q4K_SB 256          /* columns per super-block */
 #define Q4K_QUAD_BYTES 576  /* 4 rows x 144 bytes */
+#ifdef HS_AVX512
+#define Q4K_XB 4 /* bytes of int8 activations per column (the spread layout) */
+#else
+#define Q4K_XB 1
+#endif
 
-/* One activation row for the q4_K kernel: int8 values x [K], their scale per super-block
- * d [K / 256], and their sums per sub-block as [8 x int16 | the same 8] per super-block. */
+/* One activation row for the q4_K kernel: int8 values x [Q4K_XB * K], their scale per
+ * super-block d [K / 256], and their sums per sub-block as [8 x int16 | the same 8] per
+ * super-block. */
 typedef struct {
     const int8_t *x;
     const float *d;    /* [K / 256] */
     const int16_t *gs; /* [K / 256][16] */
 } q4k_act_t;
 
-/* One fp32 row x [K] -> its int8 values x8 [K] (round to nearest even, as llama.cpp's q8_K),
- * scales d [K / 256] and sums gs [K / 256][16] (see q4k_act_t). */
+/* One fp32 row x [K] -> its int8 values x8 [Q4K_XB * K] (round to nearest even, as
+ * llama.cpp's q8_K), scales d [K / 256] and sums gs [K / 256][16] (see q4k_act_t). With
+ * HS_AVX512 each sub-block's 32 values c0..c31, as 8-byte groups q0..q3, are stored spread
+ * over 128 bytes as [q0 x4 | q2 x4] then [q1 x4 | q3 x4]: the low then the high nibbles' operand
+ * for its 64 weight bytes (rows' 8-byte groups of columns 0-7 | 16-23, and 8-15 | 24-31). */
 static void q4k_quantize(const float *x, int K, int8_t *x8, float *d, int16_t *gs) {
     const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -60,8 +74,17 @@ static void q4k_quantize(const float *x, int K, int8_t *x8, float *d, int16_t *g
             /* packs works within 128-bit lanes: the permute restores column order */
             const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]),
                                                  _mm256_packs_epi32(v[2], v[3]));
-            _mm256_storeu_si256((__m256i *)(x8 + (size_t)s * Q4K_SB + 32 * j),
-                                _mm256_permutevar8x32_epi32(b, order));
+            const __m256i c = _mm256_permutevar8x32_epi32(b, order);
+#ifdef HS_AVX512
+            int8_t *e = x8 + (size_t)Q4K_XB * (s * Q4K_SB + 32 * j);
+            const __m512i c5 = _mm512_castsi256_si512(c);
+            _mm512_storeu_si512(e, _mm512_permutexvar_epi64(
+                                       _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2), c5));
+            _mm512_storeu_si512(e + 64, _mm512_permutexvar_epi64(
+                                            _mm512_setr_epi64(1, 1, 1, 1, 3, 3, 3, 3), c5));
+#else
+            _mm256_storeu_si256((__m256i *)(x8 + (size_t)s * Q4K_SB + 32 * j), c);
+#endif
             const __m256i t = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]),
                                                _mm256_add_epi32(v[2], v[3]));
             gs[16 * s + j] = gs[16 * s + 8 + j] = (int16_t)hsum_i32(t);
@@ -115,6 +138,31 @@ static inline __attribute__((always_inline)) void quad_q4k(const uint8_t *q, int
         const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)q));
         const __m256i sc = q4k_six(q, 0);
         __m256i acc[2];
+#ifdef HS_AVX512
+        const __m512i nib5 = _mm512_set1_epi8(0x0F), sc5 = _mm512_broadcast_i64x4(sc);
+        __m512i acc5[2];
+        for (int m = 0; m < MB; m++) acc5[m] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *v = q + 64 + 64 * j;
+            _mm_prefetch((const char *)(v + PF_DIST), PF_HINT);
+            const __m512i w = _mm512_loadu_si512(v);
+            const __m512i lo = _mm512_and_si512(w, nib5);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib5);
+            const __m512i s1 = _mm512_shuffle_epi8(
+                sc5, _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i *)q4k_idx[j])));
+            const size_t k = (size_t)Q4K_XB * (s * Q4K_SB + 32 * j);
+            for (int m = 0; m < MB; m++) {
+                const __m512i xl = _mm512_loadu_si512(a[m].x + k);
+                const __m512i xh = _mm512_loadu_si512(a[m].x + k + 64);
+                const __m512i t = _mm512_add_epi16(_mm512_maddubs_epi16(lo, xl),
+                                                   _mm512_maddubs_epi16(hi, xh));
+                acc5[m] = _mm512_dpwssd_epi32(acc5[m], t, s1);
+            }
+        }
+        for (int m = 0; m < MB; m++)
+            acc[m] = _mm256_add_epi32(_mm512_castsi512_si256(acc5[m]),
+                                      _mm512_extracti64x4_epi64(acc5[m], 1));
+#else
         for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
             const uint8_t *v = q + 64 + 64 * j;
@@ -133,6 +181,7 @@ static inline __attribute__((always_inline)) void quad_q4k(const uint8_t *q, int
                 acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(t, s1));
             }
         }
+#endif
         /* d per lane pair [d0 d0 d1 d1 d2 d2 d3 d3]; minimums: rows 0-1 and 2-3 by 4 lanes */
         const __m256 d = _mm256_permutevar8x32_ps(dd, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
         const __m256 dm01 = _mm256_permutevar8x32_ps(dd, _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5));

@@ -147,6 +147,44 @@ static inline __attribute__((always_inline)) void quad_i4(const uint8_t *q, cons
                                                           const int16_t *const x[2],
                                                           const float *const gs[2], int MB,
                                                           float out[4][MBMAX]) {
+#ifdef HS_AVX512
+    const __m512i nib5 = _mm512_set1_epi8(0x0F), low5 = _mm512_set1_epi16(0x00FF);
+    __m512 tot5[2];
+    __m128 zs[2];
+    for (int m = 0; m < MB; m++) {
+        zs[m] = _mm_setzero_ps();
+        tot5[m] = _mm512_setzero_ps();
+    }
+    for (int g = 0; g < K / G; g++) {
+        __m512i acc[2];
+        for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_si512();
+        for (int k = g * G; k < (g + 1) * G; k += 32) {
+            _mm_prefetch((const char *)(q + 2 * k + PF_DIST), PF_HINT);
+            const __m512i v = _mm512_loadu_si512(q + 2 * k);
+            const __m512i lo = _mm512_and_si512(v, nib5);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib5);
+            const __m512i w[4] = {_mm512_and_si512(lo, low5), _mm512_and_si512(hi, low5),
+                                  _mm512_srli_epi16(lo, 8), _mm512_srli_epi16(hi, 8)};
+            for (int m = 0; m < MB; m++) {
+                __m512i xq[4];
+                act_quarters5(x[m] + k, xq);
+                acc[m] = dot4_5(acc[m], w, xq);
+            }
+        }
+        const __m128 mnv = _mm_loadu_ps(mn + 4 * g);
+        const __m512 s = quad_spread5(_mm_loadu_ps(sc + 4 * g));
+        for (int m = 0; m < MB; m++) {
+            tot5[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), s, tot5[m]);
+            zs[m] = _mm_fmadd_ps(mnv, _mm_set1_ps(gs[m][g]), zs[m]);
+        }
+    }
+    for (int m = 0; m < MB; m++) {
+        float z[4];
+        _mm_storeu_ps(z, zs[m]);
+        quad_out5(tot5[m], out, m);
+        for (int r = 0; r < 4; r++) out[r][m] += z[r];
+    }
+#else
     const __m256i nib = _mm256_set1_epi8(0x0F), low = _mm256_set1_epi16(0x00FF);
     __m256 tot[2][2];
     __m128 zs[2];
@@ -187,6 +225,7 @@ static inline __attribute__((always_inline)) void quad_i4(const uint8_t *q, cons
             out[2 * p + 1][m] += z[2 * p + 1];
         }
     }
+#endif
 }
 
 #endif

@@ -4,6 +4,13 @@
 
 #include <immintrin.h>
 
+/* HS_AVX512: built for a CPU with AVX-512 BW/VL and VNNI (hetserve/native/__init__.py adds the
+ * flags where the CPU has them): the hot microkernels then take 512-bit paths; every other
+ * kernel, and every CPU without them, runs the AVX2 code. */
+#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define HS_AVX512 1
+#endif
+
 static inline float hs_hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

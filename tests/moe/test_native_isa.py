@@ -1,0 +1,96 @@
+"""The native kernels' instruction sets: where the CPU has AVX-512 (BW/VL/VNNI) the q4_K
+microkernel takes 512-bit paths; they must give the AVX2 build's results bit for bit (the same
+integer sums, the same fp32 steps)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hetserve import native
+from hetserve.errors import InvalidInputError
+from hetserve.layers.int8_linear import Int8Linear
+from hetserve.model.tiny_gguf import quantize_q4_k
+from hetserve.moe.experts import ExpertWeights, create_backend
+from hetserve.moe.packed import PackedExperts, Q4KRows
+
+pytestmark = [
+    pytest.mark.skipif(
+        bool(native.native_unavailable_reason()), reason="native kernels unavailable"
+    ),
+    pytest.mark.skipif(
+        not native.cpu_has("avx512"), reason="this CPU lacks AVX-512 BW/VL/VNNI: one build only"
+    ),
+]
+
+
+def _libs():
+    libs = {}
+    for name in ("avx2", "avx512"):
+        lib, err = native.build_for(name)
+        assert lib is not None, err
+        libs[name] = lib
+    return libs
+
+
+def _q4k(w: torch.Tensor) -> Q4KRows:
+    return Q4KRows(torch.from_numpy(quantize_q4_k(w.numpy()).reshape(w.shape[0], -1, 144)))
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, 5])
+def test_q4k_linear_avx512_equals_avx2(t):
+    n, k = 36, 768  # three super-blocks per row, nine row quads
+    g = torch.Generator().manual_seed(t)
+    lin = nn.Linear(k, n, bias=False)
+    lin.packed_weight = _q4k(torch.randn(n, k, generator=g) * 0.1)
+    q = Int8Linear(lin)
+    assert q.kernel == "native"
+    x = torch.randn(t, k, generator=g) * torch.logspace(-2, 1, k)  # uneven super-blocks
+    out = {}
+    for name, lib in _libs().items():
+        q._fn = lib.hetserve_qlinear
+        out[name] = q(x)
+    assert torch.equal(out["avx2"], out["avx512"])
+    assert out["avx2"].abs().max() > 0
+
+
+@pytest.mark.parametrize("fmt", ["q4k", "int4", "mxfp4", "int8"])
+@pytest.mark.parametrize("t", [1, 2, 7])
+def test_packed_experts_avx512_equal_avx2(fmt, t):
+    """Every format with a 512-bit path, at token counts covering the pair tails."""
+    from tests.moe.test_packed_experts import PACKERS
+
+    pack, backend = PACKERS[fmt]
+    e, h, inter, k = 6, 512, 256, 2
+    g = torch.Generator().manual_seed(10 + t)
+    packed = PackedExperts(
+        tuple(pack(torch.randn(2 * inter, h, generator=g) * 0.05) for _ in range(e)),
+        tuple(pack(torch.randn(h, inter, generator=g) * 0.05) for _ in range(e)),
+    )
+    b = create_backend(backend, ExpertWeights(None, None, packed=packed))
+    x = torch.randn(t, h, generator=g) * torch.logspace(-2, 1, h)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    tw = torch.rand(t, k, generator=g)
+    out = {}
+    for name, lib in _libs().items():
+        b._fn = lib.hetserve_moe_forward
+        out[name] = b.forward(x, tw, ids)
+    assert torch.equal(out["avx2"], out["avx512"])
+    assert out["avx2"].abs().max() > 0
+
+
+def test_isa_setting_is_checked(monkeypatch):
+    before = native.isa()
+    monkeypatch.setenv("HETSERVE_NATIVE_ISA", "sse9")
+    native.isa.cache_clear()
+    try:
+        with pytest.raises(InvalidInputError, match="HETSERVE_NATIVE_ISA='sse9' is not one of"):
+            native.isa()
+        monkeypatch.setenv("HETSERVE_NATIVE_ISA", "avx2")
+        native.isa.cache_clear()
+        assert native.isa() == "avx2"
+    finally:
+        monkeypatch.undo()
+        native.isa.cache_clear()
+    assert native.isa() == before
