@@ -16,8 +16,8 @@ It needs no torch headers: a C compiler builds it in a second or two the first t
 cache keyed by the sources and flags, and later processes just load it. The flags name the
 instruction set (`isa()`): AVX2 + FMA everywhere, plus AVX-512 BW/VL/VNNI where the CPU has them
 (the q4_K, int4, MXFP4 and FP8 microkernels then take 512-bit paths, the integer ones with the
-same results; HETSERVE_NATIVE_ISA=avx2 turns that off). ctypes releases the GIL during a call, so a kernel
-overlaps Python work on other threads.
+same results; HETSERVE_NATIVE_ISA=avx2 turns that off). ctypes releases the GIL during a call,
+so a kernel overlaps Python work on other threads.
 """
 
 from __future__ import annotations
