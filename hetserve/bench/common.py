@@ -19,12 +19,12 @@ def machine_info() -> dict:
         "cpu_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "native_isa": _native_isa(),
+        "native_isa": native_isa(),
     }
     return info
 
 
-def _native_isa() -> str | None:
+def native_isa() -> str | None:
     """The instruction set hetserve's native kernels run here (None where they cannot):
     results from an AVX2 machine and an AVX-512 one are not comparable."""
     from hetserve import native

@@ -277,9 +277,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(results: list[dict], bandwidth: dict, threads: int) -> None:
-    from hetserve.bench.common import machine_info
+    from hetserve.bench.common import native_isa
 
-    print(f"native kernels built for: {machine_info()['native_isa']}")
+    print(f"native kernels built for: {native_isa()}")
     print(
         f"memory read bandwidth ({threads} threads), all probes: best {bandwidth['best']:.1f} "
         f"GB/s, median {bandwidth['median']:.1f} GB/s over {bandwidth['probes']} probes; each "

@@ -66,18 +66,19 @@ def _cpu_supported() -> str | None:
     return None
 
 
-def _cpu_flags() -> set[str]:
+@cache
+def _cpu_flags() -> frozenset[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+    return frozenset(line.partition(":")[2].split())
 
 
 def cpu_has(isa: str) -> bool:
     """Whether this CPU runs the kernels built for `isa` (a key of ISA_FLAGS)."""
-    return all(f in _cpu_flags() for f in _ISA_CPU.get(isa, ()))
+    return _cpu_flags().issuperset(_ISA_CPU.get(isa, ()))
 
 
 @cache

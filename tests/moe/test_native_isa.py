@@ -1,6 +1,7 @@
-"""The native kernels' instruction sets: where the CPU has AVX-512 (BW/VL/VNNI) the q4_K
-microkernel takes 512-bit paths; they must give the AVX2 build's results bit for bit (the same
-integer sums, the same fp32 steps)."""
+"""The native kernels' instruction sets: where the CPU has AVX-512 (BW/VL/VNNI) the q4_K, int4,
+MXFP4 and FP8 microkernels take 512-bit paths. The integer formats must give the AVX2 build's
+results bit for bit (the same integer sums, the same fp32 steps); FP8 sums its fp32 products in
+another order."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from torch import nn
 from hetserve import native
 from hetserve.errors import InvalidInputError
 from hetserve.layers.int8_linear import Int8Linear
-from hetserve.model.tiny_gguf import quantize_q4_k
 from hetserve.moe.experts import ExpertWeights, create_backend
-from hetserve.moe.packed import PackedExperts, Q4KRows
+from hetserve.moe.packed import PackedExperts
+from tests.moe.test_packed_experts import PACKERS
 
 pytestmark = [
     pytest.mark.skipif(
@@ -34,16 +35,12 @@ def _libs():
     return libs
 
 
-def _q4k(w: torch.Tensor) -> Q4KRows:
-    return Q4KRows(torch.from_numpy(quantize_q4_k(w.numpy()).reshape(w.shape[0], -1, 144)))
-
-
 @pytest.mark.parametrize("t", [1, 2, 3, 5])
 def test_q4k_linear_avx512_equals_avx2(t):
     n, k = 36, 768  # three super-blocks per row, nine row quads
     g = torch.Generator().manual_seed(t)
     lin = nn.Linear(k, n, bias=False)
-    lin.packed_weight = _q4k(torch.randn(n, k, generator=g) * 0.1)
+    lin.packed_weight = PACKERS["q4k"][0](torch.randn(n, k, generator=g) * 0.1)
     q = Int8Linear(lin)
     assert q.kernel == "native"
     x = torch.randn(t, k, generator=g) * torch.logspace(-2, 1, k)  # uneven super-blocks
@@ -59,9 +56,8 @@ def test_q4k_linear_avx512_equals_avx2(t):
 @pytest.mark.parametrize("t", [1, 2, 7])
 def test_packed_experts_avx512_equal_avx2(fmt, t):
     """Every format with a 512-bit path, at token counts covering the pair tails: the integer
-    formats bit for bit; FP8 (fp32 multiply-adds in 16 lanes instead of 8) to fp32 rounding."""
-    from tests.moe.test_packed_experts import PACKERS
-
+    formats bit for bit; FP8 (fp32 multiply-adds in 16 lanes instead of 8) to fp32 rounding.
+    q8_0 has no 512-bit path: the same code under the wider flags must not change either."""
     pack, backend = PACKERS[fmt]
     e, h, inter, k = 6, 512, 256, 2
     g = torch.Generator().manual_seed(10 + t)
