@@ -194,17 +194,6 @@ def optional_kernel(name: str):
 
 
 _HUGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-@cache
-def _libc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return libc
-    except (OSError, AttributeError):
-        return None
 
 
 def hugepage_empty(shape: tuple[int, ...], dtype) -> torch.Tensor:
@@ -212,20 +201,28 @@ def hugepage_empty(shape: tuple[int, ...], dtype) -> torch.Tensor:
 
     Streaming a weight matrix crosses a 4 KiB page every 64 cache lines; the hardware prefetcher
     stops at each, and each costs a TLB walk. With THP in `madvise` mode (common default) the
-    pages must be requested before they are first touched, hence a fresh, 2 MiB-aligned view.
+    pages must be requested before they are first touched. Memory from the allocator may be
+    reused and already backed by 4 KiB pages (after a loader frees its buffers, most of it
+    is), so this maps fresh anonymous memory (mmap) and advises its 2 MiB-aligned part first.
     Where madvise is unavailable this is just a plain tensor.
     """
+    import mmap
+
     import torch
 
     numel = 1
     for d in shape:
         numel *= d
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    libc = _libc()
-    if libc is None or nbytes < _HUGE or platform.system() != "Linux":
+    advise = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advise is None or nbytes < _HUGE or platform.system() != "Linux":
         return torch.empty(shape, dtype=dtype)
-    base = torch.empty(nbytes + _HUGE, dtype=torch.uint8)
-    start = (base.data_ptr() + _HUGE - 1) // _HUGE * _HUGE
-    libc.madvise(start, nbytes // _HUGE * _HUGE, _MADV_HUGEPAGE)  # advisory: failure is fine
-    offset = start - base.data_ptr()
+    # fresh private pages, none touched yet (a shared mapping would be shmem, outside anon THP)
+    region = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = torch.frombuffer(region, dtype=torch.uint8)  # holds a reference to the mapping
+    offset = -base.data_ptr() % _HUGE
+    try:
+        region.madvise(advise, offset, nbytes // _HUGE * _HUGE)
+    except OSError:
+        pass  # advisory: without it the pages are plain 4 KiB ones
     return base[offset : offset + nbytes].view(dtype).view(shape)

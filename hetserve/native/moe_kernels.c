@@ -64,7 +64,7 @@ typedef struct {
     q4k_act_t p[2];
 } act16_t;
 
-static inline act16_t act16(const job_t *j, int which, int K, int r0, int r1) {
+static inline act16_t act16(const job_t *j, int fmt, int which, int K, int r0, int r1) {
     const int16_t *base = which == 1 ? j->x16 : j->a16;
     const float *xs = which == 1 ? j->xsc : j->asc;
     const float *gsb = which == 1 ? j->xgs : j->ags;
@@ -73,7 +73,7 @@ static inline act16_t act16(const job_t *j, int which, int K, int r0, int r1) {
                  {gsb + (size_t)r0 * ng, gsb + (size_t)r1 * ng},
                  {xs[r0], xs[r1]},
                  {{NULL, NULL, NULL}, {NULL, NULL, NULL}}};
-    if (j->fmt == F_Q4K) {
+    if (fmt == F_Q4K) {
         const int8_t *pl = which == 1 ? j->xpl : j->apl;
         const int16_t *ps = which == 1 ? j->xps : j->aps;
         const float *pd = which == 1 ? j->xpd : j->apd;
@@ -89,30 +89,33 @@ static inline act16_t act16(const job_t *j, int which, int K, int r0, int r1) {
 }
 
 /* The integer formats (int8, grouped int8, int4, MXFP4) for one quad and MB <= 2 pairs. */
-static inline void quad_int(const job_t *j, int which, size_t row, int K, act16_t a, int MB,
-                            float out[4][MBMAX]) {
+static inline __attribute__((always_inline)) void quad_int(const job_t *j, int fmt, int which,
+                                                          size_t row, int K, const act16_t *ap,
+                                                          int MB, float out[4][MBMAX]) {
+    const act16_t a = *ap;
     const void *w = which == 1 ? j->w13 : j->w2;
     const void *sv = which == 1 ? j->s13 : j->s2;
     const int G = j->G, ng = G > 0 ? K / G : 1;
-    if (j->fmt == F_I8 && G == 0) {
+    if (fmt == F_I8 && G == 0) {
         const int8_t *q = (const int8_t *)w + row * K;
         const float *s = (const float *)sv + row;
         if (MB == 2) quad_i8(q, K, a.x, 2, out); else quad_i8(q, K, a.x, 1, out);
         for (int r = 0; r < 4; r++)
             for (int m = 0; m < MB; m++) out[r][m] *= s[r];
-    } else if (j->fmt == F_I8) { /* grouped: fp16 scales */
+    } else if (fmt == F_I8) { /* grouped: fp16 scales */
         const int8_t *q = (const int8_t *)w + row * K;
         const uint16_t *s = (const uint16_t *)sv + row * ng;
         if (MB == 2) quad_i8g(q, s, K, G, a.x, 2, out); else quad_i8g(q, s, K, G, a.x, 1, out);
-    } else if (j->fmt == F_I4) {
+    } else if (fmt == F_I4) {
         const uint8_t *q = (const uint8_t *)w + row * (K / 2);
         const float *s = (const float *)sv + row * ng;
         const float *z = (which == 1 ? j->m13 : j->m2) + row * ng;
         if (MB == 2) quad_i4(q, s, z, K, G, a.x, a.gs, 2, out);
         else quad_i4(q, s, z, K, G, a.x, a.gs, 1, out);
-    } else if (j->fmt == F_Q4K) {
+    } else if (fmt == F_Q4K) {
         const uint8_t *q = (const uint8_t *)w + row * (K / Q4K_SB) * (Q4K_QUAD_BYTES / 4);
         if (MB == 2) quad_q4k(q, K, a.p, 2, out); else quad_q4k(q, K, a.p, 1, out);
+        return; /* its scales are applied inside (a.s is 1) */
     } else { /* F_MXFP4 */
         const uint8_t *q = (const uint8_t *)w + row * (K / 2);
         const uint8_t *s = (const uint8_t *)sv + row * (K / 32);
@@ -123,14 +126,16 @@ static inline void quad_int(const job_t *j, int which, size_t row, int K, act16_
 }
 
 /* Rows [n0, n0+4) of expert e's matrix [N, K] against MB pairs starting at pair p (<= 3 for
- * fp32, 1 for FP8, <= 2 for the integer formats)
+ * fp32, 1 for FP8, <= 2 for the integer formats, whose rounded rows ap holds)
  * (which = 1: the pairs' tokens x against W13; which = 2: a against W2). */
-static inline void quad(const job_t *j, int which, int e, int N, int K, int n0, int p, int MB,
-                        float out[4][MBMAX]) {
+static inline __attribute__((always_inline)) void quad(const job_t *j, int fmt, int which, int e,
+                                                      int N, int K, int n0, int p, int MB,
+                                                      const act16_t *ap, float out[4][MBMAX]) {
     size_t row = (size_t)e * N + n0;
-    int r0 = which == 1 ? j->tok[p] : p, r1 = which == 1 ? j->tok[p + MB - 1] : p + MB - 1;
+    int r0 = which == 1 ? j->tok[p] : p;
     const float *xbase = which == 1 ? j->x : j->a;
-    if (j->fmt == F_F32) {
+    if (fmt == F_F32) {
+        int r1 = which == 1 ? j->tok[p + MB - 1] : p + MB - 1;
         const float *w = (const float *)(which == 1 ? j->w13 : j->w2) + row * K;
         const float *const xr[MBMAX] = {
             xbase + (size_t)r0 * K, xbase + (size_t)(which == 1 ? j->tok[p + (MB > 1)] : p + (MB > 1)) * K,
@@ -141,19 +146,33 @@ static inline void quad(const job_t *j, int which, int e, int N, int K, int n0, 
             quad_f32(w, K, xr, 2, out);
         else
             quad_f32(w, K, xr, 1, out);
-    } else if (j->fmt == F_FP8) {
+    } else if (fmt == F_FP8) {
         const uint8_t *q = (const uint8_t *)(which == 1 ? j->w13 : j->w2) + row * K;
         const float *s = (const float *)(which == 1 ? j->s13 : j->s2) + row * (K / j->G);
         quad_fp8(q, s, K, j->G, xbase + (size_t)r0 * K, out);
     } else {
-        quad_int(j, which, row, K, act16(j, which, K, r0, r1), MB, out);
+        quad_int(j, fmt, which, row, K, ap, MB, out);
     }
 }
 
 /* Pairs per microkernel call: 3 fp32 tokens fill the FMA pipes, FP8 keeps its per-group sums of
  * one token in registers, the integer formats take two. */
-static inline int pair_step(const job_t *j) {
-    return j->fmt == F_F32 ? 3 : j->fmt == F_FP8 ? 1 : 2;
+static inline int pair_step(int fmt) {
+    return fmt == F_F32 ? 3 : fmt == F_FP8 ? 1 : 2;
+}
+
+/* The rounded activation rows of the pair steps in [t0, t1) of one expert's pairs (from pair
+ * off), computed once per block instead of once per row quad (integer formats only). */
+static inline __attribute__((always_inline)) void block_acts(const job_t *j, int fmt, int which,
+                                                            int K, int off, int t0, int t1,
+                                                            act16_t *acts) {
+    const int step = pair_step(fmt);
+    if (fmt == F_F32 || fmt == F_FP8) return;
+    for (int m = t0; m < t1; m += step) {
+        int MB = t1 - m >= step ? step : t1 - m, p = off + m;
+        int r0 = which == 1 ? j->tok[p] : p, r1 = which == 1 ? j->tok[p + MB - 1] : p + MB - 1;
+        acts[(m - t0) / step] = act16(j, fmt, which, K, r0, r1);
+    }
 }
 
 /* a = act(gate + bias, up + bias) * w for 16 lanes (4 rows x up to 4 pairs). */
@@ -176,14 +195,18 @@ static inline void gate_lanes(const job_t *j, const float *gl, const float *ul, 
     }
 }
 
-/* Phase 1, units [u0, u1) of one expert (I/4 units each): gate rows i0.. and up rows i0.. */
-static void phase1(const job_t *j, int u0, int u1) {
+/* Phase 1, units [u0, u1) of one expert (I/4 units each): gate rows i0.. and up rows i0..
+ * Inlined once per format (fmt a constant): the per-quad dispatch folds away. */
+static inline __attribute__((always_inline)) void phase1(const job_t *j, int u0, int u1,
+                                                        const int fmt) {
     const int H = j->H, I = j->I, per = I / 4;
     int ai = u0 / per, e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
-    const int step = pair_step(j);
+    const int step = pair_step(fmt);
+    act16_t acts[TB];
     const float *b13 = j->b13 ? j->b13 + (size_t)e * 2 * I : NULL;
     for (int t0 = 0; t0 < cnt; t0 += TB) {
         int t1 = t0 + TB < cnt ? t0 + TB : cnt;
+        block_acts(j, fmt, 1, H, off, t0, t1, acts);
         for (int u = u0; u < u1; u++) {
             int i0 = (u - ai * per) * 4;
             for (int m = t0; m < t1; m += step) {
@@ -191,10 +214,11 @@ static void phase1(const job_t *j, int u0, int u1) {
                 float g[4][MBMAX], v[4][MBMAX];
                 /* Quantized W13 rows are stored gate quad, up quad, gate quad, ...: one
                  * stream. fp32 keeps the model's layout: all gate rows, then all up rows. */
-                int f32 = j->fmt == F_F32;
+                int f32 = fmt == F_F32;
                 int gr = f32 ? i0 : 2 * i0, ur = f32 ? I + i0 : 2 * i0 + 4;
-                quad(j, 1, e, 2 * I, H, gr, off + m, MB, g);
-                quad(j, 1, e, 2 * I, H, ur, off + m, MB, v);
+                const act16_t *ap = acts + (m - t0) / step;
+                quad(j, fmt, 1, e, 2 * I, H, gr, off + m, MB, ap, g);
+                quad(j, fmt, 1, e, 2 * I, H, ur, off + m, MB, ap, v);
                 /* act(gate, up) * router weight for the 4 rows x MB pairs, 8 lanes at once */
                 float gl[16], ul[16], wl[16], al[16];
                 for (int mm = 0; mm < 4; mm++)
@@ -216,19 +240,22 @@ static void phase1(const job_t *j, int u0, int u1) {
 
 /* Phase 2, units [u0, u1) of one expert (H/4 units each): rows 4u.. of W2 -> y. The router
  * weight is already inside a, so a bias joins as weight * bias. */
-static void phase2(const job_t *j, int u0, int u1) {
+static inline __attribute__((always_inline)) void phase2(const job_t *j, int u0, int u1,
+                                                        const int fmt) {
     const int H = j->H, I = j->I, per = H / 4;
     int ai = u0 / per, e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
-    const int step = pair_step(j);
+    const int step = pair_step(fmt);
+    act16_t acts[TB];
     const float *b2 = j->b2 ? j->b2 + (size_t)e * H : NULL;
     for (int t0 = 0; t0 < cnt; t0 += TB) {
         int t1 = t0 + TB < cnt ? t0 + TB : cnt;
+        block_acts(j, fmt, 2, I, off, t0, t1, acts);
         for (int u = u0; u < u1; u++) {
             int n0 = (u - ai * per) * 4;
             for (int m = t0; m < t1; m += step) {
                 int MB = t1 - m >= step ? step : t1 - m;
                 float o[4][MBMAX];
-                quad(j, 2, e, H, I, n0, off + m, MB, o);
+                quad(j, fmt, 2, e, H, I, n0, off + m, MB, acts + (m - t0) / step, o);
                 for (int mm = 0; mm < MB; mm++) {
                     float *y = j->y + (size_t)(off + m + mm) * H + n0;
                     float w = j->pw[off + m + mm];
@@ -255,10 +282,17 @@ static void phase_item(void *ctx, int c) {
     int cpe = (per + arg->rc - 1) / arg->rc;
     int ai = c / cpe, u0 = ai * per + (c % cpe) * arg->rc;
     int u1 = u0 + arg->rc < (ai + 1) * per ? u0 + arg->rc : (ai + 1) * per;
-    if (arg->phase == 1)
-        phase1(j, u0, u1);
-    else
-        phase2(j, u0, u1);
+    /* one specialised copy of each phase per format */
+#define HS_PHASES(F) (arg->phase == 1 ? phase1(j, u0, u1, F) : phase2(j, u0, u1, F))
+    switch (j->fmt) {
+    case F_F32: HS_PHASES(F_F32); break;
+    case F_I8: HS_PHASES(F_I8); break;
+    case F_I4: HS_PHASES(F_I4); break;
+    case F_MXFP4: HS_PHASES(F_MXFP4); break;
+    case F_FP8: HS_PHASES(F_FP8); break;
+    default: HS_PHASES(F_Q4K); break;
+    }
+#undef HS_PHASES
 }
 
 /* Items of at least ITEM_BYTES of weights (and RC quads): a thread's weight stream then runs
