@@ -14,6 +14,7 @@ from torch import nn
 from hetserve.kv.paged import KVCacheSpec
 from hetserve.layers.attention import ForwardContext
 from hetserve.layers.norm import RMSNorm
+from hetserve.model import fused_decode
 from hetserve.model.config import ModelConfig
 from hetserve.moe.experts import ACTIVATIONS
 from hetserve.moe.layer import FusedExperts, SparseMoE
@@ -79,6 +80,8 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] (all sequences concatenated) -> final hidden states [T, H]."""
         x = self.model.embed_tokens(input_ids)
+        if ctx.meta.decode is not None and fused_decode.run(self, x, ctx):
+            return self.model.norm(x)  # CPU-only decode: every layer in one native call
         pending = None
         for layer in self.model.layers:
             x = layer(x, ctx)

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 HERE = Path(__file__).parent
 SOURCES = ("pool.c", "moe_kernels.c", "linear_kernels.c", "attention.c", "small_ops.c",
-           "moe_backward.c")  # fmt: skip
+           "moe_backward.c", "decode_layers.c")  # fmt: skip
 HEADERS = ("pool.h", "simd.h", "moe_quads.h", "moe_formats.h", "moe_q4k.h")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared"]
 # What each instruction set adds to CFLAGS, and the /proc/cpuinfo flags it needs.
@@ -130,9 +130,11 @@ _SIGNATURES = {
     "hetserve_rms_norm": (None, [_I] * 3 + [_F] + [_P] * 3),
     "hetserve_rope": (None, [_I] * 5 + [_P] * 4),
     "hetserve_topk_softmax": (None, [_I] * 5 + [_F] + [_P] * 3),
+    "hetserve_router_logits": (None, [_I] * 4 + [_P] * 3),
     "hetserve_qk_rope_cache": (_I, [_I] * 6 + [_L] * 3 + [_I, _L, _F] + [_P] * 12),
     "hetserve_moe_backward": (_I, [_I] * 8 + [_P] * 12),  # finetune/experts_grad.py
     "hetserve_copy_parts": (None, [_I] * 3 + [_P] * 7),  # engine/kv_store.py
+    "hetserve_decode_layers": (_I, [_I, _I, _P, _I] + [_P] * 4 + [_I, _P]),  # fused_decode.py
 }
 
 

@@ -1,6 +1,6 @@
 /* Small per-layer kernels over fp32 rows (hetserve.layers.norm, .rotary, .attention and
- * hetserve.moe.router): RMSNorm, rotary embedding, softmax top-k routing, and the head of a GQA
- * attention layer (q/k norm + rotary + KV cache write).
+ * hetserve.moe.router): RMSNorm, rotary embedding, the router's logits and softmax top-k
+ * routing, and the head of a GQA attention layer (q/k norm + rotary + KV cache write).
  *
  * RMSNorm: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w.
  * torch runs it as a composite of five to six kernels (pow, mean, add, rsqrt, mul, mul), each
@@ -167,6 +167,51 @@ void hetserve_topk_softmax(int nthreads, int T, int E, int k, int renorm, float 
                            const float *logits, float *w, int64_t *ids) {
     route_t r = {T, E, k, renorm, scale, logits, w, ids};
     hs_parallel_for(nthreads, (T + ROUTE_TOKENS - 1) / ROUTE_TOKENS, route_rows, &r);
+}
+
+/* ---- the router's logits at decode: out [T, E] = x [T, H] . W [E, H]^T, fp32 ------------------
+ * Each dot product is summed in one fixed order (two 8-lane accumulators over 16-column steps,
+ * then the tail), whatever T and the thread count: the fused decode step and the router module
+ * get the same bits. Four tokens share each load of a router row. */
+typedef struct {
+    int T, E, H, per;
+    const float *x, *w;
+    float *out;
+} logits_t;
+
+static void logits_item(void *ctx, int it) {
+    const logits_t *g = (const logits_t *)ctx;
+    const int H = g->H, e1 = (it + 1) * g->per < g->E ? (it + 1) * g->per : g->E;
+    for (int e = it * g->per; e < e1; e++) {
+        const float *w = g->w + (size_t)e * H;
+        for (int t0 = 0; t0 < g->T; t0 += 4) {
+            const int n = g->T - t0 < 4 ? g->T - t0 : 4;
+            const float *x = g->x + (size_t)t0 * H;
+            __m256 a0[4], a1[4];
+            for (int m = 0; m < 4; m++) a0[m] = a1[m] = _mm256_setzero_ps();
+            int h = 0;
+            for (; h + 16 <= H; h += 16) {
+                const __m256 w0 = _mm256_loadu_ps(w + h), w1 = _mm256_loadu_ps(w + h + 8);
+                for (int m = 0; m < n; m++) {
+                    a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + (size_t)m * H + h), a0[m]);
+                    a1[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + (size_t)m * H + h + 8), a1[m]);
+                }
+            }
+            for (int m = 0; m < n; m++) {
+                float s = hs_hsum(_mm256_add_ps(a0[m], a1[m]));
+                for (int j = h; j < H; j++) s += w[j] * x[(size_t)m * H + j];
+                g->out[(size_t)(t0 + m) * g->E + e] = s;
+            }
+        }
+    }
+}
+
+void hetserve_router_logits(int nthreads, int T, int E, int H, const float *x, const float *w,
+                            float *out) {
+    int per = (64 << 10) / (H * 4); /* ~64 KiB of router rows per item */
+    per = per < 1 ? 1 : per;
+    logits_t g = {T, E, H, per, x, w, out};
+    hs_parallel_for(nthreads, (E + per - 1) / per, logits_item, &g);
 }
 
 /* ---- the head of a GQA attention layer: q/k norm, rotary, KV cache write -------------------

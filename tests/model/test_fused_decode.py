@@ -1,0 +1,121 @@
+"""The fused decode step (model/fused_decode.py): every decoder layer of a CPU-only decode step
+in one native call gives what the modules give, and steps aside where it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+from hetserve import LLM, SamplingParams
+from hetserve.bench.decode import _all_int8_rules
+from hetserve.model import fused_decode
+from hetserve.moe.router import NATIVE_LOGITS_MAX_TOKENS, native_logits
+from hetserve.native import native_unavailable_reason
+
+pytestmark = pytest.mark.skipif(
+    bool(native_unavailable_reason()), reason="native kernels unavailable"
+)
+
+# Shapes the native int8 linears and experts take (rows % 4, columns % 32).
+MOE = {"hidden_size": 128, "moe_intermediate_size": 64, "head_dim": 32, "num_experts": 16}
+DENSE = {"hidden_size": 128, "intermediate_size": 192, "head_dim": 32}
+INT8_LINEARS = {"name": "int8-linears", "match": ".*", "device": "cpu", "backend": "cpu-int8"}
+PROMPTS = [list(range(10, 31)), list(range(40, 45)), list(range(100, 112))]
+
+
+class _Spy:
+    """Wraps fused_decode.run: counts the steps it took, or (off) refuses every step."""
+
+    def __init__(self, monkeypatch, off: bool = False) -> None:
+        self.fused, self.off, self._run = 0, off, fused_decode.run
+        monkeypatch.setattr(fused_decode, "run", self)
+
+    def __call__(self, model, x, ctx) -> bool:
+        if self.off:
+            return False
+        took = self._run(model, x, ctx)
+        self.fused += took
+        return took
+
+
+def _generate(llm: LLM) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    return [
+        (o.outputs[0].token_ids,
+         [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids,
+                                        strict=True)])
+        for o in outs
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("family", "shape", "experts"),
+    [("qwen3-moe", MOE, "cpu-int8"), ("qwen3-moe", MOE, "cpu-int4"),
+     ("qwen3-moe", {**MOE, "norm_topk_prob": False}, "cpu-int8"),
+     ("llama", DENSE, None), ("qwen2", DENSE, None)],
+)  # fmt: skip
+def test_fused_step_gives_the_modules_results(
+    tiny_model, monkeypatch, tmp_path, family, shape, experts
+):
+    if experts:
+        rules = _all_int8_rules(experts)
+    else:  # a dense model: every linear int8 on the CPU
+        rules = str(tmp_path / "int8.yaml")
+        with open(rules, "w") as f:
+            yaml.safe_dump({"rules": [INT8_LINEARS]}, f)
+    llm = LLM(str(tiny_model(family, overrides=shape)), placement=rules)
+    spy = _Spy(monkeypatch)
+    fused = _generate(llm)
+    assert spy.fused == 7  # every decode step after the prefill (the batch decodes together)
+    spy.off = True
+    modules = _generate(llm)
+    for (tf, lf), (tm, lm) in zip(fused, modules, strict=True):
+        assert tf == tm
+        if experts:  # the same kernels on the same inputs: the same bits
+            assert lf == lm
+        else:  # the dense MLP's silu is the C one here, torch's there
+            torch.testing.assert_close(torch.tensor(lf), torch.tensor(lm), rtol=0, atol=1e-5)
+
+
+def test_fused_step_steps_aside(tiny_model, monkeypatch):
+    llm = LLM(str(tiny_model("qwen3-moe", overrides=MOE)), placement=_all_int8_rules("cpu-int8"))
+    spy = _Spy(monkeypatch)
+    _generate(llm)
+    assert spy.fused
+    llm.model.set_expert_deferral(1)  # deferred experts run beside the next layer
+    spy.fused = 0
+    _generate(llm)
+    assert spy.fused == 0
+    llm.model.set_expert_deferral(0)  # the plan follows the model back
+    _generate(llm)
+    assert spy.fused == 7
+    monkeypatch.setenv("HETSERVE_NATIVE_KERNELS", "0")
+    spy.fused = 0
+    _generate(llm)
+    assert spy.fused == 0
+
+
+def test_models_it_does_not_cover_take_the_modules(tiny_model, monkeypatch):
+    # fp32 linears (no placement) and DeepSeek's MLA: nothing to chain in C
+    for family, shape in (("qwen3-moe", MOE), ("deepseek-v3", None)):
+        llm = LLM(str(tiny_model(family, overrides=shape)))
+        spy = _Spy(monkeypatch)
+        _generate(llm)
+        assert spy.fused == 0
+        monkeypatch.undo()
+
+
+def test_router_logits_fixed_order_and_close_to_torch():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(7, 96, generator=g), torch.randn(16, 96, generator=g)
+    batch = native_logits(x, w)
+    assert batch is not None
+    torch.testing.assert_close(batch, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    for t in range(7):  # each row's bits do not depend on the batch it came in
+        assert torch.equal(native_logits(x[t : t + 1], w), batch[t : t + 1])
+    big = torch.randn(NATIVE_LOGITS_MAX_TOKENS + 1, 96, generator=g)
+    assert native_logits(big, w) is None  # prefill-sized batches stay on torch's GEMM
+    assert native_logits(x.requires_grad_(), w) is None
