@@ -49,8 +49,9 @@ def llama_cpp_src() -> str | None:
 def native_kernels() -> bool:
     """HETSERVE_NATIVE_KERNELS=0 turns off the C kernels hetserve picks on its own on the CPU
     (decode attention over the paged cache, fp32 routed experts without placement, int8
-    non-expert linears, which then use fbgemm, RMSNorm, rotary embedding, softmax top-k
-    routing, the fused q/k norm + rotary + KV write of GQA layers); the torch paths they
+    non-expert linears, which then use fbgemm, RMSNorm, rotary embedding, the router's logits
+    at decode and softmax top-k routing, the fused q/k norm + rotary + KV write of GQA layers,
+    the fused decode step of model/fused_decode.py); the torch paths they
     replace are the reference. Expert backends named in placement rules (`cpu-int8` with
     kernel "auto", ...) are not affected."""
     # Asked by every layer on every forward: os.environ.get encodes the key each time (~1.5 us,
