@@ -14,6 +14,7 @@ import torch
 from hetserve.kv.paged import PagedKVCache
 from hetserve.layers.attention import ForwardContext, build_metadata
 from hetserve.layers.lora import LoRABatch
+from hetserve.model import fused_decode
 from hetserve.model.base import CausalLM
 
 
@@ -34,6 +35,7 @@ class ModelRunner:
         lora_batch: LoRABatch | None = None,
     ) -> None:
         self.model = model
+        model.fused_step = fused_decode.run  # declines wherever it does not apply
         self.lora_batch = lora_batch  # the model's LoRA layers read it (None: no LoRA layers)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype

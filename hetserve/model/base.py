@@ -14,7 +14,6 @@ from torch import nn
 from hetserve.kv.paged import KVCacheSpec
 from hetserve.layers.attention import ForwardContext
 from hetserve.layers.norm import RMSNorm
-from hetserve.model import fused_decode
 from hetserve.model.config import ModelConfig
 from hetserve.moe.experts import ACTIVATIONS
 from hetserve.moe.layer import FusedExperts, SparseMoE
@@ -76,12 +75,17 @@ class CausalLM(nn.Module):
                     module.layer_index = i
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # A runner may set fused_step(model, x, ctx) -> bool: it either advances the embeddings
+        # x through every decoder layer in place (True) or declines (False, x untouched).
+        # ModelRunner sets model/fused_decode.py's.
+        self.fused_step: Callable[[CausalLM, torch.Tensor, ForwardContext], bool] | None = None
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] (all sequences concatenated) -> final hidden states [T, H]."""
         x = self.model.embed_tokens(input_ids)
-        if ctx.meta.decode is not None and fused_decode.run(self, x, ctx):
-            return self.model.norm(x)  # CPU-only decode: every layer in one native call
+        step = self.fused_step
+        if step is not None and ctx.meta.decode is not None and step(self, x, ctx):
+            return self.model.norm(x)  # e.g. CPU-only decode: every layer in one native call
         pending = None
         for layer in self.model.layers:
             x = layer(x, ctx)

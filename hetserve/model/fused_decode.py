@@ -1,10 +1,10 @@
 """Fused decode: every decoder layer of a CPU-only decode step in one native call.
 
-Who calls it: `CausalLM.forward`, on a pure decode step (every sequence computes one token),
-with the embeddings of the step's tokens. `run(model, x, ctx)` either advances `x` in place
-through all decoder layers and returns True, or returns False having touched nothing; the
-caller then runs the modules, which compute the same thing (the C side is the module path's own
-kernels chained: hetserve/native/decode_layers.c).
+Who calls it: `CausalLM.forward`, through its `fused_step` hook (which `ModelRunner` sets to
+`run`), on a decode step, with the embeddings of the step's tokens. `run(model, x, ctx)`
+either advances `x` in place through all decoder layers and returns True, or returns False
+having touched nothing; the caller then runs the modules, which compute the same thing (the C
+side is the module path's own kernels chained: hetserve/native/decode_layers.c).
 
 What it covers: `DecoderLayer`s of `GQAAttention` (fused q/k/v and o as native `Int8Linear`,
 optional q/k RMSNorm and biases, full rotary, no sliding window or sinks) followed by a

@@ -26,11 +26,13 @@ PROMPTS = [list(range(10, 31)), list(range(40, 45)), list(range(100, 112))]
 
 
 class _Spy:
-    """Wraps fused_decode.run: counts the steps it took, or (off) refuses every step."""
+    """Wraps the model's fused step (the runner sets fused_decode.run): counts the steps it
+    took, or (off) refuses every step."""
 
-    def __init__(self, monkeypatch, off: bool = False) -> None:
+    def __init__(self, monkeypatch, llm: LLM, off: bool = False) -> None:
+        assert llm.model.fused_step is fused_decode.run
         self.fused, self.off, self._run = 0, off, fused_decode.run
-        monkeypatch.setattr(fused_decode, "run", self)
+        monkeypatch.setattr(llm.model, "fused_step", self)
 
     def __call__(self, model, x, ctx) -> bool:
         if self.off:
@@ -67,7 +69,7 @@ def test_fused_step_gives_the_modules_results(
         with open(rules, "w") as f:
             yaml.safe_dump({"rules": [INT8_LINEARS]}, f)
     llm = LLM(str(tiny_model(family, overrides=shape)), placement=rules)
-    spy = _Spy(monkeypatch)
+    spy = _Spy(monkeypatch, llm)
     fused = _generate(llm)
     assert spy.fused == 7  # every decode step after the prefill (the batch decodes together)
     spy.off = True
@@ -82,7 +84,7 @@ def test_fused_step_gives_the_modules_results(
 
 def test_fused_step_steps_aside(tiny_model, monkeypatch):
     llm = LLM(str(tiny_model("qwen3-moe", overrides=MOE)), placement=_all_int8_rules("cpu-int8"))
-    spy = _Spy(monkeypatch)
+    spy = _Spy(monkeypatch, llm)
     _generate(llm)
     assert spy.fused
     llm.model.set_expert_deferral(1)  # deferred experts run beside the next layer
@@ -102,7 +104,7 @@ def test_models_it_does_not_cover_take_the_modules(tiny_model, monkeypatch):
     # fp32 linears (no placement) and DeepSeek's MLA: nothing to chain in C
     for family, shape in (("qwen3-moe", MOE), ("deepseek-v3", None)):
         llm = LLM(str(tiny_model(family, overrides=shape)))
-        spy = _Spy(monkeypatch)
+        spy = _Spy(monkeypatch, llm)
         _generate(llm)
         assert spy.fused == 0
         monkeypatch.undo()
