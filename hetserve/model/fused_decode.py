@@ -207,9 +207,9 @@ def _dense(mlp: nn.Module, out: _Layer, keep: list) -> bool:
     gate, up, down = (_qlin(getattr(mlp, n), keep) for n in mlp._names)
     if gate is None or up is None or down is None:
         return False
-    if gate.k != out.hidden or up.k != out.hidden or up.n != gate.n or down.k != gate.n:
+    if gate.k != out.hidden or up.k != out.hidden or down.n != out.hidden:  # hidden size
         return False
-    if down.n != out.hidden:
+    if up.n != gate.n or down.k != gate.n:  # intermediate size
         return False
     out.ffn, out.gate, out.up, out.down = FFN_DENSE, gate, up, down
     return True

@@ -94,16 +94,15 @@ static void add_rows(float *x, const float *y, size_t n) {
     for (; i < n; i++) x[i] += y[i];
 }
 
-/* One layer on x [B, hidden] in place; buf is scratch of decode_scratch() floats. */
+/* One layer on x [B, hidden] in place; buf is scratch of decode_scratch() floats, ids room for
+ * the router's B x top_k expert ids. */
 static int layer_step(const hs_layer_t *L, int nthreads, int B, float *x,
                       const int64_t *positions, const int64_t *slots, const int64_t *tables,
-                      int width, const int64_t *lens, float *buf) {
+                      int width, const int64_t *lens, float *buf, int64_t *ids) {
     const int H = L->hidden, D = L->head_dim, nqkv = L->qkv.n;
     float *xn = buf, *qkv = xn + (size_t)B * H, *q = qkv + (size_t)B * nqkv;
     float *att = q + (size_t)B * L->nq * D, *y = att + (size_t)B * L->nq * D;
-    /* router logits, weights and ids, or the dense MLP's gate and up; 8-byte aligned */
-    float *tmp = y + (size_t)B * H;
-    tmp += ((uintptr_t)tmp & 7) ? 1 : 0;
+    float *tmp = y + (size_t)B * H; /* router logits and weights, or the MLP's gate and up */
     int rc;
     hetserve_rms_norm(nthreads, B, H, L->eps, x, L->in_norm, xn);
     if ((rc = qlin(&L->qkv, nthreads, B, xn, qkv))) return rc;
@@ -123,7 +122,6 @@ static int layer_step(const hs_layer_t *L, int nthreads, int B, float *x,
     if (L->ffn == FFN_EXPERTS) {
         const int E = L->num_experts, K = L->top_k;
         float *tw = tmp + (size_t)B * E;
-        int64_t *ids = (int64_t *)(tmp + (((size_t)B * (E + K) + 1) & ~(size_t)1));
         hetserve_router_logits(nthreads, B, E, H, xn, L->router, tmp);
         hetserve_topk_softmax(nthreads, B, E, K, L->renorm, L->route_scale, tmp, tw, ids);
         rc = hetserve_moe_forward(L->efmt, L->ethreads ? L->ethreads : nthreads, E, H, L->einter,
@@ -152,10 +150,9 @@ static int layer_step(const hs_layer_t *L, int nthreads, int B, float *x,
 
 /* Floats of scratch one layer needs for B tokens. */
 static size_t decode_scratch(const hs_layer_t *L, int B) {
-    size_t tmp = L->ffn == FFN_EXPERTS
-                     ? (size_t)B * L->num_experts + (size_t)B * L->top_k * 3 + 2 /* int64 ids */
-                     : 2 * (size_t)B * L->gate.n;
-    return (size_t)B * (2 * L->hidden + L->qkv.n + 2 * L->nq * L->head_dim) + tmp + 2;
+    size_t tmp = L->ffn == FFN_EXPERTS ? (size_t)B * (L->num_experts + L->top_k)
+                                       : 2 * (size_t)B * L->gate.n;
+    return (size_t)B * (2 * L->hidden + L->qkv.n + 2 * L->nq * L->head_dim) + tmp;
 }
 
 /* x [B, hidden] fp32, in place: through layers [0, nlayers). positions, slots [B]; tables
@@ -164,16 +161,21 @@ static size_t decode_scratch(const hs_layer_t *L, int B) {
 int hetserve_decode_layers(int nthreads, int nlayers, const hs_layer_t *layers, int B, float *x,
                            const int64_t *positions, const int64_t *slots,
                            const int64_t *tables, int width, const int64_t *lens) {
-    size_t need = 0;
+    size_t need = 0, top_k = 0;
     for (int l = 0; l < nlayers; l++) {
         size_t n = decode_scratch(&layers[l], B);
         need = n > need ? n : need;
+        if (layers[l].ffn == FFN_EXPERTS && (size_t)layers[l].top_k > top_k)
+            top_k = (size_t)layers[l].top_k;
     }
-    float *buf = malloc(sizeof(float) * need + 64);
-    if (buf == NULL) return -1;
+    /* the int64 ids first: malloc's alignment serves both */
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)B * top_k + sizeof(float) * need);
+    if (ids == NULL) return -1;
+    float *buf = (float *)(ids + (size_t)B * top_k);
     int rc = 0;
     for (int l = 0; l < nlayers && rc == 0; l++)
-        rc = layer_step(&layers[l], nthreads, B, x, positions, slots, tables, width, lens, buf);
-    free(buf);
+        rc = layer_step(&layers[l], nthreads, B, x, positions, slots, tables, width, lens, buf,
+                        ids);
+    free(ids);
     return rc;
 }

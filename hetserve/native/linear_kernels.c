@@ -20,9 +20,8 @@
 
 #define TB 32 /* tokens per cache block */
 #define RC 8  /* row quads per work chunk, at least */
-/* ... and at least this many bytes of weights: a thread's stream then runs long enough for the
- * prefetchers before it jumps (RC quads of a q4_K row of 2048 are only 36 KiB; items of ~128 KiB
- * read a 2048 x 3072 q4_K matrix at one token ~1.25x faster here). */
+/* ... and about this many bytes of weights (hs_item_units): RC quads of a q4_K row of 2048 are
+ * only 36 KiB; items of ~128 KiB read a 2048 x 3072 q4_K matrix at one token ~1.25x faster. */
 #define ITEM_BYTES (128 << 10)
 enum { L_I8 = 1, L_Q4K = 5 }; /* the F_* numbers of moe_kernels.c */
 
@@ -115,10 +114,7 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
     }
     nthreads = nthreads < 1 ? 1 : nthreads;
     const long quad_bytes = q4k ? 4L * K * 9 / 16 : 4L * K; /* q4_K: 4.5 bits per weight */
-    const int quads = N / 4, balance = quads / (4 * nthreads); /* >= 4 items per thread */
-    int rc = (int)(ITEM_BYTES / quad_bytes);
-    rc = rc < balance ? rc : balance;
-    rc = rc < RC ? RC : rc;
+    const int quads = N / 4, rc = hs_item_units(quad_bytes, ITEM_BYTES, quads, nthreads, RC);
     lin_t l = {fmt, G, T, N, K, rc, w, s, xsc, x16, pl, ps, pd, out};
     hs_parallel_for(nthreads, (quads + rc - 1) / rc, lin_item, &l);
     free(buf);

@@ -82,7 +82,6 @@ static inline act16_t act16(const job_t *j, int fmt, int which, int K, int r0, i
             q4k_act_t t = {pl + (size_t)rr[m] * Q4K_XB * K, pd + (size_t)rr[m] * nsb,
                            ps + (size_t)rr[m] * nsb * 16};
             a.p[m] = t;
-            a.s[m] = 1.0f; /* the scales are per super-block, applied in quad_q4k */
         }
     }
     return a;
@@ -115,7 +114,7 @@ static inline __attribute__((always_inline)) void quad_int(const job_t *j, int f
     } else if (fmt == F_Q4K) {
         const uint8_t *q = (const uint8_t *)w + row * (K / Q4K_SB) * (Q4K_QUAD_BYTES / 4);
         if (MB == 2) quad_q4k(q, K, a.p, 2, out); else quad_q4k(q, K, a.p, 1, out);
-        return; /* its scales are applied inside (a.s is 1) */
+        return; /* its scales are per super-block, applied inside (a.s is not used) */
     } else { /* F_MXFP4 */
         const uint8_t *q = (const uint8_t *)w + row * (K / 2);
         const uint8_t *s = (const uint8_t *)sv + row * (K / 32);
@@ -295,11 +294,9 @@ static void phase_item(void *ctx, int c) {
 #undef HS_PHASES
 }
 
-/* Items of at least ITEM_BYTES of weights (and RC quads): a thread's weight stream then runs
- * long enough for the prefetchers before it jumps, also where rows are short (phase 2 of small
- * experts: a quad of 4 x 512 int8 weights is only 2 KiB). 256 KiB streams a one-token q4_K
- * layer (6 experts of 2048 x 512) ~1.12x faster than 64 KiB here. At most so large that every
- * thread still gets 4 items (a descheduled thread then holds back a quarter of its share). */
+/* Items of about ITEM_BYTES of weights, RC quads at least (hs_item_units), also where rows are
+ * short (phase 2 of small experts: a quad of 4 x 512 int8 weights is only 2 KiB). 256 KiB
+ * streams a one-token q4_K layer (6 experts of 2048 x 512) ~1.12x faster than 64 KiB here. */
 #define ITEM_BYTES (256 << 10)
 
 static void run_phase(job_t *j, int phase) {
@@ -309,10 +306,7 @@ static void run_phase(job_t *j, int phase) {
      * gate and up) */
     static const int b16[] = {64, 16, 8, 8, 16, 9};
     long unit = (long)(phase == 1 ? 8 : 4) * K * b16[j->fmt] / 16;
-    int rc = (int)(ITEM_BYTES / (unit > 0 ? unit : 1));
-    const int balance = j->n_active * per / (4 * j->nthreads);
-    rc = rc < balance ? rc : balance;
-    rc = rc < RC ? RC : rc;
+    const int rc = hs_item_units(unit, ITEM_BYTES, j->n_active * per, j->nthreads, RC);
     arg_t arg = {j, phase, rc};
     hs_parallel_for(j->nthreads, j->n_active * ((per + rc - 1) / rc), phase_item, &arg);
 }

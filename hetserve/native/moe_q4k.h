@@ -130,7 +130,6 @@ static inline __m256i q4k_dot(__m256i lo, __m256i hi, const int8_t *x) {
 static inline __attribute__((always_inline)) void quad_q4k(const uint8_t *q, int K,
                                                            const q4k_act_t a[2], int MB,
                                                            float out[4][MBMAX]) {
-    const __m256i nib = _mm256_set1_epi8(0x0F);
     __m256 tot[2], zt[2][2];
     for (int m = 0; m < MB; m++) tot[m] = zt[m][0] = zt[m][1] = _mm256_setzero_ps();
     for (int s = 0; s < K / Q4K_SB; s++, q += Q4K_QUAD_BYTES) {
@@ -163,6 +162,7 @@ static inline __attribute__((always_inline)) void quad_q4k(const uint8_t *q, int
             acc[m] = _mm256_add_epi32(_mm512_castsi512_si256(acc5[m]),
                                       _mm512_extracti64x4_epi64(acc5[m], 1));
 #else
+        const __m256i nib = _mm256_set1_epi8(0x0F);
         for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
             const uint8_t *v = q + 64 + 64 * j;

@@ -7,4 +7,16 @@
 typedef void (*hs_task_fn)(void *ctx, int item);
 void hs_parallel_for(int nthreads, int total, hs_task_fn fn, void *ctx);
 
+/* Units (row quads, ...) per work item when streaming weights: enough for item_bytes of them (a
+ * thread's stream then runs long enough for the prefetchers before it jumps), but no more than
+ * leaves every thread 4 items of the `total` (a descheduled thread then holds back a quarter of
+ * its share), and never fewer than min_units. */
+static inline int hs_item_units(long unit_bytes, long item_bytes, int total, int nthreads,
+                                int min_units) {
+    long n = item_bytes / (unit_bytes > 0 ? unit_bytes : 1);
+    const long balance = total / (4L * (nthreads > 0 ? nthreads : 1));
+    n = n < balance ? n : balance;
+    return n < min_units ? min_units : (int)n;
+}
+
 #endif

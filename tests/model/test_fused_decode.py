@@ -29,9 +29,9 @@ class _Spy:
     """Wraps the model's fused step (the runner sets fused_decode.run): counts the steps it
     took, or (off) refuses every step."""
 
-    def __init__(self, monkeypatch, llm: LLM, off: bool = False) -> None:
+    def __init__(self, monkeypatch, llm: LLM) -> None:
         assert llm.model.fused_step is fused_decode.run
-        self.fused, self.off, self._run = 0, off, fused_decode.run
+        self.fused, self.off, self._run = 0, False, fused_decode.run
         monkeypatch.setattr(llm.model, "fused_step", self)
 
     def __call__(self, model, x, ctx) -> bool:
