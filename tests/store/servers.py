@@ -153,7 +153,12 @@ def start_redis(request) -> Backend:
 def corrupt_redis(store, key: str) -> None:
     from hetserve.store.checksum import HEADER
 
-    assert store._r.setrange(store.prefix + key, HEADER.size + 10, b"X")
+    # Flip the byte rather than write a fixed one: a fixed byte equals the payload's own byte
+    # there one time in 256 (random keys give random payloads), and then nothing is corrupted.
+    name, at = store.prefix + key, HEADER.size + 10
+    byte = store._r.getrange(name, at, at)
+    assert len(byte) == 1
+    assert store._r.setrange(name, at, bytes([byte[0] ^ 0xFF]))
 
 
 # -- mooncake ---------------------------------------------------------------------------------
