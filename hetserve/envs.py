@@ -36,8 +36,8 @@ def c_compiler() -> str | None:
 
 def native_isa() -> str:
     """HETSERVE_NATIVE_ISA: which instruction set the native kernels are built for: `auto`
-    (default: AVX-512 where the CPU has AVX-512 BW/VL and VNNI, else AVX2), `avx2` or
-    `avx512`."""
+    (default: the widest this CPU has), `avx2`, `avx512` (AVX-512 BW/VL/DQ and VNNI) or
+    `avx512bf16` (those, BF16 and GFNI: the FP8 experts kernel on bf16 activations)."""
     return os.environ.get("HETSERVE_NATIVE_ISA", "auto").strip().lower() or "auto"
 
 

@@ -44,11 +44,11 @@ SOURCES = ("pool.c", "moe_kernels.c", "linear_kernels.c", "attention.c", "small_
 HEADERS = ("pool.h", "simd.h", "moe_quads.h", "moe_formats.h", "moe_q4k.h")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared"]
 # What each instruction set adds to CFLAGS, and the /proc/cpuinfo flags it needs.
-ISA_FLAGS = {
-    "avx2": [],
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"],
-}
-_ISA_CPU = {"avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")}
+# Narrowest first; avx512bf16 adds the FP8 experts kernel's bf16 path (simd.h, HS_FP8_BF16).
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
+ISA_FLAGS = {"avx2": [], "avx512": _AVX512, "avx512bf16": [*_AVX512, "-mavx512bf16", "-mgfni"]}
+_AVX512_CPU = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
+_ISA_CPU = {"avx512": _AVX512_CPU, "avx512bf16": (*_AVX512_CPU, "avx512_bf16", "gfni")}
 
 
 def _cache_dir() -> Path:
@@ -89,7 +89,7 @@ def isa() -> str:
 
     wanted = envs.native_isa()
     if wanted == "auto":
-        return "avx512" if cpu_has("avx512") else "avx2"
+        return [name for name in ISA_FLAGS if cpu_has(name)][-1]
     if wanted not in ISA_FLAGS:
         raise InvalidInputError(
             f"HETSERVE_NATIVE_ISA={wanted!r} is not one of auto, {', '.join(ISA_FLAGS)}"
@@ -172,6 +172,14 @@ def build_for(isa_name: str) -> tuple[ctypes.CDLL | None, str | None]:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
     return lib, None
+
+
+def fp8_activations() -> str:
+    """How the FP8 experts kernel built here rounds its activations: "bf16x2" (the avx512bf16
+    build: each input as a sum of two bf16, within 2^-18 of it, and weights below e4m3's
+    smallest normal 2^-6 read as zero) or "fp32" (weights converted to fp32 exactly, fp32
+    products)."""
+    return "bf16x2" if isa() == "avx512bf16" else "fp32"
 
 
 def native_unavailable_reason() -> str | None:

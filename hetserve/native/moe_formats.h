@@ -12,6 +12,7 @@
 #define HETSERVE_MOE_FORMATS_H
 
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -268,5 +269,92 @@ static inline __attribute__((always_inline)) void quad_fp8(const uint8_t *q, con
     for (int r = 0; r < 4; r++) out[r][0] = hs_hsum(tot[r]);
 #endif
 }
+
+#if HS_FP8_BF16
+/* e4m3 -> bf16 by moving bits, one GFNI affine op per output byte (each output bit one input
+ * bit): the sign to bit 15, the 4 exponent bits to the bf16 exponent's low 4, the 3 mantissa
+ * bits to the mantissa's top 3. That is the bf16 of value x 2^-120 for every normal e4m3
+ * (exponent fields 1-15 are normal bf16 exponents too), zero stays zero, and a subnormal (|v| <
+ * 2^-6, below 1/28672 of the format's 448) becomes a bf16 denormal, which vdpbf16ps reads as
+ * zero. gf2p8affineqb takes output bit i from matrix byte 7 - i. */
+#define FP8_BF16_HI 0x1020400000000080LL /* out 7, 2, 1, 0 <- in 7, 6, 5, 4 */
+#define FP8_BF16_LO 0x0000000001020408LL /* out 7, 6, 5, 4 <- in 3, 2, 1, 0 */
+
+/* Activation rows for quad_fp8_bf16: each row scaled by a power of two 2^k so its largest
+ * magnitude lies in [2^125, 2^126) (the weights carry 2^-120; products of normal weights with
+ * any input above 2^-126 of the row's largest stay normal fp32), then split into two bf16 rows
+ * (round to nearest even): hi = bf16(x) and lo = bf16(x - hi), the difference being exact in
+ * fp32. hi + lo is within 2^-18 |x| of x (one bf16 alone: 2^-9, which moved the tiny models'
+ * logprobs by 0.3); each row is stored [hi K | lo K]. sc[r] = 2^(120 - k) / 256 undoes both
+ * scalings and the 256 the caller's weight scales carry (quad_fp8). K % 16 == 0. */
+static inline void bf16_rows(const float *src, int K, int rows, int16_t *q, float *sc) {
+    for (int r = 0; r < rows; r++) {
+        const float *x = src + (size_t)r * K;
+        int16_t *hi = q + (size_t)r * 2 * K, *lo = hi + K;
+        int ex = 0;
+        const float m = hs_absmax(x, K);
+        if (m > 0.0f) frexpf(m, &ex); /* m < 2^ex */
+        if (ex < -100) ex = -100;     /* (a row that small reads as 2^-100 of 1) */
+        const __m512 k = _mm512_set1_ps((float)(126 - ex));
+        for (int i = 0; i < K; i += 16) {
+            const __m512 v = _mm512_scalef_ps(_mm512_loadu_ps(x + i), k);
+            const __m256bh h = _mm512_cvtneps_pbh(v);
+            const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32((__m256i)h), 16));
+            const __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, back));
+            _mm256_storeu_si256((__m256i *)(hi + i), (__m256i)h);
+            _mm256_storeu_si256((__m256i *)(lo + i), (__m256i)l);
+        }
+        sc[r] = ldexpf(1.0f, ex - 14); /* 2^(120 - (126 - ex)) / 2^8 */
+    }
+}
+
+/* FP8 quad against MB <= 2 split bf16 activation rows (bf16_rows): per 16 inputs the quad's 64
+ * bytes (rows in 128-bit lanes) become two vectors of 32 bf16 (low and high bytes from the two
+ * affine ops, interleaved), each multiplied by vdpbf16ps with every row's 8 inputs (hi, then
+ * lo) broadcast to the four lanes: 4 MB products per weight vector pair, each into its own
+ * accumulator so vdpbf16ps's latency is covered. Per group of G inputs the row sums (4 lanes
+ * per row) are scaled by the rows' scales. The caller multiplies by each activation row's sc. */
+static inline __attribute__((always_inline)) void quad_fp8_bf16(const uint8_t *q, const float *sc,
+                                                                int K, int G,
+                                                                const int16_t *const x[2], int MB,
+                                                                float out[4][MBMAX]) {
+    const __m512i ahi = _mm512_set1_epi64(FP8_BF16_HI), alo = _mm512_set1_epi64(FP8_BF16_LO);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    __m512 tot[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int g = 0; g < K / G; g++) {
+        __m512 acc[2][4];
+        for (int m = 0; m < MB; m++)
+            for (int i = 0; i < 4; i++) acc[m][i] = _mm512_setzero_ps();
+        for (int k = g * G; k < (g + 1) * G; k += 16) {
+            _mm_prefetch((const char *)(q + 4 * k + PF_DIST), PF_HINT);
+            const __m512i v = _mm512_loadu_si512(q + 4 * k);
+            const __m512i hi = _mm512_gf2p8affine_epi64_epi8(v, ahi, 0);
+            const __m512i lo = _mm512_gf2p8affine_epi64_epi8(v, alo, 0);
+            const __m512bh w0 = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
+            const __m512bh w1 = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+            for (int m = 0; m < MB; m++)
+                for (int part = 0; part < 2; part++) { /* hi, then lo */
+                    const int16_t *xp = x[m] + part * K + k;
+                    const __m512i x0 =
+                        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)xp));
+                    const __m512i x1 =
+                        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xp + 8)));
+                    acc[m][2 * part] = _mm512_dpbf16_ps(acc[m][2 * part], w0, (__m512bh)x0);
+                    acc[m][2 * part + 1] =
+                        _mm512_dpbf16_ps(acc[m][2 * part + 1], w1, (__m512bh)x1);
+                }
+        }
+        const __m512 s =
+            _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(sc + 4 * g)));
+        for (int m = 0; m < MB; m++) {
+            const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]),
+                                             _mm512_add_ps(acc[m][2], acc[m][3]));
+            tot[m] = _mm512_fmadd_ps(sum, s, tot[m]);
+        }
+    }
+    for (int m = 0; m < MB; m++) quad_out5(tot[m], out, m);
+}
+#endif
 
 #endif

@@ -45,7 +45,7 @@ typedef struct {
     const int *tok;        /* [P] token of pair p (pairs sorted by expert) */
     const float *pw;       /* [P] router weight of pair p */
     float *a, *y;          /* [P, I], [P, H] */
-    int16_t *x16, *a16;    /* [T, H], [P, I] activations as int16 */
+    int16_t *x16, *a16;    /* [T, H], [P, I] activations as int16 (FP8: [T, 2H], [P, 2I]) */
     float *xsc, *asc;      /* their per-row scales [T], [P] */
     float *xgs, *ags;      /* int4 only: per-group sums of x16 / a16 [T, H/G], [P, I/G] */
     int8_t *xpl, *apl;     /* q4_K only: x / a as int8 per super-block [rows, Q4K_XB * K] */
@@ -69,7 +69,8 @@ static inline act16_t act16(const job_t *j, int fmt, int which, int K, int r0, i
     const float *xs = which == 1 ? j->xsc : j->asc;
     const float *gsb = which == 1 ? j->xgs : j->ags;
     const int ng = j->G > 0 ? K / j->G : 0;
-    act16_t a = {{base + (size_t)r0 * K, base + (size_t)r1 * K},
+    const size_t stride = (size_t)(fmt == F_FP8 ? 2 : 1) * K; /* FP8: bf16 hi and lo rows */
+    act16_t a = {{base + r0 * stride, base + r1 * stride},
                  {gsb + (size_t)r0 * ng, gsb + (size_t)r1 * ng},
                  {xs[r0], xs[r1]},
                  {{NULL, NULL, NULL}, {NULL, NULL, NULL}}};
@@ -125,7 +126,8 @@ static inline __attribute__((always_inline)) void quad_int(const job_t *j, int f
 }
 
 /* Rows [n0, n0+4) of expert e's matrix [N, K] against MB pairs starting at pair p (<= 3 for
- * fp32, 1 for FP8, <= 2 for the integer formats, whose rounded rows ap holds)
+ * fp32, 1 for FP8 on fp32, <= 2 for the integer formats and FP8 on bf16, whose rounded rows ap
+ * holds)
  * (which = 1: the pairs' tokens x against W13; which = 2: a against W2). */
 static inline __attribute__((always_inline)) void quad(const job_t *j, int fmt, int which, int e,
                                                       int N, int K, int n0, int p, int MB,
@@ -148,25 +150,38 @@ static inline __attribute__((always_inline)) void quad(const job_t *j, int fmt, 
     } else if (fmt == F_FP8) {
         const uint8_t *q = (const uint8_t *)(which == 1 ? j->w13 : j->w2) + row * K;
         const float *s = (const float *)(which == 1 ? j->s13 : j->s2) + row * (K / j->G);
+#if HS_FP8_BF16
+        if (MB == 2) quad_fp8_bf16(q, s, K, j->G, ap->x, 2, out);
+        else quad_fp8_bf16(q, s, K, j->G, ap->x, 1, out);
+        for (int r = 0; r < 4; r++)
+            for (int m = 0; m < MB; m++) out[r][m] *= ap->s[m];
+#else
         quad_fp8(q, s, K, j->G, xbase + (size_t)r0 * K, out);
+#endif
     } else {
         quad_int(j, fmt, which, row, K, ap, MB, out);
     }
 }
 
-/* Pairs per microkernel call: 3 fp32 tokens fill the FMA pipes, FP8 keeps its per-group sums of
- * one token in registers, the integer formats take two. */
+/* Pairs per microkernel call: 3 fp32 tokens fill the FMA pipes, FP8 on fp32 keeps its per-group
+ * sums of one token in registers, the integer formats and FP8 on bf16 take two. */
 static inline int pair_step(int fmt) {
-    return fmt == F_F32 ? 3 : fmt == F_FP8 ? 1 : 2;
+    return fmt == F_F32 ? 3 : fmt == F_FP8 && !HS_FP8_BF16 ? 1 : 2;
+}
+
+/* Formats whose kernels read activations rounded to 16 bits (int16, or bf16 for FP8 where
+ * HS_FP8_BF16) or, for q4_K, to int8: all but fp32. */
+static inline int rounded_acts(int fmt) {
+    return fmt != F_F32 && (fmt != F_FP8 || HS_FP8_BF16);
 }
 
 /* The rounded activation rows of the pair steps in [t0, t1) of one expert's pairs (from pair
- * off), computed once per block instead of once per row quad (integer formats only). */
+ * off), computed once per block instead of once per row quad (rounded_acts formats). */
 static inline __attribute__((always_inline)) void block_acts(const job_t *j, int fmt, int which,
                                                             int K, int off, int t0, int t1,
                                                             act16_t *acts) {
     const int step = pair_step(fmt);
-    if (fmt == F_F32 || fmt == F_FP8) return;
+    if (!rounded_acts(fmt)) return;
     for (int m = t0; m < t1; m += step) {
         int MB = t1 - m >= step ? step : t1 - m, p = off + m;
         int r0 = which == 1 ? j->tok[p] : p, r1 = which == 1 ? j->tok[p + MB - 1] : p + MB - 1;
@@ -338,8 +353,8 @@ static int sort_pairs(int E, int P, int k, const int64_t *ids, const float *tw, 
     return n;
 }
 
-/* Rounds the rows of phase `which` (1: x [T, H], 2: a [P, I]) to int16 per row or, for q4_K,
- * to int8 per super-block. */
+/* Rounds the rows of phase `which` (1: x [T, H], 2: a [P, I]) to int16 per row, for q4_K to
+ * int8 per super-block, for FP8 (HS_FP8_BF16) to bf16 scaled per row. */
 static void activations(job_t *j, int which, int rows) {
     const int K = which == 1 ? j->H : j->I;
     const float *src = which == 1 ? j->x : j->a;
@@ -355,6 +370,12 @@ static void activations(job_t *j, int which, int rows) {
     }
     int16_t *q = which == 1 ? j->x16 : j->a16;
     float *sc = which == 1 ? j->xsc : j->asc, *gs = which == 1 ? j->xgs : j->ags;
+#if HS_FP8_BF16
+    if (j->fmt == F_FP8) {
+        bf16_rows(src, K, rows, q, sc);
+        return;
+    }
+#endif
     const int perm = j->fmt == F_I4 || j->fmt == F_MXFP4;
     quantize_rows(src, K, 0, rows, q, sc, perm, j->fmt == F_I4 ? j->G : 0, gs);
 }
@@ -374,14 +395,15 @@ int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int 
     if (P == 0) return 0;
     for (int p = 0; p < P; p++)
         if (ids[p] < 0 || ids[p] >= E) return -2;
-    const int q16 = fmt != F_F32 && fmt != F_FP8; /* int16 activations */
+    const int q16 = rounded_acts(fmt); /* int16 (bf16) or q4_K's int8 activations */
     const int G4 = fmt == F_I4 ? G : 0; /* group sums (the minimum term) */
     size_t n_g = G4 ? (size_t)T * (H / G4) + (size_t)P * (I / G4) : 0; /* xgs, ags */
     size_t n_f = (size_t)P * (I + H) + P + T + P + n_g;   /* a, y, pw, xsc, asc, xgs, ags */
     size_t n_i = (size_t)P + 4 * (size_t)E;               /* tok, act_e/off/cnt, fill */
     size_t n_q = q16 ? (size_t)T * H + (size_t)P * I : 0; /* rounded activations */
+    const int xw = fmt == F_FP8 ? 2 : 1; /* int16s per input: FP8's bf16 hi and lo */
     /* int16 ones (x16, a16), or q4_K's int8 ones with their scales (1 per 256) and sums (16) */
-    size_t n_16 = fmt == F_Q4K ? 0 : n_q;
+    size_t n_16 = fmt == F_Q4K ? 0 : xw * n_q;
     size_t n_p = fmt == F_Q4K ? Q4K_XB * n_q + n_q / Q4K_SB * (sizeof(float) + 16 * sizeof(int16_t))
                               : 0;
     char *buf = malloc(sizeof(float) * n_f + sizeof(int) * n_i + sizeof(int16_t) * n_16 + n_p);
@@ -390,7 +412,7 @@ int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int 
     float *xsc = pw + P, *asc = xsc + T, *xgs = asc + P;
     float *ags = G4 ? xgs + (size_t)T * (H / G4) : xgs;
     int *tok = (int *)(a + n_f), *act_e = tok + P, *act_off = act_e + E, *act_cnt = act_off + E;
-    int16_t *x16 = (int16_t *)(act_cnt + 2 * E), *a16 = x16 + (size_t)T * H;
+    int16_t *x16 = (int16_t *)(act_cnt + 2 * E), *a16 = x16 + (size_t)xw * T * H;
     float *xpd = (float *)(x16 + n_16), *apd = xpd + (size_t)T * H / Q4K_SB;
     int16_t *xps = (int16_t *)(xpd + n_q / Q4K_SB), *aps = xps + (size_t)T * H / Q4K_SB * 16;
     int8_t *xpl = (int8_t *)(xps + n_q / Q4K_SB * 16), *apl = xpl + (size_t)T * Q4K_XB * H;

@@ -11,6 +11,16 @@
 #define HS_AVX512 1
 #endif
 
+/* HS_FP8_BF16: AVX-512 with BF16 and GFNI as well (Zen 4, Sapphire Rapids; the avx512bf16
+ * build): the FP8 experts kernel moves each e4m3 byte's bits into a bf16 with one GFNI affine
+ * op and multiplies with bf16 activations by vdpbf16ps (moe_formats.h), about twice the fp32
+ * path's rate; it rounds the activations to bf16. Otherwise FP8 converts to fp32. */
+#if defined(HS_AVX512) && defined(__AVX512BF16__) && defined(__GFNI__)
+#define HS_FP8_BF16 1
+#else
+#define HS_FP8_BF16 0
+#endif
+
 static inline float hs_hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -1,7 +1,8 @@
 """Experts packed in published formats (FP8 blocks, MXFP4, int4 groups, GGUF q4_K, grouped
 int8) and the native kernels that read them, against a torch reference that rounds activations
-exactly as the kernel does (int16 per row for the integer formats, int8 per 256 for q4_K), with
-biases and gpt-oss's clamped SwiGLU as well as silu."""
+exactly as the kernel does (int16 per row for the integer formats, int8 per 256 for q4_K, a
+sum of two bf16 for FP8 where the avx512bf16 build reads FP8 with vdpbf16ps, which also reads
+e4m3 subnormals as zero), with biases and gpt-oss's clamped SwiGLU as well as silu."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from hetserve.moe.quant import (
     quantize_int4_groupwise,
     quantize_mxfp4,
 )
+from hetserve.native import fp8_activations
 from hetserve.native.layout import pack_int4_rows
 
 E, H, INTER, K = 8, 256, 256, 3  # q4_K rows need multiples of 256
@@ -68,6 +70,15 @@ def _packed(fmt: str, w13, w2) -> PackedExperts:
     return PackedExperts(tuple(pack(w) for w in w13), tuple(pack(w) for w in w2))
 
 
+def _kernel_view(m) -> torch.Tensor:
+    """The weights as the kernel multiplies them: dequantized, and for FP8 on bf16 activations
+    without e4m3's subnormals (exponent field 0; zero stays zero)."""
+    w = m.dequantize()
+    if isinstance(m, Fp8Rows) and fp8_activations() == "bf16x2":
+        w = torch.where((m.w.view(torch.uint8) & 0x78) == 0, torch.zeros_like(w), w)
+    return w
+
+
 def _round16(v: torch.Tensor) -> torch.Tensor:
     """The kernel's activation rounding: per row to the int16 grid of step max|v| / 16383."""
     s = v.abs().amax(dim=-1, keepdim=True) / 16383
@@ -75,11 +86,26 @@ def _round16(v: torch.Tensor) -> torch.Tensor:
     return torch.round(v * (1.0 / s)).clamp(-16383, 16383) * s
 
 
-ROUNDINGS = {"int16": (_round16, 16383), "q8k": (q8k_round, 127), None: (lambda v: v, 0)}
+def _round_bf16x2(v: torch.Tensor) -> torch.Tensor:
+    """hi + lo, hi = bf16(v), lo = bf16(v - hi), rounding to nearest even as vcvtneps2bf16."""
+    hi = v.to(torch.bfloat16).float()
+    return hi + (v - hi).to(torch.bfloat16).float()
+
+
+# (rounding, levels): a flip of one rounding moves a value by at most max|v| / levels (bf16x2:
+# one unit in the last place of lo, <= 2^-7 |lo| <= 2^-16 |v|)
+ROUNDINGS = {
+    "int16": (_round16, 16383),
+    "q8k": (q8k_round, 127),
+    "bf16x2": (_round_bf16x2, 1 << 16),
+    None: (lambda v: v, 0),
+}
 
 
 def _rounding(fmt: str) -> str | None:
-    return None if fmt == "fp8" else "q8k" if fmt == "q4k" else "int16"
+    if fmt == "fp8":
+        return "bf16x2" if fp8_activations() == "bf16x2" else None
+    return "q8k" if fmt == "q4k" else "int16"
 
 
 def assert_emulated(out: torch.Tensor, emulated: tuple[torch.Tensor, float]) -> None:
@@ -132,8 +158,8 @@ def test_packed_kernel_matches_emulated_reference(fmt, act, bias):
     b13, b2 = (b13, b2) if bias else (None, None)
     packed = _packed(fmt, w13, w2)
     weights = ExpertWeights(None, None, b13, b2, packed=packed)
-    deq13 = torch.stack([m.dequantize() for m in packed.w13])
-    deq2 = torch.stack([m.dequantize() for m in packed.w2])
+    deq13 = torch.stack([_kernel_view(m) for m in packed.w13])
+    deq2 = torch.stack([_kernel_view(m) for m in packed.w2])
     x, tw, ids = _routing(5)
     backend = create_backend(PACKERS[fmt][1], weights, activation=act)
     out = backend.forward(x, tw, ids)
@@ -156,8 +182,8 @@ def test_packed_kernels_keep_the_published_numbers(fmt):
     x, tw, ids = _routing(3, seed=4)
     out = create_backend(PACKERS[fmt][1], ExpertWeights(None, None, packed=packed))
     deq = ExpertWeights(
-        torch.stack([m.dequantize() for m in packed.w13]),
-        torch.stack([m.dequantize() for m in packed.w2]),
+        torch.stack([_kernel_view(m) for m in packed.w13]),
+        torch.stack([_kernel_view(m) for m in packed.w2]),
     )
     ref = _emulated(deq.w13, deq.w2, None, None, "silu", x, tw, ids, rounding=_rounding(fmt))
     assert_emulated(out.forward(x, tw, ids), ref)
@@ -174,10 +200,9 @@ def test_new_backends_from_dense_weights(backend, t):
     b = create_backend(backend, ExpertWeights(w13, w2))
     fmt = "mxfp4" if backend == "cpu-mxfp4" else "fp8"
     packed = _packed(fmt, w13, w2)
-    deq13 = torch.stack([m.dequantize() for m in packed.w13])
-    deq2 = torch.stack([m.dequantize() for m in packed.w2])
-    rounding = "int16" if fmt == "mxfp4" else None
-    ref = _emulated(deq13, deq2, None, None, "silu", x, tw, ids, rounding=rounding)
+    deq13 = torch.stack([_kernel_view(m) for m in packed.w13])
+    deq2 = torch.stack([_kernel_view(m) for m in packed.w2])
+    ref = _emulated(deq13, deq2, None, None, "silu", x, tw, ids, rounding=_rounding(fmt))
     assert_emulated(b.forward(x, tw, ids), ref)
 
 
@@ -190,8 +215,8 @@ def test_q4k_token_counts(t):
     x, tw, ids = _routing(t, seed=t)
     b = create_backend("cpu-int4", ExpertWeights(None, None, packed=packed))
     assert b.fmt == 5 and b.nbytes() == E * 3 * H * INTER * 9 // 16
-    deq13 = torch.stack([m.dequantize() for m in packed.w13])
-    deq2 = torch.stack([m.dequantize() for m in packed.w2])
+    deq13 = torch.stack([_kernel_view(m) for m in packed.w13])
+    deq2 = torch.stack([_kernel_view(m) for m in packed.w2])
     ref = _emulated(deq13, deq2, None, None, "silu", x, tw, ids, rounding="q8k")
     assert_emulated(b.forward(x, tw, ids), ref)
 
