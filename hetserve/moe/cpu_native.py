@@ -3,8 +3,10 @@
 One ctypes call per layer does everything in C (hetserve/native/moe_kernels.c): counting-sort of
 the (token, slot) pairs by expert, gate+up fused, the gate activation (silu, or gpt-oss's
 clamped SwiGLU) with optional biases, down, the weighted sum. No host sync and no per-expert
-Python. The integer formats meet activations rounded to int16 per row inside the kernel; FP8
-and fp32 weights meet fp32 activations. Weights keep their numbers, in the kernel's layout: per
+Python. The integer formats meet activations rounded to int16 per row inside the kernel; fp32
+weights meet fp32 activations, FP8 ones too except on the avx512bf16 build (BF16 and GFNI), which
+multiplies them as bf16 with each input split into two bf16 (within 2^-18 of it; see
+native.fp8_activations). Weights keep their numbers, in the kernel's layout: per
 matrix one stacked tensor whose row quads are interleaved into one sequential stream (W13's gate
 and up quads alternate), on huge pages, with the group parameters quad-interleaved beside them.
 
@@ -250,8 +252,10 @@ class NativeMxfp4Experts(_NativeExperts):
 
 
 class NativeFp8Experts(_NativeExperts):
-    """FP8 e4m3 with block scales (DeepSeek-V3 / Qwen3 FP8): the checkpoint's bytes converted to
-    fp32 in registers, fp32 activations: only fp32 rounding. Unpacked experts are quantized per
+    """FP8 e4m3 with block scales (DeepSeek-V3 / Qwen3 FP8): the checkpoint's bytes converted in
+    registers, to fp32 (fp32 activations: only fp32 rounding), or on the avx512bf16 build to
+    bf16 against inputs split into two bf16 (2^-18 of each input; e4m3 subnormals, below 2^-6
+    of the block scale, read as zero). Unpacked experts are quantized per
     expert in 128 x 128 blocks."""
 
     fmt = F_FP8
