@@ -354,7 +354,7 @@ static int sort_pairs(int E, int P, int k, const int64_t *ids, const float *tw, 
 }
 
 /* Rounds the rows of phase `which` (1: x [T, H], 2: a [P, I]) to int16 per row, for q4_K to
- * int8 per super-block, for FP8 (HS_FP8_BF16) to bf16 scaled per row. */
+ * int8 per super-block, for FP8 (HS_FP8_BF16) to a hi and a lo bf16 row scaled per row. */
 static void activations(job_t *j, int which, int rows) {
     const int K = which == 1 ? j->H : j->I;
     const float *src = which == 1 ? j->x : j->a;
