@@ -320,7 +320,6 @@ static inline __attribute__((always_inline)) void quad_fp8_bf16(const uint8_t *q
                                                                 const int16_t *const x[2], int MB,
                                                                 float out[4][MBMAX]) {
     const __m512i ahi = _mm512_set1_epi64(FP8_BF16_HI), alo = _mm512_set1_epi64(FP8_BF16_LO);
-    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     __m512 tot[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int g = 0; g < K / G; g++) {
         __m512 acc[2][4];
@@ -345,8 +344,7 @@ static inline __attribute__((always_inline)) void quad_fp8_bf16(const uint8_t *q
                         _mm512_dpbf16_ps(acc[m][2 * part + 1], w1, (__m512bh)x1);
                 }
         }
-        const __m512 s =
-            _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(sc + 4 * g)));
+        const __m512 s = quad_spread5(_mm_loadu_ps(sc + 4 * g));
         for (int m = 0; m < MB; m++) {
             const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]),
                                              _mm512_add_ps(acc[m][2], acc[m][3]));

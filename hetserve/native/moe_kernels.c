@@ -64,12 +64,17 @@ typedef struct {
     q4k_act_t p[2];
 } act16_t;
 
+/* int16s per input in the rounded activation rows: FP8's are a bf16 hi row and a lo row. */
+static inline int act_width(int fmt) {
+    return fmt == F_FP8 ? 2 : 1;
+}
+
 static inline act16_t act16(const job_t *j, int fmt, int which, int K, int r0, int r1) {
     const int16_t *base = which == 1 ? j->x16 : j->a16;
     const float *xs = which == 1 ? j->xsc : j->asc;
     const float *gsb = which == 1 ? j->xgs : j->ags;
     const int ng = j->G > 0 ? K / j->G : 0;
-    const size_t stride = (size_t)(fmt == F_FP8 ? 2 : 1) * K; /* FP8: bf16 hi and lo rows */
+    const size_t stride = (size_t)act_width(fmt) * K;
     act16_t a = {{base + r0 * stride, base + r1 * stride},
                  {gsb + (size_t)r0 * ng, gsb + (size_t)r1 * ng},
                  {xs[r0], xs[r1]},
@@ -401,7 +406,7 @@ int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int 
     size_t n_f = (size_t)P * (I + H) + P + T + P + n_g;   /* a, y, pw, xsc, asc, xgs, ags */
     size_t n_i = (size_t)P + 4 * (size_t)E;               /* tok, act_e/off/cnt, fill */
     size_t n_q = q16 ? (size_t)T * H + (size_t)P * I : 0; /* rounded activations */
-    const int xw = fmt == F_FP8 ? 2 : 1; /* int16s per input: FP8's bf16 hi and lo */
+    const int xw = act_width(fmt);
     /* int16 ones (x16, a16), or q4_K's int8 ones with their scales (1 per 256) and sums (16) */
     size_t n_16 = fmt == F_Q4K ? 0 : xw * n_q;
     size_t n_p = fmt == F_Q4K ? Q4K_XB * n_q + n_q / Q4K_SB * (sizeof(float) + 16 * sizeof(int16_t))

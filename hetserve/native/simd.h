@@ -12,9 +12,9 @@
 #endif
 
 /* HS_FP8_BF16: AVX-512 with BF16 and GFNI as well (Zen 4, Sapphire Rapids; the avx512bf16
- * build): the FP8 experts kernel moves each e4m3 byte's bits into a bf16 with one GFNI affine
- * op and multiplies with bf16 activations by vdpbf16ps (moe_formats.h), about twice the fp32
- * path's rate; it rounds the activations to bf16. Otherwise FP8 converts to fp32. */
+ * build): the FP8 experts kernel moves each e4m3 byte's bits into a bf16 with GFNI affine ops
+ * and multiplies them by vdpbf16ps with each activation split into two bf16 (moe_formats.h),
+ * 1.1-1.7x the fp32 path's rate. Otherwise FP8 converts its weights to fp32. */
 #if defined(HS_AVX512) && defined(__AVX512BF16__) && defined(__GFNI__)
 #define HS_FP8_BF16 1
 #else
