@@ -46,10 +46,11 @@ from hetserve.native.layout import (
 F_F32, F_I8, F_I4, F_MXFP4, F_FP8, F_Q4K = range(6)
 
 
-def _quads(mats: list[torch.Tensor], chunk: int, gate_up: bool) -> torch.Tensor:
-    """Per-expert matrices [N, C] -> one stacked tensor in the kernel's quad layout."""
+def _quads(mats: list[torch.Tensor], chunk: int, gate_up: bool, rows: int = 4) -> torch.Tensor:
+    """Per-expert matrices [N, C] -> one stacked tensor in the kernel's quad layout (or tile
+    layout of `rows` rows)."""
     t = torch.stack(mats)
-    return interleave_quads(pair_gate_up(t) if gate_up else t, chunk)
+    return interleave_quads(pair_gate_up(t, rows) if gate_up else t, chunk, rows)
 
 
 def _q4k_layer(mats: tuple[Q4KRows, ...], gate_up: bool) -> torch.Tensor:
@@ -226,7 +227,8 @@ class NativeInt4Experts(_NativeExperts):
 
 class NativeMxfp4Experts(_NativeExperts):
     """MXFP4 (gpt-oss): the published e2m1 blocks and e8m0 scales, read as they are (only rows
-    reordered into quads); int16 activations. Unpacked experts are quantized per expert."""
+    interleaved 16 at a time, 4 bytes each); int16 activations. Unpacked experts are quantized
+    per expert."""
 
     fmt = F_MXFP4
     group_size = 32
@@ -244,10 +246,12 @@ class NativeMxfp4Experts(_NativeExperts):
         def blocks(mats: tuple | list, n: int) -> list[torch.Tensor]:
             return [m.blocks.reshape(n, -1) for m in mats]
 
+        def tiles(mats: list[torch.Tensor], chunk: int, gate_up: bool) -> torch.Tensor:
+            return _quads(mats, chunk, gate_up, rows=16)  # native/moe_formats.h: tile_mxfp4
+
         self._set(
-            _quads(blocks(mats13, n13), 16, True), _quads([m.scales for m in mats13], 1, True),
-            None, _quads(blocks(mats2, n2), 16, False), _quads([m.scales for m in mats2], 1, False),
-            None,
+            tiles(blocks(mats13, n13), 4, True), tiles([m.scales for m in mats13], 1, True), None,
+            tiles(blocks(mats2, n2), 4, False), tiles([m.scales for m in mats2], 1, False), None,
         )  # fmt: skip
 
 

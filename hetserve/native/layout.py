@@ -21,19 +21,20 @@ def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
     return (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous()
 
 
-def pair_gate_up(w13: torch.Tensor) -> torch.Tensor:
-    """[E, 2I, C] with gate rows then up rows -> rows ordered gate 0-3, up 0-3, gate 4-7, ...,
-    so phase 1 of the kernel (which needs gate and up of the same rows) reads one stream."""
+def pair_gate_up(w13: torch.Tensor, rows: int = 4) -> torch.Tensor:
+    """[E, 2I, C] with gate rows then up rows -> rows ordered gate 0-3, up 0-3, gate 4-7, ...
+    (units of `rows`: 16 for MXFP4's tiles), so phase 1 of the kernel (which needs gate and up
+    of the same rows) reads one stream."""
     e, n, c = w13.shape
-    return w13.reshape(e, 2, n // 8, 4, c).transpose(1, 2).reshape(e, n, c)
+    return w13.reshape(e, 2, n // (2 * rows), rows, c).transpose(1, 2).reshape(e, n, c)
 
 
-def interleave_quads(t: torch.Tensor, chunk: int) -> torch.Tensor:
-    """[E, N, C] -> same bytes reordered so each quad of rows is one sequential stream: for every
-    `chunk` columns, the 4 rows' pieces back to back ([E, N/4, C/chunk, 4, chunk]), in memory
-    backed by huge pages where the OS allows."""
+def interleave_quads(t: torch.Tensor, chunk: int, rows: int = 4) -> torch.Tensor:
+    """[E, N, C] -> same bytes reordered so each quad of rows (or unit of `rows`) is one
+    sequential stream: for every `chunk` columns, the rows' pieces back to back
+    ([E, N/rows, C/chunk, rows, chunk]), in memory backed by huge pages where the OS allows."""
     e, n, c = t.shape
-    src = t.reshape(e, n // 4, 4, c // chunk, chunk).transpose(2, 3)
+    src = t.reshape(e, n // rows, rows, c // chunk, chunk).transpose(2, 3)
     return hugepage_empty(tuple(src.shape), t.dtype).copy_(src)
 
 

@@ -5,8 +5,9 @@
  *
  * Each computes out[r][m] = sum_k W[r, k] * x[m, k] for one quad of rows r < 4 stored quad-
  * interleaved (for every 16 input bytes, the 4 rows' 16 bytes back to back), group parameters
- * stored [group][4 rows]. The integer ones take int16 activations (see quantize_rows in
- * moe_kernels.c) and leave the activation scale to the caller; FP8 takes fp32 activations.
+ * stored [group][4 rows]; MXFP4 for a tile of 16 rows (tile_mxfp4). The integer ones take
+ * int16 activations (see quantize_rows in moe_kernels.c) and leave the activation scale to the
+ * caller; FP8 takes fp32 activations (or, on the bf16 path, two bf16 rows).
  */
 #ifndef HETSERVE_MOE_FORMATS_H
 #define HETSERVE_MOE_FORMATS_H
@@ -67,10 +68,10 @@ static inline void pair_out(__m256 t, float *r0, float *r1) {
 }
 
 #ifdef HS_AVX512
-/* The 512-bit forms of the nibble kernels (int4, MXFP4): one 64-byte load holds a quad's 32
- * inputs, rows 0-1 in the low half and rows 2-3 in the high half (the AVX2 kernels' two pair
- * loads side by side), the activations broadcast to all four 128-bit lanes, and vpdpwssd adds
- * each product into the accumulator. The integer sums are the AVX2 ones: results are
+/* The 512-bit forms of the int4 quad kernel (FP8 shares its spreads): one 64-byte load holds a
+ * quad's 32 inputs, rows 0-1 in the low half and rows 2-3 in the high half (the AVX2 kernels'
+ * two pair loads side by side), the activations broadcast to all four 128-bit lanes, and
+ * vpdpwssd adds each product into the accumulator. The integer sums are the AVX2 ones: results are
  * bit-identical. */
 static inline void act_quarters5(const int16_t *x, __m512i out[4]) {
     for (int i = 0; i < 4; i++)
@@ -137,74 +138,109 @@ static inline __m256i mxfp4_lut(void) {
                             0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
 }
 
-/* The 4 rows' e8m0 bytes e as 2^(e - 136): the scale 2^(e - 127), halved for the doubled
- * codes and divided by 256 for the codes' place in the high byte of an int16 (quad_mxfp4);
- * e < 10 (scales below 2^-117) -> 0. */
-static inline __m128 e8m0_scaled4(const uint8_t *e) {
-    int32_t word;
-    memcpy(&word, e, sizeof word);
-    __m128i v = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(word));
-    __m128i bits = _mm_slli_epi32(_mm_sub_epi32(v, _mm_set1_epi32(9)), 23);
-    __m128i ok = _mm_cmpgt_epi32(v, _mm_set1_epi32(9));
-    return _mm_castsi128_ps(_mm_and_si128(bits, ok));
+/* MXFP4 rows are read 16 at a time (a tile), each row in its own 32-bit lane, so per block of
+ * 32 inputs every lane sums its own row's products and meets its own scale: no per-lane scale
+ * spreading, no horizontal sums, one conversion and FMA per block for 16 rows. Tile layout, per
+ * block: four 64-byte chunks, chunk c holding for each row r (at byte 4r) its published bytes
+ * 4c .. 4c + 3 (byte i: element 2i in the low nibble, 2i + 1 in the high one); scales
+ * [block][16 rows] as published e8m0 bytes. vpshufb maps each nibble to its signed doubled value
+ * in place; a shift left by 8, or a mask of the high byte, makes 16-bit lanes of 256 x the
+ * values of elements (0, 4), (2, 6), (1, 5), (3, 7) of the chunk's 8, which meet activation
+ * pairs stored in that order (quantize_rows, perm = 2) by vpmaddwd / vpdpwssd. Per block and
+ * row 32 products of at most 3072 x 16383: < 2^31, exact; then one conversion and one FMA, in
+ * the same order in both builds (bit-identical results). */
+#define MX_ROWS 16
+
+typedef int32_t __attribute__((may_alias)) i32a; /* two int16 activations read as one */
+
+/* e8m0 bytes e as 2^(e - 136): the scale 2^(e - 127), halved for the doubled codes and divided
+ * by 256 for the codes' place in the high byte of an int16; e < 10 (scales below 2^-117) -> 0. */
+static inline __m256 e8m0_scaled8(const uint8_t *e) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)e));
+    __m256i bits = _mm256_slli_epi32(_mm256_sub_epi32(v, _mm256_set1_epi32(9)), 23);
+    __m256i ok = _mm256_cmpgt_epi32(v, _mm256_set1_epi32(9));
+    return _mm256_castsi256_ps(_mm256_and_si256(bits, ok));
 }
 
-/* MXFP4 quad: per 32 inputs (one block), the 4 rows' 16 published bytes back to back (byte i:
- * element 2i low nibble, 2i + 1 high nibble), rows taken in pairs as for int4 (see
- * moe_kernels.c); scales [block][4 rows] as published e8m0 bytes. vpshufb maps each nibble to
- * its signed doubled value in place, so a 16-bit lane holds the values of elements 4j and
- * 4j + 2 (low and high byte of the low nibbles) and 4j + 1, 4j + 3 (of the high nibbles); a
- * shift left by 8, or a mask of the high byte, makes each an int16 equal to 256 x its value,
- * sign included. Per block and lane at most 8 products of 3072 x 16383 < 2^31: exact. */
-static inline __attribute__((always_inline)) void quad_mxfp4(const uint8_t *q, const uint8_t *sc,
+static inline __attribute__((always_inline)) void tile_mxfp4(const uint8_t *q, const uint8_t *sc,
                                                              int K, const int16_t *const x[2],
-                                                             int MB, float out[4][MBMAX]) {
+                                                             int MB, float out[][MBMAX]) {
+    float t16[2][MX_ROWS];
 #ifdef HS_AVX512
-    const __m512i nib5 = _mm512_set1_epi8(0x0F), lut5 = _mm512_broadcast_i64x4(mxfp4_lut());
-    const __m512i high5 = _mm512_set1_epi16((short)0xFF00);
-    __m512 tot5[2];
-    for (int m = 0; m < MB; m++) tot5[m] = _mm512_setzero_ps();
-    for (int k = 0; k < K; k += 32) {
-        _mm_prefetch((const char *)(q + 2 * k + PF_DIST), PF_HINT);
-        const __m512i v = _mm512_loadu_si512(q + 2 * k);
-        const __m512i lo = _mm512_shuffle_epi8(lut5, _mm512_and_si512(v, nib5));
-        const __m512i hi =
-            _mm512_shuffle_epi8(lut5, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib5));
-        const __m512i w[4] = {_mm512_slli_epi16(lo, 8), _mm512_slli_epi16(hi, 8),
-                              _mm512_and_si512(lo, high5), _mm512_and_si512(hi, high5)};
-        const __m512 scale = quad_spread5(e8m0_scaled4(sc + (k / 32) * 4));
-        for (int m = 0; m < MB; m++) {
-            __m512i xq[4];
-            act_quarters5(x[m] + k, xq);
-            const __m512i d = dot4_5(_mm512_setzero_si512(), w, xq);
-            tot5[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, tot5[m]);
+    const __m512i nib = _mm512_set1_epi8(0x0F), lut = _mm512_broadcast_i64x4(mxfp4_lut());
+    const __m512i high = _mm512_set1_epi16((short)0xFF00);
+    __m512 tot[2];
+    for (int m = 0; m < MB; m++) tot[m] = _mm512_setzero_ps();
+    for (int b = 0; b < K / 32; b++) {
+        const uint8_t *qb = q + 256 * (size_t)b;
+        __m512i acc[2][2];
+        for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++) {
+            _mm_prefetch((const char *)(qb + 64 * c + PF_DIST), PF_HINT);
+            const __m512i v = _mm512_loadu_si512(qb + 64 * c);
+            const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, nib));
+            const __m512i hi =
+                _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+            const __m512i w[4] = {_mm512_slli_epi16(lo, 8), _mm512_and_si512(lo, high),
+                                  _mm512_slli_epi16(hi, 8), _mm512_and_si512(hi, high)};
+            for (int m = 0; m < MB; m++) {
+                const int16_t *xp = x[m] + 32 * b + 8 * c;
+                for (int i = 0; i < 4; i++) /* one broadcast pair */
+                    acc[m][i & 1] = _mm512_dpwssd_epi32(acc[m][i & 1], w[i],
+                                                        _mm512_set1_epi32(((const i32a *)xp)[i]));
+            }
         }
+        const __m128i e = _mm_loadu_si128((const __m128i *)(sc + MX_ROWS * (size_t)b));
+        const __m512i ev = _mm512_cvtepu8_epi32(e);
+        const __m512 scale = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(
+            _mm512_cmpgt_epi32_mask(ev, _mm512_set1_epi32(9)),
+            _mm512_sub_epi32(ev, _mm512_set1_epi32(9)), 23));
+        for (int m = 0; m < MB; m++)
+            tot[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc[m][0], acc[m][1])),
+                                     scale, tot[m]);
     }
-    for (int m = 0; m < MB; m++) quad_out5(tot5[m], out, m);
+    for (int m = 0; m < MB; m++) _mm512_storeu_ps(t16[m], tot[m]);
 #else
     const __m256i nib = _mm256_set1_epi8(0x0F), lut = mxfp4_lut();
     const __m256i high = _mm256_set1_epi16((short)0xFF00);
     __m256 tot[2][2];
-    for (int m = 0; m < MB; m++) tot[0][m] = tot[1][m] = _mm256_setzero_ps();
-    for (int k = 0; k < K; k += 32) {
-        _mm_prefetch((const char *)(q + 2 * k + PF_DIST), PF_HINT);
-        __m256i xq[2][4];
-        for (int m = 0; m < MB; m++) act_quarters(x[m] + k, xq[m]);
-        const __m128 s4 = e8m0_scaled4(sc + (k / 32) * 4);
-        for (int p = 0; p < 2; p++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(q + 2 * k + 32 * p));
-            __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, nib));
-            __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
-            const __m256i w[4] = {_mm256_slli_epi16(lo, 8), _mm256_slli_epi16(hi, 8),
-                                  _mm256_and_si256(lo, high), _mm256_and_si256(hi, high)};
-            const __m256 scale = pair_spread(s4, p);
+    for (int m = 0; m < MB; m++) tot[m][0] = tot[m][1] = _mm256_setzero_ps();
+    for (int b = 0; b < K / 32; b++) {
+        const uint8_t *qb = q + 256 * (size_t)b;
+        for (int h = 0; h < 2; h++) { /* rows 8h .. 8h + 7 */
+            __m256i acc[2][2];
+            for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                if (h == 0) _mm_prefetch((const char *)(qb + 64 * c + PF_DIST), PF_HINT);
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qb + 64 * c + 32 * h));
+                const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, nib));
+                const __m256i hi =
+                    _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
+                const __m256i w[4] = {_mm256_slli_epi16(lo, 8), _mm256_and_si256(lo, high),
+                                      _mm256_slli_epi16(hi, 8), _mm256_and_si256(hi, high)};
+                for (int m = 0; m < MB; m++) {
+                    const int16_t *xp = x[m] + 32 * b + 8 * c;
+                    for (int i = 0; i < 4; i++) {
+                        int32_t pair;
+                        memcpy(&pair, xp + 2 * i, sizeof pair);
+                        acc[m][i & 1] = _mm256_add_epi32(
+                            acc[m][i & 1], _mm256_madd_epi16(w[i], _mm256_set1_epi32(pair)));
+                    }
+                }
+            }
+            const __m256 scale = e8m0_scaled8(sc + MX_ROWS * (size_t)b + 8 * h);
             for (int m = 0; m < MB; m++)
-                tot[p][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4(w, xq[m])), scale, tot[p][m]);
+                tot[m][h] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(_mm256_add_epi32(acc[m][0], acc[m][1])), scale, tot[m][h]);
         }
     }
-    for (int m = 0; m < MB; m++)
-        for (int p = 0; p < 2; p++) pair_out(tot[p][m], &out[2 * p][m], &out[2 * p + 1][m]);
+    for (int m = 0; m < MB; m++) {
+        _mm256_storeu_ps(t16[m], tot[m][0]);
+        _mm256_storeu_ps(t16[m] + 8, tot[m][1]);
+    }
 #endif
+    for (int r = 0; r < MX_ROWS; r++)
+        for (int m = 0; m < MB; m++) out[r][m] = t16[m][r];
 }
 
 /* 16 e4m3 bytes -> 16 fp32 in two vectors, each 2^-8 times the value: the byte shifted left

@@ -93,10 +93,15 @@ static inline act16_t act16(const job_t *j, int fmt, int which, int K, int r0, i
     return a;
 }
 
-/* The integer formats (int8, grouped int8, int4, MXFP4) for one quad and MB <= 2 pairs. */
+/* Rows per unit of work: a quad, or MXFP4's tile of 16 (moe_formats.h). */
+static inline int unit_rows(int fmt) {
+    return fmt == F_MXFP4 ? MX_ROWS : 4;
+}
+
+/* The integer formats (int8, grouped int8, int4, MXFP4) for one unit and MB <= 2 pairs. */
 static inline __attribute__((always_inline)) void quad_int(const job_t *j, int fmt, int which,
                                                           size_t row, int K, const act16_t *ap,
-                                                          int MB, float out[4][MBMAX]) {
+                                                          int MB, float out[][MBMAX]) {
     const act16_t a = *ap;
     const void *w = which == 1 ? j->w13 : j->w2;
     const void *sv = which == 1 ? j->s13 : j->s2;
@@ -124,19 +129,18 @@ static inline __attribute__((always_inline)) void quad_int(const job_t *j, int f
     } else { /* F_MXFP4 */
         const uint8_t *q = (const uint8_t *)w + row * (K / 2);
         const uint8_t *s = (const uint8_t *)sv + row * (K / 32);
-        if (MB == 2) quad_mxfp4(q, s, K, a.x, 2, out); else quad_mxfp4(q, s, K, a.x, 1, out);
+        if (MB == 2) tile_mxfp4(q, s, K, a.x, 2, out); else tile_mxfp4(q, s, K, a.x, 1, out);
     }
-    for (int r = 0; r < 4; r++)
+    for (int r = 0; r < unit_rows(fmt); r++)
         for (int m = 0; m < MB; m++) out[r][m] *= a.s[m];
 }
 
-/* Rows [n0, n0+4) of expert e's matrix [N, K] against MB pairs starting at pair p (<= 3 for
- * fp32, 1 for FP8 on fp32, <= 2 for the integer formats and FP8 on bf16, whose rounded rows ap
- * holds)
- * (which = 1: the pairs' tokens x against W13; which = 2: a against W2). */
+/* Rows [n0, n0 + unit_rows) of expert e's matrix [N, K] against MB pairs starting at pair p
+ * (<= 3 for fp32, 1 for FP8 on fp32, <= 2 for the integer formats and FP8 on bf16, whose rounded
+ * rows ap holds) (which = 1: the pairs' tokens x against W13; which = 2: a against W2). */
 static inline __attribute__((always_inline)) void quad(const job_t *j, int fmt, int which, int e,
                                                       int N, int K, int n0, int p, int MB,
-                                                      const act16_t *ap, float out[4][MBMAX]) {
+                                                      const act16_t *ap, float out[][MBMAX]) {
     size_t row = (size_t)e * N + n0;
     int r0 = which == 1 ? j->tok[p] : p;
     const float *xbase = which == 1 ? j->x : j->a;
@@ -214,11 +218,11 @@ static inline void gate_lanes(const job_t *j, const float *gl, const float *ul, 
     }
 }
 
-/* Phase 1, units [u0, u1) of one expert (I/4 units each): gate rows i0.. and up rows i0..
- * Inlined once per format (fmt a constant): the per-quad dispatch folds away. */
+/* Phase 1, units [u0, u1) of one expert (I/R units each): gate rows i0.. and up rows i0..
+ * Inlined once per format (fmt a constant): the per-unit dispatch folds away. */
 static inline __attribute__((always_inline)) void phase1(const job_t *j, int u0, int u1,
                                                         const int fmt) {
-    const int H = j->H, I = j->I, per = I / 4;
+    const int H = j->H, I = j->I, R = unit_rows(fmt), per = I / R;
     int ai = u0 / per, e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
     const int step = pair_step(fmt);
     act16_t acts[TB];
@@ -227,41 +231,44 @@ static inline __attribute__((always_inline)) void phase1(const job_t *j, int u0,
         int t1 = t0 + TB < cnt ? t0 + TB : cnt;
         block_acts(j, fmt, 1, H, off, t0, t1, acts);
         for (int u = u0; u < u1; u++) {
-            int i0 = (u - ai * per) * 4;
+            int i0 = (u - ai * per) * R;
             for (int m = t0; m < t1; m += step) {
                 int MB = t1 - m >= step ? step : t1 - m;
-                float g[4][MBMAX], v[4][MBMAX];
-                /* Quantized W13 rows are stored gate quad, up quad, gate quad, ...: one
+                float g[MX_ROWS][MBMAX], v[MX_ROWS][MBMAX];
+                /* Quantized W13 rows are stored gate unit, up unit, gate unit, ...: one
                  * stream. fp32 keeps the model's layout: all gate rows, then all up rows. */
                 int f32 = fmt == F_F32;
-                int gr = f32 ? i0 : 2 * i0, ur = f32 ? I + i0 : 2 * i0 + 4;
+                int gr = f32 ? i0 : 2 * i0, ur = f32 ? I + i0 : 2 * i0 + R;
                 const act16_t *ap = acts + (m - t0) / step;
                 quad(j, fmt, 1, e, 2 * I, H, gr, off + m, MB, ap, g);
                 quad(j, fmt, 1, e, 2 * I, H, ur, off + m, MB, ap, v);
-                /* act(gate, up) * router weight for the 4 rows x MB pairs, 8 lanes at once */
-                float gl[16], ul[16], wl[16], al[16];
-                for (int mm = 0; mm < 4; mm++)
-                    for (int r = 0; r < 4; r++) {
-                        float bg = b13 ? b13[i0 + r] : 0.0f, bu = b13 ? b13[I + i0 + r] : 0.0f;
-                        gl[4 * mm + r] = mm < MB ? g[r][mm] + bg : 0.0f;
-                        ul[4 * mm + r] = mm < MB ? v[r][mm] + bu : 0.0f;
-                        wl[4 * mm + r] = j->pw[off + m + (mm < MB ? mm : 0)];
+                /* act(gate, up) * router weight, 4 rows x MB pairs at a time, 8 lanes at once */
+                for (int r0 = 0; r0 < R; r0 += 4) {
+                    float gl[16], ul[16], wl[16], al[16];
+                    for (int mm = 0; mm < 4; mm++)
+                        for (int r = 0; r < 4; r++) {
+                            int i = i0 + r0 + r;
+                            float bg = b13 ? b13[i] : 0.0f, bu = b13 ? b13[I + i] : 0.0f;
+                            gl[4 * mm + r] = mm < MB ? g[r0 + r][mm] + bg : 0.0f;
+                            ul[4 * mm + r] = mm < MB ? v[r0 + r][mm] + bu : 0.0f;
+                            wl[4 * mm + r] = j->pw[off + m + (mm < MB ? mm : 0)];
+                        }
+                    gate_lanes(j, gl, ul, wl, al, 4 * MB);
+                    for (int mm = 0; mm < MB; mm++) {
+                        float *a = j->a + (size_t)(off + m + mm) * I + i0 + r0;
+                        for (int r = 0; r < 4; r++) a[r] = al[4 * mm + r];
                     }
-                gate_lanes(j, gl, ul, wl, al, 4 * MB);
-                for (int mm = 0; mm < MB; mm++) {
-                    float *a = j->a + (size_t)(off + m + mm) * I + i0;
-                    for (int r = 0; r < 4; r++) a[r] = al[4 * mm + r];
                 }
             }
         }
     }
 }
 
-/* Phase 2, units [u0, u1) of one expert (H/4 units each): rows 4u.. of W2 -> y. The router
+/* Phase 2, units [u0, u1) of one expert (H/R units each): rows R u.. of W2 -> y. The router
  * weight is already inside a, so a bias joins as weight * bias. */
 static inline __attribute__((always_inline)) void phase2(const job_t *j, int u0, int u1,
                                                         const int fmt) {
-    const int H = j->H, I = j->I, per = H / 4;
+    const int H = j->H, I = j->I, R = unit_rows(fmt), per = H / R;
     int ai = u0 / per, e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
     const int step = pair_step(fmt);
     act16_t acts[TB];
@@ -270,15 +277,15 @@ static inline __attribute__((always_inline)) void phase2(const job_t *j, int u0,
         int t1 = t0 + TB < cnt ? t0 + TB : cnt;
         block_acts(j, fmt, 2, I, off, t0, t1, acts);
         for (int u = u0; u < u1; u++) {
-            int n0 = (u - ai * per) * 4;
+            int n0 = (u - ai * per) * R;
             for (int m = t0; m < t1; m += step) {
                 int MB = t1 - m >= step ? step : t1 - m;
-                float o[4][MBMAX];
+                float o[MX_ROWS][MBMAX];
                 quad(j, fmt, 2, e, H, I, n0, off + m, MB, acts + (m - t0) / step, o);
                 for (int mm = 0; mm < MB; mm++) {
                     float *y = j->y + (size_t)(off + m + mm) * H + n0;
                     float w = j->pw[off + m + mm];
-                    for (int r = 0; r < 4; r++) y[r] = o[r][mm] + (b2 ? w * b2[n0 + r] : 0.0f);
+                    for (int r = 0; r < R; r++) y[r] = o[r][mm] + (b2 ? w * b2[n0 + r] : 0.0f);
                 }
             }
         }
@@ -288,16 +295,16 @@ static inline __attribute__((always_inline)) void phase2(const job_t *j, int u0,
 typedef struct {
     job_t *job;
     int phase;
-    int rc; /* row quads per work item */
+    int rc; /* units (row quads, MXFP4 tiles) per work item */
 } arg_t;
 
-/* One work item: rc row quads of one active expert (never crossing an expert). Items are handed
+/* One work item: rc units of one active expert (never crossing an expert). Items are handed
  * out dynamically by the pool: on a shared machine a descheduled thread must not hold the whole
  * layer back (a static split would). */
 static void phase_item(void *ctx, int c) {
     const arg_t *arg = (const arg_t *)ctx;
     const job_t *j = arg->job;
-    int per = (arg->phase == 1 ? j->I : j->H) / 4;
+    int per = (arg->phase == 1 ? j->I : j->H) / unit_rows(j->fmt);
     int cpe = (per + arg->rc - 1) / arg->rc;
     int ai = c / cpe, u0 = ai * per + (c % cpe) * arg->rc;
     int u1 = u0 + arg->rc < (ai + 1) * per ? u0 + arg->rc : (ai + 1) * per;
@@ -320,13 +327,13 @@ static void phase_item(void *ctx, int c) {
 #define ITEM_BYTES (256 << 10)
 
 static void run_phase(job_t *j, int phase) {
-    int per = (phase == 1 ? j->I : j->H) / 4;
+    const int R = unit_rows(j->fmt), per = (phase == 1 ? j->I : j->H) / R;
     int K = phase == 1 ? j->H : j->I;
-    /* sixteen times the bytes per weight of each format, then bytes per row quad (x2 for
-     * gate and up) */
+    /* sixteen times the bytes per weight of each format, then bytes per unit (x2 for gate
+     * and up) */
     static const int b16[] = {64, 16, 8, 8, 16, 9};
-    long unit = (long)(phase == 1 ? 8 : 4) * K * b16[j->fmt] / 16;
-    const int rc = hs_item_units(unit, ITEM_BYTES, j->n_active * per, j->nthreads, RC);
+    long unit = (long)(phase == 1 ? 2 * R : R) * K * b16[j->fmt] / 16;
+    const int rc = hs_item_units(unit, ITEM_BYTES, j->n_active * per, j->nthreads, RC * 4 / R);
     arg_t arg = {j, phase, rc};
     hs_parallel_for(j->nthreads, j->n_active * ((per + rc - 1) / rc), phase_item, &arg);
 }
@@ -381,7 +388,7 @@ static void activations(job_t *j, int which, int rows) {
         return;
     }
 #endif
-    const int perm = j->fmt == F_I4 || j->fmt == F_MXFP4;
+    const int perm = j->fmt == F_I4 ? 1 : j->fmt == F_MXFP4 ? 2 : 0;
     quantize_rows(src, K, 0, rows, q, sc, perm, j->fmt == F_I4 ? j->G : 0, gs);
 }
 

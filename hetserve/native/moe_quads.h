@@ -86,8 +86,9 @@ static inline __attribute__((always_inline)) void quad_f32(const float *w, int K
 
 /* x16[p] = round(x[p] / scale[p]), scale[p] = max|x[p]| / ACT_Q, for rows [p0, p1); with
  * G > 0 also gsum[p, g] = sum of x16[p] over group g (exact: |sum| <= 128 * ACT_Q < 2^24).
- * perm = 1 stores each 32 in the order the nibble kernels split them (int4, MXFP4):
- * [0 4 .. 28 | 1 5 .. 29 | 2 6 .. 30 | 3 7 .. 31]. */
+ * perm = 1 stores each 32 in the order the int4 kernel splits them:
+ * [0 4 .. 28 | 1 5 .. 29 | 2 6 .. 30 | 3 7 .. 31]; perm = 2 each 8 in the order of the MXFP4
+ * tile's pairs (moe_formats.h): [0 4 2 6 1 5 3 7]. */
 static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, float *scale,
                           int perm, int G, float *gsum) {
     int16_t tmp[32];
@@ -114,7 +115,9 @@ static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, f
             if (perm) { /* runs once per row between the phases: a scalar reorder is fine */
                 _mm256_storeu_si256((__m256i *)tmp, h[0]);
                 _mm256_storeu_si256((__m256i *)(tmp + 16), h[1]);
-                for (int i = 0; i < 32; i++) out[k + i] = tmp[4 * (i % 8) + i / 8];
+                static const int8_t ord8[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+                for (int i = 0; i < 32; i++)
+                    out[k + i] = perm == 1 ? tmp[4 * (i % 8) + i / 8] : tmp[(i & ~7) + ord8[i & 7]];
             } else {
                 _mm256_storeu_si256((__m256i *)(out + k), h[0]);
                 _mm256_storeu_si256((__m256i *)(out + k + 16), h[1]);
