@@ -53,6 +53,12 @@ def _quads(mats: list[torch.Tensor], chunk: int, gate_up: bool, rows: int = 4) -
     return interleave_quads(pair_gate_up(t, rows) if gate_up else t, chunk, rows)
 
 
+def _tiles(mats: list[torch.Tensor], chunk: int, gate_up: bool) -> torch.Tensor:
+    """The nibble formats' layout (int4, MXFP4: tile_i4 / tile_mxfp4 in native/): 16 rows at a
+    time, `chunk` bytes of each row back to back."""
+    return _quads(mats, chunk, gate_up, rows=16)
+
+
 def _q4k_layer(mats: tuple[Q4KRows, ...], gate_up: bool) -> torch.Tensor:
     """Per-expert q4_K matrices [N, K] -> one stacked tensor [E, N/4, K/256, 576] in the
     kernel's quad layout (native/moe_q4k.h), filled expert by expert."""
@@ -216,12 +222,12 @@ class NativeInt4Experts(_NativeExperts):
                     q, scale, low = quantize_int4_groupwise(w, self.group_size)
                     out.append(Int4Rows(pack_int4_rows(q), scale, low))
         self._set(
-            _quads([m.packed for m in mats13], 16, True),
-            _quads([m.scale for m in mats13], 1, True),
-            _quads([m.minimum for m in mats13], 1, True),
-            _quads([m.packed for m in mats2], 16, False),
-            _quads([m.scale for m in mats2], 1, False),
-            _quads([m.minimum for m in mats2], 1, False),
+            _tiles([m.packed for m in mats13], 4, True),
+            _tiles([m.scale for m in mats13], 1, True),
+            _tiles([m.minimum for m in mats13], 1, True),
+            _tiles([m.packed for m in mats2], 4, False),
+            _tiles([m.scale for m in mats2], 1, False),
+            _tiles([m.minimum for m in mats2], 1, False),
         )
 
 
@@ -246,12 +252,9 @@ class NativeMxfp4Experts(_NativeExperts):
         def blocks(mats: tuple | list, n: int) -> list[torch.Tensor]:
             return [m.blocks.reshape(n, -1) for m in mats]
 
-        def tiles(mats: list[torch.Tensor], chunk: int, gate_up: bool) -> torch.Tensor:
-            return _quads(mats, chunk, gate_up, rows=16)  # native/moe_formats.h: tile_mxfp4
-
         self._set(
-            tiles(blocks(mats13, n13), 4, True), tiles([m.scales for m in mats13], 1, True), None,
-            tiles(blocks(mats2, n2), 4, False), tiles([m.scales for m in mats2], 1, False), None,
+            _tiles(blocks(mats13, n13), 4, True), _tiles([m.scales for m in mats13], 1, True), None,
+            _tiles(blocks(mats2, n2), 4, False), _tiles([m.scales for m in mats2], 1, False), None,
         )  # fmt: skip
 
 

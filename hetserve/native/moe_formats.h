@@ -149,7 +149,7 @@ static inline __m256i mxfp4_lut(void) {
  * pairs stored in that order (quantize_rows, perm = 2) by vpmaddwd / vpdpwssd. Per block and
  * row 32 products of at most 3072 x 16383: < 2^31, exact; then one conversion and one FMA, in
  * the same order in both builds (bit-identical results). */
-#define MX_ROWS 16
+#define TILE_ROWS 16 /* rows per tile (MXFP4 here, int4 in moe_quads.h) */
 
 typedef int32_t __attribute__((may_alias)) i32a; /* two int16 activations read as one */
 
@@ -165,7 +165,7 @@ static inline __m256 e8m0_scaled8(const uint8_t *e) {
 static inline __attribute__((always_inline)) void tile_mxfp4(const uint8_t *q, const uint8_t *sc,
                                                              int K, const int16_t *const x[2],
                                                              int MB, float out[][MBMAX]) {
-    float t16[2][MX_ROWS];
+    float t16[2][TILE_ROWS];
 #ifdef HS_AVX512
     const __m512i nib = _mm512_set1_epi8(0x0F), lut = _mm512_broadcast_i64x4(mxfp4_lut());
     const __m512i high = _mm512_set1_epi16((short)0xFF00);
@@ -184,13 +184,13 @@ static inline __attribute__((always_inline)) void tile_mxfp4(const uint8_t *q, c
             const __m512i w[4] = {_mm512_slli_epi16(lo, 8), _mm512_and_si512(lo, high),
                                   _mm512_slli_epi16(hi, 8), _mm512_and_si512(hi, high)};
             for (int m = 0; m < MB; m++) {
-                const int16_t *xp = x[m] + 32 * b + 8 * c;
-                for (int i = 0; i < 4; i++) /* one broadcast pair */
-                    acc[m][i & 1] = _mm512_dpwssd_epi32(acc[m][i & 1], w[i],
-                                                        _mm512_set1_epi32(((const i32a *)xp)[i]));
+                const i32a *xp = (const i32a *)(x[m] + 32 * b + 8 * c);
+                for (int i = 0; i < 4; i++)
+                    acc[m][i & 1] =
+                        _mm512_dpwssd_epi32(acc[m][i & 1], w[i], _mm512_set1_epi32(xp[i]));
             }
         }
-        const __m128i e = _mm_loadu_si128((const __m128i *)(sc + MX_ROWS * (size_t)b));
+        const __m128i e = _mm_loadu_si128((const __m128i *)(sc + TILE_ROWS * (size_t)b));
         const __m512i ev = _mm512_cvtepu8_epi32(e);
         const __m512 scale = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(
             _mm512_cmpgt_epi32_mask(ev, _mm512_set1_epi32(9)),
@@ -219,16 +219,13 @@ static inline __attribute__((always_inline)) void tile_mxfp4(const uint8_t *q, c
                 const __m256i w[4] = {_mm256_slli_epi16(lo, 8), _mm256_and_si256(lo, high),
                                       _mm256_slli_epi16(hi, 8), _mm256_and_si256(hi, high)};
                 for (int m = 0; m < MB; m++) {
-                    const int16_t *xp = x[m] + 32 * b + 8 * c;
-                    for (int i = 0; i < 4; i++) {
-                        int32_t pair;
-                        memcpy(&pair, xp + 2 * i, sizeof pair);
+                    const i32a *xp = (const i32a *)(x[m] + 32 * b + 8 * c);
+                    for (int i = 0; i < 4; i++)
                         acc[m][i & 1] = _mm256_add_epi32(
-                            acc[m][i & 1], _mm256_madd_epi16(w[i], _mm256_set1_epi32(pair)));
-                    }
+                            acc[m][i & 1], _mm256_madd_epi16(w[i], _mm256_set1_epi32(xp[i])));
                 }
             }
-            const __m256 scale = e8m0_scaled8(sc + MX_ROWS * (size_t)b + 8 * h);
+            const __m256 scale = e8m0_scaled8(sc + TILE_ROWS * (size_t)b + 8 * h);
             for (int m = 0; m < MB; m++)
                 tot[m][h] = _mm256_fmadd_ps(
                     _mm256_cvtepi32_ps(_mm256_add_epi32(acc[m][0], acc[m][1])), scale, tot[m][h]);
@@ -239,7 +236,7 @@ static inline __attribute__((always_inline)) void tile_mxfp4(const uint8_t *q, c
         _mm256_storeu_ps(t16[m] + 8, tot[m][1]);
     }
 #endif
-    for (int r = 0; r < MX_ROWS; r++)
+    for (int r = 0; r < TILE_ROWS; r++)
         for (int m = 0; m < MB; m++) out[r][m] = t16[m][r];
 }
 

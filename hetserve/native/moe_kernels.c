@@ -39,7 +39,7 @@ typedef struct {
     float alpha, limit;
     const float *b13, *b2; /* biases [E, 2I] (gate then up) and [E, H], or NULL */
     const float *x;        /* [T, H] fp32 tokens */
-    const void *w13, *w2;  /* quad-interleaved weights, see quad_i8 / quad_i4 */
+    const void *w13, *w2;  /* quad- or tile-interleaved weights, see quad_i8 / tile_i4 */
     const void *s13, *s2;  /* scales: fp32, or e8m0 bytes (MXFP4) */
     const float *m13, *m2;
     const int *tok;        /* [P] token of pair p (pairs sorted by expert) */
@@ -93,9 +93,9 @@ static inline act16_t act16(const job_t *j, int fmt, int which, int K, int r0, i
     return a;
 }
 
-/* Rows per unit of work: a quad, or MXFP4's tile of 16 (moe_formats.h). */
+/* Rows per unit of work: a quad, or the nibble formats' tile of 16 (MXFP4, int4). */
 static inline int unit_rows(int fmt) {
-    return fmt == F_MXFP4 ? MX_ROWS : 4;
+    return fmt == F_MXFP4 || fmt == F_I4 ? TILE_ROWS : 4;
 }
 
 /* The integer formats (int8, grouped int8, int4, MXFP4) for one unit and MB <= 2 pairs. */
@@ -120,8 +120,8 @@ static inline __attribute__((always_inline)) void quad_int(const job_t *j, int f
         const uint8_t *q = (const uint8_t *)w + row * (K / 2);
         const float *s = (const float *)sv + row * ng;
         const float *z = (which == 1 ? j->m13 : j->m2) + row * ng;
-        if (MB == 2) quad_i4(q, s, z, K, G, a.x, a.gs, 2, out);
-        else quad_i4(q, s, z, K, G, a.x, a.gs, 1, out);
+        if (MB == 2) tile_i4(q, s, z, K, G, a.x, a.gs, 2, out);
+        else tile_i4(q, s, z, K, G, a.x, a.gs, 1, out);
     } else if (fmt == F_Q4K) {
         const uint8_t *q = (const uint8_t *)w + row * (K / Q4K_SB) * (Q4K_QUAD_BYTES / 4);
         if (MB == 2) quad_q4k(q, K, a.p, 2, out); else quad_q4k(q, K, a.p, 1, out);
@@ -234,7 +234,7 @@ static inline __attribute__((always_inline)) void phase1(const job_t *j, int u0,
             int i0 = (u - ai * per) * R;
             for (int m = t0; m < t1; m += step) {
                 int MB = t1 - m >= step ? step : t1 - m;
-                float g[MX_ROWS][MBMAX], v[MX_ROWS][MBMAX];
+                float g[TILE_ROWS][MBMAX], v[TILE_ROWS][MBMAX];
                 /* Quantized W13 rows are stored gate unit, up unit, gate unit, ...: one
                  * stream. fp32 keeps the model's layout: all gate rows, then all up rows. */
                 int f32 = fmt == F_F32;
@@ -280,7 +280,7 @@ static inline __attribute__((always_inline)) void phase2(const job_t *j, int u0,
             int n0 = (u - ai * per) * R;
             for (int m = t0; m < t1; m += step) {
                 int MB = t1 - m >= step ? step : t1 - m;
-                float o[MX_ROWS][MBMAX];
+                float o[TILE_ROWS][MBMAX];
                 quad(j, fmt, 2, e, H, I, n0, off + m, MB, acts + (m - t0) / step, o);
                 for (int mm = 0; mm < MB; mm++) {
                     float *y = j->y + (size_t)(off + m + mm) * H + n0;
@@ -388,7 +388,7 @@ static void activations(job_t *j, int which, int rows) {
         return;
     }
 #endif
-    const int perm = j->fmt == F_I4 ? 1 : j->fmt == F_MXFP4 ? 2 : 0;
+    const int perm = j->fmt == F_I4 || j->fmt == F_MXFP4;
     quantize_rows(src, K, 0, rows, q, sc, perm, j->fmt == F_I4 ? j->G : 0, gs);
 }
 

@@ -86,9 +86,8 @@ static inline __attribute__((always_inline)) void quad_f32(const float *w, int K
 
 /* x16[p] = round(x[p] / scale[p]), scale[p] = max|x[p]| / ACT_Q, for rows [p0, p1); with
  * G > 0 also gsum[p, g] = sum of x16[p] over group g (exact: |sum| <= 128 * ACT_Q < 2^24).
- * perm = 1 stores each 32 in the order the int4 kernel splits them:
- * [0 4 .. 28 | 1 5 .. 29 | 2 6 .. 30 | 3 7 .. 31]; perm = 2 each 8 in the order of the MXFP4
- * tile's pairs (moe_formats.h): [0 4 2 6 1 5 3 7]. */
+ * perm = 1 stores each 8 in the order of the nibble tiles' pairs (tile_mxfp4, tile_i4):
+ * [0 4 2 6 1 5 3 7]. */
 static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, float *scale,
                           int perm, int G, float *gsum) {
     int16_t tmp[32];
@@ -116,8 +115,7 @@ static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, f
                 _mm256_storeu_si256((__m256i *)tmp, h[0]);
                 _mm256_storeu_si256((__m256i *)(tmp + 16), h[1]);
                 static const int8_t ord8[8] = {0, 4, 2, 6, 1, 5, 3, 7};
-                for (int i = 0; i < 32; i++)
-                    out[k + i] = perm == 1 ? tmp[4 * (i % 8) + i / 8] : tmp[(i & ~7) + ord8[i & 7]];
+                for (int i = 0; i < 32; i++) out[k + i] = tmp[(i & ~7) + ord8[i & 7]];
             } else {
                 _mm256_storeu_si256((__m256i *)(out + k), h[0]);
                 _mm256_storeu_si256((__m256i *)(out + k + 16), h[1]);
@@ -133,102 +131,90 @@ static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, f
     }
 }
 
-/* Nibble formats (int4, MXFP4) take rows in pairs: one 32-byte load holds rows 2p and 2p + 1 of
- * the same 32 inputs (the quad layout puts them back to back), and each 16-bit lane of it holds
- * elements 4j .. 4j + 3 of its row (two bytes, element 2i in byte i's low nibble). Masks and
- * shifts within lanes split it into four int16 vectors of elements 4j, 4j + 1, 4j + 2, 4j + 3,
- * with no shuffles; the activations are stored in that order (quantize_rows, perm = 1), so the
- * same 8 activations meet both rows: lanes 0-3 of an accumulator sum row 2p, lanes 4-7 row
- * 2p + 1. Four vpmaddwd per 64 weights and token, a third fewer instructions than unpacking. */
-
-/* int4 quad: w = q * scale + minimum per group of G inputs, q in [0, 15]; scales and minimums
- * stored [group][4 rows]. With int16 activations, w . x16 = sum_g scale_g * (q_g . x16_g) +
- * minimum_g * sum(x16_g): the nibbles go straight into vpmaddwd (exact per group) and the
- * minimum needs only the group sums. */
-static inline __attribute__((always_inline)) void quad_i4(const uint8_t *q, const float *sc,
+/* int4: w = q * scale + minimum per group of G inputs, q in [0, 15], read 16 rows at a time
+ * as MXFP4 is (moe_formats.h, tile_mxfp4): per 8 inputs, each row's 4 bytes (element 2i in
+ * byte i's low nibble) at byte 4r, so each row owns a 32-bit lane; scales and minimums stored
+ * [group][16 rows]. Masks and shifts within 16-bit lanes give elements (0, 4), (2, 6), (1, 5),
+ * (3, 7) of the 8, which meet the activation pairs stored in that order (quantize_rows,
+ * perm = 2). With int16 activations, w . x16 = sum_g scale_g * (q_g . x16_g) + minimum_g *
+ * sum(x16_g): the nibbles go straight into vpmaddwd (exact per group: at most 128 products
+ * of 15 x 16383 per lane) and the minimum needs only the group sums. */
+static inline __attribute__((always_inline)) void tile_i4(const uint8_t *q, const float *sc,
                                                           const float *mn, int K, int G,
                                                           const int16_t *const x[2],
                                                           const float *const gs[2], int MB,
-                                                          float out[4][MBMAX]) {
+                                                          float out[][MBMAX]) {
+    float t16[2][TILE_ROWS];
 #ifdef HS_AVX512
-    const __m512i nib5 = _mm512_set1_epi8(0x0F), low5 = _mm512_set1_epi16(0x00FF);
-    __m512 tot5[2];
-    __m128 zs[2];
-    for (int m = 0; m < MB; m++) {
-        zs[m] = _mm_setzero_ps();
-        tot5[m] = _mm512_setzero_ps();
-    }
+    const __m512i low = _mm512_set1_epi16(0x000F);
+    __m512 tot[2];
+    for (int m = 0; m < MB; m++) tot[m] = _mm512_setzero_ps();
     for (int g = 0; g < K / G; g++) {
-        __m512i acc[2];
-        for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_si512();
-        for (int k = g * G; k < (g + 1) * G; k += 32) {
-            _mm_prefetch((const char *)(q + 2 * k + PF_DIST), PF_HINT);
-            const __m512i v = _mm512_loadu_si512(q + 2 * k);
-            const __m512i lo = _mm512_and_si512(v, nib5);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib5);
-            const __m512i w[4] = {_mm512_and_si512(lo, low5), _mm512_and_si512(hi, low5),
-                                  _mm512_srli_epi16(lo, 8), _mm512_srli_epi16(hi, 8)};
+        __m512i acc[2][2];
+        for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
+        for (int k = g * G; k < (g + 1) * G; k += 8) {
+            const uint8_t *qc = q + 8 * (size_t)k; /* 16 rows x 4 bytes */
+            _mm_prefetch((const char *)(qc + PF_DIST), PF_HINT);
+            const __m512i v = _mm512_loadu_si512(qc);
+            const __m512i w[4] = {_mm512_and_si512(v, low),
+                                  _mm512_and_si512(_mm512_srli_epi16(v, 8), low),
+                                  _mm512_and_si512(_mm512_srli_epi16(v, 4), low),
+                                  _mm512_srli_epi16(v, 12)};
             for (int m = 0; m < MB; m++) {
-                __m512i xq[4];
-                act_quarters5(x[m] + k, xq);
-                acc[m] = dot4_5(acc[m], w, xq);
+                const i32a *xp = (const i32a *)(x[m] + k);
+                for (int i = 0; i < 4; i++)
+                    acc[m][i & 1] =
+                        _mm512_dpwssd_epi32(acc[m][i & 1], w[i], _mm512_set1_epi32(xp[i]));
             }
         }
-        const __m128 mnv = _mm_loadu_ps(mn + 4 * g);
-        const __m512 s = quad_spread5(_mm_loadu_ps(sc + 4 * g));
+        const __m512 s = _mm512_loadu_ps(sc + TILE_ROWS * (size_t)g);
+        const __m512 z = _mm512_loadu_ps(mn + TILE_ROWS * (size_t)g);
         for (int m = 0; m < MB; m++) {
-            tot5[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), s, tot5[m]);
-            zs[m] = _mm_fmadd_ps(mnv, _mm_set1_ps(gs[m][g]), zs[m]);
+            __m512 d = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[m][0], acc[m][1]));
+            tot[m] = _mm512_fmadd_ps(d, s, tot[m]);
+            tot[m] = _mm512_fmadd_ps(z, _mm512_set1_ps(gs[m][g]), tot[m]);
         }
     }
-    for (int m = 0; m < MB; m++) {
-        float z[4];
-        _mm_storeu_ps(z, zs[m]);
-        quad_out5(tot5[m], out, m);
-        for (int r = 0; r < 4; r++) out[r][m] += z[r];
-    }
+    for (int m = 0; m < MB; m++) _mm512_storeu_ps(t16[m], tot[m]);
 #else
-    const __m256i nib = _mm256_set1_epi8(0x0F), low = _mm256_set1_epi16(0x00FF);
+    const __m256i low = _mm256_set1_epi16(0x000F);
     __m256 tot[2][2];
-    __m128 zs[2];
-    for (int m = 0; m < MB; m++) {
-        zs[m] = _mm_setzero_ps();
-        tot[0][m] = tot[1][m] = _mm256_setzero_ps();
-    }
+    for (int m = 0; m < MB; m++) tot[m][0] = tot[m][1] = _mm256_setzero_ps();
     for (int g = 0; g < K / G; g++) {
-        __m256i acc[2][2];
-        for (int m = 0; m < MB; m++) acc[0][m] = acc[1][m] = _mm256_setzero_si256();
-        for (int k = g * G; k < (g + 1) * G; k += 32) {
-            _mm_prefetch((const char *)(q + 2 * k + PF_DIST), PF_HINT);
-            __m256i xq[2][4];
-            for (int m = 0; m < MB; m++) act_quarters(x[m] + k, xq[m]);
-            for (int p = 0; p < 2; p++) {
-                __m256i v = _mm256_loadu_si256((const __m256i *)(q + 2 * k + 32 * p));
-                __m256i lo = _mm256_and_si256(v, nib);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-                const __m256i w[4] = {_mm256_and_si256(lo, low), _mm256_and_si256(hi, low),
-                                      _mm256_srli_epi16(lo, 8), _mm256_srli_epi16(hi, 8)};
-                for (int m = 0; m < MB; m++) acc[p][m] = _mm256_add_epi32(acc[p][m], dot4(w, xq[m]));
+        for (int h = 0; h < 2; h++) { /* rows 8h .. 8h + 7 */
+            __m256i acc[2][2];
+            for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+            for (int k = g * G; k < (g + 1) * G; k += 8) {
+                const uint8_t *qc = q + 8 * (size_t)k;
+                if (h == 0) _mm_prefetch((const char *)(qc + PF_DIST), PF_HINT);
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qc + 32 * h));
+                const __m256i w[4] = {_mm256_and_si256(v, low),
+                                      _mm256_and_si256(_mm256_srli_epi16(v, 8), low),
+                                      _mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                      _mm256_srli_epi16(v, 12)};
+                for (int m = 0; m < MB; m++) {
+                    const i32a *xp = (const i32a *)(x[m] + k);
+                    for (int i = 0; i < 4; i++)
+                        acc[m][i & 1] = _mm256_add_epi32(
+                            acc[m][i & 1], _mm256_madd_epi16(w[i], _mm256_set1_epi32(xp[i])));
+                }
+            }
+            const __m256 s = _mm256_loadu_ps(sc + TILE_ROWS * (size_t)g + 8 * h);
+            const __m256 z = _mm256_loadu_ps(mn + TILE_ROWS * (size_t)g + 8 * h);
+            for (int m = 0; m < MB; m++) {
+                __m256 d = _mm256_cvtepi32_ps(_mm256_add_epi32(acc[m][0], acc[m][1]));
+                tot[m][h] = _mm256_fmadd_ps(d, s, tot[m][h]);
+                tot[m][h] = _mm256_fmadd_ps(z, _mm256_set1_ps(gs[m][g]), tot[m][h]);
             }
         }
-        const __m128 mnv = _mm_loadu_ps(mn + 4 * g), s4 = _mm_loadu_ps(sc + 4 * g);
-        for (int p = 0; p < 2; p++) {
-            const __m256 s = pair_spread(s4, p);
-            for (int m = 0; m < MB; m++)
-                tot[p][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[p][m]), s, tot[p][m]);
-        }
-        for (int m = 0; m < MB; m++) zs[m] = _mm_fmadd_ps(mnv, _mm_set1_ps(gs[m][g]), zs[m]);
     }
     for (int m = 0; m < MB; m++) {
-        float z[4];
-        _mm_storeu_ps(z, zs[m]);
-        for (int p = 0; p < 2; p++) {
-            pair_out(tot[p][m], &out[2 * p][m], &out[2 * p + 1][m]);
-            out[2 * p][m] += z[2 * p];
-            out[2 * p + 1][m] += z[2 * p + 1];
-        }
+        _mm256_storeu_ps(t16[m], tot[m][0]);
+        _mm256_storeu_ps(t16[m] + 8, tot[m][1]);
     }
 #endif
+    for (int r = 0; r < TILE_ROWS; r++)
+        for (int m = 0; m < MB; m++) out[r][m] = t16[m][r];
 }
 
 #endif
