@@ -40,25 +40,7 @@ static inline int hsum_i32(__m256i v) {
     return _mm_cvtsi128_si32(t);
 }
 
-/* The four activation vectors of 32 inputs, broadcast to both row lanes. */
-static inline void act_quarters(const int16_t *x, __m256i out[4]) {
-    for (int i = 0; i < 4; i++)
-        out[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x + 8 * i)));
-}
-
-static inline __m256i dot4(const __m256i w[4], const __m256i x[4]) {
-    __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w[0], x[0]), _mm256_madd_epi16(w[1], x[1]));
-    return _mm256_add_epi32(s, _mm256_add_epi32(_mm256_madd_epi16(w[2], x[2]),
-                                                _mm256_madd_epi16(w[3], x[3])));
-}
-
-/* The 4 rows' values v[0..3] (one per row of a quad) as [v[2p] x 4 | v[2p + 1] x 4]. */
-static inline __m256 pair_spread(__m128 v, int p) {
-    const __m256i idx = p ? _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)
-                          : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), idx);
-}
-
+/* The sums of lanes 0-3 and 4-7 of t (two rows of a quad, 4 lanes each). */
 static inline void pair_out(__m256 t, float *r0, float *r1) {
     __m128 lo = _mm256_castps256_ps128(t), hi = _mm256_extractf128_ps(t, 1);
     __m128 s = _mm_hadd_ps(lo, hi); /* [lo0+lo1, lo2+lo3, hi0+hi1, hi2+hi3] */
@@ -68,22 +50,10 @@ static inline void pair_out(__m256 t, float *r0, float *r1) {
 }
 
 #ifdef HS_AVX512
-/* The 512-bit forms of the int4 quad kernel (FP8 shares its spreads): one 64-byte load holds a
- * quad's 32 inputs, rows 0-1 in the low half and rows 2-3 in the high half (the AVX2 kernels'
- * two pair loads side by side), the activations broadcast to all four 128-bit lanes, and
- * vpdpwssd adds each product into the accumulator. The integer sums are the AVX2 ones: results are
- * bit-identical. */
-static inline void act_quarters5(const int16_t *x, __m512i out[4]) {
-    for (int i = 0; i < 4; i++)
-        out[i] = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(x + 8 * i)));
-}
+/* The 512-bit forms of the quad spreads (FP8): a quad's rows 0-1 in the low half of a vector
+ * and rows 2-3 in the high half, 4 lanes per row. */
 
-static inline __m512i dot4_5(__m512i acc, const __m512i w[4], const __m512i x[4]) {
-    for (int i = 0; i < 4; i++) acc = _mm512_dpwssd_epi32(acc, w[i], x[i]);
-    return acc;
-}
-
-/* [v0 x4, v1 x4 | v2 x4, v3 x4]: pair_spread of both pairs side by side. */
+/* The 4 rows' values v[0..3] (one per row of a quad) as [v0 x4, v1 x4 | v2 x4, v3 x4]. */
 static inline __m512 quad_spread5(__m128 v) {
     const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v));
