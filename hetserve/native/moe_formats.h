@@ -116,7 +116,7 @@ static inline __m256i mxfp4_lut(void) {
  * [block][16 rows] as published e8m0 bytes. vpshufb maps each nibble to its signed doubled value
  * in place; a shift left by 8, or a mask of the high byte, makes 16-bit lanes of 256 x the
  * values of elements (0, 4), (2, 6), (1, 5), (3, 7) of the chunk's 8, which meet activation
- * pairs stored in that order (quantize_rows, perm = 2) by vpmaddwd / vpdpwssd. Per block and
+ * pairs stored in that order (quantize_rows, perm = 1) by vpmaddwd / vpdpwssd. Per block and
  * row 32 products of at most 3072 x 16383: < 2^31, exact; then one conversion and one FMA, in
  * the same order in both builds (bit-identical results). */
 #define TILE_ROWS 16 /* rows per tile (MXFP4 here, int4 in moe_quads.h) */
@@ -132,10 +132,63 @@ static inline __m256 e8m0_scaled8(const uint8_t *e) {
     return _mm256_castsi256_ps(_mm256_and_si256(bits, ok));
 }
 
+/* The helpers both tiles (MXFP4, int4) share. tile_dot: one chunk's four pair vectors w
+ * against the 8 activations from x (pairs in the tile's order), alternating between two
+ * accumulators (shorter chains); tile_sum: their block sum as fp32; tile_out: the 16 rows of
+ * each token's totals (two 8-row halves on AVX2) into out[r][m]. */
+static inline __attribute__((always_inline)) void tile_dot(__m256i acc[2], const __m256i w[4],
+                                                           const int16_t *x) {
+    const i32a *xp = (const i32a *)x;
+    for (int i = 0; i < 4; i++)
+        acc[i & 1] =
+            _mm256_add_epi32(acc[i & 1], _mm256_madd_epi16(w[i], _mm256_set1_epi32(xp[i])));
+}
+
+static inline __m256 tile_sum(const __m256i acc[2]) {
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(acc[0], acc[1]));
+}
+
+static inline void tile_out(__m256 tot[][2], int MB, float out[][MBMAX]) {
+    float t[2][TILE_ROWS];
+    for (int m = 0; m < MB; m++) {
+        _mm256_storeu_ps(t[m], tot[m][0]);
+        _mm256_storeu_ps(t[m] + 8, tot[m][1]);
+    }
+    for (int r = 0; r < TILE_ROWS; r++)
+        for (int m = 0; m < MB; m++) out[r][m] = t[m][r];
+}
+
+#ifdef HS_AVX512
+/* e8m0_scaled8 for 16 rows. */
+static inline __m512 e8m0_scaled16(const uint8_t *e) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)e));
+    return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(
+        _mm512_cmpgt_epi32_mask(v, _mm512_set1_epi32(9)), _mm512_sub_epi32(v, _mm512_set1_epi32(9)),
+        23));
+}
+
+static inline __attribute__((always_inline)) void tile_dot5(__m512i acc[2], const __m512i w[4],
+                                                            const int16_t *x) {
+    const i32a *xp = (const i32a *)x;
+    for (int i = 0; i < 4; i++)
+        acc[i & 1] = _mm512_dpwssd_epi32(acc[i & 1], w[i], _mm512_set1_epi32(xp[i]));
+}
+
+static inline __m512 tile_sum5(const __m512i acc[2]) {
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(acc[0], acc[1]));
+}
+
+static inline void tile_out5(const __m512 tot[], int MB, float out[][MBMAX]) {
+    float t[2][TILE_ROWS];
+    for (int m = 0; m < MB; m++) _mm512_storeu_ps(t[m], tot[m]);
+    for (int r = 0; r < TILE_ROWS; r++)
+        for (int m = 0; m < MB; m++) out[r][m] = t[m][r];
+}
+#endif
+
 static inline __attribute__((always_inline)) void tile_mxfp4(const uint8_t *q, const uint8_t *sc,
                                                              int K, const int16_t *const x[2],
                                                              int MB, float out[][MBMAX]) {
-    float t16[2][TILE_ROWS];
 #ifdef HS_AVX512
     const __m512i nib = _mm512_set1_epi8(0x0F), lut = _mm512_broadcast_i64x4(mxfp4_lut());
     const __m512i high = _mm512_set1_epi16((short)0xFF00);
@@ -153,23 +206,12 @@ static inline __attribute__((always_inline)) void tile_mxfp4(const uint8_t *q, c
                 _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
             const __m512i w[4] = {_mm512_slli_epi16(lo, 8), _mm512_and_si512(lo, high),
                                   _mm512_slli_epi16(hi, 8), _mm512_and_si512(hi, high)};
-            for (int m = 0; m < MB; m++) {
-                const i32a *xp = (const i32a *)(x[m] + 32 * b + 8 * c);
-                for (int i = 0; i < 4; i++)
-                    acc[m][i & 1] =
-                        _mm512_dpwssd_epi32(acc[m][i & 1], w[i], _mm512_set1_epi32(xp[i]));
-            }
+            for (int m = 0; m < MB; m++) tile_dot5(acc[m], w, x[m] + 32 * b + 8 * c);
         }
-        const __m128i e = _mm_loadu_si128((const __m128i *)(sc + TILE_ROWS * (size_t)b));
-        const __m512i ev = _mm512_cvtepu8_epi32(e);
-        const __m512 scale = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(
-            _mm512_cmpgt_epi32_mask(ev, _mm512_set1_epi32(9)),
-            _mm512_sub_epi32(ev, _mm512_set1_epi32(9)), 23));
-        for (int m = 0; m < MB; m++)
-            tot[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc[m][0], acc[m][1])),
-                                     scale, tot[m]);
+        const __m512 scale = e8m0_scaled16(sc + TILE_ROWS * (size_t)b);
+        for (int m = 0; m < MB; m++) tot[m] = _mm512_fmadd_ps(tile_sum5(acc[m]), scale, tot[m]);
     }
-    for (int m = 0; m < MB; m++) _mm512_storeu_ps(t16[m], tot[m]);
+    tile_out5(tot, MB, out);
 #else
     const __m256i nib = _mm256_set1_epi8(0x0F), lut = mxfp4_lut();
     const __m256i high = _mm256_set1_epi16((short)0xFF00);
@@ -188,26 +230,15 @@ static inline __attribute__((always_inline)) void tile_mxfp4(const uint8_t *q, c
                     _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
                 const __m256i w[4] = {_mm256_slli_epi16(lo, 8), _mm256_and_si256(lo, high),
                                       _mm256_slli_epi16(hi, 8), _mm256_and_si256(hi, high)};
-                for (int m = 0; m < MB; m++) {
-                    const i32a *xp = (const i32a *)(x[m] + 32 * b + 8 * c);
-                    for (int i = 0; i < 4; i++)
-                        acc[m][i & 1] = _mm256_add_epi32(
-                            acc[m][i & 1], _mm256_madd_epi16(w[i], _mm256_set1_epi32(xp[i])));
-                }
+                for (int m = 0; m < MB; m++) tile_dot(acc[m], w, x[m] + 32 * b + 8 * c);
             }
             const __m256 scale = e8m0_scaled8(sc + TILE_ROWS * (size_t)b + 8 * h);
             for (int m = 0; m < MB; m++)
-                tot[m][h] = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(_mm256_add_epi32(acc[m][0], acc[m][1])), scale, tot[m][h]);
+                tot[m][h] = _mm256_fmadd_ps(tile_sum(acc[m]), scale, tot[m][h]);
         }
     }
-    for (int m = 0; m < MB; m++) {
-        _mm256_storeu_ps(t16[m], tot[m][0]);
-        _mm256_storeu_ps(t16[m] + 8, tot[m][1]);
-    }
+    tile_out(tot, MB, out);
 #endif
-    for (int r = 0; r < TILE_ROWS; r++)
-        for (int m = 0; m < MB; m++) out[r][m] = t16[m][r];
 }
 
 /* 16 e4m3 bytes -> 16 fp32 in two vectors, each 2^-8 times the value: the byte shifted left

@@ -136,7 +136,7 @@ static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, f
  * byte i's low nibble) at byte 4r, so each row owns a 32-bit lane; scales and minimums stored
  * [group][16 rows]. Masks and shifts within 16-bit lanes give elements (0, 4), (2, 6), (1, 5),
  * (3, 7) of the 8, which meet the activation pairs stored in that order (quantize_rows,
- * perm = 2). With int16 activations, w . x16 = sum_g scale_g * (q_g . x16_g) + minimum_g *
+ * perm = 1). With int16 activations, w . x16 = sum_g scale_g * (q_g . x16_g) + minimum_g *
  * sum(x16_g): the nibbles go straight into vpmaddwd (exact per group: at most 128 products
  * of 15 x 16383 per lane) and the minimum needs only the group sums. */
 static inline __attribute__((always_inline)) void tile_i4(const uint8_t *q, const float *sc,
@@ -144,7 +144,6 @@ static inline __attribute__((always_inline)) void tile_i4(const uint8_t *q, cons
                                                           const int16_t *const x[2],
                                                           const float *const gs[2], int MB,
                                                           float out[][MBMAX]) {
-    float t16[2][TILE_ROWS];
 #ifdef HS_AVX512
     const __m512i low = _mm512_set1_epi16(0x000F);
     __m512 tot[2];
@@ -160,22 +159,16 @@ static inline __attribute__((always_inline)) void tile_i4(const uint8_t *q, cons
                                   _mm512_and_si512(_mm512_srli_epi16(v, 8), low),
                                   _mm512_and_si512(_mm512_srli_epi16(v, 4), low),
                                   _mm512_srli_epi16(v, 12)};
-            for (int m = 0; m < MB; m++) {
-                const i32a *xp = (const i32a *)(x[m] + k);
-                for (int i = 0; i < 4; i++)
-                    acc[m][i & 1] =
-                        _mm512_dpwssd_epi32(acc[m][i & 1], w[i], _mm512_set1_epi32(xp[i]));
-            }
+            for (int m = 0; m < MB; m++) tile_dot5(acc[m], w, x[m] + k);
         }
         const __m512 s = _mm512_loadu_ps(sc + TILE_ROWS * (size_t)g);
         const __m512 z = _mm512_loadu_ps(mn + TILE_ROWS * (size_t)g);
         for (int m = 0; m < MB; m++) {
-            __m512 d = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[m][0], acc[m][1]));
-            tot[m] = _mm512_fmadd_ps(d, s, tot[m]);
+            tot[m] = _mm512_fmadd_ps(tile_sum5(acc[m]), s, tot[m]);
             tot[m] = _mm512_fmadd_ps(z, _mm512_set1_ps(gs[m][g]), tot[m]);
         }
     }
-    for (int m = 0; m < MB; m++) _mm512_storeu_ps(t16[m], tot[m]);
+    tile_out5(tot, MB, out);
 #else
     const __m256i low = _mm256_set1_epi16(0x000F);
     __m256 tot[2][2];
@@ -192,29 +185,18 @@ static inline __attribute__((always_inline)) void tile_i4(const uint8_t *q, cons
                                       _mm256_and_si256(_mm256_srli_epi16(v, 8), low),
                                       _mm256_and_si256(_mm256_srli_epi16(v, 4), low),
                                       _mm256_srli_epi16(v, 12)};
-                for (int m = 0; m < MB; m++) {
-                    const i32a *xp = (const i32a *)(x[m] + k);
-                    for (int i = 0; i < 4; i++)
-                        acc[m][i & 1] = _mm256_add_epi32(
-                            acc[m][i & 1], _mm256_madd_epi16(w[i], _mm256_set1_epi32(xp[i])));
-                }
+                for (int m = 0; m < MB; m++) tile_dot(acc[m], w, x[m] + k);
             }
             const __m256 s = _mm256_loadu_ps(sc + TILE_ROWS * (size_t)g + 8 * h);
             const __m256 z = _mm256_loadu_ps(mn + TILE_ROWS * (size_t)g + 8 * h);
             for (int m = 0; m < MB; m++) {
-                __m256 d = _mm256_cvtepi32_ps(_mm256_add_epi32(acc[m][0], acc[m][1]));
-                tot[m][h] = _mm256_fmadd_ps(d, s, tot[m][h]);
+                tot[m][h] = _mm256_fmadd_ps(tile_sum(acc[m]), s, tot[m][h]);
                 tot[m][h] = _mm256_fmadd_ps(z, _mm256_set1_ps(gs[m][g]), tot[m][h]);
             }
         }
     }
-    for (int m = 0; m < MB; m++) {
-        _mm256_storeu_ps(t16[m], tot[m][0]);
-        _mm256_storeu_ps(t16[m] + 8, tot[m][1]);
-    }
+    tile_out(tot, MB, out);
 #endif
-    for (int r = 0; r < TILE_ROWS; r++)
-        for (int m = 0; m < MB; m++) out[r][m] = t16[m][r];
 }
 
 #endif
