@@ -89,6 +89,8 @@ static inline __attribute__((always_inline)) void quad_i8g(const int8_t *q, cons
                     acc[r][m] = _mm256_add_epi32(
                         acc[r][m], _mm256_madd_epi16(w, _mm256_loadu_si256((const __m256i *)(x[m] + k))));
             }
+            for (int r = 0; r < 4; r++)
+                for (int m = 0; m < MB; m++) HS_PIN(acc[r][m]);
         }
         float s4[4];
         _mm_storeu_ps(s4, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(sc + 4 * g))));
@@ -142,6 +144,8 @@ static inline __attribute__((always_inline)) void tile_dot(__m256i acc[2], const
     for (int i = 0; i < 4; i++)
         acc[i & 1] =
             _mm256_add_epi32(acc[i & 1], _mm256_madd_epi16(w[i], _mm256_set1_epi32(xp[i])));
+    HS_PIN(acc[0]);
+    HS_PIN(acc[1]);
 }
 
 static inline __m256 tile_sum(const __m256i acc[2]) {
@@ -172,6 +176,8 @@ static inline __attribute__((always_inline)) void tile_dot5(__m512i acc[2], cons
     const i32a *xp = (const i32a *)x;
     for (int i = 0; i < 4; i++)
         acc[i & 1] = _mm512_dpwssd_epi32(acc[i & 1], w[i], _mm512_set1_epi32(xp[i]));
+    HS_PIN(acc[0]);
+    HS_PIN(acc[1]);
 }
 
 static inline __m512 tile_sum5(const __m512i acc[2]) {
