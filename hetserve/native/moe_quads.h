@@ -40,7 +40,7 @@ static inline __attribute__((always_inline)) void quad_i8(const int8_t *q, int K
         __m256i acc[4][2];
         for (int r = 0; r < 4; r++)
             for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_si256();
-        for (int k0 = kb; k0 < ke; k0 += kstep) /* see quad_int: kstep is a runtime value */
+        for (int k0 = kb; k0 < ke; k0 += kstep) /* kstep: see i8_kstep */
             for (int k = k0; k < k0 + kstep; k += 16) {
                 _mm_prefetch((const char *)(q + 4 * k + PF_DIST), PF_HINT);
                 __m256i w[4];

@@ -24,8 +24,8 @@
 /* Keeps v in one register from one loop iteration to the next (quad_i8g, the tiles' dot
  * helpers). GCC 12 gives some loops' accumulators a second register and copies them back every
  * iteration; the empty asm that reads and writes v in place removed those copies from the
- * tiles' loops, and one-token MXFP4 and q8_0 layers streamed ~1.05x and ~1.03x faster. It is not
- * a cure for every loop: quad_i8 gained nothing from it (see i8_kstep there). */
+ * tiles' loops (one-token MXFP4 layer ~1.05x faster; q8_0 1.00-1.04x). It is no cure for every
+ * loop: quad_i8 kept some copies and gained more from a run-time block length (i8_kstep). */
 #ifdef __AVX512F__
 #define HS_PIN(v) __asm__("" : "+v"(v)) /* "v": any of the 32 vector registers */
 #else
