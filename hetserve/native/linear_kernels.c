@@ -58,8 +58,7 @@ static inline void lin_quad(const lin_t *l, int n0, int m, int MB, float o[4][MB
         if (MB == 2) quad_i8g(q, s, K, l->G, xr, 2, o); else quad_i8g(q, s, K, l->G, xr, 1, o);
         return;
     }
-    const int ks = i8_kstep(K);
-    if (MB == 2) quad_i8(q, K, ks, xr, 2, o); else quad_i8(q, K, ks, xr, 1, o);
+    if (MB == 2) quad_i8(q, K, xr, 2, o); else quad_i8(q, K, xr, 1, o);
     for (int r = 0; r < 4; r++)
         for (int mm = 0; mm < MB; mm++) o[r][mm] *= l->s[n0 + r];
 }

@@ -109,8 +109,7 @@ static inline __attribute__((always_inline)) void quad_int(const job_t *j, int f
     if (fmt == F_I8 && G == 0) {
         const int8_t *q = (const int8_t *)w + row * K;
         const float *s = (const float *)sv + row;
-        const int ks = i8_kstep(K);
-        if (MB == 2) quad_i8(q, K, ks, a.x, 2, out); else quad_i8(q, K, ks, a.x, 1, out);
+        if (MB == 2) quad_i8(q, K, a.x, 2, out); else quad_i8(q, K, a.x, 1, out);
         for (int r = 0; r < 4; r++)
             for (int m = 0; m < MB; m++) out[r][m] *= s[r];
     } else if (fmt == F_I8) { /* grouped: fp16 scales */

@@ -18,7 +18,7 @@
 #define ACT_Q 16383
 #define KBLOCK 4096
 
-/* quad_i8's inner loop length: 256 inputs where K allows (else 16). Passed in at run time on
+/* quad_i8's inner loop length: 256 inputs where K allows (else 16). A run-time value on
  * purpose: with a compile-time length (or none, one loop over the whole row) GCC 12 gives the
  * accumulators a second register each and copies them back every 16 inputs, and a one-token
  * int8 layer streamed its weights ~1.1x slower (same results, only the loop's shape differs). */
@@ -30,9 +30,10 @@ static inline int i8_kstep(int K) {
  * weights per vpmovsxbw + vpmaddwd, a third of the uops of converting to fp32. Quad layout:
  * for each 16 inputs, the 4 rows' 16 bytes back to back, so a quad is one sequential stream of
  * whole cache lines (four strided row streams ran at half the speed: prefetch-bound). */
-static inline __attribute__((always_inline)) void quad_i8(const int8_t *q, int K, int kstep,
+static inline __attribute__((always_inline)) void quad_i8(const int8_t *q, int K,
                                                           const int16_t *const x[2], int MB,
                                                           float out[4][MBMAX]) {
+    const int kstep = i8_kstep(K);
     for (int r = 0; r < 4; r++)
         for (int m = 0; m < MB; m++) out[r][m] = 0.0f;
     for (int kb = 0; kb < K; kb += KBLOCK) {
