@@ -133,7 +133,7 @@ static inline __attribute__((always_inline)) void quad_q4k(const uint8_t *q, int
     __m256 tot[2], zt[2][2];
     for (int m = 0; m < MB; m++) tot[m] = zt[m][0] = zt[m][1] = _mm256_setzero_ps();
     for (int s = 0; s < K / Q4K_SB; s++, q += Q4K_QUAD_BYTES) {
-        _mm_prefetch((const char *)(q + PF_DIST), PF_HINT);
+        hs_prefetch(q);
         const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)q));
         const __m256i sc = q4k_six(q, 0);
         __m256i acc[2];
@@ -143,7 +143,7 @@ static inline __attribute__((always_inline)) void quad_q4k(const uint8_t *q, int
         for (int m = 0; m < MB; m++) acc5[m] = _mm512_setzero_si512();
         for (int j = 0; j < 8; j++) {
             const uint8_t *v = q + 64 + 64 * j;
-            _mm_prefetch((const char *)(v + PF_DIST), PF_HINT);
+            hs_prefetch(v);
             const __m512i w = _mm512_loadu_si512(v);
             const __m512i lo = _mm512_and_si512(w, nib5);
             const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib5);
@@ -166,7 +166,7 @@ static inline __attribute__((always_inline)) void quad_q4k(const uint8_t *q, int
         for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
             const uint8_t *v = q + 64 + 64 * j;
-            _mm_prefetch((const char *)(v + PF_DIST), PF_HINT);
+            hs_prefetch(v);
             const __m256i v0 = _mm256_loadu_si256((const __m256i *)v);
             const __m256i v1 = _mm256_loadu_si256((const __m256i *)(v + 32));
             const __m256i lo0 = _mm256_and_si256(v0, nib);

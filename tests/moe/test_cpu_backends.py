@@ -341,3 +341,34 @@ def test_without_the_native_kernel_auto_falls_back_and_native_is_a_user_error(we
         create_backend("cpu-int8", weights, kernel="native")
     with pytest.raises(InvalidInputError, match="kernel must be one of"):
         create_backend("cpu-int8", weights, kernel="avx512")
+
+
+@pytest.mark.parametrize(
+    "kind,h,inter",
+    [("cpu-fp32", 128, 64), ("cpu-fp32", 40, 24), ("cpu-int8", 128, 64), ("cpu-int4", 128, 64)],
+)
+def test_native_token_alone_equals_its_row_in_a_batch(kind, h, inter):
+    # The microkernels take 1-3 tokens at a time; a token's sums must not depend on how many
+    # share the call (batching, or a request joining a running batch, must not change a
+    # reply). fp32 at h=40 / inter=24 also runs the rows' tails (K % 32 != 0).
+    from hetserve.native import native_unavailable_reason
+
+    if native_unavailable_reason() is not None:
+        pytest.skip(f"native kernel unavailable: {native_unavailable_reason()}")
+    g = torch.Generator().manual_seed(5)
+    w = ExpertWeights(
+        torch.randn(4, 2 * inter, h, generator=g) * 0.1, torch.randn(4, h, inter, generator=g) * 0.1
+    )
+    t = 7
+    x = torch.randn(t, h, generator=g)
+    ids = torch.tensor([[0, 1]]).repeat(t, 1)  # every token on the same experts: shared calls
+    tw = torch.rand(t, 2, generator=g)
+    opts = {"group_size": 32} if kind == "cpu-int4" else {}
+    backend = create_backend(kind, w, kernel="native", **opts)
+    batch = backend.forward(x, tw, ids)
+    for i in range(t):
+        alone = backend.forward(x[i : i + 1], tw[i : i + 1], ids[i : i + 1])
+        assert torch.equal(alone, batch[i : i + 1])
+    if kind == "cpu-fp32":
+        ref = _reference(w, x, tw, ids)
+        assert (batch - ref).abs().max() <= 1e-5 * ref.abs().max()
