@@ -26,10 +26,10 @@
 /* Software prefetch distances in bytes. One cache line per loop iteration is consumed; the
  * out-of-order window alone keeps only ~15 lines in flight (~10 GB/s per core at DRAM latency),
  * so the stream is prefetched ahead (it runs into the next quad, which is adjacent): PF_DIST
- * near, PF_FAR far. The far one covers minutes when this VM reads at ~80 GB/s (40 per core: more
- * bytes in flight than 2 KiB); with both, a one-token layer, same process, alternating calls,
- * ran 1.05-1.10x faster than with the near one alone (q8_0 398 -> 363 us, MXFP4 228 -> 211,
- * int8 353 -> 337, int4 253 -> 242) and 16 KiB alone gained about half of that. */
+ * near, PF_FAR far. The far one is for the minutes when this VM reads at ~80 GB/s (40 GB/s per
+ * core needs more bytes in flight than 2 KiB); with both, a one-token layer (same process,
+ * alternating calls) ran 1.05-1.10x faster than with the near one alone (q8_0 398 -> 363 us,
+ * MXFP4 228 -> 211, int8 353 -> 337, int4 253 -> 242); 16 KiB alone gained about half that. */
 #ifndef PF_HINT
 #define PF_HINT _MM_HINT_T0
 #endif

@@ -98,14 +98,15 @@ static inline __attribute__((always_inline)) void quad_f32_avx2(const float *w, 
 
 #ifdef HS_AVX512
 /* The AVX-512 build's quad_f32, 16 lanes. Each (row, token) sums into two accumulators (inputs
- * k mod 32 below 16, and the rest), in that order whatever MB is, so a token's result is the
- * same alone or batched. One token reads the rows one after the other: the quad is then a single
- * sequential stream (its rows are adjacent), where the 4 rows side by side were 4 streams K x 4
- * bytes apart, and at K = 2048 (8 KiB apart) a one-token fp32 layer streamed at ~0.73 of the
- * read probe instead of ~0.91 (same process, alternating calls). Two or three tokens keep the
- * rows side by side: each weight and activation vector is loaded once for all of them (24
- * accumulators in the 32 registers); rows one by one reloaded the activations per row and a
- * 64-token layer ran ~1.4x slower, this way ~1.1x faster than the AVX2 form. */
+ * k mod 32 below 16, and the rest; a tail of K % 32 into the first), the same whatever MB is,
+ * so a token's result is the same alone or batched. One token reads the rows one after the
+ * other: the quad is then a single sequential stream (its rows are adjacent), where the 4 rows
+ * side by side were 4 streams K x 4 bytes apart, and at K = 2048 (8 KiB apart) a one-token fp32
+ * layer streamed at ~0.73 of the read probe instead of ~0.91 (same process, alternating
+ * calls). Two or three tokens keep the rows side by side: each weight and activation vector is
+ * loaded once for all of them (24 accumulators in the 32 registers); rows one by one reloaded
+ * the activations per row and a 64-token layer ran ~1.4x slower, this way ~1.1x faster than
+ * the AVX2 form. */
 static inline __attribute__((always_inline)) void quad_f32(const float *w, int K,
                                                            const float *const x[MBMAX], int MB,
                                                            float out[4][MBMAX]) {

@@ -345,12 +345,19 @@ def test_without_the_native_kernel_auto_falls_back_and_native_is_a_user_error(we
 
 @pytest.mark.parametrize(
     "kind,h,inter",
-    [("cpu-fp32", 128, 64), ("cpu-fp32", 40, 24), ("cpu-int8", 128, 64), ("cpu-int4", 128, 64)],
+    [
+        ("cpu-fp32", 128, 64),
+        ("cpu-fp32", 40, 24),
+        ("cpu-fp32", 48, 56),
+        ("cpu-int8", 128, 64),
+        ("cpu-int4", 128, 64),
+    ],
 )
 def test_native_token_alone_equals_its_row_in_a_batch(kind, h, inter):
     # The microkernels take 1-3 tokens at a time; a token's sums must not depend on how many
     # share the call (batching, or a request joining a running batch, must not change a
-    # reply). fp32 at h=40 / inter=24 also runs the rows' tails (K % 32 != 0).
+    # reply). fp32 at h=40 / inter=24 and 48 / 56 also runs the rows' tails (K % 32 = 8, 16,
+    # 24, after no full step of 32 or after one); 8 tokens give fp32 calls of 3, 3 and 2.
     from hetserve.native import native_unavailable_reason
 
     if native_unavailable_reason() is not None:
@@ -359,7 +366,7 @@ def test_native_token_alone_equals_its_row_in_a_batch(kind, h, inter):
     w = ExpertWeights(
         torch.randn(4, 2 * inter, h, generator=g) * 0.1, torch.randn(4, h, inter, generator=g) * 0.1
     )
-    t = 7
+    t = 8
     x = torch.randn(t, h, generator=g)
     ids = torch.tensor([[0, 1]]).repeat(t, 1)  # every token on the same experts: shared calls
     tw = torch.rand(t, 2, generator=g)

@@ -1,5 +1,5 @@
 """The native kernels' instruction sets: where the CPU has AVX-512 (BW/VL/VNNI) the q4_K, int4,
-MXFP4 and FP8 microkernels take 512-bit paths. The integer formats must give the AVX2 build's
+MXFP4, FP8 and fp32 microkernels take 512-bit paths. The integer formats must give the AVX2 build's
 results bit for bit (the same integer sums, the same fp32 steps); FP8 sums its fp32 products in
 another order, or (avx512bf16: BF16 and GFNI too) multiplies bf16 pairs."""
 
@@ -84,6 +84,30 @@ def test_packed_experts_avx512_equal_avx2(fmt, t):
         else:
             tol = 5e-5 if name == "avx512bf16" else 1e-5
             assert (out["avx2"] - got).abs().max() <= tol * scale, name
+    assert scale > 0
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, 8])
+def test_fp32_experts_avx512_close_to_avx2(t):
+    """fp32 has a 512-bit quad too (rows one after the other for one token, two accumulators
+    per row and token): its sums run in another order than the AVX2 build's, so to fp32
+    rounding; the AVX2 form is what CPUs without AVX-512 run, checked here against the torch
+    reference as well."""
+    e, h, inter, k = 6, 512, 256, 2
+    g = torch.Generator().manual_seed(20 + t)
+    w = ExpertWeights(
+        torch.randn(e, 2 * inter, h, generator=g) * 0.05,
+        torch.randn(e, h, inter, generator=g) * 0.05,
+    )
+    b = create_backend("cpu-fp32", w, kernel="native")
+    x = torch.randn(t, h, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    tw = torch.rand(t, k, generator=g)
+    ref = create_backend("torch", w).forward(x, tw, ids)
+    scale = ref.abs().max()
+    for name, lib in _libs().items():
+        b._fn = lib.hetserve_moe_forward
+        assert (b.forward(x, tw, ids) - ref).abs().max() <= 1e-5 * scale, name
     assert scale > 0
 
 
