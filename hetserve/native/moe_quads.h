@@ -59,6 +59,22 @@ static inline __attribute__((always_inline)) void quad_i8(const int8_t *q, int K
     }
 }
 
+/* out[r][m] = the lane sum of v[MBMAX * r + m] for r < 4, m < MB (both quad_f32 forms): 8 slots
+ * at a time through hs_hsum8, which sums every slot's lanes in the same order. */
+static inline void quad_f32_out(const __m256 v[4 * MBMAX], int MB, float out[4][MBMAX]) {
+    float sums[16];
+    for (int half = 0; half < 2; half++) { /* (r, m) slots 0-7, then 8-11 padded with zeros */
+        __m256 h[8];
+        for (int i = 0; i < 8; i++) {
+            int pr = 8 * half + i, m = pr % MBMAX;
+            h[i] = pr < 4 * MBMAX && m < MB ? v[pr] : _mm256_setzero_ps();
+        }
+        _mm256_storeu_ps(sums + 8 * half, hs_hsum8(h));
+    }
+    for (int r = 0; r < 4; r++)
+        for (int m = 0; m < MB; m++) out[r][m] = sums[MBMAX * r + m];
+}
+
 /* fp32 weights in their plain row-major layout (the model's own tensors, no copy): rows
  * w[r * K ...] for r < 4 against MB <= 3 fp32 tokens; K % 8 == 0. The AVX2 build's form (see
  * the AVX-512 one below for what it does better): the 4 rows side by side. Three tokens give 12
@@ -83,17 +99,7 @@ static inline __attribute__((always_inline)) void quad_f32_avx2(const float *w, 
             for (int m = 0; m < MB; m++) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
         }
     }
-    __m256 v[8];
-    float sums[16];
-    for (int half = 0; half < 2; half++) { /* (r, m) pairs 0-7, then 8-11 padded with zeros */
-        for (int i = 0; i < 8; i++) {
-            int pr = 8 * half + i, r = pr / MBMAX, m = pr % MBMAX;
-            v[i] = pr < 4 * MBMAX && m < MB ? acc[r][m] : _mm256_setzero_ps();
-        }
-        _mm256_storeu_ps(sums + 8 * half, hs_hsum8(v));
-    }
-    for (int r = 0; r < 4; r++)
-        for (int m = 0; m < MB; m++) out[r][m] = sums[MBMAX * r + m];
+    quad_f32_out(acc[0], MB, out); /* acc[r][m] is slot MBMAX * r + m */
 }
 
 #ifdef HS_AVX512
@@ -164,17 +170,7 @@ static inline __attribute__((always_inline)) void quad_f32(const float *w, int K
             const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1));
             v[MBMAX * r + m] = _mm256_add_ps(_mm512_castps512_ps256(t), hi);
         }
-    float sums[16];
-    for (int half = 0; half < 2; half++) { /* (r, m) slots 0-7, then 8-11 padded with zeros */
-        __m256 h[8];
-        for (int i = 0; i < 8; i++) {
-            int pr = 8 * half + i, m = pr % MBMAX;
-            h[i] = pr < 4 * MBMAX && m < MB ? v[pr] : _mm256_setzero_ps();
-        }
-        _mm256_storeu_ps(sums + 8 * half, hs_hsum8(h)); /* the same sum order in every slot */
-    }
-    for (int r = 0; r < 4; r++)
-        for (int m = 0; m < MB; m++) out[r][m] = sums[MBMAX * r + m];
+    quad_f32_out(v, MB, out);
 }
 #else
 #define quad_f32 quad_f32_avx2
