@@ -16,6 +16,12 @@ Ratios per row: `ratio med` is the median over calls of (call's GB/s / its probe
 `ratio best` is the best call's GB/s over the best of the row's probes. `other cpu` is the share
 of the machine's CPU time that other processes took during the row's timed calls (from
 /proc/stat): rows where it is high were disturbed.
+
+Native backends also read each call's bytes without the arithmetic (`touch`: the same experts,
+work items and threads, after a probe of its own so it finds nothing cached): `touch` is that
+read's rate over its probe, the limit of the layer's access pattern in those minutes, and
+`of touch` the median over calls of touch time / call time, how much of that limit the kernel
+reaches. A call close to its touch is bound by how its bytes arrive, not by its arithmetic.
 """
 
 from __future__ import annotations
@@ -155,6 +161,8 @@ def _time_backend(backend, probe, hidden: int, experts: int, top_k: int, tokens:
     for ids in routings[:2]:
         backend.forward(x, tw, ids)
     times, rates, probes, touched = [], [], [], []
+    touch = getattr(backend, "touch", None)
+    touch_ratios, of_touch = [], []
     other = OtherCpu()
     other.start()
     for ids in routings[2:]:
@@ -166,8 +174,20 @@ def _time_backend(backend, probe, hidden: int, experts: int, top_k: int, tokens:
         times.append(dt)
         rates.append(n * per_expert / dt / 1e9)
         touched.append(n)
+        if touch is not None:
+            p = probe()
+            t0 = time.perf_counter()
+            touch(ids)
+            dt_touch = time.perf_counter() - t0
+            touch_ratios.append(n * per_expert / dt_touch / 1e9 / p)
+            of_touch.append(dt_touch / dt)
     other.stop()
+    touch_stats = {
+        "touch_ratio_median": statistics.median(touch_ratios) if touch_ratios else None,
+        "of_touch_median": statistics.median(of_touch) if of_touch else None,
+    }
     return {
+        **touch_stats,
         "median_us": statistics.median(times) * 1e6,
         "best_us": min(times) * 1e6,
         "experts_touched": statistics.mean(touched),
@@ -286,7 +306,8 @@ def _print_table(results: list[dict], bandwidth: dict, threads: int) -> None:
         "row is compared with its own probes (probe columns)"
     )
     header = ("backend", "tokens", "experts", "median us", "best us", "GB/s med", "GB/s best",
-              "probe med", "probe best", "ratio med", "ratio best", "other cpu")  # fmt: skip
+              "probe med", "probe best", "ratio med", "ratio best", "touch", "of touch",
+              "other cpu")  # fmt: skip
     rows = [
         (
             r["backend"],
@@ -300,6 +321,8 @@ def _print_table(results: list[dict], bandwidth: dict, threads: int) -> None:
             f"{r['probe_gbps_best']:.1f}",
             f"{r['ratio_median']:.2f}",
             f"{r['ratio_best']:.2f}",
+            "-" if r.get("touch_ratio_median") is None else f"{r['touch_ratio_median']:.2f}",
+            "-" if r.get("of_touch_median") is None else f"{r['of_touch_median']:.2f}",
             "-" if r["other_cpu"] is None else f"{100 * r['other_cpu']:.0f}%",
         )
         for r in results

@@ -19,6 +19,7 @@ Otherwise each expert is converted on its own (`weights.expert(e)`), never the w
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
@@ -132,6 +133,24 @@ class _NativeExperts(_CPUExperts):
         if rc != 0:
             raise MemoryError("native MoE kernel could not allocate its activation buffers")
         return out.to(out_device, out_dtype)
+
+    def touch(self, topk_ids: torch.Tensor) -> int:
+        """Reads what `forward` with these routings would read of the weights, on the same work
+        items and threads, without the arithmetic (`bench moe-kernel`'s read-pattern limit);
+        returns the bytes read."""
+        ids = topk_ids.to("cpu", torch.int64).contiguous()
+        t, k = ids.shape
+        touched = ctypes.c_longlong(0)
+        rc = kernel("hetserve_moe_touch")(
+            self.fmt, self._threads or torch.get_num_threads(), self.num_experts, self.hidden,
+            self.inter, self.group_size, t, k, ids.data_ptr(), *self._ptrs,
+            ctypes.addressof(touched),
+        )  # fmt: skip
+        if rc == -2:
+            raise InvalidInputError(f"topk_ids outside [0, {self.num_experts})")
+        if rc != 0:
+            raise MemoryError("native MoE touch could not allocate its expert list")
+        return touched.value
 
     def _set(self, w13, s13, m13, w2, s2, m2) -> None:
         """Keeps the layout tensors alive and their pointers for the kernel (None -> NULL)."""

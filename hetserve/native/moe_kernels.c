@@ -296,6 +296,7 @@ typedef struct {
     job_t *job;
     int phase;
     int rc; /* units (row quads, MXFP4 tiles) per work item */
+    long long *touched; /* hetserve_moe_touch: bytes read */
 } arg_t;
 
 /* One work item: rc units of one active expert (never crossing an expert). Items are handed
@@ -326,16 +327,89 @@ static void phase_item(void *ctx, int c) {
  * streams a one-token q4_K layer (6 experts of 2048 x 512) ~1.12x faster than 64 KiB here. */
 #define ITEM_BYTES (256 << 10)
 
-static void run_phase(job_t *j, int phase) {
+/* Units per work item of a phase. */
+static int phase_rc(const job_t *j, int phase) {
     const int R = unit_rows(j->fmt), per = (phase == 1 ? j->I : j->H) / R;
     int K = phase == 1 ? j->H : j->I;
     /* sixteen times the bytes per weight of each format, then bytes per unit (x2 for gate
      * and up) */
     static const int b16[] = {64, 16, 8, 8, 16, 9};
     long unit = (long)(phase == 1 ? 2 * R : R) * K * b16[j->fmt] / 16;
-    const int rc = hs_item_units(unit, ITEM_BYTES, j->n_active * per, j->nthreads, RC * 4 / R);
-    arg_t arg = {j, phase, rc};
-    hs_parallel_for(j->nthreads, j->n_active * ((per + rc - 1) / rc), phase_item, &arg);
+    return hs_item_units(unit, ITEM_BYTES, j->n_active * per, j->nthreads, RC * 4 / R);
+}
+
+static void run_phase(job_t *j, int phase, hs_task_fn item, long long *touched) {
+    const int per = (phase == 1 ? j->I : j->H) / unit_rows(j->fmt), rc = phase_rc(j, phase);
+    arg_t arg = {j, phase, rc, touched};
+    hs_parallel_for(j->nthreads, j->n_active * ((per + rc - 1) / rc), item, &arg);
+}
+
+/* The layer's reads without its arithmetic (hetserve_moe_touch): the bytes of one work item
+ * (its rows' weights and group parameters), read in order as the microkernels stream them,
+ * prefetched alike. What a call of hetserve_moe_forward could not beat with the same items,
+ * threads and memory: `hetserve bench moe-kernel` times both. */
+static uint64_t touch_sink; /* keeps the reads from being optimized away */
+
+static uint64_t touch_bytes(const void *p, size_t n) {
+    const char *c = (const char *)p;
+    __m256i s = _mm256_setzero_si256();
+    for (size_t i = 0; i + 64 <= n; i += 64) {
+        hs_prefetch(c + i);
+        s = _mm256_xor_si256(s, _mm256_loadu_si256((const __m256i *)(c + i)));
+        s = _mm256_xor_si256(s, _mm256_loadu_si256((const __m256i *)(c + i + 32)));
+    }
+    for (size_t i = n - n % 64; i < n; i++) s = _mm256_add_epi64(s, _mm256_set1_epi64x(c[i]));
+    return (uint64_t)_mm256_extract_epi64(s, 0) ^ (uint64_t)_mm256_extract_epi64(s, 3);
+}
+
+/* Bytes per row of a [N, K] matrix in format fmt: weights, scales, minimums (see quad_int). */
+static void row_bytes(int fmt, int K, int G, size_t b[3]) {
+    const size_t ng = G > 0 ? (size_t)(K / G) : 0;
+    b[1] = b[2] = 0;
+    switch (fmt) {
+    case F_F32: b[0] = 4 * (size_t)K; break;
+    case F_I8: b[0] = K, b[1] = G > 0 ? 2 * ng : 4; break;
+    case F_I4: b[0] = K / 2, b[1] = b[2] = 4 * ng; break;
+    case F_MXFP4: b[0] = K / 2, b[1] = K / 32; break;
+    case F_FP8: b[0] = K, b[1] = 4 * ng; break;
+    default: b[0] = (size_t)K / Q4K_SB * (Q4K_QUAD_BYTES / 4); break; /* q4_K */
+    }
+}
+
+static void touch_item(void *ctx, int c) {
+    const arg_t *arg = (const arg_t *)ctx;
+    const job_t *j = arg->job;
+    const int R = unit_rows(j->fmt), per = (arg->phase == 1 ? j->I : j->H) / R;
+    const int cpe = (per + arg->rc - 1) / arg->rc, ai = c / cpe, e = j->act_e[ai];
+    const int v0 = (c % cpe) * arg->rc, v1 = v0 + arg->rc < per ? v0 + arg->rc : per;
+    const int K = arg->phase == 1 ? j->H : j->I, N = arg->phase == 1 ? 2 * j->I : j->H;
+    const void *m[3] = {arg->phase == 1 ? j->w13 : j->w2, arg->phase == 1 ? j->s13 : j->s2,
+                        arg->phase == 1 ? j->m13 : j->m2};
+    size_t b[3];
+    row_bytes(j->fmt, K, j->G, b);
+    /* rows of the item: quantized W13 stores gate and up units alternately (one range), fp32
+     * keeps all gate rows, then all up rows (two ranges) */
+    size_t r0[2], nr[2];
+    int ranges = 1;
+    if (arg->phase == 2) {
+        r0[0] = (size_t)e * N + (size_t)R * v0, nr[0] = (size_t)R * (v1 - v0);
+    } else if (j->fmt != F_F32) {
+        r0[0] = (size_t)e * N + 2 * (size_t)R * v0, nr[0] = 2 * (size_t)R * (v1 - v0);
+    } else {
+        r0[0] = (size_t)e * N + (size_t)R * v0, r0[1] = r0[0] + j->I;
+        nr[0] = nr[1] = (size_t)R * (v1 - v0);
+        ranges = 2;
+    }
+    uint64_t sum = 0;
+    long long n = 0;
+    for (int g = 0; g < ranges; g++)
+        for (int t = 0; t < 3; t++)
+            if (m[t] != NULL && b[t] > 0) {
+                sum ^= touch_bytes((const char *)m[t] + r0[g] * b[t], nr[g] * b[t]);
+                n += (long long)(nr[g] * b[t]);
+            }
+    __atomic_fetch_xor(&touch_sink, sum, __ATOMIC_RELAXED);
+    __atomic_fetch_add(arg->touched, n, __ATOMIC_RELAXED);
 }
 
 /* Counting sort of the P = T * k pairs by expert (stable: token order within an expert):
@@ -433,14 +507,45 @@ int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int 
                a, y, x16, a16, xsc, asc, xgs, ags, xpl, apl, xps, aps, xpd, apd, n, act_e, act_off,
                act_cnt, nthreads < 1 ? 1 : nthreads};
     if (q16) activations(&j, 1, T);
-    run_phase(&j, 1);
+    run_phase(&j, 1, phase_item, NULL);
     if (q16) activations(&j, 2, P);
-    run_phase(&j, 2);
+    run_phase(&j, 2, phase_item, NULL);
     for (int p = 0; p < P; p++) { /* pairs of one token never race: this loop is serial */
         float *o = out + (size_t)tok[p] * H;
         const float *yp = y + (size_t)p * H;
         for (int h = 0; h < H; h++) o[h] += yp[h];
     }
     free(buf);
+    return 0;
+}
+
+/* Reads what hetserve_moe_forward(fmt, ...) with these ids would read of the weights (the
+ * experts the ids route to, both phases, the same work items on the same threads) and nothing
+ * else: the limit a layer call meets from memory alone; *touched = the bytes read. Returns 0, -1
+ * when out of memory, -2 for an id outside [0, E), -3 for an unknown format. */
+int hetserve_moe_touch(int fmt, int nthreads, int E, int H, int I, int G, int T, int k,
+                       const int64_t *ids, const void *w13, const void *s13, const float *m13,
+                       const void *w2, const void *s2, const float *m2, long long *touched) {
+    if (fmt < F_F32 || fmt > F_Q4K) return -3;
+    for (int p = 0; p < T * k; p++)
+        if (ids[p] < 0 || ids[p] >= E) return -2;
+    int *act_e = calloc((size_t)2 * E + 1, sizeof(int)), *seen = act_e + E;
+    if (act_e == NULL) return -1;
+    int n = 0;
+    for (int p = 0; p < T * k; p++)
+        if (!seen[ids[p]]) seen[ids[p]] = 1, n++;
+    for (int e = 0, i = 0; e < E; e++)
+        if (seen[e]) act_e[i++] = e;
+    job_t j;
+    memset(&j, 0, sizeof(j));
+    j.fmt = fmt, j.H = H, j.I = I, j.G = G;
+    j.w13 = w13, j.s13 = s13, j.m13 = m13, j.w2 = w2, j.s2 = s2, j.m2 = m2;
+    j.n_active = n, j.act_e = act_e, j.nthreads = nthreads < 1 ? 1 : nthreads;
+    *touched = 0;
+    if (n > 0) {
+        run_phase(&j, 1, touch_item, touched);
+        run_phase(&j, 2, touch_item, touched);
+    }
+    free(act_e);
     return 0;
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hetserve.errors import InvalidInputError
 from hetserve.model.tiny_gguf import quantize_q4_k
 from hetserve.moe.experts import ClampedSwiGLU, ExpertWeights, create_backend, gated_activation
 from hetserve.moe.packed import Fp8Rows, Int4Rows, Int8Rows, Mxfp4Rows, PackedExperts, Q4KRows
@@ -250,3 +251,20 @@ def test_fp8_and_mxfp4_codecs_are_exact_round_trips():
     scale = torch.exp2(scales.float() - 127)[..., None]
     inside = w.view(200, 10, 32).abs() <= 6 * scale
     assert ((deq - w.view(200, 10, 32)).abs() <= scale + 1e-7)[inside].all()
+
+
+@pytest.mark.parametrize("fmt", [*sorted(PACKERS), "fp32"])
+def test_touch_reads_exactly_the_routed_experts_bytes(fmt):
+    """`touch` (bench moe-kernel's read-pattern limit) reads every byte the kernel streams for
+    the experts a routing picks, once, and nothing of the others: the last expert included, and
+    with any thread count; a bad id is a typed error."""
+    w13, w2, _, _ = _dense(seed=6)
+    if fmt == "fp32":
+        b = create_backend("cpu-fp32", ExpertWeights(w13, w2))
+    else:
+        b = create_backend(PACKERS[fmt][1], ExpertWeights(None, None, packed=_packed(fmt, w13, w2)))
+    per_expert = sum(t.nbytes for t in b._tensors if t is not None) // E
+    for ids in (torch.tensor([[E - 1, 0, 3]]), torch.tensor([[1, 2, 5], [5, 1, 6], [7, 2, 1]])):
+        assert b.touch(ids) == int(ids.unique().numel()) * per_expert
+    with pytest.raises(InvalidInputError):
+        b.touch(torch.tensor([[0, E, 1]]))
