@@ -128,11 +128,15 @@ class _NativeExperts(_CPUExperts):
             self.inter, self.group_size, t, k, ids.data_ptr(), tw.data_ptr(), x.data_ptr(),
             out.data_ptr(), *self._ptrs, *self._bias_ptrs, *self._act,
         )  # fmt: skip
+        self._check(rc, "native MoE kernel could not allocate its activation buffers")
+        return out.to(out_device, out_dtype)
+
+    def _check(self, rc: int, out_of_memory: str) -> None:
+        """The C entry points' return codes: -2 a bad expert id, other non-zero out of memory."""
         if rc == -2:
             raise InvalidInputError(f"topk_ids outside [0, {self.num_experts})")
         if rc != 0:
-            raise MemoryError("native MoE kernel could not allocate its activation buffers")
-        return out.to(out_device, out_dtype)
+            raise MemoryError(out_of_memory)
 
     def touch(self, topk_ids: torch.Tensor) -> int:
         """Reads what `forward` with these routings would read of the weights, on the same work
@@ -146,10 +150,7 @@ class _NativeExperts(_CPUExperts):
             self.inter, self.group_size, t, k, ids.data_ptr(), *self._ptrs,
             ctypes.addressof(touched),
         )  # fmt: skip
-        if rc == -2:
-            raise InvalidInputError(f"topk_ids outside [0, {self.num_experts})")
-        if rc != 0:
-            raise MemoryError("native MoE touch could not allocate its expert list")
+        self._check(rc, "native MoE touch could not allocate its expert list")
         return touched.value
 
     def _set(self, w13, s13, m13, w2, s2, m2) -> None:

@@ -299,16 +299,24 @@ typedef struct {
     long long *touched; /* hetserve_moe_touch: bytes read */
 } arg_t;
 
-/* One work item: rc units of one active expert (never crossing an expert). Items are handed
- * out dynamically by the pool: on a shared machine a descheduled thread must not hold the whole
- * layer back (a static split would). */
-static void phase_item(void *ctx, int c) {
-    const arg_t *arg = (const arg_t *)ctx;
+/* Work item c of a phase: units [*u0, *u1) of one active expert (never crossing an expert),
+ * numbered over all active experts (active expert ai's are ai * per ..). */
+static void item_units(const arg_t *arg, int c, int *u0, int *u1) {
     const job_t *j = arg->job;
     int per = (arg->phase == 1 ? j->I : j->H) / unit_rows(j->fmt);
     int cpe = (per + arg->rc - 1) / arg->rc;
-    int ai = c / cpe, u0 = ai * per + (c % cpe) * arg->rc;
-    int u1 = u0 + arg->rc < (ai + 1) * per ? u0 + arg->rc : (ai + 1) * per;
+    int ai = c / cpe;
+    *u0 = ai * per + (c % cpe) * arg->rc;
+    *u1 = *u0 + arg->rc < (ai + 1) * per ? *u0 + arg->rc : (ai + 1) * per;
+}
+
+/* One work item (item_units). Items are handed out dynamically by the pool: on a shared
+ * machine a descheduled thread must not hold the whole layer back (a static split would). */
+static void phase_item(void *ctx, int c) {
+    const arg_t *arg = (const arg_t *)ctx;
+    const job_t *j = arg->job;
+    int u0, u1;
+    item_units(arg, c, &u0, &u1);
     /* one specialised copy of each phase per format */
 #define HS_PHASES(F) (arg->phase == 1 ? phase1(j, u0, u1, F) : phase2(j, u0, u1, F))
     switch (j->fmt) {
@@ -327,14 +335,14 @@ static void phase_item(void *ctx, int c) {
  * streams a one-token q4_K layer (6 experts of 2048 x 512) ~1.12x faster than 64 KiB here. */
 #define ITEM_BYTES (256 << 10)
 
+/* Sixteen times the bytes per weight of each format (F_*), scales and minimums aside. */
+static const int B16[] = {64, 16, 8, 8, 16, 9};
+
 /* Units per work item of a phase. */
 static int phase_rc(const job_t *j, int phase) {
     const int R = unit_rows(j->fmt), per = (phase == 1 ? j->I : j->H) / R;
     int K = phase == 1 ? j->H : j->I;
-    /* sixteen times the bytes per weight of each format, then bytes per unit (x2 for gate
-     * and up) */
-    static const int b16[] = {64, 16, 8, 8, 16, 9};
-    long unit = (long)(phase == 1 ? 2 * R : R) * K * b16[j->fmt] / 16;
+    long unit = (long)(phase == 1 ? 2 * R : R) * K * B16[j->fmt] / 16; /* x2: gate and up */
     return hs_item_units(unit, ITEM_BYTES, j->n_active * per, j->nthreads, RC * 4 / R);
 }
 
@@ -362,17 +370,18 @@ static uint64_t touch_bytes(const void *p, size_t n) {
     return (uint64_t)_mm256_extract_epi64(s, 0) ^ (uint64_t)_mm256_extract_epi64(s, 3);
 }
 
-/* Bytes per row of a [N, K] matrix in format fmt: weights, scales, minimums (see quad_int). */
+/* Bytes per row of a [N, K] matrix in format fmt: weights, scales, minimums (see quad_int;
+ * q4_K's super-blocks carry their own). */
 static void row_bytes(int fmt, int K, int G, size_t b[3]) {
     const size_t ng = G > 0 ? (size_t)(K / G) : 0;
+    b[0] = (size_t)K * B16[fmt] / 16;
     b[1] = b[2] = 0;
     switch (fmt) {
-    case F_F32: b[0] = 4 * (size_t)K; break;
-    case F_I8: b[0] = K, b[1] = G > 0 ? 2 * ng : 4; break;
-    case F_I4: b[0] = K / 2, b[1] = b[2] = 4 * ng; break;
-    case F_MXFP4: b[0] = K / 2, b[1] = K / 32; break;
-    case F_FP8: b[0] = K, b[1] = 4 * ng; break;
-    default: b[0] = (size_t)K / Q4K_SB * (Q4K_QUAD_BYTES / 4); break; /* q4_K */
+    case F_I8: b[1] = G > 0 ? 2 * ng : 4; break;
+    case F_I4: b[1] = b[2] = 4 * ng; break;
+    case F_MXFP4: b[1] = K / 32; break;
+    case F_FP8: b[1] = 4 * ng; break;
+    default: break; /* fp32, q4_K */
     }
 }
 
@@ -380,8 +389,9 @@ static void touch_item(void *ctx, int c) {
     const arg_t *arg = (const arg_t *)ctx;
     const job_t *j = arg->job;
     const int R = unit_rows(j->fmt), per = (arg->phase == 1 ? j->I : j->H) / R;
-    const int cpe = (per + arg->rc - 1) / arg->rc, ai = c / cpe, e = j->act_e[ai];
-    const int v0 = (c % cpe) * arg->rc, v1 = v0 + arg->rc < per ? v0 + arg->rc : per;
+    int u0, u1;
+    item_units(arg, c, &u0, &u1);
+    const int ai = u0 / per, e = j->act_e[ai], v0 = u0 - ai * per, v1 = u1 - ai * per;
     const int K = arg->phase == 1 ? j->H : j->I, N = arg->phase == 1 ? 2 * j->I : j->H;
     const void *m[3] = {arg->phase == 1 ? j->w13 : j->w2, arg->phase == 1 ? j->s13 : j->s2,
                         arg->phase == 1 ? j->m13 : j->m2};
@@ -410,6 +420,13 @@ static void touch_item(void *ctx, int c) {
             }
     __atomic_fetch_xor(&touch_sink, sum, __ATOMIC_RELAXED);
     __atomic_fetch_add(arg->touched, n, __ATOMIC_RELAXED);
+}
+
+/* 1 when an id of the P pairs is outside [0, E). */
+static int bad_ids(int E, int P, const int64_t *ids) {
+    for (int p = 0; p < P; p++)
+        if (ids[p] < 0 || ids[p] >= E) return 1;
+    return 0;
 }
 
 /* Counting sort of the P = T * k pairs by expert (stable: token order within an expert):
@@ -479,8 +496,7 @@ int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int 
     memset(out, 0, sizeof(float) * (size_t)T * H);
     if (fmt < F_F32 || fmt > F_Q4K) return -3;
     if (P == 0) return 0;
-    for (int p = 0; p < P; p++)
-        if (ids[p] < 0 || ids[p] >= E) return -2;
+    if (bad_ids(E, P, ids)) return -2;
     const int q16 = rounded_acts(fmt); /* int16 (bf16) or q4_K's int8 activations */
     const int G4 = fmt == F_I4 ? G : 0; /* group sums (the minimum term) */
     size_t n_g = G4 ? (size_t)T * (H / G4) + (size_t)P * (I / G4) : 0; /* xgs, ags */
@@ -527,8 +543,7 @@ int hetserve_moe_touch(int fmt, int nthreads, int E, int H, int I, int G, int T,
                        const int64_t *ids, const void *w13, const void *s13, const float *m13,
                        const void *w2, const void *s2, const float *m2, long long *touched) {
     if (fmt < F_F32 || fmt > F_Q4K) return -3;
-    for (int p = 0; p < T * k; p++)
-        if (ids[p] < 0 || ids[p] >= E) return -2;
+    if (bad_ids(E, T * k, ids)) return -2;
     int *act_e = calloc((size_t)2 * E + 1, sizeof(int)), *seen = act_e + E;
     if (act_e == NULL) return -1;
     int n = 0;

@@ -256,8 +256,8 @@ def test_fp8_and_mxfp4_codecs_are_exact_round_trips():
 @pytest.mark.parametrize("fmt", [*sorted(PACKERS), "fp32"])
 def test_touch_reads_exactly_the_routed_experts_bytes(fmt):
     """`touch` (bench moe-kernel's read-pattern limit) reads every byte the kernel streams for
-    the experts a routing picks, once, and nothing of the others: the last expert included, and
-    with any thread count; a bad id is a typed error."""
+    the experts a routing picks, once, and nothing of the others, the last expert included; a
+    bad id is a typed error."""
     w13, w2, _, _ = _dense(seed=6)
     if fmt == "fp32":
         b = create_backend("cpu-fp32", ExpertWeights(w13, w2))
