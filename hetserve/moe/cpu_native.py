@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import weakref
 
 import torch
 
@@ -45,6 +46,7 @@ from hetserve.native.layout import (
 
 # The kernel's weight formats (enum F_* in moe_kernels.c).
 F_F32, F_I8, F_I4, F_MXFP4, F_FP8, F_Q4K = range(6)
+_F32, _I64 = torch.float32, torch.int64
 
 
 def _quads(mats: list[torch.Tensor], chunk: int, gate_up: bool, rows: int = 4) -> torch.Tensor:
@@ -101,7 +103,6 @@ class _NativeExperts(_CPUExperts):
                 raise InvalidInputError(
                     f"native kernel needs {name} size % {self.align} == 0, got {dim}"
                 )
-        self._fn = kernel("hetserve_moe_forward")
         self._threads = num_threads
         if isinstance(activation, ClampedSwiGLU):
             self._act = (1, activation.alpha, activation.limit)
@@ -111,25 +112,58 @@ class _NativeExperts(_CPUExperts):
             raise InvalidInputError(f"native experts kernel fuses silu only, not {activation!r}")
         super().__init__(weights, activation=activation, num_threads=num_threads)
         self._bias_ptrs = tuple(None if b is None else b.data_ptr() for b in (self.b13, self.b2))
+        self._bind()
+
+    def _bind(self, lib: ctypes.CDLL | None = None) -> None:
+        """Makes the C handle on this layer's experts (hetserve_moe_new: the 16 arguments that
+        never change between calls) in `lib`, the kernels built for this CPU when None (tests
+        pass another ISA's build)."""
+        fn = kernel if lib is None else lambda name: getattr(lib, name)
+        handle = fn("hetserve_moe_new")(
+            self.fmt, self.num_experts, self.hidden, self.inter, self.group_size, *self._ptrs,
+            *self._bias_ptrs, *self._act,
+        )  # fmt: skip
+        if not handle:
+            raise MemoryError("native MoE kernel could not allocate its handle")
+        if getattr(self, "_free", None) is not None:
+            self._free()
+        self._free = weakref.finalize(self, fn("hetserve_moe_free"), handle)
+        self._h, self._run, self._touch = handle, fn("hetserve_moe_run"), fn("hetserve_moe_touch")
 
     def _forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         # Everything (routing sort, gathers, both matmuls, the weighted sum) is one C call:
         # at decode the per-layer cost of a dozen small torch ops would rival the matmuls.
-        out_device, out_dtype = x.device, x.dtype
-        x = x.to("cpu", torch.float32).contiguous()
-        ids = topk_ids.to("cpu", torch.int64).contiguous()
-        tw = topk_weights.to("cpu", torch.float32).contiguous()
-        t, k = ids.shape
-        out = torch.empty(t, self.hidden, dtype=torch.float32)
-        rc = self._fn(
-            self.fmt, self._threads or torch.get_num_threads(), self.num_experts, self.hidden,
-            self.inter, self.group_size, t, k, ids.data_ptr(), tw.data_ptr(), x.data_ptr(),
-            out.data_ptr(), *self._ptrs, *self._bias_ptrs, *self._act,
+        # Inputs as the router hands them out (CPU, fp32 / int64, contiguous) go straight in:
+        # from cold caches, as a decode step's layers find them, each torch call here costs
+        # several microseconds (converting them anyway took ~10% of a one-token int4 layer).
+        if not (
+            x.dtype is _F32 and topk_weights.dtype is _F32 and topk_ids.dtype is _I64
+            and x.is_cpu and topk_weights.is_cpu and topk_ids.is_cpu and x.is_contiguous()
+            and topk_weights.is_contiguous() and topk_ids.is_contiguous()
+        ):  # fmt: skip
+            out = self._forward(
+                x.to("cpu", _F32).contiguous(), topk_weights.to("cpu", _F32).contiguous(),
+                topk_ids.to("cpu", _I64).contiguous(),
+            )  # fmt: skip
+            return out.to(x.device, x.dtype)
+        if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or x.shape != (
+            topk_ids.shape[0], self.hidden
+        ):
+            raise InvalidInputError(
+                f"native experts need x [t, {self.hidden}] and topk weights and ids of one shape "
+                f"[t, k]; got x {tuple(x.shape)}, weights {tuple(topk_weights.shape)}, ids "
+                f"{tuple(topk_ids.shape)}"
+            )
+        t, k = topk_ids.shape
+        out = torch.empty_like(x)  # [t, hidden] fp32; cheaper than torch.empty from cold
+        rc = self._run(
+            self._h, self._threads or torch.get_num_threads(), t, k, topk_ids.data_ptr(),
+            topk_weights.data_ptr(), x.data_ptr(), out.data_ptr(),
         )  # fmt: skip
         self._check(rc, "native MoE kernel could not allocate its activation buffers")
-        return out.to(out_device, out_dtype)
+        return out
 
     def _check(self, rc: int, out_of_memory: str) -> None:
         """The C entry points' return codes: -2 a bad expert id, other non-zero out of memory."""
@@ -142,12 +176,11 @@ class _NativeExperts(_CPUExperts):
         """Reads what `forward` with these routings would read of the weights, on the same work
         items and threads, without the arithmetic (`bench moe-kernel`'s read-pattern limit);
         returns the bytes read."""
-        ids = topk_ids.to("cpu", torch.int64).contiguous()
+        ids = topk_ids.to("cpu", _I64).contiguous()
         t, k = ids.shape
         touched = ctypes.c_longlong(0)
-        rc = kernel("hetserve_moe_touch")(
-            self.fmt, self._threads or torch.get_num_threads(), self.num_experts, self.hidden,
-            self.inter, self.group_size, t, k, ids.data_ptr(), *self._ptrs,
+        rc = self._touch(
+            self._h, self._threads or torch.get_num_threads(), t, k, ids.data_ptr(),
             ctypes.addressof(touched),
         )  # fmt: skip
         self._check(rc, "native MoE touch could not allocate its expert list")

@@ -123,8 +123,10 @@ def _compile(compiler: str, flags: list[str], target: Path) -> str | None:
 _I, _L, _F, _P = ctypes.c_int, ctypes.c_long, ctypes.c_float, ctypes.c_void_p
 # Each exported function: (restype, argtypes), as declared in the C sources.
 _SIGNATURES = {
-    "hetserve_moe_forward": (_I, [_I] * 8 + [_P] * 12 + [_I, _F, _F]),
-    "hetserve_moe_touch": (_I, [_I] * 8 + [_P] * 8),  # bench moe-kernel's read-pattern limit
+    "hetserve_moe_new": (_P, [_I] * 5 + [_P] * 8 + [_I, _F, _F]),  # moe/cpu_native.py
+    "hetserve_moe_free": (None, [_P]),
+    "hetserve_moe_run": (_I, [_P, _I, _I, _I] + [_P] * 4),
+    "hetserve_moe_touch": (_I, [_P, _I, _I, _I, _P, _P]),  # bench moe-kernel's read limit
     "hetserve_int8_linear": (_I, [_I] * 4 + [_P] * 4),
     "hetserve_qlinear": (_I, [_I] * 6 + [_P] * 4),
     "hetserve_paged_decode_attention": (_I, [_I] * 10 + [_F] + [_P] * 7),

@@ -262,6 +262,36 @@ def test_native_threads_and_bad_ids(weights):
         one.forward(x, tw, torch.full_like(ids, E))
 
 
+@pytest.mark.parametrize("kind", ["cpu-fp32", "cpu-int4"])
+def test_native_inputs_in_any_layout_give_the_canonical_result(weights, kind):
+    """The native backends pass CPU fp32 / int64 contiguous inputs straight to the kernel and
+    convert anything else first: transposed views, int32 ids, bf16 or fp64 activations and
+    weights must read as the same numbers (bf16 out: the fp32 result rounded)."""
+    b = _make(kind, "native", weights)
+    x, tw, ids = _routing(5, seed=11)
+    ref = b.forward(x, tw, ids)
+    assert torch.equal(b.forward(x.t().contiguous().t(), tw.t().contiguous().t(), ids), ref)
+    assert torch.equal(b.forward(x, tw, ids.int()), ref)
+    assert torch.equal(b.forward(x, tw.double(), ids), b.forward(x, tw.double().float(), ids))
+    xb = x.bfloat16()
+    assert torch.equal(b.forward(xb, tw, ids), b.forward(xb.float(), tw, ids).bfloat16())
+    out = b.forward(x.double(), tw[:, :2], ids[:, :2].t().contiguous().t())
+    assert out.dtype == torch.float64
+    assert torch.equal(out, b.forward(x, tw[:, :2].contiguous(), ids[:, :2].contiguous()).double())
+
+
+def test_native_shape_mismatches_are_user_errors(weights):
+    """The kernel reads t * k weights and ids and t x hidden activations: shapes that disagree
+    are refused before it runs (they would read past the tensors)."""
+    from hetserve.errors import InvalidInputError
+
+    b = _make("cpu-int8", "native", weights)
+    x, tw, ids = _routing(4, seed=12)
+    for args in ((x, tw[:, :2], ids), (x[:3], tw, ids), (x[:, :-1], tw, ids), (x, tw, ids[0])):
+        with pytest.raises(InvalidInputError, match="shape"):
+            b.forward(*args)
+
+
 def test_int8_linear_bound_holds_on_fbgemm():
     g = torch.Generator().manual_seed(3)
     w = torch.randn(96, 256, generator=g)
