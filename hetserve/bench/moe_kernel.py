@@ -17,11 +17,15 @@ Ratios per row: `ratio med` is the median over calls of (call's GB/s / its probe
 of the machine's CPU time that other processes took during the row's timed calls (from
 /proc/stat): rows where it is high were disturbed.
 
-Native backends also read each call's bytes without the arithmetic (`touch`: the same experts,
-work items and threads, after a probe of its own so it finds nothing cached): `touch` is that
-read's rate over its probe, the limit of the layer's access pattern in those minutes, and
-`of touch` the median over calls of touch time / call time, how much of that limit the kernel
-reaches. A call close to its touch is bound by how its bytes arrive, not by its arithmetic.
+Native backends also time each call inside C (entry to return, as the fused decode path calls
+the kernel with no Python around it): `kernel` is the median of that rate over the call's
+probe, where `ratio med` includes the Python of a `forward` call from cold caches (tens of
+microseconds, a tenth of a one-token layer). And they read each call's bytes without the
+arithmetic (`touch`: the same experts, work items and threads, after a probe of its own so it
+finds nothing cached, timed in C alike): `touch` is that read's rate over its probe, the limit
+of the layer's access pattern in those minutes, and `of touch` the median over calls of touch
+time / kernel time, how much of that limit the kernel reaches. A kernel close to its touch is
+bound by how its bytes arrive, not by its arithmetic.
 """
 
 from __future__ import annotations
@@ -162,7 +166,7 @@ def _time_backend(backend, probe, hidden: int, experts: int, top_k: int, tokens:
         backend.forward(x, tw, ids)
     times, rates, probes, touched = [], [], [], []
     touch = getattr(backend, "touch", None)
-    touch_ratios, of_touch = [], []
+    kernel_ratios, touch_ratios, of_touch = [], [], []
     other = OtherCpu()
     other.start()
     for ids in routings[2:]:
@@ -174,15 +178,16 @@ def _time_backend(backend, probe, hidden: int, experts: int, top_k: int, tokens:
         times.append(dt)
         rates.append(n * per_expert / dt / 1e9)
         touched.append(n)
-        if touch is not None:
+        if touch is not None:  # native: the same call timed inside C, and its reads alone
+            dt_kernel = backend.last_kernel_seconds()
+            kernel_ratios.append(n * per_expert / dt_kernel / 1e9 / probes[-1])
             p = probe()
-            t0 = time.perf_counter()
-            touch(ids)
-            dt_touch = time.perf_counter() - t0
+            _, dt_touch = touch(ids)
             touch_ratios.append(n * per_expert / dt_touch / 1e9 / p)
-            of_touch.append(dt_touch / dt)
+            of_touch.append(dt_touch / dt_kernel)
     other.stop()
     touch_stats = {
+        "kernel_ratio_median": statistics.median(kernel_ratios) if kernel_ratios else None,
         "touch_ratio_median": statistics.median(touch_ratios) if touch_ratios else None,
         "of_touch_median": statistics.median(of_touch) if of_touch else None,
     }
@@ -306,8 +311,8 @@ def _print_table(results: list[dict], bandwidth: dict, threads: int) -> None:
         "row is compared with its own probes (probe columns)"
     )
     header = ("backend", "tokens", "experts", "median us", "best us", "GB/s med", "GB/s best",
-              "probe med", "probe best", "ratio med", "ratio best", "touch", "of touch",
-              "other cpu")  # fmt: skip
+              "probe med", "probe best", "ratio med", "ratio best", "kernel", "touch",
+              "of touch", "other cpu")  # fmt: skip
     rows = [
         (
             r["backend"],
@@ -321,6 +326,7 @@ def _print_table(results: list[dict], bandwidth: dict, threads: int) -> None:
             f"{r['probe_gbps_best']:.1f}",
             f"{r['ratio_median']:.2f}",
             f"{r['ratio_best']:.2f}",
+            "-" if r.get("kernel_ratio_median") is None else f"{r['kernel_ratio_median']:.2f}",
             "-" if r.get("touch_ratio_median") is None else f"{r['touch_ratio_median']:.2f}",
             "-" if r.get("of_touch_median") is None else f"{r['of_touch_median']:.2f}",
             "-" if r["other_cpu"] is None else f"{100 * r['other_cpu']:.0f}%",

@@ -129,6 +129,7 @@ class _NativeExperts(_CPUExperts):
             self._free()
         self._free = weakref.finalize(self, fn("hetserve_moe_free"), handle)
         self._h, self._run, self._touch = handle, fn("hetserve_moe_run"), fn("hetserve_moe_touch")
+        self._last = fn("hetserve_moe_last_seconds")
 
     def _forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -172,19 +173,25 @@ class _NativeExperts(_CPUExperts):
         if rc != 0:
             raise MemoryError(out_of_memory)
 
-    def touch(self, topk_ids: torch.Tensor) -> int:
+    def touch(self, topk_ids: torch.Tensor) -> tuple[int, float]:
         """Reads what `forward` with these routings would read of the weights, on the same work
         items and threads, without the arithmetic (`bench moe-kernel`'s read-pattern limit);
-        returns the bytes read."""
+        returns the bytes read and the seconds it took in C."""
         ids = topk_ids.to("cpu", _I64).contiguous()
         t, k = ids.shape
-        touched = ctypes.c_longlong(0)
+        touched, seconds = ctypes.c_longlong(0), ctypes.c_double(0.0)
         rc = self._touch(
             self._h, self._threads or torch.get_num_threads(), t, k, ids.data_ptr(),
-            ctypes.addressof(touched),
+            ctypes.addressof(touched), ctypes.addressof(seconds),
         )  # fmt: skip
         self._check(rc, "native MoE touch could not allocate its expert list")
-        return touched.value
+        return touched.value, seconds.value
+
+    def last_kernel_seconds(self) -> float:
+        """How long the last `forward` took inside C, entry to return: the kernel without the
+        Python around it (`bench moe-kernel`'s `kernel` column; the fused decode path calls
+        the kernel from C)."""
+        return self._last(self._h)
 
     def _set(self, w13, s13, m13, w2, s2, m2) -> None:
         """Keeps the layout tensors alive and their pointers for the kernel (None -> NULL)."""

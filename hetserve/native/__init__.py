@@ -126,7 +126,8 @@ _SIGNATURES = {
     "hetserve_moe_new": (_P, [_I] * 5 + [_P] * 8 + [_I, _F, _F]),  # moe/cpu_native.py
     "hetserve_moe_free": (None, [_P]),
     "hetserve_moe_run": (_I, [_P, _I, _I, _I] + [_P] * 4),
-    "hetserve_moe_touch": (_I, [_P, _I, _I, _I, _P, _P]),  # bench moe-kernel's read limit
+    "hetserve_moe_last_seconds": (ctypes.c_double, [_P]),  # bench moe-kernel's kernel time
+    "hetserve_moe_touch": (_I, [_P, _I, _I, _I, _P, _P, _P]),  # bench moe-kernel's read limit
     "hetserve_int8_linear": (_I, [_I] * 4 + [_P] * 4),
     "hetserve_qlinear": (_I, [_I] * 6 + [_P] * 4),
     "hetserve_paged_decode_attention": (_I, [_I] * 10 + [_F] + [_P] * 7),

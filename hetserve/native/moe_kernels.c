@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "moe_q4k.h"
 #include "moe_quads.h"
@@ -540,13 +541,21 @@ int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int 
 }
 
 /* A layer's experts as hetserve_moe_new records them: the arguments of hetserve_moe_forward
- * that stay the same from call to call. */
+ * that stay the same from call to call; and how long the last hetserve_moe_run took inside C
+ * (bench moe-kernel: the kernel's time without the Python around it). */
 typedef struct {
     int fmt, E, H, I, G, act;
     float alpha, limit;
     const void *w13, *s13, *w2, *s2;
     const float *m13, *m2, *b13, *b2;
+    long long last_ns;
 } hs_moe_t;
+
+static long long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
 
 /* A handle on one layer's experts for hetserve_moe_run / hetserve_moe_touch (the weights stay
  * the caller's and must outlive it; hetserve_moe_free releases it). NULL for an unknown format
@@ -558,27 +567,37 @@ void *hetserve_moe_new(int fmt, int E, int H, int I, int G, const void *w13, con
     if (fmt < F_F32 || fmt > F_Q4K) return NULL;
     hs_moe_t *m = malloc(sizeof(*m));
     if (m == NULL) return NULL;
-    *m = (hs_moe_t){fmt, E, H, I, G, act, alpha, limit, w13, s13, w2, s2, m13, m2, b13, b2};
+    *m = (hs_moe_t){fmt, E, H, I, G, act, alpha, limit, w13, s13, w2, s2, m13, m2, b13, b2, 0};
     return m;
 }
 
 void hetserve_moe_free(void *h) { free(h); }
 
 /* hetserve_moe_forward on a handle's experts. */
-int hetserve_moe_run(const void *h, int nthreads, int T, int k, const int64_t *ids,
-                     const float *tw, const float *x, float *out) {
-    const hs_moe_t *m = (const hs_moe_t *)h;
-    return hetserve_moe_forward(m->fmt, nthreads, m->E, m->H, m->I, m->G, T, k, ids, tw, x, out,
-                                m->w13, m->s13, m->m13, m->w2, m->s2, m->m2, m->b13, m->b2,
-                                m->act, m->alpha, m->limit);
+int hetserve_moe_run(void *h, int nthreads, int T, int k, const int64_t *ids, const float *tw,
+                     const float *x, float *out) {
+    hs_moe_t *m = (hs_moe_t *)h;
+    const long long t0 = now_ns();
+    int rc = hetserve_moe_forward(m->fmt, nthreads, m->E, m->H, m->I, m->G, T, k, ids, tw, x,
+                                  out, m->w13, m->s13, m->m13, m->w2, m->s2, m->m2, m->b13, m->b2,
+                                  m->act, m->alpha, m->limit);
+    __atomic_store_n(&m->last_ns, now_ns() - t0, __ATOMIC_RELAXED); /* calls may overlap */
+    return rc;
+}
+
+/* Seconds the handle's last hetserve_moe_run took, entry to return. */
+double hetserve_moe_last_seconds(const void *h) {
+    return (double)__atomic_load_n(&((const hs_moe_t *)h)->last_ns, __ATOMIC_RELAXED) * 1e-9;
 }
 
 /* Reads what hetserve_moe_run(h, ...) with these ids would read of the weights (the experts the
  * ids route to, both phases, the same work items on the same threads) and nothing else: the
- * limit a layer call meets from memory alone; *touched = the bytes read. Returns 0, -1 when out
- * of memory, -2 for an id outside [0, E). */
+ * limit a layer call meets from memory alone; *touched = the bytes read, *seconds the time
+ * taken (timed as hetserve_moe_run is). Returns 0, -1 when out of memory, -2 for an id outside
+ * [0, E). */
 int hetserve_moe_touch(const void *h, int nthreads, int T, int k, const int64_t *ids,
-                       long long *touched) {
+                       long long *touched, double *seconds) {
+    const long long t0 = now_ns();
     const hs_moe_t *m = (const hs_moe_t *)h;
     const int E = m->E;
     if (bad_ids(E, T * k, ids)) return -2;
@@ -601,5 +620,6 @@ int hetserve_moe_touch(const void *h, int nthreads, int T, int k, const int64_t 
         run_phase(&j, 2, touch_item, touched);
     }
     free(act_e);
+    *seconds = (double)(now_ns() - t0) * 1e-9;
     return 0;
 }

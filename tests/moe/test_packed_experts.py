@@ -6,6 +6,8 @@ e4m3 subnormals as zero), with biases and gpt-oss's clamped SwiGLU as well as si
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -265,6 +267,13 @@ def test_touch_reads_exactly_the_routed_experts_bytes(fmt):
         b = create_backend(PACKERS[fmt][1], ExpertWeights(None, None, packed=_packed(fmt, w13, w2)))
     per_expert = sum(t.nbytes for t in b._tensors if t is not None) // E
     for ids in (torch.tensor([[E - 1, 0, 3]]), torch.tensor([[1, 2, 5], [5, 1, 6], [7, 2, 1]])):
-        assert b.touch(ids) == int(ids.unique().numel()) * per_expert
+        touched, seconds = b.touch(ids)
+        assert touched == int(ids.unique().numel()) * per_expert and seconds > 0
+        # the kernel's own time (C, entry to return) lies within the Python call around it
+        x = torch.randn(ids.shape[0], b.hidden)
+        t0 = time.perf_counter()
+        b.forward(x, torch.rand(ids.shape), ids)
+        wall = time.perf_counter() - t0
+        assert 0 < b.last_kernel_seconds() <= wall
     with pytest.raises(InvalidInputError):
         b.touch(torch.tensor([[0, E, 1]]))
