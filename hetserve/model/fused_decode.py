@@ -62,8 +62,8 @@ class _Layer(ctypes.Structure):
         ("einter", c_int), ("egroup", c_int), ("eact", c_int), ("ethreads", c_int),
         ("route_scale", c_float), ("ealpha", c_float), ("elimit", c_float),
         ("router", c_void_p),
-        ("w13", c_void_p), ("s13", c_void_p), ("m13", c_void_p),
-        ("w2", c_void_p), ("s2", c_void_p), ("m2", c_void_p), ("b13", c_void_p), ("b2", c_void_p),
+        ("w13", c_void_p), ("s13", c_void_p), ("w2", c_void_p), ("s2", c_void_p),
+        ("b13", c_void_p), ("b2", c_void_p),
         ("gate", _QLin), ("up", _QLin), ("down", _QLin),
     ]  # fmt: skip
 
@@ -193,7 +193,7 @@ def _experts(mlp: nn.Module, out: _Layer, keep: list) -> bool:
     out.router = _ptr(gate.weight)
     out.efmt, out.einter, out.egroup, out.ethreads = b.fmt, b.inter, b.group_size, b._threads or 0
     out.eact, out.ealpha, out.elimit = b._act
-    out.w13, out.s13, out.m13, out.w2, out.s2, out.m2 = b._ptrs
+    out.w13, out.s13, out.w2, out.s2 = b._ptrs
     out.b13, out.b2 = b._bias_ptrs
     return True
 

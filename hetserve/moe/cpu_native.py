@@ -38,6 +38,7 @@ from hetserve.moe.quant import (
 from hetserve.native import hugepage_empty, kernel
 from hetserve.native.layout import (
     fp16_group_scales,
+    int4_group_tiles,
     interleave_quads,
     pack_int4_rows,
     pair_gate_up,
@@ -78,6 +79,20 @@ def _q4k_layer(mats: tuple[Q4KRows, ...], gate_up: bool) -> torch.Tensor:
     return out
 
 
+def _int4_layer(mats: list[Int4Rows], gate_up: bool) -> torch.Tensor:
+    """Per-expert int4 matrices [N, K] -> one stacked tensor [E, N/16, K/G, 8G + 128] in
+    tile_i4's layout (native/layout.py, int4_group_tiles), filled expert by expert."""
+    n, k = mats[0].shape
+    g = mats[0].group
+    out = hugepage_empty((len(mats), n // 16, k // g, 8 * g + 128), torch.uint8)
+    for e, m in enumerate(mats):
+        q, s, z = m.packed, m.scale, m.minimum
+        if gate_up:  # gate tile, up tile, ...: phase 1 reads one stream
+            q, s, z = (pair_gate_up(t.reshape(1, n, -1), 16)[0] for t in (q, s, z))
+        int4_group_tiles(q, s, z, out[e])
+    return out
+
+
 def _packed_as(weights: ExpertWeights, cls: type[QMatrix]) -> bool:
     return weights.packed is not None and all(
         isinstance(m, cls) for m in (*weights.packed.w13, *weights.packed.w2)
@@ -115,7 +130,7 @@ class _NativeExperts(_CPUExperts):
         self._bind()
 
     def _bind(self, lib: ctypes.CDLL | None = None) -> None:
-        """Makes the C handle on this layer's experts (hetserve_moe_new: the 16 arguments that
+        """Makes the C handle on this layer's experts (hetserve_moe_new: the 14 arguments that
         never change between calls) in `lib`, the kernels built for this CPU when None (tests
         pass another ISA's build)."""
         fn = kernel if lib is None else lambda name: getattr(lib, name)
@@ -193,9 +208,10 @@ class _NativeExperts(_CPUExperts):
         the kernel from C)."""
         return self._last(self._h)
 
-    def _set(self, w13, s13, m13, w2, s2, m2) -> None:
-        """Keeps the layout tensors alive and their pointers for the kernel (None -> NULL)."""
-        self._tensors = (w13, s13, m13, w2, s2, m2)
+    def _set(self, w13, s13, w2, s2) -> None:
+        """Keeps the layout tensors alive and their pointers for the kernel (None -> NULL: formats
+        whose weights carry their scales)."""
+        self._tensors = (w13, s13, w2, s2)
         self._ptrs = tuple(None if t is None else t.data_ptr() for t in self._tensors)
 
     def _expert_nbytes(self) -> int:
@@ -211,7 +227,7 @@ class NativeFp32Experts(_NativeExperts):
 
     def _load(self, weights: ExpertWeights) -> None:
         dense = weights.dense("cpu", torch.float32)
-        self._set(dense.w13.contiguous(), None, None, dense.w2.contiguous(), None, None)
+        self._set(dense.w13.contiguous(), None, dense.w2.contiguous(), None)
 
 
 class NativeInt8Experts(_NativeExperts):
@@ -234,8 +250,8 @@ class NativeInt8Experts(_NativeExperts):
                 qs.append(q)
                 ss.append(s[:, None])
         self._set(
-            _quads(q13, 16, True), _quads(s13, 1, True).reshape(self.num_experts, -1), None,
-            _quads(q2, 16, False), torch.stack(s2).reshape(self.num_experts, -1), None,
+            _quads(q13, 16, True), _quads(s13, 1, True).reshape(self.num_experts, -1),
+            _quads(q2, 16, False), torch.stack(s2).reshape(self.num_experts, -1),
         )  # fmt: skip
 
     def _load_grouped(self, weights: ExpertWeights, group: int) -> None:
@@ -243,8 +259,8 @@ class NativeInt8Experts(_NativeExperts):
         p = weights.packed
         s13, s2 = ([fp16_group_scales(m.scale) for m in mats] for mats in (p.w13, p.w2))
         self._set(
-            _quads([m.q for m in p.w13], 16, True), _quads(s13, 1, True), None,
-            _quads([m.q for m in p.w2], 16, False), _quads(s2, 1, False), None,
+            _quads([m.q for m in p.w13], 16, True), _quads(s13, 1, True),
+            _quads([m.q for m in p.w2], 16, False), _quads(s2, 1, False),
         )  # fmt: skip
 
 
@@ -271,7 +287,7 @@ class NativeInt4Experts(_NativeExperts):
         if _packed_as(weights, Q4KRows) and self.group_size == 32:
             self.fmt = F_Q4K  # the super-blocks as they are (group_size: their sub-blocks)
             p = weights.packed
-            self._set(_q4k_layer(p.w13, True), None, None, _q4k_layer(p.w2, False), None, None)
+            self._set(_q4k_layer(p.w13, True), None, _q4k_layer(p.w2, False), None)
             return
         if _packed_as(weights, Int4Rows) and weights.packed.groups() == (self.group_size,) * 2:
             mats13, mats2 = weights.packed.w13, weights.packed.w2
@@ -281,14 +297,7 @@ class NativeInt4Experts(_NativeExperts):
                 for w, out in zip(weights.expert(e), (mats13, mats2), strict=True):
                     q, scale, low = quantize_int4_groupwise(w, self.group_size)
                     out.append(Int4Rows(pack_int4_rows(q), scale, low))
-        self._set(
-            _tiles([m.packed for m in mats13], 4, True),
-            _tiles([m.scale for m in mats13], 1, True),
-            _tiles([m.minimum for m in mats13], 1, True),
-            _tiles([m.packed for m in mats2], 4, False),
-            _tiles([m.scale for m in mats2], 1, False),
-            _tiles([m.minimum for m in mats2], 1, False),
-        )
+        self._set(_int4_layer(mats13, True), None, _int4_layer(mats2, False), None)
 
 
 class NativeMxfp4Experts(_NativeExperts):
@@ -313,8 +322,8 @@ class NativeMxfp4Experts(_NativeExperts):
             return [m.blocks.reshape(n, -1) for m in mats]
 
         self._set(
-            _tiles(blocks(mats13, n13), 4, True), _tiles([m.scales for m in mats13], 1, True), None,
-            _tiles(blocks(mats2, n2), 4, False), _tiles([m.scales for m in mats2], 1, False), None,
+            _tiles(blocks(mats13, n13), 4, True), _tiles([m.scales for m in mats13], 1, True),
+            _tiles(blocks(mats2, n2), 4, False), _tiles([m.scales for m in mats2], 1, False),
         )  # fmt: skip
 
 
@@ -357,6 +366,6 @@ class NativeFp8Experts(_NativeExperts):
             ]
 
         self._set(
-            _quads(codes(mats13), 16, True), _quads(scales(mats13), 1, True), None,
-            _quads(codes(mats2), 16, False), _quads(scales(mats2), 1, False), None,
+            _quads(codes(mats13), 16, True), _quads(scales(mats13), 1, True),
+            _quads(codes(mats2), 16, False), _quads(scales(mats2), 1, False),
         )  # fmt: skip

@@ -123,7 +123,7 @@ def _compile(compiler: str, flags: list[str], target: Path) -> str | None:
 _I, _L, _F, _P = ctypes.c_int, ctypes.c_long, ctypes.c_float, ctypes.c_void_p
 # Each exported function: (restype, argtypes), as declared in the C sources.
 _SIGNATURES = {
-    "hetserve_moe_new": (_P, [_I] * 5 + [_P] * 8 + [_I, _F, _F]),  # moe/cpu_native.py
+    "hetserve_moe_new": (_P, [_I] * 5 + [_P] * 6 + [_I, _F, _F]),  # moe/cpu_native.py
     "hetserve_moe_free": (None, [_P]),
     "hetserve_moe_run": (_I, [_P, _I, _I, _I] + [_P] * 4),
     "hetserve_moe_last_seconds": (ctypes.c_double, [_P]),  # bench moe-kernel's kernel time

@@ -45,9 +45,8 @@ void hetserve_topk_softmax(int nthreads, int T, int E, int k, int renorm, float 
                            const float *logits, float *w, int64_t *ids);
 int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int T, int k,
                          const int64_t *ids, const float *tw, const float *x, float *out,
-                         const void *w13, const void *s13, const float *m13, const void *w2,
-                         const void *s2, const float *m2, const float *b13, const float *b2,
-                         int act, float alpha, float limit);
+                         const void *w13, const void *s13, const void *w2, const void *s2,
+                         const float *b13, const float *b2, int act, float alpha, float limit);
 
 /* One quantized linear as hetserve_qlinear takes it, plus an optional bias [n]. */
 typedef struct {
@@ -71,10 +70,8 @@ typedef struct {
     int num_experts, top_k, renorm, efmt, einter, egroup, eact, ethreads;
     float route_scale, ealpha, elimit;
     const float *router;
-    const void *w13, *s13;
-    const float *m13;
-    const void *w2, *s2;
-    const float *m2, *b13, *b2;
+    const void *w13, *s13, *w2, *s2;
+    const float *b13, *b2;
     /* FFN_DENSE: down(silu(gate(x)) * up(x)) */
     hs_qlin_t gate, up, down;
 } hs_layer_t;
@@ -125,9 +122,8 @@ static int layer_step(const hs_layer_t *L, int nthreads, int B, float *x,
         hetserve_router_logits(nthreads, B, E, H, xn, L->router, tmp);
         hetserve_topk_softmax(nthreads, B, E, K, L->renorm, L->route_scale, tmp, tw, ids);
         rc = hetserve_moe_forward(L->efmt, L->ethreads ? L->ethreads : nthreads, E, H, L->einter,
-                                  L->egroup, B, K, ids, tw, xn, y, L->w13, L->s13, L->m13,
-                                  L->w2, L->s2, L->m2, L->b13, L->b2, L->eact, L->ealpha,
-                                  L->elimit);
+                                  L->egroup, B, K, ids, tw, xn, y, L->w13, L->s13, L->w2,
+                                  L->s2, L->b13, L->b2, L->eact, L->ealpha, L->elimit);
         if (rc) return rc;
     } else {
         const int I = L->gate.n;

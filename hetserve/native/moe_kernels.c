@@ -41,8 +41,8 @@ typedef struct {
     const float *b13, *b2; /* biases [E, 2I] (gate then up) and [E, H], or NULL */
     const float *x;        /* [T, H] fp32 tokens */
     const void *w13, *w2;  /* quad- or tile-interleaved weights, see quad_i8 / tile_i4 */
-    const void *s13, *s2;  /* scales: fp32, or e8m0 bytes (MXFP4) */
-    const float *m13, *m2;
+    const void *s13, *s2;  /* scales: fp32, fp16 (grouped int8), e8m0 bytes (MXFP4), or NULL
+                              where the weights carry them (int4, q4_K) */
     const int *tok;        /* [P] token of pair p (pairs sorted by expert) */
     const float *pw;       /* [P] router weight of pair p */
     float *a, *y;          /* [P, I], [P, H] */
@@ -118,11 +118,8 @@ static inline __attribute__((always_inline)) void quad_int(const job_t *j, int f
         const uint16_t *s = (const uint16_t *)sv + row * ng;
         if (MB == 2) quad_i8g(q, s, K, G, a.x, 2, out); else quad_i8g(q, s, K, G, a.x, 1, out);
     } else if (fmt == F_I4) {
-        const uint8_t *q = (const uint8_t *)w + row * (K / 2);
-        const float *s = (const float *)sv + row * ng;
-        const float *z = (which == 1 ? j->m13 : j->m2) + row * ng;
-        if (MB == 2) tile_i4(q, s, z, K, G, a.x, a.gs, 2, out);
-        else tile_i4(q, s, z, K, G, a.x, a.gs, 1, out);
+        const uint8_t *q = (const uint8_t *)w + row / TILE_ROWS * I4_TILE_BYTES(K, G);
+        if (MB == 2) tile_i4(q, K, G, a.x, a.gs, 2, out); else tile_i4(q, K, G, a.x, a.gs, 1, out);
     } else if (fmt == F_Q4K) {
         const uint8_t *q = (const uint8_t *)w + row * (K / Q4K_SB) * (Q4K_QUAD_BYTES / 4);
         if (MB == 2) quad_q4k(q, K, a.p, 2, out); else quad_q4k(q, K, a.p, 1, out);
@@ -375,15 +372,15 @@ static uint64_t touch_bytes(const void *p, size_t n) {
     return (uint64_t)_mm256_extract_epi64(s, 0) ^ (uint64_t)_mm256_extract_epi64(s, 3);
 }
 
-/* Bytes per row of a [N, K] matrix in format fmt: weights, scales, minimums (see quad_int;
- * q4_K's super-blocks carry their own). */
-static void row_bytes(int fmt, int K, int G, size_t b[3]) {
+/* Bytes per row of a [N, K] matrix in format fmt: weights (with int4 tiles' group parameters),
+ * scales (see quad_int; q4_K's super-blocks carry their own). */
+static void row_bytes(int fmt, int K, int G, size_t b[2]) {
     const size_t ng = G > 0 ? (size_t)(K / G) : 0;
     b[0] = (size_t)K * B16[fmt] / 16;
-    b[1] = b[2] = 0;
+    b[1] = 0;
     switch (fmt) {
     case F_I8: b[1] = G > 0 ? 2 * ng : 4; break;
-    case F_I4: b[1] = b[2] = 4 * ng; break;
+    case F_I4: b[0] += 8 * ng; break; /* a row's share of its tile's scales and minimums */
     case F_MXFP4: b[1] = K / 32; break;
     case F_FP8: b[1] = 4 * ng; break;
     default: break; /* fp32, q4_K */
@@ -398,9 +395,8 @@ static void touch_item(void *ctx, int c) {
     item_units(arg, c, &u0, &u1);
     const int ai = u0 / per, e = j->act_e[ai], v0 = u0 - ai * per, v1 = u1 - ai * per;
     const int K = arg->phase == 1 ? j->H : j->I, N = arg->phase == 1 ? 2 * j->I : j->H;
-    const void *m[3] = {arg->phase == 1 ? j->w13 : j->w2, arg->phase == 1 ? j->s13 : j->s2,
-                        arg->phase == 1 ? j->m13 : j->m2};
-    size_t b[3];
+    const void *m[2] = {arg->phase == 1 ? j->w13 : j->w2, arg->phase == 1 ? j->s13 : j->s2};
+    size_t b[2];
     row_bytes(j->fmt, K, j->G, b);
     /* rows of the item: quantized W13 stores gate and up units alternately (one range), fp32
      * keeps all gate rows, then all up rows (two ranges) */
@@ -418,7 +414,7 @@ static void touch_item(void *ctx, int c) {
     uint64_t sum = 0;
     long long n = 0;
     for (int g = 0; g < ranges; g++)
-        for (int t = 0; t < 3; t++)
+        for (int t = 0; t < 2; t++)
             if (m[t] != NULL && b[t] > 0) {
                 sum ^= touch_bytes((const char *)m[t] + r0[g] * b[t], nr[g] * b[t]);
                 n += (long long)(nr[g] * b[t]);
@@ -494,9 +490,8 @@ static void activations(job_t *j, int which, int rows) {
  * may be NULL; act 0 = silu, 1 = clamped SwiGLU(alpha, limit). */
 int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int T, int k,
                          const int64_t *ids, const float *tw, const float *x, float *out,
-                         const void *w13, const void *s13, const float *m13, const void *w2,
-                         const void *s2, const float *m2, const float *b13, const float *b2,
-                         int act, float alpha, float limit) {
+                         const void *w13, const void *s13, const void *w2, const void *s2,
+                         const float *b13, const float *b2, int act, float alpha, float limit) {
     const int P = T * k;
     memset(out, 0, sizeof(float) * (size_t)T * H);
     if (fmt < F_F32 || fmt > F_Q4K) return -3;
@@ -524,7 +519,7 @@ int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int 
     int16_t *xps = (int16_t *)(xpd + n_q / Q4K_SB), *aps = xps + (size_t)T * H / Q4K_SB * 16;
     int8_t *xpl = (int8_t *)(xps + n_q / Q4K_SB * 16), *apl = xpl + (size_t)T * Q4K_XB * H;
     int n = sort_pairs(E, P, k, ids, tw, tok, pw, act_e, act_off, act_cnt, act_cnt + E);
-    job_t j = {fmt, H, I, G, act, alpha, limit, b13, b2, x, w13, w2, s13, s2, m13, m2, tok, pw,
+    job_t j = {fmt, H, I, G, act, alpha, limit, b13, b2, x, w13, w2, s13, s2, tok, pw,
                a, y, x16, a16, xsc, asc, xgs, ags, xpl, apl, xps, aps, xpd, apd, n, act_e, act_off,
                act_cnt, nthreads < 1 ? 1 : nthreads};
     if (q16) activations(&j, 1, T);
@@ -547,7 +542,7 @@ typedef struct {
     int fmt, E, H, I, G, act;
     float alpha, limit;
     const void *w13, *s13, *w2, *s2;
-    const float *m13, *m2, *b13, *b2;
+    const float *b13, *b2;
     long long last_ns;
 } hs_moe_t;
 
@@ -559,15 +554,16 @@ static long long now_ns(void) {
 
 /* A handle on one layer's experts for hetserve_moe_run / hetserve_moe_touch (the weights stay
  * the caller's and must outlive it; hetserve_moe_free releases it). NULL for an unknown format
- * or when out of memory. Python calls a layer through it: eight arguments instead of 23 cost
- * ~10 us less per call from cold caches, as a decode step's layers meet them. */
+ * or when out of memory. Python calls a layer through it: eight arguments instead of the 23
+ * hetserve_moe_forward then took (21 since int4 tiles carry their group parameters) cost ~10 us
+ * less per call from cold caches, as a decode step's layers meet them. */
 void *hetserve_moe_new(int fmt, int E, int H, int I, int G, const void *w13, const void *s13,
-                       const float *m13, const void *w2, const void *s2, const float *m2,
-                       const float *b13, const float *b2, int act, float alpha, float limit) {
+                       const void *w2, const void *s2, const float *b13, const float *b2, int act,
+                       float alpha, float limit) {
     if (fmt < F_F32 || fmt > F_Q4K) return NULL;
     hs_moe_t *m = malloc(sizeof(*m));
     if (m == NULL) return NULL;
-    *m = (hs_moe_t){fmt, E, H, I, G, act, alpha, limit, w13, s13, w2, s2, m13, m2, b13, b2, 0};
+    *m = (hs_moe_t){fmt, E, H, I, G, act, alpha, limit, w13, s13, w2, s2, b13, b2, 0};
     return m;
 }
 
@@ -579,8 +575,8 @@ int hetserve_moe_run(void *h, int nthreads, int T, int k, const int64_t *ids, co
     hs_moe_t *m = (hs_moe_t *)h;
     const long long t0 = now_ns();
     int rc = hetserve_moe_forward(m->fmt, nthreads, m->E, m->H, m->I, m->G, T, k, ids, tw, x,
-                                  out, m->w13, m->s13, m->m13, m->w2, m->s2, m->m2, m->b13, m->b2,
-                                  m->act, m->alpha, m->limit);
+                                  out, m->w13, m->s13, m->w2, m->s2, m->b13, m->b2, m->act,
+                                  m->alpha, m->limit);
     __atomic_store_n(&m->last_ns, now_ns() - t0, __ATOMIC_RELAXED); /* calls may overlap */
     return rc;
 }
@@ -611,7 +607,7 @@ int hetserve_moe_touch(const void *h, int nthreads, int T, int k, const int64_t 
     job_t j;
     memset(&j, 0, sizeof(j));
     j.fmt = m->fmt, j.H = m->H, j.I = m->I, j.G = m->G;
-    j.w13 = m->w13, j.s13 = m->s13, j.m13 = m->m13, j.w2 = m->w2, j.s2 = m->s2, j.m2 = m->m2;
+    j.w13 = m->w13, j.s13 = m->s13, j.w2 = m->w2, j.s2 = m->s2;
     j.n_active = n, j.act_e = act_e;
     j.nthreads = nthreads < 1 ? 1 : nthreads;
     *touched = 0;

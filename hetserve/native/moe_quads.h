@@ -225,14 +225,18 @@ static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, f
 
 /* int4: w = q * scale + minimum per group of G inputs, q in [0, 15], read 16 rows at a time
  * as MXFP4 is (moe_formats.h, tile_mxfp4): per 8 inputs, each row's 4 bytes (element 2i in
- * byte i's low nibble) at byte 4r, so each row owns a 32-bit lane; scales and minimums stored
- * [group][16 rows]. Masks and shifts within 16-bit lanes give elements (0, 4), (2, 6), (1, 5),
- * (3, 7) of the 8, which meet the activation pairs stored in that order (quantize_rows,
- * perm = 1). With int16 activations, w . x16 = sum_g scale_g * (q_g . x16_g) + minimum_g *
- * sum(x16_g): the nibbles go straight into vpmaddwd (exact per group: at most 128 products
- * of 15 x 16383 per lane) and the minimum needs only the group sums. */
-static inline __attribute__((always_inline)) void tile_i4(const uint8_t *q, const float *sc,
-                                                          const float *mn, int K, int G,
+ * byte i's low nibble) at byte 4r, so each row owns a 32-bit lane. Per tile and group, the
+ * nibbles (8G bytes) are followed by the 16 rows' fp32 scales and then their minimums, so a
+ * tile is one stream (native/layout.py, int4_group_tiles). Masks and shifts within 16-bit
+ * lanes give elements (0, 4), (2, 6), (1, 5), (3, 7) of the 8, which meet the activation pairs
+ * stored in that order (quantize_rows, perm = 1). With int16 activations, w . x16 = sum_g
+ * scale_g * (q_g . x16_g) + minimum_g * sum(x16_g): the nibbles go straight into vpmaddwd
+ * (exact per group: at most 128 products of 15 x 16383 per lane) and the minimum needs only
+ * the group sums. */
+#define I4_GROUP_BYTES(G) (8 * (size_t)(G) + 128)
+#define I4_TILE_BYTES(K, G) ((size_t)((K) / (G)) * I4_GROUP_BYTES(G))
+
+static inline __attribute__((always_inline)) void tile_i4(const uint8_t *q, int K, int G,
                                                           const int16_t *const x[2],
                                                           const float *const gs[2], int MB,
                                                           float out[][MBMAX]) {
@@ -243,8 +247,9 @@ static inline __attribute__((always_inline)) void tile_i4(const uint8_t *q, cons
     for (int g = 0; g < K / G; g++) {
         __m512i acc[2][2];
         for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
+        const uint8_t *qg = q + I4_GROUP_BYTES(G) * g;
         for (int k = g * G; k < (g + 1) * G; k += 8) {
-            const uint8_t *qc = q + 8 * (size_t)k; /* 16 rows x 4 bytes */
+            const uint8_t *qc = qg + 8 * (size_t)(k - g * G); /* 16 rows x 4 bytes */
             hs_prefetch(qc);
             const __m512i v = _mm512_loadu_si512(qc);
             const __m512i w[4] = {_mm512_and_si512(v, low),
@@ -253,8 +258,8 @@ static inline __attribute__((always_inline)) void tile_i4(const uint8_t *q, cons
                                   _mm512_srli_epi16(v, 12)};
             for (int m = 0; m < MB; m++) tile_dot5(acc[m], w, x[m] + k);
         }
-        const __m512 s = _mm512_loadu_ps(sc + TILE_ROWS * (size_t)g);
-        const __m512 z = _mm512_loadu_ps(mn + TILE_ROWS * (size_t)g);
+        const float *sz = (const float *)(qg + 8 * (size_t)G); /* 16 scales, 16 minimums */
+        const __m512 s = _mm512_loadu_ps(sz), z = _mm512_loadu_ps(sz + TILE_ROWS);
         for (int m = 0; m < MB; m++) {
             tot[m] = _mm512_fmadd_ps(tile_sum5(acc[m]), s, tot[m]);
             tot[m] = _mm512_fmadd_ps(z, _mm512_set1_ps(gs[m][g]), tot[m]);
@@ -266,11 +271,13 @@ static inline __attribute__((always_inline)) void tile_i4(const uint8_t *q, cons
     __m256 tot[2][2];
     for (int m = 0; m < MB; m++) tot[m][0] = tot[m][1] = _mm256_setzero_ps();
     for (int g = 0; g < K / G; g++) {
+        const uint8_t *qg = q + I4_GROUP_BYTES(G) * g;
+        const float *sz = (const float *)(qg + 8 * (size_t)G); /* 16 scales, 16 minimums */
         for (int h = 0; h < 2; h++) { /* rows 8h .. 8h + 7 */
             __m256i acc[2][2];
             for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
             for (int k = g * G; k < (g + 1) * G; k += 8) {
-                const uint8_t *qc = q + 8 * (size_t)k;
+                const uint8_t *qc = qg + 8 * (size_t)(k - g * G);
                 if (h == 0) hs_prefetch(qc);
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(qc + 32 * h));
                 const __m256i w[4] = {_mm256_and_si256(v, low),
@@ -279,8 +286,8 @@ static inline __attribute__((always_inline)) void tile_i4(const uint8_t *q, cons
                                       _mm256_srli_epi16(v, 12)};
                 for (int m = 0; m < MB; m++) tile_dot(acc[m], w, x[m] + k);
             }
-            const __m256 s = _mm256_loadu_ps(sc + TILE_ROWS * (size_t)g + 8 * h);
-            const __m256 z = _mm256_loadu_ps(mn + TILE_ROWS * (size_t)g + 8 * h);
+            const __m256 s = _mm256_loadu_ps(sz + 8 * h);
+            const __m256 z = _mm256_loadu_ps(sz + TILE_ROWS + 8 * h);
             for (int m = 0; m < MB; m++) {
                 tot[m][h] = _mm256_fmadd_ps(tile_sum(acc[m]), s, tot[m][h]);
                 tot[m][h] = _mm256_fmadd_ps(z, _mm256_set1_ps(gs[m][g]), tot[m][h]);
