@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import math
 import weakref
+from collections.abc import Sequence
 
 import torch
 
@@ -58,8 +59,8 @@ def _quads(mats: list[torch.Tensor], chunk: int, gate_up: bool, rows: int = 4) -
 
 
 def _tiles(mats: list[torch.Tensor], chunk: int, gate_up: bool) -> torch.Tensor:
-    """The nibble formats' layout (int4, MXFP4: tile_i4 / tile_mxfp4 in native/): 16 rows at a
-    time, `chunk` bytes of each row back to back."""
+    """MXFP4's tile layout (tile_mxfp4 in native/): 16 rows at a time, `chunk` bytes of each row
+    back to back (int4's tiles also carry their group parameters: _int4_layer)."""
     return _quads(mats, chunk, gate_up, rows=16)
 
 
@@ -79,7 +80,7 @@ def _q4k_layer(mats: tuple[Q4KRows, ...], gate_up: bool) -> torch.Tensor:
     return out
 
 
-def _int4_layer(mats: list[Int4Rows], gate_up: bool) -> torch.Tensor:
+def _int4_layer(mats: Sequence[Int4Rows], gate_up: bool) -> torch.Tensor:
     """Per-expert int4 matrices [N, K] -> one stacked tensor [E, N/16, K/G, 8G + 128] in
     tile_i4's layout (native/layout.py, int4_group_tiles), filled expert by expert."""
     n, k = mats[0].shape

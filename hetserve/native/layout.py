@@ -3,7 +3,8 @@
 
 Only byte order changes here, never values: row quads interleaved into one sequential stream
 per matrix (four strided row streams ran at half the speed: prefetch-bound), gate and up rows
-paired, int4 nibbles in the order the AVX2 unpack wants.
+paired, int4 nibbles in the order the AVX2 unpack wants, int4 group parameters inside their
+tiles.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
 
 def pair_gate_up(w13: torch.Tensor, rows: int = 4) -> torch.Tensor:
     """[E, 2I, C] with gate rows then up rows -> rows ordered gate 0-3, up 0-3, gate 4-7, ...
-    (units of `rows`: 16 for MXFP4's tiles), so phase 1 of the kernel (which needs gate and up
-    of the same rows) reads one stream."""
+    (units of `rows`: 16 for the int4 and MXFP4 tiles), so phase 1 of the kernel (which needs
+    gate and up of the same rows) reads one stream."""
     e, n, c = w13.shape
     return w13.reshape(e, 2, n // (2 * rows), rows, c).transpose(1, 2).reshape(e, n, c)
 

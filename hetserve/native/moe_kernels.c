@@ -293,7 +293,7 @@ static inline __attribute__((always_inline)) void phase2(const job_t *j, int u0,
 typedef struct {
     job_t *job;
     int phase;
-    int rc; /* units (row quads, MXFP4 tiles) per work item */
+    int rc; /* units (row quads, int4 / MXFP4 tiles) per work item */
     long long *touched; /* hetserve_moe_touch: bytes read */
 } arg_t;
 
