@@ -182,9 +182,12 @@ static inline __attribute__((always_inline)) void quad_f32(const float *w, int K
  * [0 4 2 6 1 5 3 7]. */
 static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, float *scale,
                           int perm, int G, float *gsum) {
-    int16_t tmp[32];
-    /* K % 32 == 0 (checked by the caller). Vectorized: at one token this runs on one thread
-     * between the phases, so a scalar loop would be a visible slice of the layer. */
+    /* K % 32 == 0 (checked by the caller). Vectorized, the reorder and the group sums too: at
+     * one token this runs on one thread before and between the phases, where scalar loops
+     * were ~3 us of a ~200 us layer (2048 + 6 x 512 inputs). */
+    const __m256i ord = _mm256_setr_epi8(0, 1, 8, 9, 4, 5, 12, 13, 2, 3, 10, 11, 6, 7, 14, 15,
+                                         0, 1, 8, 9, 4, 5, 12, 13, 2, 3, 10, 11, 6, 7, 14, 15);
+    const __m256i ones = _mm256_set1_epi16(1);
     for (int p = p0; p < p1; p++) {
         const float *row = x + (size_t)p * K;
         int16_t *out = x16 + (size_t)p * K;
@@ -192,34 +195,28 @@ static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, f
         float s = mx > 0.0f ? mx / ACT_Q : 1.0f;
         const __m256 inv = _mm256_set1_ps(1.0f / s);
         const __m256i lim = _mm256_set1_epi32(ACT_Q), nlim = _mm256_set1_epi32(-ACT_Q);
+        __m256i gacc = _mm256_setzero_si256(); /* the group's pair sums so far */
         for (int k = 0; k < K; k += 32) {
-            __m256i h[2];
             for (int half = 0; half < 2; half++) {
                 /* round to nearest even (MXCSR default), clamp, pack 2 x 8 int32 -> 16 int16 */
-                const float *src = row + k + 16 * half;
-                __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src), inv));
-                __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + 8), inv));
+                const int k16 = k + 16 * half;
+                __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + k16), inv));
+                __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + k16 + 8), inv));
                 a = _mm256_max_epi32(_mm256_min_epi32(a, lim), nlim);
                 b = _mm256_max_epi32(_mm256_min_epi32(b, lim), nlim);
-                h[half] = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
-            }
-            if (perm) { /* runs once per row between the phases: a scalar reorder is fine */
-                _mm256_storeu_si256((__m256i *)tmp, h[0]);
-                _mm256_storeu_si256((__m256i *)(tmp + 16), h[1]);
-                static const int8_t ord8[8] = {0, 4, 2, 6, 1, 5, 3, 7};
-                for (int i = 0; i < 32; i++) out[k + i] = tmp[(i & ~7) + ord8[i & 7]];
-            } else {
-                _mm256_storeu_si256((__m256i *)(out + k), h[0]);
-                _mm256_storeu_si256((__m256i *)(out + k + 16), h[1]);
+                __m256i h = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+                if (G > 0) { /* G % 16 == 0: int4 groups are 32, 64 or 128 (INT4_GROUP_SIZES) */
+                    gacc = _mm256_add_epi32(gacc, _mm256_madd_epi16(h, ones));
+                    if ((k16 + 16) % G == 0) {
+                        gsum[(size_t)p * (K / G) + k16 / G] = (float)hsum_i32(gacc);
+                        gacc = _mm256_setzero_si256();
+                    }
+                }
+                if (perm) h = _mm256_shuffle_epi8(h, ord); /* within each 8: 0 4 2 6 1 5 3 7 */
+                _mm256_storeu_si256((__m256i *)(out + k16), h);
             }
         }
         scale[p] = s;
-        if (G > 0)
-            for (int g = 0; g < K / G; g++) {
-                int sum = 0;
-                for (int k = g * G; k < (g + 1) * G; k++) sum += out[k];
-                gsum[(size_t)p * (K / G) + g] = (float)sum;
-            }
     }
 }
 
