@@ -23,29 +23,28 @@
 #define MBMAX 3
 #endif
 
-/* Software prefetch distances in bytes. One cache line per loop iteration is consumed; the
+/* Software prefetch distance in bytes. One cache line per loop iteration is consumed; the
  * out-of-order window alone keeps only ~15 lines in flight (~10 GB/s per core at DRAM latency),
- * so the stream is prefetched ahead (it runs into the next quad, which is adjacent): PF_DIST
- * near, PF_FAR far. The far one is for the minutes when this VM reads at ~80 GB/s (40 GB/s per
- * core needs more bytes in flight than 2 KiB); with both, a one-token layer (same process,
- * alternating calls) ran 1.05-1.10x faster than with the near one alone (q8_0 398 -> 363 us,
- * MXFP4 228 -> 211, int8 353 -> 337, int4 253 -> 242); 16 KiB alone gained about half that. */
+ * so the stream is prefetched ahead (it runs into the next unit, which is adjacent), one
+ * prefetch per line, 8 KiB ahead. Measured on a one-token layer (H 2048, I 512, top-6 of 64;
+ * same process, alternating calls): a near (2 KiB) plus a far (16 KiB) prefetch per line, as
+ * before, had int4 ~1.13x slower in the minutes when this VM reads at ~85 GB/s (the loop is
+ * then close to its arithmetic limit, and every extra instruction shows) and ~1.04x slower in
+ * the ~50 GB/s ones (int8, FP8, fp32 alike; MXFP4 and q4_K within noise); 2 KiB alone ~1.16x
+ * slower, 4 KiB ~1.05x, 6-16 KiB within 1.5%, into L2 (T1) no better; one prefetch per four
+ * lines, leaving the rest to the hardware prefetcher, ~1.5-1.9x slower. */
 #ifndef PF_HINT
 #define PF_HINT _MM_HINT_T0
 #endif
 #ifndef PF_DIST
-#define PF_DIST 2048
-#endif
-#ifndef PF_FAR
-#define PF_FAR 16384
+#define PF_DIST 8192
 #endif
 
-/* Prefetches the stream at p (the line being read) both distances ahead. always_inline: as a
- * plain static inline, GCC 12 compiled the MXFP4 tile's caller ~1.15x slower (same process A/B),
+/* Prefetches the stream at p (the line being read) PF_DIST ahead. always_inline: as a plain
+ * static inline, GCC 12 compiled the MXFP4 tile's caller ~1.15x slower (same process A/B),
  * though no call was left. */
 static inline __attribute__((always_inline)) void hs_prefetch(const void *p) {
     _mm_prefetch((const char *)p + PF_DIST, PF_HINT);
-    _mm_prefetch((const char *)p + PF_FAR, PF_HINT);
 }
 
 static inline int hsum_i32(__m256i v) {
