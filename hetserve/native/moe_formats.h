@@ -28,11 +28,11 @@
  * so the stream is prefetched ahead (it runs into the next unit, which is adjacent), one
  * prefetch per line, 8 KiB ahead. Measured on a one-token layer (H 2048, I 512, top-6 of 64;
  * same process, alternating calls): a near (2 KiB) plus a far (16 KiB) prefetch per line, as
- * before, had int4 ~1.13x slower in the minutes when this VM reads at ~85 GB/s (the loop is
- * then close to its arithmetic limit, and every extra instruction shows) and ~1.04x slower in
- * the ~50 GB/s ones (int8, FP8, fp32 alike; MXFP4 and q4_K within noise); 2 KiB alone ~1.16x
- * slower, 4 KiB ~1.05x, 6-16 KiB within 1.5%, into L2 (T1) no better; one prefetch per four
- * lines, leaving the rest to the hardware prefetcher, ~1.5-1.9x slower. */
+ * before, had int4 ~1.13x slower in the minutes when this VM reads at ~85 GB/s (int8, FP8 and
+ * fp32 ~1.08x, MXFP4 ~1.05x, q8_0 and q4_K within noise) and ~1.04x slower in the ~50 GB/s
+ * ones; 2 KiB alone ~1.16x slower, 4 KiB ~1.05x, 6-16 KiB within 1.5%, into L2 (T1) no
+ * better; one prefetch per four lines, leaving the rest to the hardware prefetcher, ~1.5-1.9x
+ * slower. */
 #ifndef PF_HINT
 #define PF_HINT _MM_HINT_T0
 #endif
