@@ -30,12 +30,18 @@ def pair_gate_up(w13: torch.Tensor, rows: int = 4) -> torch.Tensor:
     return w13.reshape(e, 2, n // (2 * rows), rows, c).transpose(1, 2).reshape(e, n, c)
 
 
+def _units(t: torch.Tensor, chunk: int, rows: int) -> torch.Tensor:
+    """A view (no copy) of [E, N, C] as [E, N/rows, C/chunk, rows, chunk]: per unit of `rows`
+    rows and every `chunk` columns, the rows' pieces back to back."""
+    e, n, c = t.shape
+    return t.reshape(e, n // rows, rows, c // chunk, chunk).transpose(2, 3)
+
+
 def interleave_quads(t: torch.Tensor, chunk: int, rows: int = 4) -> torch.Tensor:
     """[E, N, C] -> same bytes reordered so each quad of rows (or unit of `rows`) is one
     sequential stream: for every `chunk` columns, the rows' pieces back to back
     ([E, N/rows, C/chunk, rows, chunk]), in memory backed by huge pages where the OS allows."""
-    e, n, c = t.shape
-    src = t.reshape(e, n // rows, rows, c // chunk, chunk).transpose(2, 3)
+    src = _units(t, chunk, rows)
     return hugepage_empty(tuple(src.shape), t.dtype).copy_(src)
 
 
@@ -83,7 +89,7 @@ def int4_group_tiles(
     n, ng = scale.shape
     nb = packed.shape[1] // ng  # nibble bytes per row and group: G / 2
     tiles = n // 16
-    q = packed.reshape(tiles, 16, ng, nb // 4, 4).permute(0, 2, 3, 1, 4)
+    q = _units(packed.unsqueeze(0), 4, 16)[0].reshape(tiles, ng, nb // 4, 16, 4)  # a view
     out[..., : 16 * nb].view(tiles, ng, nb // 4, 16, 4).copy_(q)
     for lo, t in ((16 * nb, scale), (16 * nb + 64, minimum)):
         p = t.to(torch.float32).reshape(tiles, 16, ng).transpose(1, 2)
