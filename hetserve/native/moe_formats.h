@@ -47,6 +47,15 @@ static inline __attribute__((always_inline)) void hs_prefetch(const void *p) {
     _mm_prefetch((const char *)p + PF_DIST, PF_HINT);
 }
 
+/* Prefetches a format's second stream, its scales read beside the weights at 1/ratio of their
+ * bytes (MXFP4: 16 per 256), as far ahead as hs_prefetch reaches in the weights. Left to the
+ * hardware prefetcher, MXFP4's scale stream cost ~6% in the ~85 GB/s minutes (one token,
+ * same process, alternating calls: 180 -> 170 us, 179 -> 169); half or twice this distance
+ * was no better than none. */
+static inline __attribute__((always_inline)) void hs_prefetch_side(const void *p, int ratio) {
+    _mm_prefetch((const char *)p + PF_DIST / ratio, PF_HINT);
+}
+
 static inline int hsum_i32(__m256i v) {
     __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
@@ -228,6 +237,7 @@ static inline __attribute__((always_inline)) void tile_mxfp4(const uint8_t *q, c
                                   _mm512_slli_epi16(hi, 8), _mm512_and_si512(hi, high)};
             for (int m = 0; m < MB; m++) tile_dot5(acc[m], w, x[m] + 32 * b + 8 * c);
         }
+        hs_prefetch_side(sc + TILE_ROWS * (size_t)b, 16);
         const __m512 scale = e8m0_scaled16(sc + TILE_ROWS * (size_t)b);
         for (int m = 0; m < MB; m++) tot[m] = _mm512_fmadd_ps(tile_sum5(acc[m]), scale, tot[m]);
     }
@@ -252,6 +262,7 @@ static inline __attribute__((always_inline)) void tile_mxfp4(const uint8_t *q, c
                                       _mm256_slli_epi16(hi, 8), _mm256_and_si256(hi, high)};
                 for (int m = 0; m < MB; m++) tile_dot(acc[m], w, x[m] + 32 * b + 8 * c);
             }
+            if (h == 0) hs_prefetch_side(sc + TILE_ROWS * (size_t)b, 16);
             const __m256 scale = e8m0_scaled8(sc + TILE_ROWS * (size_t)b + 8 * h);
             for (int m = 0; m < MB; m++)
                 tot[m][h] = _mm256_fmadd_ps(tile_sum(acc[m]), scale, tot[m][h]);
