@@ -4,13 +4,83 @@
  * torch has already loaded its own libgomp.so.1 the dynamic loader hands back that copy: the
  * kernels then share torch's thread team instead of fighting it for the cores (a private pthread
  * pool lost ~4x at decode on 2 cores, its helpers descheduled by torch's spinning workers).
- * Items go out one at a time (schedule(dynamic)), so a descheduled thread holds back at most
- * one item. Without OpenMP the loop simply runs on the caller. */
+ * Without OpenMP the loop simply runs on the caller.
+ *
+ * Each thread owns a contiguous range of the items and takes them in order, one at a time;
+ * a thread whose range is done steals the last item of the range with the most left. Callers
+ * number items along their data (the expert kernels: along each expert's weights), so a thread
+ * streams one run of memory from item to item and its prefetches past an item's end fetch what
+ * it reads next. Handed out in turn (schedule(dynamic)), neighbouring items went to different
+ * threads: each item began a new stream, and its prefetches past the end were read by the
+ * other core. One token, H 2048 I 512 top-6, same process, alternating calls: ~85 GB/s
+ * minutes MXFP4 184 -> 170 us, int4 191 -> 182 and 192 -> 179; ~50 GB/s minutes ~1.04x
+ * faster; results bit-identical (items write disjoint outputs). A descheduled thread still
+ * holds back at most the item it is on: the others steal the rest of its range. */
 #include "pool.h"
+
+#include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* One thread's range: next item in the low 32 bits, end in the high 32 (one atomic word). */
+typedef struct {
+    _Alignas(64) uint64_t r;
+} range_t;
+
+/* An item from the front (the owner) or the back (a thief) of g, or -1 when it is empty. */
+static int take(range_t *g, int back) {
+    uint64_t v = __atomic_load_n(&g->r, __ATOMIC_RELAXED);
+    for (;;) {
+        const uint32_t lo = (uint32_t)v, hi = (uint32_t)(v >> 32);
+        if (lo >= hi) return -1;
+        const uint64_t nv = back ? (uint64_t)lo | (uint64_t)(hi - 1) << 32
+                                 : (uint64_t)(lo + 1) | (uint64_t)hi << 32;
+        if (__atomic_compare_exchange_n(&g->r, &v, nv, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+            return back ? (int)hi - 1 : (int)lo;
+    }
+}
+
+/* The item to steal: the last of the range with the most left, or -1 when all are empty. */
+static int steal(range_t *g, int n) {
+    for (;;) {
+        int best = -1;
+        uint32_t most = 0;
+        for (int v = 0; v < n; v++) {
+            const uint64_t r = __atomic_load_n(&g[v].r, __ATOMIC_RELAXED);
+            const uint32_t lo = (uint32_t)r, hi = (uint32_t)(r >> 32);
+            if (hi > lo && hi - lo > most) most = hi - lo, best = v;
+        }
+        if (best < 0) return -1;
+        const int i = take(&g[best], 1);
+        if (i >= 0) return i;
+    }
+}
 
 void hs_parallel_for(int nthreads, int total, hs_task_fn fn, void *ctx) {
     if (nthreads < 1) nthreads = 1;
     if (nthreads > total) nthreads = total > 0 ? total : 1;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
-    for (int i = 0; i < total; i++) fn(ctx, i);
+    if (nthreads == 1) {
+        for (int i = 0; i < total; i++) fn(ctx, i);
+        return;
+    }
+    range_t g[nthreads];
+    for (int t = 0; t < nthreads; t++) {
+        const uint64_t lo = (uint64_t)total * t / nthreads;
+        g[t].r = lo | (uint64_t)total * (t + 1) / nthreads << 32;
+    }
+    /* a team smaller than asked for (nested regions) leaves ranges to steal, not items lost */
+#pragma omp parallel num_threads(nthreads)
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num();
+#else
+        const int t = 0;
+#endif
+        for (;;) {
+            int i = take(&g[t], 0);
+            if (i < 0 && (i = steal(g, nthreads)) < 0) break;
+            fn(ctx, i);
+        }
+    }
 }
