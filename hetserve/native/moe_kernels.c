@@ -309,8 +309,9 @@ static void item_units(const arg_t *arg, int c, int *u0, int *u1) {
     *u1 = *u0 + arg->rc < (ai + 1) * per ? *u0 + arg->rc : (ai + 1) * per;
 }
 
-/* One work item (item_units). Items are handed out dynamically by the pool: on a shared
- * machine a descheduled thread must not hold the whole layer back (a static split would). */
+/* One work item (item_units). Items are numbered along each expert's weights, so a thread
+ * working through its own run of them (pool.c) streams one run of memory; the pool's stealing
+ * keeps a descheduled thread from holding the rest of its run back. */
 static void phase_item(void *ctx, int c) {
     const arg_t *arg = (const arg_t *)ctx;
     const job_t *j = arg->job;
