@@ -71,9 +71,9 @@ def _q4k_layer(mats: tuple[Q4KRows, ...], gate_up: bool) -> torch.Tensor:
     out = hugepage_empty((len(mats), n // 4, k // 256, 576), torch.uint8)
     for e, mat in enumerate(mats):
         d, dmin, sc, m, codes = mat.fields()
-        if gate_up:  # gate quad, up quad, gate quad, ...: phase 1 reads one stream
+        if gate_up:  # 8 gate rows, 8 up rows, ... (the kernel's unit): phase 1 reads one stream
             d, dmin, sc, m, codes = (
-                pair_gate_up(t.reshape(1, n, -1))[0] for t in (d, dmin, sc, m, codes)
+                pair_gate_up(t.reshape(1, n, -1), rows=8)[0] for t in (d, dmin, sc, m, codes)
             )
             sc, m = sc.reshape(n, -1, 8), m.reshape(n, -1, 8)
         q4k_quads(d, dmin, sc, m, codes, out[e])

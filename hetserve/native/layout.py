@@ -56,7 +56,33 @@ def q4k_quads(
     """One q4_K matrix of N rows and B super-blocks (d, dmin [N, B]; 6-bit sc, m [N, B, 8];
     codes [N, 256 B] in [0, 15]) -> `out` uint8 [N/4, B, 576], the kernel's quad layout
     (hetserve/native/moe_q4k.h): per quad and super-block the 4 rows' d, dmin, scales and
-    nibbles, 144 bytes per row and super-block as in the file."""
+    nibbles, 144 bytes per row and super-block as in the file. The kernel reads quads in pairs,
+    so pairs (quads 2u, 2u + 1) interleave their super-blocks by 64-byte line ([B, 9, 2, 64]),
+    the order it reads them in; an odd last quad stays as it is."""
+    n, b = d.shape
+    quads = n // 4
+    pairs = quads // 2
+    if pairs:
+        flat = torch.empty((quads, b, 576), dtype=torch.uint8)
+        _q4k_fill(d, dmin, sc, m, codes, flat)
+        out[: 2 * pairs].view(pairs, b, 9, 2, 64).copy_(
+            flat[: 2 * pairs].view(pairs, 2, b, 9, 64).permute(0, 2, 3, 1, 4)
+        )
+        out[2 * pairs :] = flat[2 * pairs :]
+    else:
+        _q4k_fill(d, dmin, sc, m, codes, out)
+    return out
+
+
+def _q4k_fill(
+    d: torch.Tensor,
+    dmin: torch.Tensor,
+    sc: torch.Tensor,
+    m: torch.Tensor,
+    codes: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """q4k_quads without the pairs: out [N/4, B, 576] quad by quad."""
     n, b = d.shape
     quads = n // 4
 
@@ -65,16 +91,21 @@ def q4k_quads(
 
     out[..., 0:8] = by_quad(d).to(torch.float16).contiguous().view(torch.uint8)
     out[..., 8:16] = by_quad(dmin).to(torch.float16).contiguous().view(torch.uint8)
-    low = (sc & 15) | ((m & 15) << 4)
-    out[..., 16:48] = by_quad(low).reshape(quads, b, 32).to(torch.uint8)
+
+    def by_place(six: torch.Tensor) -> torch.Tensor:  # [N, B, 8] -> [N/4, B, 32]
+        t = by_quad(six).reshape(quads, b, 4, 2, 4)  # row r, sub-block 4g + i -> 16g + 4r + i
+        return t.transpose(2, 3).reshape(quads, b, 32).to(torch.int32)
+
+    out[..., 16:48] = ((by_place(sc) & 15) | ((by_place(m) & 15) << 4)).to(torch.uint8)
     shift = (2 * torch.arange(4)).view(1, 1, 4, 1)
-    for lo, six in ((48, sc), (56, m)):  # the high 2 bits of row r at bits 2r, 2r + 1
-        out[..., lo : lo + 8] = ((by_quad(six) >> 4) << shift).sum(dim=2).to(torch.uint8)
-    # [quads, 4 rows, B, 8 sub-blocks, 2 halves, 2 (column i / 8 + i), 8]
-    c = codes.reshape(quads, 4, b, 8, 2, 2, 8).to(torch.uint8)
-    nib = c[..., 0, :] | (c[..., 1, :] << 4)  # [quads, 4, B, 8, 2, 8]
-    out[..., 64:] = nib.permute(0, 2, 3, 4, 1, 5).reshape(quads, b, 512)
-    return out
+    for lo, six in ((48, sc), (56, m)):  # byte p's high 2 bits at byte p % 8, bits 2(p // 8)
+        high = (by_place(six) >> 4).reshape(quads, b, 4, 8)
+        out[..., lo : lo + 8] = (high << shift).sum(dim=2).to(torch.uint8)
+    # [quads, row r, B, group g, sub-block 4g + i, nibble h, k // 2, 4 columns]
+    c = codes.reshape(quads, 4, b, 2, 4, 2, 4, 4).to(torch.uint8)
+    nib = c[..., 0, :, :] | (c[..., 1, :, :] << 4)  # [quads, r, B, g, i, k // 2, 4]
+    # vector k = 2 (k // 2) + g: byte 16r + 4i + t
+    out[..., 64:] = nib.permute(0, 2, 5, 3, 1, 4, 6).reshape(quads, b, 512)
 
 
 def int4_group_tiles(

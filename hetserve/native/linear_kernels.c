@@ -31,24 +31,28 @@ typedef struct {
     const float *s, *xsc; /* s: per-row fp32 scales, or (G > 0) fp16 ones per group; xsc:
                            * the activations' per-row scales (NULL for q4_K: per super-block) */
     const int16_t *x16;
-    const int8_t *pl;  /* q4_K: int8 activations [T, Q4K_XB * K] */
+    const int8_t *pl;  /* q4_K: int8 activations [T, K] */
     const int16_t *ps; /* q4_K: their sums per sub-block [T, K / 256, 16] */
     const float *pd;   /* q4_K: their scales per super-block [T, K / 256] */
     float *out;
 } lin_t;
 
-/* Rows [n0, n0 + 4) against tokens m, m + MB - 1 (MB <= 2). */
-static inline void lin_quad(const lin_t *l, int n0, int m, int MB, float o[4][MBMAX]) {
+/* Rows [n0, n0 + 4 nq) against tokens m, m + MB - 1 (MB <= 2); nq = 2 for q4_K only. */
+static inline void lin_quad(const lin_t *l, int n0, int nq, int m, int MB, float o[8][MBMAX]) {
     const int K = l->K, m1 = m + MB - 1;
     if (l->fmt == L_Q4K) {
         const uint8_t *q = (const uint8_t *)l->w + (size_t)n0 * (K / Q4K_SB) * 144;
         const int nsb = K / Q4K_SB;
         const q4k_act_t a[2] = {
-            {l->pl + (size_t)m * Q4K_XB * K, l->pd + (size_t)m * nsb,
+            {l->pl + (size_t)m * K, l->pd + (size_t)m * nsb,
              l->ps + (size_t)m * nsb * 16},
-            {l->pl + (size_t)m1 * Q4K_XB * K, l->pd + (size_t)m1 * nsb,
+            {l->pl + (size_t)m1 * K, l->pd + (size_t)m1 * nsb,
              l->ps + (size_t)m1 * nsb * 16}};
-        if (MB == 2) quad_q4k(q, K, a, 2, o); else quad_q4k(q, K, a, 1, o);
+        if (nq == 2) {
+            if (MB == 2) quad_q4k(q, 2, K, a, 2, o); else quad_q4k(q, 2, K, a, 1, o);
+        } else {
+            if (MB == 2) quad_q4k(q, 1, K, a, 2, o); else quad_q4k(q, 1, K, a, 1, o);
+        }
         return;
     }
     const int8_t *q = (const int8_t *)l->w + (size_t)n0 * K;
@@ -69,15 +73,16 @@ static void lin_item(void *ctx, int c) {
     const int u0 = c * l->rc, u1 = u0 + l->rc < quads ? u0 + l->rc : quads;
     for (int t0 = 0; t0 < l->T; t0 += TB) {
         int t1 = t0 + TB < l->T ? t0 + TB : l->T;
-        for (int u = u0; u < u1; u++) {
+        for (int u = u0, nq; u < u1; u += nq) {
+            nq = l->fmt == L_Q4K && u + 1 < u1 ? 2 : 1; /* q4_K: two quads share activations */
             for (int m = t0; m < t1; m += 2) {
                 int MB = t1 - m >= 2 ? 2 : 1;
-                float o[4][MBMAX];
-                lin_quad(l, 4 * u, m, MB, o);
+                float o[8][MBMAX];
+                lin_quad(l, 4 * u, nq, m, MB, o);
                 for (int mm = 0; mm < MB; mm++) {
                     float *y = l->out + (size_t)(m + mm) * l->N + 4 * u;
                     const float sx = l->xsc ? l->xsc[m + mm] : 1.0f;
-                    for (int r = 0; r < 4; r++) y[r] = o[r][mm] * sx;
+                    for (int r = 0; r < 4 * nq; r++) y[r] = o[r][mm] * sx;
                 }
             }
         }
@@ -93,19 +98,19 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
     const size_t n = (size_t)T * K;
     const int q4k = fmt == L_Q4K, nsb = K / Q4K_SB;
     /* int16 activations and their per-row scales, or q4_K's int8 ones, scales and sums */
-    const size_t bytes = q4k ? Q4K_XB * n + (size_t)T * nsb * (sizeof(float) + 16 * sizeof(int16_t))
+    const size_t bytes = q4k ? n + (size_t)T * nsb * (sizeof(float) + 16 * sizeof(int16_t))
                              : (sizeof(int16_t) * n + sizeof(float) * (size_t)T);
     char *buf = malloc(bytes);
     if (buf == NULL) return -1;
     int16_t *x16 = NULL, *ps = NULL;
     float *xsc = NULL, *pd = NULL;
     int8_t *pl = NULL;
-    if (q4k) {
-        pd = (float *)buf;
+    if (q4k) { /* the int8 rows first: malloc's alignment, whole super-blocks */
+        pl = (int8_t *)buf;
+        pd = (float *)(pl + n);
         ps = (int16_t *)(pd + (size_t)T * nsb);
-        pl = (int8_t *)(ps + (size_t)T * nsb * 16);
         for (int t = 0; t < T; t++)
-            q4k_quantize(x + (size_t)t * K, K, pl + (size_t)t * Q4K_XB * K, pd + (size_t)t * nsb,
+            q4k_quantize(x + (size_t)t * K, K, pl + (size_t)t * K, pd + (size_t)t * nsb,
                          ps + (size_t)t * nsb * 16);
     } else {
         xsc = (float *)buf;

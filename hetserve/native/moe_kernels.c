@@ -50,7 +50,7 @@ typedef struct {
     int16_t *x16, *a16;    /* [T, H], [P, I] activations as int16 (FP8: [T, 2H], [P, 2I]) */
     float *xsc, *asc;      /* their per-row scales [T], [P] */
     float *xgs, *ags;      /* int4 only: per-group sums of x16 / a16 [T, H/G], [P, I/G] */
-    int8_t *xpl, *apl;     /* q4_K only: x / a as int8 per super-block [rows, Q4K_XB * K] */
+    int8_t *xpl, *apl;     /* q4_K only: x / a as int8 per super-block [rows, K] */
     int16_t *xps, *aps;    /* q4_K only: their sums per sub-block, [rows, K / 256, 16] */
     float *xpd, *apd;      /* q4_K only: their scales per super-block, [rows, K / 256] */
     int n_active;
@@ -87,7 +87,7 @@ static inline act16_t act16(const job_t *j, int fmt, int which, int K, int r0, i
         const float *pd = which == 1 ? j->xpd : j->apd;
         const int rr[2] = {r0, r1}, nsb = K / Q4K_SB;
         for (int m = 0; m < 2; m++) {
-            q4k_act_t t = {pl + (size_t)rr[m] * Q4K_XB * K, pd + (size_t)rr[m] * nsb,
+            q4k_act_t t = {pl + (size_t)rr[m] * K, pd + (size_t)rr[m] * nsb,
                            ps + (size_t)rr[m] * nsb * 16};
             a.p[m] = t;
         }
@@ -95,9 +95,10 @@ static inline act16_t act16(const job_t *j, int fmt, int which, int K, int r0, i
     return a;
 }
 
-/* Rows per unit of work: a quad, or the nibble formats' tile of 16 (MXFP4, int4). */
+/* Rows per unit of work: a quad, two for q4_K (quad_q4k: both quads share the activations'
+ * loads), or the nibble formats' tile of 16 (MXFP4, int4). */
 static inline int unit_rows(int fmt) {
-    return fmt == F_MXFP4 || fmt == F_I4 ? TILE_ROWS : 4;
+    return fmt == F_MXFP4 || fmt == F_I4 ? TILE_ROWS : fmt == F_Q4K ? 8 : 4;
 }
 
 /* The integer formats (int8, grouped int8, int4, MXFP4) for one unit and MB <= 2 pairs. */
@@ -123,7 +124,7 @@ static inline __attribute__((always_inline)) void quad_int(const job_t *j, int f
         if (MB == 2) tile_i4(q, K, G, a.x, a.gs, 2, out); else tile_i4(q, K, G, a.x, a.gs, 1, out);
     } else if (fmt == F_Q4K) {
         const uint8_t *q = (const uint8_t *)w + row * (K / Q4K_SB) * (Q4K_QUAD_BYTES / 4);
-        if (MB == 2) quad_q4k(q, K, a.p, 2, out); else quad_q4k(q, K, a.p, 1, out);
+        if (MB == 2) quad_q4k(q, 2, K, a.p, 2, out); else quad_q4k(q, 2, K, a.p, 1, out);
         return; /* its scales are per super-block, applied inside (a.s is not used) */
     } else { /* F_MXFP4 */
         const uint8_t *q = (const uint8_t *)w + row * (K / 2);
@@ -470,7 +471,7 @@ static void activations(job_t *j, int which, int rows) {
         float *pd = which == 1 ? j->xpd : j->apd;
         const int nsb = K / Q4K_SB;
         for (int r = 0; r < rows; r++)
-            q4k_quantize(src + (size_t)r * K, K, pl + (size_t)r * Q4K_XB * K, pd + (size_t)r * nsb,
+            q4k_quantize(src + (size_t)r * K, K, pl + (size_t)r * K, pd + (size_t)r * nsb,
                          ps + (size_t)r * nsb * 16);
         return;
     }
@@ -532,9 +533,10 @@ int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int 
     const int xw = act_width(fmt);
     /* int16 ones (x16, a16), or q4_K's int8 ones with their scales (1 per 256) and sums (16) */
     size_t n_16 = fmt == F_Q4K ? 0 : xw * n_q;
-    size_t n_p = fmt == F_Q4K ? Q4K_XB * n_q + n_q / Q4K_SB * (sizeof(float) + 16 * sizeof(int16_t))
+    size_t n_p = fmt == F_Q4K ? n_q + n_q / Q4K_SB * (sizeof(float) + 16 * sizeof(int16_t))
                               : 0;
     int own;
+    if (n_p) n_p += 64; /* room to start the int8 rows on a cache line */
     char *buf = scratch(sizeof(float) * n_f + sizeof(int) * n_i + sizeof(int16_t) * n_16 + n_p,
                         &own);
     if (buf == NULL) return -1;
@@ -545,7 +547,9 @@ int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int 
     int16_t *x16 = (int16_t *)(act_cnt + 2 * E), *a16 = x16 + (size_t)xw * T * H;
     float *xpd = (float *)(x16 + n_16), *apd = xpd + (size_t)T * H / Q4K_SB;
     int16_t *xps = (int16_t *)(xpd + n_q / Q4K_SB), *aps = xps + (size_t)T * H / Q4K_SB * 16;
-    int8_t *xpl = (int8_t *)(xps + n_q / Q4K_SB * 16), *apl = xpl + (size_t)T * Q4K_XB * H;
+    /* on a cache line: no load of the kernel's reads them across two */
+    int8_t *xpl = (int8_t *)(((uintptr_t)(xps + n_q / Q4K_SB * 16) + 63) & ~(uintptr_t)63);
+    int8_t *apl = xpl + (size_t)T * H;
     int n = sort_pairs(E, P, k, ids, tw, tok, pw, act_e, act_off, act_cnt, act_cnt + E);
     job_t j = {fmt, H, I, G, act, alpha, limit, b13, b2, x, w13, w2, s13, s2, tok, pw,
                a, y, x16, a16, xsc, asc, xgs, ags, xpl, apl, xps, aps, xpd, apd, n, act_e, act_off,
