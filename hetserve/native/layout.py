@@ -64,25 +64,19 @@ def q4k_quads(
     pairs = quads // 2
     if pairs:
         flat = torch.empty((quads, b, 576), dtype=torch.uint8)
-        _q4k_fill(d, dmin, sc, m, codes, flat)
+        _q4k_fill((d, dmin, sc, m, codes), flat)
         out[: 2 * pairs].view(pairs, b, 9, 2, 64).copy_(
             flat[: 2 * pairs].view(pairs, 2, b, 9, 64).permute(0, 2, 3, 1, 4)
         )
         out[2 * pairs :] = flat[2 * pairs :]
     else:
-        _q4k_fill(d, dmin, sc, m, codes, out)
+        _q4k_fill((d, dmin, sc, m, codes), out)
     return out
 
 
-def _q4k_fill(
-    d: torch.Tensor,
-    dmin: torch.Tensor,
-    sc: torch.Tensor,
-    m: torch.Tensor,
-    codes: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
-    """q4k_quads without the pairs: out [N/4, B, 576] quad by quad."""
+def _q4k_fill(fields: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+    """q4k_quads without the pairs (fields: d, dmin, sc, m, codes): out [N/4, B, 576]."""
+    d, dmin, sc, m, codes = fields
     n, b = d.shape
     quads = n // 4
 

@@ -119,7 +119,9 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
     }
     nthreads = nthreads < 1 ? 1 : nthreads;
     const long quad_bytes = q4k ? 4L * K * 9 / 16 : 4L * K; /* q4_K: 4.5 bits per weight */
-    const int quads = N / 4, rc = hs_item_units(quad_bytes, ITEM_BYTES, quads, nthreads, RC);
+    const int quads = N / 4;
+    int rc = hs_item_units(quad_bytes, ITEM_BYTES, quads, nthreads, RC);
+    rc += q4k && rc % 2; /* q4_K: items of whole pairs (the layout interleaves quads 2u, 2u + 1) */
     lin_t l = {fmt, G, T, N, K, rc, w, s, xsc, x16, pl, ps, pd, out};
     hs_parallel_for(nthreads, (quads + rc - 1) / rc, lin_item, &l);
     free(buf);

@@ -82,14 +82,17 @@ def _q8_0(w: torch.Tensor):
 
 @pytest.mark.skipif(bool(native_unavailable_reason()), reason="native kernels unavailable")
 @pytest.mark.parametrize(("fmt", "pack"), [(5, _q4k), (1, _q8_0)])
-@pytest.mark.parametrize("t,bias", [(1, False), (3, True), (34, False)])
-def test_checkpoint_matrices_served_as_they_are(fmt, pack, t, bias):
+@pytest.mark.parametrize(
+    ("t", "bias", "n"), [(1, False, 20), (3, True, 20), (34, False, 20), (1, False, 308)]
+)
+def test_checkpoint_matrices_served_as_they_are(fmt, pack, t, bias, n):
     """A linear carrying its checkpoint matrix (`packed_weight`, GGUF q4_K / q8_0) runs on those
     numbers exactly: against x @ w_hat.T only the activation rounding is left,
     |y - x @ w_hat.T| <= sum over blocks of s_x / 2 * sum|w_hat| per output (plus fp32
     summation; q8_0: int16 per row, q4_K: int8 per 256 columns as llama.cpp's q8_K), and the
-    bytes streamed are the file's (q4_K: 9/16 of a byte per weight)."""
-    n, k = 20, 512
+    bytes streamed are the file's (q4_K: 9/16 of a byte per weight). 308 rows: 77 quads, so the
+    work items hold an odd count unless rounded to the q4_K kernel's pairs of quads."""
+    k = 512
     g = torch.Generator().manual_seed(t)
     lin = nn.Linear(k, n, bias=bias)
     packed = pack(torch.randn(n, k, generator=g) * 0.1)
