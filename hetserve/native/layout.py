@@ -61,45 +61,35 @@ def q4k_quads(
     the order it reads them in; an odd last quad stays as it is."""
     n, b = d.shape
     quads = n // 4
-    pairs = quads // 2
-    if pairs:
-        flat = torch.empty((quads, b, 576), dtype=torch.uint8)
-        _q4k_fill((d, dmin, sc, m, codes), flat)
-        out[: 2 * pairs].view(pairs, b, 9, 2, 64).copy_(
-            flat[: 2 * pairs].view(pairs, 2, b, 9, 64).permute(0, 2, 3, 1, 4)
-        )
-        out[2 * pairs :] = flat[2 * pairs :]
-    else:
-        _q4k_fill((d, dmin, sc, m, codes), out)
-    return out
-
-
-def _q4k_fill(fields: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
-    """q4k_quads without the pairs (fields: d, dmin, sc, m, codes): out [N/4, B, 576]."""
-    d, dmin, sc, m, codes = fields
-    n, b = d.shape
-    quads = n // 4
+    flat = torch.empty((quads, b, 576), dtype=torch.uint8)  # quad by quad, before the pairs
 
     def by_quad(t: torch.Tensor) -> torch.Tensor:  # [N, B, ...] -> [N/4, B, 4, ...]
         return t.reshape(quads, 4, b, *t.shape[2:]).transpose(1, 2)
 
-    out[..., 0:8] = by_quad(d).to(torch.float16).contiguous().view(torch.uint8)
-    out[..., 8:16] = by_quad(dmin).to(torch.float16).contiguous().view(torch.uint8)
+    flat[..., 0:8] = by_quad(d).to(torch.float16).contiguous().view(torch.uint8)
+    flat[..., 8:16] = by_quad(dmin).to(torch.float16).contiguous().view(torch.uint8)
 
     def by_place(six: torch.Tensor) -> torch.Tensor:  # [N, B, 8] -> [N/4, B, 32]
         t = by_quad(six).reshape(quads, b, 4, 2, 4)  # row r, sub-block 4g + i -> 16g + 4r + i
         return t.transpose(2, 3).reshape(quads, b, 32).to(torch.int32)
 
-    out[..., 16:48] = ((by_place(sc) & 15) | ((by_place(m) & 15) << 4)).to(torch.uint8)
+    flat[..., 16:48] = ((by_place(sc) & 15) | ((by_place(m) & 15) << 4)).to(torch.uint8)
     shift = (2 * torch.arange(4)).view(1, 1, 4, 1)
     for lo, six in ((48, sc), (56, m)):  # byte p's high 2 bits at byte p % 8, bits 2(p // 8)
         high = (by_place(six) >> 4).reshape(quads, b, 4, 8)
-        out[..., lo : lo + 8] = (high << shift).sum(dim=2).to(torch.uint8)
+        flat[..., lo : lo + 8] = (high << shift).sum(dim=2).to(torch.uint8)
     # [quads, row r, B, group g, sub-block 4g + i, nibble h, k // 2, 4 columns]
     c = codes.reshape(quads, 4, b, 2, 4, 2, 4, 4).to(torch.uint8)
     nib = c[..., 0, :, :] | (c[..., 1, :, :] << 4)  # [quads, r, B, g, i, k // 2, 4]
     # vector k = 2 (k // 2) + g: byte 16r + 4i + t
-    out[..., 64:] = nib.permute(0, 2, 5, 3, 1, 4, 6).reshape(quads, b, 512)
+    flat[..., 64:] = nib.permute(0, 2, 5, 3, 1, 4, 6).reshape(quads, b, 512)
+    # pairs of quads: for every 64 bytes, the pair's two lines back to back
+    pairs = quads // 2
+    out[: 2 * pairs].view(1, pairs, 9 * b, 2, 64).copy_(
+        _units(flat[: 2 * pairs].view(1, 2 * pairs, 576 * b), 64, 2)
+    )
+    out[2 * pairs :] = flat[2 * pairs :]
+    return out
 
 
 def int4_group_tiles(

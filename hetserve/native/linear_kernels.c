@@ -42,12 +42,8 @@ static inline void lin_quad(const lin_t *l, int n0, int nq, int m, int MB, float
     const int K = l->K, m1 = m + MB - 1;
     if (l->fmt == L_Q4K) {
         const uint8_t *q = (const uint8_t *)l->w + (size_t)n0 * (K / Q4K_SB) * 144;
-        const int nsb = K / Q4K_SB;
-        const q4k_act_t a[2] = {
-            {l->pl + (size_t)m * K, l->pd + (size_t)m * nsb,
-             l->ps + (size_t)m * nsb * 16},
-            {l->pl + (size_t)m1 * K, l->pd + (size_t)m1 * nsb,
-             l->ps + (size_t)m1 * nsb * 16}};
+        const q4k_act_t a[2] = {q4k_row(l->pl, l->pd, l->ps, K, m),
+                                q4k_row(l->pl, l->pd, l->ps, K, m1)};
         if (nq == 2) {
             if (MB == 2) quad_q4k(q, 2, K, a, 2, o); else quad_q4k(q, 2, K, a, 1, o);
         } else {
@@ -109,9 +105,7 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
         pl = (int8_t *)buf;
         pd = (float *)(pl + n);
         ps = (int16_t *)(pd + (size_t)T * nsb);
-        for (int t = 0; t < T; t++)
-            q4k_quantize(x + (size_t)t * K, K, pl + (size_t)t * K, pd + (size_t)t * nsb,
-                         ps + (size_t)t * nsb * 16);
+        q4k_quantize(x, T * K, pl, pd, ps); /* rows back to back: super-blocks apart */
     } else {
         xsc = (float *)buf;
         x16 = (int16_t *)(xsc + T);

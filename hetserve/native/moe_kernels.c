@@ -85,12 +85,8 @@ static inline act16_t act16(const job_t *j, int fmt, int which, int K, int r0, i
         const int8_t *pl = which == 1 ? j->xpl : j->apl;
         const int16_t *ps = which == 1 ? j->xps : j->aps;
         const float *pd = which == 1 ? j->xpd : j->apd;
-        const int rr[2] = {r0, r1}, nsb = K / Q4K_SB;
-        for (int m = 0; m < 2; m++) {
-            q4k_act_t t = {pl + (size_t)rr[m] * K, pd + (size_t)rr[m] * nsb,
-                           ps + (size_t)rr[m] * nsb * 16};
-            a.p[m] = t;
-        }
+        a.p[0] = q4k_row(pl, pd, ps, K, r0);
+        a.p[1] = q4k_row(pl, pd, ps, K, r1);
     }
     return a;
 }
@@ -469,10 +465,7 @@ static void activations(job_t *j, int which, int rows) {
         int8_t *pl = which == 1 ? j->xpl : j->apl;
         int16_t *ps = which == 1 ? j->xps : j->aps;
         float *pd = which == 1 ? j->xpd : j->apd;
-        const int nsb = K / Q4K_SB;
-        for (int r = 0; r < rows; r++)
-            q4k_quantize(src + (size_t)r * K, K, pl + (size_t)r * K, pd + (size_t)r * nsb,
-                         ps + (size_t)r * nsb * 16);
+        q4k_quantize(src, rows * K, pl, pd, ps); /* rows back to back: super-blocks apart */
         return;
     }
     int16_t *q = which == 1 ? j->x16 : j->a16;

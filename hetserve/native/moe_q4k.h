@@ -54,9 +54,19 @@ typedef struct {
     const int16_t *gs; /* [K / 256][16] */
 } q4k_act_t;
 
+/* Row r of int8 activation rows of K columns: values x8 [rows, K], scales d [rows, K / 256],
+ * sums gs [rows, K / 256, 16] (q4k_quantize writes them). */
+static inline q4k_act_t q4k_row(const int8_t *x8, const float *d, const int16_t *gs, int K,
+                                int r) {
+    const size_t nsb = (size_t)(K / Q4K_SB);
+    const q4k_act_t a = {x8 + (size_t)r * K, d + r * nsb, gs + r * nsb * 16};
+    return a;
+}
+
 /* One fp32 row x [K] -> its int8 values x8 [K] (round to nearest even, as llama.cpp's q8_K) in
  * the kernel's column order (see the top of this file), scales d [K / 256] and sums
- * gs [K / 256][16] (see q4k_act_t). */
+ * gs [K / 256][16] (see q4k_act_t). Each super-block stands alone, so rows back to back are one
+ * call (K: their columns together), read back with q4k_row. */
 static void q4k_quantize(const float *x, int K, int8_t *x8, float *d, int16_t *gs) {
     const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -120,6 +130,12 @@ static inline __m256 q4k_step(__m256 tot, __m256i acc, __m256i mins, __m256 d, _
     return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dm, xd), tot);
 }
 
+/* Line l (0: the header, 1 + k: vector k) of quad i < NQ in the super-block at q: the NQ quads
+ * interleave by 64-byte line (quad_q4k). */
+static inline const uint8_t *q4k_line(const uint8_t *q, int NQ, int l, int i) {
+    return q + 64 * (NQ * l + i);
+}
+
 /* The high nibbles of every byte: a shift and a mask, or (GFNI) one affine byte op whose matrix
  * moves bits 4-7 to 0-3 and clears the rest. */
 #ifdef HS_AVX512
@@ -156,7 +172,7 @@ static inline __attribute__((always_inline)) void q4k_sums(const uint8_t *q, int
             xh[m] = _mm512_broadcast_i32x4(_mm_loadu_si128(xk + 1));
         }
         for (int i = 0; i < NQ; i++) {
-            const uint8_t *v = q + 64 * NQ + 64 * (NQ * k + i);
+            const uint8_t *v = q4k_line(q, NQ, 1 + k, i);
             hs_prefetch(v);
             __m512i w = _mm512_loadu_si512(v);
             HS_PIN(w); /* one load: GCC would fold it into both uses */
@@ -189,7 +205,7 @@ static inline __attribute__((always_inline)) void q4k_sums(const uint8_t *q, int
         for (int m = 0; m < MB; m++)
             for (int g = 0; g < 2; g++) dot[m][g][0] = dot[m][g][1] = _mm256_setzero_si256();
         for (int k = 0; k < 8; k++) {
-            const uint8_t *v = q + 64 * NQ + 64 * (NQ * k + i);
+            const uint8_t *v = q4k_line(q, NQ, 1 + k, i);
             hs_prefetch(v);
             for (int half = 0; half < 2; half++) {
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(v + 32 * half));
@@ -235,7 +251,7 @@ static inline __attribute__((always_inline)) void quad_q4k(const uint8_t *q, int
     for (int s = 0; s < K / Q4K_SB; s++, q += NQ * Q4K_QUAD_BYTES) {
         __m256i sc[2], mn[2];
         for (int i = 0; i < NQ; i++) {
-            const uint8_t *h = q + 64 * i;
+            const uint8_t *h = q4k_line(q, NQ, 0, i);
             hs_prefetch(h);
             sc[i] = q4k_six(h, 0);
             mn[i] = q4k_six(h, 1);
@@ -244,7 +260,7 @@ static inline __attribute__((always_inline)) void quad_q4k(const uint8_t *q, int
         __m256i acc[2][2][2];
         q4k_sums(q, NQ, x, MB, sc, acc);
         for (int i = 0; i < NQ; i++) {
-            const uint8_t *h = q + 64 * i;
+            const uint8_t *h = q4k_line(q, NQ, 0, i);
             const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
             /* the minimums' int16 pairs per lane 4r + i': m[r][i'], m[r][4 + i'] */
             const __m128i ml = _mm256_castsi256_si128(mn[i]);
