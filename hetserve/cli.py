@@ -1,5 +1,6 @@
-"""`hetserve` command line. Each command group lives beside its code and registers itself here.
+"""hetserve: serve and fine-tune Mixture-of-Experts LLMs on CPUs and accelerators.
 
+One subcommand group per module of `hetserve/entrypoints/`.
 A command module exposes `register(subparsers)`; it must import only light modules at top level
 (torch and models are imported inside the handlers) so `hetserve --help` stays fast.
 """
@@ -13,14 +14,15 @@ import sys
 from hetserve.errors import HetserveError
 
 COMMAND_MODULES = [
-    "hetserve.model.cli",  # models make-tiny, convert
-    "hetserve.engine.cli",  # generate, chat
-    "hetserve.server.cli",  # serve
-    "hetserve.bench.cli",  # bench ...
-    "hetserve.store.cli",  # store master | node
-    "hetserve.engine.calibrate",  # calibrate (routing statistics for --gpu-experts)
-    "hetserve.finetune.cli",  # finetune CONFIG.yaml
-    "hetserve.model.export",  # export (a LoRA adapter merged into full weights)
+    "hetserve.entrypoints.models",  # models make-tiny, convert
+    "hetserve.entrypoints.generate",  # generate
+    "hetserve.entrypoints.chat",  # chat
+    "hetserve.entrypoints.serve",  # serve
+    "hetserve.entrypoints.bench",  # bench ...
+    "hetserve.entrypoints.store",  # store master | node
+    "hetserve.entrypoints.calibrate",  # calibrate (routing statistics for --gpu-experts)
+    "hetserve.entrypoints.finetune",  # finetune CONFIG.yaml
+    "hetserve.entrypoints.export",  # export (a LoRA adapter merged into full weights)
 ]
 
 
@@ -34,13 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:  # a command group not built yet
-                continue
-            raise
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 

@@ -24,7 +24,7 @@ import torch
 
 from hetserve import LLM, SamplingParams
 from hetserve.model.synthetic import make_prompts
-from hetserve.model.tiny_lora import write_random_adapter
+from hetserve.testing.tiny_lora import write_random_adapter
 
 TARGETS = r"self_attn|shared_expert|mlp\.(gate|up|down)_proj"
 

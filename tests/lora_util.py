@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hetserve.model.tiny_lora import write_random_adapter
+from hetserve.testing.tiny_lora import write_random_adapter
 
 __all__ = ["prompt_logprobs", "run", "sample_logprobs", "write_random_adapter"]
 

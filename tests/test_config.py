@@ -74,7 +74,8 @@ def test_cli_bad_engine_flag_is_one_line_exit_2():
 
 
 def test_engine_never_imports_the_server():
-    code = "import sys, hetserve.engine.async_llm, hetserve.engine.llm, hetserve.engine.cli; "
+    code = "import sys, hetserve.engine.async_llm, hetserve.engine.llm, "
+    code += "hetserve.entrypoints.generate; "
     code += "print([m for m in sys.modules if m.startswith('hetserve.server')])"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "[]", r.stderr

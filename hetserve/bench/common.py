@@ -88,6 +88,6 @@ def decode_rate(
 def model_dir(args) -> str:
     """The checkpoint directory behind --model (the demo model when none is given), for the
     peers that load the same files."""
-    from hetserve.model.build import resolve_model_dir
+    from hetserve.engine.setup import resolve_model_dir
 
     return str(resolve_model_dir(args.model))

@@ -210,8 +210,8 @@ def _time_backend(backend, probe, hidden: int, experts: int, top_k: int, tokens:
 def _gguf_packers() -> dict:
     import torch
 
-    from hetserve.model.tiny_gguf import quantize_q4_k
-    from hetserve.moe.packed import Int8Rows, Q4KRows
+    from hetserve.quant.packed import Int8Rows, Q4KRows
+    from hetserve.testing.tiny_gguf import quantize_q4_k
 
     def q4_k(w):
         raw = quantize_q4_k(w.numpy())
@@ -222,7 +222,7 @@ def _gguf_packers() -> dict:
 
 def _make_backend(name: str, weights, int4_group: int):
     from hetserve.moe.experts import ExpertWeights, create_backend
-    from hetserve.moe.packed import PackedExperts
+    from hetserve.quant.packed import PackedExperts
 
     base, _, option = name.partition(":")
     packers = _gguf_packers()

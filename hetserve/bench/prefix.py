@@ -99,7 +99,7 @@ def _free_port() -> int:
 
 def _start_pool(size: str) -> tuple[str, list[subprocess.Popen]]:
     port, node_port = _free_port(), _free_port()
-    cmd = [sys.executable, "-m", "hetserve.store"]
+    cmd = [sys.executable, "-m", "hetserve.entrypoints.store"]
     master = subprocess.Popen([*cmd, "master", "--port", str(port), "--max-value", "1G"])
     node = subprocess.Popen(
         [*cmd, "node", "--master", f"127.0.0.1:{port}", "--dram", size, "--port", str(node_port)]

@@ -79,7 +79,11 @@ def local_pool(nodes: int = 1, dram: str = "1G") -> Iterator[str]:
 
     with _processes() as procs:
         port = free_port()
-        cli = [sys.executable, "-m", "hetserve.store"]  # the services alone: a fast start
+        cli = [
+            sys.executable,
+            "-m",
+            "hetserve.entrypoints.store",
+        ]  # the services alone: a fast start
         wait_port(port, _spawn(procs, [*cli, "master", "--port", str(port)]))
         for _ in range(nodes):
             _spawn(procs, [*cli, "node", "--master", f"127.0.0.1:{port}", "--dram", dram])

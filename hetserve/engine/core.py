@@ -12,7 +12,6 @@ freed) while every other request goes on; see `StepExecutor`.
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 
@@ -30,17 +29,16 @@ from hetserve.engine.kv_store import BlockIO, kv_identity, open_tiers
 from hetserve.engine.lora import build_lora_manager, resolve_lora
 from hetserve.engine.output import ParentState, SeqState
 from hetserve.engine.runner import ModelRunner
+from hetserve.engine.setup import num_kv_blocks, resolve_model_dir
 from hetserve.errors import InvalidInputError, PromptTooLongError
 from hetserve.kv.manager import KVCacheManager
-from hetserve.kv.paged import PagedKVCache
 from hetserve.kv.tiers import TierManager
-from hetserve.model.build import build_model, resolve_model_dir
+from hetserve.model.build import build_model
 from hetserve.model.tokenizer import Tokenizer
 from hetserve.sched.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
-CPU_KV_CAP_BYTES = 2 << 30
 LOAD_POLL_S = 0.0005
 PREFILL_SAMPLE_TOKENS = 64  # steps with at least this many prompt tokens refine the prefill rate
 _SEEDS = random.Random()  # seeded from os.urandom once per process
@@ -52,7 +50,7 @@ class EngineCore:
         cfg = config or EngineConfig()
         self.config = cfg
         self.model_dir = resolve_model_dir(cfg.model)
-        self.model = build_model(cfg)
+        self.model = build_model(cfg, self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
         mcfg = self.model.config
         self.vocab_size = mcfg.vocab_size
@@ -61,7 +59,8 @@ class EngineCore:
         )
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
         bs = cfg.cache.block_size
-        num_blocks = self._num_blocks()
+        dtype = next(self.model.parameters()).dtype
+        num_blocks = num_kv_blocks(cfg, self.max_model_len, self.model.kv_cache_spec(), dtype)
         self.lora = build_lora_manager(self.model, cfg.lora)  # None: no LoRA code runs at all
         lora_batch = None if self.lora is None else self.lora.batch
         self.runner = ModelRunner(self.model, num_blocks, bs, lora_batch)
@@ -84,24 +83,6 @@ class EngineCore:
         self.executor = StepExecutor(self.runner, self.seqs, self.eos_ids, self.lora)
         self._counts = {"steps": 0, "preemptions": 0, "prompt_tokens": 0, "generation": 0}
         self._finished: dict[str, int] = {}
-
-    def _num_blocks(self) -> int:
-        cfg, bs = self.config, self.config.cache.block_size
-        per_seq = math.ceil(self.max_model_len / bs)
-        if cfg.cache.num_blocks is not None:
-            n = cfg.cache.num_blocks
-        else:
-            per_block = PagedKVCache.bytes_per_block(
-                self.model.kv_cache_spec(), bs, next(self.model.parameters()).dtype
-            )
-            budget = cfg.cache.kv_cache_bytes or CPU_KV_CAP_BYTES
-            n = min(budget // per_block, per_seq * cfg.scheduler.max_num_seqs + 1)
-        if n - 1 < per_seq:
-            raise InvalidInputError(
-                f"KV cache of {n} blocks cannot hold one {self.max_model_len}-token sequence; "
-                "give more KV memory or a smaller --max-model-len"
-            )
-        return n
 
     # ---- requests -----------------------------------------------------------------------------
     def validate_prompt(self, ids: list[int]) -> None:

@@ -1,7 +1,7 @@
 """ModelRunner: turns a batch of (new tokens, KV blocks) into hidden states and logits.
 
 It owns the model and the paged KV tensors; which slots a sequence uses is decided by the caller
-(the sequential LLM here, the scheduler's block tables in the engine).
+(the scheduler's block tables, through the engine's `StepExecutor`).
 """
 
 from __future__ import annotations

@@ -60,8 +60,8 @@ def load_for_training(
 ) -> CausalLM:
     """The model with frozen base weights and differentiable routed experts."""
     from hetserve.finetune.experts_grad import GradExperts, make_grad_weights
+    from hetserve.model.hybrid_plan import build_expert_backends
     from hetserve.model.loader import load_model
-    from hetserve.moe.hybrid import build_expert_backends
 
     if experts.bits != 32 and not experts.on_cpu:
         raise InvalidInputError(

@@ -1,8 +1,8 @@
 """The SFT loop: AdamW on the LoRA parameters, accumulation, clipping, logs, checkpoints.
 
-Who calls it: `hetserve finetune` (finetune/cli.py) and the tests, through `run(cfg)`. All user
-mistakes (config, data, template, output folder) are raised as `InvalidInputError`s before the
-first step; a failure during training leaves the last checkpoint as it was.
+Who calls it: `hetserve finetune` (entrypoints/finetune.py) and the tests, through `run(cfg)`.
+All user mistakes (config, data, template, output folder) are raised as `InvalidInputError`s
+before the first step; a failure during training leaves the last checkpoint as it was.
 """
 
 from __future__ import annotations

@@ -29,8 +29,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from hetserve.quant.quantize import quantize_int8_per_channel
+
 if TYPE_CHECKING:
-    from hetserve.moe.packed import QMatrix
+    from hetserve.quant.packed import QMatrix
 
 # The native kernel's formats (F_* in hetserve/native/moe_kernels.c).
 _INT8, _Q4K = 1, 5
@@ -43,16 +45,10 @@ def _native_ok(n: int, k: int) -> bool:
     return n % 4 == 0 and k % 32 == 0 and envs.native_kernels() and not native_unavailable_reason()
 
 
-def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = w.abs().amax(dim=1) / 127.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
-
-
 def _native_packed(packed: QMatrix | None) -> bool:
     """A checkpoint matrix the native kernel reads as it is: q4_K, or int8 per row or in
     groups of a multiple of 16 columns (q8_0)."""
-    from hetserve.moe.packed import Int8Rows, Q4KRows
+    from hetserve.quant.packed import Int8Rows, Q4KRows
 
     if isinstance(packed, Q4KRows):
         return True
@@ -69,11 +65,11 @@ class Int8Linear(nn.Module):
         if native and _native_packed(packed):
             self._native_layout(packed, bias)
             return
-        q, scale = _int8_rows(linear.weight.detach().float().cpu())
+        q, scale = quantize_int8_per_channel(linear.weight.detach().float().cpu())
         self.nbytes = q.numel() + scale.numel() * 4
         self.fmt, self.group = _INT8, 0
         if native:
-            from hetserve.native.layout import interleave_quads
+            from hetserve.quant.layout import interleave_quads
 
             self._set_native(interleave_quads(q.unsqueeze(0), 16)[0], scale.contiguous(), bias)
             return
@@ -86,9 +82,9 @@ class Int8Linear(nn.Module):
 
     def _native_layout(self, packed: QMatrix, bias: torch.Tensor | None) -> None:
         """The checkpoint's numbers in the kernel's quad layout (only bytes move)."""
-        from hetserve.moe.packed import Q4KRows
         from hetserve.native import hugepage_empty
-        from hetserve.native.layout import fp16_group_scales, interleave_quads, q4k_quads
+        from hetserve.quant.layout import fp16_group_scales, interleave_quads, q4k_quads
+        from hetserve.quant.packed import Q4KRows
 
         self.nbytes = packed.nbytes
         n, k = packed.shape

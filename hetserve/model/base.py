@@ -13,10 +13,10 @@ from torch import nn
 
 from hetserve.kv.paged import KVCacheSpec
 from hetserve.layers.attention import ForwardContext
+from hetserve.layers.moe import FusedExperts, SparseMoE
 from hetserve.layers.norm import RMSNorm
 from hetserve.model.config import ModelConfig
 from hetserve.moe.experts import ACTIVATIONS
-from hetserve.moe.layer import FusedExperts, SparseMoE
 
 
 class DenseMLP(nn.Module):
@@ -97,7 +97,7 @@ class CausalLM(nn.Module):
 
     def map_checkpoint_tensor(self, name: str, value):
         """Family hook: a checkpoint weight's name and value in this model's layout. `value` is
-        a tensor, a QMatrix (moe/packed.py), or None when the loader asks only for the name."""
+        a tensor, a QMatrix (quant/packed.py), or None when the loader asks only for the name."""
         return name, value
 
     def moe_layers(self) -> list[SparseMoE]:

@@ -1,7 +1,7 @@
 """build_model(config): everything between an EngineConfig and a ready model.
 
 Called once by the engine at start-up (and by tools that need the served model as the engine
-would build it). It resolves the demo default, loads the weights with the placement the config
+would build it). It loads the weights with the placement the config
 asks for (or the one a converted checkpoint implies), builds the routed-expert backends, turns on
 expert deferral and routing statistics. Errors are `ModelLoadError` / `InvalidInputError` with
 one-line messages; nothing is half-built on failure (the caller simply has no model).
@@ -20,23 +20,14 @@ from hetserve.model.base import CausalLM
 from hetserve.model.loader import load_model
 
 if TYPE_CHECKING:
-    from hetserve.moe.hybrid import HybridPlan
+    from hetserve.model.hybrid_plan import HybridPlan
 
 log = logging.getLogger(__name__)
 
 
-def resolve_model_dir(model: str | None) -> Path:
-    """The model directory a config names; None is the embedded demo model (built on first
-    use under HETSERVE_CACHE)."""
-    if model is None:
-        from hetserve.model.tiny import demo_model_dir
-
-        return Path(demo_model_dir())
-    return Path(model)
-
-
-def build_model(config: EngineConfig) -> CausalLM:
-    model_dir = resolve_model_dir(config.model)
+def build_model(config: EngineConfig, model_dir: Path) -> CausalLM:
+    """The model of `model_dir` (the directory `config.model` names, resolved by the caller:
+    the engine resolves the demo default) as `config` asks for it."""
     converted = _converted(model_dir)
     model = load_model(
         model_dir,
@@ -76,7 +67,7 @@ def _placement_rules(moe: MoEConfig, converted: dict | None):
 
 
 def _build_hybrid(model: CausalLM, moe: MoEConfig, converted: dict | None) -> None:
-    from hetserve.moe.hybrid import build_expert_backends
+    from hetserve.model.hybrid_plan import build_expert_backends
     from hetserve.moe.routing_stats import RoutingStats
 
     stats = RoutingStats.load(moe.routing_stats) if moe.routing_stats else None
@@ -96,7 +87,7 @@ def apply_dense_backends(model: CausalLM, plan: HybridPlan) -> int:
     from torch import nn
 
     from hetserve.layers.int8_linear import Int8Linear, quantize_linears
-    from hetserve.moe.layer import FusedExperts
+    from hetserve.layers.moe import FusedExperts
 
     count = 0
     for name, unit in plan.units.items():

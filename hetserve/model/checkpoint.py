@@ -1,7 +1,7 @@
 """A safetensors checkpoint as a stream of logical weights.
 
 `scan` reads only the headers (names and dtypes) of every shard and lets the checkpoint's
-format (model/quant) sort each name into an ordinary tensor or a part of a quantized weight,
+format (quant/checkpoint) sort each name into an ordinary tensor or a part of a quantized weight,
 so nothing is read before every name is understood and every quantized weight is complete.
 `SafetensorsCheckpoint.tensors` then reads shard by shard, one tensor at a time (safetensors
 maps the file), and yields each quantized weight once all its parts have been read.
@@ -18,8 +18,8 @@ import torch
 from safetensors import safe_open
 
 from hetserve.errors import MissingTensorError, ModelLoadError
-from hetserve.model.quant import CheckpointFormat
-from hetserve.moe.packed import QMatrix
+from hetserve.quant.checkpoint import CheckpointFormat
+from hetserve.quant.packed import QMatrix
 
 Value = torch.Tensor | QMatrix
 

@@ -20,9 +20,9 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from hetserve.errors import InvalidInputError
-from hetserve.model.converted import CONFIG_KEY, FORMATS, quantize
 from hetserve.model.loader import load_model
-from hetserve.moe.quant import INT4_GROUP_SIZES
+from hetserve.quant.converted import CONFIG_KEY, FORMATS, quantize
+from hetserve.quant.quantize import INT4_GROUP_SIZES
 
 _COPY = (
     "tokenizer.json",

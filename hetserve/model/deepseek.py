@@ -14,12 +14,12 @@ from torch import nn
 
 from hetserve.layers.attention import ForwardContext, batched_decode_sdpa, sdpa
 from hetserve.layers.lora import LoRABatch, Segments, lora_project
+from hetserve.layers.moe import SparseMoE
 from hetserve.layers.norm import RMSNorm
 from hetserve.layers.rotary import yarn_softmax_scale
 from hetserve.model.base import CausalLM, DecoderLayer, DenseMLP
 from hetserve.model.config import ModelConfig
 from hetserve.model.llama import make_rotary
-from hetserve.moe.layer import SparseMoE
 from hetserve.moe.router import RouterConfig
 
 

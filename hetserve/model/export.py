@@ -1,4 +1,4 @@
-"""`hetserve export`: fold a LoRA (or DoRA) adapter into a model's full weights.
+"""Fold a LoRA (or DoRA) adapter into a model's full weights.
 
 The output is the base checkpoint with every adapted weight replaced by PEFT's merge of it
 (`W + scale * B @ A`; DoRA: that, each output row rescaled to the trained magnitude) and
@@ -15,7 +15,6 @@ anything is written.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
@@ -23,28 +22,12 @@ from typing import TYPE_CHECKING
 
 from hetserve.errors import InvalidInputError, ModelLoadError
 
-if TYPE_CHECKING:  # the command registers at every CLI start: torch only when it runs
+if TYPE_CHECKING:  # `hetserve export` imports this lazily; torch only when it runs
     import torch
 
     from hetserve.model.lora_adapter import LoRAAdapter, LoRAWeights
 
 _QUANTIZED_KEYS = ("quantization_config", "compression_config", "hetserve_experts")
-
-
-def register(sub) -> None:
-    e = sub.add_parser(
-        "export", help="merge a LoRA adapter into full model weights (a new model directory)"
-    )
-    e.add_argument("--model", required=True, help="the base model directory (HF safetensors)")
-    e.add_argument("--adapter", required=True, help="a PEFT LoRA/DoRA adapter directory")
-    e.add_argument("--out", required=True, help="the merged model's directory (new or empty)")
-    e.set_defaults(func=_export)
-
-
-def _export(args: argparse.Namespace) -> int:
-    out = export_merged(args.model, args.adapter, args.out)
-    print(f"merged model written to {out}")
-    return 0
 
 
 def export_merged(

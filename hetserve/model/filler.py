@@ -7,7 +7,7 @@ the checkpoint stores quantized stay in that format (`PackedExperts`, assembled 
 other quantized weight is dequantized into its parameter. A linear's weight in a format the
 quantized dense kernels read (GGUF q8_0 / q4_K) is also kept beside it, as the linear's
 `packed_weight`, when a placement could give that linear such a kernel (layers/int8_linear.py
-serves those numbers exactly; moe/hybrid.py drops what it does not use).
+serves those numbers exactly; model/hybrid_plan.py drops what it does not use).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from hetserve.errors import MissingTensorError, ModelLoadError, TensorShapeError
+from hetserve.layers.moe import FusedExperts
 from hetserve.model.base import CausalLM
-from hetserve.moe.layer import FusedExperts
-from hetserve.moe.packed import Int8Rows, PackedExperts, Q4KRows, QMatrix
+from hetserve.quant.packed import Int8Rows, PackedExperts, Q4KRows, QMatrix
 
 PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")

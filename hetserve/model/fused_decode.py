@@ -167,8 +167,8 @@ def _attention(layer: nn.Module, i: int, kv, keep: list) -> _Layer | None:
 
 
 def _experts(mlp: nn.Module, out: _Layer, keep: list) -> bool:
+    from hetserve.layers.moe import SparseMoE
     from hetserve.moe.cpu_native import _NativeExperts
-    from hetserve.moe.layer import SparseMoE
     from hetserve.moe.router import TopKRouter
 
     if type(mlp) is not SparseMoE or mlp._shared_name is not None or mlp.num_deferred:

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from hetserve.errors import ModelLoadError, UnsupportedArchitectureError
-from hetserve.moe.packed import Int8Rows, Q4KRows, QMatrix
+from hetserve.quant.gguf import q4_k_rows, q8_0_rows
+from hetserve.quant.packed import QMatrix
 
 # GGUF architecture -> (HF architecture, model_type, llama.cpp's norm of the top-k weights)
 ARCHITECTURES = {
@@ -69,25 +70,6 @@ def _import_gguf():
             "reading a .gguf model needs the gguf package: pip install gguf==0.19.0"
         ) from None
     return gguf
-
-
-def _f16(raw: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16).astype(np.float32))
-
-
-def q8_0_rows(data: np.ndarray) -> Int8Rows:
-    """q8_0 blocks [.., rows, n * 34] (fp16 d, 32 int8) -> Int8Rows (group 32), exactly."""
-    blocks = data.reshape(*data.shape[:-1], -1, 34)
-    scale = _f16(blocks[..., :2]).squeeze(-1)
-    q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8))
-    return Int8Rows(q.reshape(*q.shape[:-2], -1), scale)
-
-
-def q4_k_rows(data: np.ndarray) -> Q4KRows:
-    """q4_K super-blocks [.., rows, n * 144] (fp16 d, fp16 dmin, 12 bytes of 6-bit scales and
-    minimums, 128 bytes of nibbles) -> Q4KRows: the file's bytes, unchanged."""
-    raw = torch.from_numpy(np.array(data).reshape(*data.shape[:-1], -1, 144))  # a writable copy
-    return Q4KRows(raw)
 
 
 class GgufCheckpoint:

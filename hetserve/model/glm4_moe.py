@@ -19,11 +19,11 @@ import dataclasses
 from torch import nn
 
 from hetserve.errors import ModelLoadError
+from hetserve.layers.moe import SparseMoE
 from hetserve.layers.rotary import PartialRotaryEmbedding
 from hetserve.model.base import CausalLM, DecoderLayer, DenseMLP
 from hetserve.model.config import ModelConfig
 from hetserve.model.llama import GQAAttention
-from hetserve.moe.layer import SparseMoE
 from hetserve.moe.router import RouterConfig
 
 # transformers' Glm4MoeConfig defaults, for keys a config.json may leave out.

@@ -19,13 +19,13 @@ import re
 import torch
 from torch import nn
 
+from hetserve.layers.moe import SparseMoE
 from hetserve.model.base import CausalLM, DecoderLayer
 from hetserve.model.config import ModelConfig
 from hetserve.model.llama import GQAAttention, make_rotary
 from hetserve.moe.experts import ClampedSwiGLU
-from hetserve.moe.layer import SparseMoE
-from hetserve.moe.packed import QMatrix
 from hetserve.moe.router import RouterConfig
+from hetserve.quant.packed import QMatrix
 
 _EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?$")
 

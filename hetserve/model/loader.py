@@ -1,5 +1,5 @@
 """Load a model directory into a family class: checkpoint formats understood before any data
-is read (model/quant), lazy (mmap) safetensors reads, name mapping (model/filler.py), shape
+is read (quant/checkpoint), lazy (mmap) safetensors reads, name mapping (model/filler.py), shape
 checks, clear errors, a progress bar for large models.
 
 Weights that a checkpoint stores quantized are dequantized into their parameters, except the
@@ -22,9 +22,9 @@ from hetserve.model.config import ModelConfig
 from hetserve.model.converted import CONFIG_KEY, load_converted_experts
 from hetserve.model.filler import WeightFiller, expert_prefix
 from hetserve.model.gguf_file import GgufCheckpoint
-from hetserve.model.quant import checkpoint_format
 from hetserve.model.registry import model_class
 from hetserve.moe.experts import PACKED_BACKENDS, default_backend
+from hetserve.quant.checkpoint import checkpoint_format
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,8 @@ def open_checkpoint(path: Path) -> tuple[ModelConfig, Checkpoint]:
     cfg = ModelConfig.from_dir(path)
     converted = cfg.get(CONFIG_KEY)
     exclude = (converted["file"],) if converted else ()
-    return cfg, SafetensorsCheckpoint.scan(path, checkpoint_format(cfg), exclude)
+    fmt = checkpoint_format(cfg.get("quantization_config", "compression_config"))
+    return cfg, SafetensorsCheckpoint.scan(path, fmt, exclude)
 
 
 def _packed_experts(model: CausalLM, ckpt: Checkpoint, filler_probe) -> set[str]:
@@ -97,7 +98,7 @@ def _allocate(model: CausalLM, dev: torch.device, placement, expert_backend: str
     """Place units (with `placement`) and allocate every parameter where it will live."""
     model.hybrid_plan = None
     if placement is not None:
-        from hetserve.moe.hybrid import plan_placement
+        from hetserve.model.hybrid_plan import plan_placement
         from hetserve.moe.placement import default_rules
 
         if placement == "default":

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from hetserve.layers.moe import SparseMoE
 from hetserve.model.base import CausalLM, DecoderLayer, DenseMLP
 from hetserve.model.config import ModelConfig
 from hetserve.model.llama import GQAAttention, make_rotary, reject_sliding_window
-from hetserve.moe.layer import SparseMoE
 from hetserve.moe.router import RouterConfig
 
 

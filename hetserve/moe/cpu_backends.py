@@ -1,7 +1,7 @@
 """CPU routed-expert backends: `cpu-fp32`, `cpu-int8`, `cpu-int4`.
 
 Kernels were chosen by measuring at one MoE layer's shapes (hidden 2048, moe_intermediate 1408,
-64 experts, top-6) on the 2-core AVX2 dev box; see README, "MoE kernel bench":
+64 experts, top-6) on the 2-core AVX2 dev box (`hetserve bench moe-kernel`, docs/benchmarks.md):
 
 - `cpu-fp32`, `kernel="native"` (default where it builds): the native kernel below reading the
   fp32 weights in place (no copy), one C call per layer. `kernel="library"`: `F.linear` per
@@ -17,21 +17,8 @@ Kernels were chosen by measuring at one MoE layer's shapes (hidden 2048, moe_int
   product with int16 activations, scale and minimum applied per group.
   `kernel="library"`: `_weight_int4pack_mm_for_cpu` (~0.2 GB/s here, kept as the fallback).
 
-Error bounds each backend promises, per linear `y = x @ w.T` (w one expert's [N, K] matrix):
-
-- `cpu-fp32`: only fp32 rounding (|y - y_ref| <= 1e-5 relative in the tests).
-- `cpu-int8`: weights w_hat = q * s[n], q = round(w / s[n]) in [-127, 127], s[n] = max|w[n]| / 127,
-  so |w - w_hat| <= s[n] / 2 per element. Activations x_hat with step s_x, |x - x_hat| <= s_x / 2,
-  where s_x = max|x| / 16383 per row (native) or (max(x, 0) - min(x, 0)) / 127 per call (fbgemm):
-      |y[n] - y_ref[n]| <= s[n] / 2 * ||x||_1 + s_x / 2 * ||w_hat[n]||_1   (+ fp32 rounding);
-  `moe.quant.int8_linear_bound` computes it. Both accumulate exactly in int32.
-- `cpu-int4`: per group of `group_size` input channels, scale = (max - min) / 15 and
-  w_hat = q * scale + min with q in [0, 15], so |w - w_hat| <= scale / 2 per element and
-      |y[n] - y_ref[n]| <= sum_k |x[k]| * scale[n, k // group_size] / 2
-                           (+ s_x / 2 * ||w_hat[n]||_1, native: int16 activations as above)
-                           (+ fp32 rounding);
-  `moe.quant.int4_linear_bound` computes the weight term (torch's op keeps activations fp32).
-Through a layer the bounds compose (silu is 1.1-Lipschitz); tests/moe checks the composed bound.
+Error bounds: each backend promises its format's bound (`quant/quantize.py`, where they are
+stated and computed); through a layer they compose (silu is 1.1-Lipschitz), which tests/moe checks.
 """
 
 from __future__ import annotations
@@ -53,7 +40,7 @@ from hetserve.moe.cpu_native import (
     NativeMxfp4Experts,
 )
 from hetserve.moe.experts import Activation, ExpertWeights, native_activation, register_backend
-from hetserve.moe.quant import (
+from hetserve.quant.quantize import (
     INT4_GROUP_SIZES,
     quantize_int4_groupwise,
     quantize_int8_per_channel,

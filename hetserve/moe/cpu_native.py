@@ -29,21 +29,21 @@ import torch
 from hetserve.errors import InvalidInputError
 from hetserve.moe.cpu_base import _CPUExperts
 from hetserve.moe.experts import Activation, ClampedSwiGLU, ExpertWeights
-from hetserve.moe.packed import Fp8Rows, Int4Rows, Int8Rows, Mxfp4Rows, Q4KRows, QMatrix
-from hetserve.moe.quant import (
-    quantize_fp8_blocks,
-    quantize_int4_groupwise,
-    quantize_int8_per_channel,
-    quantize_mxfp4,
-)
 from hetserve.native import hugepage_empty, kernel
-from hetserve.native.layout import (
+from hetserve.quant.layout import (
     fp16_group_scales,
     int4_group_tiles,
     interleave_quads,
     pack_int4_rows,
     pair_gate_up,
     q4k_quads,
+)
+from hetserve.quant.packed import Fp8Rows, Int4Rows, Int8Rows, Mxfp4Rows, Q4KRows, QMatrix
+from hetserve.quant.quantize import (
+    quantize_fp8_blocks,
+    quantize_int4_groupwise,
+    quantize_int8_per_channel,
+    quantize_mxfp4,
 )
 
 # The kernel's weight formats (enum F_* in moe_kernels.c).
@@ -82,7 +82,7 @@ def _q4k_layer(mats: tuple[Q4KRows, ...], gate_up: bool) -> torch.Tensor:
 
 def _int4_layer(mats: Sequence[Int4Rows], gate_up: bool) -> torch.Tensor:
     """Per-expert int4 matrices [N, K] -> one stacked tensor [E, N/16, K/G, 8G + 128] in
-    tile_i4's layout (native/layout.py, int4_group_tiles), filled expert by expert."""
+    tile_i4's layout (quant/layout.py, int4_group_tiles), filled expert by expert."""
     n, k = mats[0].shape
     g = mats[0].group
     out = hugepage_empty((len(mats), n // 16, k // g, 8 * g + 128), torch.uint8)
@@ -165,8 +165,10 @@ class _NativeExperts(_CPUExperts):
                 topk_ids.to("cpu", _I64).contiguous(),
             )  # fmt: skip
             return out.to(x.device, x.dtype)
-        if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or x.shape != (
-            topk_ids.shape[0], self.hidden
+        if (
+            topk_ids.dim() != 2
+            or topk_weights.shape != topk_ids.shape
+            or x.shape != (topk_ids.shape[0], self.hidden)
         ):
             raise InvalidInputError(
                 f"native experts need x [t, {self.hidden}] and topk weights and ids of one shape "

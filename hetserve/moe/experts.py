@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from hetserve.errors import InvalidInputError
-from hetserve.moe.packed import PackedExperts
+from hetserve.quant.packed import PackedExperts
 from hetserve.registry import Registry
 
 

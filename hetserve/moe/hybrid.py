@@ -1,111 +1,16 @@
-"""Hybrid execution: apply a placement to a model.
+"""Experts backends that span devices: hybrid execution of one routed-experts module.
 
-`plan_placement` names the placeable units of a model (embeddings, norms, attention, dense MLPs,
-routers, routed experts, shared experts), places them with the rules, and says where each unit's
-weights live. `build_expert_backends` then gives every routed-experts module one backend per
-phase, bridges devices (pinned host buffers when the activations are on CUDA), and keeps the
-hottest experts of each layer on the accelerator.
+Who uses them: `model/hybrid_plan.py` wraps a layer's backend in them when its placement puts
+the experts elsewhere than the activations (`DeviceBridge`) or keeps the hottest experts on the
+accelerator (`HotExperts`). They follow the `ExpertsBackend` contract (`experts.py`): same
+inputs and outputs as the backend they wrap; failures are the wrapped backend's.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-
 import torch
-from torch import nn
 
-from hetserve.moe.experts import ExpertsBackend, ExpertWeights, TorchExperts, create_backend
-from hetserve.moe.layer import FusedExperts, SparseMoE
-from hetserve.moe.placement import PHASES, Placement, PlacementError, PlacementRule, place
-from hetserve.moe.routing_stats import RoutingStats, choose_gpu_experts
-
-_LAYER = re.compile(r"layers\.(\d+)\.")
-_CPU_BACKENDS = ("cpu-fp32", "cpu-int8", "cpu-int4", "cpu-mxfp4", "cpu-fp8", "kt")
-
-
-def placeable_units(model: nn.Module) -> dict[str, nn.Module]:
-    units = {
-        "model.embed_tokens": model.model.embed_tokens,
-        "model.norm": model.model.norm,
-        "lm_head": model.lm_head,
-    }
-    for i, layer in enumerate(model.model.layers):
-        prefix = f"model.layers.{i}"
-        for name in ("input_layernorm", "self_attn", "post_attention_layernorm"):
-            units[f"{prefix}.{name}"] = getattr(layer, name)
-        mlp = getattr(layer, layer.mlp_name)
-        if isinstance(mlp, SparseMoE):
-            for child_name, child in mlp.named_children():
-                units[f"{prefix}.{layer.mlp_name}.{child_name}"] = child
-        else:
-            units[f"{prefix}.{layer.mlp_name}"] = mlp
-    return units
-
-
-def unit_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
-@dataclass
-class HybridPlan:
-    placement: Placement
-    units: dict[str, nn.Module]
-    accelerator: torch.device
-
-    def weight_device(self, name: str) -> torch.device:
-        """Where a unit's loaded weights live: experts stay on the host when any phase runs
-        them there (accelerator copies are made from it); everything else has one device."""
-        devices = self.placement.devices_of(name)
-        if isinstance(self.units[name], FusedExperts) and "cpu" in devices:
-            return torch.device("cpu")
-        return torch.device(devices[0])
-
-    def table(self) -> str:
-        return self.placement.table({n: unit_bytes(m) for n, m in self.units.items()})
-
-
-def plan_placement(
-    model: nn.Module, rules: list[PlacementRule] | None, accelerator: torch.device
-) -> HybridPlan:
-    units = placeable_units(model)
-    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    placement = place(units.keys(), rules, cuda)
-    for name, module in units.items():
-        if not isinstance(module, FusedExperts) and placement.devices_of(name) != [
-            str(accelerator)
-        ]:
-            rule = placement.get(name, "prefill").rule
-            raise PlacementError(
-                f"placement rule {rule!r}: {name!r} must run on the engine device "
-                f"{str(accelerator)!r}; only routed experts can be placed elsewhere"
-            )
-        if not isinstance(module, FusedExperts) and len(placement.devices_of(name)) > 1:
-            rule = placement.get(name, "prefill").rule
-            raise PlacementError(
-                f"placement rule {rule!r}: only routed experts may change "
-                f"device between phases, not {name!r}"
-            )
-        if not isinstance(module, FusedExperts):
-            _check_dense_backend(placement, name)
-    return HybridPlan(placement, units, accelerator)
-
-
-DENSE_BACKENDS = ("cpu-int8",)
-
-
-def _check_dense_backend(placement: Placement, name: str) -> None:
-    """Non-expert units take no backend, or `cpu-int8` (int8 linears) on the CPU, in both
-    phases alike."""
-    pre, dec = placement.get(name, "prefill"), placement.get(name, "decode")
-    backend = dec.backend
-    if backend is None and pre.backend is None:
-        return
-    if backend not in DENSE_BACKENDS or pre.backend != backend or dec.device != "cpu":
-        raise PlacementError(
-            f"placement rule {dec.rule!r}: backend {backend!r} on {name!r}: non-expert modules "
-            "accept only 'cpu-int8' (int8 linears) on device cpu, the same in both phases"
-        )
+from hetserve.moe.experts import ExpertsBackend, ExpertWeights, TorchExperts
 
 
 class DeviceBridge:
@@ -184,73 +89,3 @@ class HotExperts:
             )
             out.index_add_(0, tokens, y.to(x.dtype))
         return out
-
-
-def layer_of(name: str) -> int:
-    m = _LAYER.search(name)
-    assert m is not None, name
-    return int(m.group(1))
-
-
-def build_expert_backends(
-    model: nn.Module,
-    plan: HybridPlan,
-    gpu_experts: int = 0,
-    stats: RoutingStats | None = None,
-    cpu_threads: int | None = None,
-    free_unused: bool = True,
-    backend_options: dict | None = None,
-) -> None:
-    """backend_options: per backend name, extra constructor options (e.g. int4 group size)."""
-    hot = choose_gpu_experts(stats, gpu_experts) if (gpu_experts and stats) else {}
-    if gpu_experts and stats is None:
-        raise PlacementError(
-            "--gpu-experts needs routing statistics (hetserve calibrate, or --routing-stats FILE)"
-        )
-    for name, experts in model.routed_experts():
-        built: dict[tuple[str, str], ExpertsBackend] = {}
-        by_phase = {}
-        for phase in PHASES:
-            a = plan.placement.get(name, phase)
-            backend_name = a.backend or "torch"
-            key = (a.device, backend_name)
-            if key not in built:
-                built[key] = _make(
-                    experts,
-                    a.device,
-                    backend_name,
-                    plan.accelerator,
-                    hot.get(layer_of(name)),
-                    cpu_threads,
-                    (backend_options or {}).get(backend_name, {}),
-                )
-            by_phase[phase] = built[key]
-        experts.set_phase_backends(by_phase)
-        if free_unused and all(k[1] != "torch" for k in built):
-            # Quantized or repacked copies now hold the weights: drop the originals.
-            experts.release_weights()
-
-
-def _make(
-    experts: FusedExperts,
-    device: str,
-    backend_name: str,
-    accelerator: torch.device,
-    hot: list[int] | None,
-    cpu_threads: int | None,
-    extra: dict,
-) -> ExpertsBackend:
-    dev = torch.device(device)
-    weights = experts.weights()
-    if weights.device != dev:
-        weights = weights.dense(dev)
-    opts = {"num_threads": cpu_threads} if (cpu_threads and backend_name in _CPU_BACKENDS) else {}
-    opts.update(extra)
-    backend = create_backend(backend_name, weights, activation=experts.activation, **opts)
-    if dev != accelerator:
-        backend = DeviceBridge(backend, dev)
-    if hot and (dev != accelerator or backend_name != "torch"):
-        # The hottest experts run from the original weights with the reference backend on the
-        # engine device (on a CPU-only machine that is the host, in full precision).
-        backend = HotExperts(backend, experts.weights(), hot, accelerator, experts.activation)
-    return backend

@@ -224,7 +224,7 @@ static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, f
  * as MXFP4 is (moe_formats.h, tile_mxfp4): per 8 inputs, each row's 4 bytes (element 2i in
  * byte i's low nibble) at byte 4r, so each row owns a 32-bit lane. Per tile and group, the
  * nibbles (8G bytes) are followed by the 16 rows' fp32 scales and then their minimums, so a
- * tile is one stream (native/layout.py, int4_group_tiles). Masks and shifts within 16-bit
+ * tile is one stream (quant/layout.py, int4_group_tiles). Masks and shifts within 16-bit
  * lanes give elements (0, 4), (2, 6), (1, 5), (3, 7) of the 8, which meet the activation pairs
  * stored in that order (quantize_rows, perm = 1). With int16 activations, w . x16 = sum_g
  * scale_g * (q_g . x16_g) + minimum_g * sum(x16_g): the nibbles go straight into vpmaddwd

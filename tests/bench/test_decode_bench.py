@@ -141,7 +141,7 @@ def test_llamacpp_missing_is_skipped_with_the_reason(moe_dir, tmp_path, monkeypa
 def test_hetserve_on_a_given_gguf(tiny_model, tmp_path):
     """--gguf FILE without llama.cpp: hetserve times the same file, experts on cpu-int4."""
     pytest.importorskip("gguf")
-    from hetserve.model.tiny_gguf import write_gguf
+    from hetserve.testing.tiny_gguf import write_gguf
 
     src = tiny_model("qwen3-moe", overrides={"hidden_size": 256, "moe_intermediate_size": 256,
                                              "head_dim": 64})  # fmt: skip

@@ -27,7 +27,7 @@ def _bench(server, tmp_path: Path, *args: str) -> dict:
 
 @pytest.fixture(scope="module")
 def demo_dir() -> str:
-    from hetserve.model.tiny import demo_model_dir
+    from hetserve.testing.tiny import demo_model_dir
 
     return str(demo_model_dir())
 

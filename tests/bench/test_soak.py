@@ -30,7 +30,6 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 HEADERS = {"Content-Type": "application/json"}
 
 
-
 @pytest.fixture(scope="module")
 def soak(demo_server, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("soak")
@@ -81,11 +80,7 @@ def test_server_log_has_no_traceback(soak, demo_server) -> None:
 
 @pytest.mark.parametrize(
     "case",
-    [
-        pytest.param(c, id=c.name)
-        for c in CASES
-        if c.group == BAD
-    ],
+    [pytest.param(c, id=c.name) for c in CASES if c.group == BAD],
 )
 def test_bad_request_alone_gets_a_4xx_error_json(demo_server, case) -> None:
     ctx = Context("demo", 512, 512, TokenSpace(512), oversized_bytes=9 << 20)

@@ -24,7 +24,7 @@ def test_bench_finetune_smoke(tiny_model, tmp_path, capsys):
 
 def test_train_flops_per_token_counts_every_product(tiny_model):
     """The model FLOPs of the machine-limit line, against a count by hand from config.json."""
-    from hetserve.finetune.bench import train_flops_per_token
+    from hetserve.bench.finetune import train_flops_per_token
 
     path = tiny_model("qwen3-moe")
     c = json.loads((path / "config.json").read_text())

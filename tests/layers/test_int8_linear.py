@@ -7,12 +7,12 @@ import torch
 from torch import nn
 
 from hetserve.layers.int8_linear import Int8Linear
-from hetserve.moe.quant import (
+from hetserve.native import native_unavailable_reason
+from hetserve.quant.quantize import (
     int8_activation_step,
     int8_linear_bound,
     quantize_int8_per_channel,
 )
-from hetserve.native import native_unavailable_reason
 
 
 @pytest.mark.parametrize("kernel", ["auto", "fbgemm"])
@@ -68,14 +68,14 @@ def test_declared_projections_become_one_matrix(bias):
 
 
 def _q4k(w: torch.Tensor):
-    from hetserve.model.tiny_gguf import quantize_q4_k
-    from hetserve.moe.packed import Q4KRows
+    from hetserve.quant.packed import Q4KRows
+    from hetserve.testing.tiny_gguf import quantize_q4_k
 
     return Q4KRows(torch.from_numpy(quantize_q4_k(w.numpy()).reshape(w.shape[0], -1, 144)))
 
 
 def _q8_0(w: torch.Tensor):
-    from hetserve.moe.packed import Int8Rows
+    from hetserve.quant.packed import Int8Rows
 
     return Int8Rows.q8_0(w)
 

@@ -8,7 +8,7 @@ import torch
 
 from hetserve import LLM, SamplingParams
 from hetserve.model.convert import convert
-from hetserve.model.converted import dequantize, quantize
+from hetserve.quant.converted import dequantize, quantize
 
 IDS = torch.randint(10, 400, (50,), generator=torch.Generator().manual_seed(0)).tolist()
 

@@ -78,8 +78,9 @@ def test_prompt_longer_than_context(tiny_model):
     with pytest.raises(PromptTooLongError, match="33 tokens.*context is 32"):
         llm.generate(prompt_token_ids=list(range(33)))
     # The engine still works after the rejected prompt.
-    assert llm.generate(prompt_token_ids=list(range(8)), sampling_params=SamplingParams(
-        max_tokens=2))[0].token_ids
+    assert llm.generate(
+        prompt_token_ids=list(range(8)), sampling_params=SamplingParams(max_tokens=2)
+    )[0].token_ids
 
 
 def test_invalid_sampling_params():

@@ -1,4 +1,4 @@
-"""`--model file.gguf`: GGUF files as llama.cpp writes them (model/tiny_gguf.py), against the
+"""`--model file.gguf`: GGUF files as llama.cpp writes them (testing/tiny_gguf.py), against the
 fp32 model the `gguf` package reads from the same file; experts served from their q4_K / q8_0
 numbers exactly; config and tokenizer from the metadata when nothing is beside the file."""
 
@@ -14,12 +14,12 @@ gguf = pytest.importorskip("gguf")
 
 from hetserve import LLM, SamplingParams  # noqa: E402
 from hetserve.errors import ModelLoadError, UnsupportedArchitectureError  # noqa: E402
-from hetserve.model.gguf_file import q4_k_rows, q8_0_rows  # noqa: E402
-from hetserve.model.tiny_gguf import quantize_q4_k, write_gguf  # noqa: E402
 from hetserve.model.tokenizer import Tokenizer  # noqa: E402
 from hetserve.moe.experts import gated_activation  # noqa: E402
-from hetserve.moe.quant import q8k_round  # noqa: E402
 from hetserve.native import native_unavailable_reason  # noqa: E402
+from hetserve.quant.gguf import q4_k_rows, q8_0_rows  # noqa: E402
+from hetserve.quant.quantize import q8k_round  # noqa: E402
+from hetserve.testing.tiny_gguf import quantize_q4_k, write_gguf  # noqa: E402
 
 # q4_K needs rows of 256: a Qwen3-MoE just big enough.
 SHAPE = {"hidden_size": 256, "moe_intermediate_size": 256, "head_dim": 64}

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from hetserve import LLM, SamplingParams
-from hetserve.moe.layer import SparseMoE
+from hetserve.layers.moe import SparseMoE
 from hetserve.testing import make_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hetserve import LLM, SamplingParams
-from hetserve.model.tiny_quant import write_quantized
+from hetserve.testing.tiny_quant import write_quantized
 
 transformers = pytest.importorskip("transformers")
 

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 from hetserve import LLM, SamplingParams
 from hetserve.errors import ModelLoadError
-from hetserve.model.tiny_tiktoken import KIMI_SPECIAL_OFFSETS, NUM_RANKS
 from hetserve.model.tokenizer import Tokenizer
 from hetserve.testing import make_tiny_checkpoint
+from hetserve.testing.tiny_tiktoken import KIMI_SPECIAL_OFFSETS, NUM_RANKS
 
 tiktoken = pytest.importorskip("tiktoken")
 transformers = pytest.importorskip("transformers")

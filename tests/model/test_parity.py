@@ -100,21 +100,28 @@ def test_fused_and_per_expert_layouts_agree(tiny_model, family):
 def test_loads_checkpoint_saved_by_transformers(tmp_path):
     """A checkpoint written by transformers' save_pretrained (Mixtral w1/w2/w3 names)."""
     cfg = transformers.MixtralConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
     )
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(cfg).eval()
     model.save_pretrained(tmp_path)
-    from hetserve.model.tiny import cache_dir
-    from hetserve.model.tiny_tokenizer import write_tokenizer_files
     from hetserve.testing import make_tiny_checkpoint  # noqa: F401  (same tokenizer cache)
+    from hetserve.testing.tiny import cache_dir
+    from hetserve.testing.tiny_tokenizer import write_tokenizer_files
 
     write_tokenizer_files(tmp_path, cache_dir())
     llm = LLM(tmp_path)
     ids = random_ids(20, seed=2, vocab=128)
-    out = llm.generate(prompt_token_ids=ids, sampling_params=SamplingParams(
-        max_tokens=1, prompt_logprobs=0))[0]
+    out = llm.generate(
+        prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=0)
+    )[0]
     ref = hf_logprobs(model, ids)[:-1].gather(1, torch.tensor(ids[1:]).view(-1, 1))[:, 0]
     ours = chosen_logprobs(zip(out.prompt_logprobs[1:], ids[1:], strict=True))
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)

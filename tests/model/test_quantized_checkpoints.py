@@ -1,4 +1,4 @@
-"""Checkpoints as publishers quantize them (model/tiny_quant.py writes them to spec): loaded
+"""Checkpoints as publishers quantize them (testing/tiny_quant.py writes them to spec): loaded
 logprobs against the exact fp32 model their numbers stand for, against transformers where it
 reads the same file, experts served from the published format, and one-line errors for
 everything the loader does not understand."""
@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from hetserve import LLM, SamplingParams
 from hetserve.errors import ModelLoadError
-from hetserve.model.tiny_quant import write_quantized
+from hetserve.testing.tiny_quant import write_quantized
 
 # Stated bounds on |logprob(quantized checkpoint) - logprob(its exact fp32 model)|, over 40
 # prompt positions of the tiny models: FP8 experts keep their bytes and meet fp32 activations

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from hetserve.moe.experts import ExpertWeights, available_backends, create_backend
-from hetserve.moe.quant import (
+from hetserve.quant.quantize import (
     int4_linear_bound,
     int8_linear_bound,
     quantize_int4_groupwise,

@@ -13,7 +13,7 @@ from hetserve import native
 from hetserve.errors import InvalidInputError
 from hetserve.layers.int8_linear import Int8Linear
 from hetserve.moe.experts import ExpertWeights, create_backend
-from hetserve.moe.packed import PackedExperts
+from hetserve.quant.packed import PackedExperts
 from tests.moe.test_packed_experts import PACKERS
 
 pytestmark = [

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from hetserve.errors import InvalidInputError
-from hetserve.model.tiny_gguf import quantize_q4_k
 from hetserve.moe.experts import ClampedSwiGLU, ExpertWeights, create_backend, gated_activation
-from hetserve.moe.packed import Fp8Rows, Int4Rows, Int8Rows, Mxfp4Rows, PackedExperts, Q4KRows
-from hetserve.moe.quant import (
+from hetserve.native import fp8_activations
+from hetserve.quant.layout import pack_int4_rows
+from hetserve.quant.packed import Fp8Rows, Int4Rows, Int8Rows, Mxfp4Rows, PackedExperts, Q4KRows
+from hetserve.quant.quantize import (
     dequantize_fp8_blocks,
     dequantize_mxfp4,
     q8k_round,
@@ -23,8 +24,7 @@ from hetserve.moe.quant import (
     quantize_int4_groupwise,
     quantize_mxfp4,
 )
-from hetserve.native import fp8_activations
-from hetserve.native.layout import pack_int4_rows
+from hetserve.testing.tiny_gguf import quantize_q4_k
 
 E, H, INTER, K = 8, 256, 256, 3  # q4_K rows need multiples of 256
 

@@ -12,7 +12,7 @@ import pytest
 from hetserve import LLM, SamplingParams
 from hetserve.config import EngineConfig, LoRAConfig
 from hetserve.engine.async_llm import AsyncLLM
-from hetserve.engine.chat import chat_loop
+from hetserve.entrypoints.chat import chat_loop
 from tests.lora_util import write_random_adapter
 from tests.server.conftest import LiveServer
 

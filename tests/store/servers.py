@@ -50,7 +50,7 @@ def hetserve_cmd(*args: str) -> list[str]:
 def store_cmd(*args: str) -> list[str]:
     """`hetserve store ARGS` without the rest of the CLI (no torch import: a fast start)."""
     assert args[0] == "store"
-    return [sys.executable, "-m", "hetserve.store", *args[1:]]
+    return [sys.executable, "-m", "hetserve.entrypoints.store", *args[1:]]
 
 
 class PoolCluster:

@@ -19,9 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from hetserve import envs
+from hetserve.config import add_engine_args
 from hetserve.errors import InvalidInputError
 
 
@@ -61,6 +60,8 @@ def _rate(count: int, seconds: float) -> str:
 
 
 def _remote_stream(args, messages: list[dict], stats: ReplyStats) -> Iterator[str]:
+    import httpx  # here, not at the top: `hetserve --help` imports every command module
+
     key = args.api_key or envs.api_key()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     body = {
@@ -126,6 +127,24 @@ def _local_stream(engine, args, messages: list[dict], stats: ReplyStats) -> Iter
             text = out.outputs[0].text
             yield text[sent:]
             sent = len(text)
+
+
+def register(sub) -> None:
+    c = sub.add_parser("chat", help="terminal chat with a model or a running server")
+    add_engine_args(c)
+    c.add_argument(
+        "--url",
+        default=None,
+        help="a running server, e.g. http://127.0.0.1:8000 (--model NAME then picks the served "
+        "model or one of its LoRA adapters)",
+    )
+    c.add_argument(
+        "--lora", default=None, metavar="DIR", help="chat with this LoRA adapter (PEFT directory)"
+    )
+    c.add_argument("--api-key", default=None)
+    c.add_argument("--max-tokens", type=int, default=256)
+    c.add_argument("--temperature", type=float, default=0.7)
+    c.set_defaults(func=chat_loop)
 
 
 def chat_loop(args: argparse.Namespace) -> int:

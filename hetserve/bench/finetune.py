@@ -111,7 +111,7 @@ def train_flops_per_token(model_dir: str, seq_len: int, rank: int, target: str) 
     from torch import nn
 
     from hetserve.finetune.model import linear_module_names
-    from hetserve.moe.layer import FusedExperts
+    from hetserve.layers.moe import FusedExperts
     from hetserve.moe.router import TopKRouter
 
     with torch.device("meta"):
@@ -151,7 +151,7 @@ def gemm_peak_gflops(sizes: tuple[int, ...] = (512, 1024, 2048), repeats: int = 
 
 
 def _spawn(system: str, s: dict) -> dict:
-    cmd = [sys.executable, "-m", "hetserve.finetune.bench", system, json.dumps(s)]
+    cmd = [sys.executable, "-m", "hetserve.bench.finetune", system, json.dumps(s)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["?"])[-1]

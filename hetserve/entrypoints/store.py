@@ -1,5 +1,9 @@
 """`hetserve store master | node`: run the pool service's processes.
 
+`python -m hetserve.entrypoints.store master | node ...` runs the same without building the
+whole CLI (other command groups import torch, ~3 s of start-up per process; tests and benches
+start several nodes).
+
 Both bind 127.0.0.1 unless told otherwise; binding any other address needs a shared token
 (`--token` or HETSERVE_STORE_TOKEN) that every node and client must then present.
 """
@@ -9,10 +13,11 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import sys
 import threading
 from typing import TYPE_CHECKING, Protocol
 
-from hetserve.errors import InvalidInputError
+from hetserve.errors import HetserveError, InvalidInputError
 
 if TYPE_CHECKING:  # generic only in typeshed, not at run time
     Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -123,3 +128,18 @@ def _run_node(args: argparse.Namespace) -> int:
         args.advertise,
     )
     return _serve_until_signal(node)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hetserve.entrypoints.store")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["store", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return int(args.func(args) or 0)
+    except HetserveError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -28,7 +28,7 @@ from typing import ClassVar
 import torch
 
 from hetserve.errors import ModelLoadError
-from hetserve.moe.quant import dequantize_mxfp4, quantize_int8_per_channel
+from hetserve.quant.quantize import dequantize_mxfp4, quantize_int8_per_channel
 
 
 @dataclass(frozen=True)

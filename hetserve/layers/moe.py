@@ -14,8 +14,8 @@ from torch import nn
 
 from hetserve.errors import InvalidInputError
 from hetserve.moe.experts import Activation, ExpertsBackend, ExpertWeights, create_backend
-from hetserve.moe.packed import PackedExperts
 from hetserve.moe.router import RouterConfig, TopKRouter
+from hetserve.quant.packed import PackedExperts
 
 if TYPE_CHECKING:
     from hetserve.layers.attention import ForwardContext

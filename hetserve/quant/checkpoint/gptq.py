@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from hetserve.errors import ModelLoadError, TensorShapeError
-from hetserve.model.quant.base import CheckpointFormat
-from hetserve.moe.packed import Int4Rows
+from hetserve.quant.checkpoint.base import CheckpointFormat
+from hetserve.quant.packed import Int4Rows
 
 _ROLES = {".qweight": "qweight", ".qzeros": "qzeros", ".scales": "scales", ".g_idx": "g_idx"}
 

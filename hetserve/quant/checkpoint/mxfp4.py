@@ -2,7 +2,7 @@
 element 2j in the low nibble) and `X_scales` uint8 [.., N, K/32] (e8m0: 2^(s - 127)).
 
 quantization_config: {quant_method: mxfp4, modules_to_not_convert: [...]}. The blocks are kept
-as published (moe/packed.py `Mxfp4Rows`); other weights are ordinary bf16 tensors.
+as published (quant/packed.py `Mxfp4Rows`); other weights are ordinary bf16 tensors.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from hetserve.errors import ModelLoadError, TensorShapeError
-from hetserve.model.quant.base import CheckpointFormat
-from hetserve.moe.packed import Mxfp4Rows
+from hetserve.quant.checkpoint.base import CheckpointFormat
+from hetserve.quant.packed import Mxfp4Rows
 
 
 class Mxfp4Format(CheckpointFormat):

@@ -17,7 +17,7 @@ BENCH_MODULES: list[str] = [
     "hetserve.bench.store",
     "hetserve.bench.moe_kernel",
     "hetserve.bench.decode",
-    "hetserve.finetune.bench",  # LoRA training vs transformers + PEFT
+    "hetserve.bench.finetune",  # LoRA training vs transformers + PEFT
 ]
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from hetserve.errors import ModelLoadError, TensorShapeError
-from hetserve.model.quant.base import CheckpointFormat
-from hetserve.model.quant.gptq import unpack_int32_nibbles
-from hetserve.moe.packed import Int4Rows
+from hetserve.quant.checkpoint.base import CheckpointFormat
+from hetserve.quant.checkpoint.gptq import unpack_int32_nibbles
+from hetserve.quant.packed import Int4Rows
 
 _ROLES = {
     ".weight_packed": "packed",

@@ -1,7 +1,22 @@
 """Weight quantizers of the CPU expert formats and the error bounds they promise.
 
-Shared by the expert backends (`cpu_backends.py`, `cpu_native.py`) and the converted-experts
-file format (`model/converted.py`); see `cpu_backends.py` for how the bounds compose per layer.
+Shared by the expert backends (`moe/cpu_backends.py`, `moe/cpu_native.py`), the int8 linears
+(`layers/int8_linear.py`) and the converted-experts file format (`converted.py`).
+
+Error bounds each backend promises, per linear `y = x @ w.T` (w one expert's [N, K] matrix):
+
+- `cpu-fp32`: only fp32 rounding (|y - y_ref| <= 1e-5 relative in the tests).
+- `cpu-int8`: weights w_hat = q * s[n], q = round(w / s[n]) in [-127, 127], s[n] = max|w[n]| / 127,
+  so |w - w_hat| <= s[n] / 2 per element. Activations x_hat with step s_x, |x - x_hat| <= s_x / 2,
+  where s_x = max|x| / 16383 per row (native) or (max(x, 0) - min(x, 0)) / 127 per call (fbgemm):
+      |y[n] - y_ref[n]| <= s[n] / 2 * ||x||_1 + s_x / 2 * ||w_hat[n]||_1   (+ fp32 rounding);
+  `int8_linear_bound` computes it. Both accumulate exactly in int32.
+- `cpu-int4`: per group of `group_size` input channels, scale = (max - min) / 15 and
+  w_hat = q * scale + min with q in [0, 15], so |w - w_hat| <= scale / 2 per element and
+      |y[n] - y_ref[n]| <= sum_k |x[k]| * scale[n, k // group_size] / 2
+                           (+ s_x / 2 * ||w_hat[n]||_1, native: int16 activations as above)
+                           (+ fp32 rounding);
+  `int4_linear_bound` computes the weight term (torch's op keeps activations fp32).
 """
 
 from __future__ import annotations

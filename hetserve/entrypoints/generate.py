@@ -1,4 +1,4 @@
-"""`hetserve generate | chat` (the server's `serve` registers from hetserve/server/cli.py)."""
+"""`hetserve generate`: offline generation for prompts given as arguments or on stdin."""
 
 from __future__ import annotations
 
@@ -10,22 +10,6 @@ from hetserve.config import add_engine_args
 
 
 def register(sub) -> None:
-    c = sub.add_parser("chat", help="terminal chat with a model or a running server")
-    add_engine_args(c)
-    c.add_argument(
-        "--url",
-        default=None,
-        help="a running server, e.g. http://127.0.0.1:8000 (--model NAME then picks the served "
-        "model or one of its LoRA adapters)",
-    )
-    c.add_argument(
-        "--lora", default=None, metavar="DIR", help="chat with this LoRA adapter (PEFT directory)"
-    )
-    c.add_argument("--api-key", default=None)
-    c.add_argument("--max-tokens", type=int, default=256)
-    c.add_argument("--temperature", type=float, default=0.7)
-    c.set_defaults(func=_chat)
-
     g = sub.add_parser("generate", help="generate text for prompts (offline)")
     add_engine_args(g)
     g.add_argument("prompts", nargs="*", help="prompts (read one per line from stdin if none)")
@@ -76,9 +60,3 @@ def _generate(args: argparse.Namespace) -> int:
         else:
             print(f"{prompt!r} -> {out.text!r} ({out.finish_reason})")
     return 0
-
-
-def _chat(args: argparse.Namespace) -> int:
-    from hetserve.engine.chat import chat_loop
-
-    return chat_loop(args)

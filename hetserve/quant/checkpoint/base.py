@@ -2,7 +2,7 @@
 and the guard that refuses what none of them understands.
 
 A format groups stored tensors into logical weights (`part_of`) and decodes each group
-(`decode`) into a `QMatrix` (moe/packed.py) or a plain tensor. The loader asks it about every
+(`decode`) into a `QMatrix` (quant/packed.py) or a plain tensor. The loader asks it about every
 tensor name (with its dtype) before reading any data, so a checkpoint whose tensors we would
 misread fails with one line naming the tensor, the method and the supported ones.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from hetserve.errors import ModelLoadError
-from hetserve.moe.packed import QMatrix
+from hetserve.quant.packed import QMatrix
 
 SUPPORTED_METHODS = (
     "fp8 (block-scaled e4m3, weight_scale_inv)",

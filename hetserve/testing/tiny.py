@@ -22,9 +22,9 @@ from hetserve import envs
 from hetserve.errors import InvalidInputError
 from hetserve.model.config import ModelConfig
 from hetserve.model.registry import model_class
-from hetserve.model.tiny_tiktoken import MODEL_VOCAB_SIZE as KIMI_VOCAB_SIZE
-from hetserve.model.tiny_tiktoken import write_kimi_tokenizer
-from hetserve.model.tiny_tokenizer import EOS_TOKEN, PAD_TOKEN, write_tokenizer_files
+from hetserve.testing.tiny_tiktoken import MODEL_VOCAB_SIZE as KIMI_VOCAB_SIZE
+from hetserve.testing.tiny_tiktoken import write_kimi_tokenizer
+from hetserve.testing.tiny_tokenizer import EOS_TOKEN, PAD_TOKEN, write_tokenizer_files
 
 _COMMON = {
     "hidden_size": 64,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from hetserve.errors import ModelLoadError, TensorShapeError
-from hetserve.model.quant.base import CheckpointFormat
-from hetserve.moe.packed import Fp8Rows
+from hetserve.quant.checkpoint.base import CheckpointFormat
+from hetserve.quant.packed import Fp8Rows
 
 SCALE_SUFFIX = "_scale_inv"
 

@@ -89,7 +89,7 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
-    from hetserve.model.tiny import make_tiny_checkpoint
+    from hetserve.testing.tiny import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(
         args.arch,

@@ -1,5 +1,5 @@
 """Tiny GGUF files as llama.cpp writes them (tensor names, ggml shapes, metadata keys, the
-tokenizer inside), from a tiny Qwen3-MoE / Qwen2-MoE checkpoint (model/tiny.py); routed experts
+tokenizer inside), from a tiny Qwen3-MoE / Qwen2-MoE checkpoint (testing/tiny.py); routed experts
 in q4_K or q8_0, the rest f32 or q8_0. q4_K is quantized here (the `gguf` package only reads
 it), q8_0 by `gguf` itself.
 

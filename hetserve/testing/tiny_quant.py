@@ -1,5 +1,5 @@
 """Quantized tiny checkpoints, written exactly as each publisher's format specifies, from a tiny
-fp32 checkpoint (model/tiny.py): tensor names, dtypes, shapes and config keys as in
+fp32 checkpoint (testing/tiny.py): tensor names, dtypes, shapes and config keys as in
 DeepSeek-V3's FP8 release, gpt-oss's MXFP4 experts, AutoGPTQ's 4-bit layout and Kimi-K2
 Thinking's compressed-tensors pack-quantized experts.
 
@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hetserve.errors import InvalidInputError
-from hetserve.moe.quant import (
+from hetserve.quant.quantize import (
     dequantize_fp8_blocks,
     dequantize_mxfp4,
     quantize_fp8_blocks,

@@ -1,0 +1,51 @@
+"""What the engine is built from before its first step: the model directory (the embedded demo
+model by default) and the size of the paged KV cache.
+
+Called by `EngineCore.__init__` (and by benchmarks that load the same checkpoint into a peer).
+Failure contract: a KV budget that cannot hold one full-length sequence is an
+`InvalidInputError` naming the fix, raised before any KV memory is allocated.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from hetserve.config import EngineConfig
+from hetserve.errors import InvalidInputError
+from hetserve.kv.paged import KVCacheSpec, PagedKVCache
+
+CPU_KV_CAP_BYTES = 2 << 30  # KV budget when none is given
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """The model directory a config names; None is the embedded demo model (built on first
+    use under HETSERVE_CACHE)."""
+    if model is None:
+        from hetserve.testing.tiny import demo_model_dir
+
+        return Path(demo_model_dir())
+    return Path(model)
+
+
+def num_kv_blocks(
+    cfg: EngineConfig, max_model_len: int, spec: KVCacheSpec, dtype: torch.dtype
+) -> int:
+    """KV blocks to allocate: `--num-kv-blocks`, else what the byte budget holds, never more
+    than `max_num_seqs` full-length sequences need."""
+    bs = cfg.cache.block_size
+    per_seq = math.ceil(max_model_len / bs)
+    if cfg.cache.num_blocks is not None:
+        n = cfg.cache.num_blocks
+    else:
+        per_block = PagedKVCache.bytes_per_block(spec, bs, dtype)
+        budget = cfg.cache.kv_cache_bytes or CPU_KV_CAP_BYTES
+        n = min(budget // per_block, per_seq * cfg.scheduler.max_num_seqs + 1)
+    if n - 1 < per_seq:
+        raise InvalidInputError(
+            f"KV cache of {n} blocks cannot hold one {max_model_len}-token sequence; "
+            "give more KV memory or a smaller --max-model-len"
+        )
+    return n
