@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# Typed strictly (mypy --strict): the nouns, the scheduler, the KV manager, the store, transfer.
-STRICT := hetserve/core hetserve/sched hetserve/kv hetserve/store hetserve/transfer \
+# Typed strictly (mypy --strict): the nouns, the scheduler, the KV manager and tiers, the store,
+# transfer, the weight formats.
+STRICT := hetserve/core hetserve/sched hetserve/kv hetserve/store hetserve/transfer hetserve/quant \
 	hetserve/config.py hetserve/errors.py \
 	hetserve/envs.py
 # Debian packages the store tests start for real: Redis, and libibverbs that Mooncake links.

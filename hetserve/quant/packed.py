@@ -22,6 +22,7 @@ where their format differs) without a full-precision copy of the layer.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -51,7 +52,7 @@ class QMatrix:
         """Columns per scale (0 where the format has no column groups)."""
         return 0
 
-    def _map(self, fn) -> QMatrix:
+    def _map(self, fn: Callable[[torch.Tensor, int], torch.Tensor]) -> QMatrix:
         return dataclasses.replace(
             self, **{f: fn(getattr(self, f), d) for f, d in self.row_dims.items()}
         )

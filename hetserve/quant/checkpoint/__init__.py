@@ -12,7 +12,7 @@ from hetserve.quant.checkpoint.fp8 import Fp8Format
 from hetserve.quant.checkpoint.gptq import GptqFormat
 from hetserve.quant.checkpoint.mxfp4 import Mxfp4Format
 
-_METHODS = {
+_METHODS: dict[str, type[Fp8Format | Mxfp4Format | GptqFormat | CompressedTensorsFormat]] = {
     "fp8": Fp8Format,
     "mxfp4": Mxfp4Format,
     "gptq": GptqFormat,
@@ -26,8 +26,8 @@ def checkpoint_format(qc: object) -> CheckpointFormat:
     if qc is None:
         return CheckpointFormat()
     method = qc.get("quant_method") if isinstance(qc, dict) else None
-    cls = _METHODS.get(method)
-    if cls is None:
+    cls = _METHODS.get(method) if isinstance(method, str) else None
+    if cls is None or not isinstance(qc, dict):
         raise ModelLoadError(
             f"quantization_config.quant_method {method!r} is not supported ({SUPPORTED})"
         )

@@ -11,6 +11,8 @@ stored, minimum = -(8 + zero) * scale (exact in fp32).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hetserve.errors import ModelLoadError, TensorShapeError
@@ -27,7 +29,7 @@ _ROLES = {
 }
 
 
-def _check_weights(name: str, args: dict | None) -> None:
+def _check_weights(name: str, args: dict[str, Any] | None) -> None:
     if not args:
         raise ModelLoadError(f"compressed-tensors config group {name!r} quantizes no weights")
     bits, kind = args.get("num_bits"), args.get("type", "int")
@@ -51,7 +53,7 @@ class CompressedTensorsFormat(CheckpointFormat):
     packed_fmt = "int4"
 
     @classmethod
-    def from_config(cls, qc: dict) -> CompressedTensorsFormat:
+    def from_config(cls, qc: dict[str, Any]) -> CompressedTensorsFormat:
         fmt = qc.get("format")
         if fmt != "pack-quantized":
             raise ModelLoadError(

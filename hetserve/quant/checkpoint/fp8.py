@@ -7,6 +7,8 @@ activation_scheme: dynamic}. Activations are ours to handle: this reader is weig
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hetserve.errors import ModelLoadError, TensorShapeError
@@ -24,7 +26,7 @@ class Fp8Format(CheckpointFormat):
         self.block = block
 
     @classmethod
-    def from_config(cls, qc: dict) -> Fp8Format:
+    def from_config(cls, qc: dict[str, Any]) -> Fp8Format:
         fmt = qc.get("fmt", "e4m3")
         if fmt != "e4m3":
             raise ModelLoadError(f"fp8 quantization_config fmt {fmt!r} is not supported; only e4m3")

@@ -10,6 +10,8 @@ transpose of the words), scale per group, minimum = -zero * scale (exact in fp32
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hetserve.errors import ModelLoadError, TensorShapeError
@@ -35,7 +37,7 @@ class GptqFormat(CheckpointFormat):
         self.zero_offset = zero_offset
 
     @classmethod
-    def from_config(cls, qc: dict) -> GptqFormat:
+    def from_config(cls, qc: dict[str, Any]) -> GptqFormat:
         bits = qc.get("bits", 4)
         if bits != 4:
             raise ModelLoadError(f"gptq with bits={bits} is not supported; only 4-bit GPTQ")

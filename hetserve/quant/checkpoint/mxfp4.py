@@ -7,6 +7,8 @@ as published (quant/packed.py `Mxfp4Rows`); other weights are ordinary bf16 tens
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hetserve.errors import ModelLoadError, TensorShapeError
@@ -19,7 +21,7 @@ class Mxfp4Format(CheckpointFormat):
     packed_fmt = "mxfp4"
 
     @classmethod
-    def from_config(cls, qc: dict) -> Mxfp4Format:
+    def from_config(cls, qc: dict[str, Any]) -> Mxfp4Format:
         return cls()
 
     def part_of(self, name: str, dtype: str) -> tuple[str, str] | None:
