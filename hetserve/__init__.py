@@ -4,9 +4,10 @@ Public API only; everything else is reached through submodules.
 """
 
 from hetserve.core.lora import LoRARequest
+from hetserve.core.request import NewRequest
 from hetserve.core.sampling import SamplingParams
 
-__all__ = ["LLM", "LoRARequest", "SamplingParams"]
+__all__ = ["LLM", "AsyncLLM", "EngineConfig", "LoRARequest", "NewRequest", "SamplingParams"]
 __version__ = "0.1.0"
 
 
@@ -16,4 +17,12 @@ def __getattr__(name: str):
         from hetserve.engine.llm import LLM
 
         return LLM
+    if name == "AsyncLLM":
+        from hetserve.engine.async_llm import AsyncLLM
+
+        return AsyncLLM
+    if name == "EngineConfig":
+        from hetserve.config import EngineConfig
+
+        return EngineConfig
     raise AttributeError(f"module 'hetserve' has no attribute {name!r}")

@@ -12,11 +12,40 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hetserve.errors import InvalidInputError
+
+
+class SchedulingPolicy(enum.Enum):
+    FCFS = "fcfs"  # arrival order
+    PRIORITY = "priority"  # the request's priority (lower first), then arrival
+
+
+class KVSave(enum.Enum):
+    AUTO = "auto"  # write-through of prompt blocks for shared stores, plus write-back
+    WRITE_BACK = "write-back"  # blocks about to be evicted
+    WRITE_THROUGH = "write-through"  # prompt blocks once computed
+
+
+class KVLoad(enum.Enum):
+    AUTO = "auto"  # a found run only where loading is predicted faster than recomputing
+    ALWAYS = "always"  # whatever is found
+
+
+def _as_enum(obj: object, name: str, cls: type[enum.Enum]) -> None:
+    """Accept a member or its value (flags and keywords give strings) for a frozen field."""
+    value = getattr(obj, name)
+    if isinstance(value, cls):
+        return
+    try:
+        object.__setattr__(obj, name, cls(value))
+    except ValueError:
+        allowed = ", ".join(str(m.value) for m in cls)
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -32,10 +61,10 @@ class CacheConfig:
     # there: "auto" = write-through of prompt blocks for shared stores (pool, mooncake, redis)
     # plus write-back of blocks about to be evicted; write-back alone for a local store.
     kv_store: str | None = None
-    kv_save: str = "auto"  # "auto" | "write-back" | "write-through"
+    kv_save: KVSave = KVSave.AUTO
     # "auto": load a found run only where that is predicted faster than recomputing it;
     # "always": load whatever is found (saves compute when a marginally slower TTFT is fine).
-    kv_load: str = "auto"
+    kv_load: KVLoad = KVLoad.AUTO
     # A request with a session_id keeps its blocks from eviction this long after it ends (while
     # other free blocks exist), so the session's next turn finds them: agentic traffic.
     session_ttl_s: float = 600.0
@@ -47,12 +76,8 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError("the KV cache size must be positive")
-        if self.kv_save not in ("auto", "write-back", "write-through"):
-            raise ValueError(
-                f"kv_save must be auto, write-back or write-through, got {self.kv_save!r}"
-            )
-        if self.kv_load not in ("auto", "always"):
-            raise ValueError(f"kv_load must be auto or always, got {self.kv_load!r}")
+        _as_enum(self, "kv_save", KVSave)
+        _as_enum(self, "kv_load", KVLoad)
         if self.session_ttl_s < 0:
             raise ValueError("session_ttl_s must be >= 0")
         if self.kv_store is not None and not self.enable_prefix_caching:
@@ -64,15 +89,14 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
-    policy: str = "fcfs"  # "fcfs" | "priority"
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        _as_enum(self, "policy", SchedulingPolicy)
 
 
 @dataclass(frozen=True)
@@ -240,12 +264,12 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "kv_save", "cache", "kv_save",
         "when blocks reach the store: auto (write-through for shared stores), write-back "
         "(before eviction) or write-through (prompt blocks once computed)",
-        choices=("auto", "write-back", "write-through"),
+        choices=tuple(m.value for m in KVSave),
     ),
     EngineOption(
         "kv_load", "cache", "kv_load",
         "auto: load stored blocks only where predicted faster than recomputing them; always: "
-        "load whatever is found", choices=("auto", "always"),
+        "load whatever is found", choices=tuple(m.value for m in KVLoad),
     ),
     EngineOption(
         "session_ttl", "cache", "session_ttl_s",
@@ -259,7 +283,7 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     ),
     EngineOption(
         "scheduling_policy", "scheduler", "policy", "fcfs, or priority (lower runs first)",
-        choices=("fcfs", "priority"),
+        choices=tuple(m.value for m in SchedulingPolicy),
     ),
     EngineOption(
         "placement", "moe", "placement",

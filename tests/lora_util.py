@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from hetserve.core.request import NewRequest
 from hetserve.testing.tiny_lora import write_random_adapter
 
 __all__ = ["prompt_logprobs", "run", "sample_logprobs", "write_random_adapter"]
@@ -15,7 +16,7 @@ def run(engine, prompts, params, loras) -> list:
     ids = []
     for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
         rid = f"r{len(engine.parents)}-{i}-{id(prompt)}"
-        engine.add(engine.validate_request(rid, prompt, params, lora=lora), stream=False)
+        engine.enqueue(engine.validate(NewRequest(rid, prompt, params, lora=lora)), stream=False)
         ids.append(rid)
     done = {}
     while engine.has_unfinished():

@@ -68,17 +68,24 @@ class Request:
 
 
 @dataclass(frozen=True)
-class EngineRequest:
-    """A new request as the engine admits it: made (and validated against the model) only by
-    `EngineCore.validate_request`, then handed to `EngineCore.add` — possibly from another
-    thread, later another process, so it is a plain value."""
+class NewRequest:
+    """A request to generate, the one value every layer passes on: the server builds it
+    (`serving.start`), `AsyncLLM.submit` has it validated in the caller's thread and hands it
+    to the engine thread, `EngineCore.enqueue` queues it in the scheduler. A field that a role,
+    a hand-off or a grammar adds goes here and reaches the engine with no other signature.
+
+    `EngineCore.validate` returns a checked copy: `params.max_tokens` resolved against the
+    context, `arrival_time` stamped if it was None, `lora_id` set to the content id of the
+    `lora` adapter (and appended to `cache_extra`, so no KV is shared across adapters).
+    Possibly handed to another thread (later another process): a plain value."""
 
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams  # max_tokens resolved against the context
-    prompt: str | None = None
-    priority: int = 0
-    cache_extra: CacheExtra = ()
-    arrival_time: float = field(default_factory=time.monotonic)
-    session_id: str | None = None
-    lora_id: str | None = None  # content id of its LoRA adapter (also in cache_extra)
+    params: SamplingParams
+    prompt: str | None = None  # the text, where the caller had one
+    priority: int = 0  # lower runs first (vLLM's convention)
+    arrival_time: float | None = None  # time.monotonic() of arrival; None: at validation
+    cache_extra: CacheExtra = ()  # what changes the KV besides tokens (a cache salt, ...)
+    session_id: str | None = None  # an agent's session: its blocks outlive it for a TTL
+    lora: str | None = None  # a loaded LoRA adapter's name; None: the base model
+    lora_id: str | None = None  # set by validation: the adapter's content id

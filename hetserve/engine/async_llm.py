@@ -1,14 +1,14 @@
 """AsyncLLM: the EngineCore driven by a background thread, streaming outputs to asyncio callers.
 
-Who calls it: the OpenAI server (and any asyncio program). `add_request` validates in the
-caller's thread and returns the request's `RequestStream`; the engine thread applies adds and
+Who calls it: the OpenAI server (and any asyncio program). `submit(NewRequest)` validates in
+the caller's thread and returns the request's `RequestStream`; the engine thread applies adds and
 aborts between steps and hands each output to the stream's loop with call_soon_threadsafe.
 Only the engine thread touches the EngineCore.
 
-Failure contract: bad input raises `InvalidInputError` from `add_request` (nothing queued). A
+Failure contract: bad input raises `InvalidInputError` from `submit` (nothing queued). A
 request that fails inside the engine ends its stream with `EngineRequestError`; the others go
 on. If the engine thread itself dies, every open stream ends with `EngineDeadError`, as does
-every later `add_request`. A stream always ends: with a finished output or one of those errors.
+every later `submit`. A stream always ends: with a finished output or one of those errors.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 
 from hetserve.config import EngineConfig
 from hetserve.core.outputs import RequestOutput
-from hetserve.core.request import EngineRequest
-from hetserve.core.sampling import SamplingParams
+from hetserve.core.request import NewRequest
 from hetserve.core.stats import EngineStats
 from hetserve.engine.core import EngineCore
 from hetserve.engine.errors import EngineDeadError, EngineRequestError
@@ -35,6 +34,26 @@ log = logging.getLogger(__name__)
 BACKGROUND_TICK_S = 0.005  # how often an idle engine takes finished KV saves in
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineRequestError", "RequestStream", "RequestTiming"]
+
+
+@dataclass(frozen=True)
+class _Add:
+    """Queue a checked request (the caller's thread validated it)."""
+
+    new: NewRequest
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Wake:
+    """Nothing to do: wakes the engine thread (at shutdown, to see the stop flag)."""
+
+
+Command = _Add | _Abort | _Wake  # what callers hand the engine thread, applied between steps
 
 
 @dataclass
@@ -101,7 +120,7 @@ class AsyncLLM:
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.vocab_size
         self.kv_summary = self.engine.kv_summary
-        self._commands: queue.Queue = queue.Queue()
+        self._commands: queue.Queue[Command] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._stop = threading.Event()
         self.observers: list = []  # callables(request_id, RequestOutput, RequestTiming)
@@ -116,49 +135,24 @@ class AsyncLLM:
     def is_alive(self) -> bool:
         return self._dead is None and self._thread.is_alive()
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prompt: str | None = None,
-        priority: int = 0,
-        arrival_time: float | None = None,
-        session_id: str | None = None,
-        lora: str | None = None,
-    ) -> RequestStream:
-        """Validate (InvalidInputError names the field) and queue a request; returns its
-        stream. `lora` names a loaded LoRA adapter (None: the base model). Must be called from
-        a running event loop (the stream belongs to it)."""
-        new = self.engine.validate_request(
-            request_id,
-            prompt_token_ids,
-            params,
-            prompt,
-            priority,
-            arrival_time,
-            session_id=session_id,
-            lora=lora,
-        )
+    def submit(self, new: NewRequest) -> RequestStream:
+        """Validate `new` here, in the caller's thread (InvalidInputError names the field;
+        nothing is queued), and hand it to the engine thread; returns its stream. Must be called
+        from a running event loop (the stream belongs to it)."""
+        checked = self.engine.validate(new)
         if not self.is_alive:
             raise EngineDeadError("the engine has stopped; restart the server")
-        if request_id in self._streams:
-            raise EngineRequestError(request_id, "a request with this id is already running")
-        stream = RequestStream(request_id, self)
-        self._streams[request_id] = stream
-        self._commands.put(("add", new))
+        rid = checked.request_id
+        if rid in self._streams:
+            raise EngineRequestError(rid, "a request with this id is already running")
+        stream = RequestStream(rid, self)
+        self._streams[rid] = stream
+        self._commands.put(_Add(checked))
         return stream
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prompt: str | None = None,
-        priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
-        """Convenience over `add_request`: yields outputs; leaving early aborts the request."""
-        stream = self.add_request(request_id, prompt_token_ids, params, prompt, priority)
+    async def generate(self, new: NewRequest) -> AsyncIterator[RequestOutput]:
+        """Convenience over `submit`: yields outputs; leaving early aborts the request."""
+        stream = self.submit(new)
         try:
             async for out in stream:
                 yield out
@@ -183,7 +177,7 @@ class AsyncLLM:
         self.engine.lora.unload(name)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._commands.put(_Abort(request_id))
 
     def stats(self) -> EngineStats:
         """The engine's state as of its last step (thread-safe snapshot)."""
@@ -194,30 +188,32 @@ class AsyncLLM:
 
     def shutdown(self) -> None:
         self._stop.set()
-        self._commands.put(("noop",))
+        self._commands.put(_Wake())
         self._thread.join(timeout=10)
         if not self._thread.is_alive():
             self.engine.close()  # the KV store gets what it lacks; only now: no step runs
 
     # ---- engine thread ----------------------------------------------------------------------
-    def _apply(self, cmd: tuple) -> None:
-        kind = cmd[0]
-        if kind == "add":
-            new: EngineRequest = cmd[1]
-            stream = self._streams.get(new.request_id)
-            if stream is None:  # aborted before it reached the engine
-                return
-            try:
-                self.engine.add(new)
-                self._timings[new.request_id] = RequestTiming(new.arrival_time)
-            except HetserveError as exc:  # a user mistake only the engine thread could see
-                stream._put(exc)
-            except Exception as exc:  # surfaces in the caller; the engine keeps going
-                log.exception("adding request %s failed", new.request_id)
-                stream._put(EngineRequestError(new.request_id, describe(exc)))
-        elif kind == "abort":
-            self.engine.abort_request(cmd[1])
-            self._timings.pop(cmd[1], None)
+    def _apply(self, cmd: Command) -> None:
+        match cmd:
+            case _Add(new):
+                stream = self._streams.get(new.request_id)
+                if stream is None:  # aborted before it reached the engine
+                    return
+                try:
+                    self.engine.enqueue(new)
+                    assert new.arrival_time is not None  # stamped by validation
+                    self._timings[new.request_id] = RequestTiming(new.arrival_time)
+                except HetserveError as exc:  # a user mistake only the engine thread could see
+                    stream._put(exc)
+                except Exception as exc:  # surfaces in the caller; the engine keeps going
+                    log.exception("adding request %s failed", new.request_id)
+                    stream._put(EngineRequestError(new.request_id, describe(exc)))
+            case _Abort(request_id):
+                self.engine.abort_request(request_id)
+                self._timings.pop(request_id, None)
+            case _Wake():
+                pass
 
     def _run(self) -> None:
         try:

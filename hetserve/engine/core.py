@@ -1,11 +1,12 @@
 """EngineCore: one step loop that reads top to bottom: schedule -> execute -> update.
 
 Who calls it: `LLM` (offline) and `AsyncLLM` (the server's engine thread); never two threads at
-once. Requests come in validated (`validate_request`, which any thread may call: it reads only
-the model's fixed facts) and are added with `add`; `step` returns the outputs it produced.
+once. A `NewRequest` is checked by `validate` (which any thread may call: it reads only the
+model's fixed facts) and queued by `enqueue` on the engine's thread (`submit` does both); `step`
+returns the outputs it produced.
 
-Failure contract: bad input is an `InvalidInputError` from `validate_request`, before anything
-is queued. A request that fails inside a step is finished with an error output (its KV blocks
+Failure contract: bad input is an `InvalidInputError` from `validate`, before anything is
+queued. A request that fails inside a step is finished with an error output (its KV blocks
 freed) while every other request goes on; see `StepExecutor`.
 """
 
@@ -18,19 +19,18 @@ import time
 import torch
 
 from hetserve.config import EngineConfig
-from hetserve.core.block_hash import CacheExtra
 from hetserve.core.outputs import RequestOutput
-from hetserve.core.request import EngineRequest, Request, RequestStatus
-from hetserve.core.sampling import SamplingParams
+from hetserve.core.request import NewRequest, Request, RequestStatus
 from hetserve.core.stats import EngineStats
 from hetserve.engine.detokenizer import IncrementalDetokenizer
 from hetserve.engine.execute import StepExecutor, StepResult, describe
 from hetserve.engine.kv_store import BlockIO, kv_identity, open_tiers
-from hetserve.engine.lora import build_lora_manager, resolve_lora
+from hetserve.engine.lora import build_lora_manager
 from hetserve.engine.output import ParentState, SeqState
 from hetserve.engine.runner import ModelRunner
 from hetserve.engine.setup import num_kv_blocks, resolve_model_dir
-from hetserve.errors import InvalidInputError, PromptTooLongError
+from hetserve.engine.validate import RequestValidator
+from hetserve.errors import InvalidInputError
 from hetserve.kv.manager import KVCacheManager
 from hetserve.kv.tiers import TierManager
 from hetserve.model.build import build_model
@@ -62,6 +62,7 @@ class EngineCore:
         dtype = next(self.model.parameters()).dtype
         num_blocks = num_kv_blocks(cfg, self.max_model_len, self.model.kv_cache_spec(), dtype)
         self.lora = build_lora_manager(self.model, cfg.lora)  # None: no LoRA code runs at all
+        self.validator = RequestValidator(self.vocab_size, self.max_model_len, self.lora)
         lora_batch = None if self.lora is None else self.lora.batch
         self.runner = ModelRunner(self.model, num_blocks, bs, lora_batch)
         seed = kv_identity(self.model_dir, self.runner.kv, cfg.cache.hash_seed)
@@ -85,79 +86,15 @@ class EngineCore:
         self._finished: dict[str, int] = {}
 
     # ---- requests -----------------------------------------------------------------------------
-    def validate_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise InvalidInputError("the prompt is empty; give at least one token", param="prompt")
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens but the model's context is {self.max_model_len} "
-                "(room for at least one generated token is needed); shorten the prompt",
-                param="prompt",
-            )
-        vocab = self.vocab_size
-        bad = next((t for t in ids if type(t) is not int or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidInputError(
-                f"token id {bad!r} is outside the vocabulary [0, {vocab})", param="prompt"
-            )
+    def validate(self, new: NewRequest) -> NewRequest:
+        """Check `new` against the model and return its checked copy (see `NewRequest`).
+        Thread-safe. Raises InvalidInputError naming the field; nothing is queued."""
+        return self.validator.request(new)
 
-    def validate_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prompt: str | None = None,
-        priority: int = 0,
-        arrival_time: float | None = None,
-        cache_extra: CacheExtra = (),
-        session_id: str | None = None,
-        lora: str | None = None,
-    ) -> EngineRequest:
-        """Check a request against the model (vocabulary, context) and resolve its max_tokens
-        and its LoRA adapter (`lora`: a loaded adapter's name; None = the base model).
-        Thread-safe. Raises InvalidInputError naming the field."""
-        self.validate_prompt(prompt_token_ids)
-        lora_id = resolve_lora(self.lora, lora)
-        if lora_id is not None:  # no KV is ever shared across adapters (or with the base)
-            cache_extra = (*cache_extra, f"lora:{lora_id}")
-        vocab = self.vocab_size
-        for name, ids in (
-            ("stop_token_ids", params.stop_token_ids),
-            ("logit_bias", [t for t, _ in params.logit_bias]),
-        ):
-            bad = next((t for t in ids if t >= vocab), None)
-            if bad is not None:
-                raise InvalidInputError(
-                    f"{name} holds token id {bad}, outside the vocabulary [0, {vocab})",
-                    param=name,
-                )
-        room = self.max_model_len - len(prompt_token_ids)
-        if params.max_tokens is None:
-            params = params.with_max_tokens(room)
-        elif params.max_tokens > room:
-            raise InvalidInputError(
-                f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                f"exceeds the model's context of {self.max_model_len} tokens; lower max_tokens",
-                param="max_tokens",
-            )
-        if session_id is not None and (not session_id or len(session_id) > 256):
-            raise InvalidInputError("session_id must have 1..256 characters", param="session_id")
-        extra = {} if arrival_time is None else {"arrival_time": arrival_time}
-        return EngineRequest(
-            request_id,
-            list(prompt_token_ids),
-            params,
-            prompt=prompt,
-            priority=priority,
-            cache_extra=cache_extra,
-            session_id=session_id,
-            lora_id=lora_id,
-            **extra,
-        )
-
-    def add(self, new: EngineRequest, stream: bool = True) -> None:
-        """Queue a validated request (see `validate_request`). With stream=False, `step`
-        returns its output only once finished."""
+    def enqueue(self, new: NewRequest, stream: bool = True) -> None:
+        """Queue a checked request (from `validate`), on the engine's thread. With
+        stream=False, `step` returns its output only once finished."""
+        assert new.arrival_time is not None and new.params.max_tokens is not None, "unchecked"
         rid, params = new.request_id, new.params
         if rid in self.parents:
             raise InvalidInputError(f"request id {rid!r} is already in use", param="request_id")
@@ -194,30 +131,9 @@ class EngineCore:
             self.seqs[sid] = state
             self.scheduler.add_request(req)
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prompt: str | None = None,
-        priority: int = 0,
-        cache_extra: CacheExtra = (),
-        stream: bool = True,
-        session_id: str | None = None,
-        lora: str | None = None,
-    ) -> None:
-        """Validate and queue a request (the single-threaded convenience of the two above)."""
-        new = self.validate_request(
-            request_id,
-            prompt_token_ids,
-            params,
-            prompt,
-            priority,
-            cache_extra=cache_extra,
-            session_id=session_id,
-            lora=lora,
-        )
-        self.add(new, stream=stream)
+    def submit(self, new: NewRequest, stream: bool = True) -> None:
+        """Validate and enqueue (one thread doing both: `LLM`, tests)."""
+        self.enqueue(self.validate(new), stream=stream)
 
     def abort_request(self, request_id: str) -> bool:
         parent = self.parents.pop(request_id, None)

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from hetserve.config import KVLoad, KVSave
 from hetserve.kv.manager import KVCacheManager
 from hetserve.kv.paged import PagedKVCache
 from hetserve.kv.tier_policy import CostModel, TierCost
@@ -208,7 +209,7 @@ class BlockIO:
 
 
 def open_tiers(
-    spec: str, save: str, load: str, kv: KVCacheManager, io: BlockIO, runner
+    spec: str, save: KVSave, load: KVLoad, kv: KVCacheManager, io: BlockIO, runner
 ) -> tuple[TierManager, str]:
     """Open and check the store `spec`, measure the prefill rate, and attach the tiers to `kv`
     (the scheduler is given them as its loader). Returns them and a summary line."""
@@ -219,14 +220,14 @@ def open_tiers(
     cost = CostModel({n: TierCost(p.latency_s, p.bandwidth) for n, p in probe.tiers.items()})
     infos = store.tiers()
     shared = any(t.shared for t in infos)
-    write_through = save == "write-through" or (save == "auto" and shared)
+    write_through = save is KVSave.WRITE_THROUGH or (save is KVSave.AUTO and shared)
     tiers = TierManager(
         store,
         cost,
         kv,
         io,
         write_through=write_through,
-        always_load=load == "always",
+        always_load=load is KVLoad.ALWAYS,
         sync_lookup=not shared,
     )
     cost.prefill_tokens_per_s = measure_prefill(runner, kv)

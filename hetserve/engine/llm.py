@@ -10,6 +10,7 @@ from tqdm import tqdm
 from hetserve.config import EngineConfig
 from hetserve.core.lora import LoRARequest
 from hetserve.core.outputs import RequestOutput
+from hetserve.core.request import NewRequest
 from hetserve.core.sampling import SamplingParams
 from hetserve.core.stats import EngineStats
 from hetserve.engine.core import EngineCore
@@ -66,11 +67,11 @@ class LLM:
         loras = self._lora_names(lora_request, len(requests))
         # Everything is validated before anything is queued: one bad prompt queues nothing.
         new = [
-            self.engine.validate_request(f"llm-{next(self._ids)}", ids, p, prompt=text, lora=lora)
+            self.engine.validate(NewRequest(f"llm-{next(self._ids)}", ids, p, text, lora=lora))
             for (text, ids), p, lora in zip(requests, params, loras, strict=True)
         ]
         for req in new:
-            self.engine.add(req, stream=False)
+            self.engine.enqueue(req, stream=False)
         return self._run([r.request_id for r in new], use_tqdm)
 
     def _lora_names(self, spec, n: int) -> list[str | None]:

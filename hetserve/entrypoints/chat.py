@@ -105,6 +105,7 @@ def _remote_stream(args, messages: list[dict], stats: ReplyStats) -> Iterator[st
 
 def _local_stream(engine, args, messages: list[dict], stats: ReplyStats) -> Iterator[str]:
     from hetserve import SamplingParams
+    from hetserve.core.request import NewRequest
 
     prompt = engine.tokenizer.apply_chat_template(messages)
     ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
@@ -113,7 +114,7 @@ def _local_stream(engine, args, messages: list[dict], stats: ReplyStats) -> Iter
         raise InvalidInputError("the conversation no longer fits the context; start a new one")
     params = SamplingParams(max_tokens=min(args.max_tokens, room), temperature=args.temperature)
     rid = f"chat-{len(messages)}"
-    engine.add_request(rid, ids, params, lora=args.lora_name)
+    engine.submit(NewRequest(rid, ids, params, lora=args.lora_name))
     sent, tokens = 0, 0
     while engine.has_unfinished():
         for out in engine.step():

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from hetserve.config import SchedulerConfig
+from hetserve.config import SchedulerConfig, SchedulingPolicy
 from hetserve.core.request import Request, RequestStatus
 from hetserve.kv.block_pool import KVBlock
 from hetserve.kv.manager import KVCacheManager
@@ -73,7 +73,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
 
     def _key(self, req: Request) -> tuple[int, float]:
-        prio = req.priority if self.cfg.policy == "priority" else 0
+        prio = req.priority if self.cfg.policy is SchedulingPolicy.PRIORITY else 0
         return (prio, req.arrival_time)
 
     def add_request(self, req: Request) -> None:

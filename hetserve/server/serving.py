@@ -1,7 +1,8 @@
 """What the OpenAI handlers share: turning a request into engine requests, and running them so
 that nothing is lost whatever the client or the engine does.
 
-Only the engine's public API is used (`AsyncLLM.add_request` and its `RequestStream`).
+Only the engine's public API is used (`AsyncLLM.submit` of a `NewRequest`, its
+`RequestStream`).
 - Long prompts are rendered and tokenized on a worker thread (the tokenizer releases the GIL
   there), after a cheap length bound rejects texts that cannot fit the context.
 - A non-streaming request is cancelled when its client disconnects (a task waits for the
@@ -22,6 +23,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from hetserve.core.outputs import RequestOutput
+from hetserve.core.request import NewRequest
 from hetserve.core.sampling import SamplingParams
 from hetserve.engine.async_llm import AsyncLLM, RequestStream
 from hetserve.errors import InvalidInputError, PromptTooLongError
@@ -128,12 +130,17 @@ class OpenAIServing:
         try:
             for i, (text, ids) in enumerate(prompts):
                 rid = base if len(prompts) == 1 else f"{base}-{i}"
-                p = params(i, ids)
-                streams.append(
-                    self.engine.add_request(
-                        rid, ids, p, text, req.priority, arrival_time(request), session, lora
-                    )
+                new = NewRequest(
+                    rid,
+                    ids,
+                    params(i, ids),
+                    prompt=text,
+                    priority=req.priority,
+                    arrival_time=arrival_time(request),
+                    session_id=session,
+                    lora=lora,
                 )
+                streams.append(self.engine.submit(new))
         except BaseException:
             for s in streams:
                 s.abort()

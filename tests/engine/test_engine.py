@@ -5,6 +5,7 @@ import torch
 
 from hetserve import LLM, SamplingParams
 from hetserve.core.block_hash import hash_prefix_blocks
+from hetserve.core.request import NewRequest
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -48,11 +49,11 @@ def test_prefix_cache_hit_computes_only_new_tokens(tiny_model):
 def test_cache_extra_separates_prefixes(tiny_model):
     llm = LLM(tiny_model("qwen3"), block_size=16)
     ids = prompts(1, seed=3, lo=70, hi=71)[0]
-    llm.engine.add_request("a", ids, GREEDY)
-    llm.engine.add_request("b", ids, GREEDY, cache_extra=("lora:1",))
+    llm.engine.submit(NewRequest("a", ids, GREEDY))
+    llm.engine.submit(NewRequest("b", ids, GREEDY, cache_extra=("lora:1",)))
     while llm.engine.has_unfinished():
         llm.engine.step()
-    llm.engine.add_request("c", ids, GREEDY, cache_extra=("lora:1",))
+    llm.engine.submit(NewRequest("c", ids, GREEDY, cache_extra=("lora:1",)))
     outs = []
     while llm.engine.has_unfinished():
         outs += llm.engine.step()
@@ -76,8 +77,8 @@ def test_preemption_under_small_kv_budget_keeps_outputs(tiny_model):
 def test_abort_frees_blocks(tiny_model):
     llm = LLM(tiny_model("qwen3"))
     eng = llm.engine
-    eng.add_request("x", list(range(40)), SamplingParams(max_tokens=100, ignore_eos=True))
-    eng.add_request("y", list(range(50, 90)), SamplingParams(max_tokens=3, ignore_eos=True))
+    eng.submit(NewRequest("x", list(range(40)), SamplingParams(max_tokens=100, ignore_eos=True)))
+    eng.submit(NewRequest("y", list(range(50, 90)), SamplingParams(max_tokens=3, ignore_eos=True)))
     eng.step()
     assert eng.kv.pool.num_free < eng.kv.pool.num_usable
     assert eng.abort_request("x") and not eng.abort_request("x")
@@ -91,8 +92,8 @@ def test_priority_policy_runs_urgent_first(tiny_model):
     llm = LLM(tiny_model("qwen3"), max_num_seqs=1, scheduling_policy="priority")
     eng = llm.engine
     p = SamplingParams(max_tokens=2, ignore_eos=True)
-    eng.add_request("late", [1, 2, 3], p, priority=5)
-    eng.add_request("urgent", [4, 5, 6], p, priority=0)
+    eng.submit(NewRequest("late", [1, 2, 3], p, priority=5))
+    eng.submit(NewRequest("urgent", [4, 5, 6], p, priority=0))
     first_done = None
     while eng.has_unfinished():
         for out in eng.step():

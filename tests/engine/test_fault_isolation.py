@@ -13,6 +13,7 @@ import pytest
 
 from hetserve import SamplingParams
 from hetserve.config import CacheConfig, EngineConfig
+from hetserve.core.request import NewRequest
 from hetserve.engine.async_llm import AsyncLLM
 from hetserve.engine.core import EngineCore
 from hetserve.engine.errors import EngineRequestError
@@ -36,7 +37,7 @@ def core(tiny_model):
 def run(core: EngineCore, prompts, params) -> dict:
     outs = {}
     for i, p in enumerate(prompts):
-        core.add_request(f"r{i}", p, params[i] if isinstance(params, list) else params)
+        core.submit(NewRequest(f"r{i}", p, params[i] if isinstance(params, list) else params))
     while core.has_unfinished():
         for out in core.step():
             if out.finished:
@@ -154,7 +155,7 @@ def test_n_sequences_fail_together(core, monkeypatch):
 )
 def test_admission_checks_fields_against_the_model(core, params, field):
     with pytest.raises(InvalidInputError) as err:
-        core.add_request("bad", [1, 2, 3], params)
+        core.submit(NewRequest("bad", [1, 2, 3], params))
     assert err.value.param == field
     assert not core.has_unfinished()
 
@@ -194,7 +195,7 @@ def test_async_stream_ends_with_error_and_others_continue(tiny_model, monkeypatc
 
     async def consume(rid, prompt):
         tokens = []
-        async for out in llm.add_request(rid, prompt, GREEDY):
+        async for out in llm.submit(NewRequest(rid, prompt, GREEDY)):
             tokens = out.token_ids
         return tokens
 

@@ -13,6 +13,7 @@ import pytest
 
 from hetserve import LLM, SamplingParams
 from hetserve.core.block_hash import hash_prefix_blocks
+from hetserve.core.request import NewRequest
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
 A = list(range(10, 110))  # 100 tokens: 6 full blocks of 16 can be cached
@@ -40,7 +41,7 @@ def engine(model, spec: str, **options) -> LLM:
 
 def generate(llm: LLM, prompt: list[int], rid: str = "r"):
     """One request, stepped by hand with the invariants checked after every step."""
-    llm.engine.add_request(rid, prompt, PARAMS)
+    llm.engine.submit(NewRequest(rid, prompt, PARAMS))
     outs = []
     for _ in range(10_000):
         if not llm.engine.has_unfinished():
@@ -210,7 +211,7 @@ def test_abort_while_loading_frees_the_blocks_when_the_load_lands(model):
         load_off_thread(llm)
         saved_then_dropped(llm, A)
         _wrap_reads(llm, lambda store, keys: gate.wait(10))
-        llm.engine.add_request("gone", A, PARAMS)
+        llm.engine.submit(NewRequest("gone", A, PARAMS))
         for _ in range(50):
             llm.engine.step()
             if llm.engine.scheduler.loading:
@@ -254,7 +255,7 @@ def test_a_sessions_blocks_stay_in_the_dram_tier_while_it_is_live(model):
     probe.close()
     llm = engine(model, f"local://?dram={10 * per_block}", session_ttl=600)
     try:
-        llm.engine.add_request("s", A, PARAMS, session_id="agent")
+        llm.engine.submit(NewRequest("s", A, PARAMS, session_id="agent"))
         while llm.engine.has_unfinished():
             llm.engine.step()
         assert llm.engine.tiers.flush()

@@ -8,6 +8,7 @@ import pytest
 
 from hetserve import LLM, SamplingParams
 from hetserve.core.block_hash import hash_prefix_blocks
+from hetserve.core.request import NewRequest
 from hetserve.errors import InvalidInputError
 from hetserve.model.export import export_merged
 from hetserve.model.lora_adapter import read_adapter
@@ -127,7 +128,7 @@ def test_no_prefix_hits_across_adapters_and_hits_within_one(tiny_model, adapters
     assert run(engine, [prompt], params, [None])[0].num_cached_tokens == 0
     # The LoRA id (a hash of the adapter's content) is in every block hash's extra.
     lora_id = read_adapter(a).id
-    req = engine.validate_request("x", prompt, params, lora="a")
+    req = engine.validate(NewRequest("x", prompt, params, lora="a"))
     assert req.lora_id == lora_id and f"lora:{lora_id}" in req.cache_extra
     for h in hash_prefix_blocks(prompt, 16, (f"lora:{lora_id}",), engine.kv.hash_seed):
         assert engine.kv.pool.lookup(h) is not None
@@ -145,7 +146,7 @@ def test_unloaded_adapter_leaves_once_unused(tiny_model, adapters):
     a = adapters("qwen3-moe", **ADAPTERS["qwen3-moe"])
     engine = LLM(base, lora_modules={"a": a}, max_loras=1).engine
     lora_id = engine.lora.resolve("a")
-    engine.add(engine.validate_request("r", PROMPTS[0], PARAMS, lora="a"), stream=False)
+    engine.enqueue(engine.validate(NewRequest("r", PROMPTS[0], PARAMS, lora="a")), stream=False)
     engine.step()
     engine.lora.unload("a")
     assert engine.lora.adapters() == {}

@@ -2,6 +2,7 @@
 
 from hetserve import LLM, SamplingParams
 from hetserve.core.block_hash import hash_block_tokens
+from hetserve.core.request import NewRequest
 from hetserve.kv.block_pool import BlockPool
 
 
@@ -41,13 +42,13 @@ def test_session_turn_finds_its_prefix_after_others_churned_the_pool(tiny_model)
 
     def run(session: str | None) -> int:
         llm = LLM(path, num_kv_blocks=14, max_model_len=96, block_size=16, session_ttl=600)
-        llm.engine.add_request("turn1", history, params, session_id=session)
+        llm.engine.submit(NewRequest("turn1", history, params, session_id=session))
         while llm.engine.has_unfinished():
             llm.engine.step()
         for i in range(3):  # other users' prompts fill (and evict from) the pool
             other = [100 + 30 * i + j for j in range(80)]
             llm.generate(prompt_token_ids=other, sampling_params=params)
-        llm.engine.add_request("turn2", history + [5, 6, 7], params, session_id=session)
+        llm.engine.submit(NewRequest("turn2", history + [5, 6, 7], params, session_id=session))
         outs = []
         while llm.engine.has_unfinished():
             outs += llm.engine.step()

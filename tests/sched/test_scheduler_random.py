@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from hetserve import LLM, SamplingParams
+from hetserve.core.request import NewRequest
 
 MAX_LEN = 48
 
@@ -85,7 +86,7 @@ def test_random_schedule_keeps_invariants_and_outputs(engines, reqs):
         for i, (prompt, max_tokens, arrive, _) in list(pending):
             if arrive <= step:
                 params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-                eng.add_request(f"r{i}", list(prompt), params)
+                eng.submit(NewRequest(f"r{i}", list(prompt), params))
                 pending.remove((i, reqs[i]))
         for i, (_, _, _, abort_at) in enumerate(reqs):
             rid = f"r{i}"

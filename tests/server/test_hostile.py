@@ -130,14 +130,14 @@ def test_engine_fault_in_chat(srv, hooks, stream):
 
 def test_failure_while_adding_ends_the_stream(srv, monkeypatch):
     core = srv.engine.engine
-    add = core.add
+    enqueue = core.enqueue
 
     def faulty(new, stream=True):
         if new.prompt_token_ids[:2] == [9, 9]:
             raise RuntimeError("injected add fault")
-        return add(new, stream)
+        return enqueue(new, stream)
 
-    monkeypatch.setattr(core, "add", faulty)
+    monkeypatch.setattr(core, "enqueue", faulty)
     lines = sse_lines(srv, "/v1/completions", {"prompt": [9, 9, 1], "stream": True})
     assert lines[-1] == DONE and "injected add fault" in lines[-2]
 
