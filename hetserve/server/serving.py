@@ -101,9 +101,7 @@ class OpenAIServing:
                 top_k=req.resolved_top_k(),
                 min_p=req.min_p,
                 max_tokens=max_tokens,
-                min_tokens=req.min_tokens
-                if max_tokens is None
-                else min(req.min_tokens, max_tokens),
+                min_tokens=req.min_tokens,
                 stop=req.stop or (),
                 stop_token_ids=req.stop_token_ids or (),
                 ignore_eos=req.ignore_eos,
@@ -118,16 +116,46 @@ class OpenAIServing:
         except ValueError as exc:
             raise InvalidInputError(str(exc), param=str(exc).split(" ", 1)[0]) from None
 
+    def check_priority(self, req: _Common) -> None:
+        # vLLM: a priority other than 0 is an error unless the scheduler orders by it.
+        if req.priority != 0 and self.engine.config.scheduler.policy != "priority":
+            raise InvalidInputError(
+                "priority needs a server started with --scheduling-policy priority",
+                "priority",
+            )
+
+    def check_room(self, req: _Common, prompt_len: int) -> None:
+        """The output limit (and min_tokens) against the context left after the prompt, naming
+        the field the client set; the engine checks it too, but knows only max_tokens."""
+        room = self.engine.max_model_len - prompt_len
+        if room < 1:
+            return  # the engine refuses the prompt itself
+        limit, name = req.output_limit()
+        if limit is not None and limit > room:
+            raise InvalidInputError(
+                f"prompt ({prompt_len} tokens) plus {name} ({limit}) exceeds the model's "
+                f"context of {self.engine.max_model_len} tokens; lower {name}",
+                name,
+            )
+        if req.min_tokens > room:
+            raise InvalidInputError(
+                f"min_tokens ({req.min_tokens}) exceeds the {room} tokens left in the "
+                f"model's context after the prompt ({prompt_len} tokens)",
+                "min_tokens",
+            )
+
     def start(
         self, base: str, prompts: list[tuple[str | None, list[int]]], params, req, request
     ) -> list[RequestStream]:
         """Queue one engine request per prompt. If any is refused, none stays queued."""
+        self.check_priority(req)
         streams: list[RequestStream] = []
         session = req.session_id or request.headers.get("x-session-id") or None
         lora = self.lora_of(req)
         try:
             for i, (text, ids) in enumerate(prompts):
                 rid = base if len(prompts) == 1 else f"{base}-{i}"
+                self.check_room(req, len(ids))
                 p = params(i, ids)
                 streams.append(
                     self.engine.add_request(
