@@ -8,7 +8,8 @@ across fields and the message rules of each role are in server/validation.py.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 import pydantic_core
 from pydantic import (
@@ -23,6 +24,8 @@ from pydantic import (
 
 from hetserve.errors import InvalidInputError
 from hetserve.server.validation import (
+    CHAT_EXTENSIONS,
+    COMPLETION_EXTENSIONS,
     UnsupportedFieldError,
     check_logit_bias,
     check_message,
@@ -47,6 +50,8 @@ class StreamOptions(BaseModel):
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
+    # vLLM extensions this endpoint refuses unless they ask for nothing (server/validation.py).
+    extensions: ClassVar[Mapping[str, tuple]] = {}
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -62,6 +67,7 @@ class _Common(BaseModel):
     stop_token_ids: list[StrictInt] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     seed: int | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's extension
     min_tokens: int = Field(default=0, ge=0)
     priority: int = 0
     presence_penalty: Finite = Field(default=0.0, ge=-2.0, le=2.0)
@@ -89,7 +95,7 @@ class _Common(BaseModel):
 
     @model_validator(mode="after")
     def _rules(self):
-        check_unsupported(self.model_extra or {})
+        check_unsupported(self.model_extra or {}, self.extensions)
         check_stream_options(self.stream, self.stream_options)
         limit, name = self.output_limit()
         check_min_tokens(self.min_tokens, limit, name)
@@ -110,6 +116,8 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
+    extensions: ClassVar[Mapping[str, tuple]] = COMPLETION_EXTENSIONS
+
     # Tried in order (str first): a smart union would try every branch on every element.
     prompt: (
         str
@@ -219,6 +227,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
+    extensions: ClassVar[Mapping[str, tuple]] = CHAT_EXTENSIONS
+
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)

@@ -105,6 +105,7 @@ class OpenAIServing:
                 stop=req.stop or (),
                 stop_token_ids=req.stop_token_ids or (),
                 ignore_eos=req.ignore_eos,
+                include_stop_str_in_output=req.include_stop_str_in_output,
                 seed=req.seed,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_lp,

@@ -35,10 +35,38 @@ UNSUPPORTED = (
     "web_search_options",
 )
 
+# vLLM's extensions that would change the output and that we do not implement, with the values
+# that ask for nothing (some clients send the defaults explicitly; those are accepted).
+VLLM_EXTENSIONS: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (None, False),
+    "prompt_logprobs": (None,),
+    "logprob_token_ids": (None,),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "truncate_prompt_tokens": (None,),
+    "skip_special_tokens": (None, True),
+    "return_token_ids": (None, False),
+    "return_tokens_as_token_ids": (None, False),
+    "cache_salt": (None,),
+    "thinking_token_budget": (None,),
+    "repetition_detection": (None,),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None,),
+}
+COMPLETION_EXTENSIONS = VLLM_EXTENSIONS | {"add_special_tokens": (None, True)}
+CHAT_EXTENSIONS = VLLM_EXTENSIONS | {
+    "add_special_tokens": (None, False),
+    "echo": (None, False),  # vLLM's chat echo: the last message prepended to the reply
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "documents": (None,),
+}
 
-def check_unsupported(extra: Mapping[str, Any]) -> None:
+
+def check_unsupported(extra: Mapping[str, Any], extensions: Mapping[str, tuple]) -> None:
     """Unknown fields pass (OpenAI clients send many), but not one that asks for a feature we
-    do not implement: tools, structured output, other modalities."""
+    do not implement: tools, structured output, other modalities, vLLM's extensions."""
     _check_tools(extra)
     fmt = extra.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
@@ -53,6 +81,18 @@ def check_unsupported(extra: Mapping[str, Any]) -> None:
     modalities = extra.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise UnsupportedFieldError("modalities", "only the 'text' modality is supported")
+    for name, harmless in extensions.items():
+        if name in extra and not any(_same(extra[name], h) for h in harmless):
+            raise UnsupportedFieldError(
+                name,
+                f"{name} (a vLLM extension) is not supported by this server; omit it or send "
+                "vLLM's default",
+            )
+
+
+def _same(value: Any, harmless: Any) -> bool:
+    # Type-exact: 0 == False in Python, but `echo: 0` is not the JSON false vLLM accepts.
+    return type(value) is type(harmless) and value == harmless
 
 
 def _check_tools(extra: Mapping[str, Any]) -> None:
