@@ -17,7 +17,7 @@ class ChatServing(OpenAIServing):
         prompt = await self.render_chat(messages, req.add_generation_prompt)
         ids = await self.encode(prompt, add_special_tokens=False)
         k = (req.top_logprobs or 0) if req.logprobs else None
-        limit = req.output_limit()
+        limit, _ = req.output_limit()
         base = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self.start(
             base,

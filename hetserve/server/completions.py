@@ -18,7 +18,7 @@ class CompletionServing(OpenAIServing):
         prompts = await self._prompts(req.prompt)
         base = f"cmpl-{uuid.uuid4().hex}"
         echo_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
-        limit = req.output_limit()
+        limit, _ = req.output_limit()
 
         def params(_i, _ids):
             return self.sampling_params(req, limit, req.logprobs, echo_lp)

@@ -47,10 +47,14 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
     cause = (err.get("ctx") or {}).get("error")
     loc = [str(x) for x in err.get("loc", ()) if not _is_union_branch(x)]
     param = ".".join(loc) or None
-    if isinstance(cause, UnsupportedFieldError):
+    if isinstance(cause, InvalidInputError) and cause.param:
+        # A rule of ours (server/validation.py) names its field relative to where it ran (a
+        # message's "content"); the message then says which one ("messages.2.content: ...").
         if param is None or param.endswith(cause.param):
-            return str(cause), param or cause.param
-        return str(cause), f"{param}.{cause.param}"
+            param = param or cause.param
+        else:
+            param = f"{param}.{cause.param}"
+        return (str(cause) if param == cause.param else f"{param}: {cause}"), param
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")
     return (f"{param}: {msg}" if param else msg), param
 

@@ -2,15 +2,38 @@
 
 Unknown fields are accepted and ignored, as OpenAI clients send many; but a field that would
 change the output and that we do not implement (tools, structured output, images, ...) is a 400
-naming it, never silently ignored. Wrong types and out-of-range values are 400s too.
+naming it, never silently ignored. Wrong types and out-of-range values are 400s too; the rules
+across fields and the message rules of each role are in server/validation.py.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 import pydantic_core
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from hetserve.errors import InvalidInputError
+from hetserve.server.validation import (
+    CHAT_EXTENSIONS,
+    COMPLETION_EXTENSIONS,
+    UnsupportedFieldError,
+    check_logit_bias,
+    check_message,
+    check_min_tokens,
+    check_stream_options,
+    check_tool_replies,
+    check_unsupported,
+)
 
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
 MAX_CHOICES = 256  # prompts x n
@@ -20,14 +43,6 @@ MAX_LOGIT_BIAS = 300  # OpenAI's limit
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 
-class UnsupportedFieldError(ValueError):
-    """A request asks for a feature this server does not implement (answered with a 400)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # usage in every chunk (vLLM's extension)
@@ -35,6 +50,8 @@ class StreamOptions(BaseModel):
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
+    # vLLM extensions this endpoint refuses unless they ask for nothing (server/validation.py).
+    extensions: ClassVar[Mapping[str, tuple]] = {}
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -50,6 +67,7 @@ class _Common(BaseModel):
     stop_token_ids: list[StrictInt] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     seed: int | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's extension
     min_tokens: int = Field(default=0, ge=0)
     priority: int = 0
     presence_penalty: Finite = Field(default=0.0, ge=-2.0, le=2.0)
@@ -71,45 +89,24 @@ class _Common(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v):
-        if v is None:
-            return v
-        for key, bias in v.items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        if v is not None:
+            check_logit_bias(v)
         return v
 
     @model_validator(mode="after")
-    def _unsupported(self):
-        extra = self.model_extra or {}
-        tools = extra.get("tools") or extra.get("functions")
-        choice = extra.get("tool_choice", extra.get("function_call"))
-        if tools and choice != "none":
-            name = "tools" if extra.get("tools") else "functions"
-            raise UnsupportedFieldError(
-                name,
-                f"{name} (tool calling) is not supported by this server; send no tools "
-                "or set tool_choice to 'none'",
-            )
-        if choice not in (None, "none", "auto"):
-            raise UnsupportedFieldError(
-                "tool_choice", f"tool_choice {choice!r} is not supported (no tool calling)"
-            )
-        fmt = extra.get("response_format")
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-            raise UnsupportedFieldError(
-                "response_format",
-                f"response_format {kind!r} (structured output) is not supported; use 'text'",
-            )
-        for name in _UNSUPPORTED:
-            if extra.get(name) is not None:
-                raise UnsupportedFieldError(name, f"{name} is not supported by this server")
-        modalities = extra.get("modalities")
-        if modalities is not None and modalities != ["text"]:
-            raise UnsupportedFieldError("modalities", "only the 'text' modality is supported")
+    def _rules(self):
+        check_unsupported(self.model_extra or {}, self.extensions)
+        check_stream_options(self.stream, self.stream_options)
+        limit, name = self.output_limit()
+        check_min_tokens(self.min_tokens, limit, name)
         return self
+
+    def output_limit(self) -> tuple[int | None, str]:
+        """The output token limit and the field that set it: max_completion_tokens is OpenAI's
+        newer name and wins when both are given."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
     def resolved_top_k(self) -> int | None:
         return None if self.top_k in (None, -1, 0) else self.top_k
@@ -118,21 +115,9 @@ class _Common(BaseModel):
         return {int(k): b for k, b in (self.logit_bias or {}).items()}
 
 
-# Fields that would change the output and that we do not implement.
-_UNSUPPORTED = (
-    "audio",
-    "prediction",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-    "logits_processors",
-    "web_search_options",
-)
-
-
 class CompletionRequest(_Common):
+    extensions: ClassVar[Mapping[str, tuple]] = COMPLETION_EXTENSIONS
+
     # Tried in order (str first): a smart union would try every branch on every element.
     prompt: (
         str
@@ -146,29 +131,46 @@ class CompletionRequest(_Common):
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="wrap")
     @classmethod
-    def _prompt(cls, v):
+    def _prompt(cls, v, handler):
+        # The union's own error names the first form it tried ("should be a valid string"),
+        # whatever the client meant; say what the forms are instead.
+        try:
+            v = handler(v)
+        except ValidationError:
+            if isinstance(v, list) and len(v) > MAX_PROMPTS and not _is_ids(v):
+                raise InvalidInputError(
+                    f"prompt holds {len(v)} prompts; at most {MAX_PROMPTS}", "prompt"
+                ) from None
+            raise InvalidInputError(
+                "prompt must be a string, a list of strings, a list of token ids or a list "
+                "of lists of token ids",
+                "prompt",
+            ) from None
         if isinstance(v, list) and not v:
-            raise ValueError("prompt must not be empty")
+            raise InvalidInputError("prompt must not be empty", "prompt")
         return v
 
     @model_validator(mode="after")
     def _completion_only(self):
         if self.suffix:
             raise UnsupportedFieldError("suffix", "suffix (insertion) is not supported")
+        if self.best_of is not None and self.best_of < self.n:
+            # OpenAI: best_of is the number of candidates, of which n are returned.
+            raise InvalidInputError(
+                f"best_of ({self.best_of}) must be at least n ({self.n})", "best_of"
+            )
         if self.best_of is not None and self.best_of != self.n:
             raise UnsupportedFieldError("best_of", "best_of other than n is not supported")
         count = (
             len(self.prompt) if isinstance(self.prompt, list) and not _is_ids(self.prompt) else 1
         )
         if count * self.n > MAX_CHOICES:
-            raise ValueError(f"prompts x n must be at most {MAX_CHOICES}, got {count * self.n}")
+            raise InvalidInputError(
+                f"prompts x n must be at most {MAX_CHOICES}, got {count * self.n}", "n"
+            )
         return self
-
-    def output_limit(self) -> int | None:
-        # max_completion_tokens is OpenAI's newer name; it wins when both are given.
-        return self.max_completion_tokens or self.max_tokens
 
 
 def _is_ids(prompt: list) -> bool:
@@ -208,30 +210,11 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
-
-    @field_validator("content")
-    @classmethod
-    def _content(cls, v):
-        if not isinstance(v, list):
-            return v
-        for part in v:
-            kind = part.get("type")
-            if kind in ("text", "refusal"):
-                key = "text" if kind == "text" else "refusal"
-                if not isinstance(part.get(key), str):
-                    raise ValueError(f"a {kind!r} content part needs a string {key!r}")
-            elif kind in ("image_url", "input_audio", "file", "video_url", "audio_url"):
-                raise UnsupportedFieldError(
-                    "content", f"{kind} content parts are not supported (text-only model)"
-                )
-            else:
-                raise ValueError(f"unknown content part type {kind!r}")
-        return v
+    name: str | None = None
 
     @model_validator(mode="after")
-    def _no_tool_calls(self):
-        if (self.model_extra or {}).get("tool_calls"):
-            raise UnsupportedFieldError("tool_calls", "tool_calls in messages are not supported")
+    def _role_rules(self):
+        check_message(self.role, self.content, self.model_extra or {})
         return self
 
     def text(self) -> str:
@@ -244,13 +227,20 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
+    extensions: ClassVar[Mapping[str, tuple]] = CHAT_EXTENSIONS
+
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
 
-    def output_limit(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+    @model_validator(mode="after")
+    def _chat_rules(self):
+        # OpenAI: "logprobs must be set to true if this parameter is used"; vLLM allows 0.
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidInputError("top_logprobs requires logprobs to be true", "top_logprobs")
+        check_tool_replies([(m.role, m.model_extra or {}) for m in self.messages])
+        return self
 
 
 class LoadLoRAAdapterRequest(BaseModel):

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from hetserve.config import SchedulingPolicy
 from hetserve.core.outputs import RequestOutput
 from hetserve.core.request import NewRequest
 from hetserve.core.sampling import SamplingParams
@@ -32,6 +33,7 @@ from hetserve.server.protocol import _Common
 
 INLINE_CHARS = 16_384  # shorter texts are tokenized on the event loop (a thread hop costs more)
 DONE = "data: [DONE]\n\n"
+PRIORITY = SchedulingPolicy.PRIORITY
 
 
 def sse(obj) -> str:
@@ -103,12 +105,11 @@ class OpenAIServing:
                 top_k=req.resolved_top_k(),
                 min_p=req.min_p,
                 max_tokens=max_tokens,
-                min_tokens=req.min_tokens
-                if max_tokens is None
-                else min(req.min_tokens, max_tokens),
+                min_tokens=req.min_tokens,
                 stop=req.stop or (),
                 stop_token_ids=req.stop_token_ids or (),
                 ignore_eos=req.ignore_eos,
+                include_stop_str_in_output=req.include_stop_str_in_output,
                 seed=req.seed,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_lp,
@@ -120,16 +121,46 @@ class OpenAIServing:
         except ValueError as exc:
             raise InvalidInputError(str(exc), param=str(exc).split(" ", 1)[0]) from None
 
+    def check_priority(self, req: _Common) -> None:
+        # vLLM: a priority other than 0 is an error unless the scheduler orders by it.
+        if req.priority != 0 and self.engine.config.scheduler.policy is not PRIORITY:
+            raise InvalidInputError(
+                "priority needs a server started with --scheduling-policy priority",
+                "priority",
+            )
+
+    def check_room(self, req: _Common, prompt_len: int) -> None:
+        """The output limit (and min_tokens) against the context left after the prompt, naming
+        the field the client set; the engine checks it too, but knows only max_tokens."""
+        room = self.engine.max_model_len - prompt_len
+        if room < 1:
+            return  # the engine refuses the prompt itself
+        limit, name = req.output_limit()
+        if limit is not None and limit > room:
+            raise InvalidInputError(
+                f"prompt ({prompt_len} tokens) plus {name} ({limit}) exceeds the model's "
+                f"context of {self.engine.max_model_len} tokens; lower {name}",
+                name,
+            )
+        if req.min_tokens > room:
+            raise InvalidInputError(
+                f"min_tokens ({req.min_tokens}) exceeds the {room} tokens left in the "
+                f"model's context after the prompt ({prompt_len} tokens)",
+                "min_tokens",
+            )
+
     def start(
         self, base: str, prompts: list[tuple[str | None, list[int]]], params, req, request
     ) -> list[RequestStream]:
         """Queue one engine request per prompt. If any is refused, none stays queued."""
+        self.check_priority(req)
         streams: list[RequestStream] = []
         session = req.session_id or request.headers.get("x-session-id") or None
         lora = self.lora_of(req)
         try:
             for i, (text, ids) in enumerate(prompts):
                 rid = base if len(prompts) == 1 else f"{base}-{i}"
+                self.check_room(req, len(ids))
                 new = NewRequest(
                     rid,
                     ids,

@@ -1,0 +1,212 @@
+"""Rules a request must meet beyond each field's own type and range: relations between fields,
+the content each message role may carry, and features we do not implement.
+
+Every rule raises an error whose `param` names the field it is about, so the client gets a 400
+with OpenAI's `error.param` set (see server/errors.py). The sources are OpenAI's API reference
+(/v1/chat/completions, /v1/completions) and vLLM's request validators, whose extensions many
+clients send; each rule says which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hetserve.errors import InvalidInputError
+
+
+class UnsupportedFieldError(InvalidInputError):
+    """A request asks for a feature this server does not implement (answered with a 400)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message, param)
+
+
+# Fields that would change the output and that we do not implement (any non-null value).
+UNSUPPORTED = (
+    "audio",
+    "prediction",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "logits_processors",
+    "web_search_options",
+)
+
+# vLLM's extensions that would change the output and that we do not implement, with the values
+# that ask for nothing (some clients send the defaults explicitly; those are accepted).
+VLLM_EXTENSIONS: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (None, False),
+    "prompt_logprobs": (None,),
+    "logprob_token_ids": (None,),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "truncate_prompt_tokens": (None,),
+    "skip_special_tokens": (None, True),
+    "return_token_ids": (None, False),
+    "return_tokens_as_token_ids": (None, False),
+    "cache_salt": (None,),
+    "thinking_token_budget": (None,),
+    "repetition_detection": (None,),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None,),
+}
+COMPLETION_EXTENSIONS = VLLM_EXTENSIONS | {"add_special_tokens": (None, True)}
+CHAT_EXTENSIONS = VLLM_EXTENSIONS | {
+    "add_special_tokens": (None, False),
+    "echo": (None, False),  # vLLM's chat echo: the last message prepended to the reply
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "documents": (None,),
+}
+
+
+def check_unsupported(extra: Mapping[str, Any], extensions: Mapping[str, tuple]) -> None:
+    """Unknown fields pass (OpenAI clients send many), but not one that asks for a feature we
+    do not implement: tools, structured output, other modalities, vLLM's extensions."""
+    _check_tools(extra)
+    fmt = extra.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise UnsupportedFieldError(
+            "response_format",
+            f"response_format {kind!r} (structured output) is not supported; use 'text'",
+        )
+    for name in UNSUPPORTED:
+        if extra.get(name) is not None:
+            raise UnsupportedFieldError(name, f"{name} is not supported by this server")
+    modalities = extra.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise UnsupportedFieldError("modalities", "only the 'text' modality is supported")
+    for name, harmless in extensions.items():
+        if name in extra and not any(_same(extra[name], h) for h in harmless):
+            raise UnsupportedFieldError(
+                name,
+                f"{name} (a vLLM extension) is not supported by this server; omit it or send "
+                "vLLM's default",
+            )
+
+
+def _same(value: Any, harmless: Any) -> bool:
+    # Type-exact: 0 == False in Python, but `echo: 0` is not the JSON false vLLM accepts.
+    return type(value) is type(harmless) and value == harmless
+
+
+def _check_tools(extra: Mapping[str, Any]) -> None:
+    """Tool calling is not implemented (another issue builds it): tools are refused unless
+    tool_choice is 'none'. Relations from OpenAI and vLLM: a tools list must not be empty, and
+    a tool_choice other than 'none' needs tools."""
+    # OpenAI's deprecated names are named only where the request uses them instead.
+    key = "functions" if "functions" in extra and "tools" not in extra else "tools"
+    choice_key = "tool_choice"
+    if "function_call" in extra and "tool_choice" not in extra:
+        choice_key = "function_call"
+    tools, choice = extra.get(key), extra.get(choice_key)
+    if tools == []:
+        raise InvalidInputError(f"{key} must not be an empty list; omit it instead", key)
+    if tools and choice != "none":
+        raise UnsupportedFieldError(
+            key,
+            f"{key} (tool calling) is not supported by this server; send no tools "
+            "or set tool_choice to 'none'",
+        )
+    if choice not in (None, "none", "auto"):
+        raise UnsupportedFieldError(
+            choice_key, f"{choice_key} {choice!r} is not supported (no tool calling)"
+        )
+    if choice == "auto" and not tools:
+        raise InvalidInputError(f"{choice_key} 'auto' needs {key}", choice_key)
+
+
+def check_stream_options(stream: bool, stream_options: object) -> None:
+    # OpenAI: "Only set this when you set stream: true"; vLLM rejects it too.
+    if stream_options is not None and not stream:
+        raise InvalidInputError(
+            "stream_options is only allowed when stream is true", "stream_options"
+        )
+
+
+def check_min_tokens(min_tokens: int, limit: int | None, limit_name: str) -> None:
+    # vLLM: min_tokens <= max_tokens (we used to cap it silently).
+    if limit is not None and min_tokens > limit:
+        raise InvalidInputError(
+            f"min_tokens ({min_tokens}) must not exceed {limit_name} ({limit})", "min_tokens"
+        )
+
+
+def check_logit_bias(bias: Mapping[str, float]) -> None:
+    for key, value in bias.items():
+        # isdecimal, not isdigit: '²' is a digit that int() refuses.
+        if not (key.isascii() and key.isdecimal()):
+            raise InvalidInputError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise InvalidInputError(
+                f"logit_bias values must be in [-100, 100], got {value}", "logit_bias"
+            )
+
+
+# ---- messages (OpenAI's message types, one per role) ---------------------------------------------
+MEDIA_PARTS = ("image_url", "input_audio", "file", "video_url", "audio_url")  # the last two: vLLM
+ALLOWED_PARTS = {
+    "system": ("text",),
+    "developer": ("text",),
+    "user": ("text", *MEDIA_PARTS),
+    "assistant": ("text", "refusal"),
+    "tool": ("text",),
+}
+
+
+def check_message(role: str, content: str | list[dict[str, Any]] | None, extra: Mapping) -> None:
+    """One message against its role's type in OpenAI's reference. Raises with `param` relative
+    to the message ("content", "tool_call_id", ...)."""
+    for name in ("tool_calls", "function_call", "audio"):
+        if extra.get(name):  # an assistant's earlier tool calls or audio reply
+            raise UnsupportedFieldError(name, f"{name} in messages are not supported")
+    if content is None:
+        # Only an assistant message with tool_calls or function_call may omit it.
+        raise InvalidInputError(f"a {role} message needs content", "content")
+    if isinstance(content, list):
+        _check_parts(role, content)
+    if role == "tool" and not isinstance(extra.get("tool_call_id"), str):
+        raise InvalidInputError("a tool message needs a string tool_call_id", "tool_call_id")
+
+
+def _check_parts(role: str, parts: list[dict[str, Any]]) -> None:
+    if not parts:
+        raise InvalidInputError("content must not be an empty list", "content")
+    allowed = ALLOWED_PARTS[role]
+    for part in parts:
+        kind = part.get("type")
+        if kind not in ("text", "refusal", *MEDIA_PARTS):
+            raise InvalidInputError(f"unknown content part type {kind!r}", "content")
+        if kind not in allowed:
+            raise InvalidInputError(
+                f"a {role} message's content parts can only be {' or '.join(allowed)}; "
+                f"got {kind!r}",
+                "content",
+            )
+        if kind in MEDIA_PARTS:
+            raise UnsupportedFieldError(
+                "content", f"{kind} content parts are not supported (text-only model)"
+            )
+        if not isinstance(part.get(kind), str):
+            raise InvalidInputError(f"a {kind!r} content part needs a string {kind!r}", "content")
+
+
+def check_tool_replies(messages: list[tuple[str, Mapping[str, Any]]]) -> None:
+    """OpenAI: a tool message answers a tool call of an earlier assistant message. `messages`:
+    (role, extra fields) of each message in order. While tool calls in messages are refused
+    (check_message), so is every tool message; the rule stays right when they are not."""
+    called: set[str] = set()
+    for i, (role, extra) in enumerate(messages):
+        if role == "assistant":
+            called |= {c.get("id") for c in extra.get("tool_calls") or () if isinstance(c, dict)}
+        elif role == "tool" and extra.get("tool_call_id") not in called:
+            raise InvalidInputError(
+                f"tool message {i} answers no tool call of an earlier assistant message "
+                f"(tool_call_id {extra.get('tool_call_id')!r})",
+                f"messages.{i}.tool_call_id",
+            )
