@@ -26,13 +26,14 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from hetserve.core.request import Request
 from hetserve.core.stats import TierStats
 from hetserve.kv.block_pool import KVBlock
 from hetserve.kv.manager import KVCacheManager
+from hetserve.kv.tier_ledger import LoadCounters
 from hetserve.kv.tier_policy import CostModel, LoadPlan, TierCost, plan_load
 from hetserve.kv.tier_saves import Saver
 from hetserve.store.api import KVStore
@@ -95,18 +96,6 @@ class _Load:
     abandoned: bool = False  # timed out: the request went on, the blocks wait for the worker
 
 
-@dataclass
-class _Counters:
-    lookups: int = 0
-    loads: int = 0
-    skipped: int = 0  # blocks found but recomputing them was predicted faster
-    no_room: int = 0
-    missed: int = 0  # blocks found at lookup but not read (gone, corrupt, timed out)
-    loaded: dict[str, int] = field(default_factory=dict)  # tier -> blocks
-    load_bytes: int = 0
-    load_seconds: float = 0.0
-
-
 class TierManager:
     def __init__(
         self,
@@ -139,7 +128,7 @@ class TierManager:
         # Tiers loaded right at admission (no engine step in between): the victim cache and a
         # DRAM tier in this process.
         self.inline = {STAGED} | ({"dram"} if sync_lookup else set())
-        self.counts = _Counters()
+        self.counts = LoadCounters()
         # Results of the workers' jobs, drained on the engine thread.
         self._results: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._load_jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
@@ -370,21 +359,7 @@ class TierManager:
         self._found.pop(req.request_id, None)
 
     def stats(self) -> TierStats:
-        c = self.counts
-        return TierStats(
-            lookups=c.lookups,
-            loads=c.loads,
-            loaded_blocks=dict(c.loaded),
-            load_bytes=c.load_bytes,
-            load_seconds=c.load_seconds,
-            skipped_blocks=c.skipped,
-            missed_blocks=c.missed,
-            saved_blocks=self.saver.saved,
-            save_bytes=self.saver.save_bytes,
-            save_failed_blocks=self.saver.failed,
-            shed_saves=self.saver.shed,
-            pending_saves=self.saver.pending(),
-        )
+        return self.counts.stats(self.saver)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Save every free cached device block the store may lack; wait (at most `timeout_s`)
