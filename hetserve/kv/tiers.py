@@ -44,8 +44,10 @@ MAX_FOUND = 1 << 14  # lookup results kept for requests not admitted yet
 MAX_LOADS = 2  # loads per request (a second when its first one's blocks were taken back)
 WAIT, LOADING, NONE = "wait", "loading", "none"  # what prepare() tells the scheduler
 STAGED = "staged"  # the victim cache: blocks evicted lately, still in the staging area
-# A copy from host memory: a latency of a few microseconds at memcpy speed.
+# A copy from host memory: a latency of a few microseconds at memcpy speed (this default where
+# the probe measured none).
 STAGED_COST = TierCost(latency_s=5e-6, bandwidth=8e9)
+LOAD_POLL_S = 0.0005  # how often an engine with only loads out looks for them
 Job = Callable[[], tuple[Any, ...]]  # runs on a worker, returns (kind, *result); never raises
 
 
@@ -109,6 +111,7 @@ class TierManager:
         sync_lookup: bool = False,
         max_pending_saves: int = 256,
         load_timeout_s: float = 10.0,
+        poll_s: float = LOAD_POLL_S,
     ) -> None:
         self.store, self.cost, self.kv, self.io = store, cost, kv, io
         self.block_size = kv.block_size
@@ -116,6 +119,7 @@ class TierManager:
         self.always_load = always_load
         self.sync_lookup = sync_lookup
         self.load_timeout_s = load_timeout_s
+        self.poll_s = self.period_s = poll_s  # period_s: the steps a load now would wait through
         kv.report_cached = True
         # request -> (first block looked up, tiers of the run found); bounded, oldest dropped
         self._found: OrderedDict[str, tuple[int, list[str]]] = OrderedDict()
@@ -124,7 +128,8 @@ class TierManager:
         self._abandoned: list[_Load] = []
         self._to_submit: list[_Load] = []  # loads planned this step, started after capture
         self.saver = Saver(store, kv, io, max_pending_saves)
-        cost.tiers.setdefault(STAGED, STAGED_COST)
+        copy = cost.copy_bandwidth
+        cost.tiers.setdefault(STAGED, TierCost(5e-6, copy) if copy else STAGED_COST)
         # Tiers loaded right at admission (no engine step in between): the victim cache and a
         # DRAM tier in this process.
         self.inline = {STAGED} | ({"dram"} if sync_lookup else set())
@@ -134,6 +139,12 @@ class TierManager:
         self._load_jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, daemon=True, name="hetserve-kv-load")
         self._thread.start()
+
+    def expect(self, running: Sequence[Request], budget: int) -> None:
+        """Before scheduling (the engine calls it): a load started now waits through the steps
+        of the requests running now (`budget`: a step's token budget)."""
+        todo = [r.num_tokens - r.num_computed_tokens for r in running]
+        self.period_s = self.cost.step_period(todo, budget, self.poll_s)
 
     # ---- the scheduler's KVLoader ---------------------------------------------------------
     def prepare(self, req: Request, computed: list[KVBlock]) -> str:
@@ -207,7 +218,9 @@ class TierManager:
     ) -> str:
         first = len(computed)
         bpb = self.io.bytes_per_block
-        plan = plan_load(run, bpb, self.block_size, self.cost, self.always_load, self.inline)
+        plan = plan_load(
+            run, bpb, self.block_size, self.cost, self.always_load, self.inline, self.period_s
+        )
         self._log_plan(req, first, plan)
         if plan.skipped:
             self.counts.skipped += plan.found_blocks
