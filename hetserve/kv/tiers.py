@@ -34,7 +34,7 @@ from hetserve.core.stats import TierStats
 from hetserve.kv.block_pool import KVBlock
 from hetserve.kv.manager import KVCacheManager
 from hetserve.kv.tier_ledger import LoadCounters
-from hetserve.kv.tier_policy import CostModel, LoadPlan, TierCost, plan_load
+from hetserve.kv.tier_policy import CostModel, LoadPlan, TierCost, plan_load, predict_load
 from hetserve.kv.tier_saves import Saver
 from hetserve.store.api import KVStore
 
@@ -96,6 +96,8 @@ class _Load:
     ok: int | None = None  # blocks read, once the worker is done
     seconds: float = 0.0
     abandoned: bool = False  # timed out: the request went on, the blocks wait for the worker
+    predicted: tuple[float, float] | None = None  # the store part's (read, wait) at planning
+    waited: float = 0.0  # from planning until the engine saw it land
 
 
 class TierManager:
@@ -249,9 +251,11 @@ class TierManager:
             job.ok = len(from_cache)
             self._land(job)
             return NONE
-        if set(run[len(from_cache) : k]) <= self.inline:  # an in-process DRAM tier: a copy
+        store_part = job.tiers[job.done :]
+        job.predicted = predict_load(store_part, bpb, self.cost, self.inline, self.period_s)
+        if set(store_part) <= self.inline:  # an in-process DRAM tier: a copy
             ok, job.seconds = self._read(job)
-            job.ok = job.done + ok
+            job.ok, job.waited = job.done + ok, job.seconds
             self._land(job)
             return NONE
         self._loads[req.request_id] = job
@@ -287,6 +291,7 @@ class TierManager:
                 self.kv.quarantine(job.req)
             if job.ok is None:
                 continue
+            job.waited = now - job.started
             del self._loads[rid]
             if not job.abandoned:
                 job.ok += job.done  # the victim cache's blocks came first
@@ -309,6 +314,9 @@ class TierManager:
             loaded[tier] = loaded.get(tier, 0) + self.block_size
         c.load_bytes += ok * self.io.bytes_per_block
         c.load_seconds += job.seconds
+        store_part = set(job.tiers[job.done :])
+        if ok == len(job.blocks) and len(store_part) == 1 and job.predicted is not None:
+            c.record_fit(store_part.pop(), job.predicted, (job.seconds, job.waited))
         if ok and len(set(job.tiers[:ok])) == 1:
             self.cost.observe_load(job.tiers[0], ok * self.io.bytes_per_block, job.seconds)
 

@@ -145,7 +145,13 @@ def test_a_lone_request_loads_a_fast_tier_after_a_history_of_long_prefills(model
         assert out.cached_tokens_by_tier == {"dram": 96}
         assert computed(llm) - before == len(A) - 96
         assert_same(out, reference["A"])
-        assert llm.stats().tiers.skipped_blocks == 0
+        tiers = llm.stats().tiers
+        assert tiers.skipped_blocks == 0
+        fit = tiers.load_fit["dram"]
+        assert fit.loads == 1 and fit.measured_s > 0 and fit.measured_wait_s > 0
+        # Predicted: the read, rounded up to the engine's poll while only the load is out.
+        assert fit.predicted_s > 0 and fit.predicted_wait_s >= fit.predicted_s
+        assert fit.predicted_wait_s <= fit.predicted_s + llm.engine.tiers.poll_s
     finally:
         llm.close()
 
@@ -217,7 +223,9 @@ def test_a_block_that_fails_is_recomputed_with_those_after_it(model, reference, 
         out = generate(llm, A)
         assert out.cached_tokens_by_tier.get("dram", 0) == loaded
         assert computed(llm) - before == len(A) - loaded
-        assert llm.stats().tiers.missed_blocks == 6 - loaded // 16
+        tiers = llm.stats().tiers
+        assert tiers.missed_blocks == 6 - loaded // 16
+        assert tiers.load_fit == {}  # a read cut short says nothing about the model
         assert_same(out, reference["A"])
     finally:
         llm.close()
