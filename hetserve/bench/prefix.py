@@ -7,7 +7,9 @@ per trial). Warm: the same prefix again with a new suffix. For a tier, the cold 
 are saved to the store and the device prefix cache is dropped before the warm request, which
 then finds the prefix in that tier only (SSD rows read with the page cache dropped). TTFT is the
 time of a max_tokens=1 request: any load, the uncached prefill and one sampling step. The
-load-or-recompute rule must keep every warm/cold ratio at or below 1.0.
+load-or-recompute rule must keep every warm/cold ratio at or below 1.0. A second table puts each
+tier's loads as the cost model predicted them next to what they took (the read, and what the
+request waited for it), per load.
 
 --tiers sets up the stores itself: `dram` a local DRAM store, `ssd` a local store whose DRAM
 holds nothing (every block on the SSD at --ssd-dir), `pool` a pool service (master and one node)
@@ -151,9 +153,24 @@ def _measure(cfg: EngineConfig, name: str, args) -> dict:
         row["summary"] = llm.kv_summary
         stats = llm.stats().tiers
         row["skipped_blocks"] = stats.skipped_blocks if stats else 0
+        row["load_fit"] = {t: _per_load(f) for t, f in (stats.load_fit if stats else {}).items()}
         return row
     finally:
         llm.close()
+
+
+def _per_load(fit) -> dict:
+    """One tier's `LoadFit` as milliseconds per load, predicted and measured."""
+    per = 1e3 / fit.loads
+    return {
+        "loads": fit.loads,
+        "predicted_ms": fit.predicted_s * per,
+        "measured_ms": fit.measured_s * per,
+        "ratio": fit.ratio,
+        "wait_predicted_ms": fit.predicted_wait_s * per,
+        "wait_measured_ms": fit.measured_wait_s * per,
+        "wait_ratio": fit.wait_ratio,
+    }
 
 
 def _report(args, results: list[dict]) -> None:
@@ -166,6 +183,19 @@ def _report(args, results: list[dict]) -> None:
         table.append([r["row"], cold, warm, warm / cold, ", ".join(origin), computed])
     headers = ["warm from", "cold TTFT (s)", "warm TTFT (s)", "warm/cold", "cached in", "computed"]
     print_table(headers, table)
+    fits = [
+        [r["row"], tier, f["loads"], f["predicted_ms"], f["measured_ms"], f["ratio"],
+         f["wait_predicted_ms"], f["wait_measured_ms"], f["wait_ratio"]]
+        for r in results
+        for tier, f in r["load_fit"].items()
+    ]  # fmt: skip
+    if fits:
+        print()
+        print_table(
+            ["row", "tier", "loads", "predicted ms", "measured ms", "ratio",
+             "wait predicted ms", "wait ms", "wait ratio"],
+            fits,
+        )  # fmt: skip
     for r in results:
         if r["summary"]:
             print(f"{r['row']}: {r['summary']}")

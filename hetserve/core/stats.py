@@ -9,6 +9,29 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class LoadFit:
+    """One tier's loads as predicted at planning and as they happened: the reads (the store's
+    batched call) and what the requests waited for them (a load off the engine thread is seen
+    at a step boundary). Sums over `loads` loads; only whole single-tier reads are counted."""
+
+    loads: int = 0
+    predicted_s: float = 0.0
+    measured_s: float = 0.0
+    predicted_wait_s: float = 0.0
+    measured_wait_s: float = 0.0
+
+    @property
+    def ratio(self) -> float | None:
+        """Measured over predicted read time (1.0: the model is right); None without loads."""
+        return self.measured_s / self.predicted_s if self.predicted_s > 0 else None
+
+    @property
+    def wait_ratio(self) -> float | None:
+        p = self.predicted_wait_s
+        return self.measured_wait_s / p if p > 0 else None
+
+
+@dataclass(frozen=True)
 class TierStats:
     """The KV tiers behind the prefix cache: what was found, loaded, skipped and saved."""
 
@@ -24,6 +47,7 @@ class TierStats:
     save_failed_blocks: int = 0
     shed_saves: int = 0  # dropped from a full save queue rather than stalling a step
     pending_saves: int = 0
+    load_fit: dict[str, LoadFit] = field(default_factory=dict)  # tier -> predicted vs measured
 
 
 @dataclass(frozen=True)

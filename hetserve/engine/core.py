@@ -32,15 +32,13 @@ from hetserve.engine.setup import num_kv_blocks, resolve_model_dir
 from hetserve.engine.validate import RequestValidator
 from hetserve.errors import InvalidInputError
 from hetserve.kv.manager import KVCacheManager
-from hetserve.kv.tiers import TierManager
+from hetserve.kv.tiers import LOAD_POLL_S, TierManager
 from hetserve.model.build import build_model
 from hetserve.model.tokenizer import Tokenizer
 from hetserve.sched.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
-LOAD_POLL_S = 0.0005
-PREFILL_SAMPLE_TOKENS = 64  # steps with at least this many prompt tokens refine the prefill rate
 _SEEDS = random.Random()  # seeded from os.urandom once per process
 _SEED_MASK = (1 << 64) - 1  # torch generators take 64-bit seeds; seed + i may overflow
 
@@ -161,6 +159,8 @@ class EngineCore:
         self.kv.pool.set_time(time.monotonic())
         if self.lora is not None and self.lora.retired:  # unloaded adapters no one uses now
             self.lora.collect({st.request.lora_id for st in self.seqs.values()})
+        if self.tiers is not None:  # a load planned now waits through the running requests' steps
+            self.tiers.expect(self.scheduler.running, self.config.scheduler.max_num_batched_tokens)
         sched = self.scheduler.schedule()
         if self.tiers is not None:
             self.tiers.capture_evicted()  # before this step's forward writes over them
@@ -174,10 +174,7 @@ class EngineCore:
         t0 = time.perf_counter()
         result = self.executor.run(sched.scheduled, self.kv.block_ids)
         if self.tiers is not None:
-            seconds = time.perf_counter() - t0
-            self.tiers.cost.observe_step(seconds)
-            if result.prompt_tokens >= PREFILL_SAMPLE_TOKENS:
-                self.tiers.cost.observe_prefill(result.prompt_tokens, seconds)
+            self.tiers.cost.observe_step(time.perf_counter() - t0, result.prompt_tokens)
         outputs = self._fail(result.failed)
         ok = [s for s in sched.scheduled if s.request.request_id in self.seqs]
         self.scheduler.update(SchedulerOutput(ok, sched.preempted), result.sampled, self.eos_ids)

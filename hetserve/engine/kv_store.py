@@ -217,7 +217,10 @@ def open_tiers(
 
     namespace = "hetserve-probe-" + kv.hash_seed.hex()[:16]
     store, probe = open_and_check(spec, namespace, io.bytes_per_block, parts=io.num_parts)
-    cost = CostModel({n: TierCost(p.latency_s, p.bandwidth) for n, p in probe.tiers.items()})
+    cost = CostModel(
+        {n: TierCost(p.latency_s, p.bandwidth) for n, p in probe.tiers.items()},
+        copy_bandwidth=probe.copy_bandwidth,
+    )
     infos = store.tiers()
     shared = any(t.shared for t in infos)
     write_through = save is KVSave.WRITE_THROUGH or (save is KVSave.AUTO and shared)
@@ -231,22 +234,23 @@ def open_tiers(
         sync_lookup=not shared,
     )
     cost.prefill_tokens_per_s = measure_prefill(runner, kv)
-    return tiers, _summary(kv, io, probe.store, infos, cost, write_through)
+    return tiers, _summary(kv, io, probe, infos, cost, write_through)
 
 
-def _summary(kv, io, label: str, infos, cost: CostModel, write_through: bool) -> str:
+def _summary(kv, io, probe, infos, cost: CostModel, write_through: bool) -> str:
+    """One line: each tier with what its probe measured (the fit, each read size's median,
+    any doubt), the copy rate that bounds them, the prefill rate they are weighed against."""
     tiers = []
     for t in infos:
         text = f"{t.name} {_size(t.capacity)}"
-        c = cost.tiers.get(t.name)
-        if c is not None:
-            text += f" ({c.latency_s * 1e3:.2f} ms + {c.bandwidth / 1e9:.1f} GB/s)"
-        tiers.append(text)
+        measured = probe.describe(t.name)
+        tiers.append(text + (f" ({measured})" if measured else " (not probed)"))
     device = kv.pool.num_usable
     mode = "write-through + write-back" if write_through else "write-back"
+    copy = f"copy {probe.copy_bandwidth / 1e9:.1f} GB/s; " if probe.copy_bandwidth else ""
     return (
         f"KV tiers: device {device} blocks ({_size(device * io.bytes_per_block)}) -> "
-        f"{', '.join(tiers)} [{label}; saves {mode}; prefill "
+        f"{', '.join(tiers)} [{probe.store}; saves {mode}; {copy}prefill "
         f"{cost.prefill_tokens_per_s or 0:.0f} tok/s]"
     )
 

@@ -26,14 +26,15 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from hetserve.core.request import Request
 from hetserve.core.stats import TierStats
 from hetserve.kv.block_pool import KVBlock
 from hetserve.kv.manager import KVCacheManager
-from hetserve.kv.tier_policy import CostModel, LoadPlan, TierCost, plan_load
+from hetserve.kv.tier_ledger import LoadCounters
+from hetserve.kv.tier_policy import CostModel, LoadPlan, TierCost, plan_load, predict_load
 from hetserve.kv.tier_saves import Saver
 from hetserve.store.api import KVStore
 
@@ -43,8 +44,10 @@ MAX_FOUND = 1 << 14  # lookup results kept for requests not admitted yet
 MAX_LOADS = 2  # loads per request (a second when its first one's blocks were taken back)
 WAIT, LOADING, NONE = "wait", "loading", "none"  # what prepare() tells the scheduler
 STAGED = "staged"  # the victim cache: blocks evicted lately, still in the staging area
-# A copy from host memory: a latency of a few microseconds at memcpy speed.
+# A copy from host memory: a latency of a few microseconds at memcpy speed (this default where
+# the probe measured none).
 STAGED_COST = TierCost(latency_s=5e-6, bandwidth=8e9)
+LOAD_POLL_S = 0.0005  # how often an engine with only loads out looks for them
 Job = Callable[[], tuple[Any, ...]]  # runs on a worker, returns (kind, *result); never raises
 
 
@@ -93,18 +96,8 @@ class _Load:
     ok: int | None = None  # blocks read, once the worker is done
     seconds: float = 0.0
     abandoned: bool = False  # timed out: the request went on, the blocks wait for the worker
-
-
-@dataclass
-class _Counters:
-    lookups: int = 0
-    loads: int = 0
-    skipped: int = 0  # blocks found but recomputing them was predicted faster
-    no_room: int = 0
-    missed: int = 0  # blocks found at lookup but not read (gone, corrupt, timed out)
-    loaded: dict[str, int] = field(default_factory=dict)  # tier -> blocks
-    load_bytes: int = 0
-    load_seconds: float = 0.0
+    predicted: tuple[float, float] | None = None  # the store part's (read, wait) at planning
+    waited: float = 0.0  # from planning until the engine saw it land
 
 
 class TierManager:
@@ -120,6 +113,7 @@ class TierManager:
         sync_lookup: bool = False,
         max_pending_saves: int = 256,
         load_timeout_s: float = 10.0,
+        poll_s: float = LOAD_POLL_S,
     ) -> None:
         self.store, self.cost, self.kv, self.io = store, cost, kv, io
         self.block_size = kv.block_size
@@ -127,6 +121,7 @@ class TierManager:
         self.always_load = always_load
         self.sync_lookup = sync_lookup
         self.load_timeout_s = load_timeout_s
+        self.poll_s = self.period_s = poll_s  # period_s: the steps a load now would wait through
         kv.report_cached = True
         # request -> (first block looked up, tiers of the run found); bounded, oldest dropped
         self._found: OrderedDict[str, tuple[int, list[str]]] = OrderedDict()
@@ -135,16 +130,23 @@ class TierManager:
         self._abandoned: list[_Load] = []
         self._to_submit: list[_Load] = []  # loads planned this step, started after capture
         self.saver = Saver(store, kv, io, max_pending_saves)
-        cost.tiers.setdefault(STAGED, STAGED_COST)
+        copy = cost.copy_bandwidth
+        cost.tiers.setdefault(STAGED, TierCost(5e-6, copy) if copy else STAGED_COST)
         # Tiers loaded right at admission (no engine step in between): the victim cache and a
         # DRAM tier in this process.
         self.inline = {STAGED} | ({"dram"} if sync_lookup else set())
-        self.counts = _Counters()
+        self.counts = LoadCounters()
         # Results of the workers' jobs, drained on the engine thread.
         self._results: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._load_jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, daemon=True, name="hetserve-kv-load")
         self._thread.start()
+
+    def expect(self, running: Sequence[Request], budget: int) -> None:
+        """Before scheduling (the engine calls it): a load started now waits through the steps
+        of the requests running now (`budget`: a step's token budget)."""
+        todo = [r.num_tokens - r.num_computed_tokens for r in running]
+        self.period_s = self.cost.step_period(todo, budget, self.poll_s)
 
     # ---- the scheduler's KVLoader ---------------------------------------------------------
     def prepare(self, req: Request, computed: list[KVBlock]) -> str:
@@ -218,7 +220,9 @@ class TierManager:
     ) -> str:
         first = len(computed)
         bpb = self.io.bytes_per_block
-        plan = plan_load(run, bpb, self.block_size, self.cost, self.always_load, self.inline)
+        plan = plan_load(
+            run, bpb, self.block_size, self.cost, self.always_load, self.inline, self.period_s
+        )
         self._log_plan(req, first, plan)
         if plan.skipped:
             self.counts.skipped += plan.found_blocks
@@ -247,9 +251,11 @@ class TierManager:
             job.ok = len(from_cache)
             self._land(job)
             return NONE
-        if set(run[len(from_cache) : k]) <= self.inline:  # an in-process DRAM tier: a copy
+        store_part = job.tiers[job.done :]
+        job.predicted = predict_load(store_part, bpb, self.cost, self.inline, self.period_s)
+        if set(store_part) <= self.inline:  # an in-process DRAM tier: a copy
             ok, job.seconds = self._read(job)
-            job.ok = job.done + ok
+            job.ok, job.waited = job.done + ok, job.seconds
             self._land(job)
             return NONE
         self._loads[req.request_id] = job
@@ -285,6 +291,7 @@ class TierManager:
                 self.kv.quarantine(job.req)
             if job.ok is None:
                 continue
+            job.waited = now - job.started
             del self._loads[rid]
             if not job.abandoned:
                 job.ok += job.done  # the victim cache's blocks came first
@@ -307,6 +314,9 @@ class TierManager:
             loaded[tier] = loaded.get(tier, 0) + self.block_size
         c.load_bytes += ok * self.io.bytes_per_block
         c.load_seconds += job.seconds
+        store_part = set(job.tiers[job.done :])
+        if ok == len(job.blocks) and len(store_part) == 1 and job.predicted is not None:
+            c.record_fit(store_part.pop(), job.predicted, (job.seconds, job.waited))
         if ok and len(set(job.tiers[:ok])) == 1:
             self.cost.observe_load(job.tiers[0], ok * self.io.bytes_per_block, job.seconds)
 
@@ -370,21 +380,7 @@ class TierManager:
         self._found.pop(req.request_id, None)
 
     def stats(self) -> TierStats:
-        c = self.counts
-        return TierStats(
-            lookups=c.lookups,
-            loads=c.loads,
-            loaded_blocks=dict(c.loaded),
-            load_bytes=c.load_bytes,
-            load_seconds=c.load_seconds,
-            skipped_blocks=c.skipped,
-            missed_blocks=c.missed,
-            saved_blocks=self.saver.saved,
-            save_bytes=self.saver.save_bytes,
-            save_failed_blocks=self.saver.failed,
-            shed_saves=self.saver.shed,
-            pending_saves=self.saver.pending(),
-        )
+        return self.counts.stats(self.saver)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Save every free cached device block the store may lack; wait (at most `timeout_s`)

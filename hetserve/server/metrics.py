@@ -16,7 +16,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -110,6 +110,34 @@ def _tier_metrics(s):
     g = GaugeMetricFamily("hetserve_kv_tier_pending_saves", "blocks waiting to be saved")
     g.add_metric([], t.pending_saves)
     yield g
+    yield from _load_fit_metrics(t.load_fit)
+
+
+def _load_fit_metrics(fits):
+    """Each tier's loads as the cost model predicted them and as they happened (whole
+    single-tier reads): the reads, and what requests waited for them (a load off the engine
+    thread is seen at a step boundary); the ratio is the model's error as a factor."""
+    families = (
+        ("hetserve_kv_load_predicted_seconds", "predicted read time of loads", "predicted_s"),
+        ("hetserve_kv_load_seconds", "measured read time of loads", "measured_s"),
+        ("hetserve_kv_load_wait_predicted_seconds", "predicted wait for loads", "predicted_wait_s"),
+        ("hetserve_kv_load_wait_seconds", "measured wait for loads", "measured_wait_s"),
+    )
+    for metric, doc, attr in families:
+        m = SummaryMetricFamily(metric, doc, labels=["tier"])
+        for tier, fit in fits.items():
+            m.add_metric([tier], fit.loads, getattr(fit, attr))
+        yield m
+    r = GaugeMetricFamily(
+        "hetserve_kv_load_fit_ratio",
+        "measured / predicted load time, by tier and what is timed (read, wait)",
+        labels=["tier", "part"],
+    )
+    for tier, fit in fits.items():
+        for part, ratio in (("read", fit.ratio), ("wait", fit.wait_ratio)):
+            if ratio is not None:
+                r.add_metric([tier, part], ratio)
+    yield r
 
 
 class ServerMetrics:

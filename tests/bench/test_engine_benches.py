@@ -50,7 +50,7 @@ def test_bench_prefix_warm_requests_compute_only_their_new_blocks(moe_dir, tmp_p
     assert len(row["cold_s"]) == len(row["warm_s"]) == 2 and row["warm_over_cold"] > 0
 
 
-def test_bench_prefix_tiers_load_from_dram_and_ssd(moe_dir, tmp_path):
+def test_bench_prefix_tiers_load_from_dram_and_ssd(moe_dir, tmp_path, capsys):
     out = tmp_path / "prefix.json"
     rc = main(["bench", "prefix", "--model", str(moe_dir), "--prompt-len", "100", "--trials",
                "1", "--tiers", "dram,ssd", "--kv-load", "always", "--store-gb", "0.05",
@@ -60,3 +60,10 @@ def test_bench_prefix_tiers_load_from_dram_and_ssd(moe_dir, tmp_path):
     assert rows["dram"]["warm_cached_by_tier"] == [{"dram": 80}]
     assert rows["ssd"]["warm_cached_by_tier"] == [{"ssd": 80}]
     assert rows["dram"]["warm_computed"] == rows["ssd"]["warm_computed"] == [20]
+    # Each tier's one load, as predicted and as measured, in the JSON and the second table.
+    for tier in ("dram", "ssd"):
+        fit = rows[tier]["load_fit"][tier]
+        assert fit["loads"] == 1 and fit["predicted_ms"] > 0 and fit["measured_ms"] > 0
+        assert fit["ratio"] == pytest.approx(fit["measured_ms"] / fit["predicted_ms"])
+    out = capsys.readouterr().out
+    assert "predicted ms" in out and "wait ms" in out and "1/8/32 blocks" in out

@@ -133,6 +133,58 @@ def test_recompute_when_it_is_predicted_faster(model, reference):
         llm.close()
 
 
+def test_a_lone_request_loads_a_fast_tier_after_a_history_of_long_prefills(model, reference):
+    llm = engine(model, "local://?dram=64M")
+    try:
+        load_off_thread(llm)  # read on the loader thread, as a pool or SSD tier is
+        saved_then_dropped(llm, A)
+        cost = llm.engine.tiers.cost
+        for _ in range(20):  # 2048-token prefills of 2 s each, as the engine observes steps
+            cost.observe_step(2.0, 2048)
+        before = computed(llm)
+        out = generate(llm, A)  # nothing else runs: the load waits only for its read
+        assert out.cached_tokens_by_tier == {"dram": 96}
+        assert computed(llm) - before == len(A) - 96
+        assert_same(out, reference["A"])
+        tiers = llm.stats().tiers
+        assert tiers.skipped_blocks == 0
+        fit = tiers.load_fit["dram"]
+        assert fit.loads == 1 and fit.measured_s > 0 and fit.measured_wait_s > 0
+        # Predicted: the read, rounded up to the engine's poll while only the load is out.
+        assert fit.predicted_s > 0 and fit.predicted_wait_s >= fit.predicted_s
+        assert fit.predicted_wait_s <= fit.predicted_s + llm.engine.tiers.poll_s
+    finally:
+        llm.close()
+
+
+def test_a_load_planned_while_others_decode_waits_through_their_steps(model):
+    llm = engine(model, "local://?dram=64M")
+    try:
+        tiers = llm.engine.tiers
+        seen = []
+        prepare = tiers.prepare
+
+        def spy(req, computed_blocks):
+            seen.append((req.request_id, tiers.period_s, tiers.cost.decode_step_s))
+            return prepare(req, computed_blocks)
+
+        tiers.prepare = spy
+        llm.engine.add_request("first", B, PARAMS)
+        for _ in range(3):  # its prefill, then decode steps
+            llm.engine.step()
+        llm.engine.add_request("second", A, PARAMS)
+        llm.engine.step()
+        assert seen[0] == ("first", tiers.poll_s, None)  # nothing ran: the engine polls
+        rid, period, decode = seen[-1]
+        assert rid == "second" and decode is not None
+        assert period == max(decode, tiers.poll_s)  # the decode step, not the prefill before
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+            llm.engine.check_integrity()
+    finally:
+        llm.close()
+
+
 def _wrap_reads(llm: LLM, before_read) -> None:
     store = llm.engine.tiers.store
     read = store.batch_get_into_parts
@@ -172,7 +224,9 @@ def test_a_block_that_fails_is_recomputed_with_those_after_it(model, reference, 
         out = generate(llm, A)
         assert out.cached_tokens_by_tier.get("dram", 0) == loaded
         assert computed(llm) - before == len(A) - loaded
-        assert llm.stats().tiers.missed_blocks == 6 - loaded // 16
+        tiers = llm.stats().tiers
+        assert tiers.missed_blocks == 6 - loaded // 16
+        assert tiers.load_fit == {}  # a read cut short says nothing about the model
         assert_same(out, reference["A"])
     finally:
         llm.close()
