@@ -25,14 +25,9 @@
 
 /* Software prefetch distance in bytes. One cache line per loop iteration is consumed; the
  * out-of-order window alone keeps only ~15 lines in flight (~10 GB/s per core at DRAM latency),
- * so the stream is prefetched ahead (it runs into the next unit, which is adjacent), one
- * prefetch per line, 8 KiB ahead. Measured on a one-token layer (H 2048, I 512, top-6 of 64;
- * same process, alternating calls): a near (2 KiB) plus a far (16 KiB) prefetch per line, as
- * before, had int4 ~1.13x slower in the minutes when this VM reads at ~85 GB/s (int8, FP8 and
- * fp32 ~1.08x, MXFP4 ~1.05x, q8_0 and q4_K within noise) and ~1.04x slower in the ~50 GB/s
- * ones; 2 KiB alone ~1.16x slower, 4 KiB ~1.05x, 6-16 KiB within 1.5%, into L2 (T1) no
- * better; one prefetch per four lines, leaving the rest to the hardware prefetcher, ~1.5-1.9x
- * slower. */
+ * so the stream is prefetched ahead (it runs into the next unit, which is adjacent). Every line
+ * is asked for (leaving three in four to the hardware prefetcher ran 1.5-1.9x slower), once,
+ * 8 KiB ahead: a one-token layer runs alike anywhere from 6 to 16 KiB, and slower nearer. */
 #ifndef PF_HINT
 #define PF_HINT _MM_HINT_T0
 #endif
@@ -41,17 +36,16 @@
 #endif
 
 /* Prefetches the stream at p (the line being read) PF_DIST ahead. always_inline: as a plain
- * static inline, GCC 12 compiled the MXFP4 tile's caller ~1.15x slower (same process A/B),
- * though no call was left. */
+ * static inline, GCC 12 compiled the MXFP4 tile's caller ~1.15x slower, though no call was
+ * left. */
 static inline __attribute__((always_inline)) void hs_prefetch(const void *p) {
     _mm_prefetch((const char *)p + PF_DIST, PF_HINT);
 }
 
 /* Prefetches a format's second stream, its scales read beside the weights at 1/ratio of their
  * bytes (MXFP4: 16 per 256), as far ahead as hs_prefetch reaches in the weights. Left to the
- * hardware prefetcher, MXFP4's scale stream cost ~6% in the ~85 GB/s minutes (one token,
- * same process, alternating calls: 180 -> 170 us, 179 -> 169); half or twice this distance
- * was no better than none. */
+ * hardware prefetcher, MXFP4's scale stream cost ~6% of a one-token layer when memory is fast
+ * (~85 GB/s); the thinner scale streams of q8_0 and FP8 gain nothing from it. */
 static inline __attribute__((always_inline)) void hs_prefetch_side(const void *p, int ratio) {
     _mm_prefetch((const char *)p + PF_DIST / ratio, PF_HINT);
 }
@@ -90,10 +84,10 @@ static inline void quad_out5(__m512 t, float out[4][MBMAX], int m) {
 }
 #endif
 
-/* int8 rows with an fp16 scale per group of G inputs (G % 16 == 0; GGUF q8_0 stores its scales
- * as fp16, and fp32 copies of them streamed 12.5% more bytes than the weights' 1 per weight
- * instead of 6.25%): per group, exact int32 sums (16 products per vpmaddwd), then one FMA by
- * the group's scale (converted with F16C). */
+/* int8 rows with an fp16 scale per group of G inputs (G % 16 == 0; GGUF q8_0's own fp16
+ * scales: fp32 copies would stream 12.5% on top of the weights instead of 6.25%): per group,
+ * exact int32 sums (16 products per vpmaddwd), then one FMA by the group's scale (converted
+ * with F16C). */
 static inline __attribute__((always_inline)) void quad_i8g(const int8_t *q, const uint16_t *sc, int K,
                                                            int G, const int16_t *const x[2],
                                                            int MB, float out[4][MBMAX]) {

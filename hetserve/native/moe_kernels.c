@@ -329,11 +329,9 @@ static void phase_item(void *ctx, int c) {
 
 /* Items of about ITEM_BYTES of weights, RC quads at least (hs_item_units), also where rows are
  * short (phase 2 of small experts: a quad of 4 x 512 int8 weights is only 2 KiB). Long items
- * keep each thread on one sequential stream: 256 KiB streamed a one-token q4_K layer (6 experts
- * of 2048 x 512) ~1.12x faster than 64 KiB, and 2 MiB (in effect an eighth of a phase there,
- * hs_item_units' balance cap) ~1.05-1.13x faster than 256 KiB (same process, alternating calls:
- * int4 244 -> 219 us, int8 347 -> 318, MXFP4 214 -> 196, FP8 363 -> 323, fp32 1297 -> 1236;
- * 64 tokens of int4 6.05 -> 5.89 ms). */
+ * keep each thread on one sequential stream, so the size is set high and hs_item_units' balance
+ * cap decides (a one-token layer of 6 experts of 2048 x 512: an eighth of a phase per item);
+ * that layer runs ~1.1x faster than with 256 KiB items. */
 #define ITEM_BYTES (2048 << 10)
 
 /* Sixteen times the bytes per weight of each format (F_*), scales and minimums aside. */
@@ -579,9 +577,9 @@ static long long now_ns(void) {
 
 /* A handle on one layer's experts for hetserve_moe_run / hetserve_moe_touch (the weights stay
  * the caller's and must outlive it; hetserve_moe_free releases it). NULL for an unknown format
- * or when out of memory. Python calls a layer through it: eight arguments instead of the 23
- * hetserve_moe_forward then took (21 since int4 tiles carry their group parameters) cost ~10 us
- * less per call from cold caches, as a decode step's layers meet them. */
+ * or when out of memory. Python calls a layer through it with eight arguments, not
+ * hetserve_moe_forward's 21: from cold caches, as a decode step's layers meet them, each ctypes
+ * argument costs, and the handle saves ~10 us per call. */
 void *hetserve_moe_new(int fmt, int E, int H, int I, int G, const void *w13, const void *s13,
                        const void *w2, const void *s2, const float *b13, const float *b2, int act,
                        float alpha, float limit) {

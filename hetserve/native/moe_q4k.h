@@ -17,9 +17,9 @@
  * So each 32-bit lane of a vector holds one row's sub-block (16 lanes: 4 rows x 4 sub-blocks,
  * even vectors sub-blocks 0-3, odd ones 4-7), vpdpbusd sums 4 products per lane with nothing
  * per sub-block inside the loop, and the sub-block scales join once per super-block. The kernel
- * takes quads in pairs, which share every activation load (quad_q4k). From L1, one core of this
- * Zen 5 went from ~25 to ~11 cycles per quad and super-block (the layout before: one vpshufb
- * per sub-block for its scales, and a 64-byte activation load per 64 weight bytes).
+ * takes quads in pairs, which share every activation load (quad_q4k). The layout is for the
+ * instruction count, which is what bounds this kernel: ~11 cycles per quad and super-block from
+ * L1 on a Zen 5 core, where spreading each sub-block's scales inside the loop took ~25.
  *
  * Activations meet the nibbles as llama.cpp's q4_K x q8_K product does: int8 per super-block
  * of 256 columns, scale amax / 127 (|x - x_hat| <= amax / 254 of that super-block), stored in the
@@ -237,8 +237,8 @@ static inline __attribute__((always_inline)) void q4k_sums(const uint8_t *q, int
 /* out[4i + r][m] = sum_k W[4i + r, k] * x[m, k] for NQ <= 2 quads of q4_K rows and MB <= 2
  * tokens. The quads' super-blocks interleave by 64-byte line (super-block s at q + 576 NQ s: the
  * quads' first 64 bytes, then their vectors k = 0, 1, ... in turn), so the kernel reads its lines
- * in address order: read two lines apart in turn (two quads one after the other), a one-thread
- * stream from DRAM ran ~1.15x slower. */
+ * in address order: two quads stored one after the other and read in turn stream ~1.15x slower
+ * from DRAM. */
 static inline __attribute__((always_inline)) void quad_q4k(const uint8_t *q, int NQ, int K,
                                                            const q4k_act_t a[2], int MB,
                                                            float out[][MBMAX]) {

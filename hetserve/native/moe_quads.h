@@ -106,13 +106,11 @@ static inline __attribute__((always_inline)) void quad_f32_avx2(const float *w, 
 /* The AVX-512 build's quad_f32, 16 lanes. Each (row, token) sums into two accumulators (inputs
  * k mod 32 below 16, and the rest; a tail of K % 32 into the first), the same whatever MB is,
  * so a token's result is the same alone or batched. One token reads the rows one after the
- * other: the quad is then a single sequential stream (its rows are adjacent), where the 4 rows
- * side by side were 4 streams K x 4 bytes apart, and at K = 2048 (8 KiB apart) a one-token fp32
- * layer streamed at ~0.73 of the read probe instead of ~0.91 (same process, alternating
- * calls). Two or three tokens keep the rows side by side: each weight and activation vector is
- * loaded once for all of them (24 accumulators in the 32 registers); rows one by one reloaded
- * the activations per row and a 64-token layer ran ~1.4x slower, this way ~1.1x faster than
- * the AVX2 form. */
+ * other, so the quad is a single sequential stream (its rows are adjacent); 4 rows side by side
+ * are 4 streams 4K bytes apart, which hold a one-token layer at K = 2048 to ~0.73 of the read
+ * probe instead of ~0.91. Two or three tokens keep the rows side by side: each weight and
+ * activation vector is then loaded once for all of them (24 accumulators in the 32 registers),
+ * where rows one by one would reload the activations for every row. */
 static inline __attribute__((always_inline)) void quad_f32(const float *w, int K,
                                                            const float *const x[MBMAX], int MB,
                                                            float out[4][MBMAX]) {
@@ -184,7 +182,7 @@ static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, f
                           int perm, int G, float *gsum) {
     /* K % 32 == 0 (checked by the caller). Vectorized, the reorder and the group sums too: at
      * one token this runs on one thread before and between the phases, where scalar loops
-     * were ~3 us of a ~200 us layer (2048 + 6 x 512 inputs). */
+     * would take ~3 us of a ~200 us layer (2048 + 6 x 512 inputs). */
     const __m256i ord = _mm256_setr_epi8(0, 1, 8, 9, 4, 5, 12, 13, 2, 3, 10, 11, 6, 7, 14, 15,
                                          0, 1, 8, 9, 4, 5, 12, 13, 2, 3, 10, 11, 6, 7, 14, 15);
     const __m256i ones = _mm256_set1_epi16(1);

@@ -10,12 +10,10 @@
  * a thread whose range is done steals the last item of the range with the most left. Callers
  * number items along their data (the expert kernels: along each expert's weights), so a thread
  * streams one run of memory from item to item and its prefetches past an item's end fetch what
- * it reads next. Handed out in turn (schedule(dynamic)), neighbouring items went to different
- * threads: each item began a new stream, and its prefetches past the end were read by the
- * other core. One token, H 2048 I 512 top-6, same process, alternating calls: ~85 GB/s
- * minutes MXFP4 184 -> 170 us, int4 191 -> 182 and 192 -> 179; ~50 GB/s minutes ~1.04x
- * faster; results bit-identical (items write disjoint outputs). A descheduled thread still
- * holds back at most the item it is on: the others steal the rest of its range. */
+ * it reads next. Items handed out in turn (schedule(dynamic)) would each begin a new stream,
+ * with their prefetches read by the other core: a one-token layer ran up to ~1.08x slower so.
+ * A descheduled thread still holds back at most the item it is on: the others steal the rest
+ * of its range. Items write disjoint outputs, so the order does not change the results. */
 #include "pool.h"
 
 #include <stdint.h>

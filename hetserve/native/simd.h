@@ -23,9 +23,8 @@
 
 /* Keeps v in one register from one loop iteration to the next (quad_i8g, the tiles' dot
  * helpers). GCC 12 gives some loops' accumulators a second register and copies them back every
- * iteration; the empty asm that reads and writes v in place removed those copies from the
- * tiles' loops (one-token MXFP4 layer ~1.05x faster; q8_0 1.00-1.04x). It is no cure for every
- * loop: quad_i8 kept some copies and gained more from a run-time block length (i8_kstep). */
+ * iteration; this empty asm, which reads and writes v in place, keeps them in one (a one-token
+ * MXFP4 layer ~1.05x faster). quad_i8's loop needs a run-time block length instead (i8_kstep). */
 #ifdef __AVX512F__
 #define HS_PIN(v) __asm__("" : "+v"(v)) /* "v": any of the 32 vector registers */
 #else

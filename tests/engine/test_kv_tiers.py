@@ -169,10 +169,10 @@ def test_a_load_planned_while_others_decode_waits_through_their_steps(model):
             return prepare(req, computed_blocks)
 
         tiers.prepare = spy
-        llm.engine.add_request("first", B, PARAMS)
+        llm.engine.submit(NewRequest("first", B, PARAMS))
         for _ in range(3):  # its prefill, then decode steps
             llm.engine.step()
-        llm.engine.add_request("second", A, PARAMS)
+        llm.engine.submit(NewRequest("second", A, PARAMS))
         llm.engine.step()
         assert seen[0] == ("first", tiers.poll_s, None)  # nothing ran: the engine polls
         rid, period, decode = seen[-1]
