@@ -287,12 +287,12 @@ class EngineCore:
             self.tiers = None
 
     def check_integrity(self) -> None:
-        self.scheduler.check_integrity()
+        sched = self.scheduler
+        sched.check_integrity()
         if self.tiers is not None:
-            self.tiers.check_integrity()
+            self.tiers.check_integrity({r.request_id for r in sched.waiting}, set(sched.loading))
         if self.lora is not None:
             self.lora.check_integrity()
-        sched = self.scheduler
         live = {r.request_id for r in sched.running + sched.waiting}
         live |= {rid for rid, r in sched.loading.items() if not r.is_finished}
         assert live == set(self.seqs), (live, set(self.seqs))

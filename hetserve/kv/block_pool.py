@@ -13,6 +13,7 @@ given with `set_time`; nothing here reads a clock).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -51,10 +52,9 @@ class BlockPool:
         # Free protected blocks -> expiry, in expiry order (one TTL, a clock that only grows).
         self._protected: OrderedDict[int, tuple[KVBlock, float]] = OrderedDict()
         self.now = 0.0
-        # Cached blocks handed out since the KV tiers last looked: their bytes are still in
-        # place until the next forward writes over them (write-back on eviction).
-        self.record_evictions = False
-        self.evicted: list[Eviction] = []
+        # Told of each cached block the moment it is handed out again: its bytes are still in
+        # place until the next forward writes over them (the KV tiers' write-back).
+        self.on_evict: Callable[[Eviction], None] | None = None
 
     def set_time(self, now: float) -> None:
         """Advance the clock; protected blocks whose time has passed become plain free blocks
@@ -101,8 +101,8 @@ class BlockPool:
             else:  # only protected blocks are left: the one whose time ends first goes
                 _, (b, until) = self._protected.popitem(last=False)
             if b.block_hash is not None:  # evict its cached identity
-                if self.record_evictions:
-                    self.evicted.append(Eviction(b.block_id, b.block_hash, until))
+                if self.on_evict is not None:
+                    self.on_evict(Eviction(b.block_id, b.block_hash, until))
                 del self._cached[b.block_hash]
                 b.block_hash = None
             b.ref_cnt = 1

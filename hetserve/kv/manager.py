@@ -1,17 +1,27 @@
 """KVCacheManager: block tables per request on top of the BlockPool, with prefix caching.
 
-Called by the scheduler (and by the KV tiers for the blocks they pin and load). `allocate_slots`
-either reserves everything a step needs or changes nothing and returns None (the scheduler then
-preempts or waits). Blocks a tier loads from a store are held in the request's table while the
-load runs, then registered in the prefix cache (`finish_load`), so an admitted request finds
+Called by the scheduler. `allocate_slots` either reserves everything a step needs or changes
+nothing and returns None (the scheduler then preempts or waits). The KV tiers hold references of
+their own (`kv/tier_blocks.py`: blocks being loaded into, loaded blocks kept for admission,
+blocks pinned for a save) and register as a holder, so `check_integrity` still accounts for
+every reference; blocks they load land in the prefix cache, where an admitted request finds
 them as ordinary prefix hits.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
 from hetserve.core.block_hash import hash_block_tokens
 from hetserve.core.request import Request
 from hetserve.kv.block_pool import BlockPool, KVBlock
+
+
+class BlockHolder(Protocol):
+    def held_blocks(self) -> Iterable[KVBlock]:
+        """Every reference it holds, a block once per reference."""
+        ...
 
 
 def cdiv(a: int, b: int) -> int:
@@ -34,13 +44,10 @@ class KVCacheManager:
         self.session_ttl_s = session_ttl_s  # how long a session's freed blocks are kept
         self.tables: dict[str, list[KVBlock]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks of a table already registered
-        # Full blocks registered since the tiers last looked (block, whether it holds only
-        # prompt tokens): what a write-through store saves. Kept only when report_cached.
-        self.report_cached = False
-        self.newly_cached: list[tuple[KVBlock, bool]] = []
-        self.pinned: dict[int, int] = {}  # block id -> references held by the KV tiers
-        self._protection: dict[int, float] = {}  # pinned protected block -> its protection
-        self.load_holds: dict[str, list[KVBlock]] = {}  # loaded blocks kept for admission
+        # Told of each full block the moment it is first registered (the block, whether it
+        # holds only prompt tokens): what a write-through store saves. The KV tiers set it.
+        self.on_cached: Callable[[KVBlock, bool], None] | None = None
+        self._holders: list[BlockHolder] = []  # others holding references (the KV tiers)
         self.queries = 0  # full prompt blocks looked up at admission (once per request)
         self.hits = 0  # of those, found in the device pool (loaded ones included)
         self.hits_by_tier: dict[str, int] = {}  # the same, by where they came from
@@ -129,91 +136,11 @@ class KVCacheManager:
         for i in range(done, full):
             if table[i].block_hash is None:
                 self.pool.cache(table[i], req.block_hashes[i])
-                if self.report_cached and table[i].block_hash is not None:  # the first writer
-                    self.newly_cached.append((table[i], i < prompt_blocks))
+                if self.on_cached is not None and table[i].block_hash is not None:  # first
+                    self.on_cached(table[i], i < prompt_blocks)
         self._num_cached[req.request_id] = full
 
-    # ---- blocks the KV tiers hold --------------------------------------------------------------
-    def allocate_for_load(
-        self, req: Request, computed: list[KVBlock], n: int
-    ) -> list[KVBlock] | None:
-        """Reserve `n` blocks to load `req`'s blocks after its device hit `computed` into, and
-        hold the hit blocks meanwhile (they must still be there when it is admitted); None if
-        there is no room."""
-        reviving = sum(1 for b in computed if b.ref_cnt == 0)
-        if n > self.pool.num_free - reviving or req.request_id in self.tables:
-            return None
-        self._update_hashes(req, (len(computed) + n) * self.block_size)
-        self.pool.touch(computed)
-        self.load_holds[req.request_id] = list(computed)
-        blocks = self.pool.allocate(n)
-        self.tables[req.request_id] = blocks
-        return blocks
-
-    def finish_load(self, req: Request, first_block: int, ok: int) -> None:
-        """The first `ok` blocks of the load landed: register them in the prefix cache, where
-        the request's admission finds them, and keep holding them for it until then (other
-        requests' allocations would evict them first); release the rest of the load table."""
-        table = self.tables.pop(req.request_id)
-        held = self.load_holds.setdefault(req.request_id, [])
-        kept = []
-        for i, block in enumerate(table[:ok]):
-            self.pool.cache(block, req.block_hashes[first_block + i])
-            if block.block_hash is not None:  # not a copy of a block cached meanwhile
-                kept.append(block)
-        held += kept
-        self.pool.free([b for b in reversed(table) if b not in kept])
-
-    def release_hold(self, req: Request) -> None:
-        """Let go of the loaded blocks held for `req` (admitted: its table holds them now)."""
-        held = self.load_holds.pop(req.request_id, None)
-        if held:
-            self.pool.free(list(reversed(held)))
-
-    def release_holds(self) -> int:
-        """Let go of every hold (nothing runs and the head of the queue cannot start: holds
-        must not deadlock the pool). Returns the blocks released."""
-        n = sum(len(h) for h in self.load_holds.values())
-        for rid in list(self.load_holds):
-            held = self.load_holds.pop(rid)
-            self.pool.free(list(reversed(held)))
-        return n
-
-    def quarantine(self, req: Request) -> list[KVBlock]:
-        """Take `req`'s load table away from it, still held (a load that timed out may yet
-        write into it): released later with `unpin`."""
-        table = self.tables.pop(req.request_id)
-        for b in table:
-            self.pinned[b.block_id] = self.pinned.get(b.block_id, 0) + 1
-        return table
-
-    def pin(self, blocks: list[KVBlock]) -> None:
-        """Hold blocks (a save reads them) so they are not handed out meanwhile; a session's
-        protected block gets its protection back when unpinned."""
-        for b in blocks:
-            until = self.pool.protected_until(b)
-            if until is not None:
-                self._protection[b.block_id] = until
-        self.pool.touch(blocks)
-        for b in blocks:
-            self.pinned[b.block_id] = self.pinned.get(b.block_id, 0) + 1
-
-    def protection(self, block: KVBlock) -> float | None:
-        """Until when a pinned block of a session is protected (None: not a session's)."""
-        return self._protection.get(block.block_id)
-
-    def unpin(self, blocks: list[KVBlock]) -> None:
-        for b in blocks:
-            left = self.pinned[b.block_id] - 1
-            if left:
-                self.pinned[b.block_id] = left
-                continue
-            del self.pinned[b.block_id]
-            until = self._protection.pop(b.block_id, None)
-            self.pool.free([b], evict_first=True, protect_until=until)
-
     def free(self, req: Request) -> None:
-        self.release_hold(req)
         table = self.tables.pop(req.request_id, [])
         self._num_cached.pop(req.request_id, None)
         until = None
@@ -221,12 +148,16 @@ class KVCacheManager:
             until = self.pool.now + self.session_ttl_s  # the session's next turn reuses them
         self.pool.free(list(reversed(table)), protect_until=until)  # tail first: evicted first
 
+    def add_holder(self, holder: BlockHolder) -> None:
+        """Register another holder of block references, so `check_integrity` counts them."""
+        self._holders.append(holder)
+
     def check_integrity(self) -> None:
         self.pool.check_integrity()
-        refs: dict[int, int] = dict(self.pinned)
-        for table in [*self.tables.values(), *self.load_holds.values()]:
-            for b in table:
-                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        refs: dict[int, int] = {}
+        held = [b for h in self._holders for b in h.held_blocks()]
+        for b in [*(b for t in self.tables.values() for b in t), *held]:
+            refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for b in self.pool.blocks[1:]:
             assert b.ref_cnt == refs.get(b.block_id, 0), (b, refs.get(b.block_id))
         for rid, n in self._num_cached.items():

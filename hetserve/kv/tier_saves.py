@@ -26,28 +26,17 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 from hetserve.core.block_hash import BlockHash
+from hetserve.kv.block_io import BlockIO
 from hetserve.kv.block_pool import Eviction, KVBlock
-from hetserve.kv.manager import KVCacheManager
+from hetserve.kv.tier_blocks import TierBlocks
 from hetserve.store.api import KVStore, ReplicateConfig
 
 log = logging.getLogger(__name__)
 
 SAVE_BATCH = 32  # blocks per batched put
 KNOWN_SAVED = 1 << 18  # hashes remembered as already in the store
-
-
-class SaveIO(Protocol):
-    bytes_per_block: int
-    staging_slots: int
-
-    def save_parts(self, block_ids: list[int]) -> list[list[Any]]: ...
-
-    def stage(self, block_ids: list[int], slots: list[int]) -> None: ...
-
-    def staged_parts(self, slots: list[int]) -> list[list[Any]]: ...
 
 
 @dataclass(eq=False)
@@ -60,8 +49,8 @@ class _Job:
 
 
 class Saver:
-    def __init__(self, store: KVStore, kv: KVCacheManager, io: SaveIO, max_pending: int) -> None:
-        self.store, self.kv, self.io = store, kv, io
+    def __init__(self, store: KVStore, blocks: TierBlocks, io: BlockIO, max_pending: int) -> None:
+        self.store, self.blocks, self.pool, self.io = store, blocks, blocks.pool, io
         self.max_pending = max_pending
         self._pinned: deque[KVBlock] = deque()
         self._staged: deque[tuple[BlockHash, int, float | None]] = deque()  # hash, slot, pin
@@ -78,7 +67,8 @@ class Saver:
         self._done: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, daemon=True, name="hetserve-kv-save")
         self._thread.start()
-        kv.pool.record_evictions = True
+        self._evicted: list[Eviction] = []  # handed out since the last capture
+        self.pool.on_evict = self._evicted.append
 
     def known(self, h: BlockHash | None) -> bool:
         return h is None or h in self._known
@@ -98,7 +88,8 @@ class Saver:
     def capture(self) -> None:
         """Stage the cached blocks just handed out (their bytes are still in place): call
         after scheduling, before the forward writes into them."""
-        evicted, self.kv.pool.evicted = self.kv.pool.evicted, []
+        evicted = self._evicted.copy()
+        self._evicted.clear()  # in place: the pool appends to this very list
         todo = [e for e in evicted if not self.known(e.block_hash)]
         if not todo:
             return
@@ -116,7 +107,7 @@ class Saver:
             todo = todo[need:]
         slots = [self._take_slot() for _ in todo]
         self.io.stage([e.block_id for e in todo], slots)
-        now = self.kv.pool.now
+        now = self.pool.now
         for e, slot in zip(todo, slots, strict=True):
             self._staged.append((e.block_hash, slot, _ttl(e, now)))
             self._track(e.block_hash, 1)
@@ -138,7 +129,7 @@ class Saver:
     # ---- the victim cache ---------------------------------------------------------------
     def staged_run(self, hashes: list[BlockHash]) -> list[int]:
         """Slots holding the leading run of these blocks (copies of blocks evicted lately)."""
-        if self.kv.pool.evicted and any(e.block_hash in set(hashes) for e in self.kv.pool.evicted):
+        if self._evicted and any(e.block_hash in set(hashes) for e in self._evicted):
             self.capture()  # their bytes are still in place: stage them now
         run = []
         for h in hashes:
@@ -157,14 +148,16 @@ class Saver:
     def enqueue(self, blocks: list[KVBlock]) -> None:
         """Pin blocks and save them in place (write-through, flush)."""
         new = [
-            b for b in blocks if not self.known(b.block_hash) and b.block_id not in self.kv.pinned
+            b
+            for b in blocks
+            if not self.known(b.block_hash) and b.block_id not in self.blocks.pinned
         ]
         if not new:
             return
-        self.kv.pin(new)
+        self.blocks.pin(new)
         self._pinned.extend(new)
         while len(self._pinned) > self.max_pending:  # shed the oldest rather than stall
-            self.kv.unpin([self._pinned.popleft()])
+            self.blocks.unpin([self._pinned.popleft()])
             self.shed += 1
 
     def pump(self) -> None:
@@ -176,7 +169,7 @@ class Saver:
             except queue.Empty:
                 break
             self._finish(job)
-        now = self.kv.pool.now
+        now = self.pool.now
         while self._staged or self._pinned:
             if self._in_flight_blocks >= self.max_pending:
                 return
@@ -191,7 +184,9 @@ class Saver:
             else:
                 n = min(SAVE_BATCH, len(self._pinned))
                 blocks = [self._pinned.popleft() for _ in range(n)]
-                pins = [None if (u := self.kv.protection(b)) is None else u - now for b in blocks]
+                pins = [
+                    None if (u := self.blocks.protection(b)) is None else u - now for b in blocks
+                ]
                 hashes = [b.block_hash for b in blocks]
                 assert all(h is not None for h in hashes), "a pinned cached block lost its hash"
                 job = _Job(hashes, pins, blocks=blocks)  # type: ignore[arg-type]
@@ -213,7 +208,7 @@ class Saver:
         else:
             self.failed += len(job.hashes)
         if job.blocks is not None:
-            self.kv.unpin(job.blocks)
+            self.blocks.unpin(job.blocks)
         if job.slots is not None:
             self._free_slots.extend(job.slots)
 
@@ -233,7 +228,7 @@ class Saver:
         limit, self.max_pending = self.max_pending, 1 << 30
         try:
             self.capture()
-            cached = [b for b in self.kv.pool.blocks[1:] if b.block_hash is not None]
+            cached = [b for b in self.pool.blocks[1:] if b.block_hash is not None]
             self.enqueue([b for b in cached if b.ref_cnt == 0])
             while self.pending() and time.monotonic() < deadline:
                 self.pump()
@@ -252,7 +247,7 @@ class Saver:
             pinned += [b.block_id for b in job.blocks or []]
         assert len(set(pinned)) == len(pinned), pinned
         for bid in pinned:
-            assert self.kv.pinned.get(bid, 0) >= 1, bid
+            assert self.blocks.pinned.get(bid, 0) >= 1, bid
         assert all(self._slot_of[h] == s for s, h in self._hash_in.items())
         assert len(self._slot_of) == len(self._hash_in)
         slots = [s for _, s, _ in self._staged] + list(self._free_slots)

@@ -16,11 +16,10 @@ loader's business.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from hetserve.config import SchedulerConfig, SchedulingPolicy
 from hetserve.core.request import Request, RequestStatus
-from hetserve.kv.block_pool import KVBlock
+from hetserve.kv.loader import KVLoader, LoadState
 from hetserve.kv.manager import KVCacheManager
 
 
@@ -33,20 +32,6 @@ class ScheduledRequest:
     def samples(self) -> bool:
         """Whether this step reaches the sequence end, so a next token is sampled."""
         return self.request.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
-
-
-class KVLoader(Protocol):
-    """What the scheduler needs of the KV tiers (kv/tiers.py), called on the engine thread."""
-
-    def prepare(self, req: Request, computed: list[KVBlock]) -> str:
-        """At each admission attempt, after the device hit `computed`: "wait" (a lookup is out:
-        admit others meanwhile), "loading" (its next blocks are being loaded into blocks the
-        loader reserved) or "none" (admit it as it is)."""
-        ...
-
-    def landed(self) -> list[Request]:
-        """Requests whose loads finished (their loaded blocks are now device prefix hits)."""
-        ...
 
 
 @dataclass
@@ -128,7 +113,7 @@ class Scheduler:
                 req.status = RequestStatus.WAITING
                 self.waiting.append(req)  # its (priority, arrival) puts it back in line
             else:  # finished (aborted) while loading: its blocks are released only now
-                self.kv.free(req)
+                self.loader.release(req)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         self.waiting.sort(key=self._key)
@@ -138,25 +123,26 @@ class Scheduler:
             computed, num_cached = self.kv.get_computed_blocks(req)
             if self.loader is not None:
                 state = self.loader.prepare(req, computed)
-                if state == "wait":
+                if state is LoadState.WAIT:
                     i += 1  # its store lookup is still out: the next ones need not wait
                     continue
-                if state == "loading":
+                if state is LoadState.LOADING:
                     self.waiting.pop(i)
                     req.status = RequestStatus.WAITING_FOR_KV
                     self.loading[req.request_id] = req
                     continue
-                if req.request_id in self.kv.load_holds:  # loaded right there: hits now
+                if state is LoadState.READY:  # loaded right there: hits now
                     computed, num_cached = self.kv.get_computed_blocks(req)
             n = req.num_tokens - num_cached
             if n > budget and not self.cfg.enable_chunked_prefill:
                 break
             n = min(n, budget)
             if self.kv.allocate_slots(req, n, computed) is None:
-                if not self.running and self.kv.release_holds():
+                if not self.running and self.loader is not None and self.loader.release_all():
                     continue  # held loads filled the pool: recompute rather than deadlock
                 break
-            self.kv.release_hold(req)  # its table holds the loaded blocks now
+            if self.loader is not None:
+                self.loader.release(req)  # its table holds the loaded blocks now
             self.waiting.pop(i)
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens is None:
@@ -207,6 +193,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+            if self.loader is not None:
+                self.loader.release(req)  # a load of its blocks landed while it waited
         self.kv.free(req)
         return req
 
@@ -217,14 +205,11 @@ class Scheduler:
         live_loads = {rid for rid, r in self.loading.items() if not r.is_finished}
         assert ids | live_loads == set(self.requests), (ids, live_loads, set(self.requests))
         assert not ids & set(self.loading)
-        for rid, r in self.loading.items():
-            assert rid in self.kv.tables, rid  # the blocks its load writes into
-            assert r.status in (RequestStatus.WAITING_FOR_KV,) or r.is_finished
+        for r in self.loading.values():
+            assert r.status is RequestStatus.WAITING_FOR_KV or r.is_finished
         for r in self.running:
             assert r.status is RequestStatus.RUNNING
             assert r.num_computed_tokens <= r.num_tokens
             assert len(self.kv.tables[r.request_id]) * self.kv.block_size >= r.num_computed_tokens
         for r in self.waiting:
             assert r.request_id not in self.kv.tables
-        waiting = {r.request_id for r in self.waiting} | set(self.loading)
-        assert set(self.kv.load_holds) <= waiting, (set(self.kv.load_holds), waiting)

@@ -72,7 +72,7 @@ def force_loads(llm: LLM) -> None:
 def load_off_thread(llm: LLM) -> None:
     """Load from the DRAM tier on the loader thread, as from a remote or SSD tier (an
     in-process DRAM tier is otherwise copied at admission, where nothing can hang)."""
-    llm.engine.tiers.inline = {"staged"}
+    llm.engine.tiers.loads.inline = {"staged"}
 
 
 def saved_then_dropped(llm: LLM, *prompts) -> None:
@@ -101,7 +101,7 @@ def test_warm_from_dram_loads_the_prefix_and_prefills_only_the_tail(model, refer
 
 def test_hit_from_ssd_after_dram_eviction(model, reference, tmp_path):
     probe = engine(model, "local://?dram=1M")
-    per_block = probe.engine.tiers.io.bytes_per_block
+    per_block = probe.engine.tiers.saver.io.bytes_per_block
     probe.close()
     dram = 8 * per_block  # room for one prompt's blocks, not three
     llm = engine(model, f"local://?dram={dram}&ssd_dir={tmp_path}&ssd=16M")
@@ -165,7 +165,7 @@ def test_a_load_planned_while_others_decode_waits_through_their_steps(model):
         prepare = tiers.prepare
 
         def spy(req, computed_blocks):
-            seen.append((req.request_id, tiers.period_s, tiers.cost.decode_step_s))
+            seen.append((req.request_id, tiers.loads.period_s, tiers.cost.decode_step_s))
             return prepare(req, computed_blocks)
 
         tiers.prepare = spy
@@ -239,18 +239,18 @@ def test_a_hanging_store_times_out_and_its_blocks_come_back(model, reference):
         force_loads(llm)
         load_off_thread(llm)
         saved_then_dropped(llm, A)
-        llm.engine.tiers.load_timeout_s = 0.2
+        llm.engine.tiers.loads.load_timeout_s = 0.2
         _wrap_reads(llm, lambda store, keys: release.wait(10))
         out = generate(llm, A)  # the load is abandoned: the request recomputes
         assert out.num_cached_tokens == 0
         assert_same(out, reference["A"])
-        assert llm.engine.kv.pinned  # the abandoned load's blocks are still held...
+        assert llm.engine.tiers.blocks.pinned  # the abandoned load's blocks are still held...
         release.set()
         deadline = time.monotonic() + 10
-        while llm.engine.kv.pinned and time.monotonic() < deadline:
+        while llm.engine.tiers.blocks.pinned and time.monotonic() < deadline:
             llm.engine.step()
             time.sleep(0.01)
-        assert not llm.engine.kv.pinned  # ...until the worker let go of them
+        assert not llm.engine.tiers.blocks.pinned  # ...until the worker let go of them
         llm.engine.check_integrity()
     finally:
         release.set()
@@ -305,7 +305,7 @@ def test_a_store_that_fails_its_startup_check_is_one_line(model):
 
 def test_a_sessions_blocks_stay_in_the_dram_tier_while_it_is_live(model):
     probe = engine(model, "local://?dram=1M")
-    per_block = probe.engine.tiers.io.bytes_per_block
+    per_block = probe.engine.tiers.saver.io.bytes_per_block
     probe.close()
     llm = engine(model, f"local://?dram={10 * per_block}", session_ttl=600)
     try:
