@@ -1,0 +1,177 @@
+"""What an instance's work costs in time: fitted from a profile it measured, read by the routing
+policy (`policy.py`) in the live Conductor and in the simulator alike. Pure: no I/O, no clock.
+
+- `PrefillFit`: seconds to prefill `new` tokens after `cached` tokens already in the KV cache,
+  `c0 + c1 * new + c2 * new * (cached + new / 2)`: a per-step cost, the weights' work per token,
+  and causal attention over the context (each new token attends to the cached ones and half of
+  the new ones on average).
+- `DecodeFit`: seconds of one decode step of `batch` sequences holding `context` tokens in all,
+  `d0 + d1 * batch + d2 * context`: the weights streamed once a step, per-sequence work, and
+  the KV cache read once a step.
+- `InstanceProfile`: both fits, the KV bytes per token, and the read cost of each tier the
+  instance can load a prefix from (the KV tiers' own `TierCost`, probed by the instance).
+
+`fit_prefill` and `fit_decode` are ordinary least squares on measured samples (non-negative
+coefficients), and `fit_error` is the mean relative error on samples the fit did not see: the
+figure printed next to every prediction. Failure contract: too few samples to fit is a
+ValueError naming how many are needed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from hetserve.kv.tier_policy import TierCost
+
+
+@dataclass(frozen=True)
+class PrefillFit:
+    c0: float  # seconds per prefill step
+    c1: float  # seconds per new token
+    c2: float  # seconds per (new token x context token)
+
+    def seconds(self, new: int, cached: int = 0) -> float:
+        if new <= 0:
+            return 0.0
+        return self.c0 + self.c1 * new + self.c2 * new * (cached + new / 2)
+
+    def queue_seconds(self, tokens: int, requests: int) -> float:
+        """A queue of `requests` prompts holding `tokens` new tokens in all, prefilled one
+        after the other (their attention terms unknown here: the linear part)."""
+        if tokens <= 0:
+            return 0.0
+        return self.c0 * max(requests, 1) + self.c1 * tokens
+
+
+@dataclass(frozen=True)
+class DecodeFit:
+    d0: float  # seconds per step
+    d1: float  # seconds per sequence in the batch
+    d2: float  # seconds per token of context held by the batch
+
+    def seconds(self, batch: int, context: int) -> float:
+        if batch <= 0:
+            return 0.0
+        return self.d0 + self.d1 * batch + self.d2 * context
+
+
+@dataclass(frozen=True)
+class InstanceProfile:
+    """One hardware/model combination, as `hetserve profile` measures it."""
+
+    name: str
+    prefill: PrefillFit
+    decode: DecodeFit
+    kv_bytes_per_token: int
+    tiers: Mapping[str, TierCost] = field(default_factory=dict)  # tier -> read cost
+    prefill_fit_error: float | None = None  # mean relative error on held-out samples
+    decode_fit_error: float | None = None
+
+    def load_seconds(self, tier: str, tokens: int) -> float | None:
+        """Reading `tokens` tokens' KV from `tier` (None: a tier this instance cannot read)."""
+        if tier == "device" or tokens <= 0:
+            return 0.0
+        cost = self.tiers.get(tier)
+        if cost is None:
+            return None
+        return cost.load_time(tokens * self.kv_bytes_per_token)
+
+
+def _lstsq(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
+    """Non-negative least squares by active set on a few columns (exact, small systems):
+    solve the normal equations on every subset of columns, keep the best non-negative one."""
+    n = len(rows[0])
+    best: tuple[float, list[float]] | None = None
+    for mask in range(1, 1 << n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        coef = _solve([[r[j] for j in cols] for r in rows], ys)
+        if coef is None or min(coef) < 0:
+            continue
+        full = [0.0] * n
+        for j, c in zip(cols, coef, strict=True):
+            full[j] = c
+        err = sum((_dot(full, r) - y) ** 2 for r, y in zip(rows, ys, strict=True))
+        if best is None or err < best[0]:
+            best = (err, full)
+    if best is None:
+        return [0.0] * n
+    return best[1]
+
+
+def _dot(a: Sequence[float], b: Sequence[float]) -> float:
+    return sum(x * y for x, y in zip(a, b, strict=True))
+
+
+def _solve(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float] | None:
+    """Least squares through the normal equations, Gaussian elimination with pivoting; None
+    where the columns are dependent."""
+    k = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(k)] for i in range(k)]
+    b = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in range(k)]
+    for col in range(k):
+        piv = max(range(col, k), key=lambda i: abs(a[i][col]))
+        scale = max(abs(a[i][i]) for i in range(k)) or 1.0
+        if abs(a[piv][col]) <= 1e-12 * scale:
+            return None
+        a[col], a[piv] = a[piv], a[col]
+        b[col], b[piv] = b[piv], b[col]
+        for i in range(k):
+            if i != col:
+                f = a[i][col] / a[col][col]
+                a[i] = [x - f * y for x, y in zip(a[i], a[col], strict=True)]
+                b[i] -= f * b[col]
+    return [b[i] / a[i][i] for i in range(k)]
+
+
+PrefillSample = tuple[int, int, float]  # (new tokens, cached tokens, seconds)
+DecodeSample = tuple[int, int, float]  # (batch, context tokens, seconds)
+
+
+def _prefill_row(new: int, cached: int) -> list[float]:
+    return [1.0, float(new), new * (cached + new / 2)]
+
+
+def fit_prefill(samples: Sequence[PrefillSample]) -> PrefillFit:
+    if len(samples) < 3:
+        raise ValueError(f"a prefill fit needs at least 3 samples, got {len(samples)}")
+    # Relative error matters (a 2 ms and a 2 s prefill alike): weight each row by 1 / seconds.
+    rows = [[x / s for x in _prefill_row(n, c)] for n, c, s in samples]
+    c0, c1, c2 = _lstsq(rows, [1.0] * len(samples))
+    return PrefillFit(c0, c1, c2)
+
+
+def fit_decode(samples: Sequence[DecodeSample]) -> DecodeFit:
+    if len(samples) < 3:
+        raise ValueError(f"a decode fit needs at least 3 samples, got {len(samples)}")
+    rows = [[1.0 / s, b / s, c / s] for b, c, s in samples]
+    d0, d1, d2 = _lstsq(rows, [1.0] * len(samples))
+    return DecodeFit(d0, d1, d2)
+
+
+class _Fit(Protocol):
+    def seconds(self, a: int, b: int) -> float: ...
+
+
+F = TypeVar("F", bound=_Fit)
+
+
+def fit_error(fit: _Fit, samples: Sequence[tuple[int, int, float]]) -> float:
+    """Mean relative error |predicted - measured| / measured of `fit` on `samples`."""
+    errs = [abs(fit.seconds(a, b) - s) / s for a, b, s in samples if s > 0]
+    return sum(errs) / len(errs) if errs else math.nan
+
+
+def held_out(
+    samples: Sequence[tuple[int, int, float]],
+    fitter: Callable[[Sequence[tuple[int, int, float]]], F],
+    every: int = 4,
+) -> tuple[F, float]:
+    """Fit on all samples but every `every`-th, measure the error on those (NaN if too few),
+    then refit on all: the fit to use and the error to print beside its predictions."""
+    held = [x for i, x in enumerate(samples) if i % every == every - 1]
+    train = [x for i, x in enumerate(samples) if i % every != every - 1]
+    err = fit_error(fitter(train), held) if held and len(train) >= 3 else math.nan
+    return fitter(samples), err
