@@ -16,6 +16,7 @@ BENCH_MODULES: list[str] = [
     "hetserve.bench.soak.cli",  # mixed and hostile load; the server must stay whole
     "hetserve.bench.store",
     "hetserve.bench.moe_kernel",
+    "hetserve.bench.kernel_ceiling",  # experts backends cache-resident vs cold, per probe
     "hetserve.bench.decode",
     "hetserve.bench.finetune",  # LoRA training vs transformers + PEFT
 ]
