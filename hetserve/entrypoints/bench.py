@@ -19,6 +19,7 @@ BENCH_MODULES: list[str] = [
     "hetserve.bench.kernel_ceiling",  # experts backends cache-resident vs cold, per probe
     "hetserve.bench.decode",
     "hetserve.bench.finetune",  # LoRA training vs transformers + PEFT
+    "hetserve.bench.experts_backward",  # the native experts backward vs torch's, GEMM peak
 ]
 
 
