@@ -23,6 +23,7 @@ from collections.abc import Callable
 from hetserve.bench.common import print_table, write_json
 
 FORWARD_BACKEND = {32: "cpu-fp32", 8: "cpu-int8", 4: "cpu-int4"}
+INT4_GROUP = 64  # --bits 4: the forward's and the backward's weights quantized alike
 
 
 def register(sub) -> None:
@@ -61,6 +62,11 @@ def _check(args: argparse.Namespace) -> None:
             raise InvalidInputError(f"--{flag.replace('_', '-')} must be >= 1")
     if args.top_k > args.experts:
         raise InvalidInputError(f"--top-k {args.top_k} is more than --experts {args.experts}")
+    if args.bits == 4 and (args.hidden % INT4_GROUP or args.inter % INT4_GROUP):
+        raise InvalidInputError(
+            f"--bits 4 quantizes in groups of {INT4_GROUP}: --hidden {args.hidden} and --inter "
+            f"{args.inter} must be multiples of it"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,8 +89,9 @@ def run(args: argparse.Namespace) -> int:
     x, gout = torch.randn(t, h, generator=g), torch.randn(t, h, generator=g)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
     tw = torch.rand(t, k, generator=g)
-    gw = make_grad_weights(w13, w2, bits=args.bits)
-    fwd = create_backend(FORWARD_BACKEND[args.bits], ExpertWeights(w13, w2))
+    gw = make_grad_weights(w13, w2, bits=args.bits, group_size=INT4_GROUP)
+    opts = {"group_size": INT4_GROUP} if args.bits == 4 else {}
+    fwd = create_backend(FORWARD_BACKEND[args.bits], ExpertWeights(w13, w2), **opts)
     calls, repeats = args.calls, args.repeats
     ms = {
         "forward": best_ms(lambda: fwd.forward(x, tw, ids), calls, repeats),

@@ -30,6 +30,15 @@ def test_bench_experts_backward_writes_json(tmp_path, capsys):
     assert "of GEMM peak" in capsys.readouterr().out
 
 
-def test_bench_experts_backward_top_k_over_experts_is_a_user_error(capsys):
-    assert main(["bench", "experts-backward", "--experts", "4", "--top-k", "5"]) == 2
-    assert "--top-k 5 is more than --experts 4" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--experts", "4", "--top-k", "5"], "--top-k 5 is more than --experts 4"),
+        (["--hidden", "96", "--bits", "4"], "--bits 4 quantizes in groups of 64"),
+        (["--calls", "0"], "--calls must be >= 1"),
+    ],
+)
+def test_bench_experts_backward_bad_options_are_user_errors(args, message, capsys):
+    assert main(["bench", "experts-backward", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
