@@ -20,6 +20,7 @@ BENCH_MODULES: list[str] = [
     "hetserve.bench.decode",
     "hetserve.bench.finetune",  # LoRA training vs transformers + PEFT
     "hetserve.bench.experts_backward",  # the native experts backward vs torch's, GEMM peak
+    "hetserve.bench.lora",  # what serving LoRA adapters costs in a batch
 ]
 
 
