@@ -21,6 +21,7 @@ BENCH_MODULES: list[str] = [
     "hetserve.bench.finetune",  # LoRA training vs transformers + PEFT
     "hetserve.bench.experts_backward",  # the native experts backward vs torch's, GEMM peak
     "hetserve.bench.lora",  # what serving LoRA adapters costs in a batch
+    "hetserve.bench.health",  # /health latency while the server takes maximal bodies
 ]
 
 
