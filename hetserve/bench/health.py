@@ -18,20 +18,15 @@ import multiprocessing as mp
 import statistics
 import time
 
+from hetserve.bench.common import add_server_args
+
 GOAL_MS = 100.0
 FILL = 0.98  # of the server's limit: room for the JSON around the prompt
 
 
 def register(sub) -> None:
     p = sub.add_parser("health", help="/health latency while the server takes maximal bodies")
-    p.add_argument(
-        "--url",
-        "--base-url",
-        dest="url",
-        required=True,
-        help="server root, e.g. http://127.0.0.1:8000",
-    )
-    p.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
+    add_server_args(p)
     p.add_argument(
         "--max-request-mb",
         type=float,
