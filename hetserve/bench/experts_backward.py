@@ -69,6 +69,18 @@ def _check(args: argparse.Namespace) -> None:
         )
 
 
+def _layer(e: int, h: int, inter: int, t: int, k: int) -> tuple:
+    """Random weights (unit-variance outputs), inputs, output gradients and routing."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(e, 2 * inter, h, generator=g) / h**0.5
+    w2 = torch.randn(e, h, inter, generator=g) / inter**0.5
+    x, gout = torch.randn(t, h, generator=g), torch.randn(t, h, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    return w13, w2, x, gout, ids, torch.rand(t, k, generator=g)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -83,12 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
     _check(args)
     e, h, inter, t, k = args.experts, args.hidden, args.inter, args.tokens, args.top_k
-    g = torch.Generator().manual_seed(0)
-    w13 = torch.randn(e, 2 * inter, h, generator=g) / h**0.5
-    w2 = torch.randn(e, h, inter, generator=g) / inter**0.5
-    x, gout = torch.randn(t, h, generator=g), torch.randn(t, h, generator=g)
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    tw = torch.rand(t, k, generator=g)
+    w13, w2, x, gout, ids, tw = _layer(e, h, inter, t, k)
     gw = make_grad_weights(w13, w2, bits=args.bits, group_size=INT4_GROUP)
     opts = {"group_size": INT4_GROUP} if args.bits == 4 else {}
     fwd = create_backend(FORWARD_BACKEND[args.bits], ExpertWeights(w13, w2), **opts)
