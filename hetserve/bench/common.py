@@ -8,10 +8,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 
 def machine_info() -> dict:
+    import torch  # here, not at the top: the HTTP benches (and their poller processes) need none
+
     info = {
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -47,6 +47,13 @@ def _fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
     return "-" if value is None else str(value)
+
+
+def add_server_args(p) -> None:
+    """The options of every bench that talks to a running server over HTTP."""
+    p.add_argument("--url", "--base-url", dest="url", required=True,
+                   help="server root, e.g. http://127.0.0.1:8000")  # fmt: skip
+    p.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
 
 
 def write_json(path: str | None, payload: dict) -> None:

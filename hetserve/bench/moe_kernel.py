@@ -220,7 +220,26 @@ def _gguf_packers() -> dict:
     return {"q4_K": ("cpu-int4", q4_k), "q8_0": ("cpu-int8", Int8Rows.q8_0)}
 
 
-def _make_backend(name: str, weights, int4_group: int):
+def check_backends(backends: list[str], hidden: int, inter: int) -> None:
+    """InvalidInputError (exit 2) for a backend name this machine lacks, or a GGUF format the
+    layer's sizes cannot hold."""
+    from hetserve.errors import InvalidInputError
+    from hetserve.moe.experts import available_backends
+
+    unknown = [b for b in backends if b.split(":")[0] not in available_backends()]
+    if unknown:
+        raise InvalidInputError(
+            f"unknown experts backend(s) {unknown}; available: {', '.join(available_backends())}"
+        )
+    if any(b.endswith(":q4_K") for b in backends) and (hidden % 256 or inter % 256):
+        raise InvalidInputError(
+            f"q4_K rows are super-blocks of 256: --hidden {hidden} and --inter {inter} "
+            "must be multiples of 256 (e.g. --inter 1536)"
+        )
+
+
+def make_backend(name: str, weights, int4_group: int):
+    """The experts backend a --backends entry names (NAME, NAME:KERNEL or NAME:FORMAT)."""
     from hetserve.moe.experts import ExpertWeights, create_backend
     from hetserve.quant.packed import PackedExperts
 
@@ -243,22 +262,13 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from hetserve.errors import InvalidInputError
-    from hetserve.moe.experts import ExpertWeights, available_backends
+    from hetserve.moe.experts import ExpertWeights
 
     tokens = _int_list(args.tokens)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = [b for b in backends if b.split(":")[0] not in available_backends()]
-    if unknown:
-        raise InvalidInputError(
-            f"unknown experts backend(s) {unknown}; available: {', '.join(available_backends())}"
-        )
+    check_backends(backends, args.hidden, args.inter)
     if args.top_k > args.experts or min(args.hidden, args.inter, args.experts, args.top_k) < 1:
         raise InvalidInputError("need 1 <= top-k <= experts and positive sizes")
-    if any(b.endswith(":q4_K") for b in backends) and (args.hidden % 256 or args.inter % 256):
-        raise InvalidInputError(
-            f"q4_K rows are super-blocks of 256: --hidden {args.hidden} and --inter {args.inter} "
-            "must be multiples of 256 (e.g. --inter 1536)"
-        )
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -273,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
     with tqdm(total=len(backends) * len(tokens), desc="moe-kernel", unit="case") as bar:
         for name in backends:
             bar.set_postfix_str(f"building {name}")
-            backend = _make_backend(name, weights, args.int4_group_size)
+            backend = make_backend(name, weights, args.int4_group_size)
             for t in tokens:
                 bar.set_postfix_str(f"{name} T={t}")
                 r = _time_backend(backend, probe, h, e, args.top_k, t, args.iters)

@@ -16,8 +16,12 @@ BENCH_MODULES: list[str] = [
     "hetserve.bench.soak.cli",  # mixed and hostile load; the server must stay whole
     "hetserve.bench.store",
     "hetserve.bench.moe_kernel",
+    "hetserve.bench.kernel_ceiling",  # experts backends cache-resident vs cold, per probe
     "hetserve.bench.decode",
     "hetserve.bench.finetune",  # LoRA training vs transformers + PEFT
+    "hetserve.bench.experts_backward",  # the native experts backward vs torch's, GEMM peak
+    "hetserve.bench.lora",  # what serving LoRA adapters costs in a batch
+    "hetserve.bench.health",  # /health latency while the server takes maximal bodies
 ]
 
 

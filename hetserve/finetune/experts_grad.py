@@ -130,7 +130,9 @@ def torch_backward(gw: GradWeights, x, tw, ids, gout) -> tuple[torch.Tensor, tor
     return dx, dw.view(-1, k)
 
 
-def _native_ok(gw: GradWeights, x: torch.Tensor) -> bool:
+def native_backward_applies(gw: GradWeights, x: torch.Tensor) -> bool:
+    """Whether `experts_backward` runs the native kernel for these weights and input (else it
+    runs `torch_backward`)."""
     from hetserve.native import optional_kernel
 
     h, i = gw.hidden, gw.inter
@@ -151,7 +153,7 @@ def experts_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dw) in fp32 on x's device: the native kernel on CPU where it applies, else torch.
     num_threads: the kernel's threads (default: torch's)."""
-    if not _native_ok(gw, x):
+    if not native_backward_applies(gw, x):
         return torch_backward(gw, x, tw, ids, gout)
     from hetserve.native import optional_kernel
 

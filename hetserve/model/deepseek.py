@@ -103,6 +103,28 @@ class MLAttention(nn.Module):
         return torch.cat((k_nope, k_pe), dim=-1), v
 
 
+def deepseek_mlp_maker(
+    cfg: ModelConfig, router: RouterConfig, shared: int, first_dense: int
+) -> Callable[[int], nn.Module]:
+    """Layer index -> its MLP, in DeepSeek's layout (GLM-4.5 keeps it): the first
+    `first_k_dense_replace` layers dense, the others routed experts plus `n_shared_experts`
+    shared ones as one dense MLP n times as wide. `shared` and `first_dense` are the defaults
+    for a config that leaves those keys out (they differ between the families)."""
+    moe_inter = int(cfg.require("moe_intermediate_size"))
+    n_shared = int(cfg.get("n_shared_experts", default=shared))
+    n_dense = int(cfg.get("first_k_dense_replace", default=first_dense))
+
+    def make_mlp(i: int) -> nn.Module:
+        if i < n_dense:
+            return DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        shared_mlp = None
+        if n_shared:
+            shared_mlp = DenseMLP(cfg.hidden_size, moe_inter * n_shared, cfg.hidden_act)
+        return SparseMoE(cfg.hidden_size, router, moe_inter, cfg.hidden_act, shared=shared_mlp)
+
+    return make_mlp
+
+
 class _DeepseekFamily(CausalLM):
     v3 = False
 
@@ -112,21 +134,10 @@ class _DeepseekFamily(CausalLM):
             cfg, rope_dim, interleaved=bool(cfg.get("rope_interleave", default=True))
         )
         bias = bool(cfg.get("attention_bias", default=False))
-        router = self._router_config(cfg)
-        moe_inter = int(cfg.require("moe_intermediate_size"))
-        n_shared = int(cfg.get("n_shared_experts", default=0))
-        first_dense = int(cfg.get("first_k_dense_replace", default=0))
+        make_mlp = deepseek_mlp_maker(cfg, self._router_config(cfg), shared=0, first_dense=0)
 
         def make_layer(i: int) -> nn.Module:
-            attn = MLAttention(cfg, i, rotary, bias)
-            if i < first_dense:
-                mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
-            else:
-                shared = None
-                if n_shared:
-                    shared = DenseMLP(cfg.hidden_size, moe_inter * n_shared, cfg.hidden_act)
-                mlp = SparseMoE(cfg.hidden_size, router, moe_inter, cfg.hidden_act, shared=shared)
-            return DecoderLayer(cfg, attn, mlp)
+            return DecoderLayer(cfg, MLAttention(cfg, i, rotary, bias), make_mlp(i))
 
         super().__init__(cfg, make_layer)
         self.rotary = rotary

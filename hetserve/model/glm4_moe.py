@@ -19,10 +19,10 @@ import dataclasses
 from torch import nn
 
 from hetserve.errors import ModelLoadError
-from hetserve.layers.moe import SparseMoE
 from hetserve.layers.rotary import PartialRotaryEmbedding
-from hetserve.model.base import CausalLM, DecoderLayer, DenseMLP
+from hetserve.model.base import CausalLM, DecoderLayer
 from hetserve.model.config import ModelConfig
+from hetserve.model.deepseek import deepseek_mlp_maker
 from hetserve.model.llama import GQAAttention
 from hetserve.moe.router import RouterConfig
 
@@ -67,21 +67,11 @@ class Glm4MoeForCausalLM(CausalLM):
         rotary = PartialRotaryEmbedding(rotary_dim(cfg), cfg.max_position_embeddings, cfg.rope)
         qkv_bias = bool(cfg.get("attention_bias", default=False))
         qk_norm = bool(cfg.get("use_qk_norm", default=False))
-        router = router_config(cfg)
-        moe_inter = int(cfg.require("moe_intermediate_size"))
-        n_shared = int(cfg.get("n_shared_experts", default=1))
-        first_dense = int(cfg.get("first_k_dense_replace", default=1))
+        make_mlp = deepseek_mlp_maker(cfg, router_config(cfg), shared=1, first_dense=1)
 
         def make_layer(i: int) -> nn.Module:
             attn = GQAAttention(cfg, i, rotary, qkv_bias, o_bias=False, qk_norm=qk_norm)
-            if i < first_dense:
-                mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
-            else:
-                shared = None
-                if n_shared:
-                    shared = DenseMLP(cfg.hidden_size, moe_inter * n_shared, cfg.hidden_act)
-                mlp = SparseMoE(cfg.hidden_size, router, moe_inter, cfg.hidden_act, shared=shared)
-            return DecoderLayer(cfg, attn, mlp)
+            return DecoderLayer(cfg, attn, make_mlp(i))
 
         super().__init__(cfg, make_layer)
         self.rotary = rotary

@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -98,6 +98,20 @@ def _packed_as(weights: ExpertWeights, cls: type[QMatrix]) -> bool:
     return weights.packed is not None and all(
         isinstance(m, cls) for m in (*weights.packed.w13, *weights.packed.w2)
     )
+
+
+def _experts_in(
+    weights: ExpertWeights, packed: bool, quantize: Callable[[torch.Tensor], QMatrix]
+) -> tuple[Sequence[QMatrix], Sequence[QMatrix]]:
+    """The layer's w13 and w2 matrices in one format: the checkpoint's own where `packed` (it
+    holds them in that format already), else each expert quantized on its own."""
+    if packed:
+        return weights.packed.w13, weights.packed.w2
+    mats13, mats2 = [], []
+    for e in range(weights.num_experts):
+        for w, out in zip(weights.expert(e), (mats13, mats2), strict=True):
+            out.append(quantize(w))
+    return mats13, mats2
 
 
 class _NativeExperts(_CPUExperts):
@@ -292,14 +306,14 @@ class NativeInt4Experts(_NativeExperts):
             p = weights.packed
             self._set(_q4k_layer(p.w13, True), None, _q4k_layer(p.w2, False), None)
             return
-        if _packed_as(weights, Int4Rows) and weights.packed.groups() == (self.group_size,) * 2:
-            mats13, mats2 = weights.packed.w13, weights.packed.w2
-        else:
-            mats13, mats2 = [], []
-            for e in range(self.num_experts):
-                for w, out in zip(weights.expert(e), (mats13, mats2), strict=True):
-                    q, scale, low = quantize_int4_groupwise(w, self.group_size)
-                    out.append(Int4Rows(pack_int4_rows(q), scale, low))
+
+        def quantize(w: torch.Tensor) -> Int4Rows:
+            q, scale, low = quantize_int4_groupwise(w, self.group_size)
+            return Int4Rows(pack_int4_rows(q), scale, low)
+
+        groups = (self.group_size,) * 2
+        keep = _packed_as(weights, Int4Rows) and weights.packed.groups() == groups
+        mats13, mats2 = _experts_in(weights, keep, quantize)
         self._set(_int4_layer(mats13, True), None, _int4_layer(mats2, False), None)
 
 
@@ -312,13 +326,9 @@ class NativeMxfp4Experts(_NativeExperts):
     group_size = 32
 
     def _load(self, weights: ExpertWeights) -> None:
-        if _packed_as(weights, Mxfp4Rows):
-            mats13, mats2 = weights.packed.w13, weights.packed.w2
-        else:
-            mats13, mats2 = [], []
-            for e in range(self.num_experts):
-                for w, out in zip(weights.expert(e), (mats13, mats2), strict=True):
-                    out.append(Mxfp4Rows(*quantize_mxfp4(w)))
+        mats13, mats2 = _experts_in(
+            weights, _packed_as(weights, Mxfp4Rows), lambda w: Mxfp4Rows(*quantize_mxfp4(w))
+        )
         n13, n2 = 2 * self.inter, self.hidden
 
         def blocks(mats: tuple | list, n: int) -> list[torch.Tensor]:
@@ -341,14 +351,11 @@ class NativeFp8Experts(_NativeExperts):
     align = 16
 
     def _load(self, weights: ExpertWeights) -> None:
-        if _packed_as(weights, Fp8Rows):
-            mats13, mats2 = weights.packed.w13, weights.packed.w2
-        else:
-            mats13, mats2 = [], []
-            for e in range(self.num_experts):
-                for w, out in zip(weights.expert(e), (mats13, mats2), strict=True):
-                    q, scale = quantize_fp8_blocks(w)
-                    out.append(Fp8Rows(q, scale.repeat_interleave(128, dim=0)[: w.shape[0]]))
+        def quantize(w: torch.Tensor) -> Fp8Rows:
+            q, scale = quantize_fp8_blocks(w)
+            return Fp8Rows(q, scale.repeat_interleave(128, dim=0)[: w.shape[0]])
+
+        mats13, mats2 = _experts_in(weights, _packed_as(weights, Fp8Rows), quantize)
         # One group size for both matrices (the kernel's G): the largest that divides the
         # block and both row lengths; block scales repeat over its groups (exactly).
         self.group_size = math.gcd(mats13[0].group, self.hidden, self.inter)

@@ -12,9 +12,12 @@ unloading a name that is not loaded).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, Response
+from pydantic import BaseModel
 
 from hetserve.engine.async_llm import AsyncLLM
 from hetserve.server.errors import error_response
@@ -22,21 +25,35 @@ from hetserve.server.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRe
 
 FLAG = "--enable-lora-runtime-updates"
 
+Body = TypeVar("Body", bound=BaseModel)
+Handler = Callable[[Body], Awaitable[Response]]
+
 
 def install_lora_routes(app: FastAPI, engine: AsyncLLM, model_name: str, enabled: bool) -> None:
-    def disabled():
-        return error_response(
-            404,
-            f"runtime LoRA adapter loading is off; start the server with {FLAG} to allow it",
-            "not_found_error",
-            code="lora_runtime_updates_disabled",
-        )
+    def route(path: str, body: type[Body]) -> Callable[[Handler[Body]], Handler[Body]]:
+        """POST `path` runs the handler on the parsed body, or answers 404 while updates are
+        off (before reading the body, as when vLLM has no such route)."""
 
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(request: Request):
-        if not enabled:
-            return disabled()
-        req = LoadLoRAAdapterRequest.model_validate_json(await request.body())
+        def install(handler: Handler[Body]) -> Handler[Body]:
+            async def endpoint(request: Request) -> Response:
+                if not enabled:
+                    return error_response(
+                        404,
+                        f"runtime LoRA adapter loading is off; start the server with {FLAG} "
+                        "to allow it",
+                        "not_found_error",
+                        code="lora_runtime_updates_disabled",
+                    )
+                return await handler(body.model_validate_json(await request.body()))
+
+            # The handler's name keeps the OpenAPI operation ids and summaries.
+            app.add_api_route(path, endpoint, methods=["POST"], name=handler.__name__)
+            return handler
+
+        return install
+
+    @route("/v1/load_lora_adapter", LoadLoRAAdapterRequest)
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
         name = req.lora_name
         if name == model_name:
             return error_response(
@@ -52,11 +69,8 @@ def install_lora_routes(app: FastAPI, engine: AsyncLLM, model_name: str, enabled
         await asyncio.to_thread(engine.load_lora, name, req.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(request: Request):
-        if not enabled:
-            return disabled()
-        req = UnloadLoRAAdapterRequest.model_validate_json(await request.body())
+    @route("/v1/unload_lora_adapter", UnloadLoRAAdapterRequest)
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
         name = req.lora_name
         if name not in engine.lora_adapters():
             return error_response(

@@ -22,6 +22,7 @@ from hetserve.model.tiktoken_tokenizer import (
     TIKTOKEN_FILE,
     TOKENIZER_CLASS,
 )
+from hetserve.testing.tiny_tokenizer import pseudo_sentences
 
 NUM_RANKS = 400  # 256 single bytes and 144 merges
 # Kimi-K2's named special tokens, as offsets from the first special id (163584 there).
@@ -75,17 +76,6 @@ _WORDS = (
 ).split(" ")
 
 
-def _corpus(lines: int = 300) -> list[str]:
-    out, state = [], 2024
-    for _ in range(lines):
-        words = []
-        for _ in range(14):
-            state = (state * 1103515245 + 12345) & 0x7FFFFFFF
-            words.append(_WORDS[state % len(_WORDS)])
-        out.append(" ".join(words))
-    return out
-
-
 def train_ranks() -> dict[bytes, int]:
     """Byte-level BPE trained over Kimi's pre-tokenization; rank = merge order."""
     tok = Tokenizer(models.BPE())
@@ -100,7 +90,7 @@ def train_ranks() -> dict[bytes, int]:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(pseudo_sentences(_WORDS, 300, 14, seed=2024), trainer=trainer)
     byte_of = {c: b for b, c in enumerate(BYTE_LEVEL_CHARS)}
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
     ranks = {bytes(byte_of[c] for c in text): rank for rank, (text, _) in enumerate(vocab)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -29,15 +30,17 @@ _WORDS = (
 ).split()
 
 
-def _corpus(lines: int = 400) -> list[str]:
-    # Deterministic pseudo-sentences: varied enough to learn merges, no external data needed.
-    out, state = [], 12345
+def pseudo_sentences(words: Sequence[str], lines: int, per_line: int, seed: int) -> list[str]:
+    """Deterministic pseudo-sentences for training the tiny tokenizers: varied enough to learn
+    merges, no external data needed. The corpus fixes the trained vocabulary, which cached
+    tokenizer files (`-v1`) are named for: change it only with that version."""
+    out, state = [], seed
     for _ in range(lines):
-        words = []
-        for _ in range(12):
+        picked = []
+        for _ in range(per_line):
             state = (state * 1103515245 + 12345) & 0x7FFFFFFF
-            words.append(_WORDS[state % len(_WORDS)])
-        out.append(" ".join(words))
+            picked.append(words[state % len(words)])
+        out.append(" ".join(picked))
     return out
 
 
@@ -51,7 +54,7 @@ def train_tokenizer(vocab_size: int = 512) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(pseudo_sentences(_WORDS, 400, 12, seed=12345), trainer=trainer)
     return tok
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hetserve import envs
+from hetserve.bench.common import add_server_args
 from hetserve.errors import InvalidInputError
 
 
@@ -22,15 +23,8 @@ def register(bench_sub: Any) -> None:
         help="mixed load with disconnects and bad requests; checks failures, KV blocks, memory",
         description=__doc__.splitlines()[0],
     )
-    p.add_argument(
-        "--url",
-        "--base-url",
-        dest="url",
-        required=True,
-        help="server root, e.g. http://127.0.0.1:8000",
-    )
+    add_server_args(p)
     p.add_argument("--model", default=None, help="model name (default: the one /v1/models lists)")
-    p.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
     p.add_argument("--concurrency", type=int, default=64, help="clients sending at once")
     p.add_argument(
         "--duration",

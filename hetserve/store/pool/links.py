@@ -5,7 +5,8 @@ out on one connection before the first reply is read, so round trips overlap."""
 from __future__ import annotations
 
 import queue
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,18 @@ class ConnPool:
 
     def give(self, conn: FrameClient) -> None:
         self._idle.put(conn)
+
+    @contextmanager
+    def lease(self) -> Iterator[FrameClient]:
+        """A connection for one exchange, given back when it ends. A transport error closes it
+        instead (replies may be half read: it is unusable) and goes on to the caller."""
+        conn = self.take()
+        try:
+            yield conn
+        except TRANSPORT_ERRORS:
+            conn.close()
+            raise
+        self.give(conn)
 
     def close(self) -> None:
         while True:
@@ -80,20 +93,13 @@ class NodeLink:
         if self.views is not None:
             return [self._shm_read(self.views, t) for t in items]
         ok = [False] * len(items)
-        try:
-            conn = self.conns.take()
-        except TRANSPORT_ERRORS:
-            return ok
-        try:
+        # A failed link leaves the items it did not answer False: the caller tries elsewhere.
+        with suppress(*TRANSPORT_ERRORS), self.conns.lease() as conn:
             for t in items:
                 conn.send(P.READ, {"seg": t.segment, "off": t.offset, "len": t.size})
             for i, t in enumerate(items):
                 conn.recv_into(t.parts)  # straight into the caller's parts (recvmsg_into)
                 ok[i] = checksum.digest_parts(t.parts) == t.digest
-        except TRANSPORT_ERRORS:
-            conn.close()  # replies may be half read: this connection is unusable
-            return ok
-        self.conns.give(conn)
         return ok
 
     @staticmethod
@@ -109,11 +115,7 @@ class NodeLink:
                 t.digest = checksum.copy_and_digest_parts([dst], t.parts)
             return [True] * len(items)
         ok = [False] * len(items)
-        try:
-            conn = self.conns.take()
-        except TRANSPORT_ERRORS:
-            return ok
-        try:
+        with suppress(*TRANSPORT_ERRORS), self.conns.lease() as conn:
             for t in items:
                 t.digest = checksum.digest_parts(t.parts)
                 meta = {"seg": t.segment, "off": t.offset, "len": t.size}
@@ -121,10 +123,6 @@ class NodeLink:
             for i in range(len(items)):
                 conn.recv()
                 ok[i] = True
-        except TRANSPORT_ERRORS:
-            conn.close()
-            return ok
-        self.conns.give(conn)
         return ok
 
     def close(self) -> None:
