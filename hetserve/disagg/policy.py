@@ -16,9 +16,10 @@ Policies (`--policy`):
 - `tier-credit`: Dynamo's KV router cost, in blocks: queued prefill blocks + prompt blocks -
   overlap credited per tier (device 1.0, host 0.75, disk 0.25 by default) + decode blocks.
 - `kvcentric`: Mooncake's Algorithm 1. For each prefill instance: TTFT = its queue + loading its
-  own prefix from its tiers + prefilling the rest; or, where another holder (an instance's tier
-  or the shared pool) has a longer prefix, pulling it and prefilling less, taken only when that
-  beats recomputing those tokens there by more than `balance_threshold`. The instance with the
+  own prefix from its tiers + prefilling the rest; or, where the shared pool (the store that
+  spans the instances' DRAM, as Mooncake Store does) has a longer prefix, pulling it and
+  prefilling less, taken only when that beats recomputing those tokens there by more than
+  `balance_threshold`. The instance with the
   lowest TTFT wins; a prefix it pulls stays there, so hot prefixes replicate where load is.
   The decode instance is the one with the lowest predicted time between tokens.
 
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 from hetserve.disagg.costs import InstanceProfile
 
 TIER_ORDER = ("device", "dram", "ssd", "pool")  # fastest first: how a prefix is covered
+LOCAL_TIERS = TIER_ORDER[:3]  # an instance's own
 POOL = "pool"  # the cluster's shared store: a holder of its own, reachable by every instance
 
 
@@ -221,46 +223,31 @@ class Router:
         queue = prof.prefill.queue_seconds(inst.queued_prefill_tokens, inst.queued_requests)
         best = _Option(inst, queue + prof.prefill.seconds(n, 0), 0, None)
         own = view.holding(inst.name)
-        for tier in TIER_ORDER:  # its own tiers: load what it has, prefill the rest
+        load, covered = 0.0, 0
+        for tier in LOCAL_TIERS:  # its own tiers, fastest first: load what it has, prefill the rest
             k = min(own.covered(tier), usable)
-            load = prof.load_seconds(tier, k * bs) if k else None
-            if load is None:
+            if k <= covered:
                 continue
+            seg = prof.load_seconds(tier, (k - covered) * bs)
+            if seg is None:
+                break  # a tier it cannot read: nothing past it counts
+            load, covered = load + seg, k
             ttft = queue + load + prof.prefill.seconds(n - k * bs, k * bs)
             if ttft < best.ttft_s:
                 pull = Pull(inst.name, tier, k) if tier != "device" else None
                 best = _Option(inst, ttft, k * bs, pull)
         local = best.cached_tokens // bs
-        for holder, holding in view.holdings.items():  # a longer prefix elsewhere: pull it?
-            if holder == inst.name:
-                continue
-            for tier, blocks in holding.blocks.items():
-                k = min(blocks, usable)
-                if k <= local:
-                    continue
-                move = self._transfer_seconds(prof, holder, tier, k * bs)
-                if move is None:
-                    continue
-                recompute = prof.prefill.seconds(n - local * bs, local * bs) - prof.prefill.seconds(
-                    n - k * bs, k * bs
-                )
-                if move > (1 - self.config.balance_threshold) * recompute:
-                    continue  # not worth it by the balancing margin
+        k = min(view.holding(POOL).longest, usable)
+        move = prof.load_seconds(POOL, (k - local) * bs) if k > local else None
+        if move is not None:  # a longer prefix in the shared pool: pull it?
+            recompute = prof.prefill.seconds(n - local * bs, local * bs)
+            recompute -= prof.prefill.seconds(n - k * bs, k * bs)
+            # Taken only where it beats recomputing those tokens by the balancing margin.
+            if move <= (1 - self.config.balance_threshold) * recompute:
                 ttft = queue + move + prof.prefill.seconds(n - k * bs, k * bs)
                 if ttft < best.ttft_s:
-                    best = _Option(inst, ttft, k * bs, Pull(holder, tier, k))
+                    best = _Option(inst, ttft, k * bs, Pull(POOL, POOL, k))
         return best
-
-    @staticmethod
-    def _transfer_seconds(
-        prof: InstanceProfile, holder: str, tier: str, tokens: int
-    ) -> float | None:
-        """Reading `tokens` of another holder's prefix into this instance: the pool is a tier
-        of every instance; another instance's blocks come through the pool link (they are
-        written through to the shared store), at the pool's read cost."""
-        if holder == POOL or tier == POOL:
-            return prof.load_seconds(POOL, tokens)
-        return prof.load_seconds(POOL, tokens)
 
     def _pick_prefill(
         self,
