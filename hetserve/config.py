@@ -150,6 +150,43 @@ class LoRAConfig:
         return self.enable_lora or bool(self.lora_modules)
 
 
+class Role(enum.Enum):
+    """An instance's part in a prefill/decode cluster."""
+
+    PREFILL = "prefill"  # computes prompts and hands their KV to decode instances
+    DECODE = "decode"  # receives prompts' KV and generates
+    BOTH = "both"  # does both, alone or in a cluster (colocated)
+
+    @property
+    def prefills(self) -> bool:
+        return self is not Role.DECODE
+
+    @property
+    def decodes(self) -> bool:
+        return self is not Role.PREFILL
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """Prefill/decode disaggregation: this instance's role and its hand-off endpoints."""
+
+    role: Role = Role.BOTH
+    # Where a decode-capable instance receives hand-offs pushed to it (port 0: any free one).
+    handoff_listen: str = "127.0.0.1:0"
+    handoff_staging_bytes: int = 256 << 20  # received KV waiting for its request
+    handoff_links: int = 2  # TCP connections a hand-off is striped over (between hosts)
+
+    def __post_init__(self) -> None:
+        _as_enum(self, "role", Role)
+        host, _, port = self.handoff_listen.rpartition(":")
+        if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise ValueError(f"handoff_listen must be HOST:PORT, got {self.handoff_listen!r}")
+        if self.handoff_staging_bytes < 1 << 20:
+            raise ValueError("handoff staging must hold at least 1 MiB")
+        if not 1 <= self.handoff_links <= 16:
+            raise ValueError(f"handoff_links must be 1..16, got {self.handoff_links}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # HF directory; None = the embedded demo model
@@ -160,6 +197,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     moe: MoEConfig = MoEConfig()
     lora: LoRAConfig = LoRAConfig()
+    disagg: DisaggConfig = DisaggConfig()
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -187,7 +225,7 @@ class EngineConfig:
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: one object per option
 class EngineOption:
     name: str  # keyword of LLM(...) and argparse dest
-    section: str | None  # None (EngineConfig itself), "cache", "scheduler", "moe" or "lora"
+    section: str | None  # None (EngineConfig itself) or a section: "cache", "scheduler", ...
     attr: str  # the field it sets in that section
     help: str
     type: Callable[[str], Any] | None = None
@@ -209,6 +247,7 @@ class EngineOption:
             "cache": CacheConfig,
             "scheduler": SchedulerConfig,
             "lora": LoRAConfig,
+            "disagg": DisaggConfig,
         }.get(self.section, MoEConfig)
         return next(f.default for f in fields(cls) if f.name == self.attr)
 
@@ -327,6 +366,20 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "install LoRA layers though no adapter is named yet (implied by --lora-modules and "
         "--enable-lora-runtime-updates)", extra={"action": "store_true"},
     ),
+    EngineOption(
+        "role", "disagg", "role",
+        "prefill: compute prompts and hand their KV to decode instances; decode: receive it "
+        "and generate; both: everything here", choices=tuple(m.value for m in Role),
+    ),
+    EngineOption(
+        "handoff_listen", "disagg", "handoff_listen",
+        "HOST:PORT where hand-offs are received (decode and both; port 0: any free port)",
+        extra={"metavar": "HOST:PORT"},
+    ),
+    EngineOption(
+        "handoff_links", "disagg", "handoff_links",
+        "TCP connections a hand-off to another host is striped over", int,
+    ),
 )  # fmt: skip
 
 
@@ -338,6 +391,7 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults: Any) -> None:
         "scheduler": parser.add_argument_group("scheduler"),
         "moe": parser.add_argument_group("mixture of experts"),
         "lora": parser.add_argument_group("LoRA adapters"),
+        "disagg": parser.add_argument_group("prefill/decode disaggregation"),
     }
     for o in ENGINE_OPTIONS:
         if o.flag == "":
@@ -353,7 +407,7 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults: Any) -> None:
         groups[o.section].add_argument(o.cli_flag, default=default, **kw)
 
 
-_SECTIONS = (None, "cache", "scheduler", "moe", "lora")
+_SECTIONS = (None, "cache", "scheduler", "moe", "lora", "disagg")
 
 
 def _build(values: dict[EngineOption, Any]) -> EngineConfig:
@@ -367,6 +421,7 @@ def _build(values: dict[EngineOption, Any]) -> EngineConfig:
             scheduler=SchedulerConfig(**sections["scheduler"]),
             moe=MoEConfig(**sections["moe"]),
             lora=LoRAConfig(**sections["lora"]),
+            disagg=DisaggConfig(**sections["disagg"]),
         )
     except ValueError as exc:  # the CLI prints a HetserveError as one line and exits 2
         raise InvalidInputError(str(exc)) from None

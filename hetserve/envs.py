@@ -29,6 +29,12 @@ def store_token() -> str:
     return os.environ.get(STORE_TOKEN, "")
 
 
+def handoff_token() -> str:
+    """HETSERVE_HANDOFF_TOKEN: the shared token of prefill -> decode KV hand-offs (needed when
+    an instance receives them beyond loopback)."""
+    return os.environ.get("HETSERVE_HANDOFF_TOKEN", "")
+
+
 def c_compiler() -> str | None:
     """CC: the compiler for the native expert kernels."""
     return os.environ.get("CC") or None

@@ -35,7 +35,7 @@ def test_flags_and_keywords_build_the_same_config():
         routing_stats="s.json", cpu_threads=5, max_deferred_experts_per_token=1,
     )  # fmt: skip
     assert from_flags == from_kw
-    assert from_kw.cache.kv_cache_bytes == 1 << 29 and from_kw.scheduler.policy == "priority"
+    assert from_kw.cache.kv_cache_bytes == 1 << 29 and from_kw.scheduler.policy.value == "priority"
     assert from_kw.moe.gpu_experts == 2 and not from_kw.cache.enable_prefix_caching
 
 

@@ -30,6 +30,30 @@ class RequestStatus(enum.Enum):
         )
 
 
+class HandoffRole(enum.Enum):
+    SEND = "send"  # a prefill instance: compute the prompt, then hand its KV over
+    RECEIVE = "receive"  # a decode instance: wait for the KV, then generate
+
+
+class HandoffPath(enum.Enum):
+    STORE = "store"  # through the shared KV store, full blocks under their BlockHash
+    DIRECT = "direct"  # pushed to the decode instance (shared memory on one host, else TCP)
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """A request's part in a prefill -> decode hand-off: both sides get the same `key` (the
+    Conductor makes it, unique per request). The prefill side hands over the KV of every
+    prompt token but the last; the decode side computes the last one itself and samples from
+    there, exactly as a colocated engine would."""
+
+    key: str
+    role: HandoffRole
+    path: HandoffPath = HandoffPath.DIRECT
+    peer: str | None = None  # SEND over DIRECT: the decode instance's receiver, host:port
+    timeout_s: float = 30.0  # RECEIVE: after this, recompute instead
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -40,6 +64,7 @@ class Request:
     cache_extra: CacheExtra = ()  # what changes the KV besides tokens: LoRA id, cache salt, ...
     session_id: str | None = None  # an agent's session: its blocks outlive it for a TTL
     lora_id: str | None = None  # the LoRA adapter it runs with (content id), None = base model
+    kv_handoff: KVHandoff | None = None  # its part in a prefill/decode hand-off
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first scheduling
@@ -88,4 +113,5 @@ class NewRequest:
     cache_extra: CacheExtra = ()  # what changes the KV besides tokens (a cache salt, ...)
     session_id: str | None = None  # an agent's session: its blocks outlive it for a TTL
     lora: str | None = None  # a loaded LoRA adapter's name; None: the base model
+    kv_handoff: KVHandoff | None = None  # a prefill/decode hand-off it takes part in
     lora_id: str | None = None  # set by validation: the adapter's content id

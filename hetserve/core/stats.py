@@ -51,6 +51,21 @@ class TierStats:
 
 
 @dataclass(frozen=True)
+class HandoffStats:
+    """Prefill/decode hand-offs: sent (by path) on a prefill instance, received on a decode
+    instance. GB/s of a path: sent_bytes / send_seconds."""
+
+    sent: dict[str, int] = field(default_factory=dict)  # path -> hand-offs shipped
+    send_failed: int = 0
+    sent_bytes: dict[str, int] = field(default_factory=dict)
+    send_seconds: dict[str, float] = field(default_factory=dict)
+    received: int = 0
+    receive_failed: int = 0  # timed out or mismatched: recomputed
+    received_bytes: int = 0
+    wait_seconds: float = 0.0  # from a request's first admission attempt to its landing
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
@@ -66,6 +81,7 @@ class EngineStats:
     failed_requests: int = 0  # requests failed inside the engine (the others went on)
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
     tiers: TierStats | None = None  # with a KV store attached
+    handoff: HandoffStats | None = None  # on an instance with a prefill or decode role
 
     @property
     def kv_usage(self) -> float:

@@ -37,31 +37,17 @@ ValueError at construction.
 
 from __future__ import annotations
 
-import enum
 import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from hetserve.config import Role
 from hetserve.disagg.costs import InstanceProfile
 
 TIER_ORDER = ("device", "dram", "ssd", "pool")  # fastest first: how a prefix is covered
 LOCAL_TIERS = TIER_ORDER[:3]  # an instance's own
 POOL = "pool"  # the cluster's shared store: a holder of its own, reachable by every instance
-
-
-class Role(enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    BOTH = "both"
-
-    @property
-    def prefills(self) -> bool:
-        return self is not Role.DECODE
-
-    @property
-    def decodes(self) -> bool:
-        return self is not Role.PREFILL
 
 
 @dataclass(frozen=True)

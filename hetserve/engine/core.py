@@ -18,12 +18,13 @@ import time
 
 import torch
 
-from hetserve.config import EngineConfig
+from hetserve.config import EngineConfig, Role
 from hetserve.core.outputs import RequestOutput
-from hetserve.core.request import NewRequest, Request, RequestStatus
+from hetserve.core.request import HandoffRole, NewRequest, Request, RequestStatus
 from hetserve.core.stats import EngineStats
 from hetserve.engine.detokenizer import IncrementalDetokenizer
 from hetserve.engine.execute import StepExecutor, StepResult, describe
+from hetserve.engine.handoff import Handoff, open_handoff
 from hetserve.engine.kv_store import BlockIO, kv_identity, open_tiers
 from hetserve.engine.lora import build_lora_manager
 from hetserve.engine.output import ParentState, SeqState
@@ -31,6 +32,8 @@ from hetserve.engine.runner import ModelRunner
 from hetserve.engine.setup import num_kv_blocks, resolve_model_dir
 from hetserve.engine.validate import RequestValidator
 from hetserve.errors import InvalidInputError
+from hetserve.kv.handoff import handoff_stats
+from hetserve.kv.loader import Loaders
 from hetserve.kv.manager import KVCacheManager
 from hetserve.kv.tiers import LOAD_POLL_S, TierManager
 from hetserve.model.build import build_model
@@ -69,14 +72,22 @@ class EngineCore:
         )
         self.tiers: TierManager | None = None
         self.kv_summary: str | None = None  # the start-up line of the KV tiers
+        role = cfg.disagg.role
+        io = BlockIO(self.runner.kv) if cfg.cache.kv_store or role is not Role.BOTH else None
         if cfg.cache.kv_store is not None:
-            io = BlockIO(self.runner.kv)
+            assert io is not None
             c = cfg.cache
             self.tiers, self.kv_summary = open_tiers(
                 c.kv_store, c.kv_save, c.kv_load, self.kv, io, self.runner
             )
             log.info("%s", self.kv_summary)
-        self.scheduler = Scheduler(cfg.scheduler, self.kv, self.max_model_len, self.tiers)
+        self.handoff = (
+            Handoff() if io is None else open_handoff(cfg.disagg, self.kv, io, self.tiers)
+        )
+        loader = None
+        if self.handoff.receiver is not None or self.tiers is not None:
+            loader = Loaders(self.handoff.receiver, self.tiers)
+        self.scheduler = Scheduler(cfg.scheduler, self.kv, self.max_model_len, loader)
         self.seqs: dict[str, SeqState] = {}
         self.parents: dict[str, ParentState] = {}
         self.executor = StepExecutor(self.runner, self.seqs, self.eos_ids, self.lora)
@@ -87,6 +98,15 @@ class EngineCore:
     def validate(self, new: NewRequest) -> NewRequest:
         """Check `new` against the model and return its checked copy (see `NewRequest`).
         Thread-safe. Raises InvalidInputError naming the field; nothing is queued."""
+        h = new.kv_handoff
+        if h is not None:
+            side = self.handoff.sender if h.role is HandoffRole.SEND else self.handoff.receiver
+            if side is None:
+                raise InvalidInputError(
+                    f"this instance (role {self.config.disagg.role.value}) does not "
+                    f"{h.role.value} KV hand-offs",
+                    param="kv_handoff",
+                )
         return self.validator.request(new)
 
     def enqueue(self, new: NewRequest, stream: bool = True) -> None:
@@ -113,6 +133,7 @@ class EngineCore:
                 cache_extra=new.cache_extra,
                 session_id=new.session_id,
                 lora_id=new.lora_id,
+                kv_handoff=new.kv_handoff,
             )
             gen = torch.Generator(device="cpu")
             # Unseeded requests draw a fresh seed; torch.seed() would cost ~2 ms per request and
@@ -146,8 +167,10 @@ class EngineCore:
         return True
 
     def background_work(self) -> bool:
-        """KV saves are out: a step (even with nothing to schedule) takes them in."""
-        return self.tiers is not None and self.tiers.saver.pending() > 0
+        """KV saves or hand-offs are out: a step (even with nothing to schedule) takes them
+        in."""
+        sending = self.handoff.sender is not None and self.handoff.sender.busy()
+        return sending or (self.tiers is not None and self.tiers.saver.pending() > 0)
 
     def has_unfinished(self) -> bool:
         # Loads of aborted requests still hold blocks: keep stepping until they land.
@@ -165,14 +188,18 @@ class EngineCore:
         if self.tiers is not None:
             self.tiers.capture_evicted()  # before this step's forward writes over them
         self._counts["preemptions"] += len(sched.preempted)
+        if self.handoff.sender is not None:
+            self.handoff.sender.pump()
         if not sched.scheduled:
             if self.tiers is not None:
                 self.tiers.after_step()
-                if self.scheduler.loading:
-                    time.sleep(LOAD_POLL_S)  # only loads are out: wait for them, not spin
+            if self.scheduler.loading or self.scheduler.waiting or self.background_work():
+                time.sleep(LOAD_POLL_S)  # only loads or hand-offs are out: wait, not spin
             return []
         t0 = time.perf_counter()
         result = self.executor.run(sched.scheduled, self.kv.block_ids)
+        if self.handoff.sender is not None:
+            self._send_handoffs(sched.scheduled, result)
         if self.tiers is not None:
             self.tiers.cost.observe_step(time.perf_counter() - t0, result.prompt_tokens)
         outputs = self._fail(result.failed)
@@ -182,6 +209,17 @@ class EngineCore:
         if self.tiers is not None:
             self.tiers.after_step()
         return outputs + self._process_outputs(ok, result.sampled)
+
+    def _send_handoffs(self, scheduled: list[ScheduledRequest], result: StepResult) -> None:
+        """Requests that hand their KV off and computed their whole prompt in this step: ship
+        it now, before finishing frees their blocks."""
+        for s in scheduled:
+            req = s.request
+            h = req.kv_handoff
+            if h is None or h.role is not HandoffRole.SEND or req.output_token_ids:
+                continue
+            if s.samples and req.request_id not in result.failed:
+                self.handoff.sender.send(req)  # type: ignore[union-attr]
 
     def _commit(self, result: StepResult) -> None:
         self._counts["steps"] += 1
@@ -269,6 +307,9 @@ class EngineCore:
             failed_requests=self._finished.get("error", 0),
             finished=dict(self._finished),
             tiers=self.tiers.stats() if self.tiers is not None else None,
+            handoff=None
+            if self.config.disagg.role is Role.BOTH
+            else handoff_stats(self.handoff.sender, self.handoff.receiver),
         )
 
     def reset_prefix_cache(self) -> int:
@@ -282,6 +323,8 @@ class EngineCore:
 
     def close(self) -> None:
         """Save the KV the store does not have yet (bounded) and close it."""
+        self.handoff.close()
+        self.handoff = Handoff()
         if self.tiers is not None:
             self.tiers.close()
             self.tiers = None

@@ -117,7 +117,7 @@ class BlockIO:
             for mv, n in zip(self._bytes, self.part_bytes, strict=True)
         ]
 
-    def _staging(self, kind: str, n: int) -> list[list[torch.Tensor]]:
+    def _pinned_parts(self, kind: str, n: int) -> list[list[torch.Tensor]]:
         """Pinned host buffers for n blocks, reused between calls (grown when needed)."""
         need = n * self.bytes_per_block
         buf = self._pinned.get(kind)
@@ -182,30 +182,42 @@ class BlockIO:
     def load_parts(self, block_ids: Sequence[int]) -> list[list[Any]]:
         if not self.on_device:
             return [self._byte_views(b) for b in block_ids]
-        return self._staging("load", len(block_ids))
+        return self._pinned_parts("load", len(block_ids))
 
     def commit_load(self, block_ids: Sequence[int], ok: int) -> None:
         if not self.on_device or ok == 0:
             return
         stream = self._streams["load"]
-        staged = self._staging("load", len(block_ids))
+        staged = self._pinned_parts("load", len(block_ids))
         with torch.cuda.stream(stream):
             for b, parts in zip(block_ids[:ok], staged, strict=False):
                 for dst, src in zip(self._views(b), parts, strict=True):
                     dst.view(-1).view(torch.uint8).copy_(src, non_blocking=True)
         stream.synchronize()
 
-    def save_parts(self, block_ids: Sequence[int]) -> list[list[Any]]:
+    def save_parts(self, block_ids: Sequence[int], buffers: str = "save") -> list[list[Any]]:
+        """`buffers`: on CUDA, which pinned buffers (one set per calling thread: the saver's
+        "save", the hand-off sender's "handoff")."""
         if not self.on_device:
             return [self._byte_views(b) for b in block_ids]
         stream = self._streams["save"]
-        staged = self._staging("save", len(block_ids))
+        staged = self._pinned_parts(buffers, len(block_ids))
         with torch.cuda.stream(stream):
             for b, parts in zip(block_ids, staged, strict=True):
                 for src, dst in zip(self._views(b), parts, strict=True):
                     dst.copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
         stream.synchronize()
         return staged
+
+    def write_blocks(self, block_ids: Sequence[int], data: memoryview) -> None:
+        """Fill blocks from their bytes back to back, page-first (a hand-off landing): one
+        strided copy per KV tensor."""
+        if not block_ids:
+            return
+        src = torch.frombuffer(data, dtype=torch.uint8).view(len(block_ids), self.bytes_per_block)
+        ids = torch.tensor(list(block_ids), device=self.tensors[0].device)
+        for tb, off, n in zip(self._by_block, self._offsets, self.part_bytes, strict=True):
+            tb.index_copy_(0, ids, src[:, off : off + n].to(tb.device))
 
 
 def open_tiers(

@@ -24,8 +24,14 @@ class BlockIO(Protocol):
         """The first `ok` blocks were read: make them visible in the KV cache."""
         ...
 
-    def save_parts(self, block_ids: Sequence[int]) -> list[list[Any]]:
-        """Buffers holding the blocks' bytes for a store write (on the saver thread)."""
+    def save_parts(self, block_ids: Sequence[int], buffers: str = "save") -> list[list[Any]]:
+        """Buffers holding the blocks' bytes for a store write (on the saver thread, or the
+        hand-off sender's with `buffers="handoff"`: each thread its own staging buffers)."""
+        ...
+
+    def write_blocks(self, block_ids: Sequence[int], data: memoryview) -> None:
+        """Fill blocks from `len(block_ids)` blocks' bytes back to back, each page-first as
+        `save_parts` gives them (a hand-off landing; engine thread)."""
         ...
 
     def stage(self, block_ids: list[int], slots: list[int]) -> None:

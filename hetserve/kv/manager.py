@@ -104,11 +104,20 @@ class KVCacheManager:
         self.hits_by_tier["device"] = self.hits_by_tier.get("device", 0) + left
 
     def allocate_slots(
-        self, req: Request, num_new_tokens: int, computed: list[KVBlock] | None = None
+        self,
+        req: Request,
+        num_new_tokens: int,
+        computed: list[KVBlock] | None = None,
+        computed_tokens: int | None = None,
     ) -> list[KVBlock] | None:
+        """Blocks for `num_new_tokens` more tokens of `req`, after `computed` blocks found for
+        it at admission (holding `computed_tokens` tokens: all of their slots unless told, a
+        hand-off's last block may be partial)."""
         computed = computed or []
         table = self.tables.get(req.request_id, [])
-        num_computed = req.num_computed_tokens + len(computed) * self.block_size
+        if computed_tokens is None:
+            computed_tokens = len(computed) * self.block_size
+        num_computed = req.num_computed_tokens + computed_tokens
         need = cdiv(num_computed + num_new_tokens, self.block_size) - len(table) - len(computed)
         reviving = sum(1 for b in computed if b.ref_cnt == 0)
         if need > self.pool.num_free - reviving:
@@ -118,8 +127,9 @@ class KVCacheManager:
         table = self.tables.setdefault(req.request_id, [])
         table.extend(computed)
         table.extend(new)
-        self._num_cached.setdefault(req.request_id, 0)
-        self._num_cached[req.request_id] += len(computed)
+        # Registered blocks lead the table; a partial block stays to be registered once full.
+        registered = sum(1 for b in computed if b.block_hash is not None)
+        self._num_cached[req.request_id] = self._num_cached.get(req.request_id, 0) + registered
         return new
 
     def cache_computed(self, req: Request) -> None:

@@ -93,6 +93,9 @@ class TierManager:
     def release_all(self) -> int:
         return self.blocks.release_all()
 
+    def ready_prefix(self, req: Request) -> tuple[list[KVBlock], int] | None:
+        return None  # loaded blocks are device prefix hits: the scheduler looks them up
+
     # ---- saves ----------------------------------------------------------------------------
     def capture_evicted(self) -> None:
         """Write-back on eviction: stage the cached blocks scheduling just handed out."""

@@ -132,12 +132,13 @@ class Scheduler:
                     self.loading[req.request_id] = req
                     continue
                 if state is LoadState.READY:  # loaded right there: hits now
-                    computed, num_cached = self.kv.get_computed_blocks(req)
+                    ready = self.loader.ready_prefix(req)
+                    computed, num_cached = ready or self.kv.get_computed_blocks(req)
             n = req.num_tokens - num_cached
             if n > budget and not self.cfg.enable_chunked_prefill:
                 break
             n = min(n, budget)
-            if self.kv.allocate_slots(req, n, computed) is None:
+            if self.kv.allocate_slots(req, n, computed, num_cached) is None:
                 if not self.running and self.loader is not None and self.loader.release_all():
                     continue  # held loads filled the pool: recompute rather than deadlock
                 break
@@ -147,7 +148,7 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = num_cached
-                self.kv.record_admission(req, len(computed))
+                self.kv.record_admission(req, num_cached // self.kv.block_size)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
