@@ -1,5 +1,6 @@
 """What an instance's work costs in time: fitted from a profile it measured, read by the routing
-policy (`policy.py`) in the live Conductor and in the simulator alike. Pure: no I/O, no clock.
+policy (`policy.py`) in the live Conductor and in the simulator alike. Pure: no clock, and no
+I/O but `save_profile` / `load_profile`.
 
 - `PrefillFit`: seconds to prefill `new` tokens after `cached` tokens already in the KV cache,
   `c0 + c1 * new + c2 * new * (cached + new / 2)`: a per-step cost, the weights' work per token,
@@ -15,14 +16,34 @@ policy (`policy.py`) in the live Conductor and in the simulator alike. Pure: no 
 coefficients), and `fit_error` is the mean relative error on samples the fit did not see: the
 figure printed next to every prediction. Failure contract: too few samples to fit is a
 ValueError naming how many are needed.
+
+A profile saved as JSON (what `hetserve profile --out` writes, `hetserve sim --hardware` and
+the Conductor read; `profile_to_dict` / `profile_from_dict`, the only I/O in `save_profile` /
+`load_profile`):
+
+    {"format": "hetserve-profile", "version": 1, "name": "8xA800 llama3-70b",
+     "kv_bytes_per_token": 327680,
+     "prefill": {"c0": 0.01, "c1": 9.5e-05, "c2": 4.2e-09, "fit_error": 0.03},
+     "decode": {"d0": 0.0124, "d1": 5.7e-05, "d2": 2.9e-08, "fit_error": 0.02},
+     "tiers": {"dram": {"latency_s": 0.0, "bandwidth": 1.28e11},
+               "pool": {"latency_s": 0.001, "bandwidth": 8.7e10}},
+     "capacity": {"device_kv_tokens": 1330000, "host_kv_tokens": 3000000},
+     "samples": {"prefill": [[new, cached, seconds], ...], "decode": [[batch, context, s], ...]},
+     "machine": {...}}
+
+Seconds and bytes per second throughout. `fit_error`, `capacity`, `samples` and `machine` are
+optional (`machine` is free-form, for people); any other key, a missing one, or a negative or
+non-numeric value is a ValueError naming the field.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 from hetserve.kv.tier_policy import TierCost
 
@@ -175,3 +196,113 @@ def held_out(
     train = [x for i, x in enumerate(samples) if i % every != every - 1]
     err = fit_error(fitter(train), held) if held and len(train) >= 3 else math.nan
     return fitter(samples), err
+
+
+PROFILE_FORMAT = "hetserve-profile"
+PROFILE_VERSION = 1
+_PROFILE_KEYS = {"format", "version", "name", "kv_bytes_per_token", "prefill", "decode", "tiers"}
+_PROFILE_OPTIONAL = {"capacity", "samples", "machine"}
+
+
+def profile_to_dict(profile: InstanceProfile, **extra: Any) -> dict[str, Any]:
+    """The JSON form of `profile`; `extra` adds the optional sections (`capacity`,
+    `samples`, `machine`)."""
+    unknown = set(extra) - _PROFILE_OPTIONAL
+    if unknown:
+        raise ValueError(f"profile: unknown section(s) {sorted(unknown)}")
+    p, d = profile.prefill, profile.decode
+    out: dict[str, Any] = {
+        "format": PROFILE_FORMAT,
+        "version": PROFILE_VERSION,
+        "name": profile.name,
+        "kv_bytes_per_token": profile.kv_bytes_per_token,
+        "prefill": {"c0": p.c0, "c1": p.c1, "c2": p.c2, "fit_error": profile.prefill_fit_error},
+        "decode": {"d0": d.d0, "d1": d.d1, "d2": d.d2, "fit_error": profile.decode_fit_error},
+        "tiers": {
+            t: {"latency_s": c.latency_s, "bandwidth": c.bandwidth}
+            for t, c in profile.tiers.items()
+        },
+    }
+    return {**out, **extra}
+
+
+def profile_from_dict(data: Mapping[str, Any]) -> InstanceProfile:
+    """An `InstanceProfile` from its JSON form (see the module docstring); ValueError naming
+    the field at fault."""
+    if not isinstance(data, Mapping):
+        raise ValueError("profile: expected a JSON object")
+    missing = _PROFILE_KEYS - set(data)
+    if missing:
+        raise ValueError(f"profile: missing field(s) {sorted(missing)}")
+    unknown = set(data) - _PROFILE_KEYS - _PROFILE_OPTIONAL
+    if unknown:
+        raise ValueError(f"profile: unknown field(s) {sorted(unknown)}")
+    if data["format"] != PROFILE_FORMAT or data["version"] != PROFILE_VERSION:
+        raise ValueError(
+            f"profile: format {data['format']!r} version {data['version']!r}: "
+            f"expected {PROFILE_FORMAT!r} version {PROFILE_VERSION}"
+        )
+    if not isinstance(data["name"], str):
+        raise ValueError("profile.name: expected a string")
+    kv = _num(data, "kv_bytes_per_token", "profile.kv_bytes_per_token")
+    pre, dec = _section(data, "prefill"), _section(data, "decode")
+    tiers = data["tiers"]
+    if not isinstance(tiers, Mapping):
+        raise ValueError("profile.tiers: expected an object of tier -> cost")
+    costs = {}
+    for tier, cost in tiers.items():
+        where = f"profile.tiers.{tier}"
+        if not isinstance(cost, Mapping):
+            raise ValueError(f"{where}: expected an object with latency_s and bandwidth")
+        bw = _num(cost, "bandwidth", f"{where}.bandwidth")
+        if bw <= 0:
+            raise ValueError(f"{where}.bandwidth: must be > 0")
+        costs[str(tier)] = TierCost(_num(cost, "latency_s", f"{where}.latency_s"), bw)
+    return InstanceProfile(
+        name=data["name"],
+        prefill=PrefillFit(*(_num(pre, k, f"profile.prefill.{k}") for k in ("c0", "c1", "c2"))),
+        decode=DecodeFit(*(_num(dec, k, f"profile.decode.{k}") for k in ("d0", "d1", "d2"))),
+        kv_bytes_per_token=int(kv),
+        tiers=costs,
+        prefill_fit_error=_opt_num(pre, "fit_error", "profile.prefill.fit_error"),
+        decode_fit_error=_opt_num(dec, "fit_error", "profile.decode.fit_error"),
+    )
+
+
+def _section(data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    sec = data[key]
+    if not isinstance(sec, Mapping):
+        raise ValueError(f"profile.{key}: expected an object")
+    return sec
+
+
+def _num(data: Mapping[str, Any], key: str, where: str) -> float:
+    if key not in data:
+        raise ValueError(f"{where}: missing")
+    x = data[key]
+    if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x) or x < 0:
+        raise ValueError(f"{where}: expected a number >= 0, got {x!r}")
+    return float(x)
+
+
+def _opt_num(data: Mapping[str, Any], key: str, where: str) -> float | None:
+    return None if data.get(key) is None else _num(data, key, where)
+
+
+def save_profile(path: str, profile: InstanceProfile, **extra: Any) -> None:
+    Path(path).write_text(json.dumps(profile_to_dict(profile, **extra), indent=2) + "\n")
+
+
+def load_profile(path: str) -> tuple[InstanceProfile, dict[str, Any]]:
+    """The profile at `path` and its whole JSON object (for the optional sections). A file
+    that is missing or not JSON is a ValueError naming the path."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"profile {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"profile {path}: not JSON ({exc.msg}, line {exc.lineno})") from None
+    try:
+        return profile_from_dict(data), data
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None

@@ -1,0 +1,62 @@
+"""The profile JSON format: round trip, and every bad field named."""
+
+import json
+
+import pytest
+
+from hetserve.disagg.costs import (
+    DecodeFit,
+    InstanceProfile,
+    PrefillFit,
+    load_profile,
+    profile_from_dict,
+    profile_to_dict,
+    save_profile,
+)
+from hetserve.kv.tier_policy import TierCost
+
+PROFILE = InstanceProfile(
+    "box",
+    PrefillFit(0.01, 9.5e-5, 4.2e-9),
+    DecodeFit(0.012, 5.7e-5, 2.9e-8),
+    327680,
+    {"dram": TierCost(0.0, 1.28e11), "pool": TierCost(0.001, 8.7e10)},
+    prefill_fit_error=0.03,
+)
+
+
+def test_round_trip_through_a_file(tmp_path):
+    path = tmp_path / "p.json"
+    save_profile(str(path), PROFILE, capacity={"device_kv_tokens": 1000}, machine={"cpu": "x"})
+    loaded, raw = load_profile(str(path))
+    assert loaded == PROFILE
+    assert raw["capacity"] == {"device_kv_tokens": 1000} and raw["decode"]["fit_error"] is None
+
+
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda d: d.pop("kv_bytes_per_token"), "kv_bytes_per_token"),
+        (lambda d: d["prefill"].update(c1=-1.0), "profile.prefill.c1"),
+        (lambda d: d["decode"].pop("d2"), "profile.decode.d2"),
+        (lambda d: d["tiers"]["pool"].update(bandwidth=0), "profile.tiers.pool.bandwidth"),
+        (lambda d: d["tiers"].update(ssd="fast"), "profile.tiers.ssd"),
+        (lambda d: d.update(colour="red"), "colour"),
+        (lambda d: d.update(version=2), "version"),
+        (lambda d: d["prefill"].update(c0=True), "profile.prefill.c0"),
+    ],
+)
+def test_bad_fields_are_named(edit, field):
+    data = json.loads(json.dumps(profile_to_dict(PROFILE)))
+    edit(data)
+    with pytest.raises(ValueError, match=field):
+        profile_from_dict(data)
+
+
+def test_unreadable_files_name_the_path(tmp_path):
+    with pytest.raises(ValueError, match="missing.json"):
+        load_profile(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json: not JSON"):
+        load_profile(str(bad))
