@@ -26,7 +26,8 @@ Policies (`--policy`):
 Admission (`--admission`): `none`; `threshold` (reject when every prefill instance is past a
 queue threshold, as the open routers do); `predictive` (Mooncake's early rejection: 429 with
 Retry-After when the predicted TTFT exceeds its SLO, or when the chosen decode instance's step
-time, predicted for the moment this request would reach it, exceeds the TBT SLO). Under
+time, predicted for the moment this request would reach it, exceeds the TBT SLO; that moment's
+load is the caller's forecast, `InstanceState.decode_changes`, or the load now without one). Under
 pressure lower priorities go first: a request of priority p (lower runs first) is admitted only
 while its predictions stay within SLO * `priority_scale ** p`.
 
@@ -64,6 +65,12 @@ class InstanceState:
     free_blocks: int = 0
     total_blocks: int = 0
     healthy: bool = True
+    # What the caller forecasts for the decode side, on the clock of `decide`'s `now`:
+    # (time, change in running decodes, change in their context tokens) for each request
+    # predicted to finish (negative) or to arrive from prefill (positive). The decode choice
+    # and the TBT admission read the load at the moment this request would arrive; empty:
+    # the load now.
+    decode_changes: tuple[tuple[float, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -178,9 +185,8 @@ class Router:
 
     # ---- the decision ----------------------------------------------------------------------
     def decide(self, view: ClusterView, req: RequestInfo, now: float) -> Decision:
-        """Where `req` runs (or why not). `now` only timestamps nothing here; it is part of
-        the contract so that time-aware policies stay pure."""
-        del now
+        """Where `req` runs (or why not). `now` is the clock of the instances'
+        `decode_changes` (a caller without forecasts may pass any time)."""
         prefills = [i for i in view.instances if i.healthy and i.role.prefills]
         decodes = [i for i in view.instances if i.healthy and i.role.decodes]
         if not prefills or not decodes:
@@ -188,7 +194,7 @@ class Router:
             return Decision(None, None, reject_reason=f"no healthy {role} instance")
         options = {o.instance.name: o for o in (self._option(view, req, p) for p in prefills)}
         chosen = options[self._pick_prefill(view, req, prefills, options)]
-        decode, tbt = self._pick_decode(view, req, chosen, decodes)
+        decode, tbt = self._pick_decode(req, chosen, decodes, now + chosen.ttft_s)
         decision = Decision(
             chosen.instance.name,
             decode.name,
@@ -289,15 +295,16 @@ class Router:
     # ---- decode side -------------------------------------------------------------------------
     def _pick_decode(
         self,
-        view: ClusterView,
         req: RequestInfo,
         chosen: _Option,
         decodes: list[InstanceState],
+        at: float,
     ) -> tuple[InstanceState, float]:
+        """The decode instance with the lowest step time once `req` joins it at `at`."""
         if chosen.instance.role is Role.BOTH and chosen.instance in decodes:
-            return chosen.instance, _tbt(chosen.instance, req)
-        best = min(decodes, key=lambda d: (_tbt(d, req), d.name))
-        return best, _tbt(best, req)
+            return chosen.instance, _tbt(chosen.instance, req, at)
+        best = min(decodes, key=lambda d: (_tbt(d, req, at), d.name))
+        return best, _tbt(best, req, at)
 
     # ---- admission ---------------------------------------------------------------------------
     def _admit(
@@ -325,10 +332,15 @@ def _queue_s(inst: InstanceState) -> float:
     return inst.profile.prefill.queue_seconds(inst.queued_prefill_tokens, inst.queued_requests)
 
 
-def _tbt(inst: InstanceState, req: RequestInfo) -> float:
-    """A decode step of `inst` once this request joins its batch."""
-    context = inst.decode_context_tokens + req.num_tokens + req.expected_output_tokens // 2
-    return inst.profile.decode.seconds(inst.running_decodes + 1, context)
+def _tbt(inst: InstanceState, req: RequestInfo, at: float) -> float:
+    """A decode step of `inst` once this request joins its batch at `at` (the forecast
+    changes up to then applied)."""
+    batch, context = inst.running_decodes, inst.decode_context_tokens
+    for when, d_batch, d_context in inst.decode_changes:
+        if when <= at:
+            batch, context = batch + d_batch, context + d_context
+    context = max(context, 0) + req.num_tokens + req.expected_output_tokens // 2
+    return inst.profile.decode.seconds(max(batch, 0) + 1, context)
 
 
 def _reject(decision: Decision, reason: str, retry_after_s: float) -> Decision:
