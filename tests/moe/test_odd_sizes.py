@@ -253,3 +253,22 @@ def test_fp8_and_mxfp4_weight_bounds_hold():
     assert ((w - torch.where(subnormal, 0.0, deq)).abs() <= bound).all()
     blocks, scales = quantize_mxfp4(w)
     assert ((w - dequantize_mxfp4(blocks, scales)).abs() <= mxfp4_weight_bound(scales)).all()
+
+
+@pytest.mark.parametrize("name", ["fp32", "int8", "int4-g64", "mxfp4", "fp8"])
+def test_touch_threads_and_bytes_at_odd_sizes(name):
+    """bench moe-kernel's `touch` reads the padded layout the kernel streams (every stored byte
+    of the routed experts, once), and threads split the padded units without changing a bit."""
+    backend, kernel, opts, _, _ = DENSE[name]
+    h, i, e = 130, 100, 5
+    w13, w2, _, _ = _case(h, i, e, seed=11)
+    b = create_backend(backend, ExpertWeights(w13, w2), kernel=kernel, **opts)
+    ids = torch.tensor([[e - 1, 0, 3], [3, 1, 0]])
+    touched, _ = b.touch(ids)
+    assert touched == 4 * sum(t.nbytes for t in b._tensors if t is not None) // e
+    x, tw, _ = _routing(h, e, 3, 2, seed=12)
+    three = create_backend(backend, ExpertWeights(w13, w2), kernel=kernel, num_threads=3, **opts)
+    try:
+        assert torch.equal(three.forward(x, tw, ids), b.forward(x, tw, ids))
+    finally:
+        three.close()
