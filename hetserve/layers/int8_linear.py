@@ -13,10 +13,11 @@ a quarter of their fp32 bytes per token, or less. Weights:
 
 Two kernels:
 
-- native (where hetserve's AVX2 kernels build, out_features % 4 == 0 and in_features % 32 == 0):
-  the routed experts' microkernels on one matrix (`hetserve_qlinear`); activations rounded to
-  int16 per row, so the weight rounding dominates the error. Streams ~2x fbgemm's bytes/s at
-  one token here.
+- native (where hetserve's AVX2 kernels build): the routed experts' microkernels on one matrix
+  (`hetserve_qlinear`); activations rounded to int16 per row, so the weight rounding dominates
+  the error. Streams ~2x fbgemm's bytes/s at one token here. Any shape: rows are stored in
+  quads and columns in 32s (q8_0 and q4_K columns are whole blocks by their format), zero
+  weights appended (quant/layout.py); the kernel pads the input and drops the padded outputs.
 - fbgemm's packed GEMM with dynamic activation quantization (per call, reduce_range: 7 bits),
   which dominates its error; a packed matrix is dequantized and requantized to int8 for it.
 """
@@ -38,11 +39,19 @@ if TYPE_CHECKING:
 _INT8, _Q4K = 1, 5
 
 
-def _native_ok(n: int, k: int) -> bool:
+def _native_ok() -> bool:
     from hetserve import envs
     from hetserve.native import native_unavailable_reason
 
-    return n % 4 == 0 and k % 32 == 0 and envs.native_kernels() and not native_unavailable_reason()
+    return envs.native_kernels() and not native_unavailable_reason()
+
+
+def _quads_padded(q: torch.Tensor, fmt: int, group: int) -> torch.Tensor:
+    """[N, K] -> rows padded to whole quads and columns to the kernel's multiple, with zeros."""
+    from hetserve.quant.layout import pad_tensor, padded_size, round_up
+
+    n, k = q.shape
+    return pad_tensor(q, round_up(n, 4), padded_size(fmt, group, k))
 
 
 def _native_packed(packed: QMatrix | None) -> bool:
@@ -61,7 +70,7 @@ class Int8Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().float().cpu()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         packed = getattr(linear, "packed_weight", None)
-        native = kernel != "fbgemm" and _native_ok(self.out_features, self.in_features)
+        native = kernel != "fbgemm" and _native_ok()
         if native and _native_packed(packed):
             self._native_layout(packed, bias)
             return
@@ -69,9 +78,7 @@ class Int8Linear(nn.Module):
         self.nbytes = q.numel() + scale.numel() * 4
         self.fmt, self.group = _INT8, 0
         if native:
-            from hetserve.quant.layout import interleave_quads
-
-            self._set_native(interleave_quads(q.unsqueeze(0), 16)[0], scale.contiguous(), bias)
+            self._set_native_int8(q, scale, bias)
             return
         self.kernel = "fbgemm"
         zero = torch.zeros(q.shape[0], dtype=torch.long)
@@ -83,22 +90,41 @@ class Int8Linear(nn.Module):
     def _native_layout(self, packed: QMatrix, bias: torch.Tensor | None) -> None:
         """The checkpoint's numbers in the kernel's quad layout (only bytes move)."""
         from hetserve.native import hugepage_empty
-        from hetserve.quant.layout import fp16_group_scales, interleave_quads, q4k_quads
+        from hetserve.quant.layout import (
+            fp16_group_scales,
+            interleave_quads,
+            pad_qmatrix,
+            padded_size,
+            q4k_quads,
+            round_up,
+        )
         from hetserve.quant.packed import Q4KRows
 
         self.nbytes = packed.nbytes
         n, k = packed.shape
-        if isinstance(packed, Q4KRows):
+        if isinstance(packed, Q4KRows):  # rows padded to quads (its columns: whole blocks)
             self.fmt, self.group = _Q4K, 0
-            w = q4k_quads(*packed.fields(), hugepage_empty((n // 4, k // 256, 576), torch.uint8))
-            self._set_native(w, None, bias)
+            packed = pad_qmatrix(packed, round_up(n, 4), k)
+            out = hugepage_empty((round_up(n, 4) // 4, k // 256, 576), torch.uint8)
+            self._set_native(q4k_quads(*packed.fields(), out), None, bias)
             return
         self.fmt, self.group = _INT8, 0 if packed.group == k else packed.group
+        if not self.group:
+            self._set_native_int8(packed.q, packed.scale.float().reshape(-1), bias)
+            return
+        packed = pad_qmatrix(packed, round_up(n, 4), padded_size(_INT8, self.group, k))
         w = interleave_quads(packed.q.unsqueeze(0), 16)[0]
-        scale = packed.scale.float()
-        if self.group:  # [N / 4][K / G][4] fp16 (GGUF q8_0's own), beside the quads
-            scale = interleave_quads(fp16_group_scales(scale).unsqueeze(0), 1)[0]
+        # [N / 4][K / G][4] fp16 (GGUF q8_0's own), beside the quads
+        scale = interleave_quads(fp16_group_scales(packed.scale).unsqueeze(0), 1)[0]
         self._set_native(w, scale.reshape(-1).contiguous(), bias)
+
+    def _set_native_int8(self, q: torch.Tensor, scale: torch.Tensor, bias) -> None:
+        """int8 [N, K] with a scale per row, padded (zero rows and columns) into quads."""
+        from hetserve.quant.layout import interleave_quads
+
+        q = _quads_padded(q, _INT8, 0)
+        scale = torch.cat((scale.float(), scale.new_zeros(q.shape[0] - scale.shape[0])))
+        self._set_native(interleave_quads(q.unsqueeze(0), 16)[0], scale.contiguous(), bias)
 
     def _set_native(self, w: torch.Tensor, scale: torch.Tensor | None, bias) -> None:
         from hetserve.native import kernel

@@ -40,6 +40,7 @@ from hetserve.moe.cpu_native import (
     NativeMxfp4Experts,
 )
 from hetserve.moe.experts import Activation, ExpertWeights, native_activation, register_backend
+from hetserve.quant.layout import pad_bias, pad_gate_up, pad_tensor, round_up
 from hetserve.quant.quantize import (
     INT4_GROUP_SIZES,
     quantize_int4_groupwise,
@@ -80,7 +81,9 @@ class FbgemmInt8Experts(_CPUExperts):
 
 
 class TorchInt4Experts(_CPUExperts):
-    """int4 weights, group-wise asymmetric, torch's CPU int4 packed matmul."""
+    """int4 weights, group-wise asymmetric, torch's CPU int4 packed matmul. The op needs whole
+    groups and rows in sixteens: other sizes are stored with zero weights appended (a short
+    last group keeps its own scale and minimum) and forward pads the tokens with zeros."""
 
     def __init__(
         self,
@@ -92,8 +95,24 @@ class TorchInt4Experts(_CPUExperts):
         self.group_size = group_size
         super().__init__(weights, activation=activation, num_threads=num_threads)
 
-    def _pack(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _load(self, weights: ExpertWeights) -> None:
+        # whole groups; rows then come in sixteens too (every group size is a multiple of 16)
+        hp, ip = (round_up(n, self.group_size) for n in (self.hidden, self.inter))
+        self._pad = (hp - self.hidden, ip - self.inter)
+        self.b13, self.b2 = pad_bias(self.b13, ip, gate_up=True), pad_bias(self.b2, hp)
+        self._w13, self._w2 = [], []
+        for e in range(self.num_experts):
+            w13, w2 = weights.expert(e)
+            self._w13.append(self._pack(w13, ip, hp, gate_up=True))
+            self._w2.append(self._pack(w2, hp, ip))
+
+    def _pack(
+        self, w: torch.Tensor, rows: int, cols: int, gate_up: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         q, scale, lo = quantize_int4_groupwise(w, self.group_size)
+        pad = pad_gate_up if gate_up else pad_tensor  # zero codes, scales and minimums
+        groups = cols // self.group_size
+        q, scale, lo = pad(q, rows, cols), pad(scale, rows, groups), pad(lo, rows, groups)
         packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
         # The op dequantizes as (q - 8) * scale + zero, so zero = minimum + 8 * scale.
         scales_zeros = torch.stack([scale, lo + 8 * scale], dim=-1).transpose(0, 1).contiguous()
@@ -103,7 +122,7 @@ class TorchInt4Experts(_CPUExperts):
         return torch._weight_int4pack_mm_for_cpu(x, packed[0], self.group_size, packed[1])
 
     def _expert_nbytes(self) -> int:
-        i, h = self.inter, self.hidden
+        h, i = self.hidden + self._pad[0], self.inter + self._pad[1]
         groups = (2 * i * h + h * i) // self.group_size
         return 3 * i * h // 2 + groups * 2 * 4  # nibbles + fp32 (scale, zero) per group
 
@@ -152,21 +171,12 @@ def _int4_group(weights: ExpertWeights, group_size: int | None) -> int:
         p = weights.packed
         if p is not None and p.fmt == "int4" and p.groups()[0] == p.groups()[1]:
             group_size = p.groups()[0] if p.groups()[0] in INT4_GROUP_SIZES else 64
-    _check_int4(weights, group_size)
-    return group_size
-
-
-def _check_int4(weights: ExpertWeights, group_size: int) -> None:
+    # Any hidden and intermediate size: both kernels store sizes off whole groups padded.
     if group_size not in INT4_GROUP_SIZES:
         raise InvalidInputError(
             f"cpu-int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}"
         )
-    dims = (("hidden", weights.hidden_size), ("intermediate", weights.intermediate_size))
-    for name, dim in dims:
-        if dim % group_size:
-            raise InvalidInputError(
-                f"cpu-int4: {name} size {dim} is not a multiple of group_size {group_size}"
-            )
+    return group_size
 
 
 @register_backend("cpu-fp32")
@@ -176,8 +186,9 @@ def make_cpu_fp32(
     num_threads: int | None = None,
     kernel: str = "auto",
 ) -> _CPUExperts:
-    aligned = weights.hidden_size % 8 == 0 and weights.intermediate_size % 8 == 0
-    if (kernel == "native" or aligned) and _use_native("cpu-fp32", kernel, activation):
+    # Sizes off multiples of 8 cost the native kernel a padded copy of the weights (the model's
+    # own are released once every phase's backend holds its copy, model/hybrid_plan.py).
+    if _use_native("cpu-fp32", kernel, activation):
         return NativeFp32Experts(weights, activation=activation, num_threads=num_threads)
     return CPUFp32Experts(weights, activation=activation, num_threads=num_threads)
 
@@ -189,8 +200,7 @@ def make_cpu_int8(
     num_threads: int | None = None,
     kernel: str = "auto",
 ) -> _CPUExperts:
-    aligned = weights.hidden_size % 32 == 0 and weights.intermediate_size % 32 == 0
-    if (kernel == "native" or aligned) and _use_native("cpu-int8", kernel, activation):
+    if _use_native("cpu-int8", kernel, activation):  # any size: padded with zero weights
         return NativeInt8Experts(weights, activation=activation, num_threads=num_threads)
     return FbgemmInt8Experts(weights, activation=activation, num_threads=num_threads)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+import torch.nn.functional as F
 
 from hetserve.errors import InvalidInputError
 from hetserve.moe.experts import Activation, ExpertWeights, gated_activation
@@ -27,6 +28,10 @@ class _CPUExperts:
     Per-expert packed weights sit in two Python lists built once, so forward does no weight
     work, and routing costs one host sync (the per-expert counts).
     """
+
+    # (hidden, intermediate) columns the packed weights carry beyond the model's: zero weights
+    # a kernel's shape rules need (TorchInt4Experts); forward pads the tokens to match.
+    _pad: tuple[int, int] = (0, 0)
 
     def __init__(
         self,
@@ -108,6 +113,9 @@ class _CPUExperts:
     ) -> torch.Tensor:
         out_device, out_dtype = x.device, x.dtype
         x = x.to("cpu", torch.float32)
+        pad_h, pad_i = self._pad
+        if pad_h:
+            x = F.pad(x, (0, pad_h))
         k = topk_ids.shape[1]
         flat = topk_ids.reshape(-1).to("cpu")
         order = torch.argsort(flat, stable=True)
@@ -117,7 +125,7 @@ class _CPUExperts:
         xs = x.index_select(0, token_of)
         ws = topk_weights.reshape(-1).to("cpu", torch.float32).index_select(0, order)
         ws = ws.unsqueeze(1)
-        inter, glu, lin, b13, b2 = self.inter, self.glu, self._linear, self.b13, self.b2
+        inter, glu, lin, b13, b2 = self.inter + pad_i, self.glu, self._linear, self.b13, self.b2
         ys = []
         start = 0
         for e, n in enumerate(counts):
@@ -136,4 +144,6 @@ class _CPUExperts:
         out = torch.zeros_like(x)
         if ys:
             out.index_add_(0, token_of, torch.cat(ys) if len(ys) > 1 else ys[0])
+        if pad_h:
+            out = out[:, : self.hidden]
         return out.to(out_device, out_dtype)

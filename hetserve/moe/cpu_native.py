@@ -15,6 +15,8 @@ format matches the backend: MXFP4 blocks and e8m0 scales, FP8 bytes and block sc
 nibbles (GPTQ, compressed-tensors) with their scale and minimum, q4_K super-blocks (only
 rearranged: 4.5 bits per weight), q8_0's int8 and scales.
 Otherwise each expert is converted on its own (`weights.expert(e)`), never the whole layer.
+Sizes off the kernel's multiples: weights and biases are stored with zeros appended up to them
+(quant/layout.py, `padded_size`), the kernel pads tokens and drops padded outputs (no Python).
 """
 
 from __future__ import annotations
@@ -35,8 +37,14 @@ from hetserve.quant.layout import (
     int4_group_tiles,
     interleave_quads,
     pack_int4_rows,
+    pad_bias,
+    pad_gate_up,
+    pad_qmatrices,
+    pad_tensor,
+    padded_size,
     pair_gate_up,
     q4k_quads,
+    round_up,
 )
 from hetserve.quant.packed import Fp8Rows, Int4Rows, Int8Rows, Mxfp4Rows, Q4KRows, QMatrix
 from hetserve.quant.quantize import (
@@ -117,7 +125,6 @@ def _experts_in(
 class _NativeExperts(_CPUExperts):
     fmt = F_F32
     group_size = 0
-    align = 32  # hidden and intermediate sizes must be multiples of this
 
     def __init__(
         self,
@@ -125,14 +132,6 @@ class _NativeExperts(_CPUExperts):
         activation: Activation = "silu",
         num_threads: int | None = None,
     ) -> None:
-        for name, dim in (
-            ("hidden", weights.hidden_size),
-            ("intermediate", weights.intermediate_size),
-        ):
-            if dim % self.align:
-                raise InvalidInputError(
-                    f"native kernel needs {name} size % {self.align} == 0, got {dim}"
-                )
         self._threads = num_threads
         if isinstance(activation, ClampedSwiGLU):
             self._act = (1, activation.alpha, activation.limit)
@@ -141,8 +140,15 @@ class _NativeExperts(_CPUExperts):
         else:
             raise InvalidInputError(f"native experts kernel fuses silu only, not {activation!r}")
         super().__init__(weights, activation=activation, num_threads=num_threads)
+        hp, ip = self._padded()  # the biases at the weights' sizes
+        self.b13, self.b2 = pad_bias(self.b13, ip, gate_up=True), pad_bias(self.b2, hp)
         self._bias_ptrs = tuple(None if b is None else b.data_ptr() for b in (self.b13, self.b2))
         self._bind()
+
+    def _padded(self) -> tuple[int, int]:
+        """(hidden, intermediate) sizes the weights are stored at: the kernel's rule for this
+        format and group size (set by _load before the weights are laid out)."""
+        return tuple(padded_size(self.fmt, self.group_size, n) for n in (self.hidden, self.inter))
 
     def _bind(self, lib: ctypes.CDLL | None = None) -> None:
         """Makes the C handle on this layer's experts (hetserve_moe_new: the 14 arguments that
@@ -240,11 +246,12 @@ class NativeFp32Experts(_NativeExperts):
     another order than torch's (|y - y_ref| <= 1e-5 relative in the tests)."""
 
     fmt = F_F32
-    align = 8
 
     def _load(self, weights: ExpertWeights) -> None:
         dense = weights.dense("cpu", torch.float32)
-        self._set(dense.w13.contiguous(), None, dense.w2.contiguous(), None)
+        hp, ip = self._padded()  # a padded copy only where a size is not a multiple of 8
+        w13, w2 = pad_gate_up(dense.w13, ip, hp), pad_tensor(dense.w2, hp, ip)
+        self._set(w13.contiguous(), None, w2.contiguous(), None)
 
 
 class NativeInt8Experts(_NativeExperts):
@@ -260,8 +267,11 @@ class NativeInt8Experts(_NativeExperts):
                 self._load_grouped(weights, g13)
                 return
         q13, s13, q2, s2 = [], [], [], []
+        hp, ip = self._padded()
         for e in range(self.num_experts):
             w13, w2 = weights.expert(e)
+            # zero rows and columns before rounding: a row's scale (its max) is unchanged
+            w13, w2 = pad_gate_up(w13, ip, hp), pad_tensor(w2, hp, ip)
             for w, qs, ss in ((w13, q13, s13), (w2, q2, s2)):
                 q, s = quantize_int8_per_channel(w)
                 qs.append(q)
@@ -273,11 +283,12 @@ class NativeInt8Experts(_NativeExperts):
 
     def _load_grouped(self, weights: ExpertWeights, group: int) -> None:
         self.group_size = group
-        p = weights.packed
-        s13, s2 = ([fp16_group_scales(m.scale) for m in mats] for mats in (p.w13, p.w2))
+        p, (hp, ip) = weights.packed, self._padded()
+        m13, m2 = pad_qmatrices(p.w13, ip, hp, True), pad_qmatrices(p.w2, hp, ip)
+        s13, s2 = ([fp16_group_scales(m.scale) for m in mats] for mats in (m13, m2))
         self._set(
-            _quads([m.q for m in p.w13], 16, True), _quads(s13, 1, True),
-            _quads([m.q for m in p.w2], 16, False), _quads(s2, 1, False),
+            _quads([m.q for m in m13], 16, True), _quads(s13, 1, True),
+            _quads([m.q for m in m2], 16, False), _quads(s2, 1, False),
         )  # fmt: skip
 
 
@@ -307,13 +318,16 @@ class NativeInt4Experts(_NativeExperts):
             self._set(_q4k_layer(p.w13, True), None, _q4k_layer(p.w2, False), None)
             return
 
-        def quantize(w: torch.Tensor) -> Int4Rows:
+        def quantize(w: torch.Tensor) -> Int4Rows:  # a short last group: its own scale, minimum
             q, scale, low = quantize_int4_groupwise(w, self.group_size)
-            return Int4Rows(pack_int4_rows(q), scale, low)
+            whole = scale.shape[1] * self.group_size  # its codes padded with zeros
+            return Int4Rows(pack_int4_rows(pad_tensor(q, q.shape[0], whole)), scale, low)
 
         groups = (self.group_size,) * 2
         keep = _packed_as(weights, Int4Rows) and weights.packed.groups() == groups
         mats13, mats2 = _experts_in(weights, keep, quantize)
+        hp, ip = self._padded()
+        mats13, mats2 = pad_qmatrices(mats13, ip, hp, True), pad_qmatrices(mats2, hp, ip)
         self._set(_int4_layer(mats13, True), None, _int4_layer(mats2, False), None)
 
 
@@ -326,10 +340,13 @@ class NativeMxfp4Experts(_NativeExperts):
     group_size = 32
 
     def _load(self, weights: ExpertWeights) -> None:
-        mats13, mats2 = _experts_in(
-            weights, _packed_as(weights, Mxfp4Rows), lambda w: Mxfp4Rows(*quantize_mxfp4(w))
-        )
-        n13, n2 = 2 * self.inter, self.hidden
+        def quantize(w: torch.Tensor) -> Mxfp4Rows:  # zeros appended keep each block's max
+            return Mxfp4Rows(*quantize_mxfp4(pad_tensor(w, w.shape[0], round_up(w.shape[1], 32))))
+
+        mats13, mats2 = _experts_in(weights, _packed_as(weights, Mxfp4Rows), quantize)
+        hp, ip = self._padded()
+        mats13, mats2 = pad_qmatrices(mats13, ip, hp, True), pad_qmatrices(mats2, hp, ip)
+        n13, n2 = 2 * ip, hp
 
         def blocks(mats: tuple | list, n: int) -> list[torch.Tensor]:
             return [m.blocks.reshape(n, -1) for m in mats]
@@ -348,7 +365,6 @@ class NativeFp8Experts(_NativeExperts):
     expert in 128 x 128 blocks."""
 
     fmt = F_FP8
-    align = 16
 
     def _load(self, weights: ExpertWeights) -> None:
         def quantize(w: torch.Tensor) -> Fp8Rows:
@@ -357,13 +373,16 @@ class NativeFp8Experts(_NativeExperts):
 
         mats13, mats2 = _experts_in(weights, _packed_as(weights, Fp8Rows), quantize)
         # One group size for both matrices (the kernel's G): the largest that divides the
-        # block and both row lengths; block scales repeat over its groups (exactly).
-        self.group_size = math.gcd(mats13[0].group, self.hidden, self.inter)
+        # block and both sizes padded to 16; block scales repeat over its groups (exactly).
+        h16, i16 = (padded_size(F_FP8, 0, n) for n in (self.hidden, self.inter))
+        self.group_size = math.gcd(mats13[0].group, h16, i16)
         if any(m.group % self.group_size for m in (*mats13, *mats2)) or self.group_size % 16:
             raise InvalidInputError(
-                f"cpu-fp8 needs blocks of a multiple of 16 columns that fit hidden {self.hidden} "
-                f"and intermediate {self.inter} sizes"
+                f"cpu-fp8 reads scale blocks of a multiple of 16 columns; this checkpoint's are "
+                f"{sorted({m.group for m in (*mats13, *mats2)})}"
             )
+        hp, ip = self._padded()  # h16, i16 (the group divides both)
+        mats13, mats2 = pad_qmatrices(mats13, ip, hp, True), pad_qmatrices(mats2, hp, ip)
 
         def codes(mats) -> list[torch.Tensor]:
             return [m.w.view(torch.uint8) for m in mats]

@@ -128,6 +128,7 @@ _SIGNATURES = {
     "hetserve_moe_run": (_I, [_P, _I, _I, _I] + [_P] * 4),
     "hetserve_moe_last_seconds": (ctypes.c_double, [_P]),  # bench moe-kernel's kernel time
     "hetserve_moe_touch": (_I, [_P, _I, _I, _I, _P, _P, _P]),  # bench moe-kernel's read limit
+    "hetserve_moe_padded": (_I, [_I] * 3),  # quant/layout.py's padded_size
     "hetserve_int8_linear": (_I, [_I] * 4 + [_P] * 4),
     "hetserve_qlinear": (_I, [_I] * 6 + [_P] * 4),
     "hetserve_paged_decode_attention": (_I, [_I] * 10 + [_F] + [_P] * 7),

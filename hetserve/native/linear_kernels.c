@@ -2,8 +2,9 @@
  * `cpu-int8` placement puts on the non-expert linears of CPU-only serving
  * (hetserve/layers/int8_linear.py). Built with the other kernels by hetserve/native/__init__.py.
  *
- * y[t, n] = sum_k W[n, k] * x[t, k] for one matrix [N, K] (N % 4 == 0) in the quad layout of
- * moe_quads.h, in one of the formats:
+ * y[t, n] = sum_k W[n, k] * x[t, k] for one matrix [N, K] in the quad layout of moe_quads.h,
+ * stored zero-padded to whole quads of rows and to hetserve_moe_padded's K (x is padded here,
+ * padded outputs dropped), in one of the formats:
  *   fmt 1 (int8), G == 0: one fp32 scale per row, s [N];
  *   fmt 1 (int8), G > 0:  one fp16 scale per row and group of G columns (GGUF q8_0: 32,
  *                         its own fp16 numbers), stored [N / 4][K / G][4] (G % 16 == 0);
@@ -13,10 +14,13 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "moe_q4k.h"
 #include "moe_quads.h"
 #include "pool.h"
+
+int hetserve_moe_padded(int fmt, int G, int n); /* moe_kernels.c */
 
 #define TB 32 /* tokens per cache block */
 #define RC 8  /* row quads per work chunk, at least */
@@ -65,7 +69,7 @@ static inline void lin_quad(const lin_t *l, int n0, int nq, int m, int MB, float
 
 static void lin_item(void *ctx, int c) {
     const lin_t *l = (const lin_t *)ctx;
-    const int quads = l->N / 4;
+    const int quads = (l->N + 3) / 4; /* the last one's padded rows are dropped */
     const int u0 = c * l->rc, u1 = u0 + l->rc < quads ? u0 + l->rc : quads;
     for (int t0 = 0; t0 < l->T; t0 += TB) {
         int t1 = t0 + TB < l->T ? t0 + TB : l->T;
@@ -75,10 +79,11 @@ static void lin_item(void *ctx, int c) {
                 int MB = t1 - m >= 2 ? 2 : 1;
                 float o[8][MBMAX];
                 lin_quad(l, 4 * u, nq, m, MB, o);
+                const int rows = 4 * (u + nq) <= l->N ? 4 * nq : l->N - 4 * u;
                 for (int mm = 0; mm < MB; mm++) {
                     float *y = l->out + (size_t)(m + mm) * l->N + 4 * u;
                     const float sx = l->xsc ? l->xsc[m + mm] : 1.0f;
-                    for (int r = 0; r < 4 * nq; r++) y[r] = o[r][mm] * sx;
+                    for (int r = 0; r < rows; r++) y[r] = o[r][mm] * sx;
                 }
             }
         }
@@ -91,13 +96,24 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
                      float *out, const void *w, const void *s) {
     if (fmt != L_I8 && fmt != L_Q4K) return -3;
     if (T <= 0) return 0;
-    const size_t n = (size_t)T * K;
+    const int Kx = K; /* x's columns; the weights' may be padded */
+    K = hetserve_moe_padded(fmt, G, K);
+    const size_t n = (size_t)T * K, n_x = K != Kx ? n : 0;
     const int q4k = fmt == L_Q4K, nsb = K / Q4K_SB;
-    /* int16 activations and their per-row scales, or q4_K's int8 ones, scales and sums */
+    /* int16 activations and their per-row scales, or q4_K's int8 ones, scales and sums; then x
+     * padded with zeros where K is */
     const size_t bytes = q4k ? n + (size_t)T * nsb * (sizeof(float) + 16 * sizeof(int16_t))
                              : (sizeof(int16_t) * n + sizeof(float) * (size_t)T);
-    char *buf = malloc(bytes);
+    char *buf = malloc(bytes + sizeof(float) * n_x);
     if (buf == NULL) return -1;
+    if (n_x) {
+        float *xp = (float *)(buf + bytes); /* bytes: a multiple of 4 */
+        for (int t = 0; t < T; t++) {
+            memcpy(xp + (size_t)t * K, x + (size_t)t * Kx, sizeof(float) * Kx);
+            memset(xp + (size_t)t * K + Kx, 0, sizeof(float) * (K - Kx));
+        }
+        x = xp;
+    }
     int16_t *x16 = NULL, *ps = NULL;
     float *xsc = NULL, *pd = NULL;
     int8_t *pl = NULL;
@@ -113,7 +129,7 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
     }
     nthreads = nthreads < 1 ? 1 : nthreads;
     const long quad_bytes = q4k ? 4L * K * 9 / 16 : 4L * K; /* q4_K: 4.5 bits per weight */
-    const int quads = N / 4;
+    const int quads = (N + 3) / 4;
     int rc = hs_item_units(quad_bytes, ITEM_BYTES, quads, nthreads, RC);
     rc += q4k && rc % 2; /* q4_K: items of whole pairs (the layout interleaves quads 2u, 2u + 1) */
     lin_t l = {fmt, G, T, N, K, rc, w, s, xsc, x16, pl, ps, pd, out};

@@ -502,23 +502,46 @@ static char *scratch(size_t n, int *own) {
     return b;
 }
 
+/* The size a layer's hidden or intermediate size n is stored at: rounded up to the multiple the
+ * format's kernels need (fp32: 8 columns; FP8: 16; the formats with int16 activations: 32; and
+ * whole groups of G; q4_K: its 256, which its rows always are). quant/layout.py pads the weights
+ * with zeros to it at load; the tokens are padded with zeros here and padded outputs dropped, so
+ * a size off the multiple adds the same products (and zeros) as one on it. */
+int hetserve_moe_padded(int fmt, int G, int n) {
+    static const int unit[] = {8, 32, 32, 32, 16, 256}; /* by F_* */
+    const int a = fmt >= F_F32 && fmt <= F_Q4K ? unit[fmt] : 1;
+    int m = a;
+    if (G > 0) { /* lcm(a, G) */
+        int x = a, y = G;
+        while (y != 0) {
+            const int t = x % y;
+            x = y, y = t;
+        }
+        m = a / x * G;
+    }
+    return (n + m - 1) / m * m;
+}
+
 /* Returns 0, -1 when out of memory, -2 when an expert id is outside [0, E), -3 for an unknown
  * format. fmt: F_*; G: columns per scale group (int4, MXFP4 32, FP8, grouped int8; 0 = int8 per
- * row; unused by q4_K, whose super-blocks carry their scales: H and I multiples of 256); b13/b2
- * may be NULL; act 0 = silu, 1 = clamped SwiGLU(alpha, limit). */
+ * row; unused by q4_K, whose super-blocks carry their scales: H and I multiples of 256); H, I:
+ * the layer's sizes (x and out [T, H]), its weights and biases (b13/b2, or NULL) stored at
+ * hetserve_moe_padded's; act 0 = silu, 1 = clamped SwiGLU(alpha, limit). */
 int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int T, int k,
                          const int64_t *ids, const float *tw, const float *x, float *out,
                          const void *w13, const void *s13, const void *w2, const void *s2,
                          const float *b13, const float *b2, int act, float alpha, float limit) {
-    const int P = T * k;
-    memset(out, 0, sizeof(float) * (size_t)T * H);
+    const int P = T * k, Hx = H; /* x and out are [T, Hx]; the weights' H may be padded */
+    H = hetserve_moe_padded(fmt, G, H), I = hetserve_moe_padded(fmt, G, I);
+    memset(out, 0, sizeof(float) * (size_t)T * Hx);
     if (fmt < F_F32 || fmt > F_Q4K) return -3;
     if (P == 0) return 0;
     if (bad_ids(E, P, ids)) return -2;
     const int q16 = rounded_acts(fmt); /* int16 (bf16) or q4_K's int8 activations */
     const int G4 = fmt == F_I4 ? G : 0; /* group sums (the minimum term) */
     size_t n_g = G4 ? (size_t)T * (H / G4) + (size_t)P * (I / G4) : 0; /* xgs, ags */
-    size_t n_f = (size_t)P * (I + H) + P + T + P + n_g;   /* a, y, pw, xsc, asc, xgs, ags */
+    size_t n_x = H != Hx ? (size_t)T * H : 0; /* x padded with zeros to the weights' H */
+    size_t n_f = (size_t)P * (I + H) + P + T + P + n_g + n_x; /* a, y, pw, xsc, asc, xgs, ags, x */
     size_t n_i = (size_t)P + 4 * (size_t)E;               /* tok, act_e/off/cnt, fill */
     size_t n_q = q16 ? (size_t)T * H + (size_t)P * I : 0; /* rounded activations */
     const int xw = act_width(fmt);
@@ -541,6 +564,14 @@ int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int 
     /* on a cache line: no load of the kernel's reads them across two */
     int8_t *xpl = (int8_t *)(((uintptr_t)(xps + n_q / Q4K_SB * 16) + 63) & ~(uintptr_t)63);
     int8_t *apl = xpl + (size_t)T * H;
+    if (n_x) {
+        float *xp = a + n_f - n_x;
+        for (int t = 0; t < T; t++) {
+            memcpy(xp + (size_t)t * H, x + (size_t)t * Hx, sizeof(float) * Hx);
+            memset(xp + (size_t)t * H + Hx, 0, sizeof(float) * (H - Hx));
+        }
+        x = xp;
+    }
     int n = sort_pairs(E, P, k, ids, tw, tok, pw, act_e, act_off, act_cnt, act_cnt + E);
     job_t j = {fmt, H, I, G, act, alpha, limit, b13, b2, x, w13, w2, s13, s2, tok, pw,
                a, y, x16, a16, xsc, asc, xgs, ags, xpl, apl, xps, aps, xpd, apd, n, act_e, act_off,
@@ -550,9 +581,9 @@ int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int 
     if (q16) activations(&j, 2, P);
     run_phase(&j, 2, phase_item, NULL);
     for (int p = 0; p < P; p++) { /* pairs of one token never race: this loop is serial */
-        float *o = out + (size_t)tok[p] * H;
+        float *o = out + (size_t)tok[p] * Hx;
         const float *yp = y + (size_t)p * H;
-        for (int h = 0; h < H; h++) o[h] += yp[h];
+        for (int h = 0; h < Hx; h++) o[h] += yp[h];
     }
     if (own) free(buf);
     return 0;
@@ -629,7 +660,8 @@ int hetserve_moe_touch(const void *h, int nthreads, int T, int k, const int64_t 
         if (seen[e]) act_e[i++] = e;
     job_t j;
     memset(&j, 0, sizeof(j));
-    j.fmt = m->fmt, j.H = m->H, j.I = m->I, j.G = m->G;
+    j.fmt = m->fmt, j.G = m->G;
+    j.H = hetserve_moe_padded(m->fmt, m->G, m->H), j.I = hetserve_moe_padded(m->fmt, m->G, m->I);
     j.w13 = m->w13, j.s13 = m->s13, j.w2 = m->w2, j.s2 = m->s2;
     j.n_active = n, j.act_e = act_e;
     j.nthreads = nthreads < 1 ? 1 : nthreads;

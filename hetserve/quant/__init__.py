@@ -9,8 +9,8 @@ and `envs`, so every format is written once and every consumer reads the same by
   and expert selection are indexing) and `PackedExperts` (one layer's routed experts in them).
 - `quantize.py`: the quantizers hetserve applies itself (int8 per channel, int4 groups, FP8
   blocks, MXFP4) and the error bound each one promises.
-- `layout.py`: byte orders the native kernels read (quads, tiles, gate/up pairs); values never
-  change there.
+- `layout.py`: byte orders the native kernels read (quads, tiles, gate/up pairs), and sizes off
+  their units padded with zero weights up to them; values never change there.
 - `checkpoint/`: what a published checkpoint's `quantization_config` means (FP8 block-scaled,
   MXFP4, GPTQ, compressed-tensors), tensor by tensor.
 - `gguf.py`: GGUF block types read as the file stores them.

@@ -4,14 +4,112 @@
 Only byte order changes here, never values: row quads interleaved into one sequential stream
 per matrix (four strided row streams ran at half the speed: prefetch-bound), gate and up rows
 paired, int4 nibbles in the order the AVX2 unpack wants, int4 group parameters inside their
-tiles.
+tiles. And sizes: a matrix whose rows or columns are not whole units of its kernel (quads and
+tiles of rows, 8 to 256 columns, whole groups) is stored with zero weights appended up to them
+(`padded_size`, `pad_tensor`, `pad_qmatrix`), once at load; the kernels pad the activations
+with zeros and drop the padded outputs, so nothing the model sees changes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
 import torch
 
-from hetserve.native import hugepage_empty
+from hetserve.native import hugepage_empty, kernel
+from hetserve.quant.packed import Fp8Rows, Int4Rows, Int8Rows, Mxfp4Rows, Q4KRows, QMatrix
+
+
+def padded_size(fmt: int, group: int, n: int) -> int:
+    """The size a hidden or intermediate size (a linear's input size) `n` is stored at by the
+    native kernels of format `fmt` (F_* of moe_kernels.c) with `group` columns per scale (0:
+    none): their own rule (hetserve_moe_padded), so layouts built here and the kernel agree."""
+    return int(kernel("hetserve_moe_padded")(fmt, group, n))
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def pad_tensor(t: torch.Tensor, rows: int, cols: int, row_dim: int = -2) -> torch.Tensor:
+    """`t` with dimensions `row_dim` and the one after it extended with zeros at the end to
+    `rows` and `cols` (`t` itself where they already are that)."""
+    d = t.dim() + row_dim
+    n, c = t.shape[d], t.shape[d + 1]
+    if (n, c) == (rows, cols):
+        return t
+    assert n <= rows and c <= cols, "padding never shrinks"
+    out = t.new_zeros((*t.shape[:d], rows, cols, *t.shape[d + 2 :]))
+    out[(slice(None),) * d + (slice(0, n), slice(0, c))] = t
+    return out
+
+
+def pad_gate_up(t: torch.Tensor, half: int, cols: int) -> torch.Tensor:
+    """[.., 2I, C] gate rows then up rows -> [.., 2 half, cols]: each half padded on its own, so
+    the up rows still start at row `half`."""
+    n = t.shape[-2] // 2
+    if (n, t.shape[-1]) == (half, cols):
+        return t
+    gate, up = (pad_tensor(p, half, cols) for p in (t[..., :n, :], t[..., n:, :]))
+    return torch.cat((gate, up), dim=-2)
+
+
+def pad_bias(b: torch.Tensor | None, n: int, gate_up: bool = False) -> torch.Tensor | None:
+    """Biases [E, N] (`gate_up`: [E, 2I], gate then up) with zeros appended to `n` (per half)."""
+    if b is None:
+        return None
+    t = b.unsqueeze(-1)
+    return (pad_gate_up(t, n, 1) if gate_up else pad_tensor(t, n, 1)).squeeze(-1).contiguous()
+
+
+def _column_units(m: QMatrix) -> dict[str, int]:
+    """Matrix columns per column of each field of `m` (the dimension after its row one)."""
+    if isinstance(m, Fp8Rows):
+        return {"w": 1, "scale": m.block_k}
+    if isinstance(m, Mxfp4Rows):
+        return {"blocks": 32, "scales": 32}
+    if isinstance(m, Int4Rows):
+        return {"packed": 2, "scale": m.group, "minimum": m.group}
+    if isinstance(m, Int8Rows):
+        return {"q": 1, "scale": m.group}
+    if isinstance(m, Q4KRows):
+        return {"raw": 256}
+    raise TypeError(f"no padding rule for {type(m).__name__}")
+
+
+def pad_qmatrix(m: QMatrix, rows: int, cols: int) -> QMatrix:
+    """`m` [.., N, K] as [.., rows, cols]: every field zero-filled in the new rows and columns,
+    which every format here reads as weight 0 (int4: code 0 with scale and minimum 0 in new
+    rows and groups; in a partial group's new columns code 0 is its minimum, which meets only
+    zero activations). `cols` holds whole groups of `m`'s (the caller's padded_size)."""
+    n, k = m.shape[-2:]
+    if (n, k) == (rows, cols):
+        return m
+    units = _column_units(m)  # FP8's last block may be partial: its scale covers it
+    assert isinstance(m, Fp8Rows) or all(cols % u == 0 for u in units.values()), "whole groups"
+    fields = {f: pad_tensor(getattr(m, f), rows, -(-cols // units[f]), d)
+              for f, d in m.row_dims.items()}  # fmt: skip
+    return dataclasses.replace(m, **fields)
+
+
+def pad_qmatrix_gate_up(m: QMatrix, half: int, cols: int) -> QMatrix:
+    """pad_gate_up for a QMatrix: gate rows, then up rows, each padded to `half`."""
+    n = m.shape[-2] // 2
+    if (n, m.shape[-1]) == (half, cols):
+        return m
+    parts = [pad_qmatrix(m.rows(slice(a, a + n)), half, cols) for a in (0, n)]
+    return type(m).cat_rows(parts)
+
+
+def pad_qmatrices(
+    mats: Sequence[QMatrix], rows: int, cols: int, gate_up: bool = False
+) -> list[QMatrix]:
+    """Each matrix padded (pad_qmatrix, or with `gate_up` pad_qmatrix_gate_up and `rows` per
+    half): checkpoint matrices as they are where they fit, as their formats' blocks mostly
+    make them."""
+    pad = pad_qmatrix_gate_up if gate_up else pad_qmatrix
+    return [pad(m, rows, cols) for m in mats]
 
 
 def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,17 @@ Error bounds each backend promises, per linear `y = x @ w.T` (w one expert's [N,
                            (+ s_x / 2 * ||w_hat[n]||_1, native: int16 activations as above)
                            (+ fp32 rounding);
   `int4_linear_bound` computes the weight term (torch's op keeps activations fp32).
+- `cpu-fp8`: e4m3 with a scale s = max|w| / 448 per 128 x 128 block: 3 mantissa bits and a
+  subnormal step of s / 512, and the avx512bf16 build reads subnormals (below s / 64) as zero,
+  so |w - w_hat| <= |w| / 16 + s / 32 per element (`fp8_weight_bound`). Activations: fp32, or
+  on that build a sum of two bf16, |x - x_hat| <= 2^-16 |x|.
+- `cpu-mxfp4`: e2m1 codes times 2^e per 32 columns, e = floor(log2 max|w|) - 2: the grid's
+  widest step is 2 * 2^e up to 6 * 2^e, above which (up to 8 * 2^e) values saturate to 6 * 2^e,
+  so |w - w_hat| <= 2 * 2^e per element (`mxfp4_weight_bound`); int16 activations as above.
+
+The bounds hold at any size: a size off a kernel's multiple is padded with zero weights and
+zero activations (quant/layout.py), which add nothing, and int4's last group of fewer columns
+takes its scale from them alone.
 """
 
 from __future__ import annotations
@@ -71,14 +82,20 @@ def quantize_int4_groupwise(
     w: torch.Tensor, group_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric group-wise int4 over input channels: returns (q int32 [N, K] in [0, 15],
-    scale [N, K/g], minimum [N, K/g]) with w_hat = q * scale + minimum, |w - w_hat| <= scale/2."""
+    scale [N, ceil(K/g)], minimum [N, ceil(K/g)]) with w_hat = q * scale + minimum,
+    |w - w_hat| <= scale/2. A last group of fewer than g columns takes its scale and minimum
+    from those columns alone."""
     n, k = w.shape
-    wg = w.float().reshape(n, k // group_size, group_size)
+    groups = -(-k // group_size)
+    wf = w.float()
+    if groups * group_size != k:  # repeats of the last column change neither min nor max
+        wf = torch.cat((wf, wf[:, -1:].expand(n, groups * group_size - k)), dim=1)
+    wg = wf.reshape(n, groups, group_size)
     lo = wg.amin(dim=2)
     scale = (wg.amax(dim=2) - lo) / 15.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group: exact
     q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp_(0, 15)
-    return q.to(torch.int32).reshape(n, k), scale, lo
+    return q.to(torch.int32).reshape(n, -1)[:, :k].contiguous(), scale, lo
 
 
 def int4_linear_bound(
@@ -91,7 +108,9 @@ def int4_linear_bound(
     """The promised |y - x @ w.T| bound of `cpu-int4` for inputs x [T, K] (see module doc);
     the native kernel's activation term needs `w_hat`."""
     t, k = x.shape
-    xg = x.float().abs().reshape(t, k // group_size, group_size).sum(dim=2)  # [T, K/g]
+    xa = x.float().abs()
+    xa = torch.cat((xa, xa.new_zeros(t, -k % group_size)), dim=1)  # a partial last group
+    xg = xa.reshape(t, -1, group_size).sum(dim=2)  # [T, ceil(K/g)]
     bound = xg @ scale.t() / 2
     if kernel == "native":
         assert w_hat is not None, "the native bound needs w_hat"
@@ -119,6 +138,13 @@ def quantize_fp8_blocks(
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (w.float() / expand_blocks(scale, block, n, k)).to(torch.float8_e4m3fn)
     return q, scale
+
+
+def fp8_weight_bound(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """The promised |w - w_hat| per element of `cpu-fp8` for w [N, K] quantized in 128 x 128
+    blocks with scales `scale_inv` (quantize_fp8_blocks'; see module doc)."""
+    n, k = w.shape
+    return w.float().abs() / 16 + expand_blocks(scale_inv.float(), (128, 128), n, k) / 32
 
 
 def expand_blocks(scale: torch.Tensor, block: tuple[int, int], n: int, k: int) -> torch.Tensor:
@@ -171,3 +197,9 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(*blocks.shape[:-1], 32)
     vals = table[codes.long()] * torch.exp2(scales.float() - 127).unsqueeze(-1)
     return vals.reshape(*blocks.shape[:-2], -1)
+
+
+def mxfp4_weight_bound(scales: torch.Tensor) -> torch.Tensor:
+    """The promised |w - w_hat| per element of `cpu-mxfp4` from the e8m0 scales [.., N, K/32]
+    (quantize_mxfp4's; see module doc): twice each block's scale."""
+    return (2 * torch.exp2(scales.float() - 127)).repeat_interleave(MXFP4_BLOCK, dim=-1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hetserve.layers.int8_linear import Int8Linear
@@ -16,7 +17,13 @@ from hetserve.quant.quantize import (
 
 
 @pytest.mark.parametrize("kernel", ["auto", "fbgemm"])
-@pytest.mark.parametrize("n,k,t,bias", [(64, 96, 1, False), (12, 32, 5, True), (8, 64, 33, True)])
+@pytest.mark.parametrize(
+    "n,k,t,bias",
+    [(64, 96, 1, False), (12, 32, 5, True), (8, 64, 33, True),
+     # off the native kernel's units (rows in quads, columns in 32s): stored padded
+     (6, 30, 3, True), (7, 100, 1, False), (13, 72, 5, True), (3, 130, 2, False),
+     (70, 33, 34, True)],
+)  # fmt: skip
 def test_within_the_stated_bound(kernel, n, k, t, bias):
     g = torch.Generator().manual_seed(n + t)
     lin = nn.Linear(k, n, bias=bias)
@@ -37,9 +44,30 @@ def test_within_the_stated_bound(kernel, n, k, t, bias):
     assert ((out - ref).abs() <= bound + 1e-5).all()
 
 
-def test_native_needs_aligned_shapes_and_falls_back():
-    assert Int8Linear(nn.Linear(30, 8), kernel="auto").kernel == "fbgemm"  # K % 32 != 0
-    assert Int8Linear(nn.Linear(32, 6), kernel="auto").kernel == "fbgemm"  # N % 4 != 0
+@pytest.mark.skipif(bool(native_unavailable_reason()), reason="native kernels unavailable")
+@pytest.mark.parametrize(("n", "k"), [(6, 30), (7, 100), (13, 72), (70, 33)])
+def test_any_shape_is_native_and_padding_adds_nothing(n, k):
+    """Rows off whole quads and columns off 32s are stored with zero weights appended (the
+    kernel pads the input, drops the padded outputs): the result is, bit for bit, the same
+    kernel's on a linear padded by hand. kernel="fbgemm" still asks for the library op."""
+    g = torch.Generator().manual_seed(n * k)
+    lin = nn.Linear(k, n)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g))
+    np_, kp = -(-n // 4) * 4, -(-k // 32) * 32
+    big = nn.Linear(kp, np_)
+    with torch.no_grad():
+        big.weight.zero_()
+        big.weight[:n, :k] = lin.weight
+        big.bias.zero_()
+        big.bias[:n] = lin.bias
+    q = Int8Linear(lin)
+    assert q.kernel == "native" and q._q.shape == (np_ // 4, kp // 16, 4, 16)
+    x = torch.randn(5, k, generator=g)
+    out = q(x)
+    assert out.shape == (5, n)
+    assert torch.equal(out, Int8Linear(big)(F.pad(x, (0, kp - k)))[:, :n])
+    assert Int8Linear(lin, kernel="fbgemm").kernel == "fbgemm"
 
 
 class _Attn(nn.Module):
@@ -83,15 +111,18 @@ def _q8_0(w: torch.Tensor):
 @pytest.mark.skipif(bool(native_unavailable_reason()), reason="native kernels unavailable")
 @pytest.mark.parametrize(("fmt", "pack"), [(5, _q4k), (1, _q8_0)])
 @pytest.mark.parametrize(
-    ("t", "bias", "n"), [(1, False, 20), (3, True, 20), (34, False, 20), (1, False, 308)]
-)
+    ("t", "bias", "n"),
+    [(1, False, 20), (3, True, 20), (34, False, 20), (1, False, 308), (3, True, 22),
+     (2, False, 301)],
+)  # fmt: skip
 def test_checkpoint_matrices_served_as_they_are(fmt, pack, t, bias, n):
     """A linear carrying its checkpoint matrix (`packed_weight`, GGUF q4_K / q8_0) runs on those
     numbers exactly: against x @ w_hat.T only the activation rounding is left,
     |y - x @ w_hat.T| <= sum over blocks of s_x / 2 * sum|w_hat| per output (plus fp32
     summation; q8_0: int16 per row, q4_K: int8 per 256 columns as llama.cpp's q8_K), and the
     bytes streamed are the file's (q4_K: 9/16 of a byte per weight). 308 rows: 77 quads, so the
-    work items hold an odd count unless rounded to the q4_K kernel's pairs of quads."""
+    work items hold an odd count unless rounded to the q4_K kernel's pairs of quads; 22 and 301
+    rows end in a padded quad (zero rows, outputs dropped)."""
     k = 512
     g = torch.Generator().manual_seed(t)
     lin = nn.Linear(k, n, bias=bias)
