@@ -32,7 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from hetserve import envs
-from hetserve.moe.cpu_backends import quantize_int4_groupwise, quantize_int8_per_channel
+from hetserve.errors import InvalidInputError
+from hetserve.quant.layout import pack_int4_rows
+from hetserve.quant.quantize import quantize_int4_groupwise, quantize_int8_per_channel
 
 
 @dataclass
@@ -94,12 +96,23 @@ def make_grad_weights(w13: torch.Tensor, w2: torch.Tensor, bits: int = 32, group
                            torch.stack(s2))  # fmt: skip
     if bits != 4:
         raise ValueError(f"bits must be 32, 8 or 4, got {bits}")
+    hidden, inter = w13.shape[-1], w2.shape[-1]
+    if hidden % group_size or inter % group_size:
+        # The backward kernel reads whole groups (the forward pads; the backward does not).
+        raise InvalidInputError(
+            f"4-bit experts for training need hidden ({hidden}) and intermediate ({inter}) "
+            f"sizes that are multiples of the group size {group_size}; use 8-bit experts or a "
+            "group size that divides both"
+        )
 
     def quant(w: torch.Tensor):
         parts = [quantize_int4_groupwise(m.float().cpu(), group_size) for m in w]
-        q = torch.stack([p[0] for p in parts]).to(torch.uint8)
-        packed = (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous()
-        return packed, torch.stack([p[1] for p in parts]), torch.stack([p[2] for p in parts])
+        q = torch.stack([p[0] for p in parts])
+        return (
+            pack_int4_rows(q),
+            torch.stack([p[1] for p in parts]),
+            torch.stack([p[2] for p in parts]),
+        )
 
     (q13, s13, m13), (q2, s2, m2) = quant(w13), quant(w2)
     return GradWeights(4, q13, q2, s13, m13, s2, m2, group_size)

@@ -115,3 +115,15 @@ def test_cuda_bf16_activations_with_host_experts():
     (y.float() * gout.cuda()).sum().backward()
     rx, _ = autograd_reference(w13, w2, x, tw, ids, gout)
     torch.testing.assert_close(xc.grad.float().cpu(), rx, rtol=2e-2, atol=2e-2)
+
+
+def test_int4_training_weights_refuse_sizes_off_the_group():
+    import pytest as _pytest
+
+    from hetserve.errors import InvalidInputError
+    from hetserve.finetune.experts_grad import make_grad_weights
+
+    w13, w2 = torch.randn(2, 2 * 40, 72), torch.randn(2, 72, 40)  # hidden 72, inter 40
+    with _pytest.raises(InvalidInputError, match="multiples of the group size 64"):
+        make_grad_weights(w13, w2, bits=4, group_size=64)
+    assert make_grad_weights(w13, w2, bits=8).fmt == 8
