@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "hetserve.entrypoints.calibrate",  # calibrate (routing statistics for --gpu-experts)
     "hetserve.entrypoints.finetune",  # finetune CONFIG.yaml
     "hetserve.entrypoints.export",  # export (a LoRA adapter merged into full weights)
+    "hetserve.entrypoints.profile",  # profile (prefill/decode costs for the Conductor)
 ]
 
 

@@ -1,0 +1,172 @@
+"""`hetserve profile`: measure what an instance's work costs, for the Conductor and the simulator.
+
+Who calls it: `hetserve profile --out profile.json` (entrypoints/profile.py), and an instance at
+start-up when it is given no profile (a quick measurement, `quick=True`). It runs the engine
+it is handed on synthetic prompts, times prefills of `new` tokens after `cached` tokens already
+in the prefix cache and decode steps of `batch` sequences holding `context` tokens, fits
+`costs.PrefillFit` / `costs.DecodeFit` to them with the error on held-out samples, and reads the
+KV tiers' probed read costs. The result is `costs.InstanceProfile` (JSON: `costs.save_profile`).
+
+Failure contract: a model whose context is too short to measure anything is an
+`InvalidInputError` naming the minimum; nothing else here depends on user input.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hetserve.core.request import NewRequest
+from hetserve.core.sampling import SamplingParams
+from hetserve.disagg.costs import (
+    DecodeSample,
+    InstanceProfile,
+    PrefillSample,
+    fit_decode,
+    fit_prefill,
+    held_out,
+)
+from hetserve.disagg.policy import LOCAL_TIERS, POOL
+from hetserve.errors import InvalidInputError
+from hetserve.kv.tier_policy import TierCost
+
+ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+
+@dataclass
+class Plan:
+    """Which points to measure (token counts are capped by the context)."""
+
+    new: tuple[int, ...] = (32, 128, 512, 1024, 2048)
+    cached: tuple[int, ...] = (0, 512, 2048)
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16)
+    contexts: tuple[int, ...] = (128, 1024)
+    decode_steps: int = 8
+    repeats: int = 2
+
+    @classmethod
+    def quick(cls) -> Plan:
+        return cls((32, 128, 512), (0, 256), (1, 2, 4), (64, 256), 4, 1)
+
+
+@dataclass
+class Measured:
+    prefill: list[PrefillSample] = field(default_factory=list)
+    decode: list[DecodeSample] = field(default_factory=list)
+
+
+class Profiler:
+    def __init__(self, engine: Any, seed: int = 0) -> None:
+        self.engine = engine  # an EngineCore, stepped here on this thread only
+        self._rng = random.Random(seed)
+        self._ids = 0
+        vocab = engine.vocab_size
+        self._tokens = (10, max(11, min(vocab, 400)))  # low ids: real tokens in tiny vocabs
+
+    def _prompt(self, n: int) -> list[int]:
+        lo, hi = self._tokens
+        return [self._rng.randrange(lo, hi) for _ in range(n)]
+
+    def _rid(self) -> str:
+        self._ids += 1
+        return f"profile-{self._ids}"
+
+    def _run(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        for p in prompts:
+            self.engine.submit(NewRequest(self._rid(), p, params), stream=False)
+        while self.engine.has_unfinished():
+            self.engine.step()
+
+    def prefill(self, new: int, cached: int) -> float:
+        """Seconds to prefill `new` tokens after `cached` cached ones (the prefix computed
+        first, then the prompt that extends it, timed from submit to its first token)."""
+        prefix = self._prompt(cached)
+        if cached:
+            self._run([prefix + self._prompt(1)], ONE_TOKEN)  # caches the prefix's blocks
+        prompt = prefix + self._prompt(new)
+        t0 = time.perf_counter()
+        self._run([prompt], ONE_TOKEN)
+        return time.perf_counter() - t0
+
+    def decode(self, batch: int, context: int, steps: int) -> float:
+        """Median seconds of a decode step with `batch` sequences of `context` tokens each."""
+        params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+        for _ in range(batch):
+            self.engine.submit(NewRequest(self._rid(), self._prompt(context), params), False)
+        times, before = [], self.engine.stats().prompt_tokens_computed
+        while self.engine.has_unfinished():
+            t0 = time.perf_counter()
+            self.engine.step()
+            dt = time.perf_counter() - t0
+            now = self.engine.stats()
+            if now.prompt_tokens_computed == before and now.num_running == batch:
+                times.append(dt)  # a step of decodes only, the whole batch in it
+            before = now.prompt_tokens_computed
+        times.sort()
+        return times[len(times) // 2] if times else float("nan")
+
+
+def measure(
+    engine: Any, plan: Plan, progress: Callable[[str], None] | None = None
+) -> tuple[InstanceProfile, Measured]:
+    """Profile `engine` (an `EngineCore`) along `plan`."""
+    limit = engine.max_model_len - 2
+    bs = engine.kv.block_size
+    if limit < 64:
+        raise InvalidInputError(f"profiling needs a context of at least 66 tokens, got {limit + 2}")
+    prof = Profiler(engine)
+    out = Measured()
+    prof.prefill(32, 0)  # one-off costs (allocations, kernel builds) out of the samples
+    for new in plan.new:
+        for cached in plan.cached:
+            cached = cached // bs * bs
+            if new + cached > limit:
+                continue
+            for _ in range(plan.repeats):
+                out.prefill.append((new, cached, prof.prefill(new, cached)))
+            if progress:
+                progress(f"prefill {new} new after {cached} cached")
+    seqs = engine.config.scheduler.max_num_seqs
+    for batch in plan.batches:
+        for ctx in plan.contexts:
+            if batch > seqs or ctx + plan.decode_steps + 1 > limit:
+                continue
+            s = prof.decode(batch, ctx, plan.decode_steps)
+            if s == s:  # not NaN: some step ran the whole batch
+                out.decode.append((batch, batch * (ctx + plan.decode_steps // 2), s))
+            if progress:
+                progress(f"decode batch {batch} at {ctx} tokens")
+    pre, pre_err = held_out(out.prefill, fit_prefill)
+    dec, dec_err = held_out(out.decode, fit_decode)
+    tiers = policy_tiers(engine.tiers) if engine.tiers is not None else {}
+    kv_per_token = _kv_bytes_per_block(engine) // bs
+    profile = InstanceProfile(
+        engine.model_dir.name, pre, dec, kv_per_token, tiers, pre_err, dec_err
+    )
+    return profile, out
+
+
+def policy_tiers(tiers: Any) -> dict[str, TierCost]:
+    """The KV tiers' probed read costs under the policy's tier names: the local store's "dram"
+    and "ssd" as they are, any shared store ("pool", "pool-shm", "mooncake", "redis") as
+    "pool", at the cheapest of its rows (a block is read from the nearest replica)."""
+    shared = {t.name for t in tiers.store.tiers() if t.shared}
+    out: dict[str, TierCost] = {}
+    for name, cost in tiers.cost.tiers.items():
+        key = POOL if name in shared else name
+        if key not in LOCAL_TIERS and key != POOL:
+            continue  # the victim cache ("staged") is the engine's own business
+        old = out.get(key)
+        if old is None or cost.load_time(1 << 20) < old.load_time(1 << 20):
+            out[key] = cost
+    return out
+
+
+def _kv_bytes_per_block(engine: Any) -> int:
+    from hetserve.kv.paged import PagedKVCache
+
+    dtype = next(engine.model.parameters()).dtype
+    return PagedKVCache.bytes_per_block(engine.model.kv_cache_spec(), engine.kv.block_size, dtype)
