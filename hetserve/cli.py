@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "hetserve.entrypoints.finetune",  # finetune CONFIG.yaml
     "hetserve.entrypoints.export",  # export (a LoRA adapter merged into full weights)
     "hetserve.entrypoints.profile",  # profile (prefill/decode costs for the Conductor)
+    "hetserve.entrypoints.conductor",  # conductor (a prefill/decode cluster's front door)
 ]
 
 

@@ -66,6 +66,18 @@ class HandoffStats:
 
 
 @dataclass(frozen=True)
+class EngineLoad:
+    """What a cluster router needs of an instance's load, as of its last step."""
+
+    queued_prefill_tokens: int = 0  # prompt tokens not computed yet (waiting and running)
+    queued_requests: int = 0  # waiting for admission (or for their KV)
+    running_decodes: int = 0  # running requests past their prompt
+    decode_context_tokens: int = 0  # tokens those hold
+    free_blocks: int = 0
+    total_blocks: int = 0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
@@ -82,6 +94,7 @@ class EngineStats:
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
     tiers: TierStats | None = None  # with a KV store attached
     handoff: HandoffStats | None = None  # on an instance with a prefill or decode role
+    load: EngineLoad = EngineLoad()
 
     @property
     def kv_usage(self) -> float:

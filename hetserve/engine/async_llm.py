@@ -18,8 +18,10 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from hetserve.config import EngineConfig
 from hetserve.core.outputs import RequestOutput
@@ -49,11 +51,22 @@ class _Abort:
 
 
 @dataclass(frozen=True)
+class _Call:
+    """Run `fn(engine)` on the engine thread between steps; its result or error goes to
+    `future` (a concurrent.futures.Future)."""
+
+    fn: Callable[[EngineCore], Any]
+    future: Future[Any]
+
+
+@dataclass(frozen=True)
 class _Wake:
     """Nothing to do: wakes the engine thread (at shutdown, to see the stop flag)."""
 
 
-Command = _Add | _Abort | _Wake  # what callers hand the engine thread, applied between steps
+Command = (
+    _Add | _Abort | _Call | _Wake
+)  # what callers hand the engine thread, applied between steps
 
 
 @dataclass
@@ -176,6 +189,18 @@ class AsyncLLM:
             raise InvalidInputError(f"LoRA adapter {name!r} is not loaded", param="lora_name")
         self.engine.lora.unload(name)
 
+    async def call(self, fn: Callable[[EngineCore], Any]) -> Any:
+        """`fn(engine)` run on the engine thread between steps (never beside a step): a
+        measurement or an inspection that must see the engine still."""
+        future: Future[Any] = Future()
+        self._commands.put(_Call(fn, future))
+        return await asyncio.wrap_future(future)
+
+    @property
+    def handoff_address(self) -> str | None:
+        """Where this engine receives prefill/decode hand-offs (None: it does not)."""
+        return self.engine.handoff.address
+
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
@@ -212,6 +237,11 @@ class AsyncLLM:
             case _Abort(request_id):
                 self.engine.abort_request(request_id)
                 self._timings.pop(request_id, None)
+            case _Call(fn, future):
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as exc:  # the caller gets it; the engine goes on
+                    future.set_exception(exc)
             case _Wake():
                 pass
 

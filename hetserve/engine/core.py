@@ -21,7 +21,7 @@ import torch
 from hetserve.config import EngineConfig, Role
 from hetserve.core.outputs import RequestOutput
 from hetserve.core.request import HandoffRole, NewRequest, Request, RequestStatus
-from hetserve.core.stats import EngineStats
+from hetserve.core.stats import EngineLoad, EngineStats
 from hetserve.engine.detokenizer import IncrementalDetokenizer
 from hetserve.engine.execute import StepExecutor, StepResult, describe
 from hetserve.engine.handoff import Handoff, open_handoff
@@ -310,6 +310,22 @@ class EngineCore:
             handoff=None
             if self.config.disagg.role is Role.BOTH
             else handoff_stats(self.handoff.sender, self.handoff.receiver),
+            load=self._load(),
+        )
+
+    def _load(self) -> EngineLoad:
+        sched, pool = self.scheduler, self.kv.pool
+        waiting = [*sched.waiting, *sched.loading.values()]
+        prefill = [r for r in sched.running if r.num_computed_tokens < r.num_prompt_tokens]
+        decodes = [r for r in sched.running if r.num_computed_tokens >= r.num_prompt_tokens]
+        return EngineLoad(
+            queued_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting)
+            + sum(r.num_prompt_tokens - r.num_computed_tokens for r in prefill),
+            queued_requests=len(waiting),
+            running_decodes=len(decodes),
+            decode_context_tokens=sum(r.num_tokens for r in decodes),
+            free_blocks=pool.num_free,
+            total_blocks=pool.num_usable,
         )
 
     def reset_prefix_cache(self) -> int:

@@ -32,6 +32,13 @@ def register(sub) -> None:
         "the server read adapter directories they name (trusted clients only)",
     )
     g.add_argument(
+        "--profile",
+        default=None,
+        metavar="FILE",
+        help="this instance's cost profile for a Conductor (from `hetserve profile`; without "
+        "it, a quick one is measured when the Conductor first asks)",
+    )
+    g.add_argument(
         "--save-routing-stats",
         default=None,
         metavar="FILE",
@@ -58,6 +65,14 @@ def serve(args: argparse.Namespace) -> int:
         )
     if args.max_request_mb <= 0:
         raise InvalidInputError("--max-request-mb must be positive")
+    profile = None
+    if args.profile is not None:
+        from hetserve.disagg.costs import load_profile, profile_to_dict
+
+        try:
+            profile = profile_to_dict(load_profile(args.profile)[0])
+        except ValueError as exc:
+            raise InvalidInputError(f"--profile {args.profile}: {exc}") from None
     import uvicorn
 
     from hetserve.config import EngineConfig
@@ -83,10 +98,13 @@ def serve(args: argparse.Namespace) -> int:
         api_key=api_key,
         max_body_bytes=limit,
         lora_runtime_updates=args.enable_lora_runtime_updates,
+        profile=profile,
     )
     if engine.kv_summary:
         print(engine.kv_summary, flush=True)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
+    if engine.handoff_address:
+        print(f"receiving KV hand-offs on {engine.handoff_address}", flush=True)
     for adapter, path in engine.lora_adapters().items():
         print(f"  LoRA adapter {adapter!r} from {path}", flush=True)
     try:

@@ -18,6 +18,7 @@ from hetserve.errors import HetserveError
 from hetserve.server.chat import ChatServing
 from hetserve.server.completions import CompletionServing
 from hetserve.server.errors import BodyTooLargeError, error_body, exception_status
+from hetserve.server.internal import install_internal_routes
 from hetserve.server.lora import install_lora_routes
 from hetserve.server.metrics import ServerMetrics
 from hetserve.server.openapi import install_openapi
@@ -51,7 +52,8 @@ class Guard:
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             return await _send_json(send, 413, error_body(str(BodyTooLargeError(self.limit))))
-        if self.api_key and scope["path"].startswith("/v1/") and not self._authorized(headers):
+        guarded = scope["path"].startswith(("/v1/", "/internal/"))
+        if self.api_key and guarded and not self._authorized(headers):
             body = error_body("missing or invalid API key", "authentication_error")
             body["error"]["code"] = "invalid_api_key"
             return await _send_json(send, 401, body)
@@ -96,9 +98,11 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     lora_runtime_updates: bool = False,
+    profile: dict | None = None,
 ) -> FastAPI:
     """`lora_runtime_updates`: allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter
-    (clients then make the server read directories they name; see server/lora.py)."""
+    (clients then make the server read directories they name; see server/lora.py). `profile`:
+    the instance's cost profile for a Conductor (JSON form; None: measured when first asked)."""
     app = FastAPI(title="hetserve", docs_url=None, redoc_url=None)
     completions = CompletionServing(engine, model_name)
     chat = ChatServing(engine, model_name)
@@ -185,5 +189,6 @@ def create_app(
         return check_model(req.model) or await chat.create(req, request)
 
     install_lora_routes(app, engine, model_name, lora_runtime_updates)
+    install_internal_routes(app, engine, profile)
     install_openapi(app)
     return app

@@ -48,6 +48,19 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # usage in every chunk (vLLM's extension)
 
 
+class KVHandoffSpec(BaseModel):
+    """A Conductor's instruction to an instance with a prefill or decode role (hetserve's
+    extension; `/v1/*` is behind the API key when one is set)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    role: Literal["send", "receive"]
+    path: Literal["direct", "store"] = "direct"
+    peer: str | None = Field(default=None, max_length=300)  # host:port (send over direct)
+    timeout_s: Finite = Field(default=30.0, gt=0.0, le=600.0)
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
     # vLLM extensions this endpoint refuses unless they ask for nothing (server/validation.py).
@@ -77,6 +90,7 @@ class _Common(BaseModel):
     user: str | None = None
     # An agent's session (or the X-Session-Id header): its KV outlives each turn for a TTL.
     session_id: str | None = Field(default=None, min_length=1, max_length=256)
+    kv_handoff: KVHandoffSpec | None = None  # a prefill/decode hand-off (from a Conductor)
 
     @field_validator("stop")
     @classmethod

@@ -24,7 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from hetserve.config import SchedulingPolicy
 from hetserve.core.outputs import RequestOutput
-from hetserve.core.request import NewRequest
+from hetserve.core.request import HandoffPath, HandoffRole, KVHandoff, NewRequest
 from hetserve.core.sampling import SamplingParams
 from hetserve.engine.async_llm import AsyncLLM, RequestStream
 from hetserve.errors import InvalidInputError, PromptTooLongError
@@ -170,6 +170,7 @@ class OpenAIServing:
                     arrival_time=arrival_time(request),
                     session_id=session,
                     lora=lora,
+                    kv_handoff=handoff_of(req),
                 )
                 streams.append(self.engine.submit(new))
         except BaseException:
@@ -239,6 +240,13 @@ class OpenAIServing:
 
     def token_str(self, tid: int) -> str:
         return self.tok.decode([tid], skip_special_tokens=False)
+
+
+def handoff_of(req: _Common) -> KVHandoff | None:
+    h = req.kv_handoff
+    if h is None:
+        return None
+    return KVHandoff(h.key, HandoffRole(h.role), HandoffPath(h.path), h.peer, h.timeout_s)
 
 
 async def _disconnected(request: Request) -> None:

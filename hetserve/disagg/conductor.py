@@ -1,0 +1,287 @@
+"""The Conductor: an OpenAI-compatible front door that routes each request across prefill and
+decode instances by predicted time to first token, and refuses early what would miss its SLO.
+
+Who calls it: `hetserve conductor` (entrypoints/conductor.py) builds the app; clients speak
+OpenAI to it (`/v1/completions`, `/v1/chat/completions`, streaming passed through, `/v1/models`,
+`/health`, `/metrics`). For each request it tokenizes the prompt as the instances do, hashes its
+blocks with the cluster's KV identity, asks the KV index which instance holds which prefix in
+which tier, and calls the pure policy (`policy.Router.decide`). Then:
+- a colocated decision (one instance of role `both`): the request goes there as it is;
+- a disaggregated one: the decode instance gets the request with a `kv_handoff` to receive, the
+  prefill instance the same prompt with one output token and a `kv_handoff` to send (to the
+  decode instance's address, or through the shared store); the client's stream is the decode
+  instance's.
+- a rejection: 429 with `Retry-After`, before any instance is touched.
+
+Failure contract: bad input is the instances' own 400 (the body is forwarded unchanged) or one
+caught here before routing (a body that is not JSON); an instance that cannot be reached before
+its response starts is marked down and the request retried once elsewhere (colocated, on a
+decode-capable instance); a stream that breaks mid-way ends with an error event and `[DONE]`.
+Nothing a client sends makes the Conductor fail another request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from hetserve.core.block_hash import hash_prefix_blocks
+from hetserve.disagg.instances import Cluster
+from hetserve.disagg.policy import Decision, RequestInfo, Router
+
+log = logging.getLogger(__name__)
+# The prefill half computes the prompt and one token: what would ask more of it goes.
+PREFILL_DROPS = (
+    "stream_options",
+    "max_completion_tokens",
+    "min_tokens",
+    "logprobs",
+    "top_logprobs",
+)
+HOLDINGS = Callable[[list[bytes]], Mapping[str, Mapping[str, int]]]
+
+
+@dataclass(frozen=True)
+class ConductorConfig:
+    handoff_path: str = "direct"  # "direct" or "store"
+    handoff_timeout_s: float = 30.0
+    api_key: str | None = None  # clients must present it (beyond loopback: required)
+
+
+def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None):
+    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class Conductor:
+    def __init__(
+        self,
+        cluster: Cluster,
+        router: Router,
+        tokenizer: Any,
+        config: ConductorConfig,
+        holdings: HOLDINGS | None = None,
+    ) -> None:
+        self.cluster, self.router, self.tok, self.config = cluster, router, tokenizer, config
+        self.holdings = holdings or (lambda hashes: {})
+        self.counts: dict[str, int] = {}
+        self.ttft: list[tuple[float, float]] = []  # (predicted, measured) seconds, recent
+
+    def _count(self, what: str) -> None:
+        self.counts[what] = self.counts.get(what, 0) + 1
+
+    # ---- one request -------------------------------------------------------------------------
+    def prompt_ids(self, path: str, body: Mapping[str, Any]) -> list[int]:
+        """The prompt as the instances will tokenize it (for hashing; the body is forwarded)."""
+        if path.endswith("/chat/completions"):
+            msgs = [{"role": m.get("role"), "content": _text(m.get("content"))}
+                    for m in body.get("messages") or []]  # fmt: skip
+            text = self.tok.apply_chat_template(msgs, body.get("add_generation_prompt", True))
+            ids: list[int] = self.tok.encode(text, add_special_tokens=False)
+            return ids
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+            prompt = prompt[0]  # several prompts: routed by the first
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            encoded: list[int] = self.tok.encode(prompt)
+            return encoded
+        return [t for t in prompt or [] if isinstance(t, int)]
+
+    def decide(self, path: str, body: Mapping[str, Any]) -> tuple[Decision, RequestInfo]:
+        ids = self.prompt_ids(path, body)
+        hashes = hash_prefix_blocks(ids, self.cluster.block_size, (), self.cluster.hash_seed)
+        limit = body.get("max_tokens") or body.get("max_completion_tokens") or 0
+        req = RequestInfo(
+            uuid.uuid4().hex,
+            len(ids),
+            priority=int(body.get("priority") or 0),
+            expected_output_tokens=int(limit) if isinstance(limit, int) else 0,
+        )
+        view = self.cluster.view(self.holdings([h.digest for h in hashes]))
+        return self.router.decide(view, req, time.monotonic()), req
+
+    async def route(self, path: str, raw: bytes, request: Request) -> Response:
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            return _error(400, "request body is not a JSON object", "invalid_request_error")
+        decision, req = self.decide(path, body)
+        if decision.rejected:
+            self._count("rejected")
+            retry = str(int(decision.retry_after_s or 1))
+            msg = f"the cluster cannot serve this request in time: {decision.reject_reason}"
+            return _error(429, msg, "rate_limit_error", {"Retry-After": retry})
+        new = max(req.num_tokens - decision.cached_tokens, 1)
+        single = decision.prefill == decision.decode or int(body.get("n") or 1) > 1
+        self.cluster.routed(decision.prefill, decision.decode, new)
+        self._count("colocated" if single else "disaggregated")
+        target = decision.decode  # colocated there, or the stream of a disaggregated request
+        assert target is not None
+        fwd = dict(body)
+        if not single:
+            fwd["kv_handoff"] = self._handoff(decision, fwd, req)
+        return await self._forward(path, target, fwd, request, decision)
+
+    def _handoff(self, d: Decision, body: dict[str, Any], req: RequestInfo) -> dict[str, Any]:
+        """Start the prefill half (in the background) and give the decode half its part."""
+        assert d.prefill is not None and d.decode is not None
+        key = req.request_id
+        path, timeout = self.config.handoff_path, self.config.handoff_timeout_s
+        decode = self.cluster.instances[d.decode]
+        if path == "direct" and decode.handoff is None:
+            path = "store"  # it receives only through the store
+        pre = {k: v for k, v in body.items() if k not in PREFILL_DROPS}
+        send = {"key": key, "role": "send", "path": path, "peer": decode.handoff}
+        pre.update(stream=False, n=1, max_tokens=1, kv_handoff=send)
+        task = asyncio.get_running_loop().create_task(self._prefill(d.prefill, pre))
+        task.add_done_callback(lambda t: t.exception())  # logged in _prefill
+        return {"key": key, "role": "receive", "path": path, "timeout_s": timeout}
+
+    async def _prefill(self, name: str, body: dict[str, Any]) -> None:
+        inst = self.cluster.instances[name]
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        try:
+            r = await self.cluster.http.post(inst.url + path, json=body, timeout=None)
+            if r.status_code != 200:
+                log.warning("prefill on %s answered %s: %s", name, r.status_code, r.text[:200])
+                self._count("prefill_failed")
+        except httpx.HTTPError as exc:
+            log.warning("prefill on %s failed: %s; the decode side recomputes", name, exc)
+            self.cluster.mark_down(name)
+            self._count("prefill_failed")
+
+    async def _forward(
+        self, path: str, name: str, body: dict[str, Any], request: Request, d: Decision
+    ) -> Response:
+        """Send to `name`; retried once on another decode-capable instance (colocated: no
+        hand-off) if `name` cannot be reached before its response starts."""
+        for attempt in range(2):
+            inst = self.cluster.instances[name]
+            t0 = time.monotonic()
+            try:
+                timeout = httpx.Timeout(10.0, read=None)  # a stream may pause for long
+                req = self.cluster.http.build_request(
+                    "POST", inst.url + path, json=body, timeout=timeout
+                )
+                resp = await self.cluster.http.send(req, stream=True)
+            except httpx.TransportError as exc:
+                self.cluster.mark_down(name)
+                self._count("retried")
+                other = self._fallback(name)
+                if attempt or other is None:
+                    return _error(503, f"no instance could take the request: {exc}", "server_error")
+                name, body = other, {k: v for k, v in body.items() if k != "kv_handoff"}
+                continue
+            return await self._relay(resp, request, d, t0)
+        raise AssertionError("unreachable")
+
+    def _fallback(self, down: str) -> str | None:
+        alive = [i for i in self.cluster.instances.values()
+                 if i.healthy and i.name != down and i.role.decodes]  # fmt: skip
+        return min(alive, key=lambda i: (i.state().running_decodes, i.name)).name if alive else None
+
+    async def _relay(
+        self, resp: httpx.Response, request: Request, d: Decision, t0: float
+    ) -> Response:
+        headers = {k: v for k, v in resp.headers.items()
+                   if k.lower() in ("content-type", "x-request-id", "retry-after")}  # fmt: skip
+        if "text/event-stream" not in resp.headers.get("content-type", ""):
+            data = await resp.aread()
+            await resp.aclose()
+            self._observe(d, time.monotonic() - t0)
+            return Response(data, status_code=resp.status_code, headers=headers)
+        first = True
+
+        async def chunks() -> AsyncIterator[bytes]:
+            nonlocal first
+            try:
+                async for chunk in resp.aiter_raw():
+                    if first:
+                        self._observe(d, time.monotonic() - t0)
+                        first = False
+                    yield chunk
+            except httpx.HTTPError as exc:  # the instance died mid-stream
+                err = {"error": {"message": f"the instance failed: {exc}", "type": "server_error"}}
+                yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+            finally:
+                await resp.aclose()
+
+        return StreamingResponse(chunks(), status_code=resp.status_code, headers=headers)
+
+    def _observe(self, d: Decision, seconds: float) -> None:
+        if d.predicted_ttft_s is not None:
+            self.ttft.append((d.predicted_ttft_s, seconds))
+            del self.ttft[:-1000]
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
+    from hetserve.server.app import Guard
+
+    app = FastAPI(title="hetserve conductor", docs_url=None, redoc_url=None)
+    app.add_middleware(Guard, api_key=conductor.config.api_key, max_body_bytes=8 << 20)
+    app.state.conductor = conductor
+
+    @app.get("/health")
+    async def health():
+        rows = conductor.cluster.status()
+        ok = any(r["healthy"] for r in rows)
+        return JSONResponse({"status": "ok" if ok else "degraded", "instances": rows},
+                            status_code=200 if ok else 503)  # fmt: skip
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "hetserve"}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics():
+        return PlainTextResponse(render_metrics(conductor))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await conductor.route("/v1/completions", await request.body(), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await conductor.route("/v1/chat/completions", await request.body(), request)
+
+    return app
+
+
+def render_metrics(c: Conductor) -> str:
+    lines = ["# TYPE hetserve_conductor_requests_total counter"]
+    for what, n in sorted(c.counts.items()):
+        lines.append(f'hetserve_conductor_requests_total{{outcome="{what}"}} {n}')
+    if c.ttft:
+        err = sum(abs(m - p) / m for p, m in c.ttft if m > 0) / len(c.ttft)
+        lines += [
+            "# TYPE hetserve_conductor_ttft_prediction_error gauge",
+            f"hetserve_conductor_ttft_prediction_error {err:.6f}",
+        ]
+    for row in c.cluster.status():
+        lines.append(f'hetserve_conductor_instance_up{{instance="{row["name"]}",'
+                     f'role="{row["role"]}"}} {int(row["healthy"])}')  # fmt: skip
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,179 @@
+"""The Conductor's picture of its instances: who they are, how loaded, whether alive.
+
+Who calls it: the Conductor service (`conductor.py`) on its event loop. `Cluster.start` asks
+every instance for its facts (`GET /internal/info`: role, profile, hand-off address, KV block
+size and hash seed); a poller then reads each one's load (`GET /internal/load`) every
+`poll_s`, and marks an instance down after `down_after` failed polls in a row and up again at
+the first good one. Between polls the Conductor counts what it routed itself (`routed`,
+`finished`), so a burst does not all land on the instance that looked idle a moment ago.
+`view` builds the policy's `ClusterView` from all of that plus the KV index's holdings.
+
+Failure contract: an instance that cannot be reached at start is a `ClusterError` naming it
+(one line), as is a cluster whose instances disagree on the KV identity (their prefixes could
+never be shared); later failures only mark instances down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from hetserve.config import Role
+from hetserve.disagg.costs import InstanceProfile, profile_from_dict
+from hetserve.disagg.policy import ClusterView, InstanceState, PrefixHolding
+from hetserve.errors import HetserveError
+
+log = logging.getLogger(__name__)
+
+
+class ClusterError(HetserveError):
+    """The cluster cannot be served as configured."""
+
+
+@dataclass
+class Instance:
+    name: str
+    url: str
+    role: Role
+    profile: InstanceProfile
+    handoff: str | None  # where it receives hand-offs (decode instances)
+    block_size: int
+    hash_seed: bytes
+    load: Mapping[str, int] = field(default_factory=dict)
+    healthy: bool = True
+    failures: int = 0
+    # What the Conductor sent it since the last load poll: (tokens to prefill, decodes).
+    routed_prefill: int = 0
+    routed_requests: int = 0
+    routed_decodes: int = 0
+
+    def state(self) -> InstanceState:
+        ld = self.load
+        return InstanceState(
+            self.name,
+            self.role,
+            self.profile,
+            queued_prefill_tokens=ld.get("queued_prefill_tokens", 0) + self.routed_prefill,
+            queued_requests=ld.get("queued_requests", 0) + self.routed_requests,
+            running_decodes=ld.get("running_decodes", 0) + self.routed_decodes,
+            decode_context_tokens=ld.get("decode_context_tokens", 0),
+            free_blocks=ld.get("free_blocks", 0),
+            total_blocks=ld.get("total_blocks", 0),
+            healthy=self.healthy,
+        )
+
+
+class Cluster:
+    def __init__(
+        self,
+        urls: Sequence[tuple[str, Role | None]],
+        headers: Mapping[str, str] | None = None,
+        poll_s: float = 0.1,
+        down_after: int = 2,
+    ) -> None:
+        self._urls = list(urls)
+        self.poll_s, self.down_after = poll_s, down_after
+        self.http = httpx.AsyncClient(headers=dict(headers or {}), timeout=10.0)
+        self.instances: dict[str, Instance] = {}
+        self.block_size = 0
+        self.hash_seed = b""
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        infos = await asyncio.gather(
+            *(self._info(u) for u, _ in self._urls), return_exceptions=True
+        )
+        for (url, role), info in zip(self._urls, infos, strict=True):
+            if isinstance(info, BaseException):
+                raise ClusterError(f"instance {url} did not answer: {info}")
+            inst = self._instance(url, role, info)
+            self.instances[inst.name] = inst
+        seeds = {i.hash_seed for i in self.instances.values()}
+        sizes = {i.block_size for i in self.instances.values()}
+        if len(seeds) > 1 or len(sizes) > 1:
+            raise ClusterError(
+                "the instances disagree on the KV identity (model, dtype, layout, block size or "
+                "salt), so no prefix could be shared; serve the same model the same way"
+            )
+        self.block_size, self.hash_seed = sizes.pop(), seeds.pop()
+        await self.poll_once()
+        self._task = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    async def _info(self, url: str) -> dict[str, Any]:
+        r = await self.http.get(f"{url}/internal/info")
+        r.raise_for_status()
+        data: dict[str, Any] = r.json()
+        return data
+
+    def _instance(self, url: str, role: Role | None, info: Mapping[str, Any]) -> Instance:
+        served = Role(info["role"])
+        if role is not None and served is not role and served is not Role.BOTH:
+            raise ClusterError(f"instance {url} serves role {served.value}, not {role.value}")
+        name = url.removeprefix("http://").removeprefix("https://")
+        return Instance(
+            name,
+            url,
+            role or served,
+            profile_from_dict(info["profile"]),
+            info.get("handoff_address"),
+            int(info["block_size"]),
+            bytes.fromhex(info["hash_seed"]),
+        )
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(i) for i in self.instances.values()))
+
+    async def _poll(self, inst: Instance) -> None:
+        try:
+            r = await self.http.get(f"{inst.url}/internal/load", timeout=max(1.0, 5 * self.poll_s))
+            r.raise_for_status()
+            load = r.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            inst.failures += 1
+            if inst.healthy and inst.failures >= self.down_after:
+                log.warning("instance %s is down (%s)", inst.name, exc)
+                inst.healthy = False
+            return
+        if not inst.healthy:
+            log.info("instance %s is back", inst.name)
+        inst.healthy, inst.failures = True, 0
+        inst.load = {k: int(v) for k, v in load.items() if isinstance(v, int | float)}
+        inst.routed_prefill = inst.routed_requests = inst.routed_decodes = 0
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            await self.poll_once()
+
+    def mark_down(self, name: str) -> None:
+        """A call to the instance failed outright: stop routing there until a poll answers."""
+        inst = self.instances[name]
+        inst.healthy, inst.failures = False, self.down_after
+
+    def routed(self, prefill: str | None, decode: str | None, new_tokens: int) -> None:
+        if prefill is not None:
+            self.instances[prefill].routed_prefill += new_tokens
+            self.instances[prefill].routed_requests += 1
+        if decode is not None:
+            self.instances[decode].routed_decodes += 1
+
+    def view(self, holdings: Mapping[str, Mapping[str, int]]) -> ClusterView:
+        held = {h: PrefixHolding(h, b) for h, b in holdings.items()}
+        return ClusterView([i.state() for i in self.instances.values()], held, self.block_size)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        await self.http.aclose()
+
+    def status(self) -> list[dict[str, Any]]:
+        """One row per instance, for `cluster up`'s table and /health."""
+        return [
+            {"name": i.name, "role": i.role.value, "healthy": i.healthy, **dict(i.load)}
+            for i in self.instances.values()
+        ]

@@ -1,0 +1,100 @@
+"""`hetserve conductor`: the cluster's front door (`disagg/conductor.py`): an OpenAI-compatible
+server that routes each request to prefill and decode instances by predicted time to first
+token and refuses early (429) what would miss its SLO."""
+
+from __future__ import annotations
+
+import argparse
+
+from hetserve import envs
+from hetserve.errors import InvalidInputError
+
+
+def register(sub) -> None:
+    c = sub.add_parser(
+        "conductor",
+        help="route requests across prefill/decode instances (a cluster's front door)",
+        description=__doc__,
+    )
+    c.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill instances")
+    c.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode instances")
+    c.add_argument(
+        "--both", nargs="+", default=[], metavar="URL", help="colocated instances (role both)"
+    )
+    c.add_argument("--model", default=None, help="the instances' model directory (tokenizer)")
+    c.add_argument("--served-model-name", default=None)
+    from hetserve.disagg.policy import ADMISSIONS, POLICIES
+
+    c.add_argument("--policy", default="kvcentric", choices=POLICIES)
+    c.add_argument("--admission", default="none", choices=ADMISSIONS)
+    c.add_argument("--slo-ttft-ms", type=float, default=None)
+    c.add_argument("--slo-tbt-ms", type=float, default=None)
+    c.add_argument("--handoff-path", default="direct", choices=("direct", "store"))
+    c.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    c.add_argument("--port", type=int, default=8000)
+    c.add_argument("--api-key", default=None, help="require this bearer token from clients")
+    c.add_argument("--log-level", default="warning")
+    c.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from hetserve.entrypoints.serve import is_loopback
+
+    api_key = args.api_key or envs.api_key()
+    if not is_loopback(args.host) and not api_key:
+        raise InvalidInputError(
+            f"refusing to bind {args.host} without an API key; pass --api-key (or set "
+            "HETSERVE_API_KEY), or bind 127.0.0.1"
+        )
+    if not (args.prefill and args.decode) and not args.both:
+        raise InvalidInputError(
+            "give --prefill and --decode instances (disaggregated), or --both instances"
+        )
+    for ms in (args.slo_ttft_ms, args.slo_tbt_ms):
+        if ms is not None and ms <= 0:
+            raise InvalidInputError("SLOs must be positive milliseconds")
+    if args.admission == "predictive" and args.slo_ttft_ms is None and args.slo_tbt_ms is None:
+        raise InvalidInputError("--admission predictive needs --slo-ttft-ms or --slo-tbt-ms")
+    import asyncio
+
+    asyncio.run(_serve(args, api_key))
+    return 0
+
+
+async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
+    import uvicorn
+
+    from hetserve.config import Role
+    from hetserve.disagg.conductor import Conductor, ConductorConfig, create_conductor_app
+    from hetserve.disagg.instances import Cluster
+    from hetserve.disagg.policy import Router, RouterConfig
+    from hetserve.engine.setup import resolve_model_dir
+    from hetserve.model.tokenizer import Tokenizer
+
+    urls = [(u.rstrip("/"), Role.PREFILL) for u in args.prefill]
+    urls += [(u.rstrip("/"), Role.DECODE) for u in args.decode]
+    urls += [(u.rstrip("/"), Role.BOTH) for u in args.both]
+    key = envs.api_key()  # what the instances ask of callers, if anything
+    cluster = Cluster(urls, {"Authorization": f"Bearer {key}"} if key else None)
+    await cluster.start()
+    router = Router(
+        RouterConfig(
+            policy=args.policy,
+            admission=args.admission,
+            slo_ttft_s=None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
+            slo_tbt_s=None if args.slo_tbt_ms is None else args.slo_tbt_ms / 1e3,
+        )
+    )
+    model_dir = resolve_model_dir(args.model)
+    name = args.served_model_name or (args.model.rstrip("/").split("/")[-1] if args.model
+                                      else "hetserve-demo")  # fmt: skip
+    conductor = Conductor(
+        cluster, router, Tokenizer(model_dir), ConductorConfig(args.handoff_path, api_key=api_key)
+    )
+    app = create_conductor_app(conductor, name)
+    print(f"conductor for {len(urls)} instances on http://{args.host}:{args.port}/v1", flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        await uvicorn.Server(config).serve()
+    finally:
+        await cluster.close()
