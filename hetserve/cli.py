@@ -25,6 +25,7 @@ COMMAND_MODULES = [
     "hetserve.entrypoints.export",  # export (a LoRA adapter merged into full weights)
     "hetserve.entrypoints.profile",  # profile (prefill/decode costs for the Conductor)
     "hetserve.entrypoints.conductor",  # conductor (a prefill/decode cluster's front door)
+    "hetserve.entrypoints.cluster",  # cluster up (store, instances and Conductor here)
 ]
 
 

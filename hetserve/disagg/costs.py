@@ -156,8 +156,8 @@ def _prefill_row(new: int, cached: int) -> list[float]:
 
 
 def fit_prefill(samples: Sequence[PrefillSample]) -> PrefillFit:
-    if len(samples) < 3:
-        raise ValueError(f"a prefill fit needs at least 3 samples, got {len(samples)}")
+    if not samples:
+        raise ValueError("a prefill fit needs at least 1 sample, got 0")
     # Relative error matters (a 2 ms and a 2 s prefill alike): weight each row by 1 / seconds.
     rows = [[x / s for x in _prefill_row(n, c)] for n, c, s in samples]
     c0, c1, c2 = _lstsq(rows, [1.0] * len(samples))
@@ -165,8 +165,8 @@ def fit_prefill(samples: Sequence[PrefillSample]) -> PrefillFit:
 
 
 def fit_decode(samples: Sequence[DecodeSample]) -> DecodeFit:
-    if len(samples) < 3:
-        raise ValueError(f"a decode fit needs at least 3 samples, got {len(samples)}")
+    if not samples:
+        raise ValueError("a decode fit needs at least 1 sample, got 0")
     rows = [[1.0 / s, b / s, c / s] for b, c, s in samples]
     d0, d1, d2 = _lstsq(rows, [1.0] * len(samples))
     return DecodeFit(d0, d1, d2)

@@ -91,22 +91,27 @@ class Profiler:
         self._run([prompt], ONE_TOKEN)
         return time.perf_counter() - t0
 
-    def decode(self, batch: int, context: int, steps: int) -> float:
-        """Median seconds of a decode step with `batch` sequences of `context` tokens each."""
+    def decode(self, batch: int, context: int, steps: int) -> tuple[int, float] | None:
+        """(sequences, median seconds) of the decode-only steps of `batch` sequences of
+        `context` tokens each, at the largest batch such a step held; None if none ran."""
         params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
         for _ in range(batch):
             self.engine.submit(NewRequest(self._rid(), self._prompt(context), params), False)
-        times, before = [], self.engine.stats().prompt_tokens_computed
+        seen: list[tuple[int, float]] = []
+        before = self.engine.stats().prompt_tokens_computed
         while self.engine.has_unfinished():
             t0 = time.perf_counter()
             self.engine.step()
             dt = time.perf_counter() - t0
             now = self.engine.stats()
-            if now.prompt_tokens_computed == before and now.num_running == batch:
-                times.append(dt)  # a step of decodes only, the whole batch in it
+            if now.prompt_tokens_computed == before and now.num_running:
+                seen.append((now.num_running, dt))  # a step of decodes only
             before = now.prompt_tokens_computed
-        times.sort()
-        return times[len(times) // 2] if times else float("nan")
+        if not seen:
+            return None
+        top = max(n for n, _ in seen)
+        times = sorted(dt for n, dt in seen if n == top)
+        return top, times[len(times) // 2]
 
 
 def measure(
@@ -120,25 +125,18 @@ def measure(
     prof = Profiler(engine)
     out = Measured()
     prof.prefill(32, 0)  # one-off costs (allocations, kernel builds) out of the samples
-    for new in plan.new:
-        for cached in plan.cached:
-            cached = cached // bs * bs
-            if new + cached > limit:
-                continue
-            for _ in range(plan.repeats):
-                out.prefill.append((new, cached, prof.prefill(new, cached)))
-            if progress:
-                progress(f"prefill {new} new after {cached} cached")
-    seqs = engine.config.scheduler.max_num_seqs
-    for batch in plan.batches:
-        for ctx in plan.contexts:
-            if batch > seqs or ctx + plan.decode_steps + 1 > limit:
-                continue
-            s = prof.decode(batch, ctx, plan.decode_steps)
-            if s == s:  # not NaN: some step ran the whole batch
-                out.decode.append((batch, batch * (ctx + plan.decode_steps // 2), s))
-            if progress:
-                progress(f"decode batch {batch} at {ctx} tokens")
+    for new, cached in _prefill_points(plan, limit, bs):
+        for _ in range(plan.repeats):
+            out.prefill.append((new, cached, prof.prefill(new, cached)))
+        if progress:
+            progress(f"prefill {new} new after {cached} cached")
+    for batch, ctx in _decode_points(plan, limit, engine.config.scheduler.max_num_seqs):
+        got = prof.decode(batch, ctx, plan.decode_steps)
+        if got is not None:
+            n, seconds = got
+            out.decode.append((n, n * (ctx + plan.decode_steps // 2), seconds))
+        if progress:
+            progress(f"decode batch {batch} at {ctx} tokens")
     pre, pre_err = held_out(out.prefill, fit_prefill)
     dec, dec_err = held_out(out.decode, fit_decode)
     tiers = policy_tiers(engine.tiers) if engine.tiers is not None else {}
@@ -147,6 +145,25 @@ def measure(
         engine.model_dir.name, pre, dec, kv_per_token, tiers, pre_err, dec_err
     )
     return profile, out
+
+
+def _prefill_points(plan: Plan, limit: int, bs: int) -> list[tuple[int, int]]:
+    """The plan's (new, cached) points that fit the context; on a short context, points at
+    fractions of it instead (a fit needs at least 3, with two cached sizes for its c2)."""
+    points = [(n, c // bs * bs) for n in plan.new for c in plan.cached if n + c <= limit]
+    if len(points) < 4:
+        quarter = max(bs, limit // 4 // bs * bs)
+        points = [(n, c) for n in (limit // 8, limit // 4, limit // 2) for c in (0, quarter)]
+    return points
+
+
+def _decode_points(plan: Plan, limit: int, seqs: int) -> list[tuple[int, int]]:
+    room = limit - plan.decode_steps - 1
+    points = [(b, c) for b in plan.batches for c in plan.contexts if b <= seqs and c <= room]
+    if len(points) < 4:
+        batches = sorted({b for b in (1, 2, 4) if b <= seqs})
+        points = [(b, c) for b in batches for c in (room // 4, room // 2)]
+    return points
 
 
 def policy_tiers(tiers: Any) -> dict[str, TierCost]:

@@ -1,0 +1,94 @@
+"""`hetserve cluster up`: a whole prefill/decode cluster on this machine (`disagg/launch.py`):
+the pool store, the instances and the Conductor, stopped together on Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from pathlib import Path
+
+from hetserve.errors import InvalidInputError
+
+
+def register(sub) -> None:
+    c = sub.add_parser("cluster", help="run a prefill/decode cluster on this machine")
+    csub = c.add_subparsers(dest="cluster_command", metavar="up", required=True)
+    up = csub.add_parser("up", help="start store, instances and Conductor; Ctrl-C stops all")
+    up.add_argument("--config", default=None, metavar="YAML", help="the same options as YAML")
+    up.add_argument("--model", default=None)
+    up.add_argument("--prefill", type=int, default=1)
+    up.add_argument("--decode", type=int, default=1)
+    up.add_argument("--both", type=int, default=0)
+    up.add_argument("--store", default="none", choices=("none", "pool"))
+    up.add_argument("--store-dram", default="1G")
+    up.add_argument("--port", type=int, default=8000, help="the Conductor's port")
+    up.add_argument("--policy", default="kvcentric")
+    up.add_argument("--admission", default="none")
+    up.add_argument("--slo-ttft-ms", type=float, default=None)
+    up.add_argument("--slo-tbt-ms", type=float, default=None)
+    up.add_argument("--handoff-path", default="direct", choices=("direct", "store"))
+    up.add_argument("--log-dir", default="hetserve-cluster-logs")
+    up.add_argument(
+        "--instance-args",
+        default="",
+        help='extra engine options for every instance, e.g. "--dtype float32"',
+    )
+    up.set_defaults(func=_up)
+
+
+def _spec(args: argparse.Namespace):
+    import shlex
+
+    from hetserve.disagg.launch import ClusterSpec
+
+    options = {
+        "model": args.model, "prefill": args.prefill, "decode": args.decode, "both": args.both,
+        "store": args.store, "store_dram": args.store_dram, "port": args.port,
+        "policy": args.policy, "admission": args.admission, "slo_ttft_ms": args.slo_ttft_ms,
+        "slo_tbt_ms": args.slo_tbt_ms, "handoff_path": args.handoff_path,
+        "instance_args": tuple(shlex.split(args.instance_args)), "log_dir": args.log_dir,
+    }  # fmt: skip
+    if args.config is not None:
+        import yaml
+
+        try:
+            data = yaml.safe_load(Path(args.config).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise InvalidInputError(f"--config {args.config}: {exc}") from None
+        unknown = set(data) - set(options)
+        if unknown:
+            raise InvalidInputError(f"--config {args.config}: unknown keys {sorted(unknown)}")
+        if "instance_args" in data:
+            data["instance_args"] = tuple(shlex.split(str(data["instance_args"])))
+        options.update(data)
+    try:
+        return ClusterSpec(**options)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInputError(f"cluster: {exc}") from None
+
+
+def _up(args: argparse.Namespace) -> int:
+    import httpx
+
+    from hetserve.disagg.launch import LaunchError, LocalLauncher, status_table
+
+    spec = _spec(args)
+    launcher = LocalLauncher()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        running = launcher.start(spec)
+    except LaunchError as exc:
+        raise InvalidInputError(f"the cluster did not start: {exc}") from None
+    try:
+        print(f"cluster ready: {running.endpoint}", flush=True)
+        health = httpx.get(running.endpoint.removesuffix("/v1") + "/health", timeout=5).json()
+        print(status_table(health.get("instances", [])), flush=True)
+        print(f"logs in {spec.log_dir}/; Ctrl-C stops everything", flush=True)
+        stop.wait()
+    finally:
+        print("stopping the cluster", flush=True)
+        launcher.stop()
+    return 0

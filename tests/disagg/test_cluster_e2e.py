@@ -1,0 +1,149 @@
+"""A real cluster on 127.0.0.1 (`hetserve cluster up`'s launcher): pool store, one prefill and
+two decode instances, the Conductor. Disaggregated outputs equal a colocated engine's; a
+killed decode instance is routed around and rejoins; an overloaded Conductor with predictive
+admission answers 429 with Retry-After and every KV block comes back; SIGTERM to `cluster up`
+stops every process it started."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from hetserve import LLM, SamplingParams
+from hetserve.disagg.launch import ClusterSpec, LocalLauncher, free_port
+
+ENGINE = ("--dtype", "float32", "--max-model-len", "256")
+PROMPT = "The quick brown fox jumps over the lazy dog and runs into the forest to find friends"
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory):
+    model = str(tiny_model("qwen3-moe"))
+    spec = ClusterSpec(
+        model=model, prefill=1, decode=2, store="pool", store_dram="128M", port=free_port(),
+        instance_args=ENGINE, log_dir=str(tmp_path_factory.mktemp("cluster-logs")),
+    )  # fmt: skip
+    launcher = LocalLauncher(ready_timeout_s=240)
+    running = launcher.start(spec)
+    yield model, spec, launcher, running
+    procs = [p.proc for p in running.parts]
+    launcher.stop()
+    assert all(p.poll() is not None for p in procs)  # nothing left behind
+
+
+def complete(url, **extra):
+    body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": True, **extra}
+    return httpx.post(url + "/completions", json=body, timeout=120)
+
+
+def test_disaggregated_equals_colocated(cluster):
+    model, _, _, running = cluster
+    ref = LLM(model, dtype="float32", max_model_len=256)
+    want = ref.generate(PROMPT, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                               logprobs=1))[0]  # fmt: skip
+    r = complete(running.endpoint, logprobs=1)
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]
+    assert got["text"] == want.text
+    lps = got["logprobs"]["token_logprobs"]
+    for mine, theirs in zip(lps, want.outputs[0].logprobs, strict=True):
+        assert mine == pytest.approx(max(lp.logprob for lp in theirs.values()), abs=1e-5)
+    # Streamed: the same text, and the stream ends with [DONE].
+    with httpx.stream("POST", running.endpoint + "/completions", timeout=120, json={
+        "prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+        "stream": True}) as s:  # fmt: skip
+        lines = [ln for ln in s.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_a_killed_decode_instance_is_routed_around_and_rejoins(cluster):
+    _, _, launcher, running = cluster
+    decodes = [p for p in running.parts if p.name.startswith("decode")]
+    victim = decodes[0]
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait(10)
+    for _ in range(4):  # whatever the policy picks, every request is served
+        r = complete(running.endpoint)
+        assert r.status_code == 200, r.text
+    health = httpx.get(running.endpoint.removesuffix("/v1") + "/health", timeout=10).json()
+    down = [i for i in health["instances"] if i["name"].endswith(str(victim.port))]
+    assert down and down[0]["healthy"] is False
+    launcher._spawn(victim)  # back on its port: the poller sees it again
+    launcher._wait(victim)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        health = httpx.get(running.endpoint.removesuffix("/v1") + "/health", timeout=10).json()
+        if all(i["healthy"] for i in health["instances"]):
+            break
+        time.sleep(0.2)
+    assert all(i["healthy"] for i in health["instances"])
+
+
+def test_predictive_admission_rejects_and_blocks_come_back(cluster, tmp_path):
+    model, spec, _, running = cluster
+    urls = {p.name: p.url for p in running.parts if p.url}
+    port = free_port()
+    cmd = [sys.executable, "-m", "hetserve.cli", "conductor", "--model", model, "--port",
+           str(port), "--prefill", urls["prefill-0"], "--decode", urls["decode-0"],
+           urls["decode-1"], "--admission", "predictive", "--slo-ttft-ms", "0.001"]  # fmt: skip
+    log = open(tmp_path / "strict.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "strict.log").read_text()
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        r = complete(base + "/v1")
+        assert r.status_code == 429
+        assert int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        for name in ("prefill-0", "decode-0", "decode-1"):
+            load = httpx.get(urls[name] + "/internal/load", timeout=10).json()
+            assert load["free_blocks"] == load["total_blocks"]  # nothing held for it
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+        log.close()
+
+
+def test_cluster_up_stops_everything_on_sigterm(tiny_model, tmp_path):
+    port = free_port()
+    model = str(tiny_model("qwen3-moe"))
+    logs = str(tmp_path / "logs")
+    cmd = [sys.executable, "-m", "hetserve.cli", "cluster", "up", "--both", "1", "--prefill",
+           "0", "--decode", "0", "--model", model, "--port", str(port),
+           "--log-dir", logs, "--instance-args", "--max-model-len 256"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    children = []
+    try:
+        for line in proc.stdout:
+            if line.startswith("cluster ready"):
+                break
+        out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+        children = [int(p) for p in out.stdout.split()]
+        assert len(children) == 2  # the instance and the Conductor
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for pid in children:
+        assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] == "Z"
+    except OSError:
+        return True
