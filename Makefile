@@ -6,6 +6,7 @@ STAMP := $(VENV)/.installed
 # Typed strictly (mypy --strict): the nouns, the scheduler, the KV manager and tiers, the store,
 # transfer, the weight formats.
 STRICT := hetserve/core hetserve/sched hetserve/kv hetserve/store hetserve/transfer hetserve/quant \
+	hetserve/disagg/policy.py hetserve/disagg/costs.py \
 	hetserve/config.py hetserve/errors.py \
 	hetserve/envs.py
 # Debian packages the store tests start for real: Redis, and libibverbs that Mooncake links.
