@@ -15,5 +15,5 @@ def test_handoff_bench_smoke(tmp_path):
     assert set(data["gbs"]) == {"direct-shm", "direct-tcp-1", "direct-tcp-n", "store-pool"}
     assert all(v > 0 for v in data["gbs"].values())
     assert data["vs_pool"]["store-pool"] == 1.0
-    bad = subprocess.run([*cmd[:4], "--paths", "carrier-pigeon"], capture_output=True, text=True)
+    bad = subprocess.run([*cmd[:5], "--paths", "carrier-pigeon"], capture_output=True, text=True)
     assert bad.returncode == 2 and "paths" in bad.stderr and "Traceback" not in bad.stderr
