@@ -58,15 +58,8 @@ def _arrive(arrivals, key: str, timeout: float = 60.0):
 def run(args: argparse.Namespace) -> int:
     from hetserve.bench.store_peers import local_pool
     from hetserve.errors import InvalidInputError
-    from hetserve.kv.handoff_paths import (
-        Arrivals,
-        DirectPath,
-        DirectReceiver,
-        Manifest,
-        Staging,
-        StorePath,
-        StoreReceiver,
-    )
+    from hetserve.kv.handoff_direct import DirectPath, DirectReceiver
+    from hetserve.kv.handoff_paths import Arrivals, Manifest, Staging, StorePath, StoreReceiver
     from hetserve.store import open_store
 
     paths = [p for p in args.paths.split(",") if p]

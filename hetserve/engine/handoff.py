@@ -20,14 +20,8 @@ from hetserve.config import DisaggConfig
 from hetserve.errors import InvalidInputError
 from hetserve.kv.block_io import BlockIO
 from hetserve.kv.handoff import HandoffReceiver, HandoffSender
-from hetserve.kv.handoff_paths import (
-    Arrivals,
-    DirectPath,
-    DirectReceiver,
-    Staging,
-    StorePath,
-    StoreReceiver,
-)
+from hetserve.kv.handoff_direct import DirectPath, DirectReceiver
+from hetserve.kv.handoff_paths import Arrivals, Staging, StorePath, StoreReceiver
 from hetserve.kv.manager import KVCacheManager
 from hetserve.kv.tiers import TierManager
 from hetserve.transfer.tcp import is_loopback

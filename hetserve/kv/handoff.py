@@ -31,14 +31,8 @@ from hetserve.core.request import HandoffPath, KVHandoff, Request
 from hetserve.core.stats import HandoffStats
 from hetserve.kv.block_io import BlockIO
 from hetserve.kv.block_pool import KVBlock
-from hetserve.kv.handoff_paths import (
-    Arrival,
-    Arrivals,
-    DirectPath,
-    Manifest,
-    StorePath,
-    StoreReceiver,
-)
+from hetserve.kv.handoff_direct import DirectPath
+from hetserve.kv.handoff_paths import Arrival, Arrivals, Manifest, StorePath, StoreReceiver
 from hetserve.kv.loader import LoadState
 from hetserve.kv.manager import KVCacheManager, cdiv
 

@@ -10,7 +10,7 @@ from hetserve import SamplingParams
 from hetserve.config import EngineConfig
 from hetserve.core.request import HandoffPath, HandoffRole, KVHandoff, NewRequest
 from hetserve.engine.core import EngineCore
-from hetserve.kv import handoff_paths
+from hetserve.kv import handoff_direct, handoff_paths
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
 PROMPT = list(range(5, 5 + 45))  # 2 full blocks of 16 and a partial one for the 44 handed over
@@ -81,10 +81,10 @@ def test_direct_handoff_over_tcp_equals_colocated(engines, monkeypatch):
     colocated, prefill, decode = engines
     want = run(colocated, NewRequest("c", PROMPT, PARAMS))
     # Another "host": the receiver offers no shared memory, the blocks go over TCP stripes.
-    monkeypatch.setattr(handoff_paths, "STRIPE_BYTES", decode.handoff.receiver.io.bytes_per_block)
+    monkeypatch.setattr(handoff_direct, "STRIPE_BYTES", decode.handoff.receiver.io.bytes_per_block)
     calls = []
-    real = handoff_paths._push_all
-    monkeypatch.setattr(handoff_paths, "_push_all", lambda *a: calls.append(1) or real(*a))
+    real = handoff_direct._push_all
+    monkeypatch.setattr(handoff_direct, "_push_all", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(prefill.handoff.sender.direct, "share_memory", False)
     _, got = disaggregated(prefill, decode, PROMPT, "tcp1")
     same(got, want)
@@ -145,10 +145,10 @@ def test_store_handoff_equals_colocated_and_leaves_no_request_keys(tiny_model, p
 def test_a_link_failing_mid_way_is_finished_over_the_others(engines, monkeypatch):
     colocated, prefill, decode = engines
     want = run(colocated, NewRequest("c", PROMPT, PARAMS))
-    monkeypatch.setattr(handoff_paths, "STRIPE_BYTES", decode.handoff.receiver.io.bytes_per_block)
+    monkeypatch.setattr(handoff_direct, "STRIPE_BYTES", decode.handoff.receiver.io.bytes_per_block)
     monkeypatch.setattr(prefill.handoff.sender.direct, "share_memory", False)
     failed = []
-    real = handoff_paths._push_all
+    real = handoff_direct._push_all
 
     def flaky(client, key, stripes, blocks):
         if not failed and len(stripes) > 0:  # the first link dies after one stripe
@@ -158,7 +158,7 @@ def test_a_link_failing_mid_way_is_finished_over_the_others(engines, monkeypatch
             return stripes[1:]
         return real(client, key, stripes, blocks)
 
-    monkeypatch.setattr(handoff_paths, "_push_all", flaky)
+    monkeypatch.setattr(handoff_direct, "_push_all", flaky)
     _, got = disaggregated(prefill, decode, PROMPT, "flaky1")
     same(got, want)
     assert failed and got.num_cached_tokens == len(PROMPT) - 1
