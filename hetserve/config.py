@@ -175,6 +175,7 @@ class DisaggConfig:
     handoff_listen: str = "127.0.0.1:0"
     handoff_staging_bytes: int = 256 << 20  # received KV waiting for its request
     handoff_links: int = 2  # TCP connections a hand-off is striped over (between hosts)
+    handoff_mooncake: bool = False  # also hand off through Mooncake's Transfer Engine
 
     def __post_init__(self) -> None:
         _as_enum(self, "role", Role)
@@ -379,6 +380,11 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption(
         "handoff_links", "disagg", "handoff_links",
         "TCP connections a hand-off to another host is striped over", int,
+    ),
+    EngineOption(
+        "handoff_mooncake", "disagg", "handoff_mooncake",
+        "also hand KV off through Mooncake's Transfer Engine (pip install 'hetserve[mooncake]')",
+        extra={"action": "store_true"},
     ),
 )  # fmt: skip
 

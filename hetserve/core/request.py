@@ -38,6 +38,7 @@ class HandoffRole(enum.Enum):
 class HandoffPath(enum.Enum):
     STORE = "store"  # through the shared KV store, full blocks under their BlockHash
     DIRECT = "direct"  # pushed to the decode instance (shared memory on one host, else TCP)
+    MOONCAKE = "mooncake"  # written by Mooncake's Transfer Engine into the receiver's staging
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,8 @@ class LocalLauncher:
                               port=nport))  # fmt: skip
             store_args = ["--kv-store", f"pool://127.0.0.1:{mport}"]
         model = ["--model", spec.model] if spec.model else []
+        if spec.handoff_path == "mooncake":
+            store_args = [*store_args, "--handoff-mooncake"]
         urls: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
         for role, n in (("prefill", spec.prefill), ("decode", spec.decode), ("both", spec.both)):
             for i in range(n):
@@ -162,6 +164,7 @@ class LocalLauncher:
         with open(part.log, "wb") as log:
             part.proc = subprocess.Popen(
                 part.cmd,
+                env={**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"},  # Mooncake: loopback
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a terminal's Ctrl-C reaches the launcher only

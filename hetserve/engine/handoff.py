@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 from hetserve import envs
 from hetserve.config import DisaggConfig
+from hetserve.engine.kv_store import BlockIO
 from hetserve.errors import InvalidInputError
-from hetserve.kv.block_io import BlockIO
 from hetserve.kv.handoff import HandoffReceiver, HandoffSender
 from hetserve.kv.handoff_direct import DirectPath, DirectReceiver
+from hetserve.kv.handoff_mooncake import MooncakePath, register, serve_receiver, start_engine
 from hetserve.kv.handoff_paths import Arrivals, Staging, StorePath, StoreReceiver
 from hetserve.kv.manager import KVCacheManager
 from hetserve.kv.tiers import TierManager
@@ -47,11 +48,23 @@ def open_handoff(
     token = envs.handoff_token()
     out = Handoff()
     closers: list[object] = []
+    host = cfg.handoff_listen.rpartition(":")[0]
+    te = start_engine(host) if cfg.handoff_mooncake else None
     if cfg.role.prefills and not cfg.role.decodes:
         direct = DirectPath(token, cfg.handoff_links)
         known = tiers.saver.known if tiers is not None else None
+        mooncake = None
+        if te is not None:
+            if io.on_device:
+                raise InvalidInputError(
+                    "--handoff-mooncake hands off from host memory here (TCP); with the KV "
+                    "cache on an accelerator use --handoff-path direct or store"
+                )
+            for t in io.tensors:  # the engine reads the blocks where they are
+                register(te, t.data_ptr(), t.nbytes)
+            mooncake = MooncakePath(te, token)
         out.sender = HandoffSender(
-            kv, io, StorePath(store) if store is not None else None, direct, known
+            kv, io, StorePath(store) if store is not None else None, direct, known, mooncake
         )
         closers += [out.sender, direct]
     if cfg.role.decodes and not cfg.role.prefills:
@@ -64,6 +77,8 @@ def open_handoff(
         staging = Staging(cfg.handoff_staging_bytes)
         arrivals = Arrivals(staging)
         server = DirectReceiver(host, int(port), token, arrivals)
+        if te is not None:
+            serve_receiver(te, host, server)
         poller = StoreReceiver(store, arrivals) if store is not None else None
         out.receiver = HandoffReceiver(kv, io, arrivals, poller)
         out.address = server.address

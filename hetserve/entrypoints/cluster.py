@@ -27,7 +27,7 @@ def register(sub) -> None:
     up.add_argument("--admission", default="none")
     up.add_argument("--slo-ttft-ms", type=float, default=None)
     up.add_argument("--slo-tbt-ms", type=float, default=None)
-    up.add_argument("--handoff-path", default="direct", choices=("direct", "store"))
+    up.add_argument("--handoff-path", default="direct", choices=("direct", "store", "mooncake"))
     up.add_argument("--log-dir", default="hetserve-cluster-logs")
     up.add_argument(
         "--instance-args",

@@ -29,7 +29,7 @@ def register(sub) -> None:
     c.add_argument("--admission", default="none", choices=ADMISSIONS)
     c.add_argument("--slo-ttft-ms", type=float, default=None)
     c.add_argument("--slo-tbt-ms", type=float, default=None)
-    c.add_argument("--handoff-path", default="direct", choices=("direct", "store"))
+    c.add_argument("--handoff-path", default="direct", choices=("direct", "store", "mooncake"))
     c.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     c.add_argument("--port", type=int, default=8000)
     c.add_argument("--api-key", default=None, help="require this bearer token from clients")

@@ -32,6 +32,7 @@ from hetserve.core.stats import HandoffStats
 from hetserve.kv.block_io import BlockIO
 from hetserve.kv.block_pool import KVBlock
 from hetserve.kv.handoff_direct import DirectPath
+from hetserve.kv.handoff_mooncake import MooncakePath
 from hetserve.kv.handoff_paths import Arrival, Arrivals, Manifest, StorePath, StoreReceiver
 from hetserve.kv.loader import LoadState
 from hetserve.kv.manager import KVCacheManager, cdiv
@@ -66,9 +67,10 @@ class HandoffSender:
         store: StorePath | None,
         direct: DirectPath | None,
         known: Callable[[BlockHash], bool] | None = None,
+        mooncake: MooncakePath | None = None,
     ) -> None:
         self.kv, self.pool, self.io = kv, kv.pool, io
-        self.store, self.direct = store, direct
+        self.store, self.direct, self.mooncake = store, direct, mooncake
         self._known = known  # callable(BlockHash) -> bool: the tiers' "already saved" memory
         self._out: list[_Job] = []
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -135,6 +137,10 @@ class HandoffSender:
             if self.store is None:
                 raise RuntimeError("this instance has no shared KV store to hand off through")
             self.store.send(job.manifest, parts, job.known)
+        elif path is HandoffPath.MOONCAKE:
+            if self.mooncake is None or job.spec.peer is None:
+                raise RuntimeError("this instance was not started with --handoff-mooncake")
+            self.mooncake.send(job.manifest, parts, job.spec.peer)
         else:
             if self.direct is None or job.spec.peer is None:
                 raise RuntimeError("a direct hand-off needs the decode instance's address")

@@ -40,6 +40,8 @@ class DirectReceiver:
 
     def __init__(self, host: str, port: int, token: str, arrivals: Arrivals) -> None:
         self.arrivals = arrivals
+        self.transfer_engine: dict[str, Any] | None = None  # set by handoff_mooncake
+        self.keep_alive: object = None
         self._open: dict[str, tuple[int, int, set[int]]] = {}  # key -> offset, bytes, stripes
         self._lock = threading.Lock()
         handlers: dict[int, Handler] = {
@@ -65,6 +67,8 @@ class DirectReceiver:
         reply: Meta = {"offset": entry[0]}
         if meta.get("host") == shm.host_id():
             reply["shm"] = self.arrivals.staging.info()
+        if meta.get("te") and self.transfer_engine is not None:
+            reply["te"] = self.transfer_engine  # Mooncake's: its session, the staging's address
         return reply, None
 
     def _sink(self, op: int, meta: Meta, nbytes: int) -> memoryview | None:

@@ -56,7 +56,7 @@ class KVHandoffSpec(BaseModel):
 
     key: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
     role: Literal["send", "receive"]
-    path: Literal["direct", "store"] = "direct"
+    path: Literal["direct", "store", "mooncake"] = "direct"
     peer: str | None = Field(default=None, max_length=300)  # host:port (send over direct)
     timeout_s: Finite = Field(default=30.0, gt=0.0, le=600.0)
 

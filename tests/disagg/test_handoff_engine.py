@@ -162,3 +162,21 @@ def test_a_link_failing_mid_way_is_finished_over_the_others(engines, monkeypatch
     _, got = disaggregated(prefill, decode, PROMPT, "flaky1")
     same(got, want)
     assert failed and got.num_cached_tokens == len(PROMPT) - 1
+
+
+def test_mooncake_transfer_engine_handoff_equals_colocated(tiny_model, monkeypatch):
+    pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine is not installed")
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    model = tiny_model("qwen3-moe")
+    colocated = EngineCore(config(model))
+    prefill = EngineCore(config(model, role="prefill", handoff_mooncake=True))
+    decode = EngineCore(config(model, role="decode", handoff_mooncake=True))
+    try:
+        want = run(colocated, NewRequest("c", PROMPT, PARAMS))
+        _, got = disaggregated(prefill, decode, PROMPT, "te1", HandoffPath.MOONCAKE)
+        same(got, want)
+        assert got.num_cached_tokens == len(PROMPT) - 1
+        assert prefill.stats().handoff.sent.get("mooncake") == 1
+    finally:
+        for e in (colocated, prefill, decode):
+            e.close()
