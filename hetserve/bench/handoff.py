@@ -5,7 +5,8 @@ Each round hands over the same synthetic blocks (`--blocks` x `--block-kb`) by e
 rotating order, and times from the sender's first byte to the receiver holding a complete,
 checked arrival (what a decode instance waits for): the direct path through shared memory (one
 host), the direct path over TCP (1 and `--links` connections, as between hosts) and the shared
-pool store (the sender's puts and the receiver's gets). Ratios: against the pool (the goal:
+pool store (the sender's puts and the receiver's gets) and Mooncake's Transfer Engine
+(TCP here; skipped with the reason where it is not installed). Ratios: against the pool (the goal:
 direct >= 0.8 of it) and against memcpy of the same bytes (the physical limit here).
 """
 
@@ -18,7 +19,7 @@ import time
 
 from hetserve.bench.common import machine_info, print_table, write_json
 
-NAMES = ("direct-shm", "direct-tcp-1", "direct-tcp-n", "store-pool")
+NAMES = ("direct-shm", "direct-tcp-1", "direct-tcp-n", "store-pool", "mooncake-te")
 
 
 def register(sub) -> None:
@@ -55,6 +56,20 @@ def _arrive(arrivals, key: str, timeout: float = 60.0):
     raise RuntimeError(f"hand-off {key} did not arrive")
 
 
+def _mooncake(receiver, data: memoryview):
+    """Two Transfer Engines in this process: the receiver's staging and the sender's bytes
+    registered, as two instances would."""
+    import ctypes
+
+    from hetserve.kv.handoff_mooncake import MooncakePath, register, serve_receiver, start_engine
+
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    serve_receiver(start_engine("127.0.0.1"), "127.0.0.1", receiver)
+    te = start_engine("127.0.0.1")
+    register(te, ctypes.addressof(ctypes.c_char.from_buffer(data.obj)), data.nbytes)
+    return MooncakePath(te, "")
+
+
 def run(args: argparse.Namespace) -> int:
     from hetserve.bench.store_peers import local_pool
     from hetserve.errors import InvalidInputError
@@ -80,6 +95,13 @@ def run(args: argparse.Namespace) -> int:
         "direct-tcp-1": DirectPath("", 1, share_memory=False),
         "direct-tcp-n": DirectPath("", args.links, share_memory=False),
     }
+    skipped: dict[str, str] = {}
+    if "mooncake-te" in paths:
+        try:
+            senders["mooncake-te"] = _mooncake(receiver, data)
+        except Exception as exc:  # not installed, or it would not start: said in the table
+            skipped["mooncake-te"] = str(exc).splitlines()[0]
+            paths.remove("mooncake-te")
     times: dict[str, list[float]] = {p: [] for p in paths}
     memcpy = _memcpy_gbs(nbytes)
     with local_pool(1, f"{max(256, 3 * nbytes >> 20)}M") as spec:
@@ -114,12 +136,13 @@ def run(args: argparse.Namespace) -> int:
              f"{gbs[p] / memcpy:.2f}"] for p in paths]  # fmt: skip
     print(f"hand-off of {args.blocks} blocks x {args.block_kb} KiB = {nbytes / 1e6:.1f} MB; "
           f"memcpy {memcpy:.1f} GB/s")  # fmt: skip
+    rows += [[p, f"- ({why})", "-", "-"] for p, why in skipped.items()]
     print_table(["path", "GB/s (median)", "x pool", "x memcpy"], rows)
     write_json(args.json, {
         "benchmark": "handoff", "machine": machine_info(), "bytes": nbytes,
         "blocks": args.blocks, "block_bytes": bpb, "links": args.links,
         "memcpy_gbs": memcpy, "gbs": gbs,
         "vs_pool": {p: g / pool for p, g in gbs.items()} if pool else None,
-        "rounds_s": times,
+        "rounds_s": times, "skipped": skipped,
     })  # fmt: skip
     return 0
