@@ -2,14 +2,13 @@
 
 Trace format (one JSON object a line, sorted by time):
 `{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}` where hash id i is
-the prefix hash of the i-th 512-token block. See ../shared/data/mooncake/README.md.
+the prefix hash of the i-th 512-token block. See ../shared/data/mooncake/README.md. hetserve's
+request logs are the same format with a `block_size`; `hetserve.sim.trace` reads both.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 from hetserve.bench.model_facts import TokenSpace
 from hetserve.bench.serve.workload import (
@@ -20,38 +19,22 @@ from hetserve.bench.serve.workload import (
     scale_factor,
 )
 from hetserve.errors import InvalidInputError
-
-TRACE_BLOCK_SIZE = 512
+from hetserve.sim.trace import read_trace
 
 
 def _read_trace(path: str) -> list[dict]:
-    p = Path(path)
-    if not p.is_file():
-        raise InvalidInputError(f"--dataset-path: file not found: {path}")
-    rows = []
-    with p.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                rows.append(
-                    {
-                        "timestamp": float(row["timestamp"]),
-                        "input_length": int(row["input_length"]),
-                        "output_length": int(row["output_length"]),
-                        "hash_ids": [int(h) for h in row["hash_ids"]],
-                    }
-                )
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise InvalidInputError(
-                    f"--dataset-path: {path} line {lineno} is not a Mooncake trace record ({exc})"
-                ) from exc
-            if rows[-1]["input_length"] > len(rows[-1]["hash_ids"]) * TRACE_BLOCK_SIZE:
-                raise InvalidInputError(
-                    f"--dataset-path: {path} line {lineno}: input_length exceeds its hash_ids"
-                )
-    return rows
+    """The trace's records (parsed and checked by the simulator's reader, the one parser of
+    this format) as the dicts the workload is built from."""
+    return [
+        {
+            "timestamp": r.timestamp_ms,
+            "input_length": r.input_length,
+            "output_length": r.output_length,
+            "hash_ids": list(r.hash_ids),
+            "block_size": r.block_size,  # 512 in Mooncake's traces; the engine's in our logs
+        }
+        for r in read_trace(path, param="--dataset-path")
+    ]
 
 
 def trace_workload(
@@ -74,17 +57,17 @@ def trace_workload(
         )
         for r in rows
     ]
-    block_size = TRACE_BLOCK_SIZE
+    trace_block = block_size = rows[0]["block_size"]
     notes: list[str] = []
     if max_model_len is not None and fit_mode == "scale":
         # Scale the block too, so every id still covers the same share of each prompt and the
         # sharing structure of the trace survives; one integer block size sets the factor.
         factor = scale_factor(requests, max_model_len)
-        block_size = max(1, math.floor(TRACE_BLOCK_SIZE * factor))
-        notes += fit_lengths(requests, max_model_len, "scale", block_size / TRACE_BLOCK_SIZE)
+        block_size = max(1, math.floor(trace_block * factor))
+        notes += fit_lengths(requests, max_model_len, "scale", block_size / trace_block)
     else:
         notes += fit_lengths(requests, max_model_len, fit_mode)
-    if block_size != TRACE_BLOCK_SIZE:
+    if block_size != trace_block:
         notes.append(f"trace blocks scaled to {block_size} tokens per hash id")
     return Workload(
         "mooncake-trace",

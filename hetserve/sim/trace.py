@@ -1,0 +1,248 @@
+"""Request traces: Mooncake's published format and hetserve's own request log, one format.
+
+One JSON object a line, sorted by arrival:
+
+    {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, ...]}
+
+- `timestamp`: milliseconds since the trace (or the log) began.
+- `input_length`, `output_length`: prompt and output tokens.
+- `hash_ids`: one id per block of `block_size` prompt tokens, the last one possibly partial
+  (`len(hash_ids) == ceil(input_length / block_size)`); ids are chained prefix hashes, so the
+  same id at position i means the same first (i + 1) * block_size tokens.
+
+Mooncake's traces (FAST'25 release) use 512-token blocks and small remapped integers. hetserve's
+request log (`--log-requests FILE` of `serve` and `conductor`) writes the same fields with real
+block hashes: each id is the first 8 bytes (big-endian) of the chained `BlockHash` of the
+engine's blocks (`block_ids`), and it adds:
+
+- `block_size`: tokens per id (the engine's block size); absent means 512; one value per file;
+- what the server measured, all optional: `ttft_ms`, `tbt_ms` (mean of the longest 10% of the
+  request's token intervals, as the Mooncake paper defines TBT), `cached_tokens` (prompt tokens
+  served from a cache), `rejected` (true when the request was refused), `priority`.
+
+Who calls it: the simulator (`read_trace`), the load generator's trace replay
+(`hetserve bench serve --dataset-name mooncake-trace`), and the servers that write logs
+(`RequestLogWriter`, `log_record`). Failure contract: a file that is missing, a line that is not
+such a record (missing field, wrong type, negative length, fewer ids than its prompt needs), a
+line earlier than the one before it, or a block size that changes: `InvalidInputError`, one line
+naming the file and the line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from hetserve.core.block_hash import CacheExtra, hash_block_tokens, hash_prefix_blocks
+from hetserve.errors import InvalidInputError
+
+MOONCAKE_BLOCK_SIZE = 512
+_MEASURED = ("ttft_ms", "tbt_ms")
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRecord:
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+    block_size: int = MOONCAKE_BLOCK_SIZE
+    priority: int = 0
+    # Measured by a live server (request logs only): the digital twin compares against them.
+    ttft_ms: float | None = None
+    tbt_ms: float | None = None
+    cached_tokens: int | None = None
+    rejected: bool | None = None
+
+    def to_json(self) -> str:
+        row: dict[str, Any] = {
+            "timestamp": _compact(self.timestamp_ms),
+            "input_length": self.input_length,
+            "output_length": self.output_length,
+            "hash_ids": list(self.hash_ids),
+        }
+        if self.block_size != MOONCAKE_BLOCK_SIZE:
+            row["block_size"] = self.block_size
+        for key in ("priority", "ttft_ms", "tbt_ms", "cached_tokens", "rejected"):
+            value = getattr(self, key)
+            if value is not None and not (key == "priority" and value == 0):
+                row[key] = value
+        return json.dumps(row, separators=(",", ":"))
+
+
+def _compact(x: float) -> float | int:
+    return int(x) if float(x).is_integer() else x
+
+
+def read_trace(path: str, param: str = "--trace") -> list[TraceRecord]:
+    """Every record of the file at `path`, checked (see the module's failure contract);
+    `param` names the option the path came from, for the error message."""
+    p = Path(path)
+    if not p.is_file():
+        raise InvalidInputError(f"{param}: file not found: {path}", param=param)
+    records: list[TraceRecord] = []
+    with p.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = _parse(line)
+                if records:
+                    _check_follows(rec, records[-1])
+            except ValueError as exc:
+                raise InvalidInputError(f"{param}: {path} line {lineno}: {exc}", param) from exc
+            records.append(rec)
+    if not records:
+        raise InvalidInputError(f"{param}: no records in {path}", param=param)
+    return records
+
+
+def _parse(line: str) -> TraceRecord:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc.msg})") from None
+    if not isinstance(row, dict):
+        raise ValueError("not a JSON object")
+    for key in ("timestamp", "input_length", "output_length", "hash_ids"):
+        if key not in row:
+            raise ValueError(f"missing field '{key}'")
+    ts = _number(row, "timestamp")
+    n, out = _count(row, "input_length", 1), _count(row, "output_length", 1)
+    bs = _count(row, "block_size", 1) if "block_size" in row else MOONCAKE_BLOCK_SIZE
+    ids = row["hash_ids"]
+    if not isinstance(ids, list) or not all(_is_int(h) for h in ids):
+        raise ValueError("'hash_ids' must be a list of integers")
+    if n > len(ids) * bs:
+        raise ValueError(f"input_length {n} exceeds its hash_ids ({len(ids)} blocks of {bs})")
+    measured = {k: _number(row, k) for k in _MEASURED if row.get(k) is not None}
+    cached = _count(row, "cached_tokens", 0) if row.get("cached_tokens") is not None else None
+    rejected = row.get("rejected")
+    if rejected is not None and not isinstance(rejected, bool):
+        raise ValueError("'rejected' must be true or false")
+    priority = row.get("priority", 0)
+    if not _is_int(priority):
+        raise ValueError("'priority' must be an integer")
+    return TraceRecord(
+        ts,
+        n,
+        out,
+        tuple(ids[: math.ceil(n / bs)]),
+        bs,
+        priority,
+        cached_tokens=cached,
+        rejected=rejected,
+        **measured,
+    )
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _number(row: dict[str, Any], key: str) -> float:
+    x = row[key]
+    if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x) or x < 0:
+        raise ValueError(f"'{key}' must be a number >= 0, got {x!r}")
+    return float(x)
+
+
+def _count(row: dict[str, Any], key: str, least: int) -> int:
+    x = row[key]
+    if not _is_int(x) or x < least:
+        raise ValueError(f"'{key}' must be an integer >= {least}, got {x!r}")
+    return int(x)
+
+
+def _check_follows(rec: TraceRecord, prev: TraceRecord) -> None:
+    if rec.timestamp_ms < prev.timestamp_ms:
+        raise ValueError(
+            f"timestamp {rec.timestamp_ms:g} is earlier than the line before "
+            f"({prev.timestamp_ms:g}): the trace must be sorted by time"
+        )
+    if rec.block_size != prev.block_size:
+        raise ValueError(
+            f"block_size {rec.block_size} differs from earlier lines' {prev.block_size}"
+        )
+
+
+def block_ids(
+    token_ids: Sequence[int], block_size: int, extra: CacheExtra = (), seed: bytes = b""
+) -> list[int]:
+    """A prompt's ids for the log: the engine's chained block hashes (the partial last block
+    hashed the same way, after the full ones), each cut to its first 8 bytes."""
+    hashes = hash_prefix_blocks(token_ids, block_size, extra, seed)
+    tail = len(token_ids) % block_size
+    if tail:
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block_tokens(parent, token_ids[-tail:], extra, seed))
+    return [int.from_bytes(h.digest[:8], "big") for h in hashes]
+
+
+def log_record(
+    arrival_s: float,
+    token_ids: Sequence[int],
+    output_length: int,
+    block_size: int,
+    extra: CacheExtra = (),
+    seed: bytes = b"",
+    **measured: Any,
+) -> TraceRecord:
+    """One line of a request log: arrival in seconds since the log began, the prompt's token
+    ids (hashed here, never written), and what was measured (`ttft_ms`, `tbt_ms`,
+    `cached_tokens`, `rejected`, `priority`)."""
+    ids = tuple(block_ids(token_ids, block_size, extra, seed))
+    return TraceRecord(
+        arrival_s * 1000.0, len(token_ids), output_length, ids, block_size, **measured
+    )
+
+
+class RequestLogWriter:
+    """Appends records to a request log, one line each, flushed as written (a server that is
+    killed leaves every finished request's line). Safe to call from several threads."""
+
+    def __init__(self, path: str) -> None:
+        self._file: IO[str] = Path(path).open("a")
+        self._lock = threading.Lock()
+
+    def write(self, record: TraceRecord) -> None:
+        line = record.to_json() + "\n"
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def coarsen(record: TraceRecord, block_size: int) -> TraceRecord:
+    """The record with blocks of `block_size` tokens, a multiple of its own: a coarse block is
+    named by the last fine id inside it (ids are chained, so that id names the whole prefix)."""
+    if block_size == record.block_size:
+        return record
+    k, rest = divmod(block_size, record.block_size)
+    if rest or k < 1:
+        raise ValueError(
+            f"--block-tokens {block_size} must be a multiple of the trace's {record.block_size}"
+        )
+    ids = record.hash_ids
+    full = ids[k - 1 :: k][: len(ids) // k]
+    tail = (ids[-1],) if len(ids) % k else ()
+    return TraceRecord(
+        record.timestamp_ms,
+        record.input_length,
+        record.output_length,
+        full + tail,
+        block_size,
+        record.priority,
+        record.ttft_ms,
+        record.tbt_ms,
+        record.cached_tokens,
+        record.rejected,
+    )
