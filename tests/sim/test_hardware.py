@@ -1,0 +1,67 @@
+"""Presets against the published figures they are derived from; profiles read from JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hetserve.disagg.costs import profile_to_dict
+from hetserve.errors import InvalidInputError
+from hetserve.sim import hardware as hwm
+from tests.sim.conftest import hardware
+
+
+def test_llama70b_prefill_is_the_papers_equation_1():
+    prof = hwm.llama3_70b_a800().profile
+    g = 8 * 312e12 * hwm.MFU
+
+    def flops(n):  # Mooncake FAST'25, Eq. 1
+        return hwm.L * (hwm.A * n * n * hwm.D + hwm.B * n * hwm.D**2)
+
+    for n, p in ((8192, 0), (16384, 8192), (100_000, 60_000)):
+        seconds = prof.prefill.seconds(n - p, p) - prof.prefill.c0
+        assert seconds == pytest.approx((flops(n) - flops(p)) / g, rel=1e-12)
+    assert prof.kv_bytes_per_token == 327_680  # "320 KB" per token (Sec. 5.3.1)
+
+
+def test_reuse_pays_off_from_the_papers_bandwidth():
+    """Eq. 2's example: for an 8,192-token prefix on 8 x A800 at peak, loading KV beats
+    recomputing it from about 6 GB/s."""
+    prof = hwm.llama3_70b_a800().profile
+    p = 8192
+    # Computing the prefix's tokens at peak (what reusing them saves), c0 cancelled out.
+    saved_at_peak = (prof.prefill.seconds(p + 1, 0) - prof.prefill.seconds(1, p)) * hwm.MFU
+    needed = p * prof.kv_bytes_per_token / saved_at_peak  # bytes per second to break even
+    assert needed == pytest.approx(6e9, rel=0.05)
+
+
+def test_ktransformers_preset_fits_its_published_speeds():
+    prof = hwm.deepseek_v3_ktransformers().profile
+    for n, (prefill_tps, decode_tps) in hwm.KT_PUBLISHED.items():
+        assert n / prof.prefill.seconds(n) == pytest.approx(prefill_tps, rel=0.15)
+        step = prof.decode.seconds(1, n + (5 if n < 10 else 150))
+        assert 1 / step == pytest.approx(decode_tps, rel=0.05)
+    assert prof.prefill_fit_error is not None and prof.prefill_fit_error < 0.1
+    assert prof.kv_bytes_per_token == 70_272
+
+
+def test_every_preset_resolves_and_a_name_that_is_not_one_is_an_error():
+    for name in hwm.PRESETS:
+        assert hwm.resolve(name).name == name
+    with pytest.raises(InvalidInputError, match="not a preset"):
+        hwm.resolve("tpu-v9")
+
+
+def test_a_profile_file_with_and_without_capacity(tmp_path):
+    prof = hardware().profile
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile_to_dict(prof, capacity={"device_kv_tokens": 5000})))
+    hw = hwm.resolve(str(path))
+    assert hw.profile == prof and hw.device_kv_tokens == 5000 and hw.host_cache_tokens == 3_000_000
+    path.write_text(json.dumps(profile_to_dict(prof, capacity={"host_kv_tokens": -1})))
+    with pytest.raises(InvalidInputError, match="capacity.host_kv_tokens"):
+        hwm.resolve(str(path))
+    path.write_text(json.dumps({"format": "hetserve-profile"}))
+    with pytest.raises(InvalidInputError, match="missing field"):
+        hwm.resolve(str(path))
