@@ -26,6 +26,7 @@ COMMAND_MODULES = [
     "hetserve.entrypoints.profile",  # profile (prefill/decode costs for the Conductor)
     "hetserve.entrypoints.conductor",  # conductor (a prefill/decode cluster's front door)
     "hetserve.entrypoints.cluster",  # cluster up (store, instances and Conductor here)
+    "hetserve.entrypoints.sim",  # sim (cluster simulator over a request trace)
 ]
 
 
