@@ -116,11 +116,19 @@ def _run(args: argparse.Namespace) -> int:
         payload["runs"] = [r.row() for r in runs]
         sim_wall = sum(r.summary["wall_s"] for r in runs)
         events = sum(r.summary["events"] for r in runs)
+        policy = sum(r.summary["policy_s"] for r in runs)
         payload |= {
             "sim_wall_s": sim_wall,
             "events": events,
             "events_per_s": events / sim_wall if sim_wall > 0 else None,
+            "policy_s": policy,
+            "policy_share": policy / sim_wall if sim_wall > 0 else None,
         }
+        busy = max(sim_wall, 1e-9)
+        print(
+            f"{len(runs)} run(s) of {len(plan.records)} requests: {sim_wall:.2f} s simulating, "
+            f"{events / busy:,.0f} events/s, {100 * policy / busy:.0f}% in the policy's decide"
+        )
         if args.plot:
             from hetserve.sim.plots import write_plots
 

@@ -68,6 +68,7 @@ class SimResult:
     wall_s: float
     end: float  # simulated seconds at the last event
     replicas: ReplicaLog | None = field(default=None)
+    policy_s: float = 0.0  # wall seconds inside Router.decide: the floor of any run
 
 
 class Simulation:
@@ -93,6 +94,7 @@ class Simulation:
         self.heap: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
         self.events = 0
+        self.policy_s = 0.0
         self.inflight: list[dict[int, Job]] = [{} for _ in self.decode]  # routed, KV not there
         self._dstate: list[InstanceState | None] = [None] * len(self.decode)
 
@@ -141,6 +143,7 @@ class Simulation:
             time.perf_counter() - t0,
             now,
             self.replicas,
+            self.policy_s,
         )
 
     # ---- the Conductor ----------------------------------------------------------------------
@@ -148,7 +151,9 @@ class Simulation:
         found, pooled = self.caches.lookup(job.blocks[: job.usable])
         view = self._view(found, pooled, now)
         req = RequestInfo(str(job.idx), job.input_length, job.priority, job.output_length)
+        t0 = time.perf_counter()
         decision = self.router.decide(view, req, now)
+        self.policy_s += time.perf_counter() - t0
         if self.hook is not None:
             self.hook(view, req, now, decision)
         if decision.rejected or decision.prefill is None or decision.decode is None:

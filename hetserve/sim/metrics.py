@@ -10,7 +10,9 @@
   capacity");
 - rejected: by the Conductor's admission, and by decode instances after the prefill;
 - goodput: effective requests per simulated second; per dollar: effective requests / the
-  cluster's cost over the run (prices per hour summed over every instance).
+  cluster's cost over the run (prices per hour summed over every instance);
+- the run's own cost: wall seconds, events per second, and the share of the wall time spent
+  inside the policy's `decide` (the part no simulator of this policy can avoid).
 
 Who calls it: `run.py` (tables, JSON), `search.py`. Pure.
 """
@@ -84,6 +86,8 @@ def summarize(res: SimResult) -> dict[str, Any]:
         "events": res.events,
         "wall_s": res.wall_s,
         "events_per_s": res.events / res.wall_s if res.wall_s > 0 else None,
+        "policy_s": res.policy_s,
+        "policy_share": res.policy_s / res.wall_s if res.wall_s > 0 else None,
     }
 
 
