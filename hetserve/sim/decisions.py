@@ -25,6 +25,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import IO, Any
 
+from hetserve.config import Role
 from hetserve.disagg.costs import InstanceProfile, profile_from_dict, profile_to_dict
 from hetserve.disagg.policy import (
     ClusterView,
@@ -33,7 +34,6 @@ from hetserve.disagg.policy import (
     PrefixHolding,
     Pull,
     RequestInfo,
-    Role,
     Router,
     RouterConfig,
 )

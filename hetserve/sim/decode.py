@@ -22,7 +22,8 @@ import heapq
 import math
 from collections import deque
 
-from hetserve.disagg.policy import InstanceState, Role
+from hetserve.config import Role
+from hetserve.disagg.policy import InstanceState
 from hetserve.sim.hardware import Hardware
 from hetserve.sim.jobs import Job
 

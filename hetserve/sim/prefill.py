@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from hetserve.disagg.policy import POOL, InstanceState, Role
+from hetserve.config import Role
+from hetserve.disagg.policy import POOL, InstanceState
 from hetserve.sim.hardware import Hardware
 from hetserve.sim.jobs import Job
 
