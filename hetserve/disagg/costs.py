@@ -216,8 +216,18 @@ def profile_to_dict(profile: InstanceProfile, **extra: Any) -> dict[str, Any]:
         "version": PROFILE_VERSION,
         "name": profile.name,
         "kv_bytes_per_token": profile.kv_bytes_per_token,
-        "prefill": {"c0": p.c0, "c1": p.c1, "c2": p.c2, "fit_error": profile.prefill_fit_error},
-        "decode": {"d0": d.d0, "d1": d.d1, "d2": d.d2, "fit_error": profile.decode_fit_error},
+        "prefill": {
+            "c0": p.c0,
+            "c1": p.c1,
+            "c2": p.c2,
+            "fit_error": _known(profile.prefill_fit_error),
+        },
+        "decode": {
+            "d0": d.d0,
+            "d1": d.d1,
+            "d2": d.d2,
+            "fit_error": _known(profile.decode_fit_error),
+        },
         "tiers": {
             t: {"latency_s": c.latency_s, "bandwidth": c.bandwidth}
             for t, c in profile.tiers.items()
@@ -286,7 +296,15 @@ def _num(data: Mapping[str, Any], key: str, where: str) -> float:
 
 
 def _opt_num(data: Mapping[str, Any], key: str, where: str) -> float | None:
-    return None if data.get(key) is None else _num(data, key, where)
+    value = data.get(key)
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None  # NaN: an error too few samples could measure (JSON has no NaN: null)
+    return _num(data, key, where)
+
+
+def _known(error: float | None) -> float | None:
+    """A fit error for JSON: NaN (too few samples held out) is written as null."""
+    return None if error is None or math.isnan(error) else error
 
 
 def save_profile(path: str, profile: InstanceProfile, **extra: Any) -> None:

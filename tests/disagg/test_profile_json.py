@@ -1,6 +1,8 @@
 """The profile JSON format: round trip, and every bad field named."""
 
 import json
+import math
+from dataclasses import replace
 
 import pytest
 
@@ -60,3 +62,14 @@ def test_unreadable_files_name_the_path(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="bad.json: not JSON"):
         load_profile(str(bad))
+
+
+def test_an_unmeasured_fit_error_is_written_as_null(tmp_path):
+    path = tmp_path / "p.json"
+    save_profile(str(path), replace(PROFILE, prefill_fit_error=math.nan))
+    assert '"fit_error": null' in path.read_text() and "NaN" not in path.read_text()
+    loaded, _ = load_profile(str(path))
+    assert loaded.prefill_fit_error is None
+    data = json.loads(path.read_text())
+    data["prefill"]["fit_error"] = math.nan  # a file written by an older version
+    assert profile_from_dict(data).prefill_fit_error is None
