@@ -10,11 +10,12 @@ The first line is a header, `{"router": RouterConfig fields}`; then one line per
               "holdings": {holder: {tier: blocks}}},
      "decision": {Decision fields, "pull": {source, tier, blocks} | null}}
 
-Who writes it: `hetserve sim --log-decisions FILE`, and the live Conductor (the same option, in
-the Conductor's issue). Who reads it: `replay`, which runs a fresh `Router` over the recorded
-views in order (round-robin's position and random's generator advance as they did) and returns
-the decisions that differ. Failure contract: a line that is not such a record is a ValueError
-naming the line.
+Who writes it: `hetserve sim --log-decisions FILE`, and anything that wraps a live Conductor's
+`router.decide` with `DecisionLog.record` (the tests do; a `--log-decisions` option of
+`hetserve conductor` would be the same two lines). Who reads it: `replay`, which runs a fresh
+`Router` over the recorded views in order (round-robin's position and random's generator
+advance as they did) and returns the decisions that differ. Failure contract: a line that is
+not such a record is a ValueError naming the line.
 """
 
 from __future__ import annotations

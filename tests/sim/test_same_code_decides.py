@@ -1,8 +1,11 @@
 """The simulator decides with the Conductor's own policy code: every decision it acts on is
-`Router.decide` over the view it built, and a fresh router replaying a recorded log (the format
-the live Conductor writes too) makes the same choices."""
+`Router.decide` over the view it built; a fresh router replaying a recorded decision log makes
+the same choices, whether the log came from the simulator or from the live Conductor's decision
+path (its Cluster's instance states and its router)."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
@@ -75,3 +78,50 @@ def test_the_simulator_calls_the_policy_module_itself(monkeypatch):
     cfg = SimConfig(RouterConfig(), [hardware()], [hardware()], block_tokens=BS)
     Simulation(records, cfg).run()
     assert calls == [str(i) for i in range(30)]
+
+
+def test_a_live_conductors_decisions_replay_to_the_same_choices(tmp_path):
+    """The live Conductor's decision path (its Cluster's instance states, its holdings, its
+    router), recorded in the decision-log format and replayed by a fresh router."""
+    from hetserve.config import Role
+    from hetserve.disagg.conductor import Conductor, ConductorConfig
+    from hetserve.disagg.instances import Cluster, Instance
+
+    cluster = Cluster([])
+    cluster.block_size = BS
+    profile = hardware().profile
+    for name, role in (("p0", Role.PREFILL), ("p1", Role.PREFILL), ("d0", Role.DECODE)):
+        cluster.instances[name] = Instance(name, f"http://{name}", role, profile, None, BS, b"")
+    router = RouterConfig(policy="kvcentric", admission="predictive", slo_ttft_s=0.2)
+    path = tmp_path / "live.jsonl"
+    log = DecisionLog(str(path), router)
+    conductor = Conductor(
+        cluster,
+        policy.Router(router),
+        tokenizer=None,
+        config=ConductorConfig(),
+        holdings=lambda hashes: {"p1": {"dram": min(len(hashes), 3)}} if len(hashes) > 4 else {},
+    )
+    recording = conductor.router.decide
+
+    def record(view, req, now):
+        decision = recording(view, req, now)
+        log.record(view, req, now, decision)
+        return decision
+
+    conductor.router.decide = record  # the Conductor's own call, recorded on its way
+    seen = []
+    for i in range(12):
+        cluster.instances["p0"].load = {"queued_prefill_tokens": 40 * i, "queued_requests": i % 3}
+        cluster.instances["d0"].load = {"running_decodes": i, "decode_context_tokens": 30 * i}
+        body = {"prompt": list(range(8 + 6 * i)), "max_tokens": 4}
+        decision, _ = conductor.decide("/v1/completions", body)
+        seen.append(decision)
+        if not decision.rejected:
+            cluster.routed(decision.prefill, decision.decode, 8 + 6 * i - decision.cached_tokens)
+    log.close()
+    config, rows = read_log(str(path))
+    assert [r["decision"]["prefill"] for r in rows] == [d.prefill for d in seen]
+    assert {d.prefill for d in seen} == {"p0", "p1"} and any(d.rejected for d in seen)
+    assert replay(config, rows) == []
+    asyncio.run(cluster.close())
