@@ -74,6 +74,9 @@ class Conductor:
     ) -> None:
         self.cluster, self.router, self.tok, self.config = cluster, router, tokenizer, config
         self.holdings = holdings or (lambda hashes: {})
+        self.decision_log: Any = None  # sim.decisions.DecisionLog: every decision, replayable
+        self.request_log: Any = None  # sim.trace.RequestLogWriter: hetserve sim's trace format
+        self.started = time.monotonic()
         self.counts: dict[str, int] = {}
         self.ttft: list[tuple[float, float]] = []  # (predicted, measured) seconds, recent
 
@@ -110,7 +113,24 @@ class Conductor:
             expected_output_tokens=int(limit) if isinstance(limit, int) else 0,
         )
         view = self.cluster.view(self.holdings([h.digest for h in hashes]))
-        return self.router.decide(view, req, time.monotonic()), req
+        now = time.monotonic()
+        decision = self.router.decide(view, req, now)
+        if self.decision_log is not None:
+            self.decision_log.record(view, req, now, decision)
+        if self.request_log is not None:
+            self._log_request(ids, body, decision, now)
+        return decision, req
+
+    def _log_request(self, ids: list[int], body: Mapping[str, Any], d: Decision, now: float):
+        from hetserve.sim.trace import log_record
+
+        limit = body.get("max_tokens") or body.get("max_completion_tokens") or 0
+        extra: dict[str, Any] = {"rejected": d.rejected, "priority": int(body.get("priority") or 0)}
+        record = log_record(
+            now - self.started, ids, int(limit) if isinstance(limit, int) else 0,
+            self.cluster.block_size, (), self.cluster.hash_seed, **extra,
+        )  # fmt: skip
+        self.request_log.write(record)
 
     async def route(self, path: str, raw: bytes, request: Request) -> Response:
         try:

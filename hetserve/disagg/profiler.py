@@ -147,6 +147,17 @@ def measure(
     return profile, out
 
 
+def capacity(engine: Any, profile: InstanceProfile) -> dict[str, int]:
+    """KV capacity in tokens (the profile's optional `capacity` section, which the simulator
+    sizes its caches by): the device pool, and host tiers that are this instance's own."""
+    out = {"device_kv_tokens": engine.kv.pool.num_usable * engine.kv.block_size}
+    if engine.tiers is not None and profile.kv_bytes_per_token:
+        own = [t.capacity for t in engine.tiers.store.tiers() if not t.shared and t.capacity]
+        if own:
+            out["host_kv_tokens"] = sum(own) // profile.kv_bytes_per_token
+    return out
+
+
 def _prefill_points(plan: Plan, limit: int, bs: int) -> list[tuple[int, int]]:
     """The plan's (new, cached) points that fit the context; on a short context, points at
     fractions of it instead (a fit needs at least 3, with two cached sizes for its c2)."""

@@ -34,6 +34,18 @@ def register(sub) -> None:
     c.add_argument("--port", type=int, default=8000)
     c.add_argument("--api-key", default=None, help="require this bearer token from clients")
     c.add_argument("--log-level", default="warning")
+    c.add_argument(
+        "--log-requests",
+        default=None,
+        metavar="FILE",
+        help="one line per request in hetserve sim's trace format (replay it with hetserve sim)",
+    )
+    c.add_argument(
+        "--log-decisions",
+        default=None,
+        metavar="FILE",
+        help="every routing decision with the cluster state it saw (replayable)",
+    )
     c.set_defaults(func=_run)
 
 
@@ -91,6 +103,14 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
     conductor = Conductor(
         cluster, router, Tokenizer(model_dir), ConductorConfig(args.handoff_path, api_key=api_key)
     )
+    if args.log_requests:
+        from hetserve.sim.trace import RequestLogWriter
+
+        conductor.request_log = RequestLogWriter(args.log_requests)
+    if args.log_decisions:
+        from hetserve.sim.decisions import DecisionLog
+
+        conductor.decision_log = DecisionLog(args.log_decisions, router.config)
     app = create_conductor_app(conductor, name)
     print(f"conductor for {len(urls)} instances on http://{args.host}:{args.port}/v1", flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -28,13 +28,14 @@ def register(sub) -> None:
 def _profile(args: argparse.Namespace) -> int:
     from hetserve.config import EngineConfig
     from hetserve.disagg.costs import fit_error, save_profile
-    from hetserve.disagg.profiler import Plan, measure
+    from hetserve.disagg.profiler import Plan, capacity, measure
     from hetserve.engine.core import EngineCore
 
     engine = EngineCore(EngineConfig.from_args(args))
     try:
         plan = Plan.quick() if args.quick else Plan()
         profile, samples = measure(engine, plan, lambda s: print(f"  {s}", file=sys.stderr))
+        cap = capacity(engine, profile)
     finally:
         engine.close()
     print(f"{'kind':8} {'a':>6} {'b':>8} {'measured ms':>12} {'fitted ms':>10}")
@@ -49,8 +50,10 @@ def _profile(args: argparse.Namespace) -> int:
         f"prefill fit error (held out) {_pct(profile.prefill_fit_error)}, on all samples "
         f"{_pct(on_all)}; decode {_pct(profile.decode_fit_error)}"
     )
-    extra = {"samples": {"prefill": samples.prefill, "decode": samples.decode}}
-    save_profile(args.out, profile, **(extra if args.keep_samples else {}))
+    extra: dict = {"capacity": cap}
+    if args.keep_samples:
+        extra["samples"] = {"prefill": samples.prefill, "decode": samples.decode}
+    save_profile(args.out, profile, **extra)
     print(f"profile written to {args.out}")
     return 0
 

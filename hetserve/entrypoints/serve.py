@@ -39,6 +39,13 @@ def register(sub) -> None:
         "it, a quick one is measured when the Conductor first asks)",
     )
     g.add_argument(
+        "--log-requests",
+        default=None,
+        metavar="FILE",
+        help="append one line per finished request (hetserve sim's trace format: arrival, "
+        "lengths, block hashes, TTFT, TBT); `hetserve sim --trace FILE` replays it",
+    )
+    g.add_argument(
         "--save-routing-stats",
         default=None,
         metavar="FILE",
@@ -100,6 +107,13 @@ def serve(args: argparse.Namespace) -> int:
         lora_runtime_updates=args.enable_lora_runtime_updates,
         profile=profile,
     )
+    logger = None
+    if args.log_requests is not None:
+        from hetserve.server.request_log import RequestLogger
+
+        core = engine.engine
+        logger = RequestLogger(args.log_requests, core.kv.block_size, core.kv.hash_seed)
+        engine.observers.append(logger.observe)
     if engine.kv_summary:
         print(engine.kv_summary, flush=True)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
@@ -117,6 +131,8 @@ def serve(args: argparse.Namespace) -> int:
         )
     finally:
         engine.shutdown()
+        if logger is not None:
+            logger.close()
         stats = engine.routing_stats()
         if stats is not None:
             stats.save(args.save_routing_stats)

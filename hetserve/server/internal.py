@@ -49,7 +49,7 @@ def install_internal_routes(app: FastAPI, engine: AsyncLLM, profile: dict[str, A
 
 def _quick_profile(core: Any) -> dict[str, Any]:
     from hetserve.disagg.costs import profile_to_dict
-    from hetserve.disagg.profiler import Plan, measure
+    from hetserve.disagg.profiler import Plan, capacity, measure
     from hetserve.errors import HetserveError
 
     if core.has_unfinished():  # the profiler steps the engine: it would eat their outputs
@@ -58,4 +58,4 @@ def _quick_profile(core: Any) -> dict[str, Any]:
             "(from `hetserve profile`)"
         )
     profile, _ = measure(core, Plan.quick())
-    return profile_to_dict(profile)
+    return profile_to_dict(profile, capacity=capacity(core, profile))
