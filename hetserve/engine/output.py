@@ -13,6 +13,7 @@ import torch
 from hetserve.core.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from hetserve.core.request import Request
 from hetserve.engine.detokenizer import IncrementalDetokenizer
+from hetserve.structured import GrammarMatcher
 
 
 @dataclass(eq=False)
@@ -24,6 +25,7 @@ class SeqState:
     generator: torch.Generator
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None
+    grammar: GrammarMatcher | None = None  # where its output is in its grammar (structured)
 
 
 @dataclass(eq=False)

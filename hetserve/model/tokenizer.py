@@ -87,6 +87,11 @@ class Tokenizer:
         self._template = None
 
     @property
+    def backend(self) -> HFTokenizer | TiktokenBPE:
+        """The library tokenizer underneath (the grammar engine builds its own view of it)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

@@ -1,9 +1,10 @@
 """OpenAI request schemas (the subset hetserve serves).
 
 Unknown fields are accepted and ignored, as OpenAI clients send many; but a field that would
-change the output and that we do not implement (tools, structured output, images, ...) is a 400
-naming it, never silently ignored. Wrong types and out-of-range values are 400s too; the rules
-across fields and the message rules of each role are in server/validation.py.
+change the output and that we do not implement (images, audio, ...) is a 400
+naming it, never silently ignored. Structured output is read by server/structured.py. Wrong
+types and out-of-range values are 400s too; the rules across fields and the message rules of
+each role are in server/validation.py.
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictInt,
     ValidationError,
     field_validator,
     model_validator,
 )
 
+from hetserve.core.grammar import GrammarSpec
 from hetserve.errors import InvalidInputError
+from hetserve.server.structured import grammar_of
 from hetserve.server.validation import (
     CHAT_EXTENSIONS,
     COMPLETION_EXTENSIONS,
@@ -91,6 +95,12 @@ class _Common(BaseModel):
     # An agent's session (or the X-Session-Id header): its KV outlives each turn for a TTL.
     session_id: str | None = Field(default=None, min_length=1, max_length=256)
     kv_handoff: KVHandoffSpec | None = None  # a prefill/decode hand-off (from a Conductor)
+    _grammar: GrammarSpec | None = PrivateAttr(default=None)
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """What the output must match (response_format, guided_*, structured_outputs)."""
+        return self._grammar
 
     @field_validator("stop")
     @classmethod
@@ -110,6 +120,7 @@ class _Common(BaseModel):
     @model_validator(mode="after")
     def _rules(self):
         check_unsupported(self.model_extra or {}, self.extensions)
+        self._grammar = grammar_of(self.model_extra or {})
         check_stream_options(self.stream, self.stream_options)
         limit, name = self.output_limit()
         check_min_tokens(self.min_tokens, limit, name)

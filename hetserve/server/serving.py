@@ -121,6 +121,10 @@ class OpenAIServing:
         except ValueError as exc:
             raise InvalidInputError(str(exc), param=str(exc).split(" ", 1)[0]) from None
 
+    def grammar_of(self, req: _Common):
+        """The grammar the request's output must match (a subclass may add tool choices)."""
+        return req.grammar
+
     def check_priority(self, req: _Common) -> None:
         # vLLM: a priority other than 0 is an error unless the scheduler orders by it.
         if req.priority != 0 and self.engine.config.scheduler.policy is not PRIORITY:
@@ -157,6 +161,7 @@ class OpenAIServing:
         streams: list[RequestStream] = []
         session = req.session_id or request.headers.get("x-session-id") or None
         lora = self.lora_of(req)
+        grammar = self.grammar_of(req)
         try:
             for i, (text, ids) in enumerate(prompts):
                 rid = base if len(prompts) == 1 else f"{base}-{i}"
@@ -171,6 +176,7 @@ class OpenAIServing:
                     session_id=session,
                     lora=lora,
                     kv_handoff=handoff_of(req),
+                    grammar=grammar,
                 )
                 streams.append(self.engine.submit(new))
         except BaseException:

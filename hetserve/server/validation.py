@@ -26,11 +26,6 @@ class UnsupportedFieldError(InvalidInputError):
 UNSUPPORTED = (
     "audio",
     "prediction",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
     "logits_processors",
     "web_search_options",
 )
@@ -66,15 +61,9 @@ CHAT_EXTENSIONS = VLLM_EXTENSIONS | {
 
 def check_unsupported(extra: Mapping[str, Any], extensions: Mapping[str, tuple]) -> None:
     """Unknown fields pass (OpenAI clients send many), but not one that asks for a feature we
-    do not implement: tools, structured output, other modalities, vLLM's extensions."""
+    do not implement: other modalities, vLLM's extensions. (Structured output is read by
+    server/structured.py.)"""
     _check_tools(extra)
-    fmt = extra.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise UnsupportedFieldError(
-            "response_format",
-            f"response_format {kind!r} (structured output) is not supported; use 'text'",
-        )
     for name in UNSUPPORTED:
         if extra.get(name) is not None:
             raise UnsupportedFieldError(name, f"{name} is not supported by this server")

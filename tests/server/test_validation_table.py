@@ -209,8 +209,48 @@ BAD = [
     (M, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
     (M, {"tool_choice": "required"}, "tool_choice", "not supported"),
     (M, {"functions": [{"name": "f"}]}, "functions", "not supported"),
+    # ---- structured output: OpenAI's response_format (type text, json_object or json_schema
+    # with a name of 1-64 [A-Za-z0-9_-] and a schema object), vLLM's guided_* and
+    # structured_outputs (one kind per request); a grammar that does not compile names its field
+    *both({"response_format": {"type": "xml"}}, "response_format.type", "'json_schema'"),
+    *both({"response_format": "json"}, "response_format", "an object with a 'type'"),
+    *both({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "needs"),
+    *both(
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}},
+        "response_format.json_schema.name",
+        "letters, digits",
+    ),
+    *both(
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": 1}}},
+        "response_format.json_schema.schema",
+        "wrong type",
+    ),
+    *both(
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": {"type": "strnig"}, "strict": True},
+            }
+        },
+        "response_format.json_schema.schema",
+        "cannot be compiled",
+    ),
+    *both({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    *both({"guided_regex": "(ab"}, "guided_regex", "cannot be compiled"),
+    *both({"guided_choice": []}, "guided_choice", "non-empty list of strings"),
+    *both({"guided_grammar": "start: nowhere"}, "guided_grammar", "cannot be compiled"),
+    *both(
+        {"guided_json": {"type": "object"}, "guided_regex": "a+"}, "guided_regex", "only one kind"
+    ),
+    *both(
+        {"response_format": {"type": "json_object"}, "guided_choice": ["a"]},
+        "guided_choice",
+        "only one kind",
+    ),
+    *both({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "one"),
+    *both({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag",
+          "not supported"),
     # ---- other OpenAI features we do not implement ------------------------------------------
-    (M, {"response_format": {"type": "json_object"}}, "response_format", "not supported"),
     (M, {"audio": {"voice": "alloy", "format": "wav"}}, "audio", "not supported"),
     (M, {"modalities": ["text", "audio"]}, "modalities", "only the 'text' modality"),
     (M, {"prediction": {"type": "content", "content": "x"}}, "prediction", "not supported"),
@@ -225,8 +265,6 @@ BAD = [
     *both({"skip_special_tokens": False}, "skip_special_tokens", "not supported"),
     *both({"return_token_ids": True}, "return_token_ids", "not supported"),
     *both({"cache_salt": "salt"}, "cache_salt", "not supported"),
-    *both({"guided_json": {"type": "object"}}, "guided_json", "not supported"),
-    *both({"structured_outputs": {"regex": "a+"}}, "structured_outputs", "not supported"),
     (C, {"add_special_tokens": False}, "add_special_tokens", "not supported"),
     (M, {"add_special_tokens": True}, "add_special_tokens", "not supported"),
     (M, {"echo": True}, "echo", "not supported"),
@@ -286,6 +324,14 @@ ACCEPTED = [
         {"use_beam_search": False, "skip_special_tokens": True, "bad_words": []},
         {"prompt_logprobs": None, "tool_choice": "none"},
         {"include_stop_str_in_output": True, "stop": ["zz"]},
+    ) for path in (C, M)],
+    *[(path, patch) for patch in (
+        {"response_format": {"type": "text"}},
+        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x-1"}}},
+        {"guided_json": '{"type": "object"}', "guided_decoding_backend": "xgrammar"},
+        {"guided_choice": ["a", "b"]},
+        {"structured_outputs": {"json_object": True, "disable_any_whitespace": True}},
     ) for path in (C, M)],
     (C, {"best_of": 2, "n": 2}),
     (C, {"add_special_tokens": True, "echo": True, "logprobs": 0}),
