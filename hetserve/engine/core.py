@@ -145,7 +145,12 @@ class EngineCore:
             seed = params.seed + i if params.seed is not None else _SEEDS.getrandbits(63)
             gen.manual_seed(seed & _SEED_MASK)
             detok = IncrementalDetokenizer(
-                self.tokenizer, new.prompt_token_ids, params.stop, params.include_stop_str_in_output
+                self.tokenizer,
+                new.prompt_token_ids,
+                params.stop,
+                params.include_stop_str_in_output,
+                params.skip_special_tokens,
+                frozenset(self.eos_ids) | frozenset(params.stop_token_ids),
             )
             state = SeqState(
                 req, parent, i, detok, gen, [] if params.logprobs is not None else None

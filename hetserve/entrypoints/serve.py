@@ -39,6 +39,18 @@ def register(sub) -> None:
         "it, a quick one is measured when the Conductor first asks)",
     )
     g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="how tool calls are read from replies: hermes, llama3_json, deepseek_v3, kimi_k2, "
+        "glm45, openai (default: from the model's chat template)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="how thinking is split from answers: qwen3, deepseek_r1, glm45, kimi_k2, openai "
+        "(default: from the model's chat template)",
+    )
+    g.add_argument(
         "--save-routing-stats",
         default=None,
         metavar="FILE",
@@ -73,6 +85,12 @@ def serve(args: argparse.Namespace) -> int:
             profile = profile_to_dict(load_profile(args.profile)[0])
         except ValueError as exc:
             raise InvalidInputError(f"--profile {args.profile}: {exc}") from None
+    from hetserve.server.chat import check_parser_names
+
+    try:
+        check_parser_names(args.tool_call_parser, args.reasoning_parser)
+    except ValueError as exc:
+        raise InvalidInputError(str(exc)) from None
     import uvicorn
 
     from hetserve.config import EngineConfig
@@ -99,6 +117,8 @@ def serve(args: argparse.Namespace) -> int:
         max_body_bytes=limit,
         lora_runtime_updates=args.enable_lora_runtime_updates,
         profile=profile,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     if engine.kv_summary:
         print(engine.kv_summary, flush=True)

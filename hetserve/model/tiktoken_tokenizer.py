@@ -108,6 +108,9 @@ class TiktokenBPE:
         self._special_names = {i: s for s, i in self._specials.items()}
         self._n_vocab = encoding.n_vocab
 
+    def special_ids(self) -> list[int]:
+        return sorted(self._skip)
+
     @property
     def encoding(self):
         """The tiktoken.Encoding (its ranks, special tokens and split pattern)."""

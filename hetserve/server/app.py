@@ -99,13 +99,16 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     lora_runtime_updates: bool = False,
     profile: dict | None = None,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """`lora_runtime_updates`: allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     (clients then make the server read directories they name; see server/lora.py). `profile`:
-    the instance's cost profile for a Conductor (JSON form; None: measured when first asked)."""
+    the instance's cost profile for a Conductor (JSON form; None: measured when first asked).
+    `tool_call_parser`, `reasoning_parser`: override the ones the chat template implies."""
     app = FastAPI(title="hetserve", docs_url=None, redoc_url=None)
     completions = CompletionServing(engine, model_name)
-    chat = ChatServing(engine, model_name)
+    chat = ChatServing(engine, model_name, tool_call_parser, reasoning_parser)
     metrics = ServerMetrics(engine, model_name)
     app.state.engine, app.state.metrics = engine, metrics
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)

@@ -27,6 +27,7 @@ from pydantic import (
 from hetserve.core.grammar import GrammarSpec
 from hetserve.errors import InvalidInputError
 from hetserve.server.structured import grammar_of
+from hetserve.server.tool_calls import ToolPlan, plan_tools
 from hetserve.server.validation import (
     CHAT_EXTENSIONS,
     COMPLETION_EXTENSIONS,
@@ -92,6 +93,7 @@ class _Common(BaseModel):
     repetition_penalty: Finite = Field(default=1.0, gt=0.0, le=2.0)
     logit_bias: dict[str, Finite] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
+    skip_special_tokens: bool = True  # vLLM's extension
     # An agent's session (or the X-Session-Id header): its KV outlives each turn for a TTL.
     session_id: str | None = Field(default=None, min_length=1, max_length=256)
     kv_handoff: KVHandoffSpec | None = None  # a prefill/decode hand-off (from a Conductor)
@@ -242,6 +244,17 @@ class ChatMessage(BaseModel):
         check_message(self.role, self.content, self.model_extra or {})
         return self
 
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it (text content, tool calls, thinking)."""
+        extra = self.model_extra or {}
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("tool_calls", "tool_call_id", "reasoning_content"):
+            if extra.get(key) is not None:
+                out[key] = extra[key]
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
     def text(self) -> str:
         """Content as text: plain strings, or the text parts of a content list."""
         if self.content is None:
@@ -258,6 +271,14 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # Passed to the chat template (enable_thinking, ...); vLLM's extension.
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    _tools: ToolPlan = PrivateAttr(default=ToolPlan(None, "none"))
+
+    @property
+    def tool_plan(self) -> ToolPlan:
+        return self._tools
 
     @model_validator(mode="after")
     def _chat_rules(self):
@@ -265,7 +286,20 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs and not self.logprobs:
             raise InvalidInputError("top_logprobs requires logprobs to be true", "top_logprobs")
         check_tool_replies([(m.role, m.model_extra or {}) for m in self.messages])
+        self._tools = plan_tools(self.model_extra or {})
+        if self._tools.grammar is not None and self.grammar is not None:
+            raise InvalidInputError(
+                f"tool_choice {self._tools.choice!r} already constrains the output; it cannot "
+                f"be combined with {self.grammar.param.split('.')[0]}",
+                "tool_choice",
+            )
         return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return kwargs
 
 
 class LoadLoRAAdapterRequest(BaseModel):

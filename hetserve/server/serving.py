@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -87,16 +88,28 @@ class OpenAIServing:
             return self.tok.encode(text, add_special_tokens)
         return await asyncio.to_thread(self.tok.encode_long, text, add_special_tokens)
 
-    async def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        size = sum(len(m["content"]) for m in messages)
-        render = self.tok.apply_chat_template
+    async def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool,
+        tools: list[dict] | None = None,
+        **kwargs,
+    ) -> str:
+        size = sum(len(m.get("content") or "") for m in messages)
+        render = functools.partial(self.tok.apply_chat_template, tools=tools, **kwargs)
         if size <= INLINE_CHARS:
             return render(messages, add_generation_prompt)
         return await asyncio.to_thread(render, messages, add_generation_prompt)
 
     def sampling_params(
-        self, req: _Common, max_tokens: int | None, logprobs: int | None, prompt_lp=None
+        self,
+        req: _Common,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_lp=None,
+        specials: bool = False,
     ) -> SamplingParams:
+        """`specials`: keep special tokens in the text (a parser reads its markers)."""
         try:
             return SamplingParams(
                 n=req.n,
@@ -117,6 +130,7 @@ class OpenAIServing:
                 frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty,
                 logit_bias=req.logit_bias_ids(),
+                skip_special_tokens=req.skip_special_tokens and not specials,
             )
         except ValueError as exc:
             raise InvalidInputError(str(exc), param=str(exc).split(" ", 1)[0]) from None

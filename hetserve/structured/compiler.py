@@ -150,12 +150,26 @@ def _explain(spec: GrammarSpec, error: str) -> str:
     return f"{spec.param}: the {what} cannot be compiled: {first[:300]}"
 
 
-def _ll_tokenizer(tok: Tokenizer, vocab_size: int, eos: list[int]) -> llguidance.LLTokenizer:
-    backend = tok.backend
-    eos_arg: int | list[int] = eos if eos else 0
-    encoding = getattr(backend, "encoding", None)
-    if encoding is not None:  # tiktoken (Kimi)
-        from llguidance.tiktoken import lltokenizer_from_encoding
+class _Vocabulary:
+    """The vocabulary as llguidance's TokenizerWrapper reads it: each token's bytes, which
+    ids are special, and an encoder. Built from our Tokenizer rather than from tokenizer.json,
+    where llguidance takes every added token for a special one: a format's markers
+    (<think>, <tool_call>) are added but not special, and a grammar must be able to write
+    them (llguidance's mask allowed them while its matcher refused them)."""
 
-        return lltokenizer_from_encoding(encoding, n_vocab=vocab_size, eos_token=eos_arg)
-    return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos_arg)
+    def __init__(self, tok: Tokenizer, vocab_size: int, eos: list[int]) -> None:
+        self.eos_token_id = eos[0] if eos else 0
+        self.bos_token_id = None
+        self.tokens = [tok.token_bytes(i) for i in range(vocab_size)]
+        self.special_token_ids = [i for i in tok.special_ids() if i < vocab_size]
+        self._tok = tok
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._tok.encode(text, add_special_tokens=False)
+
+
+def _ll_tokenizer(tok: Tokenizer, vocab_size: int, eos: list[int]) -> llguidance.LLTokenizer:
+    wrapper = llguidance.TokenizerWrapper(_Vocabulary(tok, vocab_size, eos))
+    return llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=eos or None)

@@ -84,7 +84,12 @@ def test_each_grammar_kind_constrains_a_random_model(engine, spec, check):
 
 def test_grammar_and_plain_rows_in_one_batch_match_their_solo_runs(engine):
     prompt = engine.tokenizer.encode("hello the")
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
 
     def reqs(tag: str) -> list[NewRequest]:
         return [
