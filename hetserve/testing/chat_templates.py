@@ -26,8 +26,7 @@ def _args(tc: str = "tc") -> str:
 
 
 _SYSTEM_FIRST = (
-    "{%- set sys = messages[0].content if messages and messages[0].role == 'system' "
-    "else none -%}"
+    "{%- set sys = messages[0].content if messages and messages[0].role == 'system' else none -%}"
 )
 
 # Qwen3 (and Qwen2.5, Hermes): ChatML; tools as JSON lines inside <tools>, calls as JSON in
@@ -142,7 +141,7 @@ LLAMA3 = (
     "{%- elif m.role == 'user' -%}{%- set r = 'user' -%}" + _L + ""
     "{%- if tools and not ns.done -%}{%- set ns.done = true -%}Given the following "
     "functions, please respond with a JSON for a function call with its proper arguments "
-    'that best answers the given prompt.' + NL + NL + 'Respond in the format {"name": function '
+    "that best answers the given prompt." + NL + NL + 'Respond in the format {"name": function '
     'name, "parameters": dictionary of argument name and its value}. Do not use variables.'
     "" + NL + NL + "{%- for t in tools -%}{{- t | tojson -}}" + NL + NL + "{%- endfor -%}"
     "{%- endif -%}{{- m.content -}}<|eot_id|>"
