@@ -21,6 +21,7 @@ from hetserve.server.errors import BodyTooLargeError, error_body, exception_stat
 from hetserve.server.internal import install_internal_routes
 from hetserve.server.lora import install_lora_routes
 from hetserve.server.metrics import ServerMetrics
+from hetserve.server.ollama import OllamaServing, install_ollama_routes
 from hetserve.server.openapi import install_openapi
 from hetserve.server.protocol import (
     ChatCompletionRequest,
@@ -113,8 +114,10 @@ def create_app(
     app.state.engine, app.state.metrics = engine, metrics
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
 
-    async def on_error(_, exc: Exception):
+    async def on_error(request: Request, exc: Exception):
         status, body = exception_status(exc)
+        if request.url.path.startswith("/api/"):  # Ollama's routes answer in Ollama's shape
+            return JSONResponse({"error": body["error"]["message"]}, status_code=status)
         return JSONResponse(body, status_code=status)
 
     # Each expected type by name: only `Exception` itself goes to Starlette's outermost handler,
@@ -191,6 +194,7 @@ def create_app(
         req = await parse_body(request, ChatCompletionRequest.model_validate_json)
         return check_model(req.model) or await chat.create(req, request)
 
+    install_ollama_routes(app, OllamaServing(chat, model_name), engine, check_model)
     install_lora_routes(app, engine, model_name, lora_runtime_updates)
     install_internal_routes(app, engine, profile)
     install_openapi(app)

@@ -57,6 +57,17 @@ class ChatServing(OpenAIServing):
         return plan.grammar if plan is not None and plan.grammar is not None else req.grammar
 
     async def create(self, req: ChatCompletionRequest, request: Request):
+        base = f"chatcmpl-{uuid.uuid4().hex}"
+        streams, parsers, _ = await self.prepare(base, req, request)
+        if req.stream:
+            return self.event_stream(base, streams, self._chunks(req, base, streams, parsers))
+        work = self._collect(req, base, streams, parsers)
+        return await self.run_unless_disconnected(request, streams, work)
+
+    async def prepare(self, base: str, req: ChatCompletionRequest, request: Request):
+        """Render, tokenize and queue the request: (its streams, a parser per choice, the
+        prompt). Shared with the Ollama and Responses routes, which only answer in their own
+        shapes."""
         plan = req.tool_plan
         if plan.choice == "auto" and self.tool_parser is None:
             raise InvalidInputError(
@@ -72,7 +83,6 @@ class ChatServing(OpenAIServing):
         k = (req.top_logprobs or 0) if req.logprobs else None
         limit, _ = req.output_limit()
         specials = needs_special_tokens(plan, self.tool_parser, self.reasoning_parser)
-        base = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self.start(
             base,
             [(prompt, ids)],
@@ -84,10 +94,7 @@ class ChatServing(OpenAIServing):
             choice_parser(plan, self.tool_parser, self.reasoning_parser, prompt)
             for _ in range(req.n)
         ]
-        if req.stream:
-            return self.event_stream(base, streams, self._chunks(req, base, streams, parsers))
-        work = self._collect(req, base, streams, parsers)
-        return await self.run_unless_disconnected(request, streams, work)
+        return streams, parsers, prompt
 
     @property
     def thinks(self) -> bool:
