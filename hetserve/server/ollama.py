@@ -154,9 +154,10 @@ class OllamaServing:
             )
 
         async def collect():
-            out = first = None
+            last = first = None
             async for _, out in merge(streams):
-                first = first or time.perf_counter()
+                first, last = first or time.perf_counter(), out
+            out = last
             c = out.outputs[0]
             parsed = parsers[0].parse(c.text, final=True)
             reply = self._reply(key, parsed.content, parsed.reasoning, _ollama_calls(parsed))
