@@ -28,6 +28,7 @@ from hetserve.server.protocol import (
     UnsupportedFieldError,
     parse_completion,
 )
+from hetserve.server.responses import ResponsesServing, install_responses_routes
 
 MAX_BODY_BYTES = 8 << 20
 PARSE_OFF_LOOP = 256 << 10  # bodies larger than this are parsed off the event loop
@@ -195,6 +196,7 @@ def create_app(
         return check_model(req.model) or await chat.create(req, request)
 
     install_ollama_routes(app, OllamaServing(chat, model_name), engine, check_model)
+    install_responses_routes(app, ResponsesServing(chat), check_model)
     install_lora_routes(app, engine, model_name, lora_runtime_updates)
     install_internal_routes(app, engine, profile)
     install_openapi(app)
