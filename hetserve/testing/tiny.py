@@ -362,7 +362,7 @@ def _flush(out: Path, shard: dict, i: int) -> tuple[str, list[str]]:
 
 def demo_model_dir() -> Path:
     """The embedded demo model (a Qwen3-MoE shape), built once under the cache directory."""
-    path = cache_dir() / "demo-qwen3-moe-v1"
+    path = cache_dir() / "demo-qwen3-moe-v2"
     if (path / "config.json").is_file():
         return path
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
