@@ -207,6 +207,11 @@ class EngineCore:
             if self.scheduler.loading or self.scheduler.waiting or self.background_work():
                 time.sleep(LOAD_POLL_S)  # only loads or hand-offs are out: wait, not spin
             return []
+        now = time.monotonic()
+        for s in sched.scheduled:
+            st = self.seqs.get(s.request.request_id)
+            if st is not None and st.parent.scheduled_time is None:
+                st.parent.scheduled_time = now
         t0 = time.perf_counter()
         result = self.executor.run(sched.scheduled, self.kv.block_ids)
         if self.handoff.sender is not None:

@@ -36,6 +36,7 @@ class ParentState:
     seqs: list[SeqState] = field(default_factory=list)
     stream: bool = True  # False: only the final output is built (offline generation)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    scheduled_time: float | None = None  # first scheduled (monotonic), for queue-time metrics
 
     @property
     def finished(self) -> bool:
@@ -70,4 +71,5 @@ class ParentState:
             num_cached_tokens=cached,
             cached_tokens_by_tier=by_tier,
             error=error,
+            scheduled_time=self.scheduled_time,
         )

@@ -39,6 +39,11 @@ def register(sub) -> None:
         "it, a quick one is measured when the Conductor first asks)",
     )
     g.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="no access line per request (route, status, tokens, TTFT, duration)",
+    )
+    g.add_argument(
         "--tool-call-parser",
         default=None,
         help="how tool calls are read from replies: hermes, llama3_json, deepseek_v3, kimi_k2, "
@@ -68,6 +73,25 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def check_port(host: str, port: int) -> None:
+    """Before the model loads (minutes for a large one): a port that cannot be bound is a
+    one-line error now, not a traceback after loading."""
+    import socket
+
+    if not 0 < port < 65536:
+        raise InvalidInputError(f"--port must be in 1..65535, got {port}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            why = "in use" if exc.errno == 98 else exc.strerror
+            raise InvalidInputError(
+                f"cannot listen on {host}:{port} ({why}); pick another --port"
+            ) from None
+
+
 def serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or envs.api_key()
     if not is_loopback(args.host) and not api_key:
@@ -77,6 +101,7 @@ def serve(args: argparse.Namespace) -> int:
         )
     if args.max_request_mb <= 0:
         raise InvalidInputError("--max-request-mb must be positive")
+    check_port(args.host, args.port)
     profile = None
     if args.profile is not None:
         from hetserve.disagg.costs import load_profile, profile_to_dict
@@ -119,6 +144,7 @@ def serve(args: argparse.Namespace) -> int:
         profile=profile,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        log_requests=not args.disable_log_requests,
     )
     if engine.kv_summary:
         print(engine.kv_summary, flush=True)

@@ -193,6 +193,7 @@ class OpenAIServing:
                     grammar=grammar,
                 )
                 streams.append(self.engine.submit(new))
+                request.scope.setdefault("hetserve.ids", []).append(rid)  # the access line
         except BaseException:
             for s in streams:
                 s.abort()
