@@ -67,7 +67,7 @@ def test_vllm_metric_names_and_n2_is_one_request(server):
         return after.get(name, 0.0) - before.get(name, 0.0)
 
     m = '{model_name="tiny"}'
-    assert delta(f'vllm:request_success_total{{finished_reason="length",model_name="tiny"}}') == 1
+    assert delta('vllm:request_success_total{finished_reason="length",model_name="tiny"}') == 1
     assert delta(f"vllm:time_to_first_token_seconds_count{m}") == 1
     assert delta(f"vllm:request_generation_tokens_sum{m}") == 6
     for name in ("request_prompt_tokens", "request_queue_time_seconds",
