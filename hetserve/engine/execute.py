@@ -151,9 +151,9 @@ class StepExecutor:
         ]
         if masks is not None:
             grammar_rows, job = masks
-            allowed = job.wait()
+            disallowed = job.wait()
             for j, r in enumerate(grammar_rows):
-                rows[r].allowed = allowed[j, : logits.shape[-1]]
+                rows[r].disallowed = disallowed[j, : logits.shape[-1]]
         need_lp = [r for r, st in enumerate(states) if st.logprobs is not None]
         # Logprobs of the raw distribution (vLLM's default), so before any processing.
         raw_lp = logits[need_lp].log_softmax(-1) if need_lp else None

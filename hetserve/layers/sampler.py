@@ -28,7 +28,8 @@ class SamplingRow:
     generator: torch.Generator | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    allowed: torch.Tensor | None = None  # bool [V]: the tokens its grammar allows (structured)
+    # bool [V], True where its grammar forbids the token (structured output); None: no grammar
+    disallowed: torch.Tensor | None = None
 
     def banned(self, eos_ids: Collection[int]) -> list[int]:
         """Token ids that may not end the output yet (min_tokens not reached)."""
@@ -51,28 +52,25 @@ def process_logits(
     for r, row in enumerate(rows):
         p = row.params
         banned = row.banned(eos_ids)
-        if not (p.logit_bias or banned or p.penalized):
+        if not (p.logit_bias or banned or p.penalized or row.disallowed is not None):
             continue
         try:
             _process_row(logits[r], row, banned)
+            if row.disallowed is not None:
+                _apply_grammar(logits[r], row.disallowed, bool(banned))
         except Exception as exc:  # one request's failure, reported to the engine
             errors[r] = exc
-    grammar = [r for r, row in enumerate(rows) if row.allowed is not None and r not in errors]
-    if grammar:
-        allowed = torch.stack([rows[r].allowed for r in grammar]).to(logits.device)
-        _apply_grammar(logits, torch.tensor(grammar, device=logits.device), allowed)
     return errors
 
 
-def _apply_grammar(logits: torch.Tensor, idx: torch.Tensor, allowed: torch.Tensor) -> None:
-    """The grammar rows' masks, in one batched op (a per-row loop cost 10 us a row)."""
-    masked = logits[idx].masked_fill(~allowed, float("-inf"))
+def _apply_grammar(row_logits: torch.Tensor, disallowed: torch.Tensor, banned: bool) -> None:
+    # In place on the row (a gathered copy of the grammar rows cost ~1 ms a step at 131k
+    # tokens x 8 rows); the mask was built beside the forward.
+    row_logits.masked_fill_(disallowed.to(row_logits.device), float("-inf"))
     # min_tokens may have banned the only tokens the grammar allows (its end): the grammar
     # wins, as an output that does not parse helps no one.
-    stuck = ~torch.isfinite(masked).any(-1)
-    if bool(stuck.any()):
-        masked[stuck] = torch.zeros_like(masked[stuck]).masked_fill(~allowed[stuck], float("-inf"))
-    logits[idx] = masked
+    if banned and not torch.isfinite(row_logits).any():
+        row_logits.masked_fill_(~disallowed.to(row_logits.device), 0.0)
 
 
 def _process_row(row_logits: torch.Tensor, row: SamplingRow, banned: list[int]) -> None:

@@ -197,13 +197,12 @@ class ServerMetrics:
             labels=["block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype"],
         )
         blocks = engine.stats().kv_blocks_total
-        info.add_metric(
-            [str(cache.block_size), str(blocks), str(cache.enable_prefix_caching).lower(), "auto"],
-            1.0,
-        )
+        caching = str(getattr(cache, "enable_prefix_caching", True)).lower()
+        info.add_metric([str(cache.block_size), str(blocks), caching, "auto"], 1.0)
         r.register(_Fixed(info))
         engine.observers.append(self.observe)
-        engine.step_observers.append(self.iteration_tokens.observe)
+        if hasattr(engine, "step_observers"):  # an AsyncLLM (tests pass stand-ins)
+            engine.step_observers.append(self.iteration_tokens.observe)
 
     def _vllm_request_metrics(self, r: CollectorRegistry, model: str) -> None:
         """vLLM's per-request histograms that its dashboards chart."""

@@ -296,7 +296,9 @@ def install_responses_routes(app: FastAPI, serving: ResponsesServing, check_mode
             raise InvalidInputError("request body must be a JSON object")
         return check_model(body.get("model")) or await serving.create(body, request)
 
-    @app.get("/v1/responses/{rid}")
+    # Not in the OpenAPI spec: FastAPI would describe a 422 for the path parameter, which we
+    # never send (an unknown id is a 404).
+    @app.get("/v1/responses/{rid}", include_in_schema=False)
     async def get(rid: str):
         found = serving.store.get(rid)
         if found is None:
@@ -304,7 +306,7 @@ def install_responses_routes(app: FastAPI, serving: ResponsesServing, check_mode
                                 status_code=404)  # fmt: skip
         return {k: v for k, v in found[1].items() if not k.startswith("_")}
 
-    @app.delete("/v1/responses/{rid}")
+    @app.delete("/v1/responses/{rid}", include_in_schema=False)
     async def delete(rid: str):
         if not serving.store.delete(rid):
             return JSONResponse(error_body(f"response {rid!r} not found", "not_found_error"),

@@ -6,7 +6,7 @@ grammar that does not compile is refused before anything is queued; the compiled
 cached by content, so `EngineCore.enqueue` finds it again and only copies a matcher per
 sequence. `StepExecutor` starts `MaskJob`s (masks/) on a worker thread before each forward and
 waits for them when the logits are there; the sampler applies them like any other logits
-processor (`SamplingRow.allowed`). The engine never sees what the grammar is.
+processor (`SamplingRow.disallowed`). The engine never sees what the grammar is.
 
 The grammar engine is llguidance (measured against xgrammar on this machine: see
 docs/structured-output.md and `hetserve bench grammar`).

@@ -16,7 +16,8 @@ import torch
 
 from hetserve.structured.compiler import GrammarMatcher
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
+# Bit i of a mask word; 1 << 31 wraps to the int32 sign bit, the bit pattern wanted.
+_BITS = torch.tensor([(1 << i) - (1 << 32 if i == 31 else 0) for i in range(32)], dtype=torch.int32)
 
 
 class MaskJob:
@@ -26,7 +27,7 @@ class MaskJob:
         self._future = future
 
     def wait(self) -> torch.Tensor:
-        """bool [len(matchers), vocab_size]: True where the grammar allows the token."""
+        """bool [len(matchers), vocab_size]: True where the grammar forbids the token."""
         return self._future.result()
 
 
@@ -47,8 +48,9 @@ class MaskWorker:
             [(m.ll, i) for i, m in enumerate(matchers)], bits.ctypes.data, words * 4, n
         )
         packed = torch.from_numpy(bits)
-        allowed = ((packed.unsqueeze(-1) >> _SHIFTS) & 1).bool().view(n, words * 32)
-        return allowed[:, :vocab_size]
+        # Built here, beside the forward, in the form the sampler applies as it is.
+        disallowed = (packed.unsqueeze(-1) & _BITS) == 0
+        return disallowed.view(n, words * 32)[:, :vocab_size]
 
 
 _WORKER: MaskWorker | None = None
