@@ -98,8 +98,10 @@ def chat_request(body: dict, messages: list[dict]) -> ChatCompletionRequest:
         if bad:
             raise InvalidInputError("only function tools are supported", "tools")
         out["tools"] = [
-            {"type": "function", "function": {k: t[k] for k in ("name", "description",
-             "parameters") if k in t}}  # fmt: skip
+            {
+                "type": "function",
+                "function": {k: t[k] for k in ("name", "description", "parameters") if k in t},
+            }  # fmt: skip
             for t in tools
         ]
     choice = body.get("tool_choice")
@@ -189,8 +191,9 @@ class ResponsesServing:
             "metadata": state["body"].get("metadata") or {},
             "usage": {
                 "input_tokens": usage["prompt_tokens"],
-                "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"][
-                    "cached_tokens"]},  # fmt: skip
+                "input_tokens_details": {
+                    "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]
+                },  # fmt: skip
                 "output_tokens": usage["completion_tokens"],
                 "output_tokens_details": {"reasoning_tokens": reasoning},
                 "total_tokens": usage["total_tokens"],
