@@ -59,7 +59,8 @@ def cut(text: str, final: bool, markers: tuple[str, ...]) -> str:
 
 def split_blocks(text: str, begin: str, end: str) -> tuple[list[str], list[tuple[str, bool]]]:
     """The text outside begin..end blocks, and each block's body with whether it is closed."""
-    outside, blocks = [], []
+    outside: list[str] = []
+    blocks: list[tuple[str, bool]] = []
     pos = 0
     while True:
         i = text.find(begin, pos)
@@ -90,8 +91,11 @@ def _skip_ws(text: str, start: int) -> int:
 
 
 def call_from_json(
-    body: str, final: bool, name_keys=("name",), arg_keys=("arguments", "parameters")
-):
+    body: str,
+    final: bool,
+    name_keys: tuple[str, ...] = ("name",),
+    arg_keys: tuple[str, ...] = ("arguments", "parameters"),
+) -> ToolCall | None:
     """A {"name": ..., "arguments": {...}} object (whole or growing) -> ToolCall or None.
     The arguments are the raw text of the value; while it grows, without the trailing braces
     and spaces that may be the wrapper's own end."""
@@ -152,7 +156,7 @@ class Streamer:
         now = self.parser.parse(text, final)
         content = _suffix(self.sent.content, now.content)
         reasoning = _suffix(self.sent.reasoning, now.reasoning)
-        calls = []
+        calls: list[dict[str, Any]] = []
         for i, call in enumerate(now.calls):
             if i >= len(self.sent.calls):
                 self.ids.append(call.id or new_call_id())

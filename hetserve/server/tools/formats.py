@@ -28,7 +28,7 @@ from hetserve.server.tools.base import (
 class HermesParser:
     BEGIN, END = "<tool_call>", "</tool_call>"
 
-    def __init__(self, tools: list[dict] | None = None) -> None:
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         self.tools = tools or []
 
     def parse(self, text: str, final: bool) -> Parsed:
@@ -47,7 +47,7 @@ class HermesParser:
 class Llama3JsonParser:
     TAG = "<|python_tag|>"
 
-    def __init__(self, tools: list[dict] | None = None) -> None:
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         self.tools = tools or []
 
     def parse(self, text: str, final: bool) -> Parsed:
@@ -84,7 +84,7 @@ class DeepSeekV3Parser:
     SEP = "<｜tool▁sep｜>"
     FENCE = ("```json\n", "\n```")
 
-    def __init__(self, tools: list[dict] | None = None) -> None:
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         self.tools = tools or []
 
     def parse(self, text: str, final: bool) -> Parsed:
@@ -125,7 +125,7 @@ class KimiK2Parser:
     CALL = ("<|tool_call_begin|>", "<|tool_call_end|>")
     ARGS = "<|tool_call_argument_begin|>"
 
-    def __init__(self, tools: list[dict] | None = None) -> None:
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         self.tools = tools or []
 
     def parse(self, text: str, final: bool) -> Parsed:
@@ -150,7 +150,7 @@ class Glm45Parser:
     KEY = ("<arg_key>", "</arg_key>")
     VALUE = ("<arg_value>", "</arg_value>")
 
-    def __init__(self, tools: list[dict] | None = None) -> None:
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         # Which arguments are strings: GLM writes strings raw and other values as JSON.
         self.types: dict[str, dict[str, Any]] = {}
         for t in tools or []:

@@ -15,6 +15,7 @@ by `skip_special_tokens=False`), which works for any tokenizer that spells the m
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from hetserve.server.tools.base import Parsed, ToolCall, cut
 
@@ -25,7 +26,7 @@ _RECIPIENT = re.compile(r"to=([^\s<]+)")
 
 
 class HarmonyParser:
-    def __init__(self, tools: list[dict] | None = None) -> None:
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         self.tools = tools or []
 
     def parse(self, text: str, final: bool) -> Parsed:
@@ -43,7 +44,7 @@ class HarmonyParser:
             done = end is not None
             body = text[body_start:end] if done else cut(text[body_start:], final, ENDS)
             self._add(out, header, body)
-            if not done:
+            if end is None:
                 break
             pos = end + len(marker)
         return out

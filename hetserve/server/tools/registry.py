@@ -8,6 +8,7 @@ by default, from the markers its chat template writes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from hetserve.server.tools.base import OutputParser, Parsed
 from hetserve.server.tools.formats import (
@@ -20,7 +21,7 @@ from hetserve.server.tools.formats import (
 from hetserve.server.tools.harmony import HarmonyParser
 from hetserve.server.tools.reasoning import ThinkSplitter, starts_thinking
 
-ToolParserFactory = Callable[[list[dict] | None], OutputParser]
+ToolParserFactory = Callable[[list[dict[str, Any]] | None], OutputParser]
 # vLLM's names, so the flags of a vLLM deployment work here.
 TOOL_PARSERS: dict[str, ToolParserFactory] = {
     "hermes": HermesParser,
@@ -71,7 +72,10 @@ class _Plain:
 
 
 def output_parser(
-    tool_parser: str | None, reasoning_parser: str | None, tools: list[dict] | None, prompt: str
+    tool_parser: str | None,
+    reasoning_parser: str | None,
+    tools: list[dict[str, Any]] | None,
+    prompt: str,
 ) -> OutputParser:
     """One request's parser. `tools` None: tool calls are not parsed (none were offered or
     tool_choice is 'none'); the reply is content (and reasoning)."""
