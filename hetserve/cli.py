@@ -13,6 +13,15 @@ import sys
 
 from hetserve.errors import HetserveError
 
+EXAMPLES = """examples:
+  hetserve serve                         OpenAI and Ollama APIs on the built-in demo model
+  hetserve serve --model DIR --port 8000 a Hugging Face checkpoint directory (or a .gguf)
+  hetserve chat --url http://127.0.0.1:8000
+  hetserve generate "Hello"
+  hetserve bench serve --base-url http://127.0.0.1:8000 --model NAME
+
+`hetserve COMMAND --help` shows a command's options."""
+
 COMMAND_MODULES = [
     "hetserve.entrypoints.models",  # models make-tiny, convert
     "hetserve.entrypoints.generate",  # generate
@@ -35,10 +44,24 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hetserve")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="hetserve", description=__doc__.splitlines()[0])
+    parser = _Parser(
+        prog="hetserve",
+        description="Serve and fine-tune Mixture-of-Experts LLMs on CPUs and accelerators.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"hetserve {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    sub.required = True
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     return parser
@@ -47,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # bare `hetserve`: what it can do, not an error
+        parser.print_help()
+        return 0
     try:
         rc = args.func(args)
     except HetserveError as exc:

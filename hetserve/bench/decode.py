@@ -30,7 +30,12 @@ LLAMACPP_SRC_ENV = envs.LLAMA_CPP_SRC
 
 def register(sub) -> None:
     p = sub.add_parser("decode", help="decode tokens/s: hetserve hybrid vs transformers, llama.cpp")
-    p.add_argument("--model", required=True, help="HF model directory (a MoE checkpoint)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="HF model directory (a MoE checkpoint); `hetserve models make-tiny --arch qwen3-moe "
+        "DIR` writes a small random one to try it on (docs/benchmarks.md: the figures' models)",
+    )
     p.add_argument("--tokens", type=int, default=32, help="tokens to decode per run")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per system (best is kept)")

@@ -44,6 +44,8 @@ class RequestOutput:
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     # Set (with finished) when this request failed inside the engine; other requests go on.
     error: str | None = None
+    # time.monotonic() when the engine first scheduled it (the end of its queueing)
+    scheduled_time: float | None = None
 
     # The single-completion view (n == 1), so `out.text` works like the first choice.
     @property

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from hetserve.core.block_hash import BlockHash, CacheExtra
+from hetserve.core.grammar import GrammarSpec
 from hetserve.core.sampling import SamplingParams
 
 
@@ -116,3 +117,4 @@ class NewRequest:
     lora: str | None = None  # a loaded LoRA adapter's name; None: the base model
     kv_handoff: KVHandoff | None = None  # a prefill/decode hand-off it takes part in
     lora_id: str | None = None  # set by validation: the adapter's content id
+    grammar: GrammarSpec | None = None  # what the output must match (structured output)

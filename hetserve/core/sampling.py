@@ -43,6 +43,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # False: special tokens are spelled out in the text (tool and reasoning parsers read the
+    # markers); the tokens that end generation are never part of it.
+    skip_special_tokens: bool = True
     # token id -> bias; given as a mapping, stored as sorted pairs so the object stays hashable.
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 

@@ -137,6 +137,7 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}
         self._stop = threading.Event()
         self.observers: list = []  # callables(request_id, RequestOutput, RequestTiming)
+        self.step_observers: list = []  # callables(tokens computed in one engine step)
         self._timings: dict[str, RequestTiming] = {}
         self._stats = self.engine.stats()
         self._dead: BaseException | None = None
@@ -271,7 +272,14 @@ class AsyncLLM:
                 pass
             if self.engine.has_unfinished() or self.engine.background_work():
                 self._step()
-            self._stats = self.engine.stats()
+            before, self._stats = self._stats, self.engine.stats()
+            if self.step_observers and before is not None:
+                tokens = (self._stats.prompt_tokens_computed + self._stats.generation_tokens) - (
+                    before.prompt_tokens_computed + before.generation_tokens
+                )
+                for fn in self.step_observers:
+                    if tokens > 0:
+                        fn(tokens)
 
     def _step(self) -> None:
         try:

@@ -39,6 +39,7 @@ from hetserve.kv.tiers import LOAD_POLL_S, TierManager
 from hetserve.model.build import build_model
 from hetserve.model.tokenizer import Tokenizer
 from hetserve.sched.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from hetserve.structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,10 @@ class EngineCore:
         dtype = next(self.model.parameters()).dtype
         num_blocks = num_kv_blocks(cfg, self.max_model_len, self.model.kv_cache_spec(), dtype)
         self.lora = build_lora_manager(self.model, cfg.lora)  # None: no LoRA code runs at all
-        self.validator = RequestValidator(self.vocab_size, self.max_model_len, self.lora)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_ids))
+        self.validator = RequestValidator(
+            self.vocab_size, self.max_model_len, self.lora, self.grammars
+        )
         lora_batch = None if self.lora is None else self.lora.batch
         self.runner = ModelRunner(self.model, num_blocks, bs, lora_batch)
         seed = kv_identity(self.model_dir, self.runner.kv, cfg.cache.hash_seed)
@@ -141,11 +145,18 @@ class EngineCore:
             seed = params.seed + i if params.seed is not None else _SEEDS.getrandbits(63)
             gen.manual_seed(seed & _SEED_MASK)
             detok = IncrementalDetokenizer(
-                self.tokenizer, new.prompt_token_ids, params.stop, params.include_stop_str_in_output
+                self.tokenizer,
+                new.prompt_token_ids,
+                params.stop,
+                params.include_stop_str_in_output,
+                params.skip_special_tokens,
+                frozenset(self.eos_ids) | frozenset(params.stop_token_ids),
             )
             state = SeqState(
                 req, parent, i, detok, gen, [] if params.logprobs is not None else None
             )
+            if new.grammar is not None:  # compiled at validation: a cache hit and a copy here
+                state.grammar = self.grammars.matcher(new.grammar)
             parent.seqs.append(state)
             self.seqs[sid] = state
             self.scheduler.add_request(req)
@@ -196,6 +207,11 @@ class EngineCore:
             if self.scheduler.loading or self.scheduler.waiting or self.background_work():
                 time.sleep(LOAD_POLL_S)  # only loads or hand-offs are out: wait, not spin
             return []
+        now = time.monotonic()
+        for s in sched.scheduled:
+            st = self.seqs.get(s.request.request_id)
+            if st is not None and st.parent.scheduled_time is None:
+                st.parent.scheduled_time = now
         t0 = time.perf_counter()
         result = self.executor.run(sched.scheduled, self.kv.block_ids)
         if self.handoff.sender is not None:

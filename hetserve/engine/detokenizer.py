@@ -20,6 +20,7 @@ class IncrementalDetokenizer:
         stop: tuple[str, ...] = (),
         include_stop_str: bool = False,
         skip_special_tokens: bool = True,
+        hidden_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.tok = tokenizer
         self.ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
@@ -29,11 +30,16 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.include_stop = include_stop_str
         self.skip_special = skip_special_tokens
+        # Tokens that end generation (EOS, stop_token_ids): never text, even when specials are
+        # spelled out (vLLM leaves them out too).
+        self.hidden = hidden_ids if not skip_special_tokens else frozenset()
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.stopped_by: str | None = None
 
     def add(self, token_id: int) -> str | None:
         """Append one token; returns the stop string if it ended generation."""
+        if token_id in self.hidden:
+            return None
         self.ids.append(token_id)
         prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special)
         full = self.tok.decode(self.ids[self.prefix_offset :], self.skip_special)

@@ -25,6 +25,7 @@ from hetserve.engine.output import SeqState
 from hetserve.engine.runner import ModelRunner, SeqInput
 from hetserve.layers.sampler import SamplingRow, process_logits, sample, token_logprobs
 from hetserve.sched.scheduler import ScheduledRequest
+from hetserve.structured import MaskJob, start_masks
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class StepExecutor:
         self.seqs = seqs  # the engine's live sequences, by id (read only here)
         self.eos_ids = eos_ids
         self.lora = lora
+        self.vocab_size: int = runner.model.config.vocab_size  # the width of a grammar's mask
 
     def run(self, scheduled: list[ScheduledRequest], block_ids) -> StepResult:
         """`block_ids(request_id)` gives a sequence's KV block table."""
@@ -105,14 +107,25 @@ class StepExecutor:
             slot = slots.get(req.lora_id) if slots else None
             inputs.append(SeqInput(tokens, start, block_ids(req.request_id), slot))
             result.prompt_tokens += max(0, min(req.num_prompt_tokens - start, s.num_new_tokens))
+        rows = [i for i, s in enumerate(scheduled) if s.samples]
+        states = [self.seqs[scheduled[i].request.request_id] for i in rows]
+        masks = self._start_masks(states)  # beside the forward, not after it
         hidden = self.runner.forward(inputs)
         ends = torch.tensor([len(i.token_ids) for i in inputs]).cumsum(0) - 1
         self._prompt_logprobs(scheduled, hidden, ends, result)
-        rows = [i for i, s in enumerate(scheduled) if s.samples]
         if rows:
             logits = self.runner.logits(hidden[ends[rows].to(hidden.device)])
-            self._sample([self.seqs[scheduled[i].request.request_id] for i in rows], logits, result)
+            self._sample(states, logits, result, masks)
         return result
+
+    def _start_masks(self, states: list[SeqState]) -> tuple[list[int], MaskJob] | None:
+        """The grammar masks of the rows that have a grammar, started on the mask worker;
+        None (and no cost) when no row has one."""
+        rows = [r for r, st in enumerate(states) if st.grammar is not None]
+        if not rows:
+            return None
+        matchers = [states[r].grammar for r in rows]
+        return rows, start_masks(matchers, self.vocab_size)  # type: ignore[arg-type]
 
     def _lora_slots(self, scheduled: list[ScheduledRequest]) -> dict[str | None, int]:
         if self.lora is None:
@@ -120,7 +133,13 @@ class StepExecutor:
         ids = list(dict.fromkeys(s.request.lora_id for s in scheduled if s.request.lora_id))
         return self.lora.activate(ids) if ids else {}
 
-    def _sample(self, states: list[SeqState], logits: torch.Tensor, result: StepResult) -> None:
+    def _sample(
+        self,
+        states: list[SeqState],
+        logits: torch.Tensor,
+        result: StepResult,
+        masks: tuple[list[int], MaskJob] | None,
+    ) -> None:
         rows = [
             SamplingRow(
                 st.request.params,
@@ -130,6 +149,11 @@ class StepExecutor:
             )
             for st in states
         ]
+        if masks is not None:
+            grammar_rows, job = masks
+            disallowed = job.wait()
+            for j, r in enumerate(grammar_rows):
+                rows[r].disallowed = disallowed[j, : logits.shape[-1]]
         need_lp = [r for r, st in enumerate(states) if st.logprobs is not None]
         # Logprobs of the raw distribution (vLLM's default), so before any processing.
         raw_lp = logits[need_lp].log_softmax(-1) if need_lp else None
@@ -147,6 +171,8 @@ class StepExecutor:
                 )[0]
             except Exception as exc:  # one request's failure
                 errors[r] = exc
+        if masks is not None:
+            self._advance_grammars(states, masks[0], tokens, errors)
         for r, st in enumerate(states):
             rid = st.request.request_id
             if r in errors:
@@ -154,6 +180,18 @@ class StepExecutor:
                 result.failed[rid] = describe(errors[r])
             elif tokens[r] is not None:
                 result.sampled[rid] = tokens[r]
+
+    @staticmethod
+    def _advance_grammars(
+        states: list[SeqState], rows: list[int], tokens: list[int | None], errors: dict
+    ) -> None:
+        # Like a row's RNG, its matcher moves with the token it drew: both belong to this draw.
+        for r in rows:
+            token, matcher = tokens[r], states[r].grammar
+            if token is None or r in errors or matcher is None:
+                continue
+            if not matcher.accept(token):
+                errors[r] = RuntimeError(f"the grammar refused token {token}: {matcher.error}")
 
     def _prompt_logprobs(self, scheduled, hidden, ends, result: StepResult) -> None:
         for i, s in enumerate(scheduled):

@@ -13,6 +13,7 @@ import torch
 from hetserve.core.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from hetserve.core.request import Request
 from hetserve.engine.detokenizer import IncrementalDetokenizer
+from hetserve.structured import GrammarMatcher
 
 
 @dataclass(eq=False)
@@ -24,6 +25,7 @@ class SeqState:
     generator: torch.Generator
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None
+    grammar: GrammarMatcher | None = None  # where its output is in its grammar (structured)
 
 
 @dataclass(eq=False)
@@ -34,6 +36,7 @@ class ParentState:
     seqs: list[SeqState] = field(default_factory=list)
     stream: bool = True  # False: only the final output is built (offline generation)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    scheduled_time: float | None = None  # first scheduled (monotonic), for queue-time metrics
 
     @property
     def finished(self) -> bool:
@@ -68,4 +71,5 @@ class ParentState:
             num_cached_tokens=cached,
             cached_tokens_by_tier=by_tier,
             error=error,
+            scheduled_time=self.scheduled_time,
         )

@@ -16,15 +16,23 @@ import time
 from hetserve.core.request import NewRequest
 from hetserve.engine.lora import LoRAManager, resolve_lora
 from hetserve.errors import InvalidInputError, PromptTooLongError
+from hetserve.structured import GrammarCompiler
 
 MAX_SESSION_ID_CHARS = 256
 
 
 class RequestValidator:
-    def __init__(self, vocab_size: int, max_model_len: int, lora: LoRAManager | None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        max_model_len: int,
+        lora: LoRAManager | None,
+        grammars: GrammarCompiler | None = None,
+    ) -> None:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.lora = lora
+        self.grammars = grammars
 
     def prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -76,6 +84,11 @@ class RequestValidator:
             raise InvalidInputError(
                 f"session_id must have 1..{MAX_SESSION_ID_CHARS} characters", param="session_id"
             )
+        if new.grammar is not None:
+            if self.grammars is None:
+                raise InvalidInputError("structured output is not available", new.grammar.param)
+            # Compiled here, in the caller's thread, and cached: the engine thread only copies.
+            self.grammars.check(new.grammar)
         return dataclasses.replace(
             new,
             prompt_token_ids=list(ids),

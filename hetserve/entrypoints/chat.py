@@ -68,9 +68,10 @@ def _remote_stream(args, messages: list[dict], stats: ReplyStats) -> Iterator[st
         "messages": messages,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "max_tokens": args.max_tokens,
         "temperature": args.temperature,
     }
+    if args.max_tokens is not None:
+        body["max_tokens"] = args.max_tokens
     if args.model:  # the served model or one of its LoRA adapters
         body["model"] = args.model
     url = args.url.rstrip("/") + "/v1/chat/completions"
@@ -112,7 +113,8 @@ def _local_stream(engine, args, messages: list[dict], stats: ReplyStats) -> Iter
     room = engine.max_model_len - len(ids)
     if room < 1:
         raise InvalidInputError("the conversation no longer fits the context; start a new one")
-    params = SamplingParams(max_tokens=min(args.max_tokens, room), temperature=args.temperature)
+    limit = room if args.max_tokens is None else min(args.max_tokens, room)
+    params = SamplingParams(max_tokens=limit, temperature=args.temperature)
     rid = f"chat-{len(messages)}"
     engine.submit(NewRequest(rid, ids, params, lora=args.lora_name))
     sent, tokens = 0, 0
@@ -143,9 +145,69 @@ def register(sub) -> None:
         "--lora", default=None, metavar="DIR", help="chat with this LoRA adapter (PEFT directory)"
     )
     c.add_argument("--api-key", default=None)
-    c.add_argument("--max-tokens", type=int, default=256)
+    c.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="longest reply (default: until the model ends it or the context is full)",
+    )
     c.add_argument("--temperature", type=float, default=0.7)
     c.set_defaults(func=chat_loop)
+
+
+HELP = """commands: /clear forgets the conversation, /system TEXT sets the system prompt
+(/system alone clears it), /quit (or Ctrl-D) leaves; arrow keys edit, up/down recall."""
+PROMPT = ">>> "
+
+
+def check_server(args: argparse.Namespace) -> None:
+    """Before the first message: is the server there, and does it serve the model asked for?"""
+    import httpx
+
+    key = args.api_key or envs.api_key()
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    url = args.url.rstrip("/") + "/v1/models"
+    try:
+        r = httpx.get(url, headers=headers, timeout=10)
+    except httpx.HTTPError as exc:
+        msg = f"cannot reach {args.url} ({exc}); is the server running?"
+        raise InvalidInputError(msg) from None
+    if r.status_code != 200:
+        raise InvalidInputError(f"{url} answered {r.status_code}: {r.text[:200]}")
+    names = [m.get("id") for m in r.json().get("data", [])]
+    if args.model and args.model not in names:
+        raise InvalidInputError(f"{args.url} serves {names}, not {args.model!r}")
+
+
+def read_lines() -> Iterator[str]:
+    """The user's lines: with a terminal, a prompt with line editing and history (readline,
+    kept in the cache directory between sessions); from a pipe, its lines as they are."""
+    if not sys.stdin.isatty():
+        for line in sys.stdin:
+            yield line.rstrip("\n")
+        return
+    history = envs.cache_dir() / "chat_history"
+    try:
+        import readline
+
+        history.parent.mkdir(parents=True, exist_ok=True)
+        if history.is_file():
+            readline.read_history_file(history)
+    except (ImportError, OSError):
+        readline = None  # type: ignore[assignment]
+    try:
+        while True:
+            try:
+                yield input(PROMPT)
+            except EOFError:
+                print(file=sys.stderr)
+                return
+    finally:
+        if readline is not None:
+            try:
+                readline.write_history_file(history)
+            except OSError:
+                pass
 
 
 def chat_loop(args: argparse.Namespace) -> int:
@@ -163,18 +225,34 @@ def chat_loop(args: argparse.Namespace) -> int:
         raise InvalidInputError(
             "--lora loads an adapter in-process; with --url pick a served adapter by --model NAME"
         )
+    else:
+        check_server(args)
     messages: list[dict] = []
-    print("type a message; an empty line or Ctrl-D quits", file=sys.stderr)
-    for line in sys.stdin:
-        line = line.rstrip("\n")
-        if not line:
-            break
+    system: str | None = None
+    print("type a message; /help for commands, /quit or Ctrl-D to leave", file=sys.stderr)
+    for line in read_lines():
+        if not line.strip():
+            continue
+        if line.startswith("/"):
+            cmd, _, rest = line.partition(" ")
+            if cmd in ("/quit", "/exit", "/bye"):
+                break
+            if cmd == "/clear":
+                messages = []
+                print("(conversation cleared)", file=sys.stderr)
+            elif cmd == "/system":
+                system = rest.strip() or None
+                print(f"(system prompt {'set' if system else 'cleared'})", file=sys.stderr)
+            else:
+                print(HELP, file=sys.stderr)
+            continue
         messages.append({"role": "user", "content": line})
+        turn = ([{"role": "system", "content": system}] if system else []) + messages
         stats = ReplyStats(time.perf_counter())
         stream = (
-            _remote_stream(args, messages, stats)
+            _remote_stream(args, turn, stats)
             if engine is None
-            else _local_stream(engine, args, messages, stats)
+            else _local_stream(engine, args, turn, stats)
         )
         reply = []
         for piece in stream:

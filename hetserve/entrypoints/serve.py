@@ -46,6 +46,23 @@ def register(sub) -> None:
         "lengths, block hashes, TTFT, TBT); `hetserve sim --trace FILE` replays it",
     )
     g.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="no access line per request (route, status, tokens, TTFT, duration)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="how tool calls are read from replies: hermes, llama3_json, deepseek_v3, kimi_k2, "
+        "glm45, openai (default: from the model's chat template)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="how thinking is split from answers: qwen3, deepseek_r1, glm45, kimi_k2, openai "
+        "(default: from the model's chat template)",
+    )
+    g.add_argument(
         "--save-routing-stats",
         default=None,
         metavar="FILE",
@@ -63,6 +80,25 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def check_port(host: str, port: int) -> None:
+    """Before the model loads (minutes for a large one): a port that cannot be bound is a
+    one-line error now, not a traceback after loading."""
+    import socket
+
+    if not 0 < port < 65536:
+        raise InvalidInputError(f"--port must be in 1..65535, got {port}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            why = "in use" if exc.errno == 98 else exc.strerror
+            raise InvalidInputError(
+                f"cannot listen on {host}:{port} ({why}); pick another --port"
+            ) from None
+
+
 def serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or envs.api_key()
     if not is_loopback(args.host) and not api_key:
@@ -72,6 +108,7 @@ def serve(args: argparse.Namespace) -> int:
         )
     if args.max_request_mb <= 0:
         raise InvalidInputError("--max-request-mb must be positive")
+    check_port(args.host, args.port)
     profile = None
     if args.profile is not None:
         from hetserve.disagg.costs import load_profile, profile_to_dict
@@ -80,6 +117,12 @@ def serve(args: argparse.Namespace) -> int:
             profile = profile_to_dict(load_profile(args.profile)[0])
         except ValueError as exc:
             raise InvalidInputError(f"--profile {args.profile}: {exc}") from None
+    from hetserve.server.chat import check_parser_names
+
+    try:
+        check_parser_names(args.tool_call_parser, args.reasoning_parser)
+    except ValueError as exc:
+        raise InvalidInputError(str(exc)) from None
     import uvicorn
 
     from hetserve.config import EngineConfig
@@ -106,6 +149,9 @@ def serve(args: argparse.Namespace) -> int:
         max_body_bytes=limit,
         lora_runtime_updates=args.enable_lora_runtime_updates,
         profile=profile,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        log_requests=not args.disable_log_requests,
     )
     logger = None
     if args.log_requests is not None:

@@ -1,8 +1,8 @@
 """Logits processing, batched sampling and logprobs.
 
 Logprobs are those of the model's distribution (log-softmax of the raw logits, before any
-processing), as vLLM reports them by default; logit_bias, min_tokens, penalties, temperature,
-min_p, top-k and top-p only shape the sampling distribution.
+processing), as vLLM reports them by default; logit_bias, min_tokens, penalties, a grammar's
+token mask, temperature, min_p, top-k and top-p only shape the sampling distribution.
 
 Fault isolation: every per-request step (processing a row, drawing a row) runs on its own, and
 a row that raises is reported back by its index rather than failing the batch, so the engine can
@@ -28,6 +28,8 @@ class SamplingRow:
     generator: torch.Generator | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    # bool [V], True where its grammar forbids the token (structured output); None: no grammar
+    disallowed: torch.Tensor | None = None
 
     def banned(self, eos_ids: Collection[int]) -> list[int]:
         """Token ids that may not end the output yet (min_tokens not reached)."""
@@ -43,19 +45,32 @@ class SamplingRow:
 def process_logits(
     logits: torch.Tensor, rows: list[SamplingRow], eos_ids: Collection[int]
 ) -> dict[int, Exception]:
-    """Apply logit_bias, min_tokens masking and penalties in place, row by row. Returns the
-    rows that failed (index -> exception); their logits are left as they are."""
+    """Apply logit_bias, min_tokens masking, penalties and the grammar's mask in place, row
+    by row. Returns the rows that failed (index -> exception); their logits are left as they
+    are."""
     errors: dict[int, Exception] = {}
     for r, row in enumerate(rows):
         p = row.params
         banned = row.banned(eos_ids)
-        if not (p.logit_bias or banned or p.penalized):
+        if not (p.logit_bias or banned or p.penalized or row.disallowed is not None):
             continue
         try:
             _process_row(logits[r], row, banned)
+            if row.disallowed is not None:
+                _apply_grammar(logits[r], row.disallowed, bool(banned))
         except Exception as exc:  # one request's failure, reported to the engine
             errors[r] = exc
     return errors
+
+
+def _apply_grammar(row_logits: torch.Tensor, disallowed: torch.Tensor, banned: bool) -> None:
+    # In place on the row (a gathered copy of the grammar rows cost ~1 ms a step at 131k
+    # tokens x 8 rows); the mask was built beside the forward.
+    row_logits.masked_fill_(disallowed.to(row_logits.device), float("-inf"))
+    # min_tokens may have banned the only tokens the grammar allows (its end): the grammar
+    # wins, as an output that does not parse helps no one.
+    if banned and not torch.isfinite(row_logits).any():
+        row_logits.masked_fill_(~disallowed.to(row_logits.device), 0.0)
 
 
 def _process_row(row_logits: torch.Tensor, row: SamplingRow, banned: list[int]) -> None:

@@ -108,6 +108,14 @@ class TiktokenBPE:
         self._special_names = {i: s for s, i in self._specials.items()}
         self._n_vocab = encoding.n_vocab
 
+    def special_ids(self) -> list[int]:
+        return sorted(self._skip)
+
+    @property
+    def encoding(self):
+        """The tiktoken.Encoding (its ranks, special tokens and split pattern)."""
+        return self._enc
+
     @classmethod
     def from_dir(cls, model_dir: Path, config: dict) -> TiktokenBPE:
         """Build from `model_dir/tiktoken.model` and the tokenizer_config.json dict `config`."""

@@ -16,9 +16,10 @@ from pathlib import Path
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 
 from hetserve.errors import InvalidInputError, ModelLoadError
-from hetserve.model.tiktoken_tokenizer import TIKTOKEN_FILE, TiktokenBPE
+from hetserve.model.tiktoken_tokenizer import _CHAR_BYTES, TIKTOKEN_FILE, TiktokenBPE
 
 
 def _token_str(value) -> str | None:
@@ -87,6 +88,11 @@ class Tokenizer:
         self._template = None
 
     @property
+    def backend(self) -> HFTokenizer | TiktokenBPE:
+        """The library tokenizer underneath (the grammar engine builds its own view of it)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
@@ -112,6 +118,33 @@ class Tokenizer:
         C characters has at least C / max_token_chars tokens: a bound checked before
         tokenizing a text that cannot fit the context anyway."""
         return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        tok = self._tok
+        return isinstance(tok, TiktokenBPE) or isinstance(tok.decoder, decoders.ByteLevel)
+
+    def special_ids(self) -> list[int]:
+        """Ids of the special tokens (those decoding with skip_special_tokens drops)."""
+        tok = self._tok
+        if isinstance(tok, TiktokenBPE):
+            return tok.special_ids()
+        return sorted(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of one token (OpenAI's logprobs `bytes`): a token that holds part of a
+        UTF-8 character has those bytes, not the replacement character decoding gives."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level and all(c in _CHAR_BYTES for c in piece):
+            return bytes(_CHAR_BYTES[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # byte fallback
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -15,20 +15,28 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hetserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineRequestError
 from hetserve.errors import HetserveError
+from hetserve.server.access_log import AccessLog
 from hetserve.server.chat import ChatServing
 from hetserve.server.completions import CompletionServing
 from hetserve.server.errors import BodyTooLargeError, error_body, exception_status
 from hetserve.server.internal import install_internal_routes
 from hetserve.server.lora import install_lora_routes
 from hetserve.server.metrics import ServerMetrics
+from hetserve.server.ollama import OllamaServing, install_ollama_routes
 from hetserve.server.openapi import install_openapi
 from hetserve.server.protocol import (
     ChatCompletionRequest,
     UnsupportedFieldError,
     parse_completion,
 )
+from hetserve.server.responses import ResponsesServing, install_responses_routes
 
 MAX_BODY_BYTES = 8 << 20
+SERVED_APIS = (
+    "this server serves OpenAI's API (POST /v1/chat/completions, /v1/completions, "
+    "/v1/responses; GET /v1/models), Ollama's (POST /api/chat, /api/generate, /api/show; GET "
+    "/api/tags, /api/ps, /api/version), GET /health and GET /metrics"
+)
 PARSE_OFF_LOOP = 256 << 10  # bodies larger than this are parsed off the event loop
 T = TypeVar("T")
 
@@ -39,10 +47,11 @@ class Guard:
     limit while the body is read, chunked bodies included, so an oversized one is never read
     whole."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, access=None) -> None:
         self.app = app
         self.api_key = api_key
         self.limit = max_body_bytes
+        self.access = access  # an AccessLog, or None: no line per request
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -68,7 +77,19 @@ class Guard:
                     raise BodyTooLargeError(self.limit)
             return message
 
-        await self.app(scope, limited_receive, send)
+        if self.access is None or scope["path"] in ("/health", "/metrics"):
+            return await self.app(scope, limited_receive, send)
+        status = 500
+
+        async def logged_send(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                self.access.write(scope, status)
+
+        await self.app(scope, limited_receive, logged_send)
 
     def _authorized(self, headers: dict) -> bool:
         auth = headers.get(b"authorization", b"").decode("latin-1")
@@ -99,19 +120,27 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     lora_runtime_updates: bool = False,
     profile: dict | None = None,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+    log_requests: bool = False,
 ) -> FastAPI:
     """`lora_runtime_updates`: allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     (clients then make the server read directories they name; see server/lora.py). `profile`:
-    the instance's cost profile for a Conductor (JSON form; None: measured when first asked)."""
+    the instance's cost profile for a Conductor (JSON form; None: measured when first asked).
+    `tool_call_parser`, `reasoning_parser`: override the ones the chat template implies.
+    `log_requests`: an access line per request (server/access_log.py)."""
     app = FastAPI(title="hetserve", docs_url=None, redoc_url=None)
     completions = CompletionServing(engine, model_name)
-    chat = ChatServing(engine, model_name)
+    chat = ChatServing(engine, model_name, tool_call_parser, reasoning_parser)
     metrics = ServerMetrics(engine, model_name)
     app.state.engine, app.state.metrics = engine, metrics
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    access = AccessLog(engine) if log_requests else None
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, access=access)
 
-    async def on_error(_, exc: Exception):
+    async def on_error(request: Request, exc: Exception):
         status, body = exception_status(exc)
+        if request.url.path.startswith("/api/"):  # Ollama's routes answer in Ollama's shape
+            return JSONResponse({"error": body["error"]["message"]}, status_code=status)
         return JSONResponse(body, status_code=status)
 
     # Each expected type by name: only `Exception` itself goes to Starlette's outermost handler,
@@ -128,7 +157,12 @@ def create_app(
         app.add_exception_handler(exc_type, on_error)
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http(_, exc: StarletteHTTPException):
+    async def on_http(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404 and exc.detail == "Not Found":  # no such route
+            message = f"no route {request.method} {request.url.path}; {SERVED_APIS}"
+            if request.url.path.startswith("/api/"):
+                return JSONResponse({"error": message}, status_code=404)
+            return JSONResponse(error_body(message, "not_found_error"), status_code=404)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
 
@@ -188,6 +222,8 @@ def create_app(
         req = await parse_body(request, ChatCompletionRequest.model_validate_json)
         return check_model(req.model) or await chat.create(req, request)
 
+    install_ollama_routes(app, OllamaServing(chat, model_name), engine, check_model)
+    install_responses_routes(app, ResponsesServing(chat), check_model)
     install_lora_routes(app, engine, model_name, lora_runtime_updates)
     install_internal_routes(app, engine, profile)
     install_openapi(app)

@@ -1,66 +1,155 @@
-"""/v1/chat/completions: messages -> chat template -> one engine request -> JSON or SSE."""
+"""/v1/chat/completions: messages -> chat template -> one engine request -> JSON or SSE.
+
+The reply of each choice goes through its parser (server/tools/): thinking to
+`reasoning_content`, tool calls to `tool_calls` (streamed as deltas, arguments as they are
+generated), the rest to `content`.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 from fastapi import Request
 
+from hetserve.core.outputs import CompletionOutput
+from hetserve.engine.async_llm import AsyncLLM
+from hetserve.errors import InvalidInputError
 from hetserve.server.protocol import ChatCompletionRequest
 from hetserve.server.serving import OpenAIServing, chunk_writer, merge
+from hetserve.server.tool_calls import (
+    choice_parser,
+    needs_special_tokens,
+    openai_tool_calls,
+    template_messages,
+)
+from hetserve.server.tools import OutputParser, Parsed, Streamer, default_parsers, new_call_id
+from hetserve.server.tools.registry import REASONING_PARSERS, TOOL_PARSERS
+
+
+def check_parser_names(tool: str | None, reasoning: str | None) -> None:
+    """For the command line: a parser name we do not have is a one-line error."""
+    if tool is not None and tool not in TOOL_PARSERS:
+        raise ValueError(f"--tool-call-parser {tool!r}: choose one of {', '.join(TOOL_PARSERS)}")
+    if reasoning is not None and reasoning not in REASONING_PARSERS:
+        raise ValueError(
+            f"--reasoning-parser {reasoning!r}: choose one of {', '.join(REASONING_PARSERS)}"
+        )
 
 
 class ChatServing(OpenAIServing):
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        model_name: str,
+        tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
+    ) -> None:
+        super().__init__(engine, model_name)
+        check_parser_names(tool_parser, reasoning_parser)
+        default_tool, default_reasoning = default_parsers(self.tok.chat_template)
+        self.tool_parser = tool_parser or default_tool
+        self.reasoning_parser = reasoning_parser or default_reasoning
+
+    def grammar_of(self, req):
+        plan = getattr(req, "tool_plan", None)
+        return plan.grammar if plan is not None and plan.grammar is not None else req.grammar
+
     async def create(self, req: ChatCompletionRequest, request: Request):
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        prompt = await self.render_chat(messages, req.add_generation_prompt)
+        base = f"chatcmpl-{uuid.uuid4().hex}"
+        streams, parsers, _ = await self.prepare(base, req, request)
+        if req.stream:
+            return self.event_stream(base, streams, self._chunks(req, base, streams, parsers))
+        work = self._collect(req, base, streams, parsers)
+        return await self.run_unless_disconnected(request, streams, work)
+
+    async def prepare(self, base: str, req: ChatCompletionRequest, request: Request):
+        """Render, tokenize and queue the request: (its streams, a parser per choice, the
+        prompt). Shared with the Ollama and Responses routes, which only answer in their own
+        shapes."""
+        plan = req.tool_plan
+        if plan.choice == "auto" and self.tool_parser is None:
+            raise InvalidInputError(
+                "this model's chat template has no tool-call format hetserve knows; start the "
+                "server with --tool-call-parser NAME, or use tool_choice 'required'",
+                "tools",
+            )
+        messages = template_messages([m.template_dict() for m in req.messages])
+        prompt = await self.render_chat(
+            messages, req.add_generation_prompt, plan.tools, **req.template_kwargs()
+        )
         ids = await self.encode(prompt, add_special_tokens=False)
         k = (req.top_logprobs or 0) if req.logprobs else None
         limit, _ = req.output_limit()
-        base = f"chatcmpl-{uuid.uuid4().hex}"
+        specials = needs_special_tokens(plan, self.tool_parser, self.reasoning_parser)
         streams = self.start(
             base,
             [(prompt, ids)],
-            lambda _i, _ids: self.sampling_params(req, limit, k),
+            lambda _i, _ids: self.sampling_params(req, limit, k, specials=specials),
             req,
             request,
         )
-        if req.stream:
-            return self.event_stream(base, streams, self._chunks(req, base, streams))
-        work = self._collect(req, base, streams)
-        return await self.run_unless_disconnected(request, streams, work)
+        parsers = [
+            choice_parser(plan, self.tool_parser, self.reasoning_parser, prompt)
+            for _ in range(req.n)
+        ]
+        return streams, parsers, prompt
 
-    async def _collect(self, req: ChatCompletionRequest, base: str, streams) -> dict:
+    @property
+    def thinks(self) -> bool:
+        return self.reasoning_parser is not None
+
+    def _message(self, parsed: Parsed) -> dict[str, Any]:
+        msg: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if self.thinks:
+            msg["reasoning_content"] = parsed.reasoning or None
+        if parsed.calls:
+            ids = [c.id or new_call_id() for c in parsed.calls]
+            msg["tool_calls"] = openai_tool_calls(parsed.calls, ids)
+            msg["content"] = parsed.content.strip() or None
+        return msg
+
+    async def _collect(self, req: ChatCompletionRequest, base: str, streams, parsers) -> dict:
         outs = [out async for _, out in merge(streams)]
         out = outs[-1]
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": (
-                    self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
-                    if req.logprobs
-                    else None
-                ),
-                "finish_reason": c.finish_reason,
-            }
-            for c in out.outputs
-        ]
+        choices, reasoning = [], []
+        for c in out.outputs:
+            parsed = parsers[c.index].parse(c.text, final=True)
+            reasoning.append(parsed.reasoning)
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": self._message(parsed),
+                    "logprobs": (
+                        self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
+                        if req.logprobs
+                        else None
+                    ),
+                    "finish_reason": _finish(c, bool(parsed.calls)),
+                }
+            )
         return {
             "id": base,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.served_name(req),
             "choices": choices,
-            "usage": self.usage([out]),
+            "usage": self._usage(out, reasoning),
         }
 
-    async def _chunks(self, req: ChatCompletionRequest, base: str, streams):
+    def _usage(self, out, reasoning: list[str]) -> dict:
+        usage = self.usage([out])
+        if self.thinks:
+            n = sum(len(self.tok.encode(r, add_special_tokens=False)) for r in reasoning if r)
+            usage["completion_tokens_details"] = {"reasoning_tokens": n}
+        return usage
+
+    async def _chunks(self, req: ChatCompletionRequest, base: str, streams, parsers):
         opts = req.stream_options
         continuous = bool(opts and opts.continuous_usage_stats)
         chunk = chunk_writer(base, "chat.completion.chunk", self.served_name(req))
-
+        streamers = [Streamer(p) for p in parsers]
         role = {"role": "assistant", "content": ""}
         yield chunk(
             [
@@ -68,35 +157,52 @@ class ChatServing(OpenAIServing):
                 for i in range(req.n)
             ]
         )
-        sent: dict[int, tuple[int, int, bool]] = {}  # choice -> (chars, tokens, finish sent)
+        sent: dict[int, tuple[int, bool]] = {}  # choice -> (tokens sent, finish sent)
         last = None
         async for _, out in merge(streams):
             last = out
             for c in out.outputs:
-                chars, ntok, done = sent.get(c.index, (0, 0, False))
-                delta = c.text[chars:]
-                if done or (not delta and c.finish_reason is None):
+                ntok, done = sent.get(c.index, (0, False))
+                if done:
                     continue
-                sent[c.index] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
+                delta = self._delta(streamers[c.index], c)
+                if not delta and c.finish_reason is None:
+                    continue
+                sent[c.index] = (len(c.token_ids), c.finish_reason is not None)
                 lp = None
                 if req.logprobs:
                     lp = self._logprobs(
                         c.token_ids[ntok:], c.logprobs[ntok:], req.top_logprobs or 0
                     )
+                called = bool(streamers[c.index].sent.calls)
                 choice = {
                     "index": c.index,
-                    "delta": {"content": delta} if delta else {},
+                    "delta": delta,
                     "logprobs": lp,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": _finish(c, called),
                 }
-                yield chunk([choice], self.usage([out]) if continuous else None)
+                yield chunk([choice], self._stream_usage(out, streamers) if continuous else None)
         if opts and opts.include_usage and last is not None:
-            yield chunk([], self.usage([last]))
+            yield chunk([], self._stream_usage(last, streamers))
+
+    def _stream_usage(self, out, streamers: list[Streamer]) -> dict:
+        return self._usage(out, [s.sent.reasoning for s in streamers])
+
+    def _delta(self, streamer: Streamer, c: CompletionOutput) -> dict[str, Any]:
+        content, reasoning, calls = streamer.feed(c.text, final=c.finish_reason is not None)
+        delta: dict[str, Any] = {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = [_call_delta(d) for d in calls]
+        return delta
 
     def _logprobs(self, token_ids, entries, k: int) -> dict:
         def item(tid, lp):
-            s = self.token_str(tid)
-            return {"token": s, "logprob": lp.logprob, "bytes": list(s.encode())}
+            raw = self.tok.token_bytes(tid)
+            return {"token": self.token_str(tid), "logprob": lp.logprob, "bytes": list(raw)}
 
         content = []
         for e, t in zip(entries, token_ids, strict=True):
@@ -105,3 +211,20 @@ class ChatServing(OpenAIServing):
             entry["top_logprobs"] = [item(tid, lp) for tid, lp in ranked if lp.rank <= k]
             content.append(entry)
         return {"content": content}
+
+
+def _call_delta(d: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": d["index"], "function": {"arguments": d["arguments"]}}
+    if "id" in d:
+        out["id"], out["type"] = d["id"], "function"
+        out["function"]["name"] = d["name"]
+    return out
+
+
+def _finish(c: CompletionOutput, called: bool) -> str | None:
+    if c.finish_reason == "stop" and called:
+        return "tool_calls"
+    return c.finish_reason
+
+
+__all__ = ["ChatServing", "OutputParser", "check_parser_names"]

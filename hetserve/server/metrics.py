@@ -19,6 +19,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
 class _EngineCollector:
@@ -140,6 +141,16 @@ def _load_fit_metrics(fits):
     yield r
 
 
+class _Fixed:
+    """A collector of a metric family that never changes (configuration info)."""
+
+    def __init__(self, family) -> None:
+        self.family = family
+
+    def collect(self):
+        yield self.family
+
+
 class ServerMetrics:
     def __init__(self, engine, model_name: str = "hetserve") -> None:
         self.engine = engine
@@ -178,7 +189,46 @@ class ServerMetrics:
             registry=r,
         )
         self.model_name = model_name
+        self._vllm_request_metrics(r, model_name)
+        cache = engine.config.cache
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "the KV cache's configuration (labels); value 1",
+            labels=["block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype"],
+        )
+        blocks = engine.stats().kv_blocks_total
+        caching = str(getattr(cache, "enable_prefix_caching", True)).lower()
+        info.add_metric([str(cache.block_size), str(blocks), caching, "auto"], 1.0)
+        r.register(_Fixed(info))
         engine.observers.append(self.observe)
+        if hasattr(engine, "step_observers"):  # an AsyncLLM (tests pass stand-ins)
+            engine.step_observers.append(self.iteration_tokens.observe)
+
+    def _vllm_request_metrics(self, r: CollectorRegistry, model: str) -> None:
+        """vLLM's per-request histograms that its dashboards chart."""
+
+        def hist(name: str, doc: str, buckets):
+            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=r).labels(model)
+
+        self.req_prompt = hist("vllm:request_prompt_tokens", "prompt tokens per request", _TOKENS)
+        self.req_gen = hist(
+            "vllm:request_generation_tokens", "generated tokens per request", _TOKENS
+        )
+        self.queue_time = hist(
+            "vllm:request_queue_time_seconds", "from arrival to first scheduled", _LATENCY
+        )
+        self.prefill_time = hist(
+            "vllm:request_prefill_time_seconds", "from first scheduled to first token", _LATENCY
+        )
+        self.decode_time = hist(
+            "vllm:request_decode_time_seconds", "from first token to last token", _LATENCY
+        )
+        self.tpot = hist(
+            "vllm:time_per_output_token_seconds", "time between output tokens", _LATENCY
+        )
+        self.iteration_tokens = hist(
+            "vllm:iteration_tokens_total", "tokens computed per engine step", _TOKENS
+        )
 
     def _observe(self, key: str, value: float) -> None:
         for h in self._hists[key]:
@@ -194,17 +244,29 @@ class ServerMetrics:
             self._observe("time_to_first_token_seconds", times[0] - timing.arrival)
         else:
             self._observe("inter_token_latency_seconds", times[-1] - times[-2])
+            self.tpot.observe(times[-1] - times[-2])
         if out.finished:
-            self._observe("e2e_request_latency_seconds", timing.last_token - timing.arrival)
-            n_prompt = len(out.prompt_token_ids)
-            self.prompt_tokens.inc(n_prompt)
-            self.vllm_prompt.inc(n_prompt)
-            for c in out.outputs:
-                self.generation_tokens.inc(len(c.token_ids))
-                self.vllm_generation.inc(len(c.token_ids))
-                reason = c.finish_reason or "unknown"
-                self.requests.labels(reason).inc()
-                self.vllm_success.labels(self.model_name, reason).inc()
+            self._finished(out, timing)
+
+    def _finished(self, out, timing) -> None:
+        self._observe("e2e_request_latency_seconds", timing.last_token - timing.arrival)
+        n_prompt = len(out.prompt_token_ids)
+        self.prompt_tokens.inc(n_prompt)
+        self.vllm_prompt.inc(n_prompt)
+        generated = sum(len(c.token_ids) for c in out.outputs)
+        self.generation_tokens.inc(generated)
+        self.vllm_generation.inc(generated)
+        # One request, one success (and one TTFT), whatever its n: as vLLM counts them.
+        reason = out.outputs[0].finish_reason or "unknown"
+        self.requests.labels(reason).inc()
+        self.vllm_success.labels(self.model_name, reason).inc()
+        self.req_prompt.observe(n_prompt)
+        self.req_gen.observe(generated)
+        first = timing.first_token or timing.last_token
+        scheduled = out.scheduled_time if out.scheduled_time is not None else timing.arrival
+        self.queue_time.observe(max(0.0, scheduled - timing.arrival))
+        self.prefill_time.observe(max(0.0, first - scheduled))
+        self.decode_time.observe(max(0.0, timing.last_token - first))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,9 +1,10 @@
 """OpenAI request schemas (the subset hetserve serves).
 
 Unknown fields are accepted and ignored, as OpenAI clients send many; but a field that would
-change the output and that we do not implement (tools, structured output, images, ...) is a 400
-naming it, never silently ignored. Wrong types and out-of-range values are 400s too; the rules
-across fields and the message rules of each role are in server/validation.py.
+change the output and that we do not implement (images, audio, ...) is a 400
+naming it, never silently ignored. Structured output is read by server/structured.py. Wrong
+types and out-of-range values are 400s too; the rules across fields and the message rules of
+each role are in server/validation.py.
 """
 
 from __future__ import annotations
@@ -16,13 +17,17 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictInt,
     ValidationError,
     field_validator,
     model_validator,
 )
 
+from hetserve.core.grammar import GrammarSpec
 from hetserve.errors import InvalidInputError
+from hetserve.server.structured import grammar_of
+from hetserve.server.tool_calls import ToolPlan, plan_tools
 from hetserve.server.validation import (
     CHAT_EXTENSIONS,
     COMPLETION_EXTENSIONS,
@@ -88,9 +93,16 @@ class _Common(BaseModel):
     repetition_penalty: Finite = Field(default=1.0, gt=0.0, le=2.0)
     logit_bias: dict[str, Finite] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
+    skip_special_tokens: bool = True  # vLLM's extension
     # An agent's session (or the X-Session-Id header): its KV outlives each turn for a TTL.
     session_id: str | None = Field(default=None, min_length=1, max_length=256)
     kv_handoff: KVHandoffSpec | None = None  # a prefill/decode hand-off (from a Conductor)
+    _grammar: GrammarSpec | None = PrivateAttr(default=None)
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """What the output must match (response_format, guided_*, structured_outputs)."""
+        return self._grammar
 
     @field_validator("stop")
     @classmethod
@@ -110,6 +122,7 @@ class _Common(BaseModel):
     @model_validator(mode="after")
     def _rules(self):
         check_unsupported(self.model_extra or {}, self.extensions)
+        self._grammar = grammar_of(self.model_extra or {})
         check_stream_options(self.stream, self.stream_options)
         limit, name = self.output_limit()
         check_min_tokens(self.min_tokens, limit, name)
@@ -231,6 +244,17 @@ class ChatMessage(BaseModel):
         check_message(self.role, self.content, self.model_extra or {})
         return self
 
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it (text content, tool calls, thinking)."""
+        extra = self.model_extra or {}
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("tool_calls", "tool_call_id", "reasoning_content"):
+            if extra.get(key) is not None:
+                out[key] = extra[key]
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
     def text(self) -> str:
         """Content as text: plain strings, or the text parts of a content list."""
         if self.content is None:
@@ -247,6 +271,14 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # Passed to the chat template (enable_thinking, ...); vLLM's extension.
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    _tools: ToolPlan = PrivateAttr(default=ToolPlan(None, "none"))
+
+    @property
+    def tool_plan(self) -> ToolPlan:
+        return self._tools
 
     @model_validator(mode="after")
     def _chat_rules(self):
@@ -254,7 +286,20 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs and not self.logprobs:
             raise InvalidInputError("top_logprobs requires logprobs to be true", "top_logprobs")
         check_tool_replies([(m.role, m.model_extra or {}) for m in self.messages])
+        self._tools = plan_tools(self.model_extra or {})
+        if self._tools.grammar is not None and self.grammar is not None:
+            raise InvalidInputError(
+                f"tool_choice {self._tools.choice!r} already constrains the output; it cannot "
+                f"be combined with {self.grammar.param.split('.')[0]}",
+                "tool_choice",
+            )
         return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return kwargs
 
 
 class LoadLoRAAdapterRequest(BaseModel):

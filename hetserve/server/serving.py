@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -87,16 +88,28 @@ class OpenAIServing:
             return self.tok.encode(text, add_special_tokens)
         return await asyncio.to_thread(self.tok.encode_long, text, add_special_tokens)
 
-    async def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        size = sum(len(m["content"]) for m in messages)
-        render = self.tok.apply_chat_template
+    async def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool,
+        tools: list[dict] | None = None,
+        **kwargs,
+    ) -> str:
+        size = sum(len(m.get("content") or "") for m in messages)
+        render = functools.partial(self.tok.apply_chat_template, tools=tools, **kwargs)
         if size <= INLINE_CHARS:
             return render(messages, add_generation_prompt)
         return await asyncio.to_thread(render, messages, add_generation_prompt)
 
     def sampling_params(
-        self, req: _Common, max_tokens: int | None, logprobs: int | None, prompt_lp=None
+        self,
+        req: _Common,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_lp=None,
+        specials: bool = False,
     ) -> SamplingParams:
+        """`specials`: keep special tokens in the text (a parser reads its markers)."""
         try:
             return SamplingParams(
                 n=req.n,
@@ -117,9 +130,14 @@ class OpenAIServing:
                 frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty,
                 logit_bias=req.logit_bias_ids(),
+                skip_special_tokens=req.skip_special_tokens and not specials,
             )
         except ValueError as exc:
             raise InvalidInputError(str(exc), param=str(exc).split(" ", 1)[0]) from None
+
+    def grammar_of(self, req: _Common):
+        """The grammar the request's output must match (a subclass may add tool choices)."""
+        return req.grammar
 
     def check_priority(self, req: _Common) -> None:
         # vLLM: a priority other than 0 is an error unless the scheduler orders by it.
@@ -157,6 +175,7 @@ class OpenAIServing:
         streams: list[RequestStream] = []
         session = req.session_id or request.headers.get("x-session-id") or None
         lora = self.lora_of(req)
+        grammar = self.grammar_of(req)
         try:
             for i, (text, ids) in enumerate(prompts):
                 rid = base if len(prompts) == 1 else f"{base}-{i}"
@@ -171,8 +190,10 @@ class OpenAIServing:
                     session_id=session,
                     lora=lora,
                     kv_handoff=handoff_of(req),
+                    grammar=grammar,
                 )
                 streams.append(self.engine.submit(new))
+                request.scope.setdefault("hetserve.ids", []).append(rid)  # the access line
         except BaseException:
             for s in streams:
                 s.abort()

@@ -26,11 +26,6 @@ class UnsupportedFieldError(InvalidInputError):
 UNSUPPORTED = (
     "audio",
     "prediction",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
     "logits_processors",
     "web_search_options",
 )
@@ -44,7 +39,6 @@ VLLM_EXTENSIONS: dict[str, tuple[Any, ...]] = {
     "bad_words": (None, []),
     "allowed_token_ids": (None,),
     "truncate_prompt_tokens": (None,),
-    "skip_special_tokens": (None, True),
     "return_token_ids": (None, False),
     "return_tokens_as_token_ids": (None, False),
     "cache_salt": (None,),
@@ -59,22 +53,15 @@ CHAT_EXTENSIONS = VLLM_EXTENSIONS | {
     "echo": (None, False),  # vLLM's chat echo: the last message prepended to the reply
     "continue_final_message": (None, False),
     "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
     "documents": (None,),
 }
 
 
 def check_unsupported(extra: Mapping[str, Any], extensions: Mapping[str, tuple]) -> None:
     """Unknown fields pass (OpenAI clients send many), but not one that asks for a feature we
-    do not implement: tools, structured output, other modalities, vLLM's extensions."""
+    do not implement: other modalities, vLLM's extensions. (Structured output is read by
+    server/structured.py.)"""
     _check_tools(extra)
-    fmt = extra.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise UnsupportedFieldError(
-            "response_format",
-            f"response_format {kind!r} (structured output) is not supported; use 'text'",
-        )
     for name in UNSUPPORTED:
         if extra.get(name) is not None:
             raise UnsupportedFieldError(name, f"{name} is not supported by this server")
@@ -96,29 +83,13 @@ def _same(value: Any, harmless: Any) -> bool:
 
 
 def _check_tools(extra: Mapping[str, Any]) -> None:
-    """Tool calling is not implemented (another issue builds it): tools are refused unless
-    tool_choice is 'none'. Relations from OpenAI and vLLM: a tools list must not be empty, and
-    a tool_choice other than 'none' needs tools."""
-    # OpenAI's deprecated names are named only where the request uses them instead.
-    key = "functions" if "functions" in extra and "tools" not in extra else "tools"
-    choice_key = "tool_choice"
-    if "function_call" in extra and "tool_choice" not in extra:
-        choice_key = "function_call"
-    tools, choice = extra.get(key), extra.get(choice_key)
-    if tools == []:
-        raise InvalidInputError(f"{key} must not be an empty list; omit it instead", key)
-    if tools and choice != "none":
-        raise UnsupportedFieldError(
-            key,
-            f"{key} (tool calling) is not supported by this server; send no tools "
-            "or set tool_choice to 'none'",
-        )
-    if choice not in (None, "none", "auto"):
-        raise UnsupportedFieldError(
-            choice_key, f"{choice_key} {choice!r} is not supported (no tool calling)"
-        )
-    if choice == "auto" and not tools:
-        raise InvalidInputError(f"{choice_key} 'auto' needs {key}", choice_key)
+    """OpenAI's deprecated function calling (functions, function_call) is refused with the
+    fields to use instead; tools and tool_choice are read by server/tool_calls.py."""
+    for name, instead in (("functions", "tools"), ("function_call", "tool_choice")):
+        if extra.get(name) is not None:
+            raise UnsupportedFieldError(
+                name, f"{name} (deprecated by OpenAI) is not supported; use {instead}"
+            )
 
 
 def check_stream_options(stream: bool, stream_options: object) -> None:
@@ -162,16 +133,44 @@ ALLOWED_PARTS = {
 def check_message(role: str, content: str | list[dict[str, Any]] | None, extra: Mapping) -> None:
     """One message against its role's type in OpenAI's reference. Raises with `param` relative
     to the message ("content", "tool_call_id", ...)."""
-    for name in ("tool_calls", "function_call", "audio"):
-        if extra.get(name):  # an assistant's earlier tool calls or audio reply
+    for name in ("function_call", "audio"):
+        if extra.get(name):  # an assistant's deprecated function call or audio reply
             raise UnsupportedFieldError(name, f"{name} in messages are not supported")
-    if content is None:
-        # Only an assistant message with tool_calls or function_call may omit it.
+    calls = extra.get("tool_calls")
+    if calls is not None:
+        _check_calls(role, calls)
+    if content is None and not (role == "assistant" and calls):
+        # Only an assistant message with tool_calls may omit it.
         raise InvalidInputError(f"a {role} message needs content", "content")
+    if content is None:
+        return
     if isinstance(content, list):
         _check_parts(role, content)
     if role == "tool" and not isinstance(extra.get("tool_call_id"), str):
         raise InvalidInputError("a tool message needs a string tool_call_id", "tool_call_id")
+
+
+def _check_calls(role: str, calls: Any) -> None:
+    """An assistant's earlier tool calls: [{id, type: function, function: {name, arguments}}]."""
+    if role != "assistant":
+        raise InvalidInputError("only assistant messages carry tool_calls", "tool_calls")
+    if not isinstance(calls, list):
+        raise InvalidInputError("tool_calls must be a list", "tool_calls")
+    for i, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        ok = (
+            isinstance(c, dict)
+            and isinstance(c.get("id"), str)
+            and isinstance(fn, dict)
+            and isinstance(fn.get("name"), str)
+            and isinstance(fn.get("arguments"), str)
+        )
+        if not ok:
+            raise InvalidInputError(
+                'a tool call is {"id": str, "type": "function", "function": {"name": str, '
+                '"arguments": str}}',
+                f"tool_calls.{i}",
+            )
 
 
 def _check_parts(role: str, parts: list[dict[str, Any]]) -> None:
@@ -198,8 +197,7 @@ def _check_parts(role: str, parts: list[dict[str, Any]]) -> None:
 
 def check_tool_replies(messages: list[tuple[str, Mapping[str, Any]]]) -> None:
     """OpenAI: a tool message answers a tool call of an earlier assistant message. `messages`:
-    (role, extra fields) of each message in order. While tool calls in messages are refused
-    (check_message), so is every tool message; the rule stays right when they are not."""
+    (role, extra fields) of each message in order."""
     called: set[str] = set()
     for i, (role, extra) in enumerate(messages):
         if role == "assistant":

@@ -22,6 +22,7 @@ from hetserve import envs
 from hetserve.errors import InvalidInputError
 from hetserve.model.config import ModelConfig
 from hetserve.model.registry import model_class
+from hetserve.testing.chat_templates import FAMILY_FORMATS, FORMATS
 from hetserve.testing.tiny_tiktoken import MODEL_VOCAB_SIZE as KIMI_VOCAB_SIZE
 from hetserve.testing.tiny_tiktoken import write_kimi_tokenizer
 from hetserve.testing.tiny_tokenizer import EOS_TOKEN, PAD_TOKEN, write_tokenizer_files
@@ -240,7 +241,9 @@ def tiny_config(family: str, vocab_size: int, overrides: dict | None = None) -> 
         )
     cfg = {**copy.deepcopy(_COMMON), **copy.deepcopy(FAMILIES[family])}
     cfg.update(overrides or {})
-    cfg["vocab_size"] = max(int(cfg.get("vocab_size") or 0), vocab_size)
+    # Padded to a multiple of 64 as published models pad theirs (the chat formats' marker
+    # tokens would leave odd sizes that quantized kernels' row blocks do not take).
+    cfg["vocab_size"] = max(int(cfg.get("vocab_size") or 0), -(-vocab_size // 64) * 64)
     return cfg
 
 
@@ -298,12 +301,16 @@ def make_tiny_checkpoint(
     tiny_config(family, 0, overrides)  # validates the family before anything is written
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = write_tokenizer_files(out, cache_dir(), vocab_size)
+    chat = FORMATS[FAMILY_FORMATS[family]]
+    tok = write_tokenizer_files(out, cache_dir(), vocab_size, chat)
     cfg = tiny_config(family, tok.get_vocab_size(), overrides)
-    eos_id = tok.token_to_id(EOS_TOKEN)
-    cfg.update(eos_token_id=eos_id, pad_token_id=tok.token_to_id(PAD_TOKEN), bos_token_id=None)
+    eos_ids = [tok.token_to_id(t) for t in chat.eos or (EOS_TOKEN,)]
+    bos_id = tok.token_to_id(chat.bos) if chat.bos else None
+    cfg.update(
+        eos_token_id=eos_ids[0], pad_token_id=tok.token_to_id(PAD_TOKEN), bos_token_id=bos_id
+    )
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos_id]}))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}))
     with torch.device("meta"):
         model = model_class(cfg["architectures"][0])(ModelConfig.from_dict(cfg))
     gen = torch.Generator().manual_seed(seed)
@@ -355,7 +362,7 @@ def _flush(out: Path, shard: dict, i: int) -> tuple[str, list[str]]:
 
 def demo_model_dir() -> Path:
     """The embedded demo model (a Qwen3-MoE shape), built once under the cache directory."""
-    path = cache_dir() / "demo-qwen3-moe-v1"
+    path = cache_dir() / "demo-qwen3-moe-v2"
     if (path / "config.json").is_file():
         return path
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")

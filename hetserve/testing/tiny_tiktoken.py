@@ -22,6 +22,7 @@ from hetserve.model.tiktoken_tokenizer import (
     TIKTOKEN_FILE,
     TOKENIZER_CLASS,
 )
+from hetserve.testing.chat_templates import KIMI
 from hetserve.testing.tiny_tokenizer import pseudo_sentences
 
 NUM_RANKS = 400  # 256 single bytes and 144 merges
@@ -49,20 +50,7 @@ KIMI_SPECIAL_OFFSETS = {
 # of the tokenizer's 258 special ids lie beyond the model's vocabulary.
 MODEL_VOCAB_SIZE = NUM_RANKS + 256
 
-CHAT_TEMPLATE = (
-    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>"
-    "{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{%- if loop.first and message['role'] != 'system' -%}"
-    "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI."
-    "<|im_end|>{%- endif -%}"
-    "{%- set role = message['role'] -%}"
-    "{%- if role == 'user' -%}<|im_user|>{%- elif role == 'assistant' -%}<|im_assistant|>"
-    "{%- else -%}<|im_system|>{%- endif -%}"
-    "{{ role }}<|im_middle|>{{ message['content'] }}<|im_end|>"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
-)
+CHAT_TEMPLATE = KIMI  # tools, tool calls and results as Kimi-K2's template renders them
 REMOTE_CODE_TRIPWIRE = (
     '"""Stands for Kimi\'s tokenization_kimi.py in test directories."""\n\n'
     'raise ImportError("hetserve must read this directory without running its remote code")\n'

@@ -1,4 +1,5 @@
-"""A small byte-level BPE tokenizer trained offline, with ChatML special tokens and template."""
+"""A small byte-level BPE tokenizer trained offline, with ChatML special tokens, plus a chat
+format's marker tokens and template (testing/chat_templates.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from hetserve.testing.chat_templates import ChatFormat
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS_TOKEN = "<|im_end|>"
@@ -69,17 +72,27 @@ def cached_tokenizer_json(cache_dir: Path, vocab_size: int = 512) -> str:
     return path.read_text()
 
 
-def write_tokenizer_files(out: Path, cache_dir: Path, vocab_size: int = 512) -> Tokenizer:
-    text = cached_tokenizer_json(cache_dir, vocab_size)
-    (out / "tokenizer.json").write_text(text)
+def write_tokenizer_files(
+    out: Path, cache_dir: Path, vocab_size: int = 512, chat: ChatFormat | None = None
+) -> Tokenizer:
+    """tokenizer.json and tokenizer_config.json; with `chat`, its markers as single tokens
+    after the trained ones (special where the published tokenizer has them special), its
+    template and its end-of-turn token as EOS."""
+    tok = Tokenizer.from_str(cached_tokenizer_json(cache_dir, vocab_size))
+    if chat is not None:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in chat.markers])
+        tok.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t in chat.specials]
+        )
+    (out / "tokenizer.json").write_text(tok.to_str())
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": EOS_TOKEN,
+        "bos_token": chat.bos if chat else None,
+        "eos_token": chat.eos[0] if chat and chat.eos else EOS_TOKEN,
         "pad_token": PAD_TOKEN,
         "add_bos_token": False,
         "model_max_length": 1 << 20,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat.template if chat else CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return Tokenizer.from_str(text)
+    return tok

@@ -170,7 +170,7 @@ def fake_server():
 
 
 class DemoServer:
-    """`hetserve serve` on the demo model (vocabulary 512) as a real subprocess, logging to a file.
+    """`hetserve serve` on the demo model (vocabulary 576) as a real subprocess, logging to a file.
 
     Run as users run it, so what a soak or a benchmark sees (disconnects, tracebacks, memory) is
     what the command does, not what an in-process test app does.

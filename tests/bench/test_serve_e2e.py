@@ -1,4 +1,4 @@
-"""`hetserve bench serve` against a real `hetserve serve` on the demo model (vocabulary 512,
+"""`hetserve bench serve` against a real `hetserve serve` on the demo model (vocabulary 576,
 context 512 here): what it learns from the server keeps every request valid."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_mooncake_trace_needs_no_vocabulary_flag(demo_server, tmp_path: Path) ->
     result = _bench(demo_server, tmp_path, "--dataset", "mooncake-trace", "--dataset-path",
                     str(TRACE_FILE), "--num-prompts", "4", "--request-rate", "inf")  # fmt: skip
     assert result["metrics"]["completed"] == 4 and result["metrics"]["failed"] == 0
-    assert "vocabulary 512 (server /v1/models)" in result["notes"][0]
+    assert "vocabulary 576 (server /v1/models)" in result["notes"][0]
 
 
 @needs_trace
@@ -49,7 +49,7 @@ def test_mooncake_trace_with_the_models_tokenizer(demo_server, demo_dir, tmp_pat
     assert (m["completed"], m["failed"]) == (4, 0), m["errors"]
     # The context comes from the server (512, not the checkpoint's 4096); prompts fill it.
     # The server's card and the tokenizer agree; the card is asked first.
-    assert result["notes"][0].startswith("model: vocabulary 512")
+    assert result["notes"][0].startswith("model: vocabulary 576")
     assert "context 512 (server /v1/models)" in result["notes"][0]
     assert all(r["prompt_len"] + r["output_tokens"] <= 512 for r in result["requests"])
     assert max(r["prompt_len"] for r in result["requests"]) > 256
@@ -61,3 +61,14 @@ def test_long_random_prompts_are_fitted_to_the_servers_context(demo_server, tmp_
     m = result["metrics"]
     assert (m["completed"], m["failed"]) == (4, 0), m["errors"]
     assert all(r["prompt_len"] == 512 - 16 for r in result["requests"])
+
+
+def test_structured_dataset_compares_with_the_same_load_without(demo_server, tmp_path) -> None:
+    result = _bench(demo_server, tmp_path, "--dataset", "structured", "--num-prompts", "10",
+                    "--random-input-len", "16", "--random-output-len", "8",
+                    "--request-rate", "inf")  # fmt: skip
+    assert result["metrics"]["completed"] == 10 and result["metrics"]["failed"] == 0
+    assert result["baseline_metrics"]["completed"] == 10
+    cmp = result["structured"]
+    assert cmp["throughput_ratio"] > 0 and cmp["ttft_ratio"] > 0
+    assert "5 of 10 requests under json_schema" in result["notes"]

@@ -315,10 +315,10 @@ HOSTILE = [
         "/v1/chat/completions",
         {
             "messages": [{"role": "user", "content": "x"}],
-            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tools": [{"type": "function", "function": {}}],
             "tool_choice": "required",
         },
-        "tools",
+        "tools.0.function.name",
     ),  # noqa: E501
     (
         "/v1/chat/completions",
@@ -326,7 +326,7 @@ HOSTILE = [
             "messages": [{"role": "user", "content": "x"}],
             "response_format": {"type": "json_schema", "json_schema": {}},
         },
-        "response_format",
+        "response_format.json_schema.name",
     ),  # noqa: E501
     (
         "/v1/chat/completions",
@@ -336,7 +336,7 @@ HOSTILE = [
     (
         "/v1/chat/completions",
         {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
-        "messages.0.tool_calls",
+        "messages.0.tool_calls.0",
     ),  # noqa: E501
 ]
 

@@ -26,6 +26,7 @@ GOOD = {
 }
 DROP = object()
 USER = {"role": "user", "content": "hi"}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 def both(patch: dict, param: str, text: str) -> list[tuple]:
@@ -187,8 +188,14 @@ BAD = [
     (
         M,
         msgs(USER, {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}),
-        "messages.1.tool_calls",
-        "not supported",
+        "messages.1.tool_calls.0",
+        "a tool call is",
+    ),
+    (
+        M,
+        msgs({"role": "user", "content": "x", "tool_calls": []}),
+        "messages.0.tool_calls",
+        "only assistant messages",
     ),
     (
         M,
@@ -202,15 +209,80 @@ BAD = [
         "messages.1.audio",
         "not supported",
     ),
-    # ---- tools: OpenAI and vLLM (a tools list is not empty, tool_choice needs tools); tool
-    # calling itself is another issue's, a 400 naming the field until then ---------------------
-    (M, {"tools": []}, "tools", "must not be an empty list"),
+    # ---- tools: OpenAI and vLLM (a tools list is not empty, each a function with a name and
+    # an object of parameters; tool_choice is none, auto, required or a function among the
+    # tools, and needs tools; parallel_tool_calls is a boolean); deprecated names refused ----
+    (M, {"tools": []}, "tools", "non-empty list"),
+    (M, {"tools": [{"type": "function"}]}, "tools.0", "each tool must be"),
+    (M, {"tools": [{"type": "function", "function": {}}]}, "tools.0.function.name", "a name"),
+    (
+        M,
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
+        "tools.0.function.parameters",
+        "JSON schema object",
+    ),
     (M, {"tool_choice": "auto"}, "tool_choice", "needs tools"),
-    (M, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
-    (M, {"tool_choice": "required"}, "tool_choice", "not supported"),
-    (M, {"functions": [{"name": "f"}]}, "functions", "not supported"),
+    (M, {"tool_choice": "required"}, "tool_choice", "needs tools"),
+    (M, {"tools": [TOOL], "tool_choice": "any"}, "tool_choice", "must be 'none'"),
+    (
+        M,
+        {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+        "tool_choice",
+        "not among the tools",
+    ),
+    (M, {"tools": [TOOL], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
+    (
+        M,
+        {"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+        "tool_choice",
+        "cannot be combined",
+    ),
+    (M, {"functions": [{"name": "f"}]}, "functions", "use tools"),
+    (M, {"function_call": "auto"}, "function_call", "use tool_choice"),
+    (M, {"reasoning_effort": "max"}, "reasoning_effort", "'minimal'"),
+    (M, {"chat_template_kwargs": 3}, "chat_template_kwargs", "should be an object"),
+    # ---- structured output: OpenAI's response_format (type text, json_object or json_schema
+    # with a name of 1-64 [A-Za-z0-9_-] and a schema object), vLLM's guided_* and
+    # structured_outputs (one kind per request); a grammar that does not compile names its field
+    *both({"response_format": {"type": "xml"}}, "response_format.type", "'json_schema'"),
+    *both({"response_format": "json"}, "response_format", "an object with a 'type'"),
+    *both({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "needs"),
+    *both(
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}},
+        "response_format.json_schema.name",
+        "letters, digits",
+    ),
+    *both(
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": 1}}},
+        "response_format.json_schema.schema",
+        "wrong type",
+    ),
+    *both(
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": {"type": "strnig"}, "strict": True},
+            }
+        },
+        "response_format.json_schema.schema",
+        "cannot be compiled",
+    ),
+    *both({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    *both({"guided_regex": "(ab"}, "guided_regex", "cannot be compiled"),
+    *both({"guided_choice": []}, "guided_choice", "non-empty list of strings"),
+    *both({"guided_grammar": "start: nowhere"}, "guided_grammar", "cannot be compiled"),
+    *both(
+        {"guided_json": {"type": "object"}, "guided_regex": "a+"}, "guided_regex", "only one kind"
+    ),
+    *both(
+        {"response_format": {"type": "json_object"}, "guided_choice": ["a"]},
+        "guided_choice",
+        "only one kind",
+    ),
+    *both({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "one"),
+    *both({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag",
+          "not supported"),
     # ---- other OpenAI features we do not implement ------------------------------------------
-    (M, {"response_format": {"type": "json_object"}}, "response_format", "not supported"),
     (M, {"audio": {"voice": "alloy", "format": "wav"}}, "audio", "not supported"),
     (M, {"modalities": ["text", "audio"]}, "modalities", "only the 'text' modality"),
     (M, {"prediction": {"type": "content", "content": "x"}}, "prediction", "not supported"),
@@ -222,16 +294,12 @@ BAD = [
     *both({"bad_words": ["the"]}, "bad_words", "not supported"),
     *both({"allowed_token_ids": [5]}, "allowed_token_ids", "not supported"),
     *both({"truncate_prompt_tokens": 2}, "truncate_prompt_tokens", "not supported"),
-    *both({"skip_special_tokens": False}, "skip_special_tokens", "not supported"),
     *both({"return_token_ids": True}, "return_token_ids", "not supported"),
     *both({"cache_salt": "salt"}, "cache_salt", "not supported"),
-    *both({"guided_json": {"type": "object"}}, "guided_json", "not supported"),
-    *both({"structured_outputs": {"regex": "a+"}}, "structured_outputs", "not supported"),
     (C, {"add_special_tokens": False}, "add_special_tokens", "not supported"),
     (M, {"add_special_tokens": True}, "add_special_tokens", "not supported"),
     (M, {"echo": True}, "echo", "not supported"),
     (M, {"chat_template": "{{ messages }}"}, "chat_template", "not supported"),
-    (M, {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs", "not sup"),
     (M, {"documents": [{"title": "t", "text": "x"}]}, "documents", "not supported"),
     (
         M,
@@ -287,11 +355,25 @@ ACCEPTED = [
         {"prompt_logprobs": None, "tool_choice": "none"},
         {"include_stop_str_in_output": True, "stop": ["zz"]},
     ) for path in (C, M)],
+    *[(path, patch) for patch in (
+        {"response_format": {"type": "text"}},
+        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x-1"}}},
+        {"guided_json": '{"type": "object"}', "guided_decoding_backend": "xgrammar"},
+        {"guided_choice": ["a", "b"]},
+        {"structured_outputs": {"json_object": True, "disable_any_whitespace": True}},
+    ) for path in (C, M)],
     (C, {"best_of": 2, "n": 2}),
     (C, {"add_special_tokens": True, "echo": True, "logprobs": 0}),
     (M, {"top_logprobs": 0}),  # vLLM allows 0 without logprobs
     (M, {"logprobs": True, "top_logprobs": 20}),
     (M, {"echo": False, "add_special_tokens": False, "chat_template_kwargs": {}}),
+    (M, {"chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "low"}),
+    (M, {"skip_special_tokens": False}),
+    (M, {"tools": [TOOL], "tool_choice": "none"}),
+    (M, msgs(USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"})),
     (M, {"continue_final_message": False, "add_generation_prompt": False}),
     (M, msgs({"role": "system", "content": [TEXT]}, {"role": "user", "content": [TEXT, TEXT]})),
     (M, msgs({"role": "developer", "content": "be brief"}, {**USER, "name": "ann"})),

@@ -17,9 +17,15 @@ from hetserve import envs
 from hetserve.bench.model_facts import ModelFacts, TokenSpace, learn_model_facts, require_vocab
 from hetserve.errors import InvalidInputError
 
-DATASETS = ("random", "sharegpt", "multiturn", "mooncake-trace")
+DATASETS = ("random", "structured", "sharegpt", "multiturn", "mooncake-trace")
 # Requests per run when --num-prompts is not given (conversations for multiturn; None = all).
-_DEFAULT_NUM = {"random": 1000, "sharegpt": 1000, "multiturn": 64, "mooncake-trace": None}
+_DEFAULT_NUM = {
+    "random": 1000,
+    "structured": 200,
+    "sharegpt": 1000,
+    "multiturn": 64,
+    "mooncake-trace": None,
+}
 # Ids that only pick words for chat prompts (the vocabulary does not matter there).
 _WORD_IDS = 1000
 
@@ -47,6 +53,13 @@ def register(bench_sub: Any) -> None:
         default=None,
         help="requests (conversations for "
         "multiturn); default 1000, 64 for multiturn, the whole trace",
+    )
+    d.add_argument(
+        "--structured-ratio",
+        type=float,
+        default=0.5,
+        help="structured dataset: share of requests under json_schema (the same load without "
+        "grammars runs first, as the peer)",
     )
     d.add_argument("--random-input-len", type=int, default=1024)
     d.add_argument("--random-output-len", type=int, default=128)
@@ -153,7 +166,7 @@ def build_workload(args: argparse.Namespace, facts: ModelFacts):
 
     num = args.num_prompts if args.num_prompts is not None else _DEFAULT_NUM[args.dataset]
     fit = {"max_model_len": facts.max_model_len, "fit_mode": args.max_model_len_mode}
-    if args.dataset == "random":
+    if args.dataset in ("random", "structured"):
         workload = ds.random_workload(
             num,
             args.random_input_len,
@@ -164,6 +177,8 @@ def build_workload(args: argparse.Namespace, facts: ModelFacts):
             args.seed,
             **fit,
         )
+        if args.dataset == "structured":
+            workload = ds.structured_workload(workload, args.structured_ratio)
     elif args.dataset == "sharegpt":
         workload = ds.sharegpt_workload(
             args.dataset_path,
@@ -219,12 +234,23 @@ def run(args: argparse.Namespace) -> int:
         args.base_url, args.model, cfg.api_key, args.tokenizer, args.vocab_size, args.max_model_len
     )
     workload = build_workload(args, facts)
+    baseline = None
+    if args.dataset == "structured":  # the peer: the same load with no grammar, run first
+        from hetserve.bench.serve.datasets import without_grammars
+
+        b_results, b_start, b_end = asyncio.run(run_benchmark(without_grammars(workload), cfg))
+        baseline = (b_results, compute_metrics(b_results, b_start, b_end, slo))
     results, start, end = asyncio.run(run_benchmark(workload, cfg))
     metrics = compute_metrics(results, start, end, slo)
     if len(results) < workload.num_requests:
         skipped = workload.num_requests - len(results)
         workload.notes.append(f"{skipped} later turns not sent: an earlier turn of theirs failed")
     result = _result(args, cfg, workload, metrics, results, start)
+    if baseline is not None:
+        from hetserve.bench.serve.report import structured_comparison
+
+        result["baseline_metrics"] = baseline[1]
+        result["structured"] = structured_comparison(workload, results, *baseline)
     print(format_table(result))
     if args.result_file:
         _write(args.result_file, result)

@@ -83,6 +83,8 @@ def build_payload(
     }
     if ignore_eos:  # a vLLM/SGLang extension; only sent when asked, strict servers reject it
         body["ignore_eos"] = True
+    if request.response_format is not None:
+        body["response_format"] = request.response_format
     if request.hash_ids is not None:
         assert workload.block_tokens is not None
         prompt: str | list[int] = workload.block_tokens.prompt(request.hash_ids, request.prompt_len)

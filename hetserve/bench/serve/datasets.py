@@ -1,4 +1,4 @@
-"""Workloads for `hetserve bench serve`: random, ShareGPT and multi-turn conversations.
+"""Workloads for `hetserve bench serve`: random, structured, ShareGPT and multi-turn.
 
 A workload is a list of conversations; single-turn datasets have one request per conversation.
 The Mooncake trace lives in `trace.py`. Datasets know nothing of HTTP: the client turns a
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +70,35 @@ def random_workload(
     if prefix:
         notes.append(f"shared prefix: {len(prefix)} tokens in every prompt")
     return Workload("random", [[r] for r in requests], ignore_eos=True, notes=notes)
+
+
+def structured_workload(base: Workload, ratio: float) -> Workload:
+    """The random workload with every request whose position falls in the first `ratio` of
+    each block of ten under `response_format: json_schema` (the 50 schemas of
+    hetserve/testing/schemas.py in turn); the rest as they were."""
+    from hetserve.testing.schemas import schema_set
+
+    if not 0.0 <= ratio <= 1.0:
+        raise InvalidInputError(f"--structured-ratio must be in [0, 1], got {ratio}")
+    schemas = schema_set(50)
+    marked = 0
+    for i, conv in enumerate(base.conversations):
+        if (i % 10) < round(ratio * 10):
+            schema = schemas[marked % len(schemas)]
+            fmt = {"type": "json_schema", "json_schema": {"name": f"s{marked % 50}",
+                   "schema": schema, "strict": True}}  # fmt: skip
+            conv[0].response_format = fmt
+            marked += 1
+    base.name = "structured"
+    base.notes.append(f"{marked} of {base.num_requests} requests under json_schema")
+    return base
+
+
+def without_grammars(workload: Workload) -> Workload:
+    """The same requests with no response_format: the baseline the structured run is
+    compared with."""
+    convs = [[replace(r, response_format=None) for r in c] for c in workload.conversations]
+    return replace(workload, name="structured-baseline", conversations=convs, notes=[])
 
 
 def _word_ids(rng: np.random.Generator, n: int) -> list[int]:

@@ -55,6 +55,15 @@ def format_table(result: dict[str, Any]) -> str:
     if m["errors"]:
         lines.append(" Errors ".center(_WIDTH, "-"))
         lines += [f"{n:>6} x {err}" for err, n in list(m["errors"].items())[:10]]
+    cmp = result.get("structured")
+    if cmp:
+        lines.append(" Structured output vs the same load without ".center(_WIDTH, "-"))
+        lines.append(_row("Baseline output throughput (tok/s):", cmp["baseline_output_throughput"]))
+        lines.append(_row("Output throughput ratio (goal >= 0.9):", cmp["throughput_ratio"]))
+        lines.append(_row("Schema requests' mean TTFT (ms):", cmp["schema_ttft_ms"]))
+        lines.append(_row("Same requests without (ms):", cmp["schema_ttft_baseline_ms"]))
+        lines.append(_row("TTFT ratio (goal <= 1.1):", cmp["ttft_ratio"]))
+        lines.append(_row("Plain requests' TTFT ratio:", cmp["plain_ttft_ratio"]))
     lines.append("=" * _WIDTH)
     notes = list(result.get("notes", []))
     if m["usage_source"] and m["usage_source"] != "server":
@@ -108,3 +117,32 @@ def _save(fig: Any, path: Path) -> str:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return str(path)
+
+
+def structured_comparison(workload, results, baseline_results, baseline_metrics) -> dict:
+    """The structured run against the same load without grammars (same requests, same
+    arrival times): output throughput ratio, and the mean TTFT of the schema requests (and of
+    the others) against the same requests in the baseline."""
+    marked = [c[0].response_format is not None for c in workload.conversations]
+
+    def ttfts(rs, want: bool) -> list[float]:
+        ordered = sorted(rs, key=lambda r: r.send_s)  # single-turn: the workload's order
+        return [r.ttft for r, m in zip(ordered, marked, strict=False) if m == want and r.ok]
+
+    def mean_ms(xs: list[float]) -> float:
+        return 1000 * sum(xs) / len(xs) if xs else float("nan")
+
+    ok = [r for r in results if r.ok]
+    span = max((r.end_s for r in ok), default=0) - min((r.send_s for r in results), default=0)
+    out_tps = sum(r.output_tokens for r in ok) / span if span > 0 else 0.0
+    base_tps = baseline_metrics["output_throughput"]
+    s_ms, b_ms = mean_ms(ttfts(results, True)), mean_ms(ttfts(baseline_results, True))
+    p_ms, pb_ms = mean_ms(ttfts(results, False)), mean_ms(ttfts(baseline_results, False))
+    return {
+        "baseline_output_throughput": round(base_tps, 2),
+        "throughput_ratio": round(out_tps / base_tps, 3) if base_tps else None,
+        "schema_ttft_ms": round(s_ms, 2),
+        "schema_ttft_baseline_ms": round(b_ms, 2),
+        "ttft_ratio": round(s_ms / b_ms, 3) if b_ms else None,
+        "plain_ttft_ratio": round(p_ms / pb_ms, 3) if pb_ms else None,
+    }

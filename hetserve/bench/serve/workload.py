@@ -39,6 +39,7 @@ class BenchRequest:
     text: str | None = None
     hash_ids: list[int] | None = None  # trace prompts, materialized by BlockTokens at send time
     arrival_s: float | None = None  # recorded arrival (traces) before --time-scale
+    response_format: dict | None = None  # structured output (the structured dataset)
 
 
 @dataclass

@@ -1,0 +1,63 @@
+"""One access line per request, as vLLM logs them: method, route, status, prompt and output
+tokens, time to first token and duration. `hetserve serve --disable-log-requests` turns it off.
+
+The route records the engine request ids it started in the ASGI scope (`hetserve.ids`); an
+engine observer keeps each finished request's counts until the HTTP response ends, when the
+guard writes the line (for a stream, after its last event).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+log = logging.getLogger("hetserve.access")
+MAX_PENDING = 4096  # finished requests whose response has not ended yet (bounded)
+
+
+class AccessLog:
+    def __init__(self, engine) -> None:
+        self._done: dict[str, tuple[int, int, float | None]] = {}
+        engine.observers.append(self.observe)
+        if not log.handlers:
+            handler = logging.StreamHandler(sys.stdout)
+            handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+            log.addHandler(handler)
+            log.setLevel(logging.INFO)
+            log.propagate = False
+
+    def observe(self, request_id: str, out, timing) -> None:
+        # The engine thread, once per output; only the final one is kept.
+        if not out.finished:
+            return
+        generated = sum(len(c.token_ids) for c in out.outputs)
+        first = timing.first_token if timing.first_token is not None else None
+        ttft = None if first is None else first - timing.arrival
+        if len(self._done) >= MAX_PENDING:
+            self._done.pop(next(iter(self._done)))
+        self._done[request_id] = (len(out.prompt_token_ids), generated, ttft)
+
+    def write(self, scope: dict[str, Any], status: int) -> None:
+        prompt = output = 0
+        ttfts = []
+        for rid in scope.get("hetserve.ids", ()):
+            p, o, t = self._done.pop(rid, (0, 0, None))
+            prompt, output = prompt + p, output + o
+            if t is not None:
+                ttfts.append(t)
+        took = time.monotonic() - scope.get("hetserve.arrival", time.monotonic())
+        client = scope.get("client") or ("-", 0)
+        ttft = f"{min(ttfts):.3f}s" if ttfts else "-"
+        log.info(
+            '%s "%s %s" %d prompt_tokens=%d output_tokens=%d ttft=%s time=%.3fs',
+            client[0],
+            scope.get("method", "-"),
+            scope.get("path", "-"),
+            status,
+            prompt,
+            output,
+            ttft,
+            took,
+        )

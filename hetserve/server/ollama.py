@@ -1,0 +1,324 @@
+"""Ollama's API beside OpenAI's, for Open WebUI, desktop apps and the `ollama` client:
+/api/chat, /api/generate (NDJSON streams by default), /api/tags, /api/show, /api/ps,
+/api/version; /api/embed answers that no embedding model is served.
+
+Each request is translated into the OpenAI chat request it means and run by the chat route's
+machinery, so tools, `format` (JSON or a schema: structured output) and `think` (reasoning)
+work as they do there. `options` map to sampling (num_predict, temperature, top_k, top_p,
+min_p, stop, seed, repeat_penalty, presence/frequency_penalty); num_ctx and keep_alive are
+accepted (the engine's context and residency are fixed at start) and other options ignored,
+as Ollama ignores the ones a runner does not use. Errors are Ollama's {"error": "..."} with
+the field named in the message and the 4xx status.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from hetserve.errors import InvalidInputError
+from hetserve.server.chat import ChatServing
+from hetserve.server.protocol import ChatCompletionRequest
+from hetserve.server.serving import merge
+from hetserve.server.tools import Parsed, Streamer
+
+OLLAMA_VERSION = "0.12.0"  # the API version whose fields we serve (clients check it)
+OPTION_FIELDS = {
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "seed": "seed",
+    "stop": "stop",
+    "repeat_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+def openai_request(body: dict[str, Any], messages: list[dict]) -> ChatCompletionRequest:
+    """The OpenAI chat request an Ollama request means (400s name the Ollama field)."""
+    out: dict[str, Any] = {"model": body.get("model"), "messages": messages}
+    options = body.get("options") or {}
+    if not isinstance(options, dict):
+        raise InvalidInputError("options must be an object", "options")
+    for name, field in OPTION_FIELDS.items():
+        if options.get(name) is not None:
+            out[field] = options[name]
+    predict = options.get("num_predict")
+    if predict is not None:
+        if not isinstance(predict, int) or predict == 0 or predict < -2:
+            raise InvalidInputError("options.num_predict must be -1, -2 or >= 1", "options")
+        if predict > 0:
+            out["max_tokens"] = predict
+    fmt = body.get("format")
+    if fmt == "json":
+        out["response_format"] = {"type": "json_object"}
+    elif isinstance(fmt, dict):
+        out["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "format", "schema": fmt, "strict": True},
+        }
+    elif fmt not in (None, ""):
+        raise InvalidInputError("format must be 'json' or a JSON schema object", "format")
+    if body.get("tools"):
+        out["tools"] = body["tools"]
+    think = body.get("think")
+    if think is not None:
+        kwargs = {"enable_thinking": bool(think)}
+        if isinstance(think, str):  # gpt-oss: "low" | "medium" | "high"
+            out["reasoning_effort"] = think
+        out["chat_template_kwargs"] = kwargs
+    return ChatCompletionRequest.model_validate(out)
+
+
+def openai_messages(messages: Any) -> list[dict]:
+    """Ollama messages (tool calls with object arguments, tool results with tool_name) in
+    OpenAI's shape."""
+    if not isinstance(messages, list):
+        raise InvalidInputError("messages must be a list", "messages")
+    out, pending = [], []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidInputError("each message needs a role", f"messages.{i}")
+        if m.get("images"):
+            raise InvalidInputError("images are not supported (text-only model)", "images")
+        msg: dict[str, Any] = {"role": m["role"], "content": m.get("content") or ""}
+        if m.get("thinking"):
+            msg["reasoning_content"] = m["thinking"]
+        calls = m.get("tool_calls") or []
+        if calls:
+            msg["tool_calls"] = []
+            for c in calls:
+                fn = c.get("function") or {}
+                cid = f"call_{len(pending)}_{i}"
+                pending.append((cid, fn.get("name")))
+                args = fn.get("arguments") or {}
+                msg["tool_calls"].append(
+                    {
+                        "id": cid,
+                        "type": "function",
+                        "function": {
+                            "name": fn.get("name", ""),
+                            "arguments": args if isinstance(args, str) else json.dumps(args),
+                        },
+                    }
+                )
+        if m["role"] == "tool":  # answers the oldest call of that name (Ollama has no ids)
+            name = m.get("tool_name") or m.get("name")
+            match = next((p for p in pending if name is None or p[1] == name), None)
+            msg["tool_call_id"] = match[0] if match else "call_none"
+            if match:
+                pending.remove(match)
+            msg["name"] = name
+        out.append(msg)
+    return out
+
+
+def _ollama_calls(parsed: Parsed) -> list[dict]:
+    calls = []
+    for c in parsed.calls:
+        try:
+            args = json.loads(c.arguments or "{}")
+        except ValueError:
+            args = c.arguments
+        calls.append({"function": {"name": c.name, "arguments": args}})
+    return calls
+
+
+class OllamaServing:
+    def __init__(self, chat: ChatServing, model_name: str) -> None:
+        self.chat = chat
+        self.model_name = model_name
+
+    async def run(self, body: dict, messages: list[dict], request: Request, key: str):
+        """`key`: the reply's field ('message' for /api/chat, 'response' for generate)."""
+        if body.get("suffix"):
+            raise InvalidInputError("suffix (insertion) is not supported", "suffix")
+        req = openai_request(body, messages)
+        base = f"ollama-{int(time.time() * 1e6)}"
+        t0 = time.perf_counter()
+        streams, parsers, _ = await self.chat.prepare(base, req, request)
+        if body.get("stream", True):
+            return StreamingResponse(
+                self._lines(streams, parsers[0], key, t0), media_type="application/x-ndjson"
+            )
+
+        async def collect():
+            last = first = None
+            async for _, out in merge(streams):
+                first, last = first or time.perf_counter(), out
+            out = last
+            c = out.outputs[0]
+            parsed = parsers[0].parse(c.text, final=True)
+            reply = self._reply(key, parsed.content, parsed.reasoning, _ollama_calls(parsed))
+            return {**reply, **self._done(out, c, t0, first or time.perf_counter())}
+
+        return await self.chat.run_unless_disconnected(request, streams, collect())
+
+    def _reply(self, key: str, content: str, thinking: str, calls: list[dict]) -> dict:
+        if key == "response":
+            out: dict[str, Any] = {"response": content}
+            if thinking:
+                out["thinking"] = thinking
+        else:
+            msg: dict[str, Any] = {"role": "assistant", "content": content}
+            if thinking:
+                msg["thinking"] = thinking
+            if calls:
+                msg["tool_calls"] = calls
+            out = {"message": msg}
+        return {"model": self.model_name, "created_at": _now(), **out, "done": False}
+
+    def _done(self, out, c, t0: float, first: float) -> dict:
+        end = time.perf_counter()
+        return {
+            "done": True,
+            "done_reason": c.finish_reason if c.finish_reason != "abort" else "stop",
+            "total_duration": int((end - t0) * 1e9),
+            "load_duration": 0,
+            "prompt_eval_count": len(out.prompt_token_ids),
+            "prompt_eval_duration": int((first - t0) * 1e9),
+            "eval_count": len(c.token_ids),
+            "eval_duration": int((end - first) * 1e9),
+        }
+
+    async def _lines(self, streams, parser, key: str, t0: float):
+        streamer = Streamer(parser)
+        out = first = None
+        try:
+            async for _, out in merge(streams):
+                first = first or time.perf_counter()
+                c = out.outputs[0]
+                content, thinking, _ = streamer.feed(c.text, final=c.finish_reason is not None)
+                if content or thinking:
+                    yield _line(self._reply(key, content, thinking, []))
+            if out is None:
+                return
+            c = out.outputs[0]
+            calls = _ollama_calls(streamer.sent)  # whole calls, as Ollama streams them
+            final = self._reply(key, "", "", calls)
+            yield _line({**final, **self._done(out, c, t0, first or time.perf_counter())})
+        except Exception as exc:  # a stream ends with an error line, as Ollama's do
+            yield _line({"error": str(exc)})
+        finally:
+            for s in streams:
+                s.abort()
+
+
+def _line(obj: dict) -> str:
+    return json.dumps(obj, separators=(",", ":")) + "\n"
+
+
+def _family(engine) -> str:
+    try:
+        cfg = json.loads((engine.model_dir / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return ""
+    return str(cfg.get("model_type", ""))
+
+
+def install_ollama_routes(app: FastAPI, serving: OllamaServing, engine, check_model) -> None:
+    name = serving.model_name
+    family = _family(engine)
+
+    def details() -> dict:
+        return {"format": "safetensors", "family": family, "families": [family]}
+
+    def card() -> dict:
+        return {
+            "name": name,
+            "model": name,
+            "modified_at": _now(),
+            "size": 0,
+            "digest": "",
+            "details": details(),
+        }
+
+    async def body_of(request: Request) -> dict:
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except ValueError:
+            raise InvalidInputError("request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise InvalidInputError("request body must be a JSON object")
+        missing = check_model(body.get("model"))
+        if missing is not None:
+            return {"_missing": missing}
+        return body
+
+    @app.get("/api/version")
+    async def version():
+        return {"version": OLLAMA_VERSION}
+
+    @app.get("/api/tags")
+    async def tags():
+        return {"models": [card()]}
+
+    @app.get("/api/ps")
+    async def ps():
+        return {"models": [{**card(), "expires_at": "2999-01-01T00:00:00Z", "size_vram": 0}]}
+
+    @app.post("/api/show")
+    async def show(request: Request):
+        body = await body_of(request)
+        if "_missing" in body:
+            return _not_found(body)
+        tok = serving.chat.tok
+        caps = ["completion"]
+        if serving.chat.tool_parser:
+            caps.append("tools")
+        if serving.chat.reasoning_parser:
+            caps.append("thinking")
+        return {
+            "modelfile": "",
+            "parameters": "",
+            "template": tok.chat_template or "",
+            "details": details(),
+            "model_info": {"general.architecture": family},
+            "capabilities": caps,
+        }
+
+    @app.post("/api/chat")
+    async def chat(request: Request):
+        body = await body_of(request)
+        if "_missing" in body:
+            return _not_found(body)
+        return await serving.run(body, openai_messages(body.get("messages") or []), request,
+                                 "message")  # fmt: skip
+
+    @app.post("/api/generate")
+    async def generate(request: Request):
+        body = await body_of(request)
+        if "_missing" in body:
+            return _not_found(body)
+        prompt = body.get("prompt") or ""
+        if not isinstance(prompt, str):
+            raise InvalidInputError("prompt must be a string", "prompt")
+        if not prompt:  # Ollama's way to load a model: nothing to generate
+            return {"model": name, "created_at": _now(), "response": "", "done": True,
+                    "done_reason": "load"}  # fmt: skip
+        if body.get("raw"):
+            raise InvalidInputError("raw prompts are not supported; send the text", "raw")
+        messages = [{"role": "system", "content": body["system"]}] if body.get("system") else []
+        messages.append({"role": "user", "content": prompt})
+        return await serving.run(body, messages, request, "response")
+
+    @app.post("/api/embed")
+    @app.post("/api/embeddings")
+    async def embed():
+        return JSONResponse({"error": f"{name} is not an embedding model"}, status_code=400)
+
+
+def _not_found(body: dict) -> JSONResponse:
+    err = json.loads(body["_missing"].body)["error"]["message"]
+    return JSONResponse({"error": err}, status_code=404)

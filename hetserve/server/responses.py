@@ -1,0 +1,317 @@
+"""/v1/responses: OpenAI's Responses API, which the current SDKs and agent frameworks use.
+
+A request is translated into the chat request it means (input items -> messages, tools and
+tool_choice, text.format -> structured output, reasoning.effort) and run by the chat route's
+machinery; the reply becomes output items (reasoning, message, function_call), streamed as
+the API's typed events. `previous_response_id` continues a stored conversation: its messages
+are rendered again in front of the new input, so the prompt starts with the earlier turn's
+tokens and the prefix cache (and the KV tiers behind it) serves them; the chain shares a
+session id, so its blocks are kept for the session TTL between turns. `store: false` keeps
+nothing. The store is in memory, bounded (least recently used goes first).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from hetserve.errors import InvalidInputError
+from hetserve.server.chat import ChatServing
+from hetserve.server.errors import error_body
+from hetserve.server.protocol import ChatCompletionRequest
+from hetserve.server.serving import merge
+from hetserve.server.tools import Parsed, Streamer, new_call_id
+
+MAX_STORED = 1024
+
+
+class ResponseStore:
+    def __init__(self, limit: int = MAX_STORED) -> None:
+        self.limit = limit
+        self._items: OrderedDict[str, tuple[list[dict], dict]] = OrderedDict()
+
+    def put(self, rid: str, messages: list[dict], response: dict) -> None:
+        self._items[rid] = (messages, response)
+        if len(self._items) > self.limit:
+            self._items.popitem(last=False)
+
+    def get(self, rid: str) -> tuple[list[dict], dict] | None:
+        found = self._items.get(rid)
+        if found is not None:
+            self._items.move_to_end(rid)
+        return found
+
+    def delete(self, rid: str) -> bool:
+        return self._items.pop(rid, None) is not None
+
+
+def input_messages(items: Any) -> list[dict]:
+    """Responses input (a string or a list of items) -> chat messages."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list):
+        raise InvalidInputError("input must be a string or a list of items", "input")
+    out: list[dict] = []
+    for i, it in enumerate(items):
+        kind = it.get("type", "message") if isinstance(it, dict) else None
+        if kind == "message":
+            content = it.get("content")
+            if isinstance(content, list):
+                content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+            if not isinstance(content, str) or it.get("role") not in (
+                "user", "system", "developer", "assistant"
+            ):  # fmt: skip
+                raise InvalidInputError("a message item needs a role and text", f"input.{i}")
+            out.append({"role": it["role"], "content": content})
+        elif kind == "function_call":
+            call = {"id": it.get("call_id"), "type": "function", "function": {
+                "name": it.get("name"), "arguments": it.get("arguments") or "{}"}}  # fmt: skip
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = it.get("output")
+            text = output if isinstance(output, str) else json.dumps(output)
+            out.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": text})
+        elif kind != "reasoning":  # earlier reasoning items are not rendered again
+            raise InvalidInputError(f"input item type {kind!r} is not supported", f"input.{i}")
+    return out
+
+
+def chat_request(body: dict, messages: list[dict]) -> ChatCompletionRequest:
+    out: dict[str, Any] = {"model": body.get("model"), "messages": messages}
+    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"),
+                         ("max_tokens", "max_output_tokens"), ("seed", "seed"),
+                         ("parallel_tool_calls", "parallel_tool_calls")):  # fmt: skip
+        if body.get(theirs) is not None:
+            out[ours] = body[theirs]
+    tools = body.get("tools")
+    if tools:
+        bad = [t for t in tools if not (isinstance(t, dict) and t.get("type") == "function")]
+        if bad:
+            raise InvalidInputError("only function tools are supported", "tools")
+        out["tools"] = [
+            {
+                "type": "function",
+                "function": {k: t[k] for k in ("name", "description", "parameters") if k in t},
+            }  # fmt: skip
+            for t in tools
+        ]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if choice is not None:
+        out["tool_choice"] = choice
+    fmt = (body.get("text") or {}).get("format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        out["response_format"] = {"type": "json_schema", "json_schema": {
+            k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}  # fmt: skip
+    elif fmt is not None:
+        out["response_format"] = fmt
+    effort = (body.get("reasoning") or {}).get("effort")
+    if effort is not None:
+        out["reasoning_effort"] = effort
+    return ChatCompletionRequest.model_validate(out)
+
+
+class ResponsesServing:
+    def __init__(self, chat: ChatServing, store: ResponseStore | None = None) -> None:
+        self.chat = chat
+        self.store = store or ResponseStore()
+
+    async def create(self, body: dict, request: Request):
+        prev_id = body.get("previous_response_id")
+        history: list[dict] = []
+        session = None
+        if prev_id is not None:
+            found = self.store.get(prev_id)
+            if found is None:
+                raise InvalidInputError(
+                    f"previous response {prev_id!r} was not found (not stored, or evicted)",
+                    "previous_response_id",
+                )
+            history, prev = found
+            session = prev.get("_session")
+        new = input_messages(body.get("input", ""))
+        system = [{"role": "system", "content": body["instructions"]}] if body.get(
+            "instructions") else []  # fmt: skip
+        messages = system + history + new
+        req = chat_request(body, messages)
+        rid = f"resp_{uuid.uuid4().hex}"
+        session = session or rid  # the chain's blocks outlive each turn for the session TTL
+        req.session_id = session
+        streams, parsers, _ = await self.chat.prepare(rid, req, request)
+        state = {"rid": rid, "body": body, "history": history + new, "session": session}
+        if body.get("stream"):
+            events = self._events(state, streams, parsers[0])
+            return StreamingResponse(events, media_type="text/event-stream")
+        return await self.chat.run_unless_disconnected(
+            request, streams, self._collect(state, streams, parsers[0])
+        )
+
+    async def _collect(self, state: dict, streams, parser) -> dict:
+        last = None
+        async for _, out in merge(streams):
+            last = out
+        c = last.outputs[0]
+        parsed = parser.parse(c.text, final=True)
+        return self._finish(state, last, c, parsed, [new_call_id() for _ in parsed.calls])
+
+    def _finish(self, state, out, c, parsed: Parsed, call_ids: list[str]) -> dict:
+        items = output_items(parsed, call_ids)
+        usage = self.chat.usage([out])
+        reasoning = len(self.chat.tok.encode(parsed.reasoning, False)) if parsed.reasoning else 0
+        response = {
+            "id": state["rid"],
+            "object": "response",
+            "created_at": int(time.time()),
+            "status": "completed" if c.finish_reason != "length" else "incomplete",
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if c.finish_reason == "length"
+            else None,
+            "error": None,
+            "model": state["body"].get("model") or self.chat.model_name,
+            "output": items,
+            "previous_response_id": state["body"].get("previous_response_id"),
+            "instructions": state["body"].get("instructions"),
+            "store": state["body"].get("store", True),
+            "tools": state["body"].get("tools") or [],
+            "tool_choice": state["body"].get("tool_choice", "auto"),
+            "parallel_tool_calls": state["body"].get("parallel_tool_calls", True),
+            "temperature": state["body"].get("temperature"),
+            "top_p": state["body"].get("top_p"),
+            "max_output_tokens": state["body"].get("max_output_tokens"),
+            "metadata": state["body"].get("metadata") or {},
+            "usage": {
+                "input_tokens": usage["prompt_tokens"],
+                "input_tokens_details": {
+                    "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]
+                },  # fmt: skip
+                "output_tokens": usage["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": reasoning},
+                "total_tokens": usage["total_tokens"],
+            },
+        }
+        if state["body"].get("store", True):
+            reply = {"role": "assistant", "content": parsed.content or None}
+            if parsed.calls:
+                reply["tool_calls"] = [
+                    {"id": i, "type": "function",
+                     "function": {"name": call.name, "arguments": call.arguments}}
+                    for call, i in zip(parsed.calls, call_ids, strict=True)
+                ]  # fmt: skip
+            elif reply["content"] is None:
+                reply["content"] = ""
+            self.store.put(state["rid"], [*state["history"], reply],
+                           {**response, "_session": state["session"]})  # fmt: skip
+        return response
+
+    async def _events(self, state: dict, streams, parser):
+        seq = 0
+
+        def event(kind: str, **data) -> str:
+            nonlocal seq
+            seq += 1
+            payload = {"type": kind, "sequence_number": seq, **data}
+            return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+        head = {"id": state["rid"], "object": "response", "status": "in_progress",
+                "model": self.chat.model_name, "output": []}  # fmt: skip
+        yield event("response.created", response=head)
+        yield event("response.in_progress", response=head)
+        streamer = Streamer(parser)
+        text_item = f"msg_{uuid.uuid4().hex}"
+        opened = False
+        last = None
+        try:
+            async for _, out in merge(streams):
+                last = out
+                c = out.outputs[0]
+                content, reasoning, calls = streamer.feed(c.text, c.finish_reason is not None)
+                if reasoning:
+                    yield event("response.reasoning_text.delta", item_id=f"rs_{state['rid']}",
+                                output_index=0, content_index=0, delta=reasoning)  # fmt: skip
+                if content and not opened:
+                    opened = True
+                    yield event("response.output_item.added", output_index=0, item={
+                        "type": "message", "id": text_item, "role": "assistant",
+                        "status": "in_progress", "content": []})  # fmt: skip
+                if content:
+                    yield event("response.output_text.delta", item_id=text_item,
+                                output_index=0, content_index=0, delta=content)  # fmt: skip
+                for d in calls:
+                    yield event("response.function_call_arguments.delta",
+                                item_id=f"fc_{d['index']}", output_index=d["index"],
+                                delta=d["arguments"])  # fmt: skip
+        except Exception as exc:
+            yield event("error", message=str(exc), code="engine_error")
+            return
+        finally:
+            for s in streams:
+                s.abort()
+        if last is None:
+            return
+        c = last.outputs[0]
+        parsed = streamer.sent
+        response = self._finish(state, last, c, parsed, list(streamer.ids))
+        for i, item in enumerate(response["output"]):
+            if item["type"] == "message":
+                yield event("response.output_text.done", item_id=text_item, output_index=i,
+                            content_index=0, text=parsed.content)  # fmt: skip
+            yield event("response.output_item.done", output_index=i, item=item)
+        yield event("response.completed", response=response)
+
+
+def output_items(parsed: Parsed, call_ids: list[str]) -> list[dict]:
+    items: list[dict] = []
+    if parsed.reasoning:
+        text = {"type": "reasoning_text", "text": parsed.reasoning}
+        items.append(
+            {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [], "content": [text]}
+        )
+    if parsed.content.strip() or not parsed.calls:
+        items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant",
+                      "status": "completed", "content": [{"type": "output_text",
+                      "text": parsed.content, "annotations": []}]})  # fmt: skip
+    for call, cid in zip(parsed.calls, call_ids, strict=True):
+        items.append(
+            {"type": "function_call", "id": f"fc_{cid}", "call_id": cid, "name": call.name,
+             "arguments": call.arguments, "status": "completed"}
+        )  # fmt: skip
+    return items
+
+
+def install_responses_routes(app: FastAPI, serving: ResponsesServing, check_model) -> None:
+    @app.post("/v1/responses")
+    async def create(request: Request):
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except ValueError:
+            raise InvalidInputError("request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise InvalidInputError("request body must be a JSON object")
+        return check_model(body.get("model")) or await serving.create(body, request)
+
+    # Not in the OpenAPI spec: FastAPI would describe a 422 for the path parameter, which we
+    # never send (an unknown id is a 404).
+    @app.get("/v1/responses/{rid}", include_in_schema=False)
+    async def get(rid: str):
+        found = serving.store.get(rid)
+        if found is None:
+            return JSONResponse(error_body(f"response {rid!r} not found", "not_found_error"),
+                                status_code=404)  # fmt: skip
+        return {k: v for k, v in found[1].items() if not k.startswith("_")}
+
+    @app.delete("/v1/responses/{rid}", include_in_schema=False)
+    async def delete(rid: str):
+        if not serving.store.delete(rid):
+            return JSONResponse(error_body(f"response {rid!r} not found", "not_found_error"),
+                                status_code=404)  # fmt: skip
+        return {"id": rid, "object": "response", "deleted": True}

@@ -1,0 +1,104 @@
+"""Ollama's API through the official `ollama` client: chat, generate, streams, tools, format
+and think; the listing routes; errors in Ollama's shape."""
+
+import json
+
+import httpx
+import jsonschema_rs
+import ollama
+import pytest
+
+from hetserve.config import EngineConfig
+from hetserve.engine.async_llm import AsyncLLM
+from tests.server.conftest import LiveServer
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}, "n": {"type": "integer",
+                   "minimum": 0, "maximum": 9}},
+    "required": ["city", "n"],
+    "additionalProperties": False,
+}  # fmt: skip
+USER = [{"role": "user", "content": "hello the model"}]
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model):
+    engine = AsyncLLM(EngineConfig(model=str(tiny_model("qwen3-moe")), max_model_len=1024))
+    s = LiveServer(engine)
+    yield s
+    s.stop()
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return ollama.Client(host=srv.url)
+
+
+def test_listing_routes(client, srv):
+    assert [m.model for m in client.list().models] == ["tiny"]
+    assert [m.model for m in client.ps().models] == ["tiny"]
+    show = client.show("tiny")
+    assert "tools" in show.capabilities and "thinking" in show.capabilities
+    assert "<tool_call>" in show.template
+    assert httpx.get(srv.url + "/api/version").json()["version"]
+
+
+def test_chat_and_stream_agree(client):
+    opts = {"num_predict": 12, "seed": 4, "temperature": 0.7, "top_k": 20, "repeat_penalty": 1.1}
+    whole = client.chat(model="tiny", messages=USER, options=opts, stream=False)
+    assert whole.done and whole.eval_count == 12 and whole.done_reason == "length"
+    assert whole.prompt_eval_count > 0
+    parts = list(client.chat(model="tiny", messages=USER, options=opts, stream=True))
+    assert parts[-1].done and not any(p.done for p in parts[:-1])
+    assert "".join(p.message.content for p in parts) == whole.message.content
+
+
+def test_generate_and_stream(client):
+    whole = client.generate(model="tiny", prompt="hello", options={"num_predict": 6, "seed": 1})
+    parts = list(client.generate(model="tiny", prompt="hello", stream=True,
+                                 options={"num_predict": 6, "seed": 1}))  # fmt: skip
+    assert "".join(p.response for p in parts) == whole.response and whole.eval_count == 6
+    assert client.generate(model="tiny", prompt="").done_reason == "load"
+
+
+@pytest.mark.parametrize("fmt", ["json", SCHEMA])
+def test_format_constrains_the_reply(client, fmt):
+    r = client.chat(model="tiny", messages=USER, format=fmt, options={"num_predict": 200,
+                    "seed": 2})  # fmt: skip
+    assert r.message.content.startswith("{")
+    if fmt == SCHEMA:
+        jsonschema_rs.validate(SCHEMA, json.loads(r.message.content))
+    gen = client.generate(model="tiny", prompt="hi", format=fmt, options={"num_predict": 200,
+                          "seed": 3})  # fmt: skip
+    assert gen.response.startswith("{")  # any object may not end within 200 tokens
+    if gen.done_reason == "stop":
+        assert isinstance(json.loads(gen.response), dict)
+
+
+def test_tools_and_think(client):
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}
+    history = [
+        *USER,
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"function": {"name": "get_weather", "arguments": {"city": "Oslo", "n": 1}}}]},
+        {"role": "tool", "tool_name": "get_weather", "content": "cold"},
+    ]  # fmt: skip
+    r = client.chat(model="tiny", messages=history, tools=[tool], options={"num_predict": 4})
+    assert r.done and r.prompt_eval_count > 60
+    on = client.chat(model="tiny", messages=USER, think=True, options={"num_predict": 1})
+    off = client.chat(model="tiny", messages=USER, think=False, options={"num_predict": 1})
+    assert off.prompt_eval_count > on.prompt_eval_count  # the empty <think></think>
+
+
+def test_errors_in_ollama_shape(client, srv):
+    with pytest.raises(ollama.ResponseError) as err:
+        client.chat(model="nope", messages=USER)
+    assert err.value.status_code == 404 and "nope" in err.value.error
+    with pytest.raises(ollama.ResponseError) as err:
+        client.chat(model="tiny", messages=USER, options={"temperature": 9})
+    assert err.value.status_code == 400 and "temperature" in err.value.error
+    r = httpx.post(srv.url + "/api/chat", json={"model": "tiny", "messages": USER,
+                                                  "format": "xml"})  # fmt: skip
+    assert r.status_code == 400 and "format" in r.json()["error"]

@@ -1,0 +1,49 @@
+"""The command line as a new user first meets it: help and version, a bad or busy port refused
+before the model loads, and `hetserve chat` with commands and a check of the server."""
+
+import io
+import socket
+import sys
+
+import pytest
+
+from hetserve.cli import main
+
+
+def test_bare_hetserve_is_help_with_examples(capsys):
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert "examples:" in out and "hetserve serve" in out and "COMMAND" in out
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("hetserve ")
+
+
+@pytest.mark.parametrize("port", [80000, 0])
+def test_impossible_port_is_one_line_before_loading(port, capsys):
+    assert main(["serve", "--model", "/nonexistent", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--port must be in 1..65535" in err
+
+
+def test_busy_port_is_one_line_before_loading(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        # /nonexistent would fail to load: the port check must come first
+        assert main(["serve", "--model", "/nonexistent", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "in use" in err
+
+
+def test_chat_checks_the_server_first(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["chat", "--url", f"http://127.0.0.1:{port}"]) == 2
+    assert "is the server running" in capsys.readouterr().err
