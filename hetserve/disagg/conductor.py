@@ -35,9 +35,9 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from hetserve.core.block_hash import hash_prefix_blocks
 from hetserve.disagg.instances import Cluster
 from hetserve.disagg.policy import Decision, RequestInfo, Router
+from hetserve.native.hash_chain import hash_prefix_digests
 
 log = logging.getLogger(__name__)
 # The prefill half computes the prompt and one token: what would ask more of it goes.
@@ -104,7 +104,7 @@ class Conductor:
 
     def decide(self, path: str, body: Mapping[str, Any]) -> tuple[Decision, RequestInfo]:
         ids = self.prompt_ids(path, body)
-        hashes = hash_prefix_blocks(ids, self.cluster.block_size, (), self.cluster.hash_seed)
+        hashes = hash_prefix_digests(ids, self.cluster.block_size, (), self.cluster.hash_seed)
         limit = body.get("max_tokens") or body.get("max_completion_tokens") or 0
         req = RequestInfo(
             uuid.uuid4().hex,

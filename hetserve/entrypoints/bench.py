@@ -19,6 +19,7 @@ BENCH_MODULES: list[str] = [
     "hetserve.bench.kernel_ceiling",  # experts backends cache-resident vs cold, per probe
     "hetserve.bench.decode",
     "hetserve.bench.handoff",  # prefill -> decode hand-off paths side by side
+    "hetserve.bench.conductor",  # the Conductor's cost per request
     "hetserve.bench.finetune",  # LoRA training vs transformers + PEFT
     "hetserve.bench.experts_backward",  # the native experts backward vs torch's, GEMM peak
     "hetserve.bench.lora",  # what serving LoRA adapters costs in a batch

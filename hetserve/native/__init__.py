@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 HERE = Path(__file__).parent
 SOURCES = ("pool.c", "moe_kernels.c", "linear_kernels.c", "attention.c", "small_ops.c",
-           "moe_backward.c", "decode_layers.c")  # fmt: skip
+           "moe_backward.c", "decode_layers.c", "hashing.c")  # fmt: skip
 HEADERS = ("pool.h", "simd.h", "moe_quads.h", "moe_formats.h", "moe_q4k.h")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared"]
 # What each instruction set adds to CFLAGS, and the /proc/cpuinfo flags it needs.
@@ -109,7 +109,7 @@ def _compile(compiler: str, flags: list[str], target: Path) -> str | None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *flags, "-o", tmp, *(str(HERE / n) for n in SOURCES), "-lm"]
+        cmd = [compiler, *flags, "-o", tmp, *(str(HERE / n) for n in SOURCES), "-lm", "-ldl"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             return (proc.stderr.strip().splitlines() or ["?"])[0]
@@ -123,6 +123,10 @@ def _compile(compiler: str, flags: list[str], target: Path) -> str | None:
 _I, _L, _F, _P = ctypes.c_int, ctypes.c_long, ctypes.c_float, ctypes.c_void_p
 # Each exported function: (restype, argtypes), as declared in the C sources.
 _SIGNATURES = {
+    "hetserve_hash_blocks": (
+        _I,
+        [_P, ctypes.c_int64, _P, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int64, _P],
+    ),  # native/hash_chain.py; fmt: skip
     "hetserve_moe_new": (_P, [_I] * 5 + [_P] * 6 + [_I, _F, _F]),  # moe/cpu_native.py
     "hetserve_moe_free": (None, [_P]),
     "hetserve_moe_run": (_I, [_P, _I, _I, _I] + [_P] * 4),
