@@ -53,8 +53,11 @@ class BlockPool:
         self._protected: OrderedDict[int, tuple[KVBlock, float]] = OrderedDict()
         self.now = 0.0
         # Told of each cached block the moment it is handed out again: its bytes are still in
-        # place until the next forward writes over them (the KV tiers' write-back).
-        self.on_evict: Callable[[Eviction], None] | None = None
+        # place until the next forward writes over them (the KV tiers' write-back, KV events).
+        self.on_evict: list[Callable[[Eviction], None]] = []
+        # Told of each identity `drop_cached` forgets (KV events; no bytes to save: the tiers
+        # keep what they saved, and a reset is not an eviction).
+        self.on_drop: list[Callable[[BlockHash], None]] = []
 
     def set_time(self, now: float) -> None:
         """Advance the clock; protected blocks whose time has passed become plain free blocks
@@ -101,8 +104,8 @@ class BlockPool:
             else:  # only protected blocks are left: the one whose time ends first goes
                 _, (b, until) = self._protected.popitem(last=False)
             if b.block_hash is not None:  # evict its cached identity
-                if self.on_evict is not None:
-                    self.on_evict(Eviction(b.block_id, b.block_hash, until))
+                for fn in self.on_evict:
+                    fn(Eviction(b.block_id, b.block_hash, until))
                 del self._cached[b.block_hash]
                 b.block_hash = None
             b.ref_cnt = 1
@@ -149,6 +152,8 @@ class BlockPool:
         for b in self._free.values():
             if b.block_hash is not None:
                 del self._cached[b.block_hash]
+                for fn in self.on_drop:
+                    fn(b.block_hash)
                 b.block_hash = None
                 dropped += 1
         return dropped

@@ -11,7 +11,7 @@ them as ordinary prefix hits.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from hetserve.core.block_hash import hash_block_tokens
 from hetserve.core.request import Request
@@ -22,6 +22,16 @@ class BlockHolder(Protocol):
     def held_blocks(self) -> Iterable[KVBlock]:
         """Every reference it holds, a block once per reference."""
         ...
+
+
+class CachedBlock(NamedTuple):
+    """A full block newly registered in the prefix cache, as its listeners are told of it."""
+
+    request: Request
+    position: int  # its index in the request's sequence of blocks
+    block: KVBlock
+    is_prompt: bool  # holds only prompt tokens
+    loaded: bool  # its KV came from a KV tier (not computed here)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -44,9 +54,9 @@ class KVCacheManager:
         self.session_ttl_s = session_ttl_s  # how long a session's freed blocks are kept
         self.tables: dict[str, list[KVBlock]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks of a table already registered
-        # Told of each full block the moment it is first registered (the block, whether it
-        # holds only prompt tokens): what a write-through store saves. The KV tiers set it.
-        self.on_cached: Callable[[KVBlock, bool], None] | None = None
+        # Told of each full block the moment it is first registered: what a write-through
+        # store saves (the KV tiers) and what KV events announce.
+        self.on_cached: list[Callable[[CachedBlock], None]] = []
         self._holders: list[BlockHolder] = []  # others holding references (the KV tiers)
         self.queries = 0  # full prompt blocks looked up at admission (once per request)
         self.hits = 0  # of those, found in the device pool (loaded ones included)
@@ -144,11 +154,25 @@ class KVCacheManager:
         table = self.tables[req.request_id]
         prompt_blocks = req.num_prompt_tokens // self.block_size
         for i in range(done, full):
-            if table[i].block_hash is None:
-                self.pool.cache(table[i], req.block_hashes[i])
-                if self.on_cached is not None and table[i].block_hash is not None:  # first
-                    self.on_cached(table[i], i < prompt_blocks)
+            self.cache_block(req, i, table[i], prompt_blocks)
         self._num_cached[req.request_id] = full
+
+    def cache_block(
+        self, req: Request, index: int, block: KVBlock, prompt_blocks: int, loaded: bool = False
+    ) -> bool:
+        """Register `block` as `req`'s block `index` (full; computed here, or `loaded` from a
+        KV tier) and tell the listeners. False where it has an identity already, or another
+        block holds this one (first writer wins)."""
+        if block.block_hash is not None:
+            return False
+        self.pool.cache(block, req.block_hashes[index])
+        if block.block_hash is None:
+            return False
+        if self.on_cached:
+            cached = CachedBlock(req, index, block, index < prompt_blocks, loaded)
+            for fn in self.on_cached:
+                fn(cached)
+        return True
 
     def free(self, req: Request) -> None:
         table = self.tables.pop(req.request_id, [])

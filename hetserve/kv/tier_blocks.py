@@ -60,9 +60,10 @@ class TierBlocks:
         table = self.loading.pop(req.request_id)
         held = self.holds.setdefault(req.request_id, [])
         kept = []
+        prompt_blocks = req.num_prompt_tokens // self.kv.block_size
         for i, block in enumerate(table[:ok]):
-            self.pool.cache(block, req.block_hashes[first_block + i])
-            if block.block_hash is not None:  # not a copy of a block cached meanwhile
+            # False: a copy of a block cached meanwhile
+            if self.kv.cache_block(req, first_block + i, block, prompt_blocks, loaded=True):
                 kept.append(block)
         held += kept
         self.pool.free([b for b in reversed(table) if b not in kept])

@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hetserve.core.block_hash import BlockHash
@@ -68,7 +69,9 @@ class Saver:
         self._thread = threading.Thread(target=self._work, daemon=True, name="hetserve-kv-save")
         self._thread.start()
         self._evicted: list[Eviction] = []  # handed out since the last capture
-        self.pool.on_evict = self._evicted.append
+        self.pool.on_evict.append(self._evicted.append)
+        # Told of the blocks each successful save put in the store (KV events).
+        self.on_saved: list[Callable[[list[BlockHash]], None]] = []
 
     def known(self, h: BlockHash | None) -> bool:
         return h is None or h in self._known
@@ -205,6 +208,8 @@ class Saver:
             self.save_bytes += len(job.hashes) * self.io.bytes_per_block
             for h in job.hashes:
                 self._remember(h)
+            for fn in self.on_saved:
+                fn(job.hashes)
         else:
             self.failed += len(job.hashes)
         if job.blocks is not None:

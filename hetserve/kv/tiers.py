@@ -29,7 +29,7 @@ from hetserve.core.stats import TierStats
 from hetserve.kv.block_io import BlockIO
 from hetserve.kv.block_pool import KVBlock
 from hetserve.kv.loader import LoadState
-from hetserve.kv.manager import KVCacheManager
+from hetserve.kv.manager import CachedBlock, KVCacheManager
 from hetserve.kv.tier_blocks import TierBlocks
 from hetserve.kv.tier_ledger import LoadCounters
 from hetserve.kv.tier_loads import STAGED, Loads
@@ -72,7 +72,11 @@ class TierManager:
             period_s=poll_s,
         )  # fmt: skip
         self._fresh: list[tuple[KVBlock, bool]] = []  # blocks cached since the last step
-        kv.on_cached = lambda block, is_prompt: self._fresh.append((block, is_prompt))
+        kv.on_cached.append(self._on_cached)
+
+    def _on_cached(self, cached: CachedBlock) -> None:
+        if not cached.loaded:  # a loaded block is in the store already
+            self._fresh.append((cached.block, cached.is_prompt))
 
     def expect(self, running: Sequence[Request], budget: int) -> None:
         """Before scheduling (the engine calls it): a load started now waits through the steps

@@ -34,7 +34,7 @@ are stored under their hex form so `BlockHash.digest` and `BlockHash.hex()` name
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -105,6 +105,8 @@ class ReplicateConfig:
 
 
 Key = str | bytes
+# Told where an object went: (normalized name, tier it was in, tier it is in; None = absent).
+PlacementListener = Callable[[str, str | None, str | None], None]
 # Anything exposing the buffer protocol, or a torch CPU tensor (converted by `as_memoryview`).
 Buffer = object
 # One value as flat byte views, in order: the value is their concatenation.
@@ -260,6 +262,14 @@ class KVStore(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release connections and memory; the store is unusable afterwards."""
+
+    def watch(self, listener: PlacementListener) -> bool:
+        """Have `listener(name, old_tier, new_tier)` called whenever an object arrives in a
+        tier, moves between tiers or leaves the store (None: not there), from whichever thread
+        moved it and under the store's lock (the listener only records; it must not call the
+        store). Returns False, and never calls it, where the backend cannot tell: objects that
+        other processes place and evict (pool, Mooncake, Redis)."""
+        return False
 
     def make_cold(self, key: Key) -> None:
         """Make the next read of `key` come from its medium, not a cache in front of it (the

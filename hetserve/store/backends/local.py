@@ -29,6 +29,7 @@ from hetserve.store.api import (
     Key,
     KVStore,
     Parts,
+    PlacementListener,
     ReplicateConfig,
     StoreCapacityError,
     TierInfo,
@@ -64,6 +65,7 @@ class LocalStore(KVStore):
         self._pins: dict[str, float] = {}  # soft-pinned DRAM objects -> until (monotonic)
         # One lock over index and copies: a reader never races the reuse of an extent.
         self._lock = threading.Lock()
+        self._watchers: list[PlacementListener] = []
 
     @property
     def dram_used(self) -> int:
@@ -98,15 +100,29 @@ class LocalStore(KVStore):
         if n > room:
             raise StoreCapacityError(f"value of {n} bytes exceeds the store's capacity {room}")
         with self._lock:
+            was = self._tier_locked(key)
             self._remove_locked(key)
             if tier == TIER_SSD or n > self.dram_capacity:  # the SSD tier may be all that fits
                 if self.ssd is None or n > self.ssd.capacity:
+                    self._moved(key, was, None)
                     raise StoreCapacityError(f"value of {n} bytes exceeds the SSD tier")
-                self.ssd.write(key, parts, checksum.digest_parts(parts))
+                self._ssd_write_locked(key, parts, checksum.digest_parts(parts))
+                self._moved(key, was, TIER_SSD)
                 return
             off = self._make_room_locked(n)
             dst = self._arena[off : off + n]
             self._dram[key] = Entry(off, n, checksum.copy_and_digest_parts([dst], parts))
+            self._moved(key, was, TIER_DRAM)
+
+    def _moved(self, key: str, old: str | None, new: str | None) -> None:
+        if old != new:
+            for fn in self._watchers:
+                fn(key, old, new)
+
+    def _ssd_write_locked(self, key: str, parts: Parts, digest: int) -> None:
+        assert self.ssd is not None
+        for gone in self.ssd.write(key, parts, digest):
+            self._moved(gone, TIER_SSD, None)
 
     def _make_room_locked(self, n: int) -> int:
         """An extent of n bytes, spilling LRU objects to SSD (or dropping them) until one fits."""
@@ -115,7 +131,10 @@ class LocalStore(KVStore):
             e = self._dram.pop(old)  # the arena holds n, so this cannot run dry
             self._pins.pop(old, None)
             if self.ssd is not None and e.size <= self.ssd.capacity:
-                self.ssd.write(old, [self._arena[e.offset : e.offset + e.size]], e.digest)
+                self._ssd_write_locked(old, [self._arena[e.offset : e.offset + e.size]], e.digest)
+                self._moved(old, TIER_DRAM, TIER_SSD)
+            else:
+                self._moved(old, TIER_DRAM, None)
             self._alloc.free(e.offset, e.size)
         return off
 
@@ -136,6 +155,7 @@ class LocalStore(KVStore):
             src = self._arena[e.offset : e.offset + e.size]
             if checksum.copy_and_digest_parts(parts, [src]) != e.digest:
                 self._remove_locked(key)  # damaged: a miss now and later
+                self._moved(key, TIER_DRAM, None)
                 return None
             return e.size
 
@@ -144,6 +164,7 @@ class LocalStore(KVStore):
         got = self.ssd.read_into(key, parts)
         if got is None or checksum.digest_parts(parts) != got[1]:
             self.ssd.remove(key)  # damaged: report a miss, and never again serve it
+            self._moved(key, TIER_SSD, None)
             return None
         n, value_digest = got
         if n <= self.dram_capacity:  # promote: the next hit is a DRAM hit
@@ -151,6 +172,7 @@ class LocalStore(KVStore):
             off = self._make_room_locked(n)
             checksum.copy_and_digest_parts([self._arena[off : off + n]], parts)
             self._dram[key] = Entry(off, n, value_digest)
+            self._moved(key, TIER_SSD, TIER_DRAM)
         return n
 
     def get(self, key: Key) -> bytes | None:
@@ -207,7 +229,14 @@ class LocalStore(KVStore):
     def remove(self, key: Key) -> bool:
         key = normalize_key(key)
         with self._lock:
+            was = self._tier_locked(key)
+            self._moved(key, was, None)
             return self._remove_locked(key)
+
+    def watch(self, listener: PlacementListener) -> bool:
+        with self._lock:
+            self._watchers.append(listener)
+        return True
 
     def _victim_locked(self) -> str:
         """The LRU object that is not soft-pinned (pins that have run out count as none); when
