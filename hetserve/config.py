@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import enum
+import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -68,6 +69,12 @@ class CacheConfig:
     # A request with a session_id keeps its blocks from eviction this long after it ends (while
     # other free blocks exist), so the session's next turn finds them: agentic traffic.
     session_ttl_s: float = 600.0
+    # KV events in vLLM's format on ZMQ (`disagg/kv_publisher.py`): tcp://HOST:PORT of the PUB
+    # socket, the replay socket (default PORT+1), and the shared token that secures them beyond
+    # loopback (the server's API key; not a flag of its own).
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -82,6 +89,36 @@ class CacheConfig:
             raise ValueError("session_ttl_s must be >= 0")
         if self.kv_store is not None and not self.enable_prefix_caching:
             raise ValueError("a KV store works behind the prefix cache; do not turn it off")
+        if self.kv_events_replay is not None and self.kv_events is None:
+            raise ValueError("kv_events_replay needs kv_events")
+        if self.kv_events is not None:
+            hosts = [tcp_endpoint(e)[0] for e in (self.kv_events, self.kv_events_replay) if e]
+            if not self.kv_events_token and not all(is_loopback_host(h) for h in hosts):
+                raise ValueError(
+                    f"KV events bound beyond loopback ({self.kv_events}) need a shared token: "
+                    "pass --api-key (or set HETSERVE_API_KEY), or bind 127.0.0.1"
+                )
+
+
+def tcp_endpoint(endpoint: str) -> tuple[str, int]:
+    """`tcp://HOST:PORT` -> (host, port); ValueError naming it otherwise. Port 0 or `*` means a
+    free port."""
+    host, sep, port = endpoint.removeprefix("tcp://").rpartition(":")
+    port = "0" if port == "*" else port
+    if not endpoint.startswith("tcp://") or not sep or not host or not port.isdigit():
+        raise ValueError(f"expected a tcp://HOST:PORT address, got {endpoint!r}")
+    if int(port) > 65535:
+        raise ValueError(f"port {port} of {endpoint!r} is out of range")
+    return host, int(port)
+
+
+def is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -315,6 +352,20 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "session_ttl", "cache", "session_ttl_s",
         "seconds a session's KV blocks are kept from eviction after its request ends "
         "(requests with a session_id)", float,
+    ),
+    EngineOption(
+        "kv_events", "cache", "kv_events",
+        "publish KV events (vLLM's format: msgpack batches on ZMQ PUB, replay on PORT+1) here; "
+        "beyond loopback they need --api-key", extra={"metavar": "tcp://HOST:PORT"},
+    ),
+    EngineOption(
+        "kv_events_replay", "cache", "kv_events_replay",
+        "the KV events' replay socket (default: the --kv-events port + 1)",
+        extra={"metavar": "tcp://HOST:PORT"},
+    ),
+    EngineOption(
+        "kv_events_token", "cache", "kv_events_token",
+        "shared token of the KV event sockets", flag="",  # serve passes its API key
     ),
     EngineOption("max_num_seqs", "scheduler", "max_num_seqs", "sequences per step", int),
     EngineOption(

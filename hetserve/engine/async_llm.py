@@ -197,6 +197,17 @@ class AsyncLLM:
         self._commands.put(_Call(fn, future))
         return await asyncio.wrap_future(future)
 
+    def kv_info(self) -> dict[str, object]:
+        """How the engine names and publishes its KV (see EngineCore.kv_info; thread-safe)."""
+        return self.engine.kv_info()
+
+    def kv_snapshot(self) -> tuple[int, float, dict[str, list[bytes]]] | None:
+        """Every block the KV events say the engine holds, per medium, and the event batch
+        this is current as of, with its time stamp (thread-safe); None while KV events are
+        off."""
+        pub = self.engine.kv_events
+        return None if pub is None else pub.snapshot()
+
     @property
     def handoff_address(self) -> str | None:
         """Where this engine receives prefill/decode hand-offs (None: it does not)."""

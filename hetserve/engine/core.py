@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +41,9 @@ from hetserve.model.build import build_model
 from hetserve.model.tokenizer import Tokenizer
 from hetserve.sched.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from hetserve.structured import GrammarCompiler
+
+if TYPE_CHECKING:
+    from hetserve.disagg.kv_publisher import KVEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -74,17 +78,26 @@ class EngineCore:
         self.kv = KVCacheManager(
             num_blocks, bs, cfg.cache.enable_prefix_caching, seed, cfg.cache.session_ttl_s
         )
+        c = cfg.cache
+        self.kv_events: KVEventPublisher | None = None  # bound before anything else starts
+        if c.kv_events is not None:
+            from hetserve.disagg.kv_publisher import open_publisher
+
+            self.kv_events = open_publisher(
+                self.kv, c.kv_events, c.kv_events_replay, c.kv_events_token
+            )
         self.tiers: TierManager | None = None
         self.kv_summary: str | None = None  # the start-up line of the KV tiers
         role = cfg.disagg.role
-        io = BlockIO(self.runner.kv) if cfg.cache.kv_store or role is not Role.BOTH else None
-        if cfg.cache.kv_store is not None:
+        io = BlockIO(self.runner.kv) if c.kv_store or role is not Role.BOTH else None
+        if c.kv_store is not None:
             assert io is not None
-            c = cfg.cache
             self.tiers, self.kv_summary = open_tiers(
                 c.kv_store, c.kv_save, c.kv_load, self.kv, io, self.runner
             )
             log.info("%s", self.kv_summary)
+            if self.kv_events is not None:
+                self.kv_events.follow(self.tiers.store, self.tiers.saver.on_saved)
         self.handoff = (
             Handoff() if io is None else open_handoff(cfg.disagg, self.kv, io, self.tiers)
         )
@@ -97,6 +110,15 @@ class EngineCore:
         self.executor = StepExecutor(self.runner, self.seqs, self.eos_ids, self.lora)
         self._counts = {"steps": 0, "preemptions": 0, "prompt_tokens": 0, "generation": 0}
         self._finished: dict[str, int] = {}
+        tiers = [] if self.tiers is None else [t.name for t in self.tiers.store.tiers()]
+        self._kv_info: dict[str, object] = {
+            "block_size": bs,
+            "hash_seed": seed.hex(),
+            "prefix_caching": c.enable_prefix_caching,
+            "num_blocks": self.kv.pool.num_usable,
+            "store_tiers": tiers,
+            "kv_events": None if self.kv_events is None else self.kv_events.describe(),
+        }
 
     # ---- requests -----------------------------------------------------------------------------
     def validate(self, new: NewRequest) -> NewRequest:
@@ -353,13 +375,22 @@ class EngineCore:
         """The routing statistics being recorded (MoEConfig.record_routing_stats), else None."""
         return self.model.routing_stats
 
+    def kv_info(self) -> dict[str, object]:
+        """How this engine names and publishes its KV (fixed at start; any thread): a Conductor
+        hashes prompts with `block_size` and `hash_seed` (the root of every chained block
+        hash) as this engine does, and follows its KV events at `kv_events` (None: off)."""
+        return dict(self._kv_info)
+
     def close(self) -> None:
-        """Save the KV the store does not have yet (bounded) and close it."""
+        """Save the KV the store does not have yet (bounded) and close it; the KV events say
+        the instance holds nothing and stop."""
         self.handoff.close()
         self.handoff = Handoff()
         if self.tiers is not None:
             self.tiers.close()
             self.tiers = None
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def check_integrity(self) -> None:
         sched = self.scheduler

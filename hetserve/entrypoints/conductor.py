@@ -74,11 +74,14 @@ def _run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
+    import asyncio
+
     import uvicorn
 
     from hetserve.config import Role
     from hetserve.disagg.conductor import Conductor, ConductorConfig, create_conductor_app
     from hetserve.disagg.instances import Cluster
+    from hetserve.disagg.kv_subscriber import KVEventSubscriber
     from hetserve.disagg.policy import Router, RouterConfig
     from hetserve.engine.setup import resolve_model_dir
     from hetserve.model.tokenizer import Tokenizer
@@ -100,8 +103,18 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
     model_dir = resolve_model_dir(args.model)
     name = args.served_model_name or (args.model.rstrip("/").split("/")[-1] if args.model
                                       else "hetserve-demo")  # fmt: skip
+    index = KVEventSubscriber()  # which instance holds which prefix, from their KV events
+    for inst in cluster.instances.values():
+        try:
+            await asyncio.to_thread(index.add, inst.name, inst.url, key)
+        except ConnectionError as exc:  # routed as if it held nothing
+            print(f"no KV index of {inst.name}: {exc}", flush=True)
     conductor = Conductor(
-        cluster, router, Tokenizer(model_dir), ConductorConfig(args.handoff_path, api_key=api_key)
+        cluster,
+        router,
+        Tokenizer(model_dir),
+        ConductorConfig(args.handoff_path, api_key=api_key),
+        holdings=index.holdings,
     )
     if args.log_requests:
         from hetserve.sim.trace import RequestLogWriter
@@ -117,4 +130,5 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
     try:
         await uvicorn.Server(config).serve()
     finally:
+        index.close()
         await cluster.close()

@@ -16,7 +16,11 @@ def register(sub) -> None:
     g = s.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None, help="require this bearer token on /v1/*")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require this bearer token on /v1/* and /internal/* (and secure --kv-events)",
+    )
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--log-level", default="warning")
     g.add_argument(
@@ -130,6 +134,7 @@ def serve(args: argparse.Namespace) -> int:
     from hetserve.server.app import create_app
 
     args.record_routing_stats = bool(args.save_routing_stats)
+    args.kv_events_token = api_key  # the KV event sockets' shared token beyond loopback
     args.enable_lora = args.enable_lora or args.enable_lora_runtime_updates
     name = args.served_model_name or (
         args.model.rstrip("/").split("/")[-1] if args.model else "hetserve-demo"
@@ -165,6 +170,9 @@ def serve(args: argparse.Namespace) -> int:
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
     if engine.handoff_address:
         print(f"receiving KV hand-offs on {engine.handoff_address}", flush=True)
+    events = engine.kv_info()["kv_events"]
+    if isinstance(events, dict):
+        print(f"KV events on {events['endpoint']} (replay {events['replay_endpoint']})")
     for adapter, path in engine.lora_adapters().items():
         print(f"  LoRA adapter {adapter!r} from {path}", flush=True)
     try:

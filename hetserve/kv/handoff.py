@@ -235,9 +235,10 @@ class HandoffReceiver:
         bpb = m.bytes_per_block
         data = self.arrivals.staging.view(arrival.offset + have * bpb, need * bpb)
         self.io.write_blocks([b.block_id for b in new], data)
+        prompt_blocks = req.num_prompt_tokens // bs
         for i, b in enumerate(new):
             if have + i < len(m.digests):  # full blocks: prefix hits for others too
-                self.pool.cache(b, req.block_hashes[have + i])
+                self.kv.cache_block(req, have + i, b, prompt_blocks, loaded=True)
         self._ready[req.request_id] = (mine + new, m.tokens)
         handed = m.tokens - have * bs
         req.loaded_tokens["handoff"] = req.loaded_tokens.get("handoff", 0) + handed

@@ -7,6 +7,12 @@ as `/v1/*`): its facts and its load. Not for applications.
   engine thread at the first ask (`disagg/profiler.py`), then kept.
 - `GET /internal/load`: queued prefill tokens and requests, running decodes and their context,
   free and total KV blocks, as of the engine's last step.
+- `GET /internal/kv_info`: how the instance names and publishes its KV: block size, hash seed,
+  the store's tiers, and where its KV events are (`kv_events`: PUB and replay addresses, topic,
+  whether CURVE secures them; null while they are off).
+- `GET /internal/kv_snapshot`: every block it holds per medium (hex digests) and the KV event
+  batch this is current as of (`seq`, -1 before the first; `ts`, that batch's time stamp), for a
+  subscriber that lost more than the replay buffer holds. 404 while KV events are off.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ import dataclasses
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
 from hetserve.engine.async_llm import AsyncLLM
+from hetserve.server.errors import error_body
 
 
 def install_internal_routes(app: FastAPI, engine: AsyncLLM, profile: dict[str, Any] | None) -> None:
@@ -45,6 +53,24 @@ def install_internal_routes(app: FastAPI, engine: AsyncLLM, profile: dict[str, A
     @app.get("/internal/load")
     async def load():
         return dataclasses.asdict(engine.stats().load)
+
+    @app.get("/internal/kv_info")
+    async def kv_info():
+        return engine.kv_info()
+
+    @app.get("/internal/kv_snapshot")
+    async def kv_snapshot():
+        snap = engine.kv_snapshot()
+        if snap is None:
+            msg = "KV events are off; start the server with --kv-events tcp://HOST:PORT"
+            return JSONResponse(error_body(msg, "not_found_error"), status_code=404)
+        seq, ts, media = snap
+        blocks = await asyncio.to_thread(_hex, media)  # up to a pool's worth: off the loop
+        return {"seq": seq, "ts": ts, "blocks": blocks}
+
+
+def _hex(media: dict[str, list[bytes]]) -> dict[str, list[str]]:
+    return {m: [h.hex() for h in hs] for m, hs in media.items()}
 
 
 def _quick_profile(core: Any) -> dict[str, Any]:
