@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 # Typed strictly (mypy --strict): the nouns, the scheduler, the KV manager and tiers, the store,
 # transfer, the weight formats, the cluster simulator, the reply parsers (server/tools).
 STRICT := hetserve/core hetserve/sched hetserve/kv hetserve/store hetserve/transfer hetserve/quant \
-	hetserve/disagg/policy.py hetserve/disagg/costs.py \
+	hetserve/disagg/policy.py hetserve/disagg/costs.py hetserve/disagg/index.py \
+	hetserve/disagg/kv_wire.py hetserve/disagg/kv_publisher.py hetserve/disagg/kv_subscriber.py \
 	hetserve/server/tools hetserve/config.py hetserve/errors.py \
 	hetserve/envs.py hetserve/sim
 # Debian packages the store tests start for real: Redis, and libibverbs that Mooncake links.
