@@ -12,13 +12,13 @@ instances share that store). Shared stores cannot tell anyone of their evictions
 (`kv/events.py`), so at most `max_pool_blocks` POOL blocks are kept, the least recently
 announced dropped first; a stale one costs a Conductor a failed pull, never wrong KV.
 
-Lookup, O(prompt blocks) in C-level loops: each block hash maps to a fixed-width bit string of
-four lanes of holder bits (`width` bits each): device; device|dram; device|dram|ssd (what each
-tier covers cumulatively); pool (bit 0). The prompt's strings are joined into one array and
-AND-accumulated down the blocks (numpy), which keeps, at block i, the holders whose tier covers
-blocks 0..i; a holder's prefix ends where its bit goes, and only the few blocks where the
-running value changes (at most one per holder and lane) are looked at in Python. Chunks grow
-from `FIRST_CHUNK`, so a prompt whose first blocks nobody holds stops early.
+Lookup, O(prompt blocks) in C-level loops: each block hash maps to a column of a numpy array
+holding four lanes of holder bits (`width` bits each): device; device|dram; device|dram|ssd
+(what each tier covers cumulatively); pool (bit 0). The prompt's columns are gathered (one dict
+lookup per block: the cost that remains) and AND-accumulated down the blocks, which keeps, at
+block i, the holders whose tier covers blocks 0..i; a holder's prefix ends where its bit goes,
+and only the few blocks where the running value changes (at most one per holder and lane) are
+looked at in Python. A prompt whose first `FIRST_CHUNK` blocks nobody holds stops there.
 
 Failure contract: an event for a medium we do not know is ignored (counted in `ignored`);
 nothing an instance sends makes this raise.
@@ -55,11 +55,14 @@ class KVIndex:
         if width < 64 or width & (width - 1):
             raise ValueError(f"width must be a power of two >= 64, got {width}")
         self._width = width  # holder slots per lane; doubled (and repacked) when full
-        self._zero = bytes(width // 2)  # a block nobody holds
         self._slots: dict[str, int] = {}
         self._names: list[str | None] = [None] * width
         self._raw: dict[bytes, list[int]] = {}  # hash -> [gpu, cpu, disk, pool] slot bits
-        self._packed: dict[bytes, bytes] = {}  # hash -> the four lanes, little-endian
+        # The four lanes of each block as a column of 64-bit words (a gather by column is
+        # contiguous per word); column 0 stays zero: a block nobody holds.
+        self._rows: dict[bytes, int] = {}  # hash -> its column
+        self._lanes = np.zeros((width // 16, 1024), np.uint64)
+        self._free_rows = list(range(1023, 0, -1))
         self._held: dict[str, tuple[set[bytes], ...]] = {}  # instance -> hashes per local medium
         self._pool: OrderedDict[bytes, None] = OrderedDict()  # least recently announced first
         self.ignored = 0
@@ -158,15 +161,29 @@ class KVIndex:
         g, c, d, p = raw
         w = self._width
         v = g | (g | c) << w | (g | c | d) << 2 * w | p << 3 * w
+        row = self._rows.get(h)
         if v:
-            self._packed[h] = v.to_bytes(w // 2, "little")  # four lanes of w bits
+            if row is None:
+                if not self._free_rows:
+                    self._more_rows()
+                row = self._rows[h] = self._free_rows.pop()
+            self._lanes[:, row] = np.frombuffer(v.to_bytes(w // 2, "little"), "<u8")
         else:
-            del self._packed[h], self._raw[h]
+            del self._raw[h]
+            if row is not None:
+                del self._rows[h]
+                self._lanes[:, row] = 0
+                self._free_rows.append(row)
+
+    def _more_rows(self) -> None:
+        have = self._lanes.shape[1]
+        self._lanes = np.concatenate((self._lanes, np.zeros_like(self._lanes)), axis=1)
+        self._free_rows = list(range(2 * have - 1, have - 1, -1))
 
     def _grow(self) -> None:
         self._names += [None] * self._width
         self._width *= 2
-        self._zero = bytes(self._width // 2)
+        self._lanes = np.zeros((self._width // 16, self._lanes.shape[1]), np.uint64)
         for h, raw in list(self._raw.items()):
             self._pack(h, raw)
 
@@ -176,18 +193,32 @@ class KVIndex:
         `block_hashes` (a prompt's chained hashes, in order) that tier covers together with
         the faster ones. Holders and tiers that cover none are left out."""
         n = len(block_hashes)
-        out: dict[str, dict[str, int]] = {}
+        ended: list[tuple[np.ndarray, np.ndarray]] = []  # (lane bits lost, at which block)
         prev: np.ndarray | None = None  # the running AND after the blocks scanned so far
         lo = 0
         for hi in (min(FIRST_CHUNK, n), n):  # a cold prompt stops after the first chunk
             if hi > lo:
-                prev = self._scan(block_hashes, lo, hi, prev, out)
+                prev = self._scan(block_hashes, lo, hi, prev, ended)
                 lo = hi
                 if not prev.any():
-                    return out
-        if prev is not None:  # what is left covers the whole prompt
-            for word, value in enumerate(prev.tolist()):
-                self._ended(out, word, value, n)
+                    break
+        if prev is not None and prev.any():  # what is left covers the whole prompt
+            ended.append((prev[:, None], np.array([n])))
+        out: dict[str, dict[str, int]] = {}
+        w = self._width
+        for lost, at in ended:
+            # Each lost bit: its lane word (row) and the change (column) it went at.
+            word, change = np.nonzero(lost)
+            bits = np.unpackbits(lost[word, change].view(np.uint8).reshape(-1, 8), axis=1,
+                                 bitorder="little")  # fmt: skip
+            k, b = np.nonzero(bits)
+            lane, slot = np.divmod(word[k] * 64 + b, w)
+            for ln, sl, end in zip(
+                lane.tolist(), slot.tolist(), at[change[k]].tolist(), strict=True
+            ):
+                name = POOL if ln == 3 else self._names[sl]
+                assert name is not None, sl  # a freed slot's bits are cleared first
+                out.setdefault(name, {})[LANE_TIERS[ln]] = end
         return out
 
     def _scan(
@@ -196,38 +227,23 @@ class KVIndex:
         lo: int,
         hi: int,
         prev: np.ndarray | None,
-        out: dict[str, dict[str, int]],
+        ended: list[tuple[np.ndarray, np.ndarray]],
     ) -> np.ndarray:
-        """Blocks lo..hi: record where holder bits go; return the running AND."""
-        words, m = self._width // 16, hi - lo
-        buf = b"".join(map(self._packed.get, block_hashes[lo:hi], repeat(self._zero)))
-        # Lanes as rows and blocks as columns, so the accumulate runs along contiguous memory;
-        # column 0 is the running AND so far (or the first block), column i + 1 block lo + i.
-        acc = np.empty((words, m + 1), np.uint64)
-        acc[:, 1:] = np.frombuffer(buf, "<u8").reshape(m, words).T
-        acc[:, 0] = acc[:, 1] if prev is None else prev
+        """Blocks lo..hi: append the bits lost and where; return the running AND."""
+        m = hi - lo
+        cols = np.fromiter(map(self._rows.get, block_hashes[lo:hi], repeat(0)), np.intp, m)
+        # Lane words as rows and blocks as columns: the gather and the accumulate run along
+        # contiguous memory. Column j is block lo + j.
+        acc = self._lanes.take(cols, axis=1)
+        if prev is not None:
+            acc[:, 0] &= prev
         np.bitwise_and.accumulate(acc, axis=1, out=acc)
-        at = np.flatnonzero((acc[:, 1:] != acc[:, :-1]).any(axis=0))  # block lo + at lost bits
-        if at.size:
-            lost = acc[:, at] & ~acc[:, at + 1]  # words x changes: the bits each change lost
-            word, change = np.nonzero(lost)
-            for w, c, value in zip(
-                word.tolist(), change.tolist(), lost[word, change].tolist(), strict=True
-            ):
-                self._ended(out, w, value, lo + int(at[c]))
+        at = np.flatnonzero((acc[:, 1:] != acc[:, :-1]).any(axis=0)) + 1  # blocks that lost bits
+        ended.append((acc[:, at - 1] & ~acc[:, at], at + lo))
+        if prev is not None:  # and the chunk's first block, against the chunk before
+            ended.append(((prev & ~acc[:, 0])[:, None], np.array([lo])))
         result: np.ndarray = acc[:, -1].copy()
         return result
-
-    def _ended(self, out: dict[str, dict[str, int]], word: int, value: int, end: int) -> None:
-        """The holder bits set in 64-bit `word` of the lanes cover blocks 0..end-1."""
-        w = self._width
-        while value:
-            low = value & -value
-            lane, slot = divmod(word * 64 + low.bit_length() - 1, w)
-            name = POOL if lane == 3 else self._names[slot]
-            assert name is not None, slot  # a freed slot's bits are cleared first
-            out.setdefault(name, {})[LANE_TIERS[lane]] = end
-            value ^= low
 
     def blocks(self, instance: str) -> dict[str, set[bytes]]:
         """What `instance` holds, per local medium (a copy)."""
@@ -251,3 +267,6 @@ class KVIndex:
             for m, hs in enumerate(held):
                 assert all(self._raw[h][m] >> self._slots[name] & 1 for h in hs)
         assert all(h in self._raw for h in self._pool)
+        assert set(self._rows) == set(self._raw)
+        assert not self._lanes[:, 0].any() and 0 not in self._free_rows
+        assert len(set(self._free_rows) | set(self._rows.values())) == self._lanes.shape[1] - 1
