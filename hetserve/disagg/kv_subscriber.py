@@ -45,8 +45,6 @@ from hetserve.disagg.kv_wire import END_SEQ, TOPIC, WILDCARD_HOSTS, secure_clien
 
 log = logging.getLogger(__name__)
 
-Snapshot = tuple[int, float, dict[str, list[bytes]]]  # (seq, its ts, medium -> digests)
-
 
 @dataclass
 class _Instance:
@@ -79,10 +77,7 @@ def fetch_json(base_url: str, path: str, token: str | None, timeout_s: float) ->
         raise ConnectionError(f"GET {base_url}{path} failed: {exc}") from exc
 
 
-def fetch_snapshot(base_url: str, token: str | None, timeout_s: float) -> Snapshot:
-    body = fetch_json(base_url, "/internal/kv_snapshot", token, timeout_s)
-    blocks = {m: [bytes.fromhex(h) for h in hs] for m, hs in body["blocks"].items()}
-    return int(body["seq"]), float(body["ts"]), blocks
+Fetch = Callable[[str, str, str | None, float], Any]  # (base_url, path, token, timeout) -> JSON
 
 
 class KVEventSubscriber:
@@ -93,15 +88,16 @@ class KVEventSubscriber:
         replay_timeout_s: float = 1.0,
         probe_s: float = 2.0,
         http_timeout_s: float = 5.0,
-        snapshot: Callable[[str, str | None, float], Snapshot] = fetch_snapshot,
+        fetch: Fetch = fetch_json,
     ) -> None:
         self.index = index or KVIndex()
         self.replay_timeout_s, self.probe_s = replay_timeout_s, probe_s
         self.http_timeout_s = http_timeout_s
-        self._snapshot = snapshot
+        self._fetch = fetch  # the instances' /internal routes (tests answer them directly)
         self._lock = threading.Lock()  # the index: written here, read by holdings()
         self._instances: dict[str, _Instance] = {}
         self._by_sub: dict[zmq.Socket[bytes], _Instance] = {}
+        self._poller = zmq.Poller()
         self._commands: queue.SimpleQueue[tuple[str, str, _Instance | None]] = queue.SimpleQueue()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._stop = threading.Event()
@@ -119,7 +115,7 @@ class KVEventSubscriber:
         """Follow an instance; returns its kv_info (block size, hash seed, where it publishes),
         read from `base_url` unless given."""
         if info is None:
-            info = fetch_json(base_url, "/internal/kv_info", token, self.http_timeout_s)
+            info = self._fetch(base_url, "/internal/kv_info", token, self.http_timeout_s)
         if not info.get("kv_events"):
             raise ConnectionError(f"{base_url} publishes no KV events (start it with --kv-events)")
         self._commands.put(("add", name, _Instance(name, base_url.rstrip("/"), token, info)))
@@ -148,7 +144,7 @@ class KVEventSubscriber:
 
     # ---- the thread --------------------------------------------------------------------------
     def _run(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller
         try:
             while not self._stop.is_set():
                 self._take_commands(poller)
@@ -159,6 +155,8 @@ class KVEventSubscriber:
                     if now - inst.last_probe > self.probe_s:  # a lost last batch, or a restart
                         inst.last_probe = now
                         if not self._replay_from(inst, inst.expected, None):
+                            if inst.counts.get("replay_timeouts"):
+                                self._follow_moves(inst)
                             self._resync(inst)
         except Exception:  # our bug: the index stops following; say so loudly
             log.exception("the KV event subscriber stopped")
@@ -191,6 +189,28 @@ class KVEventSubscriber:
                 self._resync(inst)
             elif what == "resync" and old is not None:
                 self._resync(old)
+
+    def _get(self, inst: _Instance, path: str) -> Any:
+        return self._fetch(inst.base_url, path, inst.token, self.http_timeout_s)
+
+    def _follow_moves(self, inst: _Instance) -> None:
+        """An instance whose replay socket stopped answering may have restarted on other
+        ports (bound to port 0): read its kv_info again and reconnect if they moved."""
+        try:
+            info = self._get(inst, "/internal/kv_info")
+        except ConnectionError:
+            return
+        if info.get("kv_events") and info["kv_events"] != inst.info["kv_events"]:
+            assert inst.sub is not None
+            self._poller.unregister(inst.sub)
+            del self._by_sub[inst.sub]
+            self._disconnect(inst)
+            inst.info = info
+            self._connect(inst)
+            assert inst.sub is not None
+            self._poller.register(inst.sub, zmq.POLLIN)
+            self._by_sub[inst.sub] = inst
+            inst.count("moved")
 
     def _connect(self, inst: _Instance) -> None:
         inst.sub = self._socket(inst, zmq.SUB, "endpoint")
@@ -289,8 +309,12 @@ class KVEventSubscriber:
     def _resync(self, inst: _Instance) -> None:
         """Replace what the index knows of `inst` by its snapshot, then catch up by replay."""
         try:
-            seq, ts, blocks = self._snapshot(inst.base_url, inst.token, self.http_timeout_s)
-        except (ConnectionError, KeyError, ValueError) as exc:
+            body = self._fetch(
+                inst.base_url, "/internal/kv_snapshot", inst.token, self.http_timeout_s
+            )
+            blocks = {m: [bytes.fromhex(h) for h in hs] for m, hs in body["blocks"].items()}
+            seq, ts = int(body["seq"]), float(body["ts"])
+        except (ConnectionError, KeyError, TypeError, ValueError) as exc:
             inst.count("resync_failures")
             log.warning("KV snapshot of %s failed: %s", inst.name, exc)
             return

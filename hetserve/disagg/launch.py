@@ -142,8 +142,10 @@ class LocalLauncher:
             for i in range(n):
                 port = free_port()
                 url = f"http://127.0.0.1:{port}"
+                # KV events on free ports (kv_info names them): the Conductor's KV index.
                 cmd = [*py, "hetserve.cli", "serve", *model, "--role", role, "--port", str(port),
-                       *store_args, *spec.instance_args]  # fmt: skip
+                       "--kv-events", "tcp://127.0.0.1:0", *store_args,
+                       *spec.instance_args]  # fmt: skip
                 parts.append(Part(f"{role}-{i}", cmd, url=url, port=port))
                 urls[role].append(url)
         cond = [*py, "hetserve.cli", "conductor", *model, "--port", str(spec.port),

@@ -18,22 +18,32 @@ BS = 4
 
 
 class Instance:
-    """A KV cache with a recorder and a publisher, as an engine has them."""
+    """A KV cache with a recorder and a publisher, as an engine has them, and its /internal
+    routes answered directly (`fetch`)."""
 
     def __init__(self, buffer_batches=10_000):
+        self.buffer_batches = buffer_batches
+        self.n = 0
+        self.start()
+
+    def start(self):
         self.kv = KVCacheManager(num_blocks=10, block_size=BS)
         rec = KVEventRecorder(BS)
+        rec.cleared()
         rec.attach_cache(self.kv)
-        self.pub = KVEventPublisher(
-            rec, "tcp://127.0.0.1:0", interval_s=0.002, buffer_batches=buffer_batches
+        self.pub = KVEventPublisher(  # port 0: a restart binds other ports
+            rec, "tcp://127.0.0.1:0", interval_s=0.002, buffer_batches=self.buffer_batches
         )
-        self.n = 0
 
-    def info(self):
-        return {"block_size": BS, "kv_events": self.pub.describe()}
-
-    def snapshot(self, base_url, token, timeout_s):
-        return self.pub.snapshot()
+    def fetch(self, base_url, path, token, timeout_s):
+        if path == "/internal/kv_info":
+            return {"block_size": BS, "kv_events": self.pub.describe()}
+        seq, ts, blocks = self.pub.snapshot()
+        return {
+            "seq": seq,
+            "ts": ts,
+            "blocks": {m: [h.hex() for h in hs] for m, hs in blocks.items()},
+        }
 
     def compute(self, tokens):
         """One request computed, registered and freed (its blocks stay cached until evicted);
@@ -67,8 +77,8 @@ def inst():
 
 
 def follow(inst, **kw):
-    sub = KVEventSubscriber(snapshot=inst.snapshot, replay_timeout_s=2.0, **kw)
-    sub.add("a", "http://127.0.0.1:1", info=inst.info())
+    sub = KVEventSubscriber(fetch=inst.fetch, **{"replay_timeout_s": 2.0, **kw})
+    sub.add("a", "http://127.0.0.1:1")
     wait(lambda: sub.applied().get("a", -2) >= inst.pub.snapshot()[0])
     time.sleep(0.3)  # ZMQ's slow joiner: let the subscription reach the publisher
     return sub
@@ -152,6 +162,24 @@ def test_a_batch_that_does_not_decode_is_never_applied(inst):
             inst.compute(list(range(100 * k, 100 * k + 8)))
         assert caught_up(sub, inst)
         assert sub.stats()["a"]["undecodable"] == 1 and sub.stats()["a"]["resyncs"] >= 2
+    finally:
+        sub.close()
+
+
+def test_an_instance_restarted_on_other_ports_is_found_again(inst):
+    sub = follow(inst, probe_s=0.2, replay_timeout_s=0.3)
+    try:
+        inst.compute(list(range(8)))
+        assert caught_up(sub, inst)
+        inst.pub.close()  # killed; it comes back on other ports with an empty cache
+        inst.start()
+        req = inst.compute(list(range(50, 58)))
+        wait(lambda: sub.stats()["a"].get("moved") == 1)
+        assert caught_up(sub, inst)
+        digests = [h.digest for h in req.block_hashes]
+        assert sub.holdings(digests) == {"a": {"device": 2, "dram": 2, "ssd": 2}}
+        later = inst.compute(list(range(70, 78)))  # followed live again
+        wait(lambda: "a" in sub.holdings([h.digest for h in later.block_hashes]))
     finally:
         sub.close()
 
