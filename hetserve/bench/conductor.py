@@ -101,10 +101,19 @@ def _index_lookup(instances: int, blocks: int):
     """A KV index holding a random spread of the prompt's blocks, and its lookup; None where
     this build has no index (the decision is then timed without it)."""
     try:
-        from hetserve.disagg.index import KVIndex  # noqa: F401
+        from hetserve.disagg.index import KVIndex
     except ImportError:
         return None
-    return None  # wired once the index's API is settled (see disagg/index.py)
+    rng = random.Random(1)
+    digests = [rng.randbytes(32) for _ in range(blocks)]
+    index = KVIndex()
+    for i in range(instances):  # the spread _cluster reports: a device prefix, DRAM past it
+        if rng.random() < 0.5:
+            d = rng.randrange(0, blocks)
+            index.mark(f"i{i:03d}", "GPU", digests[:d], True)
+            index.mark(f"i{i:03d}", "CPU", digests[d : d + 10], True)
+    index.mark("i000", "POOL", digests[: blocks // 2], True)
+    return lambda: index.holdings(digests)
 
 
 def _pct(xs: list[float], q: int) -> float:

@@ -14,5 +14,6 @@ def test_conductor_bench_smoke(tmp_path):
     data = json.loads(out.read_text())["decision"]
     assert {"kvcentric", "cache-aware", "tier-credit", "load", "hash"} <= set(data)
     assert all(v["p50_ms"] > 0 for k, v in data.items() if isinstance(v, dict))
+    assert data["index_lookup_included"] is True  # the KV index's lookup is in the timing
     bad = subprocess.run([*cmd[:5], "--url", "http://x"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--direct-url" in bad.stderr
