@@ -73,17 +73,18 @@ def _decision_rows(args: argparse.Namespace) -> tuple[list[list[object]], dict[s
     out: dict[str, object] = {}
     for policy in [p for p in args.policies.split(",") if p]:
         router = Router(RouterConfig(policy=policy, admission="predictive", slo_ttft_s=10.0))
-        times = []
+        times, cpu = [], []
         for _ in range(args.repeats):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             if lookup is not None:
                 lookup()
             router.decide(view, req, 0.0)
             times.append(time.perf_counter() - t0)
-        p50, p99 = _pct(times, 50), _pct(times, 99)
+            cpu.append(time.thread_time() - c0)
+        p50, p99, c50 = _pct(times, 50), _pct(times, 99), _pct(cpu, 50)
         rows.append([f"decide ({policy})", f"{p50 * 1e3:.3f}", f"{p99 * 1e3:.3f}",
-                     f"{p99 * 1e3:.3f} / 1 ms"])  # fmt: skip
-        out[policy] = {"p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3}
+                     f"{c50 * 1e3:.3f}", "<= 1 ms"])  # fmt: skip
+        out[policy] = {"p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3, "cpu_p50_ms": c50 * 1e3}
     ids = list(range(args.prompt_tokens))
     times = []
     for _ in range(max(3, args.repeats // 20)):
@@ -91,7 +92,7 @@ def _decision_rows(args: argparse.Namespace) -> tuple[list[list[object]], dict[s
         hash_prefix_digests(ids, args.block_size, (), b"seed")
         times.append(time.perf_counter() - t0)
     p50, p99 = _pct(times, 50), _pct(times, 99)
-    rows.append(["hash prompt blocks", f"{p50 * 1e3:.3f}", f"{p99 * 1e3:.3f}", "-"])
+    rows.append(["hash prompt blocks", f"{p50 * 1e3:.3f}", f"{p99 * 1e3:.3f}", "-", "-"])
     out["hash"] = {"p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3}
     out["index_lookup_included"] = lookup is not None
     return rows, out
@@ -154,7 +155,9 @@ def run(args: argparse.Namespace) -> int:
     rows, result = _decision_rows(args)
     print(f"{args.instances} instances, a {args.prompt_tokens}-token prompt in blocks of "
           f"{args.block_size}")  # fmt: skip
-    print_table(["what", "p50 ms", "p99 ms", "goal"], rows)
+    # Thread CPU time beside the wall clock: on a busy machine the wall clock also counts the
+    # time this thread waited for a core.
+    print_table(["what", "p50 ms", "p99 ms", "CPU p50 ms", "goal"], rows)
     payload: dict[str, object] = {"benchmark": "conductor", "machine": machine_info(),
                                   "instances": args.instances, "prompt_tokens": args.prompt_tokens,
                                   "decision": result}  # fmt: skip

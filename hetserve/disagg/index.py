@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from itertools import repeat
 
 import numpy as np
 
@@ -41,6 +40,7 @@ from hetserve.core.kv_events import (
     BlockStored,
     KVEvent,
 )
+from hetserve.disagg.key_table import KeyTable, keys_of
 from hetserve.disagg.policy import POOL
 
 LOCAL_MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK)  # an instance's own, fastest first
@@ -61,7 +61,13 @@ class KVIndex:
         # The four lanes of each block as a column of 64-bit words (a gather by column is
         # contiguous per word); column 0 stays zero: a block nobody holds.
         self._rows: dict[bytes, int] = {}  # hash -> its column
+        # The same by a 64-bit key of the hash, for vectorized lookups; keys two hashes share
+        # are left out of it and looked up by hash (`_shared`: key -> hashes that have it).
+        self._table = KeyTable()
+        self._by_key: dict[int, bytes] = {}
+        self._shared: dict[int, set[bytes]] = {}
         self._lanes = np.zeros((width // 16, 1024), np.uint64)
+        self._digests = np.zeros((1024, 4), np.uint64)  # each column's hash: hits are checked
         self._free_rows = list(range(1023, 0, -1))
         self._held: dict[str, tuple[set[bytes], ...]] = {}  # instance -> hashes per local medium
         self._pool: OrderedDict[bytes, None] = OrderedDict()  # least recently announced first
@@ -167,17 +173,49 @@ class KVIndex:
                 if not self._free_rows:
                     self._more_rows()
                 row = self._rows[h] = self._free_rows.pop()
+                self._digests[row] = np.frombuffer(h, "<u8")
+                self._keyed(h, row)
             self._lanes[:, row] = np.frombuffer(v.to_bytes(w // 2, "little"), "<u8")
         else:
             del self._raw[h]
             if row is not None:
                 del self._rows[h]
+                self._unkeyed(h)
                 self._lanes[:, row] = 0
                 self._free_rows.append(row)
+
+    def _keyed(self, h: bytes, row: int) -> None:
+        k = int(keys_of(h)[0])
+        if k in self._shared:
+            self._shared[k].add(h)
+            return
+        other = self._by_key.setdefault(k, h)
+        if other == h:
+            self._table.put(k, row)
+            return
+        self._shared[k] = {other, h}  # two hashes, one key: both by hash from now on
+        del self._by_key[k]
+        self._table.remove(k)
+
+    def _unkeyed(self, h: bytes) -> None:
+        k = int(keys_of(h)[0])
+        shared = self._shared.get(k)
+        if shared is not None:
+            shared.discard(h)
+            if len(shared) == 1:  # alone again: back into the table
+                (last,) = shared
+                del self._shared[k]
+                self._by_key[k] = last
+                self._table.put(k, self._rows[last])
+            return
+        if self._by_key.get(k) == h:
+            del self._by_key[k]
+            self._table.remove(k)
 
     def _more_rows(self) -> None:
         have = self._lanes.shape[1]
         self._lanes = np.concatenate((self._lanes, np.zeros_like(self._lanes)), axis=1)
+        self._digests = np.concatenate((self._digests, np.zeros_like(self._digests)))
         self._free_rows = list(range(2 * have - 1, have - 1, -1))
 
     def _grow(self) -> None:
@@ -230,8 +268,16 @@ class KVIndex:
         ended: list[tuple[np.ndarray, np.ndarray]],
     ) -> np.ndarray:
         """Blocks lo..hi: append the bits lost and where; return the running AND."""
-        m = hi - lo
-        cols = np.fromiter(map(self._rows.get, block_hashes[lo:hi], repeat(0)), np.intp, m)
+        chunk = block_hashes[lo:hi]
+        joined = b"".join(chunk)
+        keys = keys_of(joined)
+        cols = self._table.lookup(keys)
+        # A key names its column's hash or, rarely, another one that folds the same: checked.
+        same = (self._digests[cols] == np.frombuffer(joined, "<u8").reshape(-1, 4)).all(axis=1)
+        cols[~same] = 0
+        if self._shared:  # keys two stored hashes share: those few by their hash
+            for i in np.flatnonzero(np.isin(keys, list(self._shared))).tolist():
+                cols[i] = self._rows.get(chunk[i], 0)
         # Lane words as rows and blocks as columns: the gather and the accumulate run along
         # contiguous memory. Column j is block lo + j.
         acc = self._lanes.take(cols, axis=1)

@@ -192,8 +192,14 @@ class Router:
         if not prefills or not decodes:
             role = "prefill" if not prefills else "decode"
             return Decision(None, None, reject_reason=f"no healthy {role} instance")
-        options = {o.instance.name: o for o in (self._option(view, req, p) for p in prefills)}
-        chosen = options[self._pick_prefill(view, req, prefills, options)]
+        # Every instance's TTFT is kvcentric's choice; the others need only the chosen one's.
+        options: dict[str, _Option] = {}
+        if self.config.policy == "kvcentric":
+            options = {o.instance.name: o for o in (self._option(view, req, p) for p in prefills)}
+        name = self._pick_prefill(view, req, prefills, options)
+        if name not in options:
+            options[name] = self._option(view, req, next(p for p in prefills if p.name == name))
+        chosen = options[name]
         decode, tbt = self._pick_decode(req, chosen, decodes, now + chosen.ttft_s)
         decision = Decision(
             chosen.instance.name,

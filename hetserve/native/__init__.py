@@ -121,12 +121,12 @@ def _compile(compiler: str, flags: list[str], target: Path) -> str | None:
 
 
 _I, _L, _F, _P = ctypes.c_int, ctypes.c_long, ctypes.c_float, ctypes.c_void_p
+_I64 = ctypes.c_int64
 # Each exported function: (restype, argtypes), as declared in the C sources.
 _SIGNATURES = {
-    "hetserve_hash_blocks": (
-        _I,
-        [_P, ctypes.c_int64, _P, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int64, _P],
-    ),  # native/hash_chain.py; fmt: skip
+    # native/hash_chain.py, disagg/key_table.py
+    "hetserve_hash_blocks": (_I, [_P, _I64, _P, _I64, _I64, _P, _I64, _P]),
+    "hetserve_key_lookup": (None, [_P, _P, ctypes.c_uint64, _P, _I64, _P]),
     "hetserve_moe_new": (_P, [_I] * 5 + [_P] * 6 + [_I, _F, _F]),  # moe/cpu_native.py
     "hetserve_moe_free": (None, [_P]),
     "hetserve_moe_run": (_I, [_P, _I, _I, _I] + [_P] * 4),

@@ -61,3 +61,24 @@ int hetserve_hash_blocks(const uint8_t *seed, int64_t seed_len, const int64_t *t
     free(buf);
     return 0;
 }
+
+/* The KV index's key table (disagg/key_table.py): for each of n keys, the column its
+ * linear-probing slot holds, or 0 where the key is absent. Keys 0 and 1 mark an empty and a
+ * removed slot; the table's size is a power of two (mask = size - 1) and never full. */
+void hetserve_key_lookup(const uint64_t *table_keys, const int64_t *table_cols, uint64_t mask,
+                         const uint64_t *keys, int64_t n, int64_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t k = keys[i], s = k & mask;
+        int64_t col = 0;
+        for (;;) {
+            uint64_t t = table_keys[s];
+            if (t == k) {
+                col = table_cols[s];
+                break;
+            }
+            if (t == 0) break;
+            s = (s + 1) & mask;
+        }
+        out[i] = col;
+    }
+}
