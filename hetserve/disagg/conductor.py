@@ -272,8 +272,9 @@ def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": model_name, "object": "model", "created": int(time.time()),
-                "owned_by": "hetserve"}  # fmt: skip
+        card = {**conductor.cluster.model_card, "id": model_name, "object": "model",
+                "created": int(time.time()), "owned_by": "hetserve"}  # fmt: skip
+        card.pop("root", None)  # an instance's path means nothing to the Conductor's clients
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics", response_class=PlainTextResponse)

@@ -82,6 +82,7 @@ class Cluster:
         self.instances: dict[str, Instance] = {}
         self.block_size = 0
         self.hash_seed = b""
+        self.model_card: dict[str, Any] = {}
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -101,6 +102,10 @@ class Cluster:
                 "salt), so no prefix could be shared; serve the same model the same way"
             )
         self.block_size, self.hash_seed = sizes.pop(), seeds.pop()
+        first = next(iter(self.instances.values()))
+        r = await self.http.get(f"{first.url}/v1/models")
+        if r.status_code == 200 and r.json().get("data"):
+            self.model_card = dict(r.json()["data"][0])  # context, vocabulary: as served
         await self.poll_once()
         self._task = asyncio.get_running_loop().create_task(self._poll_forever())
 

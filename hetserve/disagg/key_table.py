@@ -18,9 +18,9 @@ _MIX = np.array([0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB], np
 
 def keys_of(digests: bytes) -> np.ndarray:
     """The keys of concatenated 32-byte digests (one key each): the XOR of each digest's four
-    8-byte words, so keys differ wherever digests do (sha256's are random anyway; made-up ones,
-    in tests, may share all but a few bytes). A key two digests share is the caller's to handle
-(`index.KVIndex` keeps such digests out of the table)."""
+        8-byte words, so keys differ wherever digests do (sha256's are random anyway; made-up ones,
+        in tests, may share all but a few bytes). A key two digests share is the caller's to handle
+    (`index.KVIndex` keeps such digests out of the table)."""
     words = np.frombuffer(digests, dtype="<u8").reshape(-1, 4)
     keys = words[:, 0] * _MIX[0] ^ words[:, 1] * _MIX[1] ^ words[:, 2] * _MIX[2] ^ words[:, 3]
     keys[keys <= GONE] += 2  # the two reserved values cannot be keys

@@ -45,6 +45,8 @@ def test_disaggregated_equals_colocated(cluster):
     ref = LLM(model, dtype="float32", max_model_len=256)
     want = ref.generate(PROMPT, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
                                                logprobs=1))[0]  # fmt: skip
+    card = httpx.get(running.endpoint + "/models", timeout=10).json()["data"][0]
+    assert card["max_model_len"] == 256 and card["vocab_size"] > 0  # what clients size by
     r = complete(running.endpoint, logprobs=1)
     assert r.status_code == 200, r.text
     got = r.json()["choices"][0]
