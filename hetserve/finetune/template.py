@@ -4,9 +4,11 @@ Who calls it: the trainer and the evaluation, once per example. `ChatFormat` ren
 with the model's own chat template (tokenizer_config.json; `template` unset or "auto") or a
 named one (`NAMED`, jinja sources of the common formats). `encode_example` renders the
 conversation up to each assistant turn twice, with and without that turn; the difference is
-the turn's text, whose tokens are the labels (-100 elsewhere). A template whose rendering of a
-shorter conversation is not a prefix of the longer one cannot be split that way and is a
-`TemplateError`, as is an unknown template name or a template that fails on a row.
+the turn's text, whose tokens are the labels (-100 elsewhere); where the generation prompt ends
+in a think tag the history leaves out (reasoning templates), the turn starts where the two part
+ways. A template whose rendering of a shorter conversation is not a prefix of the longer one
+cannot be split that way and is a `TemplateError`, as is an unknown template name or a
+template that fails on a row.
 
 Truncation to `cutoff_len` keeps the first tokens (prompt first, as it is rendered); an example
 left with no label tokens after truncation is dropped and counted (the trainer reports it).
@@ -117,8 +119,7 @@ def encode_example(fmt: ChatFormat, ex: Example, cutoff_len: int) -> tuple[list[
     for i, m in enumerate(ex.messages):
         if m["role"] not in ("assistant", "function"):
             continue
-        prompt = fmt.render(ex, i, add_generation_prompt=True)
-        full = fmt.render(ex, i + 1, add_generation_prompt=False)
+        prompt, full = _turn_start(fmt, ex, i, done)
         if not (prompt.startswith(done) and full.startswith(prompt)):
             raise TemplateError(
                 f"{ex.source}: template {fmt.name!r} renders turn {i + 1} so that the shorter "
@@ -130,6 +131,32 @@ def encode_example(fmt: ChatFormat, ex: Example, cutoff_len: int) -> tuple[list[
         labels += [IGNORE] * len(new_prompt) + answer
         done = full
     return ids[:cutoff_len], labels[:cutoff_len]
+
+
+def _turn_start(fmt: ChatFormat, ex: Example, i: int, done: str) -> tuple[str, str]:
+    """(the rendering up to where assistant turn i's own text begins, the rendering with it).
+
+    Normally the generation prompt. Reasoning templates (DeepSeek-R1's, Qwen3's) open the
+    generation prompt with a think tag that the rendered history leaves out, so there the turn
+    starts where the generation prompt and the full rendering part ways, provided the history
+    without the generation prompt comes before that point (else the caller refuses the template).
+    """
+    prompt = fmt.render(ex, i, add_generation_prompt=True)
+    full = fmt.render(ex, i + 1, add_generation_prompt=False)
+    if full.startswith(prompt):
+        return prompt, full
+    shared = prompt[: _common_prefix_len(prompt, full)]
+    before = fmt.render(ex, i, add_generation_prompt=False)
+    return (shared if shared.startswith(before) and shared.startswith(done) else prompt), full
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def encode_all(fmt: ChatFormat, examples: list[Example], cutoff_len: int):

@@ -114,3 +114,19 @@ def test_parse_slo() -> None:
 def test_parse_slo_rejects(bad: str) -> None:
     with pytest.raises(InvalidInputError, match="--slo"):
         parse_slo(bad)
+
+
+def test_rejections_are_counted_among_failures() -> None:
+    results = [_req(0.0, 0.05, 0.02, 3), _failed(0.0, "HTTP 429: over SLO"), _failed(0.1, "x")]
+    m = compute_metrics(results, 0.0, 1.0)
+    assert m["failed"] == 2 and m["rejected"] == 1
+
+
+def test_a_reply_whose_one_token_has_no_text_is_an_answer() -> None:
+    from hetserve.bench.serve.client import _on_chunk
+
+    r = RequestResult(send_s=0.0, prompt_len=10)
+    _on_chunk(r, {"choices": [{"text": "", "finish_reason": None}]}, False, lambda: 0.1)
+    assert r.token_s == []  # no token yet: a keep-alive or a role-only chunk
+    _on_chunk(r, {"choices": [{"text": "", "finish_reason": "length"}]}, False, lambda: 0.2)
+    assert r.token_s == [0.2]

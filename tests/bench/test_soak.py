@@ -83,7 +83,8 @@ def test_server_log_has_no_traceback(soak, demo_server) -> None:
     [pytest.param(c, id=c.name) for c in CASES if c.group == BAD],
 )
 def test_bad_request_alone_gets_a_4xx_error_json(demo_server, case) -> None:
-    ctx = Context("demo", 512, 512, TokenSpace(512), oversized_bytes=9 << 20)
+    # The demo model: vocabulary 576, served with --max-model-len 512.
+    ctx = Context("demo", 576, 512, TokenSpace(576), oversized_bytes=9 << 20)
     attempt = case.make(ctx, np.random.default_rng(0))
 
     async def send():

@@ -115,7 +115,7 @@ def test_summary_counts_and_verdict() -> None:
         Outcome("completion", GOOD, COMPLETED, "", 0.0, 0.1),
         Outcome("completion", GOOD, FAILED, "HTTP 500", 0.0, 0.1),
         Outcome("bad-json", BAD, BAD_REJECTED, "", 0.0, 0.1),
-        Outcome("tools-required", BAD, BAD_MISHANDLED, "accepted with HTTP 200", 0.0, 0.1),
+        Outcome("tool-without-name", BAD, BAD_MISHANDLED, "accepted with HTTP 200", 0.0, 0.1),
     ]
     run = SoakRun(
         outcomes=outcomes,
@@ -130,7 +130,7 @@ def test_summary_counts_and_verdict() -> None:
     assert s["by_case"]["completion"] == {
         "group": GOOD, "sent": 2, **dict.fromkeys(BUCKETS, 0), COMPLETED: 1, FAILED: 1,
     }  # fmt: skip
-    assert s["problems"][BAD_MISHANDLED] == {"tools-required: accepted with HTTP 200": 1}
+    assert s["problems"][BAD_MISHANDLED] == {"tool-without-name: accepted with HTTP 200": 1}
     assert s["server"]["peak"]["kv_blocks_used"] == 7 and s["server"]["peak"]["rss_bytes"] is None
     assert s["server"]["kv_back_to_baseline"] is False
     assert s["verdict"] == {

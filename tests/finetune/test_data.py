@@ -39,3 +39,16 @@ def test_alpaca_columns_history_and_openai_messages(tiny_model, data_dir):
     tok = Tokenizer(tiny_model("qwen3-moe"))
     ids, labels = encode_example(ChatFormat(tok, "chatml"), custom, 1024)
     assert label_text(tok, ids, labels) == "yo<|im_end|>\nthis<|im_end|>\n"
+
+
+def test_reasoning_template_labels_start_after_the_shared_prompt(tiny_model, data_dir):
+    # DeepSeek-R1's template ends its generation prompt in "<think>\n", which the rendered
+    # history leaves out: the turn's labels are what follows "<｜Assistant｜>" in the history.
+    tok = Tokenizer(tiny_model("deepseek-v3"))
+    (ex,) = load_examples(["tiny_chat"], data_dir)
+    fmt = ChatFormat(tok)
+    assert fmt.render(ex, 1, add_generation_prompt=True).endswith("<｜Assistant｜><think>\n")
+    ids, labels = encode_example(fmt, ex, 1024)
+    eos = "<｜end▁of▁sentence｜>"
+    assert label_text(tok, ids, labels) == f"hello{eos}they run on the cpu{eos}"
+    assert tok.decode(ids, False) == fmt.render(ex, 4, add_generation_prompt=False)

@@ -78,8 +78,9 @@ def test_fused_step_gives_the_modules_results(
         assert tf == tm
         if experts:  # the same kernels on the same inputs: the same bits
             assert lf == lm
-        else:  # the dense MLP's silu is the C one here, torch's there
-            torch.testing.assert_close(torch.tensor(lf), torch.tensor(lm), rtol=0, atol=1e-5)
+        else:  # the dense MLP's silu is the C one here, torch's there: fp32 rounding apart
+            # (measured up to 2.8e-5 on a logprob of -4: 7e-6 relative)
+            torch.testing.assert_close(torch.tensor(lf), torch.tensor(lm), rtol=1e-5, atol=1e-5)
 
 
 def test_fused_step_steps_aside(tiny_model, monkeypatch):

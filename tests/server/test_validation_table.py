@@ -280,8 +280,11 @@ BAD = [
         "only one kind",
     ),
     *both({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "one"),
-    *both({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag",
-          "not supported"),
+    *both(
+        {"structured_outputs": {"structural_tag": "x"}},
+        "structured_outputs.structural_tag",
+        "not supported",
+    ),
     # ---- other OpenAI features we do not implement ------------------------------------------
     (M, {"audio": {"voice": "alloy", "format": "wav"}}, "audio", "not supported"),
     (M, {"modalities": ["text", "audio"]}, "modalities", "only the 'text' modality"),

@@ -171,10 +171,19 @@ def _on_chunk(result: RequestResult, chunk: Any, chat: bool, clock: Clock) -> No
     if text:
         result.token_s.append(clock())
         result.text += text
+    elif not result.token_s and _finished(chunk):
+        # A token whose text is empty (part of a character, a special token) still came: a
+        # one-token reply that decodes to nothing is an answer, not a failure.
+        result.token_s.append(clock())
     if completion_tokens is not None:
         result.usage_from_server = True
         result.output_tokens = completion_tokens
         result.prompt_len = prompt_tokens
+
+
+def _finished(chunk: dict[str, Any]) -> bool:
+    choices = chunk.get("choices") or []
+    return bool(choices) and choices[0].get("finish_reason") is not None
 
 
 def _finish(result: RequestResult, clock: Clock) -> RequestResult:

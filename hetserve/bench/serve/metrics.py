@@ -114,6 +114,8 @@ def compute_metrics(
         "requests": len(results),
         "completed": len(done),
         "failed": len(failed),
+        # Refused at admission (429: a router's or a Conductor's early rejection), among failed.
+        "rejected": sum(1 for r in failed if (r.error or "").startswith("HTTP 429")),
         "errors": dict(Counter(r.error for r in failed).most_common()),
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,

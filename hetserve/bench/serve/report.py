@@ -26,6 +26,7 @@ def format_table(result: dict[str, Any]) -> str:
         _row("Max concurrency:", result["max_concurrency"] or "unlimited"),
         _row("Successful requests:", m["completed"]),
         _row("Failed requests:", m["failed"]),
+        _row("  of them rejected (429):", m.get("rejected", 0)),
         _row("Benchmark duration (s):", m["duration_s"]),
         _row("Total input tokens:", m["total_input_tokens"]),
         _row("Total generated tokens:", m["total_output_tokens"]),

@@ -117,6 +117,20 @@ def _good(endpoint: str, stream: bool) -> Callable[[Context, np.random.Generator
     return make
 
 
+# A small object schema: the tool's parameters and a response format.
+_WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def _constrained(extra: dict[str, Any]) -> Callable[[Context, np.random.Generator], Attempt]:
+    """A chat request under a grammar (forced tool call or JSON schema): it must complete."""
+
+    def make(ctx: Context, rng: np.random.Generator) -> Attempt:
+        stream = bool(rng.random() < 0.5)
+        return Attempt(CHAT, _json({**_chat(ctx, rng, stream, ctx.max_tokens), **extra}), stream)
+
+    return make
+
+
 def _long(ctx: Context) -> dict[str, Any]:
     """Output settings of a request that is still running when the client walks away."""
     room = 256 if ctx.max_model_len is None else ctx.max_model_len - _PROMPT_ROOM
@@ -172,6 +186,11 @@ CASES: tuple[Case, ...] = (
     Case("completion-stream", GOOD, 8, _good(COMPLETIONS, stream=True)),
     Case("chat", GOOD, 5, _good(CHAT, stream=False)),
     Case("chat-stream", GOOD, 7, _good(CHAT, stream=True)),
+    Case("chat-tools-required", GOOD, 1, _constrained({
+        "tool_choice": "required", "tools": [{"type": "function", "function": {
+            "name": "weather", "parameters": _WEATHER}}]})),
+    Case("chat-json-schema", GOOD, 1, _constrained({"response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": _WEATHER}}})),
     Case("disconnect-mid-stream", DISCONNECT, 4, _stream_cut),
     Case("disconnect-mid-request", DISCONNECT, 3, _request_cut),
     Case("bad-json", BAD, 1, _bad(COMPLETIONS, lambda c: b'{"model": "m", "prompt": "hi", ')),
@@ -193,14 +212,12 @@ CASES: tuple[Case, ...] = (
         f'{{"model": {json.dumps(c.model)}, "prompt": "hi", "temperature": NaN}}'.encode()))),
     Case("text-part-not-text", BAD, 1, _bad(CHAT, lambda c: {
         "model": c.model, "messages": _user([{"type": "text", "text": 123}])})),
-    Case("tools-required", BAD, 1, _bad(CHAT, lambda c: {
+    Case("tool-without-name", BAD, 1, _bad(CHAT, lambda c: {
         "model": c.model, "messages": _user("weather?"), "tool_choice": "required",
-        "tools": [{"type": "function", "function": {"name": "weather", "parameters": {
-            "type": "object", "properties": {"city": {"type": "string"}}}}}]})),
-    Case("response-format-json-schema", BAD, 1, _bad(CHAT, lambda c: {
+        "tools": [{"type": "function", "function": {"parameters": _WEATHER}}]})),
+    Case("json-schema-not-a-schema", BAD, 1, _bad(CHAT, lambda c: {
         "model": c.model, "messages": _user("a name"), "response_format": {
-            "type": "json_schema", "json_schema": {"name": "n", "schema": {
-                "type": "object", "properties": {"name": {"type": "string"}}}}}})),
+            "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": 5}}}})),
     Case("image-url-part", BAD, 1, _bad(CHAT, lambda c: {
         "model": c.model, "messages": _user([{"type": "text", "text": "what is this?"},
                                              {"type": "image_url", "image_url": {"url": _PNG}}])})),

@@ -37,7 +37,7 @@ def register(bench_sub: Any) -> None:
         "--skip-cases",
         default="",
         metavar="A,B",
-        help="cases not to send (e.g. tools-required on a server that has tools)",
+        help="cases not to send (e.g. chat-tools-required on a server without tools)",
     )
     p.add_argument(
         "--tokenizer",
