@@ -76,6 +76,8 @@ class Conductor:
         self.holdings = holdings or (lambda hashes: {})
         self.decision_log: Any = None  # sim.decisions.DecisionLog: every decision, replayable
         self.request_log: Any = None  # sim.trace.RequestLogWriter: hetserve sim's trace format
+        # The KV index's size per instance and medium, for /metrics (None: no index).
+        self.index_blocks: Callable[[], dict[str, dict[str, int]]] | None = None
         self.started = time.monotonic()
         self.counts: dict[str, int] = {}
         self.ttft: list[tuple[float, float]] = []  # (predicted, measured) seconds, recent
@@ -302,6 +304,12 @@ def render_metrics(c: Conductor) -> str:
             "# TYPE hetserve_conductor_ttft_prediction_error gauge",
             f"hetserve_conductor_ttft_prediction_error {err:.6f}",
         ]
+    if c.index_blocks is not None:
+        lines.append("# TYPE hetserve_conductor_index_blocks gauge")
+        for name, media in sorted(c.index_blocks().items()):
+            for medium, n in sorted(media.items()):
+                lines.append(f'hetserve_conductor_index_blocks{{instance="{name}",'
+                             f'medium="{medium}"}} {n}')  # fmt: skip
     for row in c.cluster.status():
         lines.append(f'hetserve_conductor_instance_up{{instance="{row["name"]}",'
                      f'role="{row["role"]}"}} {int(row["healthy"])}')  # fmt: skip

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,8 +75,12 @@ class Cluster:
         headers: Mapping[str, str] | None = None,
         poll_s: float = 0.1,
         down_after: int = 2,
+        on_health: Callable[[str, bool], None] | None = None,
     ) -> None:
         self._urls = list(urls)
+        # Told (name, healthy) when an instance goes down or comes back: the KV index resyncs
+        # a returning instance at once (it may have restarted with an empty cache).
+        self.on_health = on_health
         self.poll_s, self.down_after = poll_s, down_after
         self.http = httpx.AsyncClient(headers=dict(headers or {}), timeout=10.0)
         self.instances: dict[str, Instance] = {}
@@ -142,11 +146,12 @@ class Cluster:
             inst.failures += 1
             if inst.healthy and inst.failures >= self.down_after:
                 log.warning("instance %s is down (%s)", inst.name, exc)
-                inst.healthy = False
+                self._set_health(inst, False)
             return
         if not inst.healthy:
             log.info("instance %s is back", inst.name)
-        inst.healthy, inst.failures = True, 0
+            self._set_health(inst, True)
+        inst.failures = 0
         inst.load = {k: int(v) for k, v in load.items() if isinstance(v, int | float)}
         inst.routed_prefill = inst.routed_requests = inst.routed_decodes = 0
 
@@ -158,7 +163,17 @@ class Cluster:
     def mark_down(self, name: str) -> None:
         """A call to the instance failed outright: stop routing there until a poll answers."""
         inst = self.instances[name]
-        inst.healthy, inst.failures = False, self.down_after
+        inst.failures = self.down_after
+        if inst.healthy:
+            self._set_health(inst, False)
+
+    def _set_health(self, inst: Instance, healthy: bool) -> None:
+        inst.healthy = healthy
+        if self.on_health is not None:
+            try:
+                self.on_health(inst.name, healthy)
+            except Exception:  # a listener's bug must not stop the health checks
+                log.exception("health listener failed for %s", inst.name)
 
     def routed(self, prefill: str | None, decode: str | None, new_tokens: int) -> None:
         if prefill is not None:

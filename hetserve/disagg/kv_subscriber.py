@@ -127,9 +127,23 @@ class KVEventSubscriber:
     def resync(self, name: str) -> None:
         self._commands.put(("resync", name, None))
 
+    def rejoined(self, name: str) -> None:
+        """The Conductor's health checks saw `name` come back: it may have restarted (on other
+        event ports, with another cache), so find its sockets again and resync now rather
+        than at the next probe."""
+        self._commands.put(("rejoin", name, None))
+
     def holdings(self, block_hashes: Sequence[bytes]) -> dict[str, dict[str, int]]:
         with self._lock:
             return self.index.holdings(block_hashes)
+
+    def block_counts(self) -> dict[str, dict[str, int]]:
+        """Per instance followed and medium: how many blocks the index holds (for /metrics)."""
+        with self._lock:
+            return {
+                n: {m: len(hs) for m, hs in self.index.blocks(n).items()}
+                for n in self.index.instances
+            }
 
     def applied(self) -> dict[str, int]:
         """Per instance followed: the last sequence number applied (-1: none)."""
@@ -188,6 +202,9 @@ class KVEventSubscriber:
                 self._instances[name] = inst
                 self._resync(inst)
             elif what == "resync" and old is not None:
+                self._resync(old)
+            elif what == "rejoin" and old is not None:
+                self._follow_moves(old)
                 self._resync(old)
 
     def _get(self, inst: _Instance, path: str) -> Any:

@@ -109,6 +109,7 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
             await asyncio.to_thread(index.add, inst.name, inst.url, key)
         except ConnectionError as exc:  # routed as if it held nothing
             print(f"no KV index of {inst.name}: {exc}", flush=True)
+    cluster.on_health = lambda name, up: index.rejoined(name) if up else None
     conductor = Conductor(
         cluster,
         router,
@@ -116,6 +117,7 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
         ConductorConfig(args.handoff_path, api_key=api_key),
         holdings=index.holdings,
     )
+    conductor.index_blocks = index.block_counts
     if args.log_requests:
         from hetserve.sim.trace import RequestLogWriter
 

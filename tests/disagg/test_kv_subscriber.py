@@ -193,3 +193,20 @@ def test_an_instance_without_kv_events_is_refused():
             sub.add("b", "http://127.0.0.1:9")  # nothing listens there
     finally:
         sub.close()
+
+
+def test_a_rejoined_instance_is_resynced_at_once(inst):
+    # Probes far apart: only the Conductor's word that the instance is back finds it again.
+    sub = follow(inst, probe_s=600.0, replay_timeout_s=0.3)
+    try:
+        inst.compute(list(range(8)))
+        assert caught_up(sub, inst)
+        inst.pub.close()  # restarted on other ports with an empty cache
+        inst.start()
+        req = inst.compute(list(range(50, 58)))
+        sub.rejoined("a")
+        wait(lambda: sub.stats()["a"].get("moved") == 1)
+        assert caught_up(sub, inst)
+        assert "a" in sub.holdings([h.digest for h in req.block_hashes])
+    finally:
+        sub.close()

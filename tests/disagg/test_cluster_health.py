@@ -1,0 +1,48 @@
+"""The Conductor's view of its instances: health transitions reach a listener (the KV index),
+once per change, from polls and from failed calls alike."""
+
+import asyncio
+
+import httpx
+
+from hetserve.disagg.costs import DecodeFit, InstanceProfile, PrefillFit, profile_to_dict
+from hetserve.disagg.instances import Cluster
+
+PROFILE = profile_to_dict(
+    InstanceProfile("t", PrefillFit(0.001, 0.0001, 0.0), DecodeFit(0.01, 0.001, 0.0), 1000)
+)
+INFO = {"role": "both", "profile": PROFILE, "block_size": 16, "hash_seed": ""}
+
+
+def test_health_changes_are_told_once_each() -> None:
+    up = {"on": True}
+    seen: list[tuple[str, bool]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if not up["on"]:
+            raise httpx.ConnectError("refused", request=request)
+        if request.url.path == "/internal/load":
+            return httpx.Response(200, json={"running_decodes": 0, "free_blocks": 10})
+        return httpx.Response(404)
+
+    async def run() -> None:
+        cluster = Cluster([("http://a:1", None)], on_health=lambda n, h: seen.append((n, h)))
+        cluster.http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        cluster.instances["a:1"] = cluster._instance("http://a:1", None, INFO)
+        await cluster.poll_once()
+        up["on"] = False
+        await cluster.poll_once()  # one failure: not yet down
+        assert seen == []
+        await cluster.poll_once()
+        await cluster.poll_once()
+        assert seen == [("a:1", False)]
+        up["on"] = True
+        await cluster.poll_once()
+        assert seen == [("a:1", False), ("a:1", True)]
+        cluster.mark_down("a:1")
+        cluster.mark_down("a:1")
+        assert seen[-1] == ("a:1", False) and len(seen) == 3
+        assert not cluster.instances["a:1"].healthy
+        await cluster.http.aclose()
+
+    asyncio.run(run())
