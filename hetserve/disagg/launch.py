@@ -52,6 +52,7 @@ class ClusterSpec:
     slo_tbt_ms: float | None = None
     handoff_path: str = "direct"
     instance_args: tuple[str, ...] = ()  # extra engine options for every instance
+    log_requests: str | None = None  # a directory: each part's request log (hetserve sim's)
     log_dir: str = "hetserve-cluster-logs"
 
     def __post_init__(self) -> None:
@@ -146,6 +147,8 @@ class LocalLauncher:
                 cmd = [*py, "hetserve.cli", "serve", *model, "--role", role, "--port", str(port),
                        "--kv-events", "tcp://127.0.0.1:0", *store_args,
                        *spec.instance_args]  # fmt: skip
+                if spec.log_requests is not None:
+                    cmd += ["--log-requests", str(Path(spec.log_requests) / f"{role}-{i}.jsonl")]
                 parts.append(Part(f"{role}-{i}", cmd, url=url, port=port))
                 urls[role].append(url)
         cond = [*py, "hetserve.cli", "conductor", *model, "--port", str(spec.port),
@@ -158,6 +161,9 @@ class LocalLauncher:
             cond += ["--slo-ttft-ms", str(spec.slo_ttft_ms)]
         if spec.slo_tbt_ms is not None:
             cond += ["--slo-tbt-ms", str(spec.slo_tbt_ms)]
+        if spec.log_requests is not None:
+            Path(spec.log_requests).mkdir(parents=True, exist_ok=True)
+            cond += ["--log-requests", str(Path(spec.log_requests) / "conductor.jsonl")]
         parts.append(Part("conductor", cond, url=f"http://127.0.0.1:{spec.port}", port=spec.port))
         return parts
 

@@ -30,6 +30,13 @@ def register(sub) -> None:
     up.add_argument("--handoff-path", default="direct", choices=("direct", "store", "mooncake"))
     up.add_argument("--log-dir", default="hetserve-cluster-logs")
     up.add_argument(
+        "--log-requests",
+        default=None,
+        metavar="DIR",
+        help="each instance and the Conductor write their requests to DIR/NAME.jsonl in "
+        "hetserve sim's trace format (a digital twin replays them)",
+    )
+    up.add_argument(
         "--instance-args",
         default="",
         help='extra engine options for every instance, e.g. "--dtype float32"',
@@ -48,6 +55,7 @@ def _spec(args: argparse.Namespace):
         "policy": args.policy, "admission": args.admission, "slo_ttft_ms": args.slo_ttft_ms,
         "slo_tbt_ms": args.slo_tbt_ms, "handoff_path": args.handoff_path,
         "instance_args": tuple(shlex.split(args.instance_args)), "log_dir": args.log_dir,
+        "log_requests": args.log_requests,
     }  # fmt: skip
     if args.config is not None:
         import yaml

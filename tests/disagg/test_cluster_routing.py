@@ -21,6 +21,7 @@ from hetserve.bench.server_info import parse_prometheus
 from hetserve.core.kv_events import MEDIUM_GPU
 from hetserve.disagg.launch import ClusterSpec, LocalLauncher, free_port
 from hetserve.native.hash_chain import hash_prefix_digests
+from hetserve.sim.trace import read_trace
 
 ENGINE = ("--dtype", "float32", "--max-model-len", "512")
 PREFIX_TOKENS = 240  # 15 blocks of 16
@@ -29,15 +30,19 @@ PREFIX_TOKENS = 240  # 15 blocks of 16
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
     model = str(tiny_model("qwen3-moe"))
+    logs = tmp_path_factory.mktemp("routing-logs")
     spec = ClusterSpec(
         model=model, prefill=2, decode=1, port=free_port(), policy="kvcentric",
-        instance_args=ENGINE, log_dir=str(tmp_path_factory.mktemp("routing-logs")),
+        instance_args=ENGINE, log_dir=str(logs), log_requests=str(logs / "requests"),
     )  # fmt: skip
     launcher = LocalLauncher(ready_timeout_s=240)
     running = launcher.start(spec)
     urls = {p.name: p.url for p in running.parts if p.url}
-    yield model, running.endpoint, urls
+    yield model, running.endpoint, urls, logs / "requests"
     launcher.stop()
+
+
+SENT: dict[str, int] = {}  # requests sent, per Conductor
 
 
 def prefix(seed: int) -> list[int]:
@@ -45,6 +50,7 @@ def prefix(seed: int) -> list[int]:
 
 
 def send(endpoint: str, ids: list[int]) -> None:
+    SENT[endpoint] = SENT.get(endpoint, 0) + 1
     body = {"prompt": ids, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
     r = httpx.post(endpoint + "/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
@@ -92,7 +98,7 @@ def wait_for(cond, timeout_s: float = 30.0) -> None:
 
 
 def test_the_second_request_of_a_shared_prefix_goes_to_the_holder(cluster):
-    _, endpoint, urls = cluster
+    _, endpoint, urls, _ = cluster
     base = endpoint.removesuffix("/v1")
     prefills = [urls["prefill-0"], urls["prefill-1"]]
     ids = prefix(1)
@@ -111,7 +117,7 @@ def test_the_second_request_of_a_shared_prefix_goes_to_the_holder(cluster):
 
 
 def test_a_hot_prefix_spreads_under_load(cluster):
-    _, endpoint, urls = cluster
+    _, endpoint, urls, _ = cluster
     prefills = [urls["prefill-0"], urls["prefill-1"]]
     ids = prefix(2)
     send(endpoint, ids + [5])  # one instance holds it
@@ -124,7 +130,7 @@ def test_a_hot_prefix_spreads_under_load(cluster):
 
 
 def test_a_restarted_conductor_rebuilds_its_index_and_routes_to_the_holder(cluster, tmp_path):
-    model, endpoint, urls = cluster
+    model, endpoint, urls, _ = cluster
     prefills = [urls["prefill-0"], urls["prefill-1"]]
     ids = prefix(3)
     send(endpoint, ids + [3])  # through the first Conductor
@@ -158,3 +164,18 @@ def test_a_restarted_conductor_rebuilds_its_index_and_routes_to_the_holder(clust
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(10)
         log.close()
+
+
+def test_every_part_logged_its_requests_for_the_simulator(cluster):
+    _, endpoint, _, logs = cluster
+    sent = SENT[endpoint]
+
+    def lines(name: str) -> int:
+        path = logs / f"{name}.jsonl"
+        return len(read_trace(str(path))) if path.exists() else 0
+
+    # Written as requests finish, from each process's own thread.
+    wait_for(lambda: lines("conductor") == sent and lines("decode-0") >= sent)
+    assert lines("prefill-0") + lines("prefill-1") >= sent  # every request was prefilled there
+    first = read_trace(str(logs / "decode-0.jsonl"))[0]
+    assert first.ttft_ms is not None and first.cached_tokens is not None  # what a twin compares

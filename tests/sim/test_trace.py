@@ -100,3 +100,16 @@ def test_the_published_synthetic_trace_reads_whole() -> None:
     recs = read_trace(str(path))
     assert len(recs) == 3993
     assert sum(r.input_length for r in recs) / len(recs) == pytest.approx(15325, rel=1e-3)
+
+
+def test_a_request_log_in_finish_order_is_read_in_arrival_order(tmp_path: Path) -> None:
+    # A server logs a request when it finishes: a long one that arrived first comes later.
+    rows = [
+        {**GOOD, "timestamp": 100, "ttft_ms": 5.0, "cached_tokens": 0},
+        {**GOOD, "timestamp": 40, "ttft_ms": 90.0, "cached_tokens": 512},
+        {**GOOD, "timestamp": 100, "ttft_ms": 7.0, "cached_tokens": 0},
+    ]
+    path = tmp_path / "log.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = read_trace(str(path))
+    assert [(r.timestamp_ms, r.ttft_ms) for r in got] == [(40, 90.0), (100, 5.0), (100, 7.0)]
