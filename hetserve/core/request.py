@@ -118,3 +118,4 @@ class NewRequest:
     kv_handoff: KVHandoff | None = None  # a prefill/decode hand-off it takes part in
     lora_id: str | None = None  # set by validation: the adapter's content id
     grammar: GrammarSpec | None = None  # what the output must match (structured output)
+    caller_id: str | None = None  # the caller's id for it (X-Request-Id: a Conductor's), for logs

@@ -120,16 +120,20 @@ class Conductor:
         if self.decision_log is not None:
             self.decision_log.record(view, req, now, decision)
         if self.request_log is not None:
-            self._log_request(ids, body, decision, now)
+            self._log_request(ids, body, decision, now, req.request_id)
         return decision, req
 
-    def _log_request(self, ids: list[int], body: Mapping[str, Any], d: Decision, now: float):
+    def _log_request(
+        self, ids: list[int], body: Mapping[str, Any], d: Decision, now: float, request_id: str
+    ) -> None:
         from hetserve.sim.trace import log_record
 
         limit = body.get("max_tokens") or body.get("max_completion_tokens") or 0
-        extra: dict[str, Any] = {"rejected": d.rejected, "priority": int(body.get("priority") or 0)}
+        extra: dict[str, Any] = {"rejected": d.rejected, "priority": int(body.get("priority") or 0),
+                                 "request_id": request_id}  # fmt: skip
         record = log_record(
-            now - self.started, ids, int(limit) if isinstance(limit, int) else 0,
+            # An unknown output length (no max_tokens) as 1: the instances log the real one.
+            now - self.started, ids, max(1, int(limit) if isinstance(limit, int) else 0),
             self.cluster.block_size, (), self.cluster.hash_seed, **extra,
         )  # fmt: skip
         self.request_log.write(record)
@@ -156,7 +160,7 @@ class Conductor:
         fwd = dict(body)
         if not single:
             fwd["kv_handoff"] = self._handoff(decision, fwd, req)
-        return await self._forward(path, target, fwd, request, decision)
+        return await self._forward(path, target, fwd, request, decision, req.request_id)
 
     def _handoff(self, d: Decision, body: dict[str, Any], req: RequestInfo) -> dict[str, Any]:
         """Start the prefill half (in the background) and give the decode half its part."""
@@ -169,15 +173,17 @@ class Conductor:
         pre = {k: v for k, v in body.items() if k not in PREFILL_DROPS}
         send = {"key": key, "role": "send", "path": path, "peer": decode.handoff}
         pre.update(stream=False, n=1, max_tokens=1, kv_handoff=send)
-        task = asyncio.get_running_loop().create_task(self._prefill(d.prefill, pre))
+        task = asyncio.get_running_loop().create_task(self._prefill(d.prefill, pre, key))
         task.add_done_callback(lambda t: t.exception())  # logged in _prefill
         return {"key": key, "role": "receive", "path": path, "timeout_s": timeout}
 
-    async def _prefill(self, name: str, body: dict[str, Any]) -> None:
+    async def _prefill(self, name: str, body: dict[str, Any], request_id: str) -> None:
         inst = self.cluster.instances[name]
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         try:
-            r = await self.cluster.http.post(inst.url + path, json=body, timeout=None)
+            r = await self.cluster.http.post(
+                inst.url + path, json=body, timeout=None, headers={"X-Request-Id": request_id}
+            )
             if r.status_code != 200:
                 log.warning("prefill on %s answered %s: %s", name, r.status_code, r.text[:200])
                 self._count("prefill_failed")
@@ -187,7 +193,13 @@ class Conductor:
             self._count("prefill_failed")
 
     async def _forward(
-        self, path: str, name: str, body: dict[str, Any], request: Request, d: Decision
+        self,
+        path: str,
+        name: str,
+        body: dict[str, Any],
+        request: Request,
+        d: Decision,
+        request_id: str,
     ) -> Response:
         """Send to `name`; retried once on another decode-capable instance (colocated: no
         hand-off) if `name` cannot be reached before its response starts."""
@@ -197,8 +209,9 @@ class Conductor:
             try:
                 timeout = httpx.Timeout(10.0, read=None)  # a stream may pause for long
                 req = self.cluster.http.build_request(
-                    "POST", inst.url + path, json=body, timeout=timeout
-                )
+                    "POST", inst.url + path, json=body, timeout=timeout,
+                    headers={"X-Request-Id": request_id},  # joins the instances' logs to ours
+                )  # fmt: skip
                 resp = await self.cluster.http.send(req, stream=True)
             except httpx.TransportError as exc:
                 self.cluster.mark_down(name)

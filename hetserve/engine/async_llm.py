@@ -75,6 +75,7 @@ class RequestTiming:
     first_token: float | None = None
     last_token: float | None = None
     token_times: list[float] = field(default_factory=list)
+    caller_id: str | None = None  # NewRequest.caller_id: joins a Conductor's log to ours
 
 
 class RequestStream:
@@ -240,7 +241,8 @@ class AsyncLLM:
                 try:
                     self.engine.enqueue(new)
                     assert new.arrival_time is not None  # stamped by validation
-                    self._timings[new.request_id] = RequestTiming(new.arrival_time)
+                    timing = RequestTiming(new.arrival_time, caller_id=new.caller_id)
+                    self._timings[new.request_id] = timing
                 except HetserveError as exc:  # a user mistake only the engine thread could see
                     stream._put(exc)
                 except Exception as exc:  # surfaces in the caller; the engine keeps going

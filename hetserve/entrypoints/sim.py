@@ -144,7 +144,7 @@ def _run(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> Plan:
     from hetserve.sim import options as opt
     from hetserve.sim.run import Plan
-    from hetserve.sim.trace import read_trace
+    from hetserve.sim.trace import read_cluster_logs, read_trace
 
     if not args.trace:
         raise InvalidInputError("--trace is required (or --list-hardware)", param="--trace")
@@ -155,7 +155,10 @@ def _plan(args: argparse.Namespace) -> Plan:
             raise InvalidInputError(f"{flag} must be >= {least}, got {value}", param=flag)
     if not args.time_scale > 0:
         raise InvalidInputError("--time-scale must be > 0", param="--time-scale")
-    records = read_trace(args.trace)[: args.limit]
+    if Path(args.trace).is_dir():  # a cluster's request logs, joined
+        records = read_cluster_logs(args.trace)[: args.limit]
+    else:
+        records = read_trace(args.trace)[: args.limit]
     price = opt.prices(args.price)
     cache_tokens = args.cache_tokens_per_instance
     ttft, tbt = opt.slo(args.slo)

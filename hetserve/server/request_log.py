@@ -57,6 +57,8 @@ class RequestLogger:
             gap = tbt_ms(timing.token_times)
             if gap is not None:
                 measured["tbt_ms"] = gap
+            if timing.caller_id is not None:
+                measured["request_id"] = timing.caller_id
             record = log_record(
                 max(0.0, timing.arrival - self.start), out.prompt_token_ids,
                 sum(len(c.token_ids) for c in out.outputs), self.block_size, (), self.seed,

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 
@@ -191,6 +192,7 @@ class OpenAIServing:
                     lora=lora,
                     kv_handoff=handoff_of(req),
                     grammar=grammar,
+                    caller_id=caller_id(request),
                 )
                 streams.append(self.engine.submit(new))
                 request.scope.setdefault("hetserve.ids", []).append(rid)  # the access line
@@ -300,3 +302,14 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
         for fut in pending:
             fut.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+
+
+_CALLER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def caller_id(request: Request) -> str | None:
+    """The caller's id for a request (`X-Request-Id`, as a Conductor sends it), kept for the
+    request log; ours stays unique whatever callers send. Anything but a short plain token is
+    ignored rather than refused (an id is a label, not an input)."""
+    value = request.headers.get("x-request-id")
+    return value if value is not None and _CALLER_ID.fullmatch(value) else None

@@ -35,7 +35,7 @@ import json
 import math
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -59,6 +59,9 @@ class TraceRecord:
     tbt_ms: float | None = None
     cached_tokens: int | None = None
     rejected: bool | None = None
+    # Request logs only: the Conductor's id of the request, sent to instances as X-Request-Id,
+    # so a cluster's logs join (`read_cluster_logs`).
+    request_id: str | None = None
 
     def to_json(self) -> str:
         row: dict[str, Any] = {
@@ -69,7 +72,7 @@ class TraceRecord:
         }
         if self.block_size != MOONCAKE_BLOCK_SIZE:
             row["block_size"] = self.block_size
-        for key in ("priority", "ttft_ms", "tbt_ms", "cached_tokens", "rejected"):
+        for key in ("priority", "ttft_ms", "tbt_ms", "cached_tokens", "rejected", "request_id"):
             value = getattr(self, key)
             if value is not None and not (key == "priority" and value == 0):
                 row[key] = value
@@ -103,6 +106,47 @@ def read_trace(path: str, param: str = "--trace") -> list[TraceRecord]:
     return sorted(records, key=lambda r: r.timestamp_ms)  # stable: ties keep the file's order
 
 
+def read_cluster_logs(directory: str, param: str = "--trace") -> list[TraceRecord]:
+    """A cluster's request logs (`hetserve cluster up --log-requests DIR`) as one trace: the
+    Conductor's records (arrivals on its one clock, prompts, rejections, priorities) joined by
+    `request_id` with what the instances measured: TTFT, TBT and the output length where the
+    stream was served (decode-N or both-N), cached tokens where the prompt was computed
+    (prefill-N or both-N). A request no instance logged (refused, failed) keeps no measurement.
+    Errors: as `read_trace`, and a directory without conductor.jsonl."""
+    d = Path(directory)
+    if not (d / "conductor.jsonl").is_file():
+        raise InvalidInputError(
+            f"{param}: {directory} has no conductor.jsonl (a `cluster up --log-requests` "
+            "directory)", param=param
+        )  # fmt: skip
+    served: dict[str, TraceRecord] = {}
+    computed: dict[str, TraceRecord] = {}
+    for path in sorted(d.glob("*.jsonl")):
+        role = path.stem.split("-")[0]
+        if role not in ("prefill", "decode", "both"):
+            continue
+        for rec in read_trace(str(path), param):
+            if rec.request_id is None:
+                continue
+            if role in ("decode", "both"):
+                served[rec.request_id] = rec
+            if role in ("prefill", "both"):
+                computed[rec.request_id] = rec
+    out = []
+    for rec in read_trace(str(d / "conductor.jsonl"), param):
+        s, c = served.get(rec.request_id or ""), computed.get(rec.request_id or "")
+        out.append(
+            replace(
+                rec,
+                output_length=s.output_length if s is not None else rec.output_length,
+                ttft_ms=s.ttft_ms if s is not None else None,
+                tbt_ms=s.tbt_ms if s is not None else None,
+                cached_tokens=c.cached_tokens if c is not None else None,
+            )
+        )
+    return out
+
+
 def _parse(line: str) -> TraceRecord:
     try:
         row = json.loads(line)
@@ -129,6 +173,9 @@ def _parse(line: str) -> TraceRecord:
     priority = row.get("priority", 0)
     if not _is_int(priority):
         raise ValueError("'priority' must be an integer")
+    request_id = row.get("request_id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise ValueError("'request_id' must be a string")
     return TraceRecord(
         ts,
         n,
@@ -138,6 +185,7 @@ def _parse(line: str) -> TraceRecord:
         priority,
         cached_tokens=cached,
         rejected=rejected,
+        request_id=request_id,
         **measured,
     )
 
@@ -201,7 +249,7 @@ def log_record(
 ) -> TraceRecord:
     """One line of a request log: arrival in seconds since the log began, the prompt's token
     ids (hashed here, never written), and what was measured (`ttft_ms`, `tbt_ms`,
-    `cached_tokens`, `rejected`, `priority`)."""
+    `cached_tokens`, `rejected`, `priority`) and `request_id`."""
     ids = tuple(block_ids(token_ids, block_size, extra, seed))
     return TraceRecord(
         arrival_s * 1000.0, len(token_ids), output_length, ids, block_size, **measured
@@ -251,4 +299,5 @@ def coarsen(record: TraceRecord, block_size: int) -> TraceRecord:
         record.tbt_ms,
         record.cached_tokens,
         record.rejected,
+        record.request_id,
     )

@@ -21,7 +21,7 @@ from hetserve.bench.server_info import parse_prometheus
 from hetserve.core.kv_events import MEDIUM_GPU
 from hetserve.disagg.launch import ClusterSpec, LocalLauncher, free_port
 from hetserve.native.hash_chain import hash_prefix_digests
-from hetserve.sim.trace import read_trace
+from hetserve.sim.trace import read_cluster_logs, read_trace
 
 ENGINE = ("--dtype", "float32", "--max-model-len", "512")
 PREFIX_TOKENS = 240  # 15 blocks of 16
@@ -177,5 +177,10 @@ def test_every_part_logged_its_requests_for_the_simulator(cluster):
     # Written as requests finish, from each process's own thread.
     wait_for(lambda: lines("conductor") == sent and lines("decode-0") >= sent)
     assert lines("prefill-0") + lines("prefill-1") >= sent  # every request was prefilled there
-    first = read_trace(str(logs / "decode-0.jsonl"))[0]
-    assert first.ttft_ms is not None and first.cached_tokens is not None  # what a twin compares
+    # Joined by the Conductor's request id: every request it sent, measured where it ran.
+    joined = read_cluster_logs(str(logs))
+    assert len(joined) == sent and all(r.request_id for r in joined)
+    assert all(r.ttft_ms is not None and r.cached_tokens is not None for r in joined)
+    assert sum(r.cached_tokens for r in joined) >= (sent - 3) * PREFIX_TOKENS // 2
+    decoded = {r.request_id: r for r in read_trace(str(logs / "decode-0.jsonl"))}
+    assert all(decoded[r.request_id].hash_ids == r.hash_ids for r in joined)

@@ -21,9 +21,12 @@ def test_request_log_replays_in_the_simulator(request, tiny_model, tmp_path):
     proc = servers.spawn(cmd, request)
     servers.wait_port(port, proc)
     url = f"http://127.0.0.1:{port}/v1/completions"
-    for tail in ([1], [2, 3]):
+    # The caller's X-Request-Id is logged (a Conductor's: its log joins ours); a malformed
+    # one is ignored, never refused.
+    for tail, rid in (([1], "conductor-req-1"), ([2, 3], "bad id with spaces")):
         body = {"prompt": PROMPT + tail, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
-        assert httpx.post(url, json=body, timeout=60).status_code == 200
+        r = httpx.post(url, json=body, timeout=60, headers={"X-Request-Id": rid})
+        assert r.status_code == 200
     deadline = time.monotonic() + 10
     while (
         not log.exists() or len(log.read_text().splitlines()) < 2
@@ -37,6 +40,7 @@ def test_request_log_replays_in_the_simulator(request, tiny_model, tmp_path):
     assert first.hash_ids[:4] == second.hash_ids[:4]  # the shared prefix: the same ids
     assert first.hash_ids[4] != second.hash_ids[4]
     assert first.ttft_ms > 0 and second.cached_tokens == 64
+    assert (first.request_id, second.request_id) == ("conductor-req-1", None)
     replay = [sys.executable, "-m", "hetserve.cli", "sim", "--trace", str(log), "--prefill", "1",
               "--decode", "1"]  # fmt: skip
     sim = subprocess.run(replay, capture_output=True, text=True)

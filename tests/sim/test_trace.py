@@ -113,3 +113,29 @@ def test_a_request_log_in_finish_order_is_read_in_arrival_order(tmp_path: Path) 
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     got = read_trace(str(path))
     assert [(r.timestamp_ms, r.ttft_ms) for r in got] == [(40, 90.0), (100, 5.0), (100, 7.0)]
+
+
+def test_a_clusters_logs_join_on_the_conductors_request_id(tmp_path: Path) -> None:
+    from hetserve.sim.trace import read_cluster_logs
+
+    def write(name: str, rows: list[dict]) -> None:
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    write("conductor", [
+        {**GOOD, "timestamp": 5, "request_id": "a", "output_length": 16},
+        {**GOOD, "timestamp": 9, "request_id": "b", "rejected": True},
+        {**GOOD, "timestamp": 12, "request_id": "c", "rejected": False},
+    ])  # fmt: skip
+    # Each instance's clock starts elsewhere; only the Conductor's arrivals are kept.
+    write("prefill-0", [{**GOOD, "timestamp": 900, "request_id": "a", "output_length": 1,
+                         "ttft_ms": 30.0, "cached_tokens": 512}])  # fmt: skip
+    write("decode-0", [{**GOOD, "timestamp": 950, "request_id": "a", "output_length": 7,
+                        "ttft_ms": 41.0, "tbt_ms": 9.0, "cached_tokens": 600}])  # fmt: skip
+    a, b, c = read_cluster_logs(str(tmp_path))
+    assert (a.timestamp_ms, a.output_length, a.ttft_ms, a.tbt_ms) == (5, 7, 41.0, 9.0)
+    assert a.cached_tokens == 512  # where the prompt was computed, not the handed-off KV
+    assert b.rejected and b.ttft_ms is None and b.cached_tokens is None
+    assert c.ttft_ms is None  # logged by no instance (it failed): no measurement
+    (tmp_path / "conductor.jsonl").unlink()
+    with pytest.raises(InvalidInputError, match="no conductor.jsonl"):
+        read_cluster_logs(str(tmp_path))
