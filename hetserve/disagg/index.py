@@ -270,12 +270,18 @@ class KVIndex:
         """Blocks lo..hi: append the bits lost and where; return the running AND."""
         chunk = block_hashes[lo:hi]
         joined = b"".join(chunk)
-        keys = keys_of(joined)
-        cols = self._table.lookup(keys)
-        # A key names its column's hash or, rarely, another one that folds the same: checked.
-        same = (self._digests[cols] == np.frombuffer(joined, "<u8").reshape(-1, 4)).all(axis=1)
-        cols[~same] = 0
+        # A key names its column's hash or, rarely, another one that folds the same: checked
+        # (natively in one pass where the kernels build).
+        found = self._table.lookup_digests(joined, self._digests)
+        if found is None:
+            keys = keys_of(joined)
+            cols = self._table.lookup(keys)
+            same = (self._digests[cols] == np.frombuffer(joined, "<u8").reshape(-1, 4)).all(axis=1)
+            cols[~same] = 0
+        else:
+            cols = found
         if self._shared:  # keys two stored hashes share: those few by their hash
+            keys = keys_of(joined)
             for i in np.flatnonzero(np.isin(keys, list(self._shared))).tolist():
                 cols[i] = self._rows.get(chunk[i], 0)
         # Lane words as rows and blocks as columns: the gather and the accumulate run along

@@ -101,6 +101,22 @@ class KeyTable:
             pending, slots = pending[more], (slots[more] + 1) & int(mask)
         return out
 
+    def lookup_digests(self, digests: bytes, stored: np.ndarray) -> np.ndarray | None:
+        """The column of each 32-byte digest in `digests` where `stored[col]` (uint64 [cols, 4])
+        is that digest, else 0: keys folded, probed and hits checked in one native call. None
+        where the kernels do not build here (the caller folds, probes and checks in numpy)."""
+        fn = _native_digest_lookup()
+        if fn is None:
+            return None
+        n = len(digests) // 32
+        out = np.zeros(n, np.int64)
+        if n:
+            words = np.frombuffer(digests, dtype="<u8")
+            stored = np.ascontiguousarray(stored, np.uint64)
+            fn(self._keys.ctypes.data, self._cols.ctypes.data, len(self._keys) - 1,
+               stored.ctypes.data, words.ctypes.data, n, out.ctypes.data)  # fmt: skip
+        return out
+
     def __len__(self) -> int:
         return self._used
 
@@ -111,3 +127,11 @@ def _native_lookup():  # type: ignore[no-untyped-def]
     except ImportError:  # a build without torch: numpy's probes
         return None
     return optional_kernel("hetserve_key_lookup")
+
+
+def _native_digest_lookup():  # type: ignore[no-untyped-def]
+    try:
+        from hetserve.native import optional_kernel
+    except ImportError:
+        return None
+    return optional_kernel("hetserve_digest_lookup")

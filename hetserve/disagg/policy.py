@@ -195,7 +195,8 @@ class Router:
         # Every instance's TTFT is kvcentric's choice; the others need only the chosen one's.
         options: dict[str, _Option] = {}
         if self.config.policy == "kvcentric":
-            options = {o.instance.name: o for o in (self._option(view, req, p) for p in prefills)}
+            pooled = view.holding(POOL).longest
+            options = {p.name: self._option(view, req, p, pooled) for p in prefills}
         name = self._pick_prefill(view, req, prefills, options)
         if name not in options:
             options[name] = self._option(view, req, next(p for p in prefills if p.name == name))
@@ -213,39 +214,45 @@ class Router:
         return self._admit(decision, req, prefills)
 
     # ---- prefill side ------------------------------------------------------------------------
-    def _option(self, view: ClusterView, req: RequestInfo, inst: InstanceState) -> _Option:
+    def _option(
+        self, view: ClusterView, req: RequestInfo, inst: InstanceState, pooled: int | None = None
+    ) -> _Option:
         """The best way to prefill `req` on `inst` (kvcentric's inner loop; every policy's
-        TTFT prediction)."""
+        TTFT prediction). `pooled`: the pool's longest prefix of the request, if the caller
+        has it (the same for every instance)."""
         prof, bs, n = inst.profile, view.block_size, req.num_tokens
+        fit = prof.prefill
         usable = (n - 1) // bs  # the last token is always computed (its logits are needed)
-        queue = prof.prefill.queue_seconds(inst.queued_prefill_tokens, inst.queued_requests)
-        best = _Option(inst, queue + prof.prefill.seconds(n, 0), 0, None)
-        own = view.holding(inst.name)
-        load, covered = 0.0, 0
-        for tier in LOCAL_TIERS:  # its own tiers, fastest first: load what it has, prefill the rest
-            k = min(own.covered(tier), usable)
+        queue = fit.queue_seconds(inst.queued_prefill_tokens, inst.queued_requests)
+        best_ttft, best_k, best_tier = queue + fit.seconds(n, 0), 0, ""
+        own = view.holdings.get(inst.name)
+        held = own.blocks if own is not None else {}
+        load, covered, reach = 0.0, 0, 0
+        for tier in LOCAL_TIERS if held else ():  # its own tiers, fastest first: load what
+            reach = max(reach, held.get(tier, 0))  # it has, prefill the rest
+            k = min(reach, usable)
             if k <= covered:
                 continue
             seg = prof.load_seconds(tier, (k - covered) * bs)
             if seg is None:
                 break  # a tier it cannot read: nothing past it counts
             load, covered = load + seg, k
-            ttft = queue + load + prof.prefill.seconds(n - k * bs, k * bs)
-            if ttft < best.ttft_s:
-                pull = Pull(inst.name, tier, k) if tier != "device" else None
-                best = _Option(inst, ttft, k * bs, pull)
-        local = best.cached_tokens // bs
-        k = min(view.holding(POOL).longest, usable)
+            ttft = queue + load + fit.seconds(n - k * bs, k * bs)
+            if ttft < best_ttft:
+                best_ttft, best_k, best_tier = ttft, k, tier
+        local = best_k
+        k = min(view.holding(POOL).longest if pooled is None else pooled, usable)
         move = prof.load_seconds(POOL, (k - local) * bs) if k > local else None
         if move is not None:  # a longer prefix in the shared pool: pull it?
-            recompute = prof.prefill.seconds(n - local * bs, local * bs)
-            recompute -= prof.prefill.seconds(n - k * bs, k * bs)
+            rest = fit.seconds(n - k * bs, k * bs)
+            recompute = fit.seconds(n - local * bs, local * bs) - rest
             # Taken only where it beats recomputing those tokens by the balancing margin.
             if move <= (1 - self.config.balance_threshold) * recompute:
-                ttft = queue + move + prof.prefill.seconds(n - k * bs, k * bs)
-                if ttft < best.ttft_s:
-                    best = _Option(inst, ttft, k * bs, Pull(POOL, POOL, k))
-        return best
+                ttft = queue + move + rest
+                if ttft < best_ttft:
+                    return _Option(inst, ttft, k * bs, Pull(POOL, POOL, k))
+        pull = Pull(inst.name, best_tier, best_k) if best_tier not in ("", "device") else None
+        return _Option(inst, best_ttft, best_k * bs, pull)
 
     def _pick_prefill(
         self,

@@ -127,6 +127,7 @@ _SIGNATURES = {
     # native/hash_chain.py, disagg/key_table.py
     "hetserve_hash_blocks": (_I, [_P, _I64, _P, _I64, _I64, _P, _I64, _P]),
     "hetserve_key_lookup": (None, [_P, _P, ctypes.c_uint64, _P, _I64, _P]),
+    "hetserve_digest_lookup": (None, [_P, _P, ctypes.c_uint64, _P, _P, _I64, _P]),
     "hetserve_moe_new": (_P, [_I] * 5 + [_P] * 6 + [_I, _F, _F]),  # moe/cpu_native.py
     "hetserve_moe_free": (None, [_P]),
     "hetserve_moe_run": (_I, [_P, _I, _I, _I] + [_P] * 4),

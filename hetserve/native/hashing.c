@@ -82,3 +82,34 @@ void hetserve_key_lookup(const uint64_t *table_keys, const int64_t *table_cols, 
         out[i] = col;
     }
 }
+
+/* The same lookup from the digests themselves: each 32-byte digest (four little-endian words)
+ * folded into its key as key_table.keys_of does (odd multipliers, keys 0 and 1 moved up by 2),
+ * probed, and a hit kept only where the column's stored digest (stored[col], four words) is the
+ * same: exact, with no key array or gathered copy for the caller to build. */
+void hetserve_digest_lookup(const uint64_t *table_keys, const int64_t *table_cols, uint64_t mask,
+                            const uint64_t *stored, const uint64_t *digests, int64_t n,
+                            int64_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint64_t *d = digests + 4 * i;
+        uint64_t k = d[0] * 0x9E3779B97F4A7C15ULL ^ d[1] * 0xBF58476D1CE4E5B9ULL ^
+                     d[2] * 0x94D049BB133111EBULL ^ d[3];
+        if (k <= 1) k += 2;
+        uint64_t s = k & mask;
+        int64_t col = 0;
+        for (;;) {
+            uint64_t t = table_keys[s];
+            if (t == k) {
+                col = table_cols[s];
+                break;
+            }
+            if (t == 0) break;
+            s = (s + 1) & mask;
+        }
+        if (col) {
+            const uint64_t *h = stored + 4 * col;
+            if (h[0] != d[0] || h[1] != d[1] || h[2] != d[2] || h[3] != d[3]) col = 0;
+        }
+        out[i] = col;
+    }
+}

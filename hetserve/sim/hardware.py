@@ -42,6 +42,9 @@ class Hardware:
     device_kv_tokens: int  # KV that fits beside the weights (what a decode batch may hold)
     handoff: TierCost  # pushing a request's KV from this prefill instance to a decode one
     price_per_hour: float  # USD; 0 = unknown (no goodput per dollar)
+    # The tier the prefill side's cache is read from: host DRAM (Mooncake's nodes), or the
+    # device pool itself where a measured instance has no host tier (its prefix cache).
+    cache_tier: str = "dram"
 
 
 @dataclass(frozen=True)
@@ -201,21 +204,20 @@ def resolve(spec: str) -> Hardware:
 def from_profile_file(path: str) -> Hardware:
     """A measured machine: the profile's fits and tiers; its `capacity` section if it has one
     (else unbounded KV on the device and 3M tokens of host cache, overridable by flags); the
-    hand-off at its pool tier's cost (none: same host)."""
+    hand-off at its pool tier's cost (none: same host). An instance measured without a host
+    tier caches prefixes in its device pool only: the cache is that pool, read at no cost."""
     try:
         profile, raw = load_profile(path)
         cap = _capacity(raw.get("capacity") or {})
     except ValueError as exc:
         raise InvalidInputError(f"--hardware: {exc}", param="--hardware") from None
     handoff = profile.tiers.get(POOL) or TierCost(0.0, math.inf)
-    return Hardware(
-        profile.name,
-        profile,
-        cap.get("host_kv_tokens", 3_000_000),
-        cap.get("device_kv_tokens", UNBOUNDED),
-        handoff,
-        0.0,
-    )
+    device = cap.get("device_kv_tokens", UNBOUNDED)
+    if "dram" in profile.tiers:
+        cache, tier = cap.get("host_kv_tokens", 3_000_000), "dram"
+    else:
+        cache, tier = (device if device != UNBOUNDED else 3_000_000), "device"
+    return Hardware(profile.name, profile, cache, device, handoff, 0.0, tier)
 
 
 def _capacity(cap: Mapping[str, Any]) -> dict[str, int]:

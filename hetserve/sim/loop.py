@@ -184,7 +184,9 @@ class Simulation:
         ]
         states += [self._decode_state(i, now) for i in range(len(self.decode))]
         holdings = {
-            self.prefill[h].name: PrefixHolding(self.prefill[h].name, {"dram": k})
+            self.prefill[h].name: PrefixHolding(
+                self.prefill[h].name, {self.prefill[h].hw.cache_tier: k}
+            )
             for h, k in found.items()
         }
         if self.cfg.cache == "global" and pooled:

@@ -44,6 +44,7 @@ def test_index_stays_exact_when_two_hashes_share_a_key(monkeypatch):
     from hetserve.disagg.index import KVIndex
 
     monkeypatch.setattr(key_table, "_MIX", np.zeros(3, np.uint64))  # every key is word 3
+    monkeypatch.setattr(key_table, "_native_digest_lookup", lambda: None)  # folds with the real
     a, b = bytes(24) + b"sameword", b"x" * 24 + b"sameword"  # one key, two hashes
     index = KVIndex()
     index.mark("i", MEDIUM_GPU, [a], True)
@@ -53,3 +54,25 @@ def test_index_stays_exact_when_two_hashes_share_a_key(monkeypatch):
     index.mark("j", MEDIUM_GPU, [b], False)  # alone again: back in the table
     assert index.holdings([a]) == {"i": {"device": 1, "dram": 1, "ssd": 1}}
     assert index.holdings([b]) == {}
+
+
+def test_native_digest_lookup_folds_probes_and_checks_as_numpy_does():
+    if key_table._native_digest_lookup() is None:
+        import pytest
+
+        pytest.skip("the native kernels do not build here")
+    rng = random.Random(9)
+    digests = [rng.randbytes(32) for _ in range(500)] + [bytes(32)]  # one folds to a reserved key
+    stored = np.zeros((len(digests) + 1, 4), np.uint64)
+    table = KeyTable(capacity=8)
+    for col, h in enumerate(digests[:300] + [bytes(32)], 1):
+        table.put(int(keys_of(h)[0]), col)
+        stored[col] = np.frombuffer(h, "<u8")
+    stored[7] = 0  # column 7 now names another hash: its key's hit must not count
+    joined = b"".join(digests)
+    keys = keys_of(joined)
+    want = table.lookup(keys)
+    want[~(stored[want] == np.frombuffer(joined, "<u8").reshape(-1, 4)).all(axis=1)] = 0
+    got = table.lookup_digests(joined, stored)
+    assert got is not None and (got == want).all()
+    assert got[6] == 0 and got[5] == 6 and got[-1] == 301 and (got[300:-1] == 0).all()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -65,3 +66,33 @@ def test_a_profile_file_with_and_without_capacity(tmp_path):
     path.write_text(json.dumps({"format": "hetserve-profile"}))
     with pytest.raises(InvalidInputError, match="missing field"):
         hwm.resolve(str(path))
+
+
+def test_a_profile_without_a_host_tier_caches_in_its_device_pool(tmp_path):
+    # A hetserve instance served without a KV store: its prefix cache is the device pool, read
+    # at no cost, as large as the pool (what its live prefix hits come from).
+    prof = hardware().profile
+    bare = dataclasses.replace(prof, tiers={k: v for k, v in prof.tiers.items() if k != "dram"})
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile_to_dict(bare, capacity={"device_kv_tokens": 5000})))
+    hw = hwm.resolve(str(path))
+    assert (hw.cache_tier, hw.host_cache_tokens) == ("device", 5000)
+    assert hwm.resolve(str(path)).profile.load_seconds(hw.cache_tier, 4096) == 0.0
+    path.write_text(json.dumps(profile_to_dict(prof)))  # with a DRAM tier: Mooncake's nodes
+    assert hwm.resolve(str(path)).cache_tier == "dram"
+
+
+def test_device_pool_hits_are_predicted(tmp_path):
+    from hetserve.disagg.policy import RouterConfig
+    from hetserve.sim.loop import SimConfig, Simulation
+    from tests.sim.test_cli import synthetic_log
+
+    prof = hardware().profile
+    bare = dataclasses.replace(prof, tiers={})
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile_to_dict(bare, capacity={"device_kv_tokens": 100_000})))
+    box = hwm.resolve(str(path))
+    records = synthetic_log(tmp_path, 60, seed=5)  # conversations: each turn extends the last
+    cfg = SimConfig(RouterConfig(), [box], [box], cache="local", block_tokens=16)
+    jobs = Simulation(records, cfg).run().jobs
+    assert sum(j.cached_tokens for j in jobs) > 0
