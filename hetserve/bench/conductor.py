@@ -142,6 +142,16 @@ def _end_to_end(args: argparse.Namespace) -> tuple[list[list[object]], dict[str,
         )
         out[f"added_p{q}_ms"] = added * 1e3
     out["median_direct_ms"] = statistics.median(lat["direct"]) * 1e3
+    # The Conductor's own work (parse, tokenize, hash, look up, decide), as it measures it:
+    # the part of the added latency that is not the extra HTTP hop.
+    text = httpx.get(args.url.rstrip("/") + "/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith("hetserve_conductor_routing_seconds{"):
+            q = line.split('quantile="', 1)[1].split('"', 1)[0]
+            ms = float(line.rsplit(" ", 1)[1]) * 1e3
+            label = f"p{round(float(q) * 100)}"
+            rows.append([f"its own routing {label}", f"{ms:.2f} ms", "", ""])
+            out[f"routing_{label}_ms"] = ms
     return rows, out
 
 

@@ -81,6 +81,9 @@ class Conductor:
         self.started = time.monotonic()
         self.counts: dict[str, int] = {}
         self.ttft: list[tuple[float, float]] = []  # (predicted, measured) seconds, recent
+        # Its own work per request, from the body read to the call to an instance (parse,
+        # tokenize, hash, index, decide): recent seconds, for /metrics.
+        self.routing: list[float] = []
 
     def _count(self, what: str) -> None:
         self.counts[what] = self.counts.get(what, 0) + 1
@@ -139,6 +142,7 @@ class Conductor:
         self.request_log.write(record)
 
     async def route(self, path: str, raw: bytes, request: Request) -> Response:
+        t0 = time.perf_counter()
         try:
             body = json.loads(raw)
             if not isinstance(body, dict):
@@ -160,6 +164,8 @@ class Conductor:
         fwd = dict(body)
         if not single:
             fwd["kv_handoff"] = self._handoff(decision, fwd, req)
+        self.routing.append(time.perf_counter() - t0)
+        del self.routing[:-1000]
         return await self._forward(path, target, fwd, request, decision, req.request_id)
 
     def _handoff(self, d: Decision, body: dict[str, Any], req: RequestInfo) -> dict[str, Any]:
@@ -317,6 +323,13 @@ def render_metrics(c: Conductor) -> str:
             "# TYPE hetserve_conductor_ttft_prediction_error gauge",
             f"hetserve_conductor_ttft_prediction_error {err:.6f}",
         ]
+    if c.routing:
+        done = sorted(c.routing)
+        lines.append("# TYPE hetserve_conductor_routing_seconds summary")
+        for q in (0.5, 0.99):
+            v = done[min(len(done) - 1, int(q * len(done)))]
+            lines.append(f'hetserve_conductor_routing_seconds{{quantile="{q}"}} {v:.6f}')
+        lines.append(f"hetserve_conductor_routing_seconds_count {len(done)}")
     if c.index_blocks is not None:
         lines.append("# TYPE hetserve_conductor_index_blocks gauge")
         for name, media in sorted(c.index_blocks().items()):

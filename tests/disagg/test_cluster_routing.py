@@ -184,3 +184,13 @@ def test_every_part_logged_its_requests_for_the_simulator(cluster):
     assert sum(r.cached_tokens for r in joined) >= (sent - 3) * PREFIX_TOKENS // 2
     decoded = {r.request_id: r for r in read_trace(str(logs / "decode-0.jsonl"))}
     assert all(decoded[r.request_id].hash_ids == r.hash_ids for r in joined)
+
+
+def test_the_conductor_reports_its_own_routing_time(cluster):
+    _, endpoint, _, _ = cluster
+    text = httpx.get(endpoint.removesuffix("/v1") + "/metrics", timeout=10).text
+    m = parse_prometheus(text)
+    assert m["hetserve_conductor_routing_seconds_count"] == SENT[endpoint]
+    p50, p99 = (float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("hetserve_conductor_routing_seconds{"))  # fmt: skip
+    assert 0 < p50 <= p99 < 5.0  # parse, tokenize, hash, decide: far below a request's time
