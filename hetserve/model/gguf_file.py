@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from hetserve.errors import ModelLoadError, UnsupportedArchitectureError
+from hetserve.model.gguf_parts import open_parts
 from hetserve.quant.gguf import BITS, KEPT, converted_rows
 from hetserve.quant.packed import QMatrix
 
@@ -77,17 +78,15 @@ class GgufCheckpoint:
     def __init__(self, path: Path) -> None:
         gguf = _import_gguf()
         self.path, self._gguf = path, gguf
-        try:
-            self.reader = gguf.GGUFReader(str(path))
-        except (ValueError, OSError) as exc:
-            raise ModelLoadError(f"{path} is not a readable GGUF file ({exc})") from None
+        self.parts = open_parts(gguf, path)  # split models: every part, the first's metadata
+        self.reader = self.parts[0]
         self.arch = self.field("general.architecture")
         if self.arch not in ARCHITECTURES:
             raise UnsupportedArchitectureError(
                 f"GGUF architecture {self.arch!r} is not supported; supported: "
                 f"{', '.join(sorted(ARCHITECTURES))}"
             )
-        self.tensor_info = {t.name: t for t in self.reader.tensors}
+        self.tensor_info = {t.name: t for r in self.parts for t in r.tensors}
         self.packed_layers, self._convert = self._packed_layers()
         self._done: dict[str, int] = {}  # summary: "what -> how" -> tensors
 
@@ -156,7 +155,7 @@ class GgufCheckpoint:
         return names
 
     def nbytes(self) -> int:
-        return sum(int(t.n_bytes) for t in self.reader.tensors)
+        return sum(int(t.n_bytes) for t in self.tensor_info.values())
 
     def _expert_value(self, t) -> QMatrix:
         kind = t.tensor_type.name

@@ -120,10 +120,12 @@ def write_gguf(
     experts: str = "q4_K",
     others: str = "f32",
     down: str | None = None,
+    split_max_tensors: int = 0,
 ) -> Path:
     """`src` (tiny fp32 Qwen-MoE checkpoint) as the GGUF file `out`; the fp32 model that gguf
     reads from it into the directory `reference`. `down`: another type for ffn_down_exps (as
-    llama.cpp's Q4_K_M gives some layers q6_K there)."""
+    llama.cpp's Q4_K_M gives some layers q6_K there). `split_max_tensors`: write the model as
+    parts `out-0000i-of-0000n.gguf` of at most that many tensors (returns the first)."""
     import gguf
 
     src, out, reference = Path(src), Path(out), Path(reference)
@@ -131,7 +133,7 @@ def write_gguf(
     arch = _ARCH.get(cfg["architectures"][0])
     if arch is None:
         raise InvalidInputError(f"no GGUF writer for {cfg['architectures'][0]}")
-    writer = gguf.GGUFWriter(str(out), arch)
+    writer = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     _metadata(writer, cfg, json.loads((src / "tokenizer.json").read_text()))
     ref = {}
     for name, w in _tensors(src, cfg).items():
@@ -145,6 +147,8 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     _write_reference(src, reference, ref)
+    if split_max_tensors:
+        return writer.format_shard_names(out)[0]
     return out
 
 
