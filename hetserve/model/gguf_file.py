@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from hetserve.errors import ModelLoadError, UnsupportedArchitectureError
+from hetserve.model.gguf_archs import DEEPSEEK2_NAMES, deepseek2_config, fuse_kv_b
 from hetserve.model.gguf_parts import open_parts
 from hetserve.quant.gguf import BITS, KEPT, converted_rows
 from hetserve.quant.packed import QMatrix
@@ -28,7 +29,9 @@ from hetserve.quant.packed import QMatrix
 ARCHITECTURES = {
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", True),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", False),
+    "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2", False),  # gguf_archs: V3 by gating
 }
+_KV_SPLIT = re.compile(r"^blk\.(\d+)\.attn_(k|v)_b\.weight$")
 _LAYER = r"^blk\.(\d+)\."
 _MLP = r"model.layers.\1.mlp."
 _NAMES = [
@@ -108,6 +111,8 @@ class GgufCheckpoint:
         cfg["bos_token_id"] = self.field("tokenizer.ggml.bos_token_id")
         if model_type == "qwen2_moe":
             cfg["qkv_bias"] = "blk.0.attn_q.bias" in self.tensor_info
+        if self.arch == "deepseek2":
+            cfg.update(deepseek2_config(self.field, self.arch))
         return cfg
 
     def _packed_layers(self) -> tuple[dict[int, str], set[str]]:
@@ -199,14 +204,36 @@ class GgufCheckpoint:
                         sel = stacked.select(e) if isinstance(stacked, QMatrix) else stacked[e]
                         yield hf, sel, int(t.n_bytes) // n
                 continue
+            if _KV_SPLIT.match(name):
+                yield from self._kv_b(name, wanted)
+                continue
             hf = self._hf_name(name)
             if wanted(hf):
                 # q8_0 / q4_K matrices as they are (the filler dequantizes them, and keeps them
                 # for linears that a placement may serve quantized)
                 yield hf, self._value(t, len(t.shape) == 2), int(t.n_bytes)
 
+    def _kv_b(self, name: str, wanted: Callable[[str], bool]) -> Iterator[tuple[str, object, int]]:
+        """Newer converters split DeepSeek's kv_b_proj into attn_k_b and attn_v_b; it is fused
+        back (in fp32) at attn_k_b, unless the file also holds the fused attn_kv_b."""
+        layer, part = _KV_SPLIT.match(name).groups()  # type: ignore[union-attr]
+        hf = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
+        if part == "v" or f"blk.{layer}.attn_kv_b.weight" in self.tensor_info or not wanted(hf):
+            return
+        k_t = self.tensor_info[name]
+        v_t = self.tensor_info.get(f"blk.{layer}.attn_v_b.weight")
+        if v_t is None:
+            raise ModelLoadError(f"GGUF tensor {name!r} has no attn_v_b beside it")
+        k_b, v_b = (self._dense(t) for t in (k_t, v_t))
+        yield hf, fuse_kv_b(k_b, v_b), int(k_t.n_bytes) + int(v_t.n_bytes)
+
+    def _dense(self, t) -> torch.Tensor:
+        value = self._value(t, False)
+        return value.dequantize() if isinstance(value, QMatrix) else value
+
     def _hf_name(self, name: str) -> str:
-        for pattern, repl in _NAMES:
+        table = DEEPSEEK2_NAMES + _NAMES if self.arch == "deepseek2" else _NAMES
+        for pattern, repl in table:
             if re.match(pattern, name):
                 return re.sub(pattern, repl, name)
         raise ModelLoadError(

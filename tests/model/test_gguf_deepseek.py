@@ -1,0 +1,59 @@
+"""deepseek2 GGUF files (DeepSeek-V2/V3, MLA with shared experts) as llama.cpp's own
+converter writes them: the split attn_k_b / attn_v_b tensors fused back into kv_b_proj, the
+config from llama.cpp's metadata keys. Logprobs against the fp32 checkpoint the file was
+converted from (its q8_0 rounding included), and no further from it than llama.cpp itself."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+
+from hetserve import LLM, envs  # noqa: E402
+from hetserve.model.gguf_archs import fuse_kv_b  # noqa: E402
+
+from .test_gguf import IDS, logprobs  # noqa: E402
+
+SHAPE = {"hidden_size": 256, "moe_intermediate_size": 256, "q_lora_rank": 64}
+
+
+def test_split_kv_b_fuses_back_as_the_converter_split_it():
+    """convert_hf_to_gguf: kv_b [heads * (nope + v), rank] viewed per head, split into k_b
+    (transposed) and v_b."""
+    heads, nope, v, rank = 4, 16, 8, 32
+    kv_b = torch.randn(heads * (nope + v), rank)
+    k_b, v_b = torch.split(kv_b.view(heads, nope + v, rank), [nope, v], dim=1)
+    assert torch.equal(fuse_kv_b(k_b.transpose(1, 2), v_b), kv_b)
+
+
+def test_deepseek2_from_llama_cpp_converter(tiny_model, tmp_path):
+    from hetserve.bench.decode_llamacpp import convert, find_converter
+
+    src = find_converter(envs.llama_cpp_src())
+    if src is None:
+        pytest.skip(f"llama.cpp's converter not found (set {envs.LLAMA_CPP_SRC})")
+    ckpt = tiny_model("deepseek-v2", overrides=SHAPE)
+    (tmp_path / "alone").mkdir()
+    path = convert(ckpt, tmp_path / "alone" / "m.gguf", src, "q8_0")
+    llm = LLM(str(path))  # nothing beside it: config and tokenizer from the metadata
+    assert llm.model.config.architecture == "DeepseekV2ForCausalLM"
+    assert {e.backend_name for _, e in llm.model.routed_experts()} == {"cpu-int8"}
+    fp32 = logprobs(LLM(str(ckpt)))
+    err = (logprobs(llm) - fp32).abs()
+    # q8_0 rounding of every weight: measured max 0.037, median 0.010
+    assert float(err.max()) <= 0.1 and float(err.median()) <= 0.03
+    try:
+        import llama_cpp
+    except ImportError:
+        return
+    peer = llama_cpp.Llama(str(path), logits_all=True, n_ctx=128, verbose=False, n_threads=2)
+    peer.eval(IDS)
+    lp = torch.log_softmax(torch.tensor(np.array(peer.scores[: len(IDS)])), -1)
+    theirs = torch.tensor([float(lp[i, IDS[i + 1]]) for i in range(len(IDS) - 1)])
+    # llama.cpp on the same file measured max 0.21, median 0.016 from the fp32 model
+    assert float(err.median()) <= float((theirs - fp32).abs().median()) + 1e-3
+    shutil.rmtree(tmp_path / "alone")
