@@ -57,3 +57,53 @@ def test_deepseek2_from_llama_cpp_converter(tiny_model, tmp_path):
     # llama.cpp on the same file measured max 0.21, median 0.016 from the fp32 model
     assert float(err.median()) <= float((theirs - fp32).abs().median()) + 1e-3
     shutil.rmtree(tmp_path / "alone")
+
+
+def _with_fused_kv_b(path, out) -> None:
+    """The same file in the older layout: attn_kv_b (f32) instead of attn_k_b / attn_v_b."""
+    import gguf
+
+    from hetserve.model.gguf_file import GgufCheckpoint
+
+    reader = gguf.GGUFReader(str(path))
+    writer = gguf.GGUFWriter(str(out), "deepseek2")
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, f.contents(), vtype, sub_type=sub)
+    ckpt = GgufCheckpoint(path)
+    for t in reader.tensors:
+        if "attn_v_b" in t.name:
+            continue
+        if "attn_k_b" in t.name:
+            layer = t.name.split(".")[1]
+            fused = [v for n, v, _ in ckpt._kv_b(t.name, lambda _: True)][0]
+            writer.add_tensor(f"blk.{layer}.attn_kv_b.weight", fused.numpy())
+            continue
+        writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_deepseek2_fused_kv_b_layout(tiny_model, tmp_path):
+    from hetserve.bench.decode_llamacpp import convert, find_converter
+
+    src = find_converter(envs.llama_cpp_src())
+    if src is None:
+        pytest.skip(f"llama.cpp's converter not found (set {envs.LLAMA_CPP_SRC})")
+    ckpt = tiny_model("deepseek-v2", overrides=SHAPE)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    split = convert(ckpt, tmp_path / "a" / "m.gguf", src, "q8_0")
+    _with_fused_kv_b(split, tmp_path / "b" / "m.gguf")
+    import gguf
+
+    names = {t.name for t in gguf.GGUFReader(str(tmp_path / "b" / "m.gguf")).tensors}
+    assert "blk.1.attn_kv_b.weight" in names and not any("attn_k_b" in n for n in names)
+    torch.testing.assert_close(
+        logprobs(LLM(str(tmp_path / "b" / "m.gguf"))), logprobs(LLM(str(split)))
+    )
