@@ -31,6 +31,32 @@ DEEPSEEK2_NAMES = [
 ]  # fmt: skip
 
 
+# glm4moe (GLM-4.5 / 4.6): DeepSeek's MoE layout (shared experts, router bias), its own norm name.
+GLM4MOE_NAMES = [
+    (_L + r"post_attention_norm\.weight$", r"model.layers.\1.post_attention_layernorm.weight"),
+    *DEEPSEEK2_NAMES[-2:],
+]
+
+
+def glm4moe_config(field: Callable[[str], Any], arch: str, tensors: set[str]) -> dict[str, Any]:
+    """HF config keys of a glm4moe file (partial rotary: rope.dimension_count of key_length)."""
+    head_dim = int(field(f"{arch}.attention.key_length") or 0)
+    rope = int(field(f"{arch}.rope.dimension_count") or head_dim)
+    return {
+        "n_routed_experts": field(f"{arch}.expert_count"),
+        "n_shared_experts": int(field(f"{arch}.expert_shared_count") or 0),
+        "first_k_dense_replace": int(field(f"{arch}.leading_dense_block_count") or 0),
+        "n_group": field(f"{arch}.expert_group_count") or 1,
+        "topk_group": field(f"{arch}.expert_group_used_count") or 1,
+        "routed_scaling_factor": float(field(f"{arch}.expert_weights_scale") or 1.0),
+        "norm_topk_prob": bool(field(f"{arch}.expert_weights_norm") or False),
+        "num_nextn_predict_layers": int(field(f"{arch}.nextn_predict_layers") or 0),
+        "partial_rotary_factor": rope / head_dim if head_dim else 1.0,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors,
+    }
+
+
 def deepseek2_config(field: Callable[[str], Any], arch: str) -> dict[str, Any]:
     """HF config keys of a deepseek2 file: llama.cpp writes the MLA sizes as key_length_mla /
     value_length_mla (older files: key_length / value_length) and the router's kind as

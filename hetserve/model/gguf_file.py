@@ -20,7 +20,13 @@ import numpy as np
 import torch
 
 from hetserve.errors import ModelLoadError, UnsupportedArchitectureError
-from hetserve.model.gguf_archs import DEEPSEEK2_NAMES, deepseek2_config, fuse_kv_b
+from hetserve.model.gguf_archs import (
+    DEEPSEEK2_NAMES,
+    GLM4MOE_NAMES,
+    deepseek2_config,
+    fuse_kv_b,
+    glm4moe_config,
+)
 from hetserve.model.gguf_parts import open_parts
 from hetserve.quant.gguf import BITS, KEPT, converted_rows
 from hetserve.quant.packed import QMatrix
@@ -30,6 +36,7 @@ ARCHITECTURES = {
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", True),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", False),
     "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2", False),  # gguf_archs: V3 by gating
+    "glm4moe": ("Glm4MoeForCausalLM", "glm4_moe", True),
 }
 _KV_SPLIT = re.compile(r"^blk\.(\d+)\.attn_(k|v)_b\.weight$")
 _LAYER = r"^blk\.(\d+)\."
@@ -113,6 +120,8 @@ class GgufCheckpoint:
             cfg["qkv_bias"] = "blk.0.attn_q.bias" in self.tensor_info
         if self.arch == "deepseek2":
             cfg.update(deepseek2_config(self.field, self.arch))
+        if self.arch == "glm4moe":
+            cfg.update(glm4moe_config(self.field, self.arch, set(self.tensor_info)))
         return cfg
 
     def _packed_layers(self) -> tuple[dict[int, str], set[str]]:
@@ -232,7 +241,8 @@ class GgufCheckpoint:
         return value.dequantize() if isinstance(value, QMatrix) else value
 
     def _hf_name(self, name: str) -> str:
-        table = DEEPSEEK2_NAMES + _NAMES if self.arch == "deepseek2" else _NAMES
+        own = {"deepseek2": DEEPSEEK2_NAMES, "glm4moe": GLM4MOE_NAMES}.get(self.arch, [])
+        table = own + _NAMES
         for pattern, repl in table:
             if re.match(pattern, name):
                 return re.sub(pattern, repl, name)

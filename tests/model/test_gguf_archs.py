@@ -1,7 +1,8 @@
-"""deepseek2 GGUF files (DeepSeek-V2/V3, MLA with shared experts) as llama.cpp's own
-converter writes them: the split attn_k_b / attn_v_b tensors fused back into kv_b_proj, the
-config from llama.cpp's metadata keys. Logprobs against the fp32 checkpoint the file was
-converted from (its q8_0 rounding included), and no further from it than llama.cpp itself."""
+"""deepseek2 (DeepSeek-V2/V3, MLA with shared experts) and glm4moe GGUF files as llama.cpp's
+own converter writes them: the split attn_k_b / attn_v_b tensors fused back into kv_b_proj (and
+the older fused attn_kv_b), the config from llama.cpp's metadata keys. Logprobs against the
+fp32 checkpoint the file was converted from (its q8_0 rounding included), and no further from
+it than llama.cpp itself."""
 
 from __future__ import annotations
 
@@ -30,22 +31,31 @@ def test_split_kv_b_fuses_back_as_the_converter_split_it():
     assert torch.equal(fuse_kv_b(k_b.transpose(1, 2), v_b), kv_b)
 
 
-def test_deepseek2_from_llama_cpp_converter(tiny_model, tmp_path):
+FAMILIES = {  # family: (overrides, architecture)
+    "deepseek-v2": (SHAPE, "DeepseekV2ForCausalLM"),
+    "glm4-moe": ({"hidden_size": 256, "moe_intermediate_size": 256}, "Glm4MoeForCausalLM"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_from_llama_cpp_converter(tiny_model, tmp_path, family):
     from hetserve.bench.decode_llamacpp import convert, find_converter
 
     src = find_converter(envs.llama_cpp_src())
     if src is None:
         pytest.skip(f"llama.cpp's converter not found (set {envs.LLAMA_CPP_SRC})")
-    ckpt = tiny_model("deepseek-v2", overrides=SHAPE)
+    overrides, arch = FAMILIES[family]
+    ckpt = tiny_model(family, overrides=overrides)
     (tmp_path / "alone").mkdir()
     path = convert(ckpt, tmp_path / "alone" / "m.gguf", src, "q8_0")
     llm = LLM(str(path))  # nothing beside it: config and tokenizer from the metadata
-    assert llm.model.config.architecture == "DeepseekV2ForCausalLM"
+    assert llm.model.config.architecture == arch
     assert {e.backend_name for _, e in llm.model.routed_experts()} == {"cpu-int8"}
     fp32 = logprobs(LLM(str(ckpt)))
     err = (logprobs(llm) - fp32).abs()
-    # q8_0 rounding of every weight: measured max 0.037, median 0.010
-    assert float(err.max()) <= 0.1 and float(err.median()) <= 0.03
+    # q8_0 rounding of every weight, measured: deepseek-v2 max 0.037 / median 0.010; glm4-moe
+    # 0.49 / 0.010 (one position's routing moves; llama.cpp on the file: 0.475 there)
+    assert float(err.median()) <= 0.03 and float(err.max()) <= 0.6
     try:
         import llama_cpp
     except ImportError:
@@ -53,9 +63,10 @@ def test_deepseek2_from_llama_cpp_converter(tiny_model, tmp_path):
     peer = llama_cpp.Llama(str(path), logits_all=True, n_ctx=128, verbose=False, n_threads=2)
     peer.eval(IDS)
     lp = torch.log_softmax(torch.tensor(np.array(peer.scores[: len(IDS)])), -1)
-    theirs = torch.tensor([float(lp[i, IDS[i + 1]]) for i in range(len(IDS) - 1)])
-    # llama.cpp on the same file measured max 0.21, median 0.016 from the fp32 model
-    assert float(err.median()) <= float((theirs - fp32).abs().median()) + 1e-3
+    theirs = (torch.tensor([float(lp[i, IDS[i + 1]]) for i in range(len(IDS) - 1)]) - fp32).abs()
+    # no further from the fp32 model than llama.cpp on the same file (its median: 0.016-0.017)
+    assert float(err.median()) <= float(theirs.median()) + 1e-3
+    assert float(err.max()) <= float(theirs.max()) + 0.05
     shutil.rmtree(tmp_path / "alone")
 
 
