@@ -54,7 +54,8 @@ def register(sub) -> None:
     p.add_argument(
         "--backends",
         default=DEFAULT_BACKENDS,
-        help="NAME, NAME:KERNEL or NAME:FORMAT (cpu-int4:q4_K, cpu-int8:q8_0), comma-separated",
+        help="NAME, NAME:KERNEL or NAME:FORMAT (cpu-int4:q4_K, cpu-int8:q8_0, cpu-gguf:q6_K, "
+        "cpu-gguf:q5_K, cpu-gguf:q4_K+q6_K), comma-separated",
     )
     p.add_argument("--iters", type=int, default=10, help="timed calls per (backend, tokens)")
     p.add_argument(
@@ -210,14 +211,20 @@ def _time_backend(backend, probe, hidden: int, experts: int, top_k: int, tokens:
 def _gguf_packers() -> dict:
     import torch
 
+    from hetserve.quant.gguf import Q5KRows, Q6KRows
     from hetserve.quant.packed import Int8Rows, Q4KRows
+    from hetserve.testing.gguf_quants import quantize_q5_k, quantize_q6_k
     from hetserve.testing.tiny_gguf import quantize_q4_k
 
-    def q4_k(w):
-        raw = quantize_q4_k(w.numpy())
-        return Q4KRows(torch.from_numpy(raw.reshape(w.shape[0], -1, 144)))
+    def blocks(cls, fn, size):
+        return lambda w: cls(torch.from_numpy(fn(w.numpy()).reshape(w.shape[0], -1, size)))
 
-    return {"q4_K": ("cpu-int4", q4_k), "q8_0": ("cpu-int8", Int8Rows.q8_0)}
+    return {
+        "q4_K": ("cpu-int4", blocks(Q4KRows, quantize_q4_k, 144)),
+        "q8_0": ("cpu-int8", Int8Rows.q8_0),
+        "q6_K": ("cpu-gguf", blocks(Q6KRows, quantize_q6_k, 210)),
+        "q5_K": ("cpu-gguf", blocks(Q5KRows, quantize_q5_k, 176)),
+    }
 
 
 def check_backends(backends: list[str], hidden: int, inter: int) -> None:
@@ -231,9 +238,9 @@ def check_backends(backends: list[str], hidden: int, inter: int) -> None:
         raise InvalidInputError(
             f"unknown experts backend(s) {unknown}; available: {', '.join(available_backends())}"
         )
-    if any(b.endswith(":q4_K") for b in backends) and (hidden % 256 or inter % 256):
+    if any(b.endswith("_K") for b in backends) and (hidden % 256 or inter % 256):
         raise InvalidInputError(
-            f"q4_K rows are super-blocks of 256: --hidden {hidden} and --inter {inter} "
+            f"K-quant rows are super-blocks of 256: --hidden {hidden} and --inter {inter} "
             "must be multiples of 256 (e.g. --inter 1536)"
         )
 
@@ -245,11 +252,10 @@ def make_backend(name: str, weights, int4_group: int):
 
     base, _, option = name.partition(":")
     packers = _gguf_packers()
-    if option in packers:
-        pack = packers[option][1]
-        packed = PackedExperts(
-            tuple(pack(w) for w in weights.w13), tuple(pack(w) for w in weights.w2)
-        )
+    kinds = option.split("+")  # cpu-gguf:q4_K+q6_K: gate/up in one type, down in another
+    if all(k in packers for k in kinds) and option:
+        p13, p2 = packers[kinds[0]][1], packers[kinds[-1]][1]
+        packed = PackedExperts(tuple(p13(w) for w in weights.w13), tuple(p2(w) for w in weights.w2))
         return create_backend(base, ExpertWeights(None, None, packed=packed))
     opts = {"kernel": option} if option else {}
     if base == "cpu-int4":

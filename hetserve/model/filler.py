@@ -61,7 +61,7 @@ class PackedExpertsBuilder:
         if not isinstance(value, QMatrix):
             raise ModelLoadError(
                 f"tensor {ckpt!r} is not quantized while other routed experts of "
-                f"{self.prefix!r} are; mixed expert formats are not supported"
+                f"{self.prefix!r} are; mixing quantized and unquantized experts is not supported"
             )
         want = self._shape(pname, half)
         if e is None:

@@ -2,11 +2,12 @@
 
 `GgufCheckpoint` offers what the loader reads from a safetensors checkpoint: an HF-style config
 (config.json beside the file wins; else one derived from the GGUF metadata with llama.cpp's
-semantics) and a stream of weights under their HF names. Routed experts in q8_0 or q4_K stay in
-those numbers, exactly: q8_0 is int8 with an fp16 scale per 32 (`Int8Rows`, cpu-int8), q4_K
-stays in its own super-blocks (`Q4KRows`, cpu-int4: 4.5 bits per weight, read as they are by
-the native kernel). Every other tensor, and experts of other types, is dequantized by `gguf`
-itself.
+semantics) and a stream of weights under their HF names. Routed experts never widen to fp32:
+q8_0, q4_K, q5_K and q6_K tensors stay in their numbers, exactly, each tensor in its own type
+(a layer may mix them: cpu-gguf; all q4_K: cpu-int4; all q8_0: cpu-int8); other types are
+converted at load (quant/gguf.py, converted_rows: q4_K, or q8_0 for rows off 256), as are gate
+and up of different types (both to q4_K: they share one fused matrix). Every other tensor is
+dequantized by `gguf` itself. `summary()` is the one line the loader prints of what it did.
 """
 
 from __future__ import annotations
@@ -19,14 +20,25 @@ import numpy as np
 import torch
 
 from hetserve.errors import ModelLoadError, UnsupportedArchitectureError
-from hetserve.quant.gguf import q4_k_rows, q8_0_rows
+from hetserve.model.gguf_archs import (
+    DEEPSEEK2_NAMES,
+    GLM4MOE_NAMES,
+    deepseek2_config,
+    fuse_kv_b,
+    glm4moe_config,
+)
+from hetserve.model.gguf_parts import open_parts
+from hetserve.quant.gguf import BITS, KEPT, converted_rows
 from hetserve.quant.packed import QMatrix
 
 # GGUF architecture -> (HF architecture, model_type, llama.cpp's norm of the top-k weights)
 ARCHITECTURES = {
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", True),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", False),
+    "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2", False),  # gguf_archs: V3 by gating
+    "glm4moe": ("Glm4MoeForCausalLM", "glm4_moe", True),
 }
+_KV_SPLIT = re.compile(r"^blk\.(\d+)\.attn_(k|v)_b\.weight$")
 _LAYER = r"^blk\.(\d+)\."
 _MLP = r"model.layers.\1.mlp."
 _NAMES = [
@@ -76,18 +88,17 @@ class GgufCheckpoint:
     def __init__(self, path: Path) -> None:
         gguf = _import_gguf()
         self.path, self._gguf = path, gguf
-        try:
-            self.reader = gguf.GGUFReader(str(path))
-        except (ValueError, OSError) as exc:
-            raise ModelLoadError(f"{path} is not a readable GGUF file ({exc})") from None
+        self.parts = open_parts(gguf, path)  # split models: every part, the first's metadata
+        self.reader = self.parts[0]
         self.arch = self.field("general.architecture")
         if self.arch not in ARCHITECTURES:
             raise UnsupportedArchitectureError(
                 f"GGUF architecture {self.arch!r} is not supported; supported: "
                 f"{', '.join(sorted(ARCHITECTURES))}"
             )
-        self.tensor_info = {t.name: t for t in self.reader.tensors}
-        self.packed_layers = self._packed_layers()
+        self.tensor_info = {t.name: t for r in self.parts for t in r.tensors}
+        self.packed_layers, self._convert = self._packed_layers()
+        self._done: dict[str, int] = {}  # summary: "what -> how" -> tensors
 
     def field(self, key: str, default=None):
         f = self.reader.fields.get(key)
@@ -107,28 +118,45 @@ class GgufCheckpoint:
         cfg["bos_token_id"] = self.field("tokenizer.ggml.bos_token_id")
         if model_type == "qwen2_moe":
             cfg["qkv_bias"] = "blk.0.attn_q.bias" in self.tensor_info
+        if self.arch == "deepseek2":
+            cfg.update(deepseek2_config(self.field, self.arch))
+        if self.arch == "glm4moe":
+            cfg.update(glm4moe_config(self.field, self.arch, set(self.tensor_info)))
         return cfg
 
-    def _packed_layers(self) -> dict[int, str]:
-        """Layers whose three expert tensors are all q8_0 or all q4_K -> "int8" / "int4"."""
-        q = self._gguf.GGMLQuantizationType
-        kinds: dict[int, set] = {}
+    def _packed_layers(self) -> tuple[dict[int, str], set[str]]:
+        """Every layer with routed experts -> "int8" (all q8_0), "int4" (all q4_K) or "gguf"
+        (anything else); and the expert tensors converted at load (types no kernel reads, and
+        gate/up pairs of two types)."""
+        kinds: dict[int, dict[str, str]] = {}
         for name, t in self.tensor_info.items():
             m = _EXPERTS.match(name)
             if m:
-                kinds.setdefault(int(m.group(1)), set()).add(t.tensor_type)
-        packed = {}
+                kinds.setdefault(int(m.group(1)), {})[m.group(2)] = t.tensor_type.name
+        packed, convert = {}, set()
         for layer, types in kinds.items():
-            if types == {q.Q8_0}:
-                packed[layer] = "int8"
-            elif types == {q.Q4_K}:
-                packed[layer] = "int4"
-        return packed
+            for proj, kind in types.items():
+                if kind not in KEPT or (proj != "down" and types.get("gate") != types.get("up")):
+                    convert.add(f"blk.{layer}.ffn_{proj}_exps.weight")
+            names = set(types.values())
+            plain = {"Q8_0": "int8", "Q4_K": "int4"}
+            whole = len(names) == 1 and not convert & {f"blk.{layer}.ffn_{p}_exps.weight"
+                                                       for p in types}  # fmt: skip
+            packed[layer] = plain.get(next(iter(names)), "gguf") if whole else "gguf"
+        return packed, convert
 
     @property
     def packed_fmt(self) -> str | None:
         fmts = set(self.packed_layers.values())
-        return None if not fmts else ("int8" if "int8" in fmts else "int4")
+        return None if not fmts else fmts.pop() if len(fmts) == 1 else "gguf"
+
+    def summary(self) -> str:
+        """One line: per tensor type, what the load did with it (kept, converted to what)."""
+        parts = [f"{what} x{n}" for what, n in sorted(self._done.items())]
+        return f"GGUF {self.path.name}: " + ("; ".join(parts) or "no tensors read")
+
+    def _note(self, what: str) -> None:
+        self._done[what] = self._done.get(what, 0) + 1
 
     def quantized_names(self) -> set[str]:
         names = set()
@@ -141,14 +169,27 @@ class GgufCheckpoint:
         return names
 
     def nbytes(self) -> int:
-        return sum(int(t.n_bytes) for t in self.reader.tensors)
+        return sum(int(t.n_bytes) for t in self.tensor_info.values())
+
+    def _expert_value(self, t) -> QMatrix:
+        kind = t.tensor_type.name
+        if t.name not in self._convert:
+            self._note(f"experts {kind} kept")
+            return KEPT[kind](t.data)
+        shape = tuple(int(d) for d in reversed(t.shape))
+        deq = self._gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+        value, to = converted_rows(deq)
+        err = float(np.abs(value.dequantize().numpy() - deq).max())
+        self._note(f"experts {kind} ({BITS.get(kind, '?')} bpw) -> {to} (max |dw| {err:.2g})")
+        return value
 
     def _value(self, t, packed: bool):
         q = self._gguf.GGMLQuantizationType
-        if packed and t.tensor_type == q.Q8_0:
-            return q8_0_rows(t.data)
-        if packed and t.tensor_type == q.Q4_K:
-            return q4_k_rows(t.data)
+        kind = t.tensor_type.name
+        if packed and kind in ("Q8_0", "Q4_K"):
+            self._note(f"{kind} kept for the quantized linears")
+            return KEPT[kind](t.data)
+        self._note(f"{kind} -> fp32")
         if t.tensor_type in (q.F32, q.F16):
             return torch.from_numpy(np.array(t.data, dtype=np.float32))
         if t.tensor_type == q.BF16:
@@ -164,7 +205,7 @@ class GgufCheckpoint:
             if m:
                 layer = int(m.group(1))
                 prefix = f"model.layers.{layer}.mlp.experts"
-                stacked = self._value(t, layer in self.packed_layers)
+                stacked = self._expert_value(t)
                 n = int(t.shape[-1])
                 for e in range(n):
                     hf = f"{prefix}.{e}.{m.group(2)}_proj.weight"
@@ -172,14 +213,37 @@ class GgufCheckpoint:
                         sel = stacked.select(e) if isinstance(stacked, QMatrix) else stacked[e]
                         yield hf, sel, int(t.n_bytes) // n
                 continue
+            if _KV_SPLIT.match(name):
+                yield from self._kv_b(name, wanted)
+                continue
             hf = self._hf_name(name)
             if wanted(hf):
                 # q8_0 / q4_K matrices as they are (the filler dequantizes them, and keeps them
                 # for linears that a placement may serve quantized)
                 yield hf, self._value(t, len(t.shape) == 2), int(t.n_bytes)
 
+    def _kv_b(self, name: str, wanted: Callable[[str], bool]) -> Iterator[tuple[str, object, int]]:
+        """Newer converters split DeepSeek's kv_b_proj into attn_k_b and attn_v_b; it is fused
+        back (in fp32) at attn_k_b, unless the file also holds the fused attn_kv_b."""
+        layer, part = _KV_SPLIT.match(name).groups()  # type: ignore[union-attr]
+        hf = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
+        if part == "v" or f"blk.{layer}.attn_kv_b.weight" in self.tensor_info or not wanted(hf):
+            return
+        k_t = self.tensor_info[name]
+        v_t = self.tensor_info.get(f"blk.{layer}.attn_v_b.weight")
+        if v_t is None:
+            raise ModelLoadError(f"GGUF tensor {name!r} has no attn_v_b beside it")
+        k_b, v_b = (self._dense(t) for t in (k_t, v_t))
+        yield hf, fuse_kv_b(k_b, v_b), int(k_t.n_bytes) + int(v_t.n_bytes)
+
+    def _dense(self, t) -> torch.Tensor:
+        value = self._value(t, False)
+        return value.dequantize() if isinstance(value, QMatrix) else value
+
     def _hf_name(self, name: str) -> str:
-        for pattern, repl in _NAMES:
+        own = {"deepseek2": DEEPSEEK2_NAMES, "glm4moe": GLM4MOE_NAMES}.get(self.arch, [])
+        table = own + _NAMES
+        for pattern, repl in table:
             if re.match(pattern, name):
                 return re.sub(pattern, repl, name)
         raise ModelLoadError(

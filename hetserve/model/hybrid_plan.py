@@ -28,7 +28,7 @@ from hetserve.moe.placement import PHASES, Placement, PlacementError, PlacementR
 from hetserve.moe.routing_stats import RoutingStats, choose_gpu_experts
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
-_CPU_BACKENDS = ("cpu-fp32", "cpu-int8", "cpu-int4", "cpu-mxfp4", "cpu-fp8", "kt")
+_CPU_BACKENDS = ("cpu-fp32", "cpu-int8", "cpu-int4", "cpu-mxfp4", "cpu-fp8", "cpu-gguf", "kt")
 
 
 def placeable_units(model: nn.Module) -> dict[str, nn.Module]:

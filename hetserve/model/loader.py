@@ -10,6 +10,7 @@ backends, so e.g. an FP8 or MXFP4 model never exists in full precision in memory
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import torch
@@ -147,6 +148,8 @@ def load_model(
     model = _allocate(model, dev, placement, backend)
     filler = WeightFiller(model, packed)
     _fill(model, ckpt, filler)
+    if isinstance(ckpt, GgufCheckpoint):  # what each tensor type became, in one line
+        print(ckpt.summary(), file=sys.stderr, flush=True)
     filler.check_complete(experts_elsewhere=converted is not None)
     filler.finish_packed()
     if converted is not None:

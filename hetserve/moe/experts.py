@@ -145,6 +145,7 @@ BACKENDS: Registry[BackendFactory] = Registry(
         "cpu-int4": _CPU,
         "cpu-mxfp4": _CPU,
         "cpu-fp8": _CPU,
+        "cpu-gguf": "hetserve.moe.cpu_gguf",
         "kt": "hetserve.moe.kt_backend",
     },
 )
@@ -163,7 +164,8 @@ def create_backend(
 
 
 # The backend that reads each packed (checkpoint-quantized) format as it is.
-PACKED_BACKENDS = {"fp8": "cpu-fp8", "mxfp4": "cpu-mxfp4", "int4": "cpu-int4", "int8": "cpu-int8"}
+PACKED_BACKENDS = {"fp8": "cpu-fp8", "mxfp4": "cpu-mxfp4", "int4": "cpu-int4", "int8": "cpu-int8",
+                   "q6_K": "cpu-gguf", "q5_K": "cpu-gguf", "gguf": "cpu-gguf"}  # fmt: skip
 
 
 def default_backend(weights: ExpertWeights, activation: Activation = "silu") -> str:

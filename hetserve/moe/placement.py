@@ -45,7 +45,7 @@ __all__ = [
 PHASES = ("prefill", "decode")
 _DEVICE_RE = re.compile(r"cpu|auto|cuda(:\d+)?")
 # Backends that compute on the host whatever the rule's device says would be a contradiction.
-_CPU_ONLY_BACKENDS = ("cpu-fp32", "cpu-int8", "cpu-int4", "cpu-mxfp4", "cpu-fp8", "kt")
+_CPU_ONLY_BACKENDS = ("cpu-fp32", "cpu-int8", "cpu-int4", "cpu-mxfp4", "cpu-fp8", "cpu-gguf", "kt")
 
 
 class PlacementError(HetserveError, ValueError):

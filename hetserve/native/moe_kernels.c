@@ -24,6 +24,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "moe_kq.h"
 #include "moe_q4k.h"
 #include "moe_quads.h"
 #include "pool.h"
@@ -33,10 +34,26 @@
 #define RC 8  /* row quads per work chunk */
 
 /* Weight formats (hetserve/moe/cpu_native.py passes the same numbers). */
-enum { F_F32 = 0, F_I8 = 1, F_I4 = 2, F_MXFP4 = 3, F_FP8 = 4, F_Q4K = 5 };
+enum { F_F32 = 0, F_I8 = 1, F_I4 = 2, F_MXFP4 = 3, F_FP8 = 4, F_Q4K = 5, F_Q6K = 6, F_Q5K = 7 };
+#define F_LAST F_Q5K
+
+/* A layer whose W2 is in another format than W13 (GGUF mixes: q4_K gate/up beside q6_K down)
+ * passes fmt = f13 | (f2 + 1) << 4 and G = G13 | G2 << 16 (G2 = 0: the same as G13), so every
+ * entry point keeps its arguments; a plain format is its own phase-2 format. */
+static inline int fmt_phase(int fmt, int which) {
+    return which == 1 || (fmt >> 4) == 0 ? fmt & 15 : (fmt >> 4) - 1;
+}
+static inline int g_phase(int G, int which) {
+    return which == 1 || (G >> 16) == 0 ? G & 0xFFFF : G >> 16;
+}
+/* The K-quants' activations: int8 per 256 columns with scales and sums (q4_K's or natural order). */
+static inline int kq_fmt(int fmt) {
+    return fmt == F_Q4K || fmt == F_Q6K || fmt == F_Q5K;
+}
 
 typedef struct {
-    int fmt, H, I, G;      /* G: columns per scale group, 0 = one scale per row (int8) */
+    int fmt, H, I, G;      /* G: columns per scale group, 0 = one scale per row (int8); both
+                              per phase (fmt_phase, g_phase): use jfmt / jg */
     int act;               /* 0 silu, 1 clamped SwiGLU (gpt-oss) */
     float alpha, limit;
     const float *b13, *b2; /* biases [E, 2I] (gate then up) and [E, H], or NULL */
@@ -58,6 +75,13 @@ typedef struct {
     int nthreads;
 } job_t;
 
+static inline int jfmt(const job_t *j, int which) {
+    return fmt_phase(j->fmt, which);
+}
+static inline int jg(const job_t *j, int which) {
+    return g_phase(j->G, which);
+}
+
 /* The int16 activation rows of MB pairs from pair p, their scales and (int4) group sums. */
 typedef struct {
     const int16_t *x[2];
@@ -75,13 +99,13 @@ static inline act16_t act16(const job_t *j, int fmt, int which, int K, int r0, i
     const int16_t *base = which == 1 ? j->x16 : j->a16;
     const float *xs = which == 1 ? j->xsc : j->asc;
     const float *gsb = which == 1 ? j->xgs : j->ags;
-    const int ng = j->G > 0 ? K / j->G : 0;
+    const int G = jg(j, which), ng = G > 0 ? K / G : 0;
     const size_t stride = (size_t)act_width(fmt) * K;
     act16_t a = {{base + r0 * stride, base + r1 * stride},
                  {gsb + (size_t)r0 * ng, gsb + (size_t)r1 * ng},
                  {xs[r0], xs[r1]},
                  {{NULL, NULL, NULL}, {NULL, NULL, NULL}}};
-    if (fmt == F_Q4K) {
+    if (kq_fmt(fmt)) {
         const int8_t *pl = which == 1 ? j->xpl : j->apl;
         const int16_t *ps = which == 1 ? j->xps : j->aps;
         const float *pd = which == 1 ? j->xpd : j->apd;
@@ -94,7 +118,7 @@ static inline act16_t act16(const job_t *j, int fmt, int which, int K, int r0, i
 /* Rows per unit of work: a quad, two for q4_K (quad_q4k: both quads share the activations'
  * loads), or the nibble formats' tile of 16 (MXFP4, int4). */
 static inline int unit_rows(int fmt) {
-    return fmt == F_MXFP4 || fmt == F_I4 ? TILE_ROWS : fmt == F_Q4K ? 8 : 4;
+    return fmt == F_MXFP4 || fmt == F_I4 ? TILE_ROWS : fmt == F_Q4K ? 8 : 4; /* q6_K, q5_K: 4 */
 }
 
 /* The integer formats (int8, grouped int8, int4, MXFP4) for one unit and MB <= 2 pairs. */
@@ -104,7 +128,7 @@ static inline __attribute__((always_inline)) void quad_int(const job_t *j, int f
     const act16_t a = *ap;
     const void *w = which == 1 ? j->w13 : j->w2;
     const void *sv = which == 1 ? j->s13 : j->s2;
-    const int G = j->G, ng = G > 0 ? K / G : 1;
+    const int G = jg(j, which), ng = G > 0 ? K / G : 1;
     if (fmt == F_I8 && G == 0) {
         const int8_t *q = (const int8_t *)w + row * K;
         const float *s = (const float *)sv + row;
@@ -122,6 +146,12 @@ static inline __attribute__((always_inline)) void quad_int(const job_t *j, int f
         const uint8_t *q = (const uint8_t *)w + row * (K / Q4K_SB) * (Q4K_QUAD_BYTES / 4);
         if (MB == 2) quad_q4k(q, 2, K, a.p, 2, out); else quad_q4k(q, 2, K, a.p, 1, out);
         return; /* its scales are per super-block, applied inside (a.s is not used) */
+    } else if (fmt == F_Q6K || fmt == F_Q5K) { /* the file's rows as they are */
+        const int bb = fmt == F_Q6K ? Q6K_BLOCK : Q5K_BLOCK;
+        const uint8_t *q = (const uint8_t *)w + row * (K / Q4K_SB) * bb;
+        if (MB == 2) quad_kq(q, fmt == F_Q6K, K, a.p, 2, out);
+        else quad_kq(q, fmt == F_Q6K, K, a.p, 1, out);
+        return;
     } else { /* F_MXFP4 */
         const uint8_t *q = (const uint8_t *)w + row * (K / 2);
         const uint8_t *s = (const uint8_t *)sv + row * (K / 32);
@@ -154,14 +184,15 @@ static inline __attribute__((always_inline)) void quad(const job_t *j, int fmt, 
             quad_f32(w, K, xr, 1, out);
     } else if (fmt == F_FP8) {
         const uint8_t *q = (const uint8_t *)(which == 1 ? j->w13 : j->w2) + row * K;
-        const float *s = (const float *)(which == 1 ? j->s13 : j->s2) + row * (K / j->G);
+        const int G = jg(j, which);
+        const float *s = (const float *)(which == 1 ? j->s13 : j->s2) + row * (K / G);
 #if HS_FP8_BF16
-        if (MB == 2) quad_fp8_bf16(q, s, K, j->G, ap->x, 2, out);
-        else quad_fp8_bf16(q, s, K, j->G, ap->x, 1, out);
+        if (MB == 2) quad_fp8_bf16(q, s, K, G, ap->x, 2, out);
+        else quad_fp8_bf16(q, s, K, G, ap->x, 1, out);
         for (int r = 0; r < 4; r++)
             for (int m = 0; m < MB; m++) out[r][m] *= ap->s[m];
 #else
-        quad_fp8(q, s, K, j->G, xbase + (size_t)r0 * K, out);
+        quad_fp8(q, s, K, G, xbase + (size_t)r0 * K, out);
 #endif
     } else {
         quad_int(j, fmt, which, row, K, ap, MB, out);
@@ -299,7 +330,7 @@ typedef struct {
  * numbered over all active experts (active expert ai's are ai * per ..). */
 static void item_units(const arg_t *arg, int c, int *u0, int *u1) {
     const job_t *j = arg->job;
-    int per = (arg->phase == 1 ? j->I : j->H) / unit_rows(j->fmt);
+    int per = (arg->phase == 1 ? j->I : j->H) / unit_rows(jfmt(j, arg->phase));
     int cpe = (per + arg->rc - 1) / arg->rc;
     int ai = c / cpe;
     *u0 = ai * per + (c % cpe) * arg->rc;
@@ -316,8 +347,10 @@ static void phase_item(void *ctx, int c) {
     item_units(arg, c, &u0, &u1);
     /* one specialised copy of each phase per format */
 #define HS_PHASES(F) (arg->phase == 1 ? phase1(j, u0, u1, F) : phase2(j, u0, u1, F))
-    switch (j->fmt) {
+    switch (jfmt(j, arg->phase)) {
     case F_F32: HS_PHASES(F_F32); break;
+    case F_Q6K: HS_PHASES(F_Q6K); break;
+    case F_Q5K: HS_PHASES(F_Q5K); break;
     case F_I8: HS_PHASES(F_I8); break;
     case F_I4: HS_PHASES(F_I4); break;
     case F_MXFP4: HS_PHASES(F_MXFP4); break;
@@ -335,18 +368,19 @@ static void phase_item(void *ctx, int c) {
 #define ITEM_BYTES (2048 << 10)
 
 /* Sixteen times the bytes per weight of each format (F_*), scales and minimums aside. */
-static const int B16[] = {64, 16, 8, 8, 16, 9};
+static const int B16[] = {64, 16, 8, 8, 16, 9, 13, 11}; /* q6_K: 13.125 */
 
 /* Units per work item of a phase. */
 static int phase_rc(const job_t *j, int phase) {
-    const int R = unit_rows(j->fmt), per = (phase == 1 ? j->I : j->H) / R;
+    const int fmt = jfmt(j, phase), R = unit_rows(fmt), per = (phase == 1 ? j->I : j->H) / R;
     int K = phase == 1 ? j->H : j->I;
-    long unit = (long)(phase == 1 ? 2 * R : R) * K * B16[j->fmt] / 16; /* x2: gate and up */
+    long unit = (long)(phase == 1 ? 2 * R : R) * K * B16[fmt] / 16; /* x2: gate and up */
     return hs_item_units(unit, ITEM_BYTES, j->n_active * per, j->nthreads, RC * 4 / R);
 }
 
 static void run_phase(job_t *j, int phase, hs_task_fn item, long long *touched) {
-    const int per = (phase == 1 ? j->I : j->H) / unit_rows(j->fmt), rc = phase_rc(j, phase);
+    const int per = (phase == 1 ? j->I : j->H) / unit_rows(jfmt(j, phase));
+    const int rc = phase_rc(j, phase);
     arg_t arg = {j, phase, rc, touched};
     hs_parallel_for(j->nthreads, j->n_active * ((per + rc - 1) / rc), item, &arg);
 }
@@ -380,28 +414,30 @@ static void row_bytes(int fmt, int K, int G, size_t b[2]) {
     case F_I4: b[0] += 8 * ng; break; /* a row's share of its tile's scales and minimums */
     case F_MXFP4: b[1] = K / 32; break;
     case F_FP8: b[1] = 4 * ng; break;
-    default: break; /* fp32, q4_K */
+    case F_Q6K: b[0] = (size_t)K / Q4K_SB * Q6K_BLOCK; break;
+    default: break; /* fp32, q4_K, q5_K */
     }
 }
 
 static void touch_item(void *ctx, int c) {
     const arg_t *arg = (const arg_t *)ctx;
     const job_t *j = arg->job;
-    const int R = unit_rows(j->fmt), per = (arg->phase == 1 ? j->I : j->H) / R;
+    const int fmt = jfmt(j, arg->phase);
+    const int R = unit_rows(fmt), per = (arg->phase == 1 ? j->I : j->H) / R;
     int u0, u1;
     item_units(arg, c, &u0, &u1);
     const int ai = u0 / per, e = j->act_e[ai], v0 = u0 - ai * per, v1 = u1 - ai * per;
     const int K = arg->phase == 1 ? j->H : j->I, N = arg->phase == 1 ? 2 * j->I : j->H;
     const void *m[2] = {arg->phase == 1 ? j->w13 : j->w2, arg->phase == 1 ? j->s13 : j->s2};
     size_t b[2];
-    row_bytes(j->fmt, K, j->G, b);
+    row_bytes(fmt, K, jg(j, arg->phase), b);
     /* rows of the item: quantized W13 stores gate and up units alternately (one range), fp32
      * keeps all gate rows, then all up rows (two ranges) */
     size_t r0[2], nr[2];
     int ranges = 1;
     if (arg->phase == 2) {
         r0[0] = (size_t)e * N + (size_t)R * v0, nr[0] = (size_t)R * (v1 - v0);
-    } else if (j->fmt != F_F32) {
+    } else if (fmt != F_F32) {
         r0[0] = (size_t)e * N + 2 * (size_t)R * v0, nr[0] = 2 * (size_t)R * (v1 - v0);
     } else {
         r0[0] = (size_t)e * N + (size_t)R * v0, r0[1] = r0[0] + j->I;
@@ -459,23 +495,26 @@ static int sort_pairs(int E, int P, int k, const int64_t *ids, const float *tw, 
 static void activations(job_t *j, int which, int rows) {
     const int K = which == 1 ? j->H : j->I;
     const float *src = which == 1 ? j->x : j->a;
-    if (j->fmt == F_Q4K) {
+    const int fmt = jfmt(j, which);
+    if (kq_fmt(fmt)) {
         int8_t *pl = which == 1 ? j->xpl : j->apl;
         int16_t *ps = which == 1 ? j->xps : j->aps;
         float *pd = which == 1 ? j->xpd : j->apd;
-        q4k_quantize(src, rows * K, pl, pd, ps); /* rows back to back: super-blocks apart */
+        /* rows back to back: super-blocks apart */
+        if (fmt == F_Q4K) q4k_quantize(src, rows * K, pl, pd, ps);
+        else kq_quantize(src, rows * K, pl, pd, ps);
         return;
     }
     int16_t *q = which == 1 ? j->x16 : j->a16;
     float *sc = which == 1 ? j->xsc : j->asc, *gs = which == 1 ? j->xgs : j->ags;
 #if HS_FP8_BF16
-    if (j->fmt == F_FP8) {
+    if (fmt == F_FP8) {
         bf16_rows(src, K, rows, q, sc);
         return;
     }
 #endif
-    const int perm = j->fmt == F_I4 || j->fmt == F_MXFP4;
-    quantize_rows(src, K, 0, rows, q, sc, perm, j->fmt == F_I4 ? j->G : 0, gs);
+    const int perm = fmt == F_I4 || fmt == F_MXFP4;
+    quantize_rows(src, K, 0, rows, q, sc, perm, fmt == F_I4 ? jg(j, which) : 0, gs);
 }
 
 /* A call's scratch (pairs, activations, outputs): up to SCRATCH_KEEP bytes (a one-token layer
@@ -507,19 +546,32 @@ static char *scratch(size_t n, int *own) {
  * whole groups of G; q4_K: its 256, which its rows always are). quant/layout.py pads the weights
  * with zeros to it at load; the tokens are padded with zeros here and padded outputs dropped, so
  * a size off the multiple adds the same products (and zeros) as one on it. */
-int hetserve_moe_padded(int fmt, int G, int n) {
-    static const int unit[] = {8, 32, 32, 32, 16, 256}; /* by F_* */
-    const int a = fmt >= F_F32 && fmt <= F_Q4K ? unit[fmt] : 1;
-    int m = a;
-    if (G > 0) { /* lcm(a, G) */
-        int x = a, y = G;
-        while (y != 0) {
-            const int t = x % y;
-            x = y, y = t;
-        }
-        m = a / x * G;
+static int lcm(int a, int b) {
+    int x = a, y = b;
+    while (y != 0) {
+        const int t = x % y;
+        x = y, y = t;
     }
+    return a / x * b;
+}
+
+static int pad_unit(int fmt, int G) {
+    static const int unit[] = {8, 32, 32, 32, 16, 256, 256, 256}; /* by F_* */
+    const int a = fmt >= F_F32 && fmt <= F_LAST ? unit[fmt] : 1;
+    return G > 0 ? lcm(a, G) : a;
+}
+
+/* A mixed layer (fmt_phase) stores both sizes at what both formats need. */
+int hetserve_moe_padded(int fmt, int G, int n) {
+    const int m = lcm(pad_unit(fmt_phase(fmt, 1), g_phase(G, 1)),
+                      pad_unit(fmt_phase(fmt, 2), g_phase(G, 2)));
     return (n + m - 1) / m * m;
+}
+
+/* 1 when fmt (either phase's) is no format of ours. */
+static int bad_fmt(int fmt) {
+    const int f1 = fmt_phase(fmt, 1), f2 = fmt_phase(fmt, 2);
+    return fmt < 0 || fmt >> 8 || f1 > F_LAST || f2 > F_LAST;
 }
 
 /* Returns 0, -1 when out of memory, -2 when an expert id is outside [0, E), -3 for an unknown
@@ -534,21 +586,27 @@ int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int 
     const int P = T * k, Hx = H; /* x and out are [T, Hx]; the weights' H may be padded */
     H = hetserve_moe_padded(fmt, G, H), I = hetserve_moe_padded(fmt, G, I);
     memset(out, 0, sizeof(float) * (size_t)T * Hx);
-    if (fmt < F_F32 || fmt > F_Q4K) return -3;
+    if (bad_fmt(fmt)) return -3;
     if (P == 0) return 0;
     if (bad_ids(E, P, ids)) return -2;
-    const int q16 = rounded_acts(fmt); /* int16 (bf16) or q4_K's int8 activations */
-    const int G4 = fmt == F_I4 ? G : 0; /* group sums (the minimum term) */
+    const int f1 = fmt_phase(fmt, 1), f2 = fmt_phase(fmt, 2);
+    /* int16 (bf16) or the K-quants' int8 activations, per phase */
+    const int q16 = rounded_acts(f1) || rounded_acts(f2);
+    const int kq = kq_fmt(f1) || kq_fmt(f2), i16 = !kq_fmt(f1) || !kq_fmt(f2);
+    /* int4's group sums (the minimum term): the smaller group of the two phases' */
+    const int G4 = f1 == F_I4 && f2 == F_I4 ? (g_phase(G, 1) < g_phase(G, 2) ? g_phase(G, 1)
+                                                                              : g_phase(G, 2))
+                   : f1 == F_I4 ? g_phase(G, 1) : f2 == F_I4 ? g_phase(G, 2) : 0;
     size_t n_g = G4 ? (size_t)T * (H / G4) + (size_t)P * (I / G4) : 0; /* xgs, ags */
     size_t n_x = H != Hx ? (size_t)T * H : 0; /* x padded with zeros to the weights' H */
     size_t n_f = (size_t)P * (I + H) + P + T + P + n_g + n_x; /* a, y, pw, xsc, asc, xgs, ags, x */
     size_t n_i = (size_t)P + 4 * (size_t)E;               /* tok, act_e/off/cnt, fill */
     size_t n_q = q16 ? (size_t)T * H + (size_t)P * I : 0; /* rounded activations */
-    const int xw = act_width(fmt);
-    /* int16 ones (x16, a16), or q4_K's int8 ones with their scales (1 per 256) and sums (16) */
-    size_t n_16 = fmt == F_Q4K ? 0 : xw * n_q;
-    size_t n_p = fmt == F_Q4K ? n_q + n_q / Q4K_SB * (sizeof(float) + 16 * sizeof(int16_t))
-                              : 0;
+    const int xw = act_width(f1) > act_width(f2) ? act_width(f1) : act_width(f2);
+    /* int16 ones (x16, a16), and/or the K-quants' int8 ones with their scales (1 per 256) and
+     * sums (16) */
+    size_t n_16 = i16 ? xw * n_q : 0;
+    size_t n_p = kq ? n_q + n_q / Q4K_SB * (sizeof(float) + 16 * sizeof(int16_t)) : 0;
     int own;
     if (n_p) n_p += 64; /* room to start the int8 rows on a cache line */
     char *buf = scratch(sizeof(float) * n_f + sizeof(int) * n_i + sizeof(int16_t) * n_16 + n_p,
@@ -576,9 +634,9 @@ int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int 
     job_t j = {fmt, H, I, G, act, alpha, limit, b13, b2, x, w13, w2, s13, s2, tok, pw,
                a, y, x16, a16, xsc, asc, xgs, ags, xpl, apl, xps, aps, xpd, apd, n, act_e, act_off,
                act_cnt, nthreads < 1 ? 1 : nthreads};
-    if (q16) activations(&j, 1, T);
+    if (rounded_acts(f1)) activations(&j, 1, T);
     run_phase(&j, 1, phase_item, NULL);
-    if (q16) activations(&j, 2, P);
+    if (rounded_acts(f2)) activations(&j, 2, P);
     run_phase(&j, 2, phase_item, NULL);
     for (int p = 0; p < P; p++) { /* pairs of one token never race: this loop is serial */
         float *o = out + (size_t)tok[p] * Hx;
@@ -614,7 +672,7 @@ static long long now_ns(void) {
 void *hetserve_moe_new(int fmt, int E, int H, int I, int G, const void *w13, const void *s13,
                        const void *w2, const void *s2, const float *b13, const float *b2, int act,
                        float alpha, float limit) {
-    if (fmt < F_F32 || fmt > F_Q4K) return NULL;
+    if (bad_fmt(fmt)) return NULL;
     hs_moe_t *m = malloc(sizeof(*m));
     if (m == NULL) return NULL;
     *m = (hs_moe_t){fmt, E, H, I, G, act, alpha, limit, w13, s13, w2, s2, b13, b2, 0};

@@ -8,10 +8,13 @@ caller's bug (the reader checks tensor shapes against the file's metadata first)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import numpy as np
 import torch
 
-from hetserve.quant.packed import Int8Rows, Q4KRows
+from hetserve.quant.packed import Int8Rows, Q4KRows, QMatrix, _f16_bits, _q4k_six
 
 Q8_0_BLOCK_BYTES = 34  # fp16 d, 32 int8
 Q4_K_BLOCK_BYTES = 144  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales and minimums, 128 of nibbles
@@ -34,3 +37,136 @@ def q4_k_rows(data: np.ndarray) -> Q4KRows:
     """q4_K super-blocks [.., rows, n * 144] -> Q4KRows: the file's bytes, unchanged."""
     raw = np.array(data).reshape(*data.shape[:-1], -1, Q4_K_BLOCK_BYTES)  # a writable copy
     return Q4KRows(torch.from_numpy(raw))
+
+
+Q6_K_BLOCK_BYTES = 210  # ql[128], qh[64], 16 int8 scales, fp16 d
+Q5_K_BLOCK_BYTES = 176  # fp16 d, dmin, 12 bytes of 6-bit scales and minimums, qh[32], qs[128]
+
+
+@dataclass(frozen=True)
+class Q6KRows(QMatrix):
+    """q6_K super-blocks [.., N, K/256, 210] exactly as in a GGUF file: w = d * sc * (q - 32),
+    q in [0, 63], an int8 sc per 16 columns (6.5625 bits per weight). Served by cpu-gguf."""
+
+    raw: torch.Tensor
+
+    fmt: ClassVar[str] = "q6_K"
+    row_dims: ClassVar[dict[str, int]] = {"raw": -3}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, n, blocks, _ = self.raw.shape
+        return (*lead, n, blocks * 256)
+
+    @property
+    def group(self) -> int:
+        return 16
+
+    def dequantize(self) -> torch.Tensor:
+        r = self.raw.to(torch.int32)
+        ql, qh = r[..., 0:128], r[..., 128:192]
+        sc = self.raw[..., 192:208].contiguous().view(torch.int8).float()
+        d = self.raw[..., 208:210].contiguous().view(torch.float16).float()  # [.., n, b, 1]
+        halves = []
+        for n in range(2):
+            lo, hi = ql[..., 64 * n : 64 * n + 64], qh[..., 32 * n : 32 * n + 32]
+            for i in range(4):  # column 128 n + 32 i + l
+                nib = (lo[..., 32 * (i & 1) : 32 * (i & 1) + 32] >> (4 * (i // 2))) & 15
+                halves.append(nib | (((hi >> (2 * i)) & 3) << 4))
+        q = torch.cat(halves, dim=-1).float() - 32  # [.., n, b, 256]
+        w = (d * sc).repeat_interleave(16, dim=-1) * q
+        return w.flatten(-2)
+
+
+@dataclass(frozen=True)
+class Q5KRows(QMatrix):
+    """q5_K super-blocks [.., N, K/256, 176] exactly as in a GGUF file: w = d * sc * q - dmin * m,
+    q in [0, 31], 6-bit sc and m per 32 columns (5.5 bits per weight). Served by cpu-gguf."""
+
+    raw: torch.Tensor
+
+    fmt: ClassVar[str] = "q5_K"
+    row_dims: ClassVar[dict[str, int]] = {"raw": -3}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, n, blocks, _ = self.raw.shape
+        return (*lead, n, blocks * 256)
+
+    @property
+    def group(self) -> int:
+        return 32
+
+    def dequantize(self) -> torch.Tensor:
+        r = self.raw
+        d, dmin = _f16_bits(r[..., 0:2]), _f16_bits(r[..., 2:4])
+        sc, m = _q4k_six(r[..., 4:16])
+        qh, qs = r[..., 16:48].to(torch.int32), r[..., 48:176].to(torch.int32)
+        parts = []
+        for c in range(4):  # column 64 c + 32 h + l
+            for h in range(2):
+                nib = (qs[..., 32 * c : 32 * c + 32] >> (4 * h)) & 15
+                parts.append(nib | (((qh >> (2 * c + h)) & 1) << 4))
+        q = torch.cat(parts, dim=-1).float()
+        scale = (d[..., None] * sc).repeat_interleave(32, dim=-1)
+        low = (dmin[..., None] * m).repeat_interleave(32, dim=-1)
+        return (scale * q - low).flatten(-2)
+
+
+def q6_k_rows(data: np.ndarray) -> Q6KRows:
+    raw = np.array(data).reshape(*data.shape[:-1], -1, Q6_K_BLOCK_BYTES)
+    return Q6KRows(torch.from_numpy(raw))
+
+
+def q5_k_rows(data: np.ndarray) -> Q5KRows:
+    raw = np.array(data).reshape(*data.shape[:-1], -1, Q5_K_BLOCK_BYTES)
+    return Q5KRows(torch.from_numpy(raw))
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """[rows, K] fp32 (K % 256 == 0) -> q4_K bytes [rows, K / 256 * 144]: per 32 elements
+    scale = (max - min) / 15 and offset = -min (min <= 0), both as 6-bit multiples of the
+    super-block's fp16 d and dmin; nibbles of sub-blocks 2c and 2c + 1 share 32 bytes."""
+    rows, k = w.shape
+    x = w.astype(np.float32).reshape(rows, k // 256, 8, 32)
+    lo = np.minimum(x.min(axis=-1), 0.0)
+    scale = (x.max(axis=-1) - lo) / 15.0
+    d = (scale.max(axis=-1) / 63.0).astype(np.float16)
+    dmin = ((-lo).max(axis=-1) / 63.0).astype(np.float16)
+    df, dminf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.clip(np.nan_to_num(np.round(scale / df)), 0, 63).astype(np.uint8)
+        m = np.clip(np.nan_to_num(np.round(-lo / dminf)), 0, 63).astype(np.uint8)
+        s_eff, o_eff = (df * sc)[..., None], (dminf * m)[..., None]
+        q = np.clip(np.nan_to_num(np.round((x + o_eff) / s_eff)), 0, 15).astype(np.uint8)
+    packed = np.empty((rows, k // 256, 12), dtype=np.uint8)
+    packed[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    packed[..., 4:8] = m[..., :4] | ((m[..., 4:] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
+    chunks = q.reshape(rows, k // 256, 4, 2, 32)
+    qs = (chunks[..., 0, :] | (chunks[..., 1, :] << 4)).reshape(rows, k // 256, 128)
+    parts = (d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed, qs)
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+# GGML types kept as they are for routed experts (cpu-int8, cpu-int4, cpu-gguf read them), by
+# the `gguf` package's type name; and bits per weight of every type, for the loader's summary.
+KEPT = {"Q8_0": q8_0_rows, "Q4_K": q4_k_rows, "Q6_K": q6_k_rows, "Q5_K": q5_k_rows}
+BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8.5, "Q6_K": 6.5625, "Q5_K": 5.5, "Q5_1": 6,
+        "Q5_0": 5.5, "Q4_K": 4.5, "Q4_1": 5, "Q4_0": 4.5, "IQ4_NL": 4.5, "IQ4_XS": 4.25,
+        "Q3_K": 3.4375, "IQ3_S": 3.4375, "IQ3_XXS": 3.0625, "Q2_K": 2.625, "IQ2_S": 2.5,
+        "IQ2_XS": 2.3125, "IQ2_XXS": 2.0625, "IQ1_M": 1.75, "IQ1_S": 1.5625, "TQ2_0": 2.0625,
+        "TQ1_0": 1.6875, "MXFP4": 4.25}  # fmt: skip
+
+
+def converted_rows(w: np.ndarray) -> tuple[QMatrix, str]:
+    """Dequantized weights [.., N, K] of a type no kernel reads -> the native format the loader
+    converts them to, and its name: q4_K (4.5 bits per weight) where rows hold whole
+    super-blocks, else q8_0 (the one native format for rows off 256)."""
+    k = w.shape[-1]
+    flat = np.ascontiguousarray(w, dtype=np.float32).reshape(-1, k)
+    if k % 256 == 0:
+        raw = quantize_q4_k(flat).reshape(*w.shape[:-1], -1)
+        return q4_k_rows(raw), "q4_K"
+    m = Int8Rows.q8_0(torch.from_numpy(flat))
+    return Int8Rows(m.q.reshape(w.shape), m.scale.reshape(*w.shape[:-1], -1)), "q8_0"

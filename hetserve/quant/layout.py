@@ -73,7 +73,7 @@ def _column_units(m: QMatrix) -> dict[str, int]:
         return {"packed": 2, "scale": m.group, "minimum": m.group}
     if isinstance(m, Int8Rows):
         return {"q": 1, "scale": m.group}
-    if isinstance(m, Q4KRows):
+    if isinstance(m, Q4KRows) or m.fmt in ("q6_K", "q5_K"):  # GGUF super-blocks (quant/gguf.py)
         return {"raw": 256}
     raise TypeError(f"no padding rule for {type(m).__name__}")
 

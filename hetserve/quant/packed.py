@@ -243,6 +243,11 @@ class Q4KRows(QMatrix):
         return self.to_int4().dequantize()
 
 
+# Formats a GGUF layer may mix (q8_0 is "int8", q4_K "int4"; quant/gguf.py: q6_K, q5_K), all
+# served together by cpu-gguf (moe/cpu_gguf.py).
+GGUF_FMTS = frozenset({"int8", "int4", "q6_K", "q5_K"})
+
+
 @dataclass(frozen=True)
 class PackedExperts:
     """One layer's routed experts as published: w13[e] [2I, H] (gate rows, then up rows) and
@@ -253,12 +258,14 @@ class PackedExperts:
 
     def __post_init__(self) -> None:
         fmts = {m.fmt for m in (*self.w13, *self.w2)}
-        if len(fmts) != 1:
+        if len(fmts) != 1 and not fmts <= GGUF_FMTS:
             raise ModelLoadError(f"routed experts mix quantization formats {sorted(fmts)}")
 
     @property
     def fmt(self) -> str:
-        return self.w13[0].fmt
+        """The one format of every matrix; "gguf" where a GGUF layer mixes block types."""
+        fmts = {m.fmt for m in (*self.w13, *self.w2)}
+        return fmts.pop() if len(fmts) == 1 else "gguf"
 
     @property
     def num_experts(self) -> int:

@@ -19,6 +19,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hetserve.errors import InvalidInputError
+from hetserve.quant.gguf import quantize_q4_k
+
+__all__ = ["quantize_q4_k", "write_gguf"]
 
 _HF_TO_GGUF = [
     (r"^model\.embed_tokens\.weight$", "token_embd.weight"),
@@ -40,41 +43,21 @@ _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down
 _ARCH = {"Qwen3MoeForCausalLM": "qwen3moe", "Qwen2MoeForCausalLM": "qwen2moe"}
 
 
-def quantize_q4_k(w: np.ndarray) -> np.ndarray:
-    """[rows, K] fp32 (K % 256 == 0) -> q4_K bytes [rows, K / 256 * 144]: per 32 elements
-    scale = (max - min) / 15 and offset = -min (min <= 0), both as 6-bit multiples of the
-    super-block's fp16 d and dmin; nibbles of sub-blocks 2c and 2c + 1 share 32 bytes."""
-    rows, k = w.shape
-    x = w.astype(np.float32).reshape(rows, k // 256, 8, 32)
-    lo = np.minimum(x.min(axis=-1), 0.0)
-    scale = (x.max(axis=-1) - lo) / 15.0
-    d = (scale.max(axis=-1) / 63.0).astype(np.float16)
-    dmin = ((-lo).max(axis=-1) / 63.0).astype(np.float16)
-    df, dminf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sc = np.clip(np.nan_to_num(np.round(scale / df)), 0, 63).astype(np.uint8)
-        m = np.clip(np.nan_to_num(np.round(-lo / dminf)), 0, 63).astype(np.uint8)
-        s_eff, o_eff = (df * sc)[..., None], (dminf * m)[..., None]
-        q = np.clip(np.nan_to_num(np.round((x + o_eff) / s_eff)), 0, 15).astype(np.uint8)
-    packed = np.empty((rows, k // 256, 12), dtype=np.uint8)
-    packed[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
-    packed[..., 4:8] = m[..., :4] | ((m[..., 4:] >> 4) << 6)
-    packed[..., 8:12] = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
-    chunks = q.reshape(rows, k // 256, 4, 2, 32)
-    qs = (chunks[..., 0, :] | (chunks[..., 1, :] << 4)).reshape(rows, k // 256, 128)
-    parts = (d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed, qs)
-    return np.concatenate(parts, axis=-1).reshape(rows, -1)
-
-
 def _quantize(gguf, w: np.ndarray, kind: str) -> tuple[np.ndarray, object]:
     q = gguf.GGMLQuantizationType
     if kind == "f32":
         return w.astype(np.float32), q.F32
-    if kind == "q8_0":
-        return gguf.quants.quantize(w.astype(np.float32), q.Q8_0), q.Q8_0
+    if kind in ("q8_0", "q5_0"):  # gguf quantizes these itself
+        qtype = q.Q8_0 if kind == "q8_0" else q.Q5_0
+        return gguf.quants.quantize(w.astype(np.float32), qtype), qtype
     if kind == "q4_K":
         return quantize_q4_k(w.reshape(-1, w.shape[-1])).reshape(*w.shape[:-1], -1), q.Q4_K
-    raise InvalidInputError(f"tensor type must be f32, q8_0 or q4_K, got {kind!r}")
+    if kind in ("q6_K", "q5_K"):
+        from hetserve.testing.gguf_quants import quantize_q5_k, quantize_q6_k
+
+        fn, qtype = (quantize_q6_k, q.Q6_K) if kind == "q6_K" else (quantize_q5_k, q.Q5_K)
+        return fn(w.reshape(-1, w.shape[-1])).reshape(*w.shape[:-1], -1), qtype
+    raise InvalidInputError(f"tensor type must be f32, q8_0, q4_K, q5_K or q6_K, got {kind!r}")
 
 
 def _gguf_name(name: str) -> str:
@@ -136,9 +119,13 @@ def write_gguf(
     reference: str | Path,
     experts: str = "q4_K",
     others: str = "f32",
+    down: str | None = None,
+    split_max_tensors: int = 0,
 ) -> Path:
     """`src` (tiny fp32 Qwen-MoE checkpoint) as the GGUF file `out`; the fp32 model that gguf
-    reads from it into the directory `reference`."""
+    reads from it into the directory `reference`. `down`: another type for ffn_down_exps (as
+    llama.cpp's Q4_K_M gives some layers q6_K there). `split_max_tensors`: write the model as
+    parts `out-0000i-of-0000n.gguf` of at most that many tensors (returns the first)."""
     import gguf
 
     src, out, reference = Path(src), Path(out), Path(reference)
@@ -146,11 +133,12 @@ def write_gguf(
     arch = _ARCH.get(cfg["architectures"][0])
     if arch is None:
         raise InvalidInputError(f"no GGUF writer for {cfg['architectures'][0]}")
-    writer = gguf.GGUFWriter(str(out), arch)
+    writer = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     _metadata(writer, cfg, json.loads((src / "tokenizer.json").read_text()))
     ref = {}
     for name, w in _tensors(src, cfg).items():
         kind = experts if "_exps." in name else (others if w.ndim == 2 else "f32")
+        kind = down if down and "ffn_down_exps" in name else kind
         data, qtype = _quantize(gguf, w, kind)
         writer.add_tensor(name, data, raw_dtype=qtype)
         ref[name] = gguf.quants.dequantize(data, qtype).reshape(w.shape)
@@ -159,6 +147,8 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     _write_reference(src, reference, ref)
+    if split_max_tensors:
+        return writer.format_shard_names(out)[0]
     return out
 
 

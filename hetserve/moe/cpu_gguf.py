@@ -1,0 +1,106 @@
+"""`cpu-gguf`: routed experts of a GGUF file served from each tensor's own block type, where a
+layer may mix them (llama.cpp's Q4_K_M keeps gate/up in q4_K and down in q6_K in some layers,
+Q5_K_M q5_K beside q6_K, a size off 256 gets q8_0).
+
+Who uses it: the loader picks it for GGUF experts that are not all q4_K or all q8_0
+(`PACKED_BACKENDS`); tests and `bench moe-kernel` build it directly. W13 (gate and up, one type)
+and W2 each keep their format on the native kernel (moe_kernels.c: a phase-2 format beside the
+phase-1 one): q4_K in its quad layout (moe_q4k.h), q6_K and q5_K rows as the file stores them
+(moe_kq.h), q8_0 as grouped int8, int4 groups (what the loader converts other types to). The
+K-quants meet activations rounded as llama.cpp's q8_K (int8 per 256 columns: |x - x_hat| <=
+amax / 254 of the super-block), q8_0 and int4 int16 per row. Failure: experts not packed, or a
+projection whose experts differ in type, is an InvalidInputError at construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hetserve.errors import InvalidInputError
+from hetserve.moe.cpu_backends import _native_only
+from hetserve.moe.cpu_native import (
+    F_I4,
+    F_I8,
+    F_Q4K,
+    _int4_layer,
+    _NativeExperts,
+    _q4k_layer,
+    _quads,
+)
+from hetserve.moe.experts import Activation, ExpertWeights, register_backend
+from hetserve.native import hugepage_empty
+from hetserve.quant.gguf import Q5KRows, Q6KRows
+from hetserve.quant.layout import fp16_group_scales, pad_qmatrices, pair_gate_up
+from hetserve.quant.packed import Int4Rows, Int8Rows, Q4KRows, QMatrix
+
+F_Q6K, F_Q5K = 6, 7  # moe_kernels.c's F_*
+_FORMATS: dict[type, int] = {Q4KRows: F_Q4K, Q6KRows: F_Q6K, Q5KRows: F_Q5K, Int8Rows: F_I8,
+                             Int4Rows: F_I4}  # fmt: skip
+
+
+def _rows_layer(mats: Sequence[QMatrix], gate_up: bool) -> torch.Tensor:
+    """q6_K / q5_K matrices [N, K] -> [E, N, K/256, block bytes], the file's bytes; W13's rows
+    in quads of gate rows then up rows (phase 1 reads one stream)."""
+    raws = [m.raw for m in mats]  # type: ignore[attr-defined]
+    out = hugepage_empty((len(raws), *raws[0].shape), torch.uint8)
+    for e, raw in enumerate(raws):
+        n = raw.shape[0]
+        if gate_up:
+            raw = pair_gate_up(raw.reshape(1, n, -1), 4)[0].reshape(raw.shape)
+        out[e].copy_(raw)
+    return out
+
+
+def _format(mats: Sequence[QMatrix], what: str) -> int:
+    kinds = {type(m) for m in mats}
+    if len(kinds) != 1 or next(iter(kinds)) not in _FORMATS:
+        names = sorted(k.__name__ for k in kinds)
+        raise InvalidInputError(f"cpu-gguf: {what} experts must share one GGUF type, got {names}")
+    return _FORMATS[kinds.pop()]
+
+
+class NativeGgufExperts(_NativeExperts):
+    """Each projection's experts in their own GGUF block type (see the module docstring)."""
+
+    def _load(self, weights: ExpertWeights) -> None:
+        p = weights.packed
+        if p is None:
+            raise InvalidInputError("cpu-gguf serves experts packed in GGUF block types only")
+        f13, f2 = _format(p.w13, "gate/up"), _format(p.w2, "down")
+        g13, g2 = p.w13[0].group, p.w2[0].group
+        for f, g in ((f13, g13), (f2, g2)):
+            if f in (F_I8, F_I4) and g % 16:
+                raise InvalidInputError(f"cpu-gguf reads int groups of multiples of 16, not {g}")
+        # one handle, two formats: moe_kernels.c's fmt_phase / g_phase encoding
+        self.fmt = f13 if f13 == f2 and g13 == g2 else f13 | (f2 + 1) << 4
+        self.group_size = g13 if f13 == f2 and g13 == g2 else g13 | g2 << 16
+        self.formats = (p.w13[0].fmt, p.w2[0].fmt)
+        hp, ip = self._padded()
+        m13, m2 = pad_qmatrices(p.w13, ip, hp, True), pad_qmatrices(p.w2, hp, ip)
+        w13, s13 = self._layout(f13, m13, True)
+        w2, s2 = self._layout(f2, m2, False)
+        self._set(w13, s13, w2, s2)
+
+    @staticmethod
+    def _layout(fmt: int, mats: list, gate_up: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if fmt == F_Q4K:
+            return _q4k_layer(tuple(mats), gate_up), None
+        if fmt in (F_Q6K, F_Q5K):
+            return _rows_layer(mats, gate_up), None
+        if fmt == F_I4:
+            return _int4_layer(mats, gate_up), None
+        scales = [fp16_group_scales(m.scale) for m in mats]  # grouped int8 (q8_0)
+        return _quads([m.q for m in mats], 16, gate_up), _quads(scales, 1, gate_up)
+
+
+@register_backend("cpu-gguf")
+def make_cpu_gguf(
+    weights: ExpertWeights,
+    activation: Activation = "silu",
+    num_threads: int | None = None,
+    kernel: str = "auto",
+) -> NativeGgufExperts:
+    _native_only("cpu-gguf", kernel, activation)
+    return NativeGgufExperts(weights, activation=activation, num_threads=num_threads)

@@ -1,0 +1,115 @@
+"""cpu-gguf: GGUF experts in their own block types, W13 and W2 in different ones where a file
+mixes them (Q4_K_M: q4_K gate/up beside q6_K down). The kernel against an emulation of its
+arithmetic in float64 from the same rounded activations (q8_K: int8 per 256 columns for the
+K-quants, int16 per row for q8_0): the integer sums are exact, so what is left is fp32 rounding
+(2e-6 relative) and, now and then, an activation on a rounding boundary (one step times a
+weight, `flip`)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from hetserve.moe.experts import ExpertWeights, create_backend, gated_activation
+from hetserve.native import native_unavailable_reason
+from hetserve.quant.gguf import Q5KRows, Q6KRows, q5_k_rows, q6_k_rows
+from hetserve.quant.packed import Int8Rows, PackedExperts, Q4KRows
+from hetserve.quant.quantize import q8k_round
+from hetserve.testing.gguf_quants import quantize_q5_k, quantize_q6_k
+from hetserve.testing.tiny_gguf import quantize_q4_k
+
+pytestmark = pytest.mark.skipif(
+    bool(native_unavailable_reason()), reason="native kernels unavailable"
+)
+E, H, INTER, K = 8, 256, 512, 3
+
+
+def _q6(w):
+    return Q6KRows(torch.from_numpy(quantize_q6_k(w.numpy()).reshape(w.shape[0], -1, 210)))
+
+
+def _q5(w):
+    return Q5KRows(torch.from_numpy(quantize_q5_k(w.numpy()).reshape(w.shape[0], -1, 176)))
+
+
+def _q4(w):
+    return Q4KRows(torch.from_numpy(quantize_q4_k(w.numpy()).reshape(w.shape[0], -1, 144)))
+
+
+PACK = {"q4_K": _q4, "q5_K": _q5, "q6_K": _q6, "q8_0": Int8Rows.q8_0}
+
+
+def _round16(v):
+    s = v.abs().amax(dim=-1, keepdim=True) / 16383
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.round(v * (1.0 / s)).clamp(-16383, 16383) * s
+
+
+def _rounding(kind: str):
+    return (_round16, 16383) if kind == "q8_0" else (q8k_round, 127)
+
+
+def _emulated(w13, w2, x, tw, ids, kinds):
+    glu = gated_activation("silu")
+    (r1, l1), (r2, l2) = _rounding(kinds[0]), _rounding(kinds[1])
+    out, flip = torch.zeros(x.shape[0], H, dtype=torch.float64), 0.0
+    for t in range(x.shape[0]):
+        xt = r1(x[t])
+        for j in range(ids.shape[1]):
+            e, w = int(ids[t, j]), float(tw[t, j])
+            h = w13[e].double() @ xt.double()
+            a = (glu(h[:INTER], h[INTER:]) * w).float()
+            flip = max(flip, float(a.abs().max()) / l2 * float(w2[e].abs().max())
+                       + float(x[t].abs().max()) / l1 * float(w13[e].abs().max()))  # fmt: skip
+            out[t] += w2[e].double() @ r2(a).double()
+    return out.float(), flip
+
+
+def _experts(kinds, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(E, 2 * INTER, H, generator=g) * 0.05
+    w2 = torch.randn(E, H, INTER, generator=g) * 0.05
+    return PackedExperts(
+        tuple(PACK[kinds[0]](w) for w in w13), tuple(PACK[kinds[1]](w) for w in w2)
+    )
+
+
+MIXES = [("q6_K", "q6_K"), ("q5_K", "q5_K"), ("q4_K", "q6_K"), ("q5_K", "q6_K"),
+         ("q4_K", "q5_K"), ("q4_K", "q8_0"), ("q8_0", "q6_K")]  # fmt: skip
+
+
+@pytest.mark.parametrize("kinds", MIXES)
+@pytest.mark.parametrize("t", [1, 2, 7, 40])
+def test_each_projection_keeps_its_type(kinds, t):
+    packed = _experts(kinds)
+    b = create_backend("cpu-gguf", ExpertWeights(None, None, packed=packed))
+    g = torch.Generator().manual_seed(t)
+    x, tw = torch.randn(t, H, generator=g), torch.rand(t, K, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)])
+    deq13 = torch.stack([m.dequantize() for m in packed.w13])
+    deq2 = torch.stack([m.dequantize() for m in packed.w2])
+    ref, flip = _emulated(deq13, deq2, x, tw, ids, kinds)
+    out = b.forward(x, tw, ids)
+    assert float((out - ref).abs().max()) <= 2e-6 * float(ref.abs().max()) + 4 * flip
+    # the file's bytes, no wider copy: the layer's size is the sum of its types' blocks
+    if "q8_0" not in kinds:
+        assert b.nbytes() == packed.nbytes
+    names = {"q8_0": "int8", "q4_K": "int4"}
+    assert b.formats == tuple(names.get(k, k) for k in kinds)
+
+
+@pytest.mark.parametrize("kind", ["q6_K", "q5_K"])
+def test_blocks_read_as_gguf_reads_them(kind):
+    g = np.random.default_rng(0)
+    w = g.standard_normal((6, 512)).astype(np.float32) * 0.1
+    w[1, :40] = 0.0  # an all-zero sub-block
+    raw = (quantize_q6_k if kind == "q6_K" else quantize_q5_k)(w)
+    qtype = getattr(gguf.GGMLQuantizationType, kind.upper())
+    theirs = gguf.quants.dequantize(raw, qtype)
+    ours = (q6_k_rows if kind == "q6_K" else q5_k_rows)(raw).dequantize().numpy()
+    assert np.array_equal(ours, theirs)
+    # the reference quantizers' own error: half a step of the sub-block's scale, at most
+    # amax / 62 (q6_K) or (max - min) / 62 (q5_K) of its 16 / 32 columns, plus scale rounding
+    assert np.abs(theirs - w).max() < (0.012 if kind == "q6_K" else 0.02)
