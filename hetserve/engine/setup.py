@@ -15,6 +15,7 @@ import torch
 
 from hetserve.config import EngineConfig
 from hetserve.errors import InvalidInputError
+from hetserve.kv.cache_spec import LayerCacheSpec, has_state
 from hetserve.kv.paged import KVCacheSpec, PagedKVCache
 
 CPU_KV_CAP_BYTES = 2 << 30  # KV budget when none is given
@@ -30,19 +31,30 @@ def resolve_model_dir(model: str | None) -> Path:
     return Path(model)
 
 
+def num_state_slots(cfg: EngineConfig, specs: list[LayerCacheSpec]) -> int:
+    """State slots of a model with linear-attention layers: one working slot per running
+    request plus the null slot; 0 for a model without such layers."""
+    return cfg.scheduler.max_num_seqs + 1 if has_state(specs) else 0
+
+
 def num_kv_blocks(
-    cfg: EngineConfig, max_model_len: int, spec: KVCacheSpec, dtype: torch.dtype
+    cfg: EngineConfig,
+    max_model_len: int,
+    spec: KVCacheSpec,
+    dtype: torch.dtype,
+    reserved_bytes: int = 0,
 ) -> int:
-    """KV blocks to allocate: `--num-kv-blocks`, else what the byte budget holds, never more
-    than `max_num_seqs` full-length sequences need."""
+    """KV blocks to allocate: `--num-kv-blocks`, else what the byte budget holds after
+    `reserved_bytes` (the state slots), never more than `max_num_seqs` full-length sequences
+    need."""
     bs = cfg.cache.block_size
     per_seq = math.ceil(max_model_len / bs)
     if cfg.cache.num_blocks is not None:
         n = cfg.cache.num_blocks
     else:
-        per_block = PagedKVCache.bytes_per_block(spec, bs, dtype)
-        budget = cfg.cache.kv_cache_bytes or CPU_KV_CAP_BYTES
-        n = min(budget // per_block, per_seq * cfg.scheduler.max_num_seqs + 1)
+        per_block = max(PagedKVCache.bytes_per_block(spec, bs, dtype), 1)
+        budget = (cfg.cache.kv_cache_bytes or CPU_KV_CAP_BYTES) - reserved_bytes
+        n = min(max(budget, 0) // per_block, per_seq * cfg.scheduler.max_num_seqs + 1)
     if n - 1 < per_seq:
         raise InvalidInputError(
             f"KV cache of {n} blocks cannot hold one {max_model_len}-token sequence; "

@@ -46,8 +46,14 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         hash_seed: bytes = b"",
         session_ttl_s: float = 0.0,
+        num_state_slots: int = 0,
     ) -> None:
         self.pool = BlockPool(num_blocks)
+        # Models with linear-attention layers: one state slot per running request (kv/state.py)
+        # from a pool of its own, with the blocks' mechanics (ref counts; slot 0 never handed
+        # out). Admission needs both a slot and the blocks.
+        self.states: BlockPool | None = BlockPool(num_state_slots) if num_state_slots else None
+        self.state_slots: dict[str, KVBlock] = {}
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_seed = hash_seed
@@ -64,6 +70,11 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.tables.get(request_id, ())]
+
+    def state_slot_id(self, request_id: str) -> int | None:
+        """The request's working state slot (models with linear-attention layers), else None."""
+        slot = self.state_slots.get(request_id)
+        return None if slot is None else slot.block_id
 
     def _update_hashes(self, req: Request, num_tokens: int) -> None:
         tokens = req.all_token_ids
@@ -132,6 +143,11 @@ class KVCacheManager:
         reviving = sum(1 for b in computed if b.ref_cnt == 0)
         if need > self.pool.num_free - reviving:
             return None
+        need_state = self.states is not None and req.request_id not in self.state_slots
+        if need_state and self.states is not None and self.states.num_free < 1:
+            return None
+        if need_state and self.states is not None:
+            self.state_slots[req.request_id] = self.states.allocate(1)[0]
         self.pool.touch(computed)
         new = self.pool.allocate(max(need, 0))
         table = self.tables.setdefault(req.request_id, [])
@@ -177,6 +193,9 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         table = self.tables.pop(req.request_id, [])
         self._num_cached.pop(req.request_id, None)
+        slot = self.state_slots.pop(req.request_id, None)
+        if slot is not None and self.states is not None:
+            self.states.free([slot])
         until = None
         if req.session_id is not None and self.session_ttl_s > 0:
             until = self.pool.now + self.session_ttl_s  # the session's next turn reuses them
@@ -196,3 +215,13 @@ class KVCacheManager:
             assert b.ref_cnt == refs.get(b.block_id, 0), (b, refs.get(b.block_id))
         for rid, n in self._num_cached.items():
             assert n <= len(self.tables[rid])
+        if self.states is not None:
+            self.states.check_integrity()
+            slot_refs: dict[int, int] = {}
+            for slot in self.state_slots.values():
+                slot_refs[slot.block_id] = slot_refs.get(slot.block_id, 0) + 1
+            for slot in self.states.blocks[1:]:
+                assert slot.ref_cnt == slot_refs.get(slot.block_id, 0), slot
+            assert set(self.state_slots) <= set(self.tables), "a state slot without a table"
+        else:
+            assert not self.state_slots
