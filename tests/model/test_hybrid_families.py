@@ -98,3 +98,35 @@ def test_v32_indexer_selects(tiny_model):
     la, lb = chosen(a.prompt_logprobs, ids), chosen(b.prompt_logprobs, ids)
     torch.testing.assert_close(la[:15], lb[:15], atol=1e-5, rtol=0)  # <= 16 keys: all taken
     assert (la[20:] - lb[20:]).abs().max() > 1e-3
+
+
+def test_qwen35_loads_the_published_vision_language_layout(tiny_model, tmp_path):
+    """Qwen3.5-MoE is published as a vision-language model: config under text_config, the text
+    model under model.language_model., a vision tower beside it. Its text model serves as is."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    flat = tiny_model("qwen3.5-moe")
+    out = tmp_path / "vl"
+    shutil.copytree(flat, out)
+    cfg = json.loads((flat / "config.json").read_text())
+    text = {k: v for k, v in cfg.items() if k != "architectures"}
+    vl = {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "text_config": text,
+        "vision_config": {"depth": 1, "hidden_size": 8},
+    }
+    (out / "config.json").write_text(json.dumps(vl))
+    tensors = {
+        (k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v
+        for k, v in load_file(flat / "model.safetensors").items()
+    }
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    ids = random_ids(40, seed=2)
+    a = LLM(flat).generate(prompt_token_ids=ids, sampling_params=PROMPT_LP)[0]
+    b = LLM(out).generate(prompt_token_ids=ids, sampling_params=PROMPT_LP)[0]
+    assert a.prompt_logprobs == b.prompt_logprobs and a.token_ids == b.token_ids
