@@ -27,8 +27,7 @@ from torch import nn
 from hetserve.errors import ModelLoadError
 from hetserve.kv.cache_spec import StateLayerSpec
 from hetserve.layers.attention import ForwardContext
-from hetserve.layers.delta_rule import l2_normalize
-from hetserve.layers.linear_attention import conv_mix, delta_mix, gated_rms_norm
+from hetserve.layers.linear_attention import LinearHeads, gated_rms_norm, linear_mix
 from hetserve.layers.moe import SparseMoE
 from hetserve.model.base import CausalLM, DecoderLayer, DenseMLP
 from hetserve.model.config import ModelConfig
@@ -79,15 +78,12 @@ class KimiDeltaAttention(nn.Module):
         mixed = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
         # The three convolutions are one depthwise convolution over q|k|v channels.
         weight = torch.cat((self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight))
-        mixed = conv_mix(self.layer_idx, mixed, weight.squeeze(1), ctx)
-        q, k, v = mixed.split(self.width, dim=-1)
-        q = l2_normalize(q.reshape(t, h, d)) * d**-0.5
-        k = l2_normalize(k.reshape(t, h, d))
         gate = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
         # softplus's threshold 20 is the reference's: above it, softplus(g) is g itself.
         log_decay = -self.A_log.float().exp().view(1, h, 1) * F.softplus(gate.view(t, h, d))
         beta = torch.sigmoid(self.b_proj(x).float())
-        o = delta_mix(self.layer_idx, q, k, v.reshape(t, h, d).float(), log_decay, beta, ctx)
+        heads = LinearHeads(h, h, d, d)
+        o = linear_mix(self.layer_idx, mixed, weight.squeeze(1), heads, log_decay, beta, ctx)
         out_gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, d)
         o = gated_rms_norm(o, out_gate, self.o_norm.weight, self.eps, torch.sigmoid)
         return self.o_proj(o.reshape(t, -1).to(x.dtype))

@@ -30,8 +30,7 @@ from torch import nn
 from hetserve.errors import ModelLoadError
 from hetserve.kv.cache_spec import StateLayerSpec
 from hetserve.layers.attention import ForwardContext, paged_attention
-from hetserve.layers.delta_rule import l2_normalize
-from hetserve.layers.linear_attention import conv_mix, delta_mix, gated_rms_norm
+from hetserve.layers.linear_attention import LinearHeads, gated_rms_norm, linear_mix
 from hetserve.layers.moe import SparseMoE
 from hetserve.layers.rotary import PartialRotaryEmbedding
 from hetserve.model.base import CausalLM, DecoderLayer, DenseMLP
@@ -119,6 +118,7 @@ class GatedDeltaNet(nn.Module):
                 "linear_num_value_heads must be a multiple of linear_num_key_heads"
             )
         kernel = int(cfg.get("linear_conv_kernel_dim", default=4))
+        self.heads = LinearHeads(self.num_k_heads, self.num_v_heads, self.k_dim, self.v_dim)
         key_dim, value_dim = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
         self.conv_dim = 2 * key_dim + value_dim
         self.split = split_projections
@@ -163,18 +163,10 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         mixed, z, b, a = self._project(x)
-        mixed = conv_mix(self.layer_idx, mixed, self.conv1d.weight.squeeze(1), ctx)
-        key_dim = self.num_k_heads * self.k_dim
-        q, k, v = mixed.split((key_dim, key_dim, self.num_v_heads * self.v_dim), dim=-1)
-        r = self.num_v_heads // self.num_k_heads
-        q = l2_normalize(q.reshape(t, self.num_k_heads, self.k_dim)) * self.k_dim**-0.5
-        k = l2_normalize(k.reshape(t, self.num_k_heads, self.k_dim))
-        if r > 1:  # each key head serves r consecutive value heads
-            q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
-        v = v.reshape(t, self.num_v_heads, self.v_dim).float()
         beta = torch.sigmoid(b.float())
         log_decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        o = delta_mix(self.layer_idx, q, k, v, log_decay, beta, ctx)
+        weight = self.conv1d.weight.squeeze(1)
+        o = linear_mix(self.layer_idx, mixed, weight, self.heads, log_decay, beta, ctx)
         o = gated_rms_norm(o, z, self.norm.weight, self.eps, F.silu)
         return self.out_proj(o.reshape(t, -1).to(x.dtype))
 
