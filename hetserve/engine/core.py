@@ -30,7 +30,7 @@ from hetserve.engine.kv_store import BlockIO, kv_identity, open_tiers
 from hetserve.engine.lora import build_lora_manager
 from hetserve.engine.output import ParentState, SeqState
 from hetserve.engine.runner import ModelRunner
-from hetserve.engine.setup import num_kv_blocks, num_state_slots, resolve_model_dir
+from hetserve.engine.setup import num_kv_blocks, resolve_model_dir, state_slots
 from hetserve.engine.validate import RequestValidator
 from hetserve.errors import InvalidInputError
 from hetserve.kv.cache_spec import LayerCacheSpec, has_state, paged_layout, state_slot_bytes
@@ -53,25 +53,15 @@ _SEEDS = random.Random()  # seeded from os.urandom once per process
 _SEED_MASK = (1 << 64) - 1  # torch generators take 64-bit seeds; seed + i may overflow
 
 
-def _check_state_support(cfg: EngineConfig, specs: list[LayerCacheSpec]) -> bool:
-    """Whether prefix caching is on. A model whose layers keep a recurrent state (linear
-    attention) cannot resume a cached prefix without a state checkpoint at its end, which is
-    not kept yet: prefix caching is turned off for it, said once in the log, and what needs
-    moving the state (KV tiers, P/D hand-off) is refused at start-up."""
-    if not has_state(specs):
-        return cfg.cache.enable_prefix_caching
-    if cfg.cache.kv_store is not None or cfg.disagg.role is not Role.BOTH:
+def _check_state_support(cfg: EngineConfig, specs: list[LayerCacheSpec]) -> None:
+    """A model whose layers keep a recurrent state (linear attention) finds cached prefixes
+    through the state checkpoints kept in the engine (kv/state_slots.py); moving that state
+    (KV tiers, P/D hand-off) is not built yet and is refused at start-up."""
+    if has_state(specs) and (cfg.cache.kv_store is not None or cfg.disagg.role is not Role.BOTH):
         raise InvalidInputError(
             f"this model keeps a linear-attention state ({describe_specs(specs)}); KV tiers and "
             "P/D hand-off do not move that state yet: drop --kv-store / --role"
         )
-    if cfg.cache.enable_prefix_caching:
-        log.info(
-            "prefix caching is off for this model: its linear-attention layers keep a state "
-            "(%s) and no state checkpoints are kept yet",
-            describe_specs(specs),
-        )
-    return False
 
 
 class EngineCore:
@@ -90,7 +80,8 @@ class EngineCore:
         bs = cfg.cache.block_size
         dtype = next(self.model.parameters()).dtype
         specs = self.model.cache_specs()
-        n_states = num_state_slots(cfg, specs)
+        states = state_slots(cfg, specs)
+        n_states = 0 if states is None else states.num_slots
         num_blocks = num_kv_blocks(
             cfg, self.max_model_len, paged_layout(specs), dtype, n_states * state_slot_bytes(specs)
         )
@@ -103,9 +94,9 @@ class EngineCore:
         self.runner = ModelRunner(self.model, num_blocks, bs, lora_batch, n_states)
         seed = kv_identity(self.model_dir, self.runner.kv, cfg.cache.hash_seed)
         role = cfg.disagg.role
-        prefix_caching = _check_state_support(cfg, specs)
+        _check_state_support(cfg, specs)
         self.kv = KVCacheManager(
-            num_blocks, bs, prefix_caching, seed, cfg.cache.session_ttl_s, n_states
+            num_blocks, bs, cfg.cache.enable_prefix_caching, seed, cfg.cache.session_ttl_s, states
         )
         c = cfg.cache
         self.kv_events: KVEventPublisher | None = None  # bound before anything else starts
@@ -263,7 +254,8 @@ class EngineCore:
             if st is not None and st.parent.scheduled_time is None:
                 st.parent.scheduled_time = now
         t0 = time.perf_counter()
-        result = self.executor.run(sched.scheduled, self.kv.block_ids, self.kv.state_slot_id)
+        states = self.kv.state_input if self.kv.states is not None else None
+        result = self.executor.run(sched.scheduled, self.kv.block_ids, states)
         if self.handoff.sender is not None:
             self._send_handoffs(sched.scheduled, result)
         if self.tiers is not None:

@@ -65,12 +65,13 @@ class StepExecutor:
         self.eos_ids = eos_ids
         self.lora = lora
         self.vocab_size: int = runner.model.config.vocab_size  # the width of a grammar's mask
-        self._state_slot = None  # request id -> state slot, for the step being run
+        self._state_input = None  # (request id, start) -> its state slots, for this step
 
-    def run(self, scheduled: list[ScheduledRequest], block_ids, state_slot=None) -> StepResult:
-        """`block_ids(request_id)` gives a sequence's KV block table, `state_slot(request_id)`
-        its linear-attention state slot (models with such layers)."""
-        self._state_slot = state_slot
+    def run(self, scheduled: list[ScheduledRequest], block_ids, state_input=None) -> StepResult:
+        """`block_ids(request_id)` gives a sequence's KV block table; `state_input(request_id,
+        start)` its linear-attention state slot, the checkpoint it resumes from and those it
+        takes (models with such layers; `KVCacheManager.state_input`)."""
+        self._state_input = state_input
         if self.lora is None:
             return self._run_isolated(scheduled, block_ids)
         # Each forward takes at most max_loras adapters, its rows ordered by adapter.
@@ -110,8 +111,11 @@ class StepExecutor:
             tokens = req.all_token_ids[start : start + s.num_new_tokens]
             slot = slots.get(req.lora_id) if slots else None
             rid = req.request_id
-            state = self._state_slot(rid) if self._state_slot is not None else None
-            inputs.append(SeqInput(tokens, start, block_ids(rid), slot, state))
+            st = self._state_input(rid, start) if self._state_input is not None else None
+            if st is None:
+                inputs.append(SeqInput(tokens, start, block_ids(rid), slot))
+            else:
+                inputs.append(SeqInput(tokens, start, block_ids(rid), slot, *st))
             result.prompt_tokens += max(0, min(req.num_prompt_tokens - start, s.num_new_tokens))
         rows = [i for i, s in enumerate(scheduled) if s.samples]
         states = [self.seqs[scheduled[i].request.request_id] for i in rows]

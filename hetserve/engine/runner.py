@@ -28,6 +28,7 @@ class SeqInput:
     block_ids: list[int]  # KV blocks covering num_computed + len(token_ids) tokens
     lora_slot: int | None = None  # the LoRA slot its adapter is in (None: the base model)
     state_slot: int | None = None  # its linear-attention state slot (models with such layers)
+    state_resume: int | None = None  # a prefix checkpoint to continue from (copied in first)
     # Prefix checkpoints to take in this forward: (tokens into token_ids, checkpoint slot).
     state_saves: tuple[tuple[int, int], ...] = ()
 
@@ -66,6 +67,10 @@ class ModelRunner:
         ids = torch.tensor([t for s in seqs for t in s.token_ids], device=self.device)
         ctx = ForwardContext(meta, self.kv)
         if self.state is not None:
+            for s in seqs:
+                if s.state_resume is not None:
+                    assert s.state_slot is not None
+                    self.state.copy_slot(s.state_resume, s.state_slot)
             ctx.state_cache = self.state
             ctx.states = build_state_batch(
                 [(s.num_computed, len(s.token_ids), s.state_slot, s.state_saves) for s in seqs],

@@ -17,6 +17,7 @@ from hetserve.config import EngineConfig
 from hetserve.errors import InvalidInputError
 from hetserve.kv.cache_spec import LayerCacheSpec, has_state
 from hetserve.kv.paged import KVCacheSpec, PagedKVCache
+from hetserve.kv.state_slots import StateSlots
 
 CPU_KV_CAP_BYTES = 2 << 30  # KV budget when none is given
 
@@ -31,10 +32,16 @@ def resolve_model_dir(model: str | None) -> Path:
     return Path(model)
 
 
-def num_state_slots(cfg: EngineConfig, specs: list[LayerCacheSpec]) -> int:
-    """State slots of a model with linear-attention layers: one working slot per running
-    request plus the null slot; 0 for a model without such layers."""
-    return cfg.scheduler.max_num_seqs + 1 if has_state(specs) else 0
+def state_slots(cfg: EngineConfig, specs: list[LayerCacheSpec]) -> StateSlots | None:
+    """The state slots of a model with linear-attention layers (None without such layers):
+    one per running request, plus the prefix checkpoints' while prefix caching is on."""
+    if not has_state(specs):
+        return None
+    c, seqs = cfg.cache, cfg.scheduler.max_num_seqs
+    ckpts = (seqs if c.state_checkpoints is None else c.state_checkpoints) * int(
+        c.enable_prefix_caching
+    )
+    return StateSlots(seqs, ckpts, c.state_checkpoint_every)
 
 
 def num_kv_blocks(
