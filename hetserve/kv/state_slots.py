@@ -82,8 +82,9 @@ class StateSlots:
         """Set slots aside for the checkpoints whose block ends within tokens
         [start, start + num_new) of this step (`hashes` covers them), skipping those already
         kept, while slots for every working request stay free."""
-        first = start // bs
-        for i in range(first, (start + num_new) // bs):
+        # Deepest first: with few slots free, the checkpoint nearest the end of what is computed
+        # serves the most (the next turn of this conversation); earlier ones age out first.
+        for i in reversed(range(start // bs, (start + num_new) // bs)):
             if (i + 1) % self.every or self.pool.lookup(hashes[i]) is not None:
                 continue
             if self.pool.num_free <= self.num_working - len(self.working):
