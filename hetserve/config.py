@@ -69,6 +69,11 @@ class CacheConfig:
     # A request with a session_id keeps its blocks from eviction this long after it ends (while
     # other free blocks exist), so the session's next turn finds them: agentic traffic.
     session_ttl_s: float = 600.0
+    # Models with linear-attention layers: prefix caching keeps the layers' state at the end of
+    # every `state_checkpoint_every`-th block, in `state_checkpoints` slots (None: one per
+    # max_num_seqs) beside the running requests' own.
+    state_checkpoint_every: int = 4
+    state_checkpoints: int | None = None
     # KV events in vLLM's format on ZMQ (`disagg/kv_publisher.py`): tcp://HOST:PORT of the PUB
     # socket, the replay socket (default PORT+1), and the shared token that secures them beyond
     # loopback (the server's API key; not a flag of its own).
@@ -87,6 +92,10 @@ class CacheConfig:
         _as_enum(self, "kv_load", KVLoad)
         if self.session_ttl_s < 0:
             raise ValueError("session_ttl_s must be >= 0")
+        if self.state_checkpoint_every < 1:
+            raise ValueError("state_checkpoint_every must be >= 1 (blocks)")
+        if self.state_checkpoints is not None and self.state_checkpoints < 0:
+            raise ValueError("state_checkpoints must be >= 0")
         if self.kv_store is not None and not self.enable_prefix_caching:
             raise ValueError("a KV store works behind the prefix cache; do not turn it off")
         if self.kv_events_replay is not None and self.kv_events is None:
@@ -352,6 +361,16 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "session_ttl", "cache", "session_ttl_s",
         "seconds a session's KV blocks are kept from eviction after its request ends "
         "(requests with a session_id)", float,
+    ),
+    EngineOption(
+        "state_checkpoint_every", "cache", "state_checkpoint_every",
+        "linear-attention models: keep a prefix checkpoint of the layers' state every N blocks",
+        int,
+    ),
+    EngineOption(
+        "state_checkpoints", "cache", "state_checkpoints",
+        "linear-attention models: state slots kept for prefix checkpoints (default: "
+        "max_num_seqs)", int,
     ),
     EngineOption(
         "kv_events", "cache", "kv_events",

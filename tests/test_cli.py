@@ -9,12 +9,13 @@ def run(*args):
 
 
 def test_make_tiny_and_generate(tmp_path):
-    out = tmp_path / "m"
-    r = run("models", "make-tiny", "--arch", "mixtral", str(out), "--hidden-size", "32")
-    assert r.returncode == 0, r.stderr
-    r = run("generate", "--model", str(out), "--max-tokens", "3", "--json", "hello")
-    assert r.returncode == 0, r.stderr
-    assert '"finish_reason"' in r.stdout
+    for arch, extra in (("mixtral", []), ("qwen3-next", ["--num-experts", "4"])):
+        out = tmp_path / arch
+        r = run("models", "make-tiny", "--arch", arch, str(out), "--hidden-size", "32", *extra)
+        assert r.returncode == 0, r.stderr
+        r = run("generate", "--model", str(out), "--max-tokens", "3", "--json", "hello")
+        assert r.returncode == 0, r.stderr
+        assert '"finish_reason"' in r.stdout
 
 
 def test_user_errors_exit_2_with_one_line(tmp_path):

@@ -30,9 +30,11 @@ from hetserve.engine.kv_store import BlockIO, kv_identity, open_tiers
 from hetserve.engine.lora import build_lora_manager
 from hetserve.engine.output import ParentState, SeqState
 from hetserve.engine.runner import ModelRunner
-from hetserve.engine.setup import num_kv_blocks, resolve_model_dir
+from hetserve.engine.setup import num_kv_blocks, resolve_model_dir, state_slots
 from hetserve.engine.validate import RequestValidator
 from hetserve.errors import InvalidInputError
+from hetserve.kv.cache_spec import LayerCacheSpec, has_state, paged_layout, state_slot_bytes
+from hetserve.kv.cache_spec import describe as describe_specs
 from hetserve.kv.handoff import handoff_stats
 from hetserve.kv.loader import Loaders
 from hetserve.kv.manager import KVCacheManager
@@ -51,6 +53,17 @@ _SEEDS = random.Random()  # seeded from os.urandom once per process
 _SEED_MASK = (1 << 64) - 1  # torch generators take 64-bit seeds; seed + i may overflow
 
 
+def _check_state_support(cfg: EngineConfig, specs: list[LayerCacheSpec]) -> None:
+    """A model whose layers keep a recurrent state (linear attention) finds cached prefixes
+    through the state checkpoints kept in the engine (kv/state_slots.py); moving that state
+    (KV tiers, P/D hand-off) is not built yet and is refused at start-up."""
+    if has_state(specs) and (cfg.cache.kv_store is not None or cfg.disagg.role is not Role.BOTH):
+        raise InvalidInputError(
+            f"this model keeps a linear-attention state ({describe_specs(specs)}); KV tiers and "
+            "P/D hand-off do not move that state yet: drop --kv-store / --role"
+        )
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig | None = None) -> None:
         cfg = config or EngineConfig()
@@ -66,17 +79,24 @@ class EngineCore:
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
         bs = cfg.cache.block_size
         dtype = next(self.model.parameters()).dtype
-        num_blocks = num_kv_blocks(cfg, self.max_model_len, self.model.kv_cache_spec(), dtype)
+        specs = self.model.cache_specs()
+        states = state_slots(cfg, specs)
+        n_states = 0 if states is None else states.num_slots
+        num_blocks = num_kv_blocks(
+            cfg, self.max_model_len, paged_layout(specs), dtype, n_states * state_slot_bytes(specs)
+        )
         self.lora = build_lora_manager(self.model, cfg.lora)  # None: no LoRA code runs at all
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_ids))
         self.validator = RequestValidator(
             self.vocab_size, self.max_model_len, self.lora, self.grammars
         )
         lora_batch = None if self.lora is None else self.lora.batch
-        self.runner = ModelRunner(self.model, num_blocks, bs, lora_batch)
+        self.runner = ModelRunner(self.model, num_blocks, bs, lora_batch, n_states)
         seed = kv_identity(self.model_dir, self.runner.kv, cfg.cache.hash_seed)
+        role = cfg.disagg.role
+        _check_state_support(cfg, specs)
         self.kv = KVCacheManager(
-            num_blocks, bs, cfg.cache.enable_prefix_caching, seed, cfg.cache.session_ttl_s
+            num_blocks, bs, cfg.cache.enable_prefix_caching, seed, cfg.cache.session_ttl_s, states
         )
         c = cfg.cache
         self.kv_events: KVEventPublisher | None = None  # bound before anything else starts
@@ -88,7 +108,6 @@ class EngineCore:
             )
         self.tiers: TierManager | None = None
         self.kv_summary: str | None = None  # the start-up line of the KV tiers
-        role = cfg.disagg.role
         io = BlockIO(self.runner.kv) if c.kv_store or role is not Role.BOTH else None
         if c.kv_store is not None:
             assert io is not None
@@ -235,7 +254,8 @@ class EngineCore:
             if st is not None and st.parent.scheduled_time is None:
                 st.parent.scheduled_time = now
         t0 = time.perf_counter()
-        result = self.executor.run(sched.scheduled, self.kv.block_ids)
+        states = self.kv.state_input if self.kv.states is not None else None
+        result = self.executor.run(sched.scheduled, self.kv.block_ids, states)
         if self.handoff.sender is not None:
             self._send_handoffs(sched.scheduled, result)
         if self.tiers is not None:

@@ -65,9 +65,13 @@ class StepExecutor:
         self.eos_ids = eos_ids
         self.lora = lora
         self.vocab_size: int = runner.model.config.vocab_size  # the width of a grammar's mask
+        self._state_input = None  # (request id, start) -> its state slots, for this step
 
-    def run(self, scheduled: list[ScheduledRequest], block_ids) -> StepResult:
-        """`block_ids(request_id)` gives a sequence's KV block table."""
+    def run(self, scheduled: list[ScheduledRequest], block_ids, state_input=None) -> StepResult:
+        """`block_ids(request_id)` gives a sequence's KV block table; `state_input(request_id,
+        start)` its linear-attention state slot, the checkpoint it resumes from and those it
+        takes (models with such layers; `KVCacheManager.state_input`)."""
+        self._state_input = state_input
         if self.lora is None:
             return self._run_isolated(scheduled, block_ids)
         # Each forward takes at most max_loras adapters, its rows ordered by adapter.
@@ -80,10 +84,11 @@ class StepExecutor:
         try:
             return self._run(scheduled, block_ids)
         except Exception as exc:
-            if len(scheduled) == 1:
-                rid = scheduled[0].request.request_id
-                log.exception("request %s failed in the engine step", rid)
-                return StepResult(failed={rid: describe(exc)})
+            if len(scheduled) == 1 or self.runner.state is not None:
+                # A linear-attention state advances in place layer by layer: a batch that
+                # failed part way cannot be replayed, so each of its requests fails.
+                log.exception("a step of %d request(s) failed", len(scheduled))
+                return StepResult(failed={s.request.request_id: describe(exc) for s in scheduled})
             log.exception(
                 "a batched step failed; running its %d requests one by one", len(scheduled)
             )
@@ -105,7 +110,12 @@ class StepExecutor:
             start = req.num_computed_tokens
             tokens = req.all_token_ids[start : start + s.num_new_tokens]
             slot = slots.get(req.lora_id) if slots else None
-            inputs.append(SeqInput(tokens, start, block_ids(req.request_id), slot))
+            rid = req.request_id
+            st = self._state_input(rid, start) if self._state_input is not None else None
+            if st is None:
+                inputs.append(SeqInput(tokens, start, block_ids(rid), slot))
+            else:
+                inputs.append(SeqInput(tokens, start, block_ids(rid), slot, *st))
             result.prompt_tokens += max(0, min(req.num_prompt_tokens - start, s.num_new_tokens))
         rows = [i for i, s in enumerate(scheduled) if s.samples]
         states = [self.seqs[scheduled[i].request.request_id] for i in rows]

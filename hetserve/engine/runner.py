@@ -11,8 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+from hetserve.kv.cache_spec import has_state, paged_layout, state_layout
 from hetserve.kv.paged import PagedKVCache
+from hetserve.kv.state import StateCache
 from hetserve.layers.attention import ForwardContext, build_metadata
+from hetserve.layers.linear_attention import build_state_batch
 from hetserve.layers.lora import LoRABatch
 from hetserve.model import fused_decode
 from hetserve.model.base import CausalLM
@@ -24,6 +27,10 @@ class SeqInput:
     num_computed: int  # tokens of this sequence already in the KV cache
     block_ids: list[int]  # KV blocks covering num_computed + len(token_ids) tokens
     lora_slot: int | None = None  # the LoRA slot its adapter is in (None: the base model)
+    state_slot: int | None = None  # its linear-attention state slot (models with such layers)
+    state_resume: int | None = None  # a prefix checkpoint to continue from (copied in first)
+    # Prefix checkpoints to take in this forward: (tokens into token_ids, checkpoint slot).
+    state_saves: tuple[tuple[int, int], ...] = ()
 
 
 class ModelRunner:
@@ -33,6 +40,7 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         lora_batch: LoRABatch | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         self.model = model
         model.fused_step = fused_decode.run  # declines wherever it does not apply
@@ -40,9 +48,12 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size
-        self.kv = PagedKVCache(
-            model.kv_cache_spec(), num_blocks, block_size, self.dtype, self.device
-        )
+        specs = model.cache_specs()
+        self.kv = PagedKVCache(paged_layout(specs), num_blocks, block_size, self.dtype, self.device)
+        # Linear-attention layers keep a fixed-size state per sequence beside the paged KV.
+        self.state: StateCache | None = None
+        if has_state(specs):
+            self.state = StateCache(state_layout(specs), num_state_slots, self.device)
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput]) -> torch.Tensor:
@@ -54,15 +65,26 @@ class ModelRunner:
             self.model.sliding_window,
         )
         ids = torch.tensor([t for s in seqs for t in s.token_ids], device=self.device)
+        ctx = ForwardContext(meta, self.kv)
+        if self.state is not None:
+            for s in seqs:
+                if s.state_resume is not None:
+                    assert s.state_slot is not None
+                    self.state.copy_slot(s.state_resume, s.state_slot)
+            ctx.state_cache = self.state
+            ctx.states = build_state_batch(
+                [(s.num_computed, len(s.token_ids), s.state_slot, s.state_saves) for s in seqs],
+                self.device,
+            )
         if self.lora_batch is None:
-            return self.model(ids, ForwardContext(meta, self.kv))
+            return self.model(ids, ctx)
         starts = list(itertools.accumulate((len(s.token_ids) for s in seqs), initial=0))
         self.lora_batch.set(
             [(starts[i], len(s.token_ids), s.lora_slot) for i, s in enumerate(seqs)],
             [span.q_start for span in meta.seqs],
         )
         try:
-            return self.model(ids, ForwardContext(meta, self.kv))
+            return self.model(ids, ctx)
         finally:
             self.lora_batch.clear()
 

@@ -15,7 +15,9 @@ import torch
 
 from hetserve.config import EngineConfig
 from hetserve.errors import InvalidInputError
+from hetserve.kv.cache_spec import LayerCacheSpec, has_state
 from hetserve.kv.paged import KVCacheSpec, PagedKVCache
+from hetserve.kv.state_slots import StateSlots
 
 CPU_KV_CAP_BYTES = 2 << 30  # KV budget when none is given
 
@@ -30,19 +32,36 @@ def resolve_model_dir(model: str | None) -> Path:
     return Path(model)
 
 
+def state_slots(cfg: EngineConfig, specs: list[LayerCacheSpec]) -> StateSlots | None:
+    """The state slots of a model with linear-attention layers (None without such layers):
+    one per running request, plus the prefix checkpoints' while prefix caching is on."""
+    if not has_state(specs):
+        return None
+    c, seqs = cfg.cache, cfg.scheduler.max_num_seqs
+    ckpts = (seqs if c.state_checkpoints is None else c.state_checkpoints) * int(
+        c.enable_prefix_caching
+    )
+    return StateSlots(seqs, ckpts, c.state_checkpoint_every)
+
+
 def num_kv_blocks(
-    cfg: EngineConfig, max_model_len: int, spec: KVCacheSpec, dtype: torch.dtype
+    cfg: EngineConfig,
+    max_model_len: int,
+    spec: KVCacheSpec,
+    dtype: torch.dtype,
+    reserved_bytes: int = 0,
 ) -> int:
-    """KV blocks to allocate: `--num-kv-blocks`, else what the byte budget holds, never more
-    than `max_num_seqs` full-length sequences need."""
+    """KV blocks to allocate: `--num-kv-blocks`, else what the byte budget holds after
+    `reserved_bytes` (the state slots), never more than `max_num_seqs` full-length sequences
+    need."""
     bs = cfg.cache.block_size
     per_seq = math.ceil(max_model_len / bs)
     if cfg.cache.num_blocks is not None:
         n = cfg.cache.num_blocks
     else:
-        per_block = PagedKVCache.bytes_per_block(spec, bs, dtype)
-        budget = cfg.cache.kv_cache_bytes or CPU_KV_CAP_BYTES
-        n = min(budget // per_block, per_seq * cfg.scheduler.max_num_seqs + 1)
+        per_block = max(PagedKVCache.bytes_per_block(spec, bs, dtype), 1)
+        budget = (cfg.cache.kv_cache_bytes or CPU_KV_CAP_BYTES) - reserved_bytes
+        n = min(max(budget, 0) // per_block, per_seq * cfg.scheduler.max_num_seqs + 1)
     if n - 1 < per_seq:
         raise InvalidInputError(
             f"KV cache of {n} blocks cannot hold one {max_model_len}-token sequence; "

@@ -29,6 +29,9 @@ _EXPERT_KEYS = {
     "glm4-moe": "n_routed_experts",
     "kimi-k2": "n_routed_experts",
     "gpt-oss": "num_local_experts",
+    "kimi-linear": "num_experts",
+    "deepseek-v3.2": "n_routed_experts",
+    "minimax-m2": "num_local_experts",
 }
 
 
@@ -41,7 +44,8 @@ def register(sub) -> None:
         "--arch",
         required=True,
         help="family: llama, qwen2, qwen3, qwen2-moe, qwen3-moe, mixtral, deepseek-v2, "
-        "deepseek-v3, glm4-moe, kimi-k2, gpt-oss",
+        "deepseek-v3, glm4-moe, kimi-k2, gpt-oss, qwen3-next, qwen3.5-moe, kimi-linear, "
+        "deepseek-v3.2, minimax-m2",
     )
     t.add_argument("out", help="output directory")
     t.add_argument("--seed", type=int, default=0)

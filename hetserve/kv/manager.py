@@ -16,6 +16,7 @@ from typing import NamedTuple, Protocol
 from hetserve.core.block_hash import hash_block_tokens
 from hetserve.core.request import Request
 from hetserve.kv.block_pool import BlockPool, KVBlock
+from hetserve.kv.state_slots import StateInput, StateSlots
 
 
 class BlockHolder(Protocol):
@@ -46,8 +47,13 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         hash_seed: bytes = b"",
         session_ttl_s: float = 0.0,
+        states: StateSlots | None = None,
     ) -> None:
         self.pool = BlockPool(num_blocks)
+        # Models with linear-attention layers: a state slot per running request and the
+        # prefix checkpoints (kv/state_slots.py). Admission needs both a slot and the blocks; a
+        # prefix hit must end at a checkpoint.
+        self.states = states
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_seed = hash_seed
@@ -64,6 +70,12 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.tables.get(request_id, ())]
+
+    def state_input(self, request_id: str, start: int) -> StateInput:
+        """Models with linear-attention layers: the request's state slot, the checkpoint it
+        resumes from, the checkpoints its step starting at token `start` takes."""
+        assert self.states is not None
+        return self.states.inputs(request_id, start, self.block_size)
 
     def _update_hashes(self, req: Request, num_tokens: int) -> None:
         tokens = req.all_token_ids
@@ -90,6 +102,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.states is not None:  # the linear layers' state must be found there too
+            hits = hits[: self.states.resumable(req.block_hashes, len(hits))]
         return hits, len(hits) * self.block_size
 
     def lookup_blocks(self, req: Request) -> int:
@@ -132,6 +146,10 @@ class KVCacheManager:
         reviving = sum(1 for b in computed if b.ref_cnt == 0)
         if need > self.pool.num_free - reviving:
             return None
+        if self.states is not None:
+            resume = req.block_hashes[len(computed) - 1] if computed else None
+            if not self.states.admit(req.request_id, resume):
+                return None
         self.pool.touch(computed)
         new = self.pool.allocate(max(need, 0))
         table = self.tables.setdefault(req.request_id, [])
@@ -140,12 +158,21 @@ class KVCacheManager:
         # Registered blocks lead the table; a partial block stays to be registered once full.
         registered = sum(1 for b in computed if b.block_hash is not None)
         self._num_cached[req.request_id] = self._num_cached.get(req.request_id, 0) + registered
+        if self.states is not None and self.enable_prefix_caching:
+            self._update_hashes(req, num_computed + num_new_tokens)
+            self.states.plan_saves(
+                req.request_id, num_computed, num_new_tokens, req.block_hashes, self.block_size
+            )
         return new
 
     def cache_computed(self, req: Request) -> None:
         """Register the request's full, computed blocks so later requests can reuse them."""
         if not self.enable_prefix_caching:
             return
+        if self.states is not None:
+            self.states.commit(
+                req.request_id, req.num_computed_tokens, req.block_hashes, self.block_size
+            )
         full = req.num_computed_tokens // self.block_size
         done = self._num_cached.get(req.request_id, 0)
         if full <= done:
@@ -177,6 +204,8 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         table = self.tables.pop(req.request_id, [])
         self._num_cached.pop(req.request_id, None)
+        if self.states is not None:
+            self.states.release(req.request_id)
         until = None
         if req.session_id is not None and self.session_ttl_s > 0:
             until = self.pool.now + self.session_ttl_s  # the session's next turn reuses them
@@ -196,3 +225,5 @@ class KVCacheManager:
             assert b.ref_cnt == refs.get(b.block_id, 0), (b, refs.get(b.block_id))
         for rid, n in self._num_cached.items():
             assert n <= len(self.tables[rid])
+        if self.states is not None:
+            self.states.check_integrity(self.tables)

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from hetserve import envs
 from hetserve.kv.paged import PagedKVCache
+from hetserve.kv.state import StateCache
+from hetserve.layers.linear_attention import StateBatch
 from hetserve.layers.sinks import batched_decode_sinks, sdpa_sinks
 from hetserve.native import optional_kernel
 
@@ -189,6 +191,10 @@ class ForwardContext:
     # Expert deferral: a MoE layer leaves here the future of its deferred experts' output,
     # which the model adds after the next layer has run.
     deferred: Future | None = None
+    # Linear-attention layers: the state slots (kv/state.py) and which slot each sequence of
+    # this forward uses (layers/linear_attention.py); None for models without such layers.
+    state_cache: StateCache | None = None
+    states: StateBatch | None = None
 
 
 def sdpa(

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from hetserve.kv.cache_spec import LayerCacheSpec, paged_layout
 from hetserve.kv.paged import KVCacheSpec
 from hetserve.layers.attention import ForwardContext
 from hetserve.layers.moe import FusedExperts, SparseMoE
@@ -36,18 +37,31 @@ class DenseMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h))."""
+    """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h)). `attn_name` is the
+    token mixer's checkpoint name (`self_attn`; Qwen3-Next's linear layers say `linear_attn`)."""
 
-    def __init__(self, cfg: ModelConfig, attn: nn.Module, mlp: nn.Module, mlp_name: str = "mlp"):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        attn: nn.Module,
+        mlp: nn.Module,
+        mlp_name: str = "mlp",
+        attn_name: str = "self_attn",
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = attn
+        self.attn_name = attn_name
+        setattr(self, attn_name, attn)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp_name = mlp_name
         setattr(self, mlp_name, mlp)
 
+    @property
+    def mixer(self) -> nn.Module:
+        return getattr(self, self.attn_name)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), ctx)
+        h = x + self.mixer(self.input_layernorm(x), ctx)
         return h + getattr(self, self.mlp_name)(self.post_attention_layernorm(h), ctx)
 
 
@@ -57,9 +71,12 @@ class CausalLM(nn.Module):
     Class attributes a family may set:
       checkpoint_aliases: (regex, replacement) pairs tried on checkpoint names that match no
         parameter (e.g. transformers' in-memory names of another layout).
+      expert_weight_names: a routed expert's gate/up/down names in checkpoints.
     """
 
     checkpoint_aliases: list[tuple[str, str]] = []
+    # How checkpoints name one routed expert's gate, up and down projections.
+    expert_weight_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     sliding_window: int | None = None  # attention window of every layer, None = full causal
     routing_stats = None  # the RoutingStats being recorded (attach_routing_stats), if any
 
@@ -100,6 +117,11 @@ class CausalLM(nn.Module):
         a tensor, a QMatrix (quant/packed.py), or None when the loader asks only for the name."""
         return name, value
 
+    def published_name(self, name: str) -> str:
+        """The name a published checkpoint gives parameter `name` (the inverse of
+        `map_checkpoint_tensor`'s renaming; tiny checkpoints are written with it)."""
+        return name
+
     def moe_layers(self) -> list[SparseMoE]:
         return [m for m in self.modules() if isinstance(m, SparseMoE)]
 
@@ -119,8 +141,13 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    def cache_specs(self) -> list[LayerCacheSpec]:
+        """What every layer keeps between forwards (kv/cache_spec.py)."""
+        return [layer.mixer.cache_spec() for layer in self.model.layers]
+
     def kv_cache_spec(self) -> KVCacheSpec:
-        return [layer.self_attn.kv_spec() for layer in self.model.layers]
+        """The paged part of `cache_specs` (a layer with only a state has no entries)."""
+        return paged_layout(self.cache_specs())
 
     def routed_experts(self) -> Iterator[tuple[str, FusedExperts]]:
         for name, module in self.named_modules():

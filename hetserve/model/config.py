@@ -56,6 +56,11 @@ class ModelConfig:
         archs = hf.get("architectures") or []
         if not archs:
             raise ModelLoadError("config.json has no 'architectures' list; add the HF class name")
+        text = hf.get("text_config")
+        if isinstance(text, dict) and "hidden_size" not in hf:
+            # A vision-language checkpoint served as text (Qwen3.5-MoE as published): the text
+            # model's keys, under the checkpoint's architecture.
+            hf = {**hf, **text, "architectures": archs}
         try:
             hidden = int(hf["hidden_size"])
             heads = int(hf["num_attention_heads"])

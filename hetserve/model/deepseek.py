@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from hetserve.kv.cache_spec import LayerKind, PagedLayerSpec
 from hetserve.layers.attention import ForwardContext, batched_decode_sdpa, sdpa
 from hetserve.layers.lora import LoRABatch, Segments, lora_project
 from hetserve.layers.moe import SparseMoE
@@ -53,6 +54,9 @@ class MLAttention(nn.Module):
     def kv_spec(self) -> list[tuple[int, ...]]:
         return [(self.kv_lora_rank + self.rope_dim,)]
 
+    def cache_spec(self) -> PagedLayerSpec:
+        return PagedLayerSpec(LayerKind.MLA, tuple(self.kv_spec()))
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         if self.q_lora_rank is None:
@@ -64,8 +68,9 @@ class MLAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
         latent = self.kv_a_layernorm(latent)
         rope, pos = self.rotary[0], ctx.meta.positions
-        q = torch.cat((q_nope, rope(q_pe, pos)), dim=-1)
-        k_pe = rope(k_pe.unsqueeze(1), pos).squeeze(1)
+        if rope is not None:  # (Kimi-Linear's MLA has no rotary: its shared key stays as is)
+            q_pe, k_pe = rope(q_pe, pos), rope(k_pe.unsqueeze(1), pos).squeeze(1)
+        q = torch.cat((q_nope, q_pe), dim=-1)
         ctx.kv.write(self.layer_idx, ctx.meta.slot_mapping, torch.cat((latent, k_pe), dim=-1))
 
         out = x.new_empty(t, self.num_heads, self.v_dim)
@@ -135,12 +140,17 @@ class _DeepseekFamily(CausalLM):
         )
         bias = bool(cfg.get("attention_bias", default=False))
         make_mlp = deepseek_mlp_maker(cfg, self._router_config(cfg), shared=0, first_dense=0)
+        shared: dict = {}  # what a family's attention layers share (V3.2: the indexer's rotary)
 
         def make_layer(i: int) -> nn.Module:
-            return DecoderLayer(cfg, MLAttention(cfg, i, rotary, bias), make_mlp(i))
+            attn = self._make_attention(cfg, i, rotary, bias, shared)
+            return DecoderLayer(cfg, attn, make_mlp(i))
 
         super().__init__(cfg, make_layer)
         self.rotary = rotary
+
+    def _make_attention(self, cfg: ModelConfig, i: int, rotary, bias: bool, shared: dict):
+        return MLAttention(cfg, i, rotary, bias)
 
     def _router_config(self, cfg: ModelConfig) -> RouterConfig:
         method = cfg.get("topk_method", default="noaux_tc" if self.v3 else "greedy")

@@ -128,7 +128,7 @@ def _attention(layer: nn.Module, i: int, kv, keep: list) -> _Layer | None:
 
     if type(layer) is not DecoderLayer:
         return None
-    attn, n1, n2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
+    attn, n1, n2 = layer.mixer, layer.input_layernorm, layer.post_attention_layernorm
     if type(attn) is not GQAAttention or attn.window is not None or attn.sinks is not None:
         return None
     if attn.layer_idx != i or type(n1) is not RMSNorm or type(n2) is not RMSNorm:
@@ -245,6 +245,7 @@ def run(model: nn.Module, x: torch.Tensor, ctx) -> bool:
         or meta.positions.dtype is not torch.long
         or meta.slot_mapping.dtype is not torch.long
         or not envs.native_kernels()
+        or ctx.states is not None  # linear-attention layers: not in the C plan
     ):
         return False
     fn = optional_kernel("hetserve_decode_layers")

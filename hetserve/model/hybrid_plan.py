@@ -39,7 +39,7 @@ def placeable_units(model: nn.Module) -> dict[str, nn.Module]:
     }
     for i, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{i}"
-        for name in ("input_layernorm", "self_attn", "post_attention_layernorm"):
+        for name in ("input_layernorm", layer.attn_name, "post_attention_layernorm"):
             units[f"{prefix}.{name}"] = getattr(layer, name)
         mlp = getattr(layer, layer.mlp_name)
         if isinstance(mlp, SparseMoE):

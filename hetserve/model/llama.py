@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from hetserve.errors import ModelLoadError
+from hetserve.kv.cache_spec import LayerKind, PagedLayerSpec
 from hetserve.layers.attention import ForwardContext, native_qk_rope_cache, paged_attention
 from hetserve.layers.norm import RMSNorm
 from hetserve.layers.rotary import RotaryEmbedding
@@ -60,6 +61,10 @@ class GQAAttention(nn.Module):
 
     def kv_spec(self) -> list[tuple[int, ...]]:
         return [(self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)]
+
+    def cache_spec(self) -> PagedLayerSpec:
+        kind = LayerKind.ATTENTION if self.window is None else LayerKind.SLIDING_WINDOW
+        return PagedLayerSpec(kind, tuple(self.kv_spec()), self.window)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]

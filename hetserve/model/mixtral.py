@@ -14,6 +14,7 @@ from hetserve.moe.router import RouterConfig
 class MixtralForCausalLM(CausalLM):
     # transformers 5 names the block `mlp` in memory; its checkpoints say `block_sparse_moe`.
     checkpoint_aliases = [(r"\.mlp\.", ".block_sparse_moe.")]
+    expert_weight_names = ("w1", "w3", "w2")
 
     def __init__(self, cfg: ModelConfig) -> None:
         rotary = make_rotary(cfg)

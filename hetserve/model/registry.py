@@ -18,6 +18,12 @@ MODELS: Registry[type] = Registry(
         "DeepseekV3ForCausalLM": "hetserve.model.deepseek:DeepseekV3ForCausalLM",
         "Glm4MoeForCausalLM": "hetserve.model.glm4_moe:Glm4MoeForCausalLM",
         "GptOssForCausalLM": "hetserve.model.gpt_oss:GptOssForCausalLM",
+        "Qwen3NextForCausalLM": "hetserve.model.qwen3_next:Qwen3NextForCausalLM",
+        "Qwen3_5MoeForCausalLM": "hetserve.model.qwen3_next:Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeForConditionalGeneration": "hetserve.model.qwen3_next:Qwen3_5MoeForCausalLM",
+        "KimiLinearForCausalLM": "hetserve.model.kimi_linear:KimiLinearForCausalLM",
+        "DeepseekV32ForCausalLM": "hetserve.model.deepseek_v32:DeepseekV32ForCausalLM",
+        "MiniMaxM2ForCausalLM": "hetserve.model.minimax_m2:MiniMaxM2ForCausalLM",
     },
     UnsupportedArchitectureError,
 )

@@ -10,6 +10,9 @@
 - `small_ops.c`: RMSNorm over fp32 rows, rotary embedding and softmax top-k routing, one call
   each instead of torch's five to eight small kernels (per-op overhead dominates at decode);
   and the KV tiers' block copies (one memcpy per block and part).
+- `linear_attn.c`: a linear-attention layer's decode step (short convolution, q/k norms, the
+  gated delta rule) in place on the state slots: one read and one cached rewrite of each
+  state instead of torch's six passes and two copies.
 - `pool.c`: the parallel loop they share (OpenMP).
 
 It needs no torch headers: a C compiler builds it in a second or two the first time, into a
@@ -40,7 +43,7 @@ if TYPE_CHECKING:
 
 HERE = Path(__file__).parent
 SOURCES = ("pool.c", "moe_kernels.c", "linear_kernels.c", "attention.c", "small_ops.c",
-           "moe_backward.c", "decode_layers.c", "hashing.c")  # fmt: skip
+           "moe_backward.c", "decode_layers.c", "hashing.c", "linear_attn.c")  # fmt: skip
 HEADERS = ("pool.h", "simd.h", "moe_quads.h", "moe_formats.h", "moe_q4k.h", "moe_kq.h")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared"]
 # What each instruction set adds to CFLAGS, and the /proc/cpuinfo flags it needs.
@@ -145,6 +148,7 @@ _SIGNATURES = {
     "hetserve_moe_backward": (_I, [_I] * 8 + [_P] * 12),  # finetune/experts_grad.py
     "hetserve_copy_parts": (None, [_I] * 3 + [_P] * 7),  # engine/kv_store.py
     "hetserve_decode_layers": (_I, [_I, _I, _P, _I] + [_P] * 4 + [_I, _P]),  # fused_decode.py
+    "hetserve_delta_decode": (_I, [_I] * 9 + [_P] * 8),  # layers/linear_attention.py
 }
 
 

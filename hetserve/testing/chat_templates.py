@@ -270,4 +270,12 @@ FAMILY_FORMATS = {
     "glm4-moe": "glm45",
     "kimi-k2": "kimi",
     "gpt-oss": "gpt_oss",
+    # The 2026 families take the nearest format we have: Qwen3-Next is ChatML with Hermes
+    # calls; Qwen3.5's XML calls and MiniMax-M2's <minimax:tool_call> are not among ours
+    # (ChatML instead); V3.2's DSML calls neither (DeepSeek's format instead).
+    "qwen3-next": "qwen3",
+    "qwen3.5-moe": "qwen3",
+    "kimi-linear": "kimi",
+    "deepseek-v3.2": "deepseek",
+    "minimax-m2": "qwen3",
 }

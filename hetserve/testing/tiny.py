@@ -216,6 +216,131 @@ FAMILIES: dict[str, dict] = {
         },
     },
 }
+# The linear-attention families as published: shapes small, layer patterns kept (three linear
+# layers to one full one), q/k heads grouped over more v heads where the family does.
+_LINEAR_QWEN = {
+    **_MOE,
+    "num_experts": 8,
+    "shared_expert_intermediate_size": 32,
+    "head_dim": 16,
+    "num_hidden_layers": 4,
+    "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "partial_rotary_factor": 0.25,
+}
+FAMILIES.update(
+    {
+        "qwen3-next": {
+            "architectures": ["Qwen3NextForCausalLM"],
+            "model_type": "qwen3_next",
+            **_LINEAR_QWEN,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
+            },
+        },
+        "qwen3.5-moe": {
+            "architectures": ["Qwen3_5MoeForCausalLM"],
+            "model_type": "qwen3_5_moe_text",
+            **_LINEAR_QWEN,
+            "intermediate_size": None,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [1, 1, 0],
+                "mrope_interleaved": True,
+            },
+        },
+        # Kimi-Linear's published config keys (Moonshot's names), KDA layers 1-3 and MLA 4.
+        "kimi-linear": {
+            "architectures": ["KimiLinearForCausalLM"],
+            "model_type": "kimi_linear",
+            **_MLA,
+            "num_hidden_layers": 4,
+            "q_lora_rank": None,
+            "n_routed_experts": None,
+            "num_experts": 8,
+            "num_experts_per_token": 2,
+            "moe_intermediate_size": 32,
+            "num_shared_experts": 1,
+            "n_shared_experts": None,
+            "first_k_dense_replace": 1,
+            "moe_renormalize": True,
+            "routed_scaling_factor": 2.446,
+            "num_expert_group": 1,
+            "topk_group": 1,
+            "moe_router_activation_func": "sigmoid",
+            "mla_use_nope": True,
+            "model_max_length": 1024,
+            "max_position_embeddings": None,
+            "rms_norm_eps": 1e-5,
+            "linear_attn_config": {
+                "head_dim": 16,
+                "num_heads": 4,
+                "short_conv_kernel_size": 4,
+                "kda_layers": [1, 2, 3],
+                "full_attn_layers": [4],
+            },
+            "vocab_size": KIMI_VOCAB_SIZE,
+            "rope_parameters": None,
+            "rope_theta": 10000.0,
+        },
+        # DeepSeek-V3.2: V3 plus the indexer; top-k small enough that the tests' prompts
+        # select, heads enough that exact score ties (which break differently) stay unlikely.
+        "deepseek-v3.2": {
+            "architectures": ["DeepseekV32ForCausalLM"],
+            "model_type": "deepseek_v32",
+            **_MOE,
+            **_MLA,
+            "q_lora_rank": 32,
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "index_topk": 16,
+            "index_head_dim": 32,
+            "index_n_heads": 16,
+            "num_nextn_predict_layers": 0,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 256,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        },
+        # MiniMax-M2 as published: rotary_dim (half the head), q/k norm over all heads,
+        # sigmoid routing with a correction bias.
+        "minimax-m2": {
+            "architectures": ["MiniMaxM2ForCausalLM"],
+            "model_type": "minimax_m2",
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "head_dim": 16,
+            "rotary_dim": 8,
+            "use_qk_norm": True,
+            "qk_norm_type": "per_layer",
+            "scoring_func": "sigmoid",
+            "use_routing_bias": True,
+            "rope_parameters": None,
+            "rope_theta": 5000000.0,
+        },
+    }
+)
+KIMI_TOKENIZER = ("kimi-k2", "kimi-linear")
 DEMO_FAMILY = "qwen3-moe"
 DEMO_OVERRIDES = {
     "hidden_size": 128,
@@ -228,6 +353,12 @@ DEMO_OVERRIDES = {
     "max_position_embeddings": 4096,
 }
 SHARD_BYTES = 1 << 30
+_DROP_IF_NONE = (
+    "intermediate_size",
+    "n_routed_experts",
+    "n_shared_experts",
+    "max_position_embeddings",
+)
 
 
 def cache_dir() -> Path:
@@ -241,6 +372,8 @@ def tiny_config(family: str, vocab_size: int, overrides: dict | None = None) -> 
         )
     cfg = {**copy.deepcopy(_COMMON), **copy.deepcopy(FAMILIES[family])}
     cfg.update(overrides or {})
+    for key in [k for k, v in cfg.items() if v is None and k in _DROP_IF_NONE]:
+        del cfg[key]  # keys a family's published config does not have
     # Padded to a multiple of 64 as published models pad theirs (the chat formats' marker
     # tokens would leave odd sizes that quantized kernels' row blocks do not take).
     cfg["vocab_size"] = max(int(cfg.get("vocab_size") or 0), -(-vocab_size // 64) * 64)
@@ -248,6 +381,10 @@ def tiny_config(family: str, vocab_size: int, overrides: dict | None = None) -> 
 
 
 def _init_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, lm_scale: float):
+    if name.endswith("A_log"):  # decays of a few percent per token: the state remembers
+        return torch.log(0.02 + 0.1 * torch.rand(shape, generator=gen))
+    if name.endswith("dt_bias"):
+        return 0.5 * torch.randn(shape, generator=gen)
     if name.endswith("norm.weight"):
         return 1.0 + 0.1 * torch.randn(shape, generator=gen)
     if name.endswith(".bias") or name.endswith("e_score_correction_bias"):
@@ -264,15 +401,14 @@ def _checkpoint_tensors(model, layout: str):
     if custom is not None:
         yield from ((name, shape, None) for name, shape in custom())
         return
-    mixtral = model.config.architecture == "MixtralForCausalLM"
-    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    names = model.expert_weight_names
     for name, p in model.named_parameters():
         prefix, _, leaf = name.rpartition(".")
         if prefix.endswith(".experts") and leaf in ("w13", "w2"):
             e, two_i, h = p.shape if leaf == "w13" else (p.shape[0], 0, 0)
             if layout == "fused":
                 fused = "gate_up_proj" if leaf == "w13" else "down_proj"
-                yield f"{prefix}.{fused}", tuple(p.shape), (leaf, None)
+                yield model.published_name(f"{prefix}.{fused}"), tuple(p.shape), (leaf, None)
                 continue
             for x in range(p.shape[0]):
                 if leaf == "w13":
@@ -281,7 +417,7 @@ def _checkpoint_tensors(model, layout: str):
                 else:
                     yield f"{prefix}.{x}.{names[2]}.weight", tuple(p.shape[1:]), (leaf, (x, None))
         elif not (model.config.tie_word_embeddings and name == "lm_head.weight"):
-            yield name, tuple(p.shape), None
+            yield model.published_name(name), tuple(p.shape), None
 
 
 def make_tiny_checkpoint(
@@ -316,7 +452,7 @@ def make_tiny_checkpoint(
     gen = torch.Generator().manual_seed(seed)
     entries = list(_checkpoint_tensors(model, layout))
     _write_shards(out, entries, gen, lm_head_scale, progress)
-    if family == "kimi-k2":  # Kimi publishes a tiktoken-format tokenizer, no tokenizer.json
+    if family in KIMI_TOKENIZER:  # Kimi publishes a tiktoken-format tokenizer, no tokenizer.json
         write_kimi_tokenizer(out, cache_dir())
     return out
 

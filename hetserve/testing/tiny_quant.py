@@ -27,7 +27,8 @@ from hetserve.quant.quantize import (
 )
 
 # Which weights each publisher quantizes.
-_LINEAR = re.compile(r"^model\.layers\.\d+\..*_proj\.weight$")
+# Linear weights: *_proj, Mixtral-named experts (MiniMax-M2) and V3.2's indexer projections.
+_LINEAR = re.compile(r"^model\.layers\.\d+\..*(_proj|experts\.\d+\.w[123]|\.wq_b|\.wk)\.weight$")
 _ROUTED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 _GPT_OSS_EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
@@ -163,7 +164,9 @@ def write_quantized(src: str | Path, out: str | Path, method: str, reference: st
     pattern, quantize = _WRITERS[method]
     quant, ref = {}, {}
     for name, t in load_file(str(src / "model.safetensors")).items():
-        skip = name.endswith("mlp.gate.weight") or name.endswith("mlp.router.weight")
+        # Routers stay unquantized, and so does V3.2's indexer head weighting (weights_proj:
+        # transformers keeps it in fp32).
+        skip = name.endswith(("mlp.gate.weight", "mlp.router.weight", "weights_proj.weight"))
         if pattern.match(name) and not skip:
             parts, ref[name] = quantize(name, t)
             quant.update(parts)

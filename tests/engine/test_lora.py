@@ -18,6 +18,8 @@ from tests.lora_util import prompt_logprobs, run, sample_logprobs, write_random_
 # first layer and shared experts (and rsLoRA); Llama its MLPs, with per-module rank and alpha.
 ADAPTERS = {
     "qwen3-moe": {"match": r"self_attn"},
+    # Hybrid: the gated full attention and the Gated DeltaNet layers' projections.
+    "qwen3-next": {"match": r"self_attn|linear_attn"},
     "deepseek-v3": {"match": r"self_attn|layers\.0\.mlp|shared_experts", "use_rslora": True},
     "llama": {
         "match": r"self_attn|mlp",

@@ -15,7 +15,10 @@ from hetserve.finetune.model import (
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-FAMILIES = ["qwen3-moe", "deepseek-v3", "llama"]
+FAMILIES = ["qwen3-moe", "deepseek-v3", "llama", "qwen3-next"]
+# Gated DeltaNet's chunked delta rule sums in another order than transformers' reference
+# kernel does (fp32 both): the hybrid family agrees to 1e-4, as its serving parity does.
+TOL = {"qwen3-next": 1e-4}
 
 
 def randomize_lora(model, seed=0):
@@ -67,10 +70,11 @@ def test_lora_forward_and_grads_match_peft(tiny_model, tmp_path, family, use_dor
     ref_logits = torch.cat([ref(ids[None]).logits[0] for ids in batch])
     (ref_logits * torch.cat(probe)).sum().backward()
     ref_logits = ref_logits.detach()
-    torch.testing.assert_close(logits.detach(), ref_logits, rtol=1e-5, atol=1e-5)
+    tol = TOL.get(family, 1e-5)
+    torch.testing.assert_close(logits.detach(), ref_logits, rtol=tol, atol=tol)
     mine, theirs = grads_by_name(model), grads_by_name(ref, "base_model.model.")
     assert mine.keys() == theirs.keys() and mine
     for name in mine:
         scale = theirs[name].abs().max().clamp(min=1e-3)
         err = (mine[name] - theirs[name]).abs().max() / scale
-        assert err < 1e-5, (name, err)
+        assert err < tol, (name, err)

@@ -77,7 +77,7 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(base_config, tmp_
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("family", ["qwen3-moe", "deepseek-v3"])
+@pytest.mark.parametrize("family", ["qwen3-moe", "deepseek-v3", "qwen3-next"])
 def test_trained_adapter_loaded_by_peft_reproduces_our_logits(base_config, tmp_path, family):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")

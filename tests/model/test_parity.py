@@ -9,7 +9,8 @@ from hetserve.testing import FAMILIES
 transformers = pytest.importorskip("transformers")
 
 ALL = sorted(FAMILIES)
-MOE = ["qwen2-moe", "qwen3-moe", "mixtral", "deepseek-v2", "deepseek-v3", "gpt-oss"]
+MOE = ["qwen2-moe", "qwen3-moe", "mixtral", "deepseek-v2", "deepseek-v3", "gpt-oss", "qwen3-next",
+       "qwen3.5-moe", "kimi-linear", "deepseek-v3.2", "minimax-m2"]  # fmt: skip
 
 
 def hf_model(path):

@@ -22,7 +22,13 @@ from hetserve.testing.tiny_quant import write_quantized
 # each input; 1e-5 measured); int4 experts meet int16-rounded activations (max|x| / 32766 per
 # element) in both matmuls of every expert.
 BOUNDS = {"fp8": 1e-4, "gptq": 2e-3, "compressed-tensors": 2e-3}
-CASES = [("deepseek-v3", "fp8"), ("qwen3-moe", "gptq"), ("deepseek-v3", "compressed-tensors")]
+CASES = [
+    ("deepseek-v3", "fp8"),
+    ("deepseek-v3.2", "fp8"),
+    ("minimax-m2", "fp8"),
+    ("qwen3-moe", "gptq"),
+    ("deepseek-v3", "compressed-tensors"),
+]
 IDS = torch.randint(10, 400, (40,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
@@ -71,10 +77,11 @@ def test_placement_default_serves_experts_in_their_format(quantized, family, met
     assert float(err.max()) <= BOUNDS[method]
 
 
-def test_fp8_matches_transformers_reading_the_same_file(quantized):
+@pytest.mark.parametrize("family", ["deepseek-v3", "deepseek-v3.2", "minimax-m2"])
+def test_fp8_matches_transformers_reading_the_same_file(quantized, family):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # transformers' FP8 loader needs it
-    quant, _ = quantized("deepseek-v3", "fp8")
+    quant, _ = quantized(family, "fp8")
     # On a CPU transformers dequantizes FP8 checkpoints (FineGrainedFP8Config) as it loads.
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(
         quant, dtype=torch.float32, output_loading_info=True

@@ -3,7 +3,8 @@
 After every step the pool, manager and scheduler invariants hold, and every request that
 finishes produced exactly what it produces alone with unlimited resources. The same runs again
 with a KV store behind the prefix cache (evicted blocks saved, then loaded back while other
-requests step), where the tiers' invariants hold too.
+requests step), where the tiers' invariants hold too, and with a linear-attention model (state
+slots and prefix checkpoints in one pool beside the blocks).
 """
 
 import pytest
@@ -16,11 +17,14 @@ from hetserve.core.request import NewRequest
 MAX_LEN = 48
 
 
-@pytest.fixture(scope="module", params=["device", "with-store"])
+@pytest.fixture(scope="module", params=["device", "with-store", "hybrid"])
 def engines(tiny_model, request):
-    path = tiny_model("llama", lm_head_scale=8.0)
+    hybrid = request.param == "hybrid"  # linear-attention state slots and checkpoints
+    path = tiny_model("qwen3-next" if hybrid else "llama", lm_head_scale=8.0)
     ref = LLM(path, max_model_len=MAX_LEN, block_size=4)
     store = {"kv_store": "local://?dram=1M"} if request.param == "with-store" else {}
+    if hybrid:  # few checkpoint slots, so working slots evict them
+        store = {"state_checkpoint_every": 1, "state_checkpoints": 3}
     tight = LLM(
         path,
         max_model_len=MAX_LEN,
@@ -30,7 +34,8 @@ def engines(tiny_model, request):
         max_num_seqs=4,
         **store,
     )
-    if store:  # every load looks worth it, so loads happen whatever this machine measures
+    # Every load looks worth it, so loads happen whatever this machine measures.
+    if tight.engine.tiers is not None:
         tight.engine.tiers.cost.prefill_tokens_per_s = 1.0
         tight.engine.tiers.cost.observe_prefill = lambda *a: None
     yield ref, tight.engine, {}

@@ -149,3 +149,24 @@ def test_serve_command_wires_adapters_and_runtime_updates(setup, monkeypatch, ca
     assert f"LoRA adapter 'sql' from {sql}" in capsys.readouterr().out
     assert main([*argv, "--lora-modules", f"tiny={sql}"]) == 2
     assert "is the base model's served name" in capsys.readouterr().err
+
+
+def test_hybrid_family_adapter_through_the_server(tiny_model, tmp_path):
+    """Qwen3-Next with an adapter on its Gated DeltaNet and full-attention projections, served
+    (`serve --lora-modules`' engine): the HTTP reply equals the offline one, and the adapter
+    changes it."""
+    base = tiny_model("qwen3-next", lm_head_scale=4.0)
+    adapter = write_random_adapter(base, tmp_path / "a", seed=3, match=r"linear_attn|self_attn")
+    lora = LoRAConfig(lora_modules=(("lin", str(adapter)),))
+    engine = AsyncLLM(EngineConfig(model=str(base), max_model_len=128, lora=lora))
+    srv = LiveServer(engine)
+    try:
+        got = complete(srv.url, "lin").json()["choices"][0]["text"]
+        plain = complete(srv.url, "tiny").json()["choices"][0]["text"]
+    finally:
+        srv.stop()
+        engine.shutdown()
+    params = SamplingParams(temperature=0, max_tokens=6)
+    offline = LLM(base, lora_modules={"lin": str(adapter)})
+    want = offline.generate(prompt_token_ids=PROMPT, sampling_params=params, lora_request="lin")
+    assert got == want[0].text and got != plain

@@ -1,0 +1,139 @@
+"""StateSlots: which state slot each request of a linear-attention model uses, and the prefix
+checkpoints of those states.
+
+Who calls it: the KV manager (`kv/manager.py`), beside its block tables; the executor reads
+`inputs()` to tell the runner which slot a sequence continues, which checkpoint it resumes from
+and where to take checkpoints. Pure policy: no torch, no clock; the bytes live in
+`kv/state.py`'s `StateCache`, indexed by the slot ids handed out here.
+
+One pool (a `BlockPool`, so the same ref counts, LRU and identities as KV blocks) serves both
+uses of a slot:
+  * a working slot per running request: the state its next forward continues;
+  * a checkpoint: the state after the first k * `every` blocks of some sequence, registered
+    under that block's chained hash, so a later request whose prefix has the same blocks
+    resumes from it (SGLang's Mamba radix cache and vLLM's hybrid prefix caching do the same).
+    A free checkpoint stays findable until the pool hands its slot out again (LRU).
+A checkpoint is taken by the forward that computes its block's last token (a slot is set aside
+when the step is planned, only while slots for `num_working` requests stay free) and registered
+by `commit` once that forward is done. A request resuming from one holds it until its first
+forward has copied it.
+
+Failure: nothing raises on user input; `admit` returns False when no slot is free (the
+scheduler then waits or preempts, as for blocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from hetserve.core.block_hash import BlockHash
+from hetserve.kv.block_pool import BlockPool, KVBlock
+
+StateInput = tuple[int | None, int | None, tuple[tuple[int, int], ...]]
+
+
+class StateSlots:
+    def __init__(self, num_working: int, num_checkpoints: int = 0, every: int = 4) -> None:
+        if every < 1:
+            raise ValueError(f"a state checkpoint every {every} blocks: must be >= 1")
+        self.pool = BlockPool(num_working + num_checkpoints + 1)
+        self.num_working = num_working
+        self.every = every  # a checkpoint at the end of every `every`-th block
+        self.working: dict[str, KVBlock] = {}
+        self.resumes: dict[str, KVBlock] = {}  # to copy into the working slot, then released
+        # Checkpoints the next forward takes: (index of the block they end, slot).
+        self.saves: dict[str, list[tuple[int, KVBlock]]] = {}
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.pool.blocks)
+
+    def slot_id(self, request_id: str) -> int | None:
+        slot = self.working.get(request_id)
+        return None if slot is None else slot.block_id
+
+    def resumable(self, hashes: Sequence[BlockHash], hit_blocks: int) -> int:
+        """Of `hit_blocks` leading blocks found in the KV cache, how many a request can skip:
+        the most that end at a checkpoint (0: none does)."""
+        j = hit_blocks - hit_blocks % self.every
+        while j > 0 and self.pool.lookup(hashes[j - 1]) is None:
+            j -= self.every
+        return j
+
+    def admit(self, request_id: str, resume: BlockHash | None) -> bool:
+        """A working slot for the request (once), resuming from the checkpoint under `resume`
+        (found by `resumable` just before). False, changing nothing, when no slot is free."""
+        if request_id in self.working:
+            return True
+        ckpt = None if resume is None else self.pool.lookup(resume)
+        assert resume is None or ckpt is not None, "a checkpoint vanished since its lookup"
+        reviving = int(ckpt is not None and ckpt.ref_cnt == 0)
+        if self.pool.num_free - reviving < 1:
+            return False
+        if ckpt is not None:
+            self.pool.touch([ckpt])  # first: the allocation below must not evict it
+            self.resumes[request_id] = ckpt
+        self.working[request_id] = self.pool.allocate(1)[0]
+        return True
+
+    def plan_saves(
+        self, request_id: str, start: int, num_new: int, hashes: Sequence[BlockHash], bs: int
+    ) -> None:
+        """Set slots aside for the checkpoints whose block ends within tokens
+        [start, start + num_new) of this step (`hashes` covers them), skipping those already
+        kept, while slots for every working request stay free."""
+        # Deepest first: with few slots free, the checkpoint nearest the end of what is computed
+        # serves the most (the next turn of this conversation); earlier ones age out first.
+        for i in reversed(range(start // bs, (start + num_new) // bs)):
+            if (i + 1) % self.every or self.pool.lookup(hashes[i]) is not None:
+                continue
+            if self.pool.num_free <= self.num_working - len(self.working):
+                return
+            self.saves.setdefault(request_id, []).append((i, self.pool.allocate(1)[0]))
+
+    def inputs(self, request_id: str, start: int, bs: int) -> StateInput:
+        """(working slot, checkpoint to resume from, checkpoints to take as (tokens into this
+        step, slot)) of a request whose step starts at token `start`."""
+        resume = self.resumes.get(request_id)
+        saves = tuple(((i + 1) * bs - start, s.block_id) for i, s in self.saves.get(request_id, ()))
+        return self.slot_id(request_id), None if resume is None else resume.block_id, saves
+
+    def commit(
+        self, request_id: str, num_computed: int, hashes: Sequence[BlockHash], bs: int
+    ) -> None:
+        """After a forward: the resumed checkpoint is released, the checkpoints it took are
+        registered under their blocks' hashes (a free slot keeps its identity until reused)."""
+        ckpt = self.resumes.pop(request_id, None)
+        if ckpt is not None:
+            self.pool.free([ckpt])
+        pending = self.saves.pop(request_id, [])
+        for i, slot in pending:
+            if (i + 1) * bs <= num_computed:
+                self.pool.cache(slot, hashes[i])
+        self.pool.free([slot for _, slot in reversed(pending)])
+
+    def release(self, request_id: str) -> None:
+        """A finished or preempted request gives back everything it held."""
+        held = [b for b in (self.resumes.pop(request_id, None),) if b is not None]
+        held += [slot for _, slot in reversed(self.saves.pop(request_id, []))]
+        slot = self.working.pop(request_id, None)
+        if slot is not None:
+            held.append(slot)
+        self.pool.free(held)
+
+    def held(self) -> Iterable[KVBlock]:
+        yield from self.working.values()
+        yield from self.resumes.values()
+        for pending in self.saves.values():
+            yield from (slot for _, slot in pending)
+
+    def check_integrity(self, live: Iterable[str]) -> None:
+        self.pool.check_integrity()
+        refs: dict[int, int] = {}
+        for b in self.held():
+            refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for b in self.pool.blocks[1:]:
+            assert b.ref_cnt == refs.get(b.block_id, 0), b
+        owners = set(self.working) | set(self.resumes) | set(self.saves)
+        assert owners <= set(live), "state slots held for a request without a table"
+        assert set(self.resumes) <= set(self.working) and set(self.saves) <= set(self.working)
