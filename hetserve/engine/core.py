@@ -40,7 +40,6 @@ from hetserve.kv.cache_spec import describe as describe_specs
 from hetserve.kv.handoff import handoff_stats
 from hetserve.kv.loader import Loaders
 from hetserve.kv.manager import KVCacheManager
-from hetserve.kv.step_time import StepKind, StepShape
 from hetserve.kv.tier_policy import CostModel
 from hetserve.kv.tiers import LOAD_POLL_S, TierManager
 from hetserve.model.build import build_model
@@ -135,7 +134,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             cfg.scheduler, self.kv, self.max_model_len, loader, self.cost.steps
         )
-        self.step_log = StepLog()
+        self.step_log = StepLog(self.cost)
         self.seqs: dict[str, SeqState] = {}
         self.parents: dict[str, ParentState] = {}
         self.executor = StepExecutor(self.runner, self.seqs, self.eos_ids, self.lora)
@@ -280,23 +279,8 @@ class EngineCore:
         if self.tiers is not None:
             self.tiers.after_step()
         outputs += self._process_outputs(ok, result.sampled)
-        self._observe(sched, shape, time.perf_counter() - t0, batch_s, result.prompt_tokens)
+        self.step_log.observe(sched.scheduled, shape, time.perf_counter() - t0, batch_s, result)
         return outputs
-
-    def _observe(
-        self,
-        sched: SchedulerOutput,
-        shape: StepShape,
-        seconds: float,
-        batch_s: float,
-        prompt_tokens: int,
-    ) -> None:
-        # Decode-only steps are not predicted: nothing was sized by them, and a prediction
-        # would refit the model every step of a long decode.
-        steps = self.cost.steps
-        predicted = None if shape.kind is StepKind.DECODE else steps.predict(shape)
-        self.step_log.record(sched.scheduled, shape, seconds, predicted)
-        self.cost.observe_step(batch_s, prompt_tokens, shape, seconds - batch_s)
 
     def _send_handoffs(self, scheduled: list[ScheduledRequest], result: StepResult) -> None:
         """Requests that hand their KV off and computed their whole prompt in this step: ship

@@ -1,6 +1,7 @@
-"""The engine's own record of its steps: what each computed (its `StepShape`, for the cost
-model) and how long it took, by kind (decode-only, mixed, prefill-only), as histograms that
-`EngineStats` carries to `/metrics` and the benchmarks.
+"""The engine's own record of its steps: what each computed (its `StepShape`) and how long it
+took, handed to the engine's cost model (which refines its fit with it) and kept by kind
+(decode-only, mixed, prefill-only) as histograms that `EngineStats` carries to `/metrics` and
+the benchmarks, beside what the model had predicted.
 
 Who calls it: `EngineCore.step`, on the engine thread, once per step that ran; `stats()`
 snapshots it for any thread.
@@ -12,7 +13,9 @@ import bisect
 from collections.abc import Sequence
 
 from hetserve.core.stats import Histogram, StepKindStats
+from hetserve.engine.execute import StepResult
 from hetserve.kv.step_time import StepKind, StepShape, chunk_pairs
+from hetserve.kv.tier_policy import CostModel
 from hetserve.sched.scheduler import ScheduledRequest
 
 STEP_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -50,20 +53,27 @@ class _Counts:
 
 
 class StepLog:
-    def __init__(self) -> None:
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
         self._seconds = {k: _Counts(STEP_SECONDS) for k in StepKind}
         self._chunks = {k: _Counts(CHUNK_TOKENS) for k in StepKind}
         self._predicted = dict.fromkeys(StepKind, 0.0)
         self._measured = dict.fromkeys(StepKind, 0.0)
 
-    def record(
+    def observe(
         self,
         scheduled: Sequence[ScheduledRequest],
         shape: StepShape,
         seconds: float,
-        predicted: float | None,
+        batch_s: float,
+        result: StepResult,
     ) -> None:
+        """A step of `shape` took `seconds`, `batch_s` of them computing its batch."""
+        # Decode-only steps are not predicted: nothing was sized by them, and a prediction
+        # would refit the model every step of a long decode.
         kind = shape.kind
+        predicted = None if kind is StepKind.DECODE else self.cost.steps.predict(shape)
+        self.cost.observe_step(batch_s, result.prompt_tokens, shape, seconds - batch_s)
         self._seconds[kind].add(seconds)
         if shape.chunks:
             for s in scheduled:
