@@ -205,4 +205,7 @@ def test_burst_sends_long_prompts_into_the_streams(fake_server, tmp_path: Path, 
     assert b["burst_ttft_ms"]["max"] is not None and b["solo_ttft_ms"]["median"] is not None
     base = b["decode_only_itl_ms"]["median"]
     assert b["itl_p99_over_decode_only"] == b["stream_itl_ms"]["p99"] / base
+    token_base = b["decode_only_token_itl_ms"]["median"]
+    assert token_base >= 10.0 - 2  # the fake sends one token a chunk: per token = per chunk
+    assert b["token_itl_max_over_decode_only"] == b["stream_token_itl_ms"]["max"] / token_base
     assert result["metrics"]["completed"] == 4  # the solo prompt is not counted with the run

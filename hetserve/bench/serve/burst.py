@@ -97,6 +97,7 @@ def metrics(results: list[RequestResult], burst_sent_s: float | None) -> dict[st
     itl = summarize([g for r in streams for g in r.itls])
     base = summarize(before)
     per_token = summarize([g for r in streams for g in r.token_itls])
+    token_base = summarize([g for r in streams for g in _token_itls_before(r, cut)])
     ttft = summarize([r.ttft for r in bursts])
     alone = summarize([r.ttft for r in solo])
     return {
@@ -106,10 +107,26 @@ def metrics(results: list[RequestResult], burst_sent_s: float | None) -> dict[st
         "decode_only_samples": len(before),
         "itl_p99_over_decode_only": _ratio(itl["p99"], base["median"]),
         "itl_max_over_decode_only": _ratio(itl["max"], base["median"]),
+        # Per token, against the per-token baseline: free of the chunks that carry several
+        # tokens (held-back UTF-8), which inflate the per-chunk p99 on random weights.
+        "decode_only_token_itl_ms": token_base,
+        "token_itl_p99_over_decode_only": _ratio(per_token["p99"], token_base["median"]),
+        "token_itl_max_over_decode_only": _ratio(per_token["max"], token_base["median"]),
         "burst_ttft_ms": ttft,
         "solo_ttft_ms": alone,
         "burst_ttft_over_solo": _ratio(ttft["max"], alone["median"]),
     }
+
+
+def _token_itls_before(r: RequestResult, cut: float) -> list[float]:
+    """`r.token_itls` of the chunks that arrived by `cut`."""
+    if len(r.chunk_tokens) != len(r.token_s):
+        return [g for g, t in zip(r.itls, r.token_s[1:], strict=True) if t <= cut]
+    out: list[float] = []
+    for g, t, k in zip(r.itls, r.token_s[1:], r.chunk_tokens[1:], strict=True):
+        if t <= cut:
+            out += [g / max(k, 1)] * max(k, 1)
+    return out
 
 
 def _pair(s: dict[str, float | None]) -> str:
@@ -133,6 +150,8 @@ def table_lines(m: dict[str, Any], row) -> list[str]:
         row("Decode-only ITL samples:", m["decode_only_samples"]),
         row("P99 ITL / decode-only median:", m["itl_p99_over_decode_only"]),
         row("Max ITL / decode-only median:", m["itl_max_over_decode_only"]),
+        row("Per token: P99 / decode-only median:", m["token_itl_p99_over_decode_only"]),
+        row("Per token: max / decode-only median:", m["token_itl_max_over_decode_only"]),
         row("Long prompts' max TTFT (ms):", m["burst_ttft_ms"]["max"]),
         row("Same prompt alone, TTFT (ms):", m["solo_ttft_ms"]["median"]),
         row("Long prompt TTFT / alone:", m["burst_ttft_over_solo"]),
