@@ -49,6 +49,9 @@ MIN_STEPS = 4
 # An observation further than this factor from the prediction is taken as this factor: one
 # step stalled by another process must not move the model by more than a step's worth.
 CLIP = 1.5
+# Served decode steps whose contexts span less than this factor take the probe's cost per K/V
+# row: too narrow a range to tell it from a drift of the machine's speed.
+CONTEXT_SPAN = 2.0
 # Weight of a new step in the overhead's moving average.
 EMA = 0.2
 # Feature scales: keep the normal equations' entries near 1 (pairs reach 1e7).
@@ -229,12 +232,7 @@ class StepTimeModel:
             return
         self._dirty = False
         slowdown = self._slowdown()
-        rows = self._rows(StepKind.DECODE, slowdown)
-        if rows:
-            eq = NormalEquations(3)
-            for shape, t in rows:
-                eq.add(self.decode_features(shape), t)
-            self._decode = eq.solve_nonnegative(self._decode) or self._decode
+        self._decode = self._fit_decode(slowdown) or self._decode
         rows = self._rows(StepKind.MIXED, slowdown) + self._rows(StepKind.PREFILL, slowdown)
         if self._decode is None or not rows:
             return
@@ -243,6 +241,33 @@ class StepTimeModel:
             rest = t - _dot(self._decode, self.decode_features(shape))
             eq.add(self.chunk_features(shape), rest, weight=1.0 / t)
         self._chunk = eq.solve_nonnegative(self._chunk) or self._chunk
+
+    def _fit_decode(self, slowdown: float) -> tuple[float, ...] | None:
+        """(d0, d1, d2) on the decode-only steps. Served ones often have one width over a
+        narrow range of contexts: d0, d1 and d2 cannot be told apart on them, and a drift of
+        the machine's speed would fit as a cost per K/V row. So the probe's decodes, scaled
+        to the served speed, stay in the fit, and over contexts that span less than a factor
+        CONTEXT_SPAN the cost per K/V row is the probe's, scaled likewise."""
+        recent = self._recent[StepKind.DECODE]
+        rows = self._rows(StepKind.DECODE, slowdown)
+        if len(recent) >= MIN_STEPS:
+            rows += [(shape, t * slowdown) for shape, t in self._probes[StepKind.DECODE]]
+        if not rows:
+            return None
+        spans = [s.decode_context for s, _ in recent]
+        probe = self._probe_decode
+        if len(recent) < MIN_STEPS or probe is None or max(spans) >= CONTEXT_SPAN * min(spans):
+            eq = NormalEquations(3)
+            for shape, t in rows:
+                eq.add(self.decode_features(shape), t)
+            return eq.solve_nonnegative(self._decode)
+        per_row = probe[2] * slowdown
+        eq = NormalEquations(2)
+        for shape, t in rows:
+            f = self.decode_features(shape)
+            eq.add(f[:2], t - per_row * f[2], weight=1.0 / t)
+        fit = eq.solve_nonnegative(None if self._decode is None else self._decode[:2])
+        return None if fit is None else (*fit, per_row)
 
     @property
     def coef(self) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:

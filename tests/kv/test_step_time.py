@@ -103,6 +103,23 @@ def test_probes_stand_in_until_real_steps_of_their_kind_arrive():
     assert m.predict(decodes(1, 10)) == pytest.approx(0.008, rel=1e-6)
 
 
+def test_decodes_of_one_width_and_drifting_speed_do_not_invent_a_context_cost():
+    """Served decode steps often all have the same decodes over a narrow range of contexts
+    while the machine drifts (7 -> 9 ms as another job starts): alone, they fit the drift as
+    a cost per K/V row and predict steps far longer at longer contexts (seen serving: the
+    same three streams predicted at 16 ms after 100 steps, a long prompt's first decode at
+    106 ms for 13 ms measured). The probe's decodes, scaled to the served speed, keep the
+    terms the served steps cannot tell apart where the probe measured them."""
+    m = StepTimeModel()
+    for n, c in ((1, 128), (1, 8), (2, 136)):  # the probe: 1 ms a step, 0.5 ms a decode
+        m.observe(decodes(n, c), 0.001 + 0.0005 * n + 1e-7 * c, probe=True)
+    for i in range(WINDOW):
+        m.observe(decodes(3, 200 + 3 * i), 0.007 + 0.002 * i / WINDOW)
+    assert m.predict(decodes(3, 300)) == pytest.approx(0.008, rel=0.15)
+    assert m.predict(decodes(3, 600)) < 0.011  # not extrapolated from the drift
+    assert m.predict(decodes(4, 3600)) < 0.02
+
+
 def test_probe_chunks_stand_in_as_slow_as_the_decodes_became():
     """Before any real chunk, a chunk is predicted from the probe's chunks, scaled by how much
     slower the real decodes run than the probe's."""
