@@ -20,8 +20,11 @@ both (Sarathi-Serve sizes the chunk to the latency budget; we size it in seconds
   a long prompt's time to first token grows by at most 1 / EFFICIENCY - 1 = 25% for the
   streams it runs beside, on any machine: a chunk's fixed costs (the decodes, the experts a
   few tokens read, its gather of the context) decide how large it must be.
-- The step's first chunk gets at least one token (a model that over-predicts never stops a
-  prefill); `--max-num-batched-tokens` stays the upper bound on every step's tokens.
+- The step's first chunk gets at least `MIN_CHUNK` tokens: a model that over-predicts small
+  chunks never stops a prefill, and the mixed steps it then sees correct it (a prompt fed one
+  token a step runs decode-shaped steps, which teach the chunk part nothing: seen serving, a
+  3,000-token prompt beside three streams got 684 tokens in 1.8 s);
+  `--max-num-batched-tokens` stays the upper bound on every step's tokens.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ EFFICIENCY = 0.8
 SLO_SHARE = 0.8
 # With a step limit, prompt chunks get at least this share of a mixed step's time.
 FLOOR_SHARE = 0.25
+# The first prompt chunk of a step gets at least this many tokens, whatever is predicted.
+MIN_CHUNK = 8
 
 
 class StepTime(Protocol):
@@ -75,7 +80,7 @@ class StepBudget:
             if until is None:
                 return cap
             self.until_s = until
-            return max(self._fit(cap, computed), 1)
+            return max(self._fit(cap, computed), min(cap, MIN_CHUNK))
         # After the first chunk everything must fit, a one-token prompt too (it is a prefill).
         return self._fit(cap, computed)
 

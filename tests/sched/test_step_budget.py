@@ -6,6 +6,7 @@ from hetserve.kv.step_time import StepShape
 from hetserve.sched.step_budget import (
     EFFICIENCY,
     FLOOR_SHARE,
+    MIN_CHUNK,
     SLO_SHARE,
     StepBudget,
     step_limit_s,
@@ -84,15 +85,17 @@ def test_a_crowd_of_decodes_leaves_the_prompt_its_floor_share():
     assert (step - alone) / model.predict(b.shape.plus(n + 1, 0)) > FLOOR_SHARE - 0.01
 
 
-def test_the_first_chunk_gets_a_token_even_when_nothing_fits():
+def test_the_first_chunk_gets_its_floor_of_tokens_even_when_nothing_fits():
     class Slow(Linear):
         def predict(self, shape: StepShape) -> float:
             return 0.010 * shape.tokens if shape.tokens <= 2 else 10.0  # any prompt: 10 s
 
     b = with_decodes(StepBudget(Slow(), 0.050, tokens=2048), 2)
-    assert b.grant(5000, 0) == 1
-    b.take(1, 0)
+    assert b.grant(5000, 0) == MIN_CHUNK
+    b.take(MIN_CHUNK, 0)
     assert b.grant(5000, 0) == 0  # a second prompt does wait
+    short = with_decodes(StepBudget(Slow(), 0.050, tokens=2048), 2)
+    assert short.grant(3, 0) == 3  # never more than the prompt needs
 
 
 def test_no_model_or_no_prediction_falls_back_to_tokens():
