@@ -133,9 +133,15 @@ def is_loopback_host(host: str) -> bool:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 2048  # tokens per step, an upper bound in every step
     enable_chunked_prefill: bool = True
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    # The time a step with decodes may take (a prompt chunk gets what the decodes leave of it,
+    # by the engine's measured step time); inf: chunks by tokens alone. Else derived from the
+    # inter-token SLO; neither: as short as keeps a prompt beside decodes at 80% of its speed
+    # alone (sched/step_budget.py).
+    max_step_ms: float | None = None
+    slo_tbt_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -143,6 +149,16 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         _as_enum(self, "policy", SchedulingPolicy)
+        for name in ("max_step_ms", "slo_tbt_ms"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:  # also refuses NaN
+                raise ValueError(f"{name} must be > 0 (inf: no limit), got {value}")
+        step, slo = self.max_step_ms, self.slo_tbt_ms
+        if step is not None and slo is not None and step > slo:
+            raise ValueError(
+                f"max_step_ms ({step:g}) must not exceed slo_tbt_ms ({slo:g}): every step "
+                "with decodes is an inter-token gap"
+            )
 
 
 @dataclass(frozen=True)
@@ -390,6 +406,17 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption(
         "max_num_batched_tokens", "scheduler", "max_num_batched_tokens", "tokens per step",
         int,
+    ),
+    EngineOption(
+        "max_step_ms", "scheduler", "max_step_ms",
+        "milliseconds a step with decodes may take: prompt chunks are sized by the measured "
+        "step time to fit (inf: by tokens alone; default: the shortest step that keeps a "
+        "prompt at 80%% of its speed alone)", float,
+    ),
+    EngineOption(
+        "slo_tbt_ms", "scheduler", "slo_tbt_ms",
+        "inter-token latency target in ms; steps with decodes are held to 0.8 of it "
+        "(--max-step-ms wins where given)", float,
     ),
     EngineOption(
         "scheduling_policy", "scheduler", "policy", "fcfs, or priority (lower runs first)",

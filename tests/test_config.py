@@ -25,7 +25,8 @@ def test_flags_and_keywords_build_the_same_config():
         "--num-kv-blocks", "99", "--kv-cache-gb", "0.5", "--no-prefix-caching",
         "--max-num-seqs", "3", "--max-num-batched-tokens", "77", "--scheduling-policy",
         "priority", "--placement", "default", "--gpu-experts", "2", "--routing-stats", "s.json",
-        "--cpu-threads", "5", "--max-deferred-experts-per-token", "1",
+        "--cpu-threads", "5", "--max-deferred-experts-per-token", "1", "--max-step-ms", "40",
+        "--slo-tbt-ms", "60",
     ]  # fmt: skip
     from_flags = EngineConfig.from_args(parse(argv))
     from_kw = EngineConfig.from_options(
@@ -33,6 +34,7 @@ def test_flags_and_keywords_build_the_same_config():
         kv_cache_gb=0.5, enable_prefix_caching=False, max_num_seqs=3, max_num_batched_tokens=77,
         scheduling_policy="priority", placement="default", gpu_experts=2,
         routing_stats="s.json", cpu_threads=5, max_deferred_experts_per_token=1,
+        max_step_ms=40.0, slo_tbt_ms=60.0,
     )  # fmt: skip
     assert from_flags == from_kw
     assert from_kw.cache.kv_cache_bytes == 1 << 29 and from_kw.scheduler.policy.value == "priority"
@@ -51,6 +53,22 @@ def test_unknown_keyword_names_the_closest_option():
 def test_bad_value_is_an_input_error_naming_it():
     with pytest.raises(InvalidInputError, match="block_size must be a power of two"):
         EngineConfig.from_args(parse(["--block-size", "3"]))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-step-ms", "0"], "max_step_ms must be > 0"),
+        (["--slo-tbt-ms", "-5"], "slo_tbt_ms must be > 0"),
+        (["--slo-tbt-ms", "nan"], "slo_tbt_ms must be > 0"),
+        (["--max-step-ms", "80", "--slo-tbt-ms", "50"], "must not exceed slo_tbt_ms"),
+    ],
+)
+def test_step_limits_are_checked(argv, message):
+    with pytest.raises(InvalidInputError, match=message):
+        EngineConfig.from_args(parse(argv))
+    inf = EngineConfig.from_args(parse(["--max-step-ms", "inf"]))  # chunks by tokens alone
+    assert inf.scheduler.max_step_ms == float("inf")
 
 
 @pytest.mark.parametrize("command", ["serve", "generate", "chat", "calibrate"])

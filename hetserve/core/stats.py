@@ -78,6 +78,36 @@ class EngineLoad:
 
 
 @dataclass(frozen=True)
+class Histogram:
+    """Observations counted per bucket: `counts[i]` fell at or below `bounds[i]` and above the
+    bound before it; the last count is above every bound. Not cumulative."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    total: float = 0.0  # the sum of the observations
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+
+@dataclass(frozen=True)
+class StepKindStats:
+    """The engine's steps of one kind (decode-only, mixed, prefill-only): their wall time, the
+    prompt chunks they carried, and the step-time model's prediction beside what happened."""
+
+    seconds: Histogram
+    chunk_tokens: Histogram  # each prompt chunk's tokens (none in decode-only steps)
+    predicted_s: float = 0.0  # over the steps that had a prediction (not decode-only ones)
+    measured_s: float = 0.0  # the same steps, as they ran
+
+    @property
+    def fit_ratio(self) -> float | None:
+        """Measured over predicted time (1.0: the model is right); None without predictions."""
+        return self.measured_s / self.predicted_s if self.predicted_s > 0 else None
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
@@ -95,6 +125,7 @@ class EngineStats:
     tiers: TierStats | None = None  # with a KV store attached
     handoff: HandoffStats | None = None  # on an instance with a prefill or decode role
     load: EngineLoad = EngineLoad()
+    step_kinds: dict[str, StepKindStats] = field(default_factory=dict)  # "decode", "mixed", ...
 
     @property
     def kv_usage(self) -> float:

@@ -31,6 +31,8 @@ from hetserve.engine.lora import build_lora_manager
 from hetserve.engine.output import ParentState, SeqState
 from hetserve.engine.runner import ModelRunner
 from hetserve.engine.setup import num_kv_blocks, resolve_model_dir, state_slots
+from hetserve.engine.step_log import StepLog, shape_of
+from hetserve.engine.step_probe import measure_steps, step_time_model
 from hetserve.engine.validate import RequestValidator
 from hetserve.errors import InvalidInputError
 from hetserve.kv.cache_spec import LayerCacheSpec, has_state, paged_layout, state_slot_bytes
@@ -38,6 +40,7 @@ from hetserve.kv.cache_spec import describe as describe_specs
 from hetserve.kv.handoff import handoff_stats
 from hetserve.kv.loader import Loaders
 from hetserve.kv.manager import KVCacheManager
+from hetserve.kv.tier_policy import CostModel
 from hetserve.kv.tiers import LOAD_POLL_S, TierManager
 from hetserve.model.build import build_model
 from hetserve.model.tokenizer import Tokenizer
@@ -106,13 +109,18 @@ class EngineCore:
             self.kv_events = open_publisher(
                 self.kv, c.kv_events, c.kv_events_replay, c.kv_events_token
             )
+        # One cost model, measured now and refined by every step: the scheduler sizes prompt
+        # chunks with its step-time fit, the KV tiers weigh loads against recomputing with it.
+        self.cost = CostModel(steps=step_time_model(self.model))
+        measure_steps(self.runner, self.kv, self.cost)
+        log.info("%s", self.cost.steps.describe())
         self.tiers: TierManager | None = None
         self.kv_summary: str | None = None  # the start-up line of the KV tiers
         io = BlockIO(self.runner.kv) if c.kv_store or role is not Role.BOTH else None
         if c.kv_store is not None:
             assert io is not None
             self.tiers, self.kv_summary = open_tiers(
-                c.kv_store, c.kv_save, c.kv_load, self.kv, io, self.runner
+                c.kv_store, c.kv_save, c.kv_load, self.kv, io, self.cost
             )
             log.info("%s", self.kv_summary)
             if self.kv_events is not None:
@@ -123,7 +131,10 @@ class EngineCore:
         loader = None
         if self.handoff.receiver is not None or self.tiers is not None:
             loader = Loaders(self.handoff.receiver, self.tiers)
-        self.scheduler = Scheduler(cfg.scheduler, self.kv, self.max_model_len, loader)
+        self.scheduler = Scheduler(
+            cfg.scheduler, self.kv, self.max_model_len, loader, self.cost.steps
+        )
+        self.step_log = StepLog(self.cost)
         self.seqs: dict[str, SeqState] = {}
         self.parents: dict[str, ParentState] = {}
         self.executor = StepExecutor(self.runner, self.seqs, self.eos_ids, self.lora)
@@ -231,6 +242,7 @@ class EngineCore:
     # ---- the step loop ----------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()  # a step is what a stream waits between tokens: all of it
         self.kv.pool.set_time(time.monotonic())
         if self.lora is not None and self.lora.retired:  # unloaded adapters no one uses now
             self.lora.collect({st.request.lora_id for st in self.seqs.values()})
@@ -253,20 +265,22 @@ class EngineCore:
             st = self.seqs.get(s.request.request_id)
             if st is not None and st.parent.scheduled_time is None:
                 st.parent.scheduled_time = now
-        t0 = time.perf_counter()
+        shape = shape_of(sched.scheduled)  # before update advances the requests
         states = self.kv.state_input if self.kv.states is not None else None
+        t_batch = time.perf_counter()
         result = self.executor.run(sched.scheduled, self.kv.block_ids, states)
+        batch_s = time.perf_counter() - t_batch
         if self.handoff.sender is not None:
             self._send_handoffs(sched.scheduled, result)
-        if self.tiers is not None:
-            self.tiers.cost.observe_step(time.perf_counter() - t0, result.prompt_tokens)
         outputs = self._fail(result.failed)
         ok = [s for s in sched.scheduled if s.request.request_id in self.seqs]
         self.scheduler.update(SchedulerOutput(ok, sched.preempted), result.sampled, self.eos_ids)
         self._commit(result)
         if self.tiers is not None:
             self.tiers.after_step()
-        return outputs + self._process_outputs(ok, result.sampled)
+        outputs += self._process_outputs(ok, result.sampled)
+        self.step_log.observe(sched.scheduled, shape, time.perf_counter() - t0, batch_s, result)
+        return outputs
 
     def _send_handoffs(self, scheduled: list[ScheduledRequest], result: StepResult) -> None:
         """Requests that hand their KV off and computed their whole prompt in this step: ship
@@ -369,6 +383,7 @@ class EngineCore:
             if self.config.disagg.role is Role.BOTH
             else handoff_stats(self.handoff.sender, self.handoff.receiver),
             load=self._load(),
+            step_kinds=self.step_log.stats(),
         )
 
     def _load(self) -> EngineLoad:

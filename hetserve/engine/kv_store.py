@@ -1,8 +1,9 @@
 """The engine's KV cache behind a KV store: block identity, block bytes, and start-up.
 
 `open_tiers` (called once by EngineCore) opens the store, checks it (write, read back, time a
-probe block; one-line error if it fails), measures the engine's prefill rate, and returns the
-tier component (`kv/tiers.py`) with a one-line summary of the active tiers.
+probe block; one-line error if it fails), puts what the probe measured into the engine's cost
+model, and returns the tier component (`kv/tiers.py`) with a one-line summary of the active
+tiers.
 
 BlockIO: the bytes of one KV block as the store's multi-part buffers.
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -221,18 +221,17 @@ class BlockIO:
 
 
 def open_tiers(
-    spec: str, save: KVSave, load: KVLoad, kv: KVCacheManager, io: BlockIO, runner
+    spec: str, save: KVSave, load: KVLoad, kv: KVCacheManager, io: BlockIO, cost: CostModel
 ) -> tuple[TierManager, str]:
-    """Open and check the store `spec`, measure the prefill rate, and attach the tiers to `kv`
-    (the scheduler is given them as its loader). Returns them and a summary line."""
+    """Open and check the store `spec`, add its tiers' probed costs to the engine's `cost`
+    model (whose prefill rate the engine measured), and attach the tiers to `kv` (the
+    scheduler is given them as its loader). Returns them and a summary line."""
     from hetserve.store.selfcheck import open_and_check
 
     namespace = "hetserve-probe-" + kv.hash_seed.hex()[:16]
     store, probe = open_and_check(spec, namespace, io.bytes_per_block, parts=io.num_parts)
-    cost = CostModel(
-        {n: TierCost(p.latency_s, p.bandwidth) for n, p in probe.tiers.items()},
-        copy_bandwidth=probe.copy_bandwidth,
-    )
+    cost.tiers.update({n: TierCost(p.latency_s, p.bandwidth) for n, p in probe.tiers.items()})
+    cost.copy_bandwidth = probe.copy_bandwidth
     infos = store.tiers()
     shared = any(t.shared for t in infos)
     write_through = save is KVSave.WRITE_THROUGH or (save is KVSave.AUTO and shared)
@@ -245,7 +244,6 @@ def open_tiers(
         always_load=load is KVLoad.ALWAYS,
         sync_lookup=not shared,
     )
-    cost.prefill_tokens_per_s = measure_prefill(runner, kv)
     return tiers, _summary(kv, io, probe, infos, cost, write_through)
 
 
@@ -275,25 +273,3 @@ def _size(n: int | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
-
-
-@torch.inference_mode()
-def measure_prefill(runner, kv: KVCacheManager, tokens: int = 256) -> float:
-    """Prefill tokens per second of this engine, timed on a throwaway sequence (the second of
-    two runs: the first pays one-off costs), so the first load-or-recompute decision has a
-    rate to compare with; real prefills refine it."""
-    from hetserve.engine.runner import SeqInput
-
-    bs = kv.block_size
-    n = max(1, min(tokens // bs, kv.pool.num_free))
-    blocks = kv.pool.allocate(n)
-    try:
-        seq = SeqInput(list(range(1, n * bs + 1)), 0, [b.block_id for b in blocks])
-        best = float("inf")
-        for _ in range(2):
-            t0 = time.perf_counter()
-            runner.forward([seq])
-            best = min(best, time.perf_counter() - t0)
-    finally:
-        kv.pool.free(blocks)
-    return n * bs / best

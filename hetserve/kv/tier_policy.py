@@ -27,6 +27,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from hetserve.kv.step_time import StepShape, StepTimeModel
+
 # Weight of a new observation in the moving averages: the model follows a changing machine
 # within a few dozen loads, and one outlier moves it by a fifth.
 EMA = 0.2
@@ -49,7 +51,8 @@ class TierCost:
 @dataclass
 class CostModel:
     """Per-tier read costs, the engine's prefill rate and its decode step, refined from what
-    really happens."""
+    really happens; and the step-time fit (`steps`) the scheduler sizes prompt chunks with.
+    The engine owns one, measured at start-up, and hands it to the tiers and the scheduler."""
 
     tiers: dict[str, TierCost] = field(default_factory=dict)
     prefill_tokens_per_s: float | None = None  # None until the engine has prefilled once
@@ -57,6 +60,7 @@ class CostModel:
     # This machine's memory copy rate: a read ends in a copy into the caller's buffers, so no
     # tier is believed faster (a real load of a few blocks can look arbitrarily fast).
     copy_bandwidth: float | None = None
+    steps: StepTimeModel = field(default_factory=StepTimeModel)
 
     def observe_load(self, tier: str, nbytes: int, seconds: float, calls: int = 1) -> None:
         """A real read of `nbytes` in `calls` batched calls took `seconds`: update the tier's
@@ -72,11 +76,22 @@ class CostModel:
             seen = min(seen, self.copy_bandwidth)
         cost.bandwidth = (1 - EMA) * cost.bandwidth + EMA * seen
 
-    def observe_step(self, seconds: float, prompt_tokens: int) -> None:
-        """An engine step of `seconds` computed `prompt_tokens` prompt tokens: a step without
-        any refines the decode step, a long one the prefill rate."""
+    def observe_step(
+        self,
+        seconds: float,
+        prompt_tokens: int,
+        shape: StepShape | None = None,
+        overhead_s: float | None = None,
+    ) -> None:
+        """An engine step computed its batch of `prompt_tokens` prompt tokens in `seconds`: a
+        step without any refines the decode step, a long one the prefill rate; its `shape`
+        and the `overhead_s` it spent around the batch, the step-time fit."""
         if seconds <= 0:
             return
+        if shape is not None:
+            self.steps.observe(shape, seconds)
+        if overhead_s is not None:
+            self.steps.observe_overhead(overhead_s)
         if prompt_tokens == 0:
             old = self.decode_step_s
             self.decode_step_s = seconds if old is None else (1 - EMA) * old + EMA * seconds

@@ -2,10 +2,14 @@
 
 There are no prefill or decode modes: each running request is given
 `min(tokens it still needs, budget left)` tokens per step, so prefill chunks and decodes share a
-step. Running requests are served first; if their blocks cannot be allocated, the lowest-priority
-running request (latest arrival under FCFS) is preempted: its blocks are freed and it returns to
-the waiting queue to be recomputed. Waiting requests are admitted only in steps without
-preemption, in (priority, arrival) order.
+step. The budget is tokens (`max_num_batched_tokens`) and, in a step with decodes, time: a
+prompt chunk gets the tokens the engine's step-time model predicts to fit in what the decodes
+leave of the step's limit (`step_budget.py`). Running requests are served first, decodes
+before prompt chunks, chunks in (priority, arrival) order; if their blocks cannot be
+allocated, the lowest-priority running request (latest arrival under FCFS) is preempted: its
+blocks are freed and it returns to the waiting queue to be recomputed. Waiting requests are
+admitted only in steps without preemption, preempted ones first, then in (priority, arrival)
+order.
 
 With KV tiers (a `KVLoader`), a waiting request whose next blocks a store holds first waits for
 them: the loader reserves device blocks and loads them while every other request keeps stepping;
@@ -21,6 +25,7 @@ from hetserve.config import SchedulerConfig, SchedulingPolicy
 from hetserve.core.request import Request, RequestStatus
 from hetserve.kv.loader import KVLoader, LoadState
 from hetserve.kv.manager import KVCacheManager
+from hetserve.sched.step_budget import StepBudget, StepTime, step_limit_s
 
 
 @dataclass
@@ -47,11 +52,14 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         loader: KVLoader | None = None,
+        step_time: StepTime | None = None,
     ) -> None:
         self.cfg = cfg
         self.kv = kv
         self.max_model_len = max_model_len
         self.loader = loader
+        self.step_time = step_time  # None: chunks sized by tokens alone
+        self.limit_s = step_limit_s(cfg.max_step_ms, cfg.slo_tbt_ms)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}  # waiting for their blocks to land
@@ -60,6 +68,14 @@ class Scheduler:
     def _key(self, req: Request) -> tuple[int, float]:
         prio = req.priority if self.cfg.policy is SchedulingPolicy.PRIORITY else 0
         return (prio, req.arrival_time)
+
+    def _run_order(self, req: Request) -> tuple[bool, int, float]:
+        # Decodes first: a prompt chunk is sized by what they leave of the step.
+        return (req.num_tokens - req.num_computed_tokens > 1, *self._key(req))
+
+    def _admit_order(self, req: Request) -> tuple[bool, int, float]:
+        # Preempted requests resume before new ones: they were admitted once already.
+        return (req.num_preemptions == 0, *self._key(req))
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -72,17 +88,21 @@ class Scheduler:
         out = SchedulerOutput()
         if self.loader is not None:
             self._land_loads()
-        budget = self.cfg.max_num_batched_tokens
-        for req in list(self.running):
-            if budget == 0:
+        chunked = self.cfg.enable_chunked_prefill
+        model = self.step_time if chunked else None
+        budget = StepBudget(model, self.limit_s, self.cfg.max_num_batched_tokens)
+        for req in sorted(self.running, key=self._run_order):
+            if budget.tokens == 0:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = budget.grant(req.num_tokens - req.num_computed_tokens, req.num_computed_tokens)
+            if n == 0:
+                continue  # the step's time is spent: its chunk waits for the next one
             if not self._allocate_or_preempt(req, n, out):
                 continue
             out.scheduled.append(ScheduledRequest(req, n))
-            budget -= n
+            budget.take(n, req.num_computed_tokens)
         if not out.preempted:
             self._admit_waiting(out, budget)
         return out
@@ -115,10 +135,10 @@ class Scheduler:
             else:  # finished (aborted) while loading: its blocks are released only now
                 self.loader.release(req)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        self.waiting.sort(key=self._key)
-        i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+    def _admit_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
+        self.waiting.sort(key=self._admit_order)
+        i, cap = 0, self.cfg.max_num_seqs
+        while i < len(self.waiting) and budget.tokens > 0 and len(self.running) < cap:
             req = self.waiting[i]
             computed, num_cached = self.kv.get_computed_blocks(req)
             if self.loader is not None:
@@ -135,9 +155,11 @@ class Scheduler:
                     ready = self.loader.ready_prefix(req)
                     computed, num_cached = ready or self.kv.get_computed_blocks(req)
             n = req.num_tokens - num_cached
-            if n > budget and not self.cfg.enable_chunked_prefill:
+            if n > budget.tokens and not self.cfg.enable_chunked_prefill:
                 break
-            n = min(n, budget)
+            n = budget.grant(n, num_cached)
+            if n == 0:
+                break  # the step's time is spent
             if self.kv.allocate_slots(req, n, computed, num_cached) is None:
                 if not self.running and self.loader is not None and self.loader.release_all():
                     continue  # held loads filled the pool: recompute rather than deadlock
@@ -152,7 +174,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
-            budget -= n
+            budget.take(n, num_cached)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int], eos_ids: set[int]) -> None:
         """Advance computed counts, append sampled tokens, finish what hit a token-level stop."""

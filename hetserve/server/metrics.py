@@ -16,7 +16,13 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    SummaryMetricFamily,
+)
+from prometheus_client.utils import floatToGoString
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
@@ -70,8 +76,44 @@ class _EngineCollector:
             "vllm:prefix_cache_hits", "prefix cache hits, in tokens", s.prefix_hits * bs, name
         )
         yield counter("vllm:num_preemptions", "preemptions so far", s.preemptions, name)
+        yield from _step_metrics(s.step_kinds)
         if s.tiers is not None:
             yield from _tier_metrics(s)
+
+
+def _step_metrics(kinds):
+    """Engine steps by kind (decode, mixed, prefill): wall time, each prompt chunk's tokens,
+    and the step-time model's error (measured / predicted) where it sized chunks."""
+    seconds = HistogramMetricFamily(
+        "hetserve_step_seconds", "engine step wall time, by kind", labels=["kind"]
+    )
+    chunks = HistogramMetricFamily(
+        "hetserve_prefill_chunk_tokens",
+        "prompt tokens of each chunk, by step kind",
+        labels=["kind"],
+    )
+    fit = GaugeMetricFamily(
+        "hetserve_step_time_fit_ratio",
+        "measured / predicted step time (mixed and prefill steps), by kind",
+        labels=["kind"],
+    )
+    for kind, k in kinds.items():
+        for family, hist in ((seconds, k.seconds), (chunks, k.chunk_tokens)):
+            family.add_metric([kind], _buckets(hist), hist.total)
+        if k.fit_ratio is not None:
+            fit.add_metric([kind], k.fit_ratio)
+    yield seconds
+    yield chunks
+    yield fit
+
+
+def _buckets(hist) -> list[tuple[str, int]]:
+    """Prometheus' cumulative buckets, +Inf last."""
+    out, total = [], 0
+    for bound, n in zip((*hist.bounds, float("inf")), hist.counts, strict=True):
+        total += n
+        out.append((floatToGoString(bound), total))
+    return out
 
 
 def _tier_metrics(s):

@@ -110,6 +110,9 @@ def test_every_request_failing_exits_1(fake_server, capsys) -> None:
         (["--random-range-ratio", "1.5"], "--random-range-ratio"),
         (["--max-model-len", "1"], "--max-model-len"),
         (["--result-file", "/"], "is a directory"),
+        (["--burst", "0"], "--burst"),
+        (["--burst", "8", "--burst-delay", "-1"], "--burst-delay"),
+        (["--burst", "4000", "--burst-output-len", "100"], "exceed the context"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(fake_server, capsys, args, message) -> None:
@@ -174,3 +177,35 @@ def test_unreachable_server_exits_2_before_any_load(fake_server, capsys) -> None
     assert _cli(server.url, "--num-prompts", "2") == 2
     err = capsys.readouterr().err
     assert "cannot reach" in err and err.count("\n") == 1
+
+
+def test_burst_sends_long_prompts_into_the_streams(fake_server, tmp_path: Path, capsys) -> None:
+    """Two streams, two long prompts 0.2 s in, one more alone afterwards: the streams' ITL
+    before the burst is the decode-only baseline (the fake's 10 ms between tokens)."""
+    server = fake_server(ttft_s=0.01, itl_s=0.01)
+    out = tmp_path / "burst.json"
+    rc = _cli(server.url, "--num-prompts", "2", "--random-input-len", "8",
+              "--random-output-len", "40", "--request-rate", "inf", "--burst", "300",
+              "--burst-count", "2", "--burst-delay", "0.2", "--burst-output-len", "3",
+              "--result-file", str(out))  # fmt: skip
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "Max ITL (ms):" in text and "P99 ITL / decode-only median:" in text
+    result = json.loads(out.read_text())
+    rows = result["requests"]
+    assert sorted(r["role"] for r in rows) == ["burst", "burst", "stream", "stream"]
+    assert all(r["send_s"] >= 0.2 for r in rows if r["role"] == "burst")
+    assert [len(b["prompt"]) for b in server.cfg.received[2:]] == [300, 300, 300]  # + solo
+    assert server.cfg.received[0]["stream_options"]["continuous_usage_stats"] is True
+    assert len({tuple(b["prompt"]) for b in server.cfg.received[2:]}) == 3  # no shared prefix
+    b = result["metrics"]["burst"]
+    assert b["decode_only_samples"] >= 2 * 10
+    assert b["decode_only_itl_ms"]["median"] >= 10.0 - 2
+    assert b["stream_itl_ms"]["max"] >= b["stream_itl_ms"]["p99"] >= b["stream_itl_ms"]["median"]
+    assert b["burst_ttft_ms"]["max"] is not None and b["solo_ttft_ms"]["median"] is not None
+    base = b["decode_only_itl_ms"]["median"]
+    assert b["itl_p99_over_decode_only"] == b["stream_itl_ms"]["p99"] / base
+    token_base = b["decode_only_token_itl_ms"]["median"]
+    assert token_base >= 10.0 - 2  # the fake sends one token a chunk: per token = per chunk
+    assert b["token_itl_max_over_decode_only"] == b["stream_token_itl_ms"]["max"] / token_base
+    assert result["metrics"]["completed"] == 4  # the solo prompt is not counted with the run

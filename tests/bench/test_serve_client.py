@@ -209,3 +209,15 @@ def test_fake_server_speaks_the_format_the_openai_client_reads(fake_server) -> N
         model="m", messages=[{"role": "user", "content": "q"}], max_tokens=2, stream=True
     )
     assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == "t0 t1 "
+
+
+def test_itl_per_token_spreads_a_chunk_of_several_tokens() -> None:
+    """A chunk whose text waited for more tokens (an incomplete UTF-8 sequence) spans their
+    steps: with usage in every chunk its gap counts once per token."""
+    from hetserve.bench.serve.client import RequestResult
+
+    r = RequestResult(send_s=0.0, prompt_len=1, token_s=[1.0, 1.1, 1.5], chunk_tokens=[1, 1, 4])
+    assert r.itls == pytest.approx([0.1, 0.4])
+    assert r.token_itls == pytest.approx([0.1] * 5)
+    r.chunk_tokens = []  # no usage per chunk: the chunks' gaps
+    assert r.token_itls == pytest.approx([0.1, 0.4])

@@ -72,3 +72,22 @@ def test_structured_dataset_compares_with_the_same_load_without(demo_server, tmp
     cmp = result["structured"]
     assert cmp["throughput_ratio"] > 0 and cmp["ttft_ratio"] > 0
     assert "5 of 10 requests under json_schema" in result["notes"]
+
+
+def test_burst_into_streams_on_the_real_server(demo_server, tmp_path: Path) -> None:
+    """Streams, then a long prompt into them: the server chunked it beside the decodes (its
+    /metrics counts mixed steps), and the bench reports the burst's figures."""
+    import urllib.request
+
+    result = _bench(demo_server, tmp_path, "--num-prompts", "3", "--random-input-len", "8",
+                    "--random-output-len", "60", "--request-rate", "inf", "--burst", "400",
+                    "--burst-delay", "0.3", "--burst-output-len", "4")  # fmt: skip
+    m = result["metrics"]
+    assert (m["completed"], m["failed"]) == (4, 0), m["errors"]
+    b = m["burst"]
+    assert b["decode_only_samples"] > 0 and b["solo_ttft_ms"]["median"] is not None
+    assert b["itl_max_over_decode_only"] is not None
+    with urllib.request.urlopen(demo_server.url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    mixed = [line for line in text.splitlines() if line.startswith("hetserve_step_seconds_count")]
+    assert any('kind="mixed"' in line and not line.endswith(" 0.0") for line in mixed), mixed

@@ -4,7 +4,8 @@ After every step the pool, manager and scheduler invariants hold, and every requ
 finishes produced exactly what it produces alone with unlimited resources. The same runs again
 with a KV store behind the prefix cache (evicted blocks saved, then loaded back while other
 requests step), where the tiers' invariants hold too, and with a linear-attention model (state
-slots and prefix checkpoints in one pool beside the blocks).
+slots and prefix checkpoints in one pool beside the blocks). Prompt chunks beside decodes are
+sized by a fake step time (deterministic: the same schedule every run) to a 2 ms step limit.
 """
 
 import pytest
@@ -13,8 +14,16 @@ from hypothesis import strategies as st
 
 from hetserve import LLM, SamplingParams
 from hetserve.core.request import NewRequest
+from hetserve.kv.step_time import StepShape
 
 MAX_LEN = 48
+
+
+class FakeStepTime:
+    """1 ms per step and 0.1 ms per token: beside decodes a chunk gets at most ~10 tokens."""
+
+    def predict(self, shape: StepShape) -> float:
+        return 0.001 + 1e-4 * shape.tokens
 
 
 @pytest.fixture(scope="module", params=["device", "with-store", "hybrid"])
@@ -32,8 +41,10 @@ def engines(tiny_model, request):
         num_kv_blocks=16,
         max_num_batched_tokens=20,
         max_num_seqs=4,
+        max_step_ms=2.0,
         **store,
     )
+    tight.engine.scheduler.step_time = FakeStepTime()
     # Every load looks worth it, so loads happen whatever this machine measures.
     if tight.engine.tiers is not None:
         tight.engine.tiers.cost.prefill_tokens_per_s = 1.0

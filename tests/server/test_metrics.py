@@ -44,3 +44,30 @@ def test_no_loads_yet_is_no_ratio():
     text = ServerMetrics(_Engine(EngineStats(tiers=TierStats()))).render().decode()
     assert "# TYPE hetserve_kv_load_seconds summary" in text
     assert "hetserve_kv_load_fit_ratio{" not in text
+
+
+def test_step_time_by_kind_and_chunk_sizes(tiny_model):
+    """A real engine runs a stream beside a chunked prompt: /metrics shows its steps by kind."""
+    from hetserve import LLM, SamplingParams
+
+    llm = LLM(tiny_model("llama"), max_num_batched_tokens=32, max_step_ms=float("inf"))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate(prompt_token_ids=[[5, 6, 7, 8], list(range(1, 101))], sampling_params=params)
+    stats = llm.engine.stats()
+    text = ServerMetrics(_Engine(stats)).render().decode()
+    lines = set(text.splitlines())
+    kinds = stats.step_kinds
+    # Step 1: 4 + 28 prompt tokens; steps 2-3: a decode beside chunks of 31 and 31; step 4: a
+    # decode beside the last 10; then decodes only.
+    assert 'hetserve_prefill_chunk_tokens_count{kind="prefill"} 2.0' in lines
+    assert 'hetserve_prefill_chunk_tokens_count{kind="mixed"} 3.0' in lines
+    assert 'hetserve_prefill_chunk_tokens_bucket{kind="mixed",le="16.0"} 1.0' in lines
+    assert 'hetserve_prefill_chunk_tokens_bucket{kind="mixed",le="32.0"} 3.0' in lines
+    assert 'hetserve_prefill_chunk_tokens_sum{kind="mixed"} 72.0' in lines
+    assert (
+        f'hetserve_step_seconds_count{{kind="decode"}} {kinds["decode"].seconds.count}.0' in lines
+    )
+    assert kinds["decode"].seconds.count == 7  # the stream's other tokens; the long one's
+    assert 'hetserve_step_seconds_bucket{kind="mixed",le="+Inf"} 3.0' in lines
+    assert 'hetserve_step_time_fit_ratio{kind="mixed"}' in text
+    assert 'hetserve_step_time_fit_ratio{kind="decode"}' not in text  # never predicted

@@ -15,6 +15,7 @@ from typing import Any
 
 from hetserve import envs
 from hetserve.bench.model_facts import ModelFacts, TokenSpace, learn_model_facts, require_vocab
+from hetserve.bench.serve import burst
 from hetserve.errors import InvalidInputError
 
 DATASETS = ("random", "structured", "sharegpt", "multiturn", "mooncake-trace")
@@ -133,6 +134,7 @@ def register(bench_sub: Any) -> None:
     o.add_argument("--result-file", default=None, help="write the result as JSON here")
     o.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots here")
     o.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    burst.add_args(p)
     p.set_defaults(func=run)
 
 
@@ -157,6 +159,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise InvalidInputError(f"--result-file: {args.result_file} is a directory")
     if not args.base_url.startswith(("http://", "https://")):
         raise InvalidInputError(f"--base-url must start with http:// or https://: {args.base_url}")
+    burst.check_args(args)
 
 
 def build_workload(args: argparse.Namespace, facts: ModelFacts):
@@ -240,10 +243,16 @@ def run(args: argparse.Namespace) -> int:
 
         b_results, b_start, b_end = asyncio.run(run_benchmark(without_grammars(workload), cfg))
         baseline = (b_results, compute_metrics(b_results, b_start, b_end, slo))
-    results, start, end = asyncio.run(run_benchmark(workload, cfg))
+    bursts, solo = ([], [])
+    if args.burst is not None:
+        bursts, solo = burst.requests(args, _token_space(args, facts), facts.max_model_len)
+    extra = [(args.burst_delay, r) for r in bursts]
+    results, start, end = asyncio.run(run_benchmark(workload, cfg, extra=extra))
     metrics = compute_metrics(results, start, end, slo)
-    if len(results) < workload.num_requests:
-        skipped = workload.num_requests - len(results)
+    if args.burst is not None:
+        metrics["burst"] = _burst_metrics(results, solo, workload, cfg)
+    if len(results) - len(extra) < workload.num_requests:
+        skipped = workload.num_requests - len(results) + len(extra)
         workload.notes.append(f"{skipped} later turns not sent: an earlier turn of theirs failed")
     result = _result(args, cfg, workload, metrics, results, start)
     if baseline is not None:
@@ -266,6 +275,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _burst_metrics(results, solo, workload, cfg) -> dict[str, Any]:
+    """Once the streams and long prompts are done, the solo prompt alone; then the burst's
+    figures (burst.py)."""
+    from hetserve.bench.serve.runner import run_benchmark
+    from hetserve.bench.serve.workload import Workload
+
+    alone: list = []
+    if solo:
+        only = Workload("burst-solo", [solo], workload.ignore_eos)
+        alone, _, _ = asyncio.run(run_benchmark(only, cfg))
+    sent = [r.send_s for r in results if r.role == burst.BURST]
+    return burst.metrics(results + alone, min(sent) if sent else None)
+
+
 def _run_config(args: argparse.Namespace):
     from hetserve.bench.serve.runner import RunConfig
 
@@ -282,6 +305,7 @@ def _run_config(args: argparse.Namespace):
         request_timeout_s=args.request_timeout,
         progress=not args.disable_tqdm,
         session_ids=args.session_ids,
+        continuous_usage=args.burst is not None,
     )
 
 
@@ -329,5 +353,8 @@ def _request_row(r: Any, start: float) -> dict[str, Any]:
         "ttft_s": r.ttft if r.ok else None,
         "e2e_s": r.e2e,
         "tpot_s": r.tpot if r.ok else None,
+        "role": r.role,
+        "token_s": [t - start for t in r.token_s],  # each content chunk's arrival
+        "chunk_tokens": r.chunk_tokens,  # and its tokens, where usage came with every chunk
         "error": r.error,
     }

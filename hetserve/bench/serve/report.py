@@ -45,8 +45,13 @@ def format_table(result: dict[str, Any]) -> str:
     for key, title in names.items():
         stats = m[f"{key}_ms"]
         lines.append(f" {title} ".center(_WIDTH, "-"))
-        for stat in ("mean", "median", "p90", "p99"):
+        for stat in ("mean", "median", "p90", "p99", "max"):
             lines.append(_row(f"{stat.capitalize()} {key.upper()} (ms):", stats[stat]))
+    if "burst" in m:
+        from hetserve.bench.serve.burst import table_lines
+
+        lines.append(" Long prompts into running streams ".center(_WIDTH, "-"))
+        lines += table_lines(m["burst"], _row)
     reuse = result.get("prefix_reuse")
     if reuse:
         lines.append(" Prefix reuse with a perfect cache ".center(_WIDTH, "-"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -30,6 +31,7 @@ class RunConfig:
     request_timeout_s: float = 6 * 3600.0
     progress: bool = True
     session_ids: bool = False  # each conversation sends its own session_id (agentic traffic)
+    continuous_usage: bool = False  # ask for usage in every chunk (tokens per chunk; `--burst`)
 
     @property
     def url(self) -> str:
@@ -93,9 +95,13 @@ class _Runner:
         )
         if session is not None:
             payload["session_id"] = session
-        return await send_request(
+        if cfg.continuous_usage:
+            payload["stream_options"]["continuous_usage_stats"] = True
+        result = await send_request(
             self.session, cfg.url, self.headers, payload, req.prompt_len, self.clock
         )
+        result.role = req.role
+        return result
 
     async def conversation(self, turns: list[BenchRequest], index: int = 0) -> None:
         """Turns one after the other, each resending the history with the server's replies."""
@@ -116,21 +122,29 @@ class _Runner:
 
 
 async def run_benchmark(
-    workload: Workload, cfg: RunConfig, clock: Clock = time.perf_counter
+    workload: Workload,
+    cfg: RunConfig,
+    clock: Clock = time.perf_counter,
+    extra: Sequence[tuple[float, BenchRequest]] = (),
 ) -> tuple[list[RequestResult], float, float]:
-    """Send the workload; returns every result and the start and end times on `clock`."""
+    """Send the workload, and `extra` requests each at its offset in seconds (`--burst`);
+    returns every result and the start and end times on `clock`."""
     offsets, _ = arrival_offsets(workload, cfg.request_rate, cfg.seed, cfg.time_scale)
+    # One schedule in time order (sorted is stable: the workload's order among equal times);
+    # each conversation keeps its index (its session id).
+    convs = [*workload.conversations, *([r] for _, r in extra)]
+    times = [*offsets, *(t for t, _ in extra)]
+    plan = sorted(zip(times, range(len(convs)), convs, strict=True), key=lambda item: item[0])
     timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
-    with tqdm(total=workload.num_requests, disable=not cfg.progress, unit="req") as bar:
+    total = workload.num_requests + len(extra)
+    with tqdm(total=total, disable=not cfg.progress, unit="req") as bar:
         async with aiohttp.ClientSession(
             timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
         ) as session:
             runner = _Runner(workload, cfg, session, bar, clock)
             start = clock()
             tasks = []
-            for index, (offset, turns) in enumerate(
-                zip(offsets, workload.conversations, strict=True)
-            ):
+            for offset, index, turns in plan:
                 delay = start + offset - clock()
                 if delay > 0:
                     await asyncio.sleep(delay)

@@ -40,6 +40,7 @@ class BenchRequest:
     hash_ids: list[int] | None = None  # trace prompts, materialized by BlockTokens at send time
     arrival_s: float | None = None  # recorded arrival (traces) before --time-scale
     response_format: dict | None = None  # structured output (the structured dataset)
+    role: str = "stream"  # what `--burst` makes of it (burst.py): stream, burst or solo
 
 
 @dataclass

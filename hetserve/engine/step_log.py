@@ -1,0 +1,95 @@
+"""The engine's own record of its steps: what each computed (its `StepShape`) and how long it
+took, handed to the engine's cost model (which refines its fit with it) and kept by kind
+(decode-only, mixed, prefill-only) as histograms that `EngineStats` carries to `/metrics` and
+the benchmarks, beside what the model had predicted.
+
+Who calls it: `EngineCore.step`, on the engine thread, once per step that ran; `stats()`
+snapshots it for any thread.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+from hetserve.core.stats import Histogram, StepKindStats
+from hetserve.engine.execute import StepResult
+from hetserve.kv.step_time import StepKind, StepShape, chunk_pairs
+from hetserve.kv.tier_policy import CostModel
+from hetserve.sched.scheduler import ScheduledRequest
+
+STEP_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+CHUNK_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def shape_of(scheduled: Sequence[ScheduledRequest]) -> StepShape:
+    """The shape of a scheduled step (before `Scheduler.update` advances the requests)."""
+    decodes = decode_context = tokens = pairs = context = chunks = 0
+    for s in scheduled:
+        new, done = s.num_new_tokens, s.request.num_computed_tokens
+        if new == 1:
+            decodes += 1
+            decode_context += done + 1
+        else:
+            tokens += new
+            pairs += chunk_pairs(new, done)
+            context += done + new
+            chunks += 1
+    return StepShape(decodes, decode_context, tokens, pairs, context, chunks)
+
+
+class _Counts:
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+
+    def add(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def snapshot(self) -> Histogram:
+        return Histogram(self.bounds, tuple(self.counts), self.total)
+
+
+class StepLog:
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+        self._seconds = {k: _Counts(STEP_SECONDS) for k in StepKind}
+        self._chunks = {k: _Counts(CHUNK_TOKENS) for k in StepKind}
+        self._predicted = dict.fromkeys(StepKind, 0.0)
+        self._measured = dict.fromkeys(StepKind, 0.0)
+
+    def observe(
+        self,
+        scheduled: Sequence[ScheduledRequest],
+        shape: StepShape,
+        seconds: float,
+        batch_s: float,
+        result: StepResult,
+    ) -> None:
+        """A step of `shape` took `seconds`, `batch_s` of them computing its batch."""
+        # Decode-only steps are not predicted: nothing was sized by them, and a prediction
+        # would refit the model every step of a long decode.
+        kind = shape.kind
+        predicted = None if kind is StepKind.DECODE else self.cost.steps.predict(shape)
+        self.cost.observe_step(batch_s, result.prompt_tokens, shape, seconds - batch_s)
+        self._seconds[kind].add(seconds)
+        if shape.chunks:
+            for s in scheduled:
+                if s.num_new_tokens > 1:
+                    self._chunks[kind].add(s.num_new_tokens)
+        if predicted is not None:
+            self._predicted[kind] += predicted
+            self._measured[kind] += seconds
+
+    def stats(self) -> dict[str, StepKindStats]:
+        return {
+            k.value: StepKindStats(
+                self._seconds[k].snapshot(),
+                self._chunks[k].snapshot(),
+                self._predicted[k],
+                self._measured[k],
+            )
+            for k in StepKind
+        }

@@ -1,0 +1,89 @@
+"""The engine's cost model at start-up: a few timed forwards of throwaway sequences, so that the
+first prompt chunk sized by time and the first load-or-recompute decision have a model to ask.
+Every real step refines it afterwards (`EngineCore.step`).
+
+Who calls it: `EngineCore.__init__`, once, before any request. The probe's blocks come from the
+free pool and go back to it uncached; routing statistics being recorded do not see the probe.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hetserve.engine.runner import ModelRunner, SeqInput
+from hetserve.kv.manager import KVCacheManager
+from hetserve.kv.step_time import StepShape, StepTimeModel
+from hetserve.kv.tier_policy import CostModel
+from hetserve.model.base import CausalLM
+
+PROBE_TOKENS = 64  # a prompt chunk's length in the probe (less where the pool is smaller)
+SMALL_CHUNK = 8  # a few prompt tokens: the fixed cost and the experts they touch
+# Each probe runs this many times and the fastest counts: a first run pays one-off costs
+# (allocations, first touches of KV pages, kernels loaded) and other jobs on the machine only
+# ever slow a run down.
+RUNS = 3
+
+
+def step_time_model(model: CausalLM) -> StepTimeModel:
+    """An empty fit for `model`: with its routed experts' count and top-k on a MoE."""
+    layers = model.moe_layers()
+    if not layers:
+        return StepTimeModel()
+    cfg = layers[0].gate.cfg
+    return StepTimeModel(cfg.num_experts, cfg.top_k)
+
+
+@torch.inference_mode()
+def measure_steps(runner: ModelRunner, kv: KVCacheManager, cost: CostModel) -> None:
+    """Time a prompt chunk, the same chunk after as many cached tokens (attention over a
+    longer context), a small chunk, decodes after long and short contexts, alone and
+    together, and a decode with a small chunk: the step-time fit's first steps (each term has
+    one that moves it alone); the first chunk's rate is the tiers' prefill rate."""
+    if runner.state is not None:
+        return  # linear-attention layers need a state slot per sequence: real steps fit it
+    bs = kv.block_size
+    n = min(PROBE_TOKENS, (kv.pool.num_free * bs - 1) // 2)
+    if n < 2:
+        return  # a pool too small to probe: chunks are sized by tokens until a step is seen
+    blocks = kv.pool.allocate(-(-(2 * n + 1) // bs))
+    ids = [b.block_id for b in blocks]
+    vocab = runner.model.config.vocab_size
+    tokens = [1 + i % (vocab - 1) for i in range(2 * n + 1)]
+    small = min(SMALL_CHUNK, n)
+    long_decode = SeqInput(tokens[2 * n :], 2 * n, ids)
+    short_decode = SeqInput(tokens[small : small + 1], small, ids)
+    # The same blocks serve every probe: what they compute is thrown away, only time counts.
+    probes = [
+        ([SeqInput(tokens[:n], 0, ids)], StepShape().plus(n, 0)),
+        ([SeqInput(tokens[n : 2 * n], n, ids)], StepShape().plus(n, n)),
+        ([long_decode], StepShape().plus(1, 2 * n)),
+        ([SeqInput(tokens[:small], 0, ids)], StepShape().plus(small, 0)),
+        ([short_decode], StepShape().plus(1, small)),
+        ([long_decode, short_decode], StepShape().plus(1, 2 * n).plus(1, small)),
+        (
+            [long_decode, SeqInput(tokens[:small], 0, ids)],
+            StepShape().plus(1, 2 * n).plus(small, 0),
+        ),
+    ]
+    stats = runner.model.routing_stats
+    if stats is not None:
+        runner.model.attach_routing_stats(None)
+    try:
+        best = [min(_forward(runner, seqs) for _ in range(RUNS)) for seqs, _ in probes]
+    finally:
+        kv.pool.free(blocks)
+        if stats is not None:
+            runner.model.attach_routing_stats(stats)
+    for (_, shape), seconds in zip(probes, best, strict=True):
+        cost.steps.observe(shape, seconds, probe=True)
+    cost.prefill_tokens_per_s = n / best[0]
+
+
+def _forward(runner: ModelRunner, seqs: list[SeqInput]) -> float:
+    t0 = time.perf_counter()
+    runner.forward(seqs)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)  # the forward is queued, not done
+    return time.perf_counter() - t0

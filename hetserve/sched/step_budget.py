@@ -1,0 +1,130 @@
+"""Step budget: how many tokens each request gets in one step, the prompt chunks sized by time.
+
+Who calls it: the scheduler, through one `StepBudget` per step (`grant` then `take` for each
+request it schedules, decodes first). Pure policy: no clock, no I/O. Time comes from a
+`StepTime` (the engine's fitted model, `kv/step_time.py`; a fake in tests); without one,
+or while it cannot predict yet, chunks are sized by tokens alone, as they were before.
+
+Why by time: one CPU prefills a 2,048-token chunk in seconds and a GPU in tens of
+milliseconds, and every decode in that step waits for it; a token count cannot bound that on
+both (Sarathi-Serve sizes the chunk to the latency budget; we size it in seconds). The rule:
+
+- A step without decodes takes whole chunks: `min(tokens needed, token budget left)`.
+- A step with decodes may last `limit_s`: `--max-step-ms`, or 0.8 x `--slo-tbt-ms` (the rest
+  is left for the model's error and the stream's delivery); prompt chunks get what the decodes
+  leave of it. Floor: they get at least `FLOOR_SHARE` of the step's time however many
+  decodes run (a crowd of streams never starves a long prompt).
+- Without either flag the step is as short as it can be while the prompt keeps
+  `EFFICIENCY` of its speed alone: its chunk is the smallest whose step (decodes included)
+  takes at most 1 / EFFICIENCY of the time its tokens take in whole chunks of their own. So
+  a long prompt's time to first token grows by at most 1 / EFFICIENCY - 1 = 25% for the
+  streams it runs beside, on any machine: a chunk's fixed costs (the decodes, the experts a
+  few tokens read, its gather of the context) decide how large it must be.
+- The step's first chunk gets at least `MIN_CHUNK` tokens: a model that over-predicts small
+  chunks never stops a prefill, and the mixed steps it then sees correct it (a prompt fed one
+  token a step runs decode-shaped steps, which teach the chunk part nothing: seen serving, a
+  3,000-token prompt beside three streams got 684 tokens in 1.8 s);
+  `--max-num-batched-tokens` stays the upper bound on every step's tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from hetserve.kv.step_time import StepShape
+
+# Without a step limit, a prompt beside decodes keeps this share of its speed alone.
+EFFICIENCY = 0.8
+# With --slo-tbt-ms the step limit is this share of it: the remainder covers the model's
+# error and what happens around a step (detokenizing, sending the token).
+SLO_SHARE = 0.8
+# With a step limit, prompt chunks get at least this share of a mixed step's time.
+FLOOR_SHARE = 0.25
+# The first prompt chunk of a step gets at least this many tokens, whatever is predicted.
+MIN_CHUNK = 8
+
+
+class StepTime(Protocol):
+    def predict(self, shape: StepShape) -> float | None:
+        """Seconds a step of `shape` takes; None while unknown."""
+        ...
+
+
+def step_limit_s(max_step_ms: float | None, slo_tbt_ms: float | None) -> float | None:
+    """The configured limit of a step with decodes (None: the default, by efficiency)."""
+    if max_step_ms is not None:
+        return max_step_ms / 1e3
+    if slo_tbt_ms is not None:
+        return SLO_SHARE * slo_tbt_ms / 1e3
+    return None
+
+
+class StepBudget:
+    def __init__(self, model: StepTime | None, limit_s: float | None, tokens: int) -> None:
+        self.model = model
+        self.limit_s = limit_s  # None: by the prompt's efficiency
+        self.tokens = tokens  # the step's token budget left
+        self.shape = StepShape()  # what is scheduled so far
+        self.until_s: float | None = None  # the step's time limit, fixed at its first chunk
+
+    def grant(self, needed: int, computed: int) -> int:
+        """Tokens the next request gets: `needed` still to compute after `computed`. 0: none
+        fit this step. Call `take` with what is really scheduled."""
+        cap = min(needed, self.tokens)
+        if cap == 0 or self.model is None:
+            return cap
+        if self.until_s is None:
+            if cap == 1 or not self.shape.decodes:
+                return cap  # a decode before any chunk; or no decodes: whole chunks
+            until = self._until(cap, computed)
+            if until is None:
+                return cap
+            self.until_s = until
+            return max(self._fit(cap, computed), min(cap, MIN_CHUNK))
+        # After the first chunk everything must fit, a one-token prompt too (it is a prefill).
+        return self._fit(cap, computed)
+
+    def take(self, n: int, computed: int) -> None:
+        """`n` tokens after `computed` were scheduled."""
+        self.shape = self.shape.plus(n, computed)
+        self.tokens -= n
+
+    def _until(self, cap: int, computed: int) -> float | None:
+        """The step's time limit, fixed by its first chunk (of at most `cap` tokens after
+        `computed`); None where the model cannot predict."""
+        assert self.model is not None
+        decodes = self.model.predict(self.shape)
+        if decodes is None:
+            return None
+        if self.limit_s is not None:
+            return max(self.limit_s, decodes / (1 - FLOOR_SHARE))
+        alone = self.model.predict(StepShape().plus(cap, computed))
+        if alone is None:
+            return None
+        per_token = alone / cap  # in whole chunks of its own
+        # The smallest chunk that keeps the efficiency (it grows with the chunk, as the
+        # decodes' and the chunk's fixed costs spread over more tokens); none: the whole cap.
+        lo, hi = 1, cap
+        while lo < hi:
+            mid = (lo + hi) // 2
+            t = self.model.predict(self.shape.plus(mid, computed))
+            if t is not None and mid * per_token >= EFFICIENCY * t:
+                hi = mid
+            else:
+                lo = mid + 1
+        t = self.model.predict(self.shape.plus(lo, computed))
+        return t if t is not None else None
+
+    def _fit(self, cap: int, computed: int) -> int:
+        """The most tokens (<= cap) whose chunk keeps the step's prediction within its limit:
+        a binary search, the prediction grows with the chunk."""
+        assert self.model is not None and self.until_s is not None
+        lo, hi = 0, cap
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            t = self.model.predict(self.shape.plus(mid, computed))
+            if t is not None and t <= self.until_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo

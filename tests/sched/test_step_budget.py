@@ -1,0 +1,117 @@
+"""The step budget (pure policy): prompt chunks sized by the predicted time of the step."""
+
+import pytest
+
+from hetserve.kv.step_time import StepShape
+from hetserve.sched.step_budget import (
+    EFFICIENCY,
+    FLOOR_SHARE,
+    MIN_CHUNK,
+    SLO_SHARE,
+    StepBudget,
+    step_limit_s,
+)
+
+
+class Linear:
+    """A fake step time: 10 ms per step, 1 ms per token, 1 us per attention pair."""
+
+    def predict(self, shape: StepShape) -> float:
+        return 0.010 + 0.001 * shape.tokens + 1e-6 * (shape.chunk_pairs + shape.decode_context)
+
+
+def with_decodes(budget: StepBudget, n: int, context: int = 100) -> StepBudget:
+    for _ in range(n):
+        assert budget.grant(1, context) == 1
+        budget.take(1, context)
+    return budget
+
+
+def test_without_decodes_a_prompt_takes_whole_chunks():
+    b = StepBudget(Linear(), 0.020, tokens=2048)
+    assert b.grant(5000, 0) == 2048  # the token budget bounds it, time does not
+    b = StepBudget(Linear(), 0.020, tokens=2048)
+    assert b.grant(300, 0) == 300
+
+
+def test_beside_decodes_a_chunk_fills_the_step_limit_and_no_more():
+    model = Linear()
+    b = with_decodes(StepBudget(model, 0.100, tokens=2048), 3)
+    n = b.grant(5000, 1000)
+    assert model.predict(b.shape.plus(n, 1000)) <= 0.100
+    assert model.predict(b.shape.plus(n + 1, 1000)) > 0.100
+    b.take(n, 1000)
+    m = b.grant(5000, 1000)  # a second prompt gets what is left, if anything
+    assert m < n and model.predict(b.shape.plus(m, 1000)) <= 0.100
+    assert b.grant(1, 50) == 1  # a decode never waits
+
+
+def test_later_chunks_of_a_long_prompt_are_smaller():
+    """Attention is quadratic: the same time buys fewer tokens deep into a prompt."""
+    early = with_decodes(StepBudget(Linear(), 0.100, tokens=2048), 2).grant(5000, 0)
+    late = with_decodes(StepBudget(Linear(), 0.100, tokens=2048), 2).grant(5000, 3000)
+    assert late < early
+
+
+def test_by_default_the_shortest_step_that_keeps_the_prompt_efficient():
+    """Without a limit the chunk is the smallest whose step, decodes included, costs at most
+    1 / EFFICIENCY of its tokens' time in whole chunks alone."""
+    model = Linear()
+    b = with_decodes(StepBudget(model, None, tokens=2048), 4)
+    n = b.grant(5000, 0)
+    per_token = model.predict(StepShape().plus(2044, 0)) / 2044
+    assert n * per_token >= EFFICIENCY * model.predict(b.shape.plus(n, 0))
+    assert (n - 1) * per_token < EFFICIENCY * model.predict(b.shape.plus(n - 1, 0))
+    assert b.until_s == model.predict(b.shape.plus(n, 0))
+
+
+def test_more_decodes_make_the_efficient_chunk_larger():
+    alone = with_decodes(StepBudget(Linear(), None, tokens=2048), 1).grant(5000, 0)
+    crowd = with_decodes(StepBudget(Linear(), None, tokens=2048), 40).grant(5000, 0)
+    assert crowd > alone
+
+
+def test_a_short_prompt_that_cannot_be_efficient_goes_whole():
+    assert with_decodes(StepBudget(Linear(), None, tokens=2048), 4).grant(5, 0) == 5
+
+
+def test_a_crowd_of_decodes_leaves_the_prompt_its_floor_share():
+    model = Linear()
+    b = with_decodes(StepBudget(model, 0.020, tokens=2048), 60)  # 60 decodes: 76 ms > 20 ms
+    alone = model.predict(b.shape)
+    n = b.grant(5000, 0)
+    step = model.predict(b.shape.plus(n, 0))
+    assert n > 1 and (step - alone) / step >= FLOOR_SHARE - 0.01
+    assert (step - alone) / model.predict(b.shape.plus(n + 1, 0)) > FLOOR_SHARE - 0.01
+
+
+def test_the_first_chunk_gets_its_floor_of_tokens_even_when_nothing_fits():
+    class Slow(Linear):
+        def predict(self, shape: StepShape) -> float:
+            return 0.010 * shape.tokens if shape.tokens <= 2 else 10.0  # any prompt: 10 s
+
+    b = with_decodes(StepBudget(Slow(), 0.050, tokens=2048), 2)
+    assert b.grant(5000, 0) == MIN_CHUNK
+    b.take(MIN_CHUNK, 0)
+    assert b.grant(5000, 0) == 0  # a second prompt does wait
+    short = with_decodes(StepBudget(Slow(), 0.050, tokens=2048), 2)
+    assert short.grant(3, 0) == 3  # never more than the prompt needs
+
+
+def test_no_model_or_no_prediction_falls_back_to_tokens():
+    assert with_decodes(StepBudget(None, 0.001, tokens=100), 3).grant(5000, 0) == 97
+
+    class Unknown:
+        def predict(self, shape: StepShape) -> None:
+            return None
+
+    assert with_decodes(StepBudget(Unknown(), 0.001, tokens=100), 3).grant(5000, 0) == 97
+
+
+def test_limits_from_the_flags():
+    assert step_limit_s(None, None) is None
+    assert step_limit_s(250.0, None) == 0.25
+    assert step_limit_s(None, 100.0) == pytest.approx(SLO_SHARE * 0.1)
+    assert step_limit_s(50.0, 100.0) == 0.05  # --max-step-ms wins
+    b = with_decodes(StepBudget(Linear(), float("inf"), tokens=2048), 3)
+    assert b.grant(5000, 0) == 2045  # inf: chunks by tokens alone
