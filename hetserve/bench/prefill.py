@@ -28,6 +28,7 @@ from pathlib import Path
 from hetserve import envs
 from hetserve.bench.common import print_table, write_json
 
+DEFAULT_LENS = "512,2048,8192"
 SYSTEMS = ("all-int8", "hybrid", "fp32", "gguf", "llama.cpp", "transformers")
 # The arithmetic each system mostly runs, whose peak its row is read against.
 _PEAK_KIND = {"hetserve all-int8": "int8", "hetserve gguf": "int8", "llama.cpp": "int8"}
@@ -36,7 +37,8 @@ _PEAK_KIND = {"hetserve all-int8": "int8", "hetserve gguf": "int8", "llama.cpp":
 def register(sub) -> None:
     p = sub.add_parser("prefill", help="prompt tokens/s vs llama.cpp and transformers, vs peaks")
     p.add_argument("--model", required=True, help="HF model directory (a MoE checkpoint)")
-    p.add_argument("--prompt-lens", default="512,2048,8192", help="comma-separated lengths")
+    p.add_argument("--prompt-lens", default=None,
+                   help=f"comma-separated (default {DEFAULT_LENS}: those that fit)")  # fmt: skip
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"of {', '.join(SYSTEMS)}")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds (best kept)")
     p.add_argument("--repeats", type=int, default=2, help="timed prompts per length and round")
@@ -66,8 +68,9 @@ def _parse(args) -> tuple[dict, list[int], list[str]]:
     path = Path(args.model) / "config.json"
     if not path.is_file():
         raise ModelNotFoundError(f"no config.json in {args.model!r}: pass an HF model directory")
+    given = args.prompt_lens
     try:
-        lens = sorted({int(x) for x in args.prompt_lens.split(",") if x.strip()})
+        lens = sorted({int(x) for x in (given or DEFAULT_LENS).split(",") if x.strip()})
     except ValueError:
         raise InvalidInputError(f"--prompt-lens: not integers: {args.prompt_lens!r}") from None
     if not lens or lens[0] < 1:
@@ -78,7 +81,15 @@ def _parse(args) -> tuple[dict, list[int], list[str]]:
         raise InvalidInputError(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
     if args.rounds < 1 or args.repeats < 1:
         raise InvalidInputError("--rounds and --repeats must be at least 1")
-    return json.loads(path.read_text()), lens, systems
+    cfg = json.loads(path.read_text())
+    context = cfg.get("max_position_embeddings")
+    if context and given is None:  # the defaults the model's context holds (one token past)
+        lens = [n for n in lens if n < context] or [context - 1]
+    if context and lens[-1] >= context:  # one generated token must fit as well
+        raise InvalidInputError(
+            f"--prompt-lens: {lens[-1]} tokens do not fit the model's context of {context}"
+        )
+    return cfg, lens, systems
 
 
 def _plan(args, systems: list[str], prompts: dict[int, list[int]], threads: int):

@@ -95,6 +95,10 @@ def test_a_peer_that_does_not_import_says_why(monkeypatch):
         ),
         (["--prompt-lens", "10,x"], "--prompt-lens: not integers: '10,x'"),
         (["--rounds", "0"], "--rounds and --repeats must be at least 1"),
+        (
+            ["--prompt-lens", "64,100000"],
+            "--prompt-lens: 100000 tokens do not fit the model's context of {context}",
+        ),
     ],
 )
 def test_bad_flags_are_one_line_exit_2(tiny_model, flags, message):
@@ -106,4 +110,19 @@ def test_bad_flags_are_one_line_exit_2(tiny_model, flags, message):
         timeout=120,
     )
     assert r.returncode == 2 and "Traceback" not in r.stderr
+    context = json.loads((tiny_model("qwen3-moe") / "config.json").read_text())
+    message = message.format(context=context["max_position_embeddings"])
     assert r.stderr.strip().splitlines() == [f"error: {message}"]
+
+
+def test_default_lengths_are_those_the_context_holds(tiny_model):
+    import argparse
+
+    from hetserve.bench.prefill import _parse
+
+    model = tiny_model("qwen3-moe")
+    context = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    args = argparse.Namespace(model=str(model), prompt_lens=None, systems="fp32", rounds=1,
+                              repeats=1)  # fmt: skip
+    _, lens, _ = _parse(args)
+    assert lens == [n for n in (512, 2048, 8192) if n < context] and lens
