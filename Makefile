@@ -4,12 +4,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Typed strictly (mypy --strict): the nouns, the scheduler, the KV manager and tiers, the store,
-# transfer, the weight formats, the cluster simulator, the reply parsers (server/tools).
+# transfer, the weight formats, the cluster simulator, the reply parsers (server/tools), the
+# placement presets.
 STRICT := hetserve/core hetserve/sched hetserve/kv hetserve/store hetserve/transfer hetserve/quant \
 	hetserve/disagg/policy.py hetserve/disagg/costs.py hetserve/disagg/index.py \
 	hetserve/disagg/kv_wire.py hetserve/disagg/kv_publisher.py hetserve/disagg/kv_subscriber.py \
 	hetserve/server/tools hetserve/config.py hetserve/errors.py \
-	hetserve/envs.py hetserve/sim
+	hetserve/envs.py hetserve/sim hetserve/moe/presets.py
 # Debian packages the store tests start for real: Redis, and libibverbs that Mooncake links.
 SYSTEM_PACKAGES := redis-server libibverbs1
 

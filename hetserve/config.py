@@ -166,10 +166,12 @@ class MoEConfig:
     # Per token, this many lowest-weighted routed experts of MoE layer L run while layer L+1
     # computes (never in the last MoE layer). 0 = exact.
     max_deferred_experts_per_token: int = 0
-    # Placement rules: None = every module on the engine device with the reference backend;
-    # "default" = routed experts on CPU with cpu-int8, the rest on the engine device; or a path
-    # to a YAML rules file.
-    placement: str | None = None
+    # Where each module runs (moe/presets.py): "auto" picks a preset for this machine and model
+    # (no accelerator: all-int8); "device" = every module on the engine device in its dtype
+    # (exact; None means the same); "hybrid" (alias "default") = routed experts on the CPU int8
+    # kernel, the rest on the engine device; "all-int8" = CPU only, every linear int8; or a
+    # path to a YAML rules file.
+    placement: str = "auto"
     gpu_experts: int = 0  # hottest experts per layer kept on the engine device
     routing_stats: str | None = None  # JSON from `hetserve calibrate` (needed by gpu_experts)
     cpu_threads: int | None = None  # threads of the dedicated CPU-experts pool
@@ -180,8 +182,13 @@ class MoEConfig:
             raise ValueError("max_deferred_experts_per_token must be >= 0")
         if self.gpu_experts < 0:
             raise ValueError("gpu_experts must be >= 0")
-        if self.gpu_experts and self.placement is None:
-            raise ValueError("gpu_experts needs a placement (e.g. placement='default')")
+        if self.placement is None:  # the reference: nothing placed off the engine device
+            object.__setattr__(self, "placement", "device")
+        if self.gpu_experts and self.placement == "device":
+            raise ValueError(
+                "gpu_experts needs a placement that puts the routed experts off the engine "
+                "device (e.g. placement='hybrid')"
+            )
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError("cpu_threads must be >= 1")
 
@@ -424,8 +431,11 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     ),
     EngineOption(
         "placement", "moe", "placement",
-        "hybrid placement: 'default' puts routed experts on CPU (cpu-int8) and the rest on the "
-        "engine device; or a YAML rules file", extra={"metavar": "default|RULES.yaml"},
+        "where modules run: auto (no accelerator: all-int8; else device if the model fits "
+        "with its KV cache, else hybrid), device (every weight on the engine device in its "
+        "dtype: exact), hybrid (routed experts on the CPU int8 kernel, the rest on the engine "
+        "device; alias default), all-int8 (CPU only: experts and linears on the int8 kernels), "
+        "or a YAML rules file", extra={"metavar": "auto|device|hybrid|all-int8|RULES.yaml"},
     ),
     EngineOption(
         "gpu_experts", "moe", "gpu_experts",

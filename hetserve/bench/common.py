@@ -9,6 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+class Unavailable(Exception):
+    """A system or peer that cannot run here; the message says why (one line)."""
+
+
 def machine_info() -> dict:
     import torch  # here, not at the top: the HTTP benches (and their poller processes) need none
 

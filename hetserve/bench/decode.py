@@ -1,7 +1,7 @@
 """`hetserve bench decode`: single-stream decode tokens/s of hetserve vs its peers, in one run.
 
 Systems, each loaded inside its own function so its weights are freed before the next loads:
-hetserve hybrid (routed experts on the cpu-int8 kernel), hetserve fp32 reference (`placement=None`),
+hetserve hybrid (routed experts on the cpu-int8 kernel), hetserve fp32 reference (`device`),
 transformers `generate` (fp32), llama.cpp on a GGUF of the same weights (q8_0, or q4_K;
 llama-cpp-python, optional) and hetserve on that same GGUF file (its experts on the backend of
 their GGUF type, the other linears int8 on a CPU-only machine). Decode rate is
@@ -151,7 +151,8 @@ def measure_bandwidth(mib: int, probes: int = 8) -> float:
 
 
 def _all_int8_rules(expert_backend: str = "cpu-int8") -> str:
-    """A rules file: routed experts on `expert_backend`, every other linear int8."""
+    """A rules file: routed experts on `expert_backend`, every other linear int8 (the
+    `all-int8` preset with a backend of the caller's choosing; tests compare backends so)."""
     import tempfile
 
     import yaml
@@ -170,7 +171,7 @@ def _all_int8_rules(expert_backend: str = "cpu-int8") -> str:
     return f.name
 
 
-def _hetserve_rate(args, ids: list[int], bar, placement: str | None, model=None) -> float:
+def _hetserve_rate(args, ids: list[int], bar, placement: str, model=None) -> float:
     from hetserve import LLM, SamplingParams
 
     kwargs = {"cpu_threads": args.threads} if args.threads else {}
@@ -235,15 +236,12 @@ def _gguf_rate(args, ids: list[int], threads: int, bar) -> float | None:
     import torch
 
     from hetserve.bench import decode_llamacpp as llamacpp
-    from hetserve.model.gguf_file import GgufCheckpoint
-    from hetserve.moe.experts import PACKED_BACKENDS
 
     path = llamacpp.gguf_path(args, threads)
     if path is None:
         return None
-    fmt = GgufCheckpoint(path).packed_fmt
-    backend = PACKED_BACKENDS[fmt] if fmt else "cpu-int8"
-    placement = "default" if torch.cuda.is_available() else _all_int8_rules(backend)
+    # the presets read the GGUF's experts with their own format's backend
+    placement = "hybrid" if torch.cuda.is_available() else "all-int8"
     return _hetserve_rate(args, ids, bar, placement, model=path)
 
 
@@ -273,14 +271,13 @@ def run(args: argparse.Namespace) -> int:
     bandwidth = measure_bandwidth(args.bandwidth_mib)
 
     plan: list[tuple[str, Callable[[], float | None]]] = [
-        ("hetserve cpu-int8", lambda: _hetserve_rate(args, ids, bar, "default")),
+        ("hetserve cpu-int8", lambda: _hetserve_rate(args, ids, bar, "hybrid")),
     ]
     if not args.skip_all_int8 and not torch.cuda.is_available():
         # CPU-only: the non-expert linears are on the CPU too, so make them int8 as well.
-        rules = _all_int8_rules()
-        plan.append(("hetserve all-int8", lambda: _hetserve_rate(args, ids, bar, rules)))
+        plan.append(("hetserve all-int8", lambda: _hetserve_rate(args, ids, bar, "all-int8")))
     if not args.skip_reference:
-        plan.append(("hetserve fp32", lambda: _hetserve_rate(args, ids, bar, None)))
+        plan.append(("hetserve fp32", lambda: _hetserve_rate(args, ids, bar, "device")))
     if not args.skip_hf:
         plan.append(("transformers fp32", lambda: _hf_rate(args, ids, bar)))
     peer = f"llama.cpp {args.gguf_type if args.gguf is None else 'gguf'}"

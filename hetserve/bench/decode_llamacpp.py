@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-SKIP_MESSAGE = "llama.cpp: skipped (pip install llama-cpp-python builds from source, ~8 min)"
 GGUF_TYPES = ("q8_0", "q4_K")
 
 
@@ -119,14 +118,34 @@ def gguf_path(args, threads: int) -> Path | None:
     return cached
 
 
-def rate(args, ids: list[int], threads: int, bar) -> float | None:
-    """Decode tokens/s of llama.cpp on the GGUF, or None (with the reason printed)."""
+def import_llama():
+    """llama_cpp.Llama, or `Unavailable` with the real reason: a dependency it lacks (with
+    --no-deps, diskcache), a library that does not load."""
+    from hetserve.bench.common import Unavailable
+
     try:
         from llama_cpp import Llama
-    except ImportError:
-        print(SKIP_MESSAGE)
+    except ModuleNotFoundError as exc:
+        if exc.name == "llama_cpp":
+            raise Unavailable(
+                "llama-cpp-python is not installed (pip install llama-cpp-python builds it "
+                "from source, 10-20 minutes)"
+            ) from None
+        raise Unavailable(f"llama_cpp does not import: {exc} (pip install {exc.name})") from None
+    except (ImportError, OSError) as exc:
+        raise Unavailable(f"llama_cpp does not import: {exc}") from None
+    return Llama
+
+
+def rate(args, ids: list[int], threads: int, bar) -> float | None:
+    """Decode tokens/s of llama.cpp on the GGUF, or None (with the reason printed)."""
+    from hetserve.bench.common import Unavailable, decode_rate
+
+    try:
+        Llama = import_llama()  # noqa: N806 (a class)
+    except Unavailable as exc:
+        print(f"llama.cpp: not run: {exc}")
         return None
-    from hetserve.bench.common import decode_rate
 
     path = gguf_path(args, threads)
     if path is None:

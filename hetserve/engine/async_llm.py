@@ -134,6 +134,7 @@ class AsyncLLM:
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.vocab_size
         self.kv_summary = self.engine.kv_summary
+        self.placement_summary = self.engine.placement_summary
         self._commands: queue.Queue[Command] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._stop = threading.Event()

@@ -73,6 +73,8 @@ class EngineCore:
         self.config = cfg
         self.model_dir = resolve_model_dir(cfg.model)
         self.model = build_model(cfg, self.model_dir)
+        # the start-up line saying where the weights run (what `--placement auto` chose)
+        self.placement_summary: str = self.model.placement_choice.line()
         self.tokenizer = Tokenizer(self.model_dir)
         mcfg = self.model.config
         self.vocab_size = mcfg.vocab_size

@@ -124,6 +124,11 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     @property
+    def placement_summary(self) -> str:
+        """One line on where the weights run (the preset `--placement auto` chose, and why)."""
+        return self.engine.placement_summary
+
+    @property
     def kv_summary(self) -> str | None:
         """One line on the KV tiers behind the prefix cache (None without a KV store)."""
         return self.engine.kv_summary

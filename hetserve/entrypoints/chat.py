@@ -221,6 +221,7 @@ def chat_loop(args: argparse.Namespace) -> int:
             args.lora_name = Path(args.lora).name or "adapter"
             args.lora_modules = [*(args.lora_modules or ()), f"{args.lora_name}={args.lora}"]
         engine = EngineCore(EngineConfig.from_args(args))
+        print(engine.placement_summary, file=sys.stderr)
     elif args.lora is not None:
         raise InvalidInputError(
             "--lora loads an adapter in-process; with --url pick a served adapter by --model NAME"

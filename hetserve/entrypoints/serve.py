@@ -165,6 +165,7 @@ def serve(args: argparse.Namespace) -> int:
         core = engine.engine
         logger = RequestLogger(args.log_requests, core.kv.block_size, core.kv.hash_seed)
         engine.observers.append(logger.observe)
+    print(engine.placement_summary, flush=True)
     if engine.kv_summary:
         print(engine.kv_summary, flush=True)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)

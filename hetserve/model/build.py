@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hetserve.config import EngineConfig, MoEConfig
+from hetserve.errors import InvalidInputError
 from hetserve.model.base import CausalLM
 from hetserve.model.loader import load_model
+from hetserve.moe.presets import PlacementChoice
 
 if TYPE_CHECKING:
     from hetserve.model.hybrid_plan import HybridPlan
@@ -29,12 +30,15 @@ def build_model(config: EngineConfig, model_dir: Path) -> CausalLM:
     """The model of `model_dir` (the directory `config.model` names, resolved by the caller:
     the engine resolves the demo default) as `config` asks for it."""
     converted = _converted(model_dir)
+    choice = choose(config, model_dir)
     model = load_model(
         model_dir,
         device=config.device,
         dtype=config.dtype,
-        placement=_placement_rules(config.moe, converted),
+        placement=_placement_rules(config.moe.placement, choice, converted),
     )
+    model.placement_choice = choice
+    log.info("%s", choice.line())
     if model.hybrid_plan is not None:
         _build_hybrid(model, config.moe, converted)
     if config.moe.max_deferred_experts_per_token:
@@ -52,18 +56,76 @@ def _converted(model_dir: Path) -> dict | None:
     return json.loads(path.read_text()).get("hetserve_experts") if path.is_file() else None
 
 
-def _placement_rules(moe: MoEConfig, converted: dict | None):
-    if moe.placement is None and converted is not None:
-        # A converted model serves its experts on the CPU format it was converted to.
-        from hetserve.moe.placement import default_rules
+def choose(config: EngineConfig, model_dir: Path) -> PlacementChoice:
+    """What `--placement` means here: a preset, `auto` resolved from this machine and model,
+    or a rules file. Raises InvalidInputError for a preset that cannot run on this device."""
+    from hetserve.model.loader import resolve_device
+    from hetserve.moe.presets import PlacementFacts, choose_placement, preset_name
 
+    requested = config.moe.placement
+    dev = resolve_device(config.device)
+    accelerator = str(dev) if dev.type != "cpu" else None
+    if preset_name(requested) == "auto":
+        facts = PlacementFacts(
+            accelerator=accelerator,
+            accelerator_bytes=_device_bytes(dev),
+            weight_bytes=_checkpoint_bytes(model_dir),
+            kv_bytes=config.cache.kv_cache_bytes or _default_kv_bytes(),
+            dtype=config.dtype,
+            native_unavailable=_native_unavailable() if accelerator is None else None,
+        )
+    else:
+        facts = PlacementFacts(accelerator=accelerator, dtype=config.dtype)
+    choice = choose_placement(requested, facts)
+    if choice.preset == "all-int8" and accelerator is not None:
+        raise InvalidInputError(
+            f"placement all-int8 runs every weight on the CPU, but the engine device is "
+            f"{accelerator}; add --device cpu, or use --placement hybrid"
+        )
+    return choice
+
+
+def _native_unavailable() -> str | None:
+    from hetserve import envs
+    from hetserve.native import native_unavailable_reason
+
+    return native_unavailable_reason() if envs.native_kernels() else "HETSERVE_NATIVE_KERNELS=0"
+
+
+def _device_bytes(dev) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 0
+
+
+def _checkpoint_bytes(model_dir: Path) -> int:
+    """The weights' bytes as stored (a GGUF file, or the directory's weight files)."""
+    if model_dir.is_file():
+        return model_dir.stat().st_size
+    files = [*model_dir.glob("*.safetensors"), *model_dir.glob("*.gguf")]
+    return sum(f.stat().st_size for f in files)
+
+
+def _default_kv_bytes() -> int:
+    from hetserve.engine.setup import CPU_KV_CAP_BYTES  # the engine's budget when none is given
+
+    return CPU_KV_CAP_BYTES
+
+
+def _placement_rules(requested: str, choice: PlacementChoice, converted: dict | None):
+    """What the loader takes: None (everything on the engine device), a preset name, or rules."""
+    from hetserve.moe.placement import default_rules, load_rules
+    from hetserve.moe.presets import preset_rules
+
+    if choice.preset is None:
+        return load_rules(requested)
+    if converted is not None:
+        # A converted model has its experts only in the CPU format it was converted to.
         backend = f"cpu-{converted['format']}"
-        return [replace(r, backend=backend) if r.backend else r for r in default_rules()]
-    if moe.placement is None or moe.placement == "default":
-        return moe.placement
-    from hetserve.moe.placement import load_rules
-
-    return load_rules(moe.placement)
+        if choice.preset == "device":
+            return default_rules(backend)
+        return preset_rules(choice.preset, backend)
+    return None if choice.preset == "device" else choice.preset
 
 
 def _build_hybrid(model: CausalLM, moe: MoEConfig, converted: dict | None) -> None:

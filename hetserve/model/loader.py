@@ -98,15 +98,14 @@ def _packed_experts(model: CausalLM, ckpt: Checkpoint, filler_probe) -> set[str]
 def _allocate(model: CausalLM, dev: torch.device, placement, expert_backend: str | None):
     """Place units (with `placement`) and allocate every parameter where it will live."""
     model.hybrid_plan = None
+    if isinstance(placement, str):  # a preset: packed experts keep their format's backend
+        from hetserve.moe.presets import preset_rules
+
+        placement = preset_rules(placement, expert_backend or "cpu-int8")  # device: None
     if placement is not None:
         from hetserve.model.hybrid_plan import plan_placement
-        from hetserve.moe.placement import default_rules
 
-        if placement == "default":
-            rules = default_rules(expert_backend) if expert_backend else None
-        else:
-            rules = placement
-        plan = plan_placement(model, rules, dev)
+        plan = plan_placement(model, placement, dev)
         for name, unit in plan.units.items():
             unit.to_empty(device=plan.weight_device(name))
         model.hybrid_plan = plan
@@ -126,10 +125,11 @@ def load_model(
     *,
     expert_backends: bool = True,
 ) -> CausalLM:
-    """Load weights. With `placement` (a list of PlacementRule, or "default"), units are placed
-    before any memory is allocated, so routed experts bound for the host never touch the
-    accelerator; the plan is left on `model.hybrid_plan` for the expert backends. With
-    "default", experts the checkpoint publishes quantized get the backend of their format.
+    """Load weights. With `placement` (a list of PlacementRule, or a preset name: "hybrid" /
+    "default", "all-int8"; moe/presets.py), units are placed before any memory is allocated, so
+    routed experts bound for the host never touch the accelerator; the plan is left on
+    `model.hybrid_plan` for the expert backends. With a preset, experts the checkpoint
+    publishes quantized get the backend of their format.
     Without placement, each experts module gets its default backend unless `expert_backends`
     is False (callers that only read the weights, e.g. convert)."""
     model_dir = Path(model_dir)

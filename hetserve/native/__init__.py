@@ -14,6 +14,8 @@
   gated delta rule) in place on the state slots: one read and one cached rewrite of each
   state instead of torch's six passes and two copies.
 - `pool.c`: the parallel loop they share (OpenMP).
+- `peaks.c`: the CPU's fp32 / int16 / int8 / bf16 multiply-add peaks, measured (`bench
+  prefill` reads its rows against them).
 
 It needs no torch headers: a C compiler builds it in a second or two the first time, into a
 cache keyed by the sources and flags, and later processes just load it. The flags name the
@@ -42,9 +44,11 @@ if TYPE_CHECKING:
     import torch
 
 HERE = Path(__file__).parent
-SOURCES = ("pool.c", "moe_kernels.c", "linear_kernels.c", "attention.c", "small_ops.c",
-           "moe_backward.c", "decode_layers.c", "hashing.c", "linear_attn.c")  # fmt: skip
-HEADERS = ("pool.h", "simd.h", "moe_quads.h", "moe_formats.h", "moe_q4k.h", "moe_kq.h")
+SOURCES = ("pool.c", "moe_kernels.c", "moe_prefill.c", "linear_kernels.c", "attention.c",
+           "small_ops.c", "moe_backward.c", "decode_layers.c", "hashing.c", "linear_attn.c",
+           "peaks.c")  # fmt: skip
+HEADERS = ("pool.h", "simd.h", "moe_quads.h", "moe_formats.h", "moe_q4k.h", "moe_kq.h",
+           "moe_gemm.h", "moe_job.h")  # fmt: skip
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared"]
 # What each instruction set adds to CFLAGS, and the /proc/cpuinfo flags it needs.
 # Narrowest first; avx512bf16 adds the FP8 experts kernel's bf16 path (simd.h, HS_FP8_BF16).
@@ -149,6 +153,8 @@ _SIGNATURES = {
     "hetserve_copy_parts": (None, [_I] * 3 + [_P] * 7),  # engine/kv_store.py
     "hetserve_decode_layers": (_I, [_I, _I, _P, _I] + [_P] * 4 + [_I, _P]),  # fused_decode.py
     "hetserve_delta_decode": (_I, [_I] * 9 + [_P] * 8),  # layers/linear_attention.py
+    "hetserve_peak": (ctypes.c_double, [_I, _I, _L]),  # bench/peaks.py
+    "hetserve_peak_ops": (_L, [_I]),
 }
 
 

@@ -11,11 +11,14 @@
  *   fmt 5 (q4_K):         super-blocks of 256 columns with their own scales (moe_q4k.h).
  * Activations are rounded to int16 per row, as for the experts; for q4_K to int8 per super-block
  * (moe_q4k.h). */
+/* No implicit fused multiply-adds: the quad and GEMM paths round the same steps alike. */
+#pragma GCC optimize("fp-contract=off")
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "moe_gemm.h"
 #include "moe_q4k.h"
 #include "moe_quads.h"
 #include "pool.h"
@@ -67,10 +70,47 @@ static inline void lin_quad(const lin_t *l, int n0, int nq, int m, int MB, float
         for (int mm = 0; mm < MB; mm++) o[r][mm] *= l->s[n0 + r];
 }
 
+/* Quads [u0, u1) on the GEMM tiles (int8 rows with fp32 scales; u0 a multiple of 4): per strip
+ * of 4 quads one panel, met by all T tokens, TBG at a time. Quads past the matrix's last one
+ * pack as zeros. The float steps are lin_quad's and lin_item's own: the same bits. Returns -1
+ * when out of memory, having written nothing. */
+#define TBG 96
+static int lin_item_gemm(const lin_t *l, int u0, int u1) {
+    const int K = l->K, quads = (l->N + 3) / 4;
+    const size_t panel_bytes = (size_t)K * GEMM_ROWS * sizeof(int16_t);
+    char *buf = aligned_alloc(64, panel_bytes + 2 * (size_t)TBG * GEMM_ROWS * sizeof(float));
+    if (buf == NULL) return -1;
+    int16_t *panel = (int16_t *)buf;
+    int32_t *isum = (int32_t *)(buf + panel_bytes);
+    float *out = (float *)(isum + TBG * GEMM_ROWS);
+    const int16_t *x[TBG];
+    static const int8_t zero[64];
+    for (int u = u0; u < u1; u += 4) {
+        const int8_t *q[4];
+        for (int k = 0; k < 4; k++)
+            q[k] = u + k < quads ? (const int8_t *)l->w + (size_t)(u + k) * 4 * K : NULL;
+        gemm_pack_n(q, K, panel, zero);
+        const int rows = 4 * (u + 4) <= l->N ? GEMM_ROWS : l->N - 4 * u;
+        for (int t0 = 0; t0 < l->T; t0 += TBG) {
+            const int n = l->T - t0 < TBG ? l->T - t0 : TBG;
+            for (int m = 0; m < n; m++) x[m] = l->x16 + (size_t)(t0 + m) * K;
+            gemm_strip(panel, K, x, n, isum, out);
+            for (int m = 0; m < n; m++) {
+                float *y = l->out + (size_t)(t0 + m) * l->N + 4 * u;
+                const float sx = l->xsc[t0 + m];
+                for (int r = 0; r < rows; r++) y[r] = out[m * GEMM_ROWS + r] * l->s[4 * u + r] * sx;
+            }
+        }
+    }
+    free(buf);
+    return 0;
+}
+
 static void lin_item(void *ctx, int c) {
     const lin_t *l = (const lin_t *)ctx;
     const int quads = (l->N + 3) / 4; /* the last one's padded rows are dropped */
     const int u0 = c * l->rc, u1 = u0 + l->rc < quads ? u0 + l->rc : quads;
+    if (l->fmt == L_I8 && l->G == 0 && gemm_worth(l->T) && lin_item_gemm(l, u0, u1) == 0) return;
     for (int t0 = 0; t0 < l->T; t0 += TB) {
         int t1 = t0 + TB < l->T ? t0 + TB : l->T;
         for (int u = u0, nq; u < u1; u += nq) {
@@ -132,6 +172,7 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
     const int quads = (N + 3) / 4;
     int rc = hs_item_units(quad_bytes, ITEM_BYTES, quads, nthreads, RC);
     rc += q4k && rc % 2; /* q4_K: items of whole pairs (the layout interleaves quads 2u, 2u + 1) */
+    if (fmt == L_I8 && G == 0) rc = (rc + 3) / 4 * 4; /* whole strips of the GEMM tiles */
     lin_t l = {fmt, G, T, N, K, rc, w, s, xsc, x16, pl, ps, pd, out};
     hs_parallel_for(nthreads, (quads + rc - 1) / rc, lin_item, &l);
     free(buf);

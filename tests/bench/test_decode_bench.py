@@ -134,7 +134,7 @@ def test_llamacpp_missing_is_skipped_with_the_reason(moe_dir, tmp_path, monkeypa
     rc = main(["bench", "decode", "--model", str(moe_dir), *FAST, "--skip-hf", "--skip-reference",
                "--skip-gguf-hetserve", "--json", str(out)])  # fmt: skip
     assert rc == 0
-    assert "llama.cpp: skipped (pip install llama-cpp-python" in capsys.readouterr().out
+    assert "llama.cpp: not run: llama-cpp-python is not installed" in capsys.readouterr().out
     assert json.loads(out.read_text())["decode_tokens_per_s"]["llama.cpp q8_0"] is None
 
 

@@ -60,9 +60,14 @@ def assert_same(outs, refs, tol=1e-4):
 def test_served_adapter_equals_merged_model(tiny_model, adapters, tmp_path, family):
     base = tiny_model(family)
     adapter = adapters(family, **ADAPTERS[family])
-    served = LLM(base, lora_modules={"a": adapter}).engine
+    served = LLM(base, lora_modules={"a": adapter}, placement="device").engine
     outs = run(served, PROMPTS, PARAMS, ["a", "a"])
-    refs = run(LLM(merged(base, adapter, tmp_path)).engine, PROMPTS, PARAMS, [None, None])
+    refs = run(
+        LLM(merged(base, adapter, tmp_path), placement="device").engine,
+        PROMPTS,
+        PARAMS,
+        [None, None],
+    )
     assert_same(outs, refs)
     plain = run(served, PROMPTS[:1], PARAMS, [None])[0]  # the adapter matters
     assert (prompt_logprobs(plain) - prompt_logprobs(outs[0])).abs().max() > 0.1
@@ -83,9 +88,13 @@ def test_int8_placement_with_adapter_is_within_int8_error(tiny_model, adapters, 
     with_lora = prompt_logprobs(run(int8, prompt, params, ["a"])[0])
     int8_base = prompt_logprobs(run(int8, prompt, params, [None])[0])
     fp32_merged = prompt_logprobs(
-        run(LLM(merged(base, adapter, tmp_path)).engine, prompt, params, [None])[0]
+        run(
+            LLM(merged(base, adapter, tmp_path), placement="device").engine, prompt, params, [None]
+        )[0]
     )
-    fp32_base = prompt_logprobs(run(LLM(base).engine, prompt, params, [None])[0])
+    fp32_base = prompt_logprobs(
+        run(LLM(base, placement="device").engine, prompt, params, [None])[0]
+    )
     base_err = (int8_base - fp32_base).abs()
     err = (with_lora - fp32_merged).abs()
     assert err.max() <= 2 * base_err.max() and err.mean() <= 2 * base_err.mean()
@@ -106,7 +115,7 @@ def test_adapters_and_base_in_one_batch_equal_their_solo_runs(tiny_model, adapte
         enable_prefix_caching=False,
         max_num_batched_tokens=24,
     )
-    engine = LLM(base, **opts).engine
+    engine = LLM(base, **opts, placement="device").engine
     prompts = [list(range(5, 42)), list(range(100, 120)), list(range(7, 30)), list(range(60, 99))]
     loras = ["a", "b", None, "a"]
     together = run(engine, prompts, PARAMS, loras)
@@ -119,7 +128,7 @@ def test_no_prefix_hits_across_adapters_and_hits_within_one(tiny_model, adapters
     base = tiny_model("qwen3-moe")
     a = adapters("qwen3-moe", **ADAPTERS["qwen3-moe"])
     b = adapters("qwen3-moe", seed=2, match=r"q_proj|v_proj")
-    llm = LLM(base, lora_modules={"a": a, "b": b})
+    llm = LLM(base, lora_modules={"a": a, "b": b}, placement="device")
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=2)
     prompt = list(range(5, 45))  # two full 16-token blocks
@@ -146,7 +155,7 @@ def test_no_prefix_hits_across_adapters_and_hits_within_one(tiny_model, adapters
 def test_unloaded_adapter_leaves_once_unused(tiny_model, adapters):
     base = tiny_model("qwen3-moe")
     a = adapters("qwen3-moe", **ADAPTERS["qwen3-moe"])
-    engine = LLM(base, lora_modules={"a": a}, max_loras=1).engine
+    engine = LLM(base, lora_modules={"a": a}, max_loras=1, placement="device").engine
     lora_id = engine.lora.resolve("a")
     engine.enqueue(engine.validate(NewRequest("r", PROMPTS[0], PARAMS, lora="a")), stream=False)
     engine.step()
@@ -165,11 +174,11 @@ def test_llm_lora_request_as_vllm(tiny_model, adapters):
 
     base = tiny_model("qwen3-moe")
     a = adapters("qwen3-moe", **ADAPTERS["qwen3-moe"])
-    llm = LLM(base, enable_lora=True)
+    llm = LLM(base, enable_lora=True, placement="device")
     params = SamplingParams(temperature=0, max_tokens=4)
     lora = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params,
                         lora_request=LoRARequest("a", 1, str(a)))  # fmt: skip
-    named = LLM(base, lora_modules={"a": a}).generate(
+    named = LLM(base, lora_modules={"a": a}, placement="device").generate(
         prompt_token_ids=PROMPTS, sampling_params=params, lora_request=["a", None]
     )
     assert [o.token_ids for o in lora] == [named[0].token_ids, lora[1].token_ids]
@@ -187,7 +196,7 @@ def test_chat_with_lora_prints_the_reply_and_timings(tiny_model, adapters, monke
     argv = ["chat", "--model", str(base), "--lora", str(a), "--max-tokens", "4"]
     assert main([*argv, "--temperature", "0"]) == 0
     out = capsys.readouterr().out
-    want = LLM(base, lora_modules={a.name: str(a)}).chat(
+    want = LLM(base, lora_modules={a.name: str(a)}, placement="device").chat(
         [{"role": "user", "content": "hello"}],
         SamplingParams(temperature=0, max_tokens=4),
         lora_request=a.name,

@@ -90,11 +90,11 @@ def test_engine_outputs_equal_with_and_without_native_kernels(tiny_model, monkey
     path = tiny_model("qwen3-moe")
     prompts = [[5 + i, 17, 42 + i, 9] * (3 + 5 * i) for i in range(6)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
-    llm = LLM(path)
+    llm = LLM(path, placement="device")
     assert all(e.backend_name == "cpu-fp32" for _, e in llm.model.routed_experts())
     native = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     monkeypatch.setenv("HETSERVE_NATIVE_KERNELS", "0")
-    llm = LLM(path)
+    llm = LLM(path, placement="device")
     assert all(e.backend_name == "torch" for _, e in llm.model.routed_experts())
     plain = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     for a, b in zip(native, plain, strict=True):

@@ -37,9 +37,11 @@ def test_quantization_round_trip_is_idempotent(fmt, group):
 def test_int8_converted_model_equals_quantizing_at_load(tiny_model, tmp_path):
     src = tiny_model("qwen3-moe", overrides={"moe_intermediate_size": 64})
     out = convert(src, tmp_path / "int8", "int8")
-    fp32_experts = sum(e.w13.numel() + e.w2.numel() for _, e in LLM(src).model.routed_experts())
+    fp32_experts = sum(
+        e.w13.numel() + e.w2.numel() for _, e in LLM(src, placement="device").model.routed_experts()
+    )
     assert (out / "experts-int8.safetensors").stat().st_size < fp32_experts * 4 / 3
-    served = LLM(out)
+    served = LLM(out, placement="device")
     assert all(e.w13.numel() == 0 for _, e in served.model.routed_experts())  # originals freed
     assert "cpu-int8" in served.model.hybrid_plan.table()
     assert torch.equal(logprobs(served), logprobs(LLM(src, placement="default")))
@@ -48,9 +50,9 @@ def test_int8_converted_model_equals_quantizing_at_load(tiny_model, tmp_path):
 def test_int4_converted_model_is_within_int4_error(tiny_model, tmp_path):
     src = tiny_model("deepseek-v3", overrides={"moe_intermediate_size": 64})
     out = convert(src, tmp_path / "int4", "int4", group_size=32)
-    served = LLM(out)
+    served = LLM(out, placement="device")
     assert "cpu-int4" in served.model.hybrid_plan.table()
-    err = (logprobs(served) - logprobs(LLM(src))).abs()
+    err = (logprobs(served) - logprobs(LLM(src, placement="device"))).abs()
     assert 0 < err.max() < 1.5 and err.mean() < 0.25
 
 

@@ -53,12 +53,14 @@ def test_export_equals_peft_merge_and_unload(tiny_model, tmp_path, use_dora):
     # hetserve serves the merged directory as any model
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     served = prompt_logprobs(
-        LLM(out).generate(prompt_token_ids=IDS.tolist(), sampling_params=params)[0]
+        LLM(out, placement="device").generate(
+            prompt_token_ids=IDS.tolist(), sampling_params=params
+        )[0]
     )
     expected = logits.log_softmax(-1)[:-1].gather(1, IDS[1:, None]).squeeze(1)
     assert (served - expected).abs().max() <= 1e-4
     if not use_dora:  # and serves the adapter itself as PEFT runs it
-        engine = LLM(base, lora_modules={"a": str(tmp_path / "adapter")}).engine
+        engine = LLM(base, lora_modules={"a": str(tmp_path / "adapter")}, placement="device").engine
         lora = prompt_logprobs(run(engine, [IDS.tolist()], params, ["a"])[0])
         assert (lora - expected).abs().max() <= 1e-4
 
@@ -71,7 +73,9 @@ def test_convert_takes_the_merged_moe(tiny_model, tmp_path):
     converted = convert(merged, tmp_path / "int8", "int8")
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     a, b = (
-        LLM(d).generate(prompt_token_ids=IDS.tolist(), sampling_params=params)[0]
+        LLM(d, placement="device").generate(prompt_token_ids=IDS.tolist(), sampling_params=params)[
+            0
+        ]
         for d in (merged, converted)
     )
     assert (prompt_logprobs(a) - prompt_logprobs(b)).abs().max() < 0.1  # int8 experts

@@ -104,7 +104,7 @@ def test_fused_step_steps_aside(tiny_model, monkeypatch):
 def test_models_it_does_not_cover_take_the_modules(tiny_model, monkeypatch):
     # fp32 linears (no placement) and DeepSeek's MLA: nothing to chain in C
     for family, shape in (("qwen3-moe", MOE), ("deepseek-v3", None)):
-        llm = LLM(str(tiny_model(family, overrides=shape)))
+        llm = LLM(str(tiny_model(family, overrides=shape)), placement="device")
         spy = _Spy(monkeypatch, llm)
         _generate(llm)
         assert spy.fused == 0

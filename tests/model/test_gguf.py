@@ -53,7 +53,7 @@ class _Q8KExperts:
 def q8k_reference(ref, linears: tuple[str, ...] = ()) -> LLM:
     """gguf's fp32 model with the q4_K kernel's activation rounding: in the routed experts, and
     at the inputs of the named linears (those stored as q4_K)."""
-    llm = LLM(ref)
+    llm = LLM(ref, placement="device")
     for _, e in llm.model.routed_experts():
         e._backend = _Q8KExperts(e)
     modules = dict(llm.model.named_modules())
@@ -91,10 +91,13 @@ def logprobs(llm: LLM) -> torch.Tensor:
 @pytest.mark.parametrize(("experts", "backend"), [("q4_K", "cpu-int4"), ("q8_0", "cpu-int8")])
 def test_gguf_experts_served_from_their_own_numbers(gguf_model, experts, backend):
     path, ref, _ = gguf_model(experts)
-    llm = LLM(str(path))
+    llm = LLM(str(path), placement="device")
     for _, e in llm.model.routed_experts():
         assert e.backend_name == backend and e._backend.group_size == 32
-    err = (logprobs(llm) - logprobs(q8k_reference(ref) if experts == "q4_K" else LLM(ref))).abs()
+    err = (
+        logprobs(llm)
+        - logprobs(q8k_reference(ref) if experts == "q4_K" else LLM(ref, placement="device"))
+    ).abs()
     assert float(err.max()) <= BOUND
     hybrid = LLM(str(path), placement="default")
     assert backend in hybrid.model.hybrid_plan.table()
@@ -102,12 +105,14 @@ def test_gguf_experts_served_from_their_own_numbers(gguf_model, experts, backend
 
 def test_gguf_with_quantized_dense_weights_and_a_config_beside(gguf_model, tmp_path):
     path, ref, src = gguf_model("q4_K", "q8_0")
-    err = (logprobs(LLM(str(path))) - logprobs(q8k_reference(ref))).abs()
+    err = (logprobs(LLM(str(path), placement="device")) - logprobs(q8k_reference(ref))).abs()
     assert float(err.max()) <= BOUND
     beside = tmp_path / "model.gguf"
     shutil.copy2(path, beside)
     shutil.copy2(src / "config.json", tmp_path / "config.json")
-    torch.testing.assert_close(logprobs(LLM(str(beside))), logprobs(LLM(str(path))))
+    torch.testing.assert_close(
+        logprobs(LLM(str(beside), placement="device")), logprobs(LLM(str(path), placement="device"))
+    )
 
 
 @pytest.mark.parametrize(("others", "fmt", "group"), [("q4_K", 5, 0), ("q8_0", 1, 32)])

@@ -48,7 +48,7 @@ def _expert_kinds(llm: LLM) -> set[tuple[str, str]]:
 def test_q6_k_down_beside_q4_k_gate_up(tiny_model, tmp_path, capfd):
     src = tiny_model("qwen3-moe", overrides=SHAPE)
     path = write_gguf(src, tmp_path / "m.gguf", tmp_path / "ref", "q4_K", "q8_0", down="q6_K")
-    llm = LLM(str(path))
+    llm = LLM(str(path), placement="device")
     assert _expert_kinds(llm) == {("int4", "q6_K")}
     line = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("GGUF m.gguf")]
     assert (
@@ -70,7 +70,7 @@ def test_llama_cpp_k_quant_mixes(tiny_model, tmp_path, ftype):
     rc = llama_cpp.llama_model_quantize(str(f32).encode(), str(path).encode(), ctypes.byref(params))
     assert rc == 0
     _dequantized_reference(path, src, tmp_path / "ref")
-    llm = LLM(str(path))
+    llm = LLM(str(path), placement="device")
     # all-q4_K layers keep cpu-int4; the q6_K down layers and every Q5_K_M layer cpu-gguf
     uniform = ("cpu-int4",) * 2 if ftype == "Q4_K_M" else ("q5_K", "q5_K")
     low = "int4" if ftype == "Q4_K_M" else "q5_K"
@@ -88,7 +88,7 @@ def test_types_without_a_kernel_convert_to_q4_k_not_fp32(tiny_model, tmp_path, c
     """q5_0 experts (no native kernel yet): converted at load to q4_K, the error in the line."""
     src = tiny_model("qwen3-moe", overrides=SHAPE)
     path = write_gguf(src, tmp_path / "m.gguf", tmp_path / "ref", "q4_K", "f32", down="q5_0")
-    llm = LLM(str(path))
+    llm = LLM(str(path), placement="device")
     assert _expert_kinds(llm) == {("cpu-int4", "cpu-int4")}
     err = capfd.readouterr().err
     assert "experts Q5_0 (5.5 bpw) -> q4_K (max |dw|" in err

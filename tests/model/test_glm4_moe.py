@@ -103,7 +103,7 @@ def variant(tmp_path_factory):
                 path, dtype=torch.float32, output_loading_info=True
             )
             assert not info["missing_keys"] and not info["unexpected_keys"], info
-            made[name] = (path, ref.eval(), LLM(path))
+            made[name] = (path, ref.eval(), LLM(path, placement="device"))
         return made[name]
 
     return get
@@ -158,7 +158,7 @@ def test_greedy_generation_matches_transformers_generate(variant, name):
 
 def test_chunked_prefill_matches_transformers(variant):
     path, ref, _ = variant("glm-4.5")
-    llm = LLM(path, max_num_batched_tokens=16)
+    llm = LLM(path, max_num_batched_tokens=16, placement="device")
     ids = random_ids(90, seed=9)
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
     out = llm.generate(prompt_token_ids=ids, sampling_params=params)[0]
@@ -205,8 +205,16 @@ def test_mtp_layers_after_num_hidden_layers_are_skipped(tiny_model, tmp_path):
     save_file(extra, str(path / "mtp.safetensors"))
     ids = random_ids(30, seed=2)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    a = LLM(src).generate(prompt_token_ids=ids, sampling_params=params)[0].prompt_logprobs
-    b = LLM(path).generate(prompt_token_ids=ids, sampling_params=params)[0].prompt_logprobs
+    a = (
+        LLM(src, placement="device")
+        .generate(prompt_token_ids=ids, sampling_params=params)[0]
+        .prompt_logprobs
+    )
+    b = (
+        LLM(path, placement="device")
+        .generate(prompt_token_ids=ids, sampling_params=params)[0]
+        .prompt_logprobs
+    )
     assert a == b
 
 
@@ -216,7 +224,7 @@ def test_default_hybrid_placement_puts_routed_experts_on_cpu_int8(tiny_model):
     path = tiny_model("glm4-moe", overrides={"moe_intermediate_size": 64})
     ids = random_ids(50, seed=0, vocab=400)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    ref = LLM(path).generate(prompt_token_ids=ids, sampling_params=params)[0]
+    ref = LLM(path, placement="device").generate(prompt_token_ids=ids, sampling_params=params)[0]
     hybrid = LLM(path, placement="default")
     out = hybrid.generate(prompt_token_ids=ids, sampling_params=params)[0]
     ours, single = (chosen(o.prompt_logprobs[1:], ids[1:]) for o in (out, ref))

@@ -43,15 +43,15 @@ def hf_prompt_logprobs(path, ids: list[int] = IDS, **kwargs) -> torch.Tensor:
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_config_options_match_transformers_and_matter(tiny_model, variant):
-    base = prompt_logprobs(LLM(tiny_model("gpt-oss")))
+    base = prompt_logprobs(LLM(tiny_model("gpt-oss"), placement="device"))
     path = tiny_model("gpt-oss", overrides=VARIANTS[variant])
-    ours = prompt_logprobs(LLM(path))
+    ours = prompt_logprobs(LLM(path, placement="device"))
     torch.testing.assert_close(ours, hf_prompt_logprobs(path), atol=1e-4, rtol=0)
     assert float((ours - base).abs().max()) > 1e-3  # the option is not a no-op
 
 
 def test_sinks_matter(tiny_model):
-    llm = LLM(tiny_model("gpt-oss"))
+    llm = LLM(tiny_model("gpt-oss"), placement="device")
     before = prompt_logprobs(llm)
     for layer in llm.model.model.layers:
         layer.self_attn.sinks.data.fill_(-1e4)  # a sink nobody attends to: plain softmax
@@ -62,9 +62,13 @@ def test_decode_with_sinks_and_windows_off_the_native_kernel(tiny_model, monkeyp
     """The torch decode path (off-CPU, or kernels off) against the native one."""
     path = tiny_model("gpt-oss", overrides=VARIANTS["all-sliding"])
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=1, logprobs=0, ignore_eos=True)
-    native = LLM(path).generate(prompt_token_ids=IDS[:9], sampling_params=params)[0]
+    native = LLM(path, placement="device").generate(
+        prompt_token_ids=IDS[:9], sampling_params=params
+    )[0]
     monkeypatch.setenv("HETSERVE_NATIVE_KERNELS", "0")
-    plain = LLM(path).generate(prompt_token_ids=IDS[:9], sampling_params=params)[0]
+    plain = LLM(path, placement="device").generate(
+        prompt_token_ids=IDS[:9], sampling_params=params
+    )[0]
     assert native.token_ids == plain.token_ids
     a = torch.tensor([e[t].logprob for e, t in zip(native.logprobs, native.token_ids, strict=True)])
     b = torch.tensor([e[t].logprob for e, t in zip(plain.logprobs, plain.token_ids, strict=True)])
@@ -85,9 +89,9 @@ MXFP4_BOUND = 1e-3
 
 def test_mxfp4_checkpoint_served_as_published(mxfp4):
     quant, ref = mxfp4
-    llm = LLM(quant)
+    llm = LLM(quant, placement="device")
     assert {e.backend_name for _, e in llm.model.routed_experts()} == {"cpu-mxfp4"}
-    err = (prompt_logprobs(llm) - prompt_logprobs(LLM(ref))).abs()
+    err = (prompt_logprobs(llm) - prompt_logprobs(LLM(ref, placement="device"))).abs()
     assert float(err.max()) <= MXFP4_BOUND
     hybrid = LLM(quant, placement="default")
     assert "cpu-mxfp4" in hybrid.model.hybrid_plan.table()
@@ -96,4 +100,4 @@ def test_mxfp4_checkpoint_served_as_published(mxfp4):
 def test_mxfp4_matches_transformers_reading_the_same_file(mxfp4):
     quant, _ = mxfp4
     hf = hf_prompt_logprobs(quant, quantization_config=transformers.Mxfp4Config(dequantize=True))
-    assert float((prompt_logprobs(LLM(quant)) - hf).abs().max()) <= MXFP4_BOUND
+    assert float((prompt_logprobs(LLM(quant, placement="device")) - hf).abs().max()) <= MXFP4_BOUND

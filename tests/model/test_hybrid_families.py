@@ -23,9 +23,11 @@ def chosen(entries, ids):
 def test_chunked_prefill_at_any_chunk_size_equals_one_pass(tiny_model, family):
     path = tiny_model(family)
     ids = random_ids(150, seed=9)
-    whole = LLM(path).generate(prompt_token_ids=ids, sampling_params=PROMPT_LP)[0]
+    whole = LLM(path, placement="device").generate(prompt_token_ids=ids, sampling_params=PROMPT_LP)[
+        0
+    ]
     for budget in (7, 16, 61):
-        llm = LLM(path, max_num_batched_tokens=budget)
+        llm = LLM(path, max_num_batched_tokens=budget, placement="device")
         out = llm.generate(prompt_token_ids=ids, sampling_params=PROMPT_LP)[0]
         assert llm.stats().steps > 150 // budget  # it really ran in chunks
         torch.testing.assert_close(
@@ -38,7 +40,7 @@ def test_chunked_prefill_at_any_chunk_size_equals_one_pass(tiny_model, family):
 def test_mixed_batch_equals_solo_runs(tiny_model, family):
     """Requests of different lengths in one batch (prefill chunks beside decodes, each with its
     own state slot) produce what each produces alone."""
-    llm = LLM(tiny_model(family, lm_head_scale=8.0), max_num_batched_tokens=40)
+    llm = LLM(tiny_model(family, lm_head_scale=8.0), max_num_batched_tokens=40, placement="device")
     prompts = [random_ids(n, seed=n) for n in (3, 90, 17, 45, 1, 64)]
     together = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     for p, out in zip(prompts, together, strict=True):
@@ -55,9 +57,12 @@ def test_preemption_by_recompute_restarts_the_state(tiny_model):
     prompts = [random_ids(n, seed=n) for n in (20, 31, 25, 38, 22, 29)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ref = [
-        o.token_ids for o in LLM(path).generate(prompt_token_ids=prompts, sampling_params=params)
+        o.token_ids
+        for o in LLM(path, placement="device").generate(
+            prompt_token_ids=prompts, sampling_params=params
+        )
     ]
-    tight = LLM(path, max_model_len=64, num_kv_blocks=6)
+    tight = LLM(path, max_model_len=64, num_kv_blocks=6, placement="device")
     got = [o.token_ids for o in tight.generate(prompt_token_ids=prompts, sampling_params=params)]
     assert tight.stats().preemptions > 0
     assert got == ref
@@ -65,7 +70,7 @@ def test_preemption_by_recompute_restarts_the_state(tiny_model):
 
 
 def test_state_slots_bound_the_running_requests(tiny_model):
-    llm = LLM(tiny_model("kimi-linear"), max_num_seqs=2)
+    llm = LLM(tiny_model("kimi-linear"), max_num_seqs=2, placement="device")
     eng = llm.engine
     assert eng.kv.states.num_working == 2 and eng.runner.state.num_slots == 5  # + 2 ckpts
     for i in range(4):
@@ -80,8 +85,8 @@ def test_v32_indexer_selects(tiny_model):
     """With top-k below the context the indexer's choice changes the result; with top-k above
     it, it is plain MLA over every token (so the parity tests do exercise the selection)."""
     ids = random_ids(130, seed=1)
-    sparse = LLM(tiny_model("deepseek-v3.2"))
-    dense = LLM(tiny_model("deepseek-v3.2", overrides={"index_topk": 4096}))
+    sparse = LLM(tiny_model("deepseek-v3.2"), placement="device")
+    dense = LLM(tiny_model("deepseek-v3.2", overrides={"index_topk": 4096}), placement="device")
     a = sparse.generate(prompt_token_ids=ids, sampling_params=PROMPT_LP)[0]
     b = dense.generate(prompt_token_ids=ids, sampling_params=PROMPT_LP)[0]
     la, lb = chosen(a.prompt_logprobs, ids), chosen(b.prompt_logprobs, ids)
@@ -116,6 +121,6 @@ def test_qwen35_loads_the_published_vision_language_layout(tiny_model, tmp_path)
     tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     ids = random_ids(40, seed=2)
-    a = LLM(flat).generate(prompt_token_ids=ids, sampling_params=PROMPT_LP)[0]
-    b = LLM(out).generate(prompt_token_ids=ids, sampling_params=PROMPT_LP)[0]
+    a = LLM(flat, placement="device").generate(prompt_token_ids=ids, sampling_params=PROMPT_LP)[0]
+    b = LLM(out, placement="device").generate(prompt_token_ids=ids, sampling_params=PROMPT_LP)[0]
     assert a.prompt_logprobs == b.prompt_logprobs and a.token_ids == b.token_ids

@@ -18,7 +18,7 @@ def test_prefix_hit_mid_conversation_matches_transformers(tiny_model, family):
     from tests.model.test_parity import hf_logprobs, hf_model
 
     path = tiny_model(family)
-    llm = LLM(path, state_checkpoint_every=2)
+    llm = LLM(path, state_checkpoint_every=2, placement="device")
     first = random_ids(75, seed=1)
     reply = llm.generate(prompt_token_ids=first, sampling_params=SAMPLE)[0].token_ids
     second = first + reply + random_ids(9, seed=2)  # the next turn: 96 tokens
@@ -35,17 +35,17 @@ def test_checkpoint_interval_and_slots(tiny_model):
     path = tiny_model("qwen3.5-moe")
     prompt = random_ids(110, seed=4)
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    solo = LLM(path, enable_prefix_caching=False).generate(
+    solo = LLM(path, enable_prefix_caching=False, placement="device").generate(
         prompt_token_ids=prompt, sampling_params=greedy
     )[0]
     for every, cached in ((1, 96), (3, 96), (4, 64)):
-        llm = LLM(path, state_checkpoint_every=every)
+        llm = LLM(path, state_checkpoint_every=every, placement="device")
         llm.generate(prompt_token_ids=prompt[:100], sampling_params=greedy)
         out = llm.generate(prompt_token_ids=prompt, sampling_params=greedy)[0]
         assert out.num_cached_tokens == cached, every
         assert out.token_ids == solo.token_ids
     # Without checkpoint slots no prefix can be resumed: blocks alone are not enough.
-    llm = LLM(path, state_checkpoints=0)
+    llm = LLM(path, state_checkpoints=0, placement="device")
     llm.generate(prompt_token_ids=prompt[:100], sampling_params=greedy)
     assert llm.generate(prompt_token_ids=prompt, sampling_params=greedy)[0].num_cached_tokens == 0
     assert llm.engine.kv.hits == 0
@@ -58,9 +58,11 @@ def test_preempted_requests_resume_from_their_checkpoints(tiny_model):
     shared = random_ids(48, seed=7)
     prompts = [shared + random_ids(n, seed=n) for n in (5, 12, 9, 14, 3, 11)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    ref = LLM(path, enable_prefix_caching=False)
+    ref = LLM(path, enable_prefix_caching=False, placement="device")
     want = [o.token_ids for o in ref.generate(prompt_token_ids=prompts, sampling_params=params)]
-    tight = LLM(path, max_model_len=96, num_kv_blocks=9, state_checkpoint_every=1)
+    tight = LLM(
+        path, max_model_len=96, num_kv_blocks=9, state_checkpoint_every=1, placement="device"
+    )
     got = tight.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in got] == want
     assert tight.stats().preemptions > 0

@@ -141,7 +141,7 @@ def test_special_token_layout_and_eos(tok):
 
 def test_chat_template_and_generation_through_llm(kimi_dir, reference):
     enc, _ = reference
-    llm = LLM(kimi_dir)
+    llm = LLM(kimi_dir, placement="device")
     messages = [{"role": "user", "content": "Hi, 你好!"}]
     prompt = llm.tokenizer.apply_chat_template(messages)
     assert prompt == (
@@ -198,7 +198,7 @@ def test_published_config_loads_and_matches_transformers_deepseek_v3(kimi_dir, t
     ref = transformers.DeepseekV3ForCausalLM.from_pretrained(
         path, config=config, dtype=torch.float32
     ).eval()
-    llm = LLM(path)
+    llm = LLM(path, placement="device")
     ids = llm.tokenizer.encode("Kimi 你好 world, 1234! " * 8)
     params = SamplingParams(max_tokens=16, temperature=1.0, seed=1, logprobs=0, prompt_logprobs=0)
     out = llm.generate(prompt_token_ids=ids, sampling_params=params)[0]

@@ -39,7 +39,7 @@ def random_ids(n: int, seed: int, vocab: int = 500) -> list[int]:
 def test_prompt_logprobs_match_transformers(tiny_model, family):
     path = tiny_model(family)
     ref_model = hf_model(path)
-    llm = LLM(path)
+    llm = LLM(path, placement="device")
     for n in (2, 17, 64, 130):
         ids = random_ids(n, seed=n)
         params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
@@ -55,7 +55,7 @@ def test_decode_logprobs_match_transformers(tiny_model, family):
     """The KV-cached decode path: logprobs of sampled tokens equal a full forward's."""
     path = tiny_model(family)
     ref_model = hf_model(path)
-    llm = LLM(path)
+    llm = LLM(path, placement="device")
     ids = random_ids(23, seed=5)
     params = SamplingParams(max_tokens=24, temperature=1.0, seed=3, logprobs=0, ignore_eos=True)
     out = llm.generate(prompt_token_ids=ids, sampling_params=params)[0]
@@ -70,7 +70,7 @@ def test_decode_logprobs_match_transformers(tiny_model, family):
 def test_greedy_generation_matches_transformers_generate(tiny_model, family):
     path = tiny_model(family, lm_head_scale=8.0)
     ref_model = hf_model(path)
-    llm = LLM(path)
+    llm = LLM(path, placement="device")
     for seed in (0, 1):
         ids = random_ids(12, seed=seed)
         with torch.no_grad():
@@ -85,8 +85,8 @@ def test_greedy_generation_matches_transformers_generate(tiny_model, family):
 
 @pytest.mark.parametrize("family", ["qwen3-moe", "mixtral", "deepseek-v3"])
 def test_fused_and_per_expert_layouts_agree(tiny_model, family):
-    per_expert = LLM(tiny_model(family, seed=7))
-    fused = LLM(tiny_model(family, seed=7, layout="fused"))
+    per_expert = LLM(tiny_model(family, seed=7), placement="device")
+    fused = LLM(tiny_model(family, seed=7, layout="fused"), placement="device")
     assert sorted(p.name for p in tiny_model(family, seed=7, layout="fused").iterdir()) == sorted(
         p.name for p in tiny_model(family, seed=7).iterdir()
     )
@@ -118,7 +118,7 @@ def test_loads_checkpoint_saved_by_transformers(tmp_path):
     from hetserve.testing.tiny_tokenizer import write_tokenizer_files
 
     write_tokenizer_files(tmp_path, cache_dir())
-    llm = LLM(tmp_path)
+    llm = LLM(tmp_path, placement="device")
     ids = random_ids(20, seed=2, vocab=128)
     out = llm.generate(
         prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=0)
@@ -131,7 +131,7 @@ def test_loads_checkpoint_saved_by_transformers(tmp_path):
 @pytest.mark.parametrize("family", MOE)
 def test_routing_matters(tiny_model, family):
     """Guard against a parity test that passes because experts contribute nothing."""
-    llm = LLM(tiny_model(family))
+    llm = LLM(tiny_model(family), placement="device")
     ids = random_ids(16, seed=4)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     before = llm.generate(prompt_token_ids=ids, sampling_params=params)[0].prompt_logprobs

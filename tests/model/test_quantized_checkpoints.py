@@ -58,12 +58,12 @@ def logprobs(llm: LLM, ids: list[int] = IDS) -> torch.Tensor:
 @pytest.mark.parametrize(("family", "method"), CASES)
 def test_quantized_checkpoint_within_bound_of_its_fp32_model(quantized, family, method):
     quant, ref = quantized(family, method)
-    llm = LLM(quant)
+    llm = LLM(quant, placement="device")
     backends = {e.backend_name for _, e in llm.model.routed_experts()}
     assert backends == {"cpu-fp8" if method == "fp8" else "cpu-int4"}
     # The dense expert weights were never allocated, and the packed copy went to the backend.
     assert all(e.w13.numel() == 0 and e.packed is None for _, e in llm.model.routed_experts())
-    err = (logprobs(llm) - logprobs(LLM(ref))).abs()
+    err = (logprobs(llm) - logprobs(LLM(ref, placement="device"))).abs()
     print(f"{method}: max {float(err.max()):.2e} mean {float(err.mean()):.2e}")
     assert float(err.max()) <= BOUNDS[method]
 
@@ -73,7 +73,7 @@ def test_placement_default_serves_experts_in_their_format(quantized, family, met
     quant, ref = quantized(family, method)
     llm = LLM(quant, placement="default")
     assert ("cpu-fp8" if method == "fp8" else "cpu-int4") in llm.model.hybrid_plan.table()
-    err = (logprobs(llm) - logprobs(LLM(ref))).abs()
+    err = (logprobs(llm) - logprobs(LLM(ref, placement="device"))).abs()
     assert float(err.max()) <= BOUNDS[method]
 
 
@@ -90,7 +90,7 @@ def test_fp8_matches_transformers_reading_the_same_file(quantized, family):
     with torch.no_grad():
         ref = hf(torch.tensor([IDS])).logits[0].log_softmax(-1)
     ref = ref[:-1].gather(1, torch.tensor(IDS[1:]).view(-1, 1))[:, 0]
-    assert float((logprobs(LLM(quant)) - ref).abs().max()) <= BOUNDS["fp8"]
+    assert float((logprobs(LLM(quant, placement="device")) - ref).abs().max()) <= BOUNDS["fp8"]
 
 
 def _int8_rules(tmp_path) -> str:
@@ -120,7 +120,10 @@ def test_convert_accepts_fp8_input(quantized, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in cfg and cfg["hetserve_experts"]["format"] == "int8"
     # Serving the converted model equals quantizing the FP8 model's experts at load time.
-    assert torch.equal(logprobs(LLM(out)), logprobs(LLM(quant, placement=_int8_rules(tmp_path))))
+    assert torch.equal(
+        logprobs(LLM(out, placement="device")),
+        logprobs(LLM(quant, placement=_int8_rules(tmp_path))),
+    )
 
 
 # -- what the loader refuses ----------------------------------------------------------------

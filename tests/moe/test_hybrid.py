@@ -49,7 +49,7 @@ def prompt_logprobs(llm, ids=IDS) -> torch.Tensor:
 @pytest.mark.parametrize("backend", ["cpu-fp32", "cpu-int8", "cpu-int4"])
 def test_cpu_backends_against_single_device(tiny_model, tmp_path, family, backend):
     path = tiny_model(family, overrides=SIZES[family])
-    ref = prompt_logprobs(LLM(path))
+    ref = prompt_logprobs(LLM(path, placement="device"))
     hybrid = LLM(path, placement=rules_file(tmp_path, backend))
     err = (prompt_logprobs(hybrid) - ref).abs()
     mean_bound, max_bound = TOLERANCE[backend]
@@ -64,7 +64,7 @@ def test_hybrid_fp32_batched_through_engine(tiny_model, tmp_path, family):
     path = tiny_model(family, lm_head_scale=8.0, overrides=SIZES[family])
     prompts = [IDS[:7], IDS[3:40], IDS[10:12], IDS]
     params = SamplingParams(max_tokens=10, temperature=0, logprobs=0, ignore_eos=True)
-    ref = LLM(path).generate(prompt_token_ids=prompts, sampling_params=params)
+    ref = LLM(path, placement="device").generate(prompt_token_ids=prompts, sampling_params=params)
     got = LLM(path, placement=rules_file(tmp_path, "cpu-fp32"), max_num_batched_tokens=32).generate(
         prompt_token_ids=prompts, sampling_params=params
     )
@@ -84,7 +84,7 @@ def test_quantized_greedy_agrees_where_margins_are_clear(tiny_model, tmp_path, b
     the same token."""
     path = tiny_model("qwen3-moe", lm_head_scale=8.0, overrides=SIZES["qwen3-moe"])
     prompt = IDS[:20]
-    ref = LLM(path).generate(
+    ref = LLM(path, placement="device").generate(
         prompt_token_ids=prompt,
         sampling_params=SamplingParams(max_tokens=32, temperature=0, logprobs=2, ignore_eos=True),
     )[0]
@@ -159,7 +159,7 @@ def test_placement_errors_name_the_rule(tiny_model, tmp_path, rules, match):
 
 def test_routing_stats_and_gpu_experts(tiny_model, tmp_path):
     path = tiny_model("qwen3-moe", overrides=SIZES["qwen3-moe"])
-    llm = LLM(path)
+    llm = LLM(path, placement="device")
     stats = RoutingStats()
     llm.model.attach_routing_stats(stats)
     llm.generate(prompt_token_ids=IDS, sampling_params=SamplingParams(max_tokens=1))
@@ -170,7 +170,7 @@ def test_routing_stats_and_gpu_experts(tiny_model, tmp_path):
     stats_file = tmp_path / "stats.json"
     stats_file.write_text(json.dumps({"version": 1, **hot}))
     rules = rules_file(tmp_path, "cpu-fp32")
-    ref = prompt_logprobs(LLM(path))
+    ref = prompt_logprobs(LLM(path, placement="device"))
     llm = LLM(path, placement=rules, gpu_experts=2, routing_stats=str(stats_file))
     chosen = {}
     for _, experts in llm.model.routed_experts():
@@ -191,7 +191,7 @@ def test_int8_non_expert_linears_on_cpu(tiny_model, tmp_path, family):
     from hetserve.layers.int8_linear import Int8Linear
 
     path = tiny_model(family, overrides=SIZES[family])
-    ref = prompt_logprobs(LLM(path))
+    ref = prompt_logprobs(LLM(path, placement="device"))
     rules = [
         {"name": "experts", "match": EXPERTS, "device": "cpu", "backend": "cpu-fp32"},
         {"name": "int8-linears", "match": ".*", "device": "cpu", "backend": "cpu-int8"},

@@ -156,3 +156,32 @@ def test_odd_sizes_avx512_equal_avx2(name, t):
         else:
             assert torch.equal(out["avx2"], got), isa_name
     assert scale > 0
+
+
+@pytest.mark.parametrize("t", [8, 29])
+def test_int8_prefill_tiles_avx512_equal_avx2(t):
+    """Prefill's GEMM tiles (8 tokens or more per expert or linear): vpdpwssd on 16 rows per
+    vector on AVX-512, vpmaddwd on 8 on AVX2, the same int32 sums: bit for bit, with sizes off
+    the units (hidden 100, intermediate 40; a linear of 22 rows), biases too."""
+    e, h, inter, k = 3, 100, 40, 3
+    g = torch.Generator().manual_seed(40 + t)
+    w = ExpertWeights(
+        torch.randn(e, 2 * inter, h, generator=g) * 0.1,
+        torch.randn(e, h, inter, generator=g) * 0.1,
+        torch.randn(e, 2 * inter, generator=g),
+        torch.randn(e, h, generator=g),
+    )
+    b = create_backend("cpu-int8", w, kernel="native")
+    lin = Int8Linear(nn.Linear(h, 22))
+    x = torch.randn(3 * t, h, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(3 * t)])
+    tw = torch.rand(3 * t, k, generator=g)
+    out = {}
+    for name, lib in _libs().items():
+        b._bind(lib)
+        lin._fn = lib.hetserve_qlinear
+        out[name] = (b.forward(x, tw, ids), lin(x))
+    for name, (experts, linear) in out.items():
+        assert torch.equal(out["avx2"][0], experts), name
+        assert torch.equal(out["avx2"][1], linear), name
+    assert out["avx2"][0].abs().max() > 0

@@ -8,6 +8,7 @@ import time
 
 import httpx
 import openai
+import torch
 
 from tests.server.conftest import free_port
 
@@ -56,3 +57,5 @@ def test_serve_process_answers_openai_client(tiny_model, tmp_path):
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert stats.is_file(), out  # routing statistics accumulated while serving, saved at exit
+    # the default placement on a CPU-only machine, said in one line at start-up
+    assert "placement: all-int8 (auto: no accelerator" in out or torch.cuda.is_available(), out

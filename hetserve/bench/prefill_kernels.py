@@ -1,0 +1,102 @@
+"""`bench prefill`'s kernels table: the prefill kernels alone at the model's shapes (random
+weights), each as operations/s and a fraction of the peak of its arithmetic (peaks.py):
+
+- the routed experts of one layer on `cpu-int8` (T tokens routed top-k uniformly at random);
+- the attention's fused q/k/v projection as an `Int8Linear`;
+- causal attention of a T-token prompt (the module path's `sdpa`, fp32).
+
+Best of 3 calls after a warm-up call. The issue's goal for the expert GEMMs (>= 0.5 of the int8
+peak) is read off the first row.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+def _best_seconds(fn, calls: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _row(kernel: str, tokens: int, ops: float, seconds: float, peaks, kind: str) -> dict:
+    gops = ops / seconds / 1e9
+    peak = peaks.gops.get(kind)
+    return {"kernel": kernel, "tokens": tokens, "gops": gops, "peak_kind": kind,
+            "of_peak": gops / peak if peak else None, "seconds": seconds}  # fmt: skip
+
+
+def _experts(cfg: dict, tokens: list[int], threads: int, peaks) -> list[dict]:
+    import torch
+
+    from hetserve.moe.experts import ExpertWeights, create_backend
+
+    h = cfg["hidden_size"]
+    inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    e = cfg.get("num_experts") or cfg.get("num_local_experts")
+    k = cfg["num_experts_per_tok"]
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(e, 2 * inter, h, generator=g) * h**-0.5
+    w2 = torch.randn(e, h, inter, generator=g) * inter**-0.5
+    backend = create_backend("cpu-int8", ExpertWeights(w13, w2), num_threads=threads)
+    del w13, w2
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, h, generator=g)
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+        tw = torch.rand(t, k, generator=g)
+        secs = _best_seconds(lambda x=x, ids=ids, tw=tw: backend.forward(x, tw, ids))
+        name = f"experts cpu-int8 {e}x({h}x{inter}) top-{k}"
+        rows.append(_row(name, t, 2 * t * k * 3 * h * inter, secs, peaks, "int8"))
+    return rows
+
+
+def _linear(cfg: dict, tokens: list[int], peaks) -> list[dict]:
+    import torch
+    from torch import nn
+
+    from hetserve.layers.int8_linear import Int8Linear
+
+    h = cfg["hidden_size"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    n = (cfg["num_attention_heads"] + 2 * cfg.get("num_key_value_heads", 1)) * hd
+    lin = Int8Linear(nn.Linear(h, n, bias=False))
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, h)
+        secs = _best_seconds(lambda x=x: lin(x))
+        rows.append(_row(f"int8 linear qkv {h}->{n}", t, 2 * t * h * n, secs, peaks, "int8"))
+    return rows
+
+
+def _attention(cfg: dict, tokens: list[int], peaks) -> list[dict]:
+    import torch
+
+    from hetserve.layers.attention import sdpa
+
+    h = cfg["hidden_size"]
+    nq, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", 1)
+    hd = cfg.get("head_dim") or h // nq
+    rows = []
+    for t in tokens:
+        q, k, v = torch.randn(t, nq, hd), torch.randn(t, nkv, hd), torch.randn(t, nkv, hd)
+        secs = _best_seconds(lambda q=q, k=k, v=v: sdpa(q, k, v, None, hd**-0.5))
+        ops = 2 * nq * 2 * hd * (t * (t + 1) // 2)
+        rows.append(_row(f"causal attention {nq}/{nkv}x{hd}", t, ops, secs, peaks, "fp32"))
+    return rows
+
+
+def kernel_rows(cfg: dict, tokens_arg: str, threads: int, peaks) -> list[dict]:
+    tokens = [int(x) for x in tokens_arg.split(",") if x.strip()]
+    if not tokens or "kv_lora_rank" in cfg or not cfg.get("num_experts_per_tok"):
+        return []
+    return (
+        _experts(cfg, tokens, threads, peaks)
+        + _linear(cfg, tokens, peaks)
+        + _attention(cfg, tokens, peaks)
+    )

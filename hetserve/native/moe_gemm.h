@@ -1,0 +1,161 @@
+/* GEMM tiles for many tokens against int8 weights (one fp32 scale per row, the quad layout of
+ * moe_quads.h): what prefill runs, where each expert (or linear) sees many tokens and the limit
+ * is arithmetic, not bandwidth.
+ *
+ * The decode microkernel (quad_i8) sums each row's products across the 8 lanes of a vector and
+ * takes 2 tokens at a time, so every 16 inputs it widens 4 rows' weights again and ends every
+ * call with 8 horizontal sums. Here 16 rows of weights are first packed into a panel (per row
+ * strip, once for all of the expert's tokens): their int8 values widened to int16 and stored
+ * "rows in lanes", [K / 2][16 rows][2 inputs], so one 32-bit lane holds a row's pair of inputs.
+ * The microkernel then broadcasts a token's pair of int16 activations to every lane and
+ * multiply-adds it against the panel (vpmaddwd; AVX-512: vpdpwssd, 16 rows per vector): every
+ * lane is one row's running sum, no horizontal sum is needed, and a panel vector loaded once
+ * serves GEMM_NT tokens (6 on AVX2: 12 accumulators in the 16 registers; 12 on AVX-512 with
+ * 32). On AVX2 at 2048 x 512 experts, 2048 tokens: 4 or 5 tokens ran 1.2-1.4x slower than 6;
+ * pinning the accumulators (HS_PIN) made GCC 12 add register copies, ~1.1x slower. The arithmetic is the decode kernel's own: the same int16 x int8 products summed in
+ * int32 and turned into fp32 at the same KBLOCK boundaries. quad_i8's lanes never overflow
+ * (moe_quads.h) and its horizontal sum adds them modulo 2^32; a row's lane here adds the same
+ * products modulo 2^32: the same residue, so both paths give the same bits, always. The choice
+ * between them is only speed (gemm_worth).
+ */
+#ifndef HETSERVE_MOE_GEMM_H
+#define HETSERVE_MOE_GEMM_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "moe_quads.h"
+#include "simd.h"
+
+#define GEMM_ROWS 16 /* rows per panel (a strip): 4 quads */
+#define GEMM_KC 512  /* inputs per microkernel call (the panel chunk: 16 KiB, L1) */
+#ifdef HS_AVX512
+#define GEMM_NT 12 /* tokens per microkernel call */
+#else
+#define GEMM_NT 6
+#endif
+/* Tokens an expert (or a linear call) needs before the tiles beat the decode kernel: the panel
+ * is packed once per strip and the microkernel's tail groups waste lanes below this. */
+#define GEMM_MIN_TOKENS 8
+
+static inline int gemm_worth(int tokens) {
+    return tokens >= GEMM_MIN_TOKENS;
+}
+
+/* Packs the 4 quads q[0..3] (rows 4j..4j+3 of the strip from quad j, each [K / 16][4][16]
+ * int8) into panel [K / 2][16][2] int16. Per quad and 16 inputs: its 4 rows widened to int16
+ * (8 input pairs each, one pair per 32-bit lane), then a 4 x 8 transpose of those lanes. A
+ * NULL quad packs as zeros (read from zero: 64 zero bytes). */
+static inline void gemm_pack_n(const int8_t *const q[4], int K, int16_t *panel,
+                               const int8_t *zero) {
+    for (int c = 0; c < K / 16; c++) {
+        int16_t *dst = panel + (size_t)c * 8 * 2 * GEMM_ROWS;
+        for (int j = 0; j < 4; j++) {
+            const int8_t *s = q[j] ? q[j] + 64 * (size_t)c : zero;
+            const __m256i r0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)s));
+            const __m256i r1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(s + 16)));
+            const __m256i r2 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(s + 32)));
+            const __m256i r3 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(s + 48)));
+            /* lanes: rX = pairs 0..7 of row X; u_i = pairs (i, i + 4) of rows 0..3 */
+            const __m256i t0 = _mm256_unpacklo_epi32(r0, r1), t1 = _mm256_unpackhi_epi32(r0, r1);
+            const __m256i t2 = _mm256_unpacklo_epi32(r2, r3), t3 = _mm256_unpackhi_epi32(r2, r3);
+            const __m256i u[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                                  _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+            for (int i = 0; i < 4; i++) {
+                int16_t *lo = dst + (size_t)i * 2 * GEMM_ROWS + 8 * j;
+                int16_t *hi = dst + (size_t)(i + 4) * 2 * GEMM_ROWS + 8 * j;
+                _mm_storeu_si128((__m128i *)lo, _mm256_castsi256_si128(u[i]));
+                _mm_storeu_si128((__m128i *)hi, _mm256_extracti128_si256(u[i], 1));
+            }
+        }
+    }
+}
+
+static inline void gemm_pack(const int8_t *const q[4], int K, int16_t *panel) {
+    gemm_pack_n(q, K, panel, NULL);
+}
+
+/* c[m][0..15] += sum over input pairs kp in [kp0, kp1) of panel[kp][row] . x[m][2 kp .. +1],
+ * for NT <= GEMM_NT tokens (a compile-time constant where inlined), modulo 2^32. */
+static inline __attribute__((always_inline)) void gemm_tile(const int16_t *panel, int kp0,
+                                                            int kp1, const int16_t *const *x,
+                                                            int32_t *const *c, const int NT) {
+#ifdef HS_AVX512
+    __m512i acc[GEMM_NT];
+#pragma GCC unroll 12
+    for (int m = 0; m < NT; m++) acc[m] = _mm512_loadu_si512(c[m]);
+    for (int kp = kp0; kp < kp1; kp++) {
+        const __m512i w = _mm512_loadu_si512(panel + (size_t)kp * 2 * GEMM_ROWS);
+#pragma GCC unroll 12
+        for (int m = 0; m < NT; m++) {
+            const __m512i xb = _mm512_set1_epi32(*(const int32_t *)(x[m] + 2 * kp));
+            acc[m] = _mm512_dpwssd_epi32(acc[m], w, xb);
+        }
+    }
+#pragma GCC unroll 12
+    for (int m = 0; m < NT; m++) _mm512_storeu_si512(c[m], acc[m]);
+#else
+    __m256i lo[GEMM_NT], hi[GEMM_NT];
+#pragma GCC unroll 6
+    for (int m = 0; m < NT; m++) {
+        lo[m] = _mm256_loadu_si256((const __m256i *)c[m]);
+        hi[m] = _mm256_loadu_si256((const __m256i *)(c[m] + 8));
+    }
+    for (int kp = kp0; kp < kp1; kp++) {
+        const int16_t *p = panel + (size_t)kp * 2 * GEMM_ROWS;
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)p);
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + 16));
+#pragma GCC unroll 6
+        for (int m = 0; m < NT; m++) {
+            const __m256i xb = _mm256_set1_epi32(*(const int32_t *)(x[m] + 2 * kp));
+            lo[m] = _mm256_add_epi32(lo[m], _mm256_madd_epi16(w0, xb));
+            hi[m] = _mm256_add_epi32(hi[m], _mm256_madd_epi16(w1, xb));
+        }
+    }
+#pragma GCC unroll 6
+    for (int m = 0; m < NT; m++) {
+        _mm256_storeu_si256((__m256i *)c[m], lo[m]);
+        _mm256_storeu_si256((__m256i *)(c[m] + 8), hi[m]);
+    }
+#endif
+}
+
+/* gemm_tile for n <= GEMM_NT tokens, n a run-time value (each count its own copy). */
+static inline void gemm_tile_n(const int16_t *panel, int kp0, int kp1, const int16_t *const *x,
+                               int32_t *const *c, int n) {
+    switch (n) {
+#define HS_N(v) case v: gemm_tile(panel, kp0, kp1, x, c, v); break;
+    HS_N(1) HS_N(2) HS_N(3) HS_N(4) HS_N(5) HS_N(6)
+#ifdef HS_AVX512
+    HS_N(7) HS_N(8) HS_N(9) HS_N(10) HS_N(11) HS_N(12)
+#endif
+#undef HS_N
+    default: break;
+    }
+}
+
+/* out[m][r] = the strip's 16 rows against n tokens x[m] (int16 rows of K inputs): exactly
+ * quad_i8's sums, in fp32 (the sum of each KBLOCK inputs' int32 sum, in order). The panel is
+ * read a GEMM_KC chunk at a time for all n tokens, so the chunk stays in L1 while the tokens'
+ * sums wait in isum (scratch [n][16] int32). */
+static inline void gemm_strip(const int16_t *panel, int K, const int16_t *const *x, int n,
+                              int32_t *isum, float *out) {
+    for (int i = 0; i < n * GEMM_ROWS; i++) out[i] = 0.0f;
+    for (int kb = 0; kb < K; kb += KBLOCK) {
+        const int ke = kb + KBLOCK < K ? kb + KBLOCK : K;
+        memset(isum, 0, sizeof(int32_t) * GEMM_ROWS * (size_t)n);
+        for (int k0 = kb; k0 < ke; k0 += GEMM_KC) {
+            const int k1 = k0 + GEMM_KC < ke ? k0 + GEMM_KC : ke;
+            for (int m0 = 0; m0 < n; m0 += GEMM_NT) {
+                const int nt = n - m0 < GEMM_NT ? n - m0 : GEMM_NT;
+                int32_t *c[GEMM_NT];
+                for (int m = 0; m < nt; m++) c[m] = isum + (size_t)(m0 + m) * GEMM_ROWS;
+                gemm_tile_n(panel, k0 / 2, k1 / 2, x + m0, c, nt);
+            }
+        }
+        for (int i = 0; i < n * GEMM_ROWS; i++) out[i] += (float)isum[i];
+    }
+}
+
+#endif

@@ -1,0 +1,118 @@
+/* The routed experts' phases on the GEMM tiles (moe_gemm.h): what a work item of
+ * hetserve_moe_forward runs where its expert has many pairs (prefill) and its weights are int8
+ * with one scale per row. Each item covers whole strips of 16 rows (4 quads, the callers make
+ * items of whole strips); per strip the panel is packed once and met by all of the expert's
+ * pairs, PB at a time (their int16 rows read in place). Out of memory for its scratch, an item
+ * returns -1 having written nothing, and the caller runs it on the quad path. The float steps
+ * after the integer sums
+ * are phase1 / phase2's own (moe_kernels.c), in the same order, so the results are theirs bit
+ * for bit. */
+/* No implicit fused multiply-adds: the decode and GEMM paths round the same float steps the same
+ * way (a contraction GCC chose in one and not the other changed last bits). */
+#pragma GCC optimize("fp-contract=off")
+#include <stdlib.h>
+
+#include "moe_gemm.h"
+#include "moe_job.h"
+
+#define PB 96 /* pairs per block: their sums wait in scratch, their rows stay in L2 */
+
+typedef struct {
+    int16_t *panel[2]; /* [K / 2][16][2] each: gate and up (phase 1) or one (phase 2) */
+    int32_t *isum;     /* [PB][16] */
+    float *out[2];     /* [PB][16] */
+    const int16_t *x[PB];
+} strips_t;
+
+/* Scratch for K inputs, or NULL when out of memory. */
+static char *strips_alloc(strips_t *s, int K) {
+    const size_t panel = (size_t)K * GEMM_ROWS * sizeof(int16_t);
+    const size_t sums = (size_t)PB * GEMM_ROWS * sizeof(float);
+    char *buf = aligned_alloc(64, 2 * panel + 3 * sums);
+    if (buf == NULL) return NULL;
+    s->panel[0] = (int16_t *)buf;
+    s->panel[1] = (int16_t *)(buf + panel);
+    s->isum = (int32_t *)(buf + 2 * panel);
+    s->out[0] = (float *)(buf + 2 * panel + sums);
+    s->out[1] = (float *)(buf + 2 * panel + 2 * sums);
+    return buf;
+}
+
+/* Phase 1 for units (quads of gate rows) [u0, u1) of active expert ai; u0 - ai * per and
+ * u1 - u0 multiples of 4. Quantized W13 stores a gate quad, then its up quad (moe_kernels.c). */
+int hs_phase1_gemm(const job_t *j, int ai, int u0, int u1) {
+    const int H = j->H, I = j->I, per = I / 4;
+    const int e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
+    const int8_t *w = (const int8_t *)j->w13 + (size_t)e * 2 * I * H;
+    const float *s13 = (const float *)j->s13 + (size_t)e * 2 * I;
+    const float *b13 = j->b13 ? j->b13 + (size_t)e * 2 * I : NULL;
+    strips_t s;
+    char *buf = strips_alloc(&s, H);
+    if (buf == NULL) return -1;
+    for (int v = u0 - ai * per; v < u1 - ai * per; v += 4) { /* strip: gate rows 4v .. 4v + 15 */
+        const int i0 = 4 * v;
+        const int8_t *gq[4], *uq[4];
+        for (int q = 0; q < 4; q++) {
+            gq[q] = w + (size_t)(2 * (v + q)) * 4 * H;
+            uq[q] = gq[q] + (size_t)4 * H;
+        }
+        gemm_pack(gq, H, s.panel[0]);
+        gemm_pack(uq, H, s.panel[1]);
+        for (int p0 = 0; p0 < cnt; p0 += PB) {
+            const int n = cnt - p0 < PB ? cnt - p0 : PB;
+            for (int m = 0; m < n; m++) s.x[m] = j->x16 + (size_t)j->tok[off + p0 + m] * H;
+            gemm_strip(s.panel[0], H, s.x, n, s.isum, s.out[0]);
+            gemm_strip(s.panel[1], H, s.x, n, s.isum, s.out[1]);
+            for (int m = 0; m < n; m++) {
+                const int p = off + p0 + m;
+                const float xs = j->xsc[j->tok[p]];
+                float gl[GEMM_ROWS], ul[GEMM_ROWS], wl[GEMM_ROWS];
+                for (int r = 0; r < GEMM_ROWS; r++) {
+                    /* quad_int: the sum times the row's scale, times the token's; phase1: + bias */
+                    const int i = i0 + r, q = r / 4, rr = r % 4;
+                    const float sg = s13[8 * (v + q) + rr], su = s13[8 * (v + q) + 4 + rr];
+                    const float bg = b13 ? b13[i] : 0.0f, bu = b13 ? b13[I + i] : 0.0f;
+                    gl[r] = s.out[0][m * GEMM_ROWS + r] * sg * xs + bg;
+                    ul[r] = s.out[1][m * GEMM_ROWS + r] * su * xs + bu;
+                    wl[r] = j->pw[p];
+                }
+                gate_lanes(j, gl, ul, wl, j->a + (size_t)p * I + i0, GEMM_ROWS);
+            }
+        }
+    }
+    free(buf);
+    return 0;
+}
+
+/* Phase 2 for units (quads of W2 rows) [u0, u1) of active expert ai, whole strips. */
+int hs_phase2_gemm(const job_t *j, int ai, int u0, int u1) {
+    const int H = j->H, I = j->I, per = H / 4;
+    const int e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
+    const int8_t *w = (const int8_t *)j->w2 + (size_t)e * H * I;
+    const float *s2 = (const float *)j->s2 + (size_t)e * H;
+    const float *b2 = j->b2 ? j->b2 + (size_t)e * H : NULL;
+    strips_t s;
+    char *buf = strips_alloc(&s, I);
+    if (buf == NULL) return -1;
+    for (int v = u0 - ai * per; v < u1 - ai * per; v += 4) { /* strip: rows 4v .. 4v + 15 */
+        const int n0 = 4 * v;
+        const int8_t *q[4];
+        for (int k = 0; k < 4; k++) q[k] = w + (size_t)(v + k) * 4 * I;
+        gemm_pack(q, I, s.panel[0]);
+        for (int p0 = 0; p0 < cnt; p0 += PB) {
+            const int n = cnt - p0 < PB ? cnt - p0 : PB;
+            for (int m = 0; m < n; m++) s.x[m] = j->a16 + (size_t)(off + p0 + m) * I;
+            gemm_strip(s.panel[0], I, s.x, n, s.isum, s.out[0]);
+            for (int m = 0; m < n; m++) {
+                const int p = off + p0 + m;
+                const float as = j->asc[p], pw = j->pw[p];
+                float *y = j->y + (size_t)p * H + n0;
+                for (int r = 0; r < GEMM_ROWS; r++)
+                    y[r] = s.out[0][m * GEMM_ROWS + r] * s2[n0 + r] * as +
+                           (b2 ? pw * b2[n0 + r] : 0.0f);
+            }
+        }
+    }
+    free(buf);
+    return 0;
+}
