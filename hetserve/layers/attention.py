@@ -365,7 +365,7 @@ def paged_attention(
         )
     elif d is not None:
         b, n = d.slots.shape
-        k_all, v_all = ctx.kv.gather(layer, d.slots.flatten())
+        k_all, v_all = ctx.kv.gather(layer, d.slots.flatten(), q.dtype)
         args = (q[d.rows], k_all.view(b, n, *k_all.shape[1:]), v_all.view(b, n, *v_all.shape[1:]))
         mask = d.mask_for(window)
         if sinks is None:
@@ -373,7 +373,7 @@ def paged_attention(
         else:
             out[d.rows] = batched_decode_sinks(*args, mask, scale, sinks)
     for s, mask in zip(meta.seqs, meta.seq_masks(window), strict=True):
-        k_all, v_all = ctx.kv.gather(layer, s.kv_slots)
+        k_all, v_all = ctx.kv.gather(layer, s.kv_slots, q.dtype)
         qs = q[s.q_start : s.q_start + s.q_len]
         if sinks is None:
             out[s.q_start : s.q_start + s.q_len] = sdpa(qs, k_all, v_all, mask, scale)
