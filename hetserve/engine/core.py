@@ -84,8 +84,9 @@ class EngineCore:
         states = state_slots(cfg, specs)
         n_states = 0 if states is None else states.num_slots
         kv_dtype = resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype)
+        state_bytes = n_states * state_slot_bytes(specs)
         num_blocks = num_kv_blocks(
-            cfg, self.max_model_len, paged_layout(specs), kv_dtype, n_states * state_slot_bytes(specs)
+            cfg, self.max_model_len, paged_layout(specs), kv_dtype, state_bytes
         )
         self.lora = build_lora_manager(self.model, cfg.lora)  # None: no LoRA code runs at all
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_ids))
