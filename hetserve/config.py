@@ -49,6 +49,10 @@ def _as_enum(obj: object, name: str, cls: type[enum.Enum]) -> None:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}") from None
 
 
+# Values of --kv-cache-dtype (torch dtype names; "auto" is resolved against the model's dtype).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -58,6 +62,9 @@ class CacheConfig:
     kv_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
     hash_seed: str = ""  # an operator's salt in every block's identity
+    # The dtype the paged KV cache stores (the model computes in its own): "auto" = the model's
+    # dtype (see `hetserve.kv.paged.resolve_kv_dtype` for why not 16-bit on CPU yet).
+    kv_cache_dtype: str = "auto"
     # A KV store behind the prefix cache (any hetserve.store spec), and when blocks are saved
     # there: "auto" = write-through of prompt blocks for shared stores (pool, mooncake, redis)
     # plus write-back of blocks about to be evicted; write-back alone for a local store.
@@ -88,6 +95,9 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError("the KV cache size must be positive")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            allowed, got = ", ".join(KV_CACHE_DTYPES), self.kv_cache_dtype
+            raise ValueError(f"kv_cache_dtype must be one of {allowed}, got {got!r}")
         _as_enum(self, "kv_save", KVSave)
         _as_enum(self, "kv_load", KVLoad)
         if self.session_ttl_s < 0:
@@ -354,6 +364,11 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("num_kv_blocks", "cache", "num_blocks", "KV blocks (overrides the size)", int),
     EngineOption(
         "kv_cache_gb", "cache", "kv_cache_bytes", "KV cache size in GiB", float, convert=_gib
+    ),
+    EngineOption(
+        "kv_cache_dtype", "cache", "kv_cache_dtype",
+        "dtype the KV cache is stored in (the model computes in its own); auto: the model's",
+        choices=KV_CACHE_DTYPES,
     ),
     EngineOption(
         "enable_prefix_caching",

@@ -196,5 +196,5 @@ def policy_tiers(tiers: Any) -> dict[str, TierCost]:
 def _kv_bytes_per_block(engine: Any) -> int:
     from hetserve.kv.paged import PagedKVCache
 
-    dtype = next(engine.model.parameters()).dtype
+    dtype = engine.runner.kv.layers[0][0].dtype  # the KV dtype, not the model's
     return PagedKVCache.bytes_per_block(engine.model.kv_cache_spec(), engine.kv.block_size, dtype)

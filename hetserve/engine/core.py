@@ -40,6 +40,7 @@ from hetserve.kv.cache_spec import describe as describe_specs
 from hetserve.kv.handoff import handoff_stats
 from hetserve.kv.loader import Loaders
 from hetserve.kv.manager import KVCacheManager
+from hetserve.kv.paged import resolve_kv_dtype
 from hetserve.kv.tier_policy import CostModel
 from hetserve.kv.tiers import LOAD_POLL_S, TierManager
 from hetserve.model.build import build_model
@@ -87,8 +88,10 @@ class EngineCore:
         specs = self.model.cache_specs()
         states = state_slots(cfg, specs)
         n_states = 0 if states is None else states.num_slots
+        kv_dtype = resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype)
+        state_bytes = n_states * state_slot_bytes(specs)
         num_blocks = num_kv_blocks(
-            cfg, self.max_model_len, paged_layout(specs), dtype, n_states * state_slot_bytes(specs)
+            cfg, self.max_model_len, paged_layout(specs), kv_dtype, state_bytes
         )
         self.lora = build_lora_manager(self.model, cfg.lora)  # None: no LoRA code runs at all
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_ids))
@@ -96,7 +99,7 @@ class EngineCore:
             self.vocab_size, self.max_model_len, self.lora, self.grammars
         )
         lora_batch = None if self.lora is None else self.lora.batch
-        self.runner = ModelRunner(self.model, num_blocks, bs, lora_batch, n_states)
+        self.runner = ModelRunner(self.model, num_blocks, bs, lora_batch, n_states, kv_dtype)
         seed = kv_identity(self.model_dir, self.runner.kv, cfg.cache.hash_seed)
         role = cfg.disagg.role
         _check_state_support(cfg, specs)
@@ -145,6 +148,7 @@ class EngineCore:
         tiers = [] if self.tiers is None else [t.name for t in self.tiers.store.tiers()]
         self._kv_info: dict[str, object] = {
             "block_size": bs,
+            "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
             "hash_seed": seed.hex(),
             "prefix_caching": c.enable_prefix_caching,
             "num_blocks": self.kv.pool.num_usable,

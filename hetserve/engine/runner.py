@@ -41,6 +41,7 @@ class ModelRunner:
         block_size: int,
         lora_batch: LoRABatch | None = None,
         num_state_slots: int = 0,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         model.fused_step = fused_decode.run  # declines wherever it does not apply
@@ -49,7 +50,9 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size
         specs = model.cache_specs()
-        self.kv = PagedKVCache(paged_layout(specs), num_blocks, block_size, self.dtype, self.device)
+        self.kv = PagedKVCache(
+            paged_layout(specs), num_blocks, block_size, kv_dtype or self.dtype, self.device
+        )
         # Linear-attention layers keep a fixed-size state per sequence beside the paged KV.
         self.state: StateCache | None = None
         if has_state(specs):

@@ -229,16 +229,26 @@ def batched_decode_sdpa(
     return out.squeeze(2)
 
 
+# The native decode kernel of each cache dtype (fp16 widened in registers by F16C; bf16 has no
+# kernel yet and takes the gather + SDPA path).
+_DECODE_KERNELS = {
+    torch.float32: "hetserve_paged_decode_attention",
+    torch.float16: "hetserve_paged_decode_attention_f16",
+}
+
+
 def _native_decode_ok(
     q: torch.Tensor, entries: list[torch.Tensor], sinks: torch.Tensor | None = None
 ) -> bool:
+    kernel = _DECODE_KERNELS.get(entries[0].dtype)
     return (
-        q.is_cpu
+        kernel is not None
+        and q.is_cpu
         and q.dtype is torch.float32
-        and all(t.dtype is torch.float32 for t in entries)
+        and all(t.dtype is entries[0].dtype for t in entries)
         and (sinks is None or (sinks.is_cpu and sinks.dtype is torch.float32))
         and envs.native_kernels()
-        and optional_kernel("hetserve_paged_decode_attention") is not None
+        and optional_kernel(kernel) is not None
     )
 
 
@@ -252,14 +262,15 @@ def native_decode_attention(
     sliding_window: int | None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode attention read in place from the paged fp32 cache (hetserve/native/attention.c).
+    """Decode attention read in place from the paged fp32 or fp16 cache
+    (hetserve/native/attention.c).
     q [B, H, D]; k_cache [slots, Hkv, D]; v_cache [slots, Hkv, Dv]; sinks [H] -> [B, H, Dv]."""
     q = q.contiguous()
     b, h, dim = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     out = torch.empty(b, h, dv, dtype=torch.float32)  # CPU fp32 (checked by the caller)
     tables, lens = d.tables.contiguous(), d.lens.contiguous()
-    rc = optional_kernel("hetserve_paged_decode_attention")(
+    rc = optional_kernel(_DECODE_KERNELS[k_cache.dtype])(
         *(torch.get_num_threads(), b, h, hkv, dim, dv, kv.block_size, tables.shape[1]),
         *(sliding_window or 0, kv.num_blocks, scale),
         None if sinks is None else sinks.contiguous().data_ptr(),
@@ -269,6 +280,13 @@ def native_decode_attention(
     if rc != 0:
         raise RuntimeError(f"native decode attention failed (code {rc})")
     return out
+
+
+# The fused q/k norm + rotary + cache write of each cache dtype (fp16 rounded as torch rounds).
+_QK_ROPE_CACHE_KERNELS = {
+    torch.float32: "hetserve_qk_rope_cache",
+    torch.float16: "hetserve_qk_rope_cache_f16",
+}
 
 
 def _qk_rope_cache_fits(q_norm, k_norm, rope, k_cache, v_cache) -> bool:
@@ -283,7 +301,11 @@ def _qk_rope_cache_fits(q_norm, k_norm, rope, k_cache, v_cache) -> bool:
         and all(n.weight.dtype == torch.float32 and n.weight.is_cpu for n in norms)
         and (not norms or q_norm.eps == k_norm.eps)
         and rope.cos.is_cpu
-        and all(t.dtype == torch.float32 and t.is_cpu for t in (k_cache, v_cache))
+        and k_cache.dtype in _QK_ROPE_CACHE_KERNELS
+        and v_cache.dtype is k_cache.dtype
+        and k_cache.is_cpu
+        and v_cache.is_cpu
+        and optional_kernel(_QK_ROPE_CACHE_KERNELS[k_cache.dtype]) is not None
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
     )
@@ -324,7 +346,7 @@ def native_qk_rope_cache(
     q_out = torch.empty(t, nq, dim, dtype=torch.float32)
     has_norm = q_norm is not None
     norm_w = (q_norm.weight.data_ptr(), k_norm.weight.data_ptr()) if has_norm else (None, None)
-    rc = optional_kernel("hetserve_qk_rope_cache")(
+    rc = optional_kernel(_QK_ROPE_CACHE_KERNELS[k_cache.dtype])(
         *(torch.get_num_threads(), t, nq, nkv, dim // 2, int(rope.interleaved)),
         *(q.stride(0), k.stride(0), v.stride(0), rope.cos.shape[0], k_cache.shape[0]),
         q_norm.eps if has_norm else 0.0,
@@ -365,7 +387,7 @@ def paged_attention(
         )
     elif d is not None:
         b, n = d.slots.shape
-        k_all, v_all = ctx.kv.gather(layer, d.slots.flatten())
+        k_all, v_all = ctx.kv.gather(layer, d.slots.flatten(), q.dtype)
         args = (q[d.rows], k_all.view(b, n, *k_all.shape[1:]), v_all.view(b, n, *v_all.shape[1:]))
         mask = d.mask_for(window)
         if sinks is None:
@@ -373,7 +395,7 @@ def paged_attention(
         else:
             out[d.rows] = batched_decode_sinks(*args, mask, scale, sinks)
     for s, mask in zip(meta.seqs, meta.seq_masks(window), strict=True):
-        k_all, v_all = ctx.kv.gather(layer, s.kv_slots)
+        k_all, v_all = ctx.kv.gather(layer, s.kv_slots, q.dtype)
         qs = q[s.q_start : s.q_start + s.q_len]
         if sinks is None:
             out[s.q_start : s.q_start + s.q_len] = sdpa(qs, k_all, v_all, mask, scale)

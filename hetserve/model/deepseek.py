@@ -77,7 +77,7 @@ class MLAttention(nn.Module):
         d = ctx.meta.decode
         if d is not None:
             b, n = d.slots.shape
-            (rows,) = ctx.kv.gather(self.layer_idx, d.slots.flatten())
+            (rows,) = ctx.kv.gather(self.layer_idx, d.slots.flatten(), x.dtype)
             k, v = self._expand(rows, lambda lora: lora.decode_segments(n))
             out[d.rows] = batched_decode_sdpa(
                 q[d.rows],
@@ -87,7 +87,7 @@ class MLAttention(nn.Module):
                 self.scale,
             )
         for j, s in enumerate(ctx.meta.seqs):
-            (rows,) = ctx.kv.gather(self.layer_idx, s.kv_slots)
+            (rows,) = ctx.kv.gather(self.layer_idx, s.kv_slots, x.dtype)
             k, v = self._expand(rows, lambda lora, j=j, n=rows.shape[0]: lora.span_segments(j, n))
             sl = slice(s.q_start, s.q_start + s.q_len)
             out[sl] = sdpa(q[sl], k, v, s.mask, self.scale)

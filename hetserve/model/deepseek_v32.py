@@ -87,7 +87,7 @@ class IndexedMLAttention(MLAttention):
             d = ctx.meta.decode
             out[d.rows] = self._decode(q[d.rows], iq[d.rows], iw[d.rows], ctx)
         for j, s in enumerate(ctx.meta.seqs):
-            rows, keys = ctx.kv.gather(self.layer_idx, s.kv_slots)
+            rows, keys = ctx.kv.gather(self.layer_idx, s.kv_slots, x.dtype)
             sl = slice(s.q_start, s.q_start + s.q_len)
             mask = causal_mask(s.q_len, s.kv_len, None, x.device)
             if mask is None:  # plain causal (a whole prefill, or one token)
@@ -114,12 +114,13 @@ class IndexedMLAttention(MLAttention):
         d = ctx.meta.decode
         b, n = d.slots.shape
         cache_rows, cache_keys = ctx.kv.layers[self.layer_idx]
-        keys = cache_keys.index_select(0, d.slots.flatten()).view(b, n, -1)
+        # widened to q's dtype where the cache is narrower (--kv-cache-dtype)
+        keys = cache_keys.index_select(0, d.slots.flatten()).to(q.dtype).view(b, n, -1)
         valid = d.mask.view(b, n)
         scores = self.indexer.scores(iq.unsqueeze(1), iw.unsqueeze(1), keys).squeeze(1)
         k = min(self.indexer.topk, n)
         top = scores.masked_fill(~valid, float("-inf")).topk(k, dim=-1).indices  # [b, k]
-        picked = cache_rows.index_select(0, d.slots.gather(1, top).flatten())
+        picked = cache_rows.index_select(0, d.slots.gather(1, top).flatten()).to(q.dtype)
         keys_k, values = self._expand(picked, lambda lora: lora.decode_segments(k))
         mask = valid.gather(1, top)[:, None, None, :]
         return batched_decode_sdpa(

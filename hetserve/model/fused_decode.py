@@ -65,6 +65,7 @@ class _Layer(ctypes.Structure):
         ("w13", c_void_p), ("s13", c_void_p), ("w2", c_void_p), ("s2", c_void_p),
         ("b13", c_void_p), ("b2", c_void_p),
         ("gate", _QLin), ("up", _QLin), ("down", _QLin),
+        ("kv_half", c_int),
     ]  # fmt: skip
 
 
@@ -162,7 +163,7 @@ def _attention(layer: nn.Module, i: int, kv, keep: list) -> _Layer | None:
         q_norm=_ptr(attn.q_norm.weight) if norms else None,
         k_norm=_ptr(attn.k_norm.weight) if norms else None,
         cos=_ptr(rope.cos), sin=_ptr(rope.sin), k_cache=_ptr(k_cache), v_cache=_ptr(v_cache),
-        qkv=qkv, o=o,
+        qkv=qkv, o=o, kv_half=int(k_cache.dtype is torch.float16),
     )  # fmt: skip
 
 

@@ -1,4 +1,6 @@
-/* Paged decode attention over fp32 caches on AVX2 + FMA CPUs (hetserve.layers.attention).
+/* Paged decode attention over fp32 or fp16 caches on AVX2 + FMA (+ F16C) CPUs
+ * (hetserve.layers.attention). An fp16 cache (`--kv-cache-dtype float16`) is widened in
+ * registers as it is read: half the bytes stream from memory, the arithmetic stays fp32.
  *
  * One query token per sequence; its context is read straight from the paged cache, with no
  * gather into a padded copy:
@@ -26,19 +28,31 @@ typedef struct {
     int chunks; /* KV-head chunks per sequence: one work item each */
     float scale;
     const float *sinks; /* [H] or NULL */
-    const float *q, *k, *v;
+    const float *q;
+    const void *k, *v; /* float, or uint16_t fp16 bits (item_f16) */
     const int64_t *tables, *lens;
     float *out;
     int err;
 } attn_t;
 
-static inline float dot(const float *a, const float *b, int n) {
+/* 8 cache elements from element i of base: fp32 as is, fp16 widened (F16C). */
+static inline __attribute__((always_inline)) __m256 ld8(const void *base, size_t i, const int half) {
+    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)));
+    return _mm256_loadu_ps((const float *)base + i);
+}
+
+static inline __attribute__((always_inline)) float ld1(const void *base, size_t i, const int half) {
+    return half ? _cvtsh_ss(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+/* a . cache[off, off + n) */
+static inline __attribute__((always_inline)) float dot(const float *a, const void *b, size_t off,
+                                                       int n, const int half) {
     __m256 acc = _mm256_setzero_ps();
     int i = 0;
-    for (; i + 8 <= n; i += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), ld8(b, off + i, half), acc);
     float s = hs_hsum(acc);
-    for (; i < n; i++) s += a[i] * b[i];
+    for (; i < n; i++) s += a[i] * ld1(b, off + i, half);
     return s;
 }
 
@@ -75,12 +89,12 @@ static float softmax_row(float *s, int n, int sink_on, float sink) {
 }
 
 /* Prefetches the cache rows of tokens [j, j + count) (heads [h0, h1)). */
-static inline void prefetch_rows(const float *base, const int64_t *table, int bs, int j, int count,
-                                 int Hkv, int h0, int h1, int D) {
+static inline void prefetch_rows(const void *base, size_t esz, const int64_t *table, int bs, int j,
+                                 int count, int Hkv, int h0, int h1, int D) {
     for (int t = j; t < j + count; t++) {
         const char *row =
-            (const char *)(base + (((size_t)table[t / bs] * bs + t % bs) * Hkv + h0) * D);
-        for (size_t off = 0; off < sizeof(float) * (size_t)(h1 - h0) * D; off += 64)
+            (const char *)base + (((size_t)table[t / bs] * bs + t % bs) * Hkv + h0) * D * esz;
+        for (size_t off = 0; off < esz * (size_t)(h1 - h0) * D; off += 64)
             _mm_prefetch(row + off, _MM_HINT_T0);
     }
 }
@@ -90,18 +104,18 @@ static inline void prefetch_rows(const float *base, const int64_t *table, int bs
  * loops unroll); vrow[j]: offset of token j's V row (first head of the item). */
 static inline __attribute__((always_inline)) void v_block(
     const attn_t *a, const size_t *vrow, const float *s, int n, int j0, int j1, int hb, int G,
-    int d0, float *out, const int HN, const int NV) {
+    int d0, float *out, const int HN, const int NV, const int half) {
     const int Dv = a->Dv;
     __m256 acc[4][4];
     for (int i = 0; i < HN; i++)
         for (int u = 0; u < NV; u++) acc[i][u] = _mm256_loadu_ps(out + (size_t)(hb + i) * Dv + d0 + 8 * u);
     for (int j = j0; j < j1; j++) {
-        const float *vr = a->v + vrow[j] + d0;
+        const size_t vr = vrow[j] + d0;
         for (int i = 0; i < HN; i++) {
-            const float *vh = vr + (size_t)((hb + i) / G) * Dv;
+            const size_t vh = vr + (size_t)((hb + i) / G) * Dv;
             const __m256 w = _mm256_broadcast_ss(s + (size_t)(hb + i) * n + j);
             for (int u = 0; u < NV; u++)
-                acc[i][u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vh + 8 * u), acc[i][u]);
+                acc[i][u] = _mm256_fmadd_ps(w, ld8(a->v, vh + 8 * u, half), acc[i][u]);
         }
     }
     for (int i = 0; i < HN; i++)
@@ -109,7 +123,7 @@ static inline __attribute__((always_inline)) void v_block(
             _mm256_storeu_ps(out + (size_t)(hb + i) * Dv + d0 + 8 * u, acc[i][u]);
 }
 
-static void item(void *ctx, int it) {
+static inline __attribute__((always_inline)) void item_impl(void *ctx, int it, const int half) {
     attn_t *a = (attn_t *)ctx;
     const int G = a->H / a->Hkv, D = a->D, Dv = a->Dv, Hkv = a->Hkv;
     const int b = it / a->chunks, c = it % a->chunks;
@@ -137,21 +151,22 @@ static void item(void *ctx, int it) {
         }
     }
     const float *q = a->q + ((size_t)b * a->H + (size_t)h0 * G) * D;
-    const int pf = (size_t)(h1 - h0) * (D > Dv ? D : Dv) * sizeof(float) <= 1024;
+    const size_t esz = half ? sizeof(uint16_t) : sizeof(float);
+    const int pf = (size_t)(h1 - h0) * (D > Dv ? D : Dv) * esz <= 1024;
     /* Token-major passes: a token's K (then V) rows of all heads are contiguous in the cache,
      * and a block's tokens are too, so each pass streams whole cache lines in order. */
     int j = lo;
     if (D % 8 == 0) /* 8 tokens at a time: their 8 dots per head reduced together */
         for (; j + 8 <= len; j += 8) {
-            const float *kr[8];
+            size_t kr[8]; /* element offsets of the 8 tokens' K rows (head h0) */
             for (int t = 0; t < 8; t++) {
                 size_t slot = (size_t)table[(j + t) / a->bs] * a->bs + (j + t) % a->bs;
-                kr[t] = a->k + (slot * Hkv + h0) * D;
+                kr[t] = (slot * Hkv + h0) * D;
             }
             /* Blocks are scattered: fetch one block ahead where rows are short (long rows
              * make long in-block streams the hardware prefetcher already follows). */
             if (pf && j + 8 + a->bs < len)
-                prefetch_rows(a->k, table, a->bs, j + a->bs, 8, Hkv, h0, h1, D);
+                prefetch_rows(a->k, esz, table, a->bs, j + a->bs, 8, Hkv, h0, h1, D);
             for (int h = 0; h < nh; h++) {
                 const float *qh = q + (size_t)h * D;
                 const size_t kh = (size_t)(h / G) * D;
@@ -160,7 +175,7 @@ static void item(void *ctx, int it) {
                 for (int d = 0; d < D; d += 8) {
                     __m256 qv = _mm256_loadu_ps(qh + d);
                     for (int t = 0; t < 8; t++)
-                        acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[t] + kh + d), acc[t]);
+                        acc[t] = _mm256_fmadd_ps(qv, ld8(a->k, kr[t] + kh + d, half), acc[t]);
                 }
                 _mm256_storeu_ps(s + (size_t)h * n + (j - lo),
                                  _mm256_mul_ps(hs_hsum8(acc), _mm256_set1_ps(a->scale)));
@@ -168,9 +183,10 @@ static void item(void *ctx, int it) {
         }
     for (; j < len; j++) {
         size_t slot = (size_t)table[j / a->bs] * a->bs + j % a->bs;
-        const float *kr = a->k + (slot * Hkv + h0) * D;
+        const size_t kr = (slot * Hkv + h0) * D;
         for (int h = 0; h < nh; h++)
-            s[(size_t)h * n + (j - lo)] = dot(q + (size_t)h * D, kr + (size_t)(h / G) * D, D) * a->scale;
+            s[(size_t)h * n + (j - lo)] =
+                dot(q + (size_t)h * D, a->k, kr + (size_t)(h / G) * D, D, half) * a->scale;
     }
     for (int h = 0; h < nh; h++) {
         float *p = s + (size_t)h * n;
@@ -191,21 +207,37 @@ static void item(void *ctx, int it) {
             int d0 = 0;
             for (; d0 + 32 <= Dv; d0 += 32) {
                 if (hn == 4)
-                    v_block(a, vrow, s, n, j0, j1, hb, G, d0, out, 4, 4);
+                    v_block(a, vrow, s, n, j0, j1, hb, G, d0, out, 4, 4, half);
                 else
-                    v_block(a, vrow, s, n, j0, j1, hb, G, d0, out, hn, 4);
+                    v_block(a, vrow, s, n, j0, j1, hb, G, d0, out, hn, 4, half);
             }
-            for (; d0 + 8 <= Dv; d0 += 8) v_block(a, vrow, s, n, j0, j1, hb, G, d0, out, hn, 1);
+            for (; d0 + 8 <= Dv; d0 += 8) v_block(a, vrow, s, n, j0, j1, hb, G, d0, out, hn, 1, half);
             for (; d0 < Dv; d0++)
                 for (int i = 0; i < hn; i++) {
                     float acc = out[(size_t)(hb + i) * Dv + d0];
                     for (int j = j0; j < j1; j++)
-                        acc += s[(size_t)(hb + i) * n + j] * a->v[vrow[j] + (hb + i) / G * Dv + d0];
+                        acc += s[(size_t)(hb + i) * n + j] * ld1(a->v, vrow[j] + (hb + i) / G * Dv + d0, half);
                     out[(size_t)(hb + i) * Dv + d0] = acc;
                 }
         }
     }
     free(s);
+}
+
+/* One specialised copy per cache element type (the constant folds every ld8/ld1 branch). */
+static void item_f32(void *ctx, int it) { item_impl(ctx, it, 0); }
+static void item_f16(void *ctx, int it) { item_impl(ctx, it, 1); }
+
+static int run(int nthreads, int B, int H, int Hkv, int D, int Dv, int bs, int W, int window,
+               int num_blocks, float scale, const float *sinks, const float *q, const void *k,
+               const void *v, const int64_t *tables, const int64_t *lens, float *out, int half) {
+    if (Hkv <= 0 || H % Hkv != 0) return -3;
+    /* Whole sequences per item when there are plenty; else split the KV heads too. */
+    int chunks = B >= 4 * nthreads ? 1 : Hkv;
+    attn_t a = {H, Hkv, D, Dv, bs, W, window, num_blocks, chunks, scale, sinks, q, k, v, tables,
+                lens, out, 0};
+    hs_parallel_for(nthreads, B * chunks, half ? item_f16 : item_f32, &a);
+    return a.err;
 }
 
 /* q [B, H, D]; k [num_blocks * bs, Hkv, D]; v [num_blocks * bs, Hkv, Dv]; tables [B, W];
@@ -216,11 +248,16 @@ int hetserve_paged_decode_attention(int nthreads, int B, int H, int Hkv, int D, 
                                     int W, int window, int num_blocks, float scale,
                                     const float *sinks, const float *q, const float *k, const float *v,
                                     const int64_t *tables, const int64_t *lens, float *out) {
-    if (Hkv <= 0 || H % Hkv != 0) return -3;
-    /* Whole sequences per item when there are plenty; else split the KV heads too. */
-    int chunks = B >= 4 * nthreads ? 1 : Hkv;
-    attn_t a = {H, Hkv, D, Dv, bs, W, window, num_blocks, chunks, scale, sinks, q, k, v, tables,
-                lens, out, 0};
-    hs_parallel_for(nthreads, B * chunks, item, &a);
-    return a.err;
+    return run(nthreads, B, H, Hkv, D, Dv, bs, W, window, num_blocks, scale, sinks, q, k, v, tables,
+               lens, out, 0);
+}
+
+/* The same over an fp16 cache: k, v hold IEEE half bits. */
+int hetserve_paged_decode_attention_f16(int nthreads, int B, int H, int Hkv, int D, int Dv, int bs,
+                                        int W, int window, int num_blocks, float scale,
+                                        const float *sinks, const float *q, const uint16_t *k,
+                                        const uint16_t *v, const int64_t *tables,
+                                        const int64_t *lens, float *out) {
+    return run(nthreads, B, H, Hkv, D, Dv, bs, W, window, num_blocks, scale, sinks, q, k, v, tables,
+               lens, out, 1);
 }

@@ -34,6 +34,17 @@ int hetserve_qk_rope_cache(int nthreads, int T, int nq, int nkv, int half, int i
                            const float *kw, const float *cos, const float *sin,
                            const int64_t *positions, const int64_t *slots, float *q_out,
                            float *k_cache, float *v_cache);
+int hetserve_qk_rope_cache_f16(int nthreads, int T, int nq, int nkv, int half, int interleaved,
+                               long sq, long sk, long sv, int max_pos, long num_slots, float eps,
+                               const float *q, const float *k, const float *v, const float *qw,
+                               const float *kw, const float *cos, const float *sin,
+                               const int64_t *positions, const int64_t *slots, float *q_out,
+                               uint16_t *k_cache, uint16_t *v_cache);
+int hetserve_paged_decode_attention_f16(int nthreads, int B, int H, int Hkv, int D, int Dv, int bs,
+                                        int W, int window, int num_blocks, float scale,
+                                        const float *sinks, const float *q, const uint16_t *k,
+                                        const uint16_t *v, const int64_t *tables,
+                                        const int64_t *lens, float *out);
 int hetserve_paged_decode_attention(int nthreads, int B, int H, int Hkv, int D, int Dv, int bs,
                                     int W, int window, int num_blocks, float scale,
                                     const float *sinks, const float *q, const float *k,
@@ -63,7 +74,7 @@ typedef struct {
     long num_slots;
     float eps, qk_eps, scale;
     const float *in_norm, *post_norm, *q_norm, *k_norm, *cos, *sin;
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache; /* fp32, or fp16 bits where kv_half */
     hs_qlin_t qkv, o;
     int ffn;
     /* FFN_EXPERTS: the router [E, hidden] fp32 and hetserve_moe_forward's arguments */
@@ -74,6 +85,7 @@ typedef struct {
     const float *b13, *b2;
     /* FFN_DENSE: down(silu(gate(x)) * up(x)) */
     hs_qlin_t gate, up, down;
+    int kv_half; /* the KV cache holds fp16 (--kv-cache-dtype float16) */
 } hs_layer_t;
 
 static int qlin(const hs_qlin_t *l, int nthreads, int T, const float *x, float *out) {
@@ -91,6 +103,33 @@ static void add_rows(float *x, const float *y, size_t n) {
     for (; i < n; i++) x[i] += y[i];
 }
 
+/* The attention head (norms, rotary, KV write) then decode attention, over the layer's fp32 or
+ * fp16 cache. Returns 0, -4 for a position or slot out of range, or the attention's code. */
+static int attend(const hs_layer_t *L, int nthreads, int B, const float *qkv, const float *k,
+                  const float *v, const int64_t *positions, const int64_t *slots, float *q,
+                  const int64_t *tables, int width, const int64_t *lens, float *att) {
+    const int D = L->head_dim, n = L->qkv.n, half = D / 2;
+    if (L->kv_half) {
+        if (hetserve_qk_rope_cache_f16(nthreads, B, L->nq, L->nkv, half, L->interleaved, n, n, n,
+                                       L->max_pos, L->num_slots, L->qk_eps, qkv, k, v, L->q_norm,
+                                       L->k_norm, L->cos, L->sin, positions, slots, q,
+                                       L->k_cache, L->v_cache))
+            return -4;
+        return hetserve_paged_decode_attention_f16(nthreads, B, L->nq, L->nkv, D, D,
+                                                   L->block_size, width, 0, L->num_blocks,
+                                                   L->scale, NULL, q, L->k_cache, L->v_cache,
+                                                   tables, lens, att);
+    }
+    if (hetserve_qk_rope_cache(nthreads, B, L->nq, L->nkv, half, L->interleaved, n, n, n,
+                               L->max_pos, L->num_slots, L->qk_eps, qkv, k, v, L->q_norm,
+                               L->k_norm, L->cos, L->sin, positions, slots, q, L->k_cache,
+                               L->v_cache))
+        return -4;
+    return hetserve_paged_decode_attention(nthreads, B, L->nq, L->nkv, D, D, L->block_size, width,
+                                           0, L->num_blocks, L->scale, NULL, q, L->k_cache,
+                                           L->v_cache, tables, lens, att);
+}
+
 /* One layer on x [B, hidden] in place; buf is scratch of decode_scratch() floats, ids room for
  * the router's B x top_k expert ids. */
 static int layer_step(const hs_layer_t *L, int nthreads, int B, float *x,
@@ -104,14 +143,7 @@ static int layer_step(const hs_layer_t *L, int nthreads, int B, float *x,
     hetserve_rms_norm(nthreads, B, H, L->eps, x, L->in_norm, xn);
     if ((rc = qlin(&L->qkv, nthreads, B, xn, qkv))) return rc;
     const float *k = qkv + (size_t)L->nq * D, *v = k + (size_t)L->nkv * D;
-    if (hetserve_qk_rope_cache(nthreads, B, L->nq, L->nkv, D / 2, L->interleaved, nqkv, nqkv,
-                               nqkv, L->max_pos, L->num_slots, L->qk_eps, qkv, k, v, L->q_norm,
-                               L->k_norm, L->cos, L->sin, positions, slots, q, L->k_cache,
-                               L->v_cache))
-        return -4;
-    if ((rc = hetserve_paged_decode_attention(nthreads, B, L->nq, L->nkv, D, D, L->block_size,
-                                              width, 0, L->num_blocks, L->scale, NULL, q,
-                                              L->k_cache, L->v_cache, tables, lens, att)))
+    if ((rc = attend(L, nthreads, B, qkv, k, v, positions, slots, q, tables, width, lens, att)))
         return rc;
     if ((rc = qlin(&L->o, nthreads, B, att, y))) return rc;
     add_rows(x, y, (size_t)B * H);

@@ -223,22 +223,39 @@ void hetserve_router_logits(int nthreads, int T, int E, int H, const float *x, c
  * qw / kw NULL: no per-head norm (Qwen3 has one, Llama not). Rotary angles are read from the
  * tables cos / sin [max_pos, half] at positions[t]. One call instead of ~8 torch ops and 4 module
  * calls per layer (at decode the per-op cost dominates this work). Returns 0, or -1 (writing
- * nothing) if a slot is outside [0, num_slots) or a position outside [0, max_pos). */
+ * nothing) if a slot is outside [0, num_slots) or a position outside [0, max_pos).
+ * hetserve_qk_rope_cache_f16 writes an fp16 cache (--kv-cache-dtype float16): the same rows
+ * rounded to nearest-even, as torch's .to(float16) rounds them. */
 typedef struct {
-    int T, nq, nkv, half, interleaved, tokens_per_item;
+    int T, nq, nkv, half, interleaved, tokens_per_item, kv_half;
     long sq, sk, sv;
     float eps;
     const float *q, *k, *v, *qw, *kw, *cos, *sin;
     const int64_t *positions, *slots;
-    float *q_out, *k_cache, *v_cache;
+    float *q_out;
+    void *k_cache, *v_cache; /* float, or uint16_t fp16 bits (kv_half) */
 } qkv_t;
+
+/* n floats into the cache at element i: copied, or rounded to fp16 bits. */
+static void put_row(void *cache, size_t i, const float *x, int n, int kv_half) {
+    if (!kv_half) {
+        memcpy((float *)cache + i, x, sizeof(float) * n);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + i;
+    int j = 0;
+    for (; j + 8 <= n; j += 8)
+        _mm_storeu_si128((__m128i *)(dst + j),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT));
+    for (; j < n; j++) dst[j] = _cvtss_sh(x[j], _MM_FROUND_TO_NEAREST_INT);
+}
 
 static void qkv_rows(void *ctx, int it) {
     const qkv_t *a = (const qkv_t *)ctx;
     const int t0 = it * a->tokens_per_item;
     const int t1 = t0 + a->tokens_per_item < a->T ? t0 + a->tokens_per_item : a->T;
     const int half = a->half, dim = 2 * half, nkv = a->nkv;
-    float tmp[dim];
+    float tmp[dim], row[dim];
     for (int t = t0; t < t1; t++) {
         const float *c = a->cos + a->positions[t] * half, *s = a->sin + a->positions[t] * half;
         const size_t slot = (size_t)a->slots[t];
@@ -250,10 +267,28 @@ static void qkv_rows(void *ctx, int it) {
         for (int h = 0; h < nkv; h++) {
             const float *x = a->k + t * a->sk + (size_t)h * dim;
             if (a->kw) norm_row(x, a->kw, dim, a->eps, tmp), x = tmp;
-            rope_head(x, c, s, half, a->interleaved, a->k_cache + (slot * nkv + h) * dim);
+            rope_head(x, c, s, half, a->interleaved, row);
+            put_row(a->k_cache, (slot * nkv + h) * dim, row, dim, a->kv_half);
         }
-        memcpy(a->v_cache + slot * nkv * dim, a->v + t * a->sv, sizeof(float) * nkv * dim);
+        put_row(a->v_cache, slot * nkv * dim, a->v + t * a->sv, nkv * dim, a->kv_half);
     }
+}
+
+static int qk_rope_cache(int nthreads, int T, int nq, int nkv, int half, int interleaved, long sq,
+                         long sk, long sv, int max_pos, long num_slots, float eps, const float *q,
+                         const float *k, const float *v, const float *qw, const float *kw,
+                         const float *cos, const float *sin, const int64_t *positions,
+                         const int64_t *slots, float *q_out, void *k_cache, void *v_cache,
+                         int kv_half) {
+    for (int t = 0; t < T; t++)
+        if (positions[t] < 0 || positions[t] >= max_pos || slots[t] < 0 || slots[t] >= num_slots)
+            return -1;
+    int per = (64 << 10) / ((nq + 2 * nkv) * half * 8);
+    per = per < 1 ? 1 : per;
+    qkv_t a = {T, nq, nkv, half, interleaved, per, kv_half, sq, sk, sv, eps, q, k, v, qw, kw,
+               cos, sin, positions, slots, q_out, k_cache, v_cache};
+    hs_parallel_for(nthreads, (T + per - 1) / per, qkv_rows, &a);
+    return 0;
 }
 
 int hetserve_qk_rope_cache(int nthreads, int T, int nq, int nkv, int half, int interleaved,
@@ -262,15 +297,20 @@ int hetserve_qk_rope_cache(int nthreads, int T, int nq, int nkv, int half, int i
                            const float *kw, const float *cos, const float *sin,
                            const int64_t *positions, const int64_t *slots, float *q_out,
                            float *k_cache, float *v_cache) {
-    for (int t = 0; t < T; t++)
-        if (positions[t] < 0 || positions[t] >= max_pos || slots[t] < 0 || slots[t] >= num_slots)
-            return -1;
-    int per = (64 << 10) / ((nq + 2 * nkv) * half * 8);
-    per = per < 1 ? 1 : per;
-    qkv_t a = {T, nq, nkv, half, interleaved, per, sq, sk, sv, eps, q, k, v, qw, kw,
-               cos, sin, positions, slots, q_out, k_cache, v_cache};
-    hs_parallel_for(nthreads, (T + per - 1) / per, qkv_rows, &a);
-    return 0;
+    return qk_rope_cache(nthreads, T, nq, nkv, half, interleaved, sq, sk, sv, max_pos, num_slots,
+                         eps, q, k, v, qw, kw, cos, sin, positions, slots, q_out, k_cache, v_cache,
+                         0);
+}
+
+int hetserve_qk_rope_cache_f16(int nthreads, int T, int nq, int nkv, int half, int interleaved,
+                               long sq, long sk, long sv, int max_pos, long num_slots, float eps,
+                               const float *q, const float *k, const float *v, const float *qw,
+                               const float *kw, const float *cos, const float *sin,
+                               const int64_t *positions, const int64_t *slots, float *q_out,
+                               uint16_t *k_cache, uint16_t *v_cache) {
+    return qk_rope_cache(nthreads, T, nq, nkv, half, interleaved, sq, sk, sv, max_pos, num_slots,
+                         eps, q, k, v, qw, kw, cos, sin, positions, slots, q_out, k_cache, v_cache,
+                         1);
 }
 
 /* Block copies of the KV tiers (engine/kv_store.py: a victim-cache stage or unstage): for

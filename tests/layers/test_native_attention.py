@@ -20,9 +20,9 @@ pytestmark = pytest.mark.skipif(
 BS = 16
 
 
-def _setup(b, hkv, g, d, dv, window, seed=0, max_len=150, num_blocks=200):
+def _setup(b, hkv, g, d, dv, window, seed=0, max_len=150, num_blocks=200, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
-    kv = PagedKVCache([[(hkv, d), (hkv, dv)]], num_blocks, BS, torch.float32, "cpu")
+    kv = PagedKVCache([[(hkv, d), (hkv, dv)]], num_blocks, BS, dtype, "cpu")
     for t in kv.layers[0]:
         t.copy_(torch.randn(t.shape, generator=gen))
     lens = torch.randint(1, max_len, (b,), generator=gen).tolist()
@@ -39,7 +39,7 @@ def _setup(b, hkv, g, d, dv, window, seed=0, max_len=150, num_blocks=200):
 
 def _reference(kv, d, q, scale):
     b, n = d.slots.shape
-    k, v = kv.gather(0, d.slots.flatten())
+    k, v = kv.gather(0, d.slots.flatten(), torch.float32)  # an fp16 cache's exact values
     return batched_decode_sdpa(
         q, k.view(b, n, *k.shape[1:]), v.view(b, n, *v.shape[1:]), d.mask, scale
     )
@@ -55,8 +55,9 @@ def _reference(kv, d, q, scale):
         (1, 8, 1, 8, 8, None),
     ],
 )
-def test_matches_gather_then_sdpa(b, hkv, g, d, dv, window):
-    kv, dec, q = _setup(b, hkv, g, d, dv, window)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # --kv-cache-dtype
+def test_matches_gather_then_sdpa(b, hkv, g, d, dv, window, dtype):
+    kv, dec, q = _setup(b, hkv, g, d, dv, window, dtype=dtype)
     scale = d**-0.5
     ref = _reference(kv, dec, q, scale)
     out = native_decode_attention(q, *kv.layers[0], dec, kv, scale, window)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 BS = 8
 
 
-def _layer(nq, nkv, d, qk_norm, interleaved, seed):
+def _layer(nq, nkv, d, qk_norm, interleaved, seed, kv_dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     norms = (None, None)
     if qk_norm:
@@ -30,7 +30,7 @@ def _layer(nq, nkv, d, qk_norm, interleaved, seed):
             n.weight.copy_(torch.rand(d, generator=g) + 0.5)
     rope = RotaryEmbedding(d, 64, RopeConfig(theta=10000.0), interleaved=interleaved)
     attn = SimpleNamespace(layer_idx=0, q_norm=norms[0], k_norm=norms[1], rotary=[rope])
-    kv = PagedKVCache([[(nkv, d), (nkv, d)]], 12, BS, torch.float32, "cpu")
+    kv = PagedKVCache([[(nkv, d), (nkv, d)]], 12, BS, kv_dtype, "cpu")
     # a prefill chunk of 5 tokens and two decodes, in blocks out of order
     meta = build_metadata([(0, 5, [3]), (20, 1, [7, 2, 9]), (9, 1, [4, 11])], BS, "cpu")
     qkv = torch.randn(meta.positions.shape[0], (nq + 2 * nkv) * d, generator=g)
@@ -40,8 +40,9 @@ def _layer(nq, nkv, d, qk_norm, interleaved, seed):
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("nq,nkv,d", [(4, 2, 16), (6, 1, 24), (3, 3, 10)])
-def test_fused_equals_module_path(qk_norm, interleaved, nq, nkv, d):
-    attn, (qn, kn), rope, ctx, qkv = _layer(nq, nkv, d, qk_norm, interleaved, nq * d)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])  # --kv-cache-dtype
+def test_fused_equals_module_path(qk_norm, interleaved, nq, nkv, d, kv_dtype):
+    attn, (qn, kn), rope, ctx, qkv = _layer(nq, nkv, d, qk_norm, interleaved, nq * d, kv_dtype)
     t = qkv.shape[0]
     q, k, v = qkv.split((nq * d, nkv * d, nkv * d), dim=-1)  # strided column views
     q_rot = native_qk_rope_cache(attn, q, k, v, ctx)
@@ -56,8 +57,11 @@ def test_fused_equals_module_path(qk_norm, interleaved, nq, nkv, d):
     q_ref, k_ref = rope(q_ref, pos), rope(k_ref, pos)
     ctx.kv.write(0, ctx.meta.slot_mapping, k_ref, v.reshape(t, nkv, d))
     torch.testing.assert_close(q_rot, q_ref, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(k_cache, ctx.kv.layers[0][0], rtol=1e-6, atol=1e-6)
-    assert torch.equal(v_cache, ctx.kv.layers[0][1])  # V is copied bit for bit
+    # fp16: both round to nearest-even; an fp32 ulp apart before rounding may land one fp16
+    # ulp apart (1e-3 relative)
+    tol = 1e-6 if kv_dtype is torch.float32 else 1e-3
+    torch.testing.assert_close(k_cache, ctx.kv.layers[0][0], rtol=tol, atol=tol)
+    assert torch.equal(v_cache, ctx.kv.layers[0][1])  # V is copied (or rounded) bit for bit
     written = set(ctx.meta.slot_mapping.tolist())
     untouched = [s for s in range(k_cache.shape[0]) if s not in written]
     assert not k_cache[untouched].any() and not v_cache[untouched].any()

@@ -54,13 +54,14 @@ def _generate(llm: LLM) -> list[tuple[list[int], list[float]]]:
 
 
 @pytest.mark.parametrize(
-    ("family", "shape", "experts"),
-    [("qwen3-moe", MOE, "cpu-int8"), ("qwen3-moe", MOE, "cpu-int4"),
-     ("qwen3-moe", {**MOE, "norm_topk_prob": False}, "cpu-int8"),
-     ("llama", DENSE, None), ("qwen2", DENSE, None)],
+    ("family", "shape", "experts", "kv_dtype"),
+    [("qwen3-moe", MOE, "cpu-int8", "auto"), ("qwen3-moe", MOE, "cpu-int4", "auto"),
+     ("qwen3-moe", {**MOE, "norm_topk_prob": False}, "cpu-int8", "auto"),
+     ("qwen3-moe", MOE, "cpu-int8", "float16"),  # an fp16 KV cache: the C side converts
+     ("llama", DENSE, None, "auto"), ("qwen2", DENSE, None, "auto")],
 )  # fmt: skip
 def test_fused_step_gives_the_modules_results(
-    tiny_model, monkeypatch, tmp_path, family, shape, experts
+    tiny_model, monkeypatch, tmp_path, family, shape, experts, kv_dtype
 ):
     if experts:
         rules = _all_int8_rules(experts)
@@ -68,7 +69,7 @@ def test_fused_step_gives_the_modules_results(
         rules = str(tmp_path / "int8.yaml")
         with open(rules, "w") as f:
             yaml.safe_dump({"rules": [INT8_LINEARS]}, f)
-    llm = LLM(str(tiny_model(family, overrides=shape)), placement=rules)
+    llm = LLM(str(tiny_model(family, overrides=shape)), placement=rules, kv_cache_dtype=kv_dtype)
     spy = _Spy(monkeypatch, llm)
     fused = _generate(llm)
     assert spy.fused == 7  # every decode step after the prefill (the batch decodes together)
