@@ -125,7 +125,11 @@ class TrainKV:
     def write(self, layer: int, slots: torch.Tensor, *tensors: torch.Tensor) -> None:
         self._rows[layer] = tensors
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def gather(
+        self, layer: int, slots: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """The rows as written (the forward's own dtype: `dtype`, the paged cache's widening
+        to the compute dtype, has nothing to widen here)."""
         start = int(slots[0])  # spans are contiguous row ranges (slots live on the CPU)
         return tuple(t.narrow(0, start, slots.shape[0]) for t in self._rows[layer])
 

@@ -26,9 +26,14 @@ def model(tiny_model):
     return tiny_model("qwen3-moe", lm_head_scale=4.0)
 
 
+# fp32 everywhere (placement "device"): a prefix loaded from a tier must give the logprobs of
+# computing it, which int8 activations' rounding would blur across chunk shapes.
+EXACT = {"placement": "device"}
+
+
 @pytest.fixture(scope="module")
 def reference(model):
-    llm = LLM(model, max_model_len=256)
+    llm = LLM(model, max_model_len=256, **EXACT)
     return {
         name: llm.generate(prompt_token_ids=p, sampling_params=PARAMS)[0]
         for name, p in (("A", A), ("B", B), ("C", C))
@@ -36,7 +41,7 @@ def reference(model):
 
 
 def engine(model, spec: str, **options) -> LLM:
-    return LLM(model, max_model_len=256, num_kv_blocks=40, kv_store=spec, **options)
+    return LLM(model, max_model_len=256, num_kv_blocks=40, kv_store=spec, **{**EXACT, **options})
 
 
 def generate(llm: LLM, prompt: list[int], rid: str = "r"):
@@ -327,7 +332,7 @@ def test_a_sessions_blocks_stay_in_the_dram_tier_while_it_is_live(model):
 
 def test_blocks_evicted_a_moment_ago_come_back_from_the_victim_cache(model, reference):
     # 12 device blocks: B's prefill evicts A's cached blocks, which are staged on the way out.
-    llm = LLM(model, max_model_len=128, num_kv_blocks=12, kv_store="local://?dram=64M")
+    llm = LLM(model, max_model_len=128, num_kv_blocks=12, kv_store="local://?dram=64M", **EXACT)
     try:
         force_loads(llm)
         generate(llm, A, "a")
