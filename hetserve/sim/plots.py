@@ -55,39 +55,33 @@ def _lines(
 
 
 def _ttft_vs_rate(plt: Any, runs: list[Run]) -> Any:
-    lines = _lines(
-        runs, "rate", lambda r: r.summary["ttft_s"]["mean"], ("policy", "admission", "cache")
-    )
-    if not lines:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, points in lines.items():
-        ax.plot(*zip(*points, strict=True), marker="o", label=label)
-    ax.set(
-        xlabel="arrival rate (x the trace's)",
-        ylabel="mean TTFT (s)",
-        yscale="log",
+    return _line_plot(
+        plt, runs, "rate", lambda r: r.summary["ttft_s"]["mean"], ("policy", "admission", "cache"),
+        xlabel="arrival rate (x the trace's)", ylabel="mean TTFT (s)", yscale="log",
         title="TTFT against load",
-    )
-    ax.legend(fontsize="small")
-    return fig
+    )  # fmt: skip
 
 
 def _hit_vs_cache(plt: Any, runs: list[Run]) -> Any:
-    lines = _lines(
-        runs, "cache_tokens", lambda r: 100 * r.summary["cache_hit_rate"], ("policy", "cache")
-    )
+    return _line_plot(
+        plt, runs, "cache_tokens", lambda r: 100 * r.summary["cache_hit_rate"], ("policy", "cache"),
+        xlabel="KV cache per prefill instance (tokens)", ylabel="cache hit rate (%)",
+        xscale="log", title="Hit rate against cache size",
+    )  # fmt: skip
+
+
+def _line_plot(
+    plt: Any, runs: list[Run], x: str, y: Any, keys: tuple[str, ...], **axes: str
+) -> Any:
+    """A line per `keys` of the runs' `y` against their parameter `x`; None without a line of
+    two points or more."""
+    lines = _lines(runs, x, y, keys)
     if not lines:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, points in lines.items():
         ax.plot(*zip(*points, strict=True), marker="o", label=label)
-    ax.set(
-        xlabel="KV cache per prefill instance (tokens)",
-        ylabel="cache hit rate (%)",
-        xscale="log",
-        title="Hit rate against cache size",
-    )
+    ax.set(**axes)
     ax.legend(fontsize="small")
     return fig
 
