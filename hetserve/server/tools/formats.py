@@ -78,11 +78,13 @@ class Llama3JsonParser:
         return Parsed(calls=calls)
 
 
-class DeepSeekV3Parser:
-    SECTION = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
-    CALL = ("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>")
-    SEP = "<｜tool▁sep｜>"
-    FENCE = ("```json\n", "\n```")
+class _SectionParser:
+    """Calls inside a section of call blocks (DeepSeek-V3's and Kimi-K2's formats): text outside
+    the sections is content; each block is read by the subclass's `_call`, and the first that
+    cannot be read yet ends the list."""
+
+    SECTION: tuple[str, str]
+    CALL: tuple[str, str]
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         self.tools = tools or []
@@ -99,6 +101,16 @@ class DeepSeekV3Parser:
                     break
                 calls.append(call)
         return Parsed(content="".join(outside), calls=calls)
+
+    def _call(self, body: str, done: bool) -> ToolCall | None:
+        raise NotImplementedError
+
+
+class DeepSeekV3Parser(_SectionParser):
+    SECTION = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+    CALL = ("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>")
+    SEP = "<｜tool▁sep｜>"
+    FENCE = ("```json\n", "\n```")
 
     def _call(self, body: str, done: bool) -> ToolCall | None:
         if self.SEP not in body:
@@ -120,29 +132,18 @@ class DeepSeekV3Parser:
         return ToolCall(name.strip(), rest.rstrip("`\n") if done else cut(rest, False, (close,)))
 
 
-class KimiK2Parser:
+class KimiK2Parser(_SectionParser):
     SECTION = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
     CALL = ("<|tool_call_begin|>", "<|tool_call_end|>")
     ARGS = "<|tool_call_argument_begin|>"
 
-    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
-        self.tools = tools or []
-
-    def parse(self, text: str, final: bool) -> Parsed:
-        outside, sections = split_blocks(text, *self.SECTION)
-        if not sections or sections[-1][1]:
-            outside[-1] = cut(outside[-1], final, (self.SECTION[0],))
-        calls: list[ToolCall] = []
-        for section, closed in sections:
-            for body, done in split_blocks(section, *self.CALL)[1]:
-                if self.ARGS not in body:
-                    break
-                call_id, args = body.split(self.ARGS, 1)
-                call_id = call_id.strip()
-                name = call_id.removeprefix("functions.").rsplit(":", 1)[0]
-                args = args.strip() if (final or closed or done) else cut(args, False, self.CALL)
-                calls.append(ToolCall(name, args, call_id))
-        return Parsed(content="".join(outside), calls=calls)
+    def _call(self, body: str, done: bool) -> ToolCall | None:
+        if self.ARGS not in body:
+            return None
+        call_id, args = body.split(self.ARGS, 1)
+        call_id = call_id.strip()
+        name = call_id.removeprefix("functions.").rsplit(":", 1)[0]
+        return ToolCall(name, args.strip() if done else cut(args, False, self.CALL), call_id)
 
 
 class Glm45Parser:
