@@ -28,7 +28,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -76,6 +76,7 @@ class Conductor:
         self.holdings = holdings or (lambda hashes: {})
         self.decision_log: Any = None  # sim.decisions.DecisionLog: every decision, replayable
         self.request_log: Any = None  # sim.trace.RequestLogWriter: hetserve sim's trace format
+        self._pending_logs: dict[str, tuple[Any, float]] = {}  # request id -> (record, arrival)
         # The KV index's size per instance and medium, for /metrics (None: no index).
         self.index_blocks: Callable[[], dict[str, dict[str, int]]] | None = None
         self.started = time.monotonic()
@@ -107,7 +108,11 @@ class Conductor:
             return encoded
         return [t for t in prompt or [] if isinstance(t, int)]
 
-    def decide(self, path: str, body: Mapping[str, Any]) -> tuple[Decision, RequestInfo]:
+    def decide(
+        self, path: str, body: Mapping[str, Any], arrived: float | None = None
+    ) -> tuple[Decision, RequestInfo]:
+        """Route one request (`arrived`: its `time.perf_counter()` on arrival, for the TTFT
+        the request log records; None: now)."""
         ids = self.prompt_ids(path, body)
         hashes = hash_prefix_digests(ids, self.cluster.block_size, (), self.cluster.hash_seed)
         limit = body.get("max_tokens") or body.get("max_completion_tokens") or 0
@@ -123,12 +128,17 @@ class Conductor:
         if self.decision_log is not None:
             self.decision_log.record(view, req, now, decision)
         if self.request_log is not None:
-            self._log_request(ids, body, decision, now, req.request_id)
+            record = self._log_record(ids, body, decision, now, req.request_id)
+            if decision.rejected:
+                self.request_log.write(record)
+            else:  # written once the answer starts, with the TTFT the cluster gave
+                t0 = time.perf_counter() if arrived is None else arrived
+                self._pending_logs[req.request_id] = (record, t0)
         return decision, req
 
-    def _log_request(
+    def _log_record(
         self, ids: list[int], body: Mapping[str, Any], d: Decision, now: float, request_id: str
-    ) -> None:
+    ) -> Any:
         from hetserve.sim.trace import log_record
 
         limit = body.get("max_tokens") or body.get("max_completion_tokens") or 0
@@ -139,6 +149,18 @@ class Conductor:
             now - self.started, ids, max(1, int(limit) if isinstance(limit, int) else 0),
             self.cluster.block_size, (), self.cluster.hash_seed, **extra,
         )  # fmt: skip
+        return record
+
+    def _log_answer(self, request_id: str, first_token: bool) -> None:
+        """The request's answer started (`first_token`: a stream's first chunk) or ended
+        without one: its log record goes out, with the TTFT measured here where there is one
+        (routing, the hops and the instances' work: what a client of the cluster waits)."""
+        pending = self._pending_logs.pop(request_id, None)
+        if pending is None or self.request_log is None:
+            return
+        record, t0 = pending
+        if first_token:
+            record = replace(record, ttft_ms=(time.perf_counter() - t0) * 1e3)
         self.request_log.write(record)
 
     async def route(self, path: str, raw: bytes, request: Request) -> Response:
@@ -149,7 +171,7 @@ class Conductor:
                 raise ValueError("not an object")
         except ValueError:
             return _error(400, "request body is not a JSON object", "invalid_request_error")
-        decision, req = self.decide(path, body)
+        decision, req = self.decide(path, body, arrived=t0)
         if decision.rejected:
             self._count("rejected")
             retry = str(int(decision.retry_after_s or 1))
@@ -224,10 +246,11 @@ class Conductor:
                 self._count("retried")
                 other = self._fallback(name)
                 if attempt or other is None:
+                    self._log_answer(request_id, first_token=False)
                     return _error(503, f"no instance could take the request: {exc}", "server_error")
                 name, body = other, {k: v for k, v in body.items() if k != "kv_handoff"}
                 continue
-            return await self._relay(resp, request, d, t0)
+            return await self._relay(resp, request, d, t0, request_id)
         raise AssertionError("unreachable")
 
     def _fallback(self, down: str) -> str | None:
@@ -236,7 +259,7 @@ class Conductor:
         return min(alive, key=lambda i: (i.state().running_decodes, i.name)).name if alive else None
 
     async def _relay(
-        self, resp: httpx.Response, request: Request, d: Decision, t0: float
+        self, resp: httpx.Response, request: Request, d: Decision, t0: float, request_id: str
     ) -> Response:
         headers = {k: v for k, v in resp.headers.items()
                    if k.lower() in ("content-type", "x-request-id", "retry-after")}  # fmt: skip
@@ -244,6 +267,7 @@ class Conductor:
             data = await resp.aread()
             await resp.aclose()
             self._observe(d, time.monotonic() - t0)
+            self._log_answer(request_id, first_token=False)
             return Response(data, status_code=resp.status_code, headers=headers)
         first = True
 
@@ -253,12 +277,14 @@ class Conductor:
                 async for chunk in resp.aiter_raw():
                     if first:
                         self._observe(d, time.monotonic() - t0)
+                        self._log_answer(request_id, first_token=resp.status_code == 200)
                         first = False
                     yield chunk
             except httpx.HTTPError as exc:  # the instance died mid-stream
                 err = {"error": {"message": f"the instance failed: {exc}", "type": "server_error"}}
                 yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
             finally:
+                self._log_answer(request_id, first_token=False)  # no-op once written
                 await resp.aclose()
 
         return StreamingResponse(chunks(), status_code=resp.status_code, headers=headers)

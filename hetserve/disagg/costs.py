@@ -9,8 +9,13 @@ I/O but `save_profile` / `load_profile`.
 - `DecodeFit`: seconds of one decode step of `batch` sequences holding `context` tokens in all,
   `d0 + d1 * batch + d2 * context`: the weights streamed once a step, per-sequence work, and
   the KV cache read once a step.
-- `InstanceProfile`: both fits, the KV bytes per token, and the read cost of each tier the
-  instance can load a prefix from (the KV tiers' own `TierCost`, probed by the instance).
+- `DeliveryFit`: seconds a client waits beyond the prefill's compute on an idle deployment,
+  `overhead_s + per_token_s * prompt tokens`: HTTP and tokenization, the KV hand-off to a
+  decode instance and its admission, the first token's way back. Measured through a running
+  server or cluster (`hetserve profile --through URL`); an engine-only profile has none.
+- `InstanceProfile`: both fits, the KV bytes per token, the read cost of each tier the
+  instance can load a prefix from (the KV tiers' own `TierCost`, probed by the instance), and
+  the delivery fit where one was measured.
 
 `fit_prefill` and `fit_decode` are ordinary least squares on measured samples (non-negative
 coefficients), and `fit_error` is the mean relative error on samples the fit did not see: the
@@ -28,12 +33,13 @@ the Conductor read; `profile_to_dict` / `profile_from_dict`, the only I/O in `sa
      "tiers": {"dram": {"latency_s": 0.0, "bandwidth": 1.28e11},
                "pool": {"latency_s": 0.001, "bandwidth": 8.7e10}},
      "capacity": {"device_kv_tokens": 1330000, "host_kv_tokens": 3000000},
+     "delivery": {"overhead_s": 0.005, "per_token_s": 7e-06, "fit_error": 0.1},
      "samples": {"prefill": [[new, cached, seconds], ...], "decode": [[batch, context, s], ...]},
      "machine": {...}}
 
-Seconds and bytes per second throughout. `fit_error`, `capacity`, `samples` and `machine` are
-optional (`machine` is free-form, for people); any other key, a missing one, or a negative or
-non-numeric value is a ValueError naming the field.
+Seconds and bytes per second throughout. `fit_error`, `capacity`, `delivery`, `samples` and
+`machine` are optional (`machine` is free-form, for people); any other key, a missing one, or
+a negative or non-numeric value is a ValueError naming the field.
 """
 
 from __future__ import annotations
@@ -80,6 +86,16 @@ class DecodeFit:
 
 
 @dataclass(frozen=True)
+class DeliveryFit:
+    overhead_s: float  # seconds per request, whatever its length
+    per_token_s: float  # seconds per prompt token (the KV handed over grows with it)
+    fit_error: float | None = None  # mean absolute error over the probes, seconds
+
+    def seconds(self, tokens: int) -> float:
+        return self.overhead_s + self.per_token_s * max(tokens, 0)
+
+
+@dataclass(frozen=True)
 class InstanceProfile:
     """One hardware/model combination, as `hetserve profile` measures it."""
 
@@ -90,6 +106,11 @@ class InstanceProfile:
     tiers: Mapping[str, TierCost] = field(default_factory=dict)  # tier -> read cost
     prefill_fit_error: float | None = None  # mean relative error on held-out samples
     decode_fit_error: float | None = None
+    delivery: DeliveryFit | None = None  # None: an engine-only profile (nothing added)
+
+    def delivery_seconds(self, tokens: int) -> float:
+        """What the client waits beyond the prefill compute for a prompt of `tokens`."""
+        return 0.0 if self.delivery is None else self.delivery.seconds(tokens)
 
     def load_seconds(self, tier: str, tokens: int) -> float | None:
         """Reading `tokens` tokens' KV from `tier` (None: a tier this instance cannot read)."""
@@ -164,6 +185,17 @@ def fit_prefill(samples: Sequence[PrefillSample]) -> PrefillFit:
     return PrefillFit(c0, c1, c2)
 
 
+def fit_delivery(samples: Sequence[tuple[int, float]]) -> DeliveryFit:
+    """`overhead_s + per_token_s * tokens` through (prompt tokens, seconds beyond the prefill's
+    predicted compute) samples: unweighted least squares, both terms >= 0 (a residual is an
+    absolute wait, so a short prompt's noise counts as much as a long one's)."""
+    if len(samples) < 2:
+        raise ValueError(f"a delivery fit needs at least 2 samples, got {len(samples)}")
+    a, b = _lstsq([[1.0, float(n)] for n, _ in samples], [s for _, s in samples])
+    err = sum(abs(a + b * n - s) for n, s in samples) / len(samples)
+    return DeliveryFit(a, b, err)
+
+
 def fit_decode(samples: Sequence[DecodeSample]) -> DecodeFit:
     if not samples:
         raise ValueError("a decode fit needs at least 1 sample, got 0")
@@ -201,13 +233,13 @@ def held_out(
 PROFILE_FORMAT = "hetserve-profile"
 PROFILE_VERSION = 1
 _PROFILE_KEYS = {"format", "version", "name", "kv_bytes_per_token", "prefill", "decode", "tiers"}
-_PROFILE_OPTIONAL = {"capacity", "samples", "machine"}
+_PROFILE_OPTIONAL = {"capacity", "delivery", "samples", "machine"}
 
 
 def profile_to_dict(profile: InstanceProfile, **extra: Any) -> dict[str, Any]:
     """The JSON form of `profile`; `extra` adds the optional sections (`capacity`,
-    `samples`, `machine`)."""
-    unknown = set(extra) - _PROFILE_OPTIONAL
+    `samples`, `machine`; `delivery` comes from the profile itself)."""
+    unknown = set(extra) - (_PROFILE_OPTIONAL - {"delivery"})
     if unknown:
         raise ValueError(f"profile: unknown section(s) {sorted(unknown)}")
     p, d = profile.prefill, profile.decode
@@ -233,6 +265,13 @@ def profile_to_dict(profile: InstanceProfile, **extra: Any) -> dict[str, Any]:
             for t, c in profile.tiers.items()
         },
     }
+    if profile.delivery is not None:
+        v = profile.delivery
+        out["delivery"] = {
+            "overhead_s": v.overhead_s,
+            "per_token_s": v.per_token_s,
+            "fit_error": v.fit_error,
+        }
     return {**out, **extra}
 
 
@@ -276,6 +315,18 @@ def profile_from_dict(data: Mapping[str, Any]) -> InstanceProfile:
         tiers=costs,
         prefill_fit_error=_opt_num(pre, "fit_error", "profile.prefill.fit_error"),
         decode_fit_error=_opt_num(dec, "fit_error", "profile.decode.fit_error"),
+        delivery=_delivery(data),
+    )
+
+
+def _delivery(data: Mapping[str, Any]) -> DeliveryFit | None:
+    if data.get("delivery") is None:
+        return None
+    sec = _section(data, "delivery")
+    return DeliveryFit(
+        _num(sec, "overhead_s", "profile.delivery.overhead_s"),
+        _num(sec, "per_token_s", "profile.delivery.per_token_s"),
+        _opt_num(sec, "fit_error", "profile.delivery.fit_error"),
     )
 
 

@@ -223,7 +223,10 @@ class Router:
         prof, bs, n = inst.profile, view.block_size, req.num_tokens
         fit = prof.prefill
         usable = (n - 1) // bs  # the last token is always computed (its logits are needed)
+        # What the client waits beside the compute (HTTP, hand-off, the first token's way
+        # back): the same wherever the prefix comes from, so it shifts every option alike.
         queue = fit.queue_seconds(inst.queued_prefill_tokens, inst.queued_requests)
+        queue += prof.delivery_seconds(n)
         best_ttft, best_k, best_tier = queue + fit.seconds(n, 0), 0, ""
         own = view.holdings.get(inst.name)
         held = own.blocks if own is not None else {}

@@ -27,6 +27,7 @@ class Job:
     # What happened.
     load_s: float = 0.0
     compute_s: float = 0.0
+    delivery_s: float = 0.0  # the client's wait beyond the compute (the profile's delivery fit)
     prefill_start: float | None = None
     prefill_end: float | None = None
     kv_arrival: float | None = None
@@ -42,7 +43,9 @@ class Job:
 
     @property
     def ttft(self) -> float | None:
-        return None if self.prefill_end is None else self.prefill_end - self.arrival
+        if self.prefill_end is None:
+            return None
+        return self.prefill_end - self.arrival + self.delivery_s
 
     @property
     def decode_tokens(self) -> int:

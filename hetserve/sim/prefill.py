@@ -3,9 +3,10 @@ prefill nodes take them (each request's prompt chunked and pipelined inside the 
 
 A request's service is loading its cached prefix (its own DRAM at the host-to-device rate, the
 rest pulled from the pool at the network rate), then computing the new tokens given the
-cached context: the instance's `PrefillFit`, the same model the Conductor predicts with. What
-the simulator adds to the prediction is the real queue (the policy sees only its linear part)
-and where the prefix truly lies.
+cached context: the instance's `PrefillFit`, the same model the Conductor predicts with; its
+TTFT adds the profile's delivery fit, which occupies no instance. What the simulator adds to
+the prediction is the real queue (the policy sees only its linear part) and where the prefix
+truly lies.
 
 Who calls it: the event loop (`loop.py`), which owns the clock.
 """
@@ -57,6 +58,7 @@ class PrefillInstance:
             load += prof.load_seconds(POOL, job.pool_blocks * bs) or 0.0
         job.load_s = load
         job.compute_s = prof.prefill.seconds(job.new_tokens, job.cached_tokens)
+        job.delivery_s = prof.delivery_seconds(job.input_length)
         job.prefill_start = now
         self.running = job
         return now + load + job.compute_s

@@ -109,9 +109,10 @@ def read_trace(path: str, param: str = "--trace") -> list[TraceRecord]:
 def read_cluster_logs(directory: str, param: str = "--trace") -> list[TraceRecord]:
     """A cluster's request logs (`hetserve cluster up --log-requests DIR`) as one trace: the
     Conductor's records (arrivals on its one clock, prompts, rejections, priorities) joined by
-    `request_id` with what the instances measured: TTFT, TBT and the output length where the
-    stream was served (decode-N or both-N), cached tokens where the prompt was computed
-    (prefill-N or both-N). A request no instance logged (refused, failed) keeps no measurement.
+    `request_id` with what the instances measured: TTFT (the Conductor's own where it has
+    one), TBT and the output length where the stream was served (decode-N or both-N), cached
+    tokens where the prompt was computed (prefill-N or both-N). A request nobody measured
+    (refused, failed) keeps no measurement.
     Errors: as `read_trace`, and a directory without conductor.jsonl."""
     d = Path(directory)
     if not (d / "conductor.jsonl").is_file():
@@ -139,7 +140,9 @@ def read_cluster_logs(directory: str, param: str = "--trace") -> list[TraceRecor
             replace(
                 rec,
                 output_length=s.output_length if s is not None else rec.output_length,
-                ttft_ms=s.ttft_ms if s is not None else None,
+                # The Conductor's own TTFT where it logged one (what the cluster's client
+                # waited), else the serving instance's.
+                ttft_ms=rec.ttft_ms if rec.ttft_ms is not None else s.ttft_ms if s else None,
                 tbt_ms=s.tbt_ms if s is not None else None,
                 cached_tokens=c.cached_tokens if c is not None else None,
             )

@@ -168,6 +168,10 @@ def test_a_restarted_conductor_rebuilds_its_index_and_routes_to_the_holder(clust
 
 def test_every_part_logged_its_requests_for_the_simulator(cluster):
     _, endpoint, _, logs = cluster
+    SENT[endpoint] = SENT.get(endpoint, 0) + 1  # one streamed: the Conductor times its TTFT
+    body = {"prompt": prefix(77), "max_tokens": 3, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", endpoint + "/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200 and "[DONE]" in r.read().decode()
     sent = SENT[endpoint]
 
     def lines(name: str) -> int:
@@ -184,6 +188,12 @@ def test_every_part_logged_its_requests_for_the_simulator(cluster):
     assert sum(r.cached_tokens for r in joined) >= (sent - 3) * PREFIX_TOKENS // 2
     decoded = {r.request_id: r for r in read_trace(str(logs / "decode-0.jsonl"))}
     assert all(decoded[r.request_id].hash_ids == r.hash_ids for r in joined)
+    # The streamed request's TTFT is the Conductor's (it waited for the instance's and more);
+    # an unstreamed answer has no first token to time there.
+    timed = [r for r in read_trace(str(logs / "conductor.jsonl")) if r.ttft_ms is not None]
+    assert len(timed) == 1
+    streamed = next(r for r in joined if r.request_id == timed[0].request_id)
+    assert streamed.ttft_ms == timed[0].ttft_ms >= decoded[streamed.request_id].ttft_ms
 
 
 def test_the_conductor_reports_its_own_routing_time(cluster):

@@ -6,6 +6,7 @@ import pytest
 
 from hetserve.disagg.costs import (
     DecodeFit,
+    DeliveryFit,
     InstanceProfile,
     PrefillFit,
     fit_decode,
@@ -57,6 +58,21 @@ def test_kvcentric_prefers_the_holder_and_predicts_its_ttft():
     assert d.prefill == "p1" and d.cached_tokens == 60 * BS and d.pull is None
     assert d.predicted_ttft_s == pytest.approx(PREFILL.seconds(1601 - 960, 960))
     assert d.scores["p0"] == pytest.approx(PREFILL.seconds(1601))
+
+
+def test_a_measured_delivery_adds_to_every_prediction_and_changes_no_choice():
+    timed = InstanceProfile(
+        "timed", PREFILL, DECODE, KV_PER_TOKEN, TIERS, delivery=DeliveryFit(0.004, 1e-6)
+    )
+    cluster = [InstanceState(i.name, i.role, timed) for i in CLUSTER]
+    plain = route(CLUSTER, REQ, {"p1": {"device": 60}}, policy="kvcentric")
+    d = route(cluster, REQ, {"p1": {"device": 60}}, policy="kvcentric")
+    assert (d.prefill, d.decode, d.cached_tokens) == (
+        plain.prefill,
+        plain.decode,
+        plain.cached_tokens,
+    )
+    assert d.predicted_ttft_s == pytest.approx(plain.predicted_ttft_s + 0.004 + 1e-6 * 1601)
 
 
 def test_kvcentric_queue_outweighs_a_prefix():

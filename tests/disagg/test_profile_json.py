@@ -8,8 +8,10 @@ import pytest
 
 from hetserve.disagg.costs import (
     DecodeFit,
+    DeliveryFit,
     InstanceProfile,
     PrefillFit,
+    fit_delivery,
     load_profile,
     profile_from_dict,
     profile_to_dict,
@@ -73,3 +75,25 @@ def test_an_unmeasured_fit_error_is_written_as_null(tmp_path):
     data = json.loads(path.read_text())
     data["prefill"]["fit_error"] = math.nan  # a file written by an older version
     assert profile_from_dict(data).prefill_fit_error is None
+
+
+def test_a_delivery_fit_round_trips_and_is_checked(tmp_path):
+    timed = replace(PROFILE, delivery=DeliveryFit(0.005, 7e-6, 0.001))
+    path = tmp_path / "p.json"
+    save_profile(str(path), timed)
+    assert load_profile(str(path))[0] == timed
+    data = profile_to_dict(timed)
+    data["delivery"]["per_token_s"] = -1.0
+    with pytest.raises(ValueError, match="profile.delivery.per_token_s"):
+        profile_from_dict(data)
+    assert "delivery" not in profile_to_dict(PROFILE)  # an engine-only profile has none
+
+
+def test_fit_delivery_recovers_a_line_and_needs_two_samples():
+    fit = fit_delivery([(n, 0.004 + 5e-6 * n) for n in (16, 256, 1024, 2048)])
+    assert fit.overhead_s == pytest.approx(0.004) and fit.per_token_s == pytest.approx(5e-6)
+    assert fit.seconds(100) == pytest.approx(0.0045)
+    # Noise below the compute prediction cannot make a term negative.
+    assert min(fit_delivery([(16, -0.002), (2048, 0.001)]).__dict__.values()) >= 0
+    with pytest.raises(ValueError, match="at least 2"):
+        fit_delivery([(16, 0.01)])

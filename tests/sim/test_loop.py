@@ -4,9 +4,11 @@ determinism."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
+from hetserve.disagg.costs import DeliveryFit
 from hetserve.disagg.policy import RouterConfig
 from hetserve.sim.loop import SimConfig, Simulation
 from tests.sim.conftest import BS, hardware, random_records
@@ -114,3 +116,25 @@ def test_the_pool_serves_what_no_local_cache_has():
     assert sum(j.pool_blocks for j in local.jobs) == 0
     assert sum(j.pool_blocks for j in pooled.jobs) > 0
     assert sum(j.cached_tokens for j in pooled.jobs) > sum(j.cached_tokens for j in local.jobs)
+
+
+def test_a_delivery_fit_lengthens_ttft_and_occupies_no_instance():
+    records = random_records(120, seed=4)
+    plain_hw = hardware()
+    timed_hw = replace(
+        plain_hw, profile=replace(plain_hw.profile, delivery=DeliveryFit(0.004, 2e-6))
+    )
+    runs = []
+    for hw in (plain_hw, timed_hw):
+        cfg = SimConfig(RouterConfig(), [hw] * 2, [hw] * 2, cache="global", block_tokens=BS)
+        runs.append(Simulation(records, cfg).run())
+    for a, b in zip(runs[0].jobs, runs[1].jobs, strict=True):
+        # The prefill side is untouched (the decode side may choose otherwise: it expects the
+        # request later).
+        assert (a.prefill, a.prefill_start, a.prefill_end) == (
+            b.prefill,
+            b.prefill_start,
+            b.prefill_end,
+        )
+        assert a.ttft is not None and b.ttft is not None
+        assert b.ttft == pytest.approx(a.ttft + 0.004 + 2e-6 * a.input_length)
