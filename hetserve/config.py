@@ -52,6 +52,8 @@ def _as_enum(obj: object, name: str, cls: type[enum.Enum]) -> None:
 # Values of --kv-cache-dtype (torch dtype names; "auto" is resolved against the model's dtype).
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
+CPU_KV_CAP_BYTES = 2 << 30  # the KV budget on CPU when none is given (CacheConfig below)
+
 
 @dataclass(frozen=True)
 class CacheConfig:

@@ -1,7 +1,8 @@
 """The Conductor: an OpenAI-compatible front door that routes each request across prefill and
 decode instances by predicted time to first token, and refuses early what would miss its SLO.
 
-Who calls it: `hetserve conductor` (entrypoints/conductor.py) builds the app; clients speak
+Who calls it: `hetserve conductor` (entrypoints/conductor.py) builds it and its HTTP face
+(`server/conductor_app.py`, which hands each request to `Conductor.route`); clients speak
 OpenAI to it (`/v1/completions`, `/v1/chat/completions`, streaming passed through, `/v1/models`,
 `/health`, `/metrics`). For each request it tokenizes the prompt as the instances do, hashes its
 blocks with the cluster's KV identity, asks the KV index which instance holds which prefix in
@@ -32,8 +33,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hetserve.disagg.instances import Cluster
 from hetserve.disagg.policy import Decision, RequestInfo, Router
@@ -75,7 +76,7 @@ class Conductor:
         self.cluster, self.router, self.tok, self.config = cluster, router, tokenizer, config
         self.holdings = holdings or (lambda hashes: {})
         self.decision_log: Any = None  # sim.decisions.DecisionLog: every decision, replayable
-        self.request_log: Any = None  # sim.trace.RequestLogWriter: hetserve sim's trace format
+        self.request_log: Any = None  # core.trace_record.RequestLogWriter (hetserve sim's)
         self._pending_logs: dict[str, tuple[Any, float]] = {}  # request id -> (record, arrival)
         # The KV index's size per instance and medium, for /metrics (None: no index).
         self.index_blocks: Callable[[], dict[str, dict[str, int]]] | None = None
@@ -139,7 +140,7 @@ class Conductor:
     def _log_record(
         self, ids: list[int], body: Mapping[str, Any], d: Decision, now: float, request_id: str
     ) -> Any:
-        from hetserve.sim.trace import log_record
+        from hetserve.core.trace_record import log_record
 
         limit = body.get("max_tokens") or body.get("max_completion_tokens") or 0
         extra: dict[str, Any] = {"rejected": d.rejected, "priority": int(body.get("priority") or 0),
@@ -301,68 +302,3 @@ def _text(content: Any) -> str:
     if isinstance(content, list):
         return "".join(p.get("text", "") for p in content if isinstance(p, dict))
     return ""
-
-
-def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
-    from hetserve.server.app import Guard
-
-    app = FastAPI(title="hetserve conductor", docs_url=None, redoc_url=None)
-    app.add_middleware(Guard, api_key=conductor.config.api_key, max_body_bytes=8 << 20)
-    app.state.conductor = conductor
-
-    @app.get("/health")
-    async def health():
-        rows = conductor.cluster.status()
-        ok = any(r["healthy"] for r in rows)
-        return JSONResponse({"status": "ok" if ok else "degraded", "instances": rows},
-                            status_code=200 if ok else 503)  # fmt: skip
-
-    @app.get("/v1/models")
-    async def models():
-        card = {**conductor.cluster.model_card, "id": model_name, "object": "model",
-                "created": int(time.time()), "owned_by": "hetserve"}  # fmt: skip
-        card.pop("root", None)  # an instance's path means nothing to the Conductor's clients
-        return {"object": "list", "data": [card]}
-
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics():
-        return PlainTextResponse(render_metrics(conductor))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await conductor.route("/v1/completions", await request.body(), request)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await conductor.route("/v1/chat/completions", await request.body(), request)
-
-    return app
-
-
-def render_metrics(c: Conductor) -> str:
-    lines = ["# TYPE hetserve_conductor_requests_total counter"]
-    for what, n in sorted(c.counts.items()):
-        lines.append(f'hetserve_conductor_requests_total{{outcome="{what}"}} {n}')
-    if c.ttft:
-        err = sum(abs(m - p) / m for p, m in c.ttft if m > 0) / len(c.ttft)
-        lines += [
-            "# TYPE hetserve_conductor_ttft_prediction_error gauge",
-            f"hetserve_conductor_ttft_prediction_error {err:.6f}",
-        ]
-    if c.routing:
-        done = sorted(c.routing)
-        lines.append("# TYPE hetserve_conductor_routing_seconds summary")
-        for q in (0.5, 0.99):
-            v = done[min(len(done) - 1, int(q * len(done)))]
-            lines.append(f'hetserve_conductor_routing_seconds{{quantile="{q}"}} {v:.6f}')
-        lines.append(f"hetserve_conductor_routing_seconds_count {len(done)}")
-    if c.index_blocks is not None:
-        lines.append("# TYPE hetserve_conductor_index_blocks gauge")
-        for name, media in sorted(c.index_blocks().items()):
-            for medium, n in sorted(media.items()):
-                lines.append(f'hetserve_conductor_index_blocks{{instance="{name}",'
-                             f'medium="{medium}"}} {n}')  # fmt: skip
-    for row in c.cluster.status():
-        lines.append(f'hetserve_conductor_instance_up{{instance="{row["name"]}",'
-                     f'role="{row["role"]}"}} {int(row["healthy"])}')  # fmt: skip
-    return "\n".join(lines) + "\n"

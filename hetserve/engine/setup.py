@@ -13,13 +13,11 @@ from pathlib import Path
 
 import torch
 
-from hetserve.config import EngineConfig
+from hetserve.config import CPU_KV_CAP_BYTES, EngineConfig
 from hetserve.errors import InvalidInputError
 from hetserve.kv.cache_spec import LayerCacheSpec, has_state
 from hetserve.kv.paged import KVCacheSpec, PagedKVCache
 from hetserve.kv.state_slots import StateSlots
-
-CPU_KV_CAP_BYTES = 2 << 30  # KV budget when none is given
 
 
 def resolve_model_dir(model: str | None) -> Path:

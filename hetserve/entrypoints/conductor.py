@@ -79,12 +79,13 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
     import uvicorn
 
     from hetserve.config import Role
-    from hetserve.disagg.conductor import Conductor, ConductorConfig, create_conductor_app
+    from hetserve.disagg.conductor import Conductor, ConductorConfig
     from hetserve.disagg.instances import Cluster
     from hetserve.disagg.kv_subscriber import KVEventSubscriber
     from hetserve.disagg.policy import Router, RouterConfig
     from hetserve.engine.setup import resolve_model_dir
     from hetserve.model.tokenizer import Tokenizer
+    from hetserve.server.conductor_app import create_conductor_app
 
     urls = [(u.rstrip("/"), Role.PREFILL) for u in args.prefill]
     urls += [(u.rstrip("/"), Role.DECODE) for u in args.decode]
@@ -119,7 +120,7 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
     )
     conductor.index_blocks = index.block_counts
     if args.log_requests:
-        from hetserve.sim.trace import RequestLogWriter
+        from hetserve.core.trace_record import RequestLogWriter
 
         conductor.request_log = RequestLogWriter(args.log_requests)
     if args.log_decisions:

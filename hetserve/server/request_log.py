@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from hetserve.core.outputs import RequestOutput
-from hetserve.sim.trace import RequestLogWriter, log_record
+from hetserve.core.trace_record import RequestLogWriter, log_record
 
 log = logging.getLogger(__name__)
 

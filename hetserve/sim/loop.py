@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from hetserve.core.trace_record import TraceRecord
 from hetserve.disagg.policy import (
     POOL,
     ClusterView,
@@ -35,7 +36,7 @@ from hetserve.sim.decode import DecodeInstance
 from hetserve.sim.hardware import CacheNode, Hardware
 from hetserve.sim.jobs import Job
 from hetserve.sim.prefill import PrefillInstance
-from hetserve.sim.trace import TraceRecord, coarsen
+from hetserve.sim.trace import coarsen
 
 ARRIVAL, PREFILL_DONE, KV_ARRIVED, DECODE_BOUNDARY = range(4)
 

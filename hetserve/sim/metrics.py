@@ -23,9 +23,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from hetserve.core.trace_record import TraceRecord
 from hetserve.sim.jobs import Job
 from hetserve.sim.loop import SimResult
-from hetserve.sim.trace import TraceRecord
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float | None]:

@@ -12,13 +12,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from hetserve.core.trace_record import TraceRecord
 from hetserve.disagg.policy import RouterConfig
 from hetserve.sim.cache import ReplicaLog
 from hetserve.sim.hardware import CacheNode
 from hetserve.sim.loop import DecisionHook, SimConfig, SimResult, Simulation
 from hetserve.sim.metrics import summarize, twin
 from hetserve.sim.options import Pool
-from hetserve.sim.trace import TraceRecord
 
 REPLICA_RANKS = (10, 100, 1000, 10000)
 REPLICA_EVERY_S = 30.0  # the paper samples replica counts every 30 s (Fig. 11)

@@ -21,11 +21,12 @@ engine's blocks (`block_ids`), and it adds:
   served from a cache), `rejected` (true when the request was refused), `priority`.
 
 Who calls it: the simulator (`read_trace`), the load generator's trace replay
-(`hetserve bench serve --dataset-name mooncake-trace`), and the servers that write logs
-(`RequestLogWriter`, `log_record`). Failure contract: a file that is missing, a line that is not
-such a record (missing field, wrong type, negative length, fewer ids than its prompt needs), a
-line earlier than the one before it, or a block size that changes: `InvalidInputError`, one line
-naming the file and the line. A request log is written as requests finish, not as they arrive,
+(`hetserve bench serve --dataset-name mooncake-trace`); the servers write logs with
+`core/trace_record.py` (`RequestLogWriter`, `log_record`), the record's own module.
+Failure contract: a file that is missing, a line that is not such a record (missing field,
+wrong type, negative length, fewer ids than its prompt needs), a line earlier than the one
+before it, or a block size that changes: `InvalidInputError`, one line naming the file and the
+line. A request log is written as requests finish, not as they arrive,
 so lines that carry measurements may come out of arrival order; `read_trace` sorts those.
 """
 
@@ -33,54 +34,14 @@ from __future__ import annotations
 
 import json
 import math
-import threading
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from hetserve.core.block_hash import CacheExtra, hash_block_tokens, hash_prefix_blocks
+from hetserve.core.trace_record import MOONCAKE_BLOCK_SIZE, TraceRecord
 from hetserve.errors import InvalidInputError
 
-MOONCAKE_BLOCK_SIZE = 512
 _MEASURED = ("ttft_ms", "tbt_ms")
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRecord:
-    timestamp_ms: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-    block_size: int = MOONCAKE_BLOCK_SIZE
-    priority: int = 0
-    # Measured by a live server (request logs only): the digital twin compares against them.
-    ttft_ms: float | None = None
-    tbt_ms: float | None = None
-    cached_tokens: int | None = None
-    rejected: bool | None = None
-    # Request logs only: the Conductor's id of the request, sent to instances as X-Request-Id,
-    # so a cluster's logs join (`read_cluster_logs`).
-    request_id: str | None = None
-
-    def to_json(self) -> str:
-        row: dict[str, Any] = {
-            "timestamp": _compact(self.timestamp_ms),
-            "input_length": self.input_length,
-            "output_length": self.output_length,
-            "hash_ids": list(self.hash_ids),
-        }
-        if self.block_size != MOONCAKE_BLOCK_SIZE:
-            row["block_size"] = self.block_size
-        for key in ("priority", "ttft_ms", "tbt_ms", "cached_tokens", "rejected", "request_id"):
-            value = getattr(self, key)
-            if value is not None and not (key == "priority" and value == 0):
-                row[key] = value
-        return json.dumps(row, separators=(",", ":"))
-
-
-def _compact(x: float) -> float | int:
-    return int(x) if float(x).is_integer() else x
 
 
 def read_trace(path: str, param: str = "--trace") -> list[TraceRecord]:
@@ -226,56 +187,6 @@ def _check_follows(rec: TraceRecord, prev: TraceRecord) -> None:
         raise ValueError(
             f"block_size {rec.block_size} differs from earlier lines' {prev.block_size}"
         )
-
-
-def block_ids(
-    token_ids: Sequence[int], block_size: int, extra: CacheExtra = (), seed: bytes = b""
-) -> list[int]:
-    """A prompt's ids for the log: the engine's chained block hashes (the partial last block
-    hashed the same way, after the full ones), each cut to its first 8 bytes."""
-    hashes = hash_prefix_blocks(token_ids, block_size, extra, seed)
-    tail = len(token_ids) % block_size
-    if tail:
-        parent = hashes[-1] if hashes else None
-        hashes.append(hash_block_tokens(parent, token_ids[-tail:], extra, seed))
-    return [int.from_bytes(h.digest[:8], "big") for h in hashes]
-
-
-def log_record(
-    arrival_s: float,
-    token_ids: Sequence[int],
-    output_length: int,
-    block_size: int,
-    extra: CacheExtra = (),
-    seed: bytes = b"",
-    **measured: Any,
-) -> TraceRecord:
-    """One line of a request log: arrival in seconds since the log began, the prompt's token
-    ids (hashed here, never written), and what was measured (`ttft_ms`, `tbt_ms`,
-    `cached_tokens`, `rejected`, `priority`) and `request_id`."""
-    ids = tuple(block_ids(token_ids, block_size, extra, seed))
-    return TraceRecord(
-        arrival_s * 1000.0, len(token_ids), output_length, ids, block_size, **measured
-    )
-
-
-class RequestLogWriter:
-    """Appends records to a request log, one line each, flushed as written (a server that is
-    killed leaves every finished request's line). Safe to call from several threads."""
-
-    def __init__(self, path: str) -> None:
-        self._file: IO[str] = Path(path).open("a")
-        self._lock = threading.Lock()
-
-    def write(self, record: TraceRecord) -> None:
-        line = record.to_json() + "\n"
-        with self._lock:
-            self._file.write(line)
-            self._file.flush()
-
-    def close(self) -> None:
-        with self._lock:
-            self._file.close()
 
 
 def coarsen(record: TraceRecord, block_size: int) -> TraceRecord:

@@ -6,11 +6,11 @@ import random
 
 import pytest
 
+from hetserve.core.trace_record import TraceRecord
 from hetserve.disagg.costs import DecodeFit, InstanceProfile, PrefillFit
 from hetserve.disagg.policy import POOL
 from hetserve.kv.tier_policy import TierCost
 from hetserve.sim.hardware import Hardware
-from hetserve.sim.trace import TraceRecord
 
 BS = 4  # tokens per block: small traces share prefixes quickly
 

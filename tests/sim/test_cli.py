@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from hetserve.cli import main
+from hetserve.core.trace_record import RequestLogWriter, log_record
 from hetserve.disagg.costs import save_profile
 from hetserve.disagg.policy import RouterConfig
 from hetserve.sim.hardware import from_profile_file
 from hetserve.sim.loop import SimConfig, Simulation
-from hetserve.sim.trace import RequestLogWriter, log_record
 from tests.sim.conftest import hardware, random_records
 
 SYNTHETIC = Path("/work/shared/data/mooncake/synthetic_trace.jsonl")

@@ -8,15 +8,9 @@ from pathlib import Path
 import pytest
 
 from hetserve.core.block_hash import hash_prefix_blocks
+from hetserve.core.trace_record import RequestLogWriter, TraceRecord, block_ids, log_record
 from hetserve.errors import InvalidInputError
-from hetserve.sim.trace import (
-    RequestLogWriter,
-    TraceRecord,
-    block_ids,
-    coarsen,
-    log_record,
-    read_trace,
-)
+from hetserve.sim.trace import coarsen, read_trace
 
 GOOD = {"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [1, 2]}
 
