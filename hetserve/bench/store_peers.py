@@ -100,6 +100,35 @@ def mooncake_bin(name: str) -> str | None:
     return path if os.path.exists(path) else shutil.which(name)
 
 
+def master_command(exe: str, rpc: int, http: int, metrics: int, lease_ms: int) -> list[str]:
+    """A Mooncake master on loopback with its HTTP metadata server (the benchmarks' and the
+    tests' alike); `lease_ms`: how long a read leases an object before its room is reused."""
+    return [
+        exe,
+        "--rpc_address=127.0.0.1",
+        f"--rpc_port={rpc}",
+        "--enable_http_metadata_server=true",
+        "--http_metadata_server_host=127.0.0.1",
+        f"--http_metadata_server_port={http}",
+        "--metrics_host=127.0.0.1",
+        f"--metrics_port={metrics}",
+        f"--default_kv_lease_ttl={lease_ms}",
+    ]
+
+
+def holder_command(exe: str, port: int, segment: str, rpc: int, metadata: str) -> list[str]:
+    """A Mooncake client that only lends `segment` of DRAM to the master at `rpc` (TCP)."""
+    return [
+        exe,
+        "--host=127.0.0.1",
+        f"--port={port}",
+        f"--global_segment_size={segment}",
+        f"--master_server_address=127.0.0.1:{rpc}",
+        f"--metadata_server={metadata}",
+        "--protocol=tcp",
+    ]
+
+
 @contextlib.contextmanager
 def local_mooncake(segment: str = "2GB") -> Iterator[tuple[str, str] | None]:
     """Mooncake master (with its HTTP metadata server) and a segment holder on loopback;
@@ -111,37 +140,12 @@ def local_mooncake(segment: str = "2GB") -> Iterator[tuple[str, str] | None]:
     env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
     with _processes() as procs:
         rpc, http, metrics, hport = (free_port() for _ in range(4))
-        m = _spawn(
-            procs,
-            [
-                master,
-                "--rpc_address=127.0.0.1",
-                f"--rpc_port={rpc}",
-                "--enable_http_metadata_server=true",
-                "--http_metadata_server_host=127.0.0.1",
-                f"--http_metadata_server_port={http}",
-                "--metrics_host=127.0.0.1",
-                f"--metrics_port={metrics}",
-                "--default_kv_lease_ttl=1000",  # reads lease objects: 1 s, not 5, before reuse
-            ],
-            env,
-        )
+        # Reads lease objects: 1 s, not 5, before their room is reused.
+        m = _spawn(procs, master_command(master, rpc, http, metrics, lease_ms=1000), env)
         wait_port(rpc, m)
         wait_port(http, m)
         metadata = f"http://127.0.0.1:{http}/metadata"
-        h = _spawn(
-            procs,
-            [
-                holder,
-                "--host=127.0.0.1",
-                f"--port={hport}",
-                f"--global_segment_size={segment}",
-                f"--master_server_address=127.0.0.1:{rpc}",
-                f"--metadata_server={metadata}",
-                "--protocol=tcp",
-            ],
-            env,
-        )
+        h = _spawn(procs, holder_command(holder, hport, segment, rpc, metadata), env)
         wait_port(hport, h)
         yield f"127.0.0.1:{rpc}", metadata
 

@@ -172,38 +172,12 @@ def start_mooncake(request) -> Backend:
         pytest.skip(f"mooncake: its client does not load here ({exc}); make system-deps")
     env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
     rpc, http, metrics, hport = free_port(), free_port(), free_port(), free_port()
-    proc = spawn(
-        [
-            master,
-            "--rpc_address=127.0.0.1",
-            f"--rpc_port={rpc}",
-            "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={http}",
-            "--metrics_host=127.0.0.1",
-            f"--metrics_port={metrics}",
-            "--default_kv_lease_ttl=2000",
-        ],
-        request,
-        env,
-    )
+    proc = spawn(peers.master_command(master, rpc, http, metrics, lease_ms=2000), request, env)
     wait_port(rpc, proc)
     wait_port(http, proc)
     metadata = f"http://127.0.0.1:{http}/metadata"
     # A segment holder that outlives the test's clients (a client's own segment leaves with it).
-    holder_proc = spawn(
-        [
-            holder,
-            "--host=127.0.0.1",
-            f"--port={hport}",
-            "--global_segment_size=160MB",
-            f"--master_server_address=127.0.0.1:{rpc}",
-            f"--metadata_server={metadata}",
-            "--protocol=tcp",
-        ],
-        request,
-        env,
-    )
+    holder_proc = spawn(peers.holder_command(holder, hport, "160MB", rpc, metadata), request, env)
     wait_port(hport, holder_proc)
     spec = f"mooncake://127.0.0.1:{rpc}?metadata={metadata}&segment=0&buffer=100M&max_value=96M"
     return Backend("mooncake", spec, 160 * MiB, corrupt_mooncake, keep_client=True)
