@@ -51,6 +51,21 @@ class ModelConfig:
             raise ModelLoadError(f"config.json lacks {keys[0]!r}, which {self.architecture} needs")
         return value
 
+    def partial_rotary_dim(self, default_factor: float) -> int:
+        """Rotated channels per head for a family that rotates a share of each head:
+        `rope_parameters.partial_rotary_factor` wins over the top-level key (where published
+        configs put it), as in transformers; `default_factor` where neither is given."""
+        factor = self.rope.get("partial_rotary_factor")
+        if factor is None:
+            factor = self.get("partial_rotary_factor", default=default_factor)
+        dim = int(self.head_dim * float(factor))
+        if dim < 2 or dim % 2 or dim > self.head_dim:
+            raise ModelLoadError(
+                f"partial_rotary_factor={factor} gives {dim} rotary channels of head_dim "
+                f"{self.head_dim}; it must give an even number in [2, head_dim]"
+            )
+        return dim
+
     @classmethod
     def from_dict(cls, hf: dict) -> ModelConfig:
         archs = hf.get("architectures") or []

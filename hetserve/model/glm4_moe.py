@@ -18,7 +18,6 @@ import dataclasses
 
 from torch import nn
 
-from hetserve.errors import ModelLoadError
 from hetserve.layers.rotary import PartialRotaryEmbedding
 from hetserve.model.base import CausalLM, DecoderLayer
 from hetserve.model.config import ModelConfig
@@ -29,21 +28,6 @@ from hetserve.moe.router import RouterConfig
 # transformers' Glm4MoeConfig defaults, for keys a config.json may leave out.
 _DEFAULT_PARTIAL_ROTARY = 0.5
 _DEFAULT_RMS_EPS = 1e-5
-
-
-def rotary_dim(cfg: ModelConfig) -> int:
-    """Rotated channels per head. `rope_parameters.partial_rotary_factor` wins over the
-    top-level key (where published configs put it), as in transformers."""
-    factor = cfg.rope.get("partial_rotary_factor")
-    if factor is None:
-        factor = cfg.get("partial_rotary_factor", default=_DEFAULT_PARTIAL_ROTARY)
-    dim = int(cfg.head_dim * float(factor))
-    if dim < 2 or dim % 2 or dim > cfg.head_dim:
-        raise ModelLoadError(
-            f"partial_rotary_factor={factor} gives {dim} rotary channels of head_dim "
-            f"{cfg.head_dim}; it must give an even number in [2, head_dim]"
-        )
-    return dim
 
 
 def router_config(cfg: ModelConfig) -> RouterConfig:
@@ -64,7 +48,9 @@ class Glm4MoeForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
         if "rms_norm_eps" not in cfg.hf:
             cfg = dataclasses.replace(cfg, rms_norm_eps=_DEFAULT_RMS_EPS)
-        rotary = PartialRotaryEmbedding(rotary_dim(cfg), cfg.max_position_embeddings, cfg.rope)
+        rotary = PartialRotaryEmbedding(
+            cfg.partial_rotary_dim(_DEFAULT_PARTIAL_ROTARY), cfg.max_position_embeddings, cfg.rope
+        )
         qkv_bias = bool(cfg.get("attention_bias", default=False))
         qk_norm = bool(cfg.get("use_qk_norm", default=False))
         make_mlp = deepseek_mlp_maker(cfg, router_config(cfg), shared=1, first_dense=1)

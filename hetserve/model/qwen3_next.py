@@ -61,19 +61,6 @@ def layer_types(cfg: ModelConfig) -> list[str]:
     return list(types)
 
 
-def partial_rotary_dim(cfg: ModelConfig, default: float) -> int:
-    factor = cfg.rope.get("partial_rotary_factor")
-    if factor is None:
-        factor = cfg.get("partial_rotary_factor", default=default)
-    dim = int(cfg.head_dim * float(factor))
-    if dim < 2 or dim % 2 or dim > cfg.head_dim:
-        raise ModelLoadError(
-            f"partial_rotary_factor={factor} gives {dim} rotary channels of head_dim "
-            f"{cfg.head_dim}; it must give an even number in [2, head_dim]"
-        )
-    return dim
-
-
 class GatedAttention(GQAAttention):
     """GQA whose q_proj also yields a per-head output gate (sigmoid) applied before o_proj."""
 
@@ -178,7 +165,7 @@ class _Qwen3NextFamily(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
         types = layer_types(cfg)
         rotary = PartialRotaryEmbedding(
-            partial_rotary_dim(cfg, 0.25), cfg.max_position_embeddings, cfg.rope
+            cfg.partial_rotary_dim(0.25), cfg.max_position_embeddings, cfg.rope
         )
         bias = bool(cfg.get("attention_bias", default=False))
         router = RouterConfig(
