@@ -7,7 +7,9 @@ Two parts, both timed here, in the same run:
   index is built; else a prepared holdings map) plus `Router.decide`, per policy; and hashing the
   prompt's blocks (the Conductor's other per-request work, reported beside it);
 - end to end, with `--url` (a Conductor) and `--direct-url` (one of its instances): the same
-  requests through both, and the difference of their latency percentiles.
+  requests through both and through a bare TCP relay in front of the instance (`relay.py`: the
+  floor one more loopback hop costs here), in turn, and the differences of their latency
+  percentiles.
 
 Goals (issue 34): a decision <= 1 ms at 100 instances and 128k tokens; <= 2 ms p99 added.
 """
@@ -123,25 +125,39 @@ def _pct(xs: list[float], q: int) -> float:
 
 
 def _end_to_end(args: argparse.Namespace) -> tuple[list[list[object]], dict[str, object]]:
+    from urllib.parse import urlsplit
+
     import httpx
 
+    from hetserve.bench.relay import Relay
+
     body = {"prompt": "hello " * 64, "max_tokens": 1, "temperature": 0}
-    lat: dict[str, list[float]] = {"direct": [], "conductor": []}
-    for i in range(args.requests):
-        order = [("direct", args.direct_url), ("conductor", args.url)]
-        for name, url in order if i % 2 else order[::-1]:
-            t0 = time.perf_counter()
-            r = httpx.post(url.rstrip("/") + "/v1/completions", json=body, timeout=60)
-            r.raise_for_status()
-            lat[name].append(time.perf_counter() - t0)
+    direct = urlsplit(args.direct_url)
+    # The floor: one more loopback hop through a bare byte relay in its own process.
+    relay = Relay(direct.hostname or "127.0.0.1", direct.port or 80)
+    lat: dict[str, list[float]] = {"direct": [], "conductor": [], "relay": []}
+    try:
+        for i in range(args.requests):
+            order = [("direct", args.direct_url), ("conductor", args.url), ("relay", relay.url)]
+            for name, url in order[i % 3 :] + order[: i % 3]:  # each goes first in turn
+                t0 = time.perf_counter()
+                r = httpx.post(url.rstrip("/") + "/v1/completions", json=body, timeout=60)
+                r.raise_for_status()
+                lat[name].append(time.perf_counter() - t0)
+    finally:
+        relay.close()
     rows, out = [], {}
     for q in (50, 99):
         added = _pct(lat["conductor"], q) - _pct(lat["direct"], q)
+        floor = _pct(lat["relay"], q) - _pct(lat["direct"], q)
         rows.append(
             [f"added latency p{q}", f"{added * 1e3:.2f} ms", "", "<= 2 ms" if q == 99 else ""]
         )
+        rows.append([f"a bare TCP relay adds, p{q}", f"{floor * 1e3:.2f} ms", "", "(floor)"])
         out[f"added_p{q}_ms"] = added * 1e3
+        out[f"relay_added_p{q}_ms"] = floor * 1e3
     out["median_direct_ms"] = statistics.median(lat["direct"]) * 1e3
+    out["latency_s"] = lat
     # The Conductor's own work (parse, tokenize, hash, look up, decide), as it measures it:
     # the part of the added latency that is not the extra HTTP hop.
     text = httpx.get(args.url.rstrip("/") + "/metrics", timeout=10).text
