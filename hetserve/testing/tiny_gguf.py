@@ -1,7 +1,9 @@
 """Tiny GGUF files as llama.cpp writes them (tensor names, ggml shapes, metadata keys, the
 tokenizer inside), from a tiny Qwen3-MoE / Qwen2-MoE checkpoint (testing/tiny.py); routed experts
-in q4_K or q8_0, the rest f32 or q8_0. q4_K is quantized here (the `gguf` package only reads
-it), q8_0 by `gguf` itself.
+in q4_K or q8_0, the rest f32 or q8_0. q4_K, q5_K and q6_K are quantized here (the `gguf`
+package only reads them), q8_0 and q5_0 by `gguf` itself, every other GGML type (IQ4_XS, Q2_K,
+IQ2_XS, ...) by llama.cpp's quantizer (testing/ggml_quant.py) where llama-cpp-python is
+installed.
 
 `write_gguf` also writes the reference: an fp32 HF directory of what `gguf` dequantizes each
 tensor of the written file to, so tests hold hetserve's GGUF reader against gguf's.
@@ -57,7 +59,11 @@ def _quantize(gguf, w: np.ndarray, kind: str) -> tuple[np.ndarray, object]:
 
         fn, qtype = (quantize_q6_k, q.Q6_K) if kind == "q6_K" else (quantize_q5_k, q.Q5_K)
         return fn(w.reshape(-1, w.shape[-1])).reshape(*w.shape[:-1], -1), qtype
-    raise InvalidInputError(f"tensor type must be f32, q8_0, q4_K, q5_K or q6_K, got {kind!r}")
+    if kind.upper() in gguf.GGMLQuantizationType.__members__:  # llama.cpp's own quantizer
+        from hetserve.testing.ggml_quant import ggml_quantize
+
+        return ggml_quantize(w, kind.upper()), gguf.GGMLQuantizationType[kind.upper()]
+    raise InvalidInputError(f"no GGML tensor type {kind!r}")
 
 
 def _gguf_name(name: str) -> str:
