@@ -28,6 +28,8 @@ from hetserve.model.gguf_archs import (
     deepseek2_config,
     fuse_kv_b,
     glm4moe_config,
+    llama_moe_config,
+    unpermute_rope,
 )
 from hetserve.model.gguf_parts import open_parts
 from hetserve.quant.gguf import BITS, KEPT
@@ -40,7 +42,9 @@ ARCHITECTURES = {
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", False),
     "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2", False),  # gguf_archs: V3 by gating
     "glm4moe": ("Glm4MoeForCausalLM", "glm4_moe", True),
+    "llama": ("MixtralForCausalLM", "mixtral", True),  # llama files with experts (Mixtral)
 }
+_ROPE_PERMUTED = re.compile(r"^blk\.\d+\.attn_(q|k)\.weight$")  # llama's q / k (gguf_archs)
 _KV_SPLIT = re.compile(r"^blk\.(\d+)\.attn_(k|v)_b\.weight$")
 _LAYER = r"^blk\.(\d+)\."
 _MLP = r"model.layers.\1.mlp."
@@ -126,6 +130,8 @@ class GgufCheckpoint:
             cfg.update(deepseek2_config(self.field, self.arch))
         if self.arch == "glm4moe":
             cfg.update(glm4moe_config(self.field, self.arch, set(self.tensor_info)))
+        if self.arch == "llama":
+            cfg.update(llama_moe_config(self.field, self.arch))
         return cfg
 
     def _packed_layers(self) -> tuple[dict[int, str], dict[str, str]]:
@@ -237,6 +243,9 @@ class GgufCheckpoint:
                 yield from self._kv_b(name, wanted)
                 continue
             hf = self._hf_name(name)
+            if self.arch == "llama" and _ROPE_PERMUTED.match(name) and wanted(hf):
+                yield hf, self._unpermuted(t), int(t.n_bytes)
+                continue
             if wanted(hf):
                 # q8_0 / q4_K matrices as they are (the filler dequantizes them, and keeps them
                 # for linears that a placement may serve quantized)
@@ -255,6 +264,14 @@ class GgufCheckpoint:
             raise ModelLoadError(f"GGUF tensor {name!r} has no attn_v_b beside it")
         k_b, v_b = (self._dense(t) for t in (k_t, v_t))
         yield hf, fuse_kv_b(k_b, v_b), int(k_t.n_bytes) + int(v_t.n_bytes)
+
+    def _unpermuted(self, t) -> torch.Tensor:
+        """A llama file's q / k weight in HF's row order (in fp32: the placement may quantize
+        it again; the rows of a packed copy would have to move too)."""
+        kv = t.name.endswith("attn_k.weight")
+        heads = self.field(f"llama.attention.head_count{'_kv' if kv else ''}")
+        heads = heads or self.field("llama.attention.head_count")
+        return unpermute_rope(self._dense(t), int(heads))
 
     def _dense(self, t) -> torch.Tensor:
         value = self._value(t, False)
