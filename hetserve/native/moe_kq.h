@@ -148,29 +148,53 @@ static inline __attribute__((always_inline)) __m256i iq4_pairs(__m256i q, __m256
     return _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
 }
 
-/* One IQ4_XS super-block b against x [256]: sum over columns of (ls - 32) * kv[q] * x. */
-static inline __attribute__((always_inline)) int iq4xs_block(const uint8_t *b, const int8_t *x) {
+/* A quad of IQ4_XS rows against MB <= 2 tokens. The loader regroups each super-block's 128
+ * bytes of nibbles (quant/gguf_iq.py, iq4_xs_kernel_order): byte l of chunk c holds column
+ * 64 c + l (sub-block 2 c) in its low nibble and 64 c + 32 + l (sub-block 2 c + 1) in its high
+ * one, so each nibble plane meets 32 consecutive activations and one scale; a super-block's
+ * levels are looked up once for both tokens, and each row keeps its sums in fp32 lanes. */
+static inline __attribute__((always_inline)) void quad_iq4xs(const uint8_t *q, int K,
+                                                             const q4k_act_t a[2], int MB,
+                                                             float out[][MBMAX]) {
+    const int nsb = K / Q4K_SB;
     const __m256i low = _mm256_set1_epi8(0x0F);
-    const unsigned sh = (unsigned)b[2] | (unsigned)b[3] << 8;
-    __m256i acc = _mm256_setzero_si256();
-    for (int c = 0; c < 4; c++) { /* sub-blocks 2c (lanes 0-15) and 2c + 1 (lanes 16-31) */
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 8 + 32 * c));
-        const int j0 = 2 * c, j1 = 2 * c + 1;
-        const int ls0 = (b[4 + c] & 15) | ((sh >> (2 * j0)) & 3) << 4;
-        const int ls1 = (b[4 + c] >> 4) | ((sh >> (2 * j1)) & 3) << 4;
-        const __m256i s = _mm256_setr_m128i(_mm_set1_epi16((int16_t)(ls0 - 32)),
-                                            _mm_set1_epi16((int16_t)(ls1 - 32)));
-        const int8_t *xc = x + 64 * c;
-        const __m256i xl = _mm256_setr_m128i(_mm_loadu_si128((const __m128i *)xc),
-                                             _mm_loadu_si128((const __m128i *)(xc + 32)));
-        const __m256i xh = _mm256_setr_m128i(_mm_loadu_si128((const __m128i *)(xc + 16)),
-                                             _mm_loadu_si128((const __m128i *)(xc + 48)));
-        const __m256i pl = iq4_pairs(_mm256_and_si256(v, low), xl);
-        const __m256i ph = iq4_pairs(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), xh);
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pl, s));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(ph, s));
+    const __m256i lv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
+    for (int r = 0; r < 4; r++) {
+        const uint8_t *row = q + (size_t)r * nsb * 136;
+        __m256 accf[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int s = 0; s < nsb; s++) {
+            const uint8_t *b = row + (size_t)s * 136;
+            hs_prefetch(b);
+            const unsigned sh = (unsigned)b[2] | (unsigned)b[3] << 8;
+            __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 8 + 32 * c));
+                const __m256i wl = _mm256_shuffle_epi8(lv, _mm256_and_si256(v, low));
+                const __m256i wh =
+                    _mm256_shuffle_epi8(lv, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+                const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
+                const int ls0 = (b[4 + c] & 15) | ((sh >> (4 * c)) & 3) << 4;
+                const int ls1 = (b[4 + c] >> 4) | ((sh >> (4 * c + 2)) & 3) << 4;
+                const __m256i s0 = _mm256_set1_epi16((int16_t)(ls0 - 32));
+                const __m256i s1 = _mm256_set1_epi16((int16_t)(ls1 - 32));
+                for (int m = 0; m < MB; m++) {
+                    const int8_t *x = a[m].x + (size_t)s * Q4K_SB + 64 * c;
+                    const __m256i xl = _mm256_loadu_si256((const __m256i *)x);
+                    const __m256i xh = _mm256_loadu_si256((const __m256i *)(x + 32));
+                    const __m256i pl = _mm256_maddubs_epi16(al, _mm256_sign_epi8(xl, wl));
+                    const __m256i ph = _mm256_maddubs_epi16(ah, _mm256_sign_epi8(xh, wh));
+                    acc[m] = _mm256_add_epi32(acc[m], _mm256_add_epi32(_mm256_madd_epi16(pl, s0),
+                                                                      _mm256_madd_epi16(ph, s1)));
+                }
+            }
+            const float d = kq_f16(b);
+            for (int m = 0; m < MB; m++) {
+                const __m256 dx = _mm256_set1_ps(d * a[m].d[s]);
+                accf[m] = _mm256_add_ps(accf[m], _mm256_mul_ps(_mm256_cvtepi32_ps(acc[m]), dx));
+            }
+        }
+        for (int m = 0; m < MB; m++) out[r][m] = hs_hsum(accf[m]);
     }
-    return hsum_i32(acc);
 }
 
 /* One super-block's worth (8 blocks) of IQ4_NL b against x [256] with scale xd, in fp32:
@@ -204,6 +228,10 @@ static inline __attribute__((always_inline)) void quad_kq(const uint8_t *q, int 
                                                           const q4k_act_t a[2], int MB,
                                                           float out[][MBMAX]) {
     const int nsb = K / Q4K_SB, bb = kq_bytes(fmt);
+    if (fmt == F_IQ4XS) {
+        quad_iq4xs(q, K, a, MB, out);
+        return;
+    }
     for (int r = 0; r < 4; r++) {
         const uint8_t *row = q + (size_t)r * nsb * bb;
         float tot[2] = {0.0f, 0.0f};
@@ -222,8 +250,6 @@ static inline __attribute__((always_inline)) void quad_kq(const uint8_t *q, int 
                     q5k_block(b, x, gs, &S, &M);
                     tot[m] += (float)S * (kq_f16(b) * xd);
                     tot[m] -= (float)M * (kq_f16(b + 2) * xd);
-                } else if (fmt == F_IQ4XS) {
-                    tot[m] += (float)iq4xs_block(b, x) * (kq_f16(b) * xd);
                 } else {
                     tot[m] += iq4nl_blocks(b, x, xd);
                 }

@@ -85,6 +85,16 @@ class IQ4NLRows(QMatrix):
         return (d[..., None] * _levels(self.raw[..., 2:])).flatten(-2)
 
 
+def iq4_xs_kernel_order(raw: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS super-blocks [.., 136] with their 128 bytes of nibbles regrouped for the kernel
+    (moe_kq.h, quad_iq4xs): byte l of chunk c holds column 64 c + l low, 64 c + 32 + l high
+    (the file: byte 16 j + l holds 32 j + l low, 32 j + 16 + l high). Same bytes per block."""
+    q = raw[..., 8:].reshape(*raw.shape[:-1], 8, 16)
+    codes = torch.stack((q & 15, q >> 4), dim=-2).reshape(*raw.shape[:-1], 4, 2, 32)
+    regrouped = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(*raw.shape[:-1], 128)
+    return torch.cat((raw[..., :8], regrouped), dim=-1)
+
+
 def iq4_xs_rows(data: np.ndarray) -> IQ4XSRows:
     raw = np.array(data).reshape(*data.shape[:-1], -1, IQ4_XS_BLOCK_BYTES)
     return IQ4XSRows(torch.from_numpy(raw))

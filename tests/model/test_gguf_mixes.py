@@ -153,3 +153,16 @@ def test_low_bit_types_convert_to_q4_k_with_their_error_stated(tiny_model, tmp_p
     assert float(m.group(3)) == pytest.approx(worst, rel=0.01) and worst < 0.15
     err = (logprobs(llm) - logprobs(q8k_reference(tmp_path / "ref"))).abs()
     assert bool(torch.isfinite(err).all()) and float(err.mean()) < 0.5
+
+
+def test_conversion_targets_have_no_more_bits_where_one_exists():
+    from hetserve.quant.gguf import BITS
+    from hetserve.quant.gguf_iq import NATIVE_BPW, convert_target
+
+    expected = {"Q5_0": "q5_K", "Q5_1": "q5_K", "Q4_0": "q4_K", "Q4_1": "q4_K", "F32": "q8_0",
+                "F16": "q8_0", "Q3_K": "q4_K", "Q2_K": "q4_K", "IQ2_XXS": "q4_K"}  # fmt: skip
+    for kind, to in expected.items():
+        assert convert_target(BITS[kind], 512) == to
+        if BITS[kind] >= 4.5:
+            assert NATIVE_BPW[to] <= BITS[kind]
+    assert convert_target(BITS["Q5_0"], 96) == "q8_0"  # rows off 256: q8_0 only
