@@ -55,7 +55,7 @@ def register(sub) -> None:
         "--backends",
         default=DEFAULT_BACKENDS,
         help="NAME, NAME:KERNEL or NAME:FORMAT (cpu-int4:q4_K, cpu-int8:q8_0, cpu-gguf:q6_K, "
-        "cpu-gguf:q5_K, cpu-gguf:q4_K+q6_K), comma-separated",
+        "cpu-gguf:q5_K, cpu-gguf:iq4_xs, cpu-gguf:iq4_nl, cpu-gguf:q4_K+q6_K), comma-separated",
     )
     p.add_argument("--iters", type=int, default=10, help="timed calls per (backend, tokens)")
     p.add_argument(
@@ -212,7 +212,9 @@ def _gguf_packers() -> dict:
     import torch
 
     from hetserve.quant.gguf import Q5KRows, Q6KRows
+    from hetserve.quant.gguf_iq import iq4_nl_rows, iq4_xs_rows
     from hetserve.quant.packed import Int8Rows, Q4KRows
+    from hetserve.testing.ggml_quant import ggml_quantize
     from hetserve.testing.gguf_quants import quantize_q5_k, quantize_q6_k
     from hetserve.testing.tiny_gguf import quantize_q4_k
 
@@ -224,6 +226,9 @@ def _gguf_packers() -> dict:
         "q8_0": ("cpu-int8", Int8Rows.q8_0),
         "q6_K": ("cpu-gguf", blocks(Q6KRows, quantize_q6_k, 210)),
         "q5_K": ("cpu-gguf", blocks(Q5KRows, quantize_q5_k, 176)),
+        # llama.cpp's own quantizer (testing/ggml_quant.py), where llama-cpp-python is installed
+        "iq4_xs": ("cpu-gguf", lambda w: iq4_xs_rows(ggml_quantize(w.numpy(), "IQ4_XS"))),
+        "iq4_nl": ("cpu-gguf", lambda w: iq4_nl_rows(ggml_quantize(w.numpy(), "IQ4_NL"))),
     }
 
 

@@ -99,3 +99,28 @@ def fuse_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
     """llama.cpp's split MLA up-projection back into HF's kv_b_proj [heads * (nope + v), rank]:
     k_b [heads, rank, nope] (stored transposed for the absorbed product), v_b [heads, v, rank]."""
     return torch.cat((k_b.transpose(1, 2), v_b), dim=1).reshape(-1, v_b.shape[-1]).contiguous()
+
+
+def llama_moe_config(field: Callable[[str], Any], arch: str) -> dict[str, Any]:
+    """HF config keys of a llama file with experts (Mixtral and its kin): llama.cpp writes
+    them as `llama` with expert_count; the experts' size is feed_forward_length."""
+    experts = field(f"{arch}.expert_count")
+    if not experts:
+        raise ModelLoadError(
+            "GGUF architecture 'llama' without expert_count is a dense model; hetserve serves "
+            "MoE models (Mixtral-style llama files have experts)"
+        )
+    return {"num_local_experts": int(experts), "sliding_window": None}
+
+
+def unpermute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter reorders each head's q / k rows for its interleaved rotary (pairs
+    i, i + d/2 become 2i, 2i + 1); this is the inverse, back to HF's rotate-half order."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def permute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """HF's q / k rows -> llama.cpp's order (what its converter writes for `llama`)."""
+    rows = w.shape[0]
+    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

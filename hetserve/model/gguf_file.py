@@ -3,11 +3,13 @@
 `GgufCheckpoint` offers what the loader reads from a safetensors checkpoint: an HF-style config
 (config.json beside the file wins; else one derived from the GGUF metadata with llama.cpp's
 semantics) and a stream of weights under their HF names. Routed experts never widen to fp32:
-q8_0, q4_K, q5_K and q6_K tensors stay in their numbers, exactly, each tensor in its own type
-(a layer may mix them: cpu-gguf; all q4_K: cpu-int4; all q8_0: cpu-int8); other types are
-converted at load (quant/gguf.py, converted_rows: q4_K, or q8_0 for rows off 256), as are gate
-and up of different types (both to q4_K: they share one fused matrix). Every other tensor is
-dequantized by `gguf` itself. `summary()` is the one line the loader prints of what it did.
+q8_0, q4_K, q5_K, q6_K, IQ4_XS and IQ4_NL tensors stay in their numbers, exactly, each tensor
+in its own type (a layer may mix them: cpu-gguf; all q4_K: cpu-int4; all q8_0: cpu-int8); other
+types are converted at load to the native format of no more bits per weight (q4_K where none
+has so few; quant/gguf_iq.py, convert_target), as are gate and up of different types (both to
+the target of the smaller: they share one fused matrix). Every other tensor is dequantized by
+`gguf` itself. `summary()` is the one line the loader prints of what it did, with each
+conversion's relative RMS error against the file's own (dequantized) numbers.
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ from hetserve.model.gguf_archs import (
     deepseek2_config,
     fuse_kv_b,
     glm4moe_config,
+    llama_moe_config,
+    unpermute_rope,
 )
 from hetserve.model.gguf_parts import open_parts
-from hetserve.quant.gguf import BITS, KEPT, converted_rows
+from hetserve.quant.gguf import BITS, KEPT
+from hetserve.quant.gguf_iq import NATIVE_BPW, convert_target, converted, relative_rms
 from hetserve.quant.packed import QMatrix
 
 # GGUF architecture -> (HF architecture, model_type, llama.cpp's norm of the top-k weights)
@@ -37,7 +42,9 @@ ARCHITECTURES = {
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", False),
     "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2", False),  # gguf_archs: V3 by gating
     "glm4moe": ("Glm4MoeForCausalLM", "glm4_moe", True),
+    "llama": ("MixtralForCausalLM", "mixtral", True),  # llama files with experts (Mixtral)
 }
+_ROPE_PERMUTED = re.compile(r"^blk\.\d+\.attn_(q|k)\.weight$")  # llama's q / k (gguf_archs)
 _KV_SPLIT = re.compile(r"^blk\.(\d+)\.attn_(k|v)_b\.weight$")
 _LAYER = r"^blk\.(\d+)\."
 _MLP = r"model.layers.\1.mlp."
@@ -99,6 +106,7 @@ class GgufCheckpoint:
         self.tensor_info = {t.name: t for r in self.parts for t in r.tensors}
         self.packed_layers, self._convert = self._packed_layers()
         self._done: dict[str, int] = {}  # summary: "what -> how" -> tensors
+        self._converted: dict[tuple[str, str], tuple[int, float]] = {}  # -> tensors, worst error
 
     def field(self, key: str, default=None):
         f = self.reader.fields.get(key)
@@ -122,26 +130,36 @@ class GgufCheckpoint:
             cfg.update(deepseek2_config(self.field, self.arch))
         if self.arch == "glm4moe":
             cfg.update(glm4moe_config(self.field, self.arch, set(self.tensor_info)))
+        if self.arch == "llama":
+            cfg.update(llama_moe_config(self.field, self.arch))
         return cfg
 
-    def _packed_layers(self) -> tuple[dict[int, str], set[str]]:
+    def _packed_layers(self) -> tuple[dict[int, str], dict[str, str]]:
         """Every layer with routed experts -> "int8" (all q8_0), "int4" (all q4_K) or "gguf"
-        (anything else); and the expert tensors converted at load (types no kernel reads, and
-        gate/up pairs of two types)."""
-        kinds: dict[int, dict[str, str]] = {}
+        (anything else); and the expert tensors converted at load, each with its target
+        (types no kernel reads, and gate/up pairs of two types)."""
+        kinds: dict[int, dict[str, object]] = {}
         for name, t in self.tensor_info.items():
             m = _EXPERTS.match(name)
             if m:
-                kinds.setdefault(int(m.group(1)), {})[m.group(2)] = t.tensor_type.name
-        packed, convert = {}, set()
-        for layer, types in kinds.items():
-            for proj, kind in types.items():
-                if kind not in KEPT or (proj != "down" and types.get("gate") != types.get("up")):
-                    convert.add(f"blk.{layer}.ffn_{proj}_exps.weight")
+                kinds.setdefault(int(m.group(1)), {})[m.group(2)] = t
+        packed, convert = {}, {}
+        for layer, tensors in kinds.items():
+            types = {p: t.tensor_type.name for p, t in tensors.items()}  # type: ignore[attr-defined]
+            pair = types.get("gate") != types.get("up")
+            for proj, t in tensors.items():
+                kind = types[proj]
+                if kind in KEPT and not (pair and proj != "down"):
+                    continue
+                bpw = BITS.get(kind, 32.0)
+                if proj != "down":  # gate and up share one fused matrix: one target
+                    bpw = min(BITS.get(types.get(p, ""), 32.0) for p in ("gate", "up"))
+                k = int(t.shape[0])  # type: ignore[attr-defined]
+                convert[f"blk.{layer}.ffn_{proj}_exps.weight"] = convert_target(bpw, k)
             names = set(types.values())
             plain = {"Q8_0": "int8", "Q4_K": "int4"}
-            whole = len(names) == 1 and not convert & {f"blk.{layer}.ffn_{p}_exps.weight"
-                                                       for p in types}  # fmt: skip
+            whole = len(names) == 1 and not set(convert) & {f"blk.{layer}.ffn_{p}_exps.weight"
+                                                            for p in types}  # fmt: skip
             packed[layer] = plain.get(next(iter(names)), "gguf") if whole else "gguf"
         return packed, convert
 
@@ -151,8 +169,14 @@ class GgufCheckpoint:
         return None if not fmts else fmts.pop() if len(fmts) == 1 else "gguf"
 
     def summary(self) -> str:
-        """One line: per tensor type, what the load did with it (kept, converted to what)."""
+        """One line: per tensor type, what the load did with it (kept, converted to what, with
+        the largest relative RMS error against the file's numbers of any tensor converted)."""
         parts = [f"{what} x{n}" for what, n in sorted(self._done.items())]
+        for (kind, to), (n, err) in sorted(self._converted.items()):
+            bpw, bits = BITS.get(kind, 32.0), NATIVE_BPW[to]
+            more = "" if bits <= bpw else f", more bits: no native format has <= {bpw}"
+            parts.append(f"experts {kind} ({bpw} bpw) -> {to} ({bits} bpw{more}; "
+                         f"rel rms {err:.2g}) x{n}")  # fmt: skip
         return f"GGUF {self.path.name}: " + ("; ".join(parts) or "no tensors read")
 
     def _note(self, what: str) -> None:
@@ -173,14 +197,16 @@ class GgufCheckpoint:
 
     def _expert_value(self, t) -> QMatrix:
         kind = t.tensor_type.name
-        if t.name not in self._convert:
+        to = self._convert.get(t.name)
+        if to is None:
             self._note(f"experts {kind} kept")
             return KEPT[kind](t.data)
         shape = tuple(int(d) for d in reversed(t.shape))
         deq = self._gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
-        value, to = converted_rows(deq)
-        err = float(np.abs(value.dequantize().numpy() - deq).max())
-        self._note(f"experts {kind} ({BITS.get(kind, '?')} bpw) -> {to} (max |dw| {err:.2g})")
+        value = converted(deq, to)
+        err = relative_rms(value.dequantize().numpy(), deq)
+        n, worst = self._converted.get((kind, to), (0, 0.0))
+        self._converted[(kind, to)] = (n + 1, max(worst, err))
         return value
 
     def _value(self, t, packed: bool):
@@ -217,6 +243,9 @@ class GgufCheckpoint:
                 yield from self._kv_b(name, wanted)
                 continue
             hf = self._hf_name(name)
+            if self.arch == "llama" and _ROPE_PERMUTED.match(name) and wanted(hf):
+                yield hf, self._unpermuted(t), int(t.n_bytes)
+                continue
             if wanted(hf):
                 # q8_0 / q4_K matrices as they are (the filler dequantizes them, and keeps them
                 # for linears that a placement may serve quantized)
@@ -235,6 +264,14 @@ class GgufCheckpoint:
             raise ModelLoadError(f"GGUF tensor {name!r} has no attn_v_b beside it")
         k_b, v_b = (self._dense(t) for t in (k_t, v_t))
         yield hf, fuse_kv_b(k_b, v_b), int(k_t.n_bytes) + int(v_t.n_bytes)
+
+    def _unpermuted(self, t) -> torch.Tensor:
+        """A llama file's q / k weight in HF's row order (in fp32: the placement may quantize
+        it again; the rows of a packed copy would have to move too)."""
+        kv = t.name.endswith("attn_k.weight")
+        heads = self.field(f"llama.attention.head_count{'_kv' if kv else ''}")
+        heads = heads or self.field("llama.attention.head_count")
+        return unpermute_rope(self._dense(t), int(heads))
 
     def _dense(self, t) -> torch.Tensor:
         value = self._value(t, False)

@@ -1,15 +1,17 @@
 """`cpu-gguf`: routed experts of a GGUF file served from each tensor's own block type, where a
 layer may mix them (llama.cpp's Q4_K_M keeps gate/up in q4_K and down in q6_K in some layers,
-Q5_K_M q5_K beside q6_K, a size off 256 gets q8_0).
+Q5_K_M q5_K beside q6_K, IQ4_XS files IQ4_NL where a row is off 256, a size off 256 gets q8_0).
 
 Who uses it: the loader picks it for GGUF experts that are not all q4_K or all q8_0
-(`PACKED_BACKENDS`); tests and `bench moe-kernel` build it directly. W13 (gate and up, one type)
-and W2 each keep their format on the native kernel (moe_kernels.c: a phase-2 format beside the
-phase-1 one): q4_K in its quad layout (moe_q4k.h), q6_K and q5_K rows as the file stores them
-(moe_kq.h), q8_0 as grouped int8, int4 groups (what the loader converts other types to). The
-K-quants meet activations rounded as llama.cpp's q8_K (int8 per 256 columns: |x - x_hat| <=
-amax / 254 of the super-block), q8_0 and int4 int16 per row. Failure: experts not packed, or a
-projection whose experts differ in type, is an InvalidInputError at construction.
+(`PACKED_BACKENDS`); tests and `bench moe-kernel` build it directly. W13 (gate and up, one type) and
+W2 each keep their format on the native kernel (moe_kernels.c: a phase-2 format beside the phase-1
+one): q4_K in its quad layout (moe_q4k.h), q6_K, q5_K, IQ4_XS and IQ4_NL rows as the file stores
+them (moe_kq.h; IQ4_XS with each block's nibbles regrouped, the same bytes), q8_0 as grouped int8,
+int4 groups. The K-quants and 4-bit i-quants meet activations rounded as llama.cpp's q8_K (int8 per
+256 columns: |x - x_hat| <= amax / 254 of the super-block; IQ4_NL rows padded to 256 with zero
+blocks), q8_0 and int4 int16 per row.
+Failure: experts not packed, or a projection whose experts differ in type, is an
+InvalidInputError at construction.
 """
 
 from __future__ import annotations
@@ -32,18 +34,23 @@ from hetserve.moe.cpu_native import (
 from hetserve.moe.experts import Activation, ExpertWeights, register_backend
 from hetserve.native import hugepage_empty
 from hetserve.quant.gguf import Q5KRows, Q6KRows
+from hetserve.quant.gguf_iq import IQ4NLRows, IQ4XSRows, iq4_xs_kernel_order
 from hetserve.quant.layout import fp16_group_scales, pad_qmatrices, pair_gate_up
 from hetserve.quant.packed import Int4Rows, Int8Rows, Q4KRows, QMatrix
 
-F_Q6K, F_Q5K = 6, 7  # moe_kernels.c's F_*
+F_Q6K, F_Q5K, F_IQ4XS, F_IQ4NL = 6, 7, 8, 9  # moe_kernels.c's F_*
 _FORMATS: dict[type, int] = {Q4KRows: F_Q4K, Q6KRows: F_Q6K, Q5KRows: F_Q5K, Int8Rows: F_I8,
-                             Int4Rows: F_I4}  # fmt: skip
+                             Int4Rows: F_I4, IQ4XSRows: F_IQ4XS, IQ4NLRows: F_IQ4NL}  # fmt: skip
+_FILE_ROWS = (F_Q6K, F_Q5K, F_IQ4XS, F_IQ4NL)  # the file's bytes as they are (moe_kq.h)
 
 
 def _rows_layer(mats: Sequence[QMatrix], gate_up: bool) -> torch.Tensor:
-    """q6_K / q5_K matrices [N, K] -> [E, N, K/256, block bytes], the file's bytes; W13's rows
+    """q6_K / q5_K / IQ4_XS / IQ4_NL matrices [N, K] -> [E, N, blocks, block bytes], the file's
+    bytes; W13's rows
     in quads of gate rows then up rows (phase 1 reads one stream)."""
     raws = [m.raw for m in mats]  # type: ignore[attr-defined]
+    if isinstance(mats[0], IQ4XSRows):  # its nibbles regrouped (moe_kq.h, quad_iq4xs)
+        raws = [iq4_xs_kernel_order(r) for r in raws]
     out = hugepage_empty((len(raws), *raws[0].shape), torch.uint8)
     for e, raw in enumerate(raws):
         n = raw.shape[0]
@@ -87,7 +94,7 @@ class NativeGgufExperts(_NativeExperts):
     def _layout(fmt: int, mats: list, gate_up: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         if fmt == F_Q4K:
             return _q4k_layer(tuple(mats), gate_up), None
-        if fmt in (F_Q6K, F_Q5K):
+        if fmt in _FILE_ROWS:
             return _rows_layer(mats, gate_up), None
         if fmt == F_I4:
             return _int4_layer(mats, gate_up), None

@@ -165,7 +165,8 @@ def create_backend(
 
 # The backend that reads each packed (checkpoint-quantized) format as it is.
 PACKED_BACKENDS = {"fp8": "cpu-fp8", "mxfp4": "cpu-mxfp4", "int4": "cpu-int4", "int8": "cpu-int8",
-                   "q6_K": "cpu-gguf", "q5_K": "cpu-gguf", "gguf": "cpu-gguf"}  # fmt: skip
+                   "q6_K": "cpu-gguf", "q5_K": "cpu-gguf", "iq4_xs": "cpu-gguf",
+                   "iq4_nl": "cpu-gguf", "gguf": "cpu-gguf"}  # fmt: skip
 
 
 def default_backend(weights: ExpertWeights, activation: Activation = "silu") -> str:

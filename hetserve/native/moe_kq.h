@@ -1,4 +1,4 @@
-/* q6_K and q5_K (llama.cpp's GGUF K-quants) microkernels: each row's super-blocks exactly as the
+/* q6_K and q5_K (llama.cpp's GGUF K-quants) and IQ4_XS / IQ4_NL microkernels: each row's super-blocks exactly as the
  * file stores them (no layout of our own), rows in quads.
  *
  * q6_K, 210 bytes per 256 columns: ql[128] (low 4 bits), qh[64] (high 2 bits), 16 int8 scales
@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "moe_formats.h"
+#include "moe_job.h"
 #include "moe_q4k.h"
 
 #define Q6K_BLOCK 210
@@ -131,12 +132,106 @@ static inline float kq_f16(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-/* out[r][m] = sum_k W[r, k] * x[m, k] for a quad of q6_K (fmt6 = 1) or q5_K rows (row r at
- * q + r * K / 256 * block bytes) and MB <= 2 tokens. */
-static inline __attribute__((always_inline)) void quad_kq(const uint8_t *q, int fmt6, int K,
+/* IQ4_XS, 136 bytes per 256 columns: fp16 d, 16 bits scales_h, scales_l[4], qs[128];
+ * w = d * (ls - 32) * kv[q] with llama.cpp's 16 non-uniform int8 levels kv (kvalues_iq4nl)
+ * and a 6-bit ls per 32 columns (low 4 bits in nibble j % 2 of scales_l[j / 2], high 2 at bits
+ * 2 j of scales_h). Column 32 j + l (l < 16) is the low nibble of qs[16 j + l], 32 j + 16 + l
+ * its high nibble. IQ4_NL: blocks of 32 columns, fp16 d and the same 16 bytes of nibbles;
+ * w = d * kv[q] (18 bytes per 32, so 144 per 256). Levels times activations (both int8) are
+ * products of |kv| (unsigned) with x signed by kv: pairs <= 2 * 127 * 127, no saturation. */
+static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                      1,    13,   25,  38,  53,  69,  89,  113};
+
+static inline __attribute__((always_inline)) __m256i iq4_pairs(__m256i q, __m256i x) {
+    const __m256i lv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
+    const __m256i w = _mm256_shuffle_epi8(lv, q);
+    return _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+}
+
+/* A quad of IQ4_XS rows against MB <= 2 tokens. The loader regroups each super-block's 128
+ * bytes of nibbles (quant/gguf_iq.py, iq4_xs_kernel_order): byte l of chunk c holds column
+ * 64 c + l (sub-block 2 c) in its low nibble and 64 c + 32 + l (sub-block 2 c + 1) in its high
+ * one, so each nibble plane meets 32 consecutive activations and one scale; a super-block's
+ * levels are looked up once for both tokens, and each row keeps its sums in fp32 lanes. */
+static inline __attribute__((always_inline)) void quad_iq4xs(const uint8_t *q, int K,
+                                                             const q4k_act_t a[2], int MB,
+                                                             float out[][MBMAX]) {
+    const int nsb = K / Q4K_SB;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i lv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
+    for (int r = 0; r < 4; r++) {
+        const uint8_t *row = q + (size_t)r * nsb * 136;
+        __m256 accf[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int s = 0; s < nsb; s++) {
+            const uint8_t *b = row + (size_t)s * 136;
+            hs_prefetch(b);
+            const unsigned sh = (unsigned)b[2] | (unsigned)b[3] << 8;
+            __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 8 + 32 * c));
+                const __m256i wl = _mm256_shuffle_epi8(lv, _mm256_and_si256(v, low));
+                const __m256i wh =
+                    _mm256_shuffle_epi8(lv, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+                const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
+                const int ls0 = (b[4 + c] & 15) | ((sh >> (4 * c)) & 3) << 4;
+                const int ls1 = (b[4 + c] >> 4) | ((sh >> (4 * c + 2)) & 3) << 4;
+                const __m256i s0 = _mm256_set1_epi16((int16_t)(ls0 - 32));
+                const __m256i s1 = _mm256_set1_epi16((int16_t)(ls1 - 32));
+                for (int m = 0; m < MB; m++) {
+                    const int8_t *x = a[m].x + (size_t)s * Q4K_SB + 64 * c;
+                    const __m256i xl = _mm256_loadu_si256((const __m256i *)x);
+                    const __m256i xh = _mm256_loadu_si256((const __m256i *)(x + 32));
+                    const __m256i pl = _mm256_maddubs_epi16(al, _mm256_sign_epi8(xl, wl));
+                    const __m256i ph = _mm256_maddubs_epi16(ah, _mm256_sign_epi8(xh, wh));
+                    acc[m] = _mm256_add_epi32(acc[m], _mm256_add_epi32(_mm256_madd_epi16(pl, s0),
+                                                                      _mm256_madd_epi16(ph, s1)));
+                }
+            }
+            const float d = kq_f16(b);
+            for (int m = 0; m < MB; m++) {
+                const __m256 dx = _mm256_set1_ps(d * a[m].d[s]);
+                accf[m] = _mm256_add_ps(accf[m], _mm256_mul_ps(_mm256_cvtepi32_ps(acc[m]), dx));
+            }
+        }
+        for (int m = 0; m < MB; m++) out[r][m] = hs_hsum(accf[m]);
+    }
+}
+
+/* One super-block's worth (8 blocks) of IQ4_NL b against x [256] with scale xd, in fp32:
+ * sum over blocks of (d * xd) * (sum of kv[q] * x), the blocks' products in lanes. */
+static inline __attribute__((always_inline)) float iq4nl_blocks(const uint8_t *b,
+                                                               const int8_t *x, float xd) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int k = 0; k < 8; k++) {
+        const uint8_t *blk = b + 18 * k;
+        const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 2));
+        const __m256i q = _mm256_setr_m128i(_mm_and_si128(v, low),
+                                            _mm_and_si128(_mm_srli_epi16(v, 4), low));
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 32 * k));
+        const __m256i s = _mm256_madd_epi16(iq4_pairs(q, xv), ones);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(s),
+                                               _mm256_set1_ps(kq_f16(blk) * xd)));
+    }
+    return hs_hsum(acc);
+}
+
+/* Bytes per 256 columns of a row (the K-quants and i-quants that read q8_K activations). */
+static inline int kq_bytes(int fmt) {
+    return fmt == F_Q6K ? Q6K_BLOCK : fmt == F_Q5K ? Q5K_BLOCK : fmt == F_IQ4XS ? 136 : 144;
+}
+
+/* out[r][m] = sum_k W[r, k] * x[m, k] for a quad of q6_K, q5_K, IQ4_XS or IQ4_NL rows (fmt;
+ * row r at q + r * K / 256 * kq_bytes) and MB <= 2 tokens. */
+static inline __attribute__((always_inline)) void quad_kq(const uint8_t *q, int fmt, int K,
                                                           const q4k_act_t a[2], int MB,
                                                           float out[][MBMAX]) {
-    const int nsb = K / Q4K_SB, bb = fmt6 ? Q6K_BLOCK : Q5K_BLOCK;
+    const int nsb = K / Q4K_SB, bb = kq_bytes(fmt);
+    if (fmt == F_IQ4XS) {
+        quad_iq4xs(q, K, a, MB, out);
+        return;
+    }
     for (int r = 0; r < 4; r++) {
         const uint8_t *row = q + (size_t)r * nsb * bb;
         float tot[2] = {0.0f, 0.0f};
@@ -147,14 +242,16 @@ static inline __attribute__((always_inline)) void quad_kq(const uint8_t *q, int 
                 const int8_t *x = a[m].x + (size_t)s * Q4K_SB;
                 const int16_t *gs = a[m].gs + 16 * s;
                 const float xd = a[m].d[s];
-                if (fmt6) {
+                if (fmt == F_Q6K) {
                     const int S = q6k_block(b, x, gs);
                     tot[m] += (float)S * (kq_f16(b + 208) * xd);
-                } else {
+                } else if (fmt == F_Q5K) {
                     int S, M;
                     q5k_block(b, x, gs, &S, &M);
                     tot[m] += (float)S * (kq_f16(b) * xd);
                     tot[m] -= (float)M * (kq_f16(b + 2) * xd);
+                } else {
+                    tot[m] += iq4nl_blocks(b, x, xd);
                 }
             }
         }

@@ -14,6 +14,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from hetserve.quant.gguf_iq import iq4_nl_rows, iq4_xs_rows
 from hetserve.quant.packed import Int8Rows, Q4KRows, QMatrix, _f16_bits, _q4k_six
 
 Q8_0_BLOCK_BYTES = 34  # fp16 d, 32 int8
@@ -150,23 +151,12 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
 
 
 # GGML types kept as they are for routed experts (cpu-int8, cpu-int4, cpu-gguf read them), by
-# the `gguf` package's type name; and bits per weight of every type, for the loader's summary.
-KEPT = {"Q8_0": q8_0_rows, "Q4_K": q4_k_rows, "Q6_K": q6_k_rows, "Q5_K": q5_k_rows}
+# the `gguf` package's type name; and bits per weight of every type, for the loader's summary
+# and the choice of what the others convert to (quant/gguf_iq.py, convert_target).
+KEPT = {"Q8_0": q8_0_rows, "Q4_K": q4_k_rows, "Q6_K": q6_k_rows, "Q5_K": q5_k_rows,
+        "IQ4_XS": iq4_xs_rows, "IQ4_NL": iq4_nl_rows}  # fmt: skip
 BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8.5, "Q6_K": 6.5625, "Q5_K": 5.5, "Q5_1": 6,
         "Q5_0": 5.5, "Q4_K": 4.5, "Q4_1": 5, "Q4_0": 4.5, "IQ4_NL": 4.5, "IQ4_XS": 4.25,
         "Q3_K": 3.4375, "IQ3_S": 3.4375, "IQ3_XXS": 3.0625, "Q2_K": 2.625, "IQ2_S": 2.5,
         "IQ2_XS": 2.3125, "IQ2_XXS": 2.0625, "IQ1_M": 1.75, "IQ1_S": 1.5625, "TQ2_0": 2.0625,
         "TQ1_0": 1.6875, "MXFP4": 4.25}  # fmt: skip
-
-
-def converted_rows(w: np.ndarray) -> tuple[QMatrix, str]:
-    """Dequantized weights [.., N, K] of a type no kernel reads -> the native format the loader
-    converts them to, and its name: q4_K (4.5 bits per weight) where rows hold whole
-    super-blocks, else q8_0 (the one native format for rows off 256)."""
-    k = w.shape[-1]
-    flat = np.ascontiguousarray(w, dtype=np.float32).reshape(-1, k)
-    if k % 256 == 0:
-        raw = quantize_q4_k(flat).reshape(*w.shape[:-1], -1)
-        return q4_k_rows(raw), "q4_K"
-    m = Int8Rows.q8_0(torch.from_numpy(flat))
-    return Int8Rows(m.q.reshape(w.shape), m.scale.reshape(*w.shape[:-1], -1)), "q8_0"

@@ -243,9 +243,9 @@ class Q4KRows(QMatrix):
         return self.to_int4().dequantize()
 
 
-# Formats a GGUF layer may mix (q8_0 is "int8", q4_K "int4"; quant/gguf.py: q6_K, q5_K), all
-# served together by cpu-gguf (moe/cpu_gguf.py).
-GGUF_FMTS = frozenset({"int8", "int4", "q6_K", "q5_K"})
+# Formats a GGUF layer may mix (q8_0 is "int8", q4_K "int4"; quant/gguf.py: q6_K, q5_K;
+# quant/gguf_iq.py: iq4_xs, iq4_nl), all served together by cpu-gguf (moe/cpu_gguf.py).
+GGUF_FMTS = frozenset({"int8", "int4", "q6_K", "q5_K", "iq4_xs", "iq4_nl"})
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """Tiny GGUF files as llama.cpp writes them (tensor names, ggml shapes, metadata keys, the
 tokenizer inside), from a tiny Qwen3-MoE / Qwen2-MoE checkpoint (testing/tiny.py); routed experts
-in q4_K or q8_0, the rest f32 or q8_0. q4_K is quantized here (the `gguf` package only reads
-it), q8_0 by `gguf` itself.
+in q4_K or q8_0, the rest f32 or q8_0. q4_K, q5_K and q6_K are quantized here (the `gguf`
+package only reads them), q8_0 and q5_0 by `gguf` itself, every other GGML type (IQ4_XS, Q2_K,
+IQ2_XS, ...) by llama.cpp's quantizer (testing/ggml_quant.py) where llama-cpp-python is
+installed.
 
 `write_gguf` also writes the reference: an fp32 HF directory of what `gguf` dequantizes each
 tensor of the written file to, so tests hold hetserve's GGUF reader against gguf's.
@@ -19,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hetserve.errors import InvalidInputError
+from hetserve.model.gguf_archs import permute_rope, unpermute_rope
 from hetserve.quant.gguf import quantize_q4_k
 
 __all__ = ["quantize_q4_k", "write_gguf"]
@@ -32,15 +35,23 @@ _HF_TO_GGUF = [
     (r"^model\.layers\.(\d+)\.self_attn\.(q|k|v)_proj\.(weight|bias)$", r"blk.\1.attn_\2.\3"),
     (r"^model\.layers\.(\d+)\.self_attn\.o_proj\.weight$", r"blk.\1.attn_output.weight"),
     (r"^model\.layers\.(\d+)\.self_attn\.(q|k)_norm\.weight$", r"blk.\1.attn_\2_norm.weight"),
-    (r"^model\.layers\.(\d+)\.mlp\.gate\.weight$", r"blk.\1.ffn_gate_inp.weight"),
+    (r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.gate\.weight$",
+     r"blk.\1.ffn_gate_inp.weight"),
     (r"^model\.layers\.(\d+)\.mlp\.shared_expert_gate\.weight$",
      r"blk.\1.ffn_gate_inp_shexp.weight"),
     (r"^model\.layers\.(\d+)\.mlp\.shared_expert\.(gate|up|down)_proj\.weight$",
      r"blk.\1.ffn_\2_shexp.weight"),
     (r"^model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight$", r"blk.\1.ffn_\2.weight"),
 ]  # fmt: skip
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-_ARCH = {"Qwen3MoeForCausalLM": "qwen3moe", "Qwen2MoeForCausalLM": "qwen2moe"}
+_EXPERT = re.compile(
+    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate|up|down|w1|w3|w2)"
+    r"(?:_proj)?\.weight$"
+)
+_PROJ = {"w1": "gate", "w3": "up", "w2": "down"}
+# Mixtral is `llama` with experts to llama.cpp (q / k rows reordered for its rotary)
+_ARCH = {"Qwen3MoeForCausalLM": "qwen3moe", "Qwen2MoeForCausalLM": "qwen2moe",
+         "MixtralForCausalLM": "llama"}  # fmt: skip
+_ROPE = re.compile(r"^blk\.\d+\.attn_(q|k)\.weight$")
 
 
 def _quantize(gguf, w: np.ndarray, kind: str) -> tuple[np.ndarray, object]:
@@ -57,7 +68,11 @@ def _quantize(gguf, w: np.ndarray, kind: str) -> tuple[np.ndarray, object]:
 
         fn, qtype = (quantize_q6_k, q.Q6_K) if kind == "q6_K" else (quantize_q5_k, q.Q5_K)
         return fn(w.reshape(-1, w.shape[-1])).reshape(*w.shape[:-1], -1), qtype
-    raise InvalidInputError(f"tensor type must be f32, q8_0, q4_K, q5_K or q6_K, got {kind!r}")
+    if kind.upper() in gguf.GGMLQuantizationType.__members__:  # llama.cpp's own quantizer
+        from hetserve.testing.ggml_quant import ggml_quantize
+
+        return ggml_quantize(w, kind.upper()), gguf.GGMLQuantizationType[kind.upper()]
+    raise InvalidInputError(f"no GGML tensor type {kind!r}")
 
 
 def _gguf_name(name: str) -> str:
@@ -73,7 +88,8 @@ def _tensors(src: Path, cfg: dict) -> dict[str, np.ndarray]:
     for name, t in load_file(str(src / "model.safetensors")).items():
         m = _EXPERT.match(name)
         if m:
-            experts.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = t
+            proj = _PROJ.get(m.group(3), m.group(3))
+            experts.setdefault((int(m.group(1)), proj), {})[int(m.group(2))] = t
         else:
             out[_gguf_name(name)] = t.float().numpy()
     for (layer, proj), per in experts.items():
@@ -95,9 +111,10 @@ def _metadata(writer, cfg: dict, tok: dict) -> None:
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_expert_count(cfg["num_experts"])
+    writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
     writer.add_expert_used_count(cfg["num_experts_per_tok"])
-    writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("moe_intermediate_size"):
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if cfg.get("shared_expert_intermediate_size"):
         writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     vocab = tok["model"]["vocab"]
@@ -139,9 +156,14 @@ def write_gguf(
     for name, w in _tensors(src, cfg).items():
         kind = experts if "_exps." in name else (others if w.ndim == 2 else "f32")
         kind = down if down and "ffn_down_exps" in name else kind
+        heads = _rope_heads(arch, name, cfg)
+        if heads:
+            w = permute_rope(torch.from_numpy(w), heads).numpy()
         data, qtype = _quantize(gguf, w, kind)
         writer.add_tensor(name, data, raw_dtype=qtype)
         ref[name] = gguf.quants.dequantize(data, qtype).reshape(w.shape)
+        if heads:  # the reference in HF's order
+            ref[name] = unpermute_rope(torch.from_numpy(np.array(ref[name])), heads).numpy()
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -150,6 +172,14 @@ def write_gguf(
     if split_max_tensors:
         return writer.format_shard_names(out)[0]
     return out
+
+
+def _rope_heads(arch: str, name: str, cfg: dict) -> int:
+    """The heads llama.cpp's converter reorders `name`'s rows by (0: none)."""
+    m = _ROPE.match(name) if arch == "llama" else None
+    if m is None:
+        return 0
+    return cfg["num_key_value_heads"] if m.group(1) == "k" else cfg["num_attention_heads"]
 
 
 def _write_reference(src: Path, reference: Path, tensors: dict[str, np.ndarray]) -> None:
@@ -162,7 +192,8 @@ def _write_reference(src: Path, reference: Path, tensors: dict[str, np.ndarray])
     for name in names:
         m = _EXPERT.match(name)
         if m:
-            stacked = tensors[f"blk.{m.group(1)}.ffn_{m.group(3)}_exps.weight"]
+            proj = _PROJ.get(m.group(3), m.group(3))
+            stacked = tensors[f"blk.{m.group(1)}.ffn_{proj}_exps.weight"]
             hf[name] = torch.from_numpy(np.ascontiguousarray(stacked[int(m.group(2))]))
         else:
             hf[name] = torch.from_numpy(np.ascontiguousarray(tensors[_gguf_name(name)]))

@@ -15,8 +15,10 @@ import torch
 from hetserve.moe.experts import ExpertWeights, create_backend, gated_activation
 from hetserve.native import native_unavailable_reason
 from hetserve.quant.gguf import Q5KRows, Q6KRows, q5_k_rows, q6_k_rows
+from hetserve.quant.gguf_iq import iq4_nl_rows, iq4_xs_rows
 from hetserve.quant.packed import Int8Rows, PackedExperts, Q4KRows
 from hetserve.quant.quantize import q8k_round
+from hetserve.testing.ggml_quant import ggml_quantize, ggml_unavailable_reason
 from hetserve.testing.gguf_quants import quantize_q5_k, quantize_q6_k
 from hetserve.testing.tiny_gguf import quantize_q4_k
 
@@ -38,7 +40,16 @@ def _q4(w):
     return Q4KRows(torch.from_numpy(quantize_q4_k(w.numpy()).reshape(w.shape[0], -1, 144)))
 
 
-PACK = {"q4_K": _q4, "q5_K": _q5, "q6_K": _q6, "q8_0": Int8Rows.q8_0}
+def _iq4(kind):
+    rows = iq4_xs_rows if kind == "IQ4_XS" else iq4_nl_rows
+    return lambda w: rows(ggml_quantize(w.numpy(), kind))
+
+
+PACK = {"q4_K": _q4, "q5_K": _q5, "q6_K": _q6, "q8_0": Int8Rows.q8_0, "iq4_xs": _iq4("IQ4_XS"),
+        "iq4_nl": _iq4("IQ4_NL")}  # fmt: skip
+NEEDS_GGML = pytest.mark.skipif(
+    bool(ggml_unavailable_reason()), reason=f"llama.cpp's quantizer: {ggml_unavailable_reason()}"
+)
 
 
 def _round16(v):
@@ -76,8 +87,11 @@ def _experts(kinds, seed=0):
     )
 
 
+IQ = [("iq4_xs", "iq4_xs"), ("iq4_nl", "iq4_nl"), ("iq4_xs", "q6_K"), ("q4_K", "iq4_nl"),
+      ("iq4_xs", "q8_0")]  # fmt: skip
 MIXES = [("q6_K", "q6_K"), ("q5_K", "q5_K"), ("q4_K", "q6_K"), ("q5_K", "q6_K"),
-         ("q4_K", "q5_K"), ("q4_K", "q8_0"), ("q8_0", "q6_K")]  # fmt: skip
+         ("q4_K", "q5_K"), ("q4_K", "q8_0"), ("q8_0", "q6_K"),
+         *(pytest.param(m, marks=NEEDS_GGML) for m in IQ)]  # fmt: skip
 
 
 @pytest.mark.parametrize("kinds", MIXES)
@@ -98,6 +112,42 @@ def test_each_projection_keeps_its_type(kinds, t):
         assert b.nbytes() == packed.nbytes
     names = {"q8_0": "int8", "q4_K": "int4"}
     assert b.formats == tuple(names.get(k, k) for k in kinds)
+
+
+@NEEDS_GGML
+@pytest.mark.parametrize("kind", ["IQ4_XS", "IQ4_NL"])
+def test_i_quant_blocks_read_as_gguf_reads_them(kind):
+    """llama.cpp's own IQ4_XS / IQ4_NL blocks (its quantizer): our rows hold gguf's numbers."""
+    w = np.random.default_rng(1).standard_normal((6, 512)).astype(np.float32)
+    w[2, 64:96] = 0.0  # an all-zero sub-block
+    raw = ggml_quantize(w, kind)
+    ours = (iq4_xs_rows if kind == "IQ4_XS" else iq4_nl_rows)(raw).dequantize().numpy()
+    assert np.array_equal(
+        ours, gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, kind))
+    )
+
+
+@NEEDS_GGML
+def test_iq4_nl_rows_off_256_pad_with_zero_blocks():
+    """IQ4_NL is what llama.cpp's IQ4_XS files hold where a row is off 256 (here I = 96): the
+    kernel pads rows to 256 with zero blocks; the padded activations stay zero."""
+    g = torch.Generator().manual_seed(3)
+    e, h, inter = 4, 256, 96
+    w13 = [_iq4("IQ4_NL")(torch.randn(2 * inter, h, generator=g) * 0.05) for _ in range(e)]
+    w2 = [_iq4("IQ4_NL")(torch.randn(h, inter, generator=g) * 0.05) for _ in range(e)]
+    b = create_backend("cpu-gguf", ExpertWeights(None, None, packed=PackedExperts(w13, w2)))
+    x, tw = torch.randn(3, h, generator=g), torch.rand(3, 2, generator=g)
+    ids = torch.tensor([[0, 1], [2, 3], [3, 1]])
+    glu, ref = gated_activation("silu"), torch.zeros(3, h, dtype=torch.float64)
+    for t in range(3):
+        for j in range(2):
+            k = int(ids[t, j])
+            hh = w13[k].dequantize().double() @ q8k_round(x[t]).double()
+            a = (glu(hh[:inter], hh[inter:]) * tw[t, j]).float()
+            a = q8k_round(torch.nn.functional.pad(a, (0, 256 - inter)))[:inter]
+            ref[t] += w2[k].dequantize().double() @ a.double()
+    out = b.forward(x, tw, ids)
+    assert float((out - ref.float()).abs().max()) <= 1e-3 * float(ref.abs().max())
 
 
 @pytest.mark.parametrize("kind", ["q6_K", "q5_K"])

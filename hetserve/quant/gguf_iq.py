@@ -1,0 +1,142 @@
+"""GGUF's 4-bit i-quants (IQ4_XS, IQ4_NL) as the file stores them, and the rule for every
+type no kernel reads: which native format it is converted to at load, and the error stated.
+
+Who calls it: the GGUF reader (`model/gguf_file.py`): `IQ4XSRows` / `IQ4NLRows` hold a tensor's
+bytes unchanged for `cpu-gguf` (moe_kq.h reads them); `convert_target` and `converted` for the
+others (q2_K, q3_K, IQ3_*, IQ2_*, IQ1_*, q4_0/q5_0/...). Pure (no I/O). A block size that does
+not divide a row is the caller's bug (the reader checks shapes against the metadata first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from hetserve.quant.packed import Int8Rows, QMatrix, _f16_bits
+
+# llama.cpp's 16 non-uniform levels of the 4-bit i-quants (ggml-common.h, kvalues_iq4nl)
+IQ4_LEVELS = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10,
+                           1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.float32)  # fmt: skip
+IQ4_XS_BLOCK_BYTES = 136  # fp16 d, 16 bits of high scale bits, 4 bytes of low ones, 128 nibbles
+IQ4_NL_BLOCK_BYTES = 18  # per 32 columns: fp16 d, 16 bytes of nibbles
+
+
+def _levels(qs: torch.Tensor) -> torch.Tensor:
+    """Bytes [.., 16 j + l] -> levels [.., 32 j + l] (low nibbles) and 32 j + 16 + l (high)."""
+    q = qs.to(torch.int64).reshape(*qs.shape[:-1], -1, 16)
+    codes = torch.stack((q & 15, q >> 4), dim=-2).flatten(-3)
+    return IQ4_LEVELS[codes]
+
+
+@dataclass(frozen=True)
+class IQ4XSRows(QMatrix):
+    """IQ4_XS super-blocks [.., N, K/256, 136] as in the file: w = d * (ls - 32) * level[q], a
+    6-bit ls per 32 columns (4.25 bits per weight). Served by cpu-gguf."""
+
+    raw: torch.Tensor
+
+    fmt: ClassVar[str] = "iq4_xs"
+    row_dims: ClassVar[dict[str, int]] = {"raw": -3}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, n, blocks, _ = self.raw.shape
+        return (*lead, n, blocks * 256)
+
+    @property
+    def group(self) -> int:
+        return 32
+
+    def dequantize(self) -> torch.Tensor:
+        r = self.raw.to(torch.int32)
+        d = _f16_bits(self.raw[..., 0:2])
+        high = r[..., 2] | (r[..., 3] << 8)
+        j = torch.arange(8)
+        low = (r[..., 4 + j // 2] >> (4 * (j % 2))) & 15
+        ls = (low | (((high[..., None] >> (2 * j)) & 3) << 4)).float() - 32  # [.., 8]
+        scale = (d[..., None] * ls).repeat_interleave(32, dim=-1)
+        return (scale * _levels(self.raw[..., 8:])).flatten(-2)
+
+
+@dataclass(frozen=True)
+class IQ4NLRows(QMatrix):
+    """IQ4_NL blocks [.., N, K/32, 18] as in the file: w = d * level[q] per 32 columns (4.5
+    bits per weight). Served by cpu-gguf (rows padded to 256 columns with zero blocks)."""
+
+    raw: torch.Tensor
+
+    fmt: ClassVar[str] = "iq4_nl"
+    row_dims: ClassVar[dict[str, int]] = {"raw": -3}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, n, blocks, _ = self.raw.shape
+        return (*lead, n, blocks * 32)
+
+    @property
+    def group(self) -> int:
+        return 32
+
+    def dequantize(self) -> torch.Tensor:
+        d = _f16_bits(self.raw[..., 0:2])
+        return (d[..., None] * _levels(self.raw[..., 2:])).flatten(-2)
+
+
+def iq4_xs_kernel_order(raw: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS super-blocks [.., 136] with their 128 bytes of nibbles regrouped for the kernel
+    (moe_kq.h, quad_iq4xs): byte l of chunk c holds column 64 c + l low, 64 c + 32 + l high
+    (the file: byte 16 j + l holds 32 j + l low, 32 j + 16 + l high). Same bytes per block."""
+    q = raw[..., 8:].reshape(*raw.shape[:-1], 8, 16)
+    codes = torch.stack((q & 15, q >> 4), dim=-2).reshape(*raw.shape[:-1], 4, 2, 32)
+    regrouped = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(*raw.shape[:-1], 128)
+    return torch.cat((raw[..., :8], regrouped), dim=-1)
+
+
+def iq4_xs_rows(data: np.ndarray) -> IQ4XSRows:
+    raw = np.array(data).reshape(*data.shape[:-1], -1, IQ4_XS_BLOCK_BYTES)
+    return IQ4XSRows(torch.from_numpy(raw))
+
+
+def iq4_nl_rows(data: np.ndarray) -> IQ4NLRows:
+    raw = np.array(data).reshape(*data.shape[:-1], -1, IQ4_NL_BLOCK_BYTES)
+    return IQ4NLRows(torch.from_numpy(raw))
+
+
+# Native formats a converted tensor may take, with bits per weight: the kernels' q4_K, q5_K,
+# q6_K super-blocks (rows of whole 256s) and q8_0 (any multiple of 32).
+NATIVE_BPW = {"q4_K": 4.5, "q5_K": 5.5, "q6_K": 6.5625, "q8_0": 8.5}
+
+
+def convert_target(bpw: float, k: int) -> str:
+    """The native format a type of `bpw` bits per weight converts to, for rows of `k` columns:
+    the largest that has no more bits per weight; where none has that few (q2_K, q3_K, IQ3_*,
+    IQ2_*, IQ1_*: below q4_K's 4.5), the smallest, q4_K. Rows off 256 can only take q8_0."""
+    if k % 256:
+        return "q8_0"
+    fits = [f for f, b in NATIVE_BPW.items() if b <= bpw]
+    return max(fits, key=NATIVE_BPW.__getitem__) if fits else "q4_K"
+
+
+def relative_rms(approx: np.ndarray, exact: np.ndarray) -> float:
+    """RMS of approx - exact over the RMS of exact (0 for an all-zero tensor)."""
+    num = float(np.sqrt(np.mean((approx.astype(np.float64) - exact) ** 2)))
+    den = float(np.sqrt(np.mean(exact.astype(np.float64) ** 2)))
+    return num / den if den > 0 else 0.0
+
+
+def converted(w: np.ndarray, target: str) -> QMatrix:
+    """Dequantized weights [.., N, K] -> `target` (convert_target's) rows, round to nearest."""
+    from hetserve.quant.gguf import q4_k_rows, q5_k_rows, q6_k_rows, quantize_q4_k
+    from hetserve.quant.gguf_quants import quantize_q5_k, quantize_q6_k
+
+    k = w.shape[-1]
+    flat = np.ascontiguousarray(w, dtype=np.float32).reshape(-1, k)
+    if target == "q8_0":
+        m = Int8Rows.q8_0(torch.from_numpy(flat))
+        return Int8Rows(m.q.reshape(w.shape), m.scale.reshape(*w.shape[:-1], -1))
+    quantize, rows = {"q4_K": (quantize_q4_k, q4_k_rows), "q5_K": (quantize_q5_k, q5_k_rows),
+                      "q6_K": (quantize_q6_k, q6_k_rows)}[target]  # fmt: skip
+    return rows(quantize(flat).reshape(*w.shape[:-1], -1))
