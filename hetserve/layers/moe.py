@@ -39,6 +39,16 @@ def _overlap_pool() -> ThreadPoolExecutor:
     return _pool("routed")
 
 
+# Fewest experts a token computes on time in a layer that defers: with one, a token's layer
+# output would rest on a single expert, which is where quality falls off.
+MIN_ON_TIME_EXPERTS = 2
+
+
+def max_deferral(top_k: int) -> int:
+    """The most experts per token a layer may defer (0 where top_k <= 2)."""
+    return max(0, top_k - MIN_ON_TIME_EXPERTS)
+
+
 def _run_experts(experts, x, weights, ids, phase) -> torch.Tensor:
     """Routed experts on a side thread (deferral or overlap)."""
     with torch.inference_mode():  # thread-local: the engine thread's mode does not carry over
@@ -148,18 +158,21 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_gate else None
         self.num_deferred = 0
 
-    def set_deferral(self, num_deferred: int) -> None:
-        if not 0 <= num_deferred < self.gate.cfg.top_k:
-            raise InvalidInputError(
-                f"max deferred experts per token must be in [0, top_k={self.gate.cfg.top_k})"
-            )
-        self.num_deferred = num_deferred
+    def set_deferral(self, num_deferred: int) -> int:
+        """Defer up to `num_deferred` experts per token at decode; returns the number kept,
+        clamped so every token keeps at least two on-time experts (top_k - 2; 0 at top_k <= 2)."""
+        if num_deferred < 0:
+            raise InvalidInputError("max deferred experts per token must be >= 0")
+        self.num_deferred = min(num_deferred, max_deferral(self.gate.cfg.top_k))
+        return self.num_deferred
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
         phase = "decode" if ctx is not None and ctx.meta.decode_only else "prefill"
         d = self.num_deferred
-        if d and ctx is not None:
+        # Prefill never defers: its tokens write the KV every later token reads, so an error
+        # there would persist; a decode token's late experts only shift its own residual.
+        if d and ctx is not None and phase == "decode":
             # The d lowest-weighted experts of each token run on the deferral thread while the
             # next layer computes; their sum joins the residual stream after that layer.
             order = topk_weights.argsort(dim=-1, descending=True)
