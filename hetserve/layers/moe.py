@@ -182,6 +182,9 @@ class SparseMoE(nn.Module):
             ctx.deferred = _deferral_pool().submit(
                 _run_experts, self.experts, x, late_w, late_ids, phase
             )
+        host_call = None if ctx is None else ctx.host_call
+        if host_call is not None and self.experts.is_remote(phase):
+            return self._split_at_host(host_call, x, topk_weights, topk_ids, phase)
         if self._shared_name is None:
             return self.experts(x, topk_weights, topk_ids, phase)
         routed = None
@@ -190,9 +193,25 @@ class SparseMoE(nn.Module):
             routed = _overlap_pool().submit(
                 _run_experts, self.experts, x, topk_weights, topk_ids, phase
             )
-        shared = getattr(self, self._shared_name)(x)
-        if self.shared_expert_gate is not None:
-            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        shared = self._shared(x)
         if routed is None:
             return self.experts(x, topk_weights, topk_ids, phase) + shared
         return routed.result() + shared
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        assert self._shared_name is not None
+        shared = getattr(self, self._shared_name)(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return shared
+
+    def _split_at_host(self, host_call, x, topk_weights, topk_ids, phase: str) -> torch.Tensor:
+        # Shared experts first, so they sit in the graph before the split; the host call then
+        # runs the routed experts eagerly between two graph replays.
+        shared = None if self._shared_name is None else self._shared(x)
+
+        def routed(x_, w_, ids_):
+            return _run_experts(self.experts, x_, w_, ids_, phase)
+
+        out = host_call(routed, x, x, topk_weights, topk_ids)
+        return out if shared is None else out + shared
