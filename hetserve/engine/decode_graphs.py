@@ -11,9 +11,11 @@ A batch of n sequences is padded to its bucket b >= n: padding rows read token 0
 key in the null block (block 0, never handed out) and write their K/V there, so they touch no
 sequence's cache; the first n rows of the output are the batch's.
 
-Routed experts that run on the host (`ExpertsBackend.remote`) split the forward: the model calls
-`ForwardContext.host_call` there, which on CUDA ends the graph being captured, records the call
-with its (static) inputs and a static output buffer, and begins the next graph. A replay runs
+Routed experts split the forward: those on the host cannot be captured, and those on the
+accelerator (the torch backend) size their work from per-expert counts read on the host. The
+model calls `ForwardContext.host_call` there, which on CUDA ends the graph being captured,
+records the call with its (static) inputs and a static output buffer, and begins the next
+graph. A replay runs
 graph 0, host call 0, graph 1, ... so the accelerator's part runs as graphs with no break
 inside a segment. On CPU (`capture=False`) the same buffers and padding run eagerly, which is
 what tests check against the unpadded eager forward here.

@@ -193,8 +193,8 @@ class ForwardContext:
     # which the model adds after the next layer has run.
     deferred: Future | None = None
     # Set while a decode forward is captured as CUDA graphs (engine/decode_graphs.py): routed
-    # experts on the host call host_call(fn, like, *inputs) instead of running, which splits
-    # the capture there and returns the buffer their result lands in at every replay.
+    # experts call host_call(fn, like, *inputs) instead of running, which splits the capture
+    # there and returns the buffer their result lands in at every replay.
     host_call: Callable[..., torch.Tensor] | None = None
     # Linear-attention layers: the state slots (kv/state.py) and which slot each sequence of
     # this forward uses (layers/linear_attention.py); None for models without such layers.

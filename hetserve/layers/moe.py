@@ -183,7 +183,10 @@ class SparseMoE(nn.Module):
                 _run_experts, self.experts, x, late_w, late_ids, phase
             )
         host_call = None if ctx is None else ctx.host_call
-        if host_call is not None and self.experts.is_remote(phase):
+        if host_call is not None:
+            # Capturing a CUDA graph: routed experts are either on the host or data-dependent
+            # (the torch backend reads its per-expert counts on the host), so they run between
+            # graph segments.
             return self._split_at_host(host_call, x, topk_weights, topk_ids, phase)
         if self._shared_name is None:
             return self.experts(x, topk_weights, topk_ids, phase)
