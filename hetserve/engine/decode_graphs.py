@@ -186,7 +186,8 @@ class DecodeGraphs:
                 captured = self._capture(inputs, window)
                 self._graphs[bucket] = captured
             captured[0].replay()
-            hidden = captured[1]
+            # The graph's output buffer is overwritten by the next replay: hand out a copy.
+            hidden = captured[1][: len(seqs)].clone()
         self.forwards += 1
         return hidden[: len(seqs)]
 
