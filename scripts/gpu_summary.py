@@ -39,14 +39,17 @@ def _pytest(results: Path) -> str:
 
 
 def _hybrid(report: dict) -> str:
-    rate = {(r["system"], r["batch"]): r["tokens_per_s"] for r in report.get("decode", [])}
     parts = []
-    for b in sorted({b for _, b in rate}):
-        base = rate.get(("hybrid", b))
-        parts.append(f"b{b} {_fmt(base, ' tok/s')}")
-        for name, r in rate.items():
-            if name[1] == b and name[0] != "hybrid" and base:
-                parts.append(f"{name[0].removeprefix('hybrid ')} {r / base:.2f}x")
+    for r in report.get("decode", []):
+        name, b = r["system"], r["batch"]
+        if name == "hybrid":
+            parts.append(f"b{b} {_fmt(r['tokens_per_s'], ' tok/s')}")
+        elif name == "hybrid eager" and r.get("vs_hybrid"):
+            parts.append(f"b{b} graphs {1 / r['vs_hybrid']:.2f}x eager")
+        elif " d=" in name:  # deferral runs eagerly: its base is the eager row
+            parts.append(f"b{b} {name.removeprefix('hybrid ')} {_fmt(r.get('vs_eager'), 'x')}")
+        else:
+            parts.append(f"b{b} {name.removeprefix('hybrid ')} {_fmt(r.get('vs_hybrid'), 'x')}")
     frac = report.get("experts_bandwidth_fraction_batch1")
     parts.append(f"experts {_fmt(frac)} of CPU read BW")
     parts += [f"prefill {p['prompt_len']}: {_fmt(p['tokens_per_s'], ' tok/s')}"
