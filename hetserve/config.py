@@ -275,6 +275,9 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     max_model_len: int | None = None
+    # Decode forwards run eagerly even on CUDA (no graphs captured): for debugging and to
+    # measure what the graphs buy.
+    enforce_eager: bool = False
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     moe: MoEConfig = MoEConfig()
@@ -362,6 +365,11 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("device", None, "device", "auto, cpu or cuda[:N]"),
     EngineOption("dtype", None, "dtype", "auto (fp32 on CPU, bf16 on CUDA), float32, bf16"),
     EngineOption("max_model_len", None, "max_model_len", "context limit in tokens", int),
+    EngineOption(
+        "enforce_eager", None, "enforce_eager",
+        "decode without CUDA graphs (they are captured per batch-size bucket on CUDA)",
+        extra={"action": "store_true"},
+    ),
     EngineOption("block_size", "cache", "block_size", "tokens per KV block", int),
     EngineOption("num_kv_blocks", "cache", "num_blocks", "KV blocks (overrides the size)", int),
     EngineOption(

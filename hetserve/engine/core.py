@@ -30,7 +30,7 @@ from hetserve.engine.kv_store import BlockIO, kv_identity, open_tiers
 from hetserve.engine.lora import build_lora_manager
 from hetserve.engine.output import ParentState, SeqState
 from hetserve.engine.runner import ModelRunner
-from hetserve.engine.setup import num_kv_blocks, resolve_model_dir, state_slots
+from hetserve.engine.setup import graph_options, num_kv_blocks, resolve_model_dir, state_slots
 from hetserve.engine.step_log import StepLog, shape_of
 from hetserve.engine.step_probe import measure_steps, step_time_model
 from hetserve.engine.validate import RequestValidator
@@ -99,7 +99,15 @@ class EngineCore:
             self.vocab_size, self.max_model_len, self.lora, self.grammars
         )
         lora_batch = None if self.lora is None else self.lora.batch
-        self.runner = ModelRunner(self.model, num_blocks, bs, lora_batch, n_states, kv_dtype)
+        self.runner = ModelRunner(
+            self.model,
+            num_blocks,
+            bs,
+            lora_batch,
+            n_states,
+            kv_dtype,
+            graph_options(cfg, self.model, self.max_model_len),
+        )
         seed = kv_identity(self.model_dir, self.runner.kv, cfg.cache.hash_seed)
         role = cfg.disagg.role
         _check_state_support(cfg, specs)

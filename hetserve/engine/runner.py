@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hetserve.engine.decode_graphs import DecodeGraphs
 from hetserve.kv.cache_spec import has_state, paged_layout, state_layout
 from hetserve.kv.paged import PagedKVCache
 from hetserve.kv.state import StateCache
@@ -19,6 +20,16 @@ from hetserve.layers.linear_attention import build_state_batch
 from hetserve.layers.lora import LoRABatch
 from hetserve.model import fused_decode
 from hetserve.model.base import CausalLM
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    """Decode graphs for a runner: buckets up to `max_batch` sequences, contexts up to
+    `max_blocks` blocks; `capture` False runs the same buffers eagerly (CPU)."""
+
+    max_batch: int
+    max_blocks: int
+    capture: bool
 
 
 @dataclass
@@ -42,6 +53,7 @@ class ModelRunner:
         lora_batch: LoRABatch | None = None,
         num_state_slots: int = 0,
         kv_dtype: torch.dtype | None = None,
+        graphs: GraphOptions | None = None,
     ) -> None:
         self.model = model
         model.fused_step = fused_decode.run  # declines wherever it does not apply
@@ -57,10 +69,21 @@ class ModelRunner:
         self.state: StateCache | None = None
         if has_state(specs):
             self.state = StateCache(state_layout(specs), num_state_slots, self.device)
+        # Decode batches through static per-bucket buffers (CUDA graphs on CUDA); none with
+        # LoRA layers or linear-attention state, whose per-forward batches they do not carry.
+        self.graphs: DecodeGraphs | None = None
+        if graphs is not None and lora_batch is None and self.state is None:
+            self.graphs = DecodeGraphs(
+                model, self.kv, block_size, graphs.max_batch, graphs.max_blocks, graphs.capture
+            )
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput]) -> torch.Tensor:
         """Hidden states [sum(len(token_ids)), H] for every new token, sequences concatenated."""
+        if self.graphs is not None and all(len(s.token_ids) == 1 for s in seqs):
+            hidden = self.graphs.run([(s.token_ids[0], s.num_computed, s.block_ids) for s in seqs])
+            if hidden is not None:
+                return hidden
         meta = build_metadata(
             [(s.num_computed, len(s.token_ids), s.block_ids) for s in seqs],
             self.block_size,

@@ -66,3 +66,16 @@ def num_kv_blocks(
             "give more KV memory or a smaller --max-model-len"
         )
     return n
+
+
+def graph_options(cfg: EngineConfig, model: torch.nn.Module, max_model_len: int):
+    """Decode graphs for the runner: on CUDA unless `--enforce-eager`; None on CPU (the eager
+    path is the same computation without the padding) and where the model has no parameter on
+    CUDA. Buckets reach the scheduler's max_num_seqs; contexts its max_model_len."""
+    from hetserve.engine.runner import GraphOptions
+
+    device = next(model.parameters()).device
+    if cfg.enforce_eager or device.type != "cuda":
+        return None
+    max_blocks = -(-max_model_len // cfg.cache.block_size)
+    return GraphOptions(cfg.scheduler.max_num_seqs, max_blocks, capture=True)

@@ -56,6 +56,12 @@ def register(sub) -> None:
         default=1.0,
         help="scale lm_head so greedy argmax margins are clear",
     )
+    t.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="weights' dtype on disk (bfloat16: half the bytes, for published-size shapes)",
+    )
     for key, help_text in _SIZE_OPTIONS.items():
         t.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help=help_text)
     t.add_argument(
@@ -103,6 +109,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
         layout=args.layout,
         lm_head_scale=args.lm_head_scale,
         progress=True,
+        dtype=args.dtype,
     )
     print(f"wrote {args.arch} checkpoint to {path}")
     return 0

@@ -9,6 +9,7 @@ A faster backend can replace `PagedAttentionBackend` behind the same two calls.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -191,6 +192,10 @@ class ForwardContext:
     # Expert deferral: a MoE layer leaves here the future of its deferred experts' output,
     # which the model adds after the next layer has run.
     deferred: Future | None = None
+    # Set while a decode forward is captured as CUDA graphs (engine/decode_graphs.py): routed
+    # experts call host_call(fn, like, *inputs) instead of running, which splits the capture
+    # there and returns the buffer their result lands in at every replay.
+    host_call: Callable[..., torch.Tensor] | None = None
     # Linear-attention layers: the state slots (kv/state.py) and which slot each sequence of
     # this forward uses (layers/linear_attention.py); None for models without such layers.
     state_cache: StateCache | None = None

@@ -39,6 +39,16 @@ def _overlap_pool() -> ThreadPoolExecutor:
     return _pool("routed")
 
 
+# Fewest experts a token computes on time in a layer that defers: with one, a token's layer
+# output would rest on a single expert, which is where quality falls off.
+MIN_ON_TIME_EXPERTS = 2
+
+
+def max_deferral(top_k: int) -> int:
+    """The most experts per token a layer may defer (0 where top_k <= 2)."""
+    return max(0, top_k - MIN_ON_TIME_EXPERTS)
+
+
 def _run_experts(experts, x, weights, ids, phase) -> torch.Tensor:
     """Routed experts on a side thread (deferral or overlap)."""
     with torch.inference_mode():  # thread-local: the engine thread's mode does not carry over
@@ -148,18 +158,21 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_gate else None
         self.num_deferred = 0
 
-    def set_deferral(self, num_deferred: int) -> None:
-        if not 0 <= num_deferred < self.gate.cfg.top_k:
-            raise InvalidInputError(
-                f"max deferred experts per token must be in [0, top_k={self.gate.cfg.top_k})"
-            )
-        self.num_deferred = num_deferred
+    def set_deferral(self, num_deferred: int) -> int:
+        """Defer up to `num_deferred` experts per token at decode; returns the number kept,
+        clamped so every token keeps at least two on-time experts (top_k - 2; 0 at top_k <= 2)."""
+        if num_deferred < 0:
+            raise InvalidInputError("max deferred experts per token must be >= 0")
+        self.num_deferred = min(num_deferred, max_deferral(self.gate.cfg.top_k))
+        return self.num_deferred
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
         phase = "decode" if ctx is not None and ctx.meta.decode_only else "prefill"
         d = self.num_deferred
-        if d and ctx is not None:
+        # Prefill never defers: its tokens write the KV every later token reads, so an error
+        # there would persist; a decode token's late experts only shift its own residual.
+        if d and ctx is not None and phase == "decode":
             # The d lowest-weighted experts of each token run on the deferral thread while the
             # next layer computes; their sum joins the residual stream after that layer.
             order = topk_weights.argsort(dim=-1, descending=True)
@@ -169,6 +182,12 @@ class SparseMoE(nn.Module):
             ctx.deferred = _deferral_pool().submit(
                 _run_experts, self.experts, x, late_w, late_ids, phase
             )
+        host_call = None if ctx is None else ctx.host_call
+        if host_call is not None:
+            # Capturing a CUDA graph: routed experts are either on the host or data-dependent
+            # (the torch backend reads its per-expert counts on the host), so they run between
+            # graph segments.
+            return self._split_at_host(host_call, x, topk_weights, topk_ids, phase)
         if self._shared_name is None:
             return self.experts(x, topk_weights, topk_ids, phase)
         routed = None
@@ -177,9 +196,25 @@ class SparseMoE(nn.Module):
             routed = _overlap_pool().submit(
                 _run_experts, self.experts, x, topk_weights, topk_ids, phase
             )
-        shared = getattr(self, self._shared_name)(x)
-        if self.shared_expert_gate is not None:
-            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        shared = self._shared(x)
         if routed is None:
             return self.experts(x, topk_weights, topk_ids, phase) + shared
         return routed.result() + shared
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        assert self._shared_name is not None
+        shared = getattr(self, self._shared_name)(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return shared
+
+    def _split_at_host(self, host_call, x, topk_weights, topk_ids, phase: str) -> torch.Tensor:
+        # Shared experts first, so they sit in the graph before the split; the host call then
+        # runs the routed experts eagerly between two graph replays.
+        shared = None if self._shared_name is None else self._shared(x)
+
+        def routed(x_, w_, ids_):
+            return _run_experts(self.experts, x_, w_, ids_, phase)
+
+        out = host_call(routed, x, x, topk_weights, topk_ids)
+        return out if shared is None else out + shared

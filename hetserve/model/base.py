@@ -6,6 +6,7 @@ maps names one to one; only fused routed experts need a mapping (see loader.py).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 
 import torch
@@ -18,6 +19,8 @@ from hetserve.layers.moe import FusedExperts, SparseMoE
 from hetserve.layers.norm import RMSNorm
 from hetserve.model.config import ModelConfig
 from hetserve.moe.experts import ACTIVATIONS
+
+_log = logging.getLogger(__name__)
 
 
 class DenseMLP(nn.Module):
@@ -131,12 +134,22 @@ class CausalLM(nn.Module):
         for _, experts in self.routed_experts():
             experts.routing_stats = stats
 
-    def set_expert_deferral(self, num_deferred: int) -> None:
-        """Defer the `num_deferred` lowest-weighted experts of each token in every MoE layer but
-        the last (whose output nothing follows). 0 restores exact computation."""
+    def set_expert_deferral(self, num_deferred: int) -> int:
+        """Defer the `num_deferred` lowest-weighted experts of each decode token in every MoE
+        layer but the last (whose output nothing follows); clamped so each token keeps two
+        on-time experts per layer (logged). 0 restores exact computation. Returns the d applied."""
         layers = self.moe_layers()
-        for i, moe in enumerate(layers):
-            moe.set_deferral(num_deferred if i < len(layers) - 1 else 0)
+        applied = [moe.set_deferral(num_deferred if i < len(layers) - 1 else 0)
+                   for i, moe in enumerate(layers)]  # fmt: skip
+        effective = max(applied[:-1], default=0)
+        if effective < num_deferred and len(layers) > 1:
+            top_k = layers[0].gate.cfg.top_k
+            _log.warning(
+                "expert deferral %d clamped to %d: a token keeps at least 2 non-deferred "
+                "experts per layer (top_k=%d, so at most top_k - 2)",
+                num_deferred, effective, top_k,
+            )  # fmt: skip
+        return effective
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -89,10 +89,14 @@ def make_tiny_checkpoint(
     lm_head_scale: float = 1.0,
     vocab_size: int = 512,
     progress: bool = False,
+    dtype: str = "float32",
 ) -> Path:
-    """Write config.json, *.safetensors, tokenizer files and generation_config.json to out_dir."""
+    """Write config.json, *.safetensors, tokenizer files and generation_config.json to out_dir.
+    `dtype` "bfloat16" halves the files (published-size shapes, e.g. the GPU benchmarks')."""
     if layout not in ("per-expert", "fused"):
         raise InvalidInputError(f"layout must be 'per-expert' or 'fused', got {layout!r}")
+    if dtype not in _WRITE_DTYPES:
+        raise InvalidInputError(f"dtype must be one of {sorted(_WRITE_DTYPES)}, got {dtype!r}")
     tiny_config(family, 0, overrides)  # validates the family before anything is written
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -104,20 +108,27 @@ def make_tiny_checkpoint(
     cfg.update(
         eos_token_id=eos_ids[0], pad_token_id=tok.token_to_id(PAD_TOKEN), bos_token_id=bos_id
     )
+    cfg["dtype"] = dtype
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}))
     with torch.device("meta"):
         model = model_class(cfg["architectures"][0])(ModelConfig.from_dict(cfg))
     gen = torch.Generator().manual_seed(seed)
     entries = list(_checkpoint_tensors(model, layout))
-    _write_shards(out, entries, gen, lm_head_scale, progress)
+    _write_shards(out, entries, gen, lm_head_scale, progress, _WRITE_DTYPES[dtype])
     if family in KIMI_TOKENIZER:  # Kimi publishes a tiktoken-format tokenizer, no tokenizer.json
         write_kimi_tokenizer(out, cache_dir())
     return out
 
 
-def _write_shards(out: Path, entries, gen, lm_scale: float, progress: bool) -> None:
-    total = sum(math.prod(shape) * 4 for _, shape, _ in entries)
+_WRITE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _write_shards(
+    out: Path, entries, gen, lm_scale: float, progress: bool, dtype: torch.dtype = torch.float32
+) -> None:
+    elem = torch.empty((), dtype=dtype).element_size()
+    total = sum(math.prod(shape) * elem for _, shape, _ in entries)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for old in out.glob("*.safetensors"):
@@ -125,7 +136,7 @@ def _write_shards(out: Path, entries, gen, lm_scale: float, progress: bool) -> N
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="writing", disable=not progress)
     files, weight_map = [], {}
     for name, shape, _ in entries:
-        t = _init_tensor(name, shape, gen, lm_scale).float().contiguous()
+        t = _init_tensor(name, shape, gen, lm_scale).to(dtype).contiguous()
         if size and size + t.nbytes > SHARD_BYTES:
             files.append(_flush(out, shards[-1], len(files)))
             shards.append({})

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.skipif(
 
 # Shapes the native int8 linears and experts take (rows % 4, columns % 32).
 MOE = {"hidden_size": 128, "moe_intermediate_size": 64, "head_dim": 32, "num_experts": 16}
+MOE_TOP4 = {**MOE, "num_experts_per_tok": 4}  # deferral keeps 2 on time: needs top_k >= 3
 DENSE = {"hidden_size": 128, "intermediate_size": 192, "head_dim": 32}
 INT8_LINEARS = {"name": "int8-linears", "match": ".*", "device": "cpu", "backend": "cpu-int8"}
 PROMPTS = [list(range(10, 31)), list(range(40, 45)), list(range(100, 112))]
@@ -85,7 +86,8 @@ def test_fused_step_gives_the_modules_results(
 
 
 def test_fused_step_steps_aside(tiny_model, monkeypatch):
-    llm = LLM(str(tiny_model("qwen3-moe", overrides=MOE)), placement=_all_int8_rules("cpu-int8"))
+    path = str(tiny_model("qwen3-moe", overrides=MOE_TOP4))
+    llm = LLM(path, placement=_all_int8_rules("cpu-int8"))
     spy = _Spy(monkeypatch, llm)
     _generate(llm)
     assert spy.fused
