@@ -44,8 +44,7 @@ typedef struct {
     float *out;
 } lin_t;
 
-/* Rows [n0, n0 + 4 nq) against tokens m .. m + MB - 1 (MB <= 2; 3 for int8 with row scales);
- * nq = 2 for q4_K only. */
+/* Rows [n0, n0 + 4 nq) against tokens m, m + MB - 1 (MB <= 2); nq = 2 for q4_K only. */
 static inline void lin_quad(const lin_t *l, int n0, int nq, int m, int MB, float o[8][MBMAX]) {
     const int K = l->K, m1 = m + MB - 1;
     if (l->fmt == L_Q4K) {
@@ -60,16 +59,13 @@ static inline void lin_quad(const lin_t *l, int n0, int nq, int m, int MB, float
         return;
     }
     const int8_t *q = (const int8_t *)l->w + (size_t)n0 * K;
-    const int16_t *const xr[3] = {l->x16 + (size_t)m * K, l->x16 + (size_t)(m + (MB > 1)) * K,
-                                  l->x16 + (size_t)m1 * K};
+    const int16_t *const xr[2] = {l->x16 + (size_t)m * K, l->x16 + (size_t)m1 * K};
     if (l->G > 0) {
         const uint16_t *s = (const uint16_t *)l->s + (size_t)n0 * (K / l->G); /* fp16 */
         if (MB == 2) quad_i8g(q, s, K, l->G, xr, 2, o); else quad_i8g(q, s, K, l->G, xr, 1, o);
         return;
     }
-    if (MB == 3) quad_i8(q, K, xr, 3, o);
-    else if (MB == 2) quad_i8(q, K, xr, 2, o);
-    else quad_i8(q, K, xr, 1, o);
+    if (MB == 2) quad_i8(q, K, xr, 2, o); else quad_i8(q, K, xr, 1, o);
     for (int r = 0; r < 4; r++)
         for (int mm = 0; mm < MB; mm++) o[r][mm] *= l->s[n0 + r];
 }
@@ -110,27 +106,17 @@ static int lin_item_gemm(const lin_t *l, int u0, int u1) {
     return 0;
 }
 
-/* Tokens from which an int8 linear runs on the GEMM tiles, and tokens per quad_i8 call below
- * that (experiments: -D on the build). */
-#ifndef LIN_GEMM_MIN_TOKENS
-#define LIN_GEMM_MIN_TOKENS GEMM_MIN_TOKENS
-#endif
-#ifndef LIN_PAIRS
-#define LIN_PAIRS 3
-#endif
-
 static void lin_item(void *ctx, int c) {
     const lin_t *l = (const lin_t *)ctx;
     const int quads = (l->N + 3) / 4; /* the last one's padded rows are dropped */
     const int u0 = c * l->rc, u1 = u0 + l->rc < quads ? u0 + l->rc : quads;
-    const int i8 = l->fmt == L_I8 && l->G == 0, step = i8 ? LIN_PAIRS : 2;
-    if (i8 && l->T >= LIN_GEMM_MIN_TOKENS && lin_item_gemm(l, u0, u1) == 0) return;
+    if (l->fmt == L_I8 && l->G == 0 && gemm_worth(l->T) && lin_item_gemm(l, u0, u1) == 0) return;
     for (int t0 = 0; t0 < l->T; t0 += TB) {
         int t1 = t0 + TB < l->T ? t0 + TB : l->T;
         for (int u = u0, nq; u < u1; u += nq) {
             nq = l->fmt == L_Q4K && u + 1 < u1 ? 2 : 1; /* q4_K: two quads share activations */
-            for (int m = t0; m < t1; m += step) {
-                int MB = t1 - m >= step ? step : t1 - m;
+            for (int m = t0; m < t1; m += 2) {
+                int MB = t1 - m >= 2 ? 2 : 1;
                 float o[8][MBMAX];
                 lin_quad(l, 4 * u, nq, m, MB, o);
                 const int rows = 4 * (u + nq) <= l->N ? 4 * nq : l->N - 4 * u;

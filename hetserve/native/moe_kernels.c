@@ -40,10 +40,10 @@
 
 /* The int16 activation rows of MB pairs from pair p, their scales and (int4) group sums. */
 typedef struct {
-    const int16_t *x[MBMAX];
-    const float *gs[MBMAX];
-    float s[MBMAX];
-    q4k_act_t p[MBMAX];
+    const int16_t *x[2];
+    const float *gs[2];
+    float s[2];
+    q4k_act_t p[2];
 } act16_t;
 
 /* int16s per input in the rounded activation rows: FP8's are a bf16 hi row and a lo row. */
@@ -51,25 +51,22 @@ static inline int act_width(int fmt) {
     return fmt == F_FP8 ? 2 : 1;
 }
 
-/* Rows r[0..MB) (MB <= 3; only int8 with row scales takes 3). */
-static inline act16_t act16(const job_t *j, int fmt, int which, int K, const int r[MBMAX]) {
+static inline act16_t act16(const job_t *j, int fmt, int which, int K, int r0, int r1) {
     const int16_t *base = which == 1 ? j->x16 : j->a16;
     const float *xs = which == 1 ? j->xsc : j->asc;
     const float *gsb = which == 1 ? j->xgs : j->ags;
     const int G = jg(j, which), ng = G > 0 ? K / G : 0;
     const size_t stride = (size_t)act_width(fmt) * K;
-    act16_t a;
-    for (int m = 0; m < MBMAX; m++) {
-        a.x[m] = base + r[m] * stride;
-        a.gs[m] = gsb + (size_t)r[m] * ng;
-        a.s[m] = xs[r[m]];
-        a.p[m] = (q4k_act_t){NULL, NULL, NULL};
-    }
+    act16_t a = {{base + r0 * stride, base + r1 * stride},
+                 {gsb + (size_t)r0 * ng, gsb + (size_t)r1 * ng},
+                 {xs[r0], xs[r1]},
+                 {{NULL, NULL, NULL}, {NULL, NULL, NULL}}};
     if (kq_fmt(fmt)) {
         const int8_t *pl = which == 1 ? j->xpl : j->apl;
         const int16_t *ps = which == 1 ? j->xps : j->aps;
         const float *pd = which == 1 ? j->xpd : j->apd;
-        for (int m = 0; m < 2; m++) a.p[m] = q4k_row(pl, pd, ps, K, r[m]);
+        a.p[0] = q4k_row(pl, pd, ps, K, r0);
+        a.p[1] = q4k_row(pl, pd, ps, K, r1);
     }
     return a;
 }
@@ -80,8 +77,7 @@ static inline int unit_rows(int fmt) {
     return fmt == F_MXFP4 || fmt == F_I4 ? TILE_ROWS : fmt == F_Q4K ? 8 : 4; /* q6_K, q5_K: 4 */
 }
 
-/* The integer formats (int8, grouped int8, int4, MXFP4) for one unit and MB <= 2 pairs (3 for
- * int8 with row scales). */
+/* The integer formats (int8, grouped int8, int4, MXFP4) for one unit and MB <= 2 pairs. */
 static inline __attribute__((always_inline)) void quad_int(const job_t *j, int fmt, int which,
                                                           size_t row, int K, const act16_t *ap,
                                                           int MB, float out[][MBMAX]) {
@@ -92,9 +88,7 @@ static inline __attribute__((always_inline)) void quad_int(const job_t *j, int f
     if (fmt == F_I8 && G == 0) {
         const int8_t *q = (const int8_t *)w + row * K;
         const float *s = (const float *)sv + row;
-        if (MB == 3) quad_i8(q, K, a.x, 3, out);
-        else if (MB == 2) quad_i8(q, K, a.x, 2, out);
-        else quad_i8(q, K, a.x, 1, out);
+        if (MB == 2) quad_i8(q, K, a.x, 2, out); else quad_i8(q, K, a.x, 1, out);
         for (int r = 0; r < 4; r++)
             for (int m = 0; m < MB; m++) out[r][m] *= s[r];
     } else if (fmt == F_I8) { /* grouped: fp16 scales */
@@ -161,13 +155,9 @@ static inline __attribute__((always_inline)) void quad(const job_t *j, int fmt, 
 }
 
 /* Pairs per microkernel call: 3 fp32 tokens fill the FMA pipes, FP8 on fp32 keeps its per-group
- * sums of one token in registers, int8 with row scales takes 3 (quad_i8), the other integer
- * formats and FP8 on bf16 take two. I8_PAIRS: 2 restores the earlier split (experiments). */
-#ifndef I8_PAIRS
-#define I8_PAIRS 3
-#endif
-static inline int pair_step(int fmt, int G) {
-    return fmt == F_F32 ? 3 : fmt == F_FP8 && !HS_FP8_BF16 ? 1 : fmt == F_I8 && G == 0 ? I8_PAIRS : 2;
+ * sums of one token in registers, the integer formats and FP8 on bf16 take two. */
+static inline int pair_step(int fmt) {
+    return fmt == F_F32 ? 3 : fmt == F_FP8 && !HS_FP8_BF16 ? 1 : 2;
 }
 
 /* Formats whose kernels read activations rounded to 16 bits (int16, or bf16 for FP8 where
@@ -181,15 +171,12 @@ static inline int rounded_acts(int fmt) {
 static inline __attribute__((always_inline)) void block_acts(const job_t *j, int fmt, int which,
                                                             int K, int off, int t0, int t1,
                                                             act16_t *acts) {
-    const int step = pair_step(fmt, jg(j, which));
+    const int step = pair_step(fmt);
     if (!rounded_acts(fmt)) return;
     for (int m = t0; m < t1; m += step) {
-        int MB = t1 - m >= step ? step : t1 - m, p = off + m, r[MBMAX];
-        for (int i = 0; i < MBMAX; i++) {
-            const int pi = p + (i < MB ? i : MB - 1); /* past MB: the last pair again (unread) */
-            r[i] = which == 1 ? j->tok[pi] : pi;
-        }
-        acts[(m - t0) / step] = act16(j, fmt, which, K, r);
+        int MB = t1 - m >= step ? step : t1 - m, p = off + m;
+        int r0 = which == 1 ? j->tok[p] : p, r1 = which == 1 ? j->tok[p + MB - 1] : p + MB - 1;
+        acts[(m - t0) / step] = act16(j, fmt, which, K, r0, r1);
     }
 }
 
@@ -199,7 +186,7 @@ static inline __attribute__((always_inline)) void phase1(const job_t *j, int u0,
                                                         const int fmt) {
     const int H = j->H, I = j->I, R = unit_rows(fmt), per = I / R;
     int ai = u0 / per, e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
-    const int step = pair_step(fmt, jg(j, 1));
+    const int step = pair_step(fmt);
     act16_t acts[TB];
     const float *b13 = j->b13 ? j->b13 + (size_t)e * 2 * I : NULL;
     for (int t0 = 0; t0 < cnt; t0 += TB) {
@@ -245,7 +232,7 @@ static inline __attribute__((always_inline)) void phase2(const job_t *j, int u0,
                                                         const int fmt) {
     const int H = j->H, I = j->I, R = unit_rows(fmt), per = H / R;
     int ai = u0 / per, e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
-    const int step = pair_step(fmt, jg(j, 2));
+    const int step = pair_step(fmt);
     act16_t acts[TB];
     const float *b2 = j->b2 ? j->b2 + (size_t)e * H : NULL;
     for (int t0 = 0; t0 < cnt; t0 += TB) {

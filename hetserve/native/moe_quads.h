@@ -9,7 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define MBMAX 3 /* tokens per microkernel call (fp32 and int8; the other formats take up to 2) */
+#define MBMAX 3 /* tokens per microkernel call (fp32; the int8/int4 ones take up to 2) */
 #include "moe_formats.h"
 #include "simd.h"
 
@@ -26,39 +26,24 @@ static inline int i8_kstep(int K) {
     return K % 256 == 0 ? 256 : 16;
 }
 
-/* out[r][m] = sum_k W[r, k] * x16[m, k] for one quad of int8 rows and MB <= 3 tokens: 16
+/* out[r][m] = sum_k W[r, k] * x16[m, k] for one quad of int8 rows and MB <= 2 tokens: 16
  * weights per vpmovsxbw + vpmaddwd, a third of the uops of converting to fp32. Quad layout:
  * for each 16 inputs, the 4 rows' 16 bytes back to back, so a quad is one sequential stream of
- * whole cache lines (four strided row streams ran at half the speed: prefetch-bound). Three
- * tokens (a batched decode's experts see 2-7 pairs each) widen each weight once for all three:
- * the tokens' 3 vectors, one widened row at a time and 12 accumulators fill AVX2's 16 registers.
- * Each (row, token) sum is the same integer sum whatever MB, so batching changes no bit. */
+ * whole cache lines (four strided row streams ran at half the speed: prefetch-bound). */
 static inline __attribute__((always_inline)) void quad_i8(const int8_t *q, int K,
-                                                          const int16_t *const x[], int MB,
+                                                          const int16_t *const x[2], int MB,
                                                           float out[4][MBMAX]) {
     const int kstep = i8_kstep(K);
     for (int r = 0; r < 4; r++)
         for (int m = 0; m < MB; m++) out[r][m] = 0.0f;
     for (int kb = 0; kb < K; kb += KBLOCK) {
         int ke = kb + KBLOCK < K ? kb + KBLOCK : K;
-        __m256i acc[4][3];
+        __m256i acc[4][2];
         for (int r = 0; r < 4; r++)
             for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_si256();
         for (int k0 = kb; k0 < ke; k0 += kstep) /* kstep: see i8_kstep */
             for (int k = k0; k < k0 + kstep; k += 16) {
                 hs_prefetch(q + 4 * k);
-                if (MB == 3) {
-                    __m256i xv[3];
-                    for (int m = 0; m < 3; m++)
-                        xv[m] = _mm256_loadu_si256((const __m256i *)(x[m] + k));
-                    for (int r = 0; r < 4; r++) {
-                        const __m256i w = _mm256_cvtepi8_epi16(
-                            _mm_loadu_si128((const __m128i *)(q + 4 * k + 16 * r)));
-                        for (int m = 0; m < 3; m++)
-                            acc[r][m] = _mm256_add_epi32(acc[r][m], _mm256_madd_epi16(w, xv[m]));
-                    }
-                    continue;
-                }
                 __m256i w[4];
                 for (int r = 0; r < 4; r++)
                     w[r] = _mm256_cvtepi8_epi16(

@@ -33,7 +33,7 @@ def _one_at_a_time(fn, *args):
         (100, 40, 3, 2, 33, True, "silu"),  # both sizes padded to the kernel's units
         (256, 96, 3, 3, 24, True, "clamped"),  # gpt-oss's activation, biases
         (4608, 64, 2, 1, 17, False, "silu"),  # hidden past KBLOCK: two fp32 partial sums
-        # batched decode: 2-7 pairs per expert, the quad kernel's calls of 3, 2 and 1 tokens
+        # batched decode: 2-7 pairs per expert, below the tiles: the quad kernel (calls of 2, 1)
         (256, 128, 8, 2, 20, False, "silu"),
         (100, 40, 6, 2, 11, True, "clamped"),
     ],
