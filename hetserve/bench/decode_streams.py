@@ -109,7 +109,10 @@ def _rates(args, cfg: dict, counts: list[int], bar) -> list[dict[int, float]]:
                 timed(s, 2)()  # warm-up: this batch width's scratch and plan
                 t1 = best_time(timed(s, 1), args.repeats, bar)
                 tn = best_time(timed(s, args.tokens), args.repeats, bar)
-                got[s] = s * (args.tokens - 1) / max(tn - t1, 1e-9)
+                # As decode_rate: too few tokens to separate decode from noise gives the
+                # end-to-end rate, a lower bound, never a division by ~0.
+                slow = tn <= t1 * 1.05
+                got[s] = s * args.tokens / tn if slow else s * (args.tokens - 1) / (tn - t1)
             rounds.append(got)
     finally:
         llm.close()  # its weights go before the peaks are measured again
