@@ -75,6 +75,12 @@ def register(sub) -> None:
         help=f"llama.cpp source tree with convert_hf_to_gguf.py (or ${LLAMACPP_SRC_ENV})",
     )
     p.add_argument("--bandwidth-mib", type=int, default=256, help="bandwidth probe buffer size")
+    p.add_argument(
+        "--streams",
+        default=None,
+        help="comma-separated concurrent stream counts (e.g. 1,4,16,32): hetserve's batched "
+        "decode at each, against this machine's roofline, instead of the single-stream systems",
+    )
     p.set_defaults(func=run)
 
 
@@ -265,6 +271,10 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError("--rounds and --repeats must be at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.streams:
+        from hetserve.bench import decode_streams
+
+        return decode_streams.run(args, cfg)
     threads = torch.get_num_threads()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg["vocab_size"], (args.prompt_len,), generator=g).tolist()

@@ -154,3 +154,51 @@ def test_hetserve_on_a_given_gguf(tiny_model, tmp_path):
     data = json.loads(out.read_text())
     assert data["decode_tokens_per_s"]["hetserve gguf (same GGUF)"] > 0
     assert data["llamacpp_peer"] == "llama.cpp gguf"
+
+
+def test_bench_decode_streams_rates_and_roofline(moe_dir, tmp_path, capsys):
+    out = tmp_path / "streams.json"
+    rc = main(["bench", "decode", "--model", str(moe_dir), *FAST, "--streams", "4,1",
+               "--rounds", "2", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    data = json.loads(out.read_text())
+    rows = data["streams"]
+    assert [r["streams"] for r in rows] == [1, 4]  # sorted
+    assert len(data["rounds_tokens_per_s"]) == 2
+    for r in rows:
+        best = max(rnd[str(r["streams"])] for rnd in data["rounds_tokens_per_s"])
+        assert r["tokens_per_s"] == best > 0
+        assert r["fraction_of_roofline"] == pytest.approx(
+            r["tokens_per_s"] / r["roofline_tokens_per_s"])  # fmt: skip
+    assert rows[0]["vs_one_stream"] == pytest.approx(1.0)
+    assert data["peaks"]["read_gbps"] > 0
+    text = capsys.readouterr().out
+    assert "of roofline" in text and "peaks on" in text
+
+
+def test_step_roofline_by_hand():
+    from hetserve.bench.decode_streams import step_roofline
+
+    cfg = {"hidden_size": 64, "moe_intermediate_size": 32, "num_experts": 8,
+           "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "head_dim": 16, "num_key_value_heads": 2, "vocab_size": 100}  # fmt: skip
+    dense = 2 * (2 * 64 * 64 + 2 * 64 * 32) + 2 * 8 * 64 + 100 * 64  # attention, router, head
+    one = step_roofline(cfg, 1, read_gbps=1.0, gops={"int8": 1.0, "int16": None})
+    assert one["active_experts_per_layer"] == pytest.approx(2.0)  # one token: its top-k
+    assert one["step_bytes"] == pytest.approx(2 * 2 * 6656 + dense)
+    assert one["step_ops"] == 2 * (2 * 2 * 3 * 64 * 32 + dense)
+    assert one["bandwidth_tokens_per_s"] == pytest.approx(1e9 / one["step_bytes"])
+    assert set(one["compute_tokens_per_s"]) == {"int8"}
+    # 8 tokens: 8 (1 - (6/8)^8) ~ 7.2 experts of 8 per layer; bytes grow less than 8x, ops 8x
+    many = step_roofline(cfg, 8, read_gbps=1.0, gops={"int8": 1.0})
+    assert many["active_experts_per_layer"] == pytest.approx(8 * (1 - 0.75**8))
+    assert many["step_ops"] == 8 * one["step_ops"]
+    assert many["roofline_tokens_per_s"] == min(
+        many["bandwidth_tokens_per_s"], many["compute_tokens_per_s"]["int8"])  # fmt: skip
+
+
+def test_bad_streams_exit_2(moe_dir, capsys):
+    rc = main(["bench", "decode", "--model", str(moe_dir), "--streams", "0,x"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "--streams" in err and "\n" not in err
