@@ -81,23 +81,28 @@ class StepBudget:
         cap = min(needed, self.tokens)
         if cap == 0 or self.model is None:
             return cap
-        if cap > 1 and self.shape.decodes:
-            bound = self.model.max_chunk()
-            if bound is not None:
-                floor = 0 if self.shape.chunks else MIN_CHUNK  # the first chunk's floor holds
-                cap = min(cap, max(bound - self.shape.chunk_tokens, floor))
-                if cap == 0:
-                    return 0
         if self.until_s is None:
             if cap == 1 or not self.shape.decodes:
                 return cap  # a decode before any chunk; or no decodes: whole chunks
+            # The limit by efficiency compares with the whole cap (the prompt's speed alone),
+            # never the bounded one: a small bound would make small chunks look efficient and
+            # ratchet them down to the floor (seen serving).
             until = self._until(cap, computed)
             if until is None:
-                return cap
+                return self._bounded(cap)
             self.until_s = until
-            return max(self._fit(cap, computed), min(cap, MIN_CHUNK))
+            return max(self._fit(self._bounded(cap), computed), min(cap, MIN_CHUNK))
         # After the first chunk everything must fit, a one-token prompt too (it is a prefill).
-        return self._fit(cap, computed)
+        return self._fit(self._bounded(cap), computed)
+
+    def _bounded(self, cap: int) -> int:
+        """`cap` within what the model has seen beside decodes (`max_chunk`)."""
+        assert self.model is not None
+        bound = self.model.max_chunk()
+        if cap == 1 or bound is None:
+            return cap
+        floor = 0 if self.shape.chunks else MIN_CHUNK  # the first chunk's floor holds
+        return min(cap, max(bound - self.shape.chunk_tokens, floor))
 
     def take(self, n: int, computed: int) -> None:
         """`n` tokens after `computed` were scheduled."""

@@ -138,3 +138,19 @@ def test_beside_decodes_chunks_stay_within_what_the_model_has_seen():
             return 2
 
     assert with_decodes(StepBudget(Tiny(), 10.0, tokens=2048), 2).grant(5000, 0) == MIN_CHUNK
+
+
+def test_the_bound_does_not_lower_the_efficient_step():
+    """By default the step's limit comes from the prompt's speed in whole chunks, not in
+    bounded ones: else a small bound makes small chunks look efficient, each step's chunk
+    bounds the next, and chunks ratchet down to the floor (seen serving the demo model)."""
+
+    class Seen(Linear):
+        def max_chunk(self) -> int | None:
+            return 16
+
+    free = with_decodes(StepBudget(Linear(), None, tokens=2048), 40)
+    bounded = with_decodes(StepBudget(Seen(), None, tokens=2048), 40)
+    assert free.grant(5000, 0) > 16
+    assert bounded.grant(5000, 0) == 16
+    assert bounded.until_s == free.until_s
