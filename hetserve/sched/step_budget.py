@@ -99,8 +99,8 @@ class StepBudget:
         """`cap` within what the model has seen beside decodes (`max_chunk`)."""
         assert self.model is not None
         bound = self.model.max_chunk()
-        if cap == 1 or bound is None:
-            return cap
+        if cap == 1 or bound is None or self.until_s == float("inf"):
+            return cap  # no time limit (--max-step-ms inf): chunks by tokens alone
         floor = 0 if self.shape.chunks else MIN_CHUNK  # the first chunk's floor holds
         return min(cap, max(bound - self.shape.chunk_tokens, floor))
 

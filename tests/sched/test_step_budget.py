@@ -129,6 +129,8 @@ def test_beside_decodes_chunks_stay_within_what_the_model_has_seen():
     assert b.grant(5000, 0) == 100
     b.take(100, 0)
     assert b.grant(5000, 0) == 0  # a second prompt: the step already carries the bound
+    # Without a time limit (--max-step-ms inf) chunks go by tokens alone.
+    assert with_decodes(StepBudget(Seen(), float("inf"), tokens=2048), 2).grant(5000, 0) == 2046
     # Without decodes whole chunks still go: they are what teach the model longer ones.
     assert StepBudget(Seen(), 10.0, tokens=2048).grant(5000, 0) == 2048
 
