@@ -35,6 +35,13 @@ def handoff_token() -> str:
     return os.environ.get("HETSERVE_HANDOFF_TOKEN", "")
 
 
+def step_trace() -> Path | None:
+    """HETSERVE_STEP_TRACE: a file the engine appends one JSON line per step to (its shape,
+    predicted and measured time, the gap before it, garbage collections during it); unset: none."""
+    v = os.environ.get("HETSERVE_STEP_TRACE")
+    return Path(v) if v else None
+
+
 def c_compiler() -> str | None:
     """CC: the compiler for the native expert kernels."""
     return os.environ.get("CC") or None

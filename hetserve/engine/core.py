@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hetserve import envs
 from hetserve.config import EngineConfig, Role
 from hetserve.core.outputs import RequestOutput
 from hetserve.core.request import HandoffRole, NewRequest, Request, RequestStatus
@@ -147,7 +148,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             cfg.scheduler, self.kv, self.max_model_len, loader, self.cost.steps
         )
-        self.step_log = StepLog(self.cost)
+        self.step_log = StepLog(self.cost, envs.step_trace())
         self.seqs: dict[str, SeqState] = {}
         self.parents: dict[str, ParentState] = {}
         self.executor = StepExecutor(self.runner, self.seqs, self.eos_ids, self.lora)

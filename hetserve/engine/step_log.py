@@ -1,7 +1,8 @@
 """The engine's own record of its steps: what each computed (its `StepShape`) and how long it
 took, handed to the engine's cost model (which refines its fit with it) and kept by kind
 (decode-only, mixed, prefill-only) as histograms that `EngineStats` carries to `/metrics` and
-the benchmarks, beside what the model had predicted.
+the benchmarks, beside what the model had predicted. With HETSERVE_STEP_TRACE set, every step
+is also a JSON line in that file (`StepTrace`): where a stream's tail latency comes from.
 
 Who calls it: `EngineCore.step`, on the engine thread, once per step that ran; `stats()`
 snapshots it for any thread.
@@ -10,7 +11,12 @@ snapshots it for any thread.
 from __future__ import annotations
 
 import bisect
+import gc
+import json
+import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import IO
 
 from hetserve.core.stats import Histogram, StepKindStats
 from hetserve.engine.execute import StepResult
@@ -52,9 +58,55 @@ class _Counts:
         return Histogram(self.bounds, tuple(self.counts), self.total)
 
 
+class StepTrace:
+    """One JSON line per step: its shape, the model's prediction before the step refined it,
+    the measured time and its batch's part, the gap since the previous step ended (the engine
+    thread waiting or yielding the interpreter) and the garbage collections that ran in it."""
+
+    def __init__(self, path: Path) -> None:
+        self._file: IO[str] = path.open("a", buffering=1)
+        self._last_end: float | None = None
+        self._gc_s = 0.0
+        self._gc_n = 0
+        self._gc_t0 = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self._gc_s += time.perf_counter() - self._gc_t0
+            self._gc_n += 1
+
+    def write(
+        self, shape: StepShape, predicted: float | None, seconds: float, batch_s: float
+    ) -> None:
+        end = time.perf_counter()
+        start = end - seconds
+        gap = None if self._last_end is None else start - self._last_end
+        self._last_end = end
+        row = {
+            "t": round(end, 6),
+            "kind": shape.kind.value,
+            "decodes": shape.decodes,
+            "decode_context": shape.decode_context,
+            "chunk_tokens": shape.chunk_tokens,
+            "chunk_context": shape.chunk_context,
+            "predicted_ms": None if predicted is None else round(predicted * 1e3, 3),
+            "ms": round(seconds * 1e3, 3),
+            "batch_ms": round(batch_s * 1e3, 3),
+            "gap_ms": None if gap is None else round(gap * 1e3, 3),
+            "gc": self._gc_n,
+            "gc_ms": round(self._gc_s * 1e3, 3),
+        }
+        self._gc_n, self._gc_s = 0, 0.0
+        self._file.write(json.dumps(row) + "\n")
+
+
 class StepLog:
-    def __init__(self, cost: CostModel) -> None:
+    def __init__(self, cost: CostModel, trace: Path | None = None) -> None:
         self.cost = cost
+        self.trace = None if trace is None else StepTrace(trace)
         self._seconds = {k: _Counts(STEP_SECONDS) for k in StepKind}
         self._chunks = {k: _Counts(CHUNK_TOKENS) for k in StepKind}
         self._predicted = dict.fromkeys(StepKind, 0.0)
@@ -72,7 +124,14 @@ class StepLog:
         # Decode-only steps are not predicted: nothing was sized by them, and a prediction
         # would refit the model every step of a long decode.
         kind = shape.kind
-        predicted = None if kind is StepKind.DECODE else self.cost.steps.predict(shape)
+        traced = self.trace is not None
+        predicted = None
+        if kind is not StepKind.DECODE or traced:
+            predicted = self.cost.steps.predict(shape)
+        if self.trace is not None:
+            self.trace.write(shape, predicted, seconds, batch_s)
+        if kind is StepKind.DECODE:
+            predicted = None
         self.cost.observe_step(batch_s, result.prompt_tokens, shape, seconds - batch_s)
         self._seconds[kind].add(seconds)
         if shape.chunks:

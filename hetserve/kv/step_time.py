@@ -18,15 +18,22 @@ whose attention reads `pairs` (query, key) pairs (a chunk of k after c cached to
 k*c + k*(k+1)/2 of them: attention is quadratic, later chunks cost more) and gathers `context`
 K/V rows (its c + k) add
 
-    chunks = a * k + b * pairs + g * context + e * (coverage(n + k) - coverage(n))
+    chunks = a * k + b * pairs + g * context + f * m + e * (coverage(n + k) - coverage(n))
 
-fitted on mixed and prefill-only steps, what their decode part does not explain. On a MoE,
+fitted on mixed and prefill-only steps, what their decode part does not explain; m is the
+number of chunks, f what each costs however few its tokens (rows that leave the decode-only
+path: measured serving the demo model, an 8-token chunk beside three decodes took ~3.5 ms more
+than the decodes alone, the time of ~50 of its tokens in a long chunk). On a MoE,
 coverage(T) = 1 - (1 - top_k/E)^T is the expected share of the E routed experts that T tokens
 pick, each read once per step: a few prompt tokens beside a few decodes read many more experts
 and cost far more per token than a long chunk's tokens (which read every expert anyway).
 
-Every coefficient is >= 0, fitted on relative error (a 20 ms decode step counts as much as a
-5 s prefill) over the latest steps of each kind (a long run of decodes must not wash out what
+A chunk far longer than any the fit has seen is extrapolated (a fit on 64-token prompts beside
+decodes predicted an 873-token chunk at 27 ms; it took 74), so `max_chunk` bounds a chunk
+beside decodes to `GROWTH` times the longest of the latest ones (a few more tokens than a step
+the fit just saw): chunks grow step by step, each step teaching the fit the next size. Every
+coefficient is >= 0, fitted on relative error (a 20 ms decode step counts as much as a 5 s
+prefill) over the latest steps of each kind (a long run of decodes must not wash out what
 prefills taught); one stalled step is clipped. The engine's start-up probe stands in for each
 kind until a few real steps of it were seen. Both parts model the batch's compute (forward and
 sampling), the one thing the probe can time too; what a step spends around it (scheduling,
@@ -38,7 +45,9 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 # Steps of each kind the fit remembers: enough to average out a noisy machine, few enough to
@@ -52,6 +61,8 @@ CLIP = 1.5
 # Served decode steps whose contexts span less than this factor take the probe's cost per K/V
 # row: too narrow a range to tell it from a drift of the machine's speed.
 CONTEXT_SPAN = 2.0
+# A chunk beside decodes is at most this many times the longest of the latest ones.
+GROWTH = 1.25
 # Weight of a new step in the overhead's moving average.
 EMA = 0.2
 # Feature scales: keep the normal equations' entries near 1 (pairs reach 1e7).
@@ -123,7 +134,7 @@ class StepTimeModel:
     )
     _probes: dict[StepKind, list[_Row]] = field(default_factory=lambda: {k: [] for k in StepKind})
     _decode: tuple[float, ...] | None = None  # (d0, d1, d2)
-    _chunk: tuple[float, ...] | None = None  # (a, b, g[, e])
+    _chunk: tuple[float, ...] | None = None  # (a, b, g, f[, e])
     _probe_decode: tuple[float, ...] | None = None  # the decode part the probe alone fits
     _dirty: bool = False
 
@@ -135,6 +146,7 @@ class StepTimeModel:
             shape.chunk_tokens * _TOKEN_SCALE,
             shape.chunk_pairs * _PAIR_SCALE,
             shape.chunk_context * _TOKEN_SCALE,
+            float(shape.chunks),
         )
         if self.experts is None:
             return f
@@ -190,6 +202,23 @@ class StepTimeModel:
         if len(recent) > WINDOW:
             recent.popleft()
         self._dirty = True
+
+    def max_chunk(self) -> int | None:
+        """The most prompt tokens a step beside decodes should carry: `GROWTH` times the most
+        any of the latest `MIN_STEPS` mixed steps carried (before any, the most any probe or
+        prompt-only step did); None: no chunk seen, nothing to bound by. The latest, not the
+        longest ever: a window of chunks of one size deep in a prompt leaves the fit unable to
+        tell a cost per token from one per chunk (seen: 46-token chunks at 15 ms, then a
+        276-token one predicted at 15 ms took 66)."""
+        rows: Iterable[_Row] = list(self._recent[StepKind.MIXED])[-MIN_STEPS:]
+        if not rows:
+            rows = itertools.chain(
+                self._probes[StepKind.MIXED],
+                self._probes[StepKind.PREFILL],
+                self._recent[StepKind.PREFILL],
+            )
+        longest = max((s.chunk_tokens for s, _ in rows), default=0)
+        return math.ceil(GROWTH * longest) if longest else None
 
     def observe_overhead(self, seconds: float) -> None:
         """A step spent `seconds` beyond its batch's compute."""
@@ -271,7 +300,7 @@ class StepTimeModel:
 
     @property
     def coef(self) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
-        """The fitted (d0, d1, d2) and (a, b, g[, e]), in seconds per unit (tokens and K/V
+        """The fitted (d0, d1, d2) and (a, b, g, f[, e]), in seconds per unit (tokens and K/V
         rows in thousands, pairs in millions); None where nothing determined them yet."""
         self._refit()
         return self._decode, self._chunk
@@ -288,10 +317,10 @@ class StepTimeModel:
         if chunk is not None:
             text += (
                 f" + {chunk[0] * 1e3:.3g} us/prompt token + {chunk[1] * 1e3:.3g} ns/pair + "
-                f"{chunk[2] * 1e3:.3g} us/chunk K/V row"
+                f"{chunk[2] * 1e3:.3g} us/chunk K/V row + {chunk[3] * 1e3:.3g} ms/chunk"
             )
-            if len(chunk) > 3:
-                text += f" + {chunk[3] * 1e3:.2f} ms x experts touched"
+            if len(chunk) > 4:
+                text += f" + {chunk[4] * 1e3:.2f} ms x experts touched"
         return text + f"; {self.overhead_s * 1e3:.2f} ms around each batch"
 
 

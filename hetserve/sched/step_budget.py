@@ -20,6 +20,9 @@ both (Sarathi-Serve sizes the chunk to the latency budget; we size it in seconds
   a long prompt's time to first token grows by at most 1 / EFFICIENCY - 1 = 25% for the
   streams it runs beside, on any machine: a chunk's fixed costs (the decodes, the experts a
   few tokens read, its gather of the context) decide how large it must be.
+- Beside decodes, a step's chunks carry at most the model's `max_chunk()` tokens: a chunk
+  longer than those it has seen is extrapolated (the engine's model: 1.25x the longest of the
+  latest mixed steps), so chunks grow step by step as the fit learns each size.
 - The step's first chunk gets at least `MIN_CHUNK` tokens: a model that over-predicts small
   chunks never stops a prefill, and the mixed steps it then sees correct it (a prompt fed one
   token a step runs decode-shaped steps, which teach the chunk part nothing: seen serving, a
@@ -49,6 +52,11 @@ class StepTime(Protocol):
         """Seconds a step of `shape` takes; None while unknown."""
         ...
 
+    def max_chunk(self) -> int | None:
+        """The most prompt tokens a step beside decodes may carry for its prediction to be
+        trusted (longer ones are beyond what the model has seen); None: no bound."""
+        ...
+
 
 def step_limit_s(max_step_ms: float | None, slo_tbt_ms: float | None) -> float | None:
     """The configured limit of a step with decodes (None: the default, by efficiency)."""
@@ -76,13 +84,25 @@ class StepBudget:
         if self.until_s is None:
             if cap == 1 or not self.shape.decodes:
                 return cap  # a decode before any chunk; or no decodes: whole chunks
+            # The limit by efficiency compares with the whole cap (the prompt's speed alone),
+            # never the bounded one: a small bound would make small chunks look efficient and
+            # ratchet them down to the floor (seen serving).
             until = self._until(cap, computed)
             if until is None:
-                return cap
+                return self._bounded(cap)
             self.until_s = until
-            return max(self._fit(cap, computed), min(cap, MIN_CHUNK))
+            return max(self._fit(self._bounded(cap), computed), min(cap, MIN_CHUNK))
         # After the first chunk everything must fit, a one-token prompt too (it is a prefill).
-        return self._fit(cap, computed)
+        return self._fit(self._bounded(cap), computed)
+
+    def _bounded(self, cap: int) -> int:
+        """`cap` within what the model has seen beside decodes (`max_chunk`)."""
+        assert self.model is not None
+        bound = self.model.max_chunk()
+        if cap == 1 or bound is None or self.until_s == float("inf"):
+            return cap  # no time limit (--max-step-ms inf): chunks by tokens alone
+        floor = 0 if self.shape.chunks else MIN_CHUNK  # the first chunk's floor holds
+        return min(cap, max(bound - self.shape.chunk_tokens, floor))
 
     def take(self, n: int, computed: int) -> None:
         """`n` tokens after `computed` were scheduled."""

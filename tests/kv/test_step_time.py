@@ -1,9 +1,12 @@
 """The step-time model: shapes, the two-part non-negative fit, its windows and its clipping."""
 
+import math
+
 import pytest
 
 from hetserve.kv.step_time import (
     CLIP,
+    GROWTH,
     MIN_STEPS,
     WINDOW,
     NormalEquations,
@@ -14,10 +17,10 @@ from hetserve.kv.step_time import (
 )
 
 # A machine: 2 ms per step, 0.5 ms per decode, 1 us per decode K/V row; 50 us per prompt
-# token, 20 ns per attention pair, 3 us per gathered K/V row, 30 ms to read every routed
-# expert (64 experts, top-6).
+# token, 20 ns per attention pair, 3 us per gathered K/V row, 2 ms per chunk, 30 ms to read
+# every routed expert (64 experts, top-6).
 DECODE = (0.002, 0.0005, 0.001)
-CHUNK = (0.05, 0.02, 0.003, 0.030)
+CHUNK = (0.05, 0.02, 0.003, 0.002, 0.030)
 
 
 def true_time(m: StepTimeModel, shape: StepShape) -> float:
@@ -199,3 +202,30 @@ def test_describe_names_each_term():
     m.observe(decodes(1, 8), 0.002, probe=True)
     m.observe(StepShape().plus(8, 0), 0.01, probe=True)
     assert "ms/decode" in m.describe() and "experts" in m.describe()
+
+
+def test_a_chunk_has_a_fixed_cost_however_few_its_tokens():
+    """Seen serving the demo model: an 8-token chunk beside three decodes cost ~3.5 ms more
+    than the decodes, the time of ~50 of its tokens in a long chunk. Without a term per chunk
+    the fit charges that to every token, and long chunks are predicted far too slow."""
+    m = StepTimeModel(experts=64, top_k=6)
+    observe_all(m, [decodes(n, c) for n in (1, 3, 8) for c in (10, 500)])
+    observe_all(m, [decodes(3, 200).plus(k, c) for k in (8, 16, 64) for c in (0, 300)])
+    observe_all(m, [StepShape().plus(k, 0) for k in (8, 64)])
+    dec, chunk = m.coef
+    assert chunk is not None and chunk[3] == pytest.approx(CHUNK[3], rel=1e-6)
+    long = decodes(3, 200).plus(1024, 0)  # 16x the longest chunk seen
+    assert m.predict(long) == pytest.approx(true_time(m, long), rel=1e-6)
+
+
+def test_chunks_beside_decodes_grow_from_the_latest_seen():
+    m = StepTimeModel(experts=64, top_k=6)
+    assert m.max_chunk() is None  # no chunk seen: nothing to bound by
+    m.observe(StepShape().plus(64, 0), 0.01, probe=True)
+    assert m.max_chunk() == math.ceil(GROWTH * 64)  # before any mixed step: the probe's
+    observe_all(m, [decodes(3, 100) for _ in range(MIN_STEPS)])
+    observe_all(m, [decodes(3, 100).plus(100, 0)])
+    assert m.max_chunk() == math.ceil(GROWTH * 100)  # a served step taught a longer one
+    # Deep in a prompt the chunks shrink: the bound follows the latest MIN_STEPS of them.
+    observe_all(m, [decodes(3, 100).plus(40, 2000 + 40 * i) for i in range(MIN_STEPS)])
+    assert m.max_chunk() == math.ceil(GROWTH * 40)

@@ -25,6 +25,9 @@ class FakeStepTime:
     def predict(self, shape: StepShape) -> float:
         return 0.001 + 1e-4 * shape.tokens
 
+    def max_chunk(self) -> int | None:
+        return None
+
 
 @pytest.fixture(scope="module", params=["device", "with-store", "hybrid"])
 def engines(tiny_model, request):

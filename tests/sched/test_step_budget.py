@@ -19,6 +19,9 @@ class Linear:
     def predict(self, shape: StepShape) -> float:
         return 0.010 + 0.001 * shape.tokens + 1e-6 * (shape.chunk_pairs + shape.decode_context)
 
+    def max_chunk(self) -> int | None:
+        return None
+
 
 def with_decodes(budget: StepBudget, n: int, context: int = 100) -> StepBudget:
     for _ in range(n):
@@ -101,8 +104,8 @@ def test_the_first_chunk_gets_its_floor_of_tokens_even_when_nothing_fits():
 def test_no_model_or_no_prediction_falls_back_to_tokens():
     assert with_decodes(StepBudget(None, 0.001, tokens=100), 3).grant(5000, 0) == 97
 
-    class Unknown:
-        def predict(self, shape: StepShape) -> None:
+    class Unknown(Linear):
+        def predict(self, shape: StepShape) -> None:  # type: ignore[override]
             return None
 
     assert with_decodes(StepBudget(Unknown(), 0.001, tokens=100), 3).grant(5000, 0) == 97
@@ -115,3 +118,41 @@ def test_limits_from_the_flags():
     assert step_limit_s(50.0, 100.0) == 0.05  # --max-step-ms wins
     b = with_decodes(StepBudget(Linear(), float("inf"), tokens=2048), 3)
     assert b.grant(5000, 0) == 2045  # inf: chunks by tokens alone
+
+
+def test_beside_decodes_chunks_stay_within_what_the_model_has_seen():
+    class Seen(Linear):
+        def max_chunk(self) -> int | None:
+            return 100  # longer chunks would be extrapolated
+
+    b = with_decodes(StepBudget(Seen(), 10.0, tokens=2048), 2)  # the limit fits 2,000 tokens
+    assert b.grant(5000, 0) == 100
+    b.take(100, 0)
+    assert b.grant(5000, 0) == 0  # a second prompt: the step already carries the bound
+    # Without a time limit (--max-step-ms inf) chunks go by tokens alone.
+    assert with_decodes(StepBudget(Seen(), float("inf"), tokens=2048), 2).grant(5000, 0) == 2046
+    # Without decodes whole chunks still go: they are what teach the model longer ones.
+    assert StepBudget(Seen(), 10.0, tokens=2048).grant(5000, 0) == 2048
+
+    # The floor of tokens holds even where the bound is below it.
+    class Tiny(Linear):
+        def max_chunk(self) -> int | None:
+            return 2
+
+    assert with_decodes(StepBudget(Tiny(), 10.0, tokens=2048), 2).grant(5000, 0) == MIN_CHUNK
+
+
+def test_the_bound_does_not_lower_the_efficient_step():
+    """By default the step's limit comes from the prompt's speed in whole chunks, not in
+    bounded ones: else a small bound makes small chunks look efficient, each step's chunk
+    bounds the next, and chunks ratchet down to the floor (seen serving the demo model)."""
+
+    class Seen(Linear):
+        def max_chunk(self) -> int | None:
+            return 16
+
+    free = with_decodes(StepBudget(Linear(), None, tokens=2048), 40)
+    bounded = with_decodes(StepBudget(Seen(), None, tokens=2048), 40)
+    assert free.grant(5000, 0) > 16
+    assert bounded.grant(5000, 0) == 16
+    assert bounded.until_s == free.until_s

@@ -17,6 +17,9 @@ class Linear:
     def predict(self, shape: StepShape) -> float:
         return 0.010 + 0.001 * shape.tokens
 
+    def max_chunk(self) -> int | None:
+        return None
+
 
 def make(max_step_ms=30.0, num_blocks=512, policy="fcfs", **cfg) -> Scheduler:
     config = SchedulerConfig(max_step_ms=max_step_ms, policy=policy, **cfg)

@@ -25,6 +25,9 @@ class FakeStepTime:
     def predict(self, shape: StepShape) -> float:
         return 0.001 + 1e-4 * shape.tokens + 1e-8 * (shape.chunk_pairs + shape.decode_context)
 
+    def max_chunk(self) -> int | None:
+        return None
+
 
 @pytest.fixture(scope="module")
 def engines(tiny_model):
