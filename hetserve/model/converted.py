@@ -31,7 +31,11 @@ def load_converted_experts(
                 parts = {k[len(prefix) :]: f.read(k) for k in names if k.startswith(prefix)}
                 if "q" not in parts:
                     raise MissingTensorError(f"{spec['file']} lacks '{prefix}q'; re-run convert")
-                getattr(ex, pname).data.copy_(dequantize(parts, fmt, group))
+                dst = getattr(ex, pname).data
+                if fmt == "int8":  # in place: no layer-sized fp32 temporaries beside dst
+                    dst.copy_(parts["q"]).mul_(parts["scale"].unsqueeze(-1))
+                else:
+                    dst.copy_(dequantize(parts, fmt, group))
                 del parts
             if experts_ready is not None:
                 experts_ready(name, ex)
