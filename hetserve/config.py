@@ -14,6 +14,7 @@ import argparse
 import difflib
 import enum
 import ipaddress
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -283,10 +284,15 @@ class EngineConfig:
     moe: MoEConfig = MoEConfig()
     lora: LoRAConfig = LoRAConfig()
     disagg: DisaggConfig = DisaggConfig()
+    # Host bytes the model (weights, KV cache, runtime) may take; a model estimated above it
+    # is refused before any weight is read (core/memory.py). None: no limit.
+    max_host_memory: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_host_memory is not None and self.max_host_memory < 1:
+            raise ValueError(f"max_host_memory must be >= 1, got {self.max_host_memory}")
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:
@@ -341,6 +347,19 @@ def _gib(value: float | None) -> int | None:
     return None if value is None else int(float(value) * (1 << 30))
 
 
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+
+
+def _size(value: str | int | None) -> int | None:
+    """'64G' -> bytes (binary units); an int is bytes already."""
+    if value is None or isinstance(value, int):
+        return value
+    m = _SIZE.match(str(value))
+    if not m:
+        raise InvalidInputError(f"--max-host-memory takes a size like 64G or 512M, got {value!r}")
+    return int(float(m.group(1)) * (1 << (10 * " kmgt".index(m.group(2).lower() or " "))))
+
+
 def _lora_modules(value: Any) -> tuple[tuple[str, str], ...]:
     """`NAME=DIR` strings (the flag), or a {name: dir} mapping / (name, dir) pairs (Python)."""
     if isinstance(value, dict):
@@ -369,6 +388,11 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "enforce_eager", None, "enforce_eager",
         "decode without CUDA graphs (they are captured per batch-size bucket on CUDA)",
         extra={"action": "store_true"},
+    ),
+    EngineOption(
+        "max_host_memory", None, "max_host_memory",
+        "host memory the model may take (weights, KV cache, runtime), e.g. 64G; a model that "
+        "will not fit is refused before loading", convert=_size, extra={"metavar": "SIZE"},
     ),
     EngineOption("block_size", "cache", "block_size", "tokens per KV block", int),
     EngineOption("num_kv_blocks", "cache", "num_blocks", "KV blocks (overrides the size)", int),

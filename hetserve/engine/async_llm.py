@@ -135,6 +135,7 @@ class AsyncLLM:
         self.vocab_size = self.engine.vocab_size
         self.kv_summary = self.engine.kv_summary
         self.placement_summary = self.engine.placement_summary
+        self.memory = getattr(self.engine, "memory", None)  # where host memory went at start
         self._commands: queue.Queue[Command] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._stop = threading.Event()

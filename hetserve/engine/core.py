@@ -45,6 +45,7 @@ from hetserve.kv.paged import resolve_kv_dtype
 from hetserve.kv.tier_policy import CostModel
 from hetserve.kv.tiers import LOAD_POLL_S, TierManager
 from hetserve.model.build import build_model
+from hetserve.model.memory_facts import measured as measured_memory
 from hetserve.model.tokenizer import Tokenizer
 from hetserve.sched.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from hetserve.structured import GrammarCompiler
@@ -109,6 +110,9 @@ class EngineCore:
             kv_dtype,
             graph_options(cfg, self.model, self.max_model_len),
         )
+        # where host memory went, once the KV cache exists (/metrics: hetserve_memory_bytes)
+        self.memory = measured_memory(self.model, self.runner.kv.nbytes())
+        log.info("%s", self.memory.line())
         seed = kv_identity(self.model_dir, self.runner.kv, cfg.cache.hash_seed)
         role = cfg.disagg.role
         _check_state_support(cfg, specs)

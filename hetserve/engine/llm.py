@@ -129,6 +129,11 @@ class LLM:
         return self.engine.placement_summary
 
     @property
+    def memory(self):
+        """Where host memory went at start-up (core/memory.py's MemoryUse)."""
+        return self.engine.memory
+
+    @property
     def kv_summary(self) -> str | None:
         """One line on the KV tiers behind the prefix cache (None without a KV store)."""
         return self.engine.kv_summary

@@ -166,6 +166,8 @@ def serve(args: argparse.Namespace) -> int:
         logger = RequestLogger(args.log_requests, core.kv.block_size, core.kv.hash_seed)
         engine.observers.append(logger.observe)
     print(engine.placement_summary, flush=True)
+    if getattr(engine, "memory", None) is not None:
+        print(engine.memory.line(), flush=True)
     if engine.kv_summary:
         print(engine.kv_summary, flush=True)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)

@@ -96,6 +96,15 @@ class FusedExperts(nn.Module):
         self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)
         self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
 
+    def materialize(self, device: torch.device) -> None:
+        """Allocate w13 and w2 left on the meta device by a streaming load (model/loader.py):
+        one layer's dense experts exist only between its first tensor and its backend."""
+        for pname in ("w13", "w2"):
+            p = getattr(self, pname)
+            if p.is_meta:
+                empty = torch.empty(p.shape, dtype=p.dtype, device=device)
+                setattr(self, pname, nn.Parameter(empty, requires_grad=False))
+
     def release_weights(self) -> None:
         """Drop the loaded weights once backends hold their own copies (quantized/repacked)."""
         self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)

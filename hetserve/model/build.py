@@ -31,23 +31,76 @@ def build_model(config: EngineConfig, model_dir: Path) -> CausalLM:
     the engine resolves the demo default) as `config` asks for it."""
     converted = _converted(model_dir)
     choice = choose(config, model_dir)
+    builder = _ReadyHook(config.moe, converted)
     model = load_model(
         model_dir,
         device=config.device,
         dtype=config.dtype,
         placement=_placement_rules(config.moe.placement, choice, converted),
+        experts_ready=builder,
+        before_alloc=_memory_check(config) if config.max_host_memory else None,
     )
     model.placement_choice = choice
     log.info("%s", choice.line())
     if model.hybrid_plan is not None:
-        _build_hybrid(model, config.moe, converted)
+        _build_hybrid(model, config.moe, converted, builder.done)
     if config.moe.max_deferred_experts_per_token:
         model.set_expert_deferral(config.moe.max_deferred_experts_per_token)
+    _trim_heap()
     if config.moe.record_routing_stats:
         from hetserve.moe.routing_stats import RoutingStats
 
         model.attach_routing_stats(RoutingStats())
     return model
+
+
+def _memory_check(config: EngineConfig):
+    """The loader's `before_alloc`: refuses (InvalidInputError, one line) a placed model whose
+    estimated host memory exceeds --max-host-memory, before any weight is read."""
+    from hetserve.core.memory import refusal
+    from hetserve.model.memory_facts import estimate, rss_bytes
+
+    baseline = rss_bytes()
+
+    def check(model: CausalLM) -> None:
+        use = estimate(model, _kv_estimate(config, model), baseline)
+        reason = refusal(use, config.max_host_memory)
+        if reason is not None:
+            raise InvalidInputError(reason)
+        log.info("estimated %s", use.line())
+
+    return check
+
+
+def _kv_estimate(config: EngineConfig, model: CausalLM) -> int:
+    """The KV cache's bytes as EngineCore will size it (engine/setup.py's num_kv_blocks)."""
+    import torch
+
+    from hetserve.engine.setup import num_kv_blocks
+    from hetserve.kv.cache_spec import paged_layout
+    from hetserve.kv.paged import PagedKVCache, resolve_kv_dtype
+
+    mcfg = model.config
+    max_len = min(config.max_model_len or mcfg.max_position_embeddings,
+                  mcfg.max_position_embeddings)  # fmt: skip
+    dtype = next(model.parameters()).dtype
+    kv_dtype: torch.dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
+    spec = paged_layout(model.cache_specs())
+    n = num_kv_blocks(config, max_len, spec, kv_dtype)
+    return n * PagedKVCache.bytes_per_block(spec, config.cache.block_size, kv_dtype)
+
+
+def _trim_heap() -> None:
+    """Hand the loader's freed buffers back to the OS: glibc keeps freed heap pages of
+    allocations under its (grown) mmap threshold, which left ~230 MB of a 200 MB model's
+    transient copies resident after load."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):  # glibc only
+        libc.malloc_trim(0)
 
 
 def _converted(model_dir: Path) -> dict | None:
@@ -128,19 +181,43 @@ def _placement_rules(requested: str, choice: PlacementChoice, converted: dict | 
     return None if choice.preset == "device" else choice.preset
 
 
-def _build_hybrid(model: CausalLM, moe: MoEConfig, converted: dict | None) -> None:
-    from hetserve.model.hybrid_plan import build_expert_backends
+class _ReadyHook:
+    """The loader's `experts_ready`: builds each routed-experts module's backends as soon as
+    its weights are in (model/hybrid_plan.py's ExpertsBuilder, made at the first call, when
+    the plan exists), so the loaded copy goes before the next layer is read."""
+
+    def __init__(self, moe: MoEConfig, converted: dict | None) -> None:
+        self.moe, self.converted = moe, converted
+        self.builder = None
+        self.done: set[str] = set()
+
+    def __call__(self, plan: HybridPlan, name: str, experts) -> None:
+        if self.builder is None:
+            self.builder = _experts_builder(plan, self.moe, self.converted)
+        self.builder(name, experts)
+        self.done.add(name)
+
+
+def _build_hybrid(
+    model: CausalLM, moe: MoEConfig, converted: dict | None, done: set[str] = frozenset()
+) -> None:
+    build = _experts_builder(model.hybrid_plan, moe, converted)
+    for name, experts in model.routed_experts():
+        if name not in done:  # built while loading
+            build(name, experts)
+    apply_dense_backends(model, model.hybrid_plan)
+    log.info("placement:\n%s", model.hybrid_plan.table())
+
+
+def _experts_builder(plan: HybridPlan, moe: MoEConfig, converted: dict | None):
+    from hetserve.model.hybrid_plan import ExpertsBuilder
     from hetserve.moe.routing_stats import RoutingStats
 
     stats = RoutingStats.load(moe.routing_stats) if moe.routing_stats else None
     options = {}
     if converted is not None and converted.get("group_size"):
         options["cpu-int4"] = {"group_size": converted["group_size"]}
-    build_expert_backends(
-        model, model.hybrid_plan, moe.gpu_experts, stats, moe.cpu_threads, backend_options=options
-    )
-    apply_dense_backends(model, model.hybrid_plan)
-    log.info("placement:\n%s", model.hybrid_plan.table())
+    return ExpertsBuilder(plan, moe.gpu_experts, stats, moe.cpu_threads, backend_options=options)
 
 
 def apply_dense_backends(model: CausalLM, plan: HybridPlan) -> int:

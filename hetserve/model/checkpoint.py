@@ -3,8 +3,9 @@
 `scan` reads only the headers (names and dtypes) of every shard and lets the checkpoint's
 format (quant/checkpoint) sort each name into an ordinary tensor or a part of a quantized weight,
 so nothing is read before every name is understood and every quantized weight is complete.
-`SafetensorsCheckpoint.tensors` then reads shard by shard, one tensor at a time (safetensors
-maps the file), and yields each quantized weight once all its parts have been read.
+`SafetensorsCheckpoint.tensors` then reads shard by shard, one tensor at a time (plain reads
+into each tensor's own buffer: model/st_file.py), and yields each quantized weight once all its
+parts have been read.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from hetserve.errors import MissingTensorError, ModelLoadError
+from hetserve.model.st_file import SafetensorsFile
 from hetserve.quant.checkpoint import CheckpointFormat
 from hetserve.quant.packed import QMatrix
 
@@ -54,9 +55,9 @@ class SafetensorsCheckpoint:
         """`exclude`: file names that are not part of the checkpoint (converted experts)."""
         ckpt = cls(checkpoint_files(model_dir, exclude), fmt)
         for path in ckpt.files:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
+            with SafetensorsFile(path) as f:
                 for name in f.keys():
-                    part = fmt.part_of(name, f.get_slice(name).get_dtype())
+                    part = fmt.part_of(name, f.dtype(name))
                     if part is not None:
                         ckpt.parts[name] = part
                         ckpt.roles.setdefault(part[0], set()).add(part[1])
@@ -85,13 +86,13 @@ class SafetensorsCheckpoint:
         """(logical name, value, bytes read) for every wanted weight, in file order."""
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for path in self.files:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
+            with SafetensorsFile(path) as f:
                 for name in f.keys():
                     part = self.parts.get(name)
                     logical = name if part is None else part[0]
                     if not wanted(logical):
                         continue
-                    t = f.get_tensor(name)
+                    t = f.read(name)
                     if part is None:
                         yield name, t, t.nbytes
                         continue

@@ -13,6 +13,7 @@ serves those numbers exactly; model/hybrid_plan.py drops what it does not use).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -114,14 +115,52 @@ def _dense(value, ckpt: str) -> torch.Tensor:
     return value
 
 
+ExpertsReady = Callable[[str, FusedExperts], None]
+
+
 class WeightFiller:
-    def __init__(self, model: CausalLM, packed: set[str]) -> None:
+    """`experts_ready(name, module)`, when given, is called as soon as an experts module has
+    all its tensors (dense or packed), so its backend is built and its loaded copy dropped
+    before the next layer is read (the streaming load: peak = steady state + one layer)."""
+
+    def __init__(
+        self, model: CausalLM, packed: set[str], experts_ready: ExpertsReady | None = None
+    ) -> None:
         self.model = model
         self.params = dict(model.named_parameters())
         self.filled: set[str] = set()  # plain params, and "w13:e:half" / "w2:e" expert parts
         self.num_layers = model.config.num_layers
         self.modules = dict(model.named_modules())
         self.packed = {p: PackedExpertsBuilder(p, self.modules[p]) for p in packed}
+        self.experts_ready = experts_ready
+        self._parts: dict[str, int] = {}  # experts prefix -> expert matrices (thirds) filled
+        self.ready: set[str] = set()
+
+    def _count(self, prefix: str, e: int | None, pname: str) -> None:
+        """One expert's gate, up or down (or a fused tensor: all experts' share) arrived."""
+        module = self.modules[prefix]
+        n = module.num_experts
+        add = 1 if e is not None else (2 * n if pname == "w13" else n)
+        self._parts[prefix] = self._parts.get(prefix, 0) + add
+        self._maybe_ready(prefix)
+
+    def _maybe_ready(self, prefix: str) -> None:
+        module = self.modules[prefix]
+        biases = [b for b in ("b13", "b2") if getattr(module, b) is not None]
+        if (
+            self.experts_ready is None
+            or prefix in self.ready
+            or self._parts.get(prefix, 0) < 3 * module.num_experts
+            or any(f"{prefix}.{b}" not in self.filled for b in biases)
+        ):
+            return
+        builder = self.packed.get(prefix)
+        if builder is not None:
+            module.packed = builder.build()
+            builder.parts.clear()
+            builder.fused.clear()
+        self.ready.add(prefix)
+        self.experts_ready(prefix, module)
 
     def target(self, name: str) -> str | None:
         """Parameter-space name for a checkpoint name (after aliases), None to skip it."""
@@ -147,12 +186,15 @@ class WeightFiller:
             pname = "w13" if fm.group(2) == "gate_up_proj" else "w2"
         if (em or fm) and prefix in self.packed:
             self.packed[prefix].add(pname, e, half, value, ckpt_name)
+            self._count(prefix, e, pname)
             return
         if isinstance(value, (Int8Rows, Q4KRows)) and not (em or fm):
             self._keep_packed(name, value)
         value = _dense(value, ckpt_name)
+        if em or fm:
+            self.modules[prefix].materialize(torch.device("cpu"))
         if em:
-            param = self.params[f"{prefix}.{pname}"]
+            param = getattr(self.modules[prefix], pname)
             if e >= param.shape[0]:
                 raise TensorShapeError(
                     f"tensor {ckpt_name!r} names expert {e}, but the config has {param.shape[0]}"
@@ -162,12 +204,22 @@ class WeightFiller:
                 inter = param.shape[1] // 2
                 dst = dst[half * inter : (half + 1) * inter]
             self._copy(dst, value, ckpt_name)
-            self.filled.add(f"{prefix}.{pname}:{e}:{half}")
+            key = f"{prefix}.{pname}:{e}:{half}"
+            if key not in self.filled:
+                self.filled.add(key)
+                self._count(prefix, e, pname)
             return
         if fm:
-            name = f"{prefix}.{pname}"
+            self._copy(getattr(self.modules[prefix], pname).data, value, ckpt_name)
+            if f"{prefix}.{pname}" not in self.filled:
+                self.filled.add(f"{prefix}.{pname}")
+                self._count(prefix, None, pname)
+            return
         self._copy(self.params[name].data, value, ckpt_name)
         self.filled.add(name)
+        owner, _, leaf = name.rpartition(".")
+        if leaf in ("b13", "b2") and isinstance(self.modules.get(owner), FusedExperts):
+            self._maybe_ready(owner)  # biases may come after the matrices
 
     def _keep_packed(self, name: str, value: QMatrix) -> None:
         owner_name, _, leaf = name.rpartition(".")
@@ -187,8 +239,9 @@ class WeightFiller:
 
     def finish_packed(self) -> None:
         """Hands every packed experts module its assembled matrices."""
-        for builder in self.packed.values():
-            builder.experts.packed = builder.build()
+        for prefix, builder in self.packed.items():
+            if prefix not in self.ready:
+                builder.experts.packed = builder.build()
 
     def check_complete(self, experts_elsewhere: bool = False) -> None:
         tied = self.model.config.tie_word_embeddings

@@ -131,31 +131,50 @@ def build_expert_backends(
     backend_options: dict | None = None,
 ) -> None:
     """backend_options: per backend name, extra constructor options (e.g. int4 group size)."""
-    hot = choose_gpu_experts(stats, gpu_experts) if (gpu_experts and stats) else {}
-    if gpu_experts and stats is None:
-        raise PlacementError(
-            "--gpu-experts needs routing statistics (hetserve calibrate, or --routing-stats FILE)"
-        )
+    build = ExpertsBuilder(plan, gpu_experts, stats, cpu_threads, free_unused, backend_options)
     for name, experts in model.routed_experts():
+        build(name, experts)
+
+
+class ExpertsBuilder:
+    """Builds one routed-experts module's backends (one per phase) when called with it: after
+    the whole load (`build_expert_backends`) or as each module's tensors arrive (the loader's
+    `experts_ready`, so the loaded copy is dropped before the next layer is read)."""
+
+    def __init__(
+        self,
+        plan: HybridPlan,
+        gpu_experts: int = 0,
+        stats: RoutingStats | None = None,
+        cpu_threads: int | None = None,
+        free_unused: bool = True,
+        backend_options: dict | None = None,
+    ) -> None:
+        if gpu_experts and stats is None:
+            raise PlacementError(
+                "--gpu-experts needs routing statistics (hetserve calibrate, or "
+                "--routing-stats FILE)"
+            )
+        self.hot = choose_gpu_experts(stats, gpu_experts) if (gpu_experts and stats) else {}
+        self.plan, self.cpu_threads, self.free_unused = plan, cpu_threads, free_unused
+        self.options = backend_options or {}
+
+    def __call__(self, name: str, experts: FusedExperts) -> None:
         built: dict[tuple[str, str], ExpertsBackend] = {}
         by_phase = {}
         for phase in PHASES:
-            a = plan.placement.get(name, phase)
+            a = self.plan.placement.get(name, phase)
             backend_name = a.backend or "torch"
             key = (a.device, backend_name)
             if key not in built:
                 built[key] = _make(
-                    experts,
-                    a.device,
-                    backend_name,
-                    plan.accelerator,
-                    hot.get(layer_of(name)),
-                    cpu_threads,
-                    (backend_options or {}).get(backend_name, {}),
-                )
+                    experts, a.device, backend_name, self.plan.accelerator,
+                    self.hot.get(layer_of(name)), self.cpu_threads,
+                    self.options.get(backend_name, {}),
+                )  # fmt: skip
             by_phase[phase] = built[key]
         experts.set_phase_backends(by_phase)
-        if free_unused and all(k[1] != "torch" for k in built):
+        if self.free_unused and all(k[1] != "torch" for k in built):
             # Quantized or repacked copies now hold the weights: drop the originals.
             experts.release_weights()
 

@@ -11,21 +11,28 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from hetserve.errors import ModelLoadError, ModelNotFoundError
+from hetserve.layers.moe import FusedExperts
 from hetserve.model.base import CausalLM
 from hetserve.model.checkpoint import SafetensorsCheckpoint
 from hetserve.model.config import ModelConfig
 from hetserve.model.converted import CONFIG_KEY, load_converted_experts
-from hetserve.model.filler import WeightFiller, expert_prefix
+from hetserve.model.filler import ExpertsReady, WeightFiller, expert_prefix
 from hetserve.model.gguf_file import GgufCheckpoint
 from hetserve.model.registry import model_class
 from hetserve.moe.experts import PACKED_BACKENDS, default_backend
 from hetserve.quant.checkpoint import checkpoint_format
+
+if TYPE_CHECKING:
+    from hetserve.model.hybrid_plan import HybridPlan
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +102,17 @@ def _packed_experts(model: CausalLM, ckpt: Checkpoint, filler_probe) -> set[str]
     return packed
 
 
-def _allocate(model: CausalLM, dev: torch.device, placement, expert_backend: str | None):
-    """Place units (with `placement`) and allocate every parameter where it will live."""
+def _allocate(
+    model: CausalLM,
+    dev: torch.device,
+    placement,
+    expert_backend: str | None,
+    stream: bool,
+    before_alloc: Callable[[CausalLM], None] | None = None,
+):
+    """Place units (with `placement`) and allocate every parameter where it will live;
+    with `stream`, host experts' w13 and w2 stay unallocated (meta) until their layer is read
+    (FusedExperts.materialize), and their backend replaces them before the next layer."""
     model.hybrid_plan = None
     if isinstance(placement, str):  # a preset: packed experts keep their format's backend
         from hetserve.moe.presets import preset_rules
@@ -106,15 +122,32 @@ def _allocate(model: CausalLM, dev: torch.device, placement, expert_backend: str
         from hetserve.model.hybrid_plan import plan_placement
 
         plan = plan_placement(model, placement, dev)
+        model.hybrid_plan = plan
+        if before_alloc is not None:
+            before_alloc(model)
         for name, unit in plan.units.items():
-            unit.to_empty(device=plan.weight_device(name))
+            device = plan.weight_device(name)
+            if stream and isinstance(unit, FusedExperts) and device.type == "cpu":
+                _allocate_biases(unit, device)
+                continue
+            unit.to_empty(device=device)
         model.hybrid_plan = plan
     else:
+        if before_alloc is not None:
+            before_alloc(model)
         model = model.to_empty(device=dev)
     for module in model.modules():
         if hasattr(module, "init_buffers"):
             module.init_buffers(dev)
     return model
+
+
+def _allocate_biases(unit: FusedExperts, device: torch.device) -> None:
+    for pname in ("b13", "b2"):
+        p = getattr(unit, pname)
+        if p is not None:
+            empty = torch.empty(p.shape, dtype=p.dtype, device=device)
+            setattr(unit, pname, nn.Parameter(empty, requires_grad=False))
 
 
 def load_model(
@@ -124,6 +157,8 @@ def load_model(
     placement=None,
     *,
     expert_backends: bool = True,
+    experts_ready: Callable[[HybridPlan, str, FusedExperts], None] | None = None,
+    before_alloc: Callable[[CausalLM], None] | None = None,
 ) -> CausalLM:
     """Load weights. With `placement` (a list of PlacementRule, or a preset name: "hybrid" /
     "default", "all-int8"; moe/presets.py), units are placed before any memory is allocated, so
@@ -131,7 +166,12 @@ def load_model(
     `model.hybrid_plan` for the expert backends. With a preset, experts the checkpoint
     publishes quantized get the backend of their format.
     Without placement, each experts module gets its default backend unless `expert_backends`
-    is False (callers that only read the weights, e.g. convert)."""
+    is False (callers that only read the weights, e.g. convert).
+    `experts_ready(plan, name, module)` (with a placement): called once per routed-experts module as
+    soon as its tensors are in, to build its backends; host experts are then read one layer
+    at a time and never all exist in full precision (model/build.py passes it).
+    `before_alloc(model)`: called on the placed meta model before any memory is allocated
+    (the --max-host-memory check raises there)."""
     model_dir = Path(model_dir)
     cfg, ckpt = open_checkpoint(model_dir)
     cls = model_class(cfg.architecture)
@@ -145,15 +185,20 @@ def load_model(
     for prefix in packed:
         modules[prefix].expect_packed()
     backend = PACKED_BACKENDS[ckpt.packed_fmt] if packed else None
-    model = _allocate(model, dev, placement, backend)
-    filler = WeightFiller(model, packed)
+    stream = experts_ready is not None and placement is not None
+    model = _allocate(model, dev, placement, backend, stream, before_alloc)
+    ready: ExpertsReady | None = None
+    if stream:
+        plan = model.hybrid_plan
+        ready = lambda name, module: experts_ready(plan, name, module)  # noqa: E731
+    filler = WeightFiller(model, packed, ready)
     _fill(model, ckpt, filler)
     if isinstance(ckpt, GgufCheckpoint):  # what each tensor type became, in one line
         print(ckpt.summary(), file=sys.stderr, flush=True)
     filler.check_complete(experts_elsewhere=converted is not None)
     filler.finish_packed()
     if converted is not None:
-        load_converted_experts(model, model_dir, converted)
+        load_converted_experts(model, model_dir, converted, ready)
     return _finish(model, expert_backends)
 
 

@@ -242,6 +242,14 @@ class ServerMetrics:
         caching = str(getattr(cache, "enable_prefix_caching", True)).lower()
         info.add_metric([str(cache.block_size), str(blocks), caching, "auto"], 1.0)
         r.register(_Fixed(info))
+        memory = getattr(engine, "memory", None)
+        if memory is not None:  # measured once at start-up (core/memory.py)
+            mem = GaugeMetricFamily(
+                "hetserve_memory_bytes", "host memory by part at start-up", labels=["part"]
+            )
+            for part, value in memory.as_metrics().items():
+                mem.add_metric([part], float(value))
+            r.register(_Fixed(mem))
         engine.observers.append(self.observe)
         if hasattr(engine, "step_observers"):  # an AsyncLLM (tests pass stand-ins)
             engine.step_observers.append(self.iteration_tokens.observe)

