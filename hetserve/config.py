@@ -50,8 +50,9 @@ def _as_enum(obj: object, name: str, cls: type[enum.Enum]) -> None:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}") from None
 
 
-# Values of --kv-cache-dtype (torch dtype names; "auto" is resolved against the model's dtype).
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+# Values of --kv-cache-dtype (torch dtype names; "auto" is resolved against the model's dtype;
+# int8 and fp8 (e4m3) keep an fp32 scale per token and KV head beside the rows).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8", "fp8")
 
 CPU_KV_CAP_BYTES = 2 << 30  # the KV budget on CPU when none is given (CacheConfig below)
 
@@ -401,7 +402,8 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     ),
     EngineOption(
         "kv_cache_dtype", "cache", "kv_cache_dtype",
-        "dtype the KV cache is stored in (the model computes in its own); auto: the model's",
+        "dtype the KV cache is stored in (the model computes in its own); auto: the model's; "
+        "int8 and fp8 (e4m3) keep an fp32 scale per token and KV head",
         choices=KV_CACHE_DTYPES,
     ),
     EngineOption(

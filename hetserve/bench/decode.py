@@ -56,6 +56,13 @@ def register(sub) -> None:
         help="skip hetserve with int8 non-expert linears too (CPU-only machines)",
     )
     p.add_argument("--skip-llamacpp", action="store_true", help="skip llama.cpp")
+    p.add_argument("--skip-cpu-int8", action="store_true", help="skip hetserve hybrid (cpu-int8)")
+    p.add_argument(
+        "--kv-cache-dtypes",
+        default="auto",
+        help="comma-separated --kv-cache-dtype values hetserve all-int8 runs with, one row each "
+        "(e.g. float32,float16,int8; llama.cpp keeps its own f16 cache)",
+    )
     p.add_argument(
         "--gguf", default=None, help="GGUF to time (default MODEL/model-<--gguf-type>.gguf)"
     )
@@ -177,17 +184,44 @@ def _all_int8_rules(expert_backend: str = "cpu-int8") -> str:
     return f.name
 
 
-def _hetserve_rate(args, ids: list[int], bar, placement: str, model=None) -> float:
+def _hetserve_rate(
+    args,
+    ids: list[int],
+    bar,
+    placement: str,
+    model=None,
+    kv_dtype: str = "auto",
+    logprobs: dict[str, list[float]] | None = None,
+) -> float:
+    """Decode tok/s; with `logprobs`, also the prompt's logprobs under `kv_dtype` (once)."""
     from hetserve import LLM, SamplingParams
 
-    kwargs = {"cpu_threads": args.threads} if args.threads else {}
+    kwargs: dict = {"cpu_threads": args.threads} if args.threads else {}
+    kwargs["kv_cache_dtype"] = kv_dtype
     llm = LLM(str(model or args.model), placement=placement, **kwargs)
 
     def make(n: int) -> Callable[[], object]:
         params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0, ignore_eos=True)
         return lambda: llm.generate(prompt_token_ids=[ids], sampling_params=params)
 
-    return decode_rate(make, args.tokens, args.repeats, bar)
+    rate = decode_rate(make, args.tokens, args.repeats, bar)
+    if logprobs is not None and kv_dtype not in logprobs:
+        params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+        out = llm.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+        pairs = zip(out.prompt_logprobs[1:], ids[1:], strict=True)
+        logprobs[kv_dtype] = [d[t].logprob for d, t in pairs]
+    return rate
+
+
+def kv_logprob_errors(logprobs: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Per KV dtype, the mean and largest |prompt logprob - float32 cache's| (nats)."""
+    ref = logprobs.get("float32")
+    out = {}
+    for name, lp in logprobs.items():
+        if ref is not None and name != "float32":
+            errs = [abs(a - b) for a, b in zip(lp, ref, strict=True)]
+            out[name] = {"mean": sum(errs) / len(errs), "max": max(errs)}
+    return out
 
 
 def _hf_rate(args, ids: list[int], bar) -> float | None:
@@ -251,6 +285,19 @@ def _gguf_rate(args, ids: list[int], threads: int, bar) -> float | None:
     return _hetserve_rate(args, ids, bar, placement, model=path)
 
 
+def _kv_dtypes(value: str) -> list[str]:
+    from hetserve.config import KV_CACHE_DTYPES
+    from hetserve.errors import InvalidInputError
+
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [n for n in names if n not in KV_CACHE_DTYPES]
+    if bad or not names:
+        raise InvalidInputError(
+            f"--kv-cache-dtypes: {bad or value!r} not among {', '.join(KV_CACHE_DTYPES)}"
+        )
+    return names
+
+
 def _isolated(fn: Callable[[], float | None]) -> float | None:
     rate = fn()
     gc.collect()  # the system's weights go before the next one loads (RAM holds one copy)
@@ -280,12 +327,18 @@ def run(args: argparse.Namespace) -> int:
     ids = torch.randint(0, cfg["vocab_size"], (args.prompt_len,), generator=g).tolist()
     bandwidth = measure_bandwidth(args.bandwidth_mib)
 
-    plan: list[tuple[str, Callable[[], float | None]]] = [
-        ("hetserve cpu-int8", lambda: _hetserve_rate(args, ids, bar, "hybrid")),
-    ]
+    kv_dtypes = _kv_dtypes(args.kv_cache_dtypes)
+    logprobs: dict[str, list[float]] = {}  # the prompt's, per KV dtype (all-int8 rows)
+    plan: list[tuple[str, Callable[[], float | None]]] = []
+    if not args.skip_cpu_int8:
+        plan.append(("hetserve cpu-int8", lambda: _hetserve_rate(args, ids, bar, "hybrid")))
     if not args.skip_all_int8 and not torch.cuda.is_available():
         # CPU-only: the non-expert linears are on the CPU too, so make them int8 as well.
-        plan.append(("hetserve all-int8", lambda: _hetserve_rate(args, ids, bar, "all-int8")))
+        for kv in kv_dtypes:
+            name = "hetserve all-int8" + ("" if kv == "auto" else f" kv={kv}")
+            plan.append(
+                (name, lambda kv=kv: _hetserve_rate(args, ids, bar, "all-int8", None, kv, logprobs))
+            )
     if not args.skip_reference:
         plan.append(("hetserve fp32", lambda: _hetserve_rate(args, ids, bar, "device")))
     if not args.skip_hf:
@@ -308,6 +361,7 @@ def run(args: argparse.Namespace) -> int:
     bandwidth = max(bandwidth, measure_bandwidth(args.bandwidth_mib))
     report = build_report(args, cfg, rates, bandwidth, threads, peer)
     report["rounds_tokens_per_s"] = runs
+    report["kv_logprob_error_vs_float32"] = kv_logprob_errors(logprobs)
     print_report(report)
     write_json(args.json, report)
     return 0
@@ -361,6 +415,11 @@ def print_report(report: dict) -> None:
     print_table(
         ["system", "decode tok/s", f"vs {report['llamacpp_peer']}", "vs transformers"], rows
     )
+    for name, e in report.get("kv_logprob_error_vs_float32", {}).items():
+        print(
+            f"all-int8 kv={name}: prompt logprobs vs a float32 KV cache: mean |diff| "
+            f"{e['mean']:.2e}, largest {e['max']:.2e} nats ({report['prompt_len'] - 1} positions)"
+        )
     r = report["roofline"]
     implied = r["hybrid_expert_gbps"]
     print(

@@ -52,6 +52,8 @@ def kv_identity(model_dir: Path, cache: PagedKVCache, salt: str = "") -> bytes:
     weights = sorted(p for p in model_dir.glob("*") if p.suffix in (".safetensors", ".gguf"))
     h.update(json.dumps([(p.name, p.stat().st_size) for p in weights]).encode())
     layout = [[(tuple(t.shape[1:]), str(t.dtype)) for t in layer] for layer in cache.layers]
+    if cache.quantized:  # an 8-bit cache: its scales' layout is part of what a block's bytes mean
+        layout += [[(tuple(t.shape[1:]), str(t.dtype)) for t in layer] for layer in cache.scales]
     h.update(json.dumps([cache.block_size, layout, salt]).encode())
     return h.digest()
 
@@ -64,7 +66,8 @@ class BlockIO:
     def __init__(self, cache: PagedKVCache) -> None:
         self.cache = cache
         self.bs = cache.block_size
-        self.tensors = [t for layer in cache.layers for t in layer]
+        # The data, then (8-bit caches) the scales: a block's bytes carry its scales.
+        self.tensors = cache.parts()
         self.num_parts = len(self.tensors)
         self.part_bytes = [t[: self.bs].nbytes for t in self.tensors]
         self.bytes_per_block = sum(self.part_bytes)

@@ -234,11 +234,13 @@ def batched_decode_sdpa(
     return out.squeeze(2)
 
 
-# The native decode kernel of each cache dtype (fp16 widened in registers by F16C; bf16 has no
-# kernel yet and takes the gather + SDPA path).
+# The native decode kernel of each cache dtype (fp16 widened in registers by F16C, int8 widened
+# with its scales applied to scores and weights; bf16 and fp8 have no kernel yet and take the
+# gather + SDPA path).
 _DECODE_KERNELS = {
     torch.float32: "hetserve_paged_decode_attention",
     torch.float16: "hetserve_paged_decode_attention_f16",
+    torch.int8: "hetserve_paged_decode_attention_i8",
 }
 
 
@@ -266,10 +268,12 @@ def native_decode_attention(
     scale: float,
     sliding_window: int | None,
     sinks: torch.Tensor | None = None,
+    scales: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Decode attention read in place from the paged fp32 or fp16 cache
+    """Decode attention read in place from the paged fp32, fp16 or int8 cache
     (hetserve/native/attention.c).
-    q [B, H, D]; k_cache [slots, Hkv, D]; v_cache [slots, Hkv, Dv]; sinks [H] -> [B, H, Dv]."""
+    q [B, H, D]; k_cache [slots, Hkv, D]; v_cache [slots, Hkv, Dv]; sinks [H]; scales (int8):
+    K's and V's [slots, Hkv] -> [B, H, Dv]."""
     q = q.contiguous()
     b, h, dim = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -281,6 +285,7 @@ def native_decode_attention(
         None if sinks is None else sinks.contiguous().data_ptr(),
         *(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()),
         *(tables.data_ptr(), lens.data_ptr(), out.data_ptr()),
+        *([] if k_cache.dtype is not torch.int8 else [t.data_ptr() for t in scales or ()]),
     )
     if rc != 0:
         raise RuntimeError(f"native decode attention failed (code {rc})")
@@ -291,6 +296,7 @@ def native_decode_attention(
 _QK_ROPE_CACHE_KERNELS = {
     torch.float32: "hetserve_qk_rope_cache",
     torch.float16: "hetserve_qk_rope_cache_f16",
+    torch.int8: "hetserve_qk_rope_cache_i8",
 }
 
 
@@ -358,6 +364,7 @@ def native_qk_rope_cache(
         *(q.data_ptr(), k.data_ptr(), v.data_ptr(), *norm_w),
         *(rope.cos.data_ptr(), rope.sin.data_ptr(), positions.data_ptr(), slots.data_ptr()),
         *(q_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()),
+        *(t.data_ptr() for t in ctx.kv.scales[attn.layer_idx]),  # int8: K's, V's scales
     )
     if rc != 0:
         raise RuntimeError("position or KV slot out of range in the attention layer")
@@ -382,13 +389,13 @@ def paged_attention(
     meta, d = ctx.meta, ctx.meta.decode
     window = meta.sliding_window if window is None else window
     native = d is not None and _native_decode_ok(q, ctx.kv.layers[layer], sinks)
+    entries, scales = ctx.kv.layers[layer], ctx.kv.scales[layer]
     if native and not meta.seqs:  # a pure decode step: every row is a decode, in order
-        entries = ctx.kv.layers[layer]
-        return native_decode_attention(q, *entries, d, ctx.kv, scale, window, sinks)
-    out = q.new_empty(q.shape[0], q.shape[1], ctx.kv.layers[layer][1].shape[2])
+        return native_decode_attention(q, *entries, d, ctx.kv, scale, window, sinks, scales)
+    out = q.new_empty(q.shape[0], q.shape[1], entries[1].shape[2])
     if native:
         out[d.rows] = native_decode_attention(
-            q[d.rows], *ctx.kv.layers[layer], d, ctx.kv, scale, window, sinks
+            q[d.rows], *entries, d, ctx.kv, scale, window, sinks, scales
         )
     elif d is not None:
         b, n = d.slots.shape

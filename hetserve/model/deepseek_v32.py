@@ -113,14 +113,13 @@ class IndexedMLAttention(MLAttention):
         attend over the top-k rows only."""
         d = ctx.meta.decode
         b, n = d.slots.shape
-        cache_rows, cache_keys = ctx.kv.layers[self.layer_idx]
         # widened to q's dtype where the cache is narrower (--kv-cache-dtype)
-        keys = cache_keys.index_select(0, d.slots.flatten()).to(q.dtype).view(b, n, -1)
+        keys = ctx.kv.rows(self.layer_idx, 1, d.slots.flatten(), q.dtype).view(b, n, -1)
         valid = d.mask.view(b, n)
         scores = self.indexer.scores(iq.unsqueeze(1), iw.unsqueeze(1), keys).squeeze(1)
         k = min(self.indexer.topk, n)
         top = scores.masked_fill(~valid, float("-inf")).topk(k, dim=-1).indices  # [b, k]
-        picked = cache_rows.index_select(0, d.slots.gather(1, top).flatten()).to(q.dtype)
+        picked = ctx.kv.rows(self.layer_idx, 0, d.slots.gather(1, top).flatten(), q.dtype)
         keys_k, values = self._expand(picked, lambda lora: lora.decode_segments(k))
         mask = valid.gather(1, top)[:, None, None, :]
         return batched_decode_sdpa(

@@ -65,7 +65,7 @@ class _Layer(ctypes.Structure):
         ("w13", c_void_p), ("s13", c_void_p), ("w2", c_void_p), ("s2", c_void_p),
         ("b13", c_void_p), ("b2", c_void_p),
         ("gate", _QLin), ("up", _QLin), ("down", _QLin),
-        ("kv_half", c_int),
+        ("kv_half", c_int), ("k_scale", c_void_p), ("v_scale", c_void_p),
     ]  # fmt: skip
 
 
@@ -152,7 +152,8 @@ def _attention(layer: nn.Module, i: int, kv, keep: list) -> _Layer | None:
     if k_cache.shape[1:] != (nkv, d) or qkv.k != n1.weight.shape[0] or o.n != qkv.k:
         return None
     norms = attn.q_norm is not None
-    keep += [n1.weight, n2.weight, rope.cos, rope.sin, k_cache, v_cache]
+    scales = kv.scales[i]  # int8: K's and V's [slots, nkv]; else none
+    keep += [n1.weight, n2.weight, rope.cos, rope.sin, k_cache, v_cache, *scales]
     if norms:
         keep += [attn.q_norm.weight, attn.k_norm.weight]
     return _Layer(
@@ -163,7 +164,8 @@ def _attention(layer: nn.Module, i: int, kv, keep: list) -> _Layer | None:
         q_norm=_ptr(attn.q_norm.weight) if norms else None,
         k_norm=_ptr(attn.k_norm.weight) if norms else None,
         cos=_ptr(rope.cos), sin=_ptr(rope.sin), k_cache=_ptr(k_cache), v_cache=_ptr(v_cache),
-        qkv=qkv, o=o, kv_half=int(k_cache.dtype is torch.float16),
+        qkv=qkv, o=o, kv_half={torch.float16: 1, torch.int8: 2}.get(k_cache.dtype, 0),
+        k_scale=_ptr(scales[0]) if scales else None, v_scale=_ptr(scales[1]) if scales else None,
     )  # fmt: skip
 
 

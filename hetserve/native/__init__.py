@@ -145,12 +145,14 @@ _SIGNATURES = {
     "hetserve_qlinear": (_I, [_I] * 6 + [_P] * 4),
     "hetserve_paged_decode_attention": (_I, [_I] * 10 + [_F] + [_P] * 7),
     "hetserve_paged_decode_attention_f16": (_I, [_I] * 10 + [_F] + [_P] * 7),
+    "hetserve_paged_decode_attention_i8": (_I, [_I] * 10 + [_F] + [_P] * 9),
     "hetserve_rms_norm": (None, [_I] * 3 + [_F] + [_P] * 3),
     "hetserve_rope": (None, [_I] * 5 + [_P] * 4),
     "hetserve_topk_softmax": (None, [_I] * 5 + [_F] + [_P] * 3),
     "hetserve_router_logits": (None, [_I] * 4 + [_P] * 3),
     "hetserve_qk_rope_cache": (_I, [_I] * 6 + [_L] * 3 + [_I, _L, _F] + [_P] * 12),
     "hetserve_qk_rope_cache_f16": (_I, [_I] * 6 + [_L] * 3 + [_I, _L, _F] + [_P] * 12),
+    "hetserve_qk_rope_cache_i8": (_I, [_I] * 6 + [_L] * 3 + [_I, _L, _F] + [_P] * 14),
     "hetserve_moe_backward": (_I, [_I] * 8 + [_P] * 12),  # finetune/experts_grad.py
     "hetserve_copy_parts": (None, [_I] * 3 + [_P] * 7),  # engine/kv_store.py
     "hetserve_decode_layers": (_I, [_I, _I, _P, _I] + [_P] * 4 + [_I, _P]),  # fused_decode.py

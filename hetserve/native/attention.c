@@ -1,6 +1,9 @@
-/* Paged decode attention over fp32 or fp16 caches on AVX2 + FMA (+ F16C) CPUs
+/* Paged decode attention over fp32, fp16 or int8 caches on AVX2 + FMA (+ F16C) CPUs
  * (hetserve.layers.attention). An fp16 cache (`--kv-cache-dtype float16`) is widened in
  * registers as it is read: half the bytes stream from memory, the arithmetic stays fp32.
+ * An int8 cache (`--kv-cache-dtype int8`) is widened the same way, and its per-token, per-KV-head
+ * scales are applied outside the dot products: K's to each score, V's to each weight
+ * (p[h, j] * vscale[j]), so the inner loops only convert and multiply-add.
  *
  * One query token per sequence; its context is read straight from the paged cache, with no
  * gather into a padded copy:
@@ -29,19 +32,26 @@ typedef struct {
     float scale;
     const float *sinks; /* [H] or NULL */
     const float *q;
-    const void *k, *v; /* float, or uint16_t fp16 bits (item_f16) */
+    const void *k, *v; /* float, uint16_t fp16 bits (item_f16) or int8_t (item_i8) */
+    const float *ks, *vs; /* int8: scales [num_blocks * bs, Hkv] of K and V; else NULL */
     const int64_t *tables, *lens;
     float *out;
     int err;
 } attn_t;
 
-/* 8 cache elements from element i of base: fp32 as is, fp16 widened (F16C). */
+/* 8 cache elements from element i of base: fp32 as is, fp16 widened (F16C, half == 1), int8
+ * widened unscaled (half == 2). */
 static inline __attribute__((always_inline)) __m256 ld8(const void *base, size_t i, const int half) {
+    if (half == 2) {
+        const __m128i b = _mm_loadl_epi64((const __m128i *)((const int8_t *)base + i));
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    }
     if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)));
     return _mm256_loadu_ps((const float *)base + i);
 }
 
 static inline __attribute__((always_inline)) float ld1(const void *base, size_t i, const int half) {
+    if (half == 2) return (float)((const int8_t *)base)[i];
     return half ? _cvtsh_ss(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
@@ -151,7 +161,7 @@ static inline __attribute__((always_inline)) void item_impl(void *ctx, int it, c
         }
     }
     const float *q = a->q + ((size_t)b * a->H + (size_t)h0 * G) * D;
-    const size_t esz = half ? sizeof(uint16_t) : sizeof(float);
+    const size_t esz = half == 2 ? 1 : half ? sizeof(uint16_t) : sizeof(float);
     const int pf = (size_t)(h1 - h0) * (D > Dv ? D : Dv) * esz <= 1024;
     /* Token-major passes: a token's K (then V) rows of all heads are contiguous in the cache,
      * and a block's tokens are too, so each pass streams whole cache lines in order. */
@@ -188,13 +198,21 @@ static inline __attribute__((always_inline)) void item_impl(void *ctx, int it, c
             s[(size_t)h * n + (j - lo)] =
                 dot(q + (size_t)h * D, a->k, kr + (size_t)(h / G) * D, D, half) * a->scale;
     }
+    size_t *vrow = (size_t *)(s + ns);
+    if (half == 2) /* vrow first holds each token's scale row: slot * Hkv + h0 */
+        for (int j = lo; j < len; j++) {
+            vrow[j - lo] = ((size_t)table[j / a->bs] * a->bs + j % a->bs) * Hkv + h0;
+            for (int h = 0; h < nh; h++) s[(size_t)h * n + (j - lo)] *= a->ks[vrow[j - lo] + h / G];
+        }
     for (int h = 0; h < nh; h++) {
         float *p = s + (size_t)h * n;
         const float sink = a->sinks ? a->sinks[h0 * G + h] : 0.0f;
         float inv = 1.0f / softmax_row(p, n, a->sinks != NULL, sink);
-        for (int j = 0; j < n; j++) p[j] *= inv;
+        if (half == 2)
+            for (int j = 0; j < n; j++) p[j] *= inv * a->vs[vrow[j] + h / G];
+        else
+            for (int j = 0; j < n; j++) p[j] *= inv;
     }
-    size_t *vrow = (size_t *)(s + ns);
     for (int j = lo; j < len; j++)
         vrow[j - lo] = (((size_t)table[j / a->bs] * a->bs + j % a->bs) * Hkv + h0) * Dv;
     /* out[h] = sum_j p[h, j] V[j] (out is zeroed above), in tiles of V_TILE tokens whose rows
@@ -227,16 +245,18 @@ static inline __attribute__((always_inline)) void item_impl(void *ctx, int it, c
 /* One specialised copy per cache element type (the constant folds every ld8/ld1 branch). */
 static void item_f32(void *ctx, int it) { item_impl(ctx, it, 0); }
 static void item_f16(void *ctx, int it) { item_impl(ctx, it, 1); }
+static void item_i8(void *ctx, int it) { item_impl(ctx, it, 2); }
 
 static int run(int nthreads, int B, int H, int Hkv, int D, int Dv, int bs, int W, int window,
                int num_blocks, float scale, const float *sinks, const float *q, const void *k,
-               const void *v, const int64_t *tables, const int64_t *lens, float *out, int half) {
+               const void *v, const int64_t *tables, const int64_t *lens, float *out,
+               const float *ks, const float *vs, int half) {
     if (Hkv <= 0 || H % Hkv != 0) return -3;
     /* Whole sequences per item when there are plenty; else split the KV heads too. */
     int chunks = B >= 4 * nthreads ? 1 : Hkv;
-    attn_t a = {H, Hkv, D, Dv, bs, W, window, num_blocks, chunks, scale, sinks, q, k, v, tables,
-                lens, out, 0};
-    hs_parallel_for(nthreads, B * chunks, half ? item_f16 : item_f32, &a);
+    attn_t a = {H, Hkv, D, Dv, bs, W, window, num_blocks, chunks, scale, sinks, q, k, v, ks, vs,
+                tables, lens, out, 0};
+    hs_parallel_for(nthreads, B * chunks, half == 2 ? item_i8 : half ? item_f16 : item_f32, &a);
     return a.err;
 }
 
@@ -249,7 +269,7 @@ int hetserve_paged_decode_attention(int nthreads, int B, int H, int Hkv, int D, 
                                     const float *sinks, const float *q, const float *k, const float *v,
                                     const int64_t *tables, const int64_t *lens, float *out) {
     return run(nthreads, B, H, Hkv, D, Dv, bs, W, window, num_blocks, scale, sinks, q, k, v, tables,
-               lens, out, 0);
+               lens, out, NULL, NULL, 0);
 }
 
 /* The same over an fp16 cache: k, v hold IEEE half bits. */
@@ -259,5 +279,17 @@ int hetserve_paged_decode_attention_f16(int nthreads, int B, int H, int Hkv, int
                                         const uint16_t *v, const int64_t *tables,
                                         const int64_t *lens, float *out) {
     return run(nthreads, B, H, Hkv, D, Dv, bs, W, window, num_blocks, scale, sinks, q, k, v, tables,
-               lens, out, 1);
+               lens, out, NULL, NULL, 1);
+}
+
+/* The same over an int8 cache: k, v hold int8 rows, ks [num_blocks * bs, Hkv] and vs their
+ * scales (a cache element is row[i] * scale). */
+int hetserve_paged_decode_attention_i8(int nthreads, int B, int H, int Hkv, int D, int Dv, int bs,
+                                       int W, int window, int num_blocks, float scale,
+                                       const float *sinks, const float *q, const int8_t *k,
+                                       const int8_t *v, const int64_t *tables,
+                                       const int64_t *lens, float *out, const float *ks,
+                                       const float *vs) {
+    return run(nthreads, B, H, Hkv, D, Dv, bs, W, window, num_blocks, scale, sinks, q, k, v, tables,
+               lens, out, ks, vs, 2);
 }

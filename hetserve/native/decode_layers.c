@@ -40,6 +40,18 @@ int hetserve_qk_rope_cache_f16(int nthreads, int T, int nq, int nkv, int half, i
                                const float *kw, const float *cos, const float *sin,
                                const int64_t *positions, const int64_t *slots, float *q_out,
                                uint16_t *k_cache, uint16_t *v_cache);
+int hetserve_qk_rope_cache_i8(int nthreads, int T, int nq, int nkv, int half, int interleaved,
+                              long sq, long sk, long sv, int max_pos, long num_slots, float eps,
+                              const float *q, const float *k, const float *v, const float *qw,
+                              const float *kw, const float *cos, const float *sin,
+                              const int64_t *positions, const int64_t *slots, float *q_out,
+                              int8_t *k_cache, int8_t *v_cache, float *ks, float *vs);
+int hetserve_paged_decode_attention_i8(int nthreads, int B, int H, int Hkv, int D, int Dv, int bs,
+                                       int W, int window, int num_blocks, float scale,
+                                       const float *sinks, const float *q, const int8_t *k,
+                                       const int8_t *v, const int64_t *tables,
+                                       const int64_t *lens, float *out, const float *ks,
+                                       const float *vs);
 int hetserve_paged_decode_attention_f16(int nthreads, int B, int H, int Hkv, int D, int Dv, int bs,
                                         int W, int window, int num_blocks, float scale,
                                         const float *sinks, const float *q, const uint16_t *k,
@@ -74,7 +86,7 @@ typedef struct {
     long num_slots;
     float eps, qk_eps, scale;
     const float *in_norm, *post_norm, *q_norm, *k_norm, *cos, *sin;
-    void *k_cache, *v_cache; /* fp32, or fp16 bits where kv_half */
+    void *k_cache, *v_cache; /* fp32, fp16 bits (kv_half 1) or int8 (kv_half 2) */
     hs_qlin_t qkv, o;
     int ffn;
     /* FFN_EXPERTS: the router [E, hidden] fp32 and hetserve_moe_forward's arguments */
@@ -85,7 +97,8 @@ typedef struct {
     const float *b13, *b2;
     /* FFN_DENSE: down(silu(gate(x)) * up(x)) */
     hs_qlin_t gate, up, down;
-    int kv_half; /* the KV cache holds fp16 (--kv-cache-dtype float16) */
+    int kv_half; /* the KV cache holds fp16 (1, --kv-cache-dtype float16) or int8 (2) */
+    float *k_scale, *v_scale; /* kv_half 2: the scales [num_slots, nkv] */
 } hs_layer_t;
 
 static int qlin(const hs_qlin_t *l, int nthreads, int T, const float *x, float *out) {
@@ -103,12 +116,23 @@ static void add_rows(float *x, const float *y, size_t n) {
     for (; i < n; i++) x[i] += y[i];
 }
 
-/* The attention head (norms, rotary, KV write) then decode attention, over the layer's fp32 or
- * fp16 cache. Returns 0, -4 for a position or slot out of range, or the attention's code. */
+/* The attention head (norms, rotary, KV write) then decode attention, over the layer's fp32,
+ * fp16 or int8 cache. Returns 0, -4 for a position or slot out of range, or the attention's code. */
 static int attend(const hs_layer_t *L, int nthreads, int B, const float *qkv, const float *k,
                   const float *v, const int64_t *positions, const int64_t *slots, float *q,
                   const int64_t *tables, int width, const int64_t *lens, float *att) {
     const int D = L->head_dim, n = L->qkv.n, half = D / 2;
+    if (L->kv_half == 2) {
+        if (hetserve_qk_rope_cache_i8(nthreads, B, L->nq, L->nkv, half, L->interleaved, n, n, n,
+                                      L->max_pos, L->num_slots, L->qk_eps, qkv, k, v, L->q_norm,
+                                      L->k_norm, L->cos, L->sin, positions, slots, q,
+                                      L->k_cache, L->v_cache, L->k_scale, L->v_scale))
+            return -4;
+        return hetserve_paged_decode_attention_i8(nthreads, B, L->nq, L->nkv, D, D,
+                                                  L->block_size, width, 0, L->num_blocks,
+                                                  L->scale, NULL, q, L->k_cache, L->v_cache,
+                                                  tables, lens, att, L->k_scale, L->v_scale);
+    }
     if (L->kv_half) {
         if (hetserve_qk_rope_cache_f16(nthreads, B, L->nq, L->nkv, half, L->interleaved, n, n, n,
                                        L->max_pos, L->num_slots, L->qk_eps, qkv, k, v, L->q_norm,

@@ -225,7 +225,9 @@ void hetserve_router_logits(int nthreads, int T, int E, int H, const float *x, c
  * calls per layer (at decode the per-op cost dominates this work). Returns 0, or -1 (writing
  * nothing) if a slot is outside [0, num_slots) or a position outside [0, max_pos).
  * hetserve_qk_rope_cache_f16 writes an fp16 cache (--kv-cache-dtype float16): the same rows
- * rounded to nearest-even, as torch's .to(float16) rounds them. */
+ * rounded to nearest-even, as torch's .to(float16) rounds them; hetserve_qk_rope_cache_i8 an
+ * int8 cache with one fp32 scale per token and KV head (ks, vs [num_slots, nkv]), rounded as
+ * kv/paged.py's quantize_rows rounds (bit for bit). */
 typedef struct {
     int T, nq, nkv, half, interleaved, tokens_per_item, kv_half;
     long sq, sk, sv;
@@ -233,8 +235,32 @@ typedef struct {
     const float *q, *k, *v, *qw, *kw, *cos, *sin;
     const int64_t *positions, *slots;
     float *q_out;
-    void *k_cache, *v_cache; /* float, or uint16_t fp16 bits (kv_half) */
+    void *k_cache, *v_cache; /* float, uint16_t fp16 bits (kv_half 1) or int8_t (kv_half 2) */
+    float *ks, *vs;          /* kv_half 2: the scales [num_slots, nkv] */
 } qkv_t;
+
+/* n floats as int8 at element i of cache, their scale at *scale: inv = 127 / absmax,
+ * q = round-half-even(x * inv), scale = absmax / 127 (0 and zeros for an all-zero row), in the
+ * same fp32 operations as torch's quantize_rows. */
+static void put_row_i8(int8_t *dst, const float *x, int n, float *scale) {
+    float amax = 0.0f;
+    for (int j = 0; j < n; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    *scale = amax / 127.0f;
+    int j = 0;
+    const __m256 vi = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    for (; j + 8 <= n; j += 8) {
+        __m256 y = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), vi),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m256i v = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(y, lo), hi));
+        __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        _mm_storel_epi64((__m128i *)(dst + j), _mm_packs_epi16(w, w));
+    }
+    for (; j < n; j++) {
+        float y = nearbyintf(x[j] * inv);
+        dst[j] = (int8_t)(y > 127.0f ? 127.0f : y < -127.0f ? -127.0f : y);
+    }
+}
 
 /* n floats into the cache at element i: copied, or rounded to fp16 bits. */
 static void put_row(void *cache, size_t i, const float *x, int n, int kv_half) {
@@ -268,9 +294,18 @@ static void qkv_rows(void *ctx, int it) {
             const float *x = a->k + t * a->sk + (size_t)h * dim;
             if (a->kw) norm_row(x, a->kw, dim, a->eps, tmp), x = tmp;
             rope_head(x, c, s, half, a->interleaved, row);
-            put_row(a->k_cache, (slot * nkv + h) * dim, row, dim, a->kv_half);
+            if (a->kv_half == 2)
+                put_row_i8((int8_t *)a->k_cache + (slot * nkv + h) * dim, row, dim,
+                           a->ks + slot * nkv + h);
+            else
+                put_row(a->k_cache, (slot * nkv + h) * dim, row, dim, a->kv_half);
         }
-        put_row(a->v_cache, slot * nkv * dim, a->v + t * a->sv, nkv * dim, a->kv_half);
+        if (a->kv_half == 2)
+            for (int h = 0; h < nkv; h++)
+                put_row_i8((int8_t *)a->v_cache + (slot * nkv + h) * dim,
+                           a->v + t * a->sv + (size_t)h * dim, dim, a->vs + slot * nkv + h);
+        else
+            put_row(a->v_cache, slot * nkv * dim, a->v + t * a->sv, nkv * dim, a->kv_half);
     }
 }
 
@@ -279,14 +314,14 @@ static int qk_rope_cache(int nthreads, int T, int nq, int nkv, int half, int int
                          const float *k, const float *v, const float *qw, const float *kw,
                          const float *cos, const float *sin, const int64_t *positions,
                          const int64_t *slots, float *q_out, void *k_cache, void *v_cache,
-                         int kv_half) {
+                         float *ks, float *vs, int kv_half) {
     for (int t = 0; t < T; t++)
         if (positions[t] < 0 || positions[t] >= max_pos || slots[t] < 0 || slots[t] >= num_slots)
             return -1;
     int per = (64 << 10) / ((nq + 2 * nkv) * half * 8);
     per = per < 1 ? 1 : per;
     qkv_t a = {T, nq, nkv, half, interleaved, per, kv_half, sq, sk, sv, eps, q, k, v, qw, kw,
-               cos, sin, positions, slots, q_out, k_cache, v_cache};
+               cos, sin, positions, slots, q_out, k_cache, v_cache, ks, vs};
     hs_parallel_for(nthreads, (T + per - 1) / per, qkv_rows, &a);
     return 0;
 }
@@ -299,7 +334,7 @@ int hetserve_qk_rope_cache(int nthreads, int T, int nq, int nkv, int half, int i
                            float *k_cache, float *v_cache) {
     return qk_rope_cache(nthreads, T, nq, nkv, half, interleaved, sq, sk, sv, max_pos, num_slots,
                          eps, q, k, v, qw, kw, cos, sin, positions, slots, q_out, k_cache, v_cache,
-                         0);
+                         NULL, NULL, 0);
 }
 
 int hetserve_qk_rope_cache_f16(int nthreads, int T, int nq, int nkv, int half, int interleaved,
@@ -310,7 +345,18 @@ int hetserve_qk_rope_cache_f16(int nthreads, int T, int nq, int nkv, int half, i
                                uint16_t *k_cache, uint16_t *v_cache) {
     return qk_rope_cache(nthreads, T, nq, nkv, half, interleaved, sq, sk, sv, max_pos, num_slots,
                          eps, q, k, v, qw, kw, cos, sin, positions, slots, q_out, k_cache, v_cache,
-                         1);
+                         NULL, NULL, 1);
+}
+
+int hetserve_qk_rope_cache_i8(int nthreads, int T, int nq, int nkv, int half, int interleaved,
+                              long sq, long sk, long sv, int max_pos, long num_slots, float eps,
+                              const float *q, const float *k, const float *v, const float *qw,
+                              const float *kw, const float *cos, const float *sin,
+                              const int64_t *positions, const int64_t *slots, float *q_out,
+                              int8_t *k_cache, int8_t *v_cache, float *ks, float *vs) {
+    return qk_rope_cache(nthreads, T, nq, nkv, half, interleaved, sq, sk, sv, max_pos, num_slots,
+                         eps, q, k, v, qw, kw, cos, sin, positions, slots, q_out, k_cache, v_cache,
+                         ks, vs, 2);
 }
 
 /* Block copies of the KV tiers (engine/kv_store.py: a victim-cache stage or unstage): for

@@ -202,3 +202,25 @@ def test_bad_streams_exit_2(moe_dir, capsys):
     assert rc == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "--streams" in err and "\n" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="all-int8 rows run on CPU-only machines")
+def test_bench_decode_one_all_int8_row_per_kv_cache_dtype(moe_dir, tmp_path):
+    out = tmp_path / "decode.json"
+    rc = main(["bench", "decode", "--model", str(moe_dir), *FAST, "--skip-llamacpp", "--skip-hf",
+               "--skip-reference", "--skip-cpu-int8", "--kv-cache-dtypes", "float32,int8",
+               "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    data = json.loads(out.read_text())
+    rates = data["decode_tokens_per_s"]
+    assert list(rates) == ["hetserve all-int8 kv=float32", "hetserve all-int8 kv=int8"]
+    assert all(r > 0 for r in rates.values())
+    err = data["kv_logprob_error_vs_float32"]
+    assert list(err) == ["int8"] and 0 < err["int8"]["mean"] <= err["int8"]["max"] < 1.0
+
+
+def test_bad_kv_cache_dtypes_exit_2(moe_dir, capsys):
+    rc = main(["bench", "decode", "--model", str(moe_dir), "--kv-cache-dtypes", "int4"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "--kv-cache-dtypes" in err and "\n" not in err

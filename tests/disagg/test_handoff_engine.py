@@ -77,6 +77,27 @@ def test_direct_handoff_on_one_host_equals_colocated(engines):
     assert prefill.kv.pool.num_free == prefill.kv.pool.num_usable  # the sender let go
 
 
+@pytest.mark.parametrize("family", ["qwen3-moe", "deepseek-v3"])
+def test_an_int8_kv_cache_hands_off_its_scales_with_its_rows(tiny_model, family):
+    """--kv-cache-dtype int8: a block's scales are parts of it, so the decode engine attends
+    over the prefill's int8 rows with their scales, as one int8 engine doing both would."""
+    model = tiny_model(family)
+    made = [
+        EngineCore(config(model, kv_cache_dtype="int8", **role))
+        for role in ({}, {"role": "prefill"}, {"role": "decode"})
+    ]
+    colocated, prefill, decode = made
+    try:
+        assert decode.runner.kv.quantized
+        want = run(colocated, NewRequest("c", PROMPT, PARAMS))
+        _, got = disaggregated(prefill, decode, PROMPT, f"int8-{family}")
+        same(got, want)
+        assert got.num_cached_tokens == len(PROMPT) - 1
+    finally:
+        for e in made:
+            e.close()
+
+
 def test_direct_handoff_over_tcp_equals_colocated(engines, monkeypatch):
     colocated, prefill, decode = engines
     want = run(colocated, NewRequest("c", PROMPT, PARAMS))

@@ -23,8 +23,8 @@ BS = 16
 def _setup(b, hkv, g, d, dv, window, seed=0, max_len=150, num_blocks=200, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     kv = PagedKVCache([[(hkv, d), (hkv, dv)]], num_blocks, BS, dtype, "cpu")
-    for t in kv.layers[0]:
-        t.copy_(torch.randn(t.shape, generator=gen))
+    slots = torch.arange(num_blocks * BS)
+    kv.write(0, slots, *(torch.randn(t.shape, generator=gen) for t in kv.layers[0]))
     lens = torch.randint(1, max_len, (b,), generator=gen).tolist()
     free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 is the null one
     spans = []
@@ -55,12 +55,12 @@ def _reference(kv, d, q, scale):
         (1, 8, 1, 8, 8, None),
     ],
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # --kv-cache-dtype
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
 def test_matches_gather_then_sdpa(b, hkv, g, d, dv, window, dtype):
     kv, dec, q = _setup(b, hkv, g, d, dv, window, dtype=dtype)
     scale = d**-0.5
-    ref = _reference(kv, dec, q, scale)
-    out = native_decode_attention(q, *kv.layers[0], dec, kv, scale, window)
+    ref = _reference(kv, dec, q, scale)  # int8: over the dequantized rows
+    out = native_decode_attention(q, *kv.layers[0], dec, kv, scale, window, None, kv.scales[0])
     assert out.shape == ref.shape
     assert (out - ref).abs().max() < 1e-5
 

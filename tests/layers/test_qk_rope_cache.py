@@ -40,7 +40,7 @@ def _layer(nq, nkv, d, qk_norm, interleaved, seed, kv_dtype=torch.float32):
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("nq,nkv,d", [(4, 2, 16), (6, 1, 24), (3, 3, 10)])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])  # --kv-cache-dtype
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.int8])
 def test_fused_equals_module_path(qk_norm, interleaved, nq, nkv, d, kv_dtype):
     attn, (qn, kn), rope, ctx, qkv = _layer(nq, nkv, d, qk_norm, interleaved, nq * d, kv_dtype)
     t = qkv.shape[0]
@@ -48,8 +48,11 @@ def test_fused_equals_module_path(qk_norm, interleaved, nq, nkv, d, kv_dtype):
     q_rot = native_qk_rope_cache(attn, q, k, v, ctx)
     assert q_rot is not None and q_rot.shape == (t, nq, d)
     k_cache, v_cache = (x.clone() for x in ctx.kv.layers[0])
+    scales = [x.clone() for x in ctx.kv.scales[0]]  # int8's; none else
+    k_rows = ctx.kv.rows(0, 0, ctx.meta.slot_mapping)
 
-    ctx.kv.layers[0][0].zero_(), ctx.kv.layers[0][1].zero_()
+    for x in ctx.kv.parts():
+        x.zero_()
     q_ref, k_ref = q.reshape(t, nq, d), k.reshape(t, nkv, d)
     if qk_norm:
         q_ref, k_ref = qn(q_ref), kn(k_ref)
@@ -59,8 +62,14 @@ def test_fused_equals_module_path(qk_norm, interleaved, nq, nkv, d, kv_dtype):
     torch.testing.assert_close(q_rot, q_ref, rtol=1e-6, atol=1e-6)
     # fp16: both round to nearest-even; an fp32 ulp apart before rounding may land one fp16
     # ulp apart (1e-3 relative)
-    tol = 1e-6 if kv_dtype is torch.float32 else 1e-3
-    torch.testing.assert_close(k_cache, ctx.kv.layers[0][0], rtol=tol, atol=tol)
+    if kv_dtype is torch.int8:
+        # int8: the same rounding of K rows an fp32 ulp apart lands at most one step apart
+        step = ctx.kv.scales[0][0][ctx.meta.slot_mapping].unsqueeze(-1)
+        assert ((k_rows - ctx.kv.rows(0, 0, ctx.meta.slot_mapping)).abs() <= step * 1.001).all()
+        assert torch.equal(scales[1], ctx.kv.scales[0][1])  # V quantized bit for bit
+    else:
+        tol = 1e-6 if kv_dtype is torch.float32 else 1e-3
+        torch.testing.assert_close(k_cache, ctx.kv.layers[0][0], rtol=tol, atol=tol)
     assert torch.equal(v_cache, ctx.kv.layers[0][1])  # V is copied (or rounded) bit for bit
     written = set(ctx.meta.slot_mapping.tolist())
     untouched = [s for s in range(k_cache.shape[0]) if s not in written]

@@ -59,6 +59,7 @@ def _generate(llm: LLM) -> list[tuple[list[int], list[float]]]:
     [("qwen3-moe", MOE, "cpu-int8", "auto"), ("qwen3-moe", MOE, "cpu-int4", "auto"),
      ("qwen3-moe", {**MOE, "norm_topk_prob": False}, "cpu-int8", "auto"),
      ("qwen3-moe", MOE, "cpu-int8", "float16"),  # an fp16 KV cache: the C side converts
+     ("qwen3-moe", MOE, "cpu-int8", "int8"),  # int8 rows with their scales
      ("llama", DENSE, None, "auto"), ("qwen2", DENSE, None, "auto")],
 )  # fmt: skip
 def test_fused_step_gives_the_modules_results(
