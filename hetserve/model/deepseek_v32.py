@@ -48,7 +48,10 @@ class Indexer(nn.Module):
         """Queries [T, heads, head_dim] (fp32) and head weights [T, heads] (fp32)."""
         q = self.wq_b(q_latent).view(x.shape[0], self.n_heads, self.head_dim)
         q = self.rotary[0](q, pos).float() * self.head_dim**-0.5
-        w = self.weights_proj(x.float() if x.dtype != self.weights_proj.weight.dtype else x)
+        # transformers keeps this projection in fp32; a quantized one (all-int8) has no
+        # `weight` and takes the activations as they come.
+        wdt = getattr(self.weights_proj, "weight", x).dtype
+        w = self.weights_proj(x.float() if x.dtype != wdt else x)
         return q, w.float() * self.n_heads**-0.5
 
     @staticmethod
