@@ -32,6 +32,7 @@ from hetserve.engine.lora import build_lora_manager
 from hetserve.engine.output import ParentState, SeqState
 from hetserve.engine.runner import ModelRunner
 from hetserve.engine.setup import graph_options, num_kv_blocks, resolve_model_dir, state_slots
+from hetserve.engine.state_io import StateIO
 from hetserve.engine.step_log import StepLog, shape_of
 from hetserve.engine.step_probe import measure_steps, step_time_model
 from hetserve.engine.validate import RequestValidator
@@ -61,12 +62,12 @@ _SEED_MASK = (1 << 64) - 1  # torch generators take 64-bit seeds; seed + i may o
 
 def _check_state_support(cfg: EngineConfig, specs: list[LayerCacheSpec]) -> None:
     """A model whose layers keep a recurrent state (linear attention) finds cached prefixes
-    through the state checkpoints kept in the engine (kv/state_slots.py); moving that state
-    (KV tiers, P/D hand-off) is not built yet and is refused at start-up."""
-    if has_state(specs) and (cfg.cache.kv_store is not None or cfg.disagg.role is not Role.BOTH):
+    through state checkpoints, which the KV tiers move beside the blocks (kv/state_tiers.py);
+    the P/D hand-off does not move that state yet and is refused at start-up."""
+    if has_state(specs) and cfg.disagg.role is not Role.BOTH:
         raise InvalidInputError(
-            f"this model keeps a linear-attention state ({describe_specs(specs)}); KV tiers and "
-            "P/D hand-off do not move that state yet: drop --kv-store / --role"
+            f"this model keeps a linear-attention state ({describe_specs(specs)}); the P/D "
+            "hand-off does not move that state yet: drop --role"
         )
 
 
@@ -113,7 +114,7 @@ class EngineCore:
         # where host memory went, once the KV cache exists (/metrics: hetserve_memory_bytes)
         self.memory = measured_memory(self.model, self.runner.kv.nbytes())
         log.info("%s", self.memory.line())
-        seed = kv_identity(self.model_dir, self.runner.kv, cfg.cache.hash_seed)
+        seed = kv_identity(self.model_dir, self.runner.kv, cfg.cache.hash_seed, self.runner.state)
         role = cfg.disagg.role
         _check_state_support(cfg, specs)
         self.kv = KVCacheManager(
@@ -137,8 +138,9 @@ class EngineCore:
         io = BlockIO(self.runner.kv) if c.kv_store or role is not Role.BOTH else None
         if c.kv_store is not None:
             assert io is not None
+            state_io = None if self.runner.state is None else StateIO(self.runner.state)
             self.tiers, self.kv_summary = open_tiers(
-                c.kv_store, c.kv_save, c.kv_load, self.kv, io, self.cost
+                c.kv_store, c.kv_save, c.kv_load, self.kv, io, self.cost, state_io
             )
             log.info("%s", self.kv_summary)
             if self.kv_events is not None:
@@ -422,7 +424,10 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> int:
         """Drop the device prefix cache (free blocks only); KV tiers keep what they saved.
-        Returns the blocks dropped. Benchmarks use it to measure warm-from-tier TTFT."""
+        Returns the blocks dropped. Benchmarks use it to measure warm-from-tier TTFT. A
+        linear-attention model's free state checkpoints go too (the tiers keep theirs)."""
+        if self.kv.states is not None:
+            self.kv.states.pool.drop_cached()
         return self.kv.pool.drop_cached()
 
     def routing_stats(self):

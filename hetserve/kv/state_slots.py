@@ -18,13 +18,18 @@ when the step is planned, only while slots for `num_working` requests stay free)
 by `commit` once that forward is done. A request resuming from one holds it until its first
 forward has copied it.
 
+With KV tiers (`kv/state_tiers.py`) a waiting request whose prefix a store holds gets the
+checkpoint at its end held for it (`hold`: one still in the pool; `reserve_load`: a slot a
+store read fills, registered by `land_load`) until its admission resumes from it or it leaves
+(`release_load`).
+
 Failure: nothing raises on user input; `admit` returns False when no slot is free (the
 scheduler then waits or preempts, as for blocks).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from hetserve.core.block_hash import BlockHash
 from hetserve.kv.block_pool import BlockPool, KVBlock
@@ -43,6 +48,10 @@ class StateSlots:
         self.resumes: dict[str, KVBlock] = {}  # to copy into the working slot, then released
         # Checkpoints the next forward takes: (index of the block they end, slot).
         self.saves: dict[str, list[tuple[int, KVBlock]]] = {}
+        self.loads: dict[str, KVBlock] = {}  # checkpoints the KV tiers hold for waiting requests
+        self.orphans: list[KVBlock] = []  # slots a load that timed out may still write
+        # Told of each checkpoint the moment it is registered (the KV tiers' write-through).
+        self.on_cached: list[Callable[[KVBlock], None]] = []
 
     @property
     def num_slots(self) -> int:
@@ -110,6 +119,9 @@ class StateSlots:
         for i, slot in pending:
             if (i + 1) * bs <= num_computed:
                 self.pool.cache(slot, hashes[i])
+                if slot.block_hash is not None:
+                    for fn in self.on_cached:
+                        fn(slot)
         self.pool.free([slot for _, slot in reversed(pending)])
 
     def release(self, request_id: str) -> None:
@@ -121,7 +133,72 @@ class StateSlots:
             held.append(slot)
         self.pool.free(held)
 
+    # ---- checkpoints the KV tiers bring back -------------------------------------------
+    def _room(self) -> bool:
+        return self.pool.num_free > self.num_working - len(self.working)
+
+    def hold(self, request_id: str, h: BlockHash) -> bool:
+        """Hold the checkpoint under `h` (in the pool) for a waiting request; False: not there
+        or the request holds one already."""
+        ckpt = self.pool.lookup(h)
+        if ckpt is None or request_id in self.loads:
+            return False
+        self.pool.touch([ckpt])
+        self.loads[request_id] = ckpt
+        return True
+
+    def reserve_load(self, request_id: str) -> int | None:
+        """A slot for a waiting request's checkpoint to be read into, while slots for every
+        working request stay free; None: no room, or it holds one already."""
+        if request_id in self.loads or not self._room():
+            return None
+        slot = self.pool.allocate(1)[0]
+        self.loads[request_id] = slot
+        return slot.block_id
+
+    def land_load(self, request_id: str, h: BlockHash | None) -> None:
+        """The read into the reserved slot is done: registered under `h` and still held for
+        the request (None: it failed, the slot goes back). First writer wins: a copy of a
+        checkpoint registered meanwhile goes back too."""
+        slot = self.loads[request_id]
+        if h is not None and slot.block_hash is None:
+            self.pool.cache(slot, h)
+        if slot.block_hash is None:
+            del self.loads[request_id]
+            self.pool.free([slot], evict_first=True)
+
+    def release_load(self, request_id: str) -> None:
+        slot = self.loads.pop(request_id, None)
+        if slot is not None:
+            self.pool.free([slot])
+
+    def abandon_load(self, request_id: str, slot_id: int | None) -> None:
+        """A load that timed out may still write into its slot: keep the slot held (no
+        identity) until `end_abandoned`; the request no longer holds it."""
+        slot = self.loads.pop(request_id, None)
+        if slot is None:
+            return
+        if slot.block_id == slot_id:
+            self.orphans.append(slot)
+        else:  # a checkpoint held in place, nothing reads into it
+            self.pool.free([slot])
+
+    def end_abandoned(self, slot_id: int | None) -> None:
+        for i, slot in enumerate(self.orphans):
+            if slot.block_id == slot_id:
+                del self.orphans[i]
+                self.pool.free([slot], evict_first=True)
+                return
+
+    def release_all_loads(self) -> int:
+        held = list(self.loads)
+        for rid in held:
+            self.release_load(rid)
+        return len(held)
+
     def held(self) -> Iterable[KVBlock]:
+        yield from self.loads.values()
+        yield from self.orphans
         yield from self.working.values()
         yield from self.resumes.values()
         for pending in self.saves.values():
