@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hetserve import envs
-from hetserve.config import EngineConfig, Role
+from hetserve.config import EngineConfig, PreemptionMode, Role
 from hetserve.core.outputs import RequestOutput
 from hetserve.core.request import HandoffRole, NewRequest, Request, RequestStatus
 from hetserve.core.stats import EngineLoad, EngineStats
@@ -35,6 +35,7 @@ from hetserve.engine.setup import graph_options, num_kv_blocks, resolve_model_di
 from hetserve.engine.state_io import StateIO
 from hetserve.engine.step_log import StepLog, shape_of
 from hetserve.engine.step_probe import measure_steps, step_time_model
+from hetserve.engine.swap import HostSwap
 from hetserve.engine.validate import RequestValidator
 from hetserve.errors import InvalidInputError
 from hetserve.kv.cache_spec import LayerCacheSpec, has_state, paged_layout, state_slot_bytes
@@ -151,8 +152,12 @@ class EngineCore:
         loader = None
         if self.handoff.receiver is not None or self.tiers is not None:
             loader = Loaders(self.handoff.receiver, self.tiers)
+        self.swap: HostSwap | None = None  # preemption by swap's host copies
+        if cfg.scheduler.preemption_mode is PreemptionMode.SWAP:
+            swap_bytes = int(cfg.scheduler.swap_space_gb * (1 << 30))
+            self.swap = HostSwap(self.runner.kv, self.runner.state, swap_bytes)
         self.scheduler = Scheduler(
-            cfg.scheduler, self.kv, self.max_model_len, loader, self.cost.steps
+            cfg.scheduler, self.kv, self.max_model_len, loader, self.cost.steps, self.swap
         )
         self.step_log = StepLog(self.cost, envs.step_trace())
         self.seqs: dict[str, SeqState] = {}

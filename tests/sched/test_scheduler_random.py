@@ -5,7 +5,8 @@ finishes produced exactly what it produces alone with unlimited resources. The s
 with a KV store behind the prefix cache (evicted blocks saved, then loaded back while other
 requests step), where the tiers' invariants hold too, and with a linear-attention model (state
 slots and prefix checkpoints in one pool beside the blocks), without and with a store (the
-checkpoints saved and loaded back with the blocks). Prompt chunks beside decodes are
+checkpoints saved and loaded back with the blocks) and preempted by swap (blocks and state
+copied to host memory and back). Prompt chunks beside decodes are
 sized by a fake step time (deterministic: the same schedule every run) to a 2 ms step limit.
 """
 
@@ -30,7 +31,9 @@ class FakeStepTime:
         return None
 
 
-@pytest.fixture(scope="module", params=["device", "with-store", "hybrid", "hybrid-with-store"])
+@pytest.fixture(
+    scope="module", params=["device", "with-store", "hybrid", "hybrid-with-store", "hybrid-swap"]
+)
 def engines(tiny_model, request):
     hybrid = request.param.startswith("hybrid")  # linear-attention state slots and checkpoints
     path = tiny_model("qwen3-next" if hybrid else "llama", lm_head_scale=8.0)
@@ -38,6 +41,8 @@ def engines(tiny_model, request):
     store = {"kv_store": "local://?dram=1M"} if request.param.endswith("with-store") else {}
     if hybrid:  # few checkpoint slots, so working slots evict them (and the store keeps them)
         store |= {"state_checkpoint_every": 1, "state_checkpoints": 3}
+    if request.param.endswith("swap"):  # preemption by swap: blocks and state to host and back
+        store["preemption_mode"] = "swap"
     tight = LLM(
         path,
         max_model_len=MAX_LEN,
@@ -136,6 +141,8 @@ def test_random_runs_exercised_preemption_and_hits(engines):
         pytest.skip("only meaningful after the property test of this module")
     assert eng.stats().preemptions > 0
     assert eng.kv.hits > 0
+    if eng.swap is not None:
+        assert eng.swap.swaps_in > 0 and eng.swap.swapped() == set()
     if eng.tiers is not None:
         tiers = eng.stats().tiers
         assert tiers.saved_blocks > 0 and sum(tiers.loaded_blocks.values()) > 0
