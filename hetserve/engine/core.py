@@ -38,8 +38,7 @@ from hetserve.engine.step_probe import measure_steps, step_time_model
 from hetserve.engine.swap import HostSwap
 from hetserve.engine.validate import RequestValidator
 from hetserve.errors import InvalidInputError
-from hetserve.kv.cache_spec import LayerCacheSpec, has_state, paged_layout, state_slot_bytes
-from hetserve.kv.cache_spec import describe as describe_specs
+from hetserve.kv.cache_spec import paged_layout, state_slot_bytes
 from hetserve.kv.handoff import handoff_stats
 from hetserve.kv.loader import Loaders
 from hetserve.kv.manager import KVCacheManager
@@ -59,17 +58,6 @@ log = logging.getLogger(__name__)
 
 _SEEDS = random.Random()  # seeded from os.urandom once per process
 _SEED_MASK = (1 << 64) - 1  # torch generators take 64-bit seeds; seed + i may overflow
-
-
-def _check_state_support(cfg: EngineConfig, specs: list[LayerCacheSpec]) -> None:
-    """A model whose layers keep a recurrent state (linear attention) finds cached prefixes
-    through state checkpoints, which the KV tiers move beside the blocks (kv/state_tiers.py);
-    the P/D hand-off does not move that state yet and is refused at start-up."""
-    if has_state(specs) and cfg.disagg.role is not Role.BOTH:
-        raise InvalidInputError(
-            f"this model keeps a linear-attention state ({describe_specs(specs)}); the P/D "
-            "hand-off does not move that state yet: drop --role"
-        )
 
 
 class EngineCore:
@@ -117,7 +105,6 @@ class EngineCore:
         log.info("%s", self.memory.line())
         seed = kv_identity(self.model_dir, self.runner.kv, cfg.cache.hash_seed, self.runner.state)
         role = cfg.disagg.role
-        _check_state_support(cfg, specs)
         self.kv = KVCacheManager(
             num_blocks, bs, cfg.cache.enable_prefix_caching, seed, cfg.cache.session_ttl_s, states
         )
@@ -136,10 +123,10 @@ class EngineCore:
         log.info("%s", self.cost.steps.describe())
         self.tiers: TierManager | None = None
         self.kv_summary: str | None = None  # the start-up line of the KV tiers
+        state_io = None if self.runner.state is None else StateIO(self.runner.state)
         io = BlockIO(self.runner.kv) if c.kv_store or role is not Role.BOTH else None
         if c.kv_store is not None:
             assert io is not None
-            state_io = None if self.runner.state is None else StateIO(self.runner.state)
             self.tiers, self.kv_summary = open_tiers(
                 c.kv_store, c.kv_save, c.kv_load, self.kv, io, self.cost, state_io
             )
@@ -147,7 +134,7 @@ class EngineCore:
             if self.kv_events is not None:
                 self.kv_events.follow(self.tiers.store, self.tiers.saver.on_saved)
         self.handoff = (
-            Handoff() if io is None else open_handoff(cfg.disagg, self.kv, io, self.tiers)
+            Handoff() if io is None else open_handoff(cfg.disagg, self.kv, io, self.tiers, state_io)
         )
         loader = None
         if self.handoff.receiver is not None or self.tiers is not None:

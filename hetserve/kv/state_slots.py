@@ -50,6 +50,10 @@ class StateSlots:
         self.saves: dict[str, list[tuple[int, KVBlock]]] = {}
         self.loads: dict[str, KVBlock] = {}  # checkpoints the KV tiers hold for waiting requests
         self.orphans: list[KVBlock] = []  # slots a load that timed out may still write
+        # P/D hand-off, prefill side: the state after all of a prompt but its last token (what
+        # the decode instance continues from), taken by the forward that reaches it.
+        self.handoffs: dict[str, tuple[int, KVBlock]] = {}  # request -> (tokens, slot)
+        self.shipping: dict[str, KVBlock] = {}  # taken by the hand-off sender until shipped
         # Told of each checkpoint the moment it is registered (the KV tiers' write-through).
         self.on_cached: list[Callable[[KVBlock], None]] = []
 
@@ -71,8 +75,16 @@ class StateSlots:
 
     def admit(self, request_id: str, resume: BlockHash | None) -> bool:
         """A working slot for the request (once), resuming from the checkpoint under `resume`
-        (found by `resumable` just before). False, changing nothing, when no slot is free."""
+        (found by `resumable` just before), or from the state a P/D hand-off landed for it.
+        False, changing nothing, when no slot is free."""
         if request_id in self.working:
+            return True
+        handed = self.loads.get(request_id)
+        if handed is not None and handed.block_hash is None:  # a hand-off's state, not a
+            if self.pool.num_free < 1:  # checkpoint: it resumes from that, whatever `resume`
+                return False
+            self.resumes[request_id] = self.loads.pop(request_id)
+            self.working[request_id] = self.pool.allocate(1)[0]
             return True
         ckpt = None if resume is None else self.pool.lookup(resume)
         assert resume is None or ckpt is not None, "a checkpoint vanished since its lookup"
@@ -100,11 +112,35 @@ class StateSlots:
                 return
             self.saves.setdefault(request_id, []).append((i, self.pool.allocate(1)[0]))
 
+    def plan_handoff(self, request_id: str, start: int, num_new: int, at: int) -> None:
+        """A prompt handed off after `at` tokens: where the step of tokens [start, start +
+        num_new) passes that point, set a slot aside for the state there (none free: the
+        hand-off goes without it and the decode instance recomputes)."""
+        if request_id in self.handoffs or not start <= at < start + num_new or not self._room():
+            return
+        self.handoffs[request_id] = (at, self.pool.allocate(1)[0])
+
+    def take_handoff(self, request_id: str) -> int | None:
+        """After the forward that took it: the hand-off state's slot, held until `shipped`."""
+        taken = self.handoffs.pop(request_id, None)
+        if taken is None:
+            return None
+        self.shipping[request_id] = taken[1]
+        return taken[1].block_id
+
+    def shipped(self, request_id: str) -> None:
+        slot = self.shipping.pop(request_id, None)
+        if slot is not None:
+            self.pool.free([slot], evict_first=True)
+
     def inputs(self, request_id: str, start: int, bs: int) -> StateInput:
         """(working slot, checkpoint to resume from, checkpoints to take as (tokens into this
         step, slot)) of a request whose step starts at token `start`."""
         resume = self.resumes.get(request_id)
         saves = tuple(((i + 1) * bs - start, s.block_id) for i, s in self.saves.get(request_id, ()))
+        handoff = self.handoffs.get(request_id)
+        if handoff is not None and handoff[0] >= start:
+            saves += ((handoff[0] - start, handoff[1].block_id),)
         return self.slot_id(request_id), None if resume is None else resume.block_id, saves
 
     def commit(
@@ -128,6 +164,9 @@ class StateSlots:
         """A finished or preempted request gives back everything it held."""
         held = [b for b in (self.resumes.pop(request_id, None),) if b is not None]
         held += [slot for _, slot in reversed(self.saves.pop(request_id, []))]
+        handoff = self.handoffs.pop(request_id, None)
+        if handoff is not None:
+            held.append(handoff[1])
         slot = self.working.pop(request_id, None)
         if slot is not None:
             held.append(slot)
@@ -199,6 +238,8 @@ class StateSlots:
     def held(self) -> Iterable[KVBlock]:
         yield from self.loads.values()
         yield from self.orphans
+        yield from self.shipping.values()
+        yield from (slot for _, slot in self.handoffs.values())
         yield from self.working.values()
         yield from self.resumes.values()
         for pending in self.saves.values():
@@ -211,6 +252,6 @@ class StateSlots:
             refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for b in self.pool.blocks[1:]:
             assert b.ref_cnt == refs.get(b.block_id, 0), b
-        owners = set(self.working) | set(self.resumes) | set(self.saves)
+        owners = set(self.working) | set(self.resumes) | set(self.saves) | set(self.handoffs)
         assert owners <= set(live), "state slots held for a request without a table"
         assert set(self.resumes) <= set(self.working) and set(self.saves) <= set(self.working)

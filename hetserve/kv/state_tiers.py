@@ -41,7 +41,8 @@ KNOWN_SAVED = 1 << 16  # checkpoints remembered as already in the store
 
 
 class StateIO(Protocol):
-    """The bytes of one state slot (implemented by `engine/state_io.py`)."""
+    """The bytes of one state slot (implemented by `engine/state_io.py`): for the KV tiers and
+    the P/D hand-off."""
 
     slot_bytes: int
 
@@ -55,6 +56,10 @@ class StateIO(Protocol):
 
     def commit_read(self, slot: int) -> None:
         """The read into `read_parts(slot)` finished: make it the slot's state."""
+        ...
+
+    def write(self, slot: int, data: memoryview) -> None:
+        """Fill a slot from bytes as `snapshot` gives them (a P/D hand-off landing)."""
         ...
 
 
