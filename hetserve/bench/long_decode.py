@@ -50,7 +50,9 @@ def _contexts(text: str) -> list[int]:
     except ValueError:
         out = []
     if not out or min(out) < 1:
-        raise SystemExit(f"--contexts: positive integers separated by commas, got {text!r}")
+        from hetserve.errors import InvalidInputError
+
+        raise InvalidInputError(f"--contexts: positive integers separated by commas, got {text!r}")
     return out
 
 
@@ -78,7 +80,6 @@ def _hooks(model: torch.nn.Module, kinds: Kinds) -> list[Callable[[], None]]:
 
 def _measure(path: str, contexts: list[int], args: argparse.Namespace) -> dict:
     from hetserve import LLM
-    from hetserve.engine.runner import SeqInput
 
     bs, steps = args.block_size, args.steps
     longest = max(contexts) + steps + 2
@@ -88,38 +89,48 @@ def _measure(path: str, contexts: list[int], args: argparse.Namespace) -> dict:
     )  # fmt: skip
     runner = llm.engine.runner
     slot = None if runner.state is None else 1  # slot 0 is never a request's
-    rows: dict[int, dict] = {}
-    for c in contexts:
-        blocks = list(range(1, -(-(c + steps + 2) // bs) + 1))
-        token = 1
-
-        def step(at: int) -> None:
-            nonlocal token
-            seq = SeqInput([token], at, blocks, state_slot=slot)
-            token = int(runner.logits(runner.forward([seq])[-1:]).argmax())
-
-        step(c)  # warm-up
-        times = []
-        for j in range(steps):
-            t0 = time.perf_counter()
-            step(c + 1 + j)
-            times.append(time.perf_counter() - t0)
-        kinds: Kinds = {}
-        removers = _hooks(runner.model, kinds)
-        try:
-            t0 = time.perf_counter()
-            step(c + 1)  # the profile: one more step, with hooks
-            total = time.perf_counter() - t0
-        finally:
-            for r in removers:
-                r()
-        kinds["rest"] = max(0.0, total - sum(kinds.values()))
-        ms = statistics.median(times) * 1e3
-        rows[c] = {"step_ms": ms, "tok_s": 1e3 / ms, "times_ms": [t * 1e3 for t in times]}
-        rows[c]["profile_ms"] = {k: v * 1e3 for k, v in kinds.items()}
+    rows = {c: _context(runner, c, slot, args) for c in contexts}
     summary = llm.engine.placement_summary
     del llm
     return {"model": path, "placement": summary, "contexts": rows}
+
+
+def _context(runner, c: int, slot: int | None, args: argparse.Namespace) -> dict:
+    """Decode steps at context `c` (median time) and one more step's profile."""
+    from hetserve.engine.runner import SeqInput
+
+    bs, steps = args.block_size, args.steps
+    blocks = list(range(1, -(-(c + steps + 2) // bs) + 1))
+    token = 1
+
+    def step(at: int) -> None:
+        nonlocal token
+        seq = SeqInput([token], at, blocks, state_slot=slot)
+        token = int(runner.logits(runner.forward([seq])[-1:]).argmax())
+
+    step(c)  # warm-up
+    times = []
+    for j in range(steps):
+        t0 = time.perf_counter()
+        step(c + 1 + j)
+        times.append(time.perf_counter() - t0)
+    kinds: Kinds = {}
+    removers = _hooks(runner.model, kinds)
+    try:
+        t0 = time.perf_counter()
+        step(c + 1)  # the profile: one more step, with hooks
+        total = time.perf_counter() - t0
+    finally:
+        for r in removers:
+            r()
+    kinds["rest"] = max(0.0, total - sum(kinds.values()))
+    ms = statistics.median(times) * 1e3
+    return {
+        "step_ms": ms,
+        "tok_s": 1e3 / ms,
+        "times_ms": [t * 1e3 for t in times],
+        "profile_ms": {k: v * 1e3 for k, v in kinds.items()},
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,8 +154,10 @@ def run(args: argparse.Namespace) -> int:
          "attn ms", "linear ms", "mlp ms", "rest ms"],
         rows,
     )  # fmt: skip
-    print(f"'vs --model': the peer's step time over --model's at that context; contexts laid "
-          f"in the KV cache uncomputed; median of {args.steps} steps; profile: one more step")  # fmt: skip
+    print(
+        "'vs --model': the peer's step time over --model's at that context; contexts laid in "
+        f"the KV cache uncomputed; median of {args.steps} steps; profile: one more step"
+    )
     write_json(args.json, {"bench": "long-decode", "args": vars(args) | {"func": None},
                            "results": results})  # fmt: skip
     return 0
