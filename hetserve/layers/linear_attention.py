@@ -46,9 +46,7 @@ class StateSpan:
 @dataclass
 class StateBatch:
     spans: list[StateSpan]  # sequences run one by one
-    # [B] rows of the continuing single-token sequences; a slice where they are the whole
-    # batch (a decode step): views instead of gathers and scatters of every layer's inputs
-    decode_rows: torch.Tensor | slice | None
+    decode_rows: torch.Tensor | None  # [B] rows of the continuing single-token sequences
     decode_slots: torch.Tensor | None  # [B] their state slots
 
 
@@ -95,12 +93,11 @@ def build_state_batch(
         q_start += new
     if not rows:
         return StateBatch(spans, None, None)
-    decode_rows: torch.Tensor | slice = (
-        slice(0, len(rows))
-        if not spans and rows == list(range(len(rows)))
-        else torch.tensor(rows, dtype=torch.long, device=device)
+    return StateBatch(
+        spans,
+        torch.tensor(rows, dtype=torch.long, device=device),
+        torch.tensor(slots, dtype=torch.long, device=device),
     )
-    return StateBatch(spans, decode_rows, torch.tensor(slots, dtype=torch.long, device=device))
 
 
 def linear_mix(
