@@ -27,6 +27,11 @@ class SchedulingPolicy(enum.Enum):
     PRIORITY = "priority"  # the request's priority (lower first), then arrival
 
 
+class PreemptionMode(enum.Enum):
+    RECOMPUTE = "recompute"  # a preempted request's KV is freed and computed again
+    SWAP = "swap"  # copied to host memory (--swap-space-gb) and copied back at resumption
+
+
 class KVSave(enum.Enum):
     AUTO = "auto"  # write-through of prompt blocks for shared stores, plus write-back
     WRITE_BACK = "write-back"  # blocks about to be evicted
@@ -156,8 +161,15 @@ class SchedulerConfig:
     # alone (sched/step_budget.py).
     max_step_ms: float | None = None
     slo_tbt_ms: float | None = None
+    # Preemption by swap keeps a request's KV (and a linear-attention model's state) in up to
+    # this much host memory; a request that does not fit is preempted by recompute.
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    swap_space_gb: float = 4.0
 
     def __post_init__(self) -> None:
+        _as_enum(self, "preemption_mode", PreemptionMode)
+        if not self.swap_space_gb >= 0:
+            raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -475,6 +487,16 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "slo_tbt_ms", "scheduler", "slo_tbt_ms",
         "inter-token latency target in ms; steps with decodes are held to 0.8 of it "
         "(--max-step-ms wins where given)", float,
+    ),
+    EngineOption(
+        "preemption_mode", "scheduler", "preemption_mode",
+        "what a preempted request keeps: recompute (nothing: computed again) or swap (its KV "
+        "and linear-attention state copied to host memory and back)",
+        choices=tuple(m.value for m in PreemptionMode),
+    ),
+    EngineOption(
+        "swap_space_gb", "scheduler", "swap_space_gb",
+        "host memory for preemption by swap (GiB)", float,
     ),
     EngineOption(
         "scheduling_policy", "scheduler", "policy", "fcfs, or priority (lower runs first)",

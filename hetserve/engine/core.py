@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hetserve import envs
-from hetserve.config import EngineConfig, Role
+from hetserve.config import EngineConfig, PreemptionMode, Role
 from hetserve.core.outputs import RequestOutput
 from hetserve.core.request import HandoffRole, NewRequest, Request, RequestStatus
 from hetserve.core.stats import EngineLoad, EngineStats
@@ -32,12 +32,13 @@ from hetserve.engine.lora import build_lora_manager
 from hetserve.engine.output import ParentState, SeqState
 from hetserve.engine.runner import ModelRunner
 from hetserve.engine.setup import graph_options, num_kv_blocks, resolve_model_dir, state_slots
+from hetserve.engine.state_io import StateIO
 from hetserve.engine.step_log import StepLog, shape_of
 from hetserve.engine.step_probe import measure_steps, step_time_model
+from hetserve.engine.swap import HostSwap
 from hetserve.engine.validate import RequestValidator
 from hetserve.errors import InvalidInputError
-from hetserve.kv.cache_spec import LayerCacheSpec, has_state, paged_layout, state_slot_bytes
-from hetserve.kv.cache_spec import describe as describe_specs
+from hetserve.kv.cache_spec import paged_layout, state_slot_bytes
 from hetserve.kv.handoff import handoff_stats
 from hetserve.kv.loader import Loaders
 from hetserve.kv.manager import KVCacheManager
@@ -57,17 +58,6 @@ log = logging.getLogger(__name__)
 
 _SEEDS = random.Random()  # seeded from os.urandom once per process
 _SEED_MASK = (1 << 64) - 1  # torch generators take 64-bit seeds; seed + i may overflow
-
-
-def _check_state_support(cfg: EngineConfig, specs: list[LayerCacheSpec]) -> None:
-    """A model whose layers keep a recurrent state (linear attention) finds cached prefixes
-    through the state checkpoints kept in the engine (kv/state_slots.py); moving that state
-    (KV tiers, P/D hand-off) is not built yet and is refused at start-up."""
-    if has_state(specs) and (cfg.cache.kv_store is not None or cfg.disagg.role is not Role.BOTH):
-        raise InvalidInputError(
-            f"this model keeps a linear-attention state ({describe_specs(specs)}); KV tiers and "
-            "P/D hand-off do not move that state yet: drop --kv-store / --role"
-        )
 
 
 class EngineCore:
@@ -113,9 +103,8 @@ class EngineCore:
         # where host memory went, once the KV cache exists (/metrics: hetserve_memory_bytes)
         self.memory = measured_memory(self.model, self.runner.kv.nbytes())
         log.info("%s", self.memory.line())
-        seed = kv_identity(self.model_dir, self.runner.kv, cfg.cache.hash_seed)
+        seed = kv_identity(self.model_dir, self.runner.kv, cfg.cache.hash_seed, self.runner.state)
         role = cfg.disagg.role
-        _check_state_support(cfg, specs)
         self.kv = KVCacheManager(
             num_blocks, bs, cfg.cache.enable_prefix_caching, seed, cfg.cache.session_ttl_s, states
         )
@@ -134,23 +123,28 @@ class EngineCore:
         log.info("%s", self.cost.steps.describe())
         self.tiers: TierManager | None = None
         self.kv_summary: str | None = None  # the start-up line of the KV tiers
+        state_io = None if self.runner.state is None else StateIO(self.runner.state)
         io = BlockIO(self.runner.kv) if c.kv_store or role is not Role.BOTH else None
         if c.kv_store is not None:
             assert io is not None
             self.tiers, self.kv_summary = open_tiers(
-                c.kv_store, c.kv_save, c.kv_load, self.kv, io, self.cost
+                c.kv_store, c.kv_save, c.kv_load, self.kv, io, self.cost, state_io
             )
             log.info("%s", self.kv_summary)
             if self.kv_events is not None:
                 self.kv_events.follow(self.tiers.store, self.tiers.saver.on_saved)
         self.handoff = (
-            Handoff() if io is None else open_handoff(cfg.disagg, self.kv, io, self.tiers)
+            Handoff() if io is None else open_handoff(cfg.disagg, self.kv, io, self.tiers, state_io)
         )
         loader = None
         if self.handoff.receiver is not None or self.tiers is not None:
             loader = Loaders(self.handoff.receiver, self.tiers)
+        self.swap: HostSwap | None = None  # preemption by swap's host copies
+        if cfg.scheduler.preemption_mode is PreemptionMode.SWAP:
+            swap_bytes = int(cfg.scheduler.swap_space_gb * (1 << 30))
+            self.swap = HostSwap(self.runner.kv, self.runner.state, swap_bytes)
         self.scheduler = Scheduler(
-            cfg.scheduler, self.kv, self.max_model_len, loader, self.cost.steps
+            cfg.scheduler, self.kv, self.max_model_len, loader, self.cost.steps, self.swap
         )
         self.step_log = StepLog(self.cost, envs.step_trace())
         self.seqs: dict[str, SeqState] = {}
@@ -422,7 +416,10 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> int:
         """Drop the device prefix cache (free blocks only); KV tiers keep what they saved.
-        Returns the blocks dropped. Benchmarks use it to measure warm-from-tier TTFT."""
+        Returns the blocks dropped. Benchmarks use it to measure warm-from-tier TTFT. A
+        linear-attention model's free state checkpoints go too (the tiers keep theirs)."""
+        if self.kv.states is not None:
+            self.kv.states.pool.drop_cached()
         return self.kv.pool.drop_cached()
 
     def routing_stats(self):

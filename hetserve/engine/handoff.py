@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from hetserve import envs
 from hetserve.config import DisaggConfig
 from hetserve.engine.kv_store import BlockIO
+from hetserve.engine.state_io import StateIO
 from hetserve.errors import InvalidInputError
 from hetserve.kv.handoff import HandoffReceiver, HandoffSender
 from hetserve.kv.handoff_direct import DirectPath, DirectReceiver
@@ -41,7 +42,11 @@ class Handoff:
 
 
 def open_handoff(
-    cfg: DisaggConfig, kv: KVCacheManager, io: BlockIO, tiers: TierManager | None
+    cfg: DisaggConfig,
+    kv: KVCacheManager,
+    io: BlockIO,
+    tiers: TierManager | None,
+    state_io: StateIO | None = None,
 ) -> Handoff:
     shared = tiers is not None and any(t.shared for t in tiers.store.tiers())
     store = tiers.store if (tiers is not None and shared) else None
@@ -64,7 +69,13 @@ def open_handoff(
                 register(te, t.data_ptr(), t.nbytes)
             mooncake = MooncakePath(te, token)
         out.sender = HandoffSender(
-            kv, io, StorePath(store) if store is not None else None, direct, known, mooncake
+            kv,
+            io,
+            StorePath(store) if store is not None else None,
+            direct,
+            known,
+            mooncake,
+            state_io,
         )
         closers += [out.sender, direct]
     if cfg.role.decodes and not cfg.role.prefills:
@@ -80,7 +91,7 @@ def open_handoff(
         if te is not None:
             serve_receiver(te, host, server)
         poller = StoreReceiver(store, arrivals) if store is not None else None
-        out.receiver = HandoffReceiver(kv, io, arrivals, poller)
+        out.receiver = HandoffReceiver(kv, io, arrivals, poller, state_io)
         out.address = server.address
         closers += [server, *([poller] if poller else []), staging]
     out._closers = tuple(closers)

@@ -31,6 +31,8 @@ import torch
 from hetserve.config import KVLoad, KVSave
 from hetserve.kv.manager import KVCacheManager
 from hetserve.kv.paged import PagedKVCache
+from hetserve.kv.state import StateCache
+from hetserve.kv.state_tiers import StateIO
 from hetserve.kv.tier_policy import CostModel, TierCost
 from hetserve.kv.tiers import TierManager
 from hetserve.store.api import as_memoryview
@@ -42,10 +44,13 @@ log = logging.getLogger(__name__)
 KV_LAYOUT_VERSION = 1
 
 
-def kv_identity(model_dir: Path, cache: PagedKVCache, salt: str = "") -> bytes:
+def kv_identity(
+    model_dir: Path, cache: PagedKVCache, salt: str = "", state: StateCache | None = None
+) -> bytes:
     """The root seed of every block hash: what makes stored KV reusable by this engine. It
     covers the checkpoint (its config and weight files), the KV dtype and layout, the block
-    size and an operator's salt; it is the same in every process and after restarts."""
+    size, a linear-attention model's state layout (its checkpoints are keyed from the block
+    hashes) and an operator's salt; it is the same in every process and after restarts."""
     h = hashlib.sha256(f"hetserve-kv/v{KV_LAYOUT_VERSION}".encode())
     config = model_dir / "config.json"
     h.update(config.read_bytes() if config.is_file() else str(model_dir).encode())
@@ -55,6 +60,8 @@ def kv_identity(model_dir: Path, cache: PagedKVCache, salt: str = "") -> bytes:
     if cache.quantized:  # an 8-bit cache: its scales' layout is part of what a block's bytes mean
         layout += [[(tuple(t.shape[1:]), str(t.dtype)) for t in layer] for layer in cache.scales]
     h.update(json.dumps([cache.block_size, layout, salt]).encode())
+    if state is not None:  # models without a state keep the seeds they always had
+        h.update(json.dumps(["state", [[list(s) for s in e] for e in state.layout]]).encode())
     return h.digest()
 
 
@@ -224,7 +231,13 @@ class BlockIO:
 
 
 def open_tiers(
-    spec: str, save: KVSave, load: KVLoad, kv: KVCacheManager, io: BlockIO, cost: CostModel
+    spec: str,
+    save: KVSave,
+    load: KVLoad,
+    kv: KVCacheManager,
+    io: BlockIO,
+    cost: CostModel,
+    state_io: StateIO | None = None,
 ) -> tuple[TierManager, str]:
     """Open and check the store `spec`, add its tiers' probed costs to the engine's `cost`
     model (whose prefill rate the engine measured), and attach the tiers to `kv` (the
@@ -246,6 +259,7 @@ def open_tiers(
         write_through=write_through,
         always_load=load is KVLoad.ALWAYS,
         sync_lookup=not shared,
+        state_io=state_io,
     )
     return tiers, _summary(kv, io, probe, infos, cost, write_through)
 

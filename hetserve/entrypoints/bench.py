@@ -20,6 +20,7 @@ BENCH_MODULES: list[str] = [
     "hetserve.bench.decode",
     "hetserve.bench.deferral",  # expert deferral d = 0, 1, 2: decode tok/s and KL vs d = 0
     "hetserve.bench.hybrid",  # hybrid decode/prefill: graphs, gpu-experts, deferral, offload peer
+    "hetserve.bench.long_decode",  # decode steps at long contexts vs a peer, with a profile
     "hetserve.bench.prefill",  # prompt tokens/s vs llama.cpp, transformers and the peaks
     "hetserve.bench.handoff",  # prefill -> decode hand-off paths side by side
     "hetserve.bench.conductor",  # the Conductor's cost per request

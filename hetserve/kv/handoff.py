@@ -9,7 +9,10 @@ scheduler reaches `HandoffReceiver` through its `KVLoader` (`loader.py`): a rece
 WAITs until its hand-off arrived, then lands: blocks it lacks are allocated, filled from
 staging, the full ones registered in the prefix cache, and it is admitted with the prompt but
 its last token computed (`ready_prefix`): it computes that token and samples, as a colocated
-engine would, so outputs match.
+engine would, so outputs match. A linear-attention model's state after those tokens travels
+after the blocks (`Manifest.state_bytes`): the prefill forward takes it into a slot of its own
+(`StateSlots.plan_handoff`), the receiver writes it into a slot held for the request, from which
+its admission resumes.
 
 Failure contract: a hand-off that does not arrive within `timeout_s`, or whose manifest does
 not match the request (another prompt, model, dtype, layout or block size), is a miss: the
@@ -36,6 +39,7 @@ from hetserve.kv.handoff_mooncake import MooncakePath
 from hetserve.kv.handoff_paths import Arrival, Arrivals, Manifest, StorePath, StoreReceiver
 from hetserve.kv.loader import LoadState
 from hetserve.kv.manager import KVCacheManager, cdiv
+from hetserve.kv.state_tiers import StateIO
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,8 @@ class _Job:
     ok: bool = False
     seconds: float = 0.0
     counts: dict[str, _PathCounts] = field(default_factory=dict)
+    request_id: str = ""
+    state_slot: int | None = None  # a linear-attention state shipped after the blocks
 
 
 class HandoffSender:
@@ -68,8 +74,9 @@ class HandoffSender:
         direct: DirectPath | None,
         known: Callable[[BlockHash], bool] | None = None,
         mooncake: MooncakePath | None = None,
+        state_io: StateIO | None = None,
     ) -> None:
-        self.kv, self.pool, self.io = kv, kv.pool, io
+        self.kv, self.pool, self.io, self.state_io = kv, kv.pool, io, state_io
         self.store, self.direct, self.mooncake = store, direct, mooncake
         self._known = known  # callable(BlockHash) -> bool: the tiers' "already saved" memory
         self._out: list[_Job] = []
@@ -91,14 +98,17 @@ class HandoffSender:
         self.kv.lookup_blocks(req)  # the full blocks' hashes
         full = tokens // bs
         digests = [h.digest for h in req.block_hashes[:full]]
+        states = self.kv.states
+        slot = None if states is None else states.take_handoff(req.request_id)
+        state_bytes = 0 if slot is None or self.state_io is None else self.state_io.slot_bytes
         manifest = Manifest(
             spec.key, self.kv.hash_seed.hex(), bs, self.io.bytes_per_block, tokens,
-            [d.hex() for d in digests],
+            [d.hex() for d in digests], state_bytes,
         )  # fmt: skip
         saved = self._known
         known = [saved is not None and saved(h) for h in req.block_hashes[:full]]
         self.pool.touch(table)  # they outlive the request until shipped
-        job = _Job(spec, manifest, table, known)
+        job = _Job(spec, manifest, table, known, request_id=req.request_id, state_slot=slot)
         self._out.append(job)
         self._jobs.put(job)
 
@@ -111,6 +121,8 @@ class HandoffSender:
                 return
             self._out.remove(job)
             self.pool.free(list(reversed(job.blocks)))
+            if job.state_slot is not None and self.kv.states is not None:
+                self.kv.states.shipped(job.request_id)
             c = self.counts.setdefault(job.spec.path.value, _PathCounts())
             c.count += 1
             if job.ok:
@@ -124,6 +136,9 @@ class HandoffSender:
             t0 = time.perf_counter()
             try:
                 parts = self.io.save_parts([b.block_id for b in job.blocks], "handoff")
+                if job.manifest.state_bytes and self.state_io is not None:
+                    assert job.state_slot is not None
+                    parts = [*parts, [memoryview(self.state_io.snapshot(job.state_slot))]]
                 self._ship(job, parts)
                 job.ok = True
             except Exception as exc:  # the decode side times out and recomputes
@@ -176,8 +191,9 @@ class HandoffReceiver:
         io: BlockIO,
         arrivals: Arrivals,
         store: StoreReceiver | None,
+        state_io: StateIO | None = None,
     ) -> None:
-        self.kv, self.pool, self.io = kv, kv.pool, io
+        self.kv, self.pool, self.io, self.state_io = kv, kv.pool, io, state_io
         self.arrivals, self.store = arrivals, store
         self._waiting: dict[str, _Waiting] = {}
         self._ready: dict[str, tuple[list[KVBlock], int]] = {}  # landed: blocks, tokens
@@ -229,6 +245,8 @@ class HandoffReceiver:
         reviving = sum(1 for b in computed[:have] if b.ref_cnt == 0)
         if need > self.pool.num_free - reviving:
             return LoadState.WAIT
+        if m.state_bytes and not self._land_state(req, arrival):
+            return LoadState.WAIT
         mine = computed[:have]
         self.pool.touch(mine)
         new = self.pool.allocate(need)
@@ -244,8 +262,23 @@ class HandoffReceiver:
         req.loaded_tokens["handoff"] = req.loaded_tokens.get("handoff", 0) + handed
         return LoadState.READY
 
+    def _land_state(self, req: Request, arrival: Arrival) -> bool:
+        """Write the handed-off state into a slot held for the request (False: none free)."""
+        assert self.kv.states is not None and self.state_io is not None
+        slot = self.kv.states.reserve_load(req.request_id)
+        if slot is None:
+            return False
+        m = arrival.manifest
+        at = arrival.offset + m.num_blocks * m.bytes_per_block
+        self.state_io.write(slot, self.arrivals.staging.view(at, m.state_bytes))
+        return True
+
     def _matches(self, req: Request, m: Manifest) -> bool:
         if m.seed != self.kv.hash_seed.hex() or m.block_size != self.kv.block_size:
+            return False
+        # A linear-attention model continues only from the state the blocks end at.
+        want = 0 if self.kv.states is None or self.state_io is None else self.state_io.slot_bytes
+        if m.state_bytes != want:
             return False
         if m.bytes_per_block != self.io.bytes_per_block:
             return False
@@ -274,6 +307,8 @@ class HandoffReceiver:
         ready = self._ready.pop(rid, None)
         if ready is not None:
             self.pool.free(list(reversed(ready[0])))
+        if self.kv.states is not None:  # a landed state it was not admitted with
+            self.kv.states.release_load(rid)
         self._failed.discard(rid)
         w = self._waiting.pop(rid, None)
         if w is not None and self.store is not None:
@@ -284,6 +319,8 @@ class HandoffReceiver:
         for blocks, _ in self._ready.values():
             self.pool.free(list(reversed(blocks)))
         self._ready.clear()
+        if self.kv.states is not None:
+            n += self.kv.states.release_all_loads()
         return n
 
     def held_blocks(self) -> Iterator[KVBlock]:

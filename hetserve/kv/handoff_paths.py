@@ -51,6 +51,8 @@ class Manifest:
     bytes_per_block: int
     tokens: int  # tokens whose KV is handed over (the prompt but its last token)
     digests: list[str] = field(default_factory=list)  # of the full blocks, in order
+    # A linear-attention model's state after those tokens, after the blocks (0: none).
+    state_bytes: int = 0
 
     @property
     def num_blocks(self) -> int:
@@ -58,7 +60,7 @@ class Manifest:
 
     @property
     def nbytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
+        return self.num_blocks * self.bytes_per_block + self.state_bytes
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -73,10 +75,11 @@ class Manifest:
             int(obj["bytes_per_block"]),
             int(obj["tokens"]),
             [str(d) for d in obj["digests"]],
+            int(obj.get("state_bytes", 0)),
         )
 
 
-Blocks = Sequence[Sequence[memoryview]]  # per block, its parts
+Blocks = Sequence[Sequence[memoryview]]  # per block, its parts; then the state's, if any
 
 
 class Staging:
@@ -161,6 +164,10 @@ def _tail_key(key: str) -> str:
     return f"hetserve-handoff/{key}/tail"
 
 
+def _state_key(key: str) -> str:
+    return f"hetserve-handoff/{key}/state"
+
+
 def _manifest_key(key: str) -> str:
     return f"hetserve-handoff/{key}/manifest"
 
@@ -181,6 +188,8 @@ class StorePath:
             self.store.batch_put_parts(keys, [list(blocks[i]) for i in todo])
         if manifest.num_blocks > full:
             self.store.put_parts(_tail_key(manifest.key), list(blocks[full]))
+        if manifest.state_bytes:
+            self.store.put_parts(_state_key(manifest.key), list(blocks[manifest.num_blocks]))
         self.store.put(_manifest_key(manifest.key), manifest.to_bytes())
 
 
@@ -235,7 +244,7 @@ class StoreReceiver:
             self.arrivals.staging.free(offset, m.nbytes)
             raise
         self.arrivals.put(Arrival(m, offset, self.name))
-        for k in (_manifest_key(key), _tail_key(key)):  # request-scoped: gone after use
+        for k in (_manifest_key(key), _tail_key(key), _state_key(key)):  # gone after use
             self.store.remove(k)
         return True
 
@@ -249,6 +258,11 @@ class StoreReceiver:
         sizes = self.store.batch_get_into(keys, dests) if keys else []
         if any(s != bpb for s in sizes):
             raise HandoffError("a handed-off block is missing from the store")
+        if m.state_bytes:
+            at = m.num_blocks * bpb
+            got = self.store.get_into(_state_key(m.key), view[at : at + m.state_bytes])
+            if got != m.state_bytes:
+                raise HandoffError("a handed-off state is missing from the store")
 
     def close(self) -> None:
         self._stop.set()

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import NamedTuple, Protocol
 
 from hetserve.core.block_hash import hash_block_tokens
-from hetserve.core.request import Request
+from hetserve.core.request import HandoffRole, Request
 from hetserve.kv.block_pool import BlockPool, KVBlock
 from hetserve.kv.state_slots import StateInput, StateSlots
 
@@ -147,7 +147,10 @@ class KVCacheManager:
         if need > self.pool.num_free - reviving:
             return None
         if self.states is not None:
-            resume = req.block_hashes[len(computed) - 1] if computed else None
+            # (a hand-off's partial last block has no hash: its state comes with it, admit
+            # finds it held for the request)
+            n = len(computed)
+            resume = req.block_hashes[n - 1] if 0 < n <= len(req.block_hashes) else None
             if not self.states.admit(req.request_id, resume):
                 return None
         self.pool.touch(computed)
@@ -163,6 +166,11 @@ class KVCacheManager:
             self.states.plan_saves(
                 req.request_id, num_computed, num_new_tokens, req.block_hashes, self.block_size
             )
+        h = req.kv_handoff
+        if self.states is not None and h is not None and h.role is HandoffRole.SEND:
+            # the decode instance continues from the state before the prompt's last token
+            at = req.num_prompt_tokens - 1
+            self.states.plan_handoff(req.request_id, num_computed, num_new_tokens, at)
         return new
 
     def cache_computed(self, req: Request) -> None:

@@ -23,11 +23,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hetserve.core.block_hash import BlockHash
 from hetserve.core.request import Request
 from hetserve.kv.block_io import BlockIO
 from hetserve.kv.block_pool import KVBlock
 from hetserve.kv.loader import LoadState
 from hetserve.kv.manager import KVCacheManager
+from hetserve.kv.state_tiers import StateTiers
 from hetserve.kv.tier_blocks import TierBlocks
 from hetserve.kv.tier_ledger import LoadCounters
 from hetserve.kv.tier_policy import CostModel, LoadPlan, plan_load, predict_load
@@ -54,12 +56,15 @@ class _Load:
     seconds: float = 0.0
     abandoned: bool = False  # timed out: the request went on, the blocks wait for the worker
     predicted: tuple[float, float] | None = None  # the store part's (read, wait) at planning
+    state_slot: int | None = None  # a linear-attention checkpoint read with the blocks
+    state_ok: bool = False
     waited: float = 0.0  # from planning until the engine saw it land
 
 
 @dataclass(frozen=True)
 class _Found:
-    """A lookup's result: the tiers of the run of blocks found from block `first` on."""
+    """A lookup's result: the tiers of the run of blocks found from block `first` on (cut
+    where a linear-attention model's state checkpoint allows)."""
 
     request_id: str
     first: int
@@ -68,11 +73,12 @@ class _Found:
 
 @dataclass(frozen=True)
 class _Read:
-    """A load's result: `ok` leading blocks read, in `seconds`."""
+    """A load's result: `ok` leading blocks read (and its state checkpoint), in `seconds`."""
 
     job: _Load
     ok: int
     seconds: float
+    state_ok: bool = False
 
 
 Job = Callable[[], "_Found | _Read"]  # runs on the loader thread; never raises
@@ -93,7 +99,9 @@ class Loads:
         sync_lookup: bool,
         load_timeout_s: float,
         period_s: float,
+        states: StateTiers | None = None,
     ) -> None:
+        self.states = states  # a linear-attention model's checkpoints, loaded with its blocks
         self.store, self.cost, self.kv, self.blocks, self.io = store, cost, kv, blocks, io
         self.saver, self.counts = saver, counts
         self.block_size = kv.block_size
@@ -136,16 +144,19 @@ class Loads:
                 self.drain()
                 found = self._found.get(rid)
             elif not self.sync_lookup:
-                self._lookup(req, rest)
+                self._lookup(req, rest, device_blocks)
                 return LoadState.WAIT
             else:
-                self._lookup(req, rest)
+                self._lookup(req, rest, device_blocks)
                 found = self._found.get(rid)
             if found is None or found[0] != rest:
                 if not staged:
                     return LoadState.WAIT
                 found = (rest, [])  # load the staged run now; the rest may come next time
         run = [STAGED] * len(staged) + (found[1] if found else [])
+        if self.states is not None:  # usable up to a checkpoint (the lookup asked the store)
+            usable = self.states.locate(req.block_hashes, device_blocks, len(run), self.sync_lookup)
+            run = run[:usable]
         if not run:
             return LoadState.NONE
         state = self._start_load(req, computed, run, staged)
@@ -153,23 +164,25 @@ class Loads:
             self._found.pop(rid, None)
         return state
 
-    def _lookup(self, req: Request, first: int) -> None:
+    def _lookup(self, req: Request, first: int, base: int) -> None:
+        """Look blocks from `first` up in the store (after `base` device blocks and the staged
+        ones between)."""
         n = self.kv.lookup_blocks(req)
-        keys = [h.digest for h in req.block_hashes[first:n]]
-        if not keys:
+        hashes = list(req.block_hashes[:n])
+        if first >= n:
             self._found[req.request_id] = (first, [])
             return
         self.counts.lookups += 1
         if self.sync_lookup:
-            self._found[req.request_id] = (first, self._locate(keys))
+            self._found[req.request_id] = (first, self._locate(hashes, first, base))
             return
         self._lookups_out.add(req.request_id)
         rid = req.request_id
-        self._jobs.put(lambda: _Found(rid, first, self._locate(keys)))
+        self._jobs.put(lambda: _Found(rid, first, self._locate(hashes, first, base)))
 
-    def _locate(self, keys: list[bytes]) -> list[str]:
+    def _locate(self, hashes: list[BlockHash], first: int, base: int) -> list[str]:
         try:
-            tiers = self.store.batch_locate(keys)
+            tiers = self.store.batch_locate([h.digest for h in hashes[first:]])
         except Exception as exc:  # an unreachable store is a miss
             log.warning("KV store lookup failed (%s); recomputing", exc)
             return []
@@ -178,6 +191,9 @@ class Loads:
             if t is None:
                 break
             run.append(t)
+        if self.states is not None:  # a prefix is usable up to a checkpoint kept with it
+            usable = self.states.locate(hashes, base, first - base + len(run))
+            run = run[: max(0, usable - (first - base))]
         return run
 
     def _start_load(
@@ -194,12 +210,19 @@ class Loads:
         if plan.num_blocks == 0:
             return LoadState.NONE
         k = plan.num_blocks
+        state: tuple[bool, int | None] | None = None
+        if self.states is not None:  # cut where a checkpoint is, and hold or reserve it
+            k, state = self._hold_state(req, first, k)
+            if state is None:
+                return LoadState.NONE
         from_cache = staged[:k]
         self.saver.hold(from_cache)  # no capture may reuse them while they are read
         try:
             blocks = self.blocks.reserve(req, computed, k)
             if blocks is None:
                 self.counts.no_room += 1
+                if self.states is not None:
+                    self.states.slots.release_load(req.request_id)
                 return LoadState.NONE
             # The blocks just reserved may be evicted cached blocks: stage their old bytes
             # before anything is written into them.
@@ -212,14 +235,18 @@ class Loads:
         hashes = req.block_hashes[first + len(from_cache) : first + k]
         job = _Load(req, first, blocks, [h.digest for h in hashes], run[:k], time.monotonic())
         job.done = len(from_cache)
+        if state is not None:
+            job.state_slot = state[1]
+            job.state_ok = job.state_slot is None  # held in the state pool: nothing to read
         if not hashes:  # everything came from the victim cache
             job.ok = len(from_cache)
+            self._read_state(job, job.ok)
             self._land(job)
             return LoadState.READY
         store_part = job.tiers[job.done :]
         job.predicted = predict_load(store_part, bpb, self.cost, self.inline, self.period_s)
         if set(store_part) <= self.inline:  # an in-process DRAM tier: a copy
-            ok, job.seconds = self._read(job)
+            ok, job.seconds, job.state_ok = self._read(job)
             job.ok, job.waited = job.done + ok, job.seconds
             self._land(job)
             return LoadState.READY
@@ -227,8 +254,31 @@ class Loads:
         self._jobs.put(functools.partial(self._load_job, job))
         return LoadState.LOADING
 
-    def _read(self, job: _Load) -> tuple[int, float]:
-        """Read the store's part of a load (after the victim cache's `job.done` blocks)."""
+    def _hold_state(
+        self, req: Request, first: int, k: int
+    ) -> tuple[int, tuple[bool, int | None] | None]:
+        """A hybrid model's load of `k` blocks after `first`: cut to end at a checkpoint and
+        hold it (or a slot to read it into); None where no checkpoint or no slot is there."""
+        assert self.states is not None
+        k = self.states.locate(req.block_hashes, first, k, False)
+        if k == 0:
+            return 0, None
+        state = self.states.reserve(req.request_id, req.block_hashes[first + k - 1])
+        if not state[0]:
+            self.counts.no_room += 1
+            return k, None
+        return k, state
+
+    def _read_state(self, job: _Load, ok: int) -> bool:
+        """Read the load's state checkpoint where all its blocks came (`ok`); any thread."""
+        if job.state_slot is not None and self.states is not None and ok == len(job.blocks):
+            h = job.req.block_hashes[job.first_block + ok - 1]
+            job.state_ok = self.states.read(h, job.state_slot)
+        return job.state_ok
+
+    def _read(self, job: _Load) -> tuple[int, float, bool]:
+        """Read the store's part of a load (after the victim cache's `job.done` blocks), then
+        its state checkpoint."""
         ids = [b.block_id for b in job.blocks[job.done :]]
         t0 = time.perf_counter()
         try:
@@ -242,7 +292,8 @@ class Loads:
         except Exception as exc:  # the store failed mid-read: nothing is trusted
             log.warning("KV store load failed (%s); recomputing", exc)
             ok = 0
-        return ok, time.perf_counter() - t0
+        state_ok = self._read_state(job, job.done + ok)
+        return ok, time.perf_counter() - t0, state_ok
 
     def landed(self) -> list[Request]:
         self.drain()
@@ -254,6 +305,8 @@ class Loads:
                 job.abandoned, job.ok = True, 0
                 self._abandoned.append(job)
                 self.blocks.abandon(job.req)
+                if self.states is not None:  # the reader may yet write its state slot
+                    self.states.slots.abandon_load(rid, job.state_slot)
             if job.ok is None:
                 continue
             job.waited = now - job.started
@@ -273,6 +326,9 @@ class Loads:
             job.req.num_loads = MAX_LOADS
         if not job.abandoned:
             self.blocks.finish(job.req, job.first_block, ok)
+            if self.states is not None and job.state_slot is not None:
+                end = job.req.block_hashes[job.first_block + len(job.blocks) - 1]
+                self.states.land(job.req.request_id, end, job.state_ok and ok == len(job.blocks))
         for tier in job.tiers[:ok]:
             c.loaded[tier] = c.loaded.get(tier, 0) + 1
             loaded = job.req.loaded_tokens
@@ -316,12 +372,14 @@ class Loads:
                     self._found[rid] = (first, tiers)
                     if len(self._found) > MAX_FOUND:  # lookups of requests that went away
                         self._found.popitem(last=False)
-                case _Read(job, ok, seconds):
+                case _Read(job, ok, seconds, state_ok):
                     if job.abandoned:  # the request went on without it: release the blocks
                         self._abandoned.remove(job)
                         self.blocks.unpin(job.blocks)
+                        if self.states is not None:
+                            self.states.slots.end_abandoned(job.state_slot)
                     else:
-                        job.ok, job.seconds = ok, seconds
+                        job.ok, job.seconds, job.state_ok = ok, seconds, state_ok
 
     def forget(self, req: Request) -> None:
         """A request ended: drop what its lookup found (its load, if any, lands anyway)."""

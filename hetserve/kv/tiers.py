@@ -30,6 +30,7 @@ from hetserve.kv.block_io import BlockIO
 from hetserve.kv.block_pool import KVBlock
 from hetserve.kv.loader import LoadState
 from hetserve.kv.manager import CachedBlock, KVCacheManager
+from hetserve.kv.state_tiers import StateIO, StateTiers, state_key
 from hetserve.kv.tier_blocks import TierBlocks
 from hetserve.kv.tier_ledger import LoadCounters
 from hetserve.kv.tier_loads import STAGED, Loads
@@ -57,6 +58,7 @@ class TierManager:
         max_pending_saves: int = 256,
         load_timeout_s: float = 10.0,
         poll_s: float = LOAD_POLL_S,
+        state_io: StateIO | None = None,
     ) -> None:
         self.store, self.cost = store, cost
         self.write_through = write_through
@@ -66,10 +68,14 @@ class TierManager:
         self.blocks = TierBlocks(kv)
         self.saver = Saver(store, self.blocks, io, max_pending_saves)
         self.counts = LoadCounters()
+        # A linear-attention model's state checkpoints travel beside its blocks.
+        self.states: StateTiers | None = None
+        if kv.states is not None and state_io is not None:
+            self.states = StateTiers(store, kv.states, state_io, write_through=write_through)
         self.loads = Loads(
             store, cost, kv, self.blocks, io, self.saver, self.counts,
             always_load=always_load, sync_lookup=sync_lookup, load_timeout_s=load_timeout_s,
-            period_s=poll_s,
+            period_s=poll_s, states=self.states,
         )  # fmt: skip
         self._fresh: list[tuple[KVBlock, bool]] = []  # blocks cached since the last step
         kv.on_cached.append(self._on_cached)
@@ -93,17 +99,23 @@ class TierManager:
 
     def release(self, req: Request) -> None:
         self.blocks.release(req)
+        if self.states is not None:
+            self.states.slots.release_load(req.request_id)
 
     def release_all(self) -> int:
-        return self.blocks.release_all()
+        n = self.blocks.release_all()
+        return n + (self.states.slots.release_all_loads() if self.states is not None else 0)
 
     def ready_prefix(self, req: Request) -> tuple[list[KVBlock], int] | None:
         return None  # loaded blocks are device prefix hits: the scheduler looks them up
 
     # ---- saves ----------------------------------------------------------------------------
     def capture_evicted(self) -> None:
-        """Write-back on eviction: stage the cached blocks scheduling just handed out."""
+        """Write-back on eviction: stage the cached blocks (and state checkpoints) scheduling
+        just handed out."""
         self.saver.capture()
+        if self.states is not None:
+            self.states.capture()
 
     def after_step(self) -> None:
         """Write-through of a shared store's new prompt blocks; give the saver its next batch."""
@@ -112,6 +124,8 @@ class TierManager:
         if self.write_through:
             self.saver.enqueue([b for b, is_prompt in fresh if is_prompt])
         self.saver.pump()
+        if self.states is not None:
+            self.states.after_step()
 
     # ---- the rest of its life ---------------------------------------------------------------
     def forget(self, req: Request) -> None:
@@ -123,19 +137,26 @@ class TierManager:
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Save every free cached device block the store may lack; wait (at most `timeout_s`)
-        until no save is left. Returns whether everything was saved in time."""
-        return self.saver.flush(timeout_s)
+        until no save is left (state checkpoints too). Returns whether everything was saved in
+        time."""
+        ok = self.saver.flush(timeout_s)
+        return (self.states.flush(timeout_s) if self.states is not None else True) and ok
 
     def make_cold(self) -> None:
         """Make the next reads of what was saved come from the medium (the SSD tier drops its
         page cache), so a benchmark sees what a load after a restart would."""
         for h in self.saver.saved_hashes():
             self.store.make_cold(h.digest)
+        if self.states is not None:
+            for h in self.states.saved_hashes():
+                self.store.make_cold(state_key(h))
 
     def close(self, flush_s: float = 10.0) -> None:
         """Save what the store lacks (bounded by `flush_s`), stop the workers, close it."""
         self.flush(flush_s)
         self.saver.close()
+        if self.states is not None:
+            self.states.close()
         self.loads.close()
         self.store.close()
 
@@ -144,3 +165,6 @@ class TierManager:
         self.saver.check_integrity()
         self.loads.check_integrity()
         self.blocks.check_integrity(waiting, loading)
+        if self.states is not None:
+            held = set(self.states.slots.loads)
+            assert held <= waiting | loading, (held, waiting, loading)

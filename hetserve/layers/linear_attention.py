@@ -150,6 +150,9 @@ def _span(s: StateSpan, mixed, conv_weight, heads, log_decay, beta, windows, sta
     state = q.new_zeros(heads.v_heads, heads.k_dim, heads.v_dim) if s.fresh else states[s.slot]
     # Checkpoints split the span: the state at each is what the tokens before it left.
     bounds = [0, *sorted({n for n, _ in s.saves if 0 < n < s.q_len}), s.q_len]
+    for n, dst in s.saves:  # a save before the span's first token: the state it starts from
+        if n == 0:
+            states[dst].copy_(state)
     outs = []
     for a, e in zip(bounds, bounds[1:], strict=False):
         o, state = chunked_delta_rule(q[a:e], k[a:e], v[a:e], g[a:e], b[a:e], state)

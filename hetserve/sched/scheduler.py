@@ -1,4 +1,4 @@
-"""Scheduler: token-budget continuous batching with chunked prefill and preemption by recompute.
+"""Scheduler: token-budget continuous batching with chunked prefill and preemption.
 
 There are no prefill or decode modes: each running request is given
 `min(tokens it still needs, budget left)` tokens per step, so prefill chunks and decodes share a
@@ -7,7 +7,9 @@ prompt chunk gets the tokens the engine's step-time model predicts to fit in wha
 leave of the step's limit (`step_budget.py`). Running requests are served first, decodes
 before prompt chunks, chunks in (priority, arrival) order; if their blocks cannot be
 allocated, the lowest-priority running request (latest arrival under FCFS) is preempted: its
-blocks are freed and it returns to the waiting queue to be recomputed. Waiting requests are
+blocks are freed and it returns to the waiting queue to be recomputed, or, with a `Swapper`
+(`--preemption-mode swap`), its blocks and linear-attention state are copied to host memory
+first and copied back when it is admitted again, where it resumes. Waiting requests are
 admitted only in steps without preemption, preempted ones first, then in (priority, arrival)
 order.
 
@@ -23,8 +25,10 @@ from dataclasses import dataclass, field
 
 from hetserve.config import SchedulerConfig, SchedulingPolicy
 from hetserve.core.request import Request, RequestStatus
+from hetserve.kv.block_pool import KVBlock
 from hetserve.kv.loader import KVLoader, LoadState
 from hetserve.kv.manager import KVCacheManager
+from hetserve.kv.swap import Swapper
 from hetserve.sched.step_budget import StepBudget, StepTime, step_limit_s
 
 
@@ -53,8 +57,10 @@ class Scheduler:
         max_model_len: int,
         loader: KVLoader | None = None,
         step_time: StepTime | None = None,
+        swapper: Swapper | None = None,
     ) -> None:
         self.cfg = cfg
+        self.swapper = swapper  # None: preemption by recompute
         self.kv = kv
         self.max_model_len = max_model_len
         self.loader = loader
@@ -117,8 +123,17 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
+        rid = req.request_id
+        states = self.kv.states
+        slot = None if states is None else states.slot_id(rid)
+        swapped = (
+            self.swapper is not None
+            and req.num_computed_tokens > 0
+            and self.swapper.swap_out(rid, self.kv.block_ids(rid), slot)
+        )
         self.kv.free(req)
-        req.num_computed_tokens = 0
+        if not swapped:  # recomputed from its prompt (and whatever prefix is cached then)
+            req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.waiting.append(req)
@@ -140,8 +155,13 @@ class Scheduler:
         i, cap = 0, self.cfg.max_num_seqs
         while i < len(self.waiting) and budget.tokens > 0 and len(self.running) < cap:
             req = self.waiting[i]
-            computed, num_cached = self.kv.get_computed_blocks(req)
-            if self.loader is not None:
+            swapped = self.swapper is not None and self.swapper.holds(req.request_id)
+            computed: list[KVBlock] = []
+            if swapped:  # it resumes from its own copies: no prefix lookup, no load
+                num_cached = req.num_computed_tokens
+            else:
+                computed, num_cached = self.kv.get_computed_blocks(req)
+            if self.loader is not None and not swapped:
                 state = self.loader.prepare(req, computed)
                 if state is LoadState.WAIT:
                     i += 1  # its store lookup is still out: the next ones need not wait
@@ -160,7 +180,11 @@ class Scheduler:
             n = budget.grant(n, num_cached)
             if n == 0:
                 break  # the step's time is spent
-            if self.kv.allocate_slots(req, n, computed, num_cached) is None:
+            if swapped:
+                if self.kv.allocate_slots(req, n) is None:
+                    break
+                self._swap_in(req)
+            elif self.kv.allocate_slots(req, n, computed, num_cached) is None:
                 if not self.running and self.loader is not None and self.loader.release_all():
                     continue  # held loads filled the pool: recompute rather than deadlock
                 break
@@ -175,6 +199,12 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget.take(n, num_cached)
+
+    def _swap_in(self, req: Request) -> None:
+        assert self.swapper is not None
+        rid = req.request_id
+        slot = None if self.kv.states is None else self.kv.states.slot_id(rid)
+        self.swapper.swap_in(rid, self.kv.block_ids(rid), slot)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int], eos_ids: set[int]) -> None:
         """Advance computed counts, append sampled tokens, finish what hit a token-level stop."""
@@ -218,6 +248,8 @@ class Scheduler:
             self.waiting.remove(req)
             if self.loader is not None:
                 self.loader.release(req)  # a load of its blocks landed while it waited
+            if self.swapper is not None:
+                self.swapper.drop(request_id)
         self.kv.free(req)
         return req
 
@@ -236,3 +268,6 @@ class Scheduler:
             assert len(self.kv.tables[r.request_id]) * self.kv.block_size >= r.num_computed_tokens
         for r in self.waiting:
             assert r.request_id not in self.kv.tables
+        if self.swapper is not None:
+            swapped = self.swapper.swapped()
+            assert swapped <= {r.request_id for r in self.waiting}, swapped

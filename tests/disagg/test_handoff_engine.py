@@ -1,6 +1,7 @@
 """Prefill on one engine, decode on another, the KV handed over: the same tokens and logprobs
-as one engine doing both (greedy; fp32), for GQA (Qwen3-MoE) and MLA (DeepSeek), through each
-hand-off path; and a hand-off that never comes is recomputed."""
+as one engine doing both (greedy; fp32), for GQA (Qwen3-MoE), MLA (DeepSeek) and a hybrid
+linear-attention model (Qwen3-Next: its state after the handed tokens goes with the blocks),
+through each hand-off path; and a hand-off that never comes is recomputed."""
 
 import dataclasses
 
@@ -53,7 +54,7 @@ def same(a, b):
             assert lp.logprob == pytest.approx(lb[tok].logprob, abs=1e-5)
 
 
-@pytest.fixture(scope="module", params=["qwen3-moe", "deepseek-v3"])
+@pytest.fixture(scope="module", params=["qwen3-moe", "deepseek-v3", "qwen3-next"])
 def engines(request, tiny_model):
     model = tiny_model(request.param)
     colocated = EngineCore(config(model))
@@ -67,6 +68,7 @@ def engines(request, tiny_model):
 def test_direct_handoff_on_one_host_equals_colocated(engines):
     colocated, prefill, decode = engines
     want = run(colocated, NewRequest("c", PROMPT, PARAMS))
+    sent = prefill.stats().handoff.sent_bytes.get("direct", 0)
     first, got = disaggregated(prefill, decode, PROMPT, "shm1")
     same(got, want)
     assert first.token_ids == want.token_ids[:1]  # the prefill's own first token agrees
@@ -75,6 +77,15 @@ def test_direct_handoff_on_one_host_equals_colocated(engines):
     assert stats.received >= 1 and stats.receive_failed == 0
     assert prefill.stats().handoff.sent["direct"] >= 1
     assert prefill.kv.pool.num_free == prefill.kv.pool.num_usable  # the sender let go
+    # 3 blocks (44 tokens) and, for a linear-attention model, its state after them
+    sender = prefill.handoff.sender
+    state = 0 if sender.state_io is None else sender.state_io.slot_bytes
+    assert (
+        prefill.stats().handoff.sent_bytes["direct"] - sent == 3 * sender.io.bytes_per_block + state
+    )
+    if prefill.kv.states is not None:  # the state's slots came back on both sides
+        assert state > 0 and not prefill.kv.states.shipping and not prefill.kv.states.handoffs
+        assert not decode.kv.states.loads
 
 
 @pytest.mark.parametrize("family", ["qwen3-moe", "deepseek-v3"])
@@ -140,7 +151,7 @@ def pool_spec(request):
     return PoolCluster(request, 1, "64M").spec
 
 
-@pytest.mark.parametrize("family", ["qwen3-moe", "deepseek-v3"])
+@pytest.mark.parametrize("family", ["qwen3-moe", "deepseek-v3", "qwen3-next"])
 def test_store_handoff_equals_colocated_and_leaves_no_request_keys(tiny_model, pool_spec, family):
     model = tiny_model(family)
     colocated = EngineCore(config(model))
@@ -157,6 +168,7 @@ def test_store_handoff_equals_colocated_and_leaves_no_request_keys(tiny_model, p
         # The partial block and the manifest were request-scoped: gone once read.
         key = f"st-{family}"
         keys = [handoff_paths._tail_key(key), handoff_paths._manifest_key(key)]
+        keys.append(handoff_paths._state_key(key))
         assert not any(decode.tiers.store.exists(k) for k in keys)
     finally:
         for e in (colocated, prefill, decode):

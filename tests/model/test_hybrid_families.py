@@ -36,6 +36,49 @@ def test_chunked_prefill_at_any_chunk_size_equals_one_pass(tiny_model, family):
         assert out.token_ids == whole.token_ids
 
 
+def test_chunked_prefill_under_all_int8_stays_within_rounding_flips(tiny_model):
+    """Under all-int8 the activations are rounded to int16 per row (linears and routed experts
+    alike), the same at any chunking: layer 0, whose inputs are equal, differs by 7e-7 between
+    61 tokens alone and the first 61 of 150 (what the chunked delta rule's fp32 sums change),
+    where a per-call scale would move it by whole quanta. From there on such differences cross
+    rounding boundaries of later quantized linears and experts (a whole quantum each), and the
+    delta rule's recurrence carries them down the sequence: layer 1's linear attention differs
+    by 3.8e-4 under all-int8 against 7e-6 under placement device. Measured on this model: max
+    1.6e-3, mean 3e-4 over 149 positions at budgets 7, 16 and 61; the bound leaves room for
+    other CPUs' kernel paths."""
+    from hetserve.native import native_unavailable_reason
+
+    if native_unavailable_reason() is not None:  # fbgemm's per-call scales: another bound
+        pytest.skip(f"native kernels unavailable: {native_unavailable_reason()}")
+    path = tiny_model("qwen3-next")
+    ids = random_ids(150, seed=9)
+    int8 = {"placement": "all-int8"}
+    whole = LLM(path, **int8).generate(prompt_token_ids=ids, sampling_params=PROMPT_LP)[0]
+    for budget in (7, 61):
+        llm = LLM(path, max_num_batched_tokens=budget, **int8)
+        out = llm.generate(prompt_token_ids=ids, sampling_params=PROMPT_LP)[0]
+        diff = (chosen(out.prompt_logprobs, ids) - chosen(whole.prompt_logprobs, ids)).abs()
+        assert float(diff.max()) <= 5e-3 and float(diff.mean()) <= 1e-3, budget
+
+
+@pytest.mark.parametrize(
+    "family", ["qwen3-next", "qwen3.5-moe", "kimi-linear", "deepseek-v3.2", "minimax-m2"]
+)
+def test_each_family_serves_under_the_cpu_default(tiny_model, family):
+    """all-int8 (what --placement auto picks without an accelerator) runs every module of the
+    family, V3.2's indexer included (its head-weight projection is an int8 linear there).
+    Closeness is another matter on these tiny random models: single positions move by up to
+    0.8 nats and qwen3-next's mean by 0.39 (not understood yet: left for a follow-up; V3.2's
+    selection moves with its inputs), so only a loose mean is held here."""
+    path = tiny_model(family)
+    ids = random_ids(40, seed=3)
+    exact = LLM(path, placement="device").generate(prompt_token_ids=ids, sampling_params=PROMPT_LP)
+    int8 = LLM(path, placement="all-int8").generate(prompt_token_ids=ids, sampling_params=PROMPT_LP)
+    diff = chosen(int8[0].prompt_logprobs, ids) - chosen(exact[0].prompt_logprobs, ids)
+    assert len(int8[0].token_ids) == 6 and bool(torch.isfinite(diff).all())
+    assert float(diff.abs().mean()) <= 0.5, (family, float(diff.abs().mean()))
+
+
 @pytest.mark.parametrize("family", ["qwen3-next", "kimi-linear"])
 def test_mixed_batch_equals_solo_runs(tiny_model, family):
     """Requests of different lengths in one batch (prefill chunks beside decodes, each with its
