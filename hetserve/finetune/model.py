@@ -120,6 +120,8 @@ class TrainKV:
 
     def __init__(self, spec: list[list[tuple[int, ...]]]) -> None:
         self.layers = [tuple(torch.empty(0, *s, dtype=torch.bool) for s in e) for e in spec]
+        self.scales: list[list[torch.Tensor]] = [[] for _ in spec]  # never 8-bit: no scales
+        self.quantized = False
         self._rows: list[tuple[torch.Tensor, ...]] = [()] * len(spec)
 
     def write(self, layer: int, slots: torch.Tensor, *tensors: torch.Tensor) -> None:

@@ -83,11 +83,15 @@ def measured(model: nn.Module, kv_bytes: int) -> MemoryUse:
                 backends[id(module._backend)] = module._backend
             experts += _own_bytes(module) + sum(_nbytes(b) for b in backends.values())
             continue
-        dense += _own_bytes(module) + int(getattr(module, "nbytes", 0) or 0)
+        dense += _own_bytes(module) + _nbytes(module)
     runtime = max(rss_bytes() - experts - dense - kv_bytes, 0)
     return MemoryUse(experts, dense, kv_bytes, runtime)
 
 
-def _nbytes(backend: object) -> int:
-    fn = getattr(backend, "nbytes", None)
-    return int(fn()) if callable(fn) else 0
+def _nbytes(obj: object) -> int:
+    """Bytes an object keeps outside its parameters: its `nbytes`, an attribute (an int8
+    linear's packed matrix) or a method (a backend, a LoRA slot's stacked adapters)."""
+    size = getattr(obj, "nbytes", None)
+    if callable(size):
+        size = size()
+    return int(size) if isinstance(size, int | float) else 0
