@@ -16,10 +16,15 @@ both (Sarathi-Serve sizes the chunk to the latency budget; we size it in seconds
   decodes run (a crowd of streams never starves a long prompt).
 - Without either flag the step is as short as it can be while the prompt keeps
   `EFFICIENCY` of its speed alone: its chunk is the smallest whose step (decodes included)
-  takes at most 1 / EFFICIENCY of the time its tokens take in whole chunks of their own. So
-  a long prompt's time to first token grows by at most 1 / EFFICIENCY - 1 = 25% for the
-  streams it runs beside, on any machine: a chunk's fixed costs (the decodes, the experts a
-  few tokens read, its gather of the context) decide how large it must be.
+  takes at most 1 / EFFICIENCY of what its tokens cost in the prompt's run alone (`_alone`:
+  their share of the fixed costs of the whole chunk that would hold them, and their own
+  attention pairs). Those shares add up to the prompt's time alone, so its time to first
+  token grows by at most 1 / EFFICIENCY - 1 = 25% for the streams it runs beside, on any
+  machine: a chunk's fixed costs (the decodes, the experts a few tokens read, its gather of
+  the context) decide how large it must be. (Comparing with the rest of the prompt in one
+  chunk instead counts the rest's attention, which grows with its length, as a cost per
+  token: small chunks looked efficient, and serving the demo model a 3,000-token prompt
+  beside three streams took 2.45x its time alone.)
 - Beside decodes, a step's chunks carry at most the model's `max_chunk()` tokens: a chunk
   longer than those it has seen is extrapolated (the engine's model: 1.25x the longest of the
   latest mixed steps), so chunks grow step by step as the fit learns each size.
@@ -34,7 +39,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from hetserve.kv.step_time import StepShape
+from hetserve.kv.step_time import StepShape, chunk_pairs
 
 # Without a step limit, a prompt beside decodes keeps this share of its speed alone.
 EFFICIENCY = 0.8
@@ -72,6 +77,7 @@ class StepBudget:
         self.model = model
         self.limit_s = limit_s  # None: by the prompt's efficiency
         self.tokens = tokens  # the step's token budget left
+        self.whole = tokens  # a prompt's chunk when it runs alone
         self.shape = StepShape()  # what is scheduled so far
         self.until_s: float | None = None  # the step's time limit, fixed at its first chunk
 
@@ -87,7 +93,7 @@ class StepBudget:
             # The limit by efficiency compares with the whole cap (the prompt's speed alone),
             # never the bounded one: a small bound would make small chunks look efficient and
             # ratchet them down to the floor (seen serving).
-            until = self._until(cap, computed)
+            until = self._until(cap, computed, computed + needed)
             if until is None:
                 return self._bounded(cap)
             self.until_s = until
@@ -109,31 +115,48 @@ class StepBudget:
         self.shape = self.shape.plus(n, computed)
         self.tokens -= n
 
-    def _until(self, cap: int, computed: int) -> float | None:
+    def _until(self, cap: int, computed: int, total: int) -> float | None:
         """The step's time limit, fixed by its first chunk (of at most `cap` tokens after
-        `computed`); None where the model cannot predict."""
+        `computed`, of a prompt of `total`); None where the model cannot predict."""
         assert self.model is not None
         decodes = self.model.predict(self.shape)
         if decodes is None:
             return None
         if self.limit_s is not None:
             return max(self.limit_s, decodes / (1 - FLOOR_SHARE))
-        alone = self.model.predict(StepShape().plus(cap, computed))
-        if alone is None:
-            return None
-        per_token = alone / cap  # in whole chunks of its own
         # The smallest chunk that keeps the efficiency (it grows with the chunk, as the
         # decodes' and the chunk's fixed costs spread over more tokens); none: the whole cap.
         lo, hi = 1, cap
         while lo < hi:
             mid = (lo + hi) // 2
             t = self.model.predict(self.shape.plus(mid, computed))
-            if t is not None and mid * per_token >= EFFICIENCY * t:
+            alone = self._alone(mid, computed, total)
+            if t is not None and alone is not None and alone >= EFFICIENCY * t:
                 hi = mid
             else:
                 lo = mid + 1
-        t = self.model.predict(self.shape.plus(lo, computed))
-        return t if t is not None else None
+        return self.model.predict(self.shape.plus(lo, computed))
+
+    def _alone(self, n: int, computed: int, total: int) -> float | None:
+        """What `n` prompt tokens after `computed` cost in the prompt's run alone, in chunks
+        of the whole token budget: their share of the fixed costs of the chunk that holds
+        them there (its step, its gather of the context, the experts it reads) and their own
+        attention pairs. Over a prompt the shares add up to its time alone."""
+        assert self.model is not None
+        start = computed - computed % self.whole  # the chunk that holds them alone
+        size = min(self.whole, max(total - start, computed + n - start))
+        own_pairs = chunk_pairs(n, computed)
+        # The model is linear in a shape's features: the whole chunk with its pairs scaled
+        # from these tokens' own, times their share, is their fixed costs' share plus their
+        # per-token and pair costs.
+        shape = StepShape(
+            chunk_tokens=size,
+            chunk_pairs=round(own_pairs * size / n),
+            chunk_context=start + size,
+            chunks=1,
+        )
+        t = self.model.predict(shape)
+        return None if t is None else t * n / size
 
     def _fit(self, cap: int, computed: int) -> int:
         """The most tokens (<= cap) whose chunk keeps the step's prediction within its limit:
