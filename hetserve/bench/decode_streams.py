@@ -50,7 +50,7 @@ def _dims(cfg: dict) -> tuple[int, int, int, int]:
 def step_roofline(cfg: dict, streams: int, read_gbps: float, gops: dict) -> dict:
     """Bytes and operations of one decode step of `streams` tokens and the tokens/s each
     limit allows (module docstring); `gops` maps the peaks' kinds to GOPS (None: unmeasured)."""
-    from hetserve.bench.decode import (
+    from hetserve.bench.weight_bytes import (
         dense_bytes_per_token_fp32,
         expert_bytes_int8,
         moe_layer_count,

@@ -124,7 +124,8 @@ def _load(args, **extra):
 def run(args: argparse.Namespace) -> int:
     import gc
 
-    from hetserve.bench.decode import _load_config, measure_bandwidth
+    from hetserve.bench.decode import _load_config
+    from hetserve.bench.peaks import measure_bandwidth
     from hetserve.errors import InvalidInputError
 
     cfg = _load_config(args.model)
@@ -207,7 +208,7 @@ def offload_peer_rate(args, prompt: list[int]) -> float:
 
 
 def build_report(args, cfg: dict, device, bandwidth, decode, prefill, peer) -> dict:
-    from hetserve.bench.decode import expert_bytes_per_token
+    from hetserve.bench.weight_bytes import expert_bytes_per_token
 
     experts = expert_bytes_per_token(cfg)
     base = {r["batch"]: r["tokens_per_s"] for r in decode if r["system"] == "hybrid"}

@@ -12,6 +12,7 @@ reason; a kind the CPU lacks (bf16 without AVX512-BF16) is None.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import asdict, dataclass
 
 # hetserve_peak's kinds (peaks.c), by what bench prefill calls them.
@@ -64,9 +65,21 @@ def arithmetic_gops(kind: str, threads: int, seconds: float = 0.2) -> float | No
 
 
 def measure_peaks(threads: int, bandwidth_mib: int = 256, seconds: float = 0.2) -> Peaks:
-    from hetserve.bench.decode import measure_bandwidth
     from hetserve.native import isa, native_unavailable_reason
 
     reason = native_unavailable_reason()
     gops = {k: arithmetic_gops(k, threads, seconds) for k in KINDS}
     return Peaks(threads, gops, measure_bandwidth(bandwidth_mib), None if reason else isa(), reason)
+
+
+def measure_bandwidth(mib: int, probes: int = 8) -> float:
+    """Best GB/s of `torch.sum` over `mib` MiB (the same probe as `bench moe-kernel`)."""
+    from hetserve.bench.moe_kernel import ReadBandwidthProbe
+
+    probe = ReadBandwidthProbe(mib)
+    for _ in range(probes):
+        probe()
+    best = probe.summary()["best"]
+    del probe
+    gc.collect()
+    return best

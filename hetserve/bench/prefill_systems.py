@@ -135,7 +135,7 @@ def prompt_ops(cfg: dict, n: int) -> dict[str, int] | None:
     dense model, by part: routed experts, other linears (attention projections, router, shared
     experts, dense MLPs, the last token's lm_head) and attention itself (causal: n(n+1)/2 query-
     key pairs per head). None for MLA attention, whose shapes this does not model."""
-    from hetserve.bench.decode import moe_layer_count
+    from hetserve.bench.weight_bytes import moe_layer_count
 
     if "kv_lora_rank" in cfg:
         return None

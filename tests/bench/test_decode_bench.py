@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from hetserve.bench.decode import (
-    LLAMACPP_SRC_ENV,
+from hetserve.bench.decode import LLAMACPP_SRC_ENV
+from hetserve.bench.weight_bytes import (
     dense_bytes_per_token_fp32,
     expert_bytes_int8,
     expert_bytes_per_token,
