@@ -119,7 +119,7 @@ class EngineCore:
         # One cost model, measured now and refined by every step: the scheduler sizes prompt
         # chunks with its step-time fit, the KV tiers weigh loads against recomputing with it.
         self.cost = CostModel(steps=step_time_model(self.model))
-        measure_steps(self.runner, self.kv, self.cost)
+        measure_steps(self.runner, self.kv, self.cost, self.max_model_len)
         log.info("%s", self.cost.steps.describe())
         self.tiers: TierManager | None = None
         self.kv_summary: str | None = None  # the start-up line of the KV tiers

@@ -20,6 +20,11 @@ from hetserve.model.base import CausalLM
 
 PROBE_TOKENS = 64  # a prompt chunk's length in the probe (less where the pool is smaller)
 SMALL_CHUNK = 8  # a few prompt tokens: the fixed cost and the experts they touch
+# Chunks after this many cached tokens (less where the pool or the context is shorter): chunks
+# of one size deep in a prompt cannot tell a cost per cached row a chunk gathers from one per
+# attention pair (both grow with the context), and the efficiency rule of the step budget
+# weighs them differently; a small and a longer chunk after a long context tell them apart.
+LONG_CONTEXT = 1024
 # Each probe runs this many times and the fastest counts: a first run pays one-off costs
 # (allocations, first touches of KV pages, kernels loaded) and other jobs on the machine only
 # ever slow a run down.
@@ -36,18 +41,26 @@ def step_time_model(model: CausalLM) -> StepTimeModel:
 
 
 @torch.inference_mode()
-def measure_steps(runner: ModelRunner, kv: KVCacheManager, cost: CostModel) -> None:
+def measure_steps(
+    runner: ModelRunner, kv: KVCacheManager, cost: CostModel, max_len: int | None = None
+) -> None:
     """Time a prompt chunk, the same chunk after as many cached tokens (attention over a
     longer context), a small chunk, decodes after long and short contexts, alone and
-    together, and a decode with a small chunk: the step-time fit's first steps (each term has
-    one that moves it alone); the first chunk's rate is the tiers' prefill rate."""
+    together, a decode with a small chunk, and a small and the first chunk after a long
+    context (within `max_len` tokens): the step-time fit's first steps (each term has one
+    that moves it alone); the first chunk's rate is the tiers' prefill rate."""
     if runner.state is not None:
         return  # linear-attention layers need a state slot per sequence: real steps fit it
     bs = kv.block_size
     n = min(PROBE_TOKENS, (kv.pool.num_free * bs - 1) // 2)
     if n < 2:
         return  # a pool too small to probe: chunks are sized by tokens until a step is seen
-    blocks = kv.pool.allocate(-(-(2 * n + 1) // bs))
+    # The long context: what the pool holds beside the chunk, within the model's length.
+    room = kv.pool.num_free * bs - n - 1
+    if max_len is not None:
+        room = min(room, max_len - n)
+    far = min(LONG_CONTEXT, room) // bs * bs
+    blocks = kv.pool.allocate(-(-max(2 * n + 1, far + n) // bs))
     ids = [b.block_id for b in blocks]
     vocab = runner.model.config.vocab_size
     tokens = [1 + i % (vocab - 1) for i in range(2 * n + 1)]
@@ -67,6 +80,11 @@ def measure_steps(runner: ModelRunner, kv: KVCacheManager, cost: CostModel) -> N
             StepShape().plus(1, 2 * n).plus(small, 0),
         ),
     ]
+    if far > 2 * n:  # the same cached rows serve: only the shape of the work counts
+        probes += [
+            ([SeqInput(tokens[:small], far, ids)], StepShape().plus(small, far)),
+            ([SeqInput(tokens[:n], far, ids)], StepShape().plus(n, far)),
+        ]
     stats = runner.model.routing_stats
     if stats is not None:
         runner.model.attach_routing_stats(None)

@@ -30,12 +30,15 @@ and cost far more per token than a long chunk's tokens (which read every expert 
 
 A chunk far longer than any the fit has seen is extrapolated (a fit on 64-token prompts beside
 decodes predicted an 873-token chunk at 27 ms; it took 74), so `max_chunk` bounds a chunk
-beside decodes to `GROWTH` times the longest of the latest ones (a few more tokens than a step
-the fit just saw): chunks grow step by step, each step teaching the fit the next size. Every
+beside decodes to `GROWTH` times the longest of the latest ones (at most twice what a step
+the fit just saw carried): chunks grow step by step, each step teaching the fit the next size. Every
 coefficient is >= 0, fitted on relative error (a 20 ms decode step counts as much as a 5 s
 prefill) over the latest steps of each kind (a long run of decodes must not wash out what
 prefills taught); one stalled step is clipped. The engine's start-up probe stands in for each
-kind until a few real steps of it were seen. Both parts model the batch's compute (forward and
+kind until a few real steps of it were seen, and stays in the fit beside them scaled to the
+served speed where served steps cannot tell its terms apart (a decode's cost per K/V row; a
+chunk's cost per attention pair against per gathered row, which a prompt's chunks of one size
+grow together). Both parts model the batch's compute (forward and
 sampling), the one thing the probe can time too; what a step spends around it (scheduling,
 detokenizing, handing tokens over, the server thread's turn at the interpreter) is a moving
 average of its own, `overhead_s`, added to every prediction.
@@ -61,8 +64,11 @@ CLIP = 1.5
 # Served decode steps whose contexts span less than this factor take the probe's cost per K/V
 # row: too narrow a range to tell it from a drift of the machine's speed.
 CONTEXT_SPAN = 2.0
-# A chunk beside decodes is at most this many times the longest of the latest ones.
-GROWTH = 1.25
+# A chunk beside decodes is at most this many times the longest of the latest ones. (1.25
+# made a long prompt spend ten steps growing its chunks from the probe's size: 20% of its
+# time alone on the demo model; with the probe's chunks after a long context in the fit,
+# doubling kept mixed steps within 0.7-1.3x of their prediction serving the small MoE.)
+GROWTH = 2.0
 # Weight of a new step in the overhead's moving average.
 EMA = 0.2
 # Feature scales: keep the normal equations' entries near 1 (pairs reach 1e7).
@@ -262,7 +268,19 @@ class StepTimeModel:
         self._dirty = False
         slowdown = self._slowdown()
         self._decode = self._fit_decode(slowdown) or self._decode
-        rows = self._rows(StepKind.MIXED, slowdown) + self._rows(StepKind.PREFILL, slowdown)
+        # The probe's chunks stay, scaled to the served speed, as the decode part's do: served
+        # chunks of one size deep in a prompt grow their attention pairs and their gathered
+        # rows together, and only the probe's chunks after short and long contexts tell
+        # those two costs apart (the step budget's efficiency rule weighs them differently).
+        rows = [
+            *self._recent[StepKind.MIXED],
+            *self._recent[StepKind.PREFILL],
+            *(
+                (shape, t * slowdown)
+                for k in (StepKind.MIXED, StepKind.PREFILL)
+                for shape, t in self._probes[k]
+            ),
+        ]
         if self._decode is None or not rows:
             return
         eq = NormalEquations(len(self.chunk_features(rows[0][0])))

@@ -26,7 +26,7 @@ both (Sarathi-Serve sizes the chunk to the latency budget; we size it in seconds
   token: small chunks looked efficient, and serving the demo model a 3,000-token prompt
   beside three streams took 2.45x its time alone.)
 - Beside decodes, a step's chunks carry at most the model's `max_chunk()` tokens: a chunk
-  longer than those it has seen is extrapolated (the engine's model: 1.25x the longest of the
+  longer than those it has seen is extrapolated (the engine's model: twice the longest of the
   latest mixed steps), so chunks grow step by step as the fit learns each size.
 - The step's first chunk gets at least `MIN_CHUNK` tokens: a model that over-predicts small
   chunks never stops a prefill, and the mixed steps it then sees correct it (a prompt fed one

@@ -229,3 +229,26 @@ def test_chunks_beside_decodes_grow_from_the_latest_seen():
     # Deep in a prompt the chunks shrink: the bound follows the latest MIN_STEPS of them.
     observe_all(m, [decodes(3, 100).plus(40, 2000 + 40 * i) for i in range(MIN_STEPS)])
     assert m.max_chunk() == math.ceil(GROWTH * 40)
+
+
+def test_probe_chunks_after_a_long_context_keep_gathered_rows_apart_from_pairs():
+    """Served chunks of one size deep in a prompt grow their attention pairs and their
+    gathered rows together, so alone they cannot tell the two costs apart, and a prompt's
+    whole chunk alone (many pairs, few gathered rows) is mispredicted. The start-up probe's
+    chunks (after a short and a long context) stay in the fit and keep them apart; the
+    served steps run 1.5x slower than the probe, as the decodes say, and the served prompts
+    alone were short ones (streams' 64-token prompts)."""
+    m = StepTimeModel(64, 6)
+    probe = [decodes(1, 128), decodes(1, 8), decodes(2, 136)]
+    probe += [StepShape().plus(64, 0), StepShape().plus(64, 64), StepShape().plus(8, 0)]
+    probe += [decodes(1, 128).plus(8, 0), StepShape().plus(8, 1024), StepShape().plus(64, 1024)]
+    for shape in probe:
+        m.observe(shape, true_time(m, shape), probe=True)
+    for _ in range(MIN_STEPS):
+        m.observe(StepShape().plus(64, 0), 1.5 * true_time(m, StepShape().plus(64, 0)))
+    for i, c in enumerate(range(64, 64 + 60 * WINDOW, 60)):
+        served = decodes(3, 200 + i).plus(60, c)
+        m.observe(served, 1.5 * true_time(m, served) * (1.03 if i % 2 else 0.97))
+        m.observe(decodes(3, 200 + i), 1.5 * true_time(m, decodes(3, 200 + i)))
+    for whole in (StepShape().plus(2048, 0), StepShape().plus(2048, 2048)):
+        assert m.predict(whole) == pytest.approx(1.5 * true_time(m, whole), rel=0.15)
