@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from hetserve.core.least_squares import nonnegative_least_squares
 from hetserve.kv.tier_policy import TierCost
 
 
@@ -123,49 +124,8 @@ class InstanceProfile:
 
 
 def _lstsq(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
-    """Non-negative least squares by active set on a few columns (exact, small systems):
-    solve the normal equations on every subset of columns, keep the best non-negative one."""
-    n = len(rows[0])
-    best: tuple[float, list[float]] | None = None
-    for mask in range(1, 1 << n):
-        cols = [j for j in range(n) if mask >> j & 1]
-        coef = _solve([[r[j] for j in cols] for r in rows], ys)
-        if coef is None or min(coef) < 0:
-            continue
-        full = [0.0] * n
-        for j, c in zip(cols, coef, strict=True):
-            full[j] = c
-        err = sum((_dot(full, r) - y) ** 2 for r, y in zip(rows, ys, strict=True))
-        if best is None or err < best[0]:
-            best = (err, full)
-    if best is None:
-        return [0.0] * n
-    return best[1]
-
-
-def _dot(a: Sequence[float], b: Sequence[float]) -> float:
-    return sum(x * y for x, y in zip(a, b, strict=True))
-
-
-def _solve(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float] | None:
-    """Least squares through the normal equations, Gaussian elimination with pivoting; None
-    where the columns are dependent."""
-    k = len(rows[0])
-    a = [[sum(r[i] * r[j] for r in rows) for j in range(k)] for i in range(k)]
-    b = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in range(k)]
-    for col in range(k):
-        piv = max(range(col, k), key=lambda i: abs(a[i][col]))
-        scale = max(abs(a[i][i]) for i in range(k)) or 1.0
-        if abs(a[piv][col]) <= 1e-12 * scale:
-            return None
-        a[col], a[piv] = a[piv], a[col]
-        b[col], b[piv] = b[piv], b[col]
-        for i in range(k):
-            if i != col:
-                f = a[i][col] / a[col][col]
-                a[i] = [x - f * y for x, y in zip(a[i], a[col], strict=True)]
-                b[i] -= f * b[col]
-    return [b[i] / a[i][i] for i in range(k)]
+    """Non-negative least squares (exact on these few columns); zeros where nothing solves."""
+    return nonnegative_least_squares(rows, ys) or [0.0] * len(rows[0])
 
 
 PrefillSample = tuple[int, int, float]  # (new tokens, cached tokens, seconds)

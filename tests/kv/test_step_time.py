@@ -4,12 +4,12 @@ import math
 
 import pytest
 
+from hetserve.core.least_squares import NormalEquations
 from hetserve.kv.step_time import (
     CLIP,
     GROWTH,
     MIN_STEPS,
     WINDOW,
-    NormalEquations,
     StepKind,
     StepShape,
     StepTimeModel,
