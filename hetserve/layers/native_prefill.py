@@ -1,7 +1,9 @@
 """Prefill attention on the native kernel (hetserve/native/prefill_attention.c).
 
 `layers.attention.paged_attention` calls `native_prefill_ok` once per layer and forward, and
-`native_prefill_attention` for each prompt chunk when it says yes; otherwise (not CPU fp32
+`native_prefill_attention` for each prompt chunk when it says yes (MLA's prefill,
+model/deepseek.py, the same over the per-head K/V it expands from the latent rows:
+`native_dense_attention`); otherwise (not CPU fp32
 inference, a cache dtype without a kernel, gradients wanted, native kernels off or unbuilt)
 the chunk takes the gather + SDPA path. The kernel reads K/V in place through the chunk's
 context slots, so nothing is gathered and no [q_len, kv_len] mask is built. A bad slot is a
@@ -35,7 +37,7 @@ def native_prefill_ok(
         and q.is_cpu
         and q.dtype is torch.float32
         and not q.requires_grad
-        and all(t.dtype is entries[0].dtype and t.is_contiguous() and t.is_cpu for t in entries)
+        and all(t.dtype is entries[0].dtype and t.is_cpu for t in entries)
         and (sinks is None or (sinks.is_cpu and sinks.dtype is torch.float32))
         and envs.native_kernels()
         and optional_kernel(kernel) is not None
@@ -58,7 +60,7 @@ def native_prefill_attention(
     Dv] read at kv_slots [kv_len] (int64, CPU). window: sliding window or None; sinks [H];
     scales (int8 cache): K's and V's [slots, Hkv]. Writes `out` [T, H, Dv] (contiguous) when
     given, else a new tensor; returns it."""
-    q = q.contiguous()
+    q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
     t, h, dim = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     if out is None:
@@ -83,3 +85,15 @@ def native_prefill_attention(
     if rc != 0:
         raise RuntimeError(f"native prefill attention failed (code {rc})")
     return out
+
+
+def native_dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None
+) -> torch.Tensor | None:
+    """Causal attention of q [T, H, D], the last T of L tokens, over their whole context k
+    [L, Hkv, D], v [L, Hkv, Dv] held as plain rows (a one-block "cache"); None where the kernel
+    does not apply (the caller runs SDPA)."""
+    if not native_prefill_ok(q, [k, v]):
+        return None
+    slots = torch.arange(k.shape[0])
+    return native_prefill_attention(q, k, v, slots, scale, window)

@@ -119,13 +119,13 @@ def test_declines_what_it_cannot_run(monkeypatch):
     assert not native_prefill_ok(q.detach(), list(kv.layers[0]))
 
 
-@pytest.mark.parametrize("family", ["qwen3-moe", "llama", "gpt-oss", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3-moe", "llama", "gpt-oss", "mixtral", "deepseek-v3"])
 def test_chunked_prefill_on_the_kernel_equals_one_pass(tiny_model, family, monkeypatch):
-    """Through the engine (gpt-oss: sinks and sliding-window layers): the prompt's logprobs at
-    several chunk sizes equal one pass, and the kernel is what ran. Parity of one pass with
-    transformers is tests/model/test_parity.py's."""
+    """Through the engine (gpt-oss: sinks and sliding-window layers; deepseek-v3: MLA over its
+    expanded K/V): the prompt's logprobs at several chunk sizes equal one pass, and the kernel
+    is what ran. Parity of one pass with transformers is tests/model/test_parity.py's."""
     from hetserve import LLM, SamplingParams
-    from hetserve.layers import attention
+    from hetserve.layers import attention, native_prefill
 
     calls = []
 
@@ -134,6 +134,7 @@ def test_chunked_prefill_on_the_kernel_equals_one_pass(tiny_model, family, monke
         return native_prefill_attention(*args, **kwargs)
 
     monkeypatch.setattr(attention, "native_prefill_attention", spy)
+    monkeypatch.setattr(native_prefill, "native_prefill_attention", spy)
     path = tiny_model(family)
     ids = torch.randint(0, 500, (150,), generator=torch.Generator().manual_seed(9)).tolist()
     params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=0, ignore_eos=True)
