@@ -13,8 +13,9 @@ fp32 and bf16 multiply-add rates of this CPU on the bench's threads, and its rea
 Every row's `of peak` is the model's arithmetic for that prompt (prefill_systems.prompt_ops:
 routed experts, other linears, causal attention) times its rate over the peak of the
 arithmetic it mostly runs (int8 for hetserve's int8 presets and llama.cpp's quantized types,
-fp32 otherwise). `kernels` (prefill_kernels.py) times the expert GEMM and the int8 linear at
-the model's shapes alone, against the same peaks.
+fp32 otherwise). `kernels` (prefill_kernels.py) times the expert GEMM, the int8 linear and
+causal attention (torch SDPA against the native paged kernel) at the model's shapes alone,
+against the same peaks.
 """
 
 from __future__ import annotations
@@ -210,6 +211,6 @@ def print_report(report: dict) -> None:
     print(f"peaks on {p['threads']} threads ({p['isa'] or p['note']}): GOPS {gops}; "
           f"read {p['read_gbps']:.1f} GB/s")  # fmt: skip
     if report.get("kernels"):
-        krows = [[k["kernel"], k["tokens"], k["gops"], k["of_peak"], k["peak_kind"]]
-                 for k in report["kernels"]]  # fmt: skip
-        print_table(["kernel", "tokens", "GOPS", "of peak", "peak"], krows)
+        krows = [[k["kernel"], k["tokens"], k["gops"], k["of_peak"], k["peak_kind"],
+                  k.get("vs_peer")] for k in report["kernels"]]  # fmt: skip
+        print_table(["kernel", "tokens", "GOPS", "of peak", "peak", "vs peer"], krows)

@@ -141,7 +141,7 @@ def train_context(model: CausalLM, lengths: list[int], device: torch.device) -> 
     to its own tokens only."""
     seqs, positions, start = [], [], 0
     for n in lengths:
-        seqs.append(SeqSpan(start, n, n, torch.arange(start, start + n), None))
+        seqs.append(SeqSpan(start, n, n, torch.arange(start, start + n)))
         positions.append(torch.arange(n))
         start += n
     pos = torch.cat(positions).to(device)

@@ -20,6 +20,7 @@ from hetserve import envs
 from hetserve.kv.paged import PagedKVCache
 from hetserve.kv.state import StateCache
 from hetserve.layers.linear_attention import StateBatch
+from hetserve.layers.native_prefill import native_prefill_attention, native_prefill_ok
 from hetserve.layers.sinks import batched_decode_sinks, sdpa_sinks
 from hetserve.native import optional_kernel
 
@@ -30,7 +31,13 @@ class SeqSpan:
     q_len: int
     kv_len: int  # context length including this forward's tokens
     kv_slots: torch.Tensor  # [kv_len] slot of every context token
-    mask: torch.Tensor | None  # [q_len, kv_len] bool (True = attend); None: plain causal
+    window: int | None = None  # the model's sliding window (a layer may have its own)
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[q_len, kv_len] bool (True = attend); None: plain causal. Built on first use: the
+        native prefill kernel needs none (at 8k tokens it would be 64 MiB)."""
+        return causal_mask(self.q_len, self.kv_len, self.window, self.kv_slots.device)
 
 
 @dataclass
@@ -141,8 +148,7 @@ def build_metadata(
             slots = (table.unsqueeze(1) * block_size + offsets).flatten()[:kv_len]
             positions[q_start : q_start + new] = torch.arange(computed, kv_len)
             slot_mapping[q_start : q_start + new] = slots[computed:]
-            mask = causal_mask(new, kv_len, sliding_window, device)
-            seqs.append(SeqSpan(q_start, new, kv_len, slots.to(device), mask))
+            seqs.append(SeqSpan(q_start, new, kv_len, slots.to(device), sliding_window))
         q_start += new
     decode = None
     if decodes:
@@ -406,6 +412,12 @@ def paged_attention(
             out[d.rows] = batched_decode_sdpa(*args, mask, scale)
         else:
             out[d.rows] = batched_decode_sinks(*args, mask, scale, sinks)
+    if meta.seqs and native_prefill_ok(q, entries, sinks):
+        for s in meta.seqs:
+            rows = out[s.q_start : s.q_start + s.q_len]  # a contiguous view the kernel fills
+            qs = q[s.q_start : s.q_start + s.q_len]
+            native_prefill_attention(qs, *entries, s.kv_slots, scale, window, sinks, scales, rows)
+        return out
     for s, mask in zip(meta.seqs, meta.seq_masks(window), strict=True):
         k_all, v_all = ctx.kv.gather(layer, s.kv_slots, q.dtype)
         qs = q[s.q_start : s.q_start + s.q_len]

@@ -16,6 +16,7 @@ from hetserve.kv.cache_spec import LayerKind, PagedLayerSpec
 from hetserve.layers.attention import ForwardContext, batched_decode_sdpa, sdpa
 from hetserve.layers.lora import LoRABatch, Segments, lora_project
 from hetserve.layers.moe import SparseMoE
+from hetserve.layers.native_prefill import native_dense_attention
 from hetserve.layers.norm import RMSNorm
 from hetserve.layers.rotary import yarn_softmax_scale
 from hetserve.model.base import CausalLM, DecoderLayer, DenseMLP
@@ -90,7 +91,8 @@ class MLAttention(nn.Module):
             (rows,) = ctx.kv.gather(self.layer_idx, s.kv_slots, x.dtype)
             k, v = self._expand(rows, lambda lora, j=j, n=rows.shape[0]: lora.span_segments(j, n))
             sl = slice(s.q_start, s.q_start + s.q_len)
-            out[sl] = sdpa(q[sl], k, v, s.mask, self.scale)
+            native = native_dense_attention(q[sl], k, v, self.scale, s.window)
+            out[sl] = sdpa(q[sl], k, v, s.mask, self.scale) if native is None else native
         return self.o_proj(out.reshape(t, -1))
 
     def _expand(

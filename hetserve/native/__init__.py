@@ -7,6 +7,9 @@
   here) and the only fast int8 one (fbgemm) also quantizes activations.
 - `attention.c`: decode attention read straight from the paged KV cache (fp32). Gathering each
   sequence's context into a padded copy and running SDPA cost 3-4x more per decode step.
+- `prefill_attention.c`: causal attention of a prompt chunk over the paged cache, flash-style
+  (query and key tiles, online softmax; no score matrix beyond a tile), instead of gathering
+  the context and running SDPA with a materialized mask.
 - `small_ops.c`: RMSNorm over fp32 rows, rotary embedding and softmax top-k routing, one call
   each instead of torch's five to eight small kernels (per-op overhead dominates at decode);
   and the KV tiers' block copies (one memcpy per block and part).
@@ -46,7 +49,7 @@ if TYPE_CHECKING:
 HERE = Path(__file__).parent
 SOURCES = ("pool.c", "moe_kernels.c", "moe_prefill.c", "linear_kernels.c", "attention.c",
            "small_ops.c", "moe_backward.c", "decode_layers.c", "hashing.c", "linear_attn.c",
-           "peaks.c")  # fmt: skip
+           "peaks.c", "prefill_attention.c")  # fmt: skip
 HEADERS = ("pool.h", "simd.h", "moe_quads.h", "moe_formats.h", "moe_q4k.h", "moe_kq.h",
            "moe_gemm.h", "moe_job.h")  # fmt: skip
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared"]
@@ -146,6 +149,9 @@ _SIGNATURES = {
     "hetserve_paged_decode_attention": (_I, [_I] * 10 + [_F] + [_P] * 7),
     "hetserve_paged_decode_attention_f16": (_I, [_I] * 10 + [_F] + [_P] * 7),
     "hetserve_paged_decode_attention_i8": (_I, [_I] * 10 + [_F] + [_P] * 9),
+    "hetserve_prefill_attention": (_I, [_I] * 8 + [_L, _F] + [_P] * 6),
+    "hetserve_prefill_attention_f16": (_I, [_I] * 8 + [_L, _F] + [_P] * 6),
+    "hetserve_prefill_attention_i8": (_I, [_I] * 8 + [_L, _F] + [_P] * 8),
     "hetserve_rms_norm": (None, [_I] * 3 + [_F] + [_P] * 3),
     "hetserve_rope": (None, [_I] * 5 + [_P] * 4),
     "hetserve_topk_softmax": (None, [_I] * 5 + [_F] + [_P] * 3),

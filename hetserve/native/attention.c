@@ -39,30 +39,14 @@ typedef struct {
     int err;
 } attn_t;
 
-/* 8 cache elements from element i of base: fp32 as is, fp16 widened (F16C, half == 1), int8
- * widened unscaled (half == 2). */
-static inline __attribute__((always_inline)) __m256 ld8(const void *base, size_t i, const int half) {
-    if (half == 2) {
-        const __m128i b = _mm_loadl_epi64((const __m128i *)((const int8_t *)base + i));
-        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    }
-    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)));
-    return _mm256_loadu_ps((const float *)base + i);
-}
-
-static inline __attribute__((always_inline)) float ld1(const void *base, size_t i, const int half) {
-    if (half == 2) return (float)((const int8_t *)base)[i];
-    return half ? _cvtsh_ss(((const uint16_t *)base)[i]) : ((const float *)base)[i];
-}
-
 /* a . cache[off, off + n) */
 static inline __attribute__((always_inline)) float dot(const float *a, const void *b, size_t off,
                                                        int n, const int half) {
     __m256 acc = _mm256_setzero_ps();
     int i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), ld8(b, off + i, half), acc);
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), hs_ld8(b, off + i, half), acc);
     float s = hs_hsum(acc);
-    for (; i < n; i++) s += a[i] * ld1(b, off + i, half);
+    for (; i < n; i++) s += a[i] * hs_ld1(b, off + i, half);
     return s;
 }
 
@@ -125,7 +109,7 @@ static inline __attribute__((always_inline)) void v_block(
             const size_t vh = vr + (size_t)((hb + i) / G) * Dv;
             const __m256 w = _mm256_broadcast_ss(s + (size_t)(hb + i) * n + j);
             for (int u = 0; u < NV; u++)
-                acc[i][u] = _mm256_fmadd_ps(w, ld8(a->v, vh + 8 * u, half), acc[i][u]);
+                acc[i][u] = _mm256_fmadd_ps(w, hs_ld8(a->v, vh + 8 * u, half), acc[i][u]);
         }
     }
     for (int i = 0; i < HN; i++)
@@ -185,7 +169,7 @@ static inline __attribute__((always_inline)) void item_impl(void *ctx, int it, c
                 for (int d = 0; d < D; d += 8) {
                     __m256 qv = _mm256_loadu_ps(qh + d);
                     for (int t = 0; t < 8; t++)
-                        acc[t] = _mm256_fmadd_ps(qv, ld8(a->k, kr[t] + kh + d, half), acc[t]);
+                        acc[t] = _mm256_fmadd_ps(qv, hs_ld8(a->k, kr[t] + kh + d, half), acc[t]);
                 }
                 _mm256_storeu_ps(s + (size_t)h * n + (j - lo),
                                  _mm256_mul_ps(hs_hsum8(acc), _mm256_set1_ps(a->scale)));
@@ -234,7 +218,7 @@ static inline __attribute__((always_inline)) void item_impl(void *ctx, int it, c
                 for (int i = 0; i < hn; i++) {
                     float acc = out[(size_t)(hb + i) * Dv + d0];
                     for (int j = j0; j < j1; j++)
-                        acc += s[(size_t)(hb + i) * n + j] * ld1(a->v, vrow[j] + (hb + i) / G * Dv + d0, half);
+                        acc += s[(size_t)(hb + i) * n + j] * hs_ld1(a->v, vrow[j] + (hb + i) / G * Dv + d0, half);
                     out[(size_t)(hb + i) * Dv + d0] = acc;
                 }
         }

@@ -3,6 +3,8 @@
 #define HETSERVE_SIMD_H
 
 #include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
 
 /* HS_AVX512: built for a CPU with AVX-512 BW/VL and VNNI (hetserve/native/__init__.py adds the
  * flags where the CPU has them): the hot microkernels then take 512-bit paths; every other
@@ -89,6 +91,22 @@ static inline __m256 hs_exp(__m256 x) {
     __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e1, bias), 23));
     __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e2, bias), 23));
     return _mm256_andnot_ps(under, _mm256_mul_ps(_mm256_mul_ps(p, s1), s2));
+}
+
+/* 8 cache elements from element i of base: fp32 as is, fp16 widened (F16C, half == 1), int8
+ * widened unscaled (half == 2). */
+static inline __attribute__((always_inline)) __m256 hs_ld8(const void *base, size_t i, const int half) {
+    if (half == 2) {
+        const __m128i b = _mm_loadl_epi64((const __m128i *)((const int8_t *)base + i));
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    }
+    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)));
+    return _mm256_loadu_ps((const float *)base + i);
+}
+
+static inline __attribute__((always_inline)) float hs_ld1(const void *base, size_t i, const int half) {
+    if (half == 2) return (float)((const int8_t *)base)[i];
+    return half ? _cvtsh_ss(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
 /* silu(x) = x / (1 + e^-x), 8 lanes. */

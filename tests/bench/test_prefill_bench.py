@@ -29,7 +29,10 @@ def test_prompt_ops_counts_experts_linears_and_causal_attention():
     assert prompt_ops({**cfg, "kv_lora_rank": 4}, 3) is None  # MLA: not modelled
 
 
-def test_bench_prefill_end_to_end(tiny_model, tmp_path):
+def test_bench_prefill_end_to_end(tiny_model, tmp_path, monkeypatch):
+    from hetserve.bench import prefill_kernels
+
+    monkeypatch.setattr(prefill_kernels, "CHUNK", 6)  # the chunked rows at --kernel-tokens 16
     out = tmp_path / "prefill.json"
     model = str(tiny_model("qwen3-moe"))
     argv = [
@@ -62,6 +65,15 @@ def test_bench_prefill_end_to_end(tiny_model, tmp_path):
         assert peaks["gops"]["int8"] > 0 and peaks["gops"]["fp32"] > 0
         assert all(rows[("hetserve all-int8", n)]["of_peak"] > 0 for n in (8, 16))
         assert data["kernels"] and all(k["gops"] > 0 for k in data["kernels"])
+        # attention: the native kernel beside SDPA at the model's and the 32/4x128 shape
+        attn = {k["kernel"]: k for k in data["kernels"] if "attention" in k["kernel"]}
+        native_rows = [k for name, k in attn.items() if name.endswith("native paged")]
+        assert len(native_rows) == 4 and any("32/4x128" in k["kernel"] for k in native_rows)
+        for k in native_rows:  # whole prompts against SDPA, chunks against gather + SDPA
+            peer = k["kernel"].replace("native paged", "torch SDPA")
+            if "chunks" in peer:
+                peer = peer.replace("torch SDPA", "gather + SDPA")
+            assert k["vs_peer"] == pytest.approx(attn[peer]["seconds"] / k["seconds"])
     ratio = rows[("hetserve fp32", 16)]["vs_transformers"]
     assert ratio == pytest.approx(
         rows[("hetserve fp32", 16)]["tokens_per_s"] / rows[("transformers", 16)]["tokens_per_s"]
