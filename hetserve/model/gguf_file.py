@@ -329,38 +329,3 @@ class GgufCheckpoint:
             "file holds something this loader does not read"
         )
 
-
-# Byte-level BPE pre-tokenizers by `tokenizer.ggml.pre` (the split before BPE merges).
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-PRE_TOKENIZERS = ("gpt-2", "default", "qwen2")
-
-
-def gguf_tokenizer(ckpt: GgufCheckpoint):
-    """The `tokenizers` Tokenizer a GGUF file describes (byte-level BPE, "gpt2" model)."""
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as HFTokenizer
-
-    kind, pre = ckpt.field("tokenizer.ggml.model"), ckpt.field("tokenizer.ggml.pre", "default")
-    if kind != "gpt2" or pre not in PRE_TOKENIZERS:
-        raise ModelLoadError(
-            f"GGUF tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported (supported: "
-            f"gpt2 with {', '.join(PRE_TOKENIZERS)}); put a tokenizer.json beside the file"
-        )
-    tokens = ckpt.field("tokenizer.ggml.tokens")
-    types = ckpt.field("tokenizer.ggml.token_type", [1] * len(tokens))
-    vocab = {t: i for i, t in enumerate(tokens) if t}
-    merges = [tuple(m.split(" ", 1)) for m in ckpt.field("tokenizer.ggml.merges", [])]
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre != "qwen2")
-    if pre == "qwen2":
-        split = pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated")
-        tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
-    else:
-        tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
-    special = [t for t, ty in zip(tokens, types, strict=True) if t and ty in (3, 4)]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    return tok
