@@ -74,7 +74,9 @@ class Int8Linear(nn.Module):
         if native and _native_packed(packed):
             self._native_layout(packed, bias)
             return
-        q, scale = quantize_int8_per_channel(linear.weight.detach().float().cpu())
+        # a kept matrix (the linear's weight may be unallocated then: a GGUF load) is the weight
+        w = packed.dequantize() if packed is not None else linear.weight.detach().float().cpu()
+        q, scale = quantize_int8_per_channel(w)
         self.nbytes = q.numel() + scale.numel() * 4
         self.fmt, self.group = _INT8, 0
         if native:
@@ -168,7 +170,9 @@ def _fuse(module: nn.Module) -> int:
     """Where `module` declares projections that read the same input (`fused_projections`, e.g.
     attention's q/k/v), store them as one Int8Linear: one weight stream and one kernel call
     instead of three. The separate projections become None. Checkpoint matrices of one format
-    and group are concatenated as they are."""
+    and group are concatenated as they are; projections holding matrices of different formats
+    (a GGUF Q4_K_M file's q4_K q / k beside a q6_K v, rounded to int8 groups) stay apart, each
+    on its own numbers."""
     count = 0
     declared = getattr(module, "fused_projections", None)
     for fused_name, parts in (declared() if declared else {}).items():
@@ -179,14 +183,16 @@ def _fuse(module: nn.Module) -> int:
             continue
         if len({lin.bias is None for lin in lins}) != 1:
             continue
+        packed = [getattr(lin, "packed_weight", None) for lin in lins]
+        kinds = {(type(p), p.group) if p is not None else None for p in packed}
+        if len(kinds) > 1 and (None not in kinds or any(lin.weight.is_meta for lin in lins)):
+            continue
         with torch.no_grad():
             big = nn.Linear(lins[0].in_features, sum(lin.out_features for lin in lins),
                             bias=lins[0].bias is not None, device="meta")  # fmt: skip
             big.weight = nn.Parameter(torch.cat([lin.weight for lin in lins]))
             if lins[0].bias is not None:
                 big.bias = nn.Parameter(torch.cat([lin.bias for lin in lins]))
-        packed = [getattr(lin, "packed_weight", None) for lin in lins]
-        kinds = {(type(p), p.group) if p is not None else None for p in packed}
         if len(kinds) == 1 and None not in kinds:
             big.packed_weight = type(packed[0]).cat_rows(packed)
         setattr(module, fused_name, Int8Linear(big))

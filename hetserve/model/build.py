@@ -39,6 +39,7 @@ def build_model(config: EngineConfig, model_dir: Path) -> CausalLM:
         placement=_placement_rules(config.moe.placement, choice, converted),
         experts_ready=builder,
         before_alloc=_memory_check(config) if config.max_host_memory else None,
+        int8_linears=True,  # _build_hybrid: apply_dense_backends
     )
     model.placement_choice = choice
     log.info("%s", choice.line())

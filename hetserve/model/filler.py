@@ -7,7 +7,10 @@ the checkpoint stores quantized stay in that format (`PackedExperts`, assembled 
 other quantized weight is dequantized into its parameter. A linear's weight in a format the
 quantized dense kernels read (GGUF q8_0 / q4_K) is also kept beside it, as the linear's
 `packed_weight`, when a placement could give that linear such a kernel (layers/int8_linear.py
-serves those numbers exactly; model/hybrid_plan.py drops what it does not use).
+serves those numbers exactly; model/hybrid_plan.py drops what it does not use). A linear
+weight the loader left unallocated (meta: a GGUF load's int8 linears, model/loader.py) gets
+only that: the checkpoint's QMatrix, or a dense tensor rounded to int8 in groups of 32
+(`Int8Rows.grouped`), so no fp32 copy of those linears is ever filled.
 """
 
 from __future__ import annotations
@@ -188,6 +191,9 @@ class WeightFiller:
             self.packed[prefix].add(pname, e, half, value, ckpt_name)
             self._count(prefix, e, pname)
             return
+        if not (em or fm) and name in self.params and self.params[name].is_meta:
+            self._fill_int8_linear(name, value, ckpt_name)
+            return
         if isinstance(value, (Int8Rows, Q4KRows)) and not (em or fm):
             self._keep_packed(name, value)
         value = _dense(value, ckpt_name)
@@ -227,6 +233,23 @@ class WeightFiller:
         placed = getattr(self.model, "hybrid_plan", None) is not None
         if leaf == "weight" and type(owner) is nn.Linear and placed:
             owner.packed_weight = value
+
+    def _fill_int8_linear(self, name: str, value, ckpt_name: str) -> None:
+        owner_name, _, leaf = name.rpartition(".")
+        owner = self.modules.get(owner_name)
+        if leaf != "weight" or not isinstance(owner, nn.Linear):
+            raise ModelLoadError(f"parameter {name!r} was left unallocated but is no int8 linear")
+        if not isinstance(value, (Int8Rows, Q4KRows)):  # one tensor in fp32, rounded, dropped
+            w = _dense(value, ckpt_name).float()
+            value = Int8Rows.grouped(w, 32 if w.shape[-1] % 32 == 0 else w.shape[-1])
+        want = tuple(self.params[name].shape)
+        if tuple(value.shape) != want:
+            raise TensorShapeError(
+                f"tensor {ckpt_name!r} has shape {tuple(value.shape)}, expected {want}; the "
+                "checkpoint does not match config.json"
+            )
+        owner.packed_weight = value
+        self.filled.add(name)
 
     @staticmethod
     def _copy(dst: torch.Tensor, src: torch.Tensor, ckpt_name: str) -> None:

@@ -7,9 +7,14 @@ q8_0, q4_K, q5_K, q6_K, IQ4_XS and IQ4_NL tensors stay in their numbers, exactly
 in its own type (a layer may mix them: cpu-gguf; all q4_K: cpu-int4; all q8_0: cpu-int8); other
 types are converted at load to the native format of no more bits per weight (q4_K where none
 has so few; quant/gguf_iq.py, convert_target), as are gate and up of different types (both to
-the target of the smaller: they share one fused matrix). Every other tensor is dequantized by
-`gguf` itself. `summary()` is the one line the loader prints of what it did, with each
-conversion's relative RMS error against the file's own (dequantized) numbers.
+the target of the smaller: they share one fused matrix). Linears that the placement serves on
+the int8 kernel (`tensors`' `int8`: all-int8's attention, shared experts, dense MLPs, lm_head)
+go to it per tensor, never as a model-sized fp32 copy: q8_0 and q4_K as they are, any other
+type dequantized one tensor at a time and rounded to int8 in groups of 32 columns with fp16
+scales (`Int8Rows.grouped`: |error| <= scale / 2 per weight, scale ~ max|group| / 127), the
+fp32 tensor dropped at once. Every other tensor is dequantized by `gguf` itself. `summary()` is
+the one line the loader prints of what it did, with each conversion's relative RMS error
+against the file's own (dequantized) numbers.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from hetserve.model.gguf_archs import (
 from hetserve.model.gguf_parts import open_parts
 from hetserve.quant.gguf import BITS, KEPT
 from hetserve.quant.gguf_iq import NATIVE_BPW, convert_target, converted, relative_rms
-from hetserve.quant.packed import QMatrix
+from hetserve.quant.packed import Int8Rows, QMatrix
 
 # GGUF architecture -> (HF architecture, model_type, llama.cpp's norm of the top-k weights)
 ARCHITECTURES = {
@@ -107,6 +112,7 @@ class GgufCheckpoint:
         self.packed_layers, self._convert = self._packed_layers()
         self._done: dict[str, int] = {}  # summary: "what -> how" -> tensors
         self._converted: dict[tuple[str, str], tuple[int, float]] = {}  # -> tensors, worst error
+        self._linears: dict[tuple[str, str], tuple[int, float]] = {}  # the same, int8 linears
 
     def field(self, key: str, default=None):
         f = self.reader.fields.get(key)
@@ -177,6 +183,8 @@ class GgufCheckpoint:
             more = "" if bits <= bpw else f", more bits: no native format has <= {bpw}"
             parts.append(f"experts {kind} ({bpw} bpw) -> {to} ({bits} bpw{more}; "
                          f"rel rms {err:.2g}) x{n}")  # fmt: skip
+        for (kind, to), (n, err) in sorted(self._linears.items()):
+            parts.append(f"linears {kind} -> {to} (rel rms {err:.2g}) x{n}")
         return f"GGUF {self.path.name}: " + ("; ".join(parts) or "no tensors read")
 
     def _note(self, what: str) -> None:
@@ -209,13 +217,36 @@ class GgufCheckpoint:
         self._converted[(kind, to)] = (n + 1, max(worst, err))
         return value
 
-    def _value(self, t, packed: bool):
-        q = self._gguf.GGMLQuantizationType
+    def _value(self, t, linear: bool):
+        """A tensor as the model takes it: an int8 linear's weight (`linear`) in a format
+        Int8Linear reads, anything else in fp32."""
+        if linear:
+            return self._linear(t)
+        self._note(f"{t.tensor_type.name} -> fp32")
+        return self._fp32(t)
+
+    def _linear(self, t) -> QMatrix:
         kind = t.tensor_type.name
-        if packed and kind in ("Q8_0", "Q4_K"):
-            self._note(f"{kind} kept for the quantized linears")
+        if kind in ("Q8_0", "Q4_K"):
+            self._note(f"linears {kind} kept")
             return KEPT[kind](t.data)
-        self._note(f"{kind} -> fp32")
+        return self._int8(kind, self._fp32(t))
+
+    def _int8(self, kind: str, w: torch.Tensor) -> Int8Rows:
+        """One linear's fp32 weight -> int8 in groups of 32 (per row where its columns are not
+        whole groups); the caller drops the fp32 tensor."""
+        group = 32 if w.shape[-1] % 32 == 0 else w.shape[-1]
+        value = Int8Rows.grouped(w, group)
+        # the error in fp32 torch, in place: gguf's float64 numpy check held 4x the tensor
+        norm = float(w.norm())
+        err = float(value.dequantize().sub_(w).norm()) / norm if norm > 0 else 0.0
+        to = "int8 per row" if group != 32 else "int8 g32"
+        n, worst = self._linears.get((kind, to), (0, 0.0))
+        self._linears[(kind, to)] = (n + 1, max(worst, err))
+        return value
+
+    def _fp32(self, t) -> torch.Tensor:
+        q = self._gguf.GGMLQuantizationType
         if t.tensor_type in (q.F32, q.F16):
             return torch.from_numpy(np.array(t.data, dtype=np.float32))
         if t.tensor_type == q.BF16:
@@ -225,7 +256,11 @@ class GgufCheckpoint:
         deq = self._gguf.quants.dequantize(t.data, t.tensor_type)
         return torch.from_numpy(np.ascontiguousarray(deq, dtype=np.float32).reshape(shape))
 
-    def tensors(self, wanted: Callable[[str], bool]) -> Iterator[tuple[str, object, int]]:
+    def tensors(
+        self, wanted: Callable[[str], bool], int8: Callable[[str], bool] = lambda _: False
+    ) -> Iterator[tuple[str, object, int]]:
+        """(HF name, value, bytes in the file) of every tensor `wanted` takes; a weight `int8`
+        names is an int8 linear's (a QMatrix, see the module docstring)."""
         for name, t in self.tensor_info.items():
             m = _EXPERTS.match(name)
             if m:
@@ -240,18 +275,23 @@ class GgufCheckpoint:
                         yield hf, sel, int(t.n_bytes) // n
                 continue
             if _KV_SPLIT.match(name):
-                yield from self._kv_b(name, wanted)
+                yield from self._kv_b(name, wanted, int8)
                 continue
             hf = self._hf_name(name)
-            if self.arch == "llama" and _ROPE_PERMUTED.match(name) and wanted(hf):
-                yield hf, self._unpermuted(t), int(t.n_bytes)
+            if not wanted(hf):
                 continue
-            if wanted(hf):
-                # q8_0 / q4_K matrices as they are (the filler dequantizes them, and keeps them
-                # for linears that a placement may serve quantized)
-                yield hf, self._value(t, len(t.shape) == 2), int(t.n_bytes)
+            linear = len(t.shape) == 2 and int8(hf)
+            if self.arch == "llama" and _ROPE_PERMUTED.match(name):
+                yield hf, self._unpermuted(t, linear), int(t.n_bytes)
+            else:
+                yield hf, self._value(t, linear), int(t.n_bytes)
 
-    def _kv_b(self, name: str, wanted: Callable[[str], bool]) -> Iterator[tuple[str, object, int]]:
+    def _kv_b(
+        self,
+        name: str,
+        wanted: Callable[[str], bool],
+        int8: Callable[[str], bool] = lambda _: False,
+    ) -> Iterator[tuple[str, object, int]]:
         """Newer converters split DeepSeek's kv_b_proj into attn_k_b and attn_v_b; it is fused
         back (in fp32) at attn_k_b, unless the file also holds the fused attn_kv_b."""
         layer, part = _KV_SPLIT.match(name).groups()  # type: ignore[union-attr]
@@ -262,20 +302,23 @@ class GgufCheckpoint:
         v_t = self.tensor_info.get(f"blk.{layer}.attn_v_b.weight")
         if v_t is None:
             raise ModelLoadError(f"GGUF tensor {name!r} has no attn_v_b beside it")
-        k_b, v_b = (self._dense(t) for t in (k_t, v_t))
-        yield hf, fuse_kv_b(k_b, v_b), int(k_t.n_bytes) + int(v_t.n_bytes)
+        if int8(hf):  # fp32 for this one matrix only, noted as what it becomes
+            value = self._int8(k_t.tensor_type.name, fuse_kv_b(self._fp32(k_t), self._fp32(v_t)))
+        else:
+            value = fuse_kv_b(self._value(k_t, False), self._value(v_t, False))
+        yield hf, value, int(k_t.n_bytes) + int(v_t.n_bytes)
 
-    def _unpermuted(self, t) -> torch.Tensor:
-        """A llama file's q / k weight in HF's row order (in fp32: the placement may quantize
-        it again; the rows of a packed copy would have to move too)."""
+    def _unpermuted(self, t, linear: bool) -> torch.Tensor | QMatrix:
+        """A llama file's q / k weight in HF's row order (an int8 linear's: its rows moved as
+        they are, each row keeping its own scales)."""
         kv = t.name.endswith("attn_k.weight")
         heads = self.field(f"llama.attention.head_count{'_kv' if kv else ''}")
-        heads = heads or self.field("llama.attention.head_count")
-        return unpermute_rope(self._dense(t), int(heads))
-
-    def _dense(self, t) -> torch.Tensor:
-        value = self._value(t, False)
-        return value.dequantize() if isinstance(value, QMatrix) else value
+        heads = int(heads or self.field("llama.attention.head_count"))
+        value = self._value(t, linear)
+        if isinstance(value, QMatrix):
+            order = unpermute_rope(torch.arange(value.shape[0]), heads)
+            return value.rows(order).contiguous()
+        return unpermute_rope(value, heads)
 
     def _hf_name(self, name: str) -> str:
         own = {"deepseek2": DEEPSEEK2_NAMES, "glm4moe": GLM4MOE_NAMES}.get(self.arch, [])
@@ -287,39 +330,3 @@ class GgufCheckpoint:
             f"GGUF tensor {name!r} ({self.arch}) has no counterpart in hetserve's model; the "
             "file holds something this loader does not read"
         )
-
-
-# Byte-level BPE pre-tokenizers by `tokenizer.ggml.pre` (the split before BPE merges).
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-PRE_TOKENIZERS = ("gpt-2", "default", "qwen2")
-
-
-def gguf_tokenizer(ckpt: GgufCheckpoint):
-    """The `tokenizers` Tokenizer a GGUF file describes (byte-level BPE, "gpt2" model)."""
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as HFTokenizer
-
-    kind, pre = ckpt.field("tokenizer.ggml.model"), ckpt.field("tokenizer.ggml.pre", "default")
-    if kind != "gpt2" or pre not in PRE_TOKENIZERS:
-        raise ModelLoadError(
-            f"GGUF tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported (supported: "
-            f"gpt2 with {', '.join(PRE_TOKENIZERS)}); put a tokenizer.json beside the file"
-        )
-    tokens = ckpt.field("tokenizer.ggml.tokens")
-    types = ckpt.field("tokenizer.ggml.token_type", [1] * len(tokens))
-    vocab = {t: i for i, t in enumerate(tokens) if t}
-    merges = [tuple(m.split(" ", 1)) for m in ckpt.field("tokenizer.ggml.merges", [])]
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre != "qwen2")
-    if pre == "qwen2":
-        split = pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated")
-        tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
-    else:
-        tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
-    special = [t for t, ty in zip(tokens, types, strict=True) if t and ty in (3, 4)]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    return tok

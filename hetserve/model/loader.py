@@ -109,10 +109,13 @@ def _allocate(
     expert_backend: str | None,
     stream: bool,
     before_alloc: Callable[[CausalLM], None] | None = None,
+    int8_unallocated: bool = False,
 ):
     """Place units (with `placement`) and allocate every parameter where it will live;
     with `stream`, host experts' w13 and w2 stay unallocated (meta) until their layer is read
-    (FusedExperts.materialize), and their backend replaces them before the next layer."""
+    (FusedExperts.materialize), and their backend replaces them before the next layer; with
+    `int8_unallocated`, so do the weights of the linears that will be Int8Linears (the filler
+    hands them their checkpoint matrices instead: model/filler.py)."""
     model.hybrid_plan = None
     if isinstance(placement, str):  # a preset: packed experts keep their format's backend
         from hetserve.moe.presets import preset_rules
@@ -131,6 +134,8 @@ def _allocate(
                 _allocate_biases(unit, device)
                 continue
             unit.to_empty(device=device)
+            if int8_unallocated and plan.placement.get(name).backend is not None:
+                _unallocate_linears(unit)
         model.hybrid_plan = plan
     else:
         if before_alloc is not None:
@@ -140,6 +145,17 @@ def _allocate(
         if hasattr(module, "init_buffers"):
             module.init_buffers(dev)
     return model
+
+
+def _unallocate_linears(unit: nn.Module) -> None:
+    """Back to meta: the weights of the linears build.apply_dense_backends makes Int8Linears
+    of (a non-expert unit with a backend: the unit itself if it is a linear, else every linear
+    in it); never touched, so their pages were never resident."""
+    if isinstance(unit, FusedExperts):
+        return
+    for m in unit.modules():
+        if isinstance(m, nn.Linear):
+            m.weight = nn.Parameter(m.weight.to("meta"), requires_grad=False)
 
 
 def _allocate_biases(unit: FusedExperts, device: torch.device) -> None:
@@ -159,6 +175,7 @@ def load_model(
     expert_backends: bool = True,
     experts_ready: Callable[[HybridPlan, str, FusedExperts], None] | None = None,
     before_alloc: Callable[[CausalLM], None] | None = None,
+    int8_linears: bool = False,
 ) -> CausalLM:
     """Load weights. With `placement` (a list of PlacementRule, or a preset name: "hybrid" /
     "default", "all-int8"; moe/presets.py), units are placed before any memory is allocated, so
@@ -171,7 +188,10 @@ def load_model(
     soon as its tensors are in, to build its backends; host experts are then read one layer
     at a time and never all exist in full precision (model/build.py passes it).
     `before_alloc(model)`: called on the placed meta model before any memory is allocated
-    (the --max-host-memory check raises there)."""
+    (the --max-host-memory check raises there).
+    `int8_linears`: the caller makes Int8Linears of the linears of every non-expert unit the
+    placement gives a backend (build.apply_dense_backends); a GGUF file's then never exist in
+    fp32 (each gets its checkpoint matrix as `packed_weight`, its weight left unallocated)."""
     model_dir = Path(model_dir)
     cfg, ckpt = open_checkpoint(model_dir)
     cls = model_class(cfg.architecture)
@@ -186,13 +206,14 @@ def load_model(
         modules[prefix].expect_packed()
     backend = PACKED_BACKENDS[ckpt.packed_fmt] if packed else None
     stream = experts_ready is not None and placement is not None
-    model = _allocate(model, dev, placement, backend, stream, before_alloc)
+    int8_unallocated = int8_linears and isinstance(ckpt, GgufCheckpoint)
+    model = _allocate(model, dev, placement, backend, stream, before_alloc, int8_unallocated)
     ready: ExpertsReady | None = None
     if stream:
         plan = model.hybrid_plan
         ready = lambda name, module: experts_ready(plan, name, module)  # noqa: E731
     filler = WeightFiller(model, packed, ready)
-    _fill(model, ckpt, filler)
+    _fill(model, ckpt, filler, filler.params)
     if isinstance(ckpt, GgufCheckpoint):  # what each tensor type became, in one line
         print(ckpt.summary(), file=sys.stderr, flush=True)
     filler.check_complete(experts_elsewhere=converted is not None)
@@ -202,15 +223,23 @@ def load_model(
     return _finish(model, expert_backends)
 
 
-def _fill(model: CausalLM, ckpt: Checkpoint, filler: WeightFiller) -> None:
+def _fill(model: CausalLM, ckpt: Checkpoint, filler: WeightFiller, params: dict) -> None:
+    def target(logical: str) -> str | None:
+        return filler.target(model.map_checkpoint_tensor(logical, None)[0])
+
     def wanted(logical: str) -> bool:
-        return filler.target(model.map_checkpoint_tensor(logical, None)[0]) is not None
+        return target(logical) is not None
+
+    def int8(logical: str) -> bool:  # an int8 linear's weight: left unallocated (_allocate)
+        name = target(logical)
+        return name is not None and name in params and params[name].is_meta
 
     total = ckpt.nbytes()
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading weights",
                disable=total < PROGRESS_MIN_BYTES)  # fmt: skip
     with bar:
-        for logical, value, nbytes in ckpt.tensors(wanted):
+        read = ckpt.tensors(wanted, int8) if isinstance(ckpt, GgufCheckpoint) else None
+        for logical, value, nbytes in read or ckpt.tensors(wanted):
             name, value = model.map_checkpoint_tensor(logical, value)
             filler.fill(filler.target(name), value, logical)
             bar.update(nbytes)

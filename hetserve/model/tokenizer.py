@@ -69,7 +69,8 @@ class Tokenizer:
         self._finish(template, gen.get("eos_token_id"))
 
     def _from_gguf(self, path: Path) -> None:
-        from hetserve.model.gguf_file import GgufCheckpoint, gguf_tokenizer
+        from hetserve.model.gguf_file import GgufCheckpoint
+        from hetserve.model.gguf_tokenizer import gguf_tokenizer
 
         ckpt = GgufCheckpoint(path)
         self._tok = gguf_tokenizer(ckpt)

@@ -184,6 +184,28 @@ class Int8Rows(QMatrix):
         q, s = quantize_int8_per_channel(w.reshape(-1, 32))
         return cls(q.reshape(w.shape), s.to(torch.float16).float().reshape(w.shape[0], -1))
 
+    @classmethod
+    def grouped(cls, w: torch.Tensor, group: int = 32) -> Int8Rows:
+        """w [N, K] (K % group == 0) as int8 with a scale per `group` columns, each scale an
+        fp16 number (the native kernel reads them as fp16: no second rounding there) rounded
+        up, so |q| <= 127 and |w - q * s| <= s / 2 element by element, where
+        s <= max|w in its group| / 127 * (1 + 2^-10) + 2^-24 (fp16's relative step, and its
+        smallest subnormal for groups near zero)."""
+        n, k = w.shape
+        amax = w.float().reshape(n, k // group, group).abs().amax(dim=-1)
+        s = _f16_up(amax / 127.0)
+        s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero group: any scale
+        q = torch.round(w.float().reshape(n, k // group, group) / s.unsqueeze(-1))
+        return cls(q.clamp_(-127, 127).to(torch.int8).reshape(n, k), s)
+
+
+def _f16_up(x: torch.Tensor) -> torch.Tensor:
+    """The smallest fp16 number >= x (x >= 0, below fp16's max), as fp32."""
+    h = x.to(torch.float16)
+    below = h.float() < x
+    bumped = (h.view(torch.int16) + 1).view(torch.float16)  # next fp16 up (x >= 0)
+    return torch.where(below, bumped, h).float()
+
 
 def _q4k_six(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The 12 bytes of 6-bit scales and minimums of q4_K super-blocks -> sc, m [.., 8]

@@ -1,0 +1,144 @@
+"""GGUF linears under the all-int8 placement (issue 38): the file's blocks go to the int8 linear
+one tensor at a time, never through an fp32 copy of the model: q8_0 and q4_K as they are, any
+other type dequantized, rounded to int8 in groups of 32 columns with fp16 scales (|error| <=
+scale / 2 per weight, scale <= max|group| / 127 * (1 + 2^-10)) and dropped; the loader's
+summary line says so with the worst relative RMS error."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from hetserve import LLM  # noqa: E402
+from hetserve.bench.decode import _all_int8_rules  # noqa: E402
+from hetserve.layers.int8_linear import Int8Linear  # noqa: E402
+from hetserve.model.gguf_file import GgufCheckpoint  # noqa: E402
+from hetserve.native import native_unavailable_reason  # noqa: E402
+from hetserve.quant.packed import Int8Rows  # noqa: E402
+from hetserve.testing.tiny_gguf import write_gguf  # noqa: E402
+
+from .test_gguf import SHAPE, logprobs, q8k_reference  # noqa: E402
+
+NATIVE = pytest.mark.skipif(bool(native_unavailable_reason()), reason="native kernels unavailable")
+
+
+def _summary(capfd, name: str) -> str:
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith(f"GGUF {name}")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_int8_groups_hold_every_weight_within_half_a_step():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 512, generator=g) * torch.rand(48, 1, generator=g) * 3
+    w[3, :32] = 0.0  # an all-zero group
+    w[5, 32:64] *= 1e-6  # a group whose scale is an fp16 subnormal
+    r = Int8Rows.grouped(w)
+    assert r.group == 32 and r.q.dtype == torch.int8 and int(r.q.abs().max()) <= 127
+    assert torch.equal(r.scale.half().float(), r.scale)  # fp16 numbers: the kernel's scales
+    step = r.scale.repeat_interleave(32, dim=1)
+    assert bool(((w - r.dequantize()).abs() <= step / 2).all())
+    amax = w.reshape(48, 16, 32).abs().amax(-1)
+    assert bool(((r.scale <= amax / 127 * (1 + 2**-10) + 2**-24) | (amax == 0)).all())
+
+
+def test_linears_of_a_q6_k_file_reach_int8_groups_within_the_bound(tiny_model, tmp_path):
+    """The checkpoint hands every int8 linear's q6_K tensor as int8 groups of 32, each weight
+    within half its group's step of the file's own number; other tensors stay fp32."""
+    src = tiny_model("qwen3-moe", overrides=SHAPE)
+    path = write_gguf(src, tmp_path / "m.gguf", tmp_path / "ref", "q4_K", "q6_K")
+    exact = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        exact[t.name] = gguf.quants.dequantize(t.data, t.tensor_type).reshape(
+            tuple(int(d) for d in reversed(t.shape))
+        )
+    ckpt = GgufCheckpoint(path)
+    to_gguf = {"model.layers.0.self_attn.q_proj.weight": "blk.0.attn_q.weight",
+               "lm_head.weight": "output.weight"}  # fmt: skip
+    wanted = set(to_gguf) | {"model.embed_tokens.weight"}
+    got = {n: v for n, v, _ in ckpt.tensors(wanted.__contains__, to_gguf.__contains__)}
+    for hf, name in to_gguf.items():
+        value = got[hf]
+        assert isinstance(value, Int8Rows) and value.group == 32
+        step = value.scale.repeat_interleave(32, dim=1).numpy()
+        assert bool((np.abs(value.dequantize().numpy() - exact[name]) <= step / 2).all())
+    assert isinstance(got["model.embed_tokens.weight"], torch.Tensor)  # an embedding: fp32
+    line = ckpt.summary()
+    assert "linears Q6_K -> int8 g32 (rel rms " in line and "Q6_K -> fp32 x1" in line
+
+
+@NATIVE
+def test_all_int8_serves_q6_k_linears_as_int8_groups(tiny_model, tmp_path, capfd):
+    src = tiny_model("qwen3-moe", overrides=SHAPE)
+    path = write_gguf(src, tmp_path / "m.gguf", tmp_path / "ref", "q4_K", "q6_K")
+    llm = LLM(str(path), placement=_all_int8_rules("cpu-int4"))
+    lins = [m for m in llm.model.modules() if isinstance(m, Int8Linear)]
+    # q / k / v fused (one format), o_proj and lm_head: int8 in groups of 32 on the native kernel
+    assert lins and all((m.kernel, m.fmt, m.group) == ("native", 1, 32) for m in lins)
+    assert not any(hasattr(m, "packed_weight") for m in llm.model.modules())
+    layers = llm.model.config.num_layers
+    line = _summary(capfd, "m.gguf")
+    m = re.search(r"linears Q6_K -> int8 g32 \(rel rms ([\d.e-]+)\) x(\d+)", line)
+    assert m and int(m.group(2)) == 4 * layers + 1, line  # q, k, v, o per layer; output
+    # the stated error is the worst tensor's (int8's step is ~1/127 of a group's max: measured
+    # ~0.6% relative RMS on these random weights)
+    assert 0.0 < float(m.group(1)) < 0.01
+    # token_embd and the routers (not int8 linears) are read as fp32, one tensor at a time
+    assert f"Q6_K -> fp32 x{layers + 1}" in line
+    err = (logprobs(llm) - logprobs(q8k_reference(tmp_path / "ref"))).abs()
+    # The int8 groups' rounding (above) on top of the q8_0 linears' test in test_gguf.py
+    # (int16 activation rounding at every linear, int8 steps of the experts' inputs crossed):
+    # measured max 3.1e-2, median 8.0e-3. Before (fp32, then int8 per row of the fused q / k /
+    # v): max 0.47, median 1.1e-2 on the same file.
+    assert float(err.max()) <= 5e-2 and float(err.median()) <= 1e-2
+
+
+@NATIVE
+def test_llama_cpp_q4_k_m_linears_keep_each_tensors_numbers(tiny_model, tmp_path, capfd):
+    """llama.cpp's Q4_K_M of a MoE gives attn_q q4_K, attn_k / attn_v q8_0, attn_output q5_K
+    and output q6_K: under all-int8 q runs on its q4_K blocks, k / v on their q8_0 numbers (so
+    q / k / v are not fused), o and lm_head on int8 groups."""
+    pytest.importorskip("llama_cpp", reason="llama.cpp's quantizer not installed")
+    from .test_gguf_mixes import SHAPE as MIX
+    from .test_gguf_mixes import _llama_cpp_file
+
+    src = tiny_model("qwen3-moe", overrides={**MIX, "num_hidden_layers": 2})
+    path = _llama_cpp_file(src, tmp_path, "Q4_K_M")
+    capfd.readouterr()
+    llm = LLM(str(path), placement=_all_int8_rules("cpu-int4"))
+    fmts = {n: (m.fmt, m.group) for n, m in llm.model.named_modules() if isinstance(m, Int8Linear)}
+    attn = "model.layers.0.self_attn"
+    assert fmts[f"{attn}.q_proj"] == (5, 0) and fmts[f"{attn}.v_proj"] == (1, 32), fmts
+    assert fmts[f"{attn}.o_proj"] == fmts["lm_head"] == (1, 32)
+    line = _summary(capfd, "Q4_K_M.gguf")
+    assert "linears Q4_K kept x2; linears Q8_0 kept x4" in line
+    assert "linears Q5_K -> int8 g32" in line and "linears Q6_K -> int8 g32" in line
+    q4k = tuple(n for n, f in fmts.items() if f == (5, 0))
+    err = (logprobs(llm) - logprobs(q8k_reference(tmp_path / "ref", q4k))).abs()
+    # Measured max 0.096, median 0.027. Against a reference that holds the served numbers (o
+    # and lm_head rounded to int8 groups too) the same (0.11 / 0.029): what is left is the
+    # kernels' activation rounding (int16 per row; q8_K's int8 per 256 columns for q, whose
+    # flips the reference's emulation cannot follow exactly), not the conversion. The q6_K file
+    # of the test above, with no q4_K linear: 3.1e-2 / 8e-3. Before (fp32, then int8 per row
+    # of one fused q / k / v): max 0.97, median 0.099 on an 8-layer file of this mix.
+    assert float(err.max()) <= 0.15 and float(err.median()) <= 0.05
+
+
+@NATIVE
+def test_mixtral_q_k_rows_move_in_their_int8_form(tiny_model, tmp_path):
+    """A llama file's q / k rows are in llama.cpp's rotary order: under all-int8 the q8_0 rows
+    are put back in HF's order as they are (each with its own scales), not via fp32."""
+    from .test_gguf_archs import MIXTRAL
+
+    src = tiny_model("mixtral", overrides=MIXTRAL)
+    path = write_gguf(src, tmp_path / "m.gguf", tmp_path / "ref", "q8_0", "q8_0")
+    llm = LLM(str(path), placement=_all_int8_rules("cpu-int8"))
+    lins = [m for m in llm.model.modules() if isinstance(m, Int8Linear)]
+    assert lins and all((m.fmt, m.group) == (1, 32) for m in lins)
+    ref = LLM(str(tmp_path / "ref"), placement="device")
+    assert float((logprobs(llm) - logprobs(ref)).abs().max()) <= 3e-2
