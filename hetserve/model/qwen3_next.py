@@ -159,6 +159,7 @@ class GatedDeltaNet(nn.Module):
 
 
 class _Qwen3NextFamily(CausalLM):
+    zero_centred_norms = _ZERO_CENTRED  # also read by the tiny-checkpoint maker
     split_projections = False
     all_sparse = False  # Qwen3.5: every layer is MoE, top-k always renormalised
 
