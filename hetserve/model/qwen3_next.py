@@ -92,6 +92,11 @@ class GatedDeltaNet(nn.Module):
     """Gated DeltaNet linear attention (see the module docstring); `split_projections`: the
     Qwen3.5 checkpoint layout."""
 
+    # Finer than int8 under all-int8: see "Precision" in layers/linear_attention.py.
+    precise_projections = (
+        "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+    )  # fmt: skip
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, split_projections: bool) -> None:
         super().__init__()
         self.layer_idx = layer_idx
