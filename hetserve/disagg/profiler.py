@@ -196,5 +196,6 @@ def policy_tiers(tiers: Any) -> dict[str, TierCost]:
 def _kv_bytes_per_block(engine: Any) -> int:
     from hetserve.kv.paged import PagedKVCache
 
-    dtype = engine.runner.kv.layers[0][0].dtype  # the KV dtype, not the model's
+    # The KV dtype, not the model's (layer 0 of a linear-attention model has no KV tensors).
+    dtype = engine.runner.kv.dtype
     return PagedKVCache.bytes_per_block(engine.model.kv_cache_spec(), engine.kv.block_size, dtype)

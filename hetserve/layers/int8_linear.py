@@ -65,18 +65,30 @@ def _native_packed(packed: QMatrix | None) -> bool:
 
 
 class Int8Linear(nn.Module):
-    def __init__(self, linear: nn.Linear, kernel: str = "auto") -> None:
+    """`residual` (native kernel only): each row also keeps its rounding error, itself rounded
+    to int8 per row, as N more rows of the same matrix; one kernel call computes both and the
+    halves are summed. |w - w_hat| <= max|w| / (127 * 254 * 2) per row: 16-bit-class weights
+    (and int16 activations), at 2 bytes a weight."""
+
+    def __init__(self, linear: nn.Linear, kernel: str = "auto", residual: bool = False) -> None:
         super().__init__()
         bias = None if linear.bias is None else linear.bias.detach().float().cpu()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._rows = self.out_features
         packed = getattr(linear, "packed_weight", None)
         native = kernel != "fbgemm" and _native_ok()
-        if native and _native_packed(packed):
+        if residual and not native:
+            raise ValueError("an int8 residual needs the native kernel")
+        if native and _native_packed(packed) and not residual:
             self._native_layout(packed, bias)
             return
         # a kept matrix (the linear's weight may be unallocated then: a GGUF load) is the weight
         w = packed.dequantize() if packed is not None else linear.weight.detach().float().cpu()
         q, scale = quantize_int8_per_channel(w)
+        if residual:
+            q2, scale2 = quantize_int8_per_channel(w - q.float() * scale[:, None])
+            q, scale = torch.cat((q, q2)), torch.cat((scale, scale2))
+            self._rows = 2 * self.out_features
         self.nbytes = q.numel() + scale.numel() * 4
         self.fmt, self.group = _INT8, 0
         if native:
@@ -149,19 +161,23 @@ class Int8Linear(nn.Module):
 
     def _native(self, x2: torch.Tensor) -> torch.Tensor:
         x2 = x2.contiguous()
-        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        y = torch.empty(x2.shape[0], self._rows, dtype=torch.float32)
         rc = self._fn(
-            self.fmt, self.group, torch.get_num_threads(), x2.shape[0], self.out_features,
+            self.fmt, self.group, torch.get_num_threads(), x2.shape[0], self._rows,
             self.in_features, x2.data_ptr(), y.data_ptr(), self._q.data_ptr(), self._scale_ptr,
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("native quantized linear could not allocate its activation buffer")
+        if self._rows != self.out_features:  # the residual rows: add them to the rounded ones
+            y = y[:, : self.out_features].add_(y[:, self.out_features :])
         return y if self._bias is None else y.add_(self._bias)
 
     def extra_repr(self) -> str:
         what = (
             "q4_K" if self.fmt == _Q4K else f"int8 groups of {self.group}" if self.group else "int8"
         )
+        if self._rows != self.out_features:
+            what += " + int8 residual"
         shape = f"in_features={self.in_features}, out_features={self.out_features}"
         return f"{shape}, {what} ({self.kernel})"
 
@@ -202,10 +218,24 @@ def _fuse(module: nn.Module) -> int:
     return count
 
 
+def kept_precise(parent: nn.Module, name: str) -> bool:
+    """Whether `parent` keeps its linear `name` finer than int8 (`precise_projections`)."""
+    return name in getattr(parent, "precise_projections", ())
+
+
 def quantize_linears(module: nn.Module) -> int:
-    """Replace every nn.Linear inside `module` (not `module` itself) by an Int8Linear."""
+    """Replace every nn.Linear inside `module` (not `module` itself) by an Int8Linear. Those
+    their parent declares in `precise_projections` keep their int8 rounding error too (an int8
+    residual, 16-bit class) on the native kernel, or stay in the engine's dtype without it
+    (fbgemm's 7-bit activations would undo the residual)."""
     count = _fuse(module)
     for name, child in list(module.named_children()):
+        # A checkpoint's own quantized numbers (GGUF) are as precise as they get: kept as they are.
+        if kept_precise(module, name) and not hasattr(child, "packed_weight"):
+            if isinstance(child, nn.Linear) and _native_ok():
+                setattr(module, name, Int8Linear(child, residual=True))
+                count += 1
+            continue
         if isinstance(child, nn.Linear):
             setattr(module, name, Int8Linear(child))
             count += 1

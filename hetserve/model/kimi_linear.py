@@ -40,6 +40,11 @@ def _conv(channels: int, kernel: int) -> nn.Conv1d:
 
 
 class KimiDeltaAttention(nn.Module):
+    # Finer than int8 under all-int8: see "Precision" in layers/linear_attention.py.
+    precise_projections = (
+        "q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj",
+    )  # fmt: skip
+
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         lin = cfg.get("linear_attn_config", default={})

@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from hetserve.core.memory import RUNTIME_ALLOWANCE, MemoryUse
+from hetserve.layers.int8_linear import kept_precise
 from hetserve.layers.moe import FusedExperts
 
 # Bytes per weight each experts backend stores (scales included, rounded up).
@@ -59,7 +60,9 @@ def estimate(model: nn.Module, kv_bytes: int, baseline_rss: int) -> MemoryUse:
         if plan is not None and isinstance(module, nn.Linear):
             unit = _unit_of(name, plan.units)
             if unit is not None and plan.placement.get(unit, "decode").backend == "cpu-int8":
-                per = 1
+                parent, _, attr = name.rpartition(".")
+                # an int8 residual beside the int8 rows (layers/int8_linear.py)
+                per = 2 if kept_precise(model.get_submodule(parent), attr) else 1
         dense += own * per
     return MemoryUse(experts, dense, kv_bytes, baseline_rss + RUNTIME_ALLOWANCE)
 

@@ -92,6 +92,11 @@ class GatedDeltaNet(nn.Module):
     """Gated DeltaNet linear attention (see the module docstring); `split_projections`: the
     Qwen3.5 checkpoint layout."""
 
+    # Finer than int8 under all-int8: see "Precision" in layers/linear_attention.py.
+    precise_projections = (
+        "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+    )  # fmt: skip
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, split_projections: bool) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -159,6 +164,7 @@ class GatedDeltaNet(nn.Module):
 
 
 class _Qwen3NextFamily(CausalLM):
+    zero_centred_norms = _ZERO_CENTRED  # also read by the tiny-checkpoint maker
     split_projections = False
     all_sparse = False  # Qwen3.5: every layer is MoE, top-k always renormalised
 

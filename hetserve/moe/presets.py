@@ -9,7 +9,10 @@ knows which backend reads a checkpoint's packed experts). `--placement` takes on
   against transformers (packed checkpoints keep their experts' own CPU format).
 - `hybrid`: routed experts on the CPU int8 kernel (or the checkpoint's packed format), the rest
   on the engine device: KTransformers' split.
-- `all-int8`: CPU only; routed experts and every other linear on the native int8 kernels.
+- `all-int8`: CPU only; routed experts and every other linear on the native int8 kernels;
+  what a layer declares `precise_projections` (linear attention's input projections: plain
+  int8 there moved a tiny Qwen3-Next's logprobs as far as all the rest together; see
+  layers/linear_attention.py) keeps an int8 residual too (16-bit class, 2 bytes a weight).
 - `auto` (the default): no accelerator -> all-int8 where the native kernels build (else
   device); an accelerator -> device where the weights fit it with room for the KV cache, else
   hybrid; an explicit `--dtype float32` asks for exactness -> device.

@@ -16,7 +16,10 @@ order.
 With KV tiers (a `KVLoader`), a waiting request whose next blocks a store holds first waits for
 them: the loader reserves device blocks and loads them while every other request keeps stepping;
 once they land the request is admitted with them as prefix hits. How they are loaded is the
-loader's business.
+loader's business. A swapped-out request never asks the loader: its host copies hold every
+token it had computed (a swap-out is all or nothing), so it resumes from them alone, without a
+prefix lookup; a step may admit one request by swap-in and another with loaded blocks, but no
+request needs both.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -115,7 +116,8 @@ def make_tiny_checkpoint(
         model = model_class(cfg["architectures"][0])(ModelConfig.from_dict(cfg))
     gen = torch.Generator().manual_seed(seed)
     entries = list(_checkpoint_tensors(model, layout))
-    _write_shards(out, entries, gen, lm_head_scale, progress, _WRITE_DTYPES[dtype])
+    centred = getattr(model, "zero_centred_norms", None)
+    _write_shards(out, entries, gen, lm_head_scale, progress, _WRITE_DTYPES[dtype], centred)
     if family in KIMI_TOKENIZER:  # Kimi publishes a tiktoken-format tokenizer, no tokenizer.json
         write_kimi_tokenizer(out, cache_dir())
     return out
@@ -125,8 +127,19 @@ _WRITE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _write_shards(
-    out: Path, entries, gen, lm_scale: float, progress: bool, dtype: torch.dtype = torch.float32
+    out: Path,
+    entries,
+    gen,
+    lm_scale: float,
+    progress: bool,
+    dtype: torch.dtype = torch.float32,
+    centred: re.Pattern | None = None,
 ) -> None:
+    """`centred`: the names of norm weights the family stores zero-centred (the scale applied
+    is 1 + w). Those are written as w = scale - 1, so every family's norms scale by about 1
+    (published zero-centred weights sit near 0: Qwen3-Next puts weight decay on them); written
+    as 1 + 0.1 randn they scaled by 2, and the doubled gains made the tiny Qwen3-Next 2-4x more
+    sensitive to any perturbation (int8 rounding moved its prompt logprobs by 0.39 nats)."""
     elem = torch.empty((), dtype=dtype).element_size()
     total = sum(math.prod(shape) * elem for _, shape, _ in entries)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -136,7 +149,10 @@ def _write_shards(
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="writing", disable=not progress)
     files, weight_map = [], {}
     for name, shape, _ in entries:
-        t = _init_tensor(name, shape, gen, lm_scale).to(dtype).contiguous()
+        t = _init_tensor(name, shape, gen, lm_scale)
+        if centred is not None and centred.search(name):
+            t = t - 1.0  # the same random draw: every other tensor stays as it was
+        t = t.to(dtype).contiguous()
         if size and size + t.nbytes > SHARD_BYTES:
             files.append(_flush(out, shards[-1], len(files)))
             shards.append({})

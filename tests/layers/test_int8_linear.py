@@ -166,3 +166,24 @@ def test_fused_projections_keep_their_checkpoint_matrices():
     assert attn.qkv_proj.fmt == 5 and attn.o_proj.fmt == 1  # o_proj had no checkpoint matrix
     x = torch.randn(3, 256, generator=g)
     torch.testing.assert_close(attn.qkv_proj(x), torch.cat([m(x) for m in separate], -1))
+
+
+def test_an_int8_residual_keeps_the_rounding_error_to_16_bit_class():
+    """Int8Linear(residual=True) (linear attention's input projections under all-int8): the
+    weights it applies are within max|w| / (2 * 127 * 254) of the linear's per row, where plain
+    per-channel int8 is within max|w| / 254; read back through an identity input (rounded
+    exactly: one nonzero per row)."""
+    if native_unavailable_reason() is not None:
+        pytest.skip(f"the residual runs on the native kernel: {native_unavailable_reason()}")
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 40, bias=True)
+    eye = torch.eye(96)
+    plain, fine = Int8Linear(lin), Int8Linear(lin, residual=True)
+    w, wmax = lin.weight.detach(), lin.weight.detach().abs().amax(1, keepdim=True)
+    got = (fine(eye) - lin.bias.detach()).t()
+    assert bool(((got - w).abs() <= wmax / (2 * 127 * 254) * 1.01).all())
+    coarse = ((plain(eye) - lin.bias.detach()).t() - w).abs().max()
+    assert (got - w).abs().max() < coarse / 50
+    assert fine.nbytes == 2 * plain.nbytes and "residual" in repr(fine)
+    x = torch.randn(5, 96)
+    torch.testing.assert_close(fine(x), lin(x), atol=1e-3, rtol=0)
