@@ -24,7 +24,7 @@ from hetserve.layers.moe import FusedExperts
 from hetserve.model.base import CausalLM
 from hetserve.model.checkpoint import SafetensorsCheckpoint
 from hetserve.model.config import ModelConfig
-from hetserve.model.converted import CONFIG_KEY, load_converted_experts
+from hetserve.model.converted import CONFIG_KEY, is_mapped, load_converted_experts
 from hetserve.model.filler import ExpertsReady, WeightFiller, expert_prefix
 from hetserve.model.gguf_file import GgufCheckpoint
 from hetserve.model.registry import model_class
@@ -204,6 +204,9 @@ def load_model(
     modules = dict(model.named_modules())
     for prefix in packed:
         modules[prefix].expect_packed()
+    if is_mapped(converted):  # the experts are the mapped file's bytes: never allocated here
+        for _, experts in model.routed_experts():
+            experts.expect_packed()
     backend = PACKED_BACKENDS[ckpt.packed_fmt] if packed else None
     stream = experts_ready is not None and placement is not None
     int8_unallocated = int8_linears and isinstance(ckpt, GgufCheckpoint)
@@ -251,7 +254,7 @@ def _finish(model: CausalLM, expert_backends: bool) -> CausalLM:
     model.eval().requires_grad_(False)
     if model.hybrid_plan is None and expert_backends:
         for _, experts in model.routed_experts():
-            packed = experts.packed is not None
+            packed = experts.packed is not None or experts.layout is not None
             experts.set_backend(default_backend(experts.weights(), experts.activation))
             if packed and experts.backend_name != "torch":
                 experts.release_weights()  # the backend holds its own copy, in its layout
