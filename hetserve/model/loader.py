@@ -9,6 +9,7 @@ backends, so e.g. an FP8 or MXFP4 model never exists in full precision in memory
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from collections.abc import Callable
@@ -198,7 +199,7 @@ def load_model(
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     converted = cfg.get(CONFIG_KEY)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_init():
         model = cls(cfg).to(dt)
     packed = _packed_experts(model, ckpt, WeightFiller(model, set()).target)
     modules = dict(model.named_modules())
@@ -224,6 +225,25 @@ def load_model(
     if converted is not None:
         load_converted_experts(model, model_dir, converted, ready)
     return _finish(model, expert_backends)
+
+
+_INITS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_",
+          "xavier_uniform_", "xavier_normal_", "zeros_", "ones_", "constant_")  # fmt: skip
+
+
+@contextlib.contextmanager
+def _no_init():
+    """Modules built on meta skip their random initialisation (the checkpoint replaces every
+    value): torch runs an initializer on a meta tensor through its Python reference ops, whose
+    first use imports torch._dynamo, 1.5-6 s of start-up on the 2-core VM."""
+    saved = {name: getattr(nn.init, name) for name in _INITS}
+    for name in _INITS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 def _fill(model: CausalLM, ckpt: Checkpoint, filler: WeightFiller, params: dict) -> None:
