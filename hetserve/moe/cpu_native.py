@@ -28,11 +28,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hetserve.errors import InvalidInputError, ModelLoadError
+from hetserve.errors import InvalidInputError
 from hetserve.moe.cpu_base import _CPUExperts
 from hetserve.moe.experts import Activation, ClampedSwiGLU, ExpertWeights
 from hetserve.native import hugepage_empty, kernel
-from hetserve.quant.kernel_file import KernelLayout
+from hetserve.quant.kernel_file import KernelLayout, check_format, check_padding
 from hetserve.quant.layout import (
     fp16_group_scales,
     int4_group_tiles,
@@ -150,21 +150,11 @@ class _NativeExperts(_CPUExperts):
         if weights.layout is None:
             self._load(weights)
             return
-        # A kernel-layout file (hetserve convert): the mapped bytes are the layout, read in
-        # place; only what the kernel would have built differently is refused.
+        # a kernel-layout file (hetserve convert): the mapped bytes are the layout, read in place
         lay = weights.layout
-        if lay.fmt != self.fmt or (self.group_size and lay.group_size != self.group_size):
-            raise InvalidInputError(
-                f"the converted experts are kernel format {lay.fmt} with groups of "
-                f"{lay.group_size}, this backend reads format {self.fmt}, groups of "
-                f"{self.group_size}; serve it with its own backend or re-run hetserve convert"
-            )
+        check_format(lay, self.fmt, self.group_size)
         self.group_size = lay.group_size
-        if self._padded() != tuple(lay.padded):
-            raise ModelLoadError(
-                f"the converted experts are padded to {tuple(lay.padded)}, this build's kernels "
-                f"pad to {self._padded()}; re-run hetserve convert"
-            )
+        check_padding(lay, self._padded())
         self._set(*lay.tensors)
 
     def kernel_layout(self) -> KernelLayout:

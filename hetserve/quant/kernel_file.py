@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from hetserve.errors import ModelLoadError
+from hetserve.errors import InvalidInputError, ModelLoadError
 
 MAGIC = b"HSKLAYOUT\0"
 PREFIX = struct.Struct("<10sHQI")  # magic, reserved, header offset, header length
@@ -67,6 +67,26 @@ class KernelLayout:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors if t is not None)
+
+
+def check_format(lay: KernelLayout, fmt: int, group: int) -> None:
+    """Refuses (one line) serving `lay` with a native backend of kernel format `fmt` and
+    groups of `group` (0: the backend's default) that would have laid it out otherwise."""
+    if lay.fmt != fmt or (group and lay.group_size != group):
+        raise InvalidInputError(
+            f"the converted experts are kernel format {lay.fmt} with groups of "
+            f"{lay.group_size}, this backend reads format {fmt}, groups of {group}; serve it "
+            "with its own backend or re-run hetserve convert"
+        )
+
+
+def check_padding(lay: KernelLayout, padded: tuple[int, int]) -> None:
+    """Refuses `lay` where this build's kernels pad its sizes otherwise (hetserve_moe_padded)."""
+    if tuple(lay.padded) != tuple(padded):
+        raise ModelLoadError(
+            f"the converted experts are padded to {tuple(lay.padded)}, this build's kernels "
+            f"pad to {tuple(padded)}; re-run hetserve convert"
+        )
 
 
 def round_up(n: int, multiple: int) -> int:

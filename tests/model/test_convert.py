@@ -148,3 +148,21 @@ def test_damaged_kernel_file_is_one_line_naming_the_tensor(tiny_model, tmp_path,
     )  # fmt: skip
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and lines[-1].startswith("error:") and "Traceback" not in r.stderr
+
+
+def test_kernel_layout_refuses_another_backends_format(tiny_model, tmp_path):
+    from hetserve.errors import InvalidInputError
+    from hetserve.model.kernel_file import MappedKernelFile
+    from hetserve.moe.experts import ExpertWeights, create_backend
+
+    src = tiny_model("qwen3-moe", overrides={"moe_intermediate_size": 64})
+    out = convert(src, tmp_path / "k", "int4", 32)
+    mapped = MappedKernelFile(out / "experts-int4.hsk")
+    lay = mapped.module(mapped.names()[0])
+    weights = ExpertWeights(None, None, layout=lay)
+    assert create_backend("cpu-int4", weights, group_size=32).nbytes() == lay.nbytes
+    for name, opts in (("cpu-int8", {}), ("cpu-int4", {"group_size": 64})):
+        with pytest.raises(InvalidInputError, match="kernel format 2 with groups of 32"):
+            create_backend(name, weights, **opts)
+    with pytest.raises(InvalidInputError, match="--layout portable"):
+        weights.expert(0)  # nothing else reads the kernels' bytes
