@@ -28,6 +28,7 @@ BENCH_MODULES: list[str] = [
     "hetserve.bench.experts_backward",  # the native experts backward vs torch's, GEMM peak
     "hetserve.bench.lora",  # what serving LoRA adapters costs in a batch
     "hetserve.bench.health",  # /health latency while the server takes maximal bodies
+    "hetserve.bench.load",  # load seconds, resident and peak memory per format vs llama.cpp
 ]
 
 

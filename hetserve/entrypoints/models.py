@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from hetserve.errors import InvalidInputError
 
@@ -76,6 +75,13 @@ def register(sub) -> None:
     v = sub.add_parser("convert", help="write routed experts in a CPU format (int8 / int4)")
     v.add_argument("--quant", required=True, choices=["int8", "int4"])
     v.add_argument("--group-size", type=int, default=64, help="int4 group size (32, 64, 128)")
+    v.add_argument(
+        "--layout",
+        choices=["kernel", "portable"],
+        default="kernel",
+        help="kernel (default): the native kernels' own bytes, loaded by mapping the file; "
+        "portable: int8/int4 safetensors any backend reads (quantized again at load)",
+    )
     v.add_argument("model_dir")
     v.add_argument("out_dir")
     v.set_defaults(func=_convert)
@@ -118,8 +124,8 @@ def _make_tiny(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from hetserve.model.convert import convert
 
-    out = convert(args.model_dir, args.out_dir, args.quant, args.group_size)
-    size = sum(f.stat().st_size for f in Path(out).glob("*.safetensors"))
+    out = convert(args.model_dir, args.out_dir, args.quant, args.group_size, args.layout)
+    size = sum(f.stat().st_size for f in (*out.glob("*.safetensors"), *out.glob("*.hsk")))
     print(
         f"wrote {args.quant} experts to {out} ({size / 2**20:.1f} MiB of weights); serve it "
         f"with: hetserve serve --model {out}"

@@ -15,6 +15,7 @@ from torch import nn
 from hetserve.errors import InvalidInputError
 from hetserve.moe.experts import Activation, ExpertsBackend, ExpertWeights, create_backend
 from hetserve.moe.router import RouterConfig, TopKRouter
+from hetserve.quant.kernel_file import KernelLayout
 from hetserve.quant.packed import PackedExperts
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ class FusedExperts(nn.Module):
         self.b13 = nn.Parameter(torch.empty(num_experts, 2 * inter)) if bias else None
         self.b2 = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
         self.packed: PackedExperts | None = None
+        self.layout: KernelLayout | None = None  # mapped kernel-layout bytes (model/converted)
         self.backend_name: str | None = None
         self._backend: ExpertsBackend | None = None
         self._phase_backends: dict[str, ExpertsBackend] | None = None
@@ -86,6 +88,8 @@ class FusedExperts(nn.Module):
 
     def weights(self) -> ExpertWeights:
         bias = [None if b is None else b.data for b in (self.b13, self.b2)]
+        if self.layout is not None:
+            return ExpertWeights(None, None, *bias, layout=self.layout)
         if self.packed is not None:
             return ExpertWeights(None, None, *bias, packed=self.packed)
         return ExpertWeights(self.w13.data, self.w2.data, *bias)
@@ -110,6 +114,7 @@ class FusedExperts(nn.Module):
         self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)
         self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
         self.packed = None
+        self.layout = None
 
     def set_backend(self, name: str, **options) -> None:
         """Build the compute backend; called once weights are loaded (and again on re-placement)."""

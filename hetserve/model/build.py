@@ -156,7 +156,7 @@ def _checkpoint_bytes(model_dir: Path) -> int:
     """The weights' bytes as stored (a GGUF file, or the directory's weight files)."""
     if model_dir.is_file():
         return model_dir.stat().st_size
-    files = [*model_dir.glob("*.safetensors"), *model_dir.glob("*.gguf")]
+    files = [*model_dir.glob("*.safetensors"), *model_dir.glob("*.gguf"), *model_dir.glob("*.hsk")]
     return sum(f.stat().st_size for f in files)
 
 

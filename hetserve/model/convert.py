@@ -1,12 +1,17 @@
-"""`hetserve convert`: write a model's routed experts in the CPU format (`converted.py`).
+"""`hetserve convert`: write a model's routed experts in a CPU format (`converted.py`).
 
 The output directory holds the non-expert tensors (`model.safetensors`), the routed experts
-quantized per layer (`experts-<format>.safetensors`: int8 per output channel, or int4 in groups
-with a minimum, two nibbles per byte), and config.json with a `hetserve_experts` entry naming
-the format. Loading dequantizes into the experts' weights and the CPU backend quantizes them
-again, which reproduces the stored integers exactly (symmetric int8 and min/max int4 are
-idempotent), so serving a converted model equals quantizing at load time, from a 4x (int8) or
-~7x (int4) smaller file.
+quantized per layer, and config.json with a `hetserve_experts` entry naming the format, file
+and layout:
+
+- `--layout kernel` (default): `experts-<format>.hsk`, the native kernels' own bytes
+  (`quant/kernel_file.py`), which the loader maps and the kernels read in place. Each layer is
+  quantized as the portable file stores it, dequantized, and laid out by the very backend that
+  serves it (`kernel_layout()`), so serving the file is bit-equal to serving the portable one.
+- `--layout portable`: `experts-<format>.safetensors`, int8 per output channel or int4 groups
+  with a minimum, two nibbles per byte; loading dequantizes them and the CPU backend
+  quantizes them again, which reproduces the stored integers exactly (symmetric int8 and
+  min/max int4 are idempotent). Any backend, any machine, no native kernels needed.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from tqdm import tqdm
 
 from hetserve.errors import InvalidInputError
 from hetserve.model.loader import load_model
-from hetserve.quant.converted import CONFIG_KEY, FORMATS, quantize
+from hetserve.quant.converted import CONFIG_KEY, FORMATS, dequantize, quantize
+from hetserve.quant.kernel_file import FORMAT, LAYOUT_VERSION, SUFFIX
 from hetserve.quant.quantize import INT4_GROUP_SIZES
 
 _COPY = (
@@ -33,7 +39,18 @@ _COPY = (
 )
 
 
-def convert(model_dir: str | Path, out_dir: str | Path, fmt: str, group_size: int = 64) -> Path:
+LAYOUTS = ("kernel", "portable")
+
+
+def convert(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    fmt: str,
+    group_size: int = 64,
+    layout: str = "kernel",
+) -> Path:
+    if layout not in LAYOUTS:
+        raise InvalidInputError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if fmt not in FORMATS:
         raise InvalidInputError(f"--quant must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if fmt == "int4" and group_size not in INT4_GROUP_SIZES:
@@ -48,10 +65,14 @@ def convert(model_dir: str | Path, out_dir: str | Path, fmt: str, group_size: in
     if not experts:
         raise InvalidInputError(f"{src} has no routed experts to convert")
     out.mkdir(parents=True, exist_ok=True)
-    stored: dict[str, torch.Tensor] = {}
-    for name, ex in tqdm(experts, desc=f"quantizing experts to {fmt}"):
-        stored.update(_quantize_experts(name, ex.weights(), fmt, group_size))
-    save_file(stored, str(out / f"experts-{fmt}.safetensors"), metadata={"format": "pt"})
+    if layout == "kernel":
+        entry = write_kernel_layout(experts, out, fmt, group_size)
+    else:
+        stored: dict[str, torch.Tensor] = {}
+        for name, ex in tqdm(experts, desc=f"quantizing experts to {fmt}"):
+            stored.update(_quantize_experts(name, ex.weights(), fmt, group_size))
+        entry = f"experts-{fmt}.safetensors"
+        save_file(stored, str(out / entry), metadata={"format": "pt"})
     _write_rest(model, out)
     cfg = json.loads((src / "config.json").read_text())
     for key in ("quantization_config", "compression_config"):  # the rest is now fp32
@@ -59,8 +80,10 @@ def convert(model_dir: str | Path, out_dir: str | Path, fmt: str, group_size: in
     cfg[CONFIG_KEY] = {
         "format": fmt,
         "group_size": group_size if fmt == "int4" else None,
-        "file": f"experts-{fmt}.safetensors",
+        "file": entry,
     }
+    if layout == "kernel":
+        cfg[CONFIG_KEY].update(layout="kernel", layout_version=LAYOUT_VERSION)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     for name in _COPY:
         if (src / name).is_file():
@@ -84,6 +107,44 @@ def _quantize_experts(name: str, weights, fmt: str, group_size: int) -> dict[str
         for pname, per_expert in parts.items()
         for suffix in per_expert[0]
     }
+
+
+def write_kernel_layout(experts: list, out: Path, fmt: str, group_size: int) -> str:
+    """Writes the kernel-layout file, a layer at a time; returns its name."""
+    from hetserve.model.kernel_file import KernelFileWriter
+    from hetserve.moe.experts import ExpertWeights, create_backend
+    from hetserve.native import isa, native_unavailable_reason
+
+    reason = native_unavailable_reason()
+    if reason is not None:
+        raise InvalidInputError(
+            f"--layout kernel needs the native kernels, unavailable here ({reason}); "
+            "use --layout portable"
+        )
+    name = f"experts-{fmt}{SUFFIX}"
+    group = group_size if fmt == "int4" else 0
+    meta = {"format": FORMAT, "version": LAYOUT_VERSION, "quant": fmt, "group_size": group,
+            "isa": isa()}  # fmt: skip
+    writer = KernelFileWriter(out / name, meta, [prefix for prefix, _ in experts])
+    options = {"group_size": group_size} if fmt == "int4" else {}
+    for prefix, ex in tqdm(experts, desc=f"laying out experts as {fmt}"):
+        w = ex.weights()
+        stored = _quantize_experts(prefix, w, fmt, group_size)
+        # what loading the portable file gives (the same dequantize): bit-equal serving
+        dense = [
+            dequantize({k.rsplit("_", 1)[1]: v for k, v in stored.items()
+                        if k.startswith(f"{prefix}.{p}_")}, fmt, group_size)
+            for p in ("w13", "w2")
+        ]  # fmt: skip
+        del stored
+        backend = create_backend(
+            f"cpu-{fmt}", ExpertWeights(*dense, w.b13, w.b2), activation=ex.activation,
+            kernel="native", **options,
+        )  # fmt: skip
+        writer.add(prefix, backend.kernel_layout())
+        del backend, dense
+    writer.close()
+    return name
 
 
 def _write_rest(model, out: Path) -> None:

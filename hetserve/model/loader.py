@@ -9,6 +9,7 @@ backends, so e.g. an FP8 or MXFP4 model never exists in full precision in memory
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from hetserve.layers.moe import FusedExperts
 from hetserve.model.base import CausalLM
 from hetserve.model.checkpoint import SafetensorsCheckpoint
 from hetserve.model.config import ModelConfig
-from hetserve.model.converted import CONFIG_KEY, load_converted_experts
+from hetserve.model.converted import CONFIG_KEY, is_mapped, load_converted_experts
 from hetserve.model.filler import ExpertsReady, WeightFiller, expert_prefix
 from hetserve.model.gguf_file import GgufCheckpoint
 from hetserve.model.registry import model_class
@@ -198,12 +199,15 @@ def load_model(
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     converted = cfg.get(CONFIG_KEY)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_init():
         model = cls(cfg).to(dt)
     packed = _packed_experts(model, ckpt, WeightFiller(model, set()).target)
     modules = dict(model.named_modules())
     for prefix in packed:
         modules[prefix].expect_packed()
+    if is_mapped(converted):  # the experts are the mapped file's bytes: never allocated here
+        for _, experts in model.routed_experts():
+            experts.expect_packed()
     backend = PACKED_BACKENDS[ckpt.packed_fmt] if packed else None
     stream = experts_ready is not None and placement is not None
     int8_unallocated = int8_linears and isinstance(ckpt, GgufCheckpoint)
@@ -221,6 +225,25 @@ def load_model(
     if converted is not None:
         load_converted_experts(model, model_dir, converted, ready)
     return _finish(model, expert_backends)
+
+
+_INITS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_",
+          "xavier_uniform_", "xavier_normal_", "zeros_", "ones_", "constant_")  # fmt: skip
+
+
+@contextlib.contextmanager
+def _no_init():
+    """Modules built on meta skip their random initialisation (the checkpoint replaces every
+    value): torch runs an initializer on a meta tensor through its Python reference ops, whose
+    first use imports torch._dynamo, 1.5-6 s of start-up on the 2-core VM."""
+    saved = {name: getattr(nn.init, name) for name in _INITS}
+    for name in _INITS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 def _fill(model: CausalLM, ckpt: Checkpoint, filler: WeightFiller, params: dict) -> None:
@@ -251,7 +274,7 @@ def _finish(model: CausalLM, expert_backends: bool) -> CausalLM:
     model.eval().requires_grad_(False)
     if model.hybrid_plan is None and expert_backends:
         for _, experts in model.routed_experts():
-            packed = experts.packed is not None
+            packed = experts.packed is not None or experts.layout is not None
             experts.set_backend(default_backend(experts.weights(), experts.activation))
             if packed and experts.backend_name != "torch":
                 experts.release_weights()  # the backend holds its own copy, in its layout

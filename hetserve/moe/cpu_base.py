@@ -51,7 +51,7 @@ class _CPUExperts:
         # Experts are converted one at a time (`weights.expert(e)`), never the whole layer at
         # once: a bf16 or quantized layer of 64 experts would otherwise need a transient 2+ GB
         # fp32 copy.
-        self._load(weights)
+        self._load_weights(weights)
         # A dedicated single worker whose intra-op pool is sized once: torch's thread count is
         # per OS thread, so the caller's (accelerator) thread keeps its own setting.
         self._pool: ThreadPoolExecutor | None = None
@@ -64,6 +64,10 @@ class _CPUExperts:
             )
 
     # -- per-backend storage -------------------------------------------------------------
+    def _load_weights(self, weights: ExpertWeights) -> None:
+        weights._no_layout()  # the native kernels' bytes: only their own backend reads them
+        self._load(weights)
+
     def _load(self, weights: ExpertWeights) -> None:
         self._w13, self._w2 = [], []
         for e in range(self.num_experts):

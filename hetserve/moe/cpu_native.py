@@ -32,6 +32,7 @@ from hetserve.errors import InvalidInputError
 from hetserve.moe.cpu_base import _CPUExperts
 from hetserve.moe.experts import Activation, ClampedSwiGLU, ExpertWeights
 from hetserve.native import hugepage_empty, kernel
+from hetserve.quant.kernel_file import KernelLayout, check_format, check_padding
 from hetserve.quant.layout import (
     fp16_group_scales,
     int4_group_tiles,
@@ -144,6 +145,24 @@ class _NativeExperts(_CPUExperts):
         self.b13, self.b2 = pad_bias(self.b13, ip, gate_up=True), pad_bias(self.b2, hp)
         self._bias_ptrs = tuple(None if b is None else b.data_ptr() for b in (self.b13, self.b2))
         self._bind()
+
+    def _load_weights(self, weights: ExpertWeights) -> None:
+        if weights.layout is None:
+            self._load(weights)
+            return
+        # a kernel-layout file (hetserve convert): the mapped bytes are the layout, read in place
+        lay = weights.layout
+        check_format(lay, self.fmt, self.group_size)
+        self.group_size = lay.group_size
+        check_padding(lay, self._padded())
+        self._set(*lay.tensors)
+
+    def kernel_layout(self) -> KernelLayout:
+        """This layer's weights as the kernel reads them (what `hetserve convert` writes)."""
+        return KernelLayout(
+            self.fmt, self.group_size, self.num_experts, self.hidden, self.inter,
+            self._padded(), self._tensors,
+        )  # fmt: skip
 
     def _padded(self) -> tuple[int, int]:
         """(hidden, intermediate) sizes the weights are stored at: the kernel's rule for this

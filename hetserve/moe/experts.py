@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from hetserve.errors import InvalidInputError
+from hetserve.quant.kernel_file import KernelLayout
 from hetserve.quant.packed import PackedExperts
 from hetserve.registry import Registry
 
@@ -25,39 +26,59 @@ from hetserve.registry import Registry
 class ExpertWeights:
     """One layer's routed experts: dense tensors in the layout transformers uses in memory,
     w13 [E, 2*I, H] (gate rows first, then up) and w2 [E, H, I], or (`packed`, w13 = w2 = None)
-    the checkpoint's quantized matrices. Optional biases (gpt-oss): b13 [E, 2*I], b2 [E, H]."""
+    the checkpoint's quantized matrices, or (`layout`, w13 = w2 = None) the native kernels' own
+    bytes as `hetserve convert` wrote them (mapped from the file; only the native backend of
+    their format reads them). Optional biases (gpt-oss): b13 [E, 2*I], b2 [E, H]."""
 
     w13: torch.Tensor | None
     w2: torch.Tensor | None
     b13: torch.Tensor | None = None
     b2: torch.Tensor | None = None
     packed: PackedExperts | None = None
+    layout: KernelLayout | None = None
 
     @property
     def num_experts(self) -> int:
+        if self.layout is not None:
+            return self.layout.num_experts
         return self.packed.num_experts if self.packed is not None else self.w13.shape[0]
 
     @property
     def intermediate_size(self) -> int:
+        if self.layout is not None:
+            return self.layout.inter
         return self.packed.intermediate_size if self.packed is not None else self.w2.shape[2]
 
     @property
     def hidden_size(self) -> int:
+        if self.layout is not None:
+            return self.layout.hidden
         return self.packed.hidden_size if self.packed is not None else self.w2.shape[1]
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu") if self.packed is not None else self.w13.device
+        cpu = self.packed is not None or self.layout is not None
+        return torch.device("cpu") if cpu else self.w13.device
+
+    def _no_layout(self) -> None:
+        if self.layout is not None:
+            raise InvalidInputError(
+                "these experts are in the native kernels' layout (a mapped hetserve convert "
+                "checkpoint), which only their cpu backend reads; for another placement convert "
+                "with --layout portable"
+            )
 
     def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (w13 [2I, H], w2 [H, I]) in fp32 on the CPU: one expert at a time, so a
         bf16 or quantized layer never needs a full-precision copy of all its experts."""
+        self._no_layout()
         if self.packed is not None:
             return self.packed.expert(e)
         return self.w13[e].to("cpu", torch.float32), self.w2[e].to("cpu", torch.float32)
 
     def dense(self, device: torch.device | str | None = None, dtype=None) -> ExpertWeights:
         """All experts as dense tensors (dequantized when packed) on `device` in `dtype`."""
+        self._no_layout()
         if self.packed is None:
             w13, w2 = self.w13, self.w2
         else:
@@ -73,6 +94,7 @@ class ExpertWeights:
 
     def subset(self, experts: list[int], device: torch.device | str) -> ExpertWeights:
         """Dense copies of the listed experts (the hot experts on the accelerator)."""
+        self._no_layout()
         idx = torch.tensor(experts, dtype=torch.long)
         if self.packed is not None:
             pairs = [self.packed.expert(e) for e in experts]
@@ -168,6 +190,9 @@ PACKED_BACKENDS = {"fp8": "cpu-fp8", "mxfp4": "cpu-mxfp4", "int4": "cpu-int4", "
                    "q6_K": "cpu-gguf", "q5_K": "cpu-gguf", "iq4_xs": "cpu-gguf",
                    "iq4_nl": "cpu-gguf", "gguf": "cpu-gguf"}  # fmt: skip
 
+# The backend whose native kernel reads a kernel-layout file's format (cpu_native.F_*).
+LAYOUT_BACKENDS = {1: "cpu-int8", 2: "cpu-int4"}
+
 
 def default_backend(weights: ExpertWeights, activation: Activation = "silu") -> str:
     """What serves routed experts when no placement is given: for experts packed in a
@@ -179,6 +204,8 @@ def default_backend(weights: ExpertWeights, activation: Activation = "silu") -> 
     from hetserve.native import native_unavailable_reason
 
     native = native_unavailable_reason() is None
+    if weights.layout is not None:  # only its own native kernel reads it
+        return LAYOUT_BACKENDS[weights.layout.fmt]
     if weights.packed is not None:
         return PACKED_BACKENDS[weights.packed.fmt] if native else "cpu-int8"
     w = weights.w13

@@ -1,4 +1,5 @@
-"""`hetserve convert`: CPU-format experts on disk, served directly."""
+"""`hetserve convert`: CPU-format experts on disk, served directly: the kernel layout (mapped,
+read in place) and the portable one (dequantized, quantized again at load)."""
 
 import subprocess
 import sys
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from hetserve import LLM, SamplingParams
+from hetserve.errors import ModelLoadError
 from hetserve.model.convert import convert
 from hetserve.quant.converted import dequantize, quantize
 
@@ -40,7 +42,7 @@ def test_int8_converted_model_equals_quantizing_at_load(tiny_model, tmp_path):
     fp32_experts = sum(
         e.w13.numel() + e.w2.numel() for _, e in LLM(src, placement="device").model.routed_experts()
     )
-    assert (out / "experts-int8.safetensors").stat().st_size < fp32_experts * 4 / 3
+    assert (out / "experts-int8.hsk").stat().st_size < fp32_experts * 4 / 3
     served = LLM(out, placement="device")
     assert all(e.w13.numel() == 0 for _, e in served.model.routed_experts())  # originals freed
     assert "cpu-int8" in served.model.hybrid_plan.table()
@@ -80,3 +82,87 @@ def test_convert_cli_errors(tiny_model, tmp_path):
         r = run(*args)
         assert r.returncode == 2 and r.stderr.startswith("error:"), r.stderr
         assert "Traceback" not in r.stderr
+
+
+def _mapped_files(ptr: int) -> set[str]:
+    """The files whose mappings in this process hold address `ptr`."""
+    found = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= ptr < hi and len(fields) > 5:
+                found.add(fields[5])
+    return found
+
+
+@pytest.mark.parametrize("arch,fmt,group", [("qwen3-moe", "int8", 0), ("deepseek-v3", "int4", 32)])
+def test_kernel_layout_is_mapped_and_equals_the_portable_file(
+    tiny_model, tmp_path, arch, fmt, group
+):
+    src = tiny_model(arch, overrides={"moe_intermediate_size": 64})
+    kernel = convert(src, tmp_path / "kernel", fmt, group or 64)
+    portable = convert(src, tmp_path / "portable", fmt, group or 64, layout="portable")
+    assert not (kernel / f"experts-{fmt}.safetensors").exists()
+    served = LLM(kernel, placement="device")
+    for _, ex in served.model.routed_experts():
+        assert ex.w13.numel() == 0 and ex.w2.numel() == 0  # never materialized
+        backend = ex._phase_backends["decode"]
+        for t in backend._tensors:  # the kernel reads the file's pages
+            if t is not None:
+                assert _mapped_files(t.data_ptr()) == {str(kernel / f"experts-{fmt}.hsk")}
+    assert torch.equal(logprobs(served), logprobs(LLM(portable, placement="device")))
+
+
+def _corrupt(path, how: str) -> None:
+    raw = bytearray(path.read_bytes())
+    if how == "flip":  # one byte inside the last module's w2
+        raw[-4096] ^= 0x5A
+    elif how == "truncate":
+        del raw[len(raw) - 1000 :]
+    else:  # a layout version this hetserve does not read
+        i = raw.index(b'"version": 1')
+        raw[i : i + 12] = b'"version": 7'
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "version"])
+def test_damaged_kernel_file_is_one_line_naming_the_tensor(tiny_model, tmp_path, how):
+    src = tiny_model("qwen3-moe", overrides={"moe_intermediate_size": 64})
+    out = convert(src, tmp_path / "k", "int8")
+    _corrupt(out / "experts-int8.hsk", how)
+    with pytest.raises(ModelLoadError) as err:
+        LLM(out, placement="device")
+    msg = str(err.value)
+    assert "\n" not in msg and "re-run hetserve convert" in msg
+    if how == "version":
+        assert "version 7" in msg and "version 1" in msg
+    else:
+        last = "model.layers.1.mlp.experts"
+        assert f"'{last}.s2'" in msg or f"'{last}.w2'" in msg, msg
+    if how != "flip":
+        return
+    r = subprocess.run(
+        [sys.executable, "-m", "hetserve.cli", "generate", "--model", str(out), "--device", "cpu",
+         "--max-tokens", "1", "hi"], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and lines[-1].startswith("error:") and "Traceback" not in r.stderr
+
+
+def test_kernel_layout_refuses_another_backends_format(tiny_model, tmp_path):
+    from hetserve.errors import InvalidInputError
+    from hetserve.model.kernel_file import MappedKernelFile
+    from hetserve.moe.experts import ExpertWeights, create_backend
+
+    src = tiny_model("qwen3-moe", overrides={"moe_intermediate_size": 64})
+    out = convert(src, tmp_path / "k", "int4", 32)
+    mapped = MappedKernelFile(out / "experts-int4.hsk")
+    lay = mapped.module(mapped.names()[0])
+    weights = ExpertWeights(None, None, layout=lay)
+    assert create_backend("cpu-int4", weights, group_size=32).nbytes() == lay.nbytes
+    for name, opts in (("cpu-int8", {}), ("cpu-int4", {"group_size": 64})):
+        with pytest.raises(InvalidInputError, match="kernel format 2 with groups of 32"):
+            create_backend(name, weights, **opts)
+    with pytest.raises(InvalidInputError, match="--layout portable"):
+        weights.expert(0)  # nothing else reads the kernels' bytes

@@ -1,6 +1,7 @@
 """Memory after load (issue 42): resident and peak memory of a subprocess that loads a small MoE
 in each format under the default placement (all-int8 on a CPU), against the served weights'
-bytes plus the KV cache plus a fixed allowance; --max-host-memory refuses up front."""
+bytes plus the KV cache plus a fixed allowance; --max-host-memory refuses up front; two
+processes serving one kernel-layout checkpoint share its pages."""
 
 import json
 import subprocess
@@ -66,9 +67,10 @@ print(json.dumps({"before": before, "after": status(), "experts": m.experts, "de
 def models(tiny_model, tmp_path_factory):
     src = tiny_model("qwen3-moe", overrides=OVERRIDES)
     root = tmp_path_factory.mktemp("load_memory")
-    int8 = convert(src, root / "int8", "int8")
+    int8 = convert(src, root / "int8", "int8")  # the kernel layout: mapped at load
+    portable = convert(src, root / "portable", "int8", layout="portable")
     gguf = write_gguf(src, root / "m.gguf", root / "ref", "q8_0", "q8_0")
-    return {"fp32": src, "int8": int8, "gguf": gguf}
+    return {"fp32": src, "int8": int8, "portable": portable, "gguf": gguf}
 
 
 def _load(path, mode: str) -> dict:
@@ -80,7 +82,7 @@ def _load(path, mode: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "int8", "gguf"])
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "portable", "gguf"])
 def test_loading_peaks_at_the_served_bytes_plus_one_layer(models, fmt):
     got = _load(models[fmt], "load")
     served = got["experts"] + got["dense"]
@@ -93,7 +95,7 @@ def test_loading_peaks_at_the_served_bytes_plus_one_layer(models, fmt):
     assert peak <= served + PEAK_ALLOWANCE + LAYER_FP32, (fmt, got)
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "gguf"])
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "gguf"])
 def test_engine_resident_is_served_bytes_plus_kv_plus_allowance(models, fmt):
     got = _load(models[fmt], "engine")
     grown = got["after"]["VmRSS"] - got["before"]["VmRSS"]
@@ -110,3 +112,51 @@ def test_max_host_memory_refuses_before_loading(models):
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert "--max-host-memory 64 MiB" in lines[-1] and "raise the limit" in lines[-1]
     assert "loading weights" not in out.stderr
+
+
+_SERVE = r"""
+import sys
+from hetserve import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], device="cpu", num_kv_blocks=128)
+llm.generate(prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(max_tokens=2))
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _mapping(pid: int, path: str) -> dict[str, int]:
+    """Rss, Pss and Private bytes of process `pid`'s mappings of file `path` (/proc/PID/smaps)."""
+    out = {"Rss": 0, "Pss": 0, "Private": 0}
+    inside = False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):  # a mapping's first line
+                inside = len(head) > 5 and head[5] == path
+            elif inside and head[0] in ("Rss:", "Pss:", "Private_Clean:", "Private_Dirty:"):
+                key = "Private" if head[0].startswith("Private") else head[0][:-1]
+                out[key] += int(head[1]) * 1024
+    return out
+
+
+def test_two_processes_share_one_copy_of_the_mapped_experts(models):
+    """Per mapping rather than from smaps_rollup: a process's total Pss also splits shared
+    libraries with every unrelated Python on the host, which no bound here can know."""
+    path = str(models["int8"] / "experts-int8.hsk")
+    size = (models["int8"] / "experts-int8.hsk").stat().st_size
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _SERVE, str(models["int8"])], text=True,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for _ in range(2)
+    ]  # fmt: skip
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready", p.stderr.read()[-2000:]
+        got = [_mapping(p.pid, path) for p in procs]
+    finally:
+        for p in procs:
+            p.communicate("\n", timeout=60)
+    for g in got:  # each serves from every page of the file (the CRC check read them all)...
+        assert g["Rss"] >= 0.95 * size and g["Private"] <= 0.02 * size + (64 << 10), got
+    # ... and the two together hold one copy
+    assert 0.9 * size <= got[0]["Pss"] + got[1]["Pss"] <= 1.02 * size + 8192, (size, got)

@@ -1,0 +1,151 @@
+"""Writing and mapping the kernel-layout experts file (format: `quant/kernel_file.py`).
+
+Who calls it: `hetserve convert` writes one (`KernelFileWriter`, a module at a time, so
+conversion holds one layer), the loader maps one (`MappedKernelFile`, model/converted.py) and
+hands each module's views to its native backend, which reads them in place.
+
+The mapping is read-only and shared (mmap ACCESS_READ: PROT_READ, MAP_SHARED), so its pages
+are the page cache's: every process serving the file on this host shares one copy, a restart
+finds them still cached, and the kernels cannot write into them (a stray write faults). Each
+tensor's CRC-32 is checked when its module is mapped (~3 GB/s here, and the pages read stay
+cached for the first forward); a mismatch, a truncated file or a missing module is a
+ModelLoadError of one line naming the tensor.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetserve.errors import MissingTensorError, ModelLoadError
+from hetserve.quant.kernel_file import (
+    ALIGN,
+    FIELDS,
+    PAGE,
+    PREFIX,
+    KernelLayout,
+    encode_prefix,
+    module_entry,
+    parse_header,
+    parse_prefix,
+    round_up,
+    tensor_entry,
+    torch_dtype,
+)
+
+
+class KernelFileWriter:
+    """Streams modules into a new file: `add` each module's layout (`names`: all of them, in
+    order, known up front), then `close` writes the header (the file is unreadable until then,
+    so an interrupted convert leaves no valid file). The header goes in space reserved before
+    the data (~1 KiB per module), so a file truncated later still names its lost tensors; a
+    header that outgrows it goes after the data."""
+
+    def __init__(self, path: Path, meta: dict[str, Any], names: list[str]) -> None:
+        self.path, self.meta = path, dict(meta)
+        self._f = open(path, "wb")  # noqa: SIM115 (closed in close())
+        self._reserved = round_up(PAGE + sum(len(n) + 1024 for n in names), PAGE)
+        self._f.write(bytes(self._reserved))  # the prefix and header, written at close
+        self._pos = self._reserved
+        self._modules: dict[str, dict[str, Any]] = {}
+
+    def _pad_to(self, multiple: int) -> None:
+        end = round_up(self._pos, multiple)
+        self._f.write(bytes(end - self._pos))
+        self._pos = end
+
+    def add(self, name: str, layout: KernelLayout) -> None:
+        self._pad_to(PAGE)  # a module's pages are its own
+        entries: list[dict[str, Any] | None] = []
+        for field, t in zip(FIELDS, layout.tensors, strict=True):
+            if t is None:
+                entries.append(None)
+                continue
+            self._pad_to(ALIGN)
+            raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            entries.append(tensor_entry(field, t, self._pos, zlib.crc32(raw)))
+            self._f.write(memoryview(raw))
+            self._pos += t.nbytes
+        self._modules[name] = module_entry(layout, entries)
+
+    def close(self) -> int:
+        """Writes the header and the prefix; returns the file's size."""
+        import json
+
+        header = json.dumps({**self.meta, "modules": self._modules}).encode()
+        end = self._pos
+        if ALIGN + len(header) <= self._reserved:
+            offset = ALIGN
+        else:
+            self._pad_to(ALIGN)
+            offset = end = self._pos
+            end += len(header)
+        self._f.seek(offset)
+        self._f.write(header)
+        self._f.seek(0)
+        self._f.write(encode_prefix(offset, len(header)))
+        self._f.close()
+        return end
+
+
+class MappedKernelFile:
+    """A kernel-layout file mapped read-only; `module(name)` returns views into the mapping."""
+
+    def __init__(self, path: Path, verify: bool = True) -> None:
+        self.path, self.verify = path, verify
+        where = path.name
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            offset, length = parse_prefix(f.read(PREFIX.size), size, where)
+            f.seek(offset)
+            self.header = parse_header(f.read(length), size, where)
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        advise = getattr(mmap, "MADV_HUGEPAGE", None)
+        if advise is not None:
+            try:  # file THP needs the kernel's READ_ONLY_THP_FOR_FS; advisory elsewhere
+                self._mm.madvise(advise)
+            except OSError:
+                pass
+        with warnings.catch_warnings():
+            # read-only on purpose: the kernels only read weights (a write would fault)
+            warnings.simplefilter("ignore", UserWarning)
+            self._buf = torch.frombuffer(self._mm, dtype=torch.uint8)
+
+    def names(self) -> list[str]:
+        return list(self.header["modules"])
+
+    def nbytes(self) -> int:
+        """Bytes of tensor data mapped (all modules)."""
+        return sum(t["nbytes"] for m in self.header["modules"].values()
+                   for t in m["tensors"] if t is not None)  # fmt: skip
+
+    def module(self, name: str) -> KernelLayout:
+        entry = self.header["modules"].get(name)
+        if entry is None:
+            raise MissingTensorError(
+                f"{self.path.name} lacks the experts of {name!r}; re-run hetserve convert"
+            )
+        tensors = tuple(None if t is None else self._tensor(name, t) for t in entry["tensors"])
+        return KernelLayout(
+            fmt=entry["fmt"], group_size=entry["group_size"], num_experts=entry["num_experts"],
+            hidden=entry["hidden"], inter=entry["inter"], padded=tuple(entry["padded"]),
+            tensors=tensors,
+        )  # fmt: skip
+
+    def _tensor(self, module: str, t: dict[str, Any]) -> torch.Tensor:
+        start, n = t["offset"], t["nbytes"]
+        if self.verify:
+            with memoryview(self._mm) as whole, whole[start : start + n] as part:
+                crc = zlib.crc32(part)
+            if crc != t["crc32"]:
+                raise ModelLoadError(
+                    f"{self.path.name}: tensor '{module}.{t['name']}' is corrupt (CRC-32 "
+                    f"{crc:08x}, written {t['crc32']:08x}); re-run hetserve convert"
+                )
+        return self._buf[start : start + n].view(torch_dtype(t["dtype"])).view(t["shape"])
