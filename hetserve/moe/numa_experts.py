@@ -26,8 +26,8 @@ import errno
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -43,28 +43,26 @@ _I64, _F32 = torch.int64, torch.float32
 
 
 class Team:
-    """One worker thread pinned (with its OpenMP team of len(cpus) threads) to `cpus`."""
+    """One native thread pinned (with its OpenMP team of len(cpus) threads) to `cpus`, which
+    runs the shard calls `NumaExperts` posts to it (native/numa.c, hs_team_t)."""
 
     def __init__(self, node: int | None, cpus: tuple[int, ...]) -> None:
         self.node, self.cpus = node, cpus
-        self.masks: list[int] = []  # each team thread's CPU mask as the kernel reported it
-        self.error = 0  # errno of the pinning, 0 when it took
-        self.tid = 0  # the worker's kernel thread id (/proc/self/task/TID)
-        self._pool = ThreadPoolExecutor(1, f"hetserve-numa{node}", initializer=self._pin)
-        self._pool.submit(lambda: None).result()  # pinned before any layer runs
-
-    def _pin(self) -> None:
-        n, self.tid = len(self.cpus), threading.get_native_id()
-        cpus, masks = (ctypes.c_int * n)(*self.cpus), (ctypes.c_uint64 * n)()
-        self.error = kernel("hetserve_team_pin")(n, cpus, n, masks)
-        self.masks = list(masks)
-        torch.set_num_threads(n)  # torch work on this thread (input conversions) stays in it
-
-    def submit(self, fn: Callable[..., int], *args: object):
-        return self._pool.submit(fn, *args)
+        n = len(cpus)
+        err, tid, masks = ctypes.c_int(0), ctypes.c_int(0), (ctypes.c_uint64 * n)()
+        handle = kernel("hetserve_team_new")(
+            (ctypes.c_int * n)(*cpus), n, n, ctypes.byref(err), masks, ctypes.byref(tid)
+        )
+        if not handle:
+            raise MemoryError(f"could not start the NUMA team of node {node}")
+        self.handle = handle
+        self.error = err.value  # errno of the pinning, 0 when it took
+        self.masks = list(masks)  # each team thread's CPU mask as the kernel reported it
+        self.tid = tid.value  # the team thread's kernel id (/proc/self/task/TID)
+        self._free = weakref.finalize(self, kernel("hetserve_team_free"), handle)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._free()
 
 
 def bind_tensors(tensors: list[torch.Tensor | None], node: int) -> int:
@@ -97,10 +95,13 @@ class NumaExperts:
     def __init__(self, shards: list[tuple[ExpertShard, object, Team]], num_experts: int) -> None:
         self.shards, self.num_experts = shards, num_experts
         self.hidden = shards[0][1].hidden
-        run = kernel("hetserve_moe_run_shard")
         for s, b, _ in shards:
             kernel("hetserve_moe_shard")(b._h, s.start, num_experts)
-        self._run = run
+        n = len(shards)
+        # the teams and shard handles as C arrays, made once (one ctypes call per layer)
+        self._teams = (ctypes.c_void_p * n)(*(team.handle for _, _, team in shards))
+        self._handles = (ctypes.c_void_p * n)(*(b._h for _, b, _ in shards))
+        self._run = kernel("hetserve_moe_run_teams")
 
     def nbytes(self) -> int:
         return sum(b.nbytes() for _, b, _ in self.shards)
@@ -124,16 +125,13 @@ class NumaExperts:
             )
         t, k = ids.shape
         out = torch.empty_like(x)
-        turn = ctypes.c_int(0)  # whose sum is next (native/moe_kernels.c, hs_shard_t)
-        args = (t, k, ids.data_ptr(), tw.data_ptr(), x.data_ptr(), out.data_ptr())
-        futures = [
-            team.submit(self._run, b._h, len(team.cpus), *args, ctypes.byref(turn), i)
-            for i, (_, b, team) in enumerate(self.shards)
-        ]
-        rcs = [f.result() for f in futures]  # keeps ids, tw, x, turn alive until all return
-        if any(rc == -2 for rc in rcs):
+        rc = self._run(
+            self._teams, self._handles, len(self.shards), t, k, ids.data_ptr(), tw.data_ptr(),
+            x.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        if rc == -2:
             raise InvalidInputError(f"topk_ids outside [0, {self.num_experts})")
-        if any(rcs):
+        if rc:
             raise MemoryError("native MoE kernel could not allocate its activation buffers")
         return out
 

@@ -148,6 +148,9 @@ _SIGNATURES = {
     "hetserve_mbind": (_I, [_P, _L, _I]),
     "hetserve_page_node": (_I, [_P]),
     "hetserve_team_pin": (_I, [_I, _P, _I, _P]),
+    "hetserve_team_new": (_P, [_P, _I, _I, _P, _P, _P]),
+    "hetserve_team_free": (None, [_P]),
+    "hetserve_moe_run_teams": (_I, [_P, _P] + [_I] * 3 + [_P] * 4),
     "hetserve_moe_last_seconds": (ctypes.c_double, [_P]),  # bench moe-kernel's kernel time
     "hetserve_moe_touch": (_I, [_P, _I, _I, _I, _P, _P, _P]),  # bench moe-kernel's read limit
     "hetserve_moe_padded": (_I, [_I] * 3),  # quant/layout.py's padded_size
