@@ -12,8 +12,9 @@ the whole batch at once; each shard skips the pairs routed elsewhere, and their 
 one output in shard order (native/moe_kernels.c, hs_shard_t), so the result is bit-exact with
 the unsplit backend's.
 
-Failures: one node, `--numa off`, or a backend without the native kernel: the backend is
-returned as it is (today's behaviour). A node the kernel refuses to bind (EINVAL: no such node;
+Failures: one node, `--numa off`, a backend without the native kernel, or experts mapped from
+a kernel-layout checkpoint (`hetserve convert`: shared page cache): the backend is returned as
+it is (today's behaviour). A node the kernel refuses to bind (EINVAL: no such node;
 EPERM/ENOSYS: a container without the NUMA calls) leaves that shard's memory where it was
 allocated, with its team still pinned; the start-up log line says so with the errno.
 """
@@ -168,6 +169,11 @@ class NumaSplit:
         shard, bound and pinned, behind a NumaExperts."""
         if not self.active:
             self._log_once(None)
+            return make(weights)
+        if getattr(weights, "layout", None) is not None:
+            # A mapped `hetserve convert` file is shared, read-only page cache: not split (its
+            # pages are other processes' too, and binding them would move theirs).
+            self._log_once(None, why="experts mapped from a kernel-layout checkpoint")
             return make(weights)
         plan = plan_layer(self.nodes, weights.num_experts, 0, "auto")
         shards = []

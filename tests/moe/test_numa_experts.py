@@ -155,3 +155,11 @@ def test_team_pin_reaches_every_openmp_thread_of_the_team():
     with ThreadPoolExecutor(1) as pool:
         rc = pool.submit(kernel("hetserve_team_pin"), 2, (ctypes.c_int * 1)(1), 1, masks).result()
     assert rc == 0 and list(masks) == [0b10, 0b10]
+
+
+def test_mapped_kernel_layout_experts_are_not_split(split):
+    import dataclasses
+
+    mapped = dataclasses.replace(weights(), layout=object())  # a stand-in: only its presence
+    assert split.wrap(lambda w: "today's backend", mapped) == "today's backend"
+    assert not split.teams
