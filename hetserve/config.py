@@ -202,6 +202,10 @@ class MoEConfig:
     routing_stats: str | None = None  # JSON from `hetserve calibrate` (needed by gpu_experts)
     cpu_threads: int | None = None  # threads of the dedicated CPU-experts pool
     record_routing_stats: bool = False  # count routing decisions (EngineCore.routing_stats())
+    # "auto": on a machine with 2+ NUMA nodes, each layer's CPU experts are split across the
+    # nodes (memory bound there, one pinned thread team per node: moe/numa_experts.py);
+    # "off" (default), or one node: one backend on every CPU, as before.
+    numa: str = "off"
 
     def __post_init__(self) -> None:
         if self.max_deferred_experts_per_token < 0:
@@ -217,6 +221,8 @@ class MoEConfig:
             )
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError("cpu_threads must be >= 1")
+        if self.numa not in ("off", "auto"):
+            raise ValueError(f"numa must be one of off, auto, got {self.numa!r}")
 
 
 @dataclass(frozen=True)
@@ -520,6 +526,12 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     ),
     EngineOption(
         "cpu_threads", "moe", "cpu_threads", "threads of the dedicated CPU-experts pool", int
+    ),
+    EngineOption(
+        "numa", "moe", "numa",
+        "auto: split each layer's CPU experts across the NUMA nodes (memory bound to the node, "
+        "one pinned thread team per node); off, or a one-node machine: no split",
+        choices=("off", "auto"),
     ),
     EngineOption(
         "max_deferred_experts_per_token", "moe", "max_deferred_experts_per_token",

@@ -82,3 +82,10 @@ def verify_converted() -> bool:
     """HETSERVE_VERIFY_CONVERTED: `0` skips the CRC-32 check of a mapped kernel-layout
     checkpoint's tensors at load (default on: it reads the file once, ~3 GB/s)."""
     return os.environ.get("HETSERVE_VERIFY_CONVERTED", "1").strip() != "0"
+
+
+def numa_sysfs() -> Path | None:
+    """HETSERVE_NUMA_SYSFS: a directory read as /sys/devices/system/node by `--numa auto`
+    (tests and the fake two-node benchmark); unset: the real one."""
+    value = os.environ.get("HETSERVE_NUMA_SYSFS")
+    return Path(value) if value else None

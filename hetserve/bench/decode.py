@@ -85,6 +85,13 @@ def register(sub) -> None:
     )
     p.add_argument("--bandwidth-mib", type=int, default=256, help="bandwidth probe buffer size")
     p.add_argument(
+        "--numa",
+        choices=("off", "auto", "both"),
+        default="off",
+        help="hetserve's --numa for the cpu-int8 and all-int8 rows; both: each of them twice, "
+        "off and auto, with the auto/off ratio",
+    )
+    p.add_argument(
         "--streams",
         default=None,
         help="comma-separated concurrent stream counts (e.g. 1,4,16,32): hetserve's batched "
@@ -128,12 +135,14 @@ def _hetserve_rate(
     model=None,
     kv_dtype: str = "auto",
     logprobs: dict[str, list[float]] | None = None,
+    numa: str = "off",
 ) -> float:
     """Decode tok/s; with `logprobs`, also the prompt's logprobs under `kv_dtype` (once)."""
     from hetserve import LLM, SamplingParams
 
     kwargs: dict = {"cpu_threads": args.threads} if args.threads else {}
     kwargs["kv_cache_dtype"] = kv_dtype
+    kwargs["numa"] = numa
     llm = LLM(str(model or args.model), placement=placement, **kwargs)
 
     def make(n: int) -> Callable[[], object]:
@@ -266,14 +275,24 @@ def run(args: argparse.Namespace) -> int:
     kv_dtypes = _kv_dtypes(args.kv_cache_dtypes)
     logprobs: dict[str, list[float]] = {}  # the prompt's, per KV dtype (all-int8 rows)
     plan: list[tuple[str, Callable[[], float | None]]] = []
-    if not args.skip_cpu_int8:
-        plan.append(("hetserve cpu-int8", lambda: _hetserve_rate(args, ids, bar, "hybrid")))
-    if not args.skip_all_int8 and not torch.cuda.is_available():
+    numas = {"off": ["off"], "auto": ["auto"], "both": ["off", "auto"]}[args.numa]
+    for numa in numas:
+        tag = "" if numa == "off" else " numa=auto"
+        if not args.skip_cpu_int8:
+            hybrid = lambda n=numa: _hetserve_rate(args, ids, bar, "hybrid", numa=n)  # noqa: E731
+            plan.append(("hetserve cpu-int8" + tag, hybrid))
+        if args.skip_all_int8 or torch.cuda.is_available():
+            continue
         # CPU-only: the non-expert linears are on the CPU too, so make them int8 as well.
         for kv in kv_dtypes:
-            name = "hetserve all-int8" + ("" if kv == "auto" else f" kv={kv}")
+            name = "hetserve all-int8" + ("" if kv == "auto" else f" kv={kv}") + tag
             plan.append(
-                (name, lambda kv=kv: _hetserve_rate(args, ids, bar, "all-int8", None, kv, logprobs))
+                (
+                    name,
+                    lambda kv=kv, n=numa: _hetserve_rate(
+                        args, ids, bar, "all-int8", None, kv, logprobs, numa=n
+                    ),
+                )
             )
     if not args.skip_reference:
         plan.append(("hetserve fp32", lambda: _hetserve_rate(args, ids, bar, "device")))
@@ -298,6 +317,11 @@ def run(args: argparse.Namespace) -> int:
     report = build_report(args, cfg, rates, bandwidth, threads, peer)
     report["rounds_tokens_per_s"] = runs
     report["kv_logprob_error_vs_float32"] = kv_logprob_errors(logprobs)
+    report["numa_auto_vs_off"] = {
+        name: rates[name + " numa=auto"] / r
+        for name, r in rates.items()
+        if r and rates.get(name + " numa=auto")
+    }
     print_report(report)
     write_json(args.json, report)
     return 0
@@ -356,6 +380,8 @@ def print_report(report: dict) -> None:
             f"all-int8 kv={name}: prompt logprobs vs a float32 KV cache: mean |diff| "
             f"{e['mean']:.2e}, largest {e['max']:.2e} nats ({report['prompt_len'] - 1} positions)"
         )
+    for name, ratio in report.get("numa_auto_vs_off", {}).items():
+        print(f"{name}: --numa auto / off = {ratio:.3f}")
     r = report["roofline"]
     implied = r["hybrid_expert_gbps"]
     print(

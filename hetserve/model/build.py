@@ -218,7 +218,9 @@ def _experts_builder(plan: HybridPlan, moe: MoEConfig, converted: dict | None):
     options = {}
     if converted is not None and converted.get("group_size"):
         options["cpu-int4"] = {"group_size": converted["group_size"]}
-    return ExpertsBuilder(plan, moe.gpu_experts, stats, moe.cpu_threads, backend_options=options)
+    return ExpertsBuilder(
+        plan, moe.gpu_experts, stats, moe.cpu_threads, backend_options=options, numa=moe.numa
+    )
 
 
 def apply_dense_backends(model: CausalLM, plan: HybridPlan) -> int:

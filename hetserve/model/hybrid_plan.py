@@ -22,13 +22,16 @@ import torch
 from torch import nn
 
 from hetserve.layers.moe import FusedExperts, SparseMoE
-from hetserve.moe.experts import ExpertsBackend, create_backend
+from hetserve.moe.experts import ExpertsBackend, ExpertWeights, create_backend
 from hetserve.moe.hybrid import DeviceBridge, HotExperts
+from hetserve.moe.numa_experts import NumaSplit
 from hetserve.moe.placement import PHASES, Placement, PlacementError, PlacementRule, place
 from hetserve.moe.routing_stats import RoutingStats, choose_gpu_experts
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 _CPU_BACKENDS = ("cpu-fp32", "cpu-int8", "cpu-int4", "cpu-mxfp4", "cpu-fp8", "cpu-gguf", "kt")
+# What `--numa auto` splits: the backends on the native kernel (moe/numa_experts.py).
+_NUMA_BACKENDS = ("cpu-fp32", "cpu-int8", "cpu-int4", "cpu-mxfp4", "cpu-fp8")
 
 
 def placeable_units(model: nn.Module) -> dict[str, nn.Module]:
@@ -129,9 +132,12 @@ def build_expert_backends(
     cpu_threads: int | None = None,
     free_unused: bool = True,
     backend_options: dict | None = None,
+    numa: str = "off",
 ) -> None:
     """backend_options: per backend name, extra constructor options (e.g. int4 group size)."""
-    build = ExpertsBuilder(plan, gpu_experts, stats, cpu_threads, free_unused, backend_options)
+    build = ExpertsBuilder(
+        plan, gpu_experts, stats, cpu_threads, free_unused, backend_options, numa
+    )
     for name, experts in model.routed_experts():
         build(name, experts)
 
@@ -149,6 +155,7 @@ class ExpertsBuilder:
         cpu_threads: int | None = None,
         free_unused: bool = True,
         backend_options: dict | None = None,
+        numa: str = "off",
     ) -> None:
         if gpu_experts and stats is None:
             raise PlacementError(
@@ -158,6 +165,7 @@ class ExpertsBuilder:
         self.hot = choose_gpu_experts(stats, gpu_experts) if (gpu_experts and stats) else {}
         self.plan, self.cpu_threads, self.free_unused = plan, cpu_threads, free_unused
         self.options = backend_options or {}
+        self.numa = NumaSplit(numa)  # reads the topology; teams start with the first split
 
     def __call__(self, name: str, experts: FusedExperts) -> None:
         built: dict[tuple[str, str], ExpertsBackend] = {}
@@ -170,7 +178,7 @@ class ExpertsBuilder:
                 built[key] = _make(
                     experts, a.device, backend_name, self.plan.accelerator,
                     self.hot.get(layer_of(name)), self.cpu_threads,
-                    self.options.get(backend_name, {}),
+                    self.options.get(backend_name, {}), self.numa,
                 )  # fmt: skip
             by_phase[phase] = built[key]
         experts.set_phase_backends(by_phase)
@@ -187,14 +195,22 @@ def _make(
     hot: list[int] | None,
     cpu_threads: int | None,
     extra: dict,
+    numa: NumaSplit | None = None,
 ) -> ExpertsBackend:
     dev = torch.device(device)
     weights = experts.weights()
     if weights.device != dev:
         weights = weights.dense(dev)
-    opts = {"num_threads": cpu_threads} if (cpu_threads and backend_name in _CPU_BACKENDS) else {}
+    split = numa is not None and dev.type == "cpu" and backend_name in _NUMA_BACKENDS
+    # A split layer's shards run on the node teams (numa_experts.Team), not a pool of their own.
+    threaded = cpu_threads and backend_name in _CPU_BACKENDS and not (split and numa.active)
+    opts = {"num_threads": cpu_threads} if threaded else {}
     opts.update(extra)
-    backend = create_backend(backend_name, weights, activation=experts.activation, **opts)
+
+    def make(w: ExpertWeights) -> ExpertsBackend:
+        return create_backend(backend_name, w, activation=experts.activation, **opts)
+
+    backend = numa.wrap(make, weights) if split else make(weights)
     if dev != accelerator:
         backend = DeviceBridge(backend, dev)
     if hot and (dev != accelerator or backend_name != "torch"):

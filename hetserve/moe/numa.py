@@ -1,9 +1,10 @@
 """NUMA placement of routed experts: which node holds which experts of a layer, and which CPUs
 (one thread team per node) run them.
 
-Who calls it: nothing in the engine yet. This is the policy half of issue 40's `--numa auto`
-(the binding half, memory allocated on the node and a thread team pinned to it, is not built);
-`read_topology` reads Linux's sysfs (or a fake tree in tests), `plan_layer` is pure. Failures:
+Who calls it: `moe/numa_experts.py` (`NumaSplit`, built by `model/hybrid_plan.py` for
+`--numa auto`), which applies the plan: each shard's weights bound to its node, a thread team
+pinned to its CPUs. This module is the policy half: `read_topology` reads Linux's sysfs (or a
+fake tree: HETSERVE_NUMA_SYSFS, tests), `plan_layer` is pure. Failures:
 `InvalidInputError` for an unknown mode or a node that cannot hold its share of the experts;
 a machine without the sysfs tree reads as one node with every CPU (nothing to split).
 """

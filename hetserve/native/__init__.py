@@ -17,6 +17,8 @@
   gated delta rule) in place on the state slots: one read and one cached rewrite of each
   state instead of torch's six passes and two copies.
 - `pool.c`: the parallel loop they share (OpenMP).
+- `numa.c`: `--numa auto`'s binding (moe/numa_experts.py): a shard's weights bound to its
+  node (mbind), the node of a page, a thread team pinned to the node's CPUs.
 - `peaks.c`: the CPU's fp32 / int16 / int8 / bf16 multiply-add peaks, measured (`bench
   prefill` reads its rows against them).
 
@@ -49,7 +51,7 @@ if TYPE_CHECKING:
 HERE = Path(__file__).parent
 SOURCES = ("pool.c", "moe_kernels.c", "moe_prefill.c", "linear_kernels.c", "attention.c",
            "small_ops.c", "moe_backward.c", "decode_layers.c", "hashing.c", "linear_attn.c",
-           "peaks.c", "prefill_attention.c")  # fmt: skip
+           "peaks.c", "prefill_attention.c", "numa.c")  # fmt: skip
 HEADERS = ("pool.h", "simd.h", "moe_quads.h", "moe_formats.h", "moe_q4k.h", "moe_kq.h",
            "moe_gemm.h", "moe_job.h")  # fmt: skip
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared"]
@@ -141,6 +143,14 @@ _SIGNATURES = {
     "hetserve_moe_new": (_P, [_I] * 5 + [_P] * 6 + [_I, _F, _F]),  # moe/cpu_native.py
     "hetserve_moe_free": (None, [_P]),
     "hetserve_moe_run": (_I, [_P, _I, _I, _I] + [_P] * 4),
+    "hetserve_moe_shard": (None, [_P, _I, _I]),  # moe/numa_experts.py
+    "hetserve_moe_run_shard": (_I, [_P, _I, _I, _I] + [_P] * 5 + [_I]),
+    "hetserve_mbind": (_I, [_P, _L, _I]),
+    "hetserve_page_node": (_I, [_P]),
+    "hetserve_team_pin": (_I, [_I, _P, _I, _P]),
+    "hetserve_team_new": (_P, [_P, _I, _I, _P, _P, _P]),
+    "hetserve_team_free": (None, [_P]),
+    "hetserve_moe_run_teams": (_I, [_P, _P] + [_I] * 3 + [_P] * 4),
     "hetserve_moe_last_seconds": (ctypes.c_double, [_P]),  # bench moe-kernel's kernel time
     "hetserve_moe_touch": (_I, [_P, _I, _I, _I, _P, _P, _P]),  # bench moe-kernel's read limit
     "hetserve_moe_padded": (_I, [_I] * 3),  # quant/layout.py's padded_size

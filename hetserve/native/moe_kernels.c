@@ -22,6 +22,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -410,11 +411,14 @@ static int bad_ids(int E, int P, const int64_t *ids) {
 
 /* Counting sort of the P = T * k pairs by expert (stable: token order within an expert):
  * tok/pw per sorted pair, the active experts with their first pair and count; returns how
- * many experts are active. fill [E] is scratch. */
-static int sort_pairs(int E, int P, int k, const int64_t *ids, const float *tw, int *tok,
-                      float *pw, int *act_e, int *act_off, int *act_cnt, int *fill) {
+ * many experts are active, *kept the pairs sorted. Only ids in [base, base + E) are kept (a
+ * NUMA shard's experts, numbered from base; base 0 keeps every valid id). fill [E] is scratch. */
+static int sort_pairs(int E, int base, int P, int k, const int64_t *ids, const float *tw,
+                      int *tok, float *pw, int *act_e, int *act_off, int *act_cnt, int *fill,
+                      int *kept) {
     memset(fill, 0, sizeof(int) * E);
-    for (int p = 0; p < P; p++) fill[ids[p]]++;
+    for (int p = 0; p < P; p++)
+        if (ids[p] >= base && ids[p] < base + E) fill[ids[p] - base]++;
     int n = 0, off = 0;
     for (int e = 0; e < E; e++) {
         int c = fill[e];
@@ -428,10 +432,12 @@ static int sort_pairs(int E, int P, int k, const int64_t *ids, const float *tw, 
         off += c;
     }
     for (int p = 0; p < P; p++) {
-        int dst = fill[ids[p]]++;
+        if (ids[p] < base || ids[p] >= base + E) continue;
+        int dst = fill[ids[p] - base]++;
         tok[dst] = p / k;
         pw[dst] = tw[p];
     }
+    *kept = off;
     return n;
 }
 
@@ -519,21 +525,42 @@ static int bad_fmt(int fmt) {
     return fmt < 0 || fmt >> 8 || f1 > F_LAST || f2 > F_LAST;
 }
 
+/* A NUMA shard of a layer (moe/numa_experts.py): experts [base, base + E) of `total`, run
+ * beside the other shards on their own thread teams. Their outputs meet in one `out`, summed in
+ * shard order: shard `my` waits until *turn == my, adds its pairs, then passes the turn on, so
+ * every token's sum runs over its experts in ascending id order as one unsplit call's does
+ * (bit-exact); the two weight phases, nearly all of the time, still overlap. */
+typedef struct {
+    int base, total, my;
+    int *turn;
+    int passed; /* set once this shard has passed the turn on */
+} hs_shard_t;
+
+static void shard_wait(const hs_shard_t *sh) {
+    while (__atomic_load_n(sh->turn, __ATOMIC_ACQUIRE) != sh->my) sched_yield();
+}
+
+static void shard_pass(hs_shard_t *sh) {
+    __atomic_store_n(sh->turn, sh->my + 1, __ATOMIC_RELEASE);
+    sh->passed = 1;
+}
+
 /* Returns 0, -1 when out of memory, -2 when an expert id is outside [0, E), -3 for an unknown
  * format. fmt: F_*; G: columns per scale group (int4, MXFP4 32, FP8, grouped int8; 0 = int8 per
  * row; unused by q4_K, whose super-blocks carry their scales: H and I multiples of 256); H, I:
  * the layer's sizes (x and out [T, H]), its weights and biases (b13/b2, or NULL) stored at
  * hetserve_moe_padded's; act 0 = silu, 1 = clamped SwiGLU(alpha, limit). */
-int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int T, int k,
-                         const int64_t *ids, const float *tw, const float *x, float *out,
-                         const void *w13, const void *s13, const void *w2, const void *s2,
-                         const float *b13, const float *b2, int act, float alpha, float limit) {
+static int moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int T, int k,
+                       const int64_t *ids, const float *tw, const float *x, float *out,
+                       const void *w13, const void *s13, const void *w2, const void *s2,
+                       const float *b13, const float *b2, int act, float alpha, float limit,
+                       hs_shard_t *sh) {
     const int P = T * k, Hx = H; /* x and out are [T, Hx]; the weights' H may be padded */
     H = hetserve_moe_padded(fmt, G, H), I = hetserve_moe_padded(fmt, G, I);
-    memset(out, 0, sizeof(float) * (size_t)T * Hx);
+    if (sh == NULL || sh->my == 0) memset(out, 0, sizeof(float) * (size_t)T * Hx);
     if (bad_fmt(fmt)) return -3;
     if (P == 0) return 0;
-    if (bad_ids(E, P, ids)) return -2;
+    if (bad_ids(sh ? sh->total : E, P, ids)) return -2;
     const int f1 = fmt_phase(fmt, 1), f2 = fmt_phase(fmt, 2);
     /* int16 (bf16) or the K-quants' int8 activations, per phase */
     const int q16 = rounded_acts(f1) || rounded_acts(f2);
@@ -575,21 +602,33 @@ int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int 
         }
         x = xp;
     }
-    int n = sort_pairs(E, P, k, ids, tw, tok, pw, act_e, act_off, act_cnt, act_cnt + E);
+    int kept;
+    int n = sort_pairs(E, sh ? sh->base : 0, P, k, ids, tw, tok, pw, act_e, act_off, act_cnt,
+                       act_cnt + E, &kept);
     job_t j = {fmt, H, I, G, act, alpha, limit, b13, b2, x, w13, w2, s13, s2, tok, pw,
                a, y, x16, a16, xsc, asc, xgs, ags, xpl, apl, xps, aps, xpd, apd, n, act_e, act_off,
                act_cnt, nthreads < 1 ? 1 : nthreads};
     if (rounded_acts(f1)) activations(&j, 1, T);
     run_phase(&j, 1, phase_item, NULL);
-    if (rounded_acts(f2)) activations(&j, 2, P);
+    if (rounded_acts(f2)) activations(&j, 2, kept);
     run_phase(&j, 2, phase_item, NULL);
-    for (int p = 0; p < P; p++) { /* pairs of one token never race: this loop is serial */
+    if (sh) shard_wait(sh);
+    for (int p = 0; p < kept; p++) { /* pairs of one token never race: this loop is serial */
         float *o = out + (size_t)tok[p] * Hx;
         const float *yp = y + (size_t)p * H;
         for (int h = 0; h < Hx; h++) o[h] += yp[h];
     }
+    if (sh) shard_pass(sh);
     if (own) free(buf);
     return 0;
+}
+
+int hetserve_moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int T, int k,
+                         const int64_t *ids, const float *tw, const float *x, float *out,
+                         const void *w13, const void *s13, const void *w2, const void *s2,
+                         const float *b13, const float *b2, int act, float alpha, float limit) {
+    return moe_forward(fmt, nthreads, E, H, I, G, T, k, ids, tw, x, out, w13, s13, w2, s2, b13,
+                       b2, act, alpha, limit, NULL);
 }
 
 /* A layer's experts as hetserve_moe_new records them: the arguments of hetserve_moe_forward
@@ -601,6 +640,7 @@ typedef struct {
     const void *w13, *s13, *w2, *s2;
     const float *b13, *b2;
     long long last_ns;
+    int base, total; /* a NUMA shard's first expert id and its layer's experts (else 0, E) */
 } hs_moe_t;
 
 static long long now_ns(void) {
@@ -620,7 +660,7 @@ void *hetserve_moe_new(int fmt, int E, int H, int I, int G, const void *w13, con
     if (bad_fmt(fmt)) return NULL;
     hs_moe_t *m = malloc(sizeof(*m));
     if (m == NULL) return NULL;
-    *m = (hs_moe_t){fmt, E, H, I, G, act, alpha, limit, w13, s13, w2, s2, b13, b2, 0};
+    *m = (hs_moe_t){fmt, E, H, I, G, act, alpha, limit, w13, s13, w2, s2, b13, b2, 0, 0, E};
     return m;
 }
 
@@ -635,6 +675,30 @@ int hetserve_moe_run(void *h, int nthreads, int T, int k, const int64_t *ids, co
                                   out, m->w13, m->s13, m->w2, m->s2, m->b13, m->b2, m->act,
                                   m->alpha, m->limit);
     __atomic_store_n(&m->last_ns, now_ns() - t0, __ATOMIC_RELAXED); /* calls may overlap */
+    return rc;
+}
+
+/* Makes the handle a NUMA shard: its experts are ids [base, base + E) of a layer of `total`. */
+void hetserve_moe_shard(void *h, int base, int total) {
+    hs_moe_t *m = (hs_moe_t *)h;
+    m->base = base, m->total = total;
+}
+
+/* hetserve_moe_run of one shard beside the others (hs_shard_t): pairs routed to other shards'
+ * experts are skipped, and the sum into `out` (zeroed by shard 0) waits for this shard's turn.
+ * Every return passes the turn on, so an error in one shard never leaves the others waiting. */
+int hetserve_moe_run_shard(void *h, int nthreads, int T, int k, const int64_t *ids,
+                           const float *tw, const float *x, float *out, int *turn, int my) {
+    hs_moe_t *m = (hs_moe_t *)h;
+    hs_shard_t sh = {m->base, m->total, my, turn, 0};
+    const long long t0 = now_ns();
+    int rc = moe_forward(m->fmt, nthreads, m->E, m->H, m->I, m->G, T, k, ids, tw, x, out, m->w13,
+                         m->s13, m->w2, m->s2, m->b13, m->b2, m->act, m->alpha, m->limit, &sh);
+    if (!sh.passed) {
+        shard_wait(&sh);
+        shard_pass(&sh);
+    }
+    __atomic_store_n(&m->last_ns, now_ns() - t0, __ATOMIC_RELAXED);
     return rc;
 }
 

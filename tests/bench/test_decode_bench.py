@@ -224,3 +224,23 @@ def test_bad_kv_cache_dtypes_exit_2(moe_dir, capsys):
     assert rc == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "--kv-cache-dtypes" in err and "\n" not in err
+
+
+def test_bench_decode_numa_both_on_a_fake_two_node_tree(moe_dir, tmp_path, monkeypatch, capsys):
+    for node in (0, 1):  # node 0 -> CPU 0, node 1 -> CPU 1 (this machine has one real node)
+        (tmp_path / "nodes" / f"node{node}").mkdir(parents=True)
+        (tmp_path / "nodes" / f"node{node}" / "cpulist").write_text(f"{node}\n")
+    monkeypatch.setenv("HETSERVE_NUMA_SYSFS", str(tmp_path / "nodes"))
+    out = tmp_path / "decode.json"
+    skips = ["--skip-llamacpp", "--skip-hf", "--skip-reference", "--skip-all-int8"]
+    rc = main(["bench", "decode", "--model", str(moe_dir), *FAST, *skips, "--numa", "both",
+               "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    data = json.loads(out.read_text())
+    rows = {"hetserve cpu-int8", "hetserve cpu-int8 numa=auto"}
+    assert set(data["decode_tokens_per_s"]) == rows
+    assert data["numa_auto_vs_off"]["hetserve cpu-int8"] > 0
+    assert "--numa auto / off" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:  # a bad value: argparse's one line, exit 2
+        main(["bench", "decode", "--model", str(moe_dir), "--numa", "on"])
+    assert exc.value.code == 2
