@@ -31,7 +31,7 @@ from hetserve.engine.kv_store import BlockIO, kv_identity, open_tiers
 from hetserve.engine.lora import build_lora_manager
 from hetserve.engine.output import ParentState, SeqState
 from hetserve.engine.runner import ModelRunner
-from hetserve.engine.setup import graph_options, num_kv_blocks, resolve_model_dir, state_slots
+from hetserve.engine.setup import graph_options, resolve_model_dir, state_slots
 from hetserve.engine.state_io import StateIO
 from hetserve.engine.step_log import StepLog, shape_of
 from hetserve.engine.step_probe import measure_steps, step_time_model
@@ -43,6 +43,7 @@ from hetserve.kv.handoff import handoff_stats
 from hetserve.kv.loader import Loaders
 from hetserve.kv.manager import KVCacheManager
 from hetserve.kv.paged import resolve_kv_dtype
+from hetserve.kv.sizing import num_kv_blocks
 from hetserve.kv.tier_policy import CostModel
 from hetserve.kv.tiers import LOAD_POLL_S, TierManager
 from hetserve.model.build import build_model

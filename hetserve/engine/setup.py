@@ -1,22 +1,18 @@
 """What the engine is built from before its first step: the model directory (the embedded demo
-model by default) and the size of the paged KV cache.
+model by default), the state slots and the decode graphs (the KV cache's size:
+`kv/sizing.py`).
 
 Called by `EngineCore.__init__` (and by benchmarks that load the same checkpoint into a peer).
-Failure contract: a KV budget that cannot hold one full-length sequence is an
-`InvalidInputError` naming the fix, raised before any KV memory is allocated.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 
-from hetserve.config import CPU_KV_CAP_BYTES, EngineConfig
-from hetserve.errors import InvalidInputError
+from hetserve.config import EngineConfig
 from hetserve.kv.cache_spec import LayerCacheSpec, has_state
-from hetserve.kv.paged import KVCacheSpec, PagedKVCache
 from hetserve.kv.state_slots import StateSlots
 
 
@@ -40,32 +36,6 @@ def state_slots(cfg: EngineConfig, specs: list[LayerCacheSpec]) -> StateSlots | 
         c.enable_prefix_caching
     )
     return StateSlots(seqs, ckpts, c.state_checkpoint_every)
-
-
-def num_kv_blocks(
-    cfg: EngineConfig,
-    max_model_len: int,
-    spec: KVCacheSpec,
-    dtype: torch.dtype,
-    reserved_bytes: int = 0,
-) -> int:
-    """KV blocks to allocate: `--num-kv-blocks`, else what the byte budget holds after
-    `reserved_bytes` (the state slots), never more than `max_num_seqs` full-length sequences
-    need."""
-    bs = cfg.cache.block_size
-    per_seq = math.ceil(max_model_len / bs)
-    if cfg.cache.num_blocks is not None:
-        n = cfg.cache.num_blocks
-    else:
-        per_block = max(PagedKVCache.bytes_per_block(spec, bs, dtype), 1)
-        budget = (cfg.cache.kv_cache_bytes or CPU_KV_CAP_BYTES) - reserved_bytes
-        n = min(max(budget, 0) // per_block, per_seq * cfg.scheduler.max_num_seqs + 1)
-    if n - 1 < per_seq:
-        raise InvalidInputError(
-            f"KV cache of {n} blocks cannot hold one {max_model_len}-token sequence; "
-            "give more KV memory or a smaller --max-model-len"
-        )
-    return n
 
 
 def graph_options(cfg: EngineConfig, model: torch.nn.Module, max_model_len: int):

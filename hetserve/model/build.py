@@ -74,12 +74,12 @@ def _memory_check(config: EngineConfig):
 
 
 def _kv_estimate(config: EngineConfig, model: CausalLM) -> int:
-    """The KV cache's bytes as EngineCore will size it (engine/setup.py's num_kv_blocks)."""
+    """The KV cache's bytes as EngineCore will size it (kv/sizing.py's num_kv_blocks)."""
     import torch
 
-    from hetserve.engine.setup import num_kv_blocks
     from hetserve.kv.cache_spec import paged_layout
     from hetserve.kv.paged import PagedKVCache, resolve_kv_dtype
+    from hetserve.kv.sizing import num_kv_blocks
 
     mcfg = model.config
     max_len = min(config.max_model_len or mcfg.max_position_embeddings,

@@ -6,7 +6,7 @@ semantics) and a stream of weights under their HF names. Routed experts never wi
 q8_0, q4_K, q5_K, q6_K, IQ4_XS and IQ4_NL tensors stay in their numbers, exactly, each tensor
 in its own type (a layer may mix them: cpu-gguf; all q4_K: cpu-int4; all q8_0: cpu-int8); other
 types are converted at load to the native format of no more bits per weight (q4_K where none
-has so few; quant/gguf_iq.py, convert_target), as are gate and up of different types (both to
+has so few; quant/gguf_convert.py, convert_target), as are gate and up of different types (both to
 the target of the smaller: they share one fused matrix). Linears that the placement serves on
 the int8 kernel (`tensors`' `int8`: all-int8's attention, shared experts, dense MLPs, lm_head)
 go to it per tensor, never as a model-sized fp32 copy: q8_0 and q4_K as they are, any other
@@ -38,7 +38,7 @@ from hetserve.model.gguf_archs import (
 )
 from hetserve.model.gguf_parts import open_parts
 from hetserve.quant.gguf import BITS, KEPT
-from hetserve.quant.gguf_iq import NATIVE_BPW, convert_target, converted, relative_rms
+from hetserve.quant.gguf_convert import NATIVE_BPW, convert_target, converted, relative_rms
 from hetserve.quant.packed import Int8Rows, QMatrix
 
 # GGUF architecture -> (HF architecture, model_type, llama.cpp's norm of the top-k weights)

@@ -152,7 +152,7 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
 
 # GGML types kept as they are for routed experts (cpu-int8, cpu-int4, cpu-gguf read them), by
 # the `gguf` package's type name; and bits per weight of every type, for the loader's summary
-# and the choice of what the others convert to (quant/gguf_iq.py, convert_target).
+# and the choice of what the others convert to (quant/gguf_convert.py, convert_target).
 KEPT = {"Q8_0": q8_0_rows, "Q4_K": q4_k_rows, "Q6_K": q6_k_rows, "Q5_K": q5_k_rows,
         "IQ4_XS": iq4_xs_rows, "IQ4_NL": iq4_nl_rows}  # fmt: skip
 BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8.5, "Q6_K": 6.5625, "Q5_K": 5.5, "Q5_1": 6,

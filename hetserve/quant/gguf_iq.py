@@ -15,7 +15,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from hetserve.quant.packed import Int8Rows, QMatrix, _f16_bits
+from hetserve.quant.packed import QMatrix, _f16_bits
 
 # llama.cpp's 16 non-uniform levels of the 4-bit i-quants (ggml-common.h, kvalues_iq4nl)
 IQ4_LEVELS = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10,
@@ -103,40 +103,3 @@ def iq4_xs_rows(data: np.ndarray) -> IQ4XSRows:
 def iq4_nl_rows(data: np.ndarray) -> IQ4NLRows:
     raw = np.array(data).reshape(*data.shape[:-1], -1, IQ4_NL_BLOCK_BYTES)
     return IQ4NLRows(torch.from_numpy(raw))
-
-
-# Native formats a converted tensor may take, with bits per weight: the kernels' q4_K, q5_K,
-# q6_K super-blocks (rows of whole 256s) and q8_0 (any multiple of 32).
-NATIVE_BPW = {"q4_K": 4.5, "q5_K": 5.5, "q6_K": 6.5625, "q8_0": 8.5}
-
-
-def convert_target(bpw: float, k: int) -> str:
-    """The native format a type of `bpw` bits per weight converts to, for rows of `k` columns:
-    the largest that has no more bits per weight; where none has that few (q2_K, q3_K, IQ3_*,
-    IQ2_*, IQ1_*: below q4_K's 4.5), the smallest, q4_K. Rows off 256 can only take q8_0."""
-    if k % 256:
-        return "q8_0"
-    fits = [f for f, b in NATIVE_BPW.items() if b <= bpw]
-    return max(fits, key=NATIVE_BPW.__getitem__) if fits else "q4_K"
-
-
-def relative_rms(approx: np.ndarray, exact: np.ndarray) -> float:
-    """RMS of approx - exact over the RMS of exact (0 for an all-zero tensor)."""
-    num = float(np.sqrt(np.mean((approx.astype(np.float64) - exact) ** 2)))
-    den = float(np.sqrt(np.mean(exact.astype(np.float64) ** 2)))
-    return num / den if den > 0 else 0.0
-
-
-def converted(w: np.ndarray, target: str) -> QMatrix:
-    """Dequantized weights [.., N, K] -> `target` (convert_target's) rows, round to nearest."""
-    from hetserve.quant.gguf import q4_k_rows, q5_k_rows, q6_k_rows, quantize_q4_k
-    from hetserve.quant.gguf_quants import quantize_q5_k, quantize_q6_k
-
-    k = w.shape[-1]
-    flat = np.ascontiguousarray(w, dtype=np.float32).reshape(-1, k)
-    if target == "q8_0":
-        m = Int8Rows.q8_0(torch.from_numpy(flat))
-        return Int8Rows(m.q.reshape(w.shape), m.scale.reshape(*w.shape[:-1], -1))
-    quantize, rows = {"q4_K": (quantize_q4_k, q4_k_rows), "q5_K": (quantize_q5_k, q5_k_rows),
-                      "q6_K": (quantize_q6_k, q6_k_rows)}[target]  # fmt: skip
-    return rows(quantize(flat).reshape(*w.shape[:-1], -1))

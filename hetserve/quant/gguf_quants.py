@@ -1,6 +1,6 @@
 """Reference q6_K and q5_K quantizers (numpy): plain round-to-nearest into
 llama.cpp's published block formats (ggml-common.h's block_q6_K and block_q5_K): the GGUF
-loader converts types no kernel reads to them (quant/gguf_iq.py), and tests write files and
+loader converts types no kernel reads to them (quant/gguf_convert.py), and tests write files and
 check kernels with them where llama.cpp's own quantizer is not at hand. They are not llama.cpp's
 search for the best scales; what matters here is that the bytes are valid blocks, which tests
 check against the `gguf` package's dequantizer."""

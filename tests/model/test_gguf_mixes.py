@@ -17,7 +17,7 @@ gguf = pytest.importorskip("gguf")
 
 from hetserve import LLM  # noqa: E402
 from hetserve.native import native_unavailable_reason  # noqa: E402
-from hetserve.quant.gguf_iq import converted, relative_rms  # noqa: E402
+from hetserve.quant.gguf_convert import converted, relative_rms  # noqa: E402
 from hetserve.testing.ggml_quant import ggml_unavailable_reason  # noqa: E402
 from hetserve.testing.tiny_gguf import _write_reference, write_gguf  # noqa: E402
 
@@ -138,7 +138,7 @@ def test_low_bit_blocks_convert_to_q4_k(kind):
     """Every low type, llama.cpp's own blocks: q4_K rows whose error against the file's numbers
     is what the loader states (measured 0.04-0.08 relative RMS on these random weights)."""
     from hetserve.quant.gguf import BITS
-    from hetserve.quant.gguf_iq import convert_target
+    from hetserve.quant.gguf_convert import convert_target
     from hetserve.quant.packed import Q4KRows
     from hetserve.testing.ggml_quant import ggml_quantize
 
@@ -176,7 +176,7 @@ def test_low_bit_types_convert_to_q4_k_with_their_error_stated(tiny_model, tmp_p
 
 def test_conversion_targets_have_no_more_bits_where_one_exists():
     from hetserve.quant.gguf import BITS
-    from hetserve.quant.gguf_iq import NATIVE_BPW, convert_target
+    from hetserve.quant.gguf_convert import NATIVE_BPW, convert_target
 
     expected = {"Q5_0": "q5_K", "Q5_1": "q5_K", "Q4_0": "q4_K", "Q4_1": "q4_K", "F32": "q8_0",
                 "F16": "q8_0", "Q3_K": "q4_K", "Q2_K": "q4_K", "IQ2_XXS": "q4_K"}  # fmt: skip
