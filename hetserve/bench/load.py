@@ -204,9 +204,15 @@ def _grown(r: dict) -> int:
     return r["after"]["VmRSS"] - r["before"]["VmRSS"]
 
 
+HEADERS = ["system", "disk MiB", "weights s", "ready s", "4 tokens s", "resident MiB",
+           "grown MiB", "file MiB", "peak MiB", "peak/res", "res/bound",
+           "res vs llama.cpp", "grown vs llama.cpp", "weights s vs llama.cpp",
+           "4 tokens s vs llama.cpp"]  # fmt: skip
+
+
 def _row(r: dict, peer: dict | None) -> list:
-    if "error" in r:
-        return [r["system"], "not run"] + [None] * 14
+    if "error" in r:  # a system that could not run (llama.cpp not installed): its name only
+        return [r["system"], "not run"] + [None] * (len(HEADERS) - 2)
     q, after = r["ratios"], r["after"]
 
     def rnd(v: float | None) -> float | None:
@@ -244,11 +250,7 @@ def run(args: argparse.Namespace) -> int:
     peer = results[-1]
     for r in results:
         r["ratios"] = ratios(r, peer)
-    headers = ["system", "disk MiB", "weights s", "ready s", "4 tokens s", "resident MiB",
-               "grown MiB", "file MiB", "peak MiB", "peak/res", "res/bound",
-               "res vs llama.cpp", "grown vs llama.cpp", "weights s vs llama.cpp",
-               "4 tokens s vs llama.cpp"]  # fmt: skip
-    print_table(headers, [_row(r, peer) for r in results])
+    print_table(HEADERS, [_row(r, peer) for r in results])
     for r in results:
         if "error" in r:
             print(f"{r['system']}: not run: {r['error']}")

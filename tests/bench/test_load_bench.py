@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from hetserve.bench.load import _measure
+from hetserve.bench.load import HEADERS, _measure, _row
 from hetserve.cli import main
 from hetserve.testing.tiny_gguf import write_gguf
 
@@ -54,6 +54,8 @@ def test_llama_cpp_missing_is_a_row_with_the_reason(tmp_path, monkeypatch):
     args = argparse.Namespace(rounds=1, threads=1, context=64)
     got = _measure("llama.cpp", gguf, None, args)
     assert got["error"].startswith("llama-cpp-python is not installed")
+    row = _row(got, None)  # the table's row for it: as wide as the table (CI, with no peer)
+    assert len(row) == len(HEADERS) and row[:2] == ["llama.cpp", "not run"]
 
 
 def test_bad_options_exit_2_with_one_line(tmp_path, capsys):
