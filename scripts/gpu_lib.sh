@@ -19,14 +19,15 @@ cd "$ROOT"
 
 usage() {
     echo "usage: $0 RESULTS_DIR [--dry-run] [--python PATH] [--budget SECONDS]" \
-        "[--model-dir DIR] [--layers N]" >&2
+        "[--model-dir DIR] [--layers N] [--skip-pytest]" >&2
     exit 2
 }
 
-RESULTS="" DRY=0 PY="${HETSERVE_PYTHON:-}" BUDGET=600 MODEL_DIR="" LAYERS=27
+RESULTS="" DRY=0 SKIP_PYTEST=0 PY="${HETSERVE_PYTHON:-}" BUDGET=600 MODEL_DIR="" LAYERS=27
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY=1 ;;
+        --skip-pytest) SKIP_PYTEST=1 ;;
         --python) shift; [ $# -gt 0 ] || usage; PY="$1" ;;
         --budget) shift; [ $# -gt 0 ] || usage; BUDGET="$1" ;;
         --model-dir) shift; [ $# -gt 0 ] || usage; MODEL_DIR="$1" ;;

@@ -7,6 +7,7 @@
 # scripts/gpu_bench_long.sh, a second 10-minute run.
 #
 #   scripts/gpu_suite.sh RESULTS_DIR [--dry-run] [--python PATH] [--budget S] [--layers N]
+#       [--skip-pytest]   (the benchmarks alone, when the tests ran in a call of their own)
 #
 # How Python is found, the budget, the files written: scripts/gpu_lib.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_lib.sh"
@@ -28,7 +29,7 @@ fi
 
 env_step
 mapfile -t GPU_TESTS < <(grep -rl --include='test_*.py' 'mark.gpu' tests | sort)
-step pytest-gpu 180 "$PY" -m pytest -q -m gpu -rs "${PYTEST_MODE[@]}" \
+[ "$SKIP_PYTEST" = 1 ] || step pytest-gpu 180 "$PY" -m pytest -q -m gpu -rs "${PYTEST_MODE[@]}" \
     --junitxml "$RESULTS/pytest-gpu.xml" "${GPU_TESTS[@]}"
 model_step
 step calibrate 90 "${HS[@]}" calibrate --model "$MODEL_DIR" --device "$DEVICE" \

@@ -211,6 +211,9 @@ class BlockIO:
         if not self.on_device:
             return [self._byte_views(b) for b in block_ids]
         stream = self._streams["save"]
+        # After the kernels that wrote these blocks, whichever thread asks (streams are per
+        # thread: a saver thread's current stream is not the engine's).
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
         staged = self._pinned_parts(buffers, len(block_ids))
         with torch.cuda.stream(stream):
             for b, parts in zip(block_ids, staged, strict=True):

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,10 +50,20 @@ def max_deferral(top_k: int) -> int:
     return max(0, top_k - MIN_ON_TIME_EXPERTS)
 
 
-def _run_experts(experts, x, weights, ids, phase) -> torch.Tensor:
-    """Routed experts on a side thread (deferral or overlap)."""
-    with torch.inference_mode():  # thread-local: the engine thread's mode does not carry over
+def _run_experts(experts, x, weights, ids, phase, stream=None) -> torch.Tensor:
+    """Routed experts, on a side thread for deferral or overlap. `stream`: the submitting
+    thread's CUDA stream. Current streams are per thread, so without it the side thread's
+    copies of the router's output would be ordered on the default stream, not after the kernels
+    that compute it (seen on an H200: a graph capture's warm-up, on a side stream, handed the
+    host experts ids read before they were written)."""
+    # Both are thread-local: the engine thread's inference mode and stream do not carry over.
+    with torch.inference_mode(), torch.cuda.stream(stream):
         return experts(x, weights, ids, phase)
+
+
+def _submit(pool: ThreadPoolExecutor, experts, x, weights, ids, phase) -> Future:
+    stream = torch.cuda.current_stream(x.device) if x.is_cuda else None
+    return pool.submit(_run_experts, experts, x, weights, ids, phase, stream)
 
 
 class FusedExperts(nn.Module):
@@ -193,9 +203,7 @@ class SparseMoE(nn.Module):
             topk_weights, topk_ids = topk_weights.gather(1, order), topk_ids.gather(1, order)
             late_w, late_ids = topk_weights[:, -d:], topk_ids[:, -d:]
             topk_weights, topk_ids = topk_weights[:, :-d], topk_ids[:, :-d]
-            ctx.deferred = _deferral_pool().submit(
-                _run_experts, self.experts, x, late_w, late_ids, phase
-            )
+            ctx.deferred = _submit(_deferral_pool(), self.experts, x, late_w, late_ids, phase)
         host_call = None if ctx is None else ctx.host_call
         if host_call is not None:
             # Capturing a CUDA graph: routed experts are either on the host or data-dependent
@@ -207,9 +215,7 @@ class SparseMoE(nn.Module):
         routed = None
         if self.experts.is_remote(phase):
             # Routed experts on the host thread pool while the shared experts run here.
-            routed = _overlap_pool().submit(
-                _run_experts, self.experts, x, topk_weights, topk_ids, phase
-            )
+            routed = _submit(_overlap_pool(), self.experts, x, topk_weights, topk_ids, phase)
         shared = self._shared(x)
         if routed is None:
             return self.experts(x, topk_weights, topk_ids, phase) + shared

@@ -107,15 +107,20 @@ def test_enforce_eager_and_cpu_build_no_graphs(tiny_model):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("placement", ["device", "hybrid"])
-def test_cuda_graphs_match_eager(tiny_model, placement):
-    """hybrid: routed experts on the host split every graph (one host call per MoE layer)."""
-    path = tiny_model("qwen3-moe", lm_head_scale=8.0)
+@pytest.mark.parametrize(
+    "family,placement",
+    [("qwen3-moe", "device"), ("qwen3-moe", "hybrid"), ("deepseek-v3", "hybrid")],
+)
+def test_cuda_graphs_match_eager(tiny_model, family, placement):
+    """hybrid: routed experts on the host split every graph (one host call per MoE layer);
+    deepseek-v3's shared experts overlap them from another thread. In fp32: in bf16 the padded
+    bucket's other GEMM shapes alone flip greedy tokens of these scaled-logit models."""
+    path = tiny_model(family, lm_head_scale=8.0)
     ids = [list(range(10 + i, 30 + 3 * i)) for i in range(5)]  # 5 sequences: bucket 8
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=1, ignore_eos=True)
     outs = {}
     for eager in (True, False):
-        llm = LLM(path, device="cuda", placement=placement, enforce_eager=eager)
+        llm = LLM(path, device="cuda", dtype="float32", placement=placement, enforce_eager=eager)
         outs[eager] = llm.generate(prompt_token_ids=ids, sampling_params=params)
         graphs = llm.engine.runner.graphs
         assert (graphs is None) if eager else (graphs.forwards > 0 and graphs._graphs)
@@ -124,4 +129,4 @@ def test_cuda_graphs_match_eager(tiny_model, placement):
         assert e.token_ids == g.token_ids
         le = torch.tensor([d[t].logprob for d, t in zip(e.logprobs, e.token_ids, strict=True)])
         lg = torch.tensor([d[t].logprob for d, t in zip(g.logprobs, g.token_ids, strict=True)])
-        torch.testing.assert_close(lg, le, rtol=0, atol=2e-2)  # bf16: same kernels, replayed
+        torch.testing.assert_close(lg, le, rtol=0, atol=1e-3)
