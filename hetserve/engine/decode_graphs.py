@@ -140,7 +140,11 @@ class StaticDecodeInputs:
 
     def context(self, kv, window: int | None) -> ForwardContext:
         decode = DecodeBatch(self.rows, self.tables, self.lens, self.block_size, window)
-        meta = AttentionMetadata(self.positions, self.slots, [], decode, window)
+        # A new view of the static positions per forward: rotary layers look their angles up
+        # once per positions tensor (by identity), and this buffer is refilled in place, so the
+        # buffer itself would hand every step the first step's angles (seen on an H200: decode
+        # through CUDA graphs left eager's greedy tokens at the second step).
+        meta = AttentionMetadata(self.positions.view(-1), self.slots, [], decode, window)
         return ForwardContext(meta, kv)
 
 

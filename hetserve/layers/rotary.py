@@ -153,7 +153,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # Every layer (q and k) of a forward rotates at the same positions tensor: look the
-        # angles up once. Holding `positions` keeps the identity test sound.
+        # angles up once. Holding `positions` keeps the identity test sound, as long as no
+        # one refills a positions tensor in place between forwards (decode_graphs.py hands
+        # each forward a new view of its static buffer).
         cached = self._angles
         if cached is not None and cached[0] is positions:
             cos, sin = cached[1], cached[2]
