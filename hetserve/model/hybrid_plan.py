@@ -80,7 +80,10 @@ def plan_placement(
 ) -> HybridPlan:
     units = placeable_units(model)
     cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    placement = place(units.keys(), rules, cuda)
+    # `device: auto` is the engine's device: a CPU engine on a machine with a GPU (training
+    # with experts on the CPU, `--device cpu`) keeps everything else on the CPU too.
+    auto = "cpu" if accelerator.type == "cpu" else None
+    placement = place(units.keys(), rules, cuda, auto_device=auto)
     for name, module in units.items():
         if not isinstance(module, FusedExperts) and placement.devices_of(name) != [
             str(accelerator)

@@ -242,10 +242,11 @@ def _human(n: int) -> str:
     return str(n)
 
 
-def resolve_device(device: str, cuda_device_count: int) -> str | None:
-    """`auto` -> cuda or cpu; None when the device does not exist on this machine."""
+def resolve_device(device: str, cuda_device_count: int, auto: str | None = None) -> str | None:
+    """`auto` -> the engine's device where given (`auto`), else cuda or cpu; None when the
+    device does not exist on this machine."""
     if device == "auto":
-        return "cuda" if cuda_device_count > 0 else "cpu"
+        return auto or ("cuda" if cuda_device_count > 0 else "cpu")
     if device == "cpu":
         return device
     index = int(device.split(":")[1]) if ":" in device else 0
@@ -256,10 +257,12 @@ def place(
     modules: Iterable[str],
     rules: list[PlacementRule] | None = None,
     cuda_device_count: int | None = None,
+    auto_device: str | None = None,
 ) -> Placement:
-    """Apply `rules` (default: `default_rules()`) to module names. Raises PlacementError naming
-    the rule for a rule that matches nothing or a device that does not exist, and naming the
-    module for one left unplaced."""
+    """Apply `rules` (default: `default_rules()`) to module names; `auto_device`: what a rule's
+    `device: auto` means (the engine's device; default cuda where there is one, else cpu).
+    Raises PlacementError naming the rule for a rule that matches nothing or a device that
+    does not exist, and naming the module for one left unplaced."""
     if rules is None:
         rules = default_rules()
     if cuda_device_count is None:
@@ -277,7 +280,7 @@ def place(
         for phase in PHASES:
             for rule in rules:
                 if phase in rule.phases and rule.matches(module):
-                    device = resolve_device(rule.device, cuda_device_count)
+                    device = resolve_device(rule.device, cuda_device_count, auto_device)
                     if device is None:
                         raise PlacementError(
                             f"placement rule {rule.name!r}: device {rule.device!r} does not "

@@ -27,6 +27,9 @@ def test_defaults_put_routed_experts_on_cpu_int8_and_the_rest_on_the_accelerator
     assert p.get("model.layers.2.mlp.shared_experts").device == "cuda"
     assert p.get("lm_head", "prefill").device == "cuda"
     assert place(MODULES, cuda_device_count=0).get("lm_head").device == "cpu"
+    # An engine on the CPU of a machine with a GPU (training with experts on the CPU, found on
+    # an H200): `auto` is the engine's device, not the GPU.
+    assert place(MODULES, cuda_device_count=1, auto_device="cpu").get("lm_head").device == "cpu"
 
 
 def test_mixtral_names_and_dense_models_under_defaults():
