@@ -27,7 +27,7 @@ the Conductor read; `profile_to_dict` / `profile_from_dict`, the only I/O in `sa
 `load_profile`):
 
     {"format": "hetserve-profile", "version": 1, "name": "8xA800 llama3-70b",
-     "kv_bytes_per_token": 327680,
+     "kv_bytes_per_token": 327680, "state_bytes_per_request": 0,
      "prefill": {"c0": 0.01, "c1": 9.5e-05, "c2": 4.2e-09, "fit_error": 0.03},
      "decode": {"d0": 0.0124, "d1": 5.7e-05, "d2": 2.9e-08, "fit_error": 0.02},
      "tiers": {"dram": {"latency_s": 0.0, "bandwidth": 1.28e11},
@@ -37,8 +37,9 @@ the Conductor read; `profile_to_dict` / `profile_from_dict`, the only I/O in `sa
      "samples": {"prefill": [[new, cached, seconds], ...], "decode": [[batch, context, s], ...]},
      "machine": {...}}
 
-Seconds and bytes per second throughout. `fit_error`, `capacity`, `delivery`, `samples` and
-`machine` are optional (`machine` is free-form, for people); any other key, a missing one, or
+Seconds and bytes per second throughout. `state_bytes_per_request` (a hybrid model's
+recurrent state of one sequence, moved with every load and hand-off; written where not 0),
+`fit_error`, `capacity`, `delivery`, `samples` and `machine` are optional (`machine` is free-form, for people); any other key, a missing one, or
 a negative or non-numeric value is a ValueError naming the field.
 """
 
@@ -108,6 +109,14 @@ class InstanceProfile:
     prefill_fit_error: float | None = None  # mean relative error on held-out samples
     decode_fit_error: float | None = None
     delivery: DeliveryFit | None = None  # None: an engine-only profile (nothing added)
+    # Hybrid (linear-attention) models: one sequence's recurrent state, whatever its length.
+    # A cached prefix resumes from its state checkpoint, read with the prefix's KV; a hand-off
+    # carries the request's state beside its KV. 0 for attention-only models.
+    state_bytes_per_request: int = 0
+
+    def kv_bytes(self, tokens: int) -> int:
+        """What `tokens` tokens of one request occupy and move: their KV, plus the state."""
+        return tokens * self.kv_bytes_per_token + self.state_bytes_per_request
 
     def delivery_seconds(self, tokens: int) -> float:
         """What the client waits beyond the prefill compute for a prompt of `tokens`."""
@@ -120,7 +129,7 @@ class InstanceProfile:
         cost = self.tiers.get(tier)
         if cost is None:
             return None
-        return cost.load_time(tokens * self.kv_bytes_per_token)
+        return cost.load_time(self.kv_bytes(tokens))
 
 
 def _lstsq(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
@@ -193,13 +202,13 @@ def held_out(
 PROFILE_FORMAT = "hetserve-profile"
 PROFILE_VERSION = 1
 _PROFILE_KEYS = {"format", "version", "name", "kv_bytes_per_token", "prefill", "decode", "tiers"}
-_PROFILE_OPTIONAL = {"capacity", "delivery", "samples", "machine"}
+_PROFILE_OPTIONAL = {"capacity", "delivery", "samples", "machine", "state_bytes_per_request"}
 
 
 def profile_to_dict(profile: InstanceProfile, **extra: Any) -> dict[str, Any]:
     """The JSON form of `profile`; `extra` adds the optional sections (`capacity`,
     `samples`, `machine`; `delivery` comes from the profile itself)."""
-    unknown = set(extra) - (_PROFILE_OPTIONAL - {"delivery"})
+    unknown = set(extra) - (_PROFILE_OPTIONAL - {"delivery", "state_bytes_per_request"})
     if unknown:
         raise ValueError(f"profile: unknown section(s) {sorted(unknown)}")
     p, d = profile.prefill, profile.decode
@@ -225,6 +234,8 @@ def profile_to_dict(profile: InstanceProfile, **extra: Any) -> dict[str, Any]:
             for t, c in profile.tiers.items()
         },
     }
+    if profile.state_bytes_per_request:
+        out["state_bytes_per_request"] = profile.state_bytes_per_request
     if profile.delivery is not None:
         v = profile.delivery
         out["delivery"] = {
@@ -276,7 +287,17 @@ def profile_from_dict(data: Mapping[str, Any]) -> InstanceProfile:
         prefill_fit_error=_opt_num(pre, "fit_error", "profile.prefill.fit_error"),
         decode_fit_error=_opt_num(dec, "fit_error", "profile.decode.fit_error"),
         delivery=_delivery(data),
+        state_bytes_per_request=_state_bytes(data),
     )
+
+
+def _state_bytes(data: Mapping[str, Any]) -> int:
+    if "state_bytes_per_request" not in data:
+        return 0
+    n = _num(data, "state_bytes_per_request", "profile.state_bytes_per_request")
+    if n < 0:
+        raise ValueError("profile.state_bytes_per_request: must be >= 0")
+    return int(n)
 
 
 def _delivery(data: Mapping[str, Any]) -> DeliveryFit | None:

@@ -141,9 +141,11 @@ def measure(
     dec, dec_err = held_out(out.decode, fit_decode)
     tiers = policy_tiers(engine.tiers) if engine.tiers is not None else {}
     kv_per_token = _kv_bytes_per_block(engine) // bs
+    state = engine.runner.state  # linear-attention layers' per-sequence state (None: none)
     profile = InstanceProfile(
-        engine.model_dir.name, pre, dec, kv_per_token, tiers, pre_err, dec_err
-    )
+        engine.model_dir.name, pre, dec, kv_per_token, tiers, pre_err, dec_err,
+        state_bytes_per_request=0 if state is None else state.nbytes() // state.num_slots,
+    )  # fmt: skip
     return profile, out
 
 

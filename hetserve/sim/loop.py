@@ -227,7 +227,7 @@ class Simulation:
             job.finish = now  # the prefill gave the only token: nothing to decode
             return
         hw = self.prefill[p].hw
-        kv = job.input_length * hw.profile.kv_bytes_per_token
+        kv = hw.profile.kv_bytes(job.input_length)  # the recurrent state too (hybrid models)
         # Streamed while the prefix loaded and the new tokens computed: only the rest waits.
         left = max(hw.handoff.latency_s, hw.handoff.load_time(kv) - job.load_s - job.compute_s)
         self._push(now + left, KV_ARRIVED, job.idx)

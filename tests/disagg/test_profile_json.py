@@ -97,3 +97,34 @@ def test_fit_delivery_recovers_a_line_and_needs_two_samples():
     assert min(fit_delivery([(16, -0.002), (2048, 0.001)]).__dict__.values()) >= 0
     with pytest.raises(ValueError, match="at least 2"):
         fit_delivery([(16, 0.01)])
+
+
+def test_a_hybrid_models_state_rides_with_every_load_and_hand_off():
+    """Linear-attention models: a prefix resumes from its state checkpoint, read with its KV,
+    so a load costs the state's bytes beside the tokens'; the field round-trips and is
+    written only where it is not zero."""
+    hybrid = replace(PROFILE, state_bytes_per_request=75 << 20)
+    assert hybrid.kv_bytes(100) == 100 * 327680 + (75 << 20)
+    dram = PROFILE.tiers["dram"]
+    assert hybrid.load_seconds("dram", 100) == pytest.approx(dram.load_time(hybrid.kv_bytes(100)))
+    assert hybrid.load_seconds("dram", 100) > PROFILE.load_seconds("dram", 100)
+    assert hybrid.load_seconds("dram", 0) == 0.0  # nothing cached: nothing read
+    assert profile_from_dict(json.loads(json.dumps(profile_to_dict(hybrid)))) == hybrid
+    assert "state_bytes_per_request" not in profile_to_dict(PROFILE)
+    data = profile_to_dict(hybrid)
+    data["state_bytes_per_request"] = -1
+    with pytest.raises(ValueError, match="profile.state_bytes_per_request"):
+        profile_from_dict(data)
+
+
+def test_the_profiler_counts_one_sequences_state(tiny_model):
+    from hetserve import LLM
+    from hetserve.disagg.profiler import Plan, measure
+
+    for family, has_state in (("qwen3-next", True), ("qwen3-moe", False)):
+        engine = LLM(str(tiny_model(family)), max_model_len=160, placement="device").engine
+        profile, _ = measure(engine, Plan((32, 64), (0, 32), (1, 2), (64,), 2, 1))
+        state = engine.runner.state
+        want = sum(t[0].nbytes for layer in state.layers for t in layer) if has_state else 0
+        assert profile.state_bytes_per_request == want
+        assert (want > 0) == has_state
