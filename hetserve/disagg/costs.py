@@ -39,8 +39,9 @@ the Conductor read; `profile_to_dict` / `profile_from_dict`, the only I/O in `sa
 
 Seconds and bytes per second throughout. `state_bytes_per_request` (a hybrid model's
 recurrent state of one sequence, moved with every load and hand-off; written where not 0),
-`fit_error`, `capacity`, `delivery`, `samples` and `machine` are optional (`machine` is free-form, for people); any other key, a missing one, or
-a negative or non-numeric value is a ValueError naming the field.
+`fit_error`, `capacity`, `delivery`, `samples` and `machine` are optional (`machine` is
+free-form, for people); any other key, a missing one, or a negative or non-numeric value is a
+ValueError naming the field.
 """
 
 from __future__ import annotations
