@@ -15,7 +15,7 @@ The header names the format (`"format": "hetserve-kernel-layout"`), `version` (L
 the byte order the kernels read; bumped whenever cpu_native.py's layout changes), the quant
 (`int8` / `int4`), the kernel format number and group size, the ISA of the writer's kernels
 (information only: every ISA build reads the same layout), and per module its sizes, padded
-sizes and tensors (dtype, shape, offset, bytes, CRC-32).
+sizes and tensors (dtype, shape, offset, bytes, xxh3-64 digest; CRC-32 in older files).
 
 Pure: this module validates headers and plans offsets; it reads and writes no files. A header
 that does not parse, names another version, or puts a tensor outside the file is a
@@ -100,9 +100,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise ValueError(f"no kernel-layout dtype for {dtype}")
 
 
-def tensor_entry(name: str, t: torch.Tensor, offset: int, crc: int) -> dict[str, Any]:
+def tensor_entry(name: str, t: torch.Tensor, offset: int, xxh3: int) -> dict[str, Any]:
+    """`xxh3`: the tensor's bytes' xxh3-64 digest (files written before 2026-11-26 carry a
+    `crc32` instead; the reader checks whichever is there)."""
     return {"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
-            "offset": offset, "nbytes": t.nbytes, "crc32": crc}  # fmt: skip
+            "offset": offset, "nbytes": t.nbytes, "xxh3": xxh3}  # fmt: skip
 
 
 def module_entry(layout: KernelLayout, tensors: list[dict[str, Any] | None]) -> dict[str, Any]:

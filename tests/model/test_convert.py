@@ -166,3 +166,28 @@ def test_kernel_layout_refuses_another_backends_format(tiny_model, tmp_path):
             create_backend(name, weights, **opts)
     with pytest.raises(InvalidInputError, match="--layout portable"):
         weights.expert(0)  # nothing else reads the kernels' bytes
+
+
+def test_files_with_crc32_digests_still_load_and_are_checked(tiny_model, tmp_path, monkeypatch):
+    """Kernel files written before the xxh3-64 digests carry CRC-32s: the reader checks those."""
+    import types
+    import zlib
+
+    from hetserve.model import kernel_file
+    from hetserve.quant.kernel_file import tensor_entry
+
+    def old_entry(name, t, offset, digest):
+        entry = tensor_entry(name, t, offset, digest)
+        entry["crc32"] = entry.pop("xxh3")
+        return entry
+
+    monkeypatch.setattr(kernel_file, "xxhash", types.SimpleNamespace(xxh3_64_intdigest=zlib.crc32))
+    monkeypatch.setattr(kernel_file, "tensor_entry", old_entry)
+    src = tiny_model("qwen3-moe", overrides={"moe_intermediate_size": 64})
+    out = convert(src, tmp_path / "k", "int8")
+    monkeypatch.undo()
+    assert b'"crc32"' in (out / "experts-int8.hsk").read_bytes()[:65536]
+    LLM(out, placement="device")  # verified and served
+    _corrupt(out / "experts-int8.hsk", "flip")
+    with pytest.raises(ModelLoadError, match="crc32"):
+        LLM(out, placement="device")
