@@ -66,8 +66,9 @@ def _mooncake(receiver, data: memoryview):
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     serve_receiver(start_engine("127.0.0.1"), "127.0.0.1", receiver)
     te = start_engine("127.0.0.1")
-    register(te, ctypes.addressof(ctypes.c_char.from_buffer(data.obj)), data.nbytes)
-    return MooncakePath(te, "")
+    sent = (ctypes.addressof(ctypes.c_char.from_buffer(data.obj)), data.nbytes)
+    register(te, *sent)
+    return MooncakePath(te, "", [sent])
 
 
 def run(args: argparse.Namespace) -> int:

@@ -65,9 +65,10 @@ def open_handoff(
                     "--handoff-mooncake hands off from host memory here (TCP); with the KV "
                     "cache on an accelerator use --handoff-path direct or store"
                 )
-            for t in io.tensors:  # the engine reads the blocks where they are
-                register(te, t.data_ptr(), t.nbytes)
-            mooncake = MooncakePath(te, token)
+            registered = [(t.data_ptr(), t.nbytes) for t in io.tensors]
+            for address, nbytes in registered:  # the engine reads the blocks where they are
+                register(te, address, nbytes)
+            mooncake = MooncakePath(te, token, registered)
         out.sender = HandoffSender(
             kv,
             io,

@@ -60,10 +60,33 @@ def _address(view: memoryview) -> int:
 class MooncakePath:
     name = "mooncake"
 
-    def __init__(self, te: Any, token: str) -> None:
-        self.te, self.token = te, token
+    def __init__(self, te: Any, token: str, registered: list[tuple[int, int]]) -> None:
+        """`registered`: (address, bytes) of the memory registered with `te` at start-up (the
+        KV tensors); a part outside it (a linear-attention state's snapshot) is registered for
+        the transfer and unregistered after it, as RDMA needs of every source."""
+        self.te, self.token, self.registered = te, token, registered
+
+    def _inside(self, address: int, nbytes: int) -> bool:
+        return any(a <= address and address + nbytes <= a + n for a, n in self.registered)
 
     def send(self, manifest: Manifest, blocks: Blocks, peer: str) -> None:
+        extra = {
+            (_address(p), p.nbytes)
+            for parts in blocks
+            for p in parts
+            if p.nbytes and not self._inside(_address(p), p.nbytes)
+        }
+        done: list[int] = []
+        try:
+            for address, nbytes in extra:
+                register(self.te, address, nbytes)
+                done.append(address)
+            self._send(manifest, blocks, peer)
+        finally:
+            for address in done:
+                self.te.unregister_memory(address)
+
+    def _send(self, manifest: Manifest, blocks: Blocks, peer: str) -> None:
         host, port = _split(peer)
         control = FrameClient(host, port, self.token)
         try:

@@ -197,10 +197,19 @@ def test_a_link_failing_mid_way_is_finished_over_the_others(engines, monkeypatch
     assert failed and got.num_cached_tokens == len(PROMPT) - 1
 
 
-def test_mooncake_transfer_engine_handoff_equals_colocated(tiny_model, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3-moe", "qwen3-next"])
+def test_mooncake_transfer_engine_handoff_equals_colocated(tiny_model, monkeypatch, family):
+    """qwen3-next: the linear-attention state rides after the blocks through the engine too."""
     pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine is not installed")
     monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    model = tiny_model("qwen3-moe")
+    from hetserve.kv import handoff_mooncake
+
+    registered = []
+    real = handoff_mooncake.register
+    monkeypatch.setattr(
+        handoff_mooncake, "register", lambda te, a, n: (registered.append((a, n)), real(te, a, n))
+    )
+    model = tiny_model(family)
     colocated = EngineCore(config(model))
     prefill = EngineCore(config(model, role="prefill", handoff_mooncake=True))
     decode = EngineCore(config(model, role="decode", handoff_mooncake=True))
@@ -210,6 +219,8 @@ def test_mooncake_transfer_engine_handoff_equals_colocated(tiny_model, monkeypat
         same(got, want)
         assert got.num_cached_tokens == len(PROMPT) - 1
         assert prefill.stats().handoff.sent.get("mooncake") == 1
+        if family == "qwen3-next":  # the state's snapshot was registered for the transfer
+            assert registered[-1][1] == prefill.handoff.sender.state_io.slot_bytes
     finally:
         for e in (colocated, prefill, decode):
             e.close()
