@@ -8,8 +8,9 @@ The mapping is read-only and shared (mmap ACCESS_READ: PROT_READ, MAP_SHARED), s
 are the page cache's: every process serving the file on this host shares one copy, a restart
 finds them still cached, and the kernels cannot write into them (a stray write faults). Each
 tensor's digest (xxh3-64; CRC-32 in files written before it) is checked when its module is
-mapped (~12 GB/s on one core here, and the pages read stay cached for the first forward); a mismatch, a truncated file or a missing module is a
-ModelLoadError of one line naming the tensor.
+mapped (~12 GB/s on one core here, and the pages read stay cached for the first forward);
+a mismatch, a truncated file or a missing module is a ModelLoadError of one line naming the
+tensor.
 """
 
 from __future__ import annotations
