@@ -89,6 +89,74 @@ def prefill_tokens_per_s(llm, prompt: list[int], repeats: int) -> float:
     return len(prompt) / best
 
 
+class _Timed:
+    """Wraps a backend's `forward` (an instance attribute shadowing the method) and sums the
+    seconds spent in it; `undo` puts the method back."""
+
+    def __init__(self, backend) -> None:
+        self.backend, self.seconds, self.calls = backend, 0.0, 0
+        inner = backend.forward
+
+        def forward(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+
+        backend.forward = forward
+
+    def undo(self) -> None:
+        del self.backend.forward
+
+
+def decode_breakdown(llm, cfg: dict, prompt: list[int], tokens: int) -> dict:
+    """Where a batch-1 decode step's time goes: the routed experts' host calls (the bridge to
+    the CPU, its waits and copies included, where the experts sit elsewhere than the
+    activations) and, inside them, the CPU experts kernels; per token, and the kernels' read
+    rate (the step's expert bytes over the kernels' own time). What tells a slow kernel from an
+    overhead around it when the experts read a small share of the bandwidth."""
+    from hetserve import SamplingParams
+    from hetserve.bench.weight_bytes import expert_bytes_per_token
+
+    params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0, ignore_eos=True)
+    llm.generate(prompt_token_ids=[prompt], sampling_params=params)  # warm (graphs captured)
+    outer, inner = [], []
+    for _, experts in llm.model.routed_experts():
+        backend = (experts._phase_backends or {}).get("decode")
+        if backend is None:
+            continue
+        outer.append(_Timed(backend))
+        if getattr(backend, "inner", None) is not None:  # DeviceBridge: the CPU kernels inside
+            inner.append(_Timed(backend.inner))
+    one = SamplingParams(max_tokens=1, temperature=0)
+    try:
+        t0 = time.perf_counter()
+        llm.generate(prompt_token_ids=[prompt], sampling_params=one)
+        prefill = time.perf_counter() - t0
+        for t in outer + inner:
+            t.seconds, t.calls = 0.0, 0
+        t0 = time.perf_counter()
+        llm.generate(prompt_token_ids=[prompt], sampling_params=params)
+        total = time.perf_counter() - t0 - prefill  # the decode steps' share, roughly
+    finally:
+        for t in outer + inner:
+            t.undo()
+    steps = max(tokens - 1, 1)
+    host = sum(t.seconds for t in outer) / steps
+    kernels = sum(t.seconds for t in (inner or outer)) / steps
+    step = total / steps
+    nbytes = expert_bytes_per_token(cfg)["bytes_per_token"]
+    return {
+        "step_ms": 1e3 * step,
+        "experts_host_calls_ms": 1e3 * host,
+        "experts_kernels_ms": 1e3 * kernels,
+        "rest_ms": 1e3 * (step - host),
+        "kernels_gbps": nbytes / kernels / 1e9 if kernels > 0 else None,
+    }
+
+
 def _decode_rows(llm, args, batches, vocab: int, label: str, defer: list[int]) -> list[dict]:
     rows = []
     runner = llm.engine.runner
@@ -140,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
     vocab = llm.model.config.vocab_size
     device = str(next(llm.model.parameters()).device)
     decode = _decode_rows(llm, args, batches, vocab, "hybrid", defer)
+    breakdown = decode_breakdown(llm, cfg, _prompts(vocab, 1, args.prompt_len)[0], args.tokens)
     prefill = [
         {"prompt_len": n, "tokens_per_s": prefill_tokens_per_s(llm, _prompts(vocab, 1, n)[0], 1)}
         for n in lens
@@ -157,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
         gc.collect()
     peer = _peer(args, vocab) if not args.skip_peer else {"skipped": "--skip-peer"}
     report = build_report(args, cfg, device, bandwidth, decode, prefill, peer)
+    report["decode_breakdown_batch1"] = breakdown
     print_report(report)
     write_json(args.json, report)
     return 0
@@ -244,6 +314,12 @@ def print_report(report: dict) -> None:
     frac = report["experts_bandwidth_fraction_batch1"]
     print(f"experts at batch 1: {report['experts_gbps_batch1'] or 0:.2f} GB/s, "
           f"{frac or 0:.2f} of the read bandwidth")  # fmt: skip
+    br = report.get("decode_breakdown_batch1")
+    if br:
+        print(f"batch-1 decode step {br['step_ms']:.2f} ms: routed experts' host calls "
+              f"{br['experts_host_calls_ms']:.2f} ms, of it the CPU kernels "
+              f"{br['experts_kernels_ms']:.2f} ms ({br['kernels_gbps'] or 0:.1f} GB/s); "
+              f"the rest {br['rest_ms']:.2f} ms")  # fmt: skip
     rows = [[r["system"], r["batch"], r["tokens_per_s"], r["vs_hybrid"], r["vs_eager"],
              r["vs_offload_peer"]] for r in report["decode"]]  # fmt: skip
     peer = report["offload_peer"]

@@ -28,6 +28,9 @@ def test_gpu_suite_dry_run_rehearses_every_step(tmp_path):
     assert {"hybrid", "hybrid d=1", "hybrid d=2", "hybrid gpu-experts 2"} <= systems
     assert {r["batch"] for r in hybrid["decode"]} == {1, 8}
     assert hybrid["experts_bandwidth_fraction_batch1"] > 0
+    br = hybrid["decode_breakdown_batch1"]  # the routed experts' share of a decode step
+    assert 0 < br["experts_kernels_ms"] <= br["experts_host_calls_ms"] <= br["step_ms"]
+    assert br["kernels_gbps"] > 0
     assert all(r["vs_eager"] > 0 for r in hybrid["decode"])
     assert "needs CUDA" not in json.dumps(hybrid["offload_peer"])  # --skip-peer in this script
     # The GPU tests were collected (imports and fixtures resolve) without running.
