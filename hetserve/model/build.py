@@ -223,6 +223,21 @@ def _experts_builder(plan: HybridPlan, moe: MoEConfig, converted: dict | None):
     )
 
 
+def _int8_embedding(model: CausalLM, name: str, unit) -> None:
+    """The token embeddings from the checkpoint's quantized rows where the loader kept them (a
+    GGUF file's q8_0 / q4_K under all-int8, model/loader.py); a tied lm_head reads the same
+    matrix on the int8 kernels."""
+    from hetserve.layers.quant_embedding import QuantEmbedding
+
+    packed = getattr(unit, "packed_weight", None)
+    if packed is None:
+        return  # safetensors: the embeddings stay as loaded
+    if model.config.tie_word_embeddings and not hasattr(model.lm_head, "packed_weight"):
+        model.lm_head.packed_weight = packed
+    parent_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), attr, QuantEmbedding(packed))
+
+
 def apply_dense_backends(model: CausalLM, plan: HybridPlan) -> int:
     """Swap the linears of non-expert units placed with `cpu-int8` for Int8Linear (which keeps
     a linear's checkpoint numbers where the loader kept them: GGUF q8_0 / q4_K)."""
@@ -234,6 +249,9 @@ def apply_dense_backends(model: CausalLM, plan: HybridPlan) -> int:
     count = 0
     for name, unit in plan.units.items():
         if isinstance(unit, FusedExperts) or plan.placement.get(name).backend is None:
+            continue
+        if isinstance(unit, nn.Embedding):
+            _int8_embedding(model, name, unit)
             continue
         if isinstance(unit, nn.Linear):  # lm_head itself
             parent_name, _, attr = name.rpartition(".")

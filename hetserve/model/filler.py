@@ -237,7 +237,7 @@ class WeightFiller:
     def _fill_int8_linear(self, name: str, value, ckpt_name: str) -> None:
         owner_name, _, leaf = name.rpartition(".")
         owner = self.modules.get(owner_name)
-        if leaf != "weight" or not isinstance(owner, nn.Linear):
+        if leaf != "weight" or not isinstance(owner, (nn.Linear, nn.Embedding)):
             raise ModelLoadError(f"parameter {name!r} was left unallocated but is no int8 linear")
         if not isinstance(value, (Int8Rows, Q4KRows)):  # one tensor in fp32, rounded, dropped
             w = _dense(value, ckpt_name).float()

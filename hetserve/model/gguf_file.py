@@ -225,6 +225,11 @@ class GgufCheckpoint:
         self._note(f"{t.tensor_type.name} -> fp32")
         return self._fp32(t)
 
+    def kept(self, name: str) -> bool:
+        """Whether tensor `name` (the file's name) is a type an int8 linear keeps as it is."""
+        t = self.tensor_info.get(name)
+        return t is not None and t.tensor_type.name in ("Q8_0", "Q4_K")
+
     def _linear(self, t) -> QMatrix:
         kind = t.tensor_type.name
         if kind in ("Q8_0", "Q4_K"):

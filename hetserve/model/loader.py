@@ -111,12 +111,14 @@ def _allocate(
     stream: bool,
     before_alloc: Callable[[CausalLM], None] | None = None,
     int8_unallocated: bool = False,
+    embeddings_unallocated: bool = False,
 ):
     """Place units (with `placement`) and allocate every parameter where it will live;
     with `stream`, host experts' w13 and w2 stay unallocated (meta) until their layer is read
     (FusedExperts.materialize), and their backend replaces them before the next layer; with
     `int8_unallocated`, so do the weights of the linears that will be Int8Linears (the filler
-    hands them their checkpoint matrices instead: model/filler.py)."""
+    hands them their checkpoint matrices instead: model/filler.py), and with
+    `embeddings_unallocated` the token embeddings' (layers/quant_embedding.py)."""
     model.hybrid_plan = None
     if isinstance(placement, str):  # a preset: packed experts keep their format's backend
         from hetserve.moe.presets import preset_rules
@@ -136,7 +138,7 @@ def _allocate(
                 continue
             unit.to_empty(device=device)
             if int8_unallocated and plan.placement.get(name).backend is not None:
-                _unallocate_linears(unit)
+                _unallocate_linears(unit, embeddings_unallocated)
         model.hybrid_plan = plan
     else:
         if before_alloc is not None:
@@ -148,14 +150,15 @@ def _allocate(
     return model
 
 
-def _unallocate_linears(unit: nn.Module) -> None:
+def _unallocate_linears(unit: nn.Module, embeddings: bool = False) -> None:
     """Back to meta: the weights of the linears build.apply_dense_backends makes Int8Linears
     of (a non-expert unit with a backend: the unit itself if it is a linear, else every linear
-    in it); never touched, so their pages were never resident."""
+    in it); never touched, so their pages were never resident. `embeddings`: the token
+    embeddings too (a file whose token_embd the loader keeps as it is: quant_embedding.py)."""
     if isinstance(unit, FusedExperts):
         return
     for m in unit.modules():
-        if isinstance(m, nn.Linear):
+        if isinstance(m, nn.Linear) or (isinstance(m, nn.Embedding) and embeddings):
             m.weight = nn.Parameter(m.weight.to("meta"), requires_grad=False)
 
 
@@ -211,7 +214,10 @@ def load_model(
     backend = PACKED_BACKENDS[ckpt.packed_fmt] if packed else None
     stream = experts_ready is not None and placement is not None
     int8_unallocated = int8_linears and isinstance(ckpt, GgufCheckpoint)
-    model = _allocate(model, dev, placement, backend, stream, before_alloc, int8_unallocated)
+    embeddings = int8_unallocated and ckpt.kept("token_embd.weight")  # type: ignore[union-attr]
+    model = _allocate(
+        model, dev, placement, backend, stream, before_alloc, int8_unallocated, embeddings
+    )
     ready: ExpertsReady | None = None
     if stream:
         plan = model.hybrid_plan

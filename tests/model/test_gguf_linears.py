@@ -17,6 +17,7 @@ gguf = pytest.importorskip("gguf")
 from hetserve import LLM  # noqa: E402
 from hetserve.bench.decode import _all_int8_rules  # noqa: E402
 from hetserve.layers.int8_linear import Int8Linear  # noqa: E402
+from hetserve.layers.quant_embedding import QuantEmbedding  # noqa: E402
 from hetserve.model.gguf_file import GgufCheckpoint  # noqa: E402
 from hetserve.native import native_unavailable_reason  # noqa: E402
 from hetserve.quant.packed import Int8Rows  # noqa: E402
@@ -116,7 +117,10 @@ def test_llama_cpp_q4_k_m_linears_keep_each_tensors_numbers(tiny_model, tmp_path
     assert fmts[f"{attn}.q_proj"] == (5, 0) and fmts[f"{attn}.v_proj"] == (1, 32), fmts
     assert fmts[f"{attn}.o_proj"] == fmts["lm_head"] == (1, 32)
     line = _summary(capfd, "Q4_K_M.gguf")
-    assert "linears Q4_K kept x2; linears Q8_0 kept x4" in line
+    # q_proj x2 and token_embd (served from its q4_K rows: layers/quant_embedding.py)
+    assert "linears Q4_K kept x3; linears Q8_0 kept x4" in line
+    emb = llm.model.model.embed_tokens
+    assert isinstance(emb, QuantEmbedding) and emb.fmt == "Q4KRows"
     assert "linears Q5_K -> int8 g32" in line and "linears Q6_K -> int8 g32" in line
     q4k = tuple(n for n, f in fmts.items() if f == (5, 0))
     err = (logprobs(llm) - logprobs(q8k_reference(tmp_path / "ref", q4k))).abs()
@@ -142,3 +146,29 @@ def test_mixtral_q_k_rows_move_in_their_int8_form(tiny_model, tmp_path):
     assert lins and all((m.fmt, m.group) == (1, 32) for m in lins)
     ref = LLM(str(tmp_path / "ref"), placement="device")
     assert float((logprobs(llm) - logprobs(ref)).abs().max()) <= 3e-2
+
+
+@NATIVE
+@pytest.mark.parametrize("tied", [False, True])
+def test_q8_0_token_embeddings_are_served_from_the_files_rows(tiny_model, tmp_path, tied):
+    """Under all-int8 a q8_0 `token_embd` stays the file's int8 rows (a quarter of fp32's
+    bytes): every row looked up equals the file's dequantized row bit for bit, so the logprobs
+    are those of the same model with the fp32 embedding. A tied lm_head (no `output.weight` in
+    the file) reads the same q8_0 numbers on the int8 kernel."""
+    src = tiny_model("qwen3-moe", overrides={**SHAPE, "tie_word_embeddings": tied})
+    path = write_gguf(src, tmp_path / "m.gguf", tmp_path / "ref", "q8_0", "q8_0")
+    llm = LLM(str(path), placement="all-int8", device="cpu")
+    emb = llm.model.model.embed_tokens
+    assert isinstance(emb, QuantEmbedding) and emb.fmt == "Int8Rows"
+    (rows,) = [v for _, v, _ in GgufCheckpoint(path).tensors(lambda n: "embed_tokens" in n)]
+    assert torch.equal(emb(torch.arange(emb.num_embeddings)), rows.float())
+    held = sum(b.nbytes for b in emb.buffers())
+    assert held * 3.5 < rows.numel() * 4  # int8 and an fp32 scale per 32: 1.125 bytes a weight
+    head = llm.model.lm_head
+    assert isinstance(head, Int8Linear) and (head.kernel, head.fmt, head.group) == ("native", 1, 32)
+    # the same file with the embedding as fp32 (the loader's path before): the same logprobs
+    fp32 = LLM(str(path), placement="all-int8", device="cpu")
+    fp32_emb = torch.nn.Embedding(emb.num_embeddings, emb.embedding_dim)
+    fp32_emb.weight.data.copy_(rows.float())
+    fp32.model.model.embed_tokens = fp32_emb
+    assert torch.equal(logprobs(llm), logprobs(fp32))

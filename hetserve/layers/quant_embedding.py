@@ -1,0 +1,41 @@
+"""QuantEmbedding: token embeddings served from a GGUF file's own quantized rows.
+
+Who uses it: model/build.py `apply_dense_backends`, for a GGUF checkpoint served under
+`all-int8` whose `token_embd` is q8_0 or q4_K (the types the loader keeps as they are; the
+embedding's weight was then left unallocated and the file's matrix kept, model/loader.py,
+model/filler.py). A lookup dequantizes only the rows it gathers, so each row is exactly what
+dequantizing the file gives (as llama.cpp reads it) at a quarter (q8_0) or an eighth (q4_K) of
+fp32's bytes: on a 151,936 x 2,048 vocabulary (Qwen3-30B-A3B) 0.33 or 0.18 GB instead of
+1.24 GB. Other types stay fp32 embeddings (rounding them to int8 would change the file's
+numbers). An id out of range is torch's IndexError, as with nn.Embedding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hetserve.quant.packed import QMatrix
+
+
+class QuantEmbedding(nn.Module):
+    def __init__(self, rows: QMatrix) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = rows.shape
+        self.fmt = type(rows).__name__
+        self._type = type(rows)
+        # buffers: moved like any module's tensors, and counted as dense memory
+        # (model/memory_facts.py) once
+        for field in rows.row_dims:
+            self.register_buffer(field, getattr(rows, field).contiguous(), persistent=False)
+
+    def matrix(self) -> QMatrix:
+        return self._type(**{f: getattr(self, f) for f in self._type.row_dims})
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = self.matrix().rows(flat).dequantize()
+        return rows.view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.fmt}"
