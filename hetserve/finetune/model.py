@@ -60,7 +60,7 @@ def load_for_training(
 ) -> CausalLM:
     """The model with frozen base weights and differentiable routed experts."""
     from hetserve.finetune.experts_grad import GradExperts, make_grad_weights
-    from hetserve.model.hybrid_plan import build_expert_backends
+    from hetserve.model.hybrid_plan import ExpertsBuilder
     from hetserve.model.loader import load_model
 
     if experts.bits != 32 and not experts.on_cpu:
@@ -81,9 +81,10 @@ def load_for_training(
         grad_weights[name] = make_grad_weights(w13, w2, bits, experts.group_size)
     if model.hybrid_plan is not None:
         options = {"cpu-int4": {"group_size": experts.group_size}}
-        build_expert_backends(
-            model, model.hybrid_plan, cpu_threads=experts.cpu_threads, backend_options=options
+        builder = ExpertsBuilder(
+            model.hybrid_plan, cpu_threads=experts.cpu_threads, backend_options=options
         )
+        builder.build_all(model)
     for name, fused in model.routed_experts():
         # The placed backends (per phase), each given our backward.
         placed = fused._phase_backends or {"prefill": fused._backend, "decode": fused._backend}

@@ -2,10 +2,10 @@
 experts backend runs each routed-experts module in each phase.
 
 Who calls it: the loader (`plan_placement` before weights are read, so host experts are
-allocated on the host directly), `build_model` and the fine-tuner (`build_expert_backends`
-once weights are in). `plan_placement` names the placeable units of a model (embeddings, norms,
-attention, dense MLPs, routers, routed experts, shared experts), places them with the rules
-(`moe/placement.py`) and says where each unit's weights live; `build_expert_backends` gives every
+allocated on the host directly), `build_model` and the fine-tuner (`ExpertsBuilder`, per
+module as its weights arrive or `build_all` once they are in). `plan_placement` names the
+placeable units of a model (embeddings, norms, attention, dense MLPs, routers, routed experts,
+shared experts), places them with the rules (`moe/placement.py`) and says where each unit's weights live; `ExpertsBuilder` gives every
 routed-experts module one backend per phase, bridges devices (pinned host buffers when the
 activations are on CUDA) and keeps the hottest experts of each layer on the accelerator.
 
@@ -127,28 +127,11 @@ def layer_of(name: str) -> int:
     return int(m.group(1))
 
 
-def build_expert_backends(
-    model: nn.Module,
-    plan: HybridPlan,
-    gpu_experts: int = 0,
-    stats: RoutingStats | None = None,
-    cpu_threads: int | None = None,
-    free_unused: bool = True,
-    backend_options: dict | None = None,
-    numa: str = "off",
-) -> None:
-    """backend_options: per backend name, extra constructor options (e.g. int4 group size)."""
-    build = ExpertsBuilder(
-        plan, gpu_experts, stats, cpu_threads, free_unused, backend_options, numa
-    )
-    for name, experts in model.routed_experts():
-        build(name, experts)
-
-
 class ExpertsBuilder:
     """Builds one routed-experts module's backends (one per phase) when called with it: after
-    the whole load (`build_expert_backends`) or as each module's tensors arrive (the loader's
-    `experts_ready`, so the loaded copy is dropped before the next layer is read)."""
+    the whole load (`build_all`) or as each module's tensors arrive (the loader's
+    `experts_ready`, so the loaded copy is dropped before the next layer is read).
+    backend_options: per backend name, extra constructor options (e.g. int4 group size)."""
 
     def __init__(
         self,
@@ -169,6 +152,11 @@ class ExpertsBuilder:
         self.plan, self.cpu_threads, self.free_unused = plan, cpu_threads, free_unused
         self.options = backend_options or {}
         self.numa = NumaSplit(numa)  # reads the topology; teams start with the first split
+
+    def build_all(self, model: nn.Module) -> None:
+        """Every routed-experts module of `model`, once its whole checkpoint is loaded."""
+        for name, experts in model.routed_experts():
+            self(name, experts)
 
     def __call__(self, name: str, experts: FusedExperts) -> None:
         built: dict[tuple[str, str], ExpertsBackend] = {}
