@@ -5,9 +5,10 @@ Who calls it: the loader (`plan_placement` before weights are read, so host expe
 allocated on the host directly), `build_model` and the fine-tuner (`ExpertsBuilder`, per
 module as its weights arrive or `build_all` once they are in). `plan_placement` names the
 placeable units of a model (embeddings, norms, attention, dense MLPs, routers, routed experts,
-shared experts), places them with the rules (`moe/placement.py`) and says where each unit's weights live; `ExpertsBuilder` gives every
-routed-experts module one backend per phase, bridges devices (pinned host buffers when the
-activations are on CUDA) and keeps the hottest experts of each layer on the accelerator.
+shared experts), places them with the rules (`moe/placement.py`) and says where each unit's
+weights live; `ExpertsBuilder` gives every routed-experts module one backend per phase, bridges
+devices (pinned host buffers when the activations are on CUDA) and keeps the hottest experts of
+each layer on the accelerator.
 
 Failure contract: a rule that places a unit where it cannot run is a `PlacementError` naming
 the rule and the unit, before any weight is read.
