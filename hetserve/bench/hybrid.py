@@ -117,6 +117,8 @@ def decode_breakdown(llm, cfg: dict, prompt: list[int], tokens: int) -> dict:
     activations) and, inside them, the CPU experts kernels; per token, and the kernels' read
     rate (the step's expert bytes over the kernels' own time). What tells a slow kernel from an
     overhead around it when the experts read a small share of the bandwidth."""
+    import torch
+
     from hetserve import SamplingParams
     from hetserve.bench.weight_bytes import expert_bytes_per_token
 
@@ -130,29 +132,43 @@ def decode_breakdown(llm, cfg: dict, prompt: list[int], tokens: int) -> dict:
         outer.append(_Timed(backend))
         if getattr(backend, "inner", None) is not None:  # DeviceBridge: the CPU kernels inside
             inner.append(_Timed(backend.inner))
-    one = SamplingParams(max_tokens=1, temperature=0)
+    runner = llm.engine.runner
+    forward = runner.forward
+    timers = outer + inner
+    step = {"seconds": 0.0, "steps": 0, "host": 0.0, "kernels": 0.0}
+
+    def timed_forward(seqs):  # only decode steps count, the experts' time inside them too
+        if not all(len(s.token_ids) == 1 for s in seqs):
+            return forward(seqs)
+        before = [t.seconds for t in timers]
+        t0 = time.perf_counter()
+        try:
+            out = forward(seqs)
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)  # the step's queued GPU work too
+            return out
+        finally:
+            step["seconds"] += time.perf_counter() - t0
+            step["steps"] += 1
+            spent = [t.seconds - b for t, b in zip(timers, before, strict=True)]
+            step["host"] += sum(spent[: len(outer)])
+            step["kernels"] += sum(spent[len(outer) :] if inner else spent)
+
+    runner.forward = timed_forward
     try:
-        t0 = time.perf_counter()
-        llm.generate(prompt_token_ids=[prompt], sampling_params=one)
-        prefill = time.perf_counter() - t0
-        for t in outer + inner:
-            t.seconds, t.calls = 0.0, 0
-        t0 = time.perf_counter()
         llm.generate(prompt_token_ids=[prompt], sampling_params=params)
-        total = time.perf_counter() - t0 - prefill  # the decode steps' share, roughly
     finally:
-        for t in outer + inner:
+        del runner.forward
+        for t in timers:
             t.undo()
-    steps = max(tokens - 1, 1)
-    host = sum(t.seconds for t in outer) / steps
-    kernels = sum(t.seconds for t in (inner or outer)) / steps
-    step = total / steps
+    n = max(step["steps"], 1)
+    host, kernels, per_step = step["host"] / n, step["kernels"] / n, step["seconds"] / n
     nbytes = expert_bytes_per_token(cfg)["bytes_per_token"]
     return {
-        "step_ms": 1e3 * step,
+        "step_ms": 1e3 * per_step,
         "experts_host_calls_ms": 1e3 * host,
         "experts_kernels_ms": 1e3 * kernels,
-        "rest_ms": 1e3 * (step - host),
+        "rest_ms": 1e3 * (per_step - host),
         "kernels_gbps": nbytes / kernels / 1e9 if kernels > 0 else None,
     }
 
