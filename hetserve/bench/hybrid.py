@@ -94,7 +94,7 @@ class _Timed:
     seconds spent in it; `undo` puts the method back."""
 
     def __init__(self, backend) -> None:
-        self.backend, self.seconds, self.calls = backend, 0.0, 0
+        self.backend, self.seconds = backend, 0.0
         inner = backend.forward
 
         def forward(*a, **k):
@@ -103,7 +103,6 @@ class _Timed:
                 return inner(*a, **k)
             finally:
                 self.seconds += time.perf_counter() - t0
-                self.calls += 1
 
         backend.forward = forward
 

@@ -22,12 +22,15 @@ class QuantEmbedding(nn.Module):
     def __init__(self, rows: QMatrix) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = rows.shape
-        self.fmt = type(rows).__name__
         self._type = type(rows)
         # buffers: moved like any module's tensors, and counted as dense memory
         # (model/memory_facts.py) once
         for field in rows.row_dims:
             self.register_buffer(field, getattr(rows, field).contiguous(), persistent=False)
+
+    @property
+    def fmt(self) -> str:
+        return self._type.__name__
 
     def matrix(self) -> QMatrix:
         return self._type(**{f: getattr(self, f) for f in self._type.row_dims})

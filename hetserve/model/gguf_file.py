@@ -41,6 +41,10 @@ from hetserve.quant.gguf import BITS, KEPT
 from hetserve.quant.gguf_convert import NATIVE_BPW, convert_target, converted, relative_rms
 from hetserve.quant.packed import Int8Rows, QMatrix
 
+# The types an int8 linear (and the token embeddings) take as they are: the native int8
+# kernel reads q8_0's numbers and q4_K's super-blocks.
+LINEARS_KEPT = ("Q8_0", "Q4_K")
+
 # GGUF architecture -> (HF architecture, model_type, llama.cpp's norm of the top-k weights)
 ARCHITECTURES = {
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", True),
@@ -228,11 +232,11 @@ class GgufCheckpoint:
     def kept(self, name: str) -> bool:
         """Whether tensor `name` (the file's name) is a type an int8 linear keeps as it is."""
         t = self.tensor_info.get(name)
-        return t is not None and t.tensor_type.name in ("Q8_0", "Q4_K")
+        return t is not None and t.tensor_type.name in LINEARS_KEPT
 
     def _linear(self, t) -> QMatrix:
         kind = t.tensor_type.name
-        if kind in ("Q8_0", "Q4_K"):
+        if kind in LINEARS_KEPT:
             self._note(f"linears {kind} kept")
             return KEPT[kind](t.data)
         return self._int8(kind, self._fp32(t))

@@ -7,30 +7,15 @@ bound of tests/model/test_cuda.py) and tokens compared exactly: in bf16 a differ
 alone flips greedy tokens of these tiny models with scaled logits."""
 
 import pytest
-import torch
 
 from hetserve import LLM, SamplingParams
 
+from .test_cuda import IDS, ours, prompt_logprobs
+
 pytestmark = pytest.mark.gpu
 
-IDS = torch.randint(10, 400, (160,), generator=torch.Generator().manual_seed(3)).tolist()
 EXPERTS = r"model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts"
 FP32_CUDA = {"device": "cuda", "dtype": "float32"}
-PROMPT_LP = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=0, ignore_eos=True)
-
-
-def prompt_logprobs(out, ids=IDS) -> torch.Tensor:
-    return torch.tensor(
-        [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
-    )
-
-
-def cpu_reference(path, ids=IDS):
-    llm = LLM(path, device="cpu", placement="device")
-    try:
-        return llm.generate(prompt_token_ids=ids, sampling_params=PROMPT_LP)[0]
-    finally:
-        llm.close()
 
 
 @pytest.mark.parametrize("family", ["qwen3-moe", "deepseek-v3"])
@@ -42,7 +27,7 @@ def test_cuda_hybrid_host_experts_hot_and_deferred(tiny_model, tmp_path, family)
     import json
 
     path = tiny_model(family, lm_head_scale=8.0, overrides={"num_experts_per_tok": 4})
-    ref = cpu_reference(path)
+    ref = ours(path, device="cpu", placement="device")
     stats = tmp_path / "stats.json"
     cfg = json.loads((path / "config.json").read_text())
     layers, experts = cfg["num_hidden_layers"], cfg.get("num_experts") or cfg["n_routed_experts"]
@@ -54,22 +39,14 @@ def test_cuda_hybrid_host_experts_hot_and_deferred(tiny_model, tmp_path, family)
         {"name": "rest", "match": ".*", "device": "auto"},
     ]}))  # fmt: skip
     for extra in ({}, {"gpu_experts": 2, "routing_stats": str(stats)}):
-        llm = LLM(path, **FP32_CUDA, placement=str(rules), **extra)
-        try:
-            out = llm.generate(prompt_token_ids=IDS, sampling_params=PROMPT_LP)[0]
-            delta = (prompt_logprobs(out) - prompt_logprobs(ref)).abs()
-            assert delta.max() < 1e-3, (extra, delta.max().item())
-            assert out.token_ids == ref.token_ids, extra
-        finally:
-            llm.close()
-    llm = LLM(path, **FP32_CUDA, placement=str(rules), max_deferred_experts_per_token=1)
-    try:
-        out = llm.generate(prompt_token_ids=IDS, sampling_params=PROMPT_LP)[0]
-        # Prefill never defers: the prompt's logprobs track the reference as closely as above.
-        assert (prompt_logprobs(out) - prompt_logprobs(ref)).abs().max() < 1e-3
-        assert len(out.token_ids) == 4
-    finally:
-        llm.close()
+        out = ours(path, **FP32_CUDA, placement=str(rules), **extra)
+        delta = (prompt_logprobs(out) - prompt_logprobs(ref)).abs()
+        assert delta.max() < 1e-3, (extra, delta.max().item())
+        assert out.token_ids == ref.token_ids, extra
+    out = ours(path, **FP32_CUDA, placement=str(rules), max_deferred_experts_per_token=1)
+    # Prefill never defers: the prompt's logprobs track the reference as closely as above.
+    assert (prompt_logprobs(out) - prompt_logprobs(ref)).abs().max() < 1e-3
+    assert len(out.token_ids) == 4
 
 
 def test_cuda_prefix_reloaded_from_dram_into_the_gpu_cache(tiny_model):
