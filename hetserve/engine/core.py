@@ -143,7 +143,8 @@ class EngineCore:
         self.swap: HostSwap | None = None  # preemption by swap's host copies
         if cfg.scheduler.preemption_mode is PreemptionMode.SWAP:
             swap_bytes = int(cfg.scheduler.swap_space_gb * (1 << 30))
-            self.swap = HostSwap(self.runner.kv, self.runner.state, swap_bytes)
+            capture = None if self.tiers is None else self.tiers.capture_evicted
+            self.swap = HostSwap(self.runner.kv, self.runner.state, swap_bytes, capture)
         self.scheduler = Scheduler(
             cfg.scheduler, self.kv, self.max_model_len, loader, self.cost.steps, self.swap
         )

@@ -5,9 +5,16 @@ when it admits it again (`swap_in`). A request's copies are one tensor per KV te
 ([its blocks, block_size, ...]) and, for a linear-attention model, its state slot's tensors;
 on an accelerator they live in host memory. Bounded by `capacity_bytes`: a request that does not
 fit is refused (False) and the scheduler recomputes it instead.
+
+A swap-in writes into blocks (and a state slot) the same scheduling pass handed out, which may
+be cached ones whose bytes the KV tiers have not staged yet (that happens after scheduling, before
+the forward): `before_write` (the tiers' write-back capture) runs first, so the store never
+receives the swapped-in bytes under an evicted block's identity.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -16,8 +23,15 @@ from hetserve.kv.state import StateCache
 
 
 class HostSwap:
-    def __init__(self, kv: PagedKVCache, state: StateCache | None, capacity_bytes: int) -> None:
+    def __init__(
+        self,
+        kv: PagedKVCache,
+        state: StateCache | None,
+        capacity_bytes: int,
+        before_write: Callable[[], None] | None = None,
+    ) -> None:
         self.state = state
+        self.before_write = before_write
         self.capacity = capacity_bytes
         bs, nb = kv.block_size, kv.num_blocks
         # Each KV tensor seen as [blocks, block_size, ...]: a block is one index.
@@ -45,6 +59,8 @@ class HostSwap:
         return True
 
     def swap_in(self, request_id: str, block_ids: list[int], state_slot: int | None) -> None:
+        if self.before_write is not None:
+            self.before_write()
         kv, st, size = self._held.pop(request_id)
         self.used -= size
         self.swaps_in += 1

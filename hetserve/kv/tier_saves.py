@@ -93,7 +93,13 @@ class Saver:
         after scheduling, before the forward writes into them."""
         evicted = self._evicted.copy()
         self._evicted.clear()  # in place: the pool appends to this very list
-        todo = [e for e in evicted if not self.known(e.block_hash)]
+        # A block evicted again while its earlier copy is still staged or being saved (recomputed
+        # meanwhile: the same identity, the same bytes) is saved once.
+        todo, seen = [], set(self._in_flight)
+        for e in evicted:
+            if not self.known(e.block_hash) and e.block_hash not in seen:
+                seen.add(e.block_hash)
+                todo.append(e)
         if not todo:
             return
         usable = len(self._free_slots) - len(self._held & set(self._free_slots))
@@ -114,6 +120,9 @@ class Saver:
         for e, slot in zip(todo, slots, strict=True):
             self._staged.append((e.block_hash, slot, _ttl(e, now)))
             self._track(e.block_hash, 1)
+            stale = self._slot_of.get(e.block_hash)  # a shed copy's slot: this one replaces it
+            if stale is not None:
+                del self._hash_in[stale]
             self._slot_of[e.block_hash] = slot
             self._hash_in[slot] = e.block_hash
 

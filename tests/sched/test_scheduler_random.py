@@ -6,8 +6,10 @@ with a KV store behind the prefix cache (evicted blocks saved, then loaded back 
 requests step), where the tiers' invariants hold too, and with a linear-attention model (state
 slots and prefix checkpoints in one pool beside the blocks), without and with a store (the
 checkpoints saved and loaded back with the blocks) and preempted by swap (blocks and state
-copied to host memory and back). Prompt chunks beside decodes are
-sized by a fake step time (deterministic: the same schedule every run) to a 2 ms step limit.
+copied to host memory and back), and with swap and store together (a swap-in writes into
+blocks and slots the same pass evicted: their bytes must reach the store first). Prompt chunks
+beside decodes are sized by a fake step time (deterministic: the same schedule every run) to a
+2 ms step limit.
 """
 
 import pytest
@@ -32,7 +34,16 @@ class FakeStepTime:
 
 
 @pytest.fixture(
-    scope="module", params=["device", "with-store", "hybrid", "hybrid-with-store", "hybrid-swap"]
+    scope="module",
+    params=[
+        "device",
+        "with-store",
+        "swap-with-store",
+        "hybrid",
+        "hybrid-with-store",
+        "hybrid-swap",
+        "hybrid-swap-with-store",
+    ],
 )
 def engines(tiny_model, request):
     hybrid = request.param.startswith("hybrid")  # linear-attention state slots and checkpoints
@@ -42,11 +53,11 @@ def engines(tiny_model, request):
     # 5e-3), enough to flip a greedy near-tie between a chunked run and a solo one.
     exact = {"placement": "device"} if hybrid else {}
     ref = LLM(path, max_model_len=MAX_LEN, block_size=4, **exact)
-    store = {"kv_store": "local://?dram=1M"} if request.param.endswith("with-store") else {}
+    store = {"kv_store": "local://?dram=1M"} if "with-store" in request.param else {}
     store |= exact
     if hybrid:  # few checkpoint slots, so working slots evict them (and the store keeps them)
         store |= {"state_checkpoint_every": 1, "state_checkpoints": 3}
-    if request.param.endswith("swap"):  # preemption by swap: blocks and state to host and back
+    if "swap" in request.param:  # preemption by swap: blocks and state to host and back
         store["preemption_mode"] = "swap"
     tight = LLM(
         path,
