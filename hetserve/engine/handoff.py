@@ -92,7 +92,8 @@ def open_handoff(
         if te is not None:
             serve_receiver(te, host, server)
         poller = StoreReceiver(store, arrivals) if store is not None else None
-        out.receiver = HandoffReceiver(kv, io, arrivals, poller, state_io)
+        capture = tiers.capture_evicted if tiers is not None else None
+        out.receiver = HandoffReceiver(kv, io, arrivals, poller, state_io, capture)
         out.address = server.address
         closers += [server, *([poller] if poller else []), staging]
     out._closers = tuple(closers)

@@ -192,9 +192,13 @@ class HandoffReceiver:
         arrivals: Arrivals,
         store: StoreReceiver | None,
         state_io: StateIO | None = None,
+        before_write: Callable[[], None] | None = None,
     ) -> None:
         self.kv, self.pool, self.io, self.state_io = kv, kv.pool, io, state_io
         self.arrivals, self.store = arrivals, store
+        # A landing writes at once into blocks (and a state slot) it was just handed, which may
+        # be cached ones the KV tiers have not staged yet: their capture runs first.
+        self.before_write = before_write
         self._waiting: dict[str, _Waiting] = {}
         self._ready: dict[str, tuple[list[KVBlock], int]] = {}  # landed: blocks, tokens
         self._failed: set[str] = set()
@@ -250,6 +254,8 @@ class HandoffReceiver:
         mine = computed[:have]
         self.pool.touch(mine)
         new = self.pool.allocate(need)
+        if self.before_write is not None:
+            self.before_write()
         bpb = m.bytes_per_block
         data = self.arrivals.staging.view(arrival.offset + have * bpb, need * bpb)
         self.io.write_blocks([b.block_id for b in new], data)
@@ -268,6 +274,8 @@ class HandoffReceiver:
         slot = self.kv.states.reserve_load(req.request_id)
         if slot is None:
             return False
+        if self.before_write is not None:
+            self.before_write()
         m = arrival.manifest
         at = arrival.offset + m.num_blocks * m.bytes_per_block
         self.state_io.write(slot, self.arrivals.staging.view(at, m.state_bytes))

@@ -224,3 +224,35 @@ def test_mooncake_transfer_engine_handoff_equals_colocated(tiny_model, monkeypat
     finally:
         for e in (colocated, prefill, decode):
             e.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "qwen3-next"])
+def test_a_landing_into_evicted_blocks_lets_the_store_save_their_own_bytes(tiny_model, family):
+    """A decode instance with a KV store: a hand-off landing into cached blocks it just evicted
+    writes over them at once, so their write-back copies must be taken before (the store once
+    kept the landed bytes under the evicted blocks' identities)."""
+    model = tiny_model(family)
+    prefill = EngineCore(config(model, role="prefill"))
+    decode = EngineCore(
+        config(model, role="decode", kv_store="local://?dram=64M", num_kv_blocks=9)
+    )  # 8 usable blocks of 16 tokens: one 128-token sequence
+    try:
+        first = list(range(5, 105))  # 6 full blocks, then the landing's partial one
+        disaggregated(prefill, decode, first, "evict-a")
+        io = decode.tiers.saver.io
+        cached = {
+            b.block_hash.digest: b"".join(bytes(p) for p in io.save_parts([b.block_id])[0])
+            for b in decode.kv.pool.blocks[1:]
+            if b.block_hash is not None
+        }
+        assert cached
+        other = [t + 100 for t in first]  # its landing evicts the first prompt's blocks
+        disaggregated(prefill, decode, other, "evict-b")
+        assert decode.tiers.flush()
+        saved = {k: decode.tiers.store.get(k) for k in cached}
+        assert any(v is not None for v in saved.values())  # evicted, so written back
+        wrong = [k.hex()[:12] for k, v in saved.items() if v is not None and v != cached[k]]
+        assert not wrong, f"the store keeps other bytes under {wrong}"
+    finally:
+        prefill.close()
+        decode.close()
