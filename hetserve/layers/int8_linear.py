@@ -6,17 +6,18 @@ a quarter of their fp32 bytes per token, or less. Weights:
 
 - by default int8 per output channel, rounded to within scale/2 per element;
 - where the loader kept the checkpoint's quantized matrix on the linear (`packed_weight`: a
-  GGUF file's q8_0 or q4_K tensor, model/filler.py), exactly those numbers: q8_0 as int8 with an
-  fp16 scale per 32 columns, q4_K as its super-blocks (4.5 bits per weight). No second rounding, and
-  a q4_K matrix streams 0.56 bytes per weight instead of int8's 1 (its activations are rounded
-  to int8 per 256 columns, as llama.cpp's q8_K, instead of int16 per row).
+  GGUF file's q8_0, q4_K, q5_K or q6_K tensor, model/filler.py), exactly those numbers: q8_0 as
+  int8 with an fp16 scale per 32 columns, the K-quants as their super-blocks (4.5, 5.5 and
+  6.5625 bits per weight). No second rounding, and a q4_K matrix streams 0.56 bytes per weight
+  instead of int8's 1 (K-quant activations are rounded to int8 per 256 columns, as llama.cpp's
+  q8_K, instead of int16 per row).
 
 Two kernels:
 
 - native (where hetserve's AVX2 kernels build): the routed experts' microkernels on one matrix
   (`hetserve_qlinear`); activations rounded to int16 per row, so the weight rounding dominates
   the error. Streams ~2x fbgemm's bytes/s at one token here. Any shape: rows are stored in
-  quads and columns in 32s (q8_0 and q4_K columns are whole blocks by their format), zero
+  quads and columns in 32s (q8_0 and K-quant columns are whole blocks by their format), zero
   weights appended (quant/layout.py); the kernel pads the input and drops the padded outputs.
 - fbgemm's packed GEMM with dynamic activation quantization (per call, reduce_range: 7 bits),
   which dominates its error; a packed matrix is dequantized and requantized to int8 for it.
@@ -35,8 +36,9 @@ from hetserve.quant.quantize import quantize_int8_per_channel
 if TYPE_CHECKING:
     from hetserve.quant.packed import QMatrix
 
-# The native kernel's formats (F_* in hetserve/native/moe_kernels.c).
-_INT8, _Q4K = 1, 5
+# The native kernel's formats (F_* in hetserve/native/moe_job.h).
+_INT8, _Q4K, _Q6K, _Q5K = 1, 5, 6, 7
+_NAMES = {_INT8: "int8", _Q4K: "q4_K", _Q6K: "q6_K", _Q5K: "q5_K"}
 
 
 def _native_ok() -> bool:
@@ -55,11 +57,12 @@ def _quads_padded(q: torch.Tensor, fmt: int, group: int) -> torch.Tensor:
 
 
 def _native_packed(packed: QMatrix | None) -> bool:
-    """A checkpoint matrix the native kernel reads as it is: q4_K, or int8 per row or in
-    groups of a multiple of 16 columns (q8_0)."""
+    """A checkpoint matrix the native kernel reads as it is: q4_K, q5_K, q6_K, or int8 per row
+    or in groups of a multiple of 16 columns (q8_0)."""
+    from hetserve.quant.gguf import Q5KRows, Q6KRows
     from hetserve.quant.packed import Int8Rows, Q4KRows
 
-    if isinstance(packed, Q4KRows):
+    if isinstance(packed, Q4KRows | Q5KRows | Q6KRows):
         return True
     return isinstance(packed, Int8Rows) and packed.group % 16 == 0
 
@@ -112,10 +115,16 @@ class Int8Linear(nn.Module):
             q4k_quads,
             round_up,
         )
+        from hetserve.quant.gguf import Q5KRows, Q6KRows
         from hetserve.quant.packed import Q4KRows
 
         self.nbytes = packed.nbytes
         n, k = packed.shape
+        if isinstance(packed, Q5KRows | Q6KRows):  # the file's rows, padded to quads
+            self.fmt, self.group = _Q6K if isinstance(packed, Q6KRows) else _Q5K, 0
+            raw = pad_qmatrix(packed, round_up(n, 4), k).raw  # type: ignore[attr-defined]
+            self._set_native(raw.contiguous(), None, bias)
+            return
         if isinstance(packed, Q4KRows):  # rows padded to quads (its columns: whole blocks)
             self.fmt, self.group = _Q4K, 0
             packed = pad_qmatrix(packed, round_up(n, 4), k)
@@ -173,9 +182,7 @@ class Int8Linear(nn.Module):
         return y if self._bias is None else y.add_(self._bias)
 
     def extra_repr(self) -> str:
-        what = (
-            "q4_K" if self.fmt == _Q4K else f"int8 groups of {self.group}" if self.group else "int8"
-        )
+        what = f"int8 groups of {self.group}" if self.group else _NAMES[self.fmt]
         if self._rows != self.out_features:
             what += " + int8 residual"
         shape = f"in_features={self.in_features}, out_features={self.out_features}"

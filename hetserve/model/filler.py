@@ -5,7 +5,7 @@ Routed experts are accepted one tensor per expert (what checkpoints on disk hold
 fused tensors (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]). Experts that
 the checkpoint stores quantized stay in that format (`PackedExperts`, assembled here); any
 other quantized weight is dequantized into its parameter. A linear's weight in a format the
-quantized dense kernels read (GGUF q8_0 / q4_K) is also kept beside it, as the linear's
+quantized dense kernels read (GGUF q8_0 / q4_K / q5_K / q6_K) is also kept beside it, as the linear's
 `packed_weight`, when a placement could give that linear such a kernel (layers/int8_linear.py
 serves those numbers exactly; model/hybrid_plan.py drops what it does not use). A linear
 weight the loader left unallocated (meta: a GGUF load's int8 linears, model/loader.py) gets
@@ -24,7 +24,11 @@ from torch import nn
 from hetserve.errors import MissingTensorError, ModelLoadError, TensorShapeError
 from hetserve.layers.moe import FusedExperts
 from hetserve.model.base import CausalLM
+from hetserve.quant.gguf import Q5KRows, Q6KRows
 from hetserve.quant.packed import Int8Rows, PackedExperts, Q4KRows, QMatrix
+
+# The checkpoint matrices the dense kernels read as they are (layers/int8_linear.py).
+LINEAR_KINDS = (Int8Rows, Q4KRows, Q5KRows, Q6KRows)
 
 PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
@@ -194,7 +198,7 @@ class WeightFiller:
         if not (em or fm) and name in self.params and self.params[name].is_meta:
             self._fill_int8_linear(name, value, ckpt_name)
             return
-        if isinstance(value, (Int8Rows, Q4KRows)) and not (em or fm):
+        if isinstance(value, LINEAR_KINDS) and not (em or fm):
             self._keep_packed(name, value)
         value = _dense(value, ckpt_name)
         if em or fm:
@@ -239,7 +243,7 @@ class WeightFiller:
         owner = self.modules.get(owner_name)
         if leaf != "weight" or not isinstance(owner, (nn.Linear, nn.Embedding)):
             raise ModelLoadError(f"parameter {name!r} was left unallocated but is no int8 linear")
-        if not isinstance(value, (Int8Rows, Q4KRows)):  # one tensor in fp32, rounded, dropped
+        if not isinstance(value, LINEAR_KINDS):  # one tensor in fp32, rounded, dropped
             w = _dense(value, ckpt_name).float()
             value = Int8Rows.grouped(w, 32 if w.shape[-1] % 32 == 0 else w.shape[-1])
         want = tuple(self.params[name].shape)

@@ -9,7 +9,8 @@ types are converted at load to the native format of no more bits per weight (q4_
 has so few; quant/gguf_convert.py, convert_target), as are gate and up of different types (both to
 the target of the smaller: they share one fused matrix). Linears that the placement serves on
 the int8 kernel (`tensors`' `int8`: all-int8's attention, shared experts, dense MLPs, lm_head)
-go to it per tensor, never as a model-sized fp32 copy: q8_0 and q4_K as they are, any other
+go to it per tensor, never as a model-sized fp32 copy: q8_0 and the K-quants q4_K, q5_K and
+q6_K as they are (the token embeddings too: layers/quant_embedding.py), any other
 type dequantized one tensor at a time and rounded to int8 in groups of 32 columns with fp16
 scales (`Int8Rows.grouped`: |error| <= scale / 2 per weight, scale ~ max|group| / 127), the
 fp32 tensor dropped at once. Every other tensor is dequantized by `gguf` itself. `summary()` is
@@ -41,9 +42,9 @@ from hetserve.quant.gguf import BITS, KEPT
 from hetserve.quant.gguf_convert import NATIVE_BPW, convert_target, converted, relative_rms
 from hetserve.quant.packed import Int8Rows, QMatrix
 
-# The types an int8 linear (and the token embeddings) take as they are: the native int8
-# kernel reads q8_0's numbers and q4_K's super-blocks.
-LINEARS_KEPT = ("Q8_0", "Q4_K")
+# The types an int8 linear (and the token embeddings) take as they are: the native linear
+# kernel reads q8_0's numbers and the K-quants' super-blocks.
+LINEARS_KEPT = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 # GGUF architecture -> (HF architecture, model_type, llama.cpp's norm of the top-k weights)
 ARCHITECTURES = {

@@ -8,9 +8,11 @@
  *   fmt 1 (int8), G == 0: one fp32 scale per row, s [N];
  *   fmt 1 (int8), G > 0:  one fp16 scale per row and group of G columns (GGUF q8_0: 32,
  *                         its own fp16 numbers), stored [N / 4][K / G][4] (G % 16 == 0);
- *   fmt 5 (q4_K):         super-blocks of 256 columns with their own scales (moe_q4k.h).
- * Activations are rounded to int16 per row, as for the experts; for q4_K to int8 per super-block
- * (moe_q4k.h). */
+ *   fmt 5 (q4_K):         super-blocks of 256 columns with their own scales (moe_q4k.h);
+ *   fmt 6 (q6_K), 7 (q5_K): each row's super-blocks exactly as a GGUF file stores them, rows in
+ *                         file order (moe_kq.h), padded with zero rows to whole quads.
+ * Activations are rounded to int16 per row, as for the experts; for the K-quants to int8 per
+ * super-block (llama.cpp's q8_K: moe_q4k.h for q4_K's column order, moe_kq.h for the others). */
 /* No implicit fused multiply-adds: the quad and GEMM paths round the same steps alike. */
 #pragma GCC optimize("fp-contract=off")
 #include <immintrin.h>
@@ -19,6 +21,7 @@
 #include <string.h>
 
 #include "moe_gemm.h"
+#include "moe_kq.h"
 #include "moe_q4k.h"
 #include "moe_quads.h"
 #include "pool.h"
@@ -30,7 +33,7 @@ int hetserve_moe_padded(int fmt, int G, int n); /* moe_kernels.c */
 /* ... and about this many bytes of weights (hs_item_units): RC quads of a q4_K row of 2048 are
  * only 36 KiB; items of ~128 KiB read a 2048 x 3072 q4_K matrix at one token ~1.25x faster. */
 #define ITEM_BYTES (128 << 10)
-enum { L_I8 = 1, L_Q4K = 5 }; /* the F_* numbers of moe_kernels.c */
+enum { L_I8 = 1, L_Q4K = 5, L_Q6K = 6, L_Q5K = 7 }; /* the F_* numbers of moe_job.h */
 
 typedef struct {
     int fmt, G, T, N, K, rc; /* rc: row quads per work item */
@@ -38,15 +41,26 @@ typedef struct {
     const float *s, *xsc; /* s: per-row fp32 scales, or (G > 0) fp16 ones per group; xsc:
                            * the activations' per-row scales (NULL for q4_K: per super-block) */
     const int16_t *x16;
-    const int8_t *pl;  /* q4_K: int8 activations [T, K] */
-    const int16_t *ps; /* q4_K: their sums per sub-block [T, K / 256, 16] */
-    const float *pd;   /* q4_K: their scales per super-block [T, K / 256] */
+    const int8_t *pl;  /* K-quants: int8 activations [T, K] */
+    const int16_t *ps; /* K-quants: their sums per 16 (q4_K: per sub-block) [T, K / 256, 16] */
+    const float *pd;   /* K-quants: their scales per super-block [T, K / 256] */
     float *out;
 } lin_t;
 
 /* Rows [n0, n0 + 4 nq) against tokens m, m + MB - 1 (MB <= 2); nq = 2 for q4_K only. */
 static inline void lin_quad(const lin_t *l, int n0, int nq, int m, int MB, float o[8][MBMAX]) {
     const int K = l->K, m1 = m + MB - 1;
+    if (l->fmt == L_Q6K || l->fmt == L_Q5K) {
+        const uint8_t *q = (const uint8_t *)l->w + (size_t)n0 * (K / Q4K_SB) * kq_bytes(l->fmt);
+        const q4k_act_t a[2] = {q4k_row(l->pl, l->pd, l->ps, K, m),
+                                q4k_row(l->pl, l->pd, l->ps, K, m1)};
+        if (l->fmt == L_Q6K) {
+            if (MB == 2) quad_kq(q, L_Q6K, K, a, 2, o); else quad_kq(q, L_Q6K, K, a, 1, o);
+        } else {
+            if (MB == 2) quad_kq(q, L_Q5K, K, a, 2, o); else quad_kq(q, L_Q5K, K, a, 1, o);
+        }
+        return;
+    }
     if (l->fmt == L_Q4K) {
         const uint8_t *q = (const uint8_t *)l->w + (size_t)n0 * (K / Q4K_SB) * 144;
         const q4k_act_t a[2] = {q4k_row(l->pl, l->pd, l->ps, K, m),
@@ -130,16 +144,16 @@ static void lin_item(void *ctx, int c) {
     }
 }
 
-/* x [T, K] fp32 -> out [T, N]; w and s as above (s unused for q4_K). Returns 0, -1 (out of
- * memory) or -3 (unknown format). */
+/* x [T, K] fp32 -> out [T, N]; w and s as above (s unused for the K-quants). Returns 0, -1 (out
+ * of memory) or -3 (unknown format). */
 int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const float *x,
                      float *out, const void *w, const void *s) {
-    if (fmt != L_I8 && fmt != L_Q4K) return -3;
+    if (fmt != L_I8 && fmt != L_Q4K && fmt != L_Q6K && fmt != L_Q5K) return -3;
     if (T <= 0) return 0;
     const int Kx = K; /* x's columns; the weights' may be padded */
     K = hetserve_moe_padded(fmt, G, K);
     const size_t n = (size_t)T * K, n_x = K != Kx ? n : 0;
-    const int q4k = fmt == L_Q4K, nsb = K / Q4K_SB;
+    const int q4k = fmt == L_Q4K || fmt == L_Q6K || fmt == L_Q5K, nsb = K / Q4K_SB;
     /* int16 activations and their per-row scales, or q4_K's int8 ones, scales and sums; then x
      * padded with zeros where K is */
     const size_t bytes = q4k ? n + (size_t)T * nsb * (sizeof(float) + 16 * sizeof(int16_t))
@@ -161,17 +175,19 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
         pl = (int8_t *)buf;
         pd = (float *)(pl + n);
         ps = (int16_t *)(pd + (size_t)T * nsb);
-        q4k_quantize(x, T * K, pl, pd, ps); /* rows back to back: super-blocks apart */
+        if (fmt == L_Q4K) q4k_quantize(x, T * K, pl, pd, ps); /* rows back to back: */
+        else kq_quantize(x, T * K, pl, pd, ps); /* super-blocks apart */
     } else {
         xsc = (float *)buf;
         x16 = (int16_t *)(xsc + T);
         quantize_rows(x, K, 0, T, x16, xsc, 0, 0, NULL);
     }
     nthreads = nthreads < 1 ? 1 : nthreads;
-    const long quad_bytes = q4k ? 4L * K * 9 / 16 : 4L * K; /* q4_K: 4.5 bits per weight */
+    const long quad_bytes = /* weights of 4 rows */
+        fmt == L_I8 ? 4L * K : 4L * nsb * (fmt == L_Q4K ? 144 : kq_bytes(fmt));
     const int quads = (N + 3) / 4;
     int rc = hs_item_units(quad_bytes, ITEM_BYTES, quads, nthreads, RC);
-    rc += q4k && rc % 2; /* q4_K: items of whole pairs (the layout interleaves quads 2u, 2u + 1) */
+    rc += fmt == L_Q4K && rc % 2; /* q4_K: whole pairs (its layout interleaves quads 2u, 2u + 1) */
     if (fmt == L_I8 && G == 0) rc = (rc + 3) / 4 * 4; /* whole strips of the GEMM tiles */
     lin_t l = {fmt, G, T, N, K, rc, w, s, xsc, x16, pl, ps, pd, out};
     hs_parallel_for(nthreads, (quads + rc - 1) / rc, lin_item, &l);

@@ -102,6 +102,20 @@ def _q4k(w: torch.Tensor):
     return Q4KRows(torch.from_numpy(quantize_q4_k(w.numpy()).reshape(w.shape[0], -1, 144)))
 
 
+def _q6k(w: torch.Tensor):
+    from hetserve.quant.gguf import q6_k_rows
+    from hetserve.quant.gguf_quants import quantize_q6_k
+
+    return q6_k_rows(quantize_q6_k(w.numpy()))
+
+
+def _q5k(w: torch.Tensor):
+    from hetserve.quant.gguf import q5_k_rows
+    from hetserve.quant.gguf_quants import quantize_q5_k
+
+    return q5_k_rows(quantize_q5_k(w.numpy()))
+
+
 def _q8_0(w: torch.Tensor):
     from hetserve.quant.packed import Int8Rows
 
@@ -109,18 +123,18 @@ def _q8_0(w: torch.Tensor):
 
 
 @pytest.mark.skipif(bool(native_unavailable_reason()), reason="native kernels unavailable")
-@pytest.mark.parametrize(("fmt", "pack"), [(5, _q4k), (1, _q8_0)])
+@pytest.mark.parametrize(("fmt", "pack"), [(5, _q4k), (6, _q6k), (7, _q5k), (1, _q8_0)])
 @pytest.mark.parametrize(
     ("t", "bias", "n"),
     [(1, False, 20), (3, True, 20), (34, False, 20), (1, False, 308), (3, True, 22),
      (2, False, 301)],
 )  # fmt: skip
 def test_checkpoint_matrices_served_as_they_are(fmt, pack, t, bias, n):
-    """A linear carrying its checkpoint matrix (`packed_weight`, GGUF q4_K / q8_0) runs on those
-    numbers exactly: against x @ w_hat.T only the activation rounding is left,
+    """A linear carrying its checkpoint matrix (`packed_weight`, GGUF q4_K / q6_K / q5_K / q8_0)
+    runs on those numbers exactly: against x @ w_hat.T only the activation rounding is left,
     |y - x @ w_hat.T| <= sum over blocks of s_x / 2 * sum|w_hat| per output (plus fp32
-    summation; q8_0: int16 per row, q4_K: int8 per 256 columns as llama.cpp's q8_K), and the
-    bytes streamed are the file's (q4_K: 9/16 of a byte per weight). 308 rows: 77 quads, so the
+    summation; q8_0: int16 per row, the K-quants: int8 per 256 columns as llama.cpp's q8_K), and
+    the bytes streamed are the file's (q4_K: 9/16 of a byte per weight, q6_K 105/128). 308 rows: 77 quads, so the
     work items hold an odd count unless rounded to the q4_K kernel's pairs of quads; 22 and 301
     rows end in a padded quad (zero rows, outputs dropped)."""
     k = 512
@@ -133,12 +147,12 @@ def test_checkpoint_matrices_served_as_they_are(fmt, pack, t, bias, n):
     lin.packed_weight = packed
     q = Int8Linear(lin)
     assert q.kernel == "native" and q.fmt == fmt and q.nbytes == packed.nbytes
-    assert q.group == (0 if fmt == 5 else 32)
+    assert q.group == (32 if fmt == 1 else 0)
     x = torch.randn(t, k, generator=g)
     ref = x.double() @ w_hat.double().T
     if bias:
         ref += lin.bias.detach().double()
-    if fmt == 5:  # a step per row and super-block of 256 columns
+    if fmt != 1:  # a step per row and super-block of 256 columns
         s_x = x.reshape(t, -1, 256).abs().amax(dim=2) / 127
         per_block = w_hat.abs().reshape(n, -1, 256).sum(dim=2)
         bound = (s_x / 2).double() @ per_block.double().T + 1e-5 * ref.abs().max()
