@@ -107,6 +107,7 @@ class Int8Linear(nn.Module):
     def _native_layout(self, packed: QMatrix, bias: torch.Tensor | None) -> None:
         """The checkpoint's numbers in the kernel's quad layout (only bytes move)."""
         from hetserve.native import hugepage_empty
+        from hetserve.quant.gguf import Q5KRows, Q6KRows
         from hetserve.quant.layout import (
             fp16_group_scales,
             interleave_quads,
@@ -115,7 +116,6 @@ class Int8Linear(nn.Module):
             q4k_quads,
             round_up,
         )
-        from hetserve.quant.gguf import Q5KRows, Q6KRows
         from hetserve.quant.packed import Q4KRows
 
         self.nbytes = packed.nbytes

@@ -5,8 +5,8 @@ Routed experts are accepted one tensor per expert (what checkpoints on disk hold
 fused tensors (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]). Experts that
 the checkpoint stores quantized stay in that format (`PackedExperts`, assembled here); any
 other quantized weight is dequantized into its parameter. A linear's weight in a format the
-quantized dense kernels read (GGUF q8_0 / q4_K / q5_K / q6_K) is also kept beside it, as the linear's
-`packed_weight`, when a placement could give that linear such a kernel (layers/int8_linear.py
+quantized dense kernels read (GGUF q8_0 / q4_K / q5_K / q6_K) is also kept beside it, as the
+linear's `packed_weight`, when a placement could give that linear such a kernel (int8_linear.py
 serves those numbers exactly; model/hybrid_plan.py drops what it does not use). A linear
 weight the loader left unallocated (meta: a GGUF load's int8 linears, model/loader.py) gets
 only that: the checkpoint's QMatrix, or a dense tensor rounded to int8 in groups of 32

@@ -134,9 +134,9 @@ def test_checkpoint_matrices_served_as_they_are(fmt, pack, t, bias, n):
     runs on those numbers exactly: against x @ w_hat.T only the activation rounding is left,
     |y - x @ w_hat.T| <= sum over blocks of s_x / 2 * sum|w_hat| per output (plus fp32
     summation; q8_0: int16 per row, the K-quants: int8 per 256 columns as llama.cpp's q8_K), and
-    the bytes streamed are the file's (q4_K: 9/16 of a byte per weight, q6_K 105/128). 308 rows: 77 quads, so the
-    work items hold an odd count unless rounded to the q4_K kernel's pairs of quads; 22 and 301
-    rows end in a padded quad (zero rows, outputs dropped)."""
+    the bytes streamed are the file's (q4_K: 9/16 of a byte per weight, q6_K 105/128). 308
+    rows: 77 quads, so the work items hold an odd count unless rounded to the q4_K kernel's pairs
+    of quads; 22 and 301 rows end in a padded quad (zero rows, outputs dropped)."""
     k = 512
     g = torch.Generator().manual_seed(t)
     lin = nn.Linear(k, n, bias=bias)

@@ -6,8 +6,6 @@ dropped; the loader's summary line says so with the worst relative RMS error."""
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 import torch
