@@ -13,8 +13,9 @@
  * 256 columns, scale amax / 127 (|x - x_hat| <= amax / 254), in natural column order, with
  * their sums per 16 columns (the offset and minimum terms). Every integer step is exact (the
  * largest, q6_K's per-lane sum of 8 pairs times a scale: 8 * 2 * 63 * 127 * 128 < 2^31), so
- * the only rounding past the activations' is the fp32 step per super-block:
- * tot += S * (d * xd) (q5_K: then tot -= M * (dmin * xd)), super-blocks in order. */
+ * the rounding past the activations' is fp32's: per super-block each of the integer sum's 8
+ * lanes is converted (exact below 2^24 in magnitude) and scaled by d * xd into 8 running lanes,
+ * which are summed once per row (q5_K's minimum term -M * (dmin * xd) runs in a scalar beside). */
 #ifndef HETSERVE_MOE_KQ_H
 #define HETSERVE_MOE_KQ_H
 
@@ -53,12 +54,20 @@ static void kq_quantize(const float *x, int K, int8_t *x8, float *d, int16_t *gs
     }
 }
 
+/* Shuffles taking scales 2k and 2k + 1 of a q6_K super-block's 16 into 8 bytes each. */
+#define HS_PAIR(k) _mm_setr_epi8(2 * (k), 2 * (k), 2 * (k), 2 * (k), 2 * (k), 2 * (k), 2 * (k), \
+                                 2 * (k), 2 * (k) + 1, 2 * (k) + 1, 2 * (k) + 1, 2 * (k) + 1,     \
+                                 2 * (k) + 1, 2 * (k) + 1, 2 * (k) + 1, 2 * (k) + 1)
+#define Q6K_SC_PAIRS ((const __m128i[8]){HS_PAIR(0), HS_PAIR(1), HS_PAIR(2), HS_PAIR(3), \
+                                         HS_PAIR(4), HS_PAIR(5), HS_PAIR(6), HS_PAIR(7)})
+
 /* The integer sum of one q6_K super-block b against int8 activations x [256] with sums per 16
- * gs: sum over columns of sc * (q - 32) * x. */
-static inline __attribute__((always_inline)) int q6k_block(const uint8_t *b, const int8_t *x,
-                                                           const int16_t *gs) {
+ * gs, sum over columns of sc * (q - 32) * x, as 8 int32 lanes (their sum is the block's). */
+static inline __attribute__((always_inline)) __m256i q6k_block(const uint8_t *b, const int8_t *x,
+                                                               const int16_t *gs) {
     const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(0x03);
     const int8_t *sc = (const int8_t *)(b + 192);
+    const __m128i sc8 = _mm_loadu_si128((const __m128i *)sc);
     __m256i acc = _mm256_setzero_si256();
     for (int n = 0; n < 2; n++) {
         const __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * n));
@@ -76,14 +85,14 @@ static inline __attribute__((always_inline)) int q6k_block(const uint8_t *b, con
         for (int i = 0; i < 4; i++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 128 * n + 32 * i));
             const __m256i p = _mm256_maddubs_epi16(q[i], xv); /* pairs: <= 2 * 63 * 127 */
-            const __m256i s = _mm256_setr_m128i(_mm_set1_epi16(sc[8 * n + 2 * i]),
-                                                _mm_set1_epi16(sc[8 * n + 2 * i + 1]));
+            /* sc[2k] on the low 8 lanes, sc[2k + 1] on the high 8 (k = 4 n + i) */
+            const __m256i s = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, Q6K_SC_PAIRS[4 * n + i]));
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
         }
     }
     const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
     const __m256i g = _mm256_loadu_si256((const __m256i *)gs);
-    return hsum_i32(acc) - 32 * hsum_i32(_mm256_madd_epi16(s16, g));
+    return _mm256_sub_epi32(acc, _mm256_slli_epi32(_mm256_madd_epi16(s16, g), 5)); /* 32x */
 }
 
 /* sc and m of sub-block j of a q4_K / q5_K super-block's 12 scale bytes (llama.cpp's
@@ -97,12 +106,12 @@ static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *m) {
     }
 }
 
-/* One q5_K super-block b against x [256] (sums per 16 gs): *S = sum sc * q * x (all columns),
- * *M = sum over sub-blocks of m * (sum of x). */
+/* One q5_K super-block b against x [256] (sums per 16 gs): *S = sum sc * q * x (all columns) as
+ * 8 int32 lanes, *M = sum over sub-blocks of m * (sum of x). */
 static inline __attribute__((always_inline)) void q5k_block(const uint8_t *b, const int8_t *x,
-                                                            const int16_t *gs, int *S, int *M) {
+                                                            const int16_t *gs, __m256i *S, int *M) {
     const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(0x01);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 16));
+    __m256i h = _mm256_loadu_si256((const __m256i *)(b + 16)); /* shifted by j as j runs */
     __m256i acc = _mm256_setzero_si256();
     int mins = 0;
     for (int c = 0; c < 4; c++) {
@@ -110,8 +119,8 @@ static inline __attribute__((always_inline)) void q5k_block(const uint8_t *b, co
         for (int hh = 0; hh < 2; hh++) {
             const __m256i nib = hh ? _mm256_and_si256(_mm256_srli_epi16(l, 4), low)
                                    : _mm256_and_si256(l, low);
-            const __m128i cnt = _mm_cvtsi32_si128(2 * c + hh);
-            const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(h, cnt), one);
+            const __m256i hb = _mm256_and_si256(h, one);
+            h = _mm256_srli_epi16(h, 1);
             const __m256i q = _mm256_or_si256(nib, _mm256_slli_epi16(hb, 4));
             const int j = 2 * c + hh;
             int sc, m;
@@ -122,7 +131,7 @@ static inline __attribute__((always_inline)) void q5k_block(const uint8_t *b, co
             mins += m * (gs[2 * j] + gs[2 * j + 1]);
         }
     }
-    *S = hsum_i32(acc);
+    *S = acc;
     *M = mins;
 }
 
@@ -234,6 +243,9 @@ static inline __attribute__((always_inline)) void quad_kq(const uint8_t *q, int 
     }
     for (int r = 0; r < 4; r++) {
         const uint8_t *row = q + (size_t)r * nsb * bb;
+        /* per token: the K-quants' scaled lanes, summed across once per row (a horizontal sum
+         * per super-block cost more than its arithmetic), and the scalar terms */
+        __m256 lanes[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         float tot[2] = {0.0f, 0.0f};
         for (int s = 0; s < nsb; s++) {
             const uint8_t *b = row + (size_t)s * bb;
@@ -243,19 +255,22 @@ static inline __attribute__((always_inline)) void quad_kq(const uint8_t *q, int 
                 const int16_t *gs = a[m].gs + 16 * s;
                 const float xd = a[m].d[s];
                 if (fmt == F_Q6K) {
-                    const int S = q6k_block(b, x, gs);
-                    tot[m] += (float)S * (kq_f16(b + 208) * xd);
+                    const __m256 S = _mm256_cvtepi32_ps(q6k_block(b, x, gs));
+                    lanes[m] = _mm256_add_ps(lanes[m],
+                                             _mm256_mul_ps(S, _mm256_set1_ps(kq_f16(b + 208) * xd)));
                 } else if (fmt == F_Q5K) {
-                    int S, M;
+                    __m256i S;
+                    int M;
                     q5k_block(b, x, gs, &S, &M);
-                    tot[m] += (float)S * (kq_f16(b) * xd);
+                    lanes[m] = _mm256_add_ps(lanes[m], _mm256_mul_ps(_mm256_cvtepi32_ps(S),
+                                                                     _mm256_set1_ps(kq_f16(b) * xd)));
                     tot[m] -= (float)M * (kq_f16(b + 2) * xd);
                 } else {
                     tot[m] += iq4nl_blocks(b, x, xd);
                 }
             }
         }
-        for (int m = 0; m < MB; m++) out[r][m] = tot[m];
+        for (int m = 0; m < MB; m++) out[r][m] = tot[m] + hs_hsum(lanes[m]);
     }
 }
 
