@@ -120,7 +120,7 @@ class Saver:
         for e, slot in zip(todo, slots, strict=True):
             self._staged.append((e.block_hash, slot, _ttl(e, now)))
             self._track(e.block_hash, 1)
-            stale = self._slot_of.get(e.block_hash)  # a shed copy's slot: this one replaces it
+            stale = self._slot_of.get(e.block_hash)  # a shed or failed copy: this one replaces it
             if stale is not None:
                 del self._hash_in[stale]
             self._slot_of[e.block_hash] = slot
