@@ -6,8 +6,9 @@ either advances `x` in place through all decoder layers and returns True, or ret
 having touched nothing; the caller then runs the modules, which compute the same thing (the C
 side is the module path's own kernels chained: hetserve/native/decode_layers.c).
 
-What it covers: `DecoderLayer`s of `GQAAttention` (fused q/k/v and o as native `Int8Linear`,
-optional q/k RMSNorm and biases, full rotary, no sliding window or sinks) followed by a
+What it covers: `DecoderLayer`s of `GQAAttention` (q/k/v fused, or three where a GGUF file
+gives them different types, and o, as native `Int8Linear`s; optional q/k RMSNorm and biases,
+full rotary, no sliding window or sinks) followed by a
 `SparseMoE` (softmax top-k router without group or correction bias, no shared experts, routed
 experts on a native CPU backend) or a SwiGLU `DenseMLP` of native `Int8Linear`s: what CPU-only
 serving of a GGUF or an int8-placed model runs. Anything else in any layer (LoRA wrappers, GPU
@@ -66,6 +67,7 @@ class _Layer(ctypes.Structure):
         ("b13", c_void_p), ("b2", c_void_p),
         ("gate", _QLin), ("up", _QLin), ("down", _QLin),
         ("kv_half", c_int), ("k_scale", c_void_p), ("v_scale", c_void_p),
+        ("split", c_int), ("k_lin", _QLin), ("v_lin", _QLin),
     ]  # fmt: skip
 
 
@@ -112,7 +114,7 @@ def _key(model: nn.Module, kv) -> tuple:
         parts += [layer, attn, mlp]
         if attn is not None:
             am = attn._modules
-            parts += [am.get("qkv_proj"), am.get("o_proj")]
+            parts += [am.get(n) for n in ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj")]
         if mlp is not None:
             experts = mlp._modules.get("experts")
             parts.append(getattr(mlp, "num_deferred", None))
@@ -145,9 +147,20 @@ def _attention(layer: nn.Module, i: int, kv, keep: list) -> _Layer | None:
         return None
     if not (_fp32_cpu(rope.cos) and _fp32_cpu(rope.sin)):
         return None
-    qkv, o = _qlin(attn.qkv_proj, keep), _qlin(attn.o_proj, keep)
     d, nq, nkv = attn.head_dim, attn.num_heads, attn.num_kv_heads
-    if qkv is None or o is None or qkv.n != (nq + 2 * nkv) * d or o.k != nq * d:
+    o = _qlin(attn.o_proj, keep)
+    split = attn.qkv_proj is None  # q, k, v apart (a GGUF file's of different types)
+    if split:
+        qkv, kp, vp = (_qlin(m, keep) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+        if kp is None or vp is None or (kp.n, vp.n) != (nkv * d, nkv * d):
+            return None
+        if qkv is None or qkv.n != nq * d or kp.k != qkv.k or vp.k != qkv.k:
+            return None
+    else:
+        qkv, kp, vp = _qlin(attn.qkv_proj, keep), _QLin(), _QLin()
+        if qkv is None or qkv.n != (nq + 2 * nkv) * d:
+            return None
+    if o is None or o.k != nq * d:
         return None
     if k_cache.shape[1:] != (nkv, d) or qkv.k != n1.weight.shape[0] or o.n != qkv.k:
         return None
@@ -166,6 +179,7 @@ def _attention(layer: nn.Module, i: int, kv, keep: list) -> _Layer | None:
         cos=_ptr(rope.cos), sin=_ptr(rope.sin), k_cache=_ptr(k_cache), v_cache=_ptr(v_cache),
         qkv=qkv, o=o, kv_half={torch.float16: 1, torch.int8: 2}.get(k_cache.dtype, 0),
         k_scale=_ptr(scales[0]) if scales else None, v_scale=_ptr(scales[1]) if scales else None,
+        split=int(split), k_lin=kp, v_lin=vp,
     )  # fmt: skip
 
 

@@ -99,6 +99,10 @@ typedef struct {
     hs_qlin_t gate, up, down;
     int kv_half; /* the KV cache holds fp16 (1, --kv-cache-dtype float16) or int8 (2) */
     float *k_scale, *v_scale; /* kv_half 2: the scales [num_slots, nkv] */
+    /* split 1: q, k and v are three linears (a GGUF file's of different types), qkv holding q's
+     * (nq * head_dim rows), k_lin and v_lin the others; split 0: qkv is the three fused */
+    int split;
+    hs_qlin_t k_lin, v_lin;
 } hs_layer_t;
 
 static int qlin(const hs_qlin_t *l, int nthreads, int T, const float *x, float *out) {
@@ -121,9 +125,12 @@ static void add_rows(float *x, const float *y, size_t n) {
 static int attend(const hs_layer_t *L, int nthreads, int B, const float *qkv, const float *k,
                   const float *v, const int64_t *positions, const int64_t *slots, float *q,
                   const int64_t *tables, int width, const int64_t *lens, float *att) {
-    const int D = L->head_dim, n = L->qkv.n, half = D / 2;
+    const int D = L->head_dim, half = D / 2;
+    /* rows of q, k and v: one fused row per token, or each of the three linears' own */
+    const long sq = L->split ? (long)L->nq * D : L->qkv.n;
+    const long sk = L->split ? (long)L->nkv * D : L->qkv.n, sv = sk;
     if (L->kv_half == 2) {
-        if (hetserve_qk_rope_cache_i8(nthreads, B, L->nq, L->nkv, half, L->interleaved, n, n, n,
+        if (hetserve_qk_rope_cache_i8(nthreads, B, L->nq, L->nkv, half, L->interleaved, sq, sk, sv,
                                       L->max_pos, L->num_slots, L->qk_eps, qkv, k, v, L->q_norm,
                                       L->k_norm, L->cos, L->sin, positions, slots, q,
                                       L->k_cache, L->v_cache, L->k_scale, L->v_scale))
@@ -134,7 +141,7 @@ static int attend(const hs_layer_t *L, int nthreads, int B, const float *qkv, co
                                                   tables, lens, att, L->k_scale, L->v_scale);
     }
     if (L->kv_half) {
-        if (hetserve_qk_rope_cache_f16(nthreads, B, L->nq, L->nkv, half, L->interleaved, n, n, n,
+        if (hetserve_qk_rope_cache_f16(nthreads, B, L->nq, L->nkv, half, L->interleaved, sq, sk, sv,
                                        L->max_pos, L->num_slots, L->qk_eps, qkv, k, v, L->q_norm,
                                        L->k_norm, L->cos, L->sin, positions, slots, q,
                                        L->k_cache, L->v_cache))
@@ -144,7 +151,7 @@ static int attend(const hs_layer_t *L, int nthreads, int B, const float *qkv, co
                                                    L->scale, NULL, q, L->k_cache, L->v_cache,
                                                    tables, lens, att);
     }
-    if (hetserve_qk_rope_cache(nthreads, B, L->nq, L->nkv, half, L->interleaved, n, n, n,
+    if (hetserve_qk_rope_cache(nthreads, B, L->nq, L->nkv, half, L->interleaved, sq, sk, sv,
                                L->max_pos, L->num_slots, L->qk_eps, qkv, k, v, L->q_norm,
                                L->k_norm, L->cos, L->sin, positions, slots, q, L->k_cache,
                                L->v_cache))
@@ -159,7 +166,7 @@ static int attend(const hs_layer_t *L, int nthreads, int B, const float *qkv, co
 static int layer_step(const hs_layer_t *L, int nthreads, int B, float *x,
                       const int64_t *positions, const int64_t *slots, const int64_t *tables,
                       int width, const int64_t *lens, float *buf, int64_t *ids) {
-    const int H = L->hidden, D = L->head_dim, nqkv = L->qkv.n;
+    const int H = L->hidden, D = L->head_dim, nqkv = (L->nq + 2 * L->nkv) * D;
     float *xn = buf, *qkv = xn + (size_t)B * H, *q = qkv + (size_t)B * nqkv;
     float *att = q + (size_t)B * L->nq * D, *y = att + (size_t)B * L->nq * D;
     float *tmp = y + (size_t)B * H; /* router logits and weights, or the MLP's gate and up */
@@ -167,6 +174,12 @@ static int layer_step(const hs_layer_t *L, int nthreads, int B, float *x,
     hetserve_rms_norm(nthreads, B, H, L->eps, x, L->in_norm, xn);
     if ((rc = qlin(&L->qkv, nthreads, B, xn, qkv))) return rc;
     const float *k = qkv + (size_t)L->nq * D, *v = k + (size_t)L->nkv * D;
+    if (L->split) { /* q [B, nq D], then k [B, nkv D], then v [B, nkv D] */
+        float *ks = qkv + (size_t)B * L->nq * D, *vs = ks + (size_t)B * L->nkv * D;
+        if ((rc = qlin(&L->k_lin, nthreads, B, xn, ks))) return rc;
+        if ((rc = qlin(&L->v_lin, nthreads, B, xn, vs))) return rc;
+        k = ks, v = vs;
+    }
     if ((rc = attend(L, nthreads, B, qkv, k, v, positions, slots, q, tables, width, lens, att)))
         return rc;
     if ((rc = qlin(&L->o, nthreads, B, att, y))) return rc;
@@ -204,7 +217,8 @@ static int layer_step(const hs_layer_t *L, int nthreads, int B, float *x,
 static size_t decode_scratch(const hs_layer_t *L, int B) {
     size_t tmp = L->ffn == FFN_EXPERTS ? (size_t)B * (L->num_experts + L->top_k)
                                        : 2 * (size_t)B * L->gate.n;
-    return (size_t)B * (2 * L->hidden + L->qkv.n + 2 * L->nq * L->head_dim) + tmp;
+    const size_t nqkv = (size_t)(L->nq + 2 * L->nkv) * L->head_dim;
+    return (size_t)B * (2 * L->hidden + nqkv + 2 * L->nq * L->head_dim) + tmp;
 }
 
 /* x [B, hidden] fp32, in place: through layers [0, nlayers). positions, slots [B]; tables

@@ -256,14 +256,14 @@ static inline __attribute__((always_inline)) void quad_kq(const uint8_t *q, int 
                 const float xd = a[m].d[s];
                 if (fmt == F_Q6K) {
                     const __m256 S = _mm256_cvtepi32_ps(q6k_block(b, x, gs));
-                    lanes[m] = _mm256_add_ps(lanes[m],
-                                             _mm256_mul_ps(S, _mm256_set1_ps(kq_f16(b + 208) * xd)));
+                    const __m256 dx = _mm256_set1_ps(kq_f16(b + 208) * xd);
+                    lanes[m] = _mm256_add_ps(lanes[m], _mm256_mul_ps(S, dx));
                 } else if (fmt == F_Q5K) {
                     __m256i S;
                     int M;
                     q5k_block(b, x, gs, &S, &M);
-                    lanes[m] = _mm256_add_ps(lanes[m], _mm256_mul_ps(_mm256_cvtepi32_ps(S),
-                                                                     _mm256_set1_ps(kq_f16(b) * xd)));
+                    const __m256 dx = _mm256_set1_ps(kq_f16(b) * xd);
+                    lanes[m] = _mm256_add_ps(lanes[m], _mm256_mul_ps(_mm256_cvtepi32_ps(S), dx));
                     tot[m] -= (float)M * (kq_f16(b + 2) * xd);
                 } else {
                     tot[m] += iq4nl_blocks(b, x, xd);

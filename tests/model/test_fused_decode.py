@@ -86,6 +86,25 @@ def test_fused_step_gives_the_modules_results(
             torch.testing.assert_close(torch.tensor(lf), torch.tensor(lm), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "float16", "int8"])
+def test_q_k_v_kept_apart_take_the_fused_step_too(tiny_model, monkeypatch, kv_dtype):
+    """A GGUF file whose q, k and v are of different types keeps them as three linears (layers/
+    int8_linear.py `_fuse`); the fused step runs them as three and gives the modules' bits.
+    (Here fusion is turned off: the same three-linear layout on one format.)"""
+    from hetserve.layers import int8_linear
+
+    monkeypatch.setattr(int8_linear, "_fuse", lambda module: 0)
+    llm = LLM(str(tiny_model("qwen3-moe", overrides=MOE)), placement=_all_int8_rules("cpu-int8"),
+              kv_cache_dtype=kv_dtype)  # fmt: skip
+    attn = llm.model.model.layers[0].mixer
+    assert attn.qkv_proj is None and isinstance(attn.k_proj, int8_linear.Int8Linear)
+    spy = _Spy(monkeypatch, llm)
+    fused = _generate(llm)
+    assert spy.fused == 7
+    spy.off = True
+    assert fused == _generate(llm)
+
+
 def test_fused_step_steps_aside(tiny_model, monkeypatch):
     path = str(tiny_model("qwen3-moe", overrides=MOE_TOP4))
     llm = LLM(path, placement=_all_int8_rules("cpu-int8"))
