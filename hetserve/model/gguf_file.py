@@ -37,7 +37,7 @@ from hetserve.model.gguf_archs import (
     llama_moe_config,
     unpermute_rope,
 )
-from hetserve.model.gguf_parts import open_parts
+from hetserve.model.gguf_parts import open_parts, release_pages
 from hetserve.quant.gguf import BITS, KEPT
 from hetserve.quant.gguf_convert import NATIVE_BPW, convert_target, converted, relative_rms
 from hetserve.quant.packed import Int8Rows, QMatrix
@@ -272,29 +272,36 @@ class GgufCheckpoint:
         """(HF name, value, bytes in the file) of every tensor `wanted` takes; a weight `int8`
         names is an int8 linear's (a QMatrix, see the module docstring)."""
         for name, t in self.tensor_info.items():
-            m = _EXPERTS.match(name)
-            if m:
-                layer = int(m.group(1))
-                prefix = f"model.layers.{layer}.mlp.experts"
-                stacked = self._expert_value(t)
-                n = int(t.shape[-1])
-                for e in range(n):
-                    hf = f"{prefix}.{e}.{m.group(2)}_proj.weight"
-                    if wanted(hf):
-                        sel = stacked.select(e) if isinstance(stacked, QMatrix) else stacked[e]
-                        yield hf, sel, int(t.n_bytes) // n
-                continue
-            if _KV_SPLIT.match(name):
-                yield from self._kv_b(name, wanted, int8)
-                continue
-            hf = self._hf_name(name)
-            if not wanted(hf):
-                continue
-            linear = len(t.shape) == 2 and int8(hf)
-            if self.arch == "llama" and _ROPE_PERMUTED.match(name):
-                yield hf, self._unpermuted(t, linear), int(t.n_bytes)
-            else:
-                yield hf, self._value(t, linear), int(t.n_bytes)
+            yield from self._tensor(name, t, wanted, int8)
+            release_pages(self.parts, t.data)  # its copies are made: the file's pages can go
+
+    def _tensor(
+        self, name: str, t, wanted: Callable[[str], bool], int8: Callable[[str], bool]
+    ) -> Iterator[tuple[str, object, int]]:
+        """What `tensors` yields of the file's tensor `name`."""
+        m = _EXPERTS.match(name)
+        if m:
+            layer = int(m.group(1))
+            prefix = f"model.layers.{layer}.mlp.experts"
+            stacked = self._expert_value(t)
+            n = int(t.shape[-1])
+            for e in range(n):
+                hf = f"{prefix}.{e}.{m.group(2)}_proj.weight"
+                if wanted(hf):
+                    sel = stacked.select(e) if isinstance(stacked, QMatrix) else stacked[e]
+                    yield hf, sel, int(t.n_bytes) // n
+            return
+        if _KV_SPLIT.match(name):
+            yield from self._kv_b(name, wanted, int8)
+            return
+        hf = self._hf_name(name)
+        if not wanted(hf):
+            return
+        linear = len(t.shape) == 2 and int8(hf)
+        if self.arch == "llama" and _ROPE_PERMUTED.match(name):
+            yield hf, self._unpermuted(t, linear), int(t.n_bytes)
+        else:
+            yield hf, self._value(t, linear), int(t.n_bytes)
 
     def _kv_b(
         self,

@@ -2,6 +2,10 @@
 llama.cpp's gguf-split and convert_hf_to_gguf's --split-max-* write them) from their first part,
 and files cut short or damaged, refused in one line that names the tensor.
 
+`release_pages` lets go of a tensor's mapped pages once the loader has taken what it needs from
+them: the file's pages otherwise stay in the process's resident set beside the copies made
+from them, and a load would peak at twice the file.
+
 Who calls it: `GgufCheckpoint` (model/gguf_file.py). Failure: a missing part is a
 ModelNotFoundError naming it; a later part given instead of the first, a tensor whose bytes run
 past the end of its file or of an unknown type, or an unreadable header, a ModelLoadError.
@@ -9,6 +13,7 @@ past the end of its file or of an unknown type, or an unreadable header, a Model
 
 from __future__ import annotations
 
+import mmap
 import re
 from pathlib import Path
 from typing import Any
@@ -77,3 +82,27 @@ def open_parts(gguf: Any, path: Path) -> list[Any]:
             raise ModelNotFoundError(f"split GGUF model: part {part} is missing")
         readers.append(open_reader(gguf, part))
     return readers
+
+
+# A read fault maps the pages around it too (Linux's fault-around, 64 KiB by default): a tensor's
+# pages are let go with that much on either side.
+_AROUND = max(64 << 10, mmap.PAGESIZE)
+
+
+def release_pages(parts: list[Any], data: Any) -> None:
+    """Drop the pages of `data` (a tensor's bytes, a view into one of the parts' mappings, or a
+    whole mapping) from this process's resident set. They are the file's clean pages, so a later
+    read of them (a view something kept, a neighbouring tensor) maps them in again from the page
+    cache: only memory use changes."""
+    addr = int(data.ctypes.data)
+    for reader in parts:
+        # read-only mappings only: dropping a copy-on-write page would lose what was written
+        buf = getattr(reader.data, "_mmap", None) if reader.data.mode == "r" else None
+        base, size = int(reader.data.ctypes.data), reader.data.nbytes
+        if buf is None or not base <= addr < base + size:
+            continue
+        start = max(addr - base - _AROUND, 0) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(addr - base + data.nbytes + _AROUND, size)
+        if end > start:
+            buf.madvise(mmap.MADV_DONTNEED, start, end - start)
+        return
