@@ -170,3 +170,27 @@ def test_q8_0_token_embeddings_are_served_from_the_files_rows(tiny_model, tmp_pa
     fp32_emb.weight.data.copy_(rows.float())
     fp32.model.model.embed_tokens = fp32_emb
     assert torch.equal(logprobs(llm), logprobs(fp32))
+
+
+@pytest.mark.parametrize("kind", ["q4_K", "q5_K", "q6_K"])
+def test_k_quant_embedding_rows_equal_the_matrix_dequantized(kind):
+    """A K-quant `token_embd` is looked up through gguf's own dequantize of the gathered rows'
+    blocks: bit for bit what hetserve's QMatrix dequantizes (two implementations of the file's
+    numbers), for any shape of ids."""
+    from hetserve.quant.gguf import q5_k_rows, q6_k_rows
+    from hetserve.quant.gguf_quants import quantize_q5_k, quantize_q6_k
+    from hetserve.quant.packed import Q4KRows
+    from hetserve.testing.tiny_gguf import quantize_q4_k
+
+    w = torch.randn(40, 512, generator=torch.Generator().manual_seed(0)).numpy()
+    m = {"q4_K": lambda: Q4KRows(torch.from_numpy(quantize_q4_k(w).reshape(40, -1, 144))),
+         "q5_K": lambda: q5_k_rows(quantize_q5_k(w)),
+         "q6_K": lambda: q6_k_rows(quantize_q6_k(w))}[kind]()  # fmt: skip
+    emb = QuantEmbedding(m)
+    ids = torch.tensor([[3, 39, 0], [3, 17, 5]])
+    want = m.dequantize()[ids]
+    got = emb(ids)
+    assert got.shape == (2, 3, 512) and got.dtype == torch.float32
+    assert torch.equal(got, want)
+    with pytest.raises(IndexError):
+        emb(torch.tensor([40]))
