@@ -1,7 +1,9 @@
 """Issue 38's big-file check: a Qwen3-30B-A3B-shaped GGUF with llama.cpp Q4_K_M's tensor types
 (~17 GB of random blocks, streamed to disk with `gguf` one tensor at a time), loaded and decoded
 by hetserve in a child process whose resident and peak memory are read from /proc; the file is
-deleted after. Not a test: it needs ~20 GB of disk and most of a 24 GiB box's memory.
+deleted after. Not a test: it needs ~20 GB of disk and most of a 24 GiB box's memory. `--dir`
+must be on a disk, not tmpfs (there the file itself would take memory, and the loader's
+release of the file's pages would free nothing).
 
     .venv/bin/python scripts/gguf_big_check.py [--dir /tmp/gguf-30b] [--layers 48] [--keep]
 
@@ -162,9 +164,11 @@ def main() -> int:
     root.mkdir(parents=True, exist_ok=True)
     path = root / "model-Q4_K_M.gguf"
     t = time.perf_counter()
-    size = write(path, cfg)
-    print(f"wrote {path}: {size / 2**30:.2f} GiB in {time.perf_counter() - t:.0f} s", flush=True)
     try:
+        size = write(path, cfg)
+        print(
+            f"wrote {path}: {size / 2**30:.2f} GiB in {time.perf_counter() - t:.0f} s", flush=True
+        )
         env = dict(os.environ)
         proc = subprocess.run([sys.executable, "-c", CHILD, str(path)], capture_output=True,
                               text=True, env=env)  # fmt: skip
@@ -173,8 +177,8 @@ def main() -> int:
             print(f"child exited {proc.returncode}")
             return 1
         got = json.loads(proc.stdout.strip().splitlines()[-1])
-    finally:
-        if not args.keep:
+    finally:  # a write or a load that failed half-way leaves no 17 GB behind either
+        if not args.keep and path.exists():
             path.unlink()
     base = got["before"]["VmRSS"]
     peak, res = got["end"]["VmHWM"] - base, got["after_load"]["VmRSS"] - base

@@ -91,14 +91,22 @@ class Saver:
     def capture(self) -> None:
         """Stage the cached blocks just handed out (their bytes are still in place): call
         after scheduling, before the forward writes into them."""
+        if not self._evicted:
+            return
         evicted = self._evicted.copy()
         self._evicted.clear()  # in place: the pool appends to this very list
         # A block evicted again while its earlier copy is still staged or being saved (recomputed
-        # meanwhile: the same identity, the same bytes) is saved once.
-        todo, seen = [], set(self._in_flight)
+        # meanwhile: the same identity, the same bytes) is saved once: that copy's save stands
+        # (`again` keeps the new one in case shedding below drops the staged one).
+        todo, again, seen = [], {}, set()
         for e in evicted:
-            if not self.known(e.block_hash) and e.block_hash not in seen:
-                seen.add(e.block_hash)
+            h = e.block_hash
+            if self.known(h) or h in seen:
+                continue
+            seen.add(h)
+            if h in self._in_flight:
+                again[h] = e
+            else:
                 todo.append(e)
         if not todo:
             return
@@ -111,6 +119,9 @@ class Saver:
             self.shed += 1
             if slot not in self._held:
                 need -= 1
+            if h in again and h not in self._in_flight:  # its block's bytes are still in place
+                todo.append(again.pop(h))
+                need += 1
         if need > 0:  # more evictions than the staging area holds: keep the newest
             self.shed += need
             todo = todo[need:]

@@ -43,6 +43,8 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
+        if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < self.num_embeddings:
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
         ggml = _GGML.get(self.fmt)
         if ggml is not None:  # the file's own blocks: gguf's numpy dequantize, a few ops
             import gguf

@@ -18,6 +18,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from hetserve.errors import ModelLoadError, ModelNotFoundError
 
 _PART = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -96,9 +98,12 @@ def release_pages(parts: list[Any], data: Any) -> None:
     cache: only memory use changes."""
     addr = int(data.ctypes.data)
     for reader in parts:
-        # read-only mappings only: dropping a copy-on-write page would lose what was written
-        buf = getattr(reader.data, "_mmap", None) if reader.data.mode == "r" else None
-        base, size = int(reader.data.ctypes.data), reader.data.nbytes
+        mapped = reader.data
+        # read-only mappings of the whole file only: dropping a copy-on-write page would lose
+        # what was written, and an offset mapping's pages do not start at its data
+        ok = isinstance(mapped, np.memmap) and mapped.mode == "r" and mapped.offset == 0
+        buf = getattr(mapped, "_mmap", None) if ok else None
+        base, size = int(mapped.ctypes.data), mapped.nbytes
         if buf is None or not base <= addr < base + size:
             continue
         start = max(addr - base - _AROUND, 0) // mmap.PAGESIZE * mmap.PAGESIZE

@@ -12,10 +12,11 @@
  * Activations meet them as llama.cpp's q6_K / q5_K x q8_K products do: int8 per super-block of
  * 256 columns, scale amax / 127 (|x - x_hat| <= amax / 254), in natural column order, with
  * their sums per 16 columns (the offset and minimum terms). Every integer step is exact (the
- * largest, q6_K's per-lane sum of 8 pairs times a scale: 8 * 2 * 63 * 127 * 128 < 2^31), so
- * the rounding past the activations' is fp32's: per super-block each of the integer sum's 8
- * lanes is converted (exact below 2^24 in magnitude) and scaled by d * xd into 8 running lanes,
- * which are summed once per row (q5_K's minimum term -M * (dmin * xd) runs in a scalar beside). */
+ * largest, a q6_K lane: 32 products of 63 * 127 * 128, less 32 times its share of the offset
+ * term, |lane| < 5e7 < 2^31), so the rounding past the activations' is fp32's: per super-block
+ * each of the integer sum's 8 lanes is converted (exact below 2^24; a q6_K lane may reach
+ * ~2^25.6, off then by at most 2^-24 of itself) and scaled by d * xd into 8 running lanes, which
+ * are summed once per row (q5_K's minimum term -M * (dmin * xd) runs in a scalar beside). */
 #ifndef HETSERVE_MOE_KQ_H
 #define HETSERVE_MOE_KQ_H
 

@@ -101,3 +101,24 @@ def test_a_block_whose_save_failed_is_staged_again_and_found_in_its_new_slot(sav
     s.check_integrity()
     again = s.staged_run([h])
     assert again and again != first
+
+
+def test_a_staged_copy_shed_while_its_block_is_evicted_again_is_staged_anew(saver):
+    """Two staging slots: h is staged; then g, k and h are evicted in one pass. Room for the
+    new copies sheds h's staged one, so h's fresh eviction (its bytes still in place) is staged
+    in its stead, not dropped as a duplicate of a copy that no longer waits."""
+    s, pool, store = saver
+    s.io.staging_slots = 2
+    s._free_slots.clear()
+    s._free_slots.extend([0, 1])
+    h, g, k = (hash_block_tokens(None, [t] * 4) for t in (1, 2, 3))
+    evict_cached(pool, h)
+    s.capture()
+    for x in (g, k, h):
+        b = pool.allocate(1)[0]
+        pool.cache(b, x)
+        pool.free([b])
+    pool.free(pool.allocate(pool.num_free))  # all three handed out: evicted in one pass
+    s.capture()
+    s.check_integrity()
+    assert s.staged_run([h]) and h in s._in_flight

@@ -105,6 +105,33 @@ def test_q_k_v_kept_apart_take_the_fused_step_too(tiny_model, monkeypatch, kv_dt
     assert fused == _generate(llm)
 
 
+def test_q_k_v_of_different_formats_take_the_fused_step(tiny_model, monkeypatch):
+    """q on int8 rows with a scale per row beside k / v on q8_0-style groups of 32 (as a GGUF
+    file's q4_K q beside q8_0 k / v, which this shape cannot hold): three linears of their own
+    formats in the fused step, the modules' bits."""
+    from hetserve.layers import int8_linear
+    from hetserve.quant.packed import Int8Rows
+
+    monkeypatch.setattr(int8_linear, "_fuse", lambda module: 0)
+    llm = LLM(str(tiny_model("qwen3-moe", overrides=MOE)), placement=_all_int8_rules("cpu-int8"))
+    g = torch.Generator().manual_seed(0)
+    for layer in llm.model.model.layers:
+        attn = layer.mixer
+        for name in ("k_proj", "v_proj"):
+            old = getattr(attn, name)
+            lin = torch.nn.Linear(old.in_features, old.out_features, bias=False)
+            lin.packed_weight = Int8Rows.q8_0(
+                torch.randn(old.out_features, old.in_features, generator=g) * 0.05
+            )
+            setattr(attn, name, int8_linear.Int8Linear(lin))
+        assert (attn.q_proj.group, attn.k_proj.group) == (0, 32)
+    spy = _Spy(monkeypatch, llm)
+    fused = _generate(llm)
+    assert spy.fused == 7
+    spy.off = True
+    assert fused == _generate(llm)
+
+
 def test_fused_step_steps_aside(tiny_model, monkeypatch):
     path = str(tiny_model("qwen3-moe", overrides=MOE_TOP4))
     llm = LLM(path, placement=_all_int8_rules("cpu-int8"))

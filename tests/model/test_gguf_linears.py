@@ -192,5 +192,6 @@ def test_k_quant_embedding_rows_equal_the_matrix_dequantized(kind):
     got = emb(ids)
     assert got.shape == (2, 3, 512) and got.dtype == torch.float32
     assert torch.equal(got, want)
-    with pytest.raises(IndexError):
-        emb(torch.tensor([40]))
+    for bad in (40, -1):  # out of range either way, as nn.Embedding
+        with pytest.raises(IndexError):
+            emb(torch.tensor([bad]))
