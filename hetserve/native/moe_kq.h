@@ -96,15 +96,19 @@ static inline __attribute__((always_inline)) __m256i q6k_block(const uint8_t *b,
     return _mm256_sub_epi32(acc, _mm256_slli_epi32(_mm256_madd_epi16(s16, g), 5)); /* 32x */
 }
 
-/* sc and m of sub-block j of a q4_K / q5_K super-block's 12 scale bytes (llama.cpp's
- * get_scale_min_k4). */
-static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *m) {
-    if (j < 4) {
-        *sc = q[j] & 63, *m = q[j + 4] & 63;
-    } else {
-        *sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
+/* All 8 sc (out[0..7]) and m (out[8..15]) of a q4_K / q5_K super-block's 12 scale bytes, on
+ * 32-bit words (llama.cpp's get_scale_min_k4 for every sub-block j: j < 4, sc = q[j] & 63 and
+ * m = q[j + 4] & 63; else the low / high nibble of q[j + 4] and the top 2 bits of q[j - 4] / q[j]
+ * above them). */
+static inline void k4_unpack(const uint8_t *q, uint8_t out[16]) {
+    const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+    uint32_t u[3], r[4];
+    memcpy(u, q, 12);
+    r[0] = u[0] & m6;                                    /* sc 0-3 */
+    r[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);      /* sc 4-7 */
+    r[2] = u[1] & m6;                                    /* m 0-3 */
+    r[3] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4); /* m 4-7 */
+    memcpy(out, r, 16);
 }
 
 /* One q5_K super-block b against x [256] (sums per 16 gs): *S = sum sc * q * x (all columns) as
@@ -114,7 +118,8 @@ static inline __attribute__((always_inline)) void q5k_block(const uint8_t *b, co
     const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(0x01);
     __m256i h = _mm256_loadu_si256((const __m256i *)(b + 16)); /* shifted by j as j runs */
     __m256i acc = _mm256_setzero_si256();
-    int mins = 0;
+    uint8_t sm[16]; /* sc[8], then m[8] */
+    k4_unpack(b + 4, sm);
     for (int c = 0; c < 4; c++) {
         const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * c));
         for (int hh = 0; hh < 2; hh++) {
@@ -124,16 +129,20 @@ static inline __attribute__((always_inline)) void q5k_block(const uint8_t *b, co
             h = _mm256_srli_epi16(h, 1);
             const __m256i q = _mm256_or_si256(nib, _mm256_slli_epi16(hb, 4));
             const int j = 2 * c + hh;
-            int sc, m;
-            k4_scale_min(b + 4, j, &sc, &m);
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 32 * j));
             const __m256i p = _mm256_maddubs_epi16(q, xv); /* pairs: <= 2 * 31 * 127 */
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16((int16_t)sc)));
-            mins += m * (gs[2 * j] + gs[2 * j + 1]);
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(sm[j])));
         }
     }
     *S = acc;
-    *M = mins;
+    /* m[j] times the sum of x over sub-block j (its two sums of 16: |.| <= 2 * 16 * 127) */
+    const __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sm + 8)));
+    const __m128i gp = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)gs),
+                                      _mm_loadu_si128((const __m128i *)(gs + 8)));
+    __m128i mm = _mm_madd_epi16(m16, gp);
+    mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0x4E));
+    mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0xB1));
+    *M = _mm_cvtsi128_si32(mm);
 }
 
 static inline float kq_f16(const uint8_t *p) {
