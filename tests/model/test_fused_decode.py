@@ -86,45 +86,34 @@ def test_fused_step_gives_the_modules_results(
             torch.testing.assert_close(torch.tensor(lf), torch.tensor(lm), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "float16", "int8"])
-def test_q_k_v_kept_apart_take_the_fused_step_too(tiny_model, monkeypatch, kv_dtype):
+@pytest.mark.parametrize(
+    ("kv_dtype", "kv_proj"),
+    [("auto", "same"), ("float16", "same"), ("int8", "same"), ("auto", "q8_0")],
+)
+def test_q_k_v_kept_apart_take_the_fused_step_too(tiny_model, monkeypatch, kv_dtype, kv_proj):
     """A GGUF file whose q, k and v are of different types keeps them as three linears (layers/
     int8_linear.py `_fuse`); the fused step runs them as three and gives the modules' bits.
-    (Here fusion is turned off: the same three-linear layout on one format.)"""
-    from hetserve.layers import int8_linear
-
-    monkeypatch.setattr(int8_linear, "_fuse", lambda module: 0)
-    llm = LLM(str(tiny_model("qwen3-moe", overrides=MOE)), placement=_all_int8_rules("cpu-int8"),
-              kv_cache_dtype=kv_dtype)  # fmt: skip
-    attn = llm.model.model.layers[0].mixer
-    assert attn.qkv_proj is None and isinstance(attn.k_proj, int8_linear.Int8Linear)
-    spy = _Spy(monkeypatch, llm)
-    fused = _generate(llm)
-    assert spy.fused == 7
-    spy.off = True
-    assert fused == _generate(llm)
-
-
-def test_q_k_v_of_different_formats_take_the_fused_step(tiny_model, monkeypatch):
-    """q on int8 rows with a scale per row beside k / v on q8_0-style groups of 32 (as a GGUF
-    file's q4_K q beside q8_0 k / v, which this shape cannot hold): three linears of their own
-    formats in the fused step, the modules' bits."""
+    Here fusion is turned off: three linears of one format, or (q8_0) k / v replaced by
+    q8_0-style groups of 32 beside q's int8 rows with a scale per row (as a GGUF file's q4_K q
+    beside q8_0 k / v, which this shape cannot hold)."""
     from hetserve.layers import int8_linear
     from hetserve.quant.packed import Int8Rows
 
     monkeypatch.setattr(int8_linear, "_fuse", lambda module: 0)
-    llm = LLM(str(tiny_model("qwen3-moe", overrides=MOE)), placement=_all_int8_rules("cpu-int8"))
+    llm = LLM(str(tiny_model("qwen3-moe", overrides=MOE)), placement=_all_int8_rules("cpu-int8"),
+              kv_cache_dtype=kv_dtype)  # fmt: skip
     g = torch.Generator().manual_seed(0)
     for layer in llm.model.model.layers:
         attn = layer.mixer
-        for name in ("k_proj", "v_proj"):
+        assert attn.qkv_proj is None and isinstance(attn.k_proj, int8_linear.Int8Linear)
+        for name in ("k_proj", "v_proj") if kv_proj == "q8_0" else ():
             old = getattr(attn, name)
             lin = torch.nn.Linear(old.in_features, old.out_features, bias=False)
-            lin.packed_weight = Int8Rows.q8_0(
-                torch.randn(old.out_features, old.in_features, generator=g) * 0.05
-            )
+            w = torch.randn(old.out_features, old.in_features, generator=g) * 0.05
+            lin.packed_weight = Int8Rows.q8_0(w)
             setattr(attn, name, int8_linear.Int8Linear(lin))
-        assert (attn.q_proj.group, attn.k_proj.group) == (0, 32)
+        groups = (0, 32) if kv_proj == "q8_0" else (0, 0)
+        assert (attn.q_proj.group, attn.k_proj.group) == groups
     spy = _Spy(monkeypatch, llm)
     fused = _generate(llm)
     assert spy.fused == 7
