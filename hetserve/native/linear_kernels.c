@@ -50,22 +50,15 @@ typedef struct {
 /* Rows [n0, n0 + 4 nq) against tokens m, m + MB - 1 (MB <= 2); nq = 2 for q4_K only. */
 static inline void lin_quad(const lin_t *l, int n0, int nq, int m, int MB, float o[8][MBMAX]) {
     const int K = l->K, m1 = m + MB - 1;
-    if (l->fmt == L_Q6K || l->fmt == L_Q5K) {
+    if (l->fmt != L_I8) { /* the K-quants: int8 activations per super-block */
         const uint8_t *q = (const uint8_t *)l->w + (size_t)n0 * (K / Q4K_SB) * kq_bytes(l->fmt);
         const q4k_act_t a[2] = {q4k_row(l->pl, l->pd, l->ps, K, m),
                                 q4k_row(l->pl, l->pd, l->ps, K, m1)};
         if (l->fmt == L_Q6K) {
             if (MB == 2) quad_kq(q, L_Q6K, K, a, 2, o); else quad_kq(q, L_Q6K, K, a, 1, o);
-        } else {
+        } else if (l->fmt == L_Q5K) {
             if (MB == 2) quad_kq(q, L_Q5K, K, a, 2, o); else quad_kq(q, L_Q5K, K, a, 1, o);
-        }
-        return;
-    }
-    if (l->fmt == L_Q4K) {
-        const uint8_t *q = (const uint8_t *)l->w + (size_t)n0 * (K / Q4K_SB) * 144;
-        const q4k_act_t a[2] = {q4k_row(l->pl, l->pd, l->ps, K, m),
-                                q4k_row(l->pl, l->pd, l->ps, K, m1)};
-        if (nq == 2) {
+        } else if (nq == 2) {
             if (MB == 2) quad_q4k(q, 2, K, a, 2, o); else quad_q4k(q, 2, K, a, 1, o);
         } else {
             if (MB == 2) quad_q4k(q, 1, K, a, 2, o); else quad_q4k(q, 1, K, a, 1, o);
@@ -153,10 +146,10 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
     const int Kx = K; /* x's columns; the weights' may be padded */
     K = hetserve_moe_padded(fmt, G, K);
     const size_t n = (size_t)T * K, n_x = K != Kx ? n : 0;
-    const int q4k = fmt == L_Q4K || fmt == L_Q6K || fmt == L_Q5K, nsb = K / Q4K_SB;
+    const int kq = fmt != L_I8, nsb = K / Q4K_SB; /* a K-quant */
     /* int16 activations and their per-row scales, or q4_K's int8 ones, scales and sums; then x
      * padded with zeros where K is */
-    const size_t bytes = q4k ? n + (size_t)T * nsb * (sizeof(float) + 16 * sizeof(int16_t))
+    const size_t bytes = kq ? n + (size_t)T * nsb * (sizeof(float) + 16 * sizeof(int16_t))
                              : (sizeof(int16_t) * n + sizeof(float) * (size_t)T);
     char *buf = malloc(bytes + sizeof(float) * n_x);
     if (buf == NULL) return -1;
@@ -171,7 +164,7 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
     int16_t *x16 = NULL, *ps = NULL;
     float *xsc = NULL, *pd = NULL;
     int8_t *pl = NULL;
-    if (q4k) { /* the int8 rows first: malloc's alignment, whole super-blocks */
+    if (kq) { /* the int8 rows first: malloc's alignment, whole super-blocks */
         pl = (int8_t *)buf;
         pd = (float *)(pl + n);
         ps = (int16_t *)(pd + (size_t)T * nsb);
@@ -184,7 +177,7 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
     }
     nthreads = nthreads < 1 ? 1 : nthreads;
     const long quad_bytes = /* weights of 4 rows */
-        fmt == L_I8 ? 4L * K : 4L * nsb * (fmt == L_Q4K ? 144 : kq_bytes(fmt));
+        fmt == L_I8 ? 4L * K : 4L * nsb * kq_bytes(fmt);
     const int quads = (N + 3) / 4;
     int rc = hs_item_units(quad_bytes, ITEM_BYTES, quads, nthreads, RC);
     rc += fmt == L_Q4K && rc % 2; /* q4_K: whole pairs (its layout interleaves quads 2u, 2u + 1) */
