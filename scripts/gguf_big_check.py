@@ -129,15 +129,9 @@ def write(path: Path, cfg: dict) -> int:
 
 CHILD = r"""
 import json, sys, time
-def status():
-    out = {}
-    for line in open("/proc/self/status"):
-        k, _, v = line.partition(":")
-        if k in ("VmRSS", "VmHWM"):
-            out[k] = int(v.split()[0]) << 10
-    return out
 import torch, hetserve.model.build, hetserve.engine.core
 from hetserve import LLM, SamplingParams
+from hetserve.model.memory_facts import proc_memory as status
 before = status()
 t0 = time.perf_counter()
 llm = LLM(sys.argv[1], max_model_len=256, num_kv_blocks=32)

@@ -26,16 +26,24 @@ _EXPERT_BYTES = {
 }
 
 
-def rss_bytes() -> int:
-    """This process's resident set (VmRSS), 0 where /proc is not there."""
+def proc_memory(keys: tuple[str, ...] = ("VmRSS", "VmHWM")) -> dict[str, int]:
+    """Those lines of /proc/self/status (resident set, peak, ...) in bytes; none where /proc is
+    not there."""
+    out: dict[str, int] = {}
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
+                key, _, value = line.partition(":")
+                if key in keys:
+                    out[key] = int(value.split()[0]) * 1024
     except OSError:
         pass
-    return 0
+    return out
+
+
+def rss_bytes() -> int:
+    """This process's resident set (VmRSS), 0 where /proc is not there."""
+    return proc_memory(("VmRSS",)).get("VmRSS", 0)
 
 
 def _own_bytes(module: nn.Module) -> int:

@@ -38,19 +38,11 @@ _CHILD = r"""
 import json, sys
 from pathlib import Path
 
-def status():
-    out = {}
-    for line in open("/proc/self/status"):
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
-
 import torch, hetserve.model.build, hetserve.engine.core  # the runtime, before any weight
 from hetserve import LLM
 from hetserve.config import EngineConfig
 from hetserve.model.build import build_model
-from hetserve.model.memory_facts import measured
+from hetserve.model.memory_facts import measured, proc_memory as status
 
 before = status()
 if sys.argv[2] == "load":
