@@ -95,7 +95,7 @@ class PackedExpertsBuilder:
                 return m
             i = self.experts.intermediate_size
             return m.rows(slice(half * i, (half + 1) * i))
-        got = self.parts.get((pname, e, half))
+        got = self.parts.pop((pname, e, half), None)  # laid out once: the builder lets it go
         if got is None:
             raise MissingTensorError(
                 f"checkpoint lacks tensor '{self.prefix}.{e}.{_HALF_NAMES[half]}.weight' "
@@ -104,6 +104,8 @@ class PackedExpertsBuilder:
         return got
 
     def build(self) -> PackedExperts:
+        """The layer's PackedExperts; per-expert parts are let go as they are taken, so gate and
+        up exist beside their concatenation one expert at a time."""
         w13, w2 = [], []
         for e in range(self.experts.num_experts):
             if "w13" in self.fused:

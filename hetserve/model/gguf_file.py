@@ -181,7 +181,8 @@ class GgufCheckpoint:
 
     def summary(self) -> str:
         """One line: per tensor type, what the load did with it (kept, converted to what, with
-        the largest relative RMS error against the file's numbers of any tensor converted)."""
+        the largest relative RMS error against the file's numbers of any expert matrix
+        converted)."""
         parts = [f"{what} x{n}" for what, n in sorted(self._done.items())]
         for (kind, to), (n, err) in sorted(self._converted.items()):
             bpw, bits = BITS.get(kind, 32.0), NATIVE_BPW[to]
@@ -208,19 +209,23 @@ class GgufCheckpoint:
     def nbytes(self) -> int:
         return sum(int(t.n_bytes) for t in self.tensor_info.values())
 
-    def _expert_value(self, t) -> QMatrix:
+    def _expert_values(self, t, wanted: list[int]) -> list[QMatrix]:
+        """Experts `wanted` of the stacked tensor `t`, each its own copy of its part of the file
+        (never the whole tensor at once: the builder lets each go once it is laid out)."""
         kind = t.tensor_type.name
         to = self._convert.get(t.name)
         if to is None:
             self._note(f"experts {kind} kept")
-            return KEPT[kind](t.data)
-        shape = tuple(int(d) for d in reversed(t.shape))
-        deq = self._gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
-        value = converted(deq, to)
-        err = relative_rms(value.dequantize().numpy(), deq)
-        n, worst = self._converted.get((kind, to), (0, 0.0))
-        self._converted[(kind, to)] = (n + 1, max(worst, err))
-        return value
+            return [KEPT[kind](t.data[e]) for e in wanted]
+        shape = tuple(int(d) for d in reversed(t.shape))[1:]
+        values, worst = [], 0.0
+        for e in wanted:
+            deq = self._gguf.quants.dequantize(t.data[e], t.tensor_type).reshape(shape)
+            values.append(converted(deq, to))
+            worst = max(worst, relative_rms(values[-1].dequantize().numpy(), deq))
+        n, was = self._converted.get((kind, to), (0, 0.0))
+        self._converted[(kind, to)] = (n + 1, max(was, worst))
+        return values
 
     def _value(self, t, linear: bool):
         """A tensor as the model takes it: an int8 linear's weight (`linear`) in a format
@@ -283,13 +288,13 @@ class GgufCheckpoint:
         if m:
             layer = int(m.group(1))
             prefix = f"model.layers.{layer}.mlp.experts"
-            stacked = self._expert_value(t)
             n = int(t.shape[-1])
-            for e in range(n):
-                hf = f"{prefix}.{e}.{m.group(2)}_proj.weight"
-                if wanted(hf):
-                    sel = stacked.select(e) if isinstance(stacked, QMatrix) else stacked[e]
-                    yield hf, sel, int(t.n_bytes) // n
+            names = {e: f"{prefix}.{e}.{m.group(2)}_proj.weight" for e in range(n)}
+            take = [e for e, hf in names.items() if wanted(hf)]
+            values = self._expert_values(t, take)
+            release_pages(self.parts, t.data)  # copied: the pages can go before the layer builds
+            for e, value in zip(take, values, strict=True):
+                yield names[e], value, int(t.n_bytes) // n
             return
         if _KV_SPLIT.match(name):
             yield from self._kv_b(name, wanted, int8)

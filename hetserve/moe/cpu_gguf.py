@@ -46,13 +46,12 @@ _FILE_ROWS = (F_Q6K, F_Q5K, F_IQ4XS, F_IQ4NL)  # the file's bytes as they are (m
 
 def _rows_layer(mats: Sequence[QMatrix], gate_up: bool) -> torch.Tensor:
     """q6_K / q5_K / IQ4_XS / IQ4_NL matrices [N, K] -> [E, N, blocks, block bytes], the file's
-    bytes; W13's rows
-    in quads of gate rows then up rows (phase 1 reads one stream)."""
-    raws = [m.raw for m in mats]  # type: ignore[attr-defined]
-    if isinstance(mats[0], IQ4XSRows):  # its nibbles regrouped (moe_kq.h, quad_iq4xs)
-        raws = [iq4_xs_kernel_order(r) for r in raws]
-    out = hugepage_empty((len(raws), *raws[0].shape), torch.uint8)
-    for e, raw in enumerate(raws):
+    bytes, filled expert by expert; W13's rows in quads of gate rows then up rows (phase 1 reads
+    one stream)."""
+    reorder = isinstance(mats[0], IQ4XSRows)  # its nibbles regrouped (moe_kq.h, quad_iq4xs)
+    out = hugepage_empty((len(mats), *mats[0].raw.shape), torch.uint8)  # type: ignore[attr-defined]
+    for e, m in enumerate(mats):
+        raw = iq4_xs_kernel_order(m.raw) if reorder else m.raw  # type: ignore[attr-defined]
         n = raw.shape[0]
         if gate_up:
             raw = pair_gate_up(raw.reshape(1, n, -1), 4)[0].reshape(raw.shape)

@@ -36,7 +36,6 @@ from hetserve.quant.kernel_file import KernelLayout, check_format, check_padding
 from hetserve.quant.layout import (
     fp16_group_scales,
     int4_group_tiles,
-    interleave_quads,
     pack_int4_rows,
     pad_bias,
     pad_gate_up,
@@ -45,6 +44,7 @@ from hetserve.quant.layout import (
     padded_size,
     pair_gate_up,
     q4k_quads,
+    quad_units,
     round_up,
 )
 from hetserve.quant.packed import Fp8Rows, Int4Rows, Int8Rows, Mxfp4Rows, Q4KRows, QMatrix
@@ -62,9 +62,18 @@ _F32, _I64 = torch.float32, torch.int64
 
 def _quads(mats: list[torch.Tensor], chunk: int, gate_up: bool, rows: int = 4) -> torch.Tensor:
     """Per-expert matrices [N, C] -> one stacked tensor in the kernel's quad layout (or tile
-    layout of `rows` rows)."""
-    t = torch.stack(mats)
-    return interleave_quads(pair_gate_up(t, rows) if gate_up else t, chunk, rows)
+    layout of `rows` rows), filled expert by expert: no stacked copy of the layer beside it."""
+    shape = tuple(mats[0].shape)
+    if any(tuple(m.shape) != shape for m in mats):
+        raise ValueError(f"experts of one layer differ in shape: {[tuple(m.shape) for m in mats]}")
+    out = None
+    for e, m in enumerate(mats):
+        t = m.unsqueeze(0)
+        src = quad_units(pair_gate_up(t, rows) if gate_up else t, chunk, rows)
+        if out is None:
+            out = hugepage_empty((len(mats), *src.shape[1:]), m.dtype)
+        out[e : e + 1].copy_(src)
+    return out
 
 
 def _tiles(mats: list[torch.Tensor], chunk: int, gate_up: bool) -> torch.Tensor:

@@ -130,7 +130,7 @@ def pair_gate_up(w13: torch.Tensor, rows: int = 4) -> torch.Tensor:
     return w13.reshape(e, 2, n // (2 * rows), rows, c).transpose(1, 2).reshape(e, n, c)
 
 
-def _units(t: torch.Tensor, chunk: int, rows: int) -> torch.Tensor:
+def quad_units(t: torch.Tensor, chunk: int, rows: int) -> torch.Tensor:
     """A view (no copy) of [E, N, C] as [E, N/rows, C/chunk, rows, chunk]: per unit of `rows`
     rows and every `chunk` columns, the rows' pieces back to back."""
     e, n, c = t.shape
@@ -141,7 +141,7 @@ def interleave_quads(t: torch.Tensor, chunk: int, rows: int = 4) -> torch.Tensor
     """[E, N, C] -> same bytes reordered so each quad of rows (or unit of `rows`) is one
     sequential stream: for every `chunk` columns, the rows' pieces back to back
     ([E, N/rows, C/chunk, rows, chunk]), in memory backed by huge pages where the OS allows."""
-    src = _units(t, chunk, rows)
+    src = quad_units(t, chunk, rows)
     return hugepage_empty(tuple(src.shape), t.dtype).copy_(src)
 
 
@@ -186,7 +186,7 @@ def q4k_quads(
     # pairs of quads: for every 64 bytes, the pair's two lines back to back
     pairs = quads // 2
     out[: 2 * pairs].view(1, pairs, 9 * b, 2, 64).copy_(
-        _units(flat[: 2 * pairs].view(1, 2 * pairs, 576 * b), 64, 2)
+        quad_units(flat[: 2 * pairs].view(1, 2 * pairs, 576 * b), 64, 2)
     )
     out[2 * pairs :] = flat[2 * pairs :]
     return out
@@ -204,7 +204,7 @@ def int4_group_tiles(
     n, ng = scale.shape
     nb = packed.shape[1] // ng  # nibble bytes per row and group: G / 2
     tiles = n // 16
-    q = _units(packed.unsqueeze(0), 4, 16)[0].reshape(tiles, ng, nb // 4, 16, 4)  # a view
+    q = quad_units(packed.unsqueeze(0), 4, 16)[0].reshape(tiles, ng, nb // 4, 16, 4)  # a view
     out[..., : 16 * nb].view(tiles, ng, nb // 4, 16, 4).copy_(q)
     for lo, t in ((16 * nb, scale), (16 * nb + 64, minimum)):
         p = t.to(torch.float32).reshape(tiles, 16, ng).transpose(1, 2)

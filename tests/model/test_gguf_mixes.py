@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+import types
 
 import numpy as np
 import pytest
@@ -162,13 +163,15 @@ def test_low_bit_types_convert_to_q4_k_with_their_error_stated(tiny_model, tmp_p
     m = re.search(rf"experts {kind} \(([\d.]+) bpw\) -> q4_K \(4.5 bpw, more bits: no "
                   rf"native format has <= ([\d.]+); rel rms ([\d.e-]+)\) x6", line)  # fmt: skip
     assert m, line
-    # the stated error is the worst tensor's: q4_K's rounding of the file's coarser grid,
-    # against the file's numbers (measured 0.04-0.08 relative RMS on these random weights)
+    # the stated error is the worst expert matrix's: q4_K's rounding of the file's coarser
+    # grid, against the file's numbers (measured 0.04-0.08 relative RMS on these random weights)
     worst = 0.0
     for t in gguf.GGUFReader(str(path)).tensors:
         if "_exps." in t.name:
-            deq = gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1, int(t.shape[0]))
-            worst = max(worst, relative_rms(converted(deq, "q4_K").dequantize().numpy(), deq))
+            for raw in t.data:  # one expert's rows
+                deq = gguf.quants.dequantize(raw, t.tensor_type).reshape(-1, int(t.shape[0]))
+                err = relative_rms(converted(deq, "q4_K").dequantize().numpy(), deq)
+                worst = max(worst, err)
     assert float(m.group(3)) == pytest.approx(worst, rel=0.01) and worst < 0.15
     err = (logprobs(llm) - logprobs(q8k_reference(tmp_path / "ref"))).abs()
     assert bool(torch.isfinite(err).all()) and float(err.mean()) < 0.5
@@ -185,3 +188,30 @@ def test_conversion_targets_have_no_more_bits_where_one_exists():
         if BITS[kind] >= 4.5:
             assert NATIVE_BPW[to] <= BITS[kind]
     assert convert_target(BITS["Q5_0"], 96) == "q8_0"  # rows off 256: q8_0 only
+
+
+def test_each_expert_is_its_own_copy_of_the_file(tmp_path, tiny_model):
+    """The reader copies experts one at a time (never a layer's stacked tensor at once) and
+    the builder lets gate and up go as it concatenates them: what a layer holds while it is
+    laid out (tests/model/test_load_memory.py measures the peak)."""
+    from hetserve.model.filler import PackedExpertsBuilder
+    from hetserve.model.gguf_file import GgufCheckpoint
+
+    src = tiny_model("qwen3-moe", overrides={**SHAPE, "num_hidden_layers": 1})
+    path = write_gguf(src, tmp_path / "m.gguf", tmp_path / "ref", "q8_0", "f32")
+    ckpt = GgufCheckpoint(path)
+    got = list(ckpt.tensors(lambda name: ".experts." in name))
+    assert got
+    for _, value, _ in got:  # storage of its own size, not a view into a layer's copy
+        assert value.q.untyped_storage().nbytes() == value.q.nbytes
+    n = ckpt.hf_config()["num_experts"]
+    experts = types.SimpleNamespace(num_experts=n, intermediate_size=SHAPE["moe_intermediate_size"],
+                                    hidden_size=SHAPE["hidden_size"])  # fmt: skip
+    builder = PackedExpertsBuilder("model.layers.0.mlp.experts", experts)
+    halves = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
+    for name, value, _ in got:
+        e, proj = name.split(".")[-3:-1]
+        pname, half = halves[proj]
+        builder.add(pname, int(e), half, value, name)
+    packed = builder.build()
+    assert not builder.parts and packed.num_experts == n
