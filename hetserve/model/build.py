@@ -40,6 +40,7 @@ def build_model(config: EngineConfig, model_dir: Path) -> CausalLM:
         experts_ready=builder,
         before_alloc=_memory_check(config) if config.max_host_memory else None,
         int8_linears=True,  # _build_hybrid: apply_dense_backends
+        expert_quantizer=None if config.moe.gpu_experts else _int8_on_arrival,
     )
     model.placement_choice = choice
     log.info("%s", choice.line())
@@ -53,6 +54,25 @@ def build_model(config: EngineConfig, model_dir: Path) -> CausalLM:
 
         model.attach_routing_stats(RoutingStats())
     return model
+
+
+def _int8_on_arrival(plan: HybridPlan, name: str):
+    """The loader's `expert_quantizer`: experts that only the native cpu-int8 backend serves (the
+    all-int8 placement on a CPU: every phase on the host, no hot experts on a device) are rounded
+    to its per-row int8 as each tensor is read, so a dense (fp32, bf16) checkpoint's layer never
+    exists in full precision: the load's peak is the steady state plus one layer in int8, not in
+    fp32 (1.7 B MoE, fp32 safetensors: ~800 MB less)."""
+    from hetserve.moe.cpu_backends import _use_native
+    from hetserve.moe.placement import PHASES
+    from hetserve.quant.packed import Int8Rows
+
+    chosen = {(a.device, a.backend) for a in (plan.placement.get(name, p) for p in PHASES)}
+    experts = plan.units.get(name)
+    if chosen != {("cpu", "cpu-int8")} or experts is None:
+        return None
+    if not _use_native("cpu-int8", "auto", experts.activation):
+        return None  # the library kernel quantizes its own way
+    return Int8Rows.per_row
 
 
 def _memory_check(config: EngineConfig):

@@ -10,11 +10,15 @@ linear's `packed_weight`, when a placement could give that linear such a kernel 
 serves those numbers exactly; model/hybrid_plan.py drops what it does not use). A linear
 weight the loader left unallocated (meta: a GGUF load's int8 linears, model/loader.py) gets
 only that: the checkpoint's QMatrix, or a dense tensor rounded to int8 in groups of 32
-(`Int8Rows.grouped`), so no fp32 copy of those linears is ever filled.
+(`Int8Rows.grouped`), so no fp32 copy of those linears is ever filled. Experts given a
+`quantizer` (dense checkpoints whose experts a CPU int8 backend alone serves: model/loader.py)
+are quantized as each tensor arrives and assembled packed, so no full-precision copy of their
+layer exists either.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 
@@ -116,6 +120,15 @@ class PackedExpertsBuilder:
         return PackedExperts(tuple(w13), tuple(w2))
 
 
+def _quantized(quantize: Callable[[torch.Tensor], QMatrix], w: torch.Tensor, fused: bool):
+    """One expert's matrix quantized (a fused tensor's: each expert's, stacked)."""
+    if not fused:
+        return quantize(w)
+    mats = [quantize(w[e]) for e in range(w.shape[0])]
+    fields = {f: torch.stack([getattr(m, f) for m in mats]) for f in mats[0].row_dims}
+    return dataclasses.replace(mats[0], **fields)
+
+
 def _dense(value, ckpt: str) -> torch.Tensor:
     if isinstance(value, QMatrix):
         return value.dequantize()
@@ -133,9 +146,14 @@ class WeightFiller:
     before the next layer is read (the streaming load: peak = steady state + one layer)."""
 
     def __init__(
-        self, model: CausalLM, packed: set[str], experts_ready: ExpertsReady | None = None
+        self,
+        model: CausalLM,
+        packed: set[str],
+        experts_ready: ExpertsReady | None = None,
+        quantizers: dict[str, Callable[[torch.Tensor], QMatrix]] | None = None,
     ) -> None:
         self.model = model
+        self.quantizers = quantizers or {}  # experts prefix -> quantizer (also in `packed`)
         self.params = dict(model.named_parameters())
         self.filled: set[str] = set()  # plain params, and "w13:e:half" / "w2:e" expert parts
         self.num_layers = model.config.num_layers
@@ -193,6 +211,10 @@ class WeightFiller:
         elif fm:
             prefix, e, half = fm.group(1), None, None
             pname = "w13" if fm.group(2) == "gate_up_proj" else "w2"
+        if (em or fm) and prefix in self.quantizers:
+            dtype = self.modules[prefix].w13.dtype  # the numbers the model would have held
+            value = _dense(value, ckpt_name).to(dtype)
+            value = _quantized(self.quantizers[prefix], value, e is None)
         if (em or fm) and prefix in self.packed:
             self.packed[prefix].add(pname, e, half, value, ckpt_name)
             self._count(prefix, e, pname)

@@ -31,6 +31,7 @@ from hetserve.model.gguf_file import GgufCheckpoint
 from hetserve.model.registry import model_class
 from hetserve.moe.experts import PACKED_BACKENDS, default_backend
 from hetserve.quant.checkpoint import checkpoint_format
+from hetserve.quant.packed import QMatrix
 
 if TYPE_CHECKING:
     from hetserve.model.hybrid_plan import HybridPlan
@@ -101,6 +102,23 @@ def _packed_experts(model: CausalLM, ckpt: Checkpoint, filler_probe) -> set[str]
         if prefix is not None:
             packed.add(prefix)
     return packed
+
+
+ExpertQuantizer = Callable[["HybridPlan", str], Callable[[torch.Tensor], QMatrix] | None]
+
+
+def _quantizers(
+    model: CausalLM, plan: HybridPlan, packed: set[str], expert_quantizer: ExpertQuantizer
+) -> dict[str, Callable[[torch.Tensor], QMatrix]]:
+    """The experts modules whose dense tensors are quantized as they arrive, with how (their
+    dense weights are then never allocated: `expect_packed`)."""
+    out = {}
+    for name, experts in model.routed_experts():
+        q = None if name in packed else expert_quantizer(plan, name)
+        if q is not None:
+            experts.expect_packed()
+            out[name] = q
+    return out
 
 
 def _allocate(
@@ -180,6 +198,7 @@ def load_model(
     experts_ready: Callable[[HybridPlan, str, FusedExperts], None] | None = None,
     before_alloc: Callable[[CausalLM], None] | None = None,
     int8_linears: bool = False,
+    expert_quantizer: ExpertQuantizer | None = None,
 ) -> CausalLM:
     """Load weights. With `placement` (a list of PlacementRule, or a preset name: "hybrid" /
     "default", "all-int8"; moe/presets.py), units are placed before any memory is allocated, so
@@ -195,7 +214,11 @@ def load_model(
     (the --max-host-memory check raises there).
     `int8_linears`: the caller makes Int8Linears of the linears of every non-expert unit the
     placement gives a backend (build.apply_dense_backends); a GGUF file's then never exist in
-    fp32 (each gets its checkpoint matrix as `packed_weight`, its weight left unallocated)."""
+    fp32 (each gets its checkpoint matrix as `packed_weight`, its weight left unallocated).
+    `expert_quantizer(plan, name)` (a streaming load): for a routed-experts module the checkpoint
+    holds dense, a function that quantizes one expert matrix as the backend the plan gives it
+    would (None: load it dense); its tensors are then quantized as they are read, and the module
+    never holds its dense layer."""
     model_dir = Path(model_dir)
     cfg, ckpt = open_checkpoint(model_dir)
     cls = model_class(cfg.architecture)
@@ -219,10 +242,13 @@ def load_model(
         model, dev, placement, backend, stream, before_alloc, int8_unallocated, embeddings
     )
     ready: ExpertsReady | None = None
+    quantizers = {}
     if stream:
         plan = model.hybrid_plan
         ready = lambda name, module: experts_ready(plan, name, module)  # noqa: E731
-    filler = WeightFiller(model, packed, ready)
+        if expert_quantizer is not None and converted is None:  # converted: their own file
+            quantizers = _quantizers(model, plan, packed, expert_quantizer)
+    filler = WeightFiller(model, packed | set(quantizers), ready, quantizers)
     _fill(model, ckpt, filler, filler.params)
     if isinstance(ckpt, GgufCheckpoint):  # what each tensor type became, in one line
         print(ckpt.summary(), file=sys.stderr, flush=True)

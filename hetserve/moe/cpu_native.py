@@ -290,7 +290,11 @@ class NativeInt8Experts(_NativeExperts):
 
     def _load(self, weights: ExpertWeights) -> None:
         if _packed_as(weights, Int8Rows):
-            g13, g2 = weights.packed.groups()
+            p = weights.packed
+            if all(m.per_row_scales for m in (*p.w13, *p.w2)):  # quantized as they were read
+                self._load_per_row(p.w13, p.w2)
+                return
+            g13, g2 = p.groups()
             if g13 == g2 and g13 % 16 == 0:
                 self._load_grouped(weights, g13)
                 return
@@ -304,6 +308,19 @@ class NativeInt8Experts(_NativeExperts):
                 q, s = quantize_int8_per_channel(w)
                 qs.append(q)
                 ss.append(s[:, None])
+        self._set_per_row(q13, s13, q2, s2)
+
+    def _load_per_row(self, m13: Sequence[Int8Rows], m2: Sequence[Int8Rows]) -> None:
+        """Experts already int8 per row (the loader quantized them as they were read: what the
+        loop above makes of dense ones, bit for bit); zero rows and columns added here (a padded
+        row's scale is 0, not the loop's 1: its codes are 0 either way)."""
+        hp, ip = self._padded()
+        self._set_per_row(
+            [pad_gate_up(m.q, ip, hp) for m in m13], [pad_gate_up(m.scale, ip, 1) for m in m13],
+            [pad_tensor(m.q, hp, ip) for m in m2], [pad_tensor(m.scale, hp, 1) for m in m2],
+        )  # fmt: skip
+
+    def _set_per_row(self, q13: list, s13: list, q2: list, s2: list) -> None:
         self._set(
             _quads(q13, 16, True), _quads(s13, 1, True).reshape(self.num_experts, -1),
             _quads(q2, 16, False), torch.stack(s2).reshape(self.num_experts, -1),

@@ -185,6 +185,18 @@ class Int8Rows(QMatrix):
         return cls(q.reshape(w.shape), s.to(torch.float16).float().reshape(w.shape[0], -1))
 
     @classmethod
+    def per_row(cls, w: torch.Tensor) -> Int8Rows:
+        """w [N, K] as int8 with one fp32 scale per row (quantize_int8_per_channel: the numbers
+        cpu-int8 makes of a dense expert, so quantizing a row early or late gives its bits)."""
+        q, s = quantize_int8_per_channel(w)
+        return cls(q, s[:, None])
+
+    @property
+    def per_row_scales(self) -> bool:
+        """One scale per row (per_row's form), not per group of columns."""
+        return self.scale.shape[-1] == 1
+
+    @classmethod
     def grouped(cls, w: torch.Tensor, group: int = 32) -> Int8Rows:
         """w [N, K] (K % group == 0) as int8 with a scale per `group` columns, each scale an
         fp16 number (the native kernel reads them as fp16: no second rounding there) rounded
