@@ -22,41 +22,18 @@ import torch
 
 from hetserve.errors import InvalidInputError
 from hetserve.moe.cpu_backends import _native_only
-from hetserve.moe.cpu_native import (
-    F_I4,
-    F_I8,
-    F_Q4K,
-    _int4_layer,
-    _NativeExperts,
-    _q4k_layer,
-    _quads,
-)
+from hetserve.moe.cpu_native import F_I4, F_I8, F_Q4K, _NativeExperts
 from hetserve.moe.experts import Activation, ExpertWeights, register_backend
-from hetserve.native import hugepage_empty
+from hetserve.moe.native_layout import int4_layer, q4k_layer, rows_layer, stacked_quads
 from hetserve.quant.gguf import Q5KRows, Q6KRows
-from hetserve.quant.gguf_iq import IQ4NLRows, IQ4XSRows, iq4_xs_kernel_order
-from hetserve.quant.layout import fp16_group_scales, pad_qmatrices, pair_gate_up
+from hetserve.quant.gguf_iq import IQ4NLRows, IQ4XSRows
+from hetserve.quant.layout import fp16_group_scales, pad_qmatrices
 from hetserve.quant.packed import Int4Rows, Int8Rows, Q4KRows, QMatrix
 
 F_Q6K, F_Q5K, F_IQ4XS, F_IQ4NL = 6, 7, 8, 9  # moe_kernels.c's F_*
 _FORMATS: dict[type, int] = {Q4KRows: F_Q4K, Q6KRows: F_Q6K, Q5KRows: F_Q5K, Int8Rows: F_I8,
                              Int4Rows: F_I4, IQ4XSRows: F_IQ4XS, IQ4NLRows: F_IQ4NL}  # fmt: skip
 _FILE_ROWS = (F_Q6K, F_Q5K, F_IQ4XS, F_IQ4NL)  # the file's bytes as they are (moe_kq.h)
-
-
-def _rows_layer(mats: Sequence[QMatrix], gate_up: bool) -> torch.Tensor:
-    """q6_K / q5_K / IQ4_XS / IQ4_NL matrices [N, K] -> [E, N, blocks, block bytes], the file's
-    bytes, filled expert by expert; W13's rows in quads of gate rows then up rows (phase 1 reads
-    one stream)."""
-    reorder = isinstance(mats[0], IQ4XSRows)  # its nibbles regrouped (moe_kq.h, quad_iq4xs)
-    out = hugepage_empty((len(mats), *mats[0].raw.shape), torch.uint8)  # type: ignore[attr-defined]
-    for e, m in enumerate(mats):
-        raw = iq4_xs_kernel_order(m.raw) if reorder else m.raw  # type: ignore[attr-defined]
-        n = raw.shape[0]
-        if gate_up:
-            raw = pair_gate_up(raw.reshape(1, n, -1), 4)[0].reshape(raw.shape)
-        out[e].copy_(raw)
-    return out
 
 
 def _format(mats: Sequence[QMatrix], what: str) -> int:
@@ -92,13 +69,13 @@ class NativeGgufExperts(_NativeExperts):
     @staticmethod
     def _layout(fmt: int, mats: list, gate_up: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         if fmt == F_Q4K:
-            return _q4k_layer(tuple(mats), gate_up), None
+            return q4k_layer(tuple(mats), gate_up), None
         if fmt in _FILE_ROWS:
-            return _rows_layer(mats, gate_up), None
+            return rows_layer(mats, gate_up), None
         if fmt == F_I4:
-            return _int4_layer(mats, gate_up), None
+            return int4_layer(mats, gate_up), None
         scales = [fp16_group_scales(m.scale) for m in mats]  # grouped int8 (q8_0)
-        return _quads([m.q for m in mats], 16, gate_up), _quads(scales, 1, gate_up)
+        return stacked_quads([m.q for m in mats], 16, gate_up), stacked_quads(scales, 1, gate_up)
 
 
 @register_backend("cpu-gguf")

@@ -31,20 +31,17 @@ import torch
 from hetserve.errors import InvalidInputError
 from hetserve.moe.cpu_base import _CPUExperts
 from hetserve.moe.experts import Activation, ClampedSwiGLU, ExpertWeights
-from hetserve.native import hugepage_empty, kernel
+from hetserve.moe.native_layout import int4_layer, q4k_layer, stacked_quads, stacked_tiles
+from hetserve.native import kernel
 from hetserve.quant.kernel_file import KernelLayout, check_format, check_padding
 from hetserve.quant.layout import (
     fp16_group_scales,
-    int4_group_tiles,
     pack_int4_rows,
     pad_bias,
     pad_gate_up,
     pad_qmatrices,
     pad_tensor,
     padded_size,
-    pair_gate_up,
-    q4k_quads,
-    quad_units,
     round_up,
 )
 from hetserve.quant.packed import Fp8Rows, Int4Rows, Int8Rows, Mxfp4Rows, Q4KRows, QMatrix
@@ -58,58 +55,6 @@ from hetserve.quant.quantize import (
 # The kernel's weight formats (enum F_* in moe_kernels.c).
 F_F32, F_I8, F_I4, F_MXFP4, F_FP8, F_Q4K = range(6)
 _F32, _I64 = torch.float32, torch.int64
-
-
-def _quads(mats: list[torch.Tensor], chunk: int, gate_up: bool, rows: int = 4) -> torch.Tensor:
-    """Per-expert matrices [N, C] -> one stacked tensor in the kernel's quad layout (or tile
-    layout of `rows` rows), filled expert by expert: no stacked copy of the layer beside it."""
-    shape = tuple(mats[0].shape)
-    if any(tuple(m.shape) != shape for m in mats):
-        raise ValueError(f"experts of one layer differ in shape: {[tuple(m.shape) for m in mats]}")
-    out = None
-    for e, m in enumerate(mats):
-        t = m.unsqueeze(0)
-        src = quad_units(pair_gate_up(t, rows) if gate_up else t, chunk, rows)
-        if out is None:
-            out = hugepage_empty((len(mats), *src.shape[1:]), m.dtype)
-        out[e : e + 1].copy_(src)
-    return out
-
-
-def _tiles(mats: list[torch.Tensor], chunk: int, gate_up: bool) -> torch.Tensor:
-    """MXFP4's tile layout (tile_mxfp4 in native/): 16 rows at a time, `chunk` bytes of each row
-    back to back (int4's tiles also carry their group parameters: _int4_layer)."""
-    return _quads(mats, chunk, gate_up, rows=16)
-
-
-def _q4k_layer(mats: tuple[Q4KRows, ...], gate_up: bool) -> torch.Tensor:
-    """Per-expert q4_K matrices [N, K] -> one stacked tensor [E, N/4, K/256, 576] in the
-    kernel's quad layout (native/moe_q4k.h), filled expert by expert."""
-    n, k = mats[0].shape
-    out = hugepage_empty((len(mats), n // 4, k // 256, 576), torch.uint8)
-    for e, mat in enumerate(mats):
-        d, dmin, sc, m, codes = mat.fields()
-        if gate_up:  # 8 gate rows, 8 up rows, ... (the kernel's unit): phase 1 reads one stream
-            d, dmin, sc, m, codes = (
-                pair_gate_up(t.reshape(1, n, -1), rows=8)[0] for t in (d, dmin, sc, m, codes)
-            )
-            sc, m = sc.reshape(n, -1, 8), m.reshape(n, -1, 8)
-        q4k_quads(d, dmin, sc, m, codes, out[e])
-    return out
-
-
-def _int4_layer(mats: Sequence[Int4Rows], gate_up: bool) -> torch.Tensor:
-    """Per-expert int4 matrices [N, K] -> one stacked tensor [E, N/16, K/G, 8G + 128] in
-    tile_i4's layout (quant/layout.py, int4_group_tiles), filled expert by expert."""
-    n, k = mats[0].shape
-    g = mats[0].group
-    out = hugepage_empty((len(mats), n // 16, k // g, 8 * g + 128), torch.uint8)
-    for e, m in enumerate(mats):
-        q, s, z = m.packed, m.scale, m.minimum
-        if gate_up:  # gate tile, up tile, ...: phase 1 reads one stream
-            q, s, z = (pair_gate_up(t.reshape(1, n, -1), 16)[0] for t in (q, s, z))
-        int4_group_tiles(q, s, z, out[e])
-    return out
 
 
 def _packed_as(weights: ExpertWeights, cls: type[QMatrix]) -> bool:
@@ -322,8 +267,8 @@ class NativeInt8Experts(_NativeExperts):
 
     def _set_per_row(self, q13: list, s13: list, q2: list, s2: list) -> None:
         self._set(
-            _quads(q13, 16, True), _quads(s13, 1, True).reshape(self.num_experts, -1),
-            _quads(q2, 16, False), torch.stack(s2).reshape(self.num_experts, -1),
+            stacked_quads(q13, 16, True), stacked_quads(s13, 1, True).reshape(self.num_experts, -1),
+            stacked_quads(q2, 16, False), torch.stack(s2).reshape(self.num_experts, -1),
         )  # fmt: skip
 
     def _load_grouped(self, weights: ExpertWeights, group: int) -> None:
@@ -332,8 +277,8 @@ class NativeInt8Experts(_NativeExperts):
         m13, m2 = pad_qmatrices(p.w13, ip, hp, True), pad_qmatrices(p.w2, hp, ip)
         s13, s2 = ([fp16_group_scales(m.scale) for m in mats] for mats in (m13, m2))
         self._set(
-            _quads([m.q for m in m13], 16, True), _quads(s13, 1, True),
-            _quads([m.q for m in m2], 16, False), _quads(s2, 1, False),
+            stacked_quads([m.q for m in m13], 16, True), stacked_quads(s13, 1, True),
+            stacked_quads([m.q for m in m2], 16, False), stacked_quads(s2, 1, False),
         )  # fmt: skip
 
 
@@ -360,7 +305,7 @@ class NativeInt4Experts(_NativeExperts):
         if _packed_as(weights, Q4KRows) and self.group_size == 32:
             self.fmt = F_Q4K  # the super-blocks as they are (group_size: their sub-blocks)
             p = weights.packed
-            self._set(_q4k_layer(p.w13, True), None, _q4k_layer(p.w2, False), None)
+            self._set(q4k_layer(p.w13, True), None, q4k_layer(p.w2, False), None)
             return
 
         def quantize(w: torch.Tensor) -> Int4Rows:  # a short last group: its own scale, minimum
@@ -373,7 +318,7 @@ class NativeInt4Experts(_NativeExperts):
         mats13, mats2 = _experts_in(weights, keep, quantize)
         hp, ip = self._padded()
         mats13, mats2 = pad_qmatrices(mats13, ip, hp, True), pad_qmatrices(mats2, hp, ip)
-        self._set(_int4_layer(mats13, True), None, _int4_layer(mats2, False), None)
+        self._set(int4_layer(mats13, True), None, int4_layer(mats2, False), None)
 
 
 class NativeMxfp4Experts(_NativeExperts):
@@ -396,9 +341,10 @@ class NativeMxfp4Experts(_NativeExperts):
         def blocks(mats: tuple | list, n: int) -> list[torch.Tensor]:
             return [m.blocks.reshape(n, -1) for m in mats]
 
+        s13, s2 = [m.scales for m in mats13], [m.scales for m in mats2]
         self._set(
-            _tiles(blocks(mats13, n13), 4, True), _tiles([m.scales for m in mats13], 1, True),
-            _tiles(blocks(mats2, n2), 4, False), _tiles([m.scales for m in mats2], 1, False),
+            stacked_tiles(blocks(mats13, n13), 4, True), stacked_tiles(s13, 1, True),
+            stacked_tiles(blocks(mats2, n2), 4, False), stacked_tiles(s2, 1, False),
         )  # fmt: skip
 
 
@@ -440,6 +386,6 @@ class NativeFp8Experts(_NativeExperts):
             ]
 
         self._set(
-            _quads(codes(mats13), 16, True), _quads(scales(mats13), 1, True),
-            _quads(codes(mats2), 16, False), _quads(scales(mats2), 1, False),
+            stacked_quads(codes(mats13), 16, True), stacked_quads(scales(mats13), 1, True),
+            stacked_quads(codes(mats2), 16, False), stacked_quads(scales(mats2), 1, False),
         )  # fmt: skip

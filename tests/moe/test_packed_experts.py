@@ -281,13 +281,13 @@ def test_touch_reads_exactly_the_routed_experts_bytes(fmt):
 
 @pytest.mark.parametrize("gate_up,rows,chunk", [(True, 4, 16), (False, 4, 16), (True, 16, 4)])
 def test_layouts_filled_expert_by_expert_equal_the_stacked_layer(gate_up, rows, chunk):
-    from hetserve.moe.cpu_native import _quads
+    from hetserve.moe.native_layout import stacked_quads
     from hetserve.quant.layout import interleave_quads, pair_gate_up
 
     gen = torch.Generator().manual_seed(0)
     mats = [torch.randint(-127, 128, (64, 96), generator=gen, dtype=torch.int8) for _ in range(3)]
     stacked = torch.stack(mats)
     want = interleave_quads(pair_gate_up(stacked, rows) if gate_up else stacked, chunk, rows)
-    assert torch.equal(_quads(mats, chunk, gate_up, rows), want)
+    assert torch.equal(stacked_quads(mats, chunk, gate_up, rows), want)
     with pytest.raises(ValueError, match="differ in shape"):
-        _quads([*mats, mats[0][:32]], chunk, gate_up, rows)
+        stacked_quads([*mats, mats[0][:32]], chunk, gate_up, rows)

@@ -1,0 +1,91 @@
+"""The native expert kernels' weight layouts, built from per-expert matrices one expert at a
+time into one stacked tensor per matrix (on huge pages): row quads interleaved into one
+sequential stream, W13's gate and up units alternating (phase 1 reads one stream), q4_K
+super-blocks regrouped into quads, int4 and MXFP4 in their tiles, the file's K-quant and i-quant
+rows as they are. Each is filled expert by expert, so a layer's matrices never exist twice
+beside the layout (the streaming load's peak: model/loader.py).
+
+Who calls it: the native backends (moe/cpu_native.py, moe/cpu_gguf.py) when they load a layer.
+Failure: experts of one layer with different shapes are a ValueError (the loader checked the
+checkpoint's shapes before).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hetserve.native import hugepage_empty
+from hetserve.quant.gguf_iq import IQ4XSRows, iq4_xs_kernel_order
+from hetserve.quant.layout import int4_group_tiles, pair_gate_up, q4k_quads, quad_units
+from hetserve.quant.packed import Int4Rows, Q4KRows, QMatrix
+
+
+def stacked_quads(
+    mats: list[torch.Tensor], chunk: int, gate_up: bool, rows: int = 4
+) -> torch.Tensor:
+    """Per-expert matrices [N, C] -> one stacked tensor in the kernel's quad layout (or tile
+    layout of `rows` rows), filled expert by expert: no stacked copy of the layer beside it."""
+    shape = tuple(mats[0].shape)
+    if any(tuple(m.shape) != shape for m in mats):
+        raise ValueError(f"experts of one layer differ in shape: {[tuple(m.shape) for m in mats]}")
+    out = None
+    for e, m in enumerate(mats):
+        t = m.unsqueeze(0)
+        src = quad_units(pair_gate_up(t, rows) if gate_up else t, chunk, rows)
+        if out is None:
+            out = hugepage_empty((len(mats), *src.shape[1:]), m.dtype)
+        out[e : e + 1].copy_(src)
+    return out
+
+
+def stacked_tiles(mats: list[torch.Tensor], chunk: int, gate_up: bool) -> torch.Tensor:
+    """MXFP4's tile layout (tile_mxfp4 in native/): 16 rows at a time, `chunk` bytes of each row
+    back to back (int4's tiles also carry their group parameters: int4_layer)."""
+    return stacked_quads(mats, chunk, gate_up, rows=16)
+
+
+def q4k_layer(mats: tuple[Q4KRows, ...], gate_up: bool) -> torch.Tensor:
+    """Per-expert q4_K matrices [N, K] -> one stacked tensor [E, N/4, K/256, 576] in the
+    kernel's quad layout (native/moe_q4k.h), filled expert by expert."""
+    n, k = mats[0].shape
+    out = hugepage_empty((len(mats), n // 4, k // 256, 576), torch.uint8)
+    for e, mat in enumerate(mats):
+        d, dmin, sc, m, codes = mat.fields()
+        if gate_up:  # 8 gate rows, 8 up rows, ... (the kernel's unit): phase 1 reads one stream
+            d, dmin, sc, m, codes = (
+                pair_gate_up(t.reshape(1, n, -1), rows=8)[0] for t in (d, dmin, sc, m, codes)
+            )
+            sc, m = sc.reshape(n, -1, 8), m.reshape(n, -1, 8)
+        q4k_quads(d, dmin, sc, m, codes, out[e])
+    return out
+
+
+def int4_layer(mats: Sequence[Int4Rows], gate_up: bool) -> torch.Tensor:
+    """Per-expert int4 matrices [N, K] -> one stacked tensor [E, N/16, K/G, 8G + 128] in
+    tile_i4's layout (quant/layout.py, int4_group_tiles), filled expert by expert."""
+    n, k = mats[0].shape
+    g = mats[0].group
+    out = hugepage_empty((len(mats), n // 16, k // g, 8 * g + 128), torch.uint8)
+    for e, m in enumerate(mats):
+        q, s, z = m.packed, m.scale, m.minimum
+        if gate_up:  # gate tile, up tile, ...: phase 1 reads one stream
+            q, s, z = (pair_gate_up(t.reshape(1, n, -1), 16)[0] for t in (q, s, z))
+        int4_group_tiles(q, s, z, out[e])
+    return out
+
+
+def rows_layer(mats: Sequence[QMatrix], gate_up: bool) -> torch.Tensor:
+    """q6_K / q5_K / IQ4_XS / IQ4_NL matrices [N, K] -> [E, N, blocks, block bytes], the file's
+    bytes, filled expert by expert; W13's rows in quads of gate rows then up rows (phase 1 reads
+    one stream)."""
+    reorder = isinstance(mats[0], IQ4XSRows)  # its nibbles regrouped (moe_kq.h, quad_iq4xs)
+    out = hugepage_empty((len(mats), *mats[0].raw.shape), torch.uint8)  # type: ignore[attr-defined]
+    for e, m in enumerate(mats):
+        raw = iq4_xs_kernel_order(m.raw) if reorder else m.raw  # type: ignore[attr-defined]
+        n = raw.shape[0]
+        if gate_up:
+            raw = pair_gate_up(raw.reshape(1, n, -1), 4)[0].reshape(raw.shape)
+        out[e].copy_(raw)
+    return out
