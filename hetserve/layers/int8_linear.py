@@ -58,13 +58,13 @@ def _quads_padded(q: torch.Tensor, fmt: int, group: int) -> torch.Tensor:
 
 def _native_packed(packed: QMatrix | None) -> bool:
     """A checkpoint matrix the native kernel reads as it is: q4_K, q5_K, q6_K, or int8 per row
-    or in groups of a multiple of 16 columns (q8_0)."""
+    (any width: padded) or in groups of a multiple of 16 columns (q8_0)."""
     from hetserve.quant.gguf import Q5KRows, Q6KRows
     from hetserve.quant.packed import Int8Rows, Q4KRows
 
     if isinstance(packed, Q4KRows | Q5KRows | Q6KRows):
         return True
-    return isinstance(packed, Int8Rows) and packed.group % 16 == 0
+    return isinstance(packed, Int8Rows) and (packed.per_row_scales or packed.group % 16 == 0)
 
 
 class Int8Linear(nn.Module):
@@ -213,7 +213,13 @@ def _fuse(module: nn.Module) -> int:
         with torch.no_grad():
             big = nn.Linear(lins[0].in_features, sum(lin.out_features for lin in lins),
                             bias=lins[0].bias is not None, device="meta")  # fmt: skip
-            big.weight = nn.Parameter(torch.cat([lin.weight for lin in lins]))
+            if any(lin.weight.is_meta for lin in lins):  # left unallocated by the loader
+                # (no torch.cat on meta tensors: its Python reference imports torch._dynamo, ~1 s)
+                shape = (big.out_features, big.in_features)
+                big.weight = nn.Parameter(torch.empty(shape, dtype=lins[0].weight.dtype,
+                                                      device="meta"))  # fmt: skip
+            else:
+                big.weight = nn.Parameter(torch.cat([lin.weight for lin in lins]))
             if lins[0].bias is not None:
                 big.bias = nn.Parameter(torch.cat([lin.bias for lin in lins]))
         if len(kinds) == 1 and None not in kinds:

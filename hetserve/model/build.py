@@ -41,6 +41,7 @@ def build_model(config: EngineConfig, model_dir: Path) -> CausalLM:
         before_alloc=_memory_check(config) if config.max_host_memory else None,
         int8_linears=True,  # _build_hybrid: apply_dense_backends
         expert_quantizer=None if config.moe.gpu_experts else _int8_on_arrival,
+        linear_rounding=_linear_rounding(),
     )
     model.placement_choice = choice
     log.info("%s", choice.line())
@@ -74,6 +75,17 @@ def _int8_on_arrival(plan: HybridPlan, name: str):
     if not _use_native("cpu-int8", "auto", experts.activation):
         return None  # the library kernel quantizes its own way
     return Int8Rows.per_row
+
+
+def _linear_rounding():
+    """The loader's `linear_rounding`: the per-row int8 an Int8Linear on the native kernel makes
+    of a dense weight, so a dense checkpoint's linears bound for it are rounded as they are read
+    (never all held in fp32 until the dense backends are built); None where the library kernel
+    would serve them (it rounds its own way)."""
+    from hetserve.native import native_unavailable_reason
+    from hetserve.quant.packed import Int8Rows
+
+    return Int8Rows.per_row if native_unavailable_reason() is None else None
 
 
 def _memory_check(config: EngineConfig):

@@ -9,8 +9,9 @@ quantized dense kernels read (GGUF q8_0 / q4_K / q5_K / q6_K) is also kept besid
 linear's `packed_weight`, when a placement could give that linear such a kernel (int8_linear.py
 serves those numbers exactly; model/hybrid_plan.py drops what it does not use). A linear
 weight the loader left unallocated (meta: a GGUF load's int8 linears, model/loader.py) gets
-only that: the checkpoint's QMatrix, or a dense tensor rounded to int8 in groups of 32
-(`Int8Rows.grouped`), so no fp32 copy of those linears is ever filled. Experts given a
+only that: the checkpoint's QMatrix, or a dense tensor rounded to int8 (`linear_rounding`:
+a dense checkpoint's as its Int8Linear would, per row; else in groups of 32,
+`Int8Rows.grouped`), so no fp32 copy of those linears is ever filled. Experts given a
 `quantizer` (dense checkpoints whose experts a CPU int8 backend alone serves: model/loader.py)
 are quantized as each tensor arrives and assembled packed, so no full-precision copy of their
 layer exists either.
@@ -120,6 +121,12 @@ class PackedExpertsBuilder:
         return PackedExperts(tuple(w13), tuple(w2))
 
 
+def _int8_groups(w: torch.Tensor) -> QMatrix:
+    """A dense weight as a GGUF load's int8 linears hold one: groups of 32 (else per row)."""
+    w = w.float()
+    return Int8Rows.grouped(w, 32 if w.shape[-1] % 32 == 0 else w.shape[-1])
+
+
 def _quantized(quantize: Callable[[torch.Tensor], QMatrix], w: torch.Tensor, fused: bool):
     """One expert's matrix quantized (a fused tensor's: each expert's, stacked)."""
     if not fused:
@@ -151,9 +158,11 @@ class WeightFiller:
         packed: set[str],
         experts_ready: ExpertsReady | None = None,
         quantizers: dict[str, Callable[[torch.Tensor], QMatrix]] | None = None,
+        linear_rounding: Callable[[torch.Tensor], QMatrix] | None = None,
     ) -> None:
         self.model = model
         self.quantizers = quantizers or {}  # experts prefix -> quantizer (also in `packed`)
+        self.linear_rounding = linear_rounding or _int8_groups  # an unallocated linear's dense
         self.params = dict(model.named_parameters())
         self.filled: set[str] = set()  # plain params, and "w13:e:half" / "w2:e" expert parts
         self.num_layers = model.config.num_layers
@@ -267,9 +276,9 @@ class WeightFiller:
         owner = self.modules.get(owner_name)
         if leaf != "weight" or not isinstance(owner, (nn.Linear, nn.Embedding)):
             raise ModelLoadError(f"parameter {name!r} was left unallocated but is no int8 linear")
-        if not isinstance(value, LINEAR_KINDS):  # one tensor in fp32, rounded, dropped
-            w = _dense(value, ckpt_name).float()
-            value = Int8Rows.grouped(w, 32 if w.shape[-1] % 32 == 0 else w.shape[-1])
+        if not isinstance(value, LINEAR_KINDS):  # one tensor, rounded, dropped
+            w = _dense(value, ckpt_name).to(self.params[name].dtype)  # what the model held
+            value = self.linear_rounding(w)
         want = tuple(self.params[name].shape)
         if tuple(value.shape) != want:
             raise TensorShapeError(

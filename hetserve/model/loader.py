@@ -21,6 +21,7 @@ from torch import nn
 from tqdm import tqdm
 
 from hetserve.errors import ModelLoadError, ModelNotFoundError
+from hetserve.layers.int8_linear import kept_precise
 from hetserve.layers.moe import FusedExperts
 from hetserve.model.base import CausalLM
 from hetserve.model.checkpoint import SafetensorsCheckpoint
@@ -175,9 +176,14 @@ def _unallocate_linears(unit: nn.Module, embeddings: bool = False) -> None:
     embeddings too (a file whose token_embd the loader keeps as it is: quant_embedding.py)."""
     if isinstance(unit, FusedExperts):
         return
-    for m in unit.modules():
-        if isinstance(m, nn.Linear) or (isinstance(m, nn.Embedding) and embeddings):
-            m.weight = nn.Parameter(m.weight.to("meta"), requires_grad=False)
+    for parent in unit.modules():
+        for name, m in parent.named_children():
+            if kept_precise(parent, name):
+                continue  # the Int8Linear keeps its rounding error: it needs the weight
+            if isinstance(m, nn.Linear) or (isinstance(m, nn.Embedding) and embeddings):
+                m.weight = nn.Parameter(m.weight.to("meta"), requires_grad=False)
+    if isinstance(unit, nn.Linear) or (isinstance(unit, nn.Embedding) and embeddings):
+        unit.weight = nn.Parameter(unit.weight.to("meta"), requires_grad=False)
 
 
 def _allocate_biases(unit: FusedExperts, device: torch.device) -> None:
@@ -199,6 +205,7 @@ def load_model(
     before_alloc: Callable[[CausalLM], None] | None = None,
     int8_linears: bool = False,
     expert_quantizer: ExpertQuantizer | None = None,
+    linear_rounding: Callable[[torch.Tensor], QMatrix] | None = None,
 ) -> CausalLM:
     """Load weights. With `placement` (a list of PlacementRule, or a preset name: "hybrid" /
     "default", "all-int8"; moe/presets.py), units are placed before any memory is allocated, so
@@ -214,7 +221,9 @@ def load_model(
     (the --max-host-memory check raises there).
     `int8_linears`: the caller makes Int8Linears of the linears of every non-expert unit the
     placement gives a backend (build.apply_dense_backends); a GGUF file's then never exist in
-    fp32 (each gets its checkpoint matrix as `packed_weight`, its weight left unallocated).
+    fp32 (each gets its checkpoint matrix as `packed_weight`, its weight left unallocated);
+    with `linear_rounding` (how those Int8Linears round a dense weight) a dense checkpoint's
+    neither: each such weight is rounded as it is read (but linears their parent keeps precise).
     `expert_quantizer(plan, name)` (a streaming load): for a routed-experts module the checkpoint
     holds dense, a function that quantizes one expert matrix as the backend the plan gives it
     would (None: load it dense); its tensors are then quantized as they are read, and the module
@@ -236,8 +245,9 @@ def load_model(
             experts.expect_packed()
     backend = PACKED_BACKENDS[ckpt.packed_fmt] if packed else None
     stream = experts_ready is not None and placement is not None
-    int8_unallocated = int8_linears and isinstance(ckpt, GgufCheckpoint)
-    embeddings = int8_unallocated and ckpt.kept("token_embd.weight")  # type: ignore[union-attr]
+    gguf = isinstance(ckpt, GgufCheckpoint)
+    int8_unallocated = int8_linears and (gguf or linear_rounding is not None)
+    embeddings = gguf and int8_unallocated and ckpt.kept("token_embd.weight")  # type: ignore[union-attr]
     model = _allocate(
         model, dev, placement, backend, stream, before_alloc, int8_unallocated, embeddings
     )
@@ -248,7 +258,7 @@ def load_model(
         ready = lambda name, module: experts_ready(plan, name, module)  # noqa: E731
         if expert_quantizer is not None and converted is None:  # converted: their own file
             quantizers = _quantizers(model, plan, packed, expert_quantizer)
-    filler = WeightFiller(model, packed | set(quantizers), ready, quantizers)
+    filler = WeightFiller(model, packed | set(quantizers), ready, quantizers, linear_rounding)
     _fill(model, ckpt, filler, filler.params)
     if isinstance(ckpt, GgufCheckpoint):  # what each tensor type became, in one line
         print(ckpt.summary(), file=sys.stderr, flush=True)

@@ -1,9 +1,11 @@
 """Routed experts of a dense checkpoint that only the native cpu-int8 backend serves (the
 all-int8 placement on a CPU) are rounded to int8 as each tensor is read (model/build.py,
-`_int8_on_arrival`), so their layer never exists in full precision: the served model is the
-one the backend made from the dense layer, bit for bit, for per-expert tensors (Qwen3-MoE),
-fused ones with biases and gpt-oss's clamped SwiGLU, sizes off every kernel unit (padding after
-rounding), and bf16 checkpoints; placements that keep dense experts load them dense."""
+`_int8_on_arrival`), and so are the linears that become native Int8Linears
+(`_linear_rounding`): neither ever exists in full precision. The served model is the one the
+backends made from the dense weights, bit for bit, for per-expert tensors (Qwen3-MoE), fused
+ones with biases and gpt-oss's clamped SwiGLU, sizes off every kernel unit (padding after
+rounding), bf16 checkpoints, and linear attention's projections kept precise (Qwen3-Next);
+placements that keep dense weights load them dense."""
 
 from __future__ import annotations
 
@@ -50,17 +52,24 @@ class _Count:
 
 @pytest.mark.parametrize(
     "family,overrides",
-    [("qwen3-moe", {}), ("qwen3-moe", ODD), ("gpt-oss", {}), ("qwen3-moe", {"dtype": "bfloat16"})],
-    ids=["per-expert", "odd-sizes", "fused-with-biases", "bf16"],
+    [
+        ("qwen3-moe", {}),
+        ("qwen3-moe", ODD),
+        ("gpt-oss", {}),
+        ("qwen3-moe", {"dtype": "bfloat16"}),
+        ("qwen3-next", {}),
+    ],
+    ids=["per-expert", "odd-sizes", "fused-with-biases", "bf16", "precise-projections"],
 )
 def test_experts_rounded_as_read_serve_the_same_bits(tiny_model, monkeypatch, family, overrides):
     path = str(tiny_model(family, overrides=overrides))
     count = _Count(monkeypatch)
     early = _run(path)
-    assert count.n > 0  # the experts were rounded as they were read
+    assert count.n > 0  # the experts and linears were rounded as they were read
     monkeypatch.setattr(build, "_int8_on_arrival", lambda plan, name: None)
+    monkeypatch.setattr(build, "_linear_rounding", lambda: None)
     count.n = 0
-    late = _run(path)  # dense layer loaded, the backend rounds it
+    late = _run(path)  # dense weights loaded, the backends round them
     assert count.n == 0
     assert early == late
 
