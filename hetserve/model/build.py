@@ -130,8 +130,12 @@ def _trim_heap() -> None:
     transient copies resident after load. Called once the weights are read too, before the
     dense linears' layouts are built: the last layer's freed copies stayed resident and those
     layouts came on top of them (1.7 B q8_0 GGUF: peak 2226 -> 2098 MiB over the start). Not
-    after every layer: each layer's reads reuse the heap the one before freed, and handing it
-    back made every layer fault its pages in anew (load 11-12 s -> 13.7 s on the dev VM)."""
+    after every layer of a GGUF: each layer's reads reuse the heap the one before freed, and
+    handing it back made every layer fault its pages in anew (load 11-12 s -> 13.7 s on the
+    dev VM). After every layer of a dense checkpoint rounded as read: its fp32 reads and the
+    rounding's temporaries, freed between the int8 matrices kept, leave holes no later read
+    fits, and the free heap grew by ~1 GB over the 1.7 B MoE's 8 layers (peak 2910 -> ~2350
+    MiB)."""
     import ctypes
     import ctypes.util
 
@@ -232,8 +236,19 @@ class _ReadyHook:
     def __call__(self, plan: HybridPlan, name: str, experts) -> None:
         if self.builder is None:
             self.builder = _experts_builder(plan, self.moe, self.converted)
+        fragmenting = _rounded_as_read(experts)
         self.builder(name, experts)
         self.done.add(name)
+        if fragmenting:  # see _trim_heap
+            _trim_heap()
+
+
+def _rounded_as_read(experts) -> bool:
+    """Whether `experts` were rounded to per-row int8 as their dense tensors were read."""
+    from hetserve.quant.packed import Int8Rows
+
+    p = experts.packed
+    return p is not None and isinstance(p.w2[0], Int8Rows) and p.w2[0].per_row_scales
 
 
 def _build_hybrid(
