@@ -32,16 +32,17 @@ def build_model(config: EngineConfig, model_dir: Path) -> CausalLM:
     converted = _converted(model_dir)
     choice = choose(config, model_dir)
     builder = _ReadyHook(config.moe, converted)
+    placement = _placement_rules(config.moe.placement, choice, converted)
     model = load_model(
         model_dir,
         device=config.device,
         dtype=config.dtype,
-        placement=_placement_rules(config.moe.placement, choice, converted),
+        placement=placement,
         experts_ready=builder,
         before_alloc=_memory_check(config) if config.max_host_memory else None,
         int8_linears=True,  # _build_hybrid: apply_dense_backends
         expert_quantizer=None if config.moe.gpu_experts else _int8_on_arrival,
-        linear_rounding=_linear_rounding(),
+        linear_rounding=None if placement is None else _linear_rounding(),
     )
     model.placement_choice = choice
     log.info("%s", choice.line())
@@ -82,10 +83,10 @@ def _linear_rounding():
     of a dense weight, so a dense checkpoint's linears bound for it are rounded as they are read
     (never all held in fp32 until the dense backends are built); None where the library kernel
     would serve them (it rounds its own way)."""
-    from hetserve.native import native_unavailable_reason
+    from hetserve.layers.int8_linear import _native_ok
     from hetserve.quant.packed import Int8Rows
 
-    return Int8Rows.per_row if native_unavailable_reason() is None else None
+    return Int8Rows.per_row if _native_ok() else None
 
 
 def _memory_check(config: EngineConfig):
@@ -134,7 +135,7 @@ def _trim_heap() -> None:
     handing it back made every layer fault its pages in anew (load 11-12 s -> 13.7 s on the
     dev VM). After every layer of a dense checkpoint rounded as read: its fp32 reads and the
     rounding's temporaries, freed between the int8 matrices kept, leave holes no later read
-    fits, and the free heap grew by ~1 GB over the 1.7 B MoE's 8 layers (peak 2910 -> ~2350
+    fits, and the free heap grew by ~1 GB over the 1.7 B MoE's 8 layers (peak 2910 -> ~2280
     MiB)."""
     import ctypes
     import ctypes.util
@@ -248,7 +249,7 @@ def _rounded_as_read(experts) -> bool:
     from hetserve.quant.packed import Int8Rows
 
     p = experts.packed
-    return p is not None and isinstance(p.w2[0], Int8Rows) and p.w2[0].per_row_scales
+    return p is not None and isinstance(p.w2[0], Int8Rows) and p.w2[0].per_row_scales  # Int8PerRow
 
 
 def _build_hybrid(

@@ -70,20 +70,25 @@ class PackedExpertsBuilder:
             return (h, i)
         return (i, h) if half is not None else (2 * i, h)
 
+    def check_shape(
+        self, pname: str, e: int | None, half: int | None, shape: tuple, ckpt: str
+    ) -> None:
+        want = self._shape(pname, half)
+        if e is None:
+            want = (self.experts.num_experts, *want)
+        if tuple(shape) != want:
+            raise TensorShapeError(
+                f"tensor {ckpt!r} has shape {tuple(shape)}, expected {want}; the "
+                "checkpoint does not match config.json"
+            )
+
     def add(self, pname: str, e: int | None, half: int | None, value, ckpt: str) -> None:
         if not isinstance(value, QMatrix):
             raise ModelLoadError(
                 f"tensor {ckpt!r} is not quantized while other routed experts of "
                 f"{self.prefix!r} are; mixing quantized and unquantized experts is not supported"
             )
-        want = self._shape(pname, half)
-        if e is None:
-            want = (self.experts.num_experts, *want)
-        if tuple(value.shape) != want:
-            raise TensorShapeError(
-                f"tensor {ckpt!r} has shape {tuple(value.shape)}, expected {want}; the "
-                "checkpoint does not match config.json"
-            )
+        self.check_shape(pname, e, half, tuple(value.shape), ckpt)
         if e is None:
             self.fused[pname] = value
         elif e >= self.experts.num_experts:
@@ -127,8 +132,11 @@ def _int8_groups(w: torch.Tensor) -> QMatrix:
     return Int8Rows.grouped(w, 32 if w.shape[-1] % 32 == 0 else w.shape[-1])
 
 
-def _quantized(quantize: Callable[[torch.Tensor], QMatrix], w: torch.Tensor, fused: bool):
-    """One expert's matrix quantized (a fused tensor's: each expert's, stacked)."""
+def _quantized(
+    quantize: Callable[[torch.Tensor], QMatrix], w: torch.Tensor, fused: bool
+) -> QMatrix:
+    """One expert's matrix quantized (a fused tensor's: each expert's, stacked; each expert
+    converted to the model's dtype on its own, never the whole layer)."""
     if not fused:
         return quantize(w)
     mats = [quantize(w[e]) for e in range(w.shape[0])]
@@ -221,9 +229,11 @@ class WeightFiller:
             prefix, e, half = fm.group(1), None, None
             pname = "w13" if fm.group(2) == "gate_up_proj" else "w2"
         if (em or fm) and prefix in self.quantizers:
+            self.packed[prefix].check_shape(pname, e, half, tuple(value.shape), ckpt_name)
             dtype = self.modules[prefix].w13.dtype  # the numbers the model would have held
-            value = _dense(value, ckpt_name).to(dtype)
-            value = _quantized(self.quantizers[prefix], value, e is None)
+            quantize = self.quantizers[prefix]
+            fused = fm is not None
+            value = _quantized(lambda w: quantize(w.to(dtype)), _dense(value, ckpt_name), fused)
         if (em or fm) and prefix in self.packed:
             self.packed[prefix].add(pname, e, half, value, ckpt_name)
             self._count(prefix, e, pname)
@@ -276,10 +286,18 @@ class WeightFiller:
         owner = self.modules.get(owner_name)
         if leaf != "weight" or not isinstance(owner, (nn.Linear, nn.Embedding)):
             raise ModelLoadError(f"parameter {name!r} was left unallocated but is no int8 linear")
+        want = tuple(self.params[name].shape)
+        if name == "lm_head.weight" and self.model.config.tie_word_embeddings:
+            self.filled.add(name)  # the embeddings' matrix serves it (tie_weights), as before
+            return
         if not isinstance(value, LINEAR_KINDS):  # one tensor, rounded, dropped
+            if tuple(value.shape) != want:  # before rounding: a wrong rank is this error too
+                raise TensorShapeError(
+                    f"tensor {ckpt_name!r} has shape {tuple(value.shape)}, expected {want}; "
+                    "the checkpoint does not match config.json"
+                )
             w = _dense(value, ckpt_name).to(self.params[name].dtype)  # what the model held
             value = self.linear_rounding(w)
-        want = tuple(self.params[name].shape)
         if tuple(value.shape) != want:
             raise TensorShapeError(
                 f"tensor {ckpt_name!r} has shape {tuple(value.shape)}, expected {want}; the "

@@ -293,8 +293,9 @@ class GgufCheckpoint:
             take = [e for e, hf in names.items() if wanted(hf)]
             values = self._expert_values(t, take)
             release_pages(self.parts, t.data)  # copied: the pages can go before the layer builds
-            for e, value in zip(take, values, strict=True):
-                yield names[e], value, int(t.n_bytes) // n
+            values.reverse()
+            for e in take:  # handed over, not kept here: the last yield builds the layer
+                yield names[e], values.pop(), int(t.n_bytes) // n
             return
         if _KV_SPLIT.match(name):
             yield from self._kv_b(name, wanted, int8)

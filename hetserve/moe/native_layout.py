@@ -6,8 +6,9 @@ rows as they are. Each is filled expert by expert, so a layer's matrices never e
 beside the layout (the streaming load's peak: model/loader.py).
 
 Who calls it: the native backends (moe/cpu_native.py, moe/cpu_gguf.py) when they load a layer.
-Failure: experts of one layer with different shapes are a ValueError (the loader checked the
-checkpoint's shapes before).
+Failure: `stacked_quads` refuses experts of one layer with different shapes (ValueError); the
+others take the first expert's shape as every expert's (the loader checked the checkpoint's
+shapes before).
 """
 
 from __future__ import annotations

@@ -184,17 +184,19 @@ class Int8Rows(QMatrix):
         q, s = quantize_int8_per_channel(w.reshape(-1, 32))
         return cls(q.reshape(w.shape), s.to(torch.float16).float().reshape(w.shape[0], -1))
 
-    @classmethod
-    def per_row(cls, w: torch.Tensor) -> Int8Rows:
+    @staticmethod
+    def per_row(w: torch.Tensor) -> Int8PerRow:
         """w [N, K] as int8 with one fp32 scale per row (quantize_int8_per_channel: the numbers
-        cpu-int8 makes of a dense expert, so quantizing a row early or late gives its bits)."""
+        cpu-int8 and Int8Linear make of a dense weight, so rounding it early or late gives its
+        bits)."""
         q, s = quantize_int8_per_channel(w)
-        return cls(q, s[:, None])
+        return Int8PerRow(q, s[:, None])
 
     @property
     def per_row_scales(self) -> bool:
-        """One scale per row (per_row's form), not per group of columns."""
-        return self.scale.shape[-1] == 1
+        """Rounded per row from a dense weight (`per_row`), not a checkpoint's own groups (a
+        q8_0 row of 32 columns has one scale too, fp16 and read as a group)."""
+        return False
 
     @classmethod
     def grouped(cls, w: torch.Tensor, group: int = 32) -> Int8Rows:
@@ -209,6 +211,16 @@ class Int8Rows(QMatrix):
         s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero group: any scale
         q = torch.round(w.float().reshape(n, k // group, group) / s.unsqueeze(-1))
         return cls(q.clamp_(-127, 127).to(torch.int8).reshape(n, k), s)
+
+
+@dataclass(frozen=True)
+class Int8PerRow(Int8Rows):
+    """Int8Rows rounded per row from a dense weight as it was read (`Int8Rows.per_row`): the
+    kernels take its fp32 scales per row, as they would have rounded the weight themselves."""
+
+    @property
+    def per_row_scales(self) -> bool:
+        return True
 
 
 def _f16_up(x: torch.Tensor) -> torch.Tensor:

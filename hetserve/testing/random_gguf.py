@@ -47,14 +47,17 @@ def expert_tensors_bytes(cfg: dict) -> int:
 
 
 def _tensors(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
-    """(GGUF name, shape [.., rows, cols], type) in file order."""
+    """(GGUF name, shape [.., rows, cols], type) in file order: llama.cpp's quantizer's, the
+    output and embeddings first, then each block's tensors by name (so a layer's experts come
+    down, gate, up: its last tensor read is up)."""
     h, e, i = cfg["hidden_size"], cfg["num_experts"], cfg["moe_intermediate_size"]
     d, nq, nkv, vocab = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"], \
         cfg["vocab_size"]  # fmt: skip
-    out = [("token_embd.weight", (vocab, h), "Q4_K")]
+    out = [("output.weight", (vocab, h), "Q6_K"), ("output_norm.weight", (h,), "F32"),
+           ("token_embd.weight", (vocab, h), "Q4_K")]  # fmt: skip
     for b in range(cfg["num_hidden_layers"]):
         six = "Q6_K" if b % 2 == 0 else "Q4_K"
-        out += [
+        out += sorted([
             (f"blk.{b}.attn_norm.weight", (h,), "F32"),
             (f"blk.{b}.attn_q.weight", (nq * d, h), "Q4_K"),
             (f"blk.{b}.attn_k.weight", (nkv * d, h), "Q4_K"),
@@ -67,8 +70,7 @@ def _tensors(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
             (f"blk.{b}.ffn_gate_exps.weight", (e, i, h), "Q4_K"),
             (f"blk.{b}.ffn_up_exps.weight", (e, i, h), "Q4_K"),
             (f"blk.{b}.ffn_down_exps.weight", (e, h, i), six),
-        ]
-    out += [("output_norm.weight", (h,), "F32"), ("output.weight", (vocab, h), "Q6_K")]
+        ])  # fmt: skip
     return out
 
 

@@ -1,6 +1,7 @@
 """Clear, typed errors for user mistakes, each naming the fix."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -90,3 +91,15 @@ def test_invalid_sampling_params():
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["model.layers.0.mlp.experts.3.down_proj.weight", "model.layers.1.self_attn.q_proj.weight"],
+)
+def test_a_tensor_of_the_wrong_rank_names_itself(model_copy, name):
+    """All-int8 (the CPU default) rounds experts and linears as they are read: a tensor of
+    another rank is the same one-line error, not the rounding's failure."""
+    _rewrite(model_copy, lambda t: t.__setitem__(name, t[name].flatten().clone()))
+    with pytest.raises(TensorShapeError, match=re.escape(name)):
+        LLM(model_copy)

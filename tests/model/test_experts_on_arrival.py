@@ -41,13 +41,13 @@ def _run(path: str, **kwargs) -> list:
 class _Count:
     def __init__(self, monkeypatch) -> None:
         self.n = 0
-        real = Int8Rows.per_row.__func__  # type: ignore[attr-defined]
+        real = Int8Rows.per_row
 
-        def counted(cls, w):
+        def counted(w):
             self.n += 1
-            return real(cls, w)
+            return real(w)
 
-        monkeypatch.setattr(Int8Rows, "per_row", classmethod(counted))
+        monkeypatch.setattr(Int8Rows, "per_row", staticmethod(counted))
 
 
 @pytest.mark.parametrize(
@@ -80,3 +80,22 @@ def test_placements_that_keep_dense_experts_load_them_dense(tiny_model, monkeypa
     assert count.n == 0
     experts = next(m for _, m in llm.model.routed_experts())
     assert experts.w13.numel() > 0 and experts.w13.dtype == torch.float32
+
+
+def test_a_tied_lm_head_stored_anyway_is_served_from_the_embeddings(
+    tiny_model, monkeypatch, tmp_path
+):
+    """A config that ties the LM head to the embeddings while the file still stores an
+    lm_head.weight: the embeddings serve it, rounded as read or not (tie_weights replaces it)."""
+    import json
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(tiny_model("qwen3-moe"), path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True
+    (path / "config.json").write_text(json.dumps(cfg))
+    early = _run(str(path))
+    monkeypatch.setattr(build, "_int8_on_arrival", lambda plan, name: None)
+    monkeypatch.setattr(build, "_linear_rounding", lambda: None)
+    assert _run(str(path)) == early
