@@ -60,11 +60,11 @@ def _native_packed(packed: QMatrix | None) -> bool:
     """A checkpoint matrix the native kernel reads as it is: q4_K, q5_K, q6_K, or int8 per row
     (any width: padded) or in groups of a multiple of 16 columns (q8_0)."""
     from hetserve.quant.gguf import Q5KRows, Q6KRows
-    from hetserve.quant.packed import Int8Rows, Q4KRows
+    from hetserve.quant.packed import Int8PerRow, Int8Rows, Q4KRows
 
-    if isinstance(packed, Q4KRows | Q5KRows | Q6KRows):
+    if isinstance(packed, Q4KRows | Q5KRows | Q6KRows | Int8PerRow):
         return True
-    return isinstance(packed, Int8Rows) and (packed.per_row_scales or packed.group % 16 == 0)
+    return isinstance(packed, Int8Rows) and packed.group % 16 == 0
 
 
 class Int8Linear(nn.Module):

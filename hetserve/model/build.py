@@ -246,10 +246,9 @@ class _ReadyHook:
 
 def _rounded_as_read(experts) -> bool:
     """Whether `experts` were rounded to per-row int8 as their dense tensors were read."""
-    from hetserve.quant.packed import Int8Rows
+    from hetserve.quant.packed import Int8PerRow
 
-    p = experts.packed
-    return p is not None and isinstance(p.w2[0], Int8Rows) and p.w2[0].per_row_scales  # Int8PerRow
+    return experts.packed is not None and isinstance(experts.packed.w2[0], Int8PerRow)
 
 
 def _build_hybrid(

@@ -290,19 +290,14 @@ class WeightFiller:
         if name == "lm_head.weight" and self.model.config.tie_word_embeddings:
             self.filled.add(name)  # the embeddings' matrix serves it (tie_weights), as before
             return
-        if not isinstance(value, LINEAR_KINDS):  # one tensor, rounded, dropped
-            if tuple(value.shape) != want:  # before rounding: a wrong rank is this error too
-                raise TensorShapeError(
-                    f"tensor {ckpt_name!r} has shape {tuple(value.shape)}, expected {want}; "
-                    "the checkpoint does not match config.json"
-                )
-            w = _dense(value, ckpt_name).to(self.params[name].dtype)  # what the model held
-            value = self.linear_rounding(w)
-        if tuple(value.shape) != want:
+        if tuple(value.shape) != want:  # before rounding: a wrong rank is this error too
             raise TensorShapeError(
                 f"tensor {ckpt_name!r} has shape {tuple(value.shape)}, expected {want}; the "
                 "checkpoint does not match config.json"
             )
+        if not isinstance(value, LINEAR_KINDS):  # one tensor, rounded, dropped
+            w = _dense(value, ckpt_name).to(self.params[name].dtype)  # what the model held
+            value = self.linear_rounding(w)
         owner.packed_weight = value
         self.filled.add(name)
 

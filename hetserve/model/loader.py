@@ -176,14 +176,15 @@ def _unallocate_linears(unit: nn.Module, embeddings: bool = False) -> None:
     embeddings too (a file whose token_embd the loader keeps as it is: quant_embedding.py)."""
     if isinstance(unit, FusedExperts):
         return
-    for parent in unit.modules():
-        for name, m in parent.named_children():
-            if kept_precise(parent, name):
-                continue  # the Int8Linear keeps its rounding error: it needs the weight
-            if isinstance(m, nn.Linear) or (isinstance(m, nn.Embedding) and embeddings):
-                m.weight = nn.Parameter(m.weight.to("meta"), requires_grad=False)
-    if isinstance(unit, nn.Linear) or (isinstance(unit, nn.Embedding) and embeddings):
-        unit.weight = nn.Parameter(unit.weight.to("meta"), requires_grad=False)
+    # (parent, name, module) of the unit and everything in it; linears their parent keeps
+    # precise are left (the Int8Linear keeps its rounding error: it needs the weight)
+    found = [(None, "", unit)]
+    found += [(p, n, m) for p in unit.modules() for n, m in p.named_children()]
+    for parent, name, m in found:
+        if parent is not None and kept_precise(parent, name):
+            continue
+        if isinstance(m, nn.Linear) or (isinstance(m, nn.Embedding) and embeddings):
+            m.weight = nn.Parameter(m.weight.to("meta"), requires_grad=False)
 
 
 def _allocate_biases(unit: FusedExperts, device: torch.device) -> None:

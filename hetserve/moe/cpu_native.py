@@ -44,7 +44,15 @@ from hetserve.quant.layout import (
     padded_size,
     round_up,
 )
-from hetserve.quant.packed import Fp8Rows, Int4Rows, Int8Rows, Mxfp4Rows, Q4KRows, QMatrix
+from hetserve.quant.packed import (
+    Fp8Rows,
+    Int4Rows,
+    Int8PerRow,
+    Int8Rows,
+    Mxfp4Rows,
+    Q4KRows,
+    QMatrix,
+)
 from hetserve.quant.quantize import (
     quantize_fp8_blocks,
     quantize_int4_groupwise,
@@ -234,12 +242,11 @@ class NativeInt8Experts(_NativeExperts):
     fmt = F_I8
 
     def _load(self, weights: ExpertWeights) -> None:
+        if _packed_as(weights, Int8PerRow):  # rounded per row as the loader read them
+            self._load_per_row(weights.packed.w13, weights.packed.w2)
+            return
         if _packed_as(weights, Int8Rows):
-            p = weights.packed
-            if all(m.per_row_scales for m in (*p.w13, *p.w2)):  # quantized as they were read
-                self._load_per_row(p.w13, p.w2)
-                return
-            g13, g2 = p.groups()
+            g13, g2 = weights.packed.groups()
             if g13 == g2 and g13 % 16 == 0:
                 self._load_grouped(weights, g13)
                 return

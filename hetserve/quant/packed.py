@@ -192,12 +192,6 @@ class Int8Rows(QMatrix):
         q, s = quantize_int8_per_channel(w)
         return Int8PerRow(q, s[:, None])
 
-    @property
-    def per_row_scales(self) -> bool:
-        """Rounded per row from a dense weight (`per_row`), not a checkpoint's own groups (a
-        q8_0 row of 32 columns has one scale too, fp16 and read as a group)."""
-        return False
-
     @classmethod
     def grouped(cls, w: torch.Tensor, group: int = 32) -> Int8Rows:
         """w [N, K] (K % group == 0) as int8 with a scale per `group` columns, each scale an
@@ -215,12 +209,9 @@ class Int8Rows(QMatrix):
 
 @dataclass(frozen=True)
 class Int8PerRow(Int8Rows):
-    """Int8Rows rounded per row from a dense weight as it was read (`Int8Rows.per_row`): the
-    kernels take its fp32 scales per row, as they would have rounded the weight themselves."""
-
-    @property
-    def per_row_scales(self) -> bool:
-        return True
+    """Int8Rows rounded per row from a dense weight (`Int8Rows.per_row`), not a checkpoint's own
+    groups (a q8_0 row of 32 columns has one scale too, fp16 and read as a group): the kernels
+    take its fp32 scales per row, as they would have rounded the weight themselves."""
 
 
 def _f16_up(x: torch.Tensor) -> torch.Tensor:
