@@ -55,45 +55,61 @@ static void kq_quantize(const float *x, int K, int8_t *x8, float *d, int16_t *gs
     }
 }
 
-/* Shuffles taking scales 2k and 2k + 1 of a q6_K super-block's 16 into 8 bytes each. */
-#define HS_PAIR(k) _mm_setr_epi8(2 * (k), 2 * (k), 2 * (k), 2 * (k), 2 * (k), 2 * (k), 2 * (k), \
-                                 2 * (k), 2 * (k) + 1, 2 * (k) + 1, 2 * (k) + 1, 2 * (k) + 1,     \
-                                 2 * (k) + 1, 2 * (k) + 1, 2 * (k) + 1, 2 * (k) + 1)
-#define Q6K_SC_PAIRS ((const __m128i[8]){HS_PAIR(0), HS_PAIR(1), HS_PAIR(2), HS_PAIR(3), \
-                                         HS_PAIR(4), HS_PAIR(5), HS_PAIR(6), HS_PAIR(7)})
+/* In-lane shuffle controls broadcasting int16 element k of each 128-bit lane (k < 8). */
+#define HS_W16(k) _mm256_set1_epi16((short)((2 * (k) + 1) << 8 | 2 * (k)))
 
-/* The integer sum of one q6_K super-block b against int8 activations x [256] with sums per 16
- * gs, sum over columns of sc * (q - 32) * x, as 8 int32 lanes (their sum is the block's). */
-static inline __attribute__((always_inline)) __m256i q6k_block(const uint8_t *b, const int8_t *x,
-                                                               const int16_t *gs) {
-    const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(0x03);
+/* q6_K's 16 scales widened once per super-block for its 32-column groups: the even ones on the
+ * low lane, the odd ones on the high lane (as int16), so that HS_W16(k) puts sc[2 k] on the
+ * 8 low lanes and sc[2 k + 1] on the 8 high ones, as maddubs' pair sums of columns 32 k ..
+ * 32 k + 15 and 32 k + 16 .. 32 k + 31 need them: one in-lane shuffle a group. */
+static inline __m256i q6k_scale_pairs(const int8_t *sc) {
+    const __m128i eo = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)sc),
+                                        _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9,
+                                                      11, 13, 15));
+    return _mm256_cvtepi8_epi16(eo);
+}
+
+/* The integer sums of one q6_K super-block b against MB <= 2 tokens' int8 activations (x[m]
+ * [256], sums per 16 gs[m]), sum over columns of sc * (q - 32) * x, as 8 int32 lanes each (their
+ * sum is the block's). The 6-bit values are put together once for every token: the low
+ * nibbles masked or shifted down, the 2 high bits moved to bits 4-5 by one 16-bit shift and a
+ * mask (the bits a shift carries across the byte boundary fall outside the mask). */
+static inline __attribute__((always_inline)) void q6k_blocks(const uint8_t *b,
+                                                            const int8_t *const x[2],
+                                                            const int16_t *const gs[2], int MB,
+                                                            __m256i acc[2]) {
+    const __m256i low = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
     const int8_t *sc = (const int8_t *)(b + 192);
-    const __m128i sc8 = _mm_loadu_si128((const __m128i *)sc);
-    __m256i acc = _mm256_setzero_si256();
+    const __m256i pairs = q6k_scale_pairs(sc);
+    for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_si256();
     for (int n = 0; n < 2; n++) {
         const __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * n));
         const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * n + 32));
         const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
         __m256i q[4];
         q[0] = _mm256_or_si256(_mm256_and_si256(l0, low),
-                               _mm256_slli_epi16(_mm256_and_si256(h, three), 4));
+                               _mm256_and_si256(_mm256_slli_epi16(h, 4), hi2));
         q[1] = _mm256_or_si256(_mm256_and_si256(l1, low),
-                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4));
+                               _mm256_and_si256(_mm256_slli_epi16(h, 2), hi2));
         q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4));
+                               _mm256_and_si256(h, hi2));
         q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
-                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4));
+                               _mm256_and_si256(_mm256_srli_epi16(h, 2), hi2));
         for (int i = 0; i < 4; i++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 128 * n + 32 * i));
-            const __m256i p = _mm256_maddubs_epi16(q[i], xv); /* pairs: <= 2 * 63 * 127 */
             /* sc[2k] on the low 8 lanes, sc[2k + 1] on the high 8 (k = 4 n + i) */
-            const __m256i s = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, Q6K_SC_PAIRS[4 * n + i]));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+            const __m256i s = _mm256_shuffle_epi8(pairs, HS_W16(4 * n + i));
+            for (int m = 0; m < MB; m++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x[m] + 128 * n + 32 * i));
+                const __m256i p = _mm256_maddubs_epi16(q[i], xv); /* pairs: <= 2 * 63 * 127 */
+                acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(p, s));
+            }
         }
     }
     const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
-    const __m256i g = _mm256_loadu_si256((const __m256i *)gs);
-    return _mm256_sub_epi32(acc, _mm256_slli_epi32(_mm256_madd_epi16(s16, g), 5)); /* 32x */
+    for (int m = 0; m < MB; m++) {
+        const __m256i g = _mm256_loadu_si256((const __m256i *)gs[m]);
+        acc[m] = _mm256_sub_epi32(acc[m], _mm256_slli_epi32(_mm256_madd_epi16(s16, g), 5)); /* 32x */
+    }
 }
 
 /* All 8 sc (out[0..7]) and m (out[8..15]) of a q4_K / q5_K super-block's 12 scale bytes, on
@@ -111,38 +127,54 @@ static inline void k4_unpack(const uint8_t *q, uint8_t out[16]) {
     memcpy(out, r, 16);
 }
 
-/* One q5_K super-block b against x [256] (sums per 16 gs): *S = sum sc * q * x (all columns) as
- * 8 int32 lanes, *M = sum over sub-blocks of m * (sum of x). */
-static inline __attribute__((always_inline)) void q5k_block(const uint8_t *b, const int8_t *x,
-                                                            const int16_t *gs, __m256i *S, int *M) {
-    const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(0x01);
-    __m256i h = _mm256_loadu_si256((const __m256i *)(b + 16)); /* shifted by j as j runs */
-    __m256i acc = _mm256_setzero_si256();
+/* Bit j of every byte of h moved to bit 4 (the 16-bit shift's carries across the byte boundary
+ * fall outside the mask); j a constant where inlined. */
+static inline __attribute__((always_inline)) __m256i q5k_high(__m256i h, int j) {
+    const __m256i bit4 = _mm256_set1_epi8(0x10);
+    const __m256i v = j < 4 ? _mm256_slli_epi16(h, 4 - j) : j > 4 ? _mm256_srli_epi16(h, j - 4) : h;
+    return _mm256_and_si256(v, bit4);
+}
+
+/* One q5_K super-block b against MB <= 2 tokens' x[m] [256] (sums per 16 gs[m]): S[m] = sum
+ * sc * q * x (all columns) as 8 int32 lanes, M[m] = sum over sub-blocks of m * (sum of x). The
+ * 5-bit values and the scales are unpacked once for every token. */
+static inline __attribute__((always_inline)) void q5k_blocks(const uint8_t *b,
+                                                            const int8_t *const x[2],
+                                                            const int16_t *const gs[2], int MB,
+                                                            __m256i S[2], int M[2]) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 16));
     uint8_t sm[16]; /* sc[8], then m[8] */
     k4_unpack(b + 4, sm);
+    /* the 8 sc as int16 on both lanes: HS_W16(j) broadcasts sc[j] */
+    const __m256i sc16 = _mm256_broadcastsi128_si256(
+        _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sm)));
+    for (int m = 0; m < MB; m++) S[m] = _mm256_setzero_si256();
     for (int c = 0; c < 4; c++) {
         const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * c));
         for (int hh = 0; hh < 2; hh++) {
+            const int j = 2 * c + hh;
             const __m256i nib = hh ? _mm256_and_si256(_mm256_srli_epi16(l, 4), low)
                                    : _mm256_and_si256(l, low);
-            const __m256i hb = _mm256_and_si256(h, one);
-            h = _mm256_srli_epi16(h, 1);
-            const __m256i q = _mm256_or_si256(nib, _mm256_slli_epi16(hb, 4));
-            const int j = 2 * c + hh;
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 32 * j));
-            const __m256i p = _mm256_maddubs_epi16(q, xv); /* pairs: <= 2 * 31 * 127 */
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(sm[j])));
+            const __m256i q = _mm256_or_si256(nib, q5k_high(h, j));
+            const __m256i s = _mm256_shuffle_epi8(sc16, HS_W16(j));
+            for (int m = 0; m < MB; m++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x[m] + 32 * j));
+                const __m256i p = _mm256_maddubs_epi16(q, xv); /* pairs: <= 2 * 31 * 127 */
+                S[m] = _mm256_add_epi32(S[m], _mm256_madd_epi16(p, s));
+            }
         }
     }
-    *S = acc;
     /* m[j] times the sum of x over sub-block j (its two sums of 16: |.| <= 2 * 16 * 127) */
     const __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sm + 8)));
-    const __m128i gp = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)gs),
-                                      _mm_loadu_si128((const __m128i *)(gs + 8)));
-    __m128i mm = _mm_madd_epi16(m16, gp);
-    mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0x4E));
-    mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0xB1));
-    *M = _mm_cvtsi128_si32(mm);
+    for (int m = 0; m < MB; m++) {
+        const __m128i gp = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)gs[m]),
+                                          _mm_loadu_si128((const __m128i *)(gs[m] + 8)));
+        __m128i mm = _mm_madd_epi16(m16, gp);
+        mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0x4E));
+        mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0xB1));
+        M[m] = _mm_cvtsi128_si32(mm);
+    }
 }
 
 static inline float kq_f16(const uint8_t *p) {
@@ -183,7 +215,7 @@ static inline __attribute__((always_inline)) void quad_iq4xs(const uint8_t *q, i
         __m256 accf[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int s = 0; s < nsb; s++) {
             const uint8_t *b = row + (size_t)s * 136;
-            hs_prefetch(b);
+            hs_prefetch(b), hs_prefetch(b + 64), hs_prefetch(b + 128); /* its 136 bytes' lines */
             const unsigned sh = (unsigned)b[2] | (unsigned)b[3] << 8;
             __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
             for (int c = 0; c < 4; c++) {
@@ -259,25 +291,33 @@ static inline __attribute__((always_inline)) void quad_kq(const uint8_t *q, int 
         float tot[2] = {0.0f, 0.0f};
         for (int s = 0; s < nsb; s++) {
             const uint8_t *b = row + (size_t)s * bb;
-            hs_prefetch(b);
-            for (int m = 0; m < MB; m++) {
-                const int8_t *x = a[m].x + (size_t)s * Q4K_SB;
-                const int16_t *gs = a[m].gs + 16 * s;
-                const float xd = a[m].d[s];
-                if (fmt == F_Q6K) {
-                    const __m256 S = _mm256_cvtepi32_ps(q6k_block(b, x, gs));
-                    const __m256 dx = _mm256_set1_ps(kq_f16(b + 208) * xd);
-                    lanes[m] = _mm256_add_ps(lanes[m], _mm256_mul_ps(S, dx));
-                } else if (fmt == F_Q5K) {
-                    __m256i S;
-                    int M;
-                    q5k_block(b, x, gs, &S, &M);
-                    const __m256 dx = _mm256_set1_ps(kq_f16(b) * xd);
-                    lanes[m] = _mm256_add_ps(lanes[m], _mm256_mul_ps(_mm256_cvtepi32_ps(S), dx));
-                    tot[m] -= (float)M * (kq_f16(b + 2) * xd);
-                } else {
-                    tot[m] += iq4nl_blocks(b, x, xd);
+            /* every line of the stream: one prefetch per super-block (1 line in 3.3 of q6_K's)
+             * left the rest to the hardware, and a one-token layer ran ~1.5x slower */
+            for (int o = 0; o < bb; o += 64) hs_prefetch(b + o);
+            const int8_t *const x[2] = {a[0].x + (size_t)s * Q4K_SB,
+                                        a[MB - 1].x + (size_t)s * Q4K_SB};
+            const int16_t *const gs[2] = {a[0].gs + 16 * s, a[MB - 1].gs + 16 * s};
+            if (fmt == F_Q6K) {
+                __m256i S[2];
+                q6k_blocks(b, x, gs, MB, S);
+                const float d = kq_f16(b + 208);
+                for (int m = 0; m < MB; m++) {
+                    const __m256 dx = _mm256_set1_ps(d * a[m].d[s]);
+                    lanes[m] = _mm256_add_ps(lanes[m], _mm256_mul_ps(_mm256_cvtepi32_ps(S[m]), dx));
                 }
+            } else if (fmt == F_Q5K) {
+                __m256i S[2];
+                int M[2];
+                q5k_blocks(b, x, gs, MB, S, M);
+                const float d = kq_f16(b), dmin = kq_f16(b + 2);
+                for (int m = 0; m < MB; m++) {
+                    const float xd = a[m].d[s];
+                    const __m256 dx = _mm256_set1_ps(d * xd);
+                    lanes[m] = _mm256_add_ps(lanes[m], _mm256_mul_ps(_mm256_cvtepi32_ps(S[m]), dx));
+                    tot[m] -= (float)M[m] * (dmin * xd);
+                }
+            } else {
+                for (int m = 0; m < MB; m++) tot[m] += iq4nl_blocks(b, x[m], a[m].d[s]);
             }
         }
         for (int m = 0; m < MB; m++) out[r][m] = tot[m] + hs_hsum(lanes[m]);
