@@ -199,6 +199,26 @@ static inline __attribute__((always_inline)) __m256i iq4_pairs(__m256i q, __m256
     return _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
 }
 
+/* An IQ4_XS super-block's 8 scales ls - 32 as int16, on both lanes (HS_W16(j) broadcasts
+ * sub-block j's): the low 4 bits are nibble j % 2 of scales_l[j / 2] (bytes 4-7), the high 2
+ * bits 2 j of the 16-bit scales_h (bytes 2-3), moved to the top of a 16-bit lane by a multiply
+ * and down by a shift. */
+static inline __attribute__((always_inline)) __m256i iq4xs_scales(const uint8_t *b) {
+    int32_t l4;
+    uint16_t sh;
+    memcpy(&l4, b + 4, 4);
+    memcpy(&sh, b + 2, 2);
+    const __m128i l = _mm_cvtsi32_si128(l4), nib = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_unpacklo_epi8(_mm_and_si128(l, nib),
+                                         _mm_and_si128(_mm_srli_epi16(l, 4), nib));
+    const __m128i up = _mm_mullo_epi16(_mm_set1_epi16((short)sh),
+                                       _mm_setr_epi16(1 << 14, 1 << 12, 1 << 10, 1 << 8, 1 << 6,
+                                                      1 << 4, 1 << 2, 1));
+    const __m128i ls = _mm_or_si128(_mm_cvtepu8_epi16(lo),
+                                    _mm_slli_epi16(_mm_srli_epi16(up, 14), 4));
+    return _mm256_broadcastsi128_si256(_mm_sub_epi16(ls, _mm_set1_epi16(32)));
+}
+
 /* A quad of IQ4_XS rows against MB <= 2 tokens. The loader regroups each super-block's 128
  * bytes of nibbles (quant/gguf_iq.py, iq4_xs_kernel_order): byte l of chunk c holds column
  * 64 c + l (sub-block 2 c) in its low nibble and 64 c + 32 + l (sub-block 2 c + 1) in its high
@@ -216,7 +236,7 @@ static inline __attribute__((always_inline)) void quad_iq4xs(const uint8_t *q, i
         for (int s = 0; s < nsb; s++) {
             const uint8_t *b = row + (size_t)s * 136;
             hs_prefetch(b), hs_prefetch(b + 64), hs_prefetch(b + 128); /* its 136 bytes' lines */
-            const unsigned sh = (unsigned)b[2] | (unsigned)b[3] << 8;
+            const __m256i sc = iq4xs_scales(b);
             __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
             for (int c = 0; c < 4; c++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 8 + 32 * c));
@@ -224,10 +244,8 @@ static inline __attribute__((always_inline)) void quad_iq4xs(const uint8_t *q, i
                 const __m256i wh =
                     _mm256_shuffle_epi8(lv, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
                 const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
-                const int ls0 = (b[4 + c] & 15) | ((sh >> (4 * c)) & 3) << 4;
-                const int ls1 = (b[4 + c] >> 4) | ((sh >> (4 * c + 2)) & 3) << 4;
-                const __m256i s0 = _mm256_set1_epi16((int16_t)(ls0 - 32));
-                const __m256i s1 = _mm256_set1_epi16((int16_t)(ls1 - 32));
+                const __m256i s0 = _mm256_shuffle_epi8(sc, HS_W16(2 * c));
+                const __m256i s1 = _mm256_shuffle_epi8(sc, HS_W16(2 * c + 1));
                 for (int m = 0; m < MB; m++) {
                     const int8_t *x = a[m].x + (size_t)s * Q4K_SB + 64 * c;
                     const __m256i xl = _mm256_loadu_si256((const __m256i *)x);
