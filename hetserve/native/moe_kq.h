@@ -112,19 +112,19 @@ static inline __attribute__((always_inline)) void q6k_blocks(const uint8_t *b,
     }
 }
 
-/* All 8 sc (out[0..7]) and m (out[8..15]) of a q4_K / q5_K super-block's 12 scale bytes, on
+/* All 8 sc (bytes 0..7) and m (bytes 8..15) of a q4_K / q5_K super-block's 12 scale bytes, on
  * 32-bit words (llama.cpp's get_scale_min_k4 for every sub-block j: j < 4, sc = q[j] & 63 and
  * m = q[j + 4] & 63; else the low / high nibble of q[j + 4] and the top 2 bits of q[j - 4] / q[j]
- * above them). */
-static inline void k4_unpack(const uint8_t *q, uint8_t out[16]) {
+ * above them), in a register: written to memory and read back as a vector, the four words
+ * missed store-to-load forwarding on every super-block. */
+static inline __m128i k4_unpack(const uint8_t *q) {
     const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
-    uint32_t u[3], r[4];
+    uint32_t u[3];
     memcpy(u, q, 12);
-    r[0] = u[0] & m6;                                    /* sc 0-3 */
-    r[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);      /* sc 4-7 */
-    r[2] = u[1] & m6;                                    /* m 0-3 */
-    r[3] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4); /* m 4-7 */
-    memcpy(out, r, 16);
+    return _mm_setr_epi32((int)(u[0] & m6),                                     /* sc 0-3 */
+                          (int)((u[2] & m4) | (((u[0] >> 6) & m2) << 4)),      /* sc 4-7 */
+                          (int)(u[1] & m6),                                     /* m 0-3 */
+                          (int)(((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4))); /* m 4-7 */
 }
 
 /* Bit j of every byte of h moved to bit 4 (the 16-bit shift's carries across the byte boundary
@@ -144,11 +144,9 @@ static inline __attribute__((always_inline)) void q5k_blocks(const uint8_t *b,
                                                             __m256i S[2], int M[2]) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 16));
-    uint8_t sm[16]; /* sc[8], then m[8] */
-    k4_unpack(b + 4, sm);
+    const __m128i sm = k4_unpack(b + 4); /* sc[8], then m[8] */
     /* the 8 sc as int16 on both lanes: HS_W16(j) broadcasts sc[j] */
-    const __m256i sc16 = _mm256_broadcastsi128_si256(
-        _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sm)));
+    const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
     for (int m = 0; m < MB; m++) S[m] = _mm256_setzero_si256();
     for (int c = 0; c < 4; c++) {
         const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * c));
@@ -166,7 +164,7 @@ static inline __attribute__((always_inline)) void q5k_blocks(const uint8_t *b,
         }
     }
     /* m[j] times the sum of x over sub-block j (its two sums of 16: |.| <= 2 * 16 * 127) */
-    const __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sm + 8)));
+    const __m128i m16 = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
     for (int m = 0; m < MB; m++) {
         const __m128i gp = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)gs[m]),
                                           _mm_loadu_si128((const __m128i *)(gs[m] + 8)));

@@ -45,8 +45,27 @@ def _iq4(kind):
     return lambda w: rows(ggml_quantize(w.numpy(), kind))
 
 
+def _random_iq4(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random IQ4_XS / IQ4_NL blocks (every bit pattern is a valid block) with small fp16 d:
+    the kernels' own tests where llama.cpp's quantizer is not installed."""
+    g = np.random.default_rng(seed)
+    block, cols_per = (136, 256) if kind == "IQ4_XS" else (18, 32)
+    raw = g.integers(0, 256, (rows, cols // cols_per, block), dtype=np.uint8)
+    scale = 1e-5 if kind == "IQ4_XS" else 3e-4  # |w| <= 32 * 127 d (IQ4_XS), 127 d (IQ4_NL)
+    d = (g.uniform(0.5, 1.5, raw.shape[:2]) * g.choice([-1, 1], raw.shape[:2]) * scale)
+    raw[:, :, :2] = d.astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def _iq4_random(kind):
+    rows = iq4_xs_rows if kind == "IQ4_XS" else iq4_nl_rows
+    seed = iter(range(10_000))
+    return lambda w: rows(_random_iq4(kind, w.shape[0], w.shape[1], next(seed)))
+
+
 PACK = {"q4_K": _q4, "q5_K": _q5, "q6_K": _q6, "q8_0": Int8Rows.q8_0, "iq4_xs": _iq4("IQ4_XS"),
-        "iq4_nl": _iq4("IQ4_NL")}  # fmt: skip
+        "iq4_nl": _iq4("IQ4_NL"), "random_iq4_xs": _iq4_random("IQ4_XS"),
+        "random_iq4_nl": _iq4_random("IQ4_NL")}  # fmt: skip
 NEEDS_GGML = pytest.mark.skipif(
     bool(ggml_unavailable_reason()), reason=f"llama.cpp's quantizer: {ggml_unavailable_reason()}"
 )
@@ -91,6 +110,8 @@ IQ = [("iq4_xs", "iq4_xs"), ("iq4_nl", "iq4_nl"), ("iq4_xs", "q6_K"), ("q4_K", "
       ("iq4_xs", "q8_0")]  # fmt: skip
 MIXES = [("q6_K", "q6_K"), ("q5_K", "q5_K"), ("q4_K", "q6_K"), ("q5_K", "q6_K"),
          ("q4_K", "q5_K"), ("q4_K", "q8_0"), ("q8_0", "q6_K"),
+         ("random_iq4_xs", "random_iq4_xs"), ("random_iq4_nl", "random_iq4_nl"),
+         ("random_iq4_xs", "q5_K"),
          *(pytest.param(m, marks=NEEDS_GGML) for m in IQ)]  # fmt: skip
 
 
@@ -111,7 +132,7 @@ def test_each_projection_keeps_its_type(kinds, t):
     if "q8_0" not in kinds:
         assert b.nbytes() == packed.nbytes
     names = {"q8_0": "int8", "q4_K": "int4"}
-    assert b.formats == tuple(names.get(k, k) for k in kinds)
+    assert b.formats == tuple(names.get(k, k).removeprefix("random_") for k in kinds)
 
 
 @NEEDS_GGML
@@ -148,6 +169,16 @@ def test_iq4_nl_rows_off_256_pad_with_zero_blocks():
             ref[t] += w2[k].dequantize().double() @ a.double()
     out = b.forward(x, tw, ids)
     assert float((out - ref.float()).abs().max()) <= 1e-3 * float(ref.abs().max())
+
+
+@pytest.mark.parametrize("kind", ["IQ4_XS", "IQ4_NL"])
+def test_random_i_quant_blocks_read_as_gguf_reads_them(kind):
+    """Random blocks (the kernels' tests without llama.cpp) decode as gguf decodes them."""
+    raw = _random_iq4(kind, 4, 512, 0)
+    ours = (iq4_xs_rows if kind == "IQ4_XS" else iq4_nl_rows)(raw).dequantize().numpy()
+    theirs = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, kind))
+    assert np.array_equal(ours, theirs)
+    assert 0.0 < np.abs(theirs).max() < 0.2
 
 
 @pytest.mark.parametrize("kind", ["q6_K", "q5_K"])
