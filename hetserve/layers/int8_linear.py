@@ -37,8 +37,9 @@ if TYPE_CHECKING:
     from hetserve.quant.packed import QMatrix
 
 # The native kernel's formats (F_* in hetserve/native/moe_job.h).
-_INT8, _Q4K, _Q6K, _Q5K = 1, 5, 6, 7
-_NAMES = {_INT8: "int8", _Q4K: "q4_K", _Q6K: "q6_K", _Q5K: "q5_K"}
+_INT8, _Q4K, _Q6K, _Q5K, _IQ4XS, _IQ4NL = 1, 5, 6, 7, 8, 9
+_NAMES = {_INT8: "int8", _Q4K: "q4_K", _Q6K: "q6_K", _Q5K: "q5_K", _IQ4XS: "iq4_xs",
+          _IQ4NL: "iq4_nl"}  # fmt: skip
 
 
 def _native_ok() -> bool:
@@ -57,12 +58,13 @@ def _quads_padded(q: torch.Tensor, fmt: int, group: int) -> torch.Tensor:
 
 
 def _native_packed(packed: QMatrix | None) -> bool:
-    """A checkpoint matrix the native kernel reads as it is: q4_K, q5_K, q6_K, or int8 per row
-    (any width: padded) or in groups of a multiple of 16 columns (q8_0)."""
+    """A checkpoint matrix the native kernel reads as it is: q4_K, q5_K, q6_K, IQ4_XS, IQ4_NL,
+    or int8 per row (any width: padded) or in groups of a multiple of 16 columns (q8_0)."""
     from hetserve.quant.gguf import Q5KRows, Q6KRows
+    from hetserve.quant.gguf_iq import IQ4NLRows, IQ4XSRows
     from hetserve.quant.packed import Int8PerRow, Int8Rows, Q4KRows
 
-    if isinstance(packed, Q4KRows | Q5KRows | Q6KRows | Int8PerRow):
+    if isinstance(packed, Q4KRows | Q5KRows | Q6KRows | IQ4XSRows | IQ4NLRows | Int8PerRow):
         return True
     return isinstance(packed, Int8Rows) and packed.group % 16 == 0
 
@@ -108,6 +110,7 @@ class Int8Linear(nn.Module):
         """The checkpoint's numbers in the kernel's quad layout (only bytes move)."""
         from hetserve.native import hugepage_empty
         from hetserve.quant.gguf import Q5KRows, Q6KRows
+        from hetserve.quant.gguf_iq import IQ4NLRows, IQ4XSRows, iq4_xs_kernel_order
         from hetserve.quant.layout import (
             fp16_group_scales,
             interleave_quads,
@@ -123,6 +126,15 @@ class Int8Linear(nn.Module):
         if isinstance(packed, Q5KRows | Q6KRows):  # the file's rows, padded to quads
             self.fmt, self.group = _Q6K if isinstance(packed, Q6KRows) else _Q5K, 0
             raw = pad_qmatrix(packed, round_up(n, 4), k).raw  # type: ignore[attr-defined]
+            self._set_native(raw.contiguous(), None, bias)
+            return
+        if isinstance(packed, IQ4XSRows | IQ4NLRows):  # the file's rows (IQ4_NL: to 256 columns)
+            self.fmt = _IQ4XS if isinstance(packed, IQ4XSRows) else _IQ4NL
+            self.group = 0
+            padded = pad_qmatrix(packed, round_up(n, 4), padded_size(self.fmt, 0, k))
+            raw = padded.raw  # type: ignore[attr-defined]
+            if self.fmt == _IQ4XS:
+                raw = iq4_xs_kernel_order(raw)  # its nibbles regrouped (moe_kq.h, quad_iq4xs)
             self._set_native(raw.contiguous(), None, bias)
             return
         if isinstance(packed, Q4KRows):  # rows padded to quads (its columns: whole blocks)

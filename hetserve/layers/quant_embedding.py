@@ -21,7 +21,8 @@ from hetserve.quant.packed import QMatrix
 # Matrices holding a GGUF file's super-blocks as they are, by their type's name: a lookup hands
 # the gathered rows' bytes to gguf's own numpy dequantize (the definition of the file's numbers;
 # 0.1-0.3 ms a token against 0.6-1.0 ms of small torch ops through the QMatrix fields).
-_GGML = {"Q4KRows": "Q4_K", "Q5KRows": "Q5_K", "Q6KRows": "Q6_K"}
+_GGML = {"Q4KRows": "Q4_K", "Q5KRows": "Q5_K", "Q6KRows": "Q6_K", "IQ4XSRows": "IQ4_XS",
+         "IQ4NLRows": "IQ4_NL"}  # fmt: skip
 
 
 class QuantEmbedding(nn.Module):

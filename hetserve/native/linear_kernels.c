@@ -9,8 +9,9 @@
  *   fmt 1 (int8), G > 0:  one fp16 scale per row and group of G columns (GGUF q8_0: 32,
  *                         its own fp16 numbers), stored [N / 4][K / G][4] (G % 16 == 0);
  *   fmt 5 (q4_K):         super-blocks of 256 columns with their own scales (moe_q4k.h);
- *   fmt 6 (q6_K), 7 (q5_K): each row's super-blocks exactly as a GGUF file stores them, rows in
- *                         file order (moe_kq.h), padded with zero rows to whole quads.
+ *   fmt 6 (q6_K), 7 (q5_K), 8 (IQ4_XS), 9 (IQ4_NL): each row's blocks as a GGUF file stores
+ *                         them (IQ4_XS's nibbles regrouped as for the experts), rows in file
+ *                         order (moe_kq.h), padded with zero rows to whole quads.
  * Activations are rounded to int16 per row, as for the experts; for the K-quants to int8 per
  * super-block (llama.cpp's q8_K: moe_q4k.h for q4_K's column order, moe_kq.h for the others). */
 /* No implicit fused multiply-adds: the quad and GEMM paths round the same steps alike. */
@@ -33,7 +34,7 @@ int hetserve_moe_padded(int fmt, int G, int n); /* moe_kernels.c */
 /* ... and about this many bytes of weights (hs_item_units): RC quads of a q4_K row of 2048 are
  * only 36 KiB; items of ~128 KiB read a 2048 x 3072 q4_K matrix at one token ~1.25x faster. */
 #define ITEM_BYTES (128 << 10)
-enum { L_I8 = 1, L_Q4K = 5, L_Q6K = 6, L_Q5K = 7 }; /* the F_* numbers of moe_job.h */
+enum { L_I8 = 1, L_Q4K = 5, L_Q6K = 6, L_Q5K = 7, L_IQ4XS = 8, L_IQ4NL = 9 }; /* moe_job.h's F_* */
 
 typedef struct {
     int fmt, G, T, N, K, rc; /* rc: row quads per work item */
@@ -58,6 +59,10 @@ static inline void lin_quad(const lin_t *l, int n0, int nq, int m, int MB, float
             if (MB == 2) quad_kq(q, L_Q6K, K, a, 2, o); else quad_kq(q, L_Q6K, K, a, 1, o);
         } else if (l->fmt == L_Q5K) {
             if (MB == 2) quad_kq(q, L_Q5K, K, a, 2, o); else quad_kq(q, L_Q5K, K, a, 1, o);
+        } else if (l->fmt == L_IQ4XS) {
+            if (MB == 2) quad_kq(q, L_IQ4XS, K, a, 2, o); else quad_kq(q, L_IQ4XS, K, a, 1, o);
+        } else if (l->fmt == L_IQ4NL) {
+            if (MB == 2) quad_kq(q, L_IQ4NL, K, a, 2, o); else quad_kq(q, L_IQ4NL, K, a, 1, o);
         } else if (nq == 2) {
             if (MB == 2) quad_q4k(q, 2, K, a, 2, o); else quad_q4k(q, 2, K, a, 1, o);
         } else {
@@ -141,7 +146,7 @@ static void lin_item(void *ctx, int c) {
  * of memory) or -3 (unknown format). */
 int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const float *x,
                      float *out, const void *w, const void *s) {
-    if (fmt != L_I8 && fmt != L_Q4K && fmt != L_Q6K && fmt != L_Q5K) return -3;
+    if (fmt != L_I8 && (fmt < L_Q4K || fmt > L_IQ4NL)) return -3;
     if (T <= 0) return 0;
     const int Kx = K; /* x's columns; the weights' may be padded */
     K = hetserve_moe_padded(fmt, G, K);

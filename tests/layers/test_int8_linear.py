@@ -116,6 +116,17 @@ def _q5k(w: torch.Tensor):
     return q5_k_rows(quantize_q5_k(w.numpy()))
 
 
+def _iq4(kind: str):
+    def pack(w: torch.Tensor):  # random blocks of w's shape (testing/gguf_quants.py)
+        from hetserve.quant.gguf_iq import iq4_nl_rows, iq4_xs_rows
+        from hetserve.testing.gguf_quants import random_iq4
+
+        rows = iq4_xs_rows if kind == "IQ4_XS" else iq4_nl_rows
+        return rows(random_iq4(kind, w.shape[0], w.shape[1], w.shape[0]))
+
+    return pack
+
+
 def _q8_0(w: torch.Tensor):
     from hetserve.quant.packed import Int8Rows
 
@@ -123,14 +134,18 @@ def _q8_0(w: torch.Tensor):
 
 
 @pytest.mark.skipif(bool(native_unavailable_reason()), reason="native kernels unavailable")
-@pytest.mark.parametrize(("fmt", "pack"), [(5, _q4k), (6, _q6k), (7, _q5k), (1, _q8_0)])
+@pytest.mark.parametrize(
+    ("fmt", "pack"),
+    [(5, _q4k), (6, _q6k), (7, _q5k), (1, _q8_0), (8, _iq4("IQ4_XS")), (9, _iq4("IQ4_NL"))],
+)
 @pytest.mark.parametrize(
     ("t", "bias", "n"),
     [(1, False, 20), (3, True, 20), (34, False, 20), (1, False, 308), (3, True, 22),
      (2, False, 301)],
 )  # fmt: skip
 def test_checkpoint_matrices_served_as_they_are(fmt, pack, t, bias, n):
-    """A linear carrying its checkpoint matrix (`packed_weight`, GGUF q4_K / q6_K / q5_K / q8_0)
+    """A linear carrying its checkpoint matrix (`packed_weight`, GGUF q4_K / q6_K / q5_K / q8_0 /
+    IQ4_XS / IQ4_NL)
     runs on those numbers exactly: against x @ w_hat.T only the activation rounding is left,
     |y - x @ w_hat.T| <= sum over blocks of s_x / 2 * sum|w_hat| per output (plus fp32
     summation; q8_0: int16 per row, the K-quants: int8 per 256 columns as llama.cpp's q8_K), and
@@ -201,3 +216,24 @@ def test_an_int8_residual_keeps_the_rounding_error_to_16_bit_class():
     assert fine.nbytes == 2 * plain.nbytes and "residual" in repr(fine)
     x = torch.randn(5, 96)
     torch.testing.assert_close(fine(x), lin(x), atol=1e-3, rtol=0)
+
+
+@pytest.mark.skipif(bool(native_unavailable_reason()), reason="native kernels unavailable")
+def test_iq4_nl_linear_off_256_columns_pads_with_zero_blocks():
+    """IQ4_NL rows of 96 columns (3 blocks of 32): the kernel reads whole super-blocks of 256,
+    the padded blocks (d = 0) and activations (0) add nothing."""
+    from hetserve.quant.gguf_iq import iq4_nl_rows
+    from hetserve.testing.gguf_quants import random_iq4
+
+    n, k = 10, 96
+    packed = iq4_nl_rows(random_iq4("IQ4_NL", n, k, 7))
+    lin = nn.Linear(k, n, bias=False)
+    lin.packed_weight = packed
+    q = Int8Linear(lin)
+    assert (q.kernel, q.fmt, q.nbytes) == ("native", 9, packed.nbytes)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
+    w_hat = packed.dequantize()
+    ref = x.double() @ w_hat.double().T
+    s_x = x.abs().amax(dim=1) / 127  # one super-block: the 96 columns and 160 zeros
+    bound = (s_x / 2)[:, None].double() * w_hat.abs().sum(dim=1)[None, :].double()
+    assert ((q(x).double() - ref).abs() <= bound + 1e-5 * ref.abs().max()).all()

@@ -19,7 +19,7 @@ from hetserve.quant.gguf_iq import iq4_nl_rows, iq4_xs_rows
 from hetserve.quant.packed import Int8Rows, PackedExperts, Q4KRows
 from hetserve.quant.quantize import q8k_round
 from hetserve.testing.ggml_quant import ggml_quantize, ggml_unavailable_reason
-from hetserve.testing.gguf_quants import quantize_q5_k, quantize_q6_k
+from hetserve.testing.gguf_quants import quantize_q5_k, quantize_q6_k, random_iq4
 from hetserve.testing.tiny_gguf import quantize_q4_k
 
 pytestmark = pytest.mark.skipif(
@@ -45,22 +45,10 @@ def _iq4(kind):
     return lambda w: rows(ggml_quantize(w.numpy(), kind))
 
 
-def _random_iq4(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
-    """Random IQ4_XS / IQ4_NL blocks (every bit pattern is a valid block) with small fp16 d:
-    the kernels' own tests where llama.cpp's quantizer is not installed."""
-    g = np.random.default_rng(seed)
-    block, cols_per = (136, 256) if kind == "IQ4_XS" else (18, 32)
-    raw = g.integers(0, 256, (rows, cols // cols_per, block), dtype=np.uint8)
-    scale = 1e-5 if kind == "IQ4_XS" else 3e-4  # |w| <= 32 * 127 d (IQ4_XS), 127 d (IQ4_NL)
-    d = (g.uniform(0.5, 1.5, raw.shape[:2]) * g.choice([-1, 1], raw.shape[:2]) * scale)
-    raw[:, :, :2] = d.astype(np.float16)[..., None].view(np.uint8)
-    return raw.reshape(rows, -1)
-
-
 def _iq4_random(kind):
     rows = iq4_xs_rows if kind == "IQ4_XS" else iq4_nl_rows
     seed = iter(range(10_000))
-    return lambda w: rows(_random_iq4(kind, w.shape[0], w.shape[1], next(seed)))
+    return lambda w: rows(random_iq4(kind, w.shape[0], w.shape[1], next(seed)))
 
 
 PACK = {"q4_K": _q4, "q5_K": _q5, "q6_K": _q6, "q8_0": Int8Rows.q8_0, "iq4_xs": _iq4("IQ4_XS"),
@@ -174,7 +162,7 @@ def test_iq4_nl_rows_off_256_pad_with_zero_blocks():
 @pytest.mark.parametrize("kind", ["IQ4_XS", "IQ4_NL"])
 def test_random_i_quant_blocks_read_as_gguf_reads_them(kind):
     """Random blocks (the kernels' tests without llama.cpp) decode as gguf decodes them."""
-    raw = _random_iq4(kind, 4, 512, 0)
+    raw = random_iq4(kind, 4, 512, 0)
     ours = (iq4_xs_rows if kind == "IQ4_XS" else iq4_nl_rows)(raw).dequantize().numpy()
     theirs = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, kind))
     assert np.array_equal(ours, theirs)
