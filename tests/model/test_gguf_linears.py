@@ -98,21 +98,28 @@ def test_all_int8_serves_q6_k_linears_on_their_super_blocks(tiny_model, tmp_path
     assert float(err.max()) <= 3e-2 and float(err.median()) <= 1e-3
 
 
+def _llama_cpp_all_int8(tiny_model, tmp_path, capfd, mix: str):
+    """A 2-layer Qwen3-MoE quantized by llama.cpp to `mix`, served under all-int8: (its path,
+    the LLM, each Int8Linear's (format, group))."""
+    pytest.importorskip("llama_cpp", reason="llama.cpp's quantizer not installed")
+    from .test_gguf_mixes import SHAPE as MIX
+    from .test_gguf_mixes import _llama_cpp_file
+
+    src = tiny_model("qwen3-moe", overrides={**MIX, "num_hidden_layers": 2})
+    path = _llama_cpp_file(src, tmp_path, mix)
+    capfd.readouterr()
+    llm = LLM(str(path), placement=_all_int8_rules("cpu-int4"))
+    fmts = {n: (m.fmt, m.group) for n, m in llm.model.named_modules() if isinstance(m, Int8Linear)}
+    return path, llm, fmts
+
+
 @NATIVE
 def test_llama_cpp_q4_k_m_linears_keep_each_tensors_numbers(tiny_model, tmp_path, capfd):
     """llama.cpp's Q4_K_M of a MoE gives attn_q q4_K, attn_k / attn_v q8_0, attn_output q5_K
     and output q6_K: under all-int8 each runs on its own numbers, q on its q4_K blocks, k / v on
     their q8_0 numbers (so q / k / v are not fused), o on its q5_K and lm_head on its q6_K
     blocks."""
-    pytest.importorskip("llama_cpp", reason="llama.cpp's quantizer not installed")
-    from .test_gguf_mixes import SHAPE as MIX
-    from .test_gguf_mixes import _llama_cpp_file
-
-    src = tiny_model("qwen3-moe", overrides={**MIX, "num_hidden_layers": 2})
-    path = _llama_cpp_file(src, tmp_path, "Q4_K_M")
-    capfd.readouterr()
-    llm = LLM(str(path), placement=_all_int8_rules("cpu-int4"))
-    fmts = {n: (m.fmt, m.group) for n, m in llm.model.named_modules() if isinstance(m, Int8Linear)}
+    _, llm, fmts = _llama_cpp_all_int8(tiny_model, tmp_path, capfd, "Q4_K_M")
     attn = "model.layers.0.self_attn"
     assert fmts[f"{attn}.q_proj"] == (5, 0) and fmts[f"{attn}.v_proj"] == (1, 32), fmts
     assert fmts[f"{attn}.o_proj"] == (7, 0) and fmts["lm_head"] == (6, 0)  # q5_K, q6_K
@@ -139,17 +146,9 @@ def test_llama_cpp_iq4_xs_linears_stay_iq4_xs(tiny_model, tmp_path, capfd, monke
     rows up in them, and the logprobs are no further from the file's exact model than with the
     widened linears (measured: max 0.274 / 0.279, median 0.058 / 0.052; what both carry is the
     IQ4_XS experts' q8_K activation rounding on this tiny random model)."""
-    pytest.importorskip("llama_cpp", reason="llama.cpp's quantizer not installed")
     import hetserve.model.gguf_file as gguf_file
 
-    from .test_gguf_mixes import SHAPE as MIX
-    from .test_gguf_mixes import _llama_cpp_file
-
-    src = tiny_model("qwen3-moe", overrides={**MIX, "num_hidden_layers": 2})
-    path = _llama_cpp_file(src, tmp_path, "IQ4_XS")
-    capfd.readouterr()
-    llm = LLM(str(path), placement=_all_int8_rules("cpu-int4"))
-    fmts = {n: (m.fmt, m.group) for n, m in llm.model.named_modules() if isinstance(m, Int8Linear)}
+    path, llm, fmts = _llama_cpp_all_int8(tiny_model, tmp_path, capfd, "IQ4_XS")
     assert (8, 0) in fmts.values(), fmts  # IQ4_XS
     line = _summary(capfd, "IQ4_XS.gguf")
     assert "linears IQ4_XS kept" in line and "-> int8" not in line, line
