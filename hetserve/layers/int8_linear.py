@@ -123,14 +123,9 @@ class Int8Linear(nn.Module):
 
         self.nbytes = packed.nbytes
         n, k = packed.shape
-        if isinstance(packed, Q5KRows | Q6KRows):  # the file's rows, padded to quads
-            self.fmt, self.group = _Q6K if isinstance(packed, Q6KRows) else _Q5K, 0
-            raw = pad_qmatrix(packed, round_up(n, 4), k).raw  # type: ignore[attr-defined]
-            self._set_native(raw.contiguous(), None, bias)
-            return
-        if isinstance(packed, IQ4XSRows | IQ4NLRows):  # the file's rows (IQ4_NL: to 256 columns)
-            self.fmt = _IQ4XS if isinstance(packed, IQ4XSRows) else _IQ4NL
-            self.group = 0
+        rows = {Q6KRows: _Q6K, Q5KRows: _Q5K, IQ4XSRows: _IQ4XS, IQ4NLRows: _IQ4NL}
+        if type(packed) in rows:  # the file's rows, padded to quads (IQ4_NL: to 256 columns)
+            self.fmt, self.group = rows[type(packed)], 0
             padded = pad_qmatrix(packed, round_up(n, 4), padded_size(self.fmt, 0, k))
             raw = padded.raw  # type: ignore[attr-defined]
             if self.fmt == _IQ4XS:

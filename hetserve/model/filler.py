@@ -11,7 +11,7 @@ serves those numbers exactly; model/hybrid_plan.py drops what it does not use). 
 weight the loader left unallocated (meta: a GGUF load's int8 linears, model/loader.py) gets
 only that: the checkpoint's QMatrix, or a dense tensor rounded to int8 (`linear_rounding`:
 a dense checkpoint's as its Int8Linear would, per row; else in groups of 32,
-`Int8Rows.grouped`), so no fp32 copy of those linears is ever filled. Experts given a
+`Int8Rows.linear_groups`), so no fp32 copy of those linears is ever filled. Experts given a
 `quantizer` (dense checkpoints whose experts a CPU int8 backend alone serves: model/loader.py)
 are quantized as each tensor arrives and assembled packed, so no full-precision copy of their
 layer exists either.
@@ -127,12 +127,6 @@ class PackedExpertsBuilder:
         return PackedExperts(tuple(w13), tuple(w2))
 
 
-def _int8_groups(w: torch.Tensor) -> QMatrix:
-    """A dense weight as a GGUF load's int8 linears hold one: groups of 32 (else per row)."""
-    w = w.float()
-    return Int8Rows.grouped(w, 32 if w.shape[-1] % 32 == 0 else w.shape[-1])
-
-
 def _quantized(
     quantize: Callable[[torch.Tensor], QMatrix], w: torch.Tensor, fused: bool
 ) -> QMatrix:
@@ -171,7 +165,8 @@ class WeightFiller:
     ) -> None:
         self.model = model
         self.quantizers = quantizers or {}  # experts prefix -> quantizer (also in `packed`)
-        self.linear_rounding = linear_rounding or _int8_groups  # an unallocated linear's dense
+        # how an unallocated linear's dense weight is rounded
+        self.linear_rounding = linear_rounding or Int8Rows.linear_groups
         self.params = dict(model.named_parameters())
         self.filled: set[str] = set()  # plain params, and "w13:e:half" / "w2:e" expert parts
         self.num_layers = model.config.num_layers

@@ -250,12 +250,11 @@ class GgufCheckpoint:
     def _int8(self, kind: str, w: torch.Tensor) -> Int8Rows:
         """One linear's fp32 weight -> int8 in groups of 32 (per row where its columns are not
         whole groups); the caller drops the fp32 tensor."""
-        group = 32 if w.shape[-1] % 32 == 0 else w.shape[-1]
-        value = Int8Rows.grouped(w, group)
+        value = Int8Rows.linear_groups(w)
         # the error in fp32 torch, in place: gguf's float64 numpy check held 4x the tensor
         norm = float(w.norm())
         err = float(value.dequantize().sub_(w).norm()) / norm if norm > 0 else 0.0
-        to = "int8 per row" if group != 32 else "int8 g32"
+        to = "int8 per row" if value.group != 32 else "int8 g32"
         n, worst = self._linears.get((kind, to), (0, 0.0))
         self._linears[(kind, to)] = (n + 1, max(worst, err))
         return value

@@ -55,19 +55,21 @@ static inline void lin_quad(const lin_t *l, int n0, int nq, int m, int MB, float
         const uint8_t *q = (const uint8_t *)l->w + (size_t)n0 * (K / Q4K_SB) * kq_bytes(l->fmt);
         const q4k_act_t a[2] = {q4k_row(l->pl, l->pd, l->ps, K, m),
                                 q4k_row(l->pl, l->pd, l->ps, K, m1)};
-        if (l->fmt == L_Q6K) {
-            if (MB == 2) quad_kq(q, L_Q6K, K, a, 2, o); else quad_kq(q, L_Q6K, K, a, 1, o);
-        } else if (l->fmt == L_Q5K) {
-            if (MB == 2) quad_kq(q, L_Q5K, K, a, 2, o); else quad_kq(q, L_Q5K, K, a, 1, o);
-        } else if (l->fmt == L_IQ4XS) {
-            if (MB == 2) quad_kq(q, L_IQ4XS, K, a, 2, o); else quad_kq(q, L_IQ4XS, K, a, 1, o);
-        } else if (l->fmt == L_IQ4NL) {
-            if (MB == 2) quad_kq(q, L_IQ4NL, K, a, 2, o); else quad_kq(q, L_IQ4NL, K, a, 1, o);
-        } else if (nq == 2) {
-            if (MB == 2) quad_q4k(q, 2, K, a, 2, o); else quad_q4k(q, 2, K, a, 1, o);
-        } else {
-            if (MB == 2) quad_q4k(q, 1, K, a, 2, o); else quad_q4k(q, 1, K, a, 1, o);
+        /* one copy of the row kernel per format and token count (constants where inlined) */
+#define HS_KQ(F) if (MB == 2) quad_kq(q, F, K, a, 2, o); else quad_kq(q, F, K, a, 1, o); break;
+        switch (l->fmt) {
+        case L_Q6K: HS_KQ(L_Q6K)
+        case L_Q5K: HS_KQ(L_Q5K)
+        case L_IQ4XS: HS_KQ(L_IQ4XS)
+        case L_IQ4NL: HS_KQ(L_IQ4NL)
+        default: /* q4_K */
+            if (nq == 2) {
+                if (MB == 2) quad_q4k(q, 2, K, a, 2, o); else quad_q4k(q, 2, K, a, 1, o);
+            } else {
+                if (MB == 2) quad_q4k(q, 1, K, a, 2, o); else quad_q4k(q, 1, K, a, 1, o);
+            }
         }
+#undef HS_KQ
         return;
     }
     const int8_t *q = (const int8_t *)l->w + (size_t)n0 * K;

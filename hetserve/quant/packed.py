@@ -206,6 +206,13 @@ class Int8Rows(QMatrix):
         q = torch.round(w.float().reshape(n, k // group, group) / s.unsqueeze(-1))
         return cls(q.clamp_(-127, 127).to(torch.int8).reshape(n, k), s)
 
+    @classmethod
+    def linear_groups(cls, w: torch.Tensor) -> Int8Rows:
+        """A dense linear weight as an int8 linear keeps one it cannot read as stored (a GGUF
+        file's other types, a tensor left unallocated): `grouped` in groups of 32 columns, or
+        one group a row where its columns are not whole groups."""
+        return cls.grouped(w, 32 if w.shape[-1] % 32 == 0 else w.shape[-1])
+
 
 @dataclass(frozen=True)
 class Int8PerRow(Int8Rows):
