@@ -13,7 +13,7 @@ if [ "$DRY" = 1 ]; then
     FT=(--steps 1 --warmup 0 --seq-len 32)
 else
     PRE=(--prompt-lens 1024,8192 --tokens 8 --repeats 1 --prompt-len 64)
-    FT=(--steps 4 --warmup 1 --seq-len 512)
+    FT=(--steps 4 --warmup 1 --seq-len 512 --device cuda)
 fi
 
 env_step

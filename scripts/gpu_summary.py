@@ -61,6 +61,23 @@ def _hybrid(report: dict) -> str:
     return "; ".join(parts)
 
 
+def _finetune(report: dict) -> str:
+    """hetserve's training rate against the peer's, and each one's peak GPU memory."""
+    best = report.get("best", {})
+    parts = []
+    for name in ("hetserve", "transformers+peft"):
+        b = best.get(name)
+        if b is None:
+            parts.append(f"{name} failed")
+            continue
+        gpu = f", GPU {b['peak_gpu_mib'] / 1024:.1f} GiB" if "peak_gpu_mib" in b else ""
+        parts.append(f"{name} {_fmt(b['tokens_per_s'], ' tok/s')}{gpu}")
+    if len(best) == 2:
+        ratio = best["hetserve"]["tokens_per_s"] / best["transformers+peft"]["tokens_per_s"]
+        parts.append(f"{ratio:.2f}x the peer")
+    return "; ".join(parts)
+
+
 def headline(results: Path, step: str) -> str:
     if step == "pytest-gpu":
         return _pytest(results)
@@ -74,6 +91,8 @@ def headline(results: Path, step: str) -> str:
         return ""
     if report.get("benchmark") == "hybrid":
         return _hybrid(report)
+    if "best" in report and "settings" in report:  # bench finetune
+        return _finetune(report)
     keys = [k for k, v in report.items() if isinstance(v, (int, float)) and k != "machine"]
     return ", ".join(f"{k}={_fmt(float(report[k]))}" for k in keys[:4])
 

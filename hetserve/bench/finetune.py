@@ -14,6 +14,12 @@ of the backward, the LoRA weight gradients and causal attention; elementwise wor
 the best fp32 matrix-multiply rate of this CPU (`gemm_peak_gflops`). Their ratio to a system's
 rate says how far from the arithmetic limit it runs, and so how much faster any implementation of
 the same fp32 math could be at most.
+
+`--device cuda` (issue 40's GPU half hour) trains on the GPU in bf16 with the routed experts on
+the CPU: hetserve's own placement (the native backward on the host) against transformers + PEFT
+with accelerate's `device_map` offload of the experts (moved onto the GPU each forward). Each row
+then also gives the peak GPU memory (`torch.cuda.max_memory_allocated`); the CPU's fp32 limit is
+not theirs, so it is left out.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import json
 import subprocess
 import sys
 import time
+
+from hetserve.errors import InvalidInputError
 
 
 def register(sub) -> None:
@@ -34,6 +42,10 @@ def register(sub) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--quantization-bit", type=int, choices=(8, 4), default=None)
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu",
+        help="cuda: bf16 on the GPU, routed experts on the CPU (peer: device_map offload)",
+    )  # fmt: skip
     p.add_argument("--json", help="write results here")
     p.add_argument("--plot", help="write a PNG bar chart here")
     p.set_defaults(func=_run)
@@ -53,7 +65,12 @@ def _settings(args) -> dict:
                        ("quantization_bit", args.quantization_bit)):  # fmt: skip
         if value is not None:
             s[key] = value
-    s.update(model=args.model, steps=args.steps, warmup=args.warmup)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InvalidInputError("--device cuda: no CUDA device here; use --device cpu")
+    s.update(model=args.model, steps=args.steps, warmup=args.warmup, device=args.device)
     return s
 
 
@@ -66,25 +83,56 @@ def _run(args) -> int:
     rounds = []
     for r in range(args.rounds):
         for name in systems if r % 2 == 0 else systems[::-1]:
-            res = _spawn(name, s)
+            try:
+                res = _spawn(name, s)
+            except RuntimeError as exc:  # one system failing still reports the other
+                print(exc, file=sys.stderr)
+                rounds.append({"round": r, "system": name, "error": str(exc)})
+                continue
             rounds.append({"round": r, **res})
             if name not in best or res["tokens_per_s"] > best[name]["tokens_per_s"]:
                 best[name] = res
+    print_table(["system", "train tok/s", "vs HF", "peak RSS MiB", "baseline MiB",
+                 "RSS vs HF", "last loss", "peak GPU MiB"], _rows(best, systems))  # fmt: skip
+    result = {"settings": s, "best": best, "rounds": rounds}
+    if s["device"] == "cpu" and len(best) == len(systems):
+        result["limit"] = _cpu_limit(s, best)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.plot:
+        _plot(best, args.plot)
+    return 0
+
+
+def _rows(best: dict, systems: list[str]) -> list[list[str]]:
+    hf = best.get("transformers+peft")
+
+    def vs_hf(b: dict, key: str) -> str:
+        return f"{b[key] / hf[key]:.2f}" if hf else "-"
+
+    rows = []
+    for name in systems:
+        b = best.get(name)
+        if b is None:
+            rows.append([name, "failed"] + ["-"] * 6)
+            continue
+        rows.append([
+            name, f"{b['tokens_per_s']:.0f}", vs_hf(b, "tokens_per_s"),
+            f"{b['peak_rss_mib']:.0f}", f"{b['baseline_rss_mib']:.0f}",
+            vs_hf(b, "peak_rss_mib"), f"{b['final_loss']:.3f}",
+            f"{b['peak_gpu_mib']:.0f}" if "peak_gpu_mib" in b else "-",
+        ])  # fmt: skip
+    return rows
+
+
+def _cpu_limit(s: dict, best: dict) -> dict:
+    """The fp32 arithmetic limit of this CPU for the model's training FLOPs, printed."""
     hf = best["transformers+peft"]
     flops = train_flops_per_token(s["model"], s["seq_len"], s["lora_rank"], s["lora_target"])
     peak = gemm_peak_gflops()
     for b in best.values():
         b["model_gflops_per_s"] = b["tokens_per_s"] * flops / 1e9
-    rows = []
-    for name in systems:
-        b = best[name]
-        rows.append([
-            name, f"{b['tokens_per_s']:.0f}", f"{b['tokens_per_s'] / hf['tokens_per_s']:.2f}",
-            f"{b['peak_rss_mib']:.0f}", f"{b['baseline_rss_mib']:.0f}",
-            f"{b['peak_rss_mib'] / hf['peak_rss_mib']:.2f}", f"{b['final_loss']:.3f}",
-        ])  # fmt: skip
-    print_table(["system", "train tok/s", "vs HF", "peak RSS MiB", "baseline MiB",
-                 "RSS vs HF", "last loss"], rows)  # fmt: skip
     limit = {"model_flops_per_token": flops, "gemm_peak_gflops": peak,
              "hf_fraction_of_peak": hf["model_gflops_per_s"] / peak,
              "max_speedup_over_hf": peak / hf["model_gflops_per_s"]}  # fmt: skip
@@ -93,13 +141,7 @@ def _run(args) -> int:
               f"{n} {b['model_gflops_per_s']:.0f} GFLOP/s ({b['model_gflops_per_s'] / peak:.2f} of"
               " peak)" for n, b in best.items()) +
           f"; no fp32 implementation can pass {limit['max_speedup_over_hf']:.2f}x HF")  # fmt: skip
-    result = {"settings": s, "best": best, "rounds": rounds, "limit": limit}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    if args.plot:
-        _plot(best, args.plot)
-    return 0
+    return limit
 
 
 def train_flops_per_token(model_dir: str, seq_len: int, rank: int, target: str) -> float:
@@ -185,7 +227,9 @@ def _hetserve_step_fn(s: dict):
     from hetserve.finetune.trainer import loss_sum
 
     bits = s["quantization_bit"] or 32
-    model = load_for_training(s["model"], "cpu", "float32", ExpertsPlacement(True, bits=bits))
+    device = s.get("device", "cpu")
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    model = load_for_training(s["model"], device, dtype, ExpertsPlacement(True, bits=bits))
     target = s["lora_target"]
     add_lora(model, target if target == "all" else target.split(","), s["lora_rank"],
              s["lora_alpha"], 0.0, False)  # fmt: skip
@@ -195,7 +239,7 @@ def _hetserve_step_fn(s: dict):
     def step(batch) -> float:
         items = [(row.tolist(), row.tolist()) for row in batch]
         opt.zero_grad(set_to_none=True)
-        total, n = loss_sum(model, items, torch.device("cpu"))
+        total, n = loss_sum(model, items, torch.device(device))
         (total / n).backward()
         opt.step()
         return float(total.detach()) / n
@@ -210,7 +254,14 @@ def _hf_step_fn(s: dict):
 
     from hetserve.finetune.model import linear_module_names
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(s["model"], dtype=torch.float32)
+    if s.get("device", "cpu") == "cuda":
+        from hetserve.bench.hybrid import offload_device_map
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            s["model"], dtype=torch.bfloat16, device_map=offload_device_map(s["model"])
+        )
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(s["model"], dtype=torch.float32)
     target = s["lora_target"]
     if target == "all":  # the same modules as ours (names from our class, no weights loaded)
         with torch.device("meta"):
@@ -225,7 +276,10 @@ def _hf_step_fn(s: dict):
         [p for p in model.parameters() if p.requires_grad], lr=s["learning_rate"]
     )
 
+    device = "cuda:0" if s.get("device", "cpu") == "cuda" else "cpu"
+
     def step(batch) -> float:
+        batch = batch.to(device)
         opt.zero_grad(set_to_none=True)
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
@@ -244,22 +298,25 @@ def _meta_model(model_dir: str):
 
 
 def worker(system: str, s: dict) -> dict:
-    import torch  # noqa: F401  (the baseline includes torch, as in both systems)
+    import torch  # the baseline includes torch, as in both systems
 
     baseline = _rss_mib()
     step, vocab = (_hetserve_step_fn if system == "hetserve" else _hf_step_fn)(s)
     data = _data(s, vocab)
     loss = 0.0
     for batch in data[: s["warmup"]]:
-        loss = step(batch)
+        loss = step(batch)  # float(loss) waits for the device: each step ends synchronized
     t0 = time.perf_counter()
     for batch in data[s["warmup"] :]:
         loss = step(batch)
     seconds = time.perf_counter() - t0
     tokens = s["steps"] * s["batch"] * s["seq_len"]
-    return {"system": system, "tokens_per_s": tokens / seconds, "seconds": seconds,
-            "peak_rss_mib": _rss_mib(), "baseline_rss_mib": baseline,
-            "final_loss": loss}  # fmt: skip
+    out = {"system": system, "tokens_per_s": tokens / seconds, "seconds": seconds,
+           "peak_rss_mib": _rss_mib(), "baseline_rss_mib": baseline,
+           "final_loss": loss}  # fmt: skip
+    if s.get("device") == "cuda":
+        out["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
 
 
 def _plot(best: dict, path: str) -> None:

@@ -255,6 +255,21 @@ def _peer(args, vocab: int) -> dict:
     return {"tokens_per_s": rate}
 
 
+def offload_device_map(model_dir: str) -> dict[str, int | str]:
+    """accelerate's `device_map` that keeps the routed experts on the CPU (moved onto the GPU
+    per forward) and everything else on cuda:0: the offload peer of decode and of LoRA SFT."""
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(model_dir)
+    device_map: dict[str, int | str] = {"model.embed_tokens": 0, "model.norm": 0, "lm_head": 0}
+    dense = getattr(cfg, "first_k_dense_replace", 0)
+    for i in range(cfg.num_hidden_layers):
+        device_map[f"model.layers.{i}"] = 0
+        if i >= dense:  # DeepSeek's first layers have a dense MLP, no experts
+            device_map[f"model.layers.{i}.mlp.experts"] = "cpu"
+    return device_map
+
+
 def offload_peer_rate(args, prompt: list[int]) -> float:
     """transformers + accelerate, routed experts offloaded to the CPU with `device_map`
     (everything else on cuda:0): single-stream decode tok/s."""
@@ -267,15 +282,8 @@ def offload_peer_rate(args, prompt: list[int]) -> float:
         import transformers
     except ImportError as exc:
         raise Unavailable(f"{exc.name} not installed") from None
-    cfg = transformers.AutoConfig.from_pretrained(args.model)
-    device_map = {"model.embed_tokens": 0, "model.norm": 0, "lm_head": 0}
-    dense = getattr(cfg, "first_k_dense_replace", 0)
-    for i in range(cfg.num_hidden_layers):
-        device_map[f"model.layers.{i}"] = 0
-        if i >= dense:  # DeepSeek's first layers have a dense MLP, no experts
-            device_map[f"model.layers.{i}.mlp.experts"] = "cpu"
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        args.model, dtype=torch.bfloat16, device_map=device_map
+        args.model, dtype=torch.bfloat16, device_map=offload_device_map(args.model)
     )
     model.eval()
     inp = torch.tensor([prompt], device="cuda:0")
