@@ -88,11 +88,31 @@ def load_for_training(
     for name, fused in model.routed_experts():
         # The placed backends (per phase), each given our backward.
         placed = fused._phase_backends or {"prefill": fused._backend, "decode": fused._backend}
+        grad_weights[name] = _share_fp32(grad_weights[name], placed.values())
         fused.set_phase_backends({
             k: GradExperts(b, grad_weights[name], experts.chunk_size, experts.cpu_threads)
             for k, b in placed.items()
         })  # fmt: skip
     return model
+
+
+def _share_fp32(gw, backends) -> object:
+    """fp32 backward weights from the forward's own fp32 copy where the model's weights are
+    another dtype (bf16 training on an accelerator, experts on the host): the native backward
+    reads fp32 only, so it ran the per-expert torch reference instead, and the bf16 tensors
+    stayed alive beside the backend's fp32 copy. Same numbers (the backend's copy is the bf16
+    weights widened); `gw` unchanged where no backend holds such a copy."""
+    from hetserve.finetune.experts_grad import GradWeights
+    from hetserve.moe.cpu_native import NativeFp32Experts
+
+    if gw.fmt != 32 or gw.w13.dtype == torch.float32 or not gw.w13.is_cpu:
+        return gw
+    for b in backends:
+        b = getattr(b, "inner", b)  # DeviceBridge: the host backend inside
+        shared = b.fp32_weights() if isinstance(b, NativeFp32Experts) else None
+        if shared is not None:
+            return GradWeights(32, *shared)
+    return gw
 
 
 def _int4_group(model_dir, preferred: int) -> int:

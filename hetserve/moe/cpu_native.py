@@ -234,6 +234,13 @@ class NativeFp32Experts(_NativeExperts):
         w13, w2 = pad_gate_up(dense.w13, ip, hp), pad_tensor(dense.w2, hp, ip)
         self._set(w13.contiguous(), None, w2.contiguous(), None)
 
+    def fp32_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(w13 [E, 2I, H], w2 [E, H, I]) as the kernel reads them, or None where they are
+        padded (a size not a multiple of 8): training's backward shares them."""
+        if self._padded() != (self.hidden, self.inter):
+            return None
+        return self._tensors[0], self._tensors[2]
+
 
 class NativeInt8Experts(_NativeExperts):
     """int8 per-output-channel symmetric weights, |w - w_hat| <= scale/2; int16 activations.

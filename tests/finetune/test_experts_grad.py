@@ -127,3 +127,35 @@ def test_int4_training_weights_refuse_sizes_off_the_group():
     with _pytest.raises(InvalidInputError, match="multiples of the group size 64"):
         make_grad_weights(w13, w2, bits=4, group_size=64)
     assert make_grad_weights(w13, w2, bits=8).fmt == 8
+
+
+@native
+def test_bf16_training_shares_the_host_backends_fp32_weights(tiny_model):
+    """bf16 training (the accelerator's default) with fp32 host experts: the backward reads the
+    forward backend's own fp32 copy (same storage, so the native kernel runs and no bf16 copy
+    stays alive beside it), with the torch reference's numbers on the bf16-rounded weights."""
+    from hetserve.finetune.experts_grad import native_backward_applies
+    from hetserve.finetune.model import ExpertsPlacement, load_for_training
+
+    model = load_for_training(tiny_model("deepseek-v3"), "cpu", "bfloat16", ExpertsPlacement(True))
+    layers = list(model.routed_experts())
+    assert layers
+    for _, fused in layers:
+        assert fused.w13.numel() == 0  # the loaded bf16 weights were released
+        for backend in fused._phase_backends.values():
+            gw = backend.grad_weights
+            w13, w2 = backend.inner.fp32_weights()
+            assert gw.fmt == 32 and gw.w13.data_ptr() == w13.data_ptr()
+            assert gw.w2.data_ptr() == w2.data_ptr()
+    gw = layers[0][1]._phase_backends["prefill"].grad_weights
+    e, h = gw.w13.shape[0], gw.hidden
+    g = torch.Generator().manual_seed(0)
+    x, gout = torch.randn(9, h, generator=g), torch.randn(9, h, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(9)])
+    tw = torch.rand(9, 2, generator=g)
+    assert native_backward_applies(gw, x.bfloat16())
+    dx, dw = experts_backward(gw, x, tw, ids, gout)
+    ref = make_grad_weights(gw.w13.bfloat16(), gw.w2.bfloat16())  # what the model loaded
+    rdx, rdw = torch_backward(ref, x, tw, ids, gout)
+    torch.testing.assert_close(dx, rdx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw, rdw, rtol=1e-5, atol=1e-5)
