@@ -18,11 +18,14 @@ from torch import nn
 
 from hetserve.quant.packed import QMatrix
 
-# Matrices holding a GGUF file's super-blocks as they are, by their type's name: a lookup hands
-# the gathered rows' bytes to gguf's own numpy dequantize (the definition of the file's numbers;
-# 0.1-0.3 ms a token against 0.6-1.0 ms of small torch ops through the QMatrix fields).
+# Matrices holding a GGUF file's super-blocks as they are, by their type's name: a lookup
+# dequantizes the gathered rows natively (native/gguf_rows.c: microseconds a row, gguf's own
+# numbers), else through gguf's numpy dequantize (the definition of those numbers; 0.1-0.7 ms
+# a lookup, mostly array set-up, against 0.6-1.0 ms of small torch ops through the QMatrix
+# fields).
 _GGML = {"Q4KRows": "Q4_K", "Q5KRows": "Q5_K", "Q6KRows": "Q6_K", "IQ4XSRows": "IQ4_XS",
          "IQ4NLRows": "IQ4_NL"}  # fmt: skip
+_NATIVE_TYPE = {"Q4KRows": 0, "Q5KRows": 1, "Q6KRows": 2, "IQ4XSRows": 3, "IQ4NLRows": 4}
 
 
 class QuantEmbedding(nn.Module):
@@ -44,18 +47,39 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
+        ggml = _GGML.get(self.fmt)
+        if ggml is not None and (rows := self._native_rows(flat)) is not None:
+            return rows.view(*ids.shape, self.embedding_dim)
         if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < self.num_embeddings:
             raise IndexError(f"token id out of range [0, {self.num_embeddings})")
-        ggml = _GGML.get(self.fmt)
-        if ggml is not None:  # the file's own blocks: gguf's numpy dequantize, a few ops
+        if ggml is None:
+            rows = self.matrix().rows(flat).dequantize()
+        else:  # gguf's numpy dequantize, a few ops
             import gguf
 
             raw = self.raw[flat].numpy().reshape(flat.shape[0], -1)  # type: ignore[operator]
             deq = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[ggml])
             rows = torch.from_numpy(np.ascontiguousarray(deq, dtype=np.float32))
-        else:
-            rows = self.matrix().rows(flat).dequantize()
         return rows.view(*ids.shape, self.embedding_dim)
+
+    def _native_rows(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """The rows by native/gguf_rows.c (ids checked there), or None where the kernels are
+        off or unavailable."""
+        from hetserve import envs
+        from hetserve.native import optional_kernel
+
+        fn = optional_kernel("hetserve_gguf_rows") if envs.native_kernels() else None
+        raw = self.raw  # [rows, blocks, block bytes] uint8, contiguous (a registered buffer)
+        if fn is None or raw.device.type != "cpu":  # type: ignore[union-attr]
+            return None
+        ids = flat.long().contiguous()  # no copy when it is already
+        out = torch.empty(ids.shape[0], self.embedding_dim)
+        rc = fn(_NATIVE_TYPE[self.fmt], raw.data_ptr(), raw.stride(0),  # type: ignore[union-attr]
+                self.num_embeddings, ids.data_ptr(), ids.shape[0], self.embedding_dim,
+                out.data_ptr())  # fmt: skip
+        if rc == -2:
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        return out
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.fmt}"

@@ -21,6 +21,8 @@
   node (mbind), the node of a page, a thread team pinned to the node's CPUs.
 - `peaks.c`: the CPU's fp32 / int16 / int8 / bf16 multiply-add peaks, measured (`bench
   prefill` reads its rows against them).
+- `gguf_rows.c`: rows of a GGUF q4_K / q5_K / q6_K / IQ4_XS / IQ4_NL matrix dequantized to
+  fp32, gguf's own numbers (token embeddings kept in the file's blocks).
 
 It needs no torch headers: a C compiler builds it in a second or two the first time, into a
 cache keyed by the sources and flags, and later processes just load it. The flags name the
@@ -51,7 +53,7 @@ if TYPE_CHECKING:
 HERE = Path(__file__).parent
 SOURCES = ("pool.c", "moe_kernels.c", "moe_prefill.c", "linear_kernels.c", "attention.c",
            "small_ops.c", "moe_backward.c", "decode_layers.c", "hashing.c", "linear_attn.c",
-           "peaks.c", "prefill_attention.c", "numa.c")  # fmt: skip
+           "peaks.c", "prefill_attention.c", "numa.c", "gguf_rows.c")  # fmt: skip
 HEADERS = ("pool.h", "simd.h", "moe_quads.h", "moe_formats.h", "moe_q4k.h", "moe_kq.h",
            "moe_gemm.h", "moe_job.h")  # fmt: skip
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared"]
@@ -175,6 +177,7 @@ _SIGNATURES = {
     "hetserve_delta_decode": (_I, [_I] * 9 + [_P] * 8),  # layers/linear_attention.py
     "hetserve_peak": (ctypes.c_double, [_I, _I, _L]),  # bench/peaks.py
     "hetserve_peak_ops": (_L, [_I]),
+    "hetserve_gguf_rows": (_I, [_I, _P, _I64, _I64, _P, _I, _I, _P]),  # layers/quant_embedding.py
 }
 
 

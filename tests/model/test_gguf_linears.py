@@ -204,11 +204,16 @@ def test_q8_0_token_embeddings_are_served_from_the_files_rows(tiny_model, tmp_pa
     assert torch.equal(logprobs(llm), logprobs(fp32))
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("kind", ["q4_K", "q5_K", "q6_K", "IQ4_XS", "IQ4_NL"])
-def test_k_quant_embedding_rows_equal_the_matrix_dequantized(kind):
-    """A K-quant `token_embd` is looked up through gguf's own dequantize of the gathered rows'
-    blocks: bit for bit what hetserve's QMatrix dequantizes (two implementations of the file's
+def test_k_quant_embedding_rows_equal_the_matrix_dequantized(kind, native, monkeypatch):
+    """A K-quant `token_embd` is looked up by the native row dequantizer (native/gguf_rows.c),
+    or without the kernels through gguf's own dequantize of the gathered rows' blocks: either
+    bit for bit what hetserve's QMatrix dequantizes (independent implementations of the file's
     numbers), for any shape of ids."""
+    if native and native_unavailable_reason():
+        pytest.skip(native_unavailable_reason())
+    monkeypatch.setenv("HETSERVE_NATIVE_KERNELS", "1" if native else "0")
     from hetserve.quant.gguf import q5_k_rows, q6_k_rows
     from hetserve.quant.gguf_iq import iq4_nl_rows, iq4_xs_rows
     from hetserve.quant.gguf_quants import quantize_q5_k, quantize_q6_k
@@ -223,6 +228,7 @@ def test_k_quant_embedding_rows_equal_the_matrix_dequantized(kind):
          "IQ4_XS": lambda: iq4_xs_rows(random_iq4("IQ4_XS", 40, 512, 0)),
          "IQ4_NL": lambda: iq4_nl_rows(random_iq4("IQ4_NL", 40, 512, 0))}[kind]()  # fmt: skip
     emb = QuantEmbedding(m)
+    assert (emb._native_rows(torch.tensor([1])) is not None) == native
     ids = torch.tensor([[3, 39, 0], [3, 17, 5]])
     want = m.dequantize()[ids]
     got = emb(ids)

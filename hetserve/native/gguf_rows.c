@@ -1,0 +1,126 @@
+/* Rows of a GGUF matrix dequantized to fp32, for token embeddings kept in the file's blocks
+ * (hetserve.layers.quant_embedding): q4_K, q5_K, q6_K, IQ4_XS and IQ4_NL.
+ *
+ * A decode step looks up one row per sequence; gguf's numpy dequantize spent 0.3-0.7 ms on
+ * that one row (array set-up, not arithmetic), 16% of a 0.43 B MoE's decode step. Here a row of
+ * 2,048 values takes microseconds.
+ *
+ * The numbers are gguf's own (gguf-py quants.py, the Python definition of the file's values),
+ * operation for operation: a scale is d * sc in fp32, then y = scale * q (- d_min * m) with no
+ * fused multiply-add (fp-contract off), so rows are bit for bit what gguf and hetserve's QMatrix
+ * dequantize give (tests/model/test_gguf_linears.py).
+ *
+ * hetserve_gguf_rows(type, raw, row_bytes, rows, ids, n, cols, out): row ids[i] of `raw` (`rows`
+ * rows of row_bytes bytes, each cols / 256 super-blocks, or cols / 32 blocks for IQ4_NL) into
+ * out[i * cols ...]. type: 0 q4_K, 1 q5_K, 2 q6_K, 3 IQ4_XS, 4 IQ4_NL. Returns 0, -1 for an
+ * unknown type, -2 for an id outside [0, rows) (nothing written then). */
+#include <immintrin.h>
+#include <stdint.h>
+
+#pragma GCC optimize("fp-contract=off")
+
+static const float KV_IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                 1,    13,   25,  38,  53,  69,  89,  113};
+
+static inline float h2f(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | p[1] << 8)); }
+
+/* q4_K / q5_K's 6-bit scale and minimum of sub-block j (0..7) from the 12 packed bytes. */
+static inline void scale_min(int j, const uint8_t *s, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* q4_K (144 bytes: d, dmin, scales[12], qs[128]) and q5_K (176: d, dmin, scales[12], qh[32],
+ * qs[128]): sub-block j = 2c + h is chunk c's low (h 0) or high (h 1) nibbles, + bit j of qh. */
+static void kquant45(const uint8_t *b, int five, float *y) {
+    const float d = h2f(b), dmin = h2f(b + 2);
+    const uint8_t *sc = b + 4, *qh = b + 16, *qs = b + (five ? 48 : 16);
+    for (int j = 0; j < 8; j++) {
+        int s, m;
+        scale_min(j, sc, &s, &m);
+        const float dj = d * (float)s, mj = dmin * (float)m;
+        const uint8_t *q = qs + 32 * (j / 2);
+        const int shift = 4 * (j % 2);
+        for (int l = 0; l < 32; l++) {
+            int v = (q[l] >> shift) & 0xF;
+            if (five) v |= ((qh[l] >> j) & 1) << 4;
+            const float t = dj * (float)v;
+            y[32 * j + l] = t - mj;
+        }
+    }
+}
+
+/* q6_K (210 bytes: ql[128], qh[64], scales[16] int8, d): group g (32 values) = half g / 4 of
+ * ql, nibble (g % 4) / 2 at offset 32 * (g % 2), 2 high bits from qh's chunk g / 4 at 2 * (g % 4);
+ * value v's scale is scales[v / 16]. */
+static void q6k(const uint8_t *b, float *y) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = h2f(b + 208);
+    for (int g = 0; g < 8; g++) {
+        const int h = g / 4, r = g % 4;
+        const uint8_t *lo = ql + 64 * h + 32 * (r % 2), *hi = qh + 32 * h;
+        const int nshift = 4 * (r / 2), hshift = 2 * r;
+        const float s[2] = {d * (float)sc[2 * g], d * (float)sc[2 * g + 1]};
+        for (int l = 0; l < 32; l++) {
+            const int q = (((lo[l] >> nshift) & 0xF) | (((hi[l] >> hshift) & 3) << 4)) - 32;
+            y[32 * g + l] = s[l / 16] * (float)q;
+        }
+    }
+}
+
+/* IQ4_XS (136 bytes: d, scales_h u16, scales_l[4], qs[128]): sub-block ib's 6-bit scale - 32;
+ * its 16 bytes give 16 low nibbles then 16 high nibbles, through the IQ4 table. */
+static void iq4xs(const uint8_t *b, float *y) {
+    const float d = h2f(b);
+    const unsigned sh = b[2] | b[3] << 8;
+    const uint8_t *sl = b + 4, *qs = b + 8;
+    for (int ib = 0; ib < 8; ib++) {
+        const int ls = (((sl[ib / 2] >> (4 * (ib % 2))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4)) - 32;
+        const float dl = d * (float)ls;
+        for (int l = 0; l < 16; l++) {
+            y[32 * ib + l] = dl * KV_IQ4[qs[16 * ib + l] & 0xF];
+            y[32 * ib + 16 + l] = dl * KV_IQ4[qs[16 * ib + l] >> 4];
+        }
+    }
+}
+
+/* IQ4_NL (18 bytes per 32 values: d, qs[16]). */
+static void iq4nl(const uint8_t *b, float *y) {
+    const float d = h2f(b);
+    for (int l = 0; l < 16; l++) {
+        y[l] = d * KV_IQ4[b[2 + l] & 0xF];
+        y[16 + l] = d * KV_IQ4[b[2 + l] >> 4];
+    }
+}
+
+int hetserve_gguf_rows(int type, const uint8_t *raw, int64_t row_bytes, int64_t rows,
+                       const int64_t *ids, int n, int cols, float *out) {
+    static const int block_values[5] = {256, 256, 256, 256, 32};
+    static const int block_bytes[5] = {144, 176, 210, 136, 18};
+    if (type < 0 || type > 4) return -1;
+    const int per = block_values[type], bb = block_bytes[type];
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= rows) return -2;
+    for (int i = 0; i < n; i++) {
+        const uint8_t *row = raw + ids[i] * row_bytes;
+        float *y = out + (int64_t)i * cols;
+        for (int c = 0; c < cols / per; c++) {
+            const uint8_t *b = row + (int64_t)c * bb;
+            float *yc = y + (int64_t)c * per;
+            switch (type) {
+            case 0: kquant45(b, 0, yc); break;
+            case 1: kquant45(b, 1, yc); break;
+            case 2: q6k(b, yc); break;
+            case 3: iq4xs(b, yc); break;
+            default: iq4nl(b, yc); break;
+            }
+        }
+    }
+    return 0;
+}
