@@ -11,12 +11,14 @@ is half-updated, the optimizer has not stepped).
 Why our own: the CPU backends (moe/cpu_backends.py, cpu_native.py) are inference kernels with
 no autograd, and torch's autograd through a per-expert loop keeps [pairs, 2I] activations per
 layer and runs ~3E small matmuls per layer in Python. `hetserve/native/moe_backward.c` does the
-backward in one C call per layer (recomputing gate and up instead of saving them). It reads
-weights in a plain row-major layout it owns: fp32 weights are the model's own tensors (no
-copy); int8/int4 are quantized here with the same functions as the cpu-int8/cpu-int4 backends
-(same w_hat), so the gradient is exact for the quantized model that the forward computes. The
-torch path (`torch_backward`) is the reference and serves CUDA tensors, other dtypes and shapes
-the kernel does not take.
+backward in one C call per layer (recomputing gate and up instead of saving them). Its weights
+are the forward's where a host backend holds them in a form it reads (finetune/model.py
+`load_for_training`): fp32 as the cpu-fp32 backend widened them, int8 per row in the cpu-int8
+backend's quad layout (fmt 9), one copy of the experts for both passes. Elsewhere it reads a
+plain row-major layout of its own: the model's fp32 tensors, or int8/int4 quantized here with
+the same functions as the cpu-int8/cpu-int4 backends (same w_hat). Either way the gradient is
+exact for the quantized model that the forward computes. The torch path (`torch_backward`) is
+the reference and serves CUDA tensors, other dtypes and shapes the kernel does not take.
 
 Error bound with quantized experts (quantization_bit 8|4): against the fp32 model, each
 linear's input gradient W^T g has |(W - W_hat)^T g| <= sum_n |g[n]| * step[n, k] / 2 per input
@@ -42,8 +44,11 @@ class GradWeights:
     """One layer's frozen routed-expert weights as the backward reads them.
 
     fmt 32: w13 [E, 2I, H], w2 [E, H, I] fp32. fmt 8: int8 of those shapes + per-row scales
-    s13 [E, 2I], s2 [E, H]. fmt 4: uint8 two nibbles per byte (low first) [E, rows, cols/2] +
-    per-group scale and minimum s/m [E, rows, cols/G]."""
+    s13 [E, 2I], s2 [E, H]. fmt 9: the same numbers as the cpu-int8 backend lays them out
+    (shared with it: `NativeInt8Experts.int8_rows`): w13 [E, 2I/4, H/16, 4, 16] with gate and
+    up rows paired in units of 4 and s13 [E, 2I] in that order, w2 [E, H/4, I/16, 4, 16].
+    fmt 4: uint8 two nibbles per byte (low first) [E, rows, cols/2] + per-group scale and
+    minimum s/m [E, rows, cols/G]."""
 
     fmt: int
     w13: torch.Tensor
@@ -56,11 +61,11 @@ class GradWeights:
 
     @property
     def hidden(self) -> int:
-        return self.w2.shape[1]
+        return self.w13.shape[2] * 16 if self.fmt == 9 else self.w2.shape[1]
 
     @property
     def inter(self) -> int:
-        return self.w13.shape[1] // 2
+        return self.w13.shape[1] * 2 if self.fmt == 9 else self.w13.shape[1] // 2
 
     def nbytes(self) -> int:
         parts = (self.w13, self.w2, self.s13, self.m13, self.s2, self.m2)
@@ -73,10 +78,21 @@ class GradWeights:
         if self.fmt == 8:
             w13, w2 = self.w13[e].float(), self.w2[e].float()
             return w13 * self.s13[e, :, None], w2 * self.s2[e, :, None]
+        if self.fmt == 9:
+            w13 = _unquad(self.w13[e]) * self.s13[e, :, None]
+            w2 = _unquad(self.w2[e]) * self.s2[e, :, None]
+            n, h = w13.shape  # gate 0-3, up 0-3, gate 4-7, ... -> gate rows, then up rows
+            return w13.reshape(n // 8, 2, 4, h).transpose(0, 1).reshape(n, h), w2
         return (
             _deq4(self.w13[e], self.s13[e], self.m13[e], self.group_size),
             _deq4(self.w2[e], self.s2[e], self.m2[e], self.group_size),
         )
+
+
+def _unquad(q: torch.Tensor) -> torch.Tensor:
+    """[rows/4, cols/16, 4, 16] int8 (quads, 16 columns at a time) -> [rows, cols] fp32."""
+    r4, c16 = q.shape[:2]
+    return q.transpose(1, 2).reshape(4 * r4, 16 * c16).float()
 
 
 def _deq4(packed: torch.Tensor, s: torch.Tensor, m: torch.Tensor, g: int) -> torch.Tensor:
@@ -156,6 +172,7 @@ def native_backward_applies(gw: GradWeights, x: torch.Tensor) -> bool:
         and h % 8 == 0
         and i % 8 == 0
         and (gw.fmt != 4 or (h % gw.group_size == 0 and i % gw.group_size == 0))
+        and (gw.fmt != 9 or (h % 16 == 0 and i % 16 == 0))
         and envs.native_kernels()
         and optional_kernel("hetserve_moe_backward") is not None
     )

@@ -73,46 +73,55 @@ def load_for_training(
         experts = replace(experts, group_size=_int4_group(model_dir, experts.group_size))
     model = load_model(model_dir, device=device, dtype=dtype, placement=rules)
     model.requires_grad_(False)
-    grad_weights = {}
-    for name, fused in model.routed_experts():
-        w13, w2 = fused.w13.data, fused.w2.data
-        on_host = w13.device.type == "cpu"
-        bits = experts.bits if on_host else 32
-        grad_weights[name] = make_grad_weights(w13, w2, bits, experts.group_size)
+    builder = None
     if model.hybrid_plan is not None:
         options = {"cpu-int4": {"group_size": experts.group_size}}
         builder = ExpertsBuilder(
             model.hybrid_plan, cpu_threads=experts.cpu_threads, backend_options=options
         )
-        builder.build_all(model)
+    # Layer by layer: its backends, then the backward's weights (a view of a backend's copy,
+    # else made from the loaded ones, which go with the layer's last reference here).
     for name, fused in model.routed_experts():
-        # The placed backends (per phase), each given our backward.
+        w13, w2 = fused.w13.data, fused.w2.data
+        if builder is not None:
+            builder(name, fused)
         placed = fused._phase_backends or {"prefill": fused._backend, "decode": fused._backend}
-        grad_weights[name] = _share_fp32(grad_weights[name], placed.values())
+        on_host = w13.device.type == "cpu"
+        bits = experts.bits if on_host else 32
+        gw = _shared_grad_weights(bits, placed.values()) if on_host else None
+        if gw is None:
+            gw = make_grad_weights(w13, w2, bits, experts.group_size)
+        del w13, w2
+        # The placed backends (per phase), each given our backward.
         fused.set_phase_backends({
-            k: GradExperts(b, grad_weights[name], experts.chunk_size, experts.cpu_threads)
+            k: GradExperts(b, gw, experts.chunk_size, experts.cpu_threads)
             for k, b in placed.items()
         })  # fmt: skip
     return model
 
 
-def _share_fp32(gw, backends) -> object:
-    """fp32 backward weights from the forward's own fp32 copy where the model's weights are
-    another dtype (bf16 training on an accelerator, experts on the host): the native backward
-    reads fp32 only, so it ran the per-expert torch reference instead, and the bf16 tensors
-    stayed alive beside the backend's fp32 copy. Same numbers (the backend's copy is the bf16
-    weights widened); `gw` unchanged where no backend holds such a copy."""
+def _shared_grad_weights(bits: int, backends) -> object | None:
+    """The backward's weights as views of a forward backend's own copy, or None where no
+    backend holds one it reads: fp32 experts from `NativeFp32Experts` (bf16 training on an
+    accelerator too, whose bf16 weights the native backward does not read: it ran the
+    per-expert torch reference instead), int8 from `NativeInt8Experts`' per-row quads (fmt 9).
+    One copy of the experts instead of two, the same numbers (the backend's are the loaded
+    weights widened, or rounded per row as `make_grad_weights` rounds them)."""
     from hetserve.finetune.experts_grad import GradWeights
-    from hetserve.moe.cpu_native import NativeFp32Experts
+    from hetserve.moe.cpu_native import NativeFp32Experts, NativeInt8Experts
 
-    if gw.fmt != 32 or gw.w13.dtype == torch.float32 or not gw.w13.is_cpu:
-        return gw
     for b in backends:
         b = getattr(b, "inner", b)  # DeviceBridge: the host backend inside
-        shared = b.fp32_weights() if isinstance(b, NativeFp32Experts) else None
-        if shared is not None:
-            return GradWeights(32, *shared)
-    return gw
+        if bits == 32 and isinstance(b, NativeFp32Experts):
+            shared = b.fp32_weights()
+            if shared is not None:
+                return GradWeights(32, *shared)
+        if bits == 8 and isinstance(b, NativeInt8Experts):
+            rows = b.int8_rows()
+            if rows is not None:
+                q13, s13, q2, s2 = rows
+                return GradWeights(9, q13, q2, s13, None, s2)
+    return None
 
 
 def _int4_group(model_dir, preferred: int) -> int:

@@ -279,6 +279,17 @@ class NativeInt8Experts(_NativeExperts):
             [pad_tensor(m.q, hp, ip) for m in m2], [pad_tensor(m.scale, hp, 1) for m in m2],
         )  # fmt: skip
 
+    def int8_rows(self) -> tuple[torch.Tensor, ...] | None:
+        """(q13, s13, q2, s2) as the kernel reads them where they are int8 with one fp32 scale
+        per row and unpadded (training's backward shares them: native/moe_backward.c's fmt 9),
+        else None (group scales, padding)."""
+        if self.group_size or self._padded() != (self.hidden, self.inter):
+            return None
+        q13, s13, q2, s2 = self._tensors
+        if s13.dtype != torch.float32 or s2.dtype != torch.float32:
+            return None
+        return q13, s13, q2, s2
+
     def _set_per_row(self, q13: list, s13: list, q2: list, s2: list) -> None:
         self._set(
             stacked_quads(q13, 16, True), stacked_quads(s13, 1, True).reshape(self.num_experts, -1),

@@ -10,9 +10,13 @@
  * g and u are recomputed (one extra gate+up pass) rather than saved by the forward: the
  * forward kernel keeps no activations, and [P, 2I] per layer would dominate training memory.
  *
- * Weight formats (fmt), all in the plain row-major layout [E, rows, cols]:
+ * Weight formats (fmt), in the plain row-major layout [E, rows, cols] but 9:
  *   32: fp32 (the model's own tensors);
  *    8: int8 with one fp32 scale per row: w_hat = q * s[row];
+ *    9: the same numbers in the cpu-int8 forward backend's own layout (moe/cpu_native.py,
+ *       shared, not copied): rows in quads, each quad's 4 rows 16 columns at a time back to
+ *       back ([E, rows/4, cols/16, 4, 16]); W13's gate and up rows paired in units of 4
+ *       (gate 0-3, up 0-3, gate 4-7, ...), its scales in that paired order; cols % 16 == 0;
  *    4: int4 (two per byte, low nibble first) with fp32 scale and minimum per group of G
  *       columns: w_hat = q * s + m.
  * A quantized row is dequantized once into fp32 and then meets every pair of a block of up
@@ -48,11 +52,28 @@ typedef struct {
     int *failed; /* set when a block cannot allocate its scratch */
 } bjob_t;
 
-/* Row r of expert e's quantized matrix [rows, cols] (fmt 8 or 4), dequantized into `buf`
+/* Row r of expert e's quantized matrix [rows, cols] (fmt 8, 9 or 4), dequantized into `buf`
  * (fp32 weights take block_f32 instead). */
 static const float *load_row(const bjob_t *j, const void *w, const float *s, const float *m,
                              int e, int r, int rows, int cols, float *buf) {
     size_t row = (size_t)e * rows + r;
+    if (j->fmt == 9) {
+        int p = r; /* the row's place in the layout: W13's gate/up pairing */
+        if (w == j->w13) {
+            const int up = r >= j->I, k = up ? r - j->I : r;
+            p = 8 * (k / 4) + 4 * up + k % 4;
+        }
+        const int8_t *quad = (const int8_t *)w + ((size_t)e * rows + (p & ~3)) * cols;
+        const __m256 sc = _mm256_set1_ps(s[(size_t)e * rows + p]);
+        for (int c = 0; c < cols; c += 16) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(quad + 4 * c + 16 * (p & 3)));
+            const __m256 v0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+            const __m256 v1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+            _mm256_storeu_ps(buf + c, _mm256_mul_ps(v0, sc));
+            _mm256_storeu_ps(buf + c + 8, _mm256_mul_ps(v1, sc));
+        }
+        return buf;
+    }
     if (j->fmt == 8) {
         const int8_t *q = (const int8_t *)w + row * cols;
         __m256 sc = _mm256_set1_ps(s[row]);
@@ -293,7 +314,7 @@ static void reduce_task(void *ctx, int t) {
 
 /* ids [T, K] int64, tw [T, K], x and gout [T, H] fp32. Writes dx [T, H] and dw [T, K].
  * Returns 0, -1 when out of memory, -2 when an id is outside [0, E). H and I must be
- * multiples of 8 (and of G for fmt 4). */
+ * multiples of 8 (of 16 for fmt 9, and of G for fmt 4). */
 int hetserve_moe_backward(int fmt, int nthreads, int E, int H, int I, int G, int T, int K,
                           const int64_t *ids, const float *tw, const float *x, const float *gout,
                           const void *w13, const float *s13, const float *m13, const void *w2,

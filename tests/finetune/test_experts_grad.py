@@ -130,32 +130,56 @@ def test_int4_training_weights_refuse_sizes_off_the_group():
 
 
 @native
-def test_bf16_training_shares_the_host_backends_fp32_weights(tiny_model):
-    """bf16 training (the accelerator's default) with fp32 host experts: the backward reads the
-    forward backend's own fp32 copy (same storage, so the native kernel runs and no bf16 copy
-    stays alive beside it), with the torch reference's numbers on the bf16-rounded weights."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("bits", [32, 8])
+def test_training_backward_shares_the_host_backends_weights(tiny_model, bits, dtype):
+    """fp32 or int8 host experts: the backward reads the forward backend's own copy (same
+    storage, so one copy of the experts; the native kernel runs, also where the model is bf16,
+    the accelerator's default, which it does not read), and computes what it computed on a
+    copy of its own: int8 through the backend's quad layout (fmt 9) bit for bit as on plain
+    rows rounded the same way (fmt 8), fp32 as the torch reference on the loaded weights."""
     from hetserve.finetune.experts_grad import native_backward_applies
     from hetserve.finetune.model import ExpertsPlacement, load_for_training
+    from hetserve.model.loader import load_model
 
-    model = load_for_training(tiny_model("deepseek-v3"), "cpu", "bfloat16", ExpertsPlacement(True))
+    path = tiny_model("deepseek-v3")
+    model = load_for_training(path, "cpu", dtype, ExpertsPlacement(True, bits=bits))
+    plain = load_model(path, device="cpu", dtype=dtype)  # the loaded weights, as a reference
+    loaded = dict(plain.routed_experts())
     layers = list(model.routed_experts())
     assert layers
-    for _, fused in layers:
-        assert fused.w13.numel() == 0  # the loaded bf16 weights were released
-        for backend in fused._phase_backends.values():
-            gw = backend.grad_weights
-            w13, w2 = backend.inner.fp32_weights()
+    g = torch.Generator().manual_seed(0)
+    for name, fused in layers:
+        assert fused.w13.numel() == 0  # the loaded weights were released
+        gws = {id(b.grad_weights): b for b in fused._phase_backends.values()}
+        assert len(gws) == 1  # one set for every phase
+        backend = next(iter(gws.values()))
+        gw, inner = backend.grad_weights, backend.inner
+        if bits == 32:
+            w13, w2 = inner.fp32_weights()
             assert gw.fmt == 32 and gw.w13.data_ptr() == w13.data_ptr()
             assert gw.w2.data_ptr() == w2.data_ptr()
-    gw = layers[0][1]._phase_backends["prefill"].grad_weights
-    e, h = gw.w13.shape[0], gw.hidden
-    g = torch.Generator().manual_seed(0)
-    x, gout = torch.randn(9, h, generator=g), torch.randn(9, h, generator=g)
-    ids = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(9)])
-    tw = torch.rand(9, 2, generator=g)
-    assert native_backward_applies(gw, x.bfloat16())
-    dx, dw = experts_backward(gw, x, tw, ids, gout)
-    ref = make_grad_weights(gw.w13.bfloat16(), gw.w2.bfloat16())  # what the model loaded
-    rdx, rdw = torch_backward(ref, x, tw, ids, gout)
-    torch.testing.assert_close(dx, rdx, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(dw, rdw, rtol=1e-5, atol=1e-5)
+        else:
+            q13, s13, q2, s2 = inner.int8_rows()
+            assert gw.fmt == 9
+            assert [t.data_ptr() for t in (gw.w13, gw.s13, gw.w2, gw.s2)] == [
+                t.data_ptr() for t in (q13, s13, q2, s2)
+            ]
+        ref = make_grad_weights(loaded[name].w13.data, loaded[name].w2.data, bits)
+        e, h = gw.w13.shape[0], gw.hidden
+        assert (h, gw.inter) == (ref.hidden, ref.inter)
+        for x in range(e):
+            for a, b in zip(gw.dequantized(x), ref.dequantized(x), strict=True):
+                assert torch.equal(a, b)
+        x, gout = torch.randn(9, h, generator=g), torch.randn(9, h, generator=g)
+        ids = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(9)])
+        tw = torch.rand(9, 2, generator=g)
+        assert native_backward_applies(gw, x)
+        dx, dw = experts_backward(gw, x, tw, ids, gout)
+        if bits == 8:  # the same rounding on plain rows: the same bits
+            rdx, rdw = experts_backward(ref, x, tw, ids, gout)
+            assert torch.equal(dx, rdx) and torch.equal(dw, rdw)
+        else:
+            rdx, rdw = torch_backward(ref, x, tw, ids, gout)
+            torch.testing.assert_close(dx, rdx, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(dw, rdw, rtol=1e-5, atol=1e-5)
