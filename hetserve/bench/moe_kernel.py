@@ -215,20 +215,36 @@ def _gguf_packers() -> dict:
     from hetserve.quant.gguf_iq import iq4_nl_rows, iq4_xs_rows
     from hetserve.quant.packed import Int8Rows, Q4KRows
     from hetserve.testing.ggml_quant import ggml_quantize
-    from hetserve.testing.gguf_quants import quantize_q5_k, quantize_q6_k
+    from hetserve.testing.gguf_quants import quantize_q5_k, quantize_q6_k, random_iq4
     from hetserve.testing.tiny_gguf import quantize_q4_k
 
     def blocks(cls, fn, size):
         return lambda w: cls(torch.from_numpy(fn(w.numpy()).reshape(w.shape[0], -1, size)))
+
+    seeds, noted = iter(range(1 << 30)), []
+
+    def iq4(kind: str):
+        """llama.cpp's own quantizer (testing/ggml_quant.py) where llama-cpp-python is
+        installed, else random valid blocks: the kernel reads the same bytes either way."""
+
+        def quantize(w):
+            try:
+                return ggml_quantize(w.numpy(), kind)
+            except RuntimeError as exc:
+                if not noted:
+                    print(f"{kind}: random valid blocks ({exc})")
+                    noted.append(kind)
+                return random_iq4(kind, w.shape[0], w.shape[1], next(seeds))
+
+        return quantize
 
     return {
         "q4_K": ("cpu-int4", blocks(Q4KRows, quantize_q4_k, 144)),
         "q8_0": ("cpu-int8", Int8Rows.q8_0),
         "q6_K": ("cpu-gguf", blocks(Q6KRows, quantize_q6_k, 210)),
         "q5_K": ("cpu-gguf", blocks(Q5KRows, quantize_q5_k, 176)),
-        # llama.cpp's own quantizer (testing/ggml_quant.py), where llama-cpp-python is installed
-        "iq4_xs": ("cpu-gguf", lambda w: iq4_xs_rows(ggml_quantize(w.numpy(), "IQ4_XS"))),
-        "iq4_nl": ("cpu-gguf", lambda w: iq4_nl_rows(ggml_quantize(w.numpy(), "IQ4_NL"))),
+        "iq4_xs": ("cpu-gguf", lambda w, q=iq4("IQ4_XS"): iq4_xs_rows(q(w))),
+        "iq4_nl": ("cpu-gguf", lambda w, q=iq4("IQ4_NL"): iq4_nl_rows(q(w))),
     }
 
 

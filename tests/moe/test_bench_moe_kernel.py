@@ -50,7 +50,9 @@ def test_bench_moe_kernel_gguf_formats(tmp_path):
     if native_unavailable_reason() is not None:
         pytest.skip("q4_K experts run only on the native kernel")
     out = tmp_path / "moe.json"
-    names = ("cpu-int4:q4_K", "cpu-int8:q8_0")
+    # the i-quants from llama.cpp's quantizer where it is installed, else random valid blocks
+    names = ("cpu-int4:q4_K", "cpu-int8:q8_0", "cpu-gguf:q6_K", "cpu-gguf:iq4_xs",
+             "cpu-gguf:iq4_nl")  # fmt: skip
     rc = main(
         ["bench", "moe-kernel", "--hidden", "256", "--inter", "256", "--experts", "4", "--top-k",
          "2", "--tokens", "1", "--iters", "2", "--bandwidth-mib", "8",
