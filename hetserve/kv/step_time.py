@@ -51,7 +51,7 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from hetserve.core.least_squares import NormalEquations
 
@@ -103,17 +103,15 @@ class StepShape:
 
     def plus(self, new: int, computed: int) -> StepShape:
         """This shape with one more row: `new` tokens after `computed` ones."""
+        # positional construction: the scheduler adds every row of every step (dataclasses'
+        # replace cost ~10 us a row, 3% of a small model's offline run)
         if new == 1:
-            return replace(
-                self, decodes=self.decodes + 1, decode_context=self.decode_context + computed + 1
-            )
-        return replace(
-            self,
-            chunk_tokens=self.chunk_tokens + new,
-            chunk_pairs=self.chunk_pairs + chunk_pairs(new, computed),
-            chunk_context=self.chunk_context + computed + new,
-            chunks=self.chunks + 1,
-        )
+            return StepShape(self.decodes + 1, self.decode_context + computed + 1,
+                             self.chunk_tokens, self.chunk_pairs, self.chunk_context,
+                             self.chunks)  # fmt: skip
+        return StepShape(self.decodes, self.decode_context, self.chunk_tokens + new,
+                         self.chunk_pairs + chunk_pairs(new, computed),
+                         self.chunk_context + computed + new, self.chunks + 1)  # fmt: skip
 
     @property
     def tokens(self) -> int:
