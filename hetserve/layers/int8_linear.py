@@ -110,7 +110,12 @@ class Int8Linear(nn.Module):
         """The checkpoint's numbers in the kernel's quad layout (only bytes move)."""
         from hetserve.native import hugepage_empty
         from hetserve.quant.gguf import Q5KRows, Q6KRows
-        from hetserve.quant.gguf_iq import IQ4NLRows, IQ4XSRows, iq4_xs_kernel_order
+        from hetserve.quant.gguf_iq import (
+            IQ4NLRows,
+            IQ4XSRows,
+            iq4_nl_kernel_order,
+            iq4_xs_kernel_order,
+        )
         from hetserve.quant.layout import (
             fp16_group_scales,
             interleave_quads,
@@ -130,6 +135,8 @@ class Int8Linear(nn.Module):
             raw = padded.raw  # type: ignore[attr-defined]
             if self.fmt == _IQ4XS:
                 raw = iq4_xs_kernel_order(raw)  # its nibbles regrouped (moe_kq.h, quad_iq4xs)
+            elif self.fmt == _IQ4NL:
+                raw = iq4_nl_kernel_order(raw)  # scales and nibbles regrouped (quad_iq4nl)
             self._set_native(raw.contiguous(), None, bias)
             return
         if isinstance(packed, Q4KRows):  # rows padded to quads (its columns: whole blocks)

@@ -186,7 +186,7 @@ static inline float kq_f16(const uint8_t *p) {
  * and a 6-bit ls per 32 columns (low 4 bits in nibble j % 2 of scales_l[j / 2], high 2 at bits
  * 2 j of scales_h). Column 32 j + l (l < 16) is the low nibble of qs[16 j + l], 32 j + 16 + l
  * its high nibble. IQ4_NL: blocks of 32 columns, fp16 d and the same 16 bytes of nibbles;
- * w = d * kv[q] (18 bytes per 32, so 144 per 256). Levels times activations (both int8) are
+ * w = d * kv[q] (18 bytes per 32, so 144 per 256, regrouped at load: quad_iq4nl). Levels times activations (both int8) are
  * products of |kv| (unsigned) with x signed by kv: pairs <= 2 * 127 * 127, no saturation. */
 static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                       1,    13,   25,  38,  53,  69,  89,  113};
@@ -258,32 +258,50 @@ static inline __attribute__((always_inline)) void quad_iq4xs(const uint8_t *q, i
     }
 }
 
-/* One super-block's worth (8 blocks) of IQ4_NL b against MB <= 2 tokens' x[m] [256] (scale
- * xd[m]), into their 8 running fp32 lanes: per block, (d * xd) times the integer sum of
- * kv[q] * x. A block's levels are looked up once for every token, and the lanes are summed
- * once per row (a horizontal sum per super-block and token cost more than the block's
- * arithmetic: the kernel ran at ~0.3 of the read bandwidth). */
-static inline __attribute__((always_inline)) void iq4nl_blocks(const uint8_t *b,
-                                                              const int8_t *const x[2],
-                                                              const float xd[2], int MB,
-                                                              __m256 lanes[2]) {
-    const __m128i low = _mm_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
+/* A quad of IQ4_NL rows against MB <= 2 tokens. The loader regroups each 8 blocks (256
+ * columns, 144 bytes) for the kernel (quant/gguf_iq.py, iq4_nl_kernel_order): their 8 fp16 d
+ * first, widened by one conversion, then the 128 bytes of nibbles in IQ4_XS's kernel order
+ * (byte l of chunk c: column 64 c + l low, 64 c + 32 + l high). Each 64 columns' levels are
+ * looked up once for both tokens; the two 32-column sums are scaled by their own d * xd
+ * (broadcast from the widened vector) into running fp32 lanes, summed once per row. */
+static inline __attribute__((always_inline)) void quad_iq4nl(const uint8_t *q, int K,
+                                                            const q4k_act_t a[2], int MB,
+                                                            float out[][MBMAX]) {
+    const int nsb = K / Q4K_SB;
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const __m256i lv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
-    for (int k = 0; k < 8; k++) {
-        const uint8_t *blk = b + 18 * k;
-        const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 2));
-        const __m256i q = _mm256_setr_m128i(_mm_and_si128(v, low),
-                                            _mm_and_si128(_mm_srli_epi16(v, 4), low));
-        const __m256i w = _mm256_shuffle_epi8(lv, q), aw = _mm256_abs_epi8(w);
-        const float d = kq_f16(blk);
-        for (int m = 0; m < MB; m++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x[m] + 32 * k));
-            const __m256i s =
-                _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w)), ones);
-            lanes[m] = _mm256_add_ps(lanes[m], _mm256_mul_ps(_mm256_cvtepi32_ps(s),
-                                                             _mm256_set1_ps(d * xd[m])));
+    for (int r = 0; r < 4; r++) {
+        const uint8_t *row = q + (size_t)r * nsb * 144;
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int s = 0; s < nsb; s++) {
+            const uint8_t *b = row + (size_t)s * 144;
+            hs_prefetch(b), hs_prefetch(b + 64), hs_prefetch(b + 128); /* its 144 bytes' lines */
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
+            __m256 dx[2];
+            for (int m = 0; m < MB; m++) dx[m] = _mm256_mul_ps(d, _mm256_set1_ps(a[m].d[s]));
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
+                const __m256i wl = _mm256_shuffle_epi8(lv, _mm256_and_si256(v, low));
+                const __m256i wh =
+                    _mm256_shuffle_epi8(lv, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+                const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
+                const __m256i i0 = _mm256_set1_epi32(2 * c), i1 = _mm256_set1_epi32(2 * c + 1);
+                for (int m = 0; m < MB; m++) {
+                    const int8_t *x = a[m].x + (size_t)s * Q4K_SB + 64 * c;
+                    const __m256i xl = _mm256_loadu_si256((const __m256i *)x);
+                    const __m256i xh = _mm256_loadu_si256((const __m256i *)(x + 32));
+                    const __m256i sl =
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(al, _mm256_sign_epi8(xl, wl)), ones);
+                    const __m256i sh =
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(ah, _mm256_sign_epi8(xh, wh)), ones);
+                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl),
+                                             _mm256_permutevar8x32_ps(dx[m], i0), acc[m]);
+                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh),
+                                             _mm256_permutevar8x32_ps(dx[m], i1), acc[m]);
+                }
+            }
         }
+        for (int m = 0; m < MB; m++) out[r][m] = hs_hsum(acc[m]);
     }
 }
 
@@ -293,13 +311,18 @@ static inline int kq_bytes(int fmt) {
 }
 
 /* out[r][m] = sum_k W[r, k] * x[m, k] for a quad of q6_K, q5_K, IQ4_XS or IQ4_NL rows (fmt;
- * row r at q + r * K / 256 * kq_bytes) and MB <= 2 tokens. */
+ * row r at q + r * K / 256 * kq_bytes) and MB <= 2 tokens; the i-quants have kernels of their
+ * own (their loaders regroup the nibbles), the K-quants share the loop below. */
 static inline __attribute__((always_inline)) void quad_kq(const uint8_t *q, int fmt, int K,
                                                           const q4k_act_t a[2], int MB,
                                                           float out[][MBMAX]) {
     const int nsb = K / Q4K_SB, bb = kq_bytes(fmt);
     if (fmt == F_IQ4XS) {
         quad_iq4xs(q, K, a, MB, out);
+        return;
+    }
+    if (fmt == F_IQ4NL) {
+        quad_iq4nl(q, K, a, MB, out);
         return;
     }
     for (int r = 0; r < 4; r++) {
@@ -335,9 +358,6 @@ static inline __attribute__((always_inline)) void quad_kq(const uint8_t *q, int 
                     lanes[m] = _mm256_add_ps(lanes[m], _mm256_mul_ps(_mm256_cvtepi32_ps(S[m]), dx));
                     tot[m] -= (float)M[m] * (dmin * xd);
                 }
-            } else {
-                const float xd[2] = {a[0].d[s], a[MB - 1].d[s]};
-                iq4nl_blocks(b, x, xd, MB, lanes);
             }
         }
         for (int m = 0; m < MB; m++) out[r][m] = tot[m] + hs_hsum(lanes[m]);

@@ -95,6 +95,21 @@ def iq4_xs_kernel_order(raw: torch.Tensor) -> torch.Tensor:
     return torch.cat((raw[..., :8], regrouped), dim=-1)
 
 
+def iq4_nl_kernel_order(raw: torch.Tensor) -> torch.Tensor:
+    """IQ4_NL blocks [.., B, 18] (B a multiple of 8: rows padded to 256 columns) regrouped for
+    the kernel (moe_kq.h, quad_iq4nl), same shape and bytes: every 8 blocks (144 bytes) become
+    their 8 fp16 d, then the 128 bytes of nibbles in IQ4_XS's kernel order (byte l of chunk c:
+    column 64 c + l low, 64 c + 32 + l high; the file: byte l of block j holds 32 j + l low,
+    32 j + 16 + l high)."""
+    *lead, b, _ = raw.shape
+    blocks = raw.reshape(*lead, b // 8, 8, 18)
+    d = blocks[..., :2].reshape(*lead, b // 8, 16)
+    q = blocks[..., 2:]
+    codes = torch.stack((q & 15, q >> 4), dim=-2).reshape(*lead, b // 8, 4, 2, 32)
+    regrouped = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(*lead, b // 8, 128)
+    return torch.cat((d, regrouped), dim=-1).reshape(raw.shape)
+
+
 def iq4_xs_rows(data: np.ndarray) -> IQ4XSRows:
     raw = np.array(data).reshape(*data.shape[:-1], -1, IQ4_XS_BLOCK_BYTES)
     return IQ4XSRows(torch.from_numpy(raw))
