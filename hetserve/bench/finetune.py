@@ -227,7 +227,7 @@ def _hetserve_step_fn(s: dict):
     from hetserve.finetune.trainer import loss_sum
 
     bits = s["quantization_bit"] or 32
-    device = s.get("device", "cpu")
+    device = s["device"]
     dtype = "bfloat16" if device == "cuda" else "float32"
     model = load_for_training(s["model"], device, dtype, ExpertsPlacement(True, bits=bits))
     target = s["lora_target"]
@@ -254,7 +254,8 @@ def _hf_step_fn(s: dict):
 
     from hetserve.finetune.model import linear_module_names
 
-    if s.get("device", "cpu") == "cuda":
+    device = "cuda:0" if s["device"] == "cuda" else "cpu"
+    if device != "cpu":
         from hetserve.bench.hybrid import offload_device_map
 
         model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -275,8 +276,6 @@ def _hf_step_fn(s: dict):
     opt = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=s["learning_rate"]
     )
-
-    device = "cuda:0" if s.get("device", "cpu") == "cuda" else "cpu"
 
     def step(batch) -> float:
         batch = batch.to(device)
@@ -314,7 +313,7 @@ def worker(system: str, s: dict) -> dict:
     out = {"system": system, "tokens_per_s": tokens / seconds, "seconds": seconds,
            "peak_rss_mib": _rss_mib(), "baseline_rss_mib": baseline,
            "final_loss": loss}  # fmt: skip
-    if s.get("device") == "cuda":
+    if s["device"] == "cuda":
         out["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
     return out
 

@@ -110,12 +110,7 @@ class Int8Linear(nn.Module):
         """The checkpoint's numbers in the kernel's quad layout (only bytes move)."""
         from hetserve.native import hugepage_empty
         from hetserve.quant.gguf import Q5KRows, Q6KRows
-        from hetserve.quant.gguf_iq import (
-            IQ4NLRows,
-            IQ4XSRows,
-            iq4_nl_kernel_order,
-            iq4_xs_kernel_order,
-        )
+        from hetserve.quant.gguf_iq import KERNEL_ORDER, IQ4NLRows, IQ4XSRows
         from hetserve.quant.layout import (
             fp16_group_scales,
             interleave_quads,
@@ -133,10 +128,8 @@ class Int8Linear(nn.Module):
             self.fmt, self.group = rows[type(packed)], 0
             padded = pad_qmatrix(packed, round_up(n, 4), padded_size(self.fmt, 0, k))
             raw = padded.raw  # type: ignore[attr-defined]
-            if self.fmt == _IQ4XS:
-                raw = iq4_xs_kernel_order(raw)  # its nibbles regrouped (moe_kq.h, quad_iq4xs)
-            elif self.fmt == _IQ4NL:
-                raw = iq4_nl_kernel_order(raw)  # scales and nibbles regrouped (quad_iq4nl)
+            if type(packed) in KERNEL_ORDER:  # the i-quants' bytes regrouped (moe_kq.h)
+                raw = KERNEL_ORDER[type(packed)](raw)
             self._set_native(raw.contiguous(), None, bias)
             return
         if isinstance(packed, Q4KRows):  # rows padded to quads (its columns: whole blocks)

@@ -23,9 +23,9 @@ from hetserve.quant.packed import QMatrix
 # numbers), else through gguf's numpy dequantize (the definition of those numbers; 0.1-0.7 ms
 # a lookup, mostly array set-up, against 0.6-1.0 ms of small torch ops through the QMatrix
 # fields).
-_GGML = {"Q4KRows": "Q4_K", "Q5KRows": "Q5_K", "Q6KRows": "Q6_K", "IQ4XSRows": "IQ4_XS",
-         "IQ4NLRows": "IQ4_NL"}  # fmt: skip
-_NATIVE_TYPE = {"Q4KRows": 0, "Q5KRows": 1, "Q6KRows": 2, "IQ4XSRows": 3, "IQ4NLRows": 4}
+# Each: (gguf's type name, gguf_rows.c's type number).
+_GGML = {"Q4KRows": ("Q4_K", 0), "Q5KRows": ("Q5_K", 1), "Q6KRows": ("Q6_K", 2),
+         "IQ4XSRows": ("IQ4_XS", 3), "IQ4NLRows": ("IQ4_NL", 4)}  # fmt: skip
 
 
 class QuantEmbedding(nn.Module):
@@ -58,7 +58,7 @@ class QuantEmbedding(nn.Module):
             import gguf
 
             raw = self.raw[flat].numpy().reshape(flat.shape[0], -1)  # type: ignore[operator]
-            deq = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[ggml])
+            deq = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[ggml[0]])
             rows = torch.from_numpy(np.ascontiguousarray(deq, dtype=np.float32))
         return rows.view(*ids.shape, self.embedding_dim)
 
@@ -74,7 +74,7 @@ class QuantEmbedding(nn.Module):
             return None
         ids = flat.long().contiguous()  # no copy when it is already
         out = torch.empty(ids.shape[0], self.embedding_dim)
-        rc = fn(_NATIVE_TYPE[self.fmt], raw.data_ptr(), raw.stride(0),  # type: ignore[union-attr]
+        rc = fn(_GGML[self.fmt][1], raw.data_ptr(), raw.stride(0),  # type: ignore[union-attr]
                 self.num_embeddings, ids.data_ptr(), ids.shape[0], self.embedding_dim,
                 out.data_ptr())  # fmt: skip
         if rc == -2:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from hetserve.native import hugepage_empty
-from hetserve.quant.gguf_iq import IQ4NLRows, IQ4XSRows, iq4_nl_kernel_order, iq4_xs_kernel_order
+from hetserve.quant.gguf_iq import KERNEL_ORDER
 from hetserve.quant.layout import int4_group_tiles, pair_gate_up, q4k_quads, quad_units
 from hetserve.quant.packed import Int4Rows, Q4KRows, QMatrix
 
@@ -82,7 +82,7 @@ def rows_layer(mats: Sequence[QMatrix], gate_up: bool) -> torch.Tensor:
     bytes, filled expert by expert; W13's rows in quads of gate rows then up rows (phase 1 reads
     one stream)."""
     # the i-quants' nibbles (IQ4_NL's scales too) regrouped (moe_kq.h, quad_iq4xs / quad_iq4nl)
-    reorder = {IQ4XSRows: iq4_xs_kernel_order, IQ4NLRows: iq4_nl_kernel_order}.get(type(mats[0]))
+    reorder = KERNEL_ORDER.get(type(mats[0]))
     out = hugepage_empty((len(mats), *mats[0].raw.shape), torch.uint8)  # type: ignore[attr-defined]
     for e, m in enumerate(mats):
         raw = reorder(m.raw) if reorder else m.raw  # type: ignore[attr-defined]

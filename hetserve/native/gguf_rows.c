@@ -17,33 +17,20 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "moe_kq.h" /* the row kernels' block readers: kq_f16, k4_unpack, IQ4_LEVELS */
+
 #pragma GCC optimize("fp-contract=off")
 
-static const float KV_IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                 1,    13,   25,  38,  53,  69,  89,  113};
-
-static inline float h2f(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | p[1] << 8)); }
-
-/* q4_K / q5_K's 6-bit scale and minimum of sub-block j (0..7) from the 12 packed bytes. */
-static inline void scale_min(int j, const uint8_t *s, int *sc, int *m) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *m = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-}
-
 /* q4_K (144 bytes: d, dmin, scales[12], qs[128]) and q5_K (176: d, dmin, scales[12], qh[32],
- * qs[128]): sub-block j = 2c + h is chunk c's low (h 0) or high (h 1) nibbles, + bit j of qh. */
+ * qs[128]): sub-block j = 2c + h is chunk c's low (h 0) or high (h 1) nibbles, + bit j of qh;
+ * its 6-bit scale and minimum as the kernels unpack them (k4_unpack: sc 0-7, then m 0-7). */
 static void kquant45(const uint8_t *b, int five, float *y) {
-    const float d = h2f(b), dmin = h2f(b + 2);
-    const uint8_t *sc = b + 4, *qh = b + 16, *qs = b + (five ? 48 : 16);
+    const float d = kq_f16(b), dmin = kq_f16(b + 2);
+    const uint8_t *qh = b + 16, *qs = b + (five ? 48 : 16);
+    uint8_t sm[16];
+    _mm_storeu_si128((__m128i *)sm, k4_unpack(b + 4));
     for (int j = 0; j < 8; j++) {
-        int s, m;
-        scale_min(j, sc, &s, &m);
-        const float dj = d * (float)s, mj = dmin * (float)m;
+        const float dj = d * (float)sm[j], mj = dmin * (float)sm[8 + j];
         const uint8_t *q = qs + 32 * (j / 2);
         const int shift = 4 * (j % 2);
         for (int l = 0; l < 32; l++) {
@@ -61,7 +48,7 @@ static void kquant45(const uint8_t *b, int five, float *y) {
 static void q6k(const uint8_t *b, float *y) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
-    const float d = h2f(b + 208);
+    const float d = kq_f16(b + 208);
     for (int g = 0; g < 8; g++) {
         const int h = g / 4, r = g % 4;
         const uint8_t *lo = ql + 64 * h + 32 * (r % 2), *hi = qh + 32 * h;
@@ -77,25 +64,25 @@ static void q6k(const uint8_t *b, float *y) {
 /* IQ4_XS (136 bytes: d, scales_h u16, scales_l[4], qs[128]): sub-block ib's 6-bit scale - 32;
  * its 16 bytes give 16 low nibbles then 16 high nibbles, through the IQ4 table. */
 static void iq4xs(const uint8_t *b, float *y) {
-    const float d = h2f(b);
+    const float d = kq_f16(b);
     const unsigned sh = b[2] | b[3] << 8;
     const uint8_t *sl = b + 4, *qs = b + 8;
     for (int ib = 0; ib < 8; ib++) {
         const int ls = (((sl[ib / 2] >> (4 * (ib % 2))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4)) - 32;
         const float dl = d * (float)ls;
         for (int l = 0; l < 16; l++) {
-            y[32 * ib + l] = dl * KV_IQ4[qs[16 * ib + l] & 0xF];
-            y[32 * ib + 16 + l] = dl * KV_IQ4[qs[16 * ib + l] >> 4];
+            y[32 * ib + l] = dl * (float)IQ4_LEVELS[qs[16 * ib + l] & 0xF];
+            y[32 * ib + 16 + l] = dl * (float)IQ4_LEVELS[qs[16 * ib + l] >> 4];
         }
     }
 }
 
 /* IQ4_NL (18 bytes per 32 values: d, qs[16]). */
 static void iq4nl(const uint8_t *b, float *y) {
-    const float d = h2f(b);
+    const float d = kq_f16(b);
     for (int l = 0; l < 16; l++) {
-        y[l] = d * KV_IQ4[b[2 + l] & 0xF];
-        y[16 + l] = d * KV_IQ4[b[2 + l] >> 4];
+        y[l] = d * (float)IQ4_LEVELS[b[2 + l] & 0xF];
+        y[16 + l] = d * (float)IQ4_LEVELS[b[2 + l] >> 4];
     }
 }
 

@@ -10,7 +10,7 @@
  *                         its own fp16 numbers), stored [N / 4][K / G][4] (G % 16 == 0);
  *   fmt 5 (q4_K):         super-blocks of 256 columns with their own scales (moe_q4k.h);
  *   fmt 6 (q6_K), 7 (q5_K), 8 (IQ4_XS), 9 (IQ4_NL): each row's blocks as a GGUF file stores
- *                         them (IQ4_XS's nibbles regrouped as for the experts), rows in file
+ *                         them (the i-quants' bytes regrouped as for the experts), rows in file
  *                         order (moe_kq.h), padded with zero rows to whole quads.
  * Activations are rounded to int16 per row, as for the experts; for the K-quants to int8 per
  * super-block (llama.cpp's q8_K: moe_q4k.h for q4_K's column order, moe_kq.h for the others). */

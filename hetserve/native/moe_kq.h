@@ -191,6 +191,17 @@ static inline float kq_f16(const uint8_t *p) {
 static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                       1,    13,   25,  38,  53,  69,  89,  113};
 
+/* One 64-column chunk of 32 bytes in the i-quant kernels' nibble order (quant/gguf_iq.py):
+ * the levels of its columns 0-31 (wl, the low nibbles) and 32-63 (wh, the high ones), looked
+ * up in lv (IQ4_LEVELS on both lanes). */
+static inline __attribute__((always_inline)) void iq4_chunk(const uint8_t *p, __m256i lv,
+                                                            __m256i *wl, __m256i *wh) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    *wl = _mm256_shuffle_epi8(lv, _mm256_and_si256(v, low));
+    *wh = _mm256_shuffle_epi8(lv, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+}
+
 /* An IQ4_XS super-block's 8 scales ls - 32 as int16, on both lanes (HS_W16(j) broadcasts
  * sub-block j's): the low 4 bits are nibble j % 2 of scales_l[j / 2] (bytes 4-7), the high 2
  * bits 2 j of the 16-bit scales_h (bytes 2-3), moved to the top of a 16-bit lane by a multiply
@@ -220,7 +231,6 @@ static inline __attribute__((always_inline)) void quad_iq4xs(const uint8_t *q, i
                                                              const q4k_act_t a[2], int MB,
                                                              float out[][MBMAX]) {
     const int nsb = K / Q4K_SB;
-    const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i lv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
     for (int r = 0; r < 4; r++) {
         const uint8_t *row = q + (size_t)r * nsb * 136;
@@ -231,10 +241,8 @@ static inline __attribute__((always_inline)) void quad_iq4xs(const uint8_t *q, i
             const __m256i sc = iq4xs_scales(b);
             __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
             for (int c = 0; c < 4; c++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 8 + 32 * c));
-                const __m256i wl = _mm256_shuffle_epi8(lv, _mm256_and_si256(v, low));
-                const __m256i wh =
-                    _mm256_shuffle_epi8(lv, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+                __m256i wl, wh;
+                iq4_chunk(b + 8 + 32 * c, lv, &wl, &wh);
                 const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
                 const __m256i s0 = _mm256_shuffle_epi8(sc, HS_W16(2 * c));
                 const __m256i s1 = _mm256_shuffle_epi8(sc, HS_W16(2 * c + 1));
@@ -268,7 +276,7 @@ static inline __attribute__((always_inline)) void quad_iq4nl(const uint8_t *q, i
                                                             const q4k_act_t a[2], int MB,
                                                             float out[][MBMAX]) {
     const int nsb = K / Q4K_SB;
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1);
     const __m256i lv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
     for (int r = 0; r < 4; r++) {
         const uint8_t *row = q + (size_t)r * nsb * 144;
@@ -280,10 +288,8 @@ static inline __attribute__((always_inline)) void quad_iq4nl(const uint8_t *q, i
             __m256 dx[2];
             for (int m = 0; m < MB; m++) dx[m] = _mm256_mul_ps(d, _mm256_set1_ps(a[m].d[s]));
             for (int c = 0; c < 4; c++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
-                const __m256i wl = _mm256_shuffle_epi8(lv, _mm256_and_si256(v, low));
-                const __m256i wh =
-                    _mm256_shuffle_epi8(lv, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+                __m256i wl, wh;
+                iq4_chunk(b + 16 + 32 * c, lv, &wl, &wh);
                 const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
                 const __m256i i0 = _mm256_set1_epi32(2 * c), i1 = _mm256_set1_epi32(2 * c + 1);
                 for (int m = 0; m < MB; m++) {

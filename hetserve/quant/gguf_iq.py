@@ -85,14 +85,20 @@ class IQ4NLRows(QMatrix):
         return (d[..., None] * _levels(self.raw[..., 2:])).flatten(-2)
 
 
+def _kernel_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """256 columns' nibbles as the files hold them, [.., 8, 16] (byte l of 32-column block j:
+    column 32 j + l low, 32 j + 16 + l high) -> [.., 128] in the i-quant kernels' order (byte l
+    of 64-column chunk c: column 64 c + l low, 64 c + 32 + l high)."""
+    lead = q.shape[:-2]
+    codes = torch.stack((q & 15, q >> 4), dim=-2).reshape(*lead, 4, 2, 32)
+    return (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(*lead, 128)
+
+
 def iq4_xs_kernel_order(raw: torch.Tensor) -> torch.Tensor:
     """IQ4_XS super-blocks [.., 136] with their 128 bytes of nibbles regrouped for the kernel
-    (moe_kq.h, quad_iq4xs): byte l of chunk c holds column 64 c + l low, 64 c + 32 + l high
-    (the file: byte 16 j + l holds 32 j + l low, 32 j + 16 + l high). Same bytes per block."""
+    (moe_kq.h, quad_iq4xs). Same bytes per block."""
     q = raw[..., 8:].reshape(*raw.shape[:-1], 8, 16)
-    codes = torch.stack((q & 15, q >> 4), dim=-2).reshape(*raw.shape[:-1], 4, 2, 32)
-    regrouped = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(*raw.shape[:-1], 128)
-    return torch.cat((raw[..., :8], regrouped), dim=-1)
+    return torch.cat((raw[..., :8], _kernel_nibbles(q)), dim=-1)
 
 
 def iq4_nl_kernel_order(raw: torch.Tensor) -> torch.Tensor:
@@ -104,10 +110,12 @@ def iq4_nl_kernel_order(raw: torch.Tensor) -> torch.Tensor:
     *lead, b, _ = raw.shape
     blocks = raw.reshape(*lead, b // 8, 8, 18)
     d = blocks[..., :2].reshape(*lead, b // 8, 16)
-    q = blocks[..., 2:]
-    codes = torch.stack((q & 15, q >> 4), dim=-2).reshape(*lead, b // 8, 4, 2, 32)
-    regrouped = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(*lead, b // 8, 128)
-    return torch.cat((d, regrouped), dim=-1).reshape(raw.shape)
+    return torch.cat((d, _kernel_nibbles(blocks[..., 2:])), dim=-1).reshape(raw.shape)
+
+
+# The i-quant matrices whose bytes the row kernels read regrouped, and how (experts:
+# moe/native_layout.py; linears: layers/int8_linear.py).
+KERNEL_ORDER = {IQ4XSRows: iq4_xs_kernel_order, IQ4NLRows: iq4_nl_kernel_order}
 
 
 def iq4_xs_rows(data: np.ndarray) -> IQ4XSRows:
