@@ -24,6 +24,7 @@ from pathlib import Path
 
 from hetserve import envs
 from hetserve.bench.common import decode_rate, print_table, write_json
+from hetserve.bench.decode_llamacpp import GGUF_TYPES
 from hetserve.bench.peaks import measure_bandwidth
 from hetserve.bench.weight_bytes import dense_bytes_per_token_fp32, expert_bytes_per_token
 
@@ -70,10 +71,10 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--gguf-type",
-        choices=("q8_0", "q4_K"),
+        choices=GGUF_TYPES,
         default="q8_0",
-        help="GGUF to make when --gguf is not given: q8_0 (converter) or q4_K (llama.cpp's "
-        "quantizer, every tensor q4_K)",
+        help="GGUF to make when --gguf is not given: q8_0 (converter), q4_K (llama.cpp's "
+        "quantizer, every tensor q4_K) or a mix as downloaded (Q4_K_M, IQ4_XS...)",
     )
     p.add_argument(
         "--skip-gguf-hetserve", action="store_true", help="skip hetserve on the GGUF file"
@@ -215,9 +216,8 @@ def _load_config(model: str) -> dict:
 
 
 def _gguf_rate(args, ids: list[int], threads: int, bar) -> float | None:
-    """hetserve on the GGUF that llama.cpp times: its experts on the backend of their GGUF type
-    (q4_K: cpu-int4, q8_0: cpu-int8, exactly), the other weights dequantized and (CPU-only)
-    int8."""
+    """hetserve on the GGUF that llama.cpp times, with the preset's placement (CPU-only:
+    all-int8): experts and linears on the native kernels of each tensor's own GGUF type."""
     import torch
 
     from hetserve.bench import decode_llamacpp as llamacpp
@@ -384,11 +384,16 @@ def print_report(report: dict) -> None:
         print(f"{name}: --numa auto / off = {ratio:.3f}")
     r = report["roofline"]
     implied = r["hybrid_expert_gbps"]
+    implies = (
+        "the hybrid row was skipped"
+        if not implied
+        else f"hybrid implies {implied:.1f} GB/s of {r['bandwidth_gbps']:.1f} GB/s measured "
+        f"read bandwidth ({report['threads']} threads) = {r['fraction_of_bandwidth']:.2f}"
+    )
     print(
         f"routed experts streamed per token (int8): {r['bytes_per_token'] / 1e6:.1f} MB "
         f"({r['top_k']} x {r['expert_bytes'] / 1e6:.2f} MB x {r['moe_layers']} MoE layers); "
-        f"hybrid implies {implied or 0:.1f} GB/s of {r['bandwidth_gbps']:.1f} GB/s measured read "
-        f"bandwidth ({report['threads']} threads) = {r['fraction_of_bandwidth'] or 0:.2f}"
+        f"{implies}"
     )
     if r["hybrid_total_gbps"]:
         # On a machine without an accelerator the non-expert weights stream from DRAM too (fp32).

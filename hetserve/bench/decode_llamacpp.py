@@ -1,7 +1,8 @@
 """The llama.cpp peer of `bench decode`: a GGUF converted from the same HF weights (q8_0 by the
-converter, or q4_K by llama.cpp's own quantizer from a bf16 conversion, every tensor q4_K:
-"pure"), timed through llama-cpp-python. Optional: without the package the peer is skipped with
-the reason. hetserve can load the same file (`--model file.gguf`), so the bench also times it.
+converter, or by llama.cpp's own quantizer from a bf16 conversion: q4_K, every tensor q4_K
+("pure"), or the mixes people download, Q4_K_M, IQ4_XS...), timed through llama-cpp-python.
+Optional: without the package the peer is skipped with the reason. hetserve can load the same
+file (`--model file.gguf`), so the bench also times it.
 
 The conversion runs llama.cpp's own `convert_hf_to_gguf.py` (in the llama-cpp-python sdist under
 vendor/llama.cpp) in a subprocess, once; the GGUF is cached next to the model. Its one change: a
@@ -16,8 +17,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-GGUF_TYPES = ("q8_0", "q4_K")
 
 
 def gguf_name(kind: str) -> str:
@@ -72,16 +71,34 @@ def convert(model: str | Path, out: str | Path, src: Path, outtype: str = "q8_0"
     return out
 
 
-def quantize_pure(src: Path, out: Path, kind: str, threads: int) -> Path:
-    """llama.cpp's quantizer (llama_model_quantize, as `llama-quantize --pure`): every tensor
-    of SRC as KIND (q4_K) into OUT."""
+# --gguf-type -> (llama.cpp file type, pure). "q4_K" is every tensor q4_K (`llama-quantize
+# --pure`); the upper-case names are the mixes people download, with llama.cpp's own choice of
+# type per tensor (Q4_K_M: q6_K for some ffn_down and the output, q4_K elsewhere).
+QUANT_TYPES = {
+    "q4_K": ("LLAMA_FTYPE_MOSTLY_Q4_K_M", True),
+    "Q4_K_M": ("LLAMA_FTYPE_MOSTLY_Q4_K_M", False),
+    "Q5_K_M": ("LLAMA_FTYPE_MOSTLY_Q5_K_M", False),
+    "Q6_K": ("LLAMA_FTYPE_MOSTLY_Q6_K", False),
+    "IQ4_XS": ("LLAMA_FTYPE_MOSTLY_IQ4_XS", False),
+    "IQ4_NL": ("LLAMA_FTYPE_MOSTLY_IQ4_NL", False),
+}
+
+
+# every --gguf-type: q8_0 straight from the converter, the rest through the quantizer
+GGUF_TYPES = ("q8_0", *QUANT_TYPES)
+
+
+def llama_quantize(src: Path, out: Path, kind: str, threads: int) -> Path:
+    """llama.cpp's quantizer (llama_model_quantize): SRC into OUT as KIND, a key of QUANT_TYPES
+    (q4_K: every tensor q4_K, as `llama-quantize --pure`; Q4_K_M, IQ4_XS...: llama.cpp's mix)."""
     import ctypes
 
     import llama_cpp
 
+    ftype, pure = QUANT_TYPES[kind]
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = {"q4_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M}[kind]
-    params.pure = True
+    params.ftype = getattr(llama_cpp, ftype)
+    params.pure = pure
     params.nthread = threads
     tmp = out.with_suffix(".partial")
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
@@ -112,7 +129,7 @@ def gguf_path(args, threads: int) -> Path | None:
         convert(args.model, cached, src, "q8_0")
     else:
         bf16 = convert(args.model, cached.with_name("model-bf16.gguf"), src, "bf16")
-        quantize_pure(bf16, cached, args.gguf_type, threads)
+        llama_quantize(bf16, cached, args.gguf_type, threads)
         bf16.unlink()
     print(f"llama.cpp: converted in {time.perf_counter() - t0:.0f} s")
     return cached

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from hetserve import envs
 from hetserve.bench.common import print_table, write_json
+from hetserve.bench.decode_llamacpp import GGUF_TYPES
 
 DEFAULT_LENS = "512,2048,8192"
 SYSTEMS = ("all-int8", "hybrid", "fp32", "gguf", "llama.cpp", "transformers")
@@ -49,7 +50,7 @@ def register(sub) -> None:
     p.add_argument("--hf-max-len", type=int, default=2048,
                    help="longest prompt transformers is timed at (slow at long ones)")  # fmt: skip
     p.add_argument("--gguf", default=None, help="GGUF to time (default MODEL/model-TYPE.gguf)")
-    p.add_argument("--gguf-type", choices=("q8_0", "q4_K"), default="q8_0")
+    p.add_argument("--gguf-type", choices=GGUF_TYPES, default="q8_0")
     p.add_argument("--llama-cpp-src", default=envs.llama_cpp_src(),
                    help="llama.cpp source tree with convert_hf_to_gguf.py")  # fmt: skip
     p.add_argument("--llama-batch", type=int, default=2048, help="llama.cpp n_batch")

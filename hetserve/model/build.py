@@ -9,6 +9,7 @@ one-line messages; nothing is half-built on failure (the caller simply has no mo
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -137,13 +138,20 @@ def _trim_heap() -> None:
     rounding's temporaries, freed between the int8 matrices kept, leave holes no later read
     fits, and the free heap grew by ~1 GB over the 1.7 B MoE's 8 layers (peak 2910 -> ~2280
     MiB)."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):  # glibc only
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _libc():
+    """The C library, looked up once: find_library runs `ldconfig -p`, a fork of the loading
+    process each time."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    if libc is not None and hasattr(libc, "malloc_trim"):  # glibc only
-        libc.malloc_trim(0)
+    return ctypes.CDLL(name) if name else None
 
 
 def _converted(model_dir: Path) -> dict | None:

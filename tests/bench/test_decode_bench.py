@@ -126,6 +126,16 @@ def test_llamacpp_peer_converts_and_loads(moe_dir, tmp_path):
         llm.close()
 
 
+def test_every_gguf_type_names_a_llamacpp_file_type():
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from hetserve.bench.decode_llamacpp import GGUF_TYPES, QUANT_TYPES
+
+    assert GGUF_TYPES[0] == "q8_0" and set(GGUF_TYPES[1:]) == set(QUANT_TYPES)
+    for kind, (ftype, pure) in QUANT_TYPES.items():
+        assert isinstance(getattr(llama_cpp, ftype), int), kind
+        assert pure == (kind == "q4_K")  # the mixes keep llama.cpp's own choice per tensor
+
+
 def test_llamacpp_missing_is_skipped_with_the_reason(moe_dir, tmp_path, monkeypatch, capsys):
     import sys
 
