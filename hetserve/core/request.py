@@ -76,6 +76,9 @@ class Request:
     num_preemptions: int = 0
     num_loads: int = 0  # loads of its blocks from a KV store so far
     loaded_tokens: dict[str, int] = field(default_factory=dict)  # tier -> tokens loaded from it
+    # Without a step limit: seconds the steps that carried its prompt's chunks took beyond
+    # what the step budget allowed them (sched/step_budget.py), never below 0
+    prefill_debt_s: float = 0.0
 
     @property
     def all_token_ids(self) -> list[int]:

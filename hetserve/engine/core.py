@@ -285,6 +285,7 @@ class EngineCore:
         t_batch = time.perf_counter()
         result = self.executor.run(sched.scheduled, self.kv.block_ids, states)
         batch_s = time.perf_counter() - t_batch
+        self.scheduler.charge(sched.scheduled, batch_s)
         if self.handoff.sender is not None:
             self._send_handoffs(sched.scheduled, result)
         outputs = self._fail(result.failed)

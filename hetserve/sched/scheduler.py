@@ -39,6 +39,9 @@ from hetserve.sched.step_budget import StepBudget, StepTime, step_limit_s
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    # a prompt chunk's time allowed by the step budget (None: a decode, or no allowance): the
+    # engine sets the step's measured time against it in the request's prefill_debt_s
+    allowance_s: float | None = None
 
     @property
     def samples(self) -> bool:
@@ -105,16 +108,24 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = budget.grant(req.num_tokens - req.num_computed_tokens, req.num_computed_tokens)
+            computed = req.num_computed_tokens
+            n = budget.grant(req.num_tokens - computed, computed, req.prefill_debt_s)
             if n == 0:
                 continue  # the step's time is spent: its chunk waits for the next one
             if not self._allocate_or_preempt(req, n, out):
                 continue
-            out.scheduled.append(ScheduledRequest(req, n))
-            budget.take(n, req.num_computed_tokens)
+            out.scheduled.append(self._scheduled(req, n, computed, budget))
+            budget.take(n, computed)
         if not out.preempted:
             self._admit_waiting(out, budget)
         return out
+
+    @staticmethod
+    def _scheduled(req: Request, n: int, computed: int, budget: StepBudget) -> ScheduledRequest:
+        """`n` tokens of `req` after `computed`, a prompt chunk with its allowance."""
+        if computed >= req.num_tokens - 1:
+            return ScheduledRequest(req, n)  # a decode
+        return ScheduledRequest(req, n, budget.allowance(n, computed, req.num_tokens))
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         while self.kv.allocate_slots(req, n) is None:
@@ -180,7 +191,7 @@ class Scheduler:
             n = req.num_tokens - num_cached
             if n > budget.tokens and not self.cfg.enable_chunked_prefill:
                 break
-            n = budget.grant(n, num_cached)
+            n = budget.grant(n, num_cached, req.prefill_debt_s)
             if n == 0:
                 break  # the step's time is spent
             if swapped:
@@ -200,7 +211,7 @@ class Scheduler:
                 self.kv.record_admission(req, num_cached // self.kv.block_size)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n))
+            out.scheduled.append(self._scheduled(req, n, num_cached, budget))
             budget.take(n, num_cached)
 
     def _swap_in(self, req: Request) -> None:
@@ -208,6 +219,15 @@ class Scheduler:
         rid = req.request_id
         slot = None if self.kv.states is None else self.kv.states.slot_id(rid)
         self.swapper.swap_in(rid, self.kv.block_ids(rid), slot)
+
+    @staticmethod
+    def charge(scheduled: list[ScheduledRequest], seconds: float) -> None:
+        """The step that computed `scheduled` took `seconds`: each prompt chunk's request owes
+        what its step took beyond the chunk's allowance (the step budget's ledger)."""
+        for s in scheduled:
+            if s.allowance_s is not None:
+                debt = s.request.prefill_debt_s + seconds - s.allowance_s
+                s.request.prefill_debt_s = max(debt, 0.0)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int], eos_ids: set[int]) -> None:
         """Advance computed counts, append sampled tokens, finish what hit a token-level stop."""

@@ -211,3 +211,86 @@ def test_the_bound_does_not_lower_the_efficient_step():
     assert free.grant(5000, 0) > 16
     assert bounded.grant(5000, 0) == 16
     assert bounded.until_s == free.until_s
+
+
+def test_a_prompt_in_debt_gets_a_larger_chunk_and_is_not_held_to_the_sizes_seen():
+    """Without a step limit the chunk must also make up what the prompt's earlier steps took
+    beyond their allowance (the scheduler's ledger): a larger, more efficient chunk."""
+    model = Demo()
+    free = with_decodes(StepBudget(model, None, tokens=2048), 3).grant(5000, 500)
+    owing = with_decodes(StepBudget(model, None, tokens=2048), 3).grant(5000, 500, debt_s=0.01)
+    assert owing > free
+
+    class Seen(Demo):
+        def max_chunk(self) -> int | None:
+            return 16
+
+    assert with_decodes(StepBudget(Seen(), None, tokens=2048), 3).grant(5000, 500) == 16
+    lifted = with_decodes(StepBudget(Seen(), None, tokens=2048), 3).grant(5000, 500, 0.01)
+    assert lifted == owing
+    # Under a step limit the debt changes nothing: the limit rules.
+    limited = with_decodes(StepBudget(Seen(), 0.050, tokens=2048), 3)
+    assert limited.grant(5000, 500, debt_s=0.01) == 16
+    assert limited.allowance(16, 500, 5500) is None
+
+
+def test_the_allowance_is_the_tokens_cost_alone_over_the_efficiency():
+    model = Demo()
+    b = with_decodes(StepBudget(model, None, tokens=2048), 3)
+    for n, computed, total in ((100, 0, 3000), (300, 2500, 3000), (2048, 0, 2048)):
+        want = alone_share_demo(model, n, computed, 2048, total) / EFFICIENCY
+        assert b.allowance(n, computed, total) == pytest.approx(want, rel=1e-9)
+    assert StepBudget(None, None, tokens=2048).allowance(10, 0, 100) is None
+
+
+def alone_share_demo(model, n: int, computed: int, whole: int, total: int) -> float:
+    """Demo's alone share by hand: the chunk's fixed costs (step, chunk) split evenly over its
+    tokens, each token's own cost and attention pairs."""
+    start = computed - computed % whole
+    size = min(whole, max(total - start, computed + n - start))
+    fixed = 0.002 + 0.003
+    return fixed * n / size + 50e-6 * n + 20e-9 * StepShape().plus(n, computed).chunk_pairs
+
+
+class Underpredicted(Demo):
+    """Demo, whose real steps beside decodes take 2 ms more than it predicts."""
+
+    def real(self, shape: StepShape) -> float:
+        return self.predict(shape) + (0.002 if shape.decodes and shape.chunks else 0.0)
+
+
+@pytest.mark.parametrize("prompt", [3000, 7000])
+def test_the_ledger_keeps_the_prompt_efficient_though_the_fit_underpredicts(prompt):
+    """Each step judged alone would come to its prediction's efficiency but run slower; with
+    the ledger (Scheduler.charge), the prompt's steps still take at most 1 / EFFICIENCY of
+    its time alone, plus its last step."""
+    from hetserve.core.request import Request
+    from hetserve.core.sampling import SamplingParams
+    from hetserve.sched.scheduler import ScheduledRequest, Scheduler
+
+    model, whole = Underpredicted(), 2048
+    alone = sum(
+        model.predict(StepShape().plus(min(whole, prompt - c), c)) for c in range(0, prompt, whole)
+    )
+    req = Request("r", list(range(prompt)), SamplingParams(max_tokens=1))
+
+    def run(ledger: bool) -> tuple[float, float]:
+        req.prefill_debt_s = 0.0
+        done, spent, last = 0, 0.0, 0.0
+        while done < prompt:
+            b = with_decodes(StepBudget(model, None, tokens=whole), 3)
+            n = b.grant(prompt - done, done, req.prefill_debt_s)
+            s = ScheduledRequest(req, n, b.allowance(n, done, prompt))
+            b.take(n, done)
+            last = model.real(b.shape)
+            if ledger:
+                Scheduler.charge([s], last)
+            spent += last
+            done += n
+        return spent, last
+
+    spent, last = run(ledger=True)
+    assert spent - last <= alone / EFFICIENCY
+    assert req.prefill_debt_s <= last
+    unchecked, last = run(ledger=False)
+    assert unchecked - last > alone / EFFICIENCY  # what the ledger corrects
