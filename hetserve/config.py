@@ -55,7 +55,8 @@ def _as_enum(obj: object, name: str, cls: type[enum.Enum]) -> None:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}") from None
 
 
-# Values of --kv-cache-dtype (torch dtype names; "auto" is resolved against the model's dtype;
+# Values of --kv-cache-dtype (torch dtype names; "auto": float16 for an fp32 model on the CPU
+# under the all-int8 preset, else the model's dtype (model/build.py's kv_dtype);
 # int8 and fp8 (e4m3) keep an fp32 scale per token and KV head beside the rows).
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8", "fp8")
 

@@ -42,11 +42,11 @@ from hetserve.kv.cache_spec import paged_layout, state_slot_bytes
 from hetserve.kv.handoff import handoff_stats
 from hetserve.kv.loader import Loaders
 from hetserve.kv.manager import KVCacheManager
-from hetserve.kv.paged import resolve_kv_dtype
 from hetserve.kv.sizing import num_kv_blocks
 from hetserve.kv.tier_policy import CostModel
 from hetserve.kv.tiers import LOAD_POLL_S, TierManager
 from hetserve.model.build import build_model
+from hetserve.model.build import kv_dtype as build_kv_dtype
 from hetserve.model.memory_facts import measured as measured_memory
 from hetserve.model.tokenizer import Tokenizer
 from hetserve.sched.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
@@ -77,11 +77,10 @@ class EngineCore:
         )
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
         bs = cfg.cache.block_size
-        dtype = next(self.model.parameters()).dtype
         specs = self.model.cache_specs()
         states = state_slots(cfg, specs)
         n_states = 0 if states is None else states.num_slots
-        kv_dtype = resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype)
+        kv_dtype = build_kv_dtype(cfg, self.model)
         state_bytes = n_states * state_slot_bytes(specs)
         num_blocks = num_kv_blocks(
             cfg, self.max_model_len, paged_layout(specs), kv_dtype, state_bytes

@@ -40,7 +40,7 @@ def build_model(config: EngineConfig, model_dir: Path) -> CausalLM:
         dtype=config.dtype,
         placement=placement,
         experts_ready=builder,
-        before_alloc=_memory_check(config) if config.max_host_memory else None,
+        before_alloc=_memory_check(config, choice) if config.max_host_memory else None,
         int8_linears=True,  # _build_hybrid: apply_dense_backends
         expert_quantizer=None if config.moe.gpu_experts else _int8_on_arrival,
         linear_rounding=None if placement is None else _linear_rounding(),
@@ -90,7 +90,21 @@ def _linear_rounding():
     return Int8Rows.per_row if _native_ok() else None
 
 
-def _memory_check(config: EngineConfig):
+def kv_dtype(config: EngineConfig, model: CausalLM, choice: PlacementChoice | None = None):
+    """The KV cache's dtype for `model` as `config` asks (kv/paged.py's resolve_kv_dtype):
+    "auto" is fp16 on the CPU under the all-int8 preset (approximate already; what `--placement
+    auto` picks there), the model's dtype elsewhere: `device` is exact, and a rules file says
+    itself what it approximates."""
+    from hetserve.kv.paged import resolve_kv_dtype
+    from hetserve.model.loader import resolve_device
+
+    choice = choice or getattr(model, "placement_choice", None)
+    cpu = resolve_device(config.device).type == "cpu"
+    half = cpu and choice is not None and choice.preset == "all-int8"
+    return resolve_kv_dtype(config.cache.kv_cache_dtype, next(model.parameters()).dtype, half)
+
+
+def _memory_check(config: EngineConfig, choice: PlacementChoice):
     """The loader's `before_alloc`: refuses (InvalidInputError, one line) a placed model whose
     estimated host memory exceeds --max-host-memory, before any weight is read."""
     from hetserve.core.memory import refusal
@@ -99,7 +113,7 @@ def _memory_check(config: EngineConfig):
     baseline = rss_bytes()
 
     def check(model: CausalLM) -> None:
-        use = estimate(model, _kv_estimate(config, model), baseline)
+        use = estimate(model, _kv_estimate(config, model, choice), baseline)
         reason = refusal(use, config.max_host_memory)
         if reason is not None:
             raise InvalidInputError(reason)
@@ -108,22 +122,19 @@ def _memory_check(config: EngineConfig):
     return check
 
 
-def _kv_estimate(config: EngineConfig, model: CausalLM) -> int:
+def _kv_estimate(config: EngineConfig, model: CausalLM, choice: PlacementChoice) -> int:
     """The KV cache's bytes as EngineCore will size it (kv/sizing.py's num_kv_blocks)."""
-    import torch
-
     from hetserve.kv.cache_spec import paged_layout
-    from hetserve.kv.paged import PagedKVCache, resolve_kv_dtype
+    from hetserve.kv.paged import PagedKVCache
     from hetserve.kv.sizing import num_kv_blocks
 
     mcfg = model.config
     max_len = min(config.max_model_len or mcfg.max_position_embeddings,
                   mcfg.max_position_embeddings)  # fmt: skip
-    dtype = next(model.parameters()).dtype
-    kv_dtype: torch.dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
+    dtype = kv_dtype(config, model, choice)
     spec = paged_layout(model.cache_specs())
-    n = num_kv_blocks(config, max_len, spec, kv_dtype)
-    return n * PagedKVCache.bytes_per_block(spec, config.cache.block_size, kv_dtype)
+    n = num_kv_blocks(config, max_len, spec, dtype)
+    return n * PagedKVCache.bytes_per_block(spec, config.cache.block_size, dtype)
 
 
 def _trim_heap() -> None:

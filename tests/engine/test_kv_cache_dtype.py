@@ -156,3 +156,24 @@ def test_bad_kv_cache_dtype_is_a_one_line_error():
     assert r.returncode == 2 and "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "--kv-cache-dtype" in lines[0]
+
+
+def test_auto_is_fp16_on_the_cpu_under_all_int8_and_the_model_dtype_where_exact(tiny_model):
+    """`--kv-cache-dtype auto` (the default): half the bytes on the CPU under the all-int8
+    preset (approximate already; the native kernels widen fp16 in registers); `device` keeps
+    fp32."""
+    from hetserve.kv.paged import resolve_kv_dtype
+
+    assert resolve_kv_dtype("auto", torch.float32, half=True) is torch.float16
+    assert resolve_kv_dtype("auto", torch.float32) is torch.float32
+    assert resolve_kv_dtype("auto", torch.bfloat16, half=True) is torch.bfloat16
+    assert resolve_kv_dtype("float32", torch.float32, half=True) is torch.float32
+    path = str(tiny_model("qwen3-moe"))
+    kw = {"num_kv_blocks": 32, "max_model_len": 256}
+    fast = LLM(model=path, placement="all-int8", **kw).engine
+    exact = LLM(model=path, placement="device", **kw).engine
+    assert fast.kv_info()["kv_cache_dtype"] == "float16"
+    assert fast.runner.kv.layers[0][0].dtype is torch.float16
+    assert exact.kv_info()["kv_cache_dtype"] == "float32"
+    pinned = LLM(model=path, placement="all-int8", kv_cache_dtype="float32", **kw).engine
+    assert pinned.kv_info()["kv_cache_dtype"] == "float32"
