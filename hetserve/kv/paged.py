@@ -34,11 +34,11 @@ QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype, half: bool = False) -> torch.dtype:
     """The dtype `--kv-cache-dtype NAME` stores the cache in. "auto": fp16 where `half` (the
     caller's judgement: the CPU under the all-int8 preset, whose native attention kernels widen
-    fp16 in registers, F16C) and the model is fp32; else the model's
-    dtype. Measured on a 2-core AVX2 host (the 78 MB small MoE, decode tok/s against fp32 at
-    16 and 2000 tokens of context): fp16 1.01x and 1.35x with all-int8 placement (the fused
-    decode step), 1.12x and 0.92x with fp32 linears; bf16 0.20-0.72x (no bf16 kernel without
-    AVX512-BF16). Exact placements (`device`, an fp32 `--dtype`) keep the model's dtype."""
+    fp16 in registers, F16C) and the model is fp32; else the model's dtype. Measured on a
+    2-core AVX2 host (the 78 MB small MoE, decode tok/s against fp32 at 16 and 2000 tokens of
+    context): fp16 1.01x and 1.35x with all-int8 placement (the fused decode step), 1.12x and
+    0.92x with fp32 linears; bf16 0.20-0.72x (no bf16 kernel without AVX512-BF16). Exact
+    placements (`device`, an fp32 `--dtype`) keep the model's dtype."""
     if name == "auto":
         return torch.float16 if half and model_dtype is torch.float32 else model_dtype
     return _KV_DTYPES[name]

@@ -186,8 +186,9 @@ static inline float kq_f16(const uint8_t *p) {
  * and a 6-bit ls per 32 columns (low 4 bits in nibble j % 2 of scales_l[j / 2], high 2 at bits
  * 2 j of scales_h). Column 32 j + l (l < 16) is the low nibble of qs[16 j + l], 32 j + 16 + l
  * its high nibble. IQ4_NL: blocks of 32 columns, fp16 d and the same 16 bytes of nibbles;
- * w = d * kv[q] (18 bytes per 32, so 144 per 256, regrouped at load: quad_iq4nl). Levels times activations (both int8) are
- * products of |kv| (unsigned) with x signed by kv: pairs <= 2 * 127 * 127, no saturation. */
+ * w = d * kv[q] (18 bytes per 32, so 144 per 256, regrouped at load: quad_iq4nl). Levels
+ * times activations (both int8) are products of |kv| (unsigned) with x signed by kv: pairs
+ * <= 2 * 127 * 127, no saturation. */
 static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                       1,    13,   25,  38,  53,  69,  89,  113};
 
