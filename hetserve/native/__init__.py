@@ -55,7 +55,7 @@ SOURCES = ("pool.c", "moe_kernels.c", "moe_prefill.c", "linear_kernels.c", "atte
            "small_ops.c", "moe_backward.c", "decode_layers.c", "hashing.c", "linear_attn.c",
            "peaks.c", "prefill_attention.c", "numa.c", "gguf_rows.c")  # fmt: skip
 HEADERS = ("pool.h", "simd.h", "moe_quads.h", "moe_formats.h", "moe_q4k.h", "moe_kq.h",
-           "moe_gemm.h", "moe_job.h")  # fmt: skip
+           "moe_gemm.h", "moe_job.h", "moe_kgemm.h")  # fmt: skip
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared"]
 # What each instruction set adds to CFLAGS, and the /proc/cpuinfo flags it needs.
 # Narrowest first; avx512bf16 adds the FP8 experts kernel's bf16 path (simd.h, HS_FP8_BF16).

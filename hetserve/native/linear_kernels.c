@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "moe_gemm.h"
+#include "moe_kgemm.h"
 #include "moe_kq.h"
 #include "moe_q4k.h"
 #include "moe_quads.h"
@@ -46,6 +47,8 @@ typedef struct {
     const int16_t *ps; /* K-quants: their sums per 16 (q4_K: per sub-block) [T, K / 256, 16] */
     const float *pd;   /* K-quants: their scales per super-block [T, K / 256] */
     float *out;
+    /* the K-quant tiles' activations (kg_widen) [T, K] and sums [T, K / 32], or NULL */
+    const int16_t *kg16, *kgms;
 } lin_t;
 
 /* Rows [n0, n0 + 4 nq) against tokens m, m + MB - 1 (MB <= 2); nq = 2 for q4_K only. */
@@ -120,11 +123,57 @@ static int lin_item_gemm(const lin_t *l, int u0, int u1) {
     return 0;
 }
 
+/* Quads [u0, u1) on the K-quant tiles (moe_kgemm.h; u0 a multiple of 4): per strip of 4
+ * quads one dequantized panel, met by all T tokens (kg16 / kgms: their rows widened once by
+ * hetserve_qlinear), TBG at a time. q4_K's quads pair up (2a, 2a + 1), the last one alone where
+ * the count is odd; quads past the last pack as zeros. -1 when out of memory, nothing written. */
+static int lin_item_kgemm(const lin_t *l, int u0, int u1) {
+    const int K = l->K, quads = (l->N + 3) / 4, nsb = K / Q4K_SB;
+    const size_t sb = kg_strip_bytes(K), rb = (size_t)nsb * kq_bytes(l->fmt);
+    char *buf = aligned_alloc(64, sb + 2 * (size_t)TBG * GEMM_ROWS * sizeof(float));
+    if (buf == NULL) return -1;
+    kg_strip_t st;
+    kg_strip_init(&st, buf, K);
+    int32_t *isum = (int32_t *)(buf + sb);
+    float *out = (float *)(isum + TBG * GEMM_ROWS);
+    const int16_t *x[TBG], *ms[TBG];
+    const float *xd[TBG];
+    for (int u = u0; u < u1; u += 4) {
+        kg_quad_t q[4];
+        for (int k = 0; k < 4; k++) {
+            const int qu = u + k, pair = l->fmt == L_Q4K ? qu - qu % 2 : qu;
+            const uint8_t *base = (const uint8_t *)l->w + (size_t)4 * pair * rb;
+            const kg_quad_t one = {qu < quads ? base : NULL,
+                                   l->fmt == L_Q4K && pair + 1 < quads ? 2 : 1,
+                                   l->fmt == L_Q4K ? qu % 2 : 0};
+            q[k] = one;
+        }
+        kg_pack(l->fmt, q, K, &st);
+        const int rows = 4 * (u + 4) <= l->N ? GEMM_ROWS : l->N - 4 * u;
+        for (int t0 = 0; t0 < l->T; t0 += TBG) {
+            const int n = l->T - t0 < TBG ? l->T - t0 : TBG;
+            for (int m = 0; m < n; m++) {
+                x[m] = l->kg16 + (size_t)(t0 + m) * K;
+                ms[m] = l->kgms + (size_t)(t0 + m) * nsb * 8;
+                xd[m] = l->pd + (size_t)(t0 + m) * nsb;
+            }
+            kg_strip_gemm(&st, l->fmt, K, x, xd, ms, n, isum, out);
+            for (int m = 0; m < n; m++) {
+                float *y = l->out + (size_t)(t0 + m) * l->N + 4 * u;
+                for (int r = 0; r < rows; r++) y[r] = out[m * GEMM_ROWS + r];
+            }
+        }
+    }
+    free(buf);
+    return 0;
+}
+
 static void lin_item(void *ctx, int c) {
     const lin_t *l = (const lin_t *)ctx;
     const int quads = (l->N + 3) / 4; /* the last one's padded rows are dropped */
     const int u0 = c * l->rc, u1 = u0 + l->rc < quads ? u0 + l->rc : quads;
     if (l->fmt == L_I8 && l->G == 0 && gemm_worth(l->T) && lin_item_gemm(l, u0, u1) == 0) return;
+    if (l->kg16 != NULL && u0 % 4 == 0 && lin_item_kgemm(l, u0, u1) == 0) return;
     for (int t0 = 0; t0 < l->T; t0 += TB) {
         int t1 = t0 + TB < l->T ? t0 + TB : l->T;
         for (int u = u0, nq; u < u1; u += nq) {
@@ -189,8 +238,21 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
     int rc = hs_item_units(quad_bytes, ITEM_BYTES, quads, nthreads, RC);
     rc += fmt == L_Q4K && rc % 2; /* q4_K: whole pairs (its layout interleaves quads 2u, 2u + 1) */
     if (fmt == L_I8 && G == 0) rc = (rc + 3) / 4 * 4; /* whole strips of the GEMM tiles */
-    lin_t l = {fmt, G, T, N, K, rc, w, s, xsc, x16, pl, ps, pd, out};
+    lin_t l = {fmt, G, T, N, K, rc, w, s, xsc, x16, pl, ps, pd, out, NULL, NULL};
+    char *kbuf = NULL;
+    if (kg_fmt(fmt) && gemm_worth(T)) { /* the K-quant tiles: int16 rows and sub-block sums */
+        kbuf = malloc((size_t)T * (K + nsb * 8) * sizeof(int16_t));
+        if (kbuf != NULL) {
+            int16_t *k16 = (int16_t *)kbuf, *kms = k16 + (size_t)T * K;
+            for (int t = 0; t < T; t++)
+                kg_widen(fmt, pl + (size_t)t * K, ps + (size_t)t * nsb * 16, K,
+                         k16 + (size_t)t * K, kms + (size_t)t * nsb * 8);
+            l.kg16 = k16, l.kgms = kms;
+            l.rc = rc = (rc + 3) / 4 * 4; /* whole strips */
+        }
+    }
     hs_parallel_for(nthreads, (quads + rc - 1) / rc, lin_item, &l);
+    free(kbuf);
     free(buf);
     return 0;
 }

@@ -85,5 +85,8 @@ static inline void gate_lanes(const job_t *j, const float *gl, const float *ul, 
  * memory with nothing written. */
 int hs_phase1_gemm(const job_t *j, int ai, int u0, int u1);
 int hs_phase2_gemm(const job_t *j, int ai, int u0, int u1);
+/* The same for the K-quants and IQ4_XS (moe_kgemm.h): whole strips of 16 rows, else -1. */
+int hs_phase1_kgemm(const job_t *j, int ai, int u0, int u1);
+int hs_phase2_kgemm(const job_t *j, int ai, int u0, int u1);
 
 #endif

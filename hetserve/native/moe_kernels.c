@@ -30,6 +30,7 @@
 
 #include "moe_gemm.h"
 #include "moe_job.h"
+#include "moe_kgemm.h"
 #include "moe_kq.h"
 #include "moe_q4k.h"
 #include "moe_quads.h"
@@ -287,6 +288,13 @@ static void phase_item(void *ctx, int c) {
             (arg->phase == 1 ? hs_phase1_gemm(j, ai, u0, u1) : hs_phase2_gemm(j, ai, u0, u1)) == 0)
             return;
     }
+    if (kg_fmt(jfmt(j, arg->phase))) { /* the K-quants and IQ4_XS: their tiles (moe_kgemm.h) */
+        const int ai = u0 / ((arg->phase == 1 ? j->I : j->H) / unit_rows(jfmt(j, arg->phase)));
+        const int done = gemm_worth(j->act_cnt[ai]) &&
+                         (arg->phase == 1 ? hs_phase1_kgemm(j, ai, u0, u1)
+                                          : hs_phase2_kgemm(j, ai, u0, u1)) == 0;
+        if (done) return;
+    }
     /* one specialised copy of each phase per format */
 #define HS_PHASES(F) (arg->phase == 1 ? phase1(j, u0, u1, F) : phase2(j, u0, u1, F))
     switch (jfmt(j, arg->phase)) {
@@ -321,7 +329,9 @@ static int phase_rc(const job_t *j, int phase) {
     long unit = (long)(phase == 1 ? 2 * R : R) * K * B16[fmt] / 16; /* x2: gate and up */
     const int rc = hs_item_units(unit, ITEM_BYTES, j->n_active * per, j->nthreads, RC * 4 / R);
     /* int8 with row scales: whole strips of the GEMM tiles (4 quads; per is a multiple of 8) */
-    return fmt == F_I8 && jg(j, phase) == 0 ? (rc + 3) / 4 * 4 : rc;
+    if (fmt == F_I8 && jg(j, phase) == 0) return (rc + 3) / 4 * 4;
+    const int su = GEMM_ROWS / R; /* the K-quants' strips, where the expert's rows hold them */
+    return kg_fmt(fmt) && per % su == 0 ? (rc + su - 1) / su * su : rc;
 }
 
 static void run_phase(job_t *j, int phase, hs_task_fn item, long long *touched) {

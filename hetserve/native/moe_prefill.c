@@ -14,6 +14,7 @@
 
 #include "moe_gemm.h"
 #include "moe_job.h"
+#include "moe_kgemm.h"
 
 #define PB 96 /* pairs per block: their sums wait in scratch, their rows stay in L2 */
 
@@ -114,5 +115,154 @@ int hs_phase2_gemm(const job_t *j, int ai, int u0, int u1) {
         }
     }
     free(buf);
+    return 0;
+}
+
+/* ---- The K-quants and IQ4_XS (moe_kgemm.h): phase 1 / phase 2 on their tiles ---- */
+
+#define KG_TBK 512 /* tokens widened at once (x16: 512 x K int16) */
+
+static inline int kg_unit_rows(int fmt) {
+    return fmt == F_Q4K ? 8 : 4; /* moe_kernels.c's unit_rows */
+}
+
+/* The 4 quads of the strip whose first unit starts at row `row` of the [E * N, K] matrix w,
+ * its units of R rows `stride` rows apart (W13 alternates gate and up units). */
+static void kg_quads(int fmt, const void *w, int K, size_t row, int stride, kg_quad_t q[4]) {
+    const size_t rb = (size_t)(K / Q4K_SB) * kq_bytes(fmt); /* q4_K: 144 */
+    const uint8_t *b = (const uint8_t *)w;
+    for (int t = 0; t < 4; t++) {
+        const int unit = fmt == F_Q4K ? t / 2 : t; /* q4_K: a unit is a pair of quads */
+        const kg_quad_t one = {b + (row + (size_t)unit * stride) * rb, fmt == F_Q4K ? 2 : 1,
+                               fmt == F_Q4K ? t % 2 : 0};
+        q[t] = one;
+    }
+}
+
+typedef struct {
+    kg_strip_t st[2];
+    int16_t *x16, *ms;
+    int32_t *isum;
+    float *out[2];
+    char *buf;
+} kg_scratch_t;
+
+static int kg_scratch(kg_scratch_t *s, int K, int strips) {
+    const size_t sb = kg_strip_bytes(K), nsb = (size_t)(K / Q4K_SB);
+    const size_t x = (size_t)KG_TBK * K * 2, ms = (size_t)KG_TBK * nsb * 8 * 2;
+    const size_t sums = (size_t)PB * GEMM_ROWS * 4;
+    s->buf = aligned_alloc(64, (strips * sb + x + ms + 3 * sums + 63) / 64 * 64);
+    if (s->buf == NULL) return -1;
+    char *p = s->buf;
+    for (int i = 0; i < strips; i++, p += sb) kg_strip_init(&s->st[i], p, K);
+    s->x16 = (int16_t *)p, p += x;
+    s->ms = (int16_t *)p, p += ms;
+    s->isum = (int32_t *)p, p += sums;
+    s->out[0] = (float *)p, p += sums;
+    s->out[1] = (float *)p;
+    return 0;
+}
+
+/* Widens tokens [t0, t0 + n) of the expert's pairs (pair off + t: activation row rows[t]). */
+static void kg_widen_block(const job_t *j, int which, int fmt, int K, const int *rows, int n,
+                           kg_scratch_t *s) {
+    const int nsb = K / Q4K_SB;
+    const int8_t *pl = which == 1 ? j->xpl : j->apl;
+    const int16_t *ps = which == 1 ? j->xps : j->aps;
+    for (int m = 0; m < n; m++)
+        kg_widen(fmt, pl + (size_t)rows[m] * K, ps + (size_t)rows[m] * nsb * 16, K,
+                 s->x16 + (size_t)m * K, s->ms + (size_t)m * nsb * 8);
+}
+
+/* Phase 1 for units [u0, u1) of active expert ai on the K-quant tiles: whole strips (16 gate
+ * rows) only, else -1 with nothing written (the caller runs the row kernels), as when out of
+ * memory. */
+int hs_phase1_kgemm(const job_t *j, int ai, int u0, int u1) {
+    const int H = j->H, I = j->I, fmt = jfmt(j, 1), R = kg_unit_rows(fmt), su = GEMM_ROWS / R;
+    const int per = I / R, nsb = H / Q4K_SB;
+    const int e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
+    if ((u0 - ai * per) % su || (u1 - u0) % su) return -1;
+    const float *b13 = j->b13 ? j->b13 + (size_t)e * 2 * I : NULL;
+    kg_scratch_t s;
+    if (kg_scratch(&s, H, 2) != 0) return -1;
+    for (int t0 = 0; t0 < cnt; t0 += KG_TBK) {
+        const int nt = cnt - t0 < KG_TBK ? cnt - t0 : KG_TBK;
+        kg_widen_block(j, 1, fmt, H, j->tok + off + t0, nt, &s);
+        for (int v = u0 - ai * per; v < u1 - ai * per; v += su) { /* gate rows R v .. R v + 15 */
+            const int i0 = R * v;
+            kg_quad_t gq[4], uq[4];
+            const size_t row = (size_t)e * 2 * I + 2 * (size_t)R * v;
+            kg_quads(fmt, j->w13, H, row, 2 * R, gq);
+            kg_quads(fmt, j->w13, H, row + R, 2 * R, uq);
+            kg_pack(fmt, gq, H, &s.st[0]);
+            kg_pack(fmt, uq, H, &s.st[1]);
+            for (int p0 = 0; p0 < nt; p0 += PB) {
+                const int n = nt - p0 < PB ? nt - p0 : PB;
+                const int16_t *x[PB], *ms[PB];
+                const float *xd[PB];
+                for (int m = 0; m < n; m++) {
+                    x[m] = s.x16 + (size_t)(p0 + m) * H;
+                    ms[m] = s.ms + (size_t)(p0 + m) * nsb * 8;
+                    xd[m] = j->xpd + (size_t)j->tok[off + t0 + p0 + m] * nsb;
+                }
+                kg_strip_gemm(&s.st[0], fmt, H, x, xd, ms, n, s.isum, s.out[0]);
+                kg_strip_gemm(&s.st[1], fmt, H, x, xd, ms, n, s.isum, s.out[1]);
+                for (int m = 0; m < n; m++) {
+                    const int p = off + t0 + p0 + m;
+                    float gl[GEMM_ROWS], ul[GEMM_ROWS], wl[GEMM_ROWS];
+                    for (int r = 0; r < GEMM_ROWS; r++) {
+                        gl[r] = s.out[0][m * GEMM_ROWS + r] + (b13 ? b13[i0 + r] : 0.0f);
+                        ul[r] = s.out[1][m * GEMM_ROWS + r] + (b13 ? b13[I + i0 + r] : 0.0f);
+                        wl[r] = j->pw[p];
+                    }
+                    gate_lanes(j, gl, ul, wl, j->a + (size_t)p * I + i0, GEMM_ROWS);
+                }
+            }
+        }
+    }
+    free(s.buf);
+    return 0;
+}
+
+/* Phase 2 for units [u0, u1) of active expert ai on the K-quant tiles (as phase 1). */
+int hs_phase2_kgemm(const job_t *j, int ai, int u0, int u1) {
+    const int H = j->H, I = j->I, fmt = jfmt(j, 2), R = kg_unit_rows(fmt), su = GEMM_ROWS / R;
+    const int per = H / R, nsb = I / Q4K_SB;
+    const int e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
+    if ((u0 - ai * per) % su || (u1 - u0) % su) return -1;
+    const float *b2 = j->b2 ? j->b2 + (size_t)e * H : NULL;
+    kg_scratch_t s;
+    if (kg_scratch(&s, I, 1) != 0) return -1;
+    int rows[KG_TBK];
+    for (int t0 = 0; t0 < cnt; t0 += KG_TBK) {
+        const int nt = cnt - t0 < KG_TBK ? cnt - t0 : KG_TBK;
+        for (int m = 0; m < nt; m++) rows[m] = off + t0 + m;
+        kg_widen_block(j, 2, fmt, I, rows, nt, &s);
+        for (int v = u0 - ai * per; v < u1 - ai * per; v += su) { /* rows R v .. R v + 15 */
+            const int n0 = R * v;
+            kg_quad_t q[4];
+            kg_quads(fmt, j->w2, I, (size_t)e * H + n0, R, q);
+            kg_pack(fmt, q, I, &s.st[0]);
+            for (int p0 = 0; p0 < nt; p0 += PB) {
+                const int n = nt - p0 < PB ? nt - p0 : PB;
+                const int16_t *x[PB], *ms[PB];
+                const float *xd[PB];
+                for (int m = 0; m < n; m++) {
+                    x[m] = s.x16 + (size_t)(p0 + m) * I;
+                    ms[m] = s.ms + (size_t)(p0 + m) * nsb * 8;
+                    xd[m] = j->apd + (size_t)(off + t0 + p0 + m) * nsb;
+                }
+                kg_strip_gemm(&s.st[0], fmt, I, x, xd, ms, n, s.isum, s.out[0]);
+                for (int m = 0; m < n; m++) {
+                    const int p = off + t0 + p0 + m;
+                    const float pw = j->pw[p];
+                    float *y = j->y + (size_t)p * H + n0;
+                    for (int r = 0; r < GEMM_ROWS; r++)
+                        y[r] = s.out[0][m * GEMM_ROWS + r] + (b2 ? pw * b2[n0 + r] : 0.0f);
+                }
+            }
+        }
+    }
+    free(s.buf);
     return 0;
 }

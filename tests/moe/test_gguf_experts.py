@@ -182,3 +182,34 @@ def test_blocks_read_as_gguf_reads_them(kind):
     # the reference quantizers' own error: half a step of the sub-block's scale, at most
     # amax / 62 (q6_K) or (max - min) / 62 (q5_K) of its 16 / 32 columns, plus scale rounding
     assert np.abs(theirs - w).max() < (0.012 if kind == "q6_K" else 0.02)
+
+
+@pytest.mark.parametrize(
+    "kinds",
+    [("q6_K", "q6_K"), ("q5_K", "q5_K"), ("q4_K", "q6_K"), ("random_iq4_xs", "q5_K"),
+     ("q4_K", "q4_K"), ("random_iq4_xs", "random_iq4_xs"), ("q5_K", "q8_0")],
+)  # fmt: skip
+def test_prefill_tiles_agree_with_the_row_kernels(kinds):
+    """An expert meeting many tokens (prefill) runs its K-quant / IQ4_XS rows dequantized to
+    int16 panels on the GEMM tiles (moe_kgemm.h): the same int8 activations and exact integer
+    sums per super-block as the row kernels that take one or two tokens, so a token's output is
+    its single-token call's up to the order of fp32 additions, unless that order moved one of
+    phase 2's activations across an int8 rounding boundary (`flip`, one step times a weight).
+    40 tokens on 2 experts: 40 pairs each, past the tiles' threshold of 8; H = 256 and INTER =
+    512 give phase 1 one super-block per row and phase 2 two."""
+    packed = _experts(kinds, seed=3)
+    b = create_backend("cpu-gguf", ExpertWeights(None, None, packed=packed))
+    g = torch.Generator().manual_seed(5)
+    t = 40
+    x, tw = torch.randn(t, H, generator=g), torch.rand(t, 2, generator=g)
+    ids = torch.tensor([[1, 6]] * t)
+    full = b.forward(x, tw, ids)
+    alone = torch.cat([b.forward(x[i : i + 1], tw[i : i + 1], ids[i : i + 1]) for i in range(t)])
+    deq13 = torch.stack([m.dequantize() for m in packed.w13])
+    deq2 = torch.stack([m.dequantize() for m in packed.w2])
+    ref, flip = _emulated(deq13, deq2, x, tw, ids, kinds)
+    for out in (full, alone):
+        assert float((out - ref).abs().max()) <= 2e-6 * float(ref.abs().max()) + 4 * flip
+    if kinds[1] != "q8_0":  # q8_0's int16 rounding has 128x the boundaries, tiny steps
+        same = (full - alone).abs().amax(dim=1) <= 2e-6 * float(alone.abs().max())
+        assert int(same.sum()) >= 0.9 * t  # a flip moves one token's row; most have none

@@ -1,0 +1,307 @@
+/* GEMM tiles for the GGUF K-quants and IQ4_XS (q4_K, q5_K, q6_K, IQ4_XS): what prefill runs
+ * where an expert (moe_prefill.c) or a linear (linear_kernels.c) meets many tokens, so that the
+ * files people download prefill on the int8 tiles' arithmetic instead of the row kernels two
+ * tokens at a time.
+ *
+ * Each format's weight is an integer times a float per row and super-block of 256 columns,
+ * w = d * v - dmin * m_j (q4_K, q5_K: v = sc_j * q, sc_j and m_j the 6-bit numbers of sub-block
+ * j of 32 columns; q6_K: v = sc * (q - 32), sc per 16 columns, no minimum; IQ4_XS: v = (ls_j -
+ * 32) * kv[q]). Every v fits int16 (|v| <= 63 * 31 for q5_K, 128 * 32 for q6_K, 32 * 127 for
+ * IQ4_XS), so a strip of 16 rows is dequantized once into the int8 tiles' panel ([K / 2][16
+ * rows][2] int16, moe_gemm.h) with d, dmin and m beside it, and the tokens' int8 activations
+ * (q8_K: amax / 127 per super-block, the row kernels' own) are widened to int16. The tile sums
+ * a super-block's 256 products per row and token exactly in int32 (|sum| <= 256 * 4096 * 127 <
+ * 2^31); each super-block then adds sum * (d * xd) - M * (dmin * xd) to the token's fp32 row,
+ * M = sum_j m_j * (the activations' sum over sub-block j), also exact in int32. So the only
+ * difference from the row kernels is the order of the fp32 additions (they keep 8 lanes per
+ * row and sum them at the end): a few ulps of the result, inside their tests' 2e-6 relative.
+ *
+ * Column order is the activations': natural for q5_K, q6_K and IQ4_XS (the loaders' nibble
+ * regrouping undone here), q4_K's own for q4_K (moe_q4k.h: its x8 rows follow the weights'
+ * vectors, so each 16 bytes of a row's vector become 16 panel columns as they lie). */
+#ifndef HETSERVE_MOE_KGEMM_H
+#define HETSERVE_MOE_KGEMM_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "moe_gemm.h"
+#include "moe_job.h"
+#include "moe_kq.h"
+#include "moe_q4k.h"
+
+/* The formats with a tile here (IQ4_NL, a float scale per 32 columns, keeps its row kernel). */
+static inline int kg_fmt(int fmt) {
+    return fmt == F_Q4K || fmt == F_Q5K || fmt == F_Q6K || fmt == F_IQ4XS;
+}
+
+static inline int kg_has_mins(int fmt) {
+    return fmt == F_Q4K || fmt == F_Q5K;
+}
+
+/* One quad of a strip: q4_K quads live in pairs interleaved by 64-byte line (moe_q4k.h:
+ * super-block s of quad i at base + 576 nq s, line l at + 64 (nq l + i)); the others' rows are
+ * the file's, back to back (row r of the quad at base + r * K / 256 * kq_bytes). NULL: zeros. */
+typedef struct {
+    const uint8_t *base;
+    int nq, i;
+} kg_quad_t;
+
+/* A strip dequantized: the panel and, per super-block s and row r, d [s][16], dmin [s][16] and
+ * the minimums as int16 pairs mins [s][4][16][2] (pair p: the sub-blocks whose activation sums
+ * kg_widen puts at 2p, 2p + 1). */
+typedef struct {
+    int16_t *panel, *mins;
+    float *d, *dmin;
+    int16_t *tmp; /* [16][256]: one super-block's rows before the transpose */
+} kg_strip_t;
+
+/* Bytes of a kg_strip_t's buffers for K columns (kg_strip_init carves them). */
+static inline size_t kg_strip_bytes(int K) {
+    const size_t nsb = (size_t)(K / Q4K_SB);
+    return (size_t)K * GEMM_ROWS * 2 + nsb * GEMM_ROWS * 4 * 2 + nsb * 4 * GEMM_ROWS * 2 * 2 +
+           GEMM_ROWS * Q4K_SB * 2;
+}
+
+static inline void kg_strip_init(kg_strip_t *s, char *buf, int K) {
+    const size_t nsb = (size_t)(K / Q4K_SB);
+    s->panel = (int16_t *)buf;
+    s->d = (float *)(buf + (size_t)K * GEMM_ROWS * 2);
+    s->dmin = s->d + nsb * GEMM_ROWS;
+    s->mins = (int16_t *)(s->dmin + nsb * GEMM_ROWS);
+    s->tmp = s->mins + nsb * 4 * GEMM_ROWS * 2;
+}
+
+/* 16 int8 v (signed: sx) times 16 int16 scales sc -> 16 int16 at dst. */
+static inline void kg_put16(__m128i v, int sx, __m256i sc, int16_t *dst) {
+    const __m256i w = sx ? _mm256_cvtepi8_epi16(v) : _mm256_cvtepu8_epi16(v);
+    _mm256_storeu_si256((__m256i *)dst, _mm256_mullo_epi16(w, sc));
+}
+
+/* 32 int8 v (column c .. c + 31), the first 16 scaled by s0, the next by s1. */
+static inline void kg_put32(__m256i v, int sx, __m256i s0, __m256i s1, int16_t *dst) {
+    kg_put16(_mm256_castsi256_si128(v), sx, s0, dst);
+    kg_put16(_mm256_extracti128_si256(v, 1), sx, s1, dst + 16);
+}
+
+/* One q6_K / q5_K / IQ4_XS super-block b of a row -> v [256] in column order, d (and dmin, m [8]
+ * for q5_K). */
+static inline void kg_row_sb(int fmt, const uint8_t *b, int16_t *v, float *d, float *dmin,
+                             int16_t *m) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    if (fmt == F_Q6K) {
+        const __m256i hi2 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+        const int8_t *sc = (const int8_t *)(b + 192);
+        for (int n = 0; n < 2; n++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * n));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * n + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(l0, low),
+                                   _mm256_and_si256(_mm256_slli_epi16(h, 4), hi2));
+            q[1] = _mm256_or_si256(_mm256_and_si256(l1, low),
+                                   _mm256_and_si256(_mm256_slli_epi16(h, 2), hi2));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                                   _mm256_and_si256(h, hi2));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                                   _mm256_and_si256(_mm256_srli_epi16(h, 2), hi2));
+            /* columns 128 n + 32 i + l: scales sc[8 n + 2 i + l / 16] */
+            for (int i = 0; i < 4; i++)
+                kg_put32(_mm256_sub_epi8(q[i], off), 1,
+                         _mm256_set1_epi16(sc[8 * n + 2 * i]),
+                         _mm256_set1_epi16(sc[8 * n + 2 * i + 1]), v + 128 * n + 32 * i);
+        }
+        *d = kq_f16(b + 208);
+    } else if (fmt == F_Q5K) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 16));
+        uint8_t sm[16];
+        _mm_storeu_si128((__m128i *)sm, k4_unpack(b + 4));
+        for (int c = 0; c < 4; c++) {
+            const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * c));
+            for (int hh = 0; hh < 2; hh++) {
+                const int j = 2 * c + hh;
+                const __m256i nib = hh ? _mm256_and_si256(_mm256_srli_epi16(l, 4), low)
+                                       : _mm256_and_si256(l, low);
+                __m256i hb;
+                switch (j) { /* q5k_high's shifts are immediates */
+                case 0: hb = q5k_high(h, 0); break;
+                case 1: hb = q5k_high(h, 1); break;
+                case 2: hb = q5k_high(h, 2); break;
+                case 3: hb = q5k_high(h, 3); break;
+                case 4: hb = q5k_high(h, 4); break;
+                case 5: hb = q5k_high(h, 5); break;
+                case 6: hb = q5k_high(h, 6); break;
+                default: hb = q5k_high(h, 7); break;
+                }
+                const __m256i s = _mm256_set1_epi16(sm[j]);
+                kg_put32(_mm256_or_si256(nib, hb), 0, s, s, v + 32 * j);
+            }
+        }
+        for (int j = 0; j < 8; j++) m[j] = sm[8 + j];
+        *d = kq_f16(b), *dmin = kq_f16(b + 2);
+    } else { /* IQ4_XS: chunk c's byte l holds column 64 c + l (low), 64 c + 32 + l (high) */
+        const __m256i lv =
+            _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
+        int16_t ls[16];
+        _mm256_storeu_si256((__m256i *)ls, iq4xs_scales(b));
+        for (int c = 0; c < 4; c++) {
+            __m256i wl, wh;
+            iq4_chunk(b + 8 + 32 * c, lv, &wl, &wh);
+            const __m256i s0 = _mm256_set1_epi16(ls[2 * c]), s1 = _mm256_set1_epi16(ls[2 * c + 1]);
+            kg_put32(wl, 1, s0, s0, v + 64 * c);
+            kg_put32(wh, 1, s1, s1, v + 64 * c + 32);
+        }
+        *d = kq_f16(b);
+    }
+}
+
+/* Quad i of a q4_K pair's super-block (sb: its first byte, nq quads interleaved) -> rows v [4]
+ * [256] (v + 256 r) in q4_K's column order, d [4], dmin [4], m [4][8] (m + 8 r). Vector k's
+ * 16 bytes of row r (sub-blocks 4 (k % 2) + i', 4 columns each) give columns 32 k .. + 15 (low
+ * nibbles) and 32 k + 16 .. + 31 (high ones) of the activations' order. */
+static inline void kg_q4k_sb(const uint8_t *sb, int nq, int i, int16_t *v, float *d, float *dmin,
+                             int16_t *m) {
+    const uint8_t *h = q4k_line(sb, nq, 0, i);
+    uint8_t sc[32], mn[32];
+    _mm256_storeu_si256((__m256i *)sc, q4k_six(h, 0));
+    _mm256_storeu_si256((__m256i *)mn, q4k_six(h, 1));
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i spread = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    for (int r = 0; r < 4; r++) {
+        d[r] = kq_f16(h + 2 * r), dmin[r] = kq_f16(h + 8 + 2 * r);
+        for (int j = 0; j < 8; j++) m[8 * r + j] = mn[16 * (j / 4) + 4 * r + j % 4];
+        for (int g = 0; g < 2; g++) { /* sub-blocks 4 g + i' of row r: bytes 16 g + 4 r + i' */
+            int32_t four;
+            memcpy(&four, sc + 16 * g + 4 * r, 4);
+            const __m128i sb4 = _mm_shuffle_epi8(_mm_cvtsi32_si128(four), spread);
+            const __m256i s = _mm256_cvtepu8_epi16(sb4);
+            for (int k = g; k < 8; k += 2) {
+                const __m128i b =
+                    _mm_loadu_si128((const __m128i *)(q4k_line(sb, nq, 1 + k, i) + 16 * r));
+                kg_put16(_mm_and_si128(b, low), 0, s, v + 256 * r + 32 * k);
+                kg_put16(_mm_and_si128(_mm_srli_epi16(b, 4), low), 0, s, v + 256 * r + 32 * k + 16);
+            }
+        }
+    }
+}
+
+/* 8 x 8 transpose of 32-bit elements (moves only). */
+static inline void kg_t8x8(__m256 r[8]) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(s0, s4, 0x20), r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+    r[2] = _mm256_permute2f128_ps(s2, s6, 0x20), r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+    r[4] = _mm256_permute2f128_ps(s0, s4, 0x31), r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+    r[6] = _mm256_permute2f128_ps(s2, s6, 0x31), r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+/* Dequantizes the strip's 4 quads q (format fmt, K columns) into s. */
+static inline void kg_pack(int fmt, const kg_quad_t q[4], int K, kg_strip_t *s) {
+    const int nsb = K / Q4K_SB, bb = kq_bytes(fmt);
+    for (int sb = 0; sb < nsb; sb++) {
+        float *d = s->d + GEMM_ROWS * sb, *dmin = s->dmin + GEMM_ROWS * sb;
+        int16_t m[GEMM_ROWS][8];
+        for (int t = 0; t < 4; t++) {
+            int16_t *v = s->tmp + 4 * t * Q4K_SB;
+            if (q[t].base == NULL) {
+                memset(v, 0, 4 * Q4K_SB * sizeof(int16_t));
+                memset(m[4 * t], 0, sizeof(m[0]) * 4);
+                for (int r = 0; r < 4; r++) d[4 * t + r] = dmin[4 * t + r] = 0.0f;
+            } else if (fmt == F_Q4K) {
+                kg_q4k_sb(q[t].base + (size_t)Q4K_QUAD_BYTES * q[t].nq * sb, q[t].nq, q[t].i, v,
+                          d + 4 * t, dmin + 4 * t, m[4 * t]);
+            } else {
+                for (int r = 0; r < 4; r++)
+                    kg_row_sb(fmt, q[t].base + ((size_t)r * nsb + sb) * bb, v + r * Q4K_SB,
+                              d + 4 * t + r, dmin + 4 * t + r, m[4 * t + r]);
+            }
+        }
+        /* [16 rows][128 pairs] -> panel [128 pairs][16 rows], 8 x 8 blocks of int32 */
+        const float *src = (const float *)s->tmp;
+        float *dst = (float *)(s->panel + (size_t)sb * Q4K_SB * GEMM_ROWS);
+        for (int rb = 0; rb < GEMM_ROWS; rb += 8)
+            for (int kb = 0; kb < Q4K_SB / 2; kb += 8) {
+                __m256 r[8];
+                for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + (rb + i) * 128 + kb);
+                kg_t8x8(r);
+                for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + (kb + i) * GEMM_ROWS + rb, r[i]);
+            }
+        /* the minimums in pairs as kg_widen orders the sums: q4_K (p, p + 4), q5_K (2p, 2p + 1) */
+        if (kg_has_mins(fmt)) {
+            int16_t *mp = s->mins + (size_t)sb * 4 * GEMM_ROWS * 2;
+            for (int p = 0; p < 4; p++)
+                for (int r = 0; r < GEMM_ROWS; r++) {
+                    mp[(p * GEMM_ROWS + r) * 2] = m[r][fmt == F_Q4K ? p : 2 * p];
+                    mp[(p * GEMM_ROWS + r) * 2 + 1] = m[r][fmt == F_Q4K ? p + 4 : 2 * p + 1];
+                }
+        }
+    }
+}
+
+/* One token's activation row for the tiles: the row kernels' int8 x8 [K] widened to x16 [K]
+ * and (q4_K, q5_K) its sums per sub-block, 8 per super-block in the pairs' order (ms [K / 256]
+ * [8]), from gs (q4_K: its own order, already paired; q5_K: sums per 16 columns). */
+static inline void kg_widen(int fmt, const int8_t *x8, const int16_t *gs, int K, int16_t *x16,
+                            int16_t *ms) {
+    for (int k = 0; k < K; k += 16)
+        _mm256_storeu_si256((__m256i *)(x16 + k),
+                            _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x8 + k))));
+    if (!kg_has_mins(fmt)) return;
+    for (int sb = 0; sb < K / Q4K_SB; sb++) {
+        const int16_t *g = gs + 16 * sb;
+        for (int j = 0; j < 8; j++)
+            ms[8 * sb + j] = fmt == F_Q4K ? g[j] : (int16_t)(g[2 * j] + g[2 * j + 1]);
+    }
+}
+
+/* out[m][0..15] = the strip's rows against n tokens: x[m] (kg_widen's int16 rows), xd[m] their
+ * scales per super-block, ms[m] their sub-block sums (q4_K, q5_K). isum: scratch [n][16]. */
+static inline void kg_strip_gemm(const kg_strip_t *s, int fmt, int K, const int16_t *const *x,
+                                 const float *const *xd, const int16_t *const *ms, int n,
+                                 int32_t *isum, float *out) {
+    const int mins = kg_has_mins(fmt);
+    for (int i = 0; i < n * GEMM_ROWS; i++) out[i] = 0.0f;
+    for (int sb = 0; sb < K / Q4K_SB; sb++) {
+        memset(isum, 0, sizeof(int32_t) * GEMM_ROWS * (size_t)n);
+        for (int m0 = 0; m0 < n; m0 += GEMM_NT) {
+            const int nt = n - m0 < GEMM_NT ? n - m0 : GEMM_NT;
+            int32_t *c[GEMM_NT];
+            for (int m = 0; m < nt; m++) c[m] = isum + (size_t)(m0 + m) * GEMM_ROWS;
+            gemm_tile_n(s->panel, sb * Q4K_SB / 2, (sb + 1) * Q4K_SB / 2, x + m0, c, nt);
+        }
+        const float *dr = s->d + GEMM_ROWS * sb, *dm = s->dmin + GEMM_ROWS * sb;
+        const int16_t *mp = s->mins + (size_t)sb * 4 * GEMM_ROWS * 2;
+        for (int m = 0; m < n; m++) {
+            const __m256 xs = _mm256_set1_ps(xd[m][sb]);
+            for (int h = 0; h < GEMM_ROWS; h += 8) {
+                float *o = out + (size_t)m * GEMM_ROWS + h;
+                const int32_t *im = isum + m * GEMM_ROWS + h;
+                const __m256 is = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)im));
+                const __m256 dx = _mm256_mul_ps(_mm256_loadu_ps(dr + h), xs);
+                __m256 acc = _mm256_add_ps(_mm256_loadu_ps(o), _mm256_mul_ps(is, dx));
+                if (mins) {
+                    __m256i M = _mm256_setzero_si256();
+                    for (int p = 0; p < 4; p++) {
+                        int32_t pair;
+                        memcpy(&pair, ms[m] + 8 * sb + 2 * p, 4);
+                        const __m256i w = _mm256_loadu_si256(
+                            (const __m256i *)(mp + (p * GEMM_ROWS + h) * 2));
+                        M = _mm256_add_epi32(M, _mm256_madd_epi16(w, _mm256_set1_epi32(pair)));
+                    }
+                    const __m256 mx = _mm256_mul_ps(_mm256_loadu_ps(dm + h), xs);
+                    acc = _mm256_sub_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(M), mx));
+                }
+                _mm256_storeu_ps(o, acc);
+            }
+        }
+    }
+}
+
+#endif
