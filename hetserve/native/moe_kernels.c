@@ -330,8 +330,12 @@ static int phase_rc(const job_t *j, int phase) {
     const int rc = hs_item_units(unit, ITEM_BYTES, j->n_active * per, j->nthreads, RC * 4 / R);
     /* int8 with row scales: whole strips of the GEMM tiles (4 quads; per is a multiple of 8) */
     if (fmt == F_I8 && jg(j, phase) == 0) return (rc + 3) / 4 * 4;
-    const int su = GEMM_ROWS / R; /* the K-quants' strips, where the expert's rows hold them */
-    return kg_fmt(fmt) && per % su == 0 ? (rc + su - 1) / su * su : rc;
+    /* the K-quants' strips, where an expert meets enough pairs and its rows hold whole ones
+     * (decode keeps its items as they were) */
+    const int su = GEMM_ROWS / R;
+    int most = 0;
+    for (int a = 0; a < j->n_active; a++) most = j->act_cnt[a] > most ? j->act_cnt[a] : most;
+    return kg_fmt(fmt) && gemm_worth(most) && per % su == 0 ? (rc + su - 1) / su * su : rc;
 }
 
 static void run_phase(job_t *j, int phase, hs_task_fn item, long long *touched) {
