@@ -333,9 +333,10 @@ static int phase_rc(const job_t *j, int phase) {
     /* the K-quants' strips, where an expert meets enough pairs and its rows hold whole ones
      * (decode keeps its items as they were) */
     const int su = GEMM_ROWS / R;
+    if (!kg_fmt(fmt) || per % su != 0) return rc;
     int most = 0;
     for (int a = 0; a < j->n_active; a++) most = j->act_cnt[a] > most ? j->act_cnt[a] : most;
-    return kg_fmt(fmt) && gemm_worth(most) && per % su == 0 ? (rc + su - 1) / su * su : rc;
+    return gemm_worth(most) ? (rc + su - 1) / su * su : rc;
 }
 
 static void run_phase(job_t *j, int phase, hs_task_fn item, long long *touched) {
@@ -732,19 +733,20 @@ int hetserve_moe_touch(const void *h, int nthreads, int T, int k, const int64_t 
     const hs_moe_t *m = (const hs_moe_t *)h;
     const int E = m->E;
     if (bad_ids(E, T * k, ids)) return -2;
-    int *act_e = calloc((size_t)2 * E + 1, sizeof(int)), *seen = act_e + E;
+    /* the active experts and their pair counts (phase_rc sizes the items by them) */
+    int *act_e = calloc((size_t)3 * E + 1, sizeof(int)), *seen = act_e + E, *cnt = seen + E;
     if (act_e == NULL) return -1;
     int n = 0;
     for (int p = 0; p < T * k; p++)
-        if (!seen[ids[p]]) seen[ids[p]] = 1, n++;
+        if (!seen[ids[p]]++) n++;
     for (int e = 0, i = 0; e < E; e++)
-        if (seen[e]) act_e[i++] = e;
+        if (seen[e]) cnt[i] = seen[e], act_e[i++] = e;
     job_t j;
     memset(&j, 0, sizeof(j));
     j.fmt = m->fmt, j.G = m->G;
     j.H = hetserve_moe_padded(m->fmt, m->G, m->H), j.I = hetserve_moe_padded(m->fmt, m->G, m->I);
     j.w13 = m->w13, j.s13 = m->s13, j.w2 = m->w2, j.s2 = m->s2;
-    j.n_active = n, j.act_e = act_e;
+    j.n_active = n, j.act_e = act_e, j.act_cnt = cnt;
     j.nthreads = nthreads < 1 ? 1 : nthreads;
     *touched = 0;
     if (n > 0) {

@@ -55,12 +55,13 @@ def test_bench_moe_kernel_gguf_formats(tmp_path):
              "cpu-gguf:iq4_nl")  # fmt: skip
     rc = main(
         ["bench", "moe-kernel", "--hidden", "256", "--inter", "256", "--experts", "4", "--top-k",
-         "2", "--tokens", "1", "--iters", "2", "--bandwidth-mib", "8",
+         "2", "--tokens", "1,16", "--iters", "2", "--bandwidth-mib", "8",
          "--backends", ",".join(names), "--json", str(out)]
     )  # fmt: skip
     assert rc == 0
     rows = json.loads(out.read_text())["results"]
-    assert [r["backend"] for r in rows] == list(names)
+    # 16 tokens: the prefill tiles' items (their reads timed alone too, sized by the pairs)
+    assert [(r["backend"], r["tokens"]) for r in rows] == [(n, t) for n in names for t in (1, 16)]
     assert all(r["ratio_median"] > 0 and r["probe_gbps_best"] > 0 for r in rows)
 
 
