@@ -123,13 +123,15 @@ static int lin_item_gemm(const lin_t *l, int u0, int u1) {
     return 0;
 }
 
-/* Quads [u0, u1) on the K-quant tiles (moe_kgemm.h; u0 a multiple of 4): per strip of 4
- * quads one dequantized panel, met by all T tokens (kg16 / kgms: their rows widened once by
- * hetserve_qlinear), TBG at a time. q4_K's quads pair up (2a, 2a + 1), the last one alone where
- * the count is odd; quads past the last pack as zeros. -1 when out of memory, nothing written. */
+/* Quads [u0, u1) on the tiles of moe_kgemm.h (the K-quants, the 4-bit i-quants, grouped int8;
+ * u0 a multiple of 4): per strip of 4 quads one dequantized panel, met by all T tokens (kg16 /
+ * kgms: their rows widened once by hetserve_qlinear; grouped int8's own int16 rows), TBG at a
+ * time. q4_K's quads pair up (2a, 2a + 1), the last one alone where the count is odd; quads
+ * past the last pack as zeros. -1 when out of memory, nothing written. */
 static int lin_item_kgemm(const lin_t *l, int u0, int u1) {
-    const int K = l->K, quads = (l->N + 3) / 4, nsb = K / Q4K_SB;
-    const size_t sb = kg_strip_bytes(K), rb = (size_t)nsb * kq_bytes(l->fmt);
+    const int K = l->K, quads = (l->N + 3) / 4, nsb = K / Q4K_SB, i8 = l->fmt == L_I8;
+    const int gk = kg_group(l->fmt, l->G), span = i8 ? K : Q4K_SB;
+    const size_t sb = kg_strip_bytes(K), rb = i8 ? (size_t)K : (size_t)nsb * kq_bytes(l->fmt);
     char *buf = aligned_alloc(64, sb + 2 * (size_t)TBG * GEMM_ROWS * sizeof(float));
     if (buf == NULL) return -1;
     kg_strip_t st;
@@ -143,21 +145,22 @@ static int lin_item_kgemm(const lin_t *l, int u0, int u1) {
         for (int k = 0; k < 4; k++) {
             const int qu = u + k, pair = l->fmt == L_Q4K ? qu - qu % 2 : qu;
             const uint8_t *base = (const uint8_t *)l->w + (size_t)4 * pair * rb;
+            const uint16_t *sc = i8 ? (const uint16_t *)l->s + (size_t)4 * qu * (K / l->G) : NULL;
             const kg_quad_t one = {qu < quads ? base : NULL,
                                    l->fmt == L_Q4K && pair + 1 < quads ? 2 : 1,
-                                   l->fmt == L_Q4K ? qu % 2 : 0};
+                                   l->fmt == L_Q4K ? qu % 2 : 0, sc};
             q[k] = one;
         }
-        kg_pack(l->fmt, q, K, &st);
+        kg_pack(l->fmt, l->G, q, K, &st);
         const int rows = 4 * (u + 4) <= l->N ? GEMM_ROWS : l->N - 4 * u;
         for (int t0 = 0; t0 < l->T; t0 += TBG) {
             const int n = l->T - t0 < TBG ? l->T - t0 : TBG;
             for (int m = 0; m < n; m++) {
                 x[m] = l->kg16 + (size_t)(t0 + m) * K;
-                ms[m] = l->kgms + (size_t)(t0 + m) * nsb * 8;
-                xd[m] = l->pd + (size_t)(t0 + m) * nsb;
+                ms[m] = i8 ? NULL : l->kgms + (size_t)(t0 + m) * nsb * 8;
+                xd[m] = i8 ? l->xsc + t0 + m : l->pd + (size_t)(t0 + m) * nsb;
             }
-            kg_strip_gemm(&st, l->fmt, K, x, xd, ms, n, isum, out);
+            kg_strip_gemm(&st, l->fmt, K, gk, span, x, xd, ms, n, isum, out);
             for (int m = 0; m < n; m++) {
                 float *y = l->out + (size_t)(t0 + m) * l->N + 4 * u;
                 for (int r = 0; r < rows; r++) y[r] = out[m * GEMM_ROWS + r];
@@ -240,7 +243,10 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
     if (fmt == L_I8 && G == 0) rc = (rc + 3) / 4 * 4; /* whole strips of the GEMM tiles */
     lin_t l = {fmt, G, T, N, K, rc, w, s, xsc, x16, pl, ps, pd, out, NULL, NULL};
     char *kbuf = NULL;
-    if (kg_fmt(fmt) && gemm_worth(T)) { /* the K-quant tiles: int16 rows and sub-block sums */
+    if (fmt == L_I8 && kg_group(fmt, G) > 0 && gemm_worth(T)) { /* grouped: rows in place */
+        l.kg16 = x16;
+        l.rc = rc = (rc + 3) / 4 * 4; /* whole strips */
+    } else if (kq && kg_group(fmt, G) > 0 && gemm_worth(T)) { /* int16 rows, sub-block sums */
         kbuf = malloc((size_t)T * (K + nsb * 8) * sizeof(int16_t));
         if (kbuf != NULL) {
             int16_t *k16 = (int16_t *)kbuf, *kms = k16 + (size_t)T * K;

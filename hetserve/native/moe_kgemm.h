@@ -31,9 +31,18 @@
 #include "moe_kq.h"
 #include "moe_q4k.h"
 
-/* The formats with a tile here (IQ4_NL, a float scale per 32 columns, keeps its row kernel). */
+/* The K-quants and IQ4_XS: an integer scale per sub-block, a float one per super-block. */
 static inline int kg_fmt(int fmt) {
     return fmt == F_Q4K || fmt == F_Q5K || fmt == F_Q6K || fmt == F_IQ4XS;
+}
+
+/* Columns per float scale of the formats with tiles here, 0 for none: 256 for kg_fmt; 32 for
+ * IQ4_NL; G for int8 with fp16 scales per group of G (GGUF q8_0: 32), whose int16 activations
+ * (one scale per row) the tiles read in place. */
+static inline int kg_group(int fmt, int G) {
+    if (kg_fmt(fmt)) return Q4K_SB;
+    if (fmt == F_IQ4NL) return 32;
+    return fmt == F_I8 && G > 0 && G % 16 == 0 ? G : 0;
 }
 
 static inline int kg_has_mins(int fmt) {
@@ -41,16 +50,18 @@ static inline int kg_has_mins(int fmt) {
 }
 
 /* One quad of a strip: q4_K quads live in pairs interleaved by 64-byte line (moe_q4k.h:
- * super-block s of quad i at base + 576 nq s, line l at + 64 (nq l + i)); the others' rows are
- * the file's, back to back (row r of the quad at base + r * K / 256 * kq_bytes). NULL: zeros. */
+ * super-block s of quad i at base + 576 nq s, line l at + 64 (nq l + i)); grouped int8 quads
+ * are moe_quads.h's with their fp16 scales sc [K / G][4]; the others' rows are the file's,
+ * back to back (row r of the quad at base + r * K / 256 * kq_bytes). NULL: zeros. */
 typedef struct {
     const uint8_t *base;
     int nq, i;
+    const uint16_t *sc;
 } kg_quad_t;
 
-/* A strip dequantized: the panel and, per super-block s and row r, d [s][16], dmin [s][16] and
- * the minimums as int16 pairs mins [s][4][16][2] (pair p: the sub-blocks whose activation sums
- * kg_widen puts at 2p, 2p + 1). */
+/* A strip dequantized: the panel and, per scale group g (kg_group's columns) and row r,
+ * d [g][16]; per super-block s dmin [s][16] and the minimums as int16 pairs mins [s][4][16][2]
+ * (pair p: the sub-blocks whose activation sums kg_widen puts at 2p, 2p + 1). */
 typedef struct {
     int16_t *panel, *mins;
     float *d, *dmin;
@@ -59,8 +70,8 @@ typedef struct {
 
 /* Bytes of a kg_strip_t's buffers for K columns (kg_strip_init carves them). */
 static inline size_t kg_strip_bytes(int K) {
-    const size_t nsb = (size_t)(K / Q4K_SB);
-    return (size_t)K * GEMM_ROWS * 2 + nsb * GEMM_ROWS * 4 * 2 + nsb * 4 * GEMM_ROWS * 2 * 2 +
+    const size_t nsb = (size_t)(K / Q4K_SB), ng = (size_t)(K / 16); /* groups: 16 columns or more */
+    return (size_t)K * GEMM_ROWS * 2 + (ng + nsb) * GEMM_ROWS * 4 + nsb * 4 * GEMM_ROWS * 2 * 2 +
            GEMM_ROWS * Q4K_SB * 2;
 }
 
@@ -68,7 +79,7 @@ static inline void kg_strip_init(kg_strip_t *s, char *buf, int K) {
     const size_t nsb = (size_t)(K / Q4K_SB);
     s->panel = (int16_t *)buf;
     s->d = (float *)(buf + (size_t)K * GEMM_ROWS * 2);
-    s->dmin = s->d + nsb * GEMM_ROWS;
+    s->dmin = s->d + (size_t)(K / 16) * GEMM_ROWS;
     s->mins = (int16_t *)(s->dmin + nsb * GEMM_ROWS);
     s->tmp = s->mins + nsb * 4 * GEMM_ROWS * 2;
 }
@@ -85,8 +96,8 @@ static inline void kg_put32(__m256i v, int sx, __m256i s0, __m256i s1, int16_t *
     kg_put16(_mm256_extracti128_si256(v, 1), sx, s1, dst + 16);
 }
 
-/* One q6_K / q5_K / IQ4_XS super-block b of a row -> v [256] in column order, d (and dmin, m [8]
- * for q5_K). */
+/* One q6_K / q5_K / IQ4_XS / IQ4_NL super-block b of a row -> v [256] in column order, d (IQ4_NL:
+ * d [8], one per 32 columns) and, for q5_K, dmin and m [8]. */
 static inline void kg_row_sb(int fmt, const uint8_t *b, int16_t *v, float *d, float *dmin,
                              int16_t *m) {
     const __m256i low = _mm256_set1_epi8(0x0F);
@@ -140,6 +151,17 @@ static inline void kg_row_sb(int fmt, const uint8_t *b, int16_t *v, float *d, fl
         }
         for (int j = 0; j < 8; j++) m[j] = sm[8 + j];
         *d = kq_f16(b), *dmin = kq_f16(b + 2);
+    } else if (fmt == F_IQ4NL) { /* 8 fp16 d, then IQ4_XS's kernel order of nibbles */
+        const __m256i lv =
+            _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
+        const __m256i one = _mm256_set1_epi16(1);
+        for (int c = 0; c < 4; c++) {
+            __m256i wl, wh;
+            iq4_chunk(b + 16 + 32 * c, lv, &wl, &wh);
+            kg_put32(wl, 1, one, one, v + 64 * c);
+            kg_put32(wh, 1, one, one, v + 64 * c + 32);
+        }
+        _mm256_storeu_ps(d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)));
     } else { /* IQ4_XS: chunk c's byte l holds column 64 c + l (low), 64 c + 32 + l (high) */
         const __m256i lv =
             _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
@@ -202,18 +224,46 @@ static inline void kg_t8x8(__m256 r[8]) {
     r[6] = _mm256_permute2f128_ps(s2, s6, 0x31), r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 
-/* Dequantizes the strip's 4 quads q (format fmt, K columns) into s. */
-static inline void kg_pack(int fmt, const kg_quad_t q[4], int K, kg_strip_t *s) {
-    const int nsb = K / Q4K_SB, bb = kq_bytes(fmt);
+/* Grouped int8 (G columns per fp16 scale): the quads as moe_gemm.h packs them, the scales
+ * per group and row as floats. */
+static inline void kg_pack_i8g(const kg_quad_t q[4], int K, int G, kg_strip_t *s) {
+    static const int8_t zero[64];
+    const int8_t *w[4];
+    for (int t = 0; t < 4; t++) w[t] = (const int8_t *)q[t].base;
+    gemm_pack_n(w, K, s->panel, zero);
+    for (int g = 0; g < K / G; g++)
+        for (int t = 0; t < 4; t++) {
+            float *d = s->d + (size_t)GEMM_ROWS * g + 4 * t;
+            if (q[t].base == NULL) {
+                for (int r = 0; r < 4; r++) d[r] = 0.0f;
+                continue;
+            }
+            _mm_storeu_ps(d, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(q[t].sc + 4 * g))));
+        }
+}
+
+/* Dequantizes the strip's 4 quads q (format fmt, G its int8 groups, K columns) into s. */
+static inline void kg_pack(int fmt, int G, const kg_quad_t q[4], int K, kg_strip_t *s) {
+    if (fmt == F_I8) {
+        kg_pack_i8g(q, K, G, s);
+        return;
+    }
+    const int nsb = K / Q4K_SB, bb = kq_bytes(fmt), nl = fmt == F_IQ4NL; /* IQ4_NL: 8 d per row */
     for (int sb = 0; sb < nsb; sb++) {
         float *d = s->d + GEMM_ROWS * sb, *dmin = s->dmin + GEMM_ROWS * sb;
+        float dn[GEMM_ROWS][8];
         int16_t m[GEMM_ROWS][8];
         for (int t = 0; t < 4; t++) {
             int16_t *v = s->tmp + 4 * t * Q4K_SB;
             if (q[t].base == NULL) {
                 memset(v, 0, 4 * Q4K_SB * sizeof(int16_t));
                 memset(m[4 * t], 0, sizeof(m[0]) * 4);
-                for (int r = 0; r < 4; r++) d[4 * t + r] = dmin[4 * t + r] = 0.0f;
+                memset(dn[4 * t], 0, sizeof(dn[0]) * 4);
+                for (int r = 0; r < 4 && !nl; r++) d[4 * t + r] = dmin[4 * t + r] = 0.0f;
+            } else if (nl) {
+                for (int r = 0; r < 4; r++)
+                    kg_row_sb(fmt, q[t].base + ((size_t)r * nsb + sb) * bb, v + r * Q4K_SB,
+                              dn[4 * t + r], NULL, NULL);
             } else if (fmt == F_Q4K) {
                 kg_q4k_sb(q[t].base + (size_t)Q4K_QUAD_BYTES * q[t].nq * sb, q[t].nq, q[t].i, v,
                           d + 4 * t, dmin + 4 * t, m[4 * t]);
@@ -233,6 +283,9 @@ static inline void kg_pack(int fmt, const kg_quad_t q[4], int K, kg_strip_t *s) 
                 kg_t8x8(r);
                 for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + (kb + i) * GEMM_ROWS + rb, r[i]);
             }
+        for (int j = 0; j < 8 && nl; j++) /* IQ4_NL's d: group 8 sb + j of 32 columns */
+            for (int r = 0; r < GEMM_ROWS; r++)
+                s->d[(size_t)GEMM_ROWS * (8 * sb + j) + r] = dn[r][j];
         /* the minimums in pairs as kg_widen orders the sums: q4_K (p, p + 4), q5_K (2p, 2p + 1) */
         if (kg_has_mins(fmt)) {
             int16_t *mp = s->mins + (size_t)sb * 4 * GEMM_ROWS * 2;
@@ -261,36 +314,39 @@ static inline void kg_widen(int fmt, const int8_t *x8, const int16_t *gs, int K,
     }
 }
 
-/* out[m][0..15] = the strip's rows against n tokens: x[m] (kg_widen's int16 rows), xd[m] their
- * scales per super-block, ms[m] their sub-block sums (q4_K, q5_K). isum: scratch [n][16]. */
-static inline void kg_strip_gemm(const kg_strip_t *s, int fmt, int K, const int16_t *const *x,
-                                 const float *const *xd, const int16_t *const *ms, int n,
-                                 int32_t *isum, float *out) {
+/* out[m][0..15] = the strip's rows against n tokens: x[m] int16 rows (kg_widen's, or grouped
+ * int8's own), per group of gk columns the integer sums scaled by the rows' d and the token's
+ * scale xd[m][g gk / span] (span: 256 for scales per super-block, K for one per row), less the
+ * minimums (q4_K, q5_K: ms[m] the sub-block sums). isum: scratch [n][16]. */
+static inline void kg_strip_gemm(const kg_strip_t *s, int fmt, int K, int gk, int span,
+                                 const int16_t *const *x, const float *const *xd,
+                                 const int16_t *const *ms, int n, int32_t *isum, float *out) {
     const int mins = kg_has_mins(fmt);
     for (int i = 0; i < n * GEMM_ROWS; i++) out[i] = 0.0f;
-    for (int sb = 0; sb < K / Q4K_SB; sb++) {
+    for (int g = 0; g < K / gk; g++) {
         memset(isum, 0, sizeof(int32_t) * GEMM_ROWS * (size_t)n);
         for (int m0 = 0; m0 < n; m0 += GEMM_NT) {
             const int nt = n - m0 < GEMM_NT ? n - m0 : GEMM_NT;
             int32_t *c[GEMM_NT];
             for (int m = 0; m < nt; m++) c[m] = isum + (size_t)(m0 + m) * GEMM_ROWS;
-            gemm_tile_n(s->panel, sb * Q4K_SB / 2, (sb + 1) * Q4K_SB / 2, x + m0, c, nt);
+            gemm_tile_n(s->panel, g * gk / 2, (g + 1) * gk / 2, x + m0, c, nt);
         }
-        const float *dr = s->d + GEMM_ROWS * sb, *dm = s->dmin + GEMM_ROWS * sb;
-        const int16_t *mp = s->mins + (size_t)sb * 4 * GEMM_ROWS * 2;
+        const int xi = g * gk / span; /* the token's scale for this group */
+        const float *dr = s->d + GEMM_ROWS * g, *dm = s->dmin + GEMM_ROWS * g;
+        const int16_t *mp = s->mins + (size_t)g * 4 * GEMM_ROWS * 2;
         for (int m = 0; m < n; m++) {
-            const __m256 xs = _mm256_set1_ps(xd[m][sb]);
+            const __m256 xs = _mm256_set1_ps(xd[m][xi]);
             for (int h = 0; h < GEMM_ROWS; h += 8) {
                 float *o = out + (size_t)m * GEMM_ROWS + h;
                 const int32_t *im = isum + m * GEMM_ROWS + h;
                 const __m256 is = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)im));
                 const __m256 dx = _mm256_mul_ps(_mm256_loadu_ps(dr + h), xs);
                 __m256 acc = _mm256_add_ps(_mm256_loadu_ps(o), _mm256_mul_ps(is, dx));
-                if (mins) {
+                if (mins) { /* gk = 256: group g is super-block g */
                     __m256i M = _mm256_setzero_si256();
                     for (int p = 0; p < 4; p++) {
                         int32_t pair;
-                        memcpy(&pair, ms[m] + 8 * sb + 2 * p, 4);
+                        memcpy(&pair, ms[m] + 8 * g + 2 * p, 4);
                         const __m256i w = _mm256_loadu_si256(
                             (const __m256i *)(mp + (p * GEMM_ROWS + h) * 2));
                         M = _mm256_add_epi32(M, _mm256_madd_epi16(w, _mm256_set1_epi32(pair)));

@@ -118,7 +118,8 @@ int hs_phase2_gemm(const job_t *j, int ai, int u0, int u1) {
     return 0;
 }
 
-/* ---- The K-quants and IQ4_XS (moe_kgemm.h): phase 1 / phase 2 on their tiles ---- */
+/* ---- The K-quants, the 4-bit i-quants and grouped int8 (GGUF q8_0) on the tiles of
+ * moe_kgemm.h: phase 1 / phase 2 ---- */
 
 #define KG_TBK 512 /* tokens widened at once (x16: 512 x K int16) */
 
@@ -126,15 +127,19 @@ static inline int kg_unit_rows(int fmt) {
     return fmt == F_Q4K ? 8 : 4; /* moe_kernels.c's unit_rows */
 }
 
-/* The 4 quads of the strip whose first unit starts at row `row` of the [E * N, K] matrix w,
- * its units of R rows `stride` rows apart (W13 alternates gate and up units). */
-static void kg_quads(int fmt, const void *w, int K, size_t row, int stride, kg_quad_t q[4]) {
-    const size_t rb = (size_t)(K / Q4K_SB) * kq_bytes(fmt); /* q4_K: 144 */
+/* The 4 quads of the strip whose first unit starts at row `row` of the [E * N, K] matrix w
+ * (grouped int8: fp16 scales sv, G columns each), its units of R rows `stride` rows apart (W13
+ * alternates gate and up units). */
+static void kg_quads(int fmt, int G, const void *w, const void *sv, int K, size_t row,
+                     int stride, kg_quad_t q[4]) {
+    /* bytes per row: int8's K, the K-quants' blocks (q4_K: 144 per 256) */
+    const size_t rb = fmt == F_I8 ? (size_t)K : (size_t)(K / Q4K_SB) * kq_bytes(fmt);
     const uint8_t *b = (const uint8_t *)w;
     for (int t = 0; t < 4; t++) {
         const int unit = fmt == F_Q4K ? t / 2 : t; /* q4_K: a unit is a pair of quads */
-        const kg_quad_t one = {b + (row + (size_t)unit * stride) * rb, fmt == F_Q4K ? 2 : 1,
-                               fmt == F_Q4K ? t % 2 : 0};
+        const size_t r = row + (size_t)unit * stride;
+        const kg_quad_t one = {b + r * rb, fmt == F_Q4K ? 2 : 1, fmt == F_Q4K ? t % 2 : 0,
+                               fmt == F_I8 ? (const uint16_t *)sv + r * (K / G) : NULL};
         q[t] = one;
     }
 }
@@ -179,7 +184,8 @@ static void kg_widen_block(const job_t *j, int which, int fmt, int K, const int 
  * memory. */
 int hs_phase1_kgemm(const job_t *j, int ai, int u0, int u1) {
     const int H = j->H, I = j->I, fmt = jfmt(j, 1), R = kg_unit_rows(fmt), su = GEMM_ROWS / R;
-    const int per = I / R, nsb = H / Q4K_SB;
+    const int per = I / R, nsb = H / Q4K_SB, G = jg(j, 1), gk = kg_group(fmt, G);
+    const int i8 = fmt == F_I8; /* its int16 rows are read in place, one scale per row */
     const int e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
     if ((u0 - ai * per) % su || (u1 - u0) % su) return -1;
     const float *b13 = j->b13 ? j->b13 + (size_t)e * 2 * I : NULL;
@@ -187,26 +193,28 @@ int hs_phase1_kgemm(const job_t *j, int ai, int u0, int u1) {
     if (kg_scratch(&s, H, 2) != 0) return -1;
     for (int t0 = 0; t0 < cnt; t0 += KG_TBK) {
         const int nt = cnt - t0 < KG_TBK ? cnt - t0 : KG_TBK;
-        kg_widen_block(j, 1, fmt, H, j->tok + off + t0, nt, &s);
+        if (!i8) kg_widen_block(j, 1, fmt, H, j->tok + off + t0, nt, &s);
         for (int v = u0 - ai * per; v < u1 - ai * per; v += su) { /* gate rows R v .. R v + 15 */
             const int i0 = R * v;
             kg_quad_t gq[4], uq[4];
             const size_t row = (size_t)e * 2 * I + 2 * (size_t)R * v;
-            kg_quads(fmt, j->w13, H, row, 2 * R, gq);
-            kg_quads(fmt, j->w13, H, row + R, 2 * R, uq);
-            kg_pack(fmt, gq, H, &s.st[0]);
-            kg_pack(fmt, uq, H, &s.st[1]);
+            kg_quads(fmt, G, j->w13, j->s13, H, row, 2 * R, gq);
+            kg_quads(fmt, G, j->w13, j->s13, H, row + R, 2 * R, uq);
+            kg_pack(fmt, G, gq, H, &s.st[0]);
+            kg_pack(fmt, G, uq, H, &s.st[1]);
             for (int p0 = 0; p0 < nt; p0 += PB) {
                 const int n = nt - p0 < PB ? nt - p0 : PB;
                 const int16_t *x[PB], *ms[PB];
                 const float *xd[PB];
                 for (int m = 0; m < n; m++) {
-                    x[m] = s.x16 + (size_t)(p0 + m) * H;
+                    const int tk = j->tok[off + t0 + p0 + m];
+                    x[m] = i8 ? j->x16 + (size_t)tk * H : s.x16 + (size_t)(p0 + m) * H;
                     ms[m] = s.ms + (size_t)(p0 + m) * nsb * 8;
-                    xd[m] = j->xpd + (size_t)j->tok[off + t0 + p0 + m] * nsb;
+                    xd[m] = i8 ? j->xsc + tk : j->xpd + (size_t)tk * nsb;
                 }
-                kg_strip_gemm(&s.st[0], fmt, H, x, xd, ms, n, s.isum, s.out[0]);
-                kg_strip_gemm(&s.st[1], fmt, H, x, xd, ms, n, s.isum, s.out[1]);
+                const int span = i8 ? H : Q4K_SB;
+                kg_strip_gemm(&s.st[0], fmt, H, gk, span, x, xd, ms, n, s.isum, s.out[0]);
+                kg_strip_gemm(&s.st[1], fmt, H, gk, span, x, xd, ms, n, s.isum, s.out[1]);
                 for (int m = 0; m < n; m++) {
                     const int p = off + t0 + p0 + m;
                     float gl[GEMM_ROWS], ul[GEMM_ROWS], wl[GEMM_ROWS];
@@ -227,7 +235,8 @@ int hs_phase1_kgemm(const job_t *j, int ai, int u0, int u1) {
 /* Phase 2 for units [u0, u1) of active expert ai on the K-quant tiles (as phase 1). */
 int hs_phase2_kgemm(const job_t *j, int ai, int u0, int u1) {
     const int H = j->H, I = j->I, fmt = jfmt(j, 2), R = kg_unit_rows(fmt), su = GEMM_ROWS / R;
-    const int per = H / R, nsb = I / Q4K_SB;
+    const int per = H / R, nsb = I / Q4K_SB, G = jg(j, 2), gk = kg_group(fmt, G);
+    const int i8 = fmt == F_I8;
     const int e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
     if ((u0 - ai * per) % su || (u1 - u0) % su) return -1;
     const float *b2 = j->b2 ? j->b2 + (size_t)e * H : NULL;
@@ -237,22 +246,24 @@ int hs_phase2_kgemm(const job_t *j, int ai, int u0, int u1) {
     for (int t0 = 0; t0 < cnt; t0 += KG_TBK) {
         const int nt = cnt - t0 < KG_TBK ? cnt - t0 : KG_TBK;
         for (int m = 0; m < nt; m++) rows[m] = off + t0 + m;
-        kg_widen_block(j, 2, fmt, I, rows, nt, &s);
+        if (!i8) kg_widen_block(j, 2, fmt, I, rows, nt, &s);
         for (int v = u0 - ai * per; v < u1 - ai * per; v += su) { /* rows R v .. R v + 15 */
             const int n0 = R * v;
             kg_quad_t q[4];
-            kg_quads(fmt, j->w2, I, (size_t)e * H + n0, R, q);
-            kg_pack(fmt, q, I, &s.st[0]);
+            kg_quads(fmt, G, j->w2, j->s2, I, (size_t)e * H + n0, R, q);
+            kg_pack(fmt, G, q, I, &s.st[0]);
             for (int p0 = 0; p0 < nt; p0 += PB) {
                 const int n = nt - p0 < PB ? nt - p0 : PB;
                 const int16_t *x[PB], *ms[PB];
                 const float *xd[PB];
                 for (int m = 0; m < n; m++) {
-                    x[m] = s.x16 + (size_t)(p0 + m) * I;
+                    const size_t p = (size_t)(off + t0 + p0 + m);
+                    x[m] = i8 ? j->a16 + p * I : s.x16 + (size_t)(p0 + m) * I;
                     ms[m] = s.ms + (size_t)(p0 + m) * nsb * 8;
-                    xd[m] = j->apd + (size_t)(off + t0 + p0 + m) * nsb;
+                    xd[m] = i8 ? j->asc + p : j->apd + p * nsb;
                 }
-                kg_strip_gemm(&s.st[0], fmt, I, x, xd, ms, n, s.isum, s.out[0]);
+                kg_strip_gemm(&s.st[0], fmt, I, gk, i8 ? I : Q4K_SB, x, xd, ms, n, s.isum,
+                              s.out[0]);
                 for (int m = 0; m < n; m++) {
                     const int p = off + t0 + p0 + m;
                     const float pw = j->pw[p];

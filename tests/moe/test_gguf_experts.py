@@ -187,12 +187,13 @@ def test_blocks_read_as_gguf_reads_them(kind):
 @pytest.mark.parametrize(
     "kinds",
     [("q6_K", "q6_K"), ("q5_K", "q5_K"), ("q4_K", "q6_K"), ("random_iq4_xs", "q5_K"),
-     ("q4_K", "q4_K"), ("random_iq4_xs", "random_iq4_xs"), ("q5_K", "q8_0")],
+     ("q4_K", "q4_K"), ("random_iq4_xs", "random_iq4_xs"), ("q5_K", "q8_0"),
+     ("random_iq4_nl", "random_iq4_nl"), ("q8_0", "q6_K"), ("q8_0", "q8_0")],
 )  # fmt: skip
 def test_prefill_tiles_agree_with_the_row_kernels(kinds):
-    """An expert meeting many tokens (prefill) runs its K-quant / IQ4_XS rows dequantized to
-    int16 panels on the GEMM tiles (moe_kgemm.h): the same int8 activations and exact integer
-    sums per super-block as the row kernels that take one or two tokens, so a token's output is
+    """An expert meeting many tokens (prefill) runs its K-quant / IQ4 / q8_0 rows dequantized to
+    int16 panels on the GEMM tiles (moe_kgemm.h): the same rounded activations and exact integer
+    sums per scale group as the row kernels that take one or two tokens, so a token's output is
     its single-token call's up to the order of fp32 additions, unless that order moved one of
     phase 2's activations across an int8 rounding boundary (`flip`, one step times a weight).
     40 tokens on 2 experts: 40 pairs each, past the tiles' threshold of 8; H = 256 and INTER =
