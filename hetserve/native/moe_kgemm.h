@@ -37,11 +37,11 @@ static inline int kg_fmt(int fmt) {
 }
 
 /* Columns per float scale of the formats with tiles here, 0 for none: 256 for kg_fmt; 32 for
- * IQ4_NL; G for int8 with fp16 scales per group of G (GGUF q8_0: 32), whose int16 activations
- * (one scale per row) the tiles read in place. */
+ * IQ4_NL and MXFP4; G for int8 with fp16 scales per group of G (GGUF q8_0: 32). int8 and MXFP4
+ * meet int16 activations (one scale per row) that the tiles read in place. */
 static inline int kg_group(int fmt, int G) {
     if (kg_fmt(fmt)) return Q4K_SB;
-    if (fmt == F_IQ4NL) return 32;
+    if (fmt == F_IQ4NL || fmt == F_MXFP4) return 32;
     return fmt == F_I8 && G > 0 && G % 16 == 0 ? G : 0;
 }
 
@@ -56,7 +56,7 @@ static inline int kg_has_mins(int fmt) {
 typedef struct {
     const uint8_t *base;
     int nq, i;
-    const uint16_t *sc;
+    const void *sc; /* grouped int8: fp16 [K / G][4]; MXFP4 (q[0] the strip's tile): e8m0 */
 } kg_quad_t;
 
 /* A strip dequantized: the panel and, per scale group g (kg_group's columns) and row r,
@@ -238,14 +238,47 @@ static inline void kg_pack_i8g(const kg_quad_t q[4], int K, int G, kg_strip_t *s
                 for (int r = 0; r < 4; r++) d[r] = 0.0f;
                 continue;
             }
-            _mm_storeu_ps(d, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(q[t].sc + 4 * g))));
+            const uint16_t *sc = (const uint16_t *)q[t].sc + 4 * g;
+            _mm_storeu_ps(d, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)sc)));
         }
+}
+
+/* MXFP4: the strip is one tile of 16 rows (q->base, e8m0 scales q->sc [K / 32][16]), whose
+ * decoded pair vectors (moe_formats.h's tile_mxfp4: 256 x the doubled code per int16, pairs in
+ * the activations' order) are the panel's rows as they come: pair 4 c + i of block b is panel
+ * row 16 b + 4 c + i; the scales e8m0_scaled8's. */
+static inline void kg_pack_mxfp4(const kg_quad_t *q, int K, kg_strip_t *s) {
+    const __m256i nib = _mm256_set1_epi8(0x0F), lut = mxfp4_lut();
+    const __m256i high = _mm256_set1_epi16((short)0xFF00);
+    const uint8_t *e8 = (const uint8_t *)q->sc;
+    for (int b = 0; b < K / 32; b++) {
+        const uint8_t *qb = q->base + 256 * (size_t)b;
+        for (int c = 0; c < 4; c++)
+            for (int h = 0; h < 2; h++) { /* rows 8h .. 8h + 7 */
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qb + 64 * c + 32 * h));
+                const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, nib));
+                const __m256i hi =
+                    _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
+                const __m256i w[4] = {_mm256_slli_epi16(lo, 8), _mm256_and_si256(lo, high),
+                                      _mm256_slli_epi16(hi, 8), _mm256_and_si256(hi, high)};
+                for (int i = 0; i < 4; i++) {
+                    const size_t kp = (size_t)16 * b + 4 * c + i;
+                    _mm256_storeu_si256((__m256i *)(s->panel + (kp * GEMM_ROWS + 8 * h) * 2), w[i]);
+                }
+            }
+        _mm256_storeu_ps(s->d + GEMM_ROWS * b, e8m0_scaled8(e8 + GEMM_ROWS * b));
+        _mm256_storeu_ps(s->d + GEMM_ROWS * b + 8, e8m0_scaled8(e8 + GEMM_ROWS * b + 8));
+    }
 }
 
 /* Dequantizes the strip's 4 quads q (format fmt, G its int8 groups, K columns) into s. */
 static inline void kg_pack(int fmt, int G, const kg_quad_t q[4], int K, kg_strip_t *s) {
     if (fmt == F_I8) {
         kg_pack_i8g(q, K, G, s);
+        return;
+    }
+    if (fmt == F_MXFP4) {
+        kg_pack_mxfp4(q, K, s);
         return;
     }
     const int nsb = K / Q4K_SB, bb = kq_bytes(fmt), nl = fmt == F_IQ4NL; /* IQ4_NL: 8 d per row */

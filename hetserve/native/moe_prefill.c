@@ -124,7 +124,7 @@ int hs_phase2_gemm(const job_t *j, int ai, int u0, int u1) {
 #define KG_TBK 512 /* tokens widened at once (x16: 512 x K int16) */
 
 static inline int kg_unit_rows(int fmt) {
-    return fmt == F_Q4K ? 8 : 4; /* moe_kernels.c's unit_rows */
+    return fmt == F_MXFP4 ? TILE_ROWS : fmt == F_Q4K ? 8 : 4; /* moe_kernels.c's unit_rows */
 }
 
 /* The 4 quads of the strip whose first unit starts at row `row` of the [E * N, K] matrix w
@@ -132,6 +132,12 @@ static inline int kg_unit_rows(int fmt) {
  * alternates gate and up units). */
 static void kg_quads(int fmt, int G, const void *w, const void *sv, int K, size_t row,
                      int stride, kg_quad_t q[4]) {
+    if (fmt == F_MXFP4) { /* one tile of 16 rows */
+        const kg_quad_t tile = {(const uint8_t *)w + row * (K / 2), 1, 0,
+                                (const uint8_t *)sv + row * (K / 32)};
+        q[0] = tile;
+        return;
+    }
     /* bytes per row: int8's K, the K-quants' blocks (q4_K: 144 per 256) */
     const size_t rb = fmt == F_I8 ? (size_t)K : (size_t)(K / Q4K_SB) * kq_bytes(fmt);
     const uint8_t *b = (const uint8_t *)w;
@@ -152,9 +158,12 @@ typedef struct {
     char *buf;
 } kg_scratch_t;
 
-static int kg_scratch(kg_scratch_t *s, int K, int strips) {
+/* Scratch for `strips` strips of K columns and, unless the activations are read in place
+ * (wide = 0), the widened rows of up to `tokens` tokens. */
+static int kg_scratch(kg_scratch_t *s, int K, int strips, int tokens, int wide) {
     const size_t sb = kg_strip_bytes(K), nsb = (size_t)(K / Q4K_SB);
-    const size_t x = (size_t)KG_TBK * K * 2, ms = (size_t)KG_TBK * nsb * 8 * 2;
+    const size_t nt = wide ? (size_t)(tokens < KG_TBK ? tokens : KG_TBK) : 0;
+    const size_t x = nt * K * 2, ms = nt * nsb * 8 * 2;
     const size_t sums = (size_t)PB * GEMM_ROWS * 4;
     s->buf = aligned_alloc(64, (strips * sb + x + ms + 3 * sums + 63) / 64 * 64);
     if (s->buf == NULL) return -1;
@@ -185,12 +194,12 @@ static void kg_widen_block(const job_t *j, int which, int fmt, int K, const int 
 int hs_phase1_kgemm(const job_t *j, int ai, int u0, int u1) {
     const int H = j->H, I = j->I, fmt = jfmt(j, 1), R = kg_unit_rows(fmt), su = GEMM_ROWS / R;
     const int per = I / R, nsb = H / Q4K_SB, G = jg(j, 1), gk = kg_group(fmt, G);
-    const int i8 = fmt == F_I8; /* its int16 rows are read in place, one scale per row */
+    const int i8 = fmt == F_I8 || fmt == F_MXFP4; /* int16 rows read in place, a scale per row */
     const int e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
     if ((u0 - ai * per) % su || (u1 - u0) % su) return -1;
     const float *b13 = j->b13 ? j->b13 + (size_t)e * 2 * I : NULL;
     kg_scratch_t s;
-    if (kg_scratch(&s, H, 2) != 0) return -1;
+    if (kg_scratch(&s, H, 2, cnt, !i8) != 0) return -1;
     for (int t0 = 0; t0 < cnt; t0 += KG_TBK) {
         const int nt = cnt - t0 < KG_TBK ? cnt - t0 : KG_TBK;
         if (!i8) kg_widen_block(j, 1, fmt, H, j->tok + off + t0, nt, &s);
@@ -236,12 +245,12 @@ int hs_phase1_kgemm(const job_t *j, int ai, int u0, int u1) {
 int hs_phase2_kgemm(const job_t *j, int ai, int u0, int u1) {
     const int H = j->H, I = j->I, fmt = jfmt(j, 2), R = kg_unit_rows(fmt), su = GEMM_ROWS / R;
     const int per = H / R, nsb = I / Q4K_SB, G = jg(j, 2), gk = kg_group(fmt, G);
-    const int i8 = fmt == F_I8;
+    const int i8 = fmt == F_I8 || fmt == F_MXFP4;
     const int e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
     if ((u0 - ai * per) % su || (u1 - u0) % su) return -1;
     const float *b2 = j->b2 ? j->b2 + (size_t)e * H : NULL;
     kg_scratch_t s;
-    if (kg_scratch(&s, I, 1) != 0) return -1;
+    if (kg_scratch(&s, I, 1, cnt, !i8) != 0) return -1;
     int rows[KG_TBK];
     for (int t0 = 0; t0 < cnt; t0 += KG_TBK) {
         const int nt = cnt - t0 < KG_TBK ? cnt - t0 : KG_TBK;

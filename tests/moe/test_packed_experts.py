@@ -291,3 +291,24 @@ def test_layouts_filled_expert_by_expert_equal_the_stacked_layer(gate_up, rows, 
     assert torch.equal(stacked_quads(mats, chunk, gate_up, rows), want)
     with pytest.raises(ValueError, match="differ in shape"):
         stacked_quads([*mats, mats[0][:32]], chunk, gate_up, rows)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "int8", "q4k"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_prefill_tiles_match_the_emulated_reference(fmt, bias):
+    """Experts meeting many tokens (40 pairs each on 2 experts: prefill) run the GEMM tiles of
+    moe_kgemm.h (MXFP4 tiles and q8_0 groups decoded once into int16 panels, their scales per
+    32 columns; q4_K by super-block) on the same rounded activations as the row kernels: the
+    emulation's bound holds, with biases and gpt-oss's clamped SwiGLU."""
+    w13, w2, b13, b2 = _dense(seed=7)
+    b13, b2 = (b13, b2) if bias else (None, None)
+    packed = _packed(fmt, w13, w2)
+    act = ClampedSwiGLU(alpha=1.702, limit=0.3)
+    weights = ExpertWeights(None, None, b13, b2, packed=packed)
+    deq13 = torch.stack([_kernel_view(m) for m in packed.w13])
+    deq2 = torch.stack([_kernel_view(m) for m in packed.w2])
+    x, tw, _ = _routing(40, seed=8)
+    ids = torch.tensor([[2, 5, 7]] * 40)
+    out = create_backend(PACKERS[fmt][1], weights, activation=act).forward(x, tw, ids)
+    ref = _emulated(deq13, deq2, b13, b2, act, x, tw, ids, rounding=_rounding(fmt))
+    assert_emulated(out, ref)
