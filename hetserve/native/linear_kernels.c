@@ -160,7 +160,7 @@ static int lin_item_kgemm(const lin_t *l, int u0, int u1) {
                 ms[m] = i8 ? NULL : l->kgms + (size_t)(t0 + m) * nsb * 8;
                 xd[m] = i8 ? l->xsc + t0 + m : l->pd + (size_t)(t0 + m) * nsb;
             }
-            kg_strip_gemm(&st, l->fmt, K, gk, span, x, xd, ms, n, isum, out);
+            kg_strip_gemm(&st, l->fmt, K, gk, span, x, xd, ms, NULL, n, isum, out);
             for (int m = 0; m < n; m++) {
                 float *y = l->out + (size_t)(t0 + m) * l->N + 4 * u;
                 for (int r = 0; r < rows; r++) y[r] = out[m * GEMM_ROWS + r];

@@ -37,11 +37,13 @@ static inline int kg_fmt(int fmt) {
 }
 
 /* Columns per float scale of the formats with tiles here, 0 for none: 256 for kg_fmt; 32 for
- * IQ4_NL and MXFP4; G for int8 with fp16 scales per group of G (GGUF q8_0: 32). int8 and MXFP4
- * meet int16 activations (one scale per row) that the tiles read in place. */
+ * IQ4_NL and MXFP4; G for int8 with fp16 scales per group of G (GGUF q8_0: 32) and for int4
+ * (a scale and a minimum per group). int8, int4 and MXFP4 meet int16 activations (one scale
+ * per row) that the tiles read in place. */
 static inline int kg_group(int fmt, int G) {
     if (kg_fmt(fmt)) return Q4K_SB;
     if (fmt == F_IQ4NL || fmt == F_MXFP4) return 32;
+    if (fmt == F_I4) return G; /* 32, 64 or 128 */
     return fmt == F_I8 && G > 0 && G % 16 == 0 ? G : 0;
 }
 
@@ -61,7 +63,8 @@ typedef struct {
 
 /* A strip dequantized: the panel and, per scale group g (kg_group's columns) and row r,
  * d [g][16]; per super-block s dmin [s][16] and the minimums as int16 pairs mins [s][4][16][2]
- * (pair p: the sub-blocks whose activation sums kg_widen puts at 2p, 2p + 1). */
+ * (pair p: the sub-blocks whose activation sums kg_widen puts at 2p, 2p + 1); int4: its
+ * minimums per group in dmin [g][16]. */
 typedef struct {
     int16_t *panel, *mins;
     float *d, *dmin;
@@ -71,7 +74,7 @@ typedef struct {
 /* Bytes of a kg_strip_t's buffers for K columns (kg_strip_init carves them). */
 static inline size_t kg_strip_bytes(int K) {
     const size_t nsb = (size_t)(K / Q4K_SB), ng = (size_t)(K / 16); /* groups: 16 columns or more */
-    return (size_t)K * GEMM_ROWS * 2 + (ng + nsb) * GEMM_ROWS * 4 + nsb * 4 * GEMM_ROWS * 2 * 2 +
+    return (size_t)K * GEMM_ROWS * 2 + 2 * ng * GEMM_ROWS * 4 + nsb * 4 * GEMM_ROWS * 2 * 2 +
            GEMM_ROWS * Q4K_SB * 2;
 }
 
@@ -80,7 +83,7 @@ static inline void kg_strip_init(kg_strip_t *s, char *buf, int K) {
     s->panel = (int16_t *)buf;
     s->d = (float *)(buf + (size_t)K * GEMM_ROWS * 2);
     s->dmin = s->d + (size_t)(K / 16) * GEMM_ROWS;
-    s->mins = (int16_t *)(s->dmin + nsb * GEMM_ROWS);
+    s->mins = (int16_t *)(s->dmin + (size_t)(K / 16) * GEMM_ROWS);
     s->tmp = s->mins + nsb * 4 * GEMM_ROWS * 2;
 }
 
@@ -271,8 +274,38 @@ static inline void kg_pack_mxfp4(const kg_quad_t *q, int K, kg_strip_t *s) {
     }
 }
 
-/* Dequantizes the strip's 4 quads q (format fmt, G its int8 groups, K columns) into s. */
+/* int4 (moe_quads.h's tile_i4): the strip is one tile of 16 rows at q->base, per group of G
+ * its nibbles (8 G bytes: per 8 inputs each row's 4 bytes), then 16 fp32 scales and 16
+ * minimums; the masks and shifts give pairs in the activations' order, panel row k / 2 + i for
+ * the 8 inputs from k. */
+static inline void kg_pack_i4(const kg_quad_t *q, int K, int G, kg_strip_t *s) {
+    const __m256i low = _mm256_set1_epi16(0x000F);
+    for (int g = 0; g < K / G; g++) {
+        const uint8_t *qg = q->base + I4_GROUP_BYTES(G) * g;
+        for (int k = g * G; k < (g + 1) * G; k += 8)
+            for (int h = 0; h < 2; h++) { /* rows 8h .. 8h + 7 */
+                const __m256i v =
+                    _mm256_loadu_si256((const __m256i *)(qg + 8 * (size_t)(k - g * G) + 32 * h));
+                const __m256i w[4] = {_mm256_and_si256(v, low),
+                                      _mm256_and_si256(_mm256_srli_epi16(v, 8), low),
+                                      _mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                      _mm256_srli_epi16(v, 12)};
+                for (int i = 0; i < 4; i++) {
+                    const size_t kp = (size_t)k / 2 + i;
+                    _mm256_storeu_si256((__m256i *)(s->panel + (kp * GEMM_ROWS + 8 * h) * 2), w[i]);
+                }
+            }
+        memcpy(s->d + (size_t)GEMM_ROWS * g, qg + 8 * (size_t)G, GEMM_ROWS * sizeof(float));
+        memcpy(s->dmin + (size_t)GEMM_ROWS * g, qg + 8 * (size_t)G + 64, GEMM_ROWS * sizeof(float));
+    }
+}
+
+/* Dequantizes the strip's 4 quads q (format fmt, G its int8 / int4 groups, K columns) into s. */
 static inline void kg_pack(int fmt, int G, const kg_quad_t q[4], int K, kg_strip_t *s) {
+    if (fmt == F_I4) {
+        kg_pack_i4(q, K, G, s);
+        return;
+    }
     if (fmt == F_I8) {
         kg_pack_i8g(q, K, G, s);
         return;
@@ -347,14 +380,16 @@ static inline void kg_widen(int fmt, const int8_t *x8, const int16_t *gs, int K,
     }
 }
 
-/* out[m][0..15] = the strip's rows against n tokens: x[m] int16 rows (kg_widen's, or grouped
- * int8's own), per group of gk columns the integer sums scaled by the rows' d and the token's
- * scale xd[m][g gk / span] (span: 256 for scales per super-block, K for one per row), less the
- * minimums (q4_K, q5_K: ms[m] the sub-block sums). isum: scratch [n][16]. */
+/* out[m][0..15] = the strip's rows against n tokens: x[m] int16 rows (kg_widen's, or the
+ * row-scaled formats' own), per group of gk columns the integer sums scaled by the rows' d and
+ * the token's scale xd[m][g gk / span] (span: 256 for scales per super-block, K for one per
+ * row), less the minimums (q4_K, q5_K: ms[m] the sub-block sums) or, for int4, plus its
+ * minimums times the token's group sums xg[m][g]. isum: scratch [n][16]. */
 static inline void kg_strip_gemm(const kg_strip_t *s, int fmt, int K, int gk, int span,
                                  const int16_t *const *x, const float *const *xd,
-                                 const int16_t *const *ms, int n, int32_t *isum, float *out) {
-    const int mins = kg_has_mins(fmt);
+                                 const int16_t *const *ms, const float *const *xg, int n,
+                                 int32_t *isum, float *out) {
+    const int mins = kg_has_mins(fmt), i4 = fmt == F_I4;
     for (int i = 0; i < n * GEMM_ROWS; i++) out[i] = 0.0f;
     for (int g = 0; g < K / gk; g++) {
         memset(isum, 0, sizeof(int32_t) * GEMM_ROWS * (size_t)n);
@@ -386,6 +421,9 @@ static inline void kg_strip_gemm(const kg_strip_t *s, int fmt, int K, int gk, in
                     }
                     const __m256 mx = _mm256_mul_ps(_mm256_loadu_ps(dm + h), xs);
                     acc = _mm256_sub_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(M), mx));
+                } else if (i4) { /* + minimum * (the group's sum of x16) * the token's scale */
+                    const __m256 gx = _mm256_set1_ps(xg[m][g] * xd[m][xi]);
+                    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(dm + h), gx));
                 }
                 _mm256_storeu_ps(o, acc);
             }

@@ -124,7 +124,7 @@ int hs_phase2_gemm(const job_t *j, int ai, int u0, int u1) {
 #define KG_TBK 512 /* tokens widened at once (x16: 512 x K int16) */
 
 static inline int kg_unit_rows(int fmt) {
-    return fmt == F_MXFP4 ? TILE_ROWS : fmt == F_Q4K ? 8 : 4; /* moe_kernels.c's unit_rows */
+    return fmt == F_MXFP4 || fmt == F_I4 ? TILE_ROWS : fmt == F_Q4K ? 8 : 4; /* unit_rows */
 }
 
 /* The 4 quads of the strip whose first unit starts at row `row` of the [E * N, K] matrix w
@@ -132,6 +132,12 @@ static inline int kg_unit_rows(int fmt) {
  * alternates gate and up units). */
 static void kg_quads(int fmt, int G, const void *w, const void *sv, int K, size_t row,
                      int stride, kg_quad_t q[4]) {
+    if (fmt == F_I4) { /* one tile of 16 rows, its groups' scales and minimums inside */
+        const kg_quad_t tile = {(const uint8_t *)w + row / TILE_ROWS * I4_TILE_BYTES(K, G), 1, 0,
+                                NULL};
+        q[0] = tile;
+        return;
+    }
     if (fmt == F_MXFP4) { /* one tile of 16 rows */
         const kg_quad_t tile = {(const uint8_t *)w + row * (K / 2), 1, 0,
                                 (const uint8_t *)sv + row * (K / 32)};
@@ -194,7 +200,8 @@ static void kg_widen_block(const job_t *j, int which, int fmt, int K, const int 
 int hs_phase1_kgemm(const job_t *j, int ai, int u0, int u1) {
     const int H = j->H, I = j->I, fmt = jfmt(j, 1), R = kg_unit_rows(fmt), su = GEMM_ROWS / R;
     const int per = I / R, nsb = H / Q4K_SB, G = jg(j, 1), gk = kg_group(fmt, G);
-    const int i8 = fmt == F_I8 || fmt == F_MXFP4; /* int16 rows read in place, a scale per row */
+    /* int16 rows read in place, a scale per row */
+    const int i8 = fmt == F_I8 || fmt == F_MXFP4 || fmt == F_I4;
     const int e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
     if ((u0 - ai * per) % su || (u1 - u0) % su) return -1;
     const float *b13 = j->b13 ? j->b13 + (size_t)e * 2 * I : NULL;
@@ -214,16 +221,17 @@ int hs_phase1_kgemm(const job_t *j, int ai, int u0, int u1) {
             for (int p0 = 0; p0 < nt; p0 += PB) {
                 const int n = nt - p0 < PB ? nt - p0 : PB;
                 const int16_t *x[PB], *ms[PB];
-                const float *xd[PB];
+                const float *xd[PB], *xg[PB];
                 for (int m = 0; m < n; m++) {
                     const int tk = j->tok[off + t0 + p0 + m];
                     x[m] = i8 ? j->x16 + (size_t)tk * H : s.x16 + (size_t)(p0 + m) * H;
                     ms[m] = s.ms + (size_t)(p0 + m) * nsb * 8;
                     xd[m] = i8 ? j->xsc + tk : j->xpd + (size_t)tk * nsb;
+                    xg[m] = fmt == F_I4 ? j->xgs + (size_t)tk * (H / G) : NULL;
                 }
                 const int span = i8 ? H : Q4K_SB;
-                kg_strip_gemm(&s.st[0], fmt, H, gk, span, x, xd, ms, n, s.isum, s.out[0]);
-                kg_strip_gemm(&s.st[1], fmt, H, gk, span, x, xd, ms, n, s.isum, s.out[1]);
+                kg_strip_gemm(&s.st[0], fmt, H, gk, span, x, xd, ms, xg, n, s.isum, s.out[0]);
+                kg_strip_gemm(&s.st[1], fmt, H, gk, span, x, xd, ms, xg, n, s.isum, s.out[1]);
                 for (int m = 0; m < n; m++) {
                     const int p = off + t0 + p0 + m;
                     float gl[GEMM_ROWS], ul[GEMM_ROWS], wl[GEMM_ROWS];
@@ -245,7 +253,7 @@ int hs_phase1_kgemm(const job_t *j, int ai, int u0, int u1) {
 int hs_phase2_kgemm(const job_t *j, int ai, int u0, int u1) {
     const int H = j->H, I = j->I, fmt = jfmt(j, 2), R = kg_unit_rows(fmt), su = GEMM_ROWS / R;
     const int per = H / R, nsb = I / Q4K_SB, G = jg(j, 2), gk = kg_group(fmt, G);
-    const int i8 = fmt == F_I8 || fmt == F_MXFP4;
+    const int i8 = fmt == F_I8 || fmt == F_MXFP4 || fmt == F_I4;
     const int e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
     if ((u0 - ai * per) % su || (u1 - u0) % su) return -1;
     const float *b2 = j->b2 ? j->b2 + (size_t)e * H : NULL;
@@ -264,14 +272,15 @@ int hs_phase2_kgemm(const job_t *j, int ai, int u0, int u1) {
             for (int p0 = 0; p0 < nt; p0 += PB) {
                 const int n = nt - p0 < PB ? nt - p0 : PB;
                 const int16_t *x[PB], *ms[PB];
-                const float *xd[PB];
+                const float *xd[PB], *xg[PB];
                 for (int m = 0; m < n; m++) {
                     const size_t p = (size_t)(off + t0 + p0 + m);
                     x[m] = i8 ? j->a16 + p * I : s.x16 + (size_t)(p0 + m) * I;
                     ms[m] = s.ms + (size_t)(p0 + m) * nsb * 8;
                     xd[m] = i8 ? j->asc + p : j->apd + p * nsb;
+                    xg[m] = fmt == F_I4 ? j->ags + p * (I / G) : NULL;
                 }
-                kg_strip_gemm(&s.st[0], fmt, I, gk, i8 ? I : Q4K_SB, x, xd, ms, n, s.isum,
+                kg_strip_gemm(&s.st[0], fmt, I, gk, i8 ? I : Q4K_SB, x, xd, ms, xg, n, s.isum,
                               s.out[0]);
                 for (int m = 0; m < n; m++) {
                     const int p = off + t0 + p0 + m;

@@ -293,13 +293,14 @@ def test_layouts_filled_expert_by_expert_equal_the_stacked_layer(gate_up, rows, 
         stacked_quads([*mats, mats[0][:32]], chunk, gate_up, rows)
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "int8", "q4k"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "int8", "q4k", "int4"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_prefill_tiles_match_the_emulated_reference(fmt, bias):
     """Experts meeting many tokens (40 pairs each on 2 experts: prefill) run the GEMM tiles of
-    moe_kgemm.h (MXFP4 tiles and q8_0 groups decoded once into int16 panels, their scales per
-    32 columns; q4_K by super-block) on the same rounded activations as the row kernels: the
-    emulation's bound holds, with biases and gpt-oss's clamped SwiGLU."""
+    moe_kgemm.h (MXFP4 and int4 tiles and q8_0 groups decoded once into int16 panels, their
+    scales, and int4's minimums, per group of 32 columns; q4_K by super-block) on the same
+    rounded activations as the row kernels: the emulation's bound holds, with biases and
+    gpt-oss's clamped SwiGLU."""
     w13, w2, b13, b2 = _dense(seed=7)
     b13, b2 = (b13, b2) if bias else (None, None)
     packed = _packed(fmt, w13, w2)
