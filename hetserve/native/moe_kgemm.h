@@ -384,12 +384,18 @@ static inline void kg_widen(int fmt, const int8_t *x8, const int16_t *gs, int K,
  * row-scaled formats' own), per group of gk columns the integer sums scaled by the rows' d and
  * the token's scale xd[m][g gk / span] (span: 256 for scales per super-block, K for one per
  * row), less the minimums (q4_K, q5_K: ms[m] the sub-block sums) or, for int4, plus its
- * minimums times the token's group sums xg[m][g]. isum: scratch [n][16]. */
+ * minimums times the token's group sums xg[m][g]. isum: scratch [n][16]. The row kernels of
+ * the GGUF formats keep 4-8 fp32 lanes per row and sum them at the end: there a token's output
+ * in a batch of 8 or more differs from its own call by the order of fp32 additions (a few ulp,
+ * and now and then one activation across a rounding boundary in the next phase); int4 and
+ * MXFP4 give the same bits either way (below), as the int8 tiles do. */
 static inline void kg_strip_gemm(const kg_strip_t *s, int fmt, int K, int gk, int span,
                                  const int16_t *const *x, const float *const *xd,
                                  const int16_t *const *ms, const float *const *xg, int n,
                                  int32_t *isum, float *out) {
-    const int mins = kg_has_mins(fmt), i4 = fmt == F_I4;
+    /* int4 and MXFP4: each row in its own lane in the row kernels too (tile_i4, tile_mxfp4), so
+     * the same steps give the same bits: a token's output does not depend on its batch */
+    const int mins = kg_has_mins(fmt), i4 = fmt == F_I4, lanes = i4 || fmt == F_MXFP4;
     for (int i = 0; i < n * GEMM_ROWS; i++) out[i] = 0.0f;
     for (int g = 0; g < K / gk; g++) {
         memset(isum, 0, sizeof(int32_t) * GEMM_ROWS * (size_t)n);
@@ -408,6 +414,14 @@ static inline void kg_strip_gemm(const kg_strip_t *s, int fmt, int K, int gk, in
                 float *o = out + (size_t)m * GEMM_ROWS + h;
                 const int32_t *im = isum + m * GEMM_ROWS + h;
                 const __m256 is = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)im));
+                if (lanes) { /* the row kernels' own steps: fma by the scale (int4: then by the
+                              * minimum and the group sum); the token's scale at the end */
+                    __m256 t = _mm256_fmadd_ps(is, _mm256_loadu_ps(dr + h), _mm256_loadu_ps(o));
+                    if (i4)
+                        t = _mm256_fmadd_ps(_mm256_loadu_ps(dm + h), _mm256_set1_ps(xg[m][g]), t);
+                    _mm256_storeu_ps(o, t);
+                    continue;
+                }
                 const __m256 dx = _mm256_mul_ps(_mm256_loadu_ps(dr + h), xs);
                 __m256 acc = _mm256_add_ps(_mm256_loadu_ps(o), _mm256_mul_ps(is, dx));
                 if (mins) { /* gk = 256: group g is super-block g */
@@ -421,14 +435,14 @@ static inline void kg_strip_gemm(const kg_strip_t *s, int fmt, int K, int gk, in
                     }
                     const __m256 mx = _mm256_mul_ps(_mm256_loadu_ps(dm + h), xs);
                     acc = _mm256_sub_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(M), mx));
-                } else if (i4) { /* + minimum * (the group's sum of x16) * the token's scale */
-                    const __m256 gx = _mm256_set1_ps(xg[m][g] * xd[m][xi]);
-                    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(dm + h), gx));
                 }
                 _mm256_storeu_ps(o, acc);
             }
         }
     }
+    if (lanes) /* times the token's scale, as quad_int does */
+        for (int m = 0; m < n; m++)
+            for (int r = 0; r < GEMM_ROWS; r++) out[(size_t)m * GEMM_ROWS + r] *= xd[m][0];
 }
 
 #endif

@@ -381,13 +381,16 @@ def test_without_the_native_kernel_auto_falls_back_and_native_is_a_user_error(we
         ("cpu-fp32", 48, 56),
         ("cpu-int8", 128, 64),
         ("cpu-int4", 128, 64),
+        ("cpu-mxfp4", 128, 64),
+        ("cpu-int4", 128, 256),
     ],
 )
 def test_native_token_alone_equals_its_row_in_a_batch(kind, h, inter):
     # The microkernels take 1-3 tokens at a time; a token's sums must not depend on how many
     # share the call (batching, or a request joining a running batch, must not change a
     # reply). fp32 at h=40 / inter=24 and 48 / 56 also runs the rows' tails (K % 32 = 8, 16,
-    # 24, after no full step of 32 or after one); 8 tokens give fp32 calls of 3, 3 and 2.
+    # 24, after no full step of 32 or after one); 8 tokens give fp32 calls of 3, 3 and 2, and
+    # int8, int4 and MXFP4 their GEMM tiles (8 pairs per expert), the row kernels' bits.
     from hetserve.native import native_unavailable_reason
 
     if native_unavailable_reason() is not None:
