@@ -127,6 +127,18 @@ static inline __m256i mxfp4_lut(void) {
                             0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
 }
 
+/* One 32-byte half chunk v of an MXFP4 tile (8 rows x 4 bytes) as the 4 pair vectors the
+ * activations meet: 256 x the doubled values of elements (0, 4), (2, 6), (1, 5), (3, 7) of each
+ * row's 8 (see below); lut = mxfp4_lut(). */
+static inline __attribute__((always_inline)) void mxfp4_pairs(__m256i v, __m256i lut,
+                                                              __m256i w[4]) {
+    const __m256i nib = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi16((short)0xFF00);
+    const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, nib));
+    const __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
+    w[0] = _mm256_slli_epi16(lo, 8), w[1] = _mm256_and_si256(lo, high);
+    w[2] = _mm256_slli_epi16(hi, 8), w[3] = _mm256_and_si256(hi, high);
+}
+
 /* MXFP4 rows are read 16 at a time (a tile), each row in its own 32-bit lane, so per block of
  * 32 inputs every lane sums its own row's products and meets its own scale: no per-lane scale
  * spreading, no horizontal sums, one conversion and FMA per block for 16 rows. Tile layout, per
@@ -237,8 +249,7 @@ static inline __attribute__((always_inline)) void tile_mxfp4(const uint8_t *q, c
     }
     tile_out5(tot, MB, out);
 #else
-    const __m256i nib = _mm256_set1_epi8(0x0F), lut = mxfp4_lut();
-    const __m256i high = _mm256_set1_epi16((short)0xFF00);
+    const __m256i lut = mxfp4_lut();
     __m256 tot[2][2];
     for (int m = 0; m < MB; m++) tot[m][0] = tot[m][1] = _mm256_setzero_ps();
     for (int b = 0; b < K / 32; b++) {
@@ -248,12 +259,8 @@ static inline __attribute__((always_inline)) void tile_mxfp4(const uint8_t *q, c
             for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
             for (int c = 0; c < 4; c++) {
                 if (h == 0) hs_prefetch(qb + 64 * c);
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(qb + 64 * c + 32 * h));
-                const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, nib));
-                const __m256i hi =
-                    _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
-                const __m256i w[4] = {_mm256_slli_epi16(lo, 8), _mm256_and_si256(lo, high),
-                                      _mm256_slli_epi16(hi, 8), _mm256_and_si256(hi, high)};
+                __m256i w[4];
+                mxfp4_pairs(_mm256_loadu_si256((const __m256i *)(qb + 64 * c + 32 * h)), lut, w);
                 for (int m = 0; m < MB; m++) tile_dot(acc[m], w, x[m] + 32 * b + 8 * c);
             }
             if (h == 0) hs_prefetch_side(sc + TILE_ROWS * (size_t)b, 16);

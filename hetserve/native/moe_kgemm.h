@@ -1,7 +1,10 @@
-/* GEMM tiles for the GGUF K-quants and IQ4_XS (q4_K, q5_K, q6_K, IQ4_XS): what prefill runs
- * where an expert (moe_prefill.c) or a linear (linear_kernels.c) meets many tokens, so that the
- * files people download prefill on the int8 tiles' arithmetic instead of the row kernels two
- * tokens at a time.
+/* GEMM tiles for the packed formats (the GGUF K-quants q4_K, q5_K, q6_K, the i-quants IQ4_XS
+ * and IQ4_NL, q8_0's grouped int8; MXFP4 and int4): what prefill runs where an expert
+ * (moe_prefill.c) or a linear (linear_kernels.c) meets 8 tokens or more, so that published
+ * and downloaded files prefill on the int8 tiles' arithmetic instead of the row kernels two
+ * tokens at a time. The formats with a float scale per group of 32-128 columns (kg_group) take
+ * the same panel and flush each group's integer sums into fp32 (kg_pack_i8g, kg_pack_mxfp4,
+ * kg_pack_i4 and kg_strip_gemm below). For the K-quants:
  *
  * Each format's weight is an integer times a float per row and super-block of 256 columns,
  * w = d * v - dmin * m_j (q4_K, q5_K: v = sc_j * q, sc_j and m_j the 6-bit numbers of sub-block
@@ -103,23 +106,12 @@ static inline void kg_put32(__m256i v, int sx, __m256i s0, __m256i s1, int16_t *
  * d [8], one per 32 columns) and, for q5_K, dmin and m [8]. */
 static inline void kg_row_sb(int fmt, const uint8_t *b, int16_t *v, float *d, float *dmin,
                              int16_t *m) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
     if (fmt == F_Q6K) {
-        const __m256i hi2 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+        const __m256i off = _mm256_set1_epi8(32);
         const int8_t *sc = (const int8_t *)(b + 192);
         for (int n = 0; n < 2; n++) {
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * n));
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * n + 32));
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
             __m256i q[4];
-            q[0] = _mm256_or_si256(_mm256_and_si256(l0, low),
-                                   _mm256_and_si256(_mm256_slli_epi16(h, 4), hi2));
-            q[1] = _mm256_or_si256(_mm256_and_si256(l1, low),
-                                   _mm256_and_si256(_mm256_slli_epi16(h, 2), hi2));
-            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                                   _mm256_and_si256(h, hi2));
-            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
-                                   _mm256_and_si256(_mm256_srli_epi16(h, 2), hi2));
+            q6k_values(b, n, q);
             /* columns 128 n + 32 i + l: scales sc[8 n + 2 i + l / 16] */
             for (int i = 0; i < 4; i++)
                 kg_put32(_mm256_sub_epi8(q[i], off), 1,
@@ -132,24 +124,10 @@ static inline void kg_row_sb(int fmt, const uint8_t *b, int16_t *v, float *d, fl
         uint8_t sm[16];
         _mm_storeu_si128((__m128i *)sm, k4_unpack(b + 4));
         for (int c = 0; c < 4; c++) {
-            const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * c));
             for (int hh = 0; hh < 2; hh++) {
                 const int j = 2 * c + hh;
-                const __m256i nib = hh ? _mm256_and_si256(_mm256_srli_epi16(l, 4), low)
-                                       : _mm256_and_si256(l, low);
-                __m256i hb;
-                switch (j) { /* q5k_high's shifts are immediates */
-                case 0: hb = q5k_high(h, 0); break;
-                case 1: hb = q5k_high(h, 1); break;
-                case 2: hb = q5k_high(h, 2); break;
-                case 3: hb = q5k_high(h, 3); break;
-                case 4: hb = q5k_high(h, 4); break;
-                case 5: hb = q5k_high(h, 5); break;
-                case 6: hb = q5k_high(h, 6); break;
-                default: hb = q5k_high(h, 7); break;
-                }
                 const __m256i s = _mm256_set1_epi16(sm[j]);
-                kg_put32(_mm256_or_si256(nib, hb), 0, s, s, v + 32 * j);
+                kg_put32(q5k_values(b, h, c, hh), 0, s, s, v + 32 * j);
             }
         }
         for (int j = 0; j < 8; j++) m[j] = sm[8 + j];
@@ -211,22 +189,6 @@ static inline void kg_q4k_sb(const uint8_t *sb, int nq, int i, int16_t *v, float
     }
 }
 
-/* 8 x 8 transpose of 32-bit elements (moves only). */
-static inline void kg_t8x8(__m256 r[8]) {
-    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-    const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-    const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-    const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-    const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    r[0] = _mm256_permute2f128_ps(s0, s4, 0x20), r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
-    r[2] = _mm256_permute2f128_ps(s2, s6, 0x20), r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
-    r[4] = _mm256_permute2f128_ps(s0, s4, 0x31), r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
-    r[6] = _mm256_permute2f128_ps(s2, s6, 0x31), r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
-}
-
 /* Grouped int8 (G columns per fp16 scale): the quads as moe_gemm.h packs them, the scales
  * per group and row as floats. */
 static inline void kg_pack_i8g(const kg_quad_t q[4], int K, int G, kg_strip_t *s) {
@@ -251,19 +213,14 @@ static inline void kg_pack_i8g(const kg_quad_t q[4], int K, int G, kg_strip_t *s
  * the activations' order) are the panel's rows as they come: pair 4 c + i of block b is panel
  * row 16 b + 4 c + i; the scales e8m0_scaled8's. */
 static inline void kg_pack_mxfp4(const kg_quad_t *q, int K, kg_strip_t *s) {
-    const __m256i nib = _mm256_set1_epi8(0x0F), lut = mxfp4_lut();
-    const __m256i high = _mm256_set1_epi16((short)0xFF00);
+    const __m256i lut = mxfp4_lut();
     const uint8_t *e8 = (const uint8_t *)q->sc;
     for (int b = 0; b < K / 32; b++) {
         const uint8_t *qb = q->base + 256 * (size_t)b;
         for (int c = 0; c < 4; c++)
             for (int h = 0; h < 2; h++) { /* rows 8h .. 8h + 7 */
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(qb + 64 * c + 32 * h));
-                const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, nib));
-                const __m256i hi =
-                    _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
-                const __m256i w[4] = {_mm256_slli_epi16(lo, 8), _mm256_and_si256(lo, high),
-                                      _mm256_slli_epi16(hi, 8), _mm256_and_si256(hi, high)};
+                __m256i w[4];
+                mxfp4_pairs(_mm256_loadu_si256((const __m256i *)(qb + 64 * c + 32 * h)), lut, w);
                 for (int i = 0; i < 4; i++) {
                     const size_t kp = (size_t)16 * b + 4 * c + i;
                     _mm256_storeu_si256((__m256i *)(s->panel + (kp * GEMM_ROWS + 8 * h) * 2), w[i]);
@@ -346,7 +303,7 @@ static inline void kg_pack(int fmt, int G, const kg_quad_t q[4], int K, kg_strip
             for (int kb = 0; kb < Q4K_SB / 2; kb += 8) {
                 __m256 r[8];
                 for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + (rb + i) * 128 + kb);
-                kg_t8x8(r);
+                hs_tr8(r);
                 for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + (kb + i) * GEMM_ROWS + rb, r[i]);
             }
         for (int j = 0; j < 8 && nl; j++) /* IQ4_NL's d: group 8 sb + j of 32 columns */

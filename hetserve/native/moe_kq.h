@@ -69,32 +69,37 @@ static inline __m256i q6k_scale_pairs(const int8_t *sc) {
     return _mm256_cvtepi8_epi16(eo);
 }
 
+/* Half n of a q6_K super-block b: its 6-bit values q[i] (columns 128 n + 32 i + l, l < 32),
+ * the low nibbles masked or shifted down, the 2 high bits moved to bits 4-5 by one 16-bit shift
+ * and a mask (the bits a shift carries across the byte boundary fall outside the mask). */
+static inline __attribute__((always_inline)) void q6k_values(const uint8_t *b, int n,
+                                                            __m256i q[4]) {
+    const __m256i low = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
+    const __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * n));
+    const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * n + 32));
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
+    const __m256i h4 = _mm256_slli_epi16(h, 4), h2 = _mm256_slli_epi16(h, 2);
+    q[0] = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_and_si256(h4, hi2));
+    q[1] = _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_and_si256(h2, hi2));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                           _mm256_and_si256(h, hi2));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                           _mm256_and_si256(_mm256_srli_epi16(h, 2), hi2));
+}
+
 /* The integer sums of one q6_K super-block b against MB <= 2 tokens' int8 activations (x[m]
  * [256], sums per 16 gs[m]), sum over columns of sc * (q - 32) * x, as 8 int32 lanes each (their
- * sum is the block's). The 6-bit values are put together once for every token: the low
- * nibbles masked or shifted down, the 2 high bits moved to bits 4-5 by one 16-bit shift and a
- * mask (the bits a shift carries across the byte boundary fall outside the mask). */
+ * sum is the block's). The 6-bit values are put together once for every token (q6k_values). */
 static inline __attribute__((always_inline)) void q6k_blocks(const uint8_t *b,
                                                             const int8_t *const x[2],
                                                             const int16_t *const gs[2], int MB,
                                                             __m256i acc[2]) {
-    const __m256i low = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
     const int8_t *sc = (const int8_t *)(b + 192);
     const __m256i pairs = q6k_scale_pairs(sc);
     for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_si256();
     for (int n = 0; n < 2; n++) {
-        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * n));
-        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * n + 32));
-        const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
         __m256i q[4];
-        q[0] = _mm256_or_si256(_mm256_and_si256(l0, low),
-                               _mm256_and_si256(_mm256_slli_epi16(h, 4), hi2));
-        q[1] = _mm256_or_si256(_mm256_and_si256(l1, low),
-                               _mm256_and_si256(_mm256_slli_epi16(h, 2), hi2));
-        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                               _mm256_and_si256(h, hi2));
-        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
-                               _mm256_and_si256(_mm256_srli_epi16(h, 2), hi2));
+        q6k_values(b, n, q);
         for (int i = 0; i < 4; i++) {
             /* sc[2k] on the low 8 lanes, sc[2k + 1] on the high 8 (k = 4 n + i) */
             const __m256i s = _mm256_shuffle_epi8(pairs, HS_W16(4 * n + i));
@@ -135,6 +140,17 @@ static inline __attribute__((always_inline)) __m256i q5k_high(__m256i h, int j) 
     return _mm256_and_si256(v, bit4);
 }
 
+/* Sub-block j = 2 c + hh of a q5_K super-block b (h: its qh bytes, b + 16): the 5-bit values of
+ * columns 32 j .. 32 j + 31, nibble hh of qs[32 c + l] with bit 4 from bit j of qh[l]. */
+static inline __attribute__((always_inline)) __m256i q5k_values(const uint8_t *b, __m256i h, int c,
+                                                               int hh) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * c));
+    const __m256i nib =
+        hh ? _mm256_and_si256(_mm256_srli_epi16(l, 4), low) : _mm256_and_si256(l, low);
+    return _mm256_or_si256(nib, q5k_high(h, 2 * c + hh));
+}
+
 /* One q5_K super-block b against MB <= 2 tokens' x[m] [256] (sums per 16 gs[m]): S[m] = sum
  * sc * q * x (all columns) as 8 int32 lanes, M[m] = sum over sub-blocks of m * (sum of x). The
  * 5-bit values and the scales are unpacked once for every token. */
@@ -142,19 +158,15 @@ static inline __attribute__((always_inline)) void q5k_blocks(const uint8_t *b,
                                                             const int8_t *const x[2],
                                                             const int16_t *const gs[2], int MB,
                                                             __m256i S[2], int M[2]) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 16));
     const __m128i sm = k4_unpack(b + 4); /* sc[8], then m[8] */
     /* the 8 sc as int16 on both lanes: HS_W16(j) broadcasts sc[j] */
     const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
     for (int m = 0; m < MB; m++) S[m] = _mm256_setzero_si256();
     for (int c = 0; c < 4; c++) {
-        const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * c));
         for (int hh = 0; hh < 2; hh++) {
             const int j = 2 * c + hh;
-            const __m256i nib = hh ? _mm256_and_si256(_mm256_srli_epi16(l, 4), low)
-                                   : _mm256_and_si256(l, low);
-            const __m256i q = _mm256_or_si256(nib, q5k_high(h, j));
+            const __m256i q = q5k_values(b, h, c, hh);
             const __m256i s = _mm256_shuffle_epi8(sc16, HS_W16(j));
             for (int m = 0; m < MB; m++) {
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(x[m] + 32 * j));

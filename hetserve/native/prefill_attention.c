@@ -49,22 +49,6 @@ typedef struct {
     int err;
 } pf_t;
 
-/* In place: row i of the 8 x 8 block becomes its column i. */
-static inline __attribute__((always_inline)) void tr8(__m256 r[8]) {
-    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20), r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
-    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20), r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
-    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31), r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
-    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31), r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
-}
-
 /* Keys [j0, j0 + n) of KV head h into kt [D][BK] (transposed) and vt [BK][Dvp], fp32 and
  * scaled; columns / rows up to nc (n rounded up to 16) and V's padding columns are zero, so
  * the microkernels' padding lanes compute finite values (0 * garbage could be NaN). Returns
@@ -95,7 +79,7 @@ static inline __attribute__((always_inline)) int load_tile(const pf_t *a, int h,
                 r[i] = jb + i < n ? _mm256_mul_ps(hs_ld8(a->k, kr[jb + i] + d, half),
                                                   _mm256_set1_ps(ksc[jb + i]))
                                   : _mm256_setzero_ps();
-            tr8(r);
+            hs_tr8(r);
             for (int i = 0; i < 8; i++) _mm256_storeu_ps(kt + (size_t)(d + i) * BK + jb, r[i]);
         }
         for (; d < D; d++)

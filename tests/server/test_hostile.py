@@ -366,8 +366,10 @@ def test_continuous_usage_stats(srv, path):
     body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     chunks = [json.loads(x[6:]) for x in sse_lines(srv, path, body)[:-1]]
     content = [c for c in chunks if c["choices"] and "role" not in c["choices"][0].get("delta", {})]
+    # every content chunk carries the running count (a KeyError if not); on a loaded machine
+    # the stream may deliver several tokens, even all five, in one chunk
     counts = [c["usage"]["completion_tokens"] for c in content]
-    assert counts == sorted(counts) and counts[-1] == 5 and len(counts) >= 2
+    assert counts and counts == sorted(counts) and counts[-1] == 5
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
 
 
