@@ -194,14 +194,30 @@ static void kg_widen_block(const job_t *j, int which, int fmt, int K, const int 
                  s->x16 + (size_t)m * K, s->ms + (size_t)m * nsb * 8);
 }
 
+/* int8, MXFP4 and int4: their int16 activation rows and per-row scales are read in place. */
+static inline int kg_in_place(int fmt) {
+    return fmt == F_I8 || fmt == F_MXFP4 || fmt == F_I4;
+}
+
+/* The tiles' view of activation row r of phase `which` (a token for phase 1, a pair for phase
+ * 2; K its columns), row m of the widened block s where the format is not read in place. */
+static inline void kg_act(const job_t *j, int which, int fmt, int K, int G, size_t r, int m,
+                          const kg_scratch_t *s, const int16_t **x, const int16_t **ms,
+                          const float **xd, const float **xg) {
+    const int nsb = K / Q4K_SB, in_place = kg_in_place(fmt);
+    *x = in_place ? (which == 1 ? j->x16 : j->a16) + r * K : s->x16 + (size_t)m * K;
+    *ms = s->ms + (size_t)m * nsb * 8;
+    *xd = in_place ? (which == 1 ? j->xsc : j->asc) + r : (which == 1 ? j->xpd : j->apd) + r * nsb;
+    *xg = fmt == F_I4 ? (which == 1 ? j->xgs : j->ags) + r * (K / G) : NULL;
+}
+
 /* Phase 1 for units [u0, u1) of active expert ai on the K-quant tiles: whole strips (16 gate
  * rows) only, else -1 with nothing written (the caller runs the row kernels), as when out of
  * memory. */
 int hs_phase1_kgemm(const job_t *j, int ai, int u0, int u1) {
     const int H = j->H, I = j->I, fmt = jfmt(j, 1), R = kg_unit_rows(fmt), su = GEMM_ROWS / R;
-    const int per = I / R, nsb = H / Q4K_SB, G = jg(j, 1), gk = kg_group(fmt, G);
-    /* int16 rows read in place, a scale per row */
-    const int i8 = fmt == F_I8 || fmt == F_MXFP4 || fmt == F_I4;
+    const int per = I / R, G = jg(j, 1), gk = kg_group(fmt, G);
+    const int i8 = kg_in_place(fmt);
     const int e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
     if ((u0 - ai * per) % su || (u1 - u0) % su) return -1;
     const float *b13 = j->b13 ? j->b13 + (size_t)e * 2 * I : NULL;
@@ -222,13 +238,9 @@ int hs_phase1_kgemm(const job_t *j, int ai, int u0, int u1) {
                 const int n = nt - p0 < PB ? nt - p0 : PB;
                 const int16_t *x[PB], *ms[PB];
                 const float *xd[PB], *xg[PB];
-                for (int m = 0; m < n; m++) {
-                    const int tk = j->tok[off + t0 + p0 + m];
-                    x[m] = i8 ? j->x16 + (size_t)tk * H : s.x16 + (size_t)(p0 + m) * H;
-                    ms[m] = s.ms + (size_t)(p0 + m) * nsb * 8;
-                    xd[m] = i8 ? j->xsc + tk : j->xpd + (size_t)tk * nsb;
-                    xg[m] = fmt == F_I4 ? j->xgs + (size_t)tk * (H / G) : NULL;
-                }
+                for (int m = 0; m < n; m++)
+                    kg_act(j, 1, fmt, H, G, (size_t)j->tok[off + t0 + p0 + m], p0 + m, &s, &x[m],
+                           &ms[m], &xd[m], &xg[m]);
                 const int span = i8 ? H : Q4K_SB;
                 kg_strip_gemm(&s.st[0], fmt, H, gk, span, x, xd, ms, xg, n, s.isum, s.out[0]);
                 kg_strip_gemm(&s.st[1], fmt, H, gk, span, x, xd, ms, xg, n, s.isum, s.out[1]);
@@ -252,8 +264,8 @@ int hs_phase1_kgemm(const job_t *j, int ai, int u0, int u1) {
 /* Phase 2 for units [u0, u1) of active expert ai on the K-quant tiles (as phase 1). */
 int hs_phase2_kgemm(const job_t *j, int ai, int u0, int u1) {
     const int H = j->H, I = j->I, fmt = jfmt(j, 2), R = kg_unit_rows(fmt), su = GEMM_ROWS / R;
-    const int per = H / R, nsb = I / Q4K_SB, G = jg(j, 2), gk = kg_group(fmt, G);
-    const int i8 = fmt == F_I8 || fmt == F_MXFP4 || fmt == F_I4;
+    const int per = H / R, G = jg(j, 2), gk = kg_group(fmt, G);
+    const int i8 = kg_in_place(fmt);
     const int e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
     if ((u0 - ai * per) % su || (u1 - u0) % su) return -1;
     const float *b2 = j->b2 ? j->b2 + (size_t)e * H : NULL;
@@ -273,13 +285,9 @@ int hs_phase2_kgemm(const job_t *j, int ai, int u0, int u1) {
                 const int n = nt - p0 < PB ? nt - p0 : PB;
                 const int16_t *x[PB], *ms[PB];
                 const float *xd[PB], *xg[PB];
-                for (int m = 0; m < n; m++) {
-                    const size_t p = (size_t)(off + t0 + p0 + m);
-                    x[m] = i8 ? j->a16 + p * I : s.x16 + (size_t)(p0 + m) * I;
-                    ms[m] = s.ms + (size_t)(p0 + m) * nsb * 8;
-                    xd[m] = i8 ? j->asc + p : j->apd + p * nsb;
-                    xg[m] = fmt == F_I4 ? j->ags + p * (I / G) : NULL;
-                }
+                for (int m = 0; m < n; m++)
+                    kg_act(j, 2, fmt, I, G, (size_t)(off + t0 + p0 + m), p0 + m, &s, &x[m], &ms[m],
+                           &xd[m], &xg[m]);
                 kg_strip_gemm(&s.st[0], fmt, I, gk, i8 ? I : Q4K_SB, x, xd, ms, xg, n, s.isum,
                               s.out[0]);
                 for (int m = 0; m < n; m++) {
