@@ -11,10 +11,18 @@
  *   p[b, h, :] = softmax_j(scale * q[b, h] . K[slot(b, j), h / G]),   j in [lo_b, len_b)
  * where slot(b, j) = table[b, j / bs] * bs + j % bs and, with a sliding window W,
  * lo_b = max(0, len_b - W) (else 0). With attention sinks (gpt-oss), head h's softmax has one
- * more logit, sinks[h], in its denominator only. A work item is a sequence (or, with few sequences, a
- * chunk of its KV heads); the G query heads of a group share every K and V row read, and an
- * item makes two passes over its context (scores, then the weighted sum of V). exp is a
- * vectorized polynomial (simd.h, about 2 ulp).
+ * more logit, sinks[h], in its denominator only.
+ *
+ * Work items are chunks of CHUNK tokens of one sequence, every head (flash-decoding's split of
+ * the context): an item streams its tokens' whole cache rows (all KV heads are contiguous in a
+ * row) and keeps, per head, its own maximum score m, the sum l of e^(s - m) and the
+ * unnormalised sum o of e^(s - m) V; a second pass merges a sequence's chunks in order,
+ * out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c. The chunking depends on the sequence
+ * alone, so a sequence's result is the same bits in any batch and on any thread count.
+ * Scores take 8 tokens' rows side by side per query head (the G heads of a KV head read them
+ * again from L1); the weighted sum of V widens each V element once for up to 4 heads of its KV
+ * head, in register blocks of 4 heads x 16 columns over tiles of V_TILE tokens kept in L1.
+ * exp is a vectorized polynomial (simd.h, about 2 ulp).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -24,11 +32,11 @@
 #include "pool.h"
 #include "simd.h"
 
+#define CHUNK 128 /* tokens per work item; fixed so results never depend on the batch */
 #define V_TILE 32 /* tokens per tile of the weighted sum of V */
 
 typedef struct {
-    int H, Hkv, D, Dv, bs, W, window, num_blocks;
-    int chunks; /* KV-head chunks per sequence: one work item each */
+    int B, H, Hkv, D, Dv, bs, W, window, num_blocks;
     float scale;
     const float *sinks; /* [H] or NULL */
     const float *q;
@@ -36,191 +44,181 @@ typedef struct {
     const float *ks, *vs; /* int8: scales [num_blocks * bs, Hkv] of K and V; else NULL */
     const int64_t *tables, *lens;
     float *out;
+    const int *first; /* [B + 1]: sequence b's chunks are items first[b] .. first[b + 1] - 1 */
+    float *part;      /* per item: m [H], l [H], o [H, Dv] */
     int err;
 } attn_t;
+
+static inline int lo_of(const attn_t *a, int len) {
+    return a->window > 0 && len > a->window ? len - a->window : 0;
+}
+
+static inline size_t part_floats(const attn_t *a) { return (size_t)a->H * (2 + (size_t)a->Dv); }
+
+/* The scores of 8 tokens (element offsets kr[0..8) of their rows at the KV head) against one
+ * query head q (D floats): s[t] = scale * q . K_t. Eight rows read side by side keep eight
+ * cache-line streams in flight (blocks of 2 tokens x 4 heads, widening each row once for its 4
+ * heads, ran ~1.4x slower from DRAM on a 2-core Zen 3: fewer lines in flight). */
+static inline __attribute__((always_inline)) void score8(const attn_t *a, const size_t *kr,
+                                                         const float *q, float *s, const int half) {
+    __m256 acc[8];
+    for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
+    for (int d = 0; d < a->D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int t = 0; t < 8; t++)
+            acc[t] = _mm256_fmadd_ps(qv, hs_ld8(a->k, kr[t] + d, half), acc[t]);
+    }
+    _mm256_storeu_ps(s, _mm256_mul_ps(hs_hsum8(acc), _mm256_set1_ps(a->scale)));
+}
 
 /* a . cache[off, off + n) */
 static inline __attribute__((always_inline)) float dot(const float *a, const void *b, size_t off,
                                                        int n, const int half) {
     __m256 acc = _mm256_setzero_ps();
     int i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), hs_ld8(b, off + i, half), acc);
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), hs_ld8(b, off + i, half), acc);
     float s = hs_hsum(acc);
     for (; i < n; i++) s += a[i] * hs_ld1(b, off + i, half);
     return s;
 }
 
-/* Turns s[0..n) into unnormalised probabilities in place; returns their sum (plus e^(sink - max)
- * when a sink logit is given, sink_on != 0). */
-static float softmax_row(float *s, int n, int sink_on, float sink) {
-    float mx = sink_on ? sink : s[0];
-    for (int i = 0; i < n; i++) mx = s[i] > mx ? s[i] : mx;
-    const __m256 vm = _mm256_set1_ps(mx);
-    __m256 acc = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 e = hs_exp(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
-        _mm256_storeu_ps(s + i, e);
-        acc = _mm256_add_ps(acc, e);
-    }
-    float sum = hs_hsum(acc);
-    if (sink_on) {
-        float t[8] = {sink - mx, -100.0f, -100.0f, -100.0f, -100.0f, -100.0f, -100.0f, -100.0f};
-        _mm256_storeu_ps(t, hs_exp(_mm256_loadu_ps(t)));
-        sum += t[0];
-    }
-    if (i < n) { /* the tail through the same polynomial, padded with -inf-like values */
-        float t[8];
-        for (int k = 0; k < 8; k++) t[k] = i + k < n ? s[i + k] - mx : -100.0f;
-        __m256 e = hs_exp(_mm256_loadu_ps(t));
-        _mm256_storeu_ps(t, e);
-        for (int k = 0; i + k < n; k++) {
-            s[i + k] = t[k];
-            sum += t[k];
-        }
-    }
-    return sum;
-}
-
-/* Prefetches the cache rows of tokens [j, j + count) (heads [h0, h1)). */
-static inline void prefetch_rows(const void *base, size_t esz, const int64_t *table, int bs, int j,
-                                 int count, int Hkv, int h0, int h1, int D) {
-    for (int t = j; t < j + count; t++) {
-        const char *row =
-            (const char *)base + (((size_t)table[t / bs] * bs + t % bs) * Hkv + h0) * D * esz;
-        for (size_t off = 0; off < esz * (size_t)(h1 - h0) * D; off += 64)
-            _mm_prefetch(row + off, _MM_HINT_T0);
-    }
-}
-
-/* Adds tokens [j0, j1) of the weighted sum of V to columns [d0, d0 + 8 * NV) of heads
- * [hb, hb + HN) (at most 4 and 4), accumulating in registers (the constant arguments let the
- * loops unroll); vrow[j]: offset of token j's V row (first head of the item). */
+/* o[i, d0 .. d0 + 8 NV) += sum_{t in [t0, t1)} p[i, t] V_t[d0 ..] for HN heads (rows of o and p
+ * from o and p, strides Dv and m) whose V rows start at vr[t] (element offsets). */
 static inline __attribute__((always_inline)) void v_block(
-    const attn_t *a, const size_t *vrow, const float *s, int n, int j0, int j1, int hb, int G,
-    int d0, float *out, const int HN, const int NV, const int half) {
+    const attn_t *a, const size_t *vr, const float *p, int m, int t0, int t1, float *o, int d0,
+    const int HN, const int NV, const int half) {
     const int Dv = a->Dv;
-    __m256 acc[4][4];
+    __m256 acc[4][2];
     for (int i = 0; i < HN; i++)
-        for (int u = 0; u < NV; u++) acc[i][u] = _mm256_loadu_ps(out + (size_t)(hb + i) * Dv + d0 + 8 * u);
-    for (int j = j0; j < j1; j++) {
-        const size_t vr = vrow[j] + d0;
+        for (int u = 0; u < NV; u++) acc[i][u] = _mm256_loadu_ps(o + (size_t)i * Dv + d0 + 8 * u);
+    for (int t = t0; t < t1; t++) {
+        __m256 vv[2];
+        for (int u = 0; u < NV; u++) vv[u] = hs_ld8(a->v, vr[t] + d0 + 8 * u, half);
         for (int i = 0; i < HN; i++) {
-            const size_t vh = vr + (size_t)((hb + i) / G) * Dv;
-            const __m256 w = _mm256_broadcast_ss(s + (size_t)(hb + i) * n + j);
-            for (int u = 0; u < NV; u++)
-                acc[i][u] = _mm256_fmadd_ps(w, hs_ld8(a->v, vh + 8 * u, half), acc[i][u]);
+            const __m256 w = _mm256_broadcast_ss(p + (size_t)i * m + t);
+            for (int u = 0; u < NV; u++) acc[i][u] = _mm256_fmadd_ps(w, vv[u], acc[i][u]);
         }
     }
     for (int i = 0; i < HN; i++)
-        for (int u = 0; u < NV; u++)
-            _mm256_storeu_ps(out + (size_t)(hb + i) * Dv + d0 + 8 * u, acc[i][u]);
+        for (int u = 0; u < NV; u++) _mm256_storeu_ps(o + (size_t)i * Dv + d0 + 8 * u, acc[i][u]);
+}
+
+/* Heads [0, hn) of one KV head over tokens [t0, t1): every column of o. */
+static inline __attribute__((always_inline)) void v_heads(const attn_t *a, const size_t *vr,
+                                                          const float *p, int m, int t0, int t1,
+                                                          float *o, int hn, const int half) {
+    const int Dv = a->Dv;
+    int d0 = 0;
+    for (; d0 + 16 <= Dv; d0 += 16) {
+        if (hn == 4) v_block(a, vr, p, m, t0, t1, o, d0, 4, 2, half);
+        else if (hn == 2) v_block(a, vr, p, m, t0, t1, o, d0, 2, 2, half);
+        else if (hn == 3) v_block(a, vr, p, m, t0, t1, o, d0, 3, 2, half);
+        else v_block(a, vr, p, m, t0, t1, o, d0, 1, 2, half);
+    }
+    for (; d0 + 8 <= Dv; d0 += 8) v_block(a, vr, p, m, t0, t1, o, d0, hn < 4 ? hn : 4, 1, half);
+    for (; d0 < Dv; d0++)
+        for (int i = 0; i < hn; i++) {
+            float acc = o[(size_t)i * Dv + d0];
+            for (int t = t0; t < t1; t++)
+                acc += p[(size_t)i * m + t] * hs_ld1(a->v, vr[t] + d0, half);
+            o[(size_t)i * Dv + d0] = acc;
+        }
 }
 
 static inline __attribute__((always_inline)) void item_impl(void *ctx, int it, const int half) {
     attn_t *a = (attn_t *)ctx;
-    const int G = a->H / a->Hkv, D = a->D, Dv = a->Dv, Hkv = a->Hkv;
-    const int b = it / a->chunks, c = it % a->chunks;
-    const int h0 = c * Hkv / a->chunks, h1 = (c + 1) * Hkv / a->chunks, nh = (h1 - h0) * G;
-    const int len = (int)a->lens[b];
-    const int lo = a->window > 0 && len > a->window ? len - a->window : 0;
-    const int n = len - lo;
-    float *out = a->out + ((size_t)b * a->H + (size_t)h0 * G) * Dv;
-    memset(out, 0, sizeof(float) * (size_t)nh * Dv);
-    if (n <= 0 || nh == 0) return;
-    /* s[head][j]: scores, then weights; vrow[j]: where token j's V row (head h0) starts */
-    const size_t ns = ((size_t)nh * n + 1) & ~(size_t)1; /* vrow 8-byte aligned after s */
-    float *s = malloc(sizeof(float) * ns + sizeof(size_t) * n);
+    const int H = a->H, G = H / a->Hkv, D = a->D, Dv = a->Dv, Hkv = a->Hkv;
+    int b = 0, hi = a->B - 1; /* the sequence of item it: first[b] <= it < first[b + 1] */
+    while (b < hi) {
+        const int mid = (b + hi + 1) / 2;
+        if (a->first[mid] <= it) b = mid;
+        else hi = mid - 1;
+    }
+    const int len = (int)a->lens[b], lo = lo_of(a, len);
+    const int j0 = lo + (it - a->first[b]) * CHUNK, j1 = j0 + CHUNK < len ? j0 + CHUNK : len;
+    const int m = j1 - j0;
+    float *mx = a->part + (size_t)it * part_floats(a), *l = mx + H, *o = l + H;
+    const int64_t *table = a->tables + (size_t)b * a->W;
+    /* s[h][t]: scores, then weights; row[t]: token j0 + t's slot */
+    float *s = malloc(sizeof(float) * (size_t)H * m + sizeof(size_t) * 2 * m);
     if (s == NULL) {
         __atomic_store_n(&a->err, -1, __ATOMIC_RELAXED);
         return;
     }
-    const int64_t *table = a->tables + (size_t)b * a->W;
-    for (int i = lo / a->bs; i <= (len - 1) / a->bs; i++) {
-        int64_t blk = table[i];
+    size_t *row = (size_t *)(s + (((size_t)H * m + 1) & ~(size_t)1)), *kr = row + m;
+    for (int t = 0; t < m; t++) {
+        const int64_t blk = table[(j0 + t) / a->bs];
         if (blk < 0 || blk >= a->num_blocks) {
             __atomic_store_n(&a->err, -2, __ATOMIC_RELAXED);
             free(s);
+            memset(mx, 0, sizeof(float) * part_floats(a));
             return;
         }
+        row[t] = (size_t)blk * a->bs + (j0 + t) % a->bs;
     }
-    const float *q = a->q + ((size_t)b * a->H + (size_t)h0 * G) * D;
-    const size_t esz = half == 2 ? 1 : half ? sizeof(uint16_t) : sizeof(float);
-    const int pf = (size_t)(h1 - h0) * (D > Dv ? D : Dv) * esz <= 1024;
-    /* Token-major passes: a token's K (then V) rows of all heads are contiguous in the cache,
-     * and a block's tokens are too, so each pass streams whole cache lines in order. */
-    int j = lo;
-    if (D % 8 == 0) /* 8 tokens at a time: their 8 dots per head reduced together */
-        for (; j + 8 <= len; j += 8) {
-            size_t kr[8]; /* element offsets of the 8 tokens' K rows (head h0) */
-            for (int t = 0; t < 8; t++) {
-                size_t slot = (size_t)table[(j + t) / a->bs] * a->bs + (j + t) % a->bs;
-                kr[t] = (slot * Hkv + h0) * D;
+    const float *q = a->q + (size_t)b * H * D;
+    /* Token blocks outer: the rows are read in order, each once from memory (the G heads of a
+     * KV head read it again from L1). */
+    int t = 0;
+    if (D % 8 == 0)
+        for (; t + 8 <= m; t += 8)
+            for (int g = 0; g < Hkv; g++) {
+                for (int u = 0; u < 8; u++) kr[u] = (row[t + u] * Hkv + g) * D;
+                for (int h = g * G; h < (g + 1) * G; h++)
+                    score8(a, kr, q + (size_t)h * D, s + (size_t)h * m + t, half);
             }
-            /* Blocks are scattered: fetch one block ahead where rows are short (long rows
-             * make long in-block streams the hardware prefetcher already follows). */
-            if (pf && j + 8 + a->bs < len)
-                prefetch_rows(a->k, esz, table, a->bs, j + a->bs, 8, Hkv, h0, h1, D);
-            for (int h = 0; h < nh; h++) {
-                const float *qh = q + (size_t)h * D;
-                const size_t kh = (size_t)(h / G) * D;
-                __m256 acc[8];
-                for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
-                for (int d = 0; d < D; d += 8) {
-                    __m256 qv = _mm256_loadu_ps(qh + d);
-                    for (int t = 0; t < 8; t++)
-                        acc[t] = _mm256_fmadd_ps(qv, hs_ld8(a->k, kr[t] + kh + d, half), acc[t]);
-                }
-                _mm256_storeu_ps(s + (size_t)h * n + (j - lo),
-                                 _mm256_mul_ps(hs_hsum8(acc), _mm256_set1_ps(a->scale)));
-            }
+    for (; t < m; t++)
+        for (int h = 0; h < H; h++)
+            s[(size_t)h * m + t] =
+                dot(q + (size_t)h * D, a->k, (row[t] * Hkv + h / G) * D, D, half) * a->scale;
+    if (half == 2) /* K's scales, one per token and KV head */
+        for (int u = 0; u < m; u++)
+            for (int h = 0; h < H; h++) s[(size_t)h * m + u] *= a->ks[row[u] * Hkv + h / G];
+    /* Per head: the chunk's maximum, its weights e^(s - max) (times V's scale for int8), their
+     * sum. */
+    for (int h = 0; h < H; h++) {
+        float *p = s + (size_t)h * m;
+        float best = p[0];
+        int j = 0;
+        if (m >= 8) {
+            __m256 v = _mm256_loadu_ps(p);
+            for (j = 8; j + 8 <= m; j += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(p + j));
+            best = hs_hmax(v);
         }
-    for (; j < len; j++) {
-        size_t slot = (size_t)table[j / a->bs] * a->bs + j % a->bs;
-        const size_t kr = (slot * Hkv + h0) * D;
-        for (int h = 0; h < nh; h++)
-            s[(size_t)h * n + (j - lo)] =
-                dot(q + (size_t)h * D, a->k, kr + (size_t)(h / G) * D, D, half) * a->scale;
-    }
-    size_t *vrow = (size_t *)(s + ns);
-    if (half == 2) /* vrow first holds each token's scale row: slot * Hkv + h0 */
-        for (int j = lo; j < len; j++) {
-            vrow[j - lo] = ((size_t)table[j / a->bs] * a->bs + j % a->bs) * Hkv + h0;
-            for (int h = 0; h < nh; h++) s[(size_t)h * n + (j - lo)] *= a->ks[vrow[j - lo] + h / G];
+        for (; j < m; j++) best = p[j] > best ? p[j] : best;
+        const __m256 vm = _mm256_set1_ps(best);
+        __m256 acc = _mm256_setzero_ps();
+        for (j = 0; j + 8 <= m; j += 8) {
+            const __m256 e = hs_exp(_mm256_sub_ps(_mm256_loadu_ps(p + j), vm));
+            _mm256_storeu_ps(p + j, e);
+            acc = _mm256_add_ps(acc, e);
         }
-    for (int h = 0; h < nh; h++) {
-        float *p = s + (size_t)h * n;
-        const float sink = a->sinks ? a->sinks[h0 * G + h] : 0.0f;
-        float inv = 1.0f / softmax_row(p, n, a->sinks != NULL, sink);
-        if (half == 2)
-            for (int j = 0; j < n; j++) p[j] *= inv * a->vs[vrow[j] + h / G];
-        else
-            for (int j = 0; j < n; j++) p[j] *= inv;
+        float sum = hs_hsum(acc);
+        if (j < m) { /* the tail through the same polynomial, padded with -inf-like values */
+            float x[8];
+            for (int u = 0; u < 8; u++) x[u] = j + u < m ? p[j + u] - best : -100.0f;
+            _mm256_storeu_ps(x, hs_exp(_mm256_loadu_ps(x)));
+            for (int u = 0; j + u < m; u++) p[j + u] = x[u], sum += x[u];
+        }
+        mx[h] = best;
+        l[h] = sum;
+        if (half == 2) {
+            const int g = h / G;
+            for (int u = 0; u < m; u++) p[u] *= a->vs[row[u] * Hkv + g];
+        }
     }
-    for (int j = lo; j < len; j++)
-        vrow[j - lo] = (((size_t)table[j / a->bs] * a->bs + j % a->bs) * Hkv + h0) * Dv;
-    /* out[h] = sum_j p[h, j] V[j] (out is zeroed above), in tiles of V_TILE tokens whose rows
-     * stay in L1/L2 while every head block and column chunk passes over them: up to 4 heads x
-     * 32 columns accumulate in registers, one load per FMA. */
-    for (int j0 = 0; j0 < n; j0 += V_TILE) {
-        const int j1 = j0 + V_TILE < n ? j0 + V_TILE : n;
-        for (int hb = 0; hb < nh; hb += 4) {
-            const int hn = nh - hb < 4 ? nh - hb : 4;
-            int d0 = 0;
-            for (; d0 + 32 <= Dv; d0 += 32) {
-                if (hn == 4)
-                    v_block(a, vrow, s, n, j0, j1, hb, G, d0, out, 4, 4, half);
-                else
-                    v_block(a, vrow, s, n, j0, j1, hb, G, d0, out, hn, 4, half);
+    /* o[h] = sum_t p[h, t] V_t, tile by tile: a tile's V rows stay in L1 while every head and
+     * column block passes over them. */
+    memset(o, 0, sizeof(float) * (size_t)H * Dv);
+    for (int g = 0; g < Hkv; g++) {
+        for (int u = 0; u < m; u++) kr[u] = (row[u] * Hkv + g) * Dv;
+        for (int t0 = 0; t0 < m; t0 += V_TILE) {
+            const int t1 = t0 + V_TILE < m ? t0 + V_TILE : m;
+            for (int hb = g * G; hb < (g + 1) * G; hb += 4) {
+                const int hn = (g + 1) * G - hb < 4 ? (g + 1) * G - hb : 4;
+                v_heads(a, kr, s + (size_t)hb * m, m, t0, t1, o + (size_t)hb * Dv, hn, half);
             }
-            for (; d0 + 8 <= Dv; d0 += 8) v_block(a, vrow, s, n, j0, j1, hb, G, d0, out, hn, 1, half);
-            for (; d0 < Dv; d0++)
-                for (int i = 0; i < hn; i++) {
-                    float acc = out[(size_t)(hb + i) * Dv + d0];
-                    for (int j = j0; j < j1; j++)
-                        acc += s[(size_t)(hb + i) * n + j] * hs_ld1(a->v, vrow[j] + (hb + i) / G * Dv + d0, half);
-                    out[(size_t)(hb + i) * Dv + d0] = acc;
-                }
         }
     }
     free(s);
@@ -231,16 +229,73 @@ static void item_f32(void *ctx, int it) { item_impl(ctx, it, 0); }
 static void item_f16(void *ctx, int it) { item_impl(ctx, it, 1); }
 static void item_i8(void *ctx, int it) { item_impl(ctx, it, 2); }
 
+/* Sequence b's chunks merged in order into out[b] (zeros for an empty context). */
+static void merge(void *ctx, int b) {
+    attn_t *a = (attn_t *)ctx;
+    const int H = a->H, Dv = a->Dv, c0 = a->first[b], nc = a->first[b + 1] - c0;
+    float *out = a->out + (size_t)b * H * Dv;
+    const size_t pf = part_floats(a);
+    for (int h = 0; h < H; h++) {
+        float *oh = out + (size_t)h * Dv;
+        memset(oh, 0, sizeof(float) * Dv);
+        if (nc == 0) continue;
+        float best = a->sinks ? a->sinks[h] : a->part[c0 * pf + h];
+        for (int c = 0; c < nc; c++) {
+            const float m = a->part[(c0 + c) * pf + h];
+            best = m > best ? m : best;
+        }
+        float den = 0.0f;
+        if (a->sinks) { /* e^(sink - max) in the denominator only */
+            float x[8] = {a->sinks[h] - best, -100.0f, -100.0f, -100.0f,
+                          -100.0f, -100.0f, -100.0f, -100.0f};
+            _mm256_storeu_ps(x, hs_exp(_mm256_loadu_ps(x)));
+            den = x[0];
+        }
+        for (int c = 0; c < nc; c++) {
+            const float *pc = a->part + (c0 + c) * pf;
+            float x[8] = {pc[h] - best, -100.0f, -100.0f, -100.0f,
+                          -100.0f, -100.0f, -100.0f, -100.0f};
+            _mm256_storeu_ps(x, hs_exp(_mm256_loadu_ps(x)));
+            den += x[0] * pc[H + h];
+            const __m256 w = _mm256_set1_ps(x[0]);
+            const float *oc = pc + 2 * (size_t)H + (size_t)h * Dv;
+            int d = 0;
+            for (; d + 8 <= Dv; d += 8)
+                _mm256_storeu_ps(oh + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(oc + d),
+                                                         _mm256_loadu_ps(oh + d)));
+            for (; d < Dv; d++) oh[d] += x[0] * oc[d];
+        }
+        const __m256 inv = _mm256_set1_ps(1.0f / den);
+        int d = 0;
+        for (; d + 8 <= Dv; d += 8)
+            _mm256_storeu_ps(oh + d, _mm256_mul_ps(_mm256_loadu_ps(oh + d), inv));
+        for (; d < Dv; d++) oh[d] *= 1.0f / den;
+    }
+}
+
 static int run(int nthreads, int B, int H, int Hkv, int D, int Dv, int bs, int W, int window,
                int num_blocks, float scale, const float *sinks, const float *q, const void *k,
                const void *v, const int64_t *tables, const int64_t *lens, float *out,
                const float *ks, const float *vs, int half) {
     if (Hkv <= 0 || H % Hkv != 0) return -3;
-    /* Whole sequences per item when there are plenty; else split the KV heads too. */
-    int chunks = B >= 4 * nthreads ? 1 : Hkv;
-    attn_t a = {H, Hkv, D, Dv, bs, W, window, num_blocks, chunks, scale, sinks, q, k, v, ks, vs,
-                tables, lens, out, 0};
-    hs_parallel_for(nthreads, B * chunks, half == 2 ? item_i8 : half ? item_f16 : item_f32, &a);
+    int *first = malloc(sizeof(int) * (size_t)(B + 1));
+    if (first == NULL) return -1;
+    attn_t a = {B, H, Hkv, D, Dv, bs, W, window, num_blocks, scale, sinks, q, k, v, ks, vs,
+                tables, lens, out, first, NULL, 0};
+    first[0] = 0;
+    for (int b = 0; b < B; b++) {
+        const int len = (int)lens[b], n = len - lo_of(&a, len);
+        first[b + 1] = first[b] + (n > 0 ? (n + CHUNK - 1) / CHUNK : 0);
+    }
+    a.part = malloc(sizeof(float) * part_floats(&a) * (size_t)(first[B] > 0 ? first[B] : 1));
+    if (a.part == NULL) {
+        free(first);
+        return -1;
+    }
+    hs_parallel_for(nthreads, first[B], half == 2 ? item_i8 : half ? item_f16 : item_f32, &a);
+    if (a.err == 0) hs_parallel_for(nthreads, B, merge, &a);
+    free(a.part);
+    free(first);
     return a.err;
 }
 

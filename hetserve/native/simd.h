@@ -40,16 +40,21 @@ static inline float hs_hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* The largest of v's 8 lanes. */
+static inline float hs_hmax(__m256 v) {
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    return _mm_cvtss_f32(m4);
+}
+
 /* max |x[k]| over k < n (n % 8 == 0), 8 lanes then across them. */
 static inline float hs_absmax(const float *x, int n) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 vmax = _mm256_setzero_ps();
     for (int k = 0; k < n; k += 8)
         vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-    return _mm_cvtss_f32(m4);
+    return hs_hmax(vmax);
 }
 
 /* The horizontal sums of 8 vectors at once: lane i of the result is the sum of v[i]'s lanes.

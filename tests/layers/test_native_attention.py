@@ -114,3 +114,73 @@ def test_nan_in_a_query_stays_in_its_row_like_sdpa():
     keep = torch.ones(out.shape[:2], dtype=torch.bool)
     keep[1, 0] = False
     assert (out[keep] - ref[keep]).abs().max() < 1e-5
+
+
+def _float64_reference(kv, d, q, scale, window, sinks):
+    """Per sequence in float64 over the cache's exact values (an 8-bit cache dequantized), with
+    gpt-oss's sink logit in each head's denominator."""
+    out = torch.zeros(q.shape[0], q.shape[1], kv.layers[0][1].shape[-1], dtype=torch.float64)
+    for b in range(q.shape[0]):
+        n = int(d.lens[b])
+        lo = max(0, n - window) if window else 0
+        pos = torch.arange(lo, n)
+        slots = d.tables[b, pos // BS] * BS + pos % BS
+        k, v = (t.double() for t in kv.gather(0, slots, torch.float32))
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # [n, H, D]
+        s = torch.einsum("hd,nhd->hn", q[b].double(), k) * scale
+        m = s.amax(1, keepdim=True)
+        if sinks is not None:
+            m = torch.maximum(m, sinks.double().view(-1, 1))
+        e = (s - m).exp()
+        den = e.sum(1) + ((sinks.double() - m[:, 0]).exp() if sinks is not None else 0)
+        out[b] = torch.einsum("hn,nhd->hd", e, v) / den.view(-1, 1)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
+@pytest.mark.parametrize("window,with_sinks", [(None, False), (None, True), (300, True)])
+def test_contexts_of_many_chunks_match_and_each_sequence_is_the_same_bits_alone(
+    dtype, window, with_sinks
+):
+    """Contexts from 1 to 700 tokens: the kernel splits each into 128-token chunks and merges
+    them, so chunk edges (127, 128, 129), several chunks and a window starting inside a chunk all
+    meet the float64 reference; a sequence decoded alone, or on one thread, gives the same bits as
+    in the batch."""
+    gen = torch.Generator().manual_seed(7)
+    hkv, g, dim = 2, 3, 40  # G = 3: blocks of 3 heads; D, Dv not multiples of 16
+    lens = [1, 127, 128, 129, 300, 700, 17]
+    num_blocks = sum(-(-n // BS) for n in lens) + 3
+    kv = PagedKVCache([[(hkv, dim), (hkv, dim)]], num_blocks, BS, dtype, "cpu")
+    kv.write(
+        0,
+        torch.arange(num_blocks * BS),
+        *(torch.randn(t.shape, generator=gen) for t in kv.layers[0]),
+    )
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    spans = []
+    for n in lens:
+        blocks, free = free[: -(-n // BS)], free[-(-n // BS) :]
+        spans.append((n - 1, 1, blocks))
+    dec = build_metadata(spans, BS, "cpu", window).decode
+    q = torch.randn(len(lens), hkv * g, dim, generator=gen) * 2
+    sinks = torch.randn(hkv * g, generator=gen) * 3 if with_sinks else None
+    scale = dim**-0.5
+    out = native_decode_attention(q, *kv.layers[0], dec, kv, scale, window, sinks, kv.scales[0])
+    ref = _float64_reference(kv, dec, q, scale, window, sinks)
+    assert (out.double() - ref).abs().max() < 2e-5
+    for b, n in enumerate(lens):
+        alone = build_metadata([spans[b]], BS, "cpu", window).decode
+        one = native_decode_attention(
+            q[b : b + 1], *kv.layers[0], alone, kv, scale, window, sinks, kv.scales[0]
+        )
+        assert torch.equal(one[0], out[b]), f"sequence {b} ({n} tokens) differs alone"
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = native_decode_attention(
+            q, *kv.layers[0], dec, kv, scale, window, sinks, kv.scales[0]
+        )
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(serial, out)
