@@ -23,6 +23,8 @@
   prefill` reads its rows against them).
 - `gguf_rows.c`: rows of a GGUF q4_K / q5_K / q6_K / IQ4_XS / IQ4_NL matrix dequantized to
   fp32, gguf's own numbers (token embeddings kept in the file's blocks).
+- `layouts.c`: a GGUF q4_K matrix's blocks rearranged into the expert kernel's quad layout at
+  load (moe/native_layout.py), the same bytes as quant/layout.py's torch version.
 
 It needs no torch headers: a C compiler builds it in a second or two the first time, into a
 cache keyed by the sources and flags, and later processes just load it. The flags name the
@@ -53,7 +55,7 @@ if TYPE_CHECKING:
 HERE = Path(__file__).parent
 SOURCES = ("pool.c", "moe_kernels.c", "moe_prefill.c", "linear_kernels.c", "attention.c",
            "small_ops.c", "moe_backward.c", "decode_layers.c", "hashing.c", "linear_attn.c",
-           "peaks.c", "prefill_attention.c", "numa.c", "gguf_rows.c")  # fmt: skip
+           "peaks.c", "prefill_attention.c", "numa.c", "gguf_rows.c", "layouts.c")  # fmt: skip
 HEADERS = ("pool.h", "simd.h", "moe_quads.h", "moe_formats.h", "moe_q4k.h", "moe_kq.h",
            "moe_gemm.h", "moe_job.h", "moe_kgemm.h")  # fmt: skip
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared"]
@@ -178,6 +180,7 @@ _SIGNATURES = {
     "hetserve_peak": (ctypes.c_double, [_I, _I, _L]),  # bench/peaks.py
     "hetserve_peak_ops": (_L, [_I]),
     "hetserve_gguf_rows": (_I, [_I, _P, _I64, _I64, _P, _I, _I, _P]),  # layers/quant_embedding.py
+    "hetserve_q4k_quads": (_I, [_I] * 3 + [_P, _I, _P]),  # moe/native_layout.py
 }
 
 

@@ -1,0 +1,112 @@
+/* Kernel weight layouts built at load from a file's blocks (hetserve.moe.native_layout).
+ *
+ * hetserve_q4k_quads(N, B, raw, gate_up, out): one q4_K matrix as the GGUF stores it (raw: N rows
+ * of B super-blocks of 144 bytes: d, dmin fp16, the 12-byte 6-bit scales and minimums, 128
+ * bytes of nibbles) -> the expert kernel's quad layout (native/moe_q4k.h), byte for byte what
+ * quant/layout.py's q4k_quads builds with torch (tests/moe/test_q4k_layout.py compares them):
+ * per quad of rows and super-block 576 bytes (the 4 rows' d, their dmin, the 32 scale/minimum
+ * low nibbles by place 16 g + 4 r + i, the high 2 bits of the scales then of the minimums, 512
+ * bytes of nibbles: byte 128 k + 64 g + 16 r + 4 i + t holds column 128 g + 32 i + 4 k + t in
+ * its low nibble and that column + 16 in its high one), quads 2u and 2u + 1 interleaved by
+ * 64-byte line, an odd last quad as it is. gate_up != 0: the matrix's rows are the gate's then
+ * the up projection's (N / 2 each) and are taken 8 gate rows, 8 up rows, ... (the kernel's unit).
+ * The torch version spent ~5 s of a 1 GB Q4_K_M file's 9 s load on this reshuffle.
+ * Returns 0, or -1 when N is not a multiple of 4 (16 with gate_up). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pool.h"
+
+#define Q4K_BLOCK 144
+#define QUAD_BLOCK 576
+
+/* The 6-bit scale and minimum of sub-block j from the 12 packed bytes (llama.cpp's layout). */
+static inline void q4k_six(const uint8_t *q, int j, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* Row r's nibble of column col of one super-block: column 64 c + l sits in byte 32 c + l % 32,
+ * low nibble for l < 32. */
+static inline uint8_t q4k_code(const uint8_t *qs, int col) {
+    const int c = col >> 6, l = col & 63;
+    const uint8_t byte = qs[32 * c + (l & 31)];
+    return l < 32 ? byte & 15 : byte >> 4;
+}
+
+/* One super-block of 4 rows (their 144-byte blocks) -> its 576 bytes of the quad layout. */
+static void quad_block(const uint8_t *const rows[4], uint8_t *f) {
+    uint8_t sc[4][8], mn[4][8];
+    for (int r = 0; r < 4; r++) {
+        memcpy(f + 2 * r, rows[r], 2);         /* d */
+        memcpy(f + 8 + 2 * r, rows[r] + 2, 2); /* dmin */
+        for (int j = 0; j < 8; j++) q4k_six(rows[r] + 4, j, &sc[r][j], &mn[r][j]);
+    }
+    memset(f + 48, 0, 16);
+    for (int g = 0; g < 2; g++)
+        for (int r = 0; r < 4; r++)
+            for (int i = 0; i < 4; i++) {
+                const int p = 16 * g + 4 * r + i, j = 4 * g + i;
+                f[16 + p] = (uint8_t)((sc[r][j] & 15) | ((mn[r][j] & 15) << 4));
+                f[48 + p % 8] |= (uint8_t)((sc[r][j] >> 4) << (2 * (p / 8)));
+                f[56 + p % 8] |= (uint8_t)((mn[r][j] >> 4) << (2 * (p / 8)));
+            }
+    for (int k = 0; k < 4; k++)
+        for (int g = 0; g < 2; g++)
+            for (int r = 0; r < 4; r++) {
+                const uint8_t *qs = rows[r] + 16;
+                for (int i = 0; i < 4; i++)
+                    for (int t = 0; t < 4; t++) {
+                        const int col = 128 * g + 32 * i + 4 * k + t;
+                        f[64 + 128 * k + 64 * g + 16 * r + 4 * i + t] =
+                            (uint8_t)(q4k_code(qs, col) | (q4k_code(qs, col + 16) << 4));
+                    }
+            }
+}
+
+typedef struct {
+    int N, B, gate_up, pairs;
+    const uint8_t *raw;
+    uint8_t *out;
+} q4k_job;
+
+/* Source row of output row o: with gate_up, 8 gate rows then 8 up rows per unit of 16. */
+static inline int src_row(const q4k_job *j, int o) {
+    if (!j->gate_up) return o;
+    const int u = o / 16, w = o % 16;
+    return w < 8 ? 8 * u + w : j->N / 2 + 8 * u + (w - 8);
+}
+
+/* Quad qd: every super-block into its place (a pair's two quads interleave by 64-byte line). */
+static void q4k_quad(void *ctx, int qd) {
+    q4k_job *j = (q4k_job *)ctx;
+    const size_t row_bytes = (size_t)j->B * Q4K_BLOCK, quad_bytes = (size_t)j->B * QUAD_BLOCK;
+    uint8_t f[QUAD_BLOCK];
+    for (int b = 0; b < j->B; b++) {
+        const uint8_t *rows[4];
+        for (int r = 0; r < 4; r++)
+            rows[r] = j->raw + (size_t)src_row(j, 4 * qd + r) * row_bytes + (size_t)b * Q4K_BLOCK;
+        quad_block(rows, f);
+        if (qd < 2 * j->pairs) { /* line L of quad 2u + s -> pair u's line L, half s */
+            uint8_t *pair = j->out + (size_t)(qd / 2) * 2 * quad_bytes;
+            for (int l = 0; l < QUAD_BLOCK / 64; l++)
+                memcpy(pair + ((size_t)b * (QUAD_BLOCK / 64) + l) * 128 + (qd % 2) * 64, f + 64 * l,
+                       64);
+        } else {
+            memcpy(j->out + (size_t)qd * quad_bytes + (size_t)b * QUAD_BLOCK, f, QUAD_BLOCK);
+        }
+    }
+}
+
+int hetserve_q4k_quads(int nthreads, int N, int B, const uint8_t *raw, int gate_up, uint8_t *out) {
+    if (N % (gate_up ? 16 : 4) != 0 || N <= 0 || B <= 0) return -1;
+    q4k_job j = {N, B, gate_up, N / 8, raw, out};
+    hs_parallel_for(nthreads, N / 4, q4k_quad, &j);
+    return 0;
+}
