@@ -116,7 +116,7 @@ class Int8Linear(nn.Module):
             interleave_quads,
             pad_qmatrix,
             padded_size,
-            q4k_quads,
+            q4k_layout,
             round_up,
         )
         from hetserve.quant.packed import Q4KRows
@@ -136,7 +136,7 @@ class Int8Linear(nn.Module):
             self.fmt, self.group = _Q4K, 0
             packed = pad_qmatrix(packed, round_up(n, 4), k)
             out = hugepage_empty((round_up(n, 4) // 4, k // 256, 576), torch.uint8)
-            self._set_native(q4k_quads(*packed.fields(), out), None, bias)
+            self._set_native(q4k_layout(packed, out), None, bias)
             return
         self.fmt, self.group = _INT8, 0 if packed.group == k else packed.group
         if not self.group:

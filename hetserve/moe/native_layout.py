@@ -17,10 +17,9 @@ from collections.abc import Sequence
 
 import torch
 
-from hetserve import envs
-from hetserve.native import hugepage_empty, optional_kernel
+from hetserve.native import hugepage_empty
 from hetserve.quant.gguf_iq import KERNEL_ORDER
-from hetserve.quant.layout import int4_group_tiles, pair_gate_up, q4k_quads, quad_units
+from hetserve.quant.layout import int4_group_tiles, pair_gate_up, q4k_layout, quad_units
 from hetserve.quant.packed import Int4Rows, Q4KRows, QMatrix
 
 
@@ -50,25 +49,12 @@ def stacked_tiles(mats: list[torch.Tensor], chunk: int, gate_up: bool) -> torch.
 
 def q4k_layer(mats: tuple[Q4KRows, ...], gate_up: bool) -> torch.Tensor:
     """Per-expert q4_K matrices [N, K] -> one stacked tensor [E, N/4, K/256, 576] in the
-    kernel's quad layout (native/moe_q4k.h), filled expert by expert: by native/layouts.c where
-    the kernels are built (the same bytes, ~20x faster), else by quant/layout.py's q4k_quads."""
+    kernel's quad layout (native/moe_q4k.h), filled expert by expert (quant/layout.py's
+    q4k_layout)."""
     n, k = mats[0].shape
     out = hugepage_empty((len(mats), n // 4, k // 256, 576), torch.uint8)
-    native = optional_kernel("hetserve_q4k_quads")
     for e, mat in enumerate(mats):
-        if native is not None and envs.native_kernels():
-            raw = mat.raw.contiguous()
-            threads = torch.get_num_threads()
-            if native(threads, n, k // 256, raw.data_ptr(), int(gate_up), out[e].data_ptr()):
-                raise ValueError(f"q4_K experts of {n} rows do not fill the kernel's quads")
-            continue
-        d, dmin, sc, m, codes = mat.fields()
-        if gate_up:  # 8 gate rows, 8 up rows, ... (the kernel's unit): phase 1 reads one stream
-            d, dmin, sc, m, codes = (
-                pair_gate_up(t.reshape(1, n, -1), rows=8)[0] for t in (d, dmin, sc, m, codes)
-            )
-            sc, m = sc.reshape(n, -1, 8), m.reshape(n, -1, 8)
-        q4k_quads(d, dmin, sc, m, codes, out[e])
+        q4k_layout(mat, out[e], gate_up)
     return out
 
 

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from hetserve.native import hugepage_empty, kernel
+from hetserve import envs
+from hetserve.native import hugepage_empty, kernel, optional_kernel
 from hetserve.quant.packed import Fp8Rows, Int4Rows, Int8Rows, Mxfp4Rows, Q4KRows, QMatrix
 
 
@@ -190,6 +191,30 @@ def q4k_quads(
     )
     out[2 * pairs :] = flat[2 * pairs :]
     return out
+
+
+def q4k_layout(mat: Q4KRows, out: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
+    """One q4_K matrix [N, K] (N a multiple of 4; of 16 with `gate_up`: gate rows then up rows,
+    taken 8 and 8 as the experts' phase 1 reads them) -> `out` uint8 [N/4, K/256, 576], the
+    kernel's quad layout: by native/layouts.c where the kernels are built (the file's blocks
+    moved as they are; ~20x faster than torch), else by `q4k_quads` (the same bytes)."""
+    n, k = mat.shape
+    native = optional_kernel("hetserve_q4k_quads") if envs.native_kernels() else None
+    if native is not None:
+        raw = mat.raw.contiguous()
+        threads = torch.get_num_threads()
+        if native(threads, n, k // 256, raw.data_ptr(), int(gate_up), out.data_ptr()):
+            raise ValueError(f"a q4_K matrix of {n} rows does not fill the kernel's quads")
+        return out
+    d, dmin, sc, m, codes = mat.fields()
+    if gate_up:  # 8 gate rows, 8 up rows, ... (the kernel's unit): phase 1 reads one stream
+        if n % 16:
+            raise ValueError(f"a q4_K matrix of {n} rows does not fill the kernel's quads")
+        d, dmin, sc, m, codes = (
+            pair_gate_up(t.reshape(1, n, -1), rows=8)[0] for t in (d, dmin, sc, m, codes)
+        )
+        sc, m = sc.reshape(n, -1, 8), m.reshape(n, -1, 8)
+    return q4k_quads(d, dmin, sc, m, codes, out)
 
 
 def int4_group_tiles(
