@@ -21,7 +21,9 @@
  * row) and keeps, per head, its own maximum score m, the sum l of e^(s - m) and the
  * unnormalised sum o of e^(s - m) V; a second pass merges a sequence's chunks in order,
  * out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c. The chunking depends on the sequence
- * alone, so a sequence's result is the same bits in any batch and on any thread count.
+ * alone, so a sequence's result is the same bits in any batch and on any thread count. With
+ * fewer chunks than 2 per thread (short contexts, few sequences) each chunk's KV heads are
+ * split over several items, which changes no head's arithmetic.
  * Scores take 8 tokens' rows side by side per query head (the G heads of a KV head read them
  * again from L1); the weighted sum of V widens each V element once for up to 4 heads of its KV
  * head, in register blocks of 4 heads x 16 columns over tiles of V_TILE tokens kept in L1.
@@ -40,6 +42,8 @@
 
 typedef struct {
     int B, H, Hkv, D, Dv, bs, W, window, num_blocks;
+    int split; /* work items per chunk, each a range of its KV heads (more items than chunks
+                * when there are few: a short context on many threads) */
     float scale;
     const float *sinks; /* [H] or NULL */
     const float *q;
@@ -47,7 +51,7 @@ typedef struct {
     const float *ks, *vs; /* int8: scales [num_blocks * bs, Hkv] of K and V; else NULL */
     const int64_t *tables, *lens;
     float *out;
-    const int *first; /* [B + 1]: sequence b's chunks are items first[b] .. first[b + 1] - 1 */
+    const int *first; /* [B + 1]: sequence b's chunks are first[b] .. first[b + 1] - 1 */
     float *part;      /* per item: m [H], l [H], o [H, Dv] */
     int err;
 } attn_t;
@@ -132,16 +136,19 @@ static inline __attribute__((always_inline)) void v_heads(const attn_t *a, const
 static inline __attribute__((always_inline)) void item_impl(void *ctx, int it, const int half) {
     attn_t *a = (attn_t *)ctx;
     const int H = a->H, G = H / a->Hkv, D = a->D, Dv = a->Dv, Hkv = a->Hkv;
-    int b = 0, hi = a->B - 1; /* the sequence of item it: first[b] <= it < first[b + 1] */
+    const int c = it / a->split, part = it % a->split; /* chunk c, its KV heads [g0, g1) */
+    const int g0 = part * Hkv / a->split, g1 = (part + 1) * Hkv / a->split;
+    const int h0 = g0 * G, h1 = g1 * G; /* their query heads */
+    int b = 0, hi = a->B - 1; /* the sequence of chunk c: first[b] <= c < first[b + 1] */
     while (b < hi) {
         const int mid = (b + hi + 1) / 2;
-        if (a->first[mid] <= it) b = mid;
+        if (a->first[mid] <= c) b = mid;
         else hi = mid - 1;
     }
     const int len = (int)a->lens[b], lo = lo_of(a, len);
-    const int j0 = lo + (it - a->first[b]) * CHUNK, j1 = j0 + CHUNK < len ? j0 + CHUNK : len;
+    const int j0 = lo + (c - a->first[b]) * CHUNK, j1 = j0 + CHUNK < len ? j0 + CHUNK : len;
     const int m = j1 - j0;
-    float *mx = a->part + (size_t)it * part_floats(a), *l = mx + H, *o = l + H;
+    float *mx = a->part + (size_t)c * part_floats(a), *l = mx + H, *o = l + H;
     const int64_t *table = a->tables + (size_t)b * a->W;
     /* s[h][t]: scores, then weights; row[t]: token j0 + t's slot */
     float *s = malloc(sizeof(float) * (size_t)H * m + sizeof(size_t) * 2 * m);
@@ -155,7 +162,6 @@ static inline __attribute__((always_inline)) void item_impl(void *ctx, int it, c
         if (blk < 0 || blk >= a->num_blocks) {
             __atomic_store_n(&a->err, -2, __ATOMIC_RELAXED);
             free(s);
-            memset(mx, 0, sizeof(float) * part_floats(a));
             return;
         }
         row[t] = (size_t)blk * a->bs + (j0 + t) % a->bs;
@@ -166,24 +172,24 @@ static inline __attribute__((always_inline)) void item_impl(void *ctx, int it, c
     int t = 0;
     if (D % 8 == 0)
         for (; t + 8 <= m; t += 8)
-            for (int g = 0; g < Hkv; g++) {
+            for (int g = g0; g < g1; g++) {
                 for (int u = 0; u < 8; u++) kr[u] = (row[t + u] * Hkv + g) * D;
                 for (int h = g * G; h < (g + 1) * G; h++)
                     score8(a, kr, q + (size_t)h * D, s + (size_t)h * m + t, half);
             }
     for (; t < m; t++)
-        for (int h = 0; h < H; h++)
+        for (int h = h0; h < h1; h++)
             s[(size_t)h * m + t] =
                 dot(q + (size_t)h * D, a->k, (row[t] * Hkv + h / G) * D, D, half) * a->scale;
     if (half == 2) /* K's scales, one per token and KV head: a token's Hkv read together */
         for (int u = 0; u < m; u++) {
             const float *ks = a->ks + row[u] * Hkv;
-            for (int g = 0, h = 0; g < Hkv; g++)
-                for (const int h1 = h + G; h < h1; h++) s[(size_t)h * m + u] *= ks[g];
+            for (int g = g0, h = h0; g < g1; g++)
+                for (const int he = h + G; h < he; h++) s[(size_t)h * m + u] *= ks[g];
         }
     /* Per head: the chunk's maximum, its weights e^(s - max) (times V's scale for int8), their
      * sum. */
-    for (int h = 0; h < H; h++) {
+    for (int h = h0; h < h1; h++) {
         float *p = s + (size_t)h * m;
         float best = p[0];
         int j = 0;
@@ -213,13 +219,13 @@ static inline __attribute__((always_inline)) void item_impl(void *ctx, int it, c
     if (half == 2) /* V's scales into the weights, likewise */
         for (int u = 0; u < m; u++) {
             const float *vs = a->vs + row[u] * Hkv;
-            for (int g = 0, h = 0; g < Hkv; g++)
-                for (const int h1 = h + G; h < h1; h++) s[(size_t)h * m + u] *= vs[g];
+            for (int g = g0, h = h0; g < g1; g++)
+                for (const int he = h + G; h < he; h++) s[(size_t)h * m + u] *= vs[g];
         }
     /* o[h] = sum_t p[h, t] V_t, tile by tile: a tile's V rows stay in L1 while every head and
      * column block passes over them. */
-    memset(o, 0, sizeof(float) * (size_t)H * Dv);
-    for (int g = 0; g < Hkv; g++) {
+    memset(o + (size_t)h0 * Dv, 0, sizeof(float) * (size_t)(h1 - h0) * Dv);
+    for (int g = g0; g < g1; g++) {
         for (int u = 0; u < m; u++) kr[u] = (row[u] * Hkv + g) * Dv;
         for (int t0 = 0; t0 < m; t0 += V_TILE) {
             const int t1 = t0 + V_TILE < m ? t0 + V_TILE : m;
@@ -288,7 +294,7 @@ static int run(int nthreads, int B, int H, int Hkv, int D, int Dv, int bs, int W
     if (Hkv <= 0 || H % Hkv != 0) return -3;
     int *first = malloc(sizeof(int) * (size_t)(B + 1));
     if (first == NULL) return -1;
-    attn_t a = {B, H, Hkv, D, Dv, bs, W, window, num_blocks, scale, sinks, q, k, v, ks, vs,
+    attn_t a = {B, H, Hkv, D, Dv, bs, W, window, num_blocks, 1, scale, sinks, q, k, v, ks, vs,
                 tables, lens, out, first, NULL, 0};
     first[0] = 0;
     for (int b = 0; b < B; b++) {
@@ -300,7 +306,12 @@ static int run(int nthreads, int B, int H, int Hkv, int D, int Dv, int bs, int W
         free(first);
         return -1;
     }
-    hs_parallel_for(nthreads, first[B], half == 2 ? item_i8 : half ? item_f16 : item_f32, &a);
+    /* Few chunks (a short context, few sequences): each split by KV heads into enough items
+     * for 2 per thread. A head's arithmetic is the same in any split: the bits do not change. */
+    while (a.split < Hkv && first[B] * a.split < 2 * nthreads) a.split++;
+    while (Hkv % a.split) a.split++; /* whole KV heads per item, evenly */
+    hs_parallel_for(nthreads, first[B] * a.split, half == 2 ? item_i8 : half ? item_f16 : item_f32,
+                    &a);
     if (a.err == 0) hs_parallel_for(nthreads, B, merge, &a);
     free(a.part);
     free(first);
