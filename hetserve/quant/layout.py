@@ -200,7 +200,7 @@ def q4k_layout(mat: Q4KRows, out: torch.Tensor, gate_up: bool = False) -> torch.
     moved as they are; ~20x faster than torch), else by `q4k_quads` (the same bytes)."""
     n, k = mat.shape
     native = optional_kernel("hetserve_q4k_quads") if envs.native_kernels() else None
-    if native is not None:
+    if native is not None and out.is_contiguous():
         raw = mat.raw.contiguous()
         threads = torch.get_num_threads()
         if native(threads, n, k // 256, raw.data_ptr(), int(gate_up), out.data_ptr()):
