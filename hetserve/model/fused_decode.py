@@ -124,7 +124,7 @@ def _key(model: nn.Module, kv) -> tuple:
 
 
 def _attention(layer: nn.Module, i: int, kv, keep: list) -> _Layer | None:
-    from hetserve.layers.attention import _qk_rope_cache_fits
+    from hetserve.layers.native_decode import qk_rope_cache_fits
     from hetserve.layers.norm import RMSNorm
     from hetserve.model.base import DecoderLayer
     from hetserve.model.llama import GQAAttention
@@ -143,7 +143,7 @@ def _attention(layer: nn.Module, i: int, kv, keep: list) -> _Layer | None:
         return None
     k_cache, v_cache = entries
     rope = attn.rotary[0]
-    if not _qk_rope_cache_fits(attn.q_norm, attn.k_norm, rope, k_cache, v_cache):
+    if not qk_rope_cache_fits(attn.q_norm, attn.k_norm, rope, k_cache, v_cache):
         return None
     if not (_fp32_cpu(rope.cos) and _fp32_cpu(rope.sin)):
         return None

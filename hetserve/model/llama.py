@@ -10,7 +10,8 @@ from torch import nn
 
 from hetserve.errors import ModelLoadError
 from hetserve.kv.cache_spec import LayerKind, PagedLayerSpec
-from hetserve.layers.attention import ForwardContext, native_qk_rope_cache, paged_attention
+from hetserve.layers.attention import ForwardContext, paged_attention
+from hetserve.layers.native_decode import native_qk_rope_cache
 from hetserve.layers.norm import RMSNorm
 from hetserve.layers.rotary import RotaryEmbedding
 from hetserve.model.base import CausalLM, DecoderLayer, DenseMLP

@@ -1,5 +1,5 @@
 /* Paged decode attention over fp32, fp16 or int8 caches on AVX2 + FMA (+ F16C) CPUs
- * (hetserve.layers.attention). An fp16 cache (`--kv-cache-dtype float16`) is widened in
+ * (hetserve.layers.native_decode). An fp16 cache (`--kv-cache-dtype float16`) is widened in
  * registers as it is read: half the bytes stream from memory, the arithmetic stays fp32.
  * An int8 cache (`--kv-cache-dtype int8`) is widened the same way, and its per-token, per-KV-head
  * scales are applied outside the dot products: K's to each score, V's to each weight

@@ -1,5 +1,5 @@
 /* Causal prefill attention read in place from the paged fp32, fp16 or int8 KV cache
- * (hetserve.layers.attention.native_prefill_attention; the decode kernel is attention.c).
+ * (hetserve.layers.native_prefill; the decode kernel is attention.c).
  *
  * One prompt chunk of T query tokens at positions [start, start + T) attends to its context
  * [0, start + T) (chunked prefill: earlier chunks are already in the cache):

@@ -6,11 +6,8 @@ import pytest
 import torch
 
 from hetserve.kv.paged import PagedKVCache
-from hetserve.layers.attention import (
-    batched_decode_sdpa,
-    build_metadata,
-    native_decode_attention,
-)
+from hetserve.layers.attention import batched_decode_sdpa, build_metadata
+from hetserve.layers.native_decode import native_decode_attention
 from hetserve.native import native_unavailable_reason
 
 pytestmark = pytest.mark.skipif(

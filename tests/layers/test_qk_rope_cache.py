@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from hetserve.kv.paged import PagedKVCache
-from hetserve.layers.attention import ForwardContext, build_metadata, native_qk_rope_cache
+from hetserve.layers.attention import ForwardContext, build_metadata
+from hetserve.layers.native_decode import native_qk_rope_cache
 from hetserve.layers.norm import RMSNorm
 from hetserve.layers.rotary import RopeConfig, RotaryEmbedding
 from hetserve.native import native_unavailable_reason
