@@ -12,17 +12,11 @@ slot out of range is a RuntimeError (the kernels check each before reading or wr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from hetserve import envs
 from hetserve.kv.paged import PagedKVCache
 from hetserve.native import optional_kernel
-
-if TYPE_CHECKING:
-    from hetserve.layers.attention import DecodeBatch, ForwardContext
-
 
 # The native decode kernel of each cache dtype (fp16 widened in registers by F16C, int8 widened
 # with its scales applied to scores and weights; bf16 and fp8 have no kernel yet and take the
@@ -53,7 +47,7 @@ def native_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    d: DecodeBatch,
+    d,  # the step's layers.attention.DecodeBatch: its block tables and context lengths
     kv: PagedKVCache,
     scale: float,
     sliding_window: int | None,
@@ -113,7 +107,7 @@ def qk_rope_cache_fits(q_norm, k_norm, rope, k_cache, v_cache) -> bool:
 
 
 def native_qk_rope_cache(
-    attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+    attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx  # a ForwardContext
 ) -> torch.Tensor | None:
     """The per-head RMSNorm of q and k (`attn.q_norm`/`attn.k_norm`, RMSNorm or None), rotary
     (`attn.rotary[0]`, over the whole head) and the K/V cache write of the GQA layer `attn`
