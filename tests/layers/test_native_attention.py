@@ -142,8 +142,8 @@ def test_contexts_of_many_chunks_match_and_each_sequence_is_the_same_bits_alone(
 ):
     """Contexts from 1 to 700 tokens: the kernel splits each into 128-token chunks and merges
     them, so chunk edges (127, 128, 129), several chunks and a window starting inside a chunk all
-    meet the float64 reference; a sequence decoded alone, or on one thread, gives the same bits as
-    in the batch."""
+    meet the float64 reference; a sequence decoded alone (its few chunks then split by KV head
+    over the threads), or on one thread, gives the same bits as in the batch."""
     gen = torch.Generator().manual_seed(7)
     hkv, g, dim = 2, 3, 40  # G = 3: blocks of 3 heads; D, Dv not multiples of 16
     lens = [1, 127, 128, 129, 300, 700, 17]
