@@ -52,7 +52,7 @@ typedef struct {
     const int64_t *tables, *lens;
     float *out;
     const int *first; /* [B + 1]: sequence b's chunks are first[b] .. first[b + 1] - 1 */
-    float *part;      /* per item: m [H], l [H], o [H, Dv] */
+    float *part;      /* per chunk: m [H], l [H], o [H, Dv] */
     int err;
 } attn_t;
 
@@ -133,6 +133,22 @@ static inline __attribute__((always_inline)) void v_heads(const attn_t *a, const
         }
 }
 
+/* int8 cache: s[h][t] *= scales[slot t, h / G] for the heads of KV heads [g0, g1), a token's
+ * Hkv scales read together (scales [slots, Hkv], row[t]: token t's slot). */
+static void scale_rows(float *s, int m, const size_t *row, int Hkv, int g0, int g1, int G,
+                       const float *scales) {
+    for (int u = 0; u < m; u++) {
+        const float *sc = scales + row[u] * Hkv;
+        for (int g = g0, h = g0 * G; g < g1; g++)
+            for (const int he = h + G; h < he; h++) s[(size_t)h * m + u] *= sc[g];
+    }
+}
+
+/* e^x for one value: hs_exp's lane 0 (the same polynomial, the same bits as in a vector). */
+static inline float exp1(float x) {
+    return _mm256_cvtss_f32(hs_exp(_mm256_set1_ps(x)));
+}
+
 static inline __attribute__((always_inline)) void item_impl(void *ctx, int it, const int half) {
     attn_t *a = (attn_t *)ctx;
     const int H = a->H, G = H / a->Hkv, D = a->D, Dv = a->Dv, Hkv = a->Hkv;
@@ -181,12 +197,7 @@ static inline __attribute__((always_inline)) void item_impl(void *ctx, int it, c
         for (int h = h0; h < h1; h++)
             s[(size_t)h * m + t] =
                 dot(q + (size_t)h * D, a->k, (row[t] * Hkv + h / G) * D, D, half) * a->scale;
-    if (half == 2) /* K's scales, one per token and KV head: a token's Hkv read together */
-        for (int u = 0; u < m; u++) {
-            const float *ks = a->ks + row[u] * Hkv;
-            for (int g = g0, h = h0; g < g1; g++)
-                for (const int he = h + G; h < he; h++) s[(size_t)h * m + u] *= ks[g];
-        }
+    if (half == 2) scale_rows(s, m, row, Hkv, g0, g1, G, a->ks); /* K's scales */
     /* Per head: the chunk's maximum, its weights e^(s - max) (times V's scale for int8), their
      * sum. */
     for (int h = h0; h < h1; h++) {
@@ -216,12 +227,7 @@ static inline __attribute__((always_inline)) void item_impl(void *ctx, int it, c
         mx[h] = best;
         l[h] = sum;
     }
-    if (half == 2) /* V's scales into the weights, likewise */
-        for (int u = 0; u < m; u++) {
-            const float *vs = a->vs + row[u] * Hkv;
-            for (int g = g0, h = h0; g < g1; g++)
-                for (const int he = h + G; h < he; h++) s[(size_t)h * m + u] *= vs[g];
-        }
+    if (half == 2) scale_rows(s, m, row, Hkv, g0, g1, G, a->vs); /* V's, into the weights */
     /* o[h] = sum_t p[h, t] V_t, tile by tile: a tile's V rows stay in L1 while every head and
      * column block passes over them. */
     memset(o + (size_t)h0 * Dv, 0, sizeof(float) * (size_t)(h1 - h0) * Dv);
@@ -259,25 +265,18 @@ static void merge(void *ctx, int b) {
             best = m > best ? m : best;
         }
         float den = 0.0f;
-        if (a->sinks) { /* e^(sink - max) in the denominator only */
-            float x[8] = {a->sinks[h] - best, -100.0f, -100.0f, -100.0f,
-                          -100.0f, -100.0f, -100.0f, -100.0f};
-            _mm256_storeu_ps(x, hs_exp(_mm256_loadu_ps(x)));
-            den = x[0];
-        }
+        if (a->sinks) den = exp1(a->sinks[h] - best); /* in the denominator only */
         for (int c = 0; c < nc; c++) {
             const float *pc = a->part + (c0 + c) * pf;
-            float x[8] = {pc[h] - best, -100.0f, -100.0f, -100.0f,
-                          -100.0f, -100.0f, -100.0f, -100.0f};
-            _mm256_storeu_ps(x, hs_exp(_mm256_loadu_ps(x)));
-            den += x[0] * pc[H + h];
-            const __m256 w = _mm256_set1_ps(x[0]);
+            const float e = exp1(pc[h] - best);
+            den += e * pc[H + h];
+            const __m256 w = _mm256_set1_ps(e);
             const float *oc = pc + 2 * (size_t)H + (size_t)h * Dv;
             int d = 0;
             for (; d + 8 <= Dv; d += 8)
                 _mm256_storeu_ps(oh + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(oc + d),
                                                          _mm256_loadu_ps(oh + d)));
-            for (; d < Dv; d++) oh[d] += x[0] * oc[d];
+            for (; d < Dv; d++) oh[d] += e * oc[d];
         }
         const __m256 inv = _mm256_set1_ps(1.0f / den);
         int d = 0;

@@ -199,17 +199,17 @@ def q4k_layout(mat: Q4KRows, out: torch.Tensor, gate_up: bool = False) -> torch.
     kernel's quad layout: by native/layouts.c where the kernels are built (the file's blocks
     moved as they are; ~20x faster than torch), else by `q4k_quads` (the same bytes)."""
     n, k = mat.shape
+    if n % (16 if gate_up else 4):
+        raise ValueError(f"a q4_K matrix of {n} rows does not fill the kernel's quads")
     native = optional_kernel("hetserve_q4k_quads") if envs.native_kernels() else None
     if native is not None and out.is_contiguous():
         raw = mat.raw.contiguous()
         threads = torch.get_num_threads()
         if native(threads, n, k // 256, raw.data_ptr(), int(gate_up), out.data_ptr()):
-            raise ValueError(f"a q4_K matrix of {n} rows does not fill the kernel's quads")
+            raise RuntimeError("hetserve_q4k_quads refused checked rows")  # cannot happen
         return out
     d, dmin, sc, m, codes = mat.fields()
     if gate_up:  # 8 gate rows, 8 up rows, ... (the kernel's unit): phase 1 reads one stream
-        if n % 16:
-            raise ValueError(f"a q4_K matrix of {n} rows does not fill the kernel's quads")
         d, dmin, sc, m, codes = (
             pair_gate_up(t.reshape(1, n, -1), rows=8)[0] for t in (d, dmin, sc, m, codes)
         )
