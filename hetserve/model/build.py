@@ -9,9 +9,11 @@ one-line messages; nothing is half-built on failure (the caller simply has no mo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,9 +32,16 @@ log = logging.getLogger(__name__)
 def build_model(config: EngineConfig, model_dir: Path) -> CausalLM:
     """The model of `model_dir` (the directory `config.model` names, resolved by the caller:
     the engine resolves the demo default) as `config` asks for it."""
+    if model_dir.suffix != ".gguf":
+        return _build_model(config, model_dir, False)
+    with _copies_unmapped() as unmapped:
+        return _build_model(config, model_dir, unmapped)
+
+
+def _build_model(config: EngineConfig, model_dir: Path, unmapped: bool) -> CausalLM:
     converted = _converted(model_dir)
     choice = choose(config, model_dir)
-    builder = _ReadyHook(config.moe, converted)
+    builder = _ReadyHook(config.moe, converted, unmapped)
     placement = _placement_rules(config.moe.placement, choice, converted)
     model = load_model(
         model_dir,
@@ -154,6 +163,55 @@ def _trim_heap() -> None:
         libc.malloc_trim(0)
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+_LOAD_MMAP_THRESHOLD = 256 << 10
+# glibc's dynamic threshold grows, as large blocks are freed, up to 32 MiB (64-bit), the trim
+# threshold to twice that: where a serving process settles after its first long prompts
+_SERVE_MMAP_THRESHOLD = 32 << 20
+
+
+@contextlib.contextmanager
+def _copies_unmapped() -> Iterator[bool]:
+    """While a GGUF file is read, glibc maps every allocation of 256 KiB or more on its own, so
+    an expert's copy out of the file goes back to the OS the moment it is freed: the backends
+    lay each expert out and let its copy go (moe/native_layout.py), which lowers the peak only
+    if the freed pages leave the process (under glibc's grown threshold they stayed in its
+    heap until the next layer's copies reused them: the 1.7 B MoE's Q4_K_M GGUF peaked at
+    1.19-1.21x the file over the process at start, ~1.09x with this). The layouts' own
+    temporaries reuse the heap (`_heap_reused`, around each layer's backends). Afterwards the
+    thresholds are those glibc's would have grown to (32 MiB, trim 64 MiB): setting one ends
+    its adjustment. Not for safetensors (their fp32 reads would fault every page anew; their
+    heap is trimmed instead: `_trim_heap`). Without glibc a no-op (yields False)."""
+    if _mallopt(_M_MMAP_THRESHOLD, _LOAD_MMAP_THRESHOLD):
+        try:
+            yield True
+        finally:
+            _settle_heap()
+    else:
+        yield False
+
+
+def _settle_heap() -> None:
+    _mallopt(_M_MMAP_THRESHOLD, _SERVE_MMAP_THRESHOLD)
+    _mallopt(_M_TRIM_THRESHOLD, 2 * _SERVE_MMAP_THRESHOLD)
+
+
+@contextlib.contextmanager
+def _heap_reused() -> Iterator[None]:
+    """Inside `_copies_unmapped`: a layer's layouts, whose per-expert temporaries are cheaper
+    reused from the heap than mapped and faulted in one by one (IQ4_XS: load ~3 s -> ~7 s)."""
+    _settle_heap()
+    try:
+        yield
+    finally:
+        _mallopt(_M_MMAP_THRESHOLD, _LOAD_MMAP_THRESHOLD)
+
+
+def _mallopt(param: int, value: int) -> bool:
+    libc = _libc()
+    return libc is not None and hasattr(libc, "mallopt") and libc.mallopt(param, value) == 1
+
+
 @functools.cache
 def _libc():
     """The C library, looked up once: find_library runs `ldconfig -p`, a fork of the loading
@@ -248,8 +306,8 @@ class _ReadyHook:
     its weights are in (model/hybrid_plan.py's ExpertsBuilder, made at the first call, when
     the plan exists), so the loaded copy goes before the next layer is read."""
 
-    def __init__(self, moe: MoEConfig, converted: dict | None) -> None:
-        self.moe, self.converted = moe, converted
+    def __init__(self, moe: MoEConfig, converted: dict | None, unmapped: bool = False) -> None:
+        self.moe, self.converted, self.unmapped = moe, converted, unmapped
         self.builder = None
         self.done: set[str] = set()
 
@@ -257,7 +315,8 @@ class _ReadyHook:
         if self.builder is None:
             self.builder = _experts_builder(plan, self.moe, self.converted)
         fragmenting = _rounded_as_read(experts)
-        self.builder(name, experts)
+        with _heap_reused() if self.unmapped else contextlib.nullcontext():
+            self.builder(name, experts)
         self.done.add(name)
         if fragmenting:  # see _trim_heap
             _trim_heap()

@@ -17,7 +17,7 @@ the rule and the unit, before any weight is read.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -162,21 +162,40 @@ class ExpertsBuilder:
     def __call__(self, name: str, experts: FusedExperts) -> None:
         built: dict[tuple[str, str], ExpertsBackend] = {}
         by_phase = {}
+        hot = self.hot.get(layer_of(name))
+        keys = {}
         for phase in PHASES:
             a = self.plan.placement.get(name, phase)
-            backend_name = a.backend or "torch"
-            key = (a.device, backend_name)
+            keys[phase] = (a.device, a.backend or "torch")
+        free = self.free_unused and all(k[1] != "torch" for k in keys.values())
+        weights = None
+        if free and len(set(keys.values())) == 1 and not hot:
+            weights = _hand_over(experts)  # one backend: its layout may free what it reads
+        for phase, key in keys.items():
             if key not in built:
                 built[key] = _make(
-                    experts, a.device, backend_name, self.plan.accelerator,
-                    self.hot.get(layer_of(name)), self.cpu_threads,
-                    self.options.get(backend_name, {}), self.numa,
+                    experts, key[0], key[1], self.plan.accelerator, hot, self.cpu_threads,
+                    self.options.get(key[1], {}), self.numa, weights,
                 )  # fmt: skip
             by_phase[phase] = built[key]
+        del weights
         experts.set_phase_backends(by_phase)
-        if self.free_unused and all(k[1] != "torch" for k in built):
+        if free:
             # Quantized or repacked copies now hold the weights: drop the originals.
             experts.release_weights()
+
+
+def _hand_over(experts: FusedExperts) -> ExpertWeights | None:
+    """The module's packed experts as handed-over weights (ExpertWeights.handed_over: lists
+    the backend empties as it lays each expert out), the module's reference dropped; None where
+    its experts are not packed (dense weights stay the module's parameters)."""
+    weights = experts.weights()
+    if weights.packed is None:
+        return None
+    p = weights.packed
+    experts.packed = None
+    lists = replace(p, w13=list(p.w13), w2=list(p.w2))
+    return replace(weights, packed=lists, handed_over=True)
 
 
 def _make(
@@ -188,9 +207,10 @@ def _make(
     cpu_threads: int | None,
     extra: dict,
     numa: NumaSplit | None = None,
+    weights: ExpertWeights | None = None,
 ) -> ExpertsBackend:
     dev = torch.device(device)
-    weights = experts.weights()
+    weights = weights or experts.weights()
     if weights.device != dev:
         weights = weights.dense(dev)
     split = numa is not None and dev.type == "cpu" and backend_name in _NUMA_BACKENDS

@@ -61,21 +61,25 @@ class NativeGgufExperts(_NativeExperts):
         self.group_size = g13 if f13 == f2 and g13 == g2 else g13 | g2 << 16
         self.formats = (p.w13[0].fmt, p.w2[0].fmt)
         hp, ip = self._padded()
-        m13, m2 = pad_qmatrices(p.w13, ip, hp, True), pad_qmatrices(p.w2, hp, ip)
+        w13, w2 = weights.packed_lists()
+        m13, m2 = pad_qmatrices(w13, ip, hp, True), pad_qmatrices(w2, hp, ip)
         w13, s13 = self._layout(f13, m13, True)
         w2, s2 = self._layout(f2, m2, False)
         self._set(w13, s13, w2, s2)
 
     @staticmethod
     def _layout(fmt: int, mats: list, gate_up: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One projection's layout; `mats` is emptied as it is laid out (moe/native_layout.py)."""
         if fmt == F_Q4K:
-            return q4k_layer(tuple(mats), gate_up), None
+            return q4k_layer(mats, gate_up), None
         if fmt in _FILE_ROWS:
             return rows_layer(mats, gate_up), None
         if fmt == F_I4:
             return int4_layer(mats, gate_up), None
         scales = [fp16_group_scales(m.scale) for m in mats]  # grouped int8 (q8_0)
-        return stacked_quads([m.q for m in mats], 16, gate_up), stacked_quads(scales, 1, gate_up)
+        codes = [m.q for m in mats]
+        mats.clear()
+        return stacked_quads(codes, 16, gate_up), stacked_quads(scales, 1, gate_up)
 
 
 @register_backend("cpu-gguf")

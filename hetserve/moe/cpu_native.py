@@ -24,7 +24,7 @@ from __future__ import annotations
 import ctypes
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -73,11 +73,12 @@ def _packed_as(weights: ExpertWeights, cls: type[QMatrix]) -> bool:
 
 def _experts_in(
     weights: ExpertWeights, packed: bool, quantize: Callable[[torch.Tensor], QMatrix]
-) -> tuple[Sequence[QMatrix], Sequence[QMatrix]]:
-    """The layer's w13 and w2 matrices in one format: the checkpoint's own where `packed` (it
-    holds them in that format already), else each expert quantized on its own."""
+) -> tuple[list[QMatrix], list[QMatrix]]:
+    """The layer's w13 and w2 matrices in one format, as lists the layouts empty: the
+    checkpoint's own where `packed` (it holds them in that format already), else each expert
+    quantized on its own."""
     if packed:
-        return weights.packed.w13, weights.packed.w2
+        return weights.packed_lists()
     mats13, mats2 = [], []
     for e in range(weights.num_experts):
         for w, out in zip(weights.expert(e), (mats13, mats2), strict=True):
@@ -250,7 +251,7 @@ class NativeInt8Experts(_NativeExperts):
 
     def _load(self, weights: ExpertWeights) -> None:
         if _packed_as(weights, Int8PerRow):  # rounded per row as the loader read them
-            self._load_per_row(weights.packed.w13, weights.packed.w2)
+            self._load_per_row(*weights.packed_lists())
             return
         if _packed_as(weights, Int8Rows):
             g13, g2 = weights.packed.groups()
@@ -269,15 +270,16 @@ class NativeInt8Experts(_NativeExperts):
                 ss.append(s[:, None])
         self._set_per_row(q13, s13, q2, s2)
 
-    def _load_per_row(self, m13: Sequence[Int8Rows], m2: Sequence[Int8Rows]) -> None:
+    def _load_per_row(self, m13: list[Int8Rows], m2: list[Int8Rows]) -> None:
         """Experts already int8 per row (the loader quantized them as they were read: what the
         loop above makes of dense ones, bit for bit); zero rows and columns added here (a padded
         row's scale is 0, not the loop's 1: its codes are 0 either way)."""
         hp, ip = self._padded()
-        self._set_per_row(
-            [pad_gate_up(m.q, ip, hp) for m in m13], [pad_gate_up(m.scale, ip, 1) for m in m13],
-            [pad_tensor(m.q, hp, ip) for m in m2], [pad_tensor(m.scale, hp, 1) for m in m2],
-        )  # fmt: skip
+        q13 = [pad_gate_up(m.q, ip, hp) for m in m13]
+        s13 = [pad_gate_up(m.scale, ip, 1) for m in m13]
+        q2, s2 = [pad_tensor(m.q, hp, ip) for m in m2], [pad_tensor(m.scale, hp, 1) for m in m2]
+        m13.clear(), m2.clear()  # the four lists alone hold them: the layouts empty those
+        self._set_per_row(q13, s13, q2, s2)
 
     def int8_rows(self) -> tuple[torch.Tensor, ...] | None:
         """(q13, s13, q2, s2) as the kernel reads them where they are int8 with one fp32 scale
@@ -298,12 +300,14 @@ class NativeInt8Experts(_NativeExperts):
 
     def _load_grouped(self, weights: ExpertWeights, group: int) -> None:
         self.group_size = group
-        p, (hp, ip) = weights.packed, self._padded()
-        m13, m2 = pad_qmatrices(p.w13, ip, hp, True), pad_qmatrices(p.w2, hp, ip)
+        (w13, w2), (hp, ip) = weights.packed_lists(), self._padded()
+        m13, m2 = pad_qmatrices(w13, ip, hp, True), pad_qmatrices(w2, hp, ip)
         s13, s2 = ([fp16_group_scales(m.scale) for m in mats] for mats in (m13, m2))
+        q13, q2 = [m.q for m in m13], [m.q for m in m2]
+        m13.clear(), m2.clear()  # the codes' lists alone hold them: the layouts empty those
         self._set(
-            stacked_quads([m.q for m in m13], 16, True), stacked_quads(s13, 1, True),
-            stacked_quads([m.q for m in m2], 16, False), stacked_quads(s2, 1, False),
+            stacked_quads(q13, 16, True), stacked_quads(s13, 1, True),
+            stacked_quads(q2, 16, False), stacked_quads(s2, 1, False),
         )  # fmt: skip
 
 
@@ -329,8 +333,8 @@ class NativeInt4Experts(_NativeExperts):
     def _load(self, weights: ExpertWeights) -> None:
         if _packed_as(weights, Q4KRows) and self.group_size == 32:
             self.fmt = F_Q4K  # the super-blocks as they are (group_size: their sub-blocks)
-            p = weights.packed
-            self._set(q4k_layer(p.w13, True), None, q4k_layer(p.w2, False), None)
+            w13, w2 = weights.packed_lists()
+            self._set(q4k_layer(w13, True), None, q4k_layer(w2, False), None)
             return
 
         def quantize(w: torch.Tensor) -> Int4Rows:  # a short last group: its own scale, minimum
@@ -363,13 +367,12 @@ class NativeMxfp4Experts(_NativeExperts):
         mats13, mats2 = pad_qmatrices(mats13, ip, hp, True), pad_qmatrices(mats2, hp, ip)
         n13, n2 = 2 * ip, hp
 
-        def blocks(mats: tuple | list, n: int) -> list[torch.Tensor]:
-            return [m.blocks.reshape(n, -1) for m in mats]
-
+        b13, b2 = ([m.blocks.reshape(n, -1) for m in ms] for ms, n in ((mats13, n13), (mats2, n2)))
         s13, s2 = [m.scales for m in mats13], [m.scales for m in mats2]
+        mats13.clear(), mats2.clear()  # the four lists alone hold them: the layouts empty those
         self._set(
-            stacked_tiles(blocks(mats13, n13), 4, True), stacked_tiles(s13, 1, True),
-            stacked_tiles(blocks(mats2, n2), 4, False), stacked_tiles(s2, 1, False),
+            stacked_tiles(b13, 4, True), stacked_tiles(s13, 1, True),
+            stacked_tiles(b2, 4, False), stacked_tiles(s2, 1, False),
         )  # fmt: skip
 
 
@@ -410,7 +413,9 @@ class NativeFp8Experts(_NativeExperts):
                 for m in mats
             ]
 
+        c13, c2, s13, s2 = codes(mats13), codes(mats2), scales(mats13), scales(mats2)
+        mats13.clear(), mats2.clear()  # the four lists alone hold them: the layouts empty those
         self._set(
-            stacked_quads(codes(mats13), 16, True), stacked_quads(scales(mats13), 1, True),
-            stacked_quads(codes(mats2), 16, False), stacked_quads(scales(mats2), 1, False),
+            stacked_quads(c13, 16, True), stacked_quads(s13, 1, True),
+            stacked_quads(c2, 16, False), stacked_quads(s2, 1, False),
         )  # fmt: skip

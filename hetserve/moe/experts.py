@@ -28,7 +28,11 @@ class ExpertWeights:
     w13 [E, 2*I, H] (gate rows first, then up) and w2 [E, H, I], or (`packed`, w13 = w2 = None)
     the checkpoint's quantized matrices, or (`layout`, w13 = w2 = None) the native kernels' own
     bytes as `hetserve convert` wrote them (mapped from the file; only the native backend of
-    their format reads them). Optional biases (gpt-oss): b13 [E, 2*I], b2 [E, H]."""
+    their format reads them). Optional biases (gpt-oss): b13 [E, 2*I], b2 [E, H].
+    `handed_over`: nothing but `packed` (its w13 and w2 lists) holds the loaded matrices, and
+    the one backend built from them may empty those lists as it lays each expert out, so each
+    loaded copy goes as soon as its layout is written (the streaming load: model/hybrid_plan.py's
+    ExpertsBuilder, where a layer gets a single backend)."""
 
     w13: torch.Tensor | None
     w2: torch.Tensor | None
@@ -36,6 +40,15 @@ class ExpertWeights:
     b2: torch.Tensor | None = None
     packed: PackedExperts | None = None
     layout: KernelLayout | None = None
+    handed_over: bool = False
+
+    def packed_lists(self) -> tuple[list, list]:
+        """`packed`'s w13 and w2 matrices as lists a layout may empty (moe/native_layout.py):
+        the handed-over lists themselves, else new lists (the caller's matrices stay)."""
+        p = self.packed
+        if self.handed_over:
+            return p.w13, p.w2  # type: ignore[return-value]
+        return list(p.w13), list(p.w2)
 
     @property
     def num_experts(self) -> int:

@@ -3,7 +3,10 @@ time into one stacked tensor per matrix (on huge pages): row quads interleaved i
 sequential stream, W13's gate and up units alternating (phase 1 reads one stream), q4_K
 super-blocks regrouped into quads, int4 and MXFP4 in their tiles, the file's K-quant and i-quant
 rows as they are. Each is filled expert by expert, so a layer's matrices never exist twice
-beside the layout (the streaming load's peak: model/loader.py).
+beside the layout (the streaming load's peak: model/loader.py); given a list, each lets its
+entries go as it lays them out, so where the caller holds nothing else of them (a layer the
+loader handed over: ExpertWeights.handed_over) each expert's loaded copy is freed before the
+next one is laid out, and the peak is the layout plus one expert, not plus the layer.
 
 Who calls it: the native backends (moe/cpu_native.py, moe/cpu_gguf.py) when they load a layer.
 Failure: `stacked_quads` refuses experts of one layer with different shapes (ValueError); the
@@ -13,7 +16,8 @@ shapes before).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -21,6 +25,20 @@ from hetserve.native import hugepage_empty
 from hetserve.quant.gguf_iq import KERNEL_ORDER
 from hetserve.quant.layout import int4_group_tiles, pair_gate_up, q4k_layout, quad_units
 from hetserve.quant.packed import Int4Rows, Q4KRows, QMatrix
+
+T = TypeVar("T")
+
+
+def taken(mats: Sequence[T]) -> Iterator[tuple[int, T]]:
+    """(e, mats[e]) in order; a list's entry is let go as it is handed out (see the module
+    docstring), a tuple's stays."""
+    drop = isinstance(mats, list)
+    for e in range(len(mats)):
+        m = mats[e]
+        if drop:
+            mats[e] = None  # type: ignore[call-overload]
+        yield e, m
+        del m
 
 
 def stacked_quads(
@@ -32,7 +50,7 @@ def stacked_quads(
     if any(tuple(m.shape) != shape for m in mats):
         raise ValueError(f"experts of one layer differ in shape: {[tuple(m.shape) for m in mats]}")
     out = None
-    for e, m in enumerate(mats):
+    for e, m in taken(mats):
         t = m.unsqueeze(0)
         src = quad_units(pair_gate_up(t, rows) if gate_up else t, chunk, rows)
         if out is None:
@@ -47,13 +65,13 @@ def stacked_tiles(mats: list[torch.Tensor], chunk: int, gate_up: bool) -> torch.
     return stacked_quads(mats, chunk, gate_up, rows=16)
 
 
-def q4k_layer(mats: tuple[Q4KRows, ...], gate_up: bool) -> torch.Tensor:
+def q4k_layer(mats: Sequence[Q4KRows], gate_up: bool) -> torch.Tensor:
     """Per-expert q4_K matrices [N, K] -> one stacked tensor [E, N/4, K/256, 576] in the
     kernel's quad layout (native/moe_q4k.h), filled expert by expert (quant/layout.py's
     q4k_layout)."""
     n, k = mats[0].shape
     out = hugepage_empty((len(mats), n // 4, k // 256, 576), torch.uint8)
-    for e, mat in enumerate(mats):
+    for e, mat in taken(mats):
         q4k_layout(mat, out[e], gate_up)
     return out
 
@@ -64,7 +82,7 @@ def int4_layer(mats: Sequence[Int4Rows], gate_up: bool) -> torch.Tensor:
     n, k = mats[0].shape
     g = mats[0].group
     out = hugepage_empty((len(mats), n // 16, k // g, 8 * g + 128), torch.uint8)
-    for e, m in enumerate(mats):
+    for e, m in taken(mats):
         q, s, z = m.packed, m.scale, m.minimum
         if gate_up:  # gate tile, up tile, ...: phase 1 reads one stream
             q, s, z = (pair_gate_up(t.reshape(1, n, -1), 16)[0] for t in (q, s, z))
@@ -79,7 +97,7 @@ def rows_layer(mats: Sequence[QMatrix], gate_up: bool) -> torch.Tensor:
     # the i-quants' nibbles (IQ4_NL's scales too) regrouped (moe_kq.h, quad_iq4xs / quad_iq4nl)
     reorder = KERNEL_ORDER.get(type(mats[0]))
     out = hugepage_empty((len(mats), *mats[0].raw.shape), torch.uint8)  # type: ignore[attr-defined]
-    for e, m in enumerate(mats):
+    for e, m in taken(mats):
         raw = reorder(m.raw) if reorder else m.raw  # type: ignore[attr-defined]
         n = raw.shape[0]
         if gate_up:

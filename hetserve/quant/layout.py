@@ -110,9 +110,14 @@ def pad_qmatrices(
 ) -> list[QMatrix]:
     """Each matrix padded (pad_qmatrix, or with `gate_up` pad_qmatrix_gate_up and `rows` per
     half): checkpoint matrices as they are where they fit, as their formats' blocks mostly
-    make them."""
+    make them. A list is padded in place and returned (a layer handed over to its backend:
+    no second list holds the loaded matrices); anything else gives a new list."""
     pad = pad_qmatrix_gate_up if gate_up else pad_qmatrix
-    return [pad(m, rows, cols) for m in mats]
+    if not isinstance(mats, list):
+        return [pad(m, rows, cols) for m in mats]
+    for i, m in enumerate(mats):
+        mats[i] = pad(m, rows, cols)
+    return mats
 
 
 def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:

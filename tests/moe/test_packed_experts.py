@@ -288,7 +288,10 @@ def test_layouts_filled_expert_by_expert_equal_the_stacked_layer(gate_up, rows, 
     mats = [torch.randint(-127, 128, (64, 96), generator=gen, dtype=torch.int8) for _ in range(3)]
     stacked = torch.stack(mats)
     want = interleave_quads(pair_gate_up(stacked, rows) if gate_up else stacked, chunk, rows)
-    assert torch.equal(stacked_quads(mats, chunk, gate_up, rows), want)
+    given = list(mats)
+    assert torch.equal(stacked_quads(given, chunk, gate_up, rows), want)
+    assert given == [None] * 3  # a list's entries are let go as they are laid out
+    assert torch.equal(stacked_quads(tuple(mats), chunk, gate_up, rows), want)  # a tuple stays
     with pytest.raises(ValueError, match="differ in shape"):
         stacked_quads([*mats, mats[0][:32]], chunk, gate_up, rows)
 
@@ -313,3 +316,44 @@ def test_prefill_tiles_match_the_emulated_reference(fmt, bias):
     out = create_backend(PACKERS[fmt][1], weights, activation=act).forward(x, tw, ids)
     ref = _emulated(deq13, deq2, b13, b2, act, x, tw, ids, rounding=_rounding(fmt))
     assert_emulated(out, ref)
+
+
+@pytest.mark.parametrize("fmt", list(PACKERS))
+@pytest.mark.parametrize("handed_over", [True, False])
+def test_a_handed_over_layer_lets_each_expert_go_as_it_is_laid_out(fmt, handed_over, monkeypatch):
+    """ExpertWeights.handed_over (the streaming load's sole backend of a layer): the backend
+    empties the packed lists as it lays the experts out, so each loaded matrix (or the codes
+    taken from it) is freed once its layout is written, and nothing of the layer is left
+    after; without it the caller's matrices stay. The same layout bytes either way."""
+    import weakref
+
+    from hetserve.moe import native_layout
+
+    w13, w2, _, _ = _dense(11)
+    name = PACKERS[fmt][1]
+    opts = {"group_size": 32} if fmt in ("q4k", "int4") else {}
+    kept = create_backend(name, ExpertWeights(None, None, packed=_packed(fmt, w13, w2)), **opts)
+    p = _packed(fmt, w13, w2)
+    given = ExpertWeights(None, None, packed=PackedExperts(list(p.w13), list(p.w2)),
+                          handed_over=handed_over)  # fmt: skip
+    refs = [weakref.ref(m) for m in (*p.w13, *p.w2)]
+    del p
+    worst, original = [], native_layout.taken
+
+    def watched(mats):  # how many of the list's entries are alive as expert e is handed out
+        entries = [weakref.ref(m) for m in mats]
+        for e, m in original(mats):
+            alive = sum(r() is not None for r in entries)
+            worst.append(alive - (len(entries) - e + 1))  # <= 0: those before e-1 are gone
+            yield e, m
+
+    monkeypatch.setattr(native_layout, "taken", watched)
+    backend = create_backend(name, given, **opts)
+    assert worst
+    if handed_over:
+        assert max(worst) <= 0
+        assert all(r() is None for r in refs)  # nothing of the loaded layer is left
+    else:  # the caller's (its lists of the layer stay whole)
+        assert all(r() is not None for r in refs) and None not in given.packed.w13
+    for a, b in zip(kept._tensors, backend._tensors, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
