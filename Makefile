@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 STRICT := hetserve/core hetserve/sched hetserve/kv hetserve/store hetserve/transfer hetserve/quant \
 	hetserve/disagg/policy.py hetserve/disagg/costs.py hetserve/disagg/delivery_probe.py hetserve/disagg/index.py \
 	hetserve/disagg/kv_wire.py hetserve/disagg/kv_publisher.py hetserve/disagg/kv_subscriber.py \
-	hetserve/server/tools hetserve/config.py hetserve/errors.py \
+	hetserve/server/tools hetserve/config.py hetserve/config_sections.py hetserve/errors.py \
 	hetserve/envs.py hetserve/sim hetserve/moe/presets.py hetserve/moe/numa.py
 # Debian packages the store tests start for real: Redis, and libibverbs that Mooncake links.
 SYSTEM_PACKAGES := redis-server libibverbs1

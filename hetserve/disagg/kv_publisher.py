@@ -27,7 +27,7 @@ from collections.abc import Callable
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from hetserve.config import is_loopback_host, tcp_endpoint
+from hetserve.config_sections import is_loopback_host, tcp_endpoint
 from hetserve.core.block_hash import BlockHash
 from hetserve.core.kv_events import (
     MEDIA,

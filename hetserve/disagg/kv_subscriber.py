@@ -38,7 +38,7 @@ import httpx
 import msgspec
 import zmq
 
-from hetserve.config import tcp_endpoint
+from hetserve.config_sections import tcp_endpoint
 from hetserve.core.kv_events import KVEventBatch, decode_batch
 from hetserve.disagg.index import KVIndex
 from hetserve.disagg.kv_wire import END_SEQ, TOPIC, WILDCARD_HOSTS, secure_client, seq_bytes, seq_of

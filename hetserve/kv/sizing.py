@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from hetserve.config import CPU_KV_CAP_BYTES, EngineConfig
+from hetserve.config import EngineConfig
+from hetserve.config_sections import CPU_KV_CAP_BYTES
 from hetserve.errors import InvalidInputError
 from hetserve.kv.paged import KVCacheSpec, PagedKVCache
 

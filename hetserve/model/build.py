@@ -280,7 +280,7 @@ def _checkpoint_bytes(model_dir: Path) -> int:
 
 
 def _default_kv_bytes() -> int:
-    from hetserve.config import CPU_KV_CAP_BYTES  # the engine's budget when none is given
+    from hetserve.config_sections import CPU_KV_CAP_BYTES  # the engine's budget when none is given
 
     return CPU_KV_CAP_BYTES
 
