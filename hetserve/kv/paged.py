@@ -9,9 +9,16 @@ The cache may be stored in a narrower dtype than the model computes in (`--kv-ca
 8-bit forms (int8, fp8 e4m3) keep one fp32 scale per slot and row of the last dimension (per
 token and KV head for GQA, per token for MLA's latent row) in `scales`, indexed by slot like
 the data, so a block's scales are its own rows of those tensors and move with it (`parts`).
+
+On the CPU the tensors are pages of a fresh anonymous mapping, which the OS hands out zeroed
+as each is first touched (`zeroed`): the cache costs no time at start-up and takes resident
+memory as its blocks are used.
 """
 
 from __future__ import annotations
+
+import mmap
+import sys
 
 import torch
 
@@ -59,6 +66,25 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     return q, amax / qmax
 
 
+_LAZY_BYTES = 1 << 20  # smaller tensors: torch.zeros (a mapping each would waste its pages)
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor. On the CPU (Linux), from `_LAZY_BYTES` up, a fresh private anonymous
+    mapping: zero by the OS's guarantee and untouched, so allocating it writes nothing (a 2 GiB
+    torch.zeros wrote every page: 1.5 s of the engine's start on the 2-core VM) and its pages
+    become resident as blocks are written. The tensor holds the mapping; it is unmapped with
+    the last view."""
+    size = 1
+    for d in shape:
+        size *= d
+    nbytes = size * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or nbytes < _LAZY_BYTES or sys.platform != "linux":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
+
+
 class PagedKVCache:
     def __init__(
         self,
@@ -74,15 +100,11 @@ class PagedKVCache:
         self.dtype = dtype
         num_slots = num_blocks * block_size
         self.layers: list[list[torch.Tensor]] = [
-            [torch.zeros((num_slots, *shape), dtype=dtype, device=device) for shape in entries]
-            for entries in spec
+            [zeroed((num_slots, *shape), dtype, device) for shape in entries] for entries in spec
         ]
         # Per layer, one scale tensor per entry for the 8-bit dtypes (else none).
         self.scales: list[list[torch.Tensor]] = [
-            [
-                torch.zeros((num_slots, *shape[:-1]), dtype=torch.float32, device=device)
-                for shape in entries
-            ]
+            [zeroed((num_slots, *shape[:-1]), torch.float32, device) for shape in entries]
             if dtype in QUANT_MAX
             else []
             for entries in spec
