@@ -155,18 +155,27 @@ def _allocate(
             if stream and isinstance(unit, FusedExperts) and device.type == "cpu":
                 _allocate_biases(unit, device)
                 continue
-            unit.to_empty(device=device)
+            _to_empty(unit, device)
             if int8_unallocated and plan.placement.get(name).backend is not None:
                 _unallocate_linears(unit, embeddings_unallocated)
         model.hybrid_plan = plan
     else:
         if before_alloc is not None:
             before_alloc(model)
-        model = model.to_empty(device=dev)
+        model = _to_empty(model, dev)
     for module in model.modules():
         if hasattr(module, "init_buffers"):
             module.init_buffers(dev)
     return model
+
+
+def _to_empty(module: nn.Module, device: torch.device):
+    """`module.to_empty(device=device)` without its empty_like: on a meta tensor that runs
+    torch._refs, whose first call imports torch.fx's symbolic shapes and sympy (0.7 s of every
+    start-up here); a factory call with the same sizes and strides does not."""
+    return module._apply(
+        lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
+    )
 
 
 def _unallocate_linears(unit: nn.Module, embeddings: bool = False) -> None:
