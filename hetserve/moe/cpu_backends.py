@@ -32,13 +32,8 @@ import torch.nn.functional as F
 
 from hetserve.errors import InvalidInputError
 from hetserve.moe.cpu_base import _CPUExperts
-from hetserve.moe.cpu_native import (
-    NativeFp8Experts,
-    NativeFp32Experts,
-    NativeInt4Experts,
-    NativeInt8Experts,
-    NativeMxfp4Experts,
-)
+from hetserve.moe.cpu_native import NativeFp32Experts, NativeInt4Experts, NativeInt8Experts
+from hetserve.moe.cpu_native_float import NativeFp8Experts, NativeMxfp4Experts
 from hetserve.moe.experts import Activation, ExpertWeights, native_activation, register_backend
 from hetserve.quant.layout import pad_bias, pad_gate_up, pad_tensor, round_up
 from hetserve.quant.quantize import (
