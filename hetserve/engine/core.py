@@ -20,19 +20,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from hetserve import envs
-from hetserve.config import EngineConfig, PreemptionMode, Role
+from hetserve.config import EngineConfig, Role
 from hetserve.core.outputs import RequestOutput
 from hetserve.core.request import HandoffRole, NewRequest, Request, RequestStatus
-from hetserve.core.stats import EngineLoad, EngineStats
+from hetserve.core.stats import EngineStats
 from hetserve.engine.detokenizer import IncrementalDetokenizer
 from hetserve.engine.execute import StepExecutor, StepResult, describe
-from hetserve.engine.handoff import Handoff, open_handoff
-from hetserve.engine.kv_store import BlockIO, kv_identity, open_tiers
+from hetserve.engine.handoff import Handoff
+from hetserve.engine.kv_services import kv_facts, open_kv_services
+from hetserve.engine.kv_store import kv_identity
 from hetserve.engine.lora import build_lora_manager
 from hetserve.engine.output import ParentState, SeqState
 from hetserve.engine.runner import ModelRunner
 from hetserve.engine.setup import graph_options, resolve_model_dir, state_slots
-from hetserve.engine.state_io import StateIO
 from hetserve.engine.step_log import StepLog, shape_of
 from hetserve.engine.step_probe import measure_steps, step_time_model
 from hetserve.engine.swap import HostSwap
@@ -40,7 +40,6 @@ from hetserve.engine.validate import RequestValidator
 from hetserve.errors import InvalidInputError
 from hetserve.kv.cache_spec import paged_layout, state_slot_bytes
 from hetserve.kv.handoff import handoff_stats
-from hetserve.kv.loader import Loaders
 from hetserve.kv.manager import KVCacheManager
 from hetserve.kv.sizing import num_kv_blocks
 from hetserve.kv.tier_policy import CostModel
@@ -104,7 +103,6 @@ class EngineCore:
         self.memory = measured_memory(self.model, self.runner.kv.nbytes())
         log.info("%s", self.memory.line())
         seed = kv_identity(self.model_dir, self.runner.kv, cfg.cache.hash_seed, self.runner.state)
-        role = cfg.disagg.role
         self.kv = KVCacheManager(
             num_blocks, bs, cfg.cache.enable_prefix_caching, seed, cfg.cache.session_ttl_s, states
         )
@@ -121,31 +119,13 @@ class EngineCore:
         self.cost = CostModel(steps=step_time_model(self.model))
         measure_steps(self.runner, self.kv, self.cost, self.max_model_len)
         log.info("%s", self.cost.steps.describe())
-        self.tiers: TierManager | None = None
-        self.kv_summary: str | None = None  # the start-up line of the KV tiers
-        state_io = None if self.runner.state is None else StateIO(self.runner.state)
-        io = BlockIO(self.runner.kv) if c.kv_store or role is not Role.BOTH else None
-        if c.kv_store is not None:
-            assert io is not None
-            self.tiers, self.kv_summary = open_tiers(
-                c.kv_store, c.kv_save, c.kv_load, self.kv, io, self.cost, state_io
-            )
-            log.info("%s", self.kv_summary)
-            if self.kv_events is not None:
-                self.kv_events.follow(self.tiers.store, self.tiers.saver.on_saved)
-        self.handoff = (
-            Handoff() if io is None else open_handoff(cfg.disagg, self.kv, io, self.tiers, state_io)
-        )
-        loader = None
-        if self.handoff.receiver is not None or self.tiers is not None:
-            loader = Loaders(self.handoff.receiver, self.tiers)
-        self.swap: HostSwap | None = None  # preemption by swap's host copies
-        if cfg.scheduler.preemption_mode is PreemptionMode.SWAP:
-            swap_bytes = int(cfg.scheduler.swap_space_gb * (1 << 30))
-            capture = None if self.tiers is None else self.tiers.capture_evicted
-            self.swap = HostSwap(self.runner.kv, self.runner.state, swap_bytes, capture)
+        services = open_kv_services(cfg, self.kv, self.runner, self.cost, self.kv_events)
+        self.tiers: TierManager | None = services.tiers
+        self.kv_summary: str | None = services.kv_summary  # the start-up line of the KV tiers
+        self.handoff = services.handoff
+        self.swap: HostSwap | None = services.swap  # preemption by swap's host copies
         self.scheduler = Scheduler(
-            cfg.scheduler, self.kv, self.max_model_len, loader, self.cost.steps, self.swap
+            cfg.scheduler, self.kv, self.max_model_len, services.loader, self.cost.steps, self.swap
         )
         self.step_log = StepLog(self.cost, envs.step_trace())
         self.seqs: dict[str, SeqState] = {}
@@ -153,16 +133,7 @@ class EngineCore:
         self.executor = StepExecutor(self.runner, self.seqs, self.eos_ids, self.lora)
         self._counts = {"steps": 0, "preemptions": 0, "prompt_tokens": 0, "generation": 0}
         self._finished: dict[str, int] = {}
-        tiers = [] if self.tiers is None else [t.name for t in self.tiers.store.tiers()]
-        self._kv_info: dict[str, object] = {
-            "block_size": bs,
-            "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
-            "hash_seed": seed.hex(),
-            "prefix_caching": c.enable_prefix_caching,
-            "num_blocks": self.kv.pool.num_usable,
-            "store_tiers": tiers,
-            "kv_events": None if self.kv_events is None else self.kv_events.describe(),
-        }
+        self._kv_info = kv_facts(cfg, self.kv, kv_dtype, seed, self.tiers, self.kv_events)
 
     # ---- requests -----------------------------------------------------------------------------
     def validate(self, new: NewRequest) -> NewRequest:
@@ -397,23 +368,8 @@ class EngineCore:
             handoff=None
             if self.config.disagg.role is Role.BOTH
             else handoff_stats(self.handoff.sender, self.handoff.receiver),
-            load=self._load(),
+            load=self.scheduler.load(),
             step_kinds=self.step_log.stats(),
-        )
-
-    def _load(self) -> EngineLoad:
-        sched, pool = self.scheduler, self.kv.pool
-        waiting = [*sched.waiting, *sched.loading.values()]
-        prefill = [r for r in sched.running if r.num_computed_tokens < r.num_prompt_tokens]
-        decodes = [r for r in sched.running if r.num_computed_tokens >= r.num_prompt_tokens]
-        return EngineLoad(
-            queued_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting)
-            + sum(r.num_prompt_tokens - r.num_computed_tokens for r in prefill),
-            queued_requests=len(waiting),
-            running_decodes=len(decodes),
-            decode_context_tokens=sum(r.num_tokens for r in decodes),
-            free_blocks=pool.num_free,
-            total_blocks=pool.num_usable,
         )
 
     def reset_prefix_cache(self) -> int:

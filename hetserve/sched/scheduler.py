@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from hetserve.config import SchedulerConfig, SchedulingPolicy
 from hetserve.core.request import Request, RequestStatus
+from hetserve.core.stats import EngineLoad
 from hetserve.kv.block_pool import KVBlock
 from hetserve.kv.loader import KVLoader, LoadState
 from hetserve.kv.manager import KVCacheManager
@@ -275,6 +276,22 @@ class Scheduler:
                 self.swapper.drop(request_id)
         self.kv.free(req)
         return req
+
+    def load(self) -> EngineLoad:
+        """The queued and running work, what the Conductor balances instances by (EngineStats)."""
+        pool = self.kv.pool
+        waiting = [*self.waiting, *self.loading.values()]
+        prefill = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        decodes = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
+        return EngineLoad(
+            queued_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting)
+            + sum(r.num_prompt_tokens - r.num_computed_tokens for r in prefill),
+            queued_requests=len(waiting),
+            running_decodes=len(decodes),
+            decode_context_tokens=sum(r.num_tokens for r in decodes),
+            free_blocks=pool.num_free,
+            total_blocks=pool.num_usable,
+        )
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
