@@ -35,6 +35,8 @@ def test_bench_load_end_to_end_writes_json(tiny_model, tmp_path, capsys):
         assert r["served"]["experts"] > 0 and r["served"]["kv_cache"] > 0
         assert r["ratios"]["peak_over_resident"] >= 1
         assert r["ratios"]["resident_over_bound"] > 0
+        grown_peak = r["after"]["VmHWM"] - r["before"]["VmRSS"]
+        assert r["ratios"]["peak_grown_over_disk"] == grown_peak / r["disk_bytes"] > 0
         peer_ok = "error" not in rows["llama.cpp"]
         assert (r["ratios"]["resident_vs_llama_cpp"] is not None) == peer_ok
     # the converted checkpoint's experts are resident as file pages (the mapping, read whole
@@ -44,7 +46,7 @@ def test_bench_load_end_to_end_writes_json(tiny_model, tmp_path, capsys):
         > rows["hetserve converted"]["served"]["experts"]
     )
     text = capsys.readouterr().out
-    assert "res vs llama.cpp" in text and "hetserve converted" in text
+    assert "res vs llama.cpp" in text and "peak grown/disk" in text and "hetserve converted" in text
 
 
 def test_llama_cpp_missing_is_a_row_with_the_reason(tmp_path, monkeypatch):
