@@ -4,8 +4,8 @@
 format (quant/checkpoint) sort each name into an ordinary tensor or a part of a quantized weight,
 so nothing is read before every name is understood and every quantized weight is complete.
 `SafetensorsCheckpoint.tensors` then reads shard by shard, one tensor at a time (plain reads
-into each tensor's own buffer: model/st_file.py), and yields each quantized weight once all its
-parts have been read.
+into each tensor's own buffer, or with `reuse` an ordinary tensor into one reused buffer:
+model/st_file.py), and yields each quantized weight once all its parts have been read.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from hetserve.errors import MissingTensorError, ModelLoadError
-from hetserve.model.st_file import SafetensorsFile
+from hetserve.model.st_file import SafetensorsFile, Scratch
 from hetserve.quant.checkpoint import CheckpointFormat
 from hetserve.quant.packed import QMatrix
 
@@ -82,9 +82,15 @@ class SafetensorsCheckpoint:
     def nbytes(self) -> int:
         return sum(f.stat().st_size for f in self.files)
 
-    def tensors(self, wanted: Callable[[str], bool]) -> Iterator[tuple[str, Value, int]]:
-        """(logical name, value, bytes read) for every wanted weight, in file order."""
+    def tensors(
+        self, wanted: Callable[[str], bool], reuse: bool = False
+    ) -> Iterator[tuple[str, Value, int]]:
+        """(logical name, value, bytes read) for every wanted weight, in file order. With
+        `reuse`, an ordinary tensor may be a view of a buffer the next read overwrites (the
+        caller copies or rounds each before it asks for the next; st_file.Scratch); the parts
+        of a quantized weight always have buffers of their own."""
         pending: dict[str, dict[str, torch.Tensor]] = {}
+        scratch = Scratch() if reuse else None
         for path in self.files:
             with SafetensorsFile(path) as f:
                 for name in f.keys():
@@ -92,7 +98,7 @@ class SafetensorsCheckpoint:
                     logical = name if part is None else part[0]
                     if not wanted(logical):
                         continue
-                    t = f.read(name)
+                    t = f.read(name, scratch if part is None else None)
                     if part is None:
                         yield name, t, t.nbytes
                         continue

@@ -314,7 +314,8 @@ def _fill(model: CausalLM, ckpt: Checkpoint, filler: WeightFiller, params: dict)
                disable=total < PROGRESS_MIN_BYTES)  # fmt: skip
     with bar:
         read = ckpt.tensors(wanted, int8) if isinstance(ckpt, GgufCheckpoint) else None
-        for logical, value, nbytes in read or ckpt.tensors(wanted):
+        # the filler copies or rounds each tensor before the next is read: one read buffer
+        for logical, value, nbytes in read or ckpt.tensors(wanted, reuse=True):
             name, value = model.map_checkpoint_tensor(logical, value)
             filler.fill(filler.target(name), value, logical)
             bar.update(nbytes)
