@@ -17,6 +17,7 @@ memory as its blocks are used.
 
 from __future__ import annotations
 
+import math
 import mmap
 import sys
 
@@ -75,10 +76,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     torch.zeros wrote every page: 1.5 s of the engine's start on the 2-core VM) and its pages
     become resident as blocks are written. The tensor holds the mapping; it is unmapped with
     the last view."""
-    size = 1
-    for d in shape:
-        size *= d
-    nbytes = size * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes < _LAZY_BYTES or sys.platform != "linux":
         return torch.zeros(shape, dtype=dtype, device=device)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

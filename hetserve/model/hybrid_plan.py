@@ -178,7 +178,6 @@ class ExpertsBuilder:
                     self.options.get(key[1], {}), self.numa, weights,
                 )  # fmt: skip
             by_phase[phase] = built[key]
-        del weights
         experts.set_phase_backends(by_phase)
         if free:
             # Quantized or repacked copies now hold the weights: drop the originals.

@@ -61,8 +61,8 @@ class NativeGgufExperts(_NativeExperts):
         self.group_size = g13 if f13 == f2 and g13 == g2 else g13 | g2 << 16
         self.formats = (p.w13[0].fmt, p.w2[0].fmt)
         hp, ip = self._padded()
-        w13, w2 = weights.packed_lists()
-        m13, m2 = pad_qmatrices(w13, ip, hp, True), pad_qmatrices(w2, hp, ip)
+        l13, l2 = weights.packed_lists()
+        m13, m2 = pad_qmatrices(l13, ip, hp, True), pad_qmatrices(l2, hp, ip)
         w13, s13 = self._layout(f13, m13, True)
         w2, s2 = self._layout(f2, m2, False)
         self._set(w13, s13, w2, s2)
