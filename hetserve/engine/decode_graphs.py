@@ -9,7 +9,13 @@ runs the batch eagerly. A capture error propagates from the first forward of tha
 
 A batch of n sequences is padded to its bucket b >= n: padding rows read token 0, attend one
 key in the null block (block 0, never handed out) and write their K/V there, so they touch no
-sequence's cache; the first n rows of the output are the batch's.
+sequence's cache; the first n rows of the output are the batch's. The block tables are padded
+too, to a width bucket: the smallest power of two of blocks (at least MIN_WIDTH) holding the
+longest context, never past `max_blocks`. The accelerator's attention gathers (and MLA without
+absorption expands) every key the table's width spans, so one width of `max_blocks` made every
+step attend the whole model length (seen on an H200: batch-8 graphs at 0.82x eager). Each
+(batch bucket, width bucket) pair is captured on first use; all share one memory pool (one
+replay runs at a time, and each output is copied out before the next).
 
 Routed experts split the forward: those on the host cannot be captured, and those on the
 accelerator (the torch backend) size their work from per-expert counts read on the host. The
@@ -45,6 +51,20 @@ def bucket_sizes(max_batch: int) -> list[int]:
 def pick_bucket(buckets: Sequence[int], n: int) -> int | None:
     """The smallest bucket holding n sequences (None: more than the largest)."""
     return next((b for b in buckets if b >= n), None)
+
+
+MIN_WIDTH = 16  # blocks: the narrowest table width captured
+
+
+def pick_width(max_blocks: int, blocks: int) -> int | None:
+    """The table width for contexts of up to `blocks` blocks: the smallest power of two >= it
+    (at least MIN_WIDTH), capped at max_blocks (None: past max_blocks)."""
+    if blocks > max_blocks:
+        return None
+    width = MIN_WIDTH
+    while width < blocks:
+        width *= 2
+    return min(width, max_blocks)
 
 
 class GraphLike(Protocol):
@@ -108,13 +128,13 @@ class SplitGraph:
 class StaticDecodeInputs:
     """The decode batch's tensors for one bucket, allocated once and filled in place."""
 
-    def __init__(self, bucket: int, max_blocks: int, block_size: int, device) -> None:
+    def __init__(self, bucket: int, width: int, block_size: int, device) -> None:
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=torch.long, device=device)
 
         self.bucket, self.block_size = bucket, block_size
         self.ids, self.positions, self.slots = zeros(bucket), zeros(bucket), zeros(bucket)
-        self.tables, self.lens = zeros(bucket, max_blocks), torch.ones_like(zeros(bucket))
+        self.tables, self.lens = zeros(bucket, width), torch.ones_like(zeros(bucket))
         self.rows = torch.arange(bucket, device=device)
 
     def fill(self, seqs: Sequence[tuple[int, int, list[int]]]) -> None:
@@ -158,8 +178,9 @@ class DecodeGraphs:
         self.buckets = bucket_sizes(max_batch)
         self.max_blocks, self.capture = max_blocks, capture
         self.device = next(model.parameters()).device
-        self._inputs: dict[int, StaticDecodeInputs] = {}
-        self._graphs: dict[int, tuple[SplitGraph, torch.Tensor]] = {}
+        self._inputs: dict[tuple[int, int], StaticDecodeInputs] = {}
+        self._graphs: dict[tuple[int, int], tuple[SplitGraph, torch.Tensor]] = {}
+        self._pool: Any = None  # one memory pool for every capture
         self.forwards = 0  # decode forwards served here (replays on CUDA)
 
     def _model_declines(self) -> bool:
@@ -172,23 +193,23 @@ class DecodeGraphs:
         """Hidden states [n, H] of n decoding sequences ((token, cached, blocks) each), or None
         where this batch runs eagerly instead (see the module docstring)."""
         bucket = pick_bucket(self.buckets, len(seqs))
-        if bucket is None or any(len(b) > self.max_blocks for _, _, b in seqs):
+        width = pick_width(self.max_blocks, max((len(b) for _, _, b in seqs), default=0))
+        if bucket is None or width is None or self._model_declines():
             return None
-        if self._model_declines():
-            return None
-        inputs = self._inputs.get(bucket)
+        key = (bucket, width)
+        inputs = self._inputs.get(key)
         if inputs is None:
-            inputs = StaticDecodeInputs(bucket, self.max_blocks, self.block_size, self.device)
-            self._inputs[bucket] = inputs
+            inputs = StaticDecodeInputs(bucket, width, self.block_size, self.device)
+            self._inputs[key] = inputs
         inputs.fill(seqs)
         window = self.model.sliding_window
         if not self.capture:
             hidden = self.model(inputs.ids, inputs.context(self.kv, window))
         else:
-            captured = self._graphs.get(bucket)
+            captured = self._graphs.get(key)
             if captured is None:
                 captured = self._capture(inputs, window)
-                self._graphs[bucket] = captured
+                self._graphs[key] = captured
             captured[0].replay()
             # The graph's output buffer is overwritten by the next replay: hand out a copy.
             hidden = captured[1][: len(seqs)].clone()
@@ -205,7 +226,9 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             for _ in range(2):
                 self.model(inputs.ids, inputs.context(self.kv, window))
-            split = SplitGraph(torch.cuda.CUDAGraph, torch.cuda.graph_pool_handle())
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            split = SplitGraph(torch.cuda.CUDAGraph, self._pool)
             ctx = inputs.context(self.kv, window)
             ctx.host_call = split.host_call
             split.begin()

@@ -1,8 +1,11 @@
 """DeepSeek-V2 and DeepSeek-V3: multi-head latent attention (MLA) and fine-grained MoE.
 
 MLA's cache holds one row per token: the normalised compressed latent (kv_lora_rank) plus the
-rotated shared rope key (qk_rope_head_dim), not per-head K/V. Keys and values are expanded from the
-latent with kv_b_proj when attending.
+rotated shared rope key (qk_rope_head_dim), not per-head K/V. A prefill expands keys and values
+from the latent with kv_b_proj; a decode batch attends in the latent space instead (kv_b_proj's
+key half folded into the query, its value half applied to the attended latent: DeepSeek-V2's
+weight absorption), so each cached row is read once and nothing per key is expanded. Where
+kv_b_proj is not a plain float linear (a LoRA slot, an int8 linear) decode expands as prefill.
 """
 
 from __future__ import annotations
@@ -79,14 +82,17 @@ class MLAttention(nn.Module):
         if d is not None:
             b, n = d.slots.shape
             (rows,) = ctx.kv.gather(self.layer_idx, d.slots.flatten(), x.dtype)
-            k, v = self._expand(rows, lambda lora: lora.decode_segments(n))
-            out[d.rows] = batched_decode_sdpa(
-                q[d.rows],
-                k.view(b, n, *k.shape[1:]),
-                v.view(b, n, *v.shape[1:]),
-                d.mask,
-                self.scale,
-            )
+            if self._absorbable(rows):
+                out[d.rows] = self._absorbed_decode(q[d.rows], rows.view(b, n, -1), d.mask)
+            else:
+                k, v = self._expand(rows, lambda lora: lora.decode_segments(n))
+                out[d.rows] = batched_decode_sdpa(
+                    q[d.rows],
+                    k.view(b, n, *k.shape[1:]),
+                    v.view(b, n, *v.shape[1:]),
+                    d.mask,
+                    self.scale,
+                )
         for j, s in enumerate(ctx.meta.seqs):
             (rows,) = ctx.kv.gather(self.layer_idx, s.kv_slots, x.dtype)
             k, v = self._expand(rows, lambda lora, j=j, n=rows.shape[0]: lora.span_segments(j, n))
@@ -94,6 +100,28 @@ class MLAttention(nn.Module):
             native = native_dense_attention(q[sl], k, v, self.scale, s.window)
             out[sl] = sdpa(q[sl], k, v, s.mask, self.scale) if native is None else native
         return self.o_proj(out.reshape(t, -1))
+
+    def _absorbable(self, rows: torch.Tensor) -> bool:
+        w = getattr(self.kv_b_proj, "weight", None)
+        return type(self.kv_b_proj) is nn.Linear and w is not None and w.dtype == rows.dtype
+
+    def _absorbed_decode(
+        self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """q [B, H, nope + rope], rows [B, L, rank + rope] (cached latent and rope key), mask
+        [B, 1, 1, L] (bool) -> [B, H, v]. Scores q_nope . (W_uk latent) + q_pe . k_pe are
+        (q_nope W_uk) . latent + q_pe . k_pe; the output sum_l p_l W_uv latent_l is
+        W_uv (sum_l p_l latent_l). Softmax in fp32."""
+        h, nope, rank = self.num_heads, self.nope_dim, self.kv_lora_rank
+        w = self.kv_b_proj.weight.view(h, nope + self.v_dim, rank)
+        q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope])  # [H, B, rank]
+        q_all = torch.cat((q_lat.transpose(0, 1), q[..., nope:]), dim=-1)  # [B, H, rank+rope]
+        scores = torch.bmm(q_all, rows.transpose(1, 2)).float() * self.scale  # [B, H, L]
+        scores = scores.masked_fill(~mask.view(mask.shape[0], 1, -1), float("-inf"))
+        p = torch.softmax(scores, dim=-1).to(rows.dtype)
+        o_lat = torch.bmm(p, rows[..., :rank])  # [B, H, rank]
+        out = torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, B, v]
+        return out.transpose(0, 1)
 
     def _expand(
         self, rows: torch.Tensor, lora_segments: Callable[[LoRABatch], Segments]

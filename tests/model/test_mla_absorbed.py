@@ -1,0 +1,46 @@
+"""MLA decode in the latent space (kv_b_proj absorbed) against the expanded keys and values it
+replaces: the same logprobs in fp32, every decode step, for each MLA family; and the families
+whose kv_b_proj is not a plain linear (int8 under the all-int8 rules) keep expanding."""
+
+import pytest
+import torch
+
+from hetserve import LLM, SamplingParams
+from hetserve.model.deepseek import MLAttention
+
+
+def _decode_logprobs(llm: LLM, prompts: list[list[int]]) -> list[list[float]]:
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=1, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    return [[next(iter(step.values())).logprob for step in o.logprobs] for o in outs]
+
+
+@pytest.mark.parametrize("family", ["deepseek-v3", "deepseek-v2", "kimi-linear"])
+def test_absorbed_decode_equals_expanded(tiny_model, family, monkeypatch):
+    path = tiny_model(family, lm_head_scale=8.0)
+    prompts = [list(range(10, 17)), list(range(30, 51)), list(range(60, 64))]
+    llm = LLM(path, placement="device", dtype="float32")
+    calls = {"absorbed": 0}
+    absorbed = MLAttention._absorbed_decode
+
+    def counted(self, *a):
+        calls["absorbed"] += 1
+        return absorbed(self, *a)
+
+    monkeypatch.setattr(MLAttention, "_absorbed_decode", counted)
+    got = _decode_logprobs(llm, prompts)
+    assert calls["absorbed"] > 0
+    monkeypatch.setattr(MLAttention, "_absorbable", lambda self, rows: False)
+    want = _decode_logprobs(LLM(path, placement="device", dtype="float32"), prompts)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.tensor(g), torch.tensor(w), rtol=0, atol=1e-5)
+
+
+def test_absorption_needs_a_plain_float_kv_b_proj(tiny_model):
+    llm = LLM(tiny_model("deepseek-v3"), placement="all-int8")
+    attn = next(m for m in llm.model.modules() if isinstance(m, MLAttention))
+    rows = torch.zeros(1, attn.kv_lora_rank + attn.rope_dim)
+    assert not attn._absorbable(rows)  # int8 kv_b_proj: decode expands as before
+    dense = LLM(tiny_model("deepseek-v3"), placement="device")
+    attn = next(m for m in dense.model.modules() if isinstance(m, MLAttention))
+    assert attn._absorbable(rows) and not attn._absorbable(rows.half())
