@@ -36,7 +36,7 @@ step calibrate 90 "${HS[@]}" calibrate --model "$MODEL_DIR" --device "$DEVICE" \
     --out "$RESULTS/routing-stats.json" "${CAL[@]}"
 step hybrid 300 "${HS[@]}" bench hybrid --model "$MODEL_DIR" --device "$DEVICE" \
     --threads "$THREADS" "${DEC[@]}" --defer 1,2 --gpu-experts "$HOT" \
-    --routing-stats "$RESULTS/routing-stats.json" --skip-peer --json "$RESULTS/hybrid.json"
+    --routing-stats "$RESULTS/routing-stats.json" --skip-peer --profile "$RESULTS/hybrid-profile.txt" --json "$RESULTS/hybrid.json"
 step kv-tiers 120 "${HS[@]}" bench prefix --model "$MODEL_DIR" --device "$DEVICE" \
     --placement hybrid --tiers device,dram "${KV[@]}" --json "$RESULTS/kv-tiers.json"
 summary

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 
 from hetserve.bench.common import Unavailable, decode_rate, print_table, write_json
+from hetserve.bench.hybrid_steps import _prompts, breakdowns, profile_table
 
 
 def register(sub) -> None:
@@ -42,6 +43,7 @@ def register(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--skip-peer", action="store_true", help="skip the device_map offload peer")
     p.add_argument("--bandwidth-mib", type=int, default=256)
+    p.add_argument("--profile", default=None, help="write torch.profiler tables of decode here")
     p.add_argument("--json", "--result-file", dest="json", default=None, help="write JSON here")
     p.set_defaults(func=run)
 
@@ -56,13 +58,6 @@ def _ints(text: str, flag: str) -> list[int]:
     if any(v < 0 for v in values):
         raise InvalidInputError(f"{flag} values must be >= 0")
     return values
-
-
-def _prompts(vocab: int, n: int, length: int) -> list[list[int]]:
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(10, vocab, (n, length), generator=g).tolist()
 
 
 def decode_tokens_per_s(llm, prompts: list[list[int]], tokens: int, repeats: int) -> float:
@@ -87,89 +82,6 @@ def prefill_tokens_per_s(llm, prompt: list[int], repeats: int) -> float:
         llm.generate(prompt_token_ids=[prompt], sampling_params=params)
         best = min(best, time.perf_counter() - t0)
     return len(prompt) / best
-
-
-class _Timed:
-    """Wraps a backend's `forward` (an instance attribute shadowing the method) and sums the
-    seconds spent in it; `undo` puts the method back."""
-
-    def __init__(self, backend) -> None:
-        self.backend, self.seconds = backend, 0.0
-        inner = backend.forward
-
-        def forward(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return inner(*a, **k)
-            finally:
-                self.seconds += time.perf_counter() - t0
-
-        backend.forward = forward
-
-    def undo(self) -> None:
-        del self.backend.forward
-
-
-def decode_breakdown(llm, cfg: dict, prompt: list[int], tokens: int) -> dict:
-    """Where a batch-1 decode step's time goes: the routed experts' host calls (the bridge to
-    the CPU, its waits and copies included, where the experts sit elsewhere than the
-    activations) and, inside them, the CPU experts kernels; per token, and the kernels' read
-    rate (the step's expert bytes over the kernels' own time). What tells a slow kernel from an
-    overhead around it when the experts read a small share of the bandwidth."""
-    import torch
-
-    from hetserve import SamplingParams
-    from hetserve.bench.weight_bytes import expert_bytes_per_token
-
-    params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0, ignore_eos=True)
-    llm.generate(prompt_token_ids=[prompt], sampling_params=params)  # warm (graphs captured)
-    outer, inner = [], []
-    for _, experts in llm.model.routed_experts():
-        backend = (experts._phase_backends or {}).get("decode")
-        if backend is None:
-            continue
-        outer.append(_Timed(backend))
-        if getattr(backend, "inner", None) is not None:  # DeviceBridge: the CPU kernels inside
-            inner.append(_Timed(backend.inner))
-    runner = llm.engine.runner
-    forward = runner.forward
-    timers = outer + inner
-    step = {"seconds": 0.0, "steps": 0, "host": 0.0, "kernels": 0.0}
-
-    def timed_forward(seqs):  # only decode steps count, the experts' time inside them too
-        if not all(len(s.token_ids) == 1 for s in seqs):
-            return forward(seqs)
-        before = [t.seconds for t in timers]
-        t0 = time.perf_counter()
-        try:
-            out = forward(seqs)
-            if runner.device.type == "cuda":
-                torch.cuda.synchronize(runner.device)  # the step's queued GPU work too
-            return out
-        finally:
-            step["seconds"] += time.perf_counter() - t0
-            step["steps"] += 1
-            spent = [t.seconds - b for t, b in zip(timers, before, strict=True)]
-            step["host"] += sum(spent[: len(outer)])
-            step["kernels"] += sum(spent[len(outer) :] if inner else spent)
-
-    runner.forward = timed_forward
-    try:
-        llm.generate(prompt_token_ids=[prompt], sampling_params=params)
-    finally:
-        del runner.forward
-        for t in timers:
-            t.undo()
-    n = max(step["steps"], 1)
-    host, kernels, per_step = step["host"] / n, step["kernels"] / n, step["seconds"] / n
-    nbytes = expert_bytes_per_token(cfg)["bytes_per_token"]
-    return {
-        "step_ms": 1e3 * per_step,
-        "experts_host_calls_ms": 1e3 * host,
-        "experts_kernels_ms": 1e3 * kernels,
-        "rest_ms": 1e3 * (per_step - host),
-        "kernels_gbps": nbytes / kernels / 1e9 if kernels > 0 else None,
-    }
 
 
 def _decode_rows(llm, args, batches, vocab: int, label: str, defer: list[int]) -> list[dict]:
@@ -223,7 +135,9 @@ def run(args: argparse.Namespace) -> int:
     vocab = llm.model.config.vocab_size
     device = str(next(llm.model.parameters()).device)
     decode = _decode_rows(llm, args, batches, vocab, "hybrid", defer)
-    breakdown = decode_breakdown(llm, cfg, _prompts(vocab, 1, args.prompt_len)[0], args.tokens)
+    breakdown = breakdowns(llm, cfg, args, batches, vocab)
+    if args.profile:
+        profile_table(llm, args, batches, vocab, args.profile)
     prefill = [
         {"prompt_len": n, "tokens_per_s": prefill_tokens_per_s(llm, _prompts(vocab, 1, n)[0], 1)}
         for n in lens
@@ -241,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
         gc.collect()
     peer = _peer(args, vocab) if not args.skip_peer else {"skipped": "--skip-peer"}
     report = build_report(args, cfg, device, bandwidth, decode, prefill, peer)
-    report["decode_breakdown_batch1"] = breakdown
+    report["decode_breakdown"] = breakdown
+    report["decode_breakdown_batch1"] = breakdown[0] if breakdown[0]["batch"] == 1 else None
     print_report(report)
     write_json(args.json, report)
     return 0
@@ -337,11 +252,11 @@ def print_report(report: dict) -> None:
     frac = report["experts_bandwidth_fraction_batch1"]
     print(f"experts at batch 1: {report['experts_gbps_batch1'] or 0:.2f} GB/s, "
           f"{frac or 0:.2f} of the read bandwidth")  # fmt: skip
-    br = report.get("decode_breakdown_batch1")
-    if br:
-        print(f"batch-1 decode step {br['step_ms']:.2f} ms: routed experts' host calls "
-              f"{br['experts_host_calls_ms']:.2f} ms, of it the CPU kernels "
-              f"{br['experts_kernels_ms']:.2f} ms ({br['kernels_gbps'] or 0:.1f} GB/s); "
+    for br in report.get("decode_breakdown") or []:
+        rate = f" ({br['kernels_gbps']:.1f} GB/s)" if br["kernels_gbps"] else ""
+        print(f"batch-{br['batch']} decode step ({br['mode']}) {br['step_ms']:.2f} ms: routed "
+              f"experts' host calls {br['experts_host_calls_ms']:.2f} ms, of it the CPU kernels "
+              f"{br['experts_kernels_ms']:.2f} ms{rate}; "
               f"the rest {br['rest_ms']:.2f} ms")  # fmt: skip
     rows = [[r["system"], r["batch"], r["tokens_per_s"], r["vs_hybrid"], r["vs_eager"],
              r["vs_offload_peer"]] for r in report["decode"]]  # fmt: skip
