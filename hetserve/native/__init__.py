@@ -30,7 +30,9 @@ It needs no torch headers: a C compiler builds it in a second or two the first t
 cache keyed by the sources and flags, and later processes just load it. The flags name the
 instruction set (`isa()`): AVX2 + FMA everywhere, plus AVX-512 BW/VL/VNNI where the CPU has them
 (the q4_K, int4, MXFP4 and FP8 microkernels then take 512-bit paths, the integer ones with the
-same results; HETSERVE_NATIVE_ISA=avx2 turns that off). ctypes releases the GIL during a call,
+same results; HETSERVE_NATIVE_ISA=avx2 turns that off), plus AMX tiles for the int8 expert
+GEMMs of prefill where the CPU has AMX-INT8 and Linux grants it (`amx`, same sums;
+HETSERVE_NATIVE_ISA=avx512bf16 turns it off). ctypes releases the GIL during a call,
 so a kernel overlaps Python work on other threads.
 """
 
@@ -57,14 +59,26 @@ SOURCES = ("pool.c", "moe_kernels.c", "moe_prefill.c", "linear_kernels.c", "atte
            "small_ops.c", "moe_backward.c", "decode_layers.c", "hashing.c", "linear_attn.c",
            "peaks.c", "prefill_attention.c", "numa.c", "gguf_rows.c", "layouts.c")  # fmt: skip
 HEADERS = ("pool.h", "simd.h", "moe_quads.h", "moe_formats.h", "moe_q4k.h", "moe_kq.h",
-           "moe_gemm.h", "moe_job.h", "moe_kgemm.h")  # fmt: skip
+           "moe_gemm.h", "moe_job.h", "moe_kgemm.h", "moe_amx.h")  # fmt: skip
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared"]
 # What each instruction set adds to CFLAGS, and the /proc/cpuinfo flags it needs.
 # Narrowest first; avx512bf16 adds the FP8 experts kernel's bf16 path (simd.h, HS_FP8_BF16).
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
-ISA_FLAGS = {"avx2": [], "avx512": _AVX512, "avx512bf16": [*_AVX512, "-mavx512bf16", "-mgfni"]}
+# amx adds the int8 expert GEMMs on AMX tiles (moe_amx.h; the same sums as the AVX-512 path).
+_BF16 = [*_AVX512, "-mavx512bf16", "-mgfni"]
+ISA_FLAGS = {
+    "avx2": [],
+    "avx512": _AVX512,
+    "avx512bf16": _BF16,
+    "amx": [*_BF16, "-mamx-tile", "-mamx-int8", "-DHS_AMX"],
+}
 _AVX512_CPU = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
-_ISA_CPU = {"avx512": _AVX512_CPU, "avx512bf16": (*_AVX512_CPU, "avx512_bf16", "gfni")}
+_BF16_CPU = (*_AVX512_CPU, "avx512_bf16", "gfni")
+_ISA_CPU = {"avx512": _AVX512_CPU, "avx512bf16": _BF16_CPU,
+            "amx": (*_BF16_CPU, "amx_tile", "amx_int8")}  # fmt: skip
+# Builds for tests alone (never chosen by isa()): the AMX loops on a C model of the tiles, so a
+# CPU without AMX checks their layouts against the AVX path.
+TEST_FLAGS = {"amx-emulated": ["-DHS_AMX", "-DHS_AMX_EMULATE"]}
 
 
 def _cache_dir() -> Path:
@@ -181,6 +195,7 @@ _SIGNATURES = {
     "hetserve_peak_ops": (_L, [_I]),
     "hetserve_gguf_rows": (_I, [_I, _P, _I64, _I64, _P, _I, _I, _P]),  # layers/quant_embedding.py
     "hetserve_q4k_quads": (_I, [_I] * 3 + [_P, _I, _P]),  # moe/native_layout.py
+    "hetserve_amx_ready": (_I, []),  # tests, bench moe-kernel
 }
 
 
@@ -201,7 +216,8 @@ def build_for(isa_name: str) -> tuple[ctypes.CDLL | None, str | None]:
         return None, "no C compiler (cc/gcc) on PATH"
     text = b"".join((HERE / name).read_bytes() for name in (*SOURCES, *HEADERS))
     error = "?"
-    base = [*CFLAGS, *ISA_FLAGS[isa_name]]
+    extra = ISA_FLAGS[isa_name] if isa_name in ISA_FLAGS else TEST_FLAGS[isa_name]
+    base = [*CFLAGS, *extra]
     # With OpenMP the kernels share torch's thread team (pool.c); without, they run serially.
     for flags in ([*base, "-fopenmp"], base):
         key = hashlib.sha256(text + " ".join([compiler, *flags]).encode()).hexdigest()[:16]

@@ -12,6 +12,7 @@
 #pragma GCC optimize("fp-contract=off")
 #include <stdlib.h>
 
+#include "moe_amx.h"
 #include "moe_gemm.h"
 #include "moe_job.h"
 #include "moe_kgemm.h"
@@ -39,6 +40,73 @@ static char *strips_alloc(strips_t *s, int K) {
     return buf;
 }
 
+/* A work item's activations split for the AMX tiles (moe_amx.h), or on = 0 for the AVX path. */
+typedef struct {
+    int on;
+    int8_t *hi;
+    uint8_t *lo;
+} amx_rows_t;
+
+/* Splits the item's cnt rows (rows of K int16 from base: row tok[m] where tok, else row m) once
+ * for all its strips, where the tiles take K; -1 when out of memory. */
+static int amx_item(amx_rows_t *a, const int16_t *base, const int *tok, int cnt, int K) {
+#ifdef HS_AMX
+    if (!amx_usable(K)) return 0;
+    const size_t bytes = (size_t)amx_rows(cnt) * K;
+    char *mem = aligned_alloc(64, (2 * bytes + 63) / 64 * 64);
+    if (mem == NULL) return -1;
+    a->hi = (int8_t *)mem;
+    a->lo = (uint8_t *)(mem + bytes);
+    for (int p0 = 0; p0 < cnt; p0 += PB) { /* row pointers a block at a time */
+        const int n = cnt - p0 < PB ? cnt - p0 : PB;
+        const int16_t *x[PB];
+        for (int m = 0; m < n; m++) x[m] = base + (size_t)(tok ? tok[p0 + m] : p0 + m) * K;
+        amx_split(x, n, K, a->hi + (size_t)p0 * K, a->lo + (size_t)p0 * K);
+    }
+    a->on = 1;
+    amx_begin();
+#else
+    (void)a, (void)base, (void)tok, (void)cnt, (void)K;
+#endif
+    return 0;
+}
+
+static void amx_item_end(amx_rows_t *a) {
+#ifdef HS_AMX
+    if (a->on) {
+        amx_end();
+        free(a->hi);
+    }
+#else
+    (void)a;
+#endif
+}
+
+static void strip_pack(const amx_rows_t *a, const int8_t *const q[4], int K, int16_t *panel) {
+#ifdef HS_AMX
+    if (a->on) {
+        amx_pack(q, K, (int8_t *)panel);
+        return;
+    }
+#endif
+    (void)a;
+    gemm_pack(q, K, panel);
+}
+
+/* gemm_strip for pairs p0 .. p0 + n - 1 of the item (x: their rows, for the AVX path). */
+static void strip_sums(const amx_rows_t *a, const int16_t *panel, int K, const int16_t *const *x,
+                       int p0, int n, int32_t *isum, float *out) {
+#ifdef HS_AMX
+    if (a->on) {
+        amx_strip((const int8_t *)panel, K, a->hi + (size_t)p0 * K, a->lo + (size_t)p0 * K, n,
+                  isum, out);
+        return;
+    }
+#endif
+    (void)a, (void)p0;
+    gemm_strip(panel, K, x, n, isum, out);
+}
+
 /* Phase 1 for units (quads of gate rows) [u0, u1) of active expert ai; u0 - ai * per and
  * u1 - u0 multiples of 4. Quantized W13 stores a gate quad, then its up quad (moe_kernels.c). */
 int hs_phase1_gemm(const job_t *j, int ai, int u0, int u1) {
@@ -50,6 +118,11 @@ int hs_phase1_gemm(const job_t *j, int ai, int u0, int u1) {
     strips_t s;
     char *buf = strips_alloc(&s, H);
     if (buf == NULL) return -1;
+    amx_rows_t ax = {0};
+    if (amx_item(&ax, j->x16, j->tok + off, cnt, H) < 0) {
+        free(buf);
+        return -1;
+    }
     for (int v = u0 - ai * per; v < u1 - ai * per; v += 4) { /* strip: gate rows 4v .. 4v + 15 */
         const int i0 = 4 * v;
         const int8_t *gq[4], *uq[4];
@@ -57,13 +130,13 @@ int hs_phase1_gemm(const job_t *j, int ai, int u0, int u1) {
             gq[q] = w + (size_t)(2 * (v + q)) * 4 * H;
             uq[q] = gq[q] + (size_t)4 * H;
         }
-        gemm_pack(gq, H, s.panel[0]);
-        gemm_pack(uq, H, s.panel[1]);
+        strip_pack(&ax, gq, H, s.panel[0]);
+        strip_pack(&ax, uq, H, s.panel[1]);
         for (int p0 = 0; p0 < cnt; p0 += PB) {
             const int n = cnt - p0 < PB ? cnt - p0 : PB;
             for (int m = 0; m < n; m++) s.x[m] = j->x16 + (size_t)j->tok[off + p0 + m] * H;
-            gemm_strip(s.panel[0], H, s.x, n, s.isum, s.out[0]);
-            gemm_strip(s.panel[1], H, s.x, n, s.isum, s.out[1]);
+            strip_sums(&ax, s.panel[0], H, s.x, p0, n, s.isum, s.out[0]);
+            strip_sums(&ax, s.panel[1], H, s.x, p0, n, s.isum, s.out[1]);
             for (int m = 0; m < n; m++) {
                 const int p = off + p0 + m;
                 const float xs = j->xsc[j->tok[p]];
@@ -81,6 +154,7 @@ int hs_phase1_gemm(const job_t *j, int ai, int u0, int u1) {
             }
         }
     }
+    amx_item_end(&ax);
     free(buf);
     return 0;
 }
@@ -95,15 +169,20 @@ int hs_phase2_gemm(const job_t *j, int ai, int u0, int u1) {
     strips_t s;
     char *buf = strips_alloc(&s, I);
     if (buf == NULL) return -1;
+    amx_rows_t ax = {0};
+    if (amx_item(&ax, j->a16 + (size_t)off * I, NULL, cnt, I) < 0) {
+        free(buf);
+        return -1;
+    }
     for (int v = u0 - ai * per; v < u1 - ai * per; v += 4) { /* strip: rows 4v .. 4v + 15 */
         const int n0 = 4 * v;
         const int8_t *q[4];
         for (int k = 0; k < 4; k++) q[k] = w + (size_t)(v + k) * 4 * I;
-        gemm_pack(q, I, s.panel[0]);
+        strip_pack(&ax, q, I, s.panel[0]);
         for (int p0 = 0; p0 < cnt; p0 += PB) {
             const int n = cnt - p0 < PB ? cnt - p0 : PB;
             for (int m = 0; m < n; m++) s.x[m] = j->a16 + (size_t)(off + p0 + m) * I;
-            gemm_strip(s.panel[0], I, s.x, n, s.isum, s.out[0]);
+            strip_sums(&ax, s.panel[0], I, s.x, p0, n, s.isum, s.out[0]);
             for (int m = 0; m < n; m++) {
                 const int p = off + p0 + m;
                 const float as = j->asc[p], pw = j->pw[p];
@@ -114,6 +193,7 @@ int hs_phase2_gemm(const job_t *j, int ai, int u0, int u1) {
             }
         }
     }
+    amx_item_end(&ax);
     free(buf);
     return 0;
 }
@@ -302,4 +382,14 @@ int hs_phase2_kgemm(const job_t *j, int ai, int u0, int u1) {
     }
     free(s.buf);
     return 0;
+}
+
+/* 1 where the expert GEMMs run on AMX tiles in this process (an AMX build, the tiles granted;
+ * an emulated build says 1 too), else 0. */
+int hetserve_amx_ready(void) {
+#ifdef HS_AMX
+    return amx_ready();
+#else
+    return 0;
+#endif
 }
