@@ -4,8 +4,12 @@ MLA's cache holds one row per token: the normalised compressed latent (kv_lora_r
 rotated shared rope key (qk_rope_head_dim), not per-head K/V. A prefill expands keys and values
 from the latent with kv_b_proj; a decode batch attends in the latent space instead (kv_b_proj's
 key half folded into the query, its value half applied to the attended latent: DeepSeek-V2's
-weight absorption), so each cached row is read once and nothing per key is expanded. Where
-kv_b_proj is not a plain float linear (a LoRA slot, an int8 linear) decode expands as prefill.
+weight absorption), so each cached row is read once and nothing per key is expanded: under the
+all-int8 rules on a CPU, expanding a 4k context costs 4k x 512 x heads x 256 multiply-adds per
+layer and token. An int8 (or GGUF) kv_b_proj is absorbed through its dequantized matrix, read
+off the kernel once (the layer applied to the identity) and kept beside it in the activations'
+dtype (heads x 256 x 512 numbers a layer: 67 MB in fp32 at DeepSeek-V3's 128 heads). Where
+kv_b_proj carries LoRA slots decode expands as prefill does.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from torch import nn
 
 from hetserve.kv.cache_spec import LayerKind, PagedLayerSpec
 from hetserve.layers.attention import ForwardContext, batched_decode_sdpa, sdpa
-from hetserve.layers.lora import LoRABatch, Segments, lora_project
+from hetserve.layers.lora import LoRABatch, LoRALinear, Segments, lora_project
 from hetserve.layers.moe import SparseMoE
 from hetserve.layers.native_prefill import native_dense_attention
 from hetserve.layers.norm import RMSNorm
@@ -102,8 +106,24 @@ class MLAttention(nn.Module):
         return self.o_proj(out.reshape(t, -1))
 
     def _absorbable(self, rows: torch.Tensor) -> bool:
-        w = getattr(self.kv_b_proj, "weight", None)
-        return type(self.kv_b_proj) is nn.Linear and w is not None and w.dtype == rows.dtype
+        return self._absorb_weight(rows) is not None
+
+    def _absorb_weight(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """kv_b_proj's matrix [H * (nope + v), rank] in the rows' dtype, or None where decode
+        must expand (LoRA slots, a bias, a float weight of another dtype)."""
+        lin = self.kv_b_proj
+        if type(lin) is nn.Linear:
+            w = lin.weight
+            return w if w.dtype == rows.dtype else None
+        if isinstance(lin, LoRALinear) or getattr(lin, "bias", None) is not None:
+            return None
+        cached = self.__dict__.get("_absorbed")
+        if cached is None or cached.dtype != rows.dtype or cached.device != rows.device:
+            eye = torch.eye(self.kv_lora_rank, dtype=rows.dtype, device=rows.device)
+            with torch.no_grad():
+                cached = lin(eye).t().contiguous()
+            self.__dict__["_absorbed"] = cached  # not a parameter: derived, never saved
+        return cached
 
     def _absorbed_decode(
         self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor
@@ -113,7 +133,9 @@ class MLAttention(nn.Module):
         (q_nope W_uk) . latent + q_pe . k_pe; the output sum_l p_l W_uv latent_l is
         W_uv (sum_l p_l latent_l). Softmax in fp32."""
         h, nope, rank = self.num_heads, self.nope_dim, self.kv_lora_rank
-        w = self.kv_b_proj.weight.view(h, nope + self.v_dim, rank)
+        absorbed = self._absorb_weight(rows)
+        assert absorbed is not None
+        w = absorbed.view(h, nope + self.v_dim, rank)
         q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope])  # [H, B, rank]
         q_all = torch.cat((q_lat.transpose(0, 1), q[..., nope:]), dim=-1)  # [B, H, rank+rope]
         scores = torch.bmm(q_all, rows.transpose(1, 2)).float() * self.scale  # [B, H, L]
