@@ -33,6 +33,9 @@ from hetserve.moe.router import RouterConfig
 
 
 class MLAttention(nn.Module):
+    # kept beside its int8 form once decode has absorbed it (memory_facts counts it)
+    absorbed_projections = ("kv_b_proj",)
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary, bias: bool) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -104,6 +107,11 @@ class MLAttention(nn.Module):
             native = native_dense_attention(q[sl], k, v, self.scale, s.window)
             out[sl] = sdpa(q[sl], k, v, s.mask, self.scale) if native is None else native
         return self.o_proj(out.reshape(t, -1))
+
+    def nbytes(self) -> int:
+        """Bytes of the absorbed kv_b_proj kept beside an int8 one (0 until the first decode)."""
+        cached = self.__dict__.get("_absorbed")
+        return 0 if cached is None else cached.numel() * cached.element_size()
 
     def _absorbable(self, rows: torch.Tensor) -> bool:
         return self._absorb_weight(rows) is not None

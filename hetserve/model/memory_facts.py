@@ -69,8 +69,11 @@ def estimate(model: nn.Module, kv_bytes: int, baseline_rss: int) -> MemoryUse:
             unit = _unit_of(name, plan.units)
             if unit is not None and plan.placement.get(unit, "decode").backend == "cpu-int8":
                 parent, _, attr = name.rpartition(".")
+                owner = model.get_submodule(parent)
                 # an int8 residual beside the int8 rows (layers/int8_linear.py)
-                per = 2 if kept_precise(model.get_submodule(parent), attr) else 1
+                per = 2 if kept_precise(owner, attr) else 1
+                # MLA decode's absorbed copy in the model's dtype (model/deepseek.py)
+                per += dtype_size if attr in getattr(owner, "absorbed_projections", ()) else 0
         dense += own * per
     return MemoryUse(experts, dense, kv_bytes, baseline_rss + RUNTIME_ALLOWANCE)
 

@@ -49,6 +49,7 @@ def test_int8_kv_b_proj_is_absorbed_through_its_dequantized_matrix(tiny_model, m
     params = SamplingParams(max_tokens=6, temperature=0, logprobs=1, ignore_eos=True)
     absorbed = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert attn.__dict__.get("_absorbed") is not None
+    assert attn.nbytes() == attn.num_heads * (attn.nope_dim + attn.v_dim) * attn.kv_lora_rank * 4
     monkeypatch.setattr(MLAttention, "_absorbable", lambda self, rows: False)
     expanded = LLM(path, placement="all-int8").generate(
         prompt_token_ids=prompts, sampling_params=params
