@@ -87,6 +87,13 @@ def _measure(path: str, contexts: list[int], args: argparse.Namespace) -> dict:
         path, max_model_len=longest + bs, num_kv_blocks=-(-longest // bs) + 2, block_size=bs,
         enable_prefix_caching=False, max_num_seqs=1, placement=args.placement,
     )  # fmt: skip
+    if longest > llm.engine.max_model_len:
+        from hetserve.errors import InvalidInputError
+
+        raise InvalidInputError(
+            f"--contexts: {max(contexts)} tokens and {steps} steps need {longest} positions, "
+            f"{path} has {llm.engine.max_model_len} (max_position_embeddings); use shorter contexts"
+        )
     runner = llm.engine.runner
     slot = None if runner.state is None else 1  # slot 0 is never a request's
     rows = {c: _context(runner, c, slot, args) for c in contexts}

@@ -32,3 +32,14 @@ def test_bad_contexts_are_one_line(tiny_model, capsys):
                "--contexts", "a,b"])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "--contexts" in err[0]
+
+
+def test_contexts_past_the_models_positions_are_one_line(tiny_model, capsys):
+    """A context the model's positions cannot hold (the rotary table ends there) is refused
+    before any step, not an IndexError from the rotary lookup."""
+    path = tiny_model("deepseek-v3")
+    limit = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    rc = main(["bench", "long-decode", "--model", str(path), "--contexts", str(limit),
+               "--steps", "2"])  # fmt: skip
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln.startswith("error")]
+    assert rc == 2 and len(err) == 1 and "max_position_embeddings" in err[0]
