@@ -23,6 +23,7 @@ from hetserve.kv.cache_spec import LayerKind, PagedLayerSpec
 from hetserve.layers.attention import ForwardContext, batched_decode_sdpa, sdpa
 from hetserve.layers.lora import LoRABatch, LoRALinear, Segments, lora_project
 from hetserve.layers.moe import SparseMoE
+from hetserve.layers.native_decode import native_decode_attention, native_decode_ok
 from hetserve.layers.native_prefill import native_dense_attention
 from hetserve.layers.norm import RMSNorm
 from hetserve.layers.rotary import yarn_softmax_scale
@@ -87,11 +88,11 @@ class MLAttention(nn.Module):
         out = x.new_empty(t, self.num_heads, self.v_dim)
         d = ctx.meta.decode
         if d is not None:
-            b, n = d.slots.shape
-            (rows,) = ctx.kv.gather(self.layer_idx, d.slots.flatten(), x.dtype)
-            if self._absorbable(rows):
-                out[d.rows] = self._absorbed_decode(q[d.rows], rows.view(b, n, -1), d.mask)
+            if self._absorbable(x):
+                out[d.rows] = self._absorbed_decode(q[d.rows], d, ctx)
             else:
+                b, n = d.slots.shape
+                (rows,) = ctx.kv.gather(self.layer_idx, d.slots.flatten(), x.dtype)
                 k, v = self._expand(rows, lambda lora: lora.decode_segments(n))
                 out[d.rows] = batched_decode_sdpa(
                     q[d.rows],
@@ -113,43 +114,55 @@ class MLAttention(nn.Module):
         cached = self.__dict__.get("_absorbed")
         return 0 if cached is None else cached.numel() * cached.element_size()
 
-    def _absorbable(self, rows: torch.Tensor) -> bool:
-        return self._absorb_weight(rows) is not None
+    def _absorbable(self, like: torch.Tensor) -> bool:
+        return self._absorb_weight(like) is not None
 
-    def _absorb_weight(self, rows: torch.Tensor) -> torch.Tensor | None:
-        """kv_b_proj's matrix [H * (nope + v), rank] in the rows' dtype, or None where decode
-        must expand (LoRA slots, a bias, a float weight of another dtype)."""
+    def _absorb_weight(self, like: torch.Tensor) -> torch.Tensor | None:
+        """kv_b_proj's matrix [H * (nope + v), rank] in the dtype of `like` (the activations),
+        or None where decode must expand (LoRA slots, a bias, a float weight of another
+        dtype)."""
         lin = self.kv_b_proj
         if type(lin) is nn.Linear:
             w = lin.weight
-            return w if w.dtype == rows.dtype else None
+            return w if w.dtype == like.dtype else None
         if isinstance(lin, LoRALinear) or getattr(lin, "bias", None) is not None:
             return None
         cached = self.__dict__.get("_absorbed")
-        if cached is None or cached.dtype != rows.dtype or cached.device != rows.device:
-            eye = torch.eye(self.kv_lora_rank, dtype=rows.dtype, device=rows.device)
+        if cached is None or cached.dtype != like.dtype or cached.device != like.device:
+            eye = torch.eye(self.kv_lora_rank, dtype=like.dtype, device=like.device)
             with torch.no_grad():
                 cached = lin(eye).t().contiguous()
             self.__dict__["_absorbed"] = cached  # not a parameter: derived, never saved
         return cached
 
-    def _absorbed_decode(
-        self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """q [B, H, nope + rope], rows [B, L, rank + rope] (cached latent and rope key), mask
-        [B, 1, 1, L] (bool) -> [B, H, v]. Scores q_nope . (W_uk latent) + q_pe . k_pe are
-        (q_nope W_uk) . latent + q_pe . k_pe; the output sum_l p_l W_uv latent_l is
-        W_uv (sum_l p_l latent_l). Softmax in fp32."""
+    def _absorbed_decode(self, q: torch.Tensor, d, ctx: ForwardContext) -> torch.Tensor:
+        """q [B, H, nope + rope] of the decode rows -> [B, H, v]. Scores q_nope . (W_uk latent)
+        + q_pe . k_pe are (q_nope W_uk) . latent + q_pe . k_pe, and the output sum_l p_l W_uv
+        latent_l is W_uv (sum_l p_l latent_l): attention with one key head of rank + rope
+        dims whose values are its first rank dims. On the CPU in fp32 that is the native decode
+        kernel over the paged rows in place (values = whole rows, the rope columns dropped
+        after); elsewhere gathered rows and two batched products, softmax in fp32."""
         h, nope, rank = self.num_heads, self.nope_dim, self.kv_lora_rank
-        absorbed = self._absorb_weight(rows)
+        absorbed = self._absorb_weight(q)
         assert absorbed is not None
         w = absorbed.view(h, nope + self.v_dim, rank)
         q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope])  # [H, B, rank]
         q_all = torch.cat((q_lat.transpose(0, 1), q[..., nope:]), dim=-1)  # [B, H, rank+rope]
-        scores = torch.bmm(q_all, rows.transpose(1, 2)).float() * self.scale  # [B, H, L]
-        scores = scores.masked_fill(~mask.view(mask.shape[0], 1, -1), float("-inf"))
-        p = torch.softmax(scores, dim=-1).to(rows.dtype)
-        o_lat = torch.bmm(p, rows[..., :rank])  # [B, H, rank]
+        entries, scales = ctx.kv.layers[self.layer_idx], ctx.kv.scales[self.layer_idx]
+        if native_decode_ok(q_all, entries):
+            rows = entries[0].view(entries[0].shape[0], 1, -1)  # one key head per slot
+            both = [scales[0], scales[0]] if scales else None
+            o_lat = native_decode_attention(
+                q_all, rows, rows, d, ctx.kv, self.scale, d.sliding_window, None, both
+            )[..., :rank]
+        else:
+            b, n = d.slots.shape
+            (rows,) = ctx.kv.gather(self.layer_idx, d.slots.flatten(), q.dtype)
+            rows = rows.view(b, n, -1)
+            scores = torch.bmm(q_all, rows.transpose(1, 2)).float() * self.scale  # [B, H, L]
+            scores = scores.masked_fill(~d.mask.view(b, 1, -1), float("-inf"))
+            p = torch.softmax(scores, dim=-1).to(rows.dtype)
+            o_lat = torch.bmm(p, rows[..., :rank])  # [B, H, rank]
         out = torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, B, v]
         return out.transpose(0, 1)
 

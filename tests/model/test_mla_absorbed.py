@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from hetserve import LLM, SamplingParams
+from hetserve.model import deepseek
 from hetserve.model.deepseek import MLAttention
+from hetserve.native import native_unavailable_reason
 
 
 def _decode_logprobs(llm: LLM, prompts: list[list[int]]) -> list[list[float]]:
@@ -16,24 +18,42 @@ def _decode_logprobs(llm: LLM, prompts: list[list[int]]) -> list[list[float]]:
 
 
 @pytest.mark.parametrize("family", ["deepseek-v3", "deepseek-v2", "kimi-linear"])
-def test_absorbed_decode_equals_expanded(tiny_model, family, monkeypatch):
+@pytest.mark.parametrize("native", [True, False])
+def test_absorbed_decode_equals_expanded(tiny_model, family, native, monkeypatch):
+    """On the native decode kernel over the paged latent rows (the CPU's fp32 path) and on
+    gathered rows (HETSERVE_NATIVE_KERNELS=0: what other devices run)."""
     path = tiny_model(family, lm_head_scale=8.0)
     prompts = [list(range(10, 17)), list(range(30, 51)), list(range(60, 64))]
+    monkeypatch.setenv("HETSERVE_NATIVE_KERNELS", "1" if native else "0")
     llm = LLM(path, placement="device", dtype="float32")
-    calls = {"absorbed": 0}
-    absorbed = MLAttention._absorbed_decode
+    calls = {"native": 0}
+    kernel = deepseek.native_decode_attention
 
-    def counted(self, *a):
-        calls["absorbed"] += 1
-        return absorbed(self, *a)
+    def counted(*a):
+        calls["native"] += 1
+        return kernel(*a)
 
-    monkeypatch.setattr(MLAttention, "_absorbed_decode", counted)
+    monkeypatch.setattr(deepseek, "native_decode_attention", counted)
     got = _decode_logprobs(llm, prompts)
-    assert calls["absorbed"] > 0
+    assert (calls["native"] > 0) == (native and native_unavailable_reason() is None)
     monkeypatch.setattr(MLAttention, "_absorbable", lambda self, rows: False)
     want = _decode_logprobs(LLM(path, placement="device", dtype="float32"), prompts)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(torch.tensor(g), torch.tensor(w), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "int8"])
+def test_absorbed_decode_over_16_and_8_bit_caches(tiny_model, kv_dtype, monkeypatch):
+    """The latent rows read in place from an fp16 or int8 cache (the kernel widens them; int8
+    applies each row's scale): as the expanding path over the same cache."""
+    path = tiny_model("deepseek-v3", lm_head_scale=8.0)
+    prompts = [list(range(10, 17)), list(range(30, 51))]
+    opts = {"placement": "device", "dtype": "float32", "kv_cache_dtype": kv_dtype}
+    got = _decode_logprobs(LLM(path, **opts), prompts)
+    monkeypatch.setattr(MLAttention, "_absorbable", lambda self, rows: False)
+    want = _decode_logprobs(LLM(path, **opts), prompts)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.tensor(g), torch.tensor(w), rtol=0, atol=1e-4)
 
 
 def test_int8_kv_b_proj_is_absorbed_through_its_dequantized_matrix(tiny_model, monkeypatch):
