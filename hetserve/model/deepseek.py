@@ -142,28 +142,43 @@ class MLAttention(nn.Module):
         dims whose values are its first rank dims. On the CPU in fp32 that is the native decode
         kernel over the paged rows in place (values = whole rows, the rope columns dropped
         after); elsewhere gathered rows and two batched products, softmax in fp32."""
-        h, nope, rank = self.num_heads, self.nope_dim, self.kv_lora_rank
-        absorbed = self._absorb_weight(q)
-        assert absorbed is not None
-        w = absorbed.view(h, nope + self.v_dim, rank)
-        q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope])  # [H, B, rank]
-        q_all = torch.cat((q_lat.transpose(0, 1), q[..., nope:]), dim=-1)  # [B, H, rank+rope]
+        q_all, w = self._absorb_query(q)
         entries, scales = ctx.kv.layers[self.layer_idx], ctx.kv.scales[self.layer_idx]
         if native_decode_ok(q_all, entries):
             rows = entries[0].view(entries[0].shape[0], 1, -1)  # one key head per slot
             both = [scales[0], scales[0]] if scales else None
             o_lat = native_decode_attention(
                 q_all, rows, rows, d, ctx.kv, self.scale, d.sliding_window, None, both
-            )[..., :rank]
+            )[..., : self.kv_lora_rank]
         else:
             b, n = d.slots.shape
             (rows,) = ctx.kv.gather(self.layer_idx, d.slots.flatten(), q.dtype)
-            rows = rows.view(b, n, -1)
-            scores = torch.bmm(q_all, rows.transpose(1, 2)).float() * self.scale  # [B, H, L]
-            scores = scores.masked_fill(~d.mask.view(b, 1, -1), float("-inf"))
-            p = torch.softmax(scores, dim=-1).to(rows.dtype)
-            o_lat = torch.bmm(p, rows[..., :rank])  # [B, H, rank]
-        out = torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, B, v]
+            o_lat = self._latent_attention(q_all, rows.view(b, n, -1), d.mask.view(b, n))
+        return self._latent_output(o_lat, w)
+
+    def _absorb_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, H, nope + rope] -> (q_nope W_uk | q_pe) [B, H, rank + rope], and kv_b_proj's
+        matrix as [H, nope + v, rank]."""
+        absorbed = self._absorb_weight(q)
+        assert absorbed is not None
+        w = absorbed.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        nope = self.nope_dim
+        q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope])  # [H, B, rank]
+        return torch.cat((q_lat.transpose(0, 1), q[..., nope:]), dim=-1), w
+
+    def _latent_attention(
+        self, q_all: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor
+    ) -> torch.Tensor:
+        """q_all [B, H, rank + rope] over rows [B, L, rank + rope] where valid [B, L] ->
+        the attended latent [B, H, rank] (softmax in fp32)."""
+        scores = torch.bmm(q_all, rows.transpose(1, 2)).float() * self.scale  # [B, H, L]
+        scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+        p = torch.softmax(scores, dim=-1).to(rows.dtype)
+        return torch.bmm(p, rows[..., : self.kv_lora_rank])
+
+    def _latent_output(self, o_lat: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """W_uv applied per head: [B, H, rank] -> [B, H, v]."""
+        out = torch.bmm(o_lat.transpose(0, 1), w[:, self.nope_dim :].transpose(1, 2))
         return out.transpose(0, 1)
 
     def _expand(

@@ -18,11 +18,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hetserve import envs
 from hetserve.kv.cache_spec import LayerKind, PagedLayerSpec
 from hetserve.layers.attention import ForwardContext, batched_decode_sdpa, causal_mask, sdpa
 from hetserve.layers.rotary import PartialRotaryEmbedding
 from hetserve.model.config import ModelConfig
 from hetserve.model.deepseek import MLAttention, _DeepseekFamily
+from hetserve.native import optional_kernel
 
 
 class Indexer(nn.Module):
@@ -111,20 +113,56 @@ class IndexedMLAttention(MLAttention):
         top = scores.masked_fill(~valid, float("-inf")).topk(self.indexer.topk, dim=-1).indices
         return torch.zeros_like(valid).scatter_(-1, top, True)
 
+    def _native_scores(self, iq: torch.Tensor, iw: torch.Tensor, ctx, n: int):
+        """The indexer's scores [B, n] of the decode rows over their contexts (-inf past each
+        length) on the native kernel, reading the paged keys in place; None where it does not
+        apply (not CPU fp32, a window, sizes off its vectors, native kernels off)."""
+        d, layer = ctx.meta.decode, self.layer_idx
+        cache = ctx.kv.layers[layer][1]
+        half = {torch.float32: 0, torch.float16: 1, torch.int8: 2}.get(cache.dtype)
+        fn = optional_kernel("hetserve_index_scores")
+        h, dim = iq.shape[1], iq.shape[2]
+        if (fn is None or half is None or not envs.native_kernels() or not iq.is_cpu
+                or iq.dtype != torch.float32 or d.sliding_window is not None
+                or h % 8 or dim % 8):  # fmt: skip
+            return None
+        q, w = iq.contiguous(), iw.contiguous()
+        tables, lens = d.tables.contiguous(), d.lens.contiguous()
+        out = torch.empty(q.shape[0], n, dtype=torch.float32)
+        scales = ctx.kv.scales[layer][1].data_ptr() if half == 2 else None
+        rc = fn(
+            *(torch.get_num_threads(), q.shape[0], h, dim, d.block_size, tables.shape[1], n),
+            *(ctx.kv.num_blocks, half, q.data_ptr(), w.data_ptr(), cache.data_ptr(), scales),
+            *(tables.data_ptr(), lens.data_ptr(), out.data_ptr()),
+        )
+        if rc != 0:
+            raise RuntimeError(f"native indexer scores failed (code {rc})")
+        return out
+
     def _decode(self, q: torch.Tensor, iq: torch.Tensor, iw: torch.Tensor, ctx) -> torch.Tensor:
-        """One token per sequence: score the context's indexer keys, then gather, expand and
-        attend over the top-k rows only."""
+        """One token per sequence: score the context's indexer keys, then gather the top-k rows
+        and attend over them alone, in the latent space where kv_b_proj can be absorbed (else
+        expanded as prefill does)."""
         d = ctx.meta.decode
-        b, n = d.slots.shape
-        # widened to q's dtype where the cache is narrower (--kv-cache-dtype)
-        keys = ctx.kv.rows(self.layer_idx, 1, d.slots.flatten(), q.dtype).view(b, n, -1)
-        valid = d.mask.view(b, n)
-        scores = self.indexer.scores(iq.unsqueeze(1), iw.unsqueeze(1), keys).squeeze(1)
+        bs = d.block_size
+        b, n = d.tables.shape[0], d.tables.shape[1] * bs
+        scores = self._native_scores(iq, iw, ctx, n)
+        if scores is None:
+            # widened to q's dtype where the cache is narrower (--kv-cache-dtype)
+            keys = ctx.kv.rows(self.layer_idx, 1, d.slots.flatten(), q.dtype).view(b, n, -1)
+            scores = self.indexer.scores(iq.unsqueeze(1), iw.unsqueeze(1), keys).squeeze(1)
+            scores = scores.masked_fill(~d.mask.view(b, n), float("-inf"))
         k = min(self.indexer.topk, n)
-        top = scores.masked_fill(~valid, float("-inf")).topk(k, dim=-1).indices  # [b, k]
-        picked = ctx.kv.rows(self.layer_idx, 0, d.slots.gather(1, top).flatten(), q.dtype)
+        best, top = scores.topk(k, dim=-1)  # [b, k]
+        valid = best > float("-inf")  # a context shorter than k picks padding too
+        slots = d.tables.gather(1, top // bs) * bs + top % bs
+        picked = ctx.kv.rows(self.layer_idx, 0, slots.flatten(), q.dtype)
+        if self._absorbable(q):  # attend in the latent space (MLAttention._absorbed_decode)
+            q_all, w = self._absorb_query(q)
+            o_lat = self._latent_attention(q_all, picked.view(b, k, -1), valid)
+            return self._latent_output(o_lat, w)
         keys_k, values = self._expand(picked, lambda lora: lora.decode_segments(k))
-        mask = valid.gather(1, top)[:, None, None, :]
+        mask = valid[:, None, None, :]
         return batched_decode_sdpa(
             q, keys_k.view(b, k, *keys_k.shape[1:]), values.view(b, k, *values.shape[1:]),
             mask, self.scale,
