@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "moe_amx.h"
 #include "moe_gemm.h"
 #include "moe_kgemm.h"
 #include "moe_kq.h"
@@ -101,17 +102,21 @@ static int lin_item_gemm(const lin_t *l, int u0, int u1) {
     int32_t *isum = (int32_t *)(buf + panel_bytes);
     float *out = (float *)(isum + TBG * GEMM_ROWS);
     const int16_t *x[TBG];
-    static const int8_t zero[64];
+    amx_rows_t ax = {0}; /* the tokens' rows split for AMX tiles where the CPU has them */
+    if (amx_item(&ax, l->x16, NULL, l->T, K) < 0) {
+        free(buf);
+        return -1;
+    }
     for (int u = u0; u < u1; u += 4) {
         const int8_t *q[4];
         for (int k = 0; k < 4; k++)
             q[k] = u + k < quads ? (const int8_t *)l->w + (size_t)(u + k) * 4 * K : NULL;
-        gemm_pack_n(q, K, panel, zero);
+        strip_pack(&ax, q, K, panel); /* quads past the last pack as zeros */
         const int rows = 4 * (u + 4) <= l->N ? GEMM_ROWS : l->N - 4 * u;
         for (int t0 = 0; t0 < l->T; t0 += TBG) {
             const int n = l->T - t0 < TBG ? l->T - t0 : TBG;
             for (int m = 0; m < n; m++) x[m] = l->x16 + (size_t)(t0 + m) * K;
-            gemm_strip(panel, K, x, n, isum, out);
+            strip_sums(&ax, panel, K, x, t0, n, isum, out);
             for (int m = 0; m < n; m++) {
                 float *y = l->out + (size_t)(t0 + m) * l->N + 4 * u;
                 const float sx = l->xsc[t0 + m];
@@ -119,6 +124,7 @@ static int lin_item_gemm(const lin_t *l, int u0, int u1) {
             }
         }
     }
+    amx_item_end(&ax);
     free(buf);
     return 0;
 }

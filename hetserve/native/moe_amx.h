@@ -26,13 +26,14 @@
 #ifndef HETSERVE_MOE_AMX_H
 #define HETSERVE_MOE_AMX_H
 
-#ifdef HS_AMX
-
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "moe_gemm.h"
+
+#ifdef HS_AMX
 
 #define AMX_K 64 /* inputs per tile product */
 
@@ -188,4 +189,74 @@ static inline void amx_strip(const int8_t *panel, int K, const int8_t *hi, const
 }
 
 #endif /* HS_AMX */
+
+/* A work item's activations split for the AMX tiles (moe_amx.h), or on = 0 for the AVX path. */
+typedef struct {
+    int on;
+    int8_t *hi;
+    uint8_t *lo;
+} amx_rows_t;
+
+/* Splits the item's cnt rows (rows of K int16 from base: row tok[m] where tok, else row m) once
+ * for all its strips, where the tiles take K; -1 when out of memory. */
+static inline int amx_item(amx_rows_t *a, const int16_t *base, const int *tok, int cnt, int K) {
+#ifdef HS_AMX
+    if (!amx_usable(K)) return 0;
+    const size_t bytes = (size_t)amx_rows(cnt) * K;
+    char *mem = aligned_alloc(64, (2 * bytes + 63) / 64 * 64);
+    if (mem == NULL) return -1;
+    a->hi = (int8_t *)mem;
+    a->lo = (uint8_t *)(mem + bytes);
+    enum { BLOCK = 64 };
+    for (int p0 = 0; p0 < cnt; p0 += BLOCK) { /* row pointers a block at a time */
+        const int n = cnt - p0 < BLOCK ? cnt - p0 : BLOCK;
+        const int16_t *x[BLOCK];
+        for (int m = 0; m < n; m++) x[m] = base + (size_t)(tok ? tok[p0 + m] : p0 + m) * K;
+        amx_split(x, n, K, a->hi + (size_t)p0 * K, a->lo + (size_t)p0 * K);
+    }
+    a->on = 1;
+    amx_begin();
+#else
+    (void)a, (void)base, (void)tok, (void)cnt, (void)K;
+#endif
+    return 0;
+}
+
+static inline void amx_item_end(amx_rows_t *a) {
+#ifdef HS_AMX
+    if (a->on) {
+        amx_end();
+        free(a->hi);
+    }
+#else
+    (void)a;
+#endif
+}
+
+static inline void strip_pack(const amx_rows_t *a, const int8_t *const q[4], int K, int16_t *panel) {
+#ifdef HS_AMX
+    if (a->on) {
+        amx_pack(q, K, (int8_t *)panel);
+        return;
+    }
+#endif
+    (void)a;
+    static const int8_t zero[64];
+    gemm_pack_n(q, K, panel, zero);
+}
+
+/* gemm_strip for pairs p0 .. p0 + n - 1 of the item (x: their rows, for the AVX path). */
+static inline void strip_sums(const amx_rows_t *a, const int16_t *panel, int K, const int16_t *const *x,
+                       int p0, int n, int32_t *isum, float *out) {
+#ifdef HS_AMX
+    if (a->on) {
+        amx_strip((const int8_t *)panel, K, a->hi + (size_t)p0 * K, a->lo + (size_t)p0 * K, n,
+                  isum, out);
+        return;
+    }
+#endif
+    (void)a, (void)p0;
+    gemm_strip(panel, K, x, n, isum, out);
+}
+
 #endif

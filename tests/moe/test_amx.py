@@ -78,3 +78,29 @@ def test_amx_tiles_equal_avx512(tokens):
     out = _outputs({"amx": amx, "avx512": avx}, 2048, 1408, tokens, False, seed=tokens)
     assert torch.equal(out["amx"], out["avx512"])
     assert out["amx"].abs().max() > 0
+
+
+@pytest.mark.parametrize("k,n,tokens", [(256, 40, 40), (128, 16, 9), (100, 22, 20)])
+def test_emulated_amx_linears_equal_this_cpus_build(k, n, tokens):
+    """The int8 linears' GEMM (8 tokens or more) on the same tiles: rows past the last quad
+    (40 and 22 rows: a strip of zero quads), inputs the layout pads (100: stored as 128)."""
+    from torch import nn
+
+    from hetserve.layers.int8_linear import Int8Linear
+
+    g = torch.Generator().manual_seed(k + n)
+    lin = nn.Linear(k, n)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g) * 0.1)
+        lin.bias.copy_(torch.randn(n, generator=g))
+    q = Int8Linear(lin)
+    assert q.kernel == "native"
+    x = torch.randn(tokens, k, generator=g) * torch.logspace(-2, 1, k)
+    out = {}
+    for name in (native.isa(), "amx-emulated"):
+        lib, err = native.build_for(name)
+        assert lib is not None, err
+        q._fn = lib.hetserve_qlinear
+        out[name] = q(x)
+    assert torch.equal(out[native.isa()], out["amx-emulated"])
+    assert out["amx-emulated"].abs().max() > 0
