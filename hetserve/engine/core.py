@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hetserve import envs
-from hetserve.config import EngineConfig, Role
+from hetserve.config import EngineConfig
 from hetserve.core.outputs import RequestOutput
 from hetserve.core.request import HandoffRole, NewRequest, Request, RequestStatus
 from hetserve.core.stats import EngineStats
@@ -33,13 +33,13 @@ from hetserve.engine.lora import build_lora_manager
 from hetserve.engine.output import ParentState, SeqState
 from hetserve.engine.runner import ModelRunner
 from hetserve.engine.setup import graph_options, resolve_model_dir, state_slots
+from hetserve.engine.stats import engine_stats
 from hetserve.engine.step_log import StepLog, shape_of
 from hetserve.engine.step_probe import measure_steps, step_time_model
 from hetserve.engine.swap import HostSwap
 from hetserve.engine.validate import RequestValidator
 from hetserve.errors import InvalidInputError
 from hetserve.kv.cache_spec import paged_layout, state_slot_bytes
-from hetserve.kv.handoff import handoff_stats
 from hetserve.kv.manager import KVCacheManager
 from hetserve.kv.sizing import num_kv_blocks
 from hetserve.kv.tier_policy import CostModel
@@ -348,29 +348,7 @@ class EngineCore:
 
     # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        pool = self.kv.pool
-        c = self._counts
-        return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            kv_blocks_used=pool.num_usable - pool.num_free,
-            kv_blocks_total=pool.num_usable,
-            prefix_queries=self.kv.queries,
-            prefix_hits=self.kv.hits,
-            prefix_hits_by_tier=dict(self.kv.hits_by_tier),
-            preemptions=c["preemptions"],
-            steps=c["steps"],
-            prompt_tokens_computed=c["prompt_tokens"],
-            generation_tokens=c["generation"],
-            failed_requests=self._finished.get("error", 0),
-            finished=dict(self._finished),
-            tiers=self.tiers.stats() if self.tiers is not None else None,
-            handoff=None
-            if self.config.disagg.role is Role.BOTH
-            else handoff_stats(self.handoff.sender, self.handoff.receiver),
-            load=self.scheduler.load(),
-            step_kinds=self.step_log.stats(),
-        )
+        return engine_stats(self)
 
     def reset_prefix_cache(self) -> int:
         """Drop the device prefix cache (free blocks only); KV tiers keep what they saved.
