@@ -14,11 +14,13 @@ kv_b_proj carries LoRA slots decode expands as prefill does.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from hetserve import envs
 from hetserve.kv.cache_spec import LayerKind, PagedLayerSpec
 from hetserve.layers.attention import ForwardContext, batched_decode_sdpa, sdpa
 from hetserve.layers.lora import LoRABatch, LoRALinear, Segments, lora_project
@@ -31,6 +33,7 @@ from hetserve.model.base import CausalLM, DecoderLayer, DenseMLP
 from hetserve.model.config import ModelConfig
 from hetserve.model.llama import make_rotary
 from hetserve.moe.router import RouterConfig
+from hetserve.native import optional_kernel
 
 
 class MLAttention(nn.Module):
@@ -111,28 +114,31 @@ class MLAttention(nn.Module):
 
     def nbytes(self) -> int:
         """Bytes of the absorbed kv_b_proj kept beside an int8 one (0 until the first decode)."""
-        cached = self.__dict__.get("_absorbed")
-        return 0 if cached is None else cached.numel() * cached.element_size()
+        cached = self.__dict__.get("_absorbed_cache")
+        return 0 if cached is None else cached.nbytes()
 
     def _absorbable(self, like: torch.Tensor) -> bool:
-        return self._absorb_weight(like) is not None
+        return self._absorbed(like) is not None
 
-    def _absorb_weight(self, like: torch.Tensor) -> torch.Tensor | None:
-        """kv_b_proj's matrix [H * (nope + v), rank] in the dtype of `like` (the activations),
-        or None where decode must expand (LoRA slots, a bias, a float weight of another
-        dtype)."""
+    def _absorbed(self, like: torch.Tensor) -> _Absorbed | None:
+        """kv_b_proj's per-head halves for decode with activations like `like`, or None where
+        decode must expand (LoRA slots, a bias, a float weight of another dtype). A float
+        kv_b_proj is used as it is; another one (int8, GGUF) is read off its kernel once (the
+        layer applied to the identity) and kept: as fp16 matrices for the native per-head
+        products on the CPU in fp32, else in the activations' dtype."""
         lin = self.kv_b_proj
         if type(lin) is nn.Linear:
-            w = lin.weight
-            return w if w.dtype == like.dtype else None
+            return _Absorbed(self, lin.weight) if lin.weight.dtype == like.dtype else None
         if isinstance(lin, LoRALinear) or getattr(lin, "bias", None) is not None:
             return None
-        cached = self.__dict__.get("_absorbed")
-        if cached is None or cached.dtype != like.dtype or cached.device != like.device:
+        cached = self.__dict__.get("_absorbed_cache")
+        if cached is None or not cached.serves(like):
             eye = torch.eye(self.kv_lora_rank, dtype=like.dtype, device=like.device)
             with torch.no_grad():
-                cached = lin(eye).t().contiguous()
-            self.__dict__["_absorbed"] = cached  # not a parameter: derived, never saved
+                w = lin(eye).t().contiguous()  # [H * (nope + v), rank]
+            half = like.is_cpu and like.dtype == torch.float32 and _heads_kernel() is not None
+            cached = _Absorbed(self, w, half)
+            self.__dict__["_absorbed_cache"] = cached  # not a parameter: derived, never saved
         return cached
 
     def _absorbed_decode(self, q: torch.Tensor, d, ctx: ForwardContext) -> torch.Tensor:
@@ -142,7 +148,7 @@ class MLAttention(nn.Module):
         dims whose values are its first rank dims. On the CPU in fp32 that is the native decode
         kernel over the paged rows in place (values = whole rows, the rope columns dropped
         after); elsewhere gathered rows and two batched products, softmax in fp32."""
-        q_all, w = self._absorb_query(q)
+        q_all, forms = self._absorb_query(q)
         entries, scales = ctx.kv.layers[self.layer_idx], ctx.kv.scales[self.layer_idx]
         if native_decode_ok(q_all, entries):
             rows = entries[0].view(entries[0].shape[0], 1, -1)  # one key head per slot
@@ -154,17 +160,15 @@ class MLAttention(nn.Module):
             b, n = d.slots.shape
             (rows,) = ctx.kv.gather(self.layer_idx, d.slots.flatten(), q.dtype)
             o_lat = self._latent_attention(q_all, rows.view(b, n, -1), d.mask.view(b, n))
-        return self._latent_output(o_lat, w)
+        return self._latent_output(o_lat, forms)
 
-    def _absorb_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [B, H, nope + rope] -> (q_nope W_uk | q_pe) [B, H, rank + rope], and kv_b_proj's
-        matrix as [H, nope + v, rank]."""
-        absorbed = self._absorb_weight(q)
-        assert absorbed is not None
-        w = absorbed.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        nope = self.nope_dim
-        q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope])  # [H, B, rank]
-        return torch.cat((q_lat.transpose(0, 1), q[..., nope:]), dim=-1), w
+    def _absorb_query(self, q: torch.Tensor) -> tuple[torch.Tensor, _Absorbed]:
+        """q [B, H, nope + rope] -> (q_nope W_uk | q_pe) [B, H, rank + rope], and the absorbed
+        halves (for _latent_output)."""
+        forms = self._absorbed(q)
+        assert forms is not None
+        q_lat = forms.query(q[..., : self.nope_dim])
+        return torch.cat((q_lat, q[..., self.nope_dim :]), dim=-1), forms
 
     def _latent_attention(
         self, q_all: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor
@@ -176,10 +180,9 @@ class MLAttention(nn.Module):
         p = torch.softmax(scores, dim=-1).to(rows.dtype)
         return torch.bmm(p, rows[..., : self.kv_lora_rank])
 
-    def _latent_output(self, o_lat: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _latent_output(self, o_lat: torch.Tensor, forms: _Absorbed) -> torch.Tensor:
         """W_uv applied per head: [B, H, rank] -> [B, H, v]."""
-        out = torch.bmm(o_lat.transpose(0, 1), w[:, self.nope_dim :].transpose(1, 2))
-        return out.transpose(0, 1)
+        return forms.output(o_lat)
 
     def _expand(
         self, rows: torch.Tensor, lora_segments: Callable[[LoRABatch], Segments]
@@ -194,6 +197,63 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k_pe = k_pe.unsqueeze(1).expand(n, self.num_heads, self.rope_dim)
         return torch.cat((k_nope, k_pe), dim=-1), v
+
+
+@functools.cache
+def _heads_kernel():
+    return optional_kernel("hetserve_heads_gemv_f16")
+
+
+class _Absorbed:
+    """kv_b_proj's halves as decode uses them: q_nope -> q_nope W_uk (per head, [nope] ->
+    [rank]) and the attended latent -> W_uv latent ([rank] -> [v]). Either views of a float
+    matrix [H * (nope + v), rank] (bmm), or, with `half`, fp16 copies laid out for the native
+    per-head products (W_uk transposed [H, rank, nope], W_uv [H, v, rank]): half the bytes
+    of fp32 and both cores on them; fp16 keeps 11 bits, finer than the int8 rows they come from."""
+
+    def __init__(self, attn: MLAttention, w: torch.Tensor, half: bool = False) -> None:
+        h, nope, v = attn.num_heads, attn.nope_dim, attn.v_dim
+        heads = w.view(h, nope + v, attn.kv_lora_rank)
+        self.half, self.dtype, self.device = half, w.dtype, w.device
+        if half:
+            self.uk_t = heads[:, :nope].transpose(1, 2).to(torch.float16).contiguous()
+            self.uv = heads[:, nope:].to(torch.float16).contiguous()
+        else:
+            self.uk, self.uv = heads[:, :nope], heads[:, nope:]
+
+    def serves(self, like: torch.Tensor) -> bool:
+        return self.dtype == like.dtype and self.device == like.device
+
+    def nbytes(self) -> int:
+        parts = (self.uk_t, self.uv) if self.half else (self.uk, self.uv)
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def _native(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out[b, h] = w[h] @ x[b, h] on the kernel (fp16 w [H, N, K], fp32 x [B, H, K])."""
+        x = x.contiguous()
+        b, h, k = x.shape
+        out = torch.empty(b, h, w.shape[1], dtype=torch.float32)
+        _heads_kernel()(torch.get_num_threads(), b, h, w.shape[1], k,
+                        w.data_ptr(), x.data_ptr(), out.data_ptr())  # fmt: skip
+        return out
+
+    def query(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """[B, H, nope] -> [B, H, rank]."""
+        if self.half:
+            if envs.native_kernels():
+                return self._native(self.uk_t, q_nope)
+            return torch.bmm(q_nope.transpose(0, 1), self.uk_t.float().transpose(1, 2)).transpose(
+                0, 1
+            )
+        return torch.bmm(q_nope.transpose(0, 1), self.uk).transpose(0, 1)
+
+    def output(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """[B, H, rank] -> [B, H, v]."""
+        if self.half:
+            if envs.native_kernels():
+                return self._native(self.uv, o_lat)
+            return torch.bmm(o_lat.transpose(0, 1), self.uv.float().transpose(1, 2)).transpose(0, 1)
+        return torch.bmm(o_lat.transpose(0, 1), self.uv.transpose(1, 2)).transpose(0, 1)
 
 
 def deepseek_mlp_maker(

@@ -158,9 +158,9 @@ class IndexedMLAttention(MLAttention):
         slots = d.tables.gather(1, top // bs) * bs + top % bs
         picked = ctx.kv.rows(self.layer_idx, 0, slots.flatten(), q.dtype)
         if self._absorbable(q):  # attend in the latent space (MLAttention._absorbed_decode)
-            q_all, w = self._absorb_query(q)
+            q_all, forms = self._absorb_query(q)
             o_lat = self._latent_attention(q_all, picked.view(b, k, -1), valid)
-            return self._latent_output(o_lat, w)
+            return self._latent_output(o_lat, forms)
         keys_k, values = self._expand(picked, lambda lora: lora.decode_segments(k))
         mask = valid[:, None, None, :]
         return batched_decode_sdpa(

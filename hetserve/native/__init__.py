@@ -24,7 +24,7 @@
 - `gguf_rows.c`: rows of a GGUF q4_K / q5_K / q6_K / IQ4_XS / IQ4_NL matrix dequantized to
   fp32, gguf's own numbers (token embeddings kept in the file's blocks).
 - `index_scores.c`: DeepSeek-V3.2's indexer scores at decode, every key read in place from the
-  paged cache (fp32, fp16 or int8).
+  paged cache (fp32, fp16 or int8); MLA's absorbed per-head products over fp16 matrices.
 - `layouts.c`: a GGUF q4_K matrix's blocks rearranged into the expert kernel's quad layout at
   load (moe/native_layout.py), the same bytes as quant/layout.py's torch version.
 
@@ -200,6 +200,7 @@ _SIGNATURES = {
     "hetserve_q4k_quads": (_I, [_I] * 3 + [_P, _I, _P]),  # moe/native_layout.py
     "hetserve_amx_ready": (_I, []),  # tests, bench moe-kernel
     "hetserve_index_scores": (_I, [_I] * 9 + [_P] * 7),  # model/deepseek_v32.py
+    "hetserve_heads_gemv_f16": (None, [_I] * 5 + [_P] * 3),  # model/deepseek.py
 }
 
 

@@ -70,8 +70,8 @@ def test_int8_kv_b_proj_is_absorbed_through_its_dequantized_matrix(tiny_model, m
     assert type(attn.kv_b_proj) is not torch.nn.Linear
     params = SamplingParams(max_tokens=6, temperature=0, logprobs=1, ignore_eos=True)
     absorbed = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    assert attn.__dict__.get("_absorbed") is not None
-    assert attn.nbytes() == attn.num_heads * (attn.nope_dim + attn.v_dim) * attn.kv_lora_rank * 4
+    assert attn.__dict__.get("_absorbed_cache") is not None
+    assert attn.nbytes() == attn.num_heads * (attn.nope_dim + attn.v_dim) * attn.kv_lora_rank * 2
     monkeypatch.setattr(MLAttention, "_absorbable", lambda self, rows: False)
     expanded = LLM(path, placement="all-int8").generate(
         prompt_token_ids=prompts, sampling_params=params
@@ -92,3 +92,26 @@ def test_lora_slots_or_another_dtype_keep_expanding(tiny_model):
     assert attn._absorbable(rows) and not attn._absorbable(rows.half())
     attn.kv_b_proj = LoRALinear.__new__(LoRALinear)  # a LoRA slot: its deltas are per request
     assert not attn._absorbable(rows)
+
+
+def test_fp16_head_products_native_and_fallback_match_fp32(tiny_model, monkeypatch):
+    """The fp16 per-head matrices (all-int8 on the CPU) on the native kernel and, with native
+    kernels off, on torch: both as the fp32 matrix's products to fp16's rounding."""
+    from hetserve.model.deepseek import _Absorbed
+
+    attn = next(
+        m for m in LLM(tiny_model("deepseek-v3"), placement="device").model.modules()
+        if isinstance(m, MLAttention)
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    h, nope, v, rank = attn.num_heads, attn.nope_dim, attn.v_dim, attn.kv_lora_rank
+    w = torch.randn(h * (nope + v), rank, generator=g)
+    exact, half = _Absorbed(attn, w), _Absorbed(attn, w, half=True)
+    q, o = torch.randn(3, h, nope, generator=g), torch.randn(3, h, rank, generator=g)
+    want_q, want_o = exact.query(q), exact.output(o)
+    for native in ("1", "0"):
+        monkeypatch.setenv("HETSERVE_NATIVE_KERNELS", native)
+        for got, want in ((half.query(q), want_q), (half.output(o), want_o)):
+            assert got.shape == want.shape
+            scale = want.abs().max()
+            assert (got - want).abs().max() <= 2e-3 * scale and scale > 0
