@@ -72,8 +72,8 @@ def estimate(model: nn.Module, kv_bytes: int, baseline_rss: int) -> MemoryUse:
                 owner = model.get_submodule(parent)
                 # an int8 residual beside the int8 rows (layers/int8_linear.py)
                 per = 2 if kept_precise(owner, attr) else 1
-                # MLA decode's absorbed copy in the model's dtype (model/deepseek.py)
-                per += dtype_size if attr in getattr(owner, "absorbed_projections", ()) else 0
+                # MLA decode's absorbed copy: fp16 on the native kernels (model/deepseek.py)
+                per += 2 if attr in getattr(owner, "absorbed_projections", ()) else 0
         dense += own * per
     return MemoryUse(experts, dense, kv_bytes, baseline_rss + RUNTIME_ALLOWANCE)
 
