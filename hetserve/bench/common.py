@@ -96,6 +96,12 @@ def decode_rate(
     return (tokens - 1) / (tn - t1)
 
 
+def decode_run_fields(args, threads: int) -> dict:
+    """The settings a decode bench's JSON opens with (bench decode, bench decode --streams)."""
+    return {"model": str(args.model), "tokens": args.tokens, "prompt_len": args.prompt_len,
+            "repeats": args.repeats, "rounds": args.rounds, "threads": threads}  # fmt: skip
+
+
 def model_dir(args) -> str:
     """The checkpoint directory behind --model (the demo model when none is given), for the
     peers that load the same files."""

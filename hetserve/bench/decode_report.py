@@ -7,7 +7,7 @@ Who calls it: bench/decode.py's `run`. Pure functions of the measured numbers; n
 
 from __future__ import annotations
 
-from hetserve.bench.common import print_table
+from hetserve.bench.common import decode_run_fields, print_table
 from hetserve.bench.weight_bytes import dense_bytes_per_token_fp32, expert_bytes_per_token
 
 
@@ -37,12 +37,7 @@ def build_report(
     total = (experts["bytes_per_token"] + dense) * hybrid / 1e9 if hybrid and dense else None
     return {
         "benchmark": "decode",
-        "model": str(args.model),
-        "tokens": args.tokens,
-        "prompt_len": args.prompt_len,
-        "repeats": args.repeats,
-        "rounds": args.rounds,
-        "threads": threads,
+        **decode_run_fields(args, threads),
         "decode_tokens_per_s": rates,
         "llamacpp_peer": peer,
         "vs_llamacpp": _ratios(rates, peer),

@@ -25,7 +25,7 @@ import argparse
 import gc
 from collections.abc import Callable
 
-from hetserve.bench.common import best_time, print_table, write_json
+from hetserve.bench.common import best_time, decode_run_fields, print_table, write_json
 
 
 def parse_streams(text: str) -> list[int]:
@@ -153,12 +153,7 @@ def build_report(args, cfg: dict, counts: list[int], rounds: list[dict[int, floa
         row["vs_one_stream"] = row["tokens_per_s"] / one if one else None
     return {
         "benchmark": "decode-streams",
-        "model": str(args.model),
-        "tokens": args.tokens,
-        "prompt_len": args.prompt_len,
-        "repeats": args.repeats,
-        "rounds": args.rounds,
-        "threads": threads,
+        **decode_run_fields(args, threads),
         "placement": _placement(),
         "streams": rows,
         "rounds_tokens_per_s": [{str(s): v for s, v in r.items()} for r in rounds],
