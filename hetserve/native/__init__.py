@@ -23,7 +23,7 @@
   prefill` reads its rows against them).
 - `gguf_rows.c`: rows of a GGUF q4_K / q5_K / q6_K / IQ4_XS / IQ4_NL matrix dequantized to
   fp32, gguf's own numbers (token embeddings kept in the file's blocks).
-- `index_scores.c`: DeepSeek-V3.2's indexer scores at decode, every key read in place from the
+- `mla_decode.c`: DeepSeek-V3.2's indexer scores at decode, every key read in place from the
   paged cache (fp32, fp16 or int8); MLA's absorbed per-head products over fp16 matrices.
 - `layouts.c`: a GGUF q4_K matrix's blocks rearranged into the expert kernel's quad layout at
   load (moe/native_layout.py), the same bytes as quant/layout.py's torch version.
@@ -60,7 +60,7 @@ HERE = Path(__file__).parent
 SOURCES = ("pool.c", "moe_kernels.c", "moe_prefill.c", "linear_kernels.c", "attention.c",
            "small_ops.c", "moe_backward.c", "decode_layers.c", "hashing.c", "linear_attn.c",
            "peaks.c", "prefill_attention.c", "numa.c", "gguf_rows.c", "layouts.c",
-           "index_scores.c")  # fmt: skip
+           "mla_decode.c")  # fmt: skip
 HEADERS = ("pool.h", "simd.h", "moe_quads.h", "moe_formats.h", "moe_q4k.h", "moe_kq.h",
            "moe_gemm.h", "moe_job.h", "moe_kgemm.h", "moe_amx.h")  # fmt: skip
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared"]

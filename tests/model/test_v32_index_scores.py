@@ -1,4 +1,4 @@
-"""DeepSeek-V3.2's indexer at decode on the native kernel (native/index_scores.c): every key
+"""DeepSeek-V3.2's indexer at decode on the native kernel (native/mla_decode.c): every key
 read in place from the paged cache against the torch path's gathered keys and einsums, for
 fp32, fp16 and int8 caches; contexts longer than index_topk so the selection matters."""
 

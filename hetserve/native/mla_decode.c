@@ -1,4 +1,7 @@
-/* DeepSeek-V3.2's lightning indexer at decode (model/deepseek_v32.py): one query token per
+/* Decode helpers of the MLA families (model/deepseek.py, deepseek_v32.py): the V3.2 indexer's
+ * scores over the paged keys, and the absorbed per-head products (further down).
+ *
+ * DeepSeek-V3.2's lightning indexer at decode: one query token per
  * sequence scores every key of its context, read in place from the paged cache,
  *   score[b, j] = sum_h w[b, h] * relu(q[b, h] . K[slot(b, j)])   for j < len_b, else -inf,
  * with slot(b, j) = table[b, j / bs] * bs + j % bs. Keys are fp32, fp16 (F16C) or int8 rows with
