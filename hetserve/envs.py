@@ -84,6 +84,12 @@ def verify_converted() -> bool:
     return os.environ.get("HETSERVE_VERIFY_CONVERTED", "1").strip() != "0"
 
 
+def step_probe_cache() -> bool:
+    """HETSERVE_STEP_PROBE_CACHE: `0` times the start-up step probes at every start instead of
+    reusing the last ones measured for the same model, placement, code and machine."""
+    return os.environ.get("HETSERVE_STEP_PROBE_CACHE", "1").strip() != "0"
+
+
 def numa_sysfs() -> Path | None:
     """HETSERVE_NUMA_SYSFS: a directory read as /sys/devices/system/node by `--numa auto`
     (tests and the fake two-node benchmark); unset: the real one."""

@@ -35,7 +35,7 @@ from hetserve.engine.runner import ModelRunner
 from hetserve.engine.setup import graph_options, resolve_model_dir, state_slots
 from hetserve.engine.stats import engine_stats
 from hetserve.engine.step_log import StepLog, shape_of
-from hetserve.engine.step_probe import measure_steps, step_time_model
+from hetserve.engine.step_probe import measure_steps, probe_cache_file, step_time_model
 from hetserve.engine.swap import HostSwap
 from hetserve.engine.validate import RequestValidator
 from hetserve.errors import InvalidInputError
@@ -117,7 +117,8 @@ class EngineCore:
         # One cost model, measured now and refined by every step: the scheduler sizes prompt
         # chunks with its step-time fit, the KV tiers weigh loads against recomputing with it.
         self.cost = CostModel(steps=step_time_model(self.model))
-        measure_steps(self.runner, self.kv, self.cost, self.max_model_len)
+        probes = probe_cache_file(self.model_dir, self.runner, self.placement_summary)
+        measure_steps(self.runner, self.kv, self.cost, self.max_model_len, probes)
         log.info("%s", self.cost.steps.describe())
         services = open_kv_services(cfg, self.kv, self.runner, self.cost, self.kv_events)
         self.tiers: TierManager | None = services.tiers
