@@ -50,6 +50,7 @@ typedef struct {
     float *out;
     /* the K-quant tiles' activations (kg_widen) [T, K] and sums [T, K / 32], or NULL */
     const int16_t *kg16, *kgms;
+    const amx_rows_t *amx; /* int8 GEMM: the rows split once for the AMX tiles (off: AVX) */
 } lin_t;
 
 /* Rows [n0, n0 + 4 nq) against tokens m, m + MB - 1 (MB <= 2); nq = 2 for q4_K only. */
@@ -102,21 +103,18 @@ static int lin_item_gemm(const lin_t *l, int u0, int u1) {
     int32_t *isum = (int32_t *)(buf + panel_bytes);
     float *out = (float *)(isum + TBG * GEMM_ROWS);
     const int16_t *x[TBG];
-    amx_rows_t ax = {0}; /* the tokens' rows split for AMX tiles where the CPU has them */
-    if (amx_item(&ax, l->x16, NULL, l->T, K) < 0) {
-        free(buf);
-        return -1;
-    }
+    const amx_rows_t none = {0}, *ax = l->amx ? l->amx : &none;
+    amx_rows_begin(ax);
     for (int u = u0; u < u1; u += 4) {
         const int8_t *q[4];
         for (int k = 0; k < 4; k++)
             q[k] = u + k < quads ? (const int8_t *)l->w + (size_t)(u + k) * 4 * K : NULL;
-        strip_pack(&ax, q, K, panel); /* quads past the last pack as zeros */
+        strip_pack(ax, q, K, panel); /* quads past the last pack as zeros */
         const int rows = 4 * (u + 4) <= l->N ? GEMM_ROWS : l->N - 4 * u;
         for (int t0 = 0; t0 < l->T; t0 += TBG) {
             const int n = l->T - t0 < TBG ? l->T - t0 : TBG;
             for (int m = 0; m < n; m++) x[m] = l->x16 + (size_t)(t0 + m) * K;
-            strip_sums(&ax, panel, K, x, t0, n, isum, out);
+            strip_sums(ax, panel, K, x, t0, n, isum, out);
             for (int m = 0; m < n; m++) {
                 float *y = l->out + (size_t)(t0 + m) * l->N + 4 * u;
                 const float sx = l->xsc[t0 + m];
@@ -124,7 +122,7 @@ static int lin_item_gemm(const lin_t *l, int u0, int u1) {
             }
         }
     }
-    amx_item_end(&ax);
+    amx_rows_end(ax);
     free(buf);
     return 0;
 }
@@ -247,7 +245,10 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
     int rc = hs_item_units(quad_bytes, ITEM_BYTES, quads, nthreads, RC);
     rc += fmt == L_Q4K && rc % 2; /* q4_K: whole pairs (its layout interleaves quads 2u, 2u + 1) */
     if (fmt == L_I8 && G == 0) rc = (rc + 3) / 4 * 4; /* whole strips of the GEMM tiles */
-    lin_t l = {fmt, G, T, N, K, rc, w, s, xsc, x16, pl, ps, pd, out, NULL, NULL};
+    lin_t l = {fmt, G, T, N, K, rc, w, s, xsc, x16, pl, ps, pd, out, NULL, NULL, NULL};
+    amx_rows_t ax = {0}; /* the int8 GEMM's rows split once for every item (AMX) */
+    if (fmt == L_I8 && G == 0 && gemm_worth(T) && amx_rows_split(&ax, x16, NULL, T, K) == 0)
+        l.amx = &ax;
     char *kbuf = NULL;
     if (fmt == L_I8 && kg_group(fmt, G) > 0 && gemm_worth(T)) { /* grouped: rows in place */
         l.kg16 = x16;
@@ -264,6 +265,7 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
         }
     }
     hs_parallel_for(nthreads, (quads + rc - 1) / rc, lin_item, &l);
+    amx_rows_free(&ax);
     free(kbuf);
     free(buf);
     return 0;

@@ -197,9 +197,10 @@ typedef struct {
     uint8_t *lo;
 } amx_rows_t;
 
-/* Splits the item's cnt rows (rows of K int16 from base: row tok[m] where tok, else row m) once
- * for all its strips, where the tiles take K; -1 when out of memory. */
-static inline int amx_item(amx_rows_t *a, const int16_t *base, const int *tok, int cnt, int K) {
+/* Splits cnt rows (rows of K int16 from base: row tok[m] where tok, else row m) for the tiles,
+ * where they take K (else leaves a off); -1 when out of memory. */
+static inline int amx_rows_split(amx_rows_t *a, const int16_t *base, const int *tok, int cnt,
+                                 int K) {
 #ifdef HS_AMX
     if (!amx_usable(K)) return 0;
     const size_t bytes = (size_t)amx_rows(cnt) * K;
@@ -215,22 +216,44 @@ static inline int amx_item(amx_rows_t *a, const int16_t *base, const int *tok, i
         amx_split(x, n, K, a->hi + (size_t)p0 * K, a->lo + (size_t)p0 * K);
     }
     a->on = 1;
-    amx_begin();
 #else
     (void)a, (void)base, (void)tok, (void)cnt, (void)K;
 #endif
     return 0;
 }
 
-static inline void amx_item_end(amx_rows_t *a) {
+static inline void amx_rows_free(amx_rows_t *a) {
+    if (a->on) free(a->hi);
+    a->on = 0;
+}
+
+/* This thread's tiles on (amx_begin) or off (amx_end) around its use of rows split in a. */
+static inline void amx_rows_begin(const amx_rows_t *a) {
 #ifdef HS_AMX
-    if (a->on) {
-        amx_end();
-        free(a->hi);
-    }
+    if (a->on) amx_begin();
 #else
     (void)a;
 #endif
+}
+
+static inline void amx_rows_end(const amx_rows_t *a) {
+#ifdef HS_AMX
+    if (a->on) amx_end();
+#else
+    (void)a;
+#endif
+}
+
+/* A work item of the experts: its rows split once for all its strips, the tiles on. */
+static inline int amx_item(amx_rows_t *a, const int16_t *base, const int *tok, int cnt, int K) {
+    const int rc = amx_rows_split(a, base, tok, cnt, K);
+    amx_rows_begin(a);
+    return rc;
+}
+
+static inline void amx_item_end(amx_rows_t *a) {
+    amx_rows_end(a);
+    amx_rows_free(a);
 }
 
 static inline void strip_pack(const amx_rows_t *a, const int8_t *const q[4], int K, int16_t *panel) {

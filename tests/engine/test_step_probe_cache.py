@@ -85,4 +85,5 @@ def test_turned_off_it_times_every_start(tiny_model, tmp_path, monkeypatch):
     LLM(path)
     n = calls[0]
     LLM(path)
-    assert calls[0] == 2 * n > 0 and not _kept(tmp_path)
+    # each probe runs two or three times (a third where two disagree): the count varies
+    assert n >= 14 and calls[0] >= n + 14 and not _kept(tmp_path)
