@@ -91,8 +91,9 @@ class MLAttention(nn.Module):
         out = x.new_empty(t, self.num_heads, self.v_dim)
         d = ctx.meta.decode
         if d is not None:
-            if self._absorbable(x):
-                out[d.rows] = self._absorbed_decode(q[d.rows], d, ctx)
+            forms = self._absorbed(x)
+            if forms is not None:
+                out[d.rows] = self._absorbed_decode(q[d.rows], d, ctx, forms)
             else:
                 b, n = d.slots.shape
                 (rows,) = ctx.kv.gather(self.layer_idx, d.slots.flatten(), x.dtype)
@@ -117,9 +118,6 @@ class MLAttention(nn.Module):
         cached = self.__dict__.get("_absorbed_cache")
         return 0 if cached is None else cached.nbytes()
 
-    def _absorbable(self, like: torch.Tensor) -> bool:
-        return self._absorbed(like) is not None
-
     def _absorbed(self, like: torch.Tensor) -> _Absorbed | None:
         """kv_b_proj's per-head halves for decode with activations like `like`, or None where
         decode must expand (LoRA slots, a bias, a float weight of another dtype). A float
@@ -141,14 +139,16 @@ class MLAttention(nn.Module):
             self.__dict__["_absorbed_cache"] = cached  # not a parameter: derived, never saved
         return cached
 
-    def _absorbed_decode(self, q: torch.Tensor, d, ctx: ForwardContext) -> torch.Tensor:
+    def _absorbed_decode(
+        self, q: torch.Tensor, d, ctx: ForwardContext, forms: _Absorbed
+    ) -> torch.Tensor:
         """q [B, H, nope + rope] of the decode rows -> [B, H, v]. Scores q_nope . (W_uk latent)
         + q_pe . k_pe are (q_nope W_uk) . latent + q_pe . k_pe, and the output sum_l p_l W_uv
         latent_l is W_uv (sum_l p_l latent_l): attention with one key head of rank + rope
         dims whose values are its first rank dims. On the CPU in fp32 that is the native decode
         kernel over the paged rows in place (values = whole rows, the rope columns dropped
         after); elsewhere gathered rows and two batched products, softmax in fp32."""
-        q_all, forms = self._absorb_query(q)
+        q_all = self._absorb_query(q, forms)
         entries, scales = ctx.kv.layers[self.layer_idx], ctx.kv.scales[self.layer_idx]
         if native_decode_ok(q_all, entries):
             rows = entries[0].view(entries[0].shape[0], 1, -1)  # one key head per slot
@@ -160,15 +160,12 @@ class MLAttention(nn.Module):
             b, n = d.slots.shape
             (rows,) = ctx.kv.gather(self.layer_idx, d.slots.flatten(), q.dtype)
             o_lat = self._latent_attention(q_all, rows.view(b, n, -1), d.mask.view(b, n))
-        return self._latent_output(o_lat, forms)
+        return forms.output(o_lat)
 
-    def _absorb_query(self, q: torch.Tensor) -> tuple[torch.Tensor, _Absorbed]:
-        """q [B, H, nope + rope] -> (q_nope W_uk | q_pe) [B, H, rank + rope], and the absorbed
-        halves (for _latent_output)."""
-        forms = self._absorbed(q)
-        assert forms is not None
+    def _absorb_query(self, q: torch.Tensor, forms: _Absorbed) -> torch.Tensor:
+        """q [B, H, nope + rope] -> (q_nope W_uk | q_pe) [B, H, rank + rope]."""
         q_lat = forms.query(q[..., : self.nope_dim])
-        return torch.cat((q_lat, q[..., self.nope_dim :]), dim=-1), forms
+        return torch.cat((q_lat, q[..., self.nope_dim :]), dim=-1)
 
     def _latent_attention(
         self, q_all: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor
@@ -179,10 +176,6 @@ class MLAttention(nn.Module):
         scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
         p = torch.softmax(scores, dim=-1).to(rows.dtype)
         return torch.bmm(p, rows[..., : self.kv_lora_rank])
-
-    def _latent_output(self, o_lat: torch.Tensor, forms: _Absorbed) -> torch.Tensor:
-        """W_uv applied per head: [B, H, rank] -> [B, H, v]."""
-        return forms.output(o_lat)
 
     def _expand(
         self, rows: torch.Tensor, lora_segments: Callable[[LoRABatch], Segments]

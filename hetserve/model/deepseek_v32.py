@@ -157,10 +157,11 @@ class IndexedMLAttention(MLAttention):
         valid = best > float("-inf")  # a context shorter than k picks padding too
         slots = d.tables.gather(1, top // bs) * bs + top % bs
         picked = ctx.kv.rows(self.layer_idx, 0, slots.flatten(), q.dtype)
-        if self._absorbable(q):  # attend in the latent space (MLAttention._absorbed_decode)
-            q_all, forms = self._absorb_query(q)
+        forms = self._absorbed(q)
+        if forms is not None:  # attend in the latent space (MLAttention._absorbed_decode)
+            q_all = self._absorb_query(q, forms)
             o_lat = self._latent_attention(q_all, picked.view(b, k, -1), valid)
-            return self._latent_output(o_lat, forms)
+            return forms.output(o_lat)
         keys_k, values = self._expand(picked, lambda lora: lora.decode_segments(k))
         mask = valid[:, None, None, :]
         return batched_decode_sdpa(

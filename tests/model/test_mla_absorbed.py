@@ -38,7 +38,7 @@ def test_absorbed_decode_equals_expanded(tiny_model, family, native, monkeypatch
     # deepseek-v3.2 attends over its top-k rows, gathered: never the paged kernel
     uses_kernel = native and native_unavailable_reason() is None and family != "deepseek-v3.2"
     assert (calls["native"] > 0) == uses_kernel
-    monkeypatch.setattr(MLAttention, "_absorbable", lambda self, rows: False)
+    monkeypatch.setattr(MLAttention, "_absorbed", lambda self, like: None)
     want = _decode_logprobs(LLM(path, placement="device", dtype="float32"), prompts)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(torch.tensor(g), torch.tensor(w), rtol=0, atol=1e-5)
@@ -52,7 +52,7 @@ def test_absorbed_decode_over_16_and_8_bit_caches(tiny_model, kv_dtype, monkeypa
     prompts = [list(range(10, 17)), list(range(30, 51))]
     opts = {"placement": "device", "dtype": "float32", "kv_cache_dtype": kv_dtype}
     got = _decode_logprobs(LLM(path, **opts), prompts)
-    monkeypatch.setattr(MLAttention, "_absorbable", lambda self, rows: False)
+    monkeypatch.setattr(MLAttention, "_absorbed", lambda self, like: None)
     want = _decode_logprobs(LLM(path, **opts), prompts)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(torch.tensor(g), torch.tensor(w), rtol=0, atol=1e-4)
@@ -72,7 +72,7 @@ def test_int8_kv_b_proj_is_absorbed_through_its_dequantized_matrix(tiny_model, m
     absorbed = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert attn.__dict__.get("_absorbed_cache") is not None
     assert attn.nbytes() == attn.num_heads * (attn.nope_dim + attn.v_dim) * attn.kv_lora_rank * 2
-    monkeypatch.setattr(MLAttention, "_absorbable", lambda self, rows: False)
+    monkeypatch.setattr(MLAttention, "_absorbed", lambda self, like: None)
     expanded = LLM(path, placement="all-int8").generate(
         prompt_token_ids=prompts, sampling_params=params
     )
@@ -89,9 +89,9 @@ def test_lora_slots_or_another_dtype_keep_expanding(tiny_model):
     dense = LLM(tiny_model("deepseek-v3"), placement="device")
     attn = next(m for m in dense.model.modules() if isinstance(m, MLAttention))
     rows = torch.zeros(1, attn.kv_lora_rank + attn.rope_dim)
-    assert attn._absorbable(rows) and not attn._absorbable(rows.half())
+    assert attn._absorbed(rows) is not None and attn._absorbed(rows.half()) is None
     attn.kv_b_proj = LoRALinear.__new__(LoRALinear)  # a LoRA slot: its deltas are per request
-    assert not attn._absorbable(rows)
+    assert attn._absorbed(rows) is None
 
 
 def test_fp16_head_products_native_and_fallback_match_fp32(tiny_model, monkeypatch):
