@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hetserve import envs
-from hetserve.config import EngineConfig
+from hetserve.config import EngineConfig, Role
 from hetserve.core.outputs import RequestOutput
 from hetserve.core.request import HandoffRole, NewRequest, Request, RequestStatus
 from hetserve.core.stats import EngineStats
@@ -349,7 +349,9 @@ class EngineCore:
 
     # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        return engine_stats(self)
+        handoff = None if self.config.disagg.role is Role.BOTH else self.handoff
+        return engine_stats(self.scheduler, self.kv, self._counts, self._finished, self.tiers,
+                            handoff, self.step_log)  # fmt: skip
 
     def reset_prefix_cache(self) -> int:
         """Drop the device prefix cache (free blocks only); KV tiers keep what they saved.

@@ -7,38 +7,43 @@ Reads only; nothing fails.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from hetserve.config import Role
 from hetserve.core.stats import EngineStats
+from hetserve.engine.handoff import Handoff
+from hetserve.engine.step_log import StepLog
 from hetserve.kv.handoff import handoff_stats
+from hetserve.kv.manager import KVCacheManager
+from hetserve.kv.tiers import TierManager
+from hetserve.sched.scheduler import Scheduler
 
-if TYPE_CHECKING:
-    from hetserve.engine.core import EngineCore
 
-
-def engine_stats(core: EngineCore) -> EngineStats:
-    """The engine's counters and pools now (EngineCore.stats)."""
-    pool = core.kv.pool
-    c = core._counts
+def engine_stats(
+    scheduler: Scheduler,
+    kv: KVCacheManager,
+    counts: dict[str, int],
+    finished: dict[str, int],
+    tiers: TierManager | None,
+    handoff: Handoff | None,
+    step_log: StepLog,
+) -> EngineStats:
+    """The engine's counters and pools now (EngineCore.stats): `counts` its step counters,
+    `finished` its requests by finish reason, `handoff` None where it hands nothing off."""
+    pool = kv.pool
     return EngineStats(
-        num_running=len(core.scheduler.running),
-        num_waiting=len(core.scheduler.waiting),
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
         kv_blocks_used=pool.num_usable - pool.num_free,
         kv_blocks_total=pool.num_usable,
-        prefix_queries=core.kv.queries,
-        prefix_hits=core.kv.hits,
-        prefix_hits_by_tier=dict(core.kv.hits_by_tier),
-        preemptions=c["preemptions"],
-        steps=c["steps"],
-        prompt_tokens_computed=c["prompt_tokens"],
-        generation_tokens=c["generation"],
-        failed_requests=core._finished.get("error", 0),
-        finished=dict(core._finished),
-        tiers=core.tiers.stats() if core.tiers is not None else None,
-        handoff=None
-        if core.config.disagg.role is Role.BOTH
-        else handoff_stats(core.handoff.sender, core.handoff.receiver),
-        load=core.scheduler.load(),
-        step_kinds=core.step_log.stats(),
+        prefix_queries=kv.queries,
+        prefix_hits=kv.hits,
+        prefix_hits_by_tier=dict(kv.hits_by_tier),
+        preemptions=counts["preemptions"],
+        steps=counts["steps"],
+        prompt_tokens_computed=counts["prompt_tokens"],
+        generation_tokens=counts["generation"],
+        failed_requests=finished.get("error", 0),
+        finished=dict(finished),
+        tiers=tiers.stats() if tiers is not None else None,
+        handoff=None if handoff is None else handoff_stats(handoff.sender, handoff.receiver),
+        load=scheduler.load(),
+        step_kinds=step_log.stats(),
     )
