@@ -9,6 +9,34 @@ backends' `forward` and puts them back after it, also when it fails.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+def _decode_backends(llm) -> Iterator[tuple[object, object | None]]:
+    """Each layer's decode backend of the routed experts, and the CPU backend inside it where
+    it is a DeviceBridge (else None)."""
+    for _, experts in llm.model.routed_experts():
+        backend = (experts._phase_backends or {}).get("decode")
+        if backend is not None:
+            yield backend, getattr(backend, "inner", None)
+
+
+@contextmanager
+def _modes(runner) -> Iterator[Iterator[str]]:
+    """The runner's decode modes, "graphs" (where it has them) then "eager", each set on the
+    runner as it is handed out; its graphs put back on leaving, also on failure."""
+    graphs = runner.graphs
+
+    def each() -> Iterator[str]:
+        for mode in ("graphs", "eager") if graphs is not None else ("eager",):
+            runner.graphs = graphs if mode == "graphs" else None
+            yield mode
+
+    try:
+        yield each()
+    finally:
+        runner.graphs = graphs
 
 
 def _prompts(vocab: int, n: int, length: int) -> list[list[int]]:
@@ -53,13 +81,10 @@ def decode_breakdown(llm, cfg: dict, prompts: list[list[int]], tokens: int) -> d
     params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts, sampling_params=params)  # warm (graphs captured)
     outer, inner = [], []
-    for _, experts in llm.model.routed_experts():
-        backend = (experts._phase_backends or {}).get("decode")
-        if backend is None:
-            continue
+    for backend, kernels in _decode_backends(llm):
         outer.append(_Timed(backend))
-        if getattr(backend, "inner", None) is not None:  # DeviceBridge: the CPU kernels inside
-            inner.append(_Timed(backend.inner))
+        if kernels is not None:  # DeviceBridge: the CPU kernels inside
+            inner.append(_Timed(kernels))
     runner = llm.engine.runner
     forward = runner.forward
     timers = outer + inner
@@ -105,16 +130,12 @@ def decode_breakdown(llm, cfg: dict, prompts: list[list[int]], tokens: int) -> d
 def breakdowns(llm, cfg: dict, args, batches: list[int], vocab: int) -> list[dict]:
     """decode_breakdown at every batch size, through the graphs and eagerly (where graphs
     exist)."""
-    runner = llm.engine.runner
-    graphs, out = runner.graphs, []
-    try:
-        for mode in ("graphs", "eager") if graphs is not None else ("eager",):
-            runner.graphs = graphs if mode == "graphs" else None
+    out = []
+    with _modes(llm.engine.runner) as modes:
+        for mode in modes:
             for b in batches:
                 prompts = _prompts(vocab, b, args.prompt_len)
                 out.append({"mode": mode, **decode_breakdown(llm, cfg, prompts, args.tokens)})
-    finally:
-        runner.graphs = graphs
     return out
 
 
@@ -122,51 +143,37 @@ def profile_table(llm, args, batches: list[int], vocab: int, path: str) -> None:
     """torch.profiler's operator table (CPU and CUDA time) of a few decode steps at each batch
     size, through the graphs and eagerly, written to `path` (text)."""
     import torch
-    from torch.profiler import ProfilerActivity
+    from torch.profiler import ProfilerActivity, profile
 
     from hetserve import SamplingParams
 
-    runner = llm.engine.runner
-    graphs = runner.graphs
     labelled = []  # the experts' host calls and the CPU kernels inside them, named in the table
-    for _, experts in llm.model.routed_experts():
-        backend = (experts._phase_backends or {}).get("decode")
-        if backend is not None:
-            labelled.append(_Labelled(backend, "experts host call"))
-            if getattr(backend, "inner", None) is not None:
-                labelled.append(_Labelled(backend.inner, "experts CPU kernels"))
+    for backend, kernels in _decode_backends(llm):
+        labelled.append(_Labelled(backend, "experts host call"))
+        if kernels is not None:
+            labelled.append(_Labelled(kernels, "experts CPU kernels"))
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
     params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0, ignore_eos=True)
     try:
-        _profile_modes(llm, args, batches, vocab, path, activities, params)
+        with _modes(llm.engine.runner) as modes, open(path, "w") as f:
+            for mode in modes:
+                for b in batches:
+                    prompts = _prompts(vocab, b, args.prompt_len)
+                    llm.generate(prompt_token_ids=prompts, sampling_params=params)  # warm
+                    with profile(activities=activities) as prof:
+                        llm.generate(prompt_token_ids=prompts, sampling_params=params)
+                    rows = prof.key_averages()
+                    table = rows.table(sort_by="self_cpu_time_total", row_limit=25)
+                    f.write(f"== {mode}, batch {b}, 8 tokens (prompt {args.prompt_len})\n")
+                    f.write(f"{table}\n")
+                    if torch.cuda.is_available():
+                        by_cuda = rows.table(sort_by="self_cuda_time_total", row_limit=25)
+                        f.write(f"-- by CUDA time\n{by_cuda}\n")
     finally:
-        runner.graphs = graphs
         for t in labelled:
             t.undo()
-
-
-def _profile_modes(llm, args, batches, vocab: int, path: str, activities, params) -> None:
-    import torch
-    from torch.profiler import profile
-
-    runner = llm.engine.runner
-    graphs = runner.graphs
-    with open(path, "w") as f:
-        for mode in ("graphs", "eager") if graphs is not None else ("eager",):
-            runner.graphs = graphs if mode == "graphs" else None
-            for b in batches:
-                prompts = _prompts(vocab, b, args.prompt_len)
-                llm.generate(prompt_token_ids=prompts, sampling_params=params)  # warm
-                with profile(activities=activities) as prof:
-                    llm.generate(prompt_token_ids=prompts, sampling_params=params)
-                table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-                f.write(f"== {mode}, batch {b}, 8 tokens (prompt {args.prompt_len})\n{table}\n")
-                if torch.cuda.is_available():
-                    by_cuda = prof.key_averages().table(sort_by="self_cuda_time_total",
-                                                        row_limit=25)  # fmt: skip
-                    f.write(f"-- by CUDA time\n{by_cuda}\n")
 
 
 class _Labelled:
