@@ -15,6 +15,7 @@ probes differ, is ignored. HETSERVE_STEP_PROBE_CACHE=0 turns it off.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -142,8 +143,7 @@ def _forward(runner: ModelRunner, seqs: list[SeqInput]) -> float:
 
 
 def _shape_row(shape: StepShape) -> list[int]:
-    return [shape.decodes, shape.decode_context, shape.chunk_tokens, shape.chunk_pairs,
-            shape.chunk_context, shape.chunks]  # fmt: skip
+    return list(dataclasses.astuple(shape))
 
 
 def _cached(path: Path | None, shapes: list[StepShape]) -> list[float] | None:
