@@ -13,10 +13,13 @@ feeds token ids, so the pre-tokenizer never runs; it only has to be a name llama
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from safetensors import safe_open
 
 
 def gguf_name(kind: str) -> str:
@@ -62,13 +65,29 @@ def convert(model: str | Path, out: str | Path, src: Path, outtype: str = "q8_0"
     out = Path(out)
     tmp = out.with_suffix(".partial")
     cmd = [sys.executable, "-c", _CONVERT, str(src), str(model), "--outtype", outtype,
-           "--outfile", str(tmp)]  # fmt: skip
+           "--outfile", str(tmp), *_mtp_flag(Path(model))]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
         raise RuntimeError(f"convert_hf_to_gguf.py failed (rc {proc.returncode}):\n{tail}")
     tmp.replace(out)  # a killed conversion never leaves a GGUF that looks complete
     return out
+
+
+def _mtp_flag(model: Path) -> list[str]:
+    """The converter expects Qwen3-Next / Qwen3.5 checkpoints to hold their MTP layers (the
+    published ones do); one without them converts only with --no-mtp."""
+    try:
+        cfg = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    if not any(a.startswith(("Qwen3Next", "Qwen3_5")) for a in cfg.get("architectures", [])):
+        return []
+    names: set[str] = set()
+    for f in model.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            names.update(st.keys())
+    return [] if any(".mtp." in n or n.startswith("mtp.") for n in names) else ["--no-mtp"]
 
 
 # --gguf-type -> (llama.cpp file type, pure). "q4_K" is every tensor q4_K (`llama-quantize

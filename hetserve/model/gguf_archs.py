@@ -8,6 +8,7 @@ needs that the file lacks is a ModelLoadError naming it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,48 @@ GLM4MOE_NAMES = [
     (_L + r"post_attention_norm\.weight$", r"model.layers.\1.post_attention_layernorm.weight"),
     *DEEPSEEK2_NAMES[-2:],
 ]
+
+
+# gpt-oss: biases on q / k / v / o and the router, per-head sink logits, its post-attention norm.
+GPT_OSS_NAMES = [
+    GLM4MOE_NAMES[0],
+    (_L + r"attn_output\.bias$", _ATTN + "o_proj.bias"),
+    (_L + r"attn_sinks\.weight$", _ATTN + "sinks"),
+    (_L + r"ffn_gate_inp\.bias$", _MLP + "gate.bias"),
+]
+
+
+def gpt_oss_config(field: Callable[[str], Any], arch: str, tensors: set[str]) -> dict[str, Any]:
+    """HF config keys of a gpt-oss file. llama.cpp fixes what the file does not say: the
+    clamped SwiGLU's alpha 1.702 and limit 7.0 (gpt-oss's published values), sliding-window
+    attention on even layers; YaRN as the published config has it (no truncation of the
+    correction range: `truncate` false)."""
+    layers = int(field(f"{arch}.block_count") or 0)
+    theta = float(field(f"{arch}.rope.freq_base") or 10000.0)
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    if field(f"{arch}.rope.scaling.type") == "yarn":
+        rope.update(
+            rope_type="yarn",
+            factor=float(field(f"{arch}.rope.scaling.factor")),
+            original_max_position_embeddings=int(
+                field(f"{arch}.rope.scaling.original_context_length")
+            ),
+            beta_fast=float(field(f"{arch}.rope.scaling.yarn_beta_fast") or 32.0),
+            beta_slow=float(field(f"{arch}.rope.scaling.yarn_beta_slow") or 1.0),
+            truncate=False,
+        )
+    return {
+        "num_local_experts": field(f"{arch}.expert_count"),
+        "intermediate_size": field(f"{arch}.expert_feed_forward_length"),
+        "sliding_window": field(f"{arch}.attention.sliding_window"),
+        "layer_types": [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+        ],  # fmt: skip
+        "rope_parameters": rope,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+    }
 
 
 def glm4moe_config(field: Callable[[str], Any], arch: str, tensors: set[str]) -> dict[str, Any]:
@@ -124,3 +167,111 @@ def permute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
     """HF's q / k rows -> llama.cpp's order (what its converter writes for `llama`)."""
     rows = w.shape[0]
     return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+# qwen3next (Qwen3-Next) and qwen35moe (Qwen3.5-MoE): Gated DeltaNet layers' tensors under
+# llama.cpp's ssm_* names; their transforms are undone by `linear_attn_value`.
+_LIN = r"model.layers.\1.linear_attn."
+QWEN3NEXT_NAMES = [
+    GLM4MOE_NAMES[0],
+    (_L + r"ssm_a$", _LIN + "A_log"),
+    (_L + r"ssm_conv1d\.weight$", _LIN + "conv1d.weight"),
+    (_L + r"ssm_dt\.bias$", _LIN + "dt_bias"),
+    (_L + r"ssm_ba\.weight$", _LIN + "in_proj_ba.weight"),
+    (_L + r"ssm_beta\.weight$", _LIN + "in_proj_b.weight"),
+    (_L + r"ssm_alpha\.weight$", _LIN + "in_proj_a.weight"),
+    (_L + r"ssm_norm\.weight$", _LIN + "norm.weight"),
+    (_L + r"ssm_out\.weight$", _LIN + "out_proj.weight"),
+    (_L + r"attn_qkv\.weight$", _LIN + "in_proj_qkv.weight"),  # qwen35moe; qwen3next: fused
+    (_L + r"attn_gate\.weight$", _LIN + "in_proj_z.weight"),
+]
+# llama.cpp stores these norms as the scale they apply (1 + w of the zero-centred HF weight)
+ZERO_CENTRED_GGUF = re.compile(r"(attn_norm|post_attention_norm|attn_q_norm|attn_k_norm|"
+                               r"output_norm)\.weight$")  # fmt: skip
+
+
+def qwen3next_config(field: Callable[[str], Any], arch: str, tensors: set[str]) -> dict[str, Any]:
+    """HF config keys of a qwen3next / qwen35moe file: the linear-attention sizes from llama.cpp's
+    ssm.* keys (group_count = key heads, time_step_rank = value heads, state_size = key head
+    dim, inner_size = value heads x value head dim), which layers are recurrent, the partial
+    rotary from rope.dimension_count, and Qwen3.5's interleaved M-RoPE sections."""
+
+    def need(key: str) -> Any:
+        value = field(f"{arch}.{key}")
+        if value is None:
+            raise ModelLoadError(f"GGUF {arch} file lacks metadata key {arch}.{key}")
+        return value
+
+    layers = int(need("block_count")) - int(field(f"{arch}.nextn_predict_layers") or 0)
+    v_heads = int(need("ssm.time_step_rank"))
+    head_dim = int(need("attention.key_length"))
+    rope_dim = int(field(f"{arch}.rope.dimension_count") or head_dim // 4)
+    partial = rope_dim / head_dim
+    theta = float(field(f"{arch}.rope.freq_base") or 10000.0)
+    rope: dict[str, Any] = {"rope_type": "default", "partial_rotary_factor": partial,
+                            "rope_theta": theta}  # fmt: skip
+    sections = field(f"{arch}.rope.dimension_sections")
+    if sections:
+        rope.update(mrope_section=[int(s) for s in list(sections)[:3]], mrope_interleaved=True)
+    recurrent = field(f"{arch}.attention.recurrent_layers")
+    cfg: dict[str, Any] = {
+        "linear_conv_kernel_dim": int(need("ssm.conv_kernel")),
+        "linear_key_head_dim": int(need("ssm.state_size")),
+        "linear_num_key_heads": int(need("ssm.group_count")),
+        "linear_num_value_heads": v_heads,
+        "linear_value_head_dim": int(need("ssm.inner_size")) // v_heads,
+        "full_attention_interval": int(field(f"{arch}.full_attention_interval") or 4),
+        "partial_rotary_factor": partial,
+        "rope_parameters": rope,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [
+            i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors
+        ],
+    }
+    if recurrent is not None:
+        kinds = list(recurrent)[:layers]  # the MTP layers after them are left out
+        cfg["layer_types"] = ["linear_attention" if r else "full_attention" for r in kinds]
+    return cfg
+
+
+def v_heads_grouped(
+    t: torch.Tensor, dim: int, k_heads: int, v_heads: int, size: int
+) -> torch.Tensor:
+    """llama.cpp's converter (Qwen3.5, key heads fewer than value heads) puts value heads in
+    tiled order (value head j of every key head, then j + 1) instead of grouped by key head;
+    this is the inverse, for `dim` holding v_heads blocks of `size`."""
+    if k_heads == v_heads:
+        return t
+    shape = list(t.shape)
+    dim %= len(shape)
+    tiled = t.reshape(*shape[:dim], v_heads // k_heads, k_heads, size, *shape[dim + 1 :])
+    return tiled.transpose(dim, dim + 1).reshape(shape)
+
+
+def fuse_qkvz(qkv: torch.Tensor, z: torch.Tensor, k_heads: int, k_dim: int) -> torch.Tensor:
+    """Qwen3-Next's in_proj_qkvz [per key head: q, k, v, z] from llama.cpp's attn_qkv [all q;
+    all k; all v] and attn_gate [all z]."""
+    hidden = qkv.shape[-1]
+    q, k, v = qkv.split([k_heads * k_dim, k_heads * k_dim, qkv.shape[0] - 2 * k_heads * k_dim])
+    parts = [p.reshape(k_heads, -1, hidden) for p in (q, k, v, z)]
+    return torch.cat(parts, dim=1).reshape(-1, hidden)
+
+
+def linear_attn_value(leaf: str, w: torch.Tensor, sizes: tuple[int, int, int, int]) -> torch.Tensor:
+    """A Gated DeltaNet tensor of a qwen35moe / qwen3next file in HF's form. `leaf`: the HF
+    parameter (in_proj_qkv, conv1d, ...); sizes: key heads, value heads, key dim, value dim.
+    Undone: ssm_a = -exp(A_log), conv1d's squeezed middle dimension, and (where value heads
+    outnumber key heads, qwen35moe only: pass equal heads for qwen3next) the tiled order of
+    value heads."""
+    nk, nv, dk, dv = sizes
+    if leaf == "A_log":
+        w = torch.log(-w)
+    if leaf in ("A_log", "dt_bias", "in_proj_a.weight", "in_proj_b.weight"):
+        return v_heads_grouped(w, 0, nk, nv, 1)
+    if leaf in ("in_proj_z.weight", "in_proj_qkv.weight", "conv1d.weight"):
+        qk = 2 * nk * dk if leaf != "in_proj_z.weight" else 0
+        w = torch.cat((w[:qk], v_heads_grouped(w[qk:], 0, nk, nv, dv)))
+        return w.unsqueeze(1) if leaf == "conv1d.weight" else w
+    if leaf == "out_proj.weight":
+        return v_heads_grouped(w, 1, nk, nv, dv)
+    return w

@@ -31,10 +31,17 @@ from hetserve.errors import ModelLoadError, UnsupportedArchitectureError
 from hetserve.model.gguf_archs import (
     DEEPSEEK2_NAMES,
     GLM4MOE_NAMES,
+    GPT_OSS_NAMES,
+    QWEN3NEXT_NAMES,
+    ZERO_CENTRED_GGUF,
     deepseek2_config,
     fuse_kv_b,
+    fuse_qkvz,
     glm4moe_config,
+    gpt_oss_config,
+    linear_attn_value,
     llama_moe_config,
+    qwen3next_config,
     unpermute_rope,
 )
 from hetserve.model.gguf_parts import open_parts, release_pages
@@ -53,7 +60,12 @@ ARCHITECTURES = {
     "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2", False),  # gguf_archs: V3 by gating
     "glm4moe": ("Glm4MoeForCausalLM", "glm4_moe", True),
     "llama": ("MixtralForCausalLM", "mixtral", True),  # llama files with experts (Mixtral)
+    "gpt-oss": ("GptOssForCausalLM", "gpt_oss", True),
+    "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next", True),
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", True),
 }
+_LINEAR_ATTN = ("qwen3next", "qwen35moe")  # Gated DeltaNet layers (gguf_archs)
+_DELTANET = re.compile(r"^blk\.(\d+)\.(ssm_\w+|attn_qkv|attn_gate)(\.weight|\.bias)?$")
 _ROPE_PERMUTED = re.compile(r"^blk\.\d+\.attn_(q|k)\.weight$")  # llama's q / k (gguf_archs)
 _KV_SPLIT = re.compile(r"^blk\.(\d+)\.attn_(k|v)_b\.weight$")
 _LAYER = r"^blk\.(\d+)\."
@@ -73,6 +85,7 @@ _NAMES = [
     (_LAYER + r"ffn_(gate|up|down)\.weight$", _MLP + r"\2_proj.weight"),
 ]
 _EXPERTS = re.compile(_LAYER + r"ffn_(gate|up|down)_exps\.weight$")
+_EXPERT_BIAS = re.compile(_LAYER + r"ffn_(gate|up|down)_exps\.bias$")  # gpt-oss
 # Config keys: HF name -> GGUF key suffix (after "<arch>.").
 _CONFIG_KEYS = {
     "hidden_size": "embedding_length",
@@ -113,11 +126,20 @@ class GgufCheckpoint:
                 f"GGUF architecture {self.arch!r} is not supported; supported: "
                 f"{', '.join(sorted(ARCHITECTURES))}"
             )
-        self.tensor_info = {t.name: t for r in self.parts for t in r.tensors}
+        # MTP (next-token prediction) layers that llama.cpp's converters append after the
+        # model's own (GLM-4.5, Qwen3-Next, Qwen3.5): for speculative decoding, not served here
+        nextn = int(self.field(f"{self.arch}.nextn_predict_layers") or 0)
+        self.num_layers = int(self.field(f"{self.arch}.block_count") or 0) - nextn
+        self.tensor_info = {t.name: t for r in self.parts for t in r.tensors
+                            if not self._mtp_layer(t.name)}  # fmt: skip
         self.packed_layers, self._convert = self._packed_layers()
         self._done: dict[str, int] = {}  # summary: "what -> how" -> tensors
         self._converted: dict[tuple[str, str], tuple[int, float]] = {}  # -> tensors, worst error
         self._linears: dict[tuple[str, str], tuple[int, float]] = {}  # the same, int8 linears
+
+    def _mtp_layer(self, name: str) -> bool:
+        m = re.match(r"^blk\.(\d+)\.", name)
+        return m is not None and int(m.group(1)) >= self.num_layers
 
     def field(self, key: str, default=None):
         f = self.reader.fields.get(key)
@@ -131,6 +153,7 @@ class GgufCheckpoint:
             value = self.field(f"{self.arch}.{suffix}")
             if value is not None:
                 cfg[key] = value
+        cfg["num_hidden_layers"] = self.num_layers
         cfg["vocab_size"] = len(self.field("tokenizer.ggml.tokens", []))
         cfg["tie_word_embeddings"] = "output.weight" not in self.tensor_info
         cfg["eos_token_id"] = self.field("tokenizer.ggml.eos_token_id")
@@ -143,6 +166,10 @@ class GgufCheckpoint:
             cfg.update(glm4moe_config(self.field, self.arch, set(self.tensor_info)))
         if self.arch == "llama":
             cfg.update(llama_moe_config(self.field, self.arch))
+        if self.arch == "gpt-oss":
+            cfg.update(gpt_oss_config(self.field, self.arch, set(self.tensor_info)))
+        if self.arch in _LINEAR_ATTN:
+            cfg.update(qwen3next_config(self.field, self.arch, set(self.tensor_info)))
         return cfg
 
     def _packed_layers(self) -> tuple[dict[int, str], dict[str, str]]:
@@ -158,9 +185,11 @@ class GgufCheckpoint:
         for layer, tensors in kinds.items():
             types = {p: t.tensor_type.name for p, t in tensors.items()}  # type: ignore[attr-defined]
             pair = types.get("gate") != types.get("up")
+            mixed_mxfp4 = "MXFP4" in types.values() and len(set(types.values())) > 1
             for proj, t in tensors.items():
                 kind = types[proj]
-                if kind in KEPT and not (pair and proj != "down"):
+                # MXFP4 is kept where the whole layer is (cpu-mxfp4); cpu-gguf does not read it
+                if kind in KEPT and not (pair and proj != "down") and not mixed_mxfp4:
                     continue
                 bpw = BITS.get(kind, 32.0)
                 if proj != "down":  # gate and up share one fused matrix: one target
@@ -168,7 +197,7 @@ class GgufCheckpoint:
                 k = int(t.shape[0])  # type: ignore[attr-defined]
                 convert[f"blk.{layer}.ffn_{proj}_exps.weight"] = convert_target(bpw, k)
             names = set(types.values())
-            plain = {"Q8_0": "int8", "Q4_K": "int4"}
+            plain = {"Q8_0": "int8", "Q4_K": "int4", "MXFP4": "mxfp4"}
             whole = len(names) == 1 and not set(convert) & {f"blk.{layer}.ffn_{p}_exps.weight"
                                                             for p in types}  # fmt: skip
             packed[layer] = plain.get(next(iter(names)), "gguf") if whole else "gguf"
@@ -299,6 +328,12 @@ class GgufCheckpoint:
         if _KV_SPLIT.match(name):
             yield from self._kv_b(name, wanted, int8)
             return
+        if _EXPERT_BIAS.match(name):
+            yield from self._expert_bias(name, wanted)
+            return
+        if self.arch in _LINEAR_ATTN and (_DELTANET.match(name) or ZERO_CENTRED_GGUF.search(name)):
+            yield from self._linear_attn(name, t, wanted, int8)
+            return
         hf = self._hf_name(name)
         if not wanted(hf):
             return
@@ -330,6 +365,65 @@ class GgufCheckpoint:
             value = fuse_kv_b(self._value(k_t, False), self._value(v_t, False))
         yield hf, value, int(k_t.n_bytes) + int(v_t.n_bytes)
 
+    def _linear_attn(
+        self, name: str, t, wanted: Callable[[str], bool], int8: Callable[[str], bool]
+    ) -> Iterator[tuple[str, object, int]]:
+        """A qwen3next / qwen35moe tensor that llama.cpp's converter changed, back in HF's
+        form (gguf_archs.linear_attn_value), in fp32 from the file's numbers (an int8 linear
+        rounded from them): zero-centred norms as w (the model adds the 1 back: the same fp32
+        number), Qwen3-Next's attn_qkv and attn_gate fused back into in_proj_qkvz."""
+        hf = self._hf_name(name)
+        if ZERO_CENTRED_GGUF.search(name):
+            if wanted(hf):
+                yield hf, self._value(t, False) - 1.0, int(t.n_bytes)
+            return
+        fused = self.arch == "qwen3next"
+        if fused and name.endswith("attn_gate.weight"):
+            return  # read with attn_qkv
+        layer = int(name.split(".")[1])
+        cfg = self.hf_config()
+        nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+        dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+        nbytes = int(t.n_bytes)
+        if fused and name.endswith("attn_qkv.weight"):
+            hf = hf.replace("in_proj_qkv", "in_proj_qkvz")
+            if not wanted(hf):
+                return
+            gate = self.tensor_info.get(f"blk.{layer}.attn_gate.weight")
+            if gate is None:
+                raise ModelLoadError(f"GGUF tensor {name!r} has no attn_gate beside it")
+            w = fuse_qkvz(self._fp32(t), self._fp32(gate), nk, dk)
+            nbytes += int(gate.n_bytes)
+        elif not wanted(hf):
+            return
+        else:  # qwen3next's value heads are in HF's order: no reorder (equal heads)
+            leaf = hf.split(".linear_attn.")[1]
+            w = linear_attn_value(leaf, self._fp32(t), (nk, nk if fused else nv, dk, dv))
+        kind = t.tensor_type.name
+        if w.ndim == 2 and int8(hf):
+            yield hf, self._int8(kind, w), nbytes
+        else:
+            self._note(f"{kind} -> fp32")
+            yield hf, w, nbytes
+
+    def _expert_bias(self, name: str, wanted: Callable[[str], bool]):
+        """gpt-oss's expert biases as its checkpoints hold them: down's [E, H] as it is, gate's
+        and up's [E, I] interleaved into one [E, 2I] (gate the even columns), read at gate's."""
+        layer, proj = _EXPERT_BIAS.match(name).groups()  # type: ignore[union-attr]
+        prefix = f"model.layers.{layer}.mlp.experts"
+        hf = f"{prefix}.{'down_proj' if proj == 'down' else 'gate_up_proj'}_bias"
+        if proj == "up" or not wanted(hf):
+            return
+        t = self.tensor_info[name]
+        if proj == "down":
+            yield hf, self._value(t, False), int(t.n_bytes)
+            return
+        up = self.tensor_info.get(f"blk.{layer}.ffn_up_exps.bias")
+        if up is None:
+            raise ModelLoadError(f"GGUF tensor {name!r} has no ffn_up_exps.bias beside it")
+        gate_up = torch.stack((self._value(t, False), self._value(up, False)), dim=-1)
+        yield hf, gate_up.reshape(gate_up.shape[0], -1), int(t.n_bytes) + int(up.n_bytes)
+
     def _unpermuted(self, t, linear: bool) -> torch.Tensor | QMatrix:
         """A llama file's q / k weight in HF's row order (an int8 linear's: its rows moved as
         they are, each row keeping its own scales)."""
@@ -343,7 +437,9 @@ class GgufCheckpoint:
         return unpermute_rope(value, heads)
 
     def _hf_name(self, name: str) -> str:
-        own = {"deepseek2": DEEPSEEK2_NAMES, "glm4moe": GLM4MOE_NAMES}.get(self.arch, [])
+        own = {"deepseek2": DEEPSEEK2_NAMES, "glm4moe": GLM4MOE_NAMES, "gpt-oss": GPT_OSS_NAMES,
+               "qwen3next": QWEN3NEXT_NAMES, "qwen35moe": QWEN3NEXT_NAMES}  # fmt: skip
+        own = own.get(self.arch, [])
         table = own + _NAMES
         for pattern, repl in table:
             if re.match(pattern, name):

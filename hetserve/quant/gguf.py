@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from hetserve.quant.gguf_iq import iq4_nl_rows, iq4_xs_rows
-from hetserve.quant.packed import Int8Rows, Q4KRows, QMatrix, _f16_bits, _q4k_six
+from hetserve.quant.packed import Int8Rows, Mxfp4Rows, Q4KRows, QMatrix, _f16_bits, _q4k_six
 
 Q8_0_BLOCK_BYTES = 34  # fp16 d, 32 int8
 Q4_K_BLOCK_BYTES = 144  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales and minimums, 128 of nibbles
@@ -150,11 +150,23 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     return np.concatenate(parts, axis=-1).reshape(rows, -1)
 
 
-# GGML types kept as they are for routed experts (cpu-int8, cpu-int4, cpu-gguf read them), by
-# the `gguf` package's type name; and bits per weight of every type, for the loader's summary
-# and the choice of what the others convert to (quant/gguf_convert.py, convert_target).
+def mxfp4_rows(data: np.ndarray) -> Mxfp4Rows:
+    """GGML MXFP4 rows (blocks of 32: an e8m0 byte, then 16 bytes whose low nibbles are elements
+    0-15 and high nibbles 16-31) -> gpt-oss's layout (quant/packed.py `Mxfp4Rows`: byte j holds
+    elements 2j and 2j + 1). The same codes and scales, moved: exact."""
+    raw = np.ascontiguousarray(data, dtype=np.uint8)
+    blocks = raw.reshape(*raw.shape[:-1], raw.shape[-1] // 17, 17)
+    qs = torch.from_numpy(blocks[..., 1:].copy())
+    codes = torch.cat((qs & 0x0F, qs >> 4), dim=-1)  # elements 0..31 of each block
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+    return Mxfp4Rows(packed, torch.from_numpy(blocks[..., 0].copy()))
+
+
+# GGML types kept as they are for routed experts (cpu-int8, cpu-int4, cpu-gguf, cpu-mxfp4 read
+# them), by the `gguf` package's type name; and bits per weight of every type, for the loader's
+# summary and the choice of what the others convert to (quant/gguf_convert.py, convert_target).
 KEPT = {"Q8_0": q8_0_rows, "Q4_K": q4_k_rows, "Q6_K": q6_k_rows, "Q5_K": q5_k_rows,
-        "IQ4_XS": iq4_xs_rows, "IQ4_NL": iq4_nl_rows}  # fmt: skip
+        "IQ4_XS": iq4_xs_rows, "IQ4_NL": iq4_nl_rows, "MXFP4": mxfp4_rows}  # fmt: skip
 BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8.5, "Q6_K": 6.5625, "Q5_K": 5.5, "Q5_1": 6,
         "Q5_0": 5.5, "Q4_K": 4.5, "Q4_1": 5, "Q4_0": 4.5, "IQ4_NL": 4.5, "IQ4_XS": 4.25,
         "Q3_K": 3.4375, "IQ3_S": 3.4375, "IQ3_XXS": 3.0625, "Q2_K": 2.625, "IQ2_S": 2.5,

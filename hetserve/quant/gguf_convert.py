@@ -40,8 +40,8 @@ def converted(w: np.ndarray, target: str) -> QMatrix:
     """Dequantized weights [.., N, K] -> `target` (convert_target's) rows, round to nearest."""
     k = w.shape[-1]
     flat = np.ascontiguousarray(w, dtype=np.float32).reshape(-1, k)
-    if target == "q8_0":
-        m = Int8Rows.q8_0(torch.from_numpy(flat))
+    if target == "q8_0":  # (an f32 tensor of the file is its read-only mapping: copied)
+        m = Int8Rows.q8_0(torch.from_numpy(flat if flat.flags.writeable else flat.copy()))
         return Int8Rows(m.q.reshape(w.shape), m.scale.reshape(*w.shape[:-1], -1))
     quantize, rows = {"q4_K": (quantize_q4_k, q4_k_rows), "q5_K": (quantize_q5_k, q5_k_rows),
                       "q6_K": (quantize_q6_k, q6_k_rows)}[target]  # fmt: skip

@@ -117,6 +117,11 @@ def _metadata(writer, cfg: dict, tok: dict) -> None:
         writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if cfg.get("shared_expert_intermediate_size"):
         writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    write_tokenizer(writer, cfg, tok)
+
+
+def write_tokenizer(writer, cfg: dict, tok: dict) -> None:
+    """A tiny byte-level BPE tokenizer (tokenizer.json `tok`) as llama.cpp's gpt2 vocab keys."""
     vocab = tok["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get)
     specials = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}

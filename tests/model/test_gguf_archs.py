@@ -6,6 +6,7 @@ it than llama.cpp itself."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -155,3 +156,168 @@ def test_deepseek2_fused_kv_b_layout(tiny_model, tmp_path):
     torch.testing.assert_close(
         logprobs(LLM(str(tmp_path / "b" / "m.gguf"))), logprobs(LLM(str(split)))
     )
+
+
+# gpt-oss, Qwen3-Next and Qwen3.5-MoE files. llama.cpp fixes gpt-oss's clamped SwiGLU at limit
+# 7.0 (the file does not say), so the tiny checkpoint takes the published value.
+LATER = {"gpt-oss": {"swiglu_limit": 7.0}, "qwen3-next": {}, "qwen3.5-moe": {}}
+LATER_CASES = [("gpt-oss", None), ("gpt-oss", "mxfp4"), ("qwen3-next", None),
+               ("qwen3.5-moe", None)]  # fmt: skip
+
+
+def _on_file_grid(src, out, mxfp4: bool):
+    """`src` with every matrix a q8_0 file holds rounded to q8_0 (gpt-oss's experts, where
+    `mxfp4`, to MXFP4 instead): the exact model of the file written from it."""
+    from safetensors.torch import load_file, save_file
+
+    from hetserve.quant.packed import Int8Rows
+    from hetserve.quant.quantize import dequantize_mxfp4, quantize_mxfp4
+
+    shutil.copytree(src, out)
+    cfg = json.loads((out / "config.json").read_text())
+    sd = load_file(str(out / "model.safetensors"))
+    for name, w in sd.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, in, out]
+            rows = w.transpose(1, 2)
+            if mxfp4:
+                exact = dequantize_mxfp4(*quantize_mxfp4(rows))
+            else:
+                exact = Int8Rows.q8_0(rows.reshape(-1, rows.shape[-1])).dequantize()
+            sd[name] = exact.reshape(rows.shape).transpose(1, 2).contiguous()
+        elif w.ndim == 2 and w.shape[0] > 1 and not name.endswith(("mlp.gate.weight",
+                                                                     "router.weight")):  # fmt: skip
+            # Qwen3.5's out_proj columns are stored in tiled value-head order: its q8_0 blocks
+            # are taken in that order (value heads of 16 columns here, half a block)
+            order = _tiled_columns(cfg, w.shape[1]) if name.endswith("out_proj.weight") else None
+            if order is not None:
+                w = w[:, order]
+            w = Int8Rows.q8_0(w).dequantize().reshape(w.shape)
+            sd[name] = (w[:, torch.argsort(order)] if order is not None else w).contiguous()
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def _tiled_columns(cfg: dict, n: int) -> torch.Tensor | None:
+    """Qwen3.5's value heads (grouped by key head in HF) in the converter's tiled order: the
+    column index of each stored column (None where the file keeps HF's order)."""
+    nk, nv = cfg.get("linear_num_key_heads"), cfg.get("linear_num_value_heads")
+    if not cfg["model_type"].startswith("qwen3_5") or nk == nv:
+        return None
+    grouped = torch.arange(n).reshape(nk, nv // nk, n // nv)
+    return grouped.transpose(0, 1).reshape(n)
+
+
+def _transformers_logprobs(path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([IDS])).logits[0].float(), -1)
+    return torch.tensor([float(lp[i, IDS[i + 1]]) for i in range(len(IDS) - 1)])
+
+
+@pytest.mark.parametrize(("family", "experts"), LATER_CASES)
+def test_later_families_from_gguf_against_transformers(tiny_model, tmp_path, family, experts):
+    """A q8_0 file (gpt-oss also with its MXFP4 experts) in llama.cpp's layout, nothing beside
+    it: the converter's transforms undone (interleaved gate/up, zero-centred norms, -exp(A_log),
+    the split in_proj_qkvz, Qwen3.5's tiled value heads), experts on their kernels as stored;
+    logprobs equal transformers on the file's exact numbers to the kernels' activation rounding
+    (measured 1.6e-4 gpt-oss, 3.5-3.9e-4 Qwen3-Next / 3.5)."""
+    from hetserve.testing.tiny_gguf_archs import write_family_gguf
+
+    ref = _on_file_grid(tiny_model(family, overrides=LATER[family]), tmp_path / "ref",
+                        experts == "mxfp4")  # fmt: skip
+    (tmp_path / "alone").mkdir()
+    path = write_family_gguf(ref, tmp_path / "alone" / "m.gguf", "q8_0", experts)
+    llm = LLM(str(path), placement="device")
+    want = "cpu-mxfp4" if experts == "mxfp4" else "cpu-int8"
+    assert {e.backend_name for _, e in llm.model.routed_experts()} == {want}
+    err = (logprobs(llm) - _transformers_logprobs(ref)).abs()
+    assert float(err.max()) <= 1e-3
+
+
+def test_mtp_layers_after_the_model_are_left_out(tiny_model, tmp_path):
+    """Files from published Qwen3-Next / Qwen3.5 / GLM-4.5 checkpoints carry their MTP layers
+    as extra blocks (block_count n + k, nextn_predict_layers k): the model is the first n."""
+    import gguf
+
+    from hetserve.testing.tiny_gguf_archs import write_family_gguf
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain = write_family_gguf(tiny_model("qwen3-next"), tmp_path / "a" / "m.gguf", "f32")
+    reader = gguf.GGUFReader(str(plain))
+    writer = gguf.GGUFWriter(str(tmp_path / "b" / "m.gguf"), "qwen3next")
+    n = int(reader.fields["qwen3next.block_count"].contents())
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = f.contents()
+        if key == "qwen3next.block_count":
+            value = n + 1
+        elif key == "qwen3next.attention.recurrent_layers":
+            value = [*value, False]
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, vtype, sub_type=sub)
+    writer.add_uint32("qwen3next.nextn_predict_layers", 1)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+        if t.name.startswith(f"blk.{n - 1}."):  # the MTP block: a full-attention layer's tensors
+            mtp = t.name.replace(f"blk.{n - 1}.", f"blk.{n}.")
+            writer.add_tensor(mtp, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.add_tensor(f"blk.{n}.nextn.eh_proj.weight", np.zeros((64, 128), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    llm = LLM(str(tmp_path / "b" / "m.gguf"))
+    assert llm.model.config.num_layers == n
+    torch.testing.assert_close(logprobs(llm), logprobs(LLM(str(plain))))
+
+
+@pytest.mark.parametrize(("family", "experts"), LATER_CASES)
+def test_later_family_writer_is_llama_cpps_converter(tiny_model, tmp_path, family, experts):
+    """testing/tiny_gguf_archs writes what convert_hf_to_gguf.py writes for the same checkpoint
+    (every tensor's name, type, shape and bytes; every key under the architecture), so the
+    test above stands for llama.cpp's files; and hetserve on the converter's own file is no
+    further from the file's exact model than llama.cpp is."""
+    from hetserve.bench.decode_llamacpp import convert, find_converter
+    from hetserve.testing.tiny_gguf_archs import write_family_gguf
+    from hetserve.testing.tiny_quant import write_quantized
+
+    src = find_converter(envs.llama_cpp_src())
+    if src is None:
+        pytest.skip(f"llama.cpp's converter not found (set {envs.LLAMA_CPP_SRC})")
+    import gguf
+
+    ckpt = _on_file_grid(tiny_model(family, overrides=LATER[family]), tmp_path / "ref", False)
+    source = ckpt
+    if experts == "mxfp4":  # the converter takes MXFP4 experts from an MXFP4 checkpoint
+        source = write_quantized(ckpt, tmp_path / "mx", "mxfp4", tmp_path / "mxref")
+    (tmp_path / "alone").mkdir()
+    theirs = convert(source, tmp_path / "alone" / "m.gguf", src, "q8_0")
+    ours = write_family_gguf(ckpt, tmp_path / "ours.gguf", "q8_0", experts)
+    a, b = gguf.GGUFReader(str(ours)), gguf.GGUFReader(str(theirs))
+    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
+    assert set(ta) == set(tb)
+    for name, t in tb.items():
+        assert (ta[name].tensor_type, list(ta[name].shape)) == (t.tensor_type, list(t.shape)), name
+        assert np.array_equal(np.asarray(ta[name].data).view(np.uint8),
+                              np.asarray(t.data).view(np.uint8)), name  # fmt: skip
+    arch = b.fields["general.architecture"].contents()
+    for key, f in b.fields.items():
+        if key.startswith(arch + ".") or key == "tokenizer.chat_template":
+            assert key in a.fields and a.fields[key].contents() == f.contents(), key
+    exact = _transformers_logprobs(tmp_path / "mxref" if experts == "mxfp4" else ckpt)
+    err = (logprobs(LLM(str(theirs), placement="device")) - exact).abs()
+    assert float(err.max()) <= 1e-3
+    try:
+        import llama_cpp
+    except ImportError:
+        return
+    peer = llama_cpp.Llama(str(theirs), logits_all=True, n_ctx=128, verbose=False, n_threads=2)
+    peer.eval(IDS)
+    lp = torch.log_softmax(torch.tensor(np.array(peer.scores[: len(IDS)])), -1)
+    theirs_err = torch.tensor([float(lp[i, IDS[i + 1]]) for i in range(len(IDS) - 1)]) - exact
+    assert float(err.max()) <= float(theirs_err.abs().max())
