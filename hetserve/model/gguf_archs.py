@@ -48,6 +48,26 @@ GPT_OSS_NAMES = [
 ]
 
 
+# minimax-m2: the router's correction bias (DeepSeek-V3's name), the rest as the defaults.
+MINIMAX_M2_NAMES = [DEEPSEEK2_NAMES[-1]]
+
+
+def minimax_m2_config(field: Callable[[str], Any], arch: str, tensors: set[str]) -> dict[str, Any]:
+    """HF config keys of a minimax-m2 file: partial rotary as rope.dimension_count (MiniMax's
+    `rotary_dim`), q / k norms over all heads together, sigmoid routing with a bias."""
+    return {
+        "num_local_experts": field(f"{arch}.expert_count"),
+        "intermediate_size": field(f"{arch}.expert_feed_forward_length"),
+        "rotary_dim": field(f"{arch}.rope.dimension_count"),
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors,
+        "qk_norm_type": "per_layer",
+        "scoring_func": "sigmoid"
+        if int(field(f"{arch}.expert_gating_func") or 2) == 2
+        else "softmax",
+        "use_routing_bias": "blk.0.exp_probs_b.bias" in tensors,
+    }
+
+
 def gpt_oss_config(field: Callable[[str], Any], arch: str, tensors: set[str]) -> dict[str, Any]:
     """HF config keys of a gpt-oss file. llama.cpp fixes what the file does not say: the
     clamped SwiGLU's alpha 1.702 and limit 7.0 (gpt-oss's published values), sliding-window

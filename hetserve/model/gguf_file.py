@@ -32,6 +32,7 @@ from hetserve.model.gguf_archs import (
     DEEPSEEK2_NAMES,
     GLM4MOE_NAMES,
     GPT_OSS_NAMES,
+    MINIMAX_M2_NAMES,
     QWEN3NEXT_NAMES,
     ZERO_CENTRED_GGUF,
     deepseek2_config,
@@ -41,6 +42,7 @@ from hetserve.model.gguf_archs import (
     gpt_oss_config,
     linear_attn_value,
     llama_moe_config,
+    minimax_m2_config,
     qwen3next_config,
     unpermute_rope,
 )
@@ -63,6 +65,7 @@ ARCHITECTURES = {
     "gpt-oss": ("GptOssForCausalLM", "gpt_oss", True),
     "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next", True),
     "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", True),
+    "minimax-m2": ("MiniMaxM2ForCausalLM", "minimax_m2", True),
 }
 _LINEAR_ATTN = ("qwen3next", "qwen35moe")  # Gated DeltaNet layers (gguf_archs)
 _DELTANET = re.compile(r"^blk\.(\d+)\.(ssm_\w+|attn_qkv|attn_gate)(\.weight|\.bias)?$")
@@ -170,6 +173,8 @@ class GgufCheckpoint:
             cfg.update(gpt_oss_config(self.field, self.arch, set(self.tensor_info)))
         if self.arch in _LINEAR_ATTN:
             cfg.update(qwen3next_config(self.field, self.arch, set(self.tensor_info)))
+        if self.arch == "minimax-m2":
+            cfg.update(minimax_m2_config(self.field, self.arch, set(self.tensor_info)))
         return cfg
 
     def _packed_layers(self) -> tuple[dict[int, str], dict[str, str]]:
@@ -438,7 +443,8 @@ class GgufCheckpoint:
 
     def _hf_name(self, name: str) -> str:
         own = {"deepseek2": DEEPSEEK2_NAMES, "glm4moe": GLM4MOE_NAMES, "gpt-oss": GPT_OSS_NAMES,
-               "qwen3next": QWEN3NEXT_NAMES, "qwen35moe": QWEN3NEXT_NAMES}  # fmt: skip
+               "qwen3next": QWEN3NEXT_NAMES, "qwen35moe": QWEN3NEXT_NAMES,
+               "minimax-m2": MINIMAX_M2_NAMES}  # fmt: skip
         own = own.get(self.arch, [])
         table = own + _NAMES
         for pattern, repl in table:

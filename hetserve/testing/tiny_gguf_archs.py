@@ -33,7 +33,7 @@ from hetserve.quant.quantize import quantize_mxfp4
 from hetserve.testing.tiny_gguf import write_tokenizer
 
 _ARCH = {"GptOssForCausalLM": "gpt-oss", "Qwen3NextForCausalLM": "qwen3next",
-         "Qwen3_5MoeForCausalLM": "qwen35moe"}  # fmt: skip
+         "Qwen3_5MoeForCausalLM": "qwen35moe", "MiniMaxM2ForCausalLM": "minimax-m2"}  # fmt: skip
 _COMMON = [
     (r"^model\.embed_tokens\.weight$", "token_embd.weight"),
     (r"^model\.norm\.weight$", "output_norm.weight"),
@@ -45,7 +45,10 @@ _COMMON = [
     (r"^model\.layers\.(\d+)\.self_attn\.o_proj\.(weight|bias)$", r"blk.\1.attn_output.\2"),
     (r"^model\.layers\.(\d+)\.self_attn\.(q|k)_norm\.weight$", r"blk.\1.attn_\2_norm.weight"),
     (r"^model\.layers\.(\d+)\.self_attn\.sinks$", r"blk.\1.attn_sinks.weight"),
-    (r"^model\.layers\.(\d+)\.mlp\.(?:gate|router)\.(weight|bias)$", r"blk.\1.ffn_gate_inp.\2"),
+    (r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(?:gate|router)\.(weight|bias)$",
+     r"blk.\1.ffn_gate_inp.\2"),
+    (r"^model\.layers\.(\d+)\.block_sparse_moe\.e_score_correction_bias$",
+     r"blk.\1.exp_probs_b.bias"),
     (r"^model\.layers\.(\d+)\.mlp\.shared_expert_gate\.weight$",
      r"blk.\1.ffn_gate_inp_shexp.weight"),
     (r"^model\.layers\.(\d+)\.mlp\.shared_expert\.(gate|up|down)_proj\.weight$",
@@ -61,9 +64,10 @@ _COMMON = [
     (r"^model\.layers\.(\d+)\.linear_attn\.norm\.weight$", r"blk.\1.ssm_norm.weight"),
     (r"^model\.layers\.(\d+)\.linear_attn\.out_proj\.weight$", r"blk.\1.ssm_out.weight"),
 ]  # fmt: skip
-_PER_EXPERT = re.compile(
-    r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$"
-)
+_PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                         r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")  # fmt: skip
+_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up",
+         "w2": "down"}  # fmt: skip
 _FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 _ZERO_CENTRED = re.compile(r"(input_layernorm|post_attention_layernorm|q_norm|k_norm)\.weight$"
                            r"|^model\.norm\.weight$")  # fmt: skip
@@ -119,7 +123,7 @@ def _tensors(src: Path, arch: str, cfg: dict) -> dict[str, torch.Tensor]:
         t = t.float()
         m, f = _PER_EXPERT.match(name), _FUSED.match(name)
         if m:
-            experts.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = t
+            experts.setdefault((int(m.group(1)), _PROJ[m.group(3)]), {})[int(m.group(2))] = t
         elif f:
             layer, proj, bias = f.groups()
             suffix = "bias" if bias else "weight"
@@ -135,7 +139,11 @@ def _tensors(src: Path, arch: str, cfg: dict) -> dict[str, torch.Tensor]:
             for gguf_leaf, w in _linear_attn(arch, leaf, t, cfg):
                 out[f"blk.{layer}.{gguf_leaf}" if gguf_leaf else _name(name)] = w
         else:
-            out[_name(name)] = t + 1.0 if arch != "gpt-oss" and _ZERO_CENTRED.search(name) else t
+            gguf_name = _name(name)
+            if arch == "minimax-m2":  # its post-attention norm keeps llama.cpp's older name
+                gguf_name = gguf_name.replace("post_attention_norm", "ffn_norm")
+            zero_centred = arch in ("qwen3next", "qwen35moe") and _ZERO_CENTRED.search(name)
+            out[gguf_name] = t + 1.0 if zero_centred else t
     for (layer, proj), per in experts.items():
         out[f"blk.{layer}.ffn_{proj}_exps.weight"] = torch.stack([per[e] for e in sorted(per)])
     return out
@@ -160,7 +168,7 @@ def _metadata(writer, arch: str, cfg: dict) -> None:
         writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(cfg["num_attention_heads"])
     writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    writer.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
     writer.add_expert_used_count(cfg["num_experts_per_tok"])
@@ -175,6 +183,11 @@ def _metadata(writer, arch: str, cfg: dict) -> None:
             writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
         writer.add_sliding_window(cfg["sliding_window"])
         writer.add_expert_feed_forward_length(cfg["intermediate_size"])
+        return
+    if arch == "minimax-m2":
+        writer.add_expert_gating_func(__import__("gguf").ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_feed_forward_length(cfg["intermediate_size"])
+        writer.add_rope_dimension_count(cfg["rotary_dim"])
         return
     writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])

@@ -158,11 +158,11 @@ def test_deepseek2_fused_kv_b_layout(tiny_model, tmp_path):
     )
 
 
-# gpt-oss, Qwen3-Next and Qwen3.5-MoE files. llama.cpp fixes gpt-oss's clamped SwiGLU at limit
-# 7.0 (the file does not say), so the tiny checkpoint takes the published value.
-LATER = {"gpt-oss": {"swiglu_limit": 7.0}, "qwen3-next": {}, "qwen3.5-moe": {}}
+# gpt-oss, Qwen3-Next, Qwen3.5-MoE and MiniMax-M2 files. llama.cpp fixes gpt-oss's clamped
+# SwiGLU at limit 7.0 (the file does not say), so the tiny checkpoint takes the published value.
+LATER = {"gpt-oss": {"swiglu_limit": 7.0}, "qwen3-next": {}, "qwen3.5-moe": {}, "minimax-m2": {}}
 LATER_CASES = [("gpt-oss", None), ("gpt-oss", "mxfp4"), ("qwen3-next", None),
-               ("qwen3.5-moe", None)]  # fmt: skip
+               ("qwen3.5-moe", None), ("minimax-m2", None)]  # fmt: skip
 
 
 def _on_file_grid(src, out, mxfp4: bool):
@@ -222,7 +222,7 @@ def test_later_families_from_gguf_against_transformers(tiny_model, tmp_path, fam
     it: the converter's transforms undone (interleaved gate/up, zero-centred norms, -exp(A_log),
     the split in_proj_qkvz, Qwen3.5's tiled value heads), experts on their kernels as stored;
     logprobs equal transformers on the file's exact numbers to the kernels' activation rounding
-    (measured 1.6e-4 gpt-oss, 3.5-3.9e-4 Qwen3-Next / 3.5)."""
+    (measured 1.2e-4 MiniMax-M2, 1.6e-4 gpt-oss, 3.5-3.9e-4 Qwen3-Next / 3.5)."""
     from hetserve.testing.tiny_gguf_archs import write_family_gguf
 
     ref = _on_file_grid(tiny_model(family, overrides=LATER[family]), tmp_path / "ref",
