@@ -43,6 +43,27 @@ def _pre(self, tokenizer):
         return "gpt-2"
 
 base.TextModel.get_vocab_base_pre = _pre
+
+# transformers 5 loads byte-level tokenizers as TokenizersBackend, which drops
+# tokenizer_config.json's add_bos_token; the DeepSeek-V3.2 converter asserts it: put it back.
+import json, os, transformers
+_auto = transformers.AutoTokenizer.from_pretrained
+
+def _tokenizer(path, *args, **kwargs):
+    tok = _auto(path, *args, **kwargs)
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            bos = json.load(f).get("add_bos_token")
+    except (OSError, ValueError, TypeError):
+        return tok
+    if bos and not getattr(tok, "add_bos_token", False):
+        try:
+            tok.add_bos_token = True
+        except Exception:
+            pass
+    return tok
+
+transformers.AutoTokenizer.from_pretrained = _tokenizer
 import convert_hf_to_gguf
 convert_hf_to_gguf.main()
 """

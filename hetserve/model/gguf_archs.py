@@ -30,6 +30,15 @@ DEEPSEEK2_NAMES = [
     (_L + r"ffn_(gate|up|down)_shexp\.weight$", _MLP + r"shared_experts.\2_proj.weight"),
     (_L + r"exp_probs_b\.bias$", _MLP + "gate.e_score_correction_bias"),
 ]  # fmt: skip
+# deepseek32 (DeepSeek-V3.2): deepseek2's tensors and the sparse-attention indexer's.
+_IDX = r"model.layers.\1.self_attn.indexer."
+DEEPSEEK32_NAMES = [
+    (_L + r"indexer\.k_norm\.(weight|bias)$", _IDX + r"k_norm.\2"),
+    (_L + r"indexer\.proj\.weight$", _IDX + "weights_proj.weight"),
+    (_L + r"indexer\.attn_k\.weight$", _IDX + "wk.weight"),
+    (_L + r"indexer\.attn_q_b\.weight$", _IDX + "wq_b.weight"),
+    *DEEPSEEK2_NAMES,
+]
 
 
 # glm4moe (GLM-4.5 / 4.6): DeepSeek's MoE layout (shared experts, router bias), its own norm name.
@@ -76,17 +85,9 @@ def gpt_oss_config(field: Callable[[str], Any], arch: str, tensors: set[str]) ->
     layers = int(field(f"{arch}.block_count") or 0)
     theta = float(field(f"{arch}.rope.freq_base") or 10000.0)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
-    if field(f"{arch}.rope.scaling.type") == "yarn":
-        rope.update(
-            rope_type="yarn",
-            factor=float(field(f"{arch}.rope.scaling.factor")),
-            original_max_position_embeddings=int(
-                field(f"{arch}.rope.scaling.original_context_length")
-            ),
-            beta_fast=float(field(f"{arch}.rope.scaling.yarn_beta_fast") or 32.0),
-            beta_slow=float(field(f"{arch}.rope.scaling.yarn_beta_slow") or 1.0),
-            truncate=False,
-        )
+    yarn = yarn_rope(field, arch)
+    if yarn:
+        rope = {**yarn, "truncate": False}
     return {
         "num_local_experts": field(f"{arch}.expert_count"),
         "intermediate_size": field(f"{arch}.expert_feed_forward_length"),
@@ -128,15 +129,16 @@ def deepseek2_config(field: Callable[[str], Any], arch: str) -> dict[str, Any]:
     def need(key: str) -> Any:
         value = field(f"{arch}.{key}")
         if value is None:
-            raise ModelLoadError(f"GGUF deepseek2 file lacks metadata key {arch}.{key}")
+            raise ModelLoadError(f"GGUF {arch} file lacks metadata key {arch}.{key}")
         return value
 
     rope = int(need("rope.dimension_count"))
     key_len = field(f"{arch}.attention.key_length_mla") or need("attention.key_length")
     value_len = field(f"{arch}.attention.value_length_mla") or need("attention.value_length")
-    sigmoid = int(field(f"{arch}.expert_gating_func") or 1) == 2
+    gating = field(f"{arch}.expert_gating_func")  # V3.2's converter leaves it out: sigmoid
+    sigmoid = int(gating) == 2 if gating is not None else arch == "deepseek32"
     groups = field(f"{arch}.expert_group_count")
-    return {
+    cfg = {
         "architectures": ["DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"],
         "model_type": "deepseek_v3" if sigmoid else "deepseek_v2",
         "num_key_value_heads": int(need("attention.head_count")),
@@ -156,6 +158,40 @@ def deepseek2_config(field: Callable[[str], Any], arch: str) -> dict[str, Any]:
         "topk_group": field(f"{arch}.expert_group_used_count"),
         "head_dim": None,
     }
+    rope_scaling = yarn_rope(field, arch)
+    if rope_scaling:
+        cfg["rope_parameters"] = rope_scaling
+    if arch == "deepseek32":  # DeepSeek-V3.2: the sparse-attention indexer's sizes
+        cfg.update(
+            architectures=["DeepseekV32ForCausalLM"],
+            model_type="deepseek_v32",
+            index_n_heads=int(need("attention.indexer.head_count")),
+            index_head_dim=int(need("attention.indexer.key_length")),
+            index_topk=int(need("attention.indexer.top_k")),
+        )
+    return cfg
+
+
+def yarn_rope(field: Callable[[str], Any], arch: str) -> dict[str, Any] | None:
+    """HF rope_parameters of a file whose rotary is YaRN (None otherwise). DeepSeek's converter
+    writes its attention scaling as yarn_log_multiplier = 0.1 x mscale_all_dim; published
+    checkpoints have mscale equal to it."""
+    if field(f"{arch}.rope.scaling.type") != "yarn":
+        return None
+    rope: dict[str, Any] = {
+        "rope_type": "yarn",
+        "rope_theta": float(field(f"{arch}.rope.freq_base") or 10000.0),
+        "factor": float(field(f"{arch}.rope.scaling.factor")),
+        "original_max_position_embeddings": int(
+            field(f"{arch}.rope.scaling.original_context_length")
+        ),
+        "beta_fast": float(field(f"{arch}.rope.scaling.yarn_beta_fast") or 32.0),
+        "beta_slow": float(field(f"{arch}.rope.scaling.yarn_beta_slow") or 1.0),
+    }
+    log_mul = field(f"{arch}.rope.scaling.yarn_log_multiplier")
+    if log_mul:
+        rope["mscale"] = rope["mscale_all_dim"] = round(float(log_mul) / 0.1, 6)
+    return rope
 
 
 def fuse_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:

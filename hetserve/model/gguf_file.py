@@ -30,6 +30,7 @@ import torch
 from hetserve.errors import ModelLoadError, UnsupportedArchitectureError
 from hetserve.model.gguf_archs import (
     DEEPSEEK2_NAMES,
+    DEEPSEEK32_NAMES,
     GLM4MOE_NAMES,
     GPT_OSS_NAMES,
     MINIMAX_M2_NAMES,
@@ -60,6 +61,7 @@ ARCHITECTURES = {
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", True),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", False),
     "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2", False),  # gguf_archs: V3 by gating
+    "deepseek32": ("DeepseekV32ForCausalLM", "deepseek_v32", True),
     "glm4moe": ("Glm4MoeForCausalLM", "glm4_moe", True),
     "llama": ("MixtralForCausalLM", "mixtral", True),  # llama files with experts (Mixtral)
     "gpt-oss": ("GptOssForCausalLM", "gpt_oss", True),
@@ -163,7 +165,7 @@ class GgufCheckpoint:
         cfg["bos_token_id"] = self.field("tokenizer.ggml.bos_token_id")
         if model_type == "qwen2_moe":
             cfg["qkv_bias"] = "blk.0.attn_q.bias" in self.tensor_info
-        if self.arch == "deepseek2":
+        if self.arch in ("deepseek2", "deepseek32"):
             cfg.update(deepseek2_config(self.field, self.arch))
         if self.arch == "glm4moe":
             cfg.update(glm4moe_config(self.field, self.arch, set(self.tensor_info)))
@@ -442,7 +444,8 @@ class GgufCheckpoint:
         return unpermute_rope(value, heads)
 
     def _hf_name(self, name: str) -> str:
-        own = {"deepseek2": DEEPSEEK2_NAMES, "glm4moe": GLM4MOE_NAMES, "gpt-oss": GPT_OSS_NAMES,
+        own = {"deepseek2": DEEPSEEK2_NAMES, "deepseek32": DEEPSEEK32_NAMES,
+               "glm4moe": GLM4MOE_NAMES, "gpt-oss": GPT_OSS_NAMES,
                "qwen3next": QWEN3NEXT_NAMES, "qwen35moe": QWEN3NEXT_NAMES,
                "minimax-m2": MINIMAX_M2_NAMES}  # fmt: skip
         own = own.get(self.arch, [])

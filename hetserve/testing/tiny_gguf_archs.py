@@ -33,7 +33,8 @@ from hetserve.quant.quantize import quantize_mxfp4
 from hetserve.testing.tiny_gguf import write_tokenizer
 
 _ARCH = {"GptOssForCausalLM": "gpt-oss", "Qwen3NextForCausalLM": "qwen3next",
-         "Qwen3_5MoeForCausalLM": "qwen35moe", "MiniMaxM2ForCausalLM": "minimax-m2"}  # fmt: skip
+         "Qwen3_5MoeForCausalLM": "qwen35moe", "MiniMaxM2ForCausalLM": "minimax-m2",
+         "DeepseekV32ForCausalLM": "deepseek32"}  # fmt: skip
 _COMMON = [
     (r"^model\.embed_tokens\.weight$", "token_embd.weight"),
     (r"^model\.norm\.weight$", "output_norm.weight"),
@@ -63,6 +64,28 @@ _COMMON = [
     (r"^model\.layers\.(\d+)\.linear_attn\.in_proj_z\.weight$", r"blk.\1.attn_gate.weight"),
     (r"^model\.layers\.(\d+)\.linear_attn\.norm\.weight$", r"blk.\1.ssm_norm.weight"),
     (r"^model\.layers\.(\d+)\.linear_attn\.out_proj\.weight$", r"blk.\1.ssm_out.weight"),
+    # DeepSeek's MLA, shared experts, router bias and V3.2's indexer
+    (r"^model\.layers\.(\d+)\.self_attn\.q_a_proj\.weight$", r"blk.\1.attn_q_a.weight"),
+    (r"^model\.layers\.(\d+)\.self_attn\.q_a_layernorm\.weight$",
+     r"blk.\1.attn_q_a_norm.weight"),
+    (r"^model\.layers\.(\d+)\.self_attn\.q_b_proj\.weight$", r"blk.\1.attn_q_b.weight"),
+    (r"^model\.layers\.(\d+)\.self_attn\.kv_a_proj_with_mqa\.weight$",
+     r"blk.\1.attn_kv_a_mqa.weight"),
+    (r"^model\.layers\.(\d+)\.self_attn\.kv_a_layernorm\.weight$",
+     r"blk.\1.attn_kv_a_norm.weight"),
+    (r"^model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias$",
+     r"blk.\1.exp_probs_b.bias"),
+    (r"^model\.layers\.(\d+)\.mlp\.shared_experts\.(gate|up|down)_proj\.weight$",
+     r"blk.\1.ffn_\2_shexp.weight"),
+    (r"^model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight$", r"blk.\1.ffn_\2.weight"),
+    (r"^model\.layers\.(\d+)\.self_attn\.indexer\.k_norm\.(weight|bias)$",
+     r"blk.\1.indexer.k_norm.\2"),
+    (r"^model\.layers\.(\d+)\.self_attn\.indexer\.weights_proj\.weight$",
+     r"blk.\1.indexer.proj.weight"),
+    (r"^model\.layers\.(\d+)\.self_attn\.indexer\.wk\.weight$",
+     r"blk.\1.indexer.attn_k.weight"),
+    (r"^model\.layers\.(\d+)\.self_attn\.indexer\.wq_b\.weight$",
+     r"blk.\1.indexer.attn_q_b.weight"),
 ]  # fmt: skip
 _PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
                          r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")  # fmt: skip
@@ -71,7 +94,9 @@ _PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate"
 _FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 _ZERO_CENTRED = re.compile(r"(input_layernorm|post_attention_layernorm|q_norm|k_norm)\.weight$"
                            r"|^model\.norm\.weight$")  # fmt: skip
-_F32_MATRICES = re.compile(r"ffn_gate_inp(_shexp)?\.weight$|ssm_conv1d\.weight$")
+_F32_MATRICES = re.compile(
+    r"ffn_gate_inp(_shexp)?\.weight$|ssm_conv1d\.weight$|indexer\.proj\.weight$"
+)
 
 
 def _name(name: str) -> str:
@@ -134,13 +159,19 @@ def _tensors(src: Path, arch: str, cfg: dict) -> dict[str, torch.Tensor]:
             else:
                 out[f"blk.{layer}.ffn_gate_exps.{suffix}"] = t[:, 0::2]
                 out[f"blk.{layer}.ffn_up_exps.{suffix}"] = t[:, 1::2]
+        elif name.endswith("self_attn.kv_b_proj.weight"):  # split per head, k_b transposed
+            layer = name.split(".")[2]
+            heads, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+            k_b, v_b = t.view(heads, nope + v, -1).split([nope, v], dim=1)
+            out[f"blk.{layer}.attn_k_b.weight"] = k_b.transpose(1, 2)
+            out[f"blk.{layer}.attn_v_b.weight"] = v_b
         elif ".linear_attn." in name:
             layer, leaf = re.match(r"^model\.layers\.(\d+)\.linear_attn\.(.+)$", name).groups()  # type: ignore[union-attr]
             for gguf_leaf, w in _linear_attn(arch, leaf, t, cfg):
                 out[f"blk.{layer}.{gguf_leaf}" if gguf_leaf else _name(name)] = w
         else:
             gguf_name = _name(name)
-            if arch == "minimax-m2":  # its post-attention norm keeps llama.cpp's older name
+            if arch in ("minimax-m2", "deepseek32"):  # llama.cpp's older name for this norm
                 gguf_name = gguf_name.replace("post_attention_norm", "ffn_norm")
             zero_centred = arch in ("qwen3next", "qwen35moe") and _ZERO_CENTRED.search(name)
             out[gguf_name] = t + 1.0 if zero_centred else t
@@ -167,13 +198,17 @@ def _metadata(writer, arch: str, cfg: dict) -> None:
     if cfg.get("intermediate_size"):
         writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    mla = arch == "deepseek32"  # MLA: one latent "head" of kv_lora_rank (+ the rotary part)
+    writer.add_head_count_kv(1 if mla else cfg["num_key_value_heads"])
     writer.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
+    writer.add_expert_count(
+        cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg["num_local_experts"]
+    )
     writer.add_expert_used_count(cfg["num_experts_per_tok"])
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    rank = cfg.get("kv_lora_rank") or 0
+    writer.add_key_length(rank + cfg["qk_rope_head_dim"] if mla else head_dim)
+    writer.add_value_length(rank if mla else head_dim)
     if arch == "gpt-oss":
         if rope.get("rope_type") == "yarn":
             writer.add_rope_scaling_type(__import__("gguf").RopeScalingType.YARN)
@@ -183,6 +218,9 @@ def _metadata(writer, arch: str, cfg: dict) -> None:
             writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
         writer.add_sliding_window(cfg["sliding_window"])
         writer.add_expert_feed_forward_length(cfg["intermediate_size"])
+        return
+    if arch == "deepseek32":
+        _deepseek32_metadata(writer, cfg)
         return
     if arch == "minimax-m2":
         writer.add_expert_gating_func(__import__("gguf").ExpertGatingFuncType.SIGMOID)
@@ -210,6 +248,41 @@ def _metadata(writer, arch: str, cfg: dict) -> None:
         writer.add_rope_dimension_sections([*rope.get("mrope_section", [11, 11, 10]), 0][:4])
 
 
+def _deepseek32_metadata(writer, cfg: dict) -> None:
+    """The DeepSeek-V3.2 keys past the common ones (key names as llama.cpp reads them; some
+    are newer than the pinned gguf package's writer methods)."""
+    a, rope = "deepseek32", cfg["rope_parameters"]
+    rank, rope_dim = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    ints = {
+        "expert_group_count": cfg["n_group"], "expert_group_used_count": cfg["topk_group"],
+        "leading_dense_block_count": cfg["first_k_dense_replace"],
+        "vocab_size": cfg["vocab_size"], "attention.q_lora_rank": cfg["q_lora_rank"],
+        "attention.kv_lora_rank": rank,
+        "attention.key_length_mla": cfg["qk_nope_head_dim"] + rope_dim,
+        "attention.value_length_mla": cfg["v_head_dim"],
+        "expert_feed_forward_length": cfg["moe_intermediate_size"],
+        "expert_shared_count": cfg["n_shared_experts"], "rope.dimension_count": rope_dim,
+        "nextn_predict_layers": cfg.get("num_nextn_predict_layers", 0),
+        "attention.indexer.head_count": cfg["index_n_heads"],
+        "attention.indexer.key_length": cfg["index_head_dim"],
+        "attention.indexer.top_k": cfg["index_topk"],
+    }  # fmt: skip
+    for key, value in ints.items():
+        writer.add_uint32(f"{a}.{key}", value)
+    writer.add_string(f"{a}.rope.scaling.type", "yarn")
+    floats = {
+        "rope.scaling.factor": rope["factor"], "rope.scaling.yarn_beta_fast": rope["beta_fast"],
+        "rope.scaling.yarn_beta_slow": rope["beta_slow"],
+        "expert_weights_scale": cfg["routed_scaling_factor"],
+        "rope.scaling.yarn_log_multiplier": 0.1 * rope["mscale_all_dim"],
+    }  # fmt: skip
+    for key, value in floats.items():
+        writer.add_float32(f"{a}.{key}", value)
+    writer.add_uint32(f"{a}.rope.scaling.original_context_length",
+                      rope["original_max_position_embeddings"])  # fmt: skip
+    writer.add_bool(f"{a}.expert_weights_norm", bool(cfg["norm_topk_prob"]))
+
+
 def write_family_gguf(
     src: str | Path, out: str | Path, linears: str = "q8_0", experts: str | None = None
 ) -> Path:
@@ -234,15 +307,14 @@ def write_family_gguf(
     for name, w in _tensors(src, arch, cfg).items():
         if experts == "mxfp4" and name.endswith("_exps.weight"):
             writer.add_tensor(name, mxfp4_ggml(w), raw_dtype=q.MXFP4)
-        elif (
-            linears == "q8_0"
-            and name.endswith(".weight")
-            and w.ndim >= 2
-            and not _F32_MATRICES.search(name)
-        ):
-            writer.add_tensor(name, gguf.quants.quantize(w.numpy(), q.Q8_0), raw_dtype=q.Q8_0)
-        else:
+        elif linears != "q8_0" or not name.endswith(".weight") or w.ndim < 2:
             writer.add_tensor(name, np.ascontiguousarray(w.numpy(), dtype=np.float32))
+        elif _F32_MATRICES.search(name):
+            writer.add_tensor(name, np.ascontiguousarray(w.numpy(), dtype=np.float32))
+        elif w.shape[-1] % 32:  # rows that are no whole q8_0 blocks: f16, as the converter does
+            writer.add_tensor(name, w.numpy().astype(np.float16))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(w.numpy(), q.Q8_0), raw_dtype=q.Q8_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
