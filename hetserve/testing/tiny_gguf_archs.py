@@ -34,7 +34,7 @@ from hetserve.testing.tiny_gguf import write_tokenizer
 
 _ARCH = {"GptOssForCausalLM": "gpt-oss", "Qwen3NextForCausalLM": "qwen3next",
          "Qwen3_5MoeForCausalLM": "qwen35moe", "MiniMaxM2ForCausalLM": "minimax-m2",
-         "DeepseekV32ForCausalLM": "deepseek32"}  # fmt: skip
+         "DeepseekV32ForCausalLM": "deepseek32", "DeepseekV3ForCausalLM": "deepseek2"}  # fmt: skip
 _COMMON = [
     (r"^model\.embed_tokens\.weight$", "token_embd.weight"),
     (r"^model\.norm\.weight$", "output_norm.weight"),
@@ -171,7 +171,7 @@ def _tensors(src: Path, arch: str, cfg: dict) -> dict[str, torch.Tensor]:
                 out[f"blk.{layer}.{gguf_leaf}" if gguf_leaf else _name(name)] = w
         else:
             gguf_name = _name(name)
-            if arch in ("minimax-m2", "deepseek32"):  # llama.cpp's older name for this norm
+            if arch in ("minimax-m2", "deepseek2", "deepseek32"):  # llama.cpp's older name
                 gguf_name = gguf_name.replace("post_attention_norm", "ffn_norm")
             zero_centred = arch in ("qwen3next", "qwen35moe") and _ZERO_CENTRED.search(name)
             out[gguf_name] = t + 1.0 if zero_centred else t
@@ -198,7 +198,10 @@ def _metadata(writer, arch: str, cfg: dict) -> None:
     if cfg.get("intermediate_size"):
         writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(cfg["num_attention_heads"])
-    mla = arch == "deepseek32"  # MLA: one latent "head" of kv_lora_rank (+ the rotary part)
+    mla = arch in (
+        "deepseek2",
+        "deepseek32",
+    )  # MLA: one latent "head" of kv_lora_rank (+ the rotary part)
     writer.add_head_count_kv(1 if mla else cfg["num_key_value_heads"])
     writer.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
@@ -219,8 +222,8 @@ def _metadata(writer, arch: str, cfg: dict) -> None:
         writer.add_sliding_window(cfg["sliding_window"])
         writer.add_expert_feed_forward_length(cfg["intermediate_size"])
         return
-    if arch == "deepseek32":
-        _deepseek32_metadata(writer, cfg)
+    if mla:
+        _deepseek_metadata(writer, arch, cfg)
         return
     if arch == "minimax-m2":
         writer.add_expert_gating_func(__import__("gguf").ExpertGatingFuncType.SIGMOID)
@@ -248,10 +251,10 @@ def _metadata(writer, arch: str, cfg: dict) -> None:
         writer.add_rope_dimension_sections([*rope.get("mrope_section", [11, 11, 10]), 0][:4])
 
 
-def _deepseek32_metadata(writer, cfg: dict) -> None:
-    """The DeepSeek-V3.2 keys past the common ones (key names as llama.cpp reads them; some
-    are newer than the pinned gguf package's writer methods)."""
-    a, rope = "deepseek32", cfg["rope_parameters"]
+def _deepseek_metadata(writer, a: str, cfg: dict) -> None:
+    """The DeepSeek-V3 (deepseek2) and V3.2 (deepseek32) keys past the common ones (key names
+    as llama.cpp reads them; some are newer than the pinned gguf package's writer methods)."""
+    rope = cfg["rope_parameters"]
     rank, rope_dim = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
     ints = {
         "expert_group_count": cfg["n_group"], "expert_group_used_count": cfg["topk_group"],
@@ -262,11 +265,16 @@ def _deepseek32_metadata(writer, cfg: dict) -> None:
         "attention.value_length_mla": cfg["v_head_dim"],
         "expert_feed_forward_length": cfg["moe_intermediate_size"],
         "expert_shared_count": cfg["n_shared_experts"], "rope.dimension_count": rope_dim,
-        "nextn_predict_layers": cfg.get("num_nextn_predict_layers", 0),
-        "attention.indexer.head_count": cfg["index_n_heads"],
-        "attention.indexer.key_length": cfg["index_head_dim"],
-        "attention.indexer.top_k": cfg["index_topk"],
     }  # fmt: skip
+    if a == "deepseek32":
+        ints.update({
+            "nextn_predict_layers": cfg.get("num_nextn_predict_layers", 0),
+            "attention.indexer.head_count": cfg["index_n_heads"],
+            "attention.indexer.key_length": cfg["index_head_dim"],
+            "attention.indexer.top_k": cfg["index_topk"],
+        })  # fmt: skip
+    else:  # V3: sigmoid routing with a bias
+        ints["expert_gating_func"] = 2
     for key, value in ints.items():
         writer.add_uint32(f"{a}.{key}", value)
     writer.add_string(f"{a}.rope.scaling.type", "yarn")

@@ -161,10 +161,12 @@ def test_deepseek2_fused_kv_b_layout(tiny_model, tmp_path):
 # gpt-oss, Qwen3-Next, Qwen3.5-MoE, MiniMax-M2 and DeepSeek-V3.2 files. llama.cpp fixes
 # gpt-oss's clamped SwiGLU at limit 7.0 (the file does not say), so the tiny checkpoint takes
 # the published value.
+# DeepSeek-V3 (deepseek2) is here for its YaRN rotary, which the file's rope.scaling.* carry.
 LATER = {"gpt-oss": {"swiglu_limit": 7.0}, "qwen3-next": {}, "qwen3.5-moe": {}, "minimax-m2": {},
-         "deepseek-v3.2": {}}  # fmt: skip
+         "deepseek-v3.2": {}, "deepseek-v3": {}}  # fmt: skip
 LATER_CASES = [("gpt-oss", None), ("gpt-oss", "mxfp4"), ("qwen3-next", None),
-               ("qwen3.5-moe", None), ("minimax-m2", None), ("deepseek-v3.2", None)]  # fmt: skip
+               ("qwen3.5-moe", None), ("minimax-m2", None), ("deepseek-v3.2", None),
+               ("deepseek-v3", None)]  # fmt: skip
 
 
 _KEPT_F32 = ("mlp.gate.weight", "router.weight", "weights_proj.weight")  # routers stay f32
