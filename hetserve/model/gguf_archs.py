@@ -331,3 +331,70 @@ def linear_attn_value(leaf: str, w: torch.Tensor, sizes: tuple[int, int, int, in
     if leaf == "out_proj.weight":
         return v_heads_grouped(w, 1, nk, nv, dv)
     return w
+
+
+# kimi-linear (Kimi-Linear): KDA layers' tensors under llama.cpp's ssm_* names, MLA layers as
+# deepseek2's (no q LoRA), DeepSeek-V3's MoE.
+_SA = r"model.layers.\1.self_attn."
+KIMI_LINEAR_NAMES = [
+    (_L + r"ssm_a$", _SA + "A_log"),
+    (_L + r"ssm_conv1d_(q|k|v)\.weight$", _SA + r"\2_conv1d.weight"),
+    (_L + r"ssm_dt\.bias$", _SA + "dt_bias"),
+    (_L + r"ssm_(f|g)_(a|b)\.weight$", _SA + r"\2_\3_proj.weight"),
+    (_L + r"ssm_beta\.weight$", _SA + "b_proj.weight"),
+    (_L + r"ssm_norm\.weight$", _SA + "o_norm.weight"),
+    *DEEPSEEK2_NAMES,
+]
+KDA_CHANGED = re.compile(r"^blk\.\d+\.(ssm_a|ssm_conv1d_[qkv]\.weight)$")
+
+
+def kimi_linear_config(field: Callable[[str], Any], arch: str) -> dict[str, Any]:
+    """HF (Moonshot) config keys of a kimi-linear file: which layers are KDA (a key-value head
+    count of 0 in llama.cpp's per-layer array) and which MLA, the KDA head size, MLA's sizes
+    (key_length_mla = nope + rope, no q LoRA), DeepSeek-V3's routing."""
+
+    def need(key: str) -> Any:
+        value = field(f"{arch}.{key}")
+        if value is None:
+            raise ModelLoadError(f"GGUF {arch} file lacks metadata key {arch}.{key}")
+        return value
+
+    kv = need("attention.head_count_kv")
+    kv = list(kv) if isinstance(kv, list | tuple) else [kv] * int(need("block_count"))
+    rope = int(need("rope.dimension_count"))
+    heads = int(need("attention.head_count"))
+    return {
+        "num_key_value_heads": heads,
+        "head_dim": None,
+        "linear_attn_config": {
+            "head_dim": int(need("kda.head_dim")),
+            "num_heads": heads,
+            "short_conv_kernel_size": int(need("ssm.conv_kernel")),
+            "kda_layers": [i + 1 for i, n in enumerate(kv) if int(n) == 0],
+            "full_attn_layers": [i + 1 for i, n in enumerate(kv) if int(n) > 0],
+        },
+        "kv_lora_rank": int(need("attention.kv_lora_rank")),
+        "q_lora_rank": field(f"{arch}.attention.q_lora_rank") or None,
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": int(need("attention.key_length_mla")) - rope,
+        "v_head_dim": int(need("attention.value_length_mla")),
+        "mla_use_nope": True,
+        "num_experts_per_token": int(need("expert_used_count")),
+        "num_shared_experts": int(field(f"{arch}.expert_shared_count") or 0),
+        "first_k_dense_replace": int(field(f"{arch}.leading_dense_block_count") or 0),
+        "routed_scaling_factor": float(field(f"{arch}.expert_weights_scale") or 1.0),
+        "num_expert_group": int(field(f"{arch}.expert_group_count") or 1),
+        "topk_group": int(field(f"{arch}.expert_group_used_count") or 1),
+        "moe_router_activation_func": (
+            "sigmoid" if int(field(f"{arch}.expert_gating_func") or 2) == 2 else "softmax"
+        ),
+        "moe_renormalize": True,  # llama.cpp renormalises Kimi-Linear's top-k always
+    }
+
+
+def kda_value(name: str, w: torch.Tensor) -> torch.Tensor:
+    """A KDA tensor of a kimi-linear file in HF's form: ssm_a = -exp(A_log) undone, the conv
+    weights [1, channels, 1, kernel] back to Conv1d's [channels, 1, kernel]."""
+    if name.endswith("ssm_a"):
+        return torch.log(-w)
+    return w.reshape(w.shape[1], 1, w.shape[-1])

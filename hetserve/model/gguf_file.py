@@ -33,6 +33,8 @@ from hetserve.model.gguf_archs import (
     DEEPSEEK32_NAMES,
     GLM4MOE_NAMES,
     GPT_OSS_NAMES,
+    KDA_CHANGED,
+    KIMI_LINEAR_NAMES,
     MINIMAX_M2_NAMES,
     QWEN3NEXT_NAMES,
     ZERO_CENTRED_GGUF,
@@ -41,6 +43,8 @@ from hetserve.model.gguf_archs import (
     fuse_qkvz,
     glm4moe_config,
     gpt_oss_config,
+    kda_value,
+    kimi_linear_config,
     linear_attn_value,
     llama_moe_config,
     minimax_m2_config,
@@ -68,6 +72,7 @@ ARCHITECTURES = {
     "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next", True),
     "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", True),
     "minimax-m2": ("MiniMaxM2ForCausalLM", "minimax_m2", True),
+    "kimi-linear": ("KimiLinearForCausalLM", "kimi_linear", True),
 }
 _LINEAR_ATTN = ("qwen3next", "qwen35moe")  # Gated DeltaNet layers (gguf_archs)
 _DELTANET = re.compile(r"^blk\.(\d+)\.(ssm_\w+|attn_qkv|attn_gate)(\.weight|\.bias)?$")
@@ -177,6 +182,8 @@ class GgufCheckpoint:
             cfg.update(qwen3next_config(self.field, self.arch, set(self.tensor_info)))
         if self.arch == "minimax-m2":
             cfg.update(minimax_m2_config(self.field, self.arch, set(self.tensor_info)))
+        if self.arch == "kimi-linear":
+            cfg.update(kimi_linear_config(self.field, self.arch))
         return cfg
 
     def _packed_layers(self) -> tuple[dict[int, str], dict[str, str]]:
@@ -338,6 +345,12 @@ class GgufCheckpoint:
         if _EXPERT_BIAS.match(name):
             yield from self._expert_bias(name, wanted)
             return
+        if self.arch == "kimi-linear" and KDA_CHANGED.match(name):
+            hf = self._hf_name(name)
+            if wanted(hf):
+                self._note(f"{t.tensor_type.name} -> fp32")
+                yield hf, kda_value(name, self._fp32(t)), int(t.n_bytes)
+            return
         if self.arch in _LINEAR_ATTN and (_DELTANET.match(name) or ZERO_CENTRED_GGUF.search(name)):
             yield from self._linear_attn(name, t, wanted, int8)
             return
@@ -447,7 +460,7 @@ class GgufCheckpoint:
         own = {"deepseek2": DEEPSEEK2_NAMES, "deepseek32": DEEPSEEK32_NAMES,
                "glm4moe": GLM4MOE_NAMES, "gpt-oss": GPT_OSS_NAMES,
                "qwen3next": QWEN3NEXT_NAMES, "qwen35moe": QWEN3NEXT_NAMES,
-               "minimax-m2": MINIMAX_M2_NAMES}  # fmt: skip
+               "minimax-m2": MINIMAX_M2_NAMES, "kimi-linear": KIMI_LINEAR_NAMES}  # fmt: skip
         own = own.get(self.arch, [])
         table = own + _NAMES
         for pattern, repl in table:

@@ -118,6 +118,8 @@ def layer_types(cfg: ModelConfig) -> list[str]:
 
 class KimiLinearForCausalLM(CausalLM):
     expert_weight_names = ("w1", "w3", "w2")
+    # GGUF files (model/gguf_file.py) name the MoE `mlp` as the other families do
+    checkpoint_aliases = [(r"\.mlp\.", ".block_sparse_moe.")]
 
     def __init__(self, cfg: ModelConfig) -> None:
         ctx_len = cfg.get("model_max_length", "max_position_embeddings")

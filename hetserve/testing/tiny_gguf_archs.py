@@ -34,7 +34,8 @@ from hetserve.testing.tiny_gguf import write_tokenizer
 
 _ARCH = {"GptOssForCausalLM": "gpt-oss", "Qwen3NextForCausalLM": "qwen3next",
          "Qwen3_5MoeForCausalLM": "qwen35moe", "MiniMaxM2ForCausalLM": "minimax-m2",
-         "DeepseekV32ForCausalLM": "deepseek32", "DeepseekV3ForCausalLM": "deepseek2"}  # fmt: skip
+         "DeepseekV32ForCausalLM": "deepseek32", "DeepseekV3ForCausalLM": "deepseek2",
+         "KimiLinearForCausalLM": "kimi-linear"}  # fmt: skip
 _COMMON = [
     (r"^model\.embed_tokens\.weight$", "token_embd.weight"),
     (r"^model\.norm\.weight$", "output_norm.weight"),
@@ -86,6 +87,17 @@ _COMMON = [
      r"blk.\1.indexer.attn_k.weight"),
     (r"^model\.layers\.(\d+)\.self_attn\.indexer\.wq_b\.weight$",
      r"blk.\1.indexer.attn_q_b.weight"),
+    # Kimi-Linear's KDA layers and its MoE (block_sparse_moe)
+    (r"^model\.layers\.(\d+)\.self_attn\.A_log$", r"blk.\1.ssm_a"),
+    (r"^model\.layers\.(\d+)\.self_attn\.(q|k|v)_conv1d\.weight$", r"blk.\1.ssm_conv1d_\2.weight"),
+    (r"^model\.layers\.(\d+)\.self_attn\.dt_bias$", r"blk.\1.ssm_dt.bias"),
+    (r"^model\.layers\.(\d+)\.self_attn\.(f|g)_(a|b)_proj\.weight$", r"blk.\1.ssm_\2_\3.weight"),
+    (r"^model\.layers\.(\d+)\.self_attn\.b_proj\.weight$", r"blk.\1.ssm_beta.weight"),
+    (r"^model\.layers\.(\d+)\.self_attn\.o_norm\.weight$", r"blk.\1.ssm_norm.weight"),
+    (r"^model\.layers\.(\d+)\.block_sparse_moe\.gate\.e_score_correction_bias$",
+     r"blk.\1.exp_probs_b.bias"),
+    (r"^model\.layers\.(\d+)\.block_sparse_moe\.shared_experts\.(gate|up|down)_proj\.weight$",
+     r"blk.\1.ffn_\2_shexp.weight"),
 ]  # fmt: skip
 _PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
                          r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")  # fmt: skip
@@ -95,7 +107,7 @@ _FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_pr
 _ZERO_CENTRED = re.compile(r"(input_layernorm|post_attention_layernorm|q_norm|k_norm)\.weight$"
                            r"|^model\.norm\.weight$")  # fmt: skip
 _F32_MATRICES = re.compile(
-    r"ffn_gate_inp(_shexp)?\.weight$|ssm_conv1d\.weight$|indexer\.proj\.weight$"
+    r"ffn_gate_inp(_shexp)?\.weight$|ssm_conv1d(_[qkv])?\.weight$|indexer\.proj\.weight$"
 )
 
 
@@ -171,9 +183,13 @@ def _tensors(src: Path, arch: str, cfg: dict) -> dict[str, torch.Tensor]:
                 out[f"blk.{layer}.{gguf_leaf}" if gguf_leaf else _name(name)] = w
         else:
             gguf_name = _name(name)
-            if arch in ("minimax-m2", "deepseek2", "deepseek32"):  # llama.cpp's older name
+            if arch in ("minimax-m2", "deepseek2", "deepseek32", "kimi-linear"):  # older name
                 gguf_name = gguf_name.replace("post_attention_norm", "ffn_norm")
             zero_centred = arch in ("qwen3next", "qwen35moe") and _ZERO_CENTRED.search(name)
+            if arch == "kimi-linear" and name.endswith("A_log"):  # stored as -exp(A_log)
+                t = -torch.exp(t)
+            elif arch == "kimi-linear" and "_conv1d." in name:  # [d, 1, k] -> [1, d, 1, k]
+                t = t.reshape(1, t.shape[0], 1, t.shape[-1])
             out[gguf_name] = t + 1.0 if zero_centred else t
     for (layer, proj), per in experts.items():
         out[f"blk.{layer}.ffn_{proj}_exps.weight"] = torch.stack([per[e] for e in sorted(per)])
@@ -193,7 +209,7 @@ def _metadata(writer, arch: str, cfg: dict) -> None:
     rope = cfg.get("rope_parameters") or {}
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_context_length(cfg.get("max_position_embeddings") or cfg["model_max_length"])
     writer.add_embedding_length(cfg["hidden_size"])
     if cfg.get("intermediate_size"):
         writer.add_feed_forward_length(cfg["intermediate_size"])
@@ -202,16 +218,19 @@ def _metadata(writer, arch: str, cfg: dict) -> None:
         "deepseek2",
         "deepseek32",
     )  # MLA: one latent "head" of kv_lora_rank (+ the rotary part)
-    writer.add_head_count_kv(1 if mla else cfg["num_key_value_heads"])
+    kimi = arch == "kimi-linear"  # these three per layer / its own way: _kimi_metadata
+    if not kimi:
+        writer.add_head_count_kv(1 if mla else cfg["num_key_value_heads"])
     writer.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_expert_count(
         cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg["num_local_experts"]
     )
-    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    writer.add_expert_used_count(cfg.get("num_experts_per_tok") or cfg["num_experts_per_token"])
     rank = cfg.get("kv_lora_rank") or 0
-    writer.add_key_length(rank + cfg["qk_rope_head_dim"] if mla else head_dim)
-    writer.add_value_length(rank if mla else head_dim)
+    if not kimi:
+        writer.add_key_length(rank + cfg["qk_rope_head_dim"] if mla else head_dim)
+        writer.add_value_length(rank if mla else head_dim)
     if arch == "gpt-oss":
         if rope.get("rope_type") == "yarn":
             writer.add_rope_scaling_type(__import__("gguf").RopeScalingType.YARN)
@@ -224,6 +243,9 @@ def _metadata(writer, arch: str, cfg: dict) -> None:
         return
     if mla:
         _deepseek_metadata(writer, arch, cfg)
+        return
+    if arch == "kimi-linear":
+        _kimi_metadata(writer, cfg)
         return
     if arch == "minimax-m2":
         writer.add_expert_gating_func(__import__("gguf").ExpertGatingFuncType.SIGMOID)
@@ -291,6 +313,84 @@ def _deepseek_metadata(writer, a: str, cfg: dict) -> None:
     writer.add_bool(f"{a}.expert_weights_norm", bool(cfg["norm_topk_prob"]))
 
 
+def _kimi_metadata(writer, cfg: dict) -> None:
+    """Kimi-Linear's keys: per-layer key-value heads (0 for KDA layers, MLA's one latent head
+    for the full-attention ones), the KDA sizes, MLA's (no q LoRA), DeepSeek-V3's routing."""
+    a, lin = "kimi-linear", cfg["linear_attn_config"]
+    rank, rope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    full = set(lin["full_attn_layers"])  # 1-based
+    kv = [1 if i + 1 in full else 0 for i in range(cfg["num_hidden_layers"])]
+    writer.add_array(f"{a}.attention.head_count_kv", kv)
+    ints = {
+        "attention.key_length": rank + rope,
+        # the converter's value_length: transformers' KimiLinearConfig.head_dim (the rope
+        # dim); llama.cpp and hetserve read value_length_mla
+        "attention.value_length": rope,
+        "expert_group_used_count": cfg.get("topk_group", 1), "expert_gating_func": 2,
+        "vocab_size": cfg["vocab_size"], "ssm.conv_kernel": lin["short_conv_kernel_size"],
+        "kda.head_dim": lin["head_dim"], "attention.kv_lora_rank": rank,
+        "rope.dimension_count": rope,
+        "attention.key_length_mla": cfg["qk_nope_head_dim"] + rope,
+        "attention.value_length_mla": cfg["v_head_dim"],
+        "expert_feed_forward_length": cfg["moe_intermediate_size"],
+        "expert_shared_count": cfg["num_shared_experts"],
+        "leading_dense_block_count": cfg["first_k_dense_replace"],
+    }  # fmt: skip
+    for key, value in ints.items():
+        writer.add_uint32(f"{a}.{key}", value)
+    writer.add_float32(f"{a}.expert_weights_scale", cfg["routed_scaling_factor"])
+
+
+def _bpe_parts(ranks: dict[bytes, int], token: bytes) -> list[bytes]:
+    """`token` split by byte-pair merges of rank below its own: the last merge's two halves."""
+    parts = [token[i : i + 1] for i in range(len(token))]
+    limit = ranks[token]
+    while len(parts) > 2:
+        pairs = [(ranks.get(parts[i] + parts[i + 1], limit), i) for i in range(len(parts) - 1)]
+        rank, i = min(pairs)
+        if rank >= limit:
+            break
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+    return parts
+
+
+def _tiktoken_vocab(writer, src: Path, cfg: dict) -> None:
+    """A Kimi-format tokenizer (tiktoken.model ranks, specials in tokenizer_config.json) as
+    llama.cpp's gpt2 vocab keys: byte-level token strings, the merges that rebuild each token,
+    specials as control tokens and unused ids as [PADi]."""
+    import base64
+
+    from hetserve.model.tiktoken_tokenizer import BYTE_LEVEL_CHARS
+
+    def text(b: bytes) -> str:
+        return "".join(BYTE_LEVEL_CHARS[x] for x in b)
+
+    ranks = {}
+    for line in (src / "tiktoken.model").read_text().splitlines():
+        if line.strip():
+            tok, rank = line.split()
+            ranks[base64.b64decode(tok)] = int(rank)
+    tok_cfg = json.loads((src / "tokenizer_config.json").read_text())
+    specials = {int(i): t["content"] for i, t in tok_cfg.get("added_tokens_decoder", {}).items()}
+    by_id = {r: text(b) for b, r in ranks.items()}
+    tokens = [specials.get(i) or by_id.get(i) or f"[PAD{i}]" for i in range(cfg["vocab_size"])]
+    types = [3 if i in specials else 1 if i in by_id else 5 for i in range(cfg["vocab_size"])]
+    merges = []
+    for b, _ in sorted(ranks.items(), key=lambda kv: kv[1]):
+        parts = _bpe_parts(ranks, b) if len(b) > 1 else []
+        if len(parts) == 2:
+            merges.append(f"{text(parts[0])} {text(parts[1])}")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    for key, add in (("bos_token_id", writer.add_bos_token_id),
+                     ("eos_token_id", writer.add_eos_token_id)):  # fmt: skip
+        if cfg.get(key) is not None:
+            add(cfg[key])
+
+
 def write_family_gguf(
     src: str | Path, out: str | Path, linears: str = "q8_0", experts: str | None = None
 ) -> Path:
@@ -308,7 +408,10 @@ def write_family_gguf(
     _metadata(writer, arch, cfg)
     tok_cfg = src / "tokenizer_config.json"
     template = json.loads(tok_cfg.read_text()).get("chat_template") if tok_cfg.exists() else None
-    write_tokenizer(writer, cfg, json.loads((src / "tokenizer.json").read_text()))
+    if (src / "tokenizer.json").exists():
+        write_tokenizer(writer, cfg, json.loads((src / "tokenizer.json").read_text()))
+    else:  # Kimi's tiktoken format
+        _tiktoken_vocab(writer, src, cfg)
     if template:
         writer.add_chat_template(template)
     q = gguf.GGMLQuantizationType

@@ -158,15 +158,15 @@ def test_deepseek2_fused_kv_b_layout(tiny_model, tmp_path):
     )
 
 
-# gpt-oss, Qwen3-Next, Qwen3.5-MoE, MiniMax-M2 and DeepSeek-V3.2 files. llama.cpp fixes
+# gpt-oss, Qwen3-Next, Qwen3.5-MoE, MiniMax-M2, DeepSeek-V3.2 and Kimi-Linear files. llama.cpp fixes
 # gpt-oss's clamped SwiGLU at limit 7.0 (the file does not say), so the tiny checkpoint takes
 # the published value.
 # DeepSeek-V3 (deepseek2) is here for its YaRN rotary, which the file's rope.scaling.* carry.
 LATER = {"gpt-oss": {"swiglu_limit": 7.0}, "qwen3-next": {}, "qwen3.5-moe": {}, "minimax-m2": {},
-         "deepseek-v3.2": {}, "deepseek-v3": {}}  # fmt: skip
+         "deepseek-v3.2": {}, "deepseek-v3": {}, "kimi-linear": {}}  # fmt: skip
 LATER_CASES = [("gpt-oss", None), ("gpt-oss", "mxfp4"), ("qwen3-next", None),
                ("qwen3.5-moe", None), ("minimax-m2", None), ("deepseek-v3.2", None),
-               ("deepseek-v3", None)]  # fmt: skip
+               ("deepseek-v3", None), ("kimi-linear", None)]  # fmt: skip
 
 
 _KEPT_F32 = ("mlp.gate.weight", "router.weight", "weights_proj.weight")  # routers stay f32
@@ -208,7 +208,10 @@ def _on_file_grid(src, out, mxfp4: bool):
             order = _tiled_columns(cfg, w.shape[1]) if name.endswith("out_proj.weight") else None
             if order is not None:
                 w = w[:, order]
-            w = Int8Rows.q8_0(w).dequantize().reshape(w.shape)
+            if w.shape[1] % 32:  # rows that are no whole q8_0 blocks: the converter's f16
+                w = w.half().float()
+            else:
+                w = Int8Rows.q8_0(w).dequantize().reshape(w.shape)
             sd[name] = (w[:, torch.argsort(order)] if order is not None else w).contiguous()
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
