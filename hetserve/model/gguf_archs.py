@@ -395,6 +395,6 @@ def kimi_linear_config(field: Callable[[str], Any], arch: str) -> dict[str, Any]
 def kda_value(name: str, w: torch.Tensor) -> torch.Tensor:
     """A KDA tensor of a kimi-linear file in HF's form: ssm_a = -exp(A_log) undone, the conv
     weights [1, channels, 1, kernel] back to Conv1d's [channels, 1, kernel]."""
-    if name.endswith("ssm_a"):
-        return torch.log(-w)
-    return w.reshape(w.shape[1], 1, w.shape[-1])
+    if name.endswith("ssm_a"):  # (llama.cpp's own writer drops the trailing unit dimensions)
+        return torch.log(-w).reshape(1, 1, -1, 1)
+    return w.reshape(-1, 1, w.shape[-1])

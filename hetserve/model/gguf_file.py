@@ -360,6 +360,11 @@ class GgufCheckpoint:
         linear = len(t.shape) == 2 and int8(hf)
         if self.arch == "llama" and _ROPE_PERMUTED.match(name):
             yield hf, self._unpermuted(t, linear), int(t.n_bytes)
+        elif name.endswith("ffn_gate_inp_shexp.weight") and len(t.shape) == 1:
+            # [1, hidden] as llama.cpp's quantizer writes it: one dimension (ggml_n_dims)
+            w = self._fp32(t).reshape(1, -1)
+            kind = t.tensor_type.name
+            yield hf, self._int8(kind, w) if int8(hf) else w, int(t.n_bytes)
         else:
             yield hf, self._value(t, linear), int(t.n_bytes)
 

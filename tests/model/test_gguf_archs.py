@@ -256,43 +256,81 @@ def test_later_families_from_gguf_against_transformers(tiny_model, tmp_path, fam
     assert float(err.max()) <= 1e-3
 
 
+def _rewritten(path, out, fields=None, extra=None, tensor=None):
+    """The GGUF file `path` written again to `out` with the `gguf` package: `fields(key,
+    value)` -> the value to write (None: the same), `extra(writer)` adds keys and tensors,
+    `tensor(name, array)` -> the array to write."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(out), arch)
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = f.contents()
+        value = (fields(key, value) if fields else None) or value
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, vtype, sub_type=sub)
+    for t in reader.tensors:
+        data = np.array(t.data)
+        writer.add_tensor(t.name, tensor(t.name, data) if tensor else data, raw_dtype=t.tensor_type)
+    if extra:
+        extra(writer, reader)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def test_mtp_layers_after_the_model_are_left_out(tiny_model, tmp_path):
     """Files from published Qwen3-Next / Qwen3.5 / GLM-4.5 checkpoints carry their MTP layers
     as extra blocks (block_count n + k, nextn_predict_layers k): the model is the first n."""
-    import gguf
-
     from hetserve.testing.tiny_gguf_archs import write_family_gguf
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     plain = write_family_gguf(tiny_model("qwen3-next"), tmp_path / "a" / "m.gguf", "f32")
-    reader = gguf.GGUFReader(str(plain))
-    writer = gguf.GGUFWriter(str(tmp_path / "b" / "m.gguf"), "qwen3next")
-    n = int(reader.fields["qwen3next.block_count"].contents())
-    for key, f in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        value = f.contents()
-        if key == "qwen3next.block_count":
-            value = n + 1
-        elif key == "qwen3next.attention.recurrent_layers":
-            value = [*value, False]
-        vtype = f.types[0]
-        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, value, vtype, sub_type=sub)
-    writer.add_uint32("qwen3next.nextn_predict_layers", 1)
-    for t in reader.tensors:
-        writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-        if t.name.startswith(f"blk.{n - 1}."):  # the MTP block: a full-attention layer's tensors
-            mtp = t.name.replace(f"blk.{n - 1}.", f"blk.{n}.")
-            writer.add_tensor(mtp, np.array(t.data), raw_dtype=t.tensor_type)
-    writer.add_tensor(f"blk.{n}.nextn.eh_proj.weight", np.zeros((64, 128), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    llm = LLM(str(tmp_path / "b" / "m.gguf"))
+    n = 4  # the tiny model's layers; the last is a full-attention layer
+
+    def fields(key, value):
+        if key == "qwen3next.attention.recurrent_layers":
+            return [*value, False]
+        return n + 1 if key == "qwen3next.block_count" else None
+
+    def extra(writer, reader):
+        writer.add_uint32("qwen3next.nextn_predict_layers", 1)
+        for t in reader.tensors:  # the MTP block: a copy of the last layer's tensors
+            if t.name.startswith(f"blk.{n - 1}."):
+                mtp = t.name.replace(f"blk.{n - 1}.", f"blk.{n}.")
+                writer.add_tensor(mtp, np.array(t.data), raw_dtype=t.tensor_type)
+        writer.add_tensor(f"blk.{n}.nextn.eh_proj.weight", np.zeros((64, 128), np.float32))
+
+    llm = LLM(str(_rewritten(plain, tmp_path / "b" / "m.gguf", fields, extra)))
     assert llm.model.config.num_layers == n
+    torch.testing.assert_close(logprobs(llm), logprobs(LLM(str(plain))))
+
+
+@pytest.mark.parametrize("family", ["qwen3-next", "kimi-linear"])
+def test_unit_dimensions_dropped_as_llama_cpp_writes_them(tiny_model, tmp_path, family):
+    """llama.cpp's own writer (llama-quantize, so every Q4_K_M file) stores a tensor with only
+    the dimensions before its trailing units (ggml_n_dims): the shared-expert gate [1, H] as
+    [H], Kimi-Linear's ssm_a [1, 1, heads, 1] as [heads, 1], its convs [1, d, 1, k] as
+    [d, 1, k]. Such a file serves the same model."""
+    from hetserve.testing.tiny_gguf_archs import write_family_gguf
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain = write_family_gguf(tiny_model(family), tmp_path / "a" / "m.gguf", "f32")
+
+    def squeezed(name, data):
+        while data.ndim > 1 and data.shape[0] == 1:  # numpy's leading = ggml's trailing dims
+            data = data[0]
+        return data
+
+    llm = LLM(str(_rewritten(plain, tmp_path / "b" / "m.gguf", tensor=squeezed)))
     torch.testing.assert_close(logprobs(llm), logprobs(LLM(str(plain))))
 
 
