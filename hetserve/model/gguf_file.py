@@ -4,7 +4,8 @@
 (config.json beside the file wins; else one derived from the GGUF metadata with llama.cpp's
 semantics) and a stream of weights under their HF names. Routed experts never widen to fp32:
 q8_0, q4_K, q5_K, q6_K, IQ4_XS and IQ4_NL tensors stay in their numbers, exactly, each tensor
-in its own type (a layer may mix them: cpu-gguf; all q4_K: cpu-int4; all q8_0: cpu-int8); other
+in its own type (a layer may mix them: cpu-gguf; all q4_K: cpu-int4; all q8_0: cpu-int8), and
+gpt-oss's MXFP4 experts re-laid, exactly, for cpu-mxfp4 (a layer all MXFP4); other
 types are converted at load to the native format of no more bits per weight (q4_K where none
 has so few; quant/gguf_convert.py, convert_target), as are gate and up of different types (both to
 the target of the smaller: they share one fused matrix). Linears that the placement serves on
@@ -15,7 +16,9 @@ type dequantized one tensor at a time and rounded to int8 in groups of 32 column
 scales (`Int8Rows.grouped`: |error| <= scale / 2 per weight, scale ~ max|group| / 127), the
 fp32 tensor dropped at once. Every other tensor is dequantized by `gguf` itself. `summary()` is
 the one line the loader prints of what it did, with each conversion's relative RMS error
-against the file's own (dequantized) numbers.
+against the file's own (dequantized) numbers. What each architecture's converter changed
+(names, split or reshaped tensors, values stored transformed) is undone per family with
+model/gguf_archs.py's tables and functions; MTP layers appended after the model's are left out.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""GGUF files of random blocks in llama.cpp Q4_K_M's tensor types for a Qwen3-MoE shape, streamed
-to disk with `gguf` one tensor at a time (no checkpoint behind them): for memory and load checks
-where only sizes matter, from a test-sized model to Qwen3-30B-A3B's 17 GB (scripts/
+"""GGUF files of random blocks in llama.cpp Q4_K_M's tensor types for a Qwen3-MoE shape, or
+gpt-oss's published MXFP4 file's for a gpt-oss shape, streamed to disk with `gguf` one tensor at
+a time (no checkpoint behind them): for memory, load and speed checks where only sizes matter,
+from a test-sized model to Qwen3-30B-A3B's 17 GB and gpt-oss-20b's 12 GB (scripts/
 gguf_big_check.py). Who calls it: that script and tests/model/test_load_memory.py.
 
 Random blocks are valid numbers: each super-block's fp16 scales are set to small finite
@@ -24,15 +25,29 @@ SHAPE = {
     "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
     "rms_norm_eps": 1e-6, "rope_theta": 1e6,
 }  # fmt: skip
-BLOCK = {"Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,))}  # cols, bytes, fp16 d offsets
+# gpt-oss-20b (its config.json), for write_random_gpt_oss: MXFP4 experts as published
+GPT_OSS_20B = {
+    "hidden_size": 2880, "num_hidden_layers": 24, "num_local_experts": 32,
+    "num_experts_per_tok": 4, "intermediate_size": 2880, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 201088,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "sliding_window": 128,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                        "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                        "beta_slow": 1.0},
+}  # fmt: skip
+# cols, bytes, fp16 d offsets (MXFP4: its e8m0 scale byte at 0)
+BLOCK = {"Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,)), "Q8_0": (32, 34, (0,)),
+         "MXFP4": (32, 17, ())}  # fmt: skip
 
 
 def _random_blocks(rng: np.random.Generator, rows: int, cols: int, kind: str) -> np.ndarray:
     n, nbytes, d_at = BLOCK[kind]
     raw = rng.integers(0, 256, size=(rows, cols // n, nbytes), dtype=np.uint8)
-    scale = np.frombuffer(np.float16(2e-3).tobytes(), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(2e-3 if kind != "Q8_0" else 2e-4).tobytes(), dtype=np.uint8)
     for at in d_at:  # d (and q4_K's dmin): small and finite
         raw[..., at : at + 2] = scale
+    if kind == "MXFP4":
+        raw[..., 0] = 120  # 2^-7: elements up to 6 x 2^-7
     return raw.reshape(rows, -1)
 
 
@@ -92,16 +107,29 @@ def write_random_q4km(path: Path, cfg: dict, progress: bool = False) -> int:
     w.add_expert_count(cfg["num_experts"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    # a byte-level vocabulary: the 256 bytes' tokens, then placeholders
-    tokens = [bytes([b]).decode("latin-1") for b in range(256)]
-    tokens += [f"<|t{k}|>" for k in range(cfg["vocab_size"] - len(tokens))]
+    _placeholder_vocab(w, cfg["vocab_size"])
+    _write_plan(w, _tensors(cfg), progress)
+    return path.stat().st_size
+
+
+def _placeholder_vocab(w, size: int) -> None:
+    """A byte-level vocabulary: the 256 bytes' tokens, one merge (llama.cpp refuses a gpt2
+    vocabulary without merges), then placeholders."""
+    tokens = [bytes([b]).decode("latin-1") for b in range(256)] + ["ab"]
+    tokens += [f"<|t{k}|>" for k in range(size - len(tokens))]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")
     w.add_token_list(tokens)
-    w.add_token_types([1] * 256 + [3] * (len(tokens) - 256))
-    w.add_token_merges([])
+    w.add_token_types([1] * 257 + [3] * (len(tokens) - 257))
+    w.add_token_merges(["a b"])
     w.add_eos_token_id(len(tokens) - 1)
-    plan = _tensors(cfg)
+
+
+def _write_plan(w, plan: list[tuple[str, tuple[int, ...], str]], progress: bool) -> None:
+    """The tensors of `plan` (name, shape, type) with random values, one at a time, and the
+    file closed. F32 tensors: routers small random numbers, biases and sinks zero, norms one."""
+    import gguf
+
     q = gguf.GGMLQuantizationType
     for name, shape, kind in plan:
         if kind == "F32":
@@ -119,6 +147,8 @@ def write_random_q4km(path: Path, cfg: dict, progress: bool = False) -> int:
         if kind == "F32":
             if name.endswith("gate_inp.weight"):
                 data = rng.standard_normal(shape, dtype=np.float32) * 0.02
+            elif name.endswith((".bias", "attn_sinks.weight")):
+                data = np.zeros(shape, dtype=np.float32)
             else:
                 data = np.ones(shape, dtype=np.float32)
         else:
@@ -128,4 +158,50 @@ def write_random_q4km(path: Path, cfg: dict, progress: bool = False) -> int:
         if progress and k % 60 == 0:
             print(f"  wrote {k + 1}/{len(plan)} tensors", flush=True)
     w.close()
+
+
+def _gpt_oss_tensors(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """gpt-oss as its MXFP4 GGUF holds it: MXFP4 routed experts, q8_0 attention, embeddings
+    and output (2,880 columns are no whole K-quant super-blocks), f32 norms, biases, sinks and
+    routers."""
+    h, e, i = cfg["hidden_size"], cfg["num_local_experts"], cfg["intermediate_size"]
+    d, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    vocab = cfg["vocab_size"]
+    out = [("output.weight", (vocab, h), "Q8_0"), ("output_norm.weight", (h,), "F32"),
+           ("token_embd.weight", (vocab, h), "Q8_0")]  # fmt: skip
+    for b in range(cfg["num_hidden_layers"]):
+        out += [
+            (f"blk.{b}.attn_norm.weight", (h,), "F32"),
+            (f"blk.{b}.post_attention_norm.weight", (h,), "F32"),
+            (f"blk.{b}.attn_q.weight", (nq * d, h), "Q8_0"),
+            (f"blk.{b}.attn_q.bias", (nq * d,), "F32"),
+            (f"blk.{b}.attn_k.weight", (nkv * d, h), "Q8_0"),
+            (f"blk.{b}.attn_k.bias", (nkv * d,), "F32"),
+            (f"blk.{b}.attn_v.weight", (nkv * d, h), "Q8_0"),
+            (f"blk.{b}.attn_v.bias", (nkv * d,), "F32"),
+            (f"blk.{b}.attn_output.weight", (h, nq * d), "Q8_0"),
+            (f"blk.{b}.attn_output.bias", (h,), "F32"),
+            (f"blk.{b}.attn_sinks.weight", (nq,), "F32"),
+            (f"blk.{b}.ffn_gate_inp.weight", (e, h), "F32"),
+            (f"blk.{b}.ffn_gate_inp.bias", (e,), "F32"),
+            (f"blk.{b}.ffn_gate_exps.weight", (e, i, h), "MXFP4"),
+            (f"blk.{b}.ffn_up_exps.weight", (e, i, h), "MXFP4"),
+            (f"blk.{b}.ffn_down_exps.weight", (e, h, i), "MXFP4"),
+            (f"blk.{b}.ffn_gate_exps.bias", (e, i), "F32"),
+            (f"blk.{b}.ffn_up_exps.bias", (e, i), "F32"),
+            (f"blk.{b}.ffn_down_exps.bias", (e, h), "F32"),
+        ]
+    return out
+
+
+def write_random_gpt_oss(path: Path, cfg: dict, progress: bool = False) -> int:
+    """A gpt-oss-shaped file (GPT_OSS_20B's keys) of random blocks at `path`; its size."""
+    import gguf
+
+    from hetserve.testing.tiny_gguf_archs import gguf_metadata
+
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    gguf_metadata(w, "gpt-oss", cfg)
+    _placeholder_vocab(w, cfg["vocab_size"])
+    _write_plan(w, _gpt_oss_tensors(cfg), progress)
     return path.stat().st_size

@@ -205,7 +205,8 @@ def mxfp4_ggml(w: torch.Tensor) -> np.ndarray:
     return raw.reshape(*raw.shape[:-2], -1).numpy()
 
 
-def _metadata(writer, arch: str, cfg: dict) -> None:
+def gguf_metadata(writer, arch: str, cfg: dict) -> None:
+    """The model's keys as llama.cpp's converter writes them for `arch` (config.json `cfg`)."""
     rope = cfg.get("rope_parameters") or {}
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     writer.add_block_count(cfg["num_hidden_layers"])
@@ -405,7 +406,7 @@ def write_family_gguf(
     if arch is None:
         raise InvalidInputError(f"no GGUF family writer for {cfg['architectures'][0]}")
     writer = gguf.GGUFWriter(str(out), arch)
-    _metadata(writer, arch, cfg)
+    gguf_metadata(writer, arch, cfg)
     tok_cfg = src / "tokenizer_config.json"
     template = json.loads(tok_cfg.read_text()).get("chat_template") if tok_cfg.exists() else None
     if (src / "tokenizer.json").exists():
