@@ -101,3 +101,31 @@ def test_reading_lets_go_of_the_files_pages(files, split):
     assert sum(_mapped_rss(p) for p in paths) <= total // 4
     for reader, path in zip(ckpt.parts, paths, strict=True):  # mapped in again: the same bytes
         assert bytes(reader.data[:64]) == path.read_bytes()[:64]
+
+
+def test_metadata_read_in_one_pass_equals_gguf_reader(files, tiny_model, tmp_path):
+    """The one-pass reading of metadata arrays (tokens, token types, merges, a bool array)
+    gives every field gguf's own reader gives, whole and by index; an array cut short by a
+    damaged length is a one-line error."""
+    from hetserve.model.gguf_parts import open_reader
+    from hetserve.testing.tiny_gguf_archs import write_family_gguf
+
+    hybrid = write_family_gguf(tiny_model("qwen3-next"), tmp_path / "n.gguf", "q8_0")
+    for path in (files[0], hybrid):
+        ours, theirs = open_reader(gguf, path), gguf.GGUFReader(str(path))
+        assert list(ours.fields) == list(theirs.fields)
+        for key, f in theirs.fields.items():
+            g = ours.fields[key]
+            assert (list(g.types), g.contents()) == (list(f.types), f.contents()), key
+            if f.types[0] == gguf.GGUFValueType.ARRAY:
+                assert g.contents(0) == f.contents(0), key
+        assert [(t.name, t.data_offset) for t in ours.tensors] == [
+            (t.name, t.data_offset) for t in theirs.tensors
+        ]
+    raw = bytearray(hybrid.read_bytes())
+    at = raw.find(b"tokenizer.ggml.merges") + len("tokenizer.ggml.merges") + 16
+    raw[at : at + 8] = (1 << 40).to_bytes(8, "little")  # the first merge's length: 1 TB
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
+        open_reader(gguf, bad)
