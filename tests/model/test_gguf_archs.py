@@ -382,3 +382,24 @@ def test_later_family_writer_is_llama_cpps_converter(tiny_model, tmp_path, famil
     lp = torch.log_softmax(torch.tensor(np.array(peer.scores[: len(IDS)])), -1)
     theirs_err = torch.tensor([float(lp[i, IDS[i + 1]]) for i in range(len(IDS) - 1)]) - exact
     assert float(err.max()) <= float(theirs_err.abs().max())
+
+
+def test_gpt_oss_greedy_tokens_are_llama_cpps(tmp_path):
+    """A gpt-oss file in its published GGUF's types (MXFP4 experts, q8_0 attention, embeddings
+    and output; random blocks): hetserve's greedy tokens are llama.cpp's on the same file."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from hetserve import SamplingParams
+    from hetserve.testing.random_gguf import GPT_OSS_20B, write_random_gpt_oss
+
+    small = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 256,
+             "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1024}  # fmt: skip
+    path = tmp_path / "m.gguf"
+    write_random_gpt_oss(path, {**GPT_OSS_20B, **small})
+    peer = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=2, verbose=False)
+    gen = peer.generate([65, 66, 67], temp=0.0, top_k=1)
+    theirs = [next(gen) for _ in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(str(path), max_model_len=256)
+    assert {e.backend_name for _, e in llm.model.routed_experts()} <= {"cpu-mxfp4", "placed"}
+    ours = llm.generate(prompt_token_ids=[65, 66, 67], sampling_params=params)[0].token_ids
+    assert list(ours) == theirs
