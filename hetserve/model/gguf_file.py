@@ -36,24 +36,18 @@ from hetserve.model.gguf_archs import (
     DEEPSEEK32_NAMES,
     GLM4MOE_NAMES,
     GPT_OSS_NAMES,
-    KDA_CHANGED,
     KIMI_LINEAR_NAMES,
     MINIMAX_M2_NAMES,
     QWEN3NEXT_NAMES,
-    ZERO_CENTRED_GGUF,
     deepseek2_config,
-    fuse_kv_b,
-    fuse_qkvz,
     glm4moe_config,
     gpt_oss_config,
-    kda_value,
     kimi_linear_config,
-    linear_attn_value,
     llama_moe_config,
     minimax_m2_config,
     qwen3next_config,
-    unpermute_rope,
 )
+from hetserve.model.gguf_family import LINEAR_ATTN, FamilyTensors
 from hetserve.model.gguf_parts import open_parts, release_pages
 from hetserve.quant.gguf import BITS, KEPT
 from hetserve.quant.gguf_convert import NATIVE_BPW, convert_target, converted, relative_rms
@@ -77,10 +71,6 @@ ARCHITECTURES = {
     "minimax-m2": ("MiniMaxM2ForCausalLM", "minimax_m2", True),
     "kimi-linear": ("KimiLinearForCausalLM", "kimi_linear", True),
 }
-_LINEAR_ATTN = ("qwen3next", "qwen35moe")  # Gated DeltaNet layers (gguf_archs)
-_DELTANET = re.compile(r"^blk\.(\d+)\.(ssm_\w+|attn_qkv|attn_gate)(\.weight|\.bias)?$")
-_ROPE_PERMUTED = re.compile(r"^blk\.\d+\.attn_(q|k)\.weight$")  # llama's q / k (gguf_archs)
-_KV_SPLIT = re.compile(r"^blk\.(\d+)\.attn_(k|v)_b\.weight$")
 _LAYER = r"^blk\.(\d+)\."
 _MLP = r"model.layers.\1.mlp."
 _NAMES = [
@@ -98,7 +88,6 @@ _NAMES = [
     (_LAYER + r"ffn_(gate|up|down)\.weight$", _MLP + r"\2_proj.weight"),
 ]
 _EXPERTS = re.compile(_LAYER + r"ffn_(gate|up|down)_exps\.weight$")
-_EXPERT_BIAS = re.compile(_LAYER + r"ffn_(gate|up|down)_exps\.bias$")  # gpt-oss
 # Config keys: HF name -> GGUF key suffix (after "<arch>.").
 _CONFIG_KEYS = {
     "hidden_size": "embedding_length",
@@ -127,7 +116,7 @@ def _import_gguf():
     return gguf
 
 
-class GgufCheckpoint:
+class GgufCheckpoint(FamilyTensors):
     def __init__(self, path: Path) -> None:
         gguf = _import_gguf()
         self.path, self._gguf = path, gguf
@@ -181,7 +170,7 @@ class GgufCheckpoint:
             cfg.update(llama_moe_config(self.field, self.arch))
         if self.arch == "gpt-oss":
             cfg.update(gpt_oss_config(self.field, self.arch, set(self.tensor_info)))
-        if self.arch in _LINEAR_ATTN:
+        if self.arch in LINEAR_ATTN:
             cfg.update(qwen3next_config(self.field, self.arch, set(self.tensor_info)))
         if self.arch == "minimax-m2":
             cfg.update(minimax_m2_config(self.field, self.arch, set(self.tensor_info)))
@@ -342,127 +331,13 @@ class GgufCheckpoint:
             for e in take:  # handed over, not kept here: the last yield builds the layer
                 yield names[e], values.pop(), int(t.n_bytes) // n
             return
-        if _KV_SPLIT.match(name):
-            yield from self._kv_b(name, wanted, int8)
-            return
-        if _EXPERT_BIAS.match(name):
-            yield from self._expert_bias(name, wanted)
-            return
-        if self.arch == "kimi-linear" and KDA_CHANGED.match(name):
-            hf = self._hf_name(name)
-            if wanted(hf):
-                self._note(f"{t.tensor_type.name} -> fp32")
-                yield hf, kda_value(name, self._fp32(t)), int(t.n_bytes)
-            return
-        if self.arch in _LINEAR_ATTN and (_DELTANET.match(name) or ZERO_CENTRED_GGUF.search(name)):
-            yield from self._linear_attn(name, t, wanted, int8)
+        if self._transformed(name):  # a family's tensor its converter changed: gguf_family
+            yield from self._family_tensor(name, t, wanted, int8)
             return
         hf = self._hf_name(name)
         if not wanted(hf):
             return
-        linear = len(t.shape) == 2 and int8(hf)
-        if self.arch == "llama" and _ROPE_PERMUTED.match(name):
-            yield hf, self._unpermuted(t, linear), int(t.n_bytes)
-        elif name.endswith("ffn_gate_inp_shexp.weight") and len(t.shape) == 1:
-            # [1, hidden] as llama.cpp's quantizer writes it: one dimension (ggml_n_dims)
-            w = self._fp32(t).reshape(1, -1)
-            kind = t.tensor_type.name
-            yield hf, self._int8(kind, w) if int8(hf) else w, int(t.n_bytes)
-        else:
-            yield hf, self._value(t, linear), int(t.n_bytes)
-
-    def _kv_b(
-        self,
-        name: str,
-        wanted: Callable[[str], bool],
-        int8: Callable[[str], bool] = lambda _: False,
-    ) -> Iterator[tuple[str, object, int]]:
-        """Newer converters split DeepSeek's kv_b_proj into attn_k_b and attn_v_b; it is fused
-        back (in fp32) at attn_k_b, unless the file also holds the fused attn_kv_b."""
-        layer, part = _KV_SPLIT.match(name).groups()  # type: ignore[union-attr]
-        hf = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
-        if part == "v" or f"blk.{layer}.attn_kv_b.weight" in self.tensor_info or not wanted(hf):
-            return
-        k_t = self.tensor_info[name]
-        v_t = self.tensor_info.get(f"blk.{layer}.attn_v_b.weight")
-        if v_t is None:
-            raise ModelLoadError(f"GGUF tensor {name!r} has no attn_v_b beside it")
-        if int8(hf):  # fp32 for this one matrix only, noted as what it becomes
-            value = self._int8(k_t.tensor_type.name, fuse_kv_b(self._fp32(k_t), self._fp32(v_t)))
-        else:
-            value = fuse_kv_b(self._value(k_t, False), self._value(v_t, False))
-        yield hf, value, int(k_t.n_bytes) + int(v_t.n_bytes)
-
-    def _linear_attn(
-        self, name: str, t, wanted: Callable[[str], bool], int8: Callable[[str], bool]
-    ) -> Iterator[tuple[str, object, int]]:
-        """A qwen3next / qwen35moe tensor that llama.cpp's converter changed, back in HF's
-        form (gguf_archs.linear_attn_value), in fp32 from the file's numbers (an int8 linear
-        rounded from them): zero-centred norms as w (the model adds the 1 back: the same fp32
-        number), Qwen3-Next's attn_qkv and attn_gate fused back into in_proj_qkvz."""
-        hf = self._hf_name(name)
-        if ZERO_CENTRED_GGUF.search(name):
-            if wanted(hf):
-                yield hf, self._value(t, False) - 1.0, int(t.n_bytes)
-            return
-        fused = self.arch == "qwen3next"
-        if fused and name.endswith("attn_gate.weight"):
-            return  # read with attn_qkv
-        layer = int(name.split(".")[1])
-        cfg = self.hf_config()
-        nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
-        dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
-        nbytes = int(t.n_bytes)
-        if fused and name.endswith("attn_qkv.weight"):
-            hf = hf.replace("in_proj_qkv", "in_proj_qkvz")
-            if not wanted(hf):
-                return
-            gate = self.tensor_info.get(f"blk.{layer}.attn_gate.weight")
-            if gate is None:
-                raise ModelLoadError(f"GGUF tensor {name!r} has no attn_gate beside it")
-            w = fuse_qkvz(self._fp32(t), self._fp32(gate), nk, dk)
-            nbytes += int(gate.n_bytes)
-        elif not wanted(hf):
-            return
-        else:  # qwen3next's value heads are in HF's order: no reorder (equal heads)
-            leaf = hf.split(".linear_attn.")[1]
-            w = linear_attn_value(leaf, self._fp32(t), (nk, nk if fused else nv, dk, dv))
-        kind = t.tensor_type.name
-        if w.ndim == 2 and int8(hf):
-            yield hf, self._int8(kind, w), nbytes
-        else:
-            self._note(f"{kind} -> fp32")
-            yield hf, w, nbytes
-
-    def _expert_bias(self, name: str, wanted: Callable[[str], bool]):
-        """gpt-oss's expert biases as its checkpoints hold them: down's [E, H] as it is, gate's
-        and up's [E, I] interleaved into one [E, 2I] (gate the even columns), read at gate's."""
-        layer, proj = _EXPERT_BIAS.match(name).groups()  # type: ignore[union-attr]
-        prefix = f"model.layers.{layer}.mlp.experts"
-        hf = f"{prefix}.{'down_proj' if proj == 'down' else 'gate_up_proj'}_bias"
-        if proj == "up" or not wanted(hf):
-            return
-        t = self.tensor_info[name]
-        if proj == "down":
-            yield hf, self._value(t, False), int(t.n_bytes)
-            return
-        up = self.tensor_info.get(f"blk.{layer}.ffn_up_exps.bias")
-        if up is None:
-            raise ModelLoadError(f"GGUF tensor {name!r} has no ffn_up_exps.bias beside it")
-        gate_up = torch.stack((self._value(t, False), self._value(up, False)), dim=-1)
-        yield hf, gate_up.reshape(gate_up.shape[0], -1), int(t.n_bytes) + int(up.n_bytes)
-
-    def _unpermuted(self, t, linear: bool) -> torch.Tensor | QMatrix:
-        """A llama file's q / k weight in HF's row order (an int8 linear's: its rows moved as
-        they are, each row keeping its own scales)."""
-        kv = t.name.endswith("attn_k.weight")
-        heads = self.field(f"llama.attention.head_count{'_kv' if kv else ''}")
-        heads = int(heads or self.field("llama.attention.head_count"))
-        value = self._value(t, linear)
-        if isinstance(value, QMatrix):
-            order = unpermute_rope(torch.arange(value.shape[0]), heads)
-            return value.rows(order).contiguous()
-        return unpermute_rope(value, heads)
+        yield hf, self._value(t, len(t.shape) == 2 and int8(hf)), int(t.n_bytes)
 
     def _hf_name(self, name: str) -> str:
         own = {"deepseek2": DEEPSEEK2_NAMES, "deepseek32": DEEPSEEK32_NAMES,
