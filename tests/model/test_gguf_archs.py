@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("gguf")
+gguf = pytest.importorskip("gguf")
 
 from hetserve import LLM, envs  # noqa: E402
 from hetserve.model.gguf_archs import fuse_kv_b  # noqa: E402
@@ -403,3 +403,19 @@ def test_gpt_oss_greedy_tokens_are_llama_cpps(tmp_path):
     assert {e.backend_name for _, e in llm.model.routed_experts()} <= {"cpu-mxfp4", "placed"}
     ours = llm.generate(prompt_token_ids=[65, 66, 67], sampling_params=params)[0].token_ids
     assert list(ours) == theirs
+
+
+def test_mxfp4_relaid_natively_as_by_torch(monkeypatch):
+    """GGUF MXFP4 blocks re-laid for cpu-mxfp4 by native/layouts.c equal the torch path's
+    bytes, and both stand for gguf's own dequantization of the blocks."""
+    from hetserve.quant.gguf import mxfp4_rows
+
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(3, 64, 4 * 17), dtype=np.uint8)
+    raw[..., ::17] = rng.integers(110, 130, size=raw[..., ::17].shape)  # finite scales
+    native = mxfp4_rows(raw)
+    monkeypatch.setenv("HETSERVE_NATIVE_KERNELS", "0")
+    plain = mxfp4_rows(raw)
+    assert torch.equal(native.blocks, plain.blocks) and torch.equal(native.scales, plain.scales)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.MXFP4)
+    assert np.array_equal(native.dequantize().numpy(), want.reshape(3, 64, 128))
