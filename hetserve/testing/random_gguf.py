@@ -198,7 +198,7 @@ def write_random_gpt_oss(path: Path, cfg: dict, progress: bool = False) -> int:
     """A gpt-oss-shaped file (GPT_OSS_20B's keys) of random blocks at `path`; its size."""
     import gguf
 
-    from hetserve.testing.tiny_gguf_archs import gguf_metadata
+    from hetserve.testing.tiny_gguf_keys import gguf_metadata
 
     w = gguf.GGUFWriter(str(path), "gpt-oss")
     gguf_metadata(w, "gpt-oss", cfg)
