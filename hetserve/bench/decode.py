@@ -36,8 +36,9 @@ def register(sub) -> None:
     p.add_argument(
         "--model",
         required=True,
-        help="HF model directory (a MoE checkpoint); `hetserve models make-tiny --arch qwen3-moe "
-        "DIR` writes a small random one to try it on (docs/benchmarks.md: the figures' models)",
+        help="HF model directory (a MoE checkpoint), or a .gguf file as downloaded (then only "
+        "llama.cpp and hetserve on that file are timed); `hetserve models make-tiny --arch "
+        "qwen3-moe DIR` writes a small random one to try it on (docs/benchmarks.md)",
     )
     p.add_argument("--tokens", type=int, default=32, help="tokens to decode per run")
     p.add_argument("--prompt-len", type=int, default=64)
@@ -195,6 +196,13 @@ def _hf_rate(args, ids: list[int], bar) -> float | None:
 def _load_config(model: str) -> dict:
     from hetserve.errors import InvalidInputError, ModelNotFoundError
 
+    if str(model).endswith(".gguf") and Path(model).is_file():  # the file's own metadata
+        from hetserve.model.gguf_file import GgufCheckpoint
+
+        cfg = GgufCheckpoint(Path(model)).hf_config()
+        if not cfg.get("num_experts_per_tok"):
+            raise InvalidInputError(f"{model!r} is not a MoE model (no expert_used_count)")
+        return cfg
     path = Path(model) / "config.json"
     if not path.is_file():
         raise ModelNotFoundError(f"no config.json in {model!r}: pass an HF model directory")
@@ -246,6 +254,9 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.errors import InvalidInputError
 
     cfg = _load_config(args.model)
+    if str(args.model).endswith(".gguf"):  # a file alone: llama.cpp and hetserve on it
+        args.gguf = args.model
+        args.skip_cpu_int8 = args.skip_all_int8 = args.skip_reference = args.skip_hf = True
     if args.tokens < 2:
         raise InvalidInputError("--tokens must be at least 2")
     if args.rounds < 1 or args.repeats < 1:

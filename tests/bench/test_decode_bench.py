@@ -166,6 +166,21 @@ def test_hetserve_on_a_given_gguf(tiny_model, tmp_path):
     assert data["llamacpp_peer"] == "llama.cpp gguf"
 
 
+def test_bench_decode_on_a_gguf_file_alone(tiny_model, tmp_path):
+    """--model FILE.gguf, as people download it (no HF directory): the config from the file's
+    metadata, only the file's rows (llama.cpp skipped here: hetserve on the file)."""
+    pytest.importorskip("gguf")
+    from hetserve.testing.tiny_gguf_archs import write_family_gguf
+
+    gguf = write_family_gguf(tiny_model("gpt-oss"), tmp_path / "m.gguf", "q8_0")
+    out = tmp_path / "decode.json"
+    rc = main(["bench", "decode", "--model", str(gguf), *FAST, "--skip-llamacpp",
+               "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    rates = json.loads(out.read_text())["decode_tokens_per_s"]
+    assert list(rates) == ["hetserve gguf (same GGUF)"] and rates["hetserve gguf (same GGUF)"] > 0
+
+
 def test_bench_decode_streams_rates_and_roofline(moe_dir, tmp_path, capsys):
     out = tmp_path / "streams.json"
     rc = main(["bench", "decode", "--model", str(moe_dir), *FAST, "--streams", "4,1",
