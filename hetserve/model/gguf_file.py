@@ -46,6 +46,7 @@ from hetserve.model.gguf_archs import (
     llama_moe_config,
     minimax_m2_config,
     qwen3next_config,
+    yarn_rope,
 )
 from hetserve.model.gguf_family import LINEAR_ATTN, FamilyTensors
 from hetserve.model.gguf_parts import open_parts, release_pages
@@ -176,6 +177,10 @@ class GgufCheckpoint(FamilyTensors):
             cfg.update(minimax_m2_config(self.field, self.arch, set(self.tensor_info)))
         if self.arch == "kimi-linear":
             cfg.update(kimi_linear_config(self.field, self.arch))
+        if "rope_parameters" not in cfg:  # any family's YaRN (Qwen3's long-context files)
+            scaling = yarn_rope(self.field, self.arch)
+            if scaling:
+                cfg["rope_parameters"] = scaling
         return cfg
 
     def _packed_layers(self) -> tuple[dict[int, str], dict[str, str]]:

@@ -419,3 +419,31 @@ def test_mxfp4_relaid_natively_as_by_torch(monkeypatch):
     assert torch.equal(native.blocks, plain.blocks) and torch.equal(native.scales, plain.scales)
     want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.MXFP4)
     assert np.array_equal(native.dequantize().numpy(), want.reshape(3, 64, 128))
+
+
+def test_yarn_from_any_familys_file(tiny_model, tmp_path):
+    """A Qwen3-MoE file with YaRN keys (rope.scaling.*, as the converter writes a long-context
+    model's) runs YaRN: against transformers with the same rope_parameters, on the file's
+    exact numbers (q8_0 experts on their kernel). Without the scaling the logprobs move."""
+    from hetserve.testing.tiny_gguf import write_gguf
+
+    src = tiny_model("qwen3-moe")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain = write_gguf(src, tmp_path / "a" / "m.gguf", tmp_path / "ref", "q8_0", "f32")
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+            "beta_fast": 32.0, "beta_slow": 1.0}  # fmt: skip
+
+    def extra(writer, reader):
+        writer.add_string("qwen3moe.rope.scaling.type", "yarn")
+        writer.add_float32("qwen3moe.rope.scaling.factor", yarn["factor"])
+        writer.add_uint32("qwen3moe.rope.scaling.original_context_length", 16)
+
+    path = _rewritten(plain, tmp_path / "b" / "m.gguf", extra=extra)
+    cfg = json.loads((tmp_path / "ref" / "config.json").read_text())
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta")
+    cfg["rope_parameters"] = {**yarn, "rope_theta": theta}
+    (tmp_path / "ref" / "config.json").write_text(json.dumps(cfg))
+    ours = logprobs(LLM(str(path), placement="device"))
+    assert float((ours - _transformers_logprobs(tmp_path / "ref")).abs().max()) <= 1e-3
+    assert float((ours - logprobs(LLM(str(plain), placement="device"))).abs().max()) > 1e-3
