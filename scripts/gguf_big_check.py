@@ -55,13 +55,17 @@ def run(tokens):
     return time.perf_counter() - t, out.token_ids
 
 run(2)  # warm
-t1, _ = run(1)
-tn, ids = run(n)
+best = 0.0
+for _ in range(2):  # best of two rounds, as llama.cpp's
+    t1, _ = run(1)
+    tn, ids = run(n)
+    best = max(best, (n - 1) / (tn - t1))
 print(json.dumps({"before": before, "after_load": after, "end": status(), "load_s": loaded,
-                  "decode_tok_s": (n - 1) / (tn - t1), "generate_s": tn, "tokens": ids}))
+                  "decode_tok_s": best, "generate_s": tn, "tokens": ids}))
 """
 
-# llama.cpp on the same file: decode tokens/s from the first sampled token to the n-th
+# llama.cpp on the same file: decode tokens/s from the first sampled token to the n-th, the
+# file's pages in the page cache
 LLAMA_CHILD = r"""
 import json, sys, time
 import llama_cpp
@@ -70,6 +74,11 @@ t0 = time.perf_counter()
 llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=256, n_threads=2, n_threads_batch=2,
                       verbose=False)
 loaded = time.perf_counter() - t0
+# llama.cpp maps the file and reads pages as decode first touches them: read it once so the
+# timed rounds are decode, not the disk (hetserve's rounds run from its own copies)
+with open(sys.argv[1], "rb", buffering=0) as f:
+    while f.read(1 << 26):
+        pass
 best = 0.0
 for _ in range(2):
     llm.reset()
@@ -83,7 +92,19 @@ print(json.dumps({"load_s": loaded, "decode_tok_s": best}))
 """
 
 
+def _cold(path: Path) -> None:
+    """The file's pages out of the page cache (written back first), as a downloaded file is
+    read: right after the write, 12 GB of dirty pages being written back slowed a load 2.6x."""
+    os.sync()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def _child(code: str, path: Path, tokens: int) -> dict | None:
+    _cold(path)
     proc = subprocess.run([sys.executable, "-c", code, str(path), str(tokens)],
                           capture_output=True, text=True, env=dict(os.environ))  # fmt: skip
     sys.stderr.write(proc.stderr[-3000:])
