@@ -13,6 +13,7 @@ ModelLoadError naming the tensor.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -53,6 +54,14 @@ class FamilyTensors:
     _hf_name: Callable[[str], str]
     hf_config: Callable[[], dict]
     field: Callable[..., Any]
+
+    @functools.cached_property
+    def _deltanet_sizes(self) -> tuple[int, int, int, int]:
+        """Key heads, value heads, key and value head dims of the Gated DeltaNet layers, read
+        from the config once (not rebuilt per tensor)."""
+        cfg = self.hf_config()
+        return (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"],
+                cfg["linear_key_head_dim"], cfg["linear_value_head_dim"])  # fmt: skip
 
     def _transformed(self, name: str) -> bool:
         """Whether the file's tensor `name` is one its family's converter changed."""
@@ -133,9 +142,7 @@ class FamilyTensors:
         if fused and name.endswith("attn_gate.weight"):
             return  # read with attn_qkv
         layer = int(name.split(".")[1])
-        cfg = self.hf_config()
-        nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
-        dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+        nk, nv, dk, dv = self._deltanet_sizes
         nbytes = int(t.n_bytes)
         if fused and name.endswith("attn_qkv.weight"):
             hf = hf.replace("in_proj_qkv", "in_proj_qkvz")
