@@ -37,9 +37,9 @@ if TYPE_CHECKING:
     from hetserve.quant.packed import QMatrix
 
 # The native kernel's formats (F_* in hetserve/native/moe_job.h).
-_INT8, _Q4K, _Q6K, _Q5K, _IQ4XS, _IQ4NL = 1, 5, 6, 7, 8, 9
+_INT8, _Q4K, _Q6K, _Q5K, _IQ4XS, _IQ4NL, _Q3K, _Q2K = 1, 5, 6, 7, 8, 9, 10, 11
 _NAMES = {_INT8: "int8", _Q4K: "q4_K", _Q6K: "q6_K", _Q5K: "q5_K", _IQ4XS: "iq4_xs",
-          _IQ4NL: "iq4_nl"}  # fmt: skip
+          _IQ4NL: "iq4_nl", _Q3K: "q3_K", _Q2K: "q2_K"}  # fmt: skip
 
 
 def _native_ok() -> bool:
@@ -58,13 +58,14 @@ def _quads_padded(q: torch.Tensor, fmt: int, group: int) -> torch.Tensor:
 
 
 def _native_packed(packed: QMatrix | None) -> bool:
-    """A checkpoint matrix the native kernel reads as it is: q4_K, q5_K, q6_K, IQ4_XS, IQ4_NL,
+    """A checkpoint matrix the native kernel reads as it is: q2_K-q6_K, IQ4_XS, IQ4_NL,
     or int8 per row (any width: padded) or in groups of a multiple of 16 columns (q8_0)."""
-    from hetserve.quant.gguf import Q5KRows, Q6KRows
+    from hetserve.quant.gguf import Q2KRows, Q3KRows, Q5KRows, Q6KRows
     from hetserve.quant.gguf_iq import IQ4NLRows, IQ4XSRows
     from hetserve.quant.packed import Int8PerRow, Int8Rows, Q4KRows
 
-    if isinstance(packed, Q4KRows | Q5KRows | Q6KRows | IQ4XSRows | IQ4NLRows | Int8PerRow):
+    kept = Q4KRows | Q5KRows | Q6KRows | Q3KRows | Q2KRows | IQ4XSRows | IQ4NLRows | Int8PerRow
+    if isinstance(packed, kept):
         return True
     return isinstance(packed, Int8Rows) and packed.group % 16 == 0
 
@@ -109,7 +110,7 @@ class Int8Linear(nn.Module):
     def _native_layout(self, packed: QMatrix, bias: torch.Tensor | None) -> None:
         """The checkpoint's numbers in the kernel's quad layout (only bytes move)."""
         from hetserve.native import hugepage_empty
-        from hetserve.quant.gguf import Q5KRows, Q6KRows
+        from hetserve.quant.gguf import Q2KRows, Q3KRows, Q5KRows, Q6KRows
         from hetserve.quant.gguf_iq import KERNEL_ORDER, IQ4NLRows, IQ4XSRows
         from hetserve.quant.layout import (
             fp16_group_scales,
@@ -123,7 +124,14 @@ class Int8Linear(nn.Module):
 
         self.nbytes = packed.nbytes
         n, k = packed.shape
-        rows = {Q6KRows: _Q6K, Q5KRows: _Q5K, IQ4XSRows: _IQ4XS, IQ4NLRows: _IQ4NL}
+        rows = {
+            Q6KRows: _Q6K,
+            Q5KRows: _Q5K,
+            IQ4XSRows: _IQ4XS,
+            IQ4NLRows: _IQ4NL,
+            Q3KRows: _Q3K,
+            Q2KRows: _Q2K,
+        }
         if type(packed) in rows:  # the file's rows, padded to quads (IQ4_NL: to 256 columns)
             self.fmt, self.group = rows[type(packed)], 0
             padded = pad_qmatrix(packed, round_up(n, 4), padded_size(self.fmt, 0, k))

@@ -25,7 +25,8 @@ from hetserve.quant.packed import QMatrix
 # fields).
 # Each: (gguf's type name, gguf_rows.c's type number).
 _GGML = {"Q4KRows": ("Q4_K", 0), "Q5KRows": ("Q5_K", 1), "Q6KRows": ("Q6_K", 2),
-         "IQ4XSRows": ("IQ4_XS", 3), "IQ4NLRows": ("IQ4_NL", 4)}  # fmt: skip
+         "IQ4XSRows": ("IQ4_XS", 3), "IQ4NLRows": ("IQ4_NL", 4), "Q3KRows": ("Q3_K", 5),
+         "Q2KRows": ("Q2_K", 6)}  # fmt: skip
 
 
 class QuantEmbedding(nn.Module):

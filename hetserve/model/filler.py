@@ -5,7 +5,7 @@ Routed experts are accepted one tensor per expert (what checkpoints on disk hold
 fused tensors (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]). Experts that
 the checkpoint stores quantized stay in that format (`PackedExperts`, assembled here); any
 other quantized weight is dequantized into its parameter. A linear's weight in a format the
-quantized dense kernels read (GGUF q8_0 / q4_K / q5_K / q6_K) is also kept beside it, as the
+quantized dense kernels read (GGUF q8_0 / q2_K-q6_K / IQ4) is also kept beside it, as the
 linear's `packed_weight`, when a placement could give that linear such a kernel (int8_linear.py
 serves those numbers exactly; model/hybrid_plan.py drops what it does not use). A linear
 weight the loader left unallocated (meta: a GGUF load's int8 linears, model/loader.py) gets
@@ -29,12 +29,12 @@ from torch import nn
 from hetserve.errors import MissingTensorError, ModelLoadError, TensorShapeError
 from hetserve.layers.moe import FusedExperts
 from hetserve.model.base import CausalLM
-from hetserve.quant.gguf import Q5KRows, Q6KRows
+from hetserve.quant.gguf import Q2KRows, Q3KRows, Q5KRows, Q6KRows
 from hetserve.quant.gguf_iq import IQ4NLRows, IQ4XSRows
 from hetserve.quant.packed import Int8Rows, PackedExperts, Q4KRows, QMatrix
 
 # The checkpoint matrices the dense kernels read as they are (layers/int8_linear.py).
-LINEAR_KINDS = (Int8Rows, Q4KRows, Q5KRows, Q6KRows, IQ4XSRows, IQ4NLRows)
+LINEAR_KINDS = (Int8Rows, Q4KRows, Q5KRows, Q6KRows, Q3KRows, Q2KRows, IQ4XSRows, IQ4NLRows)
 
 PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")

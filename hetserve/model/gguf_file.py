@@ -3,15 +3,15 @@
 `GgufCheckpoint` offers what the loader reads from a safetensors checkpoint: an HF-style config
 (config.json beside the file wins; else one derived from the GGUF metadata with llama.cpp's
 semantics) and a stream of weights under their HF names. Routed experts never widen to fp32:
-q8_0, q4_K, q5_K, q6_K, IQ4_XS and IQ4_NL tensors stay in their numbers, exactly, each tensor
+q8_0, q2_K-q6_K, IQ4_XS and IQ4_NL tensors stay in their numbers, exactly, each tensor
 in its own type (a layer may mix them: cpu-gguf; all q4_K: cpu-int4; all q8_0: cpu-int8), and
 gpt-oss's MXFP4 experts re-laid, exactly, for cpu-mxfp4 (a layer all MXFP4); other
-types are converted at load to the native format of no more bits per weight (q4_K where none
+types are converted at load to the native format of no more bits per weight (q2_K where none
 has so few; quant/gguf_convert.py, convert_target), as are gate and up of different types (both to
 the target of the smaller: they share one fused matrix). Linears that the placement serves on
 the int8 kernel (`tensors`' `int8`: all-int8's attention, shared experts, dense MLPs, lm_head)
-go to it per tensor, never as a model-sized fp32 copy: q8_0 and the K-quants q4_K, q5_K and
-q6_K as they are (the token embeddings too: layers/quant_embedding.py), any other
+go to it per tensor, never as a model-sized fp32 copy: q8_0, the K-quants q2_K-q6_K and the
+4-bit i-quants as they are (the token embeddings too: layers/quant_embedding.py), any other
 type dequantized one tensor at a time and rounded to int8 in groups of 32 columns with fp16
 scales (`Int8Rows.grouped`: |error| <= scale / 2 per weight, scale ~ max|group| / 127), the
 fp32 tensor dropped at once. Every other tensor is dequantized by `gguf` itself. `summary()` is
@@ -56,7 +56,7 @@ from hetserve.quant.packed import Int8Rows, QMatrix
 
 # The types an int8 linear (and the token embeddings) take as they are: the native linear
 # kernel reads q8_0's numbers and the K-quants' super-blocks.
-LINEARS_KEPT = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL")
+LINEARS_KEPT = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL")
 
 # GGUF architecture -> (HF architecture, model_type, llama.cpp's norm of the top-k weights)
 ARCHITECTURES = {

@@ -1,12 +1,14 @@
 """`cpu-gguf`: routed experts of a GGUF file served from each tensor's own block type, where a
 layer may mix them (llama.cpp's Q4_K_M keeps gate/up in q4_K and down in q6_K in some layers,
-Q5_K_M q5_K beside q6_K, IQ4_XS files IQ4_NL where a row is off 256, a size off 256 gets q8_0).
+Q5_K_M q5_K beside q6_K, Q2_K / Q3_K_M q2_K and q3_K beside q4_K-q6_K, IQ4_XS files IQ4_NL where
+a row is off 256, a size off 256 gets q8_0).
 
 Who uses it: the loader picks it for GGUF experts that are not all q4_K or all q8_0
 (`PACKED_BACKENDS`); tests and `bench moe-kernel` build it directly. W13 (gate and up, one type) and
 W2 each keep their format on the native kernel (moe_kernels.c: a phase-2 format beside the phase-1
-one): q4_K in its quad layout (moe_q4k.h), q6_K, q5_K, IQ4_XS and IQ4_NL rows as the file stores
-them (moe_kq.h; IQ4_XS with each block's nibbles regrouped, the same bytes), q8_0 as grouped int8,
+one): q4_K in its quad layout (moe_q4k.h), q6_K, q5_K, q3_K, q2_K, IQ4_XS and IQ4_NL rows as the
+file stores them (moe_kq.h; IQ4_XS with each block's nibbles regrouped, the same bytes), q8_0 as
+grouped int8,
 int4 groups. The K-quants and 4-bit i-quants meet activations rounded as llama.cpp's q8_K (int8 per
 256 columns: |x - x_hat| <= amax / 254 of the super-block; IQ4_NL rows padded to 256 with zero
 blocks), q8_0 and int4 int16 per row.
@@ -25,15 +27,17 @@ from hetserve.moe.cpu_backends import _native_only
 from hetserve.moe.cpu_native import F_I4, F_I8, F_Q4K, _NativeExperts
 from hetserve.moe.experts import Activation, ExpertWeights, register_backend
 from hetserve.moe.native_layout import int4_layer, q4k_layer, rows_layer, stacked_quads
-from hetserve.quant.gguf import Q5KRows, Q6KRows
+from hetserve.quant.gguf import Q2KRows, Q3KRows, Q5KRows, Q6KRows
 from hetserve.quant.gguf_iq import IQ4NLRows, IQ4XSRows
 from hetserve.quant.layout import fp16_group_scales, pad_qmatrices
 from hetserve.quant.packed import Int4Rows, Int8Rows, Q4KRows, QMatrix
 
-F_Q6K, F_Q5K, F_IQ4XS, F_IQ4NL = 6, 7, 8, 9  # moe_kernels.c's F_*
+F_Q6K, F_Q5K, F_IQ4XS, F_IQ4NL, F_Q3K, F_Q2K = 6, 7, 8, 9, 10, 11  # moe_kernels.c's F_*
 _FORMATS: dict[type, int] = {Q4KRows: F_Q4K, Q6KRows: F_Q6K, Q5KRows: F_Q5K, Int8Rows: F_I8,
-                             Int4Rows: F_I4, IQ4XSRows: F_IQ4XS, IQ4NLRows: F_IQ4NL}  # fmt: skip
-_FILE_ROWS = (F_Q6K, F_Q5K, F_IQ4XS, F_IQ4NL)  # the file's bytes as they are (moe_kq.h)
+                             Int4Rows: F_I4, IQ4XSRows: F_IQ4XS, IQ4NLRows: F_IQ4NL,
+                             Q3KRows: F_Q3K, Q2KRows: F_Q2K}  # fmt: skip
+# the file's bytes as they are (moe_kq.h)
+_FILE_ROWS = (F_Q6K, F_Q5K, F_IQ4XS, F_IQ4NL, F_Q3K, F_Q2K)
 
 
 def _format(mats: Sequence[QMatrix], what: str) -> int:

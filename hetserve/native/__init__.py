@@ -21,8 +21,8 @@
   node (mbind), the node of a page, a thread team pinned to the node's CPUs.
 - `peaks.c`: the CPU's fp32 / int16 / int8 / bf16 multiply-add peaks, measured (`bench
   prefill` reads its rows against them).
-- `gguf_rows.c`: rows of a GGUF q4_K / q5_K / q6_K / IQ4_XS / IQ4_NL matrix dequantized to
-  fp32, gguf's own numbers (token embeddings kept in the file's blocks).
+- `gguf_rows.c`: rows of a GGUF q4_K / q5_K / q6_K / q3_K / q2_K / IQ4_XS / IQ4_NL matrix
+  dequantized to fp32, gguf's own numbers (token embeddings kept in the file's blocks).
 - `mla_decode.c`: DeepSeek-V3.2's indexer scores at decode, every key read in place from the
   paged cache (fp32, fp16 or int8); MLA's absorbed per-head products over fp16 matrices.
 - `layouts.c`: a GGUF q4_K matrix's blocks rearranged into the expert kernel's quad layout at

@@ -1,5 +1,5 @@
 /* Rows of a GGUF matrix dequantized to fp32, for token embeddings kept in the file's blocks
- * (hetserve.layers.quant_embedding): q4_K, q5_K, q6_K, IQ4_XS and IQ4_NL.
+ * (hetserve.layers.quant_embedding): q4_K, q5_K, q6_K, IQ4_XS, IQ4_NL, q3_K and q2_K.
  *
  * A decode step looks up one row per sequence; gguf's numpy dequantize spent 0.3-0.7 ms on
  * that one row (array set-up, not arithmetic), 16% of a 0.43 B MoE's decode step. Here a row of
@@ -12,7 +12,7 @@
  *
  * hetserve_gguf_rows(type, raw, row_bytes, rows, ids, n, cols, out): row ids[i] of `raw` (`rows`
  * rows of row_bytes bytes, each cols / 256 super-blocks, or cols / 32 blocks for IQ4_NL) into
- * out[i * cols ...]. type: 0 q4_K, 1 q5_K, 2 q6_K, 3 IQ4_XS, 4 IQ4_NL. Returns 0, -1 for an
+ * out[i * cols ...]. type: 0 q4_K, 1 q5_K, 2 q6_K, 3 IQ4_XS, 4 IQ4_NL, 5 q3_K, 6 q2_K. Returns 0, -1 for an
  * unknown type, -2 for an id outside [0, rows) (nothing written then). */
 #include <immintrin.h>
 #include <stdint.h>
@@ -77,6 +77,28 @@ static void iq4xs(const uint8_t *b, float *y) {
     }
 }
 
+/* q3_K (110 bytes: hmask[32], qs[64], scales[12], d) and q2_K (84: scales[16], qs[64], d,
+ * dmin): value v = 128 n + 32 i + l takes bits 2 i of qs[32 n + l] and (q3_K) bit 4 n + i of
+ * hmask[l] (clear: 4 subtracted); scale v / 16: q3_K's 6-bit one less 32 (q3k_scales), q2_K's
+ * low nibble with its minimum in the high one. */
+static void kquant23(const uint8_t *b, int three, float *y) {
+    const uint8_t *qs = b + (three ? 32 : 16);
+    int8_t sc[16];
+    if (three) _mm_storeu_si128((__m128i *)sc, q3k_scales(b + 96));
+    const float d = kq_f16(b + (three ? 108 : 80)), dmin = three ? 0.0f : kq_f16(b + 82);
+    for (int v = 0; v < 256; v++) {
+        const int n = v / 128, i = (v / 32) % 4, l = v % 32, g = v / 16;
+        int q = (qs[32 * n + l] >> (2 * i)) & 3;
+        if (three) {
+            q -= ((b[l] >> (4 * n + i)) & 1) ? 0 : 4;
+            y[v] = (d * (float)sc[g]) * (float)q;
+        } else {
+            const float t = (d * (float)(b[g] & 15)) * (float)q;
+            y[v] = t - dmin * (float)(b[g] >> 4);
+        }
+    }
+}
+
 /* IQ4_NL (18 bytes per 32 values: d, qs[16]). */
 static void iq4nl(const uint8_t *b, float *y) {
     const float d = kq_f16(b);
@@ -88,9 +110,9 @@ static void iq4nl(const uint8_t *b, float *y) {
 
 int hetserve_gguf_rows(int type, const uint8_t *raw, int64_t row_bytes, int64_t rows,
                        const int64_t *ids, int n, int cols, float *out) {
-    static const int block_values[5] = {256, 256, 256, 256, 32};
-    static const int block_bytes[5] = {144, 176, 210, 136, 18};
-    if (type < 0 || type > 4) return -1;
+    static const int block_values[7] = {256, 256, 256, 256, 32, 256, 256};
+    static const int block_bytes[7] = {144, 176, 210, 136, 18, 110, 84};
+    if (type < 0 || type > 6) return -1;
     const int per = block_values[type], bb = block_bytes[type];
     for (int i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= rows) return -2;
@@ -105,6 +127,8 @@ int hetserve_gguf_rows(int type, const uint8_t *raw, int64_t row_bytes, int64_t 
             case 1: kquant45(b, 1, yc); break;
             case 2: q6k(b, yc); break;
             case 3: iq4xs(b, yc); break;
+            case 5: kquant23(b, 1, yc); break;
+            case 6: kquant23(b, 0, yc); break;
             default: iq4nl(b, yc); break;
             }
         }

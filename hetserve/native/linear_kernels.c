@@ -9,7 +9,8 @@
  *   fmt 1 (int8), G > 0:  one fp16 scale per row and group of G columns (GGUF q8_0: 32,
  *                         its own fp16 numbers), stored [N / 4][K / G][4] (G % 16 == 0);
  *   fmt 5 (q4_K):         super-blocks of 256 columns with their own scales (moe_q4k.h);
- *   fmt 6 (q6_K), 7 (q5_K), 8 (IQ4_XS), 9 (IQ4_NL): each row's blocks as a GGUF file stores
+ *   fmt 6 (q6_K), 7 (q5_K), 8 (IQ4_XS), 9 (IQ4_NL), 10 (q3_K), 11 (q2_K): each row's blocks
+ *                         as a GGUF file stores
  *                         them (the i-quants' bytes regrouped as for the experts), rows in file
  *                         order (moe_kq.h), padded with zero rows to whole quads.
  * Activations are rounded to int16 per row, as for the experts; for the K-quants to int8 per
@@ -36,7 +37,8 @@ int hetserve_moe_padded(int fmt, int G, int n); /* moe_kernels.c */
 /* ... and about this many bytes of weights (hs_item_units): RC quads of a q4_K row of 2048 are
  * only 36 KiB; items of ~128 KiB read a 2048 x 3072 q4_K matrix at one token ~1.25x faster. */
 #define ITEM_BYTES (128 << 10)
-enum { L_I8 = 1, L_Q4K = 5, L_Q6K = 6, L_Q5K = 7, L_IQ4XS = 8, L_IQ4NL = 9 }; /* moe_job.h's F_* */
+enum { L_I8 = 1, L_Q4K = 5, L_Q6K = 6, L_Q5K = 7, L_IQ4XS = 8, L_IQ4NL = 9, L_Q3K = 10,
+       L_Q2K = 11 }; /* moe_job.h's F_* */
 
 typedef struct {
     int fmt, G, T, N, K, rc; /* rc: row quads per work item */
@@ -48,7 +50,7 @@ typedef struct {
     const int16_t *ps; /* K-quants: their sums per 16 (q4_K: per sub-block) [T, K / 256, 16] */
     const float *pd;   /* K-quants: their scales per super-block [T, K / 256] */
     float *out;
-    /* the K-quant tiles' activations (kg_widen) [T, K] and sums [T, K / 32], or NULL */
+    /* the K-quant tiles' activations (kg_widen) [T, K] and sums [T, K / 256, KG_MS], or NULL */
     const int16_t *kg16, *kgms;
     const amx_rows_t *amx; /* int8 GEMM: the rows split once for the AMX tiles (off: AVX) */
 } lin_t;
@@ -67,6 +69,8 @@ static inline void lin_quad(const lin_t *l, int n0, int nq, int m, int MB, float
         case L_Q5K: HS_KQ(L_Q5K)
         case L_IQ4XS: HS_KQ(L_IQ4XS)
         case L_IQ4NL: HS_KQ(L_IQ4NL)
+        case L_Q3K: HS_KQ(L_Q3K)
+        case L_Q2K: HS_KQ(L_Q2K)
         default: /* q4_K */
             if (nq == 2) {
                 if (MB == 2) quad_q4k(q, 2, K, a, 2, o); else quad_q4k(q, 2, K, a, 1, o);
@@ -161,7 +165,7 @@ static int lin_item_kgemm(const lin_t *l, int u0, int u1) {
             const int n = l->T - t0 < TBG ? l->T - t0 : TBG;
             for (int m = 0; m < n; m++) {
                 x[m] = l->kg16 + (size_t)(t0 + m) * K;
-                ms[m] = i8 ? NULL : l->kgms + (size_t)(t0 + m) * nsb * 8;
+                ms[m] = i8 ? NULL : l->kgms + (size_t)(t0 + m) * nsb * KG_MS;
                 xd[m] = i8 ? l->xsc + t0 + m : l->pd + (size_t)(t0 + m) * nsb;
             }
             kg_strip_gemm(&st, l->fmt, K, gk, span, x, xd, ms, NULL, n, isum, out);
@@ -204,7 +208,7 @@ static void lin_item(void *ctx, int c) {
  * of memory) or -3 (unknown format). */
 int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const float *x,
                      float *out, const void *w, const void *s) {
-    if (fmt != L_I8 && (fmt < L_Q4K || fmt > L_IQ4NL)) return -3;
+    if (fmt != L_I8 && (fmt < L_Q4K || fmt > L_Q2K)) return -3;
     if (T <= 0) return 0;
     const int Kx = K; /* x's columns; the weights' may be padded */
     K = hetserve_moe_padded(fmt, G, K);
@@ -254,12 +258,12 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
         l.kg16 = x16;
         l.rc = rc = (rc + 3) / 4 * 4; /* whole strips */
     } else if (kq && kg_group(fmt, G) > 0 && gemm_worth(T)) { /* int16 rows, sub-block sums */
-        kbuf = malloc((size_t)T * (K + nsb * 8) * sizeof(int16_t));
+        kbuf = malloc((size_t)T * (K + nsb * KG_MS) * sizeof(int16_t));
         if (kbuf != NULL) {
             int16_t *k16 = (int16_t *)kbuf, *kms = k16 + (size_t)T * K;
             for (int t = 0; t < T; t++)
                 kg_widen(fmt, pl + (size_t)t * K, ps + (size_t)t * nsb * 16, K,
-                         k16 + (size_t)t * K, kms + (size_t)t * nsb * 8);
+                         k16 + (size_t)t * K, kms + (size_t)t * nsb * KG_MS);
             l.kg16 = k16, l.kgms = kms;
             l.rc = rc = (rc + 3) / 4 * 4; /* whole strips */
         }

@@ -11,8 +11,8 @@
 
 /* Weight formats (hetserve/moe/cpu_native.py passes the same numbers). */
 enum { F_F32 = 0, F_I8 = 1, F_I4 = 2, F_MXFP4 = 3, F_FP8 = 4, F_Q4K = 5, F_Q6K = 6, F_Q5K = 7,
-       F_IQ4XS = 8, F_IQ4NL = 9 };
-#define F_LAST F_IQ4NL
+       F_IQ4XS = 8, F_IQ4NL = 9, F_Q3K = 10, F_Q2K = 11 };
+#define F_LAST F_Q2K
 
 /* A layer whose W2 is in another format than W13 (GGUF mixes: q4_K gate/up beside q6_K down)
  * passes fmt = f13 | (f2 + 1) << 4 and G = G13 | G2 << 16 (G2 = 0: the same as G13), so every
@@ -24,9 +24,9 @@ static inline int g_phase(int G, int which) {
     return which == 1 || (G >> 16) == 0 ? G & 0xFFFF : G >> 16;
 }
 /* The K-quants' activations: int8 per 256 columns with scales and sums (q4_K's or natural order);
- * the 4-bit i-quants read the same ones. */
+ * the 4-bit i-quants read the same ones (every format from q4_K on). */
 static inline int kq_fmt(int fmt) {
-    return fmt >= F_Q4K && fmt <= F_IQ4NL;
+    return fmt >= F_Q4K && fmt <= F_LAST;
 }
 
 typedef struct {

@@ -104,7 +104,7 @@ static inline __attribute__((always_inline)) void quad_int(const job_t *j, int f
         const uint8_t *q = (const uint8_t *)w + row * (K / Q4K_SB) * (Q4K_QUAD_BYTES / 4);
         if (MB == 2) quad_q4k(q, 2, K, a.p, 2, out); else quad_q4k(q, 2, K, a.p, 1, out);
         return; /* its scales are per super-block, applied inside (a.s is not used) */
-    } else if (kq_fmt(fmt)) { /* q6_K, q5_K, IQ4_XS, IQ4_NL: the file's rows as they are */
+    } else if (kq_fmt(fmt)) { /* the other K-quants, IQ4_XS, IQ4_NL: the file's rows as they are */
         const uint8_t *q = (const uint8_t *)w + row * (K / Q4K_SB) * kq_bytes(fmt);
         if (MB == 2) quad_kq(q, fmt, K, a.p, 2, out);
         else quad_kq(q, fmt, K, a.p, 1, out);
@@ -304,6 +304,8 @@ static void phase_item(void *ctx, int c) {
     case F_Q5K: HS_PHASES(F_Q5K); break;
     case F_IQ4XS: HS_PHASES(F_IQ4XS); break;
     case F_IQ4NL: HS_PHASES(F_IQ4NL); break;
+    case F_Q3K: HS_PHASES(F_Q3K); break;
+    case F_Q2K: HS_PHASES(F_Q2K); break;
     case F_I8: HS_PHASES(F_I8); break;
     case F_I4: HS_PHASES(F_I4); break;
     case F_MXFP4: HS_PHASES(F_MXFP4); break;
@@ -321,7 +323,8 @@ static void phase_item(void *ctx, int c) {
 #define ITEM_BYTES (2048 << 10)
 
 /* Sixteen times the bytes per weight of each format (F_*), scales and minimums aside. */
-static const int B16[] = {64, 16, 8, 8, 16, 9, 13, 11, 8, 9}; /* q6_K 13.125, IQ4_XS 8.5 */
+static const int B16[] = {64, 16, 8, 8, 16, 9, 13, 11, 8, 9, 7, 5}; /* q6_K 13.125, IQ4_XS 8.5,
+                                                                    * q3_K 6.875, q2_K 5.25 */
 
 /* Units per work item of a phase. */
 static int phase_rc(const job_t *j, int phase) {
@@ -376,7 +379,9 @@ static void row_bytes(int fmt, int K, int G, size_t b[2]) {
     case F_I4: b[0] += 8 * ng; break; /* a row's share of its tile's scales and minimums */
     case F_MXFP4: b[1] = K / 32; break;
     case F_FP8: b[1] = 4 * ng; break;
-    case F_Q6K: case F_IQ4XS: b[0] = (size_t)K / Q4K_SB * kq_bytes(fmt); break;
+    case F_Q6K: case F_IQ4XS: case F_Q3K: case F_Q2K:
+        b[0] = (size_t)K / Q4K_SB * kq_bytes(fmt);
+        break;
     default: break; /* fp32, q4_K, q5_K, IQ4_NL */
     }
 }
@@ -523,7 +528,7 @@ static int lcm(int a, int b) {
 }
 
 static int pad_unit(int fmt, int G) {
-    static const int unit[] = {8, 32, 32, 32, 16, 256, 256, 256, 256, 256}; /* by F_* */
+    static const int unit[] = {8, 32, 32, 32, 16, 256, 256, 256, 256, 256, 256, 256}; /* F_* */
     const int a = fmt >= F_F32 && fmt <= F_LAST ? unit[fmt] : 1;
     return G > 0 ? lcm(a, G) : a;
 }

@@ -36,7 +36,8 @@
 
 /* The K-quants and IQ4_XS: an integer scale per sub-block, a float one per super-block. */
 static inline int kg_fmt(int fmt) {
-    return fmt == F_Q4K || fmt == F_Q5K || fmt == F_Q6K || fmt == F_IQ4XS;
+    return fmt == F_Q4K || fmt == F_Q5K || fmt == F_Q6K || fmt == F_IQ4XS || fmt == F_Q3K ||
+           fmt == F_Q2K;
 }
 
 /* Columns per float scale of the formats with tiles here, 0 for none: 256 for kg_fmt; 32 for
@@ -51,7 +52,14 @@ static inline int kg_group(int fmt, int G) {
 }
 
 static inline int kg_has_mins(int fmt) {
-    return fmt == F_Q4K || fmt == F_Q5K;
+    return fmt == F_Q4K || fmt == F_Q5K || fmt == F_Q2K;
+}
+
+/* Minimum pairs per super-block: q4_K and q5_K have 8 minimums (one per 32 columns), q2_K 16
+ * (one per 16). An activation row's sums per sub-block are kept KG_MS per super-block. */
+#define KG_MS 16
+static inline int kg_min_pairs(int fmt) {
+    return fmt == F_Q2K ? 8 : 4;
 }
 
 /* One quad of a strip: q4_K quads live in pairs interleaved by 64-byte line (moe_q4k.h:
@@ -65,8 +73,8 @@ typedef struct {
 } kg_quad_t;
 
 /* A strip dequantized: the panel and, per scale group g (kg_group's columns) and row r,
- * d [g][16]; per super-block s dmin [s][16] and the minimums as int16 pairs mins [s][4][16][2]
- * (pair p: the sub-blocks whose activation sums kg_widen puts at 2p, 2p + 1); int4: its
+ * d [g][16]; per super-block s dmin [s][16] and the minimums as int16 pairs mins [s][8][16][2]
+ * (pair p < kg_min_pairs: the sub-blocks whose activation sums kg_widen puts at 2p, 2p + 1); int4: its
  * minimums per group in dmin [g][16]. */
 typedef struct {
     int16_t *panel, *mins;
@@ -77,7 +85,7 @@ typedef struct {
 /* Bytes of a kg_strip_t's buffers for K columns (kg_strip_init carves them). */
 static inline size_t kg_strip_bytes(int K) {
     const size_t nsb = (size_t)(K / Q4K_SB), ng = (size_t)(K / 16); /* groups: 16 columns or more */
-    return (size_t)K * GEMM_ROWS * 2 + 2 * ng * GEMM_ROWS * 4 + nsb * 4 * GEMM_ROWS * 2 * 2 +
+    return (size_t)K * GEMM_ROWS * 2 + 2 * ng * GEMM_ROWS * 4 + nsb * 8 * GEMM_ROWS * 2 * 2 +
            GEMM_ROWS * Q4K_SB * 2;
 }
 
@@ -87,7 +95,7 @@ static inline void kg_strip_init(kg_strip_t *s, char *buf, int K) {
     s->d = (float *)(buf + (size_t)K * GEMM_ROWS * 2);
     s->dmin = s->d + (size_t)(K / 16) * GEMM_ROWS;
     s->mins = (int16_t *)(s->dmin + (size_t)(K / 16) * GEMM_ROWS);
-    s->tmp = s->mins + nsb * 4 * GEMM_ROWS * 2;
+    s->tmp = s->mins + nsb * 8 * GEMM_ROWS * 2;
 }
 
 /* 16 int8 v (signed: sx) times 16 int16 scales sc -> 16 int16 at dst. */
@@ -102,11 +110,29 @@ static inline void kg_put32(__m256i v, int sx, __m256i s0, __m256i s1, int16_t *
     kg_put16(_mm256_extracti128_si256(v, 1), sx, s1, dst + 16);
 }
 
-/* One q6_K / q5_K / IQ4_XS / IQ4_NL super-block b of a row -> v [256] in column order, d (IQ4_NL:
- * d [8], one per 32 columns) and, for q5_K, dmin and m [8]. */
+/* One q6_K / q5_K / q3_K / q2_K / IQ4_XS / IQ4_NL super-block b of a row -> v [256] in column
+ * order, d (IQ4_NL: d [8], one per 32 columns) and, for q5_K and q2_K, dmin and m [8] / [16]. */
 static inline void kg_row_sb(int fmt, const uint8_t *b, int16_t *v, float *d, float *dmin,
                              int16_t *m) {
-    if (fmt == F_Q6K) {
+    if (fmt == F_Q3K || fmt == F_Q2K) { /* scales per 16 columns: column / 16 */
+        int8_t sc[16];
+        const uint8_t *h = fmt == F_Q3K ? b : NULL, *qs = b + (fmt == F_Q3K ? 32 : 16);
+        if (fmt == F_Q3K) {
+            _mm_storeu_si128((__m128i *)sc, q3k_scales(b + 96));
+        } else {
+            for (int j = 0; j < 16; j++) sc[j] = (int8_t)(b[j] & 15), m[j] = b[j] >> 4;
+        }
+        const __m256i off = _mm256_set1_epi8(fmt == F_Q3K ? 4 : 0);
+        for (int n = 0; n < 2; n++) {
+            __m256i q[4];
+            k2_values(qs, h, n, q);
+            for (int i = 0; i < 4; i++)
+                kg_put32(_mm256_sub_epi8(q[i], off), 1, _mm256_set1_epi16(sc[8 * n + 2 * i]),
+                         _mm256_set1_epi16(sc[8 * n + 2 * i + 1]), v + 128 * n + 32 * i);
+        }
+        *d = kq_f16(b + (fmt == F_Q3K ? 108 : 80));
+        if (fmt == F_Q2K) *dmin = kq_f16(b + 82);
+    } else if (fmt == F_Q6K) {
         const __m256i off = _mm256_set1_epi8(32);
         const int8_t *sc = (const int8_t *)(b + 192);
         for (int n = 0; n < 2; n++) {
@@ -160,7 +186,7 @@ static inline void kg_row_sb(int fmt, const uint8_t *b, int16_t *v, float *d, fl
 }
 
 /* Quad i of a q4_K pair's super-block (sb: its first byte, nq quads interleaved) -> rows v [4]
- * [256] (v + 256 r) in q4_K's column order, d [4], dmin [4], m [4][8] (m + 8 r). Vector k's
+ * [256] (v + 256 r) in q4_K's column order, d [4], dmin [4], m [4][KG_MS] (m + KG_MS r). Vector k's
  * 16 bytes of row r (sub-blocks 4 (k % 2) + i', 4 columns each) give columns 32 k .. + 15 (low
  * nibbles) and 32 k + 16 .. + 31 (high ones) of the activations' order. */
 static inline void kg_q4k_sb(const uint8_t *sb, int nq, int i, int16_t *v, float *d, float *dmin,
@@ -173,7 +199,7 @@ static inline void kg_q4k_sb(const uint8_t *sb, int nq, int i, int16_t *v, float
     const __m128i spread = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     for (int r = 0; r < 4; r++) {
         d[r] = kq_f16(h + 2 * r), dmin[r] = kq_f16(h + 8 + 2 * r);
-        for (int j = 0; j < 8; j++) m[8 * r + j] = mn[16 * (j / 4) + 4 * r + j % 4];
+        for (int j = 0; j < 8; j++) m[KG_MS * r + j] = mn[16 * (j / 4) + 4 * r + j % 4];
         for (int g = 0; g < 2; g++) { /* sub-blocks 4 g + i' of row r: bytes 16 g + 4 r + i' */
             int32_t four;
             memcpy(&four, sc + 16 * g + 4 * r, 4);
@@ -275,7 +301,7 @@ static inline void kg_pack(int fmt, int G, const kg_quad_t q[4], int K, kg_strip
     for (int sb = 0; sb < nsb; sb++) {
         float *d = s->d + GEMM_ROWS * sb, *dmin = s->dmin + GEMM_ROWS * sb;
         float dn[GEMM_ROWS][8];
-        int16_t m[GEMM_ROWS][8];
+        int16_t m[GEMM_ROWS][KG_MS];
         for (int t = 0; t < 4; t++) {
             int16_t *v = s->tmp + 4 * t * Q4K_SB;
             if (q[t].base == NULL) {
@@ -309,10 +335,11 @@ static inline void kg_pack(int fmt, int G, const kg_quad_t q[4], int K, kg_strip
         for (int j = 0; j < 8 && nl; j++) /* IQ4_NL's d: group 8 sb + j of 32 columns */
             for (int r = 0; r < GEMM_ROWS; r++)
                 s->d[(size_t)GEMM_ROWS * (8 * sb + j) + r] = dn[r][j];
-        /* the minimums in pairs as kg_widen orders the sums: q4_K (p, p + 4), q5_K (2p, 2p + 1) */
+        /* the minimums in pairs as kg_widen orders the sums: q4_K (p, p + 4), q5_K and q2_K
+         * (2p, 2p + 1) */
         if (kg_has_mins(fmt)) {
-            int16_t *mp = s->mins + (size_t)sb * 4 * GEMM_ROWS * 2;
-            for (int p = 0; p < 4; p++)
+            int16_t *mp = s->mins + (size_t)sb * 8 * GEMM_ROWS * 2;
+            for (int p = 0; p < kg_min_pairs(fmt); p++)
                 for (int r = 0; r < GEMM_ROWS; r++) {
                     mp[(p * GEMM_ROWS + r) * 2] = m[r][fmt == F_Q4K ? p : 2 * p];
                     mp[(p * GEMM_ROWS + r) * 2 + 1] = m[r][fmt == F_Q4K ? p + 4 : 2 * p + 1];
@@ -322,8 +349,9 @@ static inline void kg_pack(int fmt, int G, const kg_quad_t q[4], int K, kg_strip
 }
 
 /* One token's activation row for the tiles: the row kernels' int8 x8 [K] widened to x16 [K]
- * and (q4_K, q5_K) its sums per sub-block, 8 per super-block in the pairs' order (ms [K / 256]
- * [8]), from gs (q4_K: its own order, already paired; q5_K: sums per 16 columns). */
+ * and (q4_K, q5_K, q2_K) its sums per sub-block, 8 (q2_K: 16) per super-block in the pairs'
+ * order (ms [K / 256][KG_MS]), from gs (q4_K: its own order, already paired; q5_K: sums per 16
+ * columns, added in twos; q2_K: those sums as they are). */
 static inline void kg_widen(int fmt, const int8_t *x8, const int16_t *gs, int K, int16_t *x16,
                             int16_t *ms) {
     for (int k = 0; k < K; k += 16)
@@ -332,8 +360,12 @@ static inline void kg_widen(int fmt, const int8_t *x8, const int16_t *gs, int K,
     if (!kg_has_mins(fmt)) return;
     for (int sb = 0; sb < K / Q4K_SB; sb++) {
         const int16_t *g = gs + 16 * sb;
+        if (fmt == F_Q2K) {
+            memcpy(ms + KG_MS * sb, g, 16 * sizeof(int16_t));
+            continue;
+        }
         for (int j = 0; j < 8; j++)
-            ms[8 * sb + j] = fmt == F_Q4K ? g[j] : (int16_t)(g[2 * j] + g[2 * j + 1]);
+            ms[KG_MS * sb + j] = fmt == F_Q4K ? g[j] : (int16_t)(g[2 * j] + g[2 * j + 1]);
     }
 }
 
@@ -364,7 +396,7 @@ static inline void kg_strip_gemm(const kg_strip_t *s, int fmt, int K, int gk, in
         }
         const int xi = g * gk / span; /* the token's scale for this group */
         const float *dr = s->d + GEMM_ROWS * g, *dm = s->dmin + GEMM_ROWS * g;
-        const int16_t *mp = s->mins + (size_t)g * 4 * GEMM_ROWS * 2;
+        const int16_t *mp = s->mins + (size_t)g * 8 * GEMM_ROWS * 2;
         for (int m = 0; m < n; m++) {
             const __m256 xs = _mm256_set1_ps(xd[m][xi]);
             for (int h = 0; h < GEMM_ROWS; h += 8) {
@@ -383,9 +415,9 @@ static inline void kg_strip_gemm(const kg_strip_t *s, int fmt, int K, int gk, in
                 __m256 acc = _mm256_add_ps(_mm256_loadu_ps(o), _mm256_mul_ps(is, dx));
                 if (mins) { /* gk = 256: group g is super-block g */
                     __m256i M = _mm256_setzero_si256();
-                    for (int p = 0; p < 4; p++) {
+                    for (int p = 0; p < kg_min_pairs(fmt); p++) {
                         int32_t pair;
-                        memcpy(&pair, ms[m] + 8 * g + 2 * p, 4);
+                        memcpy(&pair, ms[m] + KG_MS * g + 2 * p, 4);
                         const __m256i w = _mm256_loadu_si256(
                             (const __m256i *)(mp + (p * GEMM_ROWS + h) * 2));
                         M = _mm256_add_epi32(M, _mm256_madd_epi16(w, _mm256_set1_epi32(pair)));

@@ -1,4 +1,4 @@
-/* q6_K and q5_K (llama.cpp's GGUF K-quants) and IQ4_XS / IQ4_NL microkernels: each row's super-blocks exactly as the
+/* q6_K, q5_K, q3_K and q2_K (llama.cpp's GGUF K-quants) and IQ4_XS / IQ4_NL microkernels: each row's super-blocks exactly as the
  * file stores them (no layout of our own), rows in quads.
  *
  * q6_K, 210 bytes per 256 columns: ql[128] (low 4 bits), qh[64] (high 2 bits), 16 int8 scales
@@ -62,11 +62,13 @@ static void kq_quantize(const float *x, int K, int8_t *x8, float *d, int16_t *gs
  * low lane, the odd ones on the high lane (as int16), so that HS_W16(k) puts sc[2 k] on the
  * 8 low lanes and sc[2 k + 1] on the 8 high ones, as maddubs' pair sums of columns 32 k ..
  * 32 k + 15 and 32 k + 16 .. 32 k + 31 need them: one in-lane shuffle a group. */
-static inline __m256i q6k_scale_pairs(const int8_t *sc) {
-    const __m128i eo = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)sc),
-                                        _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9,
-                                                      11, 13, 15));
+static inline __m256i k16_scale_pairs(__m128i sc) {
+    const __m128i eo = _mm_shuffle_epi8(sc, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7,
+                                                          9, 11, 13, 15));
     return _mm256_cvtepi8_epi16(eo);
+}
+static inline __m256i q6k_scale_pairs(const int8_t *sc) {
+    return k16_scale_pairs(_mm_loadu_si128((const __m128i *)sc));
 }
 
 /* Half n of a q6_K super-block b: its 6-bit values q[i] (columns 128 n + 32 i + l, l < 32),
@@ -114,6 +116,83 @@ static inline __attribute__((always_inline)) void q6k_blocks(const uint8_t *b,
     for (int m = 0; m < MB; m++) {
         const __m256i g = _mm256_loadu_si256((const __m256i *)gs[m]);
         acc[m] = _mm256_sub_epi32(acc[m], _mm256_slli_epi32(_mm256_madd_epi16(s16, g), 5)); /* 32x */
+    }
+}
+
+/* q3_K, 110 bytes per 256 columns: hmask[32], qs[64], 12 bytes of 6-bit scales, fp16 d;
+ * w = d * (sc - 32) * (q - 4), q in [0, 7], a scale per 16 columns. Column 128 n + 32 i + l
+ * (n < 2, i < 4, l < 32) has its low 2 bits at bits 2 i of qs[32 n + l], bit 2 at bit 4 n + i
+ * of hmask[l] (llama.cpp stores it as "subtract 4 where the bit is clear"), its scale
+ * sc[8 n + 2 i + l / 16] (column / 16). q2_K, 84 bytes: 16 scale bytes (sc in the low nibble,
+ * m in the high one, per 16 columns), qs[64] at 16, fp16 d and dmin; w = d * sc * q - dmin * m,
+ * q in [0, 3] at q3_K's low-bit places (qs[32 n + l] of its own). Both meet q8_K activations as
+ * q6_K does (|lane| <= 32 * 2 * 7 * 127 * 31: far inside int32). */
+#define Q3K_BLOCK 110
+#define Q2K_BLOCK 84
+
+/* q3_K's 16 scales sc - 32 (int8) from its 12 bytes p: byte j < 8 of the first 8 bytes gives
+ * the low nibble of scale j (low nibbles) and of scale j + 8 (high nibbles); the top 2 bits of
+ * scale j (j < 4: 4 k + j) are bits 2 k of p[8 + j % 4]. */
+static inline __m128i q3k_scales(const uint8_t *p) {
+    const uint32_t m4 = 0x0f0f0f0f, m2 = 0x03030303;
+    uint32_t a[3];
+    memcpy(a, p, 12);
+    const __m128i s = _mm_setr_epi32((int)((a[0] & m4) | ((a[2] & m2) << 4)),
+                                     (int)((a[1] & m4) | (((a[2] >> 2) & m2) << 4)),
+                                     (int)(((a[0] >> 4) & m4) | (((a[2] >> 4) & m2) << 4)),
+                                     (int)(((a[1] >> 4) & m4) | (((a[2] >> 6) & m2) << 4)));
+    return _mm_sub_epi8(s, _mm_set1_epi8(32));
+}
+
+/* The 2-bit values of half n of a q3_K / q2_K super-block's qs (32 bytes at qs + 32 n), column
+ * 128 n + 32 i + l in q[i]; for q3_K (h: its hmask, else NULL) with bit 2 from bit 4 n + i of
+ * h[l] (a 16-bit shift's carries across the byte boundary fall outside the mask). */
+static inline __attribute__((always_inline)) void k2_values(const uint8_t *qs, const uint8_t *h,
+                                                           int n, __m256i q[4]) {
+    const __m256i m3 = _mm256_set1_epi8(3), bit2 = _mm256_set1_epi8(4);
+    const __m256i l = _mm256_loadu_si256((const __m256i *)(qs + 32 * n));
+    const __m256i hv = h ? _mm256_loadu_si256((const __m256i *)h) : _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        const __m256i low = _mm256_and_si256(_mm256_srli_epi16(l, 2 * i), m3);
+        if (h == NULL) {
+            q[i] = low;
+            continue;
+        }
+        const int j = 4 * n + i;
+        const __m256i hb = j >= 2 ? _mm256_srli_epi16(hv, j - 2) : _mm256_slli_epi16(hv, 2 - j);
+        q[i] = _mm256_or_si256(low, _mm256_and_si256(hb, bit2));
+    }
+}
+
+/* One q3_K (h: its hmask) or q2_K (h NULL) super-block against MB <= 2 tokens: S[m] = sum over
+ * columns of sc * q * x (q3_K: sc - 32, q its 3-bit value, the -4 offset subtracted from the
+ * sums per 16 like q6_K's -32) as 8 int32 lanes; q2_K: M[m] = sum of m * (x's sums per 16) as 8
+ * lanes. The values and the scales are unpacked once for every token. */
+static inline __attribute__((always_inline)) void k2_blocks(const uint8_t *qs, const uint8_t *h,
+                                                           __m128i sc, __m128i mn,
+                                                           const int8_t *const x[2],
+                                                           const int16_t *const gs[2], int MB,
+                                                           __m256i S[2], __m256i M[2]) {
+    const __m256i pairs = k16_scale_pairs(sc);
+    for (int m = 0; m < MB; m++) S[m] = _mm256_setzero_si256();
+    for (int n = 0; n < 2; n++) {
+        __m256i q[4];
+        k2_values(qs, h, n, q);
+        for (int i = 0; i < 4; i++) {
+            const __m256i s = _mm256_shuffle_epi8(pairs, HS_W16(4 * n + i));
+            for (int m = 0; m < MB; m++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x[m] + 128 * n + 32 * i));
+                const __m256i p = _mm256_maddubs_epi16(q[i], xv); /* pairs: <= 2 * 7 * 127 */
+                S[m] = _mm256_add_epi32(S[m], _mm256_madd_epi16(p, s));
+            }
+        }
+    }
+    /* q3_K: the offset, 4 sc times the sums per 16; q2_K: m times them */
+    const __m256i w16 = h ? _mm256_cvtepi8_epi16(sc) : _mm256_cvtepu8_epi16(mn);
+    for (int m = 0; m < MB; m++) {
+        const __m256i g = _mm256_madd_epi16(w16, _mm256_loadu_si256((const __m256i *)gs[m]));
+        if (h) S[m] = _mm256_sub_epi32(S[m], _mm256_slli_epi32(g, 2));
+        else M[m] = g;
     }
 }
 
@@ -326,10 +405,17 @@ static inline __attribute__((always_inline)) void quad_iq4nl(const uint8_t *q, i
 
 /* Bytes per 256 columns of a row (the K-quants and i-quants that read q8_K activations). */
 static inline int kq_bytes(int fmt) {
-    return fmt == F_Q6K ? Q6K_BLOCK : fmt == F_Q5K ? Q5K_BLOCK : fmt == F_IQ4XS ? 136 : 144;
+    switch (fmt) {
+    case F_Q6K: return Q6K_BLOCK;
+    case F_Q5K: return Q5K_BLOCK;
+    case F_IQ4XS: return 136;
+    case F_Q3K: return Q3K_BLOCK;
+    case F_Q2K: return Q2K_BLOCK;
+    default: return 144; /* IQ4_NL (and q4_K's 144 per 256) */
+    }
 }
 
-/* out[r][m] = sum_k W[r, k] * x[m, k] for a quad of q6_K, q5_K, IQ4_XS or IQ4_NL rows (fmt;
+/* out[r][m] = sum_k W[r, k] * x[m, k] for a quad of q6_K, q5_K, q3_K, q2_K, IQ4_XS or IQ4_NL rows (fmt;
  * row r at q + r * K / 256 * kq_bytes) and MB <= 2 tokens; the i-quants have kernels of their
  * own (their loaders regroup the nibbles), the K-quants share the loop below. */
 static inline __attribute__((always_inline)) void quad_kq(const uint8_t *q, int fmt, int K,
@@ -376,6 +462,26 @@ static inline __attribute__((always_inline)) void quad_kq(const uint8_t *q, int 
                     const __m256 dx = _mm256_set1_ps(d * xd);
                     lanes[m] = _mm256_add_ps(lanes[m], _mm256_mul_ps(_mm256_cvtepi32_ps(S[m]), dx));
                     tot[m] -= (float)M[m] * (dmin * xd);
+                }
+            } else if (fmt == F_Q3K) {
+                __m256i S[2], M[2];
+                k2_blocks(b + 32, b, q3k_scales(b + 96), _mm_setzero_si128(), x, gs, MB, S, M);
+                const float d = kq_f16(b + 108);
+                for (int m = 0; m < MB; m++) {
+                    const __m256 dx = _mm256_set1_ps(d * a[m].d[s]);
+                    lanes[m] = _mm256_add_ps(lanes[m], _mm256_mul_ps(_mm256_cvtepi32_ps(S[m]), dx));
+                }
+            } else if (fmt == F_Q2K) {
+                __m256i S[2], M[2];
+                const __m128i raw = _mm_loadu_si128((const __m128i *)b), nib = _mm_set1_epi8(0x0F);
+                k2_blocks(b + 16, NULL, _mm_and_si128(raw, nib),
+                          _mm_and_si128(_mm_srli_epi16(raw, 4), nib), x, gs, MB, S, M);
+                const float d = kq_f16(b + 80), dmin = kq_f16(b + 82);
+                for (int m = 0; m < MB; m++) {
+                    const float xd = a[m].d[s];
+                    const __m256 dx = _mm256_set1_ps(d * xd), mx = _mm256_set1_ps(dmin * xd);
+                    lanes[m] = _mm256_add_ps(lanes[m], _mm256_mul_ps(_mm256_cvtepi32_ps(S[m]), dx));
+                    lanes[m] = _mm256_sub_ps(lanes[m], _mm256_mul_ps(_mm256_cvtepi32_ps(M[m]), mx));
                 }
             }
         }

@@ -182,7 +182,7 @@ typedef struct {
 static int kg_scratch(kg_scratch_t *s, int K, int strips, int tokens, int wide) {
     const size_t sb = kg_strip_bytes(K), nsb = (size_t)(K / Q4K_SB);
     const size_t nt = wide ? (size_t)(tokens < KG_TBK ? tokens : KG_TBK) : 0;
-    const size_t x = nt * K * 2, ms = nt * nsb * 8 * 2;
+    const size_t x = nt * K * 2, ms = nt * nsb * KG_MS * 2;
     const size_t sums = (size_t)PB * GEMM_ROWS * 4;
     s->buf = aligned_alloc(64, (strips * sb + x + ms + 3 * sums + 63) / 64 * 64);
     if (s->buf == NULL) return -1;
@@ -204,7 +204,7 @@ static void kg_widen_block(const job_t *j, int which, int fmt, int K, const int 
     const int16_t *ps = which == 1 ? j->xps : j->aps;
     for (int m = 0; m < n; m++)
         kg_widen(fmt, pl + (size_t)rows[m] * K, ps + (size_t)rows[m] * nsb * 16, K,
-                 s->x16 + (size_t)m * K, s->ms + (size_t)m * nsb * 8);
+                 s->x16 + (size_t)m * K, s->ms + (size_t)m * nsb * KG_MS);
 }
 
 /* int8, MXFP4 and int4: their int16 activation rows and per-row scales are read in place. */
@@ -219,7 +219,7 @@ static inline void kg_act(const job_t *j, int which, int fmt, int K, int G, size
                           const float **xd, const float **xg) {
     const int nsb = K / Q4K_SB, in_place = kg_in_place(fmt);
     *x = in_place ? (which == 1 ? j->x16 : j->a16) + r * K : s->x16 + (size_t)m * K;
-    *ms = s->ms + (size_t)m * nsb * 8;
+    *ms = s->ms + (size_t)m * nsb * KG_MS;
     *xd = in_place ? (which == 1 ? j->xsc : j->asc) + r : (which == 1 ? j->xpd : j->apd) + r * nsb;
     *xg = fmt == F_I4 ? (which == 1 ? j->xgs : j->ags) + r * (K / G) : NULL;
 }

@@ -116,6 +116,97 @@ class Q5KRows(QMatrix):
         return (scale * q - low).flatten(-2)
 
 
+Q3_K_BLOCK_BYTES = 110  # hmask[32], qs[64], 12 bytes of 6-bit scales, fp16 d
+Q2_K_BLOCK_BYTES = 84  # 16 scale bytes (sc low nibble, m high), qs[64], fp16 d, dmin
+
+
+def _two_bit(qs: torch.Tensor) -> list[torch.Tensor]:
+    """q3_K / q2_K's 2-bit values [.., 32] in column order: 128 n + 32 i + l is bits 2 i of
+    qs[32 n + l]."""
+    return [(qs[..., 32 * n : 32 * n + 32] >> (2 * i)) & 3 for n in range(2) for i in range(4)]
+
+
+@dataclass(frozen=True)
+class Q3KRows(QMatrix):
+    """q3_K super-blocks [.., N, K/256, 110] exactly as in a GGUF file: w = d * (sc - 32) *
+    (q - 4), q in [0, 7] (bit 2 from hmask), a 6-bit sc per 16 columns (3.4375 bits per
+    weight). Served by cpu-gguf (native/moe_kq.h)."""
+
+    raw: torch.Tensor
+
+    fmt: ClassVar[str] = "q3_K"
+    row_dims: ClassVar[dict[str, int]] = {"raw": -3}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, n, blocks, _ = self.raw.shape
+        return (*lead, n, blocks * 256)
+
+    @property
+    def group(self) -> int:
+        return 16
+
+    def scales(self) -> torch.Tensor:
+        """The 16 scales sc - 32 per super-block [.., 16]: scale j's low 4 bits are nibble
+        j // 8 of byte j % 8, its top 2 bits at bits 2 (j // 4) of byte 8 + j % 4."""
+        a = self.raw[..., 96:108].to(torch.int32)
+        low = torch.cat((a[..., 0:8] & 15, a[..., 0:8] >> 4), dim=-1)
+        j = torch.arange(16)
+        high = (a[..., 8 + j % 4] >> (2 * (j // 4))) & 3
+        return (low | (high << 4)) - 32
+
+    def dequantize(self) -> torch.Tensor:
+        r = self.raw.to(torch.int32)
+        hmask = r[..., 0:32]
+        parts = _two_bit(r[..., 32:96])
+        q = torch.cat(
+            [p - 4 * (1 - ((hmask >> k) & 1)) for k, p in enumerate(parts)], dim=-1
+        ).float()
+        d = _f16_bits(self.raw[..., 108:110])
+        dl = (d[..., None] * self.scales().float()).repeat_interleave(16, dim=-1)
+        return (dl * q).flatten(-2)
+
+
+@dataclass(frozen=True)
+class Q2KRows(QMatrix):
+    """q2_K super-blocks [.., N, K/256, 84] exactly as in a GGUF file: w = d * sc * q - dmin *
+    m, q in [0, 3], 4-bit sc and m per 16 columns (2.625 bits per weight). Served by
+    cpu-gguf (native/moe_kq.h)."""
+
+    raw: torch.Tensor
+
+    fmt: ClassVar[str] = "q2_K"
+    row_dims: ClassVar[dict[str, int]] = {"raw": -3}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, n, blocks, _ = self.raw.shape
+        return (*lead, n, blocks * 256)
+
+    @property
+    def group(self) -> int:
+        return 16
+
+    def dequantize(self) -> torch.Tensor:
+        r = self.raw.to(torch.int32)
+        q = torch.cat(_two_bit(r[..., 16:80]), dim=-1).float()
+        d, dmin = _f16_bits(self.raw[..., 80:82]), _f16_bits(self.raw[..., 82:84])
+        sc, m = (r[..., 0:16] & 15).float(), (r[..., 0:16] >> 4).float()
+        scale = (d[..., None] * sc).repeat_interleave(16, dim=-1)
+        low = (dmin[..., None] * m).repeat_interleave(16, dim=-1)
+        return (scale * q - low).flatten(-2)
+
+
+def q3_k_rows(data: np.ndarray) -> Q3KRows:
+    raw = np.array(data).reshape(*data.shape[:-1], -1, Q3_K_BLOCK_BYTES)
+    return Q3KRows(torch.from_numpy(raw))
+
+
+def q2_k_rows(data: np.ndarray) -> Q2KRows:
+    raw = np.array(data).reshape(*data.shape[:-1], -1, Q2_K_BLOCK_BYTES)
+    return Q2KRows(torch.from_numpy(raw))
+
+
 def q6_k_rows(data: np.ndarray) -> Q6KRows:
     raw = np.array(data).reshape(*data.shape[:-1], -1, Q6_K_BLOCK_BYTES)
     return Q6KRows(torch.from_numpy(raw))
@@ -175,7 +266,8 @@ def mxfp4_rows(data: np.ndarray) -> Mxfp4Rows:
 # them), by the `gguf` package's type name; and bits per weight of every type, for the loader's
 # summary and the choice of what the others convert to (quant/gguf_convert.py, convert_target).
 KEPT = {"Q8_0": q8_0_rows, "Q4_K": q4_k_rows, "Q6_K": q6_k_rows, "Q5_K": q5_k_rows,
-        "IQ4_XS": iq4_xs_rows, "IQ4_NL": iq4_nl_rows, "MXFP4": mxfp4_rows}  # fmt: skip
+        "Q3_K": q3_k_rows, "Q2_K": q2_k_rows, "IQ4_XS": iq4_xs_rows, "IQ4_NL": iq4_nl_rows,
+        "MXFP4": mxfp4_rows}  # fmt: skip
 BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8.5, "Q6_K": 6.5625, "Q5_K": 5.5, "Q5_1": 6,
         "Q5_0": 5.5, "Q4_K": 4.5, "Q4_1": 5, "Q4_0": 4.5, "IQ4_NL": 4.5, "IQ4_XS": 4.25,
         "Q3_K": 3.4375, "IQ3_S": 3.4375, "IQ3_XXS": 3.0625, "Q2_K": 2.625, "IQ2_S": 2.5,

@@ -1,5 +1,6 @@
-"""Reference q6_K and q5_K quantizers (numpy): plain round-to-nearest into
-llama.cpp's published block formats (ggml-common.h's block_q6_K and block_q5_K): the GGUF
+"""Reference q6_K, q5_K, q3_K and q2_K quantizers (numpy): plain round-to-nearest into
+llama.cpp's published block formats (ggml-common.h's block_q6_K, block_q5_K, block_q3_K and
+block_q2_K): the GGUF
 loader converts types no kernel reads to them (quant/gguf_convert.py), and tests write files and
 check kernels with them where llama.cpp's own quantizer is not at hand. They are not llama.cpp's
 search for the best scales; what matters here is that the bytes are valid blocks, which tests
@@ -70,4 +71,56 @@ def quantize_q5_k(w: np.ndarray) -> np.ndarray:
     qh = sum(((q[..., c, h, :] >> 4) & 1) << (2 * c + h) for c in range(4) for h in range(2))
     parts = (d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), _six_bit(sc, m),
              qh.astype(np.uint8), qs)  # fmt: skip
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+def _two_bit_planes(q: np.ndarray) -> np.ndarray:
+    """Values [rows, nsb, 256] in [0, 3] -> qs [rows, nsb, 64]: column 128 n + 32 i + l at bits
+    2 i of byte 32 n + l (q3_K's low bits, q2_K's values)."""
+    q = q.reshape(*q.shape[:-1], 2, 4, 32).astype(np.uint8)  # [.., n, i, l]
+    qs = sum((q[..., i, :] & 3) << (2 * i) for i in range(4))
+    return np.asarray(qs, np.uint8).reshape(*q.shape[:-3], 64)
+
+
+def quantize_q3_k(w: np.ndarray) -> np.ndarray:
+    """[rows, K] fp32 (K % 256 == 0) -> q3_K bytes [rows, K / 256 * 110]: per 16 columns a
+    signed step that takes the column of largest |w| to -4, as a 6-bit multiple (sc - 32 in
+    [-32, 31]) of the super-block's fp16 d; q = round(w / step) in [-4, 3], stored + 4."""
+    rows, k = w.shape
+    x = w.astype(np.float32).reshape(rows, k // 256, 16, 16)
+    idx = np.abs(x).argmax(axis=-1)[..., None]
+    step = -np.take_along_axis(x, idx, axis=-1)[..., 0] / 4.0  # signed, per 16 columns
+    big = np.take_along_axis(step, np.abs(step).argmax(axis=-1)[..., None], axis=-1)
+    d = _f16(-big[..., 0] / 32.0)
+    df = d.astype(np.float32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.clip(_nan0(np.round(step / df)), -32, 31).astype(np.int32)
+        q = np.clip(_nan0(np.round(x / (df * sc)[..., None])), -4, 3).astype(np.int32) + 4
+    q = q.reshape(rows, k // 256, 256)
+    hb = (q >> 2).reshape(rows, k // 256, 8, 32)  # bit 2 of column 32 j + l at bit j of l
+    hmask = np.asarray(sum(hb[..., j, :] << j for j in range(8)), np.uint8)
+    s6 = (sc + 32).astype(np.uint8)  # [.., 16]
+    packed = np.empty((rows, k // 256, 12), np.uint8)
+    packed[..., 0:8] = (s6[..., 0:8] & 15) | ((s6[..., 8:16] & 15) << 4)
+    packed[..., 8:12] = sum(((s6[..., 4 * t : 4 * t + 4] >> 4) & 3) << (2 * t) for t in range(4))
+    parts = (hmask, _two_bit_planes(q & 3), packed, d[..., None].view(np.uint8))
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+def quantize_q2_k(w: np.ndarray) -> np.ndarray:
+    """[rows, K] fp32 (K % 256 == 0) -> q2_K bytes [rows, K / 256 * 84]: per 16 columns
+    scale = (max - min) / 3 and offset -min (min <= 0) as 4-bit multiples of d and dmin."""
+    rows, k = w.shape
+    x = w.astype(np.float32).reshape(rows, k // 256, 16, 16)
+    lo = np.minimum(x.min(axis=-1), 0.0)
+    scale = (x.max(axis=-1) - lo) / 3.0
+    d, dmin = _f16(scale.max(axis=-1) / 15.0), _f16((-lo).max(axis=-1) / 15.0)
+    df, dminf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.clip(_nan0(np.round(scale / df)), 0, 15).astype(np.uint8)
+        m = np.clip(_nan0(np.round(-lo / dminf)), 0, 15).astype(np.uint8)
+        s_eff, o_eff = (df * sc)[..., None], (dminf * m)[..., None]
+        q = np.clip(_nan0(np.round((x + o_eff) / s_eff)), 0, 3).astype(np.uint8)
+    parts = (sc | (m << 4), _two_bit_planes(q.reshape(rows, k // 256, 256)),
+             d[..., None].view(np.uint8), dmin[..., None].view(np.uint8))  # fmt: skip
     return np.concatenate(parts, axis=-1).reshape(rows, -1)

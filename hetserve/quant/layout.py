@@ -74,7 +74,7 @@ def _column_units(m: QMatrix) -> dict[str, int]:
         return {"packed": 2, "scale": m.group, "minimum": m.group}
     if isinstance(m, Int8Rows):
         return {"q": 1, "scale": m.group}
-    if isinstance(m, Q4KRows) or m.fmt in ("q6_K", "q5_K", "iq4_xs"):  # GGUF super-blocks
+    if isinstance(m, Q4KRows) or m.fmt in ("q6_K", "q5_K", "q3_K", "q2_K", "iq4_xs"):  # GGUF
         return {"raw": 256}
     if m.fmt == "iq4_nl":  # blocks of 32 (quant/gguf_iq.py)
         return {"raw": 32}

@@ -5,7 +5,7 @@ IQ4_XS / IQ4_NL blocks: the i-quant kernels' tests where llama.cpp's quantizer
 
 import numpy as np
 
-from hetserve.quant.gguf_quants import quantize_q5_k, quantize_q6_k
+from hetserve.quant.gguf_quants import quantize_q2_k, quantize_q3_k, quantize_q5_k, quantize_q6_k
 
 
 def random_iq4(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -21,4 +21,4 @@ def random_iq4(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-__all__ = ["quantize_q5_k", "quantize_q6_k", "random_iq4"]
+__all__ = ["quantize_q2_k", "quantize_q3_k", "quantize_q5_k", "quantize_q6_k", "random_iq4"]

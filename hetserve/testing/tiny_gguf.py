@@ -1,8 +1,8 @@
 """Tiny GGUF files as llama.cpp writes them (tensor names, ggml shapes, metadata keys, the
 tokenizer inside), from a tiny Qwen3-MoE / Qwen2-MoE checkpoint (testing/tiny.py); routed experts
-in q4_K or q8_0, the rest f32 or q8_0. q4_K, q5_K and q6_K are quantized here (the `gguf`
-package only reads them), q8_0 and q5_0 by `gguf` itself, every other GGML type (IQ4_XS, Q2_K,
-IQ2_XS, ...) by llama.cpp's quantizer (testing/ggml_quant.py) where llama-cpp-python is
+in q4_K or q8_0, the rest f32 or q8_0. q2_K-q6_K are quantized here (the `gguf` package only
+reads them), q8_0 and q5_0 by `gguf` itself, every other GGML type (IQ4_XS, IQ3_S, IQ2_XS, ...)
+by llama.cpp's quantizer (testing/ggml_quant.py) where llama-cpp-python is
 installed.
 
 `write_gguf` also writes the reference: an fp32 HF directory of what `gguf` dequantizes each
@@ -63,10 +63,10 @@ def _quantize(gguf, w: np.ndarray, kind: str) -> tuple[np.ndarray, object]:
         return gguf.quants.quantize(w.astype(np.float32), qtype), qtype
     if kind == "q4_K":
         return quantize_q4_k(w.reshape(-1, w.shape[-1])).reshape(*w.shape[:-1], -1), q.Q4_K
-    if kind in ("q6_K", "q5_K"):
-        from hetserve.testing.gguf_quants import quantize_q5_k, quantize_q6_k
+    if kind in ("q6_K", "q5_K", "q3_K", "q2_K"):
+        from hetserve.testing import gguf_quants
 
-        fn, qtype = (quantize_q6_k, q.Q6_K) if kind == "q6_K" else (quantize_q5_k, q.Q5_K)
+        fn, qtype = getattr(gguf_quants, f"quantize_{kind.lower()}"), q[kind.upper()]
         return fn(w.reshape(-1, w.shape[-1])).reshape(*w.shape[:-1], -1), qtype
     if kind.upper() in gguf.GGMLQuantizationType.__members__:  # llama.cpp's own quantizer
         from hetserve.testing.ggml_quant import ggml_quantize

@@ -116,6 +116,18 @@ def _q5k(w: torch.Tensor):
     return q5_k_rows(quantize_q5_k(w.numpy()))
 
 
+def _k23(kind: str):
+    def pack(w: torch.Tensor):
+        from hetserve.quant.gguf import q2_k_rows, q3_k_rows
+        from hetserve.quant.gguf_quants import quantize_q2_k, quantize_q3_k
+
+        if kind == "q3_K":
+            return q3_k_rows(quantize_q3_k(w.numpy()))
+        return q2_k_rows(quantize_q2_k(w.numpy()))
+
+    return pack
+
+
 def _iq4(kind: str):
     def pack(w: torch.Tensor):  # random blocks of w's shape (testing/gguf_quants.py)
         from hetserve.quant.gguf_iq import iq4_nl_rows, iq4_xs_rows
@@ -136,7 +148,16 @@ def _q8_0(w: torch.Tensor):
 @pytest.mark.skipif(bool(native_unavailable_reason()), reason="native kernels unavailable")
 @pytest.mark.parametrize(
     ("fmt", "pack"),
-    [(5, _q4k), (6, _q6k), (7, _q5k), (1, _q8_0), (8, _iq4("IQ4_XS")), (9, _iq4("IQ4_NL"))],
+    [
+        (5, _q4k),
+        (6, _q6k),
+        (7, _q5k),
+        (1, _q8_0),
+        (8, _iq4("IQ4_XS")),
+        (9, _iq4("IQ4_NL")),
+        (10, _k23("q3_K")),
+        (11, _k23("q2_K")),
+    ],  # fmt: skip
 )
 @pytest.mark.parametrize(
     ("t", "bias", "n"),
@@ -145,7 +166,7 @@ def _q8_0(w: torch.Tensor):
 )  # fmt: skip
 def test_checkpoint_matrices_served_as_they_are(fmt, pack, t, bias, n):
     """A linear carrying its checkpoint matrix (`packed_weight`, GGUF q4_K / q6_K / q5_K / q8_0 /
-    IQ4_XS / IQ4_NL)
+    IQ4_XS / IQ4_NL / q3_K / q2_K)
     runs on those numbers exactly: against x @ w_hat.T only the activation rounding is left,
     |y - x @ w_hat.T| <= sum over blocks of s_x / 2 * sum|w_hat| per output (plus fp32
     summation; q8_0: int16 per row, the K-quants: int8 per 256 columns as llama.cpp's q8_K), and

@@ -19,7 +19,7 @@ gguf = pytest.importorskip("gguf")
 from hetserve import LLM  # noqa: E402
 from hetserve.native import native_unavailable_reason  # noqa: E402
 from hetserve.quant.gguf_convert import converted, relative_rms  # noqa: E402
-from hetserve.testing.ggml_quant import ggml_unavailable_reason  # noqa: E402
+from hetserve.testing.ggml_quant import ggml_quantize, ggml_unavailable_reason  # noqa: E402
 from hetserve.testing.tiny_gguf import _write_reference, write_gguf  # noqa: E402
 
 from .test_gguf import BOUND, logprobs, q8k_reference  # noqa: E402
@@ -129,52 +129,75 @@ def test_llama_cpp_iq4_xs_file_keeps_its_blocks(tiny_model, tmp_path, capfd):
     assert float(err.max()) <= 0.1 and float(err.median()) <= 5e-3
 
 
-# Types below q4_K's 4.5 bpw: no native format has as few bits; they convert to q4_K (stated)
-LOW = ["Q2_K", "Q3_K", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_S", "IQ1_M"]
+def test_q2_k_and_q3_k_experts_are_served_from_their_own_blocks(tiny_model, tmp_path, capfd):
+    """A Q2_K / Q3_K-style file (q3_K gate/up, q2_K down, as llama.cpp's low mixes put them side
+    by side): both kept as the file stores them (2.625 and 3.4375 bits per weight, no wider
+    copy), within the q4_K tests' bound of the file's exact model."""
+    src = tiny_model("qwen3-moe", overrides=SHAPE)
+    path = write_gguf(src, tmp_path / "m.gguf", tmp_path / "ref", "q3_K", "q8_0", down="q2_K")
+    llm = LLM(str(path), placement="device")
+    assert _expert_kinds(llm) == {("q3_K", "q2_K")}
+    line = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("GGUF m.gguf")]
+    assert len(line) == 1 and "experts Q2_K kept x8" in line[0], line
+    assert "experts Q3_K kept x16" in line[0] and "->" not in line[0].split("experts", 1)[1]
+    err = (logprobs(llm) - logprobs(q8k_reference(tmp_path / "ref"))).abs()
+    # Measured: median 1.4e-6, max 0.29. Traced layer by layer (the same file with q2_K for
+    # both): every layer's experts equal a float64 emulation of their arithmetic on the
+    # inputs they got (<= 5e-7 relative, every token), but one activation of layer 2, token 19
+    # sits on a q8_K rounding boundary that the reference's fp32 sums land on the other side
+    # of; later layers and tokens carry it on (as for llama.cpp's Q4_K_M file above).
+    assert float(err.median()) <= 5e-3 and float(err.max()) <= 0.5
+
+
+# Types below q2_K's 2.625 bpw or between the K-quants: they convert to the native format of
+# no more bits where there is one (IQ3_S: q3_K, IQ3_XXS: q2_K), else to q2_K (stated)
+LOW = {"IQ3_S": "q3_K", "IQ3_XXS": "q2_K", "IQ2_S": "q2_K", "IQ2_XS": "q2_K", "IQ2_XXS": "q2_K",
+       "IQ1_S": "q2_K", "IQ1_M": "q2_K"}  # fmt: skip
 
 
 @NEEDS_GGML
-@pytest.mark.parametrize("kind", LOW)
-def test_low_bit_blocks_convert_to_q4_k(kind):
-    """Every low type, llama.cpp's own blocks: q4_K rows whose error against the file's numbers
-    is what the loader states (measured 0.04-0.08 relative RMS on these random weights)."""
+@pytest.mark.parametrize("kind", list(LOW))
+def test_low_bit_blocks_convert_to_the_k_quants(kind):
+    """Every low i-quant, llama.cpp's own blocks: q3_K / q2_K rows whose error against the
+    file's numbers is what the loader states (measured 0.17-0.41 relative RMS on these random
+    weights: the K-quants' evenly spaced levels against the i-quants' grids)."""
     from hetserve.quant.gguf import BITS
     from hetserve.quant.gguf_convert import convert_target
-    from hetserve.quant.packed import Q4KRows
-    from hetserve.testing.ggml_quant import ggml_quantize
 
     w = np.random.default_rng(0).standard_normal((64, 512)).astype(np.float32) * 0.05
     raw = ggml_quantize(w, kind)
     deq = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, kind)).reshape(w.shape)
-    assert convert_target(BITS[kind], 512) == "q4_K"
-    value = converted(deq, "q4_K")
-    assert isinstance(value, Q4KRows)
-    assert 0.0 < relative_rms(value.dequantize().numpy(), deq) < 0.1
+    to = LOW[kind]
+    assert convert_target(BITS[kind], 512) == to
+    value = converted(deq, to)
+    assert value.fmt == to
+    assert 0.0 < relative_rms(value.dequantize().numpy(), deq) < 0.5
 
 
 @NEEDS_GGML
-@pytest.mark.parametrize("kind", ["Q2_K", "IQ3_XXS", "IQ1_S"])  # a K-quant and two grid types
-def test_low_bit_types_convert_to_q4_k_with_their_error_stated(tiny_model, tmp_path, capfd, kind):
+@pytest.mark.parametrize("kind", ["IQ3_XXS", "IQ1_S"])  # two grid types
+def test_low_bit_types_convert_with_their_error_stated(tiny_model, tmp_path, capfd, kind):
     src = tiny_model("qwen3-moe", overrides={**SHAPE, "num_hidden_layers": 2})
     path = write_gguf(src, tmp_path / "m.gguf", tmp_path / "ref", kind, "f32")
     llm = LLM(str(path), placement="device")
-    assert _expert_kinds(llm) == {("cpu-int4", "cpu-int4")}  # q4_K blocks, not fp32
+    assert _expert_kinds(llm) == {("q2_K", "q2_K")}  # q2_K blocks, not fp32
     line = next(ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("GGUF m.gguf"))
-    m = re.search(rf"experts {kind} \(([\d.]+) bpw\) -> q4_K \(4.5 bpw, more bits: no "
-                  rf"native format has <= ([\d.]+); rel rms ([\d.e-]+)\) x6", line)  # fmt: skip
+    more = "" if kind == "IQ3_XXS" else r", more bits: no native format has <= [\d.]+"
+    m = re.search(rf"experts {kind} \(([\d.]+) bpw\) -> q2_K \(2.625 bpw{more}; "
+                  rf"rel rms ([\d.e-]+)\) x6", line)  # fmt: skip
     assert m, line
-    # the stated error is the worst expert matrix's: q4_K's rounding of the file's coarser
-    # grid, against the file's numbers (measured 0.04-0.08 relative RMS on these random weights)
+    # the stated error is the worst expert matrix's: q2_K's rounding of the file's grid,
+    # against the file's numbers
     worst = 0.0
     for t in gguf.GGUFReader(str(path)).tensors:
         if "_exps." in t.name:
             for raw in t.data:  # one expert's rows
                 deq = gguf.quants.dequantize(raw, t.tensor_type).reshape(-1, int(t.shape[0]))
-                err = relative_rms(converted(deq, "q4_K").dequantize().numpy(), deq)
+                err = relative_rms(converted(deq, "q2_K").dequantize().numpy(), deq)
                 worst = max(worst, err)
-    assert float(m.group(3)) == pytest.approx(worst, rel=0.01) and worst < 0.15
+    assert float(m.group(2)) == pytest.approx(worst, rel=0.01) and worst < 0.6
     err = (logprobs(llm) - logprobs(q8k_reference(tmp_path / "ref"))).abs()
-    assert bool(torch.isfinite(err).all()) and float(err.mean()) < 0.5
+    assert bool(torch.isfinite(err).all()) and float(err.mean()) < 1.0
 
 
 def test_conversion_targets_have_no_more_bits_where_one_exists():
@@ -182,10 +205,11 @@ def test_conversion_targets_have_no_more_bits_where_one_exists():
     from hetserve.quant.gguf_convert import NATIVE_BPW, convert_target
 
     expected = {"Q5_0": "q5_K", "Q5_1": "q5_K", "Q4_0": "q4_K", "Q4_1": "q4_K", "F32": "q8_0",
-                "F16": "q8_0", "Q3_K": "q4_K", "Q2_K": "q4_K", "IQ2_XXS": "q4_K"}  # fmt: skip
+                "F16": "q8_0", "IQ3_S": "q3_K", "IQ3_XXS": "q2_K", "IQ2_XXS": "q2_K",
+                "TQ1_0": "q2_K"}  # fmt: skip
     for kind, to in expected.items():
         assert convert_target(BITS[kind], 512) == to
-        if BITS[kind] >= 4.5:
+        if BITS[kind] >= 2.625:
             assert NATIVE_BPW[to] <= BITS[kind]
     assert convert_target(BITS["Q5_0"], 96) == "q8_0"  # rows off 256: q8_0 only
 

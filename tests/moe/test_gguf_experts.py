@@ -14,12 +14,18 @@ import torch
 
 from hetserve.moe.experts import ExpertWeights, create_backend, gated_activation
 from hetserve.native import native_unavailable_reason
-from hetserve.quant.gguf import Q5KRows, Q6KRows, q5_k_rows, q6_k_rows
+from hetserve.quant.gguf import Q5KRows, Q6KRows, q2_k_rows, q3_k_rows, q5_k_rows, q6_k_rows
 from hetserve.quant.gguf_iq import iq4_nl_rows, iq4_xs_rows
 from hetserve.quant.packed import Int8Rows, PackedExperts, Q4KRows
 from hetserve.quant.quantize import q8k_round
 from hetserve.testing.ggml_quant import ggml_quantize, ggml_unavailable_reason
-from hetserve.testing.gguf_quants import quantize_q5_k, quantize_q6_k, random_iq4
+from hetserve.testing.gguf_quants import (
+    quantize_q2_k,
+    quantize_q3_k,
+    quantize_q5_k,
+    quantize_q6_k,
+    random_iq4,
+)
 from hetserve.testing.tiny_gguf import quantize_q4_k
 
 pytestmark = pytest.mark.skipif(
@@ -40,6 +46,14 @@ def _q4(w):
     return Q4KRows(torch.from_numpy(quantize_q4_k(w.numpy()).reshape(w.shape[0], -1, 144)))
 
 
+def _q3(w):
+    return q3_k_rows(quantize_q3_k(w.numpy()))
+
+
+def _q2(w):
+    return q2_k_rows(quantize_q2_k(w.numpy()))
+
+
 def _iq4(kind):
     rows = iq4_xs_rows if kind == "IQ4_XS" else iq4_nl_rows
     return lambda w: rows(ggml_quantize(w.numpy(), kind))
@@ -51,7 +65,8 @@ def _iq4_random(kind):
     return lambda w: rows(random_iq4(kind, w.shape[0], w.shape[1], next(seed)))
 
 
-PACK = {"q4_K": _q4, "q5_K": _q5, "q6_K": _q6, "q8_0": Int8Rows.q8_0, "iq4_xs": _iq4("IQ4_XS"),
+PACK = {"q4_K": _q4, "q5_K": _q5, "q6_K": _q6, "q3_K": _q3, "q2_K": _q2, "q8_0": Int8Rows.q8_0,
+        "iq4_xs": _iq4("IQ4_XS"),
         "iq4_nl": _iq4("IQ4_NL"), "random_iq4_xs": _iq4_random("IQ4_XS"),
         "random_iq4_nl": _iq4_random("IQ4_NL")}  # fmt: skip
 NEEDS_GGML = pytest.mark.skipif(
@@ -99,7 +114,8 @@ IQ = [("iq4_xs", "iq4_xs"), ("iq4_nl", "iq4_nl"), ("iq4_xs", "q6_K"), ("q4_K", "
 MIXES = [("q6_K", "q6_K"), ("q5_K", "q5_K"), ("q4_K", "q6_K"), ("q5_K", "q6_K"),
          ("q4_K", "q5_K"), ("q4_K", "q8_0"), ("q8_0", "q6_K"),
          ("random_iq4_xs", "random_iq4_xs"), ("random_iq4_nl", "random_iq4_nl"),
-         ("random_iq4_xs", "q5_K"),
+         ("random_iq4_xs", "q5_K"), ("q3_K", "q3_K"), ("q2_K", "q2_K"), ("q2_K", "q3_K"),
+         ("q3_K", "q5_K"), ("q4_K", "q2_K"), ("q2_K", "q8_0"),
          *(pytest.param(m, marks=NEEDS_GGML) for m in IQ)]  # fmt: skip
 
 
@@ -169,26 +185,53 @@ def test_random_i_quant_blocks_read_as_gguf_reads_them(kind):
     assert 0.0 < np.abs(theirs).max() < 0.2
 
 
-@pytest.mark.parametrize("kind", ["q6_K", "q5_K"])
+# quantizer, rows, the bound on |w - w_hat| for 0.1-scaled normal weights (amax ~0.3-0.45 per
+# 16 columns: q6_K's half step amax / 62, q5_K's (max - min) / 62, q3_K's amax / 8, q2_K's
+# (max - min) / 6 and its minimum's rounding)
+KQUANTS = {
+    "q6_K": (quantize_q6_k, q6_k_rows, 0.012),
+    "q5_K": (quantize_q5_k, q5_k_rows, 0.02),
+    "q3_K": (quantize_q3_k, q3_k_rows, 0.06),
+    "q2_K": (quantize_q2_k, q2_k_rows, 0.15),
+}
+
+
+@pytest.mark.parametrize("kind", list(KQUANTS))
 def test_blocks_read_as_gguf_reads_them(kind):
     g = np.random.default_rng(0)
     w = g.standard_normal((6, 512)).astype(np.float32) * 0.1
     w[1, :40] = 0.0  # an all-zero sub-block
-    raw = (quantize_q6_k if kind == "q6_K" else quantize_q5_k)(w)
+    quantize, rows, bound = KQUANTS[kind]
+    raw = quantize(w)
     qtype = getattr(gguf.GGMLQuantizationType, kind.upper())
     theirs = gguf.quants.dequantize(raw, qtype)
-    ours = (q6_k_rows if kind == "q6_K" else q5_k_rows)(raw).dequantize().numpy()
+    ours = rows(raw).dequantize().numpy()
     assert np.array_equal(ours, theirs)
-    # the reference quantizers' own error: half a step of the sub-block's scale, at most
-    # amax / 62 (q6_K) or (max - min) / 62 (q5_K) of its 16 / 32 columns, plus scale rounding
-    assert np.abs(theirs - w).max() < (0.012 if kind == "q6_K" else 0.02)
+    # the reference quantizers' own error: half a step of the sub-block's scale, plus the
+    # scale's rounding to a multiple of d (q6_K, q5_K, q3_K 6-bit, q2_K 4-bit)
+    assert np.abs(theirs - w).max() < bound
+
+
+@pytest.mark.parametrize("kind", ["Q3_K", "Q2_K"])
+def test_random_k_quant_blocks_read_as_gguf_reads_them(kind):
+    """Every bit pattern is a valid q3_K / q2_K block (the fp16 d and dmin set finite)."""
+    g = np.random.default_rng(2)
+    bb, at = (110, (108,)) if kind == "Q3_K" else (84, (80, 82))
+    raw = g.integers(0, 256, (5, 3, bb), dtype=np.uint8)
+    for o in at:
+        raw[..., o : o + 2] = g.uniform(-1e-3, 1e-3, (5, 3, 1)).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(5, -1)
+    theirs = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, kind))
+    ours = (q3_k_rows if kind == "Q3_K" else q2_k_rows)(raw).dequantize().numpy()
+    assert np.array_equal(ours, theirs)
 
 
 @pytest.mark.parametrize(
     "kinds",
     [("q6_K", "q6_K"), ("q5_K", "q5_K"), ("q4_K", "q6_K"), ("random_iq4_xs", "q5_K"),
      ("q4_K", "q4_K"), ("random_iq4_xs", "random_iq4_xs"), ("q5_K", "q8_0"),
-     ("random_iq4_nl", "random_iq4_nl"), ("q8_0", "q6_K"), ("q8_0", "q8_0")],
+     ("random_iq4_nl", "random_iq4_nl"), ("q8_0", "q6_K"), ("q8_0", "q8_0"), ("q3_K", "q3_K"),
+     ("q2_K", "q2_K"), ("q4_K", "q2_K"), ("q2_K", "q6_K")],
 )  # fmt: skip
 def test_prefill_tiles_agree_with_the_row_kernels(kinds):
     """An expert meeting many tokens (prefill) runs its K-quant / IQ4 / q8_0 rows dequantized to
