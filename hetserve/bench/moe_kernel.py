@@ -55,7 +55,8 @@ def register(sub) -> None:
         "--backends",
         default=DEFAULT_BACKENDS,
         help="NAME, NAME:KERNEL or NAME:FORMAT (cpu-int4:q4_K, cpu-int8:q8_0, cpu-gguf:q6_K, "
-        "cpu-gguf:q5_K, cpu-gguf:iq4_xs, cpu-gguf:iq4_nl, cpu-gguf:q4_K+q6_K), comma-separated",
+        "cpu-gguf:q5_K, cpu-gguf:q3_K, cpu-gguf:q2_K, cpu-gguf:iq4_xs, cpu-gguf:iq4_nl, "
+        "cpu-gguf:q4_K+q6_K), comma-separated",
     )
     p.add_argument("--iters", type=int, default=10, help="timed calls per (backend, tokens)")
     p.add_argument(
@@ -211,11 +212,17 @@ def _time_backend(backend, probe, hidden: int, experts: int, top_k: int, tokens:
 def _gguf_packers() -> dict:
     import torch
 
-    from hetserve.quant.gguf import Q5KRows, Q6KRows
+    from hetserve.quant.gguf import Q2KRows, Q3KRows, Q5KRows, Q6KRows
     from hetserve.quant.gguf_iq import iq4_nl_rows, iq4_xs_rows
     from hetserve.quant.packed import Int8Rows, Q4KRows
     from hetserve.testing.ggml_quant import ggml_quantize
-    from hetserve.testing.gguf_quants import quantize_q5_k, quantize_q6_k, random_iq4
+    from hetserve.testing.gguf_quants import (
+        quantize_q2_k,
+        quantize_q3_k,
+        quantize_q5_k,
+        quantize_q6_k,
+        random_iq4,
+    )
     from hetserve.testing.tiny_gguf import quantize_q4_k
 
     def blocks(cls, fn, size):
@@ -243,6 +250,8 @@ def _gguf_packers() -> dict:
         "q8_0": ("cpu-int8", Int8Rows.q8_0),
         "q6_K": ("cpu-gguf", blocks(Q6KRows, quantize_q6_k, 210)),
         "q5_K": ("cpu-gguf", blocks(Q5KRows, quantize_q5_k, 176)),
+        "q3_K": ("cpu-gguf", blocks(Q3KRows, quantize_q3_k, 110)),
+        "q2_K": ("cpu-gguf", blocks(Q2KRows, quantize_q2_k, 84)),
         "iq4_xs": ("cpu-gguf", lambda w, q=iq4("IQ4_XS"): iq4_xs_rows(q(w))),
         "iq4_nl": ("cpu-gguf", lambda w, q=iq4("IQ4_NL"): iq4_nl_rows(q(w))),
     }

@@ -134,14 +134,17 @@ static inline __attribute__((always_inline)) void q6k_blocks(const uint8_t *b,
  * the low nibble of scale j (low nibbles) and of scale j + 8 (high nibbles); the top 2 bits of
  * scale j (j < 4: 4 k + j) are bits 2 k of p[8 + j % 4]. */
 static inline __m128i q3k_scales(const uint8_t *p) {
-    const uint32_t m4 = 0x0f0f0f0f, m2 = 0x03030303;
-    uint32_t a[3];
-    memcpy(a, p, 12);
-    const __m128i s = _mm_setr_epi32((int)((a[0] & m4) | ((a[2] & m2) << 4)),
-                                     (int)((a[1] & m4) | (((a[2] >> 2) & m2) << 4)),
-                                     (int)(((a[0] >> 4) & m4) | (((a[2] >> 4) & m2) << 4)),
-                                     (int)(((a[1] >> 4) & m4) | (((a[2] >> 6) & m2) << 4)));
-    return _mm_sub_epi8(s, _mm_set1_epi8(32));
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    const __m128i v = _mm_loadl_epi64((const __m128i *)p); /* bytes 0-7: the low nibbles */
+    const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(v, nib),
+                                           _mm_and_si128(_mm_srli_epi16(v, 4), nib));
+    int32_t t;
+    memcpy(&t, p + 8, 4); /* bytes 8-11: 2 bits of scale j at bits 2 (j / 4) of byte j % 4 */
+    /* lane k (scales 4 k .. 4 k + 3) shifted right by 2 k: bits a shift carries down from the
+     * next byte land at bit 2 or above, outside the mask */
+    const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(t), _mm_setr_epi32(0, 2, 4, 6)),
+                                     _mm_set1_epi8(3));
+    return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32));
 }
 
 /* The 2-bit values of half n of a q3_K / q2_K super-block's qs (32 bytes at qs + 32 n), column
