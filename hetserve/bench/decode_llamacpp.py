@@ -121,6 +121,8 @@ QUANT_TYPES = {
     "Q6_K": ("LLAMA_FTYPE_MOSTLY_Q6_K", False),
     "IQ4_XS": ("LLAMA_FTYPE_MOSTLY_IQ4_XS", False),
     "IQ4_NL": ("LLAMA_FTYPE_MOSTLY_IQ4_NL", False),
+    "Q3_K_M": ("LLAMA_FTYPE_MOSTLY_Q3_K_M", False),
+    "Q2_K": ("LLAMA_FTYPE_MOSTLY_Q2_K", False),
 }
 
 

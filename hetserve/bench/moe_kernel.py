@@ -56,7 +56,7 @@ def register(sub) -> None:
         default=DEFAULT_BACKENDS,
         help="NAME, NAME:KERNEL or NAME:FORMAT (cpu-int4:q4_K, cpu-int8:q8_0, cpu-gguf:q6_K, "
         "cpu-gguf:q5_K, cpu-gguf:q3_K, cpu-gguf:q2_K, cpu-gguf:iq4_xs, cpu-gguf:iq4_nl, "
-        "cpu-gguf:q4_K+q6_K), comma-separated",
+        "cpu-gguf:iq2_xxs ... iq1_m, cpu-gguf:q4_K+q6_K), comma-separated",
     )
     p.add_argument("--iters", type=int, default=10, help="timed calls per (backend, tokens)")
     p.add_argument(
@@ -213,6 +213,7 @@ def _gguf_packers() -> dict:
     import torch
 
     from hetserve.quant.gguf import Q2KRows, Q3KRows, Q5KRows, Q6KRows
+    from hetserve.quant.gguf_grid import BY_GGML, grid_reader
     from hetserve.quant.gguf_iq import iq4_nl_rows, iq4_xs_rows
     from hetserve.quant.packed import Int8Rows, Q4KRows
     from hetserve.testing.ggml_quant import ggml_quantize
@@ -222,6 +223,7 @@ def _gguf_packers() -> dict:
         quantize_q5_k,
         quantize_q6_k,
         random_iq4,
+        random_iq_grid,
     )
     from hetserve.testing.tiny_gguf import quantize_q4_k
 
@@ -230,7 +232,7 @@ def _gguf_packers() -> dict:
 
     seeds, noted = iter(range(1 << 30)), []
 
-    def iq4(kind: str):
+    def iquant(kind: str):
         """llama.cpp's own quantizer (testing/ggml_quant.py) where llama-cpp-python is
         installed, else random valid blocks: the kernel reads the same bytes either way."""
 
@@ -241,7 +243,8 @@ def _gguf_packers() -> dict:
                 if not noted:
                     print(f"{kind}: random valid blocks ({exc})")
                     noted.append(kind)
-                return random_iq4(kind, w.shape[0], w.shape[1], next(seeds))
+                make = random_iq4 if kind.startswith("IQ4") else random_iq_grid
+                return make(kind, w.shape[0], w.shape[1], next(seeds))
 
         return quantize
 
@@ -252,8 +255,10 @@ def _gguf_packers() -> dict:
         "q5_K": ("cpu-gguf", blocks(Q5KRows, quantize_q5_k, 176)),
         "q3_K": ("cpu-gguf", blocks(Q3KRows, quantize_q3_k, 110)),
         "q2_K": ("cpu-gguf", blocks(Q2KRows, quantize_q2_k, 84)),
-        "iq4_xs": ("cpu-gguf", lambda w, q=iq4("IQ4_XS"): iq4_xs_rows(q(w))),
-        "iq4_nl": ("cpu-gguf", lambda w, q=iq4("IQ4_NL"): iq4_nl_rows(q(w))),
+        "iq4_xs": ("cpu-gguf", lambda w, q=iquant("IQ4_XS"): iq4_xs_rows(q(w))),
+        "iq4_nl": ("cpu-gguf", lambda w, q=iquant("IQ4_NL"): iq4_nl_rows(q(w))),
+        **{name.lower(): ("cpu-gguf", lambda w, q=iquant(name), r=grid_reader(name): r(q(w)))
+           for name in BY_GGML},  # fmt: skip
     }
 
 

@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 # The native kernel's formats (F_* in hetserve/native/moe_job.h).
 _INT8, _Q4K, _Q6K, _Q5K, _IQ4XS, _IQ4NL, _Q3K, _Q2K = 1, 5, 6, 7, 8, 9, 10, 11
 _NAMES = {_INT8: "int8", _Q4K: "q4_K", _Q6K: "q6_K", _Q5K: "q5_K", _IQ4XS: "iq4_xs",
-          _IQ4NL: "iq4_nl", _Q3K: "q3_K", _Q2K: "q2_K"}  # fmt: skip
+          _IQ4NL: "iq4_nl", _Q3K: "q3_K", _Q2K: "q2_K", 12: "iq2_xxs", 13: "iq2_xs", 14: "iq2_s",
+          15: "iq3_xxs", 16: "iq3_s", 17: "iq1_s", 18: "iq1_m"}  # fmt: skip
 
 
 def _native_ok() -> bool:
@@ -61,10 +62,12 @@ def _native_packed(packed: QMatrix | None) -> bool:
     """A checkpoint matrix the native kernel reads as it is: q2_K-q6_K, IQ4_XS, IQ4_NL,
     or int8 per row (any width: padded) or in groups of a multiple of 16 columns (q8_0)."""
     from hetserve.quant.gguf import Q2KRows, Q3KRows, Q5KRows, Q6KRows
+    from hetserve.quant.gguf_grid import GridRows
     from hetserve.quant.gguf_iq import IQ4NLRows, IQ4XSRows
     from hetserve.quant.packed import Int8PerRow, Int8Rows, Q4KRows
 
     kept = Q4KRows | Q5KRows | Q6KRows | Q3KRows | Q2KRows | IQ4XSRows | IQ4NLRows | Int8PerRow
+    kept = kept | GridRows
     if isinstance(packed, kept):
         return True
     return isinstance(packed, Int8Rows) and packed.group % 16 == 0
@@ -124,14 +127,10 @@ class Int8Linear(nn.Module):
 
         self.nbytes = packed.nbytes
         n, k = packed.shape
-        rows = {
-            Q6KRows: _Q6K,
-            Q5KRows: _Q5K,
-            IQ4XSRows: _IQ4XS,
-            IQ4NLRows: _IQ4NL,
-            Q3KRows: _Q3K,
-            Q2KRows: _Q2K,
-        }
+        from hetserve.quant.gguf_grid import GRID_TYPES
+
+        rows = {Q6KRows: _Q6K, Q5KRows: _Q5K, IQ4XSRows: _IQ4XS, IQ4NLRows: _IQ4NL,
+                Q3KRows: _Q3K, Q2KRows: _Q2K, **{c: c.native for c in GRID_TYPES}}  # fmt: skip
         if type(packed) in rows:  # the file's rows, padded to quads (IQ4_NL: to 256 columns)
             self.fmt, self.group = rows[type(packed)], 0
             padded = pad_qmatrix(packed, round_up(n, 4), padded_size(self.fmt, 0, k))

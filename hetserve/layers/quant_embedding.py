@@ -26,7 +26,9 @@ from hetserve.quant.packed import QMatrix
 # Each: (gguf's type name, gguf_rows.c's type number).
 _GGML = {"Q4KRows": ("Q4_K", 0), "Q5KRows": ("Q5_K", 1), "Q6KRows": ("Q6_K", 2),
          "IQ4XSRows": ("IQ4_XS", 3), "IQ4NLRows": ("IQ4_NL", 4), "Q3KRows": ("Q3_K", 5),
-         "Q2KRows": ("Q2_K", 6)}  # fmt: skip
+         "Q2KRows": ("Q2_K", 6), "IQ2XXSRows": ("IQ2_XXS", 7), "IQ2XSRows": ("IQ2_XS", 8),
+         "IQ2SRows": ("IQ2_S", 9), "IQ3XXSRows": ("IQ3_XXS", 10), "IQ3SRows": ("IQ3_S", 11),
+         "IQ1SRows": ("IQ1_S", 12), "IQ1MRows": ("IQ1_M", 13)}  # fmt: skip
 
 
 class QuantEmbedding(nn.Module):

@@ -56,7 +56,8 @@ from hetserve.quant.packed import Int8Rows, QMatrix
 
 # The types an int8 linear (and the token embeddings) take as they are: the native linear
 # kernel reads q8_0's numbers and the K-quants' super-blocks.
-LINEARS_KEPT = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL")
+LINEARS_KEPT = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL", "IQ2_XXS",
+                "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")  # fmt: skip
 
 # GGUF architecture -> (HF architecture, model_type, llama.cpp's norm of the top-k weights)
 ARCHITECTURES = {

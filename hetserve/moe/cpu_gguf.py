@@ -6,9 +6,9 @@ a row is off 256, a size off 256 gets q8_0).
 Who uses it: the loader picks it for GGUF experts that are not all q4_K or all q8_0
 (`PACKED_BACKENDS`); tests and `bench moe-kernel` build it directly. W13 (gate and up, one type) and
 W2 each keep their format on the native kernel (moe_kernels.c: a phase-2 format beside the phase-1
-one): q4_K in its quad layout (moe_q4k.h), q6_K, q5_K, q3_K, q2_K, IQ4_XS and IQ4_NL rows as the
-file stores them (moe_kq.h; IQ4_XS with each block's nibbles regrouped, the same bytes), q8_0 as
-grouped int8,
+one): q4_K in its quad layout (moe_q4k.h), q6_K, q5_K, q3_K, q2_K, IQ4_XS, IQ4_NL and the grid
+i-quants IQ3_*, IQ2_*, IQ1_* rows as the file stores them (moe_kq.h, moe_iqg.h; IQ4_XS with each
+block's nibbles regrouped, the same bytes), q8_0 as grouped int8,
 int4 groups. The K-quants and 4-bit i-quants meet activations rounded as llama.cpp's q8_K (int8 per
 256 columns: |x - x_hat| <= amax / 254 of the super-block; IQ4_NL rows padded to 256 with zero
 blocks), q8_0 and int4 int16 per row.
@@ -28,6 +28,7 @@ from hetserve.moe.cpu_native import F_I4, F_I8, F_Q4K, _NativeExperts
 from hetserve.moe.experts import Activation, ExpertWeights, register_backend
 from hetserve.moe.native_layout import int4_layer, q4k_layer, rows_layer, stacked_quads
 from hetserve.quant.gguf import Q2KRows, Q3KRows, Q5KRows, Q6KRows
+from hetserve.quant.gguf_grid import GRID_TYPES
 from hetserve.quant.gguf_iq import IQ4NLRows, IQ4XSRows
 from hetserve.quant.layout import fp16_group_scales, pad_qmatrices
 from hetserve.quant.packed import Int4Rows, Int8Rows, Q4KRows, QMatrix
@@ -35,9 +36,10 @@ from hetserve.quant.packed import Int4Rows, Int8Rows, Q4KRows, QMatrix
 F_Q6K, F_Q5K, F_IQ4XS, F_IQ4NL, F_Q3K, F_Q2K = 6, 7, 8, 9, 10, 11  # moe_kernels.c's F_*
 _FORMATS: dict[type, int] = {Q4KRows: F_Q4K, Q6KRows: F_Q6K, Q5KRows: F_Q5K, Int8Rows: F_I8,
                              Int4Rows: F_I4, IQ4XSRows: F_IQ4XS, IQ4NLRows: F_IQ4NL,
-                             Q3KRows: F_Q3K, Q2KRows: F_Q2K}  # fmt: skip
-# the file's bytes as they are (moe_kq.h)
-_FILE_ROWS = (F_Q6K, F_Q5K, F_IQ4XS, F_IQ4NL, F_Q3K, F_Q2K)
+                             Q3KRows: F_Q3K, Q2KRows: F_Q2K,
+                             **{cls: cls.native for cls in GRID_TYPES}}  # fmt: skip
+# the file's bytes as they are (moe_kq.h, moe_iqg.h)
+_FILE_ROWS = (F_Q6K, F_Q5K, F_IQ4XS, F_IQ4NL, F_Q3K, F_Q2K, *(c.native for c in GRID_TYPES))
 
 
 def _format(mats: Sequence[QMatrix], what: str) -> int:
@@ -61,7 +63,7 @@ class NativeGgufExperts(_NativeExperts):
             if f in (F_I8, F_I4) and g % 16:
                 raise InvalidInputError(f"cpu-gguf reads int groups of multiples of 16, not {g}")
         # one handle, two formats: moe_kernels.c's fmt_phase / g_phase encoding
-        self.fmt = f13 if f13 == f2 and g13 == g2 else f13 | (f2 + 1) << 4
+        self.fmt = f13 if f13 == f2 and g13 == g2 else f13 | (f2 + 1) << 5
         self.group_size = g13 if f13 == f2 and g13 == g2 else g13 | g2 << 16
         self.formats = (p.w13[0].fmt, p.w2[0].fmt)
         hp, ip = self._padded()

@@ -201,7 +201,9 @@ def create_backend(
 # The backend that reads each packed (checkpoint-quantized) format as it is.
 PACKED_BACKENDS = {"fp8": "cpu-fp8", "mxfp4": "cpu-mxfp4", "int4": "cpu-int4", "int8": "cpu-int8",
                    "q6_K": "cpu-gguf", "q5_K": "cpu-gguf", "q3_K": "cpu-gguf",
-                   "q2_K": "cpu-gguf", "iq4_xs": "cpu-gguf",
+                   "q2_K": "cpu-gguf", "iq4_xs": "cpu-gguf", "iq2_xxs": "cpu-gguf",
+                   "iq2_xs": "cpu-gguf", "iq2_s": "cpu-gguf", "iq3_xxs": "cpu-gguf",
+                   "iq3_s": "cpu-gguf", "iq1_s": "cpu-gguf", "iq1_m": "cpu-gguf",
                    "iq4_nl": "cpu-gguf", "gguf": "cpu-gguf"}  # fmt: skip
 
 # The backend whose native kernel reads a kernel-layout file's format (cpu_native.F_*).

@@ -62,7 +62,7 @@ SOURCES = ("pool.c", "moe_kernels.c", "moe_prefill.c", "linear_kernels.c", "atte
            "peaks.c", "prefill_attention.c", "numa.c", "gguf_rows.c", "layouts.c",
            "mla_decode.c")  # fmt: skip
 HEADERS = ("pool.h", "simd.h", "moe_quads.h", "moe_formats.h", "moe_q4k.h", "moe_kq.h",
-           "moe_gemm.h", "moe_job.h", "moe_kgemm.h", "moe_amx.h")  # fmt: skip
+           "moe_gemm.h", "moe_job.h", "moe_kgemm.h", "moe_amx.h", "moe_iqg.h")  # fmt: skip
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared"]
 # What each instruction set adds to CFLAGS, and the /proc/cpuinfo flags it needs.
 # Narrowest first; avx512bf16 adds the FP8 experts kernel's bf16 path (simd.h, HS_FP8_BF16).
@@ -203,7 +203,25 @@ _SIGNATURES = {
     "hetserve_amx_ready": (_I, []),  # tests, bench moe-kernel
     "hetserve_index_scores": (_I, [_I] * 9 + [_P] * 7),  # model/deepseek_v32.py
     "hetserve_heads_gemv_f16": (None, [_I] * 5 + [_P] * 3),  # model/deepseek.py
+    "hetserve_iq_grids": (None, [_P] * 6),  # build_for: the grid i-quants' tables (moe_iqg.h)
 }
+
+
+@cache
+def _iq_grids() -> tuple:
+    """gguf's tables of the grid i-quants (its `grid`, the points' values), in the bytes
+    moe_iqg.h reads: IQ2's points as uint8 x 8, IQ3's as uint8 x 4, IQ1's as int8 x 8 times 8.
+    Kept for the life of the process (the library holds pointers into them)."""
+    import numpy as np
+    from gguf import quants
+
+    def table(cls, dtype, scale=1):
+        cls.init_grid()
+        return np.ascontiguousarray((cls.grid.reshape(cls.grid_shape) * scale).astype(dtype))
+
+    return (table(quants.IQ2_XXS, np.uint8), table(quants.IQ2_XS, np.uint8),
+            table(quants.IQ2_S, np.uint8), table(quants.IQ3_XXS, np.uint8),
+            table(quants.IQ3_S, np.uint8), table(quants.IQ1_S, np.int8, 8))  # fmt: skip
 
 
 @cache
@@ -240,6 +258,7 @@ def build_for(isa_name: str) -> tuple[ctypes.CDLL | None, str | None]:
     for name, (restype, argtypes) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
+    lib.hetserve_iq_grids(*(t.ctypes.data for t in _iq_grids()))
     return lib, None
 
 

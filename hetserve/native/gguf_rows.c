@@ -12,7 +12,8 @@
  *
  * hetserve_gguf_rows(type, raw, row_bytes, rows, ids, n, cols, out): row ids[i] of `raw` (`rows`
  * rows of row_bytes bytes, each cols / 256 super-blocks, or cols / 32 blocks for IQ4_NL) into
- * out[i * cols ...]. type: 0 q4_K, 1 q5_K, 2 q6_K, 3 IQ4_XS, 4 IQ4_NL, 5 q3_K, 6 q2_K. Returns 0, -1 for an
+ * out[i * cols ...]. type: 0 q4_K, 1 q5_K, 2 q6_K, 3 IQ4_XS, 4 IQ4_NL, 5 q3_K, 6 q2_K, 7-13
+ * IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M. Returns 0, -1 for an
  * unknown type, -2 for an id outside [0, rows) (nothing written then). */
 #include <immintrin.h>
 #include <stdint.h>
@@ -99,6 +100,31 @@ static void kquant23(const uint8_t *b, int three, float *y) {
     }
 }
 
+/* The grid i-quants' tables (moe_iqg.h), handed over once by hetserve/native/__init__.py from
+ * gguf's own; the sign table is 7 bits and their parity. */
+iq_grids_t hs_iq_grids;
+
+void hetserve_iq_grids(const uint64_t *iq2xxs, const uint64_t *iq2xs, const uint64_t *iq2s,
+                       const uint32_t *iq3xxs, const uint32_t *iq3s, const uint64_t *iq1s) {
+    for (int i = 0; i < 128; i++)
+        hs_iq_grids.ksigns[i] = (uint8_t)(i | (__builtin_popcount(i) & 1) << 7);
+    hs_iq_grids.iq2xxs = iq2xxs, hs_iq_grids.iq2xs = iq2xs, hs_iq_grids.iq2s = iq2s;
+    hs_iq_grids.iq3xxs = iq3xxs, hs_iq_grids.iq3s = iq3s, hs_iq_grids.iq1s = iq1s;
+}
+
+/* A grid i-quant super-block: w = D * sc * v (moe_iqg.h), every product exact in fp32. */
+static void iqgrid(int fmt, const uint8_t *b, float *y) {
+    float D;
+    int8_t sc[16], v[32];
+    _mm_storeu_si128((__m128i *)sc, iqg_head(fmt, b, &D));
+    for (int k = 0; k < 8; k++) {
+        __m256i mag, sgn;
+        iqg_group(fmt, b, k, &mag, &sgn);
+        _mm256_storeu_si256((__m256i *)v, _mm256_sign_epi8(mag, sgn));
+        for (int l = 0; l < 32; l++) y[32 * k + l] = D * (float)(sc[2 * k + l / 16] * v[l]);
+    }
+}
+
 /* IQ4_NL (18 bytes per 32 values: d, qs[16]). */
 static void iq4nl(const uint8_t *b, float *y) {
     const float d = kq_f16(b);
@@ -112,8 +138,10 @@ int hetserve_gguf_rows(int type, const uint8_t *raw, int64_t row_bytes, int64_t 
                        const int64_t *ids, int n, int cols, float *out) {
     static const int block_values[7] = {256, 256, 256, 256, 32, 256, 256};
     static const int block_bytes[7] = {144, 176, 210, 136, 18, 110, 84};
-    if (type < 0 || type > 6) return -1;
-    const int per = block_values[type], bb = block_bytes[type];
+    if (type < 0 || type > 6 + F_IQ1M - F_IQ2XXS + 1) return -1;
+    const int grid = type > 6 ? F_IQ2XXS + type - 7 : 0; /* 7.. : the grid i-quants */
+    const int per = grid ? 256 : block_values[type];
+    const int bb = grid ? iqg_bytes(grid) : block_bytes[type];
     for (int i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= rows) return -2;
     for (int i = 0; i < n; i++) {
@@ -122,6 +150,10 @@ int hetserve_gguf_rows(int type, const uint8_t *raw, int64_t row_bytes, int64_t 
         for (int c = 0; c < cols / per; c++) {
             const uint8_t *b = row + (int64_t)c * bb;
             float *yc = y + (int64_t)c * per;
+            if (grid) {
+                iqgrid(grid, b, yc);
+                continue;
+            }
             switch (type) {
             case 0: kquant45(b, 0, yc); break;
             case 1: kquant45(b, 1, yc); break;

@@ -9,7 +9,8 @@
  *   fmt 1 (int8), G > 0:  one fp16 scale per row and group of G columns (GGUF q8_0: 32,
  *                         its own fp16 numbers), stored [N / 4][K / G][4] (G % 16 == 0);
  *   fmt 5 (q4_K):         super-blocks of 256 columns with their own scales (moe_q4k.h);
- *   fmt 6 (q6_K), 7 (q5_K), 8 (IQ4_XS), 9 (IQ4_NL), 10 (q3_K), 11 (q2_K): each row's blocks
+ *   fmt 6 (q6_K), 7 (q5_K), 8 (IQ4_XS), 9 (IQ4_NL), 10 (q3_K), 11 (q2_K), 12-18 (the grid
+ *                         i-quants IQ2_XXS .. IQ1_M, moe_iqg.h): each row's blocks
  *                         as a GGUF file stores
  *                         them (the i-quants' bytes regrouped as for the experts), rows in file
  *                         order (moe_kq.h), padded with zero rows to whole quads.
@@ -71,6 +72,13 @@ static inline void lin_quad(const lin_t *l, int n0, int nq, int m, int MB, float
         case L_IQ4NL: HS_KQ(L_IQ4NL)
         case L_Q3K: HS_KQ(L_Q3K)
         case L_Q2K: HS_KQ(L_Q2K)
+        case F_IQ2XXS: HS_KQ(F_IQ2XXS)
+        case F_IQ2XS: HS_KQ(F_IQ2XS)
+        case F_IQ2S: HS_KQ(F_IQ2S)
+        case F_IQ3XXS: HS_KQ(F_IQ3XXS)
+        case F_IQ3S: HS_KQ(F_IQ3S)
+        case F_IQ1S: HS_KQ(F_IQ1S)
+        case F_IQ1M: HS_KQ(F_IQ1M)
         default: /* q4_K */
             if (nq == 2) {
                 if (MB == 2) quad_q4k(q, 2, K, a, 2, o); else quad_q4k(q, 2, K, a, 1, o);
@@ -208,7 +216,7 @@ static void lin_item(void *ctx, int c) {
  * of memory) or -3 (unknown format). */
 int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const float *x,
                      float *out, const void *w, const void *s) {
-    if (fmt != L_I8 && (fmt < L_Q4K || fmt > L_Q2K)) return -3;
+    if (fmt != L_I8 && (fmt < L_Q4K || fmt > F_LAST)) return -3;
     if (T <= 0) return 0;
     const int Kx = K; /* x's columns; the weights' may be padded */
     K = hetserve_moe_padded(fmt, G, K);

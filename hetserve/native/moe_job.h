@@ -11,14 +11,15 @@
 
 /* Weight formats (hetserve/moe/cpu_native.py passes the same numbers). */
 enum { F_F32 = 0, F_I8 = 1, F_I4 = 2, F_MXFP4 = 3, F_FP8 = 4, F_Q4K = 5, F_Q6K = 6, F_Q5K = 7,
-       F_IQ4XS = 8, F_IQ4NL = 9, F_Q3K = 10, F_Q2K = 11 };
-#define F_LAST F_Q2K
+       F_IQ4XS = 8, F_IQ4NL = 9, F_Q3K = 10, F_Q2K = 11, F_IQ2XXS = 12, F_IQ2XS = 13,
+       F_IQ2S = 14, F_IQ3XXS = 15, F_IQ3S = 16, F_IQ1S = 17, F_IQ1M = 18 };
+#define F_LAST F_IQ1M
 
 /* A layer whose W2 is in another format than W13 (GGUF mixes: q4_K gate/up beside q6_K down)
- * passes fmt = f13 | (f2 + 1) << 4 and G = G13 | G2 << 16 (G2 = 0: the same as G13), so every
+ * passes fmt = f13 | (f2 + 1) << 5 and G = G13 | G2 << 16 (G2 = 0: the same as G13), so every
  * entry point keeps its arguments; a plain format is its own phase-2 format. */
 static inline int fmt_phase(int fmt, int which) {
-    return which == 1 || (fmt >> 4) == 0 ? fmt & 15 : (fmt >> 4) - 1;
+    return which == 1 || (fmt >> 5) == 0 ? fmt & 31 : (fmt >> 5) - 1;
 }
 static inline int g_phase(int G, int which) {
     return which == 1 || (G >> 16) == 0 ? G & 0xFFFF : G >> 16;

@@ -306,6 +306,13 @@ static void phase_item(void *ctx, int c) {
     case F_IQ4NL: HS_PHASES(F_IQ4NL); break;
     case F_Q3K: HS_PHASES(F_Q3K); break;
     case F_Q2K: HS_PHASES(F_Q2K); break;
+    case F_IQ2XXS: HS_PHASES(F_IQ2XXS); break;
+    case F_IQ2XS: HS_PHASES(F_IQ2XS); break;
+    case F_IQ2S: HS_PHASES(F_IQ2S); break;
+    case F_IQ3XXS: HS_PHASES(F_IQ3XXS); break;
+    case F_IQ3S: HS_PHASES(F_IQ3S); break;
+    case F_IQ1S: HS_PHASES(F_IQ1S); break;
+    case F_IQ1M: HS_PHASES(F_IQ1M); break;
     case F_I8: HS_PHASES(F_I8); break;
     case F_I4: HS_PHASES(F_I4); break;
     case F_MXFP4: HS_PHASES(F_MXFP4); break;
@@ -323,8 +330,8 @@ static void phase_item(void *ctx, int c) {
 #define ITEM_BYTES (2048 << 10)
 
 /* Sixteen times the bytes per weight of each format (F_*), scales and minimums aside. */
-static const int B16[] = {64, 16, 8, 8, 16, 9, 13, 11, 8, 9, 7, 5}; /* q6_K 13.125, IQ4_XS 8.5,
-                                                                    * q3_K 6.875, q2_K 5.25 */
+/* q6_K 13.125, IQ4_XS 8.5, q3_K 6.875, q2_K 5.25, then the grid i-quants IQ2_XXS 4.125 .. IQ1_M */
+static const int B16[] = {64, 16, 8, 8, 16, 9, 13, 11, 8, 9, 7, 5, 4, 5, 5, 6, 7, 3, 4};
 
 /* Units per work item of a phase. */
 static int phase_rc(const job_t *j, int phase) {
@@ -379,10 +386,8 @@ static void row_bytes(int fmt, int K, int G, size_t b[2]) {
     case F_I4: b[0] += 8 * ng; break; /* a row's share of its tile's scales and minimums */
     case F_MXFP4: b[1] = K / 32; break;
     case F_FP8: b[1] = 4 * ng; break;
-    case F_Q6K: case F_IQ4XS: case F_Q3K: case F_Q2K:
-        b[0] = (size_t)K / Q4K_SB * kq_bytes(fmt);
-        break;
-    default: break; /* fp32, q4_K, q5_K, IQ4_NL */
+    case F_F32: case F_Q4K: case F_Q5K: case F_IQ4NL: break; /* B16 is exact */
+    default: b[0] = (size_t)K / Q4K_SB * kq_bytes(fmt); break; /* the other GGUF blocks */
     }
 }
 
@@ -528,8 +533,8 @@ static int lcm(int a, int b) {
 }
 
 static int pad_unit(int fmt, int G) {
-    static const int unit[] = {8, 32, 32, 32, 16, 256, 256, 256, 256, 256, 256, 256}; /* F_* */
-    const int a = fmt >= F_F32 && fmt <= F_LAST ? unit[fmt] : 1;
+    static const int unit[] = {8, 32, 32, 32, 16}; /* F_* up to FP8; the GGUF blocks: 256 */
+    const int a = fmt >= F_F32 && fmt <= F_FP8 ? unit[fmt] : fmt <= F_LAST ? 256 : 1;
     return G > 0 ? lcm(a, G) : a;
 }
 
@@ -543,7 +548,7 @@ int hetserve_moe_padded(int fmt, int G, int n) {
 /* 1 when fmt (either phase's) is no format of ours. */
 static int bad_fmt(int fmt) {
     const int f1 = fmt_phase(fmt, 1), f2 = fmt_phase(fmt, 2);
-    return fmt < 0 || fmt >> 8 || f1 > F_LAST || f2 > F_LAST;
+    return fmt < 0 || fmt >> 10 || f1 > F_LAST || f2 > F_LAST;
 }
 
 /* A NUMA shard of a layer (moe/numa_experts.py): experts [base, base + E) of `total`, run

@@ -37,7 +37,7 @@
 /* The K-quants and IQ4_XS: an integer scale per sub-block, a float one per super-block. */
 static inline int kg_fmt(int fmt) {
     return fmt == F_Q4K || fmt == F_Q5K || fmt == F_Q6K || fmt == F_IQ4XS || fmt == F_Q3K ||
-           fmt == F_Q2K;
+           fmt == F_Q2K || iqg_fmt(fmt);
 }
 
 /* Columns per float scale of the formats with tiles here, 0 for none: 256 for kg_fmt; 32 for
@@ -114,7 +114,16 @@ static inline void kg_put32(__m256i v, int sx, __m256i s0, __m256i s1, int16_t *
  * order, d (IQ4_NL: d [8], one per 32 columns) and, for q5_K and q2_K, dmin and m [8] / [16]. */
 static inline void kg_row_sb(int fmt, const uint8_t *b, int16_t *v, float *d, float *dmin,
                              int16_t *m) {
-    if (fmt == F_Q3K || fmt == F_Q2K) { /* scales per 16 columns: column / 16 */
+    if (iqg_fmt(fmt)) { /* the grid i-quants: v = sign * point, scales per 16 columns */
+        int8_t sc[16];
+        _mm_storeu_si128((__m128i *)sc, iqg_head(fmt, b, d));
+        for (int k = 0; k < 8; k++) {
+            __m256i mag, sgn;
+            iqg_group(fmt, b, k, &mag, &sgn);
+            kg_put32(_mm256_sign_epi8(mag, sgn), 1, _mm256_set1_epi16(sc[2 * k]),
+                     _mm256_set1_epi16(sc[2 * k + 1]), v + 32 * k);
+        }
+    } else if (fmt == F_Q3K || fmt == F_Q2K) { /* scales per 16 columns: column / 16 */
         int8_t sc[16];
         const uint8_t *h = fmt == F_Q3K ? b : NULL, *qs = b + (fmt == F_Q3K ? 32 : 16);
         if (fmt == F_Q3K) {

@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "moe_formats.h"
+#include "moe_iqg.h"
 #include "moe_job.h"
 #include "moe_q4k.h"
 
@@ -414,7 +415,44 @@ static inline int kq_bytes(int fmt) {
     case F_IQ4XS: return 136;
     case F_Q3K: return Q3K_BLOCK;
     case F_Q2K: return Q2K_BLOCK;
-    default: return 144; /* IQ4_NL (and q4_K's 144 per 256) */
+    default: return iqg_fmt(fmt) ? iqg_bytes(fmt) : 144; /* IQ4_NL (and q4_K's 144 per 256) */
+    }
+}
+
+/* A quad of grid i-quant rows (moe_iqg.h) against MB <= 2 tokens: per super-block its scales
+ * widened once, per 32 columns the points and signs decoded once for both tokens (the signs
+ * applied to the activations), exact integer sums per super-block, scaled by D * xd into fp32
+ * lanes summed once per row. */
+static inline __attribute__((always_inline)) void quad_iqg(const uint8_t *q, int fmt, int K,
+                                                           const q4k_act_t a[2], int MB,
+                                                           float out[][MBMAX]) {
+    const int nsb = K / Q4K_SB, bb = iqg_bytes(fmt);
+    for (int r = 0; r < 4; r++) {
+        const uint8_t *row = q + (size_t)r * nsb * bb;
+        __m256 accf[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int s = 0; s < nsb; s++) {
+            const uint8_t *b = row + (size_t)s * bb;
+            for (int o = 0; o < bb; o += 64) hs_prefetch(b + o);
+            float D;
+            const __m256i pairs = k16_scale_pairs(iqg_head(fmt, b, &D));
+            __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            for (int k = 0; k < 8; k++) {
+                __m256i mag, sgn;
+                iqg_group(fmt, b, k, &mag, &sgn);
+                const __m256i sc = _mm256_shuffle_epi8(pairs, HS_W16(k));
+                for (int m = 0; m < MB; m++) {
+                    const __m256i x =
+                        _mm256_loadu_si256((const __m256i *)(a[m].x + (size_t)s * Q4K_SB + 32 * k));
+                    const __m256i p = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(x, sgn));
+                    acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(p, sc));
+                }
+            }
+            for (int m = 0; m < MB; m++) {
+                const __m256 dx = _mm256_set1_ps(D * a[m].d[s]);
+                accf[m] = _mm256_add_ps(accf[m], _mm256_mul_ps(_mm256_cvtepi32_ps(acc[m]), dx));
+            }
+        }
+        for (int m = 0; m < MB; m++) out[r][m] = hs_hsum(accf[m]);
     }
 }
 
@@ -431,6 +469,10 @@ static inline __attribute__((always_inline)) void quad_kq(const uint8_t *q, int 
     }
     if (fmt == F_IQ4NL) {
         quad_iq4nl(q, K, a, MB, out);
+        return;
+    }
+    if (iqg_fmt(fmt)) {
+        quad_iqg(q, fmt, K, a, MB, out);
         return;
     }
     for (int r = 0; r < 4; r++) {

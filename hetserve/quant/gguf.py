@@ -16,6 +16,7 @@ import torch
 
 from hetserve import envs
 from hetserve.native import optional_kernel
+from hetserve.quant.gguf_grid import BY_GGML, grid_reader
 from hetserve.quant.gguf_iq import iq4_nl_rows, iq4_xs_rows
 from hetserve.quant.packed import Int8Rows, Mxfp4Rows, Q4KRows, QMatrix, _f16_bits, _q4k_six
 
@@ -267,7 +268,7 @@ def mxfp4_rows(data: np.ndarray) -> Mxfp4Rows:
 # summary and the choice of what the others convert to (quant/gguf_convert.py, convert_target).
 KEPT = {"Q8_0": q8_0_rows, "Q4_K": q4_k_rows, "Q6_K": q6_k_rows, "Q5_K": q5_k_rows,
         "Q3_K": q3_k_rows, "Q2_K": q2_k_rows, "IQ4_XS": iq4_xs_rows, "IQ4_NL": iq4_nl_rows,
-        "MXFP4": mxfp4_rows}  # fmt: skip
+        "MXFP4": mxfp4_rows, **{name: grid_reader(name) for name in BY_GGML}}  # fmt: skip
 BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8.5, "Q6_K": 6.5625, "Q5_K": 5.5, "Q5_1": 6,
         "Q5_0": 5.5, "Q4_K": 4.5, "Q4_1": 5, "Q4_0": 4.5, "IQ4_NL": 4.5, "IQ4_XS": 4.25,
         "Q3_K": 3.4375, "IQ3_S": 3.4375, "IQ3_XXS": 3.0625, "Q2_K": 2.625, "IQ2_S": 2.5,

@@ -1,4 +1,4 @@
-"""GGUF types without a native kernel (the IQ3/IQ2/IQ1 i-quants, q4_0/q5_0/..., TQ*) converted at
+"""GGUF types without a native kernel (q4_0/q4_1/q5_0/q5_1, the ternary TQ1_0/TQ2_0) converted at
 load to the nearest native format of no more bits per weight: which one (`convert_target`),
 the conversion itself (`converted`, round to nearest) and the error the loader reports
 (`relative_rms`). Who calls it: the GGUF loader (`model/gguf_file.py`) per tensor. Pure: arrays
@@ -22,9 +22,9 @@ NATIVE_BPW = {"q2_K": 2.625, "q3_K": 3.4375, "q4_K": 4.5, "q5_K": 5.5, "q6_K": 6
 
 def convert_target(bpw: float, k: int) -> str:
     """The native format a type of `bpw` bits per weight converts to, for rows of `k` columns:
-    the largest that has no more bits per weight (IQ3_S: q3_K, IQ3_XXS: q2_K); where none has
-    that few (IQ2_*, IQ1_*: below q2_K's 2.625), the smallest, q2_K. Rows off 256 can only
-    take q8_0."""
+    the largest that has no more bits per weight (q5_0: q5_K, q4_0: q4_K); where none has that
+    few (TQ1_0, TQ2_0: below q2_K's 2.625), the smallest, q2_K. Rows off 256 can only take
+    q8_0."""
     if k % 256:
         return "q8_0"
     fits = [f for f, b in NATIVE_BPW.items() if b <= bpw]

@@ -1,10 +1,10 @@
-"""GGUF's 4-bit i-quants (IQ4_XS, IQ4_NL) as the file stores them, and the rule for every
-type no kernel reads: which native format it is converted to at load, and the error stated.
+"""GGUF's 4-bit i-quants (IQ4_XS, IQ4_NL) as the file stores them.
 
 Who calls it: the GGUF reader (`model/gguf_file.py`): `IQ4XSRows` / `IQ4NLRows` hold a tensor's
-bytes unchanged for `cpu-gguf` (moe_kq.h reads them); `convert_target` and `converted` for the
-others (q2_K, q3_K, IQ3_*, IQ2_*, IQ1_*, q4_0/q5_0/...). Pure (no I/O). A block size that does
-not divide a row is the caller's bug (the reader checks shapes against the metadata first).
+bytes unchanged for `cpu-gguf` (moe_kq.h reads them); the grid i-quants are
+quant/gguf_grid.py's, the types no kernel reads quant/gguf_convert.py's. Pure (no I/O). A block
+size that does not divide a row is the caller's bug (the reader checks shapes against the
+metadata first).
 """
 
 from __future__ import annotations

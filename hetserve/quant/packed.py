@@ -289,7 +289,8 @@ class Q4KRows(QMatrix):
 
 # Formats a GGUF layer may mix (q8_0 is "int8", q4_K "int4"; quant/gguf.py: q6_K, q5_K;
 # quant/gguf_iq.py: iq4_xs, iq4_nl), all served together by cpu-gguf (moe/cpu_gguf.py).
-GGUF_FMTS = frozenset({"int8", "int4", "q6_K", "q5_K", "q3_K", "q2_K", "iq4_xs", "iq4_nl"})
+GGUF_FMTS = frozenset({"int8", "int4", "q6_K", "q5_K", "q3_K", "q2_K", "iq4_xs", "iq4_nl",
+                       "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m"})
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 tokenizer inside), from a tiny Qwen3-MoE / Qwen2-MoE checkpoint (testing/tiny.py); routed experts
 in q4_K or q8_0, the rest f32 or q8_0. q2_K-q6_K are quantized here (the `gguf` package only
 reads them), q8_0 and q5_0 by `gguf` itself, every other GGML type (IQ4_XS, IQ3_S, IQ2_XS, ...)
-by llama.cpp's quantizer (testing/ggml_quant.py) where llama-cpp-python is
-installed.
+by llama.cpp's quantizer (testing/ggml_quant.py) where llama-cpp-python is installed; or, as
+`random_iq2_xxs` and so on, random valid blocks of a grid i-quant (a model of their own
+numbers, which the reference then holds).
 
 `write_gguf` also writes the reference: an fp32 HF directory of what `gguf` dequantizes each
 tensor of the written file to, so tests hold hetserve's GGUF reader against gguf's.
@@ -68,6 +69,13 @@ def _quantize(gguf, w: np.ndarray, kind: str) -> tuple[np.ndarray, object]:
 
         fn, qtype = getattr(gguf_quants, f"quantize_{kind.lower()}"), q[kind.upper()]
         return fn(w.reshape(-1, w.shape[-1])).reshape(*w.shape[:-1], -1), qtype
+    if kind.startswith("random_"):  # valid blocks of a grid i-quant, not w's (a test's own model)
+        from hetserve.testing.gguf_quants import random_iq_grid
+
+        name, flat = kind.removeprefix("random_").upper(), w.reshape(-1, w.shape[-1])
+        seed = int(np.abs(flat).sum() * 1e4) % (1 << 32)
+        raw = random_iq_grid(name, flat.shape[0], flat.shape[1], seed)
+        return raw.reshape(*w.shape[:-1], -1), q[name]
     if kind.upper() in gguf.GGMLQuantizationType.__members__:  # llama.cpp's own quantizer
         from hetserve.testing.ggml_quant import ggml_quantize
 

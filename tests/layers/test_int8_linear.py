@@ -128,6 +128,16 @@ def _k23(kind: str):
     return pack
 
 
+def _grid(kind: str):
+    def pack(w: torch.Tensor):  # random blocks of w's shape (testing/gguf_quants.py)
+        from hetserve.quant.gguf_grid import grid_reader
+        from hetserve.testing.gguf_quants import random_iq_grid
+
+        return grid_reader(kind)(random_iq_grid(kind, w.shape[0], w.shape[1], w.shape[0]))
+
+    return pack
+
+
 def _iq4(kind: str):
     def pack(w: torch.Tensor):  # random blocks of w's shape (testing/gguf_quants.py)
         from hetserve.quant.gguf_iq import iq4_nl_rows, iq4_xs_rows
@@ -137,6 +147,9 @@ def _iq4(kind: str):
         return rows(random_iq4(kind, w.shape[0], w.shape[1], w.shape[0]))
 
     return pack
+
+
+GRIDS = ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"]  # F_* 12 .. 18
 
 
 def _q8_0(w: torch.Tensor):
@@ -157,6 +170,7 @@ def _q8_0(w: torch.Tensor):
         (9, _iq4("IQ4_NL")),
         (10, _k23("q3_K")),
         (11, _k23("q2_K")),
+        *((12 + i, _grid(k)) for i, k in enumerate(GRIDS)),
     ],  # fmt: skip
 )
 @pytest.mark.parametrize(
@@ -166,7 +180,7 @@ def _q8_0(w: torch.Tensor):
 )  # fmt: skip
 def test_checkpoint_matrices_served_as_they_are(fmt, pack, t, bias, n):
     """A linear carrying its checkpoint matrix (`packed_weight`, GGUF q4_K / q6_K / q5_K / q8_0 /
-    IQ4_XS / IQ4_NL / q3_K / q2_K)
+    IQ4_XS / IQ4_NL / q3_K / q2_K / the grid i-quants)
     runs on those numbers exactly: against x @ w_hat.T only the activation rounding is left,
     |y - x @ w_hat.T| <= sum over blocks of s_x / 2 * sum|w_hat| per output (plus fp32
     summation; q8_0: int16 per row, the K-quants: int8 per 256 columns as llama.cpp's q8_K), and

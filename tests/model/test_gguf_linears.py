@@ -205,7 +205,11 @@ def test_q8_0_token_embeddings_are_served_from_the_files_rows(tiny_model, tmp_pa
 
 
 @pytest.mark.parametrize("native", [True, False])
-@pytest.mark.parametrize("kind", ["q4_K", "q5_K", "q6_K", "q3_K", "q2_K", "IQ4_XS", "IQ4_NL"])
+@pytest.mark.parametrize(
+    "kind",
+    ["q4_K", "q5_K", "q6_K", "q3_K", "q2_K", "IQ4_XS", "IQ4_NL", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+     "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"],
+)  # fmt: skip
 def test_k_quant_embedding_rows_equal_the_matrix_dequantized(kind, native, monkeypatch):
     """A K-quant `token_embd` is looked up by the native row dequantizer (native/gguf_rows.c),
     or without the kernels through gguf's own dequantize of the gathered rows' blocks: either
@@ -215,6 +219,7 @@ def test_k_quant_embedding_rows_equal_the_matrix_dequantized(kind, native, monke
         pytest.skip(native_unavailable_reason())
     monkeypatch.setenv("HETSERVE_NATIVE_KERNELS", "1" if native else "0")
     from hetserve.quant.gguf import q2_k_rows, q3_k_rows, q5_k_rows, q6_k_rows
+    from hetserve.quant.gguf_grid import grid_reader
     from hetserve.quant.gguf_iq import iq4_nl_rows, iq4_xs_rows
     from hetserve.quant.gguf_quants import (
         quantize_q2_k,
@@ -223,7 +228,7 @@ def test_k_quant_embedding_rows_equal_the_matrix_dequantized(kind, native, monke
         quantize_q6_k,
     )
     from hetserve.quant.packed import Q4KRows
-    from hetserve.testing.gguf_quants import random_iq4
+    from hetserve.testing.gguf_quants import random_iq4, random_iq_grid
     from hetserve.testing.tiny_gguf import quantize_q4_k
 
     w = torch.randn(40, 512, generator=torch.Generator().manual_seed(0)).numpy()
@@ -233,7 +238,8 @@ def test_k_quant_embedding_rows_equal_the_matrix_dequantized(kind, native, monke
          "q3_K": lambda: q3_k_rows(quantize_q3_k(w)),
          "q2_K": lambda: q2_k_rows(quantize_q2_k(w)),
          "IQ4_XS": lambda: iq4_xs_rows(random_iq4("IQ4_XS", 40, 512, 0)),
-         "IQ4_NL": lambda: iq4_nl_rows(random_iq4("IQ4_NL", 40, 512, 0))}[kind]()  # fmt: skip
+         "IQ4_NL": lambda: iq4_nl_rows(random_iq4("IQ4_NL", 40, 512, 0))}.get(kind)  # fmt: skip
+    m = m() if m else grid_reader(kind)(random_iq_grid(kind, 40, 512, 0))
     emb = QuantEmbedding(m)
     assert (emb._native_rows(torch.tensor([1])) is not None) == native
     ids = torch.tensor([[3, 39, 0], [3, 17, 5]])

@@ -25,6 +25,7 @@ from hetserve.testing.gguf_quants import (
     quantize_q5_k,
     quantize_q6_k,
     random_iq4,
+    random_iq_grid,
 )
 from hetserve.testing.tiny_gguf import quantize_q4_k
 
@@ -65,10 +66,18 @@ def _iq4_random(kind):
     return lambda w: rows(random_iq4(kind, w.shape[0], w.shape[1], next(seed)))
 
 
+def _grid_random(kind):
+    from hetserve.quant.gguf_grid import grid_reader
+
+    seed = iter(range(10_000))
+    return lambda w: grid_reader(kind)(random_iq_grid(kind, w.shape[0], w.shape[1], next(seed)))
+
+
+GRIDS = ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"]
 PACK = {"q4_K": _q4, "q5_K": _q5, "q6_K": _q6, "q3_K": _q3, "q2_K": _q2, "q8_0": Int8Rows.q8_0,
-        "iq4_xs": _iq4("IQ4_XS"),
-        "iq4_nl": _iq4("IQ4_NL"), "random_iq4_xs": _iq4_random("IQ4_XS"),
-        "random_iq4_nl": _iq4_random("IQ4_NL")}  # fmt: skip
+        "iq4_xs": _iq4("IQ4_XS"), "iq4_nl": _iq4("IQ4_NL"),
+        "random_iq4_xs": _iq4_random("IQ4_XS"), "random_iq4_nl": _iq4_random("IQ4_NL"),
+        **{f"random_{k.lower()}": _grid_random(k) for k in GRIDS}}  # fmt: skip  # fmt: skip
 NEEDS_GGML = pytest.mark.skipif(
     bool(ggml_unavailable_reason()), reason=f"llama.cpp's quantizer: {ggml_unavailable_reason()}"
 )
@@ -116,6 +125,8 @@ MIXES = [("q6_K", "q6_K"), ("q5_K", "q5_K"), ("q4_K", "q6_K"), ("q5_K", "q6_K"),
          ("random_iq4_xs", "random_iq4_xs"), ("random_iq4_nl", "random_iq4_nl"),
          ("random_iq4_xs", "q5_K"), ("q3_K", "q3_K"), ("q2_K", "q2_K"), ("q2_K", "q3_K"),
          ("q3_K", "q5_K"), ("q4_K", "q2_K"), ("q2_K", "q8_0"),
+         *((f"random_{k.lower()}",) * 2 for k in GRIDS), ("random_iq2_xxs", "random_iq3_xxs"),
+         ("random_iq1_s", "q4_K"), ("random_iq1_m", "q8_0"), ("q2_K", "random_iq3_s"),
          *(pytest.param(m, marks=NEEDS_GGML) for m in IQ)]  # fmt: skip
 
 
@@ -231,7 +242,8 @@ def test_random_k_quant_blocks_read_as_gguf_reads_them(kind):
     [("q6_K", "q6_K"), ("q5_K", "q5_K"), ("q4_K", "q6_K"), ("random_iq4_xs", "q5_K"),
      ("q4_K", "q4_K"), ("random_iq4_xs", "random_iq4_xs"), ("q5_K", "q8_0"),
      ("random_iq4_nl", "random_iq4_nl"), ("q8_0", "q6_K"), ("q8_0", "q8_0"), ("q3_K", "q3_K"),
-     ("q2_K", "q2_K"), ("q4_K", "q2_K"), ("q2_K", "q6_K")],
+     ("q2_K", "q2_K"), ("q4_K", "q2_K"), ("q2_K", "q6_K"),
+     *((f"random_{k.lower()}",) * 2 for k in GRIDS), ("random_iq1_s", "q6_K")],
 )  # fmt: skip
 def test_prefill_tiles_agree_with_the_row_kernels(kinds):
     """An expert meeting many tokens (prefill) runs its K-quant / IQ4 / q8_0 rows dequantized to
