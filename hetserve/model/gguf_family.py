@@ -63,46 +63,52 @@ class FamilyTensors:
         return (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"],
                 cfg["linear_key_head_dim"], cfg["linear_value_head_dim"])  # fmt: skip
 
+    def _family_kind(self, name: str) -> str | None:
+        """How its family's converter changed the file's tensor `name`, or None (unchanged):
+        the one predicate behind `_transformed` and `_family_tensor`."""
+        if _KV_SPLIT.match(name):
+            return "kv_b"
+        if _EXPERT_BIAS.match(name):
+            return "expert_bias"
+        if self.arch == "kimi-linear" and KDA_CHANGED.match(name):
+            return "kda"
+        if self.arch == "llama" and _ROPE_PERMUTED.match(name):
+            return "rope"
+        if _SHEXP_GATE.match(name):  # [hidden] as llama.cpp's quantizer writes it, not [1, hidden]
+            return "shexp_gate" if len(self.tensor_info[name].shape) == 1 else None
+        if self.arch in LINEAR_ATTN and (_DELTANET.match(name) or ZERO_CENTRED_GGUF.search(name)):
+            return "linear_attn"
+        return None
+
     def _transformed(self, name: str) -> bool:
         """Whether the file's tensor `name` is one its family's converter changed."""
-        t = self.tensor_info[name]
-        return bool(
-            _KV_SPLIT.match(name)
-            or _EXPERT_BIAS.match(name)
-            or (self.arch == "kimi-linear" and KDA_CHANGED.match(name))
-            or (self.arch in LINEAR_ATTN
-                and (_DELTANET.match(name) or ZERO_CENTRED_GGUF.search(name)))
-            or (self.arch == "llama" and _ROPE_PERMUTED.match(name))
-            or (_SHEXP_GATE.match(name) and len(t.shape) == 1)
-        )  # fmt: skip
+        return self._family_kind(name) is not None
 
     def _family_tensor(
         self, name: str, t, wanted: Wanted, int8: Wanted
     ) -> Iterator[tuple[str, object, int]]:
         """What `GgufCheckpoint.tensors` yields of a `_transformed` tensor."""
-        if _KV_SPLIT.match(name):
+        kind = self._family_kind(name)
+        if kind == "kv_b":
             yield from self._kv_b(name, wanted, int8)
-        elif _EXPERT_BIAS.match(name):
+            return
+        if kind == "expert_bias":
             yield from self._expert_bias(name, wanted)
-        elif (
-            self.arch in LINEAR_ATTN
-            and not _SHEXP_GATE.match(name)
-            and (_DELTANET.match(name) or ZERO_CENTRED_GGUF.search(name))
-        ):
+            return
+        if kind == "linear_attn":
             yield from self._linear_attn(name, t, wanted, int8)
-        else:
-            hf = self._hf_name(name)
-            if not wanted(hf):
-                return
-            if self.arch == "kimi-linear" and KDA_CHANGED.match(name):
-                self._note(f"{t.tensor_type.name} -> fp32")
-                yield hf, kda_value(name, self._fp32(t)), int(t.n_bytes)
-            elif self.arch == "llama" and _ROPE_PERMUTED.match(name):
-                yield hf, self._unpermuted(t, len(t.shape) == 2 and int8(hf)), int(t.n_bytes)
-            else:  # the shared-expert gate [1, hidden] as llama.cpp's quantizer writes it: [hidden]
-                w = self._fp32(t).reshape(1, -1)
-                kind = t.tensor_type.name
-                yield hf, self._int8(kind, w) if int8(hf) else w, int(t.n_bytes)
+            return
+        hf = self._hf_name(name)
+        if not wanted(hf):
+            return
+        if kind == "kda":
+            self._note(f"{t.tensor_type.name} -> fp32")
+            yield hf, kda_value(name, self._fp32(t)), int(t.n_bytes)
+        elif kind == "rope":
+            yield hf, self._unpermuted(t, len(t.shape) == 2 and int8(hf)), int(t.n_bytes)
+        else:  # the shared-expert gate: [1, hidden] again
+            w = self._fp32(t).reshape(1, -1)
+            yield hf, self._int8(t.tensor_type.name, w) if int8(hf) else w, int(t.n_bytes)
 
     def _kv_b(
         self,
