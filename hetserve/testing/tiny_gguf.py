@@ -27,21 +27,27 @@ from hetserve.quant.gguf import quantize_q4_k
 
 __all__ = ["quantize_q4_k", "write_gguf"]
 
-_HF_TO_GGUF = [
+# HF -> GGUF tensor names that every family's converter shares (tiny_gguf_archs.py builds on
+# them too); post_attention_layernorm is ffn_norm to qwen2moe / qwen3moe / llama and
+# post_attention_norm to the newer families, so each module adds its own rows.
+HF_TO_GGUF_BASE = [
     (r"^model\.embed_tokens\.weight$", "token_embd.weight"),
     (r"^model\.norm\.weight$", "output_norm.weight"),
     (r"^lm_head\.weight$", "output.weight"),
     (r"^model\.layers\.(\d+)\.input_layernorm\.weight$", r"blk.\1.attn_norm.weight"),
-    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.weight$", r"blk.\1.ffn_norm.weight"),
     (r"^model\.layers\.(\d+)\.self_attn\.(q|k|v)_proj\.(weight|bias)$", r"blk.\1.attn_\2.\3"),
-    (r"^model\.layers\.(\d+)\.self_attn\.o_proj\.weight$", r"blk.\1.attn_output.weight"),
     (r"^model\.layers\.(\d+)\.self_attn\.(q|k)_norm\.weight$", r"blk.\1.attn_\2_norm.weight"),
-    (r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.gate\.weight$",
-     r"blk.\1.ffn_gate_inp.weight"),
     (r"^model\.layers\.(\d+)\.mlp\.shared_expert_gate\.weight$",
      r"blk.\1.ffn_gate_inp_shexp.weight"),
     (r"^model\.layers\.(\d+)\.mlp\.shared_expert\.(gate|up|down)_proj\.weight$",
      r"blk.\1.ffn_\2_shexp.weight"),
+]  # fmt: skip
+_HF_TO_GGUF = [
+    *HF_TO_GGUF_BASE,
+    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.weight$", r"blk.\1.ffn_norm.weight"),
+    (r"^model\.layers\.(\d+)\.self_attn\.o_proj\.weight$", r"blk.\1.attn_output.weight"),
+    (r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.gate\.weight$",
+     r"blk.\1.ffn_gate_inp.weight"),
     (r"^model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight$", r"blk.\1.ffn_\2.weight"),
 ]  # fmt: skip
 _EXPERT = re.compile(

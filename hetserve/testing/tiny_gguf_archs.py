@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 
 from hetserve.errors import InvalidInputError
 from hetserve.quant.quantize import quantize_mxfp4
-from hetserve.testing.tiny_gguf import write_tokenizer
+from hetserve.testing.tiny_gguf import HF_TO_GGUF_BASE, write_tokenizer
 from hetserve.testing.tiny_gguf_keys import gguf_metadata, tiktoken_vocab
 
 _ARCH = {"GptOssForCausalLM": "gpt-oss", "Qwen3NextForCausalLM": "qwen3next",
@@ -38,24 +38,15 @@ _ARCH = {"GptOssForCausalLM": "gpt-oss", "Qwen3NextForCausalLM": "qwen3next",
          "DeepseekV32ForCausalLM": "deepseek32", "DeepseekV3ForCausalLM": "deepseek2",
          "KimiLinearForCausalLM": "kimi-linear"}  # fmt: skip
 _COMMON = [
-    (r"^model\.embed_tokens\.weight$", "token_embd.weight"),
-    (r"^model\.norm\.weight$", "output_norm.weight"),
-    (r"^lm_head\.weight$", "output.weight"),
-    (r"^model\.layers\.(\d+)\.input_layernorm\.weight$", r"blk.\1.attn_norm.weight"),
+    *HF_TO_GGUF_BASE,
     (r"^model\.layers\.(\d+)\.post_attention_layernorm\.weight$",
      r"blk.\1.post_attention_norm.weight"),
-    (r"^model\.layers\.(\d+)\.self_attn\.(q|k|v)_proj\.(weight|bias)$", r"blk.\1.attn_\2.\3"),
     (r"^model\.layers\.(\d+)\.self_attn\.o_proj\.(weight|bias)$", r"blk.\1.attn_output.\2"),
-    (r"^model\.layers\.(\d+)\.self_attn\.(q|k)_norm\.weight$", r"blk.\1.attn_\2_norm.weight"),
     (r"^model\.layers\.(\d+)\.self_attn\.sinks$", r"blk.\1.attn_sinks.weight"),
     (r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(?:gate|router)\.(weight|bias)$",
      r"blk.\1.ffn_gate_inp.\2"),
     (r"^model\.layers\.(\d+)\.block_sparse_moe\.e_score_correction_bias$",
      r"blk.\1.exp_probs_b.bias"),
-    (r"^model\.layers\.(\d+)\.mlp\.shared_expert_gate\.weight$",
-     r"blk.\1.ffn_gate_inp_shexp.weight"),
-    (r"^model\.layers\.(\d+)\.mlp\.shared_expert\.(gate|up|down)_proj\.weight$",
-     r"blk.\1.ffn_\2_shexp.weight"),
     (r"^model\.layers\.(\d+)\.linear_attn\.A_log$", r"blk.\1.ssm_a"),
     (r"^model\.layers\.(\d+)\.linear_attn\.conv1d\.weight$", r"blk.\1.ssm_conv1d.weight"),
     (r"^model\.layers\.(\d+)\.linear_attn\.dt_bias$", r"blk.\1.ssm_dt.bias"),
