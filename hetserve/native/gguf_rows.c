@@ -106,8 +106,13 @@ iq_grids_t hs_iq_grids;
 
 void hetserve_iq_grids(const uint64_t *iq2xxs, const uint64_t *iq2xs, const uint64_t *iq2s,
                        const uint32_t *iq3xxs, const uint32_t *iq3s, const uint64_t *iq1s) {
-    for (int i = 0; i < 128; i++)
-        hs_iq_grids.ksigns[i] = (uint8_t)(i | (__builtin_popcount(i) & 1) << 7);
+    for (int i = 0; i < 256; i++) {
+        uint64_t v = 0;
+        for (int j = 0; j < 8; j++) v |= (uint64_t)((i >> j) & 1 ? 0xFF : 0x01) << (8 * j);
+        hs_iq_grids.signs64[i] = v;
+    }
+    for (int i = 0; i < 128; i++) /* the 8th sign: the parity of the 7 */
+        hs_iq_grids.ksigns64[i] = hs_iq_grids.signs64[i | (__builtin_popcount(i) & 1) << 7];
     hs_iq_grids.iq2xxs = iq2xxs, hs_iq_grids.iq2xs = iq2xs, hs_iq_grids.iq2s = iq2s;
     hs_iq_grids.iq3xxs = iq3xxs, hs_iq_grids.iq3s = iq3s, hs_iq_grids.iq1s = iq1s;
 }

@@ -28,7 +28,8 @@
 typedef struct {
     const uint64_t *iq2xxs, *iq2xs, *iq2s, *iq1s; /* 8 bytes a point (IQ1: int8, times 8) */
     const uint32_t *iq3xxs, *iq3s;                /* 4 bytes a point */
-    uint8_t ksigns[128];                          /* 7 sign bits -> 8 with their parity */
+    uint64_t signs64[256];  /* 8 sign bits -> 8 bytes of -1 (bit set) or +1 */
+    uint64_t ksigns64[128]; /* 7 sign bits and their parity -> the same */
 } iq_grids_t;
 extern iq_grids_t hs_iq_grids; /* gguf_rows.c: set by hetserve_iq_grids */
 
@@ -67,35 +68,37 @@ static inline uint16_t iqg_u16(const uint8_t *p) {
     return v;
 }
 
-/* Four sign bytes (byte l: the signs of columns 8 l .. 8 l + 7, bit j for column 8 l + j) ->
- * 32 bytes of -1 (bit set) or +1. */
-static inline __m256i iqg_signs(uint32_t four) {
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    const __m256i s = _mm256_shuffle_epi8(_mm256_set1_epi32((int)four), spread);
-    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(s, bit), bit);
-    return _mm256_or_si256(set, _mm256_set1_epi8(1));
-}
-
-/* The 7-bit sign indices at bits 7 l of w (l < 4) -> four sign bytes. */
-static inline uint32_t iqg_ksigns4(uint32_t w) {
-    const uint8_t *k = hs_iq_grids.ksigns;
-    return (uint32_t)k[w & 127] | (uint32_t)k[(w >> 7) & 127] << 8 |
-           (uint32_t)k[(w >> 14) & 127] << 16 | (uint32_t)k[(w >> 21) & 127] << 24;
-}
-
-/* Four 8-byte points -> one vector (columns 8 l .. 8 l + 7 from point l). */
+/* Four 8-byte points -> one vector (columns 8 l .. 8 l + 7 from point l), put together by
+ * loads and inserts: _mm256_set_epi64x went through the stack (four 8-byte stores read back
+ * as one 32-byte load, which store forwarding cannot serve: a stall per 32 columns). */
 static inline __m256i iqg_points8(const uint64_t *g, unsigned i0, unsigned i1, unsigned i2,
                                   unsigned i3) {
-    return _mm256_set_epi64x((long long)g[i3], (long long)g[i2], (long long)g[i1],
-                             (long long)g[i0]);
+    const __m128i lo = _mm_insert_epi64(_mm_loadl_epi64((const __m128i *)(g + i0)),
+                                        (long long)g[i1], 1);
+    const __m128i hi = _mm_insert_epi64(_mm_loadl_epi64((const __m128i *)(g + i2)),
+                                        (long long)g[i3], 1);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
 }
 
-/* Eight 4-byte points (IQ3) at the indices idx[0..7] -> one vector. */
+/* Eight 4-byte points (IQ3) at the indices idx[0..7] -> one vector, likewise. */
 static inline __m256i iqg_points4(const uint32_t *g, const unsigned idx[8]) {
-    return _mm256_setr_epi32((int)g[idx[0]], (int)g[idx[1]], (int)g[idx[2]], (int)g[idx[3]],
-                             (int)g[idx[4]], (int)g[idx[5]], (int)g[idx[6]], (int)g[idx[7]]);
+    __m128i lo = _mm_cvtsi32_si128((int)g[idx[0]]), hi = _mm_cvtsi32_si128((int)g[idx[4]]);
+    lo = _mm_insert_epi32(lo, (int)g[idx[1]], 1), hi = _mm_insert_epi32(hi, (int)g[idx[5]], 1);
+    lo = _mm_insert_epi32(lo, (int)g[idx[2]], 2), hi = _mm_insert_epi32(hi, (int)g[idx[6]], 2);
+    lo = _mm_insert_epi32(lo, (int)g[idx[3]], 3), hi = _mm_insert_epi32(hi, (int)g[idx[7]], 3);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
+/* Four sign bytes at p (byte l: the signs of columns 8 l .. 8 l + 7, bit j for column
+ * 8 l + j) -> 32 bytes of -1 (bit set) or +1, each 8 looked up whole. */
+static inline __m256i iqg_signs(const uint8_t *p) {
+    return iqg_points8(hs_iq_grids.signs64, p[0], p[1], p[2], p[3]);
+}
+
+/* The four 7-bit sign indices at bits 7 l of w (l < 4) -> the same 32 bytes. */
+static inline __m256i iqg_ksigns(uint32_t w) {
+    return iqg_points8(hs_iq_grids.ksigns64, w & 127, (w >> 7) & 127, (w >> 14) & 127,
+                       (w >> 21) & 127);
 }
 
 /* A super-block b's D and its 16 scales sc (one per 16 columns; int8, 1 .. 31). */
@@ -148,16 +151,14 @@ static inline __attribute__((always_inline)) void iqg_group(int fmt, const uint8
     case F_IQ2XXS: {
         const uint32_t a0 = iqg_u32(b + 2 + 8 * k), a1 = iqg_u32(b + 6 + 8 * k);
         *mag = iqg_points8(G->iq2xxs, a0 & 255, (a0 >> 8) & 255, (a0 >> 16) & 255, a0 >> 24);
-        *sgn = iqg_signs(iqg_ksigns4(a1));
+        *sgn = iqg_ksigns(a1);
         break;
     }
     case F_IQ2XS: {
         uint16_t e[4];
         memcpy(e, b + 2 + 8 * k, 8);
         *mag = iqg_points8(G->iq2xs, e[0] & 511, e[1] & 511, e[2] & 511, e[3] & 511);
-        const uint8_t *ks = G->ksigns;
-        *sgn = iqg_signs((uint32_t)ks[e[0] >> 9] | (uint32_t)ks[e[1] >> 9] << 8 |
-                         (uint32_t)ks[e[2] >> 9] << 16 | (uint32_t)ks[e[3] >> 9] << 24);
+        *sgn = iqg_points8(G->ksigns64, e[0] >> 9, e[1] >> 9, e[2] >> 9, e[3] >> 9);
         break;
     }
     case F_IQ2S: {
@@ -165,14 +166,14 @@ static inline __attribute__((always_inline)) void iqg_group(int fmt, const uint8
         const unsigned h = b[66 + k];
         *mag = iqg_points8(G->iq2s, q[0] | (h & 3) << 8, q[1] | (h >> 2 & 3) << 8,
                            q[2] | (h >> 4 & 3) << 8, q[3] | (h >> 6 & 3) << 8);
-        *sgn = iqg_signs(iqg_u32(b + 34 + 4 * k));
+        *sgn = iqg_signs(b + 34 + 4 * k);
         break;
     }
     case F_IQ3XXS: {
         const uint8_t *q = b + 2 + 8 * k;
         const unsigned idx[8] = {q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7]};
         *mag = iqg_points4(G->iq3xxs, idx);
-        *sgn = iqg_signs(iqg_ksigns4(iqg_u32(b + 66 + 4 * k)));
+        *sgn = iqg_ksigns(iqg_u32(b + 66 + 4 * k));
         break;
     }
     case F_IQ3S: {
@@ -181,7 +182,7 @@ static inline __attribute__((always_inline)) void iqg_group(int fmt, const uint8
         unsigned idx[8];
         for (int j = 0; j < 8; j++) idx[j] = q[j] | ((h >> j) & 1) << 8;
         *mag = iqg_points4(G->iq3s, idx);
-        *sgn = iqg_signs(iqg_u32(b + 74 + 4 * k));
+        *sgn = iqg_signs(b + 74 + 4 * k);
         break;
     }
     case F_IQ1S: {
