@@ -123,8 +123,6 @@ QUANT_TYPES = {
     "IQ4_NL": ("LLAMA_FTYPE_MOSTLY_IQ4_NL", False),
     "Q3_K_M": ("LLAMA_FTYPE_MOSTLY_Q3_K_M", False),
     "Q2_K": ("LLAMA_FTYPE_MOSTLY_Q2_K", False),
-    "IQ3_XXS": ("LLAMA_FTYPE_MOSTLY_IQ3_XXS", False),
-    "IQ3_M": ("LLAMA_FTYPE_MOSTLY_IQ3_M", False),
 }
 
 

@@ -69,8 +69,8 @@ static inline uint16_t iqg_u16(const uint8_t *p) {
 }
 
 /* Four 8-byte points -> one vector (columns 8 l .. 8 l + 7 from point l), put together by
- * loads and inserts: _mm256_set_epi64x went through the stack (four 8-byte stores read back
- * as one 32-byte load, which store forwarding cannot serve: a stall per 32 columns). */
+ * loads and inserts (never through the stack: four 8-byte stores read back as one 32-byte load
+ * would stall store forwarding). */
 static inline __m256i iqg_points8(const uint64_t *g, unsigned i0, unsigned i1, unsigned i2,
                                   unsigned i3) {
     const __m128i lo = _mm_insert_epi64(_mm_loadl_epi64((const __m128i *)(g + i0)),
