@@ -61,14 +61,9 @@ def _quads_padded(q: torch.Tensor, fmt: int, group: int) -> torch.Tensor:
 def _native_packed(packed: QMatrix | None) -> bool:
     """A checkpoint matrix the native kernel reads as it is: q2_K-q6_K, IQ4_XS, IQ4_NL,
     or int8 per row (any width: padded) or in groups of a multiple of 16 columns (q8_0)."""
-    from hetserve.quant.gguf import Q2KRows, Q3KRows, Q5KRows, Q6KRows
-    from hetserve.quant.gguf_grid import GridRows
-    from hetserve.quant.gguf_iq import IQ4NLRows, IQ4XSRows
-    from hetserve.quant.packed import Int8PerRow, Int8Rows, Q4KRows
+    from hetserve.quant.packed import BlockRows, Int8PerRow, Int8Rows
 
-    kept = Q4KRows | Q5KRows | Q6KRows | Q3KRows | Q2KRows | IQ4XSRows | IQ4NLRows | Int8PerRow
-    kept = kept | GridRows
-    if isinstance(packed, kept):
+    if isinstance(packed, BlockRows | Int8PerRow):  # every GGUF block type
         return True
     return isinstance(packed, Int8Rows) and packed.group % 16 == 0
 

@@ -29,14 +29,10 @@ from torch import nn
 from hetserve.errors import MissingTensorError, ModelLoadError, TensorShapeError
 from hetserve.layers.moe import FusedExperts
 from hetserve.model.base import CausalLM
-from hetserve.quant.gguf import Q2KRows, Q3KRows, Q5KRows, Q6KRows
-from hetserve.quant.gguf_grid import GridRows
-from hetserve.quant.gguf_iq import IQ4NLRows, IQ4XSRows
-from hetserve.quant.packed import Int8Rows, PackedExperts, Q4KRows, QMatrix
+from hetserve.quant.packed import BlockRows, Int8Rows, PackedExperts, QMatrix
 
 # The checkpoint matrices the dense kernels read as they are (layers/int8_linear.py).
-LINEAR_KINDS = (Int8Rows, Q4KRows, Q5KRows, Q6KRows, Q3KRows, Q2KRows, IQ4XSRows, IQ4NLRows,
-                GridRows)  # fmt: skip
+LINEAR_KINDS = (Int8Rows, BlockRows)  # q8_0 and every GGUF block type
 
 PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")

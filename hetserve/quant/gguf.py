@@ -18,7 +18,7 @@ from hetserve import envs
 from hetserve.native import optional_kernel
 from hetserve.quant.gguf_grid import BY_GGML, grid_reader
 from hetserve.quant.gguf_iq import iq4_nl_rows, iq4_xs_rows
-from hetserve.quant.packed import Int8Rows, Mxfp4Rows, Q4KRows, QMatrix, _f16_bits, _q4k_six
+from hetserve.quant.packed import BlockRows, Int8Rows, Mxfp4Rows, Q4KRows, _f16_bits, _q4k_six
 
 Q8_0_BLOCK_BYTES = 34  # fp16 d, 32 int8
 Q4_K_BLOCK_BYTES = 144  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales and minimums, 128 of nibbles
@@ -48,23 +48,12 @@ Q5_K_BLOCK_BYTES = 176  # fp16 d, dmin, 12 bytes of 6-bit scales and minimums, q
 
 
 @dataclass(frozen=True)
-class Q6KRows(QMatrix):
+class Q6KRows(BlockRows):
     """q6_K super-blocks [.., N, K/256, 210] exactly as in a GGUF file: w = d * sc * (q - 32),
     q in [0, 63], an int8 sc per 16 columns (6.5625 bits per weight). Served by cpu-gguf."""
 
-    raw: torch.Tensor
-
     fmt: ClassVar[str] = "q6_K"
-    row_dims: ClassVar[dict[str, int]] = {"raw": -3}
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        *lead, n, blocks, _ = self.raw.shape
-        return (*lead, n, blocks * 256)
-
-    @property
-    def group(self) -> int:
-        return 16
+    scale_columns: ClassVar[int] = 16
 
     def dequantize(self) -> torch.Tensor:
         r = self.raw.to(torch.int32)
@@ -83,23 +72,11 @@ class Q6KRows(QMatrix):
 
 
 @dataclass(frozen=True)
-class Q5KRows(QMatrix):
+class Q5KRows(BlockRows):
     """q5_K super-blocks [.., N, K/256, 176] exactly as in a GGUF file: w = d * sc * q - dmin * m,
     q in [0, 31], 6-bit sc and m per 32 columns (5.5 bits per weight). Served by cpu-gguf."""
 
-    raw: torch.Tensor
-
     fmt: ClassVar[str] = "q5_K"
-    row_dims: ClassVar[dict[str, int]] = {"raw": -3}
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        *lead, n, blocks, _ = self.raw.shape
-        return (*lead, n, blocks * 256)
-
-    @property
-    def group(self) -> int:
-        return 32
 
     def dequantize(self) -> torch.Tensor:
         r = self.raw
@@ -128,24 +105,13 @@ def _two_bit(qs: torch.Tensor) -> list[torch.Tensor]:
 
 
 @dataclass(frozen=True)
-class Q3KRows(QMatrix):
+class Q3KRows(BlockRows):
     """q3_K super-blocks [.., N, K/256, 110] exactly as in a GGUF file: w = d * (sc - 32) *
     (q - 4), q in [0, 7] (bit 2 from hmask), a 6-bit sc per 16 columns (3.4375 bits per
     weight). Served by cpu-gguf (native/moe_kq.h)."""
 
-    raw: torch.Tensor
-
     fmt: ClassVar[str] = "q3_K"
-    row_dims: ClassVar[dict[str, int]] = {"raw": -3}
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        *lead, n, blocks, _ = self.raw.shape
-        return (*lead, n, blocks * 256)
-
-    @property
-    def group(self) -> int:
-        return 16
+    scale_columns: ClassVar[int] = 16
 
     def scales(self) -> torch.Tensor:
         """The 16 scales sc - 32 per super-block [.., 16]: scale j's low 4 bits are nibble
@@ -169,24 +135,13 @@ class Q3KRows(QMatrix):
 
 
 @dataclass(frozen=True)
-class Q2KRows(QMatrix):
+class Q2KRows(BlockRows):
     """q2_K super-blocks [.., N, K/256, 84] exactly as in a GGUF file: w = d * sc * q - dmin *
     m, q in [0, 3], 4-bit sc and m per 16 columns (2.625 bits per weight). Served by
     cpu-gguf (native/moe_kq.h)."""
 
-    raw: torch.Tensor
-
     fmt: ClassVar[str] = "q2_K"
-    row_dims: ClassVar[dict[str, int]] = {"raw": -3}
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        *lead, n, blocks, _ = self.raw.shape
-        return (*lead, n, blocks * 256)
-
-    @property
-    def group(self) -> int:
-        return 16
+    scale_columns: ClassVar[int] = 16
 
     def dequantize(self) -> torch.Tensor:
         r = self.raw.to(torch.int32)

@@ -18,28 +18,18 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from hetserve.quant.packed import QMatrix
+from hetserve.quant.packed import BlockRows
 
 
 @dataclass(frozen=True)
-class GridRows(QMatrix):
+class GridRows(BlockRows):
     """Super-blocks [.., N, K/256, block bytes] exactly as in a GGUF file."""
-
-    raw: torch.Tensor
 
     ggml: ClassVar[str] = ""  # gguf's type name
     block: ClassVar[int] = 0  # bytes per 256 columns
     native: ClassVar[int] = 0  # moe_job.h's F_*
-    row_dims: ClassVar[dict[str, int]] = {"raw": -3}
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        *lead, n, blocks, _ = self.raw.shape
-        return (*lead, n, blocks * 256)
-
-    @property
-    def group(self) -> int:
-        return 16  # the kernels read a scale per 16 columns (IQ2_XXS, IQ3_*, IQ1_S: per 32)
+    # the kernels read a scale per 16 columns (IQ2_XXS, IQ3_*, IQ1_S: one per 32, twice)
+    scale_columns: ClassVar[int] = 16
 
     def dequantize(self) -> torch.Tensor:
         import gguf

@@ -15,7 +15,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from hetserve.quant.packed import QMatrix, _f16_bits
+from hetserve.quant.packed import BlockRows, _f16_bits
 
 # llama.cpp's 16 non-uniform levels of the 4-bit i-quants (ggml-common.h, kvalues_iq4nl)
 IQ4_LEVELS = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10,
@@ -32,23 +32,11 @@ def _levels(qs: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class IQ4XSRows(QMatrix):
+class IQ4XSRows(BlockRows):
     """IQ4_XS super-blocks [.., N, K/256, 136] as in the file: w = d * (ls - 32) * level[q], a
     6-bit ls per 32 columns (4.25 bits per weight). Served by cpu-gguf."""
 
-    raw: torch.Tensor
-
     fmt: ClassVar[str] = "iq4_xs"
-    row_dims: ClassVar[dict[str, int]] = {"raw": -3}
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        *lead, n, blocks, _ = self.raw.shape
-        return (*lead, n, blocks * 256)
-
-    @property
-    def group(self) -> int:
-        return 32
 
     def dequantize(self) -> torch.Tensor:
         r = self.raw.to(torch.int32)
@@ -62,23 +50,12 @@ class IQ4XSRows(QMatrix):
 
 
 @dataclass(frozen=True)
-class IQ4NLRows(QMatrix):
+class IQ4NLRows(BlockRows):
     """IQ4_NL blocks [.., N, K/32, 18] as in the file: w = d * level[q] per 32 columns (4.5
     bits per weight). Served by cpu-gguf (rows padded to 256 columns with zero blocks)."""
 
-    raw: torch.Tensor
-
     fmt: ClassVar[str] = "iq4_nl"
-    row_dims: ClassVar[dict[str, int]] = {"raw": -3}
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        *lead, n, blocks, _ = self.raw.shape
-        return (*lead, n, blocks * 32)
-
-    @property
-    def group(self) -> int:
-        return 32
+    per_block: ClassVar[int] = 32
 
     def dequantize(self) -> torch.Tensor:
         d = _f16_bits(self.raw[..., 0:2])

@@ -19,8 +19,15 @@ import torch
 
 from hetserve import envs
 from hetserve.native import hugepage_empty, kernel, optional_kernel
-from hetserve.quant.gguf_grid import GridRows
-from hetserve.quant.packed import Fp8Rows, Int4Rows, Int8Rows, Mxfp4Rows, Q4KRows, QMatrix
+from hetserve.quant.packed import (
+    BlockRows,
+    Fp8Rows,
+    Int4Rows,
+    Int8Rows,
+    Mxfp4Rows,
+    Q4KRows,
+    QMatrix,
+)
 
 
 def padded_size(fmt: int, group: int, n: int) -> int:
@@ -75,10 +82,8 @@ def _column_units(m: QMatrix) -> dict[str, int]:
         return {"packed": 2, "scale": m.group, "minimum": m.group}
     if isinstance(m, Int8Rows):
         return {"q": 1, "scale": m.group}
-    if isinstance(m, Q4KRows | GridRows) or m.fmt in ("q6_K", "q5_K", "q3_K", "q2_K", "iq4_xs"):
-        return {"raw": 256}
-    if m.fmt == "iq4_nl":  # blocks of 32 (quant/gguf_iq.py)
-        return {"raw": 32}
+    if isinstance(m, BlockRows):  # GGUF blocks: 256 columns (IQ4_NL: 32)
+        return {"raw": m.per_block}
     raise TypeError(f"no padding rule for {type(m).__name__}")
 
 

@@ -246,23 +246,33 @@ def _f16_bits(raw: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Q4KRows(QMatrix):
-    """q4_K super-blocks [.., N, K/256, 144] exactly as in a GGUF file. Its format is "int4"
-    (served by cpu-int4; the native kernel reads these bytes, only rearranged into quads)."""
+class BlockRows(QMatrix):
+    """A GGUF block type's bytes as the file stores them, [.., N, K / per_block, block bytes]:
+    the base of every such format (q4_K here; quant/gguf.py's other K-quants, gguf_iq.py's
+    4-bit and gguf_grid.py's grid i-quants)."""
 
-    raw: torch.Tensor  # uint8 [.., N, K/256, 144]
+    raw: torch.Tensor  # uint8
 
-    fmt: ClassVar[str] = "int4"
     row_dims: ClassVar[dict[str, int]] = {"raw": -3}
+    per_block: ClassVar[int] = 256  # columns per block
+    scale_columns: ClassVar[int] = 32  # columns per scale (`group`)
 
     @property
     def shape(self) -> tuple[int, ...]:
         *lead, n, blocks, _ = self.raw.shape
-        return (*lead, n, blocks * 256)
+        return (*lead, n, blocks * self.per_block)
 
     @property
     def group(self) -> int:
-        return 32
+        return self.scale_columns
+
+
+@dataclass(frozen=True)
+class Q4KRows(BlockRows):
+    """q4_K super-blocks [.., N, K/256, 144] exactly as in a GGUF file. Its format is "int4"
+    (served by cpu-int4; the native kernel reads these bytes, only rearranged into quads)."""
+
+    fmt: ClassVar[str] = "int4"
 
     def fields(self) -> tuple[torch.Tensor, ...]:
         """(d, dmin [.., N, K/256] fp32; sc, m [.., N, K/256, 8] int32; codes [.., N, K] in
