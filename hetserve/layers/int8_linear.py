@@ -36,11 +36,9 @@ from hetserve.quant.quantize import quantize_int8_per_channel
 if TYPE_CHECKING:
     from hetserve.quant.packed import QMatrix
 
-# The native kernel's formats (F_* in hetserve/native/moe_job.h).
-_INT8, _Q4K, _Q6K, _Q5K, _IQ4XS, _IQ4NL, _Q3K, _Q2K = 1, 5, 6, 7, 8, 9, 10, 11
-_NAMES = {_INT8: "int8", _Q4K: "q4_K", _Q6K: "q6_K", _Q5K: "q5_K", _IQ4XS: "iq4_xs",
-          _IQ4NL: "iq4_nl", _Q3K: "q3_K", _Q2K: "q2_K", 12: "iq2_xxs", 13: "iq2_xs", 14: "iq2_s",
-          15: "iq3_xxs", 16: "iq3_s", 17: "iq1_s", 18: "iq1_m"}  # fmt: skip
+# The native kernel's int8 format (F_I8 in hetserve/native/moe_job.h); a GGUF block type's
+# own number is its class's `native`.
+_INT8 = 1
 
 
 def _native_ok() -> bool:
@@ -94,7 +92,7 @@ class Int8Linear(nn.Module):
             q, scale = torch.cat((q, q2)), torch.cat((scale, scale2))
             self._rows = 2 * self.out_features
         self.nbytes = q.numel() + scale.numel() * 4
-        self.fmt, self.group = _INT8, 0
+        self.fmt, self.group, self.kind = _INT8, 0, "int8"
         if native:
             self._set_native_int8(q, scale, bias)
             return
@@ -108,8 +106,7 @@ class Int8Linear(nn.Module):
     def _native_layout(self, packed: QMatrix, bias: torch.Tensor | None) -> None:
         """The checkpoint's numbers in the kernel's quad layout (only bytes move)."""
         from hetserve.native import hugepage_empty
-        from hetserve.quant.gguf import Q2KRows, Q3KRows, Q5KRows, Q6KRows
-        from hetserve.quant.gguf_iq import KERNEL_ORDER, IQ4NLRows, IQ4XSRows
+        from hetserve.quant.gguf_iq import KERNEL_ORDER
         from hetserve.quant.layout import (
             fp16_group_scales,
             interleave_quads,
@@ -118,29 +115,25 @@ class Int8Linear(nn.Module):
             q4k_layout,
             round_up,
         )
-        from hetserve.quant.packed import Q4KRows
+        from hetserve.quant.packed import BlockRows, Q4KRows
 
         self.nbytes = packed.nbytes
         n, k = packed.shape
-        from hetserve.quant.gguf_grid import GRID_TYPES
-
-        rows = {Q6KRows: _Q6K, Q5KRows: _Q5K, IQ4XSRows: _IQ4XS, IQ4NLRows: _IQ4NL,
-                Q3KRows: _Q3K, Q2KRows: _Q2K, **{c: c.native for c in GRID_TYPES}}  # fmt: skip
-        if type(packed) in rows:  # the file's rows, padded to quads (IQ4_NL: to 256 columns)
-            self.fmt, self.group = rows[type(packed)], 0
+        if isinstance(packed, Q4KRows):  # rows padded to quads (its columns: whole blocks)
+            self.fmt, self.group, self.kind = packed.native, 0, "q4_K"
+            packed = pad_qmatrix(packed, round_up(n, 4), k)
+            out = hugepage_empty((round_up(n, 4) // 4, k // 256, 576), torch.uint8)
+            self._set_native(q4k_layout(packed, out), None, bias)
+            return
+        if isinstance(packed, BlockRows):  # the file's rows, padded to quads (IQ4_NL: to 256)
+            self.fmt, self.group, self.kind = packed.native, 0, packed.fmt
             padded = pad_qmatrix(packed, round_up(n, 4), padded_size(self.fmt, 0, k))
             raw = padded.raw  # type: ignore[attr-defined]
             if type(packed) in KERNEL_ORDER:  # the i-quants' bytes regrouped (moe_kq.h)
                 raw = KERNEL_ORDER[type(packed)](raw)
             self._set_native(raw.contiguous(), None, bias)
             return
-        if isinstance(packed, Q4KRows):  # rows padded to quads (its columns: whole blocks)
-            self.fmt, self.group = _Q4K, 0
-            packed = pad_qmatrix(packed, round_up(n, 4), k)
-            out = hugepage_empty((round_up(n, 4) // 4, k // 256, 576), torch.uint8)
-            self._set_native(q4k_layout(packed, out), None, bias)
-            return
-        self.fmt, self.group = _INT8, 0 if packed.group == k else packed.group
+        self.fmt, self.group, self.kind = _INT8, (0 if packed.group == k else packed.group), "int8"
         if not self.group:
             self._set_native_int8(packed.q, packed.scale.float().reshape(-1), bias)
             return
@@ -191,7 +184,7 @@ class Int8Linear(nn.Module):
         return y if self._bias is None else y.add_(self._bias)
 
     def extra_repr(self) -> str:
-        what = f"int8 groups of {self.group}" if self.group else _NAMES[self.fmt]
+        what = f"int8 groups of {self.group}" if self.group else self.kind
         if self._rows != self.out_features:
             what += " + int8 residual"
         shape = f"in_features={self.in_features}, out_features={self.out_features}"

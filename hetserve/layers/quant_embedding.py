@@ -16,19 +16,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from hetserve.quant.packed import QMatrix
+from hetserve.quant.packed import BlockRows, QMatrix
 
-# Matrices holding a GGUF file's super-blocks as they are, by their type's name: a lookup
-# dequantizes the gathered rows natively (native/gguf_rows.c: microseconds a row, gguf's own
-# numbers), else through gguf's numpy dequantize (the definition of those numbers; 0.1-0.7 ms
-# a lookup, mostly array set-up, against 0.6-1.0 ms of small torch ops through the QMatrix
-# fields).
-# Each: (gguf's type name, gguf_rows.c's type number).
-_GGML = {"Q4KRows": ("Q4_K", 0), "Q5KRows": ("Q5_K", 1), "Q6KRows": ("Q6_K", 2),
-         "IQ4XSRows": ("IQ4_XS", 3), "IQ4NLRows": ("IQ4_NL", 4), "Q3KRows": ("Q3_K", 5),
-         "Q2KRows": ("Q2_K", 6), "IQ2XXSRows": ("IQ2_XXS", 7), "IQ2XSRows": ("IQ2_XS", 8),
-         "IQ2SRows": ("IQ2_S", 9), "IQ3XXSRows": ("IQ3_XXS", 10), "IQ3SRows": ("IQ3_S", 11),
-         "IQ1SRows": ("IQ1_S", 12), "IQ1MRows": ("IQ1_M", 13)}  # fmt: skip
+# Matrices holding a GGUF file's blocks as they are (BlockRows): a lookup dequantizes the
+# gathered rows natively (native/gguf_rows.c, by the type's `native` number: microseconds a
+# row, gguf's own numbers), else through gguf's numpy dequantize of its `ggml` type (the
+# definition of those numbers; 0.1-0.7 ms a lookup, mostly array set-up, against 0.6-1.0 ms of
+# small torch ops through the QMatrix fields).
 
 
 class QuantEmbedding(nn.Module):
@@ -50,18 +44,19 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        ggml = _GGML.get(self.fmt)
-        if ggml is not None and (rows := self._native_rows(flat)) is not None:
+        blocks = issubclass(self._type, BlockRows)
+        if blocks and (rows := self._native_rows(flat)) is not None:
             return rows.view(*ids.shape, self.embedding_dim)
         if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < self.num_embeddings:
             raise IndexError(f"token id out of range [0, {self.num_embeddings})")
-        if ggml is None:
+        if not blocks:
             rows = self.matrix().rows(flat).dequantize()
         else:  # gguf's numpy dequantize, a few ops
             import gguf
 
             raw = self.raw[flat].numpy().reshape(flat.shape[0], -1)  # type: ignore[operator]
-            deq = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[ggml[0]])
+            qtype = gguf.GGMLQuantizationType[self._type.ggml]  # type: ignore[attr-defined]
+            deq = gguf.quants.dequantize(raw, qtype)
             rows = torch.from_numpy(np.ascontiguousarray(deq, dtype=np.float32))
         return rows.view(*ids.shape, self.embedding_dim)
 
@@ -77,7 +72,8 @@ class QuantEmbedding(nn.Module):
             return None
         ids = flat.long().contiguous()  # no copy when it is already
         out = torch.empty(ids.shape[0], self.embedding_dim)
-        rc = fn(_GGML[self.fmt][1], raw.data_ptr(), raw.stride(0),  # type: ignore[union-attr]
+        native = self._type.native  # type: ignore[attr-defined]
+        rc = fn(native, raw.data_ptr(), raw.stride(0),  # type: ignore[union-attr]
                 self.num_embeddings, ids.data_ptr(), ids.shape[0], self.embedding_dim,
                 out.data_ptr())  # fmt: skip
         if rc == -2:

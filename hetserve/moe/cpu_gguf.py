@@ -27,27 +27,25 @@ from hetserve.moe.cpu_backends import _native_only
 from hetserve.moe.cpu_native import F_I4, F_I8, F_Q4K, _NativeExperts
 from hetserve.moe.experts import Activation, ExpertWeights, register_backend
 from hetserve.moe.native_layout import int4_layer, q4k_layer, rows_layer, stacked_quads
-from hetserve.quant.gguf import Q2KRows, Q3KRows, Q5KRows, Q6KRows
-from hetserve.quant.gguf_grid import GRID_TYPES
-from hetserve.quant.gguf_iq import IQ4NLRows, IQ4XSRows
 from hetserve.quant.layout import fp16_group_scales, pad_qmatrices
-from hetserve.quant.packed import Int4Rows, Int8Rows, Q4KRows, QMatrix
+from hetserve.quant.packed import BlockRows, Int4Rows, Int8Rows, QMatrix
 
-F_Q6K, F_Q5K, F_IQ4XS, F_IQ4NL, F_Q3K, F_Q2K = 6, 7, 8, 9, 10, 11  # moe_kernels.c's F_*
-_FORMATS: dict[type, int] = {Q4KRows: F_Q4K, Q6KRows: F_Q6K, Q5KRows: F_Q5K, Int8Rows: F_I8,
-                             Int4Rows: F_I4, IQ4XSRows: F_IQ4XS, IQ4NLRows: F_IQ4NL,
-                             Q3KRows: F_Q3K, Q2KRows: F_Q2K,
-                             **{cls: cls.native for cls in GRID_TYPES}}  # fmt: skip
-# the file's bytes as they are (moe_kq.h, moe_iqg.h)
-_FILE_ROWS = (F_Q6K, F_Q5K, F_IQ4XS, F_IQ4NL, F_Q3K, F_Q2K, *(c.native for c in GRID_TYPES))
+# int8 (q8_0) and int4 groups; every GGUF block type carries its own number (BlockRows.native),
+# q4_K in its quad layout (moe_q4k.h), the others as the file's bytes (moe_kq.h, moe_iqg.h)
+_FORMATS: dict[type, int] = {Int8Rows: F_I8, Int4Rows: F_I4}
+
+
+def _native(kind: type) -> int | None:
+    return kind.native if issubclass(kind, BlockRows) else _FORMATS.get(kind)
 
 
 def _format(mats: Sequence[QMatrix], what: str) -> int:
     kinds = {type(m) for m in mats}
-    if len(kinds) != 1 or next(iter(kinds)) not in _FORMATS:
+    fmt = _native(next(iter(kinds))) if len(kinds) == 1 else None
+    if fmt is None:
         names = sorted(k.__name__ for k in kinds)
         raise InvalidInputError(f"cpu-gguf: {what} experts must share one GGUF type, got {names}")
-    return _FORMATS[kinds.pop()]
+    return fmt
 
 
 class NativeGgufExperts(_NativeExperts):
@@ -78,10 +76,10 @@ class NativeGgufExperts(_NativeExperts):
         """One projection's layout; `mats` is emptied as it is laid out (moe/native_layout.py)."""
         if fmt == F_Q4K:
             return q4k_layer(mats, gate_up), None
-        if fmt in _FILE_ROWS:
-            return rows_layer(mats, gate_up), None
         if fmt == F_I4:
             return int4_layer(mats, gate_up), None
+        if fmt != F_I8:  # the other GGUF block types: the file's rows
+            return rows_layer(mats, gate_up), None
         scales = [fp16_group_scales(m.scale) for m in mats]  # grouped int8 (q8_0)
         codes = [m.q for m in mats]
         mats.clear()

@@ -1,5 +1,5 @@
 /* Rows of a GGUF matrix dequantized to fp32, for token embeddings kept in the file's blocks
- * (hetserve.layers.quant_embedding): q4_K, q5_K, q6_K, IQ4_XS, IQ4_NL, q3_K and q2_K.
+ * (hetserve.layers.quant_embedding): the K-quants q2_K-q6_K and the i-quants.
  *
  * A decode step looks up one row per sequence; gguf's numpy dequantize spent 0.3-0.7 ms on
  * that one row (array set-up, not arithmetic), 16% of a 0.43 B MoE's decode step. Here a row of
@@ -12,8 +12,8 @@
  *
  * hetserve_gguf_rows(type, raw, row_bytes, rows, ids, n, cols, out): row ids[i] of `raw` (`rows`
  * rows of row_bytes bytes, each cols / 256 super-blocks, or cols / 32 blocks for IQ4_NL) into
- * out[i * cols ...]. type: 0 q4_K, 1 q5_K, 2 q6_K, 3 IQ4_XS, 4 IQ4_NL, 5 q3_K, 6 q2_K, 7-13
- * IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M. Returns 0, -1 for an
+ * out[i * cols ...]. type: the kernels' format number (F_* of moe_job.h, BlockRows.native in
+ * Python) of a GGUF block type, q4_K .. IQ1_M. Returns 0, -1 for an
  * unknown type, -2 for an id outside [0, rows) (nothing written then). */
 #include <immintrin.h>
 #include <stdint.h>
@@ -141,12 +141,9 @@ static void iq4nl(const uint8_t *b, float *y) {
 
 int hetserve_gguf_rows(int type, const uint8_t *raw, int64_t row_bytes, int64_t rows,
                        const int64_t *ids, int n, int cols, float *out) {
-    static const int block_values[7] = {256, 256, 256, 256, 32, 256, 256};
-    static const int block_bytes[7] = {144, 176, 210, 136, 18, 110, 84};
-    if (type < 0 || type > 6 + F_IQ1M - F_IQ2XXS + 1) return -1;
-    const int grid = type > 6 ? F_IQ2XXS + type - 7 : 0; /* 7.. : the grid i-quants */
-    const int per = grid ? 256 : block_values[type];
-    const int bb = grid ? iqg_bytes(grid) : block_bytes[type];
+    if (type < F_Q4K || type > F_LAST) return -1;
+    const int nl = type == F_IQ4NL; /* blocks of 32 values, 18 bytes, in the file's order */
+    const int per = nl ? 32 : 256, bb = nl ? 18 : kq_bytes(type);
     for (int i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= rows) return -2;
     for (int i = 0; i < n; i++) {
@@ -155,18 +152,15 @@ int hetserve_gguf_rows(int type, const uint8_t *raw, int64_t row_bytes, int64_t 
         for (int c = 0; c < cols / per; c++) {
             const uint8_t *b = row + (int64_t)c * bb;
             float *yc = y + (int64_t)c * per;
-            if (grid) {
-                iqgrid(grid, b, yc);
-                continue;
-            }
             switch (type) {
-            case 0: kquant45(b, 0, yc); break;
-            case 1: kquant45(b, 1, yc); break;
-            case 2: q6k(b, yc); break;
-            case 3: iq4xs(b, yc); break;
-            case 5: kquant23(b, 1, yc); break;
-            case 6: kquant23(b, 0, yc); break;
-            default: iq4nl(b, yc); break;
+            case F_Q4K: kquant45(b, 0, yc); break;
+            case F_Q5K: kquant45(b, 1, yc); break;
+            case F_Q6K: q6k(b, yc); break;
+            case F_IQ4XS: iq4xs(b, yc); break;
+            case F_IQ4NL: iq4nl(b, yc); break;
+            case F_Q3K: kquant23(b, 1, yc); break;
+            case F_Q2K: kquant23(b, 0, yc); break;
+            default: iqgrid(type, b, yc); break; /* the grid i-quants */
             }
         }
     }

@@ -1,6 +1,7 @@
 /* GGUF's grid i-quants, read as a file stores them: IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S,
  * IQ1_S and IQ1_M (llama.cpp's ggml-common.h block formats; gguf-py's quants.py is their
- * Python definition, which tests/moe/test_gguf_iq_grids.py holds these readers to).
+ * Python definition, which tests/model/test_gguf_linears.py holds these readers to through
+ * gguf_rows.c's embedding rows, and tests/moe/test_gguf_experts.py through the kernels).
  *
  * Each format stores, per 8 (IQ3: 4) columns, an index into a table of points ("grid") and,
  * except IQ1, 8 sign bits; per 16 or 32 columns a small integer scale; per super-block of 256
@@ -48,12 +49,6 @@ static inline int iqg_bytes(int fmt) {
     case F_IQ1S: return 50;
     default: return 56; /* IQ1_M */
     }
-}
-
-static inline float iqg_half(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
 }
 
 static inline uint32_t iqg_u32(const uint8_t *p) {
@@ -111,7 +106,7 @@ static inline __attribute__((always_inline)) __m128i iqg_head(int fmt, const uin
         const uint8_t *w = b + (fmt == F_IQ2XXS ? 2 + 4 : 66);
         const int step = fmt == F_IQ2XXS ? 8 : 4;
         for (int k = 0; k < 8; k++) s[2 * k] = s[2 * k + 1] = (uint8_t)(2 * (w[step * k + 3] >> 4) + 1);
-        *D = iqg_half(b) * (fmt == F_IQ2XXS ? 0.125f : 0.25f);
+        *D = kq_f16(b) * (fmt == F_IQ2XXS ? 0.125f : 0.25f);
         break;
     }
     case F_IQ2XS: /* a byte per 32 columns: low nibble, then high, per 16 */
@@ -119,16 +114,16 @@ static inline __attribute__((always_inline)) __m128i iqg_head(int fmt, const uin
         const uint8_t *w = b + (fmt == F_IQ2XS ? 66 : 74);
         for (int k = 0; k < 8; k++)
             s[2 * k] = (uint8_t)(2 * (w[k] & 15) + 1), s[2 * k + 1] = (uint8_t)(2 * (w[k] >> 4) + 1);
-        *D = iqg_half(b) * 0.125f;
+        *D = kq_f16(b) * 0.125f;
         break;
     }
     case F_IQ3S: /* a nibble per 32 columns */
         for (int k = 0; k < 8; k++) s[2 * k] = s[2 * k + 1] = (uint8_t)(2 * ((b[106 + k / 2] >> (4 * (k % 2))) & 15) + 1);
-        *D = iqg_half(b);
+        *D = kq_f16(b);
         break;
     case F_IQ1S: /* bits 12-14 of each group's qh */
         for (int k = 0; k < 8; k++) s[2 * k] = s[2 * k + 1] = (uint8_t)(2 * ((iqg_u16(b + 34 + 2 * k) >> 12) & 7) + 1);
-        *D = iqg_half(b) * 0.125f;
+        *D = kq_f16(b) * 0.125f;
         break;
     default: { /* IQ1_M: 3 bits per 16 columns, four to a 16-bit word whose top nibbles are d */
         uint16_t w[4];

@@ -270,12 +270,6 @@ static inline __attribute__((always_inline)) void q5k_blocks(const uint8_t *b,
     }
 }
 
-static inline float kq_f16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
 /* IQ4_XS, 136 bytes per 256 columns: fp16 d, 16 bits scales_h, scales_l[4], qs[128];
  * w = d * (ls - 32) * kv[q] with llama.cpp's 16 non-uniform int8 levels kv (kvalues_iq4nl)
  * and a 6-bit ls per 32 columns (low 4 bits in nibble j % 2 of scales_l[j / 2], high 2 at bits

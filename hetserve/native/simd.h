@@ -5,6 +5,7 @@
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 /* HS_AVX512: built for a CPU with AVX-512 BW/VL and VNNI (hetserve/native/__init__.py adds the
  * flags where the CPU has them): the hot microkernels then take 512-bit paths; every other
@@ -112,6 +113,13 @@ static inline __attribute__((always_inline)) __m256 hs_ld8(const void *base, siz
 static inline __attribute__((always_inline)) float hs_ld1(const void *base, size_t i, const int half) {
     if (half == 2) return (float)((const int8_t *)base)[i];
     return half ? _cvtsh_ss(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+/* The little-endian fp16 number at p (a GGUF block's d), widened. */
+static inline float kq_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
 }
 
 /* silu(x) = x / (1 + e^-x), 8 lanes. */

@@ -53,6 +53,8 @@ class Q6KRows(BlockRows):
     q in [0, 63], an int8 sc per 16 columns (6.5625 bits per weight). Served by cpu-gguf."""
 
     fmt: ClassVar[str] = "q6_K"
+    ggml: ClassVar[str] = "Q6_K"
+    native: ClassVar[int] = 6
     scale_columns: ClassVar[int] = 16
 
     def dequantize(self) -> torch.Tensor:
@@ -77,6 +79,8 @@ class Q5KRows(BlockRows):
     q in [0, 31], 6-bit sc and m per 32 columns (5.5 bits per weight). Served by cpu-gguf."""
 
     fmt: ClassVar[str] = "q5_K"
+    ggml: ClassVar[str] = "Q5_K"
+    native: ClassVar[int] = 7
 
     def dequantize(self) -> torch.Tensor:
         r = self.raw
@@ -111,6 +115,8 @@ class Q3KRows(BlockRows):
     weight). Served by cpu-gguf (native/moe_kq.h)."""
 
     fmt: ClassVar[str] = "q3_K"
+    ggml: ClassVar[str] = "Q3_K"
+    native: ClassVar[int] = 10
     scale_columns: ClassVar[int] = 16
 
     def scales(self) -> torch.Tensor:
@@ -141,6 +147,8 @@ class Q2KRows(BlockRows):
     cpu-gguf (native/moe_kq.h)."""
 
     fmt: ClassVar[str] = "q2_K"
+    ggml: ClassVar[str] = "Q2_K"
+    native: ClassVar[int] = 11
     scale_columns: ClassVar[int] = 16
 
     def dequantize(self) -> torch.Tensor:

@@ -25,9 +25,7 @@ from hetserve.quant.packed import BlockRows
 class GridRows(BlockRows):
     """Super-blocks [.., N, K/256, block bytes] exactly as in a GGUF file."""
 
-    ggml: ClassVar[str] = ""  # gguf's type name
     block: ClassVar[int] = 0  # bytes per 256 columns
-    native: ClassVar[int] = 0  # moe_job.h's F_*
     # the kernels read a scale per 16 columns (IQ2_XXS, IQ3_*, IQ1_S: one per 32, twice)
     scale_columns: ClassVar[int] = 16
 

@@ -37,6 +37,8 @@ class IQ4XSRows(BlockRows):
     6-bit ls per 32 columns (4.25 bits per weight). Served by cpu-gguf."""
 
     fmt: ClassVar[str] = "iq4_xs"
+    ggml: ClassVar[str] = "IQ4_XS"
+    native: ClassVar[int] = 8
 
     def dequantize(self) -> torch.Tensor:
         r = self.raw.to(torch.int32)
@@ -55,6 +57,8 @@ class IQ4NLRows(BlockRows):
     bits per weight). Served by cpu-gguf (rows padded to 256 columns with zero blocks)."""
 
     fmt: ClassVar[str] = "iq4_nl"
+    ggml: ClassVar[str] = "IQ4_NL"
+    native: ClassVar[int] = 9
     per_block: ClassVar[int] = 32
 
     def dequantize(self) -> torch.Tensor:

@@ -256,6 +256,8 @@ class BlockRows(QMatrix):
     row_dims: ClassVar[dict[str, int]] = {"raw": -3}
     per_block: ClassVar[int] = 256  # columns per block
     scale_columns: ClassVar[int] = 32  # columns per scale (`group`)
+    ggml: ClassVar[str] = ""  # gguf's type name
+    native: ClassVar[int] = 0  # the native kernels' format number (F_* in native/moe_job.h)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -273,6 +275,8 @@ class Q4KRows(BlockRows):
     (served by cpu-int4; the native kernel reads these bytes, only rearranged into quads)."""
 
     fmt: ClassVar[str] = "int4"
+    ggml: ClassVar[str] = "Q4_K"
+    native: ClassVar[int] = 5
 
     def fields(self) -> tuple[torch.Tensor, ...]:
         """(d, dmin [.., N, K/256] fp32; sc, m [.., N, K/256, 8] int32; codes [.., N, K] in
