@@ -137,15 +137,17 @@ def _float64_reference(kv, d, q, scale, window, sinks):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
 @pytest.mark.parametrize("window,with_sinks", [(None, False), (None, True), (300, True)])
+@pytest.mark.parametrize("g", [3, 4, 2])
 def test_contexts_of_many_chunks_match_and_each_sequence_is_the_same_bits_alone(
-    dtype, window, with_sinks
+    dtype, window, with_sinks, g
 ):
     """Contexts from 1 to 700 tokens: the kernel splits each into 128-token chunks and merges
     them, so chunk edges (127, 128, 129), several chunks and a window starting inside a chunk all
     meet the float64 reference; a sequence decoded alone (its few chunks then split by KV head
-    over the threads), or on one thread, gives the same bits as in the batch."""
+    over the threads), or on one thread, gives the same bits as in the batch. G = 3, 4 and 2
+    take the three score blocks (1 head x 8 tokens, 4 x 2, 2 x 4)."""
     gen = torch.Generator().manual_seed(7)
-    hkv, g, dim = 2, 3, 40  # G = 3: blocks of 3 heads; D, Dv not multiples of 16
+    hkv, dim = 2, 40  # D, Dv not multiples of 16
     lens = [1, 127, 128, 129, 300, 700, 17]
     num_blocks = sum(-(-n // BS) for n in lens) + 3
     kv = PagedKVCache([[(hkv, dim), (hkv, dim)]], num_blocks, BS, dtype, "cpu")
