@@ -103,8 +103,8 @@ static inline __attribute__((always_inline)) void quad_i8g(const int8_t *q, cons
             for (int r = 0; r < 4; r++) {
                 __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 4 * k + 16 * r)));
                 for (int m = 0; m < MB; m++)
-                    acc[r][m] = _mm256_add_epi32(
-                        acc[r][m], _mm256_madd_epi16(w, _mm256_loadu_si256((const __m256i *)(x[m] + k))));
+                    acc[r][m] = hs_dpwssd(acc[r][m], w,
+                                          _mm256_loadu_si256((const __m256i *)(x[m] + k)));
             }
             for (int r = 0; r < 4; r++)
                 for (int m = 0; m < MB; m++) HS_PIN(acc[r][m]);
@@ -171,8 +171,7 @@ static inline __attribute__((always_inline)) void tile_dot(__m256i acc[2], const
                                                            const int16_t *x) {
     const i32a *xp = (const i32a *)x;
     for (int i = 0; i < 4; i++)
-        acc[i & 1] =
-            _mm256_add_epi32(acc[i & 1], _mm256_madd_epi16(w[i], _mm256_set1_epi32(xp[i])));
+        acc[i & 1] = hs_dpwssd(acc[i & 1], w[i], _mm256_set1_epi32(xp[i]));
     HS_PIN(acc[0]);
     HS_PIN(acc[1]);
 }

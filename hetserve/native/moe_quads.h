@@ -51,7 +51,7 @@ static inline __attribute__((always_inline)) void quad_i8(const int8_t *q, int K
                 for (int m = 0; m < MB; m++) {
                     __m256i xv = _mm256_loadu_si256((const __m256i *)(x[m] + k));
                     for (int r = 0; r < 4; r++)
-                        acc[r][m] = _mm256_add_epi32(acc[r][m], _mm256_madd_epi16(w[r], xv));
+                        acc[r][m] = hs_dpwssd(acc[r][m], w[r], xv);
                 }
             }
         for (int r = 0; r < 4; r++)

@@ -24,6 +24,19 @@
 #define HS_FP8_BF16 0
 #endif
 
+/* acc + the pair sums a[2i] b[2i] + a[2i+1] b[2i+1] of int16 lanes (vpmaddwd + vpaddd), in one
+ * vpdpwssd where the CPU has AVX-512 VNNI (its 256-bit form, AVX512VL). The same residue
+ * modulo 2^32 either way: vpdpwssd does not saturate, and no caller's pair reaches the one
+ * product vpmaddwd wraps (-32768 x -32768 twice): the same bits. Half the vector uops of the
+ * int8 quads' inner loop (the decode kernels at 2-3 tokens per expert). */
+static inline __attribute__((always_inline)) __m256i hs_dpwssd(__m256i acc, __m256i a, __m256i b) {
+#ifdef HS_AVX512
+    return _mm256_dpwssd_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
 /* Keeps v in one register from one loop iteration to the next (quad_i8g, the tiles' dot
  * helpers). GCC 12 gives some loops' accumulators a second register and copies them back every
  * iteration; this empty asm, which reads and writes v in place, keeps them in one (a one-token
