@@ -366,7 +366,7 @@ static inline __attribute__((always_inline)) void quad_iq4nl(const uint8_t *q, i
                                                             const q4k_act_t a[2], int MB,
                                                             float out[][MBMAX]) {
     const int nsb = K / Q4K_SB;
-    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i zero = _mm256_setzero_si256();
     const __m256i lv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
     for (int r = 0; r < 4; r++) {
         const uint8_t *row = q + (size_t)r * nsb * 144;
@@ -386,10 +386,9 @@ static inline __attribute__((always_inline)) void quad_iq4nl(const uint8_t *q, i
                     const int8_t *x = a[m].x + (size_t)s * Q4K_SB + 64 * c;
                     const __m256i xl = _mm256_loadu_si256((const __m256i *)x);
                     const __m256i xh = _mm256_loadu_si256((const __m256i *)(x + 32));
-                    const __m256i sl =
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(al, _mm256_sign_epi8(xl, wl)), ones);
-                    const __m256i sh =
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(ah, _mm256_sign_epi8(xh, wh)), ones);
+                    /* pairs <= 2 * 127 * 127: vpmaddubsw never saturates */
+                    const __m256i sl = hs_dpbusd(zero, al, _mm256_sign_epi8(xl, wl));
+                    const __m256i sh = hs_dpbusd(zero, ah, _mm256_sign_epi8(xh, wh));
                     acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl),
                                              _mm256_permutevar8x32_ps(dx[m], i0), acc[m]);
                     acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh),

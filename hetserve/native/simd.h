@@ -28,12 +28,27 @@
  * vpdpwssd where the CPU has AVX-512 VNNI (its 256-bit form, AVX512VL). The same residue
  * modulo 2^32 either way: vpdpwssd does not saturate, and no caller's pair reaches the one
  * product vpmaddwd wraps (-32768 x -32768 twice): the same bits. Half the vector uops of the
- * int8 quads' inner loop (the decode kernels at 2-3 tokens per expert). */
+ * int8 quads' inner loop (the decode kernels at 2-3 tokens per expert), whose 4 x MB
+ * accumulators are independent chains; where one accumulator per token carries the sum (the
+ * K-quant kernels) vpdpwssd's latency sits on that chain, and q5_K ran ~10% slower with it at
+ * one token, so those keep vpmaddwd + vpaddd. */
 static inline __attribute__((always_inline)) __m256i hs_dpwssd(__m256i acc, __m256i a, __m256i b) {
 #ifdef HS_AVX512
     return _mm256_dpwssd_epi32(acc, a, b);
 #else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+/* acc + the sums of 4 adjacent products a[4i..4i+3] b[4i..4i+3], a unsigned and b signed bytes,
+ * for callers whose pairs of products fit int16 (vpmaddubsw saturates them otherwise): one
+ * vpdpbusd with AVX-512 VNNI, else vpmaddubsw + vpmaddwd by ones + vpaddd. The same sums. */
+static inline __attribute__((always_inline)) __m256i hs_dpbusd(__m256i acc, __m256i a, __m256i b) {
+#ifdef HS_AVX512
+    return _mm256_dpbusd_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b),
+                                                   _mm256_set1_epi16(1)));
 #endif
 }
 

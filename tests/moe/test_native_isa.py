@@ -185,3 +185,29 @@ def test_int8_prefill_tiles_avx512_equal_avx2(t):
         assert torch.equal(out["avx2"][0], experts), name
         assert torch.equal(out["avx2"][1], linear), name
     assert out["avx2"][0].abs().max() > 0
+
+
+@pytest.mark.parametrize(
+    "kinds",
+    [("q6_K", "q6_K"), ("q5_K", "q5_K"), ("q3_K", "q2_K"), ("q4_K", "q6_K"),
+     ("random_iq4_xs", "random_iq4_nl"), ("random_iq2_xxs", "random_iq3_s")],
+)  # fmt: skip
+@pytest.mark.parametrize("t", [1, 2, 7, 40])
+def test_gguf_experts_avx512_equal_avx2(kinds, t):
+    """The GGUF block types' row kernels and (40 tokens: 40 pairs on each of 3 experts) their prefill
+    tiles give the same bits on every build: the AVX-512 VNNI build fuses their integer
+    multiply-adds (vpdpwssd, vpdpbusd) where the AVX2 one adds vpmaddwd's sums."""
+    from tests.moe.test_gguf_experts import E, H, K, _experts
+
+    b = create_backend("cpu-gguf", ExpertWeights(None, None, packed=_experts(kinds, seed=7)))
+    g = torch.Generator().manual_seed(40 + t)
+    x, tw = torch.randn(t, H, generator=g), torch.rand(t, K, generator=g)
+    ids = (torch.tensor([[1, 6, 3]] * t) if t == 40 else
+           torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)]))  # fmt: skip
+    out = {}
+    for name, lib in _libs().items():
+        b._bind(lib)
+        out[name] = b.forward(x, tw, ids)
+    for name, got in out.items():
+        assert torch.equal(out["avx2"], got), name
+    assert out["avx2"].abs().max() > 0
