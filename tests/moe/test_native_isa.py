@@ -194,9 +194,9 @@ def test_int8_prefill_tiles_avx512_equal_avx2(t):
 )  # fmt: skip
 @pytest.mark.parametrize("t", [1, 2, 7, 40])
 def test_gguf_experts_avx512_equal_avx2(kinds, t):
-    """The GGUF block types' row kernels and (40 tokens: 40 pairs on each of 3 experts) their prefill
-    tiles give the same bits on every build: the AVX-512 VNNI build fuses their integer
-    multiply-adds (vpdpwssd, vpdpbusd) where the AVX2 one adds vpmaddwd's sums."""
+    """The GGUF block types' row kernels and (40 tokens: 40 pairs on each of 3 experts) their
+    prefill tiles give the same bits on every build: the AVX-512 VNNI build fuses some integer
+    multiply-adds (vpdpbusd) where the AVX2 one adds vpmaddwd's sums."""
     from tests.moe.test_gguf_experts import E, H, K, _experts
 
     b = create_backend("cpu-gguf", ExpertWeights(None, None, packed=_experts(kinds, seed=7)))
