@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hetserve.testing.tiny_gguf_keys import gguf_metadata
+
 # Qwen3-30B-A3B (its config.json)
 SHAPE = {
     "hidden_size": 2048, "num_hidden_layers": 48, "num_experts": 128, "num_experts_per_tok": 8,
@@ -94,19 +96,7 @@ def write_random_q4km(path: Path, cfg: dict, progress: bool = False) -> int:
     import gguf
 
     w = gguf.GGUFWriter(str(path), "qwen3moe")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(0)
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
-    w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_expert_count(cfg["num_experts"])
-    w.add_expert_used_count(cfg["num_experts_per_tok"])
-    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    gguf_metadata(w, "qwen3moe", cfg)
     _placeholder_vocab(w, cfg["vocab_size"])
     _write_plan(w, _tensors(cfg), progress)
     return path.stat().st_size
@@ -197,8 +187,6 @@ def _gpt_oss_tensors(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
 def write_random_gpt_oss(path: Path, cfg: dict, progress: bool = False) -> int:
     """A gpt-oss-shaped file (GPT_OSS_20B's keys) of random blocks at `path`; its size."""
     import gguf
-
-    from hetserve.testing.tiny_gguf_keys import gguf_metadata
 
     w = gguf.GGUFWriter(str(path), "gpt-oss")
     gguf_metadata(w, "gpt-oss", cfg)

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from hetserve.errors import InvalidInputError
 from hetserve.model.gguf_archs import permute_rope, unpermute_rope
 from hetserve.quant.gguf import quantize_q4_k
+from hetserve.testing.tiny_gguf_keys import gguf_metadata
 
 __all__ = ["quantize_q4_k", "write_gguf"]
 
@@ -113,27 +114,6 @@ def _tensors(src: Path, cfg: dict) -> dict[str, np.ndarray]:
     return out
 
 
-def _metadata(writer, cfg: dict, tok: dict) -> None:
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg.get("intermediate_size") or 0)
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
-    writer.add_expert_used_count(cfg["num_experts_per_tok"])
-    if cfg.get("moe_intermediate_size"):
-        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    if cfg.get("shared_expert_intermediate_size"):
-        writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-    write_tokenizer(writer, cfg, tok)
-
-
 def write_tokenizer(writer, cfg: dict, tok: dict) -> None:
     """A tiny byte-level BPE tokenizer (tokenizer.json `tok`) as llama.cpp's gpt2 vocab keys."""
     vocab = tok["model"]["vocab"]
@@ -170,7 +150,8 @@ def write_gguf(
     if arch is None:
         raise InvalidInputError(f"no GGUF writer for {cfg['architectures'][0]}")
     writer = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
-    _metadata(writer, cfg, json.loads((src / "tokenizer.json").read_text()))
+    gguf_metadata(writer, arch, cfg)
+    write_tokenizer(writer, cfg, json.loads((src / "tokenizer.json").read_text()))
     ref = {}
     for name, w in _tensors(src, cfg).items():
         kind = experts if "_exps." in name else (others if w.ndim == 2 else "f32")

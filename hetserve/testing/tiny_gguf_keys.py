@@ -1,9 +1,10 @@
 """The metadata keys and vocabulary of testing/tiny_gguf_archs.py's files, as llama.cpp's
 converter (convert_hf_to_gguf.py) writes them per family: the common keys, gpt-oss's YaRN and
 sliding window, the Qwen3-Next / Qwen3.5 linear-attention sizes, MiniMax-M2's, DeepSeek-V3 /
-V3.2's MLA and indexer sizes, Kimi-Linear's per-layer heads; and a Kimi-format (tiktoken)
-tokenizer as llama.cpp's gpt2 tokens and merges. Who calls it: tiny_gguf_archs and
-random_gguf (gpt-oss's keys). Held against the converter's own files by
+V3.2's MLA and indexer sizes, Kimi-Linear's per-layer heads, the Qwen2/3-MoE and Mixtral
+expert sizes; and a Kimi-format (tiktoken) tokenizer as llama.cpp's gpt2 tokens and merges.
+Who calls it: tiny_gguf (Qwen-MoE, Mixtral), tiny_gguf_archs and random_gguf (the 30B-shaped
+Qwen3-MoE and gpt-oss files). Held against the converter's own files by
 tests/model/test_gguf_archs.py where llama.cpp's source is present.
 """
 
@@ -22,8 +23,9 @@ def gguf_metadata(writer, arch: str, cfg: dict) -> None:
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg.get("max_position_embeddings") or cfg["model_max_length"])
     writer.add_embedding_length(cfg["hidden_size"])
-    if cfg.get("intermediate_size"):
-        writer.add_feed_forward_length(cfg["intermediate_size"])
+    qwen_moe = arch in ("qwen2moe", "qwen3moe", "llama")  # llama: Mixtral's GGUF arch
+    if cfg.get("intermediate_size") or qwen_moe:  # the Qwen-MoE converters write 0 if absent
+        writer.add_feed_forward_length(cfg.get("intermediate_size") or 0)
     writer.add_head_count(cfg["num_attention_heads"])
     mla = arch in (
         "deepseek2",
@@ -42,6 +44,12 @@ def gguf_metadata(writer, arch: str, cfg: dict) -> None:
     if not kimi:
         writer.add_key_length(rank + cfg["qk_rope_head_dim"] if mla else head_dim)
         writer.add_value_length(rank if mla else head_dim)
+    if qwen_moe:
+        if cfg.get("moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+        return
     if arch == "gpt-oss":
         if rope.get("rope_type") == "yarn":
             writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
