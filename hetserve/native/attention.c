@@ -74,26 +74,10 @@ static inline int lo_of(const attn_t *a, int len) {
 
 static inline size_t part_floats(const attn_t *a) { return (size_t)a->H * (2 + (size_t)a->Dv); }
 
-/* The scores of 8 tokens (element offsets kr[0..8) of their rows at the KV head) against one
- * query head q (D floats): s[t] = scale * q . K_t. Eight rows read side by side keep eight
- * cache-line streams in flight (blocks of 2 tokens x 4 heads, widening each row once for its 4
- * heads, ran ~1.4x slower from DRAM on a 2-core Zen 3: fewer lines in flight). */
-static inline __attribute__((always_inline)) void score8(const attn_t *a, const size_t *kr,
-                                                         const float *q, float *s, const int half) {
-    __m256 acc[8];
-    for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
-    for (int d = 0; d < a->D; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + d);
-        for (int t = 0; t < 8; t++)
-            acc[t] = _mm256_fmadd_ps(qv, hs_ld8(a->k, kr[t] + d, half), acc[t]);
-    }
-    _mm256_storeu_ps(s, _mm256_mul_ps(hs_hsum8(acc), _mm256_set1_ps(a->scale)));
-}
-
 /* The scores of NT tokens (row offsets kr[0..NT) at their KV head) against NH query heads of
  * that KV head (q: the first one's D floats, the others D apart), NH * NT = 8:
- * s[i * m + t] = scale * q_i . K_t. Each K element is widened once for its NH heads; every
- * score adds over d in the same order as score8. */
+ * s[i * m + t] = scale * q_i . K_t. Each K element is widened once for its NH heads (4 x 2,
+ * 2 x 4); 1 x 8 where G is odd, eight rows side by side. */
 static inline __attribute__((always_inline)) void score_blk(const attn_t *a, const size_t *kr,
                                                             const float *q, float *s, int m,
                                                             const int NH, const int NT,
@@ -101,7 +85,7 @@ static inline __attribute__((always_inline)) void score_blk(const attn_t *a, con
     __m256 acc[8];
     for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
     for (int d = 0; d < a->D; d += 8) {
-        __m256 kv[4];
+        __m256 kv[8];
         for (int t = 0; t < NT; t++) kv[t] = hs_ld8(a->k, kr[t] + d, half);
         for (int i = 0; i < NH; i++) {
             const __m256 qv = _mm256_loadu_ps(q + (size_t)i * a->D + d);
@@ -268,7 +252,7 @@ static inline __attribute__((always_inline)) void item_impl(void *ctx, int it, c
                     const float *qg = q + (size_t)g * G * D;
                     float *sg = s + (size_t)g * G * m + t;
                     for (int i = 0; i < G; i++)
-                        score8(a, kr, qg + (size_t)i * D, sg + (size_t)i * m, half);
+                        score_blk(a, kr, qg + (size_t)i * D, sg + (size_t)i * m, m, 1, 8, half);
                 }
         }
     for (; t < m; t++)
