@@ -14,6 +14,7 @@ from hetserve.errors import InvalidInputError
 from hetserve.layers.int8_linear import Int8Linear
 from hetserve.moe.experts import ExpertWeights, create_backend
 from hetserve.quant.packed import PackedExperts
+from tests.moe.test_gguf_experts import E, H, K, _experts
 from tests.moe.test_odd_sizes import DENSE
 from tests.moe.test_packed_experts import PACKERS
 
@@ -197,8 +198,6 @@ def test_gguf_experts_avx512_equal_avx2(kinds, t):
     """The GGUF block types' row kernels and (40 tokens: 40 pairs on each of 3 experts) their
     prefill tiles give the same bits on every build: the AVX-512 VNNI build fuses some integer
     multiply-adds (vpdpbusd) where the AVX2 one adds vpmaddwd's sums."""
-    from tests.moe.test_gguf_experts import E, H, K, _experts
-
     b = create_backend("cpu-gguf", ExpertWeights(None, None, packed=_experts(kinds, seed=7)))
     g = torch.Generator().manual_seed(40 + t)
     x, tw = torch.randn(t, H, generator=g), torch.rand(t, K, generator=g)
