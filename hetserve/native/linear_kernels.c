@@ -258,7 +258,7 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
     rc += fmt == L_Q4K && rc % 2; /* q4_K: whole pairs (its layout interleaves quads 2u, 2u + 1) */
     if (fmt == L_I8 && G == 0) rc = (rc + 3) / 4 * 4; /* whole strips of the GEMM tiles */
     lin_t l = {fmt, G, T, N, K, rc, w, s, xsc, x16, pl, ps, pd, out, NULL, NULL, NULL};
-    amx_rows_t ax = {0}; /* the int8 GEMM's rows split once for every item (AMX) */
+    amx_rows_t ax = {0}; /* the int8 GEMM's rows prepared once for every item (AMX or AVX) */
     if (fmt == L_I8 && G == 0 && gemm_worth(T) && amx_rows_split(&ax, x16, NULL, T, K) == 0)
         l.amx = &ax;
     char *kbuf = NULL;

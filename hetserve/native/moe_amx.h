@@ -190,41 +190,54 @@ static inline void amx_strip(const int8_t *panel, int K, const int8_t *hi, const
 
 #endif /* HS_AMX */
 
-/* A work item's activations split for the AMX tiles (moe_amx.h), or on = 0 for the AVX path. */
+/* A work item's activations prepared once for all its strips: split for the AMX tiles (on), or
+ * packed for the AVX tiles (xp, gemm_pack_x), or neither (the AVX tiles read the rows in
+ * place: where the packing found no memory). */
 typedef struct {
     int on;
     int8_t *hi;
     uint8_t *lo;
+    int32_t *xp;
 } amx_rows_t;
 
-/* Splits cnt rows (rows of K int16 from base: row tok[m] where tok, else row m) for the tiles,
- * where they take K (else leaves a off); -1 when out of memory. */
+/* Prepares cnt rows (rows of K int16 from base: row tok[m] where tok, else row m) for the
+ * tiles: split where the AMX tiles take K, else packed for the AVX tiles; -1 when out of memory
+ * for the AMX split (the AVX packing does without). */
 static inline int amx_rows_split(amx_rows_t *a, const int16_t *base, const int *tok, int cnt,
                                  int K) {
+    enum { BLOCK = 96 }; /* row pointers a block at a time (a multiple of GEMM_NT and 16) */
+    const int16_t *x[BLOCK];
 #ifdef HS_AMX
-    if (!amx_usable(K)) return 0;
-    const size_t bytes = (size_t)amx_rows(cnt) * K;
-    char *mem = aligned_alloc(64, (2 * bytes + 63) / 64 * 64);
-    if (mem == NULL) return -1;
-    a->hi = (int8_t *)mem;
-    a->lo = (uint8_t *)(mem + bytes);
-    enum { BLOCK = 64 };
-    for (int p0 = 0; p0 < cnt; p0 += BLOCK) { /* row pointers a block at a time */
-        const int n = cnt - p0 < BLOCK ? cnt - p0 : BLOCK;
-        const int16_t *x[BLOCK];
-        for (int m = 0; m < n; m++) x[m] = base + (size_t)(tok ? tok[p0 + m] : p0 + m) * K;
-        amx_split(x, n, K, a->hi + (size_t)p0 * K, a->lo + (size_t)p0 * K);
+    if (amx_usable(K)) {
+        const size_t bytes = (size_t)amx_rows(cnt) * K;
+        char *mem = aligned_alloc(64, (2 * bytes + 63) / 64 * 64);
+        if (mem == NULL) return -1;
+        a->hi = (int8_t *)mem;
+        a->lo = (uint8_t *)(mem + bytes);
+        for (int p0 = 0; p0 < cnt; p0 += BLOCK) {
+            const int n = cnt - p0 < BLOCK ? cnt - p0 : BLOCK;
+            for (int m = 0; m < n; m++) x[m] = base + (size_t)(tok ? tok[p0 + m] : p0 + m) * K;
+            amx_split(x, n, K, a->hi + (size_t)p0 * K, a->lo + (size_t)p0 * K);
+        }
+        a->on = 1;
+        return 0;
     }
-    a->on = 1;
-#else
-    (void)a, (void)base, (void)tok, (void)cnt, (void)K;
 #endif
+    a->xp = aligned_alloc(64, (gemm_xp_bytes(cnt, K) + 63) / 64 * 64);
+    if (a->xp == NULL) return 0;
+    for (int p0 = 0; p0 < cnt; p0 += BLOCK) {
+        const int n = cnt - p0 < BLOCK ? cnt - p0 : BLOCK;
+        for (int m = 0; m < n; m++) x[m] = base + (size_t)(tok ? tok[p0 + m] : p0 + m) * K;
+        gemm_pack_x(x, n, K, a->xp + (size_t)p0 * (K / 2));
+    }
     return 0;
 }
 
 static inline void amx_rows_free(amx_rows_t *a) {
     if (a->on) free(a->hi);
+    free(a->xp);
     a->on = 0;
+    a->xp = NULL;
 }
 
 /* This thread's tiles on (amx_begin) or off (amx_end) around its use of rows split in a. */
@@ -278,7 +291,10 @@ static inline void strip_sums(const amx_rows_t *a, const int16_t *panel, int K, 
         return;
     }
 #endif
-    (void)a, (void)p0;
+    if (a->xp) { /* p0: a multiple of GEMM_NT (the callers' blocks of 96) */
+        gemm_strip_p(panel, K, a->xp + (size_t)p0 * (K / 2), n, isum, out);
+        return;
+    }
     gemm_strip(panel, K, x, n, isum, out);
 }
 

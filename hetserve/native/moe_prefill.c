@@ -2,11 +2,10 @@
  * hetserve_moe_forward runs where its expert has many pairs (prefill) and its weights are int8
  * with one scale per row. Each item covers whole strips of 16 rows (4 quads, the callers make
  * items of whole strips); per strip the panel is packed once and met by all of the expert's
- * pairs, PB at a time (their int16 rows read in place). Out of memory for its scratch, an item
- * returns -1 having written nothing, and the caller runs it on the quad path. The float steps
- * after the integer sums
- * are phase1 / phase2's own (moe_kernels.c), in the same order, so the results are theirs bit
- * for bit. */
+ * pairs, PB at a time (their int16 rows packed once per item for all its strips: amx_item).
+ * Out of memory for its scratch, an item returns -1 having written nothing, and the caller
+ * runs it on the quad path. The float steps after the integer sums are phase1 / phase2's own
+ * (moe_kernels.c), in the same order, so the results are theirs bit for bit. */
 /* No implicit fused multiply-adds: the decode and GEMM paths round the same float steps the same
  * way (a contraction GCC chose in one and not the other changed last bits). */
 #pragma GCC optimize("fp-contract=off")

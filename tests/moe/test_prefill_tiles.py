@@ -33,6 +33,7 @@ def _one_at_a_time(fn, *args):
         (100, 40, 3, 2, 33, True, "silu"),  # both sizes padded to the kernel's units
         (256, 96, 3, 3, 24, True, "clamped"),  # gpt-oss's activation, biases
         (4608, 64, 2, 1, 17, False, "silu"),  # hidden past KBLOCK: two fp32 partial sums
+        (256, 64, 2, 1, 230, False, "silu"),  # ~115 pairs an expert: past a block of 96
         # batched decode: 2-7 pairs per expert, below the tiles: the quad kernel (calls of 2, 1)
         (256, 128, 8, 2, 20, False, "silu"),
         (100, 40, 6, 2, 11, True, "clamped"),
@@ -75,7 +76,7 @@ def _reference_linear(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize(("n", "k", "t"), [(22, 100, 40), (96, 256, 64), (301, 256, 9),
                                            (40, 4608, 20), (64, 2048, 3), (22, 100, 7),
-                                           (96, 256, 5)])  # fmt: skip
+                                           (96, 256, 5), (40, 100, 203)])  # fmt: skip
 def test_int8_linear_tiles_equal_the_reference_arithmetic(n, k, t):
     """t >= 8 runs the tiles, t = 3 the decode path: both equal the reference bit for bit."""
     g = torch.Generator().manual_seed(n + k)
