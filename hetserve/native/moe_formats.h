@@ -20,7 +20,7 @@
 #include "simd.h"
 
 #ifndef MBMAX
-#define MBMAX 3
+#define MBMAX 4
 #endif
 
 /* Software prefetch distance in bytes. One cache line per loop iteration is consumed; the

@@ -40,11 +40,12 @@
 #define TB 32 /* pairs per cache block: 32 x 2048 fp32 = 256 KiB, half of Zen 3's L2 */
 #define RC 8  /* row quads per work chunk */
 
-/* The int16 activation rows of MB pairs from pair p, their scales and (int4) group sums. */
+/* The int16 activation rows of MB pairs from pair p, their scales and (int4) group sums (MB <=
+ * 4 for int8 with row scales on AVX-512, else <= 2: gs and p hold 2). */
 typedef struct {
-    const int16_t *x[2];
+    const int16_t *x[4];
     const float *gs[2];
-    float s[2];
+    float s[4];
     q4k_act_t p[2];
 } act16_t;
 
@@ -53,15 +54,18 @@ static inline int act_width(int fmt) {
     return fmt == F_FP8 ? 2 : 1;
 }
 
-static inline act16_t act16(const job_t *j, int fmt, int which, int K, int r0, int r1) {
+/* Rows r[0 .. 3] (the last of MB repeated past it) of the pairs' activations. */
+static inline act16_t act16(const job_t *j, int fmt, int which, int K, const int r[4]) {
     const int16_t *base = which == 1 ? j->x16 : j->a16;
     const float *xs = which == 1 ? j->xsc : j->asc;
     const float *gsb = which == 1 ? j->xgs : j->ags;
     const int G = jg(j, which), ng = G > 0 ? K / G : 0;
     const size_t stride = (size_t)act_width(fmt) * K;
-    act16_t a = {{base + r0 * stride, base + r1 * stride},
+    const int r0 = r[0], r1 = r[1];
+    act16_t a = {{base + r0 * stride, base + r1 * stride, base + r[2] * stride,
+                  base + r[3] * stride},
                  {gsb + (size_t)r0 * ng, gsb + (size_t)r1 * ng},
-                 {xs[r0], xs[r1]},
+                 {xs[r0], xs[r1], xs[r[2]], xs[r[3]]},
                  {{NULL, NULL, NULL}, {NULL, NULL, NULL}}};
     if (kq_fmt(fmt)) {
         const int8_t *pl = which == 1 ? j->xpl : j->apl;
@@ -79,7 +83,8 @@ static inline int unit_rows(int fmt) {
     return fmt == F_MXFP4 || fmt == F_I4 ? TILE_ROWS : fmt == F_Q4K ? 8 : 4; /* q6_K, q5_K: 4 */
 }
 
-/* The integer formats (int8, grouped int8, int4, MXFP4) for one unit and MB <= 2 pairs. */
+/* The integer formats (int8, grouped int8, int4, MXFP4) for one unit and MB <= 2 pairs (int8
+ * with row scales: MB <= pair_step's). */
 static inline __attribute__((always_inline)) void quad_int(const job_t *j, int fmt, int which,
                                                           size_t row, int K, const act16_t *ap,
                                                           int MB, float out[][MBMAX]) {
@@ -90,7 +95,14 @@ static inline __attribute__((always_inline)) void quad_int(const job_t *j, int f
     if (fmt == F_I8 && G == 0) {
         const int8_t *q = (const int8_t *)w + row * K;
         const float *s = (const float *)sv + row;
-        if (MB == 2) quad_i8(q, K, a.x, 2, out); else quad_i8(q, K, a.x, 1, out);
+        switch (MB) {
+#ifdef HS_AVX512
+        case 4: quad_i8(q, K, a.x, 4, out); break;
+        case 3: quad_i8(q, K, a.x, 3, out); break;
+#endif
+        case 2: quad_i8(q, K, a.x, 2, out); break;
+        default: quad_i8(q, K, a.x, 1, out); break;
+        }
         for (int r = 0; r < 4; r++)
             for (int m = 0; m < MB; m++) out[r][m] *= s[r];
     } else if (fmt == F_I8) { /* grouped: fp16 scales */
@@ -157,9 +169,28 @@ static inline __attribute__((always_inline)) void quad(const job_t *j, int fmt, 
 }
 
 /* Pairs per microkernel call: 3 fp32 tokens fill the FMA pipes, FP8 on fp32 keeps its per-group
- * sums of one token in registers, the integer formats and FP8 on bf16 take two. */
-static inline int pair_step(int fmt) {
+ * sums of one token in registers, the integer formats and FP8 on bf16 take two, int8 with row
+ * scales four on AVX-512 (16 accumulators in its 32 registers: a batched decode's few pairs per
+ * expert widen each weight once, not once per two pairs). G: the format's group size. */
+static inline int pair_step(int fmt, int G) {
+#ifdef HS_AVX512
+    if (fmt == F_I8 && G == 0) return 4;
+#else
+    (void)G;
+#endif
     return fmt == F_F32 ? 3 : fmt == F_FP8 && !HS_FP8_BF16 ? 1 : 2;
+}
+
+/* Pairs an expert needs before int8's tiles (row scales) beat its quads: 16 on AVX-512, whose
+ * quads take 4 pairs a call (bench moe-kernel, 64 experts of 2048 x 512, top-6, Zen 4, 2
+ * threads: 64 / 128 tokens 11.5 / 21.1 -> 9.9 / 17.6 ms against 8; 24 and 32 within the noise
+ * of 16), else gemm_worth's (AVX2: 16 changed nothing). */
+static inline int i8_tiles_worth(int pairs) {
+#ifdef HS_AVX512
+    return pairs >= 16;
+#else
+    return gemm_worth(pairs);
+#endif
 }
 
 /* Formats whose kernels read activations rounded to 16 bits (int16, or bf16 for FP8 where
@@ -173,12 +204,15 @@ static inline int rounded_acts(int fmt) {
 static inline __attribute__((always_inline)) void block_acts(const job_t *j, int fmt, int which,
                                                             int K, int off, int t0, int t1,
                                                             act16_t *acts) {
-    const int step = pair_step(fmt);
+    const int step = pair_step(fmt, jg(j, which));
     if (!rounded_acts(fmt)) return;
     for (int m = t0; m < t1; m += step) {
-        int MB = t1 - m >= step ? step : t1 - m, p = off + m;
-        int r0 = which == 1 ? j->tok[p] : p, r1 = which == 1 ? j->tok[p + MB - 1] : p + MB - 1;
-        acts[(m - t0) / step] = act16(j, fmt, which, K, r0, r1);
+        int MB = t1 - m >= step ? step : t1 - m, p = off + m, r[4];
+        for (int i = 0; i < 4; i++) {
+            const int q = p + (i < MB ? i : MB - 1);
+            r[i] = which == 1 ? j->tok[q] : q;
+        }
+        acts[(m - t0) / step] = act16(j, fmt, which, K, r);
     }
 }
 
@@ -188,7 +222,7 @@ static inline __attribute__((always_inline)) void phase1(const job_t *j, int u0,
                                                         const int fmt) {
     const int H = j->H, I = j->I, R = unit_rows(fmt), per = I / R;
     int ai = u0 / per, e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
-    const int step = pair_step(fmt);
+    const int step = pair_step(fmt, jg(j, 1));
     act16_t acts[TB];
     const float *b13 = j->b13 ? j->b13 + (size_t)e * 2 * I : NULL;
     for (int t0 = 0; t0 < cnt; t0 += TB) {
@@ -234,7 +268,7 @@ static inline __attribute__((always_inline)) void phase2(const job_t *j, int u0,
                                                         const int fmt) {
     const int H = j->H, I = j->I, R = unit_rows(fmt), per = H / R;
     int ai = u0 / per, e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
-    const int step = pair_step(fmt);
+    const int step = pair_step(fmt, jg(j, 2));
     act16_t acts[TB];
     const float *b2 = j->b2 ? j->b2 + (size_t)e * H : NULL;
     for (int t0 = 0; t0 < cnt; t0 += TB) {
@@ -284,7 +318,7 @@ static void phase_item(void *ctx, int c) {
     item_units(arg, c, &u0, &u1);
     if (jfmt(j, arg->phase) == F_I8 && jg(j, arg->phase) == 0) { /* prefill: many pairs: tiles */
         const int ai = u0 / ((arg->phase == 1 ? j->I : j->H) / unit_rows(F_I8));
-        if (gemm_worth(j->act_cnt[ai]) &&
+        if (i8_tiles_worth(j->act_cnt[ai]) &&
             (arg->phase == 1 ? hs_phase1_gemm(j, ai, u0, u1) : hs_phase2_gemm(j, ai, u0, u1)) == 0)
             return;
     }

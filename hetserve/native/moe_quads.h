@@ -9,7 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define MBMAX 3 /* tokens per microkernel call (fp32; the int8/int4 ones take up to 2) */
+#define MBMAX 4 /* tokens per microkernel call (fp32 3; int8 with row scales 4 on AVX-512; 2) */
 #include "moe_formats.h"
 #include "simd.h"
 
@@ -26,19 +26,21 @@ static inline int i8_kstep(int K) {
     return K % 256 == 0 ? 256 : 16;
 }
 
-/* out[r][m] = sum_k W[r, k] * x16[m, k] for one quad of int8 rows and MB <= 2 tokens: 16
- * weights per vpmovsxbw + vpmaddwd, a third of the uops of converting to fp32. Quad layout:
- * for each 16 inputs, the 4 rows' 16 bytes back to back, so a quad is one sequential stream of
- * whole cache lines (four strided row streams ran at half the speed: prefetch-bound). */
+/* out[r][m] = sum_k W[r, k] * x16[m, k] for one quad of int8 rows and MB tokens (<= 2; <= 4 on
+ * AVX-512, whose 32 registers hold 16 accumulators): 16 weights per vpmovsxbw + vpmaddwd, a
+ * third of the uops of converting to fp32. Each token's sums run the same whatever MB is.
+ * Quad layout: for each 16 inputs, the 4 rows' 16 bytes back to back, so a quad is one
+ * sequential stream of whole cache lines (four strided row streams ran at half the speed:
+ * prefetch-bound). */
 static inline __attribute__((always_inline)) void quad_i8(const int8_t *q, int K,
-                                                          const int16_t *const x[2], int MB,
+                                                          const int16_t *const *x, int MB,
                                                           float out[4][MBMAX]) {
     const int kstep = i8_kstep(K);
     for (int r = 0; r < 4; r++)
         for (int m = 0; m < MB; m++) out[r][m] = 0.0f;
     for (int kb = 0; kb < K; kb += KBLOCK) {
         int ke = kb + KBLOCK < K ? kb + KBLOCK : K;
-        __m256i acc[4][2];
+        __m256i acc[4][4];
         for (int r = 0; r < 4; r++)
             for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_si256();
         for (int k0 = kb; k0 < ke; k0 += kstep) /* kstep: see i8_kstep */
