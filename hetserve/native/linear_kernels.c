@@ -56,7 +56,24 @@ typedef struct {
     const amx_rows_t *amx; /* int8 GEMM: the rows split once for the AMX tiles (off: AVX) */
 } lin_t;
 
-/* Rows [n0, n0 + 4 nq) against tokens m, m + MB - 1 (MB <= 2); nq = 2 for q4_K only. */
+/* Tokens per row-kernel call: 4 for int8 with row scales on AVX-512 (quad_i8's 16
+ * accumulators), else 2. */
+static inline int lin_step(const lin_t *l) {
+#ifdef HS_AVX512
+    if (l->fmt == L_I8 && l->G == 0) return 4;
+#endif
+    (void)l;
+    return 2;
+}
+
+/* Whether T tokens take the int8 GEMM tiles: from 16 where the row kernel takes 4 tokens a
+ * call (a 2048 x 3072 linear, Zen 4: 8-15 tokens ran as fast or faster on the rows), else
+ * gemm_worth's 8. */
+static inline int lin_tiles_worth(const lin_t *l, int T) {
+    return lin_step(l) == 4 ? T >= 16 : gemm_worth(T);
+}
+
+/* Rows [n0, n0 + 4 nq) against tokens m .. m + MB - 1 (MB <= lin_step); nq = 2 for q4_K only. */
 static inline void lin_quad(const lin_t *l, int n0, int nq, int m, int MB, float o[8][MBMAX]) {
     const int K = l->K, m1 = m + MB - 1;
     if (l->fmt != L_I8) { /* the K-quants: int8 activations per super-block */
@@ -96,7 +113,16 @@ static inline void lin_quad(const lin_t *l, int n0, int nq, int m, int MB, float
         if (MB == 2) quad_i8g(q, s, K, l->G, xr, 2, o); else quad_i8g(q, s, K, l->G, xr, 1, o);
         return;
     }
-    if (MB == 2) quad_i8(q, K, xr, 2, o); else quad_i8(q, K, xr, 1, o);
+    const int16_t *x4[4]; /* tokens m .. m + 3, the last of MB repeated */
+    for (int i = 0; i < 4; i++) x4[i] = l->x16 + (size_t)(m + (i < MB ? i : MB - 1)) * K;
+    switch (MB) {
+#ifdef HS_AVX512
+    case 4: quad_i8(q, K, x4, 4, o); break;
+    case 3: quad_i8(q, K, x4, 3, o); break;
+#endif
+    case 2: quad_i8(q, K, xr, 2, o); break;
+    default: quad_i8(q, K, xr, 1, o); break;
+    }
     for (int r = 0; r < 4; r++)
         for (int mm = 0; mm < MB; mm++) o[r][mm] *= l->s[n0 + r];
 }
@@ -191,14 +217,16 @@ static void lin_item(void *ctx, int c) {
     const lin_t *l = (const lin_t *)ctx;
     const int quads = (l->N + 3) / 4; /* the last one's padded rows are dropped */
     const int u0 = c * l->rc, u1 = u0 + l->rc < quads ? u0 + l->rc : quads;
-    if (l->fmt == L_I8 && l->G == 0 && gemm_worth(l->T) && lin_item_gemm(l, u0, u1) == 0) return;
+    if (l->fmt == L_I8 && l->G == 0 && lin_tiles_worth(l, l->T) && lin_item_gemm(l, u0, u1) == 0)
+        return;
     if (l->kg16 != NULL && u0 % 4 == 0 && lin_item_kgemm(l, u0, u1) == 0) return;
     for (int t0 = 0; t0 < l->T; t0 += TB) {
         int t1 = t0 + TB < l->T ? t0 + TB : l->T;
         for (int u = u0, nq; u < u1; u += nq) {
             nq = l->fmt == L_Q4K && u + 1 < u1 ? 2 : 1; /* q4_K: two quads share activations */
-            for (int m = t0; m < t1; m += 2) {
-                int MB = t1 - m >= 2 ? 2 : 1;
+            const int step = lin_step(l);
+            for (int m = t0; m < t1; m += step) {
+                int MB = t1 - m >= step ? step : t1 - m;
                 float o[8][MBMAX];
                 lin_quad(l, 4 * u, nq, m, MB, o);
                 const int rows = 4 * (u + nq) <= l->N ? 4 * nq : l->N - 4 * u;
@@ -259,7 +287,8 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
     if (fmt == L_I8 && G == 0) rc = (rc + 3) / 4 * 4; /* whole strips of the GEMM tiles */
     lin_t l = {fmt, G, T, N, K, rc, w, s, xsc, x16, pl, ps, pd, out, NULL, NULL, NULL};
     amx_rows_t ax = {0}; /* the int8 GEMM's rows prepared once for every item (AMX or AVX) */
-    if (fmt == L_I8 && G == 0 && gemm_worth(T) && amx_rows_split(&ax, x16, NULL, T, K) == 0)
+    if (fmt == L_I8 && G == 0 && lin_tiles_worth(&l, T) &&
+        amx_rows_split(&ax, x16, NULL, T, K) == 0)
         l.amx = &ax;
     char *kbuf = NULL;
     if (fmt == L_I8 && kg_group(fmt, G) > 0 && gemm_worth(T)) { /* grouped: rows in place */
