@@ -53,6 +53,7 @@ typedef struct {
     float *out;
     /* the K-quant tiles' activations (kg_widen) [T, K] and sums [T, K / 256, KG_MS], or NULL */
     const int16_t *kg16, *kgms;
+    const int32_t *kgxp; /* kg16's rows packed for the tiles (gemm_pack_x) */
     const amx_rows_t *amx; /* int8 GEMM: the rows split once for the AMX tiles (off: AVX) */
 } lin_t;
 
@@ -180,7 +181,7 @@ static int lin_item_kgemm(const lin_t *l, int u0, int u1) {
     kg_strip_init(&st, buf, K);
     int32_t *isum = (int32_t *)(buf + sb);
     float *out = (float *)(isum + TBG * GEMM_ROWS);
-    const int16_t *x[TBG], *ms[TBG];
+    const int16_t *ms[TBG];
     const float *xd[TBG];
     for (int u = u0; u < u1; u += 4) {
         kg_quad_t q[4];
@@ -198,11 +199,11 @@ static int lin_item_kgemm(const lin_t *l, int u0, int u1) {
         for (int t0 = 0; t0 < l->T; t0 += TBG) {
             const int n = l->T - t0 < TBG ? l->T - t0 : TBG;
             for (int m = 0; m < n; m++) {
-                x[m] = l->kg16 + (size_t)(t0 + m) * K;
                 ms[m] = i8 ? NULL : l->kgms + (size_t)(t0 + m) * nsb * KG_MS;
                 xd[m] = i8 ? l->xsc + t0 + m : l->pd + (size_t)(t0 + m) * nsb;
             }
-            kg_strip_gemm(&st, l->fmt, K, gk, span, x, xd, ms, NULL, n, isum, out);
+            kg_strip_gemm(&st, l->fmt, K, gk, span, l->kgxp + (size_t)t0 * (K / 2), xd, ms, NULL,
+                          n, isum, out);
             for (int m = 0; m < n; m++) {
                 float *y = l->out + (size_t)(t0 + m) * l->N + 4 * u;
                 for (int r = 0; r < rows; r++) y[r] = out[m * GEMM_ROWS + r];
@@ -305,8 +306,20 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
             l.rc = rc = (rc + 3) / 4 * 4; /* whole strips */
         }
     }
+    int32_t *kxp = NULL; /* the tiles' rows packed once for every item; without memory for them,
+                          * the row kernels */
+    if (l.kg16 != NULL && (kxp = aligned_alloc(64, (gemm_xp_bytes(T, K) + 63) / 64 * 64)) == NULL)
+        l.kg16 = NULL;
+    for (int t0 = 0; kxp != NULL && t0 < T; t0 += TBG) {
+        const int n = T - t0 < TBG ? T - t0 : TBG;
+        const int16_t *xr[TBG];
+        for (int m = 0; m < n; m++) xr[m] = l.kg16 + (size_t)(t0 + m) * K;
+        gemm_pack_x(xr, n, K, kxp + (size_t)t0 * (K / 2));
+    }
+    l.kgxp = kxp;
     hs_parallel_for(nthreads, (quads + rc - 1) / rc, lin_item, &l);
     amx_rows_free(&ax);
+    free(kxp);
     free(kbuf);
     free(buf);
     return 0;

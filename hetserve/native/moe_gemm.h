@@ -172,6 +172,20 @@ static inline __attribute__((always_inline)) void gemm_tile_p(const int16_t *pan
 #endif
 }
 
+/* gemm_tile_p for n <= GEMM_NT tokens, n a run-time value (each count its own copy). */
+static inline void gemm_tile_pn(const int16_t *panel, int kp0, int kp1, const int32_t *xg,
+                                int32_t *const *c, int n) {
+    switch (n) {
+#define HS_N(v) case v: gemm_tile_p(panel, kp0, kp1, xg, c, v); break;
+    HS_N(1) HS_N(2) HS_N(3) HS_N(4) HS_N(5) HS_N(6)
+#ifdef HS_AVX512
+    HS_N(7) HS_N(8) HS_N(9) HS_N(10) HS_N(11) HS_N(12)
+#endif
+#undef HS_N
+    default: break;
+    }
+}
+
 /* Bytes of n tokens' K inputs packed by gemm_pack_x (whole groups of GEMM_NT). */
 static inline size_t gemm_xp_bytes(int n, int K) {
     return (size_t)(n + GEMM_NT - 1) / GEMM_NT * GEMM_NT * (size_t)K * sizeof(int16_t);
@@ -244,18 +258,9 @@ static inline void gemm_strip_p(const int16_t *panel, int K, const int32_t *xp, 
             const int k1 = k0 + GEMM_KC < ke ? k0 + GEMM_KC : ke;
             for (int m0 = 0; m0 < n; m0 += GEMM_NT) {
                 const int nt = n - m0 < GEMM_NT ? n - m0 : GEMM_NT;
-                const int32_t *xg = xp + (size_t)m0 * (K / 2);
                 int32_t *c[GEMM_NT];
                 for (int m = 0; m < nt; m++) c[m] = isum + (size_t)(m0 + m) * GEMM_ROWS;
-                switch (nt) {
-#define HS_N(v) case v: gemm_tile_p(panel, k0 / 2, k1 / 2, xg, c, v); break;
-                    HS_N(1) HS_N(2) HS_N(3) HS_N(4) HS_N(5) HS_N(6)
-#ifdef HS_AVX512
-                    HS_N(7) HS_N(8) HS_N(9) HS_N(10) HS_N(11) HS_N(12)
-#endif
-#undef HS_N
-                default: break;
-                }
+                gemm_tile_pn(panel, k0 / 2, k1 / 2, xp + (size_t)m0 * (K / 2), c, nt);
             }
         }
         for (int i = 0; i < n * GEMM_ROWS; i++) out[i] += (float)isum[i];

@@ -378,17 +378,18 @@ static inline void kg_widen(int fmt, const int8_t *x8, const int16_t *gs, int K,
     }
 }
 
-/* out[m][0..15] = the strip's rows against n tokens: x[m] int16 rows (kg_widen's, or the
- * row-scaled formats' own), per group of gk columns the integer sums scaled by the rows' d and
- * the token's scale xd[m][g gk / span] (span: 256 for scales per super-block, K for one per
- * row), less the minimums (q4_K, q5_K: ms[m] the sub-block sums) or, for int4, plus its
- * minimums times the token's group sums xg[m][g]. isum: scratch [n][16]. The row kernels of
+/* out[m][0..15] = the strip's rows against n tokens: their int16 rows (kg_widen's, or the
+ * row-scaled formats' own) packed by gemm_pack_x (xp: the first token's group), per group of
+ * gk columns the integer sums scaled by the rows' d and the token's scale xd[m][g gk / span]
+ * (span: 256 for scales per super-block, K for one per row), less the minimums (q4_K, q5_K:
+ * ms[m] the sub-block sums) or, for int4, plus its minimums times the token's group sums
+ * xg[m][g]. isum: scratch [n][16]. The row kernels of
  * the GGUF formats keep 4-8 fp32 lanes per row and sum them at the end: there a token's output
  * in a batch of 8 or more differs from its own call by the order of fp32 additions (a few ulp,
  * and now and then one activation across a rounding boundary in the next phase); int4 and
  * MXFP4 give the same bits either way (below), as the int8 tiles do. */
 static inline void kg_strip_gemm(const kg_strip_t *s, int fmt, int K, int gk, int span,
-                                 const int16_t *const *x, const float *const *xd,
+                                 const int32_t *xp, const float *const *xd,
                                  const int16_t *const *ms, const float *const *xg, int n,
                                  int32_t *isum, float *out) {
     /* int4 and MXFP4: each row in its own lane in the row kernels too (tile_i4, tile_mxfp4), so
@@ -401,7 +402,8 @@ static inline void kg_strip_gemm(const kg_strip_t *s, int fmt, int K, int gk, in
             const int nt = n - m0 < GEMM_NT ? n - m0 : GEMM_NT;
             int32_t *c[GEMM_NT];
             for (int m = 0; m < nt; m++) c[m] = isum + (size_t)(m0 + m) * GEMM_ROWS;
-            gemm_tile_n(s->panel, g * gk / 2, (g + 1) * gk / 2, x + m0, c, nt);
+            gemm_tile_pn(s->panel, g * gk / 2, (g + 1) * gk / 2, xp + (size_t)m0 * (K / 2), c,
+                         nt);
         }
         const int xi = g * gk / span; /* the token's scale for this group */
         const float *dr = s->d + GEMM_ROWS * g, *dm = s->dmin + GEMM_ROWS * g;

@@ -171,6 +171,7 @@ static void kg_quads(int fmt, int G, const void *w, const void *sv, int K, size_
 typedef struct {
     kg_strip_t st[2];
     int16_t *x16, *ms;
+    int32_t *xp; /* the block's activation rows packed for the tiles (gemm_pack_x) */
     int32_t *isum;
     float *out[2];
     char *buf;
@@ -183,9 +184,11 @@ static int kg_scratch(kg_scratch_t *s, int K, int strips, int tokens, int wide) 
     const size_t nt = wide ? (size_t)(tokens < KG_TBK ? tokens : KG_TBK) : 0;
     const size_t x = nt * K * 2, ms = nt * nsb * KG_MS * 2;
     const size_t sums = (size_t)PB * GEMM_ROWS * 4;
-    s->buf = aligned_alloc(64, (strips * sb + x + ms + 3 * sums + 63) / 64 * 64);
+    const size_t xp = (gemm_xp_bytes(tokens < KG_TBK ? tokens : KG_TBK, K) + 63) / 64 * 64;
+    s->buf = aligned_alloc(64, xp + (strips * sb + x + ms + 3 * sums + 63) / 64 * 64);
     if (s->buf == NULL) return -1;
     char *p = s->buf;
+    s->xp = (int32_t *)p, p += xp;
     for (int i = 0; i < strips; i++, p += sb) kg_strip_init(&s->st[i], p, K);
     s->x16 = (int16_t *)p, p += x;
     s->ms = (int16_t *)p, p += ms;
@@ -223,6 +226,20 @@ static inline void kg_act(const job_t *j, int which, int fmt, int K, int G, size
     *xg = fmt == F_I4 ? (which == 1 ? j->xgs : j->ags) + r * (K / G) : NULL;
 }
 
+/* Packs the block's nt activation rows (rows[m]: a token for phase 1, a pair for phase 2) for
+ * the tiles into s->xp, from where kg_act finds them (widened or in place). */
+static void kg_pack_block(const job_t *j, int which, int fmt, int K, int G, const int *rows,
+                          int nt, kg_scratch_t *s) {
+    for (int c0 = 0; c0 < nt; c0 += PB) { /* PB: a multiple of GEMM_NT */
+        const int n = nt - c0 < PB ? nt - c0 : PB;
+        const int16_t *x[PB], *ms;
+        const float *xd, *xg;
+        for (int m = 0; m < n; m++)
+            kg_act(j, which, fmt, K, G, (size_t)rows[c0 + m], c0 + m, s, &x[m], &ms, &xd, &xg);
+        gemm_pack_x(x, n, K, s->xp + (size_t)c0 * (K / 2));
+    }
+}
+
 /* Phase 1 for units [u0, u1) of active expert ai on the K-quant tiles: whole strips (16 gate
  * rows) only, else -1 with nothing written (the caller runs the row kernels), as when out of
  * memory. */
@@ -238,6 +255,7 @@ int hs_phase1_kgemm(const job_t *j, int ai, int u0, int u1) {
     for (int t0 = 0; t0 < cnt; t0 += KG_TBK) {
         const int nt = cnt - t0 < KG_TBK ? cnt - t0 : KG_TBK;
         if (!i8) kg_widen_block(j, 1, fmt, H, j->tok + off + t0, nt, &s);
+        kg_pack_block(j, 1, fmt, H, G, j->tok + off + t0, nt, &s);
         for (int v = u0 - ai * per; v < u1 - ai * per; v += su) { /* gate rows R v .. R v + 15 */
             const int i0 = R * v;
             kg_quad_t gq[4], uq[4];
@@ -254,8 +272,9 @@ int hs_phase1_kgemm(const job_t *j, int ai, int u0, int u1) {
                     kg_act(j, 1, fmt, H, G, (size_t)j->tok[off + t0 + p0 + m], p0 + m, &s, &x[m],
                            &ms[m], &xd[m], &xg[m]);
                 const int span = i8 ? H : Q4K_SB;
-                kg_strip_gemm(&s.st[0], fmt, H, gk, span, x, xd, ms, xg, n, s.isum, s.out[0]);
-                kg_strip_gemm(&s.st[1], fmt, H, gk, span, x, xd, ms, xg, n, s.isum, s.out[1]);
+                const int32_t *xp = s.xp + (size_t)p0 * (H / 2);
+                kg_strip_gemm(&s.st[0], fmt, H, gk, span, xp, xd, ms, xg, n, s.isum, s.out[0]);
+                kg_strip_gemm(&s.st[1], fmt, H, gk, span, xp, xd, ms, xg, n, s.isum, s.out[1]);
                 for (int m = 0; m < n; m++) {
                     const int p = off + t0 + p0 + m;
                     float gl[GEMM_ROWS], ul[GEMM_ROWS], wl[GEMM_ROWS];
@@ -288,6 +307,7 @@ int hs_phase2_kgemm(const job_t *j, int ai, int u0, int u1) {
         const int nt = cnt - t0 < KG_TBK ? cnt - t0 : KG_TBK;
         for (int m = 0; m < nt; m++) rows[m] = off + t0 + m;
         if (!i8) kg_widen_block(j, 2, fmt, I, rows, nt, &s);
+        kg_pack_block(j, 2, fmt, I, G, rows, nt, &s);
         for (int v = u0 - ai * per; v < u1 - ai * per; v += su) { /* rows R v .. R v + 15 */
             const int n0 = R * v;
             kg_quad_t q[4];
@@ -300,7 +320,8 @@ int hs_phase2_kgemm(const job_t *j, int ai, int u0, int u1) {
                 for (int m = 0; m < n; m++)
                     kg_act(j, 2, fmt, I, G, (size_t)(off + t0 + p0 + m), p0 + m, &s, &x[m], &ms[m],
                            &xd[m], &xg[m]);
-                kg_strip_gemm(&s.st[0], fmt, I, gk, i8 ? I : Q4K_SB, x, xd, ms, xg, n, s.isum,
+                kg_strip_gemm(&s.st[0], fmt, I, gk, i8 ? I : Q4K_SB,
+                              s.xp + (size_t)p0 * (I / 2), xd, ms, xg, n, s.isum,
                               s.out[0]);
                 for (int m = 0; m < n; m++) {
                     const int p = off + t0 + p0 + m;

@@ -251,12 +251,12 @@ def test_prefill_tiles_agree_with_the_row_kernels(kinds):
     sums per scale group as the row kernels that take one or two tokens, so a token's output is
     its single-token call's up to the order of fp32 additions, unless that order moved one of
     phase 2's activations across an int8 rounding boundary (`flip`, one step times a weight).
-    40 tokens on 2 experts: 40 pairs each, past the tiles' threshold of 8; H = 256 and INTER =
-    512 give phase 1 one super-block per row and phase 2 two."""
+    130 tokens on 2 experts: 130 pairs each, past the tiles' threshold of 8 and their blocks of
+    96 pairs; H = 256 and INTER = 512 give phase 1 one super-block per row and phase 2 two."""
     packed = _experts(kinds, seed=3)
     b = create_backend("cpu-gguf", ExpertWeights(None, None, packed=packed))
     g = torch.Generator().manual_seed(5)
-    t = 40
+    t = 130
     x, tw = torch.randn(t, H, generator=g), torch.rand(t, 2, generator=g)
     ids = torch.tensor([[1, 6]] * t)
     full = b.forward(x, tw, ids)

@@ -91,3 +91,21 @@ def test_int8_linear_tiles_equal_the_reference_arithmetic(n, k, t):
     got = q(x)
     assert torch.equal(got, _reference_linear(lin, x))
     assert torch.equal(got, _one_at_a_time(q, x))
+
+
+@pytest.mark.parametrize("fmt", ["q4k", "int8"])  # q4_K's tiles; q8_0's grouped int8 tiles
+def test_packed_linear_tiles_agree_with_the_rows(fmt):
+    """A GGUF linear meeting 130 tokens (the tiles, past their blocks of 96 tokens) gives each
+    token its single-token call's result up to the order of fp32 additions."""
+    from tests.moe.test_packed_experts import PACKERS
+
+    g = torch.Generator().manual_seed(11)
+    n, k, t = 40, 512, 130
+    lin = nn.Linear(k, n, bias=False)
+    lin.packed_weight = PACKERS[fmt][0](torch.randn(n, k, generator=g) * 0.1)
+    q = Int8Linear(lin)
+    assert q.kernel == "native"
+    x = torch.randn(t, k, generator=g) * torch.logspace(-2, 1, k)
+    got = q(x)
+    alone = _one_at_a_time(q, x)
+    assert float((got - alone).abs().max()) <= 2e-6 * float(alone.abs().max())
