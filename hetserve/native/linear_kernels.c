@@ -241,6 +241,36 @@ static void lin_item(void *ctx, int c) {
     }
 }
 
+/* The rounding of the activation rows (int16 per row; the K-quants: int8 per super-block),
+ * rows [r0, r1); each row on its own, so any split gives the same bytes. */
+typedef struct {
+    int fmt, K, T;
+    const float *x;
+    int8_t *pl;
+    float *pd, *xsc;
+    int16_t *ps, *x16;
+} lin_round_t;
+
+#define ROUND_ROWS 32 /* rows per work item of the rounding */
+
+static void lin_round_rows(const lin_round_t *r, int r0, int r1) {
+    const int K = r->K, nsb = K / Q4K_SB;
+    if (r->fmt == L_I8) {
+        quantize_rows(r->x, K, r0, r1, r->x16, r->xsc, 0, 0, NULL);
+        return;
+    }
+    const size_t o = (size_t)r0 * K, ob = (size_t)r0 * nsb;
+    const int n = (r1 - r0) * K; /* rows back to back: super-blocks apart */
+    if (r->fmt == L_Q4K) q4k_quantize(r->x + o, n, r->pl + o, r->pd + ob, r->ps + 16 * ob);
+    else kq_quantize(r->x + o, n, r->pl + o, r->pd + ob, r->ps + 16 * ob);
+}
+
+static void lin_round_item(void *ctx, int c) {
+    const lin_round_t *r = (const lin_round_t *)ctx;
+    const int r0 = c * ROUND_ROWS;
+    lin_round_rows(r, r0, r0 + ROUND_ROWS < r->T ? r0 + ROUND_ROWS : r->T);
+}
+
 /* x [T, K] fp32 -> out [T, N]; w and s as above (s unused for the K-quants). Returns 0, -1 (out
  * of memory) or -3 (unknown format). */
 int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const float *x,
@@ -272,14 +302,17 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
         pl = (int8_t *)buf;
         pd = (float *)(pl + n);
         ps = (int16_t *)(pd + (size_t)T * nsb);
-        if (fmt == L_Q4K) q4k_quantize(x, T * K, pl, pd, ps); /* rows back to back: */
-        else kq_quantize(x, T * K, pl, pd, ps); /* super-blocks apart */
     } else {
         xsc = (float *)buf;
         x16 = (int16_t *)(xsc + T);
-        quantize_rows(x, K, 0, T, x16, xsc, 0, 0, NULL);
     }
     nthreads = nthreads < 1 ? 1 : nthreads;
+    /* many rows (prefill) rounded on every thread, a few (decode) on the caller's alone */
+    const lin_round_t rnd = {fmt, K, T, x, pl, pd, xsc, ps, x16};
+    if (T >= 4 * ROUND_ROWS && nthreads > 1)
+        hs_parallel_for(nthreads, (T + ROUND_ROWS - 1) / ROUND_ROWS, lin_round_item, (void *)&rnd);
+    else
+        lin_round_rows(&rnd, 0, T);
     const long quad_bytes = /* weights of 4 rows */
         fmt == L_I8 ? 4L * K : 4L * nsb * kq_bytes(fmt);
     const int quads = (N + 3) / 4;

@@ -357,3 +357,21 @@ def test_a_handed_over_layer_lets_each_expert_go_as_it_is_laid_out(fmt, handed_o
         assert all(r() is not None for r in refs) and None not in given.packed.w13
     for a, b in zip(kept._tensors, backend._tensors, strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", sorted(PACKERS))
+def test_prefill_rows_rounded_on_every_thread_match_one(fmt):
+    """200 tokens: their activation rows (both phases) are rounded by the job's threads in
+    blocks of rows; every row on its own, so the output is the one-thread call's, bit for bit,
+    and it matches the emulation of the packed numbers."""
+    w13, w2, _, _ = _dense(seed=7)
+    packed = _packed(fmt, w13, w2)
+    weights = ExpertWeights(None, None, packed=packed)
+    x, tw, ids = _routing(200, seed=8)
+    one = create_backend(PACKERS[fmt][1], weights, num_threads=1).forward(x, tw, ids)
+    two = create_backend(PACKERS[fmt][1], weights, num_threads=2).forward(x, tw, ids)
+    assert torch.equal(one, two)
+    deq13 = torch.stack([_kernel_view(m) for m in packed.w13])
+    deq2 = torch.stack([_kernel_view(m) for m in packed.w2])
+    ref = _emulated(deq13, deq2, None, None, "silu", x, tw, ids, rounding=_rounding(fmt))
+    assert_emulated(two, ref)
