@@ -54,7 +54,8 @@ typedef struct {
     /* the K-quant tiles' activations (kg_widen) [T, K] and sums [T, K / 256, KG_MS], or NULL */
     const int16_t *kg16, *kgms;
     const int32_t *kgxp; /* kg16's rows packed for the tiles (gemm_pack_x) */
-    const amx_rows_t *amx; /* int8 GEMM: the rows split once for the AMX tiles (off: AVX) */
+    const amx_rows_t *amx; /* int8 with row scales at the tiles' token counts: the rows split for
+                            * the AMX tiles or packed for the AVX ones, once; else NULL */
 } lin_t;
 
 /* Tokens per row-kernel call: 4 for int8 with row scales on AVX-512 (quad_i8's 16
@@ -114,16 +115,14 @@ static inline void lin_quad(const lin_t *l, int n0, int nq, int m, int MB, float
         if (MB == 2) quad_i8g(q, s, K, l->G, xr, 2, o); else quad_i8g(q, s, K, l->G, xr, 1, o);
         return;
     }
-    const int16_t *x4[4]; /* tokens m .. m + 3, the last of MB repeated */
-    for (int i = 0; i < 4; i++) x4[i] = l->x16 + (size_t)(m + (i < MB ? i : MB - 1)) * K;
-    switch (MB) {
 #ifdef HS_AVX512
-    case 4: quad_i8(q, K, x4, 4, o); break;
-    case 3: quad_i8(q, K, x4, 3, o); break;
+    if (MB > 2) {
+        const int16_t *x4[4]; /* tokens m .. m + 3, the last of MB repeated */
+        for (int i = 0; i < 4; i++) x4[i] = l->x16 + (size_t)(m + (i < MB ? i : MB - 1)) * K;
+        if (MB == 4) quad_i8(q, K, x4, 4, o); else quad_i8(q, K, x4, 3, o);
+    } else
 #endif
-    case 2: quad_i8(q, K, xr, 2, o); break;
-    default: quad_i8(q, K, xr, 1, o); break;
-    }
+    if (MB == 2) quad_i8(q, K, xr, 2, o); else quad_i8(q, K, xr, 1, o);
     for (int r = 0; r < 4; r++)
         for (int mm = 0; mm < MB; mm++) o[r][mm] *= l->s[n0 + r];
 }
@@ -141,8 +140,7 @@ static int lin_item_gemm(const lin_t *l, int u0, int u1) {
     int16_t *panel = (int16_t *)buf;
     int32_t *isum = (int32_t *)(buf + panel_bytes);
     float *out = (float *)(isum + TBG * GEMM_ROWS);
-    const int16_t *x[TBG];
-    const amx_rows_t none = {0}, *ax = l->amx ? l->amx : &none;
+    const amx_rows_t *ax = l->amx; /* the rows split (AMX) or packed (AVX) by hetserve_qlinear */
     amx_rows_begin(ax);
     for (int u = u0; u < u1; u += 4) {
         const int8_t *q[4];
@@ -152,8 +150,7 @@ static int lin_item_gemm(const lin_t *l, int u0, int u1) {
         const int rows = 4 * (u + 4) <= l->N ? GEMM_ROWS : l->N - 4 * u;
         for (int t0 = 0; t0 < l->T; t0 += TBG) {
             const int n = l->T - t0 < TBG ? l->T - t0 : TBG;
-            for (int m = 0; m < n; m++) x[m] = l->x16 + (size_t)(t0 + m) * K;
-            strip_sums(ax, panel, K, x, t0, n, isum, out);
+            strip_sums(ax, panel, K, t0, n, isum, out);
             for (int m = 0; m < n; m++) {
                 float *y = l->out + (size_t)(t0 + m) * l->N + 4 * u;
                 const float sx = l->xsc[t0 + m];
@@ -218,8 +215,7 @@ static void lin_item(void *ctx, int c) {
     const lin_t *l = (const lin_t *)ctx;
     const int quads = (l->N + 3) / 4; /* the last one's padded rows are dropped */
     const int u0 = c * l->rc, u1 = u0 + l->rc < quads ? u0 + l->rc : quads;
-    if (l->fmt == L_I8 && l->G == 0 && lin_tiles_worth(l, l->T) && lin_item_gemm(l, u0, u1) == 0)
-        return;
+    if (l->amx != NULL && lin_item_gemm(l, u0, u1) == 0) return; /* int8 rows: the tiles */
     if (l->kg16 != NULL && u0 % 4 == 0 && lin_item_kgemm(l, u0, u1) == 0) return;
     for (int t0 = 0; t0 < l->T; t0 += TB) {
         int t1 = t0 + TB < l->T ? t0 + TB : l->T;
@@ -319,7 +315,7 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
     int rc = hs_item_units(quad_bytes, ITEM_BYTES, quads, nthreads, RC);
     rc += fmt == L_Q4K && rc % 2; /* q4_K: whole pairs (its layout interleaves quads 2u, 2u + 1) */
     if (fmt == L_I8 && G == 0) rc = (rc + 3) / 4 * 4; /* whole strips of the GEMM tiles */
-    lin_t l = {fmt, G, T, N, K, rc, w, s, xsc, x16, pl, ps, pd, out, NULL, NULL, NULL};
+    lin_t l = {fmt, G, T, N, K, rc, w, s, xsc, x16, pl, ps, pd, out, NULL, NULL, NULL, NULL};
     amx_rows_t ax = {0}; /* the int8 GEMM's rows prepared once for every item (AMX or AVX) */
     if (fmt == L_I8 && G == 0 && lin_tiles_worth(&l, T) &&
         amx_rows_split(&ax, x16, NULL, T, K) == 0)

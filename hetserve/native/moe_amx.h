@@ -191,8 +191,7 @@ static inline void amx_strip(const int8_t *panel, int K, const int8_t *hi, const
 #endif /* HS_AMX */
 
 /* A work item's activations prepared once for all its strips: split for the AMX tiles (on), or
- * packed for the AVX tiles (xp, gemm_pack_x), or neither (the AVX tiles read the rows in
- * place: where the packing found no memory). */
+ * packed for the AVX tiles (xp, gemm_pack_x). */
 typedef struct {
     int on;
     int8_t *hi;
@@ -202,7 +201,7 @@ typedef struct {
 
 /* Prepares cnt rows (rows of K int16 from base: row tok[m] where tok, else row m) for the
  * tiles: split where the AMX tiles take K, else packed for the AVX tiles; -1 when out of memory
- * for the AMX split (the AVX packing does without). */
+ * (the caller then runs the row kernels). */
 static inline int amx_rows_split(amx_rows_t *a, const int16_t *base, const int *tok, int cnt,
                                  int K) {
     enum { BLOCK = 96 }; /* row pointers a block at a time (a multiple of GEMM_NT and 16) */
@@ -224,7 +223,7 @@ static inline int amx_rows_split(amx_rows_t *a, const int16_t *base, const int *
     }
 #endif
     a->xp = aligned_alloc(64, (gemm_xp_bytes(cnt, K) + 63) / 64 * 64);
-    if (a->xp == NULL) return 0;
+    if (a->xp == NULL) return -1;
     for (int p0 = 0; p0 < cnt; p0 += BLOCK) {
         const int n = cnt - p0 < BLOCK ? cnt - p0 : BLOCK;
         for (int m = 0; m < n; m++) x[m] = base + (size_t)(tok ? tok[p0 + m] : p0 + m) * K;
@@ -281,9 +280,10 @@ static inline void strip_pack(const amx_rows_t *a, const int8_t *const q[4], int
     gemm_pack_n(q, K, panel, zero);
 }
 
-/* gemm_strip for pairs p0 .. p0 + n - 1 of the item (x: their rows, for the AVX path). */
-static inline void strip_sums(const amx_rows_t *a, const int16_t *panel, int K, const int16_t *const *x,
-                       int p0, int n, int32_t *isum, float *out) {
+/* gemm_strip for pairs p0 .. p0 + n - 1 of the item (p0: a multiple of GEMM_NT, the callers'
+ * blocks of 96). */
+static inline void strip_sums(const amx_rows_t *a, const int16_t *panel, int K, int p0, int n,
+                              int32_t *isum, float *out) {
 #ifdef HS_AMX
     if (a->on) {
         amx_strip((const int8_t *)panel, K, a->hi + (size_t)p0 * K, a->lo + (size_t)p0 * K, n,
@@ -291,11 +291,7 @@ static inline void strip_sums(const amx_rows_t *a, const int16_t *panel, int K, 
         return;
     }
 #endif
-    if (a->xp) { /* p0: a multiple of GEMM_NT (the callers' blocks of 96) */
-        gemm_strip_p(panel, K, a->xp + (size_t)p0 * (K / 2), n, isum, out);
-        return;
-    }
-    gemm_strip(panel, K, x, n, isum, out);
+    gemm_strip(panel, K, a->xp + (size_t)p0 * (K / 2), n, isum, out);
 }
 
 #endif

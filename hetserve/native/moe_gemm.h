@@ -16,7 +16,8 @@
  * tokens' activations are packed too (gemm_pack_x, once per work item for all its strips):
  * a tile call then reads one sequential stream instead of NT rows K apart; on AVX-512 (Zen 4,
  * 2048 x 512 experts, 2,048 tokens) the expert layer ran 1.21-1.28x faster so, the microkernel
- * at ~0.94 of vpdpwssd's rate; on AVX2 it changed nothing. The arithmetic is the decode
+ * at ~0.94 of vpdpwssd's rate; on AVX2 it changed nothing. The callers pack into scratch;
+ * where there is no memory for it they run the row kernels instead. The arithmetic is the decode
  * kernel's own: the same int16 x int8 products summed in int32 and turned into fp32 at the
  * same KBLOCK boundaries. quad_i8's lanes never overflow
  * (moe_quads.h) and its horizontal sum adds them modulo 2^32; a row's lane here adds the same
@@ -81,55 +82,12 @@ static inline void gemm_pack(const int8_t *const q[4], int K, int16_t *panel) {
     gemm_pack_n(q, K, panel, NULL);
 }
 
-/* c[m][0..15] += sum over input pairs kp in [kp0, kp1) of panel[kp][row] . x[m][2 kp .. +1],
- * for NT <= GEMM_NT tokens (a compile-time constant where inlined), modulo 2^32. */
+/* c[m][0..15] += sum over input pairs kp in [kp0, kp1) of panel[kp][row] . (token m's pair
+ * kp), for NT <= GEMM_NT tokens (a compile-time constant where inlined), modulo 2^32; the
+ * tokens' activations packed by gemm_pack_x: token m's pair kp at xg[kp * GEMM_NT + m], one
+ * sequential stream (12 rows K apart, read in place, ran the expert layer 1.21-1.28x slower on
+ * AVX-512). */
 static inline __attribute__((always_inline)) void gemm_tile(const int16_t *panel, int kp0,
-                                                            int kp1, const int16_t *const *x,
-                                                            int32_t *const *c, const int NT) {
-#ifdef HS_AVX512
-    __m512i acc[GEMM_NT];
-#pragma GCC unroll 12
-    for (int m = 0; m < NT; m++) acc[m] = _mm512_loadu_si512(c[m]);
-    for (int kp = kp0; kp < kp1; kp++) {
-        const __m512i w = _mm512_loadu_si512(panel + (size_t)kp * 2 * GEMM_ROWS);
-#pragma GCC unroll 12
-        for (int m = 0; m < NT; m++) {
-            const __m512i xb = _mm512_set1_epi32(*(const int32_t *)(x[m] + 2 * kp));
-            acc[m] = _mm512_dpwssd_epi32(acc[m], w, xb);
-        }
-    }
-#pragma GCC unroll 12
-    for (int m = 0; m < NT; m++) _mm512_storeu_si512(c[m], acc[m]);
-#else
-    __m256i lo[GEMM_NT], hi[GEMM_NT];
-#pragma GCC unroll 6
-    for (int m = 0; m < NT; m++) {
-        lo[m] = _mm256_loadu_si256((const __m256i *)c[m]);
-        hi[m] = _mm256_loadu_si256((const __m256i *)(c[m] + 8));
-    }
-    for (int kp = kp0; kp < kp1; kp++) {
-        const int16_t *p = panel + (size_t)kp * 2 * GEMM_ROWS;
-        const __m256i w0 = _mm256_loadu_si256((const __m256i *)p);
-        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + 16));
-#pragma GCC unroll 6
-        for (int m = 0; m < NT; m++) {
-            const __m256i xb = _mm256_set1_epi32(*(const int32_t *)(x[m] + 2 * kp));
-            lo[m] = _mm256_add_epi32(lo[m], _mm256_madd_epi16(w0, xb));
-            hi[m] = _mm256_add_epi32(hi[m], _mm256_madd_epi16(w1, xb));
-        }
-    }
-#pragma GCC unroll 6
-    for (int m = 0; m < NT; m++) {
-        _mm256_storeu_si256((__m256i *)c[m], lo[m]);
-        _mm256_storeu_si256((__m256i *)(c[m] + 8), hi[m]);
-    }
-#endif
-}
-
-/* gemm_tile with the tokens' activations packed (gemm_pack_x): token m's pair kp at
- * xg[kp * GEMM_NT + m], one sequential stream instead of NT rows K apart. The same products
- * in the same order per lane: the same sums. */
-static inline __attribute__((always_inline)) void gemm_tile_p(const int16_t *panel, int kp0,
                                                               int kp1, const int32_t *xg,
                                                               int32_t *const *c, const int NT) {
 #ifdef HS_AVX512
@@ -172,11 +130,11 @@ static inline __attribute__((always_inline)) void gemm_tile_p(const int16_t *pan
 #endif
 }
 
-/* gemm_tile_p for n <= GEMM_NT tokens, n a run-time value (each count its own copy). */
-static inline void gemm_tile_pn(const int16_t *panel, int kp0, int kp1, const int32_t *xg,
+/* gemm_tile for n <= GEMM_NT tokens, n a run-time value (each count its own copy). */
+static inline void gemm_tile_n(const int16_t *panel, int kp0, int kp1, const int32_t *xg,
                                 int32_t *const *c, int n) {
     switch (n) {
-#define HS_N(v) case v: gemm_tile_p(panel, kp0, kp1, xg, c, v); break;
+#define HS_N(v) case v: gemm_tile(panel, kp0, kp1, xg, c, v); break;
     HS_N(1) HS_N(2) HS_N(3) HS_N(4) HS_N(5) HS_N(6)
 #ifdef HS_AVX512
     HS_N(7) HS_N(8) HS_N(9) HS_N(10) HS_N(11) HS_N(12)
@@ -191,7 +149,7 @@ static inline size_t gemm_xp_bytes(int n, int K) {
     return (size_t)(n + GEMM_NT - 1) / GEMM_NT * GEMM_NT * (size_t)K * sizeof(int16_t);
 }
 
-/* Packs n tokens' int16 rows x[m] (K inputs) for gemm_tile_p: per group of GEMM_NT tokens,
+/* Packs n tokens' int16 rows x[m] (K inputs) for gemm_tile: per group of GEMM_NT tokens,
  * [K / 2][GEMM_NT] int32 (a token's pair of inputs), group g at xp + g * GEMM_NT * K / 2. The
  * last group's missing tokens are zeros. */
 static inline void gemm_pack_x(const int16_t *const *x, int n, int K, int32_t *xp) {
@@ -209,46 +167,11 @@ static inline void gemm_pack_x(const int16_t *const *x, int n, int K, int32_t *x
     }
 }
 
-/* gemm_tile for n <= GEMM_NT tokens, n a run-time value (each count its own copy). */
-static inline void gemm_tile_n(const int16_t *panel, int kp0, int kp1, const int16_t *const *x,
-                               int32_t *const *c, int n) {
-    switch (n) {
-#define HS_N(v) case v: gemm_tile(panel, kp0, kp1, x, c, v); break;
-    HS_N(1) HS_N(2) HS_N(3) HS_N(4) HS_N(5) HS_N(6)
-#ifdef HS_AVX512
-    HS_N(7) HS_N(8) HS_N(9) HS_N(10) HS_N(11) HS_N(12)
-#endif
-#undef HS_N
-    default: break;
-    }
-}
-
-/* out[m][r] = the strip's 16 rows against n tokens x[m] (int16 rows of K inputs): exactly
- * quad_i8's sums, in fp32 (the sum of each KBLOCK inputs' int32 sum, in order). The panel is
- * read a GEMM_KC chunk at a time for all n tokens, so the chunk stays in L1 while the tokens'
- * sums wait in isum (scratch [n][16] int32). */
-static inline void gemm_strip(const int16_t *panel, int K, const int16_t *const *x, int n,
-                              int32_t *isum, float *out) {
-    for (int i = 0; i < n * GEMM_ROWS; i++) out[i] = 0.0f;
-    for (int kb = 0; kb < K; kb += KBLOCK) {
-        const int ke = kb + KBLOCK < K ? kb + KBLOCK : K;
-        memset(isum, 0, sizeof(int32_t) * GEMM_ROWS * (size_t)n);
-        for (int k0 = kb; k0 < ke; k0 += GEMM_KC) {
-            const int k1 = k0 + GEMM_KC < ke ? k0 + GEMM_KC : ke;
-            for (int m0 = 0; m0 < n; m0 += GEMM_NT) {
-                const int nt = n - m0 < GEMM_NT ? n - m0 : GEMM_NT;
-                int32_t *c[GEMM_NT];
-                for (int m = 0; m < nt; m++) c[m] = isum + (size_t)(m0 + m) * GEMM_ROWS;
-                gemm_tile_n(panel, k0 / 2, k1 / 2, x + m0, c, nt);
-            }
-        }
-        for (int i = 0; i < n * GEMM_ROWS; i++) out[i] += (float)isum[i];
-    }
-}
-
-/* gemm_strip over n tokens packed by gemm_pack_x (xp: the first token's group; n tokens from
- * there), the same sums as gemm_strip over their rows. */
-static inline void gemm_strip_p(const int16_t *panel, int K, const int32_t *xp, int n,
+/* out[m][r] = the strip's 16 rows against n tokens packed by gemm_pack_x (xp: the first
+ * token's group): exactly quad_i8's sums, in fp32 (the sum of each KBLOCK inputs' int32 sum, in
+ * order). The panel is read a GEMM_KC chunk at a time for all n tokens, so the chunk stays in
+ * L1 while the tokens' sums wait in isum (scratch [n][16] int32). */
+static inline void gemm_strip(const int16_t *panel, int K, const int32_t *xp, int n,
                                 int32_t *isum, float *out) {
     for (int i = 0; i < n * GEMM_ROWS; i++) out[i] = 0.0f;
     for (int kb = 0; kb < K; kb += KBLOCK) {
@@ -260,7 +183,7 @@ static inline void gemm_strip_p(const int16_t *panel, int K, const int32_t *xp, 
                 const int nt = n - m0 < GEMM_NT ? n - m0 : GEMM_NT;
                 int32_t *c[GEMM_NT];
                 for (int m = 0; m < nt; m++) c[m] = isum + (size_t)(m0 + m) * GEMM_ROWS;
-                gemm_tile_pn(panel, k0 / 2, k1 / 2, xp + (size_t)m0 * (K / 2), c, nt);
+                gemm_tile_n(panel, k0 / 2, k1 / 2, xp + (size_t)m0 * (K / 2), c, nt);
             }
         }
         for (int i = 0; i < n * GEMM_ROWS; i++) out[i] += (float)isum[i];

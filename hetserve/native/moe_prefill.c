@@ -22,7 +22,6 @@ typedef struct {
     int16_t *panel[2]; /* [K / 2][16][2] each: gate and up (phase 1) or one (phase 2) */
     int32_t *isum;     /* [PB][16] */
     float *out[2];     /* [PB][16] */
-    const int16_t *x[PB];
 } strips_t;
 
 /* Scratch for K inputs, or NULL when out of memory. */
@@ -66,9 +65,8 @@ int hs_phase1_gemm(const job_t *j, int ai, int u0, int u1) {
         strip_pack(&ax, uq, H, s.panel[1]);
         for (int p0 = 0; p0 < cnt; p0 += PB) {
             const int n = cnt - p0 < PB ? cnt - p0 : PB;
-            for (int m = 0; m < n; m++) s.x[m] = j->x16 + (size_t)j->tok[off + p0 + m] * H;
-            strip_sums(&ax, s.panel[0], H, s.x, p0, n, s.isum, s.out[0]);
-            strip_sums(&ax, s.panel[1], H, s.x, p0, n, s.isum, s.out[1]);
+            strip_sums(&ax, s.panel[0], H, p0, n, s.isum, s.out[0]);
+            strip_sums(&ax, s.panel[1], H, p0, n, s.isum, s.out[1]);
             for (int m = 0; m < n; m++) {
                 const int p = off + p0 + m;
                 const float xs = j->xsc[j->tok[p]];
@@ -113,8 +111,7 @@ int hs_phase2_gemm(const job_t *j, int ai, int u0, int u1) {
         strip_pack(&ax, q, I, s.panel[0]);
         for (int p0 = 0; p0 < cnt; p0 += PB) {
             const int n = cnt - p0 < PB ? cnt - p0 : PB;
-            for (int m = 0; m < n; m++) s.x[m] = j->a16 + (size_t)(off + p0 + m) * I;
-            strip_sums(&ax, s.panel[0], I, s.x, p0, n, s.isum, s.out[0]);
+            strip_sums(&ax, s.panel[0], I, p0, n, s.isum, s.out[0]);
             for (int m = 0; m < n; m++) {
                 const int p = off + p0 + m;
                 const float as = j->asc[p], pw = j->pw[p];
