@@ -46,8 +46,8 @@ def _outputs(libs: dict, h: int, inter: int, tokens: int, bias: bool, seed: int)
     "h,inter,tokens,bias",
     [
         (256, 128, 40, False),  # about 20 pairs per expert: a whole and a partial A tile
-        (192, 64, 9, True),  # just past the GEMM threshold, biases
-        (4160, 64, 12, False),  # hidden past one KBLOCK (4096): two float adds per sum
+        (192, 64, 33, True),  # ~16 pairs per expert: about the GEMM threshold, biases
+        (4160, 64, 36, False),  # hidden past one KBLOCK (4096): two float adds per sum
     ],
 )
 def test_emulated_amx_tiles_equal_this_cpus_build(h, inter, tokens, bias):
@@ -80,10 +80,11 @@ def test_amx_tiles_equal_avx512(tokens):
     assert out["amx"].abs().max() > 0
 
 
-@pytest.mark.parametrize("k,n,tokens", [(256, 40, 40), (128, 16, 9), (100, 22, 20)])
+@pytest.mark.parametrize("k,n,tokens", [(256, 40, 40), (128, 16, 17), (100, 22, 20)])
 def test_emulated_amx_linears_equal_this_cpus_build(k, n, tokens):
-    """The int8 linears' GEMM (8 tokens or more) on the same tiles: rows past the last quad
-    (40 and 22 rows: a strip of zero quads), inputs the layout pads (100: stored as 128)."""
+    """The int8 linears' GEMM (16 tokens or more on AVX-512) on the same tiles: rows past the
+    last quad (40 and 22 rows: a strip of zero quads), inputs the layout pads (100: stored as
+    128)."""
     from torch import nn
 
     from hetserve.layers.int8_linear import Int8Linear

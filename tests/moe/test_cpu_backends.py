@@ -390,7 +390,8 @@ def test_native_token_alone_equals_its_row_in_a_batch(kind, h, inter):
     # share the call (batching, or a request joining a running batch, must not change a
     # reply). fp32 at h=40 / inter=24 and 48 / 56 also runs the rows' tails (K % 32 = 8, 16,
     # 24, after no full step of 32 or after one); 8 tokens give fp32 calls of 3, 3 and 2, and
-    # int8, int4 and MXFP4 their GEMM tiles (8 pairs per expert), the row kernels' bits.
+    # int4 and MXFP4 their GEMM tiles (8 pairs per expert; int8 on AVX2 too, on AVX-512 its
+    # 4-pair rows), the row kernels' bits.
     from hetserve.native import native_unavailable_reason
 
     if native_unavailable_reason() is not None:

@@ -161,9 +161,10 @@ def test_odd_sizes_avx512_equal_avx2(name, t):
 
 @pytest.mark.parametrize("t", [8, 29])
 def test_int8_prefill_tiles_avx512_equal_avx2(t):
-    """Prefill's GEMM tiles (8 tokens or more per expert or linear): vpdpwssd on 16 rows per
-    vector on AVX-512, vpmaddwd on 8 on AVX2, the same int32 sums: bit for bit, with sizes off
-    the units (hidden 100, intermediate 40; a linear of 22 rows), biases too."""
+    """Prefill's GEMM tiles (16 tokens or more per expert or linear on AVX-512, 8 on AVX2: at 8
+    AVX-512's 4-token rows meet AVX2's tiles): vpdpwssd on 16 rows per vector on AVX-512,
+    vpmaddwd on 8 on AVX2, the same int32 sums: bit for bit, with sizes off the units (hidden
+    100, intermediate 40; a linear of 22 rows), biases too."""
     e, h, inter, k = 3, 100, 40, 3
     g = torch.Generator().manual_seed(40 + t)
     w = ExpertWeights(

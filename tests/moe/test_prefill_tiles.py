@@ -1,6 +1,7 @@
 """The GEMM tiles prefill runs on int8 weights (hetserve/native/moe_gemm.h): where an expert or a
-linear sees 8 tokens or more, the native kernels pack 16 rows at a time and multiply-add every
-token against them; below that they run the decode path. Both sum the same int16 x int8
+linear sees 16 tokens or more (8 on AVX2, whose row kernels take 2 tokens a call, not 4), the
+native kernels pack 16 rows at a time and multiply-add every token against them; below that
+they run the decode path. Both sum the same int16 x int8
 products in int32 and take the same fp32 steps, so a token's result must not depend on which
 path ran it: a batch equals its tokens one at a time, bit for bit. And both equal a reference of
 that arithmetic in torch (exact integer sums, then the same fp32 steps)."""
