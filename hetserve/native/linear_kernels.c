@@ -58,21 +58,9 @@ typedef struct {
                             * the AMX tiles or packed for the AVX ones, once; else NULL */
 } lin_t;
 
-/* Tokens per row-kernel call: 4 for int8 with row scales on AVX-512 (quad_i8's 16
- * accumulators), else 2. */
+/* Tokens per row-kernel call: quad_i8's I8_MB for int8 with row scales, else 2. */
 static inline int lin_step(const lin_t *l) {
-#ifdef HS_AVX512
-    if (l->fmt == L_I8 && l->G == 0) return 4;
-#endif
-    (void)l;
-    return 2;
-}
-
-/* Whether T tokens take the int8 GEMM tiles: from 16 where the row kernel takes 4 tokens a
- * call (a 2048 x 3072 linear, Zen 4: 8-15 tokens ran as fast or faster on the rows), else
- * gemm_worth's 8. */
-static inline int lin_tiles_worth(const lin_t *l, int T) {
-    return lin_step(l) == 4 ? T >= 16 : gemm_worth(T);
+    return l->fmt == L_I8 && l->G == 0 ? I8_MB : 2;
 }
 
 /* Rows [n0, n0 + 4 nq) against tokens m .. m + MB - 1 (MB <= lin_step); nq = 2 for q4_K only. */
@@ -115,14 +103,16 @@ static inline void lin_quad(const lin_t *l, int n0, int nq, int m, int MB, float
         if (MB == 2) quad_i8g(q, s, K, l->G, xr, 2, o); else quad_i8g(q, s, K, l->G, xr, 1, o);
         return;
     }
-#ifdef HS_AVX512
-    if (MB > 2) {
-        const int16_t *x4[4]; /* tokens m .. m + 3, the last of MB repeated */
-        for (int i = 0; i < 4; i++) x4[i] = l->x16 + (size_t)(m + (i < MB ? i : MB - 1)) * K;
-        if (MB == 4) quad_i8(q, K, x4, 4, o); else quad_i8(q, K, x4, 3, o);
-    } else
+    const int16_t *x4[4]; /* tokens m .. m + 3, the last of MB repeated */
+    for (int i = 0; i < 4; i++) x4[i] = l->x16 + (size_t)(m + (i < MB ? i : MB - 1)) * K;
+    switch (MB) {
+#if I8_MB == 4
+    case 4: quad_i8(q, K, x4, 4, o); break;
+    case 3: quad_i8(q, K, x4, 3, o); break;
 #endif
-    if (MB == 2) quad_i8(q, K, xr, 2, o); else quad_i8(q, K, xr, 1, o);
+    case 2: quad_i8(q, K, x4, 2, o); break;
+    default: quad_i8(q, K, x4, 1, o); break;
+    }
     for (int r = 0; r < 4; r++)
         for (int mm = 0; mm < MB; mm++) o[r][mm] *= l->s[n0 + r];
 }
@@ -240,16 +230,15 @@ static void lin_item(void *ctx, int c) {
 /* The rounding of the activation rows (int16 per row; the K-quants: int8 per super-block),
  * rows [r0, r1); each row on its own, so any split gives the same bytes. */
 typedef struct {
-    int fmt, K, T;
+    int fmt, K;
     const float *x;
     int8_t *pl;
     float *pd, *xsc;
     int16_t *ps, *x16;
 } lin_round_t;
 
-#define ROUND_ROWS 32 /* rows per work item of the rounding */
-
-static void lin_round_rows(const lin_round_t *r, int r0, int r1) {
+static void lin_round_rows(void *ctx, int r0, int r1) {
+    const lin_round_t *r = (const lin_round_t *)ctx;
     const int K = r->K, nsb = K / Q4K_SB;
     if (r->fmt == L_I8) {
         quantize_rows(r->x, K, r0, r1, r->x16, r->xsc, 0, 0, NULL);
@@ -259,12 +248,6 @@ static void lin_round_rows(const lin_round_t *r, int r0, int r1) {
     const int n = (r1 - r0) * K; /* rows back to back: super-blocks apart */
     if (r->fmt == L_Q4K) q4k_quantize(r->x + o, n, r->pl + o, r->pd + ob, r->ps + 16 * ob);
     else kq_quantize(r->x + o, n, r->pl + o, r->pd + ob, r->ps + 16 * ob);
-}
-
-static void lin_round_item(void *ctx, int c) {
-    const lin_round_t *r = (const lin_round_t *)ctx;
-    const int r0 = c * ROUND_ROWS;
-    lin_round_rows(r, r0, r0 + ROUND_ROWS < r->T ? r0 + ROUND_ROWS : r->T);
 }
 
 /* x [T, K] fp32 -> out [T, N]; w and s as above (s unused for the K-quants). Returns 0, -1 (out
@@ -304,11 +287,8 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
     }
     nthreads = nthreads < 1 ? 1 : nthreads;
     /* many rows (prefill) rounded on every thread, a few (decode) on the caller's alone */
-    const lin_round_t rnd = {fmt, K, T, x, pl, pd, xsc, ps, x16};
-    if (T >= 4 * ROUND_ROWS && nthreads > 1)
-        hs_parallel_for(nthreads, (T + ROUND_ROWS - 1) / ROUND_ROWS, lin_round_item, (void *)&rnd);
-    else
-        lin_round_rows(&rnd, 0, T);
+    lin_round_t rnd = {fmt, K, x, pl, pd, xsc, ps, x16};
+    hs_parallel_rows(nthreads, T, 32, lin_round_rows, &rnd);
     const long quad_bytes = /* weights of 4 rows */
         fmt == L_I8 ? 4L * K : 4L * nsb * kq_bytes(fmt);
     const int quads = (N + 3) / 4;
@@ -317,8 +297,7 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
     if (fmt == L_I8 && G == 0) rc = (rc + 3) / 4 * 4; /* whole strips of the GEMM tiles */
     lin_t l = {fmt, G, T, N, K, rc, w, s, xsc, x16, pl, ps, pd, out, NULL, NULL, NULL, NULL};
     amx_rows_t ax = {0}; /* the int8 GEMM's rows prepared once for every item (AMX or AVX) */
-    if (fmt == L_I8 && G == 0 && lin_tiles_worth(&l, T) &&
-        amx_rows_split(&ax, x16, NULL, T, K) == 0)
+    if (fmt == L_I8 && G == 0 && gemm_worth_i8(T) && amx_rows_split(&ax, x16, NULL, T, K) == 0)
         l.amx = &ax;
     char *kbuf = NULL;
     if (fmt == L_I8 && kg_group(fmt, G) > 0 && gemm_worth(T)) { /* grouped: rows in place */
@@ -339,12 +318,7 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
                           * the row kernels */
     if (l.kg16 != NULL && (kxp = aligned_alloc(64, (gemm_xp_bytes(T, K) + 63) / 64 * 64)) == NULL)
         l.kg16 = NULL;
-    for (int t0 = 0; kxp != NULL && t0 < T; t0 += TBG) {
-        const int n = T - t0 < TBG ? T - t0 : TBG;
-        const int16_t *xr[TBG];
-        for (int m = 0; m < n; m++) xr[m] = l.kg16 + (size_t)(t0 + m) * K;
-        gemm_pack_x(xr, n, K, kxp + (size_t)t0 * (K / 2));
-    }
+    if (kxp != NULL) gemm_pack_x(l.kg16, NULL, T, K, kxp);
     l.kgxp = kxp;
     hs_parallel_for(nthreads, (quads + rc - 1) / rc, lin_item, &l);
     amx_rows_free(&ax);

@@ -204,10 +204,10 @@ typedef struct {
  * (the caller then runs the row kernels). */
 static inline int amx_rows_split(amx_rows_t *a, const int16_t *base, const int *tok, int cnt,
                                  int K) {
-    enum { BLOCK = 96 }; /* row pointers a block at a time (a multiple of GEMM_NT and 16) */
-    const int16_t *x[BLOCK];
 #ifdef HS_AMX
     if (amx_usable(K)) {
+        enum { BLOCK = 64 }; /* row pointers a block at a time */
+        const int16_t *x[BLOCK];
         const size_t bytes = (size_t)amx_rows(cnt) * K;
         char *mem = aligned_alloc(64, (2 * bytes + 63) / 64 * 64);
         if (mem == NULL) return -1;
@@ -224,11 +224,7 @@ static inline int amx_rows_split(amx_rows_t *a, const int16_t *base, const int *
 #endif
     a->xp = aligned_alloc(64, (gemm_xp_bytes(cnt, K) + 63) / 64 * 64);
     if (a->xp == NULL) return -1;
-    for (int p0 = 0; p0 < cnt; p0 += BLOCK) {
-        const int n = cnt - p0 < BLOCK ? cnt - p0 : BLOCK;
-        for (int m = 0; m < n; m++) x[m] = base + (size_t)(tok ? tok[p0 + m] : p0 + m) * K;
-        gemm_pack_x(x, n, K, a->xp + (size_t)p0 * (K / 2));
-    }
+    gemm_pack_x(base, tok, cnt, K, a->xp);
     return 0;
 }
 

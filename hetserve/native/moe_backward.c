@@ -223,8 +223,8 @@ static void block_f32(const bjob_t *j, int e, int n, const int *pairs, float *gu
     }
     /* recompute gate and up: gu[i, r] = W13[r] . x_i */
     for (int r = 0; r < 2 * I; r += 4)
-        for (int i = 0; i < n; i += 3) { /* quad_f32: up to 3 tokens a call */
-            const int mb = n - i < 3 ? n - i : 3;
+        for (int i = 0; i < n; i += F32_MB) {
+            const int mb = n - i < F32_MB ? n - i : F32_MB;
             float o[4][MBMAX];
             const float *w = w13 + (size_t)r * H;
             if (mb == 3) /* constant token counts keep the accumulators in registers */

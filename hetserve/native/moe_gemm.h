@@ -17,10 +17,10 @@
  * a tile call then reads one sequential stream instead of NT rows K apart; on AVX-512 (Zen 4,
  * 2048 x 512 experts, 2,048 tokens) the expert layer ran 1.21-1.28x faster so, the microkernel
  * at ~0.94 of vpdpwssd's rate; on AVX2 it changed nothing. The callers pack into scratch;
- * where there is no memory for it they run the row kernels instead. The arithmetic is the decode
- * kernel's own: the same int16 x int8 products summed in int32 and turned into fp32 at the
- * same KBLOCK boundaries. quad_i8's lanes never overflow
- * (moe_quads.h) and its horizontal sum adds them modulo 2^32; a row's lane here adds the same
+ * where there is no memory for it they run the row kernels instead. The arithmetic is the
+ * decode kernel's own: the same int16 x int8 products summed in int32 and turned into fp32 at
+ * the same KBLOCK boundaries. quad_i8's lanes never overflow (moe_quads.h) and its horizontal
+ * sum adds them modulo 2^32; a row's lane here adds the same
  * products modulo 2^32: the same residue, so both paths give the same bits, always. The choice
  * between them is only speed (gemm_worth).
  */
@@ -47,6 +47,15 @@
 
 static inline int gemm_worth(int tokens) {
     return tokens >= GEMM_MIN_TOKENS;
+}
+
+/* The same for int8 with row scales, whose row kernel takes I8_MB tokens a call: from 16 where
+ * that is 4 (AVX-512; bench moe-kernel, 64 experts of 2048 x 512, top-6, Zen 4, 2 threads: 64 /
+ * 128 tokens 11.5 / 21.1 -> 9.9 / 17.6 ms against 8, 24 and 32 within the noise of 16; a 2048 x
+ * 3072 linear: 8-15 tokens as fast or faster on the rows), else GEMM_MIN_TOKENS (AVX2: 16
+ * changed nothing). */
+static inline int gemm_worth_i8(int tokens) {
+    return tokens >= (I8_MB == 4 ? 16 : GEMM_MIN_TOKENS);
 }
 
 /* Packs the 4 quads q[0..3] (rows 4j..4j+3 of the strip from quad j, each [K / 16][4][16]
@@ -88,8 +97,8 @@ static inline void gemm_pack(const int8_t *const q[4], int K, int16_t *panel) {
  * sequential stream (12 rows K apart, read in place, ran the expert layer 1.21-1.28x slower on
  * AVX-512). */
 static inline __attribute__((always_inline)) void gemm_tile(const int16_t *panel, int kp0,
-                                                              int kp1, const int32_t *xg,
-                                                              int32_t *const *c, const int NT) {
+                                                            int kp1, const int32_t *xg,
+                                                            int32_t *const *c, const int NT) {
 #ifdef HS_AVX512
     __m512i acc[GEMM_NT];
 #pragma GCC unroll 12
@@ -132,7 +141,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const int16_t *panel
 
 /* gemm_tile for n <= GEMM_NT tokens, n a run-time value (each count its own copy). */
 static inline void gemm_tile_n(const int16_t *panel, int kp0, int kp1, const int32_t *xg,
-                                int32_t *const *c, int n) {
+                               int32_t *const *c, int n) {
     switch (n) {
 #define HS_N(v) case v: gemm_tile(panel, kp0, kp1, xg, c, v); break;
     HS_N(1) HS_N(2) HS_N(3) HS_N(4) HS_N(5) HS_N(6)
@@ -149,16 +158,17 @@ static inline size_t gemm_xp_bytes(int n, int K) {
     return (size_t)(n + GEMM_NT - 1) / GEMM_NT * GEMM_NT * (size_t)K * sizeof(int16_t);
 }
 
-/* Packs n tokens' int16 rows x[m] (K inputs) for gemm_tile: per group of GEMM_NT tokens,
- * [K / 2][GEMM_NT] int32 (a token's pair of inputs), group g at xp + g * GEMM_NT * K / 2. The
- * last group's missing tokens are zeros. */
-static inline void gemm_pack_x(const int16_t *const *x, int n, int K, int32_t *xp) {
+/* Packs n tokens' int16 rows of K inputs (from base: row tok[m] where tok, else row m) for
+ * gemm_tile: per group of GEMM_NT tokens, [K / 2][GEMM_NT] int32 (a token's pair of inputs),
+ * group g at xp + g * GEMM_NT * K / 2. The last group's missing tokens are zeros. */
+static inline void gemm_pack_x(const int16_t *base, const int *tok, int n, int K, int32_t *xp) {
     const int KP = K / 2;
     for (int g0 = 0; g0 < n; g0 += GEMM_NT) {
         const int nt = n - g0 < GEMM_NT ? n - g0 : GEMM_NT;
         int32_t *dst = xp + (size_t)g0 * KP;
         const int32_t *src[GEMM_NT];
-        for (int m = 0; m < nt; m++) src[m] = (const int32_t *)x[g0 + m];
+        for (int m = 0; m < nt; m++)
+            src[m] = (const int32_t *)(base + (size_t)(tok ? tok[g0 + m] : g0 + m) * K);
         for (int kp = 0; kp < KP; kp++) {
             int32_t *d = dst + (size_t)kp * GEMM_NT;
             for (int m = 0; m < nt; m++) d[m] = src[m][kp];
@@ -172,7 +182,7 @@ static inline void gemm_pack_x(const int16_t *const *x, int n, int K, int32_t *x
  * order). The panel is read a GEMM_KC chunk at a time for all n tokens, so the chunk stays in
  * L1 while the tokens' sums wait in isum (scratch [n][16] int32). */
 static inline void gemm_strip(const int16_t *panel, int K, const int32_t *xp, int n,
-                                int32_t *isum, float *out) {
+                              int32_t *isum, float *out) {
     for (int i = 0; i < n * GEMM_ROWS; i++) out[i] = 0.0f;
     for (int kb = 0; kb < K; kb += KBLOCK) {
         const int ke = kb + KBLOCK < K ? kb + KBLOCK : K;

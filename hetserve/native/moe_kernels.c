@@ -96,7 +96,7 @@ static inline __attribute__((always_inline)) void quad_int(const job_t *j, int f
         const int8_t *q = (const int8_t *)w + row * K;
         const float *s = (const float *)sv + row;
         switch (MB) {
-#ifdef HS_AVX512
+#if I8_MB == 4
         case 4: quad_i8(q, K, a.x, 4, out); break;
         case 3: quad_i8(q, K, a.x, 3, out); break;
 #endif
@@ -173,24 +173,8 @@ static inline __attribute__((always_inline)) void quad(const job_t *j, int fmt, 
  * scales four on AVX-512 (16 accumulators in its 32 registers: a batched decode's few pairs per
  * expert widen each weight once, not once per two pairs). G: the format's group size. */
 static inline int pair_step(int fmt, int G) {
-#ifdef HS_AVX512
-    if (fmt == F_I8 && G == 0) return 4;
-#else
-    (void)G;
-#endif
-    return fmt == F_F32 ? 3 : fmt == F_FP8 && !HS_FP8_BF16 ? 1 : 2;
-}
-
-/* Pairs an expert needs before int8's tiles (row scales) beat its quads: 16 on AVX-512, whose
- * quads take 4 pairs a call (bench moe-kernel, 64 experts of 2048 x 512, top-6, Zen 4, 2
- * threads: 64 / 128 tokens 11.5 / 21.1 -> 9.9 / 17.6 ms against 8; 24 and 32 within the noise
- * of 16), else gemm_worth's (AVX2: 16 changed nothing). */
-static inline int i8_tiles_worth(int pairs) {
-#ifdef HS_AVX512
-    return pairs >= 16;
-#else
-    return gemm_worth(pairs);
-#endif
+    if (fmt == F_I8 && G == 0) return I8_MB;
+    return fmt == F_F32 ? F32_MB : fmt == F_FP8 && !HS_FP8_BF16 ? 1 : 2;
 }
 
 /* Formats whose kernels read activations rounded to 16 bits (int16, or bf16 for FP8 where
@@ -318,7 +302,7 @@ static void phase_item(void *ctx, int c) {
     item_units(arg, c, &u0, &u1);
     if (jfmt(j, arg->phase) == F_I8 && jg(j, arg->phase) == 0) { /* prefill: many pairs: tiles */
         const int ai = u0 / ((arg->phase == 1 ? j->I : j->H) / unit_rows(F_I8));
-        if (i8_tiles_worth(j->act_cnt[ai]) &&
+        if (gemm_worth_i8(j->act_cnt[ai]) &&
             (arg->phase == 1 ? hs_phase1_gemm(j, ai, u0, u1) : hs_phase2_gemm(j, ai, u0, u1)) == 0)
             return;
     }
@@ -534,27 +518,20 @@ static void activation_rows(const job_t *j, int which, int r0, int r1) {
 
 typedef struct {
     const job_t *j;
-    int which, rows;
+    int which;
 } act_arg_t;
 
-#define ACT_ROWS 32 /* rows per work item of the rounding (prefill's thousands of rows) */
-
-static void activation_item(void *ctx, int c) {
+static void activation_block(void *ctx, int r0, int r1) {
     const act_arg_t *a = (const act_arg_t *)ctx;
-    const int r0 = c * ACT_ROWS, r1 = r0 + ACT_ROWS < a->rows ? r0 + ACT_ROWS : a->rows;
     activation_rows(a->j, a->which, r0, r1);
 }
 
-/* activation_rows over all `rows`, on the job's threads where there are many (at prefill a
- * single thread rounding [2048, 2048] and [12288, 512] left the other core idle ~1-2% of the
- * prompt's time), on the caller's alone for a few (decode: waking the team costs more). */
+/* activation_rows over all `rows`, 32 at a time on the job's threads where there are many (at
+ * prefill a single thread rounding [2048, 2048] and [12288, 512] left the other core idle ~1-2%
+ * of the prompt's time; hs_parallel_rows). */
 static void activations(job_t *j, int which, int rows) {
-    if (rows < 4 * ACT_ROWS || j->nthreads < 2) {
-        activation_rows(j, which, 0, rows);
-        return;
-    }
-    act_arg_t a = {j, which, rows};
-    hs_parallel_for(j->nthreads, (rows + ACT_ROWS - 1) / ACT_ROWS, activation_item, &a);
+    act_arg_t a = {j, which};
+    hs_parallel_rows(j->nthreads, rows, 32, activation_block, &a);
 }
 
 /* A call's scratch (pairs, activations, outputs): up to SCRATCH_KEEP bytes (a one-token layer

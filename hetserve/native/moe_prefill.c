@@ -211,30 +211,24 @@ static inline int kg_in_place(int fmt) {
     return fmt == F_I8 || fmt == F_MXFP4 || fmt == F_I4;
 }
 
-/* The tiles' view of activation row r of phase `which` (a token for phase 1, a pair for phase
- * 2; K its columns), row m of the widened block s where the format is not read in place. */
+/* The tiles' scales of activation row r of phase `which` (a token for phase 1, a pair for
+ * phase 2; K its columns), row m of the widened block s where the format is not read in place
+ * (the rows themselves: kg_pack_block). */
 static inline void kg_act(const job_t *j, int which, int fmt, int K, int G, size_t r, int m,
-                          const kg_scratch_t *s, const int16_t **x, const int16_t **ms,
-                          const float **xd, const float **xg) {
+                          const kg_scratch_t *s, const int16_t **ms, const float **xd,
+                          const float **xg) {
     const int nsb = K / Q4K_SB, in_place = kg_in_place(fmt);
-    *x = in_place ? (which == 1 ? j->x16 : j->a16) + r * K : s->x16 + (size_t)m * K;
     *ms = s->ms + (size_t)m * nsb * KG_MS;
     *xd = in_place ? (which == 1 ? j->xsc : j->asc) + r : (which == 1 ? j->xpd : j->apd) + r * nsb;
     *xg = fmt == F_I4 ? (which == 1 ? j->xgs : j->ags) + r * (K / G) : NULL;
 }
 
-/* Packs the block's nt activation rows (rows[m]: a token for phase 1, a pair for phase 2) for
- * the tiles into s->xp, from where kg_act finds them (widened or in place). */
-static void kg_pack_block(const job_t *j, int which, int fmt, int K, int G, const int *rows,
-                          int nt, kg_scratch_t *s) {
-    for (int c0 = 0; c0 < nt; c0 += PB) { /* PB: a multiple of GEMM_NT */
-        const int n = nt - c0 < PB ? nt - c0 : PB;
-        const int16_t *x[PB], *ms;
-        const float *xd, *xg;
-        for (int m = 0; m < n; m++)
-            kg_act(j, which, fmt, K, G, (size_t)rows[c0 + m], c0 + m, s, &x[m], &ms, &xd, &xg);
-        gemm_pack_x(x, n, K, s->xp + (size_t)c0 * (K / 2));
-    }
+/* Packs the block's nt activation rows for the tiles into s->xp: the widened ones, or those
+ * read in place (rows[m]: a token for phase 1, a pair for phase 2). */
+static void kg_pack_block(const job_t *j, int which, int fmt, int K, const int *rows, int nt,
+                          kg_scratch_t *s) {
+    if (kg_in_place(fmt)) gemm_pack_x(which == 1 ? j->x16 : j->a16, rows, nt, K, s->xp);
+    else gemm_pack_x(s->x16, NULL, nt, K, s->xp);
 }
 
 /* Phase 1 for units [u0, u1) of active expert ai on the K-quant tiles: whole strips (16 gate
@@ -252,7 +246,7 @@ int hs_phase1_kgemm(const job_t *j, int ai, int u0, int u1) {
     for (int t0 = 0; t0 < cnt; t0 += KG_TBK) {
         const int nt = cnt - t0 < KG_TBK ? cnt - t0 : KG_TBK;
         if (!i8) kg_widen_block(j, 1, fmt, H, j->tok + off + t0, nt, &s);
-        kg_pack_block(j, 1, fmt, H, G, j->tok + off + t0, nt, &s);
+        kg_pack_block(j, 1, fmt, H, j->tok + off + t0, nt, &s);
         for (int v = u0 - ai * per; v < u1 - ai * per; v += su) { /* gate rows R v .. R v + 15 */
             const int i0 = R * v;
             kg_quad_t gq[4], uq[4];
@@ -263,11 +257,11 @@ int hs_phase1_kgemm(const job_t *j, int ai, int u0, int u1) {
             kg_pack(fmt, G, uq, H, &s.st[1]);
             for (int p0 = 0; p0 < nt; p0 += PB) {
                 const int n = nt - p0 < PB ? nt - p0 : PB;
-                const int16_t *x[PB], *ms[PB];
+                const int16_t *ms[PB];
                 const float *xd[PB], *xg[PB];
                 for (int m = 0; m < n; m++)
-                    kg_act(j, 1, fmt, H, G, (size_t)j->tok[off + t0 + p0 + m], p0 + m, &s, &x[m],
-                           &ms[m], &xd[m], &xg[m]);
+                    kg_act(j, 1, fmt, H, G, (size_t)j->tok[off + t0 + p0 + m], p0 + m, &s, &ms[m],
+                           &xd[m], &xg[m]);
                 const int span = i8 ? H : Q4K_SB;
                 const int32_t *xp = s.xp + (size_t)p0 * (H / 2);
                 kg_strip_gemm(&s.st[0], fmt, H, gk, span, xp, xd, ms, xg, n, s.isum, s.out[0]);
@@ -304,7 +298,7 @@ int hs_phase2_kgemm(const job_t *j, int ai, int u0, int u1) {
         const int nt = cnt - t0 < KG_TBK ? cnt - t0 : KG_TBK;
         for (int m = 0; m < nt; m++) rows[m] = off + t0 + m;
         if (!i8) kg_widen_block(j, 2, fmt, I, rows, nt, &s);
-        kg_pack_block(j, 2, fmt, I, G, rows, nt, &s);
+        kg_pack_block(j, 2, fmt, I, rows, nt, &s);
         for (int v = u0 - ai * per; v < u1 - ai * per; v += su) { /* rows R v .. R v + 15 */
             const int n0 = R * v;
             kg_quad_t q[4];
@@ -312,11 +306,11 @@ int hs_phase2_kgemm(const job_t *j, int ai, int u0, int u1) {
             kg_pack(fmt, G, q, I, &s.st[0]);
             for (int p0 = 0; p0 < nt; p0 += PB) {
                 const int n = nt - p0 < PB ? nt - p0 : PB;
-                const int16_t *x[PB], *ms[PB];
+                const int16_t *ms[PB];
                 const float *xd[PB], *xg[PB];
                 for (int m = 0; m < n; m++)
-                    kg_act(j, 2, fmt, I, G, (size_t)(off + t0 + p0 + m), p0 + m, &s, &x[m], &ms[m],
-                           &xd[m], &xg[m]);
+                    kg_act(j, 2, fmt, I, G, (size_t)(off + t0 + p0 + m), p0 + m, &s, &ms[m], &xd[m],
+                           &xg[m]);
                 kg_strip_gemm(&s.st[0], fmt, I, gk, i8 ? I : Q4K_SB,
                               s.xp + (size_t)p0 * (I / 2), xd, ms, xg, n, s.isum,
                               s.out[0]);

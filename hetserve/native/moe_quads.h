@@ -9,9 +9,16 @@
 #include <stdint.h>
 #include <string.h>
 
-#define MBMAX 4 /* tokens per microkernel call (fp32 3; int8 with row scales 4 on AVX-512; 2) */
+#define MBMAX 4 /* tokens per microkernel call, at most (F32_MB, I8_MB; the others take 2) */
 #include "moe_formats.h"
 #include "simd.h"
+
+#define F32_MB 3 /* tokens per quad_f32 call */
+#ifdef HS_AVX512
+#define I8_MB 4 /* tokens per quad_i8 call: 16 accumulators in AVX-512's 32 registers */
+#else
+#define I8_MB 2
+#endif
 
 /* int16 activations keep |x16| <= ACT_Q, so a vpmaddwd lane gains at most 2 * 127 * ACT_Q per
  * 16 inputs and KBLOCK inputs fit int32 exactly (KBLOCK/16 * 2 * 127 * 16383 < 2^31). */

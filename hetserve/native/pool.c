@@ -55,6 +55,27 @@ static int steal(range_t *g, int n) {
     }
 }
 
+typedef struct {
+    hs_rows_fn fn;
+    void *ctx;
+    int rows, block;
+} rows_arg_t;
+
+static void rows_item(void *ctx, int c) {
+    const rows_arg_t *a = (const rows_arg_t *)ctx;
+    const int r0 = c * a->block, r1 = r0 + a->block < a->rows ? r0 + a->block : a->rows;
+    a->fn(a->ctx, r0, r1);
+}
+
+void hs_parallel_rows(int nthreads, int rows, int block, hs_rows_fn fn, void *ctx) {
+    if (rows < 4 * block || nthreads < 2) {
+        if (rows > 0) fn(ctx, 0, rows);
+        return;
+    }
+    rows_arg_t a = {fn, ctx, rows, block};
+    hs_parallel_for(nthreads, (rows + block - 1) / block, rows_item, &a);
+}
+
 void hs_parallel_for(int nthreads, int total, hs_task_fn fn, void *ctx) {
     if (nthreads < 1) nthreads = 1;
     if (nthreads > total) nthreads = total > 0 ? total : 1;

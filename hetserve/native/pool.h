@@ -8,6 +8,13 @@
 typedef void (*hs_task_fn)(void *ctx, int item);
 void hs_parallel_for(int nthreads, int total, hs_task_fn fn, void *ctx);
 
+/* Runs fn(ctx, r0, r1) over rows [0, rows): in blocks of `block` rows on up to nthreads threads
+ * where there are many (4 blocks or more: prefill's thousands of rows), else once on the
+ * caller's thread (decode's few: waking the team costs more than the work). For work whose rows
+ * are independent, so any split gives the same result. */
+typedef void (*hs_rows_fn)(void *ctx, int r0, int r1);
+void hs_parallel_rows(int nthreads, int rows, int block, hs_rows_fn fn, void *ctx);
+
 /* Units (row quads, ...) per work item when streaming weights: enough for item_bytes of them (a
  * thread's stream then runs long enough for the prefetchers before it jumps), but no more than
  * leaves every thread 4 items of the `total` (a descheduled thread then holds back a quarter of
