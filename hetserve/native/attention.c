@@ -99,6 +99,26 @@ static inline __attribute__((always_inline)) void score_blk(const attn_t *a, con
         for (int t = 0; t < NT; t++) s[(size_t)i * m + t] = r[i * NT + t];
 }
 
+/* The scores of tokens [t, t + 8) of the chunk (cache rows row[]) for every query head of KV
+ * heads [g0, g1), in register blocks of NH heads x NT tokens: a block's token rows for every KV
+ * head in turn, so the cache is read in address order. NH and NT are constants where inlined,
+ * so the row offsets stay in registers. */
+static inline __attribute__((always_inline)) void score_rows(const attn_t *a, const size_t *row,
+                                                             const float *q, float *s, int m,
+                                                             int t, int g0, int g1, const int NH,
+                                                             const int NT, const int half) {
+    const int Hkv = a->Hkv, D = a->D, G = a->H / a->Hkv;
+    for (int u = t; u < t + 8; u += NT)
+        for (int g = g0; g < g1; g++) {
+            size_t kr[8];
+            for (int w = 0; w < NT; w++) kr[w] = (row[u + w] * Hkv + g) * D;
+            const float *qg = q + (size_t)g * G * D;
+            float *sg = s + (size_t)g * G * m + u;
+            for (int i = 0; i < G; i += NH)
+                score_blk(a, kr, qg + (size_t)i * D, sg + (size_t)i * m, m, NH, NT, half);
+        }
+}
+
 /* Prefetch into L2 the bytes [off, off + n) of a cache (element offset off, n bytes).
  * always_inline: a separate function whose only effect is a prefetch is "const" to GCC's
  * interprocedural analysis, which then deletes its calls (GCC 12 at -O2 and -O3). */
@@ -225,35 +245,10 @@ static inline __attribute__((always_inline)) void item_impl(void *ctx, int it, c
                 if (u + K_AHEAD < m) prefetch_l2(a->k, (row[u + K_AHEAD] * Hkv + g0) * D, esz, kbytes);
                 prefetch_l2(a->v, (row[u] * Hkv + g0) * Dv, esz, vbytes);
             }
-            /* a register block's token rows, for every KV head in turn (address order); the
-             * block shape fixed per branch so the compiler keeps the row offsets in registers */
-            if (G % 4 == 0)
-                for (int u = t; u < t + 8; u += 2)
-                    for (int g = g0; g < g1; g++) {
-                        const size_t k2[2] = {(row[u] * Hkv + g) * D, (row[u + 1] * Hkv + g) * D};
-                        const float *qg = q + (size_t)g * G * D;
-                        float *sg = s + (size_t)g * G * m + u;
-                        for (int i = 0; i < G; i += 4)
-                            score_blk(a, k2, qg + (size_t)i * D, sg + (size_t)i * m, m, 4, 2, half);
-                    }
-            else if (G % 2 == 0)
-                for (int u = t; u < t + 8; u += 4)
-                    for (int g = g0; g < g1; g++) {
-                        size_t k4[4];
-                        for (int w = 0; w < 4; w++) k4[w] = (row[u + w] * Hkv + g) * D;
-                        const float *qg = q + (size_t)g * G * D;
-                        float *sg = s + (size_t)g * G * m + u;
-                        for (int i = 0; i < G; i += 2)
-                            score_blk(a, k4, qg + (size_t)i * D, sg + (size_t)i * m, m, 2, 4, half);
-                    }
-            else
-                for (int g = g0; g < g1; g++) {
-                    for (int w = 0; w < 8; w++) kr[w] = (row[t + w] * Hkv + g) * D;
-                    const float *qg = q + (size_t)g * G * D;
-                    float *sg = s + (size_t)g * G * m + t;
-                    for (int i = 0; i < G; i++)
-                        score_blk(a, kr, qg + (size_t)i * D, sg + (size_t)i * m, m, 1, 8, half);
-                }
+            /* NH x NT register blocks (NH * NT = 8): the widest head block G allows */
+            if (G % 4 == 0) score_rows(a, row, q, s, m, t, g0, g1, 4, 2, half);
+            else if (G % 2 == 0) score_rows(a, row, q, s, m, t, g0, g1, 2, 4, half);
+            else score_rows(a, row, q, s, m, t, g0, g1, 1, 8, half);
         }
     for (; t < m; t++)
         for (int h = h0; h < h1; h++)
