@@ -92,7 +92,7 @@ class EngineOption:
     flag: str | None = None  # default: --name-with-dashes
     convert: Callable[[Any], Any] | None = None  # option value -> field value
     store_false: bool = False  # a flag that turns the field off
-    choices: tuple[str, ...] | None = None
+    choices: tuple[str, ...] | tuple[int, ...] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -282,6 +282,12 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "auto: split each layer's CPU experts across the NUMA nodes (memory bound to the node, "
         "one pinned thread team per node); off, or a one-node machine: no split",
         choices=("off", "auto"),
+    ),
+    EngineOption(
+        "activation_bits", "moe", "activation_bits",
+        "bits the int8 kernels round activations to per token: 16 (default) or 8 (W8A8: "
+        "int8 x int8, about twice the prefill GEMM rate, a larger logprob error)", int,
+        choices=(8, 16),
     ),
     EngineOption(
         "max_deferred_experts_per_token", "moe", "max_deferred_experts_per_token",

@@ -199,8 +199,15 @@ class MoEConfig:
     # nodes (memory bound there, one pinned thread team per node: moe/numa_experts.py);
     # "off" (default), or one node: one backend on every CPU, as before.
     numa: str = "off"
+    # Bits the int8 kernels round activations to, per token row: 16 (default: int16 x int8, the
+    # activation error far below the weights') or 8 (W8A8: bytes times bytes, vpdpbusd / AMX,
+    # ~2x the GEMM rate at prefill; the logprob error in docs/benchmarks.md). Routed experts on
+    # cpu-int8 and the dense int8 linears alike.
+    activation_bits: int = 16
 
     def __post_init__(self) -> None:
+        if self.activation_bits not in (8, 16):
+            raise ValueError(f"activation_bits must be 8 or 16, got {self.activation_bits}")
         if self.max_deferred_experts_per_token < 0:
             raise ValueError("max_deferred_experts_per_token must be >= 0")
         if self.gpu_experts < 0:

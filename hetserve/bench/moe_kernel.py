@@ -37,7 +37,8 @@ import statistics
 import time
 from pathlib import Path
 
-# NAME or NAME:KERNEL (kernel option of cpu-int8/cpu-int4: native | library), or NAME:FORMAT
+# NAME or NAME:KERNEL (kernel option of cpu-int8/cpu-int4: native | library; cpu-int8:a8 is the
+# native kernel with int8 activations, W8A8), or NAME:FORMAT
 # for experts packed in a GGUF type first (cpu-int4:q4_K, cpu-int8:q8_0), as a GGUF file's are.
 # cpu-mxfp4 and cpu-fp8 quantize the random weights to those formats (MXFP4 blocks of 32, FP8
 # 128 x 128).
@@ -54,7 +55,8 @@ def register(sub) -> None:
     p.add_argument(
         "--backends",
         default=DEFAULT_BACKENDS,
-        help="NAME, NAME:KERNEL or NAME:FORMAT (cpu-int4:q4_K, cpu-int8:q8_0, cpu-gguf:q6_K, "
+        help="NAME, NAME:KERNEL or NAME:FORMAT (cpu-int8:a8 = W8A8, cpu-int4:q4_K, cpu-int8:q8_0, "
+        "cpu-gguf:q6_K, "
         "cpu-gguf:q5_K, cpu-gguf:q3_K, cpu-gguf:q2_K, cpu-gguf:iq4_xs, cpu-gguf:iq4_nl, "
         "cpu-gguf:iq2_xxs ... iq1_m, cpu-gguf:q4_K+q6_K), comma-separated",
     )
@@ -293,6 +295,8 @@ def make_backend(name: str, weights, int4_group: int):
         packed = PackedExperts(tuple(p13(w) for w in weights.w13), tuple(p2(w) for w in weights.w2))
         return create_backend(base, ExpertWeights(None, None, packed=packed))
     opts = {"kernel": option} if option else {}
+    if base == "cpu-int8" and option == "a8":  # W8A8: int8 activations on the native kernel
+        opts = {"activation_bits": 8}
     if base == "cpu-int4":
         opts["group_size"] = int4_group
     return create_backend(base, weights, **opts)

@@ -16,7 +16,9 @@ Two kernels:
 
 - native (where hetserve's AVX2 kernels build): the routed experts' microkernels on one matrix
   (`hetserve_qlinear`); activations rounded to int16 per row, so the weight rounding dominates
-  the error. Streams ~2x fbgemm's bytes/s at one token here. Any shape: rows are stored in
+  the error (`activation_bits=8`: to int8 per row, W8A8, whose tiles multiply bytes by bytes at
+  about twice the rate; kept-precise projections stay at 16). Streams ~2x fbgemm's bytes/s at
+  one token here. Any shape: rows are stored in
   quads and columns in 32s (q8_0 and K-quant columns are whole blocks by their format), zero
   weights appended (quant/layout.py); the kernel pads the input and drops the padded outputs.
 - fbgemm's packed GEMM with dynamic activation quantization (per call, reduce_range: 7 bits),
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
 # The native kernel's int8 format (F_I8 in hetserve/native/moe_job.h); a GGUF block type's
 # own number is its class's `native`.
 _INT8 = 1
+_A8 = 1 << 10  # F_A8: or'd into the format, activation rows rounded to int8 (W8A8)
 
 
 def _native_ok() -> bool:
@@ -72,8 +75,18 @@ class Int8Linear(nn.Module):
     halves are summed. |w - w_hat| <= max|w| / (127 * 254 * 2) per row: 16-bit-class weights
     (and int16 activations), at 2 bytes a weight."""
 
-    def __init__(self, linear: nn.Linear, kernel: str = "auto", residual: bool = False) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        kernel: str = "auto",
+        residual: bool = False,
+        activation_bits: int = 16,
+    ) -> None:
         super().__init__()
+        if activation_bits not in (8, 16):
+            raise ValueError(f"activation_bits must be 8 or 16, got {activation_bits}")
+        # W8A8 on the native kernel; a residual (16-bit-class) linear keeps int16 activations
+        self._act_flag = _A8 if activation_bits == 8 and not residual else 0
         bias = None if linear.bias is None else linear.bias.detach().float().cpu()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self._rows = self.out_features
@@ -174,7 +187,7 @@ class Int8Linear(nn.Module):
         x2 = x2.contiguous()
         y = torch.empty(x2.shape[0], self._rows, dtype=torch.float32)
         rc = self._fn(
-            self.fmt, self.group, torch.get_num_threads(), x2.shape[0], self._rows,
+            self.fmt | self._act_flag, self.group, torch.get_num_threads(), x2.shape[0], self._rows,
             self.in_features, x2.data_ptr(), y.data_ptr(), self._q.data_ptr(), self._scale_ptr,
         )  # fmt: skip
         if rc != 0:
@@ -185,13 +198,15 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         what = f"int8 groups of {self.group}" if self.group else self.kind
+        if self._act_flag and self.kernel == "native" and self.fmt == _INT8:
+            what += ", int8 activations"
         if self._rows != self.out_features:
             what += " + int8 residual"
         shape = f"in_features={self.in_features}, out_features={self.out_features}"
         return f"{shape}, {what} ({self.kernel})"
 
 
-def _fuse(module: nn.Module) -> int:
+def _fuse(module: nn.Module, activation_bits: int = 16) -> int:
     """Where `module` declares projections that read the same input (`fused_projections`, e.g.
     attention's q/k/v), store them as one Int8Linear: one weight stream and one kernel call
     instead of three. The separate projections become None. Checkpoint matrices of one format
@@ -226,7 +241,7 @@ def _fuse(module: nn.Module) -> int:
                 big.bias = nn.Parameter(torch.cat([lin.bias for lin in lins]))
         if len(kinds) == 1 and None not in kinds:
             big.packed_weight = type(packed[0]).cat_rows(packed)
-        setattr(module, fused_name, Int8Linear(big))
+        setattr(module, fused_name, Int8Linear(big, activation_bits=activation_bits))
         for p in parts:
             setattr(module, p, None)
         count += len(parts)
@@ -238,12 +253,12 @@ def kept_precise(parent: nn.Module, name: str) -> bool:
     return name in getattr(parent, "precise_projections", ())
 
 
-def quantize_linears(module: nn.Module) -> int:
+def quantize_linears(module: nn.Module, activation_bits: int = 16) -> int:
     """Replace every nn.Linear inside `module` (not `module` itself) by an Int8Linear. Those
     their parent declares in `precise_projections` keep their int8 rounding error too (an int8
     residual, 16-bit class) on the native kernel, or stay in the engine's dtype without it
     (fbgemm's 7-bit activations would undo the residual)."""
-    count = _fuse(module)
+    count = _fuse(module, activation_bits)
     for name, child in list(module.named_children()):
         # A checkpoint's own quantized numbers (GGUF) are as precise as they get: kept as they are.
         if kept_precise(module, name) and not hasattr(child, "packed_weight"):
@@ -252,8 +267,8 @@ def quantize_linears(module: nn.Module) -> int:
                 count += 1
             continue
         if isinstance(child, nn.Linear):
-            setattr(module, name, Int8Linear(child))
+            setattr(module, name, Int8Linear(child, activation_bits=activation_bits))
             count += 1
         else:
-            count += quantize_linears(child)
+            count += quantize_linears(child, activation_bits)
     return count

@@ -336,7 +336,7 @@ def _build_hybrid(
     for name, experts in model.routed_experts():
         if name not in done:  # built while loading
             build(name, experts)
-    apply_dense_backends(model, model.hybrid_plan)
+    apply_dense_backends(model, model.hybrid_plan, moe.activation_bits)
     log.info("placement:\n%s", model.hybrid_plan.table())
 
 
@@ -348,6 +348,8 @@ def _experts_builder(plan: HybridPlan, moe: MoEConfig, converted: dict | None):
     options = {}
     if converted is not None and converted.get("group_size"):
         options["cpu-int4"] = {"group_size": converted["group_size"]}
+    if moe.activation_bits != 16:
+        options["cpu-int8"] = {"activation_bits": moe.activation_bits}
     return ExpertsBuilder(
         plan, moe.gpu_experts, stats, moe.cpu_threads, backend_options=options, numa=moe.numa
     )
@@ -368,9 +370,10 @@ def _int8_embedding(model: CausalLM, name: str, unit) -> None:
     setattr(model.get_submodule(parent_name), attr, QuantEmbedding(packed))
 
 
-def apply_dense_backends(model: CausalLM, plan: HybridPlan) -> int:
+def apply_dense_backends(model: CausalLM, plan: HybridPlan, activation_bits: int = 16) -> int:
     """Swap the linears of non-expert units placed with `cpu-int8` for Int8Linear (which keeps
-    a linear's checkpoint numbers where the loader kept them: GGUF q8_0 / q4_K)."""
+    a linear's checkpoint numbers where the loader kept them: GGUF q8_0 / q4_K), rounding
+    activations to `activation_bits` (MoEConfig's)."""
     from torch import nn
 
     from hetserve.layers.int8_linear import Int8Linear, quantize_linears
@@ -386,10 +389,10 @@ def apply_dense_backends(model: CausalLM, plan: HybridPlan) -> int:
         if isinstance(unit, nn.Linear):  # lm_head itself
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, attr, Int8Linear(unit))
+            setattr(parent, attr, Int8Linear(unit, activation_bits=activation_bits))
             count += 1
         else:
-            count += quantize_linears(unit)
+            count += quantize_linears(unit, activation_bits)
     for module in model.modules():  # checkpoint matrices no int8 linear took (model/filler.py)
         if isinstance(module, nn.Linear) and hasattr(module, "packed_weight"):
             del module.packed_weight

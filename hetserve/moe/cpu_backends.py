@@ -194,9 +194,15 @@ def make_cpu_int8(
     activation: Activation = "silu",
     num_threads: int | None = None,
     kernel: str = "auto",
+    activation_bits: int = 16,
 ) -> _CPUExperts:
+    """`activation_bits`: 16 (int16 activations per row) or 8 (W8A8, native kernel only: fbgemm
+    rounds its activations to 7 bits per call anyway)."""
     if _use_native("cpu-int8", kernel, activation):  # any size: padded with zero weights
-        return NativeInt8Experts(weights, activation=activation, num_threads=num_threads)
+        return NativeInt8Experts(
+            weights, activation=activation, num_threads=num_threads,
+            activation_bits=activation_bits,
+        )  # fmt: skip
     return FbgemmInt8Experts(weights, activation=activation, num_threads=num_threads)
 
 

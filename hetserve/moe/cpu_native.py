@@ -58,6 +58,7 @@ from hetserve.quant.quantize import (
 
 # The kernel's weight formats (enum F_* in moe_kernels.c).
 F_F32, F_I8, F_I4, F_MXFP4, F_FP8, F_Q4K = range(6)
+F_A8 = 1 << 10  # or'd into the format at hetserve_moe_new: activations rounded to int8 (W8A8)
 _F32, _I64 = torch.float32, torch.int64
 
 
@@ -85,6 +86,7 @@ def _experts_in(
 class _NativeExperts(_CPUExperts):
     fmt = F_F32
     group_size = 0
+    _act_flag = 0  # F_A8 where the activations are rounded to int8 (NativeInt8Experts)
 
     def __init__(
         self,
@@ -134,8 +136,8 @@ class _NativeExperts(_CPUExperts):
         pass another ISA's build)."""
         fn = kernel if lib is None else lambda name: getattr(lib, name)
         handle = fn("hetserve_moe_new")(
-            self.fmt, self.num_experts, self.hidden, self.inter, self.group_size, *self._ptrs,
-            *self._bias_ptrs, *self._act,
+            self.fmt | self._act_flag, self.num_experts, self.hidden, self.inter, self.group_size,
+            *self._ptrs, *self._bias_ptrs, *self._act,
         )  # fmt: skip
         if not handle:
             raise MemoryError("native MoE kernel could not allocate its handle")
@@ -240,10 +242,24 @@ class NativeFp32Experts(_NativeExperts):
 
 
 class NativeInt8Experts(_NativeExperts):
-    """int8 per-output-channel symmetric weights, |w - w_hat| <= scale/2; int16 activations.
+    """int8 per-output-channel symmetric weights, |w - w_hat| <= scale/2; int16 activations, or
+    with `activation_bits=8` int8 ones per token row (W8A8: the prefill tiles multiply bytes by
+    bytes, vpdpbusd / AMX; the integer sums stay exact, so every path gives the same bits).
     Experts packed as grouped int8 (GGUF q8_0) keep their integers and group scales exactly."""
 
     fmt = F_I8
+
+    def __init__(
+        self,
+        weights: ExpertWeights,
+        activation: Activation = "silu",
+        num_threads: int | None = None,
+        activation_bits: int = 16,
+    ) -> None:
+        if activation_bits not in (8, 16):
+            raise ValueError(f"activation_bits must be 8 or 16, got {activation_bits}")
+        self._act_flag = F_A8 if activation_bits == 8 else 0
+        super().__init__(weights, activation=activation, num_threads=num_threads)
 
     def _load(self, weights: ExpertWeights) -> None:
         if _packed_as(weights, Int8PerRow):  # rounded per row as the loader read them

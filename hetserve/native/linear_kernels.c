@@ -5,7 +5,8 @@
  * y[t, n] = sum_k W[n, k] * x[t, k] for one matrix [N, K] in the quad layout of moe_quads.h,
  * stored zero-padded to whole quads of rows and to hetserve_moe_padded's K (x is padded here,
  * padded outputs dropped), in one of the formats:
- *   fmt 1 (int8), G == 0: one fp32 scale per row, s [N];
+ *   fmt 1 (int8), G == 0: one fp32 scale per row, s [N]; fmt 1 | F_A8 (moe_job.h): the same
+ *                         with W8A8 activations (rounded to |x| <= 127 per row);
  *   fmt 1 (int8), G > 0:  one fp16 scale per row and group of G columns (GGUF q8_0: 32,
  *                         its own fp16 numbers), stored [N / 4][K / G][4] (G % 16 == 0);
  *   fmt 5 (q4_K):         super-blocks of 256 columns with their own scales (moe_q4k.h);
@@ -230,7 +231,7 @@ static void lin_item(void *ctx, int c) {
 /* The rounding of the activation rows (int16 per row; the K-quants: int8 per super-block),
  * rows [r0, r1); each row on its own, so any split gives the same bytes. */
 typedef struct {
-    int fmt, K;
+    int fmt, K, lim; /* lim: ACT_Q, or ACT_Q8 for W8A8 */
     const float *x;
     int8_t *pl;
     float *pd, *xsc;
@@ -241,7 +242,7 @@ static void lin_round_rows(void *ctx, int r0, int r1) {
     const lin_round_t *r = (const lin_round_t *)ctx;
     const int K = r->K, nsb = K / Q4K_SB;
     if (r->fmt == L_I8) {
-        quantize_rows(r->x, K, r0, r1, r->x16, r->xsc, 0, 0, NULL);
+        quantize_rows(r->x, K, r0, r1, r->x16, r->xsc, 0, 0, NULL, r->lim);
         return;
     }
     const size_t o = (size_t)r0 * K, ob = (size_t)r0 * nsb;
@@ -254,6 +255,8 @@ static void lin_round_rows(void *ctx, int r0, int r1) {
  * of memory) or -3 (unknown format). */
 int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const float *x,
                      float *out, const void *w, const void *s) {
+    const int a8 = (fmt & F_A8) != 0; /* W8A8 rows */
+    fmt &= ~F_A8;
     if (fmt != L_I8 && (fmt < L_Q4K || fmt > F_LAST)) return -3;
     if (T <= 0) return 0;
     const int Kx = K; /* x's columns; the weights' may be padded */
@@ -287,7 +290,7 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
     }
     nthreads = nthreads < 1 ? 1 : nthreads;
     /* many rows (prefill) rounded on every thread, a few (decode) on the caller's alone */
-    lin_round_t rnd = {fmt, K, x, pl, pd, xsc, ps, x16};
+    lin_round_t rnd = {fmt, K, a8 ? ACT_Q8 : ACT_Q, x, pl, pd, xsc, ps, x16};
     hs_parallel_rows(nthreads, T, 32, lin_round_rows, &rnd);
     const long quad_bytes = /* weights of 4 rows */
         fmt == L_I8 ? 4L * K : 4L * nsb * kq_bytes(fmt);
@@ -297,7 +300,7 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
     if (fmt == L_I8 && G == 0) rc = (rc + 3) / 4 * 4; /* whole strips of the GEMM tiles */
     lin_t l = {fmt, G, T, N, K, rc, w, s, xsc, x16, pl, ps, pd, out, NULL, NULL, NULL, NULL};
     amx_rows_t ax = {0}; /* the int8 GEMM's rows prepared once for every item (AMX or AVX) */
-    if (fmt == L_I8 && G == 0 && gemm_worth_i8(T) && amx_rows_split(&ax, x16, NULL, T, K) == 0)
+    if (fmt == L_I8 && G == 0 && gemm_worth_i8(T) && amx_rows_split(&ax, x16, NULL, T, K, a8) == 0)
         l.amx = &ax;
     char *kbuf = NULL;
     if (fmt == L_I8 && kg_group(fmt, G) > 0 && gemm_worth(T)) { /* grouped: rows in place */

@@ -33,6 +33,25 @@
 
 #include "moe_gemm.h"
 
+/* Packs quads q[0..3] (rows 4j..4j+3 of the strip, [K / 16][4][16] int8 each; NULL: zeros)
+ * into the strip's B tiles: panel [K / 4][16 rows][4 inputs] int8. */
+static inline void amx_pack(const int8_t *const q[4], int K, int8_t *panel) {
+    for (int c = 0; c < K / 16; c++)
+        for (int j = 0; j < 4; j++) {
+            __m128i r[4];
+            for (int i = 0; i < 4; i++)
+                r[i] = q[j] ? _mm_loadu_si128((const __m128i *)(q[j] + 64 * (size_t)c + 16 * i))
+                            : _mm_setzero_si128();
+            /* r[i] = row i's 4 words of 4 inputs; out t = word t of rows 0..3 */
+            const __m128i t0 = _mm_unpacklo_epi32(r[0], r[1]), t1 = _mm_unpackhi_epi32(r[0], r[1]);
+            const __m128i t2 = _mm_unpacklo_epi32(r[2], r[3]), t3 = _mm_unpackhi_epi32(r[2], r[3]);
+            const __m128i o[4] = {_mm_unpacklo_epi64(t0, t2), _mm_unpackhi_epi64(t0, t2),
+                                  _mm_unpacklo_epi64(t1, t3), _mm_unpackhi_epi64(t1, t3)};
+            for (int t = 0; t < 4; t++)
+                _mm_storeu_si128((__m128i *)(panel + (size_t)(4 * c + t) * 64 + 16 * j), o[t]);
+        }
+}
+
 #ifdef HS_AMX
 
 #define AMX_K 64 /* inputs per tile product */
@@ -119,35 +138,21 @@ static inline void amx_end(void) { _tile_release(); }
 /* Whether the tiles take a matrix of K inputs here. */
 static inline int amx_usable(int K) { return K % AMX_K == 0 && amx_ready(); }
 
-/* Packs quads q[0..3] (rows 4j..4j+3 of the strip, [K / 16][4][16] int8 each; NULL: zeros)
- * into the strip's B tiles: panel [K / 4][16 rows][4 inputs] int8. */
-static inline void amx_pack(const int8_t *const q[4], int K, int8_t *panel) {
-    for (int c = 0; c < K / 16; c++)
-        for (int j = 0; j < 4; j++) {
-            __m128i r[4];
-            for (int i = 0; i < 4; i++)
-                r[i] = q[j] ? _mm_loadu_si128((const __m128i *)(q[j] + 64 * (size_t)c + 16 * i))
-                            : _mm_setzero_si128();
-            /* r[i] = row i's 4 words of 4 inputs; out t = word t of rows 0..3 */
-            const __m128i t0 = _mm_unpacklo_epi32(r[0], r[1]), t1 = _mm_unpackhi_epi32(r[0], r[1]);
-            const __m128i t2 = _mm_unpacklo_epi32(r[2], r[3]), t3 = _mm_unpackhi_epi32(r[2], r[3]);
-            const __m128i o[4] = {_mm_unpacklo_epi64(t0, t2), _mm_unpackhi_epi64(t0, t2),
-                                  _mm_unpacklo_epi64(t1, t3), _mm_unpackhi_epi64(t1, t3)};
-            for (int t = 0; t < 4; t++)
-                _mm_storeu_si128((__m128i *)(panel + (size_t)(4 * c + t) * 64 + 16 * j), o[t]);
-        }
-}
-
 /* Rows of pairs rounded up to whole A tiles. */
 static inline int amx_rows(int n) { return (n + 15) / 16 * 16; }
 
 /* hi[m][k] = x[m][k] >> 8, lo[m][k] = x[m][k] & 255 for the n rows x[m] (K int16 each); rows
- * n .. amx_rows(n) - 1 zero. */
+ * n .. amx_rows(n) - 1 zero. W8A8 rows (|x| <= 127, lo NULL): hi[m][k] = x[m][k] itself, one
+ * tile product. */
 static inline void amx_split(const int16_t *const *x, int n, int K, int8_t *hi, uint8_t *lo) {
     for (int m = 0; m < n; m++) {
         const int16_t *s = x[m];
         int8_t *h = hi + (size_t)m * K;
-        uint8_t *l = lo + (size_t)m * K;
+        uint8_t *l = lo ? lo + (size_t)m * K : NULL;
+        if (l == NULL) {
+            for (int k = 0; k < K; k++) h[k] = (int8_t)s[k];
+            continue;
+        }
         for (int k = 0; k < K; k++) {
             h[k] = (int8_t)(s[k] >> 8);
             l[k] = (uint8_t)(s[k] & 255);
@@ -155,11 +160,12 @@ static inline void amx_split(const int16_t *const *x, int n, int K, int8_t *hi, 
     }
     const size_t pad = (size_t)(amx_rows(n) - n) * K;
     memset(hi + (size_t)n * K, 0, pad);
-    memset(lo + (size_t)n * K, 0, pad);
+    if (lo) memset(lo + (size_t)n * K, 0, pad);
 }
 
 /* gemm_strip's result (out [n][16] fp32) from the strip's B tiles and n pairs' split rows
- * (hi, lo: [amx_rows(n)][K]); isum: scratch [16][16] int32 twice. */
+ * (hi, lo: [amx_rows(n)][K]; lo NULL: W8A8 rows, hi the values); isum: scratch [16][16] int32
+ * twice. */
 static inline void amx_strip(const int8_t *panel, int K, const int8_t *hi, const uint8_t *lo,
                              int n, int32_t *isum, float *out) {
     for (int i = 0; i < n * GEMM_ROWS; i++) out[i] = 0.0f;
@@ -172,16 +178,19 @@ static inline void amx_strip(const int8_t *panel, int K, const int8_t *hi, const
             for (int k0 = kb; k0 < ke; k0 += AMX_K) {
                 AMX_LOAD(4, panel + (size_t)k0 * GEMM_ROWS, 64);
                 AMX_LOAD(5, hi + (size_t)m0 * K + k0, K);
-                AMX_LOAD(6, lo + (size_t)m0 * K + k0, K);
                 AMX_DPBSSD(0, 5, 4);
-                AMX_DPBUSD(1, 6, 4);
+                if (lo) {
+                    AMX_LOAD(6, lo + (size_t)m0 * K + k0, K);
+                    AMX_DPBUSD(1, 6, 4);
+                }
             }
             AMX_STORE(0, shi, 64);
             AMX_STORE(1, slo, 64);
             const int mn = n - m0 < 16 ? n - m0 : 16;
             for (int m = 0; m < mn; m++)
                 for (int r = 0; r < GEMM_ROWS; r++) {
-                    const uint32_t s = ((uint32_t)shi[16 * m + r] << 8) + (uint32_t)slo[16 * m + r];
+                    const uint32_t s = lo ? ((uint32_t)shi[16 * m + r] << 8) + (uint32_t)slo[16 * m + r]
+                                          : (uint32_t)shi[16 * m + r];
                     out[(m0 + m) * GEMM_ROWS + r] += (float)(int32_t)s;
                 }
         }
@@ -191,32 +200,34 @@ static inline void amx_strip(const int8_t *panel, int K, const int8_t *hi, const
 #endif /* HS_AMX */
 
 /* A work item's activations prepared once for all its strips: split for the AMX tiles (on), or
- * packed for the AVX tiles (xp, gemm_pack_x). */
+ * packed for the AVX tiles (xp: gemm_pack_x, or gemm_pack_x8 where a8). */
 typedef struct {
     int on;
+    int a8; /* W8A8 rows on the AVX-512 byte tiles (gemm_strip8) */
     int8_t *hi;
     uint8_t *lo;
     int32_t *xp;
 } amx_rows_t;
 
-/* Prepares cnt rows (rows of K int16 from base: row tok[m] where tok, else row m) for the
- * tiles: split where the AMX tiles take K, else packed for the AVX tiles; -1 when out of memory
- * (the caller then runs the row kernels). */
+/* Prepares cnt rows (rows of K int16 from base: row tok[m] where tok, else row m; a8: W8A8
+ * rows, |x| <= 127) for the tiles: split where the AMX tiles take K, else packed for the AVX
+ * tiles (the byte tiles for a8 rows on AVX-512; the int16 ones give the same sums anywhere);
+ * -1 when out of memory (the caller then runs the row kernels). */
 static inline int amx_rows_split(amx_rows_t *a, const int16_t *base, const int *tok, int cnt,
-                                 int K) {
+                                 int K, int a8) {
 #ifdef HS_AMX
     if (amx_usable(K)) {
         enum { BLOCK = 64 }; /* row pointers a block at a time */
         const int16_t *x[BLOCK];
         const size_t bytes = (size_t)amx_rows(cnt) * K;
-        char *mem = aligned_alloc(64, (2 * bytes + 63) / 64 * 64);
+        char *mem = aligned_alloc(64, ((a8 ? 1 : 2) * bytes + 63) / 64 * 64);
         if (mem == NULL) return -1;
         a->hi = (int8_t *)mem;
-        a->lo = (uint8_t *)(mem + bytes);
+        a->lo = a8 ? NULL : (uint8_t *)(mem + bytes);
         for (int p0 = 0; p0 < cnt; p0 += BLOCK) {
             const int n = cnt - p0 < BLOCK ? cnt - p0 : BLOCK;
             for (int m = 0; m < n; m++) x[m] = base + (size_t)(tok ? tok[p0 + m] : p0 + m) * K;
-            amx_split(x, n, K, a->hi + (size_t)p0 * K, a->lo + (size_t)p0 * K);
+            amx_split(x, n, K, a->hi + (size_t)p0 * K, a8 ? NULL : a->lo + (size_t)p0 * K);
         }
         a->on = 1;
         return 0;
@@ -224,6 +235,15 @@ static inline int amx_rows_split(amx_rows_t *a, const int16_t *base, const int *
 #endif
     a->xp = aligned_alloc(64, (gemm_xp_bytes(cnt, K) + 63) / 64 * 64);
     if (a->xp == NULL) return -1;
+#ifdef HS_AVX512
+    if (a8) {
+        a->a8 = 1;
+        gemm_pack_x8(base, tok, cnt, K, a->xp);
+        return 0;
+    }
+#else
+    (void)a8;
+#endif
     gemm_pack_x(base, tok, cnt, K, a->xp);
     return 0;
 }
@@ -231,7 +251,7 @@ static inline int amx_rows_split(amx_rows_t *a, const int16_t *base, const int *
 static inline void amx_rows_free(amx_rows_t *a) {
     if (a->on) free(a->hi);
     free(a->xp);
-    a->on = 0;
+    a->on = a->a8 = 0;
     a->xp = NULL;
 }
 
@@ -253,8 +273,9 @@ static inline void amx_rows_end(const amx_rows_t *a) {
 }
 
 /* A work item of the experts: its rows split once for all its strips, the tiles on. */
-static inline int amx_item(amx_rows_t *a, const int16_t *base, const int *tok, int cnt, int K) {
-    const int rc = amx_rows_split(a, base, tok, cnt, K);
+static inline int amx_item(amx_rows_t *a, const int16_t *base, const int *tok, int cnt, int K,
+                           int a8) {
+    const int rc = amx_rows_split(a, base, tok, cnt, K, a8);
     amx_rows_begin(a);
     return rc;
 }
@@ -264,10 +285,20 @@ static inline void amx_item_end(amx_rows_t *a) {
     amx_rows_free(a);
 }
 
+/* The strip's panel for the tiles a's rows meet (AMX's B tiles, the byte tiles' with their
+ * corrections, or the int16 tiles'); room for K * 16 int16 (moe_gemm.h's gemm_panel8_bytes
+ * fits in it). */
 static inline void strip_pack(const amx_rows_t *a, const int8_t *const q[4], int K, int16_t *panel) {
 #ifdef HS_AMX
     if (a->on) {
         amx_pack(q, K, (int8_t *)panel);
+        return;
+    }
+#endif
+#ifdef HS_AVX512
+    if (a->a8) {
+        amx_pack(q, K, (int8_t *)panel);
+        gemm_panel8_corr((int8_t *)panel, K);
         return;
     }
 #endif
@@ -282,8 +313,14 @@ static inline void strip_sums(const amx_rows_t *a, const int16_t *panel, int K, 
                               int32_t *isum, float *out) {
 #ifdef HS_AMX
     if (a->on) {
-        amx_strip((const int8_t *)panel, K, a->hi + (size_t)p0 * K, a->lo + (size_t)p0 * K, n,
-                  isum, out);
+        amx_strip((const int8_t *)panel, K, a->hi + (size_t)p0 * K,
+                  a->lo ? a->lo + (size_t)p0 * K : NULL, n, isum, out);
+        return;
+    }
+#endif
+#ifdef HS_AVX512
+    if (a->a8) {
+        gemm_strip8((const int8_t *)panel, K, a->xp + (size_t)p0 * (K / 4), n, isum, out);
         return;
     }
 #endif

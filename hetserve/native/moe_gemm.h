@@ -200,4 +200,129 @@ static inline void gemm_strip(const int16_t *panel, int K, const int32_t *xp, in
     }
 }
 
+
+#ifdef HS_AVX512
+/* ---- W8A8 (moe_job.h's F_A8): int8 activations, bytes times bytes ----
+ *
+ * Where the activation rows were rounded to the int8 range (|x| <= 127), the tiles multiply
+ * bytes: vpdpbusd adds 4 products of an unsigned byte and a signed byte into each int32 lane,
+ * 64 products an instruction against vpdpwssd's 32 (a standalone microbenchmark of the tile
+ * loop on Zen 4: 457 against 230 GOPS a core). The activations go in as u = x + 128 (unsigned)
+ * and the weights as they are, so a lane gains sum u w = sum x w + 128 sum w; 128 times each
+ * row's weight sum per KBLOCK (computed once per strip when its panel is packed) is taken off
+ * before the float add. Everything wraps modulo 2^32 and the exact sum fits int32 (|sum x w|
+ * <= 127 * 127 * KBLOCK), so what is left is exactly the int16 path's sum of the same rows:
+ * the same bits as the quads and the vpdpwssd tiles on the same rows, whichever runs.
+ *
+ * Layouts: the panel is AMX's B tile layout, [K / 4][16 rows][4 inputs] int8 (amx_pack in
+ * moe_amx.h), followed by the corrections [K / KBLOCK rounded up][16] int32; the activations
+ * per group of GEMM_NT tokens [K / 4][GEMM_NT] int32 (a token's 4 bytes). */
+
+#define GEMM_KC8 1024 /* inputs per a8 microkernel call: a 16 KiB panel chunk */
+
+/* Bytes of an a8 panel of K inputs with its corrections. */
+static inline size_t gemm_panel8_bytes(int K) {
+    return (size_t)K * GEMM_ROWS + (size_t)((K + KBLOCK - 1) / KBLOCK) * GEMM_ROWS * 4;
+}
+
+/* The corrections of an a8 panel: 128 * the sum of each row's weights per KBLOCK, written
+ * after the panel. */
+static inline void gemm_panel8_corr(int8_t *panel, int K) {
+    int32_t *corr = (int32_t *)(panel + (size_t)K * GEMM_ROWS);
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int kb = 0, b = 0; kb < K; kb += KBLOCK, b++) {
+        const int ke = kb + KBLOCK < K ? kb + KBLOCK : K;
+        __m512i sum = _mm512_setzero_si512();
+        for (int kq = kb / 4; kq < ke / 4; kq++)
+            sum = _mm512_dpbusd_epi32(sum, ones, _mm512_loadu_si512(panel + (size_t)kq * 64));
+        _mm512_storeu_si512(corr + GEMM_ROWS * b, _mm512_slli_epi32(sum, 7));
+    }
+}
+
+/* c[m][0..15] += sum over input quads kq in [kq0, kq1) of panel[kq][row] . (token m's 4
+ * bytes u = x + 128), modulo 2^32, for NT <= GEMM_NT tokens packed by gemm_pack_x8. */
+static inline __attribute__((always_inline)) void gemm_tile8(const int8_t *panel, int kq0,
+                                                             int kq1, const int32_t *xg,
+                                                             int32_t *const *c, const int NT) {
+    __m512i acc[GEMM_NT];
+#pragma GCC unroll 12
+    for (int m = 0; m < NT; m++) acc[m] = _mm512_loadu_si512(c[m]);
+    for (int kq = kq0; kq < kq1; kq++) {
+        const __m512i w = _mm512_loadu_si512(panel + (size_t)kq * 64);
+        const int32_t *xk = xg + (size_t)kq * GEMM_NT;
+#pragma GCC unroll 12
+        for (int m = 0; m < NT; m++)
+            acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_set1_epi32(xk[m]), w);
+    }
+#pragma GCC unroll 12
+    for (int m = 0; m < NT; m++) _mm512_storeu_si512(c[m], acc[m]);
+}
+
+static inline void gemm_tile8_n(const int8_t *panel, int kq0, int kq1, const int32_t *xg,
+                                int32_t *const *c, int n) {
+    switch (n) {
+#define HS_N(v) case v: gemm_tile8(panel, kq0, kq1, xg, c, v); break;
+    HS_N(1) HS_N(2) HS_N(3) HS_N(4) HS_N(5) HS_N(6)
+    HS_N(7) HS_N(8) HS_N(9) HS_N(10) HS_N(11) HS_N(12)
+#undef HS_N
+    default: break;
+    }
+}
+
+/* Packs n tokens' rows of K int16 (|x| <= 127; from base: row tok[m] where tok, else row m;
+ * K % 16 == 0) for gemm_tile8: per group of GEMM_NT tokens [K / 4][GEMM_NT] int32 holding the
+ * bytes x + 128, group g at xp + g * GEMM_NT * K / 4; the last group's missing tokens zeros. */
+static inline void gemm_pack_x8(const int16_t *base, const int *tok, int n, int K, int32_t *xp) {
+    const int KQ = K / 4;
+    const __m128i flip = _mm_set1_epi8((char)0x80);
+    for (int g0 = 0; g0 < n; g0 += GEMM_NT) {
+        const int nt = n - g0 < GEMM_NT ? n - g0 : GEMM_NT;
+        int32_t *dst = xp + (size_t)g0 * KQ;
+        for (int m = 0; m < GEMM_NT; m++) {
+            if (m >= nt) {
+                for (int kq = 0; kq < KQ; kq++) dst[(size_t)kq * GEMM_NT + m] = 0;
+                continue;
+            }
+            const int16_t *src = base + (size_t)(tok ? tok[g0 + m] : g0 + m) * K;
+            for (int k = 0; k < K; k += 16) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(src + k));
+                const __m128i b = _mm_xor_si128(_mm256_cvtepi16_epi8(v), flip);
+                int32_t *d = dst + (size_t)(k / 4) * GEMM_NT + m;
+                d[0] = _mm_extract_epi32(b, 0);
+                d[GEMM_NT] = _mm_extract_epi32(b, 1);
+                d[2 * GEMM_NT] = _mm_extract_epi32(b, 2);
+                d[3 * GEMM_NT] = _mm_extract_epi32(b, 3);
+            }
+        }
+    }
+}
+
+/* gemm_strip for an a8 panel (gemm_panel8_corr done) and n tokens packed by gemm_pack_x8 (xp:
+ * the first token's group): the same sums, the same float steps. */
+static inline void gemm_strip8(const int8_t *panel, int K, const int32_t *xp, int n,
+                               int32_t *isum, float *out) {
+    const int32_t *corr = (const int32_t *)(panel + (size_t)K * GEMM_ROWS);
+    for (int i = 0; i < n * GEMM_ROWS; i++) out[i] = 0.0f;
+    for (int kb = 0, b = 0; kb < K; kb += KBLOCK, b++) {
+        const int ke = kb + KBLOCK < K ? kb + KBLOCK : K;
+        memset(isum, 0, sizeof(int32_t) * GEMM_ROWS * (size_t)n);
+        for (int k0 = kb; k0 < ke; k0 += GEMM_KC8) {
+            const int k1 = k0 + GEMM_KC8 < ke ? k0 + GEMM_KC8 : ke;
+            for (int m0 = 0; m0 < n; m0 += GEMM_NT) {
+                const int nt = n - m0 < GEMM_NT ? n - m0 : GEMM_NT;
+                int32_t *c[GEMM_NT];
+                for (int m = 0; m < nt; m++) c[m] = isum + (size_t)(m0 + m) * GEMM_ROWS;
+                gemm_tile8_n(panel, k0 / 4, k1 / 4, xp + (size_t)m0 * (K / 4), c, nt);
+            }
+        }
+        const int32_t *cb = corr + GEMM_ROWS * b;
+        for (int m = 0; m < n; m++)
+            for (int r = 0; r < GEMM_ROWS; r++) {
+                const uint32_t v = (uint32_t)isum[m * GEMM_ROWS + r] - (uint32_t)cb[r];
+                out[m * GEMM_ROWS + r] += (float)(int32_t)v;
+            }
+    }
+}
+#endif /* HS_AVX512 */
+
 #endif

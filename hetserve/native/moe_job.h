@@ -14,11 +14,16 @@ enum { F_F32 = 0, F_I8 = 1, F_I4 = 2, F_MXFP4 = 3, F_FP8 = 4, F_Q4K = 5, F_Q6K =
        F_IQ4XS = 8, F_IQ4NL = 9, F_Q3K = 10, F_Q2K = 11, F_IQ2XXS = 12, F_IQ2XS = 13,
        F_IQ2S = 14, F_IQ3XXS = 15, F_IQ3S = 16, F_IQ1S = 17, F_IQ1M = 18 };
 #define F_LAST F_IQ1M
+/* Or'd into fmt: the int16 activation rows are rounded to the int8 range (|x| <= 127, W8A8), so
+ * the int8 tiles multiply bytes by bytes (vpdpbusd, AMX's one TDPBSSD); every other kernel
+ * reads the same rows as ever, and the integer sums are exact either way (moe_gemm.h). */
+#define F_A8 (1 << 10)
 
 /* A layer whose W2 is in another format than W13 (GGUF mixes: q4_K gate/up beside q6_K down)
  * passes fmt = f13 | (f2 + 1) << 5 and G = G13 | G2 << 16 (G2 = 0: the same as G13), so every
  * entry point keeps its arguments; a plain format is its own phase-2 format. */
 static inline int fmt_phase(int fmt, int which) {
+    fmt &= F_A8 - 1;
     return which == 1 || (fmt >> 5) == 0 ? fmt & 31 : (fmt >> 5) - 1;
 }
 static inline int g_phase(int G, int which) {
@@ -52,6 +57,7 @@ typedef struct {
     int n_active;
     const int *act_e, *act_off, *act_cnt;
     int nthreads;
+    int a8; /* F_A8: activation rows rounded to |x| <= 127 (act_limit) */
 } job_t;
 
 static inline int jfmt(const job_t *j, int which) {

@@ -513,7 +513,8 @@ static void activation_rows(const job_t *j, int which, int r0, int r1) {
     }
 #endif
     const int perm = fmt == F_I4 || fmt == F_MXFP4;
-    quantize_rows(src, K, r0, r1, q, sc, perm, fmt == F_I4 ? jg(j, which) : 0, gs);
+    quantize_rows(src, K, r0, r1, q, sc, perm, fmt == F_I4 ? jg(j, which) : 0, gs,
+                  j->a8 ? ACT_Q8 : ACT_Q);
 }
 
 typedef struct {
@@ -588,7 +589,7 @@ int hetserve_moe_padded(int fmt, int G, int n) {
 /* 1 when fmt (either phase's) is no format of ours. */
 static int bad_fmt(int fmt) {
     const int f1 = fmt_phase(fmt, 1), f2 = fmt_phase(fmt, 2);
-    return fmt < 0 || fmt >> 10 || f1 > F_LAST || f2 > F_LAST;
+    return fmt < 0 || (fmt & ~F_A8) >> 10 || f1 > F_LAST || f2 > F_LAST;
 }
 
 /* A NUMA shard of a layer (moe/numa_experts.py): experts [base, base + E) of `total`, run
@@ -625,6 +626,8 @@ static int moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int T,
     H = hetserve_moe_padded(fmt, G, H), I = hetserve_moe_padded(fmt, G, I);
     if (sh == NULL || sh->my == 0) memset(out, 0, sizeof(float) * (size_t)T * Hx);
     if (bad_fmt(fmt)) return -3;
+    const int a8 = (fmt & F_A8) != 0;
+    fmt &= ~F_A8;
     if (P == 0) return 0;
     if (bad_ids(sh ? sh->total : E, P, ids)) return -2;
     const int f1 = fmt_phase(fmt, 1), f2 = fmt_phase(fmt, 2);
@@ -673,7 +676,7 @@ static int moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int T,
                        act_cnt + E, &kept);
     job_t j = {fmt, H, I, G, act, alpha, limit, b13, b2, x, w13, w2, s13, s2, tok, pw,
                a, y, x16, a16, xsc, asc, xgs, ags, xpl, apl, xps, aps, xpd, apd, n, act_e, act_off,
-               act_cnt, nthreads < 1 ? 1 : nthreads};
+               act_cnt, nthreads < 1 ? 1 : nthreads, a8};
     if (rounded_acts(f1)) activations(&j, 1, T);
     run_phase(&j, 1, phase_item, NULL);
     if (rounded_acts(f2)) activations(&j, 2, kept);
@@ -794,7 +797,7 @@ int hetserve_moe_touch(const void *h, int nthreads, int T, int k, const int64_t 
         if (seen[e]) cnt[i] = seen[e], act_e[i++] = e;
     job_t j;
     memset(&j, 0, sizeof(j));
-    j.fmt = m->fmt, j.G = m->G;
+    j.fmt = m->fmt & ~F_A8, j.G = m->G;
     j.H = hetserve_moe_padded(m->fmt, m->G, m->H), j.I = hetserve_moe_padded(m->fmt, m->G, m->I);
     j.w13 = m->w13, j.s13 = m->s13, j.w2 = m->w2, j.s2 = m->s2;
     j.n_active = n, j.act_e = act_e, j.act_cnt = cnt;

@@ -50,7 +50,7 @@ int hs_phase1_gemm(const job_t *j, int ai, int u0, int u1) {
     char *buf = strips_alloc(&s, H);
     if (buf == NULL) return -1;
     amx_rows_t ax = {0};
-    if (amx_item(&ax, j->x16, j->tok + off, cnt, H) < 0) {
+    if (amx_item(&ax, j->x16, j->tok + off, cnt, H, j->a8) < 0) {
         free(buf);
         return -1;
     }
@@ -100,7 +100,7 @@ int hs_phase2_gemm(const job_t *j, int ai, int u0, int u1) {
     char *buf = strips_alloc(&s, I);
     if (buf == NULL) return -1;
     amx_rows_t ax = {0};
-    if (amx_item(&ax, j->a16 + (size_t)off * I, NULL, cnt, I) < 0) {
+    if (amx_item(&ax, j->a16 + (size_t)off * I, NULL, cnt, I, j->a8) < 0) {
         free(buf);
         return -1;
     }

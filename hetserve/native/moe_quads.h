@@ -24,6 +24,8 @@
  * 16 inputs and KBLOCK inputs fit int32 exactly (KBLOCK/16 * 2 * 127 * 16383 < 2^31). */
 #define ACT_Q 16383
 #define KBLOCK 4096
+/* W8A8 (moe_job.h's F_A8): the rows rounded to |x16| <= ACT_Q8 instead, the int8 range. */
+#define ACT_Q8 127
 
 /* quad_i8's inner loop length: 256 inputs where K allows (else 16). A run-time value on
  * purpose: with a compile-time length (or none, one loop over the whole row) GCC 12 gives the
@@ -183,12 +185,13 @@ static inline __attribute__((always_inline)) void quad_f32(const float *w, int K
 #define quad_f32 quad_f32_avx2
 #endif
 
-/* x16[p] = round(x[p] / scale[p]), scale[p] = max|x[p]| / ACT_Q, for rows [p0, p1); with
- * G > 0 also gsum[p, g] = sum of x16[p] over group g (exact: |sum| <= 128 * ACT_Q < 2^24).
+/* x16[p] = round(x[p] / scale[p]), scale[p] = max|x[p]| / lim, for rows [p0, p1) (lim: ACT_Q,
+ * or ACT_Q8 for W8A8); with G > 0 also gsum[p, g] = sum of x16[p] over group g (exact: |sum|
+ * <= 128 * ACT_Q < 2^24).
  * perm = 1 stores each 8 in the order of the nibble tiles' pairs (tile_mxfp4, tile_i4):
  * [0 4 2 6 1 5 3 7]. */
 static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, float *scale,
-                          int perm, int G, float *gsum) {
+                          int perm, int G, float *gsum, int lim) {
     /* K % 32 == 0 (checked by the caller). Vectorized, the reorder and the group sums too: at
      * one token this runs on one thread before and between the phases, where scalar loops
      * would take ~3 us of a ~200 us layer (2048 + 6 x 512 inputs). */
@@ -199,9 +202,9 @@ static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, f
         const float *row = x + (size_t)p * K;
         int16_t *out = x16 + (size_t)p * K;
         float mx = hs_absmax(row, K);
-        float s = mx > 0.0f ? mx / ACT_Q : 1.0f;
+        float s = mx > 0.0f ? mx / (float)lim : 1.0f;
         const __m256 inv = _mm256_set1_ps(1.0f / s);
-        const __m256i lim = _mm256_set1_epi32(ACT_Q), nlim = _mm256_set1_epi32(-ACT_Q);
+        const __m256i hi = _mm256_set1_epi32(lim), lo = _mm256_set1_epi32(-lim);
         __m256i gacc = _mm256_setzero_si256(); /* the group's pair sums so far */
         for (int k = 0; k < K; k += 32) {
             for (int half = 0; half < 2; half++) {
@@ -209,8 +212,8 @@ static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, f
                 const int k16 = k + 16 * half;
                 __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + k16), inv));
                 __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + k16 + 8), inv));
-                a = _mm256_max_epi32(_mm256_min_epi32(a, lim), nlim);
-                b = _mm256_max_epi32(_mm256_min_epi32(b, lim), nlim);
+                a = _mm256_max_epi32(_mm256_min_epi32(a, hi), lo);
+                b = _mm256_max_epi32(_mm256_min_epi32(b, hi), lo);
                 __m256i h = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
                 if (G > 0) { /* G % 16 == 0: int4 groups are 32, 64 or 128 (INT4_GROUP_SIZES) */
                     gacc = _mm256_add_epi32(gacc, _mm256_madd_epi16(h, ones));
