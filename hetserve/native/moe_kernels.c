@@ -535,11 +535,19 @@ static void activations(job_t *j, int which, int rows) {
     hs_parallel_rows(j->nthreads, rows, 32, activation_block, &a);
 }
 
-/* A call's scratch (pairs, activations, outputs): up to SCRATCH_KEEP bytes (a one-token layer
- * of 2048 x 512 experts, top-6, needs ~72 KiB) it is the calling thread's own buffer, kept from
- * call to call and freed when the thread exits; larger ones are malloc'd (*own = 1: the caller
- * frees it). malloc and free around every call took ~1.6 us of a one-token layer (~1%). */
-#define SCRATCH_KEEP ((size_t)1 << 20)
+/* A call's scratch (pairs, activations, outputs): the calling thread's own buffer, kept from
+ * call to call (grown to the largest call so far, up to SCRATCH_KEEP bytes) and freed when the
+ * thread exits; a larger one is malloc'd (*own = 1: the caller frees it). malloc and free around
+ * every call took ~1.6 us of a one-token layer (~1%); and from a thread other than the main one
+ * (the experts' dedicated pool, `cpu_threads`) glibc maps a prefill's buffer (a 2,048-token
+ * chunk of 64 experts top-6 at 2048 x 512: ~130 MB) afresh for every call: ~37,000 page faults
+ * a call, the layer 1.25-1.7x slower than from the main thread, which glibc's main heap keeps
+ * the memory for anyway. */
+#define SCRATCH_KEEP ((size_t)1 << 30)
+typedef struct {
+    size_t cap;
+    _Alignas(16) char data[]; /* malloc's alignment, as before */
+} scratch_t;
 static pthread_key_t scratch_key;
 static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
 static int scratch_ok;
@@ -550,13 +558,21 @@ static char *scratch(size_t n, int *own) {
     *own = 1;
     if (n > SCRATCH_KEEP || pthread_once(&scratch_once, scratch_init) != 0 || !scratch_ok)
         return malloc(n);
-    char *b = pthread_getspecific(scratch_key);
-    if (b == NULL) {
-        if ((b = malloc(SCRATCH_KEEP)) == NULL) return NULL;
-        if (pthread_setspecific(scratch_key, b) != 0) return b; /* used once, then freed */
+    scratch_t *b = pthread_getspecific(scratch_key);
+    if (b == NULL || b->cap < n) {
+        const size_t cap = n < ((size_t)1 << 20) ? (size_t)1 << 20 : n; /* 1 MiB at least */
+        scratch_t *nb = malloc(sizeof(scratch_t) + cap);
+        if (nb == NULL) return malloc(n);
+        nb->cap = cap;
+        if (pthread_setspecific(scratch_key, nb) != 0) {
+            free(nb);
+            return malloc(n);
+        }
+        free(b);
+        b = nb;
     }
     *own = 0;
-    return b;
+    return b->data;
 }
 
 /* The size a layer's hidden or intermediate size n is stored at: rounded up to the multiple the
