@@ -94,6 +94,13 @@ def register(sub) -> None:
         "off and auto, with the auto/off ratio",
     )
     p.add_argument(
+        "--activation-bits",
+        type=int,
+        choices=(8, 16),
+        default=16,
+        help="hetserve's --activation-bits for its int8 rows (8: W8A8, the rows named so)",
+    )
+    p.add_argument(
         "--streams",
         default=None,
         help="comma-separated concurrent stream counts (e.g. 1,4,16,32): hetserve's batched "
@@ -145,6 +152,8 @@ def _hetserve_rate(
     kwargs: dict = {"cpu_threads": args.threads} if args.threads else {}
     kwargs["kv_cache_dtype"] = kv_dtype
     kwargs["numa"] = numa
+    if placement != "device":
+        kwargs["activation_bits"] = args.activation_bits
     llm = LLM(str(model or args.model), placement=placement, **kwargs)
 
     def make(n: int) -> Callable[[], object]:
@@ -278,6 +287,7 @@ def run(args: argparse.Namespace) -> int:
     numas = {"off": ["off"], "auto": ["auto"], "both": ["off", "auto"]}[args.numa]
     for numa in numas:
         tag = "" if numa == "off" else " numa=auto"
+        tag += " w8a8" if args.activation_bits == 8 else ""
         if not args.skip_cpu_int8:
             hybrid = lambda n=numa: _hetserve_rate(args, ids, bar, "hybrid", numa=n)  # noqa: E731
             plan.append(("hetserve cpu-int8" + tag, hybrid))

@@ -90,7 +90,8 @@ def _rates(args, cfg: dict, counts: list[int], bar) -> list[dict[int, float]]:
 
     from hetserve import LLM, SamplingParams
 
-    kwargs = {"cpu_threads": args.threads} if args.threads else {}
+    kwargs: dict = {"cpu_threads": args.threads} if args.threads else {}
+    kwargs["activation_bits"] = args.activation_bits
     llm = LLM(str(args.model), placement=_placement(), **kwargs)
     g = torch.Generator().manual_seed(0)
     vocab = cfg["vocab_size"]
@@ -134,6 +135,7 @@ def run(args: argparse.Namespace, cfg: dict) -> int:
         rounds = _rates(args, cfg, counts, bar)
     peaks = peaks.best(measure_peaks(threads, args.bandwidth_mib))
     report = build_report(args, cfg, counts, rounds, peaks, threads)
+    report["activation_bits"] = args.activation_bits
     print_report(report)
     write_json(args.json, report)
     return 0

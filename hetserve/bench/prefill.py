@@ -1,11 +1,12 @@
 """`hetserve bench prefill`: prompt tokens/s of hetserve against llama.cpp and transformers on the
 same weights, at several prompt lengths, in one run; beside them this machine's measured limits.
 
-Systems (prefill_systems.py): hetserve all-int8, hybrid and fp32 (`--placement device`) on the
-HF checkpoint, hetserve on the GGUF llama.cpp reads, llama.cpp (llama-cpp-python) on that GGUF,
-transformers fp32. Each is loaded in its own round, times one prompt per length (best of
-`--repeats`) and is freed before the next loads; the plan runs `--rounds` times, reversed every
-other round, every round's rates are in the JSON and each system keeps its best. A system that
+Systems (prefill_systems.py): hetserve all-int8, all-int8 with int8 activations (`w8a8`:
+`--activation-bits 8`), hybrid and fp32 (`--placement device`) on the HF checkpoint, hetserve
+on the GGUF llama.cpp reads, llama.cpp (llama-cpp-python) on that GGUF, transformers fp32.
+Each is loaded in its own round, times one prompt per length (best of `--repeats`) and is freed
+before the next loads; the plan runs `--rounds` times, reversed every other round, every
+round's rates are in the JSON and each system keeps its best. A system that
 cannot run is a row with its reason (a peer that does not import says why).
 
 Limits (peaks.py), measured before and after the systems (best of the two): the int8, int16,
@@ -31,9 +32,10 @@ from hetserve.bench.common import print_table, write_json
 from hetserve.bench.decode_llamacpp import GGUF_TYPES
 
 DEFAULT_LENS = "512,2048,8192"
-SYSTEMS = ("all-int8", "hybrid", "fp32", "gguf", "llama.cpp", "transformers")
+SYSTEMS = ("all-int8", "w8a8", "hybrid", "fp32", "gguf", "llama.cpp", "transformers")
 # The arithmetic each system mostly runs, whose peak its row is read against.
-_PEAK_KIND = {"hetserve all-int8": "int8", "hetserve gguf": "int8", "llama.cpp": "int8"}
+_PEAK_KIND = {"hetserve all-int8": "int8", "hetserve all-int8 w8a8": "int8",
+              "hetserve gguf": "int8", "llama.cpp": "int8"}  # fmt: skip
 
 
 def register(sub) -> None:
@@ -100,13 +102,15 @@ def _plan(args, systems: list[str], prompts: dict[int, list[int]], threads: int)
     model = str(args.model)
     table: dict[str, Callable[[], dict[int, float]]] = {
         "all-int8": lambda: ps.hetserve_rates(args, prompts, "all-int8", model),
+        "w8a8": lambda: ps.hetserve_rates(args, prompts, "all-int8", model, activation_bits=8),
         "hybrid": lambda: ps.hetserve_rates(args, prompts, "hybrid", model),
         "fp32": lambda: ps.hetserve_rates(args, prompts, "device", model),
         "gguf": lambda: ps.hetserve_gguf_rates(args, prompts, threads),
         "llama.cpp": lambda: ps.llamacpp_rates(args, prompts, threads),
         "transformers": lambda: ps.transformers_rates(args, prompts),
     }
-    names = {"all-int8": "hetserve all-int8", "hybrid": "hetserve hybrid",
+    names = {"all-int8": "hetserve all-int8", "w8a8": "hetserve all-int8 w8a8",
+             "hybrid": "hetserve hybrid",
              "fp32": "hetserve fp32", "gguf": "hetserve gguf", "llama.cpp": "llama.cpp",
              "transformers": "transformers"}  # fmt: skip
     return [(names[s], table[s]) for s in systems]

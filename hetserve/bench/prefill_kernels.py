@@ -1,8 +1,9 @@
 """`bench prefill`'s kernels table: the prefill kernels alone at the model's shapes (random
 weights), each as operations/s and a fraction of the peak of its arithmetic (peaks.py):
 
-- the routed experts of one layer on `cpu-int8` (T tokens routed top-k uniformly at random);
-- the attention's fused q/k/v projection as an `Int8Linear`;
+- the routed experts of one layer on `cpu-int8` (T tokens routed top-k uniformly at random),
+  with int16 activations and with int8 ones (W8A8, `--activation-bits 8`);
+- the attention's fused q/k/v projection as an `Int8Linear`, the same two ways;
 - causal attention of a T-token prompt (fp32): torch SDPA, and the native prefill kernel over a
   paged cache (its `vs peer`: SDPA's time over its time), at the model's head shape and at
   32 query / 4 KV heads of 128; past 2048 tokens also as the engine runs the prompt by
@@ -46,17 +47,23 @@ def _experts(cfg: dict, tokens: list[int], threads: int, peaks) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     w13 = torch.randn(e, 2 * inter, h, generator=g) * h**-0.5
     w2 = torch.randn(e, h, inter, generator=g) * inter**-0.5
-    backend = create_backend("cpu-int8", ExpertWeights(w13, w2), num_threads=threads)
-    del w13, w2
+    weights = ExpertWeights(w13, w2)
+    backends = {bits: create_backend("cpu-int8", weights, num_threads=threads,
+                                     activation_bits=bits) for bits in (16, 8)}  # fmt: skip
+    del w13, w2, weights
     rows = []
     for t in tokens:
         x = torch.randn(t, h, generator=g)
         ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
         tw = torch.rand(t, k, generator=g)
-        secs = _best_seconds(lambda x=x, ids=ids, tw=tw: backend.forward(x, tw, ids))
-        name = f"experts cpu-int8 {e}x({h}x{inter}) top-{k}"
-        rows.append(_row(name, t, 2 * t * k * 3 * h * inter, secs, peaks, "int8"))
+        for bits, backend in backends.items():
+            secs = _best_seconds(lambda b=backend, x=x, ids=ids, tw=tw: b.forward(x, tw, ids))
+            name = f"experts cpu-int8 {e}x({h}x{inter}) top-{k}" + _W8A8[bits]
+            rows.append(_row(name, t, 2 * t * k * 3 * h * inter, secs, peaks, "int8"))
     return rows
+
+
+_W8A8 = {16: "", 8: " w8a8"}  # the row names' suffix per activation bits
 
 
 def _linear(cfg: dict, tokens: list[int], peaks) -> list[dict]:
@@ -68,12 +75,15 @@ def _linear(cfg: dict, tokens: list[int], peaks) -> list[dict]:
     h = cfg["hidden_size"]
     hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     n = (cfg["num_attention_heads"] + 2 * cfg.get("num_key_value_heads", 1)) * hd
-    lin = Int8Linear(nn.Linear(h, n, bias=False))
+    dense = nn.Linear(h, n, bias=False)
+    lins = {bits: Int8Linear(dense, activation_bits=bits) for bits in (16, 8)}
     rows = []
     for t in tokens:
         x = torch.randn(t, h)
-        secs = _best_seconds(lambda x=x: lin(x))
-        rows.append(_row(f"int8 linear qkv {h}->{n}", t, 2 * t * h * n, secs, peaks, "int8"))
+        for bits, lin in lins.items():
+            secs = _best_seconds(lambda lin=lin, x=x: lin(x))
+            name = f"int8 linear qkv {h}->{n}" + _W8A8[bits]
+            rows.append(_row(name, t, 2 * t * h * n, secs, peaks, "int8"))
     return rows
 
 

@@ -41,12 +41,14 @@ def _best_rate(run: Callable[[list[int]], object], prompts: dict[int, list[int]]
 
 
 def hetserve_rates(args, prompts: dict[int, list[int]], placement: str, model: str,
-                   ) -> dict[int, float]:  # fmt: skip
+                   activation_bits: int = 16) -> dict[int, float]:  # fmt: skip
     from hetserve import LLM, SamplingParams
     from hetserve.errors import HetserveError
 
     longest = max(prompts)
-    opts = {"cpu_threads": args.threads} if args.threads else {}
+    opts: dict = {"cpu_threads": args.threads} if args.threads else {}
+    if activation_bits != 16:
+        opts["activation_bits"] = activation_bits
     if args.max_num_batched_tokens:
         opts["max_num_batched_tokens"] = args.max_num_batched_tokens
     try:

@@ -103,7 +103,7 @@ def test_a_peer_that_does_not_import_says_why(monkeypatch):
         (
             ["--systems", "all-int8,vllm"],
             "--systems: unknown ['vllm']; choose from all-int8, "
-            "hybrid, fp32, gguf, llama.cpp, transformers",
+            "w8a8, hybrid, fp32, gguf, llama.cpp, transformers",
         ),
         (["--prompt-lens", "10,x"], "--prompt-lens: not integers: '10,x'"),
         (["--rounds", "0"], "--rounds and --repeats must be at least 1"),
