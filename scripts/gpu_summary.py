@@ -23,9 +23,9 @@ def _fmt(x: float | None, unit: str = "") -> str:
     return "-" if x is None else f"{x:.3g}{unit}"
 
 
-def _pytest(results: Path) -> str:
+def _pytest(results: Path, name: str = "pytest-gpu", step: str = "pytest-gpu") -> str:
     try:
-        root = ET.parse(results / "pytest-gpu.xml").getroot()
+        root = ET.parse(results / f"{name}.xml").getroot()
     except (OSError, ET.ParseError):
         return "no junit xml"
     suite = root if root.tag == "testsuite" else root.find("testsuite")
@@ -33,7 +33,7 @@ def _pytest(results: Path) -> str:
         return "no testsuite"
     n, f, e, s = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
     if n == 0:  # --collect-only (a dry run): the count is in the log
-        log = (results / "pytest-gpu.log").read_text(errors="replace").strip().splitlines()
+        log = (results / f"{step}.log").read_text(errors="replace").strip().splitlines()
         return log[-1] if log else "nothing collected"
     return f"{n - f - e - s} passed, {f} failed, {e} errors, {s} skipped of {n}"
 
@@ -78,9 +78,19 @@ def _finetune(report: dict) -> str:
     return "; ".join(parts)
 
 
+def _moe_kernel(report: dict) -> str:
+    """Each backend's median ms per layer call at each token count (AMX: int16 vs W8A8)."""
+    return "; ".join(f"{r['backend']} T={r['tokens']} {r['median_us'] / 1e3:.1f} ms"
+                     for r in report.get("results", []))  # fmt: skip
+
+
 def headline(results: Path, step: str) -> str:
     if step == "pytest-gpu":
         return _pytest(results)
+    if step == "amx-tests":
+        return _pytest(results, "pytest-amx", "amx-tests")
+    if step == "amx-kernel":
+        return _moe_kernel(_load(results / "amx-moe-kernel.json") or {})
     if step == "env":
         env = _load(results / "env.json") or {}
         return (

@@ -187,7 +187,8 @@ class Int8Linear(nn.Module):
         x2 = x2.contiguous()
         y = torch.empty(x2.shape[0], self._rows, dtype=torch.float32)
         rc = self._fn(
-            self.fmt | self._act_flag, self.group, torch.get_num_threads(), x2.shape[0], self._rows,
+            self.fmt | (self._act_flag if self.fmt == _INT8 and not self.group else 0), self.group,
+            torch.get_num_threads(), x2.shape[0], self._rows,
             self.in_features, x2.data_ptr(), y.data_ptr(), self._q.data_ptr(), self._scale_ptr,
         )  # fmt: skip
         if rc != 0:
@@ -198,7 +199,7 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         what = f"int8 groups of {self.group}" if self.group else self.kind
-        if self._act_flag and self.kernel == "native" and self.fmt == _INT8:
+        if self._act_flag and self.kernel == "native" and self.fmt == _INT8 and not self.group:
             what += ", int8 activations"
         if self._rows != self.out_features:
             what += " + int8 residual"

@@ -130,13 +130,19 @@ class _NativeExperts(_CPUExperts):
         format and group size (set by _load before the weights are laid out)."""
         return tuple(padded_size(self.fmt, self.group_size, n) for n in (self.hidden, self.inter))
 
+    def _a8(self) -> int:
+        """F_A8 where W8A8 was asked for and the weights are int8 with a scale per row: the byte
+        tiles' case. Grouped int8 (GGUF q8_0) keeps int16 activations: its tiles would only
+        round more, no faster."""
+        return self._act_flag if self.fmt == F_I8 and not self.group_size else 0
+
     def _bind(self, lib: ctypes.CDLL | None = None) -> None:
         """Makes the C handle on this layer's experts (hetserve_moe_new: the 14 arguments that
         never change between calls) in `lib`, the kernels built for this CPU when None (tests
         pass another ISA's build)."""
         fn = kernel if lib is None else lambda name: getattr(lib, name)
         handle = fn("hetserve_moe_new")(
-            self.fmt | self._act_flag, self.num_experts, self.hidden, self.inter, self.group_size,
+            self.fmt | self._a8(), self.num_experts, self.hidden, self.inter, self.group_size,
             *self._ptrs, *self._bias_ptrs, *self._act,
         )  # fmt: skip
         if not handle:

@@ -50,7 +50,7 @@ def test_w8a8_within_the_stated_bound(tiny_model, family):
     linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
     assert linears and all("int8 activations" in repr(m) for m in linears)
     backends = [e._backend for _, e in model.routed_experts()]
-    assert backends and all(b._act_flag == F_A8 for b in backends)
+    assert backends and all(b._a8() == F_A8 for b in backends)
     w8a8 = llm.generate(prompt_token_ids=PROMPTS, sampling_params=PROMPT_LP)
     int16 = LLM(path, placement="all-int8").generate(
         prompt_token_ids=PROMPTS, sampling_params=PROMPT_LP

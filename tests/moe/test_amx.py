@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _layer(h: int, inter: int, e: int, bias: bool, seed: int):
+def _layer(h: int, inter: int, e: int, bias: bool, seed: int, bits: int = 16):
     g = torch.Generator().manual_seed(seed)
     w = ExpertWeights(
         torch.randn(e, 2 * inter, h, generator=g) * 0.1,
@@ -25,12 +25,14 @@ def _layer(h: int, inter: int, e: int, bias: bool, seed: int):
         torch.randn(e, 2 * inter, generator=g) if bias else None,
         torch.randn(e, h, generator=g) if bias else None,
     )
-    return create_backend("cpu-int8", w, kernel="native"), g
+    return create_backend("cpu-int8", w, kernel="native", activation_bits=bits), g
 
 
-def _outputs(libs: dict, h: int, inter: int, tokens: int, bias: bool, seed: int) -> dict:
+def _outputs(
+    libs: dict, h: int, inter: int, tokens: int, bias: bool, seed: int, bits: int = 16
+) -> dict:
     e, k = 4, 2
-    b, g = _layer(h, inter, e, bias, seed)
+    b, g = _layer(h, inter, e, bias, seed, bits)
     # activations over a wide range, so the int16 rows use their high bytes, signs both ways
     x = torch.randn(tokens, h, generator=g) * torch.logspace(-2, 1, h)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)])
@@ -69,13 +71,14 @@ def test_sizes_off_the_tile_take_the_avx_path():
 
 
 @pytest.mark.skipif(not native.cpu_has("amx"), reason="this CPU lacks AMX-INT8")
+@pytest.mark.parametrize("bits", [16, 8])  # 8: W8A8, one TDPBSSD against the byte tiles
 @pytest.mark.parametrize("tokens", [9, 40, 200])
-def test_amx_tiles_equal_avx512(tokens):
+def test_amx_tiles_equal_avx512(tokens, bits):
     amx, err = native.build_for("amx")
     avx, err2 = native.build_for("avx512bf16")
     assert amx is not None and avx is not None, err or err2
     assert amx.hetserve_amx_ready() == 1, "Linux refused the AMX tile state (arch_prctl)"
-    out = _outputs({"amx": amx, "avx512": avx}, 2048, 1408, tokens, False, seed=tokens)
+    out = _outputs({"amx": amx, "avx512": avx}, 2048, 1408, tokens, False, seed=tokens, bits=bits)
     assert torch.equal(out["amx"], out["avx512"])
     assert out["amx"].abs().max() > 0
 

@@ -177,6 +177,29 @@ def test_w8a8_linear_same_bits_on_every_isa():
     assert all(torch.equal(first, o) for o in out.values()), list(out)
 
 
+def test_grouped_int8_keeps_int16_activations():
+    """GGUF q8_0 experts (int8 with a scale per 32 columns) ignore W8A8: their tiles read int16
+    rows, so int8 ones would only lose precision."""
+    from hetserve.quant.packed import Int8Rows, PackedExperts
+
+    g = torch.Generator().manual_seed(4)
+    e, h, inter = 4, 256, 128
+    w13 = torch.randn(e, 2 * inter, h, generator=g) * 0.1
+    w2 = torch.randn(e, h, inter, generator=g) * 0.1
+    packed = PackedExperts(
+        tuple(Int8Rows.q8_0(w) for w in w13), tuple(Int8Rows.q8_0(w) for w in w2)
+    )
+    x, tw, ids = _inputs(g, 40, h, e, 2)
+    out = []
+    for bits in (16, 8):
+        b = create_backend(
+            "cpu-int8", ExpertWeights(None, None, packed=packed), activation_bits=bits
+        )
+        assert b.group_size == 32 and b._a8() == 0
+        out.append(b.forward(x, tw, ids))
+    assert torch.equal(out[0], out[1])
+
+
 def test_activation_bits_is_checked():
     lin, _ = _linear(8, 32, seed=1)
     with pytest.raises(ValueError, match="activation_bits"):
