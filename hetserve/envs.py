@@ -79,10 +79,14 @@ def native_kernels() -> bool:
 _ENV_BYTES = getattr(os.environ, "_data", None) if os.name == "posix" else None
 
 
-def verify_converted() -> bool:
-    """HETSERVE_VERIFY_CONVERTED: `0` skips the CRC-32 check of a mapped kernel-layout
-    checkpoint's tensors at load (default on: it reads the file once, ~3 GB/s)."""
-    return os.environ.get("HETSERVE_VERIFY_CONVERTED", "1").strip() != "0"
+def verify_converted() -> str:
+    """HETSERVE_VERIFY_CONVERTED: when a mapped kernel-layout checkpoint's tensor digests are
+    checked at load. `1` (default): "once", the first load of each version of the file (the
+    check reads the whole file; a passed check is remembered under HETSERVE_CACHE by the file's
+    device, inode, size, mtime and ctime, so any write to it asks again); `always`: every load;
+    `0`: "never"."""
+    value = os.environ.get("HETSERVE_VERIFY_CONVERTED", "1").strip().lower()
+    return {"0": "never", "always": "always"}.get(value, "once")
 
 
 def step_probe_cache() -> bool:

@@ -1,8 +1,9 @@
 """`hetserve bench load`: what loading a model costs, hetserve on each format vs llama.cpp.
 
 For one model, each of: hetserve on a q8_0 GGUF, on the safetensors checkpoint, on a
-`hetserve convert --quant int8` checkpoint (kernel layout: mapped; again without its CRC-32
-pass, HETSERVE_VERIFY_CONVERTED=0), and llama.cpp (llama-cpp-python) on the same GGUF. Each
+`hetserve convert --quant int8` checkpoint (kernel layout: mapped; its first load, digests
+checked, HETSERVE_VERIFY_CONVERTED=always; and the loads after it, which map the file without
+reading it, the default once a load has checked it), and llama.cpp (llama-cpp-python) on the same GGUF. Each
 load runs in a fresh subprocess: the seconds until the system is ready to serve (hetserve:
 `LLM(...)` returned, its start-up probe included, and of it `build_model`, the weights;
 llama.cpp: `Llama(...)` returned), then one short greedy generate (so pages a lazy load leaves
@@ -244,10 +245,10 @@ def run(args: argparse.Namespace) -> int:
     results = [
         _measure("hetserve gguf", gguf, why, args),
         _measure("hetserve safetensors", model, None, args),
+        _measure("hetserve converted, first load", *converted, args, {VERIFY: "always"}),
+        # the default after a first load checked it: pages then come in at the first forward,
+        # as llama.cpp's do
         _measure("hetserve converted", *converted, args),
-        # the same without the CRC-32 pass: pages then come in at the first forward, as
-        # llama.cpp's do
-        _measure("hetserve converted, no CRC", *converted, args, {VERIFY: "0"}),
         _measure("llama.cpp", gguf, why, args),
     ]
     peer = results[-1]

@@ -66,7 +66,8 @@ def _map_experts(model, model_dir: Path, spec: dict, experts_ready: ExpertsReady
     path = model_dir / spec["file"]
     if not path.is_file():
         raise MissingTensorError(f"{spec['file']} is missing from {model_dir}; re-run convert")
-    mapped = MappedKernelFile(path, verify=envs.verify_converted())
+    when = envs.verify_converted()
+    mapped = MappedKernelFile(path, verify=when != "never", remember=when == "once")
     if mapped.header.get("quant") != spec["format"]:
         raise ModelLoadError(
             f"{spec['file']} holds {mapped.header.get('quant')!r} experts, config.json says "
@@ -84,3 +85,4 @@ def _map_experts(model, model_dir: Path, spec: dict, experts_ready: ExpertsReady
         ex.layout = layout  # views into the mapping: the backend reads them in place
         if experts_ready is not None:
             experts_ready(name, ex)
+    mapped.mark_verified()  # every module's digests passed: not read again for this version

@@ -191,3 +191,38 @@ def test_files_with_crc32_digests_still_load_and_are_checked(tiny_model, tmp_pat
     _corrupt(out / "experts-int8.hsk", "flip")
     with pytest.raises(ModelLoadError, match="crc32"):
         LLM(out, placement="device")
+
+
+def test_a_verified_file_is_mapped_without_reading_it_again(tiny_model, tmp_path, monkeypatch):
+    """The digests are checked on the first load of each version of the file (a stamp under
+    HETSERVE_CACHE remembers it); later loads map it without reading it; any write to the
+    file (a new mtime and ctime) brings the check back, and `always` checks every load."""
+    import types
+
+    from hetserve.model import kernel_file
+
+    monkeypatch.setenv("HETSERVE_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def counting(part):
+        calls.append(len(part))
+        return real(part)
+
+    real = kernel_file.xxhash.xxh3_64_intdigest
+    monkeypatch.setattr(kernel_file, "xxhash", types.SimpleNamespace(xxh3_64_intdigest=counting))
+    src = tiny_model("qwen3-moe", overrides={"moe_intermediate_size": 64})
+    out = convert(src, tmp_path / "k", "int8")
+    path = out / "experts-int8.hsk"
+    written = len(calls)  # the writer's own digests
+    first = logprobs(LLM(out, placement="device"))
+    checked = len(calls) - written
+    assert checked > 0 and list((tmp_path / "cache" / "verified").iterdir())
+    assert torch.equal(logprobs(LLM(out, placement="device")), first)
+    assert len(calls) == written + checked  # mapped, not read
+    monkeypatch.setenv("HETSERVE_VERIFY_CONVERTED", "always")
+    LLM(out, placement="device")
+    assert len(calls) == written + 2 * checked
+    monkeypatch.delenv("HETSERVE_VERIFY_CONVERTED")
+    _corrupt(path, "flip")  # rewritten: the stamp no longer matches
+    with pytest.raises(ModelLoadError, match="corrupt"):
+        LLM(out, placement="device")
