@@ -3,15 +3,15 @@
 For one model, each of: hetserve on a q8_0 GGUF, on the safetensors checkpoint, on a
 `hetserve convert --quant int8` checkpoint (kernel layout: mapped; its first load, digests
 checked, HETSERVE_VERIFY_CONVERTED=always; and the loads after it, which map the file without
-reading it, the default once a load has checked it), and llama.cpp (llama-cpp-python) on the same GGUF. Each
-load runs in a fresh subprocess: the seconds until the system is ready to serve (hetserve:
-`LLM(...)` returned, its start-up probe included, and of it `build_model`, the weights;
-llama.cpp: `Llama(...)` returned), then one short greedy generate (so pages a lazy load leaves
-for the first token are in, as llama.cpp's mmap does; the seconds from the start to those
-tokens are a column of their own), then the process's resident memory (VmRSS, and of it file
-pages) and peak (VmHWM). The files are read once before the timed rounds (page cache warm:
-the load time is then the loader's, not the disk's), and the best of --rounds is kept (every
-round is in the JSON).
+reading it, the default once a load has checked it), and llama.cpp (llama-cpp-python) on the
+same GGUF. Each load runs in a fresh subprocess: the seconds until the system is ready to
+serve (hetserve: `LLM(...)` returned, its start-up probe included, and of it `build_model`,
+the weights; llama.cpp: `Llama(...)` returned), then one short greedy generate (so pages a
+lazy load leaves for the first token are in, as llama.cpp's mmap does; the seconds from the
+start to those tokens are a column of their own), then the process's resident memory (VmRSS,
+and of it file pages) and peak (VmHWM). The files are read once before the timed rounds (page
+cache warm: the load time is then the loader's, not the disk's), and the best of --rounds is
+kept (every round is in the JSON).
 
 Ratios: hetserve's resident over llama.cpp's on the same GGUF, peak over resident, each
 hetserve row's resident against its own served bytes + KV cache + 300 MB (issue 42's bound),
