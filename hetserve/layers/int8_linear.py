@@ -187,8 +187,7 @@ class Int8Linear(nn.Module):
         x2 = x2.contiguous()
         y = torch.empty(x2.shape[0], self._rows, dtype=torch.float32)
         rc = self._fn(
-            self.fmt | (self._act_flag if self.fmt == _INT8 and not self.group else 0), self.group,
-            torch.get_num_threads(), x2.shape[0], self._rows,
+            self.kernel_fmt(), self.group, torch.get_num_threads(), x2.shape[0], self._rows,
             self.in_features, x2.data_ptr(), y.data_ptr(), self._q.data_ptr(), self._scale_ptr,
         )  # fmt: skip
         if rc != 0:
@@ -196,6 +195,12 @@ class Int8Linear(nn.Module):
         if self._rows != self.out_features:  # the residual rows: add them to the rounded ones
             y = y[:, : self.out_features].add_(y[:, self.out_features :])
         return y if self._bias is None else y.add_(self._bias)
+
+    def kernel_fmt(self) -> int:
+        """The format hetserve_qlinear takes: W8A8's flag on int8 with a scale per row (the byte
+        tiles' case; grouped int8 and the K-quants keep their activations). Every caller of the
+        kernel (this module, the fused decode step) passes this, so prefill and decode agree."""
+        return self.fmt | (self._act_flag if self.fmt == _INT8 and not self.group else 0)
 
     def extra_repr(self) -> str:
         what = f"int8 groups of {self.group}" if self.group else self.kind

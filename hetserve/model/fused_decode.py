@@ -95,8 +95,8 @@ def _qlin(m: nn.Module | None, keep: list) -> _QLin | None:
     if bias is not None and not _fp32_cpu(bias):
         return None
     keep += [m._q, m._scale, bias]
-    return _QLin(m.fmt, m.group, m.out_features, m.in_features, _ptr(m._q), _ptr(m._scale),
-                 _ptr(bias))  # fmt: skip
+    return _QLin(m.kernel_fmt(), m.group, m.out_features, m.in_features, _ptr(m._q),
+                 _ptr(m._scale), _ptr(bias))  # fmt: skip
 
 
 def _decode_backend(experts: nn.Module):
@@ -208,7 +208,9 @@ def _experts(mlp: nn.Module, out: _Layer, keep: list) -> bool:
     out.ffn, out.num_experts, out.top_k, out.renorm = FFN_EXPERTS, b.num_experts, cfg.top_k, renorm
     out.route_scale = 1.0 if renorm and cfg.scale_only_if_not_normed else cfg.routed_scaling_factor
     out.router = _ptr(gate.weight)
-    out.efmt, out.einter, out.egroup, out.ethreads = b.fmt, b.inter, b.group_size, b._threads or 0
+    # the format as hetserve_moe_new took it (W8A8's flag included: prefill and decode alike)
+    out.efmt, out.einter, out.egroup = b.fmt | b._a8(), b.inter, b.group_size
+    out.ethreads = b._threads or 0
     out.eact, out.ealpha, out.elimit = b._act
     out.w13, out.s13, out.w2, out.s2 = b._ptrs
     out.b13, out.b2 = b._bias_ptrs

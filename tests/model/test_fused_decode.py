@@ -55,15 +55,17 @@ def _generate(llm: LLM) -> list[tuple[list[int], list[float]]]:
 
 
 @pytest.mark.parametrize(
-    ("family", "shape", "experts", "kv_dtype"),
-    [("qwen3-moe", MOE, "cpu-int8", "auto"), ("qwen3-moe", MOE, "cpu-int4", "auto"),
-     ("qwen3-moe", {**MOE, "norm_topk_prob": False}, "cpu-int8", "auto"),
-     ("qwen3-moe", MOE, "cpu-int8", "float16"),  # an fp16 KV cache: the C side converts
-     ("qwen3-moe", MOE, "cpu-int8", "int8"),  # int8 rows with their scales
-     ("llama", DENSE, None, "auto"), ("qwen2", DENSE, None, "auto")],
+    ("family", "shape", "experts", "kv_dtype", "bits"),
+    [("qwen3-moe", MOE, "cpu-int8", "auto", 16), ("qwen3-moe", MOE, "cpu-int4", "auto", 16),
+     ("qwen3-moe", {**MOE, "norm_topk_prob": False}, "cpu-int8", "auto", 16),
+     ("qwen3-moe", MOE, "cpu-int8", "float16", 16),  # an fp16 KV cache: the C side converts
+     ("qwen3-moe", MOE, "cpu-int8", "int8", 16),  # int8 rows with their scales
+     ("qwen3-moe", MOE, "cpu-int8", "auto", 8),  # W8A8: the fused step's formats carry it too
+     ("llama", DENSE, None, "auto", 16), ("qwen2", DENSE, None, "auto", 16),
+     ("llama", DENSE, None, "auto", 8)],
 )  # fmt: skip
 def test_fused_step_gives_the_modules_results(
-    tiny_model, monkeypatch, tmp_path, family, shape, experts, kv_dtype
+    tiny_model, monkeypatch, tmp_path, family, shape, experts, kv_dtype, bits
 ):
     if experts:
         rules = _all_int8_rules(experts)
@@ -71,7 +73,8 @@ def test_fused_step_gives_the_modules_results(
         rules = str(tmp_path / "int8.yaml")
         with open(rules, "w") as f:
             yaml.safe_dump({"rules": [INT8_LINEARS]}, f)
-    llm = LLM(str(tiny_model(family, overrides=shape)), placement=rules, kv_cache_dtype=kv_dtype)
+    llm = LLM(str(tiny_model(family, overrides=shape)), placement=rules, kv_cache_dtype=kv_dtype,
+              activation_bits=bits)  # fmt: skip
     spy = _Spy(monkeypatch, llm)
     fused = _generate(llm)
     assert spy.fused == 7  # every decode step after the prefill (the batch decodes together)
@@ -99,7 +102,7 @@ def test_q_k_v_kept_apart_take_the_fused_step_too(tiny_model, monkeypatch, kv_dt
     from hetserve.layers import int8_linear
     from hetserve.quant.packed import Int8Rows
 
-    monkeypatch.setattr(int8_linear, "_fuse", lambda module: 0)
+    monkeypatch.setattr(int8_linear, "_fuse", lambda module, bits=16: 0)
     llm = LLM(str(tiny_model("qwen3-moe", overrides=MOE)), placement=_all_int8_rules("cpu-int8"),
               kv_cache_dtype=kv_dtype)  # fmt: skip
     g = torch.Generator().manual_seed(0)
