@@ -4,6 +4,7 @@ bytes plus the KV cache plus a fixed allowance; --max-host-memory refuses up fro
 processes serving one kernel-layout checkpoint share its pages."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -139,8 +140,11 @@ def test_two_processes_share_one_copy_of_the_mapped_experts(models):
     libraries with every unrelated Python on the host, which no bound here can know."""
     path = str(models["int8"] / "experts-int8.hsk")
     size = (models["int8"] / "experts-int8.hsk").stat().st_size
+    # every load checks the digests, so both read every page (a stamp from an earlier load
+    # would let them map the file without reading it: pages then come in as they are routed to)
+    env = {**os.environ, "HETSERVE_VERIFY_CONVERTED": "always"}
     procs = [
-        subprocess.Popen([sys.executable, "-c", _SERVE, str(models["int8"])], text=True,
+        subprocess.Popen([sys.executable, "-c", _SERVE, str(models["int8"])], text=True, env=env,
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         for _ in range(2)
     ]  # fmt: skip
