@@ -8,6 +8,7 @@
  * sum lo w, two tile products. Their int32 sums wrap, but their combination, taken modulo
  * 2^32, is the residue of the exact sum, which fits int32 (moe_quads.h's KBLOCK bound): it is
  * that sum. The float steps after it are gemm_strip's (one float add per KBLOCK, in order).
+ * W8A8 rows (moe_job.h's F_A8: |x| <= 127) are their own bytes: one TDPBSSD per 64 inputs.
  *
  * Layouts. A weight strip (16 rows, as for gemm_strip) is packed per 64 inputs into one B
  * tile: 16 tile rows of 4 inputs, each [16 weight rows][4 inputs] bytes (amx_pack, a 4 x 4
