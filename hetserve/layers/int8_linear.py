@@ -18,9 +18,9 @@ Two kernels:
   (`hetserve_qlinear`); activations rounded to int16 per row, so the weight rounding dominates
   the error (`activation_bits=8`: to int8 per row, W8A8, whose tiles multiply bytes by bytes at
   about twice the rate; kept-precise projections stay at 16). Streams ~2x fbgemm's bytes/s at
-  one token here. Any shape: rows are stored in
-  quads and columns in 32s (q8_0 and K-quant columns are whole blocks by their format), zero
-  weights appended (quant/layout.py); the kernel pads the input and drops the padded outputs.
+  one token here. Any shape: rows are stored in quads and columns in 32s (q8_0 and K-quant
+  columns are whole blocks by their format), zero weights appended (quant/layout.py); the
+  kernel pads the input and drops the padded outputs.
 - fbgemm's packed GEMM with dynamic activation quantization (per call, reduce_range: 7 bits),
   which dominates its error; a packed matrix is dequantized and requantized to int8 for it.
 """
@@ -204,7 +204,7 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         what = f"int8 groups of {self.group}" if self.group else self.kind
-        if self._act_flag and self.kernel == "native" and self.fmt == _INT8 and not self.group:
+        if self.kernel == "native" and self.kernel_fmt() & _A8:
             what += ", int8 activations"
         if self._rows != self.out_features:
             what += " + int8 residual"
