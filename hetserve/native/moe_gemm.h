@@ -58,31 +58,37 @@ static inline int gemm_worth_i8(int tokens) {
     return tokens >= (I8_MB == 4 ? 16 : GEMM_MIN_TOKENS);
 }
 
+/* Puts quad j's 4 rows of 16 inputs (r[x]: row x's 16 16-bit values, input k in element k)
+ * into dst, the panel's 8 input pairs of those inputs ([8][16 rows][2]): a 4 x 8 transpose of
+ * the pairs' 32-bit lanes. */
+static inline void gemm_panel_put(const __m256i r[4], int j, int16_t *dst) {
+    /* lanes: r[x] = pairs 0..7 of row x; u_i = pairs (i, i + 4) of rows 0..3 */
+    const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+    const __m256i u[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                          _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+    for (int i = 0; i < 4; i++) {
+        int16_t *lo = dst + (size_t)i * 2 * GEMM_ROWS + 8 * j;
+        int16_t *hi = dst + (size_t)(i + 4) * 2 * GEMM_ROWS + 8 * j;
+        _mm_storeu_si128((__m128i *)lo, _mm256_castsi256_si128(u[i]));
+        _mm_storeu_si128((__m128i *)hi, _mm256_extracti128_si256(u[i], 1));
+    }
+}
+
 /* Packs the 4 quads q[0..3] (rows 4j..4j+3 of the strip from quad j, each [K / 16][4][16]
  * int8) into panel [K / 2][16][2] int16. Per quad and 16 inputs: its 4 rows widened to int16
- * (8 input pairs each, one pair per 32-bit lane), then a 4 x 8 transpose of those lanes. A
- * NULL quad packs as zeros (read from zero: 64 zero bytes). */
+ * (8 input pairs each, one pair per 32-bit lane), then gemm_panel_put's transpose. A NULL quad
+ * packs as zeros (read from zero: 64 zero bytes). */
 static inline void gemm_pack_n(const int8_t *const q[4], int K, int16_t *panel,
                                const int8_t *zero) {
     for (int c = 0; c < K / 16; c++) {
         int16_t *dst = panel + (size_t)c * 8 * 2 * GEMM_ROWS;
         for (int j = 0; j < 4; j++) {
             const int8_t *s = q[j] ? q[j] + 64 * (size_t)c : zero;
-            const __m256i r0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)s));
-            const __m256i r1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(s + 16)));
-            const __m256i r2 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(s + 32)));
-            const __m256i r3 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(s + 48)));
-            /* lanes: rX = pairs 0..7 of row X; u_i = pairs (i, i + 4) of rows 0..3 */
-            const __m256i t0 = _mm256_unpacklo_epi32(r0, r1), t1 = _mm256_unpackhi_epi32(r0, r1);
-            const __m256i t2 = _mm256_unpacklo_epi32(r2, r3), t3 = _mm256_unpackhi_epi32(r2, r3);
-            const __m256i u[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
-                                  _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
-            for (int i = 0; i < 4; i++) {
-                int16_t *lo = dst + (size_t)i * 2 * GEMM_ROWS + 8 * j;
-                int16_t *hi = dst + (size_t)(i + 4) * 2 * GEMM_ROWS + 8 * j;
-                _mm_storeu_si128((__m128i *)lo, _mm256_castsi256_si128(u[i]));
-                _mm_storeu_si128((__m128i *)hi, _mm256_extracti128_si256(u[i], 1));
-            }
+            __m256i r[4];
+            for (int x = 0; x < 4; x++)
+                r[x] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(s + 16 * x)));
+            gemm_panel_put(r, j, dst);
         }
     }
 }
@@ -158,23 +164,29 @@ static inline size_t gemm_xp_bytes(int n, int K) {
     return (size_t)(n + GEMM_NT - 1) / GEMM_NT * GEMM_NT * (size_t)K * sizeof(int16_t);
 }
 
-/* Packs n tokens' int16 rows of K inputs (from base: row tok[m] where tok, else row m) for
- * gemm_tile: per group of GEMM_NT tokens, [K / 2][GEMM_NT] int32 (a token's pair of inputs),
- * group g at xp + g * GEMM_NT * K / 2. The last group's missing tokens are zeros. */
-static inline void gemm_pack_x(const int16_t *base, const int *tok, int n, int K, int32_t *xp) {
+/* Packs n tokens' int16 rows of K inputs (from base: row tok[m] where tok, else row m; rows
+ * `stride` int16 apart) for gemm_tile: per group of GEMM_NT tokens, [K / 2][GEMM_NT] int32 (a
+ * token's pair of inputs), group g at xp + g * GEMM_NT * K / 2. The last group's missing tokens
+ * are zeros. */
+static inline void gemm_pack_xs(const int16_t *base, const int *tok, int n, int K, int stride,
+                                int32_t *xp) {
     const int KP = K / 2;
     for (int g0 = 0; g0 < n; g0 += GEMM_NT) {
         const int nt = n - g0 < GEMM_NT ? n - g0 : GEMM_NT;
         int32_t *dst = xp + (size_t)g0 * KP;
         const int32_t *src[GEMM_NT];
         for (int m = 0; m < nt; m++)
-            src[m] = (const int32_t *)(base + (size_t)(tok ? tok[g0 + m] : g0 + m) * K);
+            src[m] = (const int32_t *)(base + (size_t)(tok ? tok[g0 + m] : g0 + m) * stride);
         for (int kp = 0; kp < KP; kp++) {
             int32_t *d = dst + (size_t)kp * GEMM_NT;
             for (int m = 0; m < nt; m++) d[m] = src[m][kp];
             for (int m = nt; m < GEMM_NT; m++) d[m] = 0;
         }
     }
+}
+
+static inline void gemm_pack_x(const int16_t *base, const int *tok, int n, int K, int32_t *xp) {
+    gemm_pack_xs(base, tok, n, K, K, xp);
 }
 
 /* out[m][r] = the strip's 16 rows against n tokens packed by gemm_pack_x (xp: the first

@@ -95,5 +95,9 @@ int hs_phase2_gemm(const job_t *j, int ai, int u0, int u1);
 /* The same for the K-quants and IQ4_XS (moe_kgemm.h): whole strips of 16 rows, else -1. */
 int hs_phase1_kgemm(const job_t *j, int ai, int u0, int u1);
 int hs_phase2_kgemm(const job_t *j, int ai, int u0, int u1);
+/* FP8 on bf16 tiles (HS_FP8_BF16 builds; else -1): whole strips of 4 quads, groups of G % 16
+ * == 0 columns, else -1. */
+int hs_phase1_fp8(const job_t *j, int ai, int u0, int u1);
+int hs_phase2_fp8(const job_t *j, int ai, int u0, int u1);
 
 #endif

@@ -306,6 +306,13 @@ static void phase_item(void *ctx, int c) {
             (arg->phase == 1 ? hs_phase1_gemm(j, ai, u0, u1) : hs_phase2_gemm(j, ai, u0, u1)) == 0)
             return;
     }
+    /* FP8 on the bf16 tiles (moe_prefill.c), where the build has AVX512-BF16 */
+    if (HS_FP8_BF16 && jfmt(j, arg->phase) == F_FP8) {
+        const int ai = u0 / ((arg->phase == 1 ? j->I : j->H) / unit_rows(F_FP8));
+        if (gemm_worth(j->act_cnt[ai]) &&
+            (arg->phase == 1 ? hs_phase1_fp8(j, ai, u0, u1) : hs_phase2_fp8(j, ai, u0, u1)) == 0)
+            return;
+    }
     /* the K-quants, IQ4_XS / IQ4_NL and grouped int8: their tiles (moe_kgemm.h) */
     if (kg_group(jfmt(j, arg->phase), jg(j, arg->phase)) > 0) {
         const int ai = u0 / ((arg->phase == 1 ? j->I : j->H) / unit_rows(jfmt(j, arg->phase)));
@@ -362,7 +369,8 @@ static int phase_rc(const job_t *j, int phase) {
     /* the K-quants' strips, where an expert meets enough pairs and its rows hold whole ones
      * (decode keeps its items as they were) */
     const int su = GEMM_ROWS / R;
-    if (kg_group(fmt, jg(j, phase)) == 0 || per % su != 0) return rc;
+    const int tiles = kg_group(fmt, jg(j, phase)) > 0 || (fmt == F_FP8 && HS_FP8_BF16);
+    if (!tiles || per % su != 0) return rc;
     int most = 0;
     for (int a = 0; a < j->n_active; a++) most = j->act_cnt[a] > most ? j->act_cnt[a] : most;
     return gemm_worth(most) ? (rc + su - 1) / su * su : rc;

@@ -337,3 +337,231 @@ int hetserve_amx_ready(void) {
     return 0;
 #endif
 }
+
+/* ---- FP8 experts on bf16 tiles (AVX512-BF16 + GFNI builds) ----
+ *
+ * The row kernel (quad_fp8_bf16) converts each 64 weights to bf16 again for every two pairs; at
+ * prefill an expert's strip of 16 rows is converted once into the int16 tiles' panel layout
+ * ([K / 2][16 rows][2] bf16: the e4m3 bits moved by the same GFNI affine ops, exact, value x
+ * 2^-120) and met by all its pairs, 12 at a time: per input pair one vdpbf16ps per token for
+ * each of the activation row's two bf16 halves (hi, lo: bf16_rows), into fp32 lanes, one per
+ * row. Per group of G inputs the lanes are scaled by the rows' group scales and added up, then
+ * the same epilogue as the row kernels' (times the activation row's scale, bias, gate). The
+ * fp32 sums run in another order than the row kernel's (lanes per row here, per input there):
+ * results within fp32 rounding of it, not the same bits (tests/moe/test_fp8_tiles.py). */
+#if HS_FP8_BF16
+
+/* The 4 FP8 quads q[0..3] ([K / 16][4][16] e4m3 each) as bf16 in panel [K / 2][16][2]. */
+static void fp8_pack(const uint8_t *const q[4], int K, int16_t *panel) {
+    const __m128i ahi = _mm_set1_epi64x(FP8_BF16_HI), alo = _mm_set1_epi64x(FP8_BF16_LO);
+    for (int c = 0; c < K / 16; c++) {
+        int16_t *dst = panel + (size_t)c * 8 * 2 * GEMM_ROWS;
+        for (int j = 0; j < 4; j++) {
+            __m256i r[4];
+            for (int x = 0; x < 4; x++) {
+                const __m128i v = _mm_loadu_si128((const __m128i *)(q[j] + 64 * (size_t)c + 16 * x));
+                const __m128i h = _mm_gf2p8affine_epi64_epi8(v, ahi, 0);
+                const __m128i l = _mm_gf2p8affine_epi64_epi8(v, alo, 0);
+                r[x] = _mm256_set_m128i(_mm_unpackhi_epi8(l, h), _mm_unpacklo_epi8(l, h));
+            }
+            gemm_panel_put(r, j, dst);
+        }
+    }
+}
+
+/* c[m][0..15] += sum over input pairs [kp0, kp1) of panel[kp][row] . (token m's hi pair +
+ * its lo pair), fp32, for NT <= GEMM_NT tokens packed by gemm_pack_xs (hi in xh, lo in xl). */
+static inline __attribute__((always_inline)) void fp8_tile(const int16_t *panel, int kp0,
+                                                           int kp1, const int32_t *xh,
+                                                           const int32_t *xl, float *const *c,
+                                                           const int NT) {
+    __m512 ah[GEMM_NT], al[GEMM_NT];
+#pragma GCC unroll 12
+    for (int m = 0; m < NT; m++) ah[m] = _mm512_loadu_ps(c[m]), al[m] = _mm512_setzero_ps();
+    for (int kp = kp0; kp < kp1; kp++) {
+        const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + (size_t)kp * 2 * GEMM_ROWS);
+        const int32_t *hk = xh + (size_t)kp * GEMM_NT, *lk = xl + (size_t)kp * GEMM_NT;
+#pragma GCC unroll 12
+        for (int m = 0; m < NT; m++) {
+            ah[m] = _mm512_dpbf16_ps(ah[m], w, (__m512bh)_mm512_set1_epi32(hk[m]));
+            al[m] = _mm512_dpbf16_ps(al[m], w, (__m512bh)_mm512_set1_epi32(lk[m]));
+        }
+    }
+#pragma GCC unroll 12
+    for (int m = 0; m < NT; m++) _mm512_storeu_ps(c[m], _mm512_add_ps(ah[m], al[m]));
+}
+
+static void fp8_tile_n(const int16_t *panel, int kp0, int kp1, const int32_t *xh,
+                       const int32_t *xl, float *const *c, int n) {
+    switch (n) {
+#define HS_N(v) case v: fp8_tile(panel, kp0, kp1, xh, xl, c, v); break;
+    HS_N(1) HS_N(2) HS_N(3) HS_N(4) HS_N(5) HS_N(6)
+    HS_N(7) HS_N(8) HS_N(9) HS_N(10) HS_N(11) HS_N(12)
+#undef HS_N
+    default: break;
+    }
+}
+
+/* out[m][r] = sum over groups g of sc[g][r] * (the strip's row r against token m over group g)
+ * for n tokens packed from the item's first (xh / xl at the block's first token's group); acc:
+ * scratch [n][16] fp32. */
+static void fp8_strip(const int16_t *panel, int K, int G, const float *sc, const int32_t *xh,
+                      const int32_t *xl, int n, float *acc, float *out) {
+    for (int i = 0; i < n * GEMM_ROWS; i++) out[i] = 0.0f;
+    for (int g = 0; g < K / G; g++) {
+        for (int i = 0; i < n * GEMM_ROWS; i++) acc[i] = 0.0f;
+        for (int k0 = g * G; k0 < (g + 1) * G; k0 += GEMM_KC) {
+            const int k1 = k0 + GEMM_KC < (g + 1) * G ? k0 + GEMM_KC : (g + 1) * G;
+            for (int m0 = 0; m0 < n; m0 += GEMM_NT) {
+                const int nt = n - m0 < GEMM_NT ? n - m0 : GEMM_NT;
+                float *c[GEMM_NT];
+                for (int m = 0; m < nt; m++) c[m] = acc + (size_t)(m0 + m) * GEMM_ROWS;
+                fp8_tile_n(panel, k0 / 2, k1 / 2, xh + (size_t)m0 * (K / 2),
+                           xl + (size_t)m0 * (K / 2), c, nt);
+            }
+        }
+        const __m512 s = _mm512_loadu_ps(sc + (size_t)g * GEMM_ROWS);
+        for (int m = 0; m < n; m++) {
+            float *o = out + (size_t)m * GEMM_ROWS;
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(acc + (size_t)m * GEMM_ROWS), s,
+                                                _mm512_loadu_ps(o)));
+        }
+    }
+}
+
+/* The strip's group scales [K / G][16] from its 4 quads' ([K / G][4] each, sq[j]). */
+static void fp8_scales(const float *const sq[4], int ng, float *sc) {
+    for (int g = 0; g < ng; g++)
+        for (int j = 0; j < 4; j++)
+            for (int r = 0; r < 4; r++) sc[(size_t)g * GEMM_ROWS + 4 * j + r] = sq[j][4 * g + r];
+}
+
+/* Scratch of one FP8 item: panels (2), strip scales (2), the pairs' packed hi and lo rows,
+ * the block's fp32 sums and outputs. */
+typedef struct {
+    int16_t *panel[2];
+    float *sc[2], *acc, *out[2];
+    int32_t *xh, *xl;
+    char *buf;
+} fp8_scratch_t;
+
+static int fp8_scratch(fp8_scratch_t *s, int K, int G, int cnt) {
+    const size_t panel = (size_t)K * GEMM_ROWS * 2, scb = (size_t)(K / G) * GEMM_ROWS * 4;
+    const size_t xp = (gemm_xp_bytes(cnt, K) + 63) / 64 * 64;
+    const size_t sums = (size_t)PB * GEMM_ROWS * 4;
+    s->buf = aligned_alloc(64, 2 * panel + 2 * ((scb + 63) / 64 * 64) + 2 * xp + 3 * sums);
+    if (s->buf == NULL) return -1;
+    char *p = s->buf;
+    s->panel[0] = (int16_t *)p, p += panel;
+    s->panel[1] = (int16_t *)p, p += panel;
+    s->sc[0] = (float *)p, p += (scb + 63) / 64 * 64;
+    s->sc[1] = (float *)p, p += (scb + 63) / 64 * 64;
+    s->xh = (int32_t *)p, p += xp;
+    s->xl = (int32_t *)p, p += xp;
+    s->acc = (float *)p, p += sums;
+    s->out[0] = (float *)p, p += sums;
+    s->out[1] = (float *)p;
+    return 0;
+}
+
+int hs_phase1_fp8(const job_t *j, int ai, int u0, int u1) {
+    const int H = j->H, I = j->I, per = I / 4, G = jg(j, 1);
+    if (G % 16 || (u0 - ai * per) % 4 || (u1 - u0) % 4) return -1;
+    const int e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
+    const uint8_t *w = (const uint8_t *)j->w13 + (size_t)e * 2 * I * H;
+    const float *s13 = (const float *)j->s13 + (size_t)e * 2 * I * (H / G);
+    const float *b13 = j->b13 ? j->b13 + (size_t)e * 2 * I : NULL;
+    fp8_scratch_t s;
+    if (fp8_scratch(&s, H, G, cnt) != 0) return -1;
+    /* each pair's row: [hi H | lo H] bf16 (bf16_rows) */
+    gemm_pack_xs(j->x16, j->tok + off, cnt, H, 2 * H, s.xh);
+    gemm_pack_xs(j->x16 + H, j->tok + off, cnt, H, 2 * H, s.xl);
+    for (int v = u0 - ai * per; v < u1 - ai * per; v += 4) { /* strip: gate rows 4v .. 4v + 15 */
+        const int i0 = 4 * v;
+        const uint8_t *gq[4], *uq[4];
+        const float *gs[4], *us[4];
+        for (int q = 0; q < 4; q++) {
+            const size_t gr = (size_t)(2 * (v + q)) * 4; /* the gate quad's first row */
+            gq[q] = w + gr * H, uq[q] = gq[q] + (size_t)4 * H;
+            gs[q] = s13 + gr * (H / G), us[q] = gs[q] + (size_t)4 * (H / G);
+        }
+        fp8_pack(gq, H, s.panel[0]);
+        fp8_pack(uq, H, s.panel[1]);
+        fp8_scales(gs, H / G, s.sc[0]);
+        fp8_scales(us, H / G, s.sc[1]);
+        for (int p0 = 0; p0 < cnt; p0 += PB) {
+            const int n = cnt - p0 < PB ? cnt - p0 : PB;
+            const size_t xo = (size_t)p0 * (H / 2);
+            fp8_strip(s.panel[0], H, G, s.sc[0], s.xh + xo, s.xl + xo, n, s.acc, s.out[0]);
+            fp8_strip(s.panel[1], H, G, s.sc[1], s.xh + xo, s.xl + xo, n, s.acc, s.out[1]);
+            for (int m = 0; m < n; m++) {
+                const int p = off + p0 + m;
+                const float xs = j->xsc[j->tok[p]];
+                float gl[GEMM_ROWS], ul[GEMM_ROWS], wl[GEMM_ROWS];
+                for (int r = 0; r < GEMM_ROWS; r++) {
+                    /* the row kernel's steps: the sum times the row's scale, plus the bias */
+                    const int i = i0 + r;
+                    gl[r] = s.out[0][m * GEMM_ROWS + r] * xs + (b13 ? b13[i] : 0.0f);
+                    ul[r] = s.out[1][m * GEMM_ROWS + r] * xs + (b13 ? b13[I + i] : 0.0f);
+                    wl[r] = j->pw[p];
+                }
+                gate_lanes(j, gl, ul, wl, j->a + (size_t)p * I + i0, GEMM_ROWS);
+            }
+        }
+    }
+    free(s.buf);
+    return 0;
+}
+
+int hs_phase2_fp8(const job_t *j, int ai, int u0, int u1) {
+    const int H = j->H, I = j->I, per = H / 4, G = jg(j, 2);
+    if (G % 16 || (u0 - ai * per) % 4 || (u1 - u0) % 4) return -1;
+    const int e = j->act_e[ai], off = j->act_off[ai], cnt = j->act_cnt[ai];
+    const uint8_t *w = (const uint8_t *)j->w2 + (size_t)e * H * I;
+    const float *s2 = (const float *)j->s2 + (size_t)e * H * (I / G);
+    const float *b2 = j->b2 ? j->b2 + (size_t)e * H : NULL;
+    fp8_scratch_t s;
+    if (fp8_scratch(&s, I, G, cnt) != 0) return -1;
+    const int16_t *a = j->a16 + (size_t)off * 2 * I; /* the expert's pairs, [hi I | lo I] each */
+    gemm_pack_xs(a, NULL, cnt, I, 2 * I, s.xh);
+    gemm_pack_xs(a + I, NULL, cnt, I, 2 * I, s.xl);
+    for (int v = u0 - ai * per; v < u1 - ai * per; v += 4) { /* strip: rows 4v .. 4v + 15 */
+        const int n0 = 4 * v;
+        const uint8_t *q[4];
+        const float *sq[4];
+        for (int k = 0; k < 4; k++) {
+            const size_t r = (size_t)(v + k) * 4;
+            q[k] = w + r * I, sq[k] = s2 + r * (I / G);
+        }
+        fp8_pack(q, I, s.panel[0]);
+        fp8_scales(sq, I / G, s.sc[0]);
+        for (int p0 = 0; p0 < cnt; p0 += PB) {
+            const int n = cnt - p0 < PB ? cnt - p0 : PB;
+            const size_t xo = (size_t)p0 * (I / 2);
+            fp8_strip(s.panel[0], I, G, s.sc[0], s.xh + xo, s.xl + xo, n, s.acc, s.out[0]);
+            for (int m = 0; m < n; m++) {
+                const int p = off + p0 + m;
+                const float as = j->asc[p], pw = j->pw[p];
+                float *y = j->y + (size_t)p * H + n0;
+                for (int r = 0; r < GEMM_ROWS; r++)
+                    y[r] = s.out[0][m * GEMM_ROWS + r] * as + (b2 ? pw * b2[n0 + r] : 0.0f);
+            }
+        }
+    }
+    free(s.buf);
+    return 0;
+}
+
+#else
+
+int hs_phase1_fp8(const job_t *j, int ai, int u0, int u1) {
+    (void)j, (void)ai, (void)u0, (void)u1;
+    return -1;
+}
+
+int hs_phase2_fp8(const job_t *j, int ai, int u0, int u1) {
+    (void)j, (void)ai, (void)u0, (void)u1;
+    return -1;
+}
+
+#endif
