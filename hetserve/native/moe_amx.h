@@ -204,7 +204,7 @@ static inline void amx_strip(const int8_t *panel, int K, const int8_t *hi, const
  * packed for the AVX tiles (xp: gemm_pack_x, or gemm_pack_x8 where a8). */
 typedef struct {
     int on;
-    int a8; /* W8A8 rows on the AVX-512 byte tiles (gemm_strip8) */
+    int a8; /* W8A8 rows on the AVX-512 byte tiles (gemm_strip_any) */
     int8_t *hi;
     uint8_t *lo;
     int32_t *xp;
@@ -321,7 +321,7 @@ static inline void strip_sums(const amx_rows_t *a, const int16_t *panel, int K, 
 #endif
 #ifdef HS_AVX512
     if (a->a8) {
-        gemm_strip8((const int8_t *)panel, K, a->xp + (size_t)p0 * (K / 4), n, isum, out);
+        gemm_strip_any(panel, K, a->xp + (size_t)p0 * (K / 4), n, isum, out, 1);
         return;
     }
 #endif

@@ -36,6 +36,7 @@
 
 #define GEMM_ROWS 16 /* rows per panel (a strip): 4 quads */
 #define GEMM_KC 512  /* inputs per microkernel call (the panel chunk: 16 KiB, L1) */
+#define GEMM_KC8 1024 /* the same for W8A8's byte panel (16 KiB too) */
 #ifdef HS_AVX512
 #define GEMM_NT 12 /* tokens per microkernel call */
 #else
@@ -189,28 +190,6 @@ static inline void gemm_pack_x(const int16_t *base, const int *tok, int n, int K
     gemm_pack_xs(base, tok, n, K, K, xp);
 }
 
-/* out[m][r] = the strip's 16 rows against n tokens packed by gemm_pack_x (xp: the first
- * token's group): exactly quad_i8's sums, in fp32 (the sum of each KBLOCK inputs' int32 sum, in
- * order). The panel is read a GEMM_KC chunk at a time for all n tokens, so the chunk stays in
- * L1 while the tokens' sums wait in isum (scratch [n][16] int32). */
-static inline void gemm_strip(const int16_t *panel, int K, const int32_t *xp, int n,
-                              int32_t *isum, float *out) {
-    for (int i = 0; i < n * GEMM_ROWS; i++) out[i] = 0.0f;
-    for (int kb = 0; kb < K; kb += KBLOCK) {
-        const int ke = kb + KBLOCK < K ? kb + KBLOCK : K;
-        memset(isum, 0, sizeof(int32_t) * GEMM_ROWS * (size_t)n);
-        for (int k0 = kb; k0 < ke; k0 += GEMM_KC) {
-            const int k1 = k0 + GEMM_KC < ke ? k0 + GEMM_KC : ke;
-            for (int m0 = 0; m0 < n; m0 += GEMM_NT) {
-                const int nt = n - m0 < GEMM_NT ? n - m0 : GEMM_NT;
-                int32_t *c[GEMM_NT];
-                for (int m = 0; m < nt; m++) c[m] = isum + (size_t)(m0 + m) * GEMM_ROWS;
-                gemm_tile_n(panel, k0 / 2, k1 / 2, xp + (size_t)m0 * (K / 2), c, nt);
-            }
-        }
-        for (int i = 0; i < n * GEMM_ROWS; i++) out[i] += (float)isum[i];
-    }
-}
 
 
 #ifdef HS_AVX512
@@ -230,7 +209,6 @@ static inline void gemm_strip(const int16_t *panel, int K, const int32_t *xp, in
  * moe_amx.h), followed by the corrections [K / KBLOCK rounded up][16] int32; the activations
  * per group of GEMM_NT tokens [K / 4][GEMM_NT] int32 (a token's 4 bytes). */
 
-#define GEMM_KC8 1024 /* inputs per a8 microkernel call: a 16 KiB panel chunk */
 
 /* Bytes of an a8 panel of K inputs with its corrections. */
 static inline size_t gemm_panel8_bytes(int K) {
@@ -309,32 +287,54 @@ static inline void gemm_pack_x8(const int16_t *base, const int *tok, int n, int 
     }
 }
 
-/* gemm_strip for an a8 panel (gemm_panel8_corr done) and n tokens packed by gemm_pack_x8 (xp:
- * the first token's group): the same sums, the same float steps. */
-static inline void gemm_strip8(const int8_t *panel, int K, const int32_t *xp, int n,
-                               int32_t *isum, float *out) {
-    const int32_t *corr = (const int32_t *)(panel + (size_t)K * GEMM_ROWS);
+#endif /* HS_AVX512 */
+
+
+/* out[m][r] = the strip's 16 rows against n tokens packed by gemm_pack_x (xp: the first
+ * token's group): exactly quad_i8's sums, in fp32 (the sum of each KBLOCK inputs' int32 sum, in
+ * order). The panel is read a GEMM_KC chunk at a time for all n tokens, so the chunk stays in
+ * L1 while the tokens' sums wait in isum (scratch [n][16] int32). a8 (AVX-512 only): a byte
+ * panel with its corrections (gemm_panel8_corr) and tokens packed by gemm_pack_x8, GEMM_KC8
+ * inputs a chunk, each KBLOCK's corrections taken off before its float add: the same sums, the
+ * same float steps. */
+static inline void gemm_strip_any(const void *panel, int K, const int32_t *xp, int n,
+                                  int32_t *isum, float *out, int a8) {
+    const int per = a8 ? 4 : 2; /* inputs per packed word */
+    const int kc = a8 ? GEMM_KC8 : GEMM_KC;
+    const int32_t *corr =
+        a8 ? (const int32_t *)((const int8_t *)panel + (size_t)K * GEMM_ROWS) : NULL;
     for (int i = 0; i < n * GEMM_ROWS; i++) out[i] = 0.0f;
     for (int kb = 0, b = 0; kb < K; kb += KBLOCK, b++) {
         const int ke = kb + KBLOCK < K ? kb + KBLOCK : K;
         memset(isum, 0, sizeof(int32_t) * GEMM_ROWS * (size_t)n);
-        for (int k0 = kb; k0 < ke; k0 += GEMM_KC8) {
-            const int k1 = k0 + GEMM_KC8 < ke ? k0 + GEMM_KC8 : ke;
+        for (int k0 = kb; k0 < ke; k0 += kc) {
+            const int k1 = k0 + kc < ke ? k0 + kc : ke;
             for (int m0 = 0; m0 < n; m0 += GEMM_NT) {
                 const int nt = n - m0 < GEMM_NT ? n - m0 : GEMM_NT;
                 int32_t *c[GEMM_NT];
                 for (int m = 0; m < nt; m++) c[m] = isum + (size_t)(m0 + m) * GEMM_ROWS;
-                gemm_tile8_n(panel, k0 / 4, k1 / 4, xp + (size_t)m0 * (K / 4), c, nt);
+                const int32_t *xg = xp + (size_t)m0 * (K / per);
+#ifdef HS_AVX512
+                if (a8) {
+                    gemm_tile8_n((const int8_t *)panel, k0 / 4, k1 / 4, xg, c, nt);
+                    continue;
+                }
+#endif
+                gemm_tile_n((const int16_t *)panel, k0 / 2, k1 / 2, xg, c, nt);
             }
         }
-        const int32_t *cb = corr + GEMM_ROWS * b;
         for (int m = 0; m < n; m++)
             for (int r = 0; r < GEMM_ROWS; r++) {
-                const uint32_t v = (uint32_t)isum[m * GEMM_ROWS + r] - (uint32_t)cb[r];
+                const uint32_t v = (uint32_t)isum[m * GEMM_ROWS + r] -
+                                   (corr ? (uint32_t)corr[GEMM_ROWS * b + r] : 0u);
                 out[m * GEMM_ROWS + r] += (float)(int32_t)v;
             }
     }
 }
-#endif /* HS_AVX512 */
+
+static inline void gemm_strip(const int16_t *panel, int K, const int32_t *xp, int n,
+                              int32_t *isum, float *out) {
+    gemm_strip_any(panel, K, xp, n, isum, out, 0);
+}
 
 #endif

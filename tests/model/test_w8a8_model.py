@@ -14,6 +14,7 @@ from hetserve import LLM, SamplingParams
 from hetserve.layers.int8_linear import Int8Linear
 from hetserve.moe.cpu_native import F_A8
 from hetserve.native import native_unavailable_reason
+from tests.model.test_hybrid_int8 import _chosen
 from tests.model.test_parity import random_ids
 
 PROMPTS = [random_ids(40, seed=s) for s in (3, 4, 5, 6)]
@@ -26,11 +27,6 @@ pytestmark = pytest.mark.skipif(
     native_unavailable_reason() is not None,
     reason=f"W8A8 runs on the native kernels: {native_unavailable_reason()}",
 )
-
-
-def _chosen(out):
-    ids, entries = out.prompt_token_ids, out.prompt_logprobs
-    return torch.tensor([e[t].logprob for e, t in zip(entries[1:], ids[1:], strict=True)])
 
 
 def _mean_change(a, b) -> float:
