@@ -208,8 +208,7 @@ def _experts(mlp: nn.Module, out: _Layer, keep: list) -> bool:
     out.ffn, out.num_experts, out.top_k, out.renorm = FFN_EXPERTS, b.num_experts, cfg.top_k, renorm
     out.route_scale = 1.0 if renorm and cfg.scale_only_if_not_normed else cfg.routed_scaling_factor
     out.router = _ptr(gate.weight)
-    # the format as hetserve_moe_new took it (W8A8's flag included: prefill and decode alike)
-    out.efmt, out.einter, out.egroup = b.fmt | b._a8(), b.inter, b.group_size
+    out.efmt, out.einter, out.egroup = b.kernel_fmt(), b.inter, b.group_size
     out.ethreads = b._threads or 0
     out.eact, out.ealpha, out.elimit = b._act
     out.w13, out.s13, out.w2, out.s2 = b._ptrs

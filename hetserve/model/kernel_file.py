@@ -114,10 +114,8 @@ class MappedKernelFile:
             st = os.fstat(f.fileno())
             size = st.st_size
             self._stamp = self._stamp_path(st)
-            # verified before, and not written since: map it without reading it
-            self.verified_before = verify and remember and self._stamp.is_file()
-            if self.verified_before:
-                self.verify = False
+            if verify and remember and self._stamp.is_file():
+                self.verify = False  # verified before, not written since: mapped, not read
             offset, length = parse_prefix(f.read(PREFIX.size), size, where)
             f.seek(offset)
             self.header = parse_header(f.read(length), size, where)

@@ -130,11 +130,13 @@ class _NativeExperts(_CPUExperts):
         format and group size (set by _load before the weights are laid out)."""
         return tuple(padded_size(self.fmt, self.group_size, n) for n in (self.hidden, self.inter))
 
-    def _a8(self) -> int:
-        """F_A8 where W8A8 was asked for and the weights are int8 with a scale per row: the byte
-        tiles' case. Grouped int8 (GGUF q8_0) keeps int16 activations: its tiles would only
-        round more, no faster."""
-        return self._act_flag if self.fmt == F_I8 and not self.group_size else 0
+    def kernel_fmt(self) -> int:
+        """The format the kernels take: with F_A8 where W8A8 was asked for and the weights are
+        int8 with a scale per row (the byte tiles' case; grouped int8, GGUF q8_0, keeps int16
+        activations: its tiles would only round more, no faster). Every caller of the kernels
+        (this handle, the fused decode step) passes this, so prefill and decode agree."""
+        a8 = self._act_flag if self.fmt == F_I8 and not self.group_size else 0
+        return self.fmt | a8
 
     def _bind(self, lib: ctypes.CDLL | None = None) -> None:
         """Makes the C handle on this layer's experts (hetserve_moe_new: the 14 arguments that
@@ -142,7 +144,7 @@ class _NativeExperts(_CPUExperts):
         pass another ISA's build)."""
         fn = kernel if lib is None else lambda name: getattr(lib, name)
         handle = fn("hetserve_moe_new")(
-            self.fmt | self._a8(), self.num_experts, self.hidden, self.inter, self.group_size,
+            self.kernel_fmt(), self.num_experts, self.hidden, self.inter, self.group_size,
             *self._ptrs, *self._bias_ptrs, *self._act,
         )  # fmt: skip
         if not handle:

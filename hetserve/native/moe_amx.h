@@ -204,7 +204,7 @@ static inline void amx_strip(const int8_t *panel, int K, const int8_t *hi, const
  * packed for the AVX tiles (xp: gemm_pack_x, or gemm_pack_x8 where a8). */
 typedef struct {
     int on;
-    int a8; /* W8A8 rows on the AVX-512 byte tiles (gemm_strip_any) */
+    int a8; /* W8A8 rows on the AVX-512 byte tiles (gemm_strip) */
     int8_t *hi;
     uint8_t *lo;
     int32_t *xp;
@@ -287,8 +287,7 @@ static inline void amx_item_end(amx_rows_t *a) {
 }
 
 /* The strip's panel for the tiles a's rows meet (AMX's B tiles, the byte tiles' with their
- * corrections, or the int16 tiles'); room for K * 16 int16 (moe_gemm.h's gemm_panel8_bytes
- * fits in it). */
+ * corrections: K * 16 bytes and 64 per KBLOCK, or the int16 tiles'); room for K * 16 int16. */
 static inline void strip_pack(const amx_rows_t *a, const int8_t *const q[4], int K, int16_t *panel) {
 #ifdef HS_AMX
     if (a->on) {
@@ -319,13 +318,10 @@ static inline void strip_sums(const amx_rows_t *a, const int16_t *panel, int K, 
         return;
     }
 #endif
-#ifdef HS_AVX512
-    if (a->a8) {
-        gemm_strip_any(panel, K, a->xp + (size_t)p0 * (K / 4), n, isum, out, 1);
-        return;
-    }
-#endif
-    gemm_strip(panel, K, a->xp + (size_t)p0 * (K / 2), n, isum, out);
+    /* the byte tiles pack 4 inputs a word, the int16 ones 2; each call its own copy (a8 a
+     * constant: a run-time one left the W8A8 layer ~4% slower) */
+    if (a->a8) gemm_strip(panel, K, a->xp + (size_t)p0 * (K / 4), n, isum, out, 1);
+    else gemm_strip(panel, K, a->xp + (size_t)p0 * (K / 2), n, isum, out, 0);
 }
 
 #endif

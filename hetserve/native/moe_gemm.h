@@ -94,10 +94,6 @@ static inline void gemm_pack_n(const int8_t *const q[4], int K, int16_t *panel,
     }
 }
 
-static inline void gemm_pack(const int8_t *const q[4], int K, int16_t *panel) {
-    gemm_pack_n(q, K, panel, NULL);
-}
-
 /* c[m][0..15] += sum over input pairs kp in [kp0, kp1) of panel[kp][row] . (token m's pair
  * kp), for NT <= GEMM_NT tokens (a compile-time constant where inlined), modulo 2^32; the
  * tokens' activations packed by gemm_pack_x: token m's pair kp at xg[kp * GEMM_NT + m], one
@@ -190,8 +186,6 @@ static inline void gemm_pack_x(const int16_t *base, const int *tok, int n, int K
     gemm_pack_xs(base, tok, n, K, K, xp);
 }
 
-
-
 #ifdef HS_AVX512
 /* ---- W8A8 (moe_job.h's F_A8): int8 activations, bytes times bytes ----
  *
@@ -208,12 +202,6 @@ static inline void gemm_pack_x(const int16_t *base, const int *tok, int n, int K
  * Layouts: the panel is AMX's B tile layout, [K / 4][16 rows][4 inputs] int8 (amx_pack in
  * moe_amx.h), followed by the corrections [K / KBLOCK rounded up][16] int32; the activations
  * per group of GEMM_NT tokens [K / 4][GEMM_NT] int32 (a token's 4 bytes). */
-
-
-/* Bytes of an a8 panel of K inputs with its corrections. */
-static inline size_t gemm_panel8_bytes(int K) {
-    return (size_t)K * GEMM_ROWS + (size_t)((K + KBLOCK - 1) / KBLOCK) * GEMM_ROWS * 4;
-}
 
 /* The corrections of an a8 panel: 128 * the sum of each row's weights per KBLOCK, written
  * after the panel. */
@@ -289,16 +277,17 @@ static inline void gemm_pack_x8(const int16_t *base, const int *tok, int n, int 
 
 #endif /* HS_AVX512 */
 
-
 /* out[m][r] = the strip's 16 rows against n tokens packed by gemm_pack_x (xp: the first
  * token's group): exactly quad_i8's sums, in fp32 (the sum of each KBLOCK inputs' int32 sum, in
  * order). The panel is read a GEMM_KC chunk at a time for all n tokens, so the chunk stays in
- * L1 while the tokens' sums wait in isum (scratch [n][16] int32). a8 (AVX-512 only): a byte
- * panel with its corrections (gemm_panel8_corr) and tokens packed by gemm_pack_x8, GEMM_KC8
- * inputs a chunk, each KBLOCK's corrections taken off before its float add: the same sums, the
- * same float steps. */
-static inline void gemm_strip_any(const void *panel, int K, const int32_t *xp, int n,
-                                  int32_t *isum, float *out, int a8) {
+ * L1 while the tokens' sums wait in isum (scratch [n][16] int32). a8 (set on AVX-512 only): a
+ * byte panel with its corrections (gemm_panel8_corr) and tokens packed by gemm_pack_x8,
+ * GEMM_KC8 inputs a chunk, each KBLOCK's corrections taken off before its float add: the same
+ * sums, the same float steps. */
+static inline __attribute__((always_inline)) void gemm_strip(const void *panel, int K,
+                                                             const int32_t *xp, int n,
+                                                             int32_t *isum, float *out,
+                                                             const int a8) {
     const int per = a8 ? 4 : 2; /* inputs per packed word */
     const int kc = a8 ? GEMM_KC8 : GEMM_KC;
     const int32_t *corr =
@@ -330,11 +319,6 @@ static inline void gemm_strip_any(const void *panel, int K, const int32_t *xp, i
                 out[m * GEMM_ROWS + r] += (float)(int32_t)v;
             }
     }
-}
-
-static inline void gemm_strip(const int16_t *panel, int K, const int32_t *xp, int n,
-                              int32_t *isum, float *out) {
-    gemm_strip_any(panel, K, xp, n, isum, out, 0);
 }
 
 #endif

@@ -300,26 +300,21 @@ static void phase_item(void *ctx, int c) {
     const job_t *j = arg->job;
     int u0, u1;
     item_units(arg, c, &u0, &u1);
-    if (jfmt(j, arg->phase) == F_I8 && jg(j, arg->phase) == 0) { /* prefill: many pairs: tiles */
-        const int ai = u0 / ((arg->phase == 1 ? j->I : j->H) / unit_rows(F_I8));
-        if (gemm_worth_i8(j->act_cnt[ai]) &&
-            (arg->phase == 1 ? hs_phase1_gemm(j, ai, u0, u1) : hs_phase2_gemm(j, ai, u0, u1)) == 0)
-            return;
-    }
-    /* FP8 on the bf16 tiles (moe_prefill.c), where the build has AVX512-BF16 */
-    if (HS_FP8_BF16 && jfmt(j, arg->phase) == F_FP8) {
-        const int ai = u0 / ((arg->phase == 1 ? j->I : j->H) / unit_rows(F_FP8));
-        if (gemm_worth(j->act_cnt[ai]) &&
-            (arg->phase == 1 ? hs_phase1_fp8(j, ai, u0, u1) : hs_phase2_fp8(j, ai, u0, u1)) == 0)
-            return;
-    }
-    /* the K-quants, IQ4_XS / IQ4_NL and grouped int8: their tiles (moe_kgemm.h) */
-    if (kg_group(jfmt(j, arg->phase), jg(j, arg->phase)) > 0) {
-        const int ai = u0 / ((arg->phase == 1 ? j->I : j->H) / unit_rows(jfmt(j, arg->phase)));
-        const int done = gemm_worth(j->act_cnt[ai]) &&
-                         (arg->phase == 1 ? hs_phase1_kgemm(j, ai, u0, u1)
-                                          : hs_phase2_kgemm(j, ai, u0, u1)) == 0;
-        if (done) return;
+    /* prefill, an expert with many pairs: the GEMM tiles of its format (moe_prefill.c), if any:
+     * int8 with row scales, FP8 where the build has AVX512-BF16, and the K-quants, IQ4_XS /
+     * IQ4_NL and grouped int8 (moe_kgemm.h); a tile path out of memory leaves the rows */
+    {
+        const int fmt = jfmt(j, arg->phase), G = jg(j, arg->phase), p1 = arg->phase == 1;
+        const int ai = u0 / ((p1 ? j->I : j->H) / unit_rows(fmt)), cnt = j->act_cnt[ai];
+        int (*tiles)(const job_t *, int, int, int) = NULL;
+        int worth = gemm_worth(cnt);
+        if (fmt == F_I8 && G == 0)
+            tiles = p1 ? hs_phase1_gemm : hs_phase2_gemm, worth = gemm_worth_i8(cnt);
+        else if (HS_FP8_BF16 && fmt == F_FP8)
+            tiles = p1 ? hs_phase1_fp8 : hs_phase2_fp8;
+        else if (kg_group(fmt, G) > 0)
+            tiles = p1 ? hs_phase1_kgemm : hs_phase2_kgemm;
+        if (tiles != NULL && worth && tiles(j, ai, u0, u1) == 0) return;
     }
     /* one specialised copy of each phase per format */
 #define HS_PHASES(F) (arg->phase == 1 ? phase1(j, u0, u1, F) : phase2(j, u0, u1, F))

@@ -12,7 +12,7 @@ import torch
 
 from hetserve import LLM, SamplingParams
 from hetserve.layers.int8_linear import Int8Linear
-from hetserve.moe.cpu_native import F_A8
+from hetserve.moe.cpu_native import F_A8, F_I8
 from hetserve.native import native_unavailable_reason
 from tests.model.test_hybrid_int8 import _chosen
 from tests.model.test_parity import random_ids
@@ -46,7 +46,7 @@ def test_w8a8_within_the_stated_bound(tiny_model, family):
     linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
     assert linears and all("int8 activations" in repr(m) for m in linears)
     backends = [e._backend for _, e in model.routed_experts()]
-    assert backends and all(b._a8() == F_A8 for b in backends)
+    assert backends and all(b.kernel_fmt() == F_I8 | F_A8 for b in backends)
     w8a8 = llm.generate(prompt_token_ids=PROMPTS, sampling_params=PROMPT_LP)
     int16 = LLM(path, placement="all-int8").generate(
         prompt_token_ids=PROMPTS, sampling_params=PROMPT_LP

@@ -16,6 +16,7 @@ from torch import nn
 
 from hetserve import native
 from hetserve.layers.int8_linear import Int8Linear
+from hetserve.moe.cpu_native import F_I8
 from hetserve.moe.experts import ClampedSwiGLU, ExpertWeights, create_backend
 from hetserve.quant.quantize import quantize_int8_per_channel
 
@@ -195,7 +196,7 @@ def test_grouped_int8_keeps_int16_activations():
         b = create_backend(
             "cpu-int8", ExpertWeights(None, None, packed=packed), activation_bits=bits
         )
-        assert b.group_size == 32 and b._a8() == 0
+        assert b.group_size == 32 and b.kernel_fmt() == F_I8
         out.append(b.forward(x, tw, ids))
     assert torch.equal(out[0], out[1])
 
