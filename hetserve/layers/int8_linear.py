@@ -36,6 +36,7 @@ from torch import nn
 from hetserve.quant.quantize import quantize_int8_per_channel
 
 if TYPE_CHECKING:
+    from hetserve.quant.kernel_file import LinearLayout
     from hetserve.quant.packed import QMatrix
 
 # The native kernel's int8 format (F_I8 in hetserve/native/moe_job.h); a GGUF block type's
@@ -115,6 +116,47 @@ class Int8Linear(nn.Module):
             warnings.simplefilter("ignore")
             qw = torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0)
             self._packed = torch.ops.quantized.linear_prepack(qw, bias)
+
+    @classmethod
+    def from_layout(
+        cls, layout: LinearLayout, bias: torch.Tensor | None, activation_bits: int = 16
+    ) -> Int8Linear:
+        """The Int8Linear whose kernel bytes are `layout` as they are (a converted checkpoint's
+        mapped file: model/converted.py), read in place: what `kernel_layout()` gave when the
+        checkpoint was converted. Refuses (ModelLoadError, one line) a layout this build's
+        kernel would have shaped otherwise."""
+        from hetserve.errors import ModelLoadError
+        from hetserve.quant.layout import padded_size, round_up
+
+        if not _native_ok():
+            raise ModelLoadError("a kernel-layout linear needs the native kernels")
+        cols = padded_size(layout.fmt, layout.group, layout.in_features)
+        want = (round_up(layout.rows, 4) // 4, cols // 16, 4, 16)
+        if layout.fmt != _INT8 or layout.group or tuple(layout.w.shape) != want:
+            raise ModelLoadError(
+                f"a converted linear is laid out as {tuple(layout.w.shape)} (format "
+                f"{layout.fmt}), this build's kernel reads {want}; re-run hetserve convert"
+            )
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        residual = layout.rows != layout.out_features
+        self._act_flag = _A8 if activation_bits == 8 and not residual else 0
+        self.in_features, self.out_features = layout.in_features, layout.out_features
+        self._rows = layout.rows
+        self.nbytes = layout.rows * layout.in_features + layout.rows * 4
+        self.fmt, self.group, self.kind = _INT8, 0, "int8"
+        self._set_native(layout.w, layout.scale, None if bias is None else bias.float())
+        return self
+
+    def kernel_layout(self) -> LinearLayout:
+        """This linear's kernel bytes, for `hetserve convert` to store (int8 per row only)."""
+        if self.kernel != "native" or self.fmt != _INT8 or self.group:
+            raise ValueError(f"only a native per-row int8 linear has a stored layout ({self})")
+        from hetserve.quant.kernel_file import LinearLayout
+
+        return LinearLayout(fmt=self.fmt, group=self.group, in_features=self.in_features,
+                            out_features=self.out_features, rows=self._rows, w=self._q,
+                            scale=self._scale)  # fmt: skip
 
     def _native_layout(self, packed: QMatrix, bias: torch.Tensor | None) -> None:
         """The checkpoint's numbers in the kernel's quad layout (only bytes move)."""
@@ -225,6 +267,15 @@ def _fuse(module: nn.Module, activation_bits: int = 16) -> int:
         lins = [getattr(module, p, None) for p in parts]
         if not all(type(lin) is nn.Linear for lin in lins):
             continue
+        mapped = getattr(lins[0], "mapped_layout", None)  # the fused linear's stored bytes
+        if mapped is not None and all(getattr(lin, "mapped_layout", None) is mapped
+                                      for lin in lins):  # fmt: skip
+            bias = None if lins[0].bias is None else torch.cat([lin.bias for lin in lins])
+            setattr(module, fused_name, Int8Linear.from_layout(mapped, bias, activation_bits))
+            for p in parts:
+                setattr(module, p, None)
+            count += len(parts)
+            continue
         if len({lin.in_features for lin in lins}) != 1:
             continue
         if len({lin.bias is None for lin in lins}) != 1:
@@ -254,6 +305,16 @@ def _fuse(module: nn.Module, activation_bits: int = 16) -> int:
     return count
 
 
+def int8_linear(linear: nn.Linear, activation_bits: int = 16) -> Int8Linear:
+    """The Int8Linear of `linear`: from the bytes a converted checkpoint stored for it where the
+    loader handed them over (`mapped_layout`, model/converted.py: a kept-precise projection's
+    with its residual rows), else rounded from its weight (or its checkpoint matrix)."""
+    mapped = getattr(linear, "mapped_layout", None)
+    if mapped is not None:
+        return Int8Linear.from_layout(mapped, linear.bias, activation_bits)
+    return Int8Linear(linear, activation_bits=activation_bits)
+
+
 def kept_precise(parent: nn.Module, name: str) -> bool:
     """Whether `parent` keeps its linear `name` finer than int8 (`precise_projections`)."""
     return name in getattr(parent, "precise_projections", ())
@@ -266,6 +327,10 @@ def quantize_linears(module: nn.Module, activation_bits: int = 16) -> int:
     (fbgemm's 7-bit activations would undo the residual)."""
     count = _fuse(module, activation_bits)
     for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear) and hasattr(child, "mapped_layout"):
+            setattr(module, name, int8_linear(child, activation_bits))  # its stored bytes
+            count += 1
+            continue
         # A checkpoint's own quantized numbers (GGUF) are as precise as they get: kept as they are.
         if kept_precise(module, name) and not hasattr(child, "packed_weight"):
             if isinstance(child, nn.Linear) and _native_ok():
@@ -273,7 +338,7 @@ def quantize_linears(module: nn.Module, activation_bits: int = 16) -> int:
                 count += 1
             continue
         if isinstance(child, nn.Linear):
-            setattr(module, name, Int8Linear(child, activation_bits=activation_bits))
+            setattr(module, name, int8_linear(child, activation_bits))
             count += 1
         else:
             count += quantize_linears(child, activation_bits)

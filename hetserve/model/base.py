@@ -125,6 +125,12 @@ class CausalLM(nn.Module):
         `map_checkpoint_tensor`'s renaming; tiny checkpoints are written with it)."""
         return name
 
+    def published_value(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """Parameter `name`'s value as a checkpoint stores it: the inverse of what
+        `map_checkpoint_tensor` does to a dense non-expert value (`hetserve convert` writes the
+        rest of a model with it, so loading the output maps it back to the same numbers)."""
+        return value
+
     def moe_layers(self) -> list[SparseMoE]:
         return [m for m in self.modules() if isinstance(m, SparseMoE)]
 

@@ -376,7 +376,7 @@ def apply_dense_backends(model: CausalLM, plan: HybridPlan, activation_bits: int
     activations to `activation_bits` (MoEConfig's)."""
     from torch import nn
 
-    from hetserve.layers.int8_linear import Int8Linear, quantize_linears
+    from hetserve.layers.int8_linear import int8_linear, quantize_linears
     from hetserve.layers.moe import FusedExperts
 
     count = 0
@@ -389,11 +389,12 @@ def apply_dense_backends(model: CausalLM, plan: HybridPlan, activation_bits: int
         if isinstance(unit, nn.Linear):  # lm_head itself
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, attr, Int8Linear(unit, activation_bits=activation_bits))
+            setattr(parent, attr, int8_linear(unit, activation_bits))
             count += 1
         else:
             count += quantize_linears(unit, activation_bits)
     for module in model.modules():  # checkpoint matrices no int8 linear took (model/filler.py)
-        if isinstance(module, nn.Linear) and hasattr(module, "packed_weight"):
-            del module.packed_weight
+        for attr in ("packed_weight", "mapped_layout"):
+            if isinstance(module, nn.Linear) and hasattr(module, attr):
+                delattr(module, attr)
     return count

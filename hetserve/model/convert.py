@@ -8,6 +8,9 @@ and layout:
   (`quant/kernel_file.py`), which the loader maps and the kernels read in place. Each layer is
   quantized as the portable file stores it, dequantized, and laid out by the very backend that
   serves it (`kernel_layout()`), so serving the file is bit-equal to serving the portable one.
+  The file also holds the dense linears as the all-int8 placement serves them (int8 per row,
+  in the kernel's quads, rounded from float32 as a load would round them), so serving it on a
+  CPU maps those too; model.safetensors keeps them in float32 for the other placements.
 - `--layout portable`: `experts-<format>.safetensors`, int8 per output channel or int4 groups
   with a minimum, two nibbles per byte; loading dequantizes them and the CPU backend
   quantizes them again, which reproduces the stored integers exactly (symmetric int8 and
@@ -27,16 +30,14 @@ from tqdm import tqdm
 from hetserve.errors import InvalidInputError
 from hetserve.model.loader import load_model
 from hetserve.quant.converted import CONFIG_KEY, FORMATS, dequantize, quantize
-from hetserve.quant.kernel_file import FORMAT, LAYOUT_VERSION, SUFFIX
+from hetserve.quant.kernel_file import FORMAT, LAYOUT_VERSION, SUFFIX, LinearLayout
 from hetserve.quant.quantize import INT4_GROUP_SIZES
 
-_COPY = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "generation_config.json",
-    "chat_template.jinja",
-    "special_tokens_map.json",
-)
+# What the output does not take from the source directory as it is: the weights (written anew)
+# and config.json (rewritten); everything else (tokenizer files of any kind: tokenizer.json,
+# Kimi's tiktoken.model, chat templates, generation config) is copied.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".hsk")
+_NOT_COPIED = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 LAYOUTS = ("kernel", "portable")
@@ -65,15 +66,15 @@ def convert(
     if not experts:
         raise InvalidInputError(f"{src} has no routed experts to convert")
     out.mkdir(parents=True, exist_ok=True)
+    _write_rest(model, out)
     if layout == "kernel":
-        entry = write_kernel_layout(experts, out, fmt, group_size)
+        entry = write_kernel_layout(experts, out, fmt, group_size, _dense_layouts(model))
     else:
         stored: dict[str, torch.Tensor] = {}
         for name, ex in tqdm(experts, desc=f"quantizing experts to {fmt}"):
             stored.update(_quantize_experts(name, ex.weights(), fmt, group_size))
         entry = f"experts-{fmt}.safetensors"
         save_file(stored, str(out / entry), metadata={"format": "pt"})
-    _write_rest(model, out)
     cfg = json.loads((src / "config.json").read_text())
     for key in ("quantization_config", "compression_config"):  # the rest is now fp32
         cfg.pop(key, None)
@@ -85,9 +86,9 @@ def convert(
     if layout == "kernel":
         cfg[CONFIG_KEY].update(layout="kernel", layout_version=LAYOUT_VERSION)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    for name in _COPY:
-        if (src / name).is_file():
-            shutil.copy2(src / name, out / name)
+    for path in src.iterdir():
+        if path.is_file() and path.name not in _NOT_COPIED and path.suffix not in _WEIGHT_SUFFIXES:
+            shutil.copy2(path, out / path.name)
     return out
 
 
@@ -109,8 +110,31 @@ def _quantize_experts(name: str, weights, fmt: str, group_size: int) -> dict[str
     }
 
 
-def write_kernel_layout(experts: list, out: Path, fmt: str, group_size: int) -> str:
-    """Writes the kernel-layout file, a layer at a time; returns its name."""
+def _dense_layouts(model) -> list[tuple[str, LinearLayout]]:
+    """The dense linears as the all-int8 placement serves them (build.apply_dense_backends on
+    this fp32 model, which it changes: called once the rest is written), by module path."""
+    from hetserve.layers.int8_linear import Int8Linear
+    from hetserve.model.build import apply_dense_backends
+    from hetserve.model.hybrid_plan import plan_placement
+    from hetserve.moe.presets import preset_rules
+
+    apply_dense_backends(
+        model, plan_placement(model, preset_rules("all-int8"), torch.device("cpu"))
+    )
+    return [(name, m.kernel_layout()) for name, m in model.named_modules()
+            if isinstance(m, Int8Linear) and m.kernel == "native" and m.fmt == 1
+            and not m.group]  # fmt: skip
+
+
+def write_kernel_layout(
+    experts: list,
+    out: Path,
+    fmt: str,
+    group_size: int,
+    linears: list[tuple[str, LinearLayout]] = (),
+) -> str:
+    """Writes the kernel-layout file: the dense `linears` (rounded from float32), then the
+    experts a layer at a time; returns its name."""
     from hetserve.model.kernel_file import KernelFileWriter
     from hetserve.moe.experts import ExpertWeights, create_backend
     from hetserve.native import isa, native_unavailable_reason
@@ -125,7 +149,9 @@ def write_kernel_layout(experts: list, out: Path, fmt: str, group_size: int) -> 
     group = group_size if fmt == "int4" else 0
     meta = {"format": FORMAT, "version": LAYOUT_VERSION, "quant": fmt, "group_size": group,
             "isa": isa()}  # fmt: skip
-    writer = KernelFileWriter(out / name, meta, [prefix for prefix, _ in experts])
+    writer = KernelFileWriter(out / name, meta, [p for p, _ in [*linears, *experts]])
+    for lin_name, lay in linears:
+        writer.add_linear(lin_name, lay, "float32")
     options = {"group_size": group_size} if fmt == "int4" else {}
     for prefix, ex in tqdm(experts, desc=f"laying out experts as {fmt}"):
         w = ex.weights()
@@ -155,5 +181,5 @@ def _write_rest(model, out: Path) -> None:
             continue
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
-        rest[name] = p.data.contiguous()
+        rest[name] = model.published_value(name, p.data).contiguous()
     save_file(rest, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -9,6 +9,12 @@
 - otherwise (`--layout portable`, and files written before): int8 per output channel or int4
   groups in safetensors (`quant/converted.py`), dequantized into the experts module and
   quantized again by whichever backend serves them.
+
+A kernel-layout file may also hold the dense linears as the all-int8 placement serves them
+(`attach_linears`): where the placement gives a linear's unit the native int8 kernel and the
+model is in the dtype they were rounded from, its Int8Linear reads the mapped bytes and the
+checkpoint's full-precision copy of the weight (still in model.safetensors, for placements that
+serve it) is never read.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from hetserve.model.filler import ExpertsReady
 from hetserve.model.st_file import SafetensorsFile
 from hetserve.quant.converted import CONFIG_KEY, dequantize
 
-__all__ = ["CONFIG_KEY", "is_mapped", "load_converted_experts"]
+__all__ = ["CONFIG_KEY", "attach_linears", "is_mapped", "load_converted_experts", "open_mapped"]
 
 
 def is_mapped(spec: dict | None) -> bool:
@@ -32,13 +38,14 @@ def is_mapped(spec: dict | None) -> bool:
 
 
 def load_converted_experts(
-    model, model_dir: Path, spec: dict, experts_ready: ExpertsReady | None = None
+    model, model_dir: Path, spec: dict, experts_ready: ExpertsReady | None = None, mapped=None
 ) -> None:
     """Fill every routed-experts module from the converted file (called by the loader), one
     module at a time: with `experts_ready`, each module's backend is built from it (and its
-    dequantized copy dropped) before the next module is read."""
+    dequantized copy dropped) before the next module is read. `mapped`: the kernel-layout
+    file, where the loader opened it already (`open_mapped`)."""
     if is_mapped(spec):
-        _map_experts(model, model_dir, spec, experts_ready)
+        _map_experts(model, mapped or open_mapped(model_dir, spec), experts_ready)
         return
     fmt, group = spec["format"], spec.get("group_size") or 0
     with SafetensorsFile(model_dir / spec["file"]) as f:
@@ -60,7 +67,8 @@ def load_converted_experts(
                 experts_ready(name, ex)
 
 
-def _map_experts(model, model_dir: Path, spec: dict, experts_ready: ExpertsReady | None) -> None:
+def open_mapped(model_dir: Path, spec: dict):
+    """The kernel-layout file a `hetserve_experts` entry names, mapped (MappedKernelFile)."""
     from hetserve.model.kernel_file import MappedKernelFile
 
     path = model_dir / spec["file"]
@@ -73,13 +81,73 @@ def _map_experts(model, model_dir: Path, spec: dict, experts_ready: ExpertsReady
             f"{spec['file']} holds {mapped.header.get('quant')!r} experts, config.json says "
             f"{spec['format']!r}; re-run hetserve convert"
         )
+    return mapped
+
+
+def attach_linears(model, mapped, dtype: torch.dtype) -> set[str]:
+    """Hands each dense linear the mapped file stores (as the all-int8 placement serves it) its
+    layout as `mapped_layout`, where the model's placement gives its unit the native int8 kernel
+    and the model is in `dtype`, the one its numbers were rounded from; the parts of a fused
+    linear (q, k, v of `qkv_proj`) all get the fused one. Their weights become unallocated
+    (meta): build.apply_dense_backends makes their Int8Linears of the layouts. Returns the
+    weights' parameter names, which the loader then does not read. Called by the loader after
+    placing, before reading; a stored linear whose sizes do not match config.json is a
+    ModelLoadError of one line."""
+    from torch import nn
+
+    from hetserve.layers.moe import FusedExperts
+    from hetserve.quant.kernel_file import dtype_name
+
+    plan = getattr(model, "hybrid_plan", None)
+    names = mapped.linear_names()
+    if plan is None or not names:
+        return set()
+    units = [
+        n
+        for n, u in plan.units.items()
+        if not isinstance(u, FusedExperts) and plan.placement.get(n).backend is not None
+    ]
+    modules = dict(model.named_modules())
+    skipped: set[str] = set()
+    for name in names:
+        if mapped.linear_dtype(name) != dtype_name(dtype):
+            continue
+        if not any(name == u or name.startswith(f"{u}.") for u in units):
+            continue  # served otherwise: its weight is read as before
+        parent_name, _, leaf = name.rpartition(".")
+        parent = modules.get(parent_name)
+        if parent is None:
+            continue
+        declared = getattr(parent, "fused_projections", None)
+        parts = (declared() if declared else {}).get(leaf, (leaf,))
+        lins = [getattr(parent, p, None) for p in parts]
+        if not all(type(lin) is nn.Linear for lin in lins):
+            continue
+        layout = mapped.linear(name)
+        if (layout.in_features, layout.out_features) != (
+            lins[0].in_features, sum(lin.out_features for lin in lins)
+        ):  # fmt: skip
+            raise ModelLoadError(
+                f"{mapped.path.name}: the linear {name!r} does not match config.json; "
+                "re-run hetserve convert"
+            )
+        for p, lin in zip(parts, lins, strict=True):
+            if not lin.weight.is_meta:  # a kept-precise projection: allocated, never filled
+                lin.weight = nn.Parameter(lin.weight.to("meta"), requires_grad=False)
+            lin.mapped_layout = layout
+            skipped.add(f"{parent_name}.{p}.weight" if parent_name else f"{p}.weight")
+    return skipped
+
+
+def _map_experts(model, mapped, experts_ready: ExpertsReady | None) -> None:
+    spec_file = mapped.path.name
     for name, ex in model.routed_experts():
         layout = mapped.module(name)
         if (layout.num_experts, layout.hidden, layout.inter) != (
             ex.num_experts, ex.hidden_size, ex.intermediate_size,
         ):  # fmt: skip
             raise ModelLoadError(
-                f"{spec['file']}: the experts of {name!r} do not match config.json; "
+                f"{spec_file}: the experts of {name!r} do not match config.json; "
                 "re-run hetserve convert"
             )
         ex.layout = layout  # views into the mapping: the backend reads them in place

@@ -160,8 +160,12 @@ class WeightFiller:
         experts_ready: ExpertsReady | None = None,
         quantizers: dict[str, Callable[[torch.Tensor], QMatrix]] | None = None,
         linear_rounding: Callable[[torch.Tensor], QMatrix] | None = None,
+        elsewhere: set[str] = frozenset(),
     ) -> None:
         self.model = model
+        # parameters whose numbers come from elsewhere (a converted file's mapped linears):
+        # their checkpoint tensors are not read
+        self.elsewhere = elsewhere
         self.quantizers = quantizers or {}  # experts prefix -> quantizer (also in `packed`)
         # how an unallocated linear's dense weight is rounded
         self.linear_rounding = linear_rounding or Int8Rows.linear_groups
@@ -208,7 +212,7 @@ class WeightFiller:
         candidates = [name] + [re.sub(p, r, name) for p, r in self.model.checkpoint_aliases]
         for cand in candidates:
             if cand in self.params:
-                return cand
+                return None if cand in self.elsewhere else cand
             prefix = expert_prefix(cand)
             if prefix is not None and f"{prefix}.w13" in self.params:
                 return cand
@@ -313,7 +317,7 @@ class WeightFiller:
     def check_complete(self, experts_elsewhere: bool = False) -> None:
         tied = self.model.config.tie_word_embeddings
         for name, param in self.params.items():
-            if name in self.filled or (tied and name == "lm_head.weight"):
+            if name in self.filled or name in self.elsewhere or (tied and name == "lm_head.weight"):
                 continue
             prefix, _, pname = name.rpartition(".")
             if pname in ("w13", "w2") and (experts_elsewhere or prefix in self.packed):

@@ -1,8 +1,9 @@
 """Writing and mapping the kernel-layout experts file (format: `quant/kernel_file.py`).
 
-Who calls it: `hetserve convert` writes one (`KernelFileWriter`, a module at a time, so
-conversion holds one layer), the loader maps one (`MappedKernelFile`, model/converted.py) and
-hands each module's views to its native backend, which reads them in place.
+Who calls it: `hetserve convert` writes one (`KernelFileWriter`: the dense linears, then the
+experts a module at a time, so conversion holds one layer), the loader maps one
+(`MappedKernelFile`, model/converted.py) and hands each experts module's views to its native
+backend and each dense linear's to its Int8Linear, which read them in place.
 
 The mapping is read-only and shared (mmap ACCESS_READ: PROT_READ, MAP_SHARED), so its pages
 are the page cache's: every process serving the file on this host shares one copy, a restart
@@ -36,10 +37,13 @@ from hetserve.errors import MissingTensorError, ModelLoadError
 from hetserve.quant.kernel_file import (
     ALIGN,
     FIELDS,
+    LINEAR_FIELDS,
     PAGE,
     PREFIX,
     KernelLayout,
+    LinearLayout,
     encode_prefix,
+    linear_entry,
     module_entry,
     parse_header,
     parse_prefix,
@@ -63,6 +67,7 @@ class KernelFileWriter:
         self._f.write(bytes(self._reserved))  # the prefix and header, written at close
         self._pos = self._reserved
         self._modules: dict[str, dict[str, Any]] = {}
+        self._linears: dict[str, dict[str, Any]] = {}
 
     def _pad_to(self, multiple: int) -> None:
         end = round_up(self._pos, multiple)
@@ -70,9 +75,17 @@ class KernelFileWriter:
         self._pos = end
 
     def add(self, name: str, layout: KernelLayout) -> None:
+        self._modules[name] = module_entry(layout, self._write(FIELDS, layout.tensors))
+
+    def add_linear(self, name: str, layout: LinearLayout, dtype: str) -> None:
+        """A dense linear's Int8Linear layout (`dtype`: what its numbers were rounded from)."""
+        entries = self._write(LINEAR_FIELDS, (layout.w, layout.scale))
+        self._linears[name] = linear_entry(layout, entries, dtype)  # type: ignore[arg-type]
+
+    def _write(self, fields, tensors) -> list[dict[str, Any] | None]:
         self._pad_to(PAGE)  # a module's pages are its own
         entries: list[dict[str, Any] | None] = []
-        for field, t in zip(FIELDS, layout.tensors, strict=True):
+        for field, t in zip(fields, tensors, strict=True):
             if t is None:
                 entries.append(None)
                 continue
@@ -81,13 +94,14 @@ class KernelFileWriter:
             entries.append(tensor_entry(field, t, self._pos, xxhash.xxh3_64_intdigest(raw)))
             self._f.write(memoryview(raw))
             self._pos += t.nbytes
-        self._modules[name] = module_entry(layout, entries)
+        return entries
 
     def close(self) -> int:
         """Writes the header and the prefix; returns the file's size."""
         import json
 
-        header = json.dumps({**self.meta, "modules": self._modules}).encode()
+        linears = {"linears": self._linears} if self._linears else {}
+        header = json.dumps({**self.meta, "modules": self._modules, **linears}).encode()
         end = self._pos
         if ALIGN + len(header) <= self._reserved:
             offset = ALIGN
@@ -109,6 +123,7 @@ class MappedKernelFile:
     def __init__(self, path: Path, verify: bool = True, remember: bool = False) -> None:
         self.path, self.verify, self.remember = path, verify, remember
         self._checked: set[str] = set()  # modules whose digests passed here
+        self._checked_linears: set[str] = set()
         where = path.name
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
@@ -138,10 +153,14 @@ class MappedKernelFile:
 
     def mark_verified(self) -> bool:
         """Remembers the file as verified where `remember` and every module's digests passed
-        here; True when the stamp was written (an unwritable cache only costs the next load a
-        check)."""
+        here (the dense linears this load did not use are checked now: a later load that serves
+        them must not find them unchecked); True when the stamp was written (an unwritable
+        cache only costs the next load a check)."""
         if not (self.verify and self.remember) or self._checked != set(self.header["modules"]):
             return False
+        for name in self.linear_names():
+            if name not in self._checked_linears:
+                self.linear(name)
         try:
             self._stamp.parent.mkdir(parents=True, exist_ok=True)
             self._stamp.write_text(f"{os.path.realpath(self.path)}\n")
@@ -171,6 +190,24 @@ class MappedKernelFile:
             hidden=entry["hidden"], inter=entry["inter"], padded=tuple(entry["padded"]),
             tensors=tensors,
         )  # fmt: skip
+
+    def linear_names(self) -> list[str]:
+        return list(self.header.get("linears", {}))
+
+    def linear(self, name: str) -> LinearLayout:
+        """The dense linear `name`'s layout (views into the mapping); its entry's `dtype` is
+        `linear_dtype(name)`."""
+        entry = self.header["linears"][name]
+        w, scale = (self._tensor(name, t) for t in entry["tensors"])
+        if self.verify:
+            self._checked_linears.add(name)
+        return LinearLayout(
+            fmt=entry["fmt"], group=entry["group"], in_features=entry["in"],
+            out_features=entry["out"], rows=entry["rows"], w=w, scale=scale,
+        )  # fmt: skip
+
+    def linear_dtype(self, name: str) -> str:
+        return self.header["linears"][name]["dtype"]
 
     def _tensor(self, module: str, t: dict[str, Any]) -> torch.Tensor:
         start, n = t["offset"], t["nbytes"]

@@ -26,7 +26,13 @@ from hetserve.layers.moe import FusedExperts
 from hetserve.model.base import CausalLM
 from hetserve.model.checkpoint import SafetensorsCheckpoint
 from hetserve.model.config import ModelConfig
-from hetserve.model.converted import CONFIG_KEY, is_mapped, load_converted_experts
+from hetserve.model.converted import (
+    CONFIG_KEY,
+    attach_linears,
+    is_mapped,
+    load_converted_experts,
+    open_mapped,
+)
 from hetserve.model.filler import ExpertsReady, WeightFiller, expert_prefix
 from hetserve.model.gguf_file import GgufCheckpoint
 from hetserve.model.registry import model_class
@@ -261,6 +267,11 @@ def load_model(
     model = _allocate(
         model, dev, placement, backend, stream, before_alloc, int8_unallocated, embeddings
     )
+    mapped, elsewhere = None, set()
+    if is_mapped(converted):
+        mapped = open_mapped(model_dir, converted)
+        if int8_unallocated and linear_rounding is not None:  # rounded as the file's were
+            elsewhere = attach_linears(model, mapped, dt)
     ready: ExpertsReady | None = None
     quantizers = {}
     if stream:
@@ -268,14 +279,16 @@ def load_model(
         ready = lambda name, module: experts_ready(plan, name, module)  # noqa: E731
         if expert_quantizer is not None and converted is None:  # converted: their own file
             quantizers = _quantizers(model, plan, packed, expert_quantizer)
-    filler = WeightFiller(model, packed | set(quantizers), ready, quantizers, linear_rounding)
+    filler = WeightFiller(
+        model, packed | set(quantizers), ready, quantizers, linear_rounding, elsewhere
+    )
     _fill(model, ckpt, filler, filler.params)
     if isinstance(ckpt, GgufCheckpoint):  # what each tensor type became, in one line
         print(ckpt.summary(), file=sys.stderr, flush=True)
     filler.check_complete(experts_elsewhere=converted is not None)
     filler.finish_packed()
     if converted is not None:
-        load_converted_experts(model, model_dir, converted, ready)
+        load_converted_experts(model, model_dir, converted, ready, mapped)
     return _finish(model, expert_backends)
 
 

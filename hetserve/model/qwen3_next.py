@@ -211,6 +211,9 @@ class _Qwen3NextFamily(CausalLM):
             value = value.float() + 1.0  # zero-centred: stored as the scale it applies
         return name, value
 
+    def published_value(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        return value - 1.0 if _ZERO_CENTRED.search(name) else value
+
 
 class Qwen3NextForCausalLM(_Qwen3NextFamily):
     pass

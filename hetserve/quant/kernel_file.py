@@ -16,6 +16,13 @@ the byte order the kernels read; bumped whenever cpu_native.py's layout changes)
 (`int8` / `int4`), the kernel format number and group size, the ISA of the writer's kernels
 (information only: every ISA build reads the same layout), and per module its sizes, padded
 sizes and tensors (dtype, shape, offset, bytes, xxh3-64 digest; CRC-32 in older files).
+Since 2026-11-28 the header may also hold `linears`: the dense linears the all-int8 placement
+serves on the native int8 kernel (attention, shared experts, lm_head: layers/int8_linear.py),
+each as that kernel reads it (`LinearLayout`: rows in quads, fp32 scales per row; a kept-precise
+projection's int8 residual as more rows), named by the Int8Linear's module path after fusion
+(`model.layers.0.self_attn.qkv_proj`), with the dtype its numbers were rounded from. Readers
+before it ignore the key; files before it have none (their linears are read from the
+safetensors file and rounded at load, as before).
 
 Pure: this module validates headers and plans offsets; it reads and writes no files. A header
 that does not parse, names another version, or puts a tensor outside the file is a
@@ -67,6 +74,37 @@ class KernelLayout:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors if t is not None)
+
+
+@dataclass(frozen=True)
+class LinearLayout:
+    """One Int8Linear as the native kernel (hetserve_qlinear) reads it: `w` int8 rows in quads
+    ([rows padded to 4 / 4, padded in_features / 16, 4, 16]), `scale` fp32 per row (zero on
+    padded rows); `rows` is out_features, or twice it where each row keeps its int8 rounding
+    error as a second row (a kept-precise projection). `fmt` / `group`: the kernel's F_* number
+    and columns per scale (0: per row)."""
+
+    fmt: int
+    group: int
+    in_features: int
+    out_features: int
+    rows: int
+    w: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.nbytes + self.scale.nbytes
+
+
+LINEAR_FIELDS = ("w", "scale")
+
+
+def linear_entry(lay: LinearLayout, tensors: list[dict[str, Any]], dtype: str) -> dict[str, Any]:
+    """`dtype`: what the linear's numbers were rounded from (the loader uses the layout only
+    where it would round the same weights: a model in that dtype)."""
+    return {"fmt": lay.fmt, "group": lay.group, "in": lay.in_features, "out": lay.out_features,
+            "rows": lay.rows, "dtype": dtype, "tensors": tensors}  # fmt: skip
 
 
 def check_format(lay: KernelLayout, fmt: int, group: int) -> None:
@@ -146,14 +184,22 @@ def parse_header(raw: bytes, file_size: int, where: str) -> dict[str, Any]:
             f"{where} holds kernel layout version {version}, this hetserve reads version "
             f"{LAYOUT_VERSION}; re-run hetserve convert on the original checkpoint"
         )
-    for name, mod in modules.items():
-        for t in mod["tensors"]:
-            if t is not None:
-                _check_tensor(f"{name}.{t['name']}", t, file_size, where)
+    try:
+        linears = header.get("linears", {})
+        entries = [(name, t) for name, mod in modules.items() for t in mod["tensors"]]
+        entries += [(name, t) for name, lin in linears.items() for t in lin["tensors"]]
+    except (AttributeError, KeyError, TypeError):
+        raise ModelLoadError(f"{where}: header is corrupt; re-run hetserve convert") from None
+    for name, t in entries:
+        if t is not None:
+            _check_tensor(name, t, file_size, where)
     return dict(header)
 
 
-def _check_tensor(name: str, t: dict[str, Any], file_size: int, where: str) -> None:
+def _check_tensor(module: str, t: dict[str, Any], file_size: int, where: str) -> None:
+    if not isinstance(t, dict):
+        raise ModelLoadError(f"{where}: {module!r} has a corrupt entry; re-run hetserve convert")
+    name = f"{module}.{t.get('name')}"
     dtype = _DTYPES.get(t.get("dtype", ""))
     numel = 1
     for d in t.get("shape", []):

@@ -42,7 +42,9 @@ def test_int8_converted_model_equals_quantizing_at_load(tiny_model, tmp_path):
     fp32_experts = sum(
         e.w13.numel() + e.w2.numel() for _, e in LLM(src, placement="device").model.routed_experts()
     )
-    assert (out / "experts-int8.hsk").stat().st_size < fp32_experts * 4 / 3
+    from hetserve.model.kernel_file import MappedKernelFile
+
+    assert MappedKernelFile(out / "experts-int8.hsk").nbytes() < fp32_experts * 4 / 3
     served = LLM(out, placement="device")
     assert all(e.w13.numel() == 0 for _, e in served.model.routed_experts())  # originals freed
     assert "cpu-int8" in served.model.hybrid_plan.table()
@@ -195,8 +197,9 @@ def test_files_with_crc32_digests_still_load_and_are_checked(tiny_model, tmp_pat
 
 def test_a_verified_file_is_mapped_without_reading_it_again(tiny_model, tmp_path, monkeypatch):
     """The digests are checked on the first load of each version of the file (a stamp under
-    HETSERVE_CACHE remembers it); later loads map it without reading it; any write to the
-    file (a new mtime and ctime) brings the check back, and `always` checks every load."""
+    HETSERVE_CACHE remembers it: a load that serves only the experts from it checks the dense
+    linears before stamping); later loads map it without reading it; any write to the file (a
+    new mtime and ctime) brings the check back, and `always` checks every load."""
     import types
 
     from hetserve.model import kernel_file
@@ -220,9 +223,59 @@ def test_a_verified_file_is_mapped_without_reading_it_again(tiny_model, tmp_path
     assert torch.equal(logprobs(LLM(out, placement="device")), first)
     assert len(calls) == written + checked  # mapped, not read
     monkeypatch.setenv("HETSERVE_VERIFY_CONVERTED", "always")
-    LLM(out, placement="device")
+    LLM(out, placement="all-int8", device="cpu")  # the experts and every dense linear it maps
     assert len(calls) == written + 2 * checked
     monkeypatch.delenv("HETSERVE_VERIFY_CONVERTED")
     _corrupt(path, "flip")  # rewritten: the stamp no longer matches
     with pytest.raises(ModelLoadError, match="corrupt"):
         LLM(out, placement="device")
+
+
+@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen3-next", "kimi-linear"])
+def test_dense_linears_are_mapped_and_equal_rounding_at_load(tiny_model, tmp_path, arch,
+                                                             monkeypatch):  # fmt: skip
+    """The kernel file holds the dense linears as all-int8 serves them (qwen3-next's and
+    kimi-linear's kept-precise projections with their residual rows): served from the mapping,
+    their float32 weights never read, bit-equal to rounding the source checkpoint at load, W8A8
+    too; other placements read the float32 rest, which loads as the source's numbers (Qwen3-Next's
+    zero-centred norms written as published), and the tokenizer of any kind comes along."""
+    from hetserve.layers.int8_linear import Int8Linear
+    from hetserve.model.st_file import SafetensorsFile
+
+    src = tiny_model(arch, overrides={"moe_intermediate_size": 64})
+    out = convert(src, tmp_path / "int8", "int8")
+    hsk = str(out / "experts-int8.hsk")
+    read: list[str] = []
+    real_read = SafetensorsFile.read
+
+    def recording(self, name, *args, **kwargs):
+        read.append(name)
+        return real_read(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(SafetensorsFile, "read", recording)
+    served = LLM(out, placement="all-int8", device="cpu")
+    linears = [m for m in served.model.modules() if isinstance(m, Int8Linear)]
+    assert linears and all(_mapped_files(m._q.data_ptr()) == {hsk} for m in linears)
+    assert not any(n.endswith("proj.weight") or n == "lm_head.weight" for n in read), read
+    if arch == "qwen3-next":
+        assert any(m._rows == 2 * m.out_features for m in linears)  # residual rows stored
+    assert torch.equal(logprobs(served), logprobs(LLM(src, placement="all-int8", device="cpu")))
+    a8 = LLM(out, placement="all-int8", device="cpu", activation_bits=8)
+    ref = LLM(src, placement="all-int8", device="cpu", activation_bits=8)
+    assert torch.equal(logprobs(a8), logprobs(ref))
+    assert torch.equal(logprobs(LLM(out, placement="device")),
+                       logprobs(LLM(src, placement="default")))  # fmt: skip
+
+
+def test_a_corrupt_dense_linear_is_named(tiny_model, tmp_path):
+    from hetserve.model.kernel_file import MappedKernelFile
+
+    src = tiny_model("qwen3-moe", overrides={"moe_intermediate_size": 64})
+    out = convert(src, tmp_path / "int8", "int8")
+    path = out / "experts-int8.hsk"
+    entry = MappedKernelFile(path).header["linears"]["lm_head"]["tensors"][0]
+    raw = bytearray(path.read_bytes())
+    raw[entry["offset"] + 7] ^= 0x5A
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ModelLoadError, match="'lm_head.w' is corrupt"):
+        LLM(out, placement="all-int8", device="cpu")
