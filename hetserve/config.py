@@ -19,6 +19,7 @@ from typing import Any
 
 from hetserve.config_sections import (
     KV_CACHE_DTYPES,
+    PREFILL_ATTENTION_DTYPES,
     CacheConfig,
     DisaggConfig,
     KVLoad,
@@ -173,6 +174,12 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "dtype the KV cache is stored in (the model computes in its own); auto: the model's; "
         "int8 and fp8 (e4m3) keep an fp32 scale per token and KV head",
         choices=KV_CACHE_DTYPES,
+    ),
+    EngineOption(
+        "prefill_attention_dtype", "cache", "prefill_attention_dtype",
+        "what CPU prefill attention multiplies in: bfloat16 (q, K, the weights and V rounded "
+        "to bf16, fp32 sums; AVX512-BF16 CPUs) or float32; auto: bfloat16 under all-int8 with "
+        "its 16-bit KV cache where the CPU has it", choices=PREFILL_ATTENTION_DTYPES,
     ),
     EngineOption(
         "enable_prefix_caching",

@@ -51,6 +51,10 @@ def _as_enum(obj: object, name: str, cls: type[enum.Enum]) -> None:
 # under the all-int8 preset, else the model's dtype (model/build.py's kv_dtype);
 # int8 and fp8 (e4m3) keep an fp32 scale per token and KV head beside the rows).
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8", "fp8")
+# Values of --prefill-attention-dtype: what the CPU prefill-attention kernel multiplies in
+# (model/build.py's prefill_bf16; "auto": bfloat16 where the cache is 16-bit by the all-int8
+# preset's own choice and the build has vdpbf16ps, else float32).
+PREFILL_ATTENTION_DTYPES = ("auto", "float32", "bfloat16")
 
 CPU_KV_CAP_BYTES = 2 << 30  # the KV budget on CPU when none is given (CacheConfig below)
 
@@ -67,6 +71,7 @@ class CacheConfig:
     # The dtype the paged KV cache stores (the model computes in its own): "auto" = the model's
     # dtype (see `hetserve.kv.paged.resolve_kv_dtype` for why not 16-bit on CPU yet).
     kv_cache_dtype: str = "auto"
+    prefill_attention_dtype: str = "auto"  # PREFILL_ATTENTION_DTYPES
     # A KV store behind the prefix cache (any hetserve.store spec), and when blocks are saved
     # there: "auto" = write-through of prompt blocks for shared stores (pool, mooncake, redis)
     # plus write-back of blocks about to be evicted; write-back alone for a local store.
@@ -100,6 +105,9 @@ class CacheConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             allowed, got = ", ".join(KV_CACHE_DTYPES), self.kv_cache_dtype
             raise ValueError(f"kv_cache_dtype must be one of {allowed}, got {got!r}")
+        if self.prefill_attention_dtype not in PREFILL_ATTENTION_DTYPES:
+            allowed, got = ", ".join(PREFILL_ATTENTION_DTYPES), self.prefill_attention_dtype
+            raise ValueError(f"prefill_attention_dtype must be one of {allowed}, got {got!r}")
         _as_enum(self, "kv_save", KVSave)
         _as_enum(self, "kv_load", KVLoad)
         if self.session_ttl_s < 0:

@@ -90,7 +90,8 @@ def _linear(cfg: dict, tokens: list[int], peaks) -> list[dict]:
 def _attention(cfg: dict, tokens: list[int], peaks) -> list[dict]:
     """Causal attention of a T-token prompt at the model's head shape and at REFERENCE_SHAPE:
     torch SDPA on contiguous K/V (what the gather path runs after gathering; its flash kernel,
-    no mask) against the native kernel reading a paged fp32 cache in place."""
+    no mask) against the native kernel reading a paged fp32 cache in place, with fp32 products
+    and, where the build has them, bf16 ones (against the bf16 peak)."""
     nq, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", 1)
     hd = cfg.get("head_dim") or cfg["hidden_size"] // nq
     shapes = list(dict.fromkeys([(nq, nkv, hd), REFERENCE_SHAPE]))
@@ -106,7 +107,11 @@ def _attention_pair(shape: tuple[int, int, int], t: int, peaks) -> list[dict]:
 
     from hetserve.kv.paged import PagedKVCache
     from hetserve.layers.attention import sdpa
-    from hetserve.layers.native_prefill import native_prefill_attention, native_prefill_ok
+    from hetserve.layers.native_prefill import (
+        bf16_products_ok,
+        native_prefill_attention,
+        native_prefill_ok,
+    )
 
     nq, nkv, hd = shape
     g = torch.Generator().manual_seed(t)
@@ -129,6 +134,13 @@ def _attention_pair(shape: tuple[int, int, int], t: int, peaks) -> list[dict]:
     )
     rows.append(_row(f"{name} native paged", t, ops, secs, peaks, "fp32"))
     rows[-1]["vs_peer"] = sdpa_s / secs
+    if bf16_products_ok(hd, hd):  # what all-int8 runs by default here (model/build.py)
+        bf = _best_seconds(
+            lambda: native_prefill_attention(q, *kv.layers[0], slots, hd**-0.5, None, bf16=True),
+            calls,
+        )
+        rows.append(_row(f"{name} native paged, bf16 products", t, ops, bf, peaks, "bf16"))
+        rows[-1]["vs_peer"] = sdpa_s / bf
     if t > CHUNK:
         rows += _chunked_pair(name, q, kv, slots, ops, t, calls, peaks)
     return rows

@@ -44,7 +44,7 @@ from hetserve.kv.manager import KVCacheManager
 from hetserve.kv.sizing import num_kv_blocks
 from hetserve.kv.tier_policy import CostModel
 from hetserve.kv.tiers import LOAD_POLL_S, TierManager
-from hetserve.model.build import build_model
+from hetserve.model.build import build_model, prefill_bf16
 from hetserve.model.build import kv_dtype as build_kv_dtype
 from hetserve.model.memory_facts import measured as measured_memory
 from hetserve.model.tokenizer import Tokenizer
@@ -99,6 +99,7 @@ class EngineCore:
             kv_dtype,
             graph_options(cfg, self.model, self.max_model_len),
         )
+        self.runner.kv.bf16_prefill = prefill_bf16(cfg, self.model, kv_dtype)
         # where host memory went, once the KV cache exists (/metrics: hetserve_memory_bytes)
         self.memory = measured_memory(self.model, self.runner.kv.nbytes())
         log.info("%s", self.memory.line())

@@ -96,6 +96,9 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
+        # how the CPU prefill kernel multiplies over this cache: bf16 products where the engine
+        # chose them (model/build.py's prefill_bf16), else fp32
+        self.bf16_prefill = False
         num_slots = num_blocks * block_size
         self.layers: list[list[torch.Tensor]] = [
             [zeroed((num_slots, *shape), dtype, device) for shape in entries] for entries in spec

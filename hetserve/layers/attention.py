@@ -278,7 +278,9 @@ def paged_attention(
         for s in meta.seqs:
             rows = out[s.q_start : s.q_start + s.q_len]  # a contiguous view the kernel fills
             qs = q[s.q_start : s.q_start + s.q_len]
-            native_prefill_attention(qs, *entries, s.kv_slots, scale, window, sinks, scales, rows)
+            native_prefill_attention(
+                qs, *entries, s.kv_slots, scale, window, sinks, scales, rows, ctx.kv.bf16_prefill
+            )
         return out
     for s, mask in zip(meta.seqs, meta.seq_masks(window), strict=True):
         k_all, v_all = ctx.kv.gather(layer, s.kv_slots, q.dtype)

@@ -54,12 +54,15 @@ def native_prefill_attention(
     sinks: torch.Tensor | None = None,
     scales: list[torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
+    bf16: bool = False,
 ) -> torch.Tensor:
     """Causal attention of q [T, H, D], the last T of the kv_len = len(kv_slots) context tokens
     (positions kv_len - T .. kv_len - 1), over k_cache [slots, Hkv, D] / v_cache [slots, Hkv,
     Dv] read at kv_slots [kv_len] (int64, CPU). window: sliding window or None; sinks [H];
     scales (int8 cache): K's and V's [slots, Hkv]. Writes `out` [T, H, Dv] (contiguous) when
-    given, else a new tensor; returns it."""
+    given, else a new tensor; returns it. `bf16`: the products in bf16 (q, K, the softmax
+    weights and V rounded to bf16, fp32 sums: `bf16_products_ok`), where this build and the
+    head sizes allow it; fp32 otherwise."""
     q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
     t, h, dim = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -81,10 +84,19 @@ def native_prefill_attention(
         *(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr()),
         out.data_ptr(),
         *(s.data_ptr() for s in extra),
+        int(bf16),
     )
     if rc != 0:
         raise RuntimeError(f"native prefill attention failed (code {rc})")
     return out
+
+
+def bf16_products_ok(d: int, dv: int) -> bool:
+    """Whether the prefill kernel multiplies in bf16 when asked, for heads of d / dv dimensions:
+    the avx512bf16 build (vdpbf16ps, twice the fp32 FMA rate), d and dv multiples of 16 up to
+    512."""
+    fn = optional_kernel("hetserve_prefill_bf16_ok")
+    return fn is not None and bool(fn(d, dv))
 
 
 def native_dense_attention(

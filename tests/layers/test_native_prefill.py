@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from hetserve.kv.paged import PagedKVCache
-from hetserve.layers.native_prefill import native_prefill_attention, native_prefill_ok
+from hetserve.layers.native_prefill import (
+    bf16_products_ok,
+    native_prefill_attention,
+    native_prefill_ok,
+)
 from hetserve.native import native_unavailable_reason
 
 pytestmark = pytest.mark.skipif(
@@ -154,3 +158,84 @@ def test_chunked_prefill_on_the_kernel_equals_one_pass(tiny_model, family, monke
         assert max(calls) <= budget < 150  # it ran in chunks, on the kernel
         torch.testing.assert_close(lps, whole, atol=1e-5, rtol=0)
         assert token_ids == whole_ids
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.float().to(torch.bfloat16).float()
+
+
+needs_bf16 = pytest.mark.skipif(
+    not bf16_products_ok(128, 128), reason="bf16 products need the avx512bf16 build"
+)
+
+
+@needs_bf16
+@pytest.mark.parametrize("t,start,bs,h,hkv,d,dv,window", [c for c in CASES if c[5] % 16 == 0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
+def test_bf16_products_within_their_rounding(t, start, bs, h, hkv, d, dv, window, dtype):
+    """bf16 products: against the same attention of q * scale, K and V rounded to bf16 (float64
+    otherwise), only the softmax weights' own rounding is left, 2^-9 of each, so
+    |error| <= 2^-9 max|V|; against the exact attention within 2^-7 max|V| (the scores' error
+    from q and K's rounding moves the weights too)."""
+    kv, ctx = _cache(start + t, bs, hkv, d, dv, dtype, seed=t + start)
+    q = torch.randn(t, h, d, generator=torch.Generator().manual_seed(1))
+    k, v = kv.gather(0, ctx, torch.float32)
+    scale = d**-0.5
+    out = native_prefill_attention(q, *kv.layers[0], ctx, scale, window, None, kv.scales[0],
+                                   bf16=True)  # fmt: skip
+    vmax = v.abs().max().item()
+    rounded = reference(_bf16(q * scale), _bf16(k), _bf16(v), start, 1.0, window, None)
+    assert (out.double() - rounded).abs().max() <= 2**-9 * vmax
+    exact = reference(q, k, v, start, scale, window, None)
+    err = (out.double() - exact).abs().max()
+    assert 1e-5 < err <= 2**-7 * vmax  # the products did run in bf16
+
+
+@needs_bf16
+def test_bf16_products_do_not_see_chunks_or_threads_and_decline_odd_heads():
+    kv, ctx = _cache(200, 16, 2, 32, 32, torch.float16, seed=9)
+    q = torch.randn(200, 8, 32, generator=torch.Generator().manual_seed(4))
+    whole = native_prefill_attention(q, *kv.layers[0], ctx, 0.2, None, bf16=True)
+    cuts = [0, 13, 64, 65, 150, 200]
+    parts = [
+        native_prefill_attention(q[a:b], *kv.layers[0], ctx[:b], 0.2, None, bf16=True)
+        for a, b in zip(cuts, cuts[1:], strict=False)
+    ]
+    assert torch.equal(torch.cat(parts), whole)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(native_prefill_attention(q, *kv.layers[0], ctx, 0.2, None, bf16=True),
+                           whole)  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    # heads off the 16-grid keep fp32 products
+    assert not bf16_products_ok(20, 12)
+    kv, ctx = _cache(60, 16, 2, 20, 12, torch.float16, seed=3)
+    q = torch.randn(60, 4, 20)
+    assert torch.equal(native_prefill_attention(q, *kv.layers[0], ctx, 0.2, None, bf16=True),
+                       native_prefill_attention(q, *kv.layers[0], ctx, 0.2, None))  # fmt: skip
+
+
+@needs_bf16
+def test_all_int8_prefills_with_bf16_products_within_their_bound(tiny_model):
+    """`--prefill-attention-dtype auto` under all-int8 (its KV cache fp16): bf16 products, which
+    moved the mean |logprob change| against the exact fp32 run by at most 4% here (qwen3-moe,
+    four 40-token prompts: 0.00747 -> 0.00778; gpt-oss, llama: within +-1%); `float32` and the
+    exact placement keep fp32 products."""
+    from hetserve import LLM
+    from tests.model.test_w8a8_model import EVERY_EXPERT, PROMPT_LP, PROMPTS, _mean_change
+
+    path = tiny_model("qwen3-moe", overrides=EVERY_EXPERT)
+
+    def run(llm):
+        return llm.generate(prompt_token_ids=PROMPTS, sampling_params=PROMPT_LP)
+
+    exact_llm = LLM(path, placement="device")
+    assert not exact_llm.engine.runner.kv.bf16_prefill
+    exact = run(exact_llm)
+    fp32 = LLM(path, placement="all-int8", prefill_attention_dtype="float32")
+    bf16 = LLM(path, placement="all-int8")
+    assert bf16.engine.runner.kv.bf16_prefill and not fp32.engine.runner.kv.bf16_prefill
+    change32, change16 = _mean_change(run(fp32), exact), _mean_change(run(bf16), exact)
+    assert change16 != change32 and change16 <= 1.1 * change32, (change16, change32)
