@@ -85,9 +85,16 @@ static inline __m256i iqg_points4(const uint32_t *g, const unsigned idx[8]) {
 }
 
 /* Four sign bytes at p (byte l: the signs of columns 8 l .. 8 l + 7, bit j for column
- * 8 l + j) -> 32 bytes of -1 (bit set) or +1, each 8 looked up whole. */
+ * 8 l + j) -> 32 bytes of -1 (bit set) or +1: the 32 bits as a mask (vpmovm2b) where the
+ * build has AVX512-BW (IQ2_S's layer 1.26x faster on Zen 4), else each 8 looked up whole.
+ * (IQ2_XXS's and IQ3_XXS's 7 bits and parity put together for it: 1.17x slower; the IQ3
+ * points by vpgatherdd instead of inserts: 1.7x slower.) */
 static inline __m256i iqg_signs(const uint8_t *p) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_or_si256(_mm256_movm_epi8((__mmask32)iqg_u32(p)), _mm256_set1_epi8(1));
+#else
     return iqg_points8(hs_iq_grids.signs64, p[0], p[1], p[2], p[3]);
+#endif
 }
 
 /* The four 7-bit sign indices at bits 7 l of w (l < 4) -> the same 32 bytes. */
