@@ -100,12 +100,17 @@ def bf16_products_ok(d: int, dv: int) -> bool:
 
 
 def native_dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int | None,
+    bf16: bool = False,
 ) -> torch.Tensor | None:
     """Causal attention of q [T, H, D], the last T of L tokens, over their whole context k
     [L, Hkv, D], v [L, Hkv, Dv] held as plain rows (a one-block "cache"); None where the kernel
-    does not apply (the caller runs SDPA)."""
+    does not apply (the caller runs SDPA). `bf16`: as native_prefill_attention's."""
     if not native_prefill_ok(q, [k, v]):
         return None
     slots = torch.arange(k.shape[0])
-    return native_prefill_attention(q, k, v, slots, scale, window)
+    return native_prefill_attention(q, k, v, slots, scale, window, bf16=bf16)

@@ -217,16 +217,21 @@ def test_bf16_products_do_not_see_chunks_or_threads_and_decline_odd_heads():
                        native_prefill_attention(q, *kv.layers[0], ctx, 0.2, None))  # fmt: skip
 
 
+# MLA's heads: 16 + 16 query / key dimensions, 16 of V (the tiny default's 24 keep fp32)
+_MLA16 = {"qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16}
+
+
 @needs_bf16
-def test_all_int8_prefills_with_bf16_products_within_their_bound(tiny_model):
+@pytest.mark.parametrize("family,extra", [("qwen3-moe", {}), ("deepseek-v3", _MLA16)])
+def test_all_int8_prefills_with_bf16_products_within_their_bound(tiny_model, family, extra):
     """`--prefill-attention-dtype auto` under all-int8 (its KV cache fp16): bf16 products, which
     moved the mean |logprob change| against the exact fp32 run by at most 4% here (qwen3-moe,
-    four 40-token prompts: 0.00747 -> 0.00778; gpt-oss, llama: within +-1%); `float32` and the
-    exact placement keep fp32 products."""
+    four 40-token prompts: 0.00747 -> 0.00778; deepseek-v3's MLA prefill 0.01445 -> 0.01453;
+    gpt-oss, llama: within +-1%); `float32` and the exact placement keep fp32 products."""
     from hetserve import LLM
     from tests.model.test_w8a8_model import EVERY_EXPERT, PROMPT_LP, PROMPTS, _mean_change
 
-    path = tiny_model("qwen3-moe", overrides=EVERY_EXPERT)
+    path = tiny_model(family, overrides={**EVERY_EXPERT, **extra})
 
     def run(llm):
         return llm.generate(prompt_token_ids=PROMPTS, sampling_params=PROMPT_LP)
