@@ -116,10 +116,24 @@ def test_kernel_layout_is_mapped_and_equals_the_portable_file(
     assert torch.equal(logprobs(served), logprobs(LLM(portable, placement="device")))
 
 
+def _last_tensor(path, modules_only: bool = False) -> tuple[str, dict]:
+    """The kernel file's tensor that ends last ("module.field"), with its header entry."""
+    from hetserve.model.kernel_file import MappedKernelFile
+
+    header = MappedKernelFile(path, verify=False).header
+    parts = [("modules", header["modules"])]
+    if not modules_only:
+        parts.append(("linears", header.get("linears", {})))
+    found = [(f"{name}.{t['name']}", t) for _, group in parts for name, m in group.items()
+             for t in m["tensors"] if t is not None]  # fmt: skip
+    return max(found, key=lambda f: f[1]["offset"])
+
+
 def _corrupt(path, how: str) -> None:
+    _, entry = _last_tensor(path, modules_only=True)
     raw = bytearray(path.read_bytes())
-    if how == "flip":  # one byte inside the last module's w2
-        raw[-4096] ^= 0x5A
+    if how == "flip":  # one byte inside the last experts module's last tensor
+        raw[entry["offset"] + entry["nbytes"] // 2] ^= 0x5A
     elif how == "truncate":
         del raw[len(raw) - 1000 :]
     else:  # a layout version this hetserve does not read
@@ -132,6 +146,7 @@ def _corrupt(path, how: str) -> None:
 def test_damaged_kernel_file_is_one_line_naming_the_tensor(tiny_model, tmp_path, how):
     src = tiny_model("qwen3-moe", overrides={"moe_intermediate_size": 64})
     out = convert(src, tmp_path / "k", "int8")
+    last = _last_tensor(out / "experts-int8.hsk")[0]
     _corrupt(out / "experts-int8.hsk", how)
     with pytest.raises(ModelLoadError) as err:
         LLM(out, placement="device")
@@ -139,9 +154,11 @@ def test_damaged_kernel_file_is_one_line_naming_the_tensor(tiny_model, tmp_path,
     assert "\n" not in msg and "re-run hetserve convert" in msg
     if how == "version":
         assert "version 7" in msg and "version 1" in msg
-    else:
-        last = "model.layers.1.mlp.experts"
-        assert f"'{last}.s2'" in msg or f"'{last}.w2'" in msg, msg
+    elif how == "flip":
+        experts = "model.layers.1.mlp.experts"
+        assert f"'{experts}.s2'" in msg or f"'{experts}.w2'" in msg, msg
+    else:  # the tensor lying past the end: the file's last (a dense linear's, written last)
+        assert f"'{last}'" in msg, msg
     if how != "flip":
         return
     r = subprocess.run(
