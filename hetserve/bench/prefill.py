@@ -192,7 +192,8 @@ def build_report(args, cfg: dict, lens: list[int], rounds: dict, reasons: dict[s
         "rounds": args.rounds,
         "repeats": args.repeats,
         "llama_cpp": {"n_batch": args.llama_batch, "n_ubatch": args.llama_ubatch,
-                      "gguf_type": args.gguf_type if args.gguf is None else "file"},
+                      "gguf_type": args.gguf_type if args.gguf is None else "file",
+                      "system_info": _llama_system_info()},
         "rows": rows,
         "rounds_tokens_per_s": rounds,
         "unavailable": reasons,
@@ -219,3 +220,14 @@ def print_report(report: dict) -> None:
         krows = [[k["kernel"], k["tokens"], k["gops"], k["of_peak"], k["peak_kind"],
                   k.get("vs_peer")] for k in report["kernels"]]  # fmt: skip
         print_table(["kernel", "tokens", "GOPS", "of peak", "peak", "vs peer"], krows)
+
+
+def _llama_system_info() -> str | None:
+    """What the llama.cpp build in use runs on ("AVX = 1 | AVX2 = 1 | AVX512 = 0 | ..."), so a
+    run against a build limited to AVX2 says so; None where llama_cpp does not import."""
+    try:
+        import llama_cpp
+
+        return llama_cpp.llama_print_system_info().decode().strip()
+    except Exception:  # noqa: BLE001 (any failure: the row of llama.cpp says why)
+        return None
