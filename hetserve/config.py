@@ -178,8 +178,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption(
         "prefill_attention_dtype", "cache", "prefill_attention_dtype",
         "what CPU prefill attention multiplies in: bfloat16 (q, K, the weights and V rounded "
-        "to bf16, fp32 sums; AVX512-BF16 CPUs) or float32; auto: bfloat16 under all-int8 with "
-        "its 16-bit KV cache where the CPU has it", choices=PREFILL_ATTENTION_DTYPES,
+        "to bf16, fp32 sums; AVX512-BF16 CPUs) or float32; auto: bfloat16 where the linears "
+        "are int8 (all-int8) and the KV cache 16-bit, as all-int8's default",
+        choices=PREFILL_ATTENTION_DTYPES,
     ),
     EngineOption(
         "enable_prefix_caching",

@@ -52,8 +52,8 @@ def _as_enum(obj: object, name: str, cls: type[enum.Enum]) -> None:
 # int8 and fp8 (e4m3) keep an fp32 scale per token and KV head beside the rows).
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8", "fp8")
 # Values of --prefill-attention-dtype: what the CPU prefill-attention kernel multiplies in
-# (model/build.py's prefill_bf16; "auto": bfloat16 where the cache is 16-bit by the all-int8
-# preset's own choice and the build has vdpbf16ps, else float32).
+# (model/build.py's prefill_bf16; "auto": bfloat16 where the KV cache is 16-bit, the dense
+# linears run on the int8 kernels (all-int8) and the build has vdpbf16ps, else float32).
 PREFILL_ATTENTION_DTYPES = ("auto", "float32", "bfloat16")
 
 CPU_KV_CAP_BYTES = 2 << 30  # the KV budget on CPU when none is given (CacheConfig below)

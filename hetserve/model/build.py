@@ -117,11 +117,12 @@ def kv_dtype(config: EngineConfig, model: CausalLM, choice: PlacementChoice | No
 
 def prefill_bf16(config: EngineConfig, model: CausalLM, kv: torch.dtype) -> bool:
     """Whether the CPU prefill-attention kernel multiplies in bf16 (`--prefill-attention-dtype`):
-    "auto" says yes where the cache is 16-bit under the all-int8 preset (approximate already:
-    int8 weights, its KV cache fp16 by the same auto rule; bf16 products moved its mean logprob
-    error by at most 4% on tiny models, tests/layers/test_native_prefill.py) and this build has
-    vdpbf16ps (the kernel then runs ~1.75x the fp32 rate at 2k tokens); never on other
-    devices."""
+    "auto" says yes where the KV cache is 16-bit and the dense linears run on the int8 kernels
+    (all-int8, or a rules file that does the same: approximate already; bf16 products moved the
+    tiny models' mean logprob error by at most 4%, tests/layers/test_native_prefill.py) and
+    this build has vdpbf16ps (the kernel then runs ~1.75x the fp32 rate at 2k tokens); never on
+    other devices."""
+    from hetserve.layers.int8_linear import Int8Linear
     from hetserve.layers.native_prefill import bf16_products_ok
     from hetserve.model.loader import resolve_device
 
@@ -129,8 +130,8 @@ def prefill_bf16(config: EngineConfig, model: CausalLM, kv: torch.dtype) -> bool
     if asked == "float32" or resolve_device(config.device).type != "cpu":
         return False
     if asked == "auto":
-        choice = getattr(model, "placement_choice", None)
-        if choice is None or choice.preset != "all-int8" or kv.itemsize != 2:
+        int8 = any(isinstance(m, Int8Linear) for m in model.modules())
+        if not int8 or kv.itemsize != 2:
             return False
     return bf16_products_ok(128, 128)
 
