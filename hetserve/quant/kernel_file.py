@@ -188,8 +188,14 @@ def parse_header(raw: bytes, file_size: int, where: str) -> dict[str, Any]:
         linears = header.get("linears", {})
         entries = [(name, t) for name, mod in modules.items() for t in mod["tensors"]]
         entries += [(name, t) for name, lin in linears.items() for t in lin["tensors"]]
+        ok = all(isinstance(lin[k], int) for lin in linears.values()
+                 for k in ("fmt", "group", "in", "out", "rows"))  # fmt: skip
+        ok = ok and all(isinstance(lin["dtype"], str) and len(lin["tensors"]) == 2
+                        for lin in linears.values())  # fmt: skip
     except (AttributeError, KeyError, TypeError):
-        raise ModelLoadError(f"{where}: header is corrupt; re-run hetserve convert") from None
+        ok = False
+    if not ok:
+        raise ModelLoadError(f"{where}: header is corrupt; re-run hetserve convert")
     for name, t in entries:
         if t is not None:
             _check_tensor(name, t, file_size, where)

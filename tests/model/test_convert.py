@@ -296,3 +296,25 @@ def test_a_corrupt_dense_linear_is_named(tiny_model, tmp_path):
     path.write_bytes(bytes(raw))
     with pytest.raises(ModelLoadError, match="'lm_head.w' is corrupt"):
         LLM(out, placement="all-int8", device="cpu")
+
+
+def test_a_linear_entry_missing_its_fields_is_a_corrupt_header(tiny_model, tmp_path):
+    import json
+
+    from hetserve.model.kernel_file import MappedKernelFile
+    from hetserve.quant.kernel_file import PREFIX, encode_prefix
+
+    src = tiny_model("qwen3-moe", overrides={"moe_intermediate_size": 64})
+    out = convert(src, tmp_path / "int8", "int8")
+    path = out / "experts-int8.hsk"
+    header = MappedKernelFile(path, verify=False).header
+    del header["linears"]["lm_head"]["rows"]
+    raw = bytearray(path.read_bytes())
+    _, _, offset, length = PREFIX.unpack(bytes(raw[: PREFIX.size]))
+    text = json.dumps(header).encode()
+    assert len(text) <= length  # rewritten in place: a shorter header
+    raw[offset : offset + length] = text + b" " * (length - len(text))
+    raw[: PREFIX.size] = encode_prefix(offset, len(text))
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ModelLoadError, match="header is corrupt"):
+        LLM(out, placement="all-int8", device="cpu")
