@@ -128,7 +128,7 @@ def _dense_layouts(model) -> list[tuple[str, LinearLayout]]:
         model, plan_placement(model, preset_rules("all-int8"), torch.device("cpu"))
     )
     return [(name, m.kernel_layout()) for name, m in model.named_modules()
-            if isinstance(m, Int8Linear) and m.kernel == "native" and m.fmt == 1
+            if isinstance(m, Int8Linear) and m.kernel == "native" and m.kind == "int8"
             and not m.group]  # fmt: skip
 
 

@@ -96,7 +96,6 @@ def attach_linears(model, mapped, dtype: torch.dtype) -> set[str]:
     from torch import nn
 
     from hetserve.layers.moe import FusedExperts
-    from hetserve.quant.kernel_file import dtype_name
 
     plan = getattr(model, "hybrid_plan", None)
     names = mapped.linear_names()
@@ -110,7 +109,7 @@ def attach_linears(model, mapped, dtype: torch.dtype) -> set[str]:
     modules = dict(model.named_modules())
     skipped: set[str] = set()
     for name in names:
-        if mapped.linear_dtype(name) != dtype_name(dtype):
+        if mapped.linear_dtype(name) != str(dtype).removeprefix("torch."):  # bf16: rounded anew
             continue
         if not any(name == u or name.startswith(f"{u}.") for u in units):
             continue  # served otherwise: its weight is read as before

@@ -318,3 +318,15 @@ def test_a_linear_entry_missing_its_fields_is_a_corrupt_header(tiny_model, tmp_p
     path.write_bytes(bytes(raw))
     with pytest.raises(ModelLoadError, match="header is corrupt"):
         LLM(out, placement="all-int8", device="cpu")
+
+
+def test_a_bf16_model_rounds_its_linears_anew(tiny_model, tmp_path):
+    """The stored linears were rounded from float32: a model served in bfloat16 rounds its own."""
+    from hetserve.layers.int8_linear import Int8Linear
+
+    src = tiny_model("qwen3-moe", overrides={"moe_intermediate_size": 64})
+    out = convert(src, tmp_path / "int8", "int8")
+    served = LLM(out, placement="all-int8", device="cpu", dtype="bfloat16")
+    linears = [m for m in served.model.modules() if isinstance(m, Int8Linear)]
+    hsk = str(out / "experts-int8.hsk")
+    assert linears and not any(_mapped_files(m._q.data_ptr()) == {hsk} for m in linears)
