@@ -284,12 +284,17 @@ def test_dense_linears_are_mapped_and_equal_rounding_at_load(tiny_model, tmp_pat
                        logprobs(LLM(src, placement="default")))  # fmt: skip
 
 
+def _converted_int8(tiny_model, tmp_path):
+    """A tiny qwen3-moe converted to int8 (kernel layout): its directory and kernel file."""
+    src = tiny_model("qwen3-moe", overrides={"moe_intermediate_size": 64})
+    out = convert(src, tmp_path / "int8", "int8")
+    return out, out / "experts-int8.hsk"
+
+
 def test_a_corrupt_dense_linear_is_named(tiny_model, tmp_path):
     from hetserve.model.kernel_file import MappedKernelFile
 
-    src = tiny_model("qwen3-moe", overrides={"moe_intermediate_size": 64})
-    out = convert(src, tmp_path / "int8", "int8")
-    path = out / "experts-int8.hsk"
+    out, path = _converted_int8(tiny_model, tmp_path)
     entry = MappedKernelFile(path).header["linears"]["lm_head"]["tensors"][0]
     raw = bytearray(path.read_bytes())
     raw[entry["offset"] + 7] ^= 0x5A
@@ -304,9 +309,7 @@ def test_a_linear_entry_missing_its_fields_is_a_corrupt_header(tiny_model, tmp_p
     from hetserve.model.kernel_file import MappedKernelFile
     from hetserve.quant.kernel_file import PREFIX, encode_prefix
 
-    src = tiny_model("qwen3-moe", overrides={"moe_intermediate_size": 64})
-    out = convert(src, tmp_path / "int8", "int8")
-    path = out / "experts-int8.hsk"
+    out, path = _converted_int8(tiny_model, tmp_path)
     header = MappedKernelFile(path, verify=False).header
     del header["linears"]["lm_head"]["rows"]
     raw = bytearray(path.read_bytes())
@@ -324,9 +327,7 @@ def test_a_bf16_model_rounds_its_linears_anew(tiny_model, tmp_path):
     """The stored linears were rounded from float32: a model served in bfloat16 rounds its own."""
     from hetserve.layers.int8_linear import Int8Linear
 
-    src = tiny_model("qwen3-moe", overrides={"moe_intermediate_size": 64})
-    out = convert(src, tmp_path / "int8", "int8")
+    out, path = _converted_int8(tiny_model, tmp_path)
     served = LLM(out, placement="all-int8", device="cpu", dtype="bfloat16")
     linears = [m for m in served.model.modules() if isinstance(m, Int8Linear)]
-    hsk = str(out / "experts-int8.hsk")
-    assert linears and not any(_mapped_files(m._q.data_ptr()) == {hsk} for m in linears)
+    assert linears and not any(_mapped_files(m._q.data_ptr()) == {str(path)} for m in linears)
