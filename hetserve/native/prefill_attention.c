@@ -380,48 +380,18 @@ static void item(void *ctx, int it) {
         pf_cursor cv = {(const char *)(vt + a->vst), more ? (long)(sizeof(float) * a->vst) : 0};
         const int calls = (R + MR - 1) / MR * (BK + Dvp) / cw;
         const int per = (int)((ck.left + cv.left) / 64 / calls) + 1;
+        for (int rb = 0; rb < R; rb += MR) {
+            const int mr = R - rb < MR ? R - rb : MR;
+            for (int jc = 0; jc < nc; jc += cw) {
+                prefetch_some(ck.left > 0 ? &ck : &cv, per);
 #if PF_BF16
-        if (a->bf) {
-            for (int rb = 0; rb < R; rb += MR) {
-                const int mr = R - rb < MR ? R - rb : MR;
-                for (int jc = 0; jc < nc; jc += 32) {
-                    prefetch_some(ck.left > 0 ? &ck : &cv, per);
+                if (a->bf) {
 #define QK(c) qk_block_bf(q2 + (size_t)rb * D / 2, D, (const uint32_t *)kt + jc, s + (size_t)rb * BK + jc, c)
                     BY_ROWS(mr, QK)
 #undef QK
+                    continue;
                 }
-            }
-            for (int r = 0; r < R; r++) {
-                const int pos = a->start + t0 + r / G;
-                const int vlo = a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
-                float *sr = s + (size_t)r * BK;
-                online_softmax(sr, j0, nc, vlo, pos + 1, m + r, l + r, o + (size_t)r * Dvp, Dvp);
-                for (int j = 0; j < nc; j += 32)
-                    _mm512_storeu_si512(p2 + ((size_t)r * BK + j) / 2,
-                                        (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sr + j + 16),
-                                                                      _mm512_loadu_ps(sr + j)));
-            }
-            for (int rb = 0; rb < R; rb += MR) {
-                const int mr = R - rb < MR ? R - rb : MR;
-                for (int dc = 0; dc < Dvp; dc += 32) {
-                    prefetch_some(ck.left > 0 ? &ck : &cv, per);
-                    const int nv = Dvp - dc >= 32 ? 2 : 1;
-#define PV(c)                                                                                      \
-    (nv == 2 ? pv_block_bf(p2 + (size_t)rb * BK / 2, (const uint32_t *)vt + dc, nc / 2, Dvp,       \
-                           o + (size_t)rb * Dvp + dc, c, 2)                                        \
-             : pv_block_bf(p2 + (size_t)rb * BK / 2, (const uint32_t *)vt + dc, nc / 2, Dvp,       \
-                           o + (size_t)rb * Dvp + dc, c, 1))
-                    BY_ROWS(mr, PV)
-#undef PV
-                }
-            }
-            continue;
-        }
 #endif
-        for (int rb = 0; rb < R; rb += MR) {
-            const int mr = R - rb < MR ? R - rb : MR;
-            for (int jc = 0; jc < nc; jc += 16) {
-                prefetch_some(ck.left > 0 ? &ck : &cv, per);
 #define QK(c) qk_block(qs + (size_t)rb * D, D, kt + jc, s + (size_t)rb * BK + jc, c)
                 BY_ROWS(mr, QK)
 #undef QK
@@ -430,12 +400,33 @@ static void item(void *ctx, int it) {
         for (int r = 0; r < R; r++) {
             const int pos = a->start + t0 + r / G;
             const int vlo = a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
-            online_softmax(s + (size_t)r * BK, j0, nc, vlo, pos + 1, m + r, l + r, o + (size_t)r * Dvp, Dvp);
+            float *sr = s + (size_t)r * BK;
+            online_softmax(sr, j0, nc, vlo, pos + 1, m + r, l + r, o + (size_t)r * Dvp, Dvp);
+#if PF_BF16
+            if (a->bf) /* the row's weights as bf16 pairs for pv_block_bf */
+                for (int j = 0; j < nc; j += 32)
+                    _mm512_storeu_si512(p2 + ((size_t)r * BK + j) / 2,
+                                        (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sr + j + 16),
+                                                                      _mm512_loadu_ps(sr + j)));
+#endif
         }
         for (int rb = 0; rb < R; rb += MR) {
             const int mr = R - rb < MR ? R - rb : MR;
-            for (int dc = 0; dc < Dvp; dc += 16) {
+            for (int dc = 0; dc < Dvp; dc += cw) {
                 prefetch_some(ck.left > 0 ? &ck : &cv, per);
+#if PF_BF16
+                if (a->bf) {
+                    const int nv = Dvp - dc >= 32 ? 2 : 1;
+#define PV(c)                                                                                      \
+    (nv == 2 ? pv_block_bf(p2 + (size_t)rb * BK / 2, (const uint32_t *)vt + dc, nc / 2, Dvp,       \
+                           o + (size_t)rb * Dvp + dc, c, 2)                                        \
+             : pv_block_bf(p2 + (size_t)rb * BK / 2, (const uint32_t *)vt + dc, nc / 2, Dvp,       \
+                           o + (size_t)rb * Dvp + dc, c, 1))
+                    BY_ROWS(mr, PV)
+#undef PV
+                    continue;
+                }
+#endif
 #define PV(c) pv_block(s + (size_t)rb * BK, vt + dc, nc, Dvp, o + (size_t)rb * Dvp + dc, c)
                 BY_ROWS(mr, PV)
 #undef PV
