@@ -152,6 +152,7 @@ class TrainKV:
         self.layers = [tuple(torch.empty(0, *s, dtype=torch.bool) for s in e) for e in spec]
         self.scales: list[list[torch.Tensor]] = [[] for _ in spec]  # never 8-bit: no scales
         self.quantized = False
+        self.bf16_prefill = False  # as PagedKVCache's: a training forward keeps fp32 products
         self._rows: list[tuple[torch.Tensor, ...]] = [()] * len(spec)
 
     def write(self, layer: int, slots: torch.Tensor, *tensors: torch.Tensor) -> None:

@@ -275,12 +275,11 @@ def paged_attention(
         else:
             out[d.rows] = batched_decode_sinks(*args, mask, scale, sinks)
     if meta.seqs and native_prefill_ok(q, entries, sinks):
-        bf16 = getattr(ctx.kv, "bf16_prefill", False)  # a training cache has no such choice
         for s in meta.seqs:
             rows = out[s.q_start : s.q_start + s.q_len]  # a contiguous view the kernel fills
             qs = q[s.q_start : s.q_start + s.q_len]
             native_prefill_attention(
-                qs, *entries, s.kv_slots, scale, window, sinks, scales, rows, bf16
+                qs, *entries, s.kv_slots, scale, window, sinks, scales, rows, ctx.kv.bf16_prefill
             )
         return out
     for s, mask in zip(meta.seqs, meta.seq_masks(window), strict=True):

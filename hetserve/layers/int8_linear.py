@@ -45,6 +45,14 @@ _INT8 = 1
 _A8 = 1 << 10  # F_A8: or'd into the format, activation rows rounded to int8 (W8A8)
 
 
+def _a8_flag(activation_bits: int, residual: bool) -> int:
+    """F_A8 for W8A8 on the native kernel; a residual (16-bit-class) linear keeps int16
+    activations."""
+    if activation_bits not in (8, 16):
+        raise ValueError(f"activation_bits must be 8 or 16, got {activation_bits}")
+    return _A8 if activation_bits == 8 and not residual else 0
+
+
 def _native_ok() -> bool:
     from hetserve import envs
     from hetserve.native import native_unavailable_reason
@@ -84,10 +92,7 @@ class Int8Linear(nn.Module):
         activation_bits: int = 16,
     ) -> None:
         super().__init__()
-        if activation_bits not in (8, 16):
-            raise ValueError(f"activation_bits must be 8 or 16, got {activation_bits}")
-        # W8A8 on the native kernel; a residual (16-bit-class) linear keeps int16 activations
-        self._act_flag = _A8 if activation_bits == 8 and not residual else 0
+        self._act_flag = _a8_flag(activation_bits, residual)
         bias = None if linear.bias is None else linear.bias.detach().float().cpu()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self._rows = self.out_features
@@ -139,8 +144,7 @@ class Int8Linear(nn.Module):
             )
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        residual = layout.rows != layout.out_features
-        self._act_flag = _A8 if activation_bits == 8 and not residual else 0
+        self._act_flag = _a8_flag(activation_bits, layout.rows != layout.out_features)
         self.in_features, self.out_features = layout.in_features, layout.out_features
         self._rows = layout.rows
         self.nbytes = layout.rows * layout.in_features + layout.rows * 4
@@ -327,12 +331,10 @@ def quantize_linears(module: nn.Module, activation_bits: int = 16) -> int:
     (fbgemm's 7-bit activations would undo the residual)."""
     count = _fuse(module, activation_bits)
     for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear) and hasattr(child, "mapped_layout"):
-            setattr(module, name, int8_linear(child, activation_bits))  # its stored bytes
-            count += 1
-            continue
-        # A checkpoint's own quantized numbers (GGUF) are as precise as they get: kept as they are.
-        if kept_precise(module, name) and not hasattr(child, "packed_weight"):
+        # A checkpoint's own quantized numbers (GGUF) are as precise as they get: kept as they
+        # are; a converted checkpoint's stored bytes (mapped_layout) carry their residual rows.
+        stored = hasattr(child, "packed_weight") or hasattr(child, "mapped_layout")
+        if kept_precise(module, name) and not stored:
             if isinstance(child, nn.Linear) and _native_ok():
                 setattr(module, name, Int8Linear(child, residual=True))
                 count += 1

@@ -109,9 +109,7 @@ class MLAttention(nn.Module):
             (rows,) = ctx.kv.gather(self.layer_idx, s.kv_slots, x.dtype)
             k, v = self._expand(rows, lambda lora, j=j, n=rows.shape[0]: lora.span_segments(j, n))
             sl = slice(s.q_start, s.q_start + s.q_len)
-            native = native_dense_attention(
-                q[sl], k, v, self.scale, s.window, getattr(ctx.kv, "bf16_prefill", False)
-            )
+            native = native_dense_attention(q[sl], k, v, self.scale, s.window, ctx.kv.bf16_prefill)
             out[sl] = sdpa(q[sl], k, v, s.mask, self.scale) if native is None else native
         return self.o_proj(out.reshape(t, -1))
 

@@ -92,10 +92,6 @@ class LinearLayout:
     w: torch.Tensor
     scale: torch.Tensor
 
-    @property
-    def nbytes(self) -> int:
-        return self.w.nbytes + self.scale.nbytes
-
 
 LINEAR_FIELDS = ("w", "scale")
 
