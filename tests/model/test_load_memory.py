@@ -174,7 +174,7 @@ def test_a_gguf_load_peaks_at_most_one_layer_above_what_it_keeps(tmp_path):
     layer = expert_tensors_bytes(BIG_LAYERS) / BIG_LAYERS["num_hidden_layers"]
     got = _load(path, "load")
     # each expert is copied out of the file once (in pages of its own: model/build.py's
-    # _copies_unmapped), the builder lets gate and up go as it concatenates them, and the
+    # copies_unmapped), the builder lets gate and up go as it concatenates them, and the
     # kernel layout is filled expert by expert, letting each copy go as it is laid out: the
     # peak holds a few experts beyond what stays (measured 0.32 layers here; 1.16-1.25 when
     # the copies' freed pages stayed in the C heap until the layer was built, 1.55 when each
