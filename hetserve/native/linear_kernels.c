@@ -57,6 +57,7 @@ typedef struct {
     const int32_t *kgxp; /* kg16's rows packed for the tiles (gemm_pack_x) */
     const amx_rows_t *amx; /* int8 with row scales at the tiles' token counts: the rows split for
                             * the AMX tiles or packed for the AVX ones, once; else NULL */
+    const uint8_t *xu8; /* W8A8 with row scales on AVX-512: x16 + 128 as bytes (quad_u8) */
 } lin_t;
 
 /* Tokens per row-kernel call: quad_i8's I8_MB for int8 with row scales, else 2. */
@@ -106,6 +107,18 @@ static inline void lin_quad(const lin_t *l, int n0, int nq, int m, int MB, float
     }
     const int16_t *x4[4]; /* tokens m .. m + 3, the last of MB repeated */
     for (int i = 0; i < 4; i++) x4[i] = l->x16 + (size_t)(m + (i < MB ? i : MB - 1)) * K;
+#if HS_U8ROWS
+    if (l->xu8 != NULL) {
+        const uint8_t *u4[4];
+        for (int i = 0; i < 4; i++) u4[i] = l->xu8 + (size_t)(m + (i < MB ? i : MB - 1)) * K;
+        switch (MB) {
+        case 4: quad_u8(q, K, u4, 4, o); break;
+        case 3: quad_u8(q, K, u4, 3, o); break;
+        case 2: quad_u8(q, K, u4, 2, o); break;
+        default: quad_u8(q, K, u4, 1, o); break;
+        }
+    } else
+#endif
     switch (MB) {
 #if I8_MB == 4
     case 4: quad_i8(q, K, x4, 4, o); break;
@@ -236,13 +249,14 @@ typedef struct {
     int8_t *pl;
     float *pd, *xsc;
     int16_t *ps, *x16;
+    uint8_t *u8; /* quad_u8's rows, or NULL */
 } lin_round_t;
 
 static void lin_round_rows(void *ctx, int r0, int r1) {
     const lin_round_t *r = (const lin_round_t *)ctx;
     const int K = r->K, nsb = K / Q4K_SB;
     if (r->fmt == L_I8) {
-        quantize_rows(r->x, K, r0, r1, r->x16, r->xsc, 0, 0, NULL, r->lim);
+        quantize_rows(r->x, K, r0, r1, r->x16, r->xsc, 0, 0, NULL, r->lim, r->u8);
         return;
     }
     const size_t o = (size_t)r0 * K, ob = (size_t)r0 * nsb;
@@ -267,7 +281,9 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
      * padded with zeros where K is */
     const size_t bytes = kq ? n + (size_t)T * nsb * (sizeof(float) + 16 * sizeof(int16_t))
                              : (sizeof(int16_t) * n + sizeof(float) * (size_t)T);
-    char *buf = malloc(bytes + sizeof(float) * n_x);
+    /* W8A8 on the row kernels: the rows also as quad_u8 reads them */
+    const size_t n_u = HS_U8ROWS && a8 && fmt == L_I8 && G == 0 && !gemm_worth_i8(T) ? n : 0;
+    char *buf = malloc(bytes + sizeof(float) * n_x + n_u);
     if (buf == NULL) return -1;
     if (n_x) {
         float *xp = (float *)(buf + bytes); /* bytes: a multiple of 4 */
@@ -290,7 +306,8 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
     }
     nthreads = nthreads < 1 ? 1 : nthreads;
     /* many rows (prefill) rounded on every thread, a few (decode) on the caller's alone */
-    lin_round_t rnd = {fmt, K, a8 ? ACT_Q8 : ACT_Q, x, pl, pd, xsc, ps, x16};
+    uint8_t *xu8 = n_u ? (uint8_t *)buf + bytes + sizeof(float) * n_x : NULL;
+    lin_round_t rnd = {fmt, K, a8 ? ACT_Q8 : ACT_Q, x, pl, pd, xsc, ps, x16, xu8};
     hs_parallel_rows(nthreads, T, 32, lin_round_rows, &rnd);
     const long quad_bytes = /* weights of 4 rows */
         fmt == L_I8 ? 4L * K : 4L * nsb * kq_bytes(fmt);
@@ -298,7 +315,8 @@ int hetserve_qlinear(int fmt, int G, int nthreads, int T, int N, int K, const fl
     int rc = hs_item_units(quad_bytes, ITEM_BYTES, quads, nthreads, RC);
     rc += fmt == L_Q4K && rc % 2; /* q4_K: whole pairs (its layout interleaves quads 2u, 2u + 1) */
     if (fmt == L_I8 && G == 0) rc = (rc + 3) / 4 * 4; /* whole strips of the GEMM tiles */
-    lin_t l = {fmt, G, T, N, K, rc, w, s, xsc, x16, pl, ps, pd, out, NULL, NULL, NULL, NULL};
+    lin_t l = {fmt, G, T, N, K, rc, w, s, xsc, x16, pl, ps, pd, out, NULL, NULL, NULL, NULL,
+               xu8};
     amx_rows_t ax = {0}; /* the int8 GEMM's rows prepared once for every item (AMX or AVX) */
     if (fmt == L_I8 && G == 0 && gemm_worth_i8(T) && amx_rows_split(&ax, x16, NULL, T, K, a8) == 0)
         l.amx = &ax;

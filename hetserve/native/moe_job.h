@@ -58,6 +58,8 @@ typedef struct {
     const int *act_e, *act_off, *act_cnt;
     int nthreads;
     int a8; /* F_A8: activation rows rounded to |x| <= 127 (act_limit) */
+    uint8_t *xu8, *au8; /* W8A8 with int8 row-scaled weights on AVX-512: x16 / a16 + 128 as
+                           bytes [T, H], [P, I] (quad_u8), else NULL */
 } job_t;
 
 static inline int jfmt(const job_t *j, int which) {

@@ -44,6 +44,7 @@
  * 4 for int8 with row scales on AVX-512, else <= 2: gs and p hold 2). */
 typedef struct {
     const int16_t *x[4];
+    const uint8_t *u[4]; /* the same rows + 128 as bytes (job_t's xu8 / au8), or NULL */
     const float *gs[2];
     float s[4];
     q4k_act_t p[2];
@@ -62,11 +63,15 @@ static inline act16_t act16(const job_t *j, int fmt, int which, int K, const int
     const int G = jg(j, which), ng = G > 0 ? K / G : 0;
     const size_t stride = (size_t)act_width(fmt) * K;
     const int r0 = r[0], r1 = r[1];
+    const uint8_t *u = which == 1 ? j->xu8 : j->au8;
     act16_t a = {{base + r0 * stride, base + r1 * stride, base + r[2] * stride,
                   base + r[3] * stride},
+                 {NULL, NULL, NULL, NULL},
                  {gsb + (size_t)r0 * ng, gsb + (size_t)r1 * ng},
                  {xs[r0], xs[r1], xs[r[2]], xs[r[3]]},
                  {{NULL, NULL, NULL}, {NULL, NULL, NULL}}};
+    if (u != NULL && fmt == F_I8 && G == 0)
+        for (int i = 0; i < 4; i++) a.u[i] = u + (size_t)r[i] * K;
     if (kq_fmt(fmt)) {
         const int8_t *pl = which == 1 ? j->xpl : j->apl;
         const int16_t *ps = which == 1 ? j->xps : j->aps;
@@ -95,6 +100,16 @@ static inline __attribute__((always_inline)) void quad_int(const job_t *j, int f
     if (fmt == F_I8 && G == 0) {
         const int8_t *q = (const int8_t *)w + row * K;
         const float *s = (const float *)sv + row;
+#if HS_U8ROWS
+        if (a.u[0] != NULL) {
+            switch (MB) {
+            case 4: quad_u8(q, K, a.u, 4, out); break;
+            case 3: quad_u8(q, K, a.u, 3, out); break;
+            case 2: quad_u8(q, K, a.u, 2, out); break;
+            default: quad_u8(q, K, a.u, 1, out); break;
+            }
+        } else
+#endif
         switch (MB) {
 #if I8_MB == 4
         case 4: quad_i8(q, K, a.x, 4, out); break;
@@ -517,7 +532,7 @@ static void activation_rows(const job_t *j, int which, int r0, int r1) {
 #endif
     const int perm = fmt == F_I4 || fmt == F_MXFP4;
     quantize_rows(src, K, r0, r1, q, sc, perm, fmt == F_I4 ? jg(j, which) : 0, gs,
-                  j->a8 ? ACT_Q8 : ACT_Q);
+                  j->a8 ? ACT_Q8 : ACT_Q, which == 1 ? j->xu8 : j->au8);
 }
 
 typedef struct {
@@ -669,8 +684,12 @@ static int moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int T,
     size_t n_p = kq ? n_q + n_q / Q4K_SB * (sizeof(float) + 16 * sizeof(int16_t)) : 0;
     int own;
     if (n_p) n_p += 64; /* room to start the int8 rows on a cache line */
-    char *buf = scratch(sizeof(float) * n_f + sizeof(int) * n_i + sizeof(int16_t) * n_16 + n_p,
-                        &own);
+    /* W8A8 rows as quad_u8 reads them, for a phase with int8 row-scaled weights */
+    const int u1 = HS_U8ROWS && a8 && f1 == F_I8 && g_phase(G, 1) == 0;
+    const int u2 = HS_U8ROWS && a8 && f2 == F_I8 && g_phase(G, 2) == 0;
+    const size_t n_u = (u1 ? (size_t)T * H : 0) + (u2 ? (size_t)P * I : 0);
+    const size_t head = sizeof(float) * n_f + sizeof(int) * n_i + sizeof(int16_t) * n_16 + n_p;
+    char *buf = scratch(head + n_u, &own);
     if (buf == NULL) return -1;
     float *a = (float *)buf, *y = a + (size_t)P * I, *pw = y + (size_t)P * H;
     float *xsc = pw + P, *asc = xsc + T, *xgs = asc + P;
@@ -695,7 +714,9 @@ static int moe_forward(int fmt, int nthreads, int E, int H, int I, int G, int T,
                        act_cnt + E, &kept);
     job_t j = {fmt, H, I, G, act, alpha, limit, b13, b2, x, w13, w2, s13, s2, tok, pw,
                a, y, x16, a16, xsc, asc, xgs, ags, xpl, apl, xps, aps, xpd, apd, n, act_e, act_off,
-               act_cnt, nthreads < 1 ? 1 : nthreads, a8};
+               act_cnt, nthreads < 1 ? 1 : nthreads, a8,
+               u1 ? (uint8_t *)buf + head : NULL,
+               u2 ? (uint8_t *)buf + head + (u1 ? (size_t)T * H : 0) : NULL};
     if (rounded_acts(f1)) activations(&j, 1, T);
     run_phase(&j, 1, phase_item, NULL);
     if (rounded_acts(f2)) activations(&j, 2, kept);

@@ -70,6 +70,51 @@ static inline __attribute__((always_inline)) void quad_i8(const int8_t *q, int K
     }
 }
 
+#ifdef HS_AVX512
+#define HS_U8ROWS 1
+/* quad_i8 for W8A8 rows (moe_job.h's F_A8: |x16| <= 127), bytes times bytes: the same integer
+ * sums per KBLOCK, so the same floats. vpdpbusd multiplies unsigned by signed bytes, so it
+ * reads each row shifted, u = x16 + 128 in [1, 255] (quantize_rows' u8 rows), and the block's
+ * 128 * sum(w) is taken off again (the weights' sums by one more vpdpbusd against ones, shared
+ * by the MB tokens). A 64-byte chunk of the quad (16 inputs of its 4 rows) is one zmm, and the
+ * token's 16 bytes broadcast to its four 128-bit lanes meet all 4 rows in one instruction: 64
+ * multiply-adds, where vpdpwssd does 16 on the widened weights (which cost 4 vpmovsxbw more
+ * per 16 inputs). Lanes: at most 4 * 255 * 128 per step, KBLOCK / 16 steps: < 2^26. */
+static inline __attribute__((always_inline)) void quad_u8(const int8_t *q, int K,
+                                                          const uint8_t *const *x, int MB,
+                                                          float out[4][MBMAX]) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int r = 0; r < 4; r++)
+        for (int m = 0; m < MB; m++) out[r][m] = 0.0f;
+    for (int kb = 0; kb < K; kb += KBLOCK) {
+        const int ke = kb + KBLOCK < K ? kb + KBLOCK : K;
+        __m512i acc[MBMAX], ws = _mm512_setzero_si512();
+        for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_si512();
+        for (int k = kb; k < ke; k += 16) {
+            hs_prefetch(q + 4 * k);
+            const __m512i w = _mm512_loadu_si512(q + 4 * k);
+            ws = _mm512_dpbusd_epi32(ws, ones, w);
+            for (int m = 0; m < MB; m++)
+                acc[m] = _mm512_dpbusd_epi32(
+                    acc[m], _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(x[m] + k))),
+                    w);
+        }
+        const __m512i off = _mm512_slli_epi32(ws, 7); /* 128 * the weights' sums */
+        for (int m = 0; m < MB; m++) {
+            /* each 128-bit lane r: row r's 4 partial sums, added across the lane */
+            __m512i s = _mm512_sub_epi32(acc[m], off);
+            s = _mm512_add_epi32(s, _mm512_shuffle_epi32(s, _MM_PERM_BADC));
+            s = _mm512_add_epi32(s, _mm512_shuffle_epi32(s, _MM_PERM_CDAB));
+            int32_t lanes[16];
+            _mm512_storeu_si512(lanes, s);
+            for (int r = 0; r < 4; r++) out[r][m] += (float)lanes[4 * r];
+        }
+    }
+}
+#else
+#define HS_U8ROWS 0
+#endif
+
 /* out[r][m] = the lane sum of v[MBMAX * r + m] for r < 4, m < MB (both quad_f32 forms): 8 slots
  * at a time through hs_hsum8, which sums every slot's lanes in the same order. */
 static inline void quad_f32_out(const __m256 v[4 * MBMAX], int MB, float out[4][MBMAX]) {
@@ -187,17 +232,21 @@ static inline __attribute__((always_inline)) void quad_f32(const float *w, int K
 
 /* x16[p] = round(x[p] / scale[p]), scale[p] = max|x[p]| / lim, for rows [p0, p1) (lim: ACT_Q,
  * or ACT_Q8 for W8A8); with G > 0 also gsum[p, g] = sum of x16[p] over group g (exact: |sum|
- * <= 128 * ACT_Q < 2^24).
+ * <= 128 * ACT_Q < 2^24); with u8 (W8A8 on AVX-512, else NULL) also u8[p] = x16[p] + 128 as
+ * bytes (quad_u8's rows).
  * perm = 1 stores each 8 in the order of the nibble tiles' pairs (tile_mxfp4, tile_i4):
  * [0 4 2 6 1 5 3 7]. */
 static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, float *scale,
-                          int perm, int G, float *gsum, int lim) {
+                          int perm, int G, float *gsum, int lim, uint8_t *u8) {
     /* K % 32 == 0 (checked by the caller). Vectorized, the reorder and the group sums too: at
      * one token this runs on one thread before and between the phases, where scalar loops
      * would take ~3 us of a ~200 us layer (2048 + 6 x 512 inputs). */
     const __m256i ord = _mm256_setr_epi8(0, 1, 8, 9, 4, 5, 12, 13, 2, 3, 10, 11, 6, 7, 14, 15,
                                          0, 1, 8, 9, 4, 5, 12, 13, 2, 3, 10, 11, 6, 7, 14, 15);
     const __m256i ones = _mm256_set1_epi16(1);
+#if !HS_U8ROWS
+    (void)u8; /* never asked for without AVX-512 */
+#endif
     for (int p = p0; p < p1; p++) {
         const float *row = x + (size_t)p * K;
         int16_t *out = x16 + (size_t)p * K;
@@ -222,6 +271,11 @@ static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, f
                         gacc = _mm256_setzero_si256();
                     }
                 }
+#if HS_U8ROWS
+                if (u8 != NULL) /* quad_u8's rows (lim = ACT_Q8, perm = 0): x16 + 128 */
+                    _mm_storeu_si128((__m128i *)(u8 + (size_t)p * K + k16),
+                                     _mm_xor_si128(_mm256_cvtepi16_epi8(h), _mm_set1_epi8(-128)));
+#endif
                 if (perm) h = _mm256_shuffle_epi8(h, ord); /* within each 8: 0 4 2 6 1 5 3 7 */
                 _mm256_storeu_si256((__m256i *)(out + k16), h);
             }

@@ -2,8 +2,9 @@
 native/moe_gemm.h's byte tiles, moe_job.h's F_A8).
 
 The rows are still stored as int16, only with |x| <= 127, so every kernel that reads them (the
-decode quads, the int16 tiles on AVX2, AMX's one tile product) sums exactly the same integers
-as the byte tiles (vpdpbusd with x + 128 and the weights' sums taken off): a token's result
+AVX2 decode quads, the int16 tiles on AVX2, AMX's one tile product) sums exactly the same
+integers as the byte tiles and AVX-512's decode quads (vpdpbusd with x + 128 and the weights'
+sums taken off, moe_quads.h's quad_u8): a token's result
 must not depend on the path, the batch or the instruction set, bit for bit. The arithmetic
 equals a torch reference of it, and the error against the exact product stays within the
 rounding's own bound."""
@@ -100,11 +101,20 @@ def _linear(n, k, seed, bias=False):
 
 @pytest.mark.parametrize(
     ("n", "k", "t"),
-    [(22, 100, 40), (96, 256, 64), (301, 256, 9), (40, 4608, 20), (64, 2048, 3), (40, 100, 203)],
+    [
+        (22, 100, 40),
+        (96, 256, 64),
+        (301, 256, 9),
+        (40, 4608, 20),
+        (40, 4608, 5),
+        (64, 2048, 3),
+        (40, 100, 203),
+    ],
 )
 def test_w8a8_linear_equals_the_reference_arithmetic(n, k, t):
     """16 tokens or more: the byte tiles (AVX-512; AVX2's int16 tiles on the same rows), fewer:
-    the rows; both equal the reference bit for bit."""
+    the rows (AVX-512: quad_u8 on bytes, two KBLOCKs at K = 4608); all equal the reference bit
+    for bit."""
     lin, g = _linear(n, k, seed=n + k)
     q = Int8Linear(lin, activation_bits=8)
     assert q.kernel == "native" and "int8 activations" in repr(q)
@@ -151,7 +161,9 @@ def _isa_libs():
     return libs
 
 
-@pytest.mark.parametrize(("h", "inter", "t"), [(256, 128, 40), (4160, 64, 36), (192, 64, 9)])
+@pytest.mark.parametrize(
+    ("h", "inter", "t"), [(256, 128, 40), (4160, 64, 36), (192, 64, 9), (4160, 64, 7)]
+)
 def test_w8a8_experts_same_bits_on_every_isa(h, inter, t):
     """AVX2 (int16 tiles and quads), this CPU's build (byte tiles on AVX-512) and the AMX loops
     on the C model of the tiles (one signed-byte product) give the same bits."""
