@@ -80,16 +80,16 @@ static inline __attribute__((always_inline)) void quad_i8(const int8_t *q, int K
  * token's 16 bytes broadcast to its four 128-bit lanes meet all 4 rows in one instruction: 64
  * multiply-adds, where vpdpwssd does 16 on the widened weights (which cost 4 vpmovsxbw more
  * per 16 inputs). Lanes: at most 4 * 255 * 128 per step, KBLOCK / 16 steps: < 2^26. */
+_Static_assert(MBMAX == 4, "quad_u8 stores out[4][MBMAX] as one vector");
 static inline __attribute__((always_inline)) void quad_u8(const int8_t *q, int K,
                                                           const uint8_t *const *x, int MB,
                                                           float out[4][MBMAX]) {
     const __m512i ones = _mm512_set1_epi8(1);
-    for (int r = 0; r < 4; r++)
-        for (int m = 0; m < MB; m++) out[r][m] = 0.0f;
+    __m512 tot = _mm512_setzero_ps(); /* lane MBMAX * r + m: out[r][m] */
     for (int kb = 0; kb < K; kb += KBLOCK) {
         const int ke = kb + KBLOCK < K ? kb + KBLOCK : K;
         __m512i acc[MBMAX], ws = _mm512_setzero_si512();
-        for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_si512();
+        for (int m = 0; m < MBMAX; m++) acc[m] = _mm512_setzero_si512();
         for (int k = kb; k < ke; k += 16) {
             hs_prefetch(q + 4 * k);
             const __m512i w = _mm512_loadu_si512(q + 4 * k);
@@ -100,16 +100,18 @@ static inline __attribute__((always_inline)) void quad_u8(const int8_t *q, int K
                     w);
         }
         const __m512i off = _mm512_slli_epi32(ws, 7); /* 128 * the weights' sums */
-        for (int m = 0; m < MB; m++) {
-            /* each 128-bit lane r: row r's 4 partial sums, added across the lane */
-            __m512i s = _mm512_sub_epi32(acc[m], off);
-            s = _mm512_add_epi32(s, _mm512_shuffle_epi32(s, _MM_PERM_BADC));
-            s = _mm512_add_epi32(s, _mm512_shuffle_epi32(s, _MM_PERM_CDAB));
-            int32_t lanes[16];
-            _mm512_storeu_si512(lanes, s);
-            for (int r = 0; r < 4; r++) out[r][m] += (float)lanes[4 * r];
-        }
+        for (int m = 0; m < MB; m++) acc[m] = _mm512_sub_epi32(acc[m], off);
+        /* 128-bit lane r of acc[m]: row r's 4 partial sums. A 4 x 4 transpose-and-add per
+         * lane leaves lane r = row r's sums for tokens 0..3 (tokens past MB: zeros) */
+        const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[0], acc[1]),
+                                             _mm512_unpackhi_epi32(acc[0], acc[1]));
+        const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[2], acc[3]),
+                                             _mm512_unpackhi_epi32(acc[2], acc[3]));
+        const __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23),
+                                           _mm512_unpackhi_epi64(s01, s23));
+        tot = _mm512_add_ps(tot, _mm512_cvtepi32_ps(s)); /* exact int -> float, as (float) */
     }
+    _mm512_storeu_ps(&out[0][0], tot);
 }
 #else
 #define HS_U8ROWS 0
