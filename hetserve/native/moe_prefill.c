@@ -18,6 +18,34 @@
 
 #define PB 96 /* pairs per block: their sums wait in scratch, their rows stay in L2 */
 
+/* The epilogues every tile path shares, in the row kernels' float steps. Phase 1, pair p of a
+ * strip of GEMM_ROWS gate rows from i0: its gate and up sums g, u (each times its row's scale
+ * gs / us where the tiles leave them out, else NULL), times the activation row's scale xs (1
+ * where the sums carry it: x * 1 is x), plus the bias; act(gate, up) times the router weight
+ * into a[p, i0 ..]. */
+static inline void strip_gate(const job_t *j, int p, int i0, const float *g, const float *u,
+                              const float *gs, const float *us, float xs, const float *b13) {
+    const int I = j->I;
+    float gl[GEMM_ROWS], ul[GEMM_ROWS], wl[GEMM_ROWS];
+    for (int r = 0; r < GEMM_ROWS; r++) {
+        const float gv = gs ? g[r] * gs[r] : g[r], uv = us ? u[r] * us[r] : u[r];
+        gl[r] = gv * xs + (b13 ? b13[i0 + r] : 0.0f);
+        ul[r] = uv * xs + (b13 ? b13[I + i0 + r] : 0.0f);
+        wl[r] = j->pw[p];
+    }
+    gate_lanes(j, gl, ul, wl, j->a + (size_t)p * I + i0, GEMM_ROWS);
+}
+
+/* Phase 2, pair p of a strip of W2 rows from n0: its sums o (times the rows' scales s2 [H] where
+ * given) times the activation row's scale as, plus router weight x bias, into y[p, n0 ..]. */
+static inline void strip_down(const job_t *j, int p, int n0, const float *o, const float *s2,
+                              float as, const float *b2) {
+    const float pw = j->pw[p];
+    float *y = j->y + (size_t)p * j->H + n0;
+    for (int r = 0; r < GEMM_ROWS; r++)
+        y[r] = (s2 ? o[r] * s2[n0 + r] : o[r]) * as + (b2 ? pw * b2[n0 + r] : 0.0f);
+}
+
 typedef struct {
     int16_t *panel[2]; /* [K / 2][16][2] each: gate and up (phase 1) or one (phase 2) */
     int32_t *isum;     /* [PB][16] */
@@ -63,24 +91,17 @@ int hs_phase1_gemm(const job_t *j, int ai, int u0, int u1) {
         }
         strip_pack(&ax, gq, H, s.panel[0]);
         strip_pack(&ax, uq, H, s.panel[1]);
+        float sg[GEMM_ROWS], su[GEMM_ROWS]; /* the rows' scales: gate quad, then its up quad */
+        for (int r = 0; r < GEMM_ROWS; r++)
+            sg[r] = s13[8 * (v + r / 4) + r % 4], su[r] = s13[8 * (v + r / 4) + 4 + r % 4];
         for (int p0 = 0; p0 < cnt; p0 += PB) {
             const int n = cnt - p0 < PB ? cnt - p0 : PB;
             strip_sums(&ax, s.panel[0], H, p0, n, s.isum, s.out[0]);
             strip_sums(&ax, s.panel[1], H, p0, n, s.isum, s.out[1]);
             for (int m = 0; m < n; m++) {
                 const int p = off + p0 + m;
-                const float xs = j->xsc[j->tok[p]];
-                float gl[GEMM_ROWS], ul[GEMM_ROWS], wl[GEMM_ROWS];
-                for (int r = 0; r < GEMM_ROWS; r++) {
-                    /* quad_int: the sum times the row's scale, times the token's; phase1: + bias */
-                    const int i = i0 + r, q = r / 4, rr = r % 4;
-                    const float sg = s13[8 * (v + q) + rr], su = s13[8 * (v + q) + 4 + rr];
-                    const float bg = b13 ? b13[i] : 0.0f, bu = b13 ? b13[I + i] : 0.0f;
-                    gl[r] = s.out[0][m * GEMM_ROWS + r] * sg * xs + bg;
-                    ul[r] = s.out[1][m * GEMM_ROWS + r] * su * xs + bu;
-                    wl[r] = j->pw[p];
-                }
-                gate_lanes(j, gl, ul, wl, j->a + (size_t)p * I + i0, GEMM_ROWS);
+                strip_gate(j, p, i0, s.out[0] + m * GEMM_ROWS, s.out[1] + m * GEMM_ROWS, sg, su,
+                           j->xsc[j->tok[p]], b13);
             }
         }
     }
@@ -114,11 +135,7 @@ int hs_phase2_gemm(const job_t *j, int ai, int u0, int u1) {
             strip_sums(&ax, s.panel[0], I, p0, n, s.isum, s.out[0]);
             for (int m = 0; m < n; m++) {
                 const int p = off + p0 + m;
-                const float as = j->asc[p], pw = j->pw[p];
-                float *y = j->y + (size_t)p * H + n0;
-                for (int r = 0; r < GEMM_ROWS; r++)
-                    y[r] = s.out[0][m * GEMM_ROWS + r] * s2[n0 + r] * as +
-                           (b2 ? pw * b2[n0 + r] : 0.0f);
+                strip_down(j, p, n0, s.out[0] + m * GEMM_ROWS, s2, j->asc[p], b2);
             }
         }
     }
@@ -266,16 +283,9 @@ int hs_phase1_kgemm(const job_t *j, int ai, int u0, int u1) {
                 const int32_t *xp = s.xp + (size_t)p0 * (H / 2);
                 kg_strip_gemm(&s.st[0], fmt, H, gk, span, xp, xd, ms, xg, n, s.isum, s.out[0]);
                 kg_strip_gemm(&s.st[1], fmt, H, gk, span, xp, xd, ms, xg, n, s.isum, s.out[1]);
-                for (int m = 0; m < n; m++) {
-                    const int p = off + t0 + p0 + m;
-                    float gl[GEMM_ROWS], ul[GEMM_ROWS], wl[GEMM_ROWS];
-                    for (int r = 0; r < GEMM_ROWS; r++) {
-                        gl[r] = s.out[0][m * GEMM_ROWS + r] + (b13 ? b13[i0 + r] : 0.0f);
-                        ul[r] = s.out[1][m * GEMM_ROWS + r] + (b13 ? b13[I + i0 + r] : 0.0f);
-                        wl[r] = j->pw[p];
-                    }
-                    gate_lanes(j, gl, ul, wl, j->a + (size_t)p * I + i0, GEMM_ROWS);
-                }
+                for (int m = 0; m < n; m++) /* scales inside the sums (kg_strip_gemm) */
+                    strip_gate(j, off + t0 + p0 + m, i0, s.out[0] + m * GEMM_ROWS,
+                               s.out[1] + m * GEMM_ROWS, NULL, NULL, 1.0f, b13);
             }
         }
     }
@@ -314,13 +324,9 @@ int hs_phase2_kgemm(const job_t *j, int ai, int u0, int u1) {
                 kg_strip_gemm(&s.st[0], fmt, I, gk, i8 ? I : Q4K_SB,
                               s.xp + (size_t)p0 * (I / 2), xd, ms, xg, n, s.isum,
                               s.out[0]);
-                for (int m = 0; m < n; m++) {
-                    const int p = off + t0 + p0 + m;
-                    const float pw = j->pw[p];
-                    float *y = j->y + (size_t)p * H + n0;
-                    for (int r = 0; r < GEMM_ROWS; r++)
-                        y[r] = s.out[0][m * GEMM_ROWS + r] + (b2 ? pw * b2[n0 + r] : 0.0f);
-                }
+                for (int m = 0; m < n; m++)
+                    strip_down(j, off + t0 + p0 + m, n0, s.out[0] + m * GEMM_ROWS, NULL, 1.0f,
+                               b2);
             }
         }
     }
@@ -494,18 +500,10 @@ int hs_phase1_fp8(const job_t *j, int ai, int u0, int u1) {
             const size_t xo = (size_t)p0 * (H / 2);
             fp8_strip(s.panel[0], H, G, s.sc[0], s.xh + xo, s.xl + xo, n, s.acc, s.out[0]);
             fp8_strip(s.panel[1], H, G, s.sc[1], s.xh + xo, s.xl + xo, n, s.acc, s.out[1]);
-            for (int m = 0; m < n; m++) {
+            for (int m = 0; m < n; m++) { /* group scales inside the sums (fp8_strip) */
                 const int p = off + p0 + m;
-                const float xs = j->xsc[j->tok[p]];
-                float gl[GEMM_ROWS], ul[GEMM_ROWS], wl[GEMM_ROWS];
-                for (int r = 0; r < GEMM_ROWS; r++) {
-                    /* the row kernel's steps: the sum times the row's scale, plus the bias */
-                    const int i = i0 + r;
-                    gl[r] = s.out[0][m * GEMM_ROWS + r] * xs + (b13 ? b13[i] : 0.0f);
-                    ul[r] = s.out[1][m * GEMM_ROWS + r] * xs + (b13 ? b13[I + i] : 0.0f);
-                    wl[r] = j->pw[p];
-                }
-                gate_lanes(j, gl, ul, wl, j->a + (size_t)p * I + i0, GEMM_ROWS);
+                strip_gate(j, p, i0, s.out[0] + m * GEMM_ROWS, s.out[1] + m * GEMM_ROWS, NULL,
+                           NULL, j->xsc[j->tok[p]], b13);
             }
         }
     }
@@ -541,10 +539,7 @@ int hs_phase2_fp8(const job_t *j, int ai, int u0, int u1) {
             fp8_strip(s.panel[0], I, G, s.sc[0], s.xh + xo, s.xl + xo, n, s.acc, s.out[0]);
             for (int m = 0; m < n; m++) {
                 const int p = off + p0 + m;
-                const float as = j->asc[p], pw = j->pw[p];
-                float *y = j->y + (size_t)p * H + n0;
-                for (int r = 0; r < GEMM_ROWS; r++)
-                    y[r] = s.out[0][m * GEMM_ROWS + r] * as + (b2 ? pw * b2[n0 + r] : 0.0f);
+                strip_down(j, p, n0, s.out[0] + m * GEMM_ROWS, NULL, j->asc[p], b2);
             }
         }
     }
