@@ -1,7 +1,10 @@
 """Fused decode: every decoder layer of a CPU-only decode step in one native call.
 
 Who calls it: `CausalLM.forward`, through its `fused_step` hook (which `ModelRunner` sets to
-`run`), on a decode step, with the embeddings of the step's tokens. `run(model, x, ctx)`
+`run`), on a decode step, with the embeddings of the step's tokens; also on a step whose
+decodes carry small prompt chunks (`FUSED_CHUNK_TOKENS`), each chunk token a row of decode
+attention over its own context (within fp32 rounding of the prefill kernels' result, not the
+same bits). `run(model, x, ctx)`
 either advances `x` in place through all decoder layers and returns True, or returns False
 having touched nothing; the caller then runs the modules, which compute the same thing (the C
 side is the module path's own kernels chained: hetserve/native/decode_layers.c).
@@ -37,6 +40,13 @@ from hetserve.moe.router import NATIVE_LOGITS_MAX_TOKENS
 from hetserve.native import optional_kernel
 
 FFN_EXPERTS, FFN_DENSE = 1, 2
+# A step beside decodes carries prompt chunks of at most this many tokens (all its chunks
+# together) as rows of the fused step: each chunk token is one more row of decode attention
+# over its own context, so it runs as the decodes run instead of the layers one by one, whose
+# Python and per-kernel calls cost a 3-token chunk beside three decodes of the 1.7 B MoE ~7 ms
+# of a 34 ms step (a six-token decode step: ~27 ms). Larger chunks take the prefill kernels
+# (GEMM tiles, blocked causal attention), which read each context once.
+FUSED_CHUNK_TOKENS = 16
 
 
 class _QLin(ctypes.Structure):
@@ -245,15 +255,35 @@ def _build(model: nn.Module, kv, key: tuple) -> _Plan:
     return _Plan(key, (_Layer * len(layers))(*layers), keep)
 
 
+def _row_tables(meta, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables [rows, W] and context lengths [rows] of every row of a step whose prompt
+    chunks run as rows of decode attention: a decode's own, and for chunk token i of a
+    sequence its sequence's table with the context up to and including itself (the layer
+    writes every row's K/V before any row attends, so each sees the chunk's earlier tokens)."""
+    d = meta.decode
+    bs = d.block_size
+    width = max([d.tables.shape[1]] + [-(-span.kv_len // bs) for span in meta.seqs])
+    tables = torch.zeros(rows, width, dtype=torch.long)
+    lens = torch.empty(rows, dtype=torch.long)
+    tables[d.rows, : d.tables.shape[1]] = d.tables
+    lens[d.rows] = d.lens
+    for span in meta.seqs:
+        nb = -(-span.kv_len // bs)
+        rs = slice(span.q_start, span.q_start + span.q_len)
+        tables[rs, :nb] = span.kv_slots[::bs][:nb] // bs
+        lens[rs] = torch.arange(span.kv_len - span.q_len + 1, span.kv_len + 1)
+    return tables, lens
+
+
 def run(model: nn.Module, x: torch.Tensor, ctx) -> bool:
-    """Advance the embeddings x [B, hidden] of a pure decode step through every decoder layer
-    in place and return True, or return False (x untouched) where the fused step does not
-    apply."""
+    """Advance the embeddings x [T, hidden] of a decode step (its prompt chunks, if any, no
+    more than FUSED_CHUNK_TOKENS tokens) through every decoder layer in place and return True,
+    or return False (x untouched) where the fused step does not apply."""
     meta = ctx.meta
     d = meta.decode
     if (
         d is None
-        or meta.seqs
+        or sum(span.q_len for span in meta.seqs) > FUSED_CHUNK_TOKENS
         or x.shape[0] > NATIVE_LOGITS_MAX_TOKENS  # the router module's logits are torch's
         or meta.sliding_window is not None
         or x.dtype is not torch.float32
@@ -276,7 +306,8 @@ def run(model: nn.Module, x: torch.Tensor, ctx) -> bool:
         model.__dict__["_fused_decode_plan"] = plan
     if plan.layers is None:
         return False
-    tables, lens = d.tables.contiguous(), d.lens.contiguous()
+    tables, lens = _row_tables(meta, x.shape[0]) if meta.seqs else (d.tables, d.lens)
+    tables, lens = tables.contiguous(), lens.contiguous()
     rc = fn(
         torch.get_num_threads(), len(plan.layers), ctypes.addressof(plan.layers), x.shape[0],
         x.data_ptr(),

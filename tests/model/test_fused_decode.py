@@ -164,3 +164,53 @@ def test_router_logits_fixed_order_and_close_to_torch():
     big = torch.randn(NATIVE_LOGITS_MAX_TOKENS + 1, 96, generator=g)
     assert native_logits(big, w) is None  # prefill-sized batches stay on torch's GEMM
     assert native_logits(x.requires_grad_(), w) is None
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_small_prompt_chunks_beside_decodes_take_the_fused_step(tiny_model, monkeypatch, kv_dtype):
+    """A step budget of 8 tokens: the longer prompts go in chunks of up to 7 beside the others'
+    decodes, each chunk token a row of decode attention over its own context in the fused
+    step. The modules run those chunks on the prefill kernels (fp32 products here): the same
+    tokens, logprobs within fp32 rounding (the two attentions sum in other orders)."""
+    llm = LLM(str(tiny_model("qwen3-moe", overrides=MOE)), placement=_all_int8_rules("cpu-int8"),
+              kv_cache_dtype=kv_dtype, max_num_batched_tokens=8,
+              prefill_attention_dtype="float32")  # fmt: skip
+    spy = _Spy(monkeypatch, llm)
+    mixed = []
+    run = spy._run
+
+    def spying(model, x, ctx):
+        if ctx.meta.seqs and ctx.meta.decode is not None:
+            mixed.append(sum(s.q_len for s in ctx.meta.seqs))
+        return run(model, x, ctx)
+
+    spy._run = spying
+    fused = _generate(llm)
+    assert mixed and max(mixed) > 1  # steps with decodes carried chunks of several tokens
+    assert spy.fused > 7  # ... and took the fused step
+    spy.off = True
+    modules = _generate(llm)
+    for (tf, lf), (tm, lm) in zip(fused, modules, strict=True):
+        assert tf == tm
+        torch.testing.assert_close(torch.tensor(lf), torch.tensor(lm), rtol=1e-4, atol=1e-4)
+
+
+def test_large_prompt_chunks_keep_the_prefill_kernels(tiny_model, monkeypatch):
+    llm = LLM(str(tiny_model("qwen3-moe", overrides=MOE)), placement=_all_int8_rules("cpu-int8"),
+              max_num_batched_tokens=64)  # fmt: skip
+    spy = _Spy(monkeypatch, llm)
+    taken = []
+    run = spy._run
+
+    def spying(model, x, ctx):
+        took = run(model, x, ctx)
+        if ctx.meta.seqs:
+            taken.append((sum(s.q_len for s in ctx.meta.seqs), took))
+        return took
+
+    spy._run = spying
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm.generate(prompt_token_ids=[PROMPTS[1], list(range(10, 110))], sampling_params=params)
+    chunks = [n for n, _ in taken]
+    assert any(n > fused_decode.FUSED_CHUNK_TOKENS for n in chunks), chunks
+    assert all(took == (n <= fused_decode.FUSED_CHUNK_TOKENS) for n, took in taken), taken
