@@ -154,7 +154,11 @@ static int lin_item_gemm(const lin_t *l, int u0, int u1) {
         const int rows = 4 * (u + 4) <= l->N ? GEMM_ROWS : l->N - 4 * u;
         for (int t0 = 0; t0 < l->T; t0 += TBG) {
             const int n = l->T - t0 < TBG ? l->T - t0 : TBG;
-            strip_sums(ax, panel, K, t0, n, isum, out);
+            /* the next strip of the item (quads u + 4 .. u + 7: 16 K bytes on from these) */
+            const char *next = t0 == 0 && u + 4 < u1 && u + 8 <= quads
+                                   ? (const char *)l->w + (size_t)(u + 4) * 4 * K
+                                   : NULL;
+            strip_sums(ax, panel, K, t0, n, isum, out, next);
             for (int m = 0; m < n; m++) {
                 float *y = l->out + (size_t)(t0 + m) * l->N + 4 * u;
                 const float sx = l->xsc[t0 + m];

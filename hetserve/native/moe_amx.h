@@ -310,7 +310,7 @@ static inline void strip_pack(const amx_rows_t *a, const int8_t *const q[4], int
 /* gemm_strip for pairs p0 .. p0 + n - 1 of the item (p0: a multiple of GEMM_NT, the callers'
  * blocks of 96). */
 static inline void strip_sums(const amx_rows_t *a, const int16_t *panel, int K, int p0, int n,
-                              int32_t *isum, float *out) {
+                              int32_t *isum, float *out, const char *next) {
 #ifdef HS_AMX
     if (a->on) {
         amx_strip((const int8_t *)panel, K, a->hi + (size_t)p0 * K,
@@ -320,8 +320,8 @@ static inline void strip_sums(const amx_rows_t *a, const int16_t *panel, int K, 
 #endif
     /* the byte tiles pack 4 inputs a word, the int16 ones 2; each call its own copy (a8 a
      * constant: a run-time one left the W8A8 layer ~4% slower) */
-    if (a->a8) gemm_strip(panel, K, a->xp + (size_t)p0 * (K / 4), n, isum, out, 1);
-    else gemm_strip(panel, K, a->xp + (size_t)p0 * (K / 2), n, isum, out, 0);
+    if (a->a8) gemm_strip(panel, K, a->xp + (size_t)p0 * (K / 4), n, isum, out, 1, next);
+    else gemm_strip(panel, K, a->xp + (size_t)p0 * (K / 2), n, isum, out, 0, next);
 }
 
 #endif

@@ -101,12 +101,14 @@ static inline void gemm_pack_n(const int8_t *const q[4], int K, int16_t *panel,
  * AVX-512). */
 static inline __attribute__((always_inline)) void gemm_tile(const int16_t *panel, int kp0,
                                                             int kp1, const int32_t *xg,
-                                                            int32_t *const *c, const int NT) {
+                                                            int32_t *const *c, const int NT,
+                                                            const char *pf) {
 #ifdef HS_AVX512
     __m512i acc[GEMM_NT];
 #pragma GCC unroll 12
     for (int m = 0; m < NT; m++) acc[m] = _mm512_loadu_si512(c[m]);
     for (int kp = kp0; kp < kp1; kp++) {
+        if (pf != NULL) _mm_prefetch(pf + 32 * (size_t)kp, _MM_HINT_T1); /* gemm_strip's next */
         const __m512i w = _mm512_loadu_si512(panel + (size_t)kp * 2 * GEMM_ROWS);
         const int32_t *xk = xg + (size_t)kp * GEMM_NT;
 #pragma GCC unroll 12
@@ -123,6 +125,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const int16_t *panel
         hi[m] = _mm256_loadu_si256((const __m256i *)(c[m] + 8));
     }
     for (int kp = kp0; kp < kp1; kp++) {
+        if (pf != NULL) _mm_prefetch(pf + 32 * (size_t)kp, _MM_HINT_T1);
         const int16_t *p = panel + (size_t)kp * 2 * GEMM_ROWS;
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)p);
         const __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + 16));
@@ -142,11 +145,12 @@ static inline __attribute__((always_inline)) void gemm_tile(const int16_t *panel
 #endif
 }
 
-/* gemm_tile for n <= GEMM_NT tokens, n a run-time value (each count its own copy). */
+/* gemm_tile for n <= GEMM_NT tokens, n a run-time value (each count its own copy); pf: see
+ * gemm_strip (NULL: no prefetch). */
 static inline void gemm_tile_n(const int16_t *panel, int kp0, int kp1, const int32_t *xg,
-                               int32_t *const *c, int n) {
+                               int32_t *const *c, int n, const char *pf) {
     switch (n) {
-#define HS_N(v) case v: gemm_tile(panel, kp0, kp1, xg, c, v); break;
+#define HS_N(v) case v: gemm_tile(panel, kp0, kp1, xg, c, v, pf); break;
     HS_N(1) HS_N(2) HS_N(3) HS_N(4) HS_N(5) HS_N(6)
 #ifdef HS_AVX512
     HS_N(7) HS_N(8) HS_N(9) HS_N(10) HS_N(11) HS_N(12)
@@ -221,11 +225,13 @@ static inline void gemm_panel8_corr(int8_t *panel, int K) {
  * bytes u = x + 128), modulo 2^32, for NT <= GEMM_NT tokens packed by gemm_pack_x8. */
 static inline __attribute__((always_inline)) void gemm_tile8(const int8_t *panel, int kq0,
                                                              int kq1, const int32_t *xg,
-                                                             int32_t *const *c, const int NT) {
+                                                             int32_t *const *c, const int NT,
+                                                             const char *pf) {
     __m512i acc[GEMM_NT];
 #pragma GCC unroll 12
     for (int m = 0; m < NT; m++) acc[m] = _mm512_loadu_si512(c[m]);
     for (int kq = kq0; kq < kq1; kq++) {
+        if (pf != NULL) _mm_prefetch(pf + 64 * (size_t)kq, _MM_HINT_T1); /* gemm_strip's next */
         const __m512i w = _mm512_loadu_si512(panel + (size_t)kq * 64);
         const int32_t *xk = xg + (size_t)kq * GEMM_NT;
 #pragma GCC unroll 12
@@ -237,9 +243,9 @@ static inline __attribute__((always_inline)) void gemm_tile8(const int8_t *panel
 }
 
 static inline void gemm_tile8_n(const int8_t *panel, int kq0, int kq1, const int32_t *xg,
-                                int32_t *const *c, int n) {
+                                int32_t *const *c, int n, const char *pf) {
     switch (n) {
-#define HS_N(v) case v: gemm_tile8(panel, kq0, kq1, xg, c, v); break;
+#define HS_N(v) case v: gemm_tile8(panel, kq0, kq1, xg, c, v, pf); break;
     HS_N(1) HS_N(2) HS_N(3) HS_N(4) HS_N(5) HS_N(6)
     HS_N(7) HS_N(8) HS_N(9) HS_N(10) HS_N(11) HS_N(12)
 #undef HS_N
@@ -283,11 +289,14 @@ static inline void gemm_pack_x8(const int16_t *base, const int *tok, int n, int 
  * L1 while the tokens' sums wait in isum (scratch [n][16] int32). a8 (set on AVX-512 only): a
  * byte panel with its corrections (gemm_panel8_corr) and tokens packed by gemm_pack_x8,
  * GEMM_KC8 inputs a chunk, each KBLOCK's corrections taken off before its float add: the same
- * sums, the same float steps. */
+ * sums, the same float steps. next (or NULL): the next strip's 16 * K bytes of int8 weights,
+ * fetched into L2 a line per input quad (pair: every other) while the first tokens' tiles run,
+ * so a caller packing strip after strip from memory (a linear at a few dozen tokens: batched
+ * decode) finds them there instead of waiting for each strip between its tiles. */
 static inline __attribute__((always_inline)) void gemm_strip(const void *panel, int K,
                                                              const int32_t *xp, int n,
                                                              int32_t *isum, float *out,
-                                                             const int a8) {
+                                                             const int a8, const char *next) {
     const int per = a8 ? 4 : 2; /* inputs per packed word */
     const int kc = a8 ? GEMM_KC8 : GEMM_KC;
     const int32_t *corr =
@@ -303,13 +312,14 @@ static inline __attribute__((always_inline)) void gemm_strip(const void *panel, 
                 int32_t *c[GEMM_NT];
                 for (int m = 0; m < nt; m++) c[m] = isum + (size_t)(m0 + m) * GEMM_ROWS;
                 const int32_t *xg = xp + (size_t)m0 * (K / per);
+                const char *pf = m0 == 0 ? next : NULL; /* once per strip */
 #ifdef HS_AVX512
                 if (a8) {
-                    gemm_tile8_n((const int8_t *)panel, k0 / 4, k1 / 4, xg, c, nt);
+                    gemm_tile8_n((const int8_t *)panel, k0 / 4, k1 / 4, xg, c, nt, pf);
                     continue;
                 }
 #endif
-                gemm_tile_n((const int16_t *)panel, k0 / 2, k1 / 2, xg, c, nt);
+                gemm_tile_n((const int16_t *)panel, k0 / 2, k1 / 2, xg, c, nt, pf);
             }
         }
         for (int m = 0; m < n; m++)

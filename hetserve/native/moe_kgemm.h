@@ -403,7 +403,7 @@ static inline void kg_strip_gemm(const kg_strip_t *s, int fmt, int K, int gk, in
             int32_t *c[GEMM_NT];
             for (int m = 0; m < nt; m++) c[m] = isum + (size_t)(m0 + m) * GEMM_ROWS;
             gemm_tile_n(s->panel, g * gk / 2, (g + 1) * gk / 2, xp + (size_t)m0 * (K / 2), c,
-                        nt);
+                        nt, NULL);
         }
         const int xi = g * gk / span; /* the token's scale for this group */
         const float *dr = s->d + GEMM_ROWS * g, *dm = s->dmin + GEMM_ROWS * g;

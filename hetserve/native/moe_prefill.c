@@ -96,8 +96,13 @@ int hs_phase1_gemm(const job_t *j, int ai, int u0, int u1) {
             sg[r] = s13[8 * (v + r / 4) + r % 4], su[r] = s13[8 * (v + r / 4) + 4 + r % 4];
         for (int p0 = 0; p0 < cnt; p0 += PB) {
             const int n = cnt - p0 < PB ? cnt - p0 : PB;
-            strip_sums(&ax, s.panel[0], H, p0, n, s.isum, s.out[0]);
-            strip_sums(&ax, s.panel[1], H, p0, n, s.isum, s.out[1]);
+            /* the item's next strip: its 4 gate and 4 up quads, 32 H bytes on from these */
+            const char *next = p0 == 0 && v + 4 < u1 - ai * per
+                                   ? (const char *)(w + (size_t)(2 * (v + 4)) * 4 * H)
+                                   : NULL;
+            strip_sums(&ax, s.panel[0], H, p0, n, s.isum, s.out[0], next);
+            strip_sums(&ax, s.panel[1], H, p0, n, s.isum, s.out[1],
+                       next ? next + (size_t)16 * H : NULL);
             for (int m = 0; m < n; m++) {
                 const int p = off + p0 + m;
                 strip_gate(j, p, i0, s.out[0] + m * GEMM_ROWS, s.out[1] + m * GEMM_ROWS, sg, su,
@@ -132,7 +137,10 @@ int hs_phase2_gemm(const job_t *j, int ai, int u0, int u1) {
         strip_pack(&ax, q, I, s.panel[0]);
         for (int p0 = 0; p0 < cnt; p0 += PB) {
             const int n = cnt - p0 < PB ? cnt - p0 : PB;
-            strip_sums(&ax, s.panel[0], I, p0, n, s.isum, s.out[0]);
+            const char *next = p0 == 0 && v + 4 < u1 - ai * per /* the item's next strip */
+                                   ? (const char *)(w + (size_t)(v + 4) * 4 * I)
+                                   : NULL;
+            strip_sums(&ax, s.panel[0], I, p0, n, s.isum, s.out[0], next);
             for (int m = 0; m < n; m++) {
                 const int p = off + p0 + m;
                 strip_down(j, p, n0, s.out[0] + m * GEMM_ROWS, s2, j->asc[p], b2);
