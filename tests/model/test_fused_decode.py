@@ -166,13 +166,24 @@ def test_router_logits_fixed_order_and_close_to_torch():
     assert native_logits(x.requires_grad_(), w) is None
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-def test_small_prompt_chunks_beside_decodes_take_the_fused_step(tiny_model, monkeypatch, kv_dtype):
+@pytest.mark.parametrize(
+    ("family", "shape", "kv_dtype"),
+    [("qwen3-moe", MOE, "auto"), ("qwen3-moe", MOE, "int8"), ("llama", DENSE, "float16")],
+)
+def test_small_prompt_chunks_beside_decodes_take_the_fused_step(
+    tiny_model, monkeypatch, tmp_path, family, shape, kv_dtype
+):
     """A step budget of 8 tokens: the longer prompts go in chunks of up to 7 beside the others'
     decodes, each chunk token a row of decode attention over its own context in the fused
     step. The modules run those chunks on the prefill kernels (fp32 products here): the same
     tokens, logprobs within fp32 rounding (the two attentions sum in other orders)."""
-    llm = LLM(str(tiny_model("qwen3-moe", overrides=MOE)), placement=_all_int8_rules("cpu-int8"),
+    if shape is MOE:
+        rules = _all_int8_rules("cpu-int8")
+    else:
+        rules = str(tmp_path / "int8.yaml")
+        with open(rules, "w") as f:
+            yaml.safe_dump({"rules": [INT8_LINEARS]}, f)
+    llm = LLM(str(tiny_model(family, overrides=shape)), placement=rules,
               kv_cache_dtype=kv_dtype, max_num_batched_tokens=8,
               prefill_attention_dtype="float32")  # fmt: skip
     spy = _Spy(monkeypatch, llm)
