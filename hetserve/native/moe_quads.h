@@ -109,7 +109,7 @@ static inline __attribute__((always_inline)) void quad_u8(const int8_t *q, int K
                                              _mm512_unpackhi_epi32(acc[2], acc[3]));
         const __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23),
                                            _mm512_unpackhi_epi64(s01, s23));
-        tot = _mm512_add_ps(tot, _mm512_cvtepi32_ps(s)); /* exact int -> float, as (float) */
+        tot = _mm512_add_ps(tot, _mm512_cvtepi32_ps(s)); /* rounded as (float) rounds */
     }
     _mm512_storeu_ps(&out[0][0], tot);
 }
