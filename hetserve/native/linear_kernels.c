@@ -207,8 +207,12 @@ static int lin_item_kgemm(const lin_t *l, int u0, int u1) {
                 ms[m] = i8 ? NULL : l->kgms + (size_t)(t0 + m) * nsb * KG_MS;
                 xd[m] = i8 ? l->xsc + t0 + m : l->pd + (size_t)(t0 + m) * nsb;
             }
+            /* the next strip of the item (quads u + 4 ..: rows 4 (u + 4) on, in file order) */
+            const char *next = t0 == 0 && u + 4 < u1 && u + 8 <= quads
+                                   ? (const char *)l->w + (size_t)4 * (u + 4) * rb
+                                   : NULL;
             kg_strip_gemm(&st, l->fmt, K, gk, span, l->kgxp + (size_t)t0 * (K / 2), xd, ms, NULL,
-                          n, isum, out);
+                          n, isum, out, next);
             for (int m = 0; m < n; m++) {
                 float *y = l->out + (size_t)(t0 + m) * l->N + 4 * u;
                 for (int r = 0; r < rows; r++) y[r] = out[m * GEMM_ROWS + r];

@@ -378,7 +378,9 @@ static inline void kg_widen(int fmt, const int8_t *x8, const int16_t *gs, int K,
     }
 }
 
-/* out[m][0..15] = the strip's rows against n tokens: their int16 rows (kg_widen's, or the
+/* next (or NULL): the next strip's bytes, fetched into L2 while the first tokens' tiles run
+ * (gemm_strip's; 16 K bytes, at least a strip of any of these formats).
+ * out[m][0..15] = the strip's rows against n tokens: their int16 rows (kg_widen's, or the
  * row-scaled formats' own) packed by gemm_pack_x (xp: the first token's group), per group of
  * gk columns the integer sums scaled by the rows' d and the token's scale xd[m][g gk / span]
  * (span: 256 for scales per super-block, K for one per row), less the minimums (q4_K, q5_K:
@@ -391,7 +393,7 @@ static inline void kg_widen(int fmt, const int8_t *x8, const int16_t *gs, int K,
 static inline void kg_strip_gemm(const kg_strip_t *s, int fmt, int K, int gk, int span,
                                  const int32_t *xp, const float *const *xd,
                                  const int16_t *const *ms, const float *const *xg, int n,
-                                 int32_t *isum, float *out) {
+                                 int32_t *isum, float *out, const char *next) {
     /* int4 and MXFP4: each row in its own lane in the row kernels too (tile_i4, tile_mxfp4), so
      * the same steps give the same bits: a token's output does not depend on its batch */
     const int mins = kg_has_mins(fmt), i4 = fmt == F_I4, lanes = i4 || fmt == F_MXFP4;
@@ -403,7 +405,7 @@ static inline void kg_strip_gemm(const kg_strip_t *s, int fmt, int K, int gk, in
             int32_t *c[GEMM_NT];
             for (int m = 0; m < nt; m++) c[m] = isum + (size_t)(m0 + m) * GEMM_ROWS;
             gemm_tile_n(s->panel, g * gk / 2, (g + 1) * gk / 2, xp + (size_t)m0 * (K / 2), c,
-                        nt, NULL);
+                        nt, m0 == 0 ? next : NULL);
         }
         const int xi = g * gk / span; /* the token's scale for this group */
         const float *dr = s->d + GEMM_ROWS * g, *dm = s->dmin + GEMM_ROWS * g;
