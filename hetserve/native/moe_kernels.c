@@ -70,7 +70,7 @@ static inline act16_t act16(const job_t *j, int fmt, int which, int K, const int
                  {gsb + (size_t)r0 * ng, gsb + (size_t)r1 * ng},
                  {xs[r0], xs[r1], xs[r[2]], xs[r[3]]},
                  {{NULL, NULL, NULL}, {NULL, NULL, NULL}}};
-    if (u != NULL && fmt == F_I8 && G == 0)
+    if (u != NULL) /* set only for a phase of int8 rows with row scales (moe_forward) */
         for (int i = 0; i < 4; i++) a.u[i] = u + (size_t)r[i] * K;
     if (kq_fmt(fmt)) {
         const int8_t *pl = which == 1 ? j->xpl : j->apl;

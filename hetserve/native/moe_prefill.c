@@ -289,8 +289,10 @@ int hs_phase1_kgemm(const job_t *j, int ai, int u0, int u1) {
                            &xd[m], &xg[m]);
                 const int span = i8 ? H : Q4K_SB;
                 const int32_t *xp = s.xp + (size_t)p0 * (H / 2);
-                kg_strip_gemm(&s.st[0], fmt, H, gk, span, xp, xd, ms, xg, n, s.isum, s.out[0], NULL);
-                kg_strip_gemm(&s.st[1], fmt, H, gk, span, xp, xd, ms, xg, n, s.isum, s.out[1], NULL);
+                kg_strip_gemm(&s.st[0], fmt, H, gk, span, xp, xd, ms, xg, n, s.isum, s.out[0],
+                              NULL);
+                kg_strip_gemm(&s.st[1], fmt, H, gk, span, xp, xd, ms, xg, n, s.isum, s.out[1],
+                              NULL);
                 for (int m = 0; m < n; m++) /* scales inside the sums (kg_strip_gemm) */
                     strip_gate(j, off + t0 + p0 + m, i0, s.out[0] + m * GEMM_ROWS,
                                s.out[1] + m * GEMM_ROWS, NULL, NULL, 1.0f, b13);
