@@ -19,9 +19,10 @@
  * difference from the row kernels is the order of the fp32 additions (they keep 8 lanes per
  * row and sum them at the end): a few ulps of the result, inside their tests' 2e-6 relative.
  *
- * Column order is the activations': natural for q5_K, q6_K and IQ4_XS (the loaders' nibble
- * regrouping undone here), q4_K's own for q4_K (moe_q4k.h: its x8 rows follow the weights'
- * vectors, so each 16 bytes of a row's vector become 16 panel columns as they lie). */
+ * Column order is the activations': natural for q5_K and q6_K, IQ4_XS's own for IQ4_XS (moe_kq.h,
+ * iq4_perm: the loader's nibbles read as they lie), q4_K's own for q4_K (moe_q4k.h: its x8 rows
+ * follow the weights' vectors, so each 16 bytes of a row's vector become 16 panel columns as
+ * they lie). */
 #ifndef HETSERVE_MOE_KGEMM_H
 #define HETSERVE_MOE_KGEMM_H
 
@@ -167,7 +168,7 @@ static inline void kg_row_sb(int fmt, const uint8_t *b, int16_t *v, float *d, fl
         }
         for (int j = 0; j < 8; j++) m[j] = sm[8 + j];
         *d = kq_f16(b), *dmin = kq_f16(b + 2);
-    } else if (fmt == F_IQ4NL) { /* 8 fp16 d, then IQ4_XS's kernel order of nibbles */
+    } else if (fmt == F_IQ4NL) { /* 8 fp16 d, then the nibbles in 64-column chunks */
         const __m256i lv =
             _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
         const __m256i one = _mm256_set1_epi16(1);
@@ -178,17 +179,22 @@ static inline void kg_row_sb(int fmt, const uint8_t *b, int16_t *v, float *d, fl
             kg_put32(wh, 1, one, one, v + 64 * c + 32);
         }
         _mm256_storeu_ps(d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)));
-    } else { /* IQ4_XS: chunk c's byte l holds column 64 c + l (low), 64 c + 32 + l (high) */
+    } else { /* IQ4_XS, in its activations' order (iq4_perm): chunk c's low nibbles are
+              * positions 64 c .. + 31, its high ones 64 c + 32 .. + 63, and each 32 positions'
+              * lane i (4 of them) is sub-block i, scale ls_i */
         const __m256i lv =
             _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
-        int16_t ls[16];
-        _mm256_storeu_si256((__m256i *)ls, iq4xs_scales(b));
+        const __m256i ls = iq4xs_scales(b); /* ls - 32 for sub-blocks 0-7, on both lanes */
+        /* s0: sub-blocks 0-3's scales, each on 4 int16 (positions 0-15 of a vector); s1: 4-7 */
+        const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 4, 5,
+                                              4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7);
+        const __m256i s0 = _mm256_shuffle_epi8(ls, pick);
+        const __m256i s1 = _mm256_shuffle_epi8(ls, _mm256_add_epi8(pick, _mm256_set1_epi8(8)));
         for (int c = 0; c < 4; c++) {
             __m256i wl, wh;
             iq4_chunk(b + 8 + 32 * c, lv, &wl, &wh);
-            const __m256i s0 = _mm256_set1_epi16(ls[2 * c]), s1 = _mm256_set1_epi16(ls[2 * c + 1]);
-            kg_put32(wl, 1, s0, s0, v + 64 * c);
-            kg_put32(wh, 1, s1, s1, v + 64 * c + 32);
+            kg_put32(wl, 1, s0, s1, v + 64 * c);
+            kg_put32(wh, 1, s0, s1, v + 64 * c + 32);
         }
         *d = kq_f16(b);
     }
