@@ -168,16 +168,22 @@ static inline void kg_row_sb(int fmt, const uint8_t *b, int16_t *v, float *d, fl
         }
         for (int j = 0; j < 8; j++) m[j] = sm[8 + j];
         *d = kq_f16(b), *dmin = kq_f16(b + 2);
-    } else if (fmt == F_IQ4NL) { /* 8 fp16 d, then the nibbles in 64-column chunks */
+    } else if (fmt == F_IQ4NL) { /* 8 fp16 d, then the nibbles in the IQ4 kernels' order:
+                                  * their d per 32 columns need the natural order here, so the
+                                  * levels are put back (iq4_perm is its own inverse) */
         const __m256i lv =
             _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
         const __m256i one = _mm256_set1_epi16(1);
+        int8_t lev[Q4K_SB];
         for (int c = 0; c < 4; c++) {
             __m256i wl, wh;
             iq4_chunk(b + 16 + 32 * c, lv, &wl, &wh);
-            kg_put32(wl, 1, one, one, v + 64 * c);
-            kg_put32(wh, 1, one, one, v + 64 * c + 32);
+            _mm256_storeu_si256((__m256i *)(lev + 64 * c), wl);
+            _mm256_storeu_si256((__m256i *)(lev + 64 * c + 32), wh);
         }
+        iq4_perm(lev);
+        for (int j = 0; j < 8; j++)
+            kg_put32(_mm256_loadu_si256((const __m256i *)(lev + 32 * j)), 1, one, one, v + 32 * j);
         _mm256_storeu_ps(d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)));
     } else { /* IQ4_XS, in its activations' order (iq4_perm): chunk c's low nibbles are
               * positions 64 c .. + 31, its high ones 64 c + 32 .. + 63, and each 32 positions'
@@ -369,6 +375,18 @@ static inline void kg_pack(int fmt, int G, const kg_quad_t q[4], int K, kg_strip
  * columns, added in twos; q2_K: those sums as they are). */
 static inline void kg_widen(int fmt, const int8_t *x8, const int16_t *gs, int K, int16_t *x16,
                             int16_t *ms) {
+    if (fmt == F_IQ4NL) { /* the row kernels' order put back to the columns' (kg_row_sb) */
+        int8_t nat[Q4K_SB];
+        for (int sb = 0; sb < K / Q4K_SB; sb++) {
+            memcpy(nat, x8 + (size_t)sb * Q4K_SB, Q4K_SB);
+            iq4_perm(nat);
+            for (int k = 0; k < Q4K_SB; k += 16)
+                _mm256_storeu_si256(
+                    (__m256i *)(x16 + (size_t)sb * Q4K_SB + k),
+                    _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(nat + k))));
+        }
+        return;
+    }
     for (int k = 0; k < K; k += 16)
         _mm256_storeu_si256((__m256i *)(x16 + k),
                             _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x8 + k))));

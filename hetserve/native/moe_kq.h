@@ -32,7 +32,7 @@
 #define Q6K_BLOCK 210
 #define Q5K_BLOCK 176
 
-/* IQ4_XS's activation order (quad_iq4xs): within each super-block, position 32 k + 4 i + p
+/* The IQ4 kernels' activation order (iq4_sums): within each super-block, position 32 k + 4 i + p
  * holds column 32 i + 4 k + p (i, k < 8, p < 4), an 8 x 8 transpose of 4-byte words, so that
  * lane i of every 32 bytes belongs to sub-block i. Its own inverse. */
 static inline void iq4_perm(int8_t *x) {
@@ -57,9 +57,9 @@ static inline void iq4_perm(int8_t *x) {
 }
 
 /* One fp32 row x [K] (rows back to back: K their columns together) -> int8 x8 [K] in column
- * order (perm: IQ4_XS's, iq4_perm), scales d [K / 256], sums per 16 columns (natural order)
- * gs [K / 16] (read with q4k_row: the same sizes as the q4_K kernel's activations, another
- * order). */
+ * order (perm: the IQ4 kernels', iq4_perm), scales d [K / 256], sums per 16 columns
+ * (natural order) gs [K / 16] (read with q4k_row: the same sizes as the q4_K kernel's
+ * activations, another order). */
 static void kq_quantize(const float *x, int K, int8_t *x8, float *d, int16_t *gs, int perm) {
     const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
     for (int s = 0; s < K / Q4K_SB; s++) {
@@ -307,9 +307,9 @@ static inline __attribute__((always_inline)) void q5k_blocks(const uint8_t *b,
 static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                       1,    13,   25,  38,  53,  69,  89,  113};
 
-/* One 64-column chunk of 32 bytes in the i-quant kernels' nibble order (quant/gguf_iq.py):
- * the levels of its columns 0-31 (wl, the low nibbles) and 32-63 (wh, the high ones), looked
- * up in lv (IQ4_LEVELS on both lanes). */
+/* One 32-byte chunk of the IQ4 kernels' nibbles (quant/gguf_iq.py, iq4_lane_nibbles): the
+ * levels of its low nibbles (wl: positions 0-31 of its 64 in the activations' order) and of its
+ * high ones (wh: 32-63), looked up in lv (IQ4_LEVELS on both lanes). */
 static inline __attribute__((always_inline)) void iq4_chunk(const uint8_t *p, __m256i lv,
                                                             __m256i *wl, __m256i *wh) {
     const __m256i low = _mm256_set1_epi8(0x0F);
@@ -343,72 +343,93 @@ static inline __attribute__((always_inline)) __m256i iq4xs_scales(const uint8_t 
 static const uint8_t IQ4_ULEVELS[16] = {1,   24,  45,  63,  79,  93,  106, 118,
                                         129, 141, 153, 166, 181, 197, 217, 241};
 
-/* A quad of IQ4_XS rows against MB <= 2 tokens. The loader regroups each super-block's nibbles
- * (quant/gguf_iq.py, iq4_xs_kernel_order) and the activations come permuted to match (iq4_perm):
- * every 32-byte vector unpacked from a chunk (its low or its high nibbles) meets 32 activation
- * bytes, and its lane i (4 bytes) holds 4 columns of sub-block i. So the dot products of a whole
- * super-block add up in one vector, lane i sub-block i's integer sum (|.| <= 32 * 241 * 127 <
- * 2^20), scaled once by the 8 scales ls - 32 (vpmulld): 7 vector steps per 64 columns where
- * the scale per 32 columns took 19 (1.6x a quad's rate from L2 on Zen 4, 1.3-1.4x from memory on
- * one core). With VNNI each level is looked up + 128 and multiplied unsigned by the signed
- * activations (vpdpbusd); 128 times the activations' sums per sub-block (from the sums per 16,
- * natural order) are taken off before scaling. AVX2 multiplies |level| by the activations
- * signed as the level (vpmaddubsw: pairs <= 2 * 127 * 127, no saturation). The integer sums are
- * the same either way: |lane| <= 32 * 2^20 < 2^31, converted to fp32 (exact below 2^24, else
- * off by at most 2^-24 of itself) and scaled by d * xd into running lanes, summed once a row. */
+/* The same 8 scales ls - 32 as int32 (the row kernel's): scale j's low 4 bits are bits 4 j of
+ * the 32-bit scales_l, its high 2 bits 2 j of scales_h, each lane shifted by its own count
+ * (vpsrlvd) from a broadcast of the bytes: 9 steps where the int16 form takes 15. */
+static inline __attribute__((always_inline)) __m256i iq4xs_scales32(const uint8_t *b) {
+    const __m256i l = _mm256_set1_epi32((int)iqg_u32(b + 4)); /* scales_l */
+    const __m256i h = _mm256_set1_epi32((int)iqg_u32(b + 2)); /* scales_h in the low 16 bits */
+    const __m256i n4 = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(l, n4), _mm256_set1_epi32(15));
+    const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_srli_epi32(n4, 1)),
+                                        _mm256_set1_epi32(3));
+    return _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+}
+
+/* The integer sums of one IQ4_XS / IQ4_NL super-block's 128 bytes of nibbles p against MB <= 2
+ * tokens' activations at super-block s, lane i of S[m] sub-block i's (32 columns') sum of level
+ * times activation. The loader regroups the nibbles (quant/gguf_iq.py, iq4_lane_nibbles) and
+ * the activations come permuted to match (iq4_perm): every 32-byte vector unpacked from a chunk
+ * (its low or its high nibbles) meets 32 activation bytes, and its lane i (4 bytes) holds 4
+ * columns of sub-block i, so a super-block's dot products add up in one vector (two chains: the
+ * low and the high nibbles', 1.1x one): 7 vector steps per 64 columns where a scale per 32
+ * columns took 19. With VNNI each level is looked up + 128 and multiplied unsigned by the
+ * signed activations (vpdpbusd), and 128 times the activations' sums per sub-block (from the
+ * sums per 16, natural order) are taken off; AVX2 multiplies |level| by the activations signed
+ * as the level (vpmaddubsw: pairs <= 2 * 127 * 127, no saturation). The same integers either
+ * way: |lane| <= 32 * 127 * 127 < 2^19. */
+static inline __attribute__((always_inline)) void iq4_sums(const uint8_t *p, const q4k_act_t a[2],
+                                                           int s, int MB, __m256i S[2]) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+#ifdef HS_AVX512
+    const __m256i lv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_ULEVELS));
+#else
+    const __m256i lv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
+#endif
+    __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    __m256i acch[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * c));
+        const __m256i wl = _mm256_shuffle_epi8(lv, _mm256_and_si256(v, low));
+        const __m256i wh = _mm256_shuffle_epi8(lv, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+#ifndef HS_AVX512
+        const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
+#endif
+        for (int m = 0; m < MB; m++) {
+            const int8_t *x = a[m].x + (size_t)s * Q4K_SB + 64 * c;
+            const __m256i xl = _mm256_loadu_si256((const __m256i *)x);
+            const __m256i xh = _mm256_loadu_si256((const __m256i *)(x + 32));
+#ifdef HS_AVX512
+            acc[m] = _mm256_dpbusd_epi32(acc[m], wl, xl);
+            acch[m] = _mm256_dpbusd_epi32(acch[m], wh, xh);
+#else
+            acc[m] = hs_dpbusd(acc[m], al, _mm256_sign_epi8(xl, wl));
+            acch[m] = hs_dpbusd(acch[m], ah, _mm256_sign_epi8(xh, wh));
+#endif
+        }
+    }
+    for (int m = 0; m < MB; m++) {
+        S[m] = _mm256_add_epi32(acc[m], acch[m]);
+#ifdef HS_AVX512
+        const __m256i g = _mm256_loadu_si256((const __m256i *)(a[m].gs + 16 * s));
+        const __m256i sums = _mm256_madd_epi16(g, _mm256_set1_epi16(1)); /* per sub-block */
+        S[m] = _mm256_sub_epi32(S[m], _mm256_slli_epi32(sums, 7));
+#endif
+    }
+}
+
+/* A quad of IQ4_XS rows against MB <= 2 tokens: per super-block its sums per sub-block
+ * (iq4_sums) times the 8 scales ls - 32 (vpmulld; |lane| <= 32 * 2^19 < 2^31), converted to
+ * fp32 (exact below 2^24, else off by at most 2^-24 of itself) and scaled by d * xd into
+ * running lanes, summed once per row. 1.6x the earlier kernel's rate from L2 on one Zen 4 core
+ * (1.3-1.4x from memory). */
 static inline __attribute__((always_inline)) void quad_iq4xs(const uint8_t *q, int K,
                                                              const q4k_act_t a[2], int MB,
                                                              float out[][MBMAX]) {
     const int nsb = K / Q4K_SB;
-    const __m256i low = _mm256_set1_epi8(0x0F);
-#ifdef HS_AVX512
-    const __m256i lv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_ULEVELS));
-    const __m256i ones = _mm256_set1_epi16(1);
-#else
-    const __m256i lv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
-#endif
     for (int r = 0; r < 4; r++) {
         const uint8_t *row = q + (size_t)r * nsb * 136;
         __m256 accf[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int s = 0; s < nsb; s++) {
             const uint8_t *b = row + (size_t)s * 136;
             hs_prefetch(b), hs_prefetch(b + 64), hs_prefetch(b + 128); /* its 136 bytes' lines */
-            const __m256i ls = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(iq4xs_scales(b)));
-            /* the low and the high nibbles' sums in two chains (1.1x one) */
-            __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-            __m256i acch[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-            for (int c = 0; c < 4; c++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 8 + 32 * c));
-                const __m256i wl = _mm256_shuffle_epi8(lv, _mm256_and_si256(v, low));
-                const __m256i wh =
-                    _mm256_shuffle_epi8(lv, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
-#ifndef HS_AVX512
-                const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
-#endif
-                for (int m = 0; m < MB; m++) {
-                    const int8_t *x = a[m].x + (size_t)s * Q4K_SB + 64 * c;
-                    const __m256i xl = _mm256_loadu_si256((const __m256i *)x);
-                    const __m256i xh = _mm256_loadu_si256((const __m256i *)(x + 32));
-#ifdef HS_AVX512
-                    acc[m] = _mm256_dpbusd_epi32(acc[m], wl, xl);
-                    acch[m] = _mm256_dpbusd_epi32(acch[m], wh, xh);
-#else
-                    acc[m] = hs_dpbusd(acc[m], al, _mm256_sign_epi8(xl, wl));
-                    acch[m] = hs_dpbusd(acch[m], ah, _mm256_sign_epi8(xh, wh));
-#endif
-                }
-            }
+            const __m256i ls = iq4xs_scales32(b);
+            __m256i S[2];
+            iq4_sums(b + 8, a, s, MB, S);
             const float d = kq_f16(b);
-            for (int m = 0; m < MB; m++) {
-                __m256i S = _mm256_add_epi32(acc[m], acch[m]);
-#ifdef HS_AVX512
-                const __m256i g = _mm256_loadu_si256((const __m256i *)(a[m].gs + 16 * s));
-                S = _mm256_sub_epi32(S, _mm256_slli_epi32(_mm256_madd_epi16(g, ones), 7));
-#endif
-                S = _mm256_mullo_epi32(S, ls);
-                accf[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_set1_ps(d * a[m].d[s]),
-                                          accf[m]);
-            }
+            for (int m = 0; m < MB; m++)
+                accf[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(S[m], ls)),
+                                          _mm256_set1_ps(d * a[m].d[s]), accf[m]);
         }
         for (int m = 0; m < MB; m++) out[r][m] = hs_hsum(accf[m]);
     }
@@ -416,45 +437,27 @@ static inline __attribute__((always_inline)) void quad_iq4xs(const uint8_t *q, i
 
 /* A quad of IQ4_NL rows against MB <= 2 tokens. The loader regroups each 8 blocks (256
  * columns, 144 bytes) for the kernel (quant/gguf_iq.py, iq4_nl_kernel_order): their 8 fp16 d
- * first, widened by one conversion, then the 128 bytes of nibbles in 64-column chunks
- * (byte l of chunk c: column 64 c + l low, 64 c + 32 + l high). Each 64 columns' levels are
- * looked up once for both tokens; the two 32-column sums are scaled by their own d * xd
- * (broadcast from the widened vector) into running fp32 lanes, summed once per row. */
+ * first, widened by one conversion, then the 128 bytes of nibbles as IQ4_XS's. Block i's sum
+ * (iq4_sums' lane i, exact in fp32) is scaled by its own d_i * xd into running fp32 lanes,
+ * summed once per row. */
 static inline __attribute__((always_inline)) void quad_iq4nl(const uint8_t *q, int K,
                                                             const q4k_act_t a[2], int MB,
                                                             float out[][MBMAX]) {
     const int nsb = K / Q4K_SB;
-    const __m256i zero = _mm256_setzero_si256();
-    const __m256i lv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
     for (int r = 0; r < 4; r++) {
         const uint8_t *row = q + (size_t)r * nsb * 144;
-        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        __m256 accf[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int s = 0; s < nsb; s++) {
             const uint8_t *b = row + (size_t)s * 144;
             hs_prefetch(b), hs_prefetch(b + 64), hs_prefetch(b + 128); /* its 144 bytes' lines */
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
-            __m256 dx[2];
-            for (int m = 0; m < MB; m++) dx[m] = _mm256_mul_ps(d, _mm256_set1_ps(a[m].d[s]));
-            for (int c = 0; c < 4; c++) {
-                __m256i wl, wh;
-                iq4_chunk(b + 16 + 32 * c, lv, &wl, &wh);
-                const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
-                const __m256i i0 = _mm256_set1_epi32(2 * c), i1 = _mm256_set1_epi32(2 * c + 1);
-                for (int m = 0; m < MB; m++) {
-                    const int8_t *x = a[m].x + (size_t)s * Q4K_SB + 64 * c;
-                    const __m256i xl = _mm256_loadu_si256((const __m256i *)x);
-                    const __m256i xh = _mm256_loadu_si256((const __m256i *)(x + 32));
-                    /* pairs <= 2 * 127 * 127: vpmaddubsw never saturates */
-                    const __m256i sl = hs_dpbusd(zero, al, _mm256_sign_epi8(xl, wl));
-                    const __m256i sh = hs_dpbusd(zero, ah, _mm256_sign_epi8(xh, wh));
-                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl),
-                                             _mm256_permutevar8x32_ps(dx[m], i0), acc[m]);
-                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh),
-                                             _mm256_permutevar8x32_ps(dx[m], i1), acc[m]);
-                }
-            }
+            __m256i S[2];
+            iq4_sums(b + 16, a, s, MB, S);
+            for (int m = 0; m < MB; m++)
+                accf[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[m]),
+                                          _mm256_mul_ps(d, _mm256_set1_ps(a[m].d[s])), accf[m]);
         }
-        for (int m = 0; m < MB; m++) out[r][m] = hs_hsum(acc[m]);
+        for (int m = 0; m < MB; m++) out[r][m] = hs_hsum(accf[m]);
     }
 }
 

@@ -66,46 +66,36 @@ class IQ4NLRows(BlockRows):
         return (d[..., None] * _levels(self.raw[..., 2:])).flatten(-2)
 
 
-def _kernel_nibbles(q: torch.Tensor) -> torch.Tensor:
+def iq4_lane_nibbles(q: torch.Tensor) -> torch.Tensor:
     """256 columns' nibbles as the files hold them, [.., 8, 16] (byte l of 32-column block j:
-    column 32 j + l low, 32 j + 16 + l high) -> [.., 128] in the i-quant kernels' order (byte l
-    of 64-column chunk c: column 64 c + l low, 64 c + 32 + l high)."""
+    column 32 j + l low, 32 j + 16 + l high) -> [.., 128] in the IQ4 kernels' order (moe_kq.h,
+    iq4_sums): byte 4 i + p (i < 8, p < 4) of 32-byte chunk c holds column 32 i + 8 c + p in its
+    low nibble and 32 i + 8 c + 4 + p in its high one, so the 4 bytes of lane i of every vector
+    the kernel unpacks belong to block i. Read over the activations' order (iq4_perm: position
+    32 k + 4 i + p holds column 32 i + 4 k + p), chunk c's byte l holds position 64 c + l (low)
+    and 64 c + 32 + l (high)."""
     lead = q.shape[:-2]
-    codes = torch.stack((q & 15, q >> 4), dim=-2).reshape(*lead, 4, 2, 32)
-    return (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(*lead, 128)
+    cols = torch.stack((q & 15, q >> 4), dim=-2).reshape(*lead, 8, 32)  # natural order
+    # column 32 i + 4 k + p -> position 32 k + 4 i + p
+    pos = cols.reshape(*lead, 8, 8, 4).transpose(-3, -2).reshape(*lead, 4, 2, 32)
+    return (pos[..., 0, :] | (pos[..., 1, :] << 4)).reshape(*lead, 128)
 
 
 def iq4_xs_kernel_order(raw: torch.Tensor) -> torch.Tensor:
     """IQ4_XS super-blocks [.., 136] with their 128 bytes of nibbles regrouped for the kernel
-    (moe_kq.h, quad_iq4xs). Same bytes per block. Byte 4 i + p (i < 8, p < 4) of 32-byte chunk
-    c holds column 32 i + 8 c + p in its low nibble and 32 i + 8 c + 4 + p in its high one: the
-    4 bytes of lane i of every vector the kernel unpacks belong to sub-block i, so one int32
-    lane per sub-block gathers that sub-block's sums over the whole super-block. It is IQ4_XS's
-    first order (byte l of chunk c: column 64 c + l low, 64 c + 32 + l high) over the columns
-    permuted as moe_kq.h's IQ4_PERM puts the activations (position 32 k + 4 i + p <-> column
-    32 i + 4 k + p)."""
-    lead = raw.shape[:-1]
-    q = raw[..., 8:].reshape(*lead, 8, 16)
-    # the file's byte l of block j: column 32 j + l (low nibble), 32 j + 16 + l (high)
-    cols = torch.stack((q & 15, q >> 4), dim=-2).reshape(*lead, 8, 32)
-    # column 32 i + 4 k + p -> position 32 k + 4 i + p
-    pos = cols.reshape(*lead, 8, 8, 4).transpose(-3, -2).reshape(*lead, 8, 32)
-    # position 64 c + l (low nibble) and 64 c + 32 + l (high): chunk c holds vectors 2 c, 2 c + 1
-    pairs = pos.reshape(*lead, 4, 2, 32)
-    nibbles = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(*lead, 128)
-    return torch.cat((raw[..., :8], nibbles), dim=-1)
+    (iq4_lane_nibbles). Same bytes per block."""
+    q = raw[..., 8:].reshape(*raw.shape[:-1], 8, 16)
+    return torch.cat((raw[..., :8], iq4_lane_nibbles(q)), dim=-1)
 
 
 def iq4_nl_kernel_order(raw: torch.Tensor) -> torch.Tensor:
     """IQ4_NL blocks [.., B, 18] (B a multiple of 8: rows padded to 256 columns) regrouped for
     the kernel (moe_kq.h, quad_iq4nl), same shape and bytes: every 8 blocks (144 bytes) become
-    their 8 fp16 d, then the 128 bytes of nibbles in 64-column chunks (byte l of chunk c:
-    column 64 c + l low, 64 c + 32 + l high; the file: byte l of block j holds 32 j + l low,
-    32 j + 16 + l high)."""
+    their 8 fp16 d, then their 128 bytes of nibbles as IQ4_XS's (iq4_lane_nibbles)."""
     *lead, b, _ = raw.shape
     blocks = raw.reshape(*lead, b // 8, 8, 18)
     d = blocks[..., :2].reshape(*lead, b // 8, 16)
-    return torch.cat((d, _kernel_nibbles(blocks[..., 2:])), dim=-1).reshape(raw.shape)
+    return torch.cat((d, iq4_lane_nibbles(blocks[..., 2:])), dim=-1).reshape(raw.shape)
 
 
 # The i-quant matrices whose bytes the row kernels read regrouped, and how (experts:
