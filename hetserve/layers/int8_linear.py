@@ -165,7 +165,7 @@ class Int8Linear(nn.Module):
     def _native_layout(self, packed: QMatrix, bias: torch.Tensor | None) -> None:
         """The checkpoint's numbers in the kernel's quad layout (only bytes move)."""
         from hetserve.native import hugepage_empty
-        from hetserve.quant.gguf_iq import KERNEL_ORDER
+        from hetserve.quant.lane_order import KERNEL_ORDER
         from hetserve.quant.layout import (
             fp16_group_scales,
             interleave_quads,
@@ -188,7 +188,7 @@ class Int8Linear(nn.Module):
             self.fmt, self.group, self.kind = packed.native, 0, packed.fmt
             padded = pad_qmatrix(packed, round_up(n, 4), padded_size(self.fmt, 0, k))
             raw = padded.raw  # type: ignore[attr-defined]
-            if type(packed) in KERNEL_ORDER:  # the i-quants' bytes regrouped (moe_kq.h)
+            if type(packed) in KERNEL_ORDER:  # regrouped for the row kernels (lane_order.py)
                 raw = KERNEL_ORDER[type(packed)](raw)
             self._set_native(raw.contiguous(), None, bias)
             return

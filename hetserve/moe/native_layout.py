@@ -23,7 +23,7 @@ import torch
 
 from hetserve import envs
 from hetserve.native import hugepage_empty, optional_kernel
-from hetserve.quant.gguf_iq import KERNEL_ORDER
+from hetserve.quant.lane_order import KERNEL_ORDER
 from hetserve.quant.layout import int4_group_tiles, pair_gate_up, q4k_layout, quad_units
 from hetserve.quant.packed import Int4Rows, Q4KRows, QMatrix
 
@@ -103,7 +103,7 @@ def rows_layer(mats: Sequence[QMatrix], gate_up: bool) -> torch.Tensor:
     """q6_K / q5_K / IQ4_XS / IQ4_NL matrices [N, K] -> [E, N, blocks, block bytes], the file's
     bytes, filled expert by expert; W13's rows in quads of gate rows then up rows (phase 1 reads
     one stream)."""
-    # the i-quants' nibbles (IQ4_NL's scales too) regrouped (moe_kq.h, quad_iq4xs / quad_iq4nl)
+    # the K-quants' and IQ4's codes regrouped for the row kernels (quant/lane_order.py)
     reorder = KERNEL_ORDER.get(type(mats[0]))
     out = hugepage_empty((len(mats), *mats[0].raw.shape), torch.uint8)  # type: ignore[attr-defined]
     for e, m in taken(mats):

@@ -270,7 +270,7 @@ static void lin_round_rows(void *ctx, int r0, int r1) {
     const size_t o = (size_t)r0 * K, ob = (size_t)r0 * nsb;
     const int n = (r1 - r0) * K; /* rows back to back: super-blocks apart */
     if (r->fmt == L_Q4K) q4k_quantize(r->x + o, n, r->pl + o, r->pd + ob, r->ps + 16 * ob);
-    else kq_quantize(r->x + o, n, r->pl + o, r->pd + ob, r->ps + 16 * ob, r->fmt == L_IQ4XS || r->fmt == L_IQ4NL);
+    else kq_quantize(r->x + o, n, r->pl + o, r->pd + ob, r->ps + 16 * ob, kq_act_perm(r->fmt));
 }
 
 /* x [T, K] fp32 -> out [T, N]; w and s as above (s unused for the K-quants). Returns 0, -1 (out

@@ -518,7 +518,7 @@ static void activation_rows(const job_t *j, int which, int r0, int r1) {
         const size_t o = (size_t)r0 * K, n = (size_t)(r1 - r0) * K;
         const size_t ob = (size_t)r0 * nsb;
         if (fmt == F_Q4K) q4k_quantize(src + o, (int)n, pl + o, pd + ob, ps + 16 * ob);
-        else kq_quantize(src + o, (int)n, pl + o, pd + ob, ps + 16 * ob, fmt == F_IQ4XS || fmt == F_IQ4NL);
+        else kq_quantize(src + o, (int)n, pl + o, pd + ob, ps + 16 * ob, kq_act_perm(fmt));
         return;
     }
     int16_t *q = which == 1 ? j->x16 : j->a16;

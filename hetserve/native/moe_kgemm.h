@@ -19,10 +19,11 @@
  * difference from the row kernels is the order of the fp32 additions (they keep 8 lanes per
  * row and sum them at the end): a few ulps of the result, inside their tests' 2e-6 relative.
  *
- * Column order is the activations': natural for q5_K and q6_K, IQ4_XS's own for IQ4_XS (moe_kq.h,
- * iq4_perm: the loader's nibbles read as they lie), q4_K's own for q4_K (moe_q4k.h: its x8 rows
- * follow the weights' vectors, so each 16 bytes of a row's vector become 16 panel columns as
- * they lie). */
+ * Column order is the activations': the row kernels' for q2_K-q6_K and IQ4_XS (moe_kq.h,
+ * kq_act_perm; the loader's codes read as they lie, each position's scale its lane's), natural
+ * for IQ4_NL (its d per 32 columns) and the grid i-quants, q4_K's own for q4_K (moe_q4k.h: its x8
+ * rows follow the weights' vectors, so each 16 bytes of a row's vector become 16 panel columns
+ * as they lie). */
 #ifndef HETSERVE_MOE_KGEMM_H
 #define HETSERVE_MOE_KGEMM_H
 
@@ -133,39 +134,38 @@ static inline void kg_row_sb(int fmt, const uint8_t *b, int16_t *v, float *d, fl
             for (int j = 0; j < 16; j++) sc[j] = (int8_t)(b[j] & 15), m[j] = b[j] >> 4;
         }
         const __m256i off = _mm256_set1_epi8(fmt == F_Q3K ? 4 : 0);
-        for (int n = 0; n < 2; n++) {
-            __m256i q[4];
+        for (int n = 0; n < 2; n++) { /* lane i of half n's vectors: group 8 n + i */
+            __m256i q[4], s0, s1;
             k2_values(qs, h, n, q);
+            kq_lane_scales16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8 * n))),
+                             &s0, &s1);
             for (int i = 0; i < 4; i++)
-                kg_put32(_mm256_sub_epi8(q[i], off), 1, _mm256_set1_epi16(sc[8 * n + 2 * i]),
-                         _mm256_set1_epi16(sc[8 * n + 2 * i + 1]), v + 128 * n + 32 * i);
+                kg_put32(_mm256_sub_epi8(q[i], off), 1, s0, s1, v + 128 * n + 32 * i);
         }
         *d = kq_f16(b + (fmt == F_Q3K ? 108 : 80));
         if (fmt == F_Q2K) *dmin = kq_f16(b + 82);
     } else if (fmt == F_Q6K) {
         const __m256i off = _mm256_set1_epi8(32);
         const int8_t *sc = (const int8_t *)(b + 192);
-        for (int n = 0; n < 2; n++) {
-            __m256i q[4];
+        for (int n = 0; n < 2; n++) { /* lane i of half n's vectors: group 8 n + i */
+            __m256i q[4], s0, s1;
             q6k_values(b, n, q);
-            /* columns 128 n + 32 i + l: scales sc[8 n + 2 i + l / 16] */
+            kq_lane_scales16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8 * n))),
+                             &s0, &s1);
             for (int i = 0; i < 4; i++)
-                kg_put32(_mm256_sub_epi8(q[i], off), 1,
-                         _mm256_set1_epi16(sc[8 * n + 2 * i]),
-                         _mm256_set1_epi16(sc[8 * n + 2 * i + 1]), v + 128 * n + 32 * i);
+                kg_put32(_mm256_sub_epi8(q[i], off), 1, s0, s1, v + 128 * n + 32 * i);
         }
         *d = kq_f16(b + 208);
     } else if (fmt == F_Q5K) {
         const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 16));
         uint8_t sm[16];
-        _mm_storeu_si128((__m128i *)sm, k4_unpack(b + 4));
-        for (int c = 0; c < 4; c++) {
-            for (int hh = 0; hh < 2; hh++) {
-                const int j = 2 * c + hh;
-                const __m256i s = _mm256_set1_epi16(sm[j]);
-                kg_put32(q5k_values(b, h, c, hh), 0, s, s, v + 32 * j);
-            }
-        }
+        const __m128i sm4 = k4_unpack(b + 4);
+        _mm_storeu_si128((__m128i *)sm, sm4);
+        __m256i s0, s1; /* lane i of every vector: sub-block i */
+        kq_lane_scales16(_mm_cvtepu8_epi16(sm4), &s0, &s1);
+        for (int c = 0; c < 4; c++)
+            for (int hh = 0; hh < 2; hh++)
+                kg_put32(q5k_values(b, h, c, hh), 0, s0, s1, v + 32 * (2 * c + hh));
         for (int j = 0; j < 8; j++) m[j] = sm[8 + j];
         *d = kq_f16(b), *dmin = kq_f16(b + 2);
     } else if (fmt == F_IQ4NL) { /* 8 fp16 d, then the nibbles in the IQ4 kernels' order:
@@ -191,11 +191,8 @@ static inline void kg_row_sb(int fmt, const uint8_t *b, int16_t *v, float *d, fl
         const __m256i lv =
             _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
         const __m256i ls = iq4xs_scales(b); /* ls - 32 for sub-blocks 0-7, on both lanes */
-        /* s0: sub-blocks 0-3's scales, each on 4 int16 (positions 0-15 of a vector); s1: 4-7 */
-        const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 4, 5,
-                                              4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7);
-        const __m256i s0 = _mm256_shuffle_epi8(ls, pick);
-        const __m256i s1 = _mm256_shuffle_epi8(ls, _mm256_add_epi8(pick, _mm256_set1_epi8(8)));
+        __m256i s0, s1;
+        kq_lane_scales16(_mm256_castsi256_si128(ls), &s0, &s1);
         for (int c = 0; c < 4; c++) {
             __m256i wl, wh;
             iq4_chunk(b + 8 + 32 * c, lv, &wl, &wh);

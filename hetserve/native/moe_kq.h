@@ -1,22 +1,29 @@
-/* q6_K, q5_K, q3_K and q2_K (llama.cpp's GGUF K-quants) and IQ4_XS / IQ4_NL microkernels: each row's super-blocks exactly as the
- * file stores them (no layout of our own), rows in quads.
+/* q6_K, q5_K, q3_K and q2_K (llama.cpp's GGUF K-quants) and IQ4_XS / IQ4_NL microkernels, rows in
+ * quads. Each super-block keeps the file's bytes and bit layout, but its 256 columns are
+ * permuted at load (quant/lane_order.py) and the activations the same way (kq_act_perm), so
+ * that lane i (4 bytes) of every 32 values the kernel unpacks belongs to one scale group: the
+ * products add up in int32 lanes (vpdpbusd, or vpmaddubsw + vpmaddwd by ones on AVX2) and meet
+ * their scales once per super-block (vpmulld) instead of once per 32 columns. Below, "column"
+ * is a position in that order.
  *
- * q6_K, 210 bytes per 256 columns: ql[128] (low 4 bits), qh[64] (high 2 bits), 16 int8 scales
- * (one per 16 columns), fp16 d; w = d * sc * (q - 32), q in [0, 63]. Column 128 n + 32 i + l
- * (n < 2, i < 4, l < 32) has its low bits in ql[64 n + l + 32 (i & 1)] (nibble i / 2), its high
- * bits at bits 2 i of qh[32 n + l], its scale sc[8 n + 2 i + l / 16].
- * q5_K, 176 bytes per 256 columns: fp16 d, dmin, q4_K's 12 bytes of 6-bit sc and m per 32
- * columns, qh[32], qs[128]; w = d * sc * q - dmin * m, q in [0, 31]. Column 64 c + 32 h + l
- * (c < 4, h < 2) has its low bits in nibble h of qs[32 c + l] and bit 4 at bit 2 c + h of qh[l].
+ * q6_K, 210 bytes per 256 columns: ql[128] (low 4 bits), qh[64] (high 2 bits), 16 int8 scales,
+ * fp16 d; w = d * sc * (q - 32), q in [0, 63]. Column 128 n + 32 i + l (n < 2, i < 4, l < 32)
+ * has its low bits in ql[64 n + l + 32 (i & 1)] (nibble i / 2), its high bits at bits 2 i of
+ * qh[32 n + l], its scale sc[8 n + l / 4] (lane l / 4 of half n).
+ * q5_K, 176 bytes per 256 columns: fp16 d, dmin, q4_K's 12 bytes of 6-bit sc and m per
+ * sub-block, qh[32], qs[128]; w = d * sc * q - dmin * m, q in [0, 31]. Column 64 c + 32 h + l
+ * (c < 4, h < 2) has its low bits in nibble h of qs[32 c + l], bit 4 at bit 2 c + h of qh[l],
+ * its scale that of sub-block l / 4.
  *
  * Activations meet them as llama.cpp's q6_K / q5_K x q8_K products do: int8 per super-block of
- * 256 columns, scale amax / 127 (|x - x_hat| <= amax / 254), in natural column order, with
- * their sums per 16 columns (the offset and minimum terms). Every integer step is exact (the
- * largest, a q6_K lane: 32 products of 63 * 127 * 128, less 32 times its share of the offset
- * term, |lane| < 5e7 < 2^31), so the rounding past the activations' is fp32's: per super-block
- * each of the integer sum's 8 lanes is converted (exact below 2^24; a q6_K lane may reach
- * ~2^25.6, off then by at most 2^-24 of itself) and scaled by d * xd into 8 running lanes, which
- * are summed once per row (q5_K's minimum term -M * (dmin * xd) runs in a scalar beside). */
+ * 256 columns, scale amax / 127 (|x - x_hat| <= amax / 254), with their sums per 16 natural
+ * columns (the offset and minimum terms). Every integer step is exact (the largest, a q6_K
+ * lane: two halves' 16 products of 63 * 127 times a scale of up to 128, less its share of 32
+ * times the offset term, |lane| < 5e7 < 2^31), so the rounding past the activations' is fp32's:
+ * per super-block each of the integer sum's 8 lanes is converted (exact below 2^24; a q6_K lane
+ * may reach ~2^25.6, off then by at most 2^-24 of itself) and scaled by d * xd into 8 running
+ * lanes, which are summed once per row (q5_K's minimum term -M * (dmin * xd) runs in a scalar
+ * beside). */
 #ifndef HETSERVE_MOE_KQ_H
 #define HETSERVE_MOE_KQ_H
 
@@ -32,7 +39,29 @@
 #define Q6K_BLOCK 210
 #define Q5K_BLOCK 176
 
-/* The IQ4 kernels' activation order (iq4_sums): within each super-block, position 32 k + 4 i + p
+/* The activations' order within a super-block for each format's row kernel
+ * (quant/lane_order.py has the weights' side): natural for the grid i-quants; KQ_PERM32 (one
+ * scale per 32 columns: IQ4_XS, IQ4_NL, q5_K: iq4_perm) or KQ_PERM16 (one per 16: q6_K, q3_K,
+ * q2_K: kq_perm16), so that lane i of every 32 activation bytes meets one scale group. */
+enum { KQ_NATURAL = 0, KQ_PERM32 = 1, KQ_PERM16 = 2 };
+static inline int kq_act_perm(int fmt) {
+    if (fmt == F_IQ4XS || fmt == F_IQ4NL || fmt == F_Q5K) return KQ_PERM32;
+    return fmt == F_Q6K || fmt == F_Q3K || fmt == F_Q2K ? KQ_PERM16 : KQ_NATURAL;
+}
+
+/* KQ_PERM16 in place on one super-block: in each half (128 columns) position 32 k + 4 i + p
+ * holds column 16 i + 4 k + p (k < 4, i < 8, p < 4): a 4 x 8 transpose of 4-byte words, so that
+ * lane i of the half's vectors is its 16-column group i. */
+static inline void kq_perm16(int8_t *x) {
+    uint32_t w[64], t[64];
+    memcpy(w, x, sizeof(w));
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 8; i++)
+            for (int k = 0; k < 4; k++) t[32 * h + 8 * k + i] = w[32 * h + 4 * i + k];
+    memcpy(x, t, sizeof(t));
+}
+
+/* KQ_PERM32 (the IQ4 kernels', iq4_sums; q5_K's): within each super-block, position 32 k + 4 i + p
  * holds column 32 i + 4 k + p (i, k < 8, p < 4), an 8 x 8 transpose of 4-byte words, so that
  * lane i of every 32 bytes belongs to sub-block i. Its own inverse. */
 static inline void iq4_perm(int8_t *x) {
@@ -56,10 +85,9 @@ static inline void iq4_perm(int8_t *x) {
     }
 }
 
-/* One fp32 row x [K] (rows back to back: K their columns together) -> int8 x8 [K] in column
- * order (perm: the IQ4 kernels', iq4_perm), scales d [K / 256], sums per 16 columns
- * (natural order) gs [K / 16] (read with q4k_row: the same sizes as the q4_K kernel's
- * activations, another order). */
+/* One fp32 row x [K] (rows back to back: K their columns together) -> int8 x8 [K] in the order
+ * perm (kq_act_perm), scales d [K / 256], sums per 16 columns (natural order) gs [K / 16] (read
+ * with q4k_row: the same sizes as the q4_K kernel's activations, another order). */
 static void kq_quantize(const float *x, int K, int8_t *x8, float *d, int16_t *gs, int perm) {
     const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
     for (int s = 0; s < K / Q4K_SB; s++) {
@@ -78,7 +106,8 @@ static void kq_quantize(const float *x, int K, int8_t *x8, float *d, int16_t *gs
             if (c % 16 == 0) gs[16 * s + c / 16] = (int16_t)sum;
             else gs[16 * s + c / 16] = (int16_t)(gs[16 * s + c / 16] + sum);
         }
-        if (perm) iq4_perm(x8 + (size_t)s * Q4K_SB);
+        if (perm == KQ_PERM32) iq4_perm(x8 + (size_t)s * Q4K_SB);
+        else if (perm == KQ_PERM16) kq_perm16(x8 + (size_t)s * Q4K_SB);
     }
 }
 
@@ -93,9 +122,6 @@ static inline __m256i k16_scale_pairs(__m128i sc) {
     const __m128i eo = _mm_shuffle_epi8(sc, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7,
                                                           9, 11, 13, 15));
     return _mm256_cvtepi8_epi16(eo);
-}
-static inline __m256i q6k_scale_pairs(const int8_t *sc) {
-    return k16_scale_pairs(_mm_loadu_si128((const __m128i *)sc));
 }
 
 /* Half n of a q6_K super-block b: its 6-bit values q[i] (columns 128 n + 32 i + l, l < 32),
@@ -116,31 +142,45 @@ static inline __attribute__((always_inline)) void q6k_values(const uint8_t *b, i
                            _mm256_and_si256(_mm256_srli_epi16(h, 2), hi2));
 }
 
-/* The integer sums of one q6_K super-block b against MB <= 2 tokens' int8 activations (x[m]
- * [256], sums per 16 gs[m]), sum over columns of sc * (q - 32) * x, as 8 int32 lanes each (their
- * sum is the block's). The 6-bit values are put together once for every token (q6k_values). */
+/* 8 int16 scales sc8 (one per lane of a vector in the row kernels' order) as the prefill tiles
+ * want them for a vector's 32 positions: *s0 lanes 0-3's, each on 4 int16 (positions 0-15),
+ * *s1 lanes 4-7's (16-31). */
+static inline void kq_lane_scales16(__m128i sc8, __m256i *s0, __m256i *s1) {
+    const __m256i both = _mm256_broadcastsi128_si256(sc8);
+    const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 4, 5, 4,
+                                          5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7);
+    *s0 = _mm256_shuffle_epi8(both, pick);
+    *s1 = _mm256_shuffle_epi8(both, _mm256_add_epi8(pick, _mm256_set1_epi8(8)));
+}
+
+/* The integer sums of one q6_K super-block b (its codes in the row kernels' order: lane
+ * i of half n's vectors is scale group 8 n + i, quant/lane_order.py) against MB <= 2 tokens'
+ * int8 activations (x[m] [256] in the same order, sums per 16 natural columns gs[m]): sum over
+ * columns of sc * (q - 32) * x as 8 int32 lanes each (their sum is the block's). The 6-bit
+ * values are put together once for every token (q6k_values); each half's products add up in
+ * lanes of one scale each (vpdpbusd: q unsigned, x signed), scaled once per half (vpmulld). */
 static inline __attribute__((always_inline)) void q6k_blocks(const uint8_t *b,
                                                             const int8_t *const x[2],
                                                             const int16_t *const gs[2], int MB,
                                                             __m256i acc[2]) {
     const int8_t *sc = (const int8_t *)(b + 192);
-    const __m256i pairs = q6k_scale_pairs(sc);
-    for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_si256();
+    __m256i h[2][2];
+    for (int m = 0; m < MB; m++) h[m][0] = h[m][1] = _mm256_setzero_si256();
     for (int n = 0; n < 2; n++) {
         __m256i q[4];
         q6k_values(b, n, q);
-        for (int i = 0; i < 4; i++) {
-            /* sc[2k] on the low 8 lanes, sc[2k + 1] on the high 8 (k = 4 n + i) */
-            const __m256i s = _mm256_shuffle_epi8(pairs, HS_W16(4 * n + i));
+        for (int i = 0; i < 4; i++)
             for (int m = 0; m < MB; m++) {
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(x[m] + 128 * n + 32 * i));
-                const __m256i p = _mm256_maddubs_epi16(q[i], xv); /* pairs: <= 2 * 63 * 127 */
-                acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(p, s));
+                h[m][n] = hs_dpbusd(h[m][n], q[i], xv); /* pairs <= 2 * 63 * 127 */
             }
-        }
     }
+    const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc));
+    const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
     const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
     for (int m = 0; m < MB; m++) {
+        acc[m] = _mm256_add_epi32(_mm256_mullo_epi32(h[m][0], sc0),
+                                  _mm256_mullo_epi32(h[m][1], sc1));
         const __m256i g = _mm256_loadu_si256((const __m256i *)gs[m]);
         acc[m] = _mm256_sub_epi32(acc[m], _mm256_slli_epi32(_mm256_madd_epi16(s16, g), 5)); /* 32x */
     }
@@ -150,10 +190,10 @@ static inline __attribute__((always_inline)) void q6k_blocks(const uint8_t *b,
  * w = d * (sc - 32) * (q - 4), q in [0, 7], a scale per 16 columns. Column 128 n + 32 i + l
  * (n < 2, i < 4, l < 32) has its low 2 bits at bits 2 i of qs[32 n + l], bit 2 at bit 4 n + i
  * of hmask[l] (llama.cpp stores it as "subtract 4 where the bit is clear"), its scale
- * sc[8 n + 2 i + l / 16] (column / 16). q2_K, 84 bytes: 16 scale bytes (sc in the low nibble,
- * m in the high one, per 16 columns), qs[64] at 16, fp16 d and dmin; w = d * sc * q - dmin * m,
- * q in [0, 3] at q3_K's low-bit places (qs[32 n + l] of its own). Both meet q8_K activations as
- * q6_K does (|lane| <= 32 * 2 * 7 * 127 * 31: far inside int32). */
+ * sc[8 n + l / 4] (as q6_K's). q2_K, 84 bytes: 16 scale bytes (sc in the low nibble, m in the
+ * high one, per 16 columns), qs[64] at 16, fp16 d and dmin; w = d * sc * q - dmin * m, q in
+ * [0, 3] at q3_K's low-bit places (qs[32 n + l] of its own). Both meet q8_K activations as q6_K
+ * does (|lane| <= 2 * 16 * 7 * 127 * 32 plus the offset term: far inside int32). */
 #define Q3K_BLOCK 110
 #define Q2K_BLOCK 84
 
@@ -194,32 +234,33 @@ static inline __attribute__((always_inline)) void k2_values(const uint8_t *qs, c
     }
 }
 
-/* One q3_K (h: its hmask) or q2_K (h NULL) super-block against MB <= 2 tokens: S[m] = sum over
- * columns of sc * q * x (q3_K: sc - 32, q its 3-bit value, the -4 offset subtracted from the
- * sums per 16 like q6_K's -32) as 8 int32 lanes; q2_K: M[m] = sum of m * (x's sums per 16) as 8
- * lanes. The values and the scales are unpacked once for every token. */
+/* One q3_K (h: its hmask) or q2_K (h NULL) super-block, its codes in the row kernels' order
+ * (as q6_K's), against MB <= 2 tokens: S[m] = sum over columns of sc * q * x (q3_K: sc - 32, q
+ * its 3-bit value, the -4 offset subtracted from the sums per 16 like q6_K's -32) as 8 int32
+ * lanes; q2_K: M[m] = sum of m * (x's sums per 16) as 8 lanes. The values are unpacked once for
+ * every token, each half's products added in lanes of one scale (as q6k_blocks). */
 static inline __attribute__((always_inline)) void k2_blocks(const uint8_t *qs, const uint8_t *h,
                                                            __m128i sc, __m128i mn,
                                                            const int8_t *const x[2],
                                                            const int16_t *const gs[2], int MB,
                                                            __m256i S[2], __m256i M[2]) {
-    const __m256i pairs = k16_scale_pairs(sc);
-    for (int m = 0; m < MB; m++) S[m] = _mm256_setzero_si256();
+    __m256i g2[2][2];
+    for (int m = 0; m < MB; m++) g2[m][0] = g2[m][1] = _mm256_setzero_si256();
     for (int n = 0; n < 2; n++) {
         __m256i q[4];
         k2_values(qs, h, n, q);
-        for (int i = 0; i < 4; i++) {
-            const __m256i s = _mm256_shuffle_epi8(pairs, HS_W16(4 * n + i));
+        for (int i = 0; i < 4; i++)
             for (int m = 0; m < MB; m++) {
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(x[m] + 128 * n + 32 * i));
-                const __m256i p = _mm256_maddubs_epi16(q[i], xv); /* pairs: <= 2 * 7 * 127 */
-                S[m] = _mm256_add_epi32(S[m], _mm256_madd_epi16(p, s));
+                g2[m][n] = hs_dpbusd(g2[m][n], q[i], xv); /* pairs <= 2 * 7 * 127 */
             }
-        }
     }
+    const __m256i sc0 = _mm256_cvtepi8_epi32(sc), sc1 = _mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8));
     /* q3_K: the offset, 4 sc times the sums per 16; q2_K: m times them */
     const __m256i w16 = h ? _mm256_cvtepi8_epi16(sc) : _mm256_cvtepu8_epi16(mn);
     for (int m = 0; m < MB; m++) {
+        S[m] = _mm256_add_epi32(_mm256_mullo_epi32(g2[m][0], sc0),
+                                _mm256_mullo_epi32(g2[m][1], sc1));
         const __m256i g = _mm256_madd_epi16(w16, _mm256_loadu_si256((const __m256i *)gs[m]));
         if (h) S[m] = _mm256_sub_epi32(S[m], _mm256_slli_epi32(g, 2));
         else M[m] = g;
@@ -260,33 +301,35 @@ static inline __attribute__((always_inline)) __m256i q5k_values(const uint8_t *b
     return _mm256_or_si256(nib, q5k_high(h, 2 * c + hh));
 }
 
-/* One q5_K super-block b against MB <= 2 tokens' x[m] [256] (sums per 16 gs[m]): S[m] = sum
- * sc * q * x (all columns) as 8 int32 lanes, M[m] = sum over sub-blocks of m * (sum of x). The
- * 5-bit values and the scales are unpacked once for every token. */
+/* One q5_K super-block b, its codes in the row kernels' order (lane i of every vector is
+ * sub-block i, quant/lane_order.py), against MB <= 2 tokens' x[m] [256] (the same order; sums per
+ * 16 natural columns gs[m]): S[m] = sum sc * q * x (all columns) as 8 int32 lanes, M[m] = sum
+ * over sub-blocks of m * (sum of x). The 5-bit values are unpacked once for every token; the
+ * products add up in lanes of one scale (two chains, the low and the high nibbles'), scaled once
+ * (vpmulld). */
 static inline __attribute__((always_inline)) void q5k_blocks(const uint8_t *b,
                                                             const int8_t *const x[2],
                                                             const int16_t *const gs[2], int MB,
                                                             __m256i S[2], int M[2]) {
     const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 16));
     const __m128i sm = k4_unpack(b + 4); /* sc[8], then m[8] */
-    /* the 8 sc as int16 on both lanes: HS_W16(j) broadcasts sc[j] */
-    const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
-    for (int m = 0; m < MB; m++) S[m] = _mm256_setzero_si256();
+    __m256i a2[2][2];
+    for (int m = 0; m < MB; m++) a2[m][0] = a2[m][1] = _mm256_setzero_si256();
     for (int c = 0; c < 4; c++) {
         for (int hh = 0; hh < 2; hh++) {
             const int j = 2 * c + hh;
             const __m256i q = q5k_values(b, h, c, hh);
-            const __m256i s = _mm256_shuffle_epi8(sc16, HS_W16(j));
             for (int m = 0; m < MB; m++) {
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(x[m] + 32 * j));
-                const __m256i p = _mm256_maddubs_epi16(q, xv); /* pairs: <= 2 * 31 * 127 */
-                S[m] = _mm256_add_epi32(S[m], _mm256_madd_epi16(p, s));
+                a2[m][hh] = hs_dpbusd(a2[m][hh], q, xv); /* pairs <= 2 * 31 * 127 */
             }
         }
     }
+    const __m256i sc = _mm256_cvtepu8_epi32(sm);
     /* m[j] times the sum of x over sub-block j (its two sums of 16: |.| <= 2 * 16 * 127) */
     const __m128i m16 = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
     for (int m = 0; m < MB; m++) {
+        S[m] = _mm256_mullo_epi32(_mm256_add_epi32(a2[m][0], a2[m][1]), sc);
         const __m128i gp = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)gs[m]),
                                           _mm_loadu_si128((const __m128i *)(gs[m] + 8)));
         __m128i mm = _mm_madd_epi16(m16, gp);
@@ -318,10 +361,9 @@ static inline __attribute__((always_inline)) void iq4_chunk(const uint8_t *p, __
     *wh = _mm256_shuffle_epi8(lv, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
 }
 
-/* An IQ4_XS super-block's 8 scales ls - 32 as int16, on both lanes (HS_W16(j) broadcasts
- * sub-block j's): the low 4 bits are nibble j % 2 of scales_l[j / 2] (bytes 4-7), the high 2
- * bits 2 j of the 16-bit scales_h (bytes 2-3), moved to the top of a 16-bit lane by a multiply
- * and down by a shift. */
+/* An IQ4_XS super-block's 8 scales ls - 32 as int16, on both lanes (the prefill tiles'): the
+ * low 4 bits are nibble j % 2 of scales_l[j / 2] (bytes 4-7), the high 2 bits 2 j of the 16-bit
+ * scales_h (bytes 2-3), moved to the top of a 16-bit lane by a multiply and down by a shift. */
 static inline __attribute__((always_inline)) __m256i iq4xs_scales(const uint8_t *b) {
     int32_t l4;
     uint16_t sh;

@@ -1,10 +1,10 @@
 """GGUF's 4-bit i-quants (IQ4_XS, IQ4_NL) as the file stores them.
 
-Who calls it: the GGUF reader (`model/gguf_file.py`): `IQ4XSRows` / `IQ4NLRows` hold a tensor's
-bytes unchanged for `cpu-gguf` (moe_kq.h reads them); the grid i-quants are
-quant/gguf_grid.py's, the types no kernel reads quant/gguf_convert.py's. Pure (no I/O). A block
-size that does not divide a row is the caller's bug (the reader checks shapes against the
-metadata first).
+Who calls it: the GGUF reader (`model/gguf_file.py`): `IQ4XSRows` / `IQ4NLRows` hold a
+tensor's bytes unchanged for `cpu-gguf` (moe_kq.h reads them regrouped: quant/lane_order.py);
+the grid i-quants are quant/gguf_grid.py's, the types no kernel reads quant/gguf_convert.py's.
+Pure (no I/O). A block size that does not divide a row is the caller's bug (the reader checks
+shapes against the metadata first).
 """
 
 from __future__ import annotations
@@ -64,43 +64,6 @@ class IQ4NLRows(BlockRows):
     def dequantize(self) -> torch.Tensor:
         d = _f16_bits(self.raw[..., 0:2])
         return (d[..., None] * _levels(self.raw[..., 2:])).flatten(-2)
-
-
-def iq4_lane_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """256 columns' nibbles as the files hold them, [.., 8, 16] (byte l of 32-column block j:
-    column 32 j + l low, 32 j + 16 + l high) -> [.., 128] in the IQ4 kernels' order (moe_kq.h,
-    iq4_sums): byte 4 i + p (i < 8, p < 4) of 32-byte chunk c holds column 32 i + 8 c + p in its
-    low nibble and 32 i + 8 c + 4 + p in its high one, so the 4 bytes of lane i of every vector
-    the kernel unpacks belong to block i. Read over the activations' order (iq4_perm: position
-    32 k + 4 i + p holds column 32 i + 4 k + p), chunk c's byte l holds position 64 c + l (low)
-    and 64 c + 32 + l (high)."""
-    lead = q.shape[:-2]
-    cols = torch.stack((q & 15, q >> 4), dim=-2).reshape(*lead, 8, 32)  # natural order
-    # column 32 i + 4 k + p -> position 32 k + 4 i + p
-    pos = cols.reshape(*lead, 8, 8, 4).transpose(-3, -2).reshape(*lead, 4, 2, 32)
-    return (pos[..., 0, :] | (pos[..., 1, :] << 4)).reshape(*lead, 128)
-
-
-def iq4_xs_kernel_order(raw: torch.Tensor) -> torch.Tensor:
-    """IQ4_XS super-blocks [.., 136] with their 128 bytes of nibbles regrouped for the kernel
-    (iq4_lane_nibbles). Same bytes per block."""
-    q = raw[..., 8:].reshape(*raw.shape[:-1], 8, 16)
-    return torch.cat((raw[..., :8], iq4_lane_nibbles(q)), dim=-1)
-
-
-def iq4_nl_kernel_order(raw: torch.Tensor) -> torch.Tensor:
-    """IQ4_NL blocks [.., B, 18] (B a multiple of 8: rows padded to 256 columns) regrouped for
-    the kernel (moe_kq.h, quad_iq4nl), same shape and bytes: every 8 blocks (144 bytes) become
-    their 8 fp16 d, then their 128 bytes of nibbles as IQ4_XS's (iq4_lane_nibbles)."""
-    *lead, b, _ = raw.shape
-    blocks = raw.reshape(*lead, b // 8, 8, 18)
-    d = blocks[..., :2].reshape(*lead, b // 8, 16)
-    return torch.cat((d, iq4_lane_nibbles(blocks[..., 2:])), dim=-1).reshape(raw.shape)
-
-
-# The i-quant matrices whose bytes the row kernels read regrouped, and how (experts:
-# moe/native_layout.py; linears: layers/int8_linear.py).
-KERNEL_ORDER = {IQ4XSRows: iq4_xs_kernel_order, IQ4NLRows: iq4_nl_kernel_order}
 
 
 def iq4_xs_rows(data: np.ndarray) -> IQ4XSRows:
