@@ -201,6 +201,7 @@ _SIGNATURES = {
     "hetserve_q4k_quads": (_I, [_I] * 3 + [_P, _I, _P]),  # moe/native_layout.py
     "hetserve_mxfp4_split": (_I, [_I, _L, _P, _P, _P]),  # quant/gguf.py (GGUF MXFP4 experts)
     "hetserve_unit_tiles": (_I, [_I, _I, _L, _I, _I, _I, _P, _P]),  # moe/native_layout.py
+    "hetserve_kq_lanes": (_I, [_I, _I, _L, _P, _P]),  # quant/lane_order.py
     "hetserve_amx_ready": (_I, []),  # tests, bench moe-kernel
     "hetserve_index_scores": (_I, [_I] * 9 + [_P] * 7),  # model/deepseek_v32.py
     "hetserve_heads_gemv_f16": (None, [_I] * 5 + [_P] * 3),  # model/deepseek.py

@@ -24,18 +24,26 @@
  * MXFP4 and int4 tiles, the quads), each unit of `rows` rows streamed `chunk` bytes of each row
  * at a time; gate_up != 0: the rows are the gate's then the up projection's (N / 2 each), taken
  * a unit of gate rows, then one of up rows. torch's strided copy ran at ~0.35 GB/s there.
- * Returns 0, or -1 when N is not a multiple of rows (2 rows with gate_up) or C of chunk. */
+ * Returns 0, or -1 when N is not a multiple of rows (2 rows with gate_up) or C of chunk.
+ *
+ * hetserve_kq_lanes(nthreads, fmt, n, src, dst): n super-blocks of a q6_K, q5_K, q3_K, q2_K or
+ * IQ4_XS matrix (IQ4_NL: n groups of 8 blocks, 144 bytes) as the file stores them -> the row
+ * kernels' order (quant/lane_order.py builds the same bytes with torch, and the tests compare
+ * them): each block's codes decoded by column, permuted as the activations are (moe_kq.h,
+ * kq_act_perm) and encoded back in the format's bit layout (the IQ4 types: in 64-position
+ * chunks, IQ4_NL's 8 d first). torch managed 0.05-0.3 GB/s. Returns 0, or -1 for another fmt. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "moe_kq.h"
 #include "pool.h"
 
 #define Q4K_BLOCK 144
 #define QUAD_BLOCK 576
 
 /* The 6-bit scale and minimum of sub-block j from the 12 packed bytes (llama.cpp's layout). */
-static inline void q4k_six(const uint8_t *q, int j, uint8_t *sc, uint8_t *m) {
+static inline void lay_six(const uint8_t *q, int j, uint8_t *sc, uint8_t *m) {
     if (j < 4) {
         *sc = q[j] & 63;
         *m = q[j + 4] & 63;
@@ -59,7 +67,7 @@ static void quad_block(const uint8_t *const rows[4], uint8_t *f) {
     for (int r = 0; r < 4; r++) {
         memcpy(f + 2 * r, rows[r], 2);         /* d */
         memcpy(f + 8 + 2 * r, rows[r] + 2, 2); /* dmin */
-        for (int j = 0; j < 8; j++) q4k_six(rows[r] + 4, j, &sc[r][j], &mn[r][j]);
+        for (int j = 0; j < 8; j++) lay_six(rows[r] + 4, j, &sc[r][j], &mn[r][j]);
     }
     memset(f + 48, 0, 16);
     for (int g = 0; g < 2; g++)
@@ -183,5 +191,135 @@ int hetserve_unit_tiles(int nthreads, int N, long C, int rows, int chunk, int ga
     if (rows <= 0 || chunk <= 0 || N % (gate_up ? 2 * rows : rows) || C % chunk) return -1;
     tiles_job j = {N, rows, chunk, gate_up, C, src, dst};
     hs_parallel_for(nthreads, N / rows, unit_tile, &j);
+    return 0;
+}
+
+/* One super-block's codes by column (natural order) <-> its bytes in the file's layout. */
+static void kl_decode(int fmt, const uint8_t *b, uint8_t *c) {
+    switch (fmt) {
+    case F_Q6K:
+        for (int n = 0; n < 2; n++)
+            for (int i = 0; i < 4; i++)
+                for (int l = 0; l < 32; l++)
+                    c[128 * n + 32 * i + l] =
+                        (uint8_t)(((b[64 * n + 32 * (i & 1) + l] >> (4 * (i >> 1))) & 15) |
+                                  (((b[128 + 32 * n + l] >> (2 * i)) & 3) << 4));
+        break;
+    case F_Q5K:
+        for (int cc = 0; cc < 4; cc++)
+            for (int h = 0; h < 2; h++)
+                for (int l = 0; l < 32; l++)
+                    c[64 * cc + 32 * h + l] = (uint8_t)(((b[48 + 32 * cc + l] >> (4 * h)) & 15) |
+                                                        (((b[16 + l] >> (2 * cc + h)) & 1) << 4));
+        break;
+    case F_Q3K:
+    case F_Q2K: {
+        const uint8_t *qs = b + (fmt == F_Q3K ? 32 : 16);
+        for (int n = 0; n < 2; n++)
+            for (int i = 0; i < 4; i++)
+                for (int l = 0; l < 32; l++) {
+                    uint8_t v = (uint8_t)((qs[32 * n + l] >> (2 * i)) & 3);
+                    if (fmt == F_Q3K) v = (uint8_t)(v | (((b[l] >> (4 * n + i)) & 1) << 2));
+                    c[128 * n + 32 * i + l] = v;
+                }
+        break;
+    }
+    default: /* IQ4_XS, IQ4_NL: byte l of 32-column block j holds 32 j + l, 32 j + 16 + l */
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *p = fmt == F_IQ4XS ? b + 8 + 16 * j : b + 18 * j + 2;
+            const __m128i q = _mm_loadu_si128((const __m128i *)p), nib = _mm_set1_epi8(15);
+            _mm_storeu_si128((__m128i *)(c + 32 * j), _mm_and_si128(q, nib));
+            _mm_storeu_si128((__m128i *)(c + 32 * j + 16),
+                             _mm_and_si128(_mm_srli_epi16(q, 4), nib));
+        }
+    }
+}
+
+static void kl_encode(int fmt, const uint8_t *b, const uint8_t *c, uint8_t *o) {
+    switch (fmt) {
+    case F_Q6K:
+        for (int n = 0; n < 2; n++)
+            for (int l = 0; l < 32; l++) {
+                const uint8_t *v = c + 128 * n + l; /* v[32 i]: column 128 n + 32 i + l */
+                o[64 * n + l] = (uint8_t)((v[0] & 15) | (v[64] & 15) << 4);
+                o[64 * n + 32 + l] = (uint8_t)((v[32] & 15) | (v[96] & 15) << 4);
+                o[128 + 32 * n + l] = (uint8_t)((v[0] >> 4) | (v[32] >> 4) << 2 |
+                                                (v[64] >> 4) << 4 | (v[96] >> 4) << 6);
+            }
+        memcpy(o + 192, b + 192, 18);
+        break;
+    case F_Q5K:
+        memcpy(o, b, 16);
+        for (int l = 0; l < 32; l++) {
+            unsigned h = 0;
+            for (int cc = 0; cc < 4; cc++) {
+                const uint8_t lo = c[64 * cc + l], hi = c[64 * cc + 32 + l];
+                o[48 + 32 * cc + l] = (uint8_t)((lo & 15) | (hi & 15) << 4);
+                h |= (unsigned)(lo >> 4) << (2 * cc) | (unsigned)(hi >> 4) << (2 * cc + 1);
+            }
+            o[16 + l] = (uint8_t)h;
+        }
+        break;
+    case F_Q3K:
+    case F_Q2K: {
+        uint8_t *qs = o + (fmt == F_Q3K ? 32 : 16);
+        if (fmt == F_Q3K) memcpy(o + 96, b + 96, 14);
+        else memcpy(o, b, 16), memcpy(o + 80, b + 80, 4);
+        for (int l = 0; l < 32; l++) {
+            unsigned h = 0;
+            for (int n = 0; n < 2; n++) {
+                unsigned q = 0;
+                for (int i = 0; i < 4; i++) {
+                    const uint8_t v = c[128 * n + 32 * i + l];
+                    q |= (unsigned)(v & 3) << (2 * i);
+                    h |= (unsigned)(v >> 2) << (4 * n + i);
+                }
+                qs[32 * n + l] = (uint8_t)q;
+            }
+            if (fmt == F_Q3K) o[l] = (uint8_t)h;
+        }
+        break;
+    }
+    default: { /* the IQ4 types: byte l of chunk cc holds positions 64 cc + l, 64 cc + 32 + l */
+        uint8_t *q = o + (fmt == F_IQ4XS ? 8 : 16);
+        if (fmt == F_IQ4XS) memcpy(o, b, 8);
+        else
+            for (int j = 0; j < 8; j++) memcpy(o + 2 * j, b + 18 * j, 2);
+        for (int cc = 0; cc < 4; cc++) { /* codes < 16: a 16-bit shift carries nothing across */
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)(c + 64 * cc));
+            const __m256i hi = _mm256_loadu_si256((const __m256i *)(c + 64 * cc + 32));
+            _mm256_storeu_si256((__m256i *)(q + 32 * cc),
+                                _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
+        }
+    }
+    }
+}
+
+typedef struct {
+    int fmt, bytes;
+    long n, per;
+    const uint8_t *src;
+    uint8_t *dst;
+} lanes_job;
+
+static void lanes_part(void *ctx, int part) {
+    const lanes_job *j = (const lanes_job *)ctx;
+    const long b0 = (long)part * j->per, b1 = b0 + j->per < j->n ? b0 + j->per : j->n;
+    uint8_t codes[Q4K_SB] __attribute__((aligned(32)));
+    for (long i = b0; i < b1; i++) {
+        const uint8_t *b = j->src + (size_t)i * j->bytes;
+        kl_decode(j->fmt, b, codes);
+        if (kq_act_perm(j->fmt) == KQ_PERM32) iq4_perm((int8_t *)codes);
+        else kq_perm16((int8_t *)codes);
+        kl_encode(j->fmt, b, codes, j->dst + (size_t)i * j->bytes);
+    }
+}
+
+int hetserve_kq_lanes(int nthreads, int fmt, long n, const uint8_t *src, uint8_t *dst) {
+    if (n < 0 || kq_act_perm(fmt) == KQ_NATURAL || fmt == F_Q4K) return -1;
+    const int bytes = fmt == F_IQ4NL ? 144 : kq_bytes(fmt);
+    const long per = 1L << 14;
+    lanes_job j = {fmt, bytes, n, per, src, dst};
+    hs_parallel_for(nthreads, (int)((n + per - 1) / per), lanes_part, &j);
     return 0;
 }

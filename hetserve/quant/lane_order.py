@@ -29,6 +29,8 @@ from collections.abc import Callable
 
 import torch
 
+from hetserve import envs
+from hetserve.native import optional_kernel
 from hetserve.quant.gguf import Q2KRows, Q3KRows, Q5KRows, Q6KRows
 from hetserve.quant.gguf_iq import IQ4NLRows, IQ4XSRows
 
@@ -149,11 +151,15 @@ def _q6_k(raw: torch.Tensor) -> torch.Tensor:
     )
 
 
-# The matrices whose bytes the row kernels read regrouped, and how (experts:
-# moe/native_layout.py; linears: layers/int8_linear.py). Each maps [.., block bytes] to the same
-# shape (IQ4_NL: [.., B, 18] with B a multiple of 8, rows padded to 256 columns).
-KERNEL_ORDER: dict[type, Callable[[torch.Tensor], torch.Tensor]] = {
+def _iq4_nl_groups(raw: torch.Tensor) -> torch.Tensor:
+    groups = raw.reshape(*raw.shape[:-2], raw.shape[-2] // 8, 144)
+    return _by_steps(_iq4_nl)(groups).reshape(raw.shape)
+
+
+# The same regrouping in torch, per class (the native one's reference; ~0.05-0.3 GB/s).
+TORCH_ORDER: dict[type, Callable[[torch.Tensor], torch.Tensor]] = {
     IQ4XSRows: _by_steps(_iq4_xs),
+    IQ4NLRows: _iq4_nl_groups,
     Q5KRows: _by_steps(_q5_k),
     Q6KRows: _by_steps(_q6_k),
     Q3KRows: _by_steps(_q3_k),
@@ -161,9 +167,39 @@ KERNEL_ORDER: dict[type, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def _iq4_nl_order(raw: torch.Tensor) -> torch.Tensor:
-    groups = raw.reshape(*raw.shape[:-2], raw.shape[-2] // 8, 144)
-    return _by_steps(_iq4_nl)(groups).reshape(raw.shape)
+# bytes per unit the native regrouping takes: a super-block (IQ4_NL: 8 blocks of 32 columns)
+_UNIT: dict[type, int] = {
+    IQ4XSRows: 136,
+    IQ4NLRows: 144,
+    Q5KRows: 176,
+    Q6KRows: 210,
+    Q3KRows: 110,
+    Q2KRows: 84,
+}
 
 
-KERNEL_ORDER[IQ4NLRows] = _iq4_nl_order
+def _regroup(cls: type) -> Callable[[torch.Tensor], torch.Tensor]:
+    unit = _UNIT[cls]
+
+    def run(raw: torch.Tensor) -> torch.Tensor:
+        fn = optional_kernel("hetserve_kq_lanes") if envs.native_kernels() else None
+        if fn is None:
+            return TORCH_ORDER[cls](raw)
+        src = raw.contiguous()
+        out = torch.empty_like(src)
+        fmt: int = cls.native  # type: ignore[attr-defined]
+        rc = fn(torch.get_num_threads(), fmt, src.numel() // unit, src.data_ptr(), out.data_ptr())
+        if rc != 0:
+            raise ValueError(f"hetserve_kq_lanes: no lane order for {cls.__name__}")
+        return out
+
+    return run
+
+
+# The matrices whose bytes the row kernels read regrouped, and how (experts:
+# moe/native_layout.py; linears: layers/int8_linear.py): native/layouts.c's hetserve_kq_lanes
+# where the kernels build, else torch. Each maps [.., block bytes] to the same shape (IQ4_NL:
+# [.., B, 18] with B a multiple of 8, rows padded to 256 columns).
+KERNEL_ORDER: dict[type, Callable[[torch.Tensor], torch.Tensor]] = {
+    cls: _regroup(cls) for cls in TORCH_ORDER
+}

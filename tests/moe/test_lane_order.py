@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hetserve import native
 from hetserve.quant.gguf import Q2KRows, Q3KRows, Q5KRows, Q6KRows
 from hetserve.quant.gguf_iq import IQ4_LEVELS, IQ4NLRows, IQ4XSRows
-from hetserve.quant.lane_order import KERNEL_ORDER, PERM16, PERM32
+from hetserve.quant.lane_order import KERNEL_ORDER, PERM16, PERM32, TORCH_ORDER
 
 ONE = (0x00, 0x3C)  # fp16 1.0, little-endian
 # (class, block bytes, [(offset, length)] of scale bytes set to 0x55, fp16 offsets, permutation):
@@ -86,3 +87,16 @@ def test_permutations():
     lanes = torch.arange(256) // 4 % 8
     assert torch.equal(PERM32 // 32, lanes)
     assert torch.equal(PERM16 // 16, lanes + 8 * (torch.arange(256) // 128))
+
+
+@pytest.mark.skipif(bool(native.native_unavailable_reason()), reason="native kernels unavailable")
+@pytest.mark.parametrize("cls", sorted(TORCH_ORDER, key=lambda c: c.__name__))
+def test_native_regrouping_equals_torch(cls, monkeypatch):
+    """native/layouts.c's hetserve_kq_lanes (what loads use) gives torch's bytes, on random
+    blocks (every bit pattern of codes, scales and d), over several work items' worth."""
+    monkeypatch.setenv("HETSERVE_NATIVE_KERNELS", "1")
+    g = torch.Generator().manual_seed(7)
+    block = {Q6KRows: 210, Q5KRows: 176, Q3KRows: 110, Q2KRows: 84, IQ4XSRows: 136}
+    shape = (3, 8 * 2200, 18) if cls is IQ4NLRows else (3, 11000, block[cls])
+    raw = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+    assert torch.equal(KERNEL_ORDER[cls](raw), TORCH_ORDER[cls](raw))
