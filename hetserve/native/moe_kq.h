@@ -153,6 +153,22 @@ static inline void kq_lane_scales16(__m128i sc8, __m256i *s0, __m256i *s1) {
     *s1 = _mm256_shuffle_epi8(both, _mm256_add_epi8(pick, _mm256_set1_epi8(8)));
 }
 
+#ifndef HS_AVX512
+/* AVX2: the int16 pair sums (vpmaddubsw) of n vectors of unsigned codes q[i] against the 32
+ * signed activations at x + 32 i, added as int16: the caller keeps n times the pair bound
+ * within 32767, and widens once (vpmaddwd by ones) where VNNI adds each vector into int32
+ * lanes (vpdpbusd). */
+static inline __attribute__((always_inline)) __m256i kq_pairs(const __m256i *q, const int8_t *x,
+                                                              int n) {
+    __m256i p = _mm256_maddubs_epi16(q[0], _mm256_loadu_si256((const __m256i *)x));
+    for (int i = 1; i < n; i++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 32 * i));
+        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(q[i], xv));
+    }
+    return p;
+}
+#endif
+
 /* The integer sums of one q6_K super-block b (its codes in the row kernels' order: lane
  * i of half n's vectors is scale group 8 n + i, quant/lane_order.py) against MB <= 2 tokens'
  * int8 activations (x[m] [256] in the same order, sums per 16 natural columns gs[m]): sum over
@@ -169,11 +185,19 @@ static inline __attribute__((always_inline)) void q6k_blocks(const uint8_t *b,
     for (int n = 0; n < 2; n++) {
         __m256i q[4];
         q6k_values(b, n, q);
-        for (int i = 0; i < 4; i++)
-            for (int m = 0; m < MB; m++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x[m] + 128 * n + 32 * i));
-                h[m][n] = hs_dpbusd(h[m][n], q[i], xv); /* pairs <= 2 * 63 * 127 */
+        for (int m = 0; m < MB; m++) {
+            const int8_t *xn = x[m] + 128 * n;
+#ifdef HS_AVX512
+            for (int i = 0; i < 4; i++)
+                h[m][n] = _mm256_dpbusd_epi32(h[m][n], q[i],
+                                              _mm256_loadu_si256((const __m256i *)(xn + 32 * i)));
+#else /* two vectors' int16 pair sums added before widening: <= 2 * 2 * 63 * 127 */
+            for (int i = 0; i < 4; i += 2) {
+                const __m256i p = kq_pairs(q + i, xn + 32 * i, 2);
+                h[m][n] = _mm256_add_epi32(h[m][n], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
             }
+#endif
+        }
     }
     const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc));
     const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
@@ -249,11 +273,16 @@ static inline __attribute__((always_inline)) void k2_blocks(const uint8_t *qs, c
     for (int n = 0; n < 2; n++) {
         __m256i q[4];
         k2_values(qs, h, n, q);
-        for (int i = 0; i < 4; i++)
-            for (int m = 0; m < MB; m++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x[m] + 128 * n + 32 * i));
-                g2[m][n] = hs_dpbusd(g2[m][n], q[i], xv); /* pairs <= 2 * 7 * 127 */
-            }
+        for (int m = 0; m < MB; m++) {
+            const int8_t *xn = x[m] + 128 * n;
+#ifdef HS_AVX512
+            for (int i = 0; i < 4; i++)
+                g2[m][n] = _mm256_dpbusd_epi32(g2[m][n], q[i],
+                                               _mm256_loadu_si256((const __m256i *)(xn + 32 * i)));
+#else /* the half's four vectors' int16 pair sums added before widening: <= 4 * 2 * 7 * 127 */
+            g2[m][n] = _mm256_madd_epi16(kq_pairs(q, xn, 4), _mm256_set1_epi16(1));
+#endif
+        }
     }
     const __m256i sc0 = _mm256_cvtepi8_epi32(sc), sc1 = _mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8));
     /* q3_K: the offset, 4 sc times the sums per 16; q2_K: m times them */
@@ -321,10 +350,19 @@ static inline __attribute__((always_inline)) void q5k_blocks(const uint8_t *b,
             const __m256i q = q5k_values(b, h, c, hh);
             for (int m = 0; m < MB; m++) {
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(x[m] + 32 * j));
-                a2[m][hh] = hs_dpbusd(a2[m][hh], q, xv); /* pairs <= 2 * 31 * 127 */
+#ifdef HS_AVX512
+                a2[m][hh] = _mm256_dpbusd_epi32(a2[m][hh], q, xv);
+#else /* int16 pair sums of a chain's four vectors, widened once below: <= 4 * 2 * 31 * 127 */
+                a2[m][hh] = _mm256_add_epi16(a2[m][hh], _mm256_maddubs_epi16(q, xv));
+#endif
             }
         }
     }
+#ifndef HS_AVX512
+    for (int m = 0; m < MB; m++)
+        for (int hh = 0; hh < 2; hh++)
+            a2[m][hh] = _mm256_madd_epi16(a2[m][hh], _mm256_set1_epi16(1));
+#endif
     const __m256i sc = _mm256_cvtepu8_epi32(sm);
     /* m[j] times the sum of x over sub-block j (its two sums of 16: |.| <= 2 * 16 * 127) */
     const __m128i m16 = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
