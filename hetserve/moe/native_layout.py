@@ -100,8 +100,9 @@ def int4_layer(mats: Sequence[Int4Rows], gate_up: bool) -> torch.Tensor:
 
 
 def rows_layer(mats: Sequence[QMatrix], gate_up: bool) -> torch.Tensor:
-    """q6_K / q5_K / IQ4_XS / IQ4_NL matrices [N, K] -> [E, N, blocks, block bytes], the file's
-    bytes, filled expert by expert; W13's rows in quads of gate rows then up rows (phase 1 reads
+    """GGUF block matrices [N, K] (q2_K-q6_K, IQ4, the grid i-quants) -> [E, N, blocks, block
+    bytes], the file's bytes (the K-quants' and IQ4's regrouped within each block for the row
+    kernels), filled expert by expert; W13's rows in quads of gate rows then up rows (phase 1 reads
     one stream)."""
     # the K-quants' and IQ4's codes regrouped for the row kernels (quant/lane_order.py)
     reorder = KERNEL_ORDER.get(type(mats[0]))
