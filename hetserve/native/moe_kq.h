@@ -153,21 +153,29 @@ static inline void kq_lane_scales16(__m128i sc8, __m256i *s0, __m256i *s1) {
     *s1 = _mm256_shuffle_epi8(both, _mm256_add_epi8(pick, _mm256_set1_epi8(8)));
 }
 
-#ifndef HS_AVX512
-/* AVX2: the int16 pair sums (vpmaddubsw) of n vectors of unsigned codes q[i] against the 32
- * signed activations at x + 32 i, added as int16: the caller keeps n times the pair bound
- * within 32767, and widens once (vpmaddwd by ones) where VNNI adds each vector into int32
- * lanes (vpdpbusd). */
-static inline __attribute__((always_inline)) __m256i kq_pairs(const __m256i *q, const int8_t *x,
-                                                              int n) {
-    __m256i p = _mm256_maddubs_epi16(q[0], _mm256_loadu_si256((const __m256i *)x));
-    for (int i = 1; i < n; i++) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 32 * i));
-        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(q[i], xv));
+/* One half's four vectors of unsigned codes q[i] against the signed activations at xn + 32 i,
+ * added into int32 lanes (lane i keeps lane i's products): one vpdpbusd a vector on VNNI; on
+ * AVX2, vpmaddubsw's int16 pair sums of `fold` vectors at a time added before one widening
+ * (vpmaddwd by ones): the caller keeps fold times the pair bound within 32767. */
+static inline __attribute__((always_inline)) __m256i kq_half(const __m256i q[4], const int8_t *xn,
+                                                             int fold) {
+    __m256i acc = _mm256_setzero_si256();
+#ifdef HS_AVX512
+    (void)fold;
+    for (int i = 0; i < 4; i++)
+        acc = _mm256_dpbusd_epi32(acc, q[i], _mm256_loadu_si256((const __m256i *)(xn + 32 * i)));
+#else
+    for (int i = 0; i < 4; i += fold) {
+        __m256i p = _mm256_maddubs_epi16(q[i], _mm256_loadu_si256((const __m256i *)(xn + 32 * i)));
+        for (int k = 1; k < fold; k++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xn + 32 * (i + k)));
+            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(q[i + k], xv));
+        }
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
     }
-    return p;
-}
 #endif
+    return acc;
+}
 
 /* The integer sums of one q6_K super-block b (its codes in the row kernels' order: lane
  * i of half n's vectors is scale group 8 n + i, quant/lane_order.py) against MB <= 2 tokens'
@@ -181,23 +189,11 @@ static inline __attribute__((always_inline)) void q6k_blocks(const uint8_t *b,
                                                             __m256i acc[2]) {
     const int8_t *sc = (const int8_t *)(b + 192);
     __m256i h[2][2];
-    for (int m = 0; m < MB; m++) h[m][0] = h[m][1] = _mm256_setzero_si256();
     for (int n = 0; n < 2; n++) {
         __m256i q[4];
         q6k_values(b, n, q);
-        for (int m = 0; m < MB; m++) {
-            const int8_t *xn = x[m] + 128 * n;
-#ifdef HS_AVX512
-            for (int i = 0; i < 4; i++)
-                h[m][n] = _mm256_dpbusd_epi32(h[m][n], q[i],
-                                              _mm256_loadu_si256((const __m256i *)(xn + 32 * i)));
-#else /* two vectors' int16 pair sums added before widening: <= 2 * 2 * 63 * 127 */
-            for (int i = 0; i < 4; i += 2) {
-                const __m256i p = kq_pairs(q + i, xn + 32 * i, 2);
-                h[m][n] = _mm256_add_epi32(h[m][n], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-            }
-#endif
-        }
+        /* AVX2: two vectors' pair sums in int16, <= 2 * 2 * 63 * 127 */
+        for (int m = 0; m < MB; m++) h[m][n] = kq_half(q, x[m] + 128 * n, 2);
     }
     const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc));
     const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
@@ -269,20 +265,11 @@ static inline __attribute__((always_inline)) void k2_blocks(const uint8_t *qs, c
                                                            const int16_t *const gs[2], int MB,
                                                            __m256i S[2], __m256i M[2]) {
     __m256i g2[2][2];
-    for (int m = 0; m < MB; m++) g2[m][0] = g2[m][1] = _mm256_setzero_si256();
     for (int n = 0; n < 2; n++) {
         __m256i q[4];
         k2_values(qs, h, n, q);
-        for (int m = 0; m < MB; m++) {
-            const int8_t *xn = x[m] + 128 * n;
-#ifdef HS_AVX512
-            for (int i = 0; i < 4; i++)
-                g2[m][n] = _mm256_dpbusd_epi32(g2[m][n], q[i],
-                                               _mm256_loadu_si256((const __m256i *)(xn + 32 * i)));
-#else /* the half's four vectors' int16 pair sums added before widening: <= 4 * 2 * 7 * 127 */
-            g2[m][n] = _mm256_madd_epi16(kq_pairs(q, xn, 4), _mm256_set1_epi16(1));
-#endif
-        }
+        /* AVX2: the half's four vectors' pair sums in int16, <= 4 * 2 * 7 * 127 */
+        for (int m = 0; m < MB; m++) g2[m][n] = kq_half(q, x[m] + 128 * n, 4);
     }
     const __m256i sc0 = _mm256_cvtepi8_epi32(sc), sc1 = _mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8));
     /* q3_K: the offset, 4 sc times the sums per 16; q2_K: m times them */

@@ -31,8 +31,17 @@ import torch
 
 from hetserve import envs
 from hetserve.native import optional_kernel
-from hetserve.quant.gguf import Q2KRows, Q3KRows, Q5KRows, Q6KRows
-from hetserve.quant.gguf_iq import IQ4NLRows, IQ4XSRows
+from hetserve.quant.gguf import (
+    Q2_K_BLOCK_BYTES,
+    Q3_K_BLOCK_BYTES,
+    Q5_K_BLOCK_BYTES,
+    Q6_K_BLOCK_BYTES,
+    Q2KRows,
+    Q3KRows,
+    Q5KRows,
+    Q6KRows,
+)
+from hetserve.quant.gguf_iq import IQ4_NL_BLOCK_BYTES, IQ4_XS_BLOCK_BYTES, IQ4NLRows, IQ4XSRows
 
 _I, _K, _P = torch.meshgrid(torch.arange(8), torch.arange(8), torch.arange(4), indexing="ij")
 # PERM32[position] = column: position 32 k + 4 i + p, column 32 i + 4 k + p
@@ -151,9 +160,12 @@ def _q6_k(raw: torch.Tensor) -> torch.Tensor:
     )
 
 
+_iq4_nl_steps = _by_steps(_iq4_nl)
+
+
 def _iq4_nl_groups(raw: torch.Tensor) -> torch.Tensor:
-    groups = raw.reshape(*raw.shape[:-2], raw.shape[-2] // 8, 144)
-    return _by_steps(_iq4_nl)(groups).reshape(raw.shape)
+    groups = raw.reshape(*raw.shape[:-2], raw.shape[-2] // 8, 8 * IQ4_NL_BLOCK_BYTES)
+    return _iq4_nl_steps(groups).reshape(raw.shape)
 
 
 # The same regrouping in torch, per class (the native one's reference; ~0.05-0.3 GB/s).
@@ -169,12 +181,12 @@ TORCH_ORDER: dict[type, Callable[[torch.Tensor], torch.Tensor]] = {
 
 # bytes per unit the native regrouping takes: a super-block (IQ4_NL: 8 blocks of 32 columns)
 _UNIT: dict[type, int] = {
-    IQ4XSRows: 136,
-    IQ4NLRows: 144,
-    Q5KRows: 176,
-    Q6KRows: 210,
-    Q3KRows: 110,
-    Q2KRows: 84,
+    IQ4XSRows: IQ4_XS_BLOCK_BYTES,
+    IQ4NLRows: 8 * IQ4_NL_BLOCK_BYTES,
+    Q5KRows: Q5_K_BLOCK_BYTES,
+    Q6KRows: Q6_K_BLOCK_BYTES,
+    Q3KRows: Q3_K_BLOCK_BYTES,
+    Q2KRows: Q2_K_BLOCK_BYTES,
 }
 
 
