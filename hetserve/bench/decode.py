@@ -20,6 +20,7 @@ import argparse
 import gc
 import json
 from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 
 from hetserve import envs
@@ -115,9 +116,12 @@ def register(sub) -> None:
 # --- timing ------------------------------------------------------------------------------------
 
 
+@cache
 def _all_int8_rules(expert_backend: str = "cpu-int8") -> str:
     """A rules file: routed experts on `expert_backend`, every other linear int8 (the
-    `all-int8` preset with a backend of the caller's choosing; tests compare backends so)."""
+    `all-int8` preset with a backend of the caller's choosing; tests compare backends so).
+    One file per backend and process, removed when the process exits."""
+    import atexit
     import tempfile
 
     import yaml
@@ -133,6 +137,7 @@ def _all_int8_rules(expert_backend: str = "cpu-int8") -> str:
     ]
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump({"rules": rules}, f)
+    atexit.register(Path(f.name).unlink, missing_ok=True)
     return f.name
 
 
