@@ -50,7 +50,8 @@ def c_compiler() -> str | None:
 def native_isa() -> str:
     """HETSERVE_NATIVE_ISA: which instruction set the native kernels are built for: `auto`
     (default: the widest this CPU has), `avx2`, `avx512` (AVX-512 BW/VL/DQ and VNNI),
-    `avx512bf16` (those, BF16 and GFNI: the FP8 experts kernel on bf16 activations) or `amx`
+    `avx512bf16` (those, BF16, GFNI, VBMI and BITALG: the FP8 experts kernel on bf16
+    activations, the grid i-quants' points looked up in registers) or `amx`
     (those and AMX-INT8: the int8 GEMMs of prefill on tiles, the same results)."""
     return os.environ.get("HETSERVE_NATIVE_ISA", "auto").strip().lower() or "auto"
 

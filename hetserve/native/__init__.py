@@ -65,10 +65,12 @@ HEADERS = ("pool.h", "simd.h", "moe_quads.h", "moe_formats.h", "moe_q4k.h", "moe
            "moe_gemm.h", "moe_job.h", "moe_kgemm.h", "moe_amx.h", "moe_iqg.h")  # fmt: skip
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared"]
 # What each instruction set adds to CFLAGS, and the /proc/cpuinfo flags it needs.
-# Narrowest first; avx512bf16 adds the FP8 experts kernel's bf16 path (simd.h, HS_FP8_BF16).
+# Narrowest first; avx512bf16 adds the FP8 experts kernel's bf16 path (simd.h, HS_FP8_BF16) and,
+# with VBMI and BITALG (which every CPU with AVX512-BF16 but Cooper Lake has), the grid
+# i-quants' in-register point lookups (moe_iqg.h, HS_IQG_PLANES).
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
 # amx adds the int8 expert GEMMs on AMX tiles (moe_amx.h; the same sums as the AVX-512 path).
-_BF16 = [*_AVX512, "-mavx512bf16", "-mgfni"]
+_BF16 = [*_AVX512, "-mavx512bf16", "-mgfni", "-mavx512vbmi", "-mavx512bitalg"]
 ISA_FLAGS = {
     "avx2": [],
     "avx512": _AVX512,
@@ -76,7 +78,7 @@ ISA_FLAGS = {
     "amx": [*_BF16, "-mamx-tile", "-mamx-int8", "-DHS_AMX"],
 }
 _AVX512_CPU = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
-_BF16_CPU = (*_AVX512_CPU, "avx512_bf16", "gfni")
+_BF16_CPU = (*_AVX512_CPU, "avx512_bf16", "gfni", "avx512vbmi", "avx512_bitalg")
 _ISA_CPU = {"avx512": _AVX512_CPU, "avx512bf16": _BF16_CPU,
             "amx": (*_BF16_CPU, "amx_tile", "amx_int8")}  # fmt: skip
 # Builds for tests alone (never chosen by isa()): the AMX loops on a C model of the tiles, so a

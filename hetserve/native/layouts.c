@@ -316,7 +316,8 @@ static void lanes_part(void *ctx, int part) {
 }
 
 int hetserve_kq_lanes(int nthreads, int fmt, long n, const uint8_t *src, uint8_t *dst) {
-    if (n < 0 || kq_act_perm(fmt) == KQ_NATURAL || fmt == F_Q4K) return -1;
+    const int perm = kq_act_perm(fmt); /* the grid i-quants' plane order moves no codes */
+    if (n < 0 || (perm != KQ_PERM32 && perm != KQ_PERM16) || fmt == F_Q4K) return -1;
     const int bytes = fmt == F_IQ4NL ? 144 : kq_bytes(fmt);
     const long per = 1L << 14;
     lanes_job j = {fmt, bytes, n, per, src, dst};

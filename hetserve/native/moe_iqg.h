@@ -16,7 +16,14 @@
  * A group of 32 columns is read as two vectors: mag (|v| as bytes, <= 62) and sgn (bytes
  * whose sign is v's, never 0), so that a kernel takes maddubs(mag, sign(x, sgn)); the scales
  * per 16 columns as 16 int8. The tables are gguf's own (hetserve/native/__init__.py hands them
- * over once the library is built: hetserve_iq_grids); IQ1's points are stored times 8. */
+ * over once the library is built: hetserve_iq_grids); IQ1's points are stored times 8.
+ *
+ * Put together per 8 (4) columns, a point costs a scalar index, a load and an insert: the grid
+ * types ran at 0.1-0.25 of the read bandwidth, bound by that. With AVX512-VBMI the grids of 256
+ * or 512 points (IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS) are also kept as byte planes (plane j: byte j
+ * of every point, 256 or 512 bytes) and their row kernels look 64 points up at a time by masked
+ * vpermi2b, 128 points each, the activations in plane order to match (iqg_planes; the weights
+ * stay as the file has them). IQ2_S (1024 points) and IQ1 (2048) keep the loads. */
 #ifndef HETSERVE_MOE_IQG_H
 #define HETSERVE_MOE_IQG_H
 
@@ -31,11 +38,44 @@ typedef struct {
     const uint32_t *iq3xxs, *iq3s;                /* 4 bytes a point */
     uint64_t signs64[256];  /* 8 sign bits -> 8 bytes of -1 (bit set) or +1 */
     uint64_t ksigns64[128]; /* 7 sign bits and their parity -> the same */
+    /* Byte planes of the grids with at most 512 points of 4 bytes or 256 of 8 (IQG_PLANES):
+     * plane j holds byte j of every point, so that vpermi2b looks 64 points up at once. */
+    uint8_t p3xxs[4][256] __attribute__((aligned(64)));
+    uint8_t p3s[4][512] __attribute__((aligned(64)));
+    uint8_t p2xxs[8][256] __attribute__((aligned(64)));
+    uint8_t p2xs[8][512] __attribute__((aligned(64)));
 } iq_grids_t;
 extern iq_grids_t hs_iq_grids; /* gguf_rows.c: set by hetserve_iq_grids */
 
 static inline int iqg_fmt(int fmt) {
     return fmt >= F_IQ2XXS && fmt <= F_IQ1M;
+}
+
+/* Where the build has AVX512-VBMI and BITALG (Zen 4 and 5, Ice Lake and later Xeons), the row
+ * kernels of IQ3_XXS, IQ3_S, IQ2_XXS and IQ2_XS look a super-block's points up in registers, a byte
+ * plane at a time (quad_iqg_planes in moe_kq.h): their activations are then in plane order
+ * (iqg_plane_perm), and iqg_planes says how many planes a format has (bytes a point; 0: the
+ * file's order, the points put together per 8 or 4 columns as below). */
+#if defined(__AVX512VBMI__) && defined(__AVX512BITALG__)
+#define HS_IQG_PLANES 1
+#else
+#define HS_IQG_PLANES 0
+#endif
+
+static inline int iqg_planes(int fmt) {
+    if (!HS_IQG_PLANES) return 0;
+    if (fmt == F_IQ3XXS || fmt == F_IQ3S) return 4;
+    return fmt == F_IQ2XXS || fmt == F_IQ2XS ? 8 : 0;
+}
+
+/* Plane order of one super-block's 256 activations (n planes, 256 / n points): position
+ * (256 / n) j + p holds column n p + j, byte j of point p. */
+static inline void iqg_plane_perm(int8_t *x, int n) {
+    int8_t t[256];
+    const int np = 256 / n;
+    for (int j = 0; j < n; j++)
+        for (int p = 0; p < np; p++) t[np * j + p] = x[n * p + j];
+    memcpy(x, t, sizeof(t));
 }
 
 /* Bytes of a super-block (256 columns). */

@@ -116,6 +116,12 @@ static inline void kg_put32(__m256i v, int sx, __m256i s0, __m256i s1, int16_t *
  * order, d (IQ4_NL: d [8], one per 32 columns) and, for q5_K and q2_K, dmin and m [8] / [16]. */
 static inline void kg_row_sb(int fmt, const uint8_t *b, int16_t *v, float *d, float *dmin,
                              int16_t *m) {
+#if HS_IQG_PLANES
+    if (iqg_planes(fmt)) { /* looked up by planes, in the activations' plane order */
+        iqg_planes_sb(fmt, b, v, d);
+        return;
+    }
+#endif
     if (iqg_fmt(fmt)) { /* the grid i-quants: v = sign * point, scales per 16 columns */
         int8_t sc[16];
         _mm_storeu_si128((__m128i *)sc, iqg_head(fmt, b, d));

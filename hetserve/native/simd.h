@@ -69,6 +69,14 @@ static inline float hs_hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* The sum of v's 8 int32 lanes (wrapping as int32 does). */
+static inline int hs_hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
 /* The largest of v's 8 lanes. */
 static inline float hs_hmax(__m256 v) {
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
