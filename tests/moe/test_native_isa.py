@@ -14,7 +14,7 @@ from hetserve.errors import InvalidInputError
 from hetserve.layers.int8_linear import Int8Linear
 from hetserve.moe.experts import ExpertWeights, create_backend
 from hetserve.quant.packed import PackedExperts
-from tests.moe.test_gguf_experts import E, H, K, _experts
+from tests.moe.test_gguf_experts import E, H, K, PACK, _experts
 from tests.moe.test_odd_sizes import DENSE
 from tests.moe.test_packed_experts import PACKERS
 
@@ -192,13 +192,15 @@ def test_int8_prefill_tiles_avx512_equal_avx2(t):
 @pytest.mark.parametrize(
     "kinds",
     [("q6_K", "q6_K"), ("q5_K", "q5_K"), ("q3_K", "q2_K"), ("q4_K", "q6_K"),
-     ("random_iq4_xs", "random_iq4_nl"), ("random_iq2_xxs", "random_iq3_s")],
+     ("random_iq4_xs", "random_iq4_nl"), ("random_iq2_xxs", "random_iq3_s"),
+     ("random_iq3_xxs", "random_iq2_xs"), ("random_iq2_s", "random_iq1_m")],
 )  # fmt: skip
 @pytest.mark.parametrize("t", [1, 2, 7, 40])
 def test_gguf_experts_avx512_equal_avx2(kinds, t):
     """The GGUF block types' row kernels and (40 tokens: 40 pairs on each of 3 experts) their
     prefill tiles give the same bits on every build: the AVX-512 VNNI build fuses some integer
-    multiply-adds (vpdpbusd) where the AVX2 one adds vpmaddwd's sums."""
+    multiply-adds (vpdpbusd) where the AVX2 one adds vpmaddwd's sums, and the avx512bf16 build
+    looks IQ3_XXS, IQ3_S, IQ2_XXS and IQ2_XS points up by planes, activations in plane order."""
     b = create_backend("cpu-gguf", ExpertWeights(None, None, packed=_experts(kinds, seed=7)))
     g = torch.Generator().manual_seed(40 + t)
     x, tw = torch.randn(t, H, generator=g), torch.rand(t, K, generator=g)
@@ -211,3 +213,36 @@ def test_gguf_experts_avx512_equal_avx2(kinds, t):
     for name, got in out.items():
         assert torch.equal(out["avx2"], got), name
     assert out["avx2"].abs().max() > 0
+
+
+@pytest.mark.parametrize("kind", ["random_iq2_xxs", "random_iq2_xs", "random_iq3_xxs",
+                                  "random_iq3_s"])  # fmt: skip
+@pytest.mark.parametrize("t", [1, 2, 3])
+def test_grid_planes_odd_super_blocks_equal_avx2(kind, t):
+    """Rows of 1280 and 768 columns (5 and 3 super-blocks: the IQ2 planes kernels take two a
+    vector and an odd last one alone; 3 tokens: a pair and one) give every build's bits."""
+    h, inter = 1280, 768
+    g = torch.Generator().manual_seed(5)
+    w13 = torch.randn(E, 2 * inter, h, generator=g) * 0.05
+    w2 = torch.randn(E, h, inter, generator=g) * 0.05
+    packed = PackedExperts(tuple(PACK[kind](w) for w in w13), tuple(PACK[kind](w) for w in w2))
+    b = create_backend("cpu-gguf", ExpertWeights(None, None, packed=packed))
+    x, tw = torch.randn(t, h, generator=g), torch.rand(t, K, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)])
+    out = {}
+    for name, lib in _libs().items():
+        b._bind(lib)
+        out[name] = b.forward(x, tw, ids)
+    for name, got in out.items():
+        assert torch.equal(out["avx2"], got), name
+    # and the products themselves: the file's numbers against the int8-rounded activations
+    deq13 = torch.stack([m.dequantize() for m in packed.w13]).double()
+    deq2 = torch.stack([m.dequantize() for m in packed.w2]).double()
+    ref = torch.zeros(t, h, dtype=torch.float64)
+    for i in range(t):
+        for j in range(K):
+            e = int(ids[i, j])
+            a = deq13[e] @ x[i].double()
+            act = torch.nn.functional.silu(a[:inter]) * a[inter:] * float(tw[i, j])
+            ref[i] += deq2[e] @ act
+    assert float((out["avx2"].double() - ref).abs().max()) <= 0.05 * float(ref.abs().max())
