@@ -14,7 +14,7 @@ from hetserve.errors import InvalidInputError
 from hetserve.layers.int8_linear import Int8Linear
 from hetserve.moe.experts import ExpertWeights, create_backend
 from hetserve.quant.packed import PackedExperts
-from tests.moe.test_gguf_experts import E, H, K, PACK, _experts
+from tests.moe.test_gguf_experts import PACK, E, H, K, _experts
 from tests.moe.test_odd_sizes import DENSE
 from tests.moe.test_packed_experts import PACKERS
 
