@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "moe_job.h"
+#include "moe_q4k.h"
 
 typedef struct {
     const uint64_t *iq2xxs, *iq2xs, *iq2s, *iq1s; /* 8 bytes a point (IQ1: int8, times 8) */
@@ -53,7 +54,7 @@ static inline int iqg_fmt(int fmt) {
 
 /* Where the build has AVX512-VBMI and BITALG (Zen 4 and 5, Ice Lake and later Xeons), the row
  * kernels of IQ3_XXS, IQ3_S, IQ2_XXS and IQ2_XS look a super-block's points up in registers, a byte
- * plane at a time (quad_iqg_planes in moe_kq.h): their activations are then in plane order
+ * plane at a time (quad_iqg4 and quad_iqg8 below): their activations are then in plane order
  * (iqg_plane_perm), and iqg_planes says how many planes a format has (bytes a point; 0: the
  * file's order, the points put together per 8 or 4 columns as below). */
 #if defined(__AVX512VBMI__) && defined(__AVX512BITALG__)
@@ -251,5 +252,254 @@ static inline __attribute__((always_inline)) void iqg_group(int fmt, const uint8
     }
     }
 }
+
+/* A super-block's exact integer sum t into a row's fp32 total, the same expression in every
+ * grid kernel below (and so the same fma where the compiler contracts it): the planes kernels
+ * of the AVX-512 VBMI build give the AVX2 build's bits. */
+static inline void iqg_add(float *tot, int t, float D, float xd) {
+    *tot += (float)t * (D * xd);
+}
+
+#if HS_IQG_PLANES
+/* vpshufbitqmb's bit indices for plane j of a 4-byte grid: mask bit p (point p) from bit
+ * 4 (p % 8) + j of qword p / 8, that qword holding the signs of columns 32 (p / 8) ..+ 31. */
+static inline __m512i iqg_sign_bits4(int j) {
+    return _mm512_add_epi8(_mm512_set1_epi64(0x1C1814100C080400LL), _mm512_set1_epi8((char)j));
+}
+
+/* Seven sign bits per byte (bits 0-6) -> the eighth, their parity, at bit 7. */
+static inline __m512i iqg_parity(__m512i s7) {
+    const __m512i par = _mm512_and_si512(_mm512_popcnt_epi8(s7), _mm512_set1_epi8(1));
+    return _mm512_or_si512(s7, _mm512_slli_epi16(par, 7)); /* bit 0 of each byte to bit 7 */
+}
+
+/* The 7-bit sign fields at bits 7 l (l < 4) of the dword in each qword's low half (hi = 0),
+ * or of both dwords (hi = 1: bytes 4-7 from the high one) -> bytes with their parity. */
+static inline __m512i iqg_ksign_bytes(__m512i words, int hi) {
+    const __m512i ctl = _mm512_set1_epi64(0x352E2720150E0700LL);
+    const __m512i s7 = _mm512_and_si512(_mm512_multishift_epi64_epi8(ctl, words),
+                                        _mm512_set1_epi64(hi ? 0x7F7F7F7F7F7F7F7FLL
+                                                             : 0x000000007F7F7F7FLL));
+    return iqg_parity(s7);
+}
+
+/* One or two super-blocks of a planes format ready for its planes: the points' index bytes
+ * qi (64 points: IQ3's one super-block, IQ2's two, the second's half zero where there is none)
+ * with the masks choosing each masked vpermi2b's 128 points, the signs (sg), the scales per
+ * lane q of vpdpbusd's sums, i.e. of points 4 q .. 4 q + 3 (IQ2_XS: sc the first two, sc2 the
+ * last two), and D per super-block. */
+typedef struct {
+    __m512i qi, sg, sc, sc2;
+    __mmask64 km[4];
+    int fmt, nh; /* masked vpermi2b per plane */
+    float D[2];
+} iqg_sb_t;
+
+/* IQ3_XXS / IQ3_S super-block b: 64 points of 4 bytes, scales per 32 columns (8 points). */
+static inline __attribute__((always_inline)) void iqg4_load(int fmt, const uint8_t *b,
+                                                            iqg_sb_t *S) {
+    const int s3 = fmt == F_IQ3S;
+    const __m512i qi = _mm512_loadu_si512((const void *)(b + 2));
+    const __mmask64 k7 = _mm512_movepi8_mask(qi);
+    __mmask64 kh = 0;
+    __m512i sc;
+    if (s3) { /* a nibble per 32 columns */
+        memcpy(&kh, b + 66, 8); /* bit p: bit 8 of point p's index */
+        S->sg = _mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i *)(b + 74)));
+        sc = _mm512_srlv_epi32(_mm512_set1_epi32((int)iqg_u32(b + 106)),
+                               _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24,
+                                                 24, 28, 28));
+    } else { /* group k's sign-and-scale word in qword k */
+        const __m512i w = _mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i *)(b + 66)));
+        S->sg = iqg_ksign_bytes(w, 0);
+        sc = _mm512_srli_epi32(
+            _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10,
+                                                       12, 12, 14, 14), w), 28);
+    }
+    S->qi = qi, S->fmt = fmt, S->nh = s3 ? 4 : 2;
+    S->sc = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(sc, _mm512_set1_epi32(15)), 1),
+                            _mm512_set1_epi32(1));
+    S->sc2 = S->sc;
+    S->km[0] = ~(k7 | kh), S->km[1] = k7 & ~kh, S->km[2] = ~k7 & kh, S->km[3] = k7 & kh;
+    S->D[0] = kq_f16(b) * (s3 ? 1.0f : 0.25f);
+}
+
+/* IQ2_XXS / IQ2_XS super-blocks b0 and b1 (NULL: none): 32 points of 8 bytes each. */
+static inline __attribute__((always_inline)) void iqg8_load(int fmt, const uint8_t *b0,
+                                                            const uint8_t *b1, iqg_sb_t *S) {
+    const int xs = fmt == F_IQ2XS;
+    uint8_t pi[64], pa[64]; /* the index (IQ2_XS: low) bytes, the sign / scale bytes */
+    for (int p = 0; p < 64; p++) {
+        const int h = (p / 32) * 64, c = p % 32;
+        pi[p] = (uint8_t)(h + (xs ? 2 * c : 8 * (c / 4) + c % 4));
+        pa[p] = (uint8_t)(h + (xs ? 2 * c + 1 : 8 * (c / 4) + 4 + c % 4));
+    }
+    const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
+    const __m512i A = _mm512_loadu_si512((const void *)(b0 + 2));
+    const __m512i B = b1 ? _mm512_loadu_si512((const void *)(b1 + 2)) : zero;
+    const __m512i qi = _mm512_permutex2var_epi8(A, _mm512_loadu_si512((const void *)pi), B);
+    const __m512i aux = _mm512_permutex2var_epi8(A, _mm512_loadu_si512((const void *)pa), B);
+    const __mmask64 k7 = _mm512_movepi8_mask(qi);
+    if (xs) { /* aux: each point's high byte, index bit 8 and 7 sign bits */
+        const __mmask64 kh = _mm512_test_epi8_mask(aux, _mm512_set1_epi8(1));
+        S->km[0] = ~(k7 | kh), S->km[1] = k7 & ~kh, S->km[2] = ~k7 & kh, S->km[3] = k7 & kh;
+        S->sg = iqg_parity(_mm512_and_si512(_mm512_srli_epi16(aux, 1), _mm512_set1_epi8(0x7F)));
+        uint8_t sb[16] = {0}; /* a byte per group: its first 16 columns' scale, then the next */
+        memcpy(sb, b0 + 66, 8);
+        if (b1) memcpy(sb + 8, b1 + 66, 8);
+        const __m512i n = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sb));
+        S->sc = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(n, _mm512_set1_epi32(15)), 1),
+                                one);
+        S->sc2 = _mm512_or_si512(_mm512_slli_epi32(_mm512_srli_epi32(n, 4), 1), one);
+    } else { /* aux: dword g the sign-and-scale word of group g */
+        S->km[0] = ~k7, S->km[1] = k7;
+        S->sg = iqg_ksign_bytes(aux, 1); /* byte p: point p's 8 signs */
+        S->sc = _mm512_or_si512(_mm512_slli_epi32(_mm512_srli_epi32(aux, 28), 1), one);
+        S->sc2 = S->sc;
+    }
+    S->qi = qi, S->fmt = fmt, S->nh = xs ? 4 : 2;
+    S->D[0] = kq_f16(b0) * 0.125f, S->D[1] = b1 ? kq_f16(b1) * 0.125f : 0.0f;
+}
+
+/* Plane j: byte j of every point (|v|), by S->nh masked vpermi2b of 128 points each. */
+static inline __attribute__((always_inline)) __m512i iqg_plane(const iqg_sb_t *S, int j) {
+    const uint8_t *t = S->fmt == F_IQ3S     ? hs_iq_grids.p3s[j]
+                       : S->fmt == F_IQ3XXS ? hs_iq_grids.p3xxs[j]
+                       : S->fmt == F_IQ2XS  ? hs_iq_grids.p2xs[j]
+                                            : hs_iq_grids.p2xxs[j];
+    const __m512i *T = (const __m512i *)t;
+    __m512i mag = S->qi;
+    for (int h = 0; h < S->nh; h++)
+        mag = _mm512_mask2_permutex2var_epi8(T[2 * h], mag, S->km[h], T[2 * h + 1]);
+    return mag;
+}
+
+/* The points whose byte j is negative, as a mask (bit p: point p). */
+static inline __attribute__((always_inline)) __mmask64 iqg_neg(const iqg_sb_t *S, int j) {
+    if (S->fmt == F_IQ3S || S->fmt == F_IQ3XXS)
+        return _mm512_bitshuffle_epi64_mask(S->sg, iqg_sign_bits4(j));
+    return _mm512_test_epi8_mask(S->sg, _mm512_set1_epi8((char)(1 << j)));
+}
+
+/* A quad of IQ3_XXS or IQ3_S rows (4-byte points, 64 per super-block) against MB <= 2
+ * tokens whose activations are in plane order: per plane j one vector of 64 points' byte j,
+ * looked up from the plane's table (256 or 512 bytes) by 2 or 4 masked vpermi2b, each
+ * choosing its 128 points by the index's bits 7 (and 8); the signs of plane j's columns
+ * gathered into a mask (vpshufbitqmb) and put on the activations; vpdpbusd's lane q then sums
+ * columns 16 q .. 16 q + 15 over the planes, one scale each. The same integer per super-block
+ * as quad_iqg, so the same bits. */
+static inline __attribute__((always_inline)) void quad_iqg4(const uint8_t *q, int fmt, int K,
+                                                            const q4k_act_t a[2], int MB,
+                                                            float out[][MBMAX]) {
+    const int nsb = K / Q4K_SB, bb = iqg_bytes(fmt);
+    const __m512i zero = _mm512_setzero_si512();
+    for (int r = 0; r < 4; r++) {
+        const uint8_t *row = q + (size_t)r * nsb * bb;
+        float tot[2] = {0.0f, 0.0f};
+        for (int s = 0; s < nsb; s++) {
+            const uint8_t *b = row + (size_t)s * bb;
+            for (int o = 0; o < bb; o += 64) hs_prefetch(b + o);
+            iqg_sb_t S;
+            iqg4_load(fmt, b, &S);
+            __m512i acc[2] = {zero, zero};
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                const __m512i mag = iqg_plane(&S, j);
+                const __mmask64 neg = iqg_neg(&S, j);
+                for (int m = 0; m < MB; m++) {
+                    const __m512i x =
+                        _mm512_loadu_si512((const void *)(a[m].x + (size_t)s * Q4K_SB + 64 * j));
+                    acc[m] = _mm512_dpbusd_epi32(acc[m], mag, _mm512_mask_sub_epi8(x, neg, zero, x));
+                }
+            }
+            for (int m = 0; m < MB; m++)
+                iqg_add(&tot[m], _mm512_reduce_add_epi32(_mm512_mullo_epi32(acc[m], S.sc)),
+                        S.D[0], a[m].d[s]);
+        }
+        for (int m = 0; m < MB; m++) out[r][m] = tot[m];
+    }
+}
+
+/* A quad of IQ2_XXS or IQ2_XS rows (8-byte points, 32 per super-block) against MB <= 2 tokens
+ * in plane order, two super-blocks a vector (points 0-31 the first's, 32-63 the second's; an
+ * odd last one alone, the other half zero): per plane one vector of the 64 points' byte j by
+ * two (IQ2_XS: four) masked vpermi2b; vpdpbusd's lane q sums points 4 q .. 4 q + 3, i.e. group
+ * q % 8 (32 columns) of super-block s + q / 8, over the 8 planes. IQ2_XXS has one scale per
+ * group; IQ2_XS one per 16 columns (two points), so a second sum takes each group's first two
+ * points alone (magnitudes masked), the rest being the difference. */
+static inline __attribute__((always_inline)) void quad_iqg8(const uint8_t *q, int fmt, int K,
+                                                            const q4k_act_t a[2], int MB,
+                                                            float out[][MBMAX]) {
+    const int nsb = K / Q4K_SB, bb = iqg_bytes(fmt), xs = fmt == F_IQ2XS;
+    const __m512i zero = _mm512_setzero_si512();
+    const __mmask64 first2 = 0x3333333333333333ULL; /* the points 4 q, 4 q + 1 */
+    for (int r = 0; r < 4; r++) {
+        const uint8_t *row = q + (size_t)r * nsb * bb;
+        float tot[2] = {0.0f, 0.0f};
+        for (int s = 0; s < nsb; s += 2) {
+            const int two = s + 1 < nsb;
+            const uint8_t *b0 = row + (size_t)s * bb;
+            for (int o = 0; o < bb * (1 + two); o += 64) hs_prefetch(b0 + o);
+            iqg_sb_t S;
+            iqg8_load(fmt, b0, two ? b0 + bb : NULL, &S);
+            __m512i acc[2] = {zero, zero}, acc1[2] = {zero, zero};
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const __m512i mag = iqg_plane(&S, j), mag1 = _mm512_maskz_mov_epi8(first2, mag);
+                const __mmask64 neg = iqg_neg(&S, j);
+                for (int m = 0; m < MB; m++) {
+                    const int8_t *x = a[m].x + (size_t)s * Q4K_SB + 32 * j;
+                    const __m256i x0 = _mm256_loadu_si256((const __m256i *)x);
+                    const __m256i x1 =
+                        two ? _mm256_loadu_si256((const __m256i *)(x + Q4K_SB)) : _mm256_setzero_si256();
+                    __m512i xx = _mm512_inserti64x4(_mm512_castsi256_si512(x0), x1, 1);
+                    xx = _mm512_mask_sub_epi8(xx, neg, zero, xx);
+                    acc[m] = _mm512_dpbusd_epi32(acc[m], mag, xx);
+                    if (xs) acc1[m] = _mm512_dpbusd_epi32(acc1[m], mag1, xx);
+                }
+            }
+            for (int m = 0; m < MB; m++) {
+                __m512i t = _mm512_mullo_epi32(acc[m], S.sc2);
+                if (xs) /* first two points at sc, the rest (acc - acc1) at sc2 */
+                    t = _mm512_add_epi32(t, _mm512_mullo_epi32(acc1[m], _mm512_sub_epi32(S.sc, S.sc2)));
+                iqg_add(&tot[m], hs_hsum_i32(_mm512_castsi512_si256(t)), S.D[0], a[m].d[s]);
+                if (two)
+                    iqg_add(&tot[m], hs_hsum_i32(_mm512_extracti64x4_epi64(t, 1)), S.D[1],
+                            a[m].d[s + 1]);
+            }
+        }
+        for (int m = 0; m < MB; m++) out[r][m] = tot[m];
+    }
+}
+
+/* One planes-format super-block b as the prefill tiles' v [256] int16 (sc * v, in plane
+ * order, the activations' own) and its D. */
+static inline void iqg_planes_sb(int fmt, const uint8_t *b, int16_t *v, float *d) {
+    const int n = iqg_planes(fmt), np = 256 / n;
+    iqg_sb_t S;
+    if (n == 4) iqg4_load(fmt, b, &S);
+    else iqg8_load(fmt, b, NULL, &S);
+    /* each point's scale as a byte: lane q's low byte to its 4 bytes (IQ2_XS: sc2 for the
+     * last two points of each 4) */
+    const __m512i bcast = _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0x00000000);
+    const __m512i scp = _mm512_mask_blend_epi8(0xCCCCCCCCCCCCCCCCULL,
+                                               _mm512_shuffle_epi8(S.sc, bcast),
+                                               _mm512_shuffle_epi8(S.sc2, bcast));
+    const __m512i sc16[2] = {_mm512_cvtepu8_epi16(_mm512_castsi512_si256(scp)),
+                             _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(scp, 1))};
+    for (int j = 0; j < n; j++) {
+        const __m512i mag = iqg_plane(&S, j);
+        const __mmask64 neg = iqg_neg(&S, j);
+        for (int h = 0; h < np / 32; h++) {
+            const __m256i m8 = h ? _mm512_extracti64x4_epi64(mag, 1) : _mm512_castsi512_si256(mag);
+            const __m512i w = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(m8), sc16[h]);
+            _mm512_storeu_si512((void *)(v + np * j + 32 * h),
+                                _mm512_mask_sub_epi16(w, (__mmask32)(neg >> (32 * h)),
+                                                      _mm512_setzero_si512(), w));
+        }
+    }
+    *d = S.D[0];
+}
+#endif
 
 #endif
