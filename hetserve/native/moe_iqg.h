@@ -63,10 +63,14 @@ static inline int iqg_fmt(int fmt) {
 #define HS_IQG_PLANES 0
 #endif
 
+/* The formats with planes kernels (on the builds that have them). */
+static inline int iqg_planes_fmt(int fmt) {
+    return fmt == F_IQ3XXS || fmt == F_IQ3S || fmt == F_IQ2XXS || fmt == F_IQ2XS;
+}
+
 static inline int iqg_planes(int fmt) {
-    if (!HS_IQG_PLANES) return 0;
-    if (fmt == F_IQ3XXS || fmt == F_IQ3S) return 4;
-    return fmt == F_IQ2XXS || fmt == F_IQ2XS ? 8 : 0;
+    if (!HS_IQG_PLANES || !iqg_planes_fmt(fmt)) return 0;
+    return fmt == F_IQ3XXS || fmt == F_IQ3S ? 4 : 8;
 }
 
 /* Plane order of one super-block's 256 activations (n planes, 256 / n points): position
@@ -409,7 +413,8 @@ static inline __attribute__((always_inline)) void quad_iqg4(const uint8_t *q, in
                 for (int m = 0; m < MB; m++) {
                     const __m512i x =
                         _mm512_loadu_si512((const void *)(a[m].x + (size_t)s * Q4K_SB + 64 * j));
-                    acc[m] = _mm512_dpbusd_epi32(acc[m], mag, _mm512_mask_sub_epi8(x, neg, zero, x));
+                    const __m512i sx = _mm512_mask_sub_epi8(x, neg, zero, x);
+                    acc[m] = _mm512_dpbusd_epi32(acc[m], mag, sx);
                 }
             }
             for (int m = 0; m < MB; m++)
@@ -450,8 +455,8 @@ static inline __attribute__((always_inline)) void quad_iqg8(const uint8_t *q, in
                 for (int m = 0; m < MB; m++) {
                     const int8_t *x = a[m].x + (size_t)s * Q4K_SB + 32 * j;
                     const __m256i x0 = _mm256_loadu_si256((const __m256i *)x);
-                    const __m256i x1 =
-                        two ? _mm256_loadu_si256((const __m256i *)(x + Q4K_SB)) : _mm256_setzero_si256();
+                    const __m256i x1 = two ? _mm256_loadu_si256((const __m256i *)(x + Q4K_SB))
+                                           : _mm256_setzero_si256();
                     __m512i xx = _mm512_inserti64x4(_mm512_castsi256_si512(x0), x1, 1);
                     xx = _mm512_mask_sub_epi8(xx, neg, zero, xx);
                     acc[m] = _mm512_dpbusd_epi32(acc[m], mag, xx);
@@ -461,7 +466,8 @@ static inline __attribute__((always_inline)) void quad_iqg8(const uint8_t *q, in
             for (int m = 0; m < MB; m++) {
                 __m512i t = _mm512_mullo_epi32(acc[m], S.sc2);
                 if (xs) /* first two points at sc, the rest (acc - acc1) at sc2 */
-                    t = _mm512_add_epi32(t, _mm512_mullo_epi32(acc1[m], _mm512_sub_epi32(S.sc, S.sc2)));
+                    t = _mm512_add_epi32(
+                        t, _mm512_mullo_epi32(acc1[m], _mm512_sub_epi32(S.sc, S.sc2)));
                 iqg_add(&tot[m], hs_hsum_i32(_mm512_castsi512_si256(t)), S.D[0], a[m].d[s]);
                 if (two)
                     iqg_add(&tot[m], hs_hsum_i32(_mm512_extracti64x4_epi64(t, 1)), S.D[1],
