@@ -115,7 +115,7 @@ void hetserve_iq_grids(const uint64_t *iq2xxs, const uint64_t *iq2xs, const uint
         hs_iq_grids.ksigns64[i] = hs_iq_grids.signs64[i | (__builtin_popcount(i) & 1) << 7];
     hs_iq_grids.iq2xxs = iq2xxs, hs_iq_grids.iq2xs = iq2xs, hs_iq_grids.iq2s = iq2s;
     hs_iq_grids.iq3xxs = iq3xxs, hs_iq_grids.iq3s = iq3s, hs_iq_grids.iq1s = iq1s;
-    for (int i = 0; i < 512; i++) /* byte planes (IQG_PLANES) */
+    for (int i = 0; i < 512; i++) /* byte planes (moe_iqg.h, HS_IQG_PLANES) */
         for (int j = 0; j < 8; j++) {
             if (j < 4) hs_iq_grids.p3s[j][i] = (uint8_t)(iq3s[i] >> (8 * j));
             if (j < 4 && i < 256) hs_iq_grids.p3xxs[j][i] = (uint8_t)(iq3xxs[i] >> (8 * j));

@@ -21,7 +21,8 @@
  *
  * Column order is the activations': the row kernels' for q2_K-q6_K and IQ4_XS (moe_kq.h,
  * kq_act_perm; the loader's codes read as they lie, each position's scale its lane's), natural
- * for IQ4_NL (its d per 32 columns) and the grid i-quants, q4_K's own for q4_K (moe_q4k.h: its x8
+ * for IQ4_NL (its d per 32 columns) and the grid i-quants but those looked up by planes (their
+ * plane order, moe_iqg.h iqg_planes_sb), q4_K's own for q4_K (moe_q4k.h: its x8
  * rows follow the weights' vectors, so each 16 bytes of a row's vector become 16 panel columns
  * as they lie). */
 #ifndef HETSERVE_MOE_KGEMM_H

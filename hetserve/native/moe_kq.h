@@ -40,7 +40,8 @@
 #define Q5K_BLOCK 176
 
 /* The activations' order within a super-block for each format's row kernel
- * (quant/lane_order.py has the weights' side): natural for the grid i-quants; KQ_PERM32 (one
+ * (quant/lane_order.py has the weights' side): natural for the grid i-quants, or plane order
+ * where the build looks their points up by planes (moe_iqg.h); KQ_PERM32 (one
  * scale per 32 columns: IQ4_XS, IQ4_NL, q5_K: iq4_perm) or KQ_PERM16 (one per 16: q6_K, q3_K,
  * q2_K: kq_perm16), so that lane i of every 32 activation bytes meets one scale group. */
 enum { KQ_NATURAL = 0, KQ_PERM32 = 1, KQ_PERM16 = 2, KQ_PLANES4 = 4, KQ_PLANES8 = 8 };
