@@ -45,6 +45,9 @@ typedef struct {
     uint8_t p3s[4][512] __attribute__((aligned(64)));
     uint8_t p2xxs[8][256] __attribute__((aligned(64)));
     uint8_t p2xs[8][512] __attribute__((aligned(64)));
+    /* IQ2's two super-blocks' 64 points from their 128 bytes at 2 (vpermt2b indices): pick2
+     * [IQ2_XS?][0] their index (IQ2_XS: low) bytes, [1] their sign-and-scale bytes */
+    uint8_t pick2[2][2][64] __attribute__((aligned(64)));
 } iq_grids_t;
 extern iq_grids_t hs_iq_grids; /* gguf_rows.c: set by hetserve_iq_grids */
 
@@ -332,17 +335,12 @@ static inline __attribute__((always_inline)) void iqg4_load(int fmt, const uint8
 static inline __attribute__((always_inline)) void iqg8_load(int fmt, const uint8_t *b0,
                                                             const uint8_t *b1, iqg_sb_t *S) {
     const int xs = fmt == F_IQ2XS;
-    uint8_t pi[64], pa[64]; /* the index (IQ2_XS: low) bytes, the sign / scale bytes */
-    for (int p = 0; p < 64; p++) {
-        const int h = (p / 32) * 64, c = p % 32;
-        pi[p] = (uint8_t)(h + (xs ? 2 * c : 8 * (c / 4) + c % 4));
-        pa[p] = (uint8_t)(h + (xs ? 2 * c + 1 : 8 * (c / 4) + 4 + c % 4));
-    }
     const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
     const __m512i A = _mm512_loadu_si512((const void *)(b0 + 2));
     const __m512i B = b1 ? _mm512_loadu_si512((const void *)(b1 + 2)) : zero;
-    const __m512i qi = _mm512_permutex2var_epi8(A, _mm512_loadu_si512((const void *)pi), B);
-    const __m512i aux = _mm512_permutex2var_epi8(A, _mm512_loadu_si512((const void *)pa), B);
+    const uint8_t(*pick)[64] = hs_iq_grids.pick2[xs];
+    const __m512i qi = _mm512_permutex2var_epi8(A, _mm512_load_si512((const void *)pick[0]), B);
+    const __m512i aux = _mm512_permutex2var_epi8(A, _mm512_load_si512((const void *)pick[1]), B);
     const __mmask64 k7 = _mm512_movepi8_mask(qi);
     if (xs) { /* aux: each point's high byte, index bit 8 and 7 sign bits */
         const __mmask64 kh = _mm512_test_epi8_mask(aux, _mm512_set1_epi8(1));

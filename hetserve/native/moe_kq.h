@@ -590,7 +590,6 @@ static inline __attribute__((always_inline)) void quad_iqg(const uint8_t *q, int
     }
 }
 
-
 /* out[r][m] = sum_k W[r, k] * x[m, k] for a quad of q6_K, q5_K, q3_K, q2_K, IQ4_XS or IQ4_NL rows (fmt;
  * row r at q + r * K / 256 * kq_bytes) and MB <= 2 tokens; the i-quants have kernels of their
  * own (their loaders regroup the nibbles), the K-quants share the loop below. */
