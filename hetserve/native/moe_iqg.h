@@ -400,7 +400,7 @@ static inline __attribute__((always_inline)) void quad_iqg4(const uint8_t *q, in
         float tot[2] = {0.0f, 0.0f};
         for (int s = 0; s < nsb; s++) {
             const uint8_t *b = row + (size_t)s * bb;
-            for (int o = 0; o < bb; o += 64) hs_prefetch(b + o);
+            for (int o = 0; o < bb; o += 64) hs_prefetch_mb(b + o, MB);
             iqg_sb_t S;
             iqg4_load(fmt, b, &S);
             __m512i acc[2] = {zero, zero};
@@ -442,7 +442,7 @@ static inline __attribute__((always_inline)) void quad_iqg8(const uint8_t *q, in
         for (int s = 0; s < nsb; s += 2) {
             const int two = s + 1 < nsb;
             const uint8_t *b0 = row + (size_t)s * bb;
-            for (int o = 0; o < bb * (1 + two); o += 64) hs_prefetch(b0 + o);
+            for (int o = 0; o < bb * (1 + two); o += 64) hs_prefetch_mb(b0 + o, MB);
             iqg_sb_t S;
             iqg8_load(fmt, b0, two ? b0 + bb : NULL, &S);
             __m512i acc[2] = {zero, zero}, acc1[2] = {zero, zero};

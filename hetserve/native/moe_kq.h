@@ -492,7 +492,8 @@ static inline __attribute__((always_inline)) void quad_iq4xs(const uint8_t *q, i
         __m256 accf[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int s = 0; s < nsb; s++) {
             const uint8_t *b = row + (size_t)s * 136;
-            hs_prefetch(b), hs_prefetch(b + 64), hs_prefetch(b + 128); /* its 136 bytes' lines */
+            /* its 136 bytes' lines */
+            hs_prefetch_mb(b, MB), hs_prefetch_mb(b + 64, MB), hs_prefetch_mb(b + 128, MB);
             const __m256i ls = iq4xs_scales32(b);
             __m256i S[2];
             iq4_sums(b + 8, a, s, MB, S);
@@ -519,7 +520,8 @@ static inline __attribute__((always_inline)) void quad_iq4nl(const uint8_t *q, i
         __m256 accf[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int s = 0; s < nsb; s++) {
             const uint8_t *b = row + (size_t)s * 144;
-            hs_prefetch(b), hs_prefetch(b + 64), hs_prefetch(b + 128); /* its 144 bytes' lines */
+            /* its 144 bytes' lines */
+            hs_prefetch_mb(b, MB), hs_prefetch_mb(b + 64, MB), hs_prefetch_mb(b + 128, MB);
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
             __m256i S[2];
             iq4_sums(b + 16, a, s, MB, S);
@@ -559,7 +561,7 @@ static inline __attribute__((always_inline)) void quad_iqg(const uint8_t *q, int
         __m256 lanes[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int s = 0; s < nsb; s++) {
             const uint8_t *b = row + (size_t)s * bb;
-            for (int o = 0; o < bb; o += 64) hs_prefetch(b + o);
+            for (int o = 0; o < bb; o += 64) hs_prefetch_mb(b + o, MB);
             float D;
             const __m256i pairs = k16_scale_pairs(iqg_head(fmt, b, &D));
             __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
@@ -629,7 +631,7 @@ static inline __attribute__((always_inline)) void quad_kq(const uint8_t *q, int 
             const uint8_t *b = row + (size_t)s * bb;
             /* every line of the stream: one prefetch per super-block (1 line in 3.3 of q6_K's)
              * left the rest to the hardware, and a one-token layer ran ~1.5x slower */
-            for (int o = 0; o < bb; o += 64) hs_prefetch(b + o);
+            for (int o = 0; o < bb; o += 64) hs_prefetch_mb(b + o, MB);
             const int8_t *const x[2] = {a[0].x + (size_t)s * Q4K_SB,
                                         a[MB - 1].x + (size_t)s * Q4K_SB};
             const int16_t *const gs[2] = {a[0].gs + 16 * s, a[MB - 1].gs + 16 * s};

@@ -173,7 +173,7 @@ static inline __attribute__((always_inline)) void q4k_sums(const uint8_t *q, int
         }
         for (int i = 0; i < NQ; i++) {
             const uint8_t *v = q4k_line(q, NQ, 1 + k, i);
-            hs_prefetch(v);
+            hs_prefetch_mb(v, MB);
             __m512i w = _mm512_loadu_si512(v);
             HS_PIN(w); /* one load: GCC would fold it into both uses */
             const __m512i lo = _mm512_and_si512(w, nib), hi = q4k_high(w);
@@ -206,7 +206,7 @@ static inline __attribute__((always_inline)) void q4k_sums(const uint8_t *q, int
             for (int g = 0; g < 2; g++) dot[m][g][0] = dot[m][g][1] = _mm256_setzero_si256();
         for (int k = 0; k < 8; k++) {
             const uint8_t *v = q4k_line(q, NQ, 1 + k, i);
-            hs_prefetch(v);
+            hs_prefetch_mb(v, MB);
             for (int half = 0; half < 2; half++) {
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(v + 32 * half));
                 const __m256i lo = _mm256_and_si256(w, nib);
@@ -252,7 +252,7 @@ static inline __attribute__((always_inline)) void quad_q4k(const uint8_t *q, int
         __m256i sc[2], mn[2];
         for (int i = 0; i < NQ; i++) {
             const uint8_t *h = q4k_line(q, NQ, 0, i);
-            hs_prefetch(h);
+            hs_prefetch_mb(h, MB);
             sc[i] = q4k_six(h, 0);
             mn[i] = q4k_six(h, 1);
         }

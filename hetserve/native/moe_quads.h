@@ -54,7 +54,7 @@ static inline __attribute__((always_inline)) void quad_i8(const int8_t *q, int K
             for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_si256();
         for (int k0 = kb; k0 < ke; k0 += kstep) /* kstep: see i8_kstep */
             for (int k = k0; k < k0 + kstep; k += 16) {
-                hs_prefetch(q + 4 * k);
+                hs_prefetch_mb(q + 4 * k, MB);
                 __m256i w[4];
                 for (int r = 0; r < 4; r++)
                     w[r] = _mm256_cvtepi8_epi16(
@@ -91,7 +91,7 @@ static inline __attribute__((always_inline)) void quad_u8(const int8_t *q, int K
         __m512i acc[MBMAX], ws = _mm512_setzero_si512();
         for (int m = 0; m < MBMAX; m++) acc[m] = _mm512_setzero_si512();
         for (int k = kb; k < ke; k += 16) {
-            hs_prefetch(q + 4 * k);
+            hs_prefetch_mb(q + 4 * k, MB);
             const __m512i w = _mm512_loadu_si512(q + 4 * k);
             ws = _mm512_dpbusd_epi32(ws, ones, w);
             for (int m = 0; m < MB; m++)
