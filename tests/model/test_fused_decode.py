@@ -155,13 +155,14 @@ def test_models_it_does_not_cover_take_the_modules(tiny_model, monkeypatch):
 
 def test_router_logits_fixed_order_and_close_to_torch():
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(7, 96, generator=g), torch.randn(16, 96, generator=g)
+    # 18 rows and 7 tokens: whole and partial blocks of rows x tokens; 100 columns: a tail
+    x, w = torch.randn(7, 100, generator=g), torch.randn(18, 100, generator=g)
     batch = native_logits(x, w)
     assert batch is not None
     torch.testing.assert_close(batch, F.linear(x, w), rtol=1e-5, atol=1e-5)
     for t in range(7):  # each row's bits do not depend on the batch it came in
         assert torch.equal(native_logits(x[t : t + 1], w), batch[t : t + 1])
-    big = torch.randn(NATIVE_LOGITS_MAX_TOKENS + 1, 96, generator=g)
+    big = torch.randn(NATIVE_LOGITS_MAX_TOKENS + 1, 100, generator=g)
     assert native_logits(big, w) is None  # prefill-sized batches stay on torch's GEMM
     assert native_logits(x.requires_grad_(), w) is None
 
