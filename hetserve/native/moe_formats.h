@@ -48,8 +48,9 @@ static inline __attribute__((always_inline)) void hs_prefetch(const void *p) {
  * out-of-order window fills with the arithmetic and the lines asked for into L1 no longer
  * cover the memory's latency. Such loops also ask for each line into L2 PF_FAR ahead, and into
  * L1 PF_NEAR ahead: that layer 6.4 -> 5.0 ms (int16 activations), 5.4 -> 4.6 ms (W8A8), the
- * K-quants 3-10% (bench moe-kernel, Zen 4); T1 alone lost 3-5% at one token, which keeps
- * hs_prefetch alone. Near 2 KiB or 8 KiB, far 8 KiB or 32 KiB: no better. */
+ * K-quants 3-10%, grouped int8 (q8_0), MXFP4, int4 and FP8 6-8% (bench moe-kernel, Zen 4); T1
+ * alone lost 3-5% at one token, which keeps hs_prefetch alone. Near 2 KiB or 8 KiB, far 8 KiB
+ * or 32 KiB: no better. */
 #ifndef PF_NEAR
 #define PF_NEAR 4096
 #endif
@@ -122,7 +123,7 @@ static inline __attribute__((always_inline)) void quad_i8g(const int8_t *q, cons
         for (int r = 0; r < 4; r++)
             for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_si256();
         for (int k = g * G; k < (g + 1) * G; k += 16) {
-            hs_prefetch(q + 4 * k);
+            hs_prefetch_mb(q + 4 * k, MB);
             for (int r = 0; r < 4; r++) {
                 __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 4 * k + 16 * r)));
                 for (int m = 0; m < MB; m++)
@@ -256,7 +257,7 @@ static inline __attribute__((always_inline)) void tile_mxfp4(const uint8_t *q, c
         __m512i acc[2][2];
         for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
         for (int c = 0; c < 4; c++) {
-            hs_prefetch(qb + 64 * c);
+            hs_prefetch_mb(qb + 64 * c, MB);
             const __m512i v = _mm512_loadu_si512(qb + 64 * c);
             const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, nib));
             const __m512i hi =
@@ -280,7 +281,7 @@ static inline __attribute__((always_inline)) void tile_mxfp4(const uint8_t *q, c
             __m256i acc[2][2];
             for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
             for (int c = 0; c < 4; c++) {
-                if (h == 0) hs_prefetch(qb + 64 * c);
+                if (h == 0) hs_prefetch_mb(qb + 64 * c, MB);
                 __m256i w[4];
                 mxfp4_pairs(_mm256_loadu_si256((const __m256i *)(qb + 64 * c + 32 * h)), lut, w);
                 for (int m = 0; m < MB; m++) tile_dot(acc[m], w, x[m] + 32 * b + 8 * c);
@@ -414,7 +415,7 @@ static inline __attribute__((always_inline)) void quad_fp8_bf16(const uint8_t *q
         for (int m = 0; m < MB; m++)
             for (int i = 0; i < 4; i++) acc[m][i] = _mm512_setzero_ps();
         for (int k = g * G; k < (g + 1) * G; k += 16) {
-            hs_prefetch(q + 4 * k);
+            hs_prefetch_mb(q + 4 * k, MB);
             const __m512i v = _mm512_loadu_si512(q + 4 * k);
             const __m512i hi = _mm512_gf2p8affine_epi64_epi8(v, ahi, 0);
             const __m512i lo = _mm512_gf2p8affine_epi64_epi8(v, alo, 0);

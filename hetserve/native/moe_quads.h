@@ -313,7 +313,7 @@ static inline __attribute__((always_inline)) void tile_i4(const uint8_t *q, int 
         const uint8_t *qg = q + I4_GROUP_BYTES(G) * g;
         for (int k = g * G; k < (g + 1) * G; k += 8) {
             const uint8_t *qc = qg + 8 * (size_t)(k - g * G); /* 16 rows x 4 bytes */
-            hs_prefetch(qc);
+            hs_prefetch_mb(qc, MB);
             const __m512i v = _mm512_loadu_si512(qc);
             const __m512i w[4] = {_mm512_and_si512(v, low),
                                   _mm512_and_si512(_mm512_srli_epi16(v, 8), low),
@@ -341,7 +341,7 @@ static inline __attribute__((always_inline)) void tile_i4(const uint8_t *q, int 
             for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
             for (int k = g * G; k < (g + 1) * G; k += 8) {
                 const uint8_t *qc = qg + 8 * (size_t)(k - g * G);
-                if (h == 0) hs_prefetch(qc);
+                if (h == 0) hs_prefetch_mb(qc, MB);
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(qc + 32 * h));
                 const __m256i w[4] = {_mm256_and_si256(v, low),
                                       _mm256_and_si256(_mm256_srli_epi16(v, 8), low),
