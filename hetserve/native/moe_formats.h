@@ -74,13 +74,6 @@ static inline __attribute__((always_inline)) void hs_prefetch_side(const void *p
     _mm_prefetch((const char *)p + PF_DIST / ratio, PF_HINT);
 }
 
-static inline int hsum_i32(__m256i v) {
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-    return _mm_cvtsi128_si32(t);
-}
-
 /* The sums of lanes 0-3 and 4-7 of t (two rows of a quad, 4 lanes each). */
 static inline void pair_out(__m256 t, float *r0, float *r1) {
     __m128 lo = _mm256_castps256_ps128(t), hi = _mm256_extractf128_ps(t, 1);

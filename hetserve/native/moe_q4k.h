@@ -89,7 +89,7 @@ static void q4k_quantize(const float *x, int K, int8_t *x8, float *d, int16_t *g
             c[j] = _mm256_permutevar8x32_epi32(b, order);
             const __m256i t = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]),
                                                _mm256_add_epi32(v[2], v[3]));
-            gs[16 * s + 2 * (j & 3) + (j >> 2)] = (int16_t)hsum_i32(t);
+            gs[16 * s + 2 * (j & 3) + (j >> 2)] = (int16_t)hs_hsum_i32(t);
         }
         memcpy(gs + 16 * s + 8, gs + 16 * s, 8 * sizeof(int16_t));
         /* per 128-bit half h, a 4 x 4 transpose of 4-column groups: group 4h + k / 2 of

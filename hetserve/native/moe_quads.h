@@ -66,7 +66,7 @@ static inline __attribute__((always_inline)) void quad_i8(const int8_t *q, int K
                 }
             }
         for (int r = 0; r < 4; r++)
-            for (int m = 0; m < MB; m++) out[r][m] += (float)hsum_i32(acc[r][m]);
+            for (int m = 0; m < MB; m++) out[r][m] += (float)hs_hsum_i32(acc[r][m]);
     }
 }
 
@@ -269,7 +269,7 @@ static void quantize_rows(const float *x, int K, int p0, int p1, int16_t *x16, f
                 if (G > 0) { /* G % 16 == 0: int4 groups are 32, 64 or 128 (INT4_GROUP_SIZES) */
                     gacc = _mm256_add_epi32(gacc, _mm256_madd_epi16(h, ones));
                     if ((k16 + 16) % G == 0) {
-                        gsum[(size_t)p * (K / G) + k16 / G] = (float)hsum_i32(gacc);
+                        gsum[(size_t)p * (K / G) + k16 / G] = (float)hs_hsum_i32(gacc);
                         gacc = _mm256_setzero_si256();
                     }
                 }
