@@ -174,7 +174,7 @@ void hetserve_topk_softmax(int nthreads, int T, int E, int k, int renorm, float 
  * then the tail), whatever T, the blocking and the thread count: the fused decode step and the
  * router module get the same bits. Blocks of LG_E router rows x LG_T tokens share their loads
  * (a row and a token's 8 columns: one load each per block), each half of a 16-column step in
- * turn so the accumulators and the loads fit the registers (AVX2: 12 + 2 + 1 of 16; AVX-512 28
+ * turn so the accumulators and the loads fit the registers (AVX2: 12 + 2 + 1 of 16; AVX-512 29
  * of 32). One row against 4 tokens at a time loaded 10 vectors per 8 multiply-adds and took
  * ~200 us of a 32-token decode layer (64 x 2048 rows, 2 threads; the tokens from L2). */
 #ifdef HS_AVX512
