@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from hetserve.core.block_hash import BlockHash, CacheExtra
 from hetserve.core.grammar import GrammarSpec
@@ -57,6 +58,17 @@ class KVHandoff:
 
 
 @dataclass(eq=False)
+class PrefillSlice:
+    """A prompt chunk that runs through the decoder layers over several steps (beside decodes,
+    a few layers a step: sched/step_budget.py). Its KV blocks are allocated when it starts;
+    its tokens count as computed only once the last layer has run."""
+
+    tokens: int  # the chunk: this many tokens after the request's computed ones
+    layer: int = 0  # decoder layers it has been through
+    hidden: Any = None  # its hidden states after `layer` layers (the engine's tensor)
+
+
+@dataclass(eq=False)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -79,6 +91,8 @@ class Request:
     # Without a step limit: seconds the steps that carried its prompt's chunks took beyond
     # what the step budget allowed them (sched/step_budget.py), never below 0
     prefill_debt_s: float = 0.0
+    # A prompt chunk part way through the decoder layers (the step budget's layer slices)
+    prefill_slice: PrefillSlice | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -15,6 +15,7 @@ no row was sampled before the batched part finished).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,7 @@ class StepResult:
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)  # by parent
     prompt_tokens: int = 0  # prompt (or recomputed) tokens run through the model
     failed: dict[str, str] = field(default_factory=dict)  # sequence id -> message
+    slice_s: float = 0.0  # seconds of the step spent in layer slices (beside the batch)
 
     def merge(self, other: StepResult) -> None:
         self.sampled.update(other.sampled)
@@ -50,6 +52,7 @@ class StepResult:
         self.prompt_logprobs.update(other.prompt_logprobs)
         self.prompt_tokens += other.prompt_tokens
         self.failed.update(other.failed)
+        self.slice_s += other.slice_s
 
 
 class StepExecutor:
@@ -81,6 +84,23 @@ class StepExecutor:
         return result
 
     def _run_isolated(self, scheduled: list[ScheduledRequest], block_ids) -> StepResult:
+        slices = [s for s in scheduled if s.layers is not None]
+        if not slices:
+            return self._run_batch(scheduled, block_ids)
+        batch = [s for s in scheduled if s.layers is None]
+        result = self._run_batch(batch, block_ids) if batch else StepResult()
+        # After the batch: its decodes' tokens do not wait for the slices' layers.
+        for s in slices:
+            t0 = time.perf_counter()
+            try:
+                result.merge(self._run_slice(s, block_ids))
+            except Exception as exc:
+                log.exception("a layer slice of request %s failed", s.request.request_id)
+                result.failed[s.request.request_id] = describe(exc)
+            result.slice_s += time.perf_counter() - t0
+        return result
+
+    def _run_batch(self, scheduled: list[ScheduledRequest], block_ids) -> StepResult:
         try:
             return self._run(scheduled, block_ids)
         except Exception as exc:
@@ -101,8 +121,7 @@ class StepExecutor:
                 result.failed[s.request.request_id] = describe(exc)
         return result
 
-    def _run(self, scheduled: list[ScheduledRequest], block_ids) -> StepResult:
-        result = StepResult()
+    def _inputs(self, scheduled: list[ScheduledRequest], block_ids) -> list[SeqInput]:
         inputs = []
         slots = self._lora_slots(scheduled)
         for s in scheduled:
@@ -116,11 +135,46 @@ class StepExecutor:
                 inputs.append(SeqInput(tokens, start, block_ids(rid), slot))
             else:
                 inputs.append(SeqInput(tokens, start, block_ids(rid), slot, *st))
-            result.prompt_tokens += max(0, min(req.num_prompt_tokens - start, s.num_new_tokens))
+        return inputs
+
+    def _run(self, scheduled: list[ScheduledRequest], block_ids) -> StepResult:
+        inputs = self._inputs(scheduled, block_ids)
         rows = [i for i, s in enumerate(scheduled) if s.samples]
         states = [self.seqs[scheduled[i].request.request_id] for i in rows]
         masks = self._start_masks(states)  # beside the forward, not after it
         hidden = self.runner.forward(inputs)
+        return self._finish(scheduled, inputs, hidden, rows, states, masks)
+
+    def _run_slice(self, s: ScheduledRequest, block_ids) -> StepResult:
+        """Decoder layers [a, b) of a chunk; its final hidden states once b is the last."""
+        assert s.layers is not None
+        sl = s.request.prefill_slice
+        assert sl is not None and sl.layer == s.layers[0]
+        (inp,) = self._inputs([s], block_ids)
+        rows = [0] if s.samples else []
+        states = [self.seqs[s.request.request_id]] if rows else []
+        masks = self._start_masks(states)
+        hidden = self.runner.forward_layers(inp, *s.layers, sl.hidden)
+        if not s.completes:
+            sl.hidden = hidden
+            return StepResult()
+        sl.hidden = None
+        return self._finish([s], [inp], hidden, rows, states, masks)
+
+    def _finish(
+        self,
+        scheduled: list[ScheduledRequest],
+        inputs: list[SeqInput],
+        hidden: torch.Tensor,
+        rows: list[int],
+        states: list[SeqState],
+        masks: tuple[list[int], MaskJob] | None,
+    ) -> StepResult:
+        """What a forward's final hidden states give: prompt logprobs, the sampled rows."""
+        result = StepResult()
+        for s in scheduled:
+            req, start = s.request, s.request.num_computed_tokens
+            result.prompt_tokens += max(0, min(req.num_prompt_tokens - start, s.num_new_tokens))
         ends = torch.tensor([len(i.token_ids) for i in inputs]).cumsum(0) - 1
         self._prompt_logprobs(scheduled, hidden, ends, result)
         if rows:

@@ -115,5 +115,23 @@ class ModelRunner:
             self.lora_batch.clear()
 
     @torch.inference_mode()
+    def forward_layers(
+        self, seq: SeqInput, start: int, stop: int, hidden: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Decoder layers [start, stop) of one prompt chunk (a layer slice): from its tokens'
+        embeddings at 0, else from `hidden`, what layer `start - 1` left; writes those layers'
+        K/V. Returns the hidden states after `stop` (normed after the last layer). Not for
+        models with linear-attention state or LoRA layers (the scheduler slices none)."""
+        assert self.state is None and self.lora_batch is None
+        meta = build_metadata(
+            [(seq.num_computed, len(seq.token_ids), seq.block_ids)],
+            self.block_size,
+            self.device,
+            self.model.sliding_window,
+        )
+        ids = torch.tensor(seq.token_ids, device=self.device)
+        return self.model.forward_layers(ids, ForwardContext(meta, self.kv), start, stop, hidden)
+
+    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)

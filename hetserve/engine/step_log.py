@@ -79,7 +79,12 @@ class StepTrace:
             self._gc_n += 1
 
     def write(
-        self, shape: StepShape, predicted: float | None, seconds: float, batch_s: float
+        self,
+        shape: StepShape,
+        predicted: float | None,
+        seconds: float,
+        batch_s: float,
+        slice_s: float = 0.0,
     ) -> None:
         end = time.perf_counter()
         start = end - seconds
@@ -95,6 +100,7 @@ class StepTrace:
             "predicted_ms": None if predicted is None else round(predicted * 1e3, 3),
             "ms": round(seconds * 1e3, 3),
             "batch_ms": round(batch_s * 1e3, 3),
+            "slice_ms": round(slice_s * 1e3, 3),
             "gap_ms": None if gap is None else round(gap * 1e3, 3),
             "gc": self._gc_n,
             "gc_ms": round(self._gc_s * 1e3, 3),
@@ -120,7 +126,9 @@ class StepLog:
         batch_s: float,
         result: StepResult,
     ) -> None:
-        """A step of `shape` took `seconds`, `batch_s` of them computing its batch."""
+        """A step of `shape` took `seconds`, `batch_s` of them computing its batch. A layer
+        slice (at most one a step) is not in `shape`: its time (`result.slice_s`, within
+        `batch_s`) is left out of the fit, which `observe_slice` is told apart."""
         # Decode-only steps are not predicted: nothing was sized by them, and a prediction
         # would refit the model every step of a long decode.
         kind = shape.kind
@@ -129,18 +137,25 @@ class StepLog:
         if kind is not StepKind.DECODE or traced:
             predicted = self.cost.steps.predict(shape)
         if self.trace is not None:
-            self.trace.write(shape, predicted, seconds, batch_s)
+            self.trace.write(shape, predicted, seconds, batch_s, result.slice_s)
         if kind is StepKind.DECODE:
             predicted = None
-        self.cost.observe_step(batch_s, result.prompt_tokens, shape, seconds - batch_s)
-        self._seconds[kind].add(seconds)
-        if shape.chunks:
+        sliced = [s for s in scheduled if s.layers is not None]
+        own_tokens = result.prompt_tokens - sum(s.num_new_tokens for s in sliced if s.completes)
+        if shape.tokens:
+            own_s = batch_s - result.slice_s
+            self.cost.observe_step(own_s, own_tokens, shape, seconds - batch_s)
+        seen = kind  # the histograms: what the streams waited, a slice's step has a chunk
+        if sliced:
+            seen = StepKind.MIXED if shape.decodes else StepKind.PREFILL
+        self._seconds[seen].add(seconds)
+        if shape.chunks or sliced:
             for s in scheduled:
                 if s.num_new_tokens > 1:
-                    self._chunks[kind].add(s.num_new_tokens)
-        if predicted is not None:
+                    self._chunks[seen].add(s.num_new_tokens)
+        if predicted is not None:  # the batch's prediction against the batch's part
             self._predicted[kind] += predicted
-            self._measured[kind] += seconds
+            self._measured[kind] += seconds - result.slice_s
 
     def stats(self) -> dict[str, StepKindStats]:
         return {

@@ -50,11 +50,12 @@ AGREE = 0.10
 
 def step_time_model(model: CausalLM) -> StepTimeModel:
     """An empty fit for `model`: with its routed experts' count and top-k on a MoE."""
+    decoder = len(model.model.layers)
     layers = model.moe_layers()
     if not layers:
-        return StepTimeModel()
+        return StepTimeModel(layers=decoder)
     cfg = layers[0].gate.cfg
-    return StepTimeModel(cfg.num_experts, cfg.top_k)
+    return StepTimeModel(cfg.num_experts, cfg.top_k, decoder)
 
 
 @torch.inference_mode()

@@ -134,7 +134,9 @@ class StepTimeModel:
 
     experts: int | None = None
     top_k: int = 0
+    layers: int = 1  # decoder layers (a layer slice's share of a chunk: `layer_time`)
     overhead_s: float = 0.0  # a step's time around its batch's compute (moving average)
+    slice_scale: float = 1.0  # measured layer slices against `layer_time` (moving average)
     _recent: dict[StepKind, deque[_Row]] = field(
         default_factory=lambda: {k: deque() for k in StepKind}
     )
@@ -184,6 +186,24 @@ class StepTimeModel:
     def prefill_time(self, tokens: int, computed: int = 0) -> float | None:
         """A lone prompt chunk of `tokens` after `computed` cached ones (what TTFT is made of)."""
         return self.predict(StepShape().plus(tokens, computed))
+
+    def layer_time(self, tokens: int, computed: int = 0) -> float | None:
+        """Seconds one decoder layer of a lone prompt chunk of `tokens` after `computed`
+        takes: the chunk part of its prediction over the layers (a step's fixed costs are
+        not the slice's), scaled by what slices measured; None until chunks were observed."""
+        self._refit()
+        if self._chunk is None or tokens <= 0:
+            return None
+        chunk = _dot(self._chunk, self.chunk_features(StepShape().plus(tokens, computed)))
+        return max(chunk, 0.0) / self.layers * self.slice_scale
+
+    def observe_slice(self, tokens: int, computed: int, layers: int, seconds: float) -> None:
+        """`layers` decoder layers of a chunk of `tokens` after `computed` took `seconds`."""
+        t = self.layer_time(tokens, computed)
+        if t is None or not t > 0 or layers <= 0 or not seconds > 0:
+            return
+        ratio = min(max(seconds / (t * layers), 1 / CLIP), CLIP)  # one stall moves it a step
+        self.slice_scale *= (1 - EMA) + EMA * ratio
 
     def observe(self, shape: StepShape, seconds: float, probe: bool = False) -> None:
         """A step of `shape` computed its batch in `seconds`. `probe`: a start-up probe (the

@@ -115,6 +115,26 @@ class CausalLM(nn.Module):
         assert pending is None, "the last MoE layer must not defer"
         return self.model.norm(x)
 
+    def forward_layers(
+        self,
+        input_ids: torch.Tensor,
+        ctx: ForwardContext,
+        start: int,
+        stop: int,
+        x: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Decoder layers [start, stop) of a prompt chunk (a layer slice: the same numbers as
+        `forward`, over several calls): `x` is what layer `start - 1` returned (None at 0:
+        the embeddings); the final norm follows the last layer."""
+        layers = self.model.layers
+        if x is None:
+            assert start == 0, "a slice after the first layer continues from its hidden states"
+            x = self.model.embed_tokens(input_ids)
+        for layer in layers[start:stop]:
+            x = layer(x, ctx)
+            assert ctx.deferred is None, "prefill never defers experts"
+        return self.model.norm(x) if stop == len(layers) else x
+
     def map_checkpoint_tensor(self, name: str, value):
         """Family hook: a checkpoint weight's name and value in this model's layout. `value` is
         a tensor, a QMatrix (quant/packed.py), or None when the loader asks only for the name."""

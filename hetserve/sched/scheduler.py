@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hetserve.config import SchedulerConfig, SchedulingPolicy
-from hetserve.core.request import Request, RequestStatus
+from hetserve.core.request import PrefillSlice, Request, RequestStatus
 from hetserve.core.stats import EngineLoad
 from hetserve.kv.block_pool import KVBlock
 from hetserve.kv.loader import KVLoader, LoadState
@@ -43,11 +43,16 @@ class ScheduledRequest:
     # a prompt chunk's time allowed by the step budget (None: a decode, or no allowance): the
     # engine sets the step's measured time against it in the request's prefill_debt_s
     allowance_s: float | None = None
+    # A layer slice: the chunk runs decoder layers [a, b) in this step (None: all of them);
+    # `completes`: b is the last layer, so the chunk's tokens are computed after this step.
+    layers: tuple[int, int] | None = None
+    completes: bool = True
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the sequence end, so a next token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+        end = self.request.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+        return end and self.completes
 
 
 @dataclass
@@ -65,8 +70,13 @@ class Scheduler:
         loader: KVLoader | None = None,
         step_time: StepTime | None = None,
         swapper: Swapper | None = None,
+        slice_layers: int | None = None,
     ) -> None:
         self.cfg = cfg
+        # Decoder layers a prompt chunk may run through over several steps beside decodes
+        # under a step limit (None: chunks run every layer in their step).
+        self.slice_layers = slice_layers
+        self.slices_started = 0  # layer slices begun (each a chunk over several steps)
         self.swapper = swapper  # None: preemption by recompute
         self.kv = kv
         self.max_model_len = max_model_len
@@ -82,9 +92,11 @@ class Scheduler:
         prio = req.priority if self.cfg.policy is SchedulingPolicy.PRIORITY else 0
         return (prio, req.arrival_time)
 
-    def _run_order(self, req: Request) -> tuple[bool, int, float]:
-        # Decodes first: a prompt chunk is sized by what they leave of the step.
-        return (req.num_tokens - req.num_computed_tokens > 1, *self._key(req))
+    def _run_order(self, req: Request) -> tuple[bool, bool, int, float]:
+        # Decodes first: a prompt chunk is sized by what they leave of the step; then a
+        # chunk part way through the layers (it holds its blocks).
+        prompt = req.num_tokens - req.num_computed_tokens > 1
+        return (prompt, req.prefill_slice is None, *self._key(req))
 
     def _admit_order(self, req: Request) -> tuple[bool, int, float]:
         # Preempted requests resume before new ones: they were admitted once already.
@@ -103,13 +115,22 @@ class Scheduler:
             self._land_loads()
         chunked = self.cfg.enable_chunked_prefill
         model = self.step_time if chunked else None
-        budget = StepBudget(model, self.limit_s, self.cfg.max_num_batched_tokens)
+        layers = self.slice_layers if chunked else None
+        budget = StepBudget(model, self.limit_s, self.cfg.max_num_batched_tokens, layers)
         for req in sorted(self.running, key=self._run_order):
             if budget.tokens == 0:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             computed = req.num_computed_tokens
+            sl = req.prefill_slice
+            if sl is not None:  # its blocks are allocated: it goes on where it stopped
+                k = budget.slice_layers(sl.tokens, computed, sl.layer)
+                out.scheduled.append(self._slice(req, sl.tokens, sl.layer, k))
+                budget.take_slice(sl.tokens)
+                continue
+            if self._try_slice(req, computed, budget, out):
+                continue
             n = budget.grant(req.num_tokens - computed, computed, req.prefill_debt_s)
             if n == 0:
                 continue  # the step's time is spent: its chunk waits for the next one
@@ -120,6 +141,33 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(out, budget)
         return out
+
+    def _try_slice(
+        self, req: Request, computed: int, budget: StepBudget, out: SchedulerOutput
+    ) -> bool:
+        """Start a layer slice of `req`'s prompt if the budget prefers one (its blocks
+        allocated now, for the whole chunk); False: it gets an ordinary chunk, or none."""
+        piece = budget.slice(req.num_tokens - computed, computed)
+        if piece is None:
+            return False
+        n, k = piece
+        if not self._allocate_or_preempt(req, n, out):
+            return True  # preempted itself: nothing runs for it
+        self._start_slice(req, n, k, budget, out)
+        return True
+
+    def _start_slice(
+        self, req: Request, n: int, k: int, budget: StepBudget, out: SchedulerOutput
+    ) -> None:
+        req.prefill_slice = PrefillSlice(n)
+        self.slices_started += 1
+        out.scheduled.append(self._slice(req, n, 0, k))
+        budget.take_slice(n)
+
+    def _slice(self, req: Request, n: int, done: int, k: int) -> ScheduledRequest:
+        assert self.slice_layers is not None
+        end = done + k
+        return ScheduledRequest(req, n, layers=(done, end), completes=end == self.slice_layers)
 
     @staticmethod
     def _scheduled(req: Request, n: int, computed: int, budget: StepBudget) -> ScheduledRequest:
@@ -147,6 +195,7 @@ class Scheduler:
             and self.swapper.swap_out(rid, self.kv.block_ids(rid), slot)
         )
         self.kv.free(req)
+        req.prefill_slice = None  # a chunk part way through the layers starts again
         if not swapped:  # recomputed from its prompt (and whatever prefix is cached then)
             req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -192,7 +241,12 @@ class Scheduler:
             n = req.num_tokens - num_cached
             if n > budget.tokens and not self.cfg.enable_chunked_prefill:
                 break
-            n = budget.grant(n, num_cached, req.prefill_debt_s)
+            piece = budget.slice(n, num_cached)
+            k = None
+            if piece is not None:
+                n, k = piece
+            else:
+                n = budget.grant(n, num_cached, req.prefill_debt_s)
             if n == 0:
                 break  # the step's time is spent
             if swapped:
@@ -212,6 +266,9 @@ class Scheduler:
                 self.kv.record_admission(req, num_cached // self.kv.block_size)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if k is not None:
+                self._start_slice(req, n, k, budget, out)
+                continue
             out.scheduled.append(self._scheduled(req, n, num_cached, budget))
             budget.take(n, num_cached)
 
@@ -234,6 +291,13 @@ class Scheduler:
         """Advance computed counts, append sampled tokens, finish what hit a token-level stop."""
         for s in out.scheduled:
             req = s.request
+            if s.layers is not None:
+                sl = req.prefill_slice
+                assert sl is not None
+                if not s.completes:
+                    sl.layer = s.layers[1]  # its tokens are computed once every layer ran
+                    continue
+                req.prefill_slice = None
             req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_computed(req)
             token = sampled.get(req.request_id)
@@ -264,6 +328,7 @@ class Scheduler:
         if req is None:
             return None
         req.status = status
+        req.prefill_slice = None
         if request_id in self.loading:
             return req  # the load still writes its blocks: they are freed when it lands
         if req in self.running:
@@ -306,6 +371,12 @@ class Scheduler:
             assert r.status is RequestStatus.RUNNING
             assert r.num_computed_tokens <= r.num_tokens
             assert len(self.kv.tables[r.request_id]) * self.kv.block_size >= r.num_computed_tokens
+            sl = r.prefill_slice
+            if sl is not None:
+                assert self.slice_layers is not None and 0 < sl.layer < self.slice_layers
+                assert sl.hidden is not None
+                held = len(self.kv.tables[r.request_id]) * self.kv.block_size
+                assert held >= r.num_computed_tokens + sl.tokens
         for r in self.waiting:
             assert r.request_id not in self.kv.tables
         if self.swapper is not None:

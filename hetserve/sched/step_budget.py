@@ -44,6 +44,17 @@ both (Sarathi-Serve sizes the chunk to the latency budget; we size it in seconds
   at twice its 18 ms decode step, a chunk of 8 beside three decodes took 44-50 ms, one of 3
   took 34 ms;
   `--max-num-batched-tokens` stays the upper bound on every step's tokens.
+- Layer slices (`slice`, with a step limit and decodes): a chunk may instead run a few decoder
+  layers a step, its hidden states kept between steps (`PrefillSlice`), its tokens computed
+  once the last layer ran. On a CPU MoE a chunk's cost is mostly the experts its tokens read,
+  about the same for 5 tokens as for 100, so within twice a decode step a chunk through every
+  layer carries a handful of tokens; one layer of a long chunk carries tens (serving the 1.7 B
+  MoE beside three decodes, 4-5 prompt tokens a 35 ms step). The slice is the longest chunk
+  one layer of which fits what the decodes leave (`layer_time`, the step-time model's chunk
+  cost over the layers), as many layers a step as fit, at least one; it is taken where it
+  advances the prompt further than the chunk `grant` would give (tokens x layers run against
+  tokens x all layers). One slice a step and no other chunk beside it; without decodes a slice
+  runs all its remaining layers.
 """
 
 from __future__ import annotations
@@ -69,6 +80,11 @@ class StepTime(Protocol):
         """Seconds a step of `shape` takes; None while unknown."""
         ...
 
+    def layer_time(self, tokens: int, computed: int) -> float | None:
+        """Seconds one decoder layer of a lone prompt chunk of `tokens` after `computed`
+        takes (a layer slice's cost); None while unknown."""
+        ...
+
     def max_chunk(self) -> int | None:
         """The most prompt tokens a step beside decodes may carry for its prediction to be
         trusted (longer ones are beyond what the model has seen); None: no bound."""
@@ -85,13 +101,21 @@ def step_limit_s(max_step_ms: float | None, slo_tbt_ms: float | None) -> float |
 
 
 class StepBudget:
-    def __init__(self, model: StepTime | None, limit_s: float | None, tokens: int) -> None:
+    def __init__(
+        self,
+        model: StepTime | None,
+        limit_s: float | None,
+        tokens: int,
+        layers: int | None = None,
+    ) -> None:
         self.model = model
         self.limit_s = limit_s  # None: by the prompt's efficiency
         self.tokens = tokens  # the step's token budget left
         self.whole = tokens  # a prompt's chunk when it runs alone
         self.shape = StepShape()  # what is scheduled so far
         self.until_s: float | None = None  # the step's time limit, fixed at its first chunk
+        self.layers = layers  # decoder layers a chunk may be sliced into (None: no slices)
+        self.sliced = False  # a layer slice is in this step: no other prompt chunk joins it
 
     def grant(self, needed: int, computed: int, debt_s: float = 0.0) -> int:
         """Tokens the next request gets: `needed` still to compute after `computed`. 0: none
@@ -99,6 +123,8 @@ class StepBudget:
         earlier steps took beyond 1 / EFFICIENCY of their tokens' cost alone (without a step
         limit, this step's chunk must make it up)."""
         cap = min(needed, self.tokens)
+        if self.sliced and cap > 1:
+            return 0  # the slice has the step's time for prompts
         if cap == 0 or self.model is None:
             return cap
         if self.until_s is None:
@@ -132,6 +158,79 @@ class StepBudget:
         """`n` tokens after `computed` were scheduled."""
         self.shape = self.shape.plus(n, computed)
         self.tokens -= n
+
+    # ---- layer slices -----------------------------------------------------------------------
+    def slice(self, needed: int, computed: int) -> tuple[int, int] | None:
+        """A new layer slice for a prompt with `needed` tokens to compute after `computed`:
+        (its chunk's tokens, the layers it runs in this step); None where a chunk through
+        every layer (`grant`) advances the prompt as far. Call `take_slice` if scheduled."""
+        slack = self._slack()
+        if slack is None or self.shape.chunks or self.sliced or needed < 2:
+            return None  # one slice a step, never beside an ordinary chunk
+        assert self.model is not None and self.layers is not None
+        cap = min(needed, self.tokens)
+        # The longest chunk one layer of which fits what the decodes leave (the time a
+        # layer takes grows with the chunk: a binary search).
+        lo, hi = 0, cap
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            t = self.model.layer_time(mid, computed)
+            if t is not None and t <= slack:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo < 2:
+            return None
+        one = self.model.layer_time(lo, computed)
+        assert one is not None
+        layers = min(self.layers, int(slack // one)) if one > 0 else self.layers
+        if layers >= self.layers:
+            return None  # the whole chunk fits the step: no slice needed
+        # A chunk through every layer beside the same decodes (what `grant` would give,
+        # its limit not fixed here): the slice must advance the prompt further, a chunk's
+        # tokens times the share of the layers it runs.
+        until = self.until_s
+        whole = self.grant(needed, computed)
+        self.until_s = until
+        if lo * layers <= whole * self.layers:
+            return None
+        return lo, layers
+
+    def slice_layers(self, tokens: int, computed: int, done: int) -> int:
+        """Layers a slice of `tokens` after `computed`, `done` layers through, runs in this
+        step: as many as fit what the decodes leave, at least one (it holds its blocks and
+        must progress); without decodes, or without a prediction, all that are left."""
+        assert self.layers is not None
+        left = self.layers - done
+        slack = self._slack()
+        if slack is None:
+            return left
+        assert self.model is not None
+        one = self.model.layer_time(tokens, computed)
+        if one is None or not one > 0:
+            return left
+        return max(1, min(left, int(slack // one)))
+
+    def take_slice(self, tokens: int) -> None:
+        """A slice of `tokens` was scheduled: no other prompt chunk joins this step."""
+        self.tokens -= min(tokens, self.tokens)
+        self.sliced = True
+
+    def _slack(self) -> float | None:
+        """Seconds the step's decodes leave to a slice under the step limit (at least
+        FLOOR_SHARE of the step); None: no slices here (none configured, no limit, no
+        decodes, no prediction)."""
+        if self.layers is None or self.model is None or self.limit_s is None:
+            return None
+        if self.limit_s == float("inf"):
+            return None  # --max-step-ms inf: chunks by tokens alone
+        if not self.shape.decodes:
+            return None
+        decodes = self.model.predict(self.shape)
+        if decodes is None:
+            return None
+        until = max(self.limit_s, decodes / (1 - FLOOR_SHARE))
+        return until - decodes
 
     def _until(self, cap: int, computed: int, total: int, debt_s: float) -> float | None:
         """The step's time limit, fixed by its first chunk (of at most `cap` tokens after

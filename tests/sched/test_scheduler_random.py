@@ -24,13 +24,17 @@ MAX_LEN = 48
 
 
 class FakeStepTime:
-    """1 ms per step and 0.1 ms per token: beside decodes a chunk gets at most ~10 tokens."""
+    """1 ms per step, 0.1 ms per token and 0.5 ms per prompt chunk: beside decodes a chunk gets
+    at most ~5 tokens, and a layer slice (of the llama's 2 layers) more, so both happen."""
 
     def predict(self, shape: StepShape) -> float:
-        return 0.001 + 1e-4 * shape.tokens
+        return 0.001 + 1e-4 * shape.tokens + 5e-4 * shape.chunks
 
     def max_chunk(self) -> int | None:
         return None
+
+    def layer_time(self, tokens: int, computed: int) -> float | None:
+        return (5e-4 + 1e-4 * tokens) / 2
 
 
 @pytest.fixture(
@@ -51,7 +55,9 @@ def engines(tiny_model, request):
     # Exact (fp32) for the linear-attention model: under all-int8 its chunked delta rule's fp32
     # differences cross activation rounding boundaries (test_hybrid_families bounds them at
     # 5e-3), enough to flip a greedy near-tie between a chunked run and a solo one.
-    exact = {"placement": "device"} if hybrid else {}
+    # fp32 prefill attention products (not bf16 where the CPU has them): chunks that run the
+    # fused step's fp32 attention then give the same numbers (test_time_chunking.py).
+    exact = {"placement": "device"} if hybrid else {"prefill_attention_dtype": "float32"}
     ref = LLM(path, max_model_len=MAX_LEN, block_size=4, **exact)
     store = {"kv_store": "local://?dram=1M"} if "with-store" in request.param else {}
     store |= exact

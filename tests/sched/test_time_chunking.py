@@ -28,12 +28,22 @@ class FakeStepTime:
     def max_chunk(self) -> int | None:
         return None
 
+    def layer_time(self, tokens: int, computed: int) -> float | None:
+        return None  # no layer slices here (tests/sched/test_layer_slices.py has them)
+
 
 @pytest.fixture(scope="module")
 def engines(tiny_model):
     path = tiny_model("llama", lm_head_scale=8.0)
-    unchunked = LLM(path, max_model_len=MAX_LEN, max_step_ms=float("inf"))
-    timed = LLM(path, max_model_len=MAX_LEN, max_step_ms=LIMIT_S * 1e3, max_num_seqs=8)
+    # fp32 attention products at prefill: where this CPU has AVX512-BF16 the prefill kernel
+    # would multiply in bf16 (an approximation of its own) while a small chunk beside decodes
+    # runs the fused step's fp32 attention; a 3-token prompt chunked one way or the other then
+    # drew a different 15th token. Chunking is exact only path for path.
+    exact = {"prefill_attention_dtype": "float32"}
+    unchunked = LLM(path, max_model_len=MAX_LEN, max_step_ms=float("inf"), **exact)
+    timed = LLM(
+        path, max_model_len=MAX_LEN, max_step_ms=LIMIT_S * 1e3, max_num_seqs=8, **exact
+    )
     timed.engine.scheduler.step_time = FakeStepTime()
     yield unchunked, timed.engine, {}
     timed.close()

@@ -1,0 +1,226 @@
+"""Layer slices end to end on a tiny MoE with a fake step time (deterministic): beside decodes
+under a step limit, a prompt chunk runs a few decoder layers a step when that advances the
+prompt further than a chunk through every layer; each such step is predicted within the limit
+(or runs the one layer a slice must progress by), every request finishes, and every output
+equals the unchunked run's (greedy)."""
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hetserve import LLM, SamplingParams
+from hetserve.core.request import NewRequest
+from hetserve.engine.step_log import shape_of
+from hetserve.kv.step_time import StepShape
+from hetserve.sched.step_budget import StepBudget
+
+MAX_LEN = 256
+LIMIT_S = 0.005
+LAYERS = 3  # the tiny deepseek-v3: MLA, a dense first layer, then MoE layers
+_RUNS = itertools.count()
+
+
+class FakeStepTime:
+    """A CPU MoE's shape: 1 ms a step, 0.1 ms a token, and 2 ms for any prompt chunk (the
+    experts its tokens read), which a few layers of a long chunk share."""
+
+    def predict(self, shape: StepShape) -> float:
+        return 0.001 + 1e-4 * shape.tokens + 2e-3 * shape.chunks
+
+    def max_chunk(self) -> int | None:
+        return None
+
+    def layer_time(self, tokens: int, computed: int) -> float | None:
+        return (2e-3 + 1e-4 * tokens) / LAYERS
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model):
+    path = tiny_model("deepseek-v3", lm_head_scale=8.0)
+    unchunked = LLM(path, max_model_len=MAX_LEN, max_step_ms=float("inf"), placement="device")
+    timed = LLM(
+        path, max_model_len=MAX_LEN, max_step_ms=LIMIT_S * 1e3, max_num_seqs=8, placement="device"
+    )
+    assert timed.engine.scheduler.slice_layers == LAYERS
+    timed.engine.scheduler.step_time = FakeStepTime()
+    yield unchunked, timed.engine, {}
+    timed.close()
+    unchunked.close()
+
+
+def reference(engines, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+    unchunked, _, cache = engines
+    key = (prompt, max_tokens)
+    if key not in cache:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        out = unchunked.generate(prompt_token_ids=list(prompt), sampling_params=params)
+        cache[key] = out[0].token_ids
+    return cache[key]
+
+
+stream = st.tuples(
+    st.lists(st.integers(1, 499), min_size=1, max_size=6).map(tuple), st.integers(2, 40)
+)
+long_prompt = st.tuples(
+    st.lists(st.integers(1, 499), min_size=60, max_size=150).map(tuple), st.integers(1, 4)
+)
+
+
+@settings(
+    max_examples=8,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    st.lists(st.tuples(stream, st.integers(0, 5)), min_size=1, max_size=4),
+    st.lists(st.tuples(long_prompt, st.integers(0, 12)), min_size=1, max_size=3),
+)
+def test_slices_stay_within_the_limit_and_outputs_match(engines, streams, prompts):
+    _, eng, _ = engines
+    fake = FakeStepTime()
+    reqs = [(p, m, at) for (p, m), at in streams + prompts]
+    schedule = eng.scheduler.schedule
+
+    def checked_schedule():
+        out = schedule()
+        sliced = [s for s in out.scheduled if s.layers is not None]
+        assert len(sliced) <= 1  # one slice a step
+        if sliced:
+            batch = [s for s in out.scheduled if s.layers is None]
+            shape = shape_of(batch)
+            assert not shape.chunks  # never beside an ordinary chunk
+            (s,) = sliced
+            a, b = s.layers
+            assert 0 <= a < b <= LAYERS
+            if shape.decodes and b - a > 1:  # more than the one layer it must progress by
+                cost = (b - a) * fake.layer_time(s.num_new_tokens, s.request.num_computed_tokens)
+                assert fake.predict(shape) + cost <= max(LIMIT_S, fake.predict(shape) / 0.75)
+        return out
+
+    eng.scheduler.schedule = checked_schedule
+    tag = f"s{next(_RUNS)}-"
+    try:
+        finished = run(eng, reqs, tag)
+    finally:
+        del eng.scheduler.schedule
+        for rid in list(eng.parents):
+            eng.abort_request(rid)
+    assert set(finished) == {f"{tag}{i}" for i in range(len(reqs))}
+    for rid, tokens in finished.items():
+        prompt, max_tokens, _ = reqs[int(rid.removeprefix(tag))]
+        assert tokens == reference(engines, prompt, max_tokens), rid
+
+
+def test_the_examples_did_slice(engines):
+    """Runs after the property test of this module: chunks really ran over several steps."""
+    _, eng, _ = engines
+    if eng.stats().steps == 0:
+        pytest.skip("only meaningful after the property test of this module")
+    assert eng.scheduler.slices_started > 5
+    assert eng.stats().step_kinds["mixed"].chunk_tokens.count > 5
+
+
+def test_a_slice_survives_an_abort_and_a_failed_slice_frees_its_blocks(engines):
+    _, eng, _ = engines
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    eng.submit(NewRequest("stream", [5, 6, 7], params))
+    for _ in range(3):
+        eng.step()
+    eng.submit(NewRequest("long", list(range(1, 121)), SamplingParams(max_tokens=2)))
+    for _ in range(30):
+        eng.step()
+        req = eng.scheduler.requests.get("long")
+        if req is not None and req.prefill_slice is not None:
+            break
+    else:
+        pytest.fail("the long prompt never started a slice")
+    eng.check_integrity()
+    assert eng.abort_request("long")
+    eng.check_integrity()
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.kv.pool.num_free == eng.kv.pool.num_usable
+
+    # A slice whose forward raises fails its request alone; its blocks come back.
+    runner = eng.runner
+    real = runner.forward_layers
+
+    def broken(*args):
+        raise RuntimeError("boom")
+
+    eng.submit(NewRequest("stream2", [8, 9], params))
+    for _ in range(3):
+        eng.step()
+    runner.forward_layers = broken
+    try:
+        eng.submit(NewRequest("long2", list(range(1, 121)), SamplingParams(max_tokens=2)))
+        failed = []
+        for _ in range(30):
+            failed += [o for o in eng.step() if o.request_id == "long2" and o.finished]
+            if failed:
+                break
+    finally:
+        runner.forward_layers = real
+    assert failed and failed[0].error is not None
+    while eng.has_unfinished():
+        eng.step()
+    eng.check_integrity()
+    assert eng.kv.pool.num_free == eng.kv.pool.num_usable
+
+
+def test_budget_slices_only_when_they_advance_the_prompt_further():
+    fake = FakeStepTime()
+    budget = StepBudget(fake, LIMIT_S, 512, LAYERS)
+    assert budget.slice(100, 0) is None  # no decodes: whole chunks
+    for _ in range(3):
+        budget.take(1, 10)
+    n, k = budget.slice(200, 0)
+    # Brute force: of every (chunk, layers) whose slice fits beside the decodes, the one that
+    # advances the prompt furthest (tokens x layers), and more than a whole chunk would.
+    slack = LIMIT_S - fake.predict(budget.shape)
+    best = max(
+        (c * j, c)
+        for c in range(2, 201)
+        for j in range(1, LAYERS)
+        if j * fake.layer_time(c, 0) <= slack + 1e-12
+    )
+    assert (n * k, n) == best
+    whole = StepBudget(fake, LIMIT_S, 512, LAYERS)
+    for _ in range(3):
+        whole.take(1, 10)
+    assert n * k > whole.grant(200, 0) * LAYERS
+    # Going on: as many layers as fit, at least one, all that are left without decodes.
+    assert budget.slice_layers(n, 0, 1) >= 1
+    alone = StepBudget(fake, LIMIT_S, 512, LAYERS)
+    assert alone.slice_layers(n, 0, 1) == LAYERS - 1
+    # Without a step limit, or without layers to slice, no slices.
+    unlimited = float("inf")  # --max-step-ms inf: chunks by tokens alone
+    for b in (
+        StepBudget(fake, None, 512, LAYERS),
+        StepBudget(fake, unlimited, 512, LAYERS),
+        StepBudget(fake, LIMIT_S, 512, None),
+    ):
+        b.take(1, 10)
+        assert b.slice(200, 0) is None
+
+
+def run(eng, reqs, tag: str) -> dict[str, list[int]]:
+    finished: dict[str, list[int]] = {}
+    pending = list(enumerate(reqs))
+    step = 0
+    while pending or eng.has_unfinished():
+        for i, (prompt, max_tokens, at) in list(pending):
+            if at <= step:
+                params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+                eng.submit(NewRequest(f"{tag}{i}", list(prompt), params))
+                pending.remove((i, reqs[i]))
+        for out in eng.step():
+            if out.finished:
+                finished[out.request_id] = out.token_ids
+        eng.check_integrity()
+        step += 1
+        assert step < 3000, "no progress"
+    return finished
