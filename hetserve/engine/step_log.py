@@ -85,7 +85,9 @@ class StepTrace:
         seconds: float,
         batch_s: float,
         slice_s: float = 0.0,
+        piece: tuple[int, tuple[int, int]] | None = None,
     ) -> None:
+        """`piece`: the step's layer slice, (its chunk's tokens, its layers [a, b))."""
         end = time.perf_counter()
         start = end - seconds
         gap = None if self._last_end is None else start - self._last_end
@@ -101,6 +103,8 @@ class StepTrace:
             "ms": round(seconds * 1e3, 3),
             "batch_ms": round(batch_s * 1e3, 3),
             "slice_ms": round(slice_s * 1e3, 3),
+            "slice_tokens": None if piece is None else piece[0],
+            "slice_layers": None if piece is None else list(piece[1]),
             "gap_ms": None if gap is None else round(gap * 1e3, 3),
             "gc": self._gc_n,
             "gc_ms": round(self._gc_s * 1e3, 3),
@@ -137,7 +141,8 @@ class StepLog:
         if kind is not StepKind.DECODE or traced:
             predicted = self.cost.steps.predict(shape)
         if self.trace is not None:
-            self.trace.write(shape, predicted, seconds, batch_s, result.slice_s)
+            piece = next(((s.num_new_tokens, s.layers) for s in scheduled if s.layers), None)
+            self.trace.write(shape, predicted, seconds, batch_s, result.slice_s, piece)
         if kind is StepKind.DECODE:
             predicted = None
         sliced = [s for s in scheduled if s.layers is not None]

@@ -125,8 +125,9 @@ class Scheduler:
             computed = req.num_computed_tokens
             sl = req.prefill_slice
             if sl is not None:  # its blocks are allocated: it goes on where it stopped
-                k = budget.slice_layers(sl.tokens, computed, sl.layer)
-                out.scheduled.append(self._slice(req, sl.tokens, sl.layer, k))
+                total, debt = req.num_tokens, req.prefill_debt_s
+                k = budget.slice_layers(sl.tokens, computed, sl.layer, total, debt)
+                out.scheduled.append(self._slice(req, sl.tokens, computed, sl.layer, k, budget))
                 budget.take_slice(sl.tokens)
                 continue
             if self._try_slice(req, computed, budget, out):
@@ -147,27 +148,33 @@ class Scheduler:
     ) -> bool:
         """Start a layer slice of `req`'s prompt if the budget prefers one (its blocks
         allocated now, for the whole chunk); False: it gets an ordinary chunk, or none."""
-        piece = budget.slice(req.num_tokens - computed, computed)
+        piece = budget.slice(req.num_tokens - computed, computed, req.prefill_debt_s)
         if piece is None:
             return False
         n, k = piece
         if not self._allocate_or_preempt(req, n, out):
             return True  # preempted itself: nothing runs for it
-        self._start_slice(req, n, k, budget, out)
+        self._start_slice(req, n, computed, k, budget, out)
         return True
 
     def _start_slice(
-        self, req: Request, n: int, k: int, budget: StepBudget, out: SchedulerOutput
+        self, req: Request, n: int, computed: int, k: int, budget: StepBudget, out: SchedulerOutput
     ) -> None:
         req.prefill_slice = PrefillSlice(n)
         self.slices_started += 1
-        out.scheduled.append(self._slice(req, n, 0, k))
+        out.scheduled.append(self._slice(req, n, computed, 0, k, budget))
         budget.take_slice(n)
 
-    def _slice(self, req: Request, n: int, done: int, k: int) -> ScheduledRequest:
+    def _slice(
+        self, req: Request, n: int, computed: int, done: int, k: int, budget: StepBudget
+    ) -> ScheduledRequest:
+        """Layers [done, done + k) of a chunk of `n` after `computed`, with its allowance."""
         assert self.slice_layers is not None
         end = done + k
-        return ScheduledRequest(req, n, layers=(done, end), completes=end == self.slice_layers)
+        allowance = budget.slice_allowance(n, computed, req.num_tokens, k)
+        return ScheduledRequest(
+            req, n, allowance, layers=(done, end), completes=end == self.slice_layers
+        )
 
     @staticmethod
     def _scheduled(req: Request, n: int, computed: int, budget: StepBudget) -> ScheduledRequest:
@@ -241,7 +248,7 @@ class Scheduler:
             n = req.num_tokens - num_cached
             if n > budget.tokens and not self.cfg.enable_chunked_prefill:
                 break
-            piece = budget.slice(n, num_cached)
+            piece = budget.slice(n, num_cached, req.prefill_debt_s)
             k = None
             if piece is not None:
                 n, k = piece
@@ -267,7 +274,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             if k is not None:
-                self._start_slice(req, n, k, budget, out)
+                self._start_slice(req, n, num_cached, k, budget, out)
                 continue
             out.scheduled.append(self._scheduled(req, n, num_cached, budget))
             budget.take(n, num_cached)

@@ -59,6 +59,7 @@ both (Sarathi-Serve sizes the chunk to the latency budget; we size it in seconds
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from hetserve.kv.step_time import StepShape, chunk_pairs
@@ -160,77 +161,125 @@ class StepBudget:
         self.tokens -= n
 
     # ---- layer slices -----------------------------------------------------------------------
-    def slice(self, needed: int, computed: int) -> tuple[int, int] | None:
-        """A new layer slice for a prompt with `needed` tokens to compute after `computed`:
-        (its chunk's tokens, the layers it runs in this step); None where a chunk through
-        every layer (`grant`) advances the prompt as far. Call `take_slice` if scheduled."""
-        slack = self._slack()
-        if slack is None or self.shape.chunks or self.sliced or needed < 2:
+    def slice(self, needed: int, computed: int, debt_s: float = 0.0) -> tuple[int, int] | None:
+        """A new layer slice for a prompt with `needed` tokens to compute after `computed`
+        (`debt_s` behind its share, without a step limit): (its chunk's tokens, the layers it
+        runs in this step); None where a chunk through every layer (`grant`) does as well.
+        Call `take_slice` if scheduled."""
+        if self.sliced or self.shape.chunks or needed < 2:
             return None  # one slice a step, never beside an ordinary chunk
+        decodes = self._decodes()
+        if decodes is None:
+            return None
         assert self.model is not None and self.layers is not None
         cap = min(needed, self.tokens)
-        # The longest chunk one layer of which fits what the decodes leave (the time a
-        # layer takes grows with the chunk: a binary search).
-        lo, hi = 0, cap
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            t = self.model.layer_time(mid, computed)
-            if t is not None and t <= slack:
-                lo = mid
-            else:
-                hi = mid - 1
-        if lo < 2:
-            return None
-        one = self.model.layer_time(lo, computed)
-        assert one is not None
-        layers = min(self.layers, int(slack // one)) if one > 0 else self.layers
-        if layers >= self.layers:
-            return None  # the whole chunk fits the step: no slice needed
-        # A chunk through every layer beside the same decodes (what `grant` would give,
-        # its limit not fixed here): the slice must advance the prompt further, a chunk's
-        # tokens times the share of the layers it runs.
+        total = computed + needed
+        # What a chunk through every layer beside the same decodes would be (`grant`, the
+        # step's limit not fixed by it here).
         until = self.until_s
-        whole = self.grant(needed, computed)
+        whole = self.grant(needed, computed, debt_s)
         self.until_s = until
-        if lo * layers <= whole * self.layers:
+        if self.limit_s is not None:
+            slack = self._limit(decodes) - decodes
+            # The longest chunk one layer of which fits what the decodes leave (a layer's
+            # time grows with the chunk: a binary search), as many layers as fit.
+            n = self._search(cap, lambda c: self._layer(c, computed) <= slack, longest=True)
+            if n < 2:
+                return None
+            layers = min(self.layers, int(slack // self._layer(n, computed)))
+            # It must advance the prompt further: tokens times the share of the layers.
+            if layers >= self.layers or n * layers <= whole * self.layers:
+                return None
+            return n, layers
+        # Without a limit: the shortest step that keeps the prompt's efficiency, one layer of
+        # the shortest chunk whose share of the prompt's time alone is EFFICIENCY of it.
+        n = self._search(cap, lambda c: self._efficient(c, computed, total, 1, decodes, debt_s))
+        if n < 2 or not self._efficient(n, computed, total, 1, decodes, debt_s):
             return None
-        return lo, layers
+        chunk_step = self.model.predict(self.shape.plus(whole, computed)) if whole else None
+        if chunk_step is not None and decodes + self._layer(n, computed) >= chunk_step:
+            return None
+        return n, 1
 
-    def slice_layers(self, tokens: int, computed: int, done: int) -> int:
-        """Layers a slice of `tokens` after `computed`, `done` layers through, runs in this
-        step: as many as fit what the decodes leave, at least one (it holds its blocks and
-        must progress); without decodes, or without a prediction, all that are left."""
+    def slice_layers(
+        self, tokens: int, computed: int, done: int, total: int, debt_s: float = 0.0
+    ) -> int:
+        """Layers a slice of `tokens` after `computed` (of a prompt of `total`), `done` layers
+        through, runs in this step: under a limit as many as fit what the decodes leave,
+        without one the fewest that keep the prompt's efficiency (`debt_s` made up); at least
+        one (it holds its blocks and must progress); without decodes or a prediction, all
+        that are left."""
         assert self.layers is not None
         left = self.layers - done
-        slack = self._slack()
-        if slack is None:
+        decodes = self._decodes()
+        if decodes is None or not self._layer(tokens, computed) > 0:
             return left
-        assert self.model is not None
-        one = self.model.layer_time(tokens, computed)
-        if one is None or not one > 0:
-            return left
-        return max(1, min(left, int(slack // one)))
+        if self.limit_s is not None:
+            slack = self._limit(decodes) - decodes
+            return max(1, min(left, int(slack // self._layer(tokens, computed))))
+        for k in range(1, left):
+            if self._efficient(tokens, computed, total, k, decodes, debt_s):
+                return k
+        return left
+
+    def slice_allowance(self, tokens: int, computed: int, total: int, k: int) -> float | None:
+        """What `k` layers of a slice of `tokens` after `computed` (of a prompt of `total`)
+        may take without a step limit, as `allowance` for a chunk: 1 / EFFICIENCY of their
+        share of the prompt's time alone; None under a limit or without a prediction."""
+        if self.model is None or self.limit_s is not None or self.layers is None:
+            return None
+        alone = self._alone(tokens, computed, total)
+        return None if alone is None else alone * k / self.layers / EFFICIENCY
 
     def take_slice(self, tokens: int) -> None:
         """A slice of `tokens` was scheduled: no other prompt chunk joins this step."""
         self.tokens -= min(tokens, self.tokens)
         self.sliced = True
 
-    def _slack(self) -> float | None:
-        """Seconds the step's decodes leave to a slice under the step limit (at least
-        FLOOR_SHARE of the step); None: no slices here (none configured, no limit, no
-        decodes, no prediction)."""
-        if self.layers is None or self.model is None or self.limit_s is None:
+    def _decodes(self) -> float | None:
+        """The predicted time of the step's decodes where a slice may join them; None: no
+        slices here (none configured, --max-step-ms inf, no decodes, no prediction)."""
+        if self.layers is None or self.model is None or self.limit_s == float("inf"):
             return None
-        if self.limit_s == float("inf"):
-            return None  # --max-step-ms inf: chunks by tokens alone
         if not self.shape.decodes:
             return None
-        decodes = self.model.predict(self.shape)
-        if decodes is None:
-            return None
-        until = max(self.limit_s, decodes / (1 - FLOOR_SHARE))
-        return until - decodes
+        return self.model.predict(self.shape)
+
+    def _limit(self, decodes: float) -> float:
+        assert self.limit_s is not None
+        return max(self.limit_s, decodes / (1 - FLOOR_SHARE))
+
+    def _layer(self, tokens: int, computed: int) -> float:
+        """One layer of a chunk (inf while unknown: nothing fits)."""
+        assert self.model is not None
+        t = self.model.layer_time(tokens, computed)
+        return float("inf") if t is None else t
+
+    def _efficient(
+        self, tokens: int, computed: int, total: int, k: int, decodes: float, debt_s: float
+    ) -> bool:
+        """Whether `k` layers of a slice beside the decodes keep the prompt's efficiency: their
+        share of its time alone is EFFICIENCY of the step's, its debt made up."""
+        assert self.layers is not None
+        alone = self._alone(tokens, computed, total)
+        if alone is None:
+            return False
+        step = decodes + k * self._layer(tokens, computed)
+        return alone * k / self.layers >= EFFICIENCY * (step + debt_s)
+
+    @staticmethod
+    def _search(cap: int, fits: Callable[[int], bool], longest: bool = False) -> int:
+        """The longest chunk <= cap that `fits` (`longest`; 0: none), else the shortest (cap:
+        none); `fits` holds for the short ones (longest) or the long ones."""
+        lo, hi = (0, cap) if longest else (1, cap)
+        while lo < hi:
+            if longest:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+            else:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+        return lo
 
     def _until(self, cap: int, computed: int, total: int, debt_s: float) -> float | None:
         """The step's time limit, fixed by its first chunk (of at most `cap` tokens after

@@ -1,8 +1,9 @@
-"""Layer slices end to end on a tiny MoE with a fake step time (deterministic): beside decodes
-under a step limit, a prompt chunk runs a few decoder layers a step when that advances the
-prompt further than a chunk through every layer; each such step is predicted within the limit
-(or runs the one layer a slice must progress by), every request finishes, and every output
-equals the unchunked run's (greedy)."""
+"""Layer slices end to end on a tiny MoE with a fake step time (deterministic): beside decodes a
+prompt chunk runs a few decoder layers a step, under a step limit when that advances the prompt
+further than a chunk through every layer, without one when that keeps the prompt's efficiency
+in a shorter step; each such step is predicted within the limit (or runs the one layer a slice
+must progress by) or within its allowance, every request finishes, and every output equals the
+unchunked run's (greedy)."""
 
 import itertools
 
@@ -23,17 +24,25 @@ _RUNS = itertools.count()
 
 
 class FakeStepTime:
-    """A CPU MoE's shape: 1 ms a step, 0.1 ms a token, and 2 ms for any prompt chunk (the
-    experts its tokens read), which a few layers of a long chunk share."""
+    """A CPU MoE's shape: a fixed cost a step, a cost a token, and 2 ms for any prompt chunk
+    (the experts its tokens read), which a few layers of a long chunk share."""
+
+    def __init__(self, step_s: float = 1e-3, token_s: float = 1e-4) -> None:
+        self.step_s, self.token_s = step_s, token_s
 
     def predict(self, shape: StepShape) -> float:
-        return 0.001 + 1e-4 * shape.tokens + 2e-3 * shape.chunks
+        return self.step_s + self.token_s * shape.tokens + 2e-3 * shape.chunks
 
     def max_chunk(self) -> int | None:
         return None
 
     def layer_time(self, tokens: int, computed: int) -> float | None:
-        return (2e-3 + 1e-4 * tokens) / LAYERS
+        return (2e-3 + self.token_s * tokens) / LAYERS
+
+
+# Without a limit a slice must keep the prompt's efficiency: tokens dear beside a cheap step,
+# so that the tiny prompts' chunks are long enough for it.
+FAKES = {"limit": FakeStepTime(), "default": FakeStepTime(1e-4, 1e-3)}
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +52,14 @@ def engines(tiny_model):
     timed = LLM(
         path, max_model_len=MAX_LEN, max_step_ms=LIMIT_S * 1e3, max_num_seqs=8, placement="device"
     )
-    assert timed.engine.scheduler.slice_layers == LAYERS
-    timed.engine.scheduler.step_time = FakeStepTime()
-    yield unchunked, timed.engine, {}
-    timed.close()
-    unchunked.close()
+    default = LLM(path, max_model_len=MAX_LEN, max_num_seqs=8, placement="device")
+    engines = {"limit": timed.engine, "default": default.engine}
+    for mode, eng in engines.items():
+        assert eng.scheduler.slice_layers == LAYERS
+        eng.scheduler.step_time = FAKES[mode]
+    yield unchunked, engines, {}
+    for llm in (timed, default, unchunked):
+        llm.close()
 
 
 def reference(engines, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
@@ -68,6 +80,7 @@ long_prompt = st.tuples(
 )
 
 
+@pytest.mark.parametrize("mode", list(FAKES))
 @settings(
     max_examples=8,
     deadline=None,
@@ -78,9 +91,8 @@ long_prompt = st.tuples(
     st.lists(st.tuples(stream, st.integers(0, 5)), min_size=1, max_size=4),
     st.lists(st.tuples(long_prompt, st.integers(0, 12)), min_size=1, max_size=3),
 )
-def test_slices_stay_within_the_limit_and_outputs_match(engines, streams, prompts):
-    _, eng, _ = engines
-    fake = FakeStepTime()
+def test_slices_stay_within_the_limit_and_outputs_match(engines, mode, streams, prompts):
+    eng, fake = engines[1][mode], FAKES[mode]
     reqs = [(p, m, at) for (p, m), at in streams + prompts]
     schedule = eng.scheduler.schedule
 
@@ -95,9 +107,14 @@ def test_slices_stay_within_the_limit_and_outputs_match(engines, streams, prompt
             (s,) = sliced
             a, b = s.layers
             assert 0 <= a < b <= LAYERS
-            if shape.decodes and b - a > 1:  # more than the one layer it must progress by
-                cost = (b - a) * fake.layer_time(s.num_new_tokens, s.request.num_computed_tokens)
-                assert fake.predict(shape) + cost <= max(LIMIT_S, fake.predict(shape) / 0.75)
+            cost = (b - a) * fake.layer_time(s.num_new_tokens, s.request.num_computed_tokens)
+            step = fake.predict(shape) + cost
+            if mode == "limit" and shape.decodes and b - a > 1:  # beyond the one layer it must
+                assert step <= max(LIMIT_S, fake.predict(shape) / 0.75)
+            if mode == "default":
+                assert s.allowance_s is not None
+                if shape.decodes and b < LAYERS:  # not the rest at once: efficient
+                    assert step + s.request.prefill_debt_s <= s.allowance_s * (1 + 1e-9)
         return out
 
     eng.scheduler.schedule = checked_schedule
@@ -114,9 +131,10 @@ def test_slices_stay_within_the_limit_and_outputs_match(engines, streams, prompt
         assert tokens == reference(engines, prompt, max_tokens), rid
 
 
-def test_the_examples_did_slice(engines):
+@pytest.mark.parametrize("mode", list(FAKES))
+def test_the_examples_did_slice(engines, mode):
     """Runs after the property test of this module: chunks really ran over several steps."""
-    _, eng, _ = engines
+    eng = engines[1][mode]
     if eng.stats().steps == 0:
         pytest.skip("only meaningful after the property test of this module")
     assert eng.scheduler.slices_started > 5
@@ -124,7 +142,7 @@ def test_the_examples_did_slice(engines):
 
 
 def test_a_slice_survives_an_abort_and_a_failed_slice_frees_its_blocks(engines):
-    _, eng, _ = engines
+    eng = engines[1]["limit"]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     eng.submit(NewRequest("stream", [5, 6, 7], params))
     for _ in range(3):
@@ -193,18 +211,40 @@ def test_budget_slices_only_when_they_advance_the_prompt_further():
         whole.take(1, 10)
     assert n * k > whole.grant(200, 0) * LAYERS
     # Going on: as many layers as fit, at least one, all that are left without decodes.
-    assert budget.slice_layers(n, 0, 1) >= 1
+    assert budget.slice_layers(n, 0, 1, 200) >= 1
     alone = StepBudget(fake, LIMIT_S, 512, LAYERS)
-    assert alone.slice_layers(n, 0, 1) == LAYERS - 1
-    # Without a step limit, or without layers to slice, no slices.
-    unlimited = float("inf")  # --max-step-ms inf: chunks by tokens alone
+    assert alone.slice_layers(n, 0, 1, 200) == LAYERS - 1
+    # With --max-step-ms inf (chunks by tokens alone), or without layers to slice, none.
+    unlimited = float("inf")
     for b in (
-        StepBudget(fake, None, 512, LAYERS),
         StepBudget(fake, unlimited, 512, LAYERS),
         StepBudget(fake, LIMIT_S, 512, None),
     ):
         b.take(1, 10)
         assert b.slice(200, 0) is None
+
+
+def test_budget_without_a_limit_slices_for_a_shorter_step_at_the_same_efficiency():
+    fake = FAKES["default"]
+    budget = StepBudget(fake, None, 512, LAYERS)
+    for _ in range(3):
+        budget.take(1, 10)
+    n, k = budget.slice(200, 0)
+    assert k == 1
+    decodes = fake.predict(budget.shape)
+    step = decodes + fake.layer_time(n, 0)
+    allowance = budget.slice_allowance(n, 0, 200, 1)
+    assert step <= allowance  # efficient ...
+    shorter = budget.slice_allowance(n - 1, 0, 200, 1)
+    assert decodes + fake.layer_time(n - 1, 0) > shorter  # ... and the shortest that is
+    chunk = StepBudget(fake, None, 512, LAYERS)
+    for _ in range(3):
+        chunk.take(1, 10)
+    whole = chunk.grant(200, 0)
+    assert step < fake.predict(chunk.shape.plus(whole, 0))  # a shorter step than the chunk's
+    # Going on: the fewest layers that keep it; a debt asks for more.
+    assert budget.slice_layers(n, 0, 1, 200) == 1
+    assert budget.slice_layers(n, 0, 1, 200, debt_s=1.0) == LAYERS - 1
 
 
 def run(eng, reqs, tag: str) -> dict[str, list[int]]:
