@@ -31,7 +31,7 @@ from hetserve.core.request import PrefillSlice, Request, RequestStatus
 from hetserve.core.stats import EngineLoad
 from hetserve.kv.block_pool import KVBlock
 from hetserve.kv.loader import KVLoader, LoadState
-from hetserve.kv.manager import KVCacheManager
+from hetserve.kv.manager import KVCacheManager, cdiv
 from hetserve.kv.swap import Swapper
 from hetserve.sched.step_budget import StepBudget, StepTime, step_limit_s
 
@@ -125,8 +125,7 @@ class Scheduler:
             computed = req.num_computed_tokens
             sl = req.prefill_slice
             if sl is not None:  # its blocks are allocated: it goes on where it stopped
-                total, debt = req.num_tokens, req.prefill_debt_s
-                k = budget.slice_layers(sl.tokens, computed, sl.layer, total, debt)
+                k = budget.slice_layers(sl.tokens, computed, sl.layer, req.num_tokens)
                 out.scheduled.append(self._slice(req, sl.tokens, computed, sl.layer, k, budget))
                 budget.take_slice(sl.tokens)
                 continue
@@ -196,10 +195,14 @@ class Scheduler:
         rid = req.request_id
         states = self.kv.states
         slot = None if states is None else states.slot_id(rid)
+        # The blocks of its computed tokens: not those allocated for a chunk still to run (a
+        # layer slice's, or one scheduled earlier in this step), whose slots hold nothing yet
+        # and which it may ask for in other sizes when it resumes.
+        held = self.kv.block_ids(rid)[: cdiv(req.num_computed_tokens, self.kv.block_size)]
         swapped = (
             self.swapper is not None
             and req.num_computed_tokens > 0
-            and self.swapper.swap_out(rid, self.kv.block_ids(rid), slot)
+            and self.swapper.swap_out(rid, held, slot)
         )
         self.kv.free(req)
         req.prefill_slice = None  # a chunk part way through the layers starts again

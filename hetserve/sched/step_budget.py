@@ -191,24 +191,35 @@ class StepBudget:
             if layers >= self.layers or n * layers <= whole * self.layers:
                 return None
             return n, layers
-        # Without a limit: the shortest step that keeps the prompt's efficiency, one layer of
-        # the shortest chunk whose share of the prompt's time alone is EFFICIENCY of it.
-        n = self._search(cap, lambda c: self._efficient(c, computed, total, 1, decodes, debt_s))
-        if n < 2 or not self._efficient(n, computed, total, 1, decodes, debt_s):
+        # Without a limit: the shortest step that keeps the prompt's efficiency (its debt made
+        # up): for k = 1, 2, 4, ... layers the shortest chunk whose share of the prompt's time
+        # alone is EFFICIENCY of the step (a prompt's last tokens may need several layers).
+        best: tuple[float, int, int] | None = None
+        k = 1
+        while k < self.layers:
+
+            def efficient(c: int, k: int = k) -> bool:
+                return self._efficient(c, computed, total, k, decodes, debt_s)
+
+            n = self._search(cap, efficient)
+            if n >= 2 and efficient(n):
+                step = decodes + k * self._layer(n, computed)
+                if best is None or step < best[0]:
+                    best = (step, n, k)
+            k *= 2
+        if best is None:
             return None
         chunk_step = self.model.predict(self.shape.plus(whole, computed)) if whole else None
-        if chunk_step is not None and decodes + self._layer(n, computed) >= chunk_step:
+        if chunk_step is not None and best[0] >= chunk_step:
             return None
-        return n, 1
+        return best[1], best[2]
 
-    def slice_layers(
-        self, tokens: int, computed: int, done: int, total: int, debt_s: float = 0.0
-    ) -> int:
+    def slice_layers(self, tokens: int, computed: int, done: int, total: int) -> int:
         """Layers a slice of `tokens` after `computed` (of a prompt of `total`), `done` layers
         through, runs in this step: under a limit as many as fit what the decodes leave,
-        without one the fewest that keep the prompt's efficiency (`debt_s` made up); at least
-        one (it holds its blocks and must progress); without decodes or a prediction, all
-        that are left."""
+        without one the fewest that keep the prompt's efficiency (its debt is made up by the
+        next slice's chunk); at least one (it holds its blocks and must progress); without
+        decodes or a prediction, all that are left."""
         assert self.layers is not None
         left = self.layers - done
         decodes = self._decodes()
@@ -217,8 +228,10 @@ class StepBudget:
         if self.limit_s is not None:
             slack = self._limit(decodes) - decodes
             return max(1, min(left, int(slack // self._layer(tokens, computed))))
+        # Its debt is made up by the next slice's longer chunk (`slice`), not by longer steps
+        # of this one, as long as these keep the efficiency.
         for k in range(1, left):
-            if self._efficient(tokens, computed, total, k, decodes, debt_s):
+            if self._efficient(tokens, computed, total, k, decodes, 0.0):
                 return k
         return left
 

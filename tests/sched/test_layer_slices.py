@@ -15,6 +15,7 @@ from hetserve import LLM, SamplingParams
 from hetserve.core.request import NewRequest
 from hetserve.engine.step_log import shape_of
 from hetserve.kv.step_time import StepShape
+from hetserve.sched.scheduler import SchedulerOutput
 from hetserve.sched.step_budget import StepBudget
 
 MAX_LEN = 256
@@ -189,6 +190,50 @@ def test_a_slice_survives_an_abort_and_a_failed_slice_frees_its_blocks(engines):
     assert eng.kv.pool.num_free == eng.kv.pool.num_usable
 
 
+def test_a_sliced_request_swapped_out_resumes_from_its_computed_blocks(tiny_model, engines):
+    path = tiny_model("deepseek-v3", lm_head_scale=8.0)
+    llm = LLM(
+        path,
+        max_model_len=MAX_LEN,
+        max_step_ms=LIMIT_S * 1e3,
+        placement="device",
+        preemption_mode="swap",
+        block_size=4,
+    )
+    eng = llm.engine
+    eng.scheduler.step_time = FAKES["limit"]
+    stream = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    eng.submit(NewRequest("stream", [5, 6, 7], stream))
+    for _ in range(3):
+        eng.step()
+    prompt = list(range(1, 201))
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    eng.submit(NewRequest("long", prompt, greedy))
+    sched = eng.scheduler
+    for _ in range(60):
+        eng.step()
+        req = sched.requests.get("long")
+        if req is not None and req.prefill_slice is not None and req.num_computed_tokens > 0:
+            break
+    else:
+        pytest.fail("no slice after a computed chunk")
+    computed = req.num_computed_tokens
+    assert len(eng.kv.block_ids("long")) * 4 >= computed + req.prefill_slice.tokens
+    sched._preempt(req, SchedulerOutput())  # as the scheduler does when blocks run out
+    assert req.prefill_slice is None and req.num_computed_tokens == computed
+    saved = eng.swap._held["long"][0][0].shape[0]
+    assert saved == -(-computed // 4)  # its computed tokens' blocks, not the slice's
+    out = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                out[o.request_id] = o.token_ids
+        eng.check_integrity()
+    ref = reference(engines, tuple(prompt), 3)
+    assert out["long"] == ref
+    llm.close()
+
+
 def test_budget_slices_only_when_they_advance_the_prompt_further():
     fake = FakeStepTime()
     budget = StepBudget(fake, LIMIT_S, 512, LAYERS)
@@ -242,9 +287,21 @@ def test_budget_without_a_limit_slices_for_a_shorter_step_at_the_same_efficiency
         chunk.take(1, 10)
     whole = chunk.grant(200, 0)
     assert step < fake.predict(chunk.shape.plus(whole, 0))  # a shorter step than the chunk's
-    # Going on: the fewest layers that keep it; a debt asks for more.
+    # Going on: the fewest layers that keep it. A debt is made up by a longer next chunk.
     assert budget.slice_layers(n, 0, 1, 200) == 1
-    assert budget.slice_layers(n, 0, 1, 200, debt_s=1.0) == LAYERS - 1
+    behind = StepBudget(fake, None, 512, LAYERS)
+    for _ in range(3):
+        behind.take(1, 10)
+    m, j = behind.slice(200, 0, debt_s=0.005)
+    assert (m, j) != (n, k) and m * j > n * k
+    # A prompt's last tokens, too few for one efficient layer, get several layers a step:
+    # a shorter step than their chunk through every layer.
+    last = StepBudget(fake, None, 512, LAYERS)
+    for _ in range(3):
+        last.take(1, 10)
+    piece = last.slice(40, 160)
+    assert piece is not None and piece[0] <= 40 and 1 < piece[1] < LAYERS
+    assert not last._efficient(40, 160, 200, 1, fake.predict(last.shape), 0.0)
 
 
 def run(eng, reqs, tag: str) -> dict[str, list[int]]:
