@@ -125,7 +125,8 @@ class Scheduler:
             computed = req.num_computed_tokens
             sl = req.prefill_slice
             if sl is not None:  # its blocks are allocated: it goes on where it stopped
-                k = budget.slice_layers(sl.tokens, computed, sl.layer, req.num_tokens)
+                total, debt = req.num_tokens, req.prefill_debt_s
+                k = budget.slice_layers(sl.tokens, computed, sl.layer, total, debt)
                 out.scheduled.append(self._slice(req, sl.tokens, computed, sl.layer, k, budget))
                 budget.take_slice(sl.tokens)
                 continue

@@ -287,13 +287,17 @@ def test_budget_without_a_limit_slices_for_a_shorter_step_at_the_same_efficiency
         chunk.take(1, 10)
     whole = chunk.grant(200, 0)
     assert step < fake.predict(chunk.shape.plus(whole, 0))  # a shorter step than the chunk's
-    # Going on: the fewest layers that keep it. A debt is made up by a longer next chunk.
+    # Going on: the fewest layers that keep it. A debt is made up a decode step's worth at
+    # most a step: by a longer chunk, or more layers.
     assert budget.slice_layers(n, 0, 1, 200) == 1
     behind = StepBudget(fake, None, 512, LAYERS)
     for _ in range(3):
         behind.take(1, 10)
     m, j = behind.slice(200, 0, debt_s=0.005)
-    assert (m, j) != (n, k) and m * j > n * k
+    assert m * j > n * k
+    assert behind.slice(200, 0, debt_s=1.0) == (m2 := behind.slice(200, 0, debt_s=decodes))
+    assert m2 is not None and m2[0] * m2[1] >= m * j
+    assert budget.slice_layers(n, 0, 1, 200, debt_s=1.0) > 1
     # A prompt's last tokens, too few for one efficient layer, get several layers a step:
     # a shorter step than their chunk through every layer.
     last = StepBudget(fake, None, 512, LAYERS)
