@@ -4,7 +4,9 @@ There are no prefill or decode modes: each running request is given
 `min(tokens it still needs, budget left)` tokens per step, so prefill chunks and decodes share a
 step. The budget is tokens (`max_num_batched_tokens`) and, in a step with decodes, time: a
 prompt chunk gets the tokens the engine's step-time model predicts to fit in what the decodes
-leave of the step's limit (`step_budget.py`). Running requests are served first, decodes
+leave of the step's limit (`step_budget.py`), or a layer slice: a chunk that runs a few decoder
+layers a step, its blocks allocated when it starts, its tokens computed after its last layer
+(one a step, `Request.prefill_slice`). Running requests are served first, decodes
 before prompt chunks, chunks in (priority, arrival) order; if their blocks cannot be
 allocated, the lowest-priority running request (latest arrival under FCFS) is preempted: its
 blocks are freed and it returns to the waiting queue to be recomputed, or, with a `Swapper`
@@ -74,7 +76,7 @@ class Scheduler:
     ) -> None:
         self.cfg = cfg
         # Decoder layers a prompt chunk may run through over several steps beside decodes
-        # under a step limit (None: chunks run every layer in their step).
+        # (layer slices; None: chunks run every layer in their step).
         self.slice_layers = slice_layers
         self.slices_started = 0  # layer slices begun (each a chunk over several steps)
         self.swapper = swapper  # None: preemption by recompute

@@ -44,17 +44,23 @@ both (Sarathi-Serve sizes the chunk to the latency budget; we size it in seconds
   at twice its 18 ms decode step, a chunk of 8 beside three decodes took 44-50 ms, one of 3
   took 34 ms;
   `--max-num-batched-tokens` stays the upper bound on every step's tokens.
-- Layer slices (`slice`, with a step limit and decodes): a chunk may instead run a few decoder
-  layers a step, its hidden states kept between steps (`PrefillSlice`), its tokens computed
-  once the last layer ran. On a CPU MoE a chunk's cost is mostly the experts its tokens read,
-  about the same for 5 tokens as for 100, so within twice a decode step a chunk through every
-  layer carries a handful of tokens; one layer of a long chunk carries tens (serving the 1.7 B
-  MoE beside three decodes, 4-5 prompt tokens a 35 ms step). The slice is the longest chunk
-  one layer of which fits what the decodes leave (`layer_time`, the step-time model's chunk
-  cost over the layers), as many layers a step as fit, at least one; it is taken where it
-  advances the prompt further than the chunk `grant` would give (tokens x layers run against
-  tokens x all layers). One slice a step and no other chunk beside it; without decodes a slice
-  runs all its remaining layers.
+- Layer slices (`slice`, beside decodes): a chunk may instead run a few decoder layers a
+  step, its hidden states kept between steps (`PrefillSlice`), its tokens computed once the
+  last layer ran. On a CPU MoE a chunk's cost is mostly the experts its tokens read, about the
+  same for 5 tokens as for 100, so within twice a decode step a chunk through every layer
+  carries a handful of tokens where one layer of a chunk carries tens (serving the 1.7 B MoE
+  beside three decodes: 4-5 prompt tokens through every layer in a 33 ms step, one layer of
+  40-90 in 11-12 ms of a 31 ms one). A layer's cost is `layer_time` (the step-time model's
+  chunk part over the layers, scaled by what slices measured). Under a limit the slice is the
+  longest chunk one layer of which fits what the decodes leave, as many layers a step as fit,
+  at least one, taken where it advances the prompt further than the chunk `grant` would give
+  (tokens x layers run against tokens x all layers). Without one it is the shortest step that
+  keeps the prompt's efficiency (k = 1, 2, 4, ... layers of the shortest chunk whose share of
+  the prompt's time alone is EFFICIENCY of the step), taken where that step is shorter than
+  the chunk `grant` would give; a debt is made up a decode step's worth at most a step (all
+  at once, serving the 1.7 B MoE, made one layer of a 1,110-token chunk: 220 ms steps). One
+  slice a step and no other chunk beside it; without decodes a slice runs all its remaining
+  layers.
 """
 
 from __future__ import annotations
