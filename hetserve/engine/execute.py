@@ -1,8 +1,9 @@
 """StepExecutor: one scheduled batch -> sampled tokens and logprobs, with fault isolation.
 
 Called by `EngineCore.step` once per step, on the engine's thread. It computes and returns a
-`StepResult`; it changes no engine state except the KV cache slots of the scheduled tokens and
-the RNG of the rows it samples, so the engine commits only what succeeded.
+`StepResult`; it changes no engine state except the KV cache slots of the scheduled tokens,
+the RNG of the rows it samples and a layer slice's hidden states (`Request.prefill_slice`,
+which the scheduler drops with a failed request), so the engine commits only what succeeded.
 
 Failure contract: a request whose own work fails (processing its logits, drawing its token, its
 logprobs) is reported in `StepResult.failed` and the batch goes on. If the batched part (the
@@ -44,7 +45,8 @@ class StepResult:
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)  # by parent
     prompt_tokens: int = 0  # prompt (or recomputed) tokens run through the model
     failed: dict[str, str] = field(default_factory=dict)  # sequence id -> message
-    slice_s: float = 0.0  # seconds of the step spent in layer slices (beside the batch)
+    slice_s: float = 0.0  # seconds the step's layer slices took (their layers' forward)
+    slice_prompt_tokens: int = 0  # of prompt_tokens, those of slices that completed
 
     def merge(self, other: StepResult) -> None:
         self.sampled.update(other.sampled)
@@ -53,6 +55,7 @@ class StepResult:
         self.prompt_tokens += other.prompt_tokens
         self.failed.update(other.failed)
         self.slice_s += other.slice_s
+        self.slice_prompt_tokens += other.slice_prompt_tokens
 
 
 class StepExecutor:
@@ -89,15 +92,13 @@ class StepExecutor:
             return self._run_batch(scheduled, block_ids)
         batch = [s for s in scheduled if s.layers is None]
         result = self._run_batch(batch, block_ids) if batch else StepResult()
-        # After the batch: its decodes' tokens do not wait for the slices' layers.
+        # After the batch: its decodes are sampled before the slices' layers run.
         for s in slices:
-            t0 = time.perf_counter()
             try:
                 result.merge(self._run_slice(s, block_ids))
             except Exception as exc:
                 log.exception("a layer slice of request %s failed", s.request.request_id)
                 result.failed[s.request.request_id] = describe(exc)
-            result.slice_s += time.perf_counter() - t0
         return result
 
     def _run_batch(self, scheduled: list[ScheduledRequest], block_ids) -> StepResult:
@@ -154,12 +155,18 @@ class StepExecutor:
         rows = [0] if s.samples else []
         states = [self.seqs[s.request.request_id]] if rows else []
         masks = self._start_masks(states)
+        t0 = time.perf_counter()
         hidden = self.runner.forward_layers(inp, *s.layers, sl.hidden)
+        if hidden.is_cuda:  # its layers' time, not their launch's
+            torch.cuda.synchronize(hidden.device)
+        seconds = time.perf_counter() - t0
         if not s.completes:
             sl.hidden = hidden
-            return StepResult()
+            return StepResult(slice_s=seconds)
         sl.hidden = None
-        return self._finish([s], [inp], hidden, rows, states, masks)
+        result = self._finish([s], [inp], hidden, rows, states, masks)
+        result.slice_s, result.slice_prompt_tokens = seconds, result.prompt_tokens
+        return result
 
     def _finish(
         self,

@@ -146,17 +146,17 @@ class StepLog:
         if kind is StepKind.DECODE:
             predicted = None
         sliced = [s for s in scheduled if s.layers is not None]
-        own_tokens = result.prompt_tokens - sum(s.num_new_tokens for s in sliced if s.completes)
         if shape.tokens:
             own_s = batch_s - result.slice_s
+            own_tokens = result.prompt_tokens - result.slice_prompt_tokens
             self.cost.observe_step(own_s, own_tokens, shape, seconds - batch_s)
         seen = kind  # the histograms: what the streams waited, a slice's step has a chunk
         if sliced:
             seen = StepKind.MIXED if shape.decodes else StepKind.PREFILL
         self._seconds[seen].add(seconds)
         if shape.chunks or sliced:
-            for s in scheduled:
-                if s.num_new_tokens > 1:
+            for s in scheduled:  # a slice's chunk once, at its first layer
+                if s.num_new_tokens > 1 and (s.layers is None or s.layers[0] == 0):
                     self._chunks[seen].add(s.num_new_tokens)
         if predicted is not None:  # the batch's prediction against the batch's part
             self._predicted[kind] += predicted

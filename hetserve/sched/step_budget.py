@@ -190,9 +190,10 @@ class StepBudget:
             # The longest chunk one layer of which fits what the decodes leave (a layer's
             # time grows with the chunk: a binary search), as many layers as fit.
             n = self._search(cap, lambda c: self._layer(c, computed) <= slack, longest=True)
-            if n < 2:
-                return None
-            layers = min(self.layers, int(slack // self._layer(n, computed)))
+            one = self._layer(n, computed)
+            if n < 2 or not one > 0:
+                return None  # (a layer predicted free: no slice is needed)
+            layers = min(self.layers, int(slack // one))
             # It must advance the prompt further: tokens times the share of the layers.
             if layers >= self.layers or n * layers <= whole * self.layers:
                 return None
@@ -229,8 +230,8 @@ class StepBudget:
         """Layers a slice of `tokens` after `computed` (of a prompt of `total`), `done` layers
         through, runs in this step: under a limit as many as fit what the decodes leave,
         without one the fewest that keep the prompt's efficiency and make up part of its debt
-        (as `slice`); at least one (it holds its blocks and must progress); without decodes
-        or a prediction, all that are left."""
+        (as `slice`), all that are left where none does; at least one (it holds its blocks
+        and must progress); without decodes or a prediction, all that are left."""
         assert self.layers is not None
         left = self.layers - done
         decodes = self._decodes()

@@ -252,3 +252,27 @@ def test_probe_chunks_after_a_long_context_keep_gathered_rows_apart_from_pairs()
         m.observe(decodes(3, 200 + i), 1.5 * true_time(m, decodes(3, 200 + i)))
     for whole in (StepShape().plus(2048, 0), StepShape().plus(2048, 2048)):
         assert m.predict(whole) == pytest.approx(1.5 * true_time(m, whole), rel=0.15)
+
+
+def test_a_layer_slice_costs_the_chunk_part_over_the_layers_scaled_by_what_slices_took():
+    m = StepTimeModel(experts=64, top_k=6, layers=8)
+    assert m.layer_time(100, 0) is None  # no chunk seen yet
+    observe_all(m, [decodes(n, c) for n in (1, 3, 8) for c in (10, 500)])
+    observe_all(m, [StepShape().plus(k, c) for k in (8, 64, 512) for c in (0, 1024)])
+    observe_all(m, [decodes(3, 200).plus(k, c) for k in (4, 32) for c in (0, 2048)])
+    chunk = StepShape().plus(100, 300)
+    part = sum(c * x for c, x in zip(CHUNK, m.chunk_features(chunk), strict=True))
+    assert m.layer_time(100, 300) == pytest.approx(part / 8, rel=1e-6)  # no step costs
+    # Slices twice as slow as predicted: each moves the scale by at most the clip's share.
+    one = m.layer_time(100, 300)
+    m.observe_slice(100, 300, 2, 4 * one)
+    assert m.slice_scale == pytest.approx(0.8 + 0.2 * CLIP)
+    for _ in range(40):
+        m.observe_slice(100, 300, 2, 4 * one)
+    assert m.slice_scale == pytest.approx(2.0, rel=1e-3)
+    assert m.layer_time(100, 300) == pytest.approx(2 * one, rel=1e-3)
+    before = m.slice_scale
+    for bad in (0.0, -1.0, float("nan")):  # a slice that ran is never an error, nor a change
+        m.observe_slice(100, 300, 2, bad)
+    m.observe_slice(100, 300, 0, 1.0)
+    assert m.slice_scale == before

@@ -17,6 +17,7 @@ from hetserve.engine.step_log import shape_of
 from hetserve.kv.step_time import StepShape
 from hetserve.sched.scheduler import SchedulerOutput
 from hetserve.sched.step_budget import StepBudget
+from tests.sched.mixed_runs import long_prompt, reference, run, stream
 
 MAX_LEN = 256
 LIMIT_S = 0.005
@@ -61,24 +62,6 @@ def engines(tiny_model):
     yield unchunked, engines, {}
     for llm in (timed, default, unchunked):
         llm.close()
-
-
-def reference(engines, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
-    unchunked, _, cache = engines
-    key = (prompt, max_tokens)
-    if key not in cache:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        out = unchunked.generate(prompt_token_ids=list(prompt), sampling_params=params)
-        cache[key] = out[0].token_ids
-    return cache[key]
-
-
-stream = st.tuples(
-    st.lists(st.integers(1, 499), min_size=1, max_size=6).map(tuple), st.integers(2, 40)
-)
-long_prompt = st.tuples(
-    st.lists(st.integers(1, 499), min_size=60, max_size=150).map(tuple), st.integers(1, 4)
-)
 
 
 @pytest.mark.parametrize("mode", list(FAKES))
@@ -129,7 +112,7 @@ def test_slices_stay_within_the_limit_and_outputs_match(engines, mode, streams, 
     assert set(finished) == {f"{tag}{i}" for i in range(len(reqs))}
     for rid, tokens in finished.items():
         prompt, max_tokens, _ = reqs[int(rid.removeprefix(tag))]
-        assert tokens == reference(engines, prompt, max_tokens), rid
+        assert tokens == reference(engines[0], engines[2], prompt, max_tokens), rid
 
 
 @pytest.mark.parametrize("mode", list(FAKES))
@@ -229,7 +212,7 @@ def test_a_sliced_request_swapped_out_resumes_from_its_computed_blocks(tiny_mode
             if o.finished:
                 out[o.request_id] = o.token_ids
         eng.check_integrity()
-    ref = reference(engines, tuple(prompt), 3)
+    ref = reference(engines[0], engines[2], tuple(prompt), 3)
     assert out["long"] == ref
     llm.close()
 
@@ -308,20 +291,17 @@ def test_budget_without_a_limit_slices_for_a_shorter_step_at_the_same_efficiency
     assert not last._efficient(40, 160, 200, 1, fake.predict(last.shape), 0.0)
 
 
-def run(eng, reqs, tag: str) -> dict[str, list[int]]:
-    finished: dict[str, list[int]] = {}
-    pending = list(enumerate(reqs))
-    step = 0
-    while pending or eng.has_unfinished():
-        for i, (prompt, max_tokens, at) in list(pending):
-            if at <= step:
-                params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-                eng.submit(NewRequest(f"{tag}{i}", list(prompt), params))
-                pending.remove((i, reqs[i]))
-        for out in eng.step():
-            if out.finished:
-                finished[out.request_id] = out.token_ids
-        eng.check_integrity()
-        step += 1
-        assert step < 3000, "no progress"
-    return finished
+class FreeLayers(FakeStepTime):
+    """A model that predicts a layer of a chunk costs nothing (its chunk part fitted to 0)."""
+
+    def layer_time(self, tokens: int, computed: int) -> float | None:
+        return 0.0
+
+
+def test_a_layer_predicted_free_never_divides_by_zero():
+    for limit in (LIMIT_S, None):
+        budget = StepBudget(FreeLayers(), limit, 512, LAYERS)
+        budget.take(1, 10)
+        piece = budget.slice(200, 0)
+        assert piece is None or 0 < piece[1] < LAYERS
+        assert budget.slice_layers(50, 0, 1, 200) == LAYERS - 1

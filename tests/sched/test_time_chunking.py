@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hetserve import LLM, SamplingParams
-from hetserve.core.request import NewRequest
+from hetserve import LLM
 from hetserve.engine.step_log import shape_of
 from hetserve.kv.step_time import StepKind, StepShape
+from tests.sched.mixed_runs import long_prompt, reference, run, stream
 
 MAX_LEN = 256
 LIMIT_S = 0.005
@@ -41,30 +41,10 @@ def engines(tiny_model):
     # drew a different 15th token. Chunking is exact only path for path.
     exact = {"prefill_attention_dtype": "float32"}
     unchunked = LLM(path, max_model_len=MAX_LEN, max_step_ms=float("inf"), **exact)
-    timed = LLM(
-        path, max_model_len=MAX_LEN, max_step_ms=LIMIT_S * 1e3, max_num_seqs=8, **exact
-    )
+    timed = LLM(path, max_model_len=MAX_LEN, max_step_ms=LIMIT_S * 1e3, max_num_seqs=8, **exact)
     timed.engine.scheduler.step_time = FakeStepTime()
     yield unchunked, timed.engine, {}
     timed.close()
-
-
-def reference(engines, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
-    unchunked, _, cache = engines
-    key = (prompt, max_tokens)
-    if key not in cache:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        out = unchunked.generate(prompt_token_ids=list(prompt), sampling_params=params)
-        cache[key] = out[0].token_ids
-    return cache[key]
-
-
-stream = st.tuples(
-    st.lists(st.integers(1, 499), min_size=1, max_size=6).map(tuple), st.integers(2, 40)
-)
-long_prompt = st.tuples(
-    st.lists(st.integers(1, 499), min_size=60, max_size=150).map(tuple), st.integers(1, 4)
-)
 
 
 @settings(
@@ -93,7 +73,7 @@ def test_mixed_steps_stay_within_the_limit_and_outputs_match(engines, streams, p
     eng.scheduler.schedule = checked_schedule
     tag = f"t{next(_RUNS)}-"
     try:
-        finished = run(eng, reqs, tag)
+        finished = run(eng, reqs, tag, max_steps=2000)
     finally:
         del eng.scheduler.schedule
         for rid in list(eng.parents):  # a failed example leaves the next one a clean engine
@@ -101,7 +81,7 @@ def test_mixed_steps_stay_within_the_limit_and_outputs_match(engines, streams, p
     assert set(finished) == {f"{tag}{i}" for i in range(len(reqs))}  # every request finished
     for rid, tokens in finished.items():
         prompt, max_tokens, _ = reqs[int(rid.removeprefix(tag))]
-        assert tokens == reference(engines, prompt, max_tokens), rid
+        assert tokens == reference(engines[0], engines[2], prompt, max_tokens), rid
 
 
 def test_the_examples_did_mix_decodes_and_chunks(engines):
@@ -111,22 +91,3 @@ def test_the_examples_did_mix_decodes_and_chunks(engines):
     if eng.stats().steps == 0:
         pytest.skip("only meaningful after the property test of this module")
     assert mixed.seconds.count > 10 and mixed.chunk_tokens.count > 10
-
-
-def run(eng, reqs, tag: str) -> dict[str, list[int]]:
-    finished: dict[str, list[int]] = {}
-    pending = list(enumerate(reqs))
-    step = 0
-    while pending or eng.has_unfinished():
-        for i, (prompt, max_tokens, at) in list(pending):
-            if at <= step:
-                params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-                eng.submit(NewRequest(f"{tag}{i}", list(prompt), params))
-                pending.remove((i, reqs[i]))
-        for out in eng.step():
-            if out.finished:
-                finished[out.request_id] = out.token_ids
-        eng.check_integrity()
-        step += 1
-        assert step < 2000, "no progress"
-    return finished
