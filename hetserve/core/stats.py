@@ -117,6 +117,7 @@ class EngineStats:
     prefix_hits: int = 0  # of those, blocks found
     prefix_hits_by_tier: dict[str, int] = field(default_factory=dict)  # "device", "dram", ...
     preemptions: int = 0
+    layer_slices: int = 0  # prompt chunks run a few decoder layers a step beside decodes
     steps: int = 0
     prompt_tokens_computed: int = 0  # prompt (and recomputed) tokens run through the model
     generation_tokens: int = 0

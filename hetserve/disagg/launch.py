@@ -72,6 +72,7 @@ class Part:
     cmd: list[str]
     url: str | None = None  # answered /health when ready; else a TCP port
     port: int = 0
+    chosen: bool = True  # its port was a free one picked here (not the user's --port)
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
 
@@ -86,6 +87,10 @@ class Launcher(Protocol):
     def start(self, spec: ClusterSpec) -> Running: ...
 
     def stop(self) -> None: ...
+
+
+# Starts of a part whose free port was taken meanwhile, each on a new one.
+PORT_TRIES = 3
 
 
 def free_port() -> int:
@@ -111,11 +116,10 @@ class LocalLauncher:
         logs = Path(spec.log_dir)
         logs.mkdir(parents=True, exist_ok=True)
         try:
-            for part in self._plan(spec):
+            parts = self._plan(spec)
+            for i, part in enumerate(parts):
                 part.log = logs / f"{part.name}.log"
-                self._spawn(part)
-                self.running.parts.append(part)
-                self._wait(part)
+                self._start_part(part, parts[i + 1 :])
         except BaseException:
             self.stop()
             raise
@@ -164,8 +168,28 @@ class LocalLauncher:
         if spec.log_requests is not None:
             Path(spec.log_requests).mkdir(parents=True, exist_ok=True)
             cond += ["--log-requests", str(Path(spec.log_requests) / "conductor.jsonl")]
-        parts.append(Part("conductor", cond, url=f"http://127.0.0.1:{spec.port}", port=spec.port))
+        parts.append(
+            Part("conductor", cond, url=f"http://127.0.0.1:{spec.port}", port=spec.port,
+                 chosen=False)
+        )  # fmt: skip
         return parts
+
+    def _start_part(self, part: Part, later: list[Part]) -> None:
+        """Spawn `part` and wait until it answers. Its free port was picked when the cluster
+        was planned, and a part started since may have taken it (an ephemeral port of an
+        outgoing connection or of a listener on port 0: seen once in CI, "cannot listen on
+        127.0.0.1:37163 (in use)"); then it gets another, which the later parts are told."""
+        for attempt in range(PORT_TRIES):
+            self._spawn(part)
+            self.running.parts.append(part)
+            try:
+                self._wait(part)
+                return
+            except LaunchError:
+                if not part.chosen or attempt + 1 == PORT_TRIES or "in use" not in _tail(part):
+                    raise
+            self.running.parts.remove(part)  # it exited
+            _repoint(part, later, free_port())
 
     def _spawn(self, part: Part) -> None:
         assert part.log is not None
@@ -212,6 +236,17 @@ def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:
         os.killpg(proc.pid, sig)  # its own session: the part and anything it started
     except ProcessLookupError:
         pass
+
+
+def _repoint(part: Part, later: list[Part], port: int) -> None:
+    """Move `part` to `port`: its own --port and URL, and every later part's address of it."""
+    old, new = f"127.0.0.1:{part.port}", f"127.0.0.1:{port}"
+    part.cmd = [str(port) if a == str(part.port) else a.replace(old, new) for a in part.cmd]
+    if part.url is not None:
+        part.url = part.url.replace(old, new)
+    for other in later:
+        other.cmd = [a.replace(old, new) for a in other.cmd]
+    part.port = port
 
 
 def _answers(part: Part) -> bool:

@@ -37,6 +37,7 @@ def engine_stats(
         prefix_hits=kv.hits,
         prefix_hits_by_tier=dict(kv.hits_by_tier),
         preemptions=counts["preemptions"],
+        layer_slices=scheduler.slices_started,
         steps=counts["steps"],
         prompt_tokens_computed=counts["prompt_tokens"],
         generation_tokens=counts["generation"],

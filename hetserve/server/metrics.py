@@ -59,6 +59,11 @@ class _EngineCollector:
         )
         yield counter("hetserve_preemptions", "preemptions so far", s.preemptions)
         yield counter(
+            "hetserve_layer_slices",
+            "prompt chunks run a few decoder layers a step beside decodes",
+            s.layer_slices,
+        )
+        yield counter(
             "hetserve_failed_requests", "requests failed inside the engine", s.failed_requests
         )
         name = ("model_name",)

@@ -71,3 +71,8 @@ def test_step_time_by_kind_and_chunk_sizes(tiny_model):
     assert 'hetserve_step_seconds_bucket{kind="mixed",le="+Inf"} 3.0' in lines
     assert 'hetserve_step_time_fit_ratio{kind="mixed"}' in text
     assert 'hetserve_step_time_fit_ratio{kind="decode"}' not in text  # never predicted
+
+
+def test_layer_slices_are_counted():
+    text = ServerMetrics(_Engine(EngineStats(layer_slices=7))).render().decode()
+    assert "hetserve_layer_slices_total 7.0" in text.splitlines()

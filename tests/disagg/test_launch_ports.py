@@ -1,0 +1,70 @@
+"""The local launcher starts a part whose planned free port was taken meanwhile on another one,
+and the parts started after it are told the new address (seen once in CI: an instance exited
+with "cannot listen on 127.0.0.1:37163 (in use)" because a part started before it held that
+ephemeral port)."""
+
+import socket
+import sys
+
+import pytest
+
+from hetserve.disagg.launch import LaunchError, LocalLauncher, Part, free_port
+
+# Listens on argv[1]'s port (exit 2 naming it "in use" when taken, as `hetserve serve` does);
+# with argv[2], first connects to that address (a later part that needs an earlier one).
+SERVER = """
+import socket, sys, time
+if len(sys.argv) > 2:
+    host, port = sys.argv[2].split(":")
+    socket.create_connection((host, int(port)), timeout=5).close()
+s = socket.socket()
+try:
+    s.bind(("127.0.0.1", int(sys.argv[1])))
+except OSError:
+    print(f"error: cannot listen on 127.0.0.1:{sys.argv[1]} (in use)", flush=True)
+    sys.exit(2)
+s.listen()
+while True:
+    time.sleep(1)
+"""
+
+
+def test_a_taken_port_is_replaced_and_later_parts_follow(tmp_path):
+    taken = socket.socket()  # bound, not listening: the part cannot bind, nothing answers
+    taken.bind(("127.0.0.1", 0))
+    old = taken.getsockname()[1]
+    later_port = free_port()
+    first = Part("first", [sys.executable, "-c", SERVER, str(old)], port=old)
+    later = Part(
+        "later", [sys.executable, "-c", SERVER, str(later_port), f"127.0.0.1:{old}"],
+        port=later_port,
+    )  # fmt: skip
+    launcher = LocalLauncher(ready_timeout_s=30, grace_s=2)
+    try:
+        for part in (first, later):
+            part.log = tmp_path / f"{part.name}.log"
+        launcher._start_part(first, [later])
+        assert first.port != old and first.cmd[-1] == str(first.port)
+        assert later.cmd[-1] == f"127.0.0.1:{first.port}"
+        launcher._start_part(later, [])  # it reaches the first part where it is now
+        assert [p.name for p in launcher.running.parts] == ["first", "later"]
+    finally:
+        launcher.stop()
+        taken.close()
+
+
+def test_a_port_the_user_gave_is_not_moved(tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    conductor = Part("conductor", [sys.executable, "-c", SERVER, str(port)], port=port,
+                     chosen=False)  # fmt: skip
+    conductor.log = tmp_path / "conductor.log"
+    launcher = LocalLauncher(ready_timeout_s=30, grace_s=2)
+    try:
+        with pytest.raises(LaunchError, match="in use"):
+            launcher._start_part(conductor, [])
+        assert conductor.port == port
+    finally:
+        launcher.stop()
+        taken.close()
