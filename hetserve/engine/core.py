@@ -129,15 +129,9 @@ class EngineCore:
         # Prompt chunks beside decodes may run a few decoder layers a step (not with LoRA
         # layers or linear-attention state, whose forwards carry per-batch state).
         sliceable = self.lora is None and self.runner.state is None
-        self.scheduler = Scheduler(
-            cfg.scheduler,
-            self.kv,
-            self.max_model_len,
-            services.loader,
-            self.cost.steps,
-            self.swap,
-            len(self.model.model.layers) if sliceable else None,
-        )
+        slices = len(self.model.model.layers) if sliceable else None
+        self.scheduler = Scheduler(cfg.scheduler, self.kv, self.max_model_len, services.loader,
+                                   self.cost.steps, self.swap, slices)  # fmt: skip
         self.step_log = StepLog(self.cost, envs.step_trace())
         self.seqs: dict[str, SeqState] = {}
         self.parents: dict[str, ParentState] = {}
@@ -261,14 +255,14 @@ class EngineCore:
             st = self.seqs.get(s.request.request_id)
             if st is not None and st.parent.scheduled_time is None:
                 st.parent.scheduled_time = now
-        # before update advances the requests; a layer slice is timed apart (observe_slice)
+        # before update advances the requests; a layer slice is timed apart (observe_slices)
         shape = shape_of([s for s in sched.scheduled if s.layers is None])
         states = self.kv.state_input if self.kv.states is not None else None
         t_batch = time.perf_counter()
         result = self.executor.run(sched.scheduled, self.kv.block_ids, states)
         batch_s = time.perf_counter() - t_batch
         self.scheduler.charge(sched.scheduled, batch_s)
-        self._observe_slices(sched.scheduled, result)
+        self.step_log.observe_slices(sched.scheduled, result)  # before update advances them
         if self.handoff.sender is not None:
             self._send_handoffs(sched.scheduled, result)
         outputs = self._fail(result.failed)
@@ -280,14 +274,6 @@ class EngineCore:
         outputs += self._process_outputs(ok, result.sampled)
         self.step_log.observe(sched.scheduled, shape, time.perf_counter() - t0, batch_s, result)
         return outputs
-
-    def _observe_slices(self, scheduled: list[ScheduledRequest], result: StepResult) -> None:
-        """The step's layer slice (at most one) refines the cost of a layer of a chunk."""
-        for s in scheduled:
-            if s.layers is not None and s.request.request_id not in result.failed:
-                a, b = s.layers
-                done = s.request.num_computed_tokens
-                self.cost.steps.observe_slice(s.num_new_tokens, done, b - a, result.slice_s)
 
     def _send_handoffs(self, scheduled: list[ScheduledRequest], result: StepResult) -> None:
         """Requests that hand their KV off and computed their whole prompt in this step: ship

@@ -162,6 +162,15 @@ class StepLog:
             self._predicted[kind] += predicted
             self._measured[kind] += seconds - result.slice_s
 
+    def observe_slices(self, scheduled: Sequence[ScheduledRequest], result: StepResult) -> None:
+        """The step's layer slice (at most one) refines the cost of a layer of a chunk; called
+        before `Scheduler.update` advances the requests."""
+        for s in scheduled:
+            if s.layers is not None and s.request.request_id not in result.failed:
+                a, b = s.layers
+                done = s.request.num_computed_tokens
+                self.cost.steps.observe_slice(s.num_new_tokens, done, b - a, result.slice_s)
+
     def stats(self) -> dict[str, StepKindStats]:
         return {
             k.value: StepKindStats(

@@ -180,11 +180,15 @@ class StepBudget:
         assert self.model is not None and self.layers is not None
         cap = min(needed, self.tokens)
         total = computed + needed
-        # What a chunk through every layer beside the same decodes would be (`grant`, the
-        # step's limit not fixed by it here).
-        until = self.until_s
-        whole = self.grant(needed, computed, debt_s)
-        self.until_s = until
+
+        def whole() -> int:
+            """What a chunk through every layer beside the same decodes would get (`grant`,
+            the step's limit not fixed by it here); asked only once a slice is possible."""
+            until = self.until_s
+            n = self.grant(needed, computed, debt_s)
+            self.until_s = until
+            return n
+
         if self.limit_s is not None:
             slack = self._limit(decodes) - decodes
             # The longest chunk one layer of which fits what the decodes leave (a layer's
@@ -195,7 +199,7 @@ class StepBudget:
                 return None  # (a layer predicted free: no slice is needed)
             layers = min(self.layers, int(slack // one))
             # It must advance the prompt further: tokens times the share of the layers.
-            if layers >= self.layers or n * layers <= whole * self.layers:
+            if layers >= self.layers or n * layers <= whole() * self.layers:
                 return None
             return n, layers
         # Without a limit: the shortest step that keeps the prompt's efficiency and makes up
@@ -219,7 +223,8 @@ class StepBudget:
             k *= 2
         if best is None:
             return None
-        chunk_step = self.model.predict(self.shape.plus(whole, computed)) if whole else None
+        chunk = whole()
+        chunk_step = self.model.predict(self.shape.plus(chunk, computed)) if chunk else None
         if chunk_step is not None and best[0] >= chunk_step:
             return None
         return best[1], best[2]
