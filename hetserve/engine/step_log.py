@@ -86,8 +86,11 @@ class StepTrace:
         batch_s: float,
         slice_s: float = 0.0,
         piece: tuple[int, tuple[int, int]] | None = None,
+        ledger: tuple[float, float] | None = None,
     ) -> None:
-        """`piece`: the step's layer slice, (its chunk's tokens, its layers [a, b))."""
+        """`piece`: the step's layer slice, (its chunk's tokens, its layers [a, b)); `ledger`:
+        its prompt's (allowance, debt after the step), seconds, where the step budget's ledger
+        judged a prompt chunk in it by efficiency (no step limit)."""
         end = time.perf_counter()
         start = end - seconds
         gap = None if self._last_end is None else start - self._last_end
@@ -108,6 +111,8 @@ class StepTrace:
             "gap_ms": None if gap is None else round(gap * 1e3, 3),
             "gc": self._gc_n,
             "gc_ms": round(self._gc_s * 1e3, 3),
+            "allowance_ms": None if ledger is None else round(ledger[0] * 1e3, 3),
+            "debt_ms": None if ledger is None else round(ledger[1] * 1e3, 3),
         }
         self._gc_n, self._gc_s = 0, 0.0
         self._file.write(json.dumps(row) + "\n")
@@ -142,7 +147,12 @@ class StepLog:
             predicted = self.cost.steps.predict(shape)
         if self.trace is not None:
             piece = next(((s.num_new_tokens, s.layers) for s in scheduled if s.layers), None)
-            self.trace.write(shape, predicted, seconds, batch_s, result.slice_s, piece)
+            ledger = next(
+                ((s.allowance_s, s.request.prefill_debt_s) for s in scheduled
+                 if s.allowance_s is not None),
+                None,
+            )  # fmt: skip
+            self.trace.write(shape, predicted, seconds, batch_s, result.slice_s, piece, ledger)
         if kind is StepKind.DECODE:
             predicted = None
         sliced = [s for s in scheduled if s.layers is not None]
