@@ -9,6 +9,15 @@ other round, and keeps its best round (every round is in the JSON).
 Rate at S streams: S (N - 1) / (t(S prompts x N tokens) - t(S prompts x 1 token)), best of
 `--repeats`, so the prompts' prefill and start-up cancel out ("N tokens each, prefill excluded").
 
+Each timed stream count of each round is also read against the bandwidth the machine showed
+around it: `PAIRED` read probes right before its runs and as many right after (`bench
+moe-kernel`'s probe), the best of them its own roofline. A shared host's bandwidth can swing
+within a minute (the 2-core Zen 4 VM's two-thread probe read 53-59, 40-50, then 26-32 GB/s in
+three calls twenty seconds apart, one thread 25-31 throughout), so the run's best probe, taken
+before and after all the rounds, describes a moment the rounds may not have run in. Both
+figures are reported: against the run's best probe, and the median over the rounds of each
+round's fraction against its own probes.
+
 Roofline of one decode step of S streams (`step_roofline`): the step reads each routed expert
 that any of its tokens picks once (E (1 - (1 - k/E)^S) of a MoE layer's E experts, for routing
 spread evenly: what a random checkpoint's router does) and every other linear once, all at int8;
@@ -23,9 +32,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 from collections.abc import Callable
 
 from hetserve.bench.common import best_time, decode_run_fields, print_table, write_json
+
+PAIRED = 4  # read probes before and after each timed stream count (plain and huge pages)
 
 
 def parse_streams(text: str) -> list[int]:
@@ -84,11 +96,15 @@ def _placement() -> str:
     return "hybrid" if torch.cuda.is_available() else "all-int8"
 
 
-def _rates(args, cfg: dict, counts: list[int], bar) -> list[dict[int, float]]:
-    """Every round's tokens/s per stream count, one engine for all of them."""
+def _rates(
+    args, cfg: dict, counts: list[int], bar
+) -> tuple[list[dict[int, float]], list[dict[int, float]]]:
+    """Every round's tokens/s per stream count, one engine for all of them, and the read
+    bandwidth (GB/s) its own probes showed around each (the best of them)."""
     import torch
 
     from hetserve import LLM, SamplingParams
+    from hetserve.bench.moe_kernel import ReadBandwidthProbe
 
     kwargs: dict = {"cpu_threads": args.threads} if args.threads else {}
     kwargs["activation_bits"] = args.activation_bits
@@ -102,23 +118,34 @@ def _rates(args, cfg: dict, counts: list[int], bar) -> list[dict[int, float]]:
         params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0, ignore_eos=True)
         return lambda: llm.generate(prompt_token_ids=prompts[:s], sampling_params=params)
 
+    probe = ReadBandwidthProbe(args.bandwidth_mib)
+
+    def read() -> list[float]:
+        return [probe() for _ in range(PAIRED)]
+
     rounds: list[dict[int, float]] = []
+    reads: list[dict[int, float]] = []
     try:
         for r in range(args.rounds):
             got: dict[int, float] = {}
+            seen: dict[int, float] = {}
             for s in counts if r % 2 == 0 else counts[::-1]:
                 timed(s, 2)()  # warm-up: this batch width's scratch and plan
+                before = read()
                 t1 = best_time(timed(s, 1), args.repeats, bar)
                 tn = best_time(timed(s, args.tokens), args.repeats, bar)
+                seen[s] = max(before + read())
                 # As decode_rate: too few tokens to separate decode from noise gives the
                 # end-to-end rate, a lower bound, never a division by ~0.
                 slow = tn <= t1 * 1.05
                 got[s] = s * args.tokens / tn if slow else s * (args.tokens - 1) / (tn - t1)
             rounds.append(got)
+            reads.append(seen)
     finally:
         llm.close()  # its weights go before the peaks are measured again
+        probe.bufs.clear()  # its buffers go too
         gc.collect()
-    return rounds
+    return rounds, reads
 
 
 def run(args: argparse.Namespace, cfg: dict) -> int:
@@ -132,9 +159,9 @@ def run(args: argparse.Namespace, cfg: dict) -> int:
     peaks = measure_peaks(threads, args.bandwidth_mib)
     with tqdm(total=2 * args.repeats * len(counts) * args.rounds, desc="bench decode streams",
               unit="run") as bar:  # fmt: skip
-        rounds = _rates(args, cfg, counts, bar)
+        rounds, reads = _rates(args, cfg, counts, bar)
     peaks = peaks.best(measure_peaks(threads, args.bandwidth_mib))
-    report = build_report(args, cfg, counts, rounds, peaks, threads)
+    report = build_report(args, cfg, counts, rounds, peaks, threads, reads)
     report["activation_bits"] = args.activation_bits
     print_report(report)
     write_json(args.json, report)
@@ -142,14 +169,28 @@ def run(args: argparse.Namespace, cfg: dict) -> int:
 
 
 def build_report(args, cfg: dict, counts: list[int], rounds: list[dict[int, float]], peaks,
-                 threads: int) -> dict:  # fmt: skip
+                 threads: int, reads: list[dict[int, float]] | None = None) -> dict:  # fmt: skip
+    """`reads`: per round, the bandwidth each stream count's own probes showed (None: the
+    run's peaks alone)."""
     gops = {kind: peaks.gops.get(kind) for kind in ("int8", "int16")}
     rows = []
     for s in counts:
         rate = max(r[s] for r in rounds)
         roof = step_roofline(cfg, s, peaks.read_gbps, gops)
-        rows.append({**roof, "tokens_per_s": rate,
-                     "fraction_of_roofline": rate / roof["roofline_tokens_per_s"]})  # fmt: skip
+        row = {**roof, "tokens_per_s": rate,
+               "fraction_of_roofline": rate / roof["roofline_tokens_per_s"]}  # fmt: skip
+        if reads:
+            own = [
+                {"tokens_per_s": r[s], "read_gbps": g[s],
+                 "fraction_of_roofline":
+                     r[s] / step_roofline(cfg, s, g[s], gops)["roofline_tokens_per_s"]}
+                for r, g in zip(rounds, reads, strict=True)
+            ]  # fmt: skip
+            row["rounds_own_probes"] = own
+            row["fraction_own_probes"] = statistics.median(
+                o["fraction_of_roofline"] for o in own
+            )
+        rows.append(row)
     one = rows[0]["tokens_per_s"] if counts[0] == 1 else None
     for row in rows:
         row["vs_one_stream"] = row["tokens_per_s"] / one if one else None
@@ -167,13 +208,16 @@ def print_report(report: dict) -> None:
     rows = [[r["streams"], r["tokens_per_s"], r["vs_one_stream"], r["active_experts_per_layer"],
              r["step_bytes"] / 1e6, r["step_ops"] / 1e9, r["bandwidth_tokens_per_s"],
              max(r["compute_tokens_per_s"].values(), default=None), r["binding"],
-             r["fraction_of_roofline"]] for r in report["streams"]]  # fmt: skip
+             r["fraction_of_roofline"], r.get("fraction_own_probes")]
+            for r in report["streams"]]  # fmt: skip
     print_table(["streams", "decode tok/s", "vs 1 stream", "experts/layer", "MB/step",
                  "GOP/step", "bandwidth-bound tok/s", "compute-bound tok/s", "binds",
-                 "of roofline"], rows)  # fmt: skip
+                 "of roofline", "own probes"], rows)  # fmt: skip
     p = report["peaks"]
     gops = ", ".join(f"{k} {v:.0f}" for k, v in p["gops"].items() if v)
     print(
         f"peaks on {p['threads']} threads ({p['isa'] or p['note']}): GOPS {gops}; read "
-        f"{p['read_gbps']:.1f} GB/s (best of before and after the runs)"
+        f"{p['read_gbps']:.1f} GB/s (best of before and after the runs); own probes: each "
+        f"round against the best of the {PAIRED} read probes before and {PAIRED} after its "
+        "runs, the median of the rounds"
     )

@@ -197,8 +197,25 @@ def test_bench_decode_streams_rates_and_roofline(moe_dir, tmp_path, capsys):
             r["tokens_per_s"] / r["roofline_tokens_per_s"])  # fmt: skip
     assert rows[0]["vs_one_stream"] == pytest.approx(1.0)
     assert data["peaks"]["read_gbps"] > 0
+    # Each round also against the bandwidth its own probes showed around it: per round the
+    # rate, the probes' best and the fraction of the roofline at that bandwidth; the median.
+    from hetserve.bench.decode_streams import step_roofline
+
+    cfg = json.loads((moe_dir / "config.json").read_text())
+    gops = {k: data["peaks"]["gops"].get(k) for k in ("int8", "int16")}
+    for r in rows:
+        own = r["rounds_own_probes"]
+        assert [o["tokens_per_s"] for o in own] == [
+            rnd[str(r["streams"])] for rnd in data["rounds_tokens_per_s"]]  # fmt: skip
+        for o in own:
+            roof = step_roofline(cfg, r["streams"], o["read_gbps"], gops)
+            assert o["read_gbps"] > 0
+            assert o["fraction_of_roofline"] == pytest.approx(
+                o["tokens_per_s"] / roof["roofline_tokens_per_s"])  # fmt: skip
+        fractions = sorted(o["fraction_of_roofline"] for o in own)
+        assert r["fraction_own_probes"] == pytest.approx(sum(fractions) / 2)  # two rounds
     text = capsys.readouterr().out
-    assert "of roofline" in text and "peaks on" in text
+    assert "of roofline" in text and "peaks on" in text and "own probes" in text
 
 
 def test_step_roofline_by_hand():
