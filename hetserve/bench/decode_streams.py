@@ -169,28 +169,24 @@ def run(args: argparse.Namespace, cfg: dict) -> int:
 
 
 def build_report(args, cfg: dict, counts: list[int], rounds: list[dict[int, float]], peaks,
-                 threads: int, reads: list[dict[int, float]] | None = None) -> dict:  # fmt: skip
-    """`reads`: per round, the bandwidth each stream count's own probes showed (None: the
-    run's peaks alone)."""
+                 threads: int, reads: list[dict[int, float]]) -> dict:  # fmt: skip
+    """`reads`: per round, the bandwidth each stream count's own probes showed."""
     gops = {kind: peaks.gops.get(kind) for kind in ("int8", "int16")}
     rows = []
     for s in counts:
         rate = max(r[s] for r in rounds)
         roof = step_roofline(cfg, s, peaks.read_gbps, gops)
-        row = {**roof, "tokens_per_s": rate,
-               "fraction_of_roofline": rate / roof["roofline_tokens_per_s"]}  # fmt: skip
-        if reads:
-            own = [
-                {"tokens_per_s": r[s], "read_gbps": g[s],
-                 "fraction_of_roofline":
-                     r[s] / step_roofline(cfg, s, g[s], gops)["roofline_tokens_per_s"]}
-                for r, g in zip(rounds, reads, strict=True)
-            ]  # fmt: skip
-            row["rounds_own_probes"] = own
-            row["fraction_own_probes"] = statistics.median(
-                o["fraction_of_roofline"] for o in own
-            )
-        rows.append(row)
+        own = [
+            {"tokens_per_s": r[s], "read_gbps": g[s],
+             "fraction_of_roofline":
+                 r[s] / step_roofline(cfg, s, g[s], gops)["roofline_tokens_per_s"]}
+            for r, g in zip(rounds, reads, strict=True)
+        ]  # fmt: skip
+        rows.append({**roof, "tokens_per_s": rate,
+                     "fraction_of_roofline": rate / roof["roofline_tokens_per_s"],
+                     "rounds_own_probes": own,
+                     "fraction_own_probes":
+                         statistics.median(o["fraction_of_roofline"] for o in own)})  # fmt: skip
     one = rows[0]["tokens_per_s"] if counts[0] == 1 else None
     for row in rows:
         row["vs_one_stream"] = row["tokens_per_s"] / one if one else None
@@ -208,7 +204,7 @@ def print_report(report: dict) -> None:
     rows = [[r["streams"], r["tokens_per_s"], r["vs_one_stream"], r["active_experts_per_layer"],
              r["step_bytes"] / 1e6, r["step_ops"] / 1e9, r["bandwidth_tokens_per_s"],
              max(r["compute_tokens_per_s"].values(), default=None), r["binding"],
-             r["fraction_of_roofline"], r.get("fraction_own_probes")]
+             r["fraction_of_roofline"], r["fraction_own_probes"]]
             for r in report["streams"]]  # fmt: skip
     print_table(["streams", "decode tok/s", "vs 1 stream", "experts/layer", "MB/step",
                  "GOP/step", "bandwidth-bound tok/s", "compute-bound tok/s", "binds",
