@@ -685,10 +685,13 @@ static inline __attribute__((always_inline)) void quad_kq(const uint8_t *q, int 
                 const __m128i raw = _mm_loadu_si128((const __m128i *)b), nib = _mm_set1_epi8(0x0F);
                 k2_blocks(b + 16, NULL, _mm_and_si128(raw, nib),
                           _mm_and_si128(_mm_srli_epi16(raw, 4), nib), x, gs, MB, S, M);
-                const float d = kq_f16(b + 80), dmin = kq_f16(b + 82);
+                int32_t dd32; /* d and dmin converted together */
+                memcpy(&dd32, b + 80, 4);
+                const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(dd32));
                 for (int m = 0; m < MB; m++) {
-                    const float xd = a[m].d[s];
-                    const __m256 dx = _mm256_set1_ps(d * xd), mx = _mm256_set1_ps(dmin * xd);
+                    const __m128 p = _mm_mul_ps(dd, _mm_set1_ps(a[m].d[s]));
+                    const __m256 dx = _mm256_broadcastss_ps(p);
+                    const __m256 mx = _mm256_broadcastss_ps(_mm_movehdup_ps(p));
                     /* one add on the chain across super-blocks */
                     const __m256 mm = _mm256_mul_ps(_mm256_cvtepi32_ps(M[m]), mx);
                     lanes[m] = _mm256_add_ps(lanes[m],
