@@ -237,31 +237,30 @@ static inline __m128i q3k_scales(const uint8_t *p) {
     return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32));
 }
 
+/* Bits 2i, 2i + 1 of every byte of l at bits 0-1, the rest cleared: a shift and a mask, or
+ * (GFNI) one affine byte op (output bit k from matrix byte 7 - k; as q4k_high). The row kernels'
+ * arithmetic is mostly this unpack (q3_K 8.7 -> 8.1 ns a super-block on one core with GFNI,
+ * q2_K 6.9 -> 6.3). */
+static inline __attribute__((always_inline)) __m256i k2_field(__m256i l, int i) {
+#if defined(HS_AVX512) && defined(__GFNI__)
+    const unsigned long long a = (1ULL << (2 * i)) << 56 | (1ULL << (2 * i + 1)) << 48;
+    return _mm256_gf2p8affine_epi64_epi8(l, _mm256_set1_epi64x((long long)a), 0);
+#else
+    return _mm256_and_si256(_mm256_srli_epi16(l, 2 * i), _mm256_set1_epi8(3));
+#endif
+}
+
 /* The 2-bit values of half n of a q3_K / q2_K super-block's qs (32 bytes at qs + 32 n), column
  * 128 n + 32 i + l in q[i]; for q3_K (h: its hmask, else NULL) with bit 2 from bit 4 n + i of
- * h[l] (a 16-bit shift's carries across the byte boundary fall outside the mask). */
+ * h[l] (a 16-bit shift's carries across the byte boundary fall outside the mask; with AVX-512
+ * the mask and the or are one vpternlogd). */
 static inline __attribute__((always_inline)) void k2_values(const uint8_t *qs, const uint8_t *h,
                                                            int n, __m256i q[4]) {
+    const __m256i bit2 = _mm256_set1_epi8(4);
     const __m256i l = _mm256_loadu_si256((const __m256i *)(qs + 32 * n));
     const __m256i hv = h ? _mm256_loadu_si256((const __m256i *)h) : _mm256_setzero_si256();
-#if defined(HS_AVX512) && defined(__GFNI__)
-    /* GFNI: one affine byte op moves bits 2i, 2i + 1 to 0-1 and clears the rest (the shift and
-     * the mask in one; output bit k from matrix byte 7 - k); q3_K's bit 2 joins by one
-     * vpternlogd (q | (hb & 4)). Same values; the row kernels' arithmetic is mostly this unpack
-     * (q3_K 8.7 -> 8.1 ns a super-block on one core, q2_K 6.9 -> 6.3) */
     for (int i = 0; i < 4; i++) {
-        const unsigned long long lo = (1ULL << (2 * i)) << 56 | (1ULL << (2 * i + 1)) << 48;
-        q[i] = _mm256_gf2p8affine_epi64_epi8(l, _mm256_set1_epi64x((long long)lo), 0);
-        if (h == NULL) continue;
-        const int j = 4 * n + i;
-        const __m256i hb = j >= 2 ? _mm256_srli_epi16(hv, j - 2) : _mm256_slli_epi16(hv, 2 - j);
-        q[i] = _mm256_ternarylogic_epi32(q[i], hb, _mm256_set1_epi8(4), 0xF8); /* q | (hb & 4) */
-    }
-    return;
-#endif
-    const __m256i m3 = _mm256_set1_epi8(3), bit2 = _mm256_set1_epi8(4);
-    for (int i = 0; i < 4; i++) {
-        const __m256i low = _mm256_and_si256(_mm256_srli_epi16(l, 2 * i), m3);
+        const __m256i low = k2_field(l, i);
         if (h == NULL) {
             q[i] = low;
             continue;
