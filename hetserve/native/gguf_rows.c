@@ -120,15 +120,11 @@ void hetserve_iq_grids(const uint64_t *iq2xxs, const uint64_t *iq2xs, const uint
             if (j < 4) hs_iq_grids.p3s[j][i] = (uint8_t)(iq3s[i] >> (8 * j));
             if (j < 4 && i < 256) hs_iq_grids.p3xxs[j][i] = (uint8_t)(iq3xxs[i] >> (8 * j));
             if (i < 256) hs_iq_grids.p2xxs[j][i] = (uint8_t)(iq2xxs[i] >> (8 * j));
-            hs_iq_grids.p2xs[j][i] = (uint8_t)(iq2xs[i] >> (8 * j));
         }
-    for (int p = 0; p < 64; p++) { /* IQ2_XXS: words of 4 index bytes, 4 sign bytes; IQ2_XS:
-                                    * a 16-bit word a point */
+    for (int p = 0; p < 64; p++) { /* IQ2_XXS: words of 4 index bytes, 4 sign bytes */
         const int h = (p / 32) * 64, c = p % 32;
-        hs_iq_grids.pick2[0][0][p] = (uint8_t)(h + 8 * (c / 4) + c % 4);
-        hs_iq_grids.pick2[0][1][p] = (uint8_t)(h + 8 * (c / 4) + 4 + c % 4);
-        hs_iq_grids.pick2[1][0][p] = (uint8_t)(h + 2 * c);
-        hs_iq_grids.pick2[1][1][p] = (uint8_t)(h + 2 * c + 1);
+        hs_iq_grids.pick2[0][p] = (uint8_t)(h + 8 * (c / 4) + c % 4);
+        hs_iq_grids.pick2[1][p] = (uint8_t)(h + 8 * (c / 4) + 4 + c % 4);
     }
 }
 

@@ -19,11 +19,12 @@
  * over once the library is built: hetserve_iq_grids); IQ1's points are stored times 8.
  *
  * Put together per 8 (4) columns, a point costs a scalar index, a load and an insert: the grid
- * types ran at 0.1-0.25 of the read bandwidth, bound by that. With AVX512-VBMI the grids of 256
- * or 512 points (IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS) are also kept as byte planes (plane j: byte j
- * of every point, 256 or 512 bytes) and their row kernels look 64 points up at a time by masked
- * vpermi2b, 128 points each, the activations in plane order to match (iqg_planes; the weights
- * stay as the file has them). IQ2_S (1024 points) and IQ1 (2048) keep the loads. */
+ * types ran at 0.1-0.25 of the read bandwidth, bound by that. With AVX512-VBMI the grids of 4-byte
+ * points (IQ3_XXS: 256, IQ3_S: 512) and IQ2_XXS's 256 points of 8 bytes are also kept as byte
+ * planes (plane j: byte j of every point) and their row kernels look 64 points up at a time by
+ * masked vpermi2b, 128 points each, the activations in plane order to match (iqg_planes; the
+ * weights stay as the file has them). IQ2_XS (512 points of 8 bytes), IQ2_S (1024) and IQ1
+ * (2048) keep the loads, on AVX-512 64 columns a vector with the rest vectorized (quad_iqgl). */
 #ifndef HETSERVE_MOE_IQG_H
 #define HETSERVE_MOE_IQG_H
 
@@ -39,15 +40,14 @@ typedef struct {
     const uint32_t *iq3xxs, *iq3s;                /* 4 bytes a point */
     uint64_t signs64[256];  /* 8 sign bits -> 8 bytes of -1 (bit set) or +1 */
     uint64_t ksigns64[128]; /* 7 sign bits and their parity -> the same */
-    /* Byte planes of the grids with at most 512 points of 4 bytes or 256 of 8 (IQG_PLANES):
+    /* Byte planes of the grids with at most 512 points of 4 bytes or 256 of 8 (HS_IQG_PLANES):
      * plane j holds byte j of every point, so that vpermi2b looks 64 points up at once. */
     uint8_t p3xxs[4][256] __attribute__((aligned(64)));
     uint8_t p3s[4][512] __attribute__((aligned(64)));
     uint8_t p2xxs[8][256] __attribute__((aligned(64)));
-    uint8_t p2xs[8][512] __attribute__((aligned(64)));
-    /* IQ2's two super-blocks' 64 points from their 128 bytes at 2 (vpermt2b indices): pick2
-     * [IQ2_XS?][0] their index (IQ2_XS: low) bytes, [1] their sign-and-scale bytes */
-    uint8_t pick2[2][2][64] __attribute__((aligned(64)));
+    /* IQ2_XXS's two super-blocks' 64 points from their 128 bytes at 2 (vpermt2b indices):
+     * pick2[0] their index bytes, [1] their sign-and-scale bytes */
+    uint8_t pick2[2][64] __attribute__((aligned(64)));
 } iq_grids_t;
 extern iq_grids_t hs_iq_grids; /* gguf_rows.c: set by hetserve_iq_grids */
 
@@ -56,7 +56,7 @@ static inline int iqg_fmt(int fmt) {
 }
 
 /* Where the build has AVX512-VBMI and BITALG (Zen 4 and 5, Ice Lake and later Xeons), the row
- * kernels of IQ3_XXS, IQ3_S, IQ2_XXS and IQ2_XS look a super-block's points up in registers, a byte
+ * kernels of IQ3_XXS, IQ3_S and IQ2_XXS look a super-block's points up in registers, a byte
  * plane at a time (quad_iqg4 and quad_iqg8 below): their activations are then in plane order
  * (iqg_plane_perm), and iqg_planes says how many planes a format has (bytes a point; 0: the
  * file's order, the points put together per 8 or 4 columns as below). */
@@ -68,7 +68,7 @@ static inline int iqg_fmt(int fmt) {
 
 /* The formats with planes kernels (on the builds that have them). */
 static inline int iqg_planes_fmt(int fmt) {
-    return fmt == F_IQ3XXS || fmt == F_IQ3S || fmt == F_IQ2XXS || fmt == F_IQ2XS;
+    return fmt == F_IQ3XXS || fmt == F_IQ3S || fmt == F_IQ2XXS;
 }
 
 static inline int iqg_planes(int fmt) {
@@ -267,6 +267,120 @@ static inline void iqg_add(float *tot, int t, float D, float xd) {
     *tot += (float)t * (D * xd);
 }
 
+#ifdef HS_AVX512
+/* IQ2_XS, IQ2_S, IQ1_S and IQ1_M on AVX-512 (quad_iqgl in moe_kq.h): 64 columns a vector.
+ * Their grids (512, 1024 and 2048 points) are too large for one plane pair's in-register
+ * lookups, so each point still costs a load; what these helpers take off the file-order path is the rest: a
+ * super-block's 32 indices (and IQ1's deltas' signs) are put together in one vector (vpermw,
+ * vpsrlvw) instead of ~5 scalar steps a point, and its 16 scales in another instead of a byte
+ * array read back as a vector (a store-forwarding stall every super-block). */
+
+/* A super-block's 16 scales 2 s + 1 (one per 16 columns, as dwords) and its D. */
+static inline __attribute__((always_inline)) __m512i iqgl_head(int fmt, const uint8_t *b,
+                                                               float *D) {
+    __m512i w, sh;
+    if (fmt == F_IQ2S || fmt == F_IQ2XS) { /* a byte per 32 columns: low nibble, then high */
+        const __m128i s8 = _mm_loadl_epi64((const __m128i *)(b + (fmt == F_IQ2S ? 74 : 66)));
+        w = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(s8, s8));
+        sh = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+        *D = kq_f16(b) * 0.125f;
+        const __m512i s4 = _mm512_and_si512(_mm512_srlv_epi32(w, sh), _mm512_set1_epi32(15));
+        return _mm512_or_si512(_mm512_slli_epi32(s4, 1), _mm512_set1_epi32(1));
+    }
+    if (fmt == F_IQ1S) { /* bits 12-14 of the qh word of each 32 columns */
+        const __m128i qh = _mm_loadu_si128((const __m128i *)(b + 34));
+        w = _mm512_permutexvar_epi32(
+            _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+            _mm512_cvtepu16_epi32(_mm256_castsi128_si256(qh)));
+        sh = _mm512_set1_epi32(12);
+        *D = kq_f16(b) * 0.125f;
+    } else { /* IQ1_M: 3 bits per 16 columns, four to a word whose top nibbles are d */
+        uint64_t u;
+        memcpy(&u, b + 48, 8);
+        w = _mm512_permutexvar_epi32(
+            _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+            _mm512_cvtepu16_epi32(_mm256_castsi128_si256(_mm_cvtsi64_si128((long long)u))));
+        sh = _mm512_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9);
+        const uint16_t h = (uint16_t)(((u >> 12) & 0x000F) | ((u >> 24) & 0x00F0) |
+                                      ((u >> 36) & 0x0F00) | ((u >> 48) & 0xF000));
+        *D = _cvtsh_ss(h) * 0.125f;
+    }
+    const __m512i s3 = _mm512_and_si512(_mm512_srlv_epi32(w, sh), _mm512_set1_epi32(7));
+    return _mm512_or_si512(_mm512_slli_epi32(s3, 1), _mm512_set1_epi32(1));
+}
+
+/* A super-block's 32 point indices into idx and, for IQ1, the points whose delta is -1/8 as a
+ * mask (bit p: point p, columns 8 p .. 8 p + 7; else 0); for IQ2_XS its points' sign bytes
+ * (7 bits and their parity) into sg. */
+static inline __attribute__((always_inline)) __mmask32 iqgl_index(int fmt, const uint8_t *b,
+                                                                  uint16_t *idx, uint8_t *sg) {
+    __m512i qs, h, hb, neg = _mm512_setzero_si512();
+    if (fmt == F_IQ2XS) { /* a word a point: 9 index bits, 7 sign bits */
+        const __m512i e = _mm512_loadu_si512((const void *)(b + 2));
+        const __m512i s7 = _mm512_srli_epi16(e, 9);
+        __m512i p = _mm512_xor_si512(s7, _mm512_srli_epi16(s7, 4)); /* parity by folding */
+        p = _mm512_xor_si512(p, _mm512_srli_epi16(p, 2));
+        p = _mm512_xor_si512(p, _mm512_srli_epi16(p, 1));
+        p = _mm512_slli_epi16(_mm512_and_si512(p, _mm512_set1_epi16(1)), 7);
+        _mm256_store_si256((__m256i *)sg, _mm512_cvtepi16_epi8(_mm512_or_si512(s7, p)));
+        _mm512_store_si512((void *)idx, _mm512_and_si512(e, _mm512_set1_epi16(511)));
+        return 0;
+    }
+    if (fmt == F_IQ2S) { /* a qh byte per 4 points: 2 bits each */
+        qs = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 2)));
+        const __m512i w = _mm512_permutexvar_epi16(
+            _mm512_set_epi16(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4, 3, 3, 3, 3, 2, 2, 2,
+                             2, 1, 1, 1, 1, 0, 0, 0, 0),
+            _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(b + 66)))));
+        h = _mm512_srlv_epi16(w, _mm512_set4_epi32(0x00060004, 0x00020000, 0x00060004,
+                                                   0x00020000));
+        hb = _mm512_and_si512(h, _mm512_set1_epi16(3));
+    } else if (fmt == F_IQ1S) { /* the qh word of each 4 points: 3 bits each, the delta's sign at 15 */
+        qs = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 2)));
+        const __m512i w = _mm512_permutexvar_epi16(
+            _mm512_set_epi16(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4, 3, 3, 3, 3, 2, 2, 2,
+                             2, 1, 1, 1, 1, 0, 0, 0, 0),
+            _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(b + 34))));
+        h = _mm512_srlv_epi16(w, _mm512_set4_epi32(0x00090006, 0x00030000, 0x00090006,
+                                                   0x00030000));
+        hb = _mm512_and_si512(h, _mm512_set1_epi16(7));
+        neg = _mm512_and_si512(w, _mm512_set1_epi16((short)0x8000));
+    } else { /* IQ1_M: a nibble of qh a point, 3 index bits and the delta's sign at 3 */
+        qs = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)b));
+        const __m512i w = _mm512_permutexvar_epi16(
+            _mm512_set_epi16(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8, 7, 7, 6,
+                             6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
+            _mm512_castsi256_si512(
+                _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + 32)))));
+        h = _mm512_srlv_epi16(w, _mm512_set1_epi32(0x00040000));
+        hb = _mm512_and_si512(h, _mm512_set1_epi16(7));
+        neg = _mm512_and_si512(h, _mm512_set1_epi16(8));
+    }
+    _mm512_store_si512((void *)idx, _mm512_or_si512(qs, _mm512_slli_epi16(hb, 8)));
+    return _mm512_test_epi16_mask(neg, neg);
+}
+
+/* Points ix[0 .. 7] of the grid g -> one vector (columns 8 l .. 8 l + 7 from point l). The
+ * indices are read back from memory as two words of four and split by shifts: the compiler's
+ * own choice, a vpextrw each, was ~10% slower. */
+static inline __attribute__((always_inline)) __m512i iqgl_points(const uint64_t *g,
+                                                                 const uint16_t *ix16) {
+    uint64_t w0, w1;
+    memcpy(&w0, ix16, 8), memcpy(&w1, ix16 + 4, 8);
+    const __m128i p0 = _mm_insert_epi64(_mm_loadl_epi64((const __m128i *)(g + (w0 & 0xFFFF))),
+                                        (long long)g[w0 >> 16 & 0xFFFF], 1);
+    const __m128i p1 = _mm_insert_epi64(
+        _mm_loadl_epi64((const __m128i *)(g + (w0 >> 32 & 0xFFFF))), (long long)g[w0 >> 48], 1);
+    const __m128i p2 = _mm_insert_epi64(_mm_loadl_epi64((const __m128i *)(g + (w1 & 0xFFFF))),
+                                        (long long)g[w1 >> 16 & 0xFFFF], 1);
+    const __m128i p3 = _mm_insert_epi64(
+        _mm_loadl_epi64((const __m128i *)(g + (w1 >> 32 & 0xFFFF))), (long long)g[w1 >> 48], 1);
+    const __m256i lo = _mm256_inserti128_si256(_mm256_castsi128_si256(p0), p1, 1);
+    const __m256i hi = _mm256_inserti128_si256(_mm256_castsi128_si256(p2), p3, 1);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+#endif
+
 #if HS_IQG_PLANES
 /* vpshufbitqmb's bit indices for plane j of a 4-byte grid: mask bit p (point p) from bit
  * 4 (p % 8) + j of qword p / 8, that qword holding the signs of columns 32 (p / 8) ..+ 31. */
@@ -293,10 +407,9 @@ static inline __m512i iqg_ksign_bytes(__m512i words, int hi) {
 /* One or two super-blocks of a planes format ready for its planes: the points' index bytes
  * qi (64 points: IQ3's one super-block, IQ2's two, the second's half zero where there is none)
  * with the masks choosing each masked vpermi2b's 128 points, the signs (sg), the scales per
- * lane q of vpdpbusd's sums, i.e. of points 4 q .. 4 q + 3 (IQ2_XS: sc the first two, sc2 the
- * last two), and D per super-block. */
+ * lane q of vpdpbusd's sums, i.e. of points 4 q .. 4 q + 3, and D per super-block. */
 typedef struct {
-    __m512i qi, sg, sc, sc2;
+    __m512i qi, sg, sc;
     __mmask64 km[4];
     int fmt, nh; /* masked vpermi2b per plane */
     float D[2];
@@ -326,40 +439,25 @@ static inline __attribute__((always_inline)) void iqg4_load(int fmt, const uint8
     S->qi = qi, S->fmt = fmt, S->nh = s3 ? 4 : 2;
     S->sc = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(sc, _mm512_set1_epi32(15)), 1),
                             _mm512_set1_epi32(1));
-    S->sc2 = S->sc;
     S->km[0] = ~(k7 | kh), S->km[1] = k7 & ~kh, S->km[2] = ~k7 & kh, S->km[3] = k7 & kh;
     S->D[0] = kq_f16(b) * (s3 ? 1.0f : 0.25f);
 }
 
-/* IQ2_XXS / IQ2_XS super-blocks b0 and b1 (NULL: none): 32 points of 8 bytes each. */
+/* IQ2_XXS super-blocks b0 and b1 (NULL: none): 32 points of 8 bytes each. */
 static inline __attribute__((always_inline)) void iqg8_load(int fmt, const uint8_t *b0,
                                                             const uint8_t *b1, iqg_sb_t *S) {
-    const int xs = fmt == F_IQ2XS;
     const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
     const __m512i A = _mm512_loadu_si512((const void *)(b0 + 2));
     const __m512i B = b1 ? _mm512_loadu_si512((const void *)(b1 + 2)) : zero;
-    const uint8_t(*pick)[64] = hs_iq_grids.pick2[xs];
+    const uint8_t(*pick)[64] = hs_iq_grids.pick2;
     const __m512i qi = _mm512_permutex2var_epi8(A, _mm512_load_si512((const void *)pick[0]), B);
+    /* aux: dword g the sign-and-scale word of group g */
     const __m512i aux = _mm512_permutex2var_epi8(A, _mm512_load_si512((const void *)pick[1]), B);
     const __mmask64 k7 = _mm512_movepi8_mask(qi);
-    if (xs) { /* aux: each point's high byte, index bit 8 and 7 sign bits */
-        const __mmask64 kh = _mm512_test_epi8_mask(aux, _mm512_set1_epi8(1));
-        S->km[0] = ~(k7 | kh), S->km[1] = k7 & ~kh, S->km[2] = ~k7 & kh, S->km[3] = k7 & kh;
-        S->sg = iqg_parity(_mm512_and_si512(_mm512_srli_epi16(aux, 1), _mm512_set1_epi8(0x7F)));
-        uint8_t sb[16] = {0}; /* a byte per group: its first 16 columns' scale, then the next */
-        memcpy(sb, b0 + 66, 8);
-        if (b1) memcpy(sb + 8, b1 + 66, 8);
-        const __m512i n = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sb));
-        S->sc = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(n, _mm512_set1_epi32(15)), 1),
-                                one);
-        S->sc2 = _mm512_or_si512(_mm512_slli_epi32(_mm512_srli_epi32(n, 4), 1), one);
-    } else { /* aux: dword g the sign-and-scale word of group g */
-        S->km[0] = ~k7, S->km[1] = k7;
-        S->sg = iqg_ksign_bytes(aux, 1); /* byte p: point p's 8 signs */
-        S->sc = _mm512_or_si512(_mm512_slli_epi32(_mm512_srli_epi32(aux, 28), 1), one);
-        S->sc2 = S->sc;
-    }
-    S->qi = qi, S->fmt = fmt, S->nh = xs ? 4 : 2;
+    S->km[0] = ~k7, S->km[1] = k7;
+    S->sg = iqg_ksign_bytes(aux, 1); /* byte p: point p's 8 signs */
+    S->sc = _mm512_or_si512(_mm512_slli_epi32(_mm512_srli_epi32(aux, 28), 1), one);
+    S->qi = qi, S->fmt = fmt, S->nh = 2;
     S->D[0] = kq_f16(b0) * 0.125f, S->D[1] = b1 ? kq_f16(b1) * 0.125f : 0.0f;
 }
 
@@ -367,7 +465,6 @@ static inline __attribute__((always_inline)) void iqg8_load(int fmt, const uint8
 static inline __attribute__((always_inline)) __m512i iqg_plane(const iqg_sb_t *S, int j) {
     const uint8_t *t = S->fmt == F_IQ3S     ? hs_iq_grids.p3s[j]
                        : S->fmt == F_IQ3XXS ? hs_iq_grids.p3xxs[j]
-                       : S->fmt == F_IQ2XS  ? hs_iq_grids.p2xs[j]
                                             : hs_iq_grids.p2xxs[j];
     const __m512i *T = (const __m512i *)t;
     __m512i mag = S->qi;
@@ -423,19 +520,18 @@ static inline __attribute__((always_inline)) void quad_iqg4(const uint8_t *q, in
     }
 }
 
-/* A quad of IQ2_XXS or IQ2_XS rows (8-byte points, 32 per super-block) against MB <= 2 tokens
- * in plane order, two super-blocks a vector (points 0-31 the first's, 32-63 the second's; an
- * odd last one alone, the other half zero): per plane one vector of the 64 points' byte j by
- * two (IQ2_XS: four) masked vpermi2b; vpdpbusd's lane q sums points 4 q .. 4 q + 3, i.e. group
- * q % 8 (32 columns) of super-block s + q / 8, over the 8 planes. IQ2_XXS has one scale per
- * group; IQ2_XS one per 16 columns (two points), so a second sum takes each group's first two
- * points alone (magnitudes masked), the rest being the difference. */
+/* A quad of IQ2_XXS rows (8-byte points, 32 per super-block) against MB <= 2 tokens in plane
+ * order, two super-blocks a vector (points 0-31 the first's, 32-63 the second's; an odd last
+ * one alone, the other half zero): per plane one vector of the 64 points' byte j by two masked
+ * vpermi2b; vpdpbusd's lane q sums points 4 q .. 4 q + 3, i.e. group q % 8 (32 columns, one
+ * scale) of super-block s + q / 8, over the 8 planes. (IQ2_XS, a scale per 16 columns and 512
+ * points, took four vpermi2b a plane and a second sum for its first two points: 25 ns a
+ * super-block on one core where its points' loads take 20, quad_iqgl in moe_kq.h.) */
 static inline __attribute__((always_inline)) void quad_iqg8(const uint8_t *q, int fmt, int K,
                                                             const q4k_act_t a[2], int MB,
                                                             float out[][MBMAX]) {
-    const int nsb = K / Q4K_SB, bb = iqg_bytes(fmt), xs = fmt == F_IQ2XS;
+    const int nsb = K / Q4K_SB, bb = iqg_bytes(fmt);
     const __m512i zero = _mm512_setzero_si512();
-    const __mmask64 first2 = 0x3333333333333333ULL; /* the points 4 q, 4 q + 1 */
     for (int r = 0; r < 4; r++) {
         const uint8_t *row = q + (size_t)r * nsb * bb;
         float tot[2] = {0.0f, 0.0f};
@@ -445,10 +541,10 @@ static inline __attribute__((always_inline)) void quad_iqg8(const uint8_t *q, in
             for (int o = 0; o < bb * (1 + two); o += 64) hs_prefetch_mb(b0 + o, MB);
             iqg_sb_t S;
             iqg8_load(fmt, b0, two ? b0 + bb : NULL, &S);
-            __m512i acc[2] = {zero, zero}, acc1[2] = {zero, zero};
+            __m512i acc[2] = {zero, zero};
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
-                const __m512i mag = iqg_plane(&S, j), mag1 = _mm512_maskz_mov_epi8(first2, mag);
+                const __m512i mag = iqg_plane(&S, j);
                 const __mmask64 neg = iqg_neg(&S, j);
                 for (int m = 0; m < MB; m++) {
                     const int8_t *x = a[m].x + (size_t)s * Q4K_SB + 32 * j;
@@ -458,14 +554,10 @@ static inline __attribute__((always_inline)) void quad_iqg8(const uint8_t *q, in
                     __m512i xx = _mm512_inserti64x4(_mm512_castsi256_si512(x0), x1, 1);
                     xx = _mm512_mask_sub_epi8(xx, neg, zero, xx);
                     acc[m] = _mm512_dpbusd_epi32(acc[m], mag, xx);
-                    if (xs) acc1[m] = _mm512_dpbusd_epi32(acc1[m], mag1, xx);
                 }
             }
             for (int m = 0; m < MB; m++) {
-                __m512i t = _mm512_mullo_epi32(acc[m], S.sc2);
-                if (xs) /* first two points at sc, the rest (acc - acc1) at sc2 */
-                    t = _mm512_add_epi32(
-                        t, _mm512_mullo_epi32(acc1[m], _mm512_sub_epi32(S.sc, S.sc2)));
+                const __m512i t = _mm512_mullo_epi32(acc[m], S.sc);
                 iqg_add(&tot[m], hs_hsum_i32(_mm512_castsi512_si256(t)), S.D[0], a[m].d[s]);
                 if (two)
                     iqg_add(&tot[m], hs_hsum_i32(_mm512_extracti64x4_epi64(t, 1)), S.D[1],
@@ -483,12 +575,9 @@ static inline void iqg_planes_sb(int fmt, const uint8_t *b, int16_t *v, float *d
     iqg_sb_t S;
     if (n == 4) iqg4_load(fmt, b, &S);
     else iqg8_load(fmt, b, NULL, &S);
-    /* each point's scale as a byte: lane q's low byte to its 4 bytes (IQ2_XS: sc2 for the
-     * last two points of each 4) */
+    /* each point's scale as a byte: lane q's low byte to its 4 bytes */
     const __m512i bcast = _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0x00000000);
-    const __m512i scp = _mm512_mask_blend_epi8(0xCCCCCCCCCCCCCCCCULL,
-                                               _mm512_shuffle_epi8(S.sc, bcast),
-                                               _mm512_shuffle_epi8(S.sc2, bcast));
+    const __m512i scp = _mm512_shuffle_epi8(S.sc, bcast);
     const __m512i sc16[2] = {_mm512_cvtepu8_epi16(_mm512_castsi512_si256(scp)),
                              _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(scp, 1))};
     for (int j = 0; j < n; j++) {

@@ -566,8 +566,8 @@ static inline int kq_bytes(int fmt) {
  * widened once, per 32 columns the points and signs decoded once for both tokens (the signs
  * applied to the activations), exact integer sums per super-block. The formats that other
  * builds look up by planes add each super-block's sum as a number (iqg_add), as those do, for
- * the same bits; the rest (IQ2_S, IQ1) scale its 8 lanes into fp32 lanes summed once per row
- * (IQ2_S's super-block 1.2x slower the other way). */
+ * the same bits; the rest (IQ2_XS, IQ2_S, IQ1) scale its 8 lanes into fp32 lanes summed once
+ * per row (IQ2_S's super-block 1.2x slower the other way), as quad_iqgl does on AVX-512. */
 static inline __attribute__((always_inline)) void quad_iqg(const uint8_t *q, int fmt, int K,
                                                            const q4k_act_t a[2], int MB,
                                                            float out[][MBMAX]) {
@@ -609,6 +609,72 @@ static inline __attribute__((always_inline)) void quad_iqg(const uint8_t *q, int
     }
 }
 
+#ifdef HS_AVX512
+/* quad_iqg's IQ2_XS, IQ2_S, IQ1_S and IQ1_M rows on AVX-512, 64 columns (8 points) a vector:
+ * the points by loads (iqgl_points), each byte v (IQ2: +-grid, its sign bits a mask; IQ1: 8 g
+ * +- 1) meets the token's activations as vpdpbusd(|v|, x negated where v < 0),
+ * and each 4-column lane's sum is scaled by its 16 columns' scale in one vpdpwssd (|sum| <=
+ * 4 * 43 * 127 < 2^15). Lane j of a vector's low half and lane j of its high half add up to
+ * lane j of quad_iqg's 8 (columns 4 j .. 4 j + 3 of each 32, times their scale): the same
+ * integers a super-block, then the same fp32 steps, so the same bits. */
+static inline __attribute__((always_inline)) void quad_iqgl(const uint8_t *q, int fmt, int K,
+                                                            const q4k_act_t a[2], int MB,
+                                                            float out[][MBMAX]) {
+    const int nsb = K / Q4K_SB, bb = iqg_bytes(fmt), iq2 = fmt == F_IQ2S || fmt == F_IQ2XS;
+    const uint64_t *G = fmt == F_IQ2S ? hs_iq_grids.iq2s
+                        : fmt == F_IQ2XS ? hs_iq_grids.iq2xs : hs_iq_grids.iq1s;
+    const __m512i one = _mm512_set1_epi8(1), minus = _mm512_set1_epi8(-1);
+    uint16_t idx[32] __attribute__((aligned(64)));
+    uint8_t sg[32] __attribute__((aligned(32)));
+    for (int r = 0; r < 4; r++) {
+        const uint8_t *row = q + (size_t)r * nsb * bb;
+        __m256 lanes[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int s = 0; s < nsb; s++) {
+            const uint8_t *b = row + (size_t)s * bb;
+            for (int o = 0; o < bb; o += 64) hs_prefetch_mb(b + o, MB);
+            float D;
+            const __m512i sc = iqgl_head(fmt, b, &D);
+            const __mmask32 dn = iqgl_index(fmt, b, idx, sg);
+            __m512i acc[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) { /* columns 64 i .. 64 i + 63 */
+                const __m512i g = iqgl_points(G, idx + 8 * i);
+                __m512i mag;
+                __mmask64 neg;
+                if (iq2) { /* the sign bits as they are (IQ2_S) or completed (IQ2_XS) */
+                    mag = g;
+                    memcpy(&neg, fmt == F_IQ2S ? b + 34 + 8 * i : sg + 8 * i, 8);
+                } else {
+                    const __m512i v = _mm512_add_epi8(
+                        g, _mm512_mask_blend_epi64((__mmask8)(dn >> (8 * i)), one, minus));
+                    neg = _mm512_movepi8_mask(v), mag = _mm512_abs_epi8(v);
+                }
+                const __m512i sci = _mm512_permutexvar_epi32(
+                    _mm512_add_epi32(_mm512_set1_epi32(4 * i),
+                                     _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3,
+                                                       3, 3)),
+                    sc);
+                for (int m = 0; m < MB; m++) {
+                    const __m512i x = _mm512_loadu_si512(
+                        (const void *)(a[m].x + (size_t)s * Q4K_SB + 64 * i));
+                    const __m512i p = _mm512_dpbusd_epi32(
+                        _mm512_setzero_si512(), mag,
+                        _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
+                    acc[m] = _mm512_dpwssd_epi32(acc[m], p, sci);
+                }
+            }
+            for (int m = 0; m < MB; m++) {
+                const __m256i a8 = _mm256_add_epi32(_mm512_castsi512_si256(acc[m]),
+                                                    _mm512_extracti64x4_epi64(acc[m], 1));
+                const __m256 dx = _mm256_set1_ps(D * a[m].d[s]);
+                lanes[m] = _mm256_add_ps(lanes[m], _mm256_mul_ps(_mm256_cvtepi32_ps(a8), dx));
+            }
+        }
+        for (int m = 0; m < MB; m++) out[r][m] = hs_hsum(lanes[m]);
+    }
+}
+#endif
+
 /* out[r][m] = sum_k W[r, k] * x[m, k] for a quad of q6_K, q5_K, q3_K, q2_K, IQ4_XS or IQ4_NL rows (fmt;
  * row r at q + r * K / 256 * kq_bytes) and MB <= 2 tokens; the i-quants have kernels of their
  * own (their loaders regroup the nibbles), the K-quants share the loop below. */
@@ -632,6 +698,12 @@ static inline __attribute__((always_inline)) void quad_kq(const uint8_t *q, int 
         }
         if (iqg_planes(fmt) == 8) {
             quad_iqg8(q, fmt, K, a, MB, out);
+            return;
+        }
+#endif
+#ifdef HS_AVX512
+        if (fmt == F_IQ2XS || fmt == F_IQ2S || fmt == F_IQ1S || fmt == F_IQ1M) {
+            quad_iqgl(q, fmt, K, a, MB, out);
             return;
         }
 #endif

@@ -204,14 +204,16 @@ def _same_on_every_build(b, x, tw, ids):
     "kinds",
     [("q6_K", "q6_K"), ("q5_K", "q5_K"), ("q3_K", "q2_K"), ("q4_K", "q6_K"),
      ("random_iq4_xs", "random_iq4_nl"), ("random_iq2_xxs", "random_iq3_s"),
-     ("random_iq3_xxs", "random_iq2_xs"), ("random_iq2_s", "random_iq1_m")],
+     ("random_iq3_xxs", "random_iq2_xs"), ("random_iq2_s", "random_iq1_m"),
+     ("random_iq1_m", "random_iq1_s")],
 )  # fmt: skip
 @pytest.mark.parametrize("t", [1, 2, 7, 40])
 def test_gguf_experts_avx512_equal_avx2(kinds, t):
     """The GGUF block types' row kernels and (40 tokens: 40 pairs on each of 3 experts) their
     prefill tiles give the same bits on every build: the AVX-512 VNNI build fuses some integer
-    multiply-adds (vpdpbusd) where the AVX2 one adds vpmaddwd's sums, and the avx512bf16 build
-    looks IQ3_XXS, IQ3_S, IQ2_XXS and IQ2_XS points up by planes, activations in plane order."""
+    multiply-adds (vpdpbusd) where the AVX2 one adds vpmaddwd's sums, the avx512bf16 build
+    looks IQ3_XXS, IQ3_S and IQ2_XXS points up by planes, activations in plane order, and the
+    AVX-512 builds take IQ2_XS, IQ2_S, IQ1_S and IQ1_M 64 columns a vector (quad_iqgl)."""
     b = create_backend("cpu-gguf", ExpertWeights(None, None, packed=_experts(kinds, seed=7)))
     g = torch.Generator().manual_seed(40 + t)
     x, tw = torch.randn(t, H, generator=g), torch.rand(t, K, generator=g)
@@ -224,8 +226,8 @@ def test_gguf_experts_avx512_equal_avx2(kinds, t):
                                   "random_iq3_s"])  # fmt: skip
 @pytest.mark.parametrize("t", [1, 2, 3])
 def test_grid_planes_odd_super_blocks_equal_avx2(kind, t):
-    """Rows of 1280 and 768 columns (5 and 3 super-blocks: the IQ2 planes kernels take two a
-    vector and an odd last one alone; 3 tokens: a pair and one) give every build's bits."""
+    """Rows of 1280 and 768 columns (5 and 3 super-blocks: the IQ2_XXS planes kernel takes two
+    a vector and an odd last one alone; 3 tokens: a pair and one) give every build's bits."""
     h, inter = 1280, 768
     g = torch.Generator().manual_seed(5)
     w13 = torch.randn(E, 2 * inter, h, generator=g) * 0.05
