@@ -151,6 +151,14 @@ static inline __m256i iqg_ksigns(uint32_t w) {
                        (w >> 21) & 127);
 }
 
+/* IQ1_M's fp16 d: the top nibbles of its four scale words (at 48), lowest word first. */
+static inline float iq1m_d(const uint8_t *b) {
+    uint64_t u;
+    memcpy(&u, b + 48, 8);
+    return _cvtsh_ss((uint16_t)(((u >> 12) & 0x000F) | ((u >> 24) & 0x00F0) |
+                                ((u >> 36) & 0x0F00) | ((u >> 48) & 0xF000)));
+}
+
 /* A super-block b's D and its 16 scales sc (one per 16 columns; int8, 1 .. 31). */
 static inline __attribute__((always_inline)) __m128i iqg_head(int fmt, const uint8_t *b,
                                                               float *D) {
@@ -184,9 +192,7 @@ static inline __attribute__((always_inline)) __m128i iqg_head(int fmt, const uin
         uint16_t w[4];
         memcpy(w, b + 48, 8);
         for (int j = 0; j < 16; j++) s[j] = (uint8_t)(2 * ((w[j / 4] >> (3 * (j % 4))) & 7) + 1);
-        const uint16_t h = (uint16_t)((w[0] >> 12) | ((w[1] >> 8) & 0x00F0) |
-                                      ((w[2] >> 4) & 0x0F00) | (w[3] & 0xF000));
-        *D = _cvtsh_ss(h) * 0.125f;
+        *D = iq1m_d(b) * 0.125f;
         break;
     }
     }
@@ -279,15 +285,13 @@ static inline void iqg_add(float *tot, int t, float D, float xd) {
 static inline __attribute__((always_inline)) __m512i iqgl_head(int fmt, const uint8_t *b,
                                                                float *D) {
     __m512i w, sh;
+    int bits = 7;
     if (fmt == F_IQ2S || fmt == F_IQ2XS) { /* a byte per 32 columns: low nibble, then high */
         const __m128i s8 = _mm_loadl_epi64((const __m128i *)(b + (fmt == F_IQ2S ? 74 : 66)));
         w = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(s8, s8));
         sh = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
-        *D = kq_f16(b) * 0.125f;
-        const __m512i s4 = _mm512_and_si512(_mm512_srlv_epi32(w, sh), _mm512_set1_epi32(15));
-        return _mm512_or_si512(_mm512_slli_epi32(s4, 1), _mm512_set1_epi32(1));
-    }
-    if (fmt == F_IQ1S) { /* bits 12-14 of the qh word of each 32 columns */
+        bits = 15, *D = kq_f16(b) * 0.125f;
+    } else if (fmt == F_IQ1S) { /* bits 12-14 of the qh word of each 32 columns */
         const __m128i qh = _mm_loadu_si128((const __m128i *)(b + 34));
         w = _mm512_permutexvar_epi32(
             _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
@@ -295,18 +299,14 @@ static inline __attribute__((always_inline)) __m512i iqgl_head(int fmt, const ui
         sh = _mm512_set1_epi32(12);
         *D = kq_f16(b) * 0.125f;
     } else { /* IQ1_M: 3 bits per 16 columns, four to a word whose top nibbles are d */
-        uint64_t u;
-        memcpy(&u, b + 48, 8);
         w = _mm512_permutexvar_epi32(
             _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-            _mm512_cvtepu16_epi32(_mm256_castsi128_si256(_mm_cvtsi64_si128((long long)u))));
+            _mm512_cvtepu16_epi32(_mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)(b + 48)))));
         sh = _mm512_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9);
-        const uint16_t h = (uint16_t)(((u >> 12) & 0x000F) | ((u >> 24) & 0x00F0) |
-                                      ((u >> 36) & 0x0F00) | ((u >> 48) & 0xF000));
-        *D = _cvtsh_ss(h) * 0.125f;
+        *D = iq1m_d(b) * 0.125f;
     }
-    const __m512i s3 = _mm512_and_si512(_mm512_srlv_epi32(w, sh), _mm512_set1_epi32(7));
-    return _mm512_or_si512(_mm512_slli_epi32(s3, 1), _mm512_set1_epi32(1));
+    const __m512i sv = _mm512_and_si512(_mm512_srlv_epi32(w, sh), _mm512_set1_epi32(bits));
+    return _mm512_or_si512(_mm512_slli_epi32(sv, 1), _mm512_set1_epi32(1));
 }
 
 /* A super-block's 32 point indices into idx and, for IQ1, the points whose delta is -1/8 as a
@@ -326,25 +326,24 @@ static inline __attribute__((always_inline)) __mmask32 iqgl_index(int fmt, const
         _mm512_store_si512((void *)idx, _mm512_and_si512(e, _mm512_set1_epi16(511)));
         return 0;
     }
-    if (fmt == F_IQ2S) { /* a qh byte per 4 points: 2 bits each */
+    if (fmt == F_IQ2S || fmt == F_IQ1S) { /* a qh byte (IQ2_S) or word (IQ1_S) per 4 points */
+        const int s1 = fmt == F_IQ1S;
         qs = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 2)));
+        const __m512i words =
+            s1 ? _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(b + 34)))
+               : _mm512_castsi256_si512(
+                     _mm256_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(b + 66))));
         const __m512i w = _mm512_permutexvar_epi16(
             _mm512_set_epi16(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4, 3, 3, 3, 3, 2, 2, 2,
                              2, 1, 1, 1, 1, 0, 0, 0, 0),
-            _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(b + 66)))));
-        h = _mm512_srlv_epi16(w, _mm512_set4_epi32(0x00060004, 0x00020000, 0x00060004,
-                                                   0x00020000));
-        hb = _mm512_and_si512(h, _mm512_set1_epi16(3));
-    } else if (fmt == F_IQ1S) { /* the qh word of each 4 points: 3 bits each, the delta's sign at 15 */
-        qs = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 2)));
-        const __m512i w = _mm512_permutexvar_epi16(
-            _mm512_set_epi16(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4, 3, 3, 3, 3, 2, 2, 2,
-                             2, 1, 1, 1, 1, 0, 0, 0, 0),
-            _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(b + 34))));
-        h = _mm512_srlv_epi16(w, _mm512_set4_epi32(0x00090006, 0x00030000, 0x00090006,
-                                                   0x00030000));
-        hb = _mm512_and_si512(h, _mm512_set1_epi16(7));
-        neg = _mm512_and_si512(w, _mm512_set1_epi16((short)0x8000));
+            words);
+        /* point l of each 4: bits 3 l .. 3 l + 2 (IQ1_S, the delta's sign at 15) or 2 l, 2 l + 1 */
+        h = _mm512_srlv_epi16(w, s1 ? _mm512_set4_epi32(0x00090006, 0x00030000, 0x00090006,
+                                                        0x00030000)
+                                    : _mm512_set4_epi32(0x00060004, 0x00020000, 0x00060004,
+                                                        0x00020000));
+        hb = _mm512_and_si512(h, _mm512_set1_epi16(s1 ? 7 : 3));
+        if (s1) neg = _mm512_and_si512(w, _mm512_set1_epi16((short)0x8000));
     } else { /* IQ1_M: a nibble of qh a point, 3 index bits and the delta's sign at 3 */
         qs = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)b));
         const __m512i w = _mm512_permutexvar_epi16(
