@@ -71,8 +71,11 @@ CONTEXT_SPAN = 2.0
 # time alone on the demo model; with the probe's chunks after a long context in the fit,
 # doubling kept mixed steps within 0.7-1.3x of their prediction serving the small MoE.)
 GROWTH = 2.0
-# Weight of a new step in the overhead's moving average.
+# Weight of a new step in the overhead's moving average (and of a slower slice in the
+# slices' scale).
 EMA = 0.2
+# Share of the way a slice faster than predicted moves the slices' scale (`observe_slice`).
+SLICE_FOLLOW = 0.5
 # Feature scales: keep the normal equations' entries near 1 (pairs reach 1e7).
 _TOKEN_SCALE = 1e-3
 _PAIR_SCALE = 1e-6
@@ -202,7 +205,15 @@ class StepTimeModel:
         t = self.layer_time(tokens, computed)
         if t is None or not t > 0 or layers <= 0 or not seconds > 0:
             return
-        ratio = min(max(seconds / (t * layers), 1 / CLIP), CLIP)  # one stall moves it a step
+        ratio = seconds / (t * layers)
+        if ratio < 1:
+            # Faster than predicted: no stall makes a slice faster, so the scale goes halfway
+            # there at once (the step budget bounds a prompt's time alone by its slices: the
+            # demo model's first slices ran at a third of the fit's layer time, and a scale
+            # moved a clipped EMA step a slice still over-predicted them when the prompt ended).
+            self.slice_scale *= 1 - SLICE_FOLLOW * (1 - max(ratio, 1 / 4))
+            return
+        ratio = min(ratio, CLIP)  # one stall moves it a step
         self.slice_scale *= (1 - EMA) + EMA * ratio
 
     def observe(self, shape: StepShape, seconds: float, probe: bool = False) -> None:

@@ -14,14 +14,15 @@ both (Sarathi-Serve sizes the chunk to the latency budget; we size it in seconds
   is left for the model's error and the stream's delivery); prompt chunks get what the decodes
   leave of it. Floor: they get at least `FLOOR_SHARE` of the step's time however many
   decodes run (a crowd of streams never starves a long prompt).
-- Without either flag the step is as short as it can be while the prompt keeps
-  `EFFICIENCY` of its speed alone: its chunk is the smallest whose step (decodes included)
-  takes at most 1 / EFFICIENCY of what its tokens cost in the prompt's run alone (`_alone`:
-  their share of the fixed costs of the whole chunk that would hold them, and their own
-  attention pairs). Those shares add up to the prompt's time alone, so its time to first
-  token grows by at most 1 / EFFICIENCY - 1 = 25% for the streams it runs beside, on any
-  machine: a chunk's fixed costs (the decodes, the experts a few tokens read, its gather of
-  the context) decide how large it must be. (Comparing with the rest of the prompt in one
+- Without either flag the step is as short as it can be while the prompt keeps `EFFICIENCY`
+  of its speed alone: its chunk is the smallest whose step (decodes included) takes at most
+  1 / EFFICIENCY of what its tokens cost in the prompt's run alone (`_alone`: their share of
+  the fixed costs of the whole chunk that would hold them, and their own attention pairs,
+  never above their cost as layer slices where slices were measured: the fit's error on long
+  chunks is the rule's). Those shares add up to the prompt's time alone, so its time to
+  first token grows by at most 1 / EFFICIENCY - 1 = 18% for the streams it runs beside, on
+  any machine: a chunk's fixed costs (the decodes, the experts a few tokens read, its gather
+  of the context) decide how large it must be. (Comparing with the rest of the prompt in one
   chunk instead counts the rest's attention, which grows with its length, as a cost per
   token: small chunks looked efficient, and serving the demo model a 3,000-token prompt
   beside three streams took 2.45x its time alone.) Each step is judged with what the
@@ -347,7 +348,8 @@ class StepBudget:
         """What `n` prompt tokens after `computed` cost in the prompt's run alone, in chunks
         of the whole token budget: their share of the fixed costs of the chunk that holds
         them there (its step, its gather of the context, the experts it reads) and their own
-        attention pairs. Over a prompt the shares add up to its time alone."""
+        attention pairs, at most their cost through every layer as slices. Over a prompt the
+        shares add up to its time alone."""
         assert self.model is not None
         start = computed - computed % self.whole  # the chunk that holds them alone
         size = min(self.whole, max(total - start, computed + n - start))
@@ -362,7 +364,21 @@ class StepBudget:
             chunks=1,
         )
         t = self.model.predict(shape)
-        return None if t is None else t * n / size
+        if t is None:
+            return None
+        share = t * n / size
+        # Never above what the same tokens cost run as layer slices (`layer_time`, scaled by
+        # the slices measured): a slice's tokens share a layer's weights with fewer tokens
+        # than a whole chunk's do, so it costs about their share alone or more. The fit's
+        # whole chunks, extrapolated from short ones, ran 14-49% above the prompt's measured
+        # time alone serving the 1.7 B MoE (its slices 3-6% above it) and ~3x on the demo
+        # model, and every allowance is a share of it: the prompt came to 1.3-1.6x its time
+        # alone on the 1.7 B MoE, 3.5-5.6x on the demo, where the rule promises 1 / EFFICIENCY.
+        if self.layers is not None:
+            layer = self.model.layer_time(n, computed)
+            if layer is not None and layer > 0:
+                share = min(share, layer * self.layers)
+        return share
 
     def _fit(self, cap: int, computed: int) -> int:
         """The most tokens (<= cap) whose chunk keeps the step's prediction within its limit:

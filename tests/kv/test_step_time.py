@@ -9,6 +9,7 @@ from hetserve.kv.step_time import (
     CLIP,
     GROWTH,
     MIN_STEPS,
+    SLICE_FOLLOW,
     WINDOW,
     StepKind,
     StepShape,
@@ -271,6 +272,16 @@ def test_a_layer_slice_costs_the_chunk_part_over_the_layers_scaled_by_what_slice
         m.observe_slice(100, 300, 2, 4 * one)
     assert m.slice_scale == pytest.approx(2.0, rel=1e-3)
     assert m.layer_time(100, 300) == pytest.approx(2 * one, rel=1e-3)
+    # A slice faster than predicted moves the scale halfway there at once (no stall makes a
+    # step faster), however far, to a quarter of the prediction at most.
+    m.observe_slice(100, 300, 2, 2 * 2 * one * 0.5)
+    assert m.slice_scale == pytest.approx(2.0 * (1 - SLICE_FOLLOW * 0.5), rel=1e-3)
+    for _ in range(16):
+        m.observe_slice(100, 300, 2, 2 * one * 0.4)
+    assert m.slice_scale == pytest.approx(0.4, rel=1e-3)
+    scale = m.slice_scale
+    m.observe_slice(100, 300, 1, 1e-9)
+    assert m.slice_scale == pytest.approx(scale * (1 - SLICE_FOLLOW * 0.75))
     before = m.slice_scale
     for bad in (0.0, -1.0, float("nan")):  # a slice that ran is never an error, nor a change
         m.observe_slice(100, 300, 2, bad)

@@ -16,7 +16,7 @@ from hetserve.core.request import NewRequest
 from hetserve.engine.step_log import shape_of
 from hetserve.kv.step_time import StepShape
 from hetserve.sched.scheduler import SchedulerOutput
-from hetserve.sched.step_budget import StepBudget
+from hetserve.sched.step_budget import EFFICIENCY, StepBudget
 from tests.sched.mixed_runs import long_prompt, reference, run, stream
 
 MAX_LEN = 256
@@ -305,3 +305,38 @@ def test_a_layer_predicted_free_never_divides_by_zero():
         piece = budget.slice(200, 0)
         assert piece is None or 0 < piece[1] < LAYERS
         assert budget.slice_layers(50, 0, 1, 200) == LAYERS - 1
+
+
+class CheapSlices(FakeStepTime):
+    """A fit whose whole chunks cost twice what measured slices say (layer_time is the
+    slices' scaled cost): it over-predicts the prompt's time alone."""
+
+    def predict(self, shape: StepShape) -> float:
+        return self.step_s + self.token_s * shape.decodes + 2 * self.token_s * shape.chunk_tokens
+
+
+def test_a_prompts_time_alone_is_never_above_its_cost_as_slices():
+    fake = CheapSlices(1e-4, 1e-3)
+    budget = StepBudget(fake, None, 512, LAYERS)
+    for _ in range(3):
+        budget.take(1, 10)
+    for n, computed in ((50, 0), (200, 0), (100, 300)):
+        share = fake.predict(StepShape().plus(512, 0)) * n / 512
+        assert share > LAYERS * fake.layer_time(n, computed)
+        assert budget._alone(n, computed, 512) == pytest.approx(
+            LAYERS * fake.layer_time(n, computed)
+        )
+    # Where the fit's share is the cheaper, it stands.
+    honest = FakeStepTime(1e-4, 1e-3)
+    b = StepBudget(honest, None, 512, LAYERS)
+    share = honest.predict(StepShape().plus(512, 0)) * 100 / 512
+    assert share < LAYERS * honest.layer_time(100, 0)
+    assert b._alone(100, 0, 512) == pytest.approx(share)
+    # Efficiency is then judged against the slices' cost: the chosen slice's layers are at
+    # least EFFICIENCY of its step, which an over-predicted share alone would have let a
+    # shorter slice pass.
+    n, k = budget.slice(400, 0)
+    decodes = fake.predict(budget.shape)
+    part = k * fake.layer_time(n, 0)
+    assert part >= EFFICIENCY * (decodes + part) * (1 - 1e-9)
+    assert budget.slice_allowance(n, 0, 400, k) == pytest.approx(part / EFFICIENCY)
