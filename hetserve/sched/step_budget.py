@@ -29,11 +29,12 @@ both (Sarathi-Serve sizes the chunk to the latency budget; we size it in seconds
   prompt's earlier steps overspent (`debt_s`, the scheduler's ledger from measured step
   times): steps the fit under-predicted, and the first small chunks while `max_chunk` still
   bounds them, are made up by larger chunks later (a prompt in debt is not held to
-  `max_chunk`), so the rule holds for the prompt's whole run and not only step by step
-  (serving the demo model a 3,000-token prompt beside three streams, the steps, each
-  predicted within the rule, took 1.37x its time alone). EFFICIENCY keeps a margin below the
-  goal's 0.8 for what the rule does not see: the step in flight when the prompt arrives, its
-  last chunk (what is left), the fit's error on the prompt's cost alone.
+  `max_chunk`; a decode step's worth at most a step), so the rule holds for the prompt's
+  whole run and not only step by step (serving the demo model a 3,000-token prompt beside
+  three streams, the steps, each predicted within the rule, took 1.37x its time alone).
+  EFFICIENCY keeps a margin below the goal's 0.8 for what the rule does not see: the step in
+  flight when the prompt arrives, its last chunk (what is left), the fit's error on the
+  prompt's cost alone.
 - Beside decodes, a step's chunks carry at most the model's `max_chunk()` tokens: a chunk
   longer than those it has seen is extrapolated (the engine's model: twice the longest of the
   latest mixed steps), so chunks grow step by step as the fit learns each size.
@@ -323,7 +324,10 @@ class StepBudget:
             return max(self.limit_s, decodes / (1 - FLOOR_SHARE))
         # The smallest chunk that keeps the efficiency, the debt made up (it grows with the
         # chunk, as the decodes' and the chunk's fixed costs spread over more tokens); none:
-        # the whole cap.
+        # the whole cap. A debt is made up a decode step's worth at most a step, as a
+        # slice's is (all at once, serving the 1.7 B MoE, a 207 ms debt after slow slices made
+        # a 768-token chunk beside three decodes: a 2.2 s step).
+        debt_s = min(debt_s, decodes)
         lo, hi = 1, cap
         while lo < hi:
             mid = (lo + hi) // 2

@@ -228,6 +228,15 @@ def test_a_prompt_in_debt_gets_a_larger_chunk_and_is_not_held_to_the_sizes_seen(
     assert with_decodes(StepBudget(Seen(), None, tokens=2048), 3).grant(5000, 500) == 16
     lifted = with_decodes(StepBudget(Seen(), None, tokens=2048), 3).grant(5000, 500, 0.01)
     assert lifted == owing
+    # A debt is made up a decode step's worth at most a step (all at once, serving the 1.7 B
+    # MoE, a 207 ms debt made a 768-token chunk beside three decodes: a 2.2 s step).
+    b = with_decodes(StepBudget(model, None, tokens=2048), 3)
+    decodes = model.predict(b.shape)
+    deep = with_decodes(StepBudget(model, None, tokens=2048), 3).grant(5000, 500, debt_s=1.0)
+    assert deep == with_decodes(StepBudget(model, None, tokens=2048), 3).grant(
+        5000, 500, debt_s=decodes
+    )
+    assert owing == deep < 2048  # 10 ms owed, a 3.5 ms decode step made up
     # Under a step limit the debt changes nothing: the limit rules.
     limited = with_decodes(StepBudget(Seen(), 0.050, tokens=2048), 3)
     assert limited.grant(5000, 500, debt_s=0.01) == 16
