@@ -125,6 +125,10 @@ class StepBudget:
         self.until_s: float | None = None  # the step's time limit, fixed at its first chunk
         self.layers = layers  # decoder layers a chunk may be sliced into (None: no slices)
         self.sliced = False  # a layer slice is in this step: no other prompt chunk joins it
+        # The model is fixed for the step: its answers for a chunk are asked again and again by
+        # the searches (each number of layers, each chunk a grant tries), kept here.
+        self._layers_memo: dict[tuple[int, int], float] = {}
+        self._alone_memo: dict[tuple[int, int, int], float | None] = {}
 
     def grant(self, needed: int, computed: int, debt_s: float = 0.0) -> int:
         """Tokens the next request gets: `needed` still to compute after `computed`. 0: none
@@ -283,8 +287,11 @@ class StepBudget:
     def _layer(self, tokens: int, computed: int) -> float:
         """One layer of a chunk (inf while unknown: nothing fits)."""
         assert self.model is not None
-        t = self.model.layer_time(tokens, computed)
-        return float("inf") if t is None else t
+        key = (tokens, computed)
+        if key not in self._layers_memo:
+            t = self.model.layer_time(tokens, computed)
+            self._layers_memo[key] = float("inf") if t is None else t
+        return self._layers_memo[key]
 
     def _efficient(
         self, tokens: int, computed: int, total: int, k: int, decodes: float, debt_s: float
@@ -349,6 +356,13 @@ class StepBudget:
         return None if alone is None else alone / EFFICIENCY
 
     def _alone(self, n: int, computed: int, total: int) -> float | None:
+        """`_alone_of`, asked once a step for each chunk."""
+        key = (n, computed, total)
+        if key not in self._alone_memo:
+            self._alone_memo[key] = self._alone_of(n, computed, total)
+        return self._alone_memo[key]
+
+    def _alone_of(self, n: int, computed: int, total: int) -> float | None:
         """What `n` prompt tokens after `computed` cost in the prompt's run alone, in chunks
         of the whole token budget: their share of the fixed costs of the chunk that holds
         them there (its step, its gather of the context, the experts it reads) and their own
@@ -379,8 +393,8 @@ class StepBudget:
         # model, and every allowance is a share of it: the prompt came to 1.3-1.6x its time
         # alone on the 1.7 B MoE, 3.5-5.6x on the demo, where the rule promises 1 / EFFICIENCY.
         if self.layers is not None:
-            layer = self.model.layer_time(n, computed)
-            if layer is not None and layer > 0:
+            layer = self._layer(n, computed)
+            if 0 < layer < float("inf"):
                 share = min(share, layer * self.layers)
         return share
 
