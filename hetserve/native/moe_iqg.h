@@ -276,10 +276,10 @@ static inline void iqg_add(float *tot, int t, float D, float xd) {
 #ifdef HS_AVX512
 /* IQ2_XS, IQ2_S, IQ1_S and IQ1_M on AVX-512 (quad_iqgl in moe_kq.h): 64 columns a vector.
  * Their grids (512, 1024 and 2048 points) are too large for one plane pair's in-register
- * lookups, so each point still costs a load; what these helpers take off the file-order path is the rest: a
- * super-block's 32 indices (and IQ1's deltas' signs) are put together in one vector (vpermw,
- * vpsrlvw) instead of ~5 scalar steps a point, and its 16 scales in another instead of a byte
- * array read back as a vector (a store-forwarding stall every super-block). */
+ * lookups, so each point still costs a load; what these helpers take off the file-order path
+ * is the rest: a super-block's 32 indices (and IQ1's deltas' signs) are put together in one
+ * vector (vpermw, vpsrlvw) instead of ~5 scalar steps a point, and its 16 scales in another
+ * instead of a byte array read back as a vector (a store-forwarding stall every super-block). */
 
 /* A super-block's 16 scales 2 s + 1 (one per 16 columns, as dwords) and its D. */
 static inline __attribute__((always_inline)) __m512i iqgl_head(int fmt, const uint8_t *b,
@@ -299,9 +299,10 @@ static inline __attribute__((always_inline)) __m512i iqgl_head(int fmt, const ui
         sh = _mm512_set1_epi32(12);
         *D = kq_f16(b) * 0.125f;
     } else { /* IQ1_M: 3 bits per 16 columns, four to a word whose top nibbles are d */
+        const __m128i words = _mm_loadl_epi64((const __m128i *)(b + 48));
         w = _mm512_permutexvar_epi32(
             _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-            _mm512_cvtepu16_epi32(_mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)(b + 48)))));
+            _mm512_cvtepu16_epi32(_mm256_castsi128_si256(words)));
         sh = _mm512_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9);
         *D = iq1m_d(b) * 0.125f;
     }
