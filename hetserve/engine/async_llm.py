@@ -31,6 +31,7 @@ from hetserve.engine.core import EngineCore
 from hetserve.engine.errors import EngineDeadError, EngineRequestError
 from hetserve.engine.execute import describe
 from hetserve.errors import HetserveError, InvalidInputError
+from hetserve.native.openmp import release_thread_team
 
 log = logging.getLogger(__name__)
 BACKGROUND_TICK_S = 0.005  # how often an idle engine takes finished KV saves in
@@ -145,6 +146,10 @@ class AsyncLLM:
         self._stats = self.engine.stats()
         self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="hetserve-engine", daemon=True)
+        # Every step runs on the engine thread from here on: the OpenMP team that building the
+        # engine left to this thread goes back, or its idle workers would make libgomp wake the
+        # engine thread's own team through the kernel at each parallel region (native/openmp.py)
+        release_thread_team()
         self._thread.start()
 
     # ---- caller side ------------------------------------------------------------------------
