@@ -48,6 +48,7 @@ from hetserve.model.build import build_model, prefill_bf16
 from hetserve.model.build import kv_dtype as build_kv_dtype
 from hetserve.model.memory_facts import measured as measured_memory
 from hetserve.model.tokenizer import Tokenizer
+from hetserve.native.openmp import release_thread_team
 from hetserve.sched.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from hetserve.structured import GrammarCompiler
 
@@ -139,6 +140,10 @@ class EngineCore:
         self._counts = {"steps": 0, "preemptions": 0, "prompt_tokens": 0, "generation": 0}
         self._finished: dict[str, int] = {}
         self._kv_info = kv_facts(cfg, self.kv, kv_dtype, seed, self.tiers, self.kv_events)
+        # The build's OpenMP team goes back: the thread that steps the engine (this one, an
+        # AsyncLLM's engine thread) makes its own at its first step, and a team left idle here
+        # beside one that works would make libgomp stop spinning (native/openmp.py)
+        release_thread_team()
 
     # ---- requests -----------------------------------------------------------------------------
     def validate(self, new: NewRequest) -> NewRequest:

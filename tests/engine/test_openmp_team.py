@@ -98,3 +98,17 @@ def test_async_llm_releases_the_builders_team_before_its_engine_thread_starts(
         assert llm.is_alive and llm._thread in engine_threads()
     finally:
         llm.shutdown()
+
+
+def test_an_engine_hands_back_its_builds_team_after_the_probes(tiny_model, monkeypatch):
+    from hetserve.engine import core
+    from hetserve.engine.llm import LLM
+
+    order = []
+    probes = core.measure_steps
+    monkeypatch.setattr(core, "measure_steps", lambda *a: (order.append("probes"), probes(*a)))
+    monkeypatch.setattr(core, "release_thread_team", lambda: order.append("release") or True)
+    llm = LLM(str(tiny_model("qwen3-moe")))
+    assert order == ["probes", "release"]  # the start-up probes ran on the team, then it went
+    out = llm.generate(prompt_token_ids=[[5, 6, 7]], use_tqdm=False)  # a step makes a new one
+    assert len(out[0].outputs[0].token_ids) > 0
