@@ -3,10 +3,12 @@
 Who calls it: `EngineCore` at the end of its build (after the start-up probes), and `AsyncLLM`
 in the thread that built the engine, right before it starts the engine thread that runs every
 step from then on (the engine may have been built earlier and the thread used since). A thread
-that steps an engine makes its own team at its first parallel region. torch and hetserve's kernels share one OpenMP
-runtime (libgomp, pool.c), which keeps a team of worker threads for each thread that has opened
-a parallel region. Building the engine (weights, start-up probes) opens regions in the caller's
-thread; the engine thread's first step opens its own. With two teams alive on a 2-core machine
+that steps an engine makes its own team at its first parallel region.
+
+torch and hetserve's kernels share one OpenMP runtime (libgomp, pool.c), which keeps a team of
+worker threads for each thread that has opened a parallel region. Building the engine (weights,
+start-up probes) opens regions in the caller's thread; the engine thread's first step opens its
+own. With two teams alive on a 2-core machine
 there are more OpenMP threads than CPUs, and libgomp then cuts its workers' spin-wait from
 hundreds of thousands of turns to a thousand: between two kernels a worker goes to sleep, and
 every parallel region of the step wakes it through the kernel (~10-60 us each on this VM, where
