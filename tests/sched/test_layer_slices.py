@@ -340,3 +340,31 @@ def test_a_prompts_time_alone_is_never_above_its_cost_as_slices():
     part = k * fake.layer_time(n, 0)
     assert part >= EFFICIENCY * (decodes + part) * (1 - 1e-9)
     assert budget.slice_allowance(n, 0, 400, k) == pytest.approx(part / EFFICIENCY)
+
+
+class DearSlices(FakeStepTime):
+    """A fit whose measured slices cost twice a whole chunk's share: no number of layers
+    keeps the prompt's efficiency against its time alone."""
+
+    def layer_time(self, tokens: int, computed: int) -> float | None:
+        t = super().layer_time(tokens, computed)
+        return None if t is None else 2 * t
+
+
+def test_a_slice_no_layer_count_keeps_efficient_runs_a_steps_share_not_all_its_layers():
+    fake = DearSlices(1e-4, 1e-3)
+    budget = StepBudget(fake, None, 512, LAYERS)
+    for _ in range(3):
+        budget.take(1, 10)
+    decodes = fake.predict(budget.shape)
+    n, left = 50, LAYERS - 1
+    assert not any(budget._efficient(n, 0, 512, k, decodes, 0.0) for k in range(1, left + 1))
+    k = budget.slice_layers(n, 0, 1, 512)
+    layer = fake.layer_time(n, 0)
+    # Brute force: the fewest layers whose time is EFFICIENCY of the step beside the decodes
+    # (before: all that were left, one step as long as the rest of the prompt's layers).
+    want = min(j for j in range(1, left + 1) if j * layer >= EFFICIENCY * (decodes + j * layer)
+               or j == left)  # fmt: skip
+    assert k == want and 1 <= k < left
+    # A debt (at most the decodes' time) asks for more layers; never more than are left.
+    assert k < budget.slice_layers(n, 0, 1, 512, debt_s=1.0) <= left
