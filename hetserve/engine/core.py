@@ -140,10 +140,7 @@ class EngineCore:
         self._counts = {"steps": 0, "preemptions": 0, "prompt_tokens": 0, "generation": 0}
         self._finished: dict[str, int] = {}
         self._kv_info = kv_facts(cfg, self.kv, kv_dtype, seed, self.tiers, self.kv_events)
-        # The build's OpenMP team goes back: the thread that steps the engine (this one, an
-        # AsyncLLM's engine thread) makes its own at its first step, and a team left idle here
-        # beside one that works would make libgomp stop spinning (native/openmp.py)
-        release_thread_team()
+        release_thread_team()  # the build's OpenMP team: whoever steps makes its own (openmp.py)
 
     # ---- requests -----------------------------------------------------------------------------
     def validate(self, new: NewRequest) -> NewRequest:

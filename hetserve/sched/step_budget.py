@@ -22,19 +22,14 @@ both (Sarathi-Serve sizes the chunk to the latency budget; we size it in seconds
   chunks is the rule's). Those shares add up to the prompt's time alone, so its time to
   first token grows by at most 1 / EFFICIENCY - 1 = 18% for the streams it runs beside, on
   any machine: a chunk's fixed costs (the decodes, the experts a few tokens read, its gather
-  of the context) decide how large it must be. (Comparing with the rest of the prompt in one
-  chunk instead counts the rest's attention, which grows with its length, as a cost per
-  token: small chunks looked efficient, and serving the demo model a 3,000-token prompt
-  beside three streams took 2.45x its time alone.) Each step is judged with what the
-  prompt's earlier steps overspent (`debt_s`, the scheduler's ledger from measured step
-  times): steps the fit under-predicted, and the first small chunks while `max_chunk` still
-  bounds them, are made up by larger chunks later (a prompt in debt is not held to
-  `max_chunk`; a decode step's worth at most a step), so the rule holds for the prompt's
-  whole run and not only step by step (serving the demo model a 3,000-token prompt beside
-  three streams, the steps, each predicted within the rule, took 1.37x its time alone).
-  EFFICIENCY keeps a margin below the goal's 0.8 for what the rule does not see: the step in
-  flight when the prompt arrives, its last chunk (what is left), the fit's error on the
-  prompt's cost alone.
+  of the context) decide how large it must be. Each step is judged with what the prompt's
+  earlier steps overspent (`debt_s`, the scheduler's ledger from measured step times): steps
+  the fit under-predicted, and the first small chunks while `max_chunk` still bounds them,
+  are made up by larger chunks later (a prompt in debt is not held to `max_chunk`; a decode
+  step's worth at most a step), so the rule holds for the prompt's whole run and not only
+  step by step. EFFICIENCY keeps a margin below the goal's 0.8 for what the rule does not
+  see: the step in flight when the prompt arrives, its last chunk (what is left), the fit's
+  error on the prompt's cost alone.
 - Beside decodes, a step's chunks carry at most the model's `max_chunk()` tokens: a chunk
   longer than those it has seen is extrapolated (the engine's model: twice the longest of the
   latest mixed steps), so chunks grow step by step as the fit learns each size.
@@ -257,11 +252,8 @@ class StepBudget:
         for k in range(1, left):
             if self._efficient(tokens, computed, total, k, decodes, debt_s):
                 return k
-        # None keeps it (the slice measured dearer than its share of the prompt's time alone
-        # by more than the rule's margin, or a prompt's last few tokens): the layers that give
-        # the slice EFFICIENCY of the step, not all that are left at once (serving the 1.7 B
-        # MoE, five layers of a 1,838-token slice made one 2.0 s step beside three 19 ms
-        # decodes).
+        # None keeps it (its layers dearer than their share alone by more than the margin):
+        # those that give it EFFICIENCY of the step, not all that are left at once (a 2 s step)
         share = EFFICIENCY / (1 - EFFICIENCY) * (decodes + debt_s)
         return max(1, min(left, math.ceil(share / self._layer(tokens, computed))))
 
