@@ -3,7 +3,11 @@
 The mask of a step depends only on the tokens a sequence accepted before that step, so it can
 be computed while the model runs (llguidance and xgrammar both recommend this). llguidance's
 executor drops the GIL while it computes, so the forward's torch threads and the mask worker
-run side by side; the executor waits for the job only when it is about to sample.
+run side by side; the executor waits for the job only when it is about to sample. The worker
+unpacks the bits with numpy, never with a torch op large enough for a parallel region: that
+would give its thread an OpenMP team of its own beside the engine thread's, and with two teams
+libgomp wakes the engine's workers through the kernel at every region from then on
+(native/openmp.py).
 """
 
 from __future__ import annotations
@@ -16,8 +20,13 @@ import torch
 
 from hetserve.structured.compiler import GrammarMatcher
 
-# Bit i of a mask word; 1 << 31 wraps to the int32 sign bit, the bit pattern wanted.
-_BITS = torch.tensor([(1 << i) - (1 << 32 if i == 31 else 0) for i in range(32)], dtype=torch.int32)
+
+def disallowed_tokens(bits: np.ndarray, vocab_size: int) -> torch.Tensor:
+    """bool [n, vocab_size], True where bit (t % 32) of word t // 32 of a row is 0: llguidance's
+    int32 mask words (bit i of a word is token 32 w + i) unpacked in numpy, single-threaded."""
+    words = np.ascontiguousarray(bits, dtype="<i4")  # little-endian bytes: bit 0 first
+    allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(allowed[:, :vocab_size] == 0)
 
 
 class MaskJob:
@@ -47,10 +56,8 @@ class MaskWorker:
         self._ll.unsafe_compute_mask_ptr(
             [(m.ll, i) for i, m in enumerate(matchers)], bits.ctypes.data, words * 4, n
         )
-        packed = torch.from_numpy(bits)
         # Built here, beside the forward, in the form the sampler applies as it is.
-        disallowed = (packed.unsqueeze(-1) & _BITS) == 0
-        return disallowed.view(n, words * 32)[:, :vocab_size]
+        return disallowed_tokens(bits, vocab_size)
 
 
 _WORKER: MaskWorker | None = None
