@@ -11,10 +11,10 @@ start-up probes) opens regions in the caller's thread; the engine thread's first
 own. With two teams alive on a 2-core machine there are more OpenMP threads than CPUs, and
 libgomp then cuts its workers' spin-wait from hundreds of thousands of turns to a thousand:
 between two kernels a worker goes to sleep, and every parallel region of the step wakes it
-through the kernel (~10-60 us each on this VM, where a region of a single team costs ~1-2 us). Measured (2026-11-29, 3 streams, steps driven from a
-second thread): the demo model's decode step 0.80-0.92 ms against 0.43-0.53 in the first thread,
-the 1.7 B MoE's 19.4-20.9 ms against 14.7-17.9; with the first thread's team released, 0.43 and
-17.0-17.4 ms.
+through the kernel (~10-60 us each on this VM, where a region of a single team costs ~1-2 us).
+Measured (2026-11-29, 3 streams, steps driven from a second thread): the demo model's decode
+step 0.80-0.92 ms against 0.43-0.53 in the first thread, the 1.7 B MoE's 19.4-20.9 ms against
+14.7-17.9; with the first thread's team released, 0.43 and 17.0-17.4 ms.
 
 `release_thread_team()` asks the runtime (`omp_pause_resource_all`, OpenMP 5.0) to free the
 calling thread's team; a later parallel region in that thread starts a new one. Failure: where
