@@ -20,12 +20,13 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _settled(count, expect, timeout_s: float = 5.0) -> int:
-    """The process's thread count once it equals expect() (workers exit asynchronously)."""
+def _threads_once(expect: int, timeout_s: float = 5.0) -> int:
+    """The process's thread count once it is `expect` (workers exit asynchronously), or as it
+    is after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    while count() != expect() and time.monotonic() < deadline:
+    while _threads() != expect and time.monotonic() < deadline:
         time.sleep(0.01)
-    return count()
+    return _threads()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc")
@@ -49,7 +50,7 @@ def test_release_frees_the_calling_threads_team_and_only_its_own():
         parallel_region()
         seen["with"] = _threads()
         seen["released"] = openmp.release_thread_team()
-        seen["after"] = _settled(_threads, lambda: seen["with"] - 1)
+        seen["after"] = _threads_once(seen["with"] - 1)
         parallel_region()  # a region after it: a new team, same results
         seen["again"] = _threads()
 
