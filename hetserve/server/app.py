@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hetserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineRequestError
-from hetserve.errors import HetserveError
+from hetserve.errors import HetserveError, InvalidInputError
 from hetserve.server.access_log import AccessLog
 from hetserve.server.chat import ChatServing
 from hetserve.server.completions import CompletionServing
@@ -43,9 +43,13 @@ T = TypeVar("T")
 
 class Guard:
     """Pure ASGI middleware (a BaseHTTPMiddleware would hide client disconnects from the
-    routes): stamps the arrival time, checks the bearer token on /v1/*, and enforces the body
-    limit while the body is read, chunked bodies included, so an oversized one is never read
-    whole."""
+    routes): stamps the arrival time, checks the bearer token on /v1/*, /api/* (Ollama's
+    routes) and /internal/*, and enforces the body limit while the body is read, chunked bodies
+    included, so an oversized one is never read whole. It also answers for the routes what
+    nothing else caught: an error JSON while no response started (Starlette's outermost
+    handler would send it too, but then re-raise, and uvicorn drops the client's keep-alive
+    connection: one bad request would fail that client's next one), and writes the access line
+    of every answer, its own and abandoned streams' (499) included."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int, access=None) -> None:
         self.app = app
@@ -57,15 +61,43 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         scope["hetserve.arrival"] = time.monotonic()
+        path = scope["path"]
+        logged = self.access is not None and path not in ("/health", "/metrics")
+        status: int | None = None  # set once the response starts
+        ended = False
+
+        async def answer(message) -> None:
+            nonlocal status, ended
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                ended = True
+                if logged:
+                    self.access.write(scope, status or 500)
+
+        try:
+            await self._serve(scope, receive, answer)
+        except Exception as exc:
+            if status is not None:
+                raise  # a stream broke after its start: nothing to answer, the connection ends
+            code, body = exception_status(exc)
+            await _send_json(answer, code, _shaped(path, body))
+        finally:
+            if logged and not ended:
+                self.access.write(scope, 499)  # nginx's "client closed request"
+
+    async def _serve(self, scope, receive, send) -> None:
         headers = dict(scope.get("headers") or ())
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
-            return await _send_json(send, 413, error_body(str(BodyTooLargeError(self.limit))))
-        guarded = scope["path"].startswith(("/v1/", "/internal/"))
+            body = error_body(str(BodyTooLargeError(self.limit)))
+            return await _send_json(send, 413, _shaped(scope["path"], body))
+        guarded = scope["path"].startswith(("/v1/", "/api/", "/internal/"))
         if self.api_key and guarded and not self._authorized(headers):
             body = error_body("missing or invalid API key", "authentication_error")
             body["error"]["code"] = "invalid_api_key"
-            return await _send_json(send, 401, body)
+            return await _send_json(send, 401, _shaped(scope["path"], body))
         received = 0
 
         async def limited_receive():
@@ -77,24 +109,18 @@ class Guard:
                     raise BodyTooLargeError(self.limit)
             return message
 
-        if self.access is None or scope["path"] in ("/health", "/metrics"):
-            return await self.app(scope, limited_receive, send)
-        status = 500
-
-        async def logged_send(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body"):
-                self.access.write(scope, status)
-
-        await self.app(scope, limited_receive, logged_send)
+        await self.app(scope, limited_receive, send)
 
     def _authorized(self, headers: dict) -> bool:
         auth = headers.get(b"authorization", b"").decode("latin-1")
         token = auth[7:] if auth.lower().startswith("bearer ") else ""
         return hmac.compare_digest(token.encode(), self.api_key.encode())
+
+
+def _shaped(path: str, body: dict) -> dict:
+    """An error body in the shape of the API `path` belongs to: Ollama's routes answer
+    `{"error": message}`, the others OpenAI's object."""
+    return {"error": body["error"]["message"]} if path.startswith("/api/") else body
 
 
 async def _send_json(send, status: int, body: dict) -> None:
@@ -139,12 +165,10 @@ def create_app(
 
     async def on_error(request: Request, exc: Exception):
         status, body = exception_status(exc)
-        if request.url.path.startswith("/api/"):  # Ollama's routes answer in Ollama's shape
-            return JSONResponse({"error": body["error"]["message"]}, status_code=status)
-        return JSONResponse(body, status_code=status)
+        return JSONResponse(_shaped(request.url.path, body), status_code=status)
 
-    # Each expected type by name: only `Exception` itself goes to Starlette's outermost handler,
-    # which also logs a traceback (right for our bugs, wrong for a user's mistake).
+    # Each expected type by name, answered where it was raised; anything else (our bugs: its
+    # traceback is logged) is answered by the Guard, `Exception` here only for what escapes it.
     for exc_type in (
         ValidationError,
         UnsupportedFieldError,
@@ -166,10 +190,12 @@ def create_app(
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
 
-    def check_model(name: str | None) -> JSONResponse | None:
+    def check_model(name: object) -> JSONResponse | None:
         """None when `name` is served: the base model or a loaded LoRA adapter."""
         if name is None or name == model_name:
             return None
+        if not isinstance(name, str):
+            raise InvalidInputError("model: must be a string, the served model's name", "model")
         adapters = engine.lora_adapters()
         if name in adapters:
             return None
