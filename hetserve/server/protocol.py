@@ -264,6 +264,15 @@ class ChatMessage(BaseModel):
         return "".join(p.get("text") or p.get("refusal") or "" for p in self.content)
 
 
+# Template variables the server renders from the request, and where a request sets them.
+_RENDERED = {
+    "messages": "send them as 'messages'",
+    "tools": "send them as 'tools'",
+    "bos_token": "it is the model's own",
+    "eos_token": "it is the model's own",
+}
+
+
 class ChatCompletionRequest(_Common):
     extensions: ClassVar[Mapping[str, tuple]] = CHAT_EXTENSIONS
 
@@ -286,6 +295,7 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs and not self.logprobs:
             raise InvalidInputError("top_logprobs requires logprobs to be true", "top_logprobs")
         check_tool_replies([(m.role, m.model_extra or {}) for m in self.messages])
+        self._template_rules()
         self._tools = plan_tools(self.model_extra or {})
         if self._tools.grammar is not None and self.grammar is not None:
             raise InvalidInputError(
@@ -294,6 +304,27 @@ class ChatCompletionRequest(_Common):
                 "tool_choice",
             )
         return self
+
+    def _template_rules(self) -> None:
+        """chat_template_kwargs may set add_generation_prompt (as vLLM's do, over the field)
+        and anything else the template reads, but not what the server renders from the
+        request itself."""
+        kwargs = self.chat_template_kwargs or {}
+        for key in _RENDERED:
+            if key in kwargs:
+                raise InvalidInputError(
+                    f"chat_template_kwargs.{key}: the server sets it from the request; "
+                    f"{_RENDERED[key]}",
+                    f"chat_template_kwargs.{key}",
+                )
+        if "add_generation_prompt" in kwargs:
+            value = kwargs.pop("add_generation_prompt")
+            if not isinstance(value, bool):
+                raise InvalidInputError(
+                    "chat_template_kwargs.add_generation_prompt: should be a boolean",
+                    "chat_template_kwargs.add_generation_prompt",
+                )
+            self.add_generation_prompt = value
 
     def template_kwargs(self) -> dict[str, Any]:
         kwargs = dict(self.chat_template_kwargs or {})

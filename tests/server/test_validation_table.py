@@ -241,6 +241,10 @@ BAD = [
     (M, {"function_call": "auto"}, "function_call", "use tool_choice"),
     (M, {"reasoning_effort": "max"}, "reasoning_effort", "'minimal'"),
     (M, {"chat_template_kwargs": 3}, "chat_template_kwargs", "should be an object"),
+    *[(M, {"chat_template_kwargs": {key: 5}}, f"chat_template_kwargs.{key}", "sets it from")
+      for key in ("messages", "tools", "bos_token", "eos_token")],
+    (M, {"chat_template_kwargs": {"add_generation_prompt": "no"}},
+     "chat_template_kwargs.add_generation_prompt", "should be a boolean"),
     # ---- structured output: OpenAI's response_format (type text, json_object or json_schema
     # with a name of 1-64 [A-Za-z0-9_-] and a schema object), vLLM's guided_* and
     # structured_outputs (one kind per request); a grammar that does not compile names its field
@@ -372,6 +376,7 @@ ACCEPTED = [
     (M, {"logprobs": True, "top_logprobs": 20}),
     (M, {"echo": False, "add_special_tokens": False, "chat_template_kwargs": {}}),
     (M, {"chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "low"}),
+    (M, {"chat_template_kwargs": {"add_generation_prompt": False}}),
     (M, {"skip_special_tokens": False}),
     (M, {"tools": [TOOL], "tool_choice": "none"}),
     (M, msgs(USER, {"role": "assistant", "content": None, "tool_calls": [
@@ -390,6 +395,17 @@ def test_edge_of_a_rule_is_served(server, path, patch):
     r = send(server.url, path, patch)
     assert r.status_code == 200, r.text
     assert r.json()["choices"]
+
+
+def test_add_generation_prompt_in_chat_template_kwargs_is_honoured(server):
+    """As vLLM: the kwarg renders as the field would (it raised TypeError, a 500, before)."""
+
+    def prompt_tokens(patch: dict) -> int:
+        return send(server.url, M, patch).json()["usage"]["prompt_tokens"]
+
+    without = prompt_tokens({"add_generation_prompt": False})
+    assert prompt_tokens({"chat_template_kwargs": {"add_generation_prompt": False}}) == without
+    assert prompt_tokens({}) > without
 
 
 def test_priority_is_accepted_where_the_scheduler_orders_by_it():
