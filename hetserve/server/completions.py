@@ -74,6 +74,7 @@ class CompletionServing(OpenAIServing):
         # (prompt, choice) -> (chars sent, tokens sent, finish sent)
         sent: dict[tuple[int, int], tuple[int, int, bool]] = {}
         finals: dict[int, RequestOutput] = {}
+        echoed: dict[int, int] = {}
         async for i, out in merge(streams):
             finals[i] = out
             for c in out.outputs:
@@ -85,9 +86,9 @@ class CompletionServing(OpenAIServing):
                 sent[(i, c.index)] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
                 lp = None
                 if req.logprobs is not None:
-                    lp = self.completion_logprobs(
-                        c.token_ids[ntok:], c.logprobs[ntok:], req.logprobs, chars
-                    )
+                    if req.echo and i not in echoed:  # the echoed prompt's characters
+                        echoed[i] = sum(len(self.token_str(t)) for t in out.prompt_token_ids)
+                    lp = self._delta_logprobs(req, out, c, ntok, chars + echoed.get(i, 0), first)
                 choice = {
                     "index": i * req.n + c.index,
                     "text": (self._echo(out) if req.echo and first else "") + delta,
@@ -98,6 +99,17 @@ class CompletionServing(OpenAIServing):
                 yield chunk([choice], usage)
         if opts and opts.include_usage:
             yield chunk([], self.usage(list(finals.values())))
+
+    def _delta_logprobs(self, req, out: RequestOutput, c, ntok: int, offset: int, first: bool):
+        """A chunk's logprobs: its new tokens, at `offset` (what was sent before them); under
+        echo the first chunk also holds the prompt's, from 0, as the whole answer does."""
+        assert req.logprobs is not None
+        ids, entries = c.token_ids[ntok:], c.logprobs[ntok:]
+        if req.echo and first:
+            ids = out.prompt_token_ids + ids
+            entries = (out.prompt_logprobs or []) + entries
+            offset = 0
+        return self.completion_logprobs(ids, entries, req.logprobs, offset)
 
     def completion_logprobs(self, token_ids, entries, k: int, offset: int = 0) -> dict:
         """OpenAI completions logprobs for `token_ids`; an entry of None (the first prompt

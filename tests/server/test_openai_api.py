@@ -315,3 +315,21 @@ def test_echo_returns_prompt_and_its_logprobs(client, server):
         if c.choices
     )
     assert streamed == "hello world" + plain.choices[0].text
+
+
+def test_echo_logprobs_streamed_equal_the_whole_answer(client):
+    """With echo, the stream's first chunk carries the prompt's logprobs and offsets too, and
+    every later offset counts the echoed prompt, as the non-streamed answer does."""
+    args = dict(model="tiny", prompt="hello world", max_tokens=4, echo=True, logprobs=1,
+                temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    whole = client.completions.create(**args).choices[0].logprobs
+    tokens, lps, offsets = [], [], []
+    for chunk in client.completions.create(**args, stream=True):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                lps += c.logprobs.token_logprobs
+                offsets += c.logprobs.text_offset
+    assert tokens == whole.tokens
+    assert lps[0] is None and lps[1:] == pytest.approx(whole.token_logprobs[1:])
+    assert offsets == whole.text_offset
