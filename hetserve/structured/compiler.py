@@ -139,7 +139,13 @@ def _json(schema: dict, strict: bool) -> str:
 
 
 def _explain(spec: GrammarSpec, error: str) -> str:
-    first = error.strip().splitlines()[0] if error.strip() else "unknown error"
+    # One line: the libraries' first, and where it only introduces the cause on a later line
+    # under the source and a caret ("regex parse error:" ... "error: unclosed group"), that.
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    first = lines[0] if lines else "unknown error"
+    if first.endswith(":"):
+        cause = next((x for x in lines[1:] if x.lower().startswith("error:")), None)
+        first += " " + (cause[len("error:") :].strip() if cause else " ".join(lines[1:2]))
     what = {
         GrammarKind.JSON_SCHEMA: "JSON schema",
         GrammarKind.JSON_OBJECT: "JSON object grammar",

@@ -137,7 +137,14 @@ def test_unmasked_rows_differ_from_masked_ones(engine):
             "cannot be compiled",
         ),
         (GrammarSpec(GrammarKind.JSON_SCHEMA, "[1]", param="guided_json"), "must be an object"),
-        (GrammarSpec(GrammarKind.REGEX, "(ab", param="guided_regex"), "cannot be compiled"),
+        (
+            GrammarSpec(GrammarKind.REGEX, "(ab", param="guided_regex"),
+            "cannot be compiled: .*regex parse error: unclosed group$",
+        ),
+        (
+            GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type": "string", "pattern": "(a"}'),
+            "cannot be compiled: regex parse error: unclosed group$",
+        ),
         (
             GrammarSpec(GrammarKind.LARK, "start: undefined_rule", param="guided_grammar"),
             "cannot be compiled",
