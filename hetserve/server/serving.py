@@ -156,8 +156,9 @@ class OpenAIServing:
             return  # the engine refuses the prompt itself
         limit, name = req.output_limit()
         if limit is not None and limit > room:
+            given = "" if name in req.model_fields_set else ", the default"
             raise InvalidInputError(
-                f"prompt ({prompt_len} tokens) plus {name} ({limit}) exceeds the model's "
+                f"prompt ({prompt_len} tokens) plus {name} ({limit}{given}) exceeds the model's "
                 f"context of {self.engine.max_model_len} tokens; lower {name}",
                 name,
             )

@@ -111,6 +111,7 @@ BAD = [
     (M, {"max_tokens": DROP, "min_tokens": 300}, "min_tokens", "left in the model's context"),
     *both({"max_tokens": 300}, "max_tokens", "exceeds the model's context"),
     *both({"max_completion_tokens": 300}, "max_completion_tokens", "exceeds the model's context"),
+    (C, {"prompt": [5] * 250, "max_tokens": DROP}, "max_tokens", "(16, the default) exceeds"),
     *both({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when"),
     *both({"stream": False, "stream_options": {}}, "stream_options", "only allowed when"),
     (M, {"top_logprobs": 2}, "top_logprobs", "requires logprobs"),
