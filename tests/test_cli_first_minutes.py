@@ -47,3 +47,19 @@ def test_chat_checks_the_server_first(monkeypatch, capsys):
         port = s.getsockname()[1]
     assert main(["chat", "--url", f"http://127.0.0.1:{port}"]) == 2
     assert "is the server running" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags,text",
+    [
+        (["--temperature", "-1"], "--temperature: temperature must be"),
+        (["--max-tokens", "0"], "--max-tokens: max_tokens must be"),
+        (["--url", "127.0.0.1:8000"], "--url 127.0.0.1:8000 needs its scheme: http://127.0.0.1:8000"),
+    ],
+)
+def test_chat_flags_are_checked_before_anything_loads(flags, text, monkeypatch, capsys):
+    """Before the model loads or the server is asked, not after the first message."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--model", "/nonexistent", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and text in err, err

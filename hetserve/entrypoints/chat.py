@@ -210,7 +210,23 @@ def read_lines() -> Iterator[str]:
                 pass
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """The chat's own flags, before a model loads or a server is asked (not at the first
+    message)."""
+    from hetserve.core.sampling import SamplingParams
+
+    if args.url is not None and not args.url.startswith(("http://", "https://")):
+        raise InvalidInputError(f"--url {args.url} needs its scheme: http://{args.url}")
+    try:
+        limit = 1 if args.max_tokens is None else args.max_tokens
+        SamplingParams(max_tokens=limit, temperature=args.temperature)
+    except ValueError as exc:
+        flag = "--max-tokens" if str(exc).startswith("max_tokens") else "--temperature"
+        raise InvalidInputError(f"{flag}: {exc}") from None
+
+
 def chat_loop(args: argparse.Namespace) -> int:
+    check_options(args)
     engine = None
     args.lora_name = None
     if args.url is None:
