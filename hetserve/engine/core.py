@@ -269,7 +269,8 @@ class EngineCore:
             self._send_handoffs(sched.scheduled, result)
         outputs = self._fail(result.failed)
         ok = [s for s in sched.scheduled if s.request.request_id in self.seqs]
-        self.scheduler.update(SchedulerOutput(ok, sched.preempted), result.sampled, self.eos_ids)
+        done = SchedulerOutput(ok, sched.preempted)
+        self.scheduler.update(done, result.sampled, self.eos_ids, result.ended)
         self._commit(result)
         if self.tiers is not None:
             self.tiers.after_step()

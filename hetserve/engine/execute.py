@@ -47,6 +47,9 @@ class StepResult:
     failed: dict[str, str] = field(default_factory=dict)  # sequence id -> message
     slice_s: float = 0.0  # seconds the step's layer slices took (their layers' forward)
     slice_prompt_tokens: int = 0  # of prompt_tokens, those of slices that completed
+    # Sequences whose grammar is complete and drew its end: their output ends here, whatever
+    # min_tokens or ignore_eos say (the grammar allows nothing after it).
+    ended: set[str] = field(default_factory=set)
 
     def merge(self, other: StepResult) -> None:
         self.sampled.update(other.sampled)
@@ -56,6 +59,7 @@ class StepResult:
         self.failed.update(other.failed)
         self.slice_s += other.slice_s
         self.slice_prompt_tokens += other.slice_prompt_tokens
+        self.ended |= other.ended
 
 
 class StepExecutor:
@@ -243,7 +247,7 @@ class StepExecutor:
             except Exception as exc:  # one request's failure
                 errors[r] = exc
         if masks is not None:
-            self._advance_grammars(states, masks[0], tokens, errors)
+            self._advance_grammars(states, masks[0], tokens, errors, result.ended)
         for r, st in enumerate(states):
             rid = st.request.request_id
             if r in errors:
@@ -252,9 +256,13 @@ class StepExecutor:
             elif tokens[r] is not None:
                 result.sampled[rid] = tokens[r]
 
-    @staticmethod
     def _advance_grammars(
-        states: list[SeqState], rows: list[int], tokens: list[int | None], errors: dict
+        self,
+        states: list[SeqState],
+        rows: list[int],
+        tokens: list[int | None],
+        errors: dict,
+        ended: set[str],
     ) -> None:
         # Like a row's RNG, its matcher moves with the token it drew: both belong to this draw.
         for r in rows:
@@ -263,6 +271,8 @@ class StepExecutor:
                 continue
             if not matcher.accept(token):
                 errors[r] = RuntimeError(f"the grammar refused token {token}: {matcher.error}")
+            elif matcher.done and token in self.eos_ids:
+                ended.add(states[r].request.request_id)
 
     def _prompt_logprobs(self, scheduled, hidden, ends, result: StepResult) -> None:
         for i, s in enumerate(scheduled):

@@ -187,3 +187,15 @@ def test_compiled_once_per_content(engine):
     outs = run(engine, [NewRequest("c1", [5], SamplingParams(max_tokens=8), grammar=spec)])
     assert engine.grammars.compiles == before + 1
     assert outs["c1"].text.startswith("z") and outs["c1"].text.endswith("q")
+
+
+@pytest.mark.parametrize("extra", [{"min_tokens": 12}, {"ignore_eos": True}])
+def test_a_complete_grammar_ends_the_output(engine, extra):
+    """min_tokens and ignore_eos cannot hold the output open once its grammar is complete:
+    the grammar allows only its end, which was drawn again and again until max_tokens."""
+    prompt = engine.tokenizer.encode("hello the")
+    spec = GrammarSpec(GrammarKind.CHOICE, json.dumps(["yes", "no"]))
+    params = SamplingParams(max_tokens=16, seed=3, **extra)
+    out = run(engine, [NewRequest("c", prompt, params, grammar=spec)])["c"]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
+    assert len(out.token_ids) <= len(engine.tokenizer.encode(out.text)) + 1
