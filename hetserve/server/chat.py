@@ -19,6 +19,7 @@ from hetserve.errors import InvalidInputError
 from hetserve.server.protocol import ChatCompletionRequest
 from hetserve.server.serving import OpenAIServing, chunk_writer, merge
 from hetserve.server.tool_calls import (
+    ToolPlan,
     choice_parser,
     needs_special_tokens,
     openai_tool_calls,
@@ -126,7 +127,7 @@ class ChatServing(OpenAIServing):
                         if req.logprobs
                         else None
                     ),
-                    "finish_reason": _finish(c, bool(parsed.calls)),
+                    "finish_reason": _finish(c, bool(parsed.calls), req.tool_plan),
                 }
             )
         return {
@@ -179,7 +180,7 @@ class ChatServing(OpenAIServing):
                     "index": c.index,
                     "delta": delta,
                     "logprobs": lp,
-                    "finish_reason": _finish(c, called),
+                    "finish_reason": _finish(c, called, req.tool_plan),
                 }
                 yield chunk([choice], self._stream_usage(out, streamers) if continuous else None)
         if opts and opts.include_usage and last is not None:
@@ -221,8 +222,10 @@ def _call_delta(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _finish(c: CompletionOutput, called: bool) -> str | None:
-    if c.finish_reason == "stop" and called:
+def _finish(c: CompletionOutput, called: bool, plan: ToolPlan) -> str | None:
+    # As OpenAI (and vLLM) answer: a call the request named ends with "stop", others with
+    # "tool_calls".
+    if c.finish_reason == "stop" and called and plan.choice != "named":
         return "tool_calls"
     return c.finish_reason
 

@@ -45,11 +45,17 @@ def test_named_function_returns_valid_arguments(client):
         model="tiny", messages=USER, tools=TOOLS, tool_choice=choice, max_tokens=60, seed=1
     )
     msg = r.choices[0].message
-    assert r.choices[0].finish_reason == "tool_calls"
+    assert r.choices[0].finish_reason == "stop"  # OpenAI's for a named call ("required": calls)
     assert msg.content is None and len(msg.tool_calls) == 1
     call = msg.tool_calls[0]
     assert call.function.name == "get_weather" and call.id and call.type == "function"
     jsonschema_rs.validate(PARAMS, json.loads(call.function.arguments))
+    chunks = client.chat.completions.create(
+        model="tiny", messages=USER, tools=TOOLS, tool_choice=choice, max_tokens=60, seed=1,
+        stream=True,
+    )  # fmt: skip
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == "stop" and reasons.count(None) == len(reasons) - 1
 
 
 @pytest.mark.parametrize("parallel", [True, False])
