@@ -14,15 +14,18 @@ the field named in the message and the 4xx status.
 from __future__ import annotations
 
 import json
+import re
 import time
 from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 
 from hetserve.errors import InvalidInputError
 from hetserve.server.chat import ChatServing
+from hetserve.server.errors import validation_message
 from hetserve.server.protocol import ChatCompletionRequest
 from hetserve.server.serving import merge
 from hetserve.server.tools import Parsed, Streamer
@@ -39,25 +42,74 @@ OPTION_FIELDS = {
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
 }
+# The Ollama field each OpenAI request field comes from (a 400 names the one the client sent).
+OLLAMA_FIELDS = {
+    **{field: f"options.{name}" for name, field in OPTION_FIELDS.items()},
+    "max_tokens": "options.num_predict",
+    "response_format": "format",
+    "reasoning_effort": "think",
+    "chat_template_kwargs": "think",
+}
+THINK_LEVELS = ("low", "medium", "high")  # gpt-oss's; true/false for the others
+NUMBER = r"(\d+\.?\d*|\.\d+)"
+DURATION = re.compile(NUMBER + "(ns|us|µs|ms|s|m|h)")  # Go's time.ParseDuration units
+SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 def _now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
+def typed(value: Any, kinds: tuple[type, ...], field: str, what: str) -> Any:
+    """`value` when null or one of `kinds` (a bool is not a number); else a 400 naming `field`."""
+    if value is None or (
+        isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool))
+    ):
+        return value
+    raise InvalidInputError(f"{field} must be {what}", field)
+
+
+def keep_alive_seconds(value: Any) -> float | None:
+    """Ollama's keep_alive in seconds (None when absent): a number of seconds or a duration
+    such as "5m" or "1h30m" (negative: for ever)."""
+    typed(value, (int, float, str), "keep_alive", "a number of seconds or a duration like '5m'")
+    if not isinstance(value, str):
+        return None if value is None else float(value)
+    text = value.strip()
+    sign = -1.0 if text.startswith("-") else 1.0
+    text = text[1:] if text[:1] in ("-", "+") else text
+    if re.fullmatch(NUMBER, text):  # seconds, as some clients send them
+        return sign * float(text)
+    if not text or DURATION.sub("", text):
+        raise InvalidInputError(f"keep_alive {value!r} is not a duration like '5m'", "keep_alive")
+    return sign * sum(float(n) * SECONDS[u] for n, u in DURATION.findall(text))
+
+
+def check_fields(body: dict[str, Any]) -> None:
+    """400 for a field of the wrong JSON type, named as Ollama names it (the load and unload
+    calls included, which generate nothing)."""
+    typed(body.get("stream"), (bool,), "stream", "true or false")
+    typed(body.get("options"), (dict,), "options", "an object")
+    typed(body.get("format"), (str, dict), "format", "'json' or a JSON schema object")
+    typed(body.get("tools"), (list,), "tools", "a list")
+    think = body.get("think")
+    if think is not None and not isinstance(think, bool) and think not in THINK_LEVELS:
+        raise InvalidInputError("think must be true, false, 'low', 'medium' or 'high'", "think")
+    keep_alive_seconds(body.get("keep_alive"))
+
+
 def openai_request(body: dict[str, Any], messages: list[dict]) -> ChatCompletionRequest:
     """The OpenAI chat request an Ollama request means (400s name the Ollama field)."""
     out: dict[str, Any] = {"model": body.get("model"), "messages": messages}
     options = body.get("options") or {}
-    if not isinstance(options, dict):
-        raise InvalidInputError("options must be an object", "options")
     for name, field in OPTION_FIELDS.items():
         if options.get(name) is not None:
             out[field] = options[name]
     predict = options.get("num_predict")
     if predict is not None:
-        if not isinstance(predict, int) or predict == 0 or predict < -2:
-            raise InvalidInputError("options.num_predict must be -1, -2 or >= 1", "options")
+        if typed(predict, (int,), "options.num_predict", "an integer") == 0 or predict < -2:
+            raise InvalidInputError("options.num_predict must be -1, -2 or >= 1",
+                                    "options.num_predict")  # fmt: skip
         if predict > 0:
             out["max_tokens"] = predict
     fmt = body.get("format")
@@ -78,7 +130,19 @@ def openai_request(body: dict[str, Any], messages: list[dict]) -> ChatCompletion
         if isinstance(think, str):  # gpt-oss: "low" | "medium" | "high"
             out["reasoning_effort"] = think
         out["chat_template_kwargs"] = kwargs
-    return ChatCompletionRequest.model_validate(out)
+    try:
+        return ChatCompletionRequest.model_validate(out)
+    except ValidationError as exc:
+        message, param = validation_message(exc)
+        head, _, rest = (param or "").partition(".")
+        if head not in OLLAMA_FIELDS:
+            raise
+        field = OLLAMA_FIELDS[head] + (f".{rest}" if rest else "")
+        if message.startswith(param or ""):
+            message = field + message.removeprefix(param or "")
+        else:
+            message = f"{field}: {message}"
+        raise InvalidInputError(message, field) from None
 
 
 def openai_messages(messages: Any) -> list[dict]:
@@ -88,33 +152,25 @@ def openai_messages(messages: Any) -> list[dict]:
         raise InvalidInputError("messages must be a list", "messages")
     out, pending = [], []
     for i, m in enumerate(messages):
+        at = f"messages.{i}"
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise InvalidInputError("each message needs a role", f"messages.{i}")
-        if m.get("images"):
-            raise InvalidInputError("images are not supported (text-only model)", "images")
-        msg: dict[str, Any] = {"role": m["role"], "content": m.get("content") or ""}
-        if m.get("thinking"):
+            raise InvalidInputError(f"{at} must be an object with a string role", at)
+        if typed(m.get("images"), (list,), f"{at}.images", "a list"):
+            raise InvalidInputError("images are not supported (text-only model)", f"{at}.images")
+        content = typed(m.get("content"), (str,), f"{at}.content", "a string")
+        msg: dict[str, Any] = {"role": m["role"], "content": content or ""}
+        if typed(m.get("thinking"), (str,), f"{at}.thinking", "a string"):
             msg["reasoning_content"] = m["thinking"]
-        calls = m.get("tool_calls") or []
+        calls = typed(m.get("tool_calls"), (list,), f"{at}.tool_calls", "a list") or []
         if calls:
             msg["tool_calls"] = []
-            for c in calls:
-                fn = c.get("function") or {}
-                cid = f"call_{len(pending)}_{i}"
-                pending.append((cid, fn.get("name")))
-                args = fn.get("arguments") or {}
-                msg["tool_calls"].append(
-                    {
-                        "id": cid,
-                        "type": "function",
-                        "function": {
-                            "name": fn.get("name", ""),
-                            "arguments": args if isinstance(args, str) else json.dumps(args),
-                        },
-                    }
-                )
+            for j, c in enumerate(calls):
+                call = openai_call(c, f"{at}.tool_calls.{j}", f"call_{len(pending)}_{i}")
+                pending.append((call["id"], call["function"]["name"] or None))
+                msg["tool_calls"].append(call)
         if m["role"] == "tool":  # answers the oldest call of that name (Ollama has no ids)
-            name = m.get("tool_name") or m.get("name")
+            name = typed(m.get("tool_name"), (str,), f"{at}.tool_name", "a string")
+            name = name or typed(m.get("name"), (str,), f"{at}.name", "a string")
             match = next((p for p in pending if name is None or p[1] == name), None)
             msg["tool_call_id"] = match[0] if match else "call_none"
             if match:
@@ -122,6 +178,16 @@ def openai_messages(messages: Any) -> list[dict]:
             msg["name"] = name
         out.append(msg)
     return out
+
+
+def openai_call(call: Any, at: str, cid: str) -> dict:
+    """An Ollama tool call ({"function": {"name", "arguments": {...}}}) in OpenAI's shape."""
+    fn = typed(call, (dict,), at, "an object") or {}
+    fn = typed(fn.get("function"), (dict,), f"{at}.function", "an object") or {}
+    name = typed(fn.get("name"), (str,), f"{at}.function.name", "a string") or ""
+    args = typed(fn.get("arguments"), (dict, str), f"{at}.function.arguments", "an object")
+    args = args if isinstance(args, str) else json.dumps(args or {})
+    return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
 
 
 def _ollama_calls(parsed: Parsed) -> list[dict]:
@@ -251,6 +317,7 @@ def install_ollama_routes(app: FastAPI, serving: OllamaServing, engine, check_mo
             raise InvalidInputError("request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise InvalidInputError("request body must be a JSON object")
+        typed(body.get("model"), (str,), "model", "a string")
         missing = check_model(body.get("model"))
         if missing is not None:
             return {"_missing": missing}
@@ -293,23 +360,27 @@ def install_ollama_routes(app: FastAPI, serving: OllamaServing, engine, check_mo
         body = await body_of(request)
         if "_missing" in body:
             return _not_found(body)
-        return await serving.run(body, openai_messages(body.get("messages") or []), request,
-                                 "message")  # fmt: skip
+        check_fields(body)
+        messages = body.get("messages")
+        return await serving.run(body, openai_messages([] if messages is None else messages),
+                                 request, "message")  # fmt: skip
 
     @app.post("/api/generate")
     async def generate(request: Request):
         body = await body_of(request)
         if "_missing" in body:
             return _not_found(body)
-        prompt = body.get("prompt") or ""
-        if not isinstance(prompt, str):
-            raise InvalidInputError("prompt must be a string", "prompt")
+        check_fields(body)
+        prompt = typed(body.get("prompt"), (str,), "prompt", "a string") or ""
+        system = typed(body.get("system"), (str,), "system", "a string")
+        raw = typed(body.get("raw"), (bool,), "raw", "true or false")
+        typed(body.get("suffix"), (str,), "suffix", "a string")
         if not prompt:  # Ollama's way to load a model: nothing to generate
             return {"model": name, "created_at": _now(), "response": "", "done": True,
                     "done_reason": "load"}  # fmt: skip
-        if body.get("raw"):
+        if raw:
             raise InvalidInputError("raw prompts are not supported; send the text", "raw")
-        messages = [{"role": "system", "content": body["system"]}] if body.get("system") else []
+        messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": prompt})
         return await serving.run(body, messages, request, "response")
 
@@ -320,5 +391,7 @@ def install_ollama_routes(app: FastAPI, serving: OllamaServing, engine, check_mo
 
 
 def _not_found(body: dict) -> JSONResponse:
-    err = json.loads(body["_missing"].body)["error"]["message"]
-    return JSONResponse({"error": err}, status_code=404)
+    """The model check's answer (a 404, or a 400 for a malformed name) in Ollama's shape."""
+    missing = body["_missing"]
+    err = json.loads(missing.body)["error"]["message"]
+    return JSONResponse({"error": err}, status_code=missing.status_code)

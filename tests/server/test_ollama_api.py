@@ -102,3 +102,54 @@ def test_errors_in_ollama_shape(client, srv):
     r = httpx.post(srv.url + "/api/chat", json={"model": "tiny", "messages": USER,
                                                   "format": "xml"})  # fmt: skip
     assert r.status_code == 400 and "format" in r.json()["error"]
+
+
+CALL = {"role": "assistant", "content": ""}
+
+
+@pytest.mark.parametrize(
+    ("route", "fields", "named"),
+    [
+        ("chat", {"messages": [{**CALL, "tool_calls": ["x"]}]}, "messages.0.tool_calls.0"),
+        ("chat", {"messages": [{**CALL, "tool_calls": [{"function": "f"}]}]},
+         "messages.0.tool_calls.0.function"),
+        ("chat", {"messages": [{**CALL, "tool_calls": {"function": {}}}]},
+         "messages.0.tool_calls"),
+        ("chat", {"messages": [{**CALL, "tool_calls": [{"function": {"name": "f",
+         "arguments": [1]}}]}]}, "messages.0.tool_calls.0.function.arguments"),
+        ("chat", {"messages": [*USER, 5]}, "messages.1"),
+        ("chat", {"messages": {"role": "user"}}, "messages"),
+        ("chat", {"messages": [{"role": "user", "content": ["x"]}]}, "messages.0.content"),
+        ("chat", {"messages": [{"role": "user", "content": "x", "images": "b64"}]},
+         "messages.0.images"),
+        ("chat", {"messages": [{**CALL, "thinking": 5}]}, "messages.0.thinking"),
+        ("chat", {"messages": [{"role": "tool", "content": "x", "tool_name": 5}]},
+         "messages.0.tool_name"),
+        ("chat", {"messages": USER, "options": []}, "options"),
+        ("chat", {"messages": USER, "options": {"repeat_penalty": "x"}}, "options.repeat_penalty"),
+        ("chat", {"messages": USER, "options": {"num_predict": True}}, "options.num_predict"),
+        ("chat", {"messages": USER, "format": 5}, "format"),
+        ("chat", {"messages": USER, "tools": {"type": "function"}}, "tools"),
+        ("chat", {"messages": USER, "think": [1]}, "think"),
+        ("chat", {"messages": USER, "think": "yes"}, "think"),
+        ("chat", {"messages": USER, "keep_alive": [1]}, "keep_alive"),
+        ("chat", {"messages": USER, "keep_alive": "5 minutes"}, "keep_alive"),
+        ("chat", {"messages": USER, "stream": "false"}, "stream"),
+        ("chat", {"model": ["tiny"], "messages": USER}, "model"),
+        ("generate", {"prompt": ["hi"]}, "prompt"),
+        ("generate", {"prompt": "hi", "system": 5}, "system"),
+        ("generate", {"prompt": "hi", "raw": "no"}, "raw"),
+        ("generate", {"prompt": "", "options": "x"}, "options"),
+        ("generate", {"prompt": "", "keep_alive": {}}, "keep_alive"),
+    ],
+)  # fmt: skip
+def test_wrong_json_types_are_400s_naming_the_field(srv, route, fields, named):
+    r = httpx.post(f"{srv.url}/api/{route}", json={"model": "tiny", **fields})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"].split()[0].removesuffix(":") == named, r.json()
+
+
+@pytest.mark.parametrize("keep_alive", [0, -1, 2.5, "0", "5m", "1h30m", "-1m", "300ms"])
+def test_keep_alive_takes_seconds_or_durations(client, keep_alive):
+    r = client.chat(model="tiny", messages=USER, keep_alive=keep_alive, options={"num_predict": 1})
+    assert r.done and r.eval_count == 1
