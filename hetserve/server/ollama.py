@@ -98,6 +98,12 @@ def check_fields(body: dict[str, Any]) -> None:
     keep_alive_seconds(body.get("keep_alive"))
 
 
+def no_images(images: Any, field: str) -> None:
+    """A 400 for images (the models served are text-only); an empty list is no images."""
+    if typed(images, (list,), field, "a list"):
+        raise InvalidInputError("images are not supported (text-only model)", field)
+
+
 def openai_request(body: dict[str, Any], messages: list[dict]) -> ChatCompletionRequest:
     """The OpenAI chat request an Ollama request means (400s name the Ollama field)."""
     out: dict[str, Any] = {"model": body.get("model"), "messages": messages}
@@ -155,8 +161,7 @@ def openai_messages(messages: Any) -> list[dict]:
         at = f"messages.{i}"
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidInputError(f"{at} must be an object with a string role", at)
-        if typed(m.get("images"), (list,), f"{at}.images", "a list"):
-            raise InvalidInputError("images are not supported (text-only model)", f"{at}.images")
+        no_images(m.get("images"), f"{at}.images")
         content = typed(m.get("content"), (str,), f"{at}.content", "a string")
         msg: dict[str, Any] = {"role": m["role"], "content": content or ""}
         if typed(m.get("thinking"), (str,), f"{at}.thinking", "a string"):
@@ -375,6 +380,7 @@ def install_ollama_routes(app: FastAPI, serving: OllamaServing, engine, check_mo
         system = typed(body.get("system"), (str,), "system", "a string")
         raw = typed(body.get("raw"), (bool,), "raw", "true or false")
         typed(body.get("suffix"), (str,), "suffix", "a string")
+        no_images(body.get("images"), "images")
         if not prompt:  # Ollama's way to load a model: nothing to generate
             return {"model": name, "created_at": _now(), "response": "", "done": True,
                     "done_reason": "load"}  # fmt: skip

@@ -141,12 +141,25 @@ CALL = {"role": "assistant", "content": ""}
         ("generate", {"prompt": "hi", "raw": "no"}, "raw"),
         ("generate", {"prompt": "", "options": "x"}, "options"),
         ("generate", {"prompt": "", "keep_alive": {}}, "keep_alive"),
+        ("generate", {"prompt": "hi", "images": "b64"}, "images"),
     ],
 )  # fmt: skip
 def test_wrong_json_types_are_400s_naming_the_field(srv, route, fields, named):
     r = httpx.post(f"{srv.url}/api/{route}", json={"model": "tiny", **fields})
     assert r.status_code == 400, r.text
     assert r.json()["error"].split()[0].removesuffix(":") == named, r.json()
+
+
+def test_images_are_refused_by_chat_and_generate(client):
+    for call in (
+        lambda: client.generate(model="tiny", prompt="what is this", images=[b"\x89PNG"]),
+        lambda: client.chat(model="tiny", messages=[{**USER[0], "images": [b"\x89PNG"]}]),
+    ):
+        with pytest.raises(ollama.ResponseError) as err:
+            call()
+        assert err.value.status_code == 400 and "images are not supported" in err.value.error
+    r = client.generate(model="tiny", prompt="hi", images=[], options={"num_predict": 1})
+    assert r.done and r.eval_count == 1
 
 
 @pytest.mark.parametrize("keep_alive", [0, -1, 2.5, "0", "5m", "1h30m", "-1m", "300ms"])
