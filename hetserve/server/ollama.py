@@ -315,6 +315,12 @@ def install_ollama_routes(app: FastAPI, serving: OllamaServing, engine, check_mo
             "details": details(),
         }
 
+    def loaded(body: dict, key: str) -> dict:
+        """Ollama's answer to a call with nothing to generate: it loads the model, or unloads it
+        with keep_alive 0 (here the model stays resident, served from start to stop)."""
+        reason = "unload" if keep_alive_seconds(body.get("keep_alive")) == 0 else "load"
+        return {**serving._reply(key, "", "", []), "done": True, "done_reason": reason}
+
     async def body_of(request: Request) -> dict:
         try:
             body = json.loads(await request.body() or b"{}")
@@ -366,9 +372,10 @@ def install_ollama_routes(app: FastAPI, serving: OllamaServing, engine, check_mo
         if "_missing" in body:
             return _not_found(body)
         check_fields(body)
-        messages = body.get("messages")
-        return await serving.run(body, openai_messages([] if messages is None else messages),
-                                 request, "message")  # fmt: skip
+        messages = typed(body.get("messages"), (list,), "messages", "a list")
+        if not messages:  # Ollama's way to load (or unload) a model
+            return loaded(body, "message")
+        return await serving.run(body, openai_messages(messages), request, "message")
 
     @app.post("/api/generate")
     async def generate(request: Request):
@@ -381,9 +388,8 @@ def install_ollama_routes(app: FastAPI, serving: OllamaServing, engine, check_mo
         raw = typed(body.get("raw"), (bool,), "raw", "true or false")
         typed(body.get("suffix"), (str,), "suffix", "a string")
         no_images(body.get("images"), "images")
-        if not prompt:  # Ollama's way to load a model: nothing to generate
-            return {"model": name, "created_at": _now(), "response": "", "done": True,
-                    "done_reason": "load"}  # fmt: skip
+        if not prompt:  # Ollama's way to load (or unload) a model
+            return loaded(body, "response")
         if raw:
             raise InvalidInputError("raw prompts are not supported; send the text", "raw")
         messages = [{"role": "system", "content": system}] if system else []

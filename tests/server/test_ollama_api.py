@@ -60,7 +60,19 @@ def test_generate_and_stream(client):
     parts = list(client.generate(model="tiny", prompt="hello", stream=True,
                                  options={"num_predict": 6, "seed": 1}))  # fmt: skip
     assert "".join(p.response for p in parts) == whole.response and whole.eval_count == 6
-    assert client.generate(model="tiny", prompt="").done_reason == "load"
+
+
+@pytest.mark.parametrize(("keep_alive", "reason"), [(None, "load"), ("5m", "load"), (-1, "load"),
+                                                    (0, "unload"), ("0s", "unload")])  # fmt: skip
+def test_load_and_unload_calls(client, srv, keep_alive, reason):
+    chat = client.chat(model="tiny", messages=[], keep_alive=keep_alive)
+    assert chat.done and chat.done_reason == reason and chat.eval_count is None
+    assert (chat.message.role, chat.message.content) == ("assistant", "")
+    gen = client.generate(model="tiny", prompt="", keep_alive=keep_alive)
+    assert gen.done and gen.done_reason == reason and gen.response == ""
+    bare = {"model": "tiny", "keep_alive": keep_alive, "stream": True}  # no messages, no prompt
+    for route in ("chat", "generate"):
+        assert httpx.post(f"{srv.url}/api/{route}", json=bare).json()["done_reason"] == reason
 
 
 @pytest.mark.parametrize("fmt", ["json", SCHEMA])
