@@ -31,6 +31,7 @@ from hetserve.server.serving import merge
 from hetserve.server.tools import Parsed, Streamer
 
 OLLAMA_VERSION = "0.12.0"  # the API version whose fields we serve (clients check it)
+LATEST = ":latest"  # Ollama's default tag: NAME:latest names the model served as NAME
 OPTION_FIELDS = {
     "temperature": "temperature",
     "top_k": "top_k",
@@ -54,6 +55,11 @@ THINK_LEVELS = ("low", "medium", "high")  # gpt-oss's; true/false for the others
 NUMBER = r"(\d+\.?\d*|\.\d+)"
 DURATION = re.compile(NUMBER + "(ns|us|µs|ms|s|m|h)")  # Go's time.ParseDuration units
 SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def ollama_name(name: str) -> str:
+    """`name` as Ollama lists a model: with its tag, the default ":latest" when it has none."""
+    return name if ":" in name.rsplit("/", 1)[-1] else name + LATEST
 
 
 def _now() -> str:
@@ -305,10 +311,10 @@ def install_ollama_routes(app: FastAPI, serving: OllamaServing, engine, check_mo
     def details() -> dict:
         return {"format": "safetensors", "family": family, "families": [family]}
 
-    def card() -> dict:
+    def card() -> dict:  # listed as clients send it back ("NAME:latest")
         return {
-            "name": name,
-            "model": name,
+            "name": ollama_name(name),
+            "model": ollama_name(name),
             "modified_at": _now(),
             "size": 0,
             "digest": "",
@@ -328,8 +334,11 @@ def install_ollama_routes(app: FastAPI, serving: OllamaServing, engine, check_mo
             raise InvalidInputError("request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise InvalidInputError("request body must be a JSON object")
-        typed(body.get("model"), (str,), "model", "a string")
-        missing = check_model(body.get("model"))
+        model = typed(body.get("model"), (str,), "model", "a string")
+        missing = check_model(model)
+        bare = model.removesuffix(LATEST) if model else model
+        if missing is not None and bare != model and check_model(bare) is None:
+            body["model"], missing = bare, None
         if missing is not None:
             return {"_missing": missing}
         return body

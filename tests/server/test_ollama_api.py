@@ -37,11 +37,13 @@ def client(srv):
 
 
 def test_listing_routes(client, srv):
-    assert [m.model for m in client.list().models] == ["tiny"]
-    assert [m.model for m in client.ps().models] == ["tiny"]
-    show = client.show("tiny")
-    assert "tools" in show.capabilities and "thinking" in show.capabilities
-    assert "<tool_call>" in show.template
+    listed = httpx.get(srv.url + "/api/tags").json()["models"]
+    assert [(m["name"], m["model"]) for m in listed] == [("tiny:latest", "tiny:latest")]
+    assert [m.model for m in client.ps().models] == ["tiny:latest"]
+    for name in ("tiny", "tiny:latest"):
+        show = client.show(name)
+        assert "tools" in show.capabilities and "thinking" in show.capabilities
+        assert "<tool_call>" in show.template
     assert httpx.get(srv.url + "/api/version").json()["version"]
 
 
@@ -102,6 +104,21 @@ def test_tools_and_think(client):
     on = client.chat(model="tiny", messages=USER, think=True, options={"num_predict": 1})
     off = client.chat(model="tiny", messages=USER, think=False, options={"num_predict": 1})
     assert off.prompt_eval_count > on.prompt_eval_count  # the empty <think></think>
+
+
+def test_the_latest_tag_names_the_served_model(client, srv):
+    assert client.list().models[0].model == "tiny:latest"  # what a client sends back
+    r = client.chat(model="tiny:latest", messages=USER, options={"num_predict": 1})
+    assert r.done and r.eval_count == 1
+    r = client.generate(model="tiny:latest", prompt="hi", options={"num_predict": 1})
+    assert r.done and r.eval_count == 1
+    for route in ("chat", "generate", "show"):
+        body = {"model": "tiny:7b", "messages": USER, "prompt": "hi"}
+        r = httpx.post(f"{srv.url}/api/{route}", json=body)
+        assert r.status_code == 404 and "'tiny:7b'" in r.json()["error"], r.text
+        assert "serves 'tiny'" in r.json()["error"]
+    openai = {"model": "tiny:latest", "messages": USER, "max_tokens": 1}
+    assert httpx.post(srv.url + "/v1/chat/completions", json=openai).status_code == 404
 
 
 def test_errors_in_ollama_shape(client, srv):
