@@ -7,8 +7,9 @@ machinery, so tools, `format` (JSON or a schema: structured output) and `think` 
 work as they do there. `options` map to sampling (num_predict, temperature, top_k, top_p,
 min_p, stop, seed, repeat_penalty, presence/frequency_penalty); num_ctx and keep_alive are
 accepted (the engine's context and residency are fixed at start) and other options ignored,
-as Ollama ignores the ones a runner does not use. Errors are Ollama's {"error": "..."} with
-the field named in the message and the 4xx status.
+as Ollama ignores the ones a runner does not use. The load and unload calls (no messages, no
+prompt) answer done, as Ollama's do. The model is listed as NAME:latest and answers to it.
+Errors are Ollama's {"error": "..."} with the field named in the message and the 4xx status.
 """
 
 from __future__ import annotations
