@@ -12,6 +12,7 @@ nothing. The store is in memory, bounded (least recently used goes first).
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 import uuid
@@ -26,7 +27,7 @@ from hetserve.server.chat import ChatServing
 from hetserve.server.errors import error_body
 from hetserve.server.protocol import ChatCompletionRequest
 from hetserve.server.serving import merge
-from hetserve.server.tools import Parsed, Streamer, new_call_id
+from hetserve.server.tools import Streamer
 
 MAX_STORED = 1024
 
@@ -148,7 +149,8 @@ class ResponsesServing:
         session = session or rid  # the chain's blocks outlive each turn for the session TTL
         req.session_id = session
         streams, parsers, _ = await self.chat.prepare(rid, req, request)
-        state = {"rid": rid, "body": body, "history": history + new, "session": session}
+        state = {"rid": rid, "body": body, "history": history + new, "session": session,
+                 "created_at": int(time.time())}  # fmt: skip
         if body.get("stream"):
             events = self._events(state, streams, parsers[0])
             return StreamingResponse(events, media_type="text/event-stream")
@@ -157,47 +159,56 @@ class ResponsesServing:
         )
 
     async def _collect(self, state: dict, streams, parser) -> dict:
-        last = None
+        # Built as the stream is (same items for the same tokens), its events unsent.
+        streamer, items, last = Streamer(parser), OutputItems(), None
         async for _, out in merge(streams):
             last = out
+            c = out.outputs[0]
+            items.feed(*streamer.feed(c.text, c.finish_reason is not None))
         c = last.outputs[0]
-        parsed = parser.parse(c.text, final=True)
-        return self._finish(state, last, c, parsed, [new_call_id() for _ in parsed.calls])
+        items.finish(c.finish_reason == "length")
+        return self._finish(state, last, c, streamer, items.items)
 
-    def _finish(self, state, out, c, parsed: Parsed, call_ids: list[str]) -> dict:
-        items = output_items(parsed, call_ids)
-        usage = self.chat.usage([out])
-        reasoning = len(self.chat.tok.encode(parsed.reasoning, False)) if parsed.reasoning else 0
-        response = {
+    def _response(self, state: dict, status: str, output: list[dict]) -> dict:
+        body = state["body"]
+        return {
             "id": state["rid"],
             "object": "response",
-            "created_at": int(time.time()),
-            "status": "completed" if c.finish_reason != "length" else "incomplete",
+            "created_at": state["created_at"],
+            "status": status,
             "incomplete_details": {"reason": "max_output_tokens"}
-            if c.finish_reason == "length"
+            if status == "incomplete"
             else None,
             "error": None,
-            "model": state["body"].get("model") or self.chat.model_name,
-            "output": items,
-            "previous_response_id": state["body"].get("previous_response_id"),
-            "instructions": state["body"].get("instructions"),
-            "store": state["body"].get("store", True),
-            "tools": state["body"].get("tools") or [],
-            "tool_choice": state["body"].get("tool_choice", "auto"),
-            "parallel_tool_calls": state["body"].get("parallel_tool_calls", True),
-            "temperature": state["body"].get("temperature"),
-            "top_p": state["body"].get("top_p"),
-            "max_output_tokens": state["body"].get("max_output_tokens"),
-            "metadata": state["body"].get("metadata") or {},
-            "usage": {
-                "input_tokens": usage["prompt_tokens"],
-                "input_tokens_details": {
-                    "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]
-                },  # fmt: skip
-                "output_tokens": usage["completion_tokens"],
-                "output_tokens_details": {"reasoning_tokens": reasoning},
-                "total_tokens": usage["total_tokens"],
-            },
+            "model": body.get("model") or self.chat.model_name,
+            "output": output,
+            "previous_response_id": body.get("previous_response_id"),
+            "instructions": body.get("instructions"),
+            "store": body.get("store", True),
+            "tools": body.get("tools") or [],
+            "tool_choice": body.get("tool_choice", "auto"),
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "temperature": body.get("temperature"),
+            "top_p": body.get("top_p"),
+            "max_output_tokens": body.get("max_output_tokens"),
+            "metadata": body.get("metadata") or {},
+            "usage": None,
+        }
+
+    def _finish(self, state, out, c, streamer: Streamer, items: list[dict]) -> dict:
+        parsed = streamer.sent
+        status = "incomplete" if c.finish_reason == "length" else "completed"
+        response = self._response(state, status, items)
+        usage = self.chat.usage([out])
+        reasoning = len(self.chat.tok.encode(parsed.reasoning, False)) if parsed.reasoning else 0
+        response["usage"] = {
+            "input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {
+                "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]
+            },  # fmt: skip
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": reasoning},
+            "total_tokens": usage["total_tokens"],
         }
         if state["body"].get("store", True):
             reply = {"role": "assistant", "content": parsed.content or None}
@@ -205,7 +216,7 @@ class ResponsesServing:
                 reply["tool_calls"] = [
                     {"id": i, "type": "function",
                      "function": {"name": call.name, "arguments": call.arguments}}
-                    for call, i in zip(parsed.calls, call_ids, strict=True)
+                    for call, i in zip(parsed.calls, streamer.ids, strict=True)
                 ]  # fmt: skip
             elif reply["content"] is None:
                 reply["content"] = ""
@@ -214,7 +225,7 @@ class ResponsesServing:
         return response
 
     async def _events(self, state: dict, streams, parser):
-        seq = 0
+        seq = -1
 
         def event(kind: str, **data) -> str:
             nonlocal seq
@@ -222,36 +233,18 @@ class ResponsesServing:
             payload = {"type": kind, "sequence_number": seq, **data}
             return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
-        head = {"id": state["rid"], "object": "response", "status": "in_progress",
-                "model": self.chat.model_name, "output": []}  # fmt: skip
+        head = self._response(state, "in_progress", [])
         yield event("response.created", response=head)
         yield event("response.in_progress", response=head)
-        streamer = Streamer(parser)
-        text_item = f"msg_{uuid.uuid4().hex}"
-        opened = False
-        last = None
+        streamer, items, last = Streamer(parser), OutputItems(), None
         try:
             async for _, out in merge(streams):
                 last = out
                 c = out.outputs[0]
-                content, reasoning, calls = streamer.feed(c.text, c.finish_reason is not None)
-                if reasoning:
-                    yield event("response.reasoning_text.delta", item_id=f"rs_{state['rid']}",
-                                output_index=0, content_index=0, delta=reasoning)  # fmt: skip
-                if content and not opened:
-                    opened = True
-                    yield event("response.output_item.added", output_index=0, item={
-                        "type": "message", "id": text_item, "role": "assistant",
-                        "status": "in_progress", "content": []})  # fmt: skip
-                if content:
-                    yield event("response.output_text.delta", item_id=text_item,
-                                output_index=0, content_index=0, delta=content)  # fmt: skip
-                for d in calls:
-                    yield event("response.function_call_arguments.delta",
-                                item_id=f"fc_{d['index']}", output_index=d["index"],
-                                delta=d["arguments"])  # fmt: skip
+                for kind, data in items.feed(*streamer.feed(c.text, c.finish_reason is not None)):
+                    yield event(kind, **data)
         except Exception as exc:
-            yield event("error", message=str(exc), code="engine_error")
+            yield event("error", message=str(exc), code="engine_error", param=None)
             return
         finally:
             for s in streams:
@@ -259,33 +252,123 @@ class ResponsesServing:
         if last is None:
             return
         c = last.outputs[0]
-        parsed = streamer.sent
-        response = self._finish(state, last, c, parsed, list(streamer.ids))
-        for i, item in enumerate(response["output"]):
+        for kind, data in items.finish(c.finish_reason == "length"):
+            yield event(kind, **data)
+        response = self._finish(state, last, c, streamer, items.items)
+        yield event(f"response.{response['status']}", response=response)
+
+
+class OutputItems:
+    """A reply's output items, built from a `Streamer`'s deltas in the order they begin, with
+    the typed events that build them in a stream: each item is added, gets its content part
+    and deltas, then is done, before the next one is added.
+
+    Reasoning and text items open on their first delta; whitespace outside an item waits, and
+    is dropped if a function call comes next (the newline between two calls is no message).
+    The item left open when the reply was cut off is `incomplete`. A reply without a message
+    or a call gets one (possibly empty) message, so `output_text` is always there.
+    """
+
+    def __init__(self) -> None:
+        self.items: list[dict] = []
+        self._events: list[tuple[str, dict]] = []
+        self._open: dict | None = None
+        self._space = ""  # whitespace not yet in a message
+        self._calls: dict[int, int] = {}  # the streamer's call index -> output index
+
+    def feed(self, content: str, reasoning: str, calls: list[dict]) -> list[tuple[str, dict]]:
+        """Deltas as `Streamer.feed` returns them -> (event type, fields) to send."""
+        if reasoning:
+            if self._open is None or self._open["type"] != "reasoning":
+                text = {"type": "reasoning_text", "text": ""}
+                self._begin({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}",
+                             "summary": [], "content": [text]})  # fmt: skip
+            self._text(reasoning)
+        if content:
+            if self._open is not None and self._open["type"] == "message":
+                self._text(content)
+            else:
+                self._space += content
+                if self._space.strip():
+                    self._message()
+        for d in calls:
+            if "id" in d:
+                self._space = ""
+                self._calls[d["index"]] = len(self.items)
+                self._begin({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}",
+                             "call_id": d["id"], "name": d["name"], "arguments": ""})  # fmt: skip
+            if d["arguments"]:
+                i = self._calls[d["index"]]
+                item = self.items[i]
+                item["arguments"] += d["arguments"]
+                self._emit("response.function_call_arguments.delta", item_id=item["id"],
+                           output_index=i, delta=d["arguments"])  # fmt: skip
+        return self._take()
+
+    def finish(self, cut_off: bool) -> list[tuple[str, dict]]:
+        """The end of the reply (`cut_off`: by max_output_tokens) -> the events that close it."""
+        if not any(it["type"] in ("message", "function_call") for it in self.items):
+            self._message()
+        self._close("incomplete" if cut_off else "completed")
+        return self._take()
+
+    def _message(self) -> None:
+        text = {"type": "output_text", "text": "", "annotations": []}
+        self._begin({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant",
+                     "content": [text]})  # fmt: skip
+        if self._space:
+            self._text(self._space)
+        self._space = ""
+
+    def _begin(self, item: dict) -> None:
+        self._close("completed")
+        item["status"] = "in_progress"
+        self.items.append(item)
+        self._open = item
+        i = len(self.items) - 1
+        shown = {**item, "content": []} if "content" in item else dict(item)
+        self._emit("response.output_item.added", output_index=i, item=shown)
+        if "content" in item:
+            self._emit("response.content_part.added", item_id=item["id"], output_index=i,
+                       content_index=0, part=dict(item["content"][0]))  # fmt: skip
+
+    def _text(self, delta: str) -> None:
+        item = self._open
+        assert item is not None
+        item["content"][0]["text"] += delta
+        where = {"item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0}
+        if item["type"] == "message":
+            self._emit("response.output_text.delta", **where, delta=delta, logprobs=[])
+        else:
+            self._emit("response.reasoning_text.delta", **where, delta=delta)
+
+    def _close(self, status: str) -> None:
+        item, self._open = self._open, None
+        if item is None:
+            return
+        item["status"] = status
+        i = len(self.items) - 1
+        where = {"item_id": item["id"], "output_index": i}
+        if item["type"] == "function_call":
+            self._emit("response.function_call_arguments.done", **where,
+                       arguments=item["arguments"])  # fmt: skip
+        else:
+            part = item["content"][0]
             if item["type"] == "message":
-                yield event("response.output_text.done", item_id=text_item, output_index=i,
-                            content_index=0, text=parsed.content)  # fmt: skip
-            yield event("response.output_item.done", output_index=i, item=item)
-        yield event("response.completed", response=response)
+                self._emit("response.output_text.done", **where, content_index=0,
+                           text=part["text"], logprobs=[])  # fmt: skip
+            else:
+                self._emit("response.reasoning_text.done", **where, content_index=0,
+                           text=part["text"])  # fmt: skip
+            self._emit("response.content_part.done", **where, content_index=0, part=dict(part))
+        self._emit("response.output_item.done", output_index=i, item=copy.deepcopy(item))
 
+    def _emit(self, kind: str, **data) -> None:
+        self._events.append((kind, data))
 
-def output_items(parsed: Parsed, call_ids: list[str]) -> list[dict]:
-    items: list[dict] = []
-    if parsed.reasoning:
-        text = {"type": "reasoning_text", "text": parsed.reasoning}
-        items.append(
-            {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [], "content": [text]}
-        )
-    if parsed.content.strip() or not parsed.calls:
-        items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant",
-                      "status": "completed", "content": [{"type": "output_text",
-                      "text": parsed.content, "annotations": []}]})  # fmt: skip
-    for call, cid in zip(parsed.calls, call_ids, strict=True):
-        items.append(
-            {"type": "function_call", "id": f"fc_{cid}", "call_id": cid, "name": call.name,
-             "arguments": call.arguments, "status": "completed"}
-        )  # fmt: skip
-    return items
+    def _take(self) -> list[tuple[str, dict]]:
+        out, self._events = self._events, []
+        return out
 
 
 def install_responses_routes(app: FastAPI, serving: ResponsesServing, check_model) -> None:

@@ -1,18 +1,74 @@
 """/v1/responses through the official openai client: text, streaming events, function tools,
-previous_response_id served from the prefix cache, store: false."""
+previous_response_id served from the prefix cache, store: false. The stream's events follow
+the API's order (checked on the raw events, and by the SDK's own stream helper)."""
 
 import json
 
+import httpx
 import openai
 import pytest
 
 from hetserve.config import EngineConfig
 from hetserve.engine.async_llm import AsyncLLM
+from hetserve.server.responses import OutputItems
+from hetserve.server.tools import Streamer
+from hetserve.server.tools.formats import HermesParser
+from hetserve.server.tools.reasoning import ThinkSplitter
 from tests.server.conftest import LiveServer
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
           "required": ["city"], "additionalProperties": False}  # fmt: skip
 TOOL = {"type": "function", "name": "get_weather", "parameters": PARAMS}
+SHORT_JSON = {"format": {"type": "json_schema", "name": "pet", "schema": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 5}},
+    "required": ["name"], "additionalProperties": False}}}  # fmt: skip
+PARTS = {  # an item's events between output_item.added and .done: opening, deltas, closing
+    "message": (["response.content_part.added"], "response.output_text.delta",
+                ["response.output_text.done", "response.content_part.done"]),
+    "reasoning": (["response.content_part.added"], "response.reasoning_text.delta",
+                  ["response.reasoning_text.done", "response.content_part.done"]),
+    "function_call": ([], "response.function_call_arguments.delta",
+                      ["response.function_call_arguments.done"]),
+}  # fmt: skip
+
+
+def check_events(events: list[dict]) -> dict:
+    """The Responses stream grammar on raw events; returns the final response. Each output
+    item, in order: added, its parts and deltas, done; then completed or incomplete, whose
+    output is the items as done."""
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[0]["response"]["id"] == events[-1]["response"]["id"]
+    last = events[-1]
+    assert last["type"] == f"response.{last['response']['status']}"
+    assert last["type"] in ("response.completed", "response.incomplete")
+    cut_off = last["type"] == "response.incomplete"
+    assert (last["response"]["incomplete_details"] is not None) == cut_off
+    output, body = last["response"]["output"], events[2:-1]
+    for i, item in enumerate(output):
+        end = next(k for k, e in enumerate(body) if e["type"] == "response.output_item.done")
+        added, inner, done, body = body[0], body[1:end], body[end], body[end + 1 :]
+        assert added["type"] == "response.output_item.added" and added["output_index"] == i
+        assert added["item"]["id"] == item["id"] and added["item"]["status"] == "in_progress"
+        assert done["output_index"] == i and done["item"] == item
+        opening, delta, closing = PARTS[item["type"]]
+        n = len(inner) - len(opening) - len(closing)
+        assert [e["type"] for e in inner] == opening + [delta] * n + closing
+        assert all(e["output_index"] == i and e["item_id"] == item["id"] for e in inner)
+        text = "".join(e["delta"] for e in inner if e["type"] == delta)
+        whole = item["arguments"] if item["type"] == "function_call" else item["content"][0]["text"]
+        assert text == whole
+        ends_open = cut_off and i == len(output) - 1
+        assert item["status"] == ("incomplete" if ends_open else "completed")
+    assert body == []
+    return last["response"]
+
+
+def raw_events(client, **body) -> list[dict]:
+    url = str(client.base_url) + "responses"
+    with httpx.stream("POST", url, json={"model": "tiny", "stream": True, **body}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    return [json.loads(line.removeprefix("data: ")) for line in lines]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +88,7 @@ def test_text_and_stream(client):
     events = list(client.responses.create(model="tiny", input="hello the", stream=True,
                   max_output_tokens=8, temperature=0, instructions="be brief"))  # fmt: skip
     kinds = [e.type for e in events]
-    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete"
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
     assert events[-1].response.output_text == text
 
@@ -67,3 +123,88 @@ def test_store_false_keeps_nothing(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model="tiny", input="x", previous_response_id=r.id)
     assert err.value.body["param"] == "previous_response_id"
+
+
+def test_stream_events_follow_the_protocol(client):
+    whole = client.responses.create(model="tiny", input="a pet", text=SHORT_JSON, temperature=0,
+                                    max_output_tokens=100)  # fmt: skip
+    assert whole.status == "completed" and json.loads(whole.output_text)
+    final = check_events(raw_events(client, input="a pet", text=SHORT_JSON, temperature=0,
+                                    max_output_tokens=100))  # fmt: skip
+    assert final["status"] == "completed"
+    assert [o["content"] for o in final["output"]] == [
+        o.model_dump(exclude_none=True)["content"] for o in whole.output
+    ]
+    cut = check_events(raw_events(client, input="hi", max_output_tokens=6))
+    assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
+    calls = check_events(raw_events(client, input="weather?", tools=[TOOL],
+                                    tool_choice="required", max_output_tokens=200))  # fmt: skip
+    assert [o["type"] for o in calls["output"]] == ["function_call"] * len(calls["output"])
+    assert calls["output"] and json.loads(calls["output"][0]["arguments"])["city"]
+
+
+def test_the_sdk_stream_helper_follows_the_stream(client):
+    with client.responses.stream(model="tiny", input="a pet", text=SHORT_JSON,
+                                 max_output_tokens=100) as stream:  # fmt: skip
+        events = list(stream)
+        final = stream.get_final_response()
+    assert final.status == "completed" and json.loads(final.output_text)
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [o.id for o in final.output] == [o.id for o in done]
+    texts = [e.snapshot for e in events if e.type == "response.output_text.delta"]
+    assert texts[-1] == final.output_text
+
+    calls = {"tools": [TOOL], "tool_choice": "required", "max_output_tokens": 200}
+    with client.responses.stream(model="tiny", input="weather?", **calls) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert final.output and json.loads(final.output[0].arguments)["city"]
+    for call in final.output:  # one or more (parallel calls)
+        args = [e.snapshot for e in events if getattr(e, "item_id", None) == call.id
+                and e.type == "response.function_call_arguments.delta"]  # fmt: skip
+        assert call.type == "function_call" and args[-1] == call.arguments
+
+    with client.responses.stream(model="tiny", input="hi", max_output_tokens=6) as stream:
+        events = list(stream)  # the SDK's accumulator takes it (it raised IndexError)
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.output[0].status == "incomplete"
+
+
+def test_reasoning_message_and_calls_are_items_in_order():
+    # A Qwen3-style reply, fed as it grows: thinking, an answer, two calls (the newline
+    # between them is no message), as the server feeds a stream.
+    reply = ('<think>\nthe weather\n</think>\n\nLet me check.<tool_call>\n{"name": "f", '
+             '"arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": '
+             '{}}\n</tool_call>')  # fmt: skip
+    streamer, items, events = Streamer(ThinkSplitter(HermesParser([]))), OutputItems(), []
+    for n in range(1, len(reply) + 1):
+        events += items.feed(*streamer.feed(reply[:n], final=n == len(reply)))
+    events += items.finish(cut_off=False)
+    response = {"id": "resp_1", "status": "completed", "incomplete_details": None}
+    head = {**response, "output": []}
+    seq = [{"type": "response.created", "response": head},
+           {"type": "response.in_progress", "response": head},
+           *({"type": kind, **data} for kind, data in events),
+           {"type": "response.completed",
+            "response": {**response, "output": items.items}}]  # fmt: skip
+    seq = [{**e, "sequence_number": i} for i, e in enumerate(seq)]
+    final = check_events(seq)
+    assert [o["type"] for o in final["output"]] == [
+        "reasoning", "message", "function_call", "function_call"]  # fmt: skip
+    assert final["output"][0]["content"][0]["text"] == "\nthe weather\n"
+    assert final["output"][1]["content"][0]["text"] == "Let me check."
+    assert [(o["name"], o["arguments"]) for o in final["output"][2:]] == [
+        ("f", '{"a": 1}'), ("g", "{}")]  # fmt: skip
+    assert final["output"][2]["call_id"] == streamer.ids[0]
+    # The SDK's stream helper takes these events (served by a stand-in transport).
+    sse = "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in seq)
+    reply_with = httpx.MockTransport(
+        lambda _: httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+    )
+    sdk = openai.OpenAI(base_url="http://stand-in/v1", api_key="x",
+                        http_client=httpx.Client(transport=reply_with))  # fmt: skip
+    with sdk.responses.stream(model="tiny", input="weather?") as stream:
+        kinds = [e.type for e in stream]
+        got = stream.get_final_response()
+    assert kinds == [e["type"] for e in seq]
+    assert [o.model_dump(exclude_none=True) for o in got.output] == final["output"]
