@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -21,10 +22,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 
 from hetserve.errors import InvalidInputError
 from hetserve.server.chat import ChatServing
-from hetserve.server.errors import error_body
+from hetserve.server.errors import error_body, validation_message
 from hetserve.server.protocol import ChatCompletionRequest
 from hetserve.server.serving import merge
 from hetserve.server.tools import Streamer
@@ -52,38 +54,136 @@ class ResponseStore:
         return self._items.pop(rid, None) is not None
 
 
-def input_messages(items: Any) -> list[dict]:
-    """Responses input (a string or a list of items) -> chat messages."""
+# The body's fields read here and the JSON types they take (null: not given); what the chat
+# request checks beyond the type (ranges, names, schemas) is reported under these names.
+FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "model": (str,),
+    "instructions": (str,),
+    "previous_response_id": (str,),
+    "temperature": (int, float),
+    "top_p": (int, float),
+    "max_output_tokens": (int,),
+    "seed": (int,),
+    "parallel_tool_calls": (bool,),
+    "stream": (bool,),
+    "store": (bool,),
+    "tools": (list,),
+    "tool_choice": (str, dict),
+    "text": (dict,),
+    "text.format": (dict,),
+    "reasoning": (dict,),
+    "reasoning.effort": (str,),
+    "metadata": (dict,),
+}
+JSON_TYPES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+              list: "a list", dict: "an object"}  # fmt: skip
+
+
+def json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    return next(n for t, n in JSON_TYPES.items() if isinstance(value, t))
+
+
+def check_types(body: dict) -> None:
+    """Each field in FIELD_TYPES has one of its types, else a 400 naming it."""
+    for name, types in FIELD_TYPES.items():
+        parent, _, key = name.rpartition(".")
+        where = body.get(parent) if parent else body
+        value = where.get(key) if isinstance(where, dict) else None
+        if value is None:
+            continue
+        ok = isinstance(value, types) and (bool in types or not isinstance(value, bool))
+        if not ok:
+            wanted = " or ".join(JSON_TYPES[t] for t in types if t is not int or float not in types)
+            raise InvalidInputError(f"{name} must be {wanted}, got {json_type(value)}", name)
+
+
+TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}  # -> its key
+
+
+def input_messages(items: Any, called: set[str] | None = None) -> list[dict]:
+    """Responses input (a string or a list of items) -> chat messages. `called`: the call ids
+    of earlier turns, which a function_call_output may answer."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list):
         raise InvalidInputError("input must be a string or a list of items", "input")
+    called = set(called or ())
     out: list[dict] = []
     for i, it in enumerate(items):
-        kind = it.get("type", "message") if isinstance(it, dict) else None
+        if not isinstance(it, dict):
+            raise InvalidInputError(f"an input item must be an object, got {json_type(it)}",
+                                    f"input.{i}")  # fmt: skip
+        kind = it.get("type", "message")
         if kind == "message":
-            content = it.get("content")
-            if isinstance(content, list):
-                content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
-            if not isinstance(content, str) or it.get("role") not in (
-                "user", "system", "developer", "assistant"
-            ):  # fmt: skip
-                raise InvalidInputError("a message item needs a role and text", f"input.{i}")
-            out.append({"role": it["role"], "content": content})
+            if it.get("role") not in ("user", "system", "developer", "assistant"):
+                raise InvalidInputError(
+                    "a message item's role is user, system, developer or assistant",
+                    f"input.{i}.role",
+                )
+            out.append({"role": it["role"], "content": message_text(it.get("content"), i)})
         elif kind == "function_call":
-            call = {"id": it.get("call_id"), "type": "function", "function": {
-                "name": it.get("name"), "arguments": it.get("arguments") or "{}"}}  # fmt: skip
+            fields = {k: it.get(k) for k in ("call_id", "name", "arguments")}
+            fields["arguments"] = fields["arguments"] or "{}"
+            for k, v in fields.items():
+                if not isinstance(v, str):
+                    raise InvalidInputError(f"a function_call's {k} must be a string",
+                                            f"input.{i}.{k}")  # fmt: skip
+            called.add(fields["call_id"])
+            call = {"id": fields.pop("call_id"), "type": "function", "function": fields}
             if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
                 out[-1]["tool_calls"].append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            output = it.get("output")
+            call_id, output = it.get("call_id"), it.get("output")
+            if call_id not in called:
+                raise InvalidInputError(
+                    f"function_call_output answers no earlier function_call (call_id {call_id!r})",
+                    f"input.{i}.call_id",
+                )
+            if not isinstance(output, (str, list)):
+                raise InvalidInputError(
+                    "a function_call_output's output must be a string or a list of parts",
+                    f"input.{i}.output",
+                )
             text = output if isinstance(output, str) else json.dumps(output)
-            out.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": text})
+            out.append({"role": "tool", "tool_call_id": call_id, "content": text})
         elif kind != "reasoning":  # earlier reasoning items are not rendered again
             raise InvalidInputError(f"input item type {kind!r} is not supported", f"input.{i}")
     return out
+
+
+def message_text(content: Any, i: int) -> str:
+    """A message item's content (a string or a list of text parts) as one string."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidInputError("a message item's content must be a string or a list of parts",
+                                f"input.{i}.content")  # fmt: skip
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        where = f"input.{i}.content.{j}"
+        key = TEXT_PARTS.get(kind)
+        if key is None:
+            raise InvalidInputError(f"unknown content part type {kind!r}", where)
+        if not isinstance(part.get(key), str):
+            raise InvalidInputError(f"a {kind!r} content part needs a string {key!r}", where)
+        texts.append(part[key])
+    return "".join(texts)
+
+
+# The chat request's names for what the Responses body calls otherwise (first match wins).
+THEIR_NAMES = (
+    (re.compile(r"max_tokens"), "max_output_tokens"),
+    (re.compile(r"reasoning_effort"), "reasoning.effort"),
+    (re.compile(r"response_format(\.json_schema)?"), "text.format"),
+    (re.compile(r"tool_choice\.function"), "tool_choice"),
+    (re.compile(r"tools\.(\d+)\.function"), r"tools.\1"),
+    (re.compile(r"messages(\.\d+)?"), "input"),  # its messages are not the input's items
+)
 
 
 def chat_request(body: dict, messages: list[dict]) -> ChatCompletionRequest:
@@ -95,9 +195,9 @@ def chat_request(body: dict, messages: list[dict]) -> ChatCompletionRequest:
             out[ours] = body[theirs]
     tools = body.get("tools")
     if tools:
-        bad = [t for t in tools if not (isinstance(t, dict) and t.get("type") == "function")]
-        if bad:
-            raise InvalidInputError("only function tools are supported", "tools")
+        for i, t in enumerate(tools):
+            if not (isinstance(t, dict) and t.get("type") == "function"):
+                raise InvalidInputError("only function tools are supported", f"tools.{i}")
         out["tools"] = [
             {
                 "type": "function",
@@ -119,7 +219,27 @@ def chat_request(body: dict, messages: list[dict]) -> ChatCompletionRequest:
     effort = (body.get("reasoning") or {}).get("effort")
     if effort is not None:
         out["reasoning_effort"] = effort
-    return ChatCompletionRequest.model_validate(out)
+    try:
+        return ChatCompletionRequest.model_validate(out)
+    except ValidationError as exc:
+        message, param = validation_message(exc)
+        raise InvalidInputError(*their_names(message, param)) from None
+    except InvalidInputError as exc:
+        raise InvalidInputError(*their_names(str(exc), exc.param)) from None
+
+
+def their_names(message: str, param: str | None) -> tuple[str, str | None]:
+    """An error of the chat request, with its field named as the Responses body names it."""
+    if param is None:
+        return message, param
+    for pattern, name in THEIR_NAMES:
+        found = pattern.match(param)
+        if found:
+            theirs = found.expand(name) + param[found.end() :]
+            if message.startswith(param):
+                message = theirs + message[len(param) :]
+            return message, theirs
+    return message, param
 
 
 class ResponsesServing:
@@ -140,7 +260,8 @@ class ResponsesServing:
                 )
             history, prev = found
             session = prev.get("_session")
-        new = input_messages(body.get("input", ""))
+        called = {c["id"] for m in history for c in m.get("tool_calls") or ()}
+        new = input_messages(body.get("input", ""), called)
         system = [{"role": "system", "content": body["instructions"]}] if body.get(
             "instructions") else []  # fmt: skip
         messages = system + history + new
@@ -380,6 +501,7 @@ def install_responses_routes(app: FastAPI, serving: ResponsesServing, check_mode
             raise InvalidInputError("request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise InvalidInputError("request body must be a JSON object")
+        check_types(body)
         return check_model(body.get("model")) or await serving.create(body, request)
 
     # Not in the OpenAPI spec: FastAPI would describe a 422 for the path parameter, which we

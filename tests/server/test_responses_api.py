@@ -125,6 +125,41 @@ def test_store_false_keeps_nothing(client):
     assert err.value.body["param"] == "previous_response_id"
 
 
+WRONG = [  # fields of a request that are wrong -> the field its 400 names
+    ({"text": "abc"}, "text"),
+    ({"reasoning": "high"}, "reasoning"),
+    ({"previous_response_id": [1]}, "previous_response_id"),
+    ({"model": [1]}, "model"),
+    ({"max_output_tokens": "8"}, "max_output_tokens"),
+    ({"max_output_tokens": True}, "max_output_tokens"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"tools": {"type": "function", "name": "f"}}, "tools"),
+    ({"tools": [{"type": "function", "name": 5}]}, "tools.0.name"),
+    ({"tool_choice": 5}, "tool_choice"),
+    ({"instructions": ["be brief"]}, "instructions"),
+    ({"store": "no"}, "store"),
+    ({"stream": "yes"}, "stream"),
+    ({"metadata": []}, "metadata"),
+    ({"text": {"format": "json"}}, "text.format"),
+    ({"reasoning": {"effort": "huge"}}, "reasoning.effort"),
+    ({"input": [5]}, "input.0"),
+    ({"input": [{"role": "user", "content": [5]}]}, "input.0.content.0"),
+    ({"input": [{"role": "bot", "content": "x"}]}, "input.0.role"),
+    ({"input": [{"type": "function_call", "call_id": 5, "name": "f"}]}, "input.0.call_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "x", "output": "y"}]},
+     "input.0.call_id"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fields", "param"), WRONG, ids=[p for _, p in WRONG])
+def test_wrong_fields_are_400s_naming_them(client, fields, param):
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 2, **fields}
+    r = httpx.post(str(client.base_url) + "responses", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
+
+
 def test_stream_events_follow_the_protocol(client):
     whole = client.responses.create(model="tiny", input="a pet", text=SHORT_JSON, temperature=0,
                                     max_output_tokens=100)  # fmt: skip
