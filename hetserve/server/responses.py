@@ -30,6 +30,7 @@ from hetserve.server.errors import error_body, validation_message
 from hetserve.server.protocol import ChatCompletionRequest
 from hetserve.server.serving import merge
 from hetserve.server.tools import Streamer
+from hetserve.server.validation import UnsupportedFieldError
 
 MAX_STORED = 1024
 
@@ -100,6 +101,7 @@ def check_types(body: dict) -> None:
 
 
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}  # -> its key
+MEDIA_PARTS = ("input_image", "input_file", "input_audio")
 
 
 def input_messages(items: Any, called: set[str] | None = None) -> list[dict]:
@@ -166,6 +168,10 @@ def message_text(content: Any, i: int) -> str:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         where = f"input.{i}.content.{j}"
+        if kind in MEDIA_PARTS:
+            raise UnsupportedFieldError(
+                where, f"{kind} content parts are not supported (text-only model)"
+            )
         key = TEXT_PARTS.get(kind)
         if key is None:
             raise InvalidInputError(f"unknown content part type {kind!r}", where)

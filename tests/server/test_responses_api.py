@@ -160,6 +160,16 @@ def test_wrong_fields_are_400s_naming_them(client, fields, param):
     assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("kind", ["input_image", "input_file", "input_audio"])
+def test_media_parts_are_refused_not_dropped(client, kind):
+    # As /v1/chat/completions refuses an image_url part: a text-only model cannot read it.
+    parts = [{"type": "input_text", "text": "what is this?"}, {"type": kind}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="tiny", input=[{"role": "user", "content": parts}])
+    assert err.value.body["param"] == "input.0.content.1"
+    assert err.value.body["code"] == "unsupported" and kind in err.value.body["message"]
+
+
 def test_stream_events_follow_the_protocol(client):
     whole = client.responses.create(model="tiny", input="a pet", text=SHORT_JSON, temperature=0,
                                     max_output_tokens=100)  # fmt: skip
