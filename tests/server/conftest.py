@@ -1,3 +1,4 @@
+import logging
 import threading
 import time
 
@@ -60,3 +61,21 @@ def server(engine):
     srv = LiveServer(engine)
     yield srv
     srv.stop()
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def access_lines():
+    """The access log's lines written while the test runs."""
+    lines = _Lines()
+    logging.getLogger("hetserve.access").addHandler(lines)
+    yield lines.lines
+    logging.getLogger("hetserve.access").removeHandler(lines)

@@ -3,7 +3,6 @@ dashboards chart (n=2 is one request), logprobs' bytes of a split character, and
 route that says which APIs are served."""
 
 import io
-import logging
 import sys
 
 import httpx
@@ -20,31 +19,17 @@ def logged(engine):
     srv.stop()
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-def test_access_line_per_request(logged):
-    lines = _Lines()
-    logging.getLogger("hetserve.access").addHandler(lines)
-    try:
-        body = {"prompt": "hello the", "max_tokens": 5, "ignore_eos": True}
-        httpx.post(logged.url + "/v1/completions", json=body, timeout=60)
-        httpx.post(logged.url + "/v1/completions", json={**body, "stream": True}, timeout=60)
-        httpx.post(logged.url + "/v1/completions", json={"prompt": 5}, timeout=60)
-        httpx.get(logged.url + "/health")
-    finally:
-        logging.getLogger("hetserve.access").removeHandler(lines)
-    ok = [line for line in lines.lines if '"POST /v1/completions" 200' in line]
-    assert len(ok) == 2 and all("output_tokens=5" in line for line in ok), lines.lines
+def test_access_line_per_request(logged, access_lines):
+    body = {"prompt": "hello the", "max_tokens": 5, "ignore_eos": True}
+    httpx.post(logged.url + "/v1/completions", json=body, timeout=60)
+    httpx.post(logged.url + "/v1/completions", json={**body, "stream": True}, timeout=60)
+    httpx.post(logged.url + "/v1/completions", json={"prompt": 5}, timeout=60)
+    httpx.get(logged.url + "/health")
+    ok = [line for line in access_lines if '"POST /v1/completions" 200' in line]
+    assert len(ok) == 2 and all("output_tokens=5" in line for line in ok), access_lines
     assert all("ttft=0." in line and "prompt_tokens=" in line for line in ok)
-    assert any('"POST /v1/completions" 400' in line for line in lines.lines)
-    assert not any("/health" in line for line in lines.lines)
+    assert any('"POST /v1/completions" 400' in line for line in access_lines)
+    assert not any("/health" in line for line in access_lines)
 
 
 def test_vllm_metric_names_and_n2_is_one_request(server):

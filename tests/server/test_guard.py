@@ -1,7 +1,6 @@
 """The guard in front of every route: the API key on each API's routes, a bug's 500 that keeps
 the client's connection, an access line for every answer, and a model name of the wrong type."""
 
-import logging
 import time
 
 import httpx
@@ -17,23 +16,6 @@ def keyed(engine):
     srv = LiveServer(engine, api_key=KEY, log_requests=True, max_body_bytes=4096)
     yield srv
     srv.stop()
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-@pytest.fixture
-def access_lines():
-    lines = _Lines()
-    logging.getLogger("hetserve.access").addHandler(lines)
-    yield lines.lines
-    logging.getLogger("hetserve.access").removeHandler(lines)
 
 
 AUTH = {"authorization": f"Bearer {KEY}"}
