@@ -300,13 +300,8 @@ class Scheduler:
                 debt = s.request.prefill_debt_s + seconds - s.allowance_s
                 s.request.prefill_debt_s = max(debt, 0.0)
 
-    def update(
-        self,
-        out: SchedulerOutput,
-        sampled: dict[str, int],
-        eos_ids: set[int],
-        ended: set[str] | None = None,
-    ) -> None:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int], eos_ids: set[int],
+               ended: frozenset[str] | set[str] = frozenset()) -> None:  # fmt: skip
         """Advance computed counts, append sampled tokens, finish what hit a token-level stop;
         `ended`: requests whose grammar is complete, finished whatever their stop rules say."""
         for s in out.scheduled:
@@ -325,7 +320,7 @@ class Scheduler:
                 continue
             req.output_token_ids.append(token)
             status = self._check_stop(req, token, eos_ids)
-            if status is None and ended and req.request_id in ended:
+            if status is None and req.request_id in ended:
                 status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 self.finish(req.request_id, status)
