@@ -173,8 +173,11 @@ class ResponsesServing:
                 c = out.outputs[0]
                 for kind, data in items.feed(*streamer.feed(c.text, c.finish_reason is not None)):
                     yield event(kind, **data)
-        except Exception as exc:
+        except Exception as exc:  # the API's way: an error event, then the response failed
             yield event("error", message=str(exc), code="engine_error", param=None)
+            failed = self._response(state, "failed", items.items)
+            failed["error"] = {"code": "server_error", "message": str(exc)}
+            yield event("response.failed", response=failed)
             return
         finally:
             for s in streams:

@@ -188,6 +188,25 @@ def test_stream_events_follow_the_protocol(client):
     assert calls["output"] and json.loads(calls["output"][0]["arguments"])["city"]
 
 
+def test_a_failure_mid_stream_ends_with_response_failed(client, monkeypatch):
+    import hetserve.server.responses as responses
+
+    real = responses.merge
+
+    async def failing(streams):
+        async for i, out in real(streams):
+            yield i, out
+            raise RuntimeError("injected engine fault")
+
+    monkeypatch.setattr(responses, "merge", failing)
+    events = raw_events(client, input="hi", max_output_tokens=20)
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert "injected engine fault" in events[-2]["message"]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
 def test_the_sdk_stream_helper_follows_the_stream(client):
     with client.responses.stream(model="tiny", input="a pet", text=SHORT_JSON,
                                  max_output_tokens=100) as stream:  # fmt: skip
