@@ -186,11 +186,21 @@ def parse_config(data: object, source: str = "<config>") -> tuple[FinetuneConfig
 
 
 def _coerce(key: str, value, source: str):
-    """YAML gives 5e-5 as a string (YAML 1.1 floats need a dot): accept numbers as strings."""
+    """YAML gives 5e-5 as a string (YAML 1.1 floats need a dot): accept numbers as strings.
+    A list of datasets is the comma-separated names LLaMA-Factory takes."""
     kind = FIELDS[key].type
+    strings = isinstance(value, list) and all(isinstance(v, str) for v in value)
     try:
         if value is None:
             return None
+        if kind in ("str", "str | None"):
+            if strings and key in ("dataset", "eval_dataset"):
+                return ",".join(value)
+            if not isinstance(value, str):
+                raise ValueError
+            return value
+        if kind == "str | list" and not (isinstance(value, str) or strings):
+            raise ValueError
         if "bool" in kind and "str" not in kind:
             if not isinstance(value, bool):
                 raise ValueError

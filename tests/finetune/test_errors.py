@@ -94,3 +94,19 @@ def test_template_that_is_not_prefix_stable(base_config, tiny_model, tmp_path, c
     )
     (model / "tokenizer_config.json").write_text(json.dumps(tc))
     one_line_error(tmp_path, base_config(model_name_or_path=str(model)), capsys, "prefix")
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [("model_name_or_path", 5), ("dataset", [1, 2]), ("template", ["a"]), ("lora_target", 3)],
+)
+def test_a_value_of_the_wrong_type_is_one_line(base_config, tmp_path, capsys, key, value):
+    one_line_error(tmp_path, base_config(**{key: value}), capsys, f"{key}:", "not a valid")
+
+
+def test_a_list_of_datasets_is_the_comma_separated_names(base_config):
+    from hetserve.finetune.config import parse_config
+
+    cfg, _ = parse_config(base_config(dataset=["a", "b"], eval_dataset=["c"]))
+    assert cfg.datasets() == ["a", "b"] and cfg.datasets("eval_dataset") == ["c"]
+
