@@ -122,6 +122,19 @@ class FinetuneConfig:
         need(not self.do_train or bool(self.dataset), "do_train needs 'dataset'")
         need(self.cutoff_len >= 2, "cutoff_len must be >= 2")
         need(self.per_device_train_batch_size >= 1, "per_device_train_batch_size must be >= 1")
+        need(self.per_device_eval_batch_size >= 1, "per_device_eval_batch_size must be >= 1")
+        need(self.lora_alpha is None or self.lora_alpha > 0, "lora_alpha must be > 0")
+        need(
+            self.eval_strategy in ("no", "steps"),
+            f"eval_strategy {self.eval_strategy!r}: use 'no' or 'steps' (with eval_steps)",
+        )
+        need(self.eval_steps is None or self.eval_steps >= 1, "eval_steps must be >= 1")
+        need(0.0 <= self.adam_beta1 < 1.0 and 0.0 <= self.adam_beta2 < 1.0,
+             "adam_beta1 and adam_beta2 must be in [0, 1)")  # fmt: skip
+        need(self.adam_epsilon >= 0 and self.weight_decay >= 0,
+             "adam_epsilon and weight_decay must be >= 0")  # fmt: skip
+        need(self.warmup_steps >= 0, "warmup_steps must be >= 0")
+        need(self.max_new_tokens >= 1, "max_new_tokens must be >= 1")
         need(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")
         need(self.learning_rate > 0, "learning_rate must be > 0")
         need(

@@ -110,3 +110,22 @@ def test_a_list_of_datasets_is_the_comma_separated_names(base_config):
     cfg, _ = parse_config(base_config(dataset=["a", "b"], eval_dataset=["c"]))
     assert cfg.datasets() == ["a", "b"] and cfg.datasets("eval_dataset") == ["c"]
 
+
+@pytest.mark.parametrize(
+    "key,value,needle",
+    [
+        ("per_device_eval_batch_size", 0, "per_device_eval_batch_size must be >= 1"),
+        ("adam_beta1", 2.0, "adam_beta1 and adam_beta2 must be in [0, 1)"),
+        ("eval_strategy", "bogus", "eval_strategy 'bogus'"),
+        ("eval_steps", 0, "eval_steps must be >= 1"),
+        ("warmup_steps", -1, "warmup_steps must be >= 0"),
+        ("lora_alpha", 0, "lora_alpha must be > 0"),
+        ("max_new_tokens", 0, "max_new_tokens must be >= 1"),
+    ],
+)
+def test_a_value_out_of_range_is_one_line_before_training(
+    base_config, tmp_path, capsys, key, value, needle
+):
+    """Each was a traceback mid-run (a zero eval batch, Adam's betas) or silently taken."""
+    one_line_error(tmp_path, base_config(**{key: value}), capsys, needle)
+
