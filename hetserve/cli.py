@@ -78,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     except HetserveError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a path the user gave cannot be read or written as asked
+        if exc.filename is None:
+            raise
+        print(f"error: {exc.filename}: {exc.strerror or exc}; check the path", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     return int(rc or 0)

@@ -2,6 +2,7 @@
 before the model loads, and `hetserve chat` with commands and a check of the server."""
 
 import io
+import json
 import socket
 import sys
 
@@ -63,3 +64,17 @@ def test_chat_flags_are_checked_before_anything_loads(flags, text, monkeypatch, 
     assert main(["chat", "--model", "/nonexistent", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and text in err, err
+
+
+@pytest.mark.parametrize("flag,path", [("--log-decisions", "missing/dir/x"), ("--plot", "afile")])
+def test_an_output_path_that_cannot_be_written_is_one_line(tmp_path, capsys, flag, path):
+    trace = tmp_path / "t.jsonl"
+    rows = [{"timestamp": t, "input_length": 600, "output_length": 4, "hash_ids": [t, t + 1]}
+            for t in (0, 10)]  # fmt: skip
+    trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "afile").write_text("a file where a directory is wanted")
+    out = str(tmp_path / path)
+    assert main(["sim", "--trace", str(trace), flag, out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith(f"error: {out}:"), err
+
