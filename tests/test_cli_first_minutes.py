@@ -78,3 +78,33 @@ def test_an_output_path_that_cannot_be_written_is_one_line(tmp_path, capsys, fla
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith(f"error: {out}:"), err
 
+
+
+def _tiny_config(**patch) -> dict:
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 32, "num_hidden_layers": 1, **patch}  # fmt: skip
+
+
+GENERATE = ["generate", "--model", "{d}", "hi"]
+EXPORT = ["export", "--model", "{d}", "--adapter", "{d}", "--out", "{d}/out"]
+
+
+@pytest.mark.parametrize(
+    "command,text,needle",
+    [
+        *[(c, "{bad", "is not valid JSON") for c in (GENERATE, EXPORT)],
+        *[(c, "[1, 2]", "must hold a JSON object") for c in (GENERATE, EXPORT)],
+        (GENERATE, json.dumps(_tiny_config(num_key_value_heads=3)), "must be a multiple of"),
+        (GENERATE, json.dumps(_tiny_config(max_position_embeddings=0)), "is 0; it must be >= 2"),
+        (GENERATE, json.dumps(_tiny_config(hidden_size="x")), "not a number"),
+    ],
+)
+def test_a_broken_config_json_is_one_line(tmp_path, capsys, command, text, needle):
+    """Each command that reads a model directory names the file and what is wrong with it
+    (generate read it first without a check: JSONDecodeError and AttributeError tracebacks;
+    export took a JSON array; heads the KV heads do not divide failed at the first prompt)."""
+    (tmp_path / "config.json").write_text(text)
+    assert main([a.replace("{d}", str(tmp_path)) for a in command]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and needle in err, err

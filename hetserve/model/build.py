@@ -10,7 +10,6 @@ one-line messages; nothing is half-built on failure (the caller simply has no mo
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,6 +19,7 @@ import torch
 from hetserve.config import EngineConfig, MoEConfig
 from hetserve.errors import InvalidInputError
 from hetserve.model.base import CausalLM
+from hetserve.model.config import read_config_json
 from hetserve.model.load_heap import copies_unmapped, heap_reused, trim_heap
 from hetserve.model.loader import load_model
 from hetserve.moe.presets import PlacementChoice
@@ -171,7 +171,7 @@ def _kv_estimate(config: EngineConfig, model: CausalLM, choice: PlacementChoice)
 def _converted(model_dir: Path) -> dict | None:
     """The `hetserve_experts` entry of a checkpoint made by `hetserve convert`, if any."""
     path = model_dir / "config.json"
-    return json.loads(path.read_text()).get("hetserve_experts") if path.is_file() else None
+    return read_config_json(path).get("hetserve_experts") if path.is_file() else None
 
 
 def choose(config: EngineConfig, model_dir: Path) -> PlacementChoice:

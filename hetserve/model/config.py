@@ -79,10 +79,10 @@ class ModelConfig:
         try:
             hidden = int(hf["hidden_size"])
             heads = int(hf["num_attention_heads"])
-            head_dim = hf.get("head_dim") or hidden // heads
+            head_dim = hf.get("head_dim") or (hidden // heads if heads > 0 else 0)
             eos = hf.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-            return cls(
+            cfg = cls(
                 architecture=archs[0],
                 model_type=hf.get("model_type", ""),
                 vocab_size=int(hf["vocab_size"]),
@@ -104,6 +104,29 @@ class ModelConfig:
             )
         except KeyError as exc:
             raise ModelLoadError(f"config.json lacks required key {exc.args[0]!r}") from None
+        except (TypeError, ValueError, ArithmeticError) as exc:
+            raise ModelLoadError(f"config.json has a value that is not a number: {exc}") from None
+        cfg._check()
+        return cfg
+
+    def _check(self) -> None:
+        """Sizes a model can be built from (a checkpoint's own config.json is not trusted)."""
+        sizes = {"vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+                 "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+                 "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim}  # fmt: skip
+        for key, value in sizes.items():
+            if value < 1:
+                raise ModelLoadError(f"config.json: {key} is {value}; it must be >= 1")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.max_position_embeddings < 2:
+            raise ModelLoadError(
+                f"config.json: max_position_embeddings is {self.max_position_embeddings}; "
+                "it must be >= 2"
+            )
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -118,10 +141,17 @@ class ModelConfig:
                 f"{str(path)!r} has no config.json; pass an HF model directory (config.json + "
                 "*.safetensors)"
             )
-        try:
-            hf = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(
-                f"{cfg_file} is not valid JSON ({exc.msg} at line {exc.lineno})"
-            ) from None
-        return cls.from_dict(hf)
+        return cls.from_dict(read_config_json(cfg_file))
+
+
+def read_config_json(path: Path) -> dict:
+    """A checkpoint's config.json as a mapping; ModelLoadError naming the file where it is not
+    valid JSON or not an object (every reader of a model directory goes through here)."""
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object (the model's settings)")
+    return cfg
+

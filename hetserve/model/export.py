@@ -15,12 +15,12 @@ anything is written.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hetserve.errors import InvalidInputError, ModelLoadError
+from hetserve.model.config import read_config_json
 
 if TYPE_CHECKING:  # `hetserve export` imports this lazily; torch only when it runs
     import torch
@@ -67,7 +67,7 @@ def export_merged(
 def _check_dirs(src: Path, out: Path) -> None:
     if not (src / "config.json").is_file():
         raise ModelLoadError(f"{str(src)!r} has no config.json; give an HF model directory")
-    cfg = json.loads((src / "config.json").read_text())
+    cfg = read_config_json(src / "config.json")
     quantized = next((k for k in _QUANTIZED_KEYS if k in cfg), None)
     if quantized is not None:
         raise InvalidInputError(
