@@ -18,7 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders
 
-from hetserve.errors import InvalidInputError, ModelLoadError
+from hetserve.errors import InvalidInputError, ModelLoadError, ModelNotFoundError
 from hetserve.model.tiktoken_tokenizer import _CHAR_BYTES, TIKTOKEN_FILE, TiktokenBPE
 
 
@@ -48,6 +48,11 @@ class Tokenizer:
                 self._from_gguf(model_dir)
                 return
             model_dir = model_dir.parent
+        if not model_dir.is_dir():
+            raise ModelNotFoundError(
+                f"model directory {str(model_dir)!r} does not exist; give a local HF model "
+                "directory (or a .gguf file)"
+            )
         path = model_dir / "tokenizer.json"
         cfg = _read_json(model_dir / "tokenizer_config.json")
         if path.is_file():
