@@ -108,3 +108,40 @@ def test_a_broken_config_json_is_one_line(tmp_path, capsys, command, text, needl
     assert main([a.replace("{d}", str(tmp_path)) for a in command]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and needle in err, err
+
+
+def _exit_code(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as done:  # argparse's own one-line errors
+        return int(done.code or 0)
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["serve", "--log-level", "bogus"], "invalid choice: 'bogus'"),
+        (["store", "master", "--port", "99999"], "invalid port value"),
+        (["conductor", "--both", "http://127.0.0.1:1", "--port", "99999"], "--port must be"),
+        (["cluster", "up", "--policy", "bogus"], "policy 'bogus': choose from"),
+        (["cluster", "up", "--port", "99999"], "--port must be in 1..65535"),
+        (["cluster", "up", "--config", "{cfg}"], "prefill: 'abc' should be int"),
+        (["bench", "conductor", "--policies", "kvcentric,bogus"], "--policies: 'bogus'"),
+        (["chat", "--url", "ftp://x"], "use http:// or https://"),
+    ],
+)
+def test_flags_are_checked_before_anything_starts(tmp_path, capsys, argv, needle):
+    """Each was a traceback, or an error only after the instances or the model had loaded."""
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text("prefill: abc\n")
+    assert _exit_code([a.replace("{cfg}", str(cfg)) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and needle in err, err
+
+
+def test_a_missing_model_directory_is_named_as_missing():
+    from hetserve.errors import ModelNotFoundError
+    from hetserve.model.tokenizer import Tokenizer
+
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        Tokenizer("/nonexistent/model")

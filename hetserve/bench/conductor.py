@@ -178,6 +178,11 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError("--instances >= 2, --prompt-tokens >= --block-size, --repeats >= 1")
     if bool(args.url) != bool(args.direct_url):
         raise InvalidInputError("the end-to-end part needs both --url and --direct-url")
+    from hetserve.disagg.policy import POLICIES
+
+    for policy in [p for p in args.policies.split(",") if p]:
+        if policy not in POLICIES:
+            raise InvalidInputError(f"--policies: {policy!r}: choose from {', '.join(POLICIES)}")
     rows, result = _decision_rows(args)
     print(f"{args.instances} instances, a {args.prompt_tokens}-token prompt in blocks of "
           f"{args.block_size}")  # fmt: skip

@@ -216,6 +216,8 @@ def check_options(args: argparse.Namespace) -> None:
     from hetserve.core.sampling import SamplingParams
 
     if args.url is not None and not args.url.startswith(("http://", "https://")):
+        if "://" in args.url:
+            raise InvalidInputError(f"--url {args.url}: use http:// or https://")
         raise InvalidInputError(f"--url {args.url} needs its scheme: http://{args.url}")
     try:
         limit = 1 if args.max_tokens is None else args.max_tokens

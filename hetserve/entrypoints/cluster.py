@@ -62,11 +62,27 @@ def _spec(args: argparse.Namespace):
 
         try:
             data = yaml.safe_load(Path(args.config).read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise InvalidInputError(f"--config {args.config}: {exc}") from None
+        except OSError as exc:
+            raise InvalidInputError(f"--config {args.config}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            line = getattr(getattr(exc, "problem_mark", None), "line", None)
+            where = f" at line {line + 1}" if line is not None else ""
+            raise InvalidInputError(f"--config {args.config}: not valid YAML{where}") from None
+        if not isinstance(data, dict):
+            raise InvalidInputError(f"--config {args.config}: expected a mapping of options")
         unknown = set(data) - set(options)
         if unknown:
             raise InvalidInputError(f"--config {args.config}: unknown keys {sorted(unknown)}")
+        for key, value in data.items():  # each as its flag takes it (a count is an integer)
+            want = options[key]
+            if want is None or value is None or key == "instance_args":
+                continue
+            if isinstance(value, bool) != isinstance(want, bool) or not isinstance(
+                value, type(want)
+            ):
+                raise InvalidInputError(
+                    f"--config {args.config}: {key}: {value!r} should be {type(want).__name__}"
+                )
         if "instance_args" in data:
             data["instance_args"] = tuple(shlex.split(str(data["instance_args"])))
         options.update(data)
@@ -76,12 +92,27 @@ def _spec(args: argparse.Namespace):
         raise InvalidInputError(f"cluster: {exc}") from None
 
 
+def _check(spec) -> None:
+    """The Conductor's options, before any instance starts (it starts last)."""
+    from hetserve.disagg.policy import ADMISSIONS, POLICIES
+    from hetserve.entrypoints.serve import check_port
+
+    if spec.policy not in POLICIES:
+        raise InvalidInputError(f"policy {spec.policy!r}: choose from {', '.join(POLICIES)}")
+    if spec.admission not in ADMISSIONS:
+        raise InvalidInputError(
+            f"admission {spec.admission!r}: choose from {', '.join(ADMISSIONS)}"
+        )
+    check_port("127.0.0.1", spec.port)
+
+
 def _up(args: argparse.Namespace) -> int:
     import httpx
 
     from hetserve.disagg.launch import LaunchError, LocalLauncher, status_table
 
     spec = _spec(args)
+    _check(spec)
     launcher = LocalLauncher()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -33,7 +33,9 @@ def register(sub) -> None:
     c.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     c.add_argument("--port", type=int, default=8000)
     c.add_argument("--api-key", default=None, help="require this bearer token from clients")
-    c.add_argument("--log-level", default="warning")
+    from hetserve.entrypoints.serve import LOG_LEVELS
+
+    c.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
     c.add_argument(
         "--log-requests",
         default=None,
@@ -50,7 +52,9 @@ def register(sub) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from hetserve.entrypoints.serve import is_loopback
+    from hetserve.entrypoints.serve import check_port, is_loopback
+
+    check_port(args.host, args.port)  # before any instance is asked
 
     api_key = args.api_key or envs.api_key()
     if not is_loopback(args.host) and not api_key:

@@ -9,6 +9,8 @@ from hetserve import envs
 from hetserve.config import add_engine_args
 from hetserve.errors import InvalidInputError
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+
 
 def register(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible server (default: the demo model)")
@@ -22,7 +24,7 @@ def register(sub) -> None:
         help="require this bearer token on /v1/* and /internal/* (and secure --kv-events)",
     )
     g.add_argument("--served-model-name", default=None)
-    g.add_argument("--log-level", default="warning")
+    g.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
     g.add_argument(
         "--max-request-mb",
         type=float,

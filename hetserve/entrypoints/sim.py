@@ -46,7 +46,7 @@ def register(sub: Subparsers) -> None:
     s = p.add_argument_group("scheduling")
     s.add_argument("--policy", default="kvcentric", help=f"one or more of {', '.join(POLICIES)}")
     s.add_argument("--admission", default="none", help=f"one or more of {', '.join(ADMISSIONS)}")
-    s.add_argument("--cache", default="global", help="local, global, or both")
+    s.add_argument("--cache", default="global", help="local, global, or both as local,global")
     s.add_argument(
         "--cache-tokens-per-instance",
         type=int,

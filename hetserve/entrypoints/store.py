@@ -64,13 +64,22 @@ def register(sub: Subparsers) -> None:  # what add_subparsers returns
 
 def _common(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    p.add_argument("--port", type=int, default=default_port)
+    p.add_argument("--port", type=port, default=default_port)
     p.add_argument(
         "--token",
         default=None,
         help="shared secret; required to bind beyond loopback (or HETSERVE_STORE_TOKEN)",
     )
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--log-level", default="WARNING", type=str.upper,
+                   choices=("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"))  # fmt: skip
+
+
+def port(text: str) -> int:
+    """A TCP port (0: any free one), for argparse."""
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise ValueError(text)
+    return port
 
 
 def _token(args: argparse.Namespace) -> str:
