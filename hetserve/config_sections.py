@@ -125,7 +125,8 @@ class CacheConfig:
             if not self.kv_events_token and not all(is_loopback_host(h) for h in hosts):
                 raise ValueError(
                     f"KV events bound beyond loopback ({self.kv_events}) need a shared token: "
-                    "pass --api-key (or set HETSERVE_API_KEY), or bind 127.0.0.1"
+                    "publish them from `hetserve serve --api-key` (or HETSERVE_API_KEY), whose "
+                    "key is that token, or bind 127.0.0.1"
                 )
 
 

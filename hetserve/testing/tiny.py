@@ -98,7 +98,8 @@ def make_tiny_checkpoint(
         raise InvalidInputError(f"layout must be 'per-expert' or 'fused', got {layout!r}")
     if dtype not in _WRITE_DTYPES:
         raise InvalidInputError(f"dtype must be one of {sorted(_WRITE_DTYPES)}, got {dtype!r}")
-    tiny_config(family, 0, overrides)  # validates the family before anything is written
+    # The family and the sizes (the checks a loader makes), before anything is written.
+    ModelConfig.from_dict(tiny_config(family, vocab_size, overrides))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     chat = FORMATS[FAMILY_FORMATS[family]]
