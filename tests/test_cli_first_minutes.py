@@ -75,8 +75,10 @@ def test_an_output_path_that_cannot_be_written_is_one_line(tmp_path, capsys, fla
     (tmp_path / "afile").write_text("a file where a directory is wanted")
     out = str(tmp_path / path)
     assert main(["sim", "--trace", str(trace), flag, out]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith(f"error: {out}:"), err
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.count("\n") == 0 and err.startswith(f"error: {flag} {out}:"), err
+    assert "simulating" not in captured.out  # refused before the work, not after it
 
 
 
@@ -128,15 +130,22 @@ def _exit_code(argv: list[str]) -> int:
         (["cluster", "up", "--config", "{cfg}"], "prefill: 'abc' should be int"),
         (["bench", "conductor", "--policies", "kvcentric,bogus"], "--policies: 'bogus'"),
         (["chat", "--url", "ftp://x"], "use http:// or https://"),
+        (["models", "make-tiny", "--arch", "qwen3-moe", "{out}", "--hidden-size", "0"],
+         "hidden_size is 0"),
+        (["models", "make-tiny", "--arch", "qwen3-moe", "{out}", "--num-attention-heads", "4",
+          "--num-key-value-heads", "3"], "must be a multiple of num_key_value_heads"),
     ],
 )
 def test_flags_are_checked_before_anything_starts(tmp_path, capsys, argv, needle):
     """Each was a traceback, or an error only after the instances or the model had loaded."""
     cfg = tmp_path / "cluster.yaml"
     cfg.write_text("prefill: abc\n")
-    assert _exit_code([a.replace("{cfg}", str(cfg)) for a in argv]) == 2
+    out = tmp_path / "tiny"
+    argv = [a.replace("{cfg}", str(cfg)).replace("{out}", str(out)) for a in argv]
+    assert _exit_code(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and needle in err, err
+    assert not out.exists()  # nothing written
 
 
 def test_a_missing_model_directory_is_named_as_missing():
@@ -145,3 +154,18 @@ def test_a_missing_model_directory_is_named_as_missing():
 
     with pytest.raises(ModelNotFoundError, match="does not exist"):
         Tokenizer("/nonexistent/model")
+
+
+def test_output_paths_are_checked_before_the_work(tmp_path, capsys):
+    """serve's routing statistics were lost at Ctrl-C, profile's measurement at its end."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    missing = str(tmp_path / "nodir" / "x.json")
+    for argv in (
+        ["serve", "--model", "/nonexistent", "--port", port, "--save-routing-stats", missing],
+        ["profile", "--model", "/nonexistent", "--out", missing],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "does not exist" in err and "nodir" in err, err

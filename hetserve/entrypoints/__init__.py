@@ -5,4 +5,29 @@ import the engine, server, store, bench and finetune packages; nothing imports t
 
 Failure contract (every command): a user mistake is one line on stderr naming the problem and
 the fix, exit code 2 (`HetserveError` caught in `cli.main`), never a traceback.
+An OSError that names a path is one line too; a path a command writes only after its work
+(a profile, plots, routing statistics) is checked before the work with `check_output`.
 """
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hetserve.errors import InvalidInputError
+
+
+def check_output(path: str | None, flag: str, directory: bool = False) -> None:
+    """Before the work: `path` (a file, or a `directory` made if missing) can be written
+    there; a one-line error naming `flag` otherwise, not an OSError after minutes of work."""
+    if path is None:
+        return
+    p = Path(path)
+    if directory:
+        if p.exists() and not p.is_dir():
+            raise InvalidInputError(f"{flag} {path}: is a file; give a directory")
+        return
+    if p.is_dir():
+        raise InvalidInputError(f"{flag} {path}: is a directory; give a file name")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise InvalidInputError(f"{flag} {path}: directory {str(parent)!r} does not exist")

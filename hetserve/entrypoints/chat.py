@@ -74,7 +74,7 @@ def _remote_stream(args, messages: list[dict], stats: ReplyStats) -> Iterator[st
         body["max_tokens"] = args.max_tokens
     if args.model:  # the served model or one of its LoRA adapters
         body["model"] = args.model
-    url = args.url.rstrip("/") + "/v1/chat/completions"
+    url = _base(args.url) + "/v1/chat/completions"
     chunks, usage = 0, None
     try:
         with httpx.stream("POST", url, json=body, headers=headers, timeout=None) as r:
@@ -166,7 +166,7 @@ def check_server(args: argparse.Namespace) -> None:
 
     key = args.api_key or envs.api_key()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    url = args.url.rstrip("/") + "/v1/models"
+    url = _base(args.url) + "/v1/models"
     try:
         r = httpx.get(url, headers=headers, timeout=10)
     except httpx.HTTPError as exc:
@@ -208,6 +208,11 @@ def read_lines() -> Iterator[str]:
                 readline.write_history_file(history)
             except OSError:
                 pass
+
+
+def _base(url: str) -> str:
+    """The server's root: --url as OpenAI clients take it (ending in /v1) works too."""
+    return url.rstrip("/").removesuffix("/v1")
 
 
 def check_options(args: argparse.Namespace) -> None:

@@ -39,6 +39,9 @@ def register(sub) -> None:
 
 
 def _profile(args: argparse.Namespace) -> int:
+    from hetserve.entrypoints import check_output
+
+    check_output(args.out, "--out")
     if args.through is not None:
         return _through(args)
     from hetserve.config import EngineConfig

@@ -7,6 +7,7 @@ import ipaddress
 
 from hetserve import envs
 from hetserve.config import add_engine_args
+from hetserve.entrypoints import check_output
 from hetserve.errors import InvalidInputError
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
@@ -115,6 +116,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.max_request_mb <= 0:
         raise InvalidInputError("--max-request-mb must be positive")
     check_port(args.host, args.port)
+    check_output(args.save_routing_stats, "--save-routing-stats")
     profile = None
     if args.profile is not None:
         from hetserve.disagg.costs import load_profile, profile_to_dict

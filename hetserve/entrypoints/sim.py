@@ -94,6 +94,10 @@ def register(sub: Subparsers) -> None:
 def _run(args: argparse.Namespace) -> int:
     if args.list_hardware:
         return _list_hardware()
+    from hetserve.entrypoints import check_output
+
+    check_output(args.plot, "--plot", directory=True)
+    check_output(args.log_decisions, "--log-decisions")
     t0 = time.perf_counter()
     plan = _plan(args)
     payload: dict[str, Any] = {

@@ -101,3 +101,10 @@ def test_chat_commands_against_a_server(server, monkeypatch, capsys):
     assert len(seen) == 2  # /quit stopped before the last line
     assert "be brief" in seen[0] and "hello" in seen[0]
     assert "hello" not in seen[1] and "be brief" in seen[1]  # cleared, system prompt kept
+
+
+def test_chat_takes_the_url_openai_clients_take(server, monkeypatch, capsys):
+    """--url http://HOST:PORT/v1 (what OpenAI clients are given) asked /v1/v1/models: a 404."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--url", server.url + "/v1/", "--max-tokens", "2"]) == 0
+    assert "404" not in capsys.readouterr().err
