@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from hetserve.errors import InvalidInputError
 from hetserve.finetune.config import FinetuneConfig
 from hetserve.finetune.template import IGNORE
 
@@ -19,6 +20,11 @@ def split_eval(n: int, val_size: float, seed: int) -> tuple[list[int], list[int]
     """(train, eval) example indices: val_size < 1 is a fraction, >= 1 a row count."""
     if val_size <= 0:
         return list(range(n)), []
+    if val_size >= 1 and int(val_size) >= n:  # a count the rows cannot give (HF's split refuses)
+        raise InvalidInputError(
+            f"val_size {int(val_size)} leaves no rows to train on (the datasets have {n}); "
+            "give fewer rows, or a fraction below 1"
+        )
     k = int(val_size) if val_size >= 1 else max(1, round(n * val_size))
     k = min(k, n - 1)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()

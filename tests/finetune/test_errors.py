@@ -129,3 +129,8 @@ def test_a_value_out_of_range_is_one_line_before_training(
     """Each was a traceback mid-run (a zero eval batch, Adam's betas) or silently taken."""
     one_line_error(tmp_path, base_config(**{key: value}), capsys, needle)
 
+
+def test_a_val_size_count_above_the_rows_is_one_line(base_config, tmp_path, capsys):
+    """It was cut to the rows less one: training ran on a single example, silently."""
+    one_line_error(tmp_path, base_config(val_size=1000), capsys, "val_size 1000 leaves no rows")
+
