@@ -30,6 +30,7 @@ from hetserve.server.errors import validation_message
 from hetserve.server.protocol import ChatCompletionRequest
 from hetserve.server.serving import merge
 from hetserve.server.tools import Parsed, Streamer
+from hetserve.server.validation import is_json_type
 
 OLLAMA_VERSION = "0.12.0"  # the API version whose fields we serve (clients check it)
 LATEST = ":latest"  # Ollama's default tag: NAME:latest names the model served as NAME
@@ -69,9 +70,7 @@ def _now() -> str:
 
 def typed(value: Any, kinds: tuple[type, ...], field: str, what: str) -> Any:
     """`value` when null or one of `kinds` (a bool is not a number); else a 400 naming `field`."""
-    if value is None or (
-        isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool))
-    ):
+    if value is None or is_json_type(value, kinds):
         return value
     raise InvalidInputError(f"{field} must be {what}", field)
 

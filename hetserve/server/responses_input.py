@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from hetserve.errors import InvalidInputError
 from hetserve.server.errors import validation_message
 from hetserve.server.protocol import ChatCompletionRequest
-from hetserve.server.validation import UnsupportedFieldError
+from hetserve.server.validation import UnsupportedFieldError, is_json_type
 
 # The body's fields read here and the JSON types they take (null: not given); what the chat
 # request checks beyond the type (ranges, names, schemas) is reported under these names.
@@ -60,8 +60,7 @@ def check_types(body: dict) -> None:
         value = where.get(key) if isinstance(where, dict) else None
         if value is None:
             continue
-        ok = isinstance(value, types) and (bool in types or not isinstance(value, bool))
-        if not ok:
+        if not is_json_type(value, types):
             wanted = " or ".join(JSON_TYPES[t] for t in types if t is not int or float not in types)
             raise InvalidInputError(f"{name} must be {wanted}, got {json_type(value)}", name)
 

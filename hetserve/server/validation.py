@@ -57,6 +57,13 @@ CHAT_EXTENSIONS = VLLM_EXTENSIONS | {
 }
 
 
+def is_json_type(value: Any, kinds: tuple[type, ...]) -> bool:
+    """Whether a parsed JSON `value` is one of `kinds`, as JSON types go: a boolean is not a
+    number (Python's bool is an int). Shared by the routes that check raw bodies field by field
+    (Ollama's, the Responses API's)."""
+    return isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool))
+
+
 def check_unsupported(extra: Mapping[str, Any], extensions: Mapping[str, tuple]) -> None:
     """Unknown fields pass (OpenAI clients send many), but not one that asks for a feature we
     do not implement: other modalities, vLLM's extensions. (Structured output is read by
