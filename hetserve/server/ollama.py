@@ -34,6 +34,7 @@ from hetserve.server.validation import is_json_type
 
 OLLAMA_VERSION = "0.12.0"  # the API version whose fields we serve (clients check it)
 LATEST = ":latest"  # Ollama's default tag: NAME:latest names the model served as NAME
+SENT_MODEL = "_model_as_sent"  # set on every body (the client's own value overwritten)
 OPTION_FIELDS = {
     "temperature": "temperature",
     "top_k": "top_k",
@@ -217,17 +218,23 @@ class OllamaServing:
         self.chat = chat
         self.model_name = model_name
 
+    def name_of(self, body: dict) -> str:
+        """The model as the request named it ("NAME:latest" stays so), which Ollama's replies
+        echo; the served name where the request named none."""
+        return body.get(SENT_MODEL) or self.model_name
+
     async def run(self, body: dict, messages: list[dict], request: Request, key: str):
         """`key`: the reply's field ('message' for /api/chat, 'response' for generate)."""
         if body.get("suffix"):
             raise InvalidInputError("suffix (insertion) is not supported", "suffix")
         req = openai_request(body, messages)
         base = f"ollama-{int(time.time() * 1e6)}"
-        t0 = time.perf_counter()
+        t0, name = time.perf_counter(), self.name_of(body)
         streams, parsers, _ = await self.chat.prepare(base, req, request)
         if body.get("stream", True):
             return StreamingResponse(
-                self._lines(streams, parsers[0], key, t0), media_type="application/x-ndjson"
+                self._lines(streams, parsers[0], name, key, t0),
+                media_type="application/x-ndjson",
             )
 
         async def collect():
@@ -237,12 +244,14 @@ class OllamaServing:
             out = last
             c = out.outputs[0]
             parsed = parsers[0].parse(c.text, final=True)
-            reply = self._reply(key, parsed.content, parsed.reasoning, _ollama_calls(parsed))
+            calls = _ollama_calls(parsed)
+            reply = self._reply(name, key, parsed.content, parsed.reasoning, calls)
             return {**reply, **self._done(out, c, t0, first or time.perf_counter())}
 
         return await self.chat.run_unless_disconnected(request, streams, collect())
 
-    def _reply(self, key: str, content: str, thinking: str, calls: list[dict]) -> dict:
+    def _reply(self, name: str, key: str, content: str, thinking: str, calls: list) -> dict:
+        """A reply line; `name`: the model as the client named it (Ollama echoes it)."""
         if key == "response":
             out: dict[str, Any] = {"response": content}
             if thinking:
@@ -254,7 +263,7 @@ class OllamaServing:
             if calls:
                 msg["tool_calls"] = calls
             out = {"message": msg}
-        return {"model": self.model_name, "created_at": _now(), **out, "done": False}
+        return {"model": name, "created_at": _now(), **out, "done": False}
 
     def _done(self, out, c, t0: float, first: float) -> dict:
         end = time.perf_counter()
@@ -269,7 +278,7 @@ class OllamaServing:
             "eval_duration": int((end - first) * 1e9),
         }
 
-    async def _lines(self, streams, parser, key: str, t0: float):
+    async def _lines(self, streams, parser, name: str, key: str, t0: float):
         streamer = Streamer(parser)
         out = first = None
         try:
@@ -278,12 +287,12 @@ class OllamaServing:
                 c = out.outputs[0]
                 content, thinking, _ = streamer.feed(c.text, final=c.finish_reason is not None)
                 if content or thinking:
-                    yield _line(self._reply(key, content, thinking, []))
+                    yield _line(self._reply(name, key, content, thinking, []))
             if out is None:
                 return
             c = out.outputs[0]
             calls = _ollama_calls(streamer.sent)  # whole calls, as Ollama streams them
-            final = self._reply(key, "", "", calls)
+            final = self._reply(name, key, "", "", calls)
             yield _line({**final, **self._done(out, c, t0, first or time.perf_counter())})
         except Exception as exc:  # a stream ends with an error line, as Ollama's do
             yield _line({"error": str(exc)})
@@ -325,7 +334,8 @@ def install_ollama_routes(app: FastAPI, serving: OllamaServing, engine, check_mo
         """Ollama's answer to a call with nothing to generate: it loads the model, or unloads it
         with keep_alive 0 (here the model stays resident, served from start to stop)."""
         reason = "unload" if keep_alive_seconds(body.get("keep_alive")) == 0 else "load"
-        return {**serving._reply(key, "", "", []), "done": True, "done_reason": reason}
+        reply = serving._reply(serving.name_of(body), key, "", "", [])
+        return {**reply, "done": True, "done_reason": reason}
 
     async def body_of(request: Request) -> dict:
         try:
@@ -339,6 +349,7 @@ def install_ollama_routes(app: FastAPI, serving: OllamaServing, engine, check_mo
         bare = model.removesuffix(LATEST) if model else model
         if missing is not None and bare != model and check_model(bare) is None:
             body["model"], missing = bare, None
+        body[SENT_MODEL] = model
         if missing is not None:
             return {"_missing": missing}
         return body

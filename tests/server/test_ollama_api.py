@@ -109,9 +109,13 @@ def test_tools_and_think(client):
 def test_the_latest_tag_names_the_served_model(client, srv):
     assert client.list().models[0].model == "tiny:latest"  # what a client sends back
     r = client.chat(model="tiny:latest", messages=USER, options={"num_predict": 1})
-    assert r.done and r.eval_count == 1
+    assert r.done and r.eval_count == 1 and r.model == "tiny:latest"  # echoed as sent
     r = client.generate(model="tiny:latest", prompt="hi", options={"num_predict": 1})
-    assert r.done and r.eval_count == 1
+    assert r.done and r.eval_count == 1 and r.model == "tiny:latest"
+    lines = list(client.chat(model="tiny:latest", messages=USER, stream=True))
+    assert {line.model for line in lines} == {"tiny:latest"}
+    assert client.chat(model="tiny:latest", messages=[]).model == "tiny:latest"  # a load call
+    assert client.generate(model="tiny", prompt="hi", options={"num_predict": 1}).model == "tiny"
     for route in ("chat", "generate", "show"):
         body = {"model": "tiny:7b", "messages": USER, "prompt": "hi"}
         r = httpx.post(f"{srv.url}/api/{route}", json=body)
