@@ -134,6 +134,10 @@ def _exit_code(argv: list[str]) -> int:
          "hidden_size is 0"),
         (["models", "make-tiny", "--arch", "qwen3-moe", "{out}", "--num-attention-heads", "4",
           "--num-key-value-heads", "3"], "must be a multiple of num_key_value_heads"),
+        (["models", "make-tiny", "--arch", "qwen3-moe", "{out}", "--num-experts", "4",
+          "--num-experts-per-tok", "6"], "num_experts_per_tok (6) is more than the 4"),
+        (["convert", "--quant", "int8", "--group-size", "32", "/nonexistent", "{out}"],
+         "--group-size is for --quant int4"),
     ],
 )
 def test_flags_are_checked_before_anything_starts(tmp_path, capsys, argv, needle):
@@ -146,6 +150,22 @@ def test_flags_are_checked_before_anything_starts(tmp_path, capsys, argv, needle
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and needle in err, err
     assert not out.exists()  # nothing written
+
+
+def test_checkpoints_are_written_to_a_new_directory(tmp_path, capsys):
+    """make-tiny and convert wrote beside what a directory held: an earlier checkpoint's shards
+    were then read with the new one."""
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "model-00001-of-00002.safetensors").write_bytes(b"x")
+    for argv in (
+        ["models", "make-tiny", "--arch", "qwen3-moe", str(old)],
+        ["convert", "--quant", "int8", str(tmp_path), str(old)],
+    ):
+        assert _exit_code(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "exists and is not empty" in err, err
+        assert [p.name for p in old.iterdir()] == ["model-00001-of-00002.safetensors"]
 
 
 def test_a_missing_model_directory_is_named_as_missing():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from hetserve.errors import InvalidInputError
 
@@ -74,7 +75,9 @@ def register(sub) -> None:
 
     v = sub.add_parser("convert", help="write routed experts in a CPU format (int8 / int4)")
     v.add_argument("--quant", required=True, choices=["int8", "int4"])
-    v.add_argument("--group-size", type=int, default=64, help="int4 group size (32, 64, 128)")
+    v.add_argument(
+        "--group-size", type=int, default=None, help="int4 group size (32, 64 default, 128)"
+    )
     v.add_argument(
         "--layout",
         choices=["kernel", "portable"],
@@ -104,9 +107,20 @@ def _overrides(args: argparse.Namespace) -> dict:
     return out
 
 
+def _new_dir(path: str) -> None:
+    """An output directory must be new or empty: files of an earlier checkpoint left beside the
+    new one (shards, an index) would be read with it."""
+    out = Path(path)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InvalidInputError(
+            f"{str(out)!r} exists and is not empty; give a new directory (or remove it first)"
+        )
+
+
 def _make_tiny(args: argparse.Namespace) -> int:
     from hetserve.testing.tiny import make_tiny_checkpoint
 
+    _new_dir(args.out)
     path = make_tiny_checkpoint(
         args.arch,
         args.out,
@@ -124,7 +138,13 @@ def _make_tiny(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from hetserve.model.convert import convert
 
-    out = convert(args.model_dir, args.out_dir, args.quant, args.group_size, args.layout)
+    if args.group_size is not None and args.quant != "int4":
+        raise InvalidInputError(
+            f"--group-size is for --quant int4; {args.quant} has one scale per output row"
+        )
+    _new_dir(args.out_dir)
+    group = 64 if args.group_size is None else args.group_size
+    out = convert(args.model_dir, args.out_dir, args.quant, group, args.layout)
     size = sum(f.stat().st_size for f in (*out.glob("*.safetensors"), *out.glob("*.hsk")))
     print(
         f"wrote {args.quant} experts to {out} ({size / 2**20:.1f} MiB of weights); serve it "

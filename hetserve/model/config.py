@@ -122,6 +122,13 @@ class ModelConfig:
                 f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        experts = self.get("n_routed_experts", "num_experts", "num_local_experts")
+        top_k = self.get("num_experts_per_tok")
+        if isinstance(experts, int) and isinstance(top_k, int) and top_k > experts > 0:
+            raise ModelLoadError(
+                f"config.json: num_experts_per_tok ({top_k}) is more than the {experts} routed "
+                "experts; each token picks at most every expert"
+            )
         if self.max_position_embeddings < 2:
             raise ModelLoadError(
                 f"config.json: max_position_embeddings is {self.max_position_embeddings}; "
