@@ -20,6 +20,7 @@ the accelerator; the figures that matter come from the GPU machine (scripts/gpu_
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 
@@ -135,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     vocab = llm.model.config.vocab_size
     device = str(next(llm.model.parameters()).device)
     decode = _decode_rows(llm, args, batches, vocab, "hybrid", defer)
+    threads = _process_threads()
     breakdown = breakdowns(llm, cfg, args, batches, vocab)
     if args.profile:
         profile_table(llm, args, batches, vocab, args.profile)
@@ -156,10 +158,24 @@ def run(args: argparse.Namespace) -> int:
     peer = _peer(args, vocab) if not args.skip_peer else {"skipped": "--skip-peer"}
     report = build_report(args, cfg, device, bandwidth, decode, prefill, peer)
     report["decode_breakdown"] = breakdown
+    # OS threads after the decode rows (OpenMP teams included) against the CPUs this process
+    # may use: more threads than CPUs that compute at once is where libgomp's workers sleep
+    # between parallel regions instead of spinning.
+    report["process_threads_after_decode"] = threads
+    report["usable_cpus"] = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    )
     report["decode_breakdown_batch1"] = breakdown[0] if breakdown[0]["batch"] == 1 else None
     print_report(report)
     write_json(args.json, report)
     return 0
+
+
+def _process_threads() -> int | None:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # not Linux
+        return None
 
 
 def _peer(args, vocab: int) -> dict:
@@ -249,6 +265,9 @@ def build_report(args, cfg: dict, device, bandwidth, decode, prefill, peer) -> d
 
 def print_report(report: dict) -> None:
     print(f"device {report['device']}; CPU read bandwidth {report['read_bandwidth_gbps']:.1f} GB/s")
+    if report.get("process_threads_after_decode"):
+        print(f"threads in the process after decode: {report['process_threads_after_decode']} "
+              f"on {report['usable_cpus']} CPUs")  # fmt: skip
     frac = report["experts_bandwidth_fraction_batch1"]
     print(f"experts at batch 1: {report['experts_gbps_batch1'] or 0:.2f} GB/s, "
           f"{frac or 0:.2f} of the read bandwidth")  # fmt: skip

@@ -7,6 +7,7 @@ both build on `_CPUExperts`.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -19,6 +20,29 @@ from hetserve.moe.experts import Activation, ExpertWeights, gated_activation
 def _f32(w: torch.Tensor) -> torch.Tensor:
     """One expert's matrix as fp32 on the CPU (a no-op view when it already is)."""
     return w.to("cpu", torch.float32)
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def experts_thread(num_threads: int) -> ThreadPoolExecutor:
+    """The process's one CPU-experts thread for `num_threads` (made at first use, kept for the
+    process's life): every layer's backend built with that count runs on it. Its OpenMP team is
+    the only one the experts wake: a thread per layer (as before) kept a team of num_threads
+    per layer, so a 12-layer model on 16 threads held 192 OpenMP workers on 16 CPUs, libgomp
+    then throttles their spin-wait, and each layer's call woke a sleeping team through the
+    kernel (native/openmp.py has the measurements of that cost)."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(num_threads)
+        if pool is None:
+            pool = _POOLS[num_threads] = ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix=f"hetserve-cpu-experts-{num_threads}",
+                initializer=torch.set_num_threads,
+                initargs=(num_threads,),
+            )
+        return pool
 
 
 class _CPUExperts:
@@ -52,16 +76,10 @@ class _CPUExperts:
         # once: a bf16 or quantized layer of 64 experts would otherwise need a transient 2+ GB
         # fp32 copy.
         self._load_weights(weights)
-        # A dedicated single worker whose intra-op pool is sized once: torch's thread count is
-        # per OS thread, so the caller's (accelerator) thread keeps its own setting.
-        self._pool: ThreadPoolExecutor | None = None
-        if num_threads is not None:
-            self._pool = ThreadPoolExecutor(
-                max_workers=1,
-                thread_name_prefix="hetserve-cpu-experts",
-                initializer=torch.set_num_threads,
-                initargs=(num_threads,),
-            )
+        # A dedicated worker, shared by every layer, whose intra-op pool is sized once:
+        # torch's thread count is per OS thread, so the caller's (accelerator) thread keeps
+        # its own setting.
+        self._pool = None if num_threads is None else experts_thread(num_threads)
 
     # -- per-backend storage -------------------------------------------------------------
     def _load_weights(self, weights: ExpertWeights) -> None:
@@ -108,9 +126,8 @@ class _CPUExperts:
         return self._pool.submit(self._forward, x, topk_weights, topk_ids)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Stop using the experts thread (shared by the process's backends, so it stays)."""
+        self._pool = None
 
     def _forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor

@@ -104,6 +104,38 @@ def test_dedicated_thread_pool(weights):
         pooled.close()
 
 
+def test_layers_share_one_experts_thread_and_its_team(weights):
+    """Each backend built with num_threads had a worker thread of its own, and each worker its
+    own OpenMP team: a model's layers then held a team per layer on the same CPUs (libgomp
+    throttles its workers' spin past the CPU count, so every layer's call woke a sleeping
+    team). Now every backend with the same count runs on one thread, whose team is reused."""
+    import os
+    import threading
+
+    from hetserve.native import native_unavailable_reason
+
+    if native_unavailable_reason() is not None:
+        pytest.skip(f"native kernels unavailable: {native_unavailable_reason()}")
+    x, tw, ids = _routing(5, seed=3)
+    ref = create_backend("cpu-int8", weights, kernel="native").forward(x, tw, ids)
+
+    def tasks() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    layers = [create_backend("cpu-int8", weights, kernel="native", num_threads=3)]
+    layers[0].forward(x, tw, ids)  # the thread and its team exist from here
+    before = tasks()
+    layers += [
+        create_backend("cpu-int8", weights, kernel="native", num_threads=3) for _ in range(5)
+    ]
+    for layer in layers:
+        assert torch.equal(layer.forward(x, tw, ids), ref)
+        assert torch.equal(layer.submit(x, tw, ids).result(), ref)
+    assert tasks() == before  # a thread per layer added 5 threads and 5 teams of 2 workers
+    names = [t.name for t in threading.enumerate() if t.name.startswith("hetserve-cpu-experts-3")]
+    assert len(names) == 1, names
+
+
 def test_bad_options_are_user_errors(weights):
     from hetserve.errors import InvalidInputError
 
