@@ -8,6 +8,8 @@ inputs and outputs as the backend they wrap; failures are the wrapped backend's.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from hetserve.moe.experts import ExpertsBackend, ExpertWeights, TorchExperts
@@ -15,22 +17,30 @@ from hetserve.moe.experts import ExpertsBackend, ExpertWeights, TorchExperts
 
 class DeviceBridge:
     """Runs a backend that lives on another device than the activations. CUDA -> host copies go
-    through reusable pinned buffers so the copy back can be asynchronous."""
+    through reusable pinned buffers so the copy back can be asynchronous.
+
+    The buffers are per calling thread: with deferral a layer's late experts (the deferral
+    thread) and its on-time ones (the engine or the overlap thread) are in the same bridge at
+    once, and one set of buffers let one call's weights, ids or result be overwritten by the
+    other's while a kernel or an asynchronous copy still read them."""
 
     remote = True
 
     def __init__(self, inner: ExpertsBackend, device: torch.device) -> None:
         self.inner, self.device = inner, device
-        self._pinned: dict[str, torch.Tensor] = {}
+        self._local = threading.local()
 
     def nbytes(self) -> int:
         return self.inner.nbytes()
 
     def _pinned_copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        buf = self._pinned.get(key)
+        pinned = getattr(self._local, "pinned", None)
+        if pinned is None:
+            pinned = self._local.pinned = {}
+        buf = pinned.get(key)
         if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
             buf = torch.empty(max(t.numel(), 1), dtype=t.dtype, pin_memory=True)
-            self._pinned[key] = buf
+            pinned[key] = buf
         view = buf[: t.numel()].view(t.shape)
         view.copy_(t, non_blocking=True)
         return view
@@ -42,9 +52,14 @@ class DeviceBridge:
             xs = self._pinned_copy("x", x)
             ws = self._pinned_copy("w", topk_weights)
             ids = self._pinned_copy("ids", topk_ids)
-            torch.cuda.current_stream(x.device).synchronize()  # inputs have landed
+            # Wait for the copies, not the whole stream: what is queued after them (the shared
+            # experts or the next layer another thread launched) runs on while the host works.
+            landed = torch.cuda.Event()
+            landed.record(torch.cuda.current_stream(x.device))
+            landed.synchronize()
             y = self.inner.forward(xs, ws, ids)
-            # The next call syncs the stream before reusing the buffer, so this copy is safe.
+            # This thread's next call waits for its own copies, queued after this one on the
+            # same stream, before it writes the buffer again: this copy is safe.
             return self._pinned_copy("y", y).to(x.device, non_blocking=True)
         dev = self.device
         return self.inner.forward(x.to(dev), topk_weights.to(dev), topk_ids.to(dev)).to(x.device)

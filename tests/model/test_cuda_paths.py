@@ -6,6 +6,8 @@ In fp32 on CUDA, so that the outputs can be held to the CPU's (max |delta logpro
 bound of tests/model/test_cuda.py) and tokens compared exactly: in bf16 a different batch shape
 alone flips greedy tokens of these tiny models with scaled logits."""
 
+import json
+
 import pytest
 
 from hetserve import LLM, SamplingParams
@@ -24,8 +26,6 @@ def test_cuda_hybrid_host_experts_hot_and_deferred(tiny_model, tmp_path, family)
     host calls; two hot experts per layer on the GPU; deferral d = 1 changes decode only.
     deepseek-v3's shared experts run while the host computes the routed ones (another thread,
     which must order its copies after the router's kernels on the caller's stream)."""
-    import json
-
     path = tiny_model(family, lm_head_scale=8.0, overrides={"num_experts_per_tok": 4})
     ref = ours(path, device="cpu", placement="device")
     stats = tmp_path / "stats.json"
@@ -47,6 +47,35 @@ def test_cuda_hybrid_host_experts_hot_and_deferred(tiny_model, tmp_path, family)
     # Prefill never defers: the prompt's logprobs track the reference as closely as above.
     assert (prompt_logprobs(out) - prompt_logprobs(ref)).abs().max() < 1e-3
     assert len(out.token_ids) == 4
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "deepseek-v3"])
+def test_cuda_deferred_host_experts_equal_the_cpu_deferral(tiny_model, tmp_path, family):
+    """Deferral d = 1, 2 with the routed experts on the host: a layer's late experts (deferral
+    thread) and its on-time ones (the engine thread, or the overlap thread beside deepseek's
+    shared experts) are in one DeviceBridge at once; its pinned buffers were shared, so one
+    call's ids, weights or result could be the other's. Teacher-forced decode logprobs must be
+    the CPU's under the same deferral."""
+    from hetserve.bench.deferral import decode_logprobs
+
+    path = tiny_model(family, lm_head_scale=8.0, overrides={"num_experts_per_tok": 4})
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(json.dumps({"rules": [
+        {"name": "experts", "match": EXPERTS, "device": "cpu", "backend": "cpu-fp32"},
+        {"name": "rest", "match": ".*", "device": "auto"},
+    ]}))  # fmt: skip
+    cpu = LLM(path, device="cpu", dtype="float32", placement="device")
+    gpu = LLM(path, **FP32_CUDA, placement=str(rules))
+    try:
+        for d in (1, 2):
+            assert cpu.model.set_expert_deferral(d) == gpu.model.set_expert_deferral(d) == d
+            for _ in range(3):  # a race shows in some runs, not every one
+                ref = decode_logprobs(cpu.model, IDS[:20], IDS[20:60])
+                out = decode_logprobs(gpu.model, IDS[:20], IDS[20:60]).cpu()
+                assert (out - ref).abs().max() < 1e-3, (d, (out - ref).abs().max().item())
+    finally:
+        cpu.close()
+        gpu.close()
 
 
 def test_cuda_prefix_reloaded_from_dram_into_the_gpu_cache(tiny_model):
