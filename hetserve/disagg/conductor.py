@@ -93,9 +93,13 @@ class Conductor:
     # ---- one request -------------------------------------------------------------------------
     def prompt_ids(self, path: str, body: Mapping[str, Any]) -> list[int]:
         """The prompt as the instances will tokenize it (for hashing; the body is forwarded)."""
+        # A body of the wrong shape is routed as what can be read of it: the instance it goes
+        # to answers its 400, as it would alone.
         if path.endswith("/chat/completions"):
+            messages = body.get("messages")
             msgs = [{"role": m.get("role"), "content": _text(m.get("content"))}
-                    for m in body.get("messages") or []]  # fmt: skip
+                    for m in messages if isinstance(m, dict)
+                    ] if isinstance(messages, list) else []  # fmt: skip
             text = self.tok.apply_chat_template(msgs, body.get("add_generation_prompt", True))
             ids: list[int] = self.tok.encode(text, add_special_tokens=False)
             return ids
@@ -107,7 +111,7 @@ class Conductor:
         if isinstance(prompt, str):
             encoded: list[int] = self.tok.encode(prompt)
             return encoded
-        return [t for t in prompt or [] if isinstance(t, int)]
+        return [t for t in prompt if _is_int(t)] if isinstance(prompt, list) else []
 
     def decide(
         self, path: str, body: Mapping[str, Any], arrived: float | None = None
@@ -116,12 +120,11 @@ class Conductor:
         the request log records; None: now)."""
         ids = self.prompt_ids(path, body)
         hashes = hash_prefix_digests(ids, self.cluster.block_size, (), self.cluster.hash_seed)
-        limit = body.get("max_tokens") or body.get("max_completion_tokens") or 0
         req = RequestInfo(
             uuid.uuid4().hex,
             len(ids),
-            priority=int(body.get("priority") or 0),
-            expected_output_tokens=int(limit) if isinstance(limit, int) else 0,
+            priority=_field(body, "priority", 0),
+            expected_output_tokens=_limit(body),
         )
         view = self.cluster.view(self.holdings([h.digest for h in hashes]))
         now = time.monotonic()
@@ -142,12 +145,11 @@ class Conductor:
     ) -> Any:
         from hetserve.core.trace_record import log_record
 
-        limit = body.get("max_tokens") or body.get("max_completion_tokens") or 0
-        extra: dict[str, Any] = {"rejected": d.rejected, "priority": int(body.get("priority") or 0),
+        extra: dict[str, Any] = {"rejected": d.rejected, "priority": _field(body, "priority", 0),
                                  "request_id": request_id}  # fmt: skip
         record = log_record(
             # An unknown output length (no max_tokens) as 1: the instances log the real one.
-            now - self.started, ids, max(1, int(limit) if isinstance(limit, int) else 0),
+            now - self.started, ids, max(1, _limit(body)),
             self.cluster.block_size, (), self.cluster.hash_seed, **extra,
         )  # fmt: skip
         return record
@@ -179,7 +181,7 @@ class Conductor:
             msg = f"the cluster cannot serve this request in time: {decision.reject_reason}"
             return _error(429, msg, "rate_limit_error", {"Retry-After": retry})
         new = max(req.num_tokens - decision.cached_tokens, 1)
-        single = decision.prefill == decision.decode or int(body.get("n") or 1) > 1
+        single = decision.prefill == decision.decode or _field(body, "n", 1) > 1
         self.cluster.routed(decision.prefill, decision.decode, new)
         self._count("colocated" if single else "disaggregated")
         target = decision.decode  # colocated there, or the stream of a disaggregated request
@@ -296,9 +298,28 @@ class Conductor:
             del self.ttft[:-1000]
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _field(body: Mapping[str, Any], name: str, default: int) -> int:
+    """An integer field as routing reads it (an integral float too, as the instances take it):
+    anything else (a string, a list, null) routes as the default, and the instances answer
+    the 400 for what they cannot take."""
+    value: Any = body.get(name)
+    if isinstance(value, float) and value.is_integer() or _is_int(value):
+        return int(value)
+    return default
+
+
+def _limit(body: Mapping[str, Any]) -> int:
+    return _field(body, "max_tokens", 0) or _field(body, "max_completion_tokens", 0)
+
+
 def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        parts = (p.get("text") for p in content if isinstance(p, dict))
+        return "".join(t for t in parts if isinstance(t, str))
     return ""

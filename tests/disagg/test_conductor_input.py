@@ -1,0 +1,92 @@
+"""Bad input through the Conductor: a body of the wrong shape is routed as what can be read of
+it and answered with the instance's own 400, never a 500 of the Conductor's; the next request
+is served as usual. The instances are answered in-process (httpx's mock transport)."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from hetserve.disagg.conductor import Conductor, ConductorConfig
+from hetserve.disagg.costs import DecodeFit, InstanceProfile, PrefillFit, profile_to_dict
+from hetserve.disagg.instances import Cluster
+from hetserve.disagg.policy import Router, RouterConfig
+from hetserve.server.conductor_app import create_conductor_app
+
+PROFILE = profile_to_dict(
+    InstanceProfile("t", PrefillFit(0.001, 0.0001, 0.0), DecodeFit(0.01, 0.001, 0.0), 1000)
+)
+
+
+class _Tokenizer:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) % 100 for c in text]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages)
+
+
+def _instance(request: httpx.Request) -> httpx.Response:
+    """An instance that takes only well-formed integers, as the real one's validation does."""
+    if request.url.path == "/internal/load":
+        return httpx.Response(200, json={"running_decodes": 0, "free_blocks": 100})
+    body = json.loads(request.content)
+    if not _valid(request.url.path, body):
+        err = {"message": "bad request", "type": "invalid_request_error"}
+        return httpx.Response(400, json={"error": err})
+    return httpx.Response(200, json={"choices": [{"text": "ok"}]})
+
+
+def _valid(path: str, body: dict) -> bool:
+    if any(name in body and type(body[name]) is not int for name in ("priority", "n")):
+        return False
+    if path == "/v1/completions":
+        return isinstance(body.get("prompt"), str | list)
+    messages = body.get("messages")
+    return isinstance(messages, list) and all(
+        isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages
+    )
+
+
+BAD = [
+    ("/v1/completions", {"prompt": "x", "priority": "high"}),
+    ("/v1/completions", {"prompt": "x", "priority": [1]}),
+    ("/v1/completions", {"prompt": "x", "n": "two"}),
+    ("/v1/completions", {"prompt": 5}),
+    ("/v1/chat/completions", {"messages": "hi"}),
+    ("/v1/chat/completions", {"messages": {"role": "user", "content": "hi"}}),
+    ("/v1/chat/completions", {"messages": ["hi"], "priority": "high"}),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"text": 5}]}], "priority": "1"},
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), BAD)
+def test_a_malformed_body_is_the_instances_400_not_a_500(path, body) -> None:
+    async def run() -> None:
+        cluster = Cluster([])
+        cluster.http = httpx.AsyncClient(transport=httpx.MockTransport(_instance))
+        for url, role in (("http://p:1", "prefill"), ("http://d:2", "decode")):
+            info = {"role": role, "profile": PROFILE, "block_size": 4, "hash_seed": ""}
+            inst = cluster._instance(url, None, info)
+            cluster.instances[inst.name] = inst
+        cluster.block_size = 4
+        conductor = Conductor(
+            cluster, Router(RouterConfig(policy="load")), _Tokenizer(), ConductorConfig()
+        )
+        app = create_conductor_app(conductor, "m")
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
+            r = await client.post(path, json={**body, "max_tokens": 2})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["type"] == "invalid_request_error"
+            ok = {"prompt": "x", "max_tokens": 2, "priority": 1}
+            good = await client.post("/v1/completions", json=ok)
+            assert good.status_code == 200, good.text
+        await asyncio.sleep(0.05)  # the prefill halves run in the background
+        await cluster.http.aclose()
+
+    asyncio.run(run())
