@@ -94,6 +94,15 @@ class Cluster:
             *(self._info(u) for u, _ in self._urls), return_exceptions=True
         )
         for (url, role), info in zip(self._urls, infos, strict=True):
+            if isinstance(info, httpx.HTTPStatusError) and info.response.status_code == 401:
+                raise ClusterError(
+                    f"instance {url} refused the Conductor's API key; give the Conductor the "
+                    "instances' key (--api-key, or HETSERVE_API_KEY if it differs from the "
+                    "clients')"
+                )
+            if isinstance(info, httpx.HTTPStatusError):
+                status = info.response.status_code
+                raise ClusterError(f"instance {url} answered {status} to /internal/info")
             if isinstance(info, BaseException):
                 raise ClusterError(f"instance {url} did not answer: {info}")
             inst = self._instance(url, role, info)

@@ -32,7 +32,12 @@ def register(sub) -> None:
     c.add_argument("--handoff-path", default="direct", choices=("direct", "store", "mooncake"))
     c.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     c.add_argument("--port", type=int, default=8000)
-    c.add_argument("--api-key", default=None, help="require this bearer token from clients")
+    c.add_argument(
+        "--api-key",
+        default=None,
+        help="require this bearer token from clients; the instances are called with "
+        "HETSERVE_API_KEY, else with this key",
+    )
     from hetserve.entrypoints.serve import LOG_LEVELS
 
     c.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
@@ -94,7 +99,10 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
     urls = [(u.rstrip("/"), Role.PREFILL) for u in args.prefill]
     urls += [(u.rstrip("/"), Role.DECODE) for u in args.decode]
     urls += [(u.rstrip("/"), Role.BOTH) for u in args.both]
-    key = envs.api_key()  # what the instances ask of callers, if anything
+    # What the instances ask of callers, if anything: the same key as the Conductor's
+    # clients', unless HETSERVE_API_KEY names theirs (`serve --api-key K` and
+    # `conductor --api-key K` then make one cluster).
+    key = envs.api_key() or api_key
     cluster = Cluster(urls, {"Authorization": f"Bearer {key}"} if key else None)
     await cluster.start()
     router = Router(
