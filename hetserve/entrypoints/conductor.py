@@ -5,6 +5,9 @@ token and refuses early (429) what would miss its SLO."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 from hetserve import envs
 from hetserve.errors import InvalidInputError
@@ -21,7 +24,11 @@ def register(sub) -> None:
     c.add_argument(
         "--both", nargs="+", default=[], metavar="URL", help="colocated instances (role both)"
     )
-    c.add_argument("--model", default=None, help="the instances' model directory (tokenizer)")
+    c.add_argument(
+        "--model",
+        default=None,
+        help="the instances' model directory, for its tokenizer (default: the one they serve)",
+    )
     c.add_argument("--served-model-name", default=None)
     from hetserve.disagg.policy import ADMISSIONS, POLICIES
 
@@ -82,6 +89,26 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def served_model(
+    model: str | None, served_name: str | None, card: Mapping[str, Any]
+) -> tuple[str | None, str]:
+    """The Conductor's tokenizer (a model directory or file; None: the demo model) and the
+    model name it lists: by default the instances' own (`card`: their /v1/models entry), for
+    clients send the name listed and the instances refuse any other, and a prompt hashed with
+    another tokenizer than theirs would never find their cached prefixes."""
+    root = card.get("root")
+    if model is None and isinstance(root, str):
+        if not Path(root).exists():
+            raise InvalidInputError(
+                f"the instances serve {root}, which is not on this machine; pass --model with "
+                "a copy of it (the Conductor tokenizes prompts as the instances do)"
+            )
+        model = root
+    fallback = model.rstrip("/").split("/")[-1] if model else "hetserve-demo"
+    listed = card.get("id")
+    return model, served_name or (listed if isinstance(listed, str) else fallback)
+
+
 async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
     import asyncio
 
@@ -105,6 +132,11 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
     key = envs.api_key() or api_key
     cluster = Cluster(urls, {"Authorization": f"Bearer {key}"} if key else None)
     await cluster.start()
+    try:
+        model, name = served_model(args.model, args.served_model_name, cluster.model_card)
+    except InvalidInputError:
+        await cluster.close()
+        raise
     router = Router(
         RouterConfig(
             policy=args.policy,
@@ -113,9 +145,7 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
             slo_tbt_s=None if args.slo_tbt_ms is None else args.slo_tbt_ms / 1e3,
         )
     )
-    model_dir = resolve_model_dir(args.model)
-    name = args.served_model_name or (args.model.rstrip("/").split("/")[-1] if args.model
-                                      else "hetserve-demo")  # fmt: skip
+    model_dir = resolve_model_dir(model)
     index = KVEventSubscriber()  # which instance holds which prefix, from their KV events
     for inst in cluster.instances.values():
         try:

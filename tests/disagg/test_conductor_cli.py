@@ -3,8 +3,10 @@ reaches them (as `serve --api-key K` / `conductor --api-key K` in the README's c
 hand), and an instance that refuses the key is one line naming the fix."""
 
 import http.server
+import json
 import threading
 
+import httpx
 import pytest
 
 from hetserve.cli import main
@@ -45,3 +47,66 @@ def test_the_conductors_key_reaches_the_instances_and_a_refusal_is_one_line(
     monkeypatch.setenv("HETSERVE_API_KEY", "theirs")  # the instances' own key, if it differs
     assert main(argv) == 2
     assert _Refuses.seen[-1] == "Bearer theirs"
+
+
+class _Serves(http.server.BaseHTTPRequestHandler):
+    """An instance of the model in `root`, served as 'tiny' (`serve --served-model-name`)."""
+
+    root = ""
+
+    def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+        from hetserve.disagg.costs import DecodeFit, InstanceProfile, PrefillFit, profile_to_dict
+
+        fits = PrefillFit(0.001, 0.0001, 0.0), DecodeFit(0.01, 0.001, 0.0)
+        answers = {
+            "/internal/info": {"role": "both", "block_size": 16, "hash_seed": "",
+                               "profile": profile_to_dict(InstanceProfile("t", *fits, 1000))},
+            "/v1/models": {"data": [{"id": "tiny", "root": self.root, "max_model_len": 64}]},
+            "/internal/load": {"running_decodes": 0, "free_blocks": 10},
+        }  # fmt: skip
+        body = json.dumps(answers.get(self.path, {})).encode()
+        self.send_response(200 if self.path in answers else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_the_conductor_lists_and_tokenizes_the_model_the_instances_serve(tmp_path, monkeypatch):
+    """Without --model the Conductor listed 'hetserve-demo' and hashed prompts with the demo's
+    tokenizer, whatever the instances served: a client that sent the listed name got the
+    instances' 404 'model ... does not exist'."""
+    _Serves.root = str(tmp_path)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Serves)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    seen = {}
+
+    async def serve(self) -> None:  # uvicorn.Server.serve: ask the app instead of serving
+        transport = httpx.ASGITransport(app=self.config.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
+            seen["models"] = (await client.get("/v1/models")).json()["data"][0]["id"]
+
+    monkeypatch.setattr("uvicorn.Server.serve", serve)
+    monkeypatch.setattr("hetserve.model.tokenizer.Tokenizer", lambda d: seen.update(tok=str(d)))
+    monkeypatch.setattr("hetserve.entrypoints.serve.check_port", lambda host, port: None)
+    monkeypatch.delenv("HETSERVE_API_KEY", raising=False)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert main(["conductor", "--both", url, "--port", "1"]) == 0
+    finally:
+        server.shutdown()
+    assert seen == {"models": "tiny", "tok": _Serves.root}
+
+
+def test_the_instances_model_elsewhere_needs_model() -> None:
+    from hetserve.entrypoints.conductor import served_model
+    from hetserve.errors import InvalidInputError
+
+    card = {"id": "tiny", "root": "/nonexistent/tiny"}
+    with pytest.raises(InvalidInputError, match="pass --model"):
+        served_model(None, None, card)
+    assert served_model("/copy/of/tiny", None, card) == ("/copy/of/tiny", "tiny")
+    assert served_model("/copy/of/tiny", "mine", card) == ("/copy/of/tiny", "mine")
+    assert served_model(None, None, {}) == (None, "hetserve-demo")  # an instance without a card
