@@ -3,7 +3,8 @@ and `/v1/chat/completions` handed to `disagg.conductor.Conductor.route`, `/v1/mo
 `/health`, `/metrics`), behind the same guard as an instance (bearer key on /v1, body limit).
 
 Who calls it: `entrypoints/conductor.py`. Failure contract: as the Conductor's (routes never
-raise for a client's input); `/health` answers 503 while no instance is healthy.
+raise for a client's input); `/health` answers 503 while no healthy instance can prefill or
+none can decode.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
     @app.get("/health")
     async def health():
         rows = conductor.cluster.status()
-        ok = any(r["healthy"] for r in rows)
+        # Healthy while a request can be served: some instance can prefill it and some can
+        # decode it (a prefill instance alone cannot answer anyone).
+        up = [i.role for i in conductor.cluster.instances.values() if i.healthy]
+        ok = any(r.prefills for r in up) and any(r.decodes for r in up)
         return JSONResponse({"status": "ok" if ok else "degraded", "instances": rows},
                             status_code=200 if ok else 503)  # fmt: skip
 

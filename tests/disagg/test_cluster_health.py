@@ -46,3 +46,32 @@ def test_health_changes_are_told_once_each() -> None:
         await cluster.http.aclose()
 
     asyncio.run(run())
+
+
+def test_the_conductor_is_unhealthy_while_no_instance_can_decode() -> None:
+    """A load balancer reads /health: with every decode instance down the Conductor refused
+    every request while /health still answered 200 'ok' (one prefill instance was up)."""
+    from hetserve.disagg.conductor import Conductor, ConductorConfig
+    from hetserve.disagg.policy import Router, RouterConfig
+    from hetserve.server.conductor_app import create_conductor_app
+
+    async def run() -> None:
+        cluster = Cluster([])
+        for url, role in (("http://p:1", "prefill"), ("http://d:2", "decode")):
+            inst = cluster._instance(url, None, {**INFO, "role": role})
+            cluster.instances[inst.name] = inst
+        app = create_conductor_app(
+            Conductor(cluster, Router(RouterConfig()), None, ConductorConfig()), "m"
+        )
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
+            assert (await client.get("/health")).status_code == 200
+            cluster.mark_down("d:2")
+            r = await client.get("/health")
+            assert r.status_code == 503 and r.json()["status"] == "degraded"
+            cluster.instances["d:2"].healthy = True
+            cluster.mark_down("p:1")
+            assert (await client.get("/health")).status_code == 503
+        await cluster.http.aclose()
+
+    asyncio.run(run())
