@@ -62,7 +62,8 @@ class Guard:
             return await self.app(scope, receive, send)
         scope["hetserve.arrival"] = time.monotonic()
         path = scope["path"]
-        logged = self.access is not None and path not in ("/health", "/metrics")
+        # Probes and the Conductor's load poll (10 a second per instance) get no line.
+        logged = self.access is not None and path not in ("/health", "/metrics", "/internal/load")
         status: int | None = None  # set once the response starts
         ended = False
 
