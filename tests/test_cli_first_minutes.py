@@ -189,3 +189,27 @@ def test_output_paths_are_checked_before_the_work(tmp_path, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and "does not exist" in err and "nodir" in err, err
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--slo-ttft-ms", "0"], "SLOs must be positive milliseconds"),
+        (["--slo-tbt-ms", "-5"], "SLOs must be positive milliseconds"),
+        (["--admission", "predictive"], "admission predictive needs --slo-ttft-ms"),
+    ],
+)
+def test_cluster_up_checks_the_conductors_slos_before_the_instances_start(
+    monkeypatch, capsys, argv, needle
+):
+    """The Conductor checked them, but it starts last: after the store and every instance
+    had loaded, 'the cluster did not start: conductor exited (2): ...'."""
+    from hetserve.disagg.launch import LocalLauncher
+
+    def start(self, spec):
+        raise AssertionError("the cluster was started")
+
+    monkeypatch.setattr(LocalLauncher, "start", start)
+    assert main(["cluster", "up", "--port", "1", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and needle in err, err

@@ -103,6 +103,11 @@ def _check(spec) -> None:
         raise InvalidInputError(
             f"admission {spec.admission!r}: choose from {', '.join(ADMISSIONS)}"
         )
+    for ms in (spec.slo_ttft_ms, spec.slo_tbt_ms):
+        if ms is not None and not ms > 0:
+            raise InvalidInputError("SLOs must be positive milliseconds")
+    if spec.admission == "predictive" and spec.slo_ttft_ms is None and spec.slo_tbt_ms is None:
+        raise InvalidInputError("admission predictive needs --slo-ttft-ms or --slo-tbt-ms")
     check_port("127.0.0.1", spec.port)
 
 
