@@ -181,7 +181,11 @@ class Conductor:
             msg = f"the cluster cannot serve this request in time: {decision.reject_reason}"
             return _error(429, msg, "rate_limit_error", {"Retry-After": retry})
         new = max(req.num_tokens - decision.cached_tokens, 1)
-        single = decision.prefill == decision.decode or _field(body, "n", 1) > 1
+        # A hand-off carries one prompt's KV for one sequence: several prompts (or choices)
+        # in one request are served where they decode.
+        prompt = body.get("prompt")
+        several = isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)
+        single = decision.prefill == decision.decode or _field(body, "n", 1) > 1 or several
         self.cluster.routed(decision.prefill, decision.decode, new)
         self._count("colocated" if single else "disaggregated")
         target = decision.decode  # colocated there, or the stream of a disaggregated request

@@ -90,3 +90,41 @@ def test_a_malformed_body_is_the_instances_400_not_a_500(path, body) -> None:
         await cluster.http.aclose()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("prompt", "handed"),
+    [(["a b c", "d e f"], False), ([[1, 2], [3, 4]], False), (["a b c"], True), ([1, 2], True)],
+)
+def test_several_prompts_are_not_handed_off_under_one_key(prompt, handed) -> None:
+    """Two prompts went disaggregated with one hand-off key: the prefill instance computed
+    both, the decode instance logged 'hand-off ... does not match its request; recomputing'
+    for each and computed them again."""
+    seen: list[tuple[str, dict]] = []
+
+    def instance(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            seen.append((request.url.host, json.loads(request.content)))
+        return _instance(request)
+
+    async def run() -> None:
+        cluster = Cluster([])
+        cluster.http = httpx.AsyncClient(transport=httpx.MockTransport(instance))
+        for url, role in (("http://p:1", "prefill"), ("http://d:2", "decode")):
+            info = {"role": role, "profile": PROFILE, "block_size": 4, "hash_seed": ""}
+            inst = cluster._instance(url, None, info)
+            cluster.instances[inst.name] = inst
+        cluster.block_size = 4
+        conductor = Conductor(
+            cluster, Router(RouterConfig(policy="load")), _Tokenizer(), ConductorConfig()
+        )
+        transport = httpx.ASGITransport(app=create_conductor_app(conductor, "m"))
+        async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
+            r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+        await asyncio.sleep(0.05)  # the prefill half runs in the background
+        await cluster.http.aclose()
+
+    asyncio.run(run())
+    assert sorted(host for host, _ in seen) == (["d", "p"] if handed else ["d"])
+    assert all(("kv_handoff" in body) is handed for _, body in seen)
