@@ -131,7 +131,7 @@ class Conductor:
         decision = self.router.decide(view, req, now)
         if self.decision_log is not None:
             self.decision_log.record(view, req, now, decision)
-        if self.request_log is not None:
+        if self.request_log is not None and ids:  # no prompt: the instances refuse it
             record = self._log_record(ids, body, decision, now, req.request_id)
             if decision.rejected:
                 self.request_log.write(record)
@@ -154,12 +154,14 @@ class Conductor:
         )  # fmt: skip
         return record
 
-    def _log_answer(self, request_id: str, first_token: bool) -> None:
+    def _log_answer(self, request_id: str, first_token: bool, refused: bool = False) -> None:
         """The request's answer started (`first_token`: a stream's first chunk) or ended
         without one: its log record goes out, with the TTFT measured here where there is one
-        (routing, the hops and the instances' work: what a client of the cluster waits)."""
+        (routing, the hops and the instances' work: what a client of the cluster waits).
+        A request the instance `refused` as invalid (its 4xx) never ran: no record, as the
+        instances write none (a replay would serve it)."""
         pending = self._pending_logs.pop(request_id, None)
-        if pending is None or self.request_log is None:
+        if pending is None or self.request_log is None or refused:
             return
         record, t0 = pending
         if first_token:
@@ -274,7 +276,8 @@ class Conductor:
             data = await resp.aread()
             await resp.aclose()
             self._observe(d, time.monotonic() - t0)
-            self._log_answer(request_id, first_token=False)
+            refused = 400 <= resp.status_code < 500 and resp.status_code != 429
+            self._log_answer(request_id, first_token=False, refused=refused)
             return Response(data, status_code=resp.status_code, headers=headers)
         first = True
 

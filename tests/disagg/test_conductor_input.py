@@ -49,6 +49,19 @@ def _valid(path: str, body: dict) -> bool:
     )
 
 
+def _conductor(instance) -> tuple[Cluster, Conductor]:
+    """A Conductor in front of one prefill and one decode instance, `instance` answering."""
+    cluster = Cluster([])
+    cluster.http = httpx.AsyncClient(transport=httpx.MockTransport(instance))
+    for url, role in (("http://p:1", "prefill"), ("http://d:2", "decode")):
+        info = {"role": role, "profile": PROFILE, "block_size": 4, "hash_seed": ""}
+        inst = cluster._instance(url, None, info)
+        cluster.instances[inst.name] = inst
+    cluster.block_size = 4
+    router = Router(RouterConfig(policy="load"))
+    return cluster, Conductor(cluster, router, _Tokenizer(), ConductorConfig())
+
+
 BAD = [
     ("/v1/completions", {"prompt": "x", "priority": "high"}),
     ("/v1/completions", {"prompt": "x", "priority": [1]}),
@@ -67,16 +80,7 @@ BAD = [
 @pytest.mark.parametrize(("path", "body"), BAD)
 def test_a_malformed_body_is_the_instances_400_not_a_500(path, body) -> None:
     async def run() -> None:
-        cluster = Cluster([])
-        cluster.http = httpx.AsyncClient(transport=httpx.MockTransport(_instance))
-        for url, role in (("http://p:1", "prefill"), ("http://d:2", "decode")):
-            info = {"role": role, "profile": PROFILE, "block_size": 4, "hash_seed": ""}
-            inst = cluster._instance(url, None, info)
-            cluster.instances[inst.name] = inst
-        cluster.block_size = 4
-        conductor = Conductor(
-            cluster, Router(RouterConfig(policy="load")), _Tokenizer(), ConductorConfig()
-        )
+        cluster, conductor = _conductor(_instance)
         app = create_conductor_app(conductor, "m")
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
@@ -108,16 +112,7 @@ def test_several_prompts_are_not_handed_off_under_one_key(prompt, handed) -> Non
         return _instance(request)
 
     async def run() -> None:
-        cluster = Cluster([])
-        cluster.http = httpx.AsyncClient(transport=httpx.MockTransport(instance))
-        for url, role in (("http://p:1", "prefill"), ("http://d:2", "decode")):
-            info = {"role": role, "profile": PROFILE, "block_size": 4, "hash_seed": ""}
-            inst = cluster._instance(url, None, info)
-            cluster.instances[inst.name] = inst
-        cluster.block_size = 4
-        conductor = Conductor(
-            cluster, Router(RouterConfig(policy="load")), _Tokenizer(), ConductorConfig()
-        )
+        cluster, conductor = _conductor(instance)
         transport = httpx.ASGITransport(app=create_conductor_app(conductor, "m"))
         async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
             r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
@@ -128,3 +123,26 @@ def test_several_prompts_are_not_handed_off_under_one_key(prompt, handed) -> Non
     asyncio.run(run())
     assert sorted(host for host, _ in seen) == (["d", "p"] if handed else ["d"])
     assert all(("kv_handoff" in body) is handed for _, body in seen)
+
+
+def test_the_request_log_has_only_requests_the_instances_took(tmp_path) -> None:
+    """A request the instances refused with a 400 was logged as served, and an empty prompt
+    as a record of 0 input tokens, which `hetserve sim --trace DIR` refuses: one bad client
+    request made the whole cluster's log unreadable by the simulator."""
+    from hetserve.core.trace_record import RequestLogWriter
+    from hetserve.sim.trace import read_trace
+
+    log = tmp_path / "conductor.jsonl"
+
+    async def run() -> None:
+        cluster, conductor = _conductor(_instance)
+        conductor.request_log = RequestLogWriter(str(log))
+        transport = httpx.ASGITransport(app=create_conductor_app(conductor, "m"))
+        async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
+            for body in ({"prompt": []}, {"prompt": "x", "priority": "high"}, {"prompt": "x"}):
+                await client.post("/v1/completions", json={**body, "max_tokens": 2})
+        await asyncio.sleep(0.05)
+        await cluster.http.aclose()
+
+    asyncio.run(run())
+    assert [r.input_length for r in read_trace(str(log))] == [1]
