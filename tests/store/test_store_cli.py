@@ -65,3 +65,28 @@ def test_store_cli_errors_are_one_line(capsys):
     assert main(["store", "node", "--master", "nowhere"]) == 2
     assert "--master wants HOST:PORT" in capsys.readouterr().err
     assert main(["store", "master", "--watermarks", "0.5,0.9"]) == 2
+
+
+def test_a_node_outside_the_pool_says_so(caplog):
+    """`store node` with a wrong --master port or token printed 'ready on port N' and then
+    retried in silence (at INFO, below the default WARNING): a pool without its DRAM."""
+    import logging
+    import time
+
+    from hetserve.store.pool.master import PoolMaster
+    from hetserve.store.pool.node import PoolNode
+
+    master = PoolMaster(port=0, token="theirs")
+    master.start()
+    node = PoolNode(("127.0.0.1", master.port), 1 << 20, token="mine").start()
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not caplog.records:
+            time.sleep(0.05)
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1 and "bad token" in warnings[0].getMessage()
+        time.sleep(0.5)  # later retries of the same outage stay quiet
+        assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
+    finally:
+        node.close()
+        master.close()

@@ -103,17 +103,23 @@ class PoolNode:
 
     # -- membership -----------------------------------------------------------------------
     def _membership_loop(self) -> None:
+        warned = False  # the first failure of an outage is a warning: a wrong --master or
+        # token otherwise leaves a node that said it was ready silently outside the pool
         while not self._stop.is_set():
             conn = None
             try:
                 conn = FrameClient(*self.master, self.token, timeout=5.0)
                 conn.call(P.REGISTER, {"node_id": self.node_id, "info": self.info()})
                 self.registered.set()
+                warned = False
                 log.info("node %s registered with %s:%s", self.node_id, *self.master)
                 while not self._stop.wait(self.heartbeat_s):
                     conn.call(P.HEARTBEAT, {})
             except Exception as exc:  # master down or restarting: retry until it is back
-                log.info("node %s: master unreachable (%s); retrying", self.node_id, exc)
+                level = logging.INFO if warned else logging.WARNING
+                log.log(level, "node %s: master %s:%s unreachable (%s); retrying",
+                        self.node_id, *self.master, exc)  # fmt: skip
+                warned = True
             finally:
                 self.registered.clear()
                 if conn is not None and self._stop.is_set():
