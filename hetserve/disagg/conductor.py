@@ -12,7 +12,8 @@ which tier, and calls the pure policy (`policy.Router.decide`). Then:
   prefill instance the same prompt with one output token and a `kv_handoff` to send (to the
   decode instance's address, or through the shared store); the client's stream is the decode
   instance's.
-- a rejection: 429 with `Retry-After`, before any instance is touched.
+- a rejection: 429 with `Retry-After`, before any instance is touched; 503 (with
+  `Retry-After`) while no healthy instance can prefill or none can decode.
 
 Failure contract: bad input is the instances' own 400 (the body is forwarded unchanged) or one
 caught here before routing (a body that is not JSON); an instance that cannot be reached before
@@ -180,6 +181,9 @@ class Conductor:
         if decision.rejected:
             self._count("rejected")
             retry = str(int(decision.retry_after_s or 1))
+            if decision.unavailable:  # not the client's rate: the cluster is down
+                msg = f"the cluster cannot serve requests now: {decision.reject_reason}"
+                return _error(503, msg, "service_unavailable", {"Retry-After": retry})
             msg = f"the cluster cannot serve this request in time: {decision.reject_reason}"
             return _error(429, msg, "rate_limit_error", {"Retry-After": retry})
         new = max(req.num_tokens - decision.cached_tokens, 1)

@@ -131,6 +131,7 @@ class Decision:
     predicted_ttft_s: float | None = None
     predicted_tbt_s: float | None = None
     reject_reason: str | None = None  # set: the request is refused
+    unavailable: bool = False  # refused because no instance of a needed role is healthy
     retry_after_s: float | None = None
     scores: Mapping[str, float] = field(default_factory=dict)  # per instance, for logs/tests
 
@@ -191,7 +192,9 @@ class Router:
         decodes = [i for i in view.instances if i.healthy and i.role.decodes]
         if not prefills or not decodes:
             role = "prefill" if not prefills else "decode"
-            return Decision(None, None, reject_reason=f"no healthy {role} instance")
+            return Decision(
+                None, None, reject_reason=f"no healthy {role} instance", unavailable=True
+            )
         # Every instance's TTFT is kvcentric's choice; the others need only the chosen one's.
         options: dict[str, _Option] = {}
         if self.config.policy == "kvcentric":

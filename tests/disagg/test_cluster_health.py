@@ -69,6 +69,13 @@ def test_the_conductor_is_unhealthy_while_no_instance_can_decode() -> None:
             cluster.mark_down("d:2")
             r = await client.get("/health")
             assert r.status_code == 503 and r.json()["status"] == "degraded"
+            # A request then is refused as the cluster's state, not the client's rate (it was
+            # a 429 rate_limit_error, with admission off).
+            cluster.block_size = INFO["block_size"]  # what the instances' info would set
+            r = await client.post("/v1/completions", json={"prompt": [1, 2, 3]})
+            assert r.status_code == 503 and r.headers["Retry-After"], r.text
+            err = r.json()["error"]
+            assert err["type"] == "service_unavailable" and "no healthy decode" in err["message"]
             cluster.instances["d:2"].healthy = True
             cluster.mark_down("p:1")
             assert (await client.get("/health")).status_code == 503
