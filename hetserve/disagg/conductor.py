@@ -58,6 +58,9 @@ class ConductorConfig:
     handoff_path: str = "direct"  # "direct" or "store"
     handoff_timeout_s: float = 30.0
     api_key: str | None = None  # clients must present it (beyond loopback: required)
+    # (name listed to clients, the instances' name) where `--served-model-name` renames it: a
+    # request for the listed name is forwarded as the instances' (they refuse any other).
+    model_alias: tuple[str, str] | None = None
 
 
 def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None):
@@ -197,6 +200,9 @@ class Conductor:
         target = decision.decode  # colocated there, or the stream of a disaggregated request
         assert target is not None
         fwd = dict(body)
+        alias = self.config.model_alias
+        if alias is not None and fwd.get("model") == alias[0]:
+            fwd["model"] = alias[1]
         if not single:
             fwd["kv_handoff"] = self._handoff(decision, fwd, req)
         self.routing.append(time.perf_counter() - t0)

@@ -109,6 +109,13 @@ def served_model(
     return model, served_name or (listed if isinstance(listed, str) else fallback)
 
 
+def _alias(name: str, cluster) -> tuple[str, str] | None:
+    """(listed, served) where the Conductor lists the model under another name than the
+    instances serve it (`--served-model-name`), else None."""
+    served = cluster.model_card.get("id")
+    return (name, served) if isinstance(served, str) and served != name else None
+
+
 async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
     import asyncio
 
@@ -157,7 +164,7 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
         cluster,
         router,
         Tokenizer(model_dir),
-        ConductorConfig(args.handoff_path, api_key=api_key),
+        ConductorConfig(args.handoff_path, api_key=api_key, model_alias=_alias(name, cluster)),
         holdings=index.holdings,
     )
     conductor.index_blocks = index.block_counts

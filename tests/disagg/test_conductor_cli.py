@@ -70,8 +70,56 @@ class _Serves(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def do_POST(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        _Serves.asked.append(body.get("model"))
+        ok = body.get("model") in (None, "tiny")
+        answer = {"id": "c", "object": "text_completion", "model": "tiny",
+                  "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}  # fmt: skip
+        out = json.dumps(answer if ok else {"error": {"message": "no such model"}}).encode()
+        self.send_response(200 if ok else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    asked: list = []
+
     def log_message(self, *args) -> None:
         pass
+
+
+def test_a_served_model_name_of_the_conductors_own_reaches_the_instances_as_theirs(
+    tmp_path, monkeypatch
+):
+    """`conductor --served-model-name alias` listed 'alias' and forwarded it unchanged: the
+    instances, serving 'tiny', answered every request 404."""
+    _Serves.root, _Serves.asked = str(tmp_path), []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Serves)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    seen = {}
+
+    async def serve(self) -> None:
+        transport = httpx.ASGITransport(app=self.config.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
+            seen["models"] = (await client.get("/v1/models")).json()["data"][0]["id"]
+            for model in ("alias", "tiny", "other"):
+                body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 1}
+                r = await client.post("/v1/completions", json=body)
+                seen[model] = r.status_code
+
+    monkeypatch.setattr("uvicorn.Server.serve", serve)
+    monkeypatch.setattr("hetserve.model.tokenizer.Tokenizer", lambda d: None)
+    monkeypatch.setattr("hetserve.entrypoints.serve.check_port", lambda host, port: None)
+    monkeypatch.delenv("HETSERVE_API_KEY", raising=False)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        argv = ["conductor", "--both", url, "--port", "1", "--served-model-name", "alias"]
+        assert main(argv) == 0
+    finally:
+        server.shutdown()
+    assert seen == {"models": "alias", "alias": 200, "tiny": 200, "other": 404}
+    assert _Serves.asked == ["tiny", "tiny", "other"]  # a name it does not list: unchanged
 
 
 def test_the_conductor_lists_and_tokenizes_the_model_the_instances_serve(tmp_path, monkeypatch):
