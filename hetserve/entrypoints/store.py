@@ -111,9 +111,12 @@ def _run_master(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--watermarks wants HIGH,LOW, got {args.watermarks!r}") from exc
     if not 0 < low <= high <= 1:
         raise InvalidInputError(f"--watermarks need 0 < LOW <= HIGH <= 1, got {args.watermarks}")
-    master = PoolMaster(
-        args.host, args.port, token, args.node_timeout, parse_size(args.max_value), (high, low)
-    )
+    if not args.node_timeout > 0:  # also NaN
+        raise InvalidInputError(f"--node-timeout must be > 0 seconds, got {args.node_timeout}")
+    max_value = parse_size(args.max_value)
+    if max_value < 1:
+        raise InvalidInputError(f"--max-value must be at least 1 byte, got {args.max_value!r}")
+    master = PoolMaster(args.host, args.port, token, args.node_timeout, max_value, (high, low))
     return _serve_until_signal(master)
 
 
@@ -124,17 +127,17 @@ def _run_node(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper())
     token = _token(args)
     mhost, _, mport = args.master.rpartition(":")
-    if not mhost or not mport.isdigit():
+    if not mhost or not mport.isdigit() or not 1 <= int(mport) <= 65535:
         raise InvalidInputError(f"--master wants HOST:PORT, got {args.master!r}")
+    dram, ssd = parse_size(args.dram), parse_size(args.ssd)
+    if ssd and args.ssd_dir is None:
+        raise InvalidInputError("--ssd needs --ssd-dir DIR, the directory of its segment file")
+    if args.ssd_dir is not None and not ssd:
+        raise InvalidInputError("--ssd-dir needs --ssd SIZE (e.g. --ssd 16G)")
+    if not dram and not ssd:
+        raise InvalidInputError("the node would hold nothing: give --dram SIZE or --ssd SIZE")
     node = PoolNode(
-        (mhost, int(mport)),
-        parse_size(args.dram),
-        args.host,
-        args.port,
-        token,
-        args.ssd_dir,
-        parse_size(args.ssd),
-        args.advertise,
+        (mhost, int(mport)), dram, args.host, args.port, token, args.ssd_dir, ssd, args.advertise
     )
     return _serve_until_signal(node)
 

@@ -65,6 +65,20 @@ def test_store_cli_errors_are_one_line(capsys):
     assert main(["store", "node", "--master", "nowhere"]) == 2
     assert "--master wants HOST:PORT" in capsys.readouterr().err
     assert main(["store", "master", "--watermarks", "0.5,0.9"]) == 2
+    # Each was taken without a word (a node that holds nothing, a master that declares every
+    # node dead at once or takes no value).
+    for argv, needle in (
+        (["master", "--node-timeout", "-1"], "--node-timeout must be > 0"),
+        (["master", "--max-value", "0"], "--max-value must be at least 1 byte"),
+        (["node", "--master", "h:99999"], "--master wants HOST:PORT"),
+        (["node", "--ssd", "1G"], "--ssd needs --ssd-dir"),
+        (["node", "--ssd-dir", "/tmp"], "--ssd-dir needs --ssd SIZE"),
+        (["node", "--dram", "0"], "the node would hold nothing"),
+    ):
+        capsys.readouterr()
+        assert main(["store", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and needle in err, err
 
 
 def test_a_node_outside_the_pool_says_so(caplog):
