@@ -84,6 +84,10 @@ class Conductor:
         self._pending_logs: dict[str, tuple[Any, float]] = {}  # request id -> (record, arrival)
         # The KV index's size per instance and medium, for /metrics (None: no index).
         self.index_blocks: Callable[[], dict[str, dict[str, int]]] | None = None
+        # A chat body's prompt as the instances' chat route renders it (tools, tool calls,
+        # chat_template_kwargs: server/chat.py chat_prompt_text). None, or a body it refuses
+        # (the instance will answer 400): the messages' roles and text alone.
+        self.render_chat: Callable[[Mapping[str, Any]], str] | None = None
         self.started = time.monotonic()
         self.counts: dict[str, int] = {}
         self.ttft: list[tuple[float, float]] = []  # (predicted, measured) seconds, recent
@@ -100,6 +104,14 @@ class Conductor:
         # A body of the wrong shape is routed as what can be read of it: the instance it goes
         # to answers its 400, as it would alone.
         if path.endswith("/chat/completions"):
+            if self.render_chat is not None:
+                try:
+                    rendered: list[int] = self.tok.encode(
+                        self.render_chat(body), add_special_tokens=False
+                    )
+                    return rendered
+                except Exception:  # noqa: BLE001 (refused or unreadable: the instance's 400)
+                    pass
             messages = body.get("messages")
             msgs = [{"role": m.get("role"), "content": _text(m.get("content"))}
                     for m in messages if isinstance(m, dict)

@@ -5,6 +5,7 @@ token and refuses early (429) what would miss its SLO."""
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,7 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
     from hetserve.disagg.policy import Router, RouterConfig
     from hetserve.engine.setup import resolve_model_dir
     from hetserve.model.tokenizer import Tokenizer
+    from hetserve.server.chat import chat_prompt_text
     from hetserve.server.conductor_app import create_conductor_app
 
     urls = [(u.rstrip("/"), Role.PREFILL) for u in args.prefill]
@@ -168,6 +170,7 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
         holdings=index.holdings,
     )
     conductor.index_blocks = index.block_counts
+    conductor.render_chat = functools.partial(chat_prompt_text, conductor.tok)
     if args.log_requests:
         from hetserve.core.trace_record import RequestLogWriter
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import Request
@@ -37,6 +38,22 @@ def check_parser_names(tool: str | None, reasoning: str | None) -> None:
         raise ValueError(
             f"--reasoning-parser {reasoning!r}: choose one of {', '.join(REASONING_PARSERS)}"
         )
+
+
+def template_inputs(req: ChatCompletionRequest) -> tuple[list[dict], bool, Any, dict[str, Any]]:
+    """What the chat template renders for `req`: its messages in the templates' shape,
+    add_generation_prompt, the tools its tool_choice shows the model, the template's kwargs."""
+    messages = template_messages([m.template_dict() for m in req.messages])
+    return messages, req.add_generation_prompt, req.tool_plan.tools, req.template_kwargs()
+
+
+def chat_prompt_text(tok, body: Mapping[str, Any]) -> str:
+    """The prompt text this server renders for a chat body, for the Conductor, which hashes the
+    same tokens to find which instance holds the prefix. Raises where the route answers 400
+    (pydantic's ValidationError, InvalidInputError)."""
+    req = ChatCompletionRequest.model_validate(body)
+    messages, add_generation_prompt, tools, kwargs = template_inputs(req)
+    return str(tok.apply_chat_template(messages, add_generation_prompt, tools, **kwargs))
 
 
 class ChatServing(OpenAIServing):
@@ -76,10 +93,8 @@ class ChatServing(OpenAIServing):
                 "server with --tool-call-parser NAME, or use tool_choice 'required'",
                 "tools",
             )
-        messages = template_messages([m.template_dict() for m in req.messages])
-        prompt = await self.render_chat(
-            messages, req.add_generation_prompt, plan.tools, **req.template_kwargs()
-        )
+        messages, add_generation_prompt, tools, kwargs = template_inputs(req)
+        prompt = await self.render_chat(messages, add_generation_prompt, tools, **kwargs)
         ids = await self.encode(prompt, add_special_tokens=False)
         k = (req.top_logprobs or 0) if req.logprobs else None
         limit, _ = req.output_limit()

@@ -124,3 +124,39 @@ def test_thinking_switch_reaches_the_template(client):
         extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )  # fmt: skip
     assert off.usage.prompt_tokens > on.usage.prompt_tokens  # the empty <think></think>
+
+
+def test_the_conductor_hashes_the_prompt_the_server_renders(client, tiny_model):
+    """The Conductor rendered a chat body from its messages' roles and text alone: with tools,
+    a tool call in the history or chat_template_kwargs its tokens were not the instance's, so
+    no agent's prefix was ever found cached (the KV index matches block hashes)."""
+    import functools
+
+    from hetserve.disagg.conductor import Conductor, ConductorConfig
+    from hetserve.disagg.instances import Cluster
+    from hetserve.disagg.policy import Router, RouterConfig
+    from hetserve.model.tokenizer import Tokenizer
+    from hetserve.server.chat import chat_prompt_text
+
+    tok = Tokenizer(tiny_model("qwen3-moe"))
+    conductor = Conductor(Cluster([]), Router(RouterConfig()), tok, ConductorConfig())
+    conductor.render_chat = functools.partial(chat_prompt_text, tok)
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}
+    history = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
+    for extra in (
+        {},
+        {"tools": TOOLS},
+        {"tools": TOOLS, "chat_template_kwargs": {"enable_thinking": False}},
+        {"tools": TOOLS, "tool_choice": "none"},
+        {"messages": history, "tools": TOOLS},
+    ):
+        body = {"model": "tiny", "messages": USER, "max_tokens": 1, **extra}
+        kwargs = body.pop("chat_template_kwargs", None)
+        more = {"extra_body": {"chat_template_kwargs": kwargs}} if kwargs else {}
+        served = client.chat.completions.create(**body, **more).usage.prompt_tokens
+        body.update({"chat_template_kwargs": kwargs} if kwargs else {})
+        assert len(conductor.prompt_ids("/v1/chat/completions", body)) == served, extra
+    # A body the instance refuses is still routed (by its messages' text).
+    assert conductor.prompt_ids("/v1/chat/completions", {"messages": USER, "n": "two"})
