@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from pathlib import Path
 
 from tqdm import tqdm
@@ -30,7 +31,10 @@ class LLM:
     `generate(..., lora_request=LoRARequest("sql", 1, "/adapters/sql"))` (loaded on first use);
     or adapters named up front, `LLM(model, lora_modules={"sql": "/adapters/sql"})`, and
     `lora_request="sql"`. A list gives each prompt its own adapter (None: the base model); they
-    run in one batch."""
+    run in one batch.
+
+    One LLM may be used from several threads: their calls take turns (the EngineCore under it
+    is stepped by one thread at a time)."""
 
     def __init__(self, model: str | Path | EngineConfig | None = None, **options) -> None:
         if isinstance(model, EngineConfig):
@@ -48,6 +52,7 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self._ids = itertools.count()
+        self._lock = threading.Lock()  # EngineCore: one thread at a time (engine/core.py)
 
     def generate(
         self,
@@ -57,22 +62,23 @@ class LLM:
         use_tqdm: bool = False,
         lora_request: LoRASpec | list[LoRASpec] = None,
     ) -> list[RequestOutput]:
-        requests = self._normalize(prompts, prompt_token_ids)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(requests)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(requests):
-                raise InvalidInputError("sampling_params list must match the number of prompts")
-        loras = self._lora_names(lora_request, len(requests))
-        # Everything is validated before anything is queued: one bad prompt queues nothing.
-        new = [
-            self.engine.validate(NewRequest(f"llm-{next(self._ids)}", ids, p, text, lora=lora))
-            for (text, ids), p, lora in zip(requests, params, loras, strict=True)
-        ]
-        for req in new:
-            self.engine.enqueue(req, stream=False)
-        return self._run([r.request_id for r in new], use_tqdm)
+        with self._lock:
+            requests = self._normalize(prompts, prompt_token_ids)
+            if sampling_params is None or isinstance(sampling_params, SamplingParams):
+                params = [sampling_params or SamplingParams()] * len(requests)
+            else:
+                params = list(sampling_params)
+                if len(params) != len(requests):
+                    raise InvalidInputError("sampling_params list must match the number of prompts")
+            loras = self._lora_names(lora_request, len(requests))
+            # Everything is validated before anything is queued: one bad prompt queues nothing.
+            new = [
+                self.engine.validate(NewRequest(f"llm-{next(self._ids)}", ids, p, text, lora=lora))
+                for (text, ids), p, lora in zip(requests, params, loras, strict=True)
+            ]
+            for req in new:
+                self.engine.enqueue(req, stream=False)
+            return self._run([r.request_id for r in new], use_tqdm)
 
     def _lora_names(self, spec, n: int) -> list[str | None]:
         """Adapter names per prompt; a LoRARequest with a path is loaded (or reloaded, if its
@@ -121,7 +127,8 @@ class LLM:
 
     def reset_prefix_cache(self) -> int:
         """Drop the device prefix cache (the KV tiers keep their copies)."""
-        return self.engine.reset_prefix_cache()
+        with self._lock:
+            return self.engine.reset_prefix_cache()
 
     @property
     def placement_summary(self) -> str:
@@ -145,14 +152,16 @@ class LLM:
         tiers = self.engine.tiers
         if tiers is None:
             return False
-        done = tiers.flush(timeout_s)
-        if cold:
-            tiers.make_cold()
+        with self._lock:
+            done = tiers.flush(timeout_s)
+            if cold:
+                tiers.make_cold()
         return done
 
     def close(self) -> None:
         """Save the KV a KV store lacks yet, and close the store (no-op without one)."""
-        self.engine.close()
+        with self._lock:
+            self.engine.close()
 
     def routing_stats(self):
         """Routing statistics recorded so far (with record_routing_stats=True), else None."""

@@ -1,0 +1,42 @@
+"""The offline `LLM` as a user calls it: from several threads, with wrong arguments."""
+
+import threading
+
+import pytest
+
+from hetserve import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return LLM(tiny_model("qwen3-moe"))
+
+
+def test_threads_sharing_one_llm_take_turns(llm):
+    # Found in a trial: four threads calling generate at once stepped the EngineCore together;
+    # requests were lost (KeyError), some threads never returned, and the engine stayed broken.
+    prompts = [[3 + i, 7, 11, 13] for i in range(4)]
+    want = [llm.generate(prompt_token_ids=p, sampling_params=GREEDY)[0] for p in prompts]
+    got: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            for _ in range(3):
+                out = llm.generate(prompt_token_ids=prompts[i], sampling_params=GREEDY)[0]
+                got.setdefault(i, out.outputs[0].token_ids)
+                assert out.outputs[0].token_ids == got[i]
+        except BaseException as exc:  # reported below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a thread never returned"
+    assert errors == []
+    assert [got[i] for i in range(4)] == [w.outputs[0].token_ids for w in want]
+    assert llm.stats().num_running == 0 and llm.stats().num_waiting == 0
