@@ -67,6 +67,14 @@ class LLM:
             if sampling_params is None or isinstance(sampling_params, SamplingParams):
                 params = [sampling_params or SamplingParams()] * len(requests)
             else:
+                many = isinstance(sampling_params, list | tuple)
+                bad = [p for p in (sampling_params if many else [sampling_params])
+                       if not isinstance(p, SamplingParams)]  # fmt: skip
+                if bad:
+                    raise TypeError(
+                        "sampling_params takes a SamplingParams or a list of them, got "
+                        f"{type(bad[0]).__name__}"
+                    )
                 params = list(sampling_params)
                 if len(params) != len(requests):
                     raise InvalidInputError("sampling_params list must match the number of prompts")
@@ -189,11 +197,23 @@ class LLM:
 
     def _normalize(self, prompts, prompt_token_ids) -> list[tuple[str | None, list[int]]]:
         if prompt_token_ids is not None:
+            if prompts is not None:
+                raise InvalidInputError("give prompts or prompt_token_ids, not both")
             if prompt_token_ids and isinstance(prompt_token_ids[0], int):
                 prompt_token_ids = [prompt_token_ids]
+            if not isinstance(prompt_token_ids, list | tuple) or not all(
+                isinstance(ids, list | tuple) for ids in prompt_token_ids
+            ):
+                raise TypeError(
+                    "prompt_token_ids takes a list of token ids or a list of such lists"
+                )
             return [(None, list(ids)) for ids in prompt_token_ids]
         if prompts is None:
             raise InvalidInputError("give prompts or prompt_token_ids")
         if isinstance(prompts, str):
             prompts = [prompts]
+        if not isinstance(prompts, list | tuple) or not all(isinstance(p, str) for p in prompts):
+            raise TypeError(
+                "prompts takes a string or a list of strings; token ids go in prompt_token_ids"
+            )
         return [(p, self.tokenizer.encode(p)) for p in prompts]

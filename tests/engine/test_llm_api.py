@@ -40,3 +40,22 @@ def test_threads_sharing_one_llm_take_turns(llm):
     assert errors == []
     assert [got[i] for i in range(4)] == [w.outputs[0].token_ids for w in want]
     assert llm.stats().num_running == 0 and llm.stats().num_waiting == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "names"),
+    [
+        # Found in a trial: these were AttributeError / "'int' object is not iterable" /
+        # "TextInputSequence must be str" from deep inside, or (both given) prompts ignored.
+        ({"prompts": ["a"], "sampling_params": {"max_tokens": 2}}, TypeError, "sampling_params"),
+        ({"prompts": ["a"], "sampling_params": [{"max_tokens": 2}]}, TypeError, "sampling_params"),
+        ({"prompts": 5}, TypeError, "prompts"),
+        ({"prompts": [[1, 2, 3]]}, TypeError, "prompt_token_ids"),
+        ({"prompt_token_ids": [1.5]}, TypeError, "prompt_token_ids"),
+        ({"prompts": ["a"], "prompt_token_ids": [1, 2]}, ValueError, "not both"),
+    ],
+)
+def test_wrong_generate_arguments_name_the_argument(llm, kwargs, error, names):
+    with pytest.raises(error, match=names):
+        llm.generate(**kwargs)
+    assert llm.generate(prompt_token_ids=[3, 4], sampling_params=GREEDY)[0].finished
