@@ -19,6 +19,7 @@ from hetserve.engine.errors import EngineRequestError
 from hetserve.errors import InvalidInputError
 
 LoRASpec = LoRARequest | str | None  # an adapter to load or a loaded one's name; None = base
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's
 
 
 class LLM:
@@ -183,6 +184,8 @@ class LLM:
         lora_request: LoRASpec | list[LoRASpec] = None,
     ) -> list[RequestOutput]:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        for conversation in conversations:
+            _check_messages(conversation)
         prompts = [
             self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
             for c in conversations
@@ -217,3 +220,25 @@ class LLM:
                 "prompts takes a string or a list of strings; token ids go in prompt_token_ids"
             )
         return [(p, self.tokenizer.encode(p)) for p in prompts]
+
+
+def _check_messages(messages: object) -> None:
+    """A conversation as OpenAI's messages: a chat template silently drops a message whose role
+    it does not know, and renders a string as no message at all."""
+    if not isinstance(messages, list | tuple) or not messages:
+        raise TypeError(
+            'messages takes a non-empty list of {"role": ..., "content": ...} dicts '
+            "(or a list of such lists)"
+        )
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise TypeError(f"messages[{i}] must be a dict with role and content, got {m!r:.40}")
+        if m.get("role") not in CHAT_ROLES:
+            raise InvalidInputError(
+                f"messages[{i}]: role {m.get('role')!r} is not one of {', '.join(CHAT_ROLES)}",
+                "role",
+            )
+        if m.get("content") is None and not (m["role"] == "assistant" and m.get("tool_calls")):
+            raise InvalidInputError(
+                f"messages[{i}]: a {m['role']} message needs content", "content"
+            )

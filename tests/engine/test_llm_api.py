@@ -59,3 +59,38 @@ def test_wrong_generate_arguments_name_the_argument(llm, kwargs, error, names):
     with pytest.raises(error, match=names):
         llm.generate(**kwargs)
     assert llm.generate(prompt_token_ids=[3, 4], sampling_params=GREEDY)[0].finished
+
+
+@pytest.mark.parametrize(
+    ("messages", "error", "names"),
+    [
+        # Found in a trial: each of these generated from a prompt without the user's message
+        # (the chat template drops an unknown role, renders a string or [] as no messages).
+        ("hi", TypeError, "messages"),
+        ([], TypeError, "messages"),
+        (["hi"], TypeError, r"messages\[0\]"),
+        ([{"role": "bogus", "content": "hi"}], ValueError, "role 'bogus'"),
+        ([{"content": "hi"}], ValueError, "role None"),
+        ([{"role": "user"}], ValueError, "needs content"),
+        (
+            [[{"role": "user", "content": "a"}], [{"role": "usr", "content": "b"}]],
+            ValueError,
+            "usr",
+        ),
+    ],
+)
+def test_malformed_chat_messages_are_refused(llm, messages, error, names):
+    with pytest.raises(error, match=names):
+        llm.chat(messages, GREEDY)
+
+
+def test_chat_accepts_every_openai_role(llm):
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"},
+    ]  # fmt: skip
+    assert llm.chat(messages, GREEDY)[0].finished
+    assert llm.chat(tuple(messages), GREEDY)[0].finished
