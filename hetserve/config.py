@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import numbers
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -74,6 +75,7 @@ class EngineConfig:
                 close = difflib.get_close_matches(name, by_name, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise TypeError(f"unknown engine option {name!r}{hint}")
+            _check_type(by_name[name], options[name])
         return _build({o: options[o.name] for o in ENGINE_OPTIONS if o.name in options})
 
     @classmethod
@@ -111,6 +113,23 @@ class EngineOption:
             "disagg": DisaggConfig,
         }.get(self.section, MoEConfig)
         return next(f.default for f in fields(cls) if f.name == self.attr)
+
+
+def _check_type(o: EngineOption, value: Any) -> None:
+    """A keyword's Python type, as its flag's parser would give it: else a comparison deep in a
+    config's checks fails without naming the option, or a string passes as True."""
+    if o.store_false or o.extra.get("action") == "store_true":
+        kinds: tuple[type, ...] = (bool,)
+        what = "True or False"
+    elif o.type is int:
+        kinds, what = (numbers.Integral,), "an int"
+    elif o.type is float:
+        kinds, what = (numbers.Real,), "a number"
+    else:
+        return
+    wrong = not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)
+    if value is not None and wrong:
+        raise TypeError(f"engine option {o.name!r} takes {what}, got {value!r}")
 
 
 def _gib(value: float | None) -> int | None:

@@ -97,3 +97,28 @@ def test_engine_never_imports_the_server():
     code += "print([m for m in sys.modules if m.startswith('hetserve.server')])"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "[]", r.stderr
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        # Found in a trial: LLM(model, max_model_len="512") failed with "'<' not supported
+        # between instances of 'str' and 'int'", 512.0 with "'float' object cannot be
+        # interpreted as an integer", and enable_prefix_caching="no" turned the cache on.
+        ({"max_model_len": "512"}, "'max_model_len' takes an int, got '512'"),
+        ({"max_model_len": 512.0}, "'max_model_len' takes an int"),
+        ({"block_size": True}, "'block_size' takes an int"),
+        ({"session_ttl": "x"}, "'session_ttl' takes a number"),
+        ({"kv_cache_gb": "abc"}, "'kv_cache_gb' takes a number"),
+        ({"enable_prefix_caching": "no"}, "'enable_prefix_caching' takes True or False"),
+        ({"enable_lora": 1}, "'enable_lora' takes True or False"),
+    ],
+)
+def test_keyword_of_the_wrong_type_is_a_type_error_naming_it(options, message):
+    with pytest.raises(TypeError, match=message):
+        EngineConfig.from_options(**options)
+
+
+def test_keywords_of_the_right_type_pass():
+    cfg = EngineConfig.from_options(kv_cache_gb=1, max_step_ms=float("inf"), max_model_len=None)
+    assert cfg.cache.kv_cache_bytes == 1 << 30
