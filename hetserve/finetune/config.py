@@ -9,6 +9,7 @@ each) and are ignored. Values keep LLaMA-Factory's meaning (and HF Trainer's def
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -205,6 +206,8 @@ def _coerce(key: str, value, source: str):
     strings = isinstance(value, list) and all(isinstance(v, str) for v in value)
     try:
         if value is None:
+            if "None" not in kind:  # `key:` with no value: only where None means a default
+                raise ValueError
             return None
         if kind in ("str", "str | None"):
             if strings and key in ("dataset", "eval_dataset"):
@@ -223,8 +226,10 @@ def _coerce(key: str, value, source: str):
                 raise ValueError
             return int(float(value))
         if kind.startswith("float"):
+            if not math.isfinite(float(value)):
+                raise ValueError
             return float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
         raise ConfigError(f"{source}: {key}: {value!r} is not a valid {kind}") from None
     return value
 

@@ -98,8 +98,16 @@ def test_template_that_is_not_prefix_stable(base_config, tiny_model, tmp_path, c
 
 @pytest.mark.parametrize(
     "key,value",
-    [("model_name_or_path", 5), ("dataset", [1, 2]), ("template", ["a"]), ("lora_target", 3)],
-)
+    [
+        ("model_name_or_path", 5), ("dataset", [1, 2]), ("template", ["a"]), ("lora_target", 3),
+        # Found in a trial: each was a traceback (`key:` left empty reached a comparison with
+        # None; int(inf) an OverflowError; an infinite num_train_epochs one in the schedule).
+        ("lora_rank", None), ("cutoff_len", None), ("output_dir", None),
+        ("model_name_or_path", None), ("lora_target", None), ("lora_rank", float("inf")),
+        ("save_steps", "1e999"), ("num_train_epochs", float("inf")),
+        ("learning_rate", float("nan")),
+    ],
+)  # fmt: skip
 def test_a_value_of_the_wrong_type_is_one_line(base_config, tmp_path, capsys, key, value):
     one_line_error(tmp_path, base_config(**{key: value}), capsys, f"{key}:", "not a valid")
 
@@ -133,4 +141,3 @@ def test_a_value_out_of_range_is_one_line_before_training(
 def test_a_val_size_count_above_the_rows_is_one_line(base_config, tmp_path, capsys):
     """It was cut to the rows less one: training ran on a single example, silently."""
     one_line_error(tmp_path, base_config(val_size=1000), capsys, "val_size 1000 leaves no rows")
-
