@@ -103,7 +103,12 @@ def _checked_reader(gguf: Any) -> type:
 def open_reader(gguf: Any, path: Path) -> Any:
     try:
         return _checked_reader(gguf)(str(path))
-    except (ValueError, OSError, IndexError, KeyError) as exc:
+    except IndexError:  # gguf's reader indexing an empty slice past the end of the map
+        raise ModelLoadError(
+            f"{path} is not a readable GGUF file: its header (metadata and tensor list) runs "
+            "past the end of the file; the file is truncated or corrupt"
+        ) from None
+    except (ValueError, OSError, KeyError) as exc:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from None
 
 

@@ -67,6 +67,23 @@ def test_truncated_file_names_the_tensor(files, tmp_path):
     assert len(lines) == 1 and last in lines[0] and "truncated" in lines[0]
 
 
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda b: b[:100],  # cut inside the metadata
+        lambda b: b[:8] + (2**48).to_bytes(8, "little") + b[16:],  # a tensor count past the end
+        lambda b: b[:16] + (2**48).to_bytes(8, "little") + b[24:],  # a key count past the end
+    ],
+    ids=["cut-in-header", "tensor-count", "key-count"],
+)
+def test_damaged_header_is_one_line_saying_so(files, tmp_path, damage):
+    # Found in a trial: these said "index 0 is out of bounds for axis 0 with size 0".
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(damage(files[0].read_bytes()))
+    with pytest.raises(ModelLoadError, match="header .* runs past the end .* truncated or corrupt"):
+        LLM(str(bad))
+
+
 def _mapped_rss(path) -> int:
     """Resident bytes of this process's mappings of `path` (/proc/self/smaps)."""
     rss, inside = 0, False
