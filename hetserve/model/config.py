@@ -143,6 +143,14 @@ class ModelConfig:
                 f"model directory {str(path)!r} does not exist; pass a local HF model directory"
             )
         cfg_file = path / "config.json"
+        # A GGUF model is its file (a split one's first part), not the folder that holds it.
+        ggufs = sorted(p.name for p in path.glob("*.gguf") if "-of-" not in p.name)
+        ggufs += sorted(p.name for p in path.glob("*-00001-of-*.gguf"))
+        if not cfg_file.is_file() and ggufs:
+            raise ModelNotFoundError(
+                f"{str(path)!r} has no config.json but holds GGUF files; pass the file: "
+                f"--model {path / ggufs[0]}"
+            )
         if not cfg_file.is_file():
             raise ModelNotFoundError(
                 f"{str(path)!r} has no config.json; pass an HF model directory (config.json + "
@@ -161,4 +169,3 @@ def read_config_json(path: Path) -> dict:
     if not isinstance(cfg, dict):
         raise ModelLoadError(f"{path} must hold a JSON object (the model's settings)")
     return cfg
-

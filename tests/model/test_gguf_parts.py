@@ -84,6 +84,15 @@ def test_damaged_header_is_one_line_saying_so(files, tmp_path, damage):
         LLM(str(bad))
 
 
+def test_folder_holding_a_gguf_names_the_file_to_pass(files, tmp_path):
+    # Found in a trial: --model DIR asked for an HF directory (config.json + *.safetensors).
+    whole, first = files
+    with pytest.raises(ModelNotFoundError, match=f"pass the file: --model {whole}"):
+        LLM(str(whole.parent))
+    with pytest.raises(ModelNotFoundError, match=f"pass the file: --model {first}"):
+        LLM(str(first.parent))
+
+
 def _mapped_rss(path) -> int:
     """Resident bytes of this process's mappings of `path` (/proc/self/smaps)."""
     rss, inside = 0, False
