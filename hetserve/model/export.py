@@ -95,6 +95,8 @@ def _locate(adapter: LoRAAdapter, files: list[Path]) -> dict[Path, list[str]]:
                     raise InvalidInputError(
                         f"{name} is stored as {dtype}; merge into a full-precision checkpoint"
                     )
+                lora = adapter.modules[name.removesuffix(".weight")]
+                _check_shape(tuple(f.get_slice(name).get_shape()), lora, name)
                 where.setdefault(path, []).append(name)
     missing = wanted - {n for names in where.values() for n in names}
     if missing:
@@ -111,13 +113,20 @@ def merge_weight(weight: torch.Tensor, lora: LoRAWeights, name: str = "") -> tor
     import torch
 
     w = weight.float()
+    _check_shape(tuple(w.shape), lora, name)
     delta = (lora.b @ lora.a) * lora.scale
-    if delta.shape != w.shape:
-        raise ModelLoadError(
-            f"{name}: the adapter's delta is {tuple(delta.shape)} but the weight is "
-            f"{tuple(w.shape)}; was it trained for another model?"
-        )
     merged = w + delta
     if lora.magnitude is not None:  # DoRA: each output row rescaled to the trained magnitude
         merged = (lora.magnitude / torch.linalg.norm(merged, dim=1))[:, None] * merged
     return merged.to(weight.dtype).contiguous()
+
+
+def _check_shape(weight: tuple[int, ...], lora: LoRAWeights, name: str) -> None:
+    """Checked for every weight before the first shard is written (a mismatch found mid-way
+    left a partial --out behind, which the next attempt then refused as not empty)."""
+    delta = (lora.b.shape[0], lora.a.shape[1])
+    if delta != weight:
+        raise ModelLoadError(
+            f"{name.removesuffix('.weight')}: the adapter's delta is {delta} but the weight is "
+            f"{weight}; was it trained for another model?"
+        )

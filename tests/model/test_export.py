@@ -106,3 +106,26 @@ def test_export_mistakes_exit_2_with_one_line(tiny_model, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "o").exists()  # nothing written on failure
+
+
+def test_a_shape_mismatch_in_a_later_shard_writes_nothing(tmp_path, monkeypatch, capsys):
+    # Found in a trial: the mismatch was found while merging its shard, after the earlier
+    # shards were written; the partial --out was then refused on retry as "not empty".
+    from safetensors.torch import load_file, save_file
+
+    import hetserve.testing.tiny as tiny
+    from hetserve.testing import make_tiny_checkpoint
+
+    monkeypatch.setattr(tiny, "SHARD_BYTES", 1 << 16)
+    base = make_tiny_checkpoint("qwen3-moe", tmp_path / "base")
+    assert len(list(base.glob("*.safetensors"))) > 2
+    adapter = write_random_adapter(base, tmp_path / "adapter")
+    weights = load_file(adapter / "adapter_model.safetensors")
+    last = sorted(k for k in weights if "q_proj.lora_A" in k)[-1]
+    weights[last] = weights[last][:, :-1].contiguous()  # one input column short
+    save_file(weights, adapter / "adapter_model.safetensors")
+    out = tmp_path / "out"
+    assert main(["export", "--model", str(base), "--adapter", str(adapter), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "was it trained for another model?" in err[0], err
+    assert not out.exists()
