@@ -122,6 +122,11 @@ def open_parts(gguf: Any, path: Path) -> list[Any]:
         return [first]
     m = _PART.match(path.name)
     no = first.fields.get("split.no")
+    if m is None and (no is None or int(no.contents()) == 0):
+        raise ModelLoadError(
+            f"{path} is the first part of a split GGUF model ({count} parts), renamed: its "
+            f"parts are found by name; keep the names NAME-00001-of-{count:05d}.gguf, ..."
+        )
     if m is None or (no is not None and int(no.contents()) != 0):
         raise ModelLoadError(
             f"{path} is part of a split GGUF model ({count} parts); pass its first part, "

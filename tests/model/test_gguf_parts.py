@@ -49,6 +49,14 @@ def test_split_model_loads_from_its_first_part(files):
         os.rename(moved, parts[-1])
 
 
+def test_renamed_first_part_says_the_parts_are_found_by_name(files, tmp_path):
+    # Found in a trial: a first part renamed model.gguf was told to "pass its first part".
+    renamed = tmp_path / "model.gguf"
+    shutil.copy2(files[1], renamed)
+    with pytest.raises(ModelLoadError, match="is the first part .* renamed: .* found by name"):
+        LLM(str(renamed))
+
+
 def test_truncated_file_names_the_tensor(files, tmp_path):
     whole, _ = files
     cut = tmp_path / "cut.gguf"
