@@ -75,6 +75,11 @@ class EngineCore:
         self.max_model_len = min(
             cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
         )
+        if cfg.max_model_len and cfg.max_model_len > self.max_model_len:
+            log.warning(
+                "max_model_len %d is past the model's context (max_position_embeddings %d); "
+                "serving %d tokens", cfg.max_model_len, self.max_model_len, self.max_model_len,
+            )  # fmt: skip
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
         bs = cfg.cache.block_size
         specs = self.model.cache_specs()

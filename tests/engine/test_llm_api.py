@@ -94,3 +94,19 @@ def test_chat_accepts_every_openai_role(llm):
     ]  # fmt: skip
     assert llm.chat(messages, GREEDY)[0].finished
     assert llm.chat(tuple(messages), GREEDY)[0].finished
+
+
+def test_a_max_model_len_past_the_models_context_is_said(tiny_model, caplog):
+    """It was lowered to the model's context in silence (vLLM refuses it)."""
+    import json
+    import logging
+
+    path = tiny_model("qwen3-moe")
+    context = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    with caplog.at_level(logging.WARNING, logger="hetserve.engine.core"):
+        llm = LLM(path, max_model_len=context * 2)
+    try:
+        assert llm.max_model_len == context
+        assert f"max_model_len {context * 2} is past the model's context" in caplog.text
+    finally:
+        llm.close()
