@@ -57,6 +57,7 @@ class _Instance:
     expected: int = 0  # the next sequence number to apply
     last_ts: float = 0.0  # the last applied batch's time stamp
     last_probe: float = 0.0
+    snapshot_failing: bool = False  # the last snapshot failed (said once, until one succeeds)
     counts: dict[str, int] = field(default_factory=dict)
 
     def count(self, what: str, n: int = 1) -> None:
@@ -333,8 +334,14 @@ class KVEventSubscriber:
             seq, ts = int(body["seq"]), float(body["ts"])
         except (ConnectionError, KeyError, TypeError, ValueError) as exc:
             inst.count("resync_failures")
-            log.warning("KV snapshot of %s failed: %s", inst.name, exc)
+            # Said once while the instance is away (retried every probe: a line each 2 s).
+            level = logging.DEBUG if inst.snapshot_failing else logging.WARNING
+            log.log(level, "KV snapshot of %s failed: %s", inst.name, exc)
+            inst.snapshot_failing = True
             return
+        if inst.snapshot_failing:
+            inst.snapshot_failing = False
+            log.warning("KV snapshot of %s taken again: its index is rebuilt", inst.name)
         with self._lock:
             self.index.reset(inst.name, blocks)
         inst.expected, inst.last_ts = seq + 1, ts  # older batches are duplicates from now on

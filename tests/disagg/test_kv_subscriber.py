@@ -212,3 +212,32 @@ def test_a_rejoined_instance_is_resynced_at_once(inst):
         assert "a" in sub.holdings([h.digest for h in req.block_hashes])
     finally:
         sub.close()
+
+
+def test_an_instance_away_is_said_once_not_every_probe(inst, caplog):
+    """While an instance was down its snapshot was retried every probe with a warning each
+    time (a line every 2 s); now once, and once more when it is taken again."""
+    import logging
+
+    sub = follow(inst, probe_s=600.0)
+    away = {"on": True}
+    real = sub._fetch
+
+    def fetch(base_url, path, token, timeout_s):
+        if away["on"] and path == "/internal/kv_snapshot":
+            raise ConnectionError(f"{base_url} refused the connection")
+        return real(base_url, path, token, timeout_s)
+
+    try:
+        sub._fetch = fetch
+        with caplog.at_level(logging.WARNING, logger="hetserve.disagg.kv_subscriber"):
+            for _ in range(5):
+                sub._resync(sub._instances["a"])
+            away["on"] = False
+            sub._resync(sub._instances["a"])
+        lines = [r.getMessage() for r in caplog.records]
+        assert sum("KV snapshot of a failed" in m for m in lines) == 1, lines
+        assert sum("taken again" in m for m in lines) == 1, lines
+        assert sub.stats()["a"]["resync_failures"] == 5
+    finally:
+        sub.close()
