@@ -213,6 +213,11 @@ def _make(
     if weights.device != dev:
         weights = weights.dense(dev)
     split = numa is not None and dev.type == "cpu" and backend_name in _NUMA_BACKENDS
+    if cpu_threads is None and dev != accelerator:
+        # Host experts beside an accelerator run on the one experts thread (cpu_base.py) even
+        # unasked: called from the engine thread (graphs), the overlap thread and the deferral
+        # thread in turn, they would otherwise keep an OpenMP team in each, on the same CPUs.
+        cpu_threads = torch.get_num_threads()
     # A split layer's shards run on the node teams (numa_experts.Team), not a pool of their own.
     threaded = cpu_threads and backend_name in _CPU_BACKENDS and not (split and numa.active)
     opts = {"num_threads": cpu_threads} if threaded else {}

@@ -221,3 +221,23 @@ def test_non_expert_backend_must_be_cpu_int8(tiny_model, tmp_path):
     f.write_text(yaml.safe_dump({"rules": rules}))
     with pytest.raises(PlacementError, match="'rest-int4'.*accept only 'cpu-int8'"):
         LLM(tiny_model("qwen3-moe"), placement=str(f))
+
+
+def test_host_experts_beside_an_accelerator_run_on_the_one_experts_thread():
+    """Unasked (no --cpu-threads), host experts beside an accelerator ran in whichever thread
+    called them: the engine thread (graph replays), the overlap thread (beside shared experts)
+    and the deferral thread, each with an OpenMP team of its own on the same CPUs. Now on the
+    one experts thread of torch's thread count; a CPU-only engine keeps them in its own thread."""
+    from hetserve.layers.moe import FusedExperts
+    from hetserve.model.hybrid_plan import _make
+    from hetserve.moe.cpu_base import experts_thread
+    from hetserve.moe.hybrid import DeviceBridge
+
+    experts = FusedExperts(4, 16, 8)
+    beside = _make(experts, "cpu", "cpu-int8", torch.device("cuda"), None, None, {})
+    assert isinstance(beside, DeviceBridge)
+    assert beside.inner._pool is experts_thread(torch.get_num_threads())
+    alone = _make(FusedExperts(4, 16, 8), "cpu", "cpu-int8", torch.device("cpu"), None, None, {})
+    assert alone._pool is None
+    asked = _make(FusedExperts(4, 16, 8), "cpu", "cpu-int8", torch.device("cuda"), None, 3, {})
+    assert asked.inner._pool is experts_thread(3)
