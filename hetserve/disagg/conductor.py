@@ -82,6 +82,8 @@ class Conductor:
         self.decision_log: Any = None  # sim.decisions.DecisionLog: every decision, replayable
         self.request_log: Any = None  # core.trace_record.RequestLogWriter (hetserve sim's)
         self._pending_logs: dict[str, tuple[Any, float]] = {}  # request id -> (record, arrival)
+        # request id -> its prefill half while it runs (cancelled if the decode half refuses)
+        self._prefills: dict[str, asyncio.Task[None]] = {}
         # The KV index's size per instance and medium, for /metrics (None: no index).
         self.index_blocks: Callable[[], dict[str, dict[str, int]]] | None = None
         # A chat body's prompt as the instances' chat route renders it (tools, tool calls,
@@ -233,7 +235,14 @@ class Conductor:
         send = {"key": key, "role": "send", "path": path, "peer": decode.handoff}
         pre.update(stream=False, n=1, max_tokens=1, kv_handoff=send)
         task = asyncio.get_running_loop().create_task(self._prefill(d.prefill, pre, key))
-        task.add_done_callback(lambda t: t.exception())  # logged in _prefill
+        self._prefills[key] = task
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._prefills.pop(key, None)
+            if not t.cancelled():
+                t.exception()  # retrieved (_prefill logs what it can)
+
+        task.add_done_callback(done)
         return {"key": key, "role": "receive", "path": path, "timeout_s": timeout}
 
     async def _prefill(self, name: str, body: dict[str, Any], request_id: str) -> None:
@@ -300,6 +309,10 @@ class Conductor:
             self._observe(d, time.monotonic() - t0)
             refused = 400 <= resp.status_code < 500 and resp.status_code != 429
             self._log_answer(request_id, first_token=False, refused=refused)
+            prefill = self._prefills.pop(request_id, None)
+            if prefill is not None and resp.status_code != 200:
+                # Nothing will receive its KV: the instance aborts a request whose client left.
+                prefill.cancel()
             return Response(data, status_code=resp.status_code, headers=headers)
         first = True
 

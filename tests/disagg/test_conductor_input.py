@@ -146,3 +146,43 @@ def test_the_request_log_has_only_requests_the_instances_took(tmp_path) -> None:
 
     asyncio.run(run())
     assert [r.input_length for r in read_trace(str(log))] == [1]
+
+
+def test_a_request_the_decode_half_refuses_stops_its_prefill_half() -> None:
+    """A body only the decode instance refuses (stream_options without stream, min_tokens over
+    max_tokens: the prefill half asks for one token, not streamed) was still prefilled in full,
+    its KV held for a receiver that never came. The prefill call is now cancelled; the
+    instance aborts a request whose client left."""
+    state = {"started": False, "cancelled": False}
+
+    async def instance(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "p" and request.method == "POST":
+            state["started"] = True
+            try:
+                await asyncio.sleep(30)  # a long prompt
+            except asyncio.CancelledError:
+                state["cancelled"] = True
+                raise
+        if request.url.host == "d" and request.method == "POST":
+            while not state["started"]:  # the prefill half is under way
+                await asyncio.sleep(0.005)
+            err = {"message": "stream_options needs stream", "type": "invalid_request_error"}
+            return httpx.Response(400, json={"error": err})
+        return _instance(request)
+
+    async def run() -> None:
+        cluster, conductor = _conductor(instance)
+        transport = httpx.ASGITransport(app=create_conductor_app(conductor, "m"))
+        async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
+            body = {"prompt": "x y z", "max_tokens": 2, "stream_options": {"include_usage": True}}
+            r = await client.post("/v1/completions", json=body)
+            assert r.status_code == 400, r.text
+            for _ in range(100):
+                if state["cancelled"]:
+                    break
+                await asyncio.sleep(0.01)
+        assert state == {"started": True, "cancelled": True}
+        assert conductor._prefills == {}
+        await cluster.http.aclose()
+
+    asyncio.run(run())
