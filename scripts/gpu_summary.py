@@ -52,6 +52,9 @@ def _hybrid(report: dict) -> str:
             parts.append(f"b{b} {name.removeprefix('hybrid ')} {_fmt(r.get('vs_hybrid'), 'x')}")
     frac = report.get("experts_bandwidth_fraction_batch1")
     parts.append(f"experts {_fmt(frac)} of CPU read BW")
+    if report.get("process_threads_after_decode"):  # hundreds: a team per layer or thread
+        parts.append(f"{report['process_threads_after_decode']} threads on "
+                     f"{report.get('usable_cpus')} CPUs")  # fmt: skip
     parts += [f"prefill {p['prompt_len']}: {_fmt(p['tokens_per_s'], ' tok/s')}"
               for p in report.get("prefill", [])]  # fmt: skip
     peer = report.get("offload_peer", {})
