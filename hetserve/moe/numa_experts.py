@@ -26,6 +26,7 @@ import dataclasses
 import errno
 import logging
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -200,7 +201,10 @@ class NumaSplit:
         if self._logged:
             return
         self._logged = True
-        log.info("%s", self.describe(plan, why))
+        line = self.describe(plan, why)
+        log.info("%s", line)
+        if self.mode == "auto":  # asked for: said at start-up, as the placement line is
+            print(line, file=sys.stderr, flush=True)
 
     def describe(self, plan: list[ExpertShard] | None, why: str | None = None) -> str:
         """The start-up line: what the split did, or why there is none."""

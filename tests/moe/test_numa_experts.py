@@ -122,6 +122,19 @@ def test_one_node_or_off_is_todays_backend(tmp_path):
         NumaSplit("on")
 
 
+def test_start_up_line_is_printed_where_numa_auto_was_asked_for(tmp_path, capsys):
+    # The README's start-up line: printed (as the placement and memory lines are) when the user
+    # asked for --numa auto, whether or not it split; not under the default off.
+    one = tmp_path / "one"
+    (one / "node0").mkdir(parents=True)
+    (one / "node0" / "cpulist").write_text("0-1\n")
+    for mode in ("off", "auto"):
+        s = NumaSplit(mode, one)
+        split_layer(s, "cpu-int8", weights())
+        split_layer(s, "cpu-int8", weights(1))  # once, not per layer
+    assert capsys.readouterr().err == "numa: experts not split (1 NUMA node)\n"
+
+
 def test_engine_numa_auto_generates_what_off_does(tiny_model, tmp_path, monkeypatch, caplog):
     from hetserve import LLM, SamplingParams
     from hetserve.moe.hybrid import DeviceBridge
