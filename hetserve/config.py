@@ -190,8 +190,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     ),
     EngineOption(
         "kv_cache_dtype", "cache", "kv_cache_dtype",
-        "dtype the KV cache is stored in (the model computes in its own); auto: the model's; "
-        "int8 and fp8 (e4m3) keep an fp32 scale per token and KV head",
+        "dtype the KV cache is stored in (the model computes in its own); auto: float16 on "
+        "a CPU under the all-int8 placement, else the model's; int8 and fp8 (e4m3) keep an "
+        "fp32 scale per token and KV head",
         choices=KV_CACHE_DTYPES,
     ),
     EngineOption(

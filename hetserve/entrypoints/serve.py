@@ -22,7 +22,8 @@ def register(sub) -> None:
     g.add_argument(
         "--api-key",
         default=None,
-        help="require this bearer token on /v1/* and /internal/* (and secure --kv-events)",
+        help="require this bearer token on /v1/*, /api/* and /internal/* (and secure "
+        "--kv-events)",
     )
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
