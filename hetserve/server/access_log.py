@@ -2,8 +2,9 @@
 tokens, time to first token and duration. `hetserve serve --disable-log-requests` turns it off.
 
 The route records the engine request ids it started in the ASGI scope (`hetserve.ids`); an
-engine observer keeps each finished request's counts until the HTTP response ends, when the
-guard writes the line (for a stream, after its last event).
+engine observer keeps each request's latest counts until the HTTP response ends, when the
+guard writes the line (for a stream, after its last event; for one its client left, at once,
+with what it had streamed: its request ends after that).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections import deque
 from typing import Any
 
 log = logging.getLogger("hetserve.access")
@@ -20,6 +22,9 @@ MAX_PENDING = 4096  # finished requests whose response has not ended yet (bounde
 class AccessLog:
     def __init__(self, engine) -> None:
         self._done: dict[str, tuple[int, int, float | None]] = {}
+        # Ids whose line is written: an aborted request's last outputs come after it.
+        self._written: set[str] = set()
+        self._written_order: deque[str] = deque()
         engine.observers.append(self.observe)
         if not log.handlers:
             handler = logging.StreamHandler(sys.stdout)
@@ -29,13 +34,13 @@ class AccessLog:
             log.propagate = False
 
     def observe(self, request_id: str, out, timing) -> None:
-        # The engine thread, once per output; only the final one is kept.
-        if not out.finished:
+        # The engine thread, once per output; the latest is kept.
+        if request_id in self._written:
             return
         generated = sum(len(c.token_ids) for c in out.outputs)
         first = timing.first_token if timing.first_token is not None else None
         ttft = None if first is None else first - timing.arrival
-        if len(self._done) >= MAX_PENDING:
+        if request_id not in self._done and len(self._done) >= MAX_PENDING:
             self._done.pop(next(iter(self._done)))
         self._done[request_id] = (len(out.prompt_token_ids), generated, ttft)
 
@@ -44,6 +49,10 @@ class AccessLog:
         ttfts = []
         for rid in scope.get("hetserve.ids", ()):
             p, o, t = self._done.pop(rid, (0, 0, None))
+            self._written.add(rid)
+            self._written_order.append(rid)
+            if len(self._written_order) > MAX_PENDING:
+                self._written.discard(self._written_order.popleft())
             prompt, output = prompt + p, output + o
             if t is not None:
                 ttfts.append(t)

@@ -109,10 +109,15 @@ def test_every_answer_gets_an_access_line(keyed, access_lines):
     # a stream the client leaves after its first event
     body = {"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", keyed.url + "/v1/completions", json=body, headers=AUTH) as r:
+        events = 0
         for line in r.iter_lines():
-            if line.startswith("data: "):
+            events += line.startswith("data: ")
+            if events == 5:
                 break
-    assert _wait_for(access_lines, '"POST /v1/completions" 499')
+    (line,) = _wait_for(access_lines, '"POST /v1/completions" 499')
+    # With what it had streamed (it said 0 tokens and no TTFT: the counts came at the end).
+    assert "prompt_tokens=0" not in line and "output_tokens=0" not in line, line
+    assert "ttft=-" not in line, line
     keyed.wait_idle()
     assert keyed.engine.stats().kv_blocks_used == 0
 
