@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import enum
 import numbers
 import re
 from collections.abc import Callable
@@ -380,7 +381,8 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults: Any) -> None:
             continue
         default = defaults.get(o.name, o.default)
         quiet = default in (None, (), False) or o.store_false
-        shown = "" if quiet else f" (default: {default})"
+        value = default.value if isinstance(default, enum.Enum) else default  # KVLoad.AUTO: auto
+        shown = "" if quiet else f" (default: {value})"
         kw: dict[str, Any] = {"dest": o.name, "help": o.help + shown, **o.extra}
         if o.store_false:  # --no-X: a flag that turns on the default's opposite
             kw["action"] = "store_false"

@@ -122,3 +122,16 @@ def test_keyword_of_the_wrong_type_is_a_type_error_naming_it(options, message):
 def test_keywords_of_the_right_type_pass():
     cfg = EngineConfig.from_options(kv_cache_gb=1, max_step_ms=float("inf"), max_model_len=None)
     assert cfg.cache.kv_cache_bytes == 1 << 30
+
+
+def test_help_shows_enum_defaults_as_they_are_typed():
+    """`serve --help` printed 'default: KVLoad.AUTO', 'SchedulingPolicy.FCFS', 'Role.BOTH'."""
+    import argparse
+
+    from hetserve.config import add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    text = parser.format_help()
+    assert "(default: fcfs)" in text and "(default: both)" in text
+    assert "KVLoad." not in text and "SchedulingPolicy." not in text and "Role." not in text
