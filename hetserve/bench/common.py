@@ -60,6 +60,19 @@ def add_server_args(p) -> None:
     p.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
 
 
+def require_at_least(args, minimum: int, *names: str) -> None:
+    """A user error naming the first of the options `names` (argparse dests) set below
+    `minimum`, before anything loads: a count of 0 timed nothing (a rate of 0, an empty median)
+    and a size of 0 divided by it. An option left unset (None) passes."""
+    from hetserve.errors import InvalidInputError
+
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < minimum:
+            flag = "--" + name.replace("_", "-")
+            raise InvalidInputError(f"{flag} must be >= {minimum}, got {value}")
+
+
 def write_json(path: str | None, payload: dict) -> None:
     if not path:
         return

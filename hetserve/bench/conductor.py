@@ -21,7 +21,7 @@ import random
 import statistics
 import time
 
-from hetserve.bench.common import machine_info, print_table, write_json
+from hetserve.bench.common import machine_info, print_table, require_at_least, write_json
 
 
 def register(sub) -> None:
@@ -174,6 +174,7 @@ def _end_to_end(args: argparse.Namespace) -> tuple[list[list[object]], dict[str,
 def run(args: argparse.Namespace) -> int:
     from hetserve.errors import InvalidInputError
 
+    require_at_least(args, 1, "block_size", "requests")
     if args.instances < 2 or args.prompt_tokens < args.block_size or args.repeats < 1:
         raise InvalidInputError("--instances >= 2, --prompt-tokens >= --block-size, --repeats >= 1")
     if bool(args.url) != bool(args.direct_url):

@@ -24,7 +24,7 @@ from functools import cache
 from pathlib import Path
 
 from hetserve import envs
-from hetserve.bench.common import decode_rate, write_json
+from hetserve.bench.common import decode_rate, require_at_least, write_json
 from hetserve.bench.decode_llamacpp import GGUF_TYPES
 from hetserve.bench.decode_report import build_report, kv_logprob_errors, print_report
 from hetserve.bench.peaks import measure_bandwidth
@@ -275,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError("--tokens must be at least 2")
     if args.rounds < 1 or args.repeats < 1:
         raise InvalidInputError("--rounds and --repeats must be at least 1")
+    require_at_least(args, 1, "prompt_len", "threads", "bandwidth_mib")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.streams:

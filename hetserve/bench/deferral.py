@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from hetserve.bench.common import decode_rate, print_table, write_json
+from hetserve.bench.common import decode_rate, print_table, require_at_least, write_json
 
 
 def register(sub) -> None:
@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     defer = _parse_defer(args.defer)
     if args.tokens < 2 or args.steps < 2 or args.repeats < 1:
         raise InvalidInputError("--tokens and --steps must be >= 2, --repeats >= 1")
+    require_at_least(args, 1, "prompt_len", "threads")
     if args.threads:
         torch.set_num_threads(args.threads)
     options: dict = {"placement": args.placement}

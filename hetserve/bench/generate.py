@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hetserve.bench.common import decode_rate, model_dir, print_table, write_json
+from hetserve.bench.common import decode_rate, model_dir, print_table, require_at_least, write_json
 from hetserve.config import EngineConfig, add_engine_args
 
 
@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
         from hetserve.errors import InvalidInputError
 
         raise InvalidInputError("--tokens must be at least 2")
+    require_at_least(args, 1, "prompt_len", "repeats")
     args.model = model_dir(args)
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     ids = torch.randint(0, vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(0))

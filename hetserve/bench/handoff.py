@@ -17,7 +17,7 @@ import os
 import statistics
 import time
 
-from hetserve.bench.common import machine_info, print_table, write_json
+from hetserve.bench.common import machine_info, print_table, require_at_least, write_json
 
 NAMES = ("direct-shm", "direct-tcp-1", "direct-tcp-n", "store-pool", "mooncake-te")
 
@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError(
             f"--paths takes {', '.join(NAMES)}; --blocks, --block-kb, --rounds must be >= 1"
         )
+    require_at_least(args, 1, "links")
     bpb = args.block_kb << 10
     nbytes = bpb * args.blocks
     data = memoryview(bytearray(os.urandom(nbytes)))

@@ -306,11 +306,15 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
+    from hetserve.bench.common import require_at_least
     from hetserve.errors import InvalidInputError
     from hetserve.moe.experts import ExpertWeights
 
     tokens = _int_list(args.tokens)
+    require_at_least(args, 1, "iters", "threads", "bandwidth_mib", "int4_group_size")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if not backends:
+        raise InvalidInputError("--backends names no backend")
     check_backends(backends, args.hidden, args.inter)
     if args.top_k > args.experts or min(args.hidden, args.inter, args.experts, args.top_k) < 1:
         raise InvalidInputError("need 1 <= top-k <= experts and positive sizes")

@@ -31,7 +31,7 @@ from dataclasses import replace
 
 from tqdm import tqdm
 
-from hetserve.bench.common import print_table, write_json
+from hetserve.bench.common import print_table, require_at_least, write_json
 from hetserve.config import EngineConfig, add_engine_args
 from hetserve.errors import InvalidInputError
 from hetserve.model.synthetic import make_prompts
@@ -59,6 +59,7 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.shared_frac < 1:
         raise InvalidInputError("--shared-frac must be between 0 and 1")
+    require_at_least(args, 1, "prompt_len", "trials")
     tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
     bad = [t for t in tiers if t not in TIERS]
     if bad or not tiers:

@@ -19,9 +19,8 @@ import time
 
 import torch
 
-from hetserve.bench.common import model_dir, print_table, write_json
+from hetserve.bench.common import model_dir, print_table, require_at_least, write_json
 from hetserve.config import EngineConfig, add_engine_args
-from hetserve.errors import InvalidInputError
 from hetserve.model.synthetic import make_prompts
 
 
@@ -108,14 +107,13 @@ def _hf(args, prompts, out_lens):
 
 
 def run(args: argparse.Namespace) -> int:
+    require_at_least(args, 1, "num_prompts", "input_len", "output_len", "hf_batch", "repeats")
     in_lens = make_lengths(args.num_prompts, args.input_len, args.range_ratio, seed=1)
     out_lens = make_lengths(args.num_prompts, args.output_len, args.range_ratio, seed=2)
     args.model = model_dir(args)
     prompts = make_prompts(args.model, args.num_prompts, args.input_len, lengths=in_lens)
     gen_tokens = sum(out_lens)
     prompt_tokens = sum(in_lens)
-    if args.repeats < 1:
-        raise InvalidInputError("--repeats must be >= 1")
     systems = {"hetserve": _ours(args, prompts, out_lens)}
     systems["transformers"] = None if args.skip_hf else _hf(args, prompts, out_lens)
     runs: dict[str, list[float]] = {name: [] for name, fn in systems.items() if fn is not None}
