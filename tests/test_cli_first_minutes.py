@@ -213,3 +213,40 @@ def test_cluster_up_checks_the_conductors_slos_before_the_instances_start(
     assert main(["cluster", "up", "--port", "1", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and needle in err, err
+
+
+@pytest.mark.parametrize(
+    "argv,printed",
+    [
+        (["bench", "conductor", "--instances", "4", "--prompt-tokens", "64", "--repeats", "1"],
+         "decide"),
+        (["sim", "--trace", "{trace}"], "simulating"),
+    ],
+)
+@pytest.mark.parametrize("where", ["{d}", "{d}/afile/x.json"])
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_work(
+    tmp_path, capsys, argv, printed, where
+):
+    """The benches and sim wrote --json only after the work: a directory given, or a file where
+    its directory should be, was an OSError once the run had been paid for."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 600, "output_length": 4,
+                                 "hash_ids": [0, 1]}) + "\n")  # fmt: skip
+    (tmp_path / "afile").write_text("a file where a directory is wanted")
+    out = where.replace("{d}", str(tmp_path))
+    argv = [a.replace("{trace}", str(trace)) for a in argv]
+    assert main([*argv, "--json", out]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.count("\n") == 0 and err.startswith(f"error: --json {out}:"), err
+    assert printed not in captured.out
+
+
+def test_bench_json_directories_are_made_by_every_bench(tmp_path):
+    """moe-kernel wrote its JSON without making the directory the other benches make."""
+    out = tmp_path / "new" / "mk.json"
+    argv = ["bench", "moe-kernel", "--hidden", "64", "--inter", "32", "--experts", "4",
+            "--top-k", "2", "--tokens", "1", "--iters", "1", "--backends", "cpu-fp32",
+            "--bandwidth-mib", "1", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["bench"] == "moe-kernel"

@@ -16,9 +16,12 @@ from pathlib import Path
 from hetserve.errors import InvalidInputError
 
 
-def check_output(path: str | None, flag: str, directory: bool = False) -> None:
+def check_output(
+    path: str | None, flag: str, directory: bool = False, make_parent: bool = False
+) -> None:
     """Before the work: `path` (a file, or a `directory` made if missing) can be written
-    there; a one-line error naming `flag` otherwise, not an OSError after minutes of work."""
+    there; a one-line error naming `flag` otherwise, not an OSError after minutes of work.
+    `make_parent`: a file's missing directory is made now (the benches' JSON)."""
     if path is None:
         return
     p = Path(path)
@@ -29,5 +32,12 @@ def check_output(path: str | None, flag: str, directory: bool = False) -> None:
     if p.is_dir():
         raise InvalidInputError(f"{flag} {path}: is a directory; give a file name")
     parent = p.parent if str(p.parent) else Path(".")
+    if make_parent and not parent.is_dir():
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InvalidInputError(
+                f"{flag} {path}: cannot make directory {str(parent)!r} ({exc.strerror or exc})"
+            ) from None
     if not parent.is_dir():
         raise InvalidInputError(f"{flag} {path}: directory {str(parent)!r} does not exist")

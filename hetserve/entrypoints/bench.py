@@ -6,6 +6,7 @@ a peer or a physical limit measured in the same run.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 BENCH_MODULES: list[str] = [
@@ -38,3 +39,14 @@ def register(sub) -> None:
     bench_sub.required = True
     for name in BENCH_MODULES:
         importlib.import_module(name).register(bench_sub)
+    for bench in bench_sub.choices.values():
+        bench.set_defaults(func=functools.partial(_run, bench.get_default("func")))
+
+
+def _run(run, args) -> int:
+    """Every bench writes its --json after the work: a path it cannot write there (a
+    directory, a file where its directory should be) is refused before the work, not after."""
+    from hetserve.entrypoints import check_output
+
+    check_output(getattr(args, "json", None), "--json", make_parent=True)
+    return run(args)

@@ -98,6 +98,7 @@ def _run(args: argparse.Namespace) -> int:
 
     check_output(args.plot, "--plot", directory=True)
     check_output(args.log_decisions, "--log-decisions")
+    check_output(args.json, "--json", make_parent=True)
     t0 = time.perf_counter()
     plan = _plan(args)
     payload: dict[str, Any] = {
