@@ -248,6 +248,10 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.store.registry import parse_size
 
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    if min(sizes) < 1:
+        from hetserve.errors import InvalidInputError
+
+        raise InvalidInputError(f"--sizes: a value is at least 1 byte, got {args.sizes!r}")
     total = parse_size(args.total)
     backends = args.backend or ["local", "pool"]
     plans = {size: _plan(size, total) for size in sizes}
