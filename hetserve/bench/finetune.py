@@ -65,6 +65,7 @@ def _settings(args) -> dict:
                        ("quantization_bit", args.quantization_bit)):  # fmt: skip
         if value is not None:
             s[key] = value
+    _check_counts(args, s)
     if args.device == "cuda":
         import torch
 
@@ -72,6 +73,20 @@ def _settings(args) -> dict:
             raise InvalidInputError("--device cuda: no CUDA device here; use --device cpu")
     s.update(model=args.model, steps=args.steps, warmup=args.warmup, device=args.device)
     return s
+
+
+def _check_counts(args, s: dict) -> None:
+    """Before either system starts: --steps 0 divided by zero, --warmup -1 timed no step (a
+    rate of millions of tokens/s), a sequence of 0 or 1 token has no next-token loss."""
+    from hetserve.bench.common import require_at_least
+
+    require_at_least(args, 1, "steps", "rounds")
+    require_at_least(args, 0, "warmup")
+    if s["batch"] < 1 or s["seq_len"] < 2:
+        raise InvalidInputError(
+            f"need a batch >= 1 and a sequence >= 2 tokens, got {s['batch']} and {s['seq_len']}"
+            " (--batch / --seq-len, or the config's batch and cutoff_len)"
+        )
 
 
 def _run(args) -> int:

@@ -54,6 +54,26 @@ def test_bench_finetune_device_cuda_without_cuda_is_a_clear_error(tiny_model, ca
     assert len(err) == 1 and "--device cuda" in err[0] and "--device cpu" in err[0]
 
 
+def test_bench_finetune_counts_are_checked_before_either_system_runs(tmp_path, capsys):
+    """--steps 0 was a ZeroDivisionError after both runs, --warmup -1 a rate of millions of
+    tokens/s, --seq-len 0 or 1 two 'failed' rows (or a nan loss) with exit code 0."""
+    import pytest
+
+    for flags, needle in (
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--rounds", "0"], "--rounds must be >= 1, got 0"),
+        (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
+        (["--seq-len", "1"], "a sequence >= 2 tokens, got 1 and 1"),
+        (["--batch", "0"], "need a batch >= 1"),
+    ):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("hetserve.bench.finetune._spawn", pytest.fail)  # nothing may start
+            rc = main(["bench", "finetune", "--model", str(tmp_path), *flags])
+        assert rc == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and needle in err, err
+
+
 def test_bench_finetune_reports_the_system_that_ran_when_the_other_fails(
     tiny_model, tmp_path, capsys, monkeypatch
 ):
