@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hetserve import envs
-from hetserve.bench.common import print_table, write_json
+from hetserve.bench.common import print_table, require_at_least, write_json
 from hetserve.bench.decode_llamacpp import GGUF_TYPES
 
 DEFAULT_LENS = "512,2048,8192"
@@ -74,7 +74,8 @@ def _parse(args) -> tuple[dict, list[int], list[str]]:
         raise ModelNotFoundError(f"no config.json in {args.model!r}: pass an HF model directory")
     given = args.prompt_lens
     try:
-        lens = sorted({int(x) for x in (given or DEFAULT_LENS).split(",") if x.strip()})
+        lens = sorted({int(x) for x in (DEFAULT_LENS if given is None else given).split(",")
+                       if x.strip()})  # fmt: skip
     except ValueError:
         raise InvalidInputError(f"--prompt-lens: not integers: {args.prompt_lens!r}") from None
     if not lens or lens[0] < 1:
@@ -126,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.model.synthetic import make_prompts
 
     cfg, lens, systems = _parse(args)
+    require_at_least(args, 1, "threads", "bandwidth_mib")
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()

@@ -31,13 +31,16 @@ TINY_KERNEL = ["--hidden", "64", "--inter", "32", "--experts", "4", "--top-k", "
         (["conductor", "--block-size", "0"], "--block-size must be >= 1, got 0"),
         (["handoff", "--links", "0"], "--links must be >= 1, got 0"),
         (["store", "--sizes", "4K,0", "--no-mooncake"], "--sizes: a value is at least 1 byte"),
+        (["prefill", "--model", "{d}", "--bandwidth-mib", "0"], "--bandwidth-mib must be >= 1"),
+        (["prefill", "--model", "{d}", "--prompt-lens", ""], "give one or more positive lengths"),
     ],
 )
 def test_a_count_of_zero_is_one_line_before_the_work(tmp_path, capsys, argv, needle):
     """Each ran: a 0 tok/s row with exit 0 (generate --repeats 0, throughput --num-prompts 0),
     a traceback (an empty median, a division by zero, set_num_threads(-1), range step 0), or
     a silent 1 for a 0 (throughput's lengths); the model's files were read first. A value size
-    of 0 in bench store divided by zero."""
+    of 0 in bench store divided by zero; prefill's read peak was 0.0 GB/s, and its empty
+    --prompt-lens ran the defaults (then 8192 tokens did not fit a model it never named)."""
     config = {"vocab_size": 32, "num_experts_per_tok": 2}
     (tmp_path / "config.json").write_text(json.dumps(config))  # no weights: none is read
     argv = ["bench", *(a.replace("{d}", str(tmp_path)) for a in argv)]
