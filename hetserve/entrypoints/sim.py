@@ -79,7 +79,9 @@ def register(sub: Subparsers) -> None:
     w.add_argument("--seed", type=int, default=0, help="the random policy's seed")
     o = p.add_argument_group("output")
     o.add_argument("--search", default=None, help="prefill=MIN-MAX,decode=MIN-MAX")
-    o.add_argument("--goal", type=float, default=0.99, help="--search: effective share to meet")
+    o.add_argument(
+        "--goal", type=float, default=None, help="--search: effective share to meet (0.99)"
+    )
     o.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
     o.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots here")
     o.add_argument(
@@ -99,6 +101,11 @@ def _run(args: argparse.Namespace) -> int:
     check_output(args.plot, "--plot", directory=True)
     check_output(args.log_decisions, "--log-decisions")
     check_output(args.json, "--json", make_parent=True)
+    if args.goal is not None and not args.search:
+        raise InvalidInputError("--goal is the share --search must meet; give --search too")
+    goal = 0.99 if args.goal is None else args.goal
+    if not 0 < goal <= 1:
+        raise InvalidInputError("--goal must be in (0, 1]", param="--goal")
     t0 = time.perf_counter()
     plan = _plan(args)
     payload: dict[str, Any] = {
@@ -112,9 +119,7 @@ def _run(args: argparse.Namespace) -> int:
         from hetserve.sim.options import search_ranges
         from hetserve.sim.search import search
 
-        if not 0 < args.goal <= 1:
-            raise InvalidInputError("--goal must be in (0, 1]", param="--goal")
-        payload["search"] = search(plan, search_ranges(args.search), args.goal)
+        payload["search"] = search(plan, search_ranges(args.search), goal)
         _print_search(payload["search"])
     else:
         runs = _runs(plan, args)
