@@ -82,6 +82,9 @@ def _check_counts(args, s: dict) -> None:
 
     require_at_least(args, 1, "steps", "rounds")
     require_at_least(args, 0, "warmup")
+    from hetserve.entrypoints import check_output
+
+    check_output(args.plot, "--plot", make_parent=True)  # a directory was DIR.png beside it
     if s["batch"] < 1 or s["seq_len"] < 2:
         raise InvalidInputError(
             f"need a batch >= 1 and a sequence >= 2 tokens, got {s['batch']} and {s['seq_len']}"
@@ -348,6 +351,7 @@ def _plot(best: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

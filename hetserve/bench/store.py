@@ -253,6 +253,10 @@ def run(args: argparse.Namespace) -> int:
 
         raise InvalidInputError(f"--sizes: a value is at least 1 byte, got {args.sizes!r}")
     total = parse_size(args.total)
+    if total < 1:
+        from hetserve.errors import InvalidInputError
+
+        raise InvalidInputError(f"--total: bytes moved per size, at least 1, got {args.total!r}")
     backends = args.backend or ["local", "pool"]
     plans = {size: _plan(size, total) for size in sizes}
     peers = 0 if args.no_mooncake else 1

@@ -131,7 +131,8 @@ def register(bench_sub: Any) -> None:
     a.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds")
     o = p.add_argument_group("output")
     o.add_argument("--slo", default=None, help="e.g. ttft=200,tpot=50 (ms; also e2el)")
-    o.add_argument("--result-file", default=None, help="write the result as JSON here")
+    o.add_argument("--result-file", "--json", dest="result_file", default=None,
+                   help="write the result as JSON here")  # fmt: skip
     o.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots here")
     o.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     burst.add_args(p)
@@ -155,6 +156,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise InvalidInputError(f"--vocab-size must be >= 2, got {args.vocab_size}")
     if args.endpoint is not None and not args.endpoint.startswith("/"):
         raise InvalidInputError(f"--endpoint must be a path like /v1/completions: {args.endpoint}")
+    if not (args.request_timeout > 0 and math.isfinite(args.request_timeout)):
+        raise InvalidInputError(f"--request-timeout must be > 0 seconds: {args.request_timeout}")
     if args.result_file and Path(args.result_file).is_dir():
         raise InvalidInputError(f"--result-file: {args.result_file} is a directory")
     if not args.base_url.startswith(("http://", "https://")):
