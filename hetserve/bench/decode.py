@@ -278,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
     require_at_least(args, 1, "prompt_len", "threads", "bandwidth_mib")
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.streams:
+    if args.streams is not None:  # '' too: parse_streams says what it wants
         from hetserve.bench import decode_streams
 
         return decode_streams.run(args, cfg)

@@ -23,6 +23,7 @@ TINY_KERNEL = ["--hidden", "64", "--inter", "32", "--experts", "4", "--top-k", "
         (["prefix", "--model", "{d}", "--prompt-len", "0"], "--prompt-len must be >= 1"),
         (["decode", "--model", "{d}", "--threads", "-1"], "--threads must be >= 1, got -1"),
         (["decode", "--model", "{d}", "--bandwidth-mib", "0"], "--bandwidth-mib must be >= 1"),
+        (["decode", "--model", "{d}", "--streams", ""], "--streams must be positive integers"),
         (["deferral", "--model", "{d}", "--threads", "-1"], "--threads must be >= 1"),
         (["moe-kernel", *TINY_KERNEL, "--iters", "0"], "--iters must be >= 1, got 0"),
         (["moe-kernel", *TINY_KERNEL, "--threads", "0"], "--threads must be >= 1"),
