@@ -1,6 +1,7 @@
 """The command line as a new user first meets it: help and version, a bad or busy port refused
 before the model loads, and `hetserve chat` with commands and a check of the server."""
 
+import argparse
 import io
 import json
 import socket
@@ -250,3 +251,36 @@ def test_bench_json_directories_are_made_by_every_bench(tmp_path):
             "--bandwidth-mib", "1", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     assert json.loads(out.read_text())["bench"] == "moe-kernel"
+
+
+def test_cluster_config_values_are_checked_as_their_keys_take_them(tmp_path, monkeypatch, capsys):
+    """A key was checked against its flag's value when the flag was given (slo_ttft_ms: 300
+    beside --slo-ttft-ms 500 was 'should be float'), and not at all otherwise (slo_ttft_ms:
+    fast reached the launcher)."""
+    from hetserve.disagg.launch import LocalLauncher
+
+    started = []
+    monkeypatch.setattr(LocalLauncher, "start", lambda self, spec: started.append(spec) or 1)
+    monkeypatch.setattr(LocalLauncher, "wait", lambda self: 0, raising=False)
+    cfg = tmp_path / "c.yaml"
+    for text, argv, needle in (
+        ("slo_ttft_ms: fast\n", [], "slo_ttft_ms: 'fast' should be float"),
+        ("prefill: true\n", [], "prefill: True should be int"),
+        ("store_dram: 4\n", [], "store_dram: 4 should be str"),
+    ):
+        cfg.write_text(text)
+        assert main(["cluster", "up", "--port", "1", "--config", str(cfg), *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and needle in err, err
+    assert not started
+    from hetserve.entrypoints.cluster import _spec
+
+    cfg.write_text("slo_ttft_ms: 300\nprefill: 2\n")
+    args = argparse.Namespace(
+        model=None, prefill=1, decode=1, both=0, store="none", store_dram="1G", port=1,
+        policy="kvcentric", admission="none", slo_ttft_ms=500.0, slo_tbt_ms=None,
+        handoff_path="direct", instance_args="", log_dir="d", log_requests=None,
+        config=str(cfg),
+    )  # fmt: skip
+    spec = _spec(args)
+    assert spec.slo_ttft_ms == 300 and spec.prefill == 2

@@ -44,10 +44,18 @@ def register(sub) -> None:
     up.set_defaults(func=_up)
 
 
+# The YAML types of `cluster up --config` keys other than strings (a boolean is no number).
+_CONFIG_KINDS: dict[str, tuple[type, ...]] = {
+    "prefill": (int,), "decode": (int,), "both": (int,), "port": (int,),
+    "slo_ttft_ms": (int, float), "slo_tbt_ms": (int, float),
+}  # fmt: skip
+
+
 def _spec(args: argparse.Namespace):
     import shlex
 
     from hetserve.disagg.launch import ClusterSpec
+    from hetserve.server.validation import is_json_type
 
     options = {
         "model": args.model, "prefill": args.prefill, "decode": args.decode, "both": args.both,
@@ -74,14 +82,10 @@ def _spec(args: argparse.Namespace):
         if unknown:
             raise InvalidInputError(f"--config {args.config}: unknown keys {sorted(unknown)}")
         for key, value in data.items():  # each as its flag takes it (a count is an integer)
-            want = options[key]
-            if want is None or value is None or key == "instance_args":
-                continue
-            if isinstance(value, bool) != isinstance(want, bool) or not isinstance(
-                value, type(want)
-            ):
+            kinds = _CONFIG_KINDS.get(key, (str,))
+            if value is not None and not is_json_type(value, kinds):
                 raise InvalidInputError(
-                    f"--config {args.config}: {key}: {value!r} should be {type(want).__name__}"
+                    f"--config {args.config}: {key}: {value!r} should be {kinds[-1].__name__}"
                 )
         if "instance_args" in data:
             data["instance_args"] = tuple(shlex.split(str(data["instance_args"])))
