@@ -86,8 +86,9 @@ class RequestStream:
     idempotent and harmless after the end, so consumers call it in a `finally`.
     """
 
-    def __init__(self, request_id: str, owner: AsyncLLM) -> None:
+    def __init__(self, request_id: str, owner: AsyncLLM, num_prompt_tokens: int = 0) -> None:
         self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens  # known before the first output
         self._owner = owner
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -167,7 +168,7 @@ class AsyncLLM:
         rid = checked.request_id
         if rid in self._streams:
             raise EngineRequestError(rid, "a request with this id is already running")
-        stream = RequestStream(rid, self)
+        stream = RequestStream(rid, self, len(checked.prompt_token_ids))
         self._streams[rid] = stream
         self._commands.put(_Add(checked))
         return stream

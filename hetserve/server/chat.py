@@ -167,11 +167,14 @@ class ChatServing(OpenAIServing):
         chunk = chunk_writer(base, "chat.completion.chunk", self.served_name(req))
         streamers = [Streamer(p) for p in parsers]
         role = {"role": "assistant", "content": ""}
+        prompt = streams[0].num_prompt_tokens  # as vLLM: the role chunk counts the prompt
+        zero = {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
         yield chunk(
             [
                 {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
                 for i in range(req.n)
-            ]
+            ],
+            zero if continuous else None,
         )
         sent: dict[int, tuple[int, bool]] = {}  # choice -> (tokens sent, finish sent)
         last = None

@@ -371,6 +371,12 @@ def test_continuous_usage_stats(srv, path):
     counts = [c["usage"]["completion_tokens"] for c in content]
     assert counts and counts == sorted(counts) and counts[-1] == 5
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    prompt = chunks[-1]["usage"]["prompt_tokens"]
+    # every chunk, the chat's first (its role, as vLLM sends it: no completion yet) too
+    assert all(c["usage"]["prompt_tokens"] == prompt for c in chunks), chunks[0]
+    if "chat" in path:
+        assert chunks[0]["usage"] == {"prompt_tokens": prompt, "completion_tokens": 0,
+                                      "total_tokens": prompt}  # fmt: skip
 
 
 def test_penalties_and_logit_bias_change_the_output(srv):
