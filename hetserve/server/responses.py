@@ -21,10 +21,15 @@ from collections import OrderedDict
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from hetserve.errors import InvalidInputError
+from hetserve.errors import InvalidInputError, PromptTooLongError
 from hetserve.server.chat import ChatServing
 from hetserve.server.errors import error_body
-from hetserve.server.responses_input import chat_request, check_types, input_messages
+from hetserve.server.responses_input import (
+    chat_request,
+    check_types,
+    input_messages,
+    truncated,
+)
 from hetserve.server.serving import merge
 from hetserve.server.tools import Streamer
 
@@ -74,11 +79,23 @@ class ResponsesServing:
         system = [{"role": "system", "content": body["instructions"]}] if body.get(
             "instructions") else []  # fmt: skip
         messages = system + history + new
-        req = chat_request(body, messages)
+        truncation = body.get("truncation") or "disabled"
+        if truncation not in ("auto", "disabled"):
+            raise InvalidInputError("truncation must be 'auto' or 'disabled'", "truncation")
         rid = f"resp_{uuid.uuid4().hex}"
         session = session or rid  # the chain's blocks outlive each turn for the session TTL
-        req.session_id = session
-        streams, parsers, _ = await self.chat.prepare(rid, req, request)
+        while True:
+            req = chat_request(body, messages)
+            req.session_id = session
+            try:
+                streams, parsers, _ = await self.chat.prepare(rid, req, request)
+                break
+            except PromptTooLongError:
+                # "auto": OpenAI's, the oldest items go until the rest fits.
+                shorter = truncated(messages, len(system)) if truncation == "auto" else None
+                if shorter is None:
+                    raise
+                messages = shorter
         state = {"rid": rid, "body": body, "history": history + new, "session": session,
                  "created_at": int(time.time())}  # fmt: skip
         if body.get("stream"):

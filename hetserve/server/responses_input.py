@@ -41,9 +41,23 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "reasoning": (dict,),
     "reasoning.effort": (str,),
     "metadata": (dict,),
+    "truncation": (str,),
 }
 JSON_TYPES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
               list: "a list", dict: "an object"}  # fmt: skip
+
+
+def truncated(messages: list[dict], keep: int) -> list[dict] | None:
+    """`truncation: "auto"`: the conversation without its oldest item after the first `keep`
+    (the instructions), and without tool results whose call went with it; None where only the
+    newest item would be left."""
+    rest = messages[keep:]
+    if len(rest) <= 1:
+        return None
+    rest = rest[1:]
+    while len(rest) > 1 and rest[0].get("role") == "tool":
+        rest = rest[1:]
+    return messages[:keep] + rest
 
 
 def json_type(value: Any) -> str:

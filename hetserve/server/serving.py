@@ -157,13 +157,13 @@ class OpenAIServing:
         limit, name = req.output_limit()
         if limit is not None and limit > room:
             given = "" if name in req.model_fields_set else ", the default"
-            raise InvalidInputError(
+            raise PromptTooLongError(  # too long for the context with its output
                 f"prompt ({prompt_len} tokens) plus {name} ({limit}{given}) exceeds the model's "
                 f"context of {self.engine.max_model_len} tokens; lower {name}",
                 name,
             )
         if req.min_tokens > room:
-            raise InvalidInputError(
+            raise PromptTooLongError(
                 f"min_tokens ({req.min_tokens}) exceeds the {room} tokens left in the "
                 f"model's context after the prompt ({prompt_len} tokens)",
                 "min_tokens",

@@ -116,6 +116,26 @@ def test_previous_response_is_a_prefix_cache_hit(client):
     assert client.responses.retrieve(first.id).id == first.id
 
 
+def test_truncation_auto_drops_the_oldest_items_until_it_fits(client):
+    """`truncation: "auto"` was ignored: a conversation past the context was a 400 where
+    OpenAI drops its oldest items. The instructions and the newest item stay."""
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " + "the " * 150}
+             for i in range(7)]  # fmt: skip
+    body = {"model": "tiny", "input": turns, "max_output_tokens": 4, "instructions": "be brief"}
+    url = str(client.base_url) + "responses"
+    r = httpx.post(url, json=body)
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"], r.text
+    assert httpx.post(url, json={**body, "truncation": "disabled"}).status_code == 400
+    r = httpx.post(url, json={**body, "truncation": "auto"})
+    assert r.status_code == 200, r.text
+    used = r.json()["usage"]["input_tokens"]
+    assert 300 < used <= 1024 - 4  # some turns dropped, the newest kept with its reply's room
+    r = httpx.post(url, json={**body, "truncation": "sometimes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncation"
+    one = {**body, "input": [{"role": "user", "content": "the " * 1100}], "truncation": "auto"}
+    assert httpx.post(url, json=one).status_code == 400  # nothing older to drop
+
+
 def test_store_false_keeps_nothing(client):
     r = client.responses.create(model="tiny", input="hi", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError):
@@ -272,3 +292,15 @@ def test_reasoning_message_and_calls_are_items_in_order():
         got = stream.get_final_response()
     assert kinds == [e["type"] for e in seq]
     assert [o.model_dump(exclude_none=True) for o in got.output] == final["output"]
+
+
+def test_truncation_takes_a_calls_results_with_it():
+    from hetserve.server.responses_input import truncated
+
+    sys_ = {"role": "system", "content": "s"}
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}
+    result = {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+    user = {"role": "user", "content": "and then?"}
+    assert truncated([sys_, call, result, user], 1) == [sys_, user]
+    assert truncated([sys_, user], 1) is None  # the newest item stays
+    assert truncated([call, user], 0) == [user]
