@@ -115,9 +115,9 @@ def _run(args) -> int:
     result = {"settings": s, "best": best, "rounds": rounds}
     if s["device"] == "cpu" and len(best) == len(systems):
         result["limit"] = _cpu_limit(s, best)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    from hetserve.bench.common import write_json
+
+    write_json(args.json, {"benchmark": "finetune", **result})  # with the machine's facts
     if args.plot:
         _plot(best, args.plot)
     return 0

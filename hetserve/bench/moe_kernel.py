@@ -31,7 +31,6 @@ bound by how its bytes arrive, not by its arithmetic.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -306,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from hetserve.bench.common import require_at_least
+    from hetserve.bench.common import require_at_least, write_json
     from hetserve.errors import InvalidInputError
     from hetserve.moe.experts import ExpertWeights
 
@@ -355,8 +354,7 @@ def run(args: argparse.Namespace) -> int:
             ),
             "results": results,
         }
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, out)  # with the machine's facts
     return 0
 
 

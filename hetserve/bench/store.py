@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import time
 import uuid
@@ -290,8 +289,9 @@ def run(args: argparse.Namespace) -> int:
     add_layout_ratios(rows)
     print("\n" + format_table(rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"bench": "store", "rows": rows, "sizes": sizes}, f, indent=1)
+        from hetserve.bench.common import write_json
+
+        write_json(args.json, {"bench": "store", "rows": rows, "sizes": sizes})
     return 0
 
 

@@ -21,7 +21,7 @@ def test_bench_moe_kernel_writes_json(tmp_path, capsys):
     )  # fmt: skip
     assert rc == 0
     data = json.loads(out.read_text())
-    assert data["bandwidth_gbps"]["best"] > 0
+    assert data["bandwidth_gbps"]["best"] > 0 and data["machine"]  # the machine's facts too
     rows = {(r["backend"], r["tokens"]) for r in data["results"]}
     assert rows == {(b, t) for b in names for t in (1, 3)}
     assert all(r["gbps_best"] > 0 and r["ratio_best"] > 0 for r in data["results"])

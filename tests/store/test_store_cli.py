@@ -27,7 +27,9 @@ def test_bench_store_writes_json_with_ratios(tmp_path, capsys):
         ]
     )
     assert rc == 0
-    rows = json.loads(out.read_text())["rows"]
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert data["machine"]  # the machine's facts, as every bench writes them
     backends = {r["backend"] for r in rows}
     assert backends == {"memcpy", "local://?dram=64M", "pool"}
     assert all(r["gbps"] > 0 and r["misses"] == 0 for r in rows)
