@@ -28,6 +28,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from hetserve.errors import InvalidInputError
 
@@ -82,9 +83,8 @@ def _check_counts(args, s: dict) -> None:
 
     require_at_least(args, 1, "steps", "rounds")
     require_at_least(args, 0, "warmup")
-    from hetserve.entrypoints import check_output
-
-    check_output(args.plot, "--plot", make_parent=True)  # a directory was DIR.png beside it
+    if args.plot and Path(args.plot).is_dir():  # savefig wrote DIR.png beside it
+        raise InvalidInputError(f"--plot {args.plot}: is a directory; give a file name")
     if s["batch"] < 1 or s["seq_len"] < 2:
         raise InvalidInputError(
             f"need a batch >= 1 and a sequence >= 2 tokens, got {s['batch']} and {s['seq_len']}"
