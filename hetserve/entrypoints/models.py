@@ -107,20 +107,11 @@ def _overrides(args: argparse.Namespace) -> dict:
     return out
 
 
-def _new_dir(path: str) -> None:
-    """An output directory must be new or empty: files of an earlier checkpoint left beside the
-    new one (shards, an index) would be read with it."""
-    out = Path(path)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise InvalidInputError(
-            f"{str(out)!r} exists and is not empty; give a new directory (or remove it first)"
-        )
-
-
 def _make_tiny(args: argparse.Namespace) -> int:
+    from hetserve.model.export import require_new_dir
     from hetserve.testing.tiny import make_tiny_checkpoint
 
-    _new_dir(args.out)
+    require_new_dir(Path(args.out), "OUT")
     path = make_tiny_checkpoint(
         args.arch,
         args.out,
@@ -137,12 +128,13 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 def _convert(args: argparse.Namespace) -> int:
     from hetserve.model.convert import convert
+    from hetserve.model.export import require_new_dir
 
     if args.group_size is not None and args.quant != "int4":
         raise InvalidInputError(
             f"--group-size is for --quant int4; {args.quant} has one scale per output row"
         )
-    _new_dir(args.out_dir)
+    require_new_dir(Path(args.out_dir), "OUT_DIR")
     group = 64 if args.group_size is None else args.group_size
     out = convert(args.model_dir, args.out_dir, args.quant, group, args.layout)
     size = sum(f.stat().st_size for f in (*out.glob("*.safetensors"), *out.glob("*.hsk")))

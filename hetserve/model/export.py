@@ -74,10 +74,20 @@ def _check_dirs(src: Path, out: Path) -> None:
             f"{src} is a quantized checkpoint ({quantized} in config.json); merge the adapter "
             "into the full-precision model and quantize the result"
         )
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise InvalidInputError(f"--out {str(out)!r} exists and is not empty; give a new directory")
+    require_new_dir(out, "--out")
     if out.resolve() == src.resolve():
         raise InvalidInputError("--out must differ from --model")
+
+
+def require_new_dir(out: Path, flag: str) -> None:
+    """A checkpoint's output directory must be new or empty: files of an earlier checkpoint left
+    beside the new one (shards, an index) would be read with it. Also `models make-tiny` and
+    `convert`'s."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InvalidInputError(
+            f"{flag} {str(out)!r} exists and is not empty; give a new directory (or remove it "
+            "first)"
+        )
 
 
 def _locate(adapter: LoRAAdapter, files: list[Path]) -> dict[Path, list[str]]:
