@@ -93,7 +93,7 @@ def _check_counts(args, s: dict) -> None:
 
 
 def _run(args) -> int:
-    from hetserve.bench.common import print_table
+    from hetserve.bench.common import print_table, write_json
 
     s = _settings(args)
     systems = ["hetserve", "transformers+peft"]
@@ -115,8 +115,6 @@ def _run(args) -> int:
     result = {"settings": s, "best": best, "rounds": rounds}
     if s["device"] == "cpu" and len(best) == len(systems):
         result["limit"] = _cpu_limit(s, best)
-    from hetserve.bench.common import write_json
-
     write_json(args.json, {"benchmark": "finetune", **result})  # with the machine's facts
     if args.plot:
         _plot(best, args.plot)

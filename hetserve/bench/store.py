@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from hetserve.bench.common import write_json
 from hetserve.errors import InvalidInputError
 
 CONTIGUOUS = "1"  # the layout label of one buffer per value
@@ -248,13 +249,9 @@ def run(args: argparse.Namespace) -> int:
 
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     if min(sizes) < 1:
-        from hetserve.errors import InvalidInputError
-
         raise InvalidInputError(f"--sizes: a value is at least 1 byte, got {args.sizes!r}")
     total = parse_size(args.total)
     if total < 1:
-        from hetserve.errors import InvalidInputError
-
         raise InvalidInputError(f"--total: bytes moved per size, at least 1, got {args.total!r}")
     backends = args.backend or ["local", "pool"]
     plans = {size: _plan(size, total) for size in sizes}
@@ -288,10 +285,7 @@ def run(args: argparse.Namespace) -> int:
     _add_ratios(rows)
     add_layout_ratios(rows)
     print("\n" + format_table(rows))
-    if args.json:
-        from hetserve.bench.common import write_json
-
-        write_json(args.json, {"bench": "store", "rows": rows, "sizes": sizes})
+    write_json(args.json, {"bench": "store", "rows": rows, "sizes": sizes})
     return 0
 
 

@@ -143,15 +143,15 @@ class ModelConfig:
                 f"model directory {str(path)!r} does not exist; pass a local HF model directory"
             )
         cfg_file = path / "config.json"
-        # A GGUF model is its file (a split one's first part), not the folder that holds it.
-        ggufs = sorted(p.name for p in path.glob("*.gguf") if "-of-" not in p.name)
-        ggufs += sorted(p.name for p in path.glob("*-00001-of-*.gguf"))
-        if not cfg_file.is_file() and ggufs:
-            raise ModelNotFoundError(
-                f"{str(path)!r} has no config.json but holds GGUF files; pass the file: "
-                f"--model {path / ggufs[0]}"
-            )
         if not cfg_file.is_file():
+            # A GGUF model is its file (a split one's first part), not the folder holding it.
+            ggufs = sorted(p.name for p in path.glob("*.gguf") if "-of-" not in p.name)
+            ggufs += sorted(p.name for p in path.glob("*-00001-of-*.gguf"))
+            if ggufs:
+                raise ModelNotFoundError(
+                    f"{str(path)!r} has no config.json but holds GGUF files; pass the file: "
+                    f"--model {path / ggufs[0]}"
+                )
             raise ModelNotFoundError(
                 f"{str(path)!r} has no config.json; pass an HF model directory (config.json + "
                 "*.safetensors)"

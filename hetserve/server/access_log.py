@@ -12,19 +12,18 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections import deque
+from collections import OrderedDict
 from typing import Any
 
 log = logging.getLogger("hetserve.access")
-MAX_PENDING = 4096  # finished requests whose response has not ended yet (bounded)
+MAX_PENDING = 4096  # requests whose response has not ended yet, and ids written (bounded)
 
 
 class AccessLog:
     def __init__(self, engine) -> None:
         self._done: dict[str, tuple[int, int, float | None]] = {}
-        # Ids whose line is written: an aborted request's last outputs come after it.
-        self._written: set[str] = set()
-        self._written_order: deque[str] = deque()
+        # Ids whose line is written, oldest first: an aborted request's last outputs come after.
+        self._written: OrderedDict[str, None] = OrderedDict()
         engine.observers.append(self.observe)
         if not log.handlers:
             handler = logging.StreamHandler(sys.stdout)
@@ -49,10 +48,9 @@ class AccessLog:
         ttfts = []
         for rid in scope.get("hetserve.ids", ()):
             p, o, t = self._done.pop(rid, (0, 0, None))
-            self._written.add(rid)
-            self._written_order.append(rid)
-            if len(self._written_order) > MAX_PENDING:
-                self._written.discard(self._written_order.popleft())
+            self._written[rid] = None
+            if len(self._written) > MAX_PENDING:
+                self._written.popitem(last=False)
             prompt, output = prompt + p, output + o
             if t is not None:
                 ttfts.append(t)
