@@ -32,7 +32,7 @@ from hetserve.engine.kv_store import kv_identity
 from hetserve.engine.lora import build_lora_manager
 from hetserve.engine.output import ParentState, SeqState
 from hetserve.engine.runner import ModelRunner
-from hetserve.engine.setup import graph_options, resolve_model_dir, state_slots
+from hetserve.engine.setup import context_length, graph_options, resolve_model_dir, state_slots
 from hetserve.engine.stats import engine_stats
 from hetserve.engine.step_log import StepLog, shape_of
 from hetserve.engine.step_probe import measure_steps, probe_cache_file, step_time_model
@@ -72,14 +72,7 @@ class EngineCore:
         self.tokenizer = Tokenizer(self.model_dir)
         mcfg = self.model.config
         self.vocab_size = mcfg.vocab_size
-        self.max_model_len = min(
-            cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
-        )
-        if cfg.max_model_len and cfg.max_model_len > self.max_model_len:
-            log.warning(
-                "max_model_len %d is past the model's context (max_position_embeddings %d); "
-                "serving %d tokens", cfg.max_model_len, self.max_model_len, self.max_model_len,
-            )  # fmt: skip
+        self.max_model_len = context_length(cfg.max_model_len, mcfg.max_position_embeddings)
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
         bs = cfg.cache.block_size
         specs = self.model.cache_specs()

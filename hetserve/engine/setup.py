@@ -1,12 +1,13 @@
 """What the engine is built from before its first step: the model directory (the embedded demo
-model by default), the state slots and the decode graphs (the KV cache's size:
-`kv/sizing.py`).
+model by default), the context length, the state slots and the decode graphs (the KV cache's
+size: `kv/sizing.py`).
 
 Called by `EngineCore.__init__` (and by benchmarks that load the same checkpoint into a peer).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -24,6 +25,20 @@ def resolve_model_dir(model: str | None) -> Path:
 
         return Path(demo_model_dir())
     return Path(model)
+
+
+log = logging.getLogger(__name__)
+
+
+def context_length(requested: int | None, model_max: int) -> int:
+    """The engine's max_model_len: the one asked for, never past the model's context (a
+    warning names both where it was: vLLM refuses it, configs that ask for more keep working)."""
+    if requested and requested > model_max:
+        log.warning(
+            "max_model_len %d is past the model's context (max_position_embeddings %d); "
+            "serving %d tokens", requested, model_max, model_max,
+        )  # fmt: skip
+    return min(requested or model_max, model_max)
 
 
 def state_slots(cfg: EngineConfig, specs: list[LayerCacheSpec]) -> StateSlots | None:

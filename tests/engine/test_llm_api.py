@@ -103,7 +103,7 @@ def test_a_max_model_len_past_the_models_context_is_said(tiny_model, caplog):
 
     path = tiny_model("qwen3-moe")
     context = json.loads((path / "config.json").read_text())["max_position_embeddings"]
-    with caplog.at_level(logging.WARNING, logger="hetserve.engine.core"):
+    with caplog.at_level(logging.WARNING, logger="hetserve.engine.setup"):
         llm = LLM(path, max_model_len=context * 2)
     try:
         assert llm.max_model_len == context
