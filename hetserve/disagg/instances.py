@@ -76,12 +76,14 @@ class Cluster:
         poll_s: float = 0.1,
         down_after: int = 2,
         on_health: Callable[[str, bool], None] | None = None,
+        info_timeout_s: float = 300.0,
     ) -> None:
         self._urls = list(urls)
         # Told (name, healthy) when an instance goes down or comes back: the KV index resyncs
         # a returning instance at once (it may have restarted with an empty cache).
         self.on_health = on_health
         self.poll_s, self.down_after = poll_s, down_after
+        self.info_timeout_s = info_timeout_s
         self.http = httpx.AsyncClient(headers=dict(headers or {}), timeout=10.0)
         self.instances: dict[str, Instance] = {}
         self.block_size = 0
@@ -103,8 +105,15 @@ class Cluster:
             if isinstance(info, httpx.HTTPStatusError):
                 status = info.response.status_code
                 raise ClusterError(f"instance {url} answered {status} to /internal/info")
+            if isinstance(info, httpx.TimeoutException):
+                raise ClusterError(
+                    f"instance {url} did not answer /internal/info in {self.info_timeout_s:.0f} s "
+                    "(an instance measures its cost profile at the first ask; give it one with "
+                    "--profile FILE from `hetserve profile`)"
+                )
             if isinstance(info, BaseException):
-                raise ClusterError(f"instance {url} did not answer: {info}")
+                why = str(info) or type(info).__name__
+                raise ClusterError(f"instance {url} did not answer: {why}")
             inst = self._instance(url, role, info)
             self.instances[inst.name] = inst
         seeds = {i.hash_seed for i in self.instances.values()}
@@ -123,7 +132,10 @@ class Cluster:
         self._task = asyncio.get_running_loop().create_task(self._poll_forever())
 
     async def _info(self, url: str) -> dict[str, Any]:
-        r = await self.http.get(f"{url}/internal/info")
+        # The first ask measures the instance's cost profile on its engine thread: seconds
+        # alone, more on a loaded machine (CI once passed the client's 10 s read timeout).
+        timeout = httpx.Timeout(10.0, read=self.info_timeout_s)
+        r = await self.http.get(f"{url}/internal/info", timeout=timeout)
         r.raise_for_status()
         data: dict[str, Any] = r.json()
         return data

@@ -4,9 +4,10 @@ once per change, from polls and from failed calls alike."""
 import asyncio
 
 import httpx
+import pytest
 
 from hetserve.disagg.costs import DecodeFit, InstanceProfile, PrefillFit, profile_to_dict
-from hetserve.disagg.instances import Cluster
+from hetserve.disagg.instances import Cluster, ClusterError
 
 PROFILE = profile_to_dict(
     InstanceProfile("t", PrefillFit(0.001, 0.0001, 0.0), DecodeFit(0.01, 0.001, 0.0), 1000)
@@ -82,3 +83,26 @@ def test_the_conductor_is_unhealthy_while_no_instance_can_decode() -> None:
         await cluster.http.aclose()
 
     asyncio.run(run())
+
+
+def test_the_first_info_waits_for_the_profile_and_a_timeout_says_so() -> None:
+    """An instance measures its cost profile at the first /internal/info (seconds on its engine
+    thread). CI once saw the Conductor give up at the client's 10 s read timeout, with the
+    message "did not answer: " and nothing after it."""
+    reads: list[float] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        reads.append(request.extensions["timeout"]["read"])
+        raise httpx.ReadTimeout("", request=request)
+
+    async def run() -> str:
+        cluster = Cluster([("http://a:1", None)])
+        cluster.http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        with pytest.raises(ClusterError) as err:
+            await cluster.start()
+        await cluster.http.aclose()
+        return str(err.value)
+
+    message = asyncio.run(run())
+    assert reads == [300.0]  # the profile's time, not the polls' 10 s
+    assert "in 300 s" in message and "--profile FILE" in message
