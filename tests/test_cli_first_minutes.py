@@ -267,6 +267,7 @@ def test_cluster_config_values_are_checked_as_their_keys_take_them(tmp_path, mon
         ("slo_ttft_ms: fast\n", [], "slo_ttft_ms: 'fast' should be float"),
         ("prefill: true\n", [], "prefill: True should be int"),
         ("store_dram: 4\n", [], "store_dram: 4 should be str"),
+        ("restart: no-thanks\n", [], "restart: 'no-thanks' should be bool"),
     ):
         cfg.write_text(text)
         assert main(["cluster", "up", "--port", "1", "--config", str(cfg), *argv]) == 2
@@ -275,12 +276,12 @@ def test_cluster_config_values_are_checked_as_their_keys_take_them(tmp_path, mon
     assert not started
     from hetserve.entrypoints.cluster import _spec
 
-    cfg.write_text("slo_ttft_ms: 300\nprefill: 2\n")
+    cfg.write_text("slo_ttft_ms: 300\nprefill: 2\nrestart: false\n")
     args = argparse.Namespace(
         model=None, prefill=1, decode=1, both=0, store="none", store_dram="1G", port=1,
         policy="kvcentric", admission="none", slo_ttft_ms=500.0, slo_tbt_ms=None,
         handoff_path="direct", instance_args="", log_dir="d", log_requests=None,
-        config=str(cfg),
+        config=str(cfg), no_restart=False,
     )  # fmt: skip
     spec = _spec(args)
-    assert spec.slo_ttft_ms == 300 and spec.prefill == 2
+    assert spec.slo_ttft_ms == 300 and spec.prefill == 2 and spec.restart is False

@@ -8,16 +8,23 @@ the first good one. Between polls the Conductor counts what it routed itself (`r
 `finished`), so a burst does not all land on the instance that looked idle a moment ago.
 `view` builds the policy's `ClusterView` from all of that plus the KV index's holdings.
 
-Failure contract: an instance that cannot be reached at start is a `ClusterError` naming it
-(one line), as is a cluster whose instances disagree on the KV identity (their prefixes could
-never be shared); later failures only mark instances down.
+An instance that does not answer at start (not started yet, restarting) joins when it does:
+the poller asks it for its facts every `join_every_s` and adds it once they agree with the
+cluster's; `on_join` is told, so the KV index follows it from then on. Until then `status`
+lists it as joining and nothing is routed to it.
+
+Failure contract: at start, no instance answering at all, an instance refusing the Conductor's
+key, serving another role, or a cluster whose instances disagree on the KV identity (their
+prefixes could never be shared) is a `ClusterError` naming it (one line). Later, failures only
+mark instances down, and a joining instance that disagrees is logged (once per reason) and
+asked again, never added.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,13 +84,20 @@ class Cluster:
         down_after: int = 2,
         on_health: Callable[[str, bool], None] | None = None,
         info_timeout_s: float = 300.0,
+        join_every_s: float = 2.0,
     ) -> None:
         self._urls = list(urls)
         # Told (name, healthy) when an instance goes down or comes back: the KV index resyncs
         # a returning instance at once (it may have restarted with an empty cache).
         self.on_health = on_health
         self.poll_s, self.down_after = poll_s, down_after
-        self.info_timeout_s = info_timeout_s
+        self.info_timeout_s, self.join_every_s = info_timeout_s, join_every_s
+        # Not answering yet: name -> (url, role asked of it), and when to ask next.
+        self.joining: dict[str, tuple[str, Role | None]] = {}
+        self._next_ask: dict[str, float] = {}
+        self._asking: dict[str, asyncio.Task[None]] = {}
+        self._refusal: dict[str, str] = {}  # the last reason a joiner was not added, per name
+        self.on_join: Callable[[Instance], Awaitable[None]] | None = None
         self.http = httpx.AsyncClient(headers=dict(headers or {}), timeout=10.0)
         self.instances: dict[str, Instance] = {}
         self.block_size = 0
@@ -95,27 +109,20 @@ class Cluster:
         infos = await asyncio.gather(
             *(self._info(u) for u, _ in self._urls), return_exceptions=True
         )
+        silent: list[str] = []
         for (url, role), info in zip(self._urls, infos, strict=True):
-            if isinstance(info, httpx.HTTPStatusError) and info.response.status_code == 401:
-                raise ClusterError(
-                    f"instance {url} refused the Conductor's API key; give the Conductor the "
-                    "instances' key (--api-key, or HETSERVE_API_KEY if it differs from the "
-                    "clients')"
-                )
-            if isinstance(info, httpx.HTTPStatusError):
-                status = info.response.status_code
-                raise ClusterError(f"instance {url} answered {status} to /internal/info")
-            if isinstance(info, httpx.TimeoutException):
-                raise ClusterError(
-                    f"instance {url} did not answer /internal/info in {self.info_timeout_s:.0f} s "
-                    "(an instance measures its cost profile at the first ask; give it one with "
-                    "--profile FILE from `hetserve profile`)"
-                )
+            if isinstance(info, httpx.TransportError):  # not up yet: it joins when it answers
+                self.joining[_name(url)] = (url, role)
+                silent.append(f"{url} ({self._why(info)})")
+                continue
             if isinstance(info, BaseException):
-                why = str(info) or type(info).__name__
-                raise ClusterError(f"instance {url} did not answer: {why}")
+                raise ClusterError(self._failure(url, info))
             inst = self._instance(url, role, info)
             self.instances[inst.name] = inst
+        if not self.instances:
+            raise ClusterError(f"no instance answered: {'; '.join(silent)}")
+        for line in silent:
+            log.warning("instance %s did not answer; it joins when it does", line)
         seeds = {i.hash_seed for i in self.instances.values()}
         sizes = {i.block_size for i in self.instances.values()}
         if len(seeds) > 1 or len(sizes) > 1:
@@ -131,6 +138,63 @@ class Cluster:
         await self.poll_once()
         self._task = asyncio.get_running_loop().create_task(self._poll_forever())
 
+    def _why(self, exc: BaseException) -> str:
+        if isinstance(exc, httpx.TimeoutException):
+            return (
+                f"no answer to /internal/info in {self.info_timeout_s:.0f} s: an instance "
+                "measures its cost profile at the first ask; give it one with --profile FILE "
+                "from `hetserve profile`"
+            )
+        return str(exc) or type(exc).__name__
+
+    def _failure(self, url: str, exc: BaseException) -> str:
+        if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == 401:
+            return (
+                f"instance {url} refused the Conductor's API key; give the Conductor the "
+                "instances' key (--api-key, or HETSERVE_API_KEY if it differs from the clients')"
+            )
+        if isinstance(exc, httpx.HTTPStatusError):
+            return f"instance {url} answered {exc.response.status_code} to /internal/info"
+        if isinstance(exc, ClusterError):
+            return str(exc)
+        return f"instance {url} did not answer: {self._why(exc)}"
+
+    async def join_pending(self) -> None:
+        """Ask each joining instance whose turn has come for its facts (in the background:
+        the first answer can take its profile measurement's seconds)."""
+        now = asyncio.get_running_loop().time()
+        for name, (url, role) in list(self.joining.items()):
+            task = self._asking.get(name)
+            if (task is None or task.done()) and now >= self._next_ask.get(name, 0.0):
+                self._next_ask[name] = now + self.join_every_s
+                self._asking[name] = asyncio.create_task(self._join(name, url, role))
+
+    async def _join(self, name: str, url: str, role: Role | None) -> None:
+        try:
+            inst = self._instance(url, role, await self._info(url))
+            if (inst.block_size, inst.hash_seed) != (self.block_size, self.hash_seed):
+                raise ClusterError(
+                    f"instance {url} disagrees with the cluster on the KV identity (model, "
+                    "dtype, layout, block size or salt); serve the same model the same way"
+                )
+        except (httpx.HTTPError, ValueError, KeyError, ClusterError) as exc:
+            reason = self._failure(url, exc)
+            if not isinstance(exc, httpx.TransportError) and self._refusal.get(name) != reason:
+                self._refusal[name] = reason  # said once per reason, asked again later
+                log.error("not adding %s: %s", name, reason)
+            return
+        if name not in self.joining:  # closed meanwhile
+            return
+        del self.joining[name]
+        self._refusal.pop(name, None)
+        self.instances[name] = inst
+        log.warning("instance %s joined the cluster as %s", name, inst.role.value)
+        if self.on_join is not None:
+            try:
+                await self.on_join(inst)
+            except Exception:  # a listener's bug must not stop the cluster
+                log.exception("join listener failed for %s", name)
+
     async def _info(self, url: str) -> dict[str, Any]:
         # The first ask measures the instance's cost profile on its engine thread: seconds
         # alone, more on a loaded machine (CI once passed the client's 10 s read timeout).
@@ -144,9 +208,8 @@ class Cluster:
         served = Role(info["role"])
         if role is not None and served is not role and served is not Role.BOTH:
             raise ClusterError(f"instance {url} serves role {served.value}, not {role.value}")
-        name = url.removeprefix("http://").removeprefix("https://")
         return Instance(
-            name,
+            _name(url),
             url,
             role or served,
             profile_from_dict(info["profile"]),
@@ -179,6 +242,7 @@ class Cluster:
     async def _poll_forever(self) -> None:
         while True:
             await asyncio.sleep(self.poll_s)
+            await self.join_pending()
             await self.poll_once()
 
     def mark_down(self, name: str) -> None:
@@ -210,11 +274,23 @@ class Cluster:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        for task in self._asking.values():
+            task.cancel()
+        self.joining.clear()
         await self.http.aclose()
 
     def status(self) -> list[dict[str, Any]]:
         """One row per instance, for `cluster up`'s table and /health."""
-        return [
+        rows = [
             {"name": i.name, "role": i.role.value, "healthy": i.healthy, **dict(i.load)}
             for i in self.instances.values()
         ]
+        return rows + [
+            {"name": n, "role": role.value if role else "unknown", "healthy": False,
+             "joining": True}  # fmt: skip
+            for n, (_, role) in self.joining.items()
+        ]
+
+
+def _name(url: str) -> str:
+    return url.removeprefix("http://").removeprefix("https://")

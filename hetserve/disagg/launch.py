@@ -8,8 +8,17 @@ Children also get the kernel's parent-death signal, so even a launcher killed wi
 leaves no orphans. (A Ray launcher, for deployment past one machine, implements the same
 interface.)
 
-Failure contract: a part that exits or does not answer in `ready_timeout_s` stops everything
-already started and raises `LaunchError` naming it and the tail of its log.
+Once running, `supervise()` (called by `cluster up` about once a second) starts again each part
+that exited, with the same command, port and log, after a back-off that doubles while it keeps
+exiting soon after its start (1 s up to a minute, as Kubernetes does with a crash loop). A
+restarted instance comes back at the same address: the Conductor's health checks see it (and
+its KV index resyncs), and a Conductor started again while an instance is down adds it when it
+answers.
+
+Failure contract: a part that exits or does not answer in `ready_timeout_s` while the cluster
+starts stops everything already started and raises `LaunchError` naming it and the tail of its
+log. Later exits are `supervise()`'s lines (the part, its exit status, its log's last line),
+never an exception.
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ class ClusterSpec:
     instance_args: tuple[str, ...] = ()  # extra engine options for every instance
     log_requests: str | None = None  # a directory: each part's request log (hetserve sim's)
     log_dir: str = "hetserve-cluster-logs"
+    restart: bool = True  # start a part that exits again (`LocalLauncher.supervise`)
 
     def __post_init__(self) -> None:
         if self.store not in ("none", "pool"):
@@ -75,6 +85,10 @@ class Part:
     chosen: bool = True  # its port was a free one picked here (not the user's --port)
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
+    started_at: float = 0.0  # time.monotonic() of its last start
+    restarts: int = 0
+    backoff_s: float = 0.0  # the wait before its last restart (0 before any)
+    restart_at: float | None = None  # it exited: when it starts again
 
 
 @dataclass
@@ -86,11 +100,16 @@ class Running:
 class Launcher(Protocol):
     def start(self, spec: ClusterSpec) -> Running: ...
 
+    def supervise(self) -> list[str]: ...
+
     def stop(self) -> None: ...
 
 
 # Starts of a part whose free port was taken meanwhile, each on a new one.
 PORT_TRIES = 3
+# A part that exited is started again after a back-off: 1 s, doubled at each exit within
+# STABLE_S of its start, at most MAX_BACKOFF_S; a part that ran STABLE_S starts over at 1 s.
+FIRST_BACKOFF_S, MAX_BACKOFF_S, STABLE_S = 1.0, 60.0, 60.0
 
 
 def free_port() -> int:
@@ -191,9 +210,43 @@ class LocalLauncher:
             self.running.parts.remove(part)  # it exited
             _repoint(part, later, free_port())
 
-    def _spawn(self, part: Part) -> None:
+    def supervise(self, now: float | None = None) -> list[str]:
+        """Start again the parts that exited, each after its back-off; what happened, a line
+        per event, for the caller to print."""
+        now = time.monotonic() if now is None else now
+        said: list[str] = []
+        for part in self.running.parts:
+            if part.proc is None or part.proc.poll() is None:
+                continue
+            if part.restart_at is None:
+                stable = now - part.started_at >= STABLE_S
+                part.backoff_s = (
+                    FIRST_BACKOFF_S
+                    if stable or not part.backoff_s
+                    else min(MAX_BACKOFF_S, 2 * part.backoff_s)
+                )
+                part.restart_at = now + part.backoff_s
+                # Its last words where it exited itself (a killed part's are whatever it was
+                # doing then).
+                last = _tail(part, 1) if part.proc.returncode > 0 else ""
+                said.append(
+                    f"{part.name} {_exit_status(part.proc.returncode)}; starting it again in "
+                    f"{part.backoff_s:.0f} s" + (f" (its log: {last})" if last else "")
+                )
+            elif now >= part.restart_at:
+                part.restart_at = None
+                part.restarts += 1
+                self._spawn(part, append=True)
+                said.append(f"{part.name} started again (restart {part.restarts}, log {part.log})")
+        return said
+
+    def _spawn(self, part: Part, append: bool = False) -> None:
         assert part.log is not None
-        with open(part.log, "wb") as log:
+        part.started_at = time.monotonic()
+        if append:
+            with open(part.log, "ab") as log:
+                log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} started again\n".encode())
+        with open(part.log, "ab" if append else "wb") as log:
             part.proc = subprocess.Popen(
                 part.cmd,
                 env={**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"},  # Mooncake: loopback
@@ -260,6 +313,15 @@ def _answers(part: Part) -> bool:
         return httpx.get(part.url + "/health", timeout=2.0).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def _exit_status(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
 
 
 def _tail(part: Part, lines: int = 5) -> str:

@@ -1,5 +1,6 @@
 """`hetserve cluster up`: a whole prefill/decode cluster on this machine (`disagg/launch.py`):
-the pool store, the instances and the Conductor, stopped together on Ctrl-C or SIGTERM."""
+the pool store, the instances and the Conductor, each started again if it exits (unless
+--no-restart), stopped together on Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
@@ -30,6 +31,12 @@ def register(sub) -> None:
     up.add_argument("--handoff-path", default="direct", choices=("direct", "store", "mooncake"))
     up.add_argument("--log-dir", default="hetserve-cluster-logs")
     up.add_argument(
+        "--no-restart",
+        action="store_true",
+        help="leave a part that exits down (by default it starts again, after a back-off of "
+        "1 s doubling up to 60 s while it keeps exiting)",
+    )
+    up.add_argument(
         "--log-requests",
         default=None,
         metavar="DIR",
@@ -47,7 +54,7 @@ def register(sub) -> None:
 # The YAML types of `cluster up --config` keys other than strings (a boolean is no number).
 _CONFIG_KINDS: dict[str, tuple[type, ...]] = {
     "prefill": (int,), "decode": (int,), "both": (int,), "port": (int,),
-    "slo_ttft_ms": (int, float), "slo_tbt_ms": (int, float),
+    "slo_ttft_ms": (int, float), "slo_tbt_ms": (int, float), "restart": (bool,),
 }  # fmt: skip
 
 
@@ -63,7 +70,7 @@ def _spec(args: argparse.Namespace):
         "policy": args.policy, "admission": args.admission, "slo_ttft_ms": args.slo_ttft_ms,
         "slo_tbt_ms": args.slo_tbt_ms, "handoff_path": args.handoff_path,
         "instance_args": tuple(shlex.split(args.instance_args)), "log_dir": args.log_dir,
-        "log_requests": args.log_requests,
+        "log_requests": args.log_requests, "restart": not args.no_restart,
     }  # fmt: skip
     if args.config is not None:
         import yaml
@@ -135,7 +142,9 @@ def _up(args: argparse.Namespace) -> int:
         health = httpx.get(running.endpoint.removesuffix("/v1") + "/health", timeout=5).json()
         print(status_table(health.get("instances", [])), flush=True)
         print(f"logs in {spec.log_dir}/; Ctrl-C stops everything", flush=True)
-        stop.wait()
+        while not stop.wait(1.0):
+            for line in launcher.supervise() if spec.restart else []:
+                print(line, flush=True)
     finally:
         print("stopping the cluster", flush=True)
         launcher.stop()

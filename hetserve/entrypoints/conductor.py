@@ -124,7 +124,7 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
 
     from hetserve.config import Role
     from hetserve.disagg.conductor import Conductor, ConductorConfig
-    from hetserve.disagg.instances import Cluster
+    from hetserve.disagg.instances import Cluster, Instance
     from hetserve.disagg.kv_subscriber import KVEventSubscriber
     from hetserve.disagg.policy import Router, RouterConfig
     from hetserve.engine.setup import resolve_model_dir
@@ -140,10 +140,20 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
     # `conductor --api-key K` then make one cluster).
     key = envs.api_key() or api_key
     cluster = Cluster(urls, {"Authorization": f"Bearer {key}"} if key else None)
-    await cluster.start()
+    index = KVEventSubscriber()  # which instance holds which prefix, from their KV events
+
+    async def follow(inst: Instance) -> None:
+        try:
+            await asyncio.to_thread(index.add, inst.name, inst.url, key)
+        except ConnectionError as exc:  # routed as if it held nothing
+            print(f"no KV index of {inst.name}: {exc}", flush=True)
+
+    cluster.on_join = follow  # an instance that was not up at start, once it answers
     try:
+        await cluster.start()
         model, name = served_model(args.model, args.served_model_name, cluster.model_card)
-    except InvalidInputError:
+    except BaseException:
+        index.close()
         await cluster.close()
         raise
     router = Router(
@@ -155,12 +165,8 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
         )
     )
     model_dir = resolve_model_dir(model)
-    index = KVEventSubscriber()  # which instance holds which prefix, from their KV events
-    for inst in cluster.instances.values():
-        try:
-            await asyncio.to_thread(index.add, inst.name, inst.url, key)
-        except ConnectionError as exc:  # routed as if it held nothing
-            print(f"no KV index of {inst.name}: {exc}", flush=True)
+    for inst in list(cluster.instances.values()):  # those that answered at start
+        await follow(inst)
     cluster.on_health = lambda name, up: index.rejoined(name) if up else None
     conductor = Conductor(
         cluster,

@@ -74,7 +74,12 @@ def test_a_killed_decode_instance_is_routed_around_and_rejoins(cluster):
     health = httpx.get(running.endpoint.removesuffix("/v1") + "/health", timeout=10).json()
     down = [i for i in health["instances"] if i["name"].endswith(str(victim.port))]
     assert down and down[0]["healthy"] is False
-    launcher._spawn(victim)  # back on its port: the poller sees it again
+    # `cluster up`'s supervisor starts it again on its port, and the poller sees it back.
+    assert launcher.supervise() == [
+        f"{victim.name} was killed by SIGKILL; starting it again in 1 s"
+    ]
+    said = launcher.supervise(victim.restart_at)
+    assert said == [f"{victim.name} started again (restart 1, log {victim.log})"]
     launcher._wait(victim)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -83,6 +88,59 @@ def test_a_killed_decode_instance_is_routed_around_and_rejoins(cluster):
             break
         time.sleep(0.2)
     assert all(i["healthy"] for i in health["instances"])
+
+
+def test_a_conductor_started_while_an_instance_is_down_adds_it_when_it_answers(
+    cluster, tmp_path
+):
+    """It refused to start ("instance ... did not answer"): a Conductor restarted while an
+    instance restarts too would have stayed down."""
+    model, _, launcher, running = cluster
+    parts = {p.name: p for p in running.parts}
+    victim = parts["decode-1"]
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait(10)
+    port = free_port()
+    cmd = [sys.executable, "-m", "hetserve.cli", "conductor", "--model", model, "--port",
+           str(port), "--prefill", parts["prefill-0"].url, "--decode", parts["decode-0"].url,
+           victim.url]  # fmt: skip
+    log_path = tmp_path / "late.log"
+    log = open(log_path, "wb")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        health = _wait_health(base, proc, log_path, lambda h: True)
+        rows = {i["name"]: i for i in health["instances"]}
+        assert rows[victim.url.removeprefix("http://")]["joining"] is True
+        assert complete(base + "/v1").status_code == 200  # served by the others meanwhile
+        launcher.supervise()
+        launcher.supervise(victim.restart_at)
+        launcher._wait(victim)
+        health = _wait_health(base, proc, log_path,
+                              lambda h: all(i["healthy"] for i in h["instances"]))  # fmt: skip
+        assert not any(i.get("joining") for i in health["instances"])
+        for _ in range(4):
+            r = complete(base + "/v1")
+            assert r.status_code == 200, r.text
+        assert "joined the cluster as decode" in log_path.read_text()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+        log.close()
+
+
+def _wait_health(base, proc, log_path, ready, timeout_s=120):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log_path.read_text()
+        try:
+            health = httpx.get(base + "/health", timeout=2).json()
+            if ready(health):
+                return health
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"not ready in {timeout_s} s: {log_path.read_text()}")
 
 
 def test_predictive_admission_rejects_and_blocks_come_back(cluster, tmp_path):

@@ -6,6 +6,7 @@ import asyncio
 import httpx
 import pytest
 
+from hetserve.config import Role
 from hetserve.disagg.costs import DecodeFit, InstanceProfile, PrefillFit, profile_to_dict
 from hetserve.disagg.instances import Cluster, ClusterError
 
@@ -106,3 +107,70 @@ def test_the_first_info_waits_for_the_profile_and_a_timeout_says_so() -> None:
     message = asyncio.run(run())
     assert reads == [300.0]  # the profile's time, not the polls' 10 s
     assert "in 300 s" in message and "--profile FILE" in message
+
+
+def test_an_instance_down_at_start_joins_when_it_answers() -> None:
+    """The Conductor refused to start while one instance was down (restarting, or started
+    later); now it serves with the others and adds the late one once it answers, its KV index
+    told (on_join), and a late one that disagrees on the KV identity is never added."""
+    up = {"b:2": False, "c:3": True}
+    seeds = {"a:1": "00", "b:2": "00", "c:3": "ff"}  # c serves another model
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        host = f"{request.url.host}:{request.url.port}"
+        if not up.get(host, True):
+            raise httpx.ConnectError("refused", request=request)
+        if request.url.path == "/internal/info":
+            return httpx.Response(200, json={**INFO, "hash_seed": seeds[host]})
+        if request.url.path == "/internal/load":
+            return httpx.Response(200, json={"running_decodes": 0, "free_blocks": 10})
+        return httpx.Response(404)
+
+    joined: list[str] = []
+
+    async def follow(inst) -> None:
+        joined.append(inst.name)
+
+    async def run() -> None:
+        urls = [("http://a:1", Role.PREFILL), ("http://b:2", Role.DECODE)]
+        cluster = Cluster(urls, join_every_s=0.0)
+        cluster.http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        cluster.on_join = follow
+        await cluster.start()
+        cluster._task.cancel()  # the test steps the joins itself
+        assert list(cluster.instances) == ["a:1"]
+        rows = {r["name"]: r for r in cluster.status()}
+        assert rows["b:2"] == {"name": "b:2", "role": "decode", "healthy": False, "joining": True}
+        await cluster.join_pending()
+        await asyncio.gather(*cluster._asking.values())
+        assert "b:2" not in cluster.instances and joined == []  # still down
+        up["b:2"] = True
+        await cluster.join_pending()
+        await asyncio.gather(*cluster._asking.values())
+        assert cluster.instances["b:2"].role is Role.DECODE and joined == ["b:2"]
+        assert cluster.joining == {} and "joining" not in cluster.status()[1]
+        # Another model's instance never joins, however often it is asked.
+        cluster.joining["c:3"] = ("http://c:3", Role.DECODE)
+        for _ in range(2):
+            await cluster.join_pending()
+            await asyncio.gather(*cluster._asking.values())
+        assert "c:3" not in cluster.instances and "KV identity" in cluster._refusal["c:3"]
+        await cluster.close()
+
+    asyncio.run(run())
+
+
+def test_no_instance_answering_at_start_is_an_error() -> None:
+    def answer(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("Connection refused", request=request)
+
+    async def run() -> str:
+        cluster = Cluster([("http://a:1", None), ("http://b:2", None)])
+        cluster.http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        with pytest.raises(ClusterError) as err:
+            await cluster.start()
+        await cluster.close()
+        return str(err.value)
+
+    message = asyncio.run(run())
+    assert message.startswith("no instance answered: http://a:1 (Connection refused)")

@@ -3,8 +3,10 @@ and the parts started after it are told the new address (seen once in CI: an ins
 with "cannot listen on 127.0.0.1:37163 (in use)" because a part started before it held that
 ephemeral port)."""
 
+import signal
 import socket
 import sys
+import time
 
 import pytest
 
@@ -68,3 +70,42 @@ def test_a_port_the_user_gave_is_not_moved(tmp_path):
     finally:
         launcher.stop()
         taken.close()
+
+
+def test_a_part_that_exits_starts_again_after_a_doubling_back_off(tmp_path):
+    """`cluster up` left a crashed instance down for good; now `supervise` starts it again
+    (same command, same log, appended), waiting 1 s, 2 s, ... while it keeps exiting at once,
+    and 1 s again after a run of a minute."""
+    crash = Part("decode-0", [sys.executable, "-c", "print('boom', flush=True); exit(3)"])
+    crash.log = tmp_path / "decode-0.log"
+    launcher = LocalLauncher(ready_timeout_s=30, grace_s=2)
+    try:
+        launcher._spawn(crash)
+        launcher.running.parts.append(crash)
+        crash.proc.wait(30)
+        t = time.monotonic()
+        assert launcher.supervise(t) == [
+            "decode-0 exited with status 3; starting it again in 1 s (its log: boom)"
+        ]
+        assert launcher.supervise(t + 0.5) == []  # its back-off is not over
+        said = launcher.supervise(t + 1.0)
+        assert said == [f"decode-0 started again (restart 1, log {crash.log})"]
+        crash.proc.wait(30)
+        assert "starting it again in 2 s" in launcher.supervise(time.monotonic())[0]
+        assert crash.log.read_text().count("boom") == 2  # one log, appended
+        launcher.supervise(crash.restart_at)
+        crash.proc.wait(30)
+        assert "again in 4 s" in launcher.supervise(crash.started_at + 10)[0]
+        launcher.supervise(crash.restart_at)
+        crash.proc.wait(30)
+        assert "again in 1 s" in launcher.supervise(crash.started_at + 61)[0]  # it ran a while
+        sleeper = Part("conductor", [sys.executable, "-c", "import time; time.sleep(60)"])
+        sleeper.log = tmp_path / "conductor.log"
+        launcher._spawn(sleeper)
+        launcher.running.parts.append(sleeper)
+        sleeper.proc.send_signal(signal.SIGKILL)
+        sleeper.proc.wait(30)
+        said = launcher.supervise(time.monotonic())
+        assert said == ["conductor was killed by SIGKILL; starting it again in 1 s"]
+    finally:
+        launcher.stop()
