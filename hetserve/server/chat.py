@@ -138,7 +138,7 @@ class ChatServing(OpenAIServing):
                     "index": c.index,
                     "message": self._message(parsed),
                     "logprobs": (
-                        self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
+                        self.token_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
                         if req.logprobs
                         else None
                     ),
@@ -190,7 +190,7 @@ class ChatServing(OpenAIServing):
                 sent[c.index] = (len(c.token_ids), c.finish_reason is not None)
                 lp = None
                 if req.logprobs:
-                    lp = self._logprobs(
+                    lp = self.token_logprobs(
                         c.token_ids[ntok:], c.logprobs[ntok:], req.top_logprobs or 0
                     )
                 called = bool(streamers[c.index].sent.calls)
@@ -218,7 +218,7 @@ class ChatServing(OpenAIServing):
             delta["tool_calls"] = [_call_delta(d) for d in calls]
         return delta
 
-    def _logprobs(self, token_ids, entries, k: int) -> dict:
+    def token_logprobs(self, token_ids, entries, k: int) -> dict:
         def item(tid, lp):
             raw = self.tok.token_bytes(tid)
             return {"token": self.token_str(tid), "logprob": lp.logprob, "bytes": list(raw)}

@@ -7,12 +7,14 @@ streamed as the API's typed events. `previous_response_id` continues a stored co
 messages are rendered again in front of the new input, so the prompt starts with the earlier
 turn's tokens and the prefix cache (and the KV tiers behind it) serves them; the chain shares a
 session id, so its blocks are kept for the session TTL between turns. `store: false` keeps
-nothing. The store is in memory, bounded (least recently used goes first).
+nothing. The store is in memory, bounded (least recently used goes first). `background: true`
+runs the response as a task of its own (`responses_background.py`: poll it, stream its events
+again, cancel it). `include` asks for the output text's logprobs (`top_logprobs`
+alternatives) and the reasoning items' `encrypted_content`.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 import uuid
@@ -24,12 +26,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from hetserve.errors import InvalidInputError, PromptTooLongError
 from hetserve.server.chat import ChatServing
 from hetserve.server.errors import error_body
+from hetserve.server.responses_background import BackgroundRun, BackgroundRuns
 from hetserve.server.responses_input import (
     chat_request,
     check_types,
+    included,
     input_messages,
     truncated,
 )
+from hetserve.server.responses_items import OutputItems
 from hetserve.server.serving import merge
 from hetserve.server.tools import Streamer
 
@@ -37,16 +42,19 @@ MAX_STORED = 1024
 
 
 class ResponseStore:
+    """Stored responses: (the conversation so far, as chat messages, or None where it cannot be
+    continued: a background response running, failed or cancelled; the response)."""
+
     def __init__(self, limit: int = MAX_STORED) -> None:
         self.limit = limit
-        self._items: OrderedDict[str, tuple[list[dict], dict]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[list[dict] | None, dict]] = OrderedDict()
 
-    def put(self, rid: str, messages: list[dict], response: dict) -> None:
+    def put(self, rid: str, messages: list[dict] | None, response: dict) -> None:
         self._items[rid] = (messages, response)
         if len(self._items) > self.limit:
             self._items.popitem(last=False)
 
-    def get(self, rid: str) -> tuple[list[dict], dict] | None:
+    def get(self, rid: str) -> tuple[list[dict] | None, dict] | None:
         found = self._items.get(rid)
         if found is not None:
             self._items.move_to_end(rid)
@@ -60,6 +68,7 @@ class ResponsesServing:
     def __init__(self, chat: ChatServing, store: ResponseStore | None = None) -> None:
         self.chat = chat
         self.store = store or ResponseStore()
+        self.runs = BackgroundRuns()
 
     async def create(self, body: dict, request: Request):
         prev_id = body.get("previous_response_id")
@@ -73,6 +82,13 @@ class ResponsesServing:
                     "previous_response_id",
                 )
             history, prev = found
+            if history is None:  # a background response that is running, failed or cancelled
+                run = self.runs.get(prev_id)
+                status = (run.response if run is not None else prev)["status"]
+                raise InvalidInputError(
+                    f"previous response {prev_id!r} is {status}, not completed",
+                    "previous_response_id",
+                )
             session = prev.get("_session")
         called = {c["id"] for m in history for c in m.get("tool_calls") or ()}
         new = input_messages(body.get("input", ""), called)
@@ -82,6 +98,13 @@ class ResponsesServing:
         truncation = body.get("truncation") or "disabled"
         if truncation not in ("auto", "disabled"):
             raise InvalidInputError("truncation must be 'auto' or 'disabled'", "truncation")
+        background = body.get("background") is True
+        if background and body.get("store") is False:
+            raise InvalidInputError(
+                "a background response is kept to be read later: it needs store (drop "
+                "store: false)",
+                "background",
+            )
         rid = f"resp_{uuid.uuid4().hex}"
         session = session or rid  # the chain's blocks outlive each turn for the session TTL
         while True:
@@ -96,22 +119,60 @@ class ResponsesServing:
                 if shorter is None:
                     raise
                 messages = shorter
+        include = included(body)
         state = {"rid": rid, "body": body, "history": history + new, "session": session,
-                 "created_at": int(time.time())}  # fmt: skip
+                 "created_at": int(time.time()), "background": background,
+                 "logprobs": (req.top_logprobs or 0) if req.logprobs else None,
+                 "encrypt": "reasoning.encrypted_content" in include}  # fmt: skip
+        items = OutputItems(state["encrypt"], logprobs=state["logprobs"] is not None)
+        if background:
+            return self._background(state, streams, parsers[0], items)
         if body.get("stream"):
-            events = self._events(state, streams, parsers[0])
-            return StreamingResponse(events, media_type="text/event-stream")
+            events = self._events(state, streams, parsers[0], items)
+            return StreamingResponse(_sse(events), media_type="text/event-stream")
         return await self.chat.run_unless_disconnected(
-            request, streams, self._collect(state, streams, parsers[0])
+            request, streams, self._collect(state, streams, parsers[0], items)
         )
 
-    async def _collect(self, state: dict, streams, parser) -> dict:
+    def _background(self, state: dict, streams, parser, items: OutputItems):
+        queued = self._response(state, "queued", [])
+        self.store.put(state["rid"], None, {**queued, "_session": state["session"]})
+        run = BackgroundRun(state["rid"], queued, items, streams)
+
+        def ended(r: BackgroundRun) -> None:
+            if r.response["status"] in ("failed", "cancelled"):  # _finish stored the others
+                self.store.put(r.rid, None, {**r.response, "_session": state["session"]})
+
+        run.start(self._events(state, streams, parser, items), ended)
+        self.runs.add(run)
+        if state["body"].get("stream"):
+            return StreamingResponse(_sse(run.follow(-1)), media_type="text/event-stream")
+        return queued
+
+    async def cancel(self, rid: str) -> dict:
+        run = self.runs.get(rid)
+        if run is None:
+            raise InvalidInputError(f"response {rid!r} did not run in the background: only "
+                                    "background responses can be cancelled")  # fmt: skip
+        await run.cancel()
+        return run.snapshot()
+
+    def _logprobs(self, state: dict, c, seen: int) -> list[dict] | None:
+        """The step's new tokens' logprobs, as the chat route writes them (None: not asked)."""
+        if state["logprobs"] is None:
+            return None
+        entries = c.logprobs[seen:]
+        return self.chat.token_logprobs(c.token_ids[seen:], entries, state["logprobs"])["content"]
+
+    async def _collect(self, state: dict, streams, parser, items: OutputItems) -> dict:
         # Built as the stream is (same items for the same tokens), its events unsent.
-        streamer, items, last = Streamer(parser), OutputItems(), None
+        streamer, last, seen = Streamer(parser), None, 0
         async for _, out in merge(streams):
             last = out
             c = out.outputs[0]
-            items.feed(*streamer.feed(c.text, c.finish_reason is not None))
+            lp = self._logprobs(state, c, seen)
+            seen = len(c.token_ids)
+            items.feed(*streamer.feed(c.text, c.finish_reason is not None), logprobs=lp)
         c = last.outputs[0]
         items.finish(c.finish_reason == "length")
         return self._finish(state, last, c, streamer, items.items)
@@ -132,6 +193,7 @@ class ResponsesServing:
             "previous_response_id": body.get("previous_response_id"),
             "instructions": body.get("instructions"),
             "store": body.get("store", True),
+            "background": state["background"],
             "tools": body.get("tools") or [],
             "tool_choice": body.get("tool_choice", "auto"),
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
@@ -171,24 +233,29 @@ class ResponsesServing:
                            {**response, "_session": state["session"]})  # fmt: skip
         return response
 
-    async def _events(self, state: dict, streams, parser):
+    async def _events(self, state: dict, streams, parser, items: OutputItems):
+        """The response's stream events, as dicts (`_sse` writes them)."""
         seq = -1
 
-        def event(kind: str, **data) -> str:
+        def event(kind: str, **data) -> dict:
             nonlocal seq
             seq += 1
-            payload = {"type": kind, "sequence_number": seq, **data}
-            return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
+            return {"type": kind, "sequence_number": seq, **data}
 
-        head = self._response(state, "in_progress", [])
-        yield event("response.created", response=head)
-        yield event("response.in_progress", response=head)
-        streamer, items, last = Streamer(parser), OutputItems(), None
+        if state["background"]:  # OpenAI's: created while queued, then in progress
+            yield event("response.created", response=self._response(state, "queued", []))
+        else:
+            yield event("response.created", response=self._response(state, "in_progress", []))
+        yield event("response.in_progress", response=self._response(state, "in_progress", []))
+        streamer, last, seen = Streamer(parser), None, 0
         try:
             async for _, out in merge(streams):
                 last = out
                 c = out.outputs[0]
-                for kind, data in items.feed(*streamer.feed(c.text, c.finish_reason is not None)):
+                lp = self._logprobs(state, c, seen)
+                seen = len(c.token_ids)
+                deltas = streamer.feed(c.text, c.finish_reason is not None)
+                for kind, data in items.feed(*deltas, logprobs=lp):
                     yield event(kind, **data)
         except Exception as exc:  # the API's way: an error event, then the response failed
             yield event("error", message=str(exc), code="engine_error", param=None)
@@ -208,119 +275,6 @@ class ResponsesServing:
         yield event(f"response.{response['status']}", response=response)
 
 
-class OutputItems:
-    """A reply's output items, built from a `Streamer`'s deltas in the order they begin, with
-    the typed events that build them in a stream: each item is added, gets its content part
-    and deltas, then is done, before the next one is added.
-
-    Reasoning and text items open on their first delta; whitespace outside an item waits, and
-    is dropped if a function call comes next (the newline between two calls is no message).
-    The item left open when the reply was cut off is `incomplete`. A reply without a message
-    or a call gets one (possibly empty) message, so `output_text` is always there.
-    """
-
-    def __init__(self) -> None:
-        self.items: list[dict] = []
-        self._events: list[tuple[str, dict]] = []
-        self._open: dict | None = None
-        self._space = ""  # whitespace not yet in a message
-        self._calls: dict[int, int] = {}  # the streamer's call index -> output index
-
-    def feed(self, content: str, reasoning: str, calls: list[dict]) -> list[tuple[str, dict]]:
-        """Deltas as `Streamer.feed` returns them -> (event type, fields) to send."""
-        if reasoning:
-            if self._open is None or self._open["type"] != "reasoning":
-                text = {"type": "reasoning_text", "text": ""}
-                self._begin({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}",
-                             "summary": [], "content": [text]})  # fmt: skip
-            self._text(reasoning)
-        if content:
-            if self._open is not None and self._open["type"] == "message":
-                self._text(content)
-            else:
-                self._space += content
-                if self._space.strip():
-                    self._message()
-        for d in calls:
-            if "id" in d:
-                self._space = ""
-                self._calls[d["index"]] = len(self.items)
-                self._begin({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}",
-                             "call_id": d["id"], "name": d["name"], "arguments": ""})  # fmt: skip
-            if d["arguments"]:
-                i = self._calls[d["index"]]
-                item = self.items[i]
-                item["arguments"] += d["arguments"]
-                self._emit("response.function_call_arguments.delta", item_id=item["id"],
-                           output_index=i, delta=d["arguments"])  # fmt: skip
-        return self._take()
-
-    def finish(self, cut_off: bool) -> list[tuple[str, dict]]:
-        """The end of the reply (`cut_off`: by max_output_tokens) -> the events that close it."""
-        if not any(it["type"] in ("message", "function_call") for it in self.items):
-            self._message()
-        self._close("incomplete" if cut_off else "completed")
-        return self._take()
-
-    def _message(self) -> None:
-        text = {"type": "output_text", "text": "", "annotations": []}
-        self._begin({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant",
-                     "content": [text]})  # fmt: skip
-        if self._space:
-            self._text(self._space)
-        self._space = ""
-
-    def _begin(self, item: dict) -> None:
-        self._close("completed")
-        item["status"] = "in_progress"
-        self.items.append(item)
-        self._open = item
-        i = len(self.items) - 1
-        shown = {**item, "content": []} if "content" in item else dict(item)
-        self._emit("response.output_item.added", output_index=i, item=shown)
-        if "content" in item:
-            self._emit("response.content_part.added", item_id=item["id"], output_index=i,
-                       content_index=0, part=dict(item["content"][0]))  # fmt: skip
-
-    def _text(self, delta: str) -> None:
-        item = self._open
-        assert item is not None
-        item["content"][0]["text"] += delta
-        where = {"item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0}
-        if item["type"] == "message":
-            self._emit("response.output_text.delta", **where, delta=delta, logprobs=[])
-        else:
-            self._emit("response.reasoning_text.delta", **where, delta=delta)
-
-    def _close(self, status: str) -> None:
-        item, self._open = self._open, None
-        if item is None:
-            return
-        item["status"] = status
-        i = len(self.items) - 1
-        where = {"item_id": item["id"], "output_index": i}
-        if item["type"] == "function_call":
-            self._emit("response.function_call_arguments.done", **where,
-                       arguments=item["arguments"])  # fmt: skip
-        else:
-            part = item["content"][0]
-            if item["type"] == "message":
-                self._emit("response.output_text.done", **where, content_index=0,
-                           text=part["text"], logprobs=[])  # fmt: skip
-            else:
-                self._emit("response.reasoning_text.done", **where, content_index=0,
-                           text=part["text"])  # fmt: skip
-            self._emit("response.content_part.done", **where, content_index=0, part=dict(part))
-        self._emit("response.output_item.done", output_index=i, item=copy.deepcopy(item))
-
-    def _emit(self, kind: str, **data) -> None:
-        self._events.append((kind, data))
-
-    def _take(self) -> list[tuple[str, dict]]:
-        out, self._events = self._events, []
-        return out
-
-
 def install_responses_routes(app: FastAPI, serving: ResponsesServing, check_model) -> None:
     @app.post("/v1/responses")
     async def create(request: Request):
@@ -336,16 +290,56 @@ def install_responses_routes(app: FastAPI, serving: ResponsesServing, check_mode
     # Not in the OpenAPI spec: FastAPI would describe a 422 for the path parameter, which we
     # never send (an unknown id is a 404).
     @app.get("/v1/responses/{rid}", include_in_schema=False)
-    async def get(rid: str):
+    async def get(rid: str, request: Request):
         found = serving.store.get(rid)
-        if found is None:
-            return JSONResponse(error_body(f"response {rid!r} not found", "not_found_error"),
-                                status_code=404)  # fmt: skip
+        run = serving.runs.get(rid)
+        if found is None and run is None:
+            return _not_found(rid)
+        stream = request.query_params.get("stream", "false").lower()
+        if stream not in ("true", "false"):
+            raise InvalidInputError("stream must be true or false", "stream")
+        if stream == "true":
+            if run is None:
+                raise InvalidInputError(
+                    f"response {rid!r} has no events kept: only the newest background "
+                    "responses can be streamed again; GET it without stream",
+                    "stream",
+                )
+            after = _int_param(request, "starting_after", -1)
+            return StreamingResponse(_sse(run.follow(after)), media_type="text/event-stream")
+        if run is not None and not run.ended:
+            return run.snapshot()
         return {k: v for k, v in found[1].items() if not k.startswith("_")}
+
+    @app.post("/v1/responses/{rid}/cancel", include_in_schema=False)
+    async def cancel(rid: str):
+        if serving.store.get(rid) is None and serving.runs.get(rid) is None:
+            return _not_found(rid)
+        return await serving.cancel(rid)
 
     @app.delete("/v1/responses/{rid}", include_in_schema=False)
     async def delete(rid: str):
         if not serving.store.delete(rid):
-            return JSONResponse(error_body(f"response {rid!r} not found", "not_found_error"),
-                                status_code=404)  # fmt: skip
+            return _not_found(rid)
         return {"id": rid, "object": "response", "deleted": True}
+
+
+def _not_found(rid: str) -> JSONResponse:
+    return JSONResponse(error_body(f"response {rid!r} not found", "not_found_error"),
+                        status_code=404)  # fmt: skip
+
+
+def _int_param(request: Request, name: str, default: int) -> int:
+    value = request.query_params.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidInputError(f"{name} must be an integer, got {value!r}", name) from None
+
+
+async def _sse(events):
+    """Stream events (dicts) as server-sent events, each named by its type."""
+    async for e in events:
+        yield f"event: {e['type']}\ndata: {json.dumps(e, separators=(',', ':'))}\n\n"

@@ -42,7 +42,15 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "reasoning.effort": (str,),
     "metadata": (dict,),
     "truncation": (str,),
+    "background": (bool,),
+    "include": (list,),
+    "top_logprobs": (int,),
 }
+# What `include` may ask for: the output text's logprobs (with `top_logprobs` alternatives),
+# and the reasoning items' content in a form the client can send back (base64 of the text: a
+# local server keeps no secret from its client, and an earlier turn's reasoning is not
+# rendered again, so it is only carried). The built-in tools' values name tools we do not run.
+INCLUDE = ("message.output_text.logprobs", "reasoning.encrypted_content")
 JSON_TYPES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
               list: "a list", dict: "an object"}  # fmt: skip
 
@@ -77,6 +85,18 @@ def check_types(body: dict) -> None:
         if not is_json_type(value, types):
             wanted = " or ".join(JSON_TYPES[t] for t in types if t is not int or float not in types)
             raise InvalidInputError(f"{name} must be {wanted}, got {json_type(value)}", name)
+
+
+def included(body: dict) -> set[str]:
+    """The body's `include` values, each one we serve, else a 400 naming it."""
+    values = body.get("include") or []
+    for i, v in enumerate(values):
+        if v not in INCLUDE:
+            raise InvalidInputError(
+                f"include {v!r} is not supported here (supported: {', '.join(INCLUDE)})",
+                f"include.{i}",
+            )
+    return set(values)
 
 
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}  # -> its key
@@ -204,6 +224,13 @@ def chat_request(body: dict, messages: list[dict]) -> ChatCompletionRequest:
     effort = (body.get("reasoning") or {}).get("effort")
     if effort is not None:
         out["reasoning_effort"] = effort
+    if "message.output_text.logprobs" in included(body):
+        out["logprobs"] = True
+        out["top_logprobs"] = body.get("top_logprobs") or 0
+    elif body.get("top_logprobs"):
+        raise InvalidInputError(
+            "top_logprobs needs include: ['message.output_text.logprobs']", "top_logprobs"
+        )
     try:
         return ChatCompletionRequest.model_validate(out)
     except ValidationError as exc:

@@ -10,7 +10,7 @@ import pytest
 
 from hetserve.config import EngineConfig
 from hetserve.engine.async_llm import AsyncLLM
-from hetserve.server.responses import OutputItems
+from hetserve.server.responses_items import OutputItems
 from hetserve.server.tools import Streamer
 from hetserve.server.tools.formats import HermesParser
 from hetserve.server.tools.reasoning import ThinkSplitter
