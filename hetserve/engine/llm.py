@@ -182,12 +182,25 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         add_generation_prompt: bool = True,
         lora_request: LoRASpec | list[LoRASpec] = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
+        """Each conversation rendered by the model's chat template and generated from.
+        `continue_final_message` (with `add_generation_prompt=False`): the reply continues the
+        last message (an assistant turn you began) instead of a new turn, as vLLM's."""
+        if continue_final_message and add_generation_prompt:
+            raise InvalidInputError(
+                "continue_final_message continues the last message, add_generation_prompt "
+                "opens a new turn: pass add_generation_prompt=False"
+            )
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         for conversation in conversations:
             _check_messages(conversation)
         prompts = [
-            self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+            self.tokenizer.apply_chat_template(
+                c,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )
             for c in conversations
         ]
         ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]

@@ -160,8 +160,14 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
         **extra,
     ) -> str:
+        """The conversation as the model's template renders it. `continue_final_message`: the
+        text cut right after the final message's, so the reply continues that message instead
+        of closing it (transformers' rendering: its trailing whitespace kept where the
+        template keeps a message's text as it is, dropped where the template trims it); a
+        template that does not render the text as given is an InvalidInputError."""
         if not self.chat_template:
             raise InvalidInputError(
                 "this model has no chat template; use a completion prompt or add "
@@ -169,8 +175,10 @@ class Tokenizer:
             )
         if self._template is None:
             self._template = _environment().from_string(self.chat_template)
+        if continue_final_message:
+            messages = _marked(messages)
         try:
-            return self._template.render(
+            text: str = self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
@@ -180,6 +188,43 @@ class Tokenizer:
             )
         except jinja2.TemplateError as exc:
             raise InvalidInputError(f"chat template failed on these messages: {exc}") from None
+        if not continue_final_message:
+            return text
+        at = text.rfind(_CONTINUE)
+        if at < 0:
+            raise InvalidInputError(
+                "continue_final_message: the chat template did not render the final message's "
+                "text as it is, so the reply cannot continue it",
+                "continue_final_message",
+            )
+        if text.startswith(_CONTINUE + " ", at):  # the template keeps the text as it is
+            return text[:at]
+        return text[:at].rstrip()  # it trims a message's end: as it would have trimmed this one
+
+
+# Put after the final message's text (with a space, to see whether the template trims it) to
+# find where that text ends once rendered.
+_CONTINUE = "<hetserve:continue-here>"
+
+
+def _marked(messages: list[dict]) -> list[dict]:
+    """The conversation with the mark after the final message's (last) text."""
+    if not messages:
+        raise InvalidInputError("continue_final_message needs a message to continue")
+    last = dict(messages[-1])
+    content = last.get("content")
+    if isinstance(content, str):
+        last["content"] = content + _CONTINUE + " "
+    elif isinstance(content, list | tuple) and any(
+        isinstance(p, dict) and "text" in p for p in content
+    ):
+        parts = [dict(p) if isinstance(p, dict) else p for p in content]
+        i = max(i for i, p in enumerate(parts) if isinstance(p, dict) and "text" in p)
+        parts[i]["text"] = str(parts[i]["text"]) + _CONTINUE + " "
+        last["content"] = parts
+    else:
+        raise InvalidInputError("continue_final_message needs a final message with text")
+    return [*messages[:-1], last]
 
 
 def _raise(message: str):

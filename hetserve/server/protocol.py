@@ -270,6 +270,7 @@ _RENDERED = {
     "tools": "send them as 'tools'",
     "bos_token": "it is the model's own",
     "eos_token": "it is the model's own",
+    "continue_final_message": "send it as the request's continue_final_message",
 }
 
 
@@ -280,6 +281,9 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # vLLM's: the reply continues the final message (an assistant turn begun by the client)
+    # instead of opening a new turn; needs add_generation_prompt false.
+    continue_final_message: bool = False
     # Passed to the chat template (enable_thinking, ...); vLLM's extension.
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
@@ -325,9 +329,26 @@ class ChatCompletionRequest(_Common):
                     "chat_template_kwargs.add_generation_prompt",
                 )
             self.add_generation_prompt = value
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise InvalidInputError(
+                    "continue_final_message continues the last message, add_generation_prompt "
+                    "opens a new turn: set add_generation_prompt to false",
+                    "continue_final_message",
+                )
+            if not self.messages[-1].text().strip():
+                raise InvalidInputError(
+                    "continue_final_message needs a final message with text to continue",
+                    "continue_final_message",
+                )
 
     def template_kwargs(self) -> dict[str, Any]:
+        """What the tokenizer's apply_chat_template takes beyond messages, the generation
+        prompt and tools: the template's own variables, and whether to continue the last
+        message."""
         kwargs = dict(self.chat_template_kwargs or {})
+        if self.continue_final_message:
+            kwargs["continue_final_message"] = True
         if self.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", self.reasoning_effort)
         return kwargs

@@ -51,7 +51,6 @@ COMPLETION_EXTENSIONS = VLLM_EXTENSIONS | {"add_special_tokens": (None, True)}
 CHAT_EXTENSIONS = VLLM_EXTENSIONS | {
     "add_special_tokens": (None, False),
     "echo": (None, False),  # vLLM's chat echo: the last message prepended to the reply
-    "continue_final_message": (None, False),
     "chat_template": (None,),
     "documents": (None,),
 }

@@ -313,7 +313,7 @@ BAD = [
         M,
         {"continue_final_message": True, "add_generation_prompt": True},
         "continue_final_message",
-        "not supported",
+        "set add_generation_prompt to false",
     ),
 ]
 
