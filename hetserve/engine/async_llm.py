@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,9 +86,12 @@ class RequestStream:
     idempotent and harmless after the end, so consumers call it in a `finally`.
     """
 
-    def __init__(self, request_id: str, owner: AsyncLLM, num_prompt_tokens: int = 0) -> None:
+    def __init__(
+        self, request_id: str, owner: AsyncLLM, prompt_token_ids: Sequence[int] = ()
+    ) -> None:
         self.request_id = request_id
-        self.num_prompt_tokens = num_prompt_tokens  # known before the first output
+        self.prompt_token_ids = prompt_token_ids  # known before the first output
+        self.num_prompt_tokens = len(prompt_token_ids)
         self._owner = owner
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -168,7 +171,7 @@ class AsyncLLM:
         rid = checked.request_id
         if rid in self._streams:
             raise EngineRequestError(rid, "a request with this id is already running")
-        stream = RequestStream(rid, self, len(checked.prompt_token_ids))
+        stream = RequestStream(rid, self, checked.prompt_token_ids)
         self._streams[rid] = stream
         self._commands.put(_Add(checked))
         return stream

@@ -30,26 +30,30 @@ from hetserve.server.protocol import (
     parse_completion,
 )
 from hetserve.server.responses import ResponsesServing, install_responses_routes
+from hetserve.server.tokenize import install_tokenize_routes
 
 MAX_BODY_BYTES = 8 << 20
 SERVED_APIS = (
     "this server serves OpenAI's API (POST /v1/chat/completions, /v1/completions, "
     "/v1/responses; GET /v1/models), Ollama's (POST /api/chat, /api/generate, /api/show; GET "
-    "/api/tags, /api/ps, /api/version), GET /health and GET /metrics"
+    "/api/tags, /api/ps, /api/version), vLLM's POST /tokenize and /detokenize, GET /health "
+    "and GET /metrics"
 )
 PARSE_OFF_LOOP = 256 << 10  # bodies larger than this are parsed off the event loop
+GUARDED_TOP = ("/tokenize", "/detokenize")  # behind the API key beside /v1/*, /api/*, ...
 T = TypeVar("T")
 
 
 class Guard:
     """Pure ASGI middleware (a BaseHTTPMiddleware would hide client disconnects from the
     routes): stamps the arrival time, checks the bearer token on /v1/*, /api/* (Ollama's
-    routes) and /internal/*, and enforces the body limit while the body is read, chunked bodies
-    included, so an oversized one is never read whole. It also answers for the routes what
-    nothing else caught: an error JSON while no response started (Starlette's outermost
-    handler would send it too, but then re-raise, and uvicorn drops the client's keep-alive
-    connection: one bad request would fail that client's next one), and writes the access line
-    of every answer, its own and abandoned streams' (499) included."""
+    routes), /internal/* and vLLM's /tokenize and /detokenize, and enforces the body limit
+    while the body is read, chunked bodies included, so an oversized one is never read whole.
+    It also answers for the routes what nothing else caught: an error JSON while no response
+    started (Starlette's outermost handler would send it too, but then re-raise, and uvicorn
+    drops the client's keep-alive connection: one bad request would fail that client's next
+    one), and writes the access line of every answer, its own and abandoned streams' (499)
+    included."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int, access=None) -> None:
         self.app = app
@@ -94,7 +98,8 @@ class Guard:
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             body = error_body(str(BodyTooLargeError(self.limit)))
             return await _send_json(send, 413, _shaped(scope["path"], body))
-        guarded = scope["path"].startswith(("/v1/", "/api/", "/internal/"))
+        path = scope["path"]
+        guarded = path.startswith(("/v1/", "/api/", "/internal/")) or path in GUARDED_TOP
         if self.api_key and guarded and not self._authorized(headers):
             body = error_body("missing or invalid API key", "authentication_error")
             body["error"]["code"] = "invalid_api_key"
@@ -251,6 +256,7 @@ def create_app(
 
     install_ollama_routes(app, OllamaServing(chat, model_name), engine, check_model)
     install_responses_routes(app, ResponsesServing(chat), check_model)
+    install_tokenize_routes(app, chat, check_model)
     install_lora_routes(app, engine, model_name, lora_runtime_updates)
     install_internal_routes(app, engine, profile)
     install_openapi(app)

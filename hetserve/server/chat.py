@@ -145,7 +145,9 @@ class ChatServing(OpenAIServing):
                     "finish_reason": _finish(c, bool(parsed.calls), req.tool_plan),
                 }
             )
-        return {
+            if req.return_token_ids:
+                choices[-1]["token_ids"] = list(c.token_ids)
+        body = {
             "id": base,
             "object": "chat.completion",
             "created": int(time.time()),
@@ -153,6 +155,9 @@ class ChatServing(OpenAIServing):
             "choices": choices,
             "usage": self._usage(out, reasoning),
         }
+        if req.return_token_ids:  # vLLM's: the prompt's once, beside the choices
+            body["prompt_token_ids"] = out.prompt_token_ids
+        return body
 
     def _usage(self, out, reasoning: list[str]) -> dict:
         usage = self.usage([out])
@@ -169,12 +174,16 @@ class ChatServing(OpenAIServing):
         role = {"role": "assistant", "content": ""}
         prompt = streams[0].num_prompt_tokens  # as vLLM: the role chunk counts the prompt
         zero = {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
+        ids = {}
+        if req.return_token_ids:  # vLLM's: the prompt's in the first chunk
+            ids["prompt_token_ids"] = list(streams[0].prompt_token_ids)
         yield chunk(
             [
                 {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
                 for i in range(req.n)
             ],
             zero if continuous else None,
+            **ids,
         )
         sent: dict[int, tuple[int, bool]] = {}  # choice -> (tokens sent, finish sent)
         last = None
@@ -200,6 +209,8 @@ class ChatServing(OpenAIServing):
                     "logprobs": lp,
                     "finish_reason": _finish(c, called, req.tool_plan),
                 }
+                if req.return_token_ids:
+                    choice["token_ids"] = c.token_ids[ntok:]
                 yield chunk([choice], self._stream_usage(out, streamers) if continuous else None)
         if opts and opts.include_usage and last is not None:
             yield chunk([], self._stream_usage(last, streamers))

@@ -53,6 +53,11 @@ class CompletionServing(OpenAIServing):
                 "text": (self._echo(out) if req.echo else "") + c.text,
                 "logprobs": self._choice_logprobs(req, out, c),
                 "finish_reason": c.finish_reason,
+                **(
+                    {"prompt_token_ids": out.prompt_token_ids, "token_ids": list(c.token_ids)}
+                    if req.return_token_ids
+                    else {}
+                ),
             }
             for i, out in enumerate(outs)
             for c in out.outputs
@@ -95,6 +100,10 @@ class CompletionServing(OpenAIServing):
                     "logprobs": lp,
                     "finish_reason": c.finish_reason,
                 }
+                if req.return_token_ids:  # vLLM's: the prompt's with each choice's first chunk
+                    if first:
+                        choice["prompt_token_ids"] = out.prompt_token_ids
+                    choice["token_ids"] = c.token_ids[ntok:]
                 usage = self.usage(list(finals.values())) if continuous else None
                 yield chunk([choice], usage)
         if opts and opts.include_usage:

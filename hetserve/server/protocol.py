@@ -85,6 +85,8 @@ class _Common(BaseModel):
     stop_token_ids: list[StrictInt] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     seed: int | None = None
     ignore_eos: bool = False
+    # vLLM's: the prompt's and the reply's token ids beside the text (RL rollouts keep them).
+    return_token_ids: bool = False
     include_stop_str_in_output: bool = False  # vLLM's extension
     min_tokens: int = Field(default=0, ge=0)
     priority: int = 0

@@ -48,15 +48,15 @@ def arrival_time(request: Request) -> float:
 
 
 def chunk_writer(base: str, kind: str, model: str):
-    """`chunk(choices, usage=None)` -> one SSE event of a stream: id, object `kind`, the time the
-    stream started, model, choices, and usage where given."""
+    """`chunk(choices, usage=None, **extra)` -> one SSE event of a stream: id, object `kind`,
+    the time the stream started, model, choices, usage where given, and any `extra` fields."""
     created = int(time.time())
 
-    def chunk(choices: list, usage: dict | None = None) -> str:
+    def chunk(choices: list, usage: dict | None = None, **extra) -> str:
         body = {"id": base, "object": kind, "created": created, "model": model, "choices": choices}
         if usage is not None:
             body["usage"] = usage
-        return sse(body)
+        return sse(body | extra)
 
     return chunk
 

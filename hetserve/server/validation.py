@@ -39,7 +39,6 @@ VLLM_EXTENSIONS: dict[str, tuple[Any, ...]] = {
     "bad_words": (None, []),
     "allowed_token_ids": (None,),
     "truncate_prompt_tokens": (None,),
-    "return_token_ids": (None, False),
     "return_tokens_as_token_ids": (None, False),
     "cache_salt": (None,),
     "thinking_token_budget": (None,),

@@ -1,0 +1,98 @@
+"""vLLM's `POST /tokenize` and `POST /detokenize`: the served model's tokenizer over HTTP, for
+clients that count or cut tokens before they send (chat UIs sizing a context, RL frameworks
+keeping token ids, benchmarks).
+
+Who calls it: `server/app.py` installs the routes. /tokenize takes a completion body (`prompt`,
+`add_special_tokens` default true) or a chat body (`messages` rendered by the model's chat
+template exactly as /v1/chat/completions renders them: tools, `add_generation_prompt`,
+`continue_final_message`, `chat_template_kwargs`; `add_special_tokens` default false) and
+answers `count`, `max_model_len`, `tokens` and, with `return_token_strs`, each token's string
+as the vocabulary writes it. /detokenize takes `tokens` and answers `prompt`.
+
+Failure contract: a malformed body, a chat body the template or the chat route's checks
+refuse, or a token id outside the vocabulary is a 400 naming the field; an unknown model a 404,
+as the other routes answer.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from pydantic import ValidationError
+
+from hetserve.errors import InvalidInputError
+from hetserve.server.chat import ChatServing, template_inputs
+from hetserve.server.errors import validation_message
+from hetserve.server.protocol import ChatCompletionRequest
+
+# The fields /tokenize reads itself; the rest of a chat body is the chat route's.
+_OWN = ("add_special_tokens", "return_token_strs")
+
+
+def install_tokenize_routes(app: FastAPI, chat: ChatServing, check_model) -> None:
+    @app.post("/tokenize", include_in_schema=False)
+    async def tokenize(request: Request):
+        body = await _body(request)
+        refused = check_model(body.get("model"))
+        if refused is not None:
+            return refused
+        for name in _OWN:
+            if not isinstance(body.get(name, False), bool):
+                raise InvalidInputError(f"{name} must be a boolean", name)
+        if "messages" in body:
+            prompt = await _chat_prompt(chat, body)
+            special = body.get("add_special_tokens", False)
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise InvalidInputError("give 'prompt' (a string) or 'messages'", "prompt")
+            special = body.get("add_special_tokens", True)
+        ids = await chat.encode(prompt, add_special_tokens=special)
+        strs = None
+        if body.get("return_token_strs"):
+            strs = [chat.tok.id_to_token(t) or chat.token_str(t) for t in ids]
+        return {"count": len(ids), "max_model_len": chat.engine.max_model_len, "tokens": ids,
+                "token_strs": strs}  # fmt: skip
+
+    @app.post("/detokenize", include_in_schema=False)
+    async def detokenize(request: Request):
+        body = await _body(request)
+        refused = check_model(body.get("model"))
+        if refused is not None:
+            return refused
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(_is_id(t) for t in tokens):
+            raise InvalidInputError("tokens must be a list of token ids (integers)", "tokens")
+        vocab = chat.engine.vocab_size
+        for i, t in enumerate(tokens):
+            if not 0 <= t < vocab:
+                raise InvalidInputError(
+                    f"token id {t} is outside the vocabulary (0 to {vocab - 1})", f"tokens.{i}"
+                )
+        return {"prompt": chat.tok.decode(tokens, skip_special_tokens=False)}
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except ValueError:
+        raise InvalidInputError("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidInputError("request body must be a JSON object")
+    return body
+
+
+async def _chat_prompt(chat: ChatServing, body: dict[str, Any]) -> str:
+    fields = {k: v for k, v in body.items() if k not in _OWN}
+    try:
+        req = ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        raise InvalidInputError(*validation_message(exc)) from None
+    messages, add_generation_prompt, tools, kwargs = template_inputs(req)
+    return await chat.render_chat(messages, add_generation_prompt, tools, **kwargs)
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

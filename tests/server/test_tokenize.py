@@ -1,0 +1,130 @@
+"""vLLM's /tokenize and /detokenize: the served model's tokenizer over HTTP. A chat body is
+rendered as /v1/chat/completions renders it (its usage counts the same prompt tokens); the
+routes are behind the API key; mistakes are 400s naming the field."""
+
+import json
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from hetserve.config import EngineConfig
+from hetserve.engine.async_llm import AsyncLLM
+from tests.server.conftest import LiveServer
+
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+KEY = {"Authorization": "Bearer sesame"}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model):
+    model = str(tiny_model("qwen3-moe"))
+    engine = AsyncLLM(EngineConfig(model=model, max_model_len=512))
+    srv = LiveServer(engine, api_key="sesame")
+    yield srv, model
+    srv.stop()
+    engine.shutdown()
+
+
+def post(srv, path, body, headers=KEY):
+    return httpx.post(srv.url + path, json=body, headers=headers, timeout=60)
+
+
+def test_a_prompt_as_transformers_tokenizes_it(served):
+    srv, model = served
+    hf = AutoTokenizer.from_pretrained(model)
+    text = "The quick brown fox jumps over the lazy dog"
+    r = post(srv, "/tokenize", {"model": "tiny", "prompt": text, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["tokens"] == hf.encode(text) and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == 512
+    assert got["token_strs"] == hf.convert_ids_to_tokens(got["tokens"])
+    back = post(srv, "/detokenize", {"model": "tiny", "tokens": got["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": text}
+    assert post(srv, "/tokenize", {"prompt": text}).json()["token_strs"] is None
+
+
+def test_a_chat_counts_what_the_chat_route_prompts(served):
+    srv, _ = served
+    for extra in ({}, {"tools": [TOOL]}, {"chat_template_kwargs": {"enable_thinking": False}}):
+        body = {"messages": MESSAGES, **extra}
+        counted = post(srv, "/tokenize", body).json()["count"]
+        r = post(srv, "/v1/chat/completions", {**body, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        assert counted == r.json()["usage"]["prompt_tokens"]
+    begun = [*MESSAGES, {"role": "assistant", "content": "Hi, I am"}]
+    cont = post(srv, "/tokenize", {"messages": begun, "add_generation_prompt": False,
+                                   "continue_final_message": True})  # fmt: skip
+    text = post(srv, "/detokenize", {"tokens": cont.json()["tokens"]}).json()["prompt"]
+    assert text.endswith("Hi, I am")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [("/tokenize", {}, "prompt"),
+     ("/tokenize", {"prompt": 5}, "prompt"),
+     ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+     ("/tokenize", {"messages": []}, "messages"),
+     ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": True,
+                    "continue_final_message": True}, "continue_final_message"),
+     ("/detokenize", {"tokens": "abc"}, "tokens"),
+     ("/detokenize", {"tokens": [1, True]}, "tokens"),
+     ("/detokenize", {"tokens": [1, 10**9]}, "tokens.1"),
+     ("/detokenize", {"tokens": [-1]}, "tokens.0")],
+)  # fmt: skip
+def test_mistakes_are_400s_naming_the_field(served, path, body, param):
+    srv, _ = served
+    r = post(srv, path, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
+
+
+def test_behind_the_key_and_the_model_name(served):
+    srv, _ = served
+    for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+        assert post(srv, path, body, headers={}).status_code == 401
+        r = post(srv, path, {**body, "model": "other"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(srv.url + "/tokenize", content=b"{", headers=KEY)
+    assert r.status_code == 400
+
+
+def _events(srv, path, body):
+    with httpx.stream("POST", srv.url + path, json={**body, "stream": True}, headers=KEY,
+                      timeout=60) as s:  # fmt: skip
+        lines = [ln.removeprefix("data: ") for ln in s.iter_lines() if ln.startswith("data: ")]
+    return [json.loads(ln) for ln in lines if ln != "[DONE]"]
+
+
+def test_return_token_ids_gives_the_prompts_and_the_replys_ids(served):
+    """vLLM's return_token_ids (RL rollouts keep the ids the model saw and wrote) was refused
+    as unsupported."""
+    srv, _ = served
+    greedy = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    text = "The quick brown fox"
+    r = post(srv, "/v1/completions", {"prompt": text, **greedy}).json()
+    choice = r["choices"][0]
+    assert choice["prompt_token_ids"] == post(srv, "/tokenize", {"prompt": text}).json()["tokens"]
+    assert len(choice["token_ids"]) == r["usage"]["completion_tokens"] == 6
+    assert post(srv, "/detokenize", {"tokens": choice["token_ids"]}).json()["prompt"] == (
+        choice["text"]
+    )
+    chunks = [c["choices"][0] for c in _events(srv, "/v1/completions", {"prompt": text, **greedy})
+              if c["choices"]]  # fmt: skip
+    assert chunks[0]["prompt_token_ids"] == choice["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["token_ids"]] == choice["token_ids"]
+
+    chat = post(srv, "/v1/chat/completions", {"messages": MESSAGES, **greedy}).json()
+    assert chat["prompt_token_ids"] == post(srv, "/tokenize", {"messages": MESSAGES}).json()[
+        "tokens"
+    ]
+    assert len(chat["choices"][0]["token_ids"]) == 6
+    events = _events(srv, "/v1/chat/completions", {"messages": MESSAGES, **greedy})
+    assert events[0]["prompt_token_ids"] == chat["prompt_token_ids"]
+    streamed = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
+    assert streamed == chat["choices"][0]["token_ids"]
+    plain = post(srv, "/v1/completions", {"prompt": text, "max_tokens": 2}).json()
+    assert "token_ids" not in plain["choices"][0]  # not asked, not sent
