@@ -63,3 +63,9 @@ def hash_prefix_blocks(
         parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra, seed)
         hashes.append(parent)
     return hashes
+
+
+def salt_extra(salt: object) -> CacheExtra:
+    """A request's cache salt (vLLM's `cache_salt`) as its blocks' hash extra: the instances
+    and the Conductor hash it the same way. Anything but a non-empty string is no salt."""
+    return (f"salt:{salt}",) if isinstance(salt, str) and salt else ()

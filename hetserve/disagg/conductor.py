@@ -37,6 +37,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from hetserve.core.block_hash import salt_extra
 from hetserve.disagg.instances import Cluster
 from hetserve.disagg.policy import Decision, RequestInfo, Router
 from hetserve.native.hash_chain import hash_prefix_digests
@@ -137,7 +138,9 @@ class Conductor:
         """Route one request (`arrived`: its `time.perf_counter()` on arrival, for the TTFT
         the request log records; None: now)."""
         ids = self.prompt_ids(path, body)
-        hashes = hash_prefix_digests(ids, self.cluster.block_size, (), self.cluster.hash_seed)
+        extra = salt_extra(body.get("cache_salt"))  # in every block hash, as the instances do
+        bs, seed = self.cluster.block_size, self.cluster.hash_seed
+        hashes = hash_prefix_digests(ids, bs, extra, seed)
         req = RequestInfo(
             uuid.uuid4().hex,
             len(ids),

@@ -87,6 +87,9 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     # vLLM's: the prompt's and the reply's token ids beside the text (RL rollouts keep them).
     return_token_ids: bool = False
+    # vLLM's: a tenant's secret mixed into every block hash of the request, so its prefix is
+    # shared only with requests carrying the same salt (no timing side channel across tenants).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     include_stop_str_in_output: bool = False  # vLLM's extension
     min_tokens: int = Field(default=0, ge=0)
     priority: int = 0

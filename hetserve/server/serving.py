@@ -25,6 +25,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from hetserve.config import SchedulingPolicy
+from hetserve.core.block_hash import salt_extra
 from hetserve.core.outputs import RequestOutput
 from hetserve.core.request import HandoffPath, HandoffRole, KVHandoff, NewRequest
 from hetserve.core.sampling import SamplingParams
@@ -194,6 +195,7 @@ class OpenAIServing:
                     kv_handoff=handoff_of(req),
                     grammar=grammar,
                     caller_id=caller_id(request),
+                    cache_extra=salt_extra(req.cache_salt),
                 )
                 streams.append(self.engine.submit(new))
                 request.scope.setdefault("hetserve.ids", []).append(rid)  # the access line

@@ -40,7 +40,6 @@ VLLM_EXTENSIONS: dict[str, tuple[Any, ...]] = {
     "allowed_token_ids": (None,),
     "truncate_prompt_tokens": (None,),
     "return_tokens_as_token_ids": (None, False),
-    "cache_salt": (None,),
     "thinking_token_budget": (None,),
     "repetition_detection": (None,),
     "kv_transfer_params": (None,),

@@ -186,3 +186,21 @@ def test_a_request_the_decode_half_refuses_stops_its_prefill_half() -> None:
         await cluster.http.aclose()
 
     asyncio.run(run())
+
+
+def test_a_salted_prompt_is_looked_up_by_its_salted_hashes() -> None:
+    """vLLM's cache_salt: the instances mix it into every block hash, so the Conductor must
+    look the prompt up under the same hashes (unsalted ones would never be held)."""
+    from hetserve.core.block_hash import hash_prefix_blocks, salt_extra
+
+    asked: list[list[bytes]] = []
+    cluster, conductor = _conductor(_instance)
+    conductor.holdings = lambda hashes: asked.append(list(hashes)) or {}
+    body = {"prompt": "abcdefghijkl", "max_tokens": 2}
+    ids = conductor.prompt_ids("/v1/completions", body)
+    for salt in (None, "tenant-a"):
+        conductor.decide("/v1/completions", {**body, "cache_salt": salt})
+        want = hash_prefix_blocks(ids, 4, salt_extra(salt), b"")
+        assert asked[-1] == [h.digest for h in want]
+    assert asked[0] != asked[1]
+    asyncio.run(cluster.http.aclose())

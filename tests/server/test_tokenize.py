@@ -128,3 +128,25 @@ def test_return_token_ids_gives_the_prompts_and_the_replys_ids(served):
     assert streamed == chat["choices"][0]["token_ids"]
     plain = post(srv, "/v1/completions", {"prompt": text, "max_tokens": 2}).json()
     assert "token_ids" not in plain["choices"][0]  # not asked, not sent
+
+
+def test_cache_salt_shares_a_prefix_only_under_the_same_salt(served):
+    """vLLM's cache_salt was refused as unsupported: tenants sharing a server could not keep
+    their prefixes (and the timing that reveals them) apart."""
+    srv, _ = served
+    prompt = "the tenants each send the same long preamble " * 6
+
+    def cached(**extra):
+        body = {"prompt": prompt, "max_tokens": 1, **extra}
+        r = post(srv, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="a" * 43) == 0  # first seen
+    assert cached(cache_salt="a" * 43) > 0  # the same tenant: its prefix
+    assert cached(cache_salt="b" * 43) == 0  # another tenant's: nothing shared
+    assert cached() == 0  # nor with requests without a salt
+    assert cached() > 0
+    for bad in ("", 5):
+        r = post(srv, "/v1/completions", {"prompt": "x", "cache_salt": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"

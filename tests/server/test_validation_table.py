@@ -302,7 +302,6 @@ BAD = [
     *both({"bad_words": ["the"]}, "bad_words", "not supported"),
     *both({"allowed_token_ids": [5]}, "allowed_token_ids", "not supported"),
     *both({"truncate_prompt_tokens": 2}, "truncate_prompt_tokens", "not supported"),
-    *both({"cache_salt": "salt"}, "cache_salt", "not supported"),
     (C, {"add_special_tokens": False}, "add_special_tokens", "not supported"),
     (M, {"add_special_tokens": True}, "add_special_tokens", "not supported"),
     (M, {"echo": True}, "echo", "not supported"),
