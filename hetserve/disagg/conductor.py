@@ -138,6 +138,9 @@ class Conductor:
         """Route one request (`arrived`: its `time.perf_counter()` on arrival, for the TTFT
         the request log records; None: now)."""
         ids = self.prompt_ids(path, body)
+        keep = body.get("truncate_prompt_tokens")  # the instances keep the last `keep`
+        if isinstance(keep, int) and not isinstance(keep, bool) and 0 < keep < len(ids):
+            ids = ids[-keep:]
         extra = salt_extra(body.get("cache_salt"))  # in every block hash, as the instances do
         bs, seed = self.cluster.block_size, self.cluster.hash_seed
         hashes = hash_prefix_digests(ids, bs, extra, seed)

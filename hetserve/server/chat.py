@@ -157,6 +157,8 @@ class ChatServing(OpenAIServing):
         }
         if req.return_token_ids:  # vLLM's: the prompt's once, beside the choices
             body["prompt_token_ids"] = out.prompt_token_ids
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs(out, req.prompt_logprobs)
         return body
 
     def _usage(self, out, reasoning: list[str]) -> dict:

@@ -58,6 +58,11 @@ class CompletionServing(OpenAIServing):
                     if req.return_token_ids
                     else {}
                 ),
+                **(
+                    {"prompt_logprobs": self.prompt_logprobs(out, req.prompt_logprobs)}
+                    if req.prompt_logprobs is not None
+                    else {}
+                ),
             }
             for i, out in enumerate(outs)
             for c in out.outputs

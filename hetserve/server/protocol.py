@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from hetserve.core.grammar import GrammarSpec
+from hetserve.core.sampling import MAX_LOGPROBS
 from hetserve.errors import InvalidInputError
 from hetserve.server.structured import grammar_of
 from hetserve.server.tool_calls import ToolPlan, plan_tools
@@ -90,6 +91,10 @@ class _Common(BaseModel):
     # vLLM's: a tenant's secret mixed into every block hash of the request, so its prefix is
     # shared only with requests carrying the same salt (no timing side channel across tenants).
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    # vLLM's: each prompt token's logprob given its prefix, with the top k (not streamed).
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: only the prompt's last k tokens are used (left truncation).
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=1)
     include_stop_str_in_output: bool = False  # vLLM's extension
     min_tokens: int = Field(default=0, ge=0)
     priority: int = 0
@@ -129,6 +134,11 @@ class _Common(BaseModel):
         check_unsupported(self.model_extra or {}, self.extensions)
         self._grammar = grammar_of(self.model_extra or {})
         check_stream_options(self.stream, self.stream_options)
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidInputError(
+                "prompt_logprobs is not streamed (as vLLM); ask for it without stream",
+                "prompt_logprobs",
+            )
         limit, name = self.output_limit()
         check_min_tokens(self.min_tokens, limit, name)
         return self

@@ -127,7 +127,7 @@ class OpenAIServing:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 seed=req.seed,
                 logprobs=logprobs,
-                prompt_logprobs=prompt_lp,
+                prompt_logprobs=_most(prompt_lp, req.prompt_logprobs),
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty,
@@ -179,9 +179,12 @@ class OpenAIServing:
         session = req.session_id or request.headers.get("x-session-id") or None
         lora = self.lora_of(req)
         grammar = self.grammar_of(req)
+        keep = req.truncate_prompt_tokens
         try:
             for i, (text, ids) in enumerate(prompts):
                 rid = base if len(prompts) == 1 else f"{base}-{i}"
+                if keep is not None and len(ids) > keep:  # vLLM's: the last `keep` tokens
+                    text, ids = None, ids[-keep:]
                 self.check_room(req, len(ids))
                 new = NewRequest(
                     rid,
@@ -246,6 +249,21 @@ class OpenAIServing:
         )
 
     # ---- shared formatting ------------------------------------------------------------------
+    def prompt_logprobs(self, out: RequestOutput, k: int) -> list[dict | None]:
+        """vLLM's `prompt_logprobs`: per prompt position None (the first) or, by token id, the
+        prompt's token and the top k: logprob, rank, decoded token."""
+        rows: list[dict | None] = []
+        for tid, entry in zip(out.prompt_token_ids, out.prompt_logprobs or [], strict=False):
+            if entry is None:
+                rows.append(None)
+                continue
+            rows.append({
+                str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self.token_str(t)}
+                for t, lp in sorted(entry.items(), key=lambda x: x[1].rank)
+                if t == tid or lp.rank <= k
+            })  # fmt: skip
+        return rows
+
     def usage(self, outs: list[RequestOutput]) -> dict:
         prompt = sum(len(o.prompt_token_ids) for o in outs)
         completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
@@ -266,6 +284,12 @@ class OpenAIServing:
 
     def token_str(self, tid: int) -> str:
         return self.tok.decode([tid], skip_special_tokens=False)
+
+
+def _most(*ks: int | None) -> int | None:
+    """The largest of the logprob counts asked for (None: none asked)."""
+    asked = [k for k in ks if k is not None]
+    return max(asked) if asked else None
 
 
 def handoff_of(req: _Common) -> KVHandoff | None:

@@ -34,11 +34,9 @@ UNSUPPORTED = (
 # that ask for nothing (some clients send the defaults explicitly; those are accepted).
 VLLM_EXTENSIONS: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
-    "prompt_logprobs": (None,),
     "logprob_token_ids": (None,),
     "bad_words": (None, []),
     "allowed_token_ids": (None,),
-    "truncate_prompt_tokens": (None,),
     "return_tokens_as_token_ids": (None, False),
     "thinking_token_budget": (None,),
     "repetition_detection": (None,),

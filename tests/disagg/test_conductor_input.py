@@ -188,7 +188,7 @@ def test_a_request_the_decode_half_refuses_stops_its_prefill_half() -> None:
     asyncio.run(run())
 
 
-def test_a_salted_prompt_is_looked_up_by_its_salted_hashes() -> None:
+def test_a_salted_or_truncated_prompt_is_looked_up_as_the_instances_hash_it() -> None:
     """vLLM's cache_salt: the instances mix it into every block hash, so the Conductor must
     look the prompt up under the same hashes (unsalted ones would never be held)."""
     from hetserve.core.block_hash import hash_prefix_blocks, salt_extra
@@ -203,4 +203,7 @@ def test_a_salted_prompt_is_looked_up_by_its_salted_hashes() -> None:
         want = hash_prefix_blocks(ids, 4, salt_extra(salt), b"")
         assert asked[-1] == [h.digest for h in want]
     assert asked[0] != asked[1]
+    # truncate_prompt_tokens: the instances keep the last tokens, so the lookup does too.
+    conductor.decide("/v1/completions", {**body, "truncate_prompt_tokens": 8})
+    assert asked[-1] == [h.digest for h in hash_prefix_blocks(ids[-8:], 4, (), b"")]
     asyncio.run(cluster.http.aclose())

@@ -150,3 +150,52 @@ def test_cache_salt_shares_a_prefix_only_under_the_same_salt(served):
     for bad in ("", 5):
         r = post(srv, "/v1/completions", {"prompt": "x", "cache_salt": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
+def test_prompt_logprobs_are_the_echoed_prompts_logprobs(served):
+    """vLLM's prompt_logprobs (evaluation and RL frameworks score prompts with it) was refused
+    as unsupported; the engine already computed them for echo."""
+    srv, _ = served
+    text = "The quick brown fox jumps over the lazy dog"
+    ids = post(srv, "/tokenize", {"prompt": text}).json()["tokens"]
+    r = post(srv, "/v1/completions", {"prompt": text, "max_tokens": 1, "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    rows = r.json()["choices"][0]["prompt_logprobs"]
+    echo = post(srv, "/v1/completions", {"prompt": text, "max_tokens": 1, "echo": True,
+                                         "logprobs": 2}).json()  # fmt: skip
+    want = echo["choices"][0]["logprobs"]["token_logprobs"][: len(ids)]
+    assert rows[0] is None and len(rows) == len(ids)
+    for tid, row, lp in zip(ids[1:], rows[1:], want[1:], strict=True):
+        assert row[str(tid)]["logprob"] == pytest.approx(lp, abs=1e-5)
+        ranks = [v["rank"] for v in row.values()]
+        assert ranks == sorted(ranks) and {1, 2} <= set(ranks)  # the top 2 ...
+        assert len(row) == (2 if row[str(tid)]["rank"] <= 2 else 3)  # ... and the prompt's own
+    chat = post(srv, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1,
+                                              "prompt_logprobs": 0}).json()  # fmt: skip
+    rows = chat["prompt_logprobs"]
+    assert len(rows) == chat["usage"]["prompt_tokens"] and rows[0] is None
+    assert all(len(row) == 1 for row in rows[1:])  # k = 0: the prompt's own alone
+    for bad in ({"prompt_logprobs": 21}, {"prompt_logprobs": True},
+                {"prompt_logprobs": 1, "stream": True}):  # fmt: skip
+        r = post(srv, "/v1/completions", {"prompt": text, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_truncate_prompt_tokens_keeps_the_last_ones(served):
+    srv, _ = served
+    text = "The quick brown fox jumps over the lazy dog"
+    ids = post(srv, "/tokenize", {"prompt": text}).json()["tokens"]
+    greedy = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    cut = post(srv, "/v1/completions", {"prompt": text, "truncate_prompt_tokens": 3, **greedy})
+    assert cut.status_code == 200, cut.text
+    same = post(srv, "/v1/completions", {"prompt": ids[-3:], **greedy}).json()
+    assert cut.json()["usage"]["prompt_tokens"] == 3
+    assert cut.json()["choices"][0]["text"] == same["choices"][0]["text"]
+    long = post(srv, "/v1/completions", {"prompt": text, "truncate_prompt_tokens": 500,
+                                         **greedy}).json()  # fmt: skip
+    assert long["usage"]["prompt_tokens"] == len(ids)  # shorter already: as it is
+    chat = post(srv, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1,
+                                              "truncate_prompt_tokens": 5}).json()  # fmt: skip
+    assert chat["usage"]["prompt_tokens"] == 5
+    r = post(srv, "/v1/completions", {"prompt": text, "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"

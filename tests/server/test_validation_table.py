@@ -297,11 +297,9 @@ BAD = [
     (M, {"web_search_options": {}}, "web_search_options", "not supported"),
     # ---- vLLM's extensions we do not implement: refused unless they ask for nothing, and
     # vLLM's rule that continue_final_message excludes add_generation_prompt -------------------
-    *both({"prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
     *both({"use_beam_search": True}, "use_beam_search", "not supported"),
     *both({"bad_words": ["the"]}, "bad_words", "not supported"),
     *both({"allowed_token_ids": [5]}, "allowed_token_ids", "not supported"),
-    *both({"truncate_prompt_tokens": 2}, "truncate_prompt_tokens", "not supported"),
     (C, {"add_special_tokens": False}, "add_special_tokens", "not supported"),
     (M, {"add_special_tokens": True}, "add_special_tokens", "not supported"),
     (M, {"echo": True}, "echo", "not supported"),
