@@ -22,8 +22,9 @@ class SamplingParams:
     Penalties follow OpenAI (presence, frequency: subtracted from the logits of tokens already
     generated) and vLLM/HF (repetition: logits of tokens in the prompt or output divided by it
     when positive, multiplied when negative). logit_bias maps token ids to a bias added to their
-    logits. What depends on the model (token ids inside the vocabulary, the context length) is
-    checked by the engine at admission.
+    logits; allowed_token_ids and bad_words_token_ids keep tokens from being sampled. What
+    depends on the model (token ids inside the vocabulary, the context length) is checked by
+    the engine at admission.
     """
 
     n: int = 1
@@ -48,6 +49,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # token id -> bias; given as a mapping, stored as sorted pairs so the object stays hashable.
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    # Only these token ids may be sampled (vLLM's allowed_token_ids); empty: any.
+    allowed_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Words the output never contains (vLLM's bad_words); LLM.generate spells them into
+    # bad_words_token_ids with the model's tokenizer, alone and after a space.
+    bad_words: tuple[str, ...] = field(default_factory=tuple)
+    # Token sequences the output never completes: a one-token word is never sampled, a longer
+    # one's last token not right after the rest.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         # Accept lists and a bare string for convenience, store tuples so the object stays hashable.
@@ -59,6 +68,11 @@ class SamplingParams:
         bias = self.logit_bias
         items = bias.items() if isinstance(bias, Mapping) else (bias or ())
         object.__setattr__(self, "logit_bias", tuple(sorted((k, v) for k, v in items)))
+        object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids or ()))
+        words = tuple(tuple(w) for w in self.bad_words_token_ids or ())
+        object.__setattr__(self, "bad_words_token_ids", words)
+        bad = self.bad_words
+        object.__setattr__(self, "bad_words", (bad,) if isinstance(bad, str) else tuple(bad or ()))
         self._validate()
 
     def _validate(self) -> None:
@@ -98,6 +112,15 @@ class SamplingParams:
             if not _is_int(tid) or tid < 0:
                 raise ValueError(f"logit_bias keys must be token ids >= 0, got {tid!r}")
             _finite(f"logit_bias[{tid}]", b, -100.0, 100.0)
+        if any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
+            raise ValueError("allowed_token_ids must be a list of token ids >= 0")
+        if any(not w or any(not _is_int(t) or t < 0 for t in w) for w in self.bad_words_token_ids):
+            raise ValueError("bad_words_token_ids must be non-empty lists of token ids >= 0")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must be a list of non-blank strings")
+        never = {w[0] for w in self.bad_words_token_ids if len(w) == 1}
+        if self.allowed_token_ids and set(self.allowed_token_ids) <= never:
+            raise ValueError("allowed_token_ids: bad_words ban every one of them")
 
     def with_max_tokens(self, max_tokens: int) -> SamplingParams:
         """A copy with max_tokens set (min_tokens capped to it)."""
@@ -106,6 +129,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def restricted(self) -> bool:
+        """Whether some tokens are kept from being sampled (allowed ids, bad words)."""
+        return bool(self.allowed_token_ids or self.bad_words_token_ids)
 
     @property
     def penalized(self) -> bool:

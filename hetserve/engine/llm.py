@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -79,6 +80,7 @@ class LLM:
                 params = list(sampling_params)
                 if len(params) != len(requests):
                     raise InvalidInputError("sampling_params list must match the number of prompts")
+            params = [self._spelled(p) for p in params]
             loras = self._lora_names(lora_request, len(requests))
             # Everything is validated before anything is queued: one bad prompt queues nothing.
             new = [
@@ -88,6 +90,13 @@ class LLM:
             for req in new:
                 self.engine.enqueue(req, stream=False)
             return self._run([r.request_id for r in new], use_tqdm)
+
+    def _spelled(self, params: SamplingParams) -> SamplingParams:
+        """`bad_words` as the token sequences the sampler bans (the tokenizer's spellings)."""
+        if not params.bad_words:
+            return params
+        ids = self.tokenizer.bad_word_ids(params.bad_words)
+        return replace(params, bad_words_token_ids=(*params.bad_words_token_ids, *ids))
 
     def _lora_names(self, spec, n: int) -> list[str | None]:
         """Adapter names per prompt; a LoRARequest with a path is loaded (or reloaded, if its

@@ -63,6 +63,8 @@ class RequestValidator:
         for name, tokens in (
             ("stop_token_ids", params.stop_token_ids),
             ("logit_bias", [t for t, _ in params.logit_bias]),
+            ("allowed_token_ids", params.allowed_token_ids),
+            ("bad_words", [t for w in params.bad_words_token_ids for t in w]),
         ):
             bad = next((t for t in tokens if t >= vocab), None)
             if bad is not None:

@@ -52,7 +52,9 @@ def process_logits(
     for r, row in enumerate(rows):
         p = row.params
         banned = row.banned(eos_ids)
-        if not (p.logit_bias or banned or p.penalized or row.disallowed is not None):
+        if not (
+            p.logit_bias or banned or p.penalized or p.restricted or row.disallowed is not None
+        ):
             continue
         try:
             _process_row(logits[r], row, banned)
@@ -79,7 +81,9 @@ def _process_row(row_logits: torch.Tensor, row: SamplingRow, banned: list[int]) 
     if p.logit_bias:
         ids = torch.tensor([t for t, _ in p.logit_bias], device=dev)
         row_logits.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=dev))
-    if banned:
+    if p.restricted:
+        _restrict(row_logits, row, banned)
+    elif banned:
         row_logits[torch.tensor(banned, device=dev)] = float("-inf")
     if not p.penalized:
         return
@@ -92,6 +96,31 @@ def _process_row(row_logits: torch.Tensor, row: SamplingRow, banned: list[int]) 
     if (p.presence_penalty or p.frequency_penalty) and out.numel():
         counts = torch.bincount(out, minlength=row_logits.shape[0]).to(row_logits.dtype)
         row_logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def _restrict(row_logits: torch.Tensor, row: SamplingRow, banned: list[int]) -> None:
+    """allowed_token_ids, bad words, then min_tokens' ban; where together they leave nothing
+    (only a stop token allowed, min_tokens not reached) the allowed tokens win, as an output
+    outside them helps no one."""
+    p, dev = row.params, row_logits.device
+    keep = torch.zeros_like(row_logits, dtype=torch.bool)
+    if p.allowed_token_ids:
+        keep[torch.tensor(p.allowed_token_ids, device=dev)] = True
+    else:
+        keep[:] = True
+    out = row.output_token_ids
+    for word in p.bad_words_token_ids:
+        head = list(word[:-1])
+        if not head or (len(out) >= len(head) and out[len(out) - len(head) :] == head):
+            keep[word[-1]] = False
+    if not keep.any():  # this request alone fails (a bad word's tail closed the last one)
+        raise ValueError("allowed_token_ids and bad_words leave no token to sample")
+    fallback = keep.clone()
+    if banned:
+        keep[torch.tensor(banned, device=dev)] = False
+    if not keep.any():
+        keep = fallback
+    row_logits.masked_fill_(~keep, float("-inf"))
 
 
 def _filter(logits: torch.Tensor, top_k: int | None, top_p: float, min_p: float) -> torch.Tensor:

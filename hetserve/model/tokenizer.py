@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 
@@ -151,6 +152,17 @@ class Tokenizer:
             except ValueError:
                 pass
         return self.decode([token_id], skip_special_tokens=False).encode()
+
+    def bad_word_ids(self, words: Iterable[str]) -> tuple[tuple[int, ...], ...]:
+        """Words (vLLM's bad_words) as the token sequences that spell them: alone and after a
+        space (mid-sentence, where byte-level BPEs spell a word otherwise), without repeats."""
+        out: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for spelled in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.encode(spelled, add_special_tokens=False))
+                if ids:
+                    out[ids] = None
+        return tuple(out)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

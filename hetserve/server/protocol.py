@@ -45,6 +45,8 @@ MAX_PROMPTS = 256  # prompts in one /v1/completions request
 MAX_CHOICES = 256  # prompts x n
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # OpenAI's limit
+MAX_ALLOWED_TOKEN_IDS = 65536  # a body's worth; the masks cost one pass over the vocabulary
+MAX_BAD_WORDS = 256
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -95,6 +97,13 @@ class _Common(BaseModel):
     prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: only the prompt's last k tokens are used (left truncation).
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=1)
+    # vLLM's: only these token ids may be sampled.
+    allowed_token_ids: list[StrictInt] | None = Field(
+        default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS
+    )
+    # vLLM's: words the output never contains (as the tokenizer spells them, with and without
+    # a leading space).
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     include_stop_str_in_output: bool = False  # vLLM's extension
     min_tokens: int = Field(default=0, ge=0)
     priority: int = 0
@@ -121,6 +130,13 @@ class _Common(BaseModel):
         if len(items) > 16 or any(not s or len(s) > 256 for s in items):
             raise ValueError("stop must be at most 16 non-empty strings of up to 256 characters")
         return items
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, v):
+        if v is not None and any(not w.strip() or len(w) > 256 for w in v):
+            raise ValueError("bad_words must be non-blank strings of up to 256 characters")
+        return v
 
     @field_validator("logit_bias")
     @classmethod

@@ -132,6 +132,8 @@ class OpenAIServing:
                 frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty,
                 logit_bias=req.logit_bias_ids(),
+                allowed_token_ids=req.allowed_token_ids or (),
+                bad_words_token_ids=self.tok.bad_word_ids(req.bad_words or ()),
                 skip_special_tokens=req.skip_special_tokens and not specials,
             )
         except ValueError as exc:

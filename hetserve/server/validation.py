@@ -35,8 +35,6 @@ UNSUPPORTED = (
 VLLM_EXTENSIONS: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
     "logprob_token_ids": (None,),
-    "bad_words": (None, []),
-    "allowed_token_ids": (None,),
     "return_tokens_as_token_ids": (None, False),
     "thinking_token_budget": (None,),
     "repetition_detection": (None,),

@@ -1,6 +1,7 @@
-"""vLLM's /tokenize and /detokenize: the served model's tokenizer over HTTP. A chat body is
-rendered as /v1/chat/completions renders it (its usage counts the same prompt tokens); the
-routes are behind the API key; mistakes are 400s naming the field."""
+"""vLLM's extensions of the OpenAI API that were refused as unsupported: /tokenize and
+/detokenize (a chat body rendered as /v1/chat/completions renders it; behind the API key),
+return_token_ids, cache_salt, prompt_logprobs, truncate_prompt_tokens, allowed_token_ids and
+bad_words. Mistakes are 400s naming the field."""
 
 import json
 
@@ -199,3 +200,44 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(served):
     assert chat["usage"]["prompt_tokens"] == 5
     r = post(srv, "/v1/completions", {"prompt": text, "truncate_prompt_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_allowed_token_ids_and_bad_words(served):
+    srv, _ = served
+    base = {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    free = post(srv, "/v1/completions", base).json()["choices"][0]
+    allowed = sorted(set(free["token_ids"][1:4]) | {7})  # not the greedy first token
+    r = post(srv, "/v1/completions", {**base, "allowed_token_ids": allowed})
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["token_ids"]
+    assert set(got) <= set(allowed) and got != free["token_ids"]
+    # A word the model wrote, banned: spelled either way it appears nowhere in the reply.
+    word = post(srv, "/detokenize", {"tokens": free["token_ids"][:2]}).json()["prompt"]
+    spellings = [post(srv, "/tokenize", {"prompt": w, "add_special_tokens": False}).json()[
+        "tokens"] for w in (word.lstrip(), " " + word.lstrip())]  # fmt: skip
+    r = post(srv, "/v1/completions", {**base, "bad_words": [word]})
+    assert r.status_code == 200, r.text
+    ids = r.json()["choices"][0]["token_ids"]
+    for seq in spellings:
+        assert not any(ids[i : i + len(seq)] == seq for i in range(len(ids)))
+    for bad, param in (({"allowed_token_ids": []}, "allowed_token_ids"),
+                       ({"allowed_token_ids": [10**9]}, "allowed_token_ids"),
+                       ({"allowed_token_ids": ["a"]}, "allowed_token_ids"),
+                       ({"bad_words": [" "]}, "bad_words"),
+                       ({"bad_words": "the"}, "bad_words")):  # fmt: skip
+        r = post(srv, "/v1/completions", {**base, **bad})
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["param"].startswith(param), r.text
+
+
+def test_llm_takes_bad_words_too(tiny_model):
+    from hetserve import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model("qwen3-moe")), max_model_len=256)
+    greedy = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+    free = llm.generate("The quick brown fox", SamplingParams(**greedy))[0].outputs[0]
+    word = llm.tokenizer.decode(free.token_ids[:1], skip_special_tokens=False)
+    out = llm.generate("The quick brown fox", SamplingParams(**greedy, bad_words=[word]))[0]
+    banned = {s[0] for s in llm.tokenizer.bad_word_ids([word]) if len(s) == 1}
+    assert banned and not banned & set(out.outputs[0].token_ids)

@@ -1,0 +1,66 @@
+"""allowed_token_ids and bad words in the sampler, against brute force: which tokens may be
+drawn after which output, with min_tokens' ban beside them."""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from hetserve.core.sampling import SamplingParams
+from hetserve.layers.sampler import SamplingRow, process_logits
+
+V, EOS = 12, 11
+
+
+def brute_force(params: SamplingParams, out: list[int]) -> set[int]:
+    """The tokens that may come next, from the definitions."""
+    ok = set(params.allowed_token_ids or range(V))
+    for word in params.bad_words_token_ids:
+        head = list(word[:-1])
+        if not head or out[len(out) - len(head) :] == head and len(out) >= len(head):
+            ok.discard(word[-1])
+    if len(out) < params.min_tokens and ok - {EOS}:
+        ok.discard(EOS)  # min_tokens' ban, unless it would leave nothing
+    return ok
+
+
+def drawable(params: SamplingParams, out: list[int]) -> set[int]:
+    logits = torch.randn(1, V)
+    row = SamplingRow(params, None, [1, 2], list(out))
+    errors = process_logits(logits, [row], [EOS])
+    assert not errors
+    return {i for i in range(V) if torch.isfinite(logits[0, i])}
+
+
+def test_every_mix_against_brute_force():
+    rng = random.Random(0)
+    for _ in range(300):
+        allowed = tuple(rng.sample(range(V), rng.randint(0, 5)))
+        words = tuple(
+            tuple(rng.randrange(V) for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(0, 3))
+        )
+        never = {w[0] for w in words if len(w) == 1}
+        if allowed and set(allowed) <= never:
+            continue  # refused at construction (below)
+        params = SamplingParams(allowed_token_ids=allowed, bad_words_token_ids=words,
+                                min_tokens=rng.randint(0, 2), max_tokens=8)  # fmt: skip
+        for n in range(3):
+            for out in itertools.islice(itertools.product(range(V), repeat=n), 40):
+                want = brute_force(params, list(out))
+                if not want:
+                    continue  # a bad word's tail closed the last allowed token: an error
+                assert drawable(params, list(out)) == want, (params, out)
+
+
+def test_nothing_left_fails_that_row_alone():
+    blocked = SamplingParams(allowed_token_ids=(3,), bad_words_token_ids=((5, 3),))
+    fine = SamplingParams()
+    logits = torch.randn(2, V)
+    rows = [SamplingRow(blocked, None, [1], [5]), SamplingRow(fine, None, [1], [5])]
+    errors = process_logits(logits, rows, [EOS])
+    assert list(errors) == [0] and "no token to sample" in str(errors[0])
+    with pytest.raises(ValueError, match="ban every one"):
+        SamplingParams(allowed_token_ids=(3, 4), bad_words_token_ids=((3,), (4,)))
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=["  "])
