@@ -38,7 +38,8 @@ def test_every_mix_against_brute_force():
     for _ in range(300):
         allowed = tuple(rng.sample(range(V), rng.randint(0, 5)))
         words = tuple(
-            tuple(rng.randrange(V) for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(0, 3))
+            tuple(rng.randrange(V) for _ in range(rng.randint(1, 3)))
+            for _ in range(rng.randint(0, 3))
         )
         never = {w[0] for w in words if len(w) == 1}
         if allowed and set(allowed) <= never:
