@@ -110,7 +110,8 @@ class Conductor:
             if self.render_chat is not None:
                 try:
                     rendered: list[int] = self.tok.encode(
-                        self.render_chat(body), add_special_tokens=False
+                        self.render_chat(body),
+                        add_special_tokens=_flag(body, "add_special_tokens", False),
                     )
                     return rendered
                 except Exception:  # noqa: BLE001 (refused or unreadable: the instance's 400)
@@ -128,7 +129,9 @@ class Conductor:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            encoded: list[int] = self.tok.encode(prompt)
+            encoded: list[int] = self.tok.encode(
+                prompt, add_special_tokens=_flag(body, "add_special_tokens", True)
+            )
             return encoded
         return [t for t in prompt if _is_int(t)] if isinstance(prompt, list) else []
 
@@ -344,6 +347,13 @@ class Conductor:
         if d.predicted_ttft_s is not None:
             self.ttft.append((d.predicted_ttft_s, seconds))
             del self.ttft[:-1000]
+
+
+def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    """A boolean field as the instances read it (anything else: the default, and the instance
+    answers its 400)."""
+    value = body.get(name, default)
+    return value if isinstance(value, bool) else default
 
 
 def _is_int(value: Any) -> bool:

@@ -95,7 +95,7 @@ class ChatServing(OpenAIServing):
             )
         messages, add_generation_prompt, tools, kwargs = template_inputs(req)
         prompt = await self.render_chat(messages, add_generation_prompt, tools, **kwargs)
-        ids = await self.encode(prompt, add_special_tokens=False)
+        ids = await self.encode(prompt, add_special_tokens=req.add_special_tokens)
         k = (req.top_logprobs or 0) if req.logprobs else None
         limit, _ = req.output_limit()
         specials = needs_special_tokens(plan, self.tool_parser, self.reasoning_parser)
@@ -130,15 +130,24 @@ class ChatServing(OpenAIServing):
         outs = [out async for _, out in merge(streams)]
         out = outs[-1]
         choices, reasoning = [], []
+        echo = _echo(req)
         for c in out.outputs:
             parsed = parsers[c.index].parse(c.text, final=True)
             reasoning.append(parsed.reasoning)
+            message = self._message(parsed)
+            if echo:
+                message["content"] = echo + (message["content"] or "")
             choices.append(
                 {
                     "index": c.index,
-                    "message": self._message(parsed),
+                    "message": message,
                     "logprobs": (
-                        self.token_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
+                        self.token_logprobs(
+                            c.token_ids,
+                            c.logprobs,
+                            req.top_logprobs or 0,
+                            req.return_tokens_as_token_ids,
+                        )
                         if req.logprobs
                         else None
                     ),
@@ -187,6 +196,20 @@ class ChatServing(OpenAIServing):
             zero if continuous else None,
             **ids,
         )
+        echo = _echo(req)
+        if echo:  # vLLM's: the echoed text as each choice's first content delta
+            yield chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"content": echo},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for i in range(req.n)
+                ],
+                zero if continuous else None,
+            )
         sent: dict[int, tuple[int, bool]] = {}  # choice -> (tokens sent, finish sent)
         last = None
         async for _, out in merge(streams):
@@ -201,9 +224,9 @@ class ChatServing(OpenAIServing):
                 sent[c.index] = (len(c.token_ids), c.finish_reason is not None)
                 lp = None
                 if req.logprobs:
-                    lp = self.token_logprobs(
-                        c.token_ids[ntok:], c.logprobs[ntok:], req.top_logprobs or 0
-                    )
+                    lp = self.token_logprobs(c.token_ids[ntok:], c.logprobs[ntok:],
+                                             req.top_logprobs or 0,
+                                             req.return_tokens_as_token_ids)  # fmt: skip
                 called = bool(streamers[c.index].sent.calls)
                 choice = {
                     "index": c.index,
@@ -231,10 +254,14 @@ class ChatServing(OpenAIServing):
             delta["tool_calls"] = [_call_delta(d) for d in calls]
         return delta
 
-    def token_logprobs(self, token_ids, entries, k: int) -> dict:
+    def token_logprobs(self, token_ids, entries, k: int, as_ids: bool = False) -> dict:
+        """Chat logprobs of `token_ids` with the top `k` each; `as_ids`: tokens named
+        "token_id:ID" (vLLM's return_tokens_as_token_ids)."""
+        name = self.token_name if as_ids else self.token_str
+
         def item(tid, lp):
             raw = self.tok.token_bytes(tid)
-            return {"token": self.token_str(tid), "logprob": lp.logprob, "bytes": list(raw)}
+            return {"token": name(tid), "logprob": lp.logprob, "bytes": list(raw)}
 
         content = []
         for e, t in zip(entries, token_ids, strict=True):
@@ -243,6 +270,13 @@ class ChatServing(OpenAIServing):
             entry["top_logprobs"] = [item(tid, lp) for tid, lp in ranked if lp.rank <= k]
             content.append(entry)
         return {"content": content}
+
+
+def _echo(req: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the final message's text where it is the assistant's (the reply's
+    role): the reply is shown whole, the part the client wrote first."""
+    last = req.messages[-1]
+    return last.text() if req.echo and last.role == "assistant" else ""
 
 
 def _call_delta(d: dict[str, Any]) -> dict[str, Any]:

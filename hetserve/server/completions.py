@@ -15,7 +15,7 @@ from hetserve.server.serving import OpenAIServing, chunk_writer, merge
 
 class CompletionServing(OpenAIServing):
     async def create(self, req: CompletionRequest, request: Request):
-        prompts = await self._prompts(req.prompt)
+        prompts = await self._prompts(req.prompt, req.add_special_tokens)
         base = f"cmpl-{uuid.uuid4().hex}"
         echo_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
         limit, _ = req.output_limit()
@@ -29,14 +29,14 @@ class CompletionServing(OpenAIServing):
         work = self._collect(req, base, streams)
         return await self.run_unless_disconnected(request, streams, work)
 
-    async def _prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+    async def _prompts(self, prompt, special: bool) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and isinstance(prompt[0], int):
             return [(None, prompt)]  # a fresh list from the parser: no copy (~1M ids max)
         out = []
         for p in prompt:
-            ids = await self.encode(p) if isinstance(p, str) else list(p)
+            ids = await self.encode(p, special) if isinstance(p, str) else list(p)
             if not ids:
                 raise InvalidInputError("a prompt is empty; give at least one token", "prompt")
             out.append((p if isinstance(p, str) else None, ids))
@@ -123,23 +123,28 @@ class CompletionServing(OpenAIServing):
             ids = out.prompt_token_ids + ids
             entries = (out.prompt_logprobs or []) + entries
             offset = 0
-        return self.completion_logprobs(ids, entries, req.logprobs, offset)
+        return self.completion_logprobs(
+            ids, entries, req.logprobs, offset, req.return_tokens_as_token_ids
+        )
 
-    def completion_logprobs(self, token_ids, entries, k: int, offset: int = 0) -> dict:
+    def completion_logprobs(
+        self, token_ids, entries, k: int, offset: int = 0, as_ids: bool = False
+    ) -> dict:
         """OpenAI completions logprobs for `token_ids`; an entry of None (the first prompt
-        token, under echo) has no logprob."""
-        tokens = [self.token_str(t) for t in token_ids]
+        token, under echo) has no logprob. `as_ids`: tokens named "token_id:ID" (vLLM's
+        return_tokens_as_token_ids); the offsets stay the text's."""
+        name = self.token_name if as_ids else self.token_str
         offsets = []
-        for t in tokens:
+        for t in token_ids:
             offsets.append(offset)
-            offset += len(t)
+            offset += len(self.token_str(t))
         return {
-            "tokens": tokens,
+            "tokens": [name(t) for t in token_ids],
             "token_logprobs": [
                 e[t].logprob if e else None for e, t in zip(entries, token_ids, strict=True)
             ],
             "top_logprobs": [
-                {self.token_str(tid): lp.logprob for tid, lp in e.items() if lp.rank <= k}
+                {name(tid): lp.logprob for tid, lp in e.items() if lp.rank <= k}
                 if e
                 else None
                 for e in entries
@@ -155,7 +160,9 @@ class CompletionServing(OpenAIServing):
     def _choice_logprobs(self, req: CompletionRequest, out: RequestOutput, c) -> dict | None:
         if req.logprobs is None:
             return None
+        as_ids = req.return_tokens_as_token_ids
         if not req.echo:
-            return self.completion_logprobs(c.token_ids, c.logprobs, req.logprobs)
+            return self.completion_logprobs(c.token_ids, c.logprobs, req.logprobs, 0, as_ids)
         ids = out.prompt_token_ids + c.token_ids
-        return self.completion_logprobs(ids, (out.prompt_logprobs or []) + c.logprobs, req.logprobs)
+        entries = (out.prompt_logprobs or []) + c.logprobs
+        return self.completion_logprobs(ids, entries, req.logprobs, 0, as_ids)

@@ -97,6 +97,9 @@ class _Common(BaseModel):
     prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: only the prompt's last k tokens are used (left truncation).
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=1)
+    # vLLM's: logprobs name tokens "token_id:ID" (a token that is no whole UTF-8 text stays
+    # exact).
+    return_tokens_as_token_ids: bool = False
     # vLLM's: only these token ids may be sampled.
     allowed_token_ids: list[StrictInt] | None = Field(
         default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS
@@ -187,6 +190,7 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (and such) on text prompts
     suffix: str | None = None
 
     @field_validator("prompt", mode="wrap")
@@ -312,6 +316,11 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # vLLM's: the tokenizer's special tokens (BOS) added to the rendered prompt; templates
+    # write their own, so off by default.
+    add_special_tokens: bool = False
+    # vLLM's: the reply starts with the final message's text (as completions' echo does).
+    echo: bool = False
     # vLLM's: the reply continues the final message (an assistant turn begun by the client)
     # instead of opening a new turn; needs add_generation_prompt false.
     continue_final_message: bool = False

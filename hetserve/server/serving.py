@@ -287,6 +287,11 @@ class OpenAIServing:
     def token_str(self, tid: int) -> str:
         return self.tok.decode([tid], skip_special_tokens=False)
 
+    @staticmethod
+    def token_name(tid: int) -> str:
+        """A token as vLLM's return_tokens_as_token_ids names it in logprobs."""
+        return f"token_id:{tid}"
+
 
 def _most(*ks: int | None) -> int | None:
     """The largest of the logprob counts asked for (None: none asked)."""

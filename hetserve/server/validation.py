@@ -35,16 +35,13 @@ UNSUPPORTED = (
 VLLM_EXTENSIONS: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
     "logprob_token_ids": (None,),
-    "return_tokens_as_token_ids": (None, False),
     "thinking_token_budget": (None,),
     "repetition_detection": (None,),
     "kv_transfer_params": (None,),
     "vllm_xargs": (None,),
 }
-COMPLETION_EXTENSIONS = VLLM_EXTENSIONS | {"add_special_tokens": (None, True)}
+COMPLETION_EXTENSIONS = VLLM_EXTENSIONS
 CHAT_EXTENSIONS = VLLM_EXTENSIONS | {
-    "add_special_tokens": (None, False),
-    "echo": (None, False),  # vLLM's chat echo: the last message prepended to the reply
     "chat_template": (None,),
     "documents": (None,),
 }

@@ -298,9 +298,6 @@ BAD = [
     # ---- vLLM's extensions we do not implement: refused unless they ask for nothing, and
     # vLLM's rule that continue_final_message excludes add_generation_prompt -------------------
     *both({"use_beam_search": True}, "use_beam_search", "not supported"),
-    (C, {"add_special_tokens": False}, "add_special_tokens", "not supported"),
-    (M, {"add_special_tokens": True}, "add_special_tokens", "not supported"),
-    (M, {"echo": True}, "echo", "not supported"),
     (M, {"chat_template": "{{ messages }}"}, "chat_template", "not supported"),
     (M, {"documents": [{"title": "t", "text": "x"}]}, "documents", "not supported"),
     (

@@ -241,3 +241,75 @@ def test_llm_takes_bad_words_too(tiny_model):
     out = llm.generate("The quick brown fox", SamplingParams(**greedy, bad_words=[word]))[0]
     banned = {s[0] for s in llm.tokenizer.bad_word_ids([word]) if len(s) == 1}
     assert banned and not banned & set(out.outputs[0].token_ids)
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(served):
+    srv, _ = served
+    base = {"max_tokens": 5, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            "return_tokens_as_token_ids": True}  # fmt: skip
+    r = post(srv, "/v1/completions", {"prompt": "The quick", "logprobs": 2, **base}).json()
+    choice = r["choices"][0]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(k.startswith("token_id:") for top in choice["logprobs"]["top_logprobs"]
+               for k in top)  # fmt: skip
+    named = post(srv, "/v1/completions", {"prompt": "The quick", "logprobs": 2, **base,
+                                          "return_tokens_as_token_ids": False}).json()  # fmt: skip
+    assert choice["logprobs"]["text_offset"] == named["choices"][0]["logprobs"]["text_offset"]
+    chat = post(srv, "/v1/chat/completions", {"messages": MESSAGES, "logprobs": True,
+                                              "top_logprobs": 2, **base}).json()  # fmt: skip
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == [
+        f"token_id:{t}" for t in chat["choices"][0]["token_ids"]
+    ]
+    assert all(t["token"].startswith("token_id:") for e in content for t in e["top_logprobs"])
+
+
+def test_chat_echo_starts_the_reply_with_the_begun_turn(served):
+    srv, _ = served
+    begun = [*MESSAGES, {"role": "assistant", "content": "Hi, I am"}]
+    body = {"messages": begun, "add_generation_prompt": False, "continue_final_message": True,
+            "max_tokens": 4, "temperature": 0, "ignore_eos": True}  # fmt: skip
+    plain = post(srv, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    echoed = post(srv, "/v1/chat/completions", {**body, "echo": True}).json()
+    assert echoed["choices"][0]["message"]["content"] == "Hi, I am" + plain
+    events = _events(srv, "/v1/chat/completions", {**body, "echo": True})
+    deltas = [c["delta"].get("content") for e in events for c in e["choices"]]
+    assert deltas[1] == "Hi, I am" and "".join(d or "" for d in deltas) == "Hi, I am" + plain
+    # The last message is the user's: nothing of it is the reply's.
+    asked = post(srv, "/v1/chat/completions", {"messages": MESSAGES, "echo": True,
+                                               "max_tokens": 2}).json()  # fmt: skip
+    assert not asked["choices"][0]["message"]["content"].startswith("hello")
+
+
+def test_add_special_tokens_adds_the_tokenizers_bos(tiny_model, tmp_path):
+    """A tokenizer that adds a BOS (Llama's, DeepSeek's): completions add it unless told not
+    to; chat does not (templates write their own) unless told to. The tiny checkpoints'
+    tokenizers add none, so this one gets a post-processor that does."""
+    import shutil
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    model = tmp_path / "bos"
+    shutil.copytree(tiny_model("qwen3-moe"), model)
+    tok = HFTokenizer.from_file(str(model / "tokenizer.json"))
+    bos = tok.token_to_id("<|im_start|>")
+    tok.post_processor = TemplateProcessing(single="<|im_start|> $A", pair="<|im_start|> $A $B",
+                                            special_tokens=[("<|im_start|>", bos)])  # fmt: skip
+    tok.save(str(model / "tokenizer.json"))
+    engine = AsyncLLM(EngineConfig(model=str(model), max_model_len=256))
+    srv = LiveServer(engine)
+    try:
+        one = {"max_tokens": 1, "return_token_ids": True}
+        with_bos = post(srv, "/v1/completions", {"prompt": "hello there", **one}, {}).json()
+        without = post(srv, "/v1/completions", {"prompt": "hello there",
+                                                "add_special_tokens": False, **one}, {}).json()
+        ids = with_bos["choices"][0]["prompt_token_ids"]
+        assert ids[0] == bos and ids[1:] == without["choices"][0]["prompt_token_ids"]
+        chat = post(srv, "/v1/chat/completions", {"messages": MESSAGES, **one}, {}).json()
+        doubled = post(srv, "/v1/chat/completions", {"messages": MESSAGES, **one,
+                                                     "add_special_tokens": True}, {}).json()
+        assert doubled["prompt_token_ids"] == [bos, *chat["prompt_token_ids"]]
+    finally:
+        srv.stop()
+        engine.shutdown()
