@@ -57,6 +57,14 @@ class SamplingParams:
     # Token sequences the output never completes: a one-token word is never sampled, a longer
     # one's last token not right after the rest.
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
+    # At most this many tokens of thinking (vLLM's thinking_token_budget): counted from the
+    # token sequence that opens it (in the output, or open at the prompt's end), and once
+    # spent the forced sequence (the end as the model writes it) is the only one sampled,
+    # unless the thinking ended by itself. The sequences come from the reasoning format.
+    thinking_budget: int | None = None
+    think_open_ids: tuple[int, ...] = field(default_factory=tuple)
+    think_close_ids: tuple[int, ...] = field(default_factory=tuple)
+    think_forced_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         # Accept lists and a bare string for convenience, store tuples so the object stays hashable.
@@ -73,6 +81,8 @@ class SamplingParams:
         object.__setattr__(self, "bad_words_token_ids", words)
         bad = self.bad_words
         object.__setattr__(self, "bad_words", (bad,) if isinstance(bad, str) else tuple(bad or ()))
+        for name in ("think_open_ids", "think_close_ids", "think_forced_ids"):
+            object.__setattr__(self, name, tuple(getattr(self, name) or ()))
         self._validate()
 
     def _validate(self) -> None:
@@ -118,6 +128,14 @@ class SamplingParams:
             raise ValueError("bad_words_token_ids must be non-empty lists of token ids >= 0")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise ValueError("bad_words must be a list of non-blank strings")
+        if self.thinking_budget is not None:
+            _int_at_least("thinking_budget", self.thinking_budget, 0)
+            seqs = (self.think_open_ids, self.think_close_ids, self.think_forced_ids)
+            if not all(seqs) or any(not _is_int(t) or t < 0 for q in seqs for t in q):
+                raise ValueError(
+                    "thinking_budget needs the token ids that open, close and force-close the "
+                    "thinking (think_open_ids, think_close_ids, think_forced_ids)"
+                )
         never = {w[0] for w in self.bad_words_token_ids if len(w) == 1}
         if self.allowed_token_ids and set(self.allowed_token_ids) <= never:
             raise ValueError("allowed_token_ids: bad_words ban every one of them")
@@ -133,7 +151,9 @@ class SamplingParams:
     @property
     def restricted(self) -> bool:
         """Whether some tokens are kept from being sampled (allowed ids, bad words)."""
-        return bool(self.allowed_token_ids or self.bad_words_token_ids)
+        return bool(
+            self.allowed_token_ids or self.bad_words_token_ids or self.thinking_budget is not None
+        )
 
     @property
     def penalized(self) -> bool:

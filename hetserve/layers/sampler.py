@@ -103,6 +103,12 @@ def _restrict(row_logits: torch.Tensor, row: SamplingRow, banned: list[int]) -> 
     (only a stop token allowed, min_tokens not reached) the allowed tokens win, as an output
     outside them helps no one."""
     p, dev = row.params, row_logits.device
+    forced = thinking_forced(row) if p.thinking_budget is not None else None
+    if forced is not None:  # the thinking budget is spent: its end is all there is
+        keep = torch.zeros_like(row_logits, dtype=torch.bool)
+        keep[forced] = True
+        row_logits.masked_fill_(~keep, float("-inf"))
+        return
     keep = torch.zeros_like(row_logits, dtype=torch.bool)
     if p.allowed_token_ids:
         keep[torch.tensor(p.allowed_token_ids, device=dev)] = True
@@ -121,6 +127,40 @@ def _restrict(row_logits: torch.Tensor, row: SamplingRow, banned: list[int]) -> 
     if not keep.any():
         keep = fallback
     row_logits.masked_fill_(~keep, float("-inf"))
+
+
+# How far back in the prompt a thinking opened by the template is looked for.
+PROMPT_TAIL = 64
+
+
+def thinking_forced(row: SamplingRow) -> int | None:
+    """The token a spent thinking budget forces now, or None (no thinking open, it ended by
+    itself, its budget not spent, or the forced end written). Stateless: read from the prompt's
+    tail and the output each step."""
+    p, out = row.params, row.output_token_ids
+    start = _after_last(out, p.think_open_ids)  # output index where the thinking began
+    if start is None:
+        tail = row.prompt_token_ids[-PROMPT_TAIL:]
+        opened = _after_last(tail, p.think_open_ids)
+        if opened is None or (_after_last(tail, p.think_close_ids) or -1) >= opened:
+            return None  # never opened, or the prompt closed it (thinking off)
+        start = 0
+    spent = start + p.thinking_budget  # assert-free: checked at construction
+    if _after_last(out[start:spent], p.think_close_ids) is not None:
+        return None  # it ended by itself within the budget
+    written = len(out) - spent  # forced tokens already out
+    if written < 0 or written >= len(p.think_forced_ids):
+        return None
+    return p.think_forced_ids[written]
+
+
+def _after_last(seq: list[int], pattern: tuple[int, ...]) -> int | None:
+    """The index right after the last occurrence of `pattern` in `seq` (None: nowhere)."""
+    n = len(pattern)
+    for i in range(len(seq) - n, -1, -1):
+        if seq[i] == pattern[0] and tuple(seq[i : i + n]) == pattern:
+            return i + n
+    return None
 
 
 def _filter(logits: torch.Tensor, top_k: int | None, top_p: float, min_p: float) -> torch.Tensor:

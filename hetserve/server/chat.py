@@ -7,6 +7,7 @@ generated), the rest to `content`.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Mapping
@@ -15,6 +16,7 @@ from typing import Any
 from fastapi import Request
 
 from hetserve.core.outputs import CompletionOutput
+from hetserve.core.sampling import SamplingParams
 from hetserve.engine.async_llm import AsyncLLM
 from hetserve.errors import InvalidInputError
 from hetserve.server.protocol import ChatCompletionRequest
@@ -27,7 +29,7 @@ from hetserve.server.tool_calls import (
     template_messages,
 )
 from hetserve.server.tools import OutputParser, Parsed, Streamer, default_parsers, new_call_id
-from hetserve.server.tools.registry import REASONING_PARSERS, TOOL_PARSERS
+from hetserve.server.tools.registry import REASONING_PARSERS, TOOL_PARSERS, thinking_marks
 
 
 def check_parser_names(tool: str | None, reasoning: str | None) -> None:
@@ -102,7 +104,9 @@ class ChatServing(OpenAIServing):
         streams = self.start(
             base,
             [(prompt, ids)],
-            lambda _i, _ids: self.sampling_params(req, limit, k, specials=specials),
+            lambda _i, _ids: self.budgeted(
+                req, self.sampling_params(req, limit, k, specials=specials)
+            ),
             req,
             request,
         )
@@ -111,6 +115,23 @@ class ChatServing(OpenAIServing):
             for _ in range(req.n)
         ]
         return streams, parsers, prompt
+
+    def budgeted(self, req: ChatCompletionRequest, params: SamplingParams) -> SamplingParams:
+        """`params` with the request's thinking budget and its format's markers as tokens."""
+        if req.thinking_token_budget is None:
+            return params
+        marks = thinking_marks(self.reasoning_parser)
+        if marks is None:
+            raise InvalidInputError(
+                "thinking_token_budget: this model's chat template has no thinking format "
+                "hetserve knows; start the server with --reasoning-parser NAME",
+                "thinking_token_budget",
+            )
+        opened, closed, forced = (tuple(self.tok.encode(m, False)) for m in marks)
+        return dataclasses.replace(
+            params, thinking_budget=req.thinking_token_budget, think_open_ids=opened,
+            think_close_ids=closed, think_forced_ids=forced,
+        )  # fmt: skip
 
     @property
     def thinks(self) -> bool:

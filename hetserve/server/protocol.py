@@ -321,6 +321,8 @@ class ChatCompletionRequest(_Common):
     add_special_tokens: bool = False
     # vLLM's: the reply starts with the final message's text (as completions' echo does).
     echo: bool = False
+    # vLLM's: at most this many tokens of thinking, then its end is forced (reasoning models).
+    thinking_token_budget: StrictInt | None = Field(default=None, ge=0)
     # vLLM's: the reply continues the final message (an assistant turn begun by the client)
     # instead of opening a new turn; needs add_generation_prompt false.
     continue_final_message: bool = False

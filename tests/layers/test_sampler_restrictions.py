@@ -65,3 +65,34 @@ def test_nothing_left_fails_that_row_alone():
         SamplingParams(allowed_token_ids=(3, 4), bad_words_token_ids=((3,), (4,)))
     with pytest.raises(ValueError, match="bad_words"):
         SamplingParams(bad_words=["  "])
+
+
+OPEN, CLOSE, FORCED = (3,), (4,), (9, 4, 9)
+
+
+def _think(budget, prompt, out):
+    from hetserve.layers.sampler import thinking_forced
+
+    params = SamplingParams(thinking_budget=budget, think_open_ids=OPEN, think_close_ids=CLOSE,
+                            think_forced_ids=FORCED)  # fmt: skip
+    return thinking_forced(SamplingRow(params, None, prompt, out))
+
+
+def test_a_thinking_budget_forces_its_end_once_spent():
+    # Opened in the output: two free tokens, then the forced end token by token, then free.
+    assert [_think(2, [1], out) for out in ([], [3], [3, 5], [3, 5, 6], [3, 5, 6, 9],
+                                              [3, 5, 6, 9, 4], [3, 5, 6, 9, 4, 9])] == [
+        None, None, None, 9, 4, 9, None]  # fmt: skip
+    # Opened by the prompt (the template's), and budget 0: forced from the first token.
+    assert [_think(0, [1, 3], out) for out in ([], [9], [9, 4, 9])] == [9, 4, None]
+    assert _think(1, [1, 3, 7, 4], [5]) is None  # the prompt closed it: thinking off
+    assert _think(1, [1], [5, 6]) is None  # never opened
+    assert _think(3, [1], [3, 5, 4, 6, 7, 8]) is None  # it ended by itself in time
+    assert _think(1, [1], [3, 5, 4, 3, 6]) == 9  # a second thinking: its own budget
+    logits = torch.zeros(1, V)
+    params = SamplingParams(thinking_budget=0, think_open_ids=OPEN, think_close_ids=CLOSE,
+                            think_forced_ids=FORCED, allowed_token_ids=(1, 2))  # fmt: skip
+    process_logits(logits, [SamplingRow(params, None, [3], [])], [EOS])
+    assert [i for i in range(V) if torch.isfinite(logits[0, i])] == [9]  # forced wins
+    with pytest.raises(ValueError, match="think_open_ids"):
+        SamplingParams(thinking_budget=4)

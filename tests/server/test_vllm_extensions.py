@@ -313,3 +313,27 @@ def test_add_special_tokens_adds_the_tokenizers_bos(tiny_model, tmp_path):
     finally:
         srv.stop()
         engine.shutdown()
+
+
+def test_thinking_token_budget_forces_the_end_of_thinking(served):
+    """vLLM's thinking_token_budget was refused. Here the client opens the thinking itself
+    (the random tiny model would never write <think>), and the budget closes it."""
+    srv, _ = served
+    begun = [*MESSAGES, {"role": "assistant", "content": "<think>\nlet me see"}]
+    body = {"messages": begun, "add_generation_prompt": False, "continue_final_message": True,
+            "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            "thinking_token_budget": 3}  # fmt: skip
+    r = post(srv, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    forced = post(srv, "/tokenize", {"prompt": "\n</think>\n\n",
+                                     "add_special_tokens": False}).json()["tokens"]  # fmt: skip
+    ids = r.json()["choices"][0]["token_ids"]
+    assert ids[3 : 3 + len(forced)] == forced
+    message = r.json()["choices"][0]["message"]
+    assert message["reasoning_content"] is not None and message["content"]
+    free = post(srv, "/v1/chat/completions", {**body, "thinking_token_budget": None}).json()
+    assert free["choices"][0]["message"]["content"] in (None, "")  # it never stops thinking
+    r = post(srv, "/v1/chat/completions", {**body, "thinking_token_budget": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_token_budget"
+    r = post(srv, "/v1/completions", {"prompt": "x", "thinking_token_budget": 3})
+    assert r.status_code == 400  # a chat request's: the format is the template's

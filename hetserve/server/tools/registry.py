@@ -66,6 +66,23 @@ def default_parsers(chat_template: str | None) -> tuple[str | None, str | None]:
     return tool, reasoning
 
 
+# Per reasoning kind: (what opens the thinking, what ends it, what a thinking budget forces
+# when it runs out: the end, as the model would write it).
+THINKING_MARKS = {
+    "think": ("<think>", "</think>", "\n</think>\n\n"),
+    "openai": (
+        "<|channel|>analysis<|message|>",
+        "<|end|>",
+        "<|end|><|start|>assistant<|channel|>final<|message|>",
+    ),
+}
+
+
+def thinking_marks(reasoning_parser: str | None) -> tuple[str, str, str] | None:
+    """The reasoning parser's thinking markers (THINKING_MARKS), None where it has none."""
+    return THINKING_MARKS.get(REASONING_PARSERS.get(reasoning_parser or "", ""))
+
+
 class _Plain:
     def parse(self, text: str, final: bool) -> Parsed:
         return Parsed(content=text)
