@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hetserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineRequestError
 from hetserve.errors import HetserveError, InvalidInputError
 from hetserve.server.access_log import AccessLog
+from hetserve.server.anthropic import AnthropicServing, anthropic_error, install_anthropic_routes
 from hetserve.server.chat import ChatServing
 from hetserve.server.completions import CompletionServing
 from hetserve.server.errors import BodyTooLargeError, error_body, exception_status
@@ -35,9 +36,9 @@ from hetserve.server.tokenize import install_tokenize_routes
 MAX_BODY_BYTES = 8 << 20
 SERVED_APIS = (
     "this server serves OpenAI's API (POST /v1/chat/completions, /v1/completions, "
-    "/v1/responses; GET /v1/models), Ollama's (POST /api/chat, /api/generate, /api/show; GET "
-    "/api/tags, /api/ps, /api/version), vLLM's POST /tokenize and /detokenize, GET /health "
-    "and GET /metrics"
+    "/v1/responses; GET /v1/models), Anthropic's (POST /v1/messages), Ollama's (POST "
+    "/api/chat, /api/generate, /api/show; GET /api/tags, /api/ps, /api/version), vLLM's POST "
+    "/tokenize and /detokenize, GET /health and GET /metrics"
 )
 PARSE_OFF_LOOP = 256 << 10  # bodies larger than this are parsed off the event loop
 GUARDED_TOP = ("/tokenize", "/detokenize")  # behind the API key beside /v1/*, /api/*, ...
@@ -120,13 +121,20 @@ class Guard:
     def _authorized(self, headers: dict) -> bool:
         auth = headers.get(b"authorization", b"").decode("latin-1")
         token = auth[7:] if auth.lower().startswith("bearer ") else ""
+        if not token:  # Anthropic's SDKs send the key as x-api-key
+            token = headers.get(b"x-api-key", b"").decode("latin-1")
         return hmac.compare_digest(token.encode(), self.api_key.encode())
 
 
 def _shaped(path: str, body: dict) -> dict:
     """An error body in the shape of the API `path` belongs to: Ollama's routes answer
-    `{"error": message}`, the others OpenAI's object."""
-    return {"error": body["error"]["message"]} if path.startswith("/api/") else body
+    `{"error": message}`, Anthropic's `{"type": "error", "error": {type, message}}`, the
+    others OpenAI's object."""
+    if path.startswith("/api/"):
+        return {"error": body["error"]["message"]}
+    if path.startswith("/v1/messages"):
+        return anthropic_error(body)
+    return body
 
 
 async def _send_json(send, status: int, body: dict) -> None:
@@ -257,6 +265,7 @@ def create_app(
     install_ollama_routes(app, OllamaServing(chat, model_name), engine, check_model)
     install_responses_routes(app, ResponsesServing(chat), check_model)
     install_tokenize_routes(app, chat, check_model)
+    install_anthropic_routes(app, AnthropicServing(chat), check_model)
     install_lora_routes(app, engine, model_name, lora_runtime_updates)
     install_internal_routes(app, engine, profile)
     install_openapi(app)

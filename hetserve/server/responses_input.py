@@ -240,11 +240,14 @@ def chat_request(body: dict, messages: list[dict]) -> ChatCompletionRequest:
         raise InvalidInputError(*their_names(str(exc), exc.param)) from None
 
 
-def their_names(message: str, param: str | None) -> tuple[str, str | None]:
-    """An error of the chat request, with its field named as the Responses body names it."""
+def their_names(
+    message: str, param: str | None, names: tuple = THEIR_NAMES
+) -> tuple[str, str | None]:
+    """An error of the chat request, with its field named as the Responses body (or, with
+    other `names`, another API's body) names it."""
     if param is None:
         return message, param
-    for pattern, name in THEIR_NAMES:
+    for pattern, name in names:
         found = pattern.match(param)
         if found:
             theirs = found.expand(name) + param[found.end() :]

@@ -1,0 +1,275 @@
+"""Anthropic's Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens`, what
+Claude Code and Anthropic's SDKs send, served by the chat route's machinery.
+
+Who calls it: `server/app.py` installs the routes. A body is checked and translated into the
+chat request it means (`anthropic_input.py`) and run as the chat route runs it: the same
+template, tool and reasoning parsers, structured tool calls, prefix cache. The reply becomes
+content blocks (thinking, text, tool_use) with a stop_reason (end_turn, max_tokens,
+stop_sequence, tool_use) and usage (cache reads apart, as Anthropic counts them), or with
+`stream` Anthropic's events: message_start, each block's start, deltas (thinking_delta,
+text_delta, input_json_delta) and stop, message_delta, message_stop.
+
+Failure contract: every error on these routes has Anthropic's body (`{"type": "error",
+"error": {"type": ..., "message": ...}}`, app.py shapes it): a mistake a 400
+(invalid_request_error), an unknown model a 404, a failure mid-stream an `error` event. The
+API key may come as `x-api-key` (Anthropic's header) or a bearer token.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from hetserve.errors import InvalidInputError
+from hetserve.server.anthropic_input import chat_body
+from hetserve.server.chat import ChatServing, template_inputs
+from hetserve.server.errors import validation_message
+from hetserve.server.protocol import ChatCompletionRequest
+from hetserve.server.responses_input import their_names
+from hetserve.server.serving import merge
+from hetserve.server.tools import Streamer
+from hetserve.server.tools.registry import thinking_marks
+from hetserve.server.validation import UnsupportedFieldError
+
+# The chat request's names for what the Messages body calls otherwise (first match wins).
+THEIR_NAMES = (
+    (re.compile(r"stop"), "stop_sequences"),
+    (re.compile(r"reasoning_effort"), "output_config.effort"),
+    (re.compile(r"response_format(\.json_schema)?(\.schema)?"), "output_config.format"),
+    (re.compile(r"tool_choice\.function"), "tool_choice"),
+    (re.compile(r"tools\.(\d+)\.function"), r"tools.\1"),
+    (re.compile(r"thinking_token_budget"), "thinking.budget_tokens"),
+    (re.compile(r"messages(\.\d+)?"), "messages"),  # its messages are not the body's
+)
+
+
+class AnthropicServing:
+    def __init__(self, chat: ChatServing) -> None:
+        self.chat = chat
+
+    def request(self, body: dict) -> ChatCompletionRequest:
+        budget = thinking_marks(self.chat.reasoning_parser) is not None
+        try:
+            return ChatCompletionRequest.model_validate(chat_body(body, budget))
+        except ValidationError as exc:
+            message, param = validation_message(exc)
+            raise InvalidInputError(*their_names(message, param, THEIR_NAMES)) from None
+        except InvalidInputError as exc:
+            if isinstance(exc, UnsupportedFieldError) or exc.param is None:
+                raise
+            raise InvalidInputError(*their_names(str(exc), exc.param, THEIR_NAMES)) from None
+
+    async def count_tokens(self, body: dict) -> dict:
+        req = self.request({**body, "max_tokens": body.get("max_tokens") or 1})
+        messages, add_generation_prompt, tools, kwargs = template_inputs(req)
+        prompt = await self.chat.render_chat(messages, add_generation_prompt, tools, **kwargs)
+        return {"input_tokens": len(await self.chat.encode(prompt, add_special_tokens=False))}
+
+    async def create(self, body: dict, request: Request):
+        req = self.request(body)
+        mid = f"msg_{uuid.uuid4().hex}"
+        streams, parsers, _ = await self.chat.prepare(mid, req, request)
+        head = {"id": mid, "type": "message", "role": "assistant",
+                "model": body.get("model") or self.chat.model_name}  # fmt: skip
+        if req.stream:
+            events = self._events(head, streams, parsers[0])
+            return StreamingResponse(events, media_type="text/event-stream")
+        return await self.chat.run_unless_disconnected(
+            request, streams, self._collect(head, streams, parsers[0])
+        )
+
+    async def _collect(self, head: dict, streams, parser) -> dict:
+        streamer, blocks, last = Streamer(parser), Blocks(), None
+        async for _, out in merge(streams):
+            last = out
+            c = out.outputs[0]
+            blocks.feed(*streamer.feed(c.text, c.finish_reason is not None))
+        blocks.finish()
+        reason, sequence = self._stop(last, streamer)
+        return {**head, "content": blocks.final(), "stop_reason": reason,
+                "stop_sequence": sequence, "usage": self._usage(last)}  # fmt: skip
+
+    def _stop(self, out, streamer: Streamer) -> tuple[str, str | None]:
+        c = out.outputs[0]
+        if streamer.sent.calls:
+            return "tool_use", None
+        if c.finish_reason == "length":
+            return "max_tokens", None
+        if isinstance(c.stop_reason, str):
+            return "stop_sequence", c.stop_reason
+        return "end_turn", None
+
+    def _usage(self, out) -> dict:
+        u = self.chat.usage([out])
+        cached = u["prompt_tokens_details"]["cached_tokens"]
+        return {"input_tokens": u["prompt_tokens"] - cached, "output_tokens":
+                u["completion_tokens"], "cache_read_input_tokens": cached,
+                "cache_creation_input_tokens": 0}  # fmt: skip
+
+    async def _events(self, head: dict, streams, parser):
+        prompt = streams[0].num_prompt_tokens
+        start = {**head, "content": [], "stop_reason": None, "stop_sequence": None,
+                 "usage": {"input_tokens": prompt, "output_tokens": 0}}  # fmt: skip
+        yield _event("message_start", message=start)
+        streamer, blocks, last = Streamer(parser), Blocks(), None
+        try:
+            async for _, out in merge(streams):
+                last = out
+                c = out.outputs[0]
+                for kind, data in blocks.feed(*streamer.feed(c.text, c.finish_reason is not None)):
+                    yield _event(kind, **data)
+        except Exception as exc:  # Anthropic's way: an error event ends the stream
+            yield _event("error", error={"type": "api_error", "message": str(exc)})
+            return
+        finally:
+            for s in streams:
+                s.abort()
+        if last is None:
+            return
+        for kind, data in blocks.finish():
+            yield _event(kind, **data)
+        reason, sequence = self._stop(last, streamer)
+        usage = self._usage(last)
+        yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
+                     usage={"output_tokens": usage["output_tokens"]})  # fmt: skip
+        yield _event("message_stop")
+
+
+def _event(kind: str, **data) -> str:
+    payload = json.dumps({"type": kind, **data}, separators=(",", ":"), ensure_ascii=False)
+    return f"event: {kind}\ndata: {payload}\n\n"
+
+
+class Blocks:
+    """A reply's content blocks, from a `Streamer`'s deltas in the order they begin, with the
+    stream events that build them: each block starts, gets its deltas, stops, before the next
+    starts. Whitespace between blocks waits and is dropped if a tool_use comes next; a reply
+    with no text and no tool_use gets one (possibly empty) text block."""
+
+    def __init__(self) -> None:
+        self.blocks: list[dict] = []
+        self._events: list[tuple[str, dict]] = []
+        self._open: dict | None = None
+        self._space = ""
+        self._calls: dict[int, int] = {}  # the streamer's call index -> block index
+
+    def feed(self, content: str, reasoning: str, calls: list[dict]) -> list[tuple[str, dict]]:
+        if reasoning:
+            if self._open is None or self._open["type"] != "thinking":
+                self._begin({"type": "thinking", "thinking": "", "signature": ""})
+            self._delta({"type": "thinking_delta", "thinking": reasoning}, "thinking", reasoning)
+        if content:
+            if self._open is not None and self._open["type"] == "text":
+                self._delta({"type": "text_delta", "text": content}, "text", content)
+            else:
+                self._space += content
+                if self._space.strip():
+                    self._text()
+        for d in calls:
+            if "id" in d:
+                self._space = ""
+                self._calls[d["index"]] = len(self.blocks)
+                self._begin({"type": "tool_use", "id": d["id"], "name": d["name"], "input": {}})
+                self.blocks[-1]["_json"] = ""
+            if d["arguments"]:
+                block = self.blocks[self._calls[d["index"]]]
+                block["_json"] += d["arguments"]
+                self._emit(
+                    "content_block_delta",
+                    index=self._calls[d["index"]],
+                    delta={"type": "input_json_delta", "partial_json": d["arguments"]},
+                )
+        return self._take()
+
+    def finish(self) -> list[tuple[str, dict]]:
+        if not any(b["type"] in ("text", "tool_use") for b in self.blocks):
+            self._text()
+        self._close()
+        return self._take()
+
+    def final(self) -> list[dict]:
+        """The blocks as the whole reply has them (a tool_use's input parsed)."""
+        out = []
+        for b in self.blocks:
+            b = dict(b)
+            raw = b.pop("_json", None)
+            if raw is not None:
+                try:
+                    b["input"] = json.loads(raw) if raw.strip() else {}
+                except ValueError:  # cut off mid-call: what was written, as Anthropic keeps it
+                    b["input"] = {}
+            out.append(b)
+        return out
+
+    def _text(self) -> None:
+        self._begin({"type": "text", "text": ""})
+        if self._space:
+            self._delta({"type": "text_delta", "text": self._space}, "text", self._space)
+        self._space = ""
+
+    def _begin(self, block: dict) -> None:
+        self._close()
+        self.blocks.append(block)
+        self._open = block
+        shown = {k: v for k, v in block.items() if not k.startswith("_")}
+        self._emit("content_block_start", index=len(self.blocks) - 1, content_block=shown)
+
+    def _delta(self, delta: dict, key: str, text: str) -> None:
+        assert self._open is not None
+        self._open[key] += text
+        self._emit("content_block_delta", index=len(self.blocks) - 1, delta=delta)
+
+    def _close(self) -> None:
+        if self._open is not None:
+            self._emit("content_block_stop", index=len(self.blocks) - 1)
+        self._open = None
+
+    def _emit(self, kind: str, **data) -> None:
+        self._events.append((kind, data))
+
+    def _take(self) -> list[tuple[str, dict]]:
+        out, self._events = self._events, []
+        return out
+
+
+# OpenAI's error types as Anthropic names them.
+_ERROR_TYPES = {"server_error": "api_error", "service_unavailable": "overloaded_error"}
+
+
+def anthropic_error(body: dict) -> dict:
+    """An OpenAI-shaped error body (error_body's) in Anthropic's shape."""
+    err = body["error"]
+    kind = _ERROR_TYPES.get(err.get("type"), err.get("type") or "api_error")
+    return {"type": "error", "error": {"type": kind, "message": err["message"]}}
+
+
+def install_anthropic_routes(app: FastAPI, serving: AnthropicServing, check_model) -> None:
+    def refused(model) -> JSONResponse | None:
+        answer = check_model(model)
+        if answer is None:
+            return None
+        return JSONResponse(anthropic_error(json.loads(answer.body)), answer.status_code)
+
+    async def body_of(request: Request) -> dict:
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except ValueError:
+            raise InvalidInputError("request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise InvalidInputError("request body must be a JSON object")
+        return body
+
+    @app.post("/v1/messages", include_in_schema=False)
+    async def messages(request: Request):
+        body = await body_of(request)
+        return refused(body.get("model")) or await serving.create(body, request)
+
+    @app.post("/v1/messages/count_tokens", include_in_schema=False)
+    async def count_tokens(request: Request):
+        body = await body_of(request)
+        return refused(body.get("model")) or await serving.count_tokens(body)
