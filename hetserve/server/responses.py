@@ -150,12 +150,24 @@ class ResponsesServing:
         return queued
 
     async def cancel(self, rid: str) -> dict:
+        """Stop a background response; one that ended answers as it ended (idempotent)."""
         run = self.runs.get(rid)
-        if run is None:
-            raise InvalidInputError(f"response {rid!r} did not run in the background: only "
-                                    "background responses can be cancelled")  # fmt: skip
-        await run.cancel()
-        return run.snapshot()
+        if run is not None:
+            await run.cancel()
+            return run.snapshot()
+        found = self.store.get(rid)
+        if found is not None and found[1].get("background"):  # ended, its events dropped
+            return _public(found[1])
+        raise InvalidInputError(f"response {rid!r} did not run in the background: only "
+                                "background responses can be cancelled")  # fmt: skip
+
+    async def delete(self, rid: str) -> bool:
+        """Forget a response; a background one still running is stopped first (else its end
+        would store it again)."""
+        run = self.runs.pop(rid)
+        if run is not None:
+            await run.cancel()
+        return self.store.delete(rid) or run is not None
 
     def _logprobs(self, state: dict, c, seen: int) -> list[dict] | None:
         """The step's new tokens' logprobs, as the chat route writes them (None: not asked)."""
@@ -266,12 +278,20 @@ class ResponsesServing:
         finally:
             for s in streams:
                 s.abort()
-        if last is None:
+        try:
+            if last is None:
+                raise RuntimeError("the engine ended the request without an output")
+            c = last.outputs[0]
+            closing = items.finish(c.finish_reason == "length")
+            response = self._finish(state, last, c, streamer, items.items)
+        except Exception as exc:
+            yield event("error", message=str(exc), code="engine_error", param=None)
+            failed = self._response(state, "failed", items.items)
+            failed["error"] = {"code": "server_error", "message": str(exc)}
+            yield event("response.failed", response=failed)
             return
-        c = last.outputs[0]
-        for kind, data in items.finish(c.finish_reason == "length"):
+        for kind, data in closing:
             yield event(kind, **data)
-        response = self._finish(state, last, c, streamer, items.items)
         yield event(f"response.{response['status']}", response=response)
 
 
@@ -307,9 +327,10 @@ def install_responses_routes(app: FastAPI, serving: ResponsesServing, check_mode
                 )
             after = _int_param(request, "starting_after", -1)
             return StreamingResponse(_sse(run.follow(after)), media_type="text/event-stream")
-        if run is not None and not run.ended:
-            return run.snapshot()
-        return {k: v for k, v in found[1].items() if not k.startswith("_")}
+        if run is not None and (found is None or not run.ended):
+            return run.snapshot()  # running, or ended and no longer in the store
+        assert found is not None
+        return _public(found[1])
 
     @app.post("/v1/responses/{rid}/cancel", include_in_schema=False)
     async def cancel(rid: str):
@@ -319,9 +340,13 @@ def install_responses_routes(app: FastAPI, serving: ResponsesServing, check_mode
 
     @app.delete("/v1/responses/{rid}", include_in_schema=False)
     async def delete(rid: str):
-        if not serving.store.delete(rid):
+        if not await serving.delete(rid):
             return _not_found(rid)
         return {"id": rid, "object": "response", "deleted": True}
+
+def _public(response: dict) -> dict:
+    """A stored response without the store's own keys (`_session`)."""
+    return {k: v for k, v in response.items() if not k.startswith("_")}
 
 
 def _not_found(rid: str) -> JSONResponse:

@@ -110,5 +110,8 @@ class BackgroundRuns:
     def get(self, rid: str) -> BackgroundRun | None:
         return self._runs.get(rid)
 
+    def pop(self, rid: str) -> BackgroundRun | None:
+        return self._runs.pop(rid, None)
+
     def running(self) -> int:
         return sum(not r.ended for r in self._runs.values())

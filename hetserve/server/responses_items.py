@@ -38,15 +38,14 @@ class OutputItems:
         self, content: str, reasoning: str, calls: list[dict], logprobs: list[dict] | None = None
     ) -> list[tuple[str, dict]]:
         """Deltas as `Streamer.feed` returns them -> (event type, fields) to send. `logprobs`:
-        the step's tokens' (None: not asked); they go with the step's text delta, and a step
-        that sent nothing (the parser held its text back) hands them to the next that does."""
+        the step's tokens' (None: not asked); a step that sent nothing (the parser held its
+        text back) hands them on to the next text delta (`_spelled` says which are the
+        text's)."""
         if logprobs is not None:
             self._held += logprobs
             if not (content or reasoning or calls):
                 return self._take()
-            if (
-                content and self._lp is not None
-            ):  # else reasoning's or a call's tokens: not the output text's
+            if content and self._lp is not None:  # else reasoning's or a call's tokens
                 self._lp += self._held
             self._held = []
         if reasoning:
@@ -112,12 +111,29 @@ class OutputItems:
         item["content"][0]["text"] += delta
         where = {"item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0}
         if item["type"] == "message":
-            lp, self._lp = self._lp or [], [] if self._lp is not None else None
-            if "logprobs" in item["content"][0]:
-                item["content"][0]["logprobs"] += lp
+            part = item["content"][0]
+            lp: list[dict] = []
+            if self._lp is not None:
+                lp, self._lp = self._spelled(part), []
+                part["logprobs"] += lp
             self._emit("response.output_text.delta", **where, delta=delta, logprobs=lp)
         else:
             self._emit("response.reasoning_text.delta", **where, delta=delta)
+
+    def _spelled(self, part: dict) -> list[dict]:
+        """The pending logprob entries that are the text's. Within a message all are; before
+        its first text, tokens of the format (a thinking's closing tag, the newlines the
+        parser drops after it) may wait with them, and go: the entries start at the first
+        one whose bytes or string begin the text (all of them where none does)."""
+        entries = self._lp or []
+        if part["logprobs"] or not entries:
+            return entries
+        text = part["text"]
+        for k, e in enumerate(entries):
+            b, s = bytes(e["bytes"]), e["token"]
+            if b and (text.encode().startswith(b) or (s and text.startswith(s))):
+                return entries[k:]
+        return entries
 
     def _close(self, status: str) -> None:
         item, self._open = self._open, None

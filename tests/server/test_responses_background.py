@@ -185,5 +185,49 @@ def test_reasoning_is_carried_and_only_the_answer_has_logprobs():
     reasoning, message = items.items
     assert base64.b64decode(reasoning["encrypted_content"]).decode() == "\nhmm\n"
     assert message["content"][0]["text"] == "Hi there"
-    # The blank line waited for the answer and went with it; the thinking's tokens did not.
-    assert [e["token"] for e in message["content"][0]["logprobs"]] == ["\n\n", "Hi", " there"]
+    # The thinking's tokens are not the answer's, nor the newlines the parser drops after it.
+    assert [e["token"] for e in message["content"][0]["logprobs"]] == ["Hi", " there"]
+    # The closing tag alone in its step (Qwen3's and R1's single token) is not the text's either.
+    steps = ["<think>", "hmm", "</think>", "\n\n", "Hello", " wor", "ld"]
+    streamer, items, text = Streamer(ThinkSplitter(HermesParser([]))), OutputItems(True, True), ""
+    for i, step in enumerate(steps):
+        text += step
+        items.feed(*streamer.feed(text, final=i == len(steps) - 1), logprobs=[lp(step)])
+    items.finish(cut_off=False)
+    part = items.items[-1]["content"][0]
+    assert [e["token"] for e in part["logprobs"]] == ["Hello", " wor", "ld"]
+    assert "".join(e["token"] for e in part["logprobs"]) == part["text"] == "Hello world"
+
+
+def test_a_deleted_background_response_stays_deleted(client, server, monkeypatch):
+    """Review findings: a GET after deleting a finished background response was a 500, and
+    deleting a running one did not stick (its end stored it again)."""
+    import hetserve.server.responses as responses
+
+    done = client.responses.create(model="tiny", input="hi", max_output_tokens=2,
+                                   background=True)  # fmt: skip
+    wait_for(client, done.id)
+    client.responses.delete(done.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(done.id)
+    release = threading.Event()
+    real = responses.merge
+
+    async def held(streams):
+        async for i, out in real(streams):
+            yield i, out
+            while not release.is_set():
+                await asyncio.sleep(0.01)
+
+    monkeypatch.setattr(responses, "merge", held)
+    try:
+        r = client.responses.create(model="tiny", input="hi", max_output_tokens=50,
+                                    background=True)  # fmt: skip
+        wait_for(client, r.id, statuses=("in_progress",))
+        client.responses.delete(r.id)
+    finally:
+        release.set()
+    time.sleep(0.3)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    assert server.wait_idle().kv_blocks_used == 0
