@@ -142,6 +142,8 @@ class Conductor:
         the request log records; None: now)."""
         ids = self.prompt_ids(path, body)
         keep = body.get("truncate_prompt_tokens")  # the instances keep the last `keep`
+        if keep == -1:
+            keep = self.cluster.model_card.get("max_model_len")
         if isinstance(keep, int) and not isinstance(keep, bool) and 0 < keep < len(ids):
             ids = ids[-keep:]
         extra = salt_extra(body.get("cache_salt"))  # in every block hash, as the instances do
@@ -217,7 +219,9 @@ class Conductor:
         # in one request are served where they decode.
         prompt = body.get("prompt")
         several = isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)
-        single = decision.prefill == decision.decode or _field(body, "n", 1) > 1 or several
+        # Prompt logprobs turn the decode side's prefix lookup off: no hand-off could match.
+        single = (decision.prefill == decision.decode or _field(body, "n", 1) > 1 or several
+                  or body.get("prompt_logprobs") is not None)  # fmt: skip
         self.cluster.routed(decision.prefill, decision.decode, new)
         self._count("colocated" if single else "disaggregated")
         target = decision.decode  # colocated there, or the stream of a disaggregated request

@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    StrictBool,
     StrictInt,
     ValidationError,
     field_validator,
@@ -95,8 +96,8 @@ class _Common(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     # vLLM's: each prompt token's logprob given its prefix, with the top k (not streamed).
     prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    # vLLM's: only the prompt's last k tokens are used (left truncation).
-    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=1)
+    # vLLM's: only the prompt's last k tokens are used (left truncation; -1: the context's).
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)
     # vLLM's: logprobs name tokens "token_id:ID" (a token that is no whole UTF-8 text stays
     # exact).
     return_tokens_as_token_ids: bool = False
@@ -133,6 +134,20 @@ class _Common(BaseModel):
         if len(items) > 16 or any(not s or len(s) > 256 for s in items):
             raise ValueError("stop must be at most 16 non-empty strings of up to 256 characters")
         return items
+
+    @field_validator("prompt_logprobs", mode="before")
+    @classmethod
+    def _prompt_logprobs(cls, v):
+        if v == -1 and not isinstance(v, bool):  # vLLM's "the whole vocabulary"
+            raise ValueError(f"-1 (the whole vocabulary) is not served; at most {MAX_LOGPROBS}")
+        return v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, v):
+        if v == 0:
+            raise ValueError("0 leaves no prompt; give k >= 1, or -1 for the model's context")
+        return v
 
     @field_validator("bad_words")
     @classmethod
@@ -190,7 +205,7 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
-    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (and such) on text prompts
+    add_special_tokens: StrictBool = True  # vLLM's: the tokenizer's BOS (and such) on text prompts
     suffix: str | None = None
 
     @field_validator("prompt", mode="wrap")
@@ -318,7 +333,7 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     # vLLM's: the tokenizer's special tokens (BOS) added to the rendered prompt; templates
     # write their own, so off by default.
-    add_special_tokens: bool = False
+    add_special_tokens: StrictBool = False
     # vLLM's: the reply starts with the final message's text (as completions' echo does).
     echo: bool = False
     # vLLM's: at most this many tokens of thinking, then its end is forced (reasoning models).

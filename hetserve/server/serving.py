@@ -182,6 +182,8 @@ class OpenAIServing:
         lora = self.lora_of(req)
         grammar = self.grammar_of(req)
         keep = req.truncate_prompt_tokens
+        if keep == -1:  # vLLM's: as much as the context holds
+            keep = self.engine.max_model_len
         try:
             for i, (text, ids) in enumerate(prompts):
                 rid = base if len(prompts) == 1 else f"{base}-{i}"

@@ -97,13 +97,15 @@ def test_a_malformed_body_is_the_instances_400_not_a_500(path, body) -> None:
 
 
 @pytest.mark.parametrize(
-    ("prompt", "handed"),
-    [(["a b c", "d e f"], False), ([[1, 2], [3, 4]], False), (["a b c"], True), ([1, 2], True)],
-)
-def test_several_prompts_are_not_handed_off_under_one_key(prompt, handed) -> None:
+    ("prompt", "handed", "extra"),
+    [(["a b c", "d e f"], False, {}), ([[1, 2], [3, 4]], False, {}), (["a b c"], True, {}),
+     ([1, 2], True, {}), ([1, 2], False, {"prompt_logprobs": 1})],
+)  # fmt: skip
+def test_several_prompts_are_not_handed_off_under_one_key(prompt, handed, extra) -> None:
     """Two prompts went disaggregated with one hand-off key: the prefill instance computed
     both, the decode instance logged 'hand-off ... does not match its request; recomputing'
-    for each and computed them again."""
+    for each and computed them again. Prompt logprobs the same (the decode side's prefix
+    lookup is off for them, so no hand-off can match): served colocated."""
     seen: list[tuple[str, dict]] = []
 
     def instance(request: httpx.Request) -> httpx.Response:
@@ -115,7 +117,8 @@ def test_several_prompts_are_not_handed_off_under_one_key(prompt, handed) -> Non
         cluster, conductor = _conductor(instance)
         transport = httpx.ASGITransport(app=create_conductor_app(conductor, "m"))
         async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
-            r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+            body = {"prompt": prompt, "max_tokens": 2, **extra}
+            r = await client.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
         await asyncio.sleep(0.05)  # the prefill half runs in the background
         await cluster.http.aclose()

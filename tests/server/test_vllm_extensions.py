@@ -200,6 +200,13 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(served):
     assert chat["usage"]["prompt_tokens"] == 5
     r = post(srv, "/v1/completions", {"prompt": text, "truncate_prompt_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+    whole = post(srv, "/v1/completions", {"prompt": text, "truncate_prompt_tokens": -1,
+                                          **greedy}).json()  # fmt: skip
+    assert whole["usage"]["prompt_tokens"] == len(ids)  # vLLM's -1: the context's worth
+    r = post(srv, "/v1/completions", {"prompt": text, "prompt_logprobs": -1})
+    assert r.status_code == 400 and "whole vocabulary" in r.json()["error"]["message"]
+    r = post(srv, "/v1/completions", {"prompt": text, "add_special_tokens": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens"
 
 
 def test_allowed_token_ids_and_bad_words(served):
