@@ -52,6 +52,17 @@ PREFILL_DROPS = (
     "top_logprobs",
 )
 HOLDINGS = Callable[[list[bytes]], Mapping[str, Mapping[str, int]]]
+CHAT = "/v1/chat/completions"
+
+
+@dataclass(frozen=True)
+class OtherAPI:
+    """A route of another API the instances also serve (Anthropic's /v1/messages): how its
+    body reads as a chat request (for hashing and the prefill half; raises where the instance
+    would answer 400) and its error bodies' shape (from OpenAI's)."""
+
+    to_chat: Callable[[dict], dict]
+    error_shape: Callable[[dict], dict]
 
 
 @dataclass(frozen=True)
@@ -64,9 +75,15 @@ class ConductorConfig:
     model_alias: tuple[str, str] | None = None
 
 
-def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None):
+def _error(
+    status: int,
+    message: str,
+    kind: str,
+    headers: dict[str, str] | None = None,
+    shape: Callable[[dict], dict] | None = None,
+):
     body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(shape(body) if shape else body, status_code=status, headers=headers)
 
 
 class Conductor:
@@ -91,6 +108,8 @@ class Conductor:
         # chat_template_kwargs: server/chat.py chat_prompt_text). None, or a body it refuses
         # (the instance will answer 400): the messages' roles and text alone.
         self.render_chat: Callable[[Mapping[str, Any]], str] | None = None
+        # Other APIs' routes it serves, by path (the entrypoint gives Anthropic's).
+        self.apis: dict[str, OtherAPI] = {}
         self.started = time.monotonic()
         self.counts: dict[str, int] = {}
         self.ttft: list[tuple[float, float]] = []  # (predicted, measured) seconds, recent
@@ -199,21 +218,30 @@ class Conductor:
 
     async def route(self, path: str, raw: bytes, request: Request) -> Response:
         t0 = time.perf_counter()
+        api = self.apis.get(path)
+        shape = api.error_shape if api is not None else None
         try:
             body = json.loads(raw)
             if not isinstance(body, dict):
                 raise ValueError("not an object")
         except ValueError:
-            return _error(400, "request body is not a JSON object", "invalid_request_error")
-        decision, req = self.decide(path, body, arrived=t0)
+            return _error(400, "request body is not a JSON object", "invalid_request_error",
+                          shape=shape)  # fmt: skip
+        chat = body  # the chat request it means: what is hashed and prefilled
+        if api is not None:
+            try:
+                chat = api.to_chat(body)
+            except Exception:  # noqa: BLE001 (refused: the instance answers its own 400)
+                chat = {}
+        decision, req = self.decide(CHAT if api is not None else path, chat, arrived=t0)
         if decision.rejected:
             self._count("rejected")
             retry = str(int(decision.retry_after_s or 1))
             if decision.unavailable:  # not the client's rate: the cluster is down
                 msg = f"the cluster cannot serve requests now: {decision.reject_reason}"
-                return _error(503, msg, "service_unavailable", {"Retry-After": retry})
+                return _error(503, msg, "service_unavailable", {"Retry-After": retry}, shape)
             msg = f"the cluster cannot serve this request in time: {decision.reject_reason}"
-            return _error(429, msg, "rate_limit_error", {"Retry-After": retry})
+            return _error(429, msg, "rate_limit_error", {"Retry-After": retry}, shape)
         new = max(req.num_tokens - decision.cached_tokens, 1)
         # A hand-off carries one prompt's KV for one sequence: several prompts (or choices)
         # in one request are served where they decode.
@@ -221,7 +249,7 @@ class Conductor:
         several = isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)
         # Prompt logprobs turn the decode side's prefix lookup off: no hand-off could match.
         single = (decision.prefill == decision.decode or _field(body, "n", 1) > 1 or several
-                  or body.get("prompt_logprobs") is not None)  # fmt: skip
+                  or body.get("prompt_logprobs") is not None or not chat)  # fmt: skip
         self.cluster.routed(decision.prefill, decision.decode, new)
         self._count("colocated" if single else "disaggregated")
         target = decision.decode  # colocated there, or the stream of a disaggregated request
@@ -230,11 +258,12 @@ class Conductor:
         alias = self.config.model_alias
         if alias is not None and fwd.get("model") == alias[0]:
             fwd["model"] = alias[1]
-        if not single:
-            fwd["kv_handoff"] = self._handoff(decision, fwd, req)
+        if not single:  # the prefill half is the chat request the body means
+            pre = chat if api is not None else fwd
+            fwd["kv_handoff"] = self._handoff(decision, {**pre, "model": fwd.get("model")}, req)
         self.routing.append(time.perf_counter() - t0)
         del self.routing[:-1000]
-        return await self._forward(path, target, fwd, request, decision, req.request_id)
+        return await self._forward(path, target, fwd, request, decision, req.request_id, shape)
 
     def _handoff(self, d: Decision, body: dict[str, Any], req: RequestInfo) -> dict[str, Any]:
         """Start the prefill half (in the background) and give the decode half its part."""
@@ -281,6 +310,7 @@ class Conductor:
         request: Request,
         d: Decision,
         request_id: str,
+        shape: Callable[[dict], dict] | None = None,
     ) -> Response:
         """Send to `name`; retried once on another decode-capable instance (colocated: no
         hand-off) if `name` cannot be reached before its response starts."""
@@ -300,7 +330,8 @@ class Conductor:
                 other = self._fallback(name)
                 if attempt or other is None:
                     self._log_answer(request_id, first_token=False)
-                    return _error(503, f"no instance could take the request: {exc}", "server_error")
+                    msg = f"no instance could take the request: {exc}"
+                    return _error(503, msg, "server_error", shape=shape)
                 name, body = other, {k: v for k, v in body.items() if k != "kv_handoff"}
                 continue
             return await self._relay(resp, request, d, t0, request_id)

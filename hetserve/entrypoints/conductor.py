@@ -123,12 +123,14 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
     import uvicorn
 
     from hetserve.config import Role
-    from hetserve.disagg.conductor import Conductor, ConductorConfig
+    from hetserve.disagg.conductor import Conductor, ConductorConfig, OtherAPI
     from hetserve.disagg.instances import Cluster, Instance
     from hetserve.disagg.kv_subscriber import KVEventSubscriber
     from hetserve.disagg.policy import Router, RouterConfig
     from hetserve.engine.setup import resolve_model_dir
     from hetserve.model.tokenizer import Tokenizer
+    from hetserve.server.anthropic import anthropic_error
+    from hetserve.server.anthropic_input import chat_body as anthropic_chat_body
     from hetserve.server.chat import chat_prompt_text
     from hetserve.server.conductor_app import create_conductor_app
 
@@ -177,6 +179,9 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
     )
     conductor.index_blocks = index.block_counts
     conductor.render_chat = functools.partial(chat_prompt_text, conductor.tok)
+    conductor.apis["/v1/messages"] = OtherAPI(  # Anthropic's, as the instances translate it
+        functools.partial(anthropic_chat_body, thinking_budget=False), anthropic_error
+    )
     if args.log_requests:
         from hetserve.core.trace_record import RequestLogWriter
 

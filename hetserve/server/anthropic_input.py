@@ -38,6 +38,9 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
 # output_config.effort -> the chat request's reasoning_effort (its levels stop at high).
 EFFORT = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 MEDIA_BLOCKS = ("image", "document", "search_result", "container_upload")
+# hetserve's own fields, checked by the chat request: what a Conductor adds (a prefill/decode
+# hand-off, the priority it routed by) and a session's or a tenant's identity.
+PASSED = ("kv_handoff", "priority", "session_id", "cache_salt")
 
 
 def check_types(body: dict) -> None:
@@ -76,6 +79,9 @@ def chat_body(body: dict, thinking_budget: bool) -> dict[str, Any]:
     user = (body.get("metadata") or {}).get("user_id")
     if isinstance(user, str):
         out["user"] = user
+    for name in PASSED:
+        if body.get(name) is not None:
+            out[name] = body[name]
     out.update(_tools(body.get("tools"), body.get("tool_choice")))
     out.update(_thinking(body.get("thinking"), thinking_budget))
     out.update(_output(body.get("output_config")))

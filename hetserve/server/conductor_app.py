@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from hetserve.disagg.conductor import Conductor
 from hetserve.server.app import Guard
+from hetserve.server.errors import error_body
 
 
 def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
@@ -51,6 +52,13 @@ def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         return await conductor.route("/v1/chat/completions", await request.body(), request)
+
+    @app.post("/v1/messages", include_in_schema=False)  # where the entrypoint gave it
+    async def messages(request: Request):
+        if "/v1/messages" not in conductor.apis:
+            body = error_body("this Conductor serves no /v1/messages", "not_found_error")
+            return JSONResponse(body, status_code=404)
+        return await conductor.route("/v1/messages", await request.body(), request)
 
     return app
 

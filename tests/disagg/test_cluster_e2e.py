@@ -207,3 +207,30 @@ def _zombie(pid: int) -> bool:
             return f.read().split()[2] == "Z"
     except OSError:
         return True
+
+
+def test_anthropic_messages_through_the_cluster_equal_one_instances(cluster):
+    """Claude Code's API through a disaggregated cluster: the prefill instance computes the
+    chat request the Messages body means, the decode instance takes its KV and answers in
+    Anthropic's shape, as one instance alone does."""
+    _, _, _, running = cluster
+    parts = {p.name: p for p in running.parts}
+    body = {"model": httpx.get(running.endpoint + "/models", timeout=10).json()["data"][0]["id"],
+            "max_tokens": 8, "temperature": 0, "system": "be brief",
+            "messages": [{"role": "user", "content": PROMPT}]}  # fmt: skip
+    alone = httpx.post(parts["decode-0"].url + "/v1/messages", json=body, timeout=120)
+    assert alone.status_code == 200, alone.text
+    base = running.endpoint.removesuffix("/v1")
+    before = httpx.get(base + "/metrics", timeout=10).text
+    r = httpx.post(base + "/v1/messages", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["content"] == alone.json()["content"]
+    after = httpx.get(base + "/metrics", timeout=10).text
+    assert _count(after, "disaggregated") == _count(before, "disaggregated") + 1
+    usage = r.json()["usage"]  # the decode instance took the prompt from the hand-off
+    assert usage["cache_read_input_tokens"] > 0
+
+
+def _count(metrics: str, outcome: str) -> int:
+    line = f'hetserve_conductor_requests_total{{outcome="{outcome}"}}'
+    return next((int(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith(line)), 0)

@@ -210,3 +210,54 @@ def test_a_salted_or_truncated_prompt_is_looked_up_as_the_instances_hash_it() ->
     conductor.decide("/v1/completions", {**body, "truncate_prompt_tokens": 8})
     assert asked[-1] == [h.digest for h in hash_prefix_blocks(ids[-8:], 4, (), b"")]
     asyncio.run(cluster.http.aclose())
+
+
+def test_anthropic_messages_are_routed_as_the_chat_they_mean() -> None:
+    """/v1/messages through the Conductor: the decode instance gets the Messages body (with
+    its hand-off), the prefill instance the chat request it means (Anthropic's blocks would be
+    its 400), and the Conductor's own errors have Anthropic's shape."""
+    from hetserve.disagg.conductor import OtherAPI
+    from hetserve.server.anthropic import anthropic_error
+    from hetserve.server.anthropic_input import chat_body
+
+    seen: list[tuple[str, str, dict]] = []
+
+    def instance(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/internal/load":
+            return httpx.Response(200, json={"running_decodes": 0, "free_blocks": 100})
+        seen.append((request.url.host, request.url.path, json.loads(request.content)))
+        return httpx.Response(200, json={"type": "message", "content": []})
+
+    body = {"model": "m", "max_tokens": 5, "system": "be brief", "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "w",
+                                           "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": "sunny"}]}]}  # fmt: skip
+
+    async def run() -> None:
+        cluster, conductor = _conductor(instance)
+        conductor.apis["/v1/messages"] = OtherAPI(
+            lambda b: chat_body(b, thinking_budget=False), anthropic_error
+        )
+        transport = httpx.ASGITransport(app=create_conductor_app(conductor, "m"))
+        async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
+            r = await client.post("/v1/messages", json=body)
+            assert r.status_code == 200, r.text
+            await asyncio.sleep(0.05)  # the prefill half runs in the background
+            for name in list(cluster.instances):
+                cluster.mark_down(name)
+            r = await client.post("/v1/messages", json=body)
+            assert r.status_code == 503 and r.json()["type"] == "error"
+            assert r.json()["error"]["type"] == "overloaded_error"
+        await cluster.http.aclose()
+
+    asyncio.run(run())
+    by_host = {host: (path, b) for host, path, b in seen}
+    path, decode = by_host["d"]
+    assert path == "/v1/messages" and decode["kv_handoff"]["role"] == "receive"
+    assert decode["messages"] == body["messages"]
+    path, prefill = by_host["p"]
+    assert path == "/v1/chat/completions" and prefill["kv_handoff"]["role"] == "send"
+    assert prefill["max_tokens"] == 1 and prefill["messages"][-1]["role"] == "tool"
+    assert prefill["messages"][2]["tool_calls"][0]["function"]["name"] == "w"
