@@ -34,7 +34,7 @@ from hetserve.server.responses_input import their_names
 from hetserve.server.serving import merge
 from hetserve.server.tools import Streamer
 from hetserve.server.tools.registry import thinking_marks
-from hetserve.server.validation import UnsupportedFieldError
+from hetserve.server.validation import UnsupportedFieldError, json_object
 
 # The chat request's names for what the Messages body calls otherwise (first match wins).
 THEIR_NAMES = (
@@ -255,21 +255,12 @@ def install_anthropic_routes(app: FastAPI, serving: AnthropicServing, check_mode
             return None
         return JSONResponse(anthropic_error(json.loads(answer.body)), answer.status_code)
 
-    async def body_of(request: Request) -> dict:
-        try:
-            body = json.loads(await request.body() or b"{}")
-        except ValueError:
-            raise InvalidInputError("request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise InvalidInputError("request body must be a JSON object")
-        return body
-
     @app.post("/v1/messages", include_in_schema=False)
     async def messages(request: Request):
-        body = await body_of(request)
+        body = await json_object(request)
         return refused(body.get("model")) or await serving.create(body, request)
 
     @app.post("/v1/messages/count_tokens", include_in_schema=False)
     async def count_tokens(request: Request):
-        body = await body_of(request)
+        body = await json_object(request)
         return refused(body.get("model")) or await serving.count_tokens(body)

@@ -35,6 +35,7 @@ from hetserve.server.ollama_input import (
 )
 from hetserve.server.serving import merge
 from hetserve.server.tools import Parsed, Streamer
+from hetserve.server.validation import json_object
 
 OLLAMA_VERSION = "0.12.0"  # the API version whose fields we serve (clients check it)
 LATEST = ":latest"  # Ollama's default tag: NAME:latest names the model served as NAME
@@ -186,12 +187,7 @@ def install_ollama_routes(app: FastAPI, serving: OllamaServing, engine, check_mo
         return {**reply, "done": True, "done_reason": reason}
 
     async def body_of(request: Request) -> dict:
-        try:
-            body = json.loads(await request.body() or b"{}")
-        except ValueError:
-            raise InvalidInputError("request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise InvalidInputError("request body must be a JSON object")
+        body = await json_object(request)
         model = typed(body.get("model"), (str,), "model", "a string")
         missing = check_model(model)
         bare = model.removesuffix(LATEST) if model else model

@@ -37,6 +37,7 @@ from hetserve.server.responses_input import (
 from hetserve.server.responses_items import OutputItems
 from hetserve.server.serving import merge
 from hetserve.server.tools import Streamer
+from hetserve.server.validation import json_object
 
 MAX_STORED = 1024
 
@@ -298,12 +299,7 @@ class ResponsesServing:
 def install_responses_routes(app: FastAPI, serving: ResponsesServing, check_model) -> None:
     @app.post("/v1/responses")
     async def create(request: Request):
-        try:
-            body = json.loads(await request.body() or b"{}")
-        except ValueError:
-            raise InvalidInputError("request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise InvalidInputError("request body must be a JSON object")
+        body = await json_object(request)
         check_types(body)
         return check_model(body.get("model")) or await serving.create(body, request)
 

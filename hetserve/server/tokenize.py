@@ -16,7 +16,6 @@ as the other routes answer.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,6 +25,7 @@ from hetserve.errors import InvalidInputError
 from hetserve.server.chat import ChatServing, template_inputs
 from hetserve.server.errors import validation_message
 from hetserve.server.protocol import ChatCompletionRequest
+from hetserve.server.validation import json_object
 
 # The fields /tokenize reads itself; the rest of a chat body is the chat route's.
 _OWN = ("add_special_tokens", "return_token_strs")
@@ -34,7 +34,7 @@ _OWN = ("add_special_tokens", "return_token_strs")
 def install_tokenize_routes(app: FastAPI, chat: ChatServing, check_model) -> None:
     @app.post("/tokenize", include_in_schema=False)
     async def tokenize(request: Request):
-        body = await _body(request)
+        body = await json_object(request)
         refused = check_model(body.get("model"))
         if refused is not None:
             return refused
@@ -58,7 +58,7 @@ def install_tokenize_routes(app: FastAPI, chat: ChatServing, check_model) -> Non
 
     @app.post("/detokenize", include_in_schema=False)
     async def detokenize(request: Request):
-        body = await _body(request)
+        body = await json_object(request)
         refused = check_model(body.get("model"))
         if refused is not None:
             return refused
@@ -72,16 +72,6 @@ def install_tokenize_routes(app: FastAPI, chat: ChatServing, check_model) -> Non
                     f"token id {t} is outside the vocabulary (0 to {vocab - 1})", f"tokens.{i}"
                 )
         return {"prompt": chat.tok.decode(tokens, skip_special_tokens=False)}
-
-
-async def _body(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body() or b"{}")
-    except ValueError:
-        raise InvalidInputError("request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise InvalidInputError("request body must be a JSON object")
-    return body
 
 
 async def _chat_prompt(chat: ChatServing, body: dict[str, Any]) -> str:

@@ -9,6 +9,7 @@ clients send; each rule says which.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,6 +46,19 @@ CHAT_EXTENSIONS = VLLM_EXTENSIONS | {
     "chat_template": (None,),
     "documents": (None,),
 }
+
+
+async def json_object(request: Any) -> dict[str, Any]:
+    """A route's body read as a JSON object (an empty body as {}), else a 400 saying which it
+    is not. For the routes that check raw bodies field by field (Responses, Anthropic's,
+    Ollama's, /tokenize)."""
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except ValueError:
+        raise InvalidInputError("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidInputError("request body must be a JSON object")
+    return body
 
 
 def is_json_type(value: Any, kinds: tuple[type, ...]) -> bool:

@@ -200,7 +200,9 @@ def test_stream_events_follow_the_protocol(client):
     assert [o["content"] for o in final["output"]] == [
         o.model_dump(exclude_none=True)["content"] for o in whole.output
     ]
-    cut = check_events(raw_events(client, input="hi", max_output_tokens=6))
+    # Greedy, as test_text_and_stream (sampled, the reply could end before its limit).
+    cut = check_events(raw_events(client, input="hello the", instructions="be brief",
+                                  temperature=0, max_output_tokens=8))  # fmt: skip
     assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
     calls = check_events(raw_events(client, input="weather?", tools=[TOOL],
                                     tool_choice="required", max_output_tokens=200))  # fmt: skip
@@ -248,7 +250,8 @@ def test_the_sdk_stream_helper_follows_the_stream(client):
                 and e.type == "response.function_call_arguments.delta"]  # fmt: skip
         assert call.type == "function_call" and args[-1] == call.arguments
 
-    with client.responses.stream(model="tiny", input="hi", max_output_tokens=6) as stream:
+    with client.responses.stream(model="tiny", input="hello the", instructions="be brief",
+                                 temperature=0, max_output_tokens=8) as stream:  # fmt: skip
         events = list(stream)  # the SDK's accumulator takes it (it raised IndexError)
     assert events[-1].type == "response.incomplete"
     assert events[-1].response.output[0].status == "incomplete"

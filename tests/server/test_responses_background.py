@@ -79,19 +79,26 @@ def test_a_background_stream_is_streamed_again_from_a_sequence_number(client, se
     assert replay[-1].response.output_text == client.responses.retrieve(rid).output_text
 
 
-def test_a_background_response_is_cancelled_and_its_blocks_freed(client, server, monkeypatch):
+@pytest.fixture()
+def release(monkeypatch):
+    """Replies held after their first token until the event is set (set again at the end)."""
     import hetserve.server.responses as responses
 
-    release = threading.Event()
+    event = threading.Event()
     real = responses.merge
 
-    async def held(streams):  # the first token, then nothing until the test says so
+    async def held(streams):
         async for i, out in real(streams):
             yield i, out
-            while not release.is_set():
+            while not event.is_set():
                 await asyncio.sleep(0.01)
 
     monkeypatch.setattr(responses, "merge", held)
+    yield event
+    event.set()
+
+
+def test_a_background_response_is_cancelled_and_its_blocks_freed(client, server, release):
     try:
         r = client.responses.create(model="tiny", input="hello the", max_output_tokens=200,
                                     background=True)  # fmt: skip
@@ -199,27 +206,17 @@ def test_reasoning_is_carried_and_only_the_answer_has_logprobs():
     assert "".join(e["token"] for e in part["logprobs"]) == part["text"] == "Hello world"
 
 
-def test_a_deleted_background_response_stays_deleted(client, server, monkeypatch):
+def test_a_deleted_background_response_stays_deleted(client, server, release):
     """Review findings: a GET after deleting a finished background response was a 500, and
     deleting a running one did not stick (its end stored it again)."""
-    import hetserve.server.responses as responses
-
+    release.set()
     done = client.responses.create(model="tiny", input="hi", max_output_tokens=2,
                                    background=True)  # fmt: skip
     wait_for(client, done.id)
     client.responses.delete(done.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(done.id)
-    release = threading.Event()
-    real = responses.merge
-
-    async def held(streams):
-        async for i, out in real(streams):
-            yield i, out
-            while not release.is_set():
-                await asyncio.sleep(0.01)
-
-    monkeypatch.setattr(responses, "merge", held)
+    release.clear()
     try:
         r = client.responses.create(model="tiny", input="hi", max_output_tokens=50,
                                     background=True)  # fmt: skip
