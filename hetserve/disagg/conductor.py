@@ -38,6 +38,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hetserve.core.block_hash import salt_extra
+from hetserve.disagg.bodies import flag, int_field, is_int, output_limit, text_of
 from hetserve.disagg.instances import Cluster
 from hetserve.disagg.policy import Decision, RequestInfo, Router
 from hetserve.native.hash_chain import hash_prefix_digests
@@ -130,13 +131,13 @@ class Conductor:
                 try:
                     rendered: list[int] = self.tok.encode(
                         self.render_chat(body),
-                        add_special_tokens=_flag(body, "add_special_tokens", False),
+                        add_special_tokens=flag(body, "add_special_tokens", False),
                     )
                     return rendered
                 except Exception:  # noqa: BLE001 (refused or unreadable: the instance's 400)
                     pass
             messages = body.get("messages")
-            msgs = [{"role": m.get("role"), "content": _text(m.get("content"))}
+            msgs = [{"role": m.get("role"), "content": text_of(m.get("content"))}
                     for m in messages if isinstance(m, dict)
                     ] if isinstance(messages, list) else []  # fmt: skip
             text = self.tok.apply_chat_template(msgs, body.get("add_generation_prompt", True))
@@ -149,10 +150,10 @@ class Conductor:
             prompt = prompt[0]
         if isinstance(prompt, str):
             encoded: list[int] = self.tok.encode(
-                prompt, add_special_tokens=_flag(body, "add_special_tokens", True)
+                prompt, add_special_tokens=flag(body, "add_special_tokens", True)
             )
             return encoded
-        return [t for t in prompt if _is_int(t)] if isinstance(prompt, list) else []
+        return [t for t in prompt if is_int(t)] if isinstance(prompt, list) else []
 
     def decide(
         self, path: str, body: Mapping[str, Any], arrived: float | None = None
@@ -171,8 +172,8 @@ class Conductor:
         req = RequestInfo(
             uuid.uuid4().hex,
             len(ids),
-            priority=_field(body, "priority", 0),
-            expected_output_tokens=_limit(body),
+            priority=int_field(body, "priority", 0),
+            expected_output_tokens=output_limit(body),
         )
         view = self.cluster.view(self.holdings([h.digest for h in hashes]))
         now = time.monotonic()
@@ -193,11 +194,11 @@ class Conductor:
     ) -> Any:
         from hetserve.core.trace_record import log_record
 
-        extra: dict[str, Any] = {"rejected": d.rejected, "priority": _field(body, "priority", 0),
+        extra: dict[str, Any] = {"rejected": d.rejected, "priority": int_field(body, "priority", 0),
                                  "request_id": request_id}  # fmt: skip
         record = log_record(
             # An unknown output length (no max_tokens) as 1: the instances log the real one.
-            now - self.started, ids, max(1, _limit(body)),
+            now - self.started, ids, max(1, output_limit(body)),
             self.cluster.block_size, (), self.cluster.hash_seed, **extra,
         )  # fmt: skip
         return record
@@ -248,7 +249,7 @@ class Conductor:
         prompt = body.get("prompt")
         several = isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)
         # Prompt logprobs turn the decode side's prefix lookup off: no hand-off could match.
-        single = (decision.prefill == decision.decode or _field(body, "n", 1) > 1 or several
+        single = (decision.prefill == decision.decode or int_field(body, "n", 1) > 1 or several
                   or body.get("prompt_logprobs") is not None or not chat)  # fmt: skip
         self.cluster.routed(decision.prefill, decision.decode, new)
         self._count("colocated" if single else "disaggregated")
@@ -382,37 +383,3 @@ class Conductor:
         if d.predicted_ttft_s is not None:
             self.ttft.append((d.predicted_ttft_s, seconds))
             del self.ttft[:-1000]
-
-
-def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
-    """A boolean field as the instances read it (anything else: the default, and the instance
-    answers its 400)."""
-    value = body.get(name, default)
-    return value if isinstance(value, bool) else default
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _field(body: Mapping[str, Any], name: str, default: int) -> int:
-    """An integer field as routing reads it (an integral float too, as the instances take it):
-    anything else (a string, a list, null) routes as the default, and the instances answer
-    the 400 for what they cannot take."""
-    value: Any = body.get(name)
-    if isinstance(value, float) and value.is_integer() or _is_int(value):
-        return int(value)
-    return default
-
-
-def _limit(body: Mapping[str, Any]) -> int:
-    return _field(body, "max_tokens", 0) or _field(body, "max_completion_tokens", 0)
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = (p.get("text") for p in content if isinstance(p, dict))
-        return "".join(t for t in parts if isinstance(t, str))
-    return ""
