@@ -153,6 +153,14 @@ class Tokenizer:
                 pass
         return self.decode([token_id], skip_special_tokens=False).encode()
 
+    def fim_markers(self) -> tuple[str, str, str] | None:
+        """The fill-in-the-middle markers (prefix, suffix, middle) this vocabulary has as
+        tokens (FIM_MARKERS), None where it has none (not a code model)."""
+        for markers in FIM_MARKERS:
+            if all(self.token_to_id(m) is not None for m in markers):
+                return markers
+        return None
+
     def bad_word_ids(self, words: Iterable[str]) -> tuple[tuple[int, ...], ...]:
         """Words (vLLM's bad_words) as the token sequences that spell them: alone and after a
         space (mid-sentence, where byte-level BPEs spell a word otherwise), without repeats."""
@@ -213,6 +221,14 @@ class Tokenizer:
             return text[:at]
         return text[:at].rstrip()  # it trims a message's end: as it would have trimmed this one
 
+
+# Fill-in-the-middle markers as code models' tokenizers spell them: (prefix, suffix, middle).
+# A prompt is built prefix-suffix-middle, which all of them were trained on.
+FIM_MARKERS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, Qwen3-Coder
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),  # DeepSeek-Coder (V2: MoE)
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, and models trained as it
+)
 
 # Put after the final message's text (with a space, to see whether the template trims it) to
 # find where that text ends once rendered.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
@@ -15,19 +16,39 @@ from hetserve.server.serving import OpenAIServing, chunk_writer, merge
 
 class CompletionServing(OpenAIServing):
     async def create(self, req: CompletionRequest, request: Request):
-        prompts = await self._prompts(req.prompt, req.add_special_tokens)
+        prompt, stops = req.prompt, ()
+        if req.suffix is not None:  # fill in the middle, with the model's own markers
+            prompt, stops = self._fim(str(req.prompt), req.suffix)
+        prompts = await self._prompts(prompt, req.add_special_tokens)
         base = f"cmpl-{uuid.uuid4().hex}"
         echo_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
         limit, _ = req.output_limit()
 
         def params(_i, _ids):
-            return self.sampling_params(req, limit, req.logprobs, echo_lp)
+            p = self.sampling_params(req, limit, req.logprobs, echo_lp)
+            if stops:  # a marker written means the middle is done
+                p = dataclasses.replace(p, stop_token_ids=(*p.stop_token_ids, *stops))
+            return p
 
         streams = self.start(base, prompts, params, req, request)
         if req.stream:
             return self.event_stream(base, streams, self._chunks(req, base, streams))
         work = self._collect(req, base, streams)
         return await self.run_unless_disconnected(request, streams, work)
+
+    def _fim(self, prefix: str, suffix: str) -> tuple[str, tuple[int, ...]]:
+        """The fill-in-the-middle prompt (prefix, suffix, middle markers) and the markers' ids
+        to stop at."""
+        markers = self.tok.fim_markers()
+        if markers is None:
+            raise InvalidInputError(
+                "suffix (fill in the middle) needs a code model: this tokenizer has no FIM "
+                "tokens (such as <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>)",
+                "suffix",
+            )
+        pre, suf, mid = markers
+        ids = tuple(self.tok.token_to_id(m) for m in markers)
+        return f"{pre}{prefix}{suf}{suffix}{mid}", tuple(i for i in ids if i is not None)
 
     async def _prompts(self, prompt, special: bool) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, str):

@@ -206,7 +206,7 @@ class CompletionRequest(_Common):
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
     add_special_tokens: StrictBool = True  # vLLM's: the tokenizer's BOS (and such) on text prompts
-    suffix: str | None = None
+    suffix: str | None = None  # fill in the middle: the text after the completion
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -231,8 +231,10 @@ class CompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _completion_only(self):
-        if self.suffix:
-            raise UnsupportedFieldError("suffix", "suffix (insertion) is not supported")
+        if self.suffix is not None and (self.echo or not isinstance(self.prompt, str)):
+            raise InvalidInputError(
+                "suffix (fill in the middle) takes one text prompt and no echo", "suffix"
+            )
         if self.best_of is not None and self.best_of < self.n:
             # OpenAI: best_of is the number of candidates, of which n are returned.
             raise InvalidInputError(

@@ -222,6 +222,7 @@ FORMATS: dict[str, ChatFormat] = {
         QWEN3,
         markers=("<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>",
                  "</tool_response>"),
+        specials=("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>"),
         eos=("<|im_end|>",),
     ),
     "deepseek": ChatFormat(

@@ -294,7 +294,7 @@ HOSTILE = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 5}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 5}}, "logit_bias"),
     ("/v1/completions", {"prompt": ["x"] * 257}, "prompt"),
-    ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
+    ("/v1/completions", {"prompt": ["x", "z"], "suffix": "y"}, "suffix"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 2000}, "max_tokens"),
     (

@@ -133,7 +133,7 @@ BAD = [
     (C, {"prompt": [10**9]}, "prompt", "outside the vocabulary"),
     (C, {"prompt": ["x"] * 257}, "prompt", "257 prompts; at most 256"),
     (C, {"prompt": list(range(10, 300))}, "prompt", "context"),
-    (C, {"suffix": "y"}, "suffix", "not supported"),
+    (C, {"suffix": "y", "echo": True}, "suffix", "no echo"),
     # ---- messages: OpenAI (a non-empty list of messages, role one of five) ---------------------
     (M, {"messages": DROP}, "messages", "Field required"),
     (M, {"messages": []}, "messages", "at least 1 item"),
