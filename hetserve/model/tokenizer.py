@@ -161,6 +161,16 @@ class Tokenizer:
                 return markers
         return None
 
+    def fim_prompt(self, prefix: str, suffix: str) -> tuple[str, tuple[int, ...]] | None:
+        """The fill-in-the-middle prompt (prefix, suffix, middle markers) and the markers'
+        ids, which end the middle where the model writes one; None without FIM tokens."""
+        markers = self.fim_markers()
+        if markers is None:
+            return None
+        pre, suf, mid = markers
+        ids = tuple(t for t in (self.token_to_id(m) for m in markers) if t is not None)
+        return f"{pre}{prefix}{suf}{suffix}{mid}", ids
+
     def bad_word_ids(self, words: Iterable[str]) -> tuple[tuple[int, ...], ...]:
         """Words (vLLM's bad_words) as the token sequences that spell them: alone and after a
         space (mid-sentence, where byte-level BPEs spell a word otherwise), without repeats."""

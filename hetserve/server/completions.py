@@ -13,6 +13,11 @@ from hetserve.errors import InvalidInputError
 from hetserve.server.protocol import CompletionRequest
 from hetserve.server.serving import OpenAIServing, chunk_writer, merge
 
+NO_FIM = (
+    "suffix (fill in the middle) needs a code model: this tokenizer has no FIM tokens (such "
+    "as <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>)"
+)
+
 
 class CompletionServing(OpenAIServing):
     async def create(self, req: CompletionRequest, request: Request):
@@ -37,18 +42,11 @@ class CompletionServing(OpenAIServing):
         return await self.run_unless_disconnected(request, streams, work)
 
     def _fim(self, prefix: str, suffix: str) -> tuple[str, tuple[int, ...]]:
-        """The fill-in-the-middle prompt (prefix, suffix, middle markers) and the markers' ids
-        to stop at."""
-        markers = self.tok.fim_markers()
-        if markers is None:
-            raise InvalidInputError(
-                "suffix (fill in the middle) needs a code model: this tokenizer has no FIM "
-                "tokens (such as <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>)",
-                "suffix",
-            )
-        pre, suf, mid = markers
-        ids = tuple(self.tok.token_to_id(m) for m in markers)
-        return f"{pre}{prefix}{suf}{suffix}{mid}", tuple(i for i in ids if i is not None)
+        """The fill-in-the-middle prompt and the markers' ids to stop at."""
+        fim = self.tok.fim_prompt(prefix, suffix)
+        if fim is None:
+            raise InvalidInputError(NO_FIM, "suffix")
+        return fim
 
     async def _prompts(self, prompt, special: bool) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, str):

@@ -7,7 +7,9 @@ by the chat route's machinery, so tools, `format` (JSON or a schema: structured 
 `think` (reasoning) work as they do there. `options` map to sampling (num_predict,
 temperature, top_k, top_p, min_p, stop, seed, repeat_penalty, presence/frequency_penalty);
 num_ctx and keep_alive are accepted (the engine's context and residency are fixed at start)
-and other options ignored, as Ollama ignores the ones a runner does not use. The load and
+and other options ignored, as Ollama ignores the ones a runner does not use. /api/generate's
+`raw` prompt is sent as written, and with a `suffix` the model's own fill-in-the-middle tokens
+frame it (Ollama's insert; a model without them says it does not support insert). The load and
 unload calls (no messages, no prompt) answer done, as Ollama's do. The model is listed as
 NAME:latest and answers to it; replies name it as the request did. Errors are Ollama's
 {"error": "..."} with the field named in the message and the 4xx status.
@@ -15,6 +17,7 @@ NAME:latest and answers to it; replies name it as the request did. Errors are Ol
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from datetime import UTC, datetime
@@ -25,6 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from hetserve.errors import InvalidInputError
 from hetserve.server.chat import ChatServing
+from hetserve.server.completions import NO_FIM
 from hetserve.server.ollama_input import (
     check_fields,
     keep_alive_seconds,
@@ -35,6 +39,7 @@ from hetserve.server.ollama_input import (
 )
 from hetserve.server.serving import merge
 from hetserve.server.tools import Parsed, Streamer
+from hetserve.server.tools.registry import output_parser
 from hetserve.server.validation import json_object
 
 OLLAMA_VERSION = "0.12.0"  # the API version whose fields we serve (clients check it)
@@ -72,14 +77,20 @@ class OllamaServing:
         echo; the served name where the request named none."""
         return body.get(SENT_MODEL) or self.model_name
 
-    async def run(self, body: dict, messages: list[dict], request: Request, key: str):
-        """`key`: the reply's field ('message' for /api/chat, 'response' for generate)."""
-        if body.get("suffix"):
-            raise InvalidInputError("suffix (insertion) is not supported", "suffix")
-        req = openai_request(body, messages)
+    async def run(
+        self, body: dict, messages: list[dict], request: Request, key: str, text: str | None = None
+    ):
+        """`key`: the reply's field ('message' for /api/chat, 'response' for generate).
+        `text`: a prompt sent as it is, no template (generate's raw, or with a suffix the
+        fill-in-the-middle prompt the model's FIM tokens make of it)."""
         base = f"ollama-{int(time.time() * 1e6)}"
         t0, name = time.perf_counter(), self.name_of(body)
-        streams, parsers, _ = await self.chat.prepare(base, req, request)
+        if text is None:
+            req = openai_request(body, messages)
+            streams, parsers, _ = await self.chat.prepare(base, req, request)
+        else:
+            req = openai_request(body, [{"role": "user", "content": text}])
+            streams, parsers = await self._as_written(base, body, text, req, request)
         if body.get("stream", True):
             return StreamingResponse(
                 self._lines(streams, parsers[0], name, key, t0),
@@ -98,6 +109,24 @@ class OllamaServing:
             return {**reply, **self._done(out, c, t0, first or time.perf_counter())}
 
         return await self.chat.run_unless_disconnected(request, streams, collect())
+
+    async def _as_written(self, base: str, body: dict, text: str, req, request: Request):
+        stops: tuple[int, ...] = ()
+        if body.get("suffix"):
+            fim = self.chat.tok.fim_prompt(text, body["suffix"])
+            if fim is None:
+                raise InvalidInputError(f"{self.name_of(body)} does not support insert: "
+                                        f"{NO_FIM.split(': ', 1)[1]}", "suffix")  # fmt: skip
+            text, stops = fim
+        ids = await self.chat.encode(text, add_special_tokens=True)
+        limit, _ = req.output_limit()
+
+        def params(_i, _ids):
+            p = self.chat.sampling_params(req, limit, None)
+            return dataclasses.replace(p, stop_token_ids=(*p.stop_token_ids, *stops))
+
+        streams = self.chat.start(base, [(text, ids)], params, req, request)
+        return streams, [output_parser(None, None, None, text)]  # the text, as written
 
     def _reply(self, name: str, key: str, content: str, thinking: str, calls: list) -> dict:
         """A reply line; `name`: the model as the client named it (Ollama echoes it)."""
@@ -254,8 +283,8 @@ def install_ollama_routes(app: FastAPI, serving: OllamaServing, engine, check_mo
         no_images(body.get("images"), "images")
         if not prompt:  # Ollama's way to load (or unload) a model
             return loaded(body, "response")
-        if raw:
-            raise InvalidInputError("raw prompts are not supported; send the text", "raw")
+        if raw or body.get("suffix"):  # as written (raw), or filled in the middle (insert)
+            return await serving.run(body, [], request, "response", text=prompt)
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": prompt})
         return await serving.run(body, messages, request, "response")

@@ -64,6 +64,29 @@ def test_a_model_without_fim_tokens_says_so(tiny_model):
     try:
         r = post(srv, {**GREEDY, "prompt": "x", "suffix": "y"})
         assert r.status_code == 400 and "needs a code model" in r.json()["error"]["message"]
+        r = httpx.post(srv.url + "/api/generate", json={"model": "tiny", "prompt": "x",
+                                                        "suffix": "y"}, timeout=60)  # fmt: skip
+        assert r.status_code == 400 and "does not support insert" in r.json()["error"]
     finally:
         srv.stop()
         engine.shutdown()
+
+
+def test_ollamas_insert_and_raw_prompts(server):
+    """Ollama's /api/generate refused `suffix` (its insert mode) and `raw`."""
+    import ollama
+
+    client = ollama.Client(host=server.url)
+    prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"
+    same = {"max_tokens": 6, "temperature": 0, "model": "tiny"}
+    options = {"num_predict": 6, "temperature": 0}
+    fim = post(server, {**same, "prompt": prefix, "suffix": suffix}).json()["choices"][0]
+    got = client.generate(model="tiny", prompt=prefix, suffix=suffix, options=options)
+    assert got.response == fim["text"] and got.done
+    streamed = "".join(p.response for p in client.generate(
+        model="tiny", prompt=prefix, suffix=suffix, options=options, stream=True))  # fmt: skip
+    assert streamed == fim["text"]
+    raw_text = "the model serves tokens"
+    plain = post(server, {**same, "prompt": raw_text}).json()["choices"][0]
+    raw = client.generate(model="tiny", prompt=raw_text, raw=True, options=options)
+    assert raw.response == plain["text"] and raw.prompt_eval_count > 0
