@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
@@ -236,21 +237,28 @@ def create_app(
     @app.get("/v1/models")
     async def models():
         # As vLLM lists them: the base model, then each adapter with its parent and path.
+        now = time.time()
+
         def card(name: str, root: str, parent: str | None) -> dict:
             return {
                 "id": name,
                 "object": "model",
-                "created": int(time.time()),
+                "created": int(now),
                 "owned_by": "hetserve",
                 "root": root,
                 "parent": parent,
                 "max_model_len": engine.max_model_len,
                 "vocab_size": engine.vocab_size,
+                # Anthropic's fields beside OpenAI's: its SDKs list models from the same route.
+                "type": "model",
+                "display_name": name,
+                "created_at": datetime.fromtimestamp(now, UTC).isoformat(),
             }
 
         cards = [card(model_name, str(engine.model_dir), None)]
         cards += [card(n, path, model_name) for n, path in engine.lora_adapters().items()]
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": cards, "has_more": False,
+                "first_id": cards[0]["id"], "last_id": cards[-1]["id"]}  # fmt: skip
 
     @app.post("/v1/completions")
     async def create_completion(request: Request):

@@ -196,3 +196,9 @@ def test_output_config_format_constrains_the_reply(client):
     r = client.messages.create(model="tiny", max_tokens=100, messages=pet, output_config=config)
     assert r.stop_reason == "end_turn"
     assert set(json.loads(r.content[0].text)) == {"name"}
+
+
+def test_anthropics_sdk_lists_the_served_model(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"] and models.data[0].type == "model"
+    assert models.data[0].created_at.year >= 2026 and models.has_more is False
