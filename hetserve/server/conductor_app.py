@@ -39,7 +39,10 @@ def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
         card = {**conductor.cluster.model_card, "id": model_name, "object": "model",
                 "created": int(time.time()), "owned_by": "hetserve"}  # fmt: skip
         card.pop("root", None)  # an instance's path means nothing to the Conductor's clients
-        return {"object": "list", "data": [card]}
+        if "display_name" in card:  # Anthropic's field, for the name the Conductor lists
+            card["display_name"] = model_name
+        return {"object": "list", "data": [card], "has_more": False, "first_id": model_name,
+                "last_id": model_name}  # fmt: skip
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
