@@ -138,7 +138,14 @@ def thinking_forced(row: SamplingRow) -> int | None:
     itself, its budget not spent, or the forced end written). Stateless: read from the prompt's
     tail and the output each step."""
     p, out = row.params, row.output_token_ids
-    start = _after_last(out, p.think_open_ids)  # output index where the thinking began
+    # Only a thinking opened within the last budget + forced tokens can still be forced: look
+    # there alone (a long answer after its thinking costs nothing per step).
+    reach = p.thinking_budget + len(p.think_forced_ids) + len(p.think_open_ids)
+    lo = max(0, len(out) - reach)
+    found = _after_last(out[lo:], p.think_open_ids)
+    start = None if found is None else lo + found  # output index where the thinking began
+    if start is None and lo > 0:
+        return None  # any thinking opened before the window is done with
     if start is None:
         tail = row.prompt_token_ids[-PROMPT_TAIL:]
         opened = _after_last(tail, p.think_open_ids)
@@ -155,12 +162,18 @@ def thinking_forced(row: SamplingRow) -> int | None:
 
 
 def _after_last(seq: list[int], pattern: tuple[int, ...]) -> int | None:
-    """The index right after the last occurrence of `pattern` in `seq` (None: nowhere)."""
-    n = len(pattern)
-    for i in range(len(seq) - n, -1, -1):
-        if seq[i] == pattern[0] and tuple(seq[i : i + n]) == pattern:
-            return i + n
-    return None
+    """The index right after the last occurrence of `pattern` in `seq` (None: nowhere); the
+    scan for its last token runs in C (list.index on the reversed list)."""
+    n, rev, at = len(pattern), seq[::-1], 0
+    while True:
+        try:
+            j = rev.index(pattern[-1], at)
+        except ValueError:
+            return None
+        end = len(seq) - j
+        if end >= n and tuple(seq[end - n : end]) == pattern:
+            return end
+        at = j + 1
 
 
 def _filter(logits: torch.Tensor, top_k: int | None, top_p: float, min_p: float) -> torch.Tensor:

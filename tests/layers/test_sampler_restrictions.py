@@ -96,3 +96,36 @@ def test_a_thinking_budget_forces_its_end_once_spent():
     assert [i for i in range(V) if torch.isfinite(logits[0, i])] == [9]  # forced wins
     with pytest.raises(ValueError, match="think_open_ids"):
         SamplingParams(thinking_budget=4)
+
+
+def _naive_forced(budget, prompt, out):
+    """The rule read from the whole output, by brute force (the sampler looks only where a
+    thinking can still be forced)."""
+
+    def after_last(seq, pat):
+        hits = [i + len(pat) for i in range(len(seq) - len(pat) + 1)
+                if tuple(seq[i : i + len(pat)]) == pat]  # fmt: skip
+        return hits[-1] if hits else None
+
+    start = after_last(out, OPEN)
+    if start is None:
+        tail = prompt[-64:]
+        opened = after_last(tail, OPEN)
+        if opened is None or (after_last(tail, CLOSE) or -1) >= opened:
+            return None
+        start = 0
+    spent = start + budget
+    if after_last(out[start:spent], CLOSE) is not None:
+        return None
+    written = len(out) - spent
+    return FORCED[written] if 0 <= written < len(FORCED) else None
+
+
+def test_the_thinking_rule_against_brute_force():
+    rng = random.Random(1)
+    for _ in range(3000):
+        budget = rng.randint(0, 4)
+        prompt = [rng.choice([1, 2, 3, 4]) for _ in range(rng.randint(1, 4))]
+        out = [rng.choice([3, 4, 5, 6, 9]) for _ in range(rng.randint(0, 14))]
+        assert _think(budget, prompt, out) == _naive_forced(budget, prompt, out), (
+            budget, prompt, out)  # fmt: skip
