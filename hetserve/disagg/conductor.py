@@ -64,6 +64,8 @@ class OtherAPI:
 
     to_chat: Callable[[dict], dict]
     error_shape: Callable[[dict], dict]
+    # A stream's last event when its instance fails mid-way (None: OpenAI's data line).
+    stream_error: Callable[[str], bytes] | None = None
 
 
 @dataclass(frozen=True)
@@ -264,7 +266,7 @@ class Conductor:
             fwd["kv_handoff"] = self._handoff(decision, {**pre, "model": fwd.get("model")}, req)
         self.routing.append(time.perf_counter() - t0)
         del self.routing[:-1000]
-        return await self._forward(path, target, fwd, request, decision, req.request_id, shape)
+        return await self._forward(path, target, fwd, request, decision, req.request_id, api)
 
     def _handoff(self, d: Decision, body: dict[str, Any], req: RequestInfo) -> dict[str, Any]:
         """Start the prefill half (in the background) and give the decode half its part."""
@@ -311,7 +313,7 @@ class Conductor:
         request: Request,
         d: Decision,
         request_id: str,
-        shape: Callable[[dict], dict] | None = None,
+        api: OtherAPI | None = None,
     ) -> Response:
         """Send to `name`; retried once on another decode-capable instance (colocated: no
         hand-off) if `name` cannot be reached before its response starts."""
@@ -332,11 +334,28 @@ class Conductor:
                 if attempt or other is None:
                     self._log_answer(request_id, first_token=False)
                     msg = f"no instance could take the request: {exc}"
+                    shape = api.error_shape if api is not None else None
                     return _error(503, msg, "server_error", shape=shape)
                 name, body = other, {k: v for k, v in body.items() if k != "kv_handoff"}
                 continue
-            return await self._relay(resp, request, d, t0, request_id)
+            return await self._relay(resp, request, d, t0, request_id, api)
         raise AssertionError("unreachable")
+
+    async def forward_any(self, path: str, raw: bytes) -> Response:
+        """A request any instance answers alike and nothing is routed by (Anthropic's
+        count_tokens): to the least loaded healthy one, its answer as it is."""
+        alive = [i for i in self.cluster.instances.values() if i.healthy]
+        if not alive:
+            return _error(503, "no healthy instance", "service_unavailable")
+        inst = min(alive, key=lambda i: (i.state().queued_requests, i.name))
+        try:
+            r = await self.cluster.http.post(inst.url + path, content=raw,
+                                             headers={"content-type": "application/json"})
+        except httpx.HTTPError as exc:
+            self.cluster.mark_down(inst.name)
+            return _error(503, f"the instance failed: {exc}", "server_error")
+        return Response(r.content, status_code=r.status_code,
+                        media_type=r.headers.get("content-type"))  # fmt: skip
 
     def _fallback(self, down: str) -> str | None:
         alive = [i for i in self.cluster.instances.values()
@@ -344,7 +363,13 @@ class Conductor:
         return min(alive, key=lambda i: (i.state().running_decodes, i.name)).name if alive else None
 
     async def _relay(
-        self, resp: httpx.Response, request: Request, d: Decision, t0: float, request_id: str
+        self,
+        resp: httpx.Response,
+        request: Request,
+        d: Decision,
+        t0: float,
+        request_id: str,
+        api: OtherAPI | None = None,
     ) -> Response:
         headers = {k: v for k, v in resp.headers.items()
                    if k.lower() in ("content-type", "x-request-id", "retry-after")}  # fmt: skip
@@ -371,8 +396,12 @@ class Conductor:
                         first = False
                     yield chunk
             except httpx.HTTPError as exc:  # the instance died mid-stream
-                err = {"error": {"message": f"the instance failed: {exc}", "type": "server_error"}}
-                yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+                msg = f"the instance failed: {exc}"
+                if api is not None and api.stream_error is not None:
+                    yield api.stream_error(msg)  # the API's own error event
+                else:
+                    err = {"error": {"message": msg, "type": "server_error"}}
+                    yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
             finally:
                 self._log_answer(request_id, first_token=False)  # no-op once written
                 await resp.aclose()

@@ -129,7 +129,7 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
     from hetserve.disagg.policy import Router, RouterConfig
     from hetserve.engine.setup import resolve_model_dir
     from hetserve.model.tokenizer import Tokenizer
-    from hetserve.server.anthropic import anthropic_error
+    from hetserve.server.anthropic import anthropic_error, anthropic_stream_error
     from hetserve.server.anthropic_input import chat_body as anthropic_chat_body
     from hetserve.server.chat import chat_prompt_text
     from hetserve.server.conductor_app import create_conductor_app
@@ -180,8 +180,9 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
     conductor.index_blocks = index.block_counts
     conductor.render_chat = functools.partial(chat_prompt_text, conductor.tok)
     conductor.apis["/v1/messages"] = OtherAPI(  # Anthropic's, as the instances translate it
-        functools.partial(anthropic_chat_body, thinking_budget=False), anthropic_error
-    )
+        functools.partial(anthropic_chat_body, thinking_budget=False), anthropic_error,
+        anthropic_stream_error,
+    )  # fmt: skip
     if args.log_requests:
         from hetserve.core.trace_record import RequestLogWriter
 

@@ -109,6 +109,10 @@ def _restrict(row_logits: torch.Tensor, row: SamplingRow, banned: list[int]) -> 
         keep[forced] = True
         row_logits.masked_fill_(~keep, float("-inf"))
         return
+    if not (p.allowed_token_ids or p.bad_words_token_ids):  # a budget alone, not spent
+        if banned:
+            row_logits[torch.tensor(banned, device=dev)] = float("-inf")
+        return
     keep = torch.zeros_like(row_logits, dtype=torch.bool)
     if p.allowed_token_ids:
         keep[torch.tensor(p.allowed_token_ids, device=dev)] = True

@@ -168,7 +168,8 @@ class Tokenizer:
         if markers is None:
             return None
         pre, suf, mid = markers
-        ids = tuple(t for t in (self.token_to_id(m) for m in markers) if t is not None)
+        ends = (*markers, *FIM_ENDS)  # a marker or the start of another file ends the middle
+        ids = tuple(t for t in (self.token_to_id(m) for m in ends) if t is not None)
         return f"{pre}{prefix}{suf}{suffix}{mid}", ids
 
     def bad_word_ids(self, words: Iterable[str]) -> tuple[tuple[int, ...], ...]:
@@ -239,6 +240,11 @@ FIM_MARKERS = (
     ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),  # DeepSeek-Coder (V2: MoE)
     ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, and models trained as it
 )
+
+# Tokens that end a fill in the middle beside the markers (llama.cpp stops at them too):
+# padding, and what starts another file or repository in the models' training layout.
+FIM_ENDS = ("<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<fim_pad>", "<file_sep>",
+            "<reponame>")  # fmt: skip
 
 # Put after the final message's text (with a space, to see whether the template trims it) to
 # find where that text ends once rendered.

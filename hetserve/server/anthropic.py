@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from hetserve.errors import InvalidInputError
+from hetserve.errors import InvalidInputError, PromptTooLongError
 from hetserve.server.anthropic_input import chat_body
 from hetserve.server.chat import ChatServing, template_inputs
 from hetserve.server.errors import validation_message
@@ -73,7 +73,10 @@ class AnthropicServing:
     async def create(self, body: dict, request: Request):
         req = self.request(body)
         mid = f"msg_{uuid.uuid4().hex}"
-        streams, parsers, _ = await self.chat.prepare(mid, req, request)
+        try:
+            streams, parsers, _ = await self.chat.prepare(mid, req, request)
+        except PromptTooLongError:
+            raise await self._too_long(req) from None
         head = {"id": mid, "type": "message", "role": "assistant",
                 "model": body.get("model") or self.chat.model_name}  # fmt: skip
         if req.stream:
@@ -81,6 +84,26 @@ class AnthropicServing:
             return StreamingResponse(events, media_type="text/event-stream")
         return await self.chat.run_unless_disconnected(
             request, streams, self._collect(head, streams, parsers[0])
+        )
+
+    async def _too_long(self, req: ChatCompletionRequest) -> InvalidInputError:
+        """A request past the context, worded as Anthropic words it: Claude Code reads these
+        messages (it retries with a smaller max_tokens, or compacts the conversation)."""
+        context = self.chat.engine.max_model_len
+        messages, add_generation_prompt, tools, kwargs = template_inputs(req)
+        prompt = await self.chat.render_chat(messages, add_generation_prompt, tools, **kwargs)
+        try:
+            n = len(await self.chat.encode(prompt, add_special_tokens=False))
+        except PromptTooLongError:  # too long to tokenize at all
+            n = len(prompt)
+        if n >= context:
+            return PromptTooLongError(f"prompt is too long: {n} tokens > {context} maximum",
+                                      "messages")  # fmt: skip
+        limit = req.output_limit()[0] or 0
+        return PromptTooLongError(
+            f"input length and `max_tokens` exceed context limit: {n} + {limit} > {context}, "
+            "decrease input length or `max_tokens` and try again",
+            "max_tokens",
         )
 
     async def _collect(self, head: dict, streams, parser) -> dict:
@@ -96,10 +119,10 @@ class AnthropicServing:
 
     def _stop(self, out, streamer: Streamer) -> tuple[str, str | None]:
         c = out.outputs[0]
+        if c.finish_reason == "length":  # a call cut off mid-way is no call to run
+            return "max_tokens", None
         if streamer.sent.calls:
             return "tool_use", None
-        if c.finish_reason == "length":
-            return "max_tokens", None
         if isinstance(c.stop_reason, str):
             return "stop_sequence", c.stop_reason
         return "end_turn", None
@@ -112,31 +135,42 @@ class AnthropicServing:
                 "cache_creation_input_tokens": 0}  # fmt: skip
 
     async def _events(self, head: dict, streams, parser):
-        prompt = streams[0].num_prompt_tokens
-        start = {**head, "content": [], "stop_reason": None, "stop_sequence": None,
-                 "usage": {"input_tokens": prompt, "output_tokens": 0}}  # fmt: skip
-        yield _event("message_start", message=start)
+        def start(out) -> str:  # sent with the first output: the cache split is known then
+            usage = self._usage(out) if out is not None else {
+                "input_tokens": streams[0].num_prompt_tokens, "cache_read_input_tokens": 0,
+                "cache_creation_input_tokens": 0}  # fmt: skip
+            message = {**head, "content": [], "stop_reason": None, "stop_sequence": None,
+                       "usage": {**usage, "output_tokens": 0}}  # fmt: skip
+            return _event("message_start", message=message)
+
         streamer, blocks, last = Streamer(parser), Blocks(), None
         try:
             async for _, out in merge(streams):
+                if last is None:
+                    yield start(out)
                 last = out
                 c = out.outputs[0]
                 for kind, data in blocks.feed(*streamer.feed(c.text, c.finish_reason is not None)):
                     yield _event(kind, **data)
         except Exception as exc:  # Anthropic's way: an error event ends the stream
+            if last is None:
+                yield start(None)
             yield _event("error", error={"type": "api_error", "message": str(exc)})
             return
         finally:
             for s in streams:
                 s.abort()
         if last is None:
+            yield start(None)
+            message = "the engine ended the request without an output"
+            yield _event("error", error={"type": "api_error", "message": message})
             return
         for kind, data in blocks.finish():
             yield _event(kind, **data)
         reason, sequence = self._stop(last, streamer)
         usage = self._usage(last)
         yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
-                     usage={"output_tokens": usage["output_tokens"]})  # fmt: skip
+                     usage=usage)  # fmt: skip
         yield _event("message_stop")
 
 
@@ -246,6 +280,12 @@ def anthropic_error(body: dict) -> dict:
     err = body["error"]
     kind = _ERROR_TYPES.get(err.get("type"), err.get("type") or "api_error")
     return {"type": "error", "error": {"type": kind, "message": err["message"]}}
+
+
+def anthropic_stream_error(message: str) -> bytes:
+    """The event that ends a Messages stream whose producer failed (an `error` event: the
+    SDKs raise on it; a nameless data line they would skip)."""
+    return _event("error", error={"type": "api_error", "message": message}).encode()
 
 
 def install_anthropic_routes(app: FastAPI, serving: AnthropicServing, check_model) -> None:

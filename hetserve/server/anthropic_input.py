@@ -85,6 +85,14 @@ def chat_body(body: dict, thinking_budget: bool) -> dict[str, Any]:
     out.update(_tools(body.get("tools"), body.get("tool_choice")))
     out.update(_thinking(body.get("thinking"), thinking_budget))
     out.update(_output(body.get("output_config")))
+    forced = isinstance(out.get("tool_choice"), dict) or out.get("tool_choice") == "required"
+    thinking = (out.get("chat_template_kwargs") or {}).get("enable_thinking")
+    if thinking and forced:  # as Anthropic refuses it
+        raise InvalidInputError(
+            "Thinking may not be enabled when tool_choice forces tool use.", "tool_choice"
+        )
+    if "response_format" in out:  # its grammar holds from the first token: no thinking to cap
+        out.pop("thinking_token_budget", None)
     return out
 
 

@@ -199,11 +199,11 @@ def create_app(
     async def on_http(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 404 and exc.detail == "Not Found":  # no such route
             message = f"no route {request.method} {request.url.path}; {SERVED_APIS}"
-            if request.url.path.startswith("/api/"):
-                return JSONResponse({"error": message}, status_code=404)
-            return JSONResponse(error_body(message, "not_found_error"), status_code=404)
+            body = error_body(message, "not_found_error")
+            return JSONResponse(_shaped(request.url.path, body), status_code=404)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+        body = error_body(str(exc.detail), kind)
+        return JSONResponse(_shaped(request.url.path, body), status_code=exc.status_code)
 
     def check_model(name: object) -> JSONResponse | None:
         """None when `name` is served: the base model or a loaded LoRA adapter."""

@@ -120,6 +120,12 @@ class ChatServing(OpenAIServing):
         """`params` with the request's thinking budget and its format's markers as tokens."""
         if req.thinking_token_budget is None:
             return params
+        if req.grammar is not None or req.tool_plan.grammar is not None:
+            raise InvalidInputError(
+                "thinking_token_budget cannot go with structured output or a forced tool call: "
+                "their grammar holds from the reply's first token, where no thinking can be",
+                "thinking_token_budget",
+            )
         marks = thinking_marks(self.reasoning_parser)
         if marks is None:
             raise InvalidInputError(

@@ -63,6 +63,13 @@ def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
             return JSONResponse(body, status_code=404)
         return await conductor.route("/v1/messages", await request.body(), request)
 
+    @app.post("/v1/messages/count_tokens", include_in_schema=False)
+    async def count_tokens(request: Request):
+        if "/v1/messages" not in conductor.apis:
+            body = error_body("this Conductor serves no /v1/messages", "not_found_error")
+            return JSONResponse(body, status_code=404)
+        return await conductor.forward_any("/v1/messages/count_tokens", await request.body())
+
     return app
 
 

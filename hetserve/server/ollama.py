@@ -112,7 +112,7 @@ class OllamaServing:
 
     async def _as_written(self, base: str, body: dict, text: str, req, request: Request):
         stops: tuple[int, ...] = ()
-        if body.get("suffix"):
+        if body.get("suffix") and not body.get("raw"):  # Ollama's: a raw prompt is as written
             fim = self.chat.tok.fim_prompt(text, body["suffix"])
             if fim is None:
                 raise InvalidInputError(f"{self.name_of(body)} does not support insert: "

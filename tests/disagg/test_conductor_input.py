@@ -261,3 +261,44 @@ def test_anthropic_messages_are_routed_as_the_chat_they_mean() -> None:
     assert path == "/v1/chat/completions" and prefill["kv_handoff"]["role"] == "send"
     assert prefill["max_tokens"] == 1 and prefill["messages"][-1]["role"] == "tool"
     assert prefill["messages"][2]["tool_calls"][0]["function"]["name"] == "w"
+
+
+def test_anthropics_count_tokens_and_a_dying_stream_through_the_conductor() -> None:
+    """count_tokens was a 404 at the Conductor; a Messages stream whose instance died ended
+    with OpenAI's data line, which Anthropic's SDKs skip (the reply looked whole)."""
+    from hetserve.disagg.conductor import OtherAPI
+    from hetserve.server.anthropic import anthropic_error, anthropic_stream_error
+    from hetserve.server.anthropic_input import chat_body
+
+    class Dying(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield b'event: message_start\ndata: {"type":"message_start"}\n\n'
+            raise httpx.ReadError("connection reset")
+
+    def instance(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/internal/load":
+            return httpx.Response(200, json={"running_decodes": 0, "free_blocks": 100})
+        if request.url.path == "/v1/messages/count_tokens":
+            return httpx.Response(200, json={"input_tokens": 7})
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              stream=Dying())  # fmt: skip
+
+    async def run() -> None:
+        cluster, conductor = _conductor(instance)
+        conductor.apis["/v1/messages"] = OtherAPI(
+            lambda b: chat_body(b, thinking_budget=False), anthropic_error,
+            anthropic_stream_error,
+        )  # fmt: skip
+        transport = httpx.ASGITransport(app=create_conductor_app(conductor, "m"))
+        body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+        async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
+            r = await client.post("/v1/messages/count_tokens", json=body)
+            assert r.status_code == 200 and r.json() == {"input_tokens": 7}
+            r = await client.post("/v1/messages", json={**body, "stream": True})
+            text = r.text
+        assert text.rstrip().splitlines()[-2] == "event: error", text
+        assert '"type":"api_error"' in text and "[DONE]" not in text
+        await asyncio.sleep(0.05)
+        await cluster.http.aclose()
+
+    asyncio.run(run())

@@ -202,3 +202,40 @@ def test_anthropics_sdk_lists_the_served_model(client):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"] and models.data[0].type == "model"
     assert models.data[0].created_at.year >= 2026 and models.has_more is False
+
+
+def test_second_review_context_errors_cut_off_calls_usage_and_thinking(client, server):
+    """Claude Code reads Anthropic's context-overflow messages (it retries with less
+    max_tokens, or compacts); a tool call cut off by max_tokens is no call to run; a stream's
+    usage splits cache reads as the whole reply's does; thinking with a forced tool call is
+    refused as Anthropic refuses it."""
+    import re
+
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(model="tiny", max_tokens=2000, messages=HELLO)
+    found = re.search(r"input length and `max_tokens` exceed context limit: (\d+) \+ (\d+) > "
+                      r"(\d+)", err.value.body["error"]["message"])  # fmt: skip
+    assert found and found.groups()[1:] == ("2000", "1024")
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(model="tiny", max_tokens=4,
+                               messages=[{"role": "user", "content": "the " * 1100}])
+    assert err.value.body["error"]["message"].startswith("prompt is too long: ")
+    cut = client.messages.create(model="tiny", max_tokens=3, tools=[TOOL],
+                                 tool_choice={"type": "any"},
+                                 messages=[{"role": "user", "content": "weather?"}])  # fmt: skip
+    assert cut.stop_reason == "max_tokens"
+    long = [{"role": "user", "content": "hello the model " * 12}]
+    client.messages.create(model="tiny", max_tokens=2, messages=long)  # cached from here on
+    whole = client.messages.create(model="tiny", max_tokens=2, messages=long)
+    with client.messages.stream(model="tiny", max_tokens=2, messages=long) as stream:
+        streamed = stream.get_final_message()
+    assert whole.usage.cache_read_input_tokens > 0
+    assert streamed.usage.cache_read_input_tokens == whole.usage.cache_read_input_tokens
+    assert streamed.usage.input_tokens == whole.usage.input_tokens
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(model="tiny", max_tokens=4, messages=HELLO, tools=[TOOL],
+                               tool_choice={"type": "any"},
+                               thinking={"type": "enabled", "budget_tokens": 100})  # fmt: skip
+    assert "forces tool use" in err.value.body["error"]["message"]
+    r = httpx.get(server.url + "/v1/messages", headers={"x-api-key": KEY})
+    assert r.status_code == 405 and r.json()["type"] == "error"

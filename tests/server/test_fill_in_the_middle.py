@@ -90,3 +90,18 @@ def test_ollamas_insert_and_raw_prompts(server):
     plain = post(server, {**same, "prompt": raw_text}).json()["choices"][0]
     raw = client.generate(model="tiny", prompt=raw_text, raw=True, options=options)
     assert raw.response == plain["text"] and raw.prompt_eval_count > 0
+
+
+def test_raw_with_a_suffix_is_as_written_and_fim_stops_at_a_new_file(server):
+    """Ollama sends a raw prompt as written, suffix or not; the middle also ends where the
+    model pads or starts another file (llama.cpp stops there too)."""
+    tok = engine_tokenizer(server)
+    _, stops = tok.fim_prompt("a", "b")
+    assert tok.token_to_id("<|fim_pad|>") in stops
+    body = {"model": "tiny", "prompt": "the model serves", "raw": True, "stream": False,
+            "options": {"num_predict": 2, "temperature": 0}}  # fmt: skip
+    alone = httpx.post(server.url + "/api/generate", json=body, timeout=60).json()
+    both = httpx.post(server.url + "/api/generate", json={**body, "suffix": "tokens"},
+                      timeout=60).json()  # fmt: skip
+    assert both["prompt_eval_count"] == alone["prompt_eval_count"]
+    assert both["response"] == alone["response"]
