@@ -17,13 +17,29 @@ from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
 from hetserve.engine.async_llm import AsyncLLM
 from hetserve.server.errors import error_response
-from hetserve.server.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
 FLAG = "--enable-lora-runtime-updates"
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's body for POST /v1/load_lora_adapter."""
+
+    model_config = ConfigDict(extra="allow")  # vLLM clients may send load_inplace and the like
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's body for POST /v1/unload_lora_adapter (its lora_int_id is accepted, unused)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    lora_name: str = Field(min_length=1, max_length=256)
 
 Body = TypeVar("Body", bound=BaseModel)
 Handler = Callable[[Body], Awaitable[Response]]

@@ -15,11 +15,10 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from hetserve.server.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from hetserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    LoadLoRAAdapterRequest,
-    UnloadLoRAAdapterRequest,
 )
 
 

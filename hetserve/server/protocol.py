@@ -411,20 +411,3 @@ class ChatCompletionRequest(_Common):
         if self.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", self.reasoning_effort)
         return kwargs
-
-
-class LoadLoRAAdapterRequest(BaseModel):
-    """vLLM's body for POST /v1/load_lora_adapter."""
-
-    model_config = ConfigDict(extra="allow")  # vLLM clients may send load_inplace and the like
-
-    lora_name: str = Field(min_length=1, max_length=256)
-    lora_path: str = Field(min_length=1, max_length=4096)
-
-
-class UnloadLoRAAdapterRequest(BaseModel):
-    """vLLM's body for POST /v1/unload_lora_adapter (its lora_int_id is accepted, unused)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    lora_name: str = Field(min_length=1, max_length=256)
