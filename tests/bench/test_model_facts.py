@@ -24,15 +24,16 @@ def test_tokenizer_dir_of_a_real_checkpoint(tiny_model) -> None:
     config = json.loads((model / "config.json").read_text())
     facts = tokenizer_facts(str(model))
     # The model's embedding rows (576) and the tokenizer's own tokens: 512 trained, six markers
-    # for tools and thinking past them (the rows beyond are padding to a multiple of 64).
+    # for tools and thinking past them, Qwen's four fill-in-the-middle specials (the rows
+    # beyond are padding to a multiple of 64).
     assert facts.vocab_size == config["vocab_size"] == 576
     assert facts.max_position_embeddings == config["max_position_embeddings"]
-    # The ChatML specials of the tiny tokenizer (0-2), eos and pad among them.
-    assert facts.special_ids == {0, 1, 2}
-    assert facts.tokenizer_vocab == 518
+    # The ChatML specials of the tiny tokenizer (0-2), eos and pad among them, and the FIM ones.
+    assert facts.special_ids == {0, 1, 2, 518, 519, 520, 521}
+    assert facts.tokenizer_vocab == 522
     # A tokenizer.json given as a file: no config.json, the tokenizer's own size.
     alone = tokenizer_facts(str(model / "tokenizer.json"))
-    assert (alone.vocab_size, alone.max_position_embeddings) == (518, None)
+    assert (alone.vocab_size, alone.max_position_embeddings) == (522, None)
 
 
 def test_specials_from_every_source_are_avoided(tmp_path: Path) -> None:
