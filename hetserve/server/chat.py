@@ -97,7 +97,8 @@ class ChatServing(OpenAIServing):
             )
         messages, add_generation_prompt, tools, kwargs = template_inputs(req)
         prompt = await self.render_chat(messages, add_generation_prompt, tools, **kwargs)
-        ids = await self.encode(prompt, add_special_tokens=req.add_special_tokens)
+        cut = req.truncate_prompt_tokens is not None  # tokenized whole, then cut
+        ids = await self.encode(prompt, add_special_tokens=req.add_special_tokens, whole=cut)
         k = (req.top_logprobs or 0) if req.logprobs else None
         limit, _ = req.output_limit()
         specials = needs_special_tokens(plan, self.tool_parser, self.reasoning_parser)

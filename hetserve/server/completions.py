@@ -24,7 +24,8 @@ class CompletionServing(OpenAIServing):
         prompt, stops = req.prompt, ()
         if req.suffix is not None:  # fill in the middle, with the model's own markers
             prompt, stops = self._fim(str(req.prompt), req.suffix)
-        prompts = await self._prompts(prompt, req.add_special_tokens)
+        cut = req.truncate_prompt_tokens is not None  # tokenized whole, then cut
+        prompts = await self._prompts(prompt, req.add_special_tokens, cut)
         base = f"cmpl-{uuid.uuid4().hex}"
         echo_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
         limit, _ = req.output_limit()
@@ -48,14 +49,16 @@ class CompletionServing(OpenAIServing):
             raise InvalidInputError(NO_FIM, "suffix")
         return fim
 
-    async def _prompts(self, prompt, special: bool) -> list[tuple[str | None, list[int]]]:
+    async def _prompts(
+        self, prompt, special: bool, whole: bool = False
+    ) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and isinstance(prompt[0], int):
             return [(None, prompt)]  # a fresh list from the parser: no copy (~1M ids max)
         out = []
         for p in prompt:
-            ids = await self.encode(p, special) if isinstance(p, str) else list(p)
+            ids = await self.encode(p, special, whole) if isinstance(p, str) else list(p)
             if not ids:
                 raise InvalidInputError("a prompt is empty; give at least one token", "prompt")
             out.append((p if isinstance(p, str) else None, ids))

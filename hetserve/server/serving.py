@@ -78,9 +78,14 @@ class OpenAIServing:
         answered 404 for a name that is neither the base model nor a loaded adapter)."""
         return None if req.model in (None, self.model_name) else req.model
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode(
+        self, text: str, add_special_tokens: bool = True, whole: bool = False
+    ) -> list[int]:
+        """The text's token ids. A text too long to fit the context however it tokenizes is
+        refused before the work, unless `whole`: /tokenize counts it, and a prompt truncated
+        to its last tokens is cut after (the body limit bounds it then)."""
         limit = 2 * self.engine.max_model_len * self.tok.max_token_chars
-        if len(text) > limit:
+        if len(text) > limit and not whole:
             raise PromptTooLongError(
                 f"prompt of {len(text)} characters cannot fit the model's context of "
                 f"{self.engine.max_model_len} tokens; shorten it",

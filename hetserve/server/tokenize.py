@@ -49,7 +49,7 @@ def install_tokenize_routes(app: FastAPI, chat: ChatServing, check_model) -> Non
             if not isinstance(prompt, str):
                 raise InvalidInputError("give 'prompt' (a string) or 'messages'", "prompt")
             special = body.get("add_special_tokens", True)
-        ids = await chat.encode(prompt, add_special_tokens=special)
+        ids = await chat.encode(prompt, add_special_tokens=special, whole=True)  # counted
         strs = None
         if body.get("return_token_strs"):
             strs = [chat.tok.id_to_token(t) or chat.token_str(t) for t in ids]

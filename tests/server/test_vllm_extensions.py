@@ -350,3 +350,17 @@ def test_thinking_token_budget_forces_the_end_of_thinking(served):
     json_only = {**body, "response_format": {"type": "json_object"}}
     r = post(srv, "/v1/chat/completions", json_only)
     assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_token_budget"
+
+
+def test_an_oversized_text_is_counted_and_truncated_not_refused(served):
+    """The first review: the server's guard against texts too long to fit the context refused
+    them before /tokenize could count them or truncate_prompt_tokens could cut them."""
+    srv, _ = served
+    text = "the model serves tokens " * 2000  # ~48k characters, far past a 512-token context
+    r = post(srv, "/v1/completions", {"prompt": text, "max_tokens": 1})
+    assert r.status_code == 400  # as before: it cannot fit
+    counted = post(srv, "/tokenize", {"prompt": text}).json()["count"]
+    assert counted > 4000
+    cut = post(srv, "/v1/completions", {"prompt": text, "max_tokens": 1,
+                                        "truncate_prompt_tokens": 10}).json()  # fmt: skip
+    assert cut["usage"]["prompt_tokens"] == 10
