@@ -23,18 +23,16 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 
 from hetserve.errors import InvalidInputError, PromptTooLongError
 from hetserve.server.anthropic_input import chat_body
 from hetserve.server.chat import ChatServing, template_inputs
-from hetserve.server.errors import validation_message
 from hetserve.server.protocol import ChatCompletionRequest
-from hetserve.server.responses_input import their_names
+from hetserve.server.responses_input import validated_chat
 from hetserve.server.serving import merge
 from hetserve.server.tools import Streamer
 from hetserve.server.tools.registry import thinking_marks
-from hetserve.server.validation import UnsupportedFieldError, json_object
+from hetserve.server.validation import json_object
 
 # The chat request's names for what the Messages body calls otherwise (first match wins).
 THEIR_NAMES = (
@@ -53,16 +51,10 @@ class AnthropicServing:
         self.chat = chat
 
     def request(self, body: dict) -> ChatCompletionRequest:
-        budget = thinking_marks(self.chat.reasoning_parser) is not None
-        try:
-            return ChatCompletionRequest.model_validate(chat_body(body, budget))
-        except ValidationError as exc:
-            message, param = validation_message(exc)
-            raise InvalidInputError(*their_names(message, param, THEIR_NAMES)) from None
-        except InvalidInputError as exc:
-            if isinstance(exc, UnsupportedFieldError) or exc.param is None:
-                raise
-            raise InvalidInputError(*their_names(str(exc), exc.param, THEIR_NAMES)) from None
+        # chat_body's own errors name the body's fields already; the chat request's checks
+        # name its own, renamed here.
+        out = chat_body(body, thinking_marks(self.chat.reasoning_parser) is not None)
+        return validated_chat(out, THEIR_NAMES)
 
     async def count_tokens(self, body: dict) -> dict:
         req = self.request({**body, "max_tokens": body.get("max_tokens") or 1})

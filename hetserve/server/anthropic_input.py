@@ -137,14 +137,16 @@ def _texts(blocks: list, where: str) -> str:
     for j, b in enumerate(blocks):
         kind = b.get("type") if isinstance(b, dict) else None
         if kind in MEDIA_BLOCKS:
-            raise UnsupportedFieldError(
-                f"{where}.{j}", f"{kind} blocks are not supported (text-only model)"
-            )
+            raise _media(kind, f"{where}.{j}")
         if kind != "text" or not isinstance(b.get("text"), str):
             raise InvalidInputError("expected text blocks ({type: text, text: ...})",
                                     f"{where}.{j}")  # fmt: skip
         texts.append(b["text"])
     return "\n".join(texts)
+
+
+def _media(kind: str, at: str) -> UnsupportedFieldError:
+    return UnsupportedFieldError(at, f"{kind} blocks are not supported (text-only model)")
 
 
 def _message(m: Any, i: int) -> list[dict]:
@@ -182,7 +184,7 @@ def _assistant(blocks: list, where: str) -> dict:
         elif kind == "redacted_thinking":
             pass
         elif kind in MEDIA_BLOCKS:
-            raise UnsupportedFieldError(at, f"{kind} blocks are not supported (text-only model)")
+            raise _media(kind, at)
         else:
             raise InvalidInputError(f"unknown or malformed assistant block {kind!r}", at)
     msg: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
@@ -208,12 +210,15 @@ def _user(blocks: list, where: str) -> list[dict]:
             if not isinstance(b.get("tool_use_id"), str):
                 raise InvalidInputError("a tool_result block needs a string tool_use_id", at)
             result = b.get("content", "")
+            if not isinstance(result, str | list):
+                raise InvalidInputError("a tool_result's content is a string or text blocks",
+                                        f"{at}.content")  # fmt: skip
             body = result if isinstance(result, str) else _texts(result, f"{at}.content")
             if b.get("is_error") is True:
                 body = f"Error: {body}"
             out.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": body})
         elif kind in MEDIA_BLOCKS:
-            raise UnsupportedFieldError(at, f"{kind} blocks are not supported (text-only model)")
+            raise _media(kind, at)
         else:
             raise InvalidInputError(f"unknown or malformed user block {kind!r}", at)
     if text:

@@ -231,13 +231,19 @@ def chat_request(body: dict, messages: list[dict]) -> ChatCompletionRequest:
         raise InvalidInputError(
             "top_logprobs needs include: ['message.output_text.logprobs']", "top_logprobs"
         )
+    return validated_chat(out, THEIR_NAMES)
+
+
+def validated_chat(out: dict, names: tuple) -> ChatCompletionRequest:
+    """The chat request another API's body was translated into (`out`), its checks' errors
+    naming fields as that body names them (`names`, for `their_names`)."""
     try:
         return ChatCompletionRequest.model_validate(out)
     except ValidationError as exc:
         message, param = validation_message(exc)
-        raise InvalidInputError(*their_names(message, param)) from None
+        raise InvalidInputError(*their_names(message, param, names)) from None
     except InvalidInputError as exc:
-        raise InvalidInputError(*their_names(str(exc), exc.param)) from None
+        raise InvalidInputError(*their_names(str(exc), exc.param, names)) from None
 
 
 def their_names(

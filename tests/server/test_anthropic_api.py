@@ -164,6 +164,11 @@ BAD = [
                                                         "budget_tokens": 0}}, "budget_tokens"),
     ({"max_tokens": 4, "messages": HELLO, "stop_sequences": [""]}, "stop_sequences"),
     ({"max_tokens": 4, "messages": HELLO, "output_config": {"effort": "huge"}}, "effort"),
+    # Found on the last read: a check of the body's own was renamed as the chat request's
+    # ("stop_sequences_sequences"), and a tool_result whose content was a number was a 500.
+    ({"max_tokens": 4, "messages": HELLO, "stop_sequences": "x"}, "stop_sequences: expected"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": 5}]}]}, "tool_result's content"),
 ]  # fmt: skip
 
 
