@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 
@@ -30,11 +29,8 @@ class CompletionServing(OpenAIServing):
         echo_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
         limit, _ = req.output_limit()
 
-        def params(_i, _ids):
-            p = self.sampling_params(req, limit, req.logprobs, echo_lp)
-            if stops:  # a marker written means the middle is done
-                p = dataclasses.replace(p, stop_token_ids=(*p.stop_token_ids, *stops))
-            return p
+        def params(_i, _ids):  # with a suffix, a marker written means the middle is done
+            return self.sampling_params(req, limit, req.logprobs, echo_lp, stops=stops)
 
         streams = self.start(base, prompts, params, req, request)
         if req.stream:

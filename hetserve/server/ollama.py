@@ -17,7 +17,6 @@ NAME:latest and answers to it; replies name it as the request did. Errors are Ol
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from datetime import UTC, datetime
@@ -122,8 +121,7 @@ class OllamaServing:
         limit, _ = req.output_limit()
 
         def params(_i, _ids):
-            p = self.chat.sampling_params(req, limit, None)
-            return dataclasses.replace(p, stop_token_ids=(*p.stop_token_ids, *stops))
+            return self.chat.sampling_params(req, limit, None, stops=stops)
 
         streams = self.chat.start(base, [(text, ids)], params, req, request)
         return streams, [output_parser(None, None, None, text)]  # the text, as written

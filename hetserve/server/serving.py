@@ -115,8 +115,10 @@ class OpenAIServing:
         logprobs: int | None,
         prompt_lp=None,
         specials: bool = False,
+        stops: tuple[int, ...] = (),
     ) -> SamplingParams:
-        """`specials`: keep special tokens in the text (a parser reads its markers)."""
+        """`specials`: keep special tokens in the text (a parser reads its markers). `stops`:
+        token ids that end the output beside the request's (a fill in the middle's markers)."""
         try:
             return SamplingParams(
                 n=req.n,
@@ -127,7 +129,7 @@ class OpenAIServing:
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens,
                 stop=req.stop or (),
-                stop_token_ids=req.stop_token_ids or (),
+                stop_token_ids=(*(req.stop_token_ids or ()), *stops),
                 ignore_eos=req.ignore_eos,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 seed=req.seed,
