@@ -81,9 +81,8 @@ def _process_row(row_logits: torch.Tensor, row: SamplingRow, banned: list[int]) 
     if p.logit_bias:
         ids = torch.tensor([t for t, _ in p.logit_bias], device=dev)
         row_logits.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=dev))
-    if p.restricted:
-        _restrict(row_logits, row, banned)
-    elif banned:
+    restricted = p.restricted and _restrict(row_logits, row, banned)
+    if banned and not restricted:
         row_logits[torch.tensor(banned, device=dev)] = float("-inf")
     if not p.penalized:
         return
@@ -98,21 +97,20 @@ def _process_row(row_logits: torch.Tensor, row: SamplingRow, banned: list[int]) 
         row_logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
-def _restrict(row_logits: torch.Tensor, row: SamplingRow, banned: list[int]) -> None:
+def _restrict(row_logits: torch.Tensor, row: SamplingRow, banned: list[int]) -> bool:
     """allowed_token_ids, bad words, then min_tokens' ban; where together they leave nothing
     (only a stop token allowed, min_tokens not reached) the allowed tokens win, as an output
-    outside them helps no one."""
+    outside them helps no one. A spent thinking budget's forced token overrides them all.
+    False where nothing restricts this step (a budget alone, not spent): the caller bans."""
     p, dev = row.params, row_logits.device
     forced = thinking_forced(row) if p.thinking_budget is not None else None
     if forced is not None:  # the thinking budget is spent: its end is all there is
         keep = torch.zeros_like(row_logits, dtype=torch.bool)
         keep[forced] = True
         row_logits.masked_fill_(~keep, float("-inf"))
-        return
-    if not (p.allowed_token_ids or p.bad_words_token_ids):  # a budget alone, not spent
-        if banned:
-            row_logits[torch.tensor(banned, device=dev)] = float("-inf")
-        return
+        return True
+    if not (p.allowed_token_ids or p.bad_words_token_ids):
+        return False
     keep = torch.zeros_like(row_logits, dtype=torch.bool)
     if p.allowed_token_ids:
         keep[torch.tensor(p.allowed_token_ids, device=dev)] = True
@@ -131,6 +129,7 @@ def _restrict(row_logits: torch.Tensor, row: SamplingRow, banned: list[int]) -> 
     if not keep.any():
         keep = fallback
     row_logits.masked_fill_(~keep, float("-inf"))
+    return True
 
 
 # How far back in the prompt a thinking opened by the template is looked for.
