@@ -38,6 +38,12 @@ from hetserve.errors import HetserveError
 log = logging.getLogger(__name__)
 
 
+KV_IDENTITY = (
+    "the KV identity (model, dtype, layout, block size or salt), so no prefix could be shared; "
+    "serve the same model the same way"
+)
+
+
 class ClusterError(HetserveError):
     """The cluster cannot be served as configured."""
 
@@ -126,10 +132,7 @@ class Cluster:
         seeds = {i.hash_seed for i in self.instances.values()}
         sizes = {i.block_size for i in self.instances.values()}
         if len(seeds) > 1 or len(sizes) > 1:
-            raise ClusterError(
-                "the instances disagree on the KV identity (model, dtype, layout, block size or "
-                "salt), so no prefix could be shared; serve the same model the same way"
-            )
+            raise ClusterError(f"the instances disagree on {KV_IDENTITY}")
         self.block_size, self.hash_seed = sizes.pop(), seeds.pop()
         first = next(iter(self.instances.values()))
         r = await self.http.get(f"{first.url}/v1/models")
@@ -173,10 +176,7 @@ class Cluster:
         try:
             inst = self._instance(url, role, await self._info(url))
             if (inst.block_size, inst.hash_seed) != (self.block_size, self.hash_seed):
-                raise ClusterError(
-                    f"instance {url} disagrees with the cluster on the KV identity (model, "
-                    "dtype, layout, block size or salt); serve the same model the same way"
-                )
+                raise ClusterError(f"instance {url} disagrees with the cluster on {KV_IDENTITY}")
         except (httpx.HTTPError, ValueError, KeyError, ClusterError) as exc:
             reason = self._failure(url, exc)
             if not isinstance(exc, httpx.TransportError) and self._refusal.get(name) != reason:
