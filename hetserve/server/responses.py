@@ -255,10 +255,15 @@ class ResponsesServing:
             seq += 1
             return {"type": kind, "sequence_number": seq, **data}
 
-        if state["background"]:  # OpenAI's: created while queued, then in progress
-            yield event("response.created", response=self._response(state, "queued", []))
-        else:
-            yield event("response.created", response=self._response(state, "in_progress", []))
+        def failure(exc: Exception) -> list[dict]:  # the API's way: an error, then failed
+            failed = self._response(state, "failed", items.items)
+            failed["error"] = {"code": "server_error", "message": str(exc)}
+            return [event("error", message=str(exc), code="engine_error", param=None),
+                    event("response.failed", response=failed)]  # fmt: skip
+
+        # OpenAI's: a background response is created while queued, then in progress.
+        created = "queued" if state["background"] else "in_progress"
+        yield event("response.created", response=self._response(state, created, []))
         yield event("response.in_progress", response=self._response(state, "in_progress", []))
         streamer, last, seen = Streamer(parser), None, 0
         try:
@@ -270,11 +275,9 @@ class ResponsesServing:
                 deltas = streamer.feed(c.text, c.finish_reason is not None)
                 for kind, data in items.feed(*deltas, logprobs=lp):
                     yield event(kind, **data)
-        except Exception as exc:  # the API's way: an error event, then the response failed
-            yield event("error", message=str(exc), code="engine_error", param=None)
-            failed = self._response(state, "failed", items.items)
-            failed["error"] = {"code": "server_error", "message": str(exc)}
-            yield event("response.failed", response=failed)
+        except Exception as exc:
+            for e in failure(exc):
+                yield e
             return
         finally:
             for s in streams:
@@ -286,10 +289,8 @@ class ResponsesServing:
             closing = items.finish(c.finish_reason == "length")
             response = self._finish(state, last, c, streamer, items.items)
         except Exception as exc:
-            yield event("error", message=str(exc), code="engine_error", param=None)
-            failed = self._response(state, "failed", items.items)
-            failed["error"] = {"code": "server_error", "message": str(exc)}
-            yield event("response.failed", response=failed)
+            for e in failure(exc):
+                yield e
             return
         for kind, data in closing:
             yield event(kind, **data)
