@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from hetserve.errors import InvalidInputError, PromptTooLongError
 from hetserve.server.anthropic_input import chat_body
-from hetserve.server.chat import ChatServing, template_inputs
+from hetserve.server.chat import ChatServing
 from hetserve.server.protocol import ChatCompletionRequest
 from hetserve.server.responses_input import validated_chat
 from hetserve.server.serving import merge
@@ -58,8 +58,7 @@ class AnthropicServing:
 
     async def count_tokens(self, body: dict) -> dict:
         req = self.request({**body, "max_tokens": body.get("max_tokens") or 1})
-        messages, add_generation_prompt, tools, kwargs = template_inputs(req)
-        prompt = await self.chat.render_chat(messages, add_generation_prompt, tools, **kwargs)
+        prompt = await self.chat.prompt_of(req)
         return {"input_tokens": len(await self.chat.encode(prompt, add_special_tokens=False))}
 
     async def create(self, body: dict, request: Request):
@@ -82,8 +81,7 @@ class AnthropicServing:
         """A request past the context, worded as Anthropic words it: Claude Code reads these
         messages (it retries with a smaller max_tokens, or compacts the conversation)."""
         context = self.chat.engine.max_model_len
-        messages, add_generation_prompt, tools, kwargs = template_inputs(req)
-        prompt = await self.chat.render_chat(messages, add_generation_prompt, tools, **kwargs)
+        prompt = await self.chat.prompt_of(req)
         try:
             n = len(await self.chat.encode(prompt, add_special_tokens=False))
         except PromptTooLongError:  # too long to tokenize at all

@@ -95,8 +95,7 @@ class ChatServing(OpenAIServing):
                 "server with --tool-call-parser NAME, or use tool_choice 'required'",
                 "tools",
             )
-        messages, add_generation_prompt, tools, kwargs = template_inputs(req)
-        prompt = await self.render_chat(messages, add_generation_prompt, tools, **kwargs)
+        prompt = await self.prompt_of(req)
         cut = req.truncate_prompt_tokens is not None  # tokenized whole, then cut
         ids = await self.encode(prompt, add_special_tokens=req.add_special_tokens, whole=cut)
         k = (req.top_logprobs or 0) if req.logprobs else None
@@ -116,6 +115,11 @@ class ChatServing(OpenAIServing):
             for _ in range(req.n)
         ]
         return streams, parsers, prompt
+
+    async def prompt_of(self, req: ChatCompletionRequest) -> str:
+        """The prompt text the model's template renders for `req` (before tokenizing)."""
+        messages, add_generation_prompt, tools, kwargs = template_inputs(req)
+        return await self.render_chat(messages, add_generation_prompt, tools, **kwargs)
 
     def budgeted(self, req: ChatCompletionRequest, params: SamplingParams) -> SamplingParams:
         """`params` with the request's thinking budget and its format's markers as tokens."""

@@ -19,11 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI, Request
-from pydantic import ValidationError
 
 from hetserve.errors import InvalidInputError
-from hetserve.server.chat import ChatServing, template_inputs
-from hetserve.server.errors import validation_message
+from hetserve.server.chat import ChatServing
 from hetserve.server.protocol import ChatCompletionRequest
 from hetserve.server.validation import json_object
 
@@ -42,7 +40,8 @@ def install_tokenize_routes(app: FastAPI, chat: ChatServing, check_model) -> Non
             if not isinstance(body.get(name, False), bool):
                 raise InvalidInputError(f"{name} must be a boolean", name)
         if "messages" in body:
-            prompt = await _chat_prompt(chat, body)
+            fields = {k: v for k, v in body.items() if k not in _OWN}
+            prompt = await chat.prompt_of(ChatCompletionRequest.model_validate(fields))
             special = body.get("add_special_tokens", False)
         else:
             prompt = body.get("prompt")
@@ -72,16 +71,6 @@ def install_tokenize_routes(app: FastAPI, chat: ChatServing, check_model) -> Non
                     f"token id {t} is outside the vocabulary (0 to {vocab - 1})", f"tokens.{i}"
                 )
         return {"prompt": chat.tok.decode(tokens, skip_special_tokens=False)}
-
-
-async def _chat_prompt(chat: ChatServing, body: dict[str, Any]) -> str:
-    fields = {k: v for k, v in body.items() if k not in _OWN}
-    try:
-        req = ChatCompletionRequest.model_validate(fields)
-    except ValidationError as exc:
-        raise InvalidInputError(*validation_message(exc)) from None
-    messages, add_generation_prompt, tools, kwargs = template_inputs(req)
-    return await chat.render_chat(messages, add_generation_prompt, tools, **kwargs)
 
 
 def _is_id(value: Any) -> bool:
