@@ -177,15 +177,20 @@ class ResponsesServing:
         entries = c.logprobs[seen:]
         return self.chat.token_logprobs(c.token_ids[seen:], entries, state["logprobs"])["content"]
 
-    async def _collect(self, state: dict, streams, parser, items: OutputItems) -> dict:
-        # Built as the stream is (same items for the same tokens), its events unsent.
-        streamer, last, seen = Streamer(parser), None, 0
+    async def _fed(self, state: dict, streams, streamer: Streamer, items: OutputItems):
+        """Each engine output, fed to the parser and the items: (output, the item events)."""
+        seen = 0
         async for _, out in merge(streams):
-            last = out
             c = out.outputs[0]
             lp = self._logprobs(state, c, seen)
             seen = len(c.token_ids)
-            items.feed(*streamer.feed(c.text, c.finish_reason is not None), logprobs=lp)
+            yield out, items.feed(*streamer.feed(c.text, c.finish_reason is not None), logprobs=lp)
+
+    async def _collect(self, state: dict, streams, parser, items: OutputItems) -> dict:
+        # Built as the stream is (same items for the same tokens), its events unsent.
+        streamer, last = Streamer(parser), None
+        async for out, _ in self._fed(state, streams, streamer, items):
+            last = out
         c = last.outputs[0]
         items.finish(c.finish_reason == "length")
         return self._finish(state, last, c, streamer, items.items)
@@ -265,15 +270,11 @@ class ResponsesServing:
         created = "queued" if state["background"] else "in_progress"
         yield event("response.created", response=self._response(state, created, []))
         yield event("response.in_progress", response=self._response(state, "in_progress", []))
-        streamer, last, seen = Streamer(parser), None, 0
+        streamer, last = Streamer(parser), None
         try:
-            async for _, out in merge(streams):
+            async for out, fed in self._fed(state, streams, streamer, items):
                 last = out
-                c = out.outputs[0]
-                lp = self._logprobs(state, c, seen)
-                seen = len(c.token_ids)
-                deltas = streamer.feed(c.text, c.finish_reason is not None)
-                for kind, data in items.feed(*deltas, logprobs=lp):
+                for kind, data in fed:
                     yield event(kind, **data)
         except Exception as exc:
             for e in failure(exc):
