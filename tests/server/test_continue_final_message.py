@@ -8,11 +8,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from hetserve import LLM, SamplingParams
-from hetserve.config import EngineConfig
-from hetserve.engine.async_llm import AsyncLLM
 from hetserve.errors import InvalidInputError
 from hetserve.model.tokenizer import Tokenizer
-from tests.server.conftest import LiveServer
 
 BEGUN = [
     {"role": "system", "content": "be brief"},
@@ -41,17 +38,8 @@ def test_a_template_that_changes_the_text_is_an_error(tiny_model, tmp_path):
         tok.apply_chat_template(BEGUN, add_generation_prompt=False, continue_final_message=True)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model):
-    engine = AsyncLLM(EngineConfig(model=str(tiny_model("qwen3-moe")), max_model_len=512))
-    srv = LiveServer(engine)
-    yield srv
-    srv.stop()
-    engine.shutdown()
-
-
-def test_the_reply_continues_the_begun_turn(server, tiny_model):
-    prompt = Tokenizer(str(tiny_model("qwen3-moe"))).apply_chat_template(
+def test_the_reply_continues_the_begun_turn(server):
+    prompt = server.engine.tokenizer.apply_chat_template(
         BEGUN, add_generation_prompt=False, continue_final_message=True
     )
     greedy = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True}

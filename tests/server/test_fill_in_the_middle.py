@@ -15,15 +15,6 @@ GREEDY = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True
           "return_token_ids": True}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model):
-    engine = AsyncLLM(EngineConfig(model=str(tiny_model("qwen3-moe")), max_model_len=512))
-    srv = LiveServer(engine)
-    yield srv
-    srv.stop()
-    engine.shutdown()
-
-
 def post(srv, body):
     return httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
 
