@@ -198,6 +198,11 @@ def test_output_paths_are_checked_before_the_work(tmp_path, capsys):
         (["--slo-ttft-ms", "0"], "SLOs must be positive milliseconds"),
         (["--slo-tbt-ms", "-5"], "SLOs must be positive milliseconds"),
         (["--admission", "predictive"], "admission predictive needs --slo-ttft-ms"),
+        (["--host", "0.0.0.0"], "refusing to bind 0.0.0.0 without an API key"),
+        (["--ray-resources", "decode=CPU"], "--ray-resources wants ROLE=NAME:N"),
+        (["--launcher", "ray", "--ray-resources", "gpu=CPU:1"], "'gpu' is no instance role"),
+        (["--launcher", "ray", "--ray-resources", "decode=CPU:-1"], "should be a number >= 0"),
+        (["--ray-resources", "decode=CPU:1"], "ray_resources are for --launcher ray"),
     ],
 )
 def test_cluster_up_checks_the_conductors_slos_before_the_instances_start(
@@ -268,6 +273,9 @@ def test_cluster_config_values_are_checked_as_their_keys_take_them(tmp_path, mon
         ("prefill: true\n", [], "prefill: True should be int"),
         ("store_dram: 4\n", [], "store_dram: 4 should be str"),
         ("restart: no-thanks\n", [], "restart: 'no-thanks' should be bool"),
+        ("launcher: ray\nray_resources: [1]\n", [], "ray_resources: [1] should be dict"),
+        ("launcher: ray\nray_resources: {decode: 3}\n", [], "decode: want a mapping"),
+        ("launcher: kubernetes\n", [], "launcher must be local or ray"),
     ):
         cfg.write_text(text)
         assert main(["cluster", "up", "--port", "1", "--config", str(cfg), *argv]) == 2
@@ -281,7 +289,8 @@ def test_cluster_config_values_are_checked_as_their_keys_take_them(tmp_path, mon
         model=None, prefill=1, decode=1, both=0, store="none", store_dram="1G", port=1,
         policy="kvcentric", admission="none", slo_ttft_ms=500.0, slo_tbt_ms=None,
         handoff_path="direct", instance_args="", log_dir="d", log_requests=None,
-        config=str(cfg), no_restart=False,
+        config=str(cfg), no_restart=False, host="127.0.0.1", api_key=None, launcher="local",
+        ray_address=None, ray_resources=[],
     )  # fmt: skip
     spec = _spec(args)
     assert spec.slo_ttft_ms == 300 and spec.prefill == 2 and spec.restart is False

@@ -1,12 +1,13 @@
 """Starting a cluster: the pool store, prefill/decode instances and the Conductor, as processes.
 
-Who calls it: `hetserve cluster up` (entrypoints/cluster.py). A `ClusterSpec` says what to run;
-a `Launcher` runs it. `LocalLauncher` starts every part as a child process on 127.0.0.1, in
-dependency order (store master, store node, instances, Conductor), waits for each to answer,
-and stops them all, newest first, on `stop()`: with SIGTERM, then SIGKILL after a grace period.
-Children also get the kernel's parent-death signal, so even a launcher killed with SIGKILL
-leaves no orphans. (A Ray launcher, for deployment past one machine, implements the same
-interface.)
+Who calls it: `hetserve cluster up` (entrypoints/cluster.py). A `ClusterSpec` says what to run
+and `cluster_spec.plan` turns it into parts in dependency order (store master, store nodes,
+instances, Conductor), each one's command built as it starts. A launcher runs them:
+`LocalLauncher` starts every part as a child process of this one on 127.0.0.1; `RayLauncher`
+(disagg/ray_launch.py) starts each on a node of a Ray cluster, beyond loopback, with a key.
+Both wait for each part to answer, and stop them all, newest first, on `stop()`: with SIGTERM,
+then SIGKILL after a grace period. Children also get the kernel's parent-death signal, so even
+a launcher killed with SIGKILL leaves no orphans.
 
 Once running, `supervise()` (called by `cluster up` about once a second) starts again each part
 that exited, with the same command, port and log, after a back-off that doubles while it keeps
@@ -30,13 +31,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import httpx
 
+from hetserve.disagg.cluster_spec import ClusterSpec, Part, bracket, plan
 from hetserve.errors import HetserveError
 
 PR_SET_PDEATHSIG = 1
@@ -44,51 +46,6 @@ PR_SET_PDEATHSIG = 1
 
 class LaunchError(HetserveError):
     """A part of the cluster did not start."""
-
-
-@dataclass(frozen=True)
-class ClusterSpec:
-    model: str | None = None  # None: the demo model
-    prefill: int = 1
-    decode: int = 1
-    both: int = 0
-    store: str = "none"  # "none" or "pool"
-    store_dram: str = "1G"
-    port: int = 8000  # the Conductor's; the others take free ports
-    policy: str = "kvcentric"
-    admission: str = "none"
-    slo_ttft_ms: float | None = None
-    slo_tbt_ms: float | None = None
-    handoff_path: str = "direct"
-    instance_args: tuple[str, ...] = ()  # extra engine options for every instance
-    log_requests: str | None = None  # a directory: each part's request log (hetserve sim's)
-    log_dir: str = "hetserve-cluster-logs"
-    restart: bool = True  # start a part that exits again (`LocalLauncher.supervise`)
-
-    def __post_init__(self) -> None:
-        if self.store not in ("none", "pool"):
-            raise ValueError(f"store must be none or pool, got {self.store!r}")
-        if min(self.prefill, self.decode, self.both) < 0:
-            raise ValueError("instance counts must be >= 0")
-        if not (self.prefill and self.decode) and not self.both:
-            raise ValueError("give prefill and decode instances, or colocated (both) ones")
-        if self.handoff_path == "store" and self.store == "none":
-            raise ValueError("--handoff-path store needs --store pool")
-
-
-@dataclass
-class Part:
-    name: str
-    cmd: list[str]
-    url: str | None = None  # answered /health when ready; else a TCP port
-    port: int = 0
-    chosen: bool = True  # its port was a free one picked here (not the user's --port)
-    proc: subprocess.Popen[bytes] | None = None
-    log: Path | None = None
-    started_at: float = 0.0  # time.monotonic() of its last start
-    restarts: int = 0
-    backoff_s: float = 0.0  # the wait before its last restart (0 before any)
-    restart_at: float | None = None  # it exited: when it starts again
 
 
 @dataclass
@@ -112,103 +69,73 @@ PORT_TRIES = 3
 FIRST_BACKOFF_S, MAX_BACKOFF_S, STABLE_S = 1.0, 60.0, 60.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
         port: int = s.getsockname()[1]
         return port
 
 
-def _die_with_parent() -> None:
+def reach(host: str) -> str:
+    """The address to call a server bound to `host` at, from its own machine."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+def die_with_parent() -> None:
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:  # not Linux: stop() still stops them
         pass
 
 
-class LocalLauncher:
+class PartsLauncher:
+    """What both launchers share: starting parts in order (a part whose free port was taken
+    meanwhile gets another), waiting for each to answer, restarting the ones that exit, and
+    stopping them all. Subclasses say where a part runs: `_free_port`, `_spawn`, `_signal`,
+    `_tail`."""
+
     def __init__(self, ready_timeout_s: float = 300.0, grace_s: float = 10.0) -> None:
         self.ready_timeout_s, self.grace_s = ready_timeout_s, grace_s
         self.running = Running()
 
     def start(self, spec: ClusterSpec) -> Running:
-        logs = Path(spec.log_dir)
+        logs = Path(spec.log_dir).resolve()
         logs.mkdir(parents=True, exist_ok=True)
         try:
-            parts = self._plan(spec)
-            for i, part in enumerate(parts):
+            for part in self._prepare(spec):
                 part.log = logs / f"{part.name}.log"
-                self._start_part(part, parts[i + 1 :])
+                self._start_part(part)
         except BaseException:
             self.stop()
             raise
-        self.running.endpoint = f"http://127.0.0.1:{spec.port}/v1"
+        self.running.endpoint = f"http://{bracket(reach(spec.host))}:{spec.port}/v1"
         return self.running
 
-    def _plan(self, spec: ClusterSpec) -> list[Part]:
-        py = [sys.executable, "-m"]
-        parts: list[Part] = []
-        store_args: list[str] = []
-        if spec.store == "pool":
-            mport, nport = free_port(), free_port()
-            parts.append(Part("store-master", [*py, "hetserve.entrypoints.store", "master",
-                                               "--port", str(mport)], port=mport))  # fmt: skip
-            parts.append(Part("store-node", [*py, "hetserve.entrypoints.store", "node",
-                                             "--master", f"127.0.0.1:{mport}", "--dram",
-                                             spec.store_dram, "--port", str(nport)],
-                              port=nport))  # fmt: skip
-            store_args = ["--kv-store", f"pool://127.0.0.1:{mport}"]
-        model = ["--model", spec.model] if spec.model else []
-        if spec.handoff_path == "mooncake":
-            store_args = [*store_args, "--handoff-mooncake"]
-        urls: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
-        for role, n in (("prefill", spec.prefill), ("decode", spec.decode), ("both", spec.both)):
-            for i in range(n):
-                port = free_port()
-                url = f"http://127.0.0.1:{port}"
-                # KV events on free ports (kv_info names them): the Conductor's KV index.
-                cmd = [*py, "hetserve.cli", "serve", *model, "--role", role, "--port", str(port),
-                       "--kv-events", "tcp://127.0.0.1:0", *store_args,
-                       *spec.instance_args]  # fmt: skip
-                if spec.log_requests is not None:
-                    cmd += ["--log-requests", str(Path(spec.log_requests) / f"{role}-{i}.jsonl")]
-                parts.append(Part(f"{role}-{i}", cmd, url=url, port=port))
-                urls[role].append(url)
-        cond = [*py, "hetserve.cli", "conductor", *model, "--port", str(spec.port),
-                "--policy", spec.policy, "--admission", spec.admission,
-                "--handoff-path", spec.handoff_path]  # fmt: skip
-        for role, flag in (("prefill", "--prefill"), ("decode", "--decode"), ("both", "--both")):
-            if urls[role]:
-                cond += [flag, *urls[role]]
-        if spec.slo_ttft_ms is not None:
-            cond += ["--slo-ttft-ms", str(spec.slo_ttft_ms)]
-        if spec.slo_tbt_ms is not None:
-            cond += ["--slo-tbt-ms", str(spec.slo_tbt_ms)]
-        if spec.log_requests is not None:
-            Path(spec.log_requests).mkdir(parents=True, exist_ok=True)
-            cond += ["--log-requests", str(Path(spec.log_requests) / "conductor.jsonl")]
-        parts.append(
-            Part("conductor", cond, url=f"http://127.0.0.1:{spec.port}", port=spec.port,
-                 chosen=False)
-        )  # fmt: skip
-        return parts
+    def _prepare(self, spec: ClusterSpec) -> list[Part]:
+        raise NotImplementedError
 
-    def _start_part(self, part: Part, later: list[Part]) -> None:
-        """Spawn `part` and wait until it answers. Its free port was picked when the cluster
-        was planned, and a part started since may have taken it (an ephemeral port of an
-        outgoing connection or of a listener on port 0: seen once in CI, "cannot listen on
-        127.0.0.1:37163 (in use)"); then it gets another, which the later parts are told."""
+    def _start_part(self, part: Part) -> None:
+        """Spawn `part` and wait until it answers. A free port is picked just before, and
+        something started meanwhile may take it (an ephemeral port of an outgoing connection
+        or of a listener on port 0: seen once in CI, "cannot listen on 127.0.0.1:37163 (in
+        use)"); then it gets another, which the parts built after it see."""
         for attempt in range(PORT_TRIES):
+            if part.chosen and not part.port:
+                part.port = self._free_port(part)
+            if part.build is not None:
+                part.cmd = part.build(part)
+            if part.http:
+                part.url = f"http://{bracket(reach(part.host))}:{part.port}"
             self._spawn(part)
             self.running.parts.append(part)
             try:
                 self._wait(part)
                 return
             except LaunchError:
-                if not part.chosen or attempt + 1 == PORT_TRIES or "in use" not in _tail(part):
+                if not part.chosen or attempt + 1 == PORT_TRIES or "in use" not in self._tail(part):
                     raise
             self.running.parts.remove(part)  # it exited
-            _repoint(part, later, free_port())
+            part.port = 0
 
     def supervise(self, now: float | None = None) -> list[str]:
         """Start again the parts that exited, each after its back-off; what happened, a line
@@ -218,6 +145,8 @@ class LocalLauncher:
         for part in self.running.parts:
             if part.proc is None or part.proc.poll() is None:
                 continue
+            code = part.proc.returncode
+            assert code is not None
             if part.restart_at is None:
                 stable = now - part.started_at >= STABLE_S
                 part.backoff_s = (
@@ -228,9 +157,9 @@ class LocalLauncher:
                 part.restart_at = now + part.backoff_s
                 # Its last words where it exited itself (a killed part's are whatever it was
                 # doing then).
-                last = _tail(part, 1) if part.proc.returncode > 0 else ""
+                last = self._tail(part, 1) if code > 0 else ""
                 said.append(
-                    f"{part.name} {_exit_status(part.proc.returncode)}; starting it again in "
+                    f"{part.name} {_exit_status(code)}; starting it again in "
                     f"{part.backoff_s:.0f} s" + (f" (its log: {last})" if last else "")
                 )
             elif now >= part.restart_at:
@@ -240,28 +169,14 @@ class LocalLauncher:
                 said.append(f"{part.name} started again (restart {part.restarts}, log {part.log})")
         return said
 
-    def _spawn(self, part: Part, append: bool = False) -> None:
-        assert part.log is not None
-        part.started_at = time.monotonic()
-        if append:
-            with open(part.log, "ab") as log:
-                log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} started again\n".encode())
-        with open(part.log, "ab" if append else "wb") as log:
-            part.proc = subprocess.Popen(
-                part.cmd,
-                env={**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"},  # Mooncake: loopback
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # a terminal's Ctrl-C reaches the launcher only
-                preexec_fn=_die_with_parent,
-            )
-
     def _wait(self, part: Part) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             assert part.proc is not None
             if part.proc.poll() is not None:
-                raise LaunchError(f"{part.name} exited ({part.proc.returncode}): {_tail(part)}")
+                raise LaunchError(
+                    f"{part.name} exited ({part.proc.returncode}): {self._tail(part)}"
+                )
             if _answers(part):
                 return
             time.sleep(0.2)
@@ -271,7 +186,7 @@ class LocalLauncher:
         """Every part, newest first: SIGTERM, then SIGKILL after the grace period."""
         for part in reversed(self.running.parts):
             if part.proc is not None and part.proc.poll() is None:
-                _signal(part.proc, signal.SIGTERM)
+                self._signal(part, signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
         for part in reversed(self.running.parts):
             if part.proc is None:
@@ -279,33 +194,79 @@ class LocalLauncher:
             try:
                 part.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _signal(part.proc, signal.SIGKILL)
+                self._signal(part, signal.SIGKILL)
                 part.proc.wait(5)
         self.running.parts.clear()
 
+    def _free_port(self, part: Part) -> int:
+        raise NotImplementedError
 
-def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:
+    def _spawn(self, part: Part, append: bool = False) -> None:
+        raise NotImplementedError
+
+    def _signal(self, part: Part, sig: int) -> None:
+        raise NotImplementedError
+
+    def _tail(self, part: Part, lines: int = 5) -> str:
+        return tail(part.log, lines)
+
+
+class LocalLauncher(PartsLauncher):
+    """Every part a child process of this one, on 127.0.0.1 (the Conductor on `spec.host`)."""
+
+    def _prepare(self, spec: ClusterSpec) -> list[Part]:
+        parts = plan(spec, sys.executable)
+        for part in parts:
+            part.env["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"  # Mooncake: loopback
+        if spec.api_key:  # the clients': the instances, on loopback, ask for none
+            parts[-1].env["HETSERVE_API_KEY"] = spec.api_key
+        return parts
+
+    def _free_port(self, part: Part) -> int:
+        return free_port(part.host)
+
+    def _spawn(self, part: Part, append: bool = False) -> None:
+        assert part.log is not None
+        part.started_at = time.monotonic()
+        part.proc = spawn(part.cmd, part.env, part.log, append, part.dirs)
+
+    def _signal(self, part: Part, sig: int) -> None:
+        assert isinstance(part.proc, subprocess.Popen)
+        signal_group(part.proc, sig)
+
+
+def spawn(
+    cmd: list[str], env: Mapping[str, str], log: Path, append: bool, dirs: Sequence[str] = ()
+) -> subprocess.Popen[bytes]:
+    """Start `cmd` in its own session, writing to `log` (appended to, with a line saying so,
+    on a restart), dying with this process; `dirs` made first."""
+    for d in [str(log.parent), *dirs]:
+        Path(d).mkdir(parents=True, exist_ok=True)
+    if append:
+        with open(log, "ab") as f:
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} started again\n".encode())
+    with open(log, "ab" if append else "wb") as f:
+        return subprocess.Popen(
+            cmd,
+            env={**os.environ, **env},
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # a terminal's Ctrl-C reaches the launcher only
+            preexec_fn=die_with_parent,
+        )
+
+
+def signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)  # its own session: the part and anything it started
     except ProcessLookupError:
         pass
 
 
-def _repoint(part: Part, later: list[Part], port: int) -> None:
-    """Move `part` to `port`: its own --port and URL, and every later part's address of it."""
-    old, new = f"127.0.0.1:{part.port}", f"127.0.0.1:{port}"
-    part.cmd = [str(port) if a == str(part.port) else a.replace(old, new) for a in part.cmd]
-    if part.url is not None:
-        part.url = part.url.replace(old, new)
-    for other in later:
-        other.cmd = [a.replace(old, new) for a in other.cmd]
-    part.port = port
-
-
 def _answers(part: Part) -> bool:
     if part.url is None:
         try:
-            with socket.create_connection(("127.0.0.1", part.port), timeout=0.5):
+            with socket.create_connection((reach(part.host), part.port), timeout=0.5):
                 return True
         except OSError:
             return False
@@ -324,10 +285,11 @@ def _exit_status(code: int) -> str:
     return f"exited with status {code}"
 
 
-def _tail(part: Part, lines: int = 5) -> str:
-    if part.log is None or not part.log.exists():
+def tail(log: Path | str | None, lines: int = 5) -> str:
+    """The last `lines` lines of a log, joined by " | " ("" if it is not there)."""
+    if log is None or not Path(log).exists():
         return ""
-    text = part.log.read_text(errors="replace").strip().splitlines()
+    text = Path(log).read_text(errors="replace").strip().splitlines()
     return " | ".join(text[-lines:])
 
 

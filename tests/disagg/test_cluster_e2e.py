@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from hetserve import LLM, SamplingParams
-from hetserve.disagg.launch import ClusterSpec, LocalLauncher, free_port
+from hetserve.disagg.cluster_spec import ClusterSpec
+from hetserve.disagg.launch import LocalLauncher, free_port
 
 ENGINE = ("--dtype", "float32", "--max-model-len", "256")
 PROMPT = "The quick brown fox jumps over the lazy dog and runs into the forest to find friends"

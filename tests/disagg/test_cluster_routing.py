@@ -21,8 +21,9 @@ import pytest
 
 from hetserve.bench.server_info import parse_prometheus
 from hetserve.core.kv_events import MEDIUM_GPU
+from hetserve.disagg.cluster_spec import ClusterSpec
 from hetserve.disagg.costs import DecodeFit, InstanceProfile, PrefillFit, save_profile
-from hetserve.disagg.launch import ClusterSpec, LocalLauncher, free_port
+from hetserve.disagg.launch import LocalLauncher, free_port
 from hetserve.native.hash_chain import hash_prefix_digests
 from hetserve.sim.trace import read_cluster_logs, read_trace
 

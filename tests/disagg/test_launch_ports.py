@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from hetserve.disagg.launch import LaunchError, LocalLauncher, Part, free_port
+from hetserve.disagg.cluster_spec import Part
+from hetserve.disagg.launch import LaunchError, LocalLauncher, free_port
 
 # Listens on argv[1]'s port (exit 2 naming it "in use" when taken, as `hetserve serve` does);
 # with argv[2], first connects to that address (a later part that needs an earlier one).
@@ -31,24 +32,29 @@ while True:
 """
 
 
-def test_a_taken_port_is_replaced_and_later_parts_follow(tmp_path):
+def test_a_taken_port_is_replaced_and_later_parts_follow(tmp_path, monkeypatch):
     taken = socket.socket()  # bound, not listening: the part cannot bind, nothing answers
     taken.bind(("127.0.0.1", 0))
     old = taken.getsockname()[1]
-    later_port = free_port()
-    first = Part("first", [sys.executable, "-c", SERVER, str(old)], port=old)
-    later = Part(
-        "later", [sys.executable, "-c", SERVER, str(later_port), f"127.0.0.1:{old}"],
-        port=later_port,
-    )  # fmt: skip
+    first = Part("first", build=lambda p: [sys.executable, "-c", SERVER, str(p.port)])
+    later = Part("later", build=lambda p: [sys.executable, "-c", SERVER, str(p.port),
+                                           first.address])  # fmt: skip
     launcher = LocalLauncher(ready_timeout_s=30, grace_s=2)
+    picked = []  # the first free port picked is taken before the part binds it
+
+    def pick(self, part):
+        picked.append(old if not picked else free_port())
+        return picked[-1]
+
+    monkeypatch.setattr(LocalLauncher, "_free_port", pick)
     try:
         for part in (first, later):
             part.log = tmp_path / f"{part.name}.log"
-        launcher._start_part(first, [later])
-        assert first.port != old and first.cmd[-1] == str(first.port)
+        launcher._start_part(first)
+        assert picked[0] == old and first.port == picked[1] != old
+        assert first.cmd[-1] == str(first.port)
+        launcher._start_part(later)  # it reaches the first part where it is now
         assert later.cmd[-1] == f"127.0.0.1:{first.port}"
-        launcher._start_part(later, [])  # it reaches the first part where it is now
         assert [p.name for p in launcher.running.parts] == ["first", "later"]
     finally:
         launcher.stop()
@@ -65,7 +71,7 @@ def test_a_port_the_user_gave_is_not_moved(tmp_path):
     launcher = LocalLauncher(ready_timeout_s=30, grace_s=2)
     try:
         with pytest.raises(LaunchError, match="in use"):
-            launcher._start_part(conductor, [])
+            launcher._start_part(conductor)
         assert conductor.port == port
     finally:
         launcher.stop()

@@ -1,0 +1,283 @@
+"""Starting a cluster's parts on the nodes of a Ray cluster (`cluster up --launcher ray`).
+
+Who calls it: `hetserve cluster up --launcher ray` (entrypoints/cluster.py), through the
+interface `LocalLauncher` has (`start`, `supervise`, `stop`, disagg/launch.py). The parts and
+their commands are the same (`cluster_spec.plan`); what differs is where they run:
+
+- each part is a `PartRunner` actor that starts the part's process on its node, with the
+  node's own Python (hetserve must be installed on every node, the model at the same path),
+  and answers for it (poll, signals, its log's tail);
+- the Conductor and the store master run on this machine's node (the driver's), each instance
+  where Ray's SPREAD strategy puts it among the nodes with the resources its role asks
+  (`ClusterSpec.ray_resources`, e.g. a custom resource each big box declares at `ray start`),
+  and with `--store pool` a store node on every node that holds an instance, giving its DRAM
+  to the pool;
+- every part listens on its node's address, so every part gets the cluster's key: the API
+  key (instances and Conductor), the hand-off token, the store token and the KV events' token
+  are one secret (`spec.api_key`, else one made here: `RayLauncher.api_key`).
+
+Failure contract: Ray missing is an `InvalidInputError` naming the extra to install; an
+instance that no node can hold within `placement_timeout_s` is a `LaunchError` naming what it
+asked and what the cluster has; otherwise as `LocalLauncher` (a part that exits or does not
+answer while the cluster starts stops everything). A part whose node is gone (its actor died)
+is said once by `supervise()` and not started again: its address was the node's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hetserve.disagg.cluster_spec import ClusterSpec, Part, plan
+from hetserve.disagg.launch import (
+    LaunchError,
+    PartsLauncher,
+    free_port,
+    signal_group,
+    spawn,
+    tail,
+)
+from hetserve.errors import InvalidInputError
+
+PYTHON = "{python}"  # in a planned command: the Python of the node it runs on
+CALL_S = 30.0  # an answer from a runner: it only forks, polls or reads a file
+
+
+def import_ray() -> Any:
+    # Ray's own handler prints a stack dump at every SIGTERM (`cluster up`'s way to stop).
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+    try:
+        import ray
+    except ImportError:
+        raise InvalidInputError(
+            "--launcher ray needs Ray on every node: pip install 'hetserve[ray]'"
+        ) from None
+    return ray
+
+
+class PartRunner:
+    """A Ray actor that runs one part's process on the node Ray placed it on."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def where(self) -> tuple[str, str]:
+        """This node's Ray ID and address."""
+        ray = import_ray()
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def free_port(self, host: str) -> int:
+        return free_port(host)
+
+    def spawn(
+        self, cmd: list[str], env: dict[str, str], log: str, append: bool, dirs: list[str]
+    ) -> int:
+        cmd = [sys.executable if a == PYTHON else a for a in cmd]
+        self.proc = spawn(cmd, env, Path(log), append, dirs)
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def wait(self, timeout: float | None) -> int | None:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None:
+            signal_group(self.proc, sig)
+
+    def tail(self, log: str, lines: int) -> str:
+        return tail(log, lines)
+
+
+class RemoteProc:
+    """A part's process on a Ray node, as `subprocess.Popen` answers for a local one. A runner
+    that died (its node gone, or killed) reads as a process killed by SIGKILL, `gone`."""
+
+    def __init__(self, ray: Any, actor: Any, pid: int) -> None:
+        self.ray, self.actor, self.pid = ray, actor, pid  # its pid on its node
+        self.returncode: int | None = None
+        self.gone = False
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                self.returncode = self.ray.get(self.actor.poll.remote(), timeout=CALL_S)
+            except self.ray.exceptions.RayActorError:
+                self.returncode, self.gone = -signal.SIGKILL, True
+            except self.ray.exceptions.GetTimeoutError:  # a busy node: asked again later
+                return None
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.poll() is not None:
+            assert self.returncode is not None
+            return self.returncode
+        try:
+            code = self.ray.get(self.actor.wait.remote(timeout), timeout=(timeout or 0.0) + CALL_S)
+        except self.ray.exceptions.RayActorError:
+            code, self.gone = -signal.SIGKILL, True
+        if code is None:
+            raise subprocess.TimeoutExpired("part", timeout or 0.0)
+        self.returncode = code
+        return int(code)
+
+    def send_signal(self, sig: int) -> None:
+        try:
+            self.ray.get(self.actor.signal.remote(sig), timeout=CALL_S)
+        except self.ray.exceptions.RayActorError:
+            self.gone = True
+
+
+class RayLauncher(PartsLauncher):
+    def __init__(
+        self,
+        address: str | None = None,
+        ready_timeout_s: float = 300.0,
+        grace_s: float = 10.0,
+        placement_timeout_s: float = 120.0,
+    ) -> None:
+        super().__init__(ready_timeout_s, grace_s)
+        self.address, self.placement_timeout_s = address, placement_timeout_s
+        self.api_key = ""
+        self.actors: dict[str, Any] = {}  # part name -> its runner
+        self.made: list[Any] = []  # every runner, placed or not (stop() ends them)
+        self.started_ray = False
+        self.ray: Any = None
+
+    def _prepare(self, spec: ClusterSpec) -> list[Part]:
+        ray = self.ray = import_ray()
+        if not ray.is_initialized():
+            try:
+                # None: a new instance here ("local"), never one a `ray start` left running.
+                ray.init(address=self.address or "local", include_dashboard=False,
+                         log_to_driver=False,
+                         logging_level="WARNING")  # fmt: skip
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                where = self.address or "a new local instance"
+                raise LaunchError(f"Ray at {where}: {str(exc).splitlines()[0]}") from None
+            self.started_ray = True
+        self.api_key = spec.api_key or secrets.token_urlsafe(24)
+        spec = _absolute(spec)
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        runner = ray.remote(PartRunner)
+        here = ray.get_runtime_context().get_node_id()
+        # The instances first: where Ray puts them says where the store nodes go.
+        roles = [r for r, n in (("prefill", spec.prefill), ("decode", spec.decode),
+                                ("both", spec.both)) for _ in range(n)]  # fmt: skip
+        placed = [self._runner(runner, dict(spec.ray_resources.get(r, {}))) for r in roles]
+        self.made += placed
+        try:
+            where = ray.get([a.where.remote() for a in placed], timeout=self.placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise LaunchError(
+                f"Ray placed no node for every instance in {self.placement_timeout_s:.0f} s: "
+                f"they ask {dict(spec.ray_resources) or 'nothing'}; the cluster has "
+                f"{ray.cluster_resources()}"
+            ) from None
+        nodes = list(dict.fromkeys(node for node, _ in where))
+        parts = plan(spec, PYTHON, store_nodes=len(nodes))
+        env = {"HETSERVE_API_KEY": self.api_key, "HETSERVE_HANDOFF_TOKEN": self.api_key,
+               "HETSERVE_STORE_TOKEN": self.api_key}  # fmt: skip
+        ips = {node: ip for node, ip in where}
+        instances = iter(zip(placed, where, strict=True))
+        stores = iter(nodes)
+        for part in parts:
+            part.env.update(env)
+            if part.role:
+                actor, (_, ip) = next(instances)
+                part.host = ip
+            else:
+                node = next(stores) if part.name.startswith("store-node") else here
+                actor = runner.options(
+                    num_cpus=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                ).remote()
+                self.made.append(actor)
+                if part.name != "conductor":  # the Conductor binds the user's --host
+                    part.host = ips.get(node, ray.util.get_node_ip_address())
+            self.actors[part.name] = actor
+        return parts
+
+    def _runner(self, runner: Any, needs: dict[str, float]) -> Any:
+        cpus, gpus = needs.pop("CPU", 0), needs.pop("GPU", 0)
+        return runner.options(
+            num_cpus=cpus, num_gpus=gpus, resources=needs, scheduling_strategy="SPREAD"
+        ).remote()
+
+    def _free_port(self, part: Part) -> int:
+        port: int = self.ray.get(self.actors[part.name].free_port.remote(part.host),
+                                 timeout=CALL_S)  # fmt: skip
+        return port
+
+    def _spawn(self, part: Part, append: bool = False) -> None:
+        assert part.log is not None
+        actor = self.actors[part.name]
+        env = {**part.env, "MC_TCP_BIND_ADDRESS": part.host}  # Mooncake's hand-off
+        part.started_at = time.monotonic()
+        pid = self.ray.get(actor.spawn.remote(part.cmd, env, str(part.log), append, part.dirs),
+                           timeout=CALL_S)  # fmt: skip
+        part.proc = RemoteProc(self.ray, actor, pid)
+
+    def _signal(self, part: Part, sig: int) -> None:
+        assert part.proc is not None
+        part.proc.send_signal(sig)
+
+    def _tail(self, part: Part, lines: int = 5) -> str:
+        try:
+            text: str = self.ray.get(
+                self.actors[part.name].tail.remote(str(part.log), lines), timeout=CALL_S
+            )
+        except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
+            return ""
+        return text
+
+    def supervise(self, now: float | None = None) -> list[str]:
+        said: list[str] = []
+        for part in list(self.running.parts):
+            proc = part.proc
+            if isinstance(proc, RemoteProc) and proc.poll() is not None and proc.gone:
+                said.append(
+                    f"{part.name}: its Ray node ({part.host}) is gone; not started again "
+                    "(its address was that node's)"
+                )
+                self.running.parts.remove(part)
+        return said + super().supervise(now)
+
+    def stop(self) -> None:
+        super().stop()
+        if self.ray is None:
+            return
+        for actor in self.made:
+            try:
+                self.ray.kill(actor)
+            except Exception:  # noqa: BLE001 - already gone with its node
+                pass
+        self.actors.clear()
+        self.made.clear()
+        if self.started_ray:
+            self.ray.shutdown()
+            self.started_ray = False
+
+
+def _absolute(spec: ClusterSpec) -> ClusterSpec:
+    """Paths as every node reads them: absolute (a relative one was this directory's)."""
+    model = spec.model
+    if model is not None and Path(model).exists():
+        model = str(Path(model).resolve())
+    logs = None if spec.log_requests is None else str(Path(spec.log_requests).resolve())
+    return dataclasses.replace(
+        spec, model=model, log_dir=str(Path(spec.log_dir).resolve()), log_requests=logs
+    )
