@@ -291,7 +291,10 @@ class Conductor:
         return {"key": key, "role": "receive", "path": path, "timeout_s": timeout}
 
     async def _prefill(self, name: str, body: dict[str, Any], request_id: str) -> None:
-        inst = self.cluster.instances[name]
+        inst = self.cluster.instances.get(name)
+        if inst is None:  # removed since the decision: the decode side recomputes
+            self._count("prefill_failed")
+            return
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         try:
             r = await self.cluster.http.post(
@@ -318,9 +321,11 @@ class Conductor:
         """Send to `name`; retried once on another decode-capable instance (colocated: no
         hand-off) if `name` cannot be reached before its response starts."""
         for attempt in range(2):
-            inst = self.cluster.instances[name]
+            inst = self.cluster.instances.get(name)
             t0 = time.monotonic()
             try:
+                if inst is None:  # removed since the decision
+                    raise httpx.ConnectError(f"instance {name} left the cluster")
                 timeout = httpx.Timeout(10.0, read=None)  # a stream may pause for long
                 req = self.cluster.http.build_request(
                     "POST", inst.url + path, json=body, timeout=timeout,

@@ -11,7 +11,9 @@ the first good one. Between polls the Conductor counts what it routed itself (`r
 An instance that does not answer at start (not started yet, restarting) joins when it does:
 the poller asks it for its facts every `join_every_s` and adds it once they agree with the
 cluster's; `on_join` is told, so the KV index follows it from then on. Until then `status`
-lists it as joining and nothing is routed to it.
+lists it as joining and nothing is routed to it. `add` makes a new instance join the same way
+while the cluster runs (scaling out, or an instance moved to another machine), and `remove`
+stops routing to one (`on_remove` is told; what it is serving finishes there).
 
 Failure contract: at start, no instance answering at all, an instance refusing the Conductor's
 key, serving another role, or a cluster whose instances disagree on the KV identity (their
@@ -103,7 +105,9 @@ class Cluster:
         self._next_ask: dict[str, float] = {}
         self._asking: dict[str, asyncio.Task[None]] = {}
         self._refusal: dict[str, str] = {}  # the last reason a joiner was not added, per name
+        self._refreshing: dict[str, asyncio.Task[None]] = {}  # back after down: facts re-read
         self.on_join: Callable[[Instance], Awaitable[None]] | None = None
+        self.on_remove: Callable[[str], None] | None = None
         self.http = httpx.AsyncClient(headers=dict(headers or {}), timeout=10.0)
         self.instances: dict[str, Instance] = {}
         self.block_size = 0
@@ -174,9 +178,7 @@ class Cluster:
 
     async def _join(self, name: str, url: str, role: Role | None) -> None:
         try:
-            inst = self._instance(url, role, await self._info(url))
-            if (inst.block_size, inst.hash_seed) != (self.block_size, self.hash_seed):
-                raise ClusterError(f"instance {url} disagrees with the cluster on {KV_IDENTITY}")
+            inst = await self._fresh(url, role)
         except (httpx.HTTPError, ValueError, KeyError, ClusterError) as exc:
             reason = self._failure(url, exc)
             if not isinstance(exc, httpx.TransportError) and self._refusal.get(name) != reason:
@@ -194,6 +196,43 @@ class Cluster:
                 await self.on_join(inst)
             except Exception:  # a listener's bug must not stop the cluster
                 log.exception("join listener failed for %s", name)
+
+    def add(self, url: str, role: Role | None) -> str:
+        """Have the instance at `url` join while the cluster runs (asked at the next poll,
+        added once its facts agree, as one that was down at start); its name. ClusterError
+        if it is in the cluster already."""
+        url = url.rstrip("/")
+        name = _name(url)
+        if name in self.instances or name in self.joining:
+            raise ClusterError(f"instance {name} is in the cluster already")
+        self.joining[name] = (url, role)
+        self._next_ask.pop(name, None)
+        return name
+
+    def remove(self, name: str) -> bool:
+        """Route nothing more to `name` (what it serves finishes there); False if unknown."""
+        task = self._asking.pop(name, None)
+        if task is not None:
+            task.cancel()
+        self._next_ask.pop(name, None)
+        self._refusal.pop(name, None)
+        if self.instances.pop(name, None) is None and self.joining.pop(name, None) is None:
+            return False
+        log.warning("instance %s left the cluster", name)
+        if self.on_remove is not None:
+            try:
+                self.on_remove(name)
+            except Exception:  # a listener's bug must not stop the cluster
+                log.exception("remove listener failed for %s", name)
+        return True
+
+    async def _fresh(self, url: str, role: Role | None) -> Instance:
+        """The instance at `url` as it answers now; ClusterError if it cannot join this
+        cluster (another role, another KV identity)."""
+        inst = self._instance(url, role, await self._info(url))
+        if (inst.block_size, inst.hash_seed) != (self.block_size, self.hash_seed):
+            raise ClusterError(f"instance {url} disagrees with the cluster on {KV_IDENTITY}")
+        return inst
 
     async def _info(self, url: str) -> dict[str, Any]:
         # The first ask measures the instance's cost profile on its engine thread: seconds
@@ -233,11 +272,32 @@ class Cluster:
                 self._set_health(inst, False)
             return
         if not inst.healthy:
-            log.info("instance %s is back", inst.name)
-            self._set_health(inst, True)
+            task = self._refreshing.get(inst.name)
+            if task is None or task.done():
+                self._refreshing[inst.name] = asyncio.create_task(self._refresh(inst))
         inst.failures = 0
         inst.load = {k: int(v) for k, v in load.items() if isinstance(v, int | float)}
         inst.routed_prefill = inst.routed_requests = inst.routed_decodes = 0
+
+    async def _refresh(self, inst: Instance) -> None:
+        """An instance that was down answers again. It may have restarted: another hand-off
+        address (a hand-off sent to the old one waited its whole timeout, then recomputed),
+        another profile, even another model. Its facts are read again before anything is
+        routed to it; one that now disagrees stays down (said once per reason)."""
+        try:
+            fresh = await self._fresh(inst.url, inst.role)
+        except (httpx.HTTPError, ValueError, KeyError, ClusterError) as exc:
+            reason = self._failure(inst.url, exc)
+            if self._refusal.get(inst.name) != reason:
+                self._refusal[inst.name] = reason
+                log.error("instance %s answers again but stays down: %s", inst.name, reason)
+            return
+        if self.instances.get(inst.name) is not inst or inst.healthy:  # removed, or back
+            return
+        self._refusal.pop(inst.name, None)
+        inst.handoff, inst.profile = fresh.handoff, fresh.profile
+        log.info("instance %s is back", inst.name)
+        self._set_health(inst, True)
 
     async def _poll_forever(self) -> None:
         while True:
@@ -247,7 +307,9 @@ class Cluster:
 
     def mark_down(self, name: str) -> None:
         """A call to the instance failed outright: stop routing there until a poll answers."""
-        inst = self.instances[name]
+        inst = self.instances.get(name)
+        if inst is None:  # removed meanwhile
+            return
         inst.failures = self.down_after
         if inst.healthy:
             self._set_health(inst, False)
@@ -261,10 +323,10 @@ class Cluster:
                 log.exception("health listener failed for %s", inst.name)
 
     def routed(self, prefill: str | None, decode: str | None, new_tokens: int) -> None:
-        if prefill is not None:
+        if prefill in self.instances:
             self.instances[prefill].routed_prefill += new_tokens
             self.instances[prefill].routed_requests += 1
-        if decode is not None:
+        if decode in self.instances:
             self.instances[decode].routed_decodes += 1
 
     def view(self, holdings: Mapping[str, Mapping[str, int]]) -> ClusterView:
@@ -274,7 +336,7 @@ class Cluster:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-        for task in self._asking.values():
+        for task in (*self._asking.values(), *self._refreshing.values()):
             task.cancel()
         self.joining.clear()
         await self.http.aclose()
@@ -282,13 +344,14 @@ class Cluster:
     def status(self) -> list[dict[str, Any]]:
         """One row per instance, for `cluster up`'s table and /health."""
         rows = [
-            {"name": i.name, "role": i.role.value, "healthy": i.healthy, **dict(i.load)}
+            {"name": i.name, "url": i.url, "role": i.role.value, "healthy": i.healthy,
+             **dict(i.load)}  # fmt: skip
             for i in self.instances.values()
         ]
         return rows + [
-            {"name": n, "role": role.value if role else "unknown", "healthy": False,
-             "joining": True}  # fmt: skip
-            for n, (_, role) in self.joining.items()
+            {"name": n, "url": url, "role": role.value if role else "unknown",
+             "healthy": False, "joining": True}  # fmt: skip
+            for n, (url, role) in self.joining.items()
         ]
 
 

@@ -150,7 +150,8 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
         except ConnectionError as exc:  # routed as if it held nothing
             print(f"no KV index of {inst.name}: {exc}", flush=True)
 
-    cluster.on_join = follow  # an instance that was not up at start, once it answers
+    cluster.on_join = follow  # an instance that was not up at start (or added), once it answers
+    cluster.on_remove = index.remove  # one removed while running (`/internal/instances`)
     try:
         await cluster.start()
         model, name = served_model(args.model, args.served_model_name, cluster.model_card)

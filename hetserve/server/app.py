@@ -57,9 +57,12 @@ class Guard:
     one), and writes the access line of every answer, its own and abandoned streams' (499)
     included."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, access=None) -> None:
+    def __init__(
+        self, app, api_key: str | None, max_body_bytes: int, access=None, guarded=GUARDED_TOP
+    ) -> None:
         self.app = app
         self.api_key = api_key
+        self.guarded_top = guarded  # top-level paths behind the key beside the prefixes
         self.limit = max_body_bytes
         self.access = access  # an AccessLog, or None: no line per request
 
@@ -101,7 +104,7 @@ class Guard:
             body = error_body(str(BodyTooLargeError(self.limit)))
             return await _send_json(send, 413, _shaped(scope["path"], body))
         path = scope["path"]
-        guarded = path.startswith(("/v1/", "/api/", "/internal/")) or path in GUARDED_TOP
+        guarded = path.startswith(("/v1/", "/api/", "/internal/")) or path in self.guarded_top
         if self.api_key and guarded and not self._authorized(headers):
             body = error_body("missing or invalid API key", "authentication_error")
             body["error"]["code"] = "invalid_api_key"

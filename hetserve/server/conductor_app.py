@@ -1,6 +1,9 @@
 """The Conductor's HTTP face: the FastAPI app `hetserve conductor` serves (`/v1/completions`
 and `/v1/chat/completions` handed to `disagg.conductor.Conductor.route`, `/v1/models`,
 `/health`, `/metrics`), behind the same guard as an instance (bearer key on /v1, body limit).
+Its instances change while it runs through `/internal/instances` (GET lists, POST
+{"url", "role"} adds one that joins once it answers, DELETE .../NAME removes one) and SGLang
+router's `/add_worker?url=`, `/remove_worker?url=` and `/list_workers`, all behind the key.
 
 Who calls it: `entrypoints/conductor.py`. Failure contract: as the Conductor's (routes never
 raise for a client's input); `/health` answers 503 while no healthy instance can prefill or
@@ -9,20 +12,73 @@ none can decode.
 
 from __future__ import annotations
 
+import json
 import time
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from hetserve.config import Role
 from hetserve.disagg.conductor import Conductor
-from hetserve.server.app import Guard
+from hetserve.disagg.instances import ClusterError
+from hetserve.errors import InvalidInputError
+from hetserve.server.app import GUARDED_TOP, Guard
 from hetserve.server.errors import error_body
+
+WORKER_PATHS = (*GUARDED_TOP, "/add_worker", "/remove_worker", "/list_workers")
 
 
 def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
     app = FastAPI(title="hetserve conductor", docs_url=None, redoc_url=None)
-    app.add_middleware(Guard, api_key=conductor.config.api_key, max_body_bytes=8 << 20)
+    app.add_middleware(Guard, api_key=conductor.config.api_key, max_body_bytes=8 << 20,
+                       guarded=WORKER_PATHS)  # fmt: skip
     app.state.conductor = conductor
+    cluster = conductor.cluster
+
+    def add(url: object, role: object) -> JSONResponse:
+        try:
+            name = cluster.add(_instance_url(url), None if role is None else _role(role))
+        except (InvalidInputError, ClusterError) as exc:
+            code = 409 if isinstance(exc, ClusterError) else 400
+            return JSONResponse(error_body(str(exc), param="url"), status_code=code)
+        return JSONResponse({"name": name, "joining": True}, status_code=202)
+
+    def remove(name: str) -> JSONResponse:
+        if not cluster.remove(name):
+            body = error_body(f"no instance {name!r} in the cluster", "not_found_error")
+            return JSONResponse(body, status_code=404)
+        return JSONResponse({"name": name, "removed": True})
+
+    @app.get("/internal/instances")
+    async def instances():
+        return {"instances": cluster.status()}
+
+    @app.post("/internal/instances")
+    async def add_instance(request: Request):
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return JSONResponse(error_body('send {"url": ..., "role": ...}'), status_code=400)
+        return add(body.get("url"), body.get("role"))
+
+    @app.delete("/internal/instances/{name}")
+    async def remove_instance(name: str):
+        return remove(name)
+
+    @app.post("/add_worker", include_in_schema=False)  # SGLang router's
+    async def add_worker(url: str | None = None, role: str | None = None):
+        return add(url, role)
+
+    @app.post("/remove_worker", include_in_schema=False)
+    async def remove_worker(url: str = ""):
+        return remove(url.removeprefix("http://").removeprefix("https://").rstrip("/"))
+
+    @app.get("/list_workers", include_in_schema=False)
+    async def list_workers():
+        return {"urls": [row["url"] for row in cluster.status()]}
 
     @app.get("/health")
     async def health():
@@ -71,6 +127,26 @@ def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
         return await conductor.forward_any("/v1/messages/count_tokens", await request.body())
 
     return app
+
+
+def _instance_url(url: object) -> str:
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise InvalidInputError(f"url: want http://HOST:PORT of an instance, got {url!r}")
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if not parts.hostname or port is None or parts.path.strip("/") or parts.query:
+        raise InvalidInputError(f"url: want http://HOST:PORT of an instance, got {url!r}")
+    return url.rstrip("/")
+
+
+def _role(role: object) -> Role:
+    try:
+        return Role(role)
+    except ValueError:
+        raise InvalidInputError(f"role: one of prefill, decode, both; got {role!r}") from None
 
 
 def render_metrics(c: Conductor) -> str:

@@ -25,12 +25,22 @@ def test_health_changes_are_told_once_each() -> None:
             raise httpx.ConnectError("refused", request=request)
         if request.url.path == "/internal/load":
             return httpx.Response(200, json={"running_decodes": 0, "free_blocks": 10})
+        if request.url.path == "/internal/info":
+            return httpx.Response(200, json={**INFO, "handoff_address": handoff["at"]})
         return httpx.Response(404)
 
+    async def back() -> None:  # the poll that sees it answer re-reads its facts first
+        await cluster.poll_once()
+        await asyncio.gather(*cluster._refreshing.values())
+
+    handoff = {"at": "a:500"}
+    cluster = Cluster([("http://a:1", None)], on_health=lambda n, h: seen.append((n, h)))
+
     async def run() -> None:
-        cluster = Cluster([("http://a:1", None)], on_health=lambda n, h: seen.append((n, h)))
         cluster.http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
-        cluster.instances["a:1"] = cluster._instance("http://a:1", None, INFO)
+        info = {**INFO, "handoff_address": "a:500"}
+        cluster.instances["a:1"] = cluster._instance("http://a:1", None, info)
+        cluster.block_size, cluster.hash_seed = 16, b""
         await cluster.poll_once()
         up["on"] = False
         await cluster.poll_once()  # one failure: not yet down
@@ -39,12 +49,27 @@ def test_health_changes_are_told_once_each() -> None:
         await cluster.poll_once()
         assert seen == [("a:1", False)]
         up["on"] = True
-        await cluster.poll_once()
+        handoff["at"] = "a:501"  # it restarted: its hand-off listener is on another port
+        await back()
         assert seen == [("a:1", False), ("a:1", True)]
+        # Healthy only with the new address: hand-offs sent to the old one waited their whole
+        # timeout (30 s) before the decode side recomputed.
+        assert cluster.instances["a:1"].handoff == "a:501"
         cluster.mark_down("a:1")
         cluster.mark_down("a:1")
         assert seen[-1] == ("a:1", False) and len(seen) == 3
         assert not cluster.instances["a:1"].healthy
+        INFO_SEED = INFO["hash_seed"]
+        INFO["hash_seed"] = "ff"  # back as another model: it stays down
+        try:
+            await back()
+            await back()
+        finally:
+            INFO["hash_seed"] = INFO_SEED
+        assert not cluster.instances["a:1"].healthy and len(seen) == 3
+        assert "KV identity" in cluster._refusal["a:1"]
+        await back()
+        assert cluster.instances["a:1"].healthy and seen[-1] == ("a:1", True)
         await cluster.http.aclose()
 
     asyncio.run(run())
@@ -140,7 +165,8 @@ def test_an_instance_down_at_start_joins_when_it_answers() -> None:
         cluster._task.cancel()  # the test steps the joins itself
         assert list(cluster.instances) == ["a:1"]
         rows = {r["name"]: r for r in cluster.status()}
-        assert rows["b:2"] == {"name": "b:2", "role": "decode", "healthy": False, "joining": True}
+        assert rows["b:2"] == {"name": "b:2", "url": "http://b:2", "role": "decode",
+                               "healthy": False, "joining": True}  # fmt: skip
         await cluster.join_pending()
         await asyncio.gather(*cluster._asking.values())
         assert "b:2" not in cluster.instances and joined == []  # still down
@@ -174,3 +200,73 @@ def test_no_instance_answering_at_start_is_an_error() -> None:
 
     message = asyncio.run(run())
     assert message.startswith("no instance answered: http://a:1 (Connection refused)")
+
+
+def test_instances_are_added_and_removed_while_the_conductor_runs() -> None:
+    """The instance list was fixed at start: a cluster could not grow, shrink, or take back an
+    instance restarted at another address (the Ray launcher's, when a node is lost). Now
+    POST /internal/instances makes one join once it answers (as one down at start), DELETE
+    removes one (the KV index told), with SGLang router's /add_worker, /remove_worker and
+    /list_workers beside them, all behind the Conductor's key."""
+    from hetserve.disagg.conductor import Conductor, ConductorConfig
+    from hetserve.disagg.policy import Router, RouterConfig
+    from hetserve.server.conductor_app import create_conductor_app
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/internal/info":
+            role = {"p": "prefill", "d": "decode"}.get(request.url.host, "both")
+            return httpx.Response(200, json={**INFO, "role": role})
+        if request.url.path == "/internal/load":
+            return httpx.Response(200, json={"running_decodes": 0, "free_blocks": 10})
+        return httpx.Response(404)
+
+    removed: list[str] = []
+
+    async def run() -> None:
+        cluster = Cluster([("http://p:1", Role.PREFILL), ("http://d:2", Role.DECODE)],
+                          join_every_s=0.0)  # fmt: skip
+        cluster.http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        await cluster.start()
+        cluster._task.cancel()  # the test steps the joins itself
+        cluster.on_remove = removed.append
+        config = ConductorConfig(api_key="k")
+        app = create_conductor_app(Conductor(cluster, Router(RouterConfig()), None, config), "m")
+        key = {"Authorization": "Bearer k"}
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
+            for method, path in (("POST", "/internal/instances"), ("POST", "/add_worker"),
+                                 ("POST", "/remove_worker"), ("GET", "/list_workers"),
+                                 ("DELETE", "/internal/instances/d:2")):  # fmt: skip
+                r = await client.request(method, path, json={})
+                assert r.status_code == 401, (path, r.text)
+            r = await client.post("/internal/instances", headers=key,
+                                  json={"url": "http://d:3/", "role": "decode"})  # fmt: skip
+            assert r.status_code == 202 and r.json() == {"name": "d:3", "joining": True}
+            await cluster.join_pending()
+            await asyncio.gather(*cluster._asking.values())
+            assert cluster.instances["d:3"].role is Role.DECODE
+            listed = await client.get("/internal/instances", headers=key)
+            assert [i["name"] for i in listed.json()["instances"]] == ["p:1", "d:2", "d:3"]
+            for body, code, needle in (
+                ({"url": "http://d:3", "role": "decode"}, 409, "in the cluster already"),
+                ({"url": "d:4"}, 400, "want http://HOST:PORT"),
+                ({"url": "http://d:4/v1"}, 400, "want http://HOST:PORT"),
+                ({"url": "http://d:4"}, 202, ""),  # the role the instance serves
+                ({"url": "http://d:5", "role": "leader"}, 400, "one of prefill, decode, both"),
+                ([1], 400, "send {"),
+            ):
+                r = await client.post("/internal/instances", headers=key, json=body)
+                assert r.status_code == code and needle in r.text, (body, r.text)
+            r = await client.delete("/internal/instances/d:2", headers=key)
+            assert r.status_code == 200 and removed == ["d:2"] and "d:2" not in cluster.instances
+            r = await client.delete("/internal/instances/d:2", headers=key)
+            assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+            r = await client.post("/add_worker?url=http://b:6", headers=key)
+            assert r.status_code == 202
+            r = await client.get("/list_workers", headers=key)
+            assert r.json()["urls"] == ["http://p:1", "http://d:3", "http://d:4", "http://b:6"]
+            r = await client.post("/remove_worker?url=http://d:4", headers=key)
+            assert r.status_code == 200 and removed == ["d:2", "d:4"]
+        await cluster.close()
+
+    asyncio.run(run())
