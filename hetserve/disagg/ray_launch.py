@@ -19,8 +19,9 @@ their commands are the same (`cluster_spec.plan`); what differs is where they ru
 Failure contract: Ray missing is an `InvalidInputError` naming the extra to install; an
 instance that no node can hold within `placement_timeout_s` is a `LaunchError` naming what it
 asked and what the cluster has; otherwise as `LocalLauncher` (a part that exits or does not
-answer while the cluster starts stops everything). A part whose node is gone (its actor died)
-is said once by `supervise()` and not started again: its address was the node's.
+answer while the cluster starts stops everything). Once running, an instance or store node
+whose runner is gone (its node lost) is placed again where Ray finds room, and the Conductor
+told an instance's new address (`supervise()`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from hetserve.disagg.cluster_spec import ClusterSpec, Part, plan
 from hetserve.disagg.launch import (
@@ -153,6 +156,10 @@ class RayLauncher(PartsLauncher):
         self.api_key = ""
         self.actors: dict[str, Any] = {}  # part name -> its runner
         self.made: list[Any] = []  # every runner, placed or not (stop() ends them)
+        self.placing: list[tuple[Part, Any, Any]] = []  # lost instances: part, runner, where
+        self.spec = ClusterSpec()
+        self.runner_cls: Any = None
+        self._key: dict[str, str] = {}
         self.started_ray = False
         self.ray: Any = None
 
@@ -172,12 +179,14 @@ class RayLauncher(PartsLauncher):
         spec = _absolute(spec)
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        runner = ray.remote(PartRunner)
+        runner = self.runner_cls = ray.remote(PartRunner)
+        self.spec = spec
+        self._key = {"Authorization": f"Bearer {self.api_key}"}
         here = ray.get_runtime_context().get_node_id()
         # The instances first: where Ray puts them says where the store nodes go.
         roles = [r for r, n in (("prefill", spec.prefill), ("decode", spec.decode),
                                 ("both", spec.both)) for _ in range(n)]  # fmt: skip
-        placed = [self._runner(runner, dict(spec.ray_resources.get(r, {}))) for r in roles]
+        placed = [self._runner(dict(spec.ray_resources.get(r, {}))) for r in roles]
         self.made += placed
         try:
             where = ray.get([a.where.remote() for a in placed], timeout=self.placement_timeout_s)
@@ -211,9 +220,10 @@ class RayLauncher(PartsLauncher):
             self.actors[part.name] = actor
         return parts
 
-    def _runner(self, runner: Any, needs: dict[str, float]) -> Any:
+    def _runner(self, needs: dict[str, float]) -> Any:
+        """A runner for an instance, placed where Ray finds a node with `needs`."""
         cpus, gpus = needs.pop("CPU", 0), needs.pop("GPU", 0)
-        return runner.options(
+        return self.runner_cls.options(
             num_cpus=cpus, num_gpus=gpus, resources=needs, scheduling_strategy="SPREAD"
         ).remote()
 
@@ -245,16 +255,76 @@ class RayLauncher(PartsLauncher):
         return text
 
     def supervise(self, now: float | None = None) -> list[str]:
+        """As `LocalLauncher`'s, and: an instance or store node whose runner is gone (its node
+        lost, or the runner killed) is placed again wherever Ray finds room and started there
+        on a new address; for an instance the Conductor is told (the old address removed, the
+        new one joins once it answers). The store master and the Conductor share the driver's
+        node: theirs gone is said once and left down."""
         said: list[str] = []
         for part in list(self.running.parts):
             proc = part.proc
-            if isinstance(proc, RemoteProc) and proc.poll() is not None and proc.gone:
-                said.append(
-                    f"{part.name}: its Ray node ({part.host}) is gone; not started again "
-                    "(its address was that node's)"
-                )
-                self.running.parts.remove(part)
+            if not (isinstance(proc, RemoteProc) and proc.poll() is not None and proc.gone):
+                continue
+            self.running.parts.remove(part)
+            lost = f"{part.name}: its Ray runner on {part.host} is gone"
+            if not part.role and not part.name.startswith("store-node"):
+                said.append(f"{lost}; not started again")
+                continue
+            said.append(f"{lost}; placing it again" + self._tell("DELETE", part))
+            self._place_again(part)
+        for entry in list(self.placing):
+            part, actor, ref = entry
+            ready, _ = self.ray.wait([ref], timeout=0)
+            if not ready:
+                continue
+            self.placing.remove(entry)
+            try:
+                _, part.host = self.ray.get(ref)
+                self.actors[part.name] = actor
+                part.port = self._free_port(part)
+                assert part.build is not None
+                part.cmd = part.build(part)
+                part.url = f"http://{part.address}"
+                part.restarts += 1
+                part.restart_at, part.backoff_s = None, 0.0
+                self._spawn(part, append=True)
+            except self.ray.exceptions.RayError as exc:  # that node went too: place it again
+                said.append(f"{part.name}: could not start on its new node ({exc}); placing "
+                            "it again")  # fmt: skip
+                self._place_again(part)
+                continue
+            self.running.parts.append(part)
+            said.append(f"{part.name} started again on {part.address} (restart "
+                        f"{part.restarts}, log {part.log})" + self._tell("POST", part))  # fmt: skip
         return said + super().supervise(now)
+
+    def _place_again(self, part: Part) -> None:
+        """A runner for `part` where Ray finds room (an instance: with its role's resources),
+        started by `supervise` once placed."""
+        actor = self._runner(dict(self.spec.ray_resources.get(part.role, {})))
+        self.made.append(actor)
+        self.placing.append((part, actor, actor.where.remote()))
+
+    def _tell(self, method: str, part: Part) -> str:
+        """The Conductor told that instance `part` left (DELETE) or joins (POST) at its
+        address; what went wrong, if anything, for the line said ("" for other parts)."""
+        if not part.role:
+            return ""
+        conductor = next((p for p in self.running.parts if p.name == "conductor"), None)
+        if conductor is None or conductor.url is None:
+            return "; no Conductor to tell"
+        url = f"{conductor.url}/internal/instances"
+        try:
+            if method == "DELETE":
+                r = httpx.delete(f"{url}/{part.address}", headers=self._key, timeout=10)
+                ok = r.status_code in (200, 404)  # 404: it was not in the cluster (joining)
+            else:
+                body = {"url": part.url, "role": part.role}
+                r = httpx.post(url, json=body, headers=self._key, timeout=10)
+                ok = r.status_code == 202
+        except httpx.HTTPError as exc:
+            return f"; the Conductor was not told: {exc}"
+        return "" if ok else f"; the Conductor answered {r.status_code}: {r.text[:200]}"
 
     def stop(self) -> None:
         super().stop()
@@ -267,6 +337,7 @@ class RayLauncher(PartsLauncher):
                 pass
         self.actors.clear()
         self.made.clear()
+        self.placing.clear()
         if self.started_ray:
             self.ray.shutdown()
             self.started_ray = False

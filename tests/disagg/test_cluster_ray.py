@@ -101,20 +101,52 @@ def test_a_killed_instance_is_started_again_at_its_address(want, one_node):
     assert r.json()["choices"][0]["text"] == want[1]
 
 
-def test_a_runner_that_dies_takes_its_process_and_is_not_restarted(one_node):
-    """Its node gone (here: its actor killed): the process must not outlive it, and
-    `supervise` says so once instead of starting it on an address that no longer exists."""
+def test_a_lost_instance_is_placed_again_and_the_conductor_follows(want, one_node):
+    """A runner gone (its node lost; here: the actor killed) must not leave its process behind.
+    Its part is placed again where Ray finds room, on a new address; for an instance the
+    Conductor drops the old address and adds the new one (it used to be said once and left
+    down: a lost node's instances were gone for good)."""
     launcher, running = one_node
-    victim = next(p for p in running.parts if p.name == "store-node")
-    pid = victim.proc.pid
-    ray.kill(launcher.actors["store-node"])
-    deadline = time.monotonic() + 30
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not _alive(pid)
+    parts = {p.name: p for p in running.parts}
+    old = {name: parts[name].address for name in ("store-node", "decode-0")}
+    for name in old:
+        pid = parts[name].proc.pid
+        ray.kill(launcher.actors[name])
+        deadline = time.monotonic() + 30
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(pid)
+    host = parts["decode-0"].host
     said = launcher.supervise()
-    assert said[0].startswith("store-node: its Ray node") and "not started again" in said[0]
-    assert victim not in running.parts and launcher.supervise() == []
+    assert said == [f"{name}: its Ray runner on {host} is gone; placing it again" for name in old]
+    started: list[str] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(started) < 2:
+        time.sleep(0.2)
+        started += [s for s in launcher.supervise() if "started again on" in s]
+    victim = parts["decode-0"]
+    assert sorted(started) == [  # decode-0's first restart was the test before
+        f"decode-0 started again on {victim.address} (restart 2, log {victim.log})",
+        f"store-node started again on {parts['store-node'].address} (restart 1, log "
+        f"{parts['store-node'].log})",
+    ]
+    assert all(parts[name].address != old[name] for name in old)
+    assert {"store-node", "decode-0"} <= {p.name for p in running.parts}
+    key = {"Authorization": f"Bearer {launcher.api_key}"}
+    base = running.endpoint.removesuffix("/v1")
+    deadline = time.monotonic() + 120  # it loads, then joins at the Conductor's next ask
+    while time.monotonic() < deadline:
+        launcher.supervise()  # it may exit once if it starts before the store node registers
+        rows = httpx.get(base + "/internal/instances", headers=key, timeout=10).json()
+        joined = {r["name"]: r for r in rows["instances"] if not r.get("joining")}
+        if victim.address in joined:
+            break
+        time.sleep(0.5)
+    assert victim.address in joined
+    assert old["decode-0"] not in {r["name"] for r in rows["instances"]}
+    r = complete(running.endpoint, launcher.api_key)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want[1]
 
 
 def _alive(pid: int) -> bool:
