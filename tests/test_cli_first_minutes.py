@@ -203,6 +203,9 @@ def test_output_paths_are_checked_before_the_work(tmp_path, capsys):
         (["--launcher", "ray", "--ray-resources", "gpu=CPU:1"], "'gpu' is no instance role"),
         (["--launcher", "ray", "--ray-resources", "decode=CPU:-1"], "should be a number >= 0"),
         (["--ray-resources", "decode=CPU:1"], "ray_resources are for --launcher ray"),
+        (["--role-args", "prefill"], "--role-args wants ROLE=OPTIONS"),
+        (["--role-args", "gpu=--dtype float32"], "role_args: 'gpu' is no instance role"),
+        (["--role-args", "decode=--dtype 'float32"], "role_args: decode: No closing quotation"),
     ],
 )
 def test_cluster_up_checks_the_conductors_slos_before_the_instances_start(
@@ -276,6 +279,7 @@ def test_cluster_config_values_are_checked_as_their_keys_take_them(tmp_path, mon
         ("launcher: ray\nray_resources: [1]\n", [], "ray_resources: [1] should be dict"),
         ("launcher: ray\nray_resources: {decode: 3}\n", [], "decode: want a mapping"),
         ("launcher: kubernetes\n", [], "launcher must be local or ray"),
+        ("role_args: {prefill: 3}\n", [], "role_args: prefill: want a string"),
     ):
         cfg.write_text(text)
         assert main(["cluster", "up", "--port", "1", "--config", str(cfg), *argv]) == 2
@@ -284,13 +288,16 @@ def test_cluster_config_values_are_checked_as_their_keys_take_them(tmp_path, mon
     assert not started
     from hetserve.entrypoints.cluster import _spec
 
-    cfg.write_text("slo_ttft_ms: 300\nprefill: 2\nrestart: false\n")
+    cfg.write_text("slo_ttft_ms: 300\nprefill: 2\nrestart: false\n"
+                   "role_args: {prefill: --placement device}\n")  # fmt: skip
     args = argparse.Namespace(
         model=None, prefill=1, decode=1, both=0, store="none", store_dram="1G", port=1,
         policy="kvcentric", admission="none", slo_ttft_ms=500.0, slo_tbt_ms=None,
         handoff_path="direct", instance_args="", log_dir="d", log_requests=None,
         config=str(cfg), no_restart=False, host="127.0.0.1", api_key=None, launcher="local",
-        ray_address=None, ray_resources=[],
+        ray_address=None, ray_resources=[], role_args=["decode=--dtype float32"],
     )  # fmt: skip
     spec = _spec(args)
     assert spec.slo_ttft_ms == 300 and spec.prefill == 2 and spec.restart is False
+    # The file's role_args replace the flags' (as every key does).
+    assert spec.role_args == {"prefill": ("--placement", "device")}

@@ -35,6 +35,9 @@ class ClusterSpec:
     slo_tbt_ms: float | None = None
     handoff_path: str = "direct"
     instance_args: tuple[str, ...] = ()  # extra engine options for every instance
+    # Engine options for one role's instances, after instance_args (a prefill box's placement
+    # beside a decode box's), e.g. {"prefill": ("--placement", "device")}.
+    role_args: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     log_requests: str | None = None  # a directory: each part's request log (hetserve sim's)
     log_dir: str = "hetserve-cluster-logs"
     restart: bool = True  # start a part that exits again (`supervise`)
@@ -56,6 +59,9 @@ class ClusterSpec:
             raise ValueError("--handoff-path store needs --store pool")
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"launcher must be local or ray, got {self.launcher!r}")
+        for role in self.role_args:
+            if role not in INSTANCE_ROLES:
+                raise ValueError(f"role_args: {role!r} is no instance role (prefill, decode, both)")
         if self.ray_resources and self.launcher != "ray":
             raise ValueError("ray_resources are for --launcher ray")
         for role, needs in self.ray_resources.items():
@@ -149,7 +155,7 @@ def plan(spec: ClusterSpec, python: str, store_nodes: int = 1) -> list[Part]:
             cmd += ["--kv-store", f"pool://{master.address}"]
         if spec.handoff_path == "mooncake":
             cmd += ["--handoff-mooncake"]
-        cmd += spec.instance_args
+        cmd += [*spec.instance_args, *spec.role_args.get(p.role, ())]
         if spec.log_requests is not None:
             cmd += ["--log-requests", str(Path(spec.log_requests) / f"{p.name}.jsonl")]
         return cmd

@@ -79,6 +79,14 @@ def register(sub) -> None:
         default="",
         help='extra engine options for every instance, e.g. "--dtype float32"',
     )
+    up.add_argument(
+        "--role-args",
+        action="append",
+        default=[],
+        metavar="ROLE=OPTIONS",
+        help='engine options for one role\'s instances, after --instance-args, e.g. '
+        '"prefill=--placement device" (repeatable)',
+    )
     up.set_defaults(func=_up)
 
 
@@ -86,8 +94,32 @@ def register(sub) -> None:
 _CONFIG_KINDS: dict[str, tuple[type, ...]] = {
     "prefill": (int,), "decode": (int,), "both": (int,), "port": (int,),
     "slo_ttft_ms": (int, float), "slo_tbt_ms": (int, float), "restart": (bool,),
-    "ray_resources": (dict,),
+    "ray_resources": (dict,), "role_args": (dict,),
 }  # fmt: skip
+
+
+def _split_role_args(flag: str) -> tuple[str, str]:
+    role, eq, options = flag.partition("=")
+    if not eq:
+        raise InvalidInputError(
+            f'--role-args wants ROLE=OPTIONS (e.g. "prefill=--placement device"), got {flag!r}'
+        )
+    return role, options
+
+
+def _role_args(given: dict) -> dict[str, tuple[str, ...]]:
+    """{"prefill": "--placement device"} as {"prefill": ("--placement", "device")}."""
+    import shlex
+
+    out: dict[str, tuple[str, ...]] = {}
+    for role, options in given.items():
+        if not isinstance(options, str):
+            raise InvalidInputError(f"role_args: {role}: want a string of engine options")
+        try:
+            out[str(role).strip()] = tuple(shlex.split(options))
+        except ValueError as exc:
+            raise InvalidInputError(f"role_args: {role}: {exc}") from None
+    return out
 
 
 def _resources(flags: list[str]) -> dict[str, dict[str, float]]:
@@ -120,6 +152,7 @@ def _spec(args: argparse.Namespace):
         "log_requests": args.log_requests, "restart": not args.no_restart, "host": args.host,
         "api_key": args.api_key, "launcher": args.launcher, "ray_address": args.ray_address,
         "ray_resources": _resources(args.ray_resources),
+        "role_args": _role_args(dict(_split_role_args(flag) for flag in args.role_args)),
     }  # fmt: skip
     if args.config is not None:
         import yaml
@@ -145,6 +178,8 @@ def _spec(args: argparse.Namespace):
                 )
         if "instance_args" in data:
             data["instance_args"] = tuple(shlex.split(str(data["instance_args"])))
+        if "role_args" in data:
+            data["role_args"] = _role_args(data["role_args"])
         options.update(data)
     try:
         return ClusterSpec(**options)

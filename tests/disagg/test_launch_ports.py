@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from hetserve.disagg.cluster_spec import Part
+from hetserve.disagg.cluster_spec import ClusterSpec, Part, plan
 from hetserve.disagg.launch import LaunchError, LocalLauncher, free_port
 
 # Listens on argv[1]'s port (exit 2 naming it "in use" when taken, as `hetserve serve` does);
@@ -115,3 +115,22 @@ def test_a_part_that_exits_starts_again_after_a_doubling_back_off(tmp_path):
         assert said == ["conductor was killed by SIGKILL; starting it again in 1 s"]
     finally:
         launcher.stop()
+
+
+def test_each_role_gets_its_own_engine_options_after_everyones():
+    """Heterogeneous boxes: the prefill instances on the accelerator, the decode ones on the
+    CPU-hybrid rules; --instance-args gave every instance the same options."""
+    spec = ClusterSpec(prefill=1, decode=2, instance_args=("--max-model-len", "256"),
+                       role_args={"prefill": ("--placement", "device")})  # fmt: skip
+    parts = {p.name: p for p in plan(spec, "python")}
+    for p in parts.values():
+        p.port = 1234
+        if p.role:
+            p.url = f"http://{p.address}"
+    prefill = parts["prefill-0"].build(parts["prefill-0"])
+    assert prefill[-4:] == ["--max-model-len", "256", "--placement", "device"]
+    for name in ("decode-0", "decode-1"):
+        cmd = parts[name].build(parts[name])
+        assert cmd[-2:] == ["--max-model-len", "256"] and "--placement" not in cmd
+    conductor = parts["conductor"].build(parts["conductor"])
+    assert conductor[conductor.index("--decode") + 1 :][:2] == ["http://127.0.0.1:1234"] * 2
