@@ -219,7 +219,11 @@ class Conductor:
             record = replace(record, ttft_ms=(time.perf_counter() - t0) * 1e3)
         self.request_log.write(record)
 
-    async def route(self, path: str, raw: bytes, request: Request) -> Response:
+    async def route(
+        self, path: str, raw: bytes, request: Request, pinned: str | None = None
+    ) -> Response:
+        """Decide and forward one request; `pinned`: served colocated on that instance (it
+        holds what the request continues: a stored Responses conversation)."""
         t0 = time.perf_counter()
         api = self.apis.get(path)
         shape = api.error_shape if api is not None else None
@@ -252,11 +256,13 @@ class Conductor:
         several = isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)
         # Prompt logprobs turn the decode side's prefix lookup off: no hand-off could match.
         single = (decision.prefill == decision.decode or int_field(body, "n", 1) > 1 or several
-                  or body.get("prompt_logprobs") is not None or not chat)  # fmt: skip
-        self.cluster.routed(decision.prefill, decision.decode, new)
-        self._count("colocated" if single else "disaggregated")
-        target = decision.decode  # colocated there, or the stream of a disaggregated request
+                  or body.get("prompt_logprobs") is not None or not chat
+                  or pinned is not None)  # fmt: skip
+        # Colocated there, or the stream of a disaggregated request.
+        target = pinned or decision.decode
         assert target is not None
+        self.cluster.routed(pinned or decision.prefill, target, new)
+        self._count("colocated" if single else "disaggregated")
         fwd = dict(body)
         alias = self.config.model_alias
         if alias is not None and fwd.get("model") == alias[0]:

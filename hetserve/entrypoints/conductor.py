@@ -124,6 +124,7 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
 
     from hetserve.config import Role
     from hetserve.disagg.conductor import Conductor, ConductorConfig, OtherAPI
+    from hetserve.disagg.conductor_responses import stream_error as responses_stream_error
     from hetserve.disagg.instances import Cluster, Instance
     from hetserve.disagg.kv_subscriber import KVEventSubscriber
     from hetserve.disagg.policy import Router, RouterConfig
@@ -133,6 +134,7 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
     from hetserve.server.anthropic_input import chat_body as anthropic_chat_body
     from hetserve.server.chat import chat_prompt_text
     from hetserve.server.conductor_app import create_conductor_app
+    from hetserve.server.responses_input import stateless_chat_body
 
     urls = [(u.rstrip("/"), Role.PREFILL) for u in args.prefill]
     urls += [(u.rstrip("/"), Role.DECODE) for u in args.decode]
@@ -180,6 +182,9 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
     )
     conductor.index_blocks = index.block_counts
     conductor.render_chat = functools.partial(chat_prompt_text, conductor.tok)
+    conductor.apis["/v1/responses"] = OtherAPI(  # OpenAI's; stateful ones go to their holder
+        stateless_chat_body, lambda body: body, responses_stream_error
+    )
     conductor.apis["/v1/messages"] = OtherAPI(  # Anthropic's, as the instances translate it
         functools.partial(anthropic_chat_body, thinking_budget=False), anthropic_error,
         anthropic_stream_error,

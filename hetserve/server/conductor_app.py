@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from hetserve.config import Role
 from hetserve.disagg.conductor import Conductor
+from hetserve.disagg.conductor_responses import ResponsesRoutes
 from hetserve.disagg.instances import ClusterError
 from hetserve.errors import InvalidInputError
 from hetserve.server.app import GUARDED_TOP, Guard
@@ -111,6 +112,25 @@ def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         return await conductor.route("/v1/chat/completions", await request.body(), request)
+
+    if "/v1/responses" in conductor.apis:  # where the entrypoint gave it
+        responses = ResponsesRoutes(conductor)
+
+        @app.post("/v1/responses")
+        async def create_response(request: Request):
+            return await responses.create(await request.body(), request)
+
+        @app.get("/v1/responses/{rid}", include_in_schema=False)
+        async def get_response(rid: str, request: Request):
+            return await responses.read("GET", rid, "", request)
+
+        @app.post("/v1/responses/{rid}/cancel", include_in_schema=False)
+        async def cancel_response(rid: str, request: Request):
+            return await responses.read("POST", rid, "/cancel", request)
+
+        @app.delete("/v1/responses/{rid}", include_in_schema=False)
+        async def delete_response(rid: str, request: Request):
+            return await responses.read("DELETE", rid, "", request)
 
     @app.post("/v1/messages", include_in_schema=False)  # where the entrypoint gave it
     async def messages(request: Request):

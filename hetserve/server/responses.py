@@ -32,6 +32,7 @@ from hetserve.server.responses_input import (
     check_types,
     included,
     input_messages,
+    system_messages,
     truncated,
 )
 from hetserve.server.responses_items import OutputItems
@@ -93,8 +94,7 @@ class ResponsesServing:
             session = prev.get("_session")
         called = {c["id"] for m in history for c in m.get("tool_calls") or ()}
         new = input_messages(body.get("input", ""), called)
-        system = [{"role": "system", "content": body["instructions"]}] if body.get(
-            "instructions") else []  # fmt: skip
+        system = system_messages(body)
         messages = system + history + new
         truncation = body.get("truncation") or "disabled"
         if truncation not in ("auto", "disabled"):

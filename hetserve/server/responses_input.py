@@ -192,6 +192,26 @@ THEIR_NAMES = (
 
 
 def chat_request(body: dict, messages: list[dict]) -> ChatCompletionRequest:
+    return validated_chat(chat_body(body, messages), THEIR_NAMES)
+
+
+def stateless_chat_body(body: dict) -> dict:
+    """The chat request a Responses body that continues no stored response means (the P/D
+    Conductor hashes and prefills it); InvalidInputError where the instance answers 400."""
+    check_types(body)
+    if body.get("previous_response_id") is not None:
+        raise InvalidInputError("it continues a stored response", "previous_response_id")
+    return chat_body(body, system_messages(body) + input_messages(body.get("input", "")))
+
+
+def system_messages(body: dict) -> list[dict]:
+    """`instructions` as the chat's system message (none without)."""
+    text = body.get("instructions")
+    return [{"role": "system", "content": text}] if text else []
+
+
+def chat_body(body: dict, messages: list[dict]) -> dict:
+    """The chat request's fields from the Responses body's, unchecked (`chat_request` checks)."""
     out: dict[str, Any] = {"model": body.get("model"), "messages": messages}
     for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"),
                          ("max_tokens", "max_output_tokens"), ("seed", "seed"),
@@ -231,7 +251,7 @@ def chat_request(body: dict, messages: list[dict]) -> ChatCompletionRequest:
         raise InvalidInputError(
             "top_logprobs needs include: ['message.output_text.logprobs']", "top_logprobs"
         )
-    return validated_chat(out, THEIR_NAMES)
+    return out
 
 
 def validated_chat(out: dict, names: tuple) -> ChatCompletionRequest:

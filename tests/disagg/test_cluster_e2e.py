@@ -235,3 +235,73 @@ def test_anthropic_messages_through_the_cluster_equal_one_instances(cluster):
 def _count(metrics: str, outcome: str) -> int:
     line = f'hetserve_conductor_requests_total{{outcome="{outcome}"}}'
     return next((int(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith(line)), 0)
+
+
+def test_responses_through_the_cluster_go_where_their_conversation_is(cluster):
+    """The Conductor answered /v1/responses with a 404: agents on OpenAI's Responses API could
+    not use a cluster. A stateless request is now disaggregated as the chat request it means;
+    a continuation (previous_response_id) and reads, cancels and deletes go to the decode
+    instance that stored the response, found by asking the instances."""
+    _, _, _, running = cluster
+    parts = {p.name: p for p in running.parts}
+    decoders = [parts["decode-0"].url, parts["decode-1"].url]
+    base = running.endpoint.removesuffix("/v1")
+    model = httpx.get(running.endpoint + "/models", timeout=10).json()["data"][0]["id"]
+    body = {"model": model, "input": PROMPT, "max_output_tokens": 8, "temperature": 0,
+            "instructions": "be brief"}  # fmt: skip
+    alone = httpx.post(decoders[0] + "/v1/responses", json=body, timeout=120).json()
+    before = httpx.get(base + "/metrics", timeout=10).text
+    first = httpx.post(base + "/v1/responses", json=body, timeout=120)
+    assert first.status_code == 200, first.text
+    first = first.json()
+    assert first["output"] == [{**o, "id": m["id"]} for o, m in zip(alone["output"],
+                                                                   first["output"],
+                                                                   strict=True)]  # fmt: skip
+    after = httpx.get(base + "/metrics", timeout=10).text
+    assert _count(after, "disaggregated") == _count(before, "disaggregated") + 1
+
+    def holders(rid):
+        return [u for u in decoders
+                if httpx.get(f"{u}/v1/responses/{rid}", timeout=10).status_code == 200]
+
+    [holder] = holders(first["id"])
+    rid = first["id"]
+    for turn in range(3):  # each continues the last: it must reach the instance holding it
+        nxt = httpx.post(base + "/v1/responses", timeout=120, json={
+            "model": model, "input": f"and then {turn}?", "previous_response_id": rid,
+            "max_output_tokens": 4, "temperature": 0})  # fmt: skip
+        assert nxt.status_code == 200, nxt.text
+        rid = nxt.json()["id"]
+        assert holders(rid) == [holder]
+    got = httpx.get(f"{base}/v1/responses/{first['id']}", timeout=10)
+    assert got.status_code == 200 and got.json()["output"] == first["output"]
+    # In the background: queued at once, read through the Conductor until it completes.
+    queued = httpx.post(base + "/v1/responses", json={**body, "background": True}, timeout=120)
+    assert queued.status_code == 200 and queued.json()["status"] in ("queued", "in_progress")
+    bid = queued.json()["id"]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        state = httpx.get(f"{base}/v1/responses/{bid}", timeout=10).json()
+        if state["status"] not in ("queued", "in_progress"):
+            break
+        time.sleep(0.2)
+    assert state["status"] == first["status"]  # incomplete: its max_output_tokens
+    assert state["output"][-1]["content"] == first["output"][-1]["content"]
+    with httpx.stream("GET", f"{base}/v1/responses/{bid}?stream=true&starting_after=0",
+                      timeout=60) as s:  # fmt: skip
+        events = [ln for ln in s.iter_lines() if ln.startswith("event: ")]
+    assert events[0] == "event: response.in_progress"
+    assert events[-1] == f"event: response.{first['status']}"
+    r = httpx.post(f"{base}/v1/responses/{bid}/cancel", timeout=10)
+    assert r.status_code == 200 and r.json()["status"] == first["status"]  # it had ended
+    assert httpx.delete(f"{base}/v1/responses/{bid}", timeout=10).json()["deleted"] is True
+    assert httpx.get(f"{base}/v1/responses/{bid}", timeout=10).status_code == 404
+    r = httpx.post(base + "/v1/responses", timeout=30, json={
+        "model": model, "input": "hi", "previous_response_id": "resp_nobody"})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+    # Streamed through the Conductor: OpenAI's events, to the end.
+    with httpx.stream("POST", base + "/v1/responses", json={**body, "stream": True},
+                      timeout=120) as s:  # fmt: skip
+        events = [ln for ln in s.iter_lines() if ln.startswith("event: ")]
+    assert events[0] == "event: response.created"
+    assert events[-1] == f"event: response.{first['status']}"

@@ -270,3 +270,49 @@ def test_instances_are_added_and_removed_while_the_conductor_runs() -> None:
         await cluster.close()
 
     asyncio.run(run())
+
+
+def test_a_stored_response_is_read_where_it_is_and_its_holder_down_is_a_503() -> None:
+    from hetserve.disagg.conductor import Conductor, ConductorConfig, OtherAPI
+    from hetserve.disagg.policy import Router, RouterConfig
+    from hetserve.server.conductor_app import create_conductor_app
+
+    asked: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if request.url.path.startswith("/v1/responses/"):
+            asked.append(host)
+            if host == "d2" and request.url.path.endswith("resp_1"):
+                return httpx.Response(200, json={"id": "resp_1", "object": "response"})
+            return httpx.Response(404, json={"error": {"message": "not found"}})
+        return httpx.Response(404)
+
+    async def run() -> None:
+        cluster = Cluster([])
+        cluster.http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        for url, role in (("http://p1:1", "prefill"), ("http://d1:2", "decode"),
+                          ("http://d2:3", "decode")):  # fmt: skip
+            inst = cluster._instance(url, None, {**INFO, "role": role})
+            cluster.instances[inst.name] = inst
+        conductor = Conductor(cluster, Router(RouterConfig()), None, ConductorConfig())
+        conductor.apis["/v1/responses"] = OtherAPI(lambda b: b, lambda b: b)
+        app = create_conductor_app(conductor, "m")
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
+            r = await client.get("/v1/responses/resp_1")
+            assert r.status_code == 200 and r.json()["id"] == "resp_1"
+            assert sorted(asked) == ["d1", "d2", "d2"]  # both decoders asked, then its holder
+            asked.clear()
+            assert (await client.get("/v1/responses/resp_1")).status_code == 200
+            assert asked == ["d2"]  # remembered
+            r = await client.get("/v1/responses/resp_9")
+            assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+            cluster.mark_down("d2:3")
+            r = await client.post("/v1/responses", json={"input": "hi",
+                                                         "previous_response_id": "resp_1"})
+            assert r.status_code == 503 and r.headers["Retry-After"]
+            assert "d2:3" in r.json()["error"]["message"]
+        await cluster.http.aclose()
+
+    asyncio.run(run())
