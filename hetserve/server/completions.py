@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import time
 import uuid
 
 from fastapi import Request
 
+from hetserve.core.block_hash import salt_extra
 from hetserve.core.outputs import RequestOutput
+from hetserve.core.request import NewRequest
+from hetserve.core.sampling import SamplingParams
 from hetserve.errors import InvalidInputError
+from hetserve.server import beam_search
 from hetserve.server.protocol import CompletionRequest
-from hetserve.server.serving import OpenAIServing, chunk_writer, merge
+from hetserve.server.serving import (
+    OpenAIServing,
+    arrival_time,
+    caller_id,
+    chunk_writer,
+    merge,
+)
 
 NO_FIM = (
     "suffix (fill in the middle) needs a code model: this tokenizer has no FIM tokens (such "
@@ -26,6 +38,10 @@ class CompletionServing(OpenAIServing):
         cut = req.truncate_prompt_tokens is not None  # tokenized whole, then cut
         prompts = await self._prompts(prompt, req.add_special_tokens, cut)
         base = f"cmpl-{uuid.uuid4().hex}"
+        if req.use_beam_search:
+            return await self.run_unless_disconnected(
+                request, [], self._beams(req, base, prompts, request)
+            )
         echo_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
         limit, _ = req.output_limit()
 
@@ -37,6 +53,53 @@ class CompletionServing(OpenAIServing):
             return self.event_stream(base, streams, self._chunks(req, base, streams))
         work = self._collect(req, base, streams)
         return await self.run_unless_disconnected(request, streams, work)
+
+    async def _beams(self, req: CompletionRequest, base: str, prompts, request: Request) -> dict:
+        """vLLM's beam search (server/beam_search.py): n beams per prompt, best first."""
+        for _, ids in prompts:
+            self.check_room(req, len(ids))
+        stops = frozenset(self.engine.engine.eos_ids) | frozenset(req.stop_token_ids or ())
+        limit, _ = req.output_limit()
+        steps = itertools.count()
+
+        async def expand(beams: list[list[int]], k: int) -> list[list[tuple[int, float]]]:
+            step = next(steps)
+            params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, ignore_eos=True)
+            streams = []
+            try:
+                for i, ids in enumerate(beams):
+                    new = NewRequest(f"{base}-{step}-{i}", ids, params, priority=req.priority,
+                                     arrival_time=arrival_time(request),
+                                     session_id=req.session_id, lora=self.lora_of(req),
+                                     caller_id=caller_id(request),
+                                     cache_extra=salt_extra(req.cache_salt))  # fmt: skip
+                    streams.append(self.engine.submit(new))
+                finals = {i: out async for i, out in merge(streams)}
+            finally:
+                for st in streams:
+                    st.abort()  # a no-op once finished; frees a cancelled step's blocks
+            return [_likeliest(finals[i].outputs[0].logprobs, k) for i in range(len(beams))]
+
+        found = await asyncio.gather(*(
+            beam_search.search(expand, ids, req.n, limit or self.engine.max_model_len - len(ids),
+                               stops, req.ignore_eos, req.length_penalty)
+            for _, ids in prompts
+        ))  # fmt: skip
+        choices, completion = [], 0
+        for i, ((_, ids), beams) in enumerate(zip(prompts, found, strict=True)):
+            for j, beam in enumerate(beams):
+                out = beam.tokens[len(ids) :]
+                completion += len(out)
+                text = self.tok.decode(out, skip_special_tokens=req.skip_special_tokens)
+                choices.append({"index": i * req.n + j, "text": text, "logprobs": None,
+                                "finish_reason": beam.finish_reason,
+                                **({"prompt_token_ids": ids, "token_ids": out}
+                                   if req.return_token_ids else {})})  # fmt: skip
+        prompt = sum(len(ids) for _, ids in prompts)
+        return {"id": base, "object": "text_completion", "created": int(time.time()),
+                "model": self.served_name(req), "choices": choices,
+                "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                          "total_tokens": prompt + completion}}  # fmt: skip
 
     def _fim(self, prefix: str, suffix: str) -> tuple[str, tuple[int, ...]]:
         """The fill-in-the-middle prompt and the markers' ids to stop at."""
@@ -184,3 +247,10 @@ class CompletionServing(OpenAIServing):
         ids = out.prompt_token_ids + c.token_ids
         entries = (out.prompt_logprobs or []) + c.logprobs
         return self.completion_logprobs(ids, entries, req.logprobs, 0, as_ids)
+
+
+def _likeliest(logprobs, k: int) -> list[tuple[int, float]]:
+    """The `k` likeliest next tokens at the one position asked for, by rank."""
+    assert logprobs is not None
+    ranked = sorted(logprobs[0].items(), key=lambda kv: kv[1].rank)[:k]
+    return [(tid, lp.logprob) for tid, lp in ranked]

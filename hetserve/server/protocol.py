@@ -28,6 +28,7 @@ from pydantic import (
 from hetserve.core.grammar import GrammarSpec
 from hetserve.core.sampling import MAX_LOGPROBS
 from hetserve.errors import InvalidInputError
+from hetserve.server.beam_search import MAX_WIDTH as MAX_BEAMS
 from hetserve.server.structured import grammar_of
 from hetserve.server.tool_calls import ToolPlan, plan_tools
 from hetserve.server.validation import (
@@ -207,6 +208,8 @@ class CompletionRequest(_Common):
     best_of: int | None = Field(default=None, ge=1)
     add_special_tokens: StrictBool = True  # vLLM's: the tokenizer's BOS (and such) on text prompts
     suffix: str | None = None  # fill in the middle: the text after the completion
+    use_beam_search: StrictBool = False  # vLLM's: n beams, best first (server/beam_search.py)
+    length_penalty: float = 1.0  # vLLM's: a beam's score is its logprob / length ** this
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -242,6 +245,8 @@ class CompletionRequest(_Common):
             )
         if self.best_of is not None and self.best_of != self.n:
             raise UnsupportedFieldError("best_of", "best_of other than n is not supported")
+        if self.use_beam_search:
+            self._beam_rules()
         count = (
             len(self.prompt) if isinstance(self.prompt, list) and not _is_ids(self.prompt) else 1
         )
@@ -250,6 +255,21 @@ class CompletionRequest(_Common):
                 f"prompts x n must be at most {MAX_CHOICES}, got {count * self.n}", "n"
             )
         return self
+
+
+    def _beam_rules(self) -> None:
+        """What beam search does not combine with (vLLM's answers at the end, and reads only
+        the model's log-probabilities), each a 400 naming its field."""
+        if self.n > MAX_BEAMS:
+            raise InvalidInputError(f"use_beam_search takes n <= {MAX_BEAMS} beams", "n")
+        for name, given in (
+            ("stream", self.stream), ("stop", self.stop), ("logprobs", self.logprobs is not None),
+            ("echo", self.echo), ("suffix", self.suffix is not None),
+            ("prompt_logprobs", self.prompt_logprobs is not None),
+            ("response_format", self._grammar is not None),
+        ):  # fmt: skip
+            if given:
+                raise InvalidInputError(f"{name} is not supported with use_beam_search", name)
 
 
 def _is_ids(prompt: list) -> bool:

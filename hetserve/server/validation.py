@@ -41,7 +41,7 @@ VLLM_EXTENSIONS: dict[str, tuple[Any, ...]] = {
     "kv_transfer_params": (None,),
     "vllm_xargs": (None,),
 }
-COMPLETION_EXTENSIONS = VLLM_EXTENSIONS
+COMPLETION_EXTENSIONS = {k: v for k, v in VLLM_EXTENSIONS.items() if k != "use_beam_search"}
 CHAT_EXTENSIONS = VLLM_EXTENSIONS | {
     "chat_template": (None,),
     "documents": (None,),
