@@ -3,11 +3,15 @@
 Public API only; everything else is reached through submodules.
 """
 
+from hetserve.core.beam_search import BeamSearchParams
 from hetserve.core.lora import LoRARequest
 from hetserve.core.request import NewRequest
 from hetserve.core.sampling import SamplingParams
 
-__all__ = ["LLM", "AsyncLLM", "EngineConfig", "LoRARequest", "NewRequest", "SamplingParams"]
+__all__ = [
+    "LLM", "AsyncLLM", "BeamSearchParams", "EngineConfig", "LoRARequest", "NewRequest",
+    "SamplingParams",
+]  # fmt: skip
 __version__ = "0.1.0"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
 from dataclasses import replace
@@ -10,6 +11,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from hetserve.config import EngineConfig
+from hetserve.core.beam_search import BeamSearchOutput, BeamSearchParams, likeliest, search
 from hetserve.core.lora import LoRARequest
 from hetserve.core.outputs import RequestOutput
 from hetserve.core.request import NewRequest
@@ -219,6 +221,37 @@ class LLM:
         for out, text in zip(outputs, prompts, strict=True):
             out.prompt = text
         return outputs
+
+    def beam_search(
+        self,
+        prompts: str | list[str] | None = None,
+        params: BeamSearchParams | None = None,
+        prompt_token_ids: list[int] | list[list[int]] | None = None,
+        lora_request: LoRASpec = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (core/beam_search.py): per prompt, `params.beam_width` beams,
+        best first, each with its tokens (prompt and output), summed logprob, finish reason
+        and output text. Each step is one batched `generate` of one token per beam."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError("params takes a BeamSearchParams(beam_width=..., max_tokens=...)")
+        requests = self._normalize(prompts, prompt_token_ids)
+        stops = frozenset(self.engine.eos_ids)
+        step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                              logprobs=2 * params.beam_width)  # fmt: skip
+
+        async def expand(beams: list[list[int]], k: int) -> list[list[tuple[int, float]]]:
+            outs = self.generate(sampling_params=step, prompt_token_ids=beams,
+                                 lora_request=lora_request)  # fmt: skip
+            return [likeliest(o.outputs[0].logprobs, k) for o in outs]
+
+        results = []
+        for _, ids in requests:
+            beams = asyncio.run(search(expand, ids, params.beam_width, params.max_tokens, stops,
+                                       params.ignore_eos, params.length_penalty))  # fmt: skip
+            for b in beams:
+                b.text = self.tokenizer.decode(b.tokens[len(ids) :], skip_special_tokens=True)
+            results.append(BeamSearchOutput(beams))
+        return results
 
     def _normalize(self, prompts, prompt_token_ids) -> list[tuple[str | None, list[int]]]:
         if prompt_token_ids is not None:

@@ -9,12 +9,12 @@ import uuid
 
 from fastapi import Request
 
+from hetserve.core import beam_search
 from hetserve.core.block_hash import salt_extra
 from hetserve.core.outputs import RequestOutput
 from hetserve.core.request import NewRequest
 from hetserve.core.sampling import SamplingParams
 from hetserve.errors import InvalidInputError
-from hetserve.server import beam_search
 from hetserve.server.protocol import CompletionRequest
 from hetserve.server.serving import (
     OpenAIServing,
@@ -78,7 +78,8 @@ class CompletionServing(OpenAIServing):
             finally:
                 for st in streams:
                     st.abort()  # a no-op once finished; frees a cancelled step's blocks
-            return [_likeliest(finals[i].outputs[0].logprobs, k) for i in range(len(beams))]
+            return [beam_search.likeliest(finals[i].outputs[0].logprobs, k)
+                    for i in range(len(beams))]  # fmt: skip
 
         found = await asyncio.gather(*(
             beam_search.search(expand, ids, req.n, limit or self.engine.max_model_len - len(ids),
@@ -248,9 +249,3 @@ class CompletionServing(OpenAIServing):
         entries = (out.prompt_logprobs or []) + c.logprobs
         return self.completion_logprobs(ids, entries, req.logprobs, 0, as_ids)
 
-
-def _likeliest(logprobs, k: int) -> list[tuple[int, float]]:
-    """The `k` likeliest next tokens at the one position asked for, by rank."""
-    assert logprobs is not None
-    ranked = sorted(logprobs[0].items(), key=lambda kv: kv[1].rank)[:k]
-    return [(tid, lp.logprob) for tid, lp in ranked]

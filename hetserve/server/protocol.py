@@ -25,10 +25,10 @@ from pydantic import (
     model_validator,
 )
 
+from hetserve.core.beam_search import MAX_WIDTH as MAX_BEAMS
 from hetserve.core.grammar import GrammarSpec
 from hetserve.core.sampling import MAX_LOGPROBS
 from hetserve.errors import InvalidInputError
-from hetserve.server.beam_search import MAX_WIDTH as MAX_BEAMS
 from hetserve.server.structured import grammar_of
 from hetserve.server.tool_calls import ToolPlan, plan_tools
 from hetserve.server.validation import (

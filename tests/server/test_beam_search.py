@@ -11,9 +11,10 @@ import httpx
 import pytest
 import torch
 
+from hetserve import BeamSearchParams
 from hetserve.config import EngineConfig
+from hetserve.core.beam_search import Beam, score, search
 from hetserve.engine.async_llm import AsyncLLM
-from hetserve.server.beam_search import Beam, score, search
 
 from .conftest import LiveServer
 
@@ -132,6 +133,31 @@ def test_the_servers_beams_equal_the_search_on_transformers(exact):
     assert [c["finish_reason"] for c in got] == [b.finish_reason for b in want]
     assert "stop" in [c["finish_reason"] for c in got]
     assert srv.wait_idle().kv_blocks_used == 0  # every step's requests gave their blocks back
+
+
+def test_the_offline_llms_beams_equal_the_search_on_transformers(exact):
+    """vLLM's offline `LLM.beam_search(prompts, BeamSearchParams(...))`."""
+    from hetserve import LLM
+
+    model, _ = exact
+    llm = LLM(model, dtype="float32", max_model_len=256)
+    try:
+        prompt = [5, 17, 230, 41, 9, 88, 120, 3]
+        params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+        [out] = llm.beam_search(prompt_token_ids=[prompt], params=params)
+        want = _reference(model, prompt, 2, 4, (), 1.0)
+        assert [b.tokens for b in out.sequences] == [b.tokens for b in want]
+        for got, ref in zip(out.sequences, want, strict=True):
+            assert got.cum_logprob == pytest.approx(ref.cum_logprob, abs=1e-4)
+            assert got.text == llm.tokenizer.decode(got.tokens[len(prompt) :],
+                                                    skip_special_tokens=True)  # fmt: skip
+        with pytest.raises(ValueError, match="beam_width must be 1 to 10"):
+            BeamSearchParams(beam_width=11, max_tokens=4)
+        with pytest.raises(TypeError, match="BeamSearchParams"):
+            llm.beam_search(["hi"], {"beam_width": 2})
+        assert llm.stats().kv_blocks_used == 0
+    finally:
+        llm.close()
 
 
 @pytest.mark.parametrize(
