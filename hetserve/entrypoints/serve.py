@@ -71,6 +71,12 @@ def register(sub) -> None:
         "(default: from the model's chat template)",
     )
     g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a chat request's own chat_template (in the templates' sandbox); refused "
+        "by default, as vLLM does",
+    )
+    g.add_argument(
         "--save-routing-stats",
         default=None,
         metavar="FILE",
@@ -162,6 +168,7 @@ def serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         log_requests=not args.disable_log_requests,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     logger = None
     if args.log_requests is not None:

@@ -192,24 +192,30 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
         **extra,
     ) -> str:
-        """The conversation as the model's template renders it. `continue_final_message`: the
+        """The conversation as the model's template renders it (`chat_template`: as this one
+        renders it instead, in the same sandbox). `continue_final_message`: the
         text cut right after the final message's, so the reply continues that message instead
         of closing it (transformers' rendering: its trailing whitespace kept where the
         template keeps a message's text as it is, dropped where the template trims it); a
         template that does not render the text as given is an InvalidInputError."""
-        if not self.chat_template:
+        if chat_template is not None:
+            template = _given_template(chat_template)
+        elif not self.chat_template:
             raise InvalidInputError(
                 "this model has no chat template; use a completion prompt or add "
                 "'chat_template' to tokenizer_config.json"
             )
-        if self._template is None:
-            self._template = _environment().from_string(self.chat_template)
+        else:
+            if self._template is None:
+                self._template = _environment().from_string(self.chat_template)
+            template = self._template
         if continue_final_message:
             messages = _marked(messages)
         try:
-            text: str = self._template.render(
+            text: str = template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
@@ -273,6 +279,18 @@ def _marked(messages: list[dict]) -> list[dict]:
 
 def _raise(message: str):
     raise jinja2.TemplateError(message)
+
+
+@functools.lru_cache(maxsize=16)
+def _given_template(source: str) -> jinja2.Template:
+    """A request's own chat template, compiled once (the few a client sends are reused)."""
+    try:
+        return _environment().from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise InvalidInputError(
+            f"chat_template is not a valid Jinja template: {exc.message} (line {exc.lineno})",
+            "chat_template",
+        ) from None
 
 
 def _environment() -> ImmutableSandboxedEnvironment:

@@ -167,15 +167,18 @@ def create_app(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     log_requests: bool = False,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """`lora_runtime_updates`: allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     (clients then make the server read directories they name; see server/lora.py). `profile`:
     the instance's cost profile for a Conductor (JSON form; None: measured when first asked).
     `tool_call_parser`, `reasoning_parser`: override the ones the chat template implies.
-    `log_requests`: an access line per request (server/access_log.py)."""
+    `log_requests`: an access line per request (server/access_log.py).
+    `trust_request_chat_template`: render a chat request's own `chat_template` (sandboxed)."""
     app = FastAPI(title="hetserve", docs_url=None, redoc_url=None)
     completions = CompletionServing(engine, model_name)
-    chat = ChatServing(engine, model_name, tool_call_parser, reasoning_parser)
+    chat = ChatServing(engine, model_name, tool_call_parser, reasoning_parser,
+                       trust_request_chat_template)  # fmt: skip
     metrics = ServerMetrics(engine, model_name)
     app.state.engine, app.state.metrics = engine, metrics
     access = AccessLog(engine) if log_requests else None

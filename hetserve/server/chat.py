@@ -55,6 +55,9 @@ def chat_prompt_text(tok, body: Mapping[str, Any]) -> str:
     (pydantic's ValidationError, InvalidInputError)."""
     req = ChatCompletionRequest.model_validate(body)
     messages, add_generation_prompt, tools, kwargs = template_inputs(req)
+    # A request's own template is the instances' to trust or refuse: the Conductor hashes with
+    # the model's (a routing estimate; the prefill and decode halves both render the request's).
+    kwargs.pop("chat_template", None)
     return str(tok.apply_chat_template(messages, add_generation_prompt, tools, **kwargs))
 
 
@@ -65,8 +68,10 @@ class ChatServing(OpenAIServing):
         model_name: str,
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
+        trust_request_chat_template: bool = False,
     ) -> None:
         super().__init__(engine, model_name)
+        self.trust_request_chat_template = trust_request_chat_template
         check_parser_names(tool_parser, reasoning_parser)
         default_tool, default_reasoning = default_parsers(self.tok.chat_template)
         self.tool_parser = tool_parser or default_tool
@@ -118,6 +123,12 @@ class ChatServing(OpenAIServing):
 
     async def prompt_of(self, req: ChatCompletionRequest) -> str:
         """The prompt text the model's template renders for `req` (before tokenizing)."""
+        if req.chat_template is not None and not self.trust_request_chat_template:
+            raise InvalidInputError(
+                "a request's chat_template is used only where the server runs with "
+                "--trust-request-chat-template (vLLM's flag); omit it to use the model's",
+                "chat_template",
+            )
         messages, add_generation_prompt, tools, kwargs = template_inputs(req)
         return await self.render_chat(messages, add_generation_prompt, tools, **kwargs)
 

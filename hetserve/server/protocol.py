@@ -49,6 +49,8 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # OpenAI's limit
 MAX_ALLOWED_TOKEN_IDS = 65536  # a body's worth; the masks cost one pass over the vocabulary
 MAX_BAD_WORDS = 256
+MAX_TEMPLATE = 256 * 1024  # a request's own chat template, in characters
+MAX_DOCUMENTS = 1024  # RAG documents a chat request hands its template
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -343,6 +345,8 @@ _RENDERED = {
     "bos_token": "it is the model's own",
     "eos_token": "it is the model's own",
     "continue_final_message": "send it as the request's continue_final_message",
+    "chat_template": "send it as the request's chat_template",
+    "documents": "send them as the request's documents",
 }
 
 
@@ -365,6 +369,10 @@ class ChatCompletionRequest(_Common):
     continue_final_message: bool = False
     # Passed to the chat template (enable_thinking, ...); vLLM's extension.
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the request's own template (used where the server trusts request templates)
+    # and RAG documents the template renders (HF's `documents`: dicts such as title and text).
+    chat_template: str | None = Field(default=None, min_length=1, max_length=MAX_TEMPLATE)
+    documents: Annotated[list[dict[str, str]], Field(max_length=MAX_DOCUMENTS)] | None = None
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     _tools: ToolPlan = PrivateAttr(default=ToolPlan(None, "none"))
 
@@ -428,6 +436,10 @@ class ChatCompletionRequest(_Common):
         kwargs = dict(self.chat_template_kwargs or {})
         if self.continue_final_message:
             kwargs["continue_final_message"] = True
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
+        if self.documents is not None:
+            kwargs["documents"] = self.documents
         if self.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", self.reasoning_effort)
         return kwargs

@@ -42,10 +42,7 @@ VLLM_EXTENSIONS: dict[str, tuple[Any, ...]] = {
     "vllm_xargs": (None,),
 }
 COMPLETION_EXTENSIONS = {k: v for k, v in VLLM_EXTENSIONS.items() if k != "use_beam_search"}
-CHAT_EXTENSIONS = VLLM_EXTENSIONS | {
-    "chat_template": (None,),
-    "documents": (None,),
-}
+CHAT_EXTENSIONS = VLLM_EXTENSIONS
 
 
 async def json_object(request: Any) -> dict[str, Any]:

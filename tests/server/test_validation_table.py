@@ -297,9 +297,10 @@ BAD = [
     (M, {"web_search_options": {}}, "web_search_options", "not supported"),
     # ---- vLLM's extensions we do not implement: refused unless they ask for nothing, and
     # vLLM's rule that continue_final_message excludes add_generation_prompt -------------------
-    *both({"use_beam_search": True}, "use_beam_search", "not supported"),
-    (M, {"chat_template": "{{ messages }}"}, "chat_template", "not supported"),
-    (M, {"documents": [{"title": "t", "text": "x"}]}, "documents", "not supported"),
+    (M, {"use_beam_search": True}, "use_beam_search", "not supported"),  # completions only
+    (C, {"use_beam_search": True, "stream": True}, "stream", "not supported with use_beam"),
+    (M, {"chat_template": "{{ messages }}"}, "chat_template", "--trust-request-chat-template"),
+    (M, {"documents": [{"title": 3}]}, "documents.0.title", "should be a valid string"),
     (
         M,
         {"continue_final_message": True, "add_generation_prompt": True},
