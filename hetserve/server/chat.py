@@ -83,6 +83,9 @@ class ChatServing(OpenAIServing):
 
     async def create(self, req: ChatCompletionRequest, request: Request):
         base = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.use_beam_search:
+            work = self._beams(req, base, request)
+            return await self.run_unless_disconnected(request, [], work)
         streams, parsers, _ = await self.prepare(base, req, request)
         if req.stream:
             return self.event_stream(base, streams, self._chunks(req, base, streams, parsers))
@@ -94,15 +97,7 @@ class ChatServing(OpenAIServing):
         prompt). Shared with the Ollama and Responses routes, which only answer in their own
         shapes."""
         plan = req.tool_plan
-        if plan.choice == "auto" and self.tool_parser is None:
-            raise InvalidInputError(
-                "this model's chat template has no tool-call format hetserve knows; start the "
-                "server with --tool-call-parser NAME, or use tool_choice 'required'",
-                "tools",
-            )
-        prompt = await self.prompt_of(req)
-        cut = req.truncate_prompt_tokens is not None  # tokenized whole, then cut
-        ids = await self.encode(prompt, add_special_tokens=req.add_special_tokens, whole=cut)
+        prompt, ids = await self._prompt_ids(req)
         k = (req.top_logprobs or 0) if req.logprobs else None
         limit, _ = req.output_limit()
         specials = needs_special_tokens(plan, self.tool_parser, self.reasoning_parser)
@@ -120,6 +115,50 @@ class ChatServing(OpenAIServing):
             for _ in range(req.n)
         ]
         return streams, parsers, prompt
+
+    async def _prompt_ids(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+        if req.tool_plan.choice == "auto" and self.tool_parser is None:
+            raise InvalidInputError(
+                "this model's chat template has no tool-call format hetserve knows; start the "
+                "server with --tool-call-parser NAME, or use tool_choice 'required'",
+                "tools",
+            )
+        prompt = await self.prompt_of(req)
+        cut = req.truncate_prompt_tokens is not None  # tokenized whole, then cut
+        return prompt, await self.encode(prompt, req.add_special_tokens, whole=cut)
+
+    async def _beams(self, req: ChatCompletionRequest, base: str, request: Request) -> dict:
+        """vLLM's beam search (core/beam_search.py): n beams, best first, each read by the
+        choice parser as a sampled reply is (reasoning, tool calls)."""
+        prompt, ids = await self._prompt_ids(req)
+        keep = req.truncate_prompt_tokens
+        keep = self.engine.max_model_len if keep == -1 else keep
+        if keep is not None and len(ids) > keep:  # vLLM's: the last `keep` tokens
+            ids = ids[-keep:]
+        beams = await self.beams(req, ids, base, request)
+        plan = req.tool_plan
+        keep_specials = needs_special_tokens(plan, self.tool_parser, self.reasoning_parser)
+        choices, reasoning, completion = [], [], 0
+        for j, beam in enumerate(beams):
+            out = beam.tokens[len(ids) :]
+            completion += len(out)
+            text = self.tok.decode(out, skip_special_tokens=req.skip_special_tokens
+                                   and not keep_specials)  # fmt: skip
+            parser = choice_parser(plan, self.tool_parser, self.reasoning_parser, prompt)
+            parsed = parser.parse(text, final=True)
+            reasoning.append(parsed.reasoning)
+            choices.append({"index": j, "message": self._message(parsed), "logprobs": None,
+                            "finish_reason": _finish(beam.finish_reason, bool(parsed.calls),
+                                                     plan),
+                            **({"token_ids": out} if req.return_token_ids else {})})  # fmt: skip
+        usage = {"prompt_tokens": len(ids), "completion_tokens": completion,
+                 "total_tokens": len(ids) + completion}  # fmt: skip
+        body = {"id": base, "object": "chat.completion", "created": int(time.time()),
+                "model": self.served_name(req), "choices": choices,
+                "usage": self._reasoned(usage, reasoning)}  # fmt: skip
+        if req.return_token_ids:
+            body["prompt_token_ids"] = ids
+        return body
 
     async def prompt_of(self, req: ChatCompletionRequest) -> str:
         """The prompt text the model's template renders for `req` (before tokenizing)."""
@@ -194,7 +233,7 @@ class ChatServing(OpenAIServing):
                         if req.logprobs
                         else None
                     ),
-                    "finish_reason": _finish(c, bool(parsed.calls), req.tool_plan),
+                    "finish_reason": _finish(c.finish_reason, bool(parsed.calls), req.tool_plan),
                 }
             )
             if req.return_token_ids:
@@ -214,7 +253,10 @@ class ChatServing(OpenAIServing):
         return body
 
     def _usage(self, out, reasoning: list[str]) -> dict:
-        usage = self.usage([out])
+        return self._reasoned(self.usage([out]), reasoning)
+
+    def _reasoned(self, usage: dict[str, Any], reasoning: list[str]) -> dict[str, Any]:
+        """`usage` with the reasoning's tokens, for a model that thinks."""
         if self.thinks:
             n = sum(len(self.tok.encode(r, add_special_tokens=False)) for r in reasoning if r)
             usage["completion_tokens_details"] = {"reasoning_tokens": n}
@@ -275,7 +317,7 @@ class ChatServing(OpenAIServing):
                     "index": c.index,
                     "delta": delta,
                     "logprobs": lp,
-                    "finish_reason": _finish(c, called, req.tool_plan),
+                    "finish_reason": _finish(c.finish_reason, called, req.tool_plan),
                 }
                 if req.return_token_ids:
                     choice["token_ids"] = c.token_ids[ntok:]
@@ -330,12 +372,12 @@ def _call_delta(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _finish(c: CompletionOutput, called: bool, plan: ToolPlan) -> str | None:
+def _finish(reason: str | None, called: bool, plan: ToolPlan) -> str | None:
     # As OpenAI (and vLLM) answer: a call the request named ends with "stop", others with
     # "tool_calls".
-    if c.finish_reason == "stop" and called and plan.choice != "named":
+    if reason == "stop" and called and plan.choice != "named":
         return "tool_calls"
-    return c.finish_reason
+    return reason
 
 
 __all__ = ["ChatServing", "OutputParser", "check_parser_names"]

@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 import uuid
 
 from fastapi import Request
 
-from hetserve.core import beam_search
-from hetserve.core.block_hash import salt_extra
 from hetserve.core.outputs import RequestOutput
-from hetserve.core.request import NewRequest
-from hetserve.core.sampling import SamplingParams
 from hetserve.errors import InvalidInputError
 from hetserve.server.protocol import CompletionRequest
 from hetserve.server.serving import (
     OpenAIServing,
-    arrival_time,
-    caller_id,
     chunk_writer,
     merge,
 )
@@ -55,37 +48,9 @@ class CompletionServing(OpenAIServing):
         return await self.run_unless_disconnected(request, streams, work)
 
     async def _beams(self, req: CompletionRequest, base: str, prompts, request: Request) -> dict:
-        """vLLM's beam search (server/beam_search.py): n beams per prompt, best first."""
-        for _, ids in prompts:
-            self.check_room(req, len(ids))
-        stops = frozenset(self.engine.engine.eos_ids) | frozenset(req.stop_token_ids or ())
-        limit, _ = req.output_limit()
-        steps = itertools.count()
-
-        async def expand(beams: list[list[int]], k: int) -> list[list[tuple[int, float]]]:
-            step = next(steps)
-            params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, ignore_eos=True)
-            streams = []
-            try:
-                for i, ids in enumerate(beams):
-                    new = NewRequest(f"{base}-{step}-{i}", ids, params, priority=req.priority,
-                                     arrival_time=arrival_time(request),
-                                     session_id=req.session_id, lora=self.lora_of(req),
-                                     caller_id=caller_id(request),
-                                     cache_extra=salt_extra(req.cache_salt))  # fmt: skip
-                    streams.append(self.engine.submit(new))
-                finals = {i: out async for i, out in merge(streams)}
-            finally:
-                for st in streams:
-                    st.abort()  # a no-op once finished; frees a cancelled step's blocks
-            return [beam_search.likeliest(finals[i].outputs[0].logprobs, k)
-                    for i in range(len(beams))]  # fmt: skip
-
-        found = await asyncio.gather(*(
-            beam_search.search(expand, ids, req.n, limit or self.engine.max_model_len - len(ids),
-                               stops, req.ignore_eos, req.length_penalty)
-            for _, ids in prompts
-        ))  # fmt: skip
+        """vLLM's beam search (core/beam_search.py): n beams per prompt, best first."""
+        found = await asyncio.gather(*(self.beams(req, ids, f"{base}-{i}", request)
+                                       for i, (_, ids) in enumerate(prompts)))  # fmt: skip
         choices, completion = [], 0
         for i, ((_, ids), beams) in enumerate(zip(prompts, found, strict=True)):
             for j, beam in enumerate(beams):

@@ -97,6 +97,9 @@ class _Common(BaseModel):
     # vLLM's: a tenant's secret mixed into every block hash of the request, so its prefix is
     # shared only with requests carrying the same salt (no timing side channel across tenants).
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    # vLLM's: n beams, best first (core/beam_search.py), scored logprob / length ** penalty.
+    use_beam_search: StrictBool = False
+    length_penalty: float = 1.0
     # vLLM's: each prompt token's logprob given its prefix, with the top k (not streamed).
     prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: only the prompt's last k tokens are used (left truncation; -1: the context's).
@@ -170,6 +173,8 @@ class _Common(BaseModel):
     def _rules(self):
         check_unsupported(self.model_extra or {}, self.extensions)
         self._grammar = grammar_of(self.model_extra or {})
+        if self.use_beam_search:
+            self._beam_rules()
         check_stream_options(self.stream, self.stream_options)
         if self.prompt_logprobs is not None and self.stream:
             raise InvalidInputError(
@@ -179,6 +184,22 @@ class _Common(BaseModel):
         limit, name = self.output_limit()
         check_min_tokens(self.min_tokens, limit, name)
         return self
+
+    def _beam_rules(self) -> None:
+        """What beam search does not combine with (vLLM's answers at the end, and reads only
+        the model's log-probabilities), each a 400 naming its field."""
+        if self.n > MAX_BEAMS:
+            raise InvalidInputError(f"use_beam_search takes n <= {MAX_BEAMS} beams", "n")
+        conflicts = {"stream": self.stream, "stop": bool(self.stop),
+                     "prompt_logprobs": self.prompt_logprobs is not None,
+                     "response_format": self._grammar is not None, **self.beam_conflicts()}
+        for name, given in conflicts.items():  # fmt: skip
+            if given:
+                raise InvalidInputError(f"{name} is not supported with use_beam_search", name)
+
+    def beam_conflicts(self) -> dict[str, bool]:
+        """The request kind's own fields that beam search does not combine with."""
+        return {}
 
     def output_limit(self) -> tuple[int | None, str]:
         """The output token limit and the field that set it: max_completion_tokens is OpenAI's
@@ -210,8 +231,6 @@ class CompletionRequest(_Common):
     best_of: int | None = Field(default=None, ge=1)
     add_special_tokens: StrictBool = True  # vLLM's: the tokenizer's BOS (and such) on text prompts
     suffix: str | None = None  # fill in the middle: the text after the completion
-    use_beam_search: StrictBool = False  # vLLM's: n beams, best first (server/beam_search.py)
-    length_penalty: float = 1.0  # vLLM's: a beam's score is its logprob / length ** this
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -247,8 +266,6 @@ class CompletionRequest(_Common):
             )
         if self.best_of is not None and self.best_of != self.n:
             raise UnsupportedFieldError("best_of", "best_of other than n is not supported")
-        if self.use_beam_search:
-            self._beam_rules()
         count = (
             len(self.prompt) if isinstance(self.prompt, list) and not _is_ids(self.prompt) else 1
         )
@@ -259,19 +276,9 @@ class CompletionRequest(_Common):
         return self
 
 
-    def _beam_rules(self) -> None:
-        """What beam search does not combine with (vLLM's answers at the end, and reads only
-        the model's log-probabilities), each a 400 naming its field."""
-        if self.n > MAX_BEAMS:
-            raise InvalidInputError(f"use_beam_search takes n <= {MAX_BEAMS} beams", "n")
-        for name, given in (
-            ("stream", self.stream), ("stop", self.stop), ("logprobs", self.logprobs is not None),
-            ("echo", self.echo), ("suffix", self.suffix is not None),
-            ("prompt_logprobs", self.prompt_logprobs is not None),
-            ("response_format", self._grammar is not None),
-        ):  # fmt: skip
-            if given:
-                raise InvalidInputError(f"{name} is not supported with use_beam_search", name)
+    def beam_conflicts(self) -> dict[str, bool]:
+        return {"logprobs": self.logprobs is not None, "echo": self.echo,
+                "suffix": self.suffix is not None}  # fmt: skip
 
 
 def _is_ids(prompt: list) -> bool:
@@ -380,6 +387,10 @@ class ChatCompletionRequest(_Common):
     def tool_plan(self) -> ToolPlan:
         return self._tools
 
+    def beam_conflicts(self) -> dict[str, bool]:
+        return {"logprobs": self.logprobs, "echo": self.echo,
+                "thinking_token_budget": self.thinking_token_budget is not None}  # fmt: skip
+
     @model_validator(mode="after")
     def _chat_rules(self):
         # OpenAI: "logprobs must be set to true if this parameter is used"; vLLM allows 0.
@@ -388,6 +399,11 @@ class ChatCompletionRequest(_Common):
         check_tool_replies([(m.role, m.model_extra or {}) for m in self.messages])
         self._template_rules()
         self._tools = plan_tools(self.model_extra or {})
+        if self.use_beam_search and self._tools.grammar is not None:
+            raise InvalidInputError(
+                f"tool_choice {self._tools.choice!r} is not supported with use_beam_search",
+                "tool_choice",
+            )
         if self._tools.grammar is not None and self.grammar is not None:
             raise InvalidInputError(
                 f"tool_choice {self._tools.choice!r} already constrains the output; it cannot "

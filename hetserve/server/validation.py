@@ -34,15 +34,13 @@ UNSUPPORTED = (
 # vLLM's extensions that would change the output and that we do not implement, with the values
 # that ask for nothing (some clients send the defaults explicitly; those are accepted).
 VLLM_EXTENSIONS: dict[str, tuple[Any, ...]] = {
-    "use_beam_search": (None, False),
     "logprob_token_ids": (None,),
     "thinking_token_budget": (None,),
     "repetition_detection": (None,),
     "kv_transfer_params": (None,),
     "vllm_xargs": (None,),
 }
-COMPLETION_EXTENSIONS = {k: v for k, v in VLLM_EXTENSIONS.items() if k != "use_beam_search"}
-CHAT_EXTENSIONS = VLLM_EXTENSIONS
+COMPLETION_EXTENSIONS = CHAT_EXTENSIONS = VLLM_EXTENSIONS
 
 
 async def json_object(request: Any) -> dict[str, Any]:

@@ -179,7 +179,31 @@ def test_what_beam_search_does_not_combine_with_is_a_400(server, extra, param):
     assert r.json()["error"]["param"] == param
 
 
-def test_chat_beam_search_is_still_refused_by_name(server):
-    body = {"messages": [{"role": "user", "content": "hi"}], "use_beam_search": True}
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
+def test_chat_beams_are_the_completion_beams_of_the_rendered_prompt(exact):
+    """vLLM's chat beam search: the chat template's prompt searched as completions search it,
+    each beam read by the reply parser into a message."""
+    _, srv = exact
+    messages = [{"role": "user", "content": "name three colours"}]
+    ids = httpx.post(srv.url + "/tokenize", json={"messages": messages}, timeout=30)
+    ids = ids.json()["tokens"]
+    common = {"max_tokens": 4, "n": 2, "use_beam_search": True, "ignore_eos": True,
+              "return_token_ids": True}  # fmt: skip
+    cmpl = httpx.post(srv.url + "/v1/completions", json={"prompt": ids, **common}, timeout=120)
+    chat = httpx.post(srv.url + "/v1/chat/completions", timeout=120,
+                      json={"messages": messages, **common})  # fmt: skip
+    assert chat.status_code == 200, chat.text
+    got = chat.json()
+    assert got["prompt_token_ids"] == ids
+    assert [c["token_ids"] for c in got["choices"]] == [
+        c["token_ids"] for c in cmpl.json()["choices"]
+    ]
+    for c in got["choices"]:
+        assert c["message"]["role"] == "assistant" and c["finish_reason"] == "length"
+        text = srv.engine.engine.tokenizer.decode(c["token_ids"], skip_special_tokens=True)
+        assert c["message"]["content"] == text  # no thinking or call in these random tokens
+    for extra, param in (({"logprobs": True}, "logprobs"), ({"stream": True}, "stream"),
+                         ({"tools": [{"type": "function", "function": {"name": "f"}}],
+                           "tool_choice": "required"}, "tool_choice")):  # fmt: skip
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=30,
+                       json={"messages": messages, **common, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

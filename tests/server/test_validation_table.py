@@ -297,7 +297,8 @@ BAD = [
     (M, {"web_search_options": {}}, "web_search_options", "not supported"),
     # ---- vLLM's extensions we do not implement: refused unless they ask for nothing, and
     # vLLM's rule that continue_final_message excludes add_generation_prompt -------------------
-    (M, {"use_beam_search": True}, "use_beam_search", "not supported"),  # completions only
+    (M, {"use_beam_search": True, "logprobs": True}, "logprobs", "not supported with use_beam"),
+    (M, {"use_beam_search": True, "n": 11}, "n", "n <= 10 beams"),
     (C, {"use_beam_search": True, "stream": True}, "stream", "not supported with use_beam"),
     (M, {"chat_template": "{{ messages }}"}, "chat_template", "--trust-request-chat-template"),
     (M, {"documents": [{"title": 3}]}, "documents.0.title", "should be a valid string"),
