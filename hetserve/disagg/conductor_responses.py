@@ -27,9 +27,12 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from hetserve.server.errors import error_body
-
 PATH = "/v1/responses"
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None):
+    """OpenAI's error shape (as the instances answer)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
 class ResponsesRoutes:
