@@ -18,6 +18,7 @@ queued).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,7 +61,8 @@ class BeamSearchOutput:
 
 def score(beam: Beam, length_penalty: float) -> float:
     n = len(beam.tokens) - (beam.finish_reason == "stop")
-    return beam.cum_logprob / (max(n, 1) ** length_penalty)
+    length: float = math.pow(max(n, 1), length_penalty)
+    return beam.cum_logprob / length
 
 
 async def search(
