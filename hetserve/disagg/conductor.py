@@ -352,19 +352,25 @@ class Conductor:
             return await self._relay(resp, request, d, t0, request_id, api)
         raise AssertionError("unreachable")
 
-    async def forward_any(self, path: str, raw: bytes) -> Response:
+    async def forward_any(
+        self, path: str, raw: bytes = b"", method: str = "POST", api: OtherAPI | None = None
+    ) -> Response:
         """A request any instance answers alike and nothing is routed by (Anthropic's
-        count_tokens): to the least loaded healthy one, its answer as it is."""
+        count_tokens, Ollama's model list): to the least loaded healthy one, its answer as it
+        is (the Conductor's own errors in `api`'s shape)."""
+        shape = api.error_shape if api is not None else None
         alive = [i for i in self.cluster.instances.values() if i.healthy]
         if not alive:
-            return _error(503, "no healthy instance", "service_unavailable")
+            return _error(503, "no healthy instance", "service_unavailable", shape=shape)
         inst = min(alive, key=lambda i: (i.state().queued_requests, i.name))
         try:
-            r = await self.cluster.http.post(inst.url + path, content=raw,
-                                             headers={"content-type": "application/json"})
+            r = await self.cluster.http.request(
+                method, inst.url + path, content=raw or None,
+                headers={"content-type": "application/json"} if raw else None,
+            )  # fmt: skip
         except httpx.HTTPError as exc:
             self.cluster.mark_down(inst.name)
-            return _error(503, f"the instance failed: {exc}", "server_error")
+            return _error(503, f"the instance failed: {exc}", "server_error", shape=shape)
         return Response(r.content, status_code=r.status_code,
                         media_type=r.headers.get("content-type"))  # fmt: skip
 
@@ -384,7 +390,8 @@ class Conductor:
     ) -> Response:
         headers = {k: v for k, v in resp.headers.items()
                    if k.lower() in ("content-type", "x-request-id", "retry-after")}  # fmt: skip
-        if "text/event-stream" not in resp.headers.get("content-type", ""):
+        kind = resp.headers.get("content-type", "")
+        if "text/event-stream" not in kind and "application/x-ndjson" not in kind:  # Ollama's
             data = await resp.aread()
             await resp.aclose()
             self._observe(d, time.monotonic() - t0)

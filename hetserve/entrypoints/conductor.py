@@ -134,6 +134,8 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
     from hetserve.server.anthropic_input import chat_body as anthropic_chat_body
     from hetserve.server.chat import chat_prompt_text
     from hetserve.server.conductor_app import create_conductor_app
+    from hetserve.server.ollama import ollama_error, ollama_stream_error
+    from hetserve.server.ollama_input import conductor_chat_body
     from hetserve.server.responses_input import stateless_chat_body
 
     urls = [(u.rstrip("/"), Role.PREFILL) for u in args.prefill]
@@ -185,6 +187,11 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
     conductor.apis["/v1/responses"] = OtherAPI(  # OpenAI's; stateful ones go to their holder
         stateless_chat_body, lambda body: body, responses_stream_error
     )
+    for path, generate in (("/api/chat", False), ("/api/generate", True)):  # Ollama's
+        conductor.apis[path] = OtherAPI(
+            functools.partial(conductor_chat_body, generate=generate), ollama_error,
+            ollama_stream_error,
+        )  # fmt: skip
     conductor.apis["/v1/messages"] = OtherAPI(  # Anthropic's, as the instances translate it
         functools.partial(anthropic_chat_body, thinking_budget=False), anthropic_error,
         anthropic_stream_error,

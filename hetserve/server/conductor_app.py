@@ -1,9 +1,12 @@
 """The Conductor's HTTP face: the FastAPI app `hetserve conductor` serves (`/v1/completions`
 and `/v1/chat/completions` handed to `disagg.conductor.Conductor.route`, `/v1/models`,
 `/health`, `/metrics`), behind the same guard as an instance (bearer key on /v1, body limit).
-Its instances change while it runs through `/internal/instances` (GET lists, POST
-{"url", "role"} adds one that joins once it answers, DELETE .../NAME removes one) and SGLang
-router's `/add_worker?url=`, `/remove_worker?url=` and `/list_workers`, all behind the key.
+Where the entrypoint gives it the other APIs the instances serve, it routes them too
+(Anthropic's /v1/messages, OpenAI's /v1/responses, Ollama's /api/chat and /api/generate; the
+rest of Ollama's routes answered by any instance). Its instances change while it runs through
+`/internal/instances` (GET lists, POST {"url", "role"} adds one that joins once it answers,
+DELETE .../NAME removes one) and SGLang router's `/add_worker?url=`, `/remove_worker?url=`
+and `/list_workers`, all behind the key.
 
 Who calls it: `entrypoints/conductor.py`. Failure contract: as the Conductor's (routes never
 raise for a client's input); `/health` answers 503 while no healthy instance can prefill or
@@ -131,6 +134,27 @@ def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
         @app.delete("/v1/responses/{rid}", include_in_schema=False)
         async def delete_response(rid: str, request: Request):
             return await responses.read("DELETE", rid, "", request)
+
+    if "/api/chat" in conductor.apis:  # Ollama's, where the entrypoint gave it
+        ollama = conductor.apis["/api/chat"]
+
+        @app.post("/api/chat", include_in_schema=False)
+        @app.post("/api/generate", include_in_schema=False)
+        async def ollama_generate(request: Request):
+            return await conductor.route(request.url.path, await request.body(), request)
+
+        @app.get("/api/version", include_in_schema=False)
+        @app.get("/api/tags", include_in_schema=False)
+        @app.get("/api/ps", include_in_schema=False)
+        async def ollama_lists(request: Request):
+            return await conductor.forward_any(request.url.path, method="GET", api=ollama)
+
+        @app.post("/api/show", include_in_schema=False)
+        @app.post("/api/embed", include_in_schema=False)
+        @app.post("/api/embeddings", include_in_schema=False)
+        async def ollama_other(request: Request):
+            raw = await request.body()
+            return await conductor.forward_any(request.url.path, raw, api=ollama)
 
     @app.post("/v1/messages", include_in_schema=False)  # where the entrypoint gave it
     async def messages(request: Request):

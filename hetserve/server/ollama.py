@@ -293,6 +293,16 @@ def install_ollama_routes(app: FastAPI, serving: OllamaServing, engine, check_mo
         return JSONResponse({"error": f"{name} is not an embedding model"}, status_code=400)
 
 
+def ollama_error(body: dict) -> dict:
+    """An OpenAI-shaped error body in Ollama's shape (the P/D Conductor's own answers)."""
+    return {"error": body["error"]["message"]}
+
+
+def ollama_stream_error(message: str) -> bytes:
+    """An Ollama stream's last line where the instance serving it fails mid-way."""
+    return (json.dumps({"error": message}) + "\n").encode()
+
+
 def _not_found(body: dict) -> JSONResponse:
     """The model check's answer (a 404, or a 400 for a malformed name) in Ollama's shape."""
     missing = body["_missing"]

@@ -88,18 +88,38 @@ def no_images(images: Any, field: str) -> None:
 
 def openai_request(body: dict[str, Any], messages: list[dict]) -> ChatCompletionRequest:
     """The OpenAI chat request an Ollama request means (400s name the Ollama field)."""
+    predict = (body.get("options") or {}).get("num_predict")
+    if predict is not None:
+        if typed(predict, (int,), "options.num_predict", "an integer") == 0 or predict < -2:
+            raise InvalidInputError("options.num_predict must be -1, -2 or >= 1",
+                                    "options.num_predict")  # fmt: skip
+    out = openai_body(body, messages)
+    try:
+        return ChatCompletionRequest.model_validate(out)
+    except ValidationError as exc:
+        message, param = validation_message(exc)
+        head, _, rest = (param or "").partition(".")
+        if head not in OLLAMA_FIELDS:
+            raise
+        field = OLLAMA_FIELDS[head] + (f".{rest}" if rest else "")
+        if message.startswith(param or ""):
+            message = field + message.removeprefix(param or "")
+        else:
+            message = f"{field}: {message}"
+        raise InvalidInputError(message, field) from None
+
+
+def openai_body(body: dict[str, Any], messages: list[dict]) -> dict[str, Any]:
+    """The OpenAI chat request's fields from an Ollama body's, unchecked (`openai_request`
+    checks them). A P/D Conductor's hand-off part rides along."""
     out: dict[str, Any] = {"model": body.get("model"), "messages": messages}
     options = body.get("options") or {}
     for name, field in OPTION_FIELDS.items():
         if options.get(name) is not None:
             out[field] = options[name]
     predict = options.get("num_predict")
-    if predict is not None:
-        if typed(predict, (int,), "options.num_predict", "an integer") == 0 or predict < -2:
-            raise InvalidInputError("options.num_predict must be -1, -2 or >= 1",
-                                    "options.num_predict")  # fmt: skip
-        if predict > 0:
-            out["max_tokens"] = predict
+    if isinstance(predict, int) and predict > 0:
+        out["max_tokens"] = predict
     fmt = body.get("format")
     if fmt == "json":
         out["response_format"] = {"type": "json_object"}
@@ -114,23 +134,12 @@ def openai_request(body: dict[str, Any], messages: list[dict]) -> ChatCompletion
         out["tools"] = body["tools"]
     think = body.get("think")
     if think is not None:
-        kwargs = {"enable_thinking": bool(think)}
+        out["chat_template_kwargs"] = {"enable_thinking": bool(think)}
         if isinstance(think, str):  # gpt-oss: "low" | "medium" | "high"
             out["reasoning_effort"] = think
-        out["chat_template_kwargs"] = kwargs
-    try:
-        return ChatCompletionRequest.model_validate(out)
-    except ValidationError as exc:
-        message, param = validation_message(exc)
-        head, _, rest = (param or "").partition(".")
-        if head not in OLLAMA_FIELDS:
-            raise
-        field = OLLAMA_FIELDS[head] + (f".{rest}" if rest else "")
-        if message.startswith(param or ""):
-            message = field + message.removeprefix(param or "")
-        else:
-            message = f"{field}: {message}"
-        raise InvalidInputError(message, field) from None
+    if body.get("kv_handoff") is not None:
+        out["kv_handoff"] = body["kv_handoff"]
+    return out
 
 
 def openai_messages(messages: Any) -> list[dict]:
@@ -175,3 +184,23 @@ def openai_call(call: Any, at: str, cid: str) -> dict:
     args = typed(fn.get("arguments"), (dict, str), f"{at}.function.arguments", "an object")
     args = args if isinstance(args, str) else json.dumps(args or {})
     return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def conductor_chat_body(body: dict[str, Any], generate: bool = False) -> dict[str, Any]:
+    """The chat request an Ollama /api/chat (or, `generate`, /api/generate) body means, for the
+    P/D Conductor to hash and prefill; InvalidInputError where it is no chat turn to route
+    (a load or unload call, generate's raw or fill-in-the-middle prompt) or the instance
+    answers 400."""
+    check_fields(body)
+    if not generate:
+        messages = openai_messages(typed(body.get("messages"), (list,), "messages", "a list"))
+    else:
+        prompt = typed(body.get("prompt"), (str,), "prompt", "a string")
+        system = typed(body.get("system"), (str,), "system", "a string")
+        if body.get("raw") or body.get("suffix"):
+            raise InvalidInputError("a prompt as written is no chat turn", "raw")
+        messages = [{"role": "system", "content": system}] if system else []
+        messages += [{"role": "user", "content": prompt}] if prompt else []
+    if not messages:
+        raise InvalidInputError("a load or unload call generates nothing", "messages")
+    return openai_body(body, messages)

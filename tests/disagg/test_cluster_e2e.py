@@ -305,3 +305,37 @@ def test_responses_through_the_cluster_go_where_their_conversation_is(cluster):
         events = [ln for ln in s.iter_lines() if ln.startswith("event: ")]
     assert events[0] == "event: response.created"
     assert events[-1] == f"event: response.{first['status']}"
+
+
+def test_ollama_through_the_cluster_answers_as_one_instance(cluster):
+    """The Conductor answered Ollama's routes with 404s: Ollama clients (Open WebUI, the
+    official libraries) could not use a cluster. /api/chat and /api/generate are now routed as
+    the chat turn they mean (disaggregated), streamed as Ollama's NDJSON lines; the model list
+    and the rest are any instance's."""
+    import ollama
+
+    _, _, _, running = cluster
+    parts = {p.name: p for p in running.parts}
+    base = running.endpoint.removesuffix("/v1")
+    here, alone = ollama.Client(host=base), ollama.Client(host=parts["decode-0"].url)
+    [model] = [m.model for m in here.list().models]
+    user = [{"role": "user", "content": PROMPT}]
+    opts = {"num_predict": 8, "temperature": 0}
+    want = alone.chat(model=model, messages=user, options=opts, stream=False)
+    before = httpx.get(base + "/metrics", timeout=10).text
+    got = here.chat(model=model, messages=user, options=opts, stream=False)
+    assert got.message.content == want.message.content and got.eval_count == 8
+    after = httpx.get(base + "/metrics", timeout=10).text
+    assert _count(after, "disaggregated") == _count(before, "disaggregated") + 1
+    lines = list(here.chat(model=model, messages=user, options=opts, stream=True))
+    assert lines[-1].done and "".join(p.message.content for p in lines) == want.message.content
+    gen = here.generate(model=model, prompt=PROMPT, options=opts)
+    assert gen.response == alone.generate(model=model, prompt=PROMPT, options=opts).response
+    raw = here.generate(model=model, prompt=PROMPT, options=opts, raw=True)  # colocated
+    assert raw.done and raw.eval_count == 8
+    loaded = here.chat(model=model, messages=[])  # Ollama's load call: nothing to route
+    assert loaded.done and loaded.done_reason == "load"
+    assert here.show(model).capabilities and httpx.get(base + "/api/version").status_code == 200
+    with pytest.raises(ollama.ResponseError) as err:
+        here.chat(model=model, messages=user, options={"num_predict": 0})
+    assert err.value.status_code == 400 and "num_predict" in err.value.error
