@@ -19,6 +19,11 @@ def api_key() -> str | None:
     return os.environ.get("HETSERVE_API_KEY") or None
 
 
+def admin_key() -> str | None:
+    """HETSERVE_ADMIN_KEY: the Conductor's key for changing its instances."""
+    return os.environ.get("HETSERVE_ADMIN_KEY") or None
+
+
 def openai_api_key() -> str | None:
     """OPENAI_API_KEY: what `hetserve bench serve` sends to a third-party server."""
     return os.environ.get("OPENAI_API_KEY") or None

@@ -73,6 +73,9 @@ class ConductorConfig:
     handoff_path: str = "direct"  # "direct" or "store"
     handoff_timeout_s: float = 30.0
     api_key: str | None = None  # clients must present it (beyond loopback: required)
+    # Changing the instances (/internal/instances, SGLang's /*_worker) takes this key; without
+    # one, only a caller on this machine (with the clients' key, if any) may.
+    admin_key: str | None = None
     # (name listed to clients, the instances' name) where `--served-model-name` renames it: a
     # request for the listed name is forwarded as the instances' (they refuse any other).
     model_alias: tuple[str, str] | None = None
@@ -257,7 +260,7 @@ class Conductor:
         # Prompt logprobs turn the decode side's prefix lookup off: no hand-off could match.
         single = (decision.prefill == decision.decode or int_field(body, "n", 1) > 1 or several
                   or body.get("prompt_logprobs") is not None or not chat
-                  or pinned is not None)  # fmt: skip
+                  or pinned is not None or body.get("use_beam_search") is True)  # fmt: skip
         # Colocated there, or the stream of a disaggregated request.
         target = pinned or decision.decode
         assert target is not None

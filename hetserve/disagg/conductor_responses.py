@@ -52,7 +52,8 @@ class ResponsesRoutes:
         if name is None:
             msg = f"previous response {prev!r} was not found (not stored, or evicted)"
             return JSONResponse(error_body(msg, param="previous_response_id"), status_code=400)
-        if not self.c.cluster.instances[name].healthy:
+        inst = self.c.cluster.instances.get(name)
+        if inst is None or not inst.healthy:  # down, or removed while it was asked for
             return _down(name, prev)
         return await self.c.route(PATH, raw, request, pinned=name)
 
@@ -62,8 +63,8 @@ class ResponsesRoutes:
         if name is None:
             body = error_body(f"response {rid!r} not found", "not_found_error")
             return JSONResponse(body, status_code=404)
-        inst = self.c.cluster.instances[name]
-        if not inst.healthy:
+        inst = self.c.cluster.instances.get(name)
+        if inst is None or not inst.healthy:  # down, or removed while it was asked for
             return _down(name, rid)
         url = f"{inst.url}{PATH}/{quote(rid, safe='')}{suffix}"
         http: httpx.AsyncClient = self.c.cluster.http

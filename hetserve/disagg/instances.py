@@ -196,6 +196,8 @@ class Cluster:
                 await self.on_join(inst)
             except Exception:  # a listener's bug must not stop the cluster
                 log.exception("join listener failed for %s", name)
+            if self.instances.get(name) is not inst and self.on_remove is not None:
+                self.on_remove(name)  # removed while the listener ran: undo what it began
 
     def add(self, url: str, role: Role | None) -> str:
         """Have the instance at `url` join while the cluster runs (asked at the next poll,
@@ -211,9 +213,10 @@ class Cluster:
 
     def remove(self, name: str) -> bool:
         """Route nothing more to `name` (what it serves finishes there); False if unknown."""
-        task = self._asking.pop(name, None)
-        if task is not None:
-            task.cancel()
+        for tasks in (self._asking, self._refreshing):
+            task = tasks.pop(name, None)
+            if task is not None:
+                task.cancel()
         self._next_ask.pop(name, None)
         self._refusal.pop(name, None)
         if self.instances.pop(name, None) is None and self.joining.pop(name, None) is None:
@@ -295,6 +298,7 @@ class Cluster:
         if self.instances.get(inst.name) is not inst or inst.healthy:  # removed, or back
             return
         self._refusal.pop(inst.name, None)
+        self._refreshing.pop(inst.name, None)
         inst.handoff, inst.profile = fresh.handoff, fresh.profile
         log.info("instance %s is back", inst.name)
         self._set_health(inst, True)
@@ -341,16 +345,17 @@ class Cluster:
         self.joining.clear()
         await self.http.aclose()
 
-    def status(self) -> list[dict[str, Any]]:
-        """One row per instance, for `cluster up`'s table and /health."""
+    def status(self, urls: bool = False) -> list[dict[str, Any]]:
+        """One row per instance, for `cluster up`'s table and /health (`urls`: with their
+        URLs, for the admin routes only)."""
         rows = [
-            {"name": i.name, "url": i.url, "role": i.role.value, "healthy": i.healthy,
-             **dict(i.load)}  # fmt: skip
+            {"name": i.name, "role": i.role.value, "healthy": i.healthy, **dict(i.load)}
+            | ({"url": i.url} if urls else {})
             for i in self.instances.values()
         ]
         return rows + [
-            {"name": n, "url": url, "role": role.value if role else "unknown",
-             "healthy": False, "joining": True}  # fmt: skip
+            {"name": n, "role": role.value if role else "unknown", "healthy": False,
+             "joining": True} | ({"url": url} if urls else {})  # fmt: skip
             for n, (url, role) in self.joining.items()
         ]
 

@@ -165,6 +165,8 @@ class PartsLauncher:
             elif now >= part.restart_at:
                 part.restart_at = None
                 part.restarts += 1
+                if part.build is not None:  # the Conductor: the instances where they are now
+                    part.cmd = part.build(part)
                 self._spawn(part, append=True)
                 said.append(f"{part.name} started again (restart {part.restarts}, log {part.log})")
         return said

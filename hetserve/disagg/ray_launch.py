@@ -83,6 +83,9 @@ class PartRunner:
         self, cmd: list[str], env: dict[str, str], log: str, append: bool, dirs: list[str]
     ) -> int:
         cmd = [sys.executable if a == PYTHON else a for a in cmd]
+        # Ray sets OMP_NUM_THREADS to an actor's CPUs (1 for a runner that asks none): an
+        # instance would run its kernels on one thread. Only the launcher's value stands.
+        os.environ.pop("OMP_NUM_THREADS", None)
         self.proc = spawn(cmd, env, Path(log), append, dirs)
         return self.proc.pid
 
@@ -153,7 +156,7 @@ class RayLauncher(PartsLauncher):
     ) -> None:
         super().__init__(ready_timeout_s, grace_s)
         self.address, self.placement_timeout_s = address, placement_timeout_s
-        self.api_key = ""
+        self.api_key = self.admin_key = ""
         self.actors: dict[str, Any] = {}  # part name -> its runner
         self.made: list[Any] = []  # every runner, placed or not (stop() ends them)
         self.placing: list[tuple[Part, Any, Any]] = []  # lost instances: part, runner, where
@@ -176,12 +179,13 @@ class RayLauncher(PartsLauncher):
                 raise LaunchError(f"Ray at {where}: {str(exc).splitlines()[0]}") from None
             self.started_ray = True
         self.api_key = spec.api_key or secrets.token_urlsafe(24)
+        self.admin_key = secrets.token_urlsafe(24)  # moves instances: this launcher's alone
         spec = _absolute(spec)
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         runner = self.runner_cls = ray.remote(PartRunner)
         self.spec = spec
-        self._key = {"Authorization": f"Bearer {self.api_key}"}
+        self._key = {"Authorization": f"Bearer {self.admin_key}"}
         here = ray.get_runtime_context().get_node_id()
         # The instances first: where Ray puts them says where the store nodes go.
         roles = [r for r, n in (("prefill", spec.prefill), ("decode", spec.decode),
@@ -200,6 +204,7 @@ class RayLauncher(PartsLauncher):
         parts = plan(spec, PYTHON, store_nodes=len(nodes))
         env = {"HETSERVE_API_KEY": self.api_key, "HETSERVE_HANDOFF_TOKEN": self.api_key,
                "HETSERVE_STORE_TOKEN": self.api_key}  # fmt: skip
+        parts[-1].env["HETSERVE_ADMIN_KEY"] = self.admin_key  # the Conductor's membership
         ips = {node: ip for node, ip in where}
         instances = iter(zip(placed, where, strict=True))
         stores = iter(nodes)
@@ -208,6 +213,9 @@ class RayLauncher(PartsLauncher):
             if part.role:
                 actor, (_, ip) = next(instances)
                 part.host = ip
+                cpus = spec.ray_resources.get(part.role, {}).get("CPU")
+                if cpus:  # the CPUs it asked Ray for: its kernels' threads
+                    part.env["OMP_NUM_THREADS"] = str(int(cpus))
             else:
                 node = next(stores) if part.name.startswith("store-node") else here
                 actor = runner.options(
@@ -222,10 +230,14 @@ class RayLauncher(PartsLauncher):
 
     def _runner(self, needs: dict[str, float]) -> Any:
         """A runner for an instance, placed where Ray finds a node with `needs`."""
+        asked = dict(needs)
         cpus, gpus = needs.pop("CPU", 0), needs.pop("GPU", 0)
-        return self.runner_cls.options(
-            num_cpus=cpus, num_gpus=gpus, resources=needs, scheduling_strategy="SPREAD"
-        ).remote()
+        try:
+            return self.runner_cls.options(
+                num_cpus=cpus, num_gpus=gpus, resources=needs, scheduling_strategy="SPREAD"
+            ).remote()
+        except (ValueError, TypeError) as exc:  # Ray's own rules for resource requests
+            raise LaunchError(f"Ray refused the resources {asked}: {exc}") from None
 
     def _free_port(self, part: Part) -> int:
         port: int = self.ray.get(self.actors[part.name].free_port.remote(part.host),

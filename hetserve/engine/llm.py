@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, TypeVar
 
 from tqdm import tqdm
 
@@ -21,6 +24,7 @@ from hetserve.engine.core import EngineCore
 from hetserve.engine.errors import EngineRequestError
 from hetserve.errors import InvalidInputError
 
+T = TypeVar("T")
 LoRASpec = LoRARequest | str | None  # an adapter to load or a loaded one's name; None = base
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's
 
@@ -246,8 +250,14 @@ class LLM:
 
         results = []
         for _, ids in requests:
-            beams = asyncio.run(search(expand, ids, params.beam_width, params.max_tokens, stops,
-                                       params.ignore_eos, params.length_penalty))  # fmt: skip
+            steps = min(params.max_tokens, self.max_model_len - len(ids))  # the context's room
+            if steps < 1:
+                raise InvalidInputError(
+                    f"prompt ({len(ids)} tokens) leaves no room for output in the model's "
+                    f"context of {self.max_model_len} tokens; shorten it"
+                )
+            beams = _run(search(expand, ids, params.beam_width, steps, stops, params.ignore_eos,
+                                params.length_penalty))  # fmt: skip
             for b in beams:
                 b.text = self.tokenizer.decode(b.tokens[len(ids) :], skip_special_tokens=True)
             results.append(BeamSearchOutput(beams))
@@ -275,6 +285,17 @@ class LLM:
                 "prompts takes a string or a list of strings; token ids go in prompt_token_ids"
             )
         return [(p, self.tokenizer.encode(p)) for p in prompts]
+
+
+def _run(work: Coroutine[Any, Any, T]) -> T:
+    """`work` to its end from synchronous code, also where an event loop already runs in this
+    thread (a notebook, an async caller): then on a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(work)
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, work).result()
 
 
 def _check_messages(messages: object) -> None:

@@ -46,6 +46,13 @@ def register(sub) -> None:
         help="require this bearer token from clients; the instances are called with "
         "HETSERVE_API_KEY, else with this key",
     )
+    c.add_argument(
+        "--admin-key",
+        default=None,
+        help="the key that may add and remove instances while it runs (/internal/instances, "
+        "/add_worker, /remove_worker; or HETSERVE_ADMIN_KEY); without one, only callers on "
+        "this machine may",
+    )
     from hetserve.entrypoints.serve import LOG_LEVELS
 
     c.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
@@ -179,7 +186,8 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
         cluster,
         router,
         Tokenizer(model_dir),
-        ConductorConfig(args.handoff_path, api_key=api_key, model_alias=_alias(name, cluster)),
+        ConductorConfig(args.handoff_path, api_key=api_key, model_alias=_alias(name, cluster),
+                        admin_key=args.admin_key or envs.admin_key()),  # fmt: skip
         holdings=index.holdings,
     )
     conductor.index_blocks = index.block_counts

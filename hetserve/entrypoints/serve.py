@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 
 from hetserve import envs
 from hetserve.config import add_engine_args
+from hetserve.config_sections import is_loopback_host as is_loopback
 from hetserve.entrypoints import check_output
 from hetserve.errors import InvalidInputError
 
@@ -83,15 +83,6 @@ def register(sub) -> None:
         help="accumulate expert routing counts and save them here on shutdown",
     )
     s.set_defaults(func=serve)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_port(host: str, port: int) -> None:

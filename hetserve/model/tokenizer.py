@@ -225,6 +225,12 @@ class Tokenizer:
             )
         except jinja2.TemplateError as exc:
             raise InvalidInputError(f"chat template failed on these messages: {exc}") from None
+        except Exception as exc:  # a request's own template: its mistake, not the server's
+            if chat_template is None:
+                raise
+            raise InvalidInputError(
+                f"chat_template failed: {type(exc).__name__}: {exc}", "chat_template"
+            ) from None
         if not continue_final_message:
             return text
         at = text.rfind(_CONTINUE)

@@ -58,11 +58,11 @@ class Guard:
     included."""
 
     def __init__(
-        self, app, api_key: str | None, max_body_bytes: int, access=None, guarded=GUARDED_TOP
+        self, app, api_key: str | None, max_body_bytes: int, access=None, exempt=()
     ) -> None:
         self.app = app
         self.api_key = api_key
-        self.guarded_top = guarded  # top-level paths behind the key beside the prefixes
+        self.exempt = tuple(exempt)  # path prefixes whose routes check their own key
         self.limit = max_body_bytes
         self.access = access  # an AccessLog, or None: no line per request
 
@@ -104,7 +104,8 @@ class Guard:
             body = error_body(str(BodyTooLargeError(self.limit)))
             return await _send_json(send, 413, _shaped(scope["path"], body))
         path = scope["path"]
-        guarded = path.startswith(("/v1/", "/api/", "/internal/")) or path in self.guarded_top
+        guarded = path.startswith(("/v1/", "/api/", "/internal/")) or path in GUARDED_TOP
+        guarded = guarded and not (self.exempt and path.startswith(self.exempt))
         if self.api_key and guarded and not self._authorized(headers):
             body = error_body("missing or invalid API key", "authentication_error")
             body["error"]["code"] = "invalid_api_key"

@@ -131,11 +131,7 @@ class ChatServing(OpenAIServing):
         """vLLM's beam search (core/beam_search.py): n beams, best first, each read by the
         choice parser as a sampled reply is (reasoning, tool calls)."""
         prompt, ids = await self._prompt_ids(req)
-        keep = req.truncate_prompt_tokens
-        keep = self.engine.max_model_len if keep == -1 else keep
-        if keep is not None and len(ids) > keep:  # vLLM's: the last `keep` tokens
-            ids = ids[-keep:]
-        beams = await self.beams(req, ids, base, request)
+        ids, beams = await self.beams(req, ids, base, request)
         plan = req.tool_plan
         keep_specials = needs_special_tokens(plan, self.tool_parser, self.reasoning_parser)
         choices, reasoning, completion = [], [], 0

@@ -52,7 +52,7 @@ class CompletionServing(OpenAIServing):
         found = await asyncio.gather(*(self.beams(req, ids, f"{base}-{i}", request)
                                        for i, (_, ids) in enumerate(prompts)))  # fmt: skip
         choices, completion = [], 0
-        for i, ((_, ids), beams) in enumerate(zip(prompts, found, strict=True)):
+        for i, (ids, beams) in enumerate(found):
             for j, beam in enumerate(beams):
                 out = beam.tokens[len(ids) :]
                 completion += len(out)
@@ -61,7 +61,7 @@ class CompletionServing(OpenAIServing):
                                 "finish_reason": beam.finish_reason,
                                 **({"prompt_token_ids": ids, "token_ids": out}
                                    if req.return_token_ids else {})})  # fmt: skip
-        prompt = sum(len(ids) for _, ids in prompts)
+        prompt = sum(len(ids) for ids, _ in found)
         return {"id": base, "object": "text_completion", "created": int(time.time()),
                 "model": self.served_name(req), "choices": choices,
                 "usage": {"prompt_tokens": prompt, "completion_tokens": completion,

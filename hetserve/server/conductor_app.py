@@ -6,7 +6,7 @@ Where the entrypoint gives it the other APIs the instances serve, it routes them
 rest of Ollama's routes answered by any instance). Its instances change while it runs through
 `/internal/instances` (GET lists, POST {"url", "role"} adds one that joins once it answers,
 DELETE .../NAME removes one) and SGLang router's `/add_worker?url=`, `/remove_worker?url=`
-and `/list_workers`, all behind the key.
+and `/list_workers`, all behind the admin key (without one: callers on its machine only).
 
 Who calls it: `entrypoints/conductor.py`. Failure contract: as the Conductor's (routes never
 raise for a client's input); `/health` answers 503 while no healthy instance can prefill or
@@ -15,6 +15,7 @@ none can decode.
 
 from __future__ import annotations
 
+import hmac
 import json
 import time
 from urllib.parse import urlsplit
@@ -23,22 +24,48 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from hetserve.config import Role
+from hetserve.config_sections import is_loopback_host
 from hetserve.disagg.conductor import Conductor
 from hetserve.disagg.conductor_responses import ResponsesRoutes
 from hetserve.disagg.instances import ClusterError
 from hetserve.errors import InvalidInputError
-from hetserve.server.app import GUARDED_TOP, Guard
+from hetserve.server.app import Guard
 from hetserve.server.errors import error_body
 
-WORKER_PATHS = (*GUARDED_TOP, "/add_worker", "/remove_worker", "/list_workers")
+# Their routes check the admin key themselves (`refused`).
+ADMIN_PATHS = ("/internal/instances", "/add_worker", "/remove_worker", "/list_workers")
 
 
 def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
     app = FastAPI(title="hetserve conductor", docs_url=None, redoc_url=None)
     app.add_middleware(Guard, api_key=conductor.config.api_key, max_body_bytes=8 << 20,
-                       guarded=WORKER_PATHS)  # fmt: skip
+                       exempt=ADMIN_PATHS)  # fmt: skip
     app.state.conductor = conductor
     cluster = conductor.cluster
+
+    def refused(request: Request) -> JSONResponse | None:
+        """Who may change the instances: a holder of the admin key; without one configured, a
+        caller on this machine (with the clients' key, if there is one). A client's key alone
+        must not: it could add an instance of its own and be sent others' prompts."""
+        auth = request.headers.get("authorization", "")
+        token = auth[7:] if auth.lower().startswith("bearer ") else ""
+        admin, client = conductor.config.admin_key, conductor.config.api_key
+        if admin:
+            if hmac.compare_digest(token.encode(), admin.encode()):
+                return None
+            body = error_body("changing the instances needs the Conductor's admin key "
+                              "(--admin-key or HETSERVE_ADMIN_KEY)", "authentication_error")
+            return JSONResponse(body, status_code=401)
+        host = request.client.host if request.client else ""
+        if not is_loopback_host(host):
+            body = error_body("without an admin key the instances are changed only from the "
+                              "Conductor's machine; start it with --admin-key",
+                              "permission_error")  # fmt: skip
+            return JSONResponse(body, status_code=403)
+        if client and not hmac.compare_digest(token.encode(), client.encode()):
+            body = error_body("missing or invalid API key", "authentication_error")
+            return JSONResponse(body, status_code=401)
+        return None
 
     def add(url: object, role: object) -> JSONResponse:
         try:
@@ -55,11 +82,13 @@ def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
         return JSONResponse({"name": name, "removed": True})
 
     @app.get("/internal/instances")
-    async def instances():
-        return {"instances": cluster.status()}
+    async def instances(request: Request):
+        return refused(request) or {"instances": cluster.status(urls=True)}
 
     @app.post("/internal/instances")
     async def add_instance(request: Request):
+        if (no := refused(request)) is not None:
+            return no
         try:
             body = json.loads(await request.body())
         except ValueError:
@@ -69,20 +98,21 @@ def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
         return add(body.get("url"), body.get("role"))
 
     @app.delete("/internal/instances/{name}")
-    async def remove_instance(name: str):
-        return remove(name)
+    async def remove_instance(name: str, request: Request):
+        return refused(request) or remove(name)
 
     @app.post("/add_worker", include_in_schema=False)  # SGLang router's
-    async def add_worker(url: str | None = None, role: str | None = None):
-        return add(url, role)
+    async def add_worker(request: Request, url: str | None = None, role: str | None = None):
+        return refused(request) or add(url, role)
 
     @app.post("/remove_worker", include_in_schema=False)
-    async def remove_worker(url: str = ""):
-        return remove(url.removeprefix("http://").removeprefix("https://").rstrip("/"))
+    async def remove_worker(request: Request, url: str = ""):
+        name = url.removeprefix("http://").removeprefix("https://").rstrip("/")
+        return refused(request) or remove(name)
 
     @app.get("/list_workers", include_in_schema=False)
-    async def list_workers():
-        return {"urls": [row["url"] for row in cluster.status()]}
+    async def list_workers(request: Request):
+        return refused(request) or {"urls": [r["url"] for r in cluster.status(urls=True)]}
 
     @app.get("/health")
     async def health():

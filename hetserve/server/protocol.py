@@ -99,7 +99,7 @@ class _Common(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     # vLLM's: n beams, best first (core/beam_search.py), scored logprob / length ** penalty.
     use_beam_search: StrictBool = False
-    length_penalty: float = 1.0
+    length_penalty: float = Field(default=1.0, ge=-10, le=10, allow_inf_nan=False)
     # vLLM's: each prompt token's logprob given its prefix, with the top k (not streamed).
     prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: only the prompt's last k tokens are used (left truncation; -1: the context's).
@@ -353,7 +353,6 @@ _RENDERED = {
     "eos_token": "it is the model's own",
     "continue_final_message": "send it as the request's continue_final_message",
     "chat_template": "send it as the request's chat_template",
-    "documents": "send them as the request's documents",
 }
 
 
@@ -454,7 +453,7 @@ class ChatCompletionRequest(_Common):
             kwargs["continue_final_message"] = True
         if self.chat_template is not None:
             kwargs["chat_template"] = self.chat_template
-        if self.documents is not None:
+        if self.documents is not None:  # over chat_template_kwargs' (vLLM takes both)
             kwargs["documents"] = self.documents
         if self.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", self.reasoning_effort)

@@ -190,14 +190,11 @@ class OpenAIServing:
         session = req.session_id or request.headers.get("x-session-id") or None
         lora = self.lora_of(req)
         grammar = self.grammar_of(req)
-        keep = req.truncate_prompt_tokens
-        if keep == -1:  # vLLM's: as much as the context holds
-            keep = self.engine.max_model_len
         try:
             for i, (text, ids) in enumerate(prompts):
                 rid = base if len(prompts) == 1 else f"{base}-{i}"
-                if keep is not None and len(ids) > keep:  # vLLM's: the last `keep` tokens
-                    text, ids = None, ids[-keep:]
+                if len(kept := self.kept(req, ids)) < len(ids):
+                    text, ids = None, kept
                 self.check_room(req, len(ids))
                 new = NewRequest(
                     rid,
@@ -221,10 +218,28 @@ class OpenAIServing:
             raise
         return streams
 
-    async def beams(self, req, ids: list[int], base: str, request: Request) -> list[Beam]:
-        """vLLM's beam search from prompt `ids` (core/beam_search.py): `req.n` beams, best
-        first. Each step queues one greedy one-token request per live beam and gives its
-        blocks back in a finally (a client that leaves stops the search)."""
+    def kept(self, req: _Common, ids: list[int]) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the context's)."""
+        keep = req.truncate_prompt_tokens
+        if keep == -1:
+            keep = self.engine.max_model_len
+        return ids[-keep:] if keep is not None and len(ids) > keep else ids
+
+    async def beams(
+        self, req, ids: list[int], base: str, request: Request
+    ) -> tuple[list[int], list[Beam]]:
+        """vLLM's beam search from prompt `ids` (core/beam_search.py): the prompt as searched
+        (truncated as asked) and `req.n` beams, best first. Each step queues one greedy
+        one-token request per live beam and gives its blocks back in a finally (a client that
+        leaves stops the search)."""
+        self.check_priority(req)
+        ids = self.kept(req, ids)
+        room = self.engine.max_model_len - len(ids)
+        if room < 1:
+            raise PromptTooLongError(
+                f"prompt ({len(ids)} tokens) leaves no room for output in the model's context "
+                f"of {self.engine.max_model_len} tokens; shorten it"
+            )
         self.check_room(req, len(ids))
         stops = frozenset(self.engine.engine.eos_ids) | frozenset(req.stop_token_ids or ())
         limit, _ = req.output_limit()
@@ -248,8 +263,8 @@ class OpenAIServing:
                     st.abort()  # a no-op once finished; frees a cancelled step's blocks
             return [likeliest(finals[i].outputs[0].logprobs, k) for i in range(len(beams))]
 
-        return await search(expand, ids, req.n, limit or self.engine.max_model_len - len(ids),
-                            stops, req.ignore_eos, req.length_penalty)  # fmt: skip
+        return ids, await search(expand, ids, req.n, limit or room, stops, req.ignore_eos,
+                                 req.length_penalty)  # fmt: skip
 
     # ---- running them -----------------------------------------------------------------------
     async def run_unless_disconnected(

@@ -165,8 +165,7 @@ def test_an_instance_down_at_start_joins_when_it_answers() -> None:
         cluster._task.cancel()  # the test steps the joins itself
         assert list(cluster.instances) == ["a:1"]
         rows = {r["name"]: r for r in cluster.status()}
-        assert rows["b:2"] == {"name": "b:2", "url": "http://b:2", "role": "decode",
-                               "healthy": False, "joining": True}  # fmt: skip
+        assert rows["b:2"] == {"name": "b:2", "role": "decode", "healthy": False, "joining": True}
         await cluster.join_pending()
         await asyncio.gather(*cluster._asking.values())
         assert "b:2" not in cluster.instances and joined == []  # still down
@@ -207,7 +206,8 @@ def test_instances_are_added_and_removed_while_the_conductor_runs() -> None:
     instance restarted at another address (the Ray launcher's, when a node is lost). Now
     POST /internal/instances makes one join once it answers (as one down at start), DELETE
     removes one (the KV index told), with SGLang router's /add_worker, /remove_worker and
-    /list_workers beside them, all behind the Conductor's key."""
+    /list_workers beside them, all behind the Conductor's admin key: a client's key alone
+    could add an instance of its own and be sent other users' prompts."""
     from hetserve.disagg.conductor import Conductor, ConductorConfig
     from hetserve.disagg.policy import Router, RouterConfig
     from hetserve.server.conductor_app import create_conductor_app
@@ -229,16 +229,19 @@ def test_instances_are_added_and_removed_while_the_conductor_runs() -> None:
         await cluster.start()
         cluster._task.cancel()  # the test steps the joins itself
         cluster.on_remove = removed.append
-        config = ConductorConfig(api_key="k")
+        config = ConductorConfig(api_key="k", admin_key="a")
         app = create_conductor_app(Conductor(cluster, Router(RouterConfig()), None, config), "m")
-        key = {"Authorization": "Bearer k"}
+        key = {"Authorization": "Bearer a"}
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
             for method, path in (("POST", "/internal/instances"), ("POST", "/add_worker"),
                                  ("POST", "/remove_worker"), ("GET", "/list_workers"),
-                                 ("DELETE", "/internal/instances/d:2")):  # fmt: skip
-                r = await client.request(method, path, json={})
-                assert r.status_code == 401, (path, r.text)
+                                 ("DELETE", "/internal/instances/d:2"),
+                                 ("GET", "/internal/instances")):  # fmt: skip
+                for who in ({}, {"Authorization": "Bearer k"}):  # none, or the clients' key
+                    r = await client.request(method, path, json={}, headers=who)
+                    assert r.status_code == 401 and "admin key" in r.text, (path, r.text)
+            assert "url" not in (await client.get("/health")).json()["instances"][0]
             r = await client.post("/internal/instances", headers=key,
                                   json={"url": "http://d:3/", "role": "decode"})  # fmt: skip
             assert r.status_code == 202 and r.json() == {"name": "d:3", "joining": True}
@@ -267,6 +270,17 @@ def test_instances_are_added_and_removed_while_the_conductor_runs() -> None:
             assert r.json()["urls"] == ["http://p:1", "http://d:3", "http://d:4", "http://b:6"]
             r = await client.post("/remove_worker?url=http://d:4", headers=key)
             assert r.status_code == 200 and removed == ["d:2", "d:4"]
+        # Without an admin key: a caller on the Conductor's machine with the clients' key may,
+        # one elsewhere may not.
+        app = create_conductor_app(Conductor(cluster, Router(RouterConfig()), None,
+                                             ConductorConfig(api_key="k")), "m")  # fmt: skip
+        for host, with_key, code in (("127.0.0.1", True, 200), ("127.0.0.1", False, 401),
+                                     ("10.1.2.3", True, 403)):  # fmt: skip
+            transport = httpx.ASGITransport(app=app, client=(host, 5000))
+            async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
+                headers = {"Authorization": "Bearer k"} if with_key else {}
+                r = await client.get("/list_workers", headers=headers)
+                assert r.status_code == code, (host, with_key, r.text)
         await cluster.close()
 
     asyncio.run(run())

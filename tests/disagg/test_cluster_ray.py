@@ -77,6 +77,11 @@ def test_one_node_answers_as_one_engine_behind_the_key(want, one_node):
     assert complete(running.endpoint, None).status_code == 401
     # The instances beyond loopback ask for the key themselves.
     assert httpx.get(parts["decode-0"].url + "/v1/models", timeout=10).status_code == 401
+    # Ray gives a runner that asks no CPUs OMP_NUM_THREADS=1: the instances must not inherit it
+    # (their kernels would run on one thread).
+    environ = Path(f"/proc/{parts['decode-0'].proc.pid}/environ").read_bytes().split(b"\0")
+    assert not [v for v in environ if v.startswith(b"OMP_NUM_THREADS=")]
+    assert b"HETSERVE_ADMIN_KEY=" + launcher.admin_key.encode() not in environ
 
 
 def test_a_killed_instance_is_started_again_at_its_address(want, one_node):
@@ -109,6 +114,7 @@ def test_a_lost_instance_is_placed_again_and_the_conductor_follows(want, one_nod
     launcher, running = one_node
     parts = {p.name: p for p in running.parts}
     old = {name: parts[name].address for name in ("store-node", "decode-0")}
+    restarts = parts["decode-0"].restarts
     for name in old:
         pid = parts[name].proc.pid
         ray.kill(launcher.actors[name])
@@ -125,14 +131,14 @@ def test_a_lost_instance_is_placed_again_and_the_conductor_follows(want, one_nod
         time.sleep(0.2)
         started += [s for s in launcher.supervise() if "started again on" in s]
     victim = parts["decode-0"]
-    assert sorted(started) == [  # decode-0's first restart was the test before
-        f"decode-0 started again on {victim.address} (restart 2, log {victim.log})",
+    assert sorted(started) == [
+        f"decode-0 started again on {victim.address} (restart {restarts + 1}, log {victim.log})",
         f"store-node started again on {parts['store-node'].address} (restart 1, log "
         f"{parts['store-node'].log})",
     ]
     assert all(parts[name].address != old[name] for name in old)
     assert {"store-node", "decode-0"} <= {p.name for p in running.parts}
-    key = {"Authorization": f"Bearer {launcher.api_key}"}
+    key = {"Authorization": f"Bearer {launcher.admin_key}"}  # changing instances: the admin's
     base = running.endpoint.removesuffix("/v1")
     deadline = time.monotonic() + 120  # it loads, then joins at the Conductor's next ask
     while time.monotonic() < deadline:

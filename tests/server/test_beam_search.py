@@ -15,6 +15,7 @@ from hetserve import BeamSearchParams
 from hetserve.config import EngineConfig
 from hetserve.core.beam_search import Beam, score, search
 from hetserve.engine.async_llm import AsyncLLM
+from hetserve.errors import InvalidInputError
 
 from .conftest import LiveServer
 
@@ -156,6 +157,44 @@ def test_the_offline_llms_beams_equal_the_search_on_transformers(exact):
         with pytest.raises(TypeError, match="BeamSearchParams"):
             llm.beam_search(["hi"], {"beam_width": 2})
         assert llm.stats().kv_blocks_used == 0
+    finally:
+        llm.close()
+
+
+def test_a_beam_search_truncates_checks_and_fits_as_sampling_does(exact):
+    """Found in review: the beam path ignored truncate_prompt_tokens and priority, and a
+    prompt filling the context came back as an empty 200."""
+    _, srv = exact
+    body = {"prompt": list(range(5, 45)), "max_tokens": 2, "n": 2, "use_beam_search": True,
+            "return_token_ids": True, "truncate_prompt_tokens": 10}  # fmt: skip
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["prompt_token_ids"] == list(range(35, 45))
+    assert r.json()["usage"]["prompt_tokens"] == 10
+    for extra, param in (({"priority": 5}, "priority"), ({"length_penalty": 1e308}, None),
+                         ({"prompt": list(range(5, 261))}, None)):  # fmt: skip
+        r = httpx.post(srv.url + "/v1/completions", timeout=60,
+                       json={**body, "truncate_prompt_tokens": None, **extra})
+        assert r.status_code == 400, (extra, r.text)
+        if param:
+            assert r.json()["error"]["param"] == param
+
+
+def test_llm_beam_search_runs_inside_an_event_loop_and_within_the_context(exact):
+    from hetserve import LLM
+
+    model, _ = exact
+    llm = LLM(model, dtype="float32", max_model_len=64)
+    try:
+        params = BeamSearchParams(beam_width=2, max_tokens=10, ignore_eos=True)
+
+        async def in_a_notebook():  # asyncio.run inside a running loop raised RuntimeError
+            return llm.beam_search(prompt_token_ids=[list(range(5, 65 - 4))], params=params)
+
+        [out] = asyncio.run(in_a_notebook())
+        assert all(len(b.tokens) == 64 for b in out.sequences)  # capped at the context's room
+        with pytest.raises(InvalidInputError, match="leaves no room"):
+            llm.beam_search(prompt_token_ids=[list(range(5, 69))], params=params)
     finally:
         llm.close()
 

@@ -53,10 +53,12 @@ def test_documents_reach_the_template(trusting, server):
     want = ("[system] be brief\n[user] hello\n<doc title=moe>experts on the CPU</doc>\n"
             "<doc title=kv>tiers</doc>\n[assistant] ")  # fmt: skip
     assert r.json()["tokens"] == tokenize(trusting, {"prompt": want}).json()["tokens"]
-    # The model's own template is given them too (this one has no use for them).
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
-                   json={"messages": MESSAGES, "documents": docs, "max_tokens": 1})
-    assert r.status_code == 200, r.text
+    # The model's own template is given them too (this one has no use for them), also as
+    # chat_template_kwargs carries them (vLLM takes both).
+    for extra in ({"documents": docs}, {"chat_template_kwargs": {"documents": docs}}):
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                       json={"messages": MESSAGES, "max_tokens": 1, **extra})
+        assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize(
@@ -68,8 +70,10 @@ def test_documents_reach_the_template(trusting, server):
         ({"chat_template": ""}, "chat_template", ""),
         ({"documents": [{"title": 3}]}, "documents.0.title", ""),
         ({"documents": "text"}, "documents", ""),
-        ({"chat_template_kwargs": {"documents": []}}, "chat_template_kwargs.documents",
-         "send them as the request's documents"),
+        ({"chat_template": "{{ 1 / 0 }}"}, "chat_template", "ZeroDivisionError"),
+        ({"chat_template": "{{ messages[0].content + 1 }}"}, "chat_template", "TypeError"),
+        ({"chat_template_kwargs": {"chat_template": "{{ messages }}"}},
+         "chat_template_kwargs.chat_template", "send it as the request's chat_template"),
     ],
 )
 def test_bad_templates_and_documents_are_400s(trusting, extra, param, needle):
