@@ -160,6 +160,8 @@ class RayLauncher(PartsLauncher):
         self.actors: dict[str, Any] = {}  # part name -> its runner
         self.made: list[Any] = []  # every runner, placed or not (stop() ends them)
         self.placing: list[tuple[Part, Any, Any]] = []  # lost instances: part, runner, where
+        # Conductor calls still to make: (DELETE or POST, address, URL, role).
+        self.untold: list[tuple[str, str, str | None, str]] = []
         self.spec = ClusterSpec()
         self.runner_cls: Any = None
         self._key: dict[str, str] = {}
@@ -273,6 +275,8 @@ class RayLauncher(PartsLauncher):
         new one joins once it answers). The store master and the Conductor share the driver's
         node: theirs gone is said once and left down."""
         said: list[str] = []
+        if self.untold and not self._retell():
+            said.append("the Conductor was told where the moved instances are")
         for part in list(self.running.parts):
             proc = part.proc
             if not (isinstance(proc, RemoteProc) and proc.poll() is not None and proc.gone):
@@ -318,25 +322,35 @@ class RayLauncher(PartsLauncher):
         self.placing.append((part, actor, actor.where.remote()))
 
     def _tell(self, method: str, part: Part) -> str:
-        """The Conductor told that instance `part` left (DELETE) or joins (POST) at its
-        address; what went wrong, if anything, for the line said ("" for other parts)."""
+        """Tell the Conductor that instance `part` left (DELETE) or joins (POST) at its
+        address now; what went wrong, if anything, for the line said ("" for other parts).
+        A call that fails is tried again at every `supervise` until it goes through."""
         if not part.role:
             return ""
+        self.untold.append((method, part.address, part.url, part.role))
+        return self._retell()
+
+    def _retell(self) -> str:
         conductor = next((p for p in self.running.parts if p.name == "conductor"), None)
         if conductor is None or conductor.url is None:
-            return "; no Conductor to tell"
-        url = f"{conductor.url}/internal/instances"
-        try:
-            if method == "DELETE":
-                r = httpx.delete(f"{url}/{part.address}", headers=self._key, timeout=10)
-                ok = r.status_code in (200, 404)  # 404: it was not in the cluster (joining)
-            else:
-                body = {"url": part.url, "role": part.role}
-                r = httpx.post(url, json=body, headers=self._key, timeout=10)
-                ok = r.status_code == 202
-        except httpx.HTTPError as exc:
-            return f"; the Conductor was not told: {exc}"
-        return "" if ok else f"; the Conductor answered {r.status_code}: {r.text[:200]}"
+            return "; no Conductor to tell (yet)"
+        base = f"{conductor.url}/internal/instances"
+        while self.untold:
+            method, address, url, role = self.untold[0]
+            try:
+                if method == "DELETE":
+                    r = httpx.delete(f"{base}/{address}", headers=self._key, timeout=10)
+                    ok = r.status_code in (200, 404)  # 404: not in it (it was joining)
+                else:
+                    r = httpx.post(base, json={"url": url, "role": role}, headers=self._key,
+                                   timeout=10)  # fmt: skip
+                    ok = r.status_code in (202, 409)  # 409: in it already
+            except httpx.HTTPError as exc:
+                return f"; the Conductor was not told yet ({exc}); trying again"
+            if not ok:
+                return f"; the Conductor answered {r.status_code}: {r.text[:200]}; trying again"
+            self.untold.pop(0)
+        return ""
 
     def stop(self) -> None:
         super().stop()

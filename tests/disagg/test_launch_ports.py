@@ -134,3 +134,32 @@ def test_each_role_gets_its_own_engine_options_after_everyones():
         assert cmd[-2:] == ["--max-model-len", "256"] and "--placement" not in cmd
     conductor = parts["conductor"].build(parts["conductor"])
     assert conductor[conductor.index("--decode") + 1 :][:2] == ["http://127.0.0.1:1234"] * 2
+
+
+def test_a_conductor_the_ray_launcher_could_not_tell_is_told_at_the_next_supervise(monkeypatch):
+    """An instance moved to another node while the Conductor was restarting: the call that
+    adds its new address failed once and was never made again."""
+    import httpx
+
+    from hetserve.disagg.ray_launch import RayLauncher
+
+    launcher = RayLauncher()
+    launcher.running.parts.append(Part("conductor", url="http://127.0.0.1:9"))
+    moved = Part("decode-0", role="decode", host="10.0.0.2", port=5, url="http://10.0.0.2:5")
+    calls, down = [], {"now": True}
+
+    def post(url, json, headers, timeout):
+        calls.append((url, json))
+        if down["now"]:
+            raise httpx.ConnectError("connection refused")
+        return httpx.Response(202)
+
+    monkeypatch.setattr(httpx, "post", post)
+    said = launcher._tell("POST", moved)
+    assert "not told yet" in said and len(launcher.untold) == 1
+    assert launcher.supervise() == []  # still down: tried again, nothing to say
+    down["now"] = False
+    assert launcher.supervise() == ["the Conductor was told where the moved instances are"]
+    assert launcher.untold == [] and len(calls) == 3
+    assert calls[-1] == ("http://127.0.0.1:9/internal/instances",
+                         {"url": "http://10.0.0.2:5", "role": "decode"})  # fmt: skip
