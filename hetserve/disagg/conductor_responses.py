@@ -11,8 +11,9 @@ response is asked of the decode-capable instances (`GET /v1/responses/{id}`) the
 remembered (the newest `limit`), so a Conductor started again finds them as well.
 
 Failure contract: a response no instance holds answers as an instance would (404 for a read,
-400 naming `previous_response_id` for a continuation); its holder down is a 503 with
-`Retry-After`; an instance failing mid-way is a 502; bodies in OpenAI's error shape.
+400 naming `previous_response_id` for a continuation); its holder down (or, not found while
+some decode instance is down, perhaps its holder) is a 503 with `Retry-After`; an instance
+failing mid-way is a 502; bodies in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class ResponsesRoutes:
             return await self.c.route(PATH, raw, request)
         name = await self.holder(prev)
         if name is None:
+            if self._some_down():
+                return _down("an instance that is down", prev)
             msg = f"previous response {prev!r} was not found (not stored, or evicted)"
             return JSONResponse(error_body(msg, param="previous_response_id"), status_code=400)
         inst = self.c.cluster.instances.get(name)
@@ -61,6 +64,8 @@ class ResponsesRoutes:
         """GET /v1/responses/{rid}, POST .../cancel, DELETE: answered by its holder."""
         name = await self.holder(rid)
         if name is None:
+            if self._some_down():
+                return _down("an instance that is down", rid)
             body = error_body(f"response {rid!r} not found", "not_found_error")
             return JSONResponse(body, status_code=404)
         inst = self.c.cluster.instances.get(name)
@@ -95,6 +100,10 @@ class ResponsesRoutes:
 
         return StreamingResponse(relay(), status_code=resp.status_code, media_type=kind)
 
+    def _some_down(self) -> bool:
+        """Whether a decode-capable instance is down: it may hold what no other one does."""
+        return any(not i.healthy and i.role.decodes for i in self.c.cluster.instances.values())
+
     async def holder(self, rid: str) -> str | None:
         """The instance that holds response `rid`, remembered or asked for (None: none)."""
         cluster = self.c.cluster
@@ -127,6 +136,6 @@ def stream_error(message: str) -> bytes:
 
 
 def _down(name: str, rid: str) -> JSONResponse:
-    msg = f"the instance holding response {rid!r} ({name}) is down; try again shortly"
+    msg = f"response {rid!r} is held by {name}; try again shortly"
     return JSONResponse(error_body(msg, "service_unavailable"), status_code=503,
                         headers={"Retry-After": "2"})  # fmt: skip

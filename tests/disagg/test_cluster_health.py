@@ -327,6 +327,9 @@ def test_a_stored_response_is_read_where_it_is_and_its_holder_down_is_a_503() ->
                                                          "previous_response_id": "resp_1"})
             assert r.status_code == 503 and r.headers["Retry-After"]
             assert "d2:3" in r.json()["error"]["message"]
+            # Not found while a decode instance is down: perhaps there; not a 404 yet.
+            r = await client.get("/v1/responses/resp_9")
+            assert r.status_code == 503 and "down" in r.json()["error"]["message"]
         await cluster.http.aclose()
 
     asyncio.run(run())
