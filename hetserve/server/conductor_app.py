@@ -3,10 +3,11 @@ and `/v1/chat/completions` handed to `disagg.conductor.Conductor.route`, `/v1/mo
 `/health`, `/metrics`), behind the same guard as an instance (bearer key on /v1, body limit).
 Where the entrypoint gives it the other APIs the instances serve, it routes them too
 (Anthropic's /v1/messages, OpenAI's /v1/responses, Ollama's /api/chat and /api/generate; the
-rest of Ollama's routes answered by any instance). Its instances change while it runs through
-`/internal/instances` (GET lists, POST {"url", "role"} adds one that joins once it answers,
-DELETE .../NAME removes one) and SGLang router's `/add_worker?url=`, `/remove_worker?url=`
-and `/list_workers`, all behind the admin key (without one: callers on its machine only).
+rest of Ollama's routes and vLLM's /tokenize and /detokenize answered by any instance). Its
+instances change while it runs through `/internal/instances` (GET lists, POST {"url",
+"role"} adds one that joins once it answers, DELETE .../NAME removes one) and SGLang router's
+`/add_worker?url=`, `/remove_worker?url=` and `/list_workers`, all behind the admin key
+(without one: callers on its machine only).
 
 Who calls it: `entrypoints/conductor.py`. Failure contract: as the Conductor's (routes never
 raise for a client's input); `/health` answers 503 while no healthy instance can prefill or
@@ -185,6 +186,11 @@ def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
         async def ollama_other(request: Request):
             raw = await request.body()
             return await conductor.forward_any(request.url.path, raw, api=ollama)
+
+    @app.post("/tokenize", include_in_schema=False)  # vLLM's: any instance tokenizes alike
+    @app.post("/detokenize", include_in_schema=False)
+    async def tokenize(request: Request):
+        return await conductor.forward_any(request.url.path, await request.body())
 
     @app.post("/v1/messages", include_in_schema=False)  # where the entrypoint gave it
     async def messages(request: Request):

@@ -339,3 +339,15 @@ def test_ollama_through_the_cluster_answers_as_one_instance(cluster):
     with pytest.raises(ollama.ResponseError) as err:
         here.chat(model=model, messages=user, options={"num_predict": 0})
     assert err.value.status_code == 400 and "num_predict" in err.value.error
+
+
+def test_tokenize_through_the_cluster_is_an_instances(cluster):
+    _, _, _, running = cluster
+    parts = {p.name: p for p in running.parts}
+    base = running.endpoint.removesuffix("/v1")
+    for path, body in (("/tokenize", {"prompt": PROMPT}),
+                       ("/tokenize", {"messages": [{"role": "user", "content": PROMPT}]}),
+                       ("/detokenize", {"tokens": [5, 17, 230]})):  # fmt: skip
+        here = httpx.post(base + path, json=body, timeout=30)
+        alone = httpx.post(parts["decode-0"].url + path, json=body, timeout=30)
+        assert here.status_code == 200 and here.json() == alone.json(), here.text
