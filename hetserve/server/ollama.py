@@ -81,18 +81,27 @@ class OllamaServing:
     ):
         """`key`: the reply's field ('message' for /api/chat, 'response' for generate).
         `text`: a prompt sent as it is, no template (generate's raw, or with a suffix the
-        fill-in-the-middle prompt the model's FIM tokens make of it)."""
+        fill-in-the-middle prompt the model's FIM tokens make of it). Generate's `context`
+        (the ids an earlier answer gave back, deprecated by Ollama but sent by its clients)
+        goes in front of the prompt as its text; its answer (not raw) gives the ids of prompt
+        and reply back as `context`."""
         base = f"ollama-{int(time.time() * 1e6)}"
         t0, name = time.perf_counter(), self.name_of(body)
+        context = body.get("context") if key == "response" else None
+        if context:
+            if text is None:  # the template's prompt, after the earlier turns' text
+                text = await self.chat.prompt_of(openai_request(body, messages))
+            text = self.chat.tok.decode(context, skip_special_tokens=False) + text
         if text is None:
             req = openai_request(body, messages)
             streams, parsers, _ = await self.chat.prepare(base, req, request)
         else:
             req = openai_request(body, [{"role": "user", "content": text}])
             streams, parsers = await self._as_written(base, body, text, req, request)
+        context_back = key == "response" and not body.get("raw")
         if body.get("stream", True):
             return StreamingResponse(
-                self._lines(streams, parsers[0], name, key, t0),
+                self._lines(streams, parsers[0], name, key, t0, context_back),
                 media_type="application/x-ndjson",
             )
 
@@ -105,7 +114,8 @@ class OllamaServing:
             parsed = parsers[0].parse(c.text, final=True)
             calls = _ollama_calls(parsed)
             reply = self._reply(name, key, parsed.content, parsed.reasoning, calls)
-            return {**reply, **self._done(out, c, t0, first or time.perf_counter())}
+            done = self._done(out, c, t0, first or time.perf_counter(), context_back)
+            return {**reply, **done}
 
         return await self.chat.run_unless_disconnected(request, streams, collect())
 
@@ -141,9 +151,11 @@ class OllamaServing:
             out = {"message": msg}
         return {"model": name, "created_at": _now(), **out, "done": False}
 
-    def _done(self, out, c, t0: float, first: float) -> dict:
+    def _done(self, out, c, t0: float, first: float, context: bool = False) -> dict:
         end = time.perf_counter()
+        ids = {"context": [*out.prompt_token_ids, *c.token_ids]} if context else {}
         return {
+            **ids,
             "done": True,
             "done_reason": c.finish_reason if c.finish_reason != "abort" else "stop",
             "total_duration": int((end - t0) * 1e9),
@@ -154,7 +166,7 @@ class OllamaServing:
             "eval_duration": int((end - first) * 1e9),
         }
 
-    async def _lines(self, streams, parser, name: str, key: str, t0: float):
+    async def _lines(self, streams, parser, name: str, key: str, t0: float, context: bool):
         streamer = Streamer(parser)
         out = first = None
         try:
@@ -169,7 +181,8 @@ class OllamaServing:
             c = out.outputs[0]
             calls = _ollama_calls(streamer.sent)  # whole calls, as Ollama streams them
             final = self._reply(name, key, "", "", calls)
-            yield _line({**final, **self._done(out, c, t0, first or time.perf_counter())})
+            done = self._done(out, c, t0, first or time.perf_counter(), context)
+            yield _line({**final, **done})
         except Exception as exc:  # a stream ends with an error line, as Ollama's do
             yield _line({"error": str(exc)})
         finally:
@@ -279,6 +292,12 @@ def install_ollama_routes(app: FastAPI, serving: OllamaServing, engine, check_mo
         raw = typed(body.get("raw"), (bool,), "raw", "true or false")
         typed(body.get("suffix"), (str,), "suffix", "a string")
         no_images(body.get("images"), "images")
+        context = typed(body.get("context"), (list,), "context", "a list of token ids")
+        vocab = engine.engine.vocab_size
+        if context and not all(type(t) is int and 0 <= t < vocab for t in context):
+            raise InvalidInputError(f"context must hold token ids below {vocab}", "context")
+        if context and body.get("suffix"):
+            raise InvalidInputError("context does not go with suffix (insert)", "context")
         if not prompt:  # Ollama's way to load (or unload) a model
             return loaded(body, "response")
         if raw or body.get("suffix"):  # as written (raw), or filled in the middle (insert)

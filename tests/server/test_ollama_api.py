@@ -199,3 +199,26 @@ def test_images_are_refused_by_chat_and_generate(client):
 def test_keep_alive_takes_seconds_or_durations(client, keep_alive):
     r = client.chat(model="tiny", messages=USER, keep_alive=keep_alive, options={"num_predict": 1})
     assert r.done and r.eval_count == 1
+
+
+def test_generate_gives_back_its_context_and_continues_from_one(client, srv):
+    """Ollama's (deprecated, still sent) `context`: an answer's token ids, prompt and reply,
+    that a later generate puts in front of its own prompt as their text. Ignored before: a
+    client keeping a conversation this way lost it at every turn."""
+    opts = {"num_predict": 5, "temperature": 0}
+    first = client.generate(model="tiny", prompt="hello the model", options=opts)
+    assert len(first.context) == first.prompt_eval_count + first.eval_count
+    tok = srv.engine.engine.tokenizer
+    turn = tok.apply_chat_template([{"role": "user", "content": "and then"}], True)
+    want = tok.encode(tok.decode(first.context, skip_special_tokens=False) + turn)
+    again = client.generate(model="tiny", prompt="and then", options=opts, context=first.context)
+    assert again.prompt_eval_count == len(want) and again.context[: len(want)] == want
+    lines = list(client.generate(model="tiny", prompt="and then", options=opts, stream=True,
+                                 context=first.context))  # fmt: skip
+    assert lines[-1].context == again.context and not any(p.context for p in lines[:-1])
+    raw = client.generate(model="tiny", prompt="x", options=opts, raw=True)
+    assert not raw.context  # as Ollama: none for a raw prompt
+    for bad in (["a"], [10**9], [True]):
+        r = httpx.post(srv.url + "/api/generate", timeout=30,
+                       json={"model": "tiny", "prompt": "p", "context": bad, "stream": False})
+        assert r.status_code == 400 and "context" in r.json()["error"], r.text
