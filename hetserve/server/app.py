@@ -26,13 +26,11 @@ from hetserve.server.lora import install_lora_routes
 from hetserve.server.metrics import ServerMetrics
 from hetserve.server.ollama import OllamaServing, install_ollama_routes
 from hetserve.server.openapi import install_openapi
-from hetserve.server.protocol import (
-    ChatCompletionRequest,
-    UnsupportedFieldError,
-    parse_completion,
-)
+from hetserve.server.protocol import ChatCompletionRequest
+from hetserve.server.protocol_completion import parse_completion
 from hetserve.server.responses import ResponsesServing, install_responses_routes
 from hetserve.server.tokenize import install_tokenize_routes
+from hetserve.server.validation import UnsupportedFieldError
 
 MAX_BODY_BYTES = 8 << 20
 SERVED_APIS = (

@@ -10,7 +10,7 @@ from fastapi import Request
 
 from hetserve.core.outputs import RequestOutput
 from hetserve.errors import InvalidInputError
-from hetserve.server.protocol import CompletionRequest
+from hetserve.server.protocol_completion import CompletionRequest
 from hetserve.server.serving import (
     OpenAIServing,
     chunk_writer,

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from hetserve.engine.async_llm import EngineDeadError, EngineRequestError
 from hetserve.errors import HetserveError, InvalidInputError
-from hetserve.server.protocol import UnsupportedFieldError
+from hetserve.server.validation import UnsupportedFieldError
 
 log = logging.getLogger(__name__)
 

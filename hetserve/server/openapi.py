@@ -16,10 +16,8 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from hetserve.server.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from hetserve.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-)
+from hetserve.server.protocol import ChatCompletionRequest
+from hetserve.server.protocol_completion import CompletionRequest
 
 
 class ErrorDetail(BaseModel):

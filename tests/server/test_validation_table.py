@@ -16,7 +16,7 @@ import pytest
 
 from hetserve.config import SchedulerConfig
 from hetserve.errors import InvalidInputError
-from hetserve.server.protocol import CompletionRequest
+from hetserve.server.protocol_completion import CompletionRequest
 from hetserve.server.serving import OpenAIServing
 
 C, M = "/v1/completions", "/v1/chat/completions"
