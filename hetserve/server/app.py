@@ -276,7 +276,8 @@ def create_app(
         return check_model(req.model) or await chat.create(req, request)
 
     install_ollama_routes(app, OllamaServing(chat, model_name), engine, check_model)
-    install_responses_routes(app, ResponsesServing(chat), check_model)
+    app.state.responses = ResponsesServing(chat)
+    install_responses_routes(app, app.state.responses, check_model)
     install_tokenize_routes(app, chat, check_model)
     install_anthropic_routes(app, AnthropicServing(chat), check_model)
     install_lora_routes(app, engine, model_name, lora_runtime_updates)

@@ -106,6 +106,11 @@ class ResponsesServing:
                 "store: false)",
                 "background",
             )
+        if background and self.runs.running() >= self.runs.max_running:
+            msg = (f"{self.runs.max_running} background responses are running; wait for one "
+                   "to end (or cancel one)")  # fmt: skip
+            return JSONResponse(error_body(msg, "rate_limit_error"), status_code=429,
+                                headers={"Retry-After": "1"})  # fmt: skip
         rid = f"resp_{uuid.uuid4().hex}"
         session = session or rid  # the chain's blocks outlive each turn for the session TTL
         while True:

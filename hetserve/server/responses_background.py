@@ -11,7 +11,9 @@ and `POST /v1/responses/{id}/cancel` stops it (its requests are aborted, their K
 at the engine's next step) and answers it `cancelled`; cancelling one that ended answers it as
 it ended. A client that disconnects stops nothing: that is what background is for.
 
-Bounds: the runs' events are kept for the newest `keep` runs (their responses stay in the
+Bounds: at most `max_running` run at once (one more is a 429 with Retry-After: a client could
+otherwise queue work without end, no connection held); the runs' events are kept for the
+newest `keep` runs (their responses stay in the
 response store as any other); an older run's events are gone and streaming it again is a 400
 naming why. Failure contract: an engine failure ends the run `failed` with the error in the
 response (never an exception to a caller); a request for events of a response that did not run
@@ -28,6 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 MAX_KEPT_RUNS = 64
+MAX_RUNNING = 256  # background responses generating at once; one more is a 429
 ENDED = ("completed", "incomplete", "failed", "cancelled")
 
 
@@ -97,8 +100,8 @@ class BackgroundRun:
 class BackgroundRuns:
     """The runs whose events are kept: every unfinished one, and the newest `keep` ended."""
 
-    def __init__(self, keep: int = MAX_KEPT_RUNS) -> None:
-        self.keep = keep
+    def __init__(self, keep: int = MAX_KEPT_RUNS, max_running: int = MAX_RUNNING) -> None:
+        self.keep, self.max_running = keep, max_running
         self._runs: OrderedDict[str, BackgroundRun] = OrderedDict()
 
     def add(self, run: BackgroundRun) -> None:

@@ -117,6 +117,27 @@ def test_a_background_response_is_cancelled_and_its_blocks_freed(client, server,
     assert stats.kv_blocks_used == 0 and stats.num_running == 0
 
 
+def test_background_responses_running_at_once_are_bounded(client, server, release):
+    """Nothing bounded them: a client could queue generations without end, holding no
+    connection. One over the bound is a 429 with Retry-After; a foreground one still runs."""
+    serving_runs = server.server.config.app.state.responses.runs
+    bound = serving_runs.max_running
+    serving_runs.max_running = 1
+    try:
+        r = client.responses.create(model="tiny", input="hello the", max_output_tokens=200,
+                                    background=True)  # fmt: skip
+        wait_for(client, r.id, statuses=("in_progress",))
+        with pytest.raises(openai.RateLimitError) as err:
+            client.responses.create(model="tiny", input="again", background=True)
+        assert err.value.response.headers["Retry-After"] == "1"
+        assert "1 background responses are running" in err.value.body["message"]
+        client.responses.cancel(r.id)
+    finally:
+        serving_runs.max_running = bound
+        release.set()
+    assert server.wait_idle().kv_blocks_used == 0
+
+
 def test_background_mistakes_are_400s_and_404s(client, server):
     url = server.url + "/v1/responses"
     r = httpx.post(url, json={"model": "tiny", "input": "hi", "background": True,
