@@ -16,11 +16,13 @@ none can decode.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
 from urllib.parse import urlsplit
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
@@ -132,8 +134,60 @@ def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
         card.pop("root", None)  # an instance's path means nothing to the Conductor's clients
         if "display_name" in card:  # Anthropic's field, for the name the Conductor lists
             card["display_name"] = model_name
-        return {"object": "list", "data": [card], "has_more": False, "first_id": model_name,
-                "last_id": model_name}  # fmt: skip
+        cards = [card] + [{**a, "parent": model_name} for a in await adapters()]
+        for c in cards[1:]:
+            c.pop("root", None)
+        return {"object": "list", "data": cards, "has_more": False, "first_id": model_name,
+                "last_id": cards[-1]["id"]}  # fmt: skip
+
+    async def adapters() -> list[dict]:
+        """The LoRA adapters the instances serve, as one of them lists them (none if none
+        answers)."""
+        for inst in [i for i in cluster.instances.values() if i.healthy]:
+            try:
+                r = await cluster.http.get(inst.url + "/v1/models", timeout=10)
+                listed = r.json()["data"] if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                continue
+            if isinstance(listed, list):
+                return [c for c in listed if isinstance(c, dict) and c.get("parent")]
+        return []
+
+    @app.post("/v1/load_lora_adapter", include_in_schema=False)
+    @app.post("/v1/unload_lora_adapter", include_in_schema=False)
+    async def lora(request: Request):
+        """vLLM's runtime adapter routes, to every instance: a cluster serves an adapter
+        wherever a request for it lands."""
+        raw, path = await request.body(), request.url.path
+        targets = [i for i in cluster.instances.values() if i.healthy]
+        if not targets:
+            return JSONResponse(error_body("no healthy instance", "service_unavailable"),
+                                status_code=503)  # fmt: skip
+
+        async def send(inst) -> tuple[str, int, bytes]:
+            try:
+                r = await cluster.http.post(inst.url + path, content=raw, timeout=300,
+                                            headers={"content-type": "application/json"})
+            except httpx.HTTPError as exc:
+                return inst.name, 502, str(exc).encode()
+            return inst.name, r.status_code, r.content
+
+        answers = await asyncio.gather(*(send(i) for i in targets))
+        failed = [(name, code, body) for name, code, body in answers if code >= 300]
+        if not failed:
+            return PlainTextResponse(f"{answers[0][2].decode(errors='replace')} (on "
+                                     f"{len(answers)} instances)")  # fmt: skip
+        name, code, body = failed[0]
+        done = len(answers) - len(failed)
+        try:
+            detail = json.loads(body)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            detail = body.decode(errors="replace")[:300]
+        msg = f"{len(failed)} of {len(answers)} instances refused ({name}: {detail})"
+        if done:
+            msg += f"; {done} did it"
+        return JSONResponse(error_body(msg, "invalid_request_error" if code < 500 else
+                                       "server_error"), status_code=code)  # fmt: skip
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():

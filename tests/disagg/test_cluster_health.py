@@ -333,3 +333,57 @@ def test_a_stored_response_is_read_where_it_is_and_its_holder_down_is_a_503() ->
         await cluster.http.aclose()
 
     asyncio.run(run())
+
+
+def test_lora_adapters_are_loaded_on_every_instance_and_listed() -> None:
+    """vLLM's runtime adapter routes were 404s at the Conductor, and its /v1/models listed the
+    base model alone: a cluster's adapters could be neither loaded nor found through it."""
+    from hetserve.disagg.conductor import Conductor, ConductorConfig
+    from hetserve.disagg.policy import Router, RouterConfig
+    from hetserve.server.conductor_app import create_conductor_app
+
+    posted: list[tuple[str, str]] = []
+    refuse = {"host": None}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [
+                {"id": "base", "root": "/m"},
+                {"id": "sql", "root": "/adapters/sql", "parent": "base"}]})  # fmt: skip
+        if request.url.path.endswith("_lora_adapter"):
+            posted.append((host, request.url.path))
+            if host == refuse["host"]:
+                return httpx.Response(400, json={"error": {"message": "already loaded"}})
+            return httpx.Response(200, text="Success: LoRA adapter 'sql' added successfully.")
+        return httpx.Response(404)
+
+    async def run() -> None:
+        cluster = Cluster([])
+        cluster.http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        for url, role in (("http://p:1", "prefill"), ("http://d:2", "decode")):
+            inst = cluster._instance(url, None, {**INFO, "role": role})
+            cluster.instances[inst.name] = inst
+        cluster.model_card = {"id": "base", "root": "/m", "max_model_len": 256}
+        app = create_conductor_app(
+            Conductor(cluster, Router(RouterConfig()), None, ConductorConfig()), "listed"
+        )
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
+            cards = (await client.get("/v1/models")).json()["data"]
+            assert [(c["id"], c.get("parent")) for c in cards] == [("listed", None),
+                                                                  ("sql", "listed")]
+            assert not any("root" in c for c in cards)  # the instances' paths stay theirs
+            body = {"lora_name": "sql", "lora_path": "/adapters/sql"}
+            r = await client.post("/v1/load_lora_adapter", json=body)
+            assert r.status_code == 200 and "(on 2 instances)" in r.text
+            assert sorted(posted) == [("d", "/v1/load_lora_adapter"),
+                                      ("p", "/v1/load_lora_adapter")]  # fmt: skip
+            refuse["host"] = "d"
+            r = await client.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
+            assert r.status_code == 400
+            assert r.json()["error"]["message"] == (
+                "1 of 2 instances refused (d:2: already loaded); 1 did it")
+        await cluster.http.aclose()
+
+    asyncio.run(run())
