@@ -145,7 +145,7 @@ def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
         answers)."""
         for inst in [i for i in cluster.instances.values() if i.healthy]:
             try:
-                r = await cluster.http.get(inst.url + "/v1/models", timeout=10)
+                r = await cluster.http.get(inst.url + "/v1/models", timeout=2)
                 listed = r.json()["data"] if r.status_code == 200 else None
             except (httpx.HTTPError, ValueError, KeyError, TypeError):
                 continue
