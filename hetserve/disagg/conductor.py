@@ -38,6 +38,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hetserve.core.block_hash import salt_extra
+from hetserve.disagg.adapters import Adapters
 from hetserve.disagg.bodies import flag, int_field, is_int, output_limit, text_of
 from hetserve.disagg.instances import Cluster
 from hetserve.disagg.policy import Decision, RequestInfo, Router
@@ -116,6 +117,7 @@ class Conductor:
         self.render_chat: Callable[[Mapping[str, Any]], str] | None = None
         # Other APIs' routes it serves, by path (the entrypoint gives Anthropic's).
         self.apis: dict[str, OtherAPI] = {}
+        self.adapters = Adapters(cluster)  # LoRA adapters' content ids, for hashing
         self.started = time.monotonic()
         self.counts: dict[str, int] = {}
         self.ttft: list[tuple[float, float]] = []  # (predicted, measured) seconds, recent
@@ -172,6 +174,9 @@ class Conductor:
         if isinstance(keep, int) and not isinstance(keep, bool) and 0 < keep < len(ids):
             ids = ids[-keep:]
         extra = salt_extra(body.get("cache_salt"))  # in every block hash, as the instances do
+        lora = self.adapters.id_of(body.get("model"))
+        if lora is not None:  # no KV is shared across adapters: the instances hash it in
+            extra = (*extra, f"lora:{lora}")
         bs, seed = self.cluster.block_size, self.cluster.hash_seed
         hashes = hash_prefix_digests(ids, bs, extra, seed)
         req = RequestInfo(
@@ -243,6 +248,7 @@ class Conductor:
                 chat = api.to_chat(body)
             except Exception:  # noqa: BLE001 (refused: the instance answers its own 400)
                 chat = {}
+        await self.adapters.learn(body.get("model"), self.config.model_alias)
         decision, req = self.decide(CHAT if api is not None else path, chat, arrived=t0)
         if decision.rejected:
             self._count("rejected")

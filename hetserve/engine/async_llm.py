@@ -190,6 +190,10 @@ class AsyncLLM:
         """Loaded LoRA adapters: name -> directory (empty without LoRA support)."""
         return {} if self.engine.lora is None else self.engine.lora.adapters()
 
+    def lora_ids(self) -> dict[str, str]:
+        """Loaded LoRA adapters: name -> content id (a Conductor hashes their prefixes so)."""
+        return {} if self.engine.lora is None else self.engine.lora.ids()
+
     def load_lora(self, name: str, path: str) -> None:
         """Load a PEFT adapter directory under `name` (reads files: call it off the loop)."""
         if self.engine.lora is None:

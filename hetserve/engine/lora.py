@@ -140,6 +140,11 @@ class LoRAManager:
         with self._lock:
             return dict(self._paths)
 
+    def ids(self) -> dict[str, str]:
+        """Loaded adapter names -> their content ids (in their requests' block hashes)."""
+        with self._lock:
+            return dict(self._names)
+
     def _check(self, adapter: LoRAAdapter) -> None:
         where = f"LoRA adapter {str(adapter.path)!r}"
         if adapter.rank > self.max_rank:

@@ -261,7 +261,9 @@ def create_app(
             }
 
         cards = [card(model_name, str(engine.model_dir), None)]
-        cards += [card(n, path, model_name) for n, path in engine.lora_adapters().items()]
+        ids = engine.lora_ids()  # hetserve's: the content id its requests' blocks are hashed by
+        cards += [card(n, path, model_name) | {"lora_id": ids.get(n)}
+                  for n, path in engine.lora_adapters().items()]  # fmt: skip
         return {"object": "list", "data": cards, "has_more": False,
                 "first_id": cards[0]["id"], "last_id": cards[-1]["id"]}  # fmt: skip
 

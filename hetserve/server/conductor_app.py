@@ -141,17 +141,9 @@ def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
                 "last_id": cards[-1]["id"]}  # fmt: skip
 
     async def adapters() -> list[dict]:
-        """The LoRA adapters the instances serve, as one of them lists them (none if none
-        answers)."""
-        for inst in [i for i in cluster.instances.values() if i.healthy]:
-            try:
-                r = await cluster.http.get(inst.url + "/v1/models", timeout=2)
-                listed = r.json()["data"] if r.status_code == 200 else None
-            except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                continue
-            if isinstance(listed, list):
-                return [c for c in listed if isinstance(c, dict) and c.get("parent")]
-        return []
+        """The LoRA adapters the instances serve, as one of them lists them."""
+        return [{k: v for k, v in c.items() if k != "lora_id"}
+                for c in await conductor.adapters.refresh()]  # fmt: skip
 
     @app.post("/v1/load_lora_adapter", include_in_schema=False)
     @app.post("/v1/unload_lora_adapter", include_in_schema=False)
@@ -173,6 +165,7 @@ def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
             return inst.name, r.status_code, r.content
 
         answers = await asyncio.gather(*(send(i) for i in targets))
+        await conductor.adapters.refresh()  # their content ids, for hashing their requests
         failed = [(name, code, body) for name, code, body in answers if code >= 300]
         if not failed:
             return PlainTextResponse(f"{answers[0][2].decode(errors='replace')} (on "

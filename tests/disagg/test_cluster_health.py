@@ -9,6 +9,7 @@ import pytest
 from hetserve.config import Role
 from hetserve.disagg.costs import DecodeFit, InstanceProfile, PrefillFit, profile_to_dict
 from hetserve.disagg.instances import Cluster, ClusterError
+from hetserve.native.hash_chain import hash_prefix_digests
 
 PROFILE = profile_to_dict(
     InstanceProfile("t", PrefillFit(0.001, 0.0001, 0.0), DecodeFit(0.01, 0.001, 0.0), 1000)
@@ -350,7 +351,8 @@ def test_lora_adapters_are_loaded_on_every_instance_and_listed() -> None:
         if request.url.path == "/v1/models":
             return httpx.Response(200, json={"data": [
                 {"id": "base", "root": "/m"},
-                {"id": "sql", "root": "/adapters/sql", "parent": "base"}]})  # fmt: skip
+                {"id": "sql", "root": "/adapters/sql", "parent": "base",
+                 "lora_id": "c0ffee"}]})  # fmt: skip
         if request.url.path.endswith("_lora_adapter"):
             posted.append((host, request.url.path))
             if host == refuse["host"]:
@@ -365,9 +367,11 @@ def test_lora_adapters_are_loaded_on_every_instance_and_listed() -> None:
             inst = cluster._instance(url, None, {**INFO, "role": role})
             cluster.instances[inst.name] = inst
         cluster.model_card = {"id": "base", "root": "/m", "max_model_len": 256}
-        app = create_conductor_app(
-            Conductor(cluster, Router(RouterConfig()), None, ConductorConfig()), "listed"
-        )
+        cluster.block_size, cluster.hash_seed = 16, b""
+        hashed: list[list[bytes]] = []
+        conductor = Conductor(cluster, Router(RouterConfig()), None, ConductorConfig(),
+                              holdings=lambda hs: hashed.append(list(hs)) or {})  # fmt: skip
+        app = create_conductor_app(conductor, "listed")
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
             cards = (await client.get("/v1/models")).json()["data"]
@@ -384,6 +388,15 @@ def test_lora_adapters_are_loaded_on_every_instance_and_listed() -> None:
             assert r.status_code == 400
             assert r.json()["error"]["message"] == (
                 "1 of 2 instances refused (d:2: already loaded); 1 did it")
+            # An adapter request's blocks are hashed as the instances hash them: with the
+            # adapter's content id (no KV is shared across adapters), the base's without.
+            ids = list(range(1, 41))
+            for model, extra in (("sql", ("lora:c0ffee",)), ("base", ())):
+                conductor.adapters.ids.clear()  # learned again from an instance's cards
+                conductor.adapters._asked = -1e9
+                await client.post("/v1/completions", json={"model": model, "prompt": ids})
+                want = [h.digest for h in hash_prefix_digests(ids, 16, extra, b"")]
+                assert hashed[-1] == want, model
         await cluster.http.aclose()
 
     asyncio.run(run())

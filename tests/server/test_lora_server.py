@@ -62,6 +62,8 @@ def test_models_lists_adapters_as_vllm(setup):
     cards = {c["id"]: c for c in httpx.get(srv.url + "/v1/models").json()["data"]}
     assert cards["tiny"]["parent"] is None and cards["tiny"]["root"] == str(base)
     assert cards["sql"]["parent"] == "tiny" and cards["sql"]["root"] == str(sql)
+    # hetserve's: the content id its requests' blocks are hashed with (a Conductor needs it)
+    assert cards["sql"]["lora_id"] == srv.engine.lora_ids()["sql"] and cards["sql"]["lora_id"]
 
 
 def test_unknown_model_is_404_json(setup):
