@@ -2,6 +2,8 @@
 and every step, prompts never starved by decodes, prefills in priority order, preempted
 requests before new ones. No model: a step "samples" token 7 for every sequence it ends."""
 
+import random
+
 from hetserve.config import SchedulerConfig
 from hetserve.core.request import Request, RequestStatus
 from hetserve.core.sampling import SamplingParams
@@ -28,7 +30,11 @@ def make(max_step_ms=30.0, num_blocks=512, policy="fcfs", **cfg) -> Scheduler:
 
 def request(rid: str, prompt_len: int, max_tokens: int = 64, arrival=0.0, priority=0) -> Request:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    prompt = [1 + (hash(rid) + i) % 500 for i in range(prompt_len)]
+    # Its own tokens, the same in every run. (They were an offset of hash(rid), which Python
+    # salts per process: one run in 500 gave two prompts the same tokens, the second then
+    # found the first's blocks cached and the priority test failed in CI.)
+    rng = random.Random(rid)
+    prompt = [rng.randrange(1, 500) for _ in range(prompt_len)]
     return Request(rid, prompt, params, arrival_time=arrival, priority=priority)
 
 
