@@ -120,13 +120,7 @@ class PartsLauncher:
         or of a listener on port 0: seen once in CI, "cannot listen on 127.0.0.1:37163 (in
         use)"); then it gets another, which the parts built after it see."""
         for attempt in range(PORT_TRIES):
-            if part.chosen and not part.port:
-                part.port = self._free_port(part)
-            if part.build is not None:
-                part.cmd = part.build(part)
-            if part.http:
-                part.url = f"http://{bracket(reach(part.host))}:{part.port}"
-            self._spawn(part)
+            self._launch(part)
             self.running.parts.append(part)
             try:
                 self._wait(part)
@@ -165,11 +159,20 @@ class PartsLauncher:
             elif now >= part.restart_at:
                 part.restart_at = None
                 part.restarts += 1
-                if part.build is not None:  # the Conductor: the instances where they are now
-                    part.cmd = part.build(part)
-                self._spawn(part, append=True)
+                self._launch(part, append=True)  # a Conductor: the instances where they are now
                 said.append(f"{part.name} started again (restart {part.restarts}, log {part.log})")
         return said
+
+    def _launch(self, part: Part, append: bool = False) -> None:
+        """Spawn `part` where it is placed: on a free port if it has none, its command built
+        now (the parts it names, where they are now)."""
+        if part.chosen and not part.port:
+            part.port = self._free_port(part)
+        if part.build is not None:
+            part.cmd = part.build(part)
+        if part.http:
+            part.url = f"http://{bracket(reach(part.host))}:{part.port}"
+        self._spawn(part, append)
 
     def _wait(self, part: Part) -> None:
         deadline = time.monotonic() + self.ready_timeout_s

@@ -297,13 +297,9 @@ class RayLauncher(PartsLauncher):
             try:
                 _, part.host = self.ray.get(ref)
                 self.actors[part.name] = actor
-                part.port = self._free_port(part)
-                assert part.build is not None
-                part.cmd = part.build(part)
-                part.url = f"http://{part.address}"
+                part.port, part.restart_at, part.backoff_s = 0, None, 0.0
                 part.restarts += 1
-                part.restart_at, part.backoff_s = None, 0.0
-                self._spawn(part, append=True)
+                self._launch(part, append=True)  # a free port on its new node
             except self.ray.exceptions.RayError as exc:  # that node went too: place it again
                 said.append(f"{part.name}: could not start on its new node ({exc}); placing "
                             "it again")  # fmt: skip
