@@ -82,14 +82,16 @@ class ConductorConfig:
     model_alias: tuple[str, str] | None = None
 
 
-def _error(
+def error_response(
     status: int,
     message: str,
     kind: str,
     headers: dict[str, str] | None = None,
     shape: Callable[[dict], dict] | None = None,
-):
-    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    param: str | None = None,
+) -> JSONResponse:
+    """The Conductor's own answer in OpenAI's error shape (or an API's, by `shape`)."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
     return JSONResponse(shape(body) if shape else body, status_code=status, headers=headers)
 
 
@@ -240,7 +242,7 @@ class Conductor:
             if not isinstance(body, dict):
                 raise ValueError("not an object")
         except ValueError:
-            return _error(400, "request body is not a JSON object", "invalid_request_error",
+            return error_response(400, "request body is not a JSON object", "invalid_request_error",
                           shape=shape)  # fmt: skip
         chat = body  # the chat request it means: what is hashed and prefilled
         if api is not None:
@@ -255,9 +257,10 @@ class Conductor:
             retry = str(int(decision.retry_after_s or 1))
             if decision.unavailable:  # not the client's rate: the cluster is down
                 msg = f"the cluster cannot serve requests now: {decision.reject_reason}"
-                return _error(503, msg, "service_unavailable", {"Retry-After": retry}, shape)
+                return error_response(503, msg, "service_unavailable", {"Retry-After": retry},
+                                      shape)  # fmt: skip
             msg = f"the cluster cannot serve this request in time: {decision.reject_reason}"
-            return _error(429, msg, "rate_limit_error", {"Retry-After": retry}, shape)
+            return error_response(429, msg, "rate_limit_error", {"Retry-After": retry}, shape)
         new = max(req.num_tokens - decision.cached_tokens, 1)
         # A hand-off carries one prompt's KV for one sequence: several prompts (or choices)
         # in one request are served where they decode.
@@ -355,7 +358,7 @@ class Conductor:
                     self._log_answer(request_id, first_token=False)
                     msg = f"no instance could take the request: {exc}"
                     shape = api.error_shape if api is not None else None
-                    return _error(503, msg, "server_error", shape=shape)
+                    return error_response(503, msg, "server_error", shape=shape)
                 name, body = other, {k: v for k, v in body.items() if k != "kv_handoff"}
                 continue
             return await self._relay(resp, request, d, t0, request_id, api)
@@ -370,7 +373,7 @@ class Conductor:
         shape = api.error_shape if api is not None else None
         alive = [i for i in self.cluster.instances.values() if i.healthy]
         if not alive:
-            return _error(503, "no healthy instance", "service_unavailable", shape=shape)
+            return error_response(503, "no healthy instance", "service_unavailable", shape=shape)
         inst = min(alive, key=lambda i: (i.state().queued_requests, i.name))
         try:
             r = await self.cluster.http.request(
@@ -379,7 +382,7 @@ class Conductor:
             )  # fmt: skip
         except httpx.HTTPError as exc:
             self.cluster.mark_down(inst.name)
-            return _error(503, f"the instance failed: {exc}", "server_error", shape=shape)
+            return error_response(503, f"the instance failed: {exc}", "server_error", shape=shape)
         return Response(r.content, status_code=r.status_code,
                         media_type=r.headers.get("content-type"))  # fmt: skip
 

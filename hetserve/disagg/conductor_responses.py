@@ -28,12 +28,9 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from hetserve.disagg.conductor import error_response
+
 PATH = "/v1/responses"
-
-
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None):
-    """OpenAI's error shape (as the instances answer)."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
 class ResponsesRoutes:
@@ -54,7 +51,7 @@ class ResponsesRoutes:
             if self._some_down():
                 return _down("an instance that is down", prev)
             msg = f"previous response {prev!r} was not found (not stored, or evicted)"
-            return JSONResponse(error_body(msg, param="previous_response_id"), status_code=400)
+            return error_response(400, msg, "invalid_request_error", param="previous_response_id")
         inst = self.c.cluster.instances.get(name)
         if inst is None or not inst.healthy:  # down, or removed while it was asked for
             return _down(name, prev)
@@ -66,8 +63,7 @@ class ResponsesRoutes:
         if name is None:
             if self._some_down():
                 return _down("an instance that is down", rid)
-            body = error_body(f"response {rid!r} not found", "not_found_error")
-            return JSONResponse(body, status_code=404)
+            return error_response(404, f"response {rid!r} not found", "not_found_error")
         inst = self.c.cluster.instances.get(name)
         if inst is None or not inst.healthy:  # down, or removed while it was asked for
             return _down(name, rid)
@@ -79,8 +75,7 @@ class ResponsesRoutes:
             resp = await http.send(req, stream=True)
         except httpx.HTTPError as exc:
             self.c.cluster.mark_down(name)
-            return JSONResponse(error_body(f"its instance failed: {exc}", "server_error"),
-                                status_code=502)  # fmt: skip
+            return error_response(502, f"its instance failed: {exc}", "server_error")
         if method == "DELETE" and resp.status_code == 200:
             self.holders.pop(rid, None)
         kind = resp.headers.get("content-type", "")
@@ -137,5 +132,4 @@ def stream_error(message: str) -> bytes:
 
 def _down(name: str, rid: str) -> JSONResponse:
     msg = f"response {rid!r} is held by {name}; try again shortly"
-    return JSONResponse(error_body(msg, "service_unavailable"), status_code=503,
-                        headers={"Retry-After": "2"})  # fmt: skip
+    return error_response(503, msg, "service_unavailable", {"Retry-After": "2"})
