@@ -122,11 +122,15 @@ class Guard:
         await self.app(scope, limited_receive, send)
 
     def _authorized(self, headers: dict) -> bool:
-        auth = headers.get(b"authorization", b"").decode("latin-1")
-        token = auth[7:] if auth.lower().startswith("bearer ") else ""
+        token = bearer(headers.get(b"authorization", b"").decode("latin-1"))
         if not token:  # Anthropic's SDKs send the key as x-api-key
             token = headers.get(b"x-api-key", b"").decode("latin-1")
         return hmac.compare_digest(token.encode(), self.api_key.encode())
+
+
+def bearer(authorization: str) -> str:
+    """The token of an `Authorization: Bearer TOKEN` header's value ("" if none)."""
+    return authorization[7:] if authorization.lower().startswith("bearer ") else ""
 
 
 def _shaped(path: str, body: dict) -> dict:

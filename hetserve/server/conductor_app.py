@@ -32,7 +32,7 @@ from hetserve.disagg.conductor import Conductor
 from hetserve.disagg.conductor_responses import ResponsesRoutes
 from hetserve.disagg.instances import ClusterError
 from hetserve.errors import InvalidInputError
-from hetserve.server.app import Guard
+from hetserve.server.app import Guard, bearer
 from hetserve.server.errors import error_body
 
 # Their routes check the admin key themselves (`refused`).
@@ -50,8 +50,7 @@ def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
         """Who may change the instances: a holder of the admin key; without one configured, a
         caller on this machine (with the clients' key, if there is one). A client's key alone
         must not: it could add an instance of its own and be sent others' prompts."""
-        auth = request.headers.get("authorization", "")
-        token = auth[7:] if auth.lower().startswith("bearer ") else ""
+        token = bearer(request.headers.get("authorization", ""))
         admin, client = conductor.config.admin_key, conductor.config.api_key
         if admin:
             if hmac.compare_digest(token.encode(), admin.encode()):

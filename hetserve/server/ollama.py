@@ -30,6 +30,7 @@ from hetserve.server.chat import ChatServing
 from hetserve.server.completions import NO_FIM
 from hetserve.server.ollama_input import (
     check_fields,
+    generate_messages,
     keep_alive_seconds,
     no_images,
     openai_messages,
@@ -302,9 +303,7 @@ def install_ollama_routes(app: FastAPI, serving: OllamaServing, engine, check_mo
             return loaded(body, "response")
         if raw or body.get("suffix"):  # as written (raw), or filled in the middle (insert)
             return await serving.run(body, [], request, "response", text=prompt)
-        messages = [{"role": "system", "content": system}] if system else []
-        messages.append({"role": "user", "content": prompt})
-        return await serving.run(body, messages, request, "response")
+        return await serving.run(body, generate_messages(system, prompt), request, "response")
 
     @app.post("/api/embed")
     @app.post("/api/embeddings")

@@ -199,8 +199,13 @@ def conductor_chat_body(body: dict[str, Any], generate: bool = False) -> dict[st
         system = typed(body.get("system"), (str,), "system", "a string")
         if body.get("raw") or body.get("suffix"):
             raise InvalidInputError("a prompt as written is no chat turn", "raw")
-        messages = [{"role": "system", "content": system}] if system else []
-        messages += [{"role": "user", "content": prompt}] if prompt else []
+        messages = generate_messages(system, prompt) if prompt else []
     if not messages:
         raise InvalidInputError("a load or unload call generates nothing", "messages")
     return openai_body(body, messages)
+
+
+def generate_messages(system: str | None, prompt: str) -> list[dict]:
+    """The chat turn an /api/generate prompt (with its `system`) is rendered as."""
+    messages = [{"role": "system", "content": system}] if system else []
+    return [*messages, {"role": "user", "content": prompt}]
