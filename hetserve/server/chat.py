@@ -19,6 +19,7 @@ from hetserve.core.outputs import CompletionOutput
 from hetserve.core.sampling import SamplingParams
 from hetserve.engine.async_llm import AsyncLLM
 from hetserve.errors import InvalidInputError
+from hetserve.server.beam_serving import search_beams
 from hetserve.server.protocol import ChatCompletionRequest
 from hetserve.server.serving import OpenAIServing, chunk_writer, merge
 from hetserve.server.tool_calls import (
@@ -131,7 +132,7 @@ class ChatServing(OpenAIServing):
         """vLLM's beam search (core/beam_search.py): n beams, best first, each read by the
         choice parser as a sampled reply is (reasoning, tool calls)."""
         prompt, ids = await self._prompt_ids(req)
-        ids, beams = await self.beams(req, ids, base, request)
+        ids, beams = await search_beams(self, req, ids, base, request)
         plan = req.tool_plan
         keep_specials = needs_special_tokens(plan, self.tool_parser, self.reasoning_parser)
         choices, reasoning, completion = [], [], 0

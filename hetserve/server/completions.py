@@ -10,6 +10,7 @@ from fastapi import Request
 
 from hetserve.core.outputs import RequestOutput
 from hetserve.errors import InvalidInputError
+from hetserve.server.beam_serving import search_beams
 from hetserve.server.protocol_completion import CompletionRequest
 from hetserve.server.serving import (
     OpenAIServing,
@@ -49,7 +50,7 @@ class CompletionServing(OpenAIServing):
 
     async def _beams(self, req: CompletionRequest, base: str, prompts, request: Request) -> dict:
         """vLLM's beam search (core/beam_search.py): n beams per prompt, best first."""
-        found = await asyncio.gather(*(self.beams(req, ids, f"{base}-{i}", request)
+        found = await asyncio.gather(*(search_beams(self, req, ids, f"{base}-{i}", request)
                                        for i, (_, ids) in enumerate(prompts)))  # fmt: skip
         choices, completion = [], 0
         for i, (ids, beams) in enumerate(found):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
 import json
 import re
 import time
@@ -26,7 +25,6 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from hetserve.config import SchedulingPolicy
-from hetserve.core.beam_search import Beam, likeliest, search
 from hetserve.core.block_hash import salt_extra
 from hetserve.core.outputs import RequestOutput
 from hetserve.core.request import HandoffPath, HandoffRole, KVHandoff, NewRequest
@@ -224,47 +222,6 @@ class OpenAIServing:
         if keep == -1:
             keep = self.engine.max_model_len
         return ids[-keep:] if keep is not None and len(ids) > keep else ids
-
-    async def beams(
-        self, req, ids: list[int], base: str, request: Request
-    ) -> tuple[list[int], list[Beam]]:
-        """vLLM's beam search from prompt `ids` (core/beam_search.py): the prompt as searched
-        (truncated as asked) and `req.n` beams, best first. Each step queues one greedy
-        one-token request per live beam and gives its blocks back in a finally (a client that
-        leaves stops the search)."""
-        self.check_priority(req)
-        ids = self.kept(req, ids)
-        room = self.engine.max_model_len - len(ids)
-        if room < 1:
-            raise PromptTooLongError(
-                f"prompt ({len(ids)} tokens) leaves no room for output in the model's context "
-                f"of {self.engine.max_model_len} tokens; shorten it"
-            )
-        self.check_room(req, len(ids))
-        stops = frozenset(self.engine.engine.eos_ids) | frozenset(req.stop_token_ids or ())
-        limit, _ = req.output_limit()
-        steps = itertools.count()
-
-        async def expand(beams: list[list[int]], k: int) -> list[list[tuple[int, float]]]:
-            step = next(steps)
-            params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, ignore_eos=True)
-            streams = []
-            try:
-                for i, tokens in enumerate(beams):
-                    new = NewRequest(f"{base}-{step}-{i}", tokens, params, priority=req.priority,
-                                     arrival_time=arrival_time(request),
-                                     session_id=req.session_id, lora=self.lora_of(req),
-                                     caller_id=caller_id(request),
-                                     cache_extra=salt_extra(req.cache_salt))  # fmt: skip
-                    streams.append(self.engine.submit(new))
-                finals = {i: out async for i, out in merge(streams)}
-            finally:
-                for st in streams:
-                    st.abort()  # a no-op once finished; frees a cancelled step's blocks
-            return [likeliest(finals[i].outputs[0].logprobs, k) for i in range(len(beams))]
-
-        return ids, await search(expand, ids, req.n, limit or room, stops, req.ignore_eos,
-                                 req.length_penalty)  # fmt: skip
 
     # ---- running them -----------------------------------------------------------------------
     async def run_unless_disconnected(
