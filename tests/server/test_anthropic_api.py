@@ -99,7 +99,7 @@ def test_a_text_reply_whole_and_streamed(client, server):
 def test_tool_use_and_its_result(client, server):
     r = client.messages.create(model="tiny", max_tokens=200, messages=[{"role": "user",
                                "content": "weather?"}], tools=[TOOL],
-                               tool_choice={"type": "any"})  # fmt: skip
+                               tool_choice={"type": "any"}, extra_body=GREEDY)  # fmt: skip
     uses = [b for b in r.content if b.type == "tool_use"]
     assert r.stop_reason == "tool_use" and uses and uses[0].name == "get_weather"
     assert isinstance(uses[0].input["city"], str)
@@ -112,7 +112,8 @@ def test_tool_use_and_its_result(client, server):
     assert follow.usage.input_tokens + follow.usage.cache_read_input_tokens > r.usage.input_tokens
     weather = [{"role": "user", "content": "weather?"}]
     built = check_stream(raw_events(server, max_tokens=200, tools=[TOOL], messages=weather,
-                                    tool_choice={"type": "tool", "name": "get_weather"}))
+                                    tool_choice={"type": "tool", "name": "get_weather"},
+                                    temperature=0))  # fmt: skip
     assert built["stop_reason"] == "tool_use"
     call = built["content"][0]
     assert call["type"] == "tool_use" and json.loads(call["partial_json"])["city"]
@@ -198,7 +199,8 @@ def test_output_config_format_constrains_the_reply(client):
               "required": ["name"], "additionalProperties": False}  # fmt: skip
     config = {"format": {"type": "json_schema", "schema": schema}, "effort": "low"}
     pet = [{"role": "user", "content": "a pet"}]
-    r = client.messages.create(model="tiny", max_tokens=100, messages=pet, output_config=config)
+    r = client.messages.create(model="tiny", max_tokens=100, messages=pet, output_config=config,
+                               extra_body=GREEDY)  # fmt: skip
     assert r.stop_reason == "end_turn"
     assert set(json.loads(r.content[0].text)) == {"name"}
 
