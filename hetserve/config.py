@@ -32,13 +32,14 @@ from hetserve.config_sections import (
     Role,
     SchedulerConfig,
     SchedulingPolicy,
+    SpeculativeConfig,
 )
 from hetserve.errors import InvalidInputError
 
 __all__ = [  # the sections' names too: callers import every config name from here
     "ENGINE_OPTIONS", "KV_CACHE_DTYPES", "CacheConfig", "DisaggConfig", "EngineConfig",
     "EngineOption", "KVLoad", "KVSave", "LoRAConfig", "MoEConfig", "PreemptionMode", "Role",
-    "SchedulerConfig", "SchedulingPolicy", "add_engine_args",
+    "SchedulerConfig", "SchedulingPolicy", "SpeculativeConfig", "add_engine_args",
 ]  # fmt: skip
 
 
@@ -56,6 +57,7 @@ class EngineConfig:
     moe: MoEConfig = MoEConfig()
     lora: LoRAConfig = LoRAConfig()
     disagg: DisaggConfig = DisaggConfig()
+    speculative: SpeculativeConfig | None = None  # None: decode one token a step
     # Host bytes the model (weights, KV cache, runtime) may take; a model estimated above it
     # is refused before any weight is read (core/memory.py). None: no limit.
     max_host_memory: int | None = None
@@ -169,6 +171,13 @@ def _lora_modules(value: Any) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+def _speculative(value: Any) -> SpeculativeConfig | None:
+    try:
+        return SpeculativeConfig.parse(value)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInputError(f"--speculative-config: {exc}") from None
+
+
 ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("model", None, "model", "HF model directory (default: the demo model)"),
     EngineOption("device", None, "device", "auto, cpu or cuda[:N]"),
@@ -183,6 +192,13 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "max_host_memory", None, "max_host_memory",
         "host memory the model may take (weights, KV cache, runtime), e.g. 64G; a model that "
         "will not fit is refused before loading", convert=_size, extra={"metavar": "SIZE"},
+    ),
+    EngineOption(
+        "speculative_config", None, "speculative",
+        'speculative decoding as JSON (vLLM\'s keys): {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} drafts '
+        "from the sequence's own earlier tokens and checks them in one forward; the output is "
+        "decoding's", convert=_speculative, extra={"metavar": "JSON"},
     ),
     EngineOption("block_size", "cache", "block_size", "tokens per KV block", int),
     EngineOption("num_kv_blocks", "cache", "num_blocks", "KV blocks (overrides the size)", int),

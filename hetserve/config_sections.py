@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import ipaddress
+import json
 from dataclasses import dataclass, field
 
 
@@ -296,3 +297,70 @@ class DisaggConfig:
             raise ValueError("handoff staging must hold at least 1 MiB")
         if not 1 <= self.handoff_links <= 16:
             raise ValueError(f"handoff_links must be 1..16, got {self.handoff_links}")
+
+
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `--speculative-config`): each decoding sequence's next
+    `num_speculative_tokens` tokens are drafted and checked in one forward; the output is the
+    one decoding would give (engine/speculative.py). `ngram`: drafts are what followed the
+    latest earlier occurrence of the sequence's last n tokens, n from `prompt_lookup_max` down
+    to `prompt_lookup_min` (core/ngram.py)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            known = ", ".join(SPECULATIVE_METHODS)
+            raise ValueError(f"method {self.method!r} is not supported (known: {known})")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}"
+            )
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not isinstance(lo, int) or not isinstance(hi, int) or not 1 <= lo <= hi <= 64:
+            raise ValueError(
+                f"prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max <= 64, "
+                f"got {lo!r} and {hi!r}"
+            )
+
+    @classmethod
+    def parse(cls, value: object) -> SpeculativeConfig | None:
+        """From a JSON object (the flag), a mapping (Python) or a SpeculativeConfig; None or
+        an empty object: off. vLLM's keys; `prompt_lookup_max` alone sets min to the same
+        only where it is below the default min."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f"takes a JSON object, e.g. "
+                    f'\'{{"method": "ngram", "num_speculative_tokens": 4}}\': {exc.msg}'
+                ) from None
+        if not isinstance(value, dict):
+            raise ValueError(f"takes a JSON object, got {value!r}")
+        if not value:
+            return None
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown key(s) {', '.join(unknown)} "
+                f"(known: {', '.join(sorted(known))})"
+            )
+        args = dict(value)
+        if "prompt_lookup_max" in args and "prompt_lookup_min" not in args:
+            hi = args["prompt_lookup_max"]
+            if isinstance(hi, int) and hi < cls.prompt_lookup_min:
+                args["prompt_lookup_min"] = hi
+        return cls(**args)

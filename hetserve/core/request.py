@@ -93,6 +93,9 @@ class Request:
     prefill_debt_s: float = 0.0
     # A prompt chunk part way through the decoder layers (the step budget's layer slices)
     prefill_slice: PrefillSlice | None = None
+    # Speculative decoding: tokens drafted to follow it, checked in its next step (the engine
+    # sets them before each step; the scheduler gives the step as many as fit)
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -121,6 +121,10 @@ class EngineStats:
     steps: int = 0
     prompt_tokens_computed: int = 0  # prompt (and recomputed) tokens run through the model
     generation_tokens: int = 0
+    # speculative decoding: decodes that checked drafts, the drafts checked, those that held
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     failed_requests: int = 0  # requests failed inside the engine (the others went on)
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
     tiers: TierStats | None = None  # with a KV store attached
@@ -132,6 +136,11 @@ class EngineStats:
     def kv_usage(self) -> float:
         """Fraction of the KV blocks in use (0..1)."""
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Drafts that held over drafts checked (0 without speculative decoding)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -33,6 +33,7 @@ from hetserve.engine.lora import build_lora_manager
 from hetserve.engine.output import ParentState, SeqState
 from hetserve.engine.runner import ModelRunner
 from hetserve.engine.setup import context_length, graph_options, resolve_model_dir, state_slots
+from hetserve.engine.speculative import Drafter
 from hetserve.engine.stats import engine_stats
 from hetserve.engine.step_log import StepLog, shape_of
 from hetserve.engine.step_probe import measure_steps, probe_cache_file, step_time_model
@@ -135,7 +136,17 @@ class EngineCore:
         self.seqs: dict[str, SeqState] = {}
         self.parents: dict[str, ParentState] = {}
         self.executor = StepExecutor(self.runner, self.seqs, self.eos_ids, self.lora)
-        self._counts = {"steps": 0, "preemptions": 0, "prompt_tokens": 0, "generation": 0}
+        self._counts = {"steps": 0, "preemptions": 0, "prompt_tokens": 0, "generation": 0,
+                        "spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted": 0}  # fmt: skip
+        self.drafter: Drafter | None = None
+        if cfg.speculative is not None:
+            if self.runner.state is not None:
+                raise InvalidInputError(
+                    "speculative decoding needs a model without linear-attention layers (their "
+                    "state advances in place and cannot take rejected drafts back); drop "
+                    "--speculative-config for this model"
+                )
+            self.drafter = Drafter(cfg.speculative, self.max_model_len)
         self._finished: dict[str, int] = {}
         self._kv_info = kv_facts(cfg, self.kv, kv_dtype, seed, self.tiers, self.kv_events)
         release_thread_team()  # the build's OpenMP team: whoever steps makes its own (openmp.py)
@@ -238,6 +249,8 @@ class EngineCore:
             self.lora.collect({st.request.lora_id for st in self.seqs.values()})
         if self.tiers is not None:  # a load planned now waits through the running requests' steps
             self.tiers.expect(self.scheduler.running, self.config.scheduler.max_num_batched_tokens)
+        if self.drafter is not None:
+            self.drafter.draft(self.scheduler.running, self._has_grammar)
         sched = self.scheduler.schedule()
         if self.tiers is not None:
             self.tiers.capture_evicted()  # before this step's forward writes over them
@@ -268,11 +281,14 @@ class EngineCore:
         outputs = self._fail(result.failed)
         ok = [s for s in sched.scheduled if s.request.request_id in self.seqs]
         done = SchedulerOutput(ok, sched.preempted)
-        self.scheduler.update(done, result.sampled, self.eos_ids, result.ended)
-        self._commit(result)
+        before = [(s.request, len(s.request.output_token_ids)) for s in ok]
+        self.scheduler.update(done, result.sampled, self.eos_ids, result.ended, result.accepted)
+        # what each sequence emitted (drafted decodes: up to the first token-level stop)
+        emitted = {r.request_id: r.output_token_ids[n:] for r, n in before}
+        self._commit(result, emitted)
         if self.tiers is not None:
             self.tiers.after_step()
-        outputs += self._process_outputs(ok, result.sampled)
+        outputs += self._process_outputs(ok, emitted)
         self.step_log.observe(sched.scheduled, shape, time.perf_counter() - t0, batch_s, result)
         return outputs
 
@@ -287,14 +303,19 @@ class EngineCore:
             if s.samples and req.request_id not in result.failed:
                 self.handoff.sender.send(req)  # type: ignore[union-attr]
 
-    def _commit(self, result: StepResult) -> None:
-        self._counts["steps"] += 1
-        self._counts["prompt_tokens"] += result.prompt_tokens
-        self._counts["generation"] += len(result.sampled)
+    def _commit(self, result: StepResult, emitted: dict[str, list[int]]) -> None:
+        c = self._counts
+        c["steps"] += 1
+        c["prompt_tokens"] += result.prompt_tokens
+        c["generation"] += sum(len(tokens) for tokens in emitted.values())
+        c["spec_drafts"] += len(result.drafted)
+        c["spec_draft_tokens"] += sum(result.drafted.values())
+        c["spec_accepted"] += sum(len(result.accepted.get(sid, ())) for sid in result.drafted)
         for sid, entry in result.logprobs.items():
             st = self.seqs.get(sid)
-            if st is not None:
-                st.logprobs.append(entry)
+            if st is not None and st.logprobs is not None:
+                entries = [*result.accepted_logprobs.get(sid, ()), entry]
+                st.logprobs += entries[: len(emitted.get(sid, ()))]
         for pid, entries in result.prompt_logprobs.items():
             parent = self.parents.get(pid)
             if parent is not None:
@@ -317,16 +338,18 @@ class EngineCore:
             outputs.append(parent.snapshot(error=message))
         return outputs
 
-    def _process_outputs(self, scheduled: list[ScheduledRequest], sampled: dict[str, int]):
+    def _process_outputs(
+        self, scheduled: list[ScheduledRequest], emitted: dict[str, list[int]]
+    ) -> list[RequestOutput]:
         touched: dict[str, ParentState] = {}
         failed: dict[str, str] = {}
         for s in scheduled:
             sid = s.request.request_id
             st = self.seqs.get(sid)
-            if st is None or sid not in sampled:
+            if st is None or not emitted.get(sid):
                 continue
             try:
-                self._advance_text(st, sampled[sid])
+                self._advance_text(st, emitted[sid])
             except Exception as exc:  # this request's detokenization: fail it alone
                 log.exception("request %s failed while detokenizing", sid)
                 failed[sid] = describe(exc)
@@ -342,13 +365,27 @@ class EngineCore:
             outputs.append(out)
         return outputs
 
-    def _advance_text(self, st: SeqState, token: int) -> None:
+    def _has_grammar(self, sid: str) -> bool:
+        st = self.seqs.get(sid)
+        return st is None or st.grammar is not None
+
+    def _advance_text(self, st: SeqState, tokens: list[int]) -> None:
+        """The step's tokens of one sequence (the last of its output); a stop string ends it
+        there, and tokens a drafted decode emitted after it are taken back."""
         req = st.request
-        stop_str = st.detok.add(token)
-        if stop_str is not None and not req.is_finished:
-            self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
-        if stop_str is not None:
+        for i, token in enumerate(tokens):
+            stop_str = st.detok.add(token)
+            if stop_str is None:
+                continue
+            if not req.is_finished:
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
             req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+            after = len(tokens) - i - 1
+            if after:
+                del req.output_token_ids[-after:]
+                if st.logprobs:  # _commit gave each emitted token its entry
+                    del st.logprobs[-after:]
+            break
         if req.is_finished:
             st.finish_reason = req.status.value
             self._finished[st.finish_reason] = self._finished.get(st.finish_reason, 0) + 1

@@ -15,6 +15,7 @@ no row was sampled before the batched part finished).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from hetserve.core.outputs import PositionLogprobs
 from hetserve.engine.lora import LoRAManager
 from hetserve.engine.output import SeqState
 from hetserve.engine.runner import ModelRunner, SeqInput
+from hetserve.engine.speculative import draft_rows, verify
 from hetserve.layers.sampler import SamplingRow, process_logits, sample, token_logprobs
 from hetserve.sched.scheduler import ScheduledRequest
 from hetserve.structured import MaskJob, start_masks
@@ -50,10 +52,18 @@ class StepResult:
     # Sequences whose grammar is complete and drew its end: their output ends here, whatever
     # min_tokens or ignore_eos say (the grammar allows nothing after it).
     ended: set[str] = field(default_factory=set)
+    # Speculative decoding, by sequence id: the drafts that held, emitted before its sampled
+    # token, their logprobs (where asked), and how many drafts the row checked
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    drafted: dict[str, int] = field(default_factory=dict)
 
     def merge(self, other: StepResult) -> None:
         self.sampled.update(other.sampled)
         self.logprobs.update(other.logprobs)
+        self.accepted.update(other.accepted)
+        self.accepted_logprobs.update(other.accepted_logprobs)
+        self.drafted.update(other.drafted)
         self.prompt_logprobs.update(other.prompt_logprobs)
         self.prompt_tokens += other.prompt_tokens
         self.failed.update(other.failed)
@@ -132,7 +142,8 @@ class StepExecutor:
         for s in scheduled:
             req = s.request
             start = req.num_computed_tokens
-            tokens = req.all_token_ids[start : start + s.num_new_tokens]
+            own = s.num_new_tokens - len(s.drafts)  # a drafted decode: its last token, drafts
+            tokens = req.all_token_ids[start : start + own] + s.drafts
             slot = slots.get(req.lora_id) if slots else None
             rid = req.request_id
             st = self._state_input(rid, start) if self._state_input is not None else None
@@ -189,8 +200,12 @@ class StepExecutor:
         ends = torch.tensor([len(i.token_ids) for i in inputs]).cumsum(0) - 1
         self._prompt_logprobs(scheduled, hidden, ends, result)
         if rows:
-            logits = self.runner.logits(hidden[ends[rows].to(hidden.device)])
-            self._sample(states, logits, result, masks)
+            drafts = [scheduled[i].drafts for i in rows]
+            # a drafted decode's rows: its last token's and each draft's (positions end - k ..)
+            at = [p for i, d in zip(rows, drafts, strict=True)
+                  for p in range(int(ends[i]) - len(d), int(ends[i]) + 1)]  # fmt: skip
+            logits = self.runner.logits(hidden[torch.tensor(at, device=hidden.device)])
+            self._sample(states, logits, result, masks, drafts)
         return result
 
     def _start_masks(self, states: list[SeqState]) -> tuple[list[int], MaskJob] | None:
@@ -214,47 +229,91 @@ class StepExecutor:
         logits: torch.Tensor,
         result: StepResult,
         masks: tuple[list[int], MaskJob] | None,
+        drafts: list[list[int]],
     ) -> None:
-        rows = [
-            SamplingRow(
-                st.request.params,
-                st.generator,
-                st.request.prompt_token_ids,
-                st.request.output_token_ids,
-            )
-            for st in states
-        ]
-        if masks is not None:
+        """`logits` has a row per position: one per state, or, for a drafted decode, its last
+        token's and one per draft (engine/speculative.py)."""
+        first = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
+        rows: list[SamplingRow] = []
+        for st, d in zip(states, drafts, strict=True):
+            req = st.request
+            row = SamplingRow(req.params, st.generator, req.prompt_token_ids, req.output_token_ids)
+            rows += draft_rows(row, d) if d else [row]
+        if masks is not None:  # rows with a grammar have no drafts
             grammar_rows, job = masks
             disallowed = job.wait()
             for j, r in enumerate(grammar_rows):
-                rows[r].disallowed = disallowed[j, : logits.shape[-1]]
+                rows[first[r]].disallowed = disallowed[j, : logits.shape[-1]]
         need_lp = [r for r, st in enumerate(states) if st.logprobs is not None]
+        lp_at = [p for r in need_lp for p in range(first[r], first[r + 1])]
         # Logprobs of the raw distribution (vLLM's default), so before any processing.
-        raw_lp = logits[need_lp].log_softmax(-1) if need_lp else None
-        errors = process_logits(logits, rows, self.eos_ids)
-        tokens, sample_errors = sample(logits, rows, skip=errors)
-        errors.update(sample_errors)
-        for j, r in enumerate(need_lp):
-            if tokens[r] is None:
+        raw_lp = logits[lp_at].log_softmax(-1) if need_lp else None
+        lp_row = {p: j for j, p in enumerate(lp_at)}
+        failed_at = process_logits(logits, rows, self.eos_ids)
+        emitted, errors = self._draw(logits, rows, drafts, first, failed_at)
+        for r in need_lp:
+            if r not in emitted:
                 continue
             try:
                 k = states[r].request.params.logprobs
-                chosen = torch.tensor([tokens[r]])
-                result.logprobs[states[r].request.request_id] = token_logprobs(
-                    raw_lp[j : j + 1], chosen, k
-                )[0]
+                lp = raw_lp[[lp_row[first[r] + j] for j in range(len(emitted[r]))]]
+                entries = token_logprobs(lp, torch.tensor(emitted[r]), k)
+                rid = states[r].request.request_id
+                result.logprobs[rid] = entries[-1]
+                if len(entries) > 1:
+                    result.accepted_logprobs[rid] = entries[:-1]
             except Exception as exc:  # one request's failure
                 errors[r] = exc
+        tokens = [emitted[r][-1] if r in emitted else None for r in range(len(states))]
         if masks is not None:
             self._advance_grammars(states, masks[0], tokens, errors, result.ended)
         for r, st in enumerate(states):
             rid = st.request.request_id
+            if drafts[r]:
+                result.drafted[rid] = len(drafts[r])
             if r in errors:
                 log.error("request %s failed while sampling: %s", rid, describe(errors[r]))
                 result.failed[rid] = describe(errors[r])
-            elif tokens[r] is not None:
-                result.sampled[rid] = tokens[r]
+            elif r in emitted:
+                result.sampled[rid] = emitted[r][-1]
+                if len(emitted[r]) > 1:
+                    result.accepted[rid] = emitted[r][:-1]
+
+    @staticmethod
+    def _draw(
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        drafts: list[list[int]],
+        first: list[int],
+        failed_at: dict[int, Exception],
+    ) -> tuple[dict[int, list[int]], dict[int, Exception]]:
+        """The tokens each state emits (by state index) and the states that failed: rows
+        without drafts in one batched draw, drafted ones verified position by position."""
+        emitted: dict[int, list[int]] = {}
+        errors: dict[int, Exception] = {}
+        plain = [r for r, d in enumerate(drafts) if not d]
+        if plain:
+            at = [first[r] for r in plain]
+            sub = logits if len(at) == logits.shape[0] else logits[at]
+            skip = {j for j, p in enumerate(at) if p in failed_at}
+            tokens, failed = sample(sub, [rows[p] for p in at], skip=skip)
+            for j, r in enumerate(plain):
+                exc = failed_at.get(at[j]) or failed.get(j)
+                if exc is not None:
+                    errors[r] = exc
+                elif tokens[j] is not None:
+                    emitted[r] = [tokens[j]]  # type: ignore[list-item]
+        for r, d in enumerate(drafts):
+            if not d:
+                continue
+            a, b = first[r], first[r + 1]
+            bad = {p - a: exc for p, exc in failed_at.items() if a <= p < b}
+            v = verify(logits[a:b], rows[a:b], d, bad)
+            if v.error is not None:
+                errors[r] = v.error
+            else:
+                emitted[r] = v.tokens
+        return emitted, errors
 
     def _advance_grammars(
         self,

@@ -33,7 +33,14 @@ def shape_of(scheduled: Sequence[ScheduledRequest]) -> StepShape:
     decodes = decode_context = tokens = pairs = context = chunks = 0
     for s in scheduled:
         new, done = s.num_new_tokens, s.request.num_computed_tokens
-        if new == 1:
+        if s.drafts:  # a decode, its drafts costed as chunk tokens (StepShape.plus_drafts)
+            k = len(s.drafts)
+            decodes += 1
+            decode_context += done + 1
+            tokens += k
+            pairs += chunk_pairs(k, done + 1)
+            context += done + 1 + k
+        elif new == 1:
             decodes += 1
             decode_context += done + 1
         else:

@@ -116,6 +116,13 @@ class StepShape:
                          self.chunk_pairs + chunk_pairs(new, computed),
                          self.chunk_context + computed + new, self.chunks + 1)  # fmt: skip
 
+    def plus_drafts(self, drafts: int, computed: int) -> StepShape:
+        """This shape with a decode's `drafts` checked after its `computed` tokens: they cost
+        what chunk tokens cost, but the row stays a decode (no chunk, the step's kind kept)."""
+        return StepShape(self.decodes, self.decode_context, self.chunk_tokens + drafts,
+                         self.chunk_pairs + chunk_pairs(drafts, computed),
+                         self.chunk_context + computed + drafts, self.chunks)  # fmt: skip
+
     @property
     def tokens(self) -> int:
         return self.decodes + self.chunk_tokens

@@ -49,6 +49,9 @@ class ScheduledRequest:
     # `completes`: b is the last layer, so the chunk's tokens are computed after this step.
     layers: tuple[int, int] | None = None
     completes: bool = True
+    # Speculative decoding: the decode's drafts checked in this step (after its last token;
+    # counted in num_new_tokens)
+    drafts: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -137,6 +140,8 @@ class Scheduler:
             n = budget.grant(req.num_tokens - computed, computed, req.prefill_debt_s)
             if n == 0:
                 continue  # the step's time is spent: its chunk waits for the next one
+            if req.spec_token_ids and n == 1 and self._schedule_drafts(req, computed, budget, out):
+                continue
             if not self._allocate_or_preempt(req, n, out):
                 continue
             out.scheduled.append(self._scheduled(req, n, computed, budget))
@@ -144,6 +149,18 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(out, budget)
         return out
+
+    def _schedule_drafts(
+        self, req: Request, computed: int, budget: StepBudget, out: SchedulerOutput
+    ) -> bool:
+        """A decode with its drafts, as many as the step's tokens and the free blocks allow
+        (drafts never preempt anyone); False: none fit, it decodes one token."""
+        drafts = req.spec_token_ids[: budget.tokens - 1]
+        if not drafts or self.kv.allocate_slots(req, 1 + len(drafts)) is None:
+            return False
+        out.scheduled.append(ScheduledRequest(req, 1 + len(drafts), drafts=drafts))
+        budget.take_decode(computed, len(drafts))
+        return True
 
     def _try_slice(
         self, req: Request, computed: int, budget: StepBudget, out: SchedulerOutput
@@ -301,9 +318,12 @@ class Scheduler:
                 s.request.prefill_debt_s = max(debt, 0.0)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int], eos_ids: set[int],
-               ended: frozenset[str] | set[str] = frozenset()) -> None:  # fmt: skip
+               ended: frozenset[str] | set[str] = frozenset(),
+               accepted: dict[str, list[int]] | None = None) -> None:  # fmt: skip
         """Advance computed counts, append sampled tokens, finish what hit a token-level stop;
-        `ended`: requests whose grammar is complete, finished whatever their stop rules say."""
+        `ended`: requests whose grammar is complete, finished whatever their stop rules say;
+        `accepted`: a drafted decode's drafts that held, emitted before its sampled token."""
+        accepted = accepted or {}
         for s in out.scheduled:
             req = s.request
             if s.layers is not None:
@@ -313,9 +333,12 @@ class Scheduler:
                     sl.layer = s.layers[1]  # its tokens are computed once every layer ran
                     continue
                 req.prefill_slice = None
+            token = sampled.get(req.request_id)
+            if s.drafts:
+                self._update_drafted(req, s, token, accepted.get(req.request_id, []), eos_ids)
+                continue
             req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_computed(req)
-            token = sampled.get(req.request_id)
             if token is None:
                 continue
             req.output_token_ids.append(token)
@@ -324,6 +347,26 @@ class Scheduler:
                 status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 self.finish(req.request_id, status)
+
+    def _update_drafted(
+        self, req: Request, s: ScheduledRequest, token: int | None, accepted: list[int],
+        eos_ids: set[int],
+    ) -> None:  # fmt: skip
+        """A drafted decode: its last token and the accepted drafts are computed (their KV
+        holds); it emits them and the sampled token, up to the first token-level stop."""
+        req.spec_token_ids = []
+        emitted = [] if token is None else [*accepted, token]
+        status = None
+        for t in emitted:
+            req.output_token_ids.append(t)
+            status = self._check_stop(req, t, eos_ids)
+            if status is not None:
+                break
+        computed = req.num_computed_tokens + s.num_new_tokens - len(s.drafts) + len(accepted)
+        req.num_computed_tokens = min(computed, req.num_tokens)
+        self.kv.cache_computed(req)
+        if status is not None:
+            self.finish(req.request_id, status)
 
     def _check_stop(self, req: Request, token: int, eos_ids: set[int]) -> RequestStatus | None:
         p = req.params

@@ -168,6 +168,11 @@ class StepBudget:
         self.shape = self.shape.plus(n, computed)
         self.tokens -= n
 
+    def take_decode(self, computed: int, drafts: int) -> None:
+        """A decode after `computed` tokens with `drafts` drafts to check was scheduled."""
+        self.shape = self.shape.plus(1, computed).plus_drafts(drafts, computed + 1)
+        self.tokens -= 1 + drafts
+
     # ---- layer slices -----------------------------------------------------------------------
     def slice(self, needed: int, computed: int, debt_s: float = 0.0) -> tuple[int, int] | None:
         """A new layer slice for a prompt with `needed` tokens to compute after `computed`

@@ -81,9 +81,29 @@ class _EngineCollector:
             "vllm:prefix_cache_hits", "prefix cache hits, in tokens", s.prefix_hits * bs, name
         )
         yield counter("vllm:num_preemptions", "preemptions so far", s.preemptions, name)
+        if self.engine.config.speculative is not None:
+            yield from _spec_metrics(s, name, counter)
         yield from _step_metrics(s.step_kinds)
         if s.tiers is not None:
             yield from _tier_metrics(s)
+
+
+def _spec_metrics(s, name, counter):
+    """Speculative decoding: vLLM's counters (decodes that checked drafts, drafts checked,
+    drafts that held) and the acceptance rate."""
+    for vllm, ours, doc, value in (
+        ("num_drafts", "drafts", "decodes that checked drafts", s.spec_drafts),
+        ("num_draft_tokens", "draft_tokens", "draft tokens checked", s.spec_draft_tokens),
+        ("num_accepted_tokens", "accepted_tokens", "draft tokens that held",
+         s.spec_accepted_tokens),
+    ):  # fmt: skip
+        yield counter(f"hetserve_spec_decode_{ours}", doc, value)
+        yield counter(f"vllm:spec_decode_{vllm}", doc, value, name)
+    g = GaugeMetricFamily(
+        "hetserve_spec_decode_acceptance_rate", "draft tokens that held / draft tokens checked"
+    )
+    g.add_metric([], s.spec_acceptance_rate)
+    yield g
 
 
 def _step_metrics(kinds):

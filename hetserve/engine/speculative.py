@@ -1,0 +1,116 @@
+"""Speculative decoding: drafts proposed before a step, checked by the step's forward.
+
+Who calls it: `EngineCore.step` asks `Drafter.draft` for the running requests' drafts before
+the scheduler runs (`Request.spec_token_ids`; the scheduler gives a decode its drafts where the
+step's token budget and the KV pool have room, `ScheduledRequest.drafts`), and the
+`StepExecutor` feeds a decode's last token and its drafts through the model as one row and
+hands each such row's logits to `verify`.
+
+Exactness: position j of a row holds the distribution of the token after the sequence and
+its first j drafts. `verify` draws position 0, 1, ... in turn, exactly as decoding would draw
+one token a step (the same logits processing on the same history, the same generator, one draw
+per token), and stops after the first token that differs from its draft: every token it returns
+is the one decoding would have produced, seeded sampling included. Draws never happen past that
+token, so a sequence's generator advances exactly as without drafts. Greedy rows take the argmax
+of every position at once.
+
+Not drafted (decoded one token a step): sequences with a grammar (structured output), those
+whose request hands its KV off after the prompt, and models with linear-attention state (their
+state advances in place and could not be taken back: refused at start). Failure: a position
+that fails to process is reported only if verification reaches it (the same request would fail
+there without drafts); the caller fails that request alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hetserve.config import SpeculativeConfig
+from hetserve.core.ngram import propose
+from hetserve.core.request import HandoffRole, Request
+from hetserve.layers.sampler import SamplingRow, sample
+
+
+class Drafter:
+    def __init__(self, cfg: SpeculativeConfig, max_model_len: int) -> None:
+        self.cfg = cfg
+        self.max_model_len = max_model_len
+
+    def draft(self, running: list[Request], has_grammar) -> None:
+        """Set each running request's drafts for its next step ([] where it gets none).
+        `has_grammar(request_id)`: whether that sequence's output follows a grammar."""
+        cfg = self.cfg
+        for req in running:
+            req.spec_token_ids = []
+            if req.num_tokens - req.num_computed_tokens != 1 or req.prefill_slice is not None:
+                continue  # a prompt still to compute
+            h = req.kv_handoff
+            if (h is not None and h.role is HandoffRole.SEND) or has_grammar(req.request_id):
+                continue
+            max_tokens = req.params.max_tokens
+            assert max_tokens is not None, "the engine resolves max_tokens at admission"
+            # every draft accepted and the token after them: within max_tokens and the context
+            room = min(
+                cfg.num_speculative_tokens,
+                max_tokens - len(req.output_token_ids) - 1,
+                self.max_model_len - req.num_tokens,
+            )
+            if room < 1:
+                continue
+            req.spec_token_ids = propose(
+                req.all_token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max
+            )
+
+
+@dataclass
+class Verified:
+    """What one drafted row gives: the tokens it emits (its accepted drafts, then the token
+    drawn after them), or the error of the position where verification stopped."""
+
+    tokens: list[int]
+    error: Exception | None = None
+
+
+def draft_rows(row: SamplingRow, drafts: list[int]) -> list[SamplingRow]:
+    """One sampling row per position of a drafted row: position j sees the output followed by
+    the first j drafts (penalties, min_tokens and bad words read that history)."""
+    out = row.output_token_ids
+    return [
+        SamplingRow(row.params, row.generator, row.prompt_token_ids, out + drafts[:j])
+        for j in range(len(drafts) + 1)
+    ]
+
+
+def verify(
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    drafts: list[int],
+    errors: dict[int, Exception],
+) -> Verified:
+    """logits [len(drafts) + 1, V], processed (`process_logits` on `rows`, whose failures are
+    `errors` by position): the tokens decoding would have produced from them."""
+    if rows[0].params.greedy:
+        best = logits.argmax(dim=-1).tolist()
+        tokens: list[int] = []
+        for j, token in enumerate(best):
+            if j in errors:
+                return Verified(tokens, errors[j])
+            tokens.append(token)
+            if j == len(drafts) or token != drafts[j]:
+                break
+        return Verified(tokens)
+    tokens = []
+    for j in range(len(drafts) + 1):
+        if j in errors:
+            return Verified(tokens, errors[j])
+        drawn, failed = sample(logits[j : j + 1], [rows[j]])
+        if 0 in failed:
+            return Verified(tokens, failed[0])
+        token = drawn[0]
+        assert token is not None
+        tokens.append(token)
+        if j == len(drafts) or token != drafts[j]:
+            break
+    return Verified(tokens)
