@@ -198,7 +198,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         'speculative decoding as JSON (vLLM\'s keys): {"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} drafts '
         "from the sequence's own earlier tokens and checks them in one forward; the output is "
-        "decoding's", convert=_speculative, extra={"metavar": "JSON"},
+        "decoding's. Each sequence checks only drafts that pay by its acceptance and the "
+        'measured cost of checking them ("adaptive": false: every draft found)',
+        convert=_speculative, extra={"metavar": "JSON"},
     ),
     EngineOption("block_size", "cache", "block_size", "tokens per KV block", int),
     EngineOption("num_kv_blocks", "cache", "num_blocks", "KV blocks (overrides the size)", int),

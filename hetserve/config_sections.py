@@ -315,8 +315,14 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    # Each sequence checks as many drafts as pay for themselves by its own acceptance and the
+    # measured cost of checking them (core/spec_policy.py), none where none pay; False: as
+    # many as the proposer finds, every step (vLLM's behaviour).
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be true or false, got {self.adaptive!r}")
         if self.method not in SPECULATIVE_METHODS:
             known = ", ".join(SPECULATIVE_METHODS)
             raise ValueError(f"method {self.method!r} is not supported (known: {known})")
@@ -351,7 +357,8 @@ class SpeculativeConfig:
             raise ValueError(f"takes a JSON object, got {value!r}")
         if not value:
             return None
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                 "adaptive"}  # fmt: skip
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(

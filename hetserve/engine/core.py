@@ -33,7 +33,7 @@ from hetserve.engine.lora import build_lora_manager
 from hetserve.engine.output import ParentState, SeqState
 from hetserve.engine.runner import ModelRunner
 from hetserve.engine.setup import context_length, graph_options, resolve_model_dir, state_slots
-from hetserve.engine.speculative import Drafter
+from hetserve.engine.speculative import Drafter, measure_costs
 from hetserve.engine.stats import engine_stats
 from hetserve.engine.step_log import StepLog, shape_of
 from hetserve.engine.step_probe import measure_steps, probe_cache_file, step_time_model
@@ -146,7 +146,13 @@ class EngineCore:
                     "state advances in place and cannot take rejected drafts back); drop "
                     "--speculative-config for this model"
                 )
-            self.drafter = Drafter(cfg.speculative, self.max_model_len)
+            spec = cfg.speculative
+            k = spec.num_speculative_tokens
+            costs = measure_costs(self.runner, self.kv, k) if spec.adaptive else None
+            self.drafter = Drafter(spec, self.max_model_len, costs)
+            if costs is not None:
+                log.info("speculative decoding: a step checking 1..%d drafts costs %s decode "
+                         "steps", k, " / ".join(f"{c:.2f}" for c in costs[1:]))  # fmt: skip
         self._finished: dict[str, int] = {}
         self._kv_info = kv_facts(cfg, self.kv, kv_dtype, seed, self.tiers, self.kv_events)
         release_thread_team()  # the build's OpenMP team: whoever steps makes its own (openmp.py)
@@ -286,6 +292,8 @@ class EngineCore:
         # what each sequence emitted (drafted decodes: up to the first token-level stop)
         emitted = {r.request_id: r.output_token_ids[n:] for r, n in before}
         self._commit(result, emitted)
+        if self.drafter is not None:
+            self.drafter.observe(result.drafted, result.accepted)
         if self.tiers is not None:
             self.tiers.after_step()
         outputs += self._process_outputs(ok, emitted)

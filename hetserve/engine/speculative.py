@@ -23,6 +23,7 @@ there without drafts); the caller fails that request alone.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -30,18 +31,77 @@ import torch
 from hetserve.config import SpeculativeConfig
 from hetserve.core.ngram import propose
 from hetserve.core.request import HandoffRole, Request
+from hetserve.core.spec_policy import DraftRecord
+from hetserve.engine.runner import ModelRunner, SeqInput
+from hetserve.kv.manager import KVCacheManager
 from hetserve.layers.sampler import SamplingRow, sample
+
+# The context at which the cost of checking drafts is measured at start (one sequence).
+PROBE_CONTEXT = 64
+
+
+def measure_costs(runner: ModelRunner, kv: KVCacheManager, k_max: int) -> list[float]:
+    """A step's time checking k drafts over a decode step's, k = 0..k_max: one sequence's
+    forward and logits at PROBE_CONTEXT tokens, fastest of three each, in free blocks of the
+    pool (before any request; what they compute is thrown away). Non-decreasing, >= 1. A pool
+    too small to probe gives the worst case (each draft a whole step)."""
+    bs = kv.block_size
+    need = -(-(PROBE_CONTEXT + k_max + 1) // bs)
+    if kv.pool.num_free < need:
+        return [float(k + 1) for k in range(k_max + 1)]
+    blocks = kv.pool.allocate(need)
+    ids = [b.block_id for b in blocks]
+    stats = runner.model.routing_stats
+    if stats is not None:  # probe tokens are not routing decisions to count
+        runner.model.attach_routing_stats(None)
+    try:
+        times = []
+        for k in range(k_max + 1):
+            seq = SeqInput([1 + i for i in range(k + 1)], PROBE_CONTEXT, ids)
+            best = float("inf")
+            for _ in range(4):  # the first warms up
+                t0 = time.perf_counter()
+                runner.logits(runner.forward([seq]))
+                if runner.device.type == "cuda":
+                    torch.cuda.synchronize(runner.device)
+                best = min(best, time.perf_counter() - t0)
+            times.append(best)
+    finally:
+        kv.pool.free(blocks)
+        if stats is not None:
+            runner.model.attach_routing_stats(stats)
+    costs = [1.0]
+    for t in times[1:]:
+        costs.append(max(costs[-1], t / times[0]))
+    return costs
 
 
 class Drafter:
-    def __init__(self, cfg: SpeculativeConfig, max_model_len: int) -> None:
+    """`costs`: a step checking k drafts over a decode step (`measure_costs`); None: every
+    sequence checks as many drafts as the proposer finds (the config's `adaptive` off)."""
+
+    def __init__(
+        self, cfg: SpeculativeConfig, max_model_len: int, costs: list[float] | None = None
+    ) -> None:
         self.cfg = cfg
         self.max_model_len = max_model_len
+        self.costs = costs
+        self.records: dict[str, DraftRecord] = {}  # running sequences' drafting so far
+
+    def observe(self, drafted: dict[str, int], accepted: dict[str, list[int]]) -> None:
+        """A step's drafted sequences: how many drafts each checked, which held."""
+        for rid, checked in drafted.items():
+            record = self.records.get(rid)
+            if record is not None:
+                record.observe(checked, len(accepted.get(rid, ())))
 
     def draft(self, running: list[Request], has_grammar) -> None:
         """Set each running request's drafts for its next step ([] where it gets none).
         `has_grammar(request_id)`: whether that sequence's output follows a grammar."""
         cfg = self.cfg
+        if self.costs is not None:
+            live = {req.request_id for req in running}
+            self.records = {rid: r for rid, r in self.records.items() if rid in live}
         for req in running:
             req.spec_token_ids = []
             if req.num_tokens - req.num_computed_tokens != 1 or req.prefill_slice is not None:
@@ -59,9 +119,11 @@ class Drafter:
             )
             if room < 1:
                 continue
-            req.spec_token_ids = propose(
-                req.all_token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max
-            )
+            drafts = propose(req.all_token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            if self.costs is not None and drafts:
+                record = self.records.setdefault(req.request_id, DraftRecord())
+                drafts = drafts[: record.length(self.costs, len(drafts))]
+            req.spec_token_ids = drafts
 
 
 @dataclass

@@ -30,6 +30,7 @@ BENCH_MODULES: list[str] = [
     "hetserve.bench.lora",  # what serving LoRA adapters costs in a batch
     "hetserve.bench.health",  # /health latency while the server takes maximal bodies
     "hetserve.bench.load",  # load seconds, resident and peak memory per format vs llama.cpp
+    "hetserve.bench.speculative",  # decode with and without ngram drafts, the cost of drafts
 ]
 
 

@@ -3,6 +3,7 @@ seeded sampling alike (penalties, logprobs, n > 1), wherever a stop, a stop stri
 or a small token budget cuts a step's drafts; grammar rows are not drafted; drafts do happen
 and hold; a model with linear-attention state is refused."""
 
+import itertools
 import json
 
 import pytest
@@ -17,7 +18,9 @@ from hetserve.engine.speculative import draft_rows, verify
 from hetserve.errors import InvalidInputError
 from hetserve.layers.sampler import SamplingRow, sample
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+# every draft found is checked (adaptive drafting would check few on a tiny model, whose
+# steps cost their overhead): the mechanism under test is the check
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
 PROMPTS = ["hello the model " * 6, "a b c d e f a b c d e f a b c", "one two three", "x"]
 
 
@@ -115,6 +118,25 @@ def test_a_small_token_budget_cuts_drafts(tiny_model):
     # the same budget without drafts: prompts chunked alike
     same(run(tight, PROMPTS, greedy), run(make(model, max_num_batched_tokens=6), PROMPTS, greedy))
     assert tight.stats().spec_accepted_tokens > 0
+
+
+def test_adaptive_drafting_follows_the_costs(tiny_model):
+    model = str(tiny_model("qwen3-moe"))
+    eng = make(model, speculative_config={**SPEC, "adaptive": True})
+    costs = eng.drafter.costs
+    assert costs is not None and len(costs) == 5 and costs[0] == 1.0
+    assert all(b >= a for a, b in itertools.pairwise(costs))  # measured at start, monotone
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    ref = run(make(model), PROMPTS, greedy)
+    eng.drafter.costs = [1.0] * 5  # free drafts: it checks what it finds
+    same(run(eng, PROMPTS, greedy), ref)
+    free = eng.stats()
+    assert free.spec_draft_tokens > free.spec_drafts > 0
+    eng.drafter.costs = [1.0, 50.0, 60.0, 70.0, 80.0]  # no drafts could pay: none checked
+    same(run(eng, PROMPTS, greedy), ref)
+    assert eng.stats().spec_drafts == free.spec_drafts
+    eng.step()  # a step with nothing to run
+    assert eng.drafter.records == {}  # finished sequences leave no record behind
 
 
 def test_grammar_rows_are_not_drafted(engines):
