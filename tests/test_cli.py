@@ -23,6 +23,8 @@ def test_user_errors_exit_2_with_one_line(tmp_path):
         ["generate", "--model", str(tmp_path / "missing"), "hi"],
         ["models", "make-tiny", "--arch", "nope", str(tmp_path / "x")],
         ["models", "make-tiny", str(tmp_path / "x")],
+        ["generate", "--speculative-config", '{"method": "eagle"}', "hi"],
+        ["generate", "--speculative-config", "{bad", "hi"],
     ):
         r = run(*args)
         assert r.returncode == 2, (args, r.stderr)
