@@ -25,7 +25,7 @@ PRIOR_RATE = 0.7  # assumed acceptance before a sequence's own drafts are seen
 PRIOR_CHECKS = 2.0  # the prior's weight, in drafts
 DECAY = 0.9  # per draft checked: older drafts weigh this much less each
 FIRST_BACKOFF = 8  # steps without drafts before trying again, doubled after each failed try
-MAX_BACKOFF = 256
+MAX_BACKOFF = 64  # a sequence whose output starts to copy is found within this many steps
 
 
 def tokens_per_step(a: float, k: int) -> float:
@@ -83,11 +83,12 @@ class DraftRecord:
         self.trying = False
 
     def length(self, costs: list[float], available: int) -> int:
-        """Drafts to check next step, at most `available` (what the proposer found): the best
-        length for its acceptance, else a try once its back-off has passed, else 0."""
+        """Drafts to ask the proposer for next step, at most `available` (the room its
+        max_tokens and the context leave): the best length for its acceptance, else a try once
+        its back-off has passed (counted in steps), else 0."""
         trial = try_length(costs)
         if available < 1 or trial == 0:
-            return 0  # nothing found, or no drafts could pay even if every one held
+            return 0  # no room, or no drafts could pay even if every one held
         k = best_length(self.rate, costs)
         if k > 0:
             self.trying = False

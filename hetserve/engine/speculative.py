@@ -119,11 +119,14 @@ class Drafter:
             )
             if room < 1:
                 continue
-            drafts = propose(req.all_token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-            if self.costs is not None and drafts:
+            if self.costs is not None:  # the length first: no lookup where none is checked
                 record = self.records.setdefault(req.request_id, DraftRecord())
-                drafts = drafts[: record.length(self.costs, len(drafts))]
-            req.spec_token_ids = drafts
+                room = record.length(self.costs, room)
+                if room == 0:
+                    continue
+            req.spec_token_ids = propose(
+                req.all_token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max
+            )
 
 
 @dataclass

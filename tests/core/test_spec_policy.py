@@ -10,6 +10,7 @@ import pytest
 
 from hetserve.core.spec_policy import (
     FIRST_BACKOFF,
+    MAX_BACKOFF,
     DraftRecord,
     best_length,
     tokens_per_step,
@@ -71,9 +72,11 @@ def test_a_record_backs_off_and_comes_back():
             gaps.append(step - last)
             last = step
             r.observe(1, 0)
-    # the first try after FIRST_BACKOFF steps, then each twice as far as the one before
+    # the first try after FIRST_BACKOFF steps, then each twice as far as the one before, up
+    # to MAX_BACKOFF steps apart
     assert FIRST_BACKOFF <= gaps[0] <= FIRST_BACKOFF + 1
-    assert all(b >= 2 * a - 1 for a, b in itertools.pairwise(gaps)) and len(gaps) >= 4
+    assert all(b >= min(2 * a - 1, MAX_BACKOFF) for a, b in itertools.pairwise(gaps))
+    assert max(gaps) <= MAX_BACKOFF + 1 and len(gaps) >= 6
     # held tries: it tries every step, and the rate climbs until a length pays again
     while not r.length(MOE_CPU, 4):
         pass
