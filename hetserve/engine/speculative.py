@@ -36,13 +36,16 @@ from hetserve.engine.runner import ModelRunner, SeqInput
 from hetserve.kv.manager import KVCacheManager
 from hetserve.layers.sampler import SamplingRow, sample
 
-# The context at which the cost of checking drafts is measured at start (one sequence).
+# The cost of checking drafts, measured at start: one sequence at this context, the fastest of
+# PROBE_ROUNDS rounds over every length (fewer once PROBE_SECONDS have passed, two at least).
 PROBE_CONTEXT = 64
+PROBE_ROUNDS = 8
+PROBE_SECONDS = 2.0
 
 
 def measure_costs(runner: ModelRunner, kv: KVCacheManager, k_max: int) -> list[float]:
     """A step's time checking k drafts over a decode step's, k = 0..k_max: one sequence's
-    forward and logits at PROBE_CONTEXT tokens, fastest of three each, in free blocks of the
+    forward and logits at PROBE_CONTEXT tokens, the fastest of several rounds, in free blocks of the
     pool (before any request; what they compute is thrown away). Non-decreasing, >= 1. A pool
     too small to probe gives the worst case (each draft a whole step)."""
     bs = kv.block_size
@@ -54,18 +57,22 @@ def measure_costs(runner: ModelRunner, kv: KVCacheManager, k_max: int) -> list[f
     stats = runner.model.routing_stats
     if stats is not None:  # probe tokens are not routing decisions to count
         runner.model.attach_routing_stats(None)
+    seqs = [SeqInput([1 + i for i in range(k + 1)], PROBE_CONTEXT, ids) for k in range(k_max + 1)]
+    times = [float("inf")] * (k_max + 1)
     try:
-        times = []
-        for k in range(k_max + 1):
-            seq = SeqInput([1 + i for i in range(k + 1)], PROBE_CONTEXT, ids)
-            best = float("inf")
-            for _ in range(4):  # the first warms up
+        # Round-robin over k (a burst of load on a shared machine hits every length alike),
+        # the fastest of each: PROBE_ROUNDS rounds, fewer where they would take long.
+        start = time.perf_counter()
+        for r in range(PROBE_ROUNDS + 1):  # the first warms up
+            if r > 2 and time.perf_counter() - start > PROBE_SECONDS:
+                break
+            for k, seq in enumerate(seqs):
                 t0 = time.perf_counter()
                 runner.logits(runner.forward([seq]))
                 if runner.device.type == "cuda":
                     torch.cuda.synchronize(runner.device)
-                best = min(best, time.perf_counter() - t0)
-            times.append(best)
+                if r:
+                    times[k] = min(times[k], time.perf_counter() - t0)
     finally:
         kv.pool.free(blocks)
         if stats is not None:
