@@ -33,7 +33,7 @@ from hetserve.engine.lora import build_lora_manager
 from hetserve.engine.output import ParentState, SeqState
 from hetserve.engine.runner import ModelRunner
 from hetserve.engine.setup import context_length, graph_options, resolve_model_dir, state_slots
-from hetserve.engine.speculative import Drafter, measure_costs
+from hetserve.engine.speculative import open_drafter
 from hetserve.engine.stats import engine_stats
 from hetserve.engine.step_log import StepLog, shape_of
 from hetserve.engine.step_probe import measure_steps, probe_cache_file, step_time_model
@@ -138,21 +138,7 @@ class EngineCore:
         self.executor = StepExecutor(self.runner, self.seqs, self.eos_ids, self.lora)
         self._counts = {"steps": 0, "preemptions": 0, "prompt_tokens": 0, "generation": 0,
                         "spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted": 0}  # fmt: skip
-        self.drafter: Drafter | None = None
-        if cfg.speculative is not None:
-            if self.runner.state is not None:
-                raise InvalidInputError(
-                    "speculative decoding needs a model without linear-attention layers (their "
-                    "state advances in place and cannot take rejected drafts back); drop "
-                    "--speculative-config for this model"
-                )
-            spec = cfg.speculative
-            k = spec.num_speculative_tokens
-            costs = measure_costs(self.runner, self.kv, k) if spec.adaptive else None
-            self.drafter = Drafter(spec, self.max_model_len, costs)
-            if costs is not None:
-                log.info("speculative decoding: a step checking 1..%d drafts costs %s decode "
-                         "steps", k, " / ".join(f"{c:.2f}" for c in costs[1:]))  # fmt: skip
+        self.drafter = open_drafter(cfg.speculative, self.runner, self.kv, self.max_model_len)
         self._finished: dict[str, int] = {}
         self._kv_info = kv_facts(cfg, self.kv, kv_dtype, seed, self.tiers, self.kv_events)
         release_thread_team()  # the build's OpenMP team: whoever steps makes its own (openmp.py)

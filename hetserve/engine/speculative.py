@@ -23,6 +23,7 @@ there without drafts); the caller fails that request alone.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -33,8 +34,11 @@ from hetserve.core.ngram import propose
 from hetserve.core.request import HandoffRole, Request
 from hetserve.core.spec_policy import DraftRecord
 from hetserve.engine.runner import ModelRunner, SeqInput
+from hetserve.errors import InvalidInputError
 from hetserve.kv.manager import KVCacheManager
 from hetserve.layers.sampler import SamplingRow, sample
+
+log = logging.getLogger(__name__)
 
 # The cost of checking drafts, measured at start: one sequence at this context, the fastest of
 # PROBE_ROUNDS rounds over every length (fewer once PROBE_SECONDS have passed, two at least).
@@ -134,6 +138,27 @@ class Drafter:
             req.spec_token_ids = propose(
                 req.all_token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max
             )
+
+
+def open_drafter(
+    spec: SpeculativeConfig | None, runner: ModelRunner, kv: KVCacheManager, max_model_len: int
+) -> Drafter | None:
+    """The engine's Drafter (None without --speculative-config), its costs measured now where
+    drafting adapts to them. A model with linear-attention state: InvalidInputError."""
+    if spec is None:
+        return None
+    if runner.state is not None:
+        raise InvalidInputError(
+            "speculative decoding needs a model without linear-attention layers (their state "
+            "advances in place and cannot take rejected drafts back); drop "
+            "--speculative-config for this model"
+        )
+    k = spec.num_speculative_tokens
+    costs = measure_costs(runner, kv, k) if spec.adaptive else None
+    if costs is not None:
+        log.info("speculative decoding: a step checking 1..%d drafts costs %s decode steps",
+                 k, " / ".join(f"{c:.2f}" for c in costs[1:]))  # fmt: skip
+    return Drafter(spec, max_model_len, costs)
 
 
 @dataclass
