@@ -153,9 +153,10 @@ class Scheduler:
     def _schedule_drafts(
         self, req: Request, computed: int, budget: StepBudget, out: SchedulerOutput
     ) -> bool:
-        """A decode with its drafts, as many as the step's tokens and the free blocks allow
-        (drafts never preempt anyone); False: none fit, it decodes one token."""
-        drafts = req.spec_token_ids[: budget.tokens - 1]
+        """A decode with its drafts, as many as the step's tokens, its time limit and the free
+        blocks allow (drafts never preempt anyone); False: none fit, it decodes one token."""
+        fit = budget.drafts_fit(computed, min(len(req.spec_token_ids), budget.tokens - 1))
+        drafts = req.spec_token_ids[:fit]
         if not drafts or self.kv.allocate_slots(req, 1 + len(drafts)) is None:
             return False
         out.scheduled.append(ScheduledRequest(req, 1 + len(drafts), drafts=drafts))

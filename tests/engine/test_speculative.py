@@ -120,6 +120,14 @@ def test_a_small_token_budget_cuts_drafts(tiny_model):
     assert tight.stats().spec_accepted_tokens > 0
 
 
+def test_a_step_limit_no_draft_fits_decodes_one_token(tiny_model):
+    model = str(tiny_model("qwen3-moe"))
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    limited = make(model, speculative_config=SPEC, max_step_ms=0.001)  # below any prediction
+    same(run(limited, PROMPTS, greedy), run(make(model), PROMPTS, greedy))
+    assert limited.stats().spec_draft_tokens == 0
+
+
 def test_adaptive_drafting_follows_the_costs(tiny_model):
     model = str(tiny_model("qwen3-moe"))
     eng = make(model, speculative_config={**SPEC, "adaptive": True})
