@@ -58,7 +58,7 @@ class DraftRecord:
     """One sequence's drafting so far (the Drafter keeps one per running sequence)."""
 
     held: float = PRIOR_RATE * PRIOR_CHECKS  # decayed drafts that held
-    checked: float = PRIOR_CHECKS  # decayed drafts checked
+    checked: float = PRIOR_CHECKS  # decayed drafts tried (held, or the first miss)
     idle: int = 0  # steps without drafts since the last try
     backoff: int = FIRST_BACKOFF  # steps without drafts before the next try
     trying: bool = False  # its last drafts were a try after a back-off
@@ -68,8 +68,11 @@ class DraftRecord:
         return self.held / self.checked
 
     def observe(self, checked: int, held: int) -> None:
-        """A step checked `checked` drafts of which the first `held` held."""
-        for j in range(checked):
+        """A step checked `checked` drafts of which the first `held` held. The drafts after
+        the first miss were never tried (the model's own token replaced them): the trials are
+        the held ones and that miss."""
+        trials = held + (1 if held < checked else 0)
+        for j in range(trials):
             self.held = self.held * DECAY + (1.0 if j < held else 0.0)
             self.checked = self.checked * DECAY + 1.0
         if not checked:

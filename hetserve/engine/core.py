@@ -283,6 +283,8 @@ class EngineCore:
         if self.tiers is not None:
             self.tiers.after_step()
         outputs += self._process_outputs(ok, emitted)
+        # after stop strings took back what a drafted decode emitted past them
+        self._counts["generation"] += sum(len(r.output_token_ids) - n for r, n in before)
         self.step_log.observe(sched.scheduled, shape, time.perf_counter() - t0, batch_s, result)
         return outputs
 
@@ -301,10 +303,10 @@ class EngineCore:
         c = self._counts
         c["steps"] += 1
         c["prompt_tokens"] += result.prompt_tokens
-        c["generation"] += sum(len(tokens) for tokens in emitted.values())
-        c["spec_drafts"] += len(result.drafted)
-        c["spec_draft_tokens"] += sum(result.drafted.values())
-        c["spec_accepted"] += sum(len(result.accepted.get(sid, ())) for sid in result.drafted)
+        drafted = {sid: n for sid, n in result.drafted.items() if sid not in result.failed}
+        c["spec_drafts"] += len(drafted)
+        c["spec_draft_tokens"] += sum(drafted.values())
+        c["spec_accepted"] += sum(len(result.accepted.get(sid, ())) for sid in drafted)
         for sid, entry in result.logprobs.items():
             st = self.seqs.get(sid)
             if st is not None and st.logprobs is not None:

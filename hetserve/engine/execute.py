@@ -148,8 +148,9 @@ class StepExecutor:
             rid = req.request_id
             st = self._state_input(rid, start) if self._state_input is not None else None
             if st is None:
-                inputs.append(SeqInput(tokens, start, block_ids(rid), slot))
-            else:
+                inputs.append(SeqInput(tokens, start, block_ids(rid), slot,
+                                       as_decodes=bool(s.drafts)))  # fmt: skip
+            else:  # (models with state are never drafted)
                 inputs.append(SeqInput(tokens, start, block_ids(rid), slot, *st))
         return inputs
 

@@ -42,6 +42,9 @@ class SeqInput:
     state_resume: int | None = None  # a prefix checkpoint to continue from (copied in first)
     # Prefix checkpoints to take in this forward: (tokens into token_ids, checkpoint slot).
     state_saves: tuple[tuple[int, int], ...] = ()
+    # Its tokens attend as decodes, each over the context up to itself (a speculative decode's
+    # last token and drafts: the same kernels, the same numbers as decoding them one by one).
+    as_decodes: bool = False
 
 
 class ModelRunner:
@@ -89,6 +92,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             self.model.sliding_window,
+            frozenset(i for i, s in enumerate(seqs) if s.as_decodes),
         )
         ids = torch.tensor([t for s in seqs for t in s.token_ids], device=self.device)
         ctx = ForwardContext(meta, self.kv)

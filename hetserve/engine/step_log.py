@@ -173,7 +173,8 @@ class StepLog:
         self._seconds[seen].add(seconds)
         if shape.chunks or sliced:
             for s in scheduled:  # a slice's chunk once, at its first layer
-                if s.num_new_tokens > 1 and (s.layers is None or s.layers[0] == 0):
+                chunk = s.num_new_tokens > 1 and not s.drafts  # a drafted decode is none
+                if chunk and (s.layers is None or s.layers[0] == 0):
                     self._chunks[seen].add(s.num_new_tokens)
         if predicted is not None:  # the batch's prediction against the batch's part
             self._predicted[kind] += predicted

@@ -125,22 +125,28 @@ def build_metadata(
     block_size: int,
     device: torch.device | str,
     sliding_window: int | None = None,
+    decode_rows: frozenset[int] = frozenset(),
 ) -> AttentionMetadata:
     """spans: per sequence (num_computed_before, num_new, block ids covering its context).
 
     Single-token sequences (decodes) are laid out together with a few tensor ops whatever their
-    number; multi-token chunks get their own span (few per step)."""
+    number; multi-token chunks get their own span (few per step). The spans whose indices are
+    in `decode_rows` (a speculative decode's last token and drafts) are decodes too, one row
+    per token over the context up to and including itself: each token is computed exactly as
+    decoding computes it (every row's K/V is written before any row attends)."""
     num_tokens = sum(new for _, new, _ in spans)
     positions = torch.empty(num_tokens, dtype=torch.long)
     slot_mapping = torch.empty(num_tokens, dtype=torch.long)
     offsets = torch.arange(block_size)
     seqs, decodes = [], []
     q_start = 0
-    for computed, new, blocks in spans:
+    for i, (computed, new, blocks) in enumerate(spans):
         kv_len = computed + new
         # A lone decoding sequence joins the batch on CPU (the native kernel); on an
         # accelerator its plain causal SDPA (no mask) is the faster path.
-        if new == 1 and (len(spans) > 1 or torch.device(device).type == "cpu"):
+        if i in decode_rows:
+            decodes += [(q_start + j, computed + j + 1, blocks) for j in range(new)]
+        elif new == 1 and (len(spans) > 1 or torch.device(device).type == "cpu"):
             decodes.append((q_start, kv_len, blocks))
         else:
             table = torch.tensor(blocks, dtype=torch.long)

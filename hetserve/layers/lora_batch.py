@@ -40,7 +40,8 @@ class LoRABatch:
         spans = set(span_starts)
         slot_at = {start: slot for start, _, slot in seqs}
         self._spans = tuple(slot_at[s] for s in span_starts)
-        decode_slots = [slot for start, _, slot in seqs if start not in spans]
+        # a decode row per token (a speculative decode's drafts are rows of their own)
+        decode_slots = [slot for start, n, slot in seqs if start not in spans for _ in range(n)]
         self._decodes = _runs((i, i + 1, s) for i, s in enumerate(decode_slots))
 
     def clear(self) -> None:

@@ -140,28 +140,32 @@ class Scheduler:
             n = budget.grant(req.num_tokens - computed, computed, req.prefill_debt_s)
             if n == 0:
                 continue  # the step's time is spent: its chunk waits for the next one
-            if req.spec_token_ids and n == 1 and self._schedule_drafts(req, computed, budget, out):
-                continue
             if not self._allocate_or_preempt(req, n, out):
                 continue
             out.scheduled.append(self._scheduled(req, n, computed, budget))
             budget.take(n, computed)
         if not out.preempted:
             self._admit_waiting(out, budget)
+        self._add_drafts(out, budget)
         return out
 
-    def _schedule_drafts(
-        self, req: Request, computed: int, budget: StepBudget, out: SchedulerOutput
-    ) -> bool:
-        """A decode with its drafts, as many as the step's tokens, its time limit and the free
-        blocks allow (drafts never preempt anyone); False: none fit, it decodes one token."""
-        fit = budget.drafts_fit(computed, min(len(req.spec_token_ids), budget.tokens - 1))
-        drafts = req.spec_token_ids[:fit]
-        if not drafts or self.kv.allocate_slots(req, 1 + len(drafts)) is None:
-            return False
-        out.scheduled.append(ScheduledRequest(req, 1 + len(drafts), drafts=drafts))
-        budget.take_decode(computed, len(drafts))
-        return True
+    def _add_drafts(self, out: SchedulerOutput, budget: StepBudget) -> None:
+        """Scheduled decodes take their drafts last, in run order, as many as the step's
+        tokens, its time limit and the free blocks leave once every decode, prompt chunk and
+        admission has what it gets: drafts never hold anything back or preempt anyone."""
+        for s in out.scheduled:
+            req = s.request
+            if not req.spec_token_ids or s.num_new_tokens != 1 or s.layers is not None:
+                continue
+            computed = req.num_computed_tokens
+            if computed != req.num_tokens - 1:
+                continue  # a one-token prompt chunk, not a decode
+            k = budget.drafts_fit(computed, min(len(req.spec_token_ids), budget.tokens))
+            if k < 1 or self.kv.allocate_slots(req, 1 + k) is None:
+                continue
+            s.drafts = req.spec_token_ids[:k]
+            s.num_new_tokens = 1 + k
+            budget.take_drafts(computed, k)
 
     def _try_slice(
         self, req: Request, computed: int, budget: StepBudget, out: SchedulerOutput
@@ -227,6 +231,7 @@ class Scheduler:
         )
         self.kv.free(req)
         req.prefill_slice = None  # a chunk part way through the layers starts again
+        req.spec_token_ids = []  # drafted again once it runs
         if not swapped:  # recomputed from its prompt (and whatever prefix is cached then)
             req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED

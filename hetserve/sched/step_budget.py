@@ -169,24 +169,23 @@ class StepBudget:
         self.tokens -= n
 
     def drafts_fit(self, computed: int, drafts: int) -> int:
-        """How many of a decode's `drafts` (after `computed` tokens) the step's configured
-        time limit leaves room for, with what is scheduled so far: all of them where no limit
-        is set (the default limit sizes prompt chunks; a draft length is chosen by its own
-        cost, engine/speculative.py) or nothing is predicted yet."""
+        """How many `drafts` of a scheduled decode (after `computed` tokens) the step's
+        configured time limit leaves room for beside what is scheduled: all of them where no
+        limit is set (the default limit sizes prompt chunks; a draft length is chosen by its
+        own cost, engine/speculative.py) or nothing is predicted yet."""
         if self.model is None or self.limit_s is None or self.limit_s == float("inf"):
             return drafts
-        base = self.shape.plus(1, computed)
         while drafts > 0:
-            predicted = self.model.predict(base.plus_drafts(drafts, computed + 1))
+            predicted = self.model.predict(self.shape.plus_drafts(drafts, computed + 1))
             if predicted is None or predicted <= self.limit_s:
                 break
             drafts -= 1
         return drafts
 
-    def take_decode(self, computed: int, drafts: int) -> None:
-        """A decode after `computed` tokens with `drafts` drafts to check was scheduled."""
-        self.shape = self.shape.plus(1, computed).plus_drafts(drafts, computed + 1)
-        self.tokens -= 1 + drafts
+    def take_drafts(self, computed: int, drafts: int) -> None:
+        """A scheduled decode after `computed` tokens checks `drafts` drafts too."""
+        self.shape = self.shape.plus_drafts(drafts, computed + 1)
+        self.tokens -= drafts
 
     # ---- layer slices -----------------------------------------------------------------------
     def slice(self, needed: int, computed: int, debt_s: float = 0.0) -> tuple[int, int] | None:

@@ -120,6 +120,27 @@ def test_a_small_token_budget_cuts_drafts(tiny_model):
     assert tight.stats().spec_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("options", [
+    {},  # the default 16-bit KV cache, many sequences: steps past the fused step's rows
+    {"max_deferred_experts_per_token": 1},  # expert deferral at decode (top-4 experts)
+])  # fmt: skip
+def test_drafted_tokens_are_computed_as_decodes(tiny_model, options):
+    """A drafted row's tokens attend as decode rows and run the decode phase, so the numbers
+    are decoding's: equal outputs with a 16-bit cache across 12 sequences (steps of more rows
+    than the fused step takes), and with expert deferral, which only decodes apply."""
+    model = str(tiny_model("qwen3-moe", overrides={"num_experts_per_tok": 4}))
+    greedy = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    prompts = [f"{w} " * (3 + i % 5) + "the model" for i, w in enumerate("abcdefghijkl")]
+
+    def engine(**more):
+        return EngineCore(EngineConfig.from_options(model=model, max_model_len=512, **options,
+                                                    **more))  # fmt: skip
+
+    spec = engine(speculative_config=SPEC)
+    same(run(spec, prompts, greedy), run(engine(), prompts, greedy))
+    assert spec.stats().spec_accepted_tokens > 0
+
+
 def test_a_step_limit_no_draft_fits_decodes_one_token(tiny_model):
     model = str(tiny_model("qwen3-moe"))
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

@@ -309,13 +309,13 @@ def test_drafts_fit_a_configured_step_limit():
     """A speculative decode's drafts cost chunk tokens: with --max-step-ms they are cut to what
     the limit leaves beside what is scheduled; without one, all of them."""
     model = Linear()  # a step of 3 decodes ~13.3 ms, each draft token 1 ms more
-    b = with_decodes(StepBudget(model, 0.0155, tokens=2048), 2)
+    b = with_decodes(StepBudget(model, 0.0155, tokens=2048), 3)
     k = b.drafts_fit(100, 8)
     assert 0 < k < 8
-    assert model.predict(b.shape.plus(1, 100).plus_drafts(k, 101)) <= 0.0155
-    assert model.predict(b.shape.plus(1, 100).plus_drafts(k + 1, 101)) > 0.0155
-    b.take_decode(100, k)
+    assert model.predict(b.shape.plus_drafts(k, 101)) <= 0.0155
+    assert model.predict(b.shape.plus_drafts(k + 1, 101)) > 0.0155
+    b.take_drafts(100, k)
     assert b.shape.decodes == 3 and b.shape.chunks == 0 and b.tokens == 2048 - 3 - k
-    assert with_decodes(StepBudget(model, 0.0125, tokens=2048), 2).drafts_fit(100, 8) == 0
+    assert with_decodes(StepBudget(model, 0.0125, tokens=2048), 3).drafts_fit(100, 8) == 0
     assert StepBudget(model, None, tokens=2048).drafts_fit(100, 8) == 8
     assert StepBudget(model, float("inf"), tokens=2048).drafts_fit(100, 8) == 8
