@@ -141,6 +141,35 @@ def test_drafted_tokens_are_computed_as_decodes(tiny_model, options):
     assert spec.stats().spec_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("family", ["qwen3-moe", "deepseek-v3"])
+def test_lora_rows_drafted_equal_decoding(tiny_model, tmp_path, family):
+    """Adapters and the base in one batch: a drafted row's tokens take their adapter's slot
+    as decode rows (one slot entry per row; MLA expands each decode row's cached rows with
+    its own adapter)."""
+    from hetserve.testing.tiny_lora import write_random_adapter
+
+    model = str(tiny_model(family))
+    adapter = str(write_random_adapter(model, tmp_path / "a", match=r"self_attn", std=0.5))
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engines = [make(model, lora_modules={"a": adapter}, **more)
+               for more in ({"speculative_config": SPEC}, {})]  # fmt: skip
+    outs = []
+    for eng in engines:
+        tok = eng.tokenizer
+        news = [NewRequest(f"l{i}", tok.encode(p), greedy, lora=lora)
+                for i, (p, lora) in enumerate(zip(PROMPTS, ["a", None, "a", None], strict=True))]
+        for new in news:
+            eng.submit(new)
+        done = {}
+        while eng.has_unfinished():
+            for out in eng.step():
+                assert out.error is None, out.error
+                done[out.request_id] = out
+        outs.append([done[n.request_id] for n in news])
+    same(*outs)
+    assert engines[0].stats().spec_accepted_tokens > 0
+
+
 def test_a_step_limit_no_draft_fits_decodes_one_token(tiny_model):
     model = str(tiny_model("qwen3-moe"))
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
