@@ -104,9 +104,7 @@ class CausalLM(nn.Module):
         """input_ids [T] (all sequences concatenated) -> final hidden states [T, H]."""
         x = self.model.embed_tokens(input_ids)
         step = self.fused_step
-        # a decode step (with small chunks or drafts), or one small chunk alone
-        small = ctx.meta.decode is not None or len(ctx.meta.seqs) == 1
-        if step is not None and small and step(self, x, ctx):
+        if step is not None and ctx.meta.decode is not None and step(self, x, ctx):
             return self.model.norm(x)  # e.g. CPU-only decode: every layer in one native call
         pending = None
         for layer in self.model.layers:

@@ -2,9 +2,8 @@
 
 Who calls it: `CausalLM.forward`, through its `fused_step` hook (which `ModelRunner` sets to
 `run`), on a decode step, with the embeddings of the step's tokens; also on a step whose
-decodes carry small prompt chunks or a speculative decode's drafts, or that is one of these
-alone (`FUSED_CHUNK_TOKENS` tokens in all), each chunk token a row of decode attention over its
-own context (within fp32 rounding of the prefill kernels' result, not the
+decodes carry small prompt chunks (`FUSED_CHUNK_TOKENS`), each chunk token a row of decode
+attention over its own context (within fp32 rounding of the prefill kernels' result, not the
 same bits). `run(model, x, ctx)`
 either advances `x` in place through all decoder layers and returns True, or returns False
 having touched nothing; the caller then runs the modules, which compute the same thing (the C
@@ -256,19 +255,18 @@ def _build(model: nn.Module, kv, key: tuple) -> _Plan:
     return _Plan(key, (_Layer * len(layers))(*layers), keep)
 
 
-def _row_tables(meta, rows: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_tables(meta, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Block tables [rows, W] and context lengths [rows] of every row of a step whose prompt
     chunks run as rows of decode attention: a decode's own, and for chunk token i of a
     sequence its sequence's table with the context up to and including itself (the layer
     writes every row's K/V before any row attends, so each sees the chunk's earlier tokens)."""
     d = meta.decode
-    width = max([0 if d is None else d.tables.shape[1]]
-                + [-(-span.kv_len // bs) for span in meta.seqs])  # fmt: skip
+    bs = d.block_size
+    width = max([d.tables.shape[1]] + [-(-span.kv_len // bs) for span in meta.seqs])
     tables = torch.zeros(rows, width, dtype=torch.long)
     lens = torch.empty(rows, dtype=torch.long)
-    if d is not None:
-        tables[d.rows, : d.tables.shape[1]] = d.tables
-        lens[d.rows] = d.lens
+    tables[d.rows, : d.tables.shape[1]] = d.tables
+    lens[d.rows] = d.lens
     for span in meta.seqs:
         nb = -(-span.kv_len // bs)
         rs = slice(span.q_start, span.q_start + span.q_len)
@@ -284,7 +282,7 @@ def run(model: nn.Module, x: torch.Tensor, ctx) -> bool:
     meta = ctx.meta
     d = meta.decode
     if (
-        (d is None and not meta.seqs)
+        d is None
         or sum(span.q_len for span in meta.seqs) > FUSED_CHUNK_TOKENS
         or x.shape[0] > NATIVE_LOGITS_MAX_TOKENS  # the router module's logits are torch's
         or meta.sliding_window is not None
@@ -308,10 +306,7 @@ def run(model: nn.Module, x: torch.Tensor, ctx) -> bool:
         model.__dict__["_fused_decode_plan"] = plan
     if plan.layers is None:
         return False
-    if meta.seqs:
-        tables, lens = _row_tables(meta, x.shape[0], ctx.kv.block_size)
-    else:
-        tables, lens = d.tables, d.lens
+    tables, lens = _row_tables(meta, x.shape[0]) if meta.seqs else (d.tables, d.lens)
     tables, lens = tables.contiguous(), lens.contiguous()
     rc = fn(
         torch.get_num_threads(), len(plan.layers), ctypes.addressof(plan.layers), x.shape[0],

@@ -81,7 +81,7 @@ class _EngineCollector:
             "vllm:prefix_cache_hits", "prefix cache hits, in tokens", s.prefix_hits * bs, name
         )
         yield counter("vllm:num_preemptions", "preemptions so far", s.preemptions, name)
-        if self.engine.config.speculative is not None:
+        if getattr(self.engine.config, "speculative", None) is not None:
             yield from _spec_metrics(s, name, counter)
         yield from _step_metrics(s.step_kinds)
         if s.tiers is not None:

@@ -226,35 +226,3 @@ def test_large_prompt_chunks_keep_the_prefill_kernels(tiny_model, monkeypatch):
     chunks = [n for n, _ in taken]
     assert any(n > fused_decode.FUSED_CHUNK_TOKENS for n in chunks), chunks
     assert all(took == (n <= fused_decode.FUSED_CHUNK_TOKENS) for n, took in taken), taken
-
-
-def test_a_small_chunk_alone_takes_the_fused_step(tiny_model, monkeypatch):
-    """A step of one small chunk and no decodes (a short prompt; a speculative decode's last
-    token and drafts) runs as rows of the fused step too, within fp32 rounding of the modules."""
-    llm = LLM(str(tiny_model("qwen3-moe", overrides=MOE)), placement=_all_int8_rules("cpu-int8"),
-              prefill_attention_dtype="float32")  # fmt: skip
-    spy = _Spy(monkeypatch, llm)
-    alone = []
-    run = spy._run
-
-    def spying(model, x, ctx):
-        took = run(model, x, ctx)
-        if ctx.meta.seqs and ctx.meta.decode is None:
-            alone.append(took)
-        return took
-
-    spy._run = spying
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
-
-    def generate():
-        out = llm.generate(prompt_token_ids=[PROMPTS[1]], sampling_params=params)[0].outputs[0]
-        return out.token_ids, [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids,
-                                                               strict=True)]  # fmt: skip
-
-    fused = generate()
-    assert alone == [True]  # the 5-token prompt
-    spy.off = True
-    modules = generate()
-    assert fused[0] == modules[0]
-    torch.testing.assert_close(torch.tensor(fused[1]), torch.tensor(modules[1]), rtol=1e-4,
-                               atol=1e-4)  # fmt: skip
