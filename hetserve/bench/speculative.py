@@ -82,7 +82,7 @@ def _costs(llm, context: int, k_max: int, repeats: int) -> list[float]:
     blocks = list(range(1, -(-(context + k_max + 1) // bs) + 1))
     out = []
     for k in range(k_max + 1):
-        seq = SeqInput(list(range(5, 6 + k)), context, blocks)
+        seq = SeqInput(list(range(5, 6 + k)), context, blocks, as_decodes=True)  # as served
         times = []
         for _ in range(repeats + 2):
             t0 = time.perf_counter()
