@@ -132,8 +132,11 @@ class StepBudget:
         earlier steps took beyond 1 / EFFICIENCY of their tokens' cost alone (without a step
         limit, this step's chunk must make it up)."""
         cap = min(needed, self.tokens)
-        if self.sliced and cap > 1:
-            return 0  # the slice has the step's time for prompts
+        if self.sliced:
+            # the slice has the step's time for prompts, sized beside the decodes scheduled
+            # before it (all of them: decodes run first); only admissions come after it, and a
+            # one-token prompt admitted then would take time the slice was given (it waits)
+            return 0
         if cap == 0 or self.model is None:
             return cap
         if self.until_s is None:

@@ -319,3 +319,13 @@ def test_drafts_fit_a_configured_step_limit():
     assert with_decodes(StepBudget(model, 0.0125, tokens=2048), 3).drafts_fit(100, 8) == 0
     assert StepBudget(model, None, tokens=2048).drafts_fit(100, 8) == 8
     assert StepBudget(model, float("inf"), tokens=2048).drafts_fit(100, 8) == 8
+
+
+def test_nothing_joins_a_step_after_its_slice():
+    """A layer slice is sized beside the decodes scheduled before it (all of a step's decodes
+    run first); a one-token prompt admitted after it would take the time the slice was given
+    (CI found a slice of every layer, sized without decodes, then a 1-token prompt: 6.4 ms
+    against a 5 ms limit). It waits for the next step."""
+    b = StepBudget(Linear(), 0.005, tokens=2048, layers=3)
+    b.take_slice(100)
+    assert b.grant(1, 0) == 0 and b.grant(1, 40) == 0 and b.grant(50, 0) == 0
