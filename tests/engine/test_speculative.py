@@ -37,12 +37,15 @@ def engines(tiny_model):
     return make(model), make(model, speculative_config=SPEC)
 
 
-def run(engine: EngineCore, prompts, params, grammar=None) -> list:
-    """One batch: a prompt per request, one SamplingParams for all or one each."""
+def run(engine: EngineCore, prompts, params, grammar=None, loras=None) -> list:
+    """One batch: a prompt per request, one SamplingParams for all or one each (and an
+    adapter name or None each)."""
     tok = engine.tokenizer
     each = params if isinstance(params, list) else [params] * len(prompts)
-    news = [NewRequest(f"r{i}-{id(p)}", tok.encode(text), p, grammar=grammar)
-            for i, (text, p) in enumerate(zip(prompts, each, strict=True))]  # fmt: skip
+    adapters = loras or [None] * len(prompts)
+    rows = zip(prompts, each, adapters, strict=True)
+    news = [NewRequest(f"r{i}-{id(p)}", tok.encode(text), p, grammar=grammar, lora=lora)
+            for i, (text, p, lora) in enumerate(rows)]  # fmt: skip
     for new in news:
         engine.submit(new)
     done = {}
@@ -153,20 +156,7 @@ def test_lora_rows_drafted_equal_decoding(tiny_model, tmp_path, family):
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     engines = [make(model, lora_modules={"a": adapter}, **more)
                for more in ({"speculative_config": SPEC}, {})]  # fmt: skip
-    outs = []
-    for eng in engines:
-        tok = eng.tokenizer
-        news = [NewRequest(f"l{i}", tok.encode(p), greedy, lora=lora)
-                for i, (p, lora) in enumerate(zip(PROMPTS, ["a", None, "a", None], strict=True))]
-        for new in news:
-            eng.submit(new)
-        done = {}
-        while eng.has_unfinished():
-            for out in eng.step():
-                assert out.error is None, out.error
-                done[out.request_id] = out
-        outs.append([done[n.request_id] for n in news])
-    same(*outs)
+    same(*(run(eng, PROMPTS, greedy, loras=["a", None, "a", None]) for eng in engines))
     assert engines[0].stats().spec_accepted_tokens > 0
 
 
