@@ -203,8 +203,9 @@ class StepExecutor:
         if rows:
             drafts = [scheduled[i].drafts for i in rows]
             # a drafted decode's rows: its last token's and each draft's (positions end - k ..)
+            end = ends.tolist()  # one conversion, not a tensor item per row (every step)
             at = [p for i, d in zip(rows, drafts, strict=True)
-                  for p in range(int(ends[i]) - len(d), int(ends[i]) + 1)]  # fmt: skip
+                  for p in range(end[i] - len(d), end[i] + 1)]  # fmt: skip
             logits = self.runner.logits(hidden[torch.tensor(at, device=hidden.device)])
             self._sample(states, logits, result, masks, drafts)
         return result
