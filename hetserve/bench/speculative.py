@@ -1,10 +1,12 @@
-"""`hetserve bench speculative`: decoding with and without prompt-lookup drafts, in one run.
+"""`hetserve bench speculative`: decoding with and without drafts, in one run.
 
 Measures: three engines on the same model, each loaded once: plain decoding, ngram drafts as
 served by default (each sequence checks only drafts that pay by its acceptance and the engine's
-measured cost of checking them) and ngram drafts every step (vLLM's behaviour); --rounds
-alternating rounds of greedy generation of --output-len tokens for each of --streams prompts
-(every round in the JSON, best kept). Per engine: output tok/s, engine steps, drafts checked
+measured cost of checking them) and ngram drafts every step (vLLM's behaviour); and the default
+engine given a prediction of each output (OpenAI's Predicted Outputs, what a code edit sends:
+decoding's own output with --prediction-edit of it rewritten, a few tokens in every 40);
+--rounds alternating rounds of greedy generation of --output-len tokens for each of --streams
+prompts (every round in the JSON, best kept). Per engine: output tok/s, engine steps, drafts checked
 and held (the acceptance rate), tokens per step; the speedup over plain decoding in the same
 run; every engine's outputs must equal decoding's token for token.
 
@@ -22,12 +24,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import time
 
 from hetserve.bench.common import model_dir, print_table, require_at_least, write_json
 from hetserve.config import EngineConfig, SpeculativeConfig, add_engine_args
 from hetserve.core.spec_policy import tokens_per_step
+from hetserve.engine.speculative import step_seconds
+from hetserve.errors import InvalidInputError
 from hetserve.model.synthetic import make_prompts
 
 
@@ -42,6 +45,8 @@ def register(sub) -> None:
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (best kept)")
     p.add_argument("--cost-repeats", type=int, default=20, help="forwards per draft count")
+    p.add_argument("--prediction-edit", type=float, default=0.1,
+                   help="share of each prediction's tokens that differ from the output")
     p.add_argument("--json", default=None)
     p.set_defaults(func=run)
 
@@ -53,10 +58,11 @@ def _engine(args, spec: SpeculativeConfig | None):
     return LLM(EngineConfig(**{**cfg.__dict__, "speculative": spec}))
 
 
-def _round(llm, prompts, params) -> dict:
+def _round(llm, prompts, params, predictions=None) -> dict:
     before = llm.stats()
     t0 = time.perf_counter()
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params,
+                        predictions=predictions)  # fmt: skip
     seconds = time.perf_counter() - t0
     after = llm.stats()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -72,25 +78,11 @@ def _round(llm, prompts, params) -> dict:
     }
 
 
-def _costs(llm, context: int, k_max: int, repeats: int) -> list[float]:
-    """Median seconds of one sequence's forward and logits with k drafts, k = 0..k_max, at
-    `context` tokens (free blocks of the engine's pool; its prefix cache reset after)."""
-    from hetserve.engine.runner import SeqInput
-
-    engine = llm.engine
-    runner, bs = engine.runner, engine.kv.block_size
-    blocks = list(range(1, -(-(context + k_max + 1) // bs) + 1))
-    out = []
-    for k in range(k_max + 1):
-        seq = SeqInput(list(range(5, 6 + k)), context, blocks, as_decodes=True)  # as served
-        times = []
-        for _ in range(repeats + 2):
-            t0 = time.perf_counter()
-            runner.logits(runner.forward([seq]))
-            times.append(time.perf_counter() - t0)
-        out.append(statistics.median(times[2:]))
-    engine.reset_prefix_cache()
-    return out
+def _edited(tokens: list[int], share: float, vocab: int) -> list[int]:
+    """`tokens` with the last round(40 * share) of every 40 replaced by other tokens: an
+    edit's prediction (the old text) that the output departs from and comes back to."""
+    n = round(40 * share)
+    return [(t + 1) % vocab if i % 40 >= 40 - n else t for i, t in enumerate(tokens)]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,18 +98,31 @@ def run(args: argparse.Namespace) -> int:
     prompts = make_prompts(args.model, args.streams, args.input_len)
     n = args.output_len
     params = SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True)
+    if not 0 <= args.prediction_edit <= 1:
+        raise InvalidInputError("--prediction-edit must be within 0..1")
     fixed = dataclasses.replace(spec, adaptive=False)
-    systems = {"decode": _engine(args, None), "ngram drafts": _engine(args, spec),
-               "ngram, every draft": _engine(args, fixed)}  # fmt: skip
-    for llm in systems.values():  # warm-up
+    plain, drafting = _engine(args, None), _engine(args, spec)
+    want = [o.outputs[0].token_ids for o in plain.generate(
+        prompt_token_ids=prompts, sampling_params=params)]  # fmt: skip
+    vocab = plain.engine.validator.vocab_size
+    predicted = [_edited(w, args.prediction_edit, vocab) for w in want]
+    systems = {"decode": (plain, None), "ngram drafts": (drafting, None),
+               "ngram, every draft": (_engine(args, fixed), None),
+               "prediction drafts": (drafting, predicted)}  # fmt: skip
+    for llm, _ in systems.values():  # warm-up
         llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=4))
     rounds: dict[str, list[dict]] = {name: [] for name in systems}
     for _ in range(args.rounds):  # alternate: a burst of load hits both
-        for name, llm in systems.items():
-            rounds[name].append(_round(llm, prompts, params))
-    same = all(r["outputs"] == rounds["decode"][0]["outputs"] for rs in rounds.values() for r in rs)
+        for name, (llm, preds) in systems.items():
+            rounds[name].append(_round(llm, prompts, params, preds))
+    same = all(r["outputs"] == want for rs in rounds.values() for r in rs)
     k = args.num_speculative_tokens
-    costs = _costs(systems["ngram drafts"], args.input_len + n // 2, k, args.cost_repeats)
+    engine = drafting.engine
+    costs = step_seconds(engine.runner, engine.kv, k, args.input_len + n // 2, args.cost_repeats,
+                         budget_s=float("inf"))  # fmt: skip
+    if costs is None:
+        raise InvalidInputError("the KV pool has too few free blocks to time the drafts; raise "
+                                "--max-model-len or the KV cache size")
     rel = [c / costs[0] for c in costs]
     best = {name: max(rs, key=lambda r: r["tok_s"]) for name, rs in rounds.items()}
     base = best["decode"]["tok_s"]
@@ -156,7 +161,9 @@ def run(args: argparse.Namespace) -> int:
             "rounds": rounds,
             "speedup": best["ngram drafts"]["tok_s"] / base,
             "speedup_every_draft": best["ngram, every draft"]["tok_s"] / base,
-            "engine_costs": systems["ngram drafts"].engine.drafter.costs,
+            "speedup_prediction": best["prediction drafts"]["tok_s"] / base,
+            "prediction_edit": args.prediction_edit,
+            "engine_costs": engine.drafter.costs if engine.drafter is not None else None,
             "outputs_equal": same,
             "step_seconds_by_drafts": costs,
             "break_even_acceptance": even,

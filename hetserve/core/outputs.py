@@ -24,6 +24,9 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or token that ended it
+    # Speculative decoding: drafts checked for this sequence, and those that held
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -46,6 +49,7 @@ class RequestOutput:
     error: str | None = None
     # time.monotonic() when the engine first scheduled it (the end of its queueing)
     scheduled_time: float | None = None
+    prediction_tokens: int | None = None  # the length of its prediction; None: it had none
 
     # The single-completion view (n == 1), so `out.text` works like the first choice.
     @property

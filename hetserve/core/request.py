@@ -96,6 +96,10 @@ class Request:
     # Speculative decoding: tokens drafted to follow it, checked in its next step (the engine
     # sets them before each step; the scheduler gives the step as many as fit)
     spec_token_ids: list[int] = field(default_factory=list)
+    # What the output is expected to be, largely (OpenAI's Predicted Outputs): drafts follow it
+    prediction: list[int] | None = None
+    num_draft_tokens: int = 0  # drafts checked for it so far
+    num_accepted_tokens: int = 0  # ... and those that held
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -139,3 +143,6 @@ class NewRequest:
     lora_id: str | None = None  # set by validation: the adapter's content id
     grammar: GrammarSpec | None = None  # what the output must match (structured output)
     caller_id: str | None = None  # the caller's id for it (X-Request-Id: a Conductor's), for logs
+    # Token ids the output is expected to follow, largely (OpenAI's Predicted Outputs: the file
+    # an edit rewrites); speculative decoding drafts from it; the output is the same without it
+    prediction: list[int] | None = None

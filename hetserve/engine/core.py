@@ -183,6 +183,7 @@ class EngineCore:
                 session_id=new.session_id,
                 lora_id=new.lora_id,
                 kv_handoff=new.kv_handoff,
+                prediction=new.prediction,
             )
             gen = torch.Generator(device="cpu")
             # Unseeded requests draw a fresh seed; torch.seed() would cost ~2 ms per request and
@@ -307,6 +308,11 @@ class EngineCore:
         c["spec_drafts"] += len(drafted)
         c["spec_draft_tokens"] += sum(drafted.values())
         c["spec_accepted"] += sum(len(result.accepted.get(sid, ())) for sid in drafted)
+        for sid, n in drafted.items():
+            st = self.seqs.get(sid)
+            if st is not None:
+                st.request.num_draft_tokens += n
+                st.request.num_accepted_tokens += len(result.accepted.get(sid, ()))
         for sid, entry in result.logprobs.items():
             st = self.seqs.get(sid)
             if st is not None and st.logprobs is not None:

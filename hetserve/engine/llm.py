@@ -69,7 +69,11 @@ class LLM:
         prompt_token_ids: list[int] | list[list[int]] | None = None,
         use_tqdm: bool = False,
         lora_request: LoRASpec | list[LoRASpec] = None,
+        predictions: list[str | list[int] | None] | None = None,
     ) -> list[RequestOutput]:
+        """`predictions`: per prompt, text (or token ids) its output is expected to largely
+        repeat (OpenAI's Predicted Outputs), or None; with `speculative_config` drafts follow
+        it. The outputs are the same with or without."""
         with self._lock:
             requests = self._normalize(prompts, prompt_token_ids)
             if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -88,14 +92,32 @@ class LLM:
                     raise InvalidInputError("sampling_params list must match the number of prompts")
             params = [self._spelled(p) for p in params]
             loras = self._lora_names(lora_request, len(requests))
+            predicted = self._predictions(predictions, len(requests))
             # Everything is validated before anything is queued: one bad prompt queues nothing.
             new = [
-                self.engine.validate(NewRequest(f"llm-{next(self._ids)}", ids, p, text, lora=lora))
-                for (text, ids), p, lora in zip(requests, params, loras, strict=True)
+                self.engine.validate(NewRequest(f"llm-{next(self._ids)}", ids, p, text, lora=lora,
+                                                prediction=pred))  # fmt: skip
+                for (text, ids), p, lora, pred in zip(requests, params, loras, predicted,
+                                                      strict=True)  # fmt: skip
             ]
             for req in new:
                 self.engine.enqueue(req, stream=False)
             return self._run([r.request_id for r in new], use_tqdm)
+
+    def _predictions(self, given, n: int) -> list[list[int] | None]:
+        if given is None:
+            return [None] * n
+        if not isinstance(given, list | tuple) or len(given) != n:
+            raise InvalidInputError("predictions must be a list with one entry per prompt")
+        out: list[list[int] | None] = []
+        for g in given:
+            if isinstance(g, str):
+                g = self.tokenizer.encode(g, add_special_tokens=False)
+            elif g is not None and not (isinstance(g, list | tuple)
+                                        and all(isinstance(t, int) for t in g)):  # fmt: skip
+                raise InvalidInputError("each prediction is a text, a list of token ids or None")
+            out.append(None if g is None else list(g))
+        return out
 
     def _spelled(self, params: SamplingParams) -> SamplingParams:
         """`bad_words` as the token sequences the sampler bans (the tokenizer's spellings)."""

@@ -53,6 +53,8 @@ class ParentState:
                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
                 finish_reason=s.finish_reason,
                 stop_reason=s.request.stop_reason,
+                draft_tokens=s.request.num_draft_tokens,
+                accepted_draft_tokens=s.request.num_accepted_tokens,
             )
             for s in self.seqs
         ]
@@ -72,4 +74,5 @@ class ParentState:
             cached_tokens_by_tier=by_tier,
             error=error,
             scheduled_time=self.scheduled_time,
+            prediction_tokens=None if first.prediction is None else len(first.prediction),
         )

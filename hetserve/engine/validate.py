@@ -72,6 +72,7 @@ class RequestValidator:
                     f"{name} holds token id {bad}, outside the vocabulary [0, {vocab})",
                     param=name,
                 )
+        self._prediction(new.prediction)
         room = self.max_model_len - len(ids)
         if params.max_tokens is None:
             params = params.with_max_tokens(room)
@@ -98,4 +99,21 @@ class RequestValidator:
             arrival_time=time.monotonic() if new.arrival_time is None else new.arrival_time,
             cache_extra=cache_extra,
             lora_id=lora_id,
+            prediction=None if new.prediction is None else list(new.prediction),
         )
+
+    def _prediction(self, tokens: list[int] | None) -> None:
+        if tokens is None:
+            return
+        if len(tokens) > self.max_model_len:
+            raise InvalidInputError(
+                f"prediction has {len(tokens)} tokens, more than the model's context of "
+                f"{self.max_model_len}; send only what the output is expected to contain",
+                param="prediction",
+            )
+        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidInputError(
+                f"prediction holds token id {bad}, outside the vocabulary [0, {self.vocab_size})",
+                param="prediction",
+            )

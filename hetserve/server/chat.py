@@ -102,6 +102,7 @@ class ChatServing(OpenAIServing):
         k = (req.top_logprobs or 0) if req.logprobs else None
         limit, _ = req.output_limit()
         specials = needs_special_tokens(plan, self.tool_parser, self.reasoning_parser)
+        prediction = await self.prediction_ids(req)
         streams = self.start(
             base,
             [(prompt, ids)],
@@ -110,6 +111,7 @@ class ChatServing(OpenAIServing):
             ),
             req,
             request,
+            prediction,
         )
         parsers = [
             choice_parser(plan, self.tool_parser, self.reasoning_parser, prompt)
@@ -256,7 +258,7 @@ class ChatServing(OpenAIServing):
         """`usage` with the reasoning's tokens, for a model that thinks."""
         if self.thinks:
             n = sum(len(self.tok.encode(r, add_special_tokens=False)) for r in reasoning if r)
-            usage["completion_tokens_details"] = {"reasoning_tokens": n}
+            usage.setdefault("completion_tokens_details", {})["reasoning_tokens"] = n
         return usage
 
     async def _chunks(self, req: ChatCompletionRequest, base: str, streams, parsers):

@@ -42,7 +42,8 @@ class CompletionServing(OpenAIServing):
         def params(_i, _ids):  # with a suffix, a marker written means the middle is done
             return self.sampling_params(req, limit, req.logprobs, echo_lp, stops=stops)
 
-        streams = self.start(base, prompts, params, req, request)
+        prediction = await self.prediction_ids(req)
+        streams = self.start(base, prompts, params, req, request, prediction)
         if req.stream:
             return self.event_stream(base, streams, self._chunks(req, base, streams))
         work = self._collect(req, base, streams)

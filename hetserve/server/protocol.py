@@ -67,6 +67,27 @@ class KVHandoffSpec(BaseModel):
     timeout_s: Finite = Field(default=30.0, gt=0.0, le=600.0)
 
 
+class _TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: text the output is expected to largely repeat (a file an
+    edit rewrites). Speculative decoding drafts from it (`--speculative-config`); the output is
+    the same with or without it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["content"]
+    content: str | list[_TextPart]
+
+    @property
+    def text(self) -> str:
+        c = self.content
+        return c if isinstance(c, str) else "".join(p.text for p in c)
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
     # vLLM extensions this endpoint refuses unless they ask for nothing (server/validation.py).
@@ -120,6 +141,7 @@ class _Common(BaseModel):
     # An agent's session (or the X-Session-Id header): its KV outlives each turn for a TTL.
     session_id: str | None = Field(default=None, min_length=1, max_length=256)
     kv_handoff: KVHandoffSpec | None = None  # a prefill/decode hand-off (from a Conductor)
+    prediction: Prediction | None = None  # OpenAI's Predicted Outputs
     _grammar: GrammarSpec | None = PrivateAttr(default=None)
 
     @property

@@ -179,8 +179,30 @@ class OpenAIServing:
                 "min_tokens",
             )
 
+    async def prediction_ids(self, req: _Common) -> list[int] | None:
+        """The request's `prediction` (OpenAI's Predicted Outputs) as token ids, None without
+        one. Longer than the context could hold: refused."""
+        if req.prediction is None:
+            return None
+        text = req.prediction.text
+        if len(text) > 2 * self.engine.max_model_len * self.tok.max_token_chars:
+            raise InvalidInputError(
+                f"prediction of {len(text)} characters cannot fit the model's context of "
+                f"{self.engine.max_model_len} tokens; send only what the output should contain",
+                param="prediction",
+            )
+        if len(text) <= INLINE_CHARS:
+            return self.tok.encode(text, add_special_tokens=False)
+        return await asyncio.to_thread(self.tok.encode_long, text, False)
+
     def start(
-        self, base: str, prompts: list[tuple[str | None, list[int]]], params, req, request
+        self,
+        base: str,
+        prompts: list[tuple[str | None, list[int]]],
+        params,
+        req,
+        request,
+        prediction: list[int] | None = None,
     ) -> list[RequestStream]:
         """Queue one engine request per prompt. If any is refused, none stays queued."""
         self.check_priority(req)
@@ -207,6 +229,7 @@ class OpenAIServing:
                     grammar=grammar,
                     caller_id=caller_id(request),
                     cache_extra=salt_extra(req.cache_salt),
+                    prediction=prediction,
                 )
                 streams.append(self.engine.submit(new))
                 request.scope.setdefault("hetserve.ids", []).append(rid)  # the access line
@@ -290,12 +313,22 @@ class OpenAIServing:
         details = {"cached_tokens": cached}
         if by_tier:  # hetserve's extension: where the cached tokens came from
             details["cached_tokens_by_tier"] = by_tier
-        return {
+        usage = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": details,
         }
+        if any(o.prediction_tokens is not None for o in outs):
+            # OpenAI's Predicted Outputs: the prediction's tokens drafted that held, and those
+            # checked that did not (computed and thrown away)
+            held = sum(c.accepted_draft_tokens for o in outs for c in o.outputs)
+            tried = sum(c.draft_tokens for o in outs for c in o.outputs)
+            usage["completion_tokens_details"] = {
+                "accepted_prediction_tokens": held,
+                "rejected_prediction_tokens": tried - held,
+            }
+        return usage
 
     def token_str(self, tid: int) -> str:
         return self.tok.decode([tid], skip_special_tokens=False)

@@ -26,7 +26,6 @@ class UnsupportedFieldError(InvalidInputError):
 # Fields that would change the output and that we do not implement (any non-null value).
 UNSUPPORTED = (
     "audio",
-    "prediction",
     "logits_processors",
     "web_search_options",
 )

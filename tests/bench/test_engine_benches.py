@@ -67,3 +67,27 @@ def test_bench_prefix_tiers_load_from_dram_and_ssd(moe_dir, tmp_path, capsys):
         assert fit["ratio"] == pytest.approx(fit["measured_ms"] / fit["predicted_ms"])
     out = capsys.readouterr().out
     assert "predicted ms" in out and "wait ms" in out and "1/8/32 blocks" in out
+
+
+def test_bench_speculative_runs_every_system_with_decodings_outputs(moe_dir, tmp_path, capsys):
+    out = tmp_path / "spec.json"
+    rc = main(["bench", "speculative", "--model", str(moe_dir), "--input-len", "24",
+               "--output-len", "40", "--rounds", "2", "--cost-repeats", "2",
+               "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["outputs_equal"] is True
+    assert set(data["rounds"]) == {"decode", "ngram drafts", "ngram, every draft",
+                                   "prediction drafts"}  # fmt: skip
+    assert all(len(r) == 2 for r in data["rounds"].values())
+    # a prediction 10% edited: most of its drafts hold
+    predicted = data["rounds"]["prediction drafts"][0]
+    assert predicted["accepted_tokens"] > predicted["draft_tokens"] / 2 > 0
+    assert len(data["step_seconds_by_drafts"]) == 5
+    assert "prediction drafts" in capsys.readouterr().out
+
+
+def test_bench_speculative_bad_prediction_edit_is_a_user_error(moe_dir, capsys):
+    rc = main(["bench", "speculative", "--model", str(moe_dir), "--prediction-edit", "2"])
+    assert rc == 2
+    assert "--prediction-edit must be within 0..1" in capsys.readouterr().err

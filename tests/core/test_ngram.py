@@ -2,7 +2,7 @@
 
 import random
 
-from hetserve.core.ngram import propose
+from hetserve.core.ngram import align, propose
 
 
 def brute(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -54,3 +54,44 @@ def test_degenerate_inputs_draft_nothing():
     assert propose([3], 4, 1, 4) == []
     assert propose([3, 3], 0, 1, 4) == []
     assert propose([3, 3], 4, 1, 4) == [3]
+
+
+def brute_align(reference, tokens, start, n_min, n_max):
+    if n_min < 1:
+        return None
+    for n in range(n_max, n_min - 1, -1):
+        if n < 1 or n > len(tokens) or n > len(reference):
+            continue
+        suffix = tokens[len(tokens) - n :]
+        ends = [i + n for i in range(len(reference) - n + 1) if reference[i : i + n] == suffix]
+        if ends:
+            ahead = [e for e in ends if e >= start]
+            return ahead[0] if ahead else ends[-1]
+    return None
+
+
+def test_align_equals_brute_force_on_random_sequences():
+    rng = random.Random(1)
+    found = 0
+    for _ in range(3000):
+        vocab = rng.randint(1, 6)
+        reference = [rng.randrange(vocab) for _ in range(rng.randint(0, 30))]
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 12))]
+        start = rng.randint(0, len(reference) + 1)
+        n_min = rng.randint(0, 4)
+        n_max = rng.randint(n_min - 1, 6)
+        want = brute_align(reference, tokens, start, n_min, n_max)
+        assert align(reference, tokens, start, n_min, n_max) == want, (
+            reference, tokens, start, n_min, n_max)  # fmt: skip
+        found += want is not None
+    assert found > 600  # the cases exercise matches, not just misses
+
+
+def test_align_prefers_the_longest_match_then_the_first_ahead():
+    #            0  1  2  3  4  5  6  7  8  9
+    reference = [1, 2, 3, 9, 1, 2, 4, 7, 1, 2]
+    assert align(reference, [5, 1, 2], 0, 1, 4) == 2  # [1, 2] first ends at 2
+    assert align(reference, [5, 1, 2], 3, 1, 4) == 6  # ... at or after the cursor: 6
+    assert align(reference, [5, 1, 2], 11, 1, 4) == 10  # none ahead: the last behind
+    assert align(reference, [9, 1, 2], 7, 1, 4) == 6  # [9, 1, 2] only once: longest wins
+    assert align(reference, [8, 8], 0, 1, 4) is None

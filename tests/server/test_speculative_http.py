@@ -49,3 +49,51 @@ def test_completions_equal_decodings_and_metrics_count_drafts(served):
     assert 0 < held <= values["vllm:spec_decode_num_draft_tokens_total"]
     assert values["hetserve_spec_decode_acceptance_rate"] == pytest.approx(
         held / values["hetserve_spec_decode_draft_tokens_total"])
+
+
+def test_chat_prediction_drafts_and_reports_its_tokens_through_the_sdk(served):
+    """OpenAI's Predicted Outputs with the official client: the reply is the one without a
+    prediction; usage counts the prediction's tokens that held and those that did not."""
+    openai = pytest.importorskip("openai")
+    srv, _ = served
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "rewrite the file"}],
+           "max_tokens": 40, "temperature": 0, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    plain = client.chat.completions.create(**ask)
+    text = plain.choices[0].message.content
+    details = plain.usage.completion_tokens_details  # a thinking model's: reasoning only
+    assert details is None or details.accepted_prediction_tokens is None
+    edited = text[: len(text) // 2] + " an inserted line " + text[len(text) // 2 :]
+    parts = [{"type": "text", "text": text}]
+    for content in (edited, parts):
+        prediction = {"type": "content", "content": content}
+        r = client.chat.completions.create(**ask, prediction=prediction)
+        assert r.choices[0].message.content == text
+        details = r.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens > 0
+        assert details.rejected_prediction_tokens >= 0
+    # streamed, with usage at the end
+    chunks = list(client.chat.completions.create(
+        **ask, prediction={"type": "content", "content": text}, stream=True,
+        stream_options={"include_usage": True}))  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "prediction, words",
+    [
+        ({"type": "image", "content": "x"}, "prediction.type"),
+        ({"type": "content"}, "prediction.content"),
+        ({"type": "content", "content": [{"type": "image_url", "image_url": "x"}]},
+         "prediction.content"),
+        ({"type": "content", "content": "x", "extra": 1}, "prediction.extra"),
+    ],
+)
+def test_a_malformed_prediction_is_a_400_naming_it(served, prediction, words):
+    srv, _ = served
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "prediction": prediction}
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["param"] or words in r.json()["error"]["message"]
+    assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
