@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -33,6 +34,8 @@ from hetserve.engine.async_llm import AsyncLLM, RequestStream
 from hetserve.errors import InvalidInputError, PromptTooLongError
 from hetserve.server.errors import sse_error
 from hetserve.server.protocol import _Common
+
+log = logging.getLogger(__name__)
 
 INLINE_CHARS = 16_384  # shorter texts are tokenized on the event loop (a thread hop costs more)
 DONE = "data: [DONE]\n\n"
@@ -67,6 +70,7 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = model_name
         self.tok = engine.tokenizer
+        self._told_prediction = False  # predictions without speculative decoding: said once
 
     # ---- request -> engine requests -----------------------------------------------------------
     def served_name(self, req: _Common) -> str:
@@ -184,6 +188,11 @@ class OpenAIServing:
         one. Longer than the context could hold: refused."""
         if req.prediction is None:
             return None
+        if self.engine.config.speculative is None and not self._told_prediction:
+            self._told_prediction = True
+            log.info("a request sent a prediction: start the server with --speculative-config "
+                     "'{\"method\": \"ngram\"}' for drafts to follow it (the output is the "
+                     "same either way)")  # fmt: skip
         text = req.prediction.text
         if len(text) > 2 * self.engine.max_model_len * self.tok.max_token_chars:
             raise InvalidInputError(

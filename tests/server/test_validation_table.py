@@ -293,7 +293,8 @@ BAD = [
     # ---- other OpenAI features we do not implement ------------------------------------------
     (M, {"audio": {"voice": "alloy", "format": "wav"}}, "audio", "not supported"),
     (M, {"modalities": ["text", "audio"]}, "modalities", "only the 'text' modality"),
-    (M, {"prediction": {"type": "content", "content": "x"}}, "prediction", "not supported"),
+    (M, {"prediction": {"type": "content"}}, "prediction.content", "Field required"),
+    (M, {"prediction": {"type": "file", "content": "x"}}, "prediction.type", "content"),
     (M, {"web_search_options": {}}, "web_search_options", "not supported"),
     # ---- vLLM's extensions we do not implement: refused unless they ask for nothing, and
     # vLLM's rule that continue_final_message excludes add_generation_prompt -------------------
