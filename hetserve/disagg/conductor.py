@@ -120,6 +120,7 @@ class Conductor:
         # Other APIs' routes it serves, by path (the entrypoint gives Anthropic's).
         self.apis: dict[str, OtherAPI] = {}
         self.adapters = Adapters(cluster)  # LoRA adapters' content ids, for hashing
+        cluster.prepare = self.adapters.replay  # runtime adapters on late or restarted ones
         self.started = time.monotonic()
         self.counts: dict[str, int] = {}
         self.ttft: list[tuple[float, float]] = []  # (predicted, measured) seconds, recent

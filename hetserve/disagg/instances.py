@@ -10,10 +10,13 @@ the first good one. Between polls the Conductor counts what it routed itself (`r
 
 An instance that does not answer at start (not started yet, restarting) joins when it does:
 the poller asks it for its facts every `join_every_s` and adds it once they agree with the
-cluster's; `on_join` is told, so the KV index follows it from then on. Until then `status`
+cluster's (after `prepare`, which readies it: the adapters loaded on the cluster at run time);
+`on_join` is told, so the KV index follows it from then on. Until then `status`
 lists it as joining and nothing is routed to it. `add` makes a new instance join the same way
 while the cluster runs (scaling out, or an instance moved to another machine), and `remove`
-stops routing to one (`on_remove` is told; what it is serving finishes there).
+stops routing to one (`on_remove` is told; what it is serving finishes there). One that was
+down and answers again may have restarted: its facts are read again and `prepare` runs before
+anything is routed to it.
 
 Failure contract: at start, no instance answering at all, an instance refusing the Conductor's
 key, serving another role, or a cluster whose instances disagree on the KV identity (their
@@ -107,6 +110,9 @@ class Cluster:
         self._refusal: dict[str, str] = {}  # the last reason a joiner was not added, per name
         self._refreshing: dict[str, asyncio.Task[None]] = {}  # back after down: facts re-read
         self.on_join: Callable[[Instance], Awaitable[None]] | None = None
+        # Readies an instance before anything is routed to it: one that joins, or is back
+        # after being down (perhaps restarted). Its failures are logged; the instance serves.
+        self.prepare: Callable[[Instance], Awaitable[None]] | None = None
         self.on_remove: Callable[[str], None] | None = None
         self.http = httpx.AsyncClient(headers=dict(headers or {}), timeout=10.0)
         self.instances: dict[str, Instance] = {}
@@ -187,6 +193,9 @@ class Cluster:
             return
         if name not in self.joining:  # closed meanwhile
             return
+        await self._prepare(inst)
+        if name not in self.joining:
+            return
         del self.joining[name]
         self._refusal.pop(name, None)
         self.instances[name] = inst
@@ -260,6 +269,14 @@ class Cluster:
             bytes.fromhex(info["hash_seed"]),
         )
 
+    async def _prepare(self, inst: Instance) -> None:
+        if self.prepare is None:
+            return
+        try:
+            await self.prepare(inst)
+        except Exception:  # a listener's bug must not stop the cluster
+            log.exception("preparing %s failed", inst.name)
+
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(i) for i in self.instances.values()))
 
@@ -296,6 +313,9 @@ class Cluster:
                 log.error("instance %s answers again but stays down: %s", inst.name, reason)
             return
         if self.instances.get(inst.name) is not inst or inst.healthy:  # removed, or back
+            return
+        await self._prepare(inst)
+        if self.instances.get(inst.name) is not inst or inst.healthy:
             return
         self._refusal.pop(inst.name, None)
         self._refreshing.pop(inst.name, None)

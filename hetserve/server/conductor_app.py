@@ -164,6 +164,7 @@ def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
             return inst.name, r.status_code, r.content
 
         answers = await asyncio.gather(*(send(i) for i in targets))
+        conductor.adapters.record(path, raw, any(code < 300 for _, code, _ in answers))
         await conductor.adapters.refresh()  # their content ids, for hashing their requests
         failed = [(name, code, body) for name, code, body in answers if code >= 300]
         if not failed:

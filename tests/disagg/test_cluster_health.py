@@ -400,3 +400,80 @@ def test_lora_adapters_are_loaded_on_every_instance_and_listed() -> None:
         await cluster.http.aclose()
 
     asyncio.run(run())
+
+
+def test_runtime_adapters_reach_instances_that_join_or_restart_later() -> None:
+    """An adapter loaded through the Conductor reached the instances of that moment only: an
+    instance added later, or one restarted (which loses what was loaded at run time), answered
+    404 for it while the Conductor routed its requests there."""
+    from hetserve.disagg.conductor import Conductor, ConductorConfig
+    from hetserve.disagg.policy import Router, RouterConfig
+    from hetserve.server.conductor_app import create_conductor_app
+
+    up = {"a": True, "b": True, "c": True}
+    loaded: dict[str, set[str]] = {"a": set(), "b": set(), "c": set()}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if not up[host]:
+            raise httpx.ConnectError("refused", request=request)
+        path = request.url.path
+        if path == "/internal/info":
+            return httpx.Response(200, json=INFO)
+        if path == "/internal/load":
+            return httpx.Response(200, json={"running_decodes": 0, "free_blocks": 10})
+        if path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "base"}]})
+        if path.endswith("_lora_adapter"):
+            name = httpx.Response(200, content=request.content).json()["lora_name"]
+            if path == "/v1/load_lora_adapter":
+                if name in loaded[host]:
+                    return httpx.Response(400, json={"error": {
+                        "message": f"The lora adapter '{name}' has already been loaded."}})
+                loaded[host].add(name)
+            else:
+                loaded[host].discard(name)
+            return httpx.Response(200, text="Success")
+        return httpx.Response(404)
+
+    async def run() -> None:
+        cluster = Cluster([], join_every_s=0.0)
+        cluster.http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        inst = cluster._instance("http://a:1", None, INFO)
+        cluster.instances[inst.name] = inst
+        cluster.model_card = {"id": "base", "max_model_len": 256}
+        cluster.block_size, cluster.hash_seed = 16, b""
+        conductor = Conductor(cluster, Router(RouterConfig()), None, ConductorConfig(),
+                              holdings=lambda hs: {})  # fmt: skip
+        app = create_conductor_app(conductor, "base")
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
+            for name in ("sql", "chat"):
+                r = await client.post("/v1/load_lora_adapter",
+                                      json={"lora_name": name, "lora_path": f"/ad/{name}"})
+                assert r.status_code == 200
+            r = await client.post("/v1/unload_lora_adapter", json={"lora_name": "chat"})
+            assert r.status_code == 200
+            assert loaded["a"] == {"sql"}
+            # b is added while the Conductor runs: it has the adapter before it serves
+            cluster.add("http://b:2", None)
+            await cluster.join_pending()
+            await asyncio.gather(*cluster._asking.values())
+            assert "b:2" in cluster.instances and loaded["b"] == {"sql"}
+            # a restarts (its runtime adapters gone): loaded again before it is back
+            up["a"], loaded["a"] = False, set()
+            for _ in range(3):
+                await cluster.poll_once()
+            assert not cluster.instances["a:1"].healthy
+            up["a"] = True
+            await cluster.poll_once()
+            await asyncio.gather(*cluster._refreshing.values())
+            assert cluster.instances["a:1"].healthy and loaded["a"] == {"sql"}
+            # down and back without a restart: it has it already, and stays healthy
+            cluster.mark_down("b:2")
+            await cluster.poll_once()
+            await asyncio.gather(*cluster._refreshing.values())
+            assert cluster.instances["b:2"].healthy and loaded["b"] == {"sql"}
+        await cluster.http.aclose()
+
+    asyncio.run(run())
