@@ -133,3 +133,30 @@ def test_cuda_swap_preemption_resumes(tiny_model):
         assert [o.token_ids for o in got] == want
     finally:
         tight.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "deepseek-v3"])
+def test_cuda_drafted_rows_equal_decoding(tiny_model, family):
+    """Speculative decoding on CUDA: a decode's drafts run as decode rows of the GPU's
+    attention metadata (GQA's and MLA's kernels, the graphs' eager fallback for such steps),
+    routed experts on the host; the tokens are decoding's, with a right and an edited
+    prediction as with ngram drafts."""
+    path = tiny_model(family, lm_head_scale=8.0)
+    prompts = [IDS[:24] * 2, IDS[5:30]]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    plain = LLM(path, **FP32_CUDA, placement="device")
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+    plain.close()
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+            "adaptive": False}  # fmt: skip
+    drafting = LLM(path, **FP32_CUDA, placement="device", speculative_config=spec)
+    try:
+        got = drafting.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert [o.token_ids for o in got] == want
+        edited = [w[:10] + [(t + 1) % 50 for t in w[10:14]] + w[14:] for w in want]
+        got = drafting.generate(prompt_token_ids=prompts, sampling_params=params,
+                                predictions=edited)  # fmt: skip
+        assert [o.token_ids for o in got] == want
+        assert sum(o.outputs[0].accepted_draft_tokens for o in got) > 0
+    finally:
+        drafting.close()
