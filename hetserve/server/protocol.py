@@ -10,7 +10,7 @@ each role are in server/validation.py.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -65,6 +65,21 @@ class KVHandoffSpec(BaseModel):
     path: Literal["direct", "store", "mooncake"] = "direct"
     peer: str | None = Field(default=None, max_length=300)  # host:port (send over direct)
     timeout_s: Finite = Field(default=30.0, gt=0.0, le=600.0)
+
+
+_NOT_NULLABLE: dict[type, frozenset[str]] = {}
+
+
+def _not_nullable(cls: type[BaseModel]) -> frozenset[str]:
+    """The fields of `cls` whose type does not take None (computed once a class)."""
+    names = _NOT_NULLABLE.get(cls)
+    if names is None:
+        names = frozenset(
+            name for name, f in cls.model_fields.items()
+            if f.annotation is not None and type(None) not in get_args(f.annotation)
+        )  # fmt: skip
+        _NOT_NULLABLE[cls] = names
+    return names
 
 
 class _TextPart(BaseModel):
@@ -148,6 +163,17 @@ class _Common(BaseModel):
     def grammar(self) -> GrammarSpec | None:
         """What the output must match (response_format, guided_*, structured_outputs)."""
         return self._grammar
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        """OpenAI's schema types most fields as "X or null", and clients that send every field
+        (LiteLLM, generated SDKs) send null for those they leave unset: null is the field's
+        default, where the field has no meaning of its own for None."""
+        if not isinstance(data, dict):
+            return data
+        plain = _not_nullable(cls)
+        return {k: v for k, v in data.items() if v is not None or k not in plain}
 
     @field_validator("stop")
     @classmethod

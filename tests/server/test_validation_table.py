@@ -127,7 +127,7 @@ BAD = [
     (C, {"prompt": [[5], []]}, "prompt", "a prompt is empty"),
     (C, {"prompt": [1, "a"]}, "prompt", "a list of token ids or"),
     (C, {"prompt": {"text": "x"}}, "prompt", "must be a string"),
-    (C, {"prompt": None}, "prompt", "must be a string"),
+    (C, {"prompt": None}, "prompt", "Field required"),  # null: as if not given
     (C, {"prompt": [[5], "x"]}, "prompt", "must be a string"),
     (C, {"prompt": [-1]}, "prompt", "outside the vocabulary"),
     (C, {"prompt": [10**9]}, "prompt", "outside the vocabulary"),
@@ -441,3 +441,18 @@ def test_server_serves_and_holds_no_block_after_the_bad_requests(server):
         r = send(server.url, path, {"ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     assert server.wait_idle().kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_null_is_the_default_for_every_optional_field(server, path):
+    """Clients that send every field (LiteLLM, generated SDKs) send null for those unset;
+    OpenAI's schema allows it and vLLM takes it as the default."""
+    base = ({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path
+            else {"prompt": "hi"})  # fmt: skip
+    nulls = {name: None for name in ("temperature", "top_p", "n", "stream", "logprobs",
+             "presence_penalty", "frequency_penalty", "seed", "stop", "user", "top_k",
+             "ignore_eos", "min_tokens", "echo", "stream_options", "logit_bias")}  # fmt: skip
+    body = {"model": "tiny", **base, **nulls, "max_tokens": 3}
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 3
