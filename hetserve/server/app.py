@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -35,8 +36,9 @@ from hetserve.server.validation import UnsupportedFieldError
 MAX_BODY_BYTES = 8 << 20
 SERVED_APIS = (
     "this server serves OpenAI's API (POST /v1/chat/completions, /v1/completions, "
-    "/v1/responses; GET /v1/models), Anthropic's (POST /v1/messages), Ollama's (POST "
-    "/api/chat, /api/generate, /api/show; GET /api/tags, /api/ps, /api/version), vLLM's POST "
+    "/v1/responses; GET /v1/models, /v1/models/ID), Anthropic's (POST /v1/messages), "
+    "Ollama's (POST /api/chat, /api/generate, /api/show; GET /api/tags, /api/ps, "
+    "/api/version), vLLM's POST "
     "/tokenize and /detokenize, GET /health and GET /metrics"
 )
 PARSE_OFF_LOOP = 256 << 10  # bodies larger than this are parsed off the event loop
@@ -243,8 +245,7 @@ def create_app(
     async def prometheus():
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models():
+    def model_cards() -> list[dict]:
         # As vLLM lists them: the base model, then each adapter with its parent and path.
         now = time.time()
 
@@ -268,8 +269,25 @@ def create_app(
         ids = engine.lora_ids()  # hetserve's: the content id its requests' blocks are hashed by
         cards += [card(n, path, model_name) | {"lora_id": ids.get(n)}
                   for n, path in engine.lora_adapters().items()]  # fmt: skip
+        return cards
+
+    @app.get("/v1/models")
+    async def models():
+        cards = model_cards()
         return {"object": "list", "data": cards, "has_more": False,
                 "first_id": cards[0]["id"], "last_id": cards[-1]["id"]}  # fmt: skip
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str, request: Request):
+        """OpenAI's and Anthropic's model retrieval (their SDKs' `models.retrieve`)."""
+        card = next((c for c in model_cards() if c["id"] == model_id), None)
+        if card is not None:
+            return card
+        missing = check_model(model_id)
+        assert missing is not None
+        if "anthropic-version" in request.headers:  # Anthropic's SDK: its error shape
+            return JSONResponse(anthropic_error(json.loads(missing.body)), status_code=404)
+        return missing
 
     @app.post("/v1/completions")
     async def create_completion(request: Request):

@@ -128,6 +128,20 @@ def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
+        cards = await model_cards()
+        return {"object": "list", "data": cards, "has_more": False, "first_id": model_name,
+                "last_id": cards[-1]["id"]}  # fmt: skip
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        card = next((c for c in await model_cards() if c["id"] == model_id), None)
+        if card is not None:
+            return card
+        body = error_body(f"model {model_id!r} does not exist", "not_found_error", "model",
+                          "model_not_found")  # fmt: skip
+        return JSONResponse(body, status_code=404)
+
+    async def model_cards() -> list[dict]:
         card = {**conductor.cluster.model_card, "id": model_name, "object": "model",
                 "created": int(time.time()), "owned_by": "hetserve"}  # fmt: skip
         card.pop("root", None)  # an instance's path means nothing to the Conductor's clients
@@ -136,8 +150,7 @@ def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
         cards = [card] + [{**a, "parent": model_name} for a in await adapters()]
         for c in cards[1:]:
             c.pop("root", None)
-        return {"object": "list", "data": cards, "has_more": False, "first_id": model_name,
-                "last_id": cards[-1]["id"]}  # fmt: skip
+        return cards
 
     async def adapters() -> list[dict]:
         """The LoRA adapters the instances serve, as one of them lists them."""

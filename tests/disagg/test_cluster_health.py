@@ -378,6 +378,10 @@ def test_lora_adapters_are_loaded_on_every_instance_and_listed() -> None:
             assert [(c["id"], c.get("parent")) for c in cards] == [("listed", None),
                                                                   ("sql", "listed")]
             assert not any("root" in c for c in cards)  # the instances' paths stay theirs
+            assert (await client.get("/v1/models/sql")).json()["parent"] == "listed"
+            missing = await client.get("/v1/models/other")
+            assert missing.status_code == 404
+            assert missing.json()["error"]["code"] == "model_not_found"
             body = {"lora_name": "sql", "lora_path": "/adapters/sql"}
             r = await client.post("/v1/load_lora_adapter", json=body)
             assert r.status_code == 200 and "(on 2 instances)" in r.text

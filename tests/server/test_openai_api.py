@@ -19,6 +19,21 @@ def test_models_and_health(server, client):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
 
 
+def test_a_model_is_retrieved_by_name_through_the_sdks(server, client):
+    """`models.retrieve` was a 404 (no route) in both SDKs."""
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4o")
+    assert info.value.body["code"] == "model_not_found"
+    anthropic = pytest.importorskip("anthropic")
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    assert claude.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        claude.models.retrieve("claude-x")
+    assert missing.value.body["type"] == "error"
+    assert "does not exist" in missing.value.body["error"]["message"]
+
+
 def test_completion_usage_and_text(server, client):
     tok = server.engine.tokenizer
     r = client.completions.create(
