@@ -100,7 +100,7 @@ class ChatServing(OpenAIServing):
         plan = req.tool_plan
         prompt, ids = await self._prompt_ids(req)
         k = (req.top_logprobs or 0) if req.logprobs else None
-        limit, _ = req.output_limit()
+        limit = req.limit_for(len(ids), self.engine.max_model_len)
         specials = needs_special_tokens(plan, self.tool_parser, self.reasoning_parser)
         prediction = await self.prediction_ids(req)
         streams = self.start(

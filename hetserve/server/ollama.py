@@ -129,7 +129,7 @@ class OllamaServing:
                                         f"{NO_FIM.split(': ', 1)[1]}", "suffix")  # fmt: skip
             text, stops = fim
         ids = await self.chat.encode(text, add_special_tokens=True)
-        limit, _ = req.output_limit()
+        limit = req.limit_for(len(ids), self.chat.engine.max_model_len)
 
         def params(_i, _ids):
             return self.chat.sampling_params(req, limit, None, stops=stops)
@@ -230,6 +230,8 @@ def install_ollama_routes(app: FastAPI, serving: OllamaServing, engine, check_mo
     async def body_of(request: Request) -> dict:
         body = await json_object(request)
         model = typed(body.get("model"), (str,), "model", "a string")
+        if not model:
+            raise InvalidInputError("model is required", "model")  # as Ollama answers
         missing = check_model(model)
         bare = model.removesuffix(LATEST) if model else model
         if missing is not None and bare != model and check_model(bare) is None:
@@ -267,7 +269,9 @@ def install_ollama_routes(app: FastAPI, serving: OllamaServing, engine, check_mo
             "parameters": "",
             "template": tok.chat_template or "",
             "details": details(),
-            "model_info": {"general.architecture": family},
+            # clients size their context from "<arch>.context_length"
+            "model_info": {"general.architecture": family,
+                           f"{family}.context_length": engine.max_model_len},  # fmt: skip
             "capabilities": caps,
         }
 

@@ -95,7 +95,9 @@ def openai_request(body: dict[str, Any], messages: list[dict]) -> ChatCompletion
                                     "options.num_predict")  # fmt: skip
     out = openai_body(body, messages)
     try:
-        return ChatCompletionRequest.model_validate(out)
+        req = ChatCompletionRequest.model_validate(out)
+        req.capped()  # num_predict: at most, as the context allows
+        return req
     except ValidationError as exc:
         message, param = validation_message(exc)
         head, _, rest = (param or "").partition(".")

@@ -158,6 +158,9 @@ class _Common(BaseModel):
     kv_handoff: KVHandoffSpec | None = None  # a prefill/decode hand-off (from a Conductor)
     prediction: Prediction | None = None  # OpenAI's Predicted Outputs
     _grammar: GrammarSpec | None = PrivateAttr(default=None)
+    # The output limit is a cap that the context may lower (Ollama's num_predict), not a
+    # number of tokens the context must hold (OpenAI's max_tokens): set by `capped`
+    _limit_is_cap: bool = PrivateAttr(default=False)
 
     @property
     def grammar(self) -> GrammarSpec | None:
@@ -242,6 +245,18 @@ class _Common(BaseModel):
     def beam_conflicts(self) -> dict[str, bool]:
         """The request kind's own fields that beam search does not combine with."""
         return {}
+
+    def capped(self) -> None:
+        """Make the output limit a cap the context lowers (Ollama's num_predict)."""
+        self._limit_is_cap = True
+
+    def limit_for(self, prompt_len: int, max_model_len: int) -> int | None:
+        """The output limit for a prompt of `prompt_len` tokens: as given, or, for a cap, no
+        more than the context leaves."""
+        limit, _ = self.output_limit()
+        if limit is not None and self._limit_is_cap:
+            return max(1, min(limit, max_model_len - prompt_len))
+        return limit
 
     def output_limit(self) -> tuple[int | None, str]:
         """The output token limit and the field that set it: max_completion_tokens is OpenAI's

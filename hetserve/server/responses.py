@@ -33,6 +33,7 @@ from hetserve.server.responses_input import (
     included,
     input_messages,
     system_messages,
+    their_names,
     truncated,
 )
 from hetserve.server.responses_items import OutputItems
@@ -119,11 +120,12 @@ class ResponsesServing:
             try:
                 streams, parsers, _ = await self.chat.prepare(rid, req, request)
                 break
-            except PromptTooLongError:
+            except PromptTooLongError as exc:
                 # "auto": OpenAI's, the oldest items go until the rest fits.
                 shorter = truncated(messages, len(system)) if truncation == "auto" else None
-                if shorter is None:
-                    raise
+                if shorter is None:  # the limit named as this body names it
+                    message = str(exc).replace("max_tokens", "max_output_tokens")
+                    raise PromptTooLongError(message, their_names("", exc.param)[1]) from None
                 messages = shorter
         include = included(body)
         state = {"rid": rid, "body": body, "history": history + new, "session": session,

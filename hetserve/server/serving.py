@@ -168,7 +168,8 @@ class OpenAIServing:
         room = self.engine.max_model_len - prompt_len
         if room < 1:
             return  # the engine refuses the prompt itself
-        limit, name = req.output_limit()
+        _, name = req.output_limit()
+        limit = req.limit_for(prompt_len, self.engine.max_model_len)
         if limit is not None and limit > room:
             given = "" if name in req.model_fields_set else ", the default"
             raise PromptTooLongError(  # too long for the context with its output

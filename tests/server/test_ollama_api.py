@@ -135,6 +135,23 @@ def test_errors_in_ollama_shape(client, srv):
     r = httpx.post(srv.url + "/api/chat", json={"model": "tiny", "messages": USER,
                                                   "format": "xml"})  # fmt: skip
     assert r.status_code == 400 and "format" in r.json()["error"]
+    for route, rest in (("chat", {"messages": USER}), ("generate", {"prompt": "hi"}),
+                        ("show", {})):  # fmt: skip
+        r = httpx.post(srv.url + f"/api/{route}", json=rest)  # no model: as Ollama, a 400
+        assert r.status_code == 400 and r.json() == {"error": "model is required"}
+
+
+def test_num_predict_is_a_cap_the_context_lowers(client, srv):
+    """Ollama's num_predict is at most so many tokens: past the context it stops there (a
+    32,000 on a 1,024-token context was a 400)."""
+    for reply in (client.chat(model="tiny", messages=USER, options={"num_predict": 32000,
+                                                                     "seed": 1}),
+                  client.generate(model="tiny", prompt="hi", options={"num_predict": 32000,
+                                                                       "seed": 1})):  # fmt: skip
+        assert reply.done and reply.done_reason in ("stop", "length")
+        assert 0 < reply.eval_count <= 1024 - reply.prompt_eval_count
+    show = client.show("tiny")
+    assert show.modelinfo["qwen3_moe.context_length"] == 1024
 
 
 CALL = {"role": "assistant", "content": ""}

@@ -154,6 +154,7 @@ WRONG = [  # fields of a request that are wrong -> the field its 400 names
     ({"max_output_tokens": "8"}, "max_output_tokens"),
     ({"max_output_tokens": True}, "max_output_tokens"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"max_output_tokens": 32000}, "max_output_tokens"),  # past the context: named as sent
     ({"temperature": "hot"}, "temperature"),
     ({"tools": {"type": "function", "name": "f"}}, "tools"),
     ({"tools": [{"type": "function", "name": 5}]}, "tools.0.name"),
@@ -179,6 +180,7 @@ def test_wrong_fields_are_400s_naming_them(client, fields, param):
     r = httpx.post(str(client.base_url) + "responses", json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
+    assert "max_tokens" not in r.json()["error"]["message"]  # the chat request's name
 
 
 @pytest.mark.parametrize("kind", ["input_image", "input_file", "input_audio"])
