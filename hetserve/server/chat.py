@@ -204,7 +204,7 @@ class ChatServing(OpenAIServing):
         if parsed.calls:
             ids = [c.id or new_call_id() for c in parsed.calls]
             msg["tool_calls"] = openai_tool_calls(parsed.calls, ids)
-            msg["content"] = parsed.content.strip() or None
+            msg["content"] = parsed.content if parsed.content.strip() else None
         return msg
 
     async def _collect(self, req: ChatCompletionRequest, base: str, streams, parsers) -> dict:

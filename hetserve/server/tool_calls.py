@@ -32,6 +32,7 @@ class ToolPlan:
     choice: str  # 'none' | 'auto' | 'required' | 'named'
     named: str | None = None
     grammar: GrammarSpec | None = None
+    parallel: bool = True  # False: a reply's first call only (parallel_tool_calls)
 
     @property
     def parses_calls(self) -> bool:
@@ -54,7 +55,7 @@ def plan_tools(extra: Mapping[str, Any]) -> ToolPlan:
     if not isinstance(parallel, bool):
         raise InvalidInputError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if choice in (None, "auto"):
-        return ToolPlan(tools, "auto")
+        return ToolPlan(tools, "auto", parallel=parallel)
     if choice == "none":
         return ToolPlan(None, "none")
     if choice == "required":
@@ -153,7 +154,22 @@ def choice_parser(
         return NamedCallParser(plan.named or "")
     if plan.choice == "required":
         return CallArrayParser()
-    return output_parser(tool_parser, reasoning_parser, plan.tools, prompt)
+    parser = output_parser(tool_parser, reasoning_parser, plan.tools, prompt)
+    return parser if plan.parallel else FirstCallParser(parser)
+
+
+class FirstCallParser:
+    """parallel_tool_calls false under 'auto': a model that writes several calls is answered
+    with its first (as vLLM does; OpenAI's models make one)."""
+
+    def __init__(self, parser: OutputParser) -> None:
+        self.parser = parser
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        parsed = self.parser.parse(text, final)
+        if len(parsed.calls) > 1:
+            parsed = Parsed(parsed.content, parsed.reasoning, parsed.calls[:1])
+        return parsed
 
 
 def needs_special_tokens(plan: ToolPlan, tool_parser: str | None, reasoning: str | None) -> bool:

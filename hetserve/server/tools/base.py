@@ -154,7 +154,12 @@ class Streamer:
         """(content delta, reasoning delta, tool-call deltas as
         {index, id?, name?, arguments})."""
         now = self.parser.parse(text, final)
-        content = _suffix(self.sent.content, now.content)
+        # Trailing whitespace waits for what follows: after words it goes out with the next
+        # ones; beside calls, whitespace alone (between two calls) is no content at all.
+        shown = now.content if final else now.content.rstrip()
+        if final and now.calls and not shown.strip():
+            shown = ""
+        content = _suffix(self.sent.content, shown)
         reasoning = _suffix(self.sent.reasoning, now.reasoning)
         calls: list[dict[str, Any]] = []
         for i, call in enumerate(now.calls):
@@ -169,7 +174,7 @@ class Streamer:
                 else:
                     calls.append({"index": i, "arguments": delta})
             self.sent.calls[i].arguments = call.arguments
-        self.sent.content, self.sent.reasoning = now.content, now.reasoning
+        self.sent.content, self.sent.reasoning = shown, now.reasoning
         return content, reasoning, calls
 
 

@@ -76,9 +76,11 @@ def reply_text(tok: Tokenizer, msg: dict, renders_thinking: bool) -> tuple[str, 
 
 def check_stream(parser_args, reply: str, whole) -> None:
     rng = random.Random(len(reply))
-    for _ in range(20):
+    for round_ in range(21):
         streamer = Streamer(output_parser(*parser_args))
         cuts = sorted(rng.sample(range(1, len(reply)), min(8, len(reply) - 1)))
+        if round_ == 20:  # a character at a time: every place a stream can be cut
+            cuts = list(range(1, len(reply)))
         content, reasoning, calls = "", "", {}
         for end in [*cuts, len(reply)]:
             c, r, deltas = streamer.feed(reply[:end], final=end == len(reply))
@@ -87,7 +89,9 @@ def check_stream(parser_args, reply: str, whole) -> None:
                 call = calls.setdefault(d["index"], {"name": None, "arguments": ""})
                 call["name"] = d.get("name") or call["name"]
                 call["arguments"] += d["arguments"]
-        assert content == whole.content and reasoning == whole.reasoning
+        # as the reply's message has it: beside calls, whitespace alone is no content
+        want = whole.content if whole.content.strip() or not whole.calls else ""
+        assert content == want and reasoning == whole.reasoning
         assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [
             (c.name, c.arguments) for c in whole.calls
         ]
@@ -115,6 +119,24 @@ def test_parser_reads_what_the_template_renders(tiny_model, family, case):
     if family == "kimi-k2" and calls:
         assert [c.id for c in whole.calls] == ["functions.get_weather:0", "functions.get_weather:1"]
     check_stream(args, reply, whole)
+
+
+def test_parallel_tool_calls_false_answers_the_first_call_streamed_or_not(tiny_model):
+    from hetserve.server.tool_calls import choice_parser, plan_tools
+
+    tok = Tokenizer(tiny_model("qwen3-moe"))
+    prompt, reply = reply_text(tok, assistant("", CALLS, None), True)
+    plan = plan_tools({"tools": TOOLS, "parallel_tool_calls": False})
+    whole = choice_parser(plan, "hermes", None, prompt).parse(reply, True)
+    assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == CALLS[:1]
+    streamer = Streamer(choice_parser(plan, "hermes", None, prompt))
+    indices = set()
+    for end in range(1, len(reply) + 1):
+        _, _, deltas = streamer.feed(reply[:end], final=end == len(reply))
+        indices |= {d["index"] for d in deltas}
+    assert indices == {0}
+    both = choice_parser(plan_tools({"tools": TOOLS}), "hermes", None, prompt)
+    assert len(both.parse(reply, True).calls) == 2
 
 
 def test_tool_choice_none_leaves_the_text_as_content(tiny_model):
