@@ -57,19 +57,45 @@ class ResponsesRoutes:
             return _down(name, prev)
         return await self.c.route(PATH, raw, request, pinned=name)
 
-    async def read(self, method: str, rid: str, suffix: str, request: Request) -> Response:
-        """GET /v1/responses/{rid}, POST .../cancel, DELETE: answered by its holder."""
+    async def count_tokens(self, raw: bytes, request: Request) -> Response:
+        """POST /v1/responses/input_tokens: by the holder of the stored chain it continues,
+        else by any instance."""
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        prev = body.get("previous_response_id") if isinstance(body, dict) else None
+        if not isinstance(prev, str):
+            return await self.c.forward_any(PATH + "/input_tokens", raw)
+        return await self.read("POST", prev, "", request, path="/input_tokens", content=raw)
+
+    async def read(
+        self,
+        method: str,
+        rid: str,
+        suffix: str,
+        request: Request,
+        path: str | None = None,
+        content: bytes | None = None,
+    ) -> Response:
+        """GET /v1/responses/{rid} (and its input items), POST .../cancel, DELETE: answered
+        by its holder; `path` (with a body, `content`): another route of the holder's."""
         name = await self.holder(rid)
         if name is None:
             if self._some_down():
                 return _down("an instance that is down", rid)
+            if path is not None:
+                msg = f"previous response {rid!r} was not found (not stored, or evicted)"
+                return error_response(400, msg, "invalid_request_error",
+                                      param="previous_response_id")  # fmt: skip
             return error_response(404, f"response {rid!r} not found", "not_found_error")
         inst = self.c.cluster.instances.get(name)
         if inst is None or not inst.healthy:  # down, or removed while it was asked for
             return _down(name, rid)
-        url = f"{inst.url}{PATH}/{quote(rid, safe='')}{suffix}"
+        url = f"{inst.url}{PATH}{path or '/' + quote(rid, safe='')}{suffix}"
         http: httpx.AsyncClient = self.c.cluster.http
-        req = http.build_request(method, url, params=request.query_params,
+        req = http.build_request(method, url, params=request.query_params, content=content,
+                                 headers={"content-type": "application/json"} if content else None,
                                  timeout=httpx.Timeout(10.0, read=None))  # fmt: skip
         try:
             resp = await http.send(req, stream=True)

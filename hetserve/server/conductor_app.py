@@ -214,9 +214,17 @@ def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
         async def create_response(request: Request):
             return await responses.create(await request.body(), request)
 
+        @app.post("/v1/responses/input_tokens", include_in_schema=False)
+        async def count_response_tokens(request: Request):
+            return await responses.count_tokens(await request.body(), request)
+
         @app.get("/v1/responses/{rid}", include_in_schema=False)
         async def get_response(rid: str, request: Request):
             return await responses.read("GET", rid, "", request)
+
+        @app.get("/v1/responses/{rid}/input_items", include_in_schema=False)
+        async def list_input_items(rid: str, request: Request):
+            return await responses.read("GET", rid, "/input_items", request)
 
         @app.post("/v1/responses/{rid}/cancel", include_in_schema=False)
         async def cancel_response(rid: str, request: Request):

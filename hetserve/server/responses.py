@@ -19,6 +19,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -37,6 +38,7 @@ from hetserve.server.responses_input import (
     truncated,
 )
 from hetserve.server.responses_items import OutputItems
+from hetserve.server.responses_listing import input_items, install_listing_routes
 from hetserve.server.serving import merge
 from hetserve.server.tools import Streamer
 from hetserve.server.validation import json_object
@@ -73,7 +75,9 @@ class ResponsesServing:
         self.store = store or ResponseStore()
         self.runs = BackgroundRuns()
 
-    async def create(self, body: dict, request: Request):
+    def _conversation(self, body: dict) -> tuple[list[dict], list[dict], list[dict], Any]:
+        """(the stored chain's messages, the body's input's, the instructions', the chain's
+        session): what the body continues, checked."""
         prev_id = body.get("previous_response_id")
         history: list[dict] = []
         session = None
@@ -95,7 +99,18 @@ class ResponsesServing:
             session = prev.get("_session")
         called = {c["id"] for m in history for c in m.get("tool_calls") or ()}
         new = input_messages(body.get("input", ""), called)
-        system = system_messages(body)
+        return history, new, system_messages(body), session
+
+    async def count_input_tokens(self, body: dict) -> int:
+        """The tokens the body's conversation renders to (nothing runs)."""
+        check_types(body)
+        history, new, system, _ = self._conversation(body)
+        req = chat_request({**body, "max_output_tokens": None}, system + history + new)
+        prompt = await self.chat.prompt_of(req)
+        return len(await self.chat.encode(prompt, add_special_tokens=False, whole=True))
+
+    async def create(self, body: dict, request: Request):
+        history, new, system, session = self._conversation(body)
         messages = system + history + new
         truncation = body.get("truncation") or "disabled"
         if truncation not in ("auto", "disabled"):
@@ -129,6 +144,7 @@ class ResponsesServing:
                 messages = shorter
         include = included(body)
         state = {"rid": rid, "body": body, "history": history + new, "session": session,
+                 "input": input_items(body.get("input", "")),
                  "created_at": int(time.time()), "background": background,
                  "logprobs": (req.top_logprobs or 0) if req.logprobs else None,
                  "encrypt": "reasoning.encrypted_content" in include}  # fmt: skip
@@ -144,12 +160,12 @@ class ResponsesServing:
 
     def _background(self, state: dict, streams, parser, items: OutputItems):
         queued = self._response(state, "queued", [])
-        self.store.put(state["rid"], None, {**queued, "_session": state["session"]})
+        self.store.put(state["rid"], None, {**queued, **_kept(state)})
         run = BackgroundRun(state["rid"], queued, items, streams)
 
         def ended(r: BackgroundRun) -> None:
             if r.response["status"] in ("failed", "cancelled"):  # _finish stored the others
-                self.store.put(r.rid, None, {**r.response, "_session": state["session"]})
+                self.store.put(r.rid, None, {**r.response, **_kept(state)})
 
         run.start(self._events(state, streams, parser, items), ended)
         self.runs.add(run)
@@ -254,8 +270,7 @@ class ResponsesServing:
                 ]  # fmt: skip
             elif reply["content"] is None:
                 reply["content"] = ""
-            self.store.put(state["rid"], [*state["history"], reply],
-                           {**response, "_session": state["session"]})  # fmt: skip
+            self.store.put(state["rid"], [*state["history"], reply], {**response, **_kept(state)})
         return response
 
     async def _events(self, state: dict, streams, parser, items: OutputItems):
@@ -306,6 +321,8 @@ class ResponsesServing:
 
 
 def install_responses_routes(app: FastAPI, serving: ResponsesServing, check_model) -> None:
+    install_listing_routes(app, serving, check_model)
+
     @app.post("/v1/responses")
     async def create(request: Request):
         body = await json_object(request)
@@ -348,6 +365,11 @@ def install_responses_routes(app: FastAPI, serving: ResponsesServing, check_mode
         if not await serving.delete(rid):
             return _not_found(rid)
         return {"id": rid, "object": "response", "deleted": True}
+
+def _kept(state: dict) -> dict:
+    """What the store keeps beside a response: its chain's session, its input items."""
+    return {"_session": state["session"], "_input": state["input"]}
+
 
 def _public(response: dict) -> dict:
     """A stored response without the store's own keys (`_session`)."""

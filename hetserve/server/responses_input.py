@@ -74,8 +74,19 @@ def json_type(value: Any) -> str:
     return next(n for t, n in JSON_TYPES.items() if isinstance(value, t))
 
 
+# What the body may ask for that is not served: a 400 naming it, never silently ignored.
+REFUSED = {
+    "conversation": "conversations are not served; continue with previous_response_id",
+    "prompt": "prompt templates are not served; send the input and instructions",
+}
+
+
 def check_types(body: dict) -> None:
-    """Each field in FIELD_TYPES has one of its types, else a 400 naming it."""
+    """Each field in FIELD_TYPES has one of its types, else a 400 naming it; a field in
+    REFUSED is an UnsupportedFieldError."""
+    for name, why in REFUSED.items():
+        if body.get(name) is not None:
+            raise UnsupportedFieldError(name, why)
     for name, types in FIELD_TYPES.items():
         parent, _, key = name.rpartition(".")
         where = body.get(parent) if parent else body

@@ -275,6 +275,15 @@ def test_responses_through_the_cluster_go_where_their_conversation_is(cluster):
         assert holders(rid) == [holder]
     got = httpx.get(f"{base}/v1/responses/{first['id']}", timeout=10)
     assert got.status_code == 200 and got.json()["output"] == first["output"]
+    listed = httpx.get(f"{base}/v1/responses/{rid}/input_items", timeout=10).json()
+    assert [i["content"][0]["text"] for i in listed["data"]] == ["and then 2?"]
+    count = {"model": model, "input": "more", "previous_response_id": rid}
+    counts = [httpx.post(f"{u}/v1/responses/input_tokens", json=count, timeout=30)
+              for u in (base, holder)]  # the Conductor's answer is the holder's  # fmt: skip
+    assert counts[0].status_code == 200 and counts[0].json() == counts[1].json()
+    stateless = httpx.post(f"{base}/v1/responses/input_tokens", timeout=30,
+                           json={"model": model, "input": "more"})  # fmt: skip
+    assert 0 < stateless.json()["input_tokens"] < counts[0].json()["input_tokens"]
     # In the background: queued at once, read through the Conductor until it completes.
     queued = httpx.post(base + "/v1/responses", json={**body, "background": True}, timeout=120)
     assert queued.status_code == 200 and queued.json()["status"] in ("queued", "in_progress")

@@ -312,3 +312,37 @@ def test_truncation_takes_a_calls_results_with_it():
     assert truncated([sys_, call, result, user], 1) == [sys_, user]
     assert truncated([sys_, user], 1) is None  # the newest item stays
     assert truncated([call, user], 0) == [user]
+
+
+def test_input_items_are_listed_and_input_tokens_counted_through_the_sdk(client):
+    """`responses.input_items.list` was a 404 and `responses.input_tokens.count` a 405."""
+    items = [{"role": "user", "content": "first"}, {"role": "assistant", "content": "ok"},
+             {"role": "user", "content": [{"type": "input_text", "text": "second"}]}]  # fmt: skip
+    r = client.responses.create(model="tiny", input=items, max_output_tokens=2,
+                                instructions="be brief")  # fmt: skip
+    listed = client.responses.input_items.list(r.id, order="asc")
+    texts = [(i.role, i.content[0].text) for i in listed.data]
+    assert texts == [("user", "first"), ("assistant", "ok"), ("user", "second")]
+    assert len({i.id for i in listed.data}) == 3
+    newest = client.responses.input_items.list(r.id, limit=2)  # newest first
+    assert [i.content[0].text for i in newest.data] == ["second", "ok"] and newest.has_more
+    rest = client.responses.input_items.list(r.id, limit=2, after=newest.data[-1].id)
+    assert [i.content[0].text for i in rest.data] == ["first"] and not rest.has_more
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+    # the tokens the same request renders to: its usage's input tokens
+    counted = client.responses.input_tokens.count(model="tiny", input=items,
+                                                   instructions="be brief")  # fmt: skip
+    assert counted.input_tokens == r.usage.input_tokens
+    chained = client.responses.input_tokens.count(model="tiny", input="more",
+                                                   previous_response_id=r.id)  # fmt: skip
+    alone = client.responses.input_tokens.count(model="tiny", input="more")
+    assert chained.input_tokens > alone.input_tokens + 5  # the stored chain comes along
+
+
+@pytest.mark.parametrize("field", ["conversation", "prompt"])
+def test_what_is_not_served_is_refused_not_ignored(client, field):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="tiny", input="hi", **{field: "conv_1" if field ==
+                                "conversation" else {"id": "pmpt_1"}})  # fmt: skip
+    assert err.value.body["param"] == field
