@@ -6,7 +6,8 @@ that forces a call, and each choice's parser of the reply.
 - 'required' and a named function: the grammar engine forces the reply into a call, as vLLM
   does: a JSON array of {"name", "parameters"} (one item when parallel_tool_calls is false),
   or the named function's arguments; so even a random model returns a valid call.
-- 'none': the tools are not rendered and the reply is all content.
+- 'none': the tools are rendered as with 'auto' (as vLLM does: the prompt, and so its cached
+  prefix, stays that of the turns around it) and the reply is all content.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ SPECIAL_MARKERS = {"kimi_k2", "openai"}
 
 @dataclass(frozen=True)
 class ToolPlan:
-    tools: list[dict] | None  # rendered by the template (None: no tools, or choice 'none')
+    tools: list[dict] | None  # rendered by the template (None: no tools)
     choice: str  # 'none' | 'auto' | 'required' | 'named'
     named: str | None = None
     grammar: GrammarSpec | None = None
@@ -36,7 +37,7 @@ class ToolPlan:
 
     @property
     def parses_calls(self) -> bool:
-        return self.tools is not None
+        return self.tools is not None and self.choice != "none"
 
 
 def plan_tools(extra: Mapping[str, Any]) -> ToolPlan:
@@ -57,7 +58,7 @@ def plan_tools(extra: Mapping[str, Any]) -> ToolPlan:
     if choice in (None, "auto"):
         return ToolPlan(tools, "auto", parallel=parallel)
     if choice == "none":
-        return ToolPlan(None, "none")
+        return ToolPlan(tools, "none")
     if choice == "required":
         return ToolPlan(tools, "required", grammar=_required_grammar(tools, parallel))
     fn = choice.get("function") if isinstance(choice, dict) else None
@@ -154,7 +155,8 @@ def choice_parser(
         return NamedCallParser(plan.named or "")
     if plan.choice == "required":
         return CallArrayParser()
-    parser = output_parser(tool_parser, reasoning_parser, plan.tools, prompt)
+    tools = plan.tools if plan.parses_calls else None
+    parser = output_parser(tool_parser, reasoning_parser, tools, prompt)
     return parser if plan.parallel else FirstCallParser(parser)
 
 

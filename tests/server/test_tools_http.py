@@ -92,10 +92,15 @@ def test_tool_results_are_rendered_and_auto_answers(client):
     )
     assert long.usage.prompt_tokens > short.usage.prompt_tokens + 40  # tools and results
     assert long.choices[0].message.role == "assistant"
+    auto = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, max_tokens=2)
     none = client.chat.completions.create(
         model="tiny", messages=USER, tools=TOOLS, tool_choice="none", max_tokens=2
     )
-    assert none.usage.prompt_tokens == short.usage.prompt_tokens  # no tools rendered
+    # as vLLM: the tools are still rendered (the prompt, and its cached prefix, that of the
+    # turns around it); the reply is all content
+    assert none.usage.prompt_tokens == auto.usage.prompt_tokens > short.usage.prompt_tokens
+    assert none.usage.prompt_tokens_details.cached_tokens > 0
+    assert none.choices[0].message.tool_calls is None
 
 
 def test_thinking_goes_to_reasoning_content(client):
