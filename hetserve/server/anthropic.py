@@ -57,7 +57,11 @@ class AnthropicServing:
         return validated_chat(out, THEIR_NAMES)
 
     async def count_tokens(self, body: dict) -> dict:
-        req = self.request({**body, "max_tokens": body.get("max_tokens") or 1})
+        # Its body has no max_tokens (nothing is generated): one the thinking budget fits in
+        budget = (body.get("thinking") or {}).get("budget_tokens") if isinstance(
+            body.get("thinking"), dict) else None  # fmt: skip
+        fits = budget + 1 if isinstance(budget, int) and budget > 0 else 1
+        req = self.request({**body, "max_tokens": body.get("max_tokens") or fits})
         prompt = await self.chat.prompt_of(req)
         return {"input_tokens": len(await self.chat.encode(prompt, add_special_tokens=False))}
 

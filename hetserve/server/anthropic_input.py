@@ -63,6 +63,12 @@ def chat_body(body: dict, thinking_budget: bool) -> dict[str, Any]:
     if not turns:
         raise InvalidInputError("messages: at least one message is required", "messages")
     for i, m in enumerate(turns):
+        last = i == len(turns) - 1 and isinstance(m, dict) and m.get("role") == "assistant"
+        if isinstance(m, dict) and m.get("content") in ("", []) and not last:
+            raise InvalidInputError(  # as Anthropic's API answers
+                f"messages.{i}: all messages must have non-empty content except for the "
+                "optional final assistant message", f"messages.{i}.content",
+            )  # fmt: skip
         messages += _message(m, i)
     out: dict[str, Any] = {"model": body.get("model"), "messages": messages,
                            "max_tokens": body["max_tokens"]}  # fmt: skip
@@ -73,6 +79,8 @@ def chat_body(body: dict, thinking_budget: bool) -> dict[str, Any]:
     for name in ("temperature", "top_p", "top_k", "stream"):
         if body.get(name) is not None:
             out[name] = body[name]
+    if not 0 <= out.get("temperature", 1) <= 1:  # Anthropic's range (OpenAI's goes to 2)
+        raise InvalidInputError("temperature: must be between 0 and 1", "temperature")
     stops = body.get("stop_sequences")
     if stops:
         out["stop"] = stops
@@ -84,6 +92,10 @@ def chat_body(body: dict, thinking_budget: bool) -> dict[str, Any]:
             out[name] = body[name]
     out.update(_tools(body.get("tools"), body.get("tool_choice")))
     out.update(_thinking(body.get("thinking"), thinking_budget))
+    budget = (body.get("thinking") or {}).get("budget_tokens")
+    if isinstance(budget, int) and budget >= body["max_tokens"]:
+        raise InvalidInputError("max_tokens must be greater than thinking.budget_tokens",
+                                "thinking.budget_tokens")  # fmt: skip
     out.update(_output(body.get("output_config")))
     forced = isinstance(out.get("tool_choice"), dict) or out.get("tool_choice") == "required"
     thinking = (out.get("chat_template_kwargs") or {}).get("enable_thinking")
@@ -241,7 +253,10 @@ def _tools(tools: Any, choice: Any) -> dict[str, Any]:
                     f"tools.{i}", f"server tool {t['type']!r} is not run by this server; "
                     "describe a client tool with name and input_schema",
                 )  # fmt: skip
-            fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
+            if not isinstance(t.get("input_schema"), dict):
+                raise InvalidInputError(f"tools.{i}.input_schema: field required (a JSON schema "
+                                        "object)", f"tools.{i}.input_schema")  # fmt: skip
+            fn = {"name": t["name"], "parameters": t["input_schema"]}
             if isinstance(t.get("description"), str):
                 fn["description"] = t["description"]
             functions.append({"type": "function", "function": fn})

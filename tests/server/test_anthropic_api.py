@@ -136,6 +136,9 @@ def test_stop_sequences_prefill_and_count_tokens(client, server):
                                           continue_final_message=True,
                                           add_generation_prompt=False)  # fmt: skip
     counted = client.messages.count_tokens(model="tiny", messages=HELLO, system="be brief")
+    thinking = {"type": "enabled", "budget_tokens": 2048}  # needs no max_tokens to count
+    assert client.messages.count_tokens(model="tiny", messages=HELLO,
+                                        thinking=thinking).input_tokens > 0  # fmt: skip
     once = client.messages.create(model="tiny", max_tokens=1, messages=HELLO, system="be brief")
     assert counted.input_tokens == once.usage.input_tokens + once.usage.cache_read_input_tokens
 
@@ -164,6 +167,13 @@ BAD = [
     ({"max_tokens": 4, "messages": HELLO, "thinking": {"type": "enabled",
                                                         "budget_tokens": 0}}, "budget_tokens"),
     ({"max_tokens": 4, "messages": HELLO, "stop_sequences": [""]}, "stop_sequences"),
+    # What Anthropic's API refuses and was served: a budget past max_tokens, temperature above
+    # Anthropic's 1, a tool without its schema, an empty message
+    ({"max_tokens": 10, "messages": HELLO, "thinking": {"type": "enabled",
+                                                         "budget_tokens": 10}}, "greater than"),
+    ({"max_tokens": 4, "messages": HELLO, "temperature": 1.5}, "between 0 and 1"),
+    ({"max_tokens": 4, "messages": HELLO, "tools": [{"name": "f"}]}, "input_schema"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": ""}]}, "non-empty content"),
     ({"max_tokens": 4, "messages": HELLO, "output_config": {"effort": "huge"}}, "effort"),
     # Found on the last read: a check of the body's own was renamed as the chat request's
     # ("stop_sequences_sequences"), and a tool_result whose content was a number was a 500.
@@ -240,7 +250,7 @@ def test_second_review_context_errors_cut_off_calls_usage_and_thinking(client, s
     assert streamed.usage.cache_read_input_tokens == whole.usage.cache_read_input_tokens
     assert streamed.usage.input_tokens == whole.usage.input_tokens
     with pytest.raises(anthropic.BadRequestError) as err:
-        client.messages.create(model="tiny", max_tokens=4, messages=HELLO, tools=[TOOL],
+        client.messages.create(model="tiny", max_tokens=200, messages=HELLO, tools=[TOOL],
                                tool_choice={"type": "any"},
                                thinking={"type": "enabled", "budget_tokens": 100})  # fmt: skip
     assert "forces tool use" in err.value.body["error"]["message"]
