@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -42,7 +43,7 @@ from hetserve.server.tools import Parsed, Streamer
 from hetserve.server.tools.registry import output_parser
 from hetserve.server.validation import json_object
 
-OLLAMA_VERSION = "0.12.0"  # the API version whose fields we serve (clients check it)
+OLLAMA_VERSION = "0.12.11"  # the API version whose fields we serve (clients check it)
 LATEST = ":latest"  # Ollama's default tag: NAME:latest names the model served as NAME
 SENT_MODEL = "_model_as_sent"  # set on every body (the client's own value overwritten)
 
@@ -102,7 +103,7 @@ class OllamaServing:
         context_back = key == "response" and not body.get("raw")
         if body.get("stream", True):
             return StreamingResponse(
-                self._lines(streams, parsers[0], name, key, t0, context_back),
+                self._lines(streams, parsers[0], name, key, t0, context_back, req),
                 media_type="application/x-ndjson",
             )
 
@@ -116,7 +117,7 @@ class OllamaServing:
             calls = _ollama_calls(parsed)
             reply = self._reply(name, key, parsed.content, parsed.reasoning, calls)
             done = self._done(out, c, t0, first or time.perf_counter(), context_back)
-            return {**reply, **done}
+            return {**reply, **done, **self._logprobs(req, c, 0)}
 
         return await self.chat.run_unless_disconnected(request, streams, collect())
 
@@ -131,8 +132,10 @@ class OllamaServing:
         ids = await self.chat.encode(text, add_special_tokens=True)
         limit = req.limit_for(len(ids), self.chat.engine.max_model_len)
 
+        k = (req.top_logprobs or 0) if req.logprobs else None
+
         def params(_i, _ids):
-            return self.chat.sampling_params(req, limit, None, stops=stops)
+            return self.chat.sampling_params(req, limit, k, stops=stops)
 
         streams = self.chat.start(base, [(text, ids)], params, req, request)
         return streams, [output_parser(None, None, None, text)]  # the text, as written
@@ -167,23 +170,35 @@ class OllamaServing:
             "eval_duration": int((end - first) * 1e9),
         }
 
-    async def _lines(self, streams, parser, name: str, key: str, t0: float, context: bool):
+    def _logprobs(self, req, c, seen: int) -> dict:
+        """Ollama's `logprobs` of the tokens after the first `seen` (none unless asked)."""
+        if not req.logprobs:
+            return {}
+        entries = c.logprobs[seen:] if c.logprobs else []
+        lp = self.chat.token_logprobs(c.token_ids[seen:], entries, req.top_logprobs or 0)
+        return {"logprobs": lp["content"]}
+
+    async def _lines(self, streams, parser, name: str, key: str, t0: float, context: bool,
+                     req) -> AsyncIterator[str]:  # fmt: skip
         streamer = Streamer(parser)
         out = first = None
+        seen = 0  # tokens whose logprobs a line has carried
         try:
             async for _, out in merge(streams):
                 first = first or time.perf_counter()
                 c = out.outputs[0]
                 content, thinking, _ = streamer.feed(c.text, final=c.finish_reason is not None)
                 if content or thinking:
-                    yield _line(self._reply(name, key, content, thinking, []))
+                    lp = self._logprobs(req, c, seen)
+                    seen = len(c.token_ids)
+                    yield _line({**self._reply(name, key, content, thinking, []), **lp})
             if out is None:
                 return
             c = out.outputs[0]
             calls = _ollama_calls(streamer.sent)  # whole calls, as Ollama streams them
             final = self._reply(name, key, "", "", calls)
             done = self._done(out, c, t0, first or time.perf_counter(), context)
-            yield _line({**final, **done})
+            yield _line({**final, **done, **self._logprobs(req, c, seen)})
         except Exception as exc:  # a stream ends with an error line, as Ollama's do
             yield _line({"error": str(exc)})
         finally:

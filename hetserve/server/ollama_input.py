@@ -37,6 +37,8 @@ OLLAMA_FIELDS = {
     "response_format": "format",
     "reasoning_effort": "think",
     "chat_template_kwargs": "think",
+    "logprobs": "logprobs",
+    "top_logprobs": "top_logprobs",
 }
 THINK_LEVELS = ("low", "medium", "high")  # gpt-oss's; true/false for the others
 NUMBER = r"(\d+\.?\d*|\.\d+)"
@@ -74,6 +76,12 @@ def check_fields(body: dict[str, Any]) -> None:
     typed(body.get("options"), (dict,), "options", "an object")
     typed(body.get("format"), (str, dict), "format", "'json' or a JSON schema object")
     typed(body.get("tools"), (list,), "tools", "a list")
+    typed(body.get("logprobs"), (bool,), "logprobs", "true or false")
+    typed(body.get("top_logprobs"), (int,), "top_logprobs", "an integer")
+    if body.get("template"):  # a Go template of the Modelfile's kind: not run here
+        raise InvalidInputError("template is not supported: the model's own chat template is "
+                                "used; send raw: true with the prompt written out instead",
+                                "template")  # fmt: skip
     think = body.get("think")
     if think is not None and not isinstance(think, bool) and think not in THINK_LEVELS:
         raise InvalidInputError("think must be true, false, 'low', 'medium' or 'high'", "think")
@@ -122,6 +130,9 @@ def openai_body(body: dict[str, Any], messages: list[dict]) -> dict[str, Any]:
     predict = options.get("num_predict")
     if isinstance(predict, int) and predict > 0:
         out["max_tokens"] = predict
+    if body.get("logprobs"):  # Ollama's: the chosen tokens', with top_logprobs alternatives
+        out["logprobs"] = True
+        out["top_logprobs"] = body.get("top_logprobs") or 0
     fmt = body.get("format")
     if fmt == "json":
         out["response_format"] = {"type": "json_object"}

@@ -239,3 +239,31 @@ def test_generate_gives_back_its_context_and_continues_from_one(client, srv):
         r = httpx.post(srv.url + "/api/generate", timeout=30,
                        json={"model": "tiny", "prompt": "p", "context": bad, "stream": False})
         assert r.status_code == 400 and "context" in r.json()["error"], r.text
+
+
+def test_logprobs_as_ollama_gives_them(client):
+    """Ollama's logprobs (0.12.11): the chosen tokens' with top_logprobs alternatives, in the
+    reply and spread over a stream's lines; they were ignored."""
+    for generate in (False, True):
+        ask = dict(model="tiny", logprobs=True, top_logprobs=2,
+                   options={"num_predict": 6, "temperature": 0})  # fmt: skip
+        call = client.generate if generate else client.chat
+        arg = {"prompt": "hello"} if generate else {"messages": USER}
+        whole = call(**ask, **arg)
+        assert len(whole.logprobs) == whole.eval_count == 6
+        for e in whole.logprobs:
+            assert e.logprob <= 0 and len(e.top_logprobs) == 2
+            assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+        lines = list(call(**ask, **arg, stream=True))
+        streamed = [e for line in lines for e in (line.logprobs or [])]
+        assert [(e.token, round(e.logprob, 4)) for e in streamed] == [
+            (e.token, round(e.logprob, 4)) for e in whole.logprobs]
+        assert len(streamed) == lines[-1].eval_count
+    plain = client.chat(model="tiny", messages=USER, options={"num_predict": 2})
+    assert plain.logprobs is None
+
+
+def test_a_go_template_is_refused_not_ignored(srv):
+    r = httpx.post(srv.url + "/api/generate", json={"model": "tiny", "prompt": "hi",
+                                                      "template": "{{ .Prompt }}"})  # fmt: skip
+    assert r.status_code == 400 and "raw" in r.json()["error"]
