@@ -29,7 +29,7 @@ from hetserve.server.anthropic_input import chat_body
 from hetserve.server.chat import ChatServing
 from hetserve.server.protocol import ChatCompletionRequest
 from hetserve.server.responses_input import validated_chat
-from hetserve.server.serving import merge
+from hetserve.server.stream_merge import merge
 from hetserve.server.tools import Streamer
 from hetserve.server.tools.registry import thinking_marks
 from hetserve.server.validation import json_object

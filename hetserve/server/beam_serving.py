@@ -19,7 +19,8 @@ from hetserve.core.block_hash import salt_extra
 from hetserve.core.request import NewRequest
 from hetserve.core.sampling import SamplingParams
 from hetserve.errors import PromptTooLongError
-from hetserve.server.serving import OpenAIServing, arrival_time, caller_id, merge
+from hetserve.server.serving import OpenAIServing, arrival_time, caller_id
+from hetserve.server.stream_merge import merge
 
 
 async def search_beams(

@@ -21,7 +21,8 @@ from hetserve.engine.async_llm import AsyncLLM
 from hetserve.errors import InvalidInputError
 from hetserve.server.beam_serving import search_beams
 from hetserve.server.protocol import ChatCompletionRequest
-from hetserve.server.serving import OpenAIServing, chunk_writer, merge
+from hetserve.server.serving import OpenAIServing, chunk_writer
+from hetserve.server.stream_merge import merge
 from hetserve.server.tool_calls import (
     ToolPlan,
     choice_parser,

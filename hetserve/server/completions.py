@@ -12,11 +12,8 @@ from hetserve.core.outputs import RequestOutput
 from hetserve.errors import InvalidInputError
 from hetserve.server.beam_serving import search_beams
 from hetserve.server.protocol_completion import CompletionRequest
-from hetserve.server.serving import (
-    OpenAIServing,
-    chunk_writer,
-    merge,
-)
+from hetserve.server.serving import OpenAIServing, chunk_writer
+from hetserve.server.stream_merge import merge
 
 NO_FIM = (
     "suffix (fill in the middle) needs a code model: this tokenizer has no FIM tokens (such "

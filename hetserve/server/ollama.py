@@ -38,7 +38,7 @@ from hetserve.server.ollama_input import (
     openai_request,
     typed,
 )
-from hetserve.server.serving import merge
+from hetserve.server.stream_merge import merge
 from hetserve.server.tools import Parsed, Streamer
 from hetserve.server.tools.registry import output_parser
 from hetserve.server.validation import json_object

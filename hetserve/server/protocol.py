@@ -10,7 +10,7 @@ each role are in server/validation.py.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -27,6 +27,13 @@ from hetserve.core.beam_search import MAX_WIDTH as MAX_BEAMS
 from hetserve.core.grammar import GrammarSpec
 from hetserve.core.sampling import MAX_LOGPROBS
 from hetserve.errors import InvalidInputError
+from hetserve.server.protocol_fields import (
+    Finite,
+    KVHandoffSpec,
+    Prediction,
+    StreamOptions,
+    not_nullable,
+)
 from hetserve.server.structured import grammar_of
 from hetserve.server.tool_calls import ToolPlan, plan_tools
 from hetserve.server.validation import (
@@ -46,61 +53,6 @@ MAX_BAD_WORDS = 256
 MAX_TEMPLATE = 256 * 1024  # a request's own chat template, in characters
 MAX_DOCUMENTS = 1024  # RAG documents a chat request hands its template
 
-Finite = Annotated[float, Field(allow_inf_nan=False)]
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # usage in every chunk (vLLM's extension)
-
-
-class KVHandoffSpec(BaseModel):
-    """A Conductor's instruction to an instance with a prefill or decode role (hetserve's
-    extension; `/v1/*` is behind the API key when one is set)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    key: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
-    role: Literal["send", "receive"]
-    path: Literal["direct", "store", "mooncake"] = "direct"
-    peer: str | None = Field(default=None, max_length=300)  # host:port (send over direct)
-    timeout_s: Finite = Field(default=30.0, gt=0.0, le=600.0)
-
-
-_NOT_NULLABLE: dict[type, frozenset[str]] = {}
-
-
-def _not_nullable(cls: type[BaseModel]) -> frozenset[str]:
-    """The fields of `cls` whose type does not take None (computed once a class)."""
-    names = _NOT_NULLABLE.get(cls)
-    if names is None:
-        names = frozenset(
-            name for name, f in cls.model_fields.items()
-            if f.annotation is not None and type(None) not in get_args(f.annotation)
-        )  # fmt: skip
-        _NOT_NULLABLE[cls] = names
-    return names
-
-
-class _TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class Prediction(BaseModel):
-    """OpenAI's Predicted Outputs: text the output is expected to largely repeat (a file an
-    edit rewrites). Speculative decoding drafts from it (`--speculative-config`); the output is
-    the same with or without it."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["content"]
-    content: str | list[_TextPart]
-
-    @property
-    def text(self) -> str:
-        c = self.content
-        return c if isinstance(c, str) else "".join(p.text for p in c)
 
 
 class _Common(BaseModel):
@@ -175,7 +127,7 @@ class _Common(BaseModel):
         default, where the field has no meaning of its own for None."""
         if not isinstance(data, dict):
             return data
-        plain = _not_nullable(cls)
+        plain = not_nullable(cls)
         return {k: v for k, v in data.items() if v is not None or k not in plain}
 
     @field_validator("stop")
@@ -270,11 +222,6 @@ class _Common(BaseModel):
 
     def logit_bias_ids(self) -> dict[int, float]:
         return {int(k): b for k, b in (self.logit_bias or {}).items()}
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
 
 
 class ChatMessage(BaseModel):

@@ -39,7 +39,7 @@ from hetserve.server.responses_input import (
 )
 from hetserve.server.responses_items import OutputItems
 from hetserve.server.responses_listing import input_items, install_listing_routes
-from hetserve.server.serving import merge
+from hetserve.server.stream_merge import merge
 from hetserve.server.tools import Streamer
 from hetserve.server.validation import json_object
 

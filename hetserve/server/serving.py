@@ -20,7 +20,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Coroutine
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -366,32 +366,6 @@ async def _disconnected(request: Request) -> None:
     """Returns when the client disconnects (the body has been read by then)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several streams as they come, tagged with the stream's index. Cancelling
-    the consumer cancels the pending reads (a cancelled read loses nothing)."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    nxt: Callable = lambda i: asyncio.ensure_future(anext(streams[i]))  # noqa: E731
-    pending = {nxt(i): i for i in range(len(streams))}
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for fut in done:
-                i = pending.pop(fut)
-                try:
-                    out = fut.result()
-                except StopAsyncIteration:
-                    continue
-                yield i, out
-                pending[nxt(i)] = i
-    finally:
-        for fut in pending:
-            fut.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
 
 
 _CALLER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")

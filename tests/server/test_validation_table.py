@@ -373,7 +373,6 @@ ACCEPTED = [
     (M, {"chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "low"}),
     (M, {"chat_template_kwargs": {"add_generation_prompt": False}}),
     (M, {"skip_special_tokens": False}),
-    (M, {"tools": [TOOL], "tool_choice": "none"}),
     (M, msgs(USER, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "content": "42", "tool_call_id": "c1"})),
