@@ -80,6 +80,7 @@ class Guard:
             nonlocal status, ended
             if message["type"] == "http.response.start":
                 status = message["status"]
+                message = _with_request_id(message, scope)
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body"):
                 ended = True
@@ -144,6 +145,18 @@ def _shaped(path: str, body: dict) -> dict:
     if path.startswith("/v1/messages"):
         return anthropic_error(body)
     return body
+
+
+def _with_request_id(start: dict, scope: dict) -> dict:
+    """The response's start with the request's id as its SDK reads it (OpenAI's
+    `x-request-id`, Anthropic's `request-id`), where the route started one."""
+    base = scope.get("hetserve.base")
+    headers = list(start.get("headers") or [])
+    if not base or any(k.lower() == b"x-request-id" for k, _ in headers):
+        return start
+    rid = base.encode()
+    name = b"request-id" if scope["path"].startswith("/v1/messages") else b"x-request-id"
+    return {**start, "headers": [*headers, (name, rid)]}
 
 
 async def _send_json(send, status: int, body: dict) -> None:

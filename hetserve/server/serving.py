@@ -216,6 +216,7 @@ class OpenAIServing:
     ) -> list[RequestStream]:
         """Queue one engine request per prompt. If any is refused, none stays queued."""
         self.check_priority(req)
+        request.scope["hetserve.base"] = base  # the response's id header
         streams: list[RequestStream] = []
         session = req.session_id or request.headers.get("x-session-id") or None
         lora = self.lora_of(req)

@@ -119,6 +119,11 @@ def test_tool_use_and_its_result(client, server):
     assert call["type"] == "tool_use" and json.loads(call["partial_json"])["city"]
 
 
+def test_a_reply_carries_its_request_id_header(client):
+    raw = client.messages.with_raw_response.create(model="tiny", max_tokens=2, messages=HELLO)
+    assert raw.headers["request-id"] == raw.parse().id and raw.parse().id.startswith("msg_")
+
+
 def test_stop_sequences_prefill_and_count_tokens(client, server):
     free = client.messages.create(model="tiny", max_tokens=10, messages=HELLO, system="be brief",
                                   extra_body=GREEDY)  # fmt: skip

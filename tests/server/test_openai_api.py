@@ -34,6 +34,16 @@ def test_a_model_is_retrieved_by_name_through_the_sdks(server, client):
     assert "does not exist" in missing.value.body["error"]["message"]
 
 
+def test_responses_carry_their_request_id_as_the_sdks_read_it(server, client):
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert raw.headers["x-request-id"].startswith("chatcmpl-")
+    assert raw.parse()._request_id == raw.headers["x-request-id"]
+    for prompt in ("x", ["x", "y"]):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        assert r.headers["x-request-id"] == r.json()["id"]
+
+
 def test_completion_usage_and_text(server, client):
     tok = server.engine.tokenizer
     r = client.completions.create(
