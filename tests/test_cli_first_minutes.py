@@ -206,6 +206,7 @@ def test_output_paths_are_checked_before_the_work(tmp_path, capsys):
         (["--role-args", "prefill"], "--role-args wants ROLE=OPTIONS"),
         (["--role-args", "gpu=--dtype float32"], "role_args: 'gpu' is no instance role"),
         (["--role-args", "decode=--dtype 'float32"], "role_args: decode: No closing quotation"),
+        (["--instance-args", "--dtype 'float32"], "--instance-args: No closing quotation"),
     ],
 )
 def test_cluster_up_checks_the_conductors_slos_before_the_instances_start(

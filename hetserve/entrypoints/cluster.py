@@ -122,6 +122,15 @@ def _role_args(given: dict) -> dict[str, tuple[str, ...]]:
     return out
 
 
+def _instance_args(options: str, where: str) -> tuple[str, ...]:
+    import shlex
+
+    try:
+        return tuple(shlex.split(options))
+    except ValueError as exc:  # an unbalanced quote
+        raise InvalidInputError(f"{where}: {exc}") from None
+
+
 def _resources(flags: list[str]) -> dict[str, dict[str, float]]:
     """`--ray-resources decode=CPU:16,big_box:1` as {"decode": {"CPU": 16, "big_box": 1}}."""
     out: dict[str, dict[str, float]] = {}
@@ -138,8 +147,6 @@ def _resources(flags: list[str]) -> dict[str, dict[str, float]]:
 
 
 def _spec(args: argparse.Namespace):
-    import shlex
-
     from hetserve.disagg.cluster_spec import ClusterSpec
     from hetserve.server.validation import is_json_type
 
@@ -148,7 +155,8 @@ def _spec(args: argparse.Namespace):
         "store": args.store, "store_dram": args.store_dram, "port": args.port,
         "policy": args.policy, "admission": args.admission, "slo_ttft_ms": args.slo_ttft_ms,
         "slo_tbt_ms": args.slo_tbt_ms, "handoff_path": args.handoff_path,
-        "instance_args": tuple(shlex.split(args.instance_args)), "log_dir": args.log_dir,
+        "instance_args": _instance_args(args.instance_args, "--instance-args"),
+        "log_dir": args.log_dir,
         "log_requests": args.log_requests, "restart": not args.no_restart, "host": args.host,
         "api_key": args.api_key, "launcher": args.launcher, "ray_address": args.ray_address,
         "ray_resources": _resources(args.ray_resources),
@@ -177,7 +185,7 @@ def _spec(args: argparse.Namespace):
                     f"--config {args.config}: {key}: {value!r} should be {kinds[-1].__name__}"
                 )
         if "instance_args" in data:
-            data["instance_args"] = tuple(shlex.split(str(data["instance_args"])))
+            data["instance_args"] = _instance_args(str(data["instance_args"]), "instance_args")
         if "role_args" in data:
             data["role_args"] = _role_args(data["role_args"])
         options.update(data)
