@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hetserve.config import Role
 from hetserve.config_sections import is_loopback_host
@@ -45,6 +46,17 @@ def create_conductor_app(conductor: Conductor, model_name: str) -> FastAPI:
                        exempt=ADMIN_PATHS)  # fmt: skip
     app.state.conductor = conductor
     cluster = conductor.cluster
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException):
+        """No such route, or not with this method: OpenAI's error shape, as an instance's."""
+        if exc.status_code == 404 and exc.detail == "Not Found":
+            message = f"no route {request.method} {request.url.path} on this Conductor"
+        else:
+            message = str(exc.detail)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(message, kind), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))  # fmt: skip
 
     def refused(request: Request) -> JSONResponse | None:
         """Who may change the instances: a holder of the admin key; without one configured, a

@@ -379,6 +379,10 @@ def test_lora_adapters_are_loaded_on_every_instance_and_listed() -> None:
                                                                   ("sql", "listed")]
             assert not any("root" in c for c in cards)  # the instances' paths stay theirs
             assert (await client.get("/v1/models/sql")).json()["parent"] == "listed"
+            for method, path, code in (("GET", "/nope", 404), ("GET", "/v1/completions", 405),
+                                       ("POST", "/v1/models", 405)):  # fmt: skip
+                r = await client.request(method, path)  # OpenAI's error shape, not FastAPI's
+                assert r.status_code == code and r.json()["error"]["message"], r.text
             missing = await client.get("/v1/models/other")
             assert missing.status_code == 404
             assert missing.json()["error"]["code"] == "model_not_found"
