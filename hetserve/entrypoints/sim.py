@@ -179,11 +179,16 @@ def _plan(args: argparse.Namespace) -> Plan:
             f"--block-tokens {block} must be a multiple of the trace's {records[0].block_size}",
             param="--block-tokens",
         )
+    prefill = opt.pool(args.prefill, "--prefill", args.hardware, price, cache_tokens)
+    decode = opt.pool(args.decode, "--decode", args.hardware, price, cache_tokens)
+    nodes = opt.cache_nodes(args.cache_nodes, price)
+    opt.check_prices(price, [hw.name for p in (prefill, decode) for _, hw in p.groups]
+                     + [n.name for n in nodes])  # fmt: skip
     plan = Plan(
         records=records,
-        prefill=opt.pool(args.prefill, "--prefill", args.hardware, price, cache_tokens),
-        decode=opt.pool(args.decode, "--decode", args.hardware, price, cache_tokens),
-        cache_nodes=opt.cache_nodes(args.cache_nodes, price),
+        prefill=prefill,
+        decode=decode,
+        cache_nodes=nodes,
         policies=opt.choices(args.policy, POLICIES, "--policy"),
         admissions=opt.choices(args.admission, ADMISSIONS, "--admission"),
         caches=opt.choices(args.cache, ("local", "global"), "--cache"),

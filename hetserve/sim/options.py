@@ -87,6 +87,14 @@ def prices(text: str | None) -> dict[str, float]:
     return out
 
 
+def check_prices(price: Mapping[str, float], names: list[str]) -> None:
+    """A price for hardware the run does not use is a typo, not a no-op."""
+    unused = [name for name in price if name not in names]
+    if unused:
+        known = ", ".join(dict.fromkeys(names))
+        raise _bad("--price", f"{unused[0]!r} is no hardware in this run ({known})")
+
+
 @dataclass(frozen=True)
 class Pool:
     """One role's instances: (count, hardware) groups, in order."""

@@ -95,6 +95,7 @@ def test_runs_print_a_table_and_write_json_and_plots(tmp_path, capsys):
         (["--search", "prefill=4-2"], "--search"),
         (["--goal", "0.9"], "give --search too"),  # was ignored in silence
         (["--search", "prefill=1-2,decode=1-2", "--goal", "2"], "--goal must be in (0, 1]"),
+        (["--price", "foo=3"], "'foo' is no hardware in this run"),  # was ignored in silence
     ],
 )
 def test_bad_options_are_one_line_and_exit_2(tmp_path, capsys, args, words):
