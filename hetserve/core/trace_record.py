@@ -43,6 +43,8 @@ class TraceRecord:
     # Request logs only: the Conductor's id of the request, sent to instances as X-Request-Id,
     # so a cluster's logs join (`read_cluster_logs`).
     request_id: str | None = None
+    # A decode instance's log: prompt tokens whose KV came from a prefill instance (not cached)
+    handoff_tokens: int | None = None
 
     def to_json(self) -> str:
         row: dict[str, Any] = {
@@ -53,7 +55,8 @@ class TraceRecord:
         }
         if self.block_size != MOONCAKE_BLOCK_SIZE:
             row["block_size"] = self.block_size
-        for key in ("priority", "ttft_ms", "tbt_ms", "cached_tokens", "rejected", "request_id"):
+        for key in ("priority", "ttft_ms", "tbt_ms", "cached_tokens", "rejected", "request_id",
+                    "handoff_tokens"):  # fmt: skip
             value = getattr(self, key)
             if value is not None and not (key == "priority" and value == 0):
                 row[key] = value
@@ -88,7 +91,7 @@ def log_record(
 ) -> TraceRecord:
     """One line of a request log: arrival in seconds since the log began, the prompt's token
     ids (hashed here, never written), and what was measured (`ttft_ms`, `tbt_ms`,
-    `cached_tokens`, `rejected`, `priority`) and `request_id`."""
+    `cached_tokens`, `rejected`, `priority`, `handoff_tokens`) and `request_id`."""
     ids = tuple(block_ids(token_ids, block_size, extra, seed))
     return TraceRecord(
         arrival_s * 1000.0, len(token_ids), output_length, ids, block_size, **measured

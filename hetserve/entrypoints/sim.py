@@ -169,6 +169,13 @@ def _plan(args: argparse.Namespace) -> Plan:
         records = read_cluster_logs(args.trace)[: args.limit]
     else:
         records = read_trace(args.trace)[: args.limit]
+        if any(r.handoff_tokens for r in records):
+            raise InvalidInputError(
+                f"--trace {args.trace} is a decode instance's log (its prompts' KV came from a "
+                "prefill instance): replay the cluster's log directory (`cluster up "
+                "--log-requests DIR`) or the Conductor's log",
+                param="--trace",
+            )
     price = opt.prices(args.price)
     cache_tokens = args.cache_tokens_per_instance
     ttft, tbt = opt.slo(args.slo)

@@ -51,7 +51,11 @@ class RequestLogger:
 
     def _write(self, out: RequestOutput, timing: Any) -> None:
         try:
-            measured: dict[str, Any] = {"cached_tokens": out.num_cached_tokens}
+            # KV handed over by a prefill instance is no prefix-cache hit: counted apart
+            handed = out.cached_tokens_by_tier.get("handoff", 0)
+            measured: dict[str, Any] = {"cached_tokens": out.num_cached_tokens - handed}
+            if handed:
+                measured["handoff_tokens"] = handed
             if timing.first_token is not None:
                 measured["ttft_ms"] = (timing.first_token - timing.arrival) * 1e3
             gap = tbt_ms(timing.token_times)

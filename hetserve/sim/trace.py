@@ -140,6 +140,7 @@ def _parse(line: str) -> TraceRecord:
     request_id = row.get("request_id")
     if request_id is not None and not isinstance(request_id, str):
         raise ValueError("'request_id' must be a string")
+    handed = _count(row, "handoff_tokens", 0) if row.get("handoff_tokens") is not None else None
     return TraceRecord(
         ts,
         n,
@@ -150,6 +151,7 @@ def _parse(line: str) -> TraceRecord:
         cached_tokens=cached,
         rejected=rejected,
         request_id=request_id,
+        handoff_tokens=handed,
         **measured,
     )
 

@@ -232,3 +232,33 @@ def test_the_published_trace_runs_on_the_paper_hardware(capsys):
     )
     assert rc == 0
     assert "kvcentric" in capsys.readouterr().out
+
+
+def test_a_decode_instances_log_alone_is_refused_not_misread(tmp_path, capsys):
+    """Its cached tokens counted the KV handed over by the prefill instance: replayed alone it
+    read as 99.8% prefix reuse against 4.5% predicted. Hand-off tokens are logged apart now,
+    and such a log alone is refused with what to replay instead."""
+    records = [replace(r, cached_tokens=0, handoff_tokens=r.input_length - 1)
+               for r in random_records(5, seed=3)]  # fmt: skip
+    trace = write_trace(tmp_path / "decode-0.jsonl", records)
+    assert main(["sim", "--trace", trace]) == 2
+    err = capsys.readouterr().err
+    assert "decode instance's log" in err and "--log-requests" in err
+
+
+def test_the_request_log_counts_handed_off_kv_apart_from_cached(tmp_path):
+    from types import SimpleNamespace
+
+    from hetserve.core.outputs import CompletionOutput, RequestOutput
+    from hetserve.server.request_log import RequestLogger
+
+    path = tmp_path / "decode-0.jsonl"
+    rlog = RequestLogger(str(path), 16, b"")
+    reply = CompletionOutput(0, "x", [7, 8], None, "stop")
+    out = RequestOutput("r", None, list(range(40)), [reply], finished=True, num_cached_tokens=39,
+                        cached_tokens_by_tier={"handoff": 32, "device": 7})  # fmt: skip
+    timing = SimpleNamespace(arrival=0.0, first_token=0.1, token_times=[0.1, 0.2], caller_id=None)
+    rlog.observe("r", out, timing)
+    rlog.close()
+    row = json.loads(path.read_text())
+    assert row["cached_tokens"] == 7 and row["handoff_tokens"] == 32
