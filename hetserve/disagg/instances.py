@@ -62,6 +62,7 @@ class Instance:
     handoff: str | None  # where it receives hand-offs (decode instances)
     block_size: int
     hash_seed: bytes
+    kv_dtype: str | None = None  # its KV cache's dtype, where it says (part of the identity)
     load: Mapping[str, int] = field(default_factory=dict)
     healthy: bool = True
     failures: int = 0
@@ -142,7 +143,8 @@ class Cluster:
         seeds = {i.hash_seed for i in self.instances.values()}
         sizes = {i.block_size for i in self.instances.values()}
         if len(seeds) > 1 or len(sizes) > 1:
-            raise ClusterError(f"the instances disagree on {KV_IDENTITY}")
+            raise ClusterError(f"the instances disagree on {KV_IDENTITY}"
+                               + _difference(list(self.instances.values())))  # fmt: skip
         self.block_size, self.hash_seed = sizes.pop(), seeds.pop()
         first = next(iter(self.instances.values()))
         r = await self.http.get(f"{first.url}/v1/models")
@@ -243,7 +245,8 @@ class Cluster:
         cluster (another role, another KV identity)."""
         inst = self._instance(url, role, await self._info(url))
         if (inst.block_size, inst.hash_seed) != (self.block_size, self.hash_seed):
-            raise ClusterError(f"instance {url} disagrees with the cluster on {KV_IDENTITY}")
+            raise ClusterError(f"instance {url} disagrees with the cluster on {KV_IDENTITY}"
+                               + _difference([inst, *self.instances.values()]))  # fmt: skip
         return inst
 
     async def _info(self, url: str) -> dict[str, Any]:
@@ -267,6 +270,7 @@ class Cluster:
             info.get("handoff_address"),
             int(info["block_size"]),
             bytes.fromhex(info["hash_seed"]),
+            info.get("kv_cache_dtype"),
         )
 
     async def _prepare(self, inst: Instance) -> None:
@@ -378,6 +382,17 @@ class Cluster:
              "joining": True} | ({"url": url} if urls else {})  # fmt: skip
             for n, (url, role) in self.joining.items()
         ]
+
+
+def _difference(instances: list[Instance]) -> str:
+    """What the disagreeing instances differ in, where their facts show it."""
+    for what, key, flag in (("KV cache dtype", "kv_dtype", "--kv-cache-dtype"),
+                            ("block size", "block_size", "--block-size")):  # fmt: skip
+        values = {getattr(i, key) for i in instances if getattr(i, key) is not None}
+        if len(values) > 1:
+            seen = ", ".join(f"{i.name} {getattr(i, key)}" for i in instances)
+            return f" ({what}: {seen}); start them with the same {flag}"
+    return ""
 
 
 def _name(url: str) -> str:

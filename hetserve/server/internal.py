@@ -46,6 +46,7 @@ def install_internal_routes(app: FastAPI, engine: AsyncLLM, profile: dict[str, A
             "handoff_address": engine.handoff_address,
             "block_size": core.kv.block_size,
             "hash_seed": core.kv.hash_seed.hex(),
+            "kv_cache_dtype": core.kv_info()["kv_cache_dtype"],
             "max_model_len": engine.max_model_len,
             "profile": await measured_profile(),
         }

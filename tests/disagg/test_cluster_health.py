@@ -485,3 +485,28 @@ def test_runtime_adapters_reach_instances_that_join_or_restart_later() -> None:
         await cluster.http.aclose()
 
     asyncio.run(run())
+
+
+def test_instances_that_disagree_on_the_kv_dtype_are_told_which_flag_differs() -> None:
+    """The README's own role_args example (prefill on --placement device) stopped at 'the
+    instances disagree on the KV identity' without saying that the KV dtype was what differed
+    (fp32 with the device placement, fp16 with all-int8)."""
+    dtypes = {"a": "float32", "b": "float16"}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if request.url.path == "/internal/info":
+            return httpx.Response(200, json={**INFO, "hash_seed": "0a" if host == "a" else "0b",
+                                             "kv_cache_dtype": dtypes[host]})  # fmt: skip
+        return httpx.Response(200, json={})
+
+    async def run() -> None:
+        cluster = Cluster([("http://a:1", Role.PREFILL), ("http://b:2", Role.DECODE)])
+        cluster.http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        with pytest.raises(ClusterError) as err:
+            await cluster.start()
+        assert "KV cache dtype: a:1 float32, b:2 float16" in str(err.value)
+        assert "--kv-cache-dtype" in str(err.value)
+        await cluster.close()
+
+    asyncio.run(run())
