@@ -30,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,10 @@ PR_SET_PDEATHSIG = 1
 
 class LaunchError(HetserveError):
     """A part of the cluster did not start."""
+
+
+class LaunchCancelled(LaunchError):
+    """The start was called off (`PartsLauncher.cancel`, set by a signal) before it ended."""
 
 
 @dataclass
@@ -97,12 +102,15 @@ class PartsLauncher:
     def __init__(self, ready_timeout_s: float = 300.0, grace_s: float = 10.0) -> None:
         self.ready_timeout_s, self.grace_s = ready_timeout_s, grace_s
         self.running = Running()
+        self.cancel = threading.Event()  # set (by a signal): a start stops at the next check
 
     def start(self, spec: ClusterSpec) -> Running:
         logs = Path(spec.log_dir).resolve()
         logs.mkdir(parents=True, exist_ok=True)
         try:
             for part in self._prepare(spec):
+                if self.cancel.is_set():
+                    raise LaunchCancelled(f"stopped before {part.name} started")
                 part.log = logs / f"{part.name}.log"
                 self._start_part(part)
         except BaseException:
@@ -178,6 +186,8 @@ class PartsLauncher:
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             assert part.proc is not None
+            if self.cancel.is_set():
+                raise LaunchCancelled(f"stopped while {part.name} was starting")
             if part.proc.poll() is not None:
                 raise LaunchError(
                     f"{part.name} exited ({part.proc.returncode}): {self._tail(part)}"

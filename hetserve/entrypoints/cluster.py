@@ -244,7 +244,12 @@ def _up(args: argparse.Namespace) -> int:
     import httpx
 
     from hetserve import envs
-    from hetserve.disagg.launch import LaunchError, LocalLauncher, status_table
+    from hetserve.disagg.launch import (
+        LaunchCancelled,
+        LaunchError,
+        LocalLauncher,
+        status_table,
+    )
 
     spec = _spec(args)
     spec = dataclasses.replace(spec, api_key=spec.api_key or envs.api_key())
@@ -259,13 +264,20 @@ def _up(args: argparse.Namespace) -> int:
         launcher = LocalLauncher()
     stop = threading.Event()
 
+    def stopped(*_: object) -> None:
+        stop.set()
+        launcher.cancel.set()  # a start under way stops at once, with what it started
+
     def on_signals() -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, stopped)
 
     on_signals()
     try:
         running = launcher.start(spec)
+    except LaunchCancelled as exc:
+        print(f"{exc}; the parts started are stopped", flush=True)
+        return 130
     except LaunchError as exc:
         raise InvalidInputError(f"the cluster did not start: {exc}") from None
     on_signals()  # Ray's driver took SIGTERM over as it connected (it exits with 15)

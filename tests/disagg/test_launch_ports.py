@@ -163,3 +163,26 @@ def test_a_conductor_the_ray_launcher_could_not_tell_is_told_at_the_next_supervi
     assert launcher.untold == [] and len(calls) == 3
     assert calls[-1] == ("http://127.0.0.1:9/internal/instances",
                          {"url": "http://10.0.0.2:5", "role": "decode"})  # fmt: skip
+
+
+def test_a_start_called_off_stops_at_once_with_what_it_started(tmp_path):
+    """Ctrl-C while `cluster up` started its parts was only heard once all of them answered
+    (12 s for the demo model, minutes for a big one)."""
+    import threading
+
+    from hetserve.disagg.launch import LaunchCancelled
+
+    # Listens only after 60 s: the launcher is still waiting for it when the start is called off
+    slow = Part("slow", build=lambda p: [sys.executable, "-c",
+                "import time; time.sleep(60)\n" + SERVER, str(p.port)])  # fmt: skip
+    slow.log = tmp_path / "slow.log"
+    launcher = LocalLauncher(ready_timeout_s=120, grace_s=2)
+    threading.Timer(1.0, launcher.cancel.set).start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(LaunchCancelled, match="while slow was starting"):
+            launcher._start_part(slow)
+        assert time.monotonic() - t0 < 10
+    finally:
+        launcher.stop()
+    assert slow.proc.poll() is not None  # stopped, not left behind
