@@ -119,6 +119,7 @@ class Conductor:
         self.render_chat: Callable[[Mapping[str, Any]], str] | None = None
         # Other APIs' routes it serves, by path (the entrypoint gives Anthropic's).
         self.apis: dict[str, OtherAPI] = {}
+        self.closing = False  # the Conductor is stopping: calls cut by it are no failures
         self.adapters = Adapters(cluster)  # LoRA adapters' content ids, for hashing
         cluster.prepare = self.adapters.replay  # runtime adapters on late or restarted ones
         self.started = time.monotonic()
@@ -352,6 +353,9 @@ class Conductor:
                 )  # fmt: skip
                 resp = await self.cluster.http.send(req, stream=True)
             except httpx.TransportError as exc:
+                if self.closing:  # its connections closed under it: not the instance's fault
+                    return error_response(503, "the Conductor is shutting down; retry later",
+                                          "service_unavailable", {"Retry-After": "2"})  # fmt: skip
                 self.cluster.mark_down(name)
                 self._count("retried")
                 other = self._fallback(name)

@@ -214,9 +214,14 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
         conductor.decision_log = DecisionLog(args.log_decisions, router.config)
     app = create_conductor_app(conductor, name)
     print(f"conductor for {len(urls)} instances on http://{args.host}:{args.port}/v1", flush=True)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    # A stop waits for what is in flight at most this long (then its clients get a 503). No
+    # lifespan: the app has no start-up work, and a forced stop cancelled its task with a
+    # traceback.
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5, lifespan="off")  # fmt: skip
     try:
         await uvicorn.Server(config).serve()
     finally:
+        conductor.closing = True  # what is still in flight is answered 503, not 502
         index.close()
         await cluster.close()

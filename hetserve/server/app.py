@@ -89,6 +89,14 @@ class Guard:
 
         try:
             await self._serve(scope, receive, answer)
+        except asyncio.CancelledError:
+            # The server is stopping without waiting (a second Ctrl-C): a client whose answer
+            # has not started gets a 503 in its API's shape, not uvicorn's traceback and 500.
+            if status is not None:
+                raise
+            body = error_body("the server is shutting down; retry elsewhere or later",
+                              "service_unavailable")  # fmt: skip
+            await _send_json(answer, 503, _shaped(path, body))
         except Exception as exc:
             if status is not None:
                 raise  # a stream broke after its start: nothing to answer, the connection ends

@@ -130,3 +130,30 @@ def test_the_conductors_load_poll_gets_no_access_line(keyed, access_lines):
     httpx.get(keyed.url + "/v1/models")  # no key: a line, after the polls
     assert _wait_for(access_lines, '"GET /v1/models" 401')
     assert not [line for line in access_lines if "/internal/load" in line]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/messages", "/api/chat"])
+def test_a_forced_stop_answers_503_in_the_apis_shape_not_a_traceback(path):
+    """A second Ctrl-C cancels what is in flight: uvicorn answered 'Internal Server Error' and
+    logged a traceback for each; the client now gets a 503 it can act on."""
+    import asyncio
+
+    from hetserve.server.app import Guard
+
+    async def cancelled(scope, receive, send):
+        raise asyncio.CancelledError
+
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    scope = {"type": "http", "path": path, "method": "POST", "headers": []}
+    asyncio.run(Guard(cancelled, api_key=None, max_body_bytes=1 << 20)(scope, receive, send))
+    assert sent[0]["status"] == 503
+    body = httpx.Response(503, content=sent[1]["body"]).json()
+    message = body["error"] if path.startswith("/api/") else body["error"]["message"]
+    assert "shutting down" in message
