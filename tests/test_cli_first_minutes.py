@@ -126,6 +126,7 @@ def _exit_code(argv: list[str]) -> int:
         (["serve", "--log-level", "bogus"], "invalid choice: 'bogus'"),
         (["store", "master", "--port", "99999"], "invalid port value"),
         (["conductor", "--both", "http://127.0.0.1:1", "--port", "99999"], "--port must be"),
+        (["conductor", "--both", "127.0.0.1:1"], "--both wants an instance's http://HOST:PORT"),
         (["cluster", "up", "--policy", "bogus"], "policy 'bogus': choose from"),
         (["cluster", "up", "--port", "99999"], "--port must be in 1..65535"),
         (["cluster", "up", "--config", "{cfg}"], "prefill: 'abc' should be int"),

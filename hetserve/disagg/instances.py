@@ -97,6 +97,7 @@ class Cluster:
         on_health: Callable[[str, bool], None] | None = None,
         info_timeout_s: float = 300.0,
         join_every_s: float = 2.0,
+        handoff_path: str | None = None,
     ) -> None:
         self._urls = list(urls)
         # Told (name, healthy) when an instance goes down or comes back: the KV index resyncs
@@ -121,6 +122,9 @@ class Cluster:
         self.hash_seed = b""
         self.model_card: dict[str, Any] = {}
         self._task: asyncio.Task[None] | None = None
+        # the path its hand-offs take: a prefill or decode instance that cannot take it is
+        # refused (its every request waited out the decode side's timeout)
+        self.handoff_path = handoff_path
 
     async def start(self) -> None:
         infos = await asyncio.gather(
@@ -262,6 +266,14 @@ class Cluster:
         served = Role(info["role"])
         if role is not None and served is not role and served is not Role.BOTH:
             raise ClusterError(f"instance {url} serves role {served.value}, not {role.value}")
+        paths, path = info.get("handoff_paths"), self.handoff_path
+        if path is not None and served is not Role.BOTH and paths is not None and path not in paths:
+            need = HANDOFF_NEEDS.get(path, f"the {path} hand-off path")
+            raise ClusterError(
+                f"instance {url} cannot hand KV off over {path} (it can over "
+                f"{', '.join(paths) or 'nothing'}): start it with {need}, or the Conductor "
+                "with another --handoff-path"
+            )
         return Instance(
             _name(url),
             url,
@@ -382,6 +394,13 @@ class Cluster:
              "joining": True} | ({"url": url} if urls else {})  # fmt: skip
             for n, (url, role) in self.joining.items()
         ]
+
+
+# What an instance needs for each hand-off path beyond the direct one
+HANDOFF_NEEDS = {
+    "mooncake": "--handoff-mooncake",
+    "store": "a shared KV store (--kv-store pool://..., redis://... or mooncake://...)",
+}
 
 
 def _difference(instances: list[Instance]) -> str:

@@ -34,6 +34,7 @@ class Handoff:
     sender: HandoffSender | None = None
     receiver: HandoffReceiver | None = None
     address: str | None = None  # where the direct path receives, host:port
+    paths: tuple[str, ...] = ()  # the hand-off paths it sends or receives over
     _closers: tuple[object, ...] = ()
 
     def close(self) -> None:
@@ -96,5 +97,8 @@ def open_handoff(
         out.receiver = HandoffReceiver(kv, io, arrivals, poller, state_io, capture)
         out.address = server.address
         closers += [server, *([poller] if poller else []), staging]
+    if out.sender is not None or out.receiver is not None:
+        out.paths = ("direct", *(("store",) if store is not None else ()),
+                     *(("mooncake",) if te is not None else ()))  # fmt: skip
     out._closers = tuple(closers)
     return out

@@ -86,6 +86,11 @@ def _run(args: argparse.Namespace) -> int:
         raise InvalidInputError(
             "give --prefill and --decode instances (disaggregated), or --both instances"
         )
+    for flag, given in (("--prefill", args.prefill), ("--decode", args.decode),
+                        ("--both", args.both)):  # fmt: skip
+        for url in given:
+            if not url.startswith(("http://", "https://")):
+                raise InvalidInputError(f"{flag} wants an instance's http://HOST:PORT, got {url!r}")
     for ms in (args.slo_ttft_ms, args.slo_tbt_ms):
         if ms is not None and ms <= 0:
             raise InvalidInputError("SLOs must be positive milliseconds")
@@ -152,7 +157,8 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
     # clients', unless HETSERVE_API_KEY names theirs (`serve --api-key K` and
     # `conductor --api-key K` then make one cluster).
     key = envs.api_key() or api_key
-    cluster = Cluster(urls, {"Authorization": f"Bearer {key}"} if key else None)
+    cluster = Cluster(urls, {"Authorization": f"Bearer {key}"} if key else None,
+                      handoff_path=args.handoff_path)  # fmt: skip
     index = KVEventSubscriber()  # which instance holds which prefix, from their KV events
 
     async def follow(inst: Instance) -> None:

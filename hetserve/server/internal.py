@@ -47,6 +47,7 @@ def install_internal_routes(app: FastAPI, engine: AsyncLLM, profile: dict[str, A
             "block_size": core.kv.block_size,
             "hash_seed": core.kv.hash_seed.hex(),
             "kv_cache_dtype": core.kv_info()["kv_cache_dtype"],
+            "handoff_paths": list(core.handoff.paths),
             "max_model_len": engine.max_model_len,
             "profile": await measured_profile(),
         }

@@ -510,3 +510,32 @@ def test_instances_that_disagree_on_the_kv_dtype_are_told_which_flag_differs() -
         await cluster.close()
 
     asyncio.run(run())
+
+
+def test_an_instance_that_cannot_take_the_handoff_path_is_refused() -> None:
+    """`conductor --handoff-path mooncake` beside instances started without --handoff-mooncake:
+    every request waited out the decode side's 30 s before it recomputed."""
+    paths = {"a": ["direct", "mooncake"], "b": ["direct"]}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        role = "prefill" if host == "a" else "decode"
+        return httpx.Response(200, json={**INFO, "role": role, "handoff_paths": paths[host]})
+
+    async def run(path: str) -> Cluster:
+        cluster = Cluster([("http://a:1", Role.PREFILL), ("http://b:2", Role.DECODE)],
+                          handoff_path=path)  # fmt: skip
+        cluster.http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        try:
+            await cluster.start()
+        finally:
+            if cluster._task is not None:
+                cluster._task.cancel()
+            await cluster.close()
+        return cluster
+
+    with pytest.raises(ClusterError) as err:
+        asyncio.run(run("mooncake"))
+    assert "b:2 cannot hand KV off over mooncake" in str(err.value)
+    assert "--handoff-mooncake" in str(err.value)
+    assert set(asyncio.run(run("direct")).instances) == {"a:1", "b:2"}
