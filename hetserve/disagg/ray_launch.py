@@ -171,6 +171,7 @@ class RayLauncher(PartsLauncher):
     def _prepare(self, spec: ClusterSpec) -> list[Part]:
         ray = self.ray = import_ray()
         if not ray.is_initialized():
+            _reachable(self.address)
             try:
                 # None: a new instance here ("local"), never one a `ray start` left running.
                 ray.init(address=self.address or "local", include_dashboard=False,
@@ -374,3 +375,22 @@ def _absolute(spec: ClusterSpec) -> ClusterSpec:
     return dataclasses.replace(
         spec, model=model, log_dir=str(Path(spec.log_dir).resolve()), log_requests=logs
     )
+
+
+def _reachable(address: str | None, timeout_s: float = 5.0) -> None:
+    """A Ray cluster named HOST:PORT must answer there: Ray's own client retries for minutes,
+    printing its raw log lines, where nothing listens. ("auto" and None are Ray's to resolve.)"""
+    import socket
+
+    if not address or address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise LaunchError(f"--ray-address wants HOST:PORT (or auto), got {address!r}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise LaunchError(
+            f"no Ray cluster answers at {address} ({exc.strerror or exc}); check --ray-address "
+            "(the head's `ray start --head --port` address)"
+        ) from None

@@ -186,3 +186,17 @@ def test_a_start_called_off_stops_at_once_with_what_it_started(tmp_path):
     finally:
         launcher.stop()
     assert slow.proc.poll() is not None  # stopped, not left behind
+
+
+def test_a_ray_address_where_nothing_listens_is_one_line_at_once():
+    """Ray's client retried for minutes, printing its raw log lines, and ignored SIGTERM."""
+    from hetserve.disagg.ray_launch import _reachable
+
+    port = free_port()  # nothing listens there
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match=f"no Ray cluster answers at 127.0.0.1:{port}"):
+        _reachable(f"127.0.0.1:{port}")
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(LaunchError, match="wants HOST:PORT"):
+        _reachable("head-node")
+    _reachable("auto")  # Ray's to resolve
