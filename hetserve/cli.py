@@ -67,9 +67,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _leaf(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The (sub)command's own parser that `argv` names: its help is the one to point at."""
+    for token in argv:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if subs and token in subs[0].choices:
+            parser = subs[0].choices[token]
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    args, unknown = parser.parse_known_args(given)
+    if unknown:  # named by the command that did not take them, and its help
+        _leaf(parser, given).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:  # bare `hetserve`: what it can do, not an error
         parser.print_help()
         return 0

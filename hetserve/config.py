@@ -85,7 +85,8 @@ class EngineConfig:
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
         """From flags added by `add_engine_args` (options a command did not add keep their
         defaults)."""
-        return _build({o: getattr(args, o.name) for o in ENGINE_OPTIONS if hasattr(args, o.name)})
+        values = {o: getattr(args, o.name) for o in ENGINE_OPTIONS if hasattr(args, o.name)}
+        return _build(values, flags=True)
 
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: one object per option
@@ -412,7 +413,8 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults: Any) -> None:
 _SECTIONS = (None, "cache", "scheduler", "moe", "lora", "disagg")
 
 
-def _build(values: dict[EngineOption, Any]) -> EngineConfig:
+def _build(values: dict[EngineOption, Any], flags: bool = False) -> EngineConfig:
+    """`flags`: from the command line, whose errors name the flags, not the fields."""
     sections: dict[str | None, dict[str, Any]] = {s: {} for s in _SECTIONS}
     for o, value in values.items():
         sections[o.section][o.attr] = o.convert(value) if o.convert else value
@@ -426,4 +428,15 @@ def _build(values: dict[EngineOption, Any]) -> EngineConfig:
             disagg=DisaggConfig(**sections["disagg"]),
         )
     except ValueError as exc:  # the CLI prints a HetserveError as one line and exits 2
-        raise InvalidInputError(str(exc)) from None
+        raise InvalidInputError(_as_flag(str(exc)) if flags else str(exc)) from None
+
+
+def _as_flag(message: str) -> str:
+    """A section's message that opens with a field's name, opening with the flag that sets
+    it."""
+    head, sep, rest = message.partition(" ")
+    name = head.rstrip(":")
+    for o in ENGINE_OPTIONS:
+        if o.attr == name and "_" in name:
+            return o.cli_flag + head[len(name) :] + sep + rest
+    return message

@@ -122,7 +122,14 @@ class CacheConfig:
         if self.kv_events_replay is not None and self.kv_events is None:
             raise ValueError("kv_events_replay needs kv_events")
         if self.kv_events is not None:
-            hosts = [tcp_endpoint(e)[0] for e in (self.kv_events, self.kv_events_replay) if e]
+            hosts = []
+            for name in ("kv_events", "kv_events_replay"):
+                value = getattr(self, name)
+                if value:
+                    try:
+                        hosts.append(tcp_endpoint(value)[0])
+                    except ValueError as exc:
+                        raise ValueError(f"{name}: {exc}") from None
             if not self.kv_events_token and not all(is_loopback_host(h) for h in hosts):
                 raise ValueError(
                     f"KV events bound beyond loopback ({self.kv_events}) need a shared token: "

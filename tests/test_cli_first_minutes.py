@@ -127,6 +127,10 @@ def _exit_code(argv: list[str]) -> int:
         (["store", "master", "--port", "99999"], "invalid port value"),
         (["conductor", "--both", "http://127.0.0.1:1", "--port", "99999"], "--port must be"),
         (["conductor", "--both", "127.0.0.1:1"], "--both wants an instance's http://HOST:PORT"),
+        (["serve", "--role", "decode", "--handoff-links", "0"], "--handoff-links must be 1..16"),
+        (["serve", "--kv-events", "udp://1:2"], "--kv-events: expected a tcp://HOST:PORT"),
+        (["serve", "--bogus"], "--bogus (see `hetserve serve --help`)"),  # the command's help
+        (["cluster", "up", "--bogus"], "(see `hetserve cluster up --help`)"),
         (["cluster", "up", "--policy", "bogus"], "policy 'bogus': choose from"),
         (["cluster", "up", "--port", "99999"], "--port must be in 1..65535"),
         (["cluster", "up", "--config", "{cfg}"], "prefill: 'abc' should be int"),

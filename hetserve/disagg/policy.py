@@ -191,7 +191,8 @@ class Router:
         prefills = [i for i in view.instances if i.healthy and i.role.prefills]
         decodes = [i for i in view.instances if i.healthy and i.role.decodes]
         if not prefills or not decodes:
-            role = "prefill" if not prefills else "decode"
+            role = "prefill or decode" if not (prefills or decodes) else (
+                "prefill" if not prefills else "decode")  # fmt: skip
             return Decision(
                 None, None, reject_reason=f"no healthy {role} instance", unavailable=True
             )

@@ -219,7 +219,8 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
 
         conductor.decision_log = DecisionLog(args.log_decisions, router.config)
     app = create_conductor_app(conductor, name)
-    print(f"conductor for {len(urls)} instances on http://{args.host}:{args.port}/v1", flush=True)
+    many = "instance" if len(urls) == 1 else "instances"
+    print(f"conductor for {len(urls)} {many} on http://{args.host}:{args.port}/v1", flush=True)
     # A stop waits for what is in flight at most this long (then its clients get a 503). No
     # lifespan: the app has no start-up work, and a forced stop cancelled its task with a
     # traceback.
