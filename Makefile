@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # transfer, the weight formats, the cluster simulator, the reply parsers (server/tools), the
 # placement presets.
 STRICT := hetserve/core hetserve/sched hetserve/kv hetserve/store hetserve/transfer hetserve/quant \
-	hetserve/disagg/policy.py hetserve/disagg/cluster_spec.py hetserve/disagg/costs.py hetserve/disagg/delivery_probe.py hetserve/disagg/index.py \
+	hetserve/disagg/policy.py hetserve/disagg/instance_checks.py hetserve/disagg/cluster_spec.py hetserve/disagg/costs.py hetserve/disagg/delivery_probe.py hetserve/disagg/index.py \
 	hetserve/disagg/kv_wire.py hetserve/disagg/kv_publisher.py hetserve/disagg/kv_subscriber.py \
 	hetserve/server/tools hetserve/config.py hetserve/config_sections.py hetserve/errors.py \
 	hetserve/envs.py hetserve/sim hetserve/moe/presets.py hetserve/moe/numa.py

@@ -37,16 +37,11 @@ import httpx
 
 from hetserve.config import Role
 from hetserve.disagg.costs import InstanceProfile, profile_from_dict
+from hetserve.disagg.instance_checks import KV_IDENTITY, handoff_refusal, identity_difference
 from hetserve.disagg.policy import ClusterView, InstanceState, PrefixHolding
 from hetserve.errors import HetserveError
 
 log = logging.getLogger(__name__)
-
-
-KV_IDENTITY = (
-    "the KV identity (model, dtype, layout, block size or salt), so no prefix could be shared; "
-    "serve the same model the same way"
-)
 
 
 class ClusterError(HetserveError):
@@ -148,7 +143,7 @@ class Cluster:
         sizes = {i.block_size for i in self.instances.values()}
         if len(seeds) > 1 or len(sizes) > 1:
             raise ClusterError(f"the instances disagree on {KV_IDENTITY}"
-                               + _difference(list(self.instances.values())))  # fmt: skip
+                               + identity_difference(list(self.instances.values())))  # fmt: skip
         self.block_size, self.hash_seed = sizes.pop(), seeds.pop()
         first = next(iter(self.instances.values()))
         r = await self.http.get(f"{first.url}/v1/models")
@@ -250,7 +245,7 @@ class Cluster:
         inst = self._instance(url, role, await self._info(url))
         if (inst.block_size, inst.hash_seed) != (self.block_size, self.hash_seed):
             raise ClusterError(f"instance {url} disagrees with the cluster on {KV_IDENTITY}"
-                               + _difference([inst, *self.instances.values()]))  # fmt: skip
+                               + identity_difference([inst, *self.instances.values()]))  # fmt: skip
         return inst
 
     async def _info(self, url: str) -> dict[str, Any]:
@@ -266,14 +261,10 @@ class Cluster:
         served = Role(info["role"])
         if role is not None and served is not role and served is not Role.BOTH:
             raise ClusterError(f"instance {url} serves role {served.value}, not {role.value}")
-        paths, path = info.get("handoff_paths"), self.handoff_path
-        if path is not None and served is not Role.BOTH and paths is not None and path not in paths:
-            need = HANDOFF_NEEDS.get(path, f"the {path} hand-off path")
-            raise ClusterError(
-                f"instance {url} cannot hand KV off over {path} (it can over "
-                f"{', '.join(paths) or 'nothing'}): start it with {need}, or the Conductor "
-                "with another --handoff-path"
-            )
+        if served is not Role.BOTH:  # it hands off: over the Conductor's path?
+            refusal = handoff_refusal(url, self.handoff_path, info.get("handoff_paths"))
+            if refusal is not None:
+                raise ClusterError(refusal)
         return Instance(
             _name(url),
             url,
@@ -394,24 +385,6 @@ class Cluster:
              "joining": True} | ({"url": url} if urls else {})  # fmt: skip
             for n, (url, role) in self.joining.items()
         ]
-
-
-# What an instance needs for each hand-off path beyond the direct one
-HANDOFF_NEEDS = {
-    "mooncake": "--handoff-mooncake",
-    "store": "a shared KV store (--kv-store pool://..., redis://... or mooncake://...)",
-}
-
-
-def _difference(instances: list[Instance]) -> str:
-    """What the disagreeing instances differ in, where their facts show it."""
-    for what, key, flag in (("KV cache dtype", "kv_dtype", "--kv-cache-dtype"),
-                            ("block size", "block_size", "--block-size")):  # fmt: skip
-        values = {getattr(i, key) for i in instances if getattr(i, key) is not None}
-        if len(values) > 1:
-            seen = ", ".join(f"{i.name} {getattr(i, key)}" for i in instances)
-            return f" ({what}: {seen}); start them with the same {flag}"
-    return ""
 
 
 def _name(url: str) -> str:
