@@ -5,21 +5,17 @@ before any draft is checked; a prediction outside the vocabulary or the context 
 
 import pytest
 
-from hetserve.config import EngineConfig, SpeculativeConfig
+from hetserve.config import SpeculativeConfig
 from hetserve.core.request import NewRequest, Request
 from hetserve.core.sampling import SamplingParams
 from hetserve.engine.core import EngineCore
 from hetserve.engine.speculative import Drafter, _Cursor
 from hetserve.errors import InvalidInputError
+from tests.engine.test_speculative import make  # an fp32 KV cache: both paths' bits alike
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
 PROMPT = "an edit of a file: rewrite it"
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-
-
-def make(model: str, **options) -> EngineCore:
-    return EngineCore(EngineConfig.from_options(model=model, max_model_len=512,
-                                                kv_cache_dtype="float32", **options))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
