@@ -298,7 +298,9 @@ def create_app(
         return {"object": "list", "data": cards, "has_more": False,
                 "first_id": cards[0]["id"], "last_id": cards[-1]["id"]}  # fmt: skip
 
-    @app.get("/v1/models/{model_id:path}")
+    # Not in the OpenAPI spec: FastAPI would describe a 422 for the path parameter, which we
+    # never send (an unknown model is a 404).
+    @app.get("/v1/models/{model_id:path}", include_in_schema=False)
     async def retrieve_model(model_id: str, request: Request):
         """OpenAI's and Anthropic's model retrieval (their SDKs' `models.retrieve`)."""
         card = next((c for c in model_cards() if c["id"] == model_id), None)
