@@ -39,6 +39,7 @@ from hetserve.store.api import (
     prefix_tiers,
 )
 from hetserve.store.backends.ssd import SsdTier
+from hetserve.store.host_memory import check_reservation
 from hetserve.store.registry import StoreSpec, register_backend
 
 
@@ -58,7 +59,15 @@ class LocalStore(KVStore):
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         if spec.params.get("prefault", "1") != "0":
             flags |= mmap.MAP_POPULATE
-        self._map = mmap.mmap(-1, max(self.dram_capacity, 1), flags=flags)
+            check_reservation(self.dram_capacity, "the local KV store's DRAM",
+                              "dram= in the store spec (--kv-store local://?dram=SIZE)")
+        try:
+            self._map = mmap.mmap(-1, max(self.dram_capacity, 1), flags=flags)
+        except OSError as exc:  # the kernel refused the reservation outright
+            raise InvalidInputError(
+                f"the local KV store's dram={self.dram_capacity} bytes cannot be reserved "
+                f"({exc.strerror}); give a smaller dram="
+            ) from None
         self._arena = memoryview(self._map)
         self._alloc = ExtentAllocator(0, self.dram_capacity)
         self._dram: OrderedDict[str, Entry] = OrderedDict()  # LRU first

@@ -14,6 +14,7 @@ import socket
 import threading
 import uuid
 
+from hetserve.store.host_memory import check_reservation
 from hetserve.store.pool import protocol as P
 from hetserve.transfer.framing import FrameError
 from hetserve.transfer.shm import HEADER_BYTES, Segment, host_id
@@ -38,6 +39,8 @@ class PoolNode:
         P.require_token(host, token)
         self.master, self.token, self.heartbeat_s = master, token, heartbeat_s
         self.node_id = uuid.uuid4().hex[:12]
+        # touched in full now: past the host's memory it would end in the OOM killer
+        check_reservation(dram, "a pool node's DRAM", "--dram")
         self.segments = [Segment(dram)]
         if ssd_dir and ssd:
             self.segments.append(Segment(ssd, directory=ssd_dir))
