@@ -11,10 +11,13 @@ Both bind 127.0.0.1 unless told otherwise; binding any other address needs a sha
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import logging
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
 from hetserve.errors import HetserveError, InvalidInputError
@@ -116,7 +119,9 @@ def _run_master(args: argparse.Namespace) -> int:
     max_value = parse_size(args.max_value)
     if max_value < 1:
         raise InvalidInputError(f"--max-value must be at least 1 byte, got {args.max_value!r}")
-    master = PoolMaster(args.host, args.port, token, args.node_timeout, max_value, (high, low))
+    with _listening(args.host, args.port):
+        master = PoolMaster(args.host, args.port, token, args.node_timeout, max_value,
+                            (high, low))  # fmt: skip
     return _serve_until_signal(master)
 
 
@@ -136,10 +141,24 @@ def _run_node(args: argparse.Namespace) -> int:
         raise InvalidInputError("--ssd-dir needs --ssd SIZE (e.g. --ssd 16G)")
     if not dram and not ssd:
         raise InvalidInputError("the node would hold nothing: give --dram SIZE or --ssd SIZE")
-    node = PoolNode(
-        (mhost, int(mport)), dram, args.host, args.port, token, args.ssd_dir, ssd, args.advertise
-    )
+    with _listening(args.host, args.port):
+        node = PoolNode((mhost, int(mport)), dram, args.host, args.port, token, args.ssd_dir,
+                        ssd, args.advertise)  # fmt: skip
     return _serve_until_signal(node)
+
+
+@contextlib.contextmanager
+def _listening(host: str, port: int) -> Iterator[None]:
+    """A port that cannot be bound is one line naming the flag, as `serve`'s."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
+            raise
+        why = "in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+        raise InvalidInputError(
+            f"cannot listen on {host}:{port} ({why}); pick another --port or --host"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,6 +64,11 @@ def test_bench_store_parts_layouts(tmp_path):
 
 
 def test_store_cli_errors_are_one_line(capsys):
+    import socket
+
+    busy = socket.socket()  # a port in use: a traceback before
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
     assert main(["store", "node", "--master", "nowhere"]) == 2
     assert "--master wants HOST:PORT" in capsys.readouterr().err
     assert main(["store", "master", "--watermarks", "0.5,0.9"]) == 2
@@ -76,6 +81,9 @@ def test_store_cli_errors_are_one_line(capsys):
         (["node", "--ssd", "1G"], "--ssd needs --ssd-dir"),
         (["node", "--ssd-dir", "/tmp"], "--ssd-dir needs --ssd SIZE"),
         (["node", "--dram", "0"], "the node would hold nothing"),
+        (["node", "--dram", "4096G"], "lower --dram"),  # past the host's memory: the OOM killer
+        (["master", "--port", str(busy.getsockname()[1])], "(in use); pick another --port"),
+        (["node", "--port", str(busy.getsockname()[1]), "--dram", "16M"], "(in use)"),
     ):
         capsys.readouterr()
         assert main(["store", *argv]) == 2
