@@ -26,6 +26,7 @@ before anything is written; the loader's ModelLoadError for a broken checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -68,7 +69,24 @@ def convert(
         raise InvalidInputError("OUT_DIR must differ from MODEL_DIR")
     if not _has_routed_experts(src):
         raise InvalidInputError(f"{src} has no routed experts to convert")
-    out.mkdir(parents=True, exist_ok=True)
+    # Written beside OUT_DIR and renamed to it once whole: a failure or a Ctrl-C part way leaves
+    # no half-written OUT_DIR that a second run would refuse as not empty.
+    final = out
+    out = out.parent / f".{out.name}.converting-{os.getpid()}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    try:
+        _convert_into(src, out, fmt, group_size, layout)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    if final.is_dir():
+        final.rmdir()  # empty (the caller's check): the whole result takes its place
+    out.rename(final)
+    return final
+
+
+def _convert_into(src: Path, out: Path, fmt: str, group_size: int, layout: str) -> None:
     sink: _KernelSink | _PortableSink = (
         _KernelSink(out, fmt, group_size) if layout == "kernel" else _PortableSink(fmt, group_size)
     )
@@ -95,7 +113,6 @@ def convert(
     for path in src.iterdir():
         if path.is_file() and path.name not in _NOT_COPIED and path.suffix not in _WEIGHT_SUFFIXES:
             shutil.copy2(path, out / path.name)
-    return out
 
 
 def _quantize_experts(name: str, weights, fmt: str, group_size: int) -> dict[str, torch.Tensor]:
@@ -104,9 +121,11 @@ def _quantize_experts(name: str, weights, fmt: str, group_size: int) -> dict[str
     for e in range(weights.num_experts):
         for pname, w in zip(("w13", "w2"), weights.expert(e), strict=True):
             if fmt == "int4" and w.shape[-1] % group_size:
+                fits = [g for g in INT4_GROUP_SIZES if w.shape[-1] % g == 0]
                 raise InvalidInputError(
                     f"{name}.{pname}: input size {w.shape[-1]} is not a "
                     f"multiple of --group-size {group_size}"
+                    + (f"; use --group-size {max(fits)}" if fits else "")
                 )
             parts[pname].append(quantize(w[None], fmt, group_size))
     return {

@@ -86,6 +86,20 @@ def test_convert_cli_errors(tiny_model, tmp_path):
         assert "Traceback" not in r.stderr
 
 
+def test_a_conversion_that_fails_leaves_no_out_dir_and_runs_again(tiny_model, tmp_path):
+    """A failed (or interrupted) conversion left a half-written OUT_DIR, which the next run
+    refused as not empty; the group-size error now names one that fits."""
+    from hetserve.errors import InvalidInputError
+
+    model, out = tiny_model("qwen3-moe"), tmp_path / "c4"
+    with pytest.raises(InvalidInputError, match="use --group-size 32"):
+        convert(model, out, "int4", group_size=64)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    out.mkdir()  # an empty OUT_DIR is taken
+    assert convert(model, out, "int4", group_size=32) == out
+    assert (out / "config.json").is_file() and len(list(tmp_path.iterdir())) == 1
+
+
 def _mapped_files(ptr: int) -> set[str]:
     """The files whose mappings in this process hold address `ptr`."""
     found = set()
