@@ -80,6 +80,8 @@ def _remote_stream(args, messages: list[dict], stats: ReplyStats) -> Iterator[st
         with httpx.stream("POST", url, json=body, headers=headers, timeout=None) as r:
             if r.status_code != 200:
                 r.read()
+                if r.status_code == 400 and "context" in r.text:  # the session goes on
+                    raise ContextFull(f"the server answered: {_message(r)}")
                 raise InvalidInputError(f"server answered {r.status_code}: {r.text[:200]}")
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -112,24 +114,27 @@ def _local_stream(engine, args, messages: list[dict], stats: ReplyStats) -> Iter
     ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
     room = engine.max_model_len - len(ids)
     if room < 1:
-        raise InvalidInputError("the conversation no longer fits the context; start a new one")
+        raise ContextFull("the conversation no longer fits the context")
     limit = room if args.max_tokens is None else min(args.max_tokens, room)
     params = SamplingParams(max_tokens=limit, temperature=args.temperature)
     rid = f"chat-{len(messages)}"
     engine.submit(NewRequest(rid, ids, params, lora=args.lora_name))
     sent, tokens = 0, 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            now = time.perf_counter()
-            if len(out.outputs[0].token_ids) > tokens:
-                tokens = len(out.outputs[0].token_ids)
-                stats.seen(now)
-            stats.prompt_tokens = len(out.prompt_token_ids)
-            stats.cached_tokens = out.num_cached_tokens
-            stats.completion_tokens = tokens
-            text = out.outputs[0].text
-            yield text[sent:]
-            sent = len(text)
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                now = time.perf_counter()
+                if len(out.outputs[0].token_ids) > tokens:
+                    tokens = len(out.outputs[0].token_ids)
+                    stats.seen(now)
+                stats.prompt_tokens = len(out.prompt_token_ids)
+                stats.cached_tokens = out.num_cached_tokens
+                stats.completion_tokens = tokens
+                text = out.outputs[0].text
+                yield text[sent:]
+                sent = len(text)
+    finally:  # a reply stopped part way (Ctrl-C) frees its KV blocks
+        engine.abort_request(rid)
 
 
 def register(sub) -> None:
@@ -268,6 +273,8 @@ def chat_loop(args: argparse.Namespace) -> int:
                 system = rest.strip() or None
                 print(f"(system prompt {'set' if system else 'cleared'})", file=sys.stderr)
             else:
+                if cmd not in ("/help", "/?"):
+                    print(f"unknown command {cmd}", file=sys.stderr)
                 print(HELP, file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
@@ -278,11 +285,31 @@ def chat_loop(args: argparse.Namespace) -> int:
             if engine is None
             else _local_stream(engine, args, turn, stats)
         )
-        reply = []
-        for piece in stream:
-            reply.append(piece)
-            print(piece, end="", flush=True)
-        print()
-        print("\n".join(stats.lines()), flush=True)
+        reply: list[str] = []
+        try:
+            for piece in stream:
+                reply.append(piece)
+                print(piece, end="", flush=True)
+        except ContextFull as exc:  # the session goes on: the user decides what to drop
+            messages.pop()
+            print(f"({exc}; /clear starts a new conversation)", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:  # stops the reply, not the chat (Ctrl-C again leaves)
+            stream.close()
+            print("\n(reply stopped; Ctrl-D or /quit leaves)", file=sys.stderr)
+        else:
+            print()
+            print("\n".join(stats.lines()), flush=True)
         messages.append({"role": "assistant", "content": "".join(reply)})
     return 0
+
+
+def _message(r) -> str:
+    try:
+        return str(r.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return r.text[:200]
+
+
+class ContextFull(InvalidInputError):
+    """The conversation's next turn does not fit the model's context."""

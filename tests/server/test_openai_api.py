@@ -268,6 +268,25 @@ def test_chat_cli_against_server(server):
     assert len(r.stdout.strip().splitlines()) >= 1 and "Traceback" not in r.stderr
 
 
+def test_chat_cli_goes_on_when_the_conversation_fills_the_context(tiny_model):
+    """The whole session ended (exit 2) when a turn no longer fitted; now it says so and waits
+    for /clear, which starts over; an unknown /command says it is unknown."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "hetserve.cli", "chat", "--model", str(tiny_model("qwen3-moe")),
+         "--max-model-len", "48"],
+        input="hello there how are you\nmore\n/bogus\n/clear\nhi\n",
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "no longer fits the context; /clear starts" in r.stderr
+    assert "unknown command /bogus" in r.stderr
+    replies = [ln for ln in r.stdout.splitlines() if ln.startswith("eval count:")]
+    assert len(replies) == 2  # the first turn and the one after /clear
+
+
 def test_chat_cli_unreachable_server_is_one_line_error():
     import subprocess
     import sys
