@@ -128,6 +128,22 @@ def layer_of(name: str) -> int:
     return int(m.group(1))
 
 
+def _check_stats_fit(stats: RoutingStats, plan: HybridPlan) -> None:
+    """Routing statistics gathered on another model (other MoE layers, other expert counts)
+    would pick experts that are not there: a one-line error, not an IndexError mid-load."""
+    experts = {layer_of(n): u.num_experts for n, u in plan.units.items()
+               if isinstance(u, FusedExperts)}  # fmt: skip
+    for layer in stats.layers():
+        have, given = experts.get(layer), len(stats.counts(layer))
+        if have != given:
+            where = f"has {have} experts" if have is not None else "is no MoE layer"
+            raise PlacementError(
+                f"--routing-stats: layer {layer} counts {given} experts, but in this model it "
+                f"{where}: the statistics are another model's; gather this one's with "
+                "`hetserve calibrate`"
+            )
+
+
 class ExpertsBuilder:
     """Builds one routed-experts module's backends (one per phase) when called with it: after
     the whole load (`build_all`) or as each module's tensors arrive (the loader's
@@ -149,6 +165,8 @@ class ExpertsBuilder:
                 "--gpu-experts needs routing statistics (hetserve calibrate, or "
                 "--routing-stats FILE)"
             )
+        if gpu_experts and stats is not None:
+            _check_stats_fit(stats, plan)
         self.hot = choose_gpu_experts(stats, gpu_experts) if (gpu_experts and stats) else {}
         self.plan, self.cpu_threads, self.free_unused = plan, cpu_threads, free_unused
         self.options = backend_options or {}

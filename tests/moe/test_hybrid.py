@@ -186,6 +186,22 @@ def test_gpu_experts_need_statistics(tiny_model, tmp_path):
         LLM(tiny_model("qwen3-moe"), placement=rules_file(tmp_path, "cpu-fp32"), gpu_experts=2)
 
 
+@pytest.mark.parametrize(
+    "layers, words",
+    [({"0": [1] * 16}, "layer 0 counts 16 experts, but in this model it has 8"),
+     ({"5": [1] * 8}, "layer 5 counts 8 experts, but in this model it is no MoE layer")],
+)  # fmt: skip
+def test_another_models_statistics_are_refused_naming_calibrate(tiny_model, tmp_path, layers,
+                                                                 words):  # fmt: skip
+    """They ended in an IndexError mid-load (more experts) or were taken in silence."""
+    stats_file = tmp_path / "stats.json"
+    stats_file.write_text(json.dumps({"version": 1, "layers": layers}))
+    with pytest.raises(PlacementError, match=words) as err:
+        LLM(tiny_model("qwen3-moe"), placement=rules_file(tmp_path, "cpu-fp32"), gpu_experts=2,
+            routing_stats=str(stats_file))  # fmt: skip
+    assert "hetserve calibrate" in str(err.value)
+
+
 @pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
 def test_int8_non_expert_linears_on_cpu(tiny_model, tmp_path, family):
     from hetserve.layers.int8_linear import Int8Linear
