@@ -142,6 +142,8 @@ def _exit_code(argv: list[str]) -> int:
           "--num-key-value-heads", "3"], "must be a multiple of num_key_value_heads"),
         (["models", "make-tiny", "--arch", "qwen3-moe", "{out}", "--num-experts", "4",
           "--num-experts-per-tok", "6"], "num_experts_per_tok (6) is more than the 4"),
+        (["models", "make-tiny", "--arch", "qwen3-moe", "{out}", "--num-experts", "0"],
+         "top_k=2 must be in [1, num_experts=0]"),  # the model's own check: a traceback
         (["convert", "--quant", "int8", "--group-size", "32", "/nonexistent", "{out}"],
          "--group-size is for --quant int4"),
     ],

@@ -98,8 +98,16 @@ def make_tiny_checkpoint(
         raise InvalidInputError(f"layout must be 'per-expert' or 'fused', got {layout!r}")
     if dtype not in _WRITE_DTYPES:
         raise InvalidInputError(f"dtype must be one of {sorted(_WRITE_DTYPES)}, got {dtype!r}")
-    # The family and the sizes (the checks a loader makes), before anything is written.
-    ModelConfig.from_dict(tiny_config(family, vocab_size, overrides))
+    # The family and the sizes (the checks a loader and the model make), before anything is
+    # written: a failure part way left a half-written directory that a rerun refused.
+    planned = tiny_config(family, vocab_size, overrides)
+    try:
+        with torch.device("meta"):
+            model_class(planned["architectures"][0])(ModelConfig.from_dict(planned))
+    except ValueError as exc:
+        if isinstance(exc, InvalidInputError):
+            raise
+        raise InvalidInputError(f"{family} with these sizes: {exc}") from None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     chat = FORMATS[FAMILY_FORMATS[family]]
