@@ -163,7 +163,8 @@ def _lora_modules(value: Any) -> tuple[tuple[str, str], ...]:
             name, sep, path = item.partition("=")
             if not sep or not name or not path:
                 raise InvalidInputError(
-                    f"--lora-modules takes NAME=DIR pairs, got {item!r}; e.g. sql=/adapters/sql"
+                    f"--lora-modules takes NAME=DIR pairs, got {item!r}; e.g. sql=/adapters/sql "
+                    "(it takes every value after it: put a command's prompts before it)"
                 )
             item = (name, path)
         if not isinstance(item, tuple | list) or len(item) != 2:

@@ -211,6 +211,30 @@ def test_chat_with_lora_prints_the_reply_and_timings(tiny_model, adapters, monke
     assert lines[3].split()[-2] == str(len(want.token_ids) - 1)
 
 
+def test_generate_picks_an_adapter_by_directory_or_name(tiny_model, adapters, capsys):
+    """`generate` loaded --lora-modules but had no way to use them, and a prompt after that
+    flag was taken as a module ("no prompt given")."""
+    import json
+
+    from hetserve.cli import main
+
+    base = tiny_model("qwen3-moe")
+    a = adapters("qwen3-moe", **ADAPTERS["qwen3-moe"])
+    common = ["generate", "hello", "--model", str(base), "--max-tokens", "6", "--json"]
+
+    def tokens(*extra):
+        assert main([*common, *extra]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"]
+
+    by_dir = tokens("--lora", str(a))
+    assert by_dir == tokens("--lora", "mine", "--lora-modules", f"mine={a}")
+    assert by_dir != tokens()
+    assert main(["generate", "--model", str(base), "--lora-modules", f"mine={a}", "hi"]) == 2
+    assert "put a command's prompts before it" in capsys.readouterr().err
+    assert main([*common, "--lora", "nope"]) == 2
+    assert "neither an adapter directory nor a name" in capsys.readouterr().err
+
+
 def test_lora_flags_and_keywords_build_the_same_config():
     import argparse
 
