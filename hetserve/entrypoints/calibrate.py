@@ -25,8 +25,16 @@ def _calibrate(args: argparse.Namespace) -> int:
     from hetserve.config import EngineConfig
     from hetserve.core.sampling import SamplingParams
     from hetserve.engine.llm import LLM
+    from hetserve.bench.common import require_at_least
     from hetserve.moe.routing_stats import choose_gpu_experts
 
+    # The cheap mistakes before the model loads and the prompts run
+    require_at_least(args, 1, "num_prompts", "prompt_len", "max_tokens")
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise InvalidInputError(f"--out {args.out}: directory {str(out.parent)!r} does not exist")
+    if args.prompts and not Path(args.prompts).is_file():
+        raise InvalidInputError(f"prompt file {args.prompts!r} does not exist")
     llm = LLM(EngineConfig.from_args(args))
     stats = llm.routing_stats()
     if stats is None or not llm.model.moe_layers():
