@@ -46,6 +46,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from functools import cache
 from pathlib import Path
@@ -274,9 +275,14 @@ def build_for(isa_name: str) -> tuple[ctypes.CDLL | None, str | None]:
     extra = ISA_FLAGS[isa_name] if isa_name in ISA_FLAGS else TEST_FLAGS[isa_name]
     base = [*CFLAGS, *extra]
     # With OpenMP the kernels share torch's thread team (pool.c); without, they run serially.
+    said = not sys.stderr.isatty()  # a first run is otherwise silent for half a minute
     for flags in ([*base, "-fopenmp"], base):
         key = hashlib.sha256(text + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
         target = _cache_dir() / f"hetserve_kernels-{key}.so"
+        if not target.exists() and not said:
+            said = True
+            print(f"building hetserve's CPU kernels for this machine ({isa_name}); once, "
+                  "about half a minute", file=sys.stderr, flush=True)  # fmt: skip
         try:
             if target.exists() or (error := _compile(compiler, flags, target)) is None:
                 lib = ctypes.CDLL(str(target))
