@@ -22,10 +22,10 @@ def register(sub) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    from hetserve.bench.common import require_at_least
     from hetserve.config import EngineConfig
     from hetserve.core.sampling import SamplingParams
     from hetserve.engine.llm import LLM
-    from hetserve.bench.common import require_at_least
     from hetserve.moe.routing_stats import choose_gpu_experts
 
     # The cheap mistakes before the model loads and the prompts run
