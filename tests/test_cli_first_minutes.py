@@ -146,6 +146,8 @@ def _exit_code(argv: list[str]) -> int:
          "top_k=2 must be in [1, num_experts=0]"),  # the model's own check: a traceback
         (["convert", "--quant", "int8", "--group-size", "32", "/nonexistent", "{out}"],
          "--group-size is for --quant int4"),
+        (["generate", "--model", "/nonexistent", "--placement", "bogus", "hi"],
+         "neither a preset (auto, device, hybrid, all-int8) nor a rules file"),
         # found after every prompt had run (the path), or a file of 0 layers written
         (["calibrate", "--out", "/nonexistent/d/s.json"], "directory '/nonexistent/d'"),
         (["calibrate", "--out", "{out}", "--num-prompts", "0"], "--num-prompts must be >= 1"),

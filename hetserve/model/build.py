@@ -236,6 +236,14 @@ def _placement_rules(requested: str, choice: PlacementChoice, converted: dict | 
     from hetserve.moe.presets import preset_rules
 
     if choice.preset is None:
+        if not Path(requested).exists():  # neither a preset nor a rules file
+            from hetserve.moe.placement import PlacementError
+            from hetserve.moe.presets import PRESETS
+
+            raise PlacementError(
+                f"--placement {requested!r} is neither a preset ({', '.join(PRESETS)}) nor a "
+                "rules file"
+            )
         return load_rules(requested)
     if converted is not None:
         # A converted model has its experts only in the CPU format it was converted to.
