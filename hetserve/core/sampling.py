@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 # Seeds are 64-bit: OpenAI clients send any integer up to 2**64 - 1, negative ones included.
@@ -68,6 +68,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Accept lists and a bare string for convenience, store tuples so the object stays hashable.
+        for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str | Iterable):
+                raise ValueError(f"{name} takes a list, got {type(value).__name__} {value!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:

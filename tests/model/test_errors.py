@@ -91,6 +91,10 @@ def test_invalid_sampling_params():
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="stop takes a list, got int 5"):  # a TypeError
+        SamplingParams(stop=5)
+    with pytest.raises(ValueError, match="stop_token_ids takes a list"):
+        SamplingParams(stop_token_ids=7)
 
 
 @pytest.mark.parametrize(
