@@ -150,6 +150,10 @@ class FinetuneConfig:
             f"quantization_bit {self.quantization_bit}: use 8 or 4 (routed experts on the CPU)",
         )
         need(self.chunk_size is None or self.chunk_size >= 1, "chunk_size must be >= 1")
+        need(
+            self.kt_optimize_rule is None or self.use_kt,
+            "kt_optimize_rule places the experts on the CPU backends: set use_kt: true as well",
+        )
         need(self.cpu_infer is None or self.cpu_infer >= 1, "cpu_infer must be >= 1")
         need(
             self.max_steps > 0 or self.num_train_epochs > 0,

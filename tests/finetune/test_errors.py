@@ -45,6 +45,7 @@ def test_ignored_keys_print_one_line_each(base_config, tmp_path, capsys):
         ({"lr_scheduler_type": "cosine_restarts"}, ["lr_scheduler_type"]),
         ({"quantization_bit": 3}, ["quantization_bit"]),
         ({"quantization_bit": 8}, ["use_kt"]),
+        ({"kt_optimize_rule": "rules.yaml"}, ["kt_optimize_rule", "use_kt"]),  # was ignored
         ({"stage": "dpo"}, ["'dpo'"]),
         ({"dataset": "tiny_alpacca"}, ["tiny_alpacca", "did you mean 'tiny_alpaca'"]),
         ({"template": "qwen4"}, ["qwen4", "did you mean"]),
