@@ -193,7 +193,12 @@ def run(cfg: FinetuneConfig, say=print) -> dict:
 
 
 def train(cfg: FinetuneConfig, p: Prepared, out: Path, say) -> dict:
-    from hetserve.finetune.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+    from hetserve.finetune.checkpoint import (
+        latest_checkpoint,
+        load_checkpoint,
+        resolve_resume,
+        save_checkpoint,
+    )
     from hetserve.finetune.model import lora_parameters, save_adapter
 
     model, params = p.model, lora_parameters(p.model)
@@ -211,9 +216,16 @@ def train(cfg: FinetuneConfig, p: Prepared, out: Path, say) -> dict:
     logger = _Logger(out, len(plan), history)
     model.train()
     loop = _Loop(cfg, p, plan, optimizer, scheduler, params, logger)
-    for step in loop.steps(done):
-        if step % cfg.save_steps == 0 and step < len(plan):
-            save_checkpoint(out, step, model, optimizer, scheduler, logger.history)
+    try:
+        for step in loop.steps(done):
+            if step % cfg.save_steps == 0 and step < len(plan):
+                save_checkpoint(out, step, model, optimizer, scheduler, logger.history)
+    except KeyboardInterrupt:  # what is kept, and how to go on from it
+        last = latest_checkpoint(out)
+        say("stopped; " + (f"the latest checkpoint is {last}: add resume_from_checkpoint: true "
+                           "to the config to go on from it" if last is not None else
+                           f"no checkpoint yet (one every save_steps = {cfg.save_steps} steps)"))
+        raise
     save_adapter(model, out)
     if cfg.plot_loss:
         from hetserve.finetune.plot import plot_loss

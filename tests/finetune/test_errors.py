@@ -142,3 +142,25 @@ def test_a_value_out_of_range_is_one_line_before_training(
 def test_a_val_size_count_above_the_rows_is_one_line(base_config, tmp_path, capsys):
     """It was cut to the rows less one: training ran on a single example, silently."""
     one_line_error(tmp_path, base_config(val_size=1000), capsys, "val_size 1000 leaves no rows")
+
+
+def test_ctrl_c_says_which_checkpoint_to_go_on_from(base_config, tmp_path, capsys, monkeypatch):
+    """It exited 130 without a word: whether anything was kept, and how to resume, unsaid."""
+    from hetserve.finetune import trainer
+
+    steps = trainer._Loop.steps
+
+    def interrupted(self, done):
+        for step in steps(self, done):
+            yield step
+            if step == 2:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer._Loop, "steps", interrupted)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(base_config(save_steps=1)))
+    assert main(["finetune", str(path)]) == 130
+    printed = capsys.readouterr()
+    said = printed.out + printed.err
+    assert "the latest checkpoint is" in said and "checkpoint-2" in said
+    assert "resume_from_checkpoint: true" in said
