@@ -13,6 +13,9 @@ def test_make_tiny_and_generate(tmp_path):
         out = tmp_path / arch
         r = run("models", "make-tiny", "--arch", arch, str(out), "--hidden-size", "32", *extra)
         assert r.returncode == 0, r.stderr
+        # readable by others as the files beside them (safetensors wrote them 0600)
+        modes = {p.suffix: p.stat().st_mode & 0o777 for p in out.iterdir()}
+        assert modes[".safetensors"] == modes[".json"]
         r = run("generate", "--model", str(out), "--max-tokens", "3", "--json", "hello")
         assert r.returncode == 0, r.stderr
         assert '"finish_reason"' in r.stdout

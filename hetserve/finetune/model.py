@@ -281,11 +281,11 @@ def adapter_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
 
 def save_adapter(model: CausalLM, out_dir: str | Path) -> None:
     """adapter_config.json + adapter_model.safetensors, as `PeftModel.save_pretrained`."""
-    from safetensors.torch import save_file
+    from hetserve.model.st_file import save_safetensors
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(adapter_state_dict(model), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_safetensors(adapter_state_dict(model), out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     model.peft_config["default"].save_pretrained(str(out))  # PEFT writes adapter_config.json
 
 

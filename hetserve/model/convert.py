@@ -31,11 +31,11 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from hetserve.errors import InvalidInputError
 from hetserve.model.loader import load_model
+from hetserve.model.st_file import save_safetensors
 from hetserve.moe.placement import default_rules
 from hetserve.quant.converted import CONFIG_KEY, FORMATS, dequantize, quantize
 from hetserve.quant.kernel_file import FORMAT, LAYOUT_VERSION, SUFFIX, LinearLayout
@@ -247,7 +247,7 @@ class _PortableSink:
     def close(self, model, out: Path) -> str:
         self.bar.close()
         entry = f"experts-{self.fmt}.safetensors"
-        save_file(self.stored, str(out / entry), metadata={"format": "pt"})
+        save_safetensors(self.stored, str(out / entry), metadata={"format": "pt"})
         return entry
 
 
@@ -260,4 +260,4 @@ def _write_rest(model, out: Path) -> None:
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         rest[name] = model.published_value(name, p.data).contiguous()
-    save_file(rest, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(rest, str(out / "model.safetensors"), metadata={"format": "pt"})

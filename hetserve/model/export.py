@@ -35,11 +35,11 @@ def export_merged(
 ) -> Path:
     """Write the base model with the adapter merged into `out_dir`; returns it."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
     from tqdm import tqdm
 
     from hetserve.model.checkpoint import checkpoint_files
     from hetserve.model.lora_adapter import read_adapter
+    from hetserve.model.st_file import save_safetensors
 
     src, out = Path(model_dir), Path(out_dir)
     _check_dirs(src, out)
@@ -56,7 +56,7 @@ def export_merged(
             for name in where.get(path, ()):
                 module = name.removesuffix(".weight")
                 tensors[name] = merge_weight(tensors[name], adapter.modules[module], module)
-            save_file(tensors, str(out / path.name), metadata=metadata)
+            save_safetensors(tensors, str(out / path.name), metadata=metadata)
             bar.update(path.stat().st_size)
     for item in src.iterdir():  # config, index, tokenizer, generation config, ...
         if item.is_file() and item.suffix != ".safetensors":

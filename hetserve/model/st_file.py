@@ -118,3 +118,17 @@ class SafetensorsFile:
         if got != end - begin:
             raise ModelLoadError(f"{self.path.name}: tensor {name!r} runs past the end of file")
         return out
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata=None) -> None:
+    """`safetensors.torch.save_file`, the file then readable as any other the user writes (it
+    creates 0600 files: a model directory shared with others, or served by another user,
+    could not be read)."""
+    import os
+
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)

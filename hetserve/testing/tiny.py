@@ -16,13 +16,13 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from hetserve import envs
 from hetserve.errors import InvalidInputError
 from hetserve.model.config import ModelConfig
 from hetserve.model.registry import model_class
+from hetserve.model.st_file import save_safetensors
 from hetserve.testing.chat_templates import FAMILY_FORMATS, FORMATS
 from hetserve.testing.tiny_families import (
     DEMO_FAMILY,
@@ -185,7 +185,7 @@ def _write_shards(
 
 def _flush(out: Path, shard: dict, i: int) -> tuple[str, list[str]]:
     fname = f"shard-{i}.tmp.safetensors"
-    save_file(shard, str(out / fname), metadata={"format": "pt"})
+    save_safetensors(shard, str(out / fname), metadata={"format": "pt"})
     names = list(shard)
     shard.clear()
     return fname, names

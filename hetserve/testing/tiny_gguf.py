@@ -19,10 +19,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from hetserve.errors import InvalidInputError
 from hetserve.model.gguf_archs import permute_rope, unpermute_rope
+from hetserve.model.st_file import save_safetensors
 from hetserve.quant.gguf import quantize_q4_k
 from hetserve.testing.tiny_gguf_keys import gguf_metadata
 
@@ -197,4 +198,4 @@ def _write_reference(src: Path, reference: Path, tensors: dict[str, np.ndarray])
             hf[name] = torch.from_numpy(np.ascontiguousarray(stacked[int(m.group(2))]))
         else:
             hf[name] = torch.from_numpy(np.ascontiguousarray(tensors[_gguf_name(name)]))
-    save_file(hf, str(reference / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(hf, str(reference / "model.safetensors"), metadata={"format": "pt"})

@@ -12,10 +12,10 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from hetserve.errors import InvalidInputError
+from hetserve.model.st_file import save_safetensors
 
 PREFIX = "base_model.model."  # PeftModel's prefix of the base model's names
 
@@ -66,7 +66,7 @@ def write_random_adapter(
         leaves.add(name.rpartition(".")[2])
     if not state:
         raise InvalidInputError(f"{match!r} matches no linear module of {model_dir}")
-    save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     cfg = peft.LoraConfig(
         r=rank, lora_alpha=alpha, target_modules=sorted(leaves), task_type="CAUSAL_LM", **config
     )

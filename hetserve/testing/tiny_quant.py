@@ -16,9 +16,10 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from hetserve.errors import InvalidInputError
+from hetserve.model.st_file import save_safetensors
 from hetserve.quant.quantize import (
     dequantize_fp8_blocks,
     dequantize_mxfp4,
@@ -181,5 +182,5 @@ def write_quantized(src: str | Path, out: str | Path, method: str, reference: st
         config = {**cfg, "quantization_config": qc} if qc else cfg
         (path / "config.json").write_text(json.dumps(config, indent=2))
         contiguous = {k: v.contiguous() for k, v in tensors.items()}
-        save_file(contiguous, str(path / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(contiguous, str(path / "model.safetensors"), metadata={"format": "pt"})
     return out
