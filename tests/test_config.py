@@ -51,16 +51,18 @@ def test_unknown_keyword_names_the_closest_option():
 
 
 def test_bad_value_is_an_input_error_naming_it():
-    with pytest.raises(InvalidInputError, match="block_size must be a power of two"):
-        EngineConfig.from_args(parse(["--block-size", "3"]))
+    with pytest.raises(InvalidInputError, match="^--block-size must be a power of two"):
+        EngineConfig.from_args(parse(["--block-size", "3"]))  # the flag, on the command line
+    with pytest.raises(InvalidInputError, match="^block_size must be a power of two"):
+        EngineConfig.from_options(model="m", block_size=3)  # the keyword, from Python
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--max-step-ms", "0"], "max_step_ms must be > 0"),
-        (["--slo-tbt-ms", "-5"], "slo_tbt_ms must be > 0"),
-        (["--slo-tbt-ms", "nan"], "slo_tbt_ms must be > 0"),
+        (["--max-step-ms", "0"], "--max-step-ms must be > 0"),
+        (["--slo-tbt-ms", "-5"], "--slo-tbt-ms must be > 0"),
+        (["--slo-tbt-ms", "nan"], "--slo-tbt-ms must be > 0"),
         (["--max-step-ms", "80", "--slo-tbt-ms", "50"], "must not exceed slo_tbt_ms"),
     ],
 )
@@ -88,7 +90,7 @@ def test_cli_bad_engine_flag_is_one_line_exit_2():
         timeout=120,
     )
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines() == ["error: block_size must be a power of two, got 3"]
+    assert r.stderr.strip().splitlines() == ["error: --block-size must be a power of two, got 3"]
 
 
 def test_engine_never_imports_the_server():

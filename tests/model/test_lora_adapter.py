@@ -125,7 +125,7 @@ def test_model_checks_unknown_module_shape_and_rank(base, tmp_path):
             "error: LoRA adapter '/no/such/dir' is not a directory",
         ),
         (["--lora-modules", "justaname"], "error: --lora-modules takes NAME=DIR pairs"),
-        (["--max-loras", "0"], "error: max_loras must be >= 1, got 0"),
+        (["--max-loras", "0"], "error: --max-loras must be >= 1, got 0"),
     ],
 )
 def test_cli_mistakes_exit_2_with_one_line(base, capsys, argv, message):
