@@ -160,11 +160,10 @@ def _with_request_id(start: dict, scope: dict) -> dict:
     `x-request-id`, Anthropic's `request-id`), where the route started one."""
     base = scope.get("hetserve.base")
     headers = list(start.get("headers") or [])
-    if not base or any(k.lower() == b"x-request-id" for k, _ in headers):
-        return start
-    rid = base.encode()
     name = b"request-id" if scope["path"].startswith("/v1/messages") else b"x-request-id"
-    return {**start, "headers": [*headers, (name, rid)]}
+    if not base or any(k.lower() == name for k, _ in headers):
+        return start
+    return {**start, "headers": [*headers, (name, base.encode())]}
 
 
 async def _send_json(send, status: int, body: dict) -> None:

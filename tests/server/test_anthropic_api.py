@@ -119,9 +119,13 @@ def test_tool_use_and_its_result(client, server):
     assert call["type"] == "tool_use" and json.loads(call["partial_json"])["city"]
 
 
-def test_a_reply_carries_its_request_id_header(client):
+def test_a_reply_carries_its_request_id_header(client, server):
     raw = client.messages.with_raw_response.create(model="tiny", max_tokens=2, messages=HELLO)
     assert raw.headers["request-id"] == raw.parse().id and raw.parse().id.startswith("msg_")
+    body = {"model": "tiny", "max_tokens": 2, "messages": HELLO, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/messages", headers={"x-api-key": KEY},
+                      json=body, timeout=60) as s:  # fmt: skip
+        assert s.headers["request-id"].startswith("msg_")  # streamed too
 
 
 def test_stop_sequences_prefill_and_count_tokens(client, server):
