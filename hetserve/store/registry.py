@@ -7,15 +7,16 @@
 
 Every backend has the uniform constructor `Backend(spec: StoreSpec)`; its module registers it
 here on import, and `open_store` imports the module on first use (so redis or mooncake clients are
-needed only by those who use them).
+needed only by those who use them). A parameter the backend did not read while it opened (a
+typo, or one that the rest of the spec leaves unused) is an InvalidInputError naming it.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 from hetserve import envs
@@ -37,6 +38,22 @@ STORES: Registry[Callable[[StoreSpec], KVStore]] = Registry(
 TOKEN_ENV = envs.STORE_TOKEN
 B = TypeVar("B", bound=KVStore)
 SECRET_PARAMS = frozenset({"token", "password"})
+
+
+class Params(dict[str, str]):
+    """A spec's parameters, remembering the ones a backend read (`read`)."""
+
+    def __init__(self, items: Iterable[tuple[str, str]] = ()) -> None:
+        super().__init__(items)
+        self.read: set[str] = set()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: str) -> str:
+        self.read.add(key)
+        return super().__getitem__(key)
 
 
 @dataclass(frozen=True)
@@ -114,7 +131,7 @@ def parse_spec(spec: str) -> StoreSpec:
         host=parts.hostname,
         port=port,
         path=parts.path,
-        params=dict(parse_qsl(parts.query)),
+        params=Params(parse_qsl(parts.query)),
     )
 
 
@@ -122,5 +139,15 @@ def open_store(spec: str | StoreSpec) -> KVStore:
     """Open a store client from its spec string (see the module docstring)."""
     parsed = parse_spec(spec) if isinstance(spec, str) else spec
     store = STORES.get(parsed.scheme)(parsed)
+    params = parsed.params
+    if isinstance(params, Params):
+        unused = sorted(set(params) - params.read - SECRET_PARAMS)
+        if unused:
+            store.close()
+            used = ", ".join(sorted(params.read - SECRET_PARAMS)) or "none"
+            raise InvalidInputError(
+                f"store spec {parsed.redacted()}: {parsed.scheme}:// does not use parameter "
+                f"{unused[0]!r} here (it read: {used})"
+            )
     store.label = parsed.redacted()
     return store

@@ -32,3 +32,4 @@ def test_this_host_reports_its_memory_and_a_huge_store_is_refused(tmp_path):
 
     with pytest.raises(InvalidInputError, match="lower --dram"):
         PoolNode(("127.0.0.1", 1), 4 * avail)
+
