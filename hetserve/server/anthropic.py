@@ -202,7 +202,9 @@ class Blocks:
             if "id" in d:
                 self._space = ""
                 self._calls[d["index"]] = len(self.blocks)
-                self._begin({"type": "tool_use", "id": d["id"], "name": d["name"], "input": {}})
+                # Anthropic's ids read toolu_...; any id comes back as a tool_result's as it is
+                rid = "toolu_" + d["id"].removeprefix("call_")
+                self._begin({"type": "tool_use", "id": rid, "name": d["name"], "input": {}})
                 self.blocks[-1]["_json"] = ""
             if d["arguments"]:
                 block = self.blocks[self._calls[d["index"]]]

@@ -103,6 +103,7 @@ def test_tool_use_and_its_result(client, server):
     uses = [b for b in r.content if b.type == "tool_use"]
     assert r.stop_reason == "tool_use" and uses and uses[0].name == "get_weather"
     assert isinstance(uses[0].input["city"], str)
+    assert uses[0].id.startswith("toolu_")  # Anthropic's ids' shape
     follow = client.messages.create(model="tiny", max_tokens=4, tools=[TOOL], messages=[
         {"role": "user", "content": "weather?"},
         {"role": "assistant", "content": [b.model_dump() for b in r.content]},
