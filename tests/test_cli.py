@@ -21,6 +21,13 @@ def test_make_tiny_and_generate(tmp_path):
         assert '"finish_reason"' in r.stdout
 
 
+def test_make_tiny_says_when_the_vocabulary_is_larger_than_asked(tmp_path):
+    r = run("models", "make-tiny", "--arch", "qwen3-moe", str(tmp_path / "v"), "--vocab-size",
+            "10", "--hidden-size", "32")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "note: vocab_size is" in r.stdout and "not 10" in r.stdout  # it was silent
+
+
 def test_user_errors_exit_2_with_one_line(tmp_path):
     for args in (
         ["generate", "--model", str(tmp_path / "missing"), "hi"],

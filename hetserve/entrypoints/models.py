@@ -123,6 +123,11 @@ def _make_tiny(args: argparse.Namespace) -> int:
         dtype=args.dtype,
     )
     print(f"wrote {args.arch} checkpoint to {path}")
+    asked = _overrides(args).get("vocab_size")
+    got = json.loads((Path(path) / "config.json").read_text()).get("vocab_size")
+    if asked is not None and got != asked:
+        print(f"note: vocab_size is {got}, not {asked}: the tokenizer needs at least that many "
+              "(its byte alphabet and special tokens)")  # fmt: skip
     return 0
 
 
