@@ -39,19 +39,14 @@ class ResponsesRoutes:
         self.holders: OrderedDict[str, str] = OrderedDict()  # response id -> instance name
 
     async def create(self, raw: bytes, request: Request) -> Response:
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None
-        prev = body.get("previous_response_id") if isinstance(body, dict) else None
-        if not isinstance(prev, str):  # stateless (or malformed: the route says so)
+        prev = _previous(raw)
+        if prev is None:  # stateless (or malformed: the route says so)
             return await self.c.route(PATH, raw, request)
         name = await self.holder(prev)
         if name is None:
             if self._some_down():
                 return _down("an instance that is down", prev)
-            msg = f"previous response {prev!r} was not found (not stored, or evicted)"
-            return error_response(400, msg, "invalid_request_error", param="previous_response_id")
+            return _unknown_previous(prev)
         inst = self.c.cluster.instances.get(name)
         if inst is None or not inst.healthy:  # down, or removed while it was asked for
             return _down(name, prev)
@@ -60,12 +55,8 @@ class ResponsesRoutes:
     async def count_tokens(self, raw: bytes, request: Request) -> Response:
         """POST /v1/responses/input_tokens: by the holder of the stored chain it continues,
         else by any instance."""
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None
-        prev = body.get("previous_response_id") if isinstance(body, dict) else None
-        if not isinstance(prev, str):
+        prev = _previous(raw)
+        if prev is None:
             return await self.c.forward_any(PATH + "/input_tokens", raw)
         return await self.read("POST", prev, "", request, path="/input_tokens", content=raw)
 
@@ -85,9 +76,7 @@ class ResponsesRoutes:
             if self._some_down():
                 return _down("an instance that is down", rid)
             if path is not None:
-                msg = f"previous response {rid!r} was not found (not stored, or evicted)"
-                return error_response(400, msg, "invalid_request_error",
-                                      param="previous_response_id")  # fmt: skip
+                return _unknown_previous(rid)
             return error_response(404, f"response {rid!r} not found", "not_found_error")
         inst = self.c.cluster.instances.get(name)
         if inst is None or not inst.healthy:  # down, or removed while it was asked for
@@ -148,6 +137,22 @@ class ResponsesRoutes:
                     self.holders.popitem(last=False)
                 return found
         return None
+
+
+def _previous(raw: bytes) -> str | None:
+    """The stored response a body continues (`previous_response_id`); None: none, or a body
+    that is no JSON object (the instance's route says so)."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    prev = body.get("previous_response_id") if isinstance(body, dict) else None
+    return prev if isinstance(prev, str) else None
+
+
+def _unknown_previous(prev: str) -> JSONResponse:
+    msg = f"previous response {prev!r} was not found (not stored, or evicted)"
+    return error_response(400, msg, "invalid_request_error", param="previous_response_id")
 
 
 def stream_error(message: str) -> bytes:

@@ -58,8 +58,8 @@ class AnthropicServing:
 
     async def count_tokens(self, body: dict) -> dict:
         # Its body has no max_tokens (nothing is generated): one the thinking budget fits in
-        budget = (body.get("thinking") or {}).get("budget_tokens") if isinstance(
-            body.get("thinking"), dict) else None  # fmt: skip
+        thinking = body.get("thinking")
+        budget = thinking.get("budget_tokens") if isinstance(thinking, dict) else None
         fits = budget + 1 if isinstance(budget, int) and budget > 0 else 1
         req = self.request({**body, "max_tokens": body.get("max_tokens") or fits})
         prompt = await self.chat.prompt_of(req)

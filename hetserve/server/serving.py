@@ -95,6 +95,10 @@ class OpenAIServing:
                 f"{self.engine.max_model_len} tokens; shorten it",
                 param="prompt",
             )
+        return await self._tokenized(text, add_special_tokens)
+
+    async def _tokenized(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Short texts on the event loop, long ones on a worker thread."""
         if len(text) <= INLINE_CHARS:
             return self.tok.encode(text, add_special_tokens)
         return await asyncio.to_thread(self.tok.encode_long, text, add_special_tokens)
@@ -201,9 +205,7 @@ class OpenAIServing:
                 f"{self.engine.max_model_len} tokens; send only what the output should contain",
                 param="prediction",
             )
-        if len(text) <= INLINE_CHARS:
-            return self.tok.encode(text, add_special_tokens=False)
-        return await asyncio.to_thread(self.tok.encode_long, text, False)
+        return await self._tokenized(text, False)
 
     def start(
         self,
